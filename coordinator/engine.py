@@ -1,0 +1,243 @@
+"""The engine loop: schedule, execute, update, detokenize, stream.
+
+Data flow of one step (all on the coordinator's event loop, so no locks):
+
+    Scheduler.schedule() -> StepPlan -> WorkerGroup.execute(plan) -> StepResult
+    -> Scheduler.update(plan, result) -> TokenOutput per sampled token
+    -> per request: IncrementalDetokenizer -> StopStringMatcher -> RequestOutput
+       onto the request's queue, read by its gRPC handler.
+
+Requests join the running batch at the next step and leave it the step they finish.
+A handler that stops listening (client cancel, deadline) aborts its request, which
+frees its blocks at once. A worker failure fails every request in flight and marks
+the engine dead. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from coordinator.block_allocator import num_blocks_for
+from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.errors import DeadlineExceededError, ResourceExhaustedError, TpserveError, UnavailableError
+from coordinator.metrics import Metrics
+from coordinator.scheduler import Scheduler, TokenOutput
+from coordinator.sequence import FinishReason, Sequence, StopParams
+from coordinator.stop_strings import StopStringMatcher
+from coordinator.tokenizer import Tokenizer
+from coordinator.validation import GenerateParams
+from coordinator.worker_client import WorkerGroup, WorkerGroupError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step added to one request.
+
+    Attributes:
+        request_id: the request.
+        text: new text since the previous output (may be empty while held back).
+        token_ids: new token ids since the previous output (stopping token excluded).
+        finish_reason: set on the request's last output.
+        num_prompt_tokens, num_completion_tokens: usage so far, in tokens.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    request_id: str
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    arrival_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_time: float | None = None
+
+
+class Engine:
+    """Runs continuous batching for one worker group.
+
+    Args:
+        scheduler: owns sequences and KV blocks.
+        workers: the tensor-parallel group, already started.
+        tokenizer: the model's tokenizer.
+        max_model_len: longest sequence in tokens.
+        max_queue_len: most requests waiting for admission.
+        metrics: Prometheus metrics to update.
+        on_fatal: called once when the worker group fails.
+    """
+
+    def __init__(self, scheduler: Scheduler, workers: WorkerGroup, tokenizer: Tokenizer, max_model_len: int,
+                 max_queue_len: int, metrics: Metrics, on_fatal: Callable[[str], None] = lambda _: None) -> None:
+        self.scheduler = scheduler
+        self.workers = workers
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_queue_len = max_queue_len
+        self.metrics = metrics
+        self._on_fatal = on_fatal
+        self._states: dict[int, _RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self.dead: str | None = None
+        self.draining = False
+
+    # -- requests --------------------------------------------------------------------
+
+    async def generate(self, params: GenerateParams, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Adds a request and yields its outputs until it finishes.
+
+        Leaving the iteration early (the client cancelled) aborts the request and frees
+        its KV blocks.
+
+        Raises:
+            UnavailableError: draining, or the worker group is down.
+            ResourceExhaustedError: the queue is full, or the request can never fit in the KV cache.
+            DeadlineExceededError: ``timeout_s`` seconds passed before it finished.
+        """
+        state = self._add(params)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while True:
+                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                try:
+                    output = await asyncio.wait_for(state.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceededError(f"request {state.request_id}: deadline of {timeout_s:.3f} s exceeded") from None
+                if isinstance(output, Exception):
+                    raise output
+                yield output
+                if output.finish_reason is not None:
+                    return
+        finally:
+            self._abort(state)
+
+    def _add(self, params: GenerateParams) -> _RequestState:
+        if self.dead:
+            raise UnavailableError(f"the worker group is down: {self.dead}")
+        if self.draining:
+            raise UnavailableError("the server is draining")
+        if len(self.scheduler.waiting) >= self.max_queue_len:
+            raise ResourceExhaustedError(f"the queue is full ({self.max_queue_len} requests waiting)")
+        longest = min(len(params.prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if num_blocks_for(longest, self.scheduler.block_size) > self.scheduler.allocator.num_blocks:
+            raise ResourceExhaustedError(
+                f"the request needs up to {longest} tokens of KV cache; the cache holds "
+                f"{self.scheduler.allocator.num_blocks * self.scheduler.block_size}")
+        seq_id = next(self._seq_ids)
+        request_id = params.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        seq = Sequence(
+            seq_id=seq_id,
+            prompt_token_ids=list(params.prompt_token_ids),
+            sampling=params.sampling,
+            stop=StopParams(params.max_tokens, self.tokenizer.eos_token_ids, params.stop_token_ids, params.ignore_eos),
+            max_model_len=self.max_model_len,
+        )
+        state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
+                              StopStringMatcher(params.stop), time.monotonic())
+        self._states[seq_id] = state
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
+        self._wakeup.set()
+        return state
+
+    def _abort(self, state: _RequestState) -> None:
+        """Forgets a request; frees its blocks if it has not finished (cancel, deadline)."""
+        if self._states.pop(state.seq.seq_id, None) is None:
+            return
+        if not state.seq.is_finished:
+            self.scheduler.finish(state.seq, FinishReason.ABORT)
+            log.info("request aborted", request_id=state.request_id)
+        self._update_gauges()
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Steps while there is work, sleeps while there is none, until cancelled or the group fails."""
+        while True:
+            if not (self.scheduler.running or self.scheduler.waiting):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if not plan.scheduled:
+                # Nothing fits until a running request finishes; admission guarantees one will.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                result = await self.workers.execute(plan)
+            except WorkerGroupError as exc:
+                self.fail_all(str(exc))
+                return
+            self._process(self.scheduler.update(plan, result))
+            self._update_gauges()
+
+    def _process(self, outputs: list[TokenOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            state = self._states.get(out.seq.seq_id)
+            if state is None:
+                continue
+            seq = out.seq
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.metrics.time_to_first_token.observe(now - state.arrival_time)
+            finish = out.finish_reason
+            text, token_ids, matched = "", [], False
+            if not seq.stopped_on_token():
+                token_ids.append(out.token_id)
+                text, matched = state.stop_matcher.push(state.detokenizer.step(out.token_id))
+                if matched and finish is None:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                if matched:
+                    finish = FinishReason.STOP
+            if finish is not None and not matched:
+                tail, matched = state.stop_matcher.push(state.detokenizer.flush())
+                text += tail if matched else tail + state.stop_matcher.flush()
+                if matched:
+                    finish = FinishReason.STOP
+            if finish is not None:
+                self._observe_finished(state, now)
+            state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
+                                                 seq.num_prompt_tokens, seq.num_output_tokens))
+
+    def _observe_finished(self, state: _RequestState, now: float) -> None:
+        seq = state.seq
+        self.metrics.generation_tokens.inc(seq.num_output_tokens)
+        self.metrics.e2e_request_latency.observe(now - state.arrival_time)
+        if seq.num_output_tokens > 1 and state.first_token_time is not None:
+            self.metrics.time_per_output_token.observe((now - state.first_token_time) / (seq.num_output_tokens - 1))
+
+    def fail_all(self, reason: str) -> None:
+        """Marks the engine dead and fails every request in flight with INTERNAL."""
+        self.dead = reason
+        for state in list(self._states.values()):
+            # INTERNAL (TpserveError's code): a worker failure, with the request id.
+            state.queue.put_nowait(TpserveError(f"request {state.request_id}: the worker group failed: {reason}"))
+        self._on_fatal(reason)
+
+    def _update_gauges(self) -> None:
+        self.metrics.num_requests_running.set(len(self.scheduler.running))
+        self.metrics.num_requests_waiting.set(len(self.scheduler.waiting))
+        self.metrics.kv_cache_free_blocks.set(self.scheduler.allocator.num_free_blocks)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (queued or running)."""
+        return len(self._states)

@@ -1,0 +1,95 @@
+"""Errors that carry their gRPC status code, and the one interceptor that maps them.
+
+Code deep in the coordinator raises a plain exception naming what went wrong; the
+interceptor turns it into the status code of ARCHITECTURE.md's table at the edge.
+Anything else that escapes a handler is a bug: INTERNAL, with the request id.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+class TpserveError(Exception):
+    """Base class: an error the client should see with ``code`` and this message."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgumentError(TpserveError, ValueError):
+    """A request field is out of range; the message names the field and the limit."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhaustedError(TpserveError):
+    """The queue is full, or the request can never fit in the KV cache."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(TpserveError):
+    """Not ready yet, draining, or the worker group is down."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(TpserveError):
+    """The client's deadline passed before the request finished."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions escaping unary and server-streaming handlers to status codes."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner(request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
+                    await _abort(context, method, request, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
+                    await _abort(context, method, request, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, exc: Exception) -> None:
+    if isinstance(exc, TpserveError):
+        await context.abort(exc.code, str(exc))
+    # context.abort raises an exception of grpc's own to end the call: let it through.
+    if type(exc).__module__.startswith("grpc"):
+        raise exc
+    request_id = getattr(request, "request_id", "") or f"unnamed-{uuid.uuid4().hex[:8]}"
+    log.exception("internal error", method=method, request_id=request_id)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in request {request_id}: {type(exc).__name__}: {exc}")

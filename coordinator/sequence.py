@@ -1,0 +1,113 @@
+"""A sequence: one request's tokens, progress through the KV cache, and stop rules.
+
+Token-level state only; text (detokenization, stop strings) lives in the request
+state of :mod:`coordinator.engine`. No torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tpserve.step import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # cancelled, deadline, shutdown or worker failure
+
+
+@dataclass(frozen=True, slots=True)
+class StopParams:
+    """When a sequence stops, at the token level.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        eos_token_ids: tokens that stop unless ``ignore_eos``.
+        stop_token_ids: tokens that always stop.
+        ignore_eos: keep generating after an eos token.
+    """
+
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's token sequence as the scheduler sees it.
+
+    Attributes:
+        seq_id: unique id, also the workers' key for the sequence.
+        prompt_token_ids: the prompt (BOS included when the tokenizer adds it).
+        sampling: sent to the workers when the sequence is (re)admitted.
+        stop: token-level stop rules.
+        max_model_len: longest the sequence may grow, in tokens.
+        output_token_ids: sampled tokens, the stopping token included.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        block_ids: the block table; block i holds positions [i*block_size, (i+1)*block_size).
+        on_workers: whether the workers hold state for this sequence.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: StopParams
+    max_model_len: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    on_workers: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens at positions [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return tuple(self.prompt_token_ids[start:end])
+        if start >= num_prompt:
+            return tuple(self.output_token_ids[start - num_prompt : end - num_prompt])
+        return tuple(self.prompt_token_ids[start:]) + tuple(self.output_token_ids[: end - num_prompt])
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Appends a sampled token and returns why the sequence stops, if it does."""
+        self.output_token_ids.append(token_id)
+        if token_id in self.stop.stop_token_ids or (not self.stop.ignore_eos and token_id in self.stop.eos_token_ids):
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.stop.max_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def stopped_on_token(self) -> bool:
+        """Whether the last token is a stop token (eos or stop id), which is not returned."""
+        if self.finish_reason is not FinishReason.STOP or not self.output_token_ids:
+            return False
+        last = self.output_token_ids[-1]
+        return last in self.stop.stop_token_ids or (not self.stop.ignore_eos and last in self.stop.eos_token_ids)

@@ -1,0 +1,78 @@
+"""The public gRPC API: ``Generate``, ``GenerateStream`` and ``GetModelInfo``.
+
+Protobuf stops here: each handler validates its request into ``GenerateParams``,
+iterates the engine's ``RequestOutput`` stream and encodes responses. Errors are
+raised as :mod:`coordinator.errors` exceptions and mapped to status codes by the
+interceptor. A client that cancels or whose deadline passes ends the handler, which
+aborts the request in the engine (its blocks are freed). No torch.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from coordinator.engine import Engine, RequestOutput
+from coordinator.sequence import FinishReason
+from coordinator.tokenizer import Tokenizer
+from coordinator.errors import UnavailableError
+from coordinator.validation import GenerateParams, validate_request
+from tpserve.v1 import generate_pb2 as pb
+from tpserve.v1 import generate_pb2_grpc
+
+_FINISH_REASON_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    """Serves the public API of one worker group.
+
+    Args:
+        engine: the running engine; None while the model loads (requests get UNAVAILABLE).
+        tokenizer: the model's tokenizer.
+        model_info: what GetModelInfo answers.
+    """
+
+    def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+
+    def _validate(self, request: pb.GenerateRequest) -> GenerateParams:
+        if self.engine is None:
+            raise UnavailableError("the model is still loading; retry when the health service reports SERVING")
+        return validate_request(request, self.tokenizer, self.model_info.vocab_size, self.model_info.max_model_len)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        params = self._validate(request)
+        text: list[str] = []
+        token_ids: list[int] = []
+        last: RequestOutput | None = None
+        async for output in self.engine.generate(params, context.time_remaining()):
+            text.append(output.text)
+            token_ids.extend(output.token_ids)
+            last = output
+        assert last is not None  # the engine always ends with a finished output
+        return pb.GenerateResponse(
+            request_id=last.request_id, text="".join(text), token_ids=token_ids,
+            finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last))
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        params = self._validate(request)
+        async for output in self.engine.generate(params, context.time_remaining()):
+            finished = output.finish_reason is not None
+            if not (output.text or output.token_ids or finished):
+                continue  # text held back and no token to report: nothing to send
+            yield pb.GenerateStreamResponse(
+                request_id=output.request_id, text=output.text, token_ids=output.token_ids,
+                finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return self.model_info
+
+
+def _usage(output: RequestOutput) -> pb.Usage:
+    return pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_completion_tokens)

@@ -1,0 +1,127 @@
+"""Validation of a public GenerateRequest into the coordinator's plain ``GenerateParams``.
+
+Every limit is checked here, at the edge, and a violation raises
+:class:`~coordinator.errors.InvalidArgumentError` naming the field and the limit;
+nothing past this point sees protobuf or unchecked input. No torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from coordinator.errors import InvalidArgumentError
+from coordinator.tokenizer import Tokenizer
+from tpserve.step import SEED_MODULUS, SamplingParams
+from tpserve.v1 import generate_pb2 as pb
+
+MAX_REQUEST_ID_LEN = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    """A validated request.
+
+    Attributes:
+        request_id: caller's id or "" (the engine assigns one).
+        prompt_token_ids: 1 to max_model_len - 1 tokens.
+        max_tokens: most tokens to generate, >= 1 (already capped to the context).
+        sampling: the worker's sampling parameters (seed drawn when unset).
+        stop: stop strings.
+        stop_token_ids: stop token ids.
+        ignore_eos: keep going after eos.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+
+
+def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> GenerateParams:
+    """Checks a request and tokenizes its prompt.
+
+    Args:
+        request: the public request.
+        tokenizer: the model's tokenizer (for a text prompt).
+        vocab_size: the model's vocabulary size: token ids must be in [0, vocab_size).
+        max_model_len: longest sequence in tokens.
+
+    Raises:
+        InvalidArgumentError: a field is missing or out of range; the message names it.
+    """
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgumentError(f"request_id is {len(request.request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
+    prompt_token_ids = _prompt_token_ids(request, tokenizer, vocab_size)
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidArgumentError(
+            f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than max_model_len={max_model_len}")
+
+    params = request.sampling_params
+    room = max_model_len - len(prompt_token_ids)
+    max_tokens = room
+    if params.HasField("max_tokens"):
+        if params.max_tokens < 1:
+            raise InvalidArgumentError(f"sampling_params.max_tokens must be >= 1, got {params.max_tokens}")
+        max_tokens = min(params.max_tokens, room)
+
+    temperature = params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidArgumentError(f"sampling_params.temperature must be a finite number >= 0, got {temperature}")
+    top_k = params.top_k if params.HasField("top_k") else 0
+    if top_k < 0:
+        raise InvalidArgumentError(f"sampling_params.top_k must be >= 0 (0 disables it), got {top_k}")
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidArgumentError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+    seed = params.seed if params.HasField("seed") else random.randrange(SEED_MODULUS)
+
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError(f"sampling_params.stop has {len(params.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+    for stop in params.stop:
+        if not 1 <= len(stop) <= MAX_STOP_STRING_LEN:
+            raise InvalidArgumentError(
+                f"sampling_params.stop strings must be 1 to {MAX_STOP_STRING_LEN} characters, got {len(stop)}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgumentError(
+            f"sampling_params.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
+    _check_token_ids("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
+
+    return GenerateParams(
+        request_id=request.request_id,
+        prompt_token_ids=prompt_token_ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        stop=tuple(params.stop),
+        stop_token_ids=frozenset(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        if not request.text:
+            raise InvalidArgumentError("prompt text is empty; it must have at least 1 character")
+        return tokenizer.encode(request.text)
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidArgumentError("prompt token_ids is empty; it must have at least 1 token")
+        _check_token_ids("prompt token_ids", ids, vocab_size)
+        return ids
+    raise InvalidArgumentError("prompt is missing: set text or token_ids")
+
+
+def _check_token_ids(field: str, ids, vocab_size: int) -> None:
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgumentError(f"{field} contains {token_id}; token ids must be in [0, {vocab_size})")

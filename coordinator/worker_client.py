@@ -1,0 +1,125 @@
+"""The coordinator's side of the worker protocol: fan each step plan out to every rank.
+
+Every rank receives the same ``StepPlan`` on its own ``Step`` stream and answers it;
+the step is done when all have answered (rank 0's answer carries the tokens). A rank
+that answers with an error, closes its stream or misses the step timeout makes the
+whole group unusable: :class:`WorkerGroupError` is raised and the caller fails the
+requests in flight. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+import structlog
+
+from tpserve.step import StepPlan, StepResult
+from tpserve.step_pb import plan_to_pb, result_from_pb
+from tpserve.v1 import worker_pb2 as pb
+from tpserve.v1 import worker_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 1024**2), ("grpc.max_receive_message_length", 64 * 1024**2)]
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank failed, died or timed out; the group cannot run another step."""
+
+
+class WorkerGroup:
+    """Async client of the N ranks of one tensor-parallel group.
+
+    Args:
+        addresses: each rank's gRPC address, rank order.
+        step_timeout_s: seconds to wait for every rank to answer one step.
+    """
+
+    def __init__(self, addresses: Sequence[str], step_timeout_s: float) -> None:
+        self.addresses = list(addresses)
+        self.step_timeout_s = step_timeout_s
+        self._channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in self.addresses]
+        self._stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self._channels]
+        self._streams: list[grpc.aio.StreamStreamCall] = []
+        self.num_kv_blocks = 0
+        self.dtype = ""  # as the ranks resolved it
+        self.failed: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.addresses)
+
+    async def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> int:
+        """Waits until every rank has loaded its shard; returns the KV blocks all can hold.
+
+        Raises:
+            WorkerGroupError: a rank reported a load error, or ``timeout_s`` passed.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(self.world_size))
+        available: dict[int, int] = {}
+        while pending:
+            for rank in sorted(pending):
+                try:
+                    status = await self._stubs[rank].GetStatus(pb.GetStatusRequest(), timeout=5.0)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise WorkerGroupError(f"rank {rank}: {exc.code().name}: {exc.details()}") from exc
+                    continue  # not listening yet
+                if status.error:
+                    raise WorkerGroupError(status.error)
+                if status.ready:
+                    available[rank] = status.num_kv_blocks_available
+                    self.dtype = status.dtype
+                    pending.discard(rank)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise WorkerGroupError(f"ranks {sorted(pending)} did not load within {timeout_s:.0f} s")
+                await asyncio.sleep(poll_s)
+        # vLLM's rule: the pool is what the tightest rank can hold.
+        return min(available.values())
+
+    async def start(self, num_kv_blocks: int) -> None:
+        """Allocates every rank's KV cache and opens the step streams."""
+        await asyncio.gather(*(s.InitCache(pb.InitCacheRequest(num_kv_blocks=num_kv_blocks)) for s in self._stubs))
+        self.num_kv_blocks = num_kv_blocks
+        self._streams = [stub.Step() for stub in self._stubs]
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step on every rank and returns rank 0's result.
+
+        Raises:
+            WorkerGroupError: a rank failed, closed its stream, or exceeded the step timeout.
+        """
+        if self.failed:
+            raise WorkerGroupError(self.failed)
+        msg = plan_to_pb(plan)
+        try:
+            results = await asyncio.wait_for(self._round_trip(msg), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            self.failed = f"step {plan.step_id} timed out after {self.step_timeout_s:.0f} s"
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
+            self.failed = f"step {plan.step_id}: worker stream broke: {exc}"
+        else:
+            errors = [r.error for r in results if r.error]
+            if errors:
+                self.failed = "; ".join(errors)
+            elif any(r is grpc.aio.EOF for r in results):
+                self.failed = f"step {plan.step_id}: a rank closed its stream"
+            else:
+                return result_from_pb(results[0])
+        log.error("worker group failed", reason=self.failed)
+        raise WorkerGroupError(self.failed)
+
+    async def _round_trip(self, msg: pb.StepPlan) -> list[pb.StepResult]:
+        await asyncio.gather(*(stream.write(msg) for stream in self._streams))
+        return await asyncio.gather(*(stream.read() for stream in self._streams))
+
+    async def close(self) -> None:
+        """Ends the step streams and closes the channels."""
+        for stream in self._streams:
+            stream.cancel()
+        await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)

@@ -1,0 +1,101 @@
+"""Start a real ``tpserve serve`` (coordinator + worker processes) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpserve.client import Client
+
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process (Linux /proc)."""
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        pids.extend(int(c) for c in children)
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@dataclass
+class RunningCluster:
+    process: subprocess.Popen
+    port: int
+    metrics_port: int
+    target: str
+    client: Client
+
+    def metric(self, name: str) -> float:
+        """Reads one unlabelled sample from the /metrics endpoint."""
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        for line in body.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+
+@contextmanager
+def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str) -> Iterator[RunningCluster]:
+    """Runs ``tpserve serve`` until the block exits, then SIGTERMs it and checks nothing is left."""
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
+           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), *extra]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    process = subprocess.Popen(cmd)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"tpserve serve exited with {process.returncode} during start-up")
+            try:
+                client.wait_ready(timeout_s=1.0)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+        yield RunningCluster(process, port, metrics_port, f"127.0.0.1:{port}", client)
+    finally:
+        client.close()
+        workers = child_pids(process.pid) if process.poll() is None else []
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        deadline = time.monotonic() + 10
+        while any(pid_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in workers if pid_alive(pid)]
+        assert not left, f"worker processes {left} outlived tpserve serve"

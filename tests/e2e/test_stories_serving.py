@@ -1,0 +1,191 @@
+"""End to end through ``tpserve serve`` on the real stories260k model, at degrees 1 and 2.
+
+The references are the shared goldens (made with Hugging Face ``transformers``) and
+the model's own tokenizer; nothing here compares the server only with itself,
+except where the property is invariance (a stream equals the unary call; a seeded
+request is the same alone and in a busy batch).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tests.e2e.cluster import serve
+from tests.paths import STORIES_DIR, load_goldens, requires_stories
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+def cluster(request):
+    with serve(STORIES_DIR, request.param) as running:
+        yield running
+
+
+def greedy(client, golden, **kwargs):
+    return client.generate(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0, **kwargs)
+
+
+def assert_matches_golden(result, golden) -> None:
+    assert result.token_ids == golden["completion_token_ids"]
+    assert result.text == golden["text"]
+    assert result.finish_reason == golden["finish_reason"]
+    assert result.usage.prompt_tokens == len(golden["prompt_token_ids"])
+    assert result.usage.completion_tokens == len(golden["completion_token_ids"]) + (golden["finish_reason"] == "stop")
+
+
+def test_goldens_one_at_a_time(cluster) -> None:
+    for golden in load_goldens():
+        assert_matches_golden(greedy(cluster.client, golden), golden)
+
+
+def test_goldens_sixteen_at_once(cluster) -> None:
+    goldens = load_goldens()
+    batch = [goldens[i % len(goldens)] for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda g: greedy(cluster.client, g), batch))
+    for result, golden in zip(results, batch):
+        assert_matches_golden(result, golden)
+
+
+def test_prompt_as_token_ids_gives_the_golden(cluster) -> None:
+    golden = load_goldens()[2]
+    result = cluster.client.generate(golden["prompt_token_ids"], max_tokens=golden["max_tokens"], temperature=0)
+    assert_matches_golden(result, golden)
+
+
+def test_stream_deltas_concatenate_to_the_unary_text(cluster) -> None:
+    for golden in load_goldens():
+        chunks = list(cluster.client.generate_stream(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0))
+        assert "".join(c.text for c in chunks) == golden["text"]
+        assert [t for c in chunks for t in c.token_ids] == golden["completion_token_ids"]
+        assert all(c.finish_reason == 0 for c in chunks[:-1])
+        assert chunks[-1].usage.completion_tokens == len(golden["completion_token_ids"])
+        assert len(chunks) > 10  # it really streamed
+
+
+def test_stop_string_inside_tokens_is_cut_from_the_text(cluster) -> None:
+    golden = load_goldens()[0]  # ", there was a little girl named Lily. She loved ..."
+    stop = "girl nam"  # ends inside the token "▁named"
+    result = greedy(cluster.client, golden, stop=[stop])
+    assert result.text == golden["text"][: golden["text"].index(stop)]
+    assert result.finish_reason == "stop"
+    streamed = "".join(c.text for c in cluster.client.generate_stream(
+        golden["prompt"], max_tokens=64, temperature=0, stop=["Lily. S", "zzz"]))
+    assert streamed == golden["text"][: golden["text"].index("Lily. S")]
+
+
+def test_stop_token_id_and_max_tokens(cluster) -> None:
+    golden = load_goldens()[1]
+    stop_id = golden["completion_token_ids"][5]
+    first = golden["completion_token_ids"].index(stop_id)
+    result = greedy(cluster.client, golden, stop_token_ids=[stop_id])
+    assert result.token_ids == golden["completion_token_ids"][:first] and result.finish_reason == "stop"
+    result = cluster.client.generate(golden["prompt"], max_tokens=7, temperature=0)
+    assert result.token_ids == golden["completion_token_ids"][:7] and result.finish_reason == "length"
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(cluster) -> None:
+    params = dict(max_tokens=40, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = cluster.client.generate("The little cat", **params)
+    again = cluster.client.generate("The little cat", **params)
+    assert alone.token_ids == again.token_ids and len(alone.token_ids) == 40
+    other = cluster.client.generate("The little cat", **{**params, "seed": 99})
+    assert other.token_ids != alone.token_ids  # the seed matters
+    goldens = load_goldens()
+    with ThreadPoolExecutor(10) as pool:
+        busy = [pool.submit(cluster.client.generate, goldens[i % 5]["prompt"], max_tokens=60,
+                            temperature=1.0 if i % 2 else 0, seed=i, ignore_eos=True) for i in range(8)]
+        time.sleep(0.05)  # let the batch fill before the seeded request joins it
+        crowded = pool.submit(cluster.client.generate, "The little cat", **params).result()
+        for future in busy:
+            future.result()
+    assert crowded.token_ids == alone.token_ids and crowded.text == alone.text
+
+
+BAD_REQUESTS = [
+    ("", {}, "prompt text is empty"),
+    ([], {}, "prompt token_ids is empty"),
+    ("Hi", {"max_tokens": 0}, "max_tokens must be >= 1"),
+    ("Hi", {"max_tokens": -3}, "max_tokens must be >= 1"),
+    ("Hi", {"temperature": -0.5}, "temperature must be a finite number >= 0"),
+    ("Hi", {"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ("Hi", {"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ("Hi", {"top_k": -1}, "top_k must be >= 0"),
+    ([1, 403, 512], {}, "token ids must be in [0, 512)"),
+    ([1, -4], {}, "token ids must be in [0, 512)"),
+    ("Hi", {"stop_token_ids": [600]}, "stop_token_ids contains 600"),
+    ("Hi", {"stop": [""]}, "stop strings must be 1 to 256 characters"),
+    ([1] * 512, {}, "prompt is 512 tokens; it must be shorter than max_model_len=512"),
+    ([1] * 900, {}, "prompt is 900 tokens; it must be shorter than max_model_len=512"),
+]
+
+
+@pytest.mark.parametrize("prompt, params, message", BAD_REQUESTS, ids=[m for _, _, m in BAD_REQUESTS])
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(cluster, prompt, params, message) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.client.generate(prompt, **params)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    golden = load_goldens()[0]
+    assert greedy(cluster.client, golden).token_ids == golden["completion_token_ids"]
+
+
+def wait_all_blocks_free(cluster, timeout_s: float = 10.0) -> None:
+    total = cluster.metric("tpserve:kv_cache_total_blocks")
+    deadline = time.monotonic() + timeout_s
+    while cluster.metric("tpserve:kv_cache_free_blocks") != total:
+        assert time.monotonic() < deadline, "KV blocks were not freed"
+        time.sleep(0.05)
+    assert cluster.metric("tpserve:num_requests_running") == 0
+
+
+def test_cancelling_a_stream_frees_every_block(cluster) -> None:
+    stream = cluster.client.generate_stream("Once upon a time", max_tokens=400, temperature=0, ignore_eos=True)
+    received = [next(stream) for _ in range(5)]
+    assert all(chunk.finish_reason == 0 for chunk in received)
+    assert cluster.metric("tpserve:kv_cache_free_blocks") < cluster.metric("tpserve:kv_cache_total_blocks")
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    wait_all_blocks_free(cluster)
+
+
+def test_a_passed_deadline_stops_the_work_and_frees_blocks(cluster) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.client.generate("Once upon a time", max_tokens=450, temperature=0, ignore_eos=True, timeout_s=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_all_blocks_free(cluster)
+
+
+def test_model_info(cluster) -> None:
+    info = cluster.client.model_info()
+    assert (info.model_name, info.max_model_len, info.vocab_size) == ("stories260k", 512, 512)
+    assert info.tensor_parallel_size in (1, 2) and info.dtype == "float32" and list(info.eos_token_ids) == [2]
+
+
+def test_cli_generate_json_prints_the_golden(cluster) -> None:
+    golden = load_goldens()[0]
+    out = subprocess.run(
+        [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--temperature", "0",
+         "--max-tokens", "64", "--json", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
+    printed = json.loads(out.stdout)
+    assert printed == {"text": golden["text"], "token_ids": golden["completion_token_ids"], "finish_reason": "length",
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 64}}
+    streamed = subprocess.run(
+        [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--temperature", "0",
+         "--max-tokens", "64", "--stream", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
+    assert streamed.stdout == golden["text"] + "\n"
+    bad = subprocess.run(
+        [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--top-p", "2", "Hi"],
+        capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and bad.stdout == ""
+    assert bad.stderr.startswith("INVALID_ARGUMENT: ") and "top_p" in bad.stderr

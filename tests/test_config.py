@@ -1,0 +1,35 @@
+"""Cluster config: defaults, YAML, flag overrides, and validation errors naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tpserve.cli import build_parser
+from tpserve.config import ClusterConfig
+
+
+def test_defaults_yaml_and_flags_in_order(tmp_path: Path) -> None:
+    assert ClusterConfig().parallel.tensor_parallel_size == 1
+    path = tmp_path / "cluster.yaml"
+    path.write_text("parallel:\n  tensor_parallel_size: 4\ncache:\n  block_size: 32\n")
+    config = ClusterConfig.load_from(path, {"parallel": {"tensor_parallel_size": 2}, "cache": {"block_size": None}})
+    assert config.parallel.tensor_parallel_size == 2  # the flag wins
+    assert config.cache.block_size == 32  # an unset flag leaves the YAML value
+
+
+def test_invalid_values_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="tensor_parallel_size"):
+        ClusterConfig.load_from(None, {"parallel": {"tensor_parallel_size": 0}})
+    with pytest.raises(ValidationError, match="max_num_sequences"):
+        ClusterConfig.load_from(None, {"scheduler": {"max_num_sequences": 3}})
+
+
+def test_serve_flags_follow_vllm_names() -> None:
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--max-num-seqs", "8",
+                                      "--max-num-batched-tokens", "512", "--block-size", "8", "--max-model-len", "256",
+                                      "--dtype", "bfloat16"])
+    assert (args.tensor_parallel_size, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
+            args.max_model_len, args.dtype) == (2, 8, 512, 8, 256, "bfloat16")

@@ -1,0 +1,159 @@
+"""The ``tpserve`` command: ``serve`` a model, ``generate`` from a server, ``info`` about it.
+
+Scripts rely on these names and outputs (see README.md):
+  tpserve serve [--model DIR] [--tensor-parallel-size N] [--port PORT] ...
+  tpserve generate --target HOST:PORT [--max-tokens N] [--temperature T] [--top-k K]
+                   [--top-p P] [--seed S] [--stop STR]... [--stream] [--json] PROMPT
+``generate`` prints the completion (as it arrives with --stream), or with --json one
+object {text, token_ids, finish_reason, usage{prompt_tokens, completion_tokens}}; on an
+error it prints the gRPC status code name and the message to stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+
+from tpserve import __version__
+
+_SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
+    # section -> (flag, argparse kwargs); dest is the config field name.
+    "load": [
+        ("--model", dict(help="Hugging Face checkpoint directory (default: the embedded model)")),
+        ("--served-model-name", dict(help="name GetModelInfo reports (default: the directory's name)")),
+        ("--dtype", dict(choices=("auto", "float32", "bfloat16", "float16"),
+                         help="auto: the checkpoint's dtype on CUDA, float32 on the CPU")),
+        ("--device", dict(choices=("auto", "cpu", "cuda"))),
+    ],
+    "parallel": [
+        ("--tensor-parallel-size", dict(type=int, help="number of worker ranks the model is split over")),
+        ("--distributed-timeout-seconds", dict(type=float, help="collective timeout: a lost rank fails the step")),
+    ],
+    "cache": [
+        ("--block-size", dict(type=int, help="tokens per KV cache block")),
+        ("--kv-cache-memory-bytes", dict(type=int, help="per-rank KV cache budget in bytes")),
+        ("--num-gpu-blocks-override", dict(type=int, help="use exactly this many KV blocks")),
+    ],
+    "scheduler": [
+        ("--max-num-seqs", dict(type=int, help="most sequences per step")),
+        ("--max-num-batched-tokens", dict(type=int, help="token budget per step")),
+        ("--max-model-len", dict(type=int, help="longest sequence in tokens (default: the model's)")),
+        ("--max-queue-len", dict(type=int, help="most waiting requests before RESOURCE_EXHAUSTED")),
+    ],
+    "server": [
+        ("--host", dict(help="address to bind (default 0.0.0.0)")),
+        ("--port", dict(type=int, help="gRPC port (default 50051)")),
+        ("--metrics-port", dict(type=int, help="Prometheus /metrics port (default: off)")),
+        ("--worker-start-timeout-seconds", dict(type=float)),
+        ("--step-timeout-seconds", dict(type=float)),
+    ],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.")
+    parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start a coordinator and its worker ranks on this machine")
+    serve.add_argument("--config", help="YAML file with sections load/parallel/cache/scheduler/server; flags override it")
+    serve.add_argument("--log-format", choices=("console", "json"), default="console")
+    for section, flags in _SERVE_FLAGS.items():
+        group = serve.add_argument_group(section)
+        for flag, kwargs in flags:
+            group.add_argument(flag, default=None, **kwargs)
+
+    gen = commands.add_parser("generate", help="generate a completion from a running server")
+    gen.add_argument("--target", default="127.0.0.1:50051", help="server address HOST:PORT")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--timeout", type=float, help="deadline in seconds")
+    gen.add_argument("prompt")
+
+    info = commands.add_parser("info", help="print the served model's description as JSON")
+    info.add_argument("--target", default="127.0.0.1:50051")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    try:
+        return _generate(args) if args.command == "generate" else _info(args)
+    except grpc.RpcError as exc:
+        print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Imported here: `tpserve generate` should not pay for the server's imports.
+    from tpserve.cluster import Cluster, StartupError
+    from tpserve.config import ClusterConfig
+    from tpserve.log import configure_logging
+
+    configure_logging(args.log_format)
+    overrides = {section: {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
+                           for flag, _ in flags} for section, flags in _SERVE_FLAGS.items()}
+    try:
+        config = ClusterConfig.load_from(args.config, overrides)
+        cluster = Cluster(config, log_format=args.log_format)
+    except (StartupError, ValueError, OSError) as exc:
+        print(f"tpserve serve: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(cluster.serve())
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tpserve.client import FINISH_REASON_NAMES, Client, GenerateResult, Usage
+
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+    with Client(args.target) as client:
+        if not args.stream:
+            result = client.generate(args.prompt, timeout_s=args.timeout, **sampling)
+        else:
+            text, token_ids, last = [], [], None
+            for chunk in client.generate_stream(args.prompt, timeout_s=args.timeout, **sampling):
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+                text.append(chunk.text)
+                token_ids.extend(chunk.token_ids)
+                last = chunk
+            result = GenerateResult(last.request_id, "".join(text), token_ids, FINISH_REASON_NAMES[last.finish_reason],
+                                    Usage(last.usage.prompt_tokens, last.usage.completion_tokens))
+    if args.json:
+        print(json.dumps(result.to_json_dict(), ensure_ascii=False))
+    elif args.stream:
+        print()
+    else:
+        print(result.text)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from tpserve.client import Client
+
+    with Client(args.target) as client:
+        print(json.dumps(MessageToDict(client.model_info(), preserving_proto_field_name=True), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Cluster configuration: one frozen, validated model per concern, loaded in one place.
+
+Precedence, lowest first: field defaults < YAML file (``--config``) < command-line
+flags. Flag names follow vLLM (``--tensor-parallel-size``, ``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--block-size``, ``--max-model-len``, ``--dtype``).
+Validation errors are pydantic ``ValidationError`` (a ``ValueError``) naming the field.
+
+No torch here: the coordinator reads this too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LoadConfig(_Frozen):
+    """What to serve.
+
+    Attributes:
+        model: Hugging Face checkpoint directory. None: the embedded default model.
+        served_model_name: name reported by GetModelInfo; None: the directory's name.
+        dtype: weight and activation dtype; "auto" takes the checkpoint's
+            ``torch_dtype`` on CUDA and float32 on the CPU.
+        device: "auto" is CUDA when available, else the CPU.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: Dtype = "auto"
+    device: Device = "auto"
+
+
+class ParallelConfig(_Frozen):
+    """How the model is split.
+
+    Attributes:
+        tensor_parallel_size: number of worker ranks (Megatron-LM tensor parallelism).
+        distributed_timeout_seconds: a collective that waits longer than this fails
+            the step instead of hanging it (a lost rank).
+    """
+
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    distributed_timeout_seconds: float = Field(60.0, gt=0)
+
+
+class CacheConfig(_Frozen):
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: per-rank memory budget for the KV cache, in bytes.
+        num_gpu_blocks_override: use exactly this many blocks (tests, capacity planning).
+    """
+
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory_bytes: int = Field(256 * 1024**2, gt=0)
+    num_gpu_blocks_override: int | None = Field(None, ge=1)
+
+
+class SchedulerConfig(_Frozen):
+    """Continuous batching limits.
+
+    Attributes:
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_model_len: longest sequence in tokens; None: the model's
+            ``max_position_embeddings``. Larger than that is refused at start-up.
+        max_queue_len: most requests waiting for admission; more get RESOURCE_EXHAUSTED.
+    """
+
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    max_queue_len: int = Field(1024, ge=1)
+
+
+class ServerConfig(_Frozen):
+    """The public gRPC endpoint and its neighbours.
+
+    Attributes:
+        host: address to bind.
+        port: gRPC port.
+        metrics_port: Prometheus /metrics HTTP port; None disables it.
+        worker_start_timeout_seconds: how long every rank may take to load its shard.
+        step_timeout_seconds: how long the coordinator waits for one step's results.
+    """
+
+    host: str = "0.0.0.0"
+    port: int = Field(50051, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    worker_start_timeout_seconds: float = Field(600.0, gt=0)
+    step_timeout_seconds: float = Field(120.0, gt=0)
+
+
+class ClusterConfig(_Frozen):
+    """Everything ``tpserve serve`` needs, composed from the per-concern configs."""
+
+    load: LoadConfig = LoadConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    server: ServerConfig = ServerConfig()
+
+    @classmethod
+    def load_from(cls, yaml_path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> ClusterConfig:
+        """Builds the config from an optional YAML file and flag overrides.
+
+        Args:
+            yaml_path: a YAML mapping with the sections ``load``, ``parallel``,
+                ``cache``, ``scheduler``, ``server``.
+            overrides: ``{section: {field: value}}`` from flags; ``None`` values
+                mean "not given" and are ignored.
+
+        Raises:
+            ValueError: unknown section or field, or a value out of range.
+            OSError: the YAML file cannot be read.
+        """
+        data: dict[str, dict[str, Any]] = {}
+        if yaml_path is not None:
+            loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{yaml_path}: expected a mapping of sections, got {type(loaded).__name__}")
+            data = {section: dict(values or {}) for section, values in loaded.items()}
+        for section, values in (overrides or {}).items():
+            data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+        return cls.model_validate(data)

@@ -1,0 +1,93 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    ready: bool
+    num_kv_blocks_available: int
+    error: str
+    dtype: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class InitCacheRequest(_message.Message):
+    __slots__ = ("num_kv_blocks",)
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_kv_blocks: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class InitCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerSamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("seq_id", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    sampling: WorkerSamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ...) -> None: ...
+
+class ScheduledChunk(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "start_position", "new_block_ids", "sample")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_position: int
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
+    finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "sampled_token_ids", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,84 @@
+"""Entry point of one worker rank: ``python -m worker.main --rank R --world-size N ...``.
+
+Started by ``tpserve serve`` (tpserve/cluster.py), one process per rank. The rank serves
+the internal WorkerService on ``--address`` (a unix socket by default), exits when its
+parent (the coordinator) dies, and exits non-zero after a fatal error (a failed load or
+step), so that nothing outlives the cluster and nothing lingers half-broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+
+from tpserve.log import configure_logging
+from tpserve.v1 import worker_pb2_grpc
+from worker.server import WorkerOptions, WorkerServicer
+
+#: Seconds between checks that the parent process is alive.
+PARENT_POLL_SECONDS = 1.0
+#: Seconds a fatal error is left for the coordinator to read before the rank exits.
+FATAL_GRACE_SECONDS = 2.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker.main", description="One tpserve tensor-parallel worker rank.")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--address", required=True, help="gRPC address to serve, e.g. unix:///tmp/tpserve/rank0.sock")
+    parser.add_argument("--init-method", required=True, help="torch.distributed rendezvous, e.g. tcp://127.0.0.1:29500")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, required=True)
+    parser.add_argument("--distributed-timeout-seconds", type=float, default=60.0)
+    parser.add_argument("--log-format", choices=("console", "json"), default="console")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_format, rank=args.rank)
+    options = WorkerOptions(
+        model_dir=args.model, rank=args.rank, world_size=args.world_size, init_method=args.init_method,
+        device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, distributed_timeout_seconds=args.distributed_timeout_seconds,
+    )
+    stop = threading.Event()
+    exit_code = [0]
+
+    def on_fatal(_: str) -> None:
+        exit_code[0] = 1
+        # Leave the coordinator time to read the error through GetStatus or Step.
+        threading.Timer(FATAL_GRACE_SECONDS, stop.set).start()
+
+    servicer = WorkerServicer(options, on_fatal)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
+        ("grpc.max_send_message_length", 64 * 1024**2), ("grpc.max_receive_message_length", 64 * 1024**2)])
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(args.address)
+    server.start()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    parent = os.getppid()
+    threading.Thread(target=servicer.load, name="load", daemon=True).start()
+    while not stop.wait(PARENT_POLL_SECONDS):
+        if os.getppid() != parent:  # re-parented: the coordinator is gone
+            break
+    server.stop(grace=0.5)
+    # Exit without waiting for a collective a dead peer will never finish.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

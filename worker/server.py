@@ -1,0 +1,147 @@
+"""A worker rank's gRPC service: load the shard, size the KV cache, execute step plans.
+
+The rank starts serving ``GetStatus`` at once and loads its shard on a background
+thread, so the coordinator can tell "still loading" from "dead". It never decides
+what runs: each ``StepPlan`` it receives is executed as it is, in arrival order, on
+the one thread of the ``Step`` stream (collectives need every rank to issue them in
+the same order).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from tpserve.step_pb import plan_from_pb, result_to_pb
+from tpserve.v1 import worker_pb2 as pb
+from tpserve.v1 import worker_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """What a rank needs to come up.
+
+    Attributes:
+        model_dir: Hugging Face checkpoint directory.
+        rank, world_size: this rank and the tensor-parallel size.
+        init_method: torch.distributed rendezvous, e.g. ``tcp://127.0.0.1:29500``.
+        device: "cpu", "cuda" or "auto".
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: this rank's KV cache budget in bytes.
+        distributed_timeout_seconds: collective timeout.
+    """
+
+    model_dir: str
+    rank: int
+    world_size: int
+    init_method: str
+    device: str
+    dtype: str
+    block_size: int
+    kv_cache_memory_bytes: int
+    distributed_timeout_seconds: float
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Serves one rank. ``on_fatal`` is called (once) when the rank can no longer serve."""
+
+    def __init__(self, options: WorkerOptions, on_fatal: Callable[[str], None]) -> None:
+        self.options = options
+        self._on_fatal = on_fatal
+        self._runner = None
+        self._num_blocks_available = 0
+        self._error = ""
+        self._dtype = ""
+        self._ready = threading.Event()
+
+    def load(self) -> None:
+        """Joins the process group and loads this rank's shard (runs on a background thread)."""
+        try:
+            # torch is imported here, not at module import, so that the rank answers
+            # GetStatus while the (slow) import and the load run.
+            import torch
+
+            from worker.model_runner import ModelRunner
+            from worker.parallel_state import init_distributed
+
+            opts = self.options
+            device = _resolve_device(opts.device, opts.rank)
+            if device.type == "cpu":
+                # Ranks share the machine's cores: one rank per core group, no oversubscription.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world_size))
+            ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds)
+            dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
+            self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size)
+            self._dtype = str(dtype).removeprefix("torch.")
+            self._num_blocks_available = self._runner.num_blocks_for_memory(opts.kv_cache_memory_bytes)
+            log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, dtype=str(dtype),
+                     device=str(device), num_kv_blocks_available=self._num_blocks_available)
+            self._ready.set()
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, then fatal
+            self._error = f"rank {self.options.rank}: {type(exc).__name__}: {exc}"
+            log.error("loading failed", error=self._error)
+            self._on_fatal(self._error)
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.WorkerStatus:
+        return pb.WorkerStatus(
+            rank=self.options.rank,
+            world_size=self.options.world_size,
+            ready=self._ready.is_set(),
+            num_kv_blocks_available=self._num_blocks_available,
+            error=self._error,
+            dtype=self._dtype,
+        )
+
+    def InitCache(self, request: pb.InitCacheRequest, context: grpc.ServicerContext) -> pb.InitCacheResponse:
+        if not self._ready.is_set():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the shard is not loaded yet")
+        if request.num_kv_blocks > self._num_blocks_available:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"num_kv_blocks={request.num_kv_blocks} exceeds this rank's {self._num_blocks_available}")
+        self._runner.init_kv_cache(request.num_kv_blocks)
+        return pb.InitCacheResponse()
+
+    def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
+        for msg in request_iterator:
+            try:
+                result = self._runner.execute(plan_from_pb(msg))
+            except Exception as exc:  # noqa: BLE001 - a failed step poisons the group: report, then stop
+                error = f"rank {self.options.rank}: step {msg.step_id} failed: {type(exc).__name__}: {exc}"
+                log.error("step failed", error=error)
+                yield pb.StepResult(step_id=msg.step_id, error=error)
+                self._on_fatal(error)
+                return
+            yield result_to_pb(result)
+
+
+def _resolve_device(device: str, rank: int) -> "torch.device":  # noqa: F821
+    """One GPU per rank (rank r on cuda:r modulo the visible GPUs), or the CPU."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821
+    """"auto": the checkpoint's torch_dtype on CUDA; float32 on the CPU (where half
+    precision matmuls are slow and the references are float32)."""
+    import torch
+
+    from tpserve.model_config import ModelConfig
+
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        dtype = ModelConfig.from_pretrained(model_dir).torch_dtype or "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
