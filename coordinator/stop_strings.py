@@ -1,0 +1,95 @@
+"""Stop strings: cut one sequence's completion text at the first stop string, as it streams.
+
+A stop string is matched on text, not tokens: it may begin or end inside a token and
+span any number of deltas. The matcher sits between the detokenizer and the client:
+
+    delta -> held tail + delta -> (a) a stop string occurs: emit the text before it, stop
+                               -> (b) none: emit all but the longest tail that could
+                                      still begin a stop string; hold that tail
+
+The held tail is a proper prefix of some stop string, so at most ``max(len(stop)) - 1``
+characters, and each push scans only tail + delta (never the whole text). A match
+must therefore start inside tail + delta: text before the tail was released only
+once no stop string could begin there.
+
+"First" stop means the one whose last character comes first in the text (what a
+streaming reader sees complete first), and among those ending at the same character
+the one that starts earlier (the longer). This makes the result independent of how
+the text is split into deltas: stops "bc" and "abcd" on "abcd" cut at "a".
+Lengths and positions are in Unicode code points (Python ``str`` indices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopStringMatcher:
+    """Holds back text that may begin a stop string and cuts the text at the first match.
+
+    Args:
+        stop: the stop strings (duplicates allowed; none is fine: text passes through).
+
+    Raises:
+        ValueError: a stop string is empty (it would match before any text).
+        TypeError: a stop string is not a ``str``.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        for s in stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop strings must be str, got {type(s).__name__}")
+            if not s:
+                raise ValueError("stop strings must be non-empty; got an empty string")
+        self._stops: tuple[str, ...] = tuple(dict.fromkeys(stop))  # order kept, duplicates gone
+        self._max_held = max((len(s) for s in self._stops), default=1) - 1  # in characters
+        self._first_chars = frozenset(s[0] for s in self._stops)
+        self._held = ""
+        self.stopped = False
+
+    @property
+    def held_text(self) -> str:
+        """Text received but not yet emitted, because a stop string may begin there."""
+        return self._held
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Adds a text delta; returns (text safe to emit now, whether a stop string matched).
+
+        On a match the returned text ends just before the stop string; the stop
+        string and everything after it are dropped, and later pushes return
+        ``("", True)``.
+        """
+        if self.stopped:
+            return "", True
+        if not self._stops:
+            return delta, False
+        text = self._held + delta
+        start = self._first_match(text)
+        if start is not None:
+            self.stopped = True
+            self._held = ""
+            return text[:start], True
+        cut = self._hold_from(text)
+        self._held = text[cut:]
+        return text[:cut], False
+
+    def flush(self) -> str:
+        """Releases the held text when the sequence ends without a stop string (eos, length)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_match(self, text: str) -> int | None:
+        """Start index in ``text`` of the stop string that ends first, or None."""
+        best: tuple[int, int] | None = None  # (end, start)
+        for s in self._stops:
+            start = text.find(s)
+            if start >= 0 and (best is None or (start + len(s), start) < best):
+                best = (start + len(s), start)
+        return None if best is None else best[1]
+
+    def _hold_from(self, text: str) -> int:
+        """Index where the longest suffix of ``text`` that begins some stop string starts."""
+        for i in range(max(len(text) - self._max_held, 0), len(text)):
+            if text[i] in self._first_chars and any(s.startswith(text[i:]) for s in self._stops):
+                return i
+        return len(text)

@@ -1,0 +1,171 @@
+"""The model's tokenizer as the coordinator uses it: text to token ids and back, no torch.
+
+Wraps a Hugging Face ``tokenizers.Tokenizer`` (the model directory's ``tokenizer.json``,
+the pipeline ``transformers``' fast tokenizers run) and reads the settings that live
+beside it:
+
+- ``tokenizer_config.json`` (optional): ``bos_token``, ``eos_token`` (a string or an
+  ``AddedToken`` dict with ``content``) and ``add_bos_token``;
+- ``generation_config.json`` / ``config.json`` (optional): ``eos_token_id`` (an int or a
+  list) and ``bos_token_id``.
+
+Whether a bos token starts an encoded prompt is decided once, here: ``add_bos_token``
+when the config says, else whatever ``tokenizer.json``'s post-processor does. The
+post-processor is probed, so the bos is never added twice (post-processor and us).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+
+class Tokenizer:
+    """Encodes prompts and decodes completions for one model.
+
+    Args:
+        backend: the loaded ``tokenizers.Tokenizer``.
+        bos_token_id: the beginning-of-sequence token, or None when the model has none.
+        eos_token_ids: every token id that ends generation (may be empty).
+        add_bos_token: whether ``encode`` starts with ``bos_token_id``; None follows the
+            backend's post-processor.
+
+    Raises:
+        ValueError: ``add_bos_token`` is true but there is no bos token, or an id is
+            outside the tokenizer's vocabulary.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: Iterable[int], add_bos_token: bool | None = None) -> None:
+        self._backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        eos_token_ids = frozenset(eos_token_ids)
+        bad = sorted(i for i in {*eos_token_ids, bos_token_id} - {None} if not 0 <= i < self.vocab_size)
+        if bad:
+            raise ValueError(f"bos/eos token ids {bad} are outside the tokenizer's vocabulary [0, {self.vocab_size})")
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: frozenset[int] = eos_token_ids
+        # Ids that decode(skip_special_tokens=True) drops: added tokens flagged special.
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self._post_processor_adds_bos = self._probe_post_processor_bos()
+        if add_bos_token is None:
+            add_bos_token = self._post_processor_adds_bos
+        if add_bos_token and bos_token_id is None:
+            raise ValueError("add_bos_token is true but the tokenizer has no bos_token")
+        self.add_bos_token: bool = add_bos_token
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Loads ``tokenizer.json`` and the optional configs from a model directory.
+
+        Raises:
+            FileNotFoundError: the directory or its ``tokenizer.json`` is missing (a
+                ``tokenizer.model``-only SentencePiece model must be converted first).
+            ValueError: a config file is not valid JSON, or names an unknown token.
+        """
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {model_dir}: tpserve needs a Hugging Face fast tokenizer "
+                "file (convert a tokenizer.model with transformers' "
+                "AutoTokenizer.from_pretrained(...).save_pretrained(...))")
+        backend = tokenizers.Tokenizer.from_file(str(path))
+        tok_cfg = _read_json(model_dir / "tokenizer_config.json")
+        gen_cfg = _read_json(model_dir / "generation_config.json")
+        model_cfg = _read_json(model_dir / "config.json")
+
+        def config_token_id(key: str) -> int | None:
+            content = _token_content(tok_cfg.get(key))
+            if content is None:
+                return None
+            found = backend.token_to_id(content)
+            if found is None:
+                raise ValueError(f"{model_dir / 'tokenizer_config.json'}: {key} {content!r} is not in the vocabulary")
+            return found
+
+        # tokenizer_config's bos_token wins ("bos_token": null means none); else the model configs.
+        if "bos_token" in tok_cfg:
+            bos_token_id = config_token_id("bos_token")
+        else:
+            bos_ids = _as_ids(gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id")))
+            bos_token_id = min(bos_ids) if bos_ids else None
+        # generation_config overrides config.json for generation (as in transformers'
+        # generate); the tokenizer's own eos is always a stop too (as in vLLM).
+        eos_ids = _as_ids(gen_cfg.get("eos_token_id", model_cfg.get("eos_token_id")))
+        tokenizer_eos = config_token_id("eos_token")
+        if tokenizer_eos is not None:
+            eos_ids.add(tokenizer_eos)
+        add_bos = tok_cfg.get("add_bos_token")
+        return cls(backend, bos_token_id=bos_token_id, eos_token_ids=eos_ids,
+                   add_bos_token=add_bos if isinstance(add_bos, bool) else None)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, starting with exactly one bos when ``add_bos_token``.
+
+        Special tokens written in the text (``"<s>"``) are parsed as such, as in
+        ``transformers``; a text that itself begins with the bos token (a chat
+        template's output) gets no second one.
+        """
+        ids = self._backend.encode(text, add_special_tokens=True).ids
+        bos = self.bos_token_id
+        if self._post_processor_adds_bos and not self.add_bos_token:
+            ids = ids[1:]
+        elif self.add_bos_token and not self._post_processor_adds_bos:
+            ids = [bos, *ids]
+        if self.add_bos_token and len(ids) >= 2 and ids[0] == ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids; special tokens (bos, eos) are dropped unless asked for.
+
+        Ids outside the vocabulary decode to nothing (``tokenizers``' behaviour); the
+        API edge rejects them before they get here.
+        """
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _probe_post_processor_bos(self) -> bool:
+        """Whether ``tokenizer.json``'s post-processor puts the bos token first."""
+        if self.bos_token_id is None:
+            return False
+        with_special = self._backend.encode("a", add_special_tokens=True).ids
+        plain = self._backend.encode("a", add_special_tokens=False).ids
+        return len(with_special) > len(plain) and with_special[0] == self.bos_token_id
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or ``{}`` when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _token_content(value: object) -> str | None:
+    """A special token's text: configs write either ``"</s>"`` or ``{"content": "</s>", ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_ids(value: object) -> set[int]:
+    """``eos_token_id``-style values (None, an int or a list of ints) as a set of ids."""
+    if value is None:
+        return set()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"token ids must be integers, got {value!r}")
+    return set(values)

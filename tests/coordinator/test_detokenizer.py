@@ -1,0 +1,203 @@
+"""IncrementalDetokenizer on the stories260k tokenizer (SentencePiece BPE, byte fallback, Strip decoder).
+
+The reference is the goldens' definition of completion text:
+``decode(prompt + completion)[len(decode(prompt)):]``, by our Tokenizer and by transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from coordinator import detokenizer as detok_module
+from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.tokenizer import Tokenizer
+from tests.paths import STORIES_DIR, load_goldens, requires_stories
+
+pytestmark = requires_stories
+
+BOS, EOS = 1, 2
+TEXTS = [
+    "café, niño, über",
+    "日本語 and 中文",
+    "emoji 🙂👍🏽 and a family 👨\u200d👩\u200d👧\u200d👦!",
+    "mixed: é日🙂a ñ中👍🏽b",
+    "🙂🙂🙂",
+]
+PROMPTS = ["", "Once upon a time", "Lily saw 日本"]
+
+
+def byte_token(value: int) -> int:
+    """The byte-fallback token of one byte: <0x00> is id 3 in this vocabulary."""
+    return 3 + value
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(STORIES_DIR)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is a test dependency (pip install -e '.[test]')")
+    return transformers.AutoTokenizer.from_pretrained(STORIES_DIR)
+
+
+def stream(tokenizer: Tokenizer, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> tuple[list[str], str]:
+    """The deltas of every step, and the flush."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detok.step(t) for t in completion_ids]
+    return deltas, detok.flush()
+
+
+def reference(decode, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> str:
+    return decode(list(prompt_ids) + list(completion_ids))[len(decode(list(prompt_ids))):]
+
+
+def hf_decoder(hf_tokenizer):
+    return lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def assert_clean(deltas: list[str]) -> None:
+    for delta in deltas:
+        assert "\ufffd" not in delta, deltas
+        delta.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+
+
+@pytest.mark.parametrize("golden", load_goldens(), ids=lambda g: g["prompt"])
+def test_golden_completions(tokenizer: Tokenizer, hf_tokenizer, golden: dict) -> None:
+    prompt_ids, completion_ids = golden["prompt_token_ids"], golden["completion_token_ids"]
+    deltas, tail = stream(tokenizer, prompt_ids, completion_ids)
+    assert "".join(deltas) + tail == golden["text"]
+    assert tail == ""  # nothing held at the end of plain text
+    assert reference(hf_decoder(hf_tokenizer), prompt_ids, completion_ids) == golden["text"]
+    # With eos appended (the engine does not feed it, but if it did it must add nothing).
+    deltas, tail = stream(tokenizer, prompt_ids, [*completion_ids, EOS])
+    assert deltas[-1] == "" and "".join(deltas) + tail == golden["text"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("text", TEXTS)
+def test_unicode_streams_never_emit_broken_characters(tokenizer: Tokenizer, hf_tokenizer, prompt: str,
+                                                      text: str) -> None:
+    prompt_ids = tokenizer.encode(prompt)
+    completion_ids = tokenizer.encode(text)[1:]  # without bos; starts with "▁": a space after a prompt
+    deltas, tail = stream(tokenizer, prompt_ids, completion_ids)
+    assert_clean(deltas)
+    assert tail == ""
+    # A bos-only prompt decodes to "", so the decoder strips the completion's leading space.
+    expected = text if prompt == "" else " " + text
+    assert "".join(deltas) == expected
+    assert "".join(deltas) == reference(hf_decoder(hf_tokenizer), prompt_ids, completion_ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_every_prompt_split_at_a_character_boundary(tokenizer: Tokenizer, text: str) -> None:
+    # Splitting one encoding anywhere makes prompts that end in, or whose last few
+    # tokens start inside, a run of byte tokens: the first anchor must not start mid-character.
+    ids = tokenizer.encode("Start " + text + " end")
+    num_checked = 0
+    for k in range(1, len(ids)):
+        prompt_ids, completion_ids = ids[:k], ids[k:]
+        if tokenizer.decode(prompt_ids).endswith("\ufffd"):
+            continue  # the prompt ends inside a character: no boundary convention holds
+        deltas, tail = stream(tokenizer, prompt_ids, completion_ids)
+        assert_clean(deltas)
+        assert "".join(deltas) + tail == reference(tokenizer.decode, prompt_ids, completion_ids), k
+        num_checked += 1
+    assert num_checked > len(text) // 2
+
+
+def test_multibyte_character_is_held_until_complete(tokenizer: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
+    assert detok.step(410) == " "  # "▁"
+    assert [detok.step(byte_token(b)) for b in "日".encode()] == ["", "", "日"]
+    assert detok.num_held_tokens == 0
+    assert [detok.step(byte_token(b)) for b in "🙂".encode()[:3]] == ["", "", ""]
+    assert detok.num_held_tokens == 3
+    assert detok.step(byte_token("🙂".encode()[3])) == "🙂"
+
+
+def test_truncated_bytes_flush_as_replacement_characters(tokenizer: Tokenizer) -> None:
+    prompt_ids = tokenizer.encode("ab")
+    truncated = [byte_token(b) for b in "本".encode()[:2]]
+    deltas, tail = stream(tokenizer, prompt_ids, truncated)
+    assert deltas == ["", ""]
+    assert tail == "\ufffd\ufffd"  # one per byte, as a full decode gives
+    assert "".join(deltas) + tail == reference(tokenizer.decode, prompt_ids, truncated)
+
+
+def test_truncated_bytes_after_a_complete_character_keep_that_character(tokenizer: Tokenizer) -> None:
+    # A full decode turns the whole byte run (日 + 2 bytes) into 5 U+FFFD; text already
+    # streamed cannot be taken back, so only the truncated bytes become U+FFFD.
+    completion = [byte_token(b) for b in "日".encode() + "本".encode()[:2]]
+    deltas, tail = stream(tokenizer, tokenizer.encode("ab"), completion)
+    assert deltas == ["", "", "日", "", ""]
+    assert tail == "\ufffd\ufffd"
+
+
+def test_stray_byte_releases_after_bounded_wait(tokenizer: Tokenizer) -> None:
+    # A continuation byte on its own makes the byte run invalid however long it grows:
+    # the detokenizer stops waiting after _MAX_HELD_TOKENS and emits U+FFFD, as a full decode does.
+    max_held = detok_module._MAX_HELD_TOKENS
+    prompt_ids = tokenizer.encode("ab")
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    stray_run = [byte_token(0x97)] + [byte_token(b) for b in "日本語".encode()]  # 10 byte tokens
+    deltas, num_held = [], []
+    for token in stray_run:
+        deltas.append(detok.step(token))
+        num_held.append(detok.num_held_tokens)
+    assert deltas == [""] * (max_held - 1) + ["\ufffd" * max_held] + [""] * (len(stray_run) - max_held)
+    assert max(num_held) == max_held - 1
+    assert detok.step(403) == "\ufffd" * (len(stray_run) - max_held) + " Once"
+    assert detok.flush() == ""
+    assert "".join(deltas) + "\ufffd" * 2 + " Once" == reference(tokenizer.decode, prompt_ids, [*stray_run, 403])
+
+
+def test_special_tokens_produce_no_text_and_keep_spacing(tokenizer: Tokenizer) -> None:
+    once, upon = tokenizer.encode("Once upon")[1:]
+    detok = IncrementalDetokenizer(tokenizer, [BOS])
+    # bos-only prompt: "Once" starts the text, so no space; eos (ignore_eos) and bos add nothing.
+    assert [detok.step(t) for t in (once, EOS, BOS, upon, 0)] == ["Once", "", "", " upon", ""]
+    assert detok.flush() == ""
+
+
+def test_empty_prompt_ids(tokenizer: Tokenizer) -> None:
+    once, upon = tokenizer.encode("Once upon")[1:]
+    deltas, tail = stream(tokenizer, [], [once, upon])
+    assert deltas == ["Once", " upon"] and tail == ""
+
+
+def test_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
+    # Token-id prompts may end mid-character; the completion's continuation bytes are
+    # not text on their own, so they come out as U+FFFD (no delta ends mid-character).
+    first, *rest = (byte_token(b) for b in "日".encode())
+    deltas, tail = stream(tokenizer, [*tokenizer.encode("x"), first], [*rest, 403])
+    assert deltas == ["", "\ufffd\ufffd", " Once"] and tail == ""
+
+
+class _CountingTokenizer(Tokenizer):
+    """Records how many ids each decode call gets."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.__dict__.update(inner.__dict__)
+        self.window_sizes: list[int] = []
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.window_sizes.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_cost_per_step_is_bounded_by_the_window(tokenizer: Tokenizer) -> None:
+    counting = _CountingTokenizer(tokenizer)
+    golden = load_goldens()[0]
+    completion = golden["completion_token_ids"] * 40  # 2,560 tokens
+    long_prompt = golden["prompt_token_ids"] + golden["completion_token_ids"] * 8
+    detok = IncrementalDetokenizer(counting, long_prompt)
+    text = "".join(detok.step(t) for t in completion) + detok.flush()
+    assert text == reference(tokenizer.decode, long_prompt, completion)
+    # Each step decodes the anchor (the last emission) plus held tokens: a few ids, never O(length).
+    assert max(counting.window_sizes) <= 2 * detok_module._MAX_HELD_TOKENS
+    assert len(counting.window_sizes) <= 2 * len(completion) + 10
