@@ -47,6 +47,9 @@ class DeadlineExceededError(TpserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+_OWN_METHODS = "/tpserve."
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping unary and server-streaming handlers to status codes."""
 
@@ -55,9 +58,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
         method = handler_call_details.method
+        if handler is None or not method.startswith(_OWN_METHODS):
+            return handler  # health and reflection map their own errors
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 

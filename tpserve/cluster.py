@@ -75,7 +75,7 @@ class Cluster:
         if self.max_model_len > model_len:
             raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings={model_len}")
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        self.health = health.HealthServicer()
+        self.health = health.aio.HealthServicer()
         self.metrics = Metrics()
         self._stop = asyncio.Event()
         self._exit_code = 0
@@ -99,6 +99,7 @@ class Cluster:
         self.port = server.add_insecure_port(f"{self.config.server.host}:{self.config.server.port}")
         if self.port == 0:
             raise StartupError(f"cannot bind {self.config.server.host}:{self.config.server.port}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.world_size)
         if self.config.server.metrics_port is not None:
@@ -113,7 +114,7 @@ class Cluster:
             await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done() and ready.exception() is None:
                 engine_task = asyncio.create_task(self.engine.run())
-                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING)
                 log.info("serving", num_kv_blocks=workers.num_kv_blocks, max_model_len=self.max_model_len)
                 await self._stop.wait()
             elif ready.done():
@@ -122,7 +123,7 @@ class Cluster:
             else:
                 ready.cancel()
         finally:
-            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             if self.engine is not None:
                 self.engine.draining = True
             await server.stop(SHUTDOWN_GRACE_SECONDS)
@@ -145,12 +146,11 @@ class Cluster:
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         return server
 
-    def _set_health(self, status: int) -> None:
+    async def _set_health(self, status: int) -> None:
         for service in ("", GENERATION_SERVICE):
-            self.health.set(service, status)
+            await self.health.set(service, status)
 
     def _model_info(self, num_kv_blocks: int) -> pb.ModelInfo:
         cfg = self.config
