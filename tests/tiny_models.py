@@ -1,0 +1,117 @@
+"""Seeded random tiny Hugging Face checkpoints for tests (built offline with ``transformers``).
+
+Each variant exercises one thing the worker must get right; all are small enough
+(hidden 64, 2 layers, vocab ~130-300) to run at tensor-parallel degree 4 on a CPU.
+Every parameter is redrawn from a seeded generator after construction (biases
+and norm weights included: ``transformers`` would initialise them to 0 and 1,
+which would hide a loading bug), with a spread that keeps greedy choices well
+separated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Positions the tiny models support (tests stay well below).
+TINY_MAX_POSITIONS = 96
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """One tiny checkpoint variant.
+
+    Attributes:
+        name: short id used in test names and directory names.
+        model_type: ``"llama"`` or ``"qwen2"``.
+        config: keyword arguments of the ``transformers`` config class.
+        max_shard_size: when set, ``save_pretrained`` shards the checkpoint
+            (``model.safetensors.index.json``).
+        seed: seed of the weights.
+    """
+
+    name: str
+    model_type: str
+    config: dict[str, Any] = field(default_factory=dict)
+    max_shard_size: str | None = None
+    seed: int = 0
+
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": TINY_MAX_POSITIONS,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+TINY_MODELS: tuple[TinyModelSpec, ...] = (
+    # GQA (2 query heads per KV head), tied embeddings, vocab not divisible by 4.
+    TinyModelSpec("gqa_tied", "llama", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                        "vocab_size": 130, "tie_word_embeddings": True}, seed=1),
+    # MQA: one KV head, replicated at tp 2 and 4; untied LM head; Llama o_proj and MLP biases.
+    TinyModelSpec("mqa_untied_bias", "llama", {"num_attention_heads": 4, "num_key_value_heads": 1,
+                                               "vocab_size": 257, "tie_word_embeddings": False,
+                                               "attention_bias": True, "mlp_bias": True}, seed=2),
+    # Qwen2: q/k/v bias, no o_proj bias.
+    TinyModelSpec("qwen2_qkv_bias", "qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                              "vocab_size": 200, "tie_word_embeddings": False,
+                                              "rope_theta": 1000000.0}, seed=3),
+    # Llama 3 RoPE scaling; explicit head_dim (32) != hidden / heads (16); MHA.
+    TinyModelSpec("llama3_rope", "llama", {"num_attention_heads": 4, "num_key_value_heads": 4,
+                                           "head_dim": 32, "vocab_size": 160, "tie_word_embeddings": True,
+                                           "rope_theta": 500000.0,
+                                           "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 16}}, seed=4),
+    # Sharded safetensors with an index; linear RoPE scaling.
+    TinyModelSpec("sharded_linear_rope", "llama", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                   "vocab_size": 300, "tie_word_embeddings": False,
+                                                   "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                  max_shard_size="40KB", seed=5),
+)
+
+
+def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
+    """The ``transformers`` model of ``spec`` with seeded random weights, float32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[spec.model_type]
+    config = config_cls(**{**_BASE, **spec.config})
+    config._attn_implementation = "eager"
+    torch.manual_seed(spec.seed)
+    model = model_cls(config).float().eval()
+    generator = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)  # unit-variance activations
+    return model
+
+
+def save_tiny_model(spec: TinyModelSpec, directory: Path) -> Path:
+    """Write ``spec``'s checkpoint (config.json + safetensors) into ``directory``; return it."""
+    model = build_hf_model(spec)
+    kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load a checkpoint with ``transformers`` (the reference implementation), eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()

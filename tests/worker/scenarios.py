@@ -1,0 +1,152 @@
+"""Step plans and their expected results (parent-process side of the TP tests).
+
+:func:`build_plans` is a miniature, deterministic stand-in for the coordinator's
+scheduler: sequences arrive at given steps, prompts are prefilled in chunks,
+running sequences decode, a sequence may be preempted (dropped and re-sent whole
+as a ``NewSequence`` in the same plan), finished sequences are named in the next
+plan and their blocks reused, and block ids come from a shuffled free list.
+Decodes are teacher-forced with the reference completion, so the plans are
+plain data every rank can receive; a worker that samples the reference token at
+every step therefore reproduces the reference generation.
+
+:func:`hf_reference` makes that reference with ``transformers``: greedy rows with
+``generate(do_sample=False)``, seeded sampled rows with our sampler applied to
+``transformers``' logits, and the logits of every sampled position.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from worker.sampler import sample
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """A request of the scenario.
+
+    Attributes:
+        seq_id: its id.
+        prompt: prompt token ids.
+        num_new_tokens: tokens to generate.
+        sampling: sampling parameters.
+        arrive_step: the step whose plan first names it.
+        prefill_chunk: most prompt tokens per step (None: the whole prompt).
+        preempt_after: preempt it once, after this many generated tokens.
+    """
+
+    seq_id: int
+    prompt: tuple[int, ...]
+    num_new_tokens: int
+    sampling: SamplingParams = GREEDY
+    arrive_step: int = 0
+    prefill_chunk: int | None = None
+    preempt_after: int | None = None
+
+
+@dataclass
+class _State:
+    spec: SeqSpec
+    num_computed: int = 0
+    num_sampled: int = 0
+    block_table: list[int] | None = None
+    preempted: bool = False
+
+
+def build_plans(
+    specs: list[SeqSpec], completions: dict[int, list[int]], block_size: int, num_blocks: int, seed: int = 0
+) -> tuple[list[StepPlan], list[list[tuple[int, int]]]]:
+    """Plans for ``specs`` and, per step, ``(seq_id, completion index)`` of each sample in plan order."""
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    states: dict[int, _State] = {}
+    plans, expected = [], []
+    finished_next: list[int] = []
+    step = 0
+    while step == 0 or states or finished_next or any(s.arrive_step >= step for s in specs):
+        finished, new_seqs, scheduled, samples = list(finished_next), [], [], []
+        for seq_id in finished_next:
+            free.extend(states.pop(seq_id).block_table)
+        finished_next = []
+        for spec in specs:
+            if spec.arrive_step == step:
+                states[spec.seq_id] = _State(spec, block_table=[])
+                new_seqs.append(NewSequence(spec.seq_id, spec.sampling))
+        for state in list(states.values()):
+            spec = state.spec
+            if state.num_sampled == spec.num_new_tokens:
+                continue  # done, named in the next plan
+            if spec.preempt_after == state.num_sampled and not state.preempted and state.num_computed:
+                free.extend(state.block_table)  # preempted: dropped, then re-sent whole
+                state.block_table, state.num_computed, state.preempted = [], 0, True
+                finished.append(spec.seq_id)
+                new_seqs.append(NewSequence(spec.seq_id, spec.sampling))
+            known = list(spec.prompt) + completions[spec.seq_id][: state.num_sampled]
+            limit = spec.prefill_chunk or len(known)
+            tokens = known[state.num_computed : state.num_computed + limit]
+            end = state.num_computed + len(tokens)
+            num_new_blocks = -(-end // block_size) - len(state.block_table)
+            new_blocks = [free.pop() for _ in range(num_new_blocks)]
+            state.block_table.extend(new_blocks)
+            chunk_samples = end == len(known)
+            scheduled.append(ScheduledChunk(spec.seq_id, tuple(tokens), state.num_computed, tuple(new_blocks),
+                                            sample=chunk_samples))
+            state.num_computed = end
+            if chunk_samples:
+                samples.append((spec.seq_id, state.num_sampled))
+                state.num_sampled += 1
+                if state.num_sampled == spec.num_new_tokens:
+                    finished_next.append(spec.seq_id)  # blocks freed when the next plan names it
+        plans.append(StepPlan(step, tuple(new_seqs), tuple(scheduled), tuple(finished)))
+        expected.append(samples)
+        step += 1
+    return plans, expected
+
+
+@torch.no_grad()
+def hf_reference(model: torch.nn.Module, specs: list[SeqSpec]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    """Reference completions and the logits ``(num_new_tokens, vocab)`` that produced them, per seq_id."""
+    model.generation_config.eos_token_id = None  # generate exactly num_new_tokens
+    completions, logits = {}, {}
+    for spec in specs:
+        prompt = torch.tensor([spec.prompt])  # (1, P)
+        n = spec.num_new_tokens
+        if spec.sampling.greedy:
+            out = model.generate(prompt, do_sample=False, max_new_tokens=n, pad_token_id=0)  # (1, P + n)
+            completion = out[0, len(spec.prompt):].tolist()
+        else:
+            completion = []
+            for _ in range(n):
+                ids = torch.tensor([list(spec.prompt) + completion])  # (1, P + i)
+                last = model(ids).logits[:, -1].float()  # (1, V)
+                position = ids.shape[1]  # the new token's absolute position
+                completion.append(int(sample(last, [spec.sampling], [position])[0]))
+        full = torch.tensor([list(spec.prompt) + completion[:-1]])  # (1, P + n - 1)
+        all_logits = model(full).logits[0].float()  # (P + n - 1, V)
+        completions[spec.seq_id] = completion
+        logits[spec.seq_id] = all_logits[len(spec.prompt) - 1 :]  # (n, V)
+    return completions, logits
+
+
+def standard_specs(vocab_size: int, seed: int) -> list[SeqSpec]:
+    """The scenario every tiny checkpoint runs (see the module docstring of test_tp_runner)."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, vocab_size) for _ in range(n))
+
+    sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+    return [
+        SeqSpec(0, prompt(8), 6),
+        SeqSpec(1, prompt(3), 4),
+        SeqSpec(2, prompt(12), 5, prefill_chunk=7),  # prompt split over two prefill chunks
+        SeqSpec(3, prompt(1), 4, SamplingParams(temperature=1.0, seed=7), arrive_step=1),
+        SeqSpec(4, prompt(6), 5, sampled, arrive_step=2, preempt_after=2),  # joins running decodes
+        SeqSpec(5, prompt(9), 3, arrive_step=5),  # reuses finished sequences' blocks
+    ]

@@ -1,0 +1,90 @@
+"""Checkpoint loading: layouts, tied heads, and errors that name the offending weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tpserve.model_config import ModelConfig
+from worker.loader import checkpoint_files, load_model
+from worker.parallel_state import ParallelContext
+
+
+def _rewrite(source: Path, target: Path, edit) -> Path:
+    """Copy ``source``'s config.json and a single-file checkpoint of its tensors after ``edit(dict)``."""
+    target.mkdir()
+    shutil.copy(source / "config.json", target / "config.json")
+    tensors = {}
+    for path in set(checkpoint_files(source).values()):
+        tensors.update(load_file(path))
+    edit(tensors)
+    save_file(tensors, target / "model.safetensors")
+    return target
+
+
+def _load(model_dir: Path):
+    return load_model(model_dir, ModelConfig.from_pretrained(model_dir), ParallelContext.single(), torch.float32)
+
+
+def test_sharded_checkpoint_is_read_through_its_index(tiny_checkpoints: dict[str, Path]) -> None:
+    files = checkpoint_files(tiny_checkpoints["sharded_linear_rope"])
+    assert len(set(files.values())) > 1
+    model = _load(tiny_checkpoints["sharded_linear_rope"])
+    reference = load_file(files["model.layers.1.mlp.down_proj.weight"])["model.layers.1.mlp.down_proj.weight"]
+    torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight, reference)
+
+
+def test_missing_weight_is_named(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    broken = _rewrite(tiny_checkpoints["gqa_tied"], tmp_path / "m",
+                      lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing weights: \['model.layers.1.self_attn.k_proj.weight'\]"):
+        _load(broken)
+
+
+def test_unexpected_weight_is_named(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    def add(tensors: dict) -> None:
+        tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+
+    broken = _rewrite(tiny_checkpoints["gqa_tied"], tmp_path / "m", add)
+    with pytest.raises(ValueError, match=r"does not use: \['model.layers.0.self_attn.q_norm.weight'\]"):
+        _load(broken)
+
+
+def test_misshaped_weight_is_named(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    def shrink(tensors: dict) -> None:
+        tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:-1]
+
+    broken = _rewrite(tiny_checkpoints["gqa_tied"], tmp_path / "m", shrink)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight'.*shape \[127, 64\]"):
+        _load(broken)
+
+
+def test_rotary_inv_freq_buffers_are_skipped(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    def add(tensors: dict) -> None:
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    _load(_rewrite(tiny_checkpoints["gqa_tied"], tmp_path / "m", add))
+
+
+def test_absent_lm_head_means_tied(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    source = tiny_checkpoints["mqa_untied_bias"]
+    assert not ModelConfig.from_pretrained(source).tie_word_embeddings
+    untied = _load(source)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    tied = _load(_rewrite(source, tmp_path / "m", lambda t: t.pop("lm_head.weight")))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_tied_checkpoint_has_no_separate_head(tiny_checkpoints: dict[str, Path]) -> None:
+    assert "lm_head.weight" not in checkpoint_files(tiny_checkpoints["gqa_tied"])
+    model = _load(tiny_checkpoints["gqa_tied"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        checkpoint_files(tmp_path)

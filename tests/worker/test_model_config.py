@@ -1,0 +1,149 @@
+"""ModelConfig: parsing Hugging Face config.json files and tensor-parallel split checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpserve.model_config import ModelConfig
+
+
+def _llama(**overrides: object) -> dict:
+    raw = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 172,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+    }
+    raw.update(overrides)
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def test_parses_stories260k(stories_dir: Path) -> None:
+    config = ModelConfig.from_pretrained(stories_dir)
+    assert config.model_type == "llama"
+    assert config.architectures == ("LlamaForCausalLM",)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (512, 64, 172)
+    assert (config.num_hidden_layers, config.total_num_heads, config.total_num_kv_heads) == (5, 8, 4)
+    assert config.head_dim == 8
+    assert config.rms_norm_eps == 1e-5 and config.rope_theta == 10000.0 and config.rope_scaling is None
+    assert config.max_position_embeddings == 512
+    assert config.tie_word_embeddings is True
+    assert (config.attention_bias, config.o_proj_bias, config.mlp_bias) == (False, False, False)
+    assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
+    assert config.torch_dtype == "float32"
+
+
+def test_parses_transformers5_layout_from_disk(tiny_checkpoints: dict[str, Path]) -> None:
+    config = ModelConfig.from_pretrained(tiny_checkpoints["llama3_rope"])
+    assert config.head_dim == 32  # explicit head_dim, not hidden / heads = 16
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    qwen = ModelConfig.from_pretrained(tiny_checkpoints["qwen2_qkv_bias"])
+    assert (qwen.attention_bias, qwen.o_proj_bias) == (True, False)
+    assert qwen.rope_theta == 1000000.0
+    llama_bias = ModelConfig.from_pretrained(tiny_checkpoints["mqa_untied_bias"])
+    assert (llama_bias.attention_bias, llama_bias.o_proj_bias, llama_bias.mlp_bias) == (True, True, True)
+    assert llama_bias.tie_word_embeddings is False and llama_bias.total_num_kv_heads == 1
+
+
+def test_parses_transformers4_rope_scaling_and_defaults() -> None:
+    raw = _llama(rope_theta=500000.0, num_key_value_heads=None, eos_token_id=[128001, 128009],
+                 torch_dtype="bfloat16",
+                 rope_scaling={"type": "linear", "factor": 4})
+    config = ModelConfig.from_dict(raw)
+    assert config.total_num_kv_heads == 8  # defaults to num_attention_heads
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert config.eos_token_ids == (128001, 128009)
+    assert config.torch_dtype == "bfloat16"
+    llama3 = ModelConfig.from_dict(_llama(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}))
+    # transformers falls back to max_position_embeddings when the original length is absent
+    assert llama3.rope_scaling["original_max_position_embeddings"] == 512
+    assert ModelConfig.from_dict(_llama(rope_scaling={"rope_type": "default"})).rope_scaling is None
+
+
+def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(_llama(model_type="mistral", sliding_window=None)))
+    assert ModelConfig.from_pretrained(tmp_path).model_type == "mistral"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"model_type": "gpt2"}, ["model_type='gpt2'"]),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type='yarn'"]),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["llama3", "low_freq_factor"]),
+        ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, ["sliding_window=4096"]),
+        ({"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window"]),
+        ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
+        ({"vocab_size": None}, ["vocab_size"]),
+    ],
+)
+def test_refuses_unsupported_configs(overrides: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as error:
+        ModelConfig.from_dict(_llama(**overrides))
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_mistral_with_window_covering_every_position_is_full_attention() -> None:
+    config = ModelConfig.from_dict(_llama(model_type="mistral", sliding_window=512))
+    assert (config.attention_bias, config.o_proj_bias) == (False, False)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_check_tensor_parallel_accepts_even_splits(tp: int) -> None:
+    ModelConfig.from_dict(_llama(intermediate_size=256)).check_tensor_parallel(tp)
+
+
+def test_check_tensor_parallel_accepts_replicated_kv_heads() -> None:
+    ModelConfig.from_dict(_llama(intermediate_size=256, num_key_value_heads=2)).check_tensor_parallel(8)
+    ModelConfig.from_dict(_llama(intermediate_size=256, num_key_value_heads=1)).check_tensor_parallel(4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tp", "message"),
+    [
+        ({}, 3, "num_attention_heads=8 is not divisible by tensor_parallel_size=3"),
+        ({}, 8, "intermediate_size=172 is not divisible by tensor_parallel_size=8"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 6, "intermediate_size": 192}, 4,
+         "num_key_value_heads=6 is not divisible by tensor_parallel_size=4"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 192}, 6,
+         "tensor_parallel_size=6 is larger than num_key_value_heads=4 but not a multiple of it"),
+        ({}, 0, "tensor_parallel_size must be >= 1"),
+    ],
+)
+def test_check_tensor_parallel_names_the_dimension(overrides: dict, tp: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(_llama(**overrides)).check_tensor_parallel(tp)
+
+
+def test_kv_cache_sizing_helpers() -> None:
+    config = ModelConfig.from_dict(_llama())  # 5 layers, 4 KV heads of 8
+    assert config.kv_cache_bytes_per_token(tp=1, dtype_size=4) == 2 * 5 * 4 * 8 * 4
+    assert config.kv_cache_bytes_per_token(tp=2, dtype_size=2) == 2 * 5 * 2 * 8 * 2
+    assert config.kv_cache_bytes_per_token(tp=8, dtype_size=2) == 2 * 5 * 1 * 8 * 2  # replicated head
+    assert config.padded_vocab_size(3) == 513 and config.padded_vocab_size(4) == 512
+
+
+def test_module_imports_no_torch() -> None:
+    """The coordinator imports ModelConfig and must stay torch-free."""
+    code = "import sys, tpserve.model_config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -1,0 +1,130 @@
+"""Run step plans through ``ModelRunner`` on every rank of a gloo group (child-process side).
+
+The parent (a test) prepares :class:`Job` s — a checkpoint and the plans to feed
+it — and calls :func:`run_jobs`; each rank builds its runner and executes the
+same plans; rank 0 records, per step, the sampled tokens and the logits it
+sampled from. Several jobs share one process group to amortise start-up.
+This module imports no ``transformers``: spawned ranks import only the worker.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from tpserve.step import StepPlan
+from worker.model_runner import ModelRunner
+from worker.parallel_state import ParallelContext, destroy_distributed, init_distributed
+
+#: Seconds a collective may wait before the test fails instead of hanging.
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One checkpoint and the plans to run on it."""
+
+    name: str
+    model_dir: str
+    plans: tuple[StepPlan, ...]
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What rank 0 saw for one step."""
+
+    sampled_token_ids: tuple[int, ...]
+    logits: torch.Tensor | None  # (num_samples, vocab_size) float32
+
+
+def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRecord]]:
+    """Run every job on this rank; returns the records (meaningful on rank 0)."""
+    results: dict[str, list[StepRecord]] = {}
+    for job in jobs:
+        runner = ModelRunner(job.model_dir, ctx, job.dtype, job.block_size)
+        runner.init_kv_cache(job.num_blocks)
+        records = []
+        for plan in job.plans:
+            result = runner.execute(plan)
+            assert result.step_id == plan.step_id
+            logits = None if runner.last_logits is None else runner.last_logits.clone()
+            records.append(StepRecord(result.sampled_token_ids, logits))
+        results[job.name] = records
+    return results
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, jobs: list[Job], out_path: str) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    ctx = init_distributed(rank, world_size, init_method, "cpu", COLLECTIVE_TIMEOUT_S)
+    try:
+        results = execute_jobs(ctx, jobs)
+        if rank != 0:
+            for records in results.values():
+                assert all(r.sampled_token_ids == () and r.logits is None for r in records)
+        else:
+            with open(out_path, "wb") as f:
+                pickle.dump(results, f)
+    finally:
+        destroy_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_jobs(jobs: list[Job], world_size: int) -> dict[str, list[StepRecord]]:
+    """Run ``jobs`` at tensor-parallel degree ``world_size``; return rank 0's records.
+
+    ``world_size == 1`` runs in this process (no process group is needed);
+    larger degrees spawn one process per rank, joined over gloo on localhost.
+    """
+    if world_size == 1:
+        return execute_jobs(ParallelContext.single("cpu"), jobs)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = str(Path(tmp) / "rank0.pkl")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        mp.spawn(_rank_main, args=(world_size, init_method, jobs, out_path), nprocs=world_size, join=True)
+        with open(out_path, "rb") as f:
+            return pickle.load(f)
+
+
+def _lost_rank_main(rank: int, world_size: int, init_method: str, timeout_s: float, out_path: str) -> None:
+    """Rank 1 stops taking part (hung, still connected); rank 0 records how its next all-reduce ends."""
+    import os
+    import time
+
+    ctx = init_distributed(rank, world_size, init_method, "cpu", timeout_s)
+    ctx.all_reduce(torch.ones(4))  # the group works
+    if rank == 1:
+        time.sleep(timeout_s + 1.0)  # hung: the connection stays open, nothing is sent
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        ctx.all_reduce(torch.ones(4))
+        outcome = "returned"
+    except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
+        outcome = f"{type(error).__name__}: {error}"
+    with open(out_path, "wb") as f:
+        pickle.dump((outcome, time.monotonic() - start), f)
+    os._exit(0)  # skip destroy_process_group, which would wait for the lost peer
+
+
+def run_lost_rank(timeout_s: float) -> tuple[str, float]:
+    """Start 2 ranks, hang rank 1, return rank 0's all-reduce outcome and the seconds it took."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = str(Path(tmp) / "rank0.pkl")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        mp.spawn(_lost_rank_main, args=(2, init_method, timeout_s, out_path), nprocs=2, join=True)
+        with open(out_path, "rb") as f:
+            return pickle.load(f)

@@ -1,0 +1,88 @@
+"""Vocab-parallel input embedding and LM head (Megatron-LM, arXiv:1909.08053, section 3).
+
+The vocabulary is padded to ``padded_vocab_size``, a multiple of ``world_size``,
+and rank ``r`` holds rows ``[r * V_p, (r + 1) * V_p)`` of the embedding matrix
+(``V_p = padded_vocab_size / world_size``); padding rows are zero.
+
+* ``VocabParallelEmbedding``: each rank embeds the token ids that fall in its
+  rows, writes zeros for the others, and an all-reduce sums the partial
+  embeddings into the full one.
+* ``ParallelLMHead``: each rank computes the logits of its vocabulary slice;
+  they are gathered on rank 0 and the padding columns dropped. With tied word
+  embeddings the head shares the embedding's weight parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
+from worker.parallel_state import ParallelContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks.
+
+    Args:
+        vocab_size: number of token ids (unpadded).
+        embedding_size: width of one embedding (``hidden_size``).
+        ctx: the tensor-parallel group.
+        dtype: parameter dtype.
+
+    Shapes: ``input_ids (T,) int64 -> (T, embedding_size)`` in ``dtype``.
+    """
+
+    def __init__(self, vocab_size: int, embedding_size: int, ctx: ParallelContext, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.embedding_size = embedding_size
+        self.padded_vocab_size = -(-vocab_size // ctx.world_size) * ctx.world_size
+        self.vocab_size_per_partition = self.padded_vocab_size // ctx.world_size
+        self.vocab_start = ctx.rank * self.vocab_size_per_partition
+        self.vocab_end = self.vocab_start + self.vocab_size_per_partition
+        shape = (self.vocab_size_per_partition, embedding_size)
+        self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
+        """Copy rows ``[vocab_start, min(vocab_end, vocab_size))``; zero the padding rows."""
+        check_shape(source, (self.vocab_size, self.embedding_size))
+        num_real_rows = max(0, min(self.vocab_end, self.vocab_size) - self.vocab_start)
+        if num_real_rows:
+            copy_into(param.data[:num_real_rows], read_narrow(source, 0, self.vocab_start, num_real_rows))
+        param.data[num_real_rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.world_size == 1:
+            return F.embedding(input_ids, self.weight)  # (T, embedding_size)
+        in_slice = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # (T,) bool
+        local_ids = torch.where(in_slice, input_ids - self.vocab_start, 0)  # (T,) int64, valid row indices
+        x = F.embedding(local_ids, self.weight)  # (T, embedding_size)
+        x = x * in_slice.unsqueeze(-1).to(x.dtype)  # (T, embedding_size), zero where another rank owns the id
+        return self.ctx.all_reduce(x)  # (T, embedding_size), the full embedding
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits ``hidden @ E.T`` with ``E`` split by vocabulary rows, gathered on rank 0.
+
+    ``forward(hidden (N, embedding_size)) -> (N, vocab_size)`` on rank 0 (in the
+    weight's dtype), None on the other ranks. Every rank must call it.
+    """
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share ``embedding``'s weight (tied word embeddings); the two must match in shape."""
+        if embedding.weight.shape != self.weight.shape:
+            raise ValueError(
+                f"cannot tie LM head {list(self.weight.shape)} to embedding {list(embedding.weight.shape)}"
+            )
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        local_logits = F.linear(hidden, self.weight)  # (N, vocab_size_per_partition)
+        logits = self.ctx.gather_to_rank0(local_logits, dim=-1)  # (N, padded_vocab_size) on rank 0
+        if logits is None:
+            return None
+        return logits[:, : self.vocab_size]  # (N, vocab_size): padding columns dropped

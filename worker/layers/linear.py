@@ -1,0 +1,208 @@
+"""Tensor-parallel linear layers (Megatron-LM layout, arXiv:1909.08053, section 3).
+
+``y = x @ W.T + b`` with ``W`` of shape ``(output_size, input_size)`` split across
+the ``world_size`` ranks of a :class:`~worker.parallel_state.ParallelContext`:
+
+* column-parallel: rank ``r`` holds output rows ``[r * out/tp, (r + 1) * out/tp)``
+  and produces that slice of ``y``; no communication;
+* row-parallel: rank ``r`` holds input columns ``[r * in/tp, (r + 1) * in/tp)``,
+  consumes the matching slice of ``x`` (the output of a column-parallel layer) and
+  produces a partial ``y``; the partials are summed by an all-reduce in
+  ``forward()``, then the bias is added once.
+
+Fused variants load several checkpoint tensors into one parameter:
+``MergedColumnParallelLinear`` (``gate_proj`` + ``up_proj``) and
+``QKVParallelLinear`` (``q_proj`` + ``k_proj`` + ``v_proj``, split by head, KV
+heads replicated when ``world_size > total_num_kv_heads``). Each parameter's
+``weight_loader(param, source, shard_id)`` reads only this rank's rows or columns
+of the checkpoint tensor; ``shard_ids`` lists the ``shard_id`` values it expects.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
+from worker.parallel_state import ParallelContext
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y[:, rank's slice] = x @ W[rank's rows].T + b[rank's slice]``.
+
+    Args:
+        input_size: features of ``x`` (whole, replicated on every rank).
+        output_size: features of the full ``y``; must divide by ``world_size``.
+        ctx: the tensor-parallel group.
+        bias: whether the layer has a bias.
+        dtype: parameter dtype.
+
+    Shapes: ``x (T, input_size) -> (T, output_size / world_size)``, ``x.dtype``.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = _divide(output_size, ctx.world_size, "output_size")
+        shape = (self.output_size_per_partition, input_size)
+        self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = new_parameter(shape[:1], dtype, ctx.device, self.weight_loader)
+            self.bias.shard_ids = (None,)  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
+        """Copy rows ``[rank * out/tp, (rank + 1) * out/tp)`` of the full weight or bias."""
+        check_shape(source, (self.output_size, *param.shape[1:]))
+        size = self.output_size_per_partition
+        copy_into(param.data, read_narrow(source, 0, self.ctx.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # (T, output_size / tp)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one matmul (``gate_proj`` and ``up_proj``).
+
+    Rank ``r``'s weight is ``[W_0[r's rows]; W_1[r's rows]; ...]``, so its output
+    is ``(T, sum(output_sizes) / world_size)`` laid out as the local slice of
+    output 0, then of output 1, and so on. ``shard_id`` is the output's index.
+    """
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], ctx: ParallelContext, *, bias: bool, dtype: torch.dtype
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        for size in self.output_sizes:
+            _divide(size, ctx.world_size, "output_size")
+        super().__init__(input_size, sum(output_sizes), ctx, bias=bias, dtype=dtype)
+        shard_ids = tuple(range(len(output_sizes)))
+        self.weight.shard_ids = shard_ids  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.shard_ids = shard_ids  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
+        """Copy this rank's rows of output ``shard_id`` (an int) into its place in ``param``."""
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an output index < {len(self.output_sizes)}, got {shard_id!r}")
+        tp = self.ctx.world_size
+        check_shape(source, (self.output_sizes[shard_id], *param.shape[1:]))
+        size = self.output_sizes[shard_id] // tp
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        copy_into(param.data[offset : offset + size], read_narrow(source, 0, self.ctx.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused ``q_proj``, ``k_proj``, ``v_proj``, split by attention head.
+
+    Rank ``r`` holds query heads ``[r * num_heads, (r + 1) * num_heads)`` with
+    ``num_heads = total_num_heads / world_size``, and ``num_kv_heads`` key/value
+    heads: ``total_num_kv_heads / world_size`` of them starting at
+    ``r * num_kv_heads`` when ``world_size <= total_num_kv_heads``; otherwise one,
+    head ``r // (world_size / total_num_kv_heads)``, replicated on that many ranks
+    (the KV head the rank's query heads attend to under GQA, Ainslie et al. 2023,
+    arXiv:2305.13245). ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
+
+    Shapes: ``x (T, hidden_size) -> (T, (num_heads + 2 * num_kv_heads) * head_size)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        ctx: ParallelContext,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        tp = ctx.world_size
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp, "num_attention_heads")
+        if tp <= total_num_kv_heads:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp, "num_key_value_heads")
+            self.kv_head_start = ctx.rank * self.num_kv_heads
+        else:
+            if tp % total_num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={total_num_kv_heads}"
+                )
+            replicas = tp // total_num_kv_heads  # ranks sharing one KV head
+            self.num_kv_heads = 1
+            self.kv_head_start = ctx.rank // replicas
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        # The parent splits output_size by tp; give it the padded total so each
+        # rank's part is exactly q_size + 2 * kv_size.
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, ctx, bias=bias, dtype=dtype)
+        self.weight.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
+        """Copy this rank's heads of ``q_proj``/``k_proj``/``v_proj`` (``shard_id``) into ``param``."""
+        if shard_id == "q":
+            total, start, size, offset = self.total_num_heads, self.ctx.rank * self.q_size, self.q_size, 0
+        elif shard_id in ("k", "v"):
+            total, start, size = self.total_num_kv_heads, self.kv_head_start * self.head_size, self.kv_size
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        check_shape(source, (total * self.head_size, *param.shape[1:]))
+        copy_into(param.data[offset : offset + size], read_narrow(source, 0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x[:, rank's slice] @ W[:, rank's columns].T) + b``.
+
+    Args:
+        input_size: features of the full ``x``; must divide by ``world_size``.
+        output_size: features of ``y`` (whole, replicated on every rank after the reduce).
+        ctx: the tensor-parallel group.
+        bias: whether the layer has a bias (replicated, added once after the reduce).
+        dtype: parameter dtype.
+
+    Shapes: ``x (T, input_size / world_size) -> (T, output_size)``, ``x.dtype``.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = _divide(input_size, ctx.world_size, "input_size")
+        self.weight = new_parameter((output_size, self.input_size_per_partition), dtype, ctx.device, self.weight_loader)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+        self.bias = new_parameter((output_size,), dtype, ctx.device) if bias else None
+        if self.bias is not None:
+            self.bias.shard_ids = (None,)  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
+        """Copy columns ``[rank * in/tp, (rank + 1) * in/tp)`` of the full weight."""
+        check_shape(source, (self.output_size, self.input_size))
+        size = self.input_size_per_partition
+        copy_into(param.data, read_narrow(source, 1, self.ctx.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (T, output_size), this rank's partial sum
+        y = self.ctx.all_reduce(y)  # (T, output_size), summed over ranks
+        if self.bias is not None:
+            y = y + self.bias  # (T, output_size); once, not once per rank
+        return y

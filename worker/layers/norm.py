@@ -1,0 +1,43 @@
+"""RMSNorm and the SwiGLU activation, replicated on every rank (no communication)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.weights import new_parameter
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang and Sennrich 2019, arXiv:1910.07467).
+
+    ``y = w * (x / sqrt(mean(x**2) + eps))``, the statistics in float32 and the
+    result cast back before scaling, exactly as ``transformers``' ``LlamaRMSNorm``.
+
+    Shapes: ``x (T, hidden_size) -> (T, hidden_size)``, ``x.dtype``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((hidden_size,), dtype, device)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)  # (T, hidden_size) float32
+        variance = x32.pow(2).mean(-1, keepdim=True)  # (T, 1)
+        x32 = x32 * torch.rsqrt(variance + self.eps)  # (T, hidden_size)
+        return self.weight * x32.to(input_dtype)  # (T, hidden_size)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU gate (Shazeer 2020, arXiv:2002.05202): ``silu(gate) * up``.
+
+    Shapes: ``gate_up (T, 2 * n)`` laid out ``[gate | up]`` ``-> (T, n)``.
+    """
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # (T, n) each
+        return F.silu(gate) * up  # (T, n)

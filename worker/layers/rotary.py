@@ -1,0 +1,92 @@
+"""Rotary position embedding (RoPE; Su et al. 2021, arXiv:2104.09864).
+
+The inverse frequencies follow Hugging Face ``transformers`` exactly
+(``transformers/modeling_rope_utils.py``, v5):
+
+* default: ``inv_freq[i] = 1 / theta ** (2i / d)`` for ``i < d/2``
+  (``LlamaRotaryEmbedding.compute_default_rope_parameters``);
+* ``"linear"`` (position interpolation, Chen et al. 2023, arXiv:2306.15595):
+  ``inv_freq / factor`` (``_compute_linear_scaling_rope_parameters``);
+* ``"llama3"``: wavelengths ``2 pi / inv_freq`` longer than
+  ``original_max_position_embeddings / low_freq_factor`` are divided by
+  ``factor``, shorter than ``... / high_freq_factor`` kept, and those in between
+  interpolated with ``smooth = (old_len / wavelen - low) / (high - low)``
+  (``_compute_llama3_parameters``).
+
+The rotation is the "rotate half" (GPT-NeoX) layout Llama checkpoints use:
+``x * cos + rotate_half(x) * sin`` with ``cos, sin`` of ``cat(freqs, freqs)``,
+computed in float32 and cast to the activations' dtype, as ``transformers`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``(head_size / 2,)`` float32, in radians per position.
+
+    Raises:
+        ValueError: an unsupported ``rope_scaling["rope_type"]``.
+    """
+    exponent = torch.arange(0, head_size, 2, dtype=torch.int64).to(torch.float) / head_size  # (d/2,)
+    inv_freq = 1.0 / (theta**exponent)  # (d/2,)
+    rope_type = "default" if rope_scaling is None else rope_scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    factor = rope_scaling["factor"]  # type: ignore[index]
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type={rope_type!r} is not supported")
+    low_freq_factor = rope_scaling["low_freq_factor"]  # type: ignore[index]
+    high_freq_factor = rope_scaling["high_freq_factor"]  # type: ignore[index]
+    old_context_len = rope_scaling["original_max_position_embeddings"]  # type: ignore[index]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # (d/2,) positions per turn
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)  # (d/2,)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)  # (d/2,)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # (..., d/2) each
+    return torch.cat((-x2, x1), dim=-1)  # (..., d)
+
+
+class RotaryEmbedding(nn.Module):
+    """Cosines and sines of the rotation angles ``position * inv_freq``, once per step.
+
+    Computed on the fly from the positions, as ``transformers``'
+    ``LlamaRotaryEmbedding.forward`` does (float32 angles, then cast), so there is
+    no table to size and every layer shares the step's ``(cos, sin)``.
+
+    Args:
+        head_size: size of one head ``d`` (even).
+        theta: base wavelength (``rope_theta``).
+        rope_scaling: ``None`` or the dict of :class:`tpserve.model_config.ModelConfig`.
+        device: where ``inv_freq`` lives.
+    """
+
+    def __init__(self, head_size: int, theta: float, rope_scaling: dict[str, Any] | None, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_size, theta, rope_scaling).to(device)  # (d/2,) float32
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions (T,) int64`` -> ``cos, sin`` each ``(T, 1, d)`` in ``dtype`` (broadcast over heads)."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2) radians
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
+        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)  # (T, 1, d) each
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (T, num_heads, d)`` by the step's ``cos, sin (T, 1, d)``: ``x cos + rotate_half(x) sin``."""
+    return x * cos + _rotate_half(x) * sin  # (T, num_heads, d)

@@ -1,0 +1,64 @@
+"""Reading one rank's shard of a checkpoint tensor without reading the rest.
+
+A *checkpoint source* is either a ``torch.Tensor`` (tests, tied weights) or a
+``safetensors`` slice from ``safe_open(...).get_slice(name)``, which reads from
+the file only the rows/columns it is indexed with. Both are indexed here with a
+tuple of slices, so a rank never materialises the full tensor of a sharded
+weight. Parallel layers attach ``weight_loader(param, source, shard_id)`` to each
+parameter, built from these helpers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class CheckpointSource(Protocol):
+    """A ``torch.Tensor`` or a ``safetensors`` ``PySafeSlice``."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+def source_shape(source: CheckpointSource) -> tuple[int, ...]:
+    """Full shape of the checkpoint tensor behind ``source``."""
+    if isinstance(source, torch.Tensor):
+        return tuple(source.shape)
+    return tuple(source.get_shape())  # type: ignore[attr-defined]
+
+
+def read_narrow(source: CheckpointSource, dim: int, start: int, size: int) -> torch.Tensor:
+    """Read ``source[..., start:start + size, ...]`` along ``dim`` (0 or 1) only."""
+    index = [slice(None)] * len(source_shape(source))
+    index[dim] = slice(start, start + size)
+    return source[tuple(index)]
+
+
+def check_shape(source: CheckpointSource, expected: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` unless the checkpoint tensor has the ``expected`` full shape."""
+    shape = source_shape(source)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {list(shape)}, expected {list(expected)}")
+
+
+def copy_into(destination: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` into ``destination`` (same shape), casting to its dtype and device."""
+    if destination.shape != value.shape:
+        raise ValueError(f"shard has shape {list(value.shape)}, expected {list(destination.shape)}")
+    destination.copy_(value)
+
+
+def load_replicated(param: torch.nn.Parameter, source: CheckpointSource, shard_id: Any = None) -> None:
+    """``weight_loader`` of an unsplit parameter (norms, row-parallel bias): read it whole."""
+    check_shape(source, tuple(param.shape))
+    copy_into(param.data, source[tuple(slice(None) for _ in param.shape)])
+
+
+def new_parameter(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, loader: Any = load_replicated
+) -> torch.nn.Parameter:
+    """An uninitialised parameter (filled by the loader, never randomly) with its ``weight_loader``."""
+    param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param

@@ -1,0 +1,173 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2), one tensor-parallel shard of it.
+
+Architecture (Touvron et al. 2023, arXiv:2302.13971; reference: ``transformers``'
+``modeling_llama.py``), for a flat batch of ``T`` tokens on one rank:
+
+    h = embed(input_ids)                                   vocab-parallel, all-reduce
+    for each layer:
+        h = h + o_proj(attention(rope(q, k), v))           o_proj row-parallel, all-reduce
+                 where q, k, v = qkv_proj(rms_norm(h))     column-parallel by head
+        h = h + down_proj(silu(gate) * up)                 down_proj row-parallel, all-reduce
+                 where gate, up = gate_up_proj(rms_norm(h))  column-parallel
+    h = rms_norm(h)
+    logits = lm_head(h[rows that sample])                  vocab-parallel, gathered on rank 0
+
+``num_heads``/``num_kv_heads``/``intermediate`` below are this rank's shares.
+Parameter names match the Hugging Face checkpoint except the fused
+``qkv_proj`` (q/k/v_proj) and ``gate_up_proj`` (gate/up_proj); see worker/loader.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpserve.model_config import ModelConfig
+from worker.attention import AttentionMetadata, PagedAttention
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.norm import RMSNorm, SiluAndMul
+from worker.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.parallel_state import ParallelContext
+
+#: One layer's paged cache on this rank: ``(k_cache, v_cache)``, each
+#: ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+KVCache = tuple[torch.Tensor, torch.Tensor]
+#: The step's RoPE ``(cos, sin)``, each ``(T, 1, head_dim)``, shared by every layer.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer, on this rank's query and key/value heads."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, d, config.total_num_heads, config.total_num_kv_heads, ctx,
+            bias=config.attention_bias, dtype=dtype,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.total_num_heads * d, config.hidden_size, ctx, bias=config.o_proj_bias, dtype=dtype
+        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
+
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens, d = x.shape[0], self.attn.head_size
+        qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, d)  # (T, num_heads, d)
+        k = k.view(num_tokens, self.num_kv_heads, d)  # (T, num_kv_heads, d)
+        v = v.view(num_tokens, self.num_kv_heads, d)  # (T, num_kv_heads, d)
+        q = apply_rotary(q, *rope)  # (T, num_heads, d)
+        k = apply_rotary(k, *rope)  # (T, num_kv_heads, d)
+        o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
+        return self.o_proj(o)  # (T, hidden), all-reduced over ranks
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, arXiv:2002.05202)."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], ctx, bias=config.mlp_bias, dtype=dtype
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(size, config.hidden_size, ctx, bias=config.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        h = self.act_fn(gate_up)  # (T, intermediate)
+        return self.down_proj(h)  # (T, hidden), all-reduced over ranks
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        device = ctx.device
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, ctx, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, ctx, dtype)
+
+    def forward(self, rope: Rope, h: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata)  # (T, hidden)
+        h = h + self.mlp(self.post_attention_layernorm(h))  # (T, hidden)
+        return h
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, ctx.device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # (T, hidden), all-reduced over ranks
+        rope = self.rotary_emb(positions, h.dtype)  # cos, sin: (T, 1, head_dim) each
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(rope, h, kv_cache, attn_metadata)  # (T, hidden)
+        return self.norm(h)  # (T, hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: :class:`LlamaModel` plus a vocab-parallel LM head.
+
+    Args:
+        config: the model's architecture.
+        ctx: this rank's tensor-parallel group; ``config.check_tensor_parallel``
+            must accept its ``world_size``.
+        dtype: dtype of every parameter and activation (float32, bfloat16, float16).
+        tie_word_embeddings: the LM head shares the input embedding's weight
+            (decided by the loader from the checkpoint's contents).
+
+    Parameters are allocated uninitialised on ``ctx.device``; the loader fills them.
+    """
+
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, ctx, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
+        self.tie_word_embeddings = tie_word_embeddings
+        if tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids, positions (T,) int64`` -> final hidden states ``(T, hidden_size)``.
+
+        Writes this step's keys and values into ``kv_caches`` (one per layer).
+        """
+        return self.model(input_ids, positions, kv_caches, attn_metadata)  # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden (N, hidden_size)`` of the rows that sample -> ``(N, vocab_size)`` on rank 0, else None.
+
+        A collective: every rank must call it with the same ``N``.
+        """
+        return self.lm_head(hidden)  # (N, vocab_size) on rank 0

@@ -1,0 +1,172 @@
+"""One rank's step executor: applies a :class:`~tpserve.step.StepPlan`, runs the model, samples.
+
+Every rank receives the same plan and runs the same forward pass on its shard;
+rank 0 also gathers the logits and samples. The runner decides nothing: the
+coordinator owns scheduling and block allocation; the runner keeps only what a
+plan's delta needs, per sequence: its block table and its sampling parameters.
+
+``execute(plan)`` applies the plan in the order of tpserve/step.py:
+
+1. drop the sequences in ``finished_seq_ids``;
+2. register each ``NewSequence`` (an id already known is reset: a preempted
+   sequence comes back this way with its whole block table);
+3. append each chunk's ``new_block_ids`` to its block table; build the flat batch
+   (tokens, positions) and the :class:`~worker.attention.AttentionMetadata` once;
+   run the model, which writes the chunk's K/V and attends over positions
+   ``0 .. start_position + num_tokens - 1``;
+4. compute logits only for the last token of chunks with ``sample=True``,
+   gather them on rank 0, sample there, in plan order.
+
+Observing logits (tests, debugging): after ``execute``, rank 0's
+``last_logits`` holds the step's ``(num_samples, vocab_size)`` float32 logits
+(None on other ranks or when nothing was sampled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tpserve.model_config import ModelConfig
+from tpserve.step import SamplingParams, StepPlan, StepResult
+from worker.attention import AttentionMetadata
+from worker.kv_cache import KVCacheLayout
+from worker.loader import load_model
+from worker.parallel_state import ParallelContext
+from worker.sampler import sample
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _SequenceState:
+    sampling: SamplingParams
+    block_table: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Holds this rank's model shard and KV cache and executes step plans.
+
+    Args:
+        model_dir: Hugging Face checkpoint directory (``config.json``, safetensors).
+        ctx: this rank's tensor-parallel group.
+        dtype: weights, activations and KV cache dtype (float32, bfloat16, float16).
+        block_size: tokens per KV block (the coordinator's ``--block-size``).
+
+    Raises:
+        ValueError: the model cannot be split ``ctx.world_size`` ways (the message
+            names the dimension), an unsupported dtype or architecture, or a
+            checkpoint with missing/unexpected weights.
+    """
+
+    def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int) -> None:
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
+        self.config = ModelConfig.from_pretrained(model_dir)
+        self.config.check_tensor_parallel(ctx.world_size)
+        self.ctx = ctx
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
+        self.model = load_model(model_dir, self.config, ctx, dtype)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.last_logits: torch.Tensor | None = None
+        self._seqs: dict[int, _SequenceState] = {}
+
+    def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
+        """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
+        return self.kv_layout.num_blocks_for_budget(kv_cache_memory_bytes)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks per layer (block ids ``0 .. num_blocks - 1``)."""
+        self.kv_caches = self.kv_layout.allocate(num_blocks, self.ctx.device)
+        self.num_blocks = num_blocks
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences this rank currently holds state for."""
+        return len(self._seqs)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply ``plan`` and return the sampled tokens (rank 0) or none (other ranks).
+
+        Raises:
+            RuntimeError: ``init_kv_cache`` was not called.
+            ValueError: the plan names an unknown sequence, schedules one twice,
+                uses a block id outside the cache, gives a sequence too few
+                blocks for its context, or reaches past max_position_embeddings.
+                Finished and new sequences are applied before the check; no
+                forward pass runs.
+        """
+        if not self.kv_caches:
+            raise RuntimeError("init_kv_cache() must be called before execute()")
+        for seq_id in plan.finished_seq_ids:
+            self._seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self._seqs[new.seq_id] = _SequenceState(new.sampling)
+        self._check_chunks(plan)
+        for chunk in plan.scheduled:
+            self._seqs[chunk.seq_id].block_table.extend(chunk.new_block_ids)
+        self.last_logits = None
+        if not plan.scheduled:
+            return StepResult(step_id=plan.step_id)
+        with torch.inference_mode():
+            tokens = self._run(plan)
+        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens)
+
+    def _check_chunks(self, plan: StepPlan) -> None:
+        seen: set[int] = set()
+        for chunk in plan.scheduled:
+            state = self._seqs.get(chunk.seq_id)
+            if state is None:
+                raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} is not known to this worker")
+            if chunk.seq_id in seen:
+                raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} is scheduled twice")
+            seen.add(chunk.seq_id)
+            bad = [b for b in chunk.new_block_ids if not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(f"step {plan.step_id}: block ids {bad} outside [0, {self.num_blocks})")
+            if chunk.num_tokens < 1 or chunk.start_position < 0:
+                raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has an empty chunk or negative start")
+            end = chunk.start_position + chunk.num_tokens
+            capacity = (len(state.block_table) + len(chunk.new_block_ids)) * self.block_size
+            if end > capacity:
+                raise ValueError(
+                    f"step {plan.step_id}: seq_id={chunk.seq_id} needs {end} KV slots, its blocks hold {capacity}"
+                )
+            if end > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"step {plan.step_id}: seq_id={chunk.seq_id} reaches position {end - 1}, "
+                    f"max_position_embeddings={self.config.max_position_embeddings}"
+                )
+
+    def _run(self, plan: StepPlan) -> tuple[int, ...]:
+        """Forward the flat batch and sample; inside ``inference_mode``."""
+        device = self.ctx.device
+        chunks = plan.scheduled
+        meta = AttentionMetadata.build(
+            query_lens=[c.num_tokens for c in chunks],
+            start_positions=[c.start_position for c in chunks],
+            block_tables=[self._seqs[c.seq_id].block_table for c in chunks],
+            block_size=self.block_size,
+            device=device,
+        )
+        token_ids = [t for c in chunks for t in c.token_ids]
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)  # (T,)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)  # (T, hidden)
+
+        sampling = [i for i, c in enumerate(chunks) if c.sample]
+        if not sampling:
+            return ()
+        last_rows = meta.query_start_loc[1:][torch.tensor(sampling, device=device)] - 1  # (N,)
+        logits = self.model.compute_logits(hidden[last_rows])  # (N, vocab) on rank 0, else None
+        if logits is None:
+            return ()
+        logits = logits.float()  # (N, vocab) float32
+        self.last_logits = logits
+        params = [self._seqs[chunks[i].seq_id].sampling for i in sampling]
+        positions = [chunks[i].start_position + chunks[i].num_tokens for i in sampling]
+        return tuple(sample(logits, params, positions).tolist())
