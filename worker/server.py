@@ -74,8 +74,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
             opts = self.options
             device = _resolve_device(opts.device, opts.rank)
-            if device.type == "cpu":
-                # Ranks share the machine's cores: one rank per core group, no oversubscription.
+            if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                # Ranks share the machine's cores: split them, never oversubscribe
+                # (oversubscribed CPU matmuls slow down by an order of magnitude).
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world_size))
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)

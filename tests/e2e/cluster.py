@@ -71,7 +71,9 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str) -> I
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), *extra]
     if model is not None:
         cmd += ["--model", str(model)]
-    process = subprocess.Popen(cmd)
+    # One thread per rank: the tests' tiny models gain nothing from more, and the
+    # machine's cores are shared with the test process and the coordinator.
+    process = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     client = Client(f"127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -53,7 +53,7 @@ def reciting_model(tmp_path_factory) -> tuple[Path, list[int], list[int]]:
     model = transformers.LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch = torch.tensor([sequence])
-    for _ in range(400):
+    for _ in range(250):
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
