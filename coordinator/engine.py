@@ -168,7 +168,18 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Steps while there is work, sleeps while there is none, until cancelled or the group fails."""
+        """Steps while there is work, sleeps while there is none, until cancelled or the group fails.
+
+        A bug that escapes a step fails every request in flight (INTERNAL) rather than
+        leaving them waiting for a loop that no longer runs.
+        """
+        try:
+            await self._loop()
+        except Exception as exc:  # noqa: BLE001 - no request may hang on a dead loop
+            log.exception("engine loop failed")
+            self.fail_all(f"engine loop failed: {type(exc).__name__}: {exc}")
+
+    async def _loop(self) -> None:
         while True:
             if not (self.scheduler.running or self.scheduler.waiting):
                 self._wakeup.clear()
@@ -183,7 +194,7 @@ class Engine:
             try:
                 result = await self.workers.execute(plan)
             except WorkerGroupError as exc:
-                self.fail_all(str(exc))
+                self.fail_all(f"the worker group failed: {exc}")
                 return
             self._process(self.scheduler.update(plan, result))
             self._update_gauges()
@@ -229,7 +240,7 @@ class Engine:
         self.dead = reason
         for state in list(self._states.values()):
             # INTERNAL (TpserveError's code): a worker failure, with the request id.
-            state.queue.put_nowait(TpserveError(f"request {state.request_id}: the worker group failed: {reason}"))
+            state.queue.put_nowait(TpserveError(f"request {state.request_id}: {reason}"))
         self._on_fatal(reason)
 
     def _update_gauges(self) -> None:

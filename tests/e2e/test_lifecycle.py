@@ -48,3 +48,39 @@ def test_a_lost_rank_fails_requests_and_stops_the_cluster() -> None:
         cluster.process.wait(30)  # the coordinator stops by itself
         assert cluster.process.returncode == 1
     assert not any(pid_alive(pid) for pid in workers)
+
+
+def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loaded() -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tpserve.client import Client
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tpserve.cli", "serve", "--model", str(STORIES_DIR),
+                                "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port)])
+    statuses, early_errors = [], []
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            health = health_pb2_grpc.HealthStub(client.channel)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(service="tpserve.v1.Generation"), timeout=2).status
+                except grpc.RpcError:
+                    time.sleep(0.05)  # not listening yet
+                    continue
+                statuses.append(status)
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                if not early_errors:
+                    with pytest.raises(grpc.RpcError) as info:
+                        client.generate("Hi", max_tokens=2)
+                    early_errors.append(info.value)
+                time.sleep(0.05)
+            assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING  # ranks take seconds to load
+            assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING
+            assert early_errors[0].code() == grpc.StatusCode.UNAVAILABLE and "loading" in early_errors[0].details()
+            assert client.generate("Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
