@@ -53,6 +53,10 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 WORKER_EXIT_SECONDS = 5.0
 
 
+#: Name GetModelInfo reports for the embedded model (its model card's name).
+DEFAULT_MODEL_NAME = "tpserve-tiny-stories"
+
+
 def default_model_dir() -> Path:
     """The model embedded in the tpserve package (see tpserve/default_model/README.md)."""
     return Path(str(resources.files("tpserve") / "default_model"))
@@ -155,7 +159,7 @@ class Cluster:
     def _model_info(self, num_kv_blocks: int) -> pb.ModelInfo:
         cfg = self.config
         return pb.ModelInfo(
-            model_name=cfg.load.served_model_name or self.model_dir.name,
+            model_name=cfg.load.served_model_name or (self.model_dir.name if cfg.load.model else DEFAULT_MODEL_NAME),
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
             tensor_parallel_size=self.world_size,
