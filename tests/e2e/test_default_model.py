@@ -1,0 +1,72 @@
+"""The embedded default model: served with no --model, token for token with ``transformers``.
+
+It needs no ../shared: this is what a fresh clone on a machine with no model hub
+serves. The reference is Hugging Face ``transformers`` greedy generation on the same
+files, loaded the way any Hugging Face checkpoint is.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.cluster import serve
+from tpserve.cluster import DEFAULT_MODEL_NAME, default_model_dir
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["Once upon a time", "The little dog", "Mia said, \"", "Seven plus two is", "In the garden"]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def references() -> list[dict]:
+    """transformers' greedy completions of PROMPTS: token ids (eos excluded), text, finish reason."""
+    from tokenizers import Tokenizer
+
+    model_dir = default_model_dir()
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    raw_eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    eos = set(raw_eos if isinstance(raw_eos, list) else [raw_eos])
+    out = []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt).ids
+        with torch.inference_mode():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                       eos_token_id=list(eos), pad_token_id=list(eos)[0])
+        completion = generated[0, len(ids):].tolist()
+        finish = "length"
+        if completion and completion[-1] in eos:
+            completion, finish = completion[:-1], "stop"
+        whole = tokenizer.decode(ids + completion, skip_special_tokens=True)
+        text = whole[len(tokenizer.decode(ids, skip_special_tokens=True)):]
+        out.append({"prompt": prompt, "token_ids": completion, "text": text, "finish_reason": finish})
+    return out
+
+
+def test_the_embedded_model_is_a_complete_checkpoint() -> None:
+    model_dir = default_model_dir()
+    names = {p.name for p in model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json", "README.md"} <= names
+    assert sum(p.stat().st_size for p in model_dir.iterdir()) <= 8 * 1024**2
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_served_greedy_completions_match_transformers(references, tensor_parallel_size) -> None:
+    with serve(None, tensor_parallel_size) as cluster:
+        info = cluster.client.model_info()
+        assert info.model_name == DEFAULT_MODEL_NAME and info.tensor_parallel_size == tensor_parallel_size
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(
+                lambda ref: cluster.client.generate(ref["prompt"], max_tokens=MAX_TOKENS, temperature=0), references))
+    for ref, result in zip(references, results):
+        assert result.token_ids == ref["token_ids"], ref["prompt"]
+        assert result.text == ref["text"] and result.finish_reason == ref["finish_reason"]
+    assert sum(len(r.token_ids) for r in results) > 3 * MAX_TOKENS  # real text, not an early eos
