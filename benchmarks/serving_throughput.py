@@ -84,8 +84,8 @@ def main() -> int:
         print(json.dumps(run), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = Path(args.model).name if args.model else "default"
-        (args.out / f"serving_throughput_{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        # The model is named inside the report; the file keeps one fixed name.
+        (args.out / "serving_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
