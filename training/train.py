@@ -1,6 +1,6 @@
 """Train tpserve's default model from scratch on two CPU cores.
 
-    python -m tpserve.training.train --out tpserve/default_model
+    python -m training.train --out tpserve/default_model
 
 Everything is derived from the project's own code: the text comes from the
 seeded grammar in ``corpus.py``, the tokenizer is trained on it
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpserve.training import corpus
-from tpserve.training.tokenizer import BOS_ID, EOS_ID, check_round_trip, tokenizer_config, train_tokenizer
+from training import corpus
+from training.tokenizer import BOS_ID, EOS_ID, check_round_trip, tokenizer_config, train_tokenizer
 
 
 @dataclasses.dataclass
@@ -339,7 +339,7 @@ def main() -> None:
     log["software"] = {"python": platform.python_version(), "torch": torch.__version__,
                        "transformers": __import__("transformers").__version__,
                        "tokenizers": __import__("tokenizers").__version__}
-    log["command"] = "python -m tpserve.training.train --out " + str(out)
+    log["command"] = "python -m training.train --out " + str(out)
     if not args.no_plot:
         plot(log, out / "loss_curve.png")
     log["wall_seconds"] = round(time.perf_counter() - t_start, 1)

@@ -17,7 +17,7 @@ Document kinds (weights in ``_KINDS``):
 The sentences are regular on purpose: a model of about a million parameters
 trained for a few minutes on two CPU cores should learn to write them fluently.
 
-``python -m tpserve.training.corpus --seed 1 -n 5`` prints examples.
+``python -m training.corpus --seed 1 -n 5`` prints examples.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measure tpserve's default model from its saved files.
 
-    python -m tpserve.training.evaluate --model tpserve/default_model
+    python -m training.evaluate --model tpserve/default_model
 
 Loads the model with ``transformers.LlamaForCausalLM.from_pretrained`` and the
 tokenizer with ``tokenizers.Tokenizer.from_file`` (nothing from the training
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpserve.training import corpus
+from training import corpus
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -46,7 +46,7 @@ def _settings(model_dir: Path) -> dict:
     log = model_dir / "training_log.json"
     if log.exists():
         return json.loads(log.read_text())["settings"]
-    from tpserve.training.train import Settings  # defaults of the training run
+    from training.train import Settings  # defaults of the training run
 
     return {"n_train_docs": Settings.n_train_docs, "n_heldout_docs": Settings.n_heldout_docs}
 
@@ -89,7 +89,7 @@ def unigram_nll(train: list[list[int]], held: list[list[int]], vocab: int) -> tu
 
 
 def check_files(model_dir: Path, tok, config: dict) -> dict:
-    from tpserve.training.tokenizer import BOS_ID, check_round_trip
+    from training.tokenizer import BOS_ID, check_round_trip
 
     check_round_trip(tok)
     assert tok.encode("hello").ids[0] == BOS_ID

@@ -2,6 +2,6 @@
 
 ``corpus``: the seeded grammar that writes the training text;
 ``tokenizer``: the byte-fallback BPE tokenizer;
-``train``: ``python -m tpserve.training.train --out tpserve/default_model``;
-``evaluate``: ``python -m tpserve.training.evaluate --model tpserve/default_model``.
+``train``: ``python -m training.train --out tpserve/default_model``;
+``evaluate``: ``python -m training.evaluate --model tpserve/default_model``.
 """
