@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
+    # Placement on this host (tpserve/topology.py): the rank's same-host peers are the
+    # global ranks node_rank * local_world_size + [0, local_world_size).
+    parser.add_argument("--local-rank", type=int, default=None, help="index among this host's ranks (default: --rank)")
+    parser.add_argument("--local-world-size", type=int, default=None,
+                        help="ranks of the group on this host (default: --world-size)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this host's index in the group")
     parser.add_argument("--address", required=True, help="gRPC address to serve, e.g. unix:///tmp/tpserve/rank0.sock")
     parser.add_argument("--init-method", required=True, help="torch.distributed rendezvous, e.g. tcp://127.0.0.1:29500")
     parser.add_argument("--device", default="auto")
@@ -48,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_format, rank=args.rank)
     options = WorkerOptions(
         model_dir=args.model, rank=args.rank, world_size=args.world_size, init_method=args.init_method,
+        local_rank=args.rank if args.local_rank is None else args.local_rank,
+        local_world_size=args.world_size if args.local_world_size is None else args.local_world_size,
+        node_rank=args.node_rank,
         device=args.device, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, distributed_timeout_seconds=args.distributed_timeout_seconds,
     )

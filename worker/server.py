@@ -37,6 +37,8 @@ class WorkerOptions:
         block_size: tokens per KV block.
         kv_cache_memory_bytes: this rank's KV cache budget in bytes.
         distributed_timeout_seconds: collective timeout.
+        local_rank, local_world_size, node_rank: the rank's place on its host; its
+            same-host peers are global ranks ``node_rank * local_world_size + [0, local_world_size)``.
     """
 
     model_dir: str
@@ -48,6 +50,9 @@ class WorkerOptions:
     block_size: int
     kv_cache_memory_bytes: int
     distributed_timeout_seconds: float
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
