@@ -19,6 +19,7 @@ import sys
 import grpc
 
 from tpserve import __version__
+from tpserve.bench import cli as bench_cli
 
 _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
     # section -> (flag, argparse kwargs); dest is the config field name.
@@ -32,6 +33,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
     "parallel": [
         ("--tensor-parallel-size", dict(type=int, help="number of worker ranks the model is split over")),
         ("--distributed-timeout-seconds", dict(type=float, help="collective timeout: a lost rank fails the step")),
+        ("--nnodes", dict(type=int, help="hosts the tensor-parallel group spans (default 1)")),
+        ("--node-rank", dict(type=int, help="this host's index in the group; 0 runs the coordinator")),
+        ("--master-addr", dict(help="the leader host's name or address (with --nnodes > 1)")),
+        ("--master-port", dict(type=int, help="the leader's node registry port; the group also uses the next one "
+                                              "(default 29500)")),
+        ("--headless", dict(action="store_true", help="run only this host's ranks, no public API (node-rank > 0)")),
     ],
     "cache": [
         ("--block-size", dict(type=int, help="tokens per KV cache block")),
@@ -84,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="print the served model's description as JSON")
     info.add_argument("--target", default="127.0.0.1:50051")
+    bench_cli.add_parser(commands)  # `tpserve bench`: flags in tpserve/bench/cli.py
     return parser
 
 
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        return bench_cli.main(args)
     try:
         return _generate(args) if args.command == "generate" else _info(args)
     except grpc.RpcError as exc:
@@ -104,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here: `tpserve generate` should not pay for the server's imports.
     from tpserve.cluster import Cluster, StartupError
     from tpserve.config import ClusterConfig
+    from tpserve.headless import HeadlessNode
     from tpserve.log import configure_logging
 
     configure_logging(args.log_format)
@@ -111,11 +122,16 @@ def _serve(args: argparse.Namespace) -> int:
                            for flag, _ in flags} for section, flags in _SERVE_FLAGS.items()}
     try:
         config = ClusterConfig.load_from(args.config, overrides)
-        cluster = Cluster(config, log_format=args.log_format)
+        node_class = HeadlessNode if config.parallel.headless else Cluster
+        node = node_class(config, log_format=args.log_format)
     except (StartupError, ValueError, OSError) as exc:
         print(f"tpserve serve: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(cluster.serve())
+    try:
+        return asyncio.run(node.serve())
+    except StartupError as exc:  # a peer that never came, or refused this node
+        print(f"tpserve serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -1,0 +1,138 @@
+"""``tpserve bench``: load a running server and report vLLM's serving metrics.
+
+    tpserve bench --target HOST:PORT [--dataset random|jsonl] [--num-prompts N]
+                  [--request-rate R | --sweep-request-rate 1,2,4,inf] [--burstiness B]
+                  [--max-concurrency C] [--goodput ttft:MS tpot:MS e2el:MS]
+                  [--result-file out.json] [--plot out.png]
+
+Prints one summary table per load (see report.py); exits 0 when the run completed
+(failed requests are counted in the table and the file, by status code), 1 when the
+server is not reachable or every request failed, 2 on bad arguments. Flag names follow
+``vllm bench serve`` (its ``--random-*`` and ``--dataset-name`` spellings are accepted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import sys
+
+import grpc
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers the ``bench`` subcommand and its flags on the ``tpserve`` parser's subcommands."""
+    bench = commands.add_parser("bench", help="load a running server and report TTFT, TPOT, ITL, E2EL, throughput",
+                                description="Load a running server and report vLLM's serving metrics.")
+    bench.add_argument("--target", default="127.0.0.1:50051", help="server address HOST:PORT")
+    work = bench.add_argument_group("workload")
+    work.add_argument("--dataset", "--dataset-name", choices=("random", "jsonl"), default="random",
+                      help="random token-id prompts, or a JSONL file of {prompt, max_tokens}")
+    work.add_argument("--dataset-path", help="the JSONL file (--dataset jsonl)")
+    work.add_argument("--num-prompts", type=int, default=1000, help="requests per load")
+    work.add_argument("--input-len", "--random-input-len", type=int, default=128, help="random prompt length, tokens")
+    work.add_argument("--output-len", "--random-output-len", type=int, default=128,
+                      help="max_tokens of random prompts, and of JSONL lines that give none")
+    work.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                      help="random lengths are uniform in [len*(1-r), len*(1+r)]")
+    work.add_argument("--seed", type=int, default=0, help="seeds the prompts, the arrivals and sampling")
+    work.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    work.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past end-of-sequence")
+    load = bench.add_argument_group("arrivals")
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="requests per second, Poisson arrivals; inf (default) sends all at once")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps: 1 is Poisson, < 1 burstier, > 1 more even")
+    load.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
+    load.add_argument("--sweep-request-rate", metavar="R1,R2,...",
+                      help="one load per rate (e.g. 1,2,4,8,inf); --plot then draws throughput against p99 TPOT")
+    load.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent one by one first")
+    load.add_argument("--request-timeout", type=float, help="deadline of each request, seconds")
+    load.add_argument("--ready-check-timeout-sec", type=float, default=60.0,
+                      help="how long to wait for the server to report SERVING")
+    out = bench.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                     help="SLOs (ttft, tpot, e2el in ms) for goodput: requests per second meeting all of them")
+    out.add_argument("--result-file", help="JSON: parameters, summary and every request's measurements")
+    out.add_argument("--plot", help="PNG: latency CDFs and tokens/s over time (a sweep: throughput vs p99 TPOT)")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return bench
+
+
+def parse_rates(text: str) -> list[float]:
+    """"1,2,inf" -> [1.0, 2.0, inf].
+
+    Raises:
+        ValueError: an item is not a positive number or inf.
+    """
+    try:
+        rates = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep-request-rate takes comma-separated numbers or inf, got {text!r}") from None
+    if not rates or any(not rate > 0 for rate in rates):
+        raise ValueError(f"--sweep-request-rate needs rates > 0, got {text!r}")
+    return rates
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs ``tpserve bench`` with parsed arguments; returns the exit status."""
+    try:
+        return _bench(args)
+    except ValueError as exc:
+        print(f"tpserve bench: {exc}", file=sys.stderr)
+        return 2
+    except (grpc.RpcError, TimeoutError) as exc:
+        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"tpserve bench: {args.target}: {detail}", file=sys.stderr)
+        return 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tpserve.bench import datasets, metrics, plot, report, runner
+    from tpserve.client import Client
+
+    slos = metrics.parse_goodput(args.goodput)
+    rates = parse_rates(args.sweep_request_rate) if args.sweep_request_rate else [args.request_rate]
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.dataset == "jsonl" and not args.dataset_path:
+        raise ValueError("--dataset jsonl needs --dataset-path")
+    with Client(args.target) as client:
+        client.wait_ready(timeout_s=args.ready_check_timeout_sec)
+        info = client.model_info()
+    if args.dataset == "random":
+        high = datasets.length_range(args.input_len, args.range_ratio)[1]
+        if high >= info.max_model_len:
+            raise ValueError(f"random prompts up to {high} tokens do not fit max_model_len {info.max_model_len}")
+        requests = datasets.random_requests(args.num_prompts, args.seed, info.vocab_size, args.input_len,
+                                            args.output_len, args.range_ratio, list(info.eos_token_ids))
+    else:
+        requests = datasets.jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
+    parameters = {key: value for key, value in vars(args).items() if key not in ("command", "func")}
+    parameters.update(request_rate=report.json_rate(args.request_rate),
+                      request_rates=[report.json_rate(rate) for rate in rates],
+                      model=info.model_name, tensor_parallel_size=info.tensor_parallel_size, dtype=info.dtype,
+                      max_model_len=info.max_model_len, machine=f"{platform.machine()} {platform.node()}",
+                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    runs = []
+    for rate in rates:
+        config = runner.LoadConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                                   seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                                   request_timeout_s=args.request_timeout, num_warmups=args.num_warmups,
+                                   slos_ms=slos, show_progress=not args.disable_tqdm)
+        run = runner.run(args.target, requests, config)
+        print(report.format_summary(run.summary, rate, args.burstiness, args.max_concurrency), flush=True)
+        runs.append(run)
+    if len(runs) > 1:
+        print(report.format_sweep(runs))
+    title = f"{info.model_name}, tp {info.tensor_parallel_size}, {args.dataset} {len(requests)} prompts"
+    if args.result_file:
+        report.write_result(args.result_file, parameters, runs)
+    if args.plot:
+        if len(runs) > 1:
+            plot.plot_sweep(runs, args.plot, f"Request-rate sweep: {title}")
+        else:
+            plot.plot_run(runs[0], args.plot, f"{title}, request rate {rates[0]:g}/s")
+    return 0 if any(run.summary["completed"] for run in runs) else 1
