@@ -1,0 +1,117 @@
+"""Shared-memory collectives against gloo's, on random tensors of every dtype and odd sizes.
+
+Each rank is a spawned process; every collective is issued twice, once through the
+group's shared memory (``ParallelContext.all_reduce``) and once through gloo
+(``dist.all_reduce`` directly), and rank 0 records the differences.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.worker.tp_harness import _free_port
+from worker.comm import shm_allreduce
+from worker.parallel_state import SHM_MAX_BYTES, destroy_distributed, init_distributed
+
+pytestmark = pytest.mark.skipif(not shm_allreduce.supported(), reason="shared-memory collectives need x86-64 and /dev/shm")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
+#: Odd element counts: one element, not a multiple of any vector width, a decode row, one over a page.
+SIZES = (1, 7, 513, 4099, 3 * 5 * 7 * 11 * 13)
+
+
+def _compare_main(rank: int, world_size: int, init_method: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    ctx = init_distributed(rank, world_size, init_method, "cpu", 30.0)
+    report: dict = {"shm": ctx.shm is not None, "cases": []}
+    for dtype in DTYPES:
+        for size in SIZES:
+            g = torch.Generator().manual_seed(1000 * rank + size)
+            x = (torch.randn(size, generator=g) * 50).to(dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)  # gloo
+            exact = x.double()
+            dist.all_reduce(exact)  # the float64 sum, to bound rounding
+            magnitude = x.double().abs()
+            dist.all_reduce(magnitude)  # sum of |addends|: what rounding errors scale with
+            got = ctx.all_reduce(x.clone())
+            report["cases"].append((str(dtype), size, got, expected, exact, magnitude))
+    # Shapes other than flat, non-contiguous input, and the logits gather.
+    m = torch.arange(12.0).view(3, 4).t() + rank  # (4, 3), not contiguous
+    report["strided"] = ctx.all_reduce(m.clone())
+    report["gathered"] = ctx.gather_to_rank0(torch.full((2, 3), float(rank)), dim=-1)
+    # Larger than the slots: must fall back to gloo and still be right.
+    big = torch.ones(SHM_MAX_BYTES // 4 + 1)
+    report["big"] = float(ctx.all_reduce(big)[-1])
+    if rank == 0:
+        with open(out_path, "wb") as f:
+            pickle.dump(report, f)
+    destroy_distributed()
+
+
+def _run(world_size: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "out.pkl")
+        mp.spawn(_compare_main, args=(world_size, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=world_size)
+        return pickle.loads(Path(out).read_bytes())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shared_memory_all_reduce_equals_gloo(world_size: int) -> None:
+    report = _run(world_size)
+    assert report["shm"], "ranks on one host did not get shared-memory collectives"
+    for dtype, size, got, expected, exact, magnitude in report["cases"]:
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        if world_size == 2 or not got.dtype.is_floating_point:
+            # Two addends commute exactly in IEEE arithmetic; integers always do.
+            assert torch.equal(got, expected), (dtype, size)
+        else:
+            # Different summation order than gloo's: both within a few roundings of the exact sum.
+            eps = torch.finfo(got.dtype).eps
+            bound = world_size * eps * magnitude
+            assert ((got.double() - exact).abs() <= bound).all(), (dtype, size)
+            assert ((expected.double() - exact).abs() <= bound).all(), (dtype, size)
+    ranks = torch.arange(world_size, dtype=torch.float32)
+    assert torch.equal(report["strided"], (torch.arange(12.0).view(3, 4).t() * world_size + ranks.sum()))
+    assert torch.equal(report["gathered"], ranks.repeat_interleave(3).expand(2, -1))
+    assert report["big"] == world_size
+
+
+def test_no_segment_file_outlives_the_group() -> None:
+    before = set(os.listdir("/dev/shm"))
+    _run(2)
+    assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("tpserve-")}
+
+
+def _lost_peer_main(rank: int, init_method: str, out_path: str) -> None:
+    ctx = init_distributed(rank, 2, init_method, "cpu", 1.5)
+    ctx.all_reduce(torch.ones(4))
+    if rank == 1:
+        time.sleep(4.0)  # hung: alive, publishes nothing
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        ctx.all_reduce(torch.ones(4))
+        outcome = "returned"
+    except RuntimeError as exc:
+        outcome = str(exc)
+    Path(out_path).write_text(f"{time.monotonic() - start}\n{outcome}")
+    os._exit(0)
+
+
+def test_a_hung_peer_times_out() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "out.txt")
+        mp.spawn(_lost_peer_main, args=(f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2)
+        seconds, outcome = Path(out).read_text().split("\n", 1)
+    assert outcome.startswith("Timed out") and "ranks [1]" in outcome, outcome
+    assert 1.0 <= float(seconds) < 4.0

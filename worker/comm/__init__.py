@@ -1,0 +1,1 @@
+"""Collectives that beat the general-purpose backends where the ranks share a host."""
