@@ -10,3 +10,9 @@
 
 Needs the ``bench`` extra (``pip install 'tpserve[bench]'``: tqdm, matplotlib, locust).
 """
+
+from pathlib import Path
+
+# For `locust -f`: the path of the Locust user file, found without importing it (which
+# would import locust, and so gevent's monkey-patching, into the caller).
+LOCUSTFILE = str(Path(__file__).with_name("locustfile.py"))

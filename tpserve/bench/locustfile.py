@@ -2,7 +2,7 @@
 
 Run it with Locust's own command, giving it this file (README.md, "Distributed load"):
 
-    LOCUSTFILE=$(python -c "import tpserve.bench.locustfile as m; print(m.__file__)")
+    LOCUSTFILE=$(python -c "import tpserve.bench; print(tpserve.bench.LOCUSTFILE)")
     locust -f "$LOCUSTFILE" --headless --master --expect-workers 2 \\
         --host 127.0.0.1:50051 -u 32 -r 8 -t 5m --csv run        # on one machine
     locust -f "$LOCUSTFILE" --worker --master-host MASTER          # on each load machine
@@ -20,7 +20,7 @@ across workers like any other request:
 
 The "Aggregated" row mixes the three, so read the named rows. On the master, the
 TTFT samples received from each worker are logged at exit, to spot a worker that
-sent nothing. Workflow options (``--dataset``, ``--input-len``, ...) are set on the
+sent nothing. Workload options (``--dataset``, ``--input-len``, ...) are set on the
 master, which passes them to the workers; each also reads ``LOCUST_<NAME>`` from the
 environment. ``--host`` is the server's HOST:PORT.
 """
