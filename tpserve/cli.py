@@ -33,6 +33,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
     "parallel": [
         ("--tensor-parallel-size", dict(type=int, help="number of worker ranks the model is split over")),
         ("--distributed-timeout-seconds", dict(type=float, help="collective timeout: a lost rank fails the step")),
+        ("--nnodes", dict(type=int, help="hosts the tensor-parallel group spans (default 1)")),
+        ("--node-rank", dict(type=int, help="this host's index in the group; 0 runs the coordinator")),
+        ("--master-addr", dict(help="the leader host's name or address (with --nnodes > 1)")),
+        ("--master-port", dict(type=int, help="the leader's node registry port; the group also uses the next one "
+                                              "(default 29500)")),
+        ("--headless", dict(action="store_true", help="run only this host's ranks, no public API (node-rank > 0)")),
     ],
     "cache": [
         ("--block-size", dict(type=int, help="tokens per KV cache block")),
@@ -108,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Imported here: `tpserve generate` should not pay for the server's imports.
     from tpserve.cluster import Cluster, StartupError
     from tpserve.config import ClusterConfig
+    from tpserve.headless import HeadlessNode
     from tpserve.log import configure_logging
 
     configure_logging(args.log_format)
@@ -115,11 +122,16 @@ def _serve(args: argparse.Namespace) -> int:
                            for flag, _ in flags} for section, flags in _SERVE_FLAGS.items()}
     try:
         config = ClusterConfig.load_from(args.config, overrides)
-        cluster = Cluster(config, log_format=args.log_format)
+        node_class = HeadlessNode if config.parallel.headless else Cluster
+        node = node_class(config, log_format=args.log_format)
     except (StartupError, ValueError, OSError) as exc:
         print(f"tpserve serve: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(cluster.serve())
+    try:
+        return asyncio.run(node.serve())
+    except StartupError as exc:  # a peer that never came, or refused this node
+        print(f"tpserve serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def _generate(args: argparse.Namespace) -> int:

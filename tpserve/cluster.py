@@ -1,27 +1,32 @@
-"""``tpserve serve``: one coordinator and its N worker-rank processes on this machine.
+"""``tpserve serve``: one coordinator and its worker ranks, on one host or as the leader of several.
 
 Start-up order:
   1. read the model's config.json and refuse a model that cannot be split at the
      asked tensor_parallel_size (before any process starts);
   2. bind the public gRPC port with the health service NOT_SERVING (so probes and
      clients get a clear UNAVAILABLE while the model loads);
-  3. start the ranks (``python -m worker.main``), each on a unix socket, joined by a
-     torch.distributed rendezvous on a free loopback port;
-  4. wait until every rank has loaded its shard; size the KV pool to the smallest
-     rank's budget; start the engine; health SERVING.
-Shutdown (SIGINT, SIGTERM, or a rank's death): health NOT_SERVING, stop accepting,
-finish in-flight RPCs within a grace period, stop every rank, leave no process behind.
+  3. one host: the ranks' torch.distributed rendezvous is a free loopback port.
+     Several hosts (``--nnodes``): serve the node registry on ``--master-addr:
+     --master-port`` (:mod:`tpserve.node_registry`) and wait, logging the missing
+     ranks, until every headless node has joined and named its ranks' TCP
+     addresses; then release them all and use ``master_port + 1`` as the rendezvous;
+  4. start this host's ranks (``python -m worker.main``), each on a unix socket;
+  5. wait until every rank of every host has loaded its shard; size the KV pool to
+     the smallest rank's budget; start the engine; health SERVING.
+Shutdown (SIGINT, SIGTERM, a rank's death, a node lost): health NOT_SERVING, fail or
+finish in-flight RPCs, tell the other nodes to stop, stop every local rank, leave
+no process behind; exit non-zero unless it was an orderly stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -41,6 +46,11 @@ from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.config import ClusterConfig
 from tpserve.model_config import ModelConfig
+from tpserve.netutil import PeerTimeout, host_port, interface_of, resolve
+from tpserve.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
+from tpserve.ranks import WORKER_EXIT_SECONDS, LocalRanks
+from tpserve.topology import GroupLayout, store_port
+from tpserve.v1 import cluster_pb2_grpc
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -49,8 +59,15 @@ log = structlog.get_logger(__name__)
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 #: Seconds in-flight RPCs get to finish on shutdown.
 SHUTDOWN_GRACE_SECONDS = 5.0
-#: Seconds a rank gets to exit after SIGTERM before SIGKILL.
-WORKER_EXIT_SECONDS = 5.0
+#: Longest shutdown: the RPC grace, the nodes' goodbye, then the ranks' SIGTERM grace.
+#: Kubernetes' terminationGracePeriodSeconds must exceed it (tests/cluster/test_k8s.py).
+DRAIN_SECONDS = SHUTDOWN_GRACE_SECONDS + 2.0 + WORKER_EXIT_SECONDS
+#: Seconds between "waiting for nodes" log lines.
+WAITING_LOG_SECONDS = 10.0
+# Clients resolve a name (dns:///replicas:50051) once per connection: closing each
+# connection after a while makes them re-resolve and find replicas added since.
+# The grace lets a long generation stream finish on the old connection.
+_PUBLIC_SERVER_OPTIONS = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000)]
 
 
 #: Name GetModelInfo reports for the embedded model (its model card's name).
@@ -67,13 +84,20 @@ class StartupError(RuntimeError):
 
 
 class Cluster:
-    """A coordinator with its worker ranks. ``await Cluster(config).serve()`` runs until stopped."""
+    """A coordinator with its worker ranks. ``await Cluster(config).serve()`` runs until stopped.
+
+    With ``--nnodes M > 1`` this is the leader (node 0) of a group whose other hosts run
+    :class:`tpserve.headless.HeadlessNode`.
+
+    Raises:
+        StartupError: the model cannot be served with this configuration.
+    """
 
     def __init__(self, config: ClusterConfig, log_format: str = "console") -> None:
         self.config = config
         self.log_format = log_format
         self.model_dir = Path(config.load.model) if config.load.model else default_model_dir()
-        self.model_config = _read_model_config(self.model_dir, config.parallel.tensor_parallel_size)
+        self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size)
         model_len = self.model_config.max_position_embeddings
         self.max_model_len = config.scheduler.max_model_len or model_len
         if self.max_model_len > model_len:
@@ -81,11 +105,16 @@ class Cluster:
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.health = health.aio.HealthServicer()
         self.metrics = Metrics()
+        self.layout = GroupLayout(config.parallel.tensor_parallel_size, config.parallel.nnodes, 0)
+        self.ranks = LocalRanks(config, self.model_dir, self.layout, log_format)
+        self.registry: NodeRegistry | None = None
+        self.workers: WorkerGroup | None = None
+        self.engine: Engine | None = None
         self._stop = asyncio.Event()
         self._exit_code = 0
-        self._procs: list[subprocess.Popen] = []
         self._socket_dir = Path(tempfile.mkdtemp(prefix="tpserve-"))
-        self.engine: Engine | None = None
+        self._registry_server: grpc.aio.Server | None = None
+        self._monitor_task: asyncio.Task | None = None
         self._dtype = ""  # resolved by the ranks
         self.port: int | None = None
 
@@ -105,21 +134,19 @@ class Cluster:
             raise StartupError(f"cannot bind {self.config.server.host}:{self.config.server.port}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
-        log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.world_size)
+        log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.world_size,
+                 nnodes=self.layout.nnodes)
         if self.config.server.metrics_port is not None:
             start_http_server(self.config.server.metrics_port, registry=self.metrics.registry)
-        workers = WorkerGroup([self._worker_address(r) for r in range(self.world_size)], self.config.server.step_timeout_seconds)
-        engine_task = monitor_task = None
+        engine_task = None
         try:
-            self._start_workers()
-            monitor_task = asyncio.create_task(self._monitor_workers())
-            ready = asyncio.create_task(self._start_engine(workers))
+            ready = asyncio.create_task(self._start_group())
             stopped = asyncio.create_task(self._stop.wait())
             await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done() and ready.exception() is None:
                 engine_task = asyncio.create_task(self.engine.run())
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-                log.info("serving", num_kv_blocks=workers.num_kv_blocks, max_model_len=self.max_model_len)
+                log.info("serving", num_kv_blocks=self.workers.num_kv_blocks, max_model_len=self.max_model_len)
                 await self._stop.wait()
             elif ready.done():
                 log.error("start-up failed", error=str(ready.exception()))
@@ -131,11 +158,13 @@ class Cluster:
             if self.engine is not None:
                 self.engine.draining = True
             await server.stop(SHUTDOWN_GRACE_SECONDS)
-            for task in (engine_task, monitor_task):
+            for task in (engine_task, self._monitor_task):
                 if task is not None:
                     task.cancel()
-            await workers.close()
-            self._stop_workers()
+            await self._stop_nodes()
+            if self.workers is not None:
+                await self.workers.close()
+            self.ranks.stop()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             log.info("stopped", exit_code=self._exit_code)
         return self._exit_code
@@ -145,7 +174,7 @@ class Cluster:
         return self.config.parallel.tensor_parallel_size
 
     def _build_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=_PUBLIC_SERVER_OPTIONS)
         self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0))
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -169,65 +198,113 @@ class Cluster:
             block_size=cfg.cache.block_size,
         )
 
-    async def _start_engine(self, workers: WorkerGroup) -> None:
+    # -- start-up ------------------------------------------------------------------------
+
+    async def _start_group(self) -> None:
+        """Gathers the group, starts this host's ranks, waits for every rank, starts the engine."""
         cfg = self.config
-        available = await workers.wait_ready(cfg.server.worker_start_timeout_seconds)
+        timeout_s = cfg.server.worker_start_timeout_seconds
+        deadline = time.monotonic() + timeout_s
+        addresses = {rank: f"unix://{self._socket_dir}/rank{rank}.sock" for rank in self.layout.node_ranks()}
+        if self.layout.nnodes == 1:
+            init_method, interface = f"tcp://127.0.0.1:{_free_port()}", None
+        else:
+            init_method, interface = await self._start_registry(deadline)
+            addresses.update(await self._wait_for_nodes(deadline))
+        self.ranks.start(addresses, init_method, interface)
+        self._monitor_task = asyncio.create_task(self._monitor_ranks())
+        self.workers = WorkerGroup([addresses[rank] for rank in range(self.world_size)], cfg.server.step_timeout_seconds)
+        available = await self.workers.wait_ready(max(deadline - time.monotonic(), 0.0))
         num_blocks = cfg.cache.num_gpu_blocks_override or available
         if num_blocks > available:
             raise WorkerGroupError(f"--num-gpu-blocks-override {num_blocks} exceeds the {available} blocks a rank can hold")
-        await workers.start(num_blocks)
-        self._dtype = workers.dtype
+        await self.workers.start(num_blocks)
+        self._dtype = self.workers.dtype
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens)
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
-        self.engine = Engine(scheduler, workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,
+        self.engine = Engine(scheduler, self.workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,
                              self.metrics, on_fatal=lambda reason: self.stop(1))
         self.servicer.engine = self.engine
         self.servicer.model_info = self._model_info(num_blocks)
 
-    # -- worker processes --------------------------------------------------------------
+    async def _start_registry(self, deadline: float) -> tuple[str, str | None]:
+        """Serves the node registry on --master-addr:--master-port.
 
-    def _worker_address(self, rank: int) -> str:
-        return f"unix://{self._socket_dir}/rank{rank}.sock"
+        Returns:
+            The group's init_method and the network interface its collectives use.
+        """
+        par = self.config.parallel
+        try:
+            ip = await resolve(par.master_addr, max(deadline - time.monotonic(), 0.0), "--master-addr")
+        except PeerTimeout as exc:
+            raise StartupError(str(exc)) from None
+        server = grpc.aio.server(options=SERVER_KEEPALIVE_OPTIONS)
+        bound: str | None = ip
+        if _bind(server, host_port(ip, par.master_port)) == 0:
+            # The name resolves to an address this host does not hold (NAT): listen everywhere.
+            log.warning("--master-addr is not an address of this host; the node registry listens on every interface",
+                        master_addr=par.master_addr, resolved=ip)
+            bound = None
+            if _bind(server, f"0.0.0.0:{par.master_port}") == 0:
+                raise StartupError(f"cannot bind the node registry on port {par.master_port} (--master-port)")
+        init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
+        settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
+                                 self.config.cache.block_size)
+        self.registry = NodeRegistry(settings, init_method, on_lost=self._group_failed)
+        cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
+        await server.start()
+        self._registry_server = server
+        log.info("node registry listening", address=host_port(bound or "0.0.0.0", par.master_port),
+                 init_method=init_method)
+        return init_method, interface_of(bound) if bound else None
 
-    def _start_workers(self) -> None:
-        cfg = self.config
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        for rank in range(self.world_size):
-            cmd = [sys.executable, "-m", "worker.main", "--model", str(self.model_dir), "--rank", str(rank),
-                   "--world-size", str(self.world_size), "--address", self._worker_address(rank),
-                   "--init-method", init_method, "--device", cfg.load.device, "--dtype", cfg.load.dtype,
-                   "--block-size", str(cfg.cache.block_size),
-                   "--kv-cache-memory-bytes", str(cfg.cache.kv_cache_memory_bytes),
-                   "--distributed-timeout-seconds", str(cfg.parallel.distributed_timeout_seconds),
-                   "--log-format", self.log_format]
-            self._procs.append(subprocess.Popen(cmd))
-
-    async def _monitor_workers(self) -> None:
-        while True:
-            for rank, proc in enumerate(self._procs):
-                if proc.poll() is not None:
-                    log.error("worker rank exited", rank=rank, returncode=proc.returncode)
-                    if self.engine is not None and not self.engine.dead:
-                        self.engine.fail_all(f"rank {rank} exited with code {proc.returncode}")
-                    self.stop(1)
-                    return
-            await asyncio.sleep(0.5)
-
-    def _stop_workers(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self._procs:
+    async def _wait_for_nodes(self, deadline: float) -> dict[int, str]:
+        """Waits until every headless node has joined, logging the missing ranks; returns their addresses."""
+        registry = self.registry
+        while registry.missing_nodes():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerGroupError(f"nodes {registry.missing_nodes()} (ranks {registry.missing_ranks()}) did not "
+                                       f"join within {self.config.server.worker_start_timeout_seconds:g} s")
+            log.warning("waiting for nodes", missing_nodes=registry.missing_nodes(),
+                        missing_ranks=registry.missing_ranks())
             try:
-                proc.wait(WORKER_EXIT_SECONDS)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                await asyncio.wait_for(registry.complete.wait(), min(remaining, WAITING_LOG_SECONDS))
+            except asyncio.TimeoutError:
+                pass
+        remote = registry.seal()
+        log.info("every node has joined", ranks=remote)
+        return remote
+
+    # -- failures and shutdown -----------------------------------------------------------
+
+    async def _monitor_ranks(self) -> None:
+        rank, code = await self.ranks.wait_first_exit()
+        self._group_failed(f"rank {rank} exited with code {code}")
+
+    def _group_failed(self, reason: str) -> None:
+        """A rank or a node is lost: fail the requests in flight at once and stop (exit 1)."""
+        log.error("worker group lost", reason=reason)
+        if self.engine is not None and not self.engine.dead:
+            self.engine.fail_all(reason)
+        self.stop(1)
+
+    async def _stop_nodes(self) -> None:
+        if self.registry is not None:
+            self.registry.shutdown("the leader stopped" if self._exit_code == 0 else "the group failed",
+                                   failed=self._exit_code != 0)
+        if self._registry_server is not None:
+            await self._registry_server.stop(2.0)
 
 
-def _read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig:
+def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig:
+    """The checkpoint's config, checked to split at ``tensor_parallel_size``.
+
+    Raises:
+        StartupError: not a checkpoint directory, or the model cannot be split.
+    """
     if not (model_dir / "config.json").is_file():
         raise StartupError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
     try:
@@ -236,6 +313,19 @@ def _read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfi
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --tensor-parallel-size {tensor_parallel_size}: {exc}") from exc
     return config
+
+
+def config_sha256(model_dir: Path) -> str:
+    """SHA-256 (hex) of a checkpoint's config.json: how the nodes of a group check they serve the same model."""
+    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+
+
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    """The bound port, or 0 where ``address`` cannot be bound (grpc raises or returns 0, by version)."""
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        return 0
 
 
 def _free_port() -> int:

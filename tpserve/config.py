@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -42,16 +42,45 @@ class LoadConfig(_Frozen):
 
 
 class ParallelConfig(_Frozen):
-    """How the model is split.
+    """How the model is split, and over how many hosts (vLLM's and SGLang's flag names).
 
     Attributes:
         tensor_parallel_size: number of worker ranks (Megatron-LM tensor parallelism).
         distributed_timeout_seconds: a collective that waits longer than this fails
             the step instead of hanging it (a lost rank).
+        nnodes: hosts the group spans; each runs ``tensor_parallel_size / nnodes``
+            ranks (node n holds global ranks ``n*L .. n*L+L-1``).
+        node_rank: this host's index; 0 is the leader (coordinator + its ranks).
+        master_addr: the leader's host name or address, as every host can reach it
+            (required when ``nnodes > 1``).
+        master_port: the leader's node registry port; the group also uses the next
+            ports (see :mod:`tpserve.topology`).
+        headless: run only this host's ranks, no public API (every ``node_rank > 0``).
     """
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     distributed_timeout_seconds: float = Field(60.0, gt=0)
+    nnodes: int = Field(1, ge=1, le=64)
+    node_rank: int = Field(0, ge=0)
+    master_addr: str | None = None
+    master_port: int = Field(29500, ge=1, le=65535 - 2 - 64)
+    headless: bool = False
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> ParallelConfig:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not divisible by nnodes={self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be < nnodes={self.nnodes}")
+        if self.headless != (self.node_rank > 0):
+            raise ValueError("headless is required on every node_rank > 0 and not allowed on node_rank 0 "
+                             f"(got node_rank={self.node_rank}, headless={self.headless})")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError(f"master_addr is required with nnodes={self.nnodes}: the leader's host name or address")
+        if self.master_addr is not None and ("/" in self.master_addr or self.master_addr.count(":") == 1):
+            # Catches URLs such as Kubernetes' service links (tcp://10.0.0.7:29500) and host:port.
+            raise ValueError(f"master_addr must be a host name or an address, got {self.master_addr!r}")
+        return self
 
 
 class CacheConfig(_Frozen):
