@@ -19,6 +19,23 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def check_pool_holds_a_full_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Refuse a KV pool smaller than one ``max_model_len`` sequence (vLLM's start-up rule).
+
+    Such a pool would refuse, or preempt forever, every request allowed to reach
+    ``max_model_len``; the server refuses to start instead (docs/design.md, "KV cache sizing").
+
+    Raises:
+        ValueError: naming the pool's tokens, ``max_model_len`` and the flags that fix it.
+    """
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of {block_size}) per rank, "
+            f"less than one sequence of max_model_len={max_model_len}: raise --gpu-memory-utilization or "
+            f"--kv-cache-memory-bytes (or --num-gpu-blocks-override), or lower --max-model-len"
+        )
+
+
 class BlockAllocator:
     """A free list of ``num_blocks`` block ids with reference counts.
 

@@ -42,7 +42,9 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
     ],
     "cache": [
         ("--block-size", dict(type=int, help="tokens per KV cache block")),
-        ("--kv-cache-memory-bytes", dict(type=int, help="per-rank KV cache budget in bytes")),
+        ("--gpu-memory-utilization", dict(type=float, help="share of each GPU's memory a rank may use (default 0.9; "
+                                                          "on the CPU it scales the KV cache's share of free RAM)")),
+        ("--kv-cache-memory-bytes", dict(type=int, help="per-rank KV cache budget in bytes (default: from free memory)")),
         ("--num-gpu-blocks-override", dict(type=int, help="use exactly this many KV blocks")),
     ],
     "scheduler": [

@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from coordinator.block_allocator import BlockAllocator
+from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
 from coordinator.errors import ErrorInterceptor
 from coordinator.metrics import Metrics
@@ -218,6 +218,7 @@ class Cluster:
         num_blocks = cfg.cache.num_gpu_blocks_override or available
         if num_blocks > available:
             raise WorkerGroupError(f"--num-gpu-blocks-override {num_blocks} exceeds the {available} blocks a rank can hold")
+        check_pool_holds_a_full_sequence(num_blocks, cfg.cache.block_size, self.max_model_len)
         await self.workers.start(num_blocks)
         self._dtype = self.workers.dtype
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),

@@ -84,16 +84,21 @@ class ParallelConfig(_Frozen):
 
 
 class CacheConfig(_Frozen):
-    """The paged KV cache.
+    """The paged KV cache; each rank sizes it as worker/memory.py says.
 
     Attributes:
         block_size: tokens per KV block.
-        kv_cache_memory_bytes: per-rank memory budget for the KV cache, in bytes.
+        gpu_memory_utilization: share of a GPU's memory a rank may use (weights,
+            activations and KV cache); on the CPU it scales the share of available
+            RAM the KV cache takes. Used when neither of the next two is set.
+        kv_cache_memory_bytes: per-rank memory budget for the KV cache, in bytes;
+            None: sized from free memory.
         num_gpu_blocks_override: use exactly this many blocks (tests, capacity planning).
     """
 
     block_size: int = Field(16, ge=1, le=1024)
-    kv_cache_memory_bytes: int = Field(256 * 1024**2, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
     num_gpu_blocks_override: int | None = Field(None, ge=1)
 
 
@@ -164,3 +169,16 @@ class ClusterConfig(_Frozen):
         for section, values in (overrides or {}).items():
             data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
         return cls.model_validate(data)
+
+    def worker_cache_flags(self) -> list[str]:
+        """The flags of ``python -m worker.main`` that size a rank's KV cache (worker/memory.py)."""
+        cache, scheduler = self.cache, self.scheduler
+        flags = ["--gpu-memory-utilization", str(cache.gpu_memory_utilization),
+                 "--max-num-batched-tokens", str(scheduler.max_num_batched_tokens),
+                 "--max-num-seqs", str(scheduler.max_num_seqs)]
+        for flag, value in (("--kv-cache-memory-bytes", cache.kv_cache_memory_bytes),
+                            ("--num-gpu-blocks-override", cache.num_gpu_blocks_override),
+                            ("--max-model-len", scheduler.max_model_len)):
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags

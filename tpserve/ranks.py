@@ -76,7 +76,7 @@ class LocalRanks:
                 "--address", address, "--init-method", init_method,
                 "--device", cfg.load.device, "--dtype", cfg.load.dtype,
                 "--block-size", str(cfg.cache.block_size),
-                "--kv-cache-memory-bytes", str(cfg.cache.kv_cache_memory_bytes),
+                *cfg.worker_cache_flags(),
                 "--distributed-timeout-seconds", str(cfg.parallel.distributed_timeout_seconds),
                 "--log-format", self.log_format]
 

@@ -19,6 +19,7 @@ import grpc
 
 from tpserve.log import configure_logging
 from tpserve.v1 import worker_pb2_grpc
+from worker.memory import CacheSizing
 from worker.server import WorkerOptions, WorkerServicer
 
 #: Seconds between checks that the parent process is alive.
@@ -43,7 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, required=True)
+    # KV cache sizing (worker/memory.py): explicit blocks, explicit bytes, or measured.
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--distributed-timeout-seconds", type=float, default=60.0)
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     return parser.parse_args(argv)
@@ -58,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         local_world_size=args.world_size if args.local_world_size is None else args.local_world_size,
         node_rank=args.node_rank,
         device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, distributed_timeout_seconds=args.distributed_timeout_seconds,
+        distributed_timeout_seconds=args.distributed_timeout_seconds,
+        cache=CacheSizing(args.gpu_memory_utilization, args.max_num_batched_tokens, args.max_num_seqs,
+                          args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          num_gpu_blocks_override=args.num_gpu_blocks_override),
     )
     stop = threading.Event()
     exit_code = [0]

@@ -85,6 +85,12 @@ class ModelRunner:
         self.kv_caches = self.kv_layout.allocate(num_blocks, self.ctx.device)
         self.num_blocks = num_blocks
 
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache and every sequence (after the memory profile, before the real cache)."""
+        self.kv_caches = []
+        self.num_blocks = 0
+        self._seqs.clear()
+
     @property
     def num_sequences(self) -> int:
         """Sequences this rank currently holds state for."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -20,6 +20,7 @@ import structlog
 from tpserve.step_pb import plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
+from worker.memory import CacheSizing
 
 log = structlog.get_logger(__name__)
 
@@ -35,10 +36,12 @@ class WorkerOptions:
         device: "cpu", "cuda" or "auto".
         dtype: "auto", "float32", "bfloat16" or "float16".
         block_size: tokens per KV block.
-        kv_cache_memory_bytes: this rank's KV cache budget in bytes.
         distributed_timeout_seconds: collective timeout.
         local_rank, local_world_size, node_rank: the rank's place on its host; its
             same-host peers are global ranks ``node_rank * local_world_size + [0, local_world_size)``.
+            Local rank ``r`` computes on ``cuda:r`` (worker/device.py).
+        cache: how to size the KV cache (worker/memory.py); its ``num_local_ranks``
+            is replaced by ``local_world_size``.
     """
 
     model_dir: str
@@ -48,11 +51,11 @@ class WorkerOptions:
     device: str
     dtype: str
     block_size: int
-    kv_cache_memory_bytes: int
     distributed_timeout_seconds: float
     local_rank: int = 0
     local_world_size: int = 1
     node_rank: int = 0
+    cache: CacheSizing = field(default_factory=CacheSizing)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -65,29 +68,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._num_blocks_available = 0
         self._error = ""
         self._dtype = ""
+        self._device = None  # torch.device, once resolved by load()
         self._ready = threading.Event()
 
     def load(self) -> None:
-        """Joins the process group and loads this rank's shard (runs on a background thread)."""
+        """Joins the process group, loads this rank's shard and sizes its KV cache (background thread)."""
         try:
             # torch is imported here, not at module import, so that the rank answers
             # GetStatus while the (slow) import and the load run.
             import torch
 
+            from worker.device import bind_thread, resolve_device
+            from worker.memory import num_kv_blocks
             from worker.model_runner import ModelRunner
+            from worker.nccl_env import configure_nccl_env
             from worker.parallel_state import init_distributed
 
             opts = self.options
-            device = _resolve_device(opts.device, opts.rank)
+            device = resolve_device(opts.device, opts.local_rank, opts.local_world_size)
+            self._device = device
+            bind_thread(device)
             if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
                 # Ranks share the machine's cores: split them, never oversubscribe
                 # (oversubscribed CPU matmuls slow down by an order of magnitude).
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world_size))
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.local_world_size))
+            configure_nccl_env()  # before the process group exists: NCCL reads it at creation
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size)
             self._dtype = str(dtype).removeprefix("torch.")
-            self._num_blocks_available = self._runner.num_blocks_for_memory(opts.kv_cache_memory_bytes)
+            cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
+            self._num_blocks_available = num_kv_blocks(self._runner, cache)
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, dtype=str(dtype),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available)
             self._ready.set()
@@ -95,6 +106,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self._error = f"rank {self.options.rank}: {type(exc).__name__}: {exc}"
             log.error("loading failed", error=self._error)
             self._on_fatal(self._error)
+
+    def _bind_thread(self) -> None:
+        """Make this rank's GPU the calling thread's current CUDA device (CUDA's is per thread)."""
+        from worker.device import bind_thread
+
+        if self._device is not None:
+            bind_thread(self._device)
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.WorkerStatus:
         return pb.WorkerStatus(
@@ -112,10 +130,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.num_kv_blocks > self._num_blocks_available:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"num_kv_blocks={request.num_kv_blocks} exceeds this rank's {self._num_blocks_available}")
+        self._bind_thread()  # a gRPC pool thread: its current CUDA device is cuda:0 until told
         self._runner.init_kv_cache(request.num_kv_blocks)
         return pb.InitCacheResponse()
 
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
+        # The whole stream runs on the gRPC pool thread that iterates this generator.
+        self._bind_thread()
         for msg in request_iterator:
             try:
                 result = self._runner.execute(plan_from_pb(msg))
@@ -126,17 +147,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 self._on_fatal(error)
                 return
             yield result_to_pb(result)
-
-
-def _resolve_device(device: str, rank: int) -> "torch.device":  # noqa: F821
-    """One GPU per rank (rank r on cuda:r modulo the visible GPUs), or the CPU."""
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device(device)
 
 
 def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821

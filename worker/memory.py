@@ -1,0 +1,211 @@
+"""How many KV blocks one rank can hold: sized from the device's memory unless the user says.
+
+Order of precedence (docs/design.md, "KV cache sizing"):
+
+1. ``--num-gpu-blocks-override N``: exactly ``N`` blocks, no measurement (vLLM's flag).
+2. ``--kv-cache-memory-bytes B``: as many blocks as fit in ``B`` bytes.
+3. CUDA (vLLM's rule): load the weights, run a profiling step as large as the
+   scheduler can ever send (:func:`profile_plans`), then give the cache
+   ``gpu_memory_utilization * total - used_at_peak`` bytes, where ``used_at_peak``
+   is everything in use on the GPU at the profile's peak (this process's tensors
+   at their peak, its CUDA context and NCCL buffers, any other process), read from
+   ``torch.cuda.mem_get_info`` and the caching allocator's statistics.
+4. CPU: ``gpu_memory_utilization * CPU_MEMORY_FRACTION`` of the host's available
+   memory (``MemAvailable`` of /proc/meminfo, read after the weights are loaded),
+   split evenly between the host's ranks, and never more than ``max_num_seqs``
+   sequences of ``max_model_len`` tokens (more blocks could never be used, and a
+   CPU cache is zeroed in RAM at start-up).
+
+The coordinator takes the smallest count over the ranks and refuses to start when
+one ``max_model_len`` sequence does not fit (tpserve/cluster.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+
+#: Share of the host's available memory a CPU rank group may turn into KV cache
+#: (before ``gpu_memory_utilization``): the rest is left to activations, the
+#: tokenizer, the coordinator and whatever else shares the host.
+CPU_MEMORY_FRACTION = 0.5
+#: Profiling rows sample with top-p, so that the sampler's sort is part of the peak.
+_PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+
+if TYPE_CHECKING:  # torch is imported where it is used: worker/server.py imports this before torch
+    import torch
+
+
+@dataclass(frozen=True)
+class CacheSizing:
+    """What sizing needs to know (the coordinator's flags, passed to every rank).
+
+    Attributes:
+        gpu_memory_utilization: share of the device's memory tpserve may use, in (0, 1].
+        max_num_batched_tokens: most tokens of one step.
+        max_num_seqs: most sequences of one step.
+        max_model_len: longest sequence in tokens; None: the model's ``max_position_embeddings``.
+        num_local_ranks: ranks of the group on this host (they share its RAM).
+        kv_cache_memory_bytes: explicit per-rank budget, or None.
+        num_gpu_blocks_override: explicit block count, or None.
+    """
+
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    num_local_ranks: int = 1
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def available_host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int:
+    """The host's available memory in bytes (Linux ``MemAvailable``; psutil elsewhere).
+
+    Raises:
+        RuntimeError: neither source is readable; pass ``--kv-cache-memory-bytes``.
+    """
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError as exc:
+        raise RuntimeError(f"cannot read the available memory ({meminfo}, psutil); "
+                           "pass --kv-cache-memory-bytes") from exc
+    return int(psutil.virtual_memory().available)
+
+
+def cpu_kv_cache_bytes(sizing: CacheSizing, available_bytes: int, bytes_per_block: int, block_size: int) -> int:
+    """The CPU rule (item 4 of the module docstring), in bytes."""
+    share = int(sizing.gpu_memory_utilization * CPU_MEMORY_FRACTION * available_bytes) // sizing.num_local_ranks
+    blocks_per_seq = -(-sizing.max_model_len // block_size)
+    return min(share, sizing.max_num_seqs * blocks_per_seq * bytes_per_block)
+
+
+def cuda_kv_cache_bytes(device: torch.device, utilization: float, profile: Callable[[], int]) -> int:
+    """The CUDA rule (item 3): run ``profile`` and measure what is left.
+
+    Args:
+        device: the rank's GPU (the calling thread's current device).
+        utilization: ``gpu_memory_utilization``.
+        profile: runs the largest step; returns the bytes of the temporary KV
+            cache it allocated (counted in the peak, but not an activation).
+
+    Returns:
+        Bytes the KV cache may take.
+
+    Raises:
+        ValueError: nothing is left for the cache; the message gives the numbers.
+    """
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_cache_bytes = profile()
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device) - profile_cache_bytes  # weights + activations
+    non_torch = total - free - torch.cuda.memory_reserved(device)  # CUDA context, NCCL, other processes
+    used_at_peak = peak + non_torch
+    budget = int(utilization * total) - used_at_peak
+    torch.cuda.empty_cache()  # return the profile's activations to the driver before the cache is allocated
+    if budget <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache on {device}: gpu_memory_utilization={utilization} of "
+            f"{total / 2**30:.1f} GiB is {utilization * total / 2**30:.1f} GiB, and the weights, the profiled "
+            f"step's activations and other users already take {used_at_peak / 2**30:.1f} GiB; raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens, or use more ranks"
+        )
+    return budget
+
+
+def profile_plans(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                  block_size: int) -> tuple[int, list[StepPlan]]:
+    """The steps the CUDA profile runs, and the KV blocks they need.
+
+    1. the largest prefill step: ``max_num_batched_tokens`` tokens over
+       ``min(max_num_seqs, max_num_batched_tokens)`` sequences, one token each
+       plus the rest in chunks of at most ``max_model_len`` tokens, all sampling;
+    2. the largest decode step: that many sequences, each decoding at position
+       ``max_model_len - 1`` (attention over a full context). Their block tables
+       repeat block 0, so the profile cache stays small while the attention's
+       working memory is that of full contexts;
+    3. a step that drops every sequence.
+
+    Returns:
+        ``(num_blocks, plans)``.
+    """
+    num_seqs = min(max_num_seqs, max_num_batched_tokens)
+    lengths = [1] * num_seqs
+    rest, i = max_num_batched_tokens - num_seqs, 0
+    while rest > 0 and i < num_seqs:
+        extra = min(rest, max_model_len - 1)
+        lengths[i] += extra
+        rest, i = rest - extra, i + 1
+    new, chunks, next_block = [], [], 0
+    for seq_id, length in enumerate(lengths):
+        num_blocks = -(-length // block_size)
+        new.append(NewSequence(seq_id, _PROFILE_SAMPLING))
+        chunks.append(ScheduledChunk(seq_id, (0,) * length, 0, tuple(range(next_block, next_block + num_blocks))))
+        next_block += num_blocks
+    prefill = StepPlan(0, tuple(new), tuple(chunks))
+    full_table = (0,) * -(-max_model_len // block_size)
+    decode_ids = range(num_seqs, 2 * num_seqs)
+    decode = StepPlan(
+        1,
+        tuple(NewSequence(s, _PROFILE_SAMPLING) for s in decode_ids),
+        tuple(ScheduledChunk(s, (0,), max_model_len - 1, full_table) for s in decode_ids),
+        finished_seq_ids=tuple(range(num_seqs)),
+    )
+    return next_block, [prefill, decode, StepPlan(2, finished_seq_ids=tuple(decode_ids))]
+
+
+def num_kv_blocks(runner, sizing: CacheSizing, read_available: Callable[[], int] = available_host_memory_bytes) -> int:
+    """KV blocks this rank can hold, by the precedence of the module docstring.
+
+    Args:
+        runner: the rank's :class:`~worker.model_runner.ModelRunner`, weights loaded,
+            no KV cache yet (the CUDA profile allocates and frees a small one).
+        sizing: the flags.
+        read_available: the host's available memory in bytes (tests replace it).
+
+    Raises:
+        ValueError: on CUDA, nothing is left for the cache.
+    """
+    if sizing.num_gpu_blocks_override is not None:
+        return sizing.num_gpu_blocks_override
+    if sizing.max_model_len is None:
+        sizing = replace(sizing, max_model_len=runner.config.max_position_embeddings)
+    layout = runner.kv_layout
+    if sizing.kv_cache_memory_bytes is not None:
+        budget = sizing.kv_cache_memory_bytes
+    elif runner.ctx.device.type == "cuda":
+        budget = cuda_kv_cache_bytes(runner.ctx.device, sizing.gpu_memory_utilization, lambda: _profile(runner, sizing))
+    else:
+        budget = cpu_kv_cache_bytes(sizing, read_available(), layout.bytes_per_block, layout.block_size)
+    return layout.num_blocks_for_budget(budget)
+
+
+def _profile(runner, sizing: CacheSizing) -> int:
+    """Run :func:`profile_plans` on ``runner``; returns the temporary cache's bytes (freed again)."""
+    num_blocks, plans = profile_plans(sizing.max_num_batched_tokens, sizing.max_num_seqs, sizing.max_model_len,
+                                      runner.kv_layout.block_size)
+    runner.init_kv_cache(num_blocks)
+    try:
+        for plan in plans:
+            runner.execute(plan)
+    finally:
+        runner.free_kv_cache()
+    return num_blocks * runner.kv_layout.bytes_per_block
