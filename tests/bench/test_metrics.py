@@ -118,5 +118,5 @@ def test_bad_duration_is_refused(records) -> None:
 def test_json_record_has_derived_metrics(records) -> None:
     row = records[0].to_json_dict()
     assert (row["ttft_s"], row["tpot_s"], row["e2el_s"]) == (0.1, 0.0375, 0.25)
-    assert row["itl_s"] == [0.03, 0.04, 0.08] and row["chunk_num_tokens"] == [1, 1, 2, 1]
+    assert row["chunk_times_s"] == [0.1, 0.13, 0.17, 0.25] and row["chunk_num_tokens"] == [1, 1, 2, 1]
     assert (row["status"], row["completion_tokens"], row["prompt_tokens"]) == ("OK", 5, 10)

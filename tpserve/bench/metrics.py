@@ -94,13 +94,15 @@ class RequestRecord:
         return (self.e2el_s - self.ttft_s) / (self.completion_tokens - 1)
 
     def to_json_dict(self) -> dict:
-        """The record with its derived metrics, as the result file stores it (seconds, to the microsecond)."""
+        """The record with TTFT, TPOT and E2EL, as the result file stores it (seconds, to the microsecond).
+
+        The ITLs are not repeated: they are the differences of consecutive ``chunk_times_s``.
+        """
         def us(value: float | None) -> float | None:
             return None if value is None else round(value, 6)
 
         return {**asdict(self), "start_s": us(self.start_s), "chunk_times_s": [us(t) for t in self.chunk_times_s],
-                "ttft_s": us(self.ttft_s), "tpot_s": us(self.tpot_s), "e2el_s": us(self.e2el_s),
-                "itl_s": [us(gap) for gap in self.itl_s]}
+                "ttft_s": us(self.ttft_s), "tpot_s": us(self.tpot_s), "e2el_s": us(self.e2el_s)}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
