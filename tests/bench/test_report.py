@@ -86,6 +86,7 @@ def test_parse_rates() -> None:
     (["--goodput", "itl:5"], "goodput"),
     (["--sweep-request-rate", "1,fast"], "sweep-request-rate"),
     (["--num-prompts", "0"], "num-prompts"),
+    (["--seed", "-1"], "seed"),
     (["--dataset", "jsonl"], "dataset-path"),
 ])
 def test_bad_arguments_exit_2_before_connecting(capsys, argv: list[str], message: str) -> None:

@@ -97,6 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
     rates = parse_rates(args.sweep_request_rate) if args.sweep_request_rate else [args.request_rate]
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.seed < 0 or args.num_warmups < 0:
+        raise ValueError("--seed and --num-warmups must be >= 0")
     if args.dataset == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
     with Client(args.target) as client:

@@ -91,7 +91,7 @@ async def run_async(target: str, requests: Sequence[SampleRequest], config: Load
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         for index in range(config.num_warmups):  # not measured: warms caches and connections
-            await stream_one(stub, -1, requests[index % len(requests)], config, time.perf_counter())
+            await stream_one(stub, index % len(requests), requests[index % len(requests)], config, time.perf_counter())
         with tqdm(total=len(requests), desc=f"request rate {config.request_rate:g}/s", unit="req",
                   disable=not config.show_progress) as progress:
 
