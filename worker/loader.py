@@ -3,11 +3,14 @@
 Checkpoint layouts: a single ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: file name}}``).
 
-Each tensor is opened lazily with ``safe_open(file, framework="pt").get_slice(name)``
+Each tensor is opened lazily with ``safe_open(file, framework="pt", device=...).get_slice(name)``
 and handed to its parameter's ``weight_loader``, which reads only this rank's
 rows or columns (see worker/layers/weights.py): no rank ever holds the full
-tensor of a sharded weight. The model is built with uninitialised parameters
-(no random initialisation), then filled here.
+tensor of a sharded weight. On CUDA the files are opened with the rank's GPU as
+the device, so safetensors copies each slice from the memory-mapped file straight
+to that GPU, and the cast into the parameter is a non-blocking copy on the GPU;
+no CPU tensor of a weight is ever cast or kept. The model is built with
+uninitialised parameters (no random initialisation), then filled here.
 
 Checkpoint names map to parameters one to one, except the fused projections:
 ``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` (shard ``"q"``/``"k"``/``"v"``) and
@@ -79,12 +82,22 @@ def load_model(
     # Parameters are allocated uninitialised (torch.empty) on ctx.device: nothing
     # is randomly initialised, and each is written once, by its weight_loader.
     model = LlamaForCausalLM(config, ctx, dtype, tie_word_embeddings=tied)
-    load_weights(model, files)
+    load_weights(model, files, ctx.device)
     return model.eval()
 
 
-def load_weights(model: torch.nn.Module, files: dict[str, Path]) -> None:
+def read_device(device: torch.device) -> str:
+    """Where safetensors puts the slices it reads: the rank's GPU, else the CPU (also for meta)."""
+    return str(device) if device.type == "cuda" else "cpu"
+
+
+def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.device | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint tensors in ``files``.
+
+    Args:
+        model: parameters carrying ``weight_loader`` and ``shard_ids``.
+        files: tensor name -> file.
+        device: the parameters' device; CUDA slices are read straight onto it.
 
     Raises:
         ValueError: unexpected, missing or mis-shaped weights, named.
@@ -109,7 +122,7 @@ def load_weights(model: torch.nn.Module, files: dict[str, Path]) -> None:
     for name in targets:
         by_file[files[name]].append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with safe_open(path, framework="pt", device=read_device(device or torch.device("cpu"))) as f:
             for name in names:
                 param_name, shard_id = targets[name]
                 param = params[param_name]

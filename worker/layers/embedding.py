@@ -7,9 +7,10 @@ and rank ``r`` holds rows ``[r * V_p, (r + 1) * V_p)`` of the embedding matrix
 * ``VocabParallelEmbedding``: each rank embeds the token ids that fall in its
   rows, writes zeros for the others, and an all-reduce sums the partial
   embeddings into the full one.
-* ``ParallelLMHead``: each rank computes the logits of its vocabulary slice;
-  they are gathered on rank 0 and the padding columns dropped. With tied word
-  embeddings the head shares the embedding's weight parameter.
+* ``ParallelLMHead``: each rank computes the logits of its vocabulary slice in
+  float32 (:func:`logits_float32`: the sampler's inputs are not rounded to the
+  weights' half precision); they are gathered on rank 0 and the padding columns
+  dropped. With tied word embeddings the head shares the embedding's weight parameter.
 """
 
 from __future__ import annotations
@@ -20,6 +21,44 @@ from torch import nn
 
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
 from worker.parallel_state import ParallelContext
+
+
+#: Device type -> whether ``torch.mm(..., out_dtype=torch.float32)`` runs there (CUDA
+#: and meta in recent PyTorch; not the CPU), probed once per device type.
+_MM_FLOAT32_OUT: dict[str, bool] = {}
+
+
+def _has_mm_float32_out(device: torch.device) -> bool:
+    if device.type not in _MM_FLOAT32_OUT:
+        probe = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+        try:
+            torch.mm(probe, probe, out_dtype=torch.float32)
+            _MM_FLOAT32_OUT[device.type] = True
+        except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+            _MM_FLOAT32_OUT[device.type] = False
+    return _MM_FLOAT32_OUT[device.type]
+
+
+def logits_float32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` accumulated and returned in float32, whatever the weights' dtype.
+
+    Args:
+        hidden: ``(N, H)`` in the weights' dtype.
+        weight: ``(V, H)``, float32, bfloat16 or float16.
+
+    Returns:
+        ``(N, V)`` float32. Half-precision weights on CUDA: one GEMM with a float32
+        output (``torch.mm(..., out_dtype=torch.float32)``; cuBLAS accumulates in
+        float32), so logits are not rounded to 8 (bf16) or 11 (fp16) bits of mantissa
+        and no float32 copy of the weight is made. Where that GEMM is missing (the
+        CPU), both operands are upcast: exact, at the cost of a float32 copy of the
+        weight per call (half precision on a CPU is a test configuration).
+    """
+    if weight.dtype == torch.float32:
+        return F.linear(hidden, weight)  # (N, V)
+    if _has_mm_float32_out(weight.device):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # (N, V)
+    return F.linear(hidden.float(), weight.float())  # (N, V)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -68,8 +107,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits ``hidden @ E.T`` with ``E`` split by vocabulary rows, gathered on rank 0.
 
-    ``forward(hidden (N, embedding_size)) -> (N, vocab_size)`` on rank 0 (in the
-    weight's dtype), None on the other ranks. Every rank must call it.
+    ``forward(hidden (N, embedding_size)) -> (N, vocab_size)`` float32 on rank 0,
+    None on the other ranks. Every rank must call it.
     """
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
@@ -81,7 +120,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        local_logits = F.linear(hidden, self.weight)  # (N, vocab_size_per_partition)
+        local_logits = logits_float32(hidden, self.weight)  # (N, vocab_size_per_partition) float32
         logits = self.ctx.gather_to_rank0(local_logits, dim=-1)  # (N, padded_vocab_size) on rank 0
         if logits is None:
             return None

@@ -43,10 +43,14 @@ def check_shape(source: CheckpointSource, expected: tuple[int, ...]) -> None:
 
 
 def copy_into(destination: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy ``value`` into ``destination`` (same shape), casting to its dtype and device."""
+    """Copy ``value`` into ``destination`` (same shape), casting to its dtype and device.
+
+    Non-blocking: the loader reads slices onto the rank's GPU already (worker/loader.py),
+    so this is a device-side cast and copy, ordered on the current stream.
+    """
     if destination.shape != value.shape:
         raise ValueError(f"shard has shape {list(value.shape)}, expected {list(destination.shape)}")
-    destination.copy_(value)
+    destination.copy_(value, non_blocking=True)
 
 
 def load_replicated(param: torch.nn.Parameter, source: CheckpointSource, shard_id: Any = None) -> None:
