@@ -1,4 +1,20 @@
-"""Start-up refusal, clean shutdown, and a lost rank: no crash, no hang, no process left."""
+"""Start-up refusal, clean shutdown, and a lost rank: no crash, no hang, no process left.
+
+What a lost rank does, per backend (docs/design.md, "NCCL failures"):
+
+* gloo (CPU, these tests): a collective whose peer died fails at once (its TCP
+  connection closes) or at the group's timeout (a hung peer); the step's error
+  path reports it to the coordinator.
+* NCCL (CUDA, not run here): collectives are asynchronous, so the step's Python
+  code does not see the failure; PyTorch's watchdog aborts the rank process at
+  the group's timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, set by
+  worker/nccl_env.py, after a flight-recorder dump).
+* Both: the coordinator watches its rank processes and treats any exit as a lost
+  group: in-flight requests fail at once (INTERNAL or UNAVAILABLE), health turns
+  NOT_SERVING, the coordinator stops the other ranks and exits 1. That path is
+  what ``test_a_lost_rank_fails_requests_and_stops_the_cluster`` checks, and it is
+  the same on both backends.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +51,12 @@ def test_sigterm_stops_every_process_with_exit_code_zero() -> None:
 
 
 def test_a_lost_rank_fails_requests_and_stops_the_cluster() -> None:
+    """SIGKILL of rank 1 mid-stream: the stream fails within 10 s, the coordinator exits 1.
+
+    gloo: rank 0's next collective fails too; NCCL: rank 0 may hang until its watchdog
+    fires, but the coordinator has already seen rank 1's exit, so the client sees the
+    same failure within the same bound, and rank 0 is stopped with the group.
+    """
     with serve(STORIES_DIR, 2, "--distributed-timeout-seconds", "10") as cluster:
         workers = child_pids(cluster.process.pid)
         stream = cluster.client.generate_stream("Once upon a time", max_tokens=450, temperature=0, ignore_eos=True)
