@@ -1,4 +1,4 @@
-"""A small synchronous client for the tpserve Generation API.
+"""Clients of the tpserve Generation API: blocking (:class:`Client`) and asyncio (:class:`AsyncClient`).
 
     from tpserve.client import Client
     with Client("127.0.0.1:50051") as client:
@@ -6,20 +6,36 @@
         result = client.generate("Once upon a time", max_tokens=32, temperature=0)
         print(result.text, result.finish_reason, result.usage)
 
-Errors surface as ``grpc.RpcError`` with the server's status code and message.
+    from tpserve.client import AsyncClient
+    async with AsyncClient("dns:///tpserve-replicas.default.svc:50051") as client:
+        async for chunk in client.generate_stream("The dog", max_tokens=32):
+            print(chunk.text, end="")
+
+A target is anything gRPC resolves: ``host:port``, ``dns:///name:port`` (every
+address the name has), ``ipv4:10.0.0.1:50051,10.0.0.2:50051`` or ``unix:///path``.
+Requests are spread over all the target's addresses, one request at a time, by
+gRPC's own ``round_robin`` policy: gRPC keeps one HTTP/2 connection per address,
+so without it every request of a client would go to the first replica
+(``pick_first``). Errors surface as ``grpc.RpcError`` (``grpc.aio.AioRpcError``)
+with the server's status code and message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
+
+LoadBalancingPolicy = Literal["round_robin", "pick_first"]
 
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -86,11 +102,33 @@ def build_request(
     return request
 
 
-class Client:
-    """Blocking client of one tpserve server at ``target`` ("host:port")."""
+def channel_options(load_balancing_policy: LoadBalancingPolicy = "round_robin") -> list[tuple[str, str]]:
+    """gRPC channel options selecting the load-balancing policy over a target's addresses."""
+    return [("grpc.service_config", json.dumps({"loadBalancingConfig": [{load_balancing_policy: {}}]}))]
 
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
+
+def _result(response: pb.GenerateResponse) -> GenerateResult:
+    return GenerateResult(
+        request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
+        finish_reason=FINISH_REASON_NAMES[response.finish_reason],
+        usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens))
+
+
+def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Client:
+    """Blocking client of the tpserve servers at ``target`` (see the module docstring).
+
+    Args:
+        target: ``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ...
+        load_balancing_policy: ``round_robin`` spreads requests over every address of
+            the target; ``pick_first`` sends them all to one.
+    """
+
+    def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin") -> None:
+        self.channel = grpc.insecure_channel(target, options=channel_options(load_balancing_policy))
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -104,7 +142,7 @@ class Client:
         self.channel.close()
 
     def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.25) -> None:
-        """Blocks until the health service reports SERVING.
+        """Blocks until the health service reports SERVING (on the address the call lands on).
 
         Raises:
             TimeoutError: not SERVING after ``timeout_s`` seconds.
@@ -112,8 +150,7 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                response = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                if _is_serving(self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)):
                     return
             except grpc.RpcError:
                 pass  # not listening yet
@@ -126,13 +163,60 @@ class Client:
 
     def generate(self, prompt: str | Sequence[int], timeout_s: float | None = None, **sampling) -> GenerateResult:
         """Unary Generate; ``sampling`` takes the keyword arguments of :func:`build_request`."""
-        response = self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s)
-        return GenerateResult(
-            request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
-            finish_reason=FINISH_REASON_NAMES[response.finish_reason],
-            usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens))
+        return _result(self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s))
 
     def generate_stream(self, prompt: str | Sequence[int], timeout_s: float | None = None,
                         **sampling) -> Iterator[pb.GenerateStreamResponse]:
         """Server-streaming GenerateStream; the iterator's ``cancel()`` cancels the RPC."""
+        return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s)
+
+
+class AsyncClient:
+    """asyncio client with :class:`Client`'s methods, as coroutines; streams are ``async for`` iterables.
+
+    Create it inside a running event loop (``async with AsyncClient(target) as client``).
+    """
+
+    def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin") -> None:
+        self.channel = grpc.aio.insecure_channel(target, options=channel_options(load_balancing_policy))
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.25) -> None:
+        """Waits until the health service reports SERVING.
+
+        Raises:
+            TimeoutError: not SERVING after ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if _is_serving(await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)):
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not SERVING after {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+
+    async def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+
+    async def generate(self, prompt: str | Sequence[int], timeout_s: float | None = None, **sampling) -> GenerateResult:
+        """Unary Generate; ``sampling`` takes the keyword arguments of :func:`build_request`."""
+        return _result(await self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s))
+
+    def generate_stream(self, prompt: str | Sequence[int], timeout_s: float | None = None,
+                        **sampling) -> grpc.aio.UnaryStreamCall:
+        """Server-streaming GenerateStream: ``async for chunk in ...``; ``cancel()`` cancels the RPC
+        (so does cancelling the task that iterates it), and the server frees the request's KV blocks."""
         return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s)
