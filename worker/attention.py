@@ -1,23 +1,25 @@
-"""Paged attention over a flat batch that mixes prefill chunks and decodes.
+"""Paged attention over a flat batch that mixes decodes and prefill chunks.
 
-Data flow of one step (metadata built once by :meth:`AttentionMetadata.build`,
-then passed to every layer as an argument):
+The step's flat batch is ordered **decodes first**: rows ``0 .. num_decodes - 1``
+are sequences that feed one token (decodes, or one-token prompts), the rows
+after them are prefill chunks, each a contiguous run of rows. Per layer:
 
 1. the new tokens' keys and values are written into the paged KV cache at their
    slots (``slot = block_table[pos // block_size] * block_size + pos % block_size``);
-2. the step's sequences are split into at most two *attention batches*: decodes
-   (one query each) and prefill chunks (several queries). Splitting keeps a long
-   prefill chunk from padding every decode to its length;
-3. per attention batch, one ``scaled_dot_product_attention`` call: each
-   sequence's keys/values are gathered from the cache through its block table
-   (``k_cache[block_tables]``), its queries are gathered into a padded
-   ``(num_seqs, max_query_len)`` grid, and a boolean mask keeps key position
-   ``j`` for query position ``i`` iff ``j < context_len and j <= i`` (causal);
-4. the padded grid is unpadded back to the flat ``(T, num_heads * head_dim)``.
+2. decodes: one ``scaled_dot_product_attention`` call for all of them. Their
+   queries are the first rows of ``q`` as they lie (no gather); their keys and
+   values are read through the block tables (``k_cache[block_tables]``, one copy
+   of each context, which is what a paged layout costs without a custom kernel),
+   with a mask ``key position < context_len`` built once per step;
+3. prefill chunks: one call each. A chunk that starts a prompt attends over its
+   own keys and values, which are already in registers' reach as ``k, v`` (causal,
+   no cache read, no mask tensor); a later chunk of a long prompt reads its
+   earlier positions through its block table under a causal mask with offset.
 
-No Python loop runs over sequences inside a layer; the loop over attention
-batches has at most two iterations. Padded query rows still see key 0, so the
-softmax never meets an all-masked row (no NaN); their output is discarded.
+Why not one padded call for everything: a decode batch padded to the longest
+prefill chunk does ``num_seqs x chunk_len x context`` work for one useful row per
+decode, and a padded prefill grid wastes up to half of a mixed batch; the
+per-chunk loop costs one SDPA call per prompt chunk per layer (a few per step).
 
 KV cache layout per layer and rank: ``k_cache, v_cache (num_blocks, block_size,
 num_kv_heads, head_dim)``.
@@ -25,7 +27,6 @@ num_kv_heads, head_dim)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,145 +35,47 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class AttentionBatch:
-    """Sequences attended in one SDPA call (all decodes, or all prefill chunks).
+class PrefillChunk:
+    """One prefill chunk's rows and, for a continued prompt, where its history lies.
 
     Attributes:
-        block_tables: ``(num_seqs, num_blocks) int64``, trimmed to the longest context.
-        token_index: ``(num_seqs * max_query_len,) int64``: flat token that fills
-            each padded query row (padding rows repeat the sequence's first token).
-        output_rows: ``(num_tokens,) int64``: padded rows that hold real tokens.
-        output_tokens: ``(num_tokens,) int64``: their index in the flat batch.
-        attn_mask: ``(num_seqs, 1, max_query_len, max_kv_len) bool``, True = attend.
-        num_seqs, max_query_len, max_kv_len: the padded grid's sizes.
+        start, end: its rows ``[start, end)`` in the flat batch.
+        block_table: ``(num_blocks,) int64`` on the device, covering positions
+            ``0 .. context_len - 1``; None when the chunk starts at position 0
+            (it attends only over its own keys and values).
+        context_len: tokens attended over (``start_position + num_tokens``).
+        mask: ``(num_tokens, context_len) bool``, True = attend (causal with the
+            chunk's offset); None when ``block_table`` is None.
     """
 
-    block_tables: torch.Tensor
-    token_index: torch.Tensor
-    output_rows: torch.Tensor
-    output_tokens: torch.Tensor
-    attn_mask: torch.Tensor
-    num_seqs: int
-    max_query_len: int
-    max_kv_len: int
+    start: int
+    end: int
+    block_table: torch.Tensor | None
+    context_len: int
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Everything attention needs about one step, built once and shared by all layers.
+    """What attention needs about one step, built once (worker/step_inputs.py) and shared by every layer.
 
     Attributes:
-        positions: ``(T,) int64`` absolute position of each token of the flat batch.
-        slot_mapping: ``(T,) int64`` cache slot of each token, ``block_id * block_size + offset``.
-        block_tables: ``(S, max_blocks) int64``, padded with block 0 (masked out).
-        context_lens: ``(S,) int64`` tokens in each sequence's context after this step.
-        query_start_loc: ``(S + 1,) int64`` where each sequence's tokens start in the flat batch.
-        batches: one or two :class:`AttentionBatch` (decodes, prefill chunks).
+        positions: ``(T,) int64`` absolute position of each row of the flat batch.
+        slot_mapping: ``(T,) int64`` cache slot of each row, ``block_id * block_size + offset``.
+        num_decodes: the first ``num_decodes`` rows are one-token sequences.
+        decode_block_tables: ``(num_decodes, max_blocks) int64``, padded with block 0
+            (masked out); None when ``num_decodes == 0``.
+        decode_mask: ``(num_decodes, 1, 1, max_blocks * block_size) bool``, True for
+            key positions below the sequence's context length; None likewise.
+        prefills: the prefill chunks, in row order.
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    batches: tuple[AttentionBatch, ...]
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: Sequence[int],
-        start_positions: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        block_size: int,
-        device: torch.device,
-    ) -> AttentionMetadata:
-        """Build a step's metadata from per-sequence Python lists (sequence order = flat batch order).
-
-        Args:
-            query_lens: tokens each sequence feeds this step (>= 1).
-            start_positions: absolute position of each sequence's first fed token.
-            block_tables: each sequence's KV block ids; block ``i`` holds positions
-                ``[i * block_size, (i + 1) * block_size)``.
-            block_size: tokens per KV block.
-            device: where the tensors go.
-
-        Raises:
-            ValueError: a sequence has no tokens or too few blocks for its context.
-        """
-        num_seqs = len(query_lens)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)  # (S,)
-        starts = torch.tensor(start_positions, dtype=torch.int64)  # (S,)
-        context_lens = starts + q_lens  # (S,)
-        num_blocks = -(-int(context_lens.max()) // block_size)
-        for i, table in enumerate(block_tables):
-            if query_lens[i] < 1 or len(table) * block_size < int(context_lens[i]):
-                raise ValueError(
-                    f"sequence {i}: {query_lens[i]} tokens from position {start_positions[i]} need "
-                    f"{-(-int(context_lens[i]) // block_size)} blocks of {block_size}, table has {len(table)}"
-                )
-        padded = [list(t[:num_blocks]) + [0] * (num_blocks - min(len(t), num_blocks)) for t in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int64).view(num_seqs, num_blocks)  # (S, B)
-        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)  # (S + 1,)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # (T,)
-        offsets = torch.arange(num_tokens) - query_start_loc[seq_of_token]  # (T,) index within the chunk
-        positions = starts[seq_of_token] + offsets  # (T,)
-        slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # (T,)
-
-        is_decode = q_lens == 1  # (S,)
-        groups = [torch.nonzero(mask).flatten() for mask in (is_decode, ~is_decode)]
-        batches = tuple(
-            _build_batch(idx, q_lens, starts, context_lens, query_start_loc, tables, block_size, device)
-            for idx in groups
-            if idx.numel()
-        )
-        return cls(
-            positions=positions.to(device),
-            slot_mapping=slot_mapping.to(device),
-            block_tables=tables.to(device),
-            context_lens=context_lens.to(device),
-            query_start_loc=query_start_loc.to(device),
-            batches=batches,
-        )
-
-
-def _build_batch(
-    idx: torch.Tensor,
-    q_lens: torch.Tensor,
-    starts: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    tables: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-) -> AttentionBatch:
-    """The padded grid of the sequences ``idx`` (CPU index tensors in, device tensors out)."""
-    max_query_len = int(q_lens[idx].max())
-    max_kv_len = int(context_lens[idx].max())
-    rows = torch.arange(max_query_len)  # (Q,)
-    valid = rows[None, :] < q_lens[idx, None]  # (S_g, Q) real query rows
-    first = query_start_loc[idx, None]  # (S_g, 1)
-    token_index = torch.where(valid, first + rows[None, :], first).flatten()  # (S_g * Q,)
-    output_rows = torch.nonzero(valid.flatten()).flatten()  # (T_g,)
-    output_tokens = token_index[output_rows]  # (T_g,)
-    # The mask is the one large tensor: compute it where it is used.
-    query_pos = (starts[idx, None] + rows[None, :]).to(device)  # (S_g, Q)
-    key_pos = torch.arange(max_kv_len, device=device)  # (K,)
-    ctx_lens = context_lens[idx].to(device)  # (S_g,)
-    attn_mask = (key_pos[None, None, :] < ctx_lens[:, None, None]) & (
-        key_pos[None, None, :] <= query_pos[:, :, None]
-    )  # (S_g, Q, K)
-    return AttentionBatch(
-        block_tables=tables[idx, : -(-max_kv_len // block_size)].to(device),
-        token_index=token_index.to(device),
-        output_rows=output_rows.to(device),
-        output_tokens=output_tokens.to(device),
-        attn_mask=attn_mask.unsqueeze(1),  # (S_g, 1, Q, K)
-        num_seqs=int(idx.numel()),
-        max_query_len=max_query_len,
-        max_kv_len=max_kv_len,
-    )
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: tuple[PrefillChunk, ...]
 
 
 class PagedAttention(nn.Module):
@@ -180,9 +83,10 @@ class PagedAttention(nn.Module):
 
     Args:
         num_heads: query heads on this rank.
-        num_kv_heads: key/value heads on this rank (``num_heads`` divisible by it; GQA).
+        num_kv_heads: key/value heads on this rank (``num_heads`` divisible by it; GQA,
+            Ainslie et al. 2023, arXiv:2305.13245).
         head_size: size of one head ``d``.
-        scale: softmax scale, ``d ** -0.5`` for Llama.
+        scale: softmax scale, ``d ** -0.5`` for Llama (Vaswani et al. 2017).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
@@ -191,6 +95,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
+        self.enable_gqa = num_kv_heads != num_heads
 
     def forward(
         self,
@@ -203,21 +108,50 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """``q (T, num_heads, d)``, ``k, v (T, num_kv_heads, d)`` -> ``(T, num_heads * d)``.
 
-        Writes ``k, v`` into ``k_cache, v_cache`` at ``attn_metadata.slot_mapping``.
+        Writes ``k, v`` into ``k_cache, v_cache`` at ``attn_metadata.slot_mapping`` first.
         """
         num_tokens, kvh, d = k.shape
-        slots = attn_metadata.slot_mapping  # (T,)
-        k_cache.view(-1, kvh, d).index_copy_(0, slots, k)  # cache now holds this step's keys
-        v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+        meta = attn_metadata
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)  # the cache now holds this step's keys
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        num_decodes = meta.num_decodes
+        decoded = None
+        if num_decodes:
+            decoded = self._decode(q[:num_decodes], k_cache, v_cache, meta)  # (D, H, d)
+            if num_decodes == num_tokens:
+                return decoded.reshape(num_tokens, self.num_heads * d)  # a pure decode step: no scatter
         out = q.new_empty(num_tokens, self.num_heads, d)  # (T, H, d)
-        for batch in attn_metadata.batches:  # decodes, then prefill chunks: at most two
-            s, qlen, kvlen = batch.num_seqs, batch.max_query_len, batch.max_kv_len
-            qb = q[batch.token_index].view(s, qlen, self.num_heads, d).transpose(1, 2)  # (S_g, H, Q, d)
-            kb = k_cache[batch.block_tables].view(s, -1, kvh, d)[:, :kvlen].transpose(1, 2)  # (S_g, KVH, K, d)
-            vb = v_cache[batch.block_tables].view(s, -1, kvh, d)[:, :kvlen].transpose(1, 2)  # (S_g, KVH, K, d)
-            ob = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=batch.attn_mask, scale=self.scale, enable_gqa=kvh != self.num_heads
-            )  # (S_g, H, Q, d)
-            ob = ob.transpose(1, 2).reshape(s * qlen, self.num_heads, d)  # (S_g * Q, H, d)
-            out[batch.output_tokens] = ob[batch.output_rows]  # (T_g, H, d) back to flat order
+        if decoded is not None:
+            out[:num_decodes] = decoded
+        for chunk in meta.prefills:
+            out[chunk.start : chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
         return out.view(num_tokens, self.num_heads * d)  # (T, H * d)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``q (D, H, d)`` -> ``(D, H, d)``: one query per sequence over its paged context."""
+        num_seqs, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
+        tables = meta.decode_block_tables  # (D, B)
+        keys = k_cache[tables].view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
+        values = v_cache[tables].view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=self.enable_gqa
+        )  # (D, H, 1, d)
+        return o.squeeze(2)  # (D, H, d)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        """One chunk's rows of ``q (T, H, d)`` -> ``(n, H, d)``."""
+        kvh, d = self.num_kv_heads, self.head_size
+        qs = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
+        if chunk.block_table is None:  # a prompt's first chunk: its own keys, causal
+            ks = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
+            vs = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.enable_gqa)  # (1, H, n, d)
+        else:  # a later chunk: the history through the block table, causal with offset
+            ks = k_cache[chunk.block_table].view(-1, kvh, d)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+            vs = v_cache[chunk.block_table].view(-1, kvh, d)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask, scale=self.scale,
+                                               enable_gqa=self.enable_gqa)  # (1, H, n, d)
+        return o[0].transpose(0, 1)  # (n, H, d)

@@ -31,11 +31,11 @@ import torch
 
 from tpserve.model_config import ModelConfig
 from tpserve.step import SamplingParams, StepPlan, StepResult
-from worker.attention import AttentionMetadata
 from worker.kv_cache import KVCacheLayout
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
-from worker.sampler import sample
+from worker.sampler import sample_tensors
+from worker.step_inputs import build_step_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -151,28 +151,18 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan) -> tuple[int, ...]:
         """Forward the flat batch and sample; inside ``inference_mode``."""
-        device = self.ctx.device
         chunks = plan.scheduled
-        meta = AttentionMetadata.build(
-            query_lens=[c.num_tokens for c in chunks],
-            start_positions=[c.start_position for c in chunks],
-            block_tables=[self._seqs[c.seq_id].block_table for c in chunks],
-            block_size=self.block_size,
-            device=device,
+        states = [self._seqs[c.seq_id] for c in chunks]
+        inputs = build_step_inputs(
+            chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
+            self.ctx.device, with_sampling=self.ctx.is_rank0,
         )
-        token_ids = [t for c in chunks for t in c.token_ids]
-        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)  # (T,)
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)  # (T, hidden)
-
-        sampling = [i for i, c in enumerate(chunks) if c.sample]
-        if not sampling:
+        hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
+        if inputs.sample_rows is None:
             return ()
-        last_rows = meta.query_start_loc[1:][torch.tensor(sampling, device=device)] - 1  # (N,)
-        logits = self.model.compute_logits(hidden[last_rows])  # (N, vocab) on rank 0, else None
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (N, vocab) on rank 0, else None
         if logits is None:
             return ()
         logits = logits.float()  # (N, vocab) float32
         self.last_logits = logits
-        params = [self._seqs[chunks[i].seq_id].sampling for i in sampling]
-        positions = [chunks[i].start_position + chunks[i].num_tokens for i in sampling]
-        return tuple(sample(logits, params, positions).tolist())
+        return tuple(sample_tensors(logits, inputs.sampling).tolist())  # the step's one device-to-host copy

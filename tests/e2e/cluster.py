@@ -64,8 +64,13 @@ class RunningCluster:
 
 
 @contextmanager
-def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str) -> Iterator[RunningCluster]:
-    """Runs ``tpserve serve`` until the block exits, then SIGTERMs it and checks nothing is left."""
+def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
+          omp_threads: int | None = 1) -> Iterator[RunningCluster]:
+    """Runs ``tpserve serve`` until the block exits, then SIGTERMs it and checks nothing is left.
+
+    ``omp_threads``: OMP_NUM_THREADS of every rank (1 for tests); None leaves the
+    server's own rule (the host's cores split among the ranks), as benchmarks want.
+    """
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), *extra]
@@ -73,7 +78,12 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str) -> I
         cmd += ["--model", str(model)]
     # One thread per rank: the tests' tiny models gain nothing from more, and the
     # machine's cores are shared with the test process and the coordinator.
-    process = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = dict(os.environ)
+    if omp_threads is None:
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    process = subprocess.Popen(cmd, env=env)
     client = Client(f"127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

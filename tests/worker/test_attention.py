@@ -1,46 +1,79 @@
-"""Paged attention: step metadata, and a mixed prefill/decode batch against plain causal attention."""
+"""Paged attention and the step inputs: a mixed prefill/decode batch against plain causal attention."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.attention import AttentionMetadata, PagedAttention
+from tpserve.step import SamplingParams, ScheduledChunk
+from worker.attention import PagedAttention
+from worker.step_inputs import build_step_inputs
 
 BLOCK_SIZE = 4
 HEADS, KV_HEADS, D = 4, 2, 8
-# Three sequences: a fresh 5-token prefill, a decode at position 9, a 3-token chunk from position 4.
-QUERY_LENS = [5, 1, 3]
-STARTS = [0, 9, 4]
-TABLES = [[7, 2], [0, 5, 3], [6, 1]]
+# In plan order: a fresh 5-token prefill, a decode at position 9, a 3-token chunk from
+# position 4 (a continued prompt), a decode at position 2.
+QUERY_LENS = [5, 1, 3, 1]
+STARTS = [0, 9, 4, 2]
+TABLES = [[7, 2], [0, 5, 3], [6, 1], [4]]
+SAMPLE = [True, True, False, True]
 
 
-def _metadata() -> AttentionMetadata:
-    return AttentionMetadata.build(QUERY_LENS, STARTS, TABLES, BLOCK_SIZE, torch.device("cpu"))
+def _inputs(device: str = "cpu", with_sampling: bool = True):
+    chunks = [ScheduledChunk(i, tuple(range(10 * i, 10 * i + n)), s, sample=smp)
+              for i, (n, s, smp) in enumerate(zip(QUERY_LENS, STARTS, SAMPLE))]
+    sampling = [SamplingParams(temperature=0.5 * i, top_k=i, top_p=1.0 - 0.1 * i, seed=2**64 - 1 - i) for i in range(4)]
+    return build_step_inputs(chunks, TABLES, sampling, BLOCK_SIZE, torch.device(device), with_sampling=with_sampling)
 
 
-def test_metadata_positions_slots_and_batches() -> None:
-    meta = _metadata()
-    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 9, 4, 5, 6]
+def test_decodes_come_first_and_every_field_lines_up() -> None:
+    inputs = _inputs()
+    meta = inputs.attn
+    # Rows: decode (seq 1), decode (seq 3), then prefill seq 0 (5 rows), prefill seq 2 (3 rows).
+    assert inputs.input_ids.tolist() == [10, 30, 0, 1, 2, 3, 4, 20, 21, 22]
+    assert meta.positions.tolist() == [9, 2, 0, 1, 2, 3, 4, 4, 5, 6]
     # slot = block_table[pos // 4] * 4 + pos % 4
-    assert meta.slot_mapping.tolist() == [28, 29, 30, 31, 8, 13, 4, 5, 6]
-    assert meta.context_lens.tolist() == [5, 10, 7]
-    assert meta.query_start_loc.tolist() == [0, 5, 6, 9]
-    decode, prefill = meta.batches
-    assert (decode.num_seqs, decode.max_query_len, decode.max_kv_len) == (1, 1, 10)
-    assert (prefill.num_seqs, prefill.max_query_len, prefill.max_kv_len) == (2, 5, 7)
-    assert prefill.output_tokens.tolist() == [0, 1, 2, 3, 4, 6, 7, 8]
+    assert meta.slot_mapping.tolist() == [13, 18, 28, 29, 30, 31, 8, 4, 5, 6]
+    assert meta.num_decodes == 2
+    assert meta.decode_block_tables.tolist() == [[0, 5, 3], [4, 0, 0]]  # padded with block 0
+    assert meta.decode_mask.shape == (2, 1, 1, 12)
+    assert meta.decode_mask[:, 0, 0].sum(-1).tolist() == [10, 3]  # context lengths
+    fresh, continued = meta.prefills
+    assert (fresh.start, fresh.end, fresh.block_table, fresh.mask) == (2, 7, None, None)
+    assert (continued.start, continued.end, continued.context_len) == (7, 10, 7)
+    assert continued.block_table.tolist() == [6, 1]
+    assert continued.mask.tolist() == [[j <= i for j in range(7)] for i in (4, 5, 6)]
+    # Sampled chunks in plan order (seq 0, 1, 3): their last rows, and their parameters.
+    assert inputs.sample_rows.tolist() == [6, 0, 1]
+    s = inputs.sampling
+    assert s.temperature.tolist() == [0.0, 0.5, 1.5] and s.top_k.tolist() == [0, 1, 3]
+    torch.testing.assert_close(s.top_p, torch.tensor([1.0, 0.9, 0.7]))
+    assert s.seeds.tolist() == [-1, -2, -4]  # 2**64 - 1 - i as int64 bit patterns
+    assert s.positions.tolist() == [5, 10, 3]
+    assert not s.all_greedy and s.any_truncation
+    assert _inputs(with_sampling=False).sampling is None
 
 
-def test_too_few_blocks_is_refused() -> None:
-    with pytest.raises(ValueError, match="need 3 blocks of 4, table has 2"):
-        AttentionMetadata.build([3], [7], [[0, 1]], BLOCK_SIZE, torch.device("cpu"))
+def test_one_host_to_device_copy_per_step(monkeypatch) -> None:
+    """Every int of a step reaches the device in one ``to()`` (fault 5 of the GPU issue)."""
+    copies = []
+    original = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out.device != self.device:
+            copies.append(tuple(self.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    inputs = _inputs("meta")
+    assert len(copies) == 1, copies
+    assert inputs.input_ids.device.type == "meta" and inputs.attn.decode_mask.device.type == "meta"
 
 
 def test_mixed_batch_equals_causal_attention_over_each_history() -> None:
     generator = torch.Generator().manual_seed(0)
-    meta = _metadata()
+    inputs = _inputs()
     k_cache = torch.zeros(8, BLOCK_SIZE, KV_HEADS, D)
     v_cache = torch.zeros(8, BLOCK_SIZE, KV_HEADS, D)
     # Earlier steps left each sequence's history (positions before its start) in its blocks.
@@ -52,19 +85,38 @@ def test_mixed_batch_equals_causal_attention_over_each_history() -> None:
             k_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = k_all[pos]
             v_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = v_all[pos]
         histories.append((k_all, v_all))
-    q = torch.randn(sum(QUERY_LENS), HEADS, D, generator=generator)  # (T, H, D)
-    k_new = torch.cat([k[s:] for (k, _), s in zip(histories, STARTS)])  # (T, KVH, D)
-    v_new = torch.cat([v[s:] for (_, v), s in zip(histories, STARTS)])
-    out = PagedAttention(HEADS, KV_HEADS, D, scale=D**-0.5)(q, k_new, v_new, k_cache, v_cache, meta)  # (T, H*D)
+    q_rows = [torch.randn(n, HEADS, D, generator=generator) for n in QUERY_LENS]  # plan order
+    order = [1, 3, 0, 2]  # the flat batch's order: decodes first
+    q = torch.cat([q_rows[i] for i in order])  # (T, H, D)
+    k_new = torch.cat([histories[i][0][STARTS[i]:] for i in order])  # (T, KVH, D)
+    v_new = torch.cat([histories[i][1][STARTS[i]:] for i in order])
+    out = PagedAttention(HEADS, KV_HEADS, D, scale=D**-0.5)(q, k_new, v_new, k_cache, v_cache, inputs.attn)
 
-    expected, offset = [], 0
-    for (k_all, v_all), start, qlen in zip(histories, STARTS, QUERY_LENS):
-        qs = q[offset : offset + qlen].transpose(0, 1)  # (H, Q, D)
+    expected = []
+    for i in order:
+        (k_all, v_all), start, qlen = histories[i], STARTS[i], QUERY_LENS[i]
+        qs = q_rows[i].transpose(0, 1)  # (H, Q, D)
         ks = k_all.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)  # (H, L, D)
         vs = v_all.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
         mask = torch.arange(start + qlen)[None, :] <= torch.arange(start, start + qlen)[:, None]  # (Q, L)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)  # (H, Q, D)
         expected.append(o.transpose(0, 1).reshape(qlen, HEADS * D))
-        offset += qlen
     torch.testing.assert_close(out, torch.cat(expected))
     assert not torch.isnan(out).any()
+
+
+def test_a_pure_decode_step() -> None:
+    chunks = [ScheduledChunk(0, (1,), 6), ScheduledChunk(1, (2,), 0)]
+    inputs = build_step_inputs(chunks, [[3, 1], [0]], [SamplingParams(temperature=0)] * 2, BLOCK_SIZE,
+                               torch.device("cpu"))
+    assert inputs.attn.prefills == () and inputs.sampling.all_greedy
+    k_cache = torch.randn(4, BLOCK_SIZE, KV_HEADS, D)
+    v_cache = torch.randn(4, BLOCK_SIZE, KV_HEADS, D)
+    q, k, v = torch.randn(2, HEADS, D), torch.randn(2, KV_HEADS, D), torch.randn(2, KV_HEADS, D)
+    out = PagedAttention(HEADS, KV_HEADS, D, scale=D**-0.5)(q, k, v, k_cache, v_cache, inputs.attn)
+    # Sequence 0 attends positions 0..6 in blocks 3, 1; sequence 1 only its own new key.
+    keys0 = k_cache[[3, 1]].reshape(-1, KV_HEADS, D)[:7].repeat_interleave(2, 1).transpose(0, 1)  # (H, 7, D)
+    vals0 = v_cache[[3, 1]].reshape(-1, KV_HEADS, D)[:7].repeat_interleave(2, 1).transpose(0, 1)
+    ref0 = F.scaled_dot_product_attention(q[0][:, None], keys0, vals0)[:, 0]  # (H, D)
+    torch.testing.assert_close(out[0].view(HEADS, D), ref0)
+    torch.testing.assert_close(out[1].view(HEADS, D), v[1].repeat_interleave(2, 0))  # softmax over one key

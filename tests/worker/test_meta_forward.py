@@ -30,7 +30,7 @@ import worker.model_runner as model_runner
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
-from worker.sampler import SamplingTensors, sample_tensors
+from worker.sampler import sample_tensors
 
 
 class DeviceGuard(TorchDispatchMode):
@@ -72,13 +72,13 @@ def guarded_runner(tiny_checkpoints: dict[str, Path], monkeypatch: pytest.Monkey
     monkeypatch.setattr(model, "forward", guarded(model.forward))
     monkeypatch.setattr(model, "compute_logits", guarded(model.compute_logits))
 
-    def spy_sample(logits, params, positions):
-        tensors = SamplingTensors.from_params(params, positions, logits.device)  # host -> device copy
+    def spy_sample(logits, tensors):
+        assert tensors.temperature.device.type == "meta"  # built on the host, copied once with the step's inputs
         tokens = guarded(sample_tensors)(logits, tensors)  # (N,) on meta
         sampled.append((logits, tokens))
         return torch.zeros(tokens.shape, dtype=torch.int64)  # stands for the one device -> host copy
 
-    monkeypatch.setattr(model_runner, "sample", spy_sample)
+    monkeypatch.setattr(model_runner, "sample_tensors", spy_sample)
     return runner, guard, sampled
 
 

@@ -1,0 +1,191 @@
+"""One step's model inputs, built on the host in one buffer and copied to the device once.
+
+Per step the model needs token ids, positions, KV slots, block tables, the rows
+whose logits are sampled and the sampling parameters of those rows. Built as
+separate tensors these are a dozen small host-to-device copies, each a driver
+call and, from pageable memory, a synchronisation. Here every integer goes into
+one ``int64`` buffer (the float parameters as float32 bit patterns inside it),
+pinned on CUDA, copied with one non-blocking ``to(device)``; the fields are views
+of the device copy. Masks are built on the device from those views.
+
+The flat batch is reordered **decodes first** (see worker/attention.py): the
+chunks that feed one token, in plan order, then the longer chunks in plan order.
+``sample_rows`` maps the sampled chunks, in plan order, to their last row, so
+the sampled tokens come back in the order of the plan.
+
+Pure host arithmetic in Python lists: a decode step of ``S`` sequences costs
+``O(S x blocks)`` list operations and no torch op but the buffer's creation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.step import SamplingParams, ScheduledChunk
+from worker.attention import AttentionMetadata, PrefillChunk
+from worker.sampler import SamplingTensors
+
+_TWO_63 = 1 << 63
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The model's inputs for one step, on the device.
+
+    Attributes:
+        input_ids: ``(T,) int64`` token of each row (decodes first).
+        attn: the attention metadata (positions, slots, block tables, masks).
+        sample_rows: ``(N,) int64`` row of the last token of each chunk with
+            ``sample=True``, in plan order; None when nothing is sampled.
+        sampling: those rows' sampling parameters; None when nothing is sampled
+            or the caller did not ask for them (ranks other than 0).
+    """
+
+    input_ids: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor | None
+    sampling: SamplingTensors | None
+
+
+class _Packer:
+    """Appends int64 sections to one host list and hands out their device views after one copy."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.sections: dict[str, tuple[int, int]] = {}
+
+    def add(self, name: str, values: Sequence[int]) -> None:
+        start = len(self.values)
+        self.values.extend(values)
+        self.sections[name] = (start, len(self.values))
+
+    def reserve(self, name: str, length: int) -> None:
+        self.add(name, [0] * length)
+
+    def to_device(self, device: torch.device, floats: dict[str, Sequence[float]]) -> dict[str, torch.Tensor]:
+        """One host tensor (pinned for CUDA), float sections filled in, one copy; views by name."""
+        host = torch.tensor(self.values, dtype=torch.int64)  # (L,)
+        for name, values in floats.items():  # float32 pairs fill each reserved int64
+            start, end = self.sections[name]
+            host[start:end].view(torch.float32).copy_(torch.tensor(values, dtype=torch.float32))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        buffer = host.to(device, non_blocking=True)  # the step's one host-to-device copy
+        return {name: buffer[start:end] for name, (start, end) in self.sections.items()}
+
+
+def build_step_inputs(
+    chunks: Sequence[ScheduledChunk],
+    block_tables: Sequence[Sequence[int]],
+    sampling: Sequence[SamplingParams],
+    block_size: int,
+    device: torch.device,
+    *,
+    with_sampling: bool = True,
+) -> StepInputs:
+    """Build a step's inputs from its chunks, in plan order.
+
+    Args:
+        chunks: the plan's scheduled chunks (each ``num_tokens >= 1``).
+        block_tables: each chunk's sequence's block ids after this step's additions,
+            covering positions ``0 .. start_position + num_tokens - 1`` (the runner
+            checked this).
+        sampling: each chunk's sequence's sampling parameters.
+        block_size: tokens per KV block.
+        device: where the model runs.
+        with_sampling: build the sampling tensors (only the rank that samples needs them).
+
+    Returns:
+        The inputs; ``T = sum(num_tokens)`` rows, decodes first.
+    """
+    order = [i for i, c in enumerate(chunks) if c.num_tokens == 1] + [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+    num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last_row = [0] * len(chunks)  # plan index -> row of its last token
+    packer = _Packer()
+    prefill_specs: list[tuple[int, int, int, int]] = []  # (start row, end row, start position, plan index)
+    for i in order:
+        chunk, table = chunks[i], block_tables[i]
+        row, start = len(tokens), chunk.start_position
+        tokens.extend(chunk.token_ids)
+        end = start + chunk.num_tokens
+        positions.extend(range(start, end))
+        pos = start
+        while pos < end:  # one range per block the chunk touches
+            block, offset = divmod(pos, block_size)
+            take = min(block_size - offset, end - pos)
+            base = table[block] * block_size + offset
+            slots.extend(range(base, base + take))
+            pos += take
+        last_row[i] = row + chunk.num_tokens - 1
+        if chunk.num_tokens > 1:
+            prefill_specs.append((row, len(tokens), start, i))
+    packer.add("input_ids", tokens)
+    packer.add("positions", positions)
+    packer.add("slots", slots)
+
+    decode_blocks = 0
+    if num_decodes:
+        decode_blocks = max(chunks[i].start_position // block_size + 1 for i in order[:num_decodes])
+        rows: list[int] = []
+        for i in order[:num_decodes]:
+            table = list(block_tables[i][:decode_blocks])
+            rows.extend(table + [0] * (decode_blocks - len(table)))  # padding: masked out
+        packer.add("decode_tables", rows)
+        packer.add("decode_context_lens", [chunks[i].start_position + 1 for i in order[:num_decodes]])
+    for n, (_, _, start, i) in enumerate(prefill_specs):
+        if start > 0:
+            context = start + chunks[i].num_tokens
+            packer.add(f"table{n}", block_tables[i][: -(-context // block_size)])
+
+    sampled = [i for i, c in enumerate(chunks) if c.sample]
+    floats: dict[str, list[float]] = {}
+    build_sampling = with_sampling and bool(sampled)
+    if sampled:
+        packer.add("sample_rows", [last_row[i] for i in sampled])
+    if build_sampling:
+        params = [sampling[i] for i in sampled]
+        packer.add("top_k", [p.top_k for p in params])
+        packer.add("seeds", [p.seed - (1 << 64) if p.seed >= _TWO_63 else p.seed for p in params])  # int64 bits
+        packer.add("sample_positions", [chunks[i].start_position + chunks[i].num_tokens for i in sampled])
+        packer.reserve("temperature_top_p", len(params))  # float32 (temperature, top_p) per int64
+        floats["temperature_top_p"] = [x for p in params for x in (p.temperature, p.top_p)]
+
+    dev = packer.to_device(device, floats)
+    decode_tables = decode_mask = None
+    if num_decodes:
+        decode_tables = dev["decode_tables"].view(num_decodes, decode_blocks)  # (D, B)
+        key_pos = torch.arange(decode_blocks * block_size, device=device)  # (K,)
+        decode_mask = (key_pos[None, :] < dev["decode_context_lens"][:, None]).view(num_decodes, 1, 1, -1)
+    prefills = []
+    for n, (row, end_row, start, i) in enumerate(prefill_specs):
+        if start == 0:
+            prefills.append(PrefillChunk(row, end_row, None, end_row - row, None))
+            continue
+        context = start + end_row - row
+        key_pos = torch.arange(context, device=device)  # (C,)
+        query_pos = torch.arange(start, start + end_row - row, device=device)  # (n,)
+        mask = key_pos[None, :] <= query_pos[:, None]  # (n, C) causal with the chunk's offset
+        prefills.append(PrefillChunk(row, end_row, dev[f"table{n}"], context, mask))
+    attn = AttentionMetadata(
+        positions=dev["positions"], slot_mapping=dev["slots"], num_decodes=num_decodes,
+        decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=tuple(prefills),
+    )
+    sampling_tensors = None
+    if build_sampling:
+        params = [sampling[i] for i in sampled]
+        pairs = dev["temperature_top_p"].view(torch.float32)  # (2N,) float32
+        sampling_tensors = SamplingTensors(
+            temperature=pairs[0::2], top_p=pairs[1::2], top_k=dev["top_k"], seeds=dev["seeds"],
+            positions=dev["sample_positions"], all_greedy=all(p.greedy for p in params),
+            any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        )
+    return StepInputs(
+        input_ids=dev["input_ids"], attn=attn,
+        sample_rows=dev["sample_rows"] if sampled else None, sampling=sampling_tensors,
+    )
