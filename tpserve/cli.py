@@ -2,6 +2,7 @@
 
 Scripts rely on these names and outputs (see README.md):
   tpserve serve [--model DIR] [--tensor-parallel-size N] [--port PORT] ...
+  tpserve serve ... --nnodes M --node-rank R --master-addr HOST [--master-port P] [--headless]
   tpserve generate --target HOST:PORT [--max-tokens N] [--temperature T] [--top-k K]
                    [--top-p P] [--seed S] [--stop STR]... [--stream] [--json] PROMPT
 ``generate`` prints the completion (as it arrives with --stream), or with --json one
@@ -15,10 +16,14 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import grpc
 
 from tpserve import __version__
+
+if TYPE_CHECKING:
+    from tpserve.config import ClusterConfig
 from tpserve.bench import cli as bench_cli
 
 _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
@@ -36,8 +41,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--nnodes", dict(type=int, help="hosts the tensor-parallel group spans (default 1)")),
         ("--node-rank", dict(type=int, help="this host's index in the group; 0 runs the coordinator")),
         ("--master-addr", dict(help="the leader host's name or address (with --nnodes > 1)")),
-        ("--master-port", dict(type=int, help="the leader's node registry port; the group also uses the next one "
-                                              "(default 29500)")),
+        ("--master-port", dict(type=int, help="the leader's node registry port (default 29500); the group also uses "
+                                              "the next ports (docs/cluster.md)")),
         ("--headless", dict(action="store_true", help="run only this host's ranks, no public API (node-rank > 0)")),
     ],
     "cache": [
@@ -112,18 +117,29 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    """The configuration ``tpserve serve`` runs with: the ``--config`` YAML, overridden by the flags given.
+
+    Raises:
+        ValueError: a value out of range or an inconsistent combination, naming the field.
+        OSError: the YAML file cannot be read.
+    """
+    from tpserve.config import ClusterConfig
+
+    overrides = {section: {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
+                           for flag, _ in flags} for section, flags in _SERVE_FLAGS.items()}
+    return ClusterConfig.load_from(args.config, overrides)
+
+
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: `tpserve generate` should not pay for the server's imports.
     from tpserve.cluster import Cluster, StartupError
-    from tpserve.config import ClusterConfig
     from tpserve.headless import HeadlessNode
     from tpserve.log import configure_logging
 
     configure_logging(args.log_format)
-    overrides = {section: {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
-                           for flag, _ in flags} for section, flags in _SERVE_FLAGS.items()}
     try:
-        config = ClusterConfig.load_from(args.config, overrides)
+        config = serve_config(args)
         node_class = HeadlessNode if config.parallel.headless else Cluster
         node = node_class(config, log_format=args.log_format)
     except (StartupError, ValueError, OSError) as exc:

@@ -1,0 +1,171 @@
+"""The Kubernetes manifests: both overlays render, validate, and start what they claim.
+
+``kubectl kustomize`` renders k8s/overlays/{cpu,gpu}; core kinds are validated with
+``kubernetes-validate`` (its bundled schemas, offline, strict: unknown fields fail),
+the LeaderWorkerSet with ``jsonschema`` against the CRD's own schema from
+../shared/k8s-schemas (made strict the same way). Every tpserve container's command
+line (the image's ENTRYPOINT from deploy/Dockerfile + the manifest's args, with the
+variables LWS sets filled in) must parse with the real ``tpserve serve`` parser
+into a valid configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from tests.paths import REPO_ROOT, SHARED_DIR
+from tpserve.cli import build_parser, serve_config
+from tpserve.cluster import DRAIN_SECONDS
+from tpserve.config import ClusterConfig
+
+LWS_CRD = SHARED_DIR / "k8s-schemas" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+OVERLAYS = ("cpu", "gpu")
+
+requires_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (needed for `kubectl kustomize`)")
+    out = subprocess.run(["kubectl", "kustomize", str(REPO_ROOT / "k8s" / "overlays" / request.param)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return request.param, [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def strict(schema: object) -> object:
+    """The schema with unknown fields refused, as ``kubectl apply --validate=strict`` does."""
+    if isinstance(schema, dict):
+        schema = {key: strict(value) for key, value in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(value) for value in schema]
+    return schema
+
+
+def test_core_kinds_validate_against_the_kubernetes_schemas(rendered) -> None:
+    import kubernetes_validate
+
+    _, docs = rendered
+    core = [doc for doc in docs if doc["kind"] != "LeaderWorkerSet"]
+    assert {doc["kind"] for doc in core} == {"Deployment", "Service", "PodDisruptionBudget"}
+    for doc in core:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+@functools.cache
+def lws_validator():
+    """A validator of the CRD's v1 schema (the C YAML loader: the CRD is 1.3 MB)."""
+    import jsonschema
+
+    crd = yaml.load(LWS_CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = strict(version["schema"]["openAPIV3Schema"])
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def test_the_leader_worker_set_validates_against_its_crd(rendered) -> None:
+    import jsonschema
+
+    if not LWS_CRD.is_file():
+        pytest.skip(f"the LeaderWorkerSet CRD is not under {LWS_CRD.parent} (set TPSERVE_SHARED_DIR)")
+    (lws,) = by_kind(rendered[1], "LeaderWorkerSet")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    error = jsonschema.exceptions.best_match(lws_validator().iter_errors(lws))
+    assert error is None, f"{error.message} at {'/'.join(map(str, error.absolute_path))}"  # not the whole schema
+    with pytest.raises(jsonschema.ValidationError):  # the strict schema does refuse a misplaced field
+        lws_validator().validate({**lws, "spec": {**lws["spec"], "restartPolicy": "RecreateGroupOnPodRestart"}})
+    assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+
+
+def entrypoint_flags() -> list[str]:
+    """The flags the image's ENTRYPOINT puts before a manifest's args (deploy/Dockerfile)."""
+    dockerfile = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.M).group(1))
+    assert entrypoint[:2] == ["tpserve", "serve"]
+    return entrypoint[2:]
+
+
+def pod_templates(docs: list[dict]) -> Iterator[tuple[str, dict, dict[str, str]]]:
+    """(role, pod template, the variables LWS would set) of every tpserve pod."""
+    for doc in by_kind(docs, "Deployment"):
+        yield "single-host", doc["spec"]["template"], {}
+    for doc in by_kind(docs, "LeaderWorkerSet"):
+        template = doc["spec"]["leaderWorkerTemplate"]
+        lws_env = {"LWS_GROUP_SIZE": str(template["size"]),
+                   "LWS_LEADER_ADDRESS": f"{doc['metadata']['name']}-0.{doc['metadata']['name']}.default"}
+        yield "leader", template["leaderTemplate"], {**lws_env, "LWS_WORKER_INDEX": "0"}
+        for index in range(1, template["size"]):
+            yield "worker", template["workerTemplate"], {**lws_env, "LWS_WORKER_INDEX": str(index)}
+
+
+def parse_container(container: dict, lws_env: dict[str, str]) -> ClusterConfig:
+    """The configuration the container would run with; fails the test on a flag tpserve rejects."""
+    args = [re.sub(r"\$\((\w+)\)", lambda m: lws_env[m.group(1)], arg) for arg in container.get("args", [])]
+    try:
+        return serve_config(build_parser().parse_args(["serve", *entrypoint_flags(), *args]))
+    except SystemExit:
+        pytest.fail(f"`tpserve serve` rejects the args of container {container['name']}: {args}")
+
+
+def test_every_tpserve_command_line_parses_with_the_real_parser(rendered) -> None:
+    overlay, docs = rendered
+    groups = {}
+    for role, template, lws_env in pod_templates(docs):
+        (container,) = template["spec"]["containers"]
+        config = parse_container(container, lws_env)
+        par = config.parallel
+        assert par.headless == (role == "worker")
+        groups.setdefault(role, []).append(par)
+        gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+        assert gpus == (0 if overlay == "cpu" else par.tensor_parallel_size // par.nnodes)  # one GPU per local rank
+    leader, (worker,) = groups["leader"][0], groups["worker"]
+    assert (leader.tensor_parallel_size, leader.nnodes, worker.node_rank) == \
+        ({"cpu": 4, "gpu": 8}[overlay], 2, 1)  # the gpu overlay: a tp 8 group over 2 nodes
+    assert (worker.master_addr, worker.master_port) == (leader.master_addr, leader.master_port)
+
+
+def test_api_pods_have_grpc_probes_metrics_annotations_and_a_drain_grace(rendered) -> None:
+    _, docs = rendered
+    for role, template, _ in pod_templates(docs):
+        spec = template["spec"]
+        assert spec["terminationGracePeriodSeconds"] > DRAIN_SECONDS
+        assert spec["enableServiceLinks"] is False
+        if role == "worker":
+            continue
+        (container,) = spec["containers"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": 50051}, probe
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= ClusterConfig().server.worker_start_timeout_seconds
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "9400"
+        assert template["metadata"]["labels"]["tpserve.io/role"] == "api"
+
+
+def test_services_select_only_api_pods_and_a_budget_covers_every_pod(rendered) -> None:
+    _, docs = rendered
+    services = {doc["metadata"]["name"]: doc for doc in by_kind(docs, "Service")}
+    assert services["tpserve-replicas"]["spec"]["clusterIP"] == "None"  # DNS gives every replica's address
+    assert "clusterIP" not in services["tpserve"]["spec"]
+    for service in services.values():
+        assert service["spec"]["selector"] == {"app": "tpserve", "tpserve.io/role": "api"}
+    (budget,) = by_kind(docs, "PodDisruptionBudget")
+    assert budget["spec"]["selector"]["matchLabels"] == {"app": "tpserve"} and budget["spec"]["maxUnavailable"] == 1
+    for _, template, _ in pod_templates(docs):
+        assert template["metadata"]["labels"]["app"] == "tpserve"
