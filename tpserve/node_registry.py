@@ -139,12 +139,12 @@ class NodeRegistry(cluster_pb2_grpc.NodeRegistryServicer):
         if problem:
             log.error("node refused", node_rank=join.node_rank, peer=context.peer(), reason=problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        if self._sealed:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the group has started; node {join.node_rank} cannot join it: restart the whole group")
         if join.node_rank in self._nodes:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"node {join.node_rank} has already joined from {self._nodes[join.node_rank].peer}")
-        if self._sealed:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"the group has started without node {join.node_rank}; restart the whole group")
         node = _Node(join, context.peer())
         self._nodes[join.node_rank] = node
         log.info("node joined", node_rank=join.node_rank, peer=node.peer, ranks=list(join.rank_addresses),

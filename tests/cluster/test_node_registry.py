@@ -1,0 +1,121 @@
+"""The pieces of a multi-host group, in one process: layout, flag validation, the node registry, peer waits."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import grpc
+import pytest
+
+from tpserve.config import ParallelConfig
+from tpserve.netutil import PeerTimeout, wait_for_peer
+from tpserve.node_registry import GroupSettings, NodeRegistry
+from tpserve.topology import GroupLayout, rank_port, store_port
+from tpserve.v1 import cluster_pb2 as pb
+from tpserve.v1 import cluster_pb2_grpc
+
+
+def test_layout_places_ranks_in_blocks_per_node() -> None:
+    layout = GroupLayout(world_size=8, nnodes=2, node_rank=1)
+    assert layout.ranks_per_node == 4
+    assert list(layout.node_ranks()) == [4, 5, 6, 7] and list(layout.node_ranks(0)) == [0, 1, 2, 3]
+    assert [layout.node_of(r) for r in (0, 3, 4, 7)] == [0, 0, 1, 1]
+    assert [layout.local_rank(r) for r in (0, 3, 4, 7)] == [0, 3, 0, 3]
+    assert (store_port(29500), rank_port(29500, 0), rank_port(29500, 3)) == (29501, 29502, 29505)
+    with pytest.raises(ValueError, match="not divisible"):
+        GroupLayout(world_size=6, nnodes=4)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(tensor_parallel_size=4, nnodes=3, master_addr="h"), "tensor_parallel_size=4 is not divisible by nnodes=3"),
+    (dict(tensor_parallel_size=4, nnodes=2), "master_addr is required with nnodes=2"),
+    (dict(tensor_parallel_size=4, nnodes=2, node_rank=2, master_addr="h", headless=True), "node_rank=2 must be < nnodes=2"),
+    (dict(tensor_parallel_size=4, nnodes=2, node_rank=1, master_addr="h"), "headless is required on every node_rank > 0"),
+    (dict(tensor_parallel_size=4, nnodes=2, master_addr="h", headless=True), "not allowed on node_rank 0"),
+    # What Kubernetes injects for a Service named "master" is no address.
+    (dict(tensor_parallel_size=4, nnodes=2, master_addr="tcp://10.0.0.7:29500"), "must be a host name or an address"),
+    (dict(tensor_parallel_size=4, nnodes=2, master_addr="10.0.0.7:29500"), "must be a host name or an address"),
+])
+def test_inconsistent_group_flags_are_refused_naming_the_field(fields, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**fields)
+
+
+def test_a_valid_multi_host_configuration() -> None:
+    config = ParallelConfig(tensor_parallel_size=8, nnodes=2, node_rank=1, master_addr="fe80::1", headless=True)
+    assert (config.master_port, config.nnodes) == (29500, 2)
+
+
+SETTINGS = GroupSettings(GroupLayout(4, 2, 0), model_config_sha256="abc", dtype="auto", block_size=16)
+
+
+def join(node_rank: int = 1, **changes) -> pb.NodeMessage:
+    fields = dict(node_rank=node_rank, nnodes=2, tensor_parallel_size=4, model_config_sha256="abc", dtype="auto",
+                  block_size=16, rank_addresses=["10.0.0.2:29502", "10.0.0.2:29503"])
+    return pb.NodeMessage(join=pb.JoinRequest(**{**fields, **changes}))
+
+
+async def _registry_scenario() -> dict:
+    lost: list[str] = []
+    registry = NodeRegistry(SETTINGS, "tcp://10.0.0.1:29501", on_lost=lost.append)
+    server = grpc.aio.server()
+    cluster_pb2_grpc.add_NodeRegistryServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    seen = {}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = cluster_pb2_grpc.NodeRegistryStub(channel)
+        refused = stub.JoinGroup()
+        await refused.write(join(dtype="bfloat16"))
+        seen["mismatch"] = (await refused.code(), await refused.details())
+
+        node = stub.JoinGroup()
+        await node.write(join())
+        await asyncio.wait_for(registry.complete.wait(), 5)
+        seen["missing_after_join"] = registry.missing_ranks()
+        twin = stub.JoinGroup()
+        await twin.write(join())
+        seen["duplicate"] = await twin.code()
+
+        seen["remote"] = registry.seal()
+        accepted = await node.read()
+        seen["init_method"] = accepted.accepted.init_method
+        late = stub.JoinGroup()
+        await late.write(join())
+        seen["late"] = await late.code()
+
+        await node.write(pb.NodeMessage(failure=pb.NodeFailure(reason="node 1: rank 3 exited with code -9")))
+        await node.done_writing()
+        await node.code()
+        for _ in range(50):
+            if lost:
+                break
+            await asyncio.sleep(0.02)
+        seen["lost"] = list(lost)
+    await server.stop(0)
+    return seen
+
+
+def test_the_registry_refuses_mismatches_and_twins_releases_nodes_at_seal_and_reports_a_lost_node() -> None:
+    seen = asyncio.run(_registry_scenario())
+    code, details = seen["mismatch"]
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details == "node 1 has dtype=bfloat16, the leader dtype=auto"
+    assert seen["missing_after_join"] == []
+    assert seen["duplicate"] == grpc.StatusCode.ALREADY_EXISTS
+    assert seen["remote"] == {2: "10.0.0.2:29502", 3: "10.0.0.2:29503"}
+    assert seen["init_method"] == "tcp://10.0.0.1:29501"
+    assert seen["late"] == grpc.StatusCode.FAILED_PRECONDITION  # no joining a started group
+    assert seen["lost"] == ["node 1: rank 3 exited with code -9"]
+
+
+def test_waiting_for_a_peer_that_never_listens_times_out_naming_it() -> None:
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(PeerTimeout, match=f"the leader at 127.0.0.1:{port} did not answer within 1 s"):
+        asyncio.run(wait_for_peer("127.0.0.1", port, 1.0, "the leader"))
+    assert 1.0 <= time.monotonic() - started < 3.0
