@@ -18,6 +18,7 @@ def _load_compile_module():
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
     generated = _load_compile_module().compile_protos(tmp_path)
     assert {p.name for p in generated} == {
+        "cluster_pb2.py", "cluster_pb2.pyi", "cluster_pb2_grpc.py",
         "generate_pb2.py", "generate_pb2.pyi", "generate_pb2_grpc.py",
         "worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py",
     }
