@@ -18,6 +18,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,32 @@ def test_a_leader_address_that_never_resolves_fails_the_headless_node_naming_it(
     assert time.monotonic() - started < 3 + 15  # the timeout, plus the interpreter's start-up
     assert "the leader at tpserve-leader.invalid:29500 did not answer within 3 s" in output
     assert "worker.main" not in output  # no rank was started
+
+
+def test_a_node_that_never_comes_keeps_the_leader_not_serving_and_it_names_the_missing_ranks(
+        hosts: Hosts, tmp_path: Path) -> None:
+    from grpc_health.v1 import health_pb2
+
+    log = tmp_path / "leader.log"
+    flags = [*group_flags(0)]
+    flags[flags.index("--worker-start-timeout-seconds") + 1] = "4"
+    proc = hosts.run(hosts.leader, "host-a", serve_argv(*flags), log, {**os.environ, "OMP_NUM_THREADS": "1"})
+    statuses = []
+    try:
+        with Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}") as client:
+            while proc.poll() is None:
+                with suppress(grpc.RpcError):
+                    statuses.append(client.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
+                time.sleep(0.2)
+        returncode = proc.wait(30)
+    finally:
+        stop_process_group(proc)
+    output = log.read_text()
+    assert returncode == 1, output
+    assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+    assert "missing_ranks=[2, 3]" in output
+    assert "nodes [1] (ranks [2, 3]) did not join within 4 s" in output
+    assert "ranks started" not in output  # no rank of the leader ran without its group
 
 
 class TestHeadlessFirst:
