@@ -56,15 +56,17 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
         for plan in job.plans:
             result = runner.execute(plan)
             assert result.step_id == plan.step_id
-            logits = None if runner.last_logits is None else runner.last_logits.clone()
+            logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
             records.append(StepRecord(result.sampled_token_ids, logits))
         results[job.name] = records
     return results
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, jobs: list[Job], out_path: str) -> None:
+def _rank_main(rank: int, world_size: int, init_method: str, jobs: list[Job], out_path: str,
+               device: str = "cpu") -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores
-    ctx = init_distributed(rank, world_size, init_method, "cpu", COLLECTIVE_TIMEOUT_S)
+    device = "cpu" if device == "cpu" else f"cuda:{rank}"  # one GPU per rank (NCCL), else gloo
+    ctx = init_distributed(rank, world_size, init_method, device, COLLECTIVE_TIMEOUT_S)
     try:
         results = execute_jobs(ctx, jobs)
         if rank != 0:
@@ -83,18 +85,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_jobs(jobs: list[Job], world_size: int) -> dict[str, list[StepRecord]]:
-    """Run ``jobs`` at tensor-parallel degree ``world_size``; return rank 0's records.
+def run_jobs(jobs: list[Job], world_size: int, device: str = "cpu") -> dict[str, list[StepRecord]]:
+    """Run ``jobs`` at tensor-parallel degree ``world_size``; return rank 0's records (logits on the CPU).
 
     ``world_size == 1`` runs in this process (no process group is needed);
-    larger degrees spawn one process per rank, joined over gloo on localhost.
+    larger degrees spawn one process per rank, joined over gloo on localhost
+    (``device="cpu"``) or NCCL with rank ``r`` on ``cuda:r`` (``device="cuda"``).
     """
     if world_size == 1:
-        return execute_jobs(ParallelContext.single("cpu"), jobs)
+        return execute_jobs(ParallelContext.single("cuda:0" if device == "cuda" else device), jobs)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "rank0.pkl")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        mp.spawn(_rank_main, args=(world_size, init_method, jobs, out_path), nprocs=world_size, join=True)
+        mp.spawn(_rank_main, args=(world_size, init_method, jobs, out_path, device), nprocs=world_size, join=True)
         with open(out_path, "rb") as f:
             return pickle.load(f)
 
