@@ -59,9 +59,11 @@ log = structlog.get_logger(__name__)
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 #: Seconds in-flight RPCs get to finish on shutdown.
 SHUTDOWN_GRACE_SECONDS = 5.0
+#: Seconds the other nodes' streams get to carry the leader's goodbye.
+NODES_GOODBYE_SECONDS = 2.0
 #: Longest shutdown: the RPC grace, the nodes' goodbye, then the ranks' SIGTERM grace.
 #: Kubernetes' terminationGracePeriodSeconds must exceed it (tests/cluster/test_k8s.py).
-DRAIN_SECONDS = SHUTDOWN_GRACE_SECONDS + 2.0 + WORKER_EXIT_SECONDS
+DRAIN_SECONDS = SHUTDOWN_GRACE_SECONDS + NODES_GOODBYE_SECONDS + WORKER_EXIT_SECONDS
 #: Seconds between "waiting for nodes" log lines.
 WAITING_LOG_SECONDS = 10.0
 # Clients resolve a name (dns:///replicas:50051) once per connection: closing each
@@ -297,7 +299,7 @@ class Cluster:
             self.registry.shutdown("the leader stopped" if self._exit_code == 0 else "the group failed",
                                    failed=self._exit_code != 0)
         if self._registry_server is not None:
-            await self._registry_server.stop(2.0)
+            await self._registry_server.stop(NODES_GOODBYE_SECONDS)
 
 
 def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig:

@@ -105,7 +105,7 @@ class HeadlessNode:
             raise StartupError(f"node {par.node_rank}: the leader at {self.leader} did not start the group "
                                f"within {timeout_s:g} s") from None
         except grpc.aio.AioRpcError as exc:
-            raise StartupError(f"node {par.node_rank}: the leader at {self.leader} refused: "
+            raise StartupError(f"node {par.node_rank}: the leader at {self.leader} ended the join: "
                                f"{exc.code().name}: {exc.details()}") from None
         if answer is None:
             return None
