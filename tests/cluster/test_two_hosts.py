@@ -166,29 +166,36 @@ def test_a_leader_address_that_never_resolves_fails_the_headless_node_naming_it(
     assert "worker.main" not in output  # no rank was started
 
 
-def test_a_node_that_never_comes_keeps_the_leader_not_serving_and_it_names_the_missing_ranks(
+def test_a_mismatched_node_is_refused_and_a_node_that_never_comes_keeps_the_leader_not_serving(
         hosts: Hosts, tmp_path: Path) -> None:
     from grpc_health.v1 import health_pb2
 
-    log = tmp_path / "leader.log"
+    leader_log, headless_log = tmp_path / "leader.log", tmp_path / "headless.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = [*group_flags(0)]
-    flags[flags.index("--worker-start-timeout-seconds") + 1] = "4"
-    proc = hosts.run(hosts.leader, "host-a", serve_argv(*flags), log, {**os.environ, "OMP_NUM_THREADS": "1"})
+    flags[flags.index("--worker-start-timeout-seconds") + 1] = "10"
+    leader = hosts.run(hosts.leader, "host-a", serve_argv(*flags), leader_log, env)
+    # A node with another dtype: refused by the leader, naming the field.
+    mismatched = hosts.run(hosts.headless, "host-b", serve_argv(*group_flags(1), "--dtype", "bfloat16"),
+                           headless_log, env)
     statuses = []
     try:
+        assert mismatched.wait(30) == 1
         with Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}") as client:
-            while proc.poll() is None:
+            while leader.poll() is None:
                 with suppress(grpc.RpcError):
                     statuses.append(client.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
                 time.sleep(0.2)
-        returncode = proc.wait(30)
+        returncode = leader.wait(30)
     finally:
-        stop_process_group(proc)
-    output = log.read_text()
+        stop_process_group(mismatched)
+        stop_process_group(leader)
+    assert "FAILED_PRECONDITION: node 1 has dtype=bfloat16, the leader dtype=auto" in headless_log.read_text()
+    output = leader_log.read_text()
     assert returncode == 1, output
     assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.NOT_SERVING}
     assert "missing_ranks=[2, 3]" in output
-    assert "nodes [1] (ranks [2, 3]) did not join within 4 s" in output
+    assert "nodes [1] (ranks [2, 3]) did not join within 10 s" in output
     assert "ranks started" not in output  # no rank of the leader ran without its group
 
 
