@@ -8,8 +8,9 @@ after them are prefill chunks, each a contiguous run of rows. Per layer:
    slots (``slot = block_table[pos // block_size] * block_size + pos % block_size``);
 2. decodes: one ``scaled_dot_product_attention`` call for all of them. Their
    queries are the first rows of ``q`` as they lie (no gather); their keys and
-   values are read through the block tables (``k_cache[block_tables]``, one copy
-   of each context, which is what a paged layout costs without a custom kernel),
+   values are read through the block tables (``index_select`` of whole blocks
+   into a reused buffer: one copy of each context, which is what a paged layout
+   costs without a custom kernel),
    with a mask ``key position < context_len`` built once per step;
 3. prefill chunks: one call each. A chunk that starts a prompt attends over its
    own keys and values, which are already in registers' reach as ``k, v`` (causal,
@@ -27,7 +28,7 @@ num_kv_heads, head_dim)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,9 @@ class AttentionMetadata:
         decode_mask: ``(num_decodes, 1, 1, max_blocks * block_size) bool``, True for
             key positions below the sequence's context length; None likewise.
         prefills: the prefill chunks, in row order.
+        workspace: scratch tensors by name, kept by the caller from step to step
+            (the gathered keys and values land there: a fresh multi-megabyte
+            tensor per layer would page-fault on every step).
     """
 
     positions: torch.Tensor
@@ -76,6 +80,22 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: tuple[PrefillChunk, ...]
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict[str, torch.Tensor],
+                   name: str) -> torch.Tensor:
+    """``cache[block_ids]`` for ``block_ids (n,)``: ``(n, block_size, kv_heads, d)``, in a reused buffer.
+
+    ``index_select`` into a preallocated tensor copies whole blocks; advanced
+    indexing (``cache[ids]``) runs an element-wise kernel several times slower.
+    """
+    numel = block_ids.numel() * cache[0].numel()
+    buffer = workspace.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype or buffer.device != cache.device:
+        buffer = workspace[name] = cache.new_empty(numel)
+    out = buffer[:numel].view(block_ids.numel(), *cache.shape[1:])
+    return torch.index_select(cache, 0, block_ids, out=out)
 
 
 class PagedAttention(nn.Module):
@@ -131,9 +151,11 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q (D, H, d)`` -> ``(D, H, d)``: one query per sequence over its paged context."""
         num_seqs, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
-        tables = meta.decode_block_tables  # (D, B)
-        keys = k_cache[tables].view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
-        values = v_cache[tables].view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
+        block_ids = meta.decode_block_tables.view(-1)  # (D * B,)
+        keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)
+        values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")
+        keys = keys.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
+        values = values.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=self.enable_gqa
         )  # (D, H, 1, d)
@@ -150,8 +172,9 @@ class PagedAttention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
                                                enable_gqa=self.enable_gqa)  # (1, H, n, d)
         else:  # a later chunk: the history through the block table, causal with offset
-            ks = k_cache[chunk.block_table].view(-1, kvh, d)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
-            vs = v_cache[chunk.block_table].view(-1, kvh, d)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+            ks = k_cache.index_select(0, chunk.block_table).view(-1, kvh, d)[: chunk.context_len]  # (C, KVH, d)
+            vs = v_cache.index_select(0, chunk.block_table).view(-1, kvh, d)[: chunk.context_len]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, C, d)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask, scale=self.scale,
                                                enable_gqa=self.enable_gqa)  # (1, H, n, d)
         return o[0].transpose(0, 1)  # (n, H, d)

@@ -75,6 +75,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.last_logits: torch.Tensor | None = None
         self._seqs: dict[int, _SequenceState] = {}
+        self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
@@ -155,7 +156,7 @@ class ModelRunner:
         states = [self._seqs[c.seq_id] for c in chunks]
         inputs = build_step_inputs(
             chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
-            self.ctx.device, with_sampling=self.ctx.is_rank0,
+            self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
         )
         hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
         if inputs.sample_rows is None:

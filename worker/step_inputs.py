@@ -85,6 +85,7 @@ def build_step_inputs(
     device: torch.device,
     *,
     with_sampling: bool = True,
+    workspace: dict[str, torch.Tensor] | None = None,
 ) -> StepInputs:
     """Build a step's inputs from its chunks, in plan order.
 
@@ -97,6 +98,7 @@ def build_step_inputs(
         block_size: tokens per KV block.
         device: where the model runs.
         with_sampling: build the sampling tensors (only the rank that samples needs them).
+        workspace: scratch tensors attention may keep across steps (see AttentionMetadata).
 
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
@@ -175,6 +177,7 @@ def build_step_inputs(
     attn = AttentionMetadata(
         positions=dev["positions"], slot_mapping=dev["slots"], num_decodes=num_decodes,
         decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=tuple(prefills),
+        workspace={} if workspace is None else workspace,
     )
     sampling_tensors = None
     if build_sampling:

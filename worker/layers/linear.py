@@ -21,9 +21,9 @@ of the checkpoint tensor; ``shard_ids`` lists the ``shard_id`` values it expects
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.matmul import linear
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
 from worker.parallel_state import ParallelContext
 
@@ -70,7 +70,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data, read_narrow(source, 0, self.ctx.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (T, output_size / tp)
+        return linear(x, self.weight, self.bias)  # (T, output_size / tp)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -201,7 +201,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, read_narrow(source, 1, self.ctx.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (T, output_size), this rank's partial sum
+        y = linear(x, self.weight)  # (T, output_size), this rank's partial sum
         y = self.ctx.all_reduce(y)  # (T, output_size), summed over ranks
         if self.bias is not None:
             y = y + self.bias  # (T, output_size); once, not once per rank
