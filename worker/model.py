@@ -58,12 +58,11 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.attn.head_size
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, d)  # (T, num_heads, d)
-        k = k.view(num_tokens, self.num_kv_heads, d)  # (T, num_kv_heads, d)
-        v = v.view(num_tokens, self.num_kv_heads, d)  # (T, num_kv_heads, d)
-        q = apply_rotary(q, *rope)  # (T, num_heads, d)
-        k = apply_rotary(k, *rope)  # (T, num_kv_heads, d)
+        qk_size = self.q_size + self.kv_size
+        # q and k heads rotated together: one set of elementwise ops instead of two.
+        qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, d), *rope)  # (T, num_heads + num_kv_heads, d)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, num_heads, d), (T, num_kv_heads, d)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, d)  # (T, num_kv_heads, d)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

@@ -103,6 +103,7 @@ class SharedMemoryComm:
         data = torch.frombuffer(self._map, dtype=torch.uint8, offset=world_size * _FLAG_STRIDE,
                                 count=2 * world_size * max_bytes)
         self._slots = data.view(2, world_size, max_bytes)  # (buffer, rank, bytes)
+        self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._seq = 0
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -140,9 +141,12 @@ class SharedMemoryComm:
         """Publish ``x`` in this rank's slot, wait for every rank, return all slots as flat ``x.dtype`` views."""
         self._seq += 1
         seq = self._seq
-        nbytes = x.numel() * x.element_size()
-        buffer = self._slots[seq & 1]  # (world_size, max_bytes) uint8
-        views = [buffer[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
+        key = (seq & 1, x.numel(), x.dtype)
+        views = self._views.get(key)
+        if views is None:  # a step reuses a handful of (size, dtype) pairs: build their views once
+            nbytes = x.numel() * x.element_size()
+            buffer = self._slots[seq & 1]  # (world_size, max_bytes) uint8
+            views = self._views[key] = [buffer[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
         views[self.rank].view(x.shape).copy_(x)
         self._flags[self._flag_index[self.rank]] = seq  # after the data: TSO keeps the order
         self._wait(seq)
@@ -173,6 +177,7 @@ class SharedMemoryComm:
         """Unmap the segment (tensors that view it must no longer be used)."""
         self._flags.release()
         self._slots = None  # type: ignore[assignment]
+        self._views.clear()
         try:
             self._map.close()
         except BufferError:  # a tensor still views the map; the OS unmaps it at exit
