@@ -32,7 +32,7 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--model", dict(help="Hugging Face checkpoint directory (default: the embedded model)")),
         ("--served-model-name", dict(help="name GetModelInfo reports (default: the directory's name)")),
         ("--dtype", dict(choices=("auto", "float32", "bfloat16", "float16"),
-                         help="auto: the checkpoint's dtype on CUDA, float32 on the CPU")),
+                         help="auto: float32 on the CPU; on CUDA the checkpoint's half dtype, bfloat16 for float32")),
         ("--device", dict(choices=("auto", "cpu", "cuda"))),
     ],
     "parallel": [

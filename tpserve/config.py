@@ -30,8 +30,9 @@ class LoadConfig(_Frozen):
     Attributes:
         model: Hugging Face checkpoint directory. None: the embedded default model.
         served_model_name: name reported by GetModelInfo; None: the directory's name.
-        dtype: weight and activation dtype; "auto" takes the checkpoint's
-            ``torch_dtype`` on CUDA and float32 on the CPU.
+        dtype: weight and activation dtype; "auto" is float32 on the CPU and, on
+            CUDA, the checkpoint's half-precision ``torch_dtype`` (bfloat16 for a
+            float32 checkpoint).
         device: "auto" is CUDA when available, else the CPU.
     """
 

@@ -150,8 +150,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 
 def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821
-    """"auto": the checkpoint's torch_dtype on CUDA; float32 on the CPU (where half
-    precision matmuls are slow and the references are float32)."""
+    """Resolve ``--dtype``.
+
+    "auto" on CUDA: the checkpoint's half-precision dtype (float16 or bfloat16), and
+    bfloat16 for a float32 checkpoint (decode streams every weight each step: half
+    the bytes is half the time; bfloat16 keeps float32's exponent range, so no
+    overflow where float16 could). On the CPU: float32, where half-precision
+    matmuls are slow on most cores and the references are float32.
+    """
     import torch
 
     from tpserve.model_config import ModelConfig
@@ -160,4 +166,6 @@ def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa
         if device.type == "cpu":
             return torch.float32
         dtype = ModelConfig.from_pretrained(model_dir).torch_dtype or "float32"
+        if dtype not in ("float16", "bfloat16"):
+            dtype = "bfloat16"
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

@@ -63,3 +63,21 @@ def test_nccl_env_fills_in_only_what_is_unset() -> None:
     assert environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/var/dumps/tpserve_nccl_trace_rank_"
     assert set(added) == set(NCCL_ENV_DEFAULTS) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"} | {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
     assert configure_nccl_env(environ) == {}  # idempotent
+
+
+@pytest.mark.parametrize(("checkpoint", "device", "expected"), [
+    ("float32", "cpu", torch.float32), ("bfloat16", "cpu", torch.float32),
+    ("float32", "cuda", torch.bfloat16), ("bfloat16", "cuda", torch.bfloat16), ("float16", "cuda", torch.float16),
+])
+def test_auto_dtype(tmp_path, checkpoint: str, device: str, expected: torch.dtype) -> None:
+    """--dtype auto: float32 on the CPU; half precision on CUDA, bfloat16 for a float32 checkpoint."""
+    import json
+
+    from worker.server import _resolve_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "max_position_embeddings": 64, "torch_dtype": checkpoint}))
+    assert _resolve_dtype("auto", str(tmp_path), torch.device(device)) is expected
+    assert _resolve_dtype("float32", str(tmp_path), torch.device(device)) is torch.float32
