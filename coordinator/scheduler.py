@@ -11,16 +11,21 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
    served, while the step has token budget, a sequence slot (``max_num_seqs``)
    and free blocks for the whole remaining prompt: a request is admitted only
    when its blocks fit. A long prompt may be split into chunks over several steps.
+   With prefix caching, an admitted sequence first takes references to the cached
+   blocks its tokens start with (at most all but its last token, whose logits it
+   needs) and starts computing after them: its first chunk has ``start_position > 0``
+   and carries its whole block table.
 3. Sequences finished or aborted since the last plan are named in it, so the
    workers drop their state.
 
-``update`` appends the sampled tokens, applies the token-level stop rules and frees
-the blocks of sequences that finished. Text-level stops (stop strings) are decided
+``update`` records the blocks that the step filled in the prefix cache, appends the
+sampled tokens, applies the token-level stop rules and frees the blocks of sequences
+that finished. Text-level stops (stop strings) are decided
 by the caller, which calls ``finish``.
 
-Pure Python, no torch: the invariants (every block free or held once by a live
-sequence, nothing leaked after finish, abort or preempt) are checkable after any step
-with ``check_invariants``.
+Pure Python, no torch: the invariants (every block free or held, ref counts equal
+holders, nothing leaked after finish, abort or preempt, no cached block written) are
+checkable after any step with ``check_invariants``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
-from coordinator.sequence import FinishReason, Sequence, SequenceStatus
+from coordinator.sequence import FinishReason, Sequence, SequenceStatus, extend_block_hashes
 from tpserve.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 
@@ -49,13 +54,27 @@ class Scheduler:
         allocator: the block allocator of the worker group's KV pool.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: token budget of one step.
+        enable_prefix_caching: share full blocks between sequences with the same
+            tokens up to them (``--enable-prefix-caching``).
+        check_writes: record, at each ``schedule``, any block the plan writes that is
+            cached or shared, for ``check_invariants`` (tests; costs a little per step).
+
+    Attributes:
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the
+            prefix cache at admission, and how many of them were found (cumulative).
     """
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = False, check_writes: bool = False) -> None:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.check_writes = check_writes
+        self._bad_writes: list[int] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._to_drop: list[int] = []  # seq ids the workers must forget at the next plan
@@ -86,7 +105,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_ids)
+        self.allocator.free(reversed(seq.block_ids))  # last blocks first: the first to evict
         seq.block_ids = []
         seq.num_computed_tokens = 0
         if seq.on_workers:
@@ -134,10 +153,13 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if not self.allocator.can_allocate(num_blocks_for(seq.num_tokens, self.block_size)):
+            cached = self._cached_prefix(seq)
+            # Cached blocks nobody holds count as free blocks: taking them uses those up.
+            num_needed = num_blocks_for(seq.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
+            if not self.allocator.can_allocate(num_needed):
                 break  # FCFS: do not let later, smaller requests overtake it
-            num_new = min(remaining, budget)
+            self._take_cached_prefix(seq, cached)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             new_block_ids = self._grow(seq, num_new)
             assert new_block_ids is not None  # checked just above
             self.waiting.popleft()
@@ -145,9 +167,11 @@ class Scheduler:
             self.running.append(seq)
             new_seqs.append(NewSequence(seq.seq_id, seq.sampling))
             seq.on_workers = True
-            scheduled.append(self._chunk(seq, num_new, new_block_ids))
+            scheduled.append(self._chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table
             budget -= num_new
 
+        if self.check_writes:
+            self._bad_writes = self._cached_blocks_written(scheduled)
         plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop))
         self._next_step_id += 1
         self._to_drop = []
@@ -171,6 +195,8 @@ class Scheduler:
             seq = seqs.get(chunk.seq_id)
             if seq is None:
                 continue  # finished, aborted or preempted after the plan was made
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(seq, seq.num_computed_tokens + chunk.num_tokens)
             seq.num_computed_tokens += chunk.num_tokens
             if token_id is None:
                 continue
@@ -179,6 +205,49 @@ class Scheduler:
                 self.finish(seq, reason)
             outputs.append(TokenOutput(seq, token_id, reason))
         return outputs
+
+    # -- the prefix cache --------------------------------------------------------------
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq``'s tokens start with, leaving at least its last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(seq, self.block_size, num_full * self.block_size)
+        return self.allocator.lookup(hashes[:num_full])
+
+    def _take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Makes ``cached`` the start of ``seq``'s block table, as computed tokens, and counts the hit."""
+        num_cached_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+        self.allocator.acquire(cached)
+        seq.block_ids = list(cached)
+        seq.num_computed_tokens = num_cached_tokens
+
+    def _cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Records in the cache the blocks of ``seq`` that became full once ``num_computed_tokens`` are computed."""
+        first = seq.num_computed_tokens // self.block_size
+        last = num_computed_tokens // self.block_size
+        if last <= first:
+            return
+        hashes = extend_block_hashes(seq, self.block_size, num_computed_tokens)
+        for index in range(first, last):
+            self.allocator.cache(seq.block_ids[index], hashes[index])
+
+    def _cached_blocks_written(self, scheduled: list[ScheduledChunk]) -> list[int]:
+        """Blocks a plan's chunks write that are cached or shared (always empty unless there is a bug)."""
+        tables = {seq.seq_id: seq.block_ids for seq in self.running}
+        bad = []
+        for chunk in scheduled:
+            table = tables[chunk.seq_id]
+            first = chunk.start_position // self.block_size
+            last = (chunk.start_position + chunk.num_tokens - 1) // self.block_size
+            bad += [b for b in table[first:last + 1] if self.allocator.is_cached(b) or self.allocator.ref_count(b) != 1]
+        return bad
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -204,14 +273,24 @@ class Scheduler:
         )
 
     def check_invariants(self) -> None:
-        """Asserts that every block is free or held by exactly one live sequence.
+        """Asserts the block pool's bookkeeping against the live sequences.
+
+        Every block is free or held, never both; its ref count equals the running
+        sequences that list it; a shared block is cached; a cached block in a block
+        table is full and computed; and (with ``check_writes``) the last plan wrote no
+        cached or shared block.
 
         Raises:
-            AssertionError: a leaked, double-held or miscounted block, or a sequence
-                in the wrong queue.
+            AssertionError: a leaked, double-held, miscounted or overwritten block, or a
+                sequence in the wrong queue.
         """
         assert all(seq.status is SequenceStatus.RUNNING for seq in self.running)
         assert all(seq.status is SequenceStatus.WAITING and not seq.block_ids for seq in self.waiting)
         for seq in self.running:
             assert len(seq.block_ids) >= num_blocks_for(seq.num_computed_tokens, self.block_size)
+            for index, block_id in enumerate(seq.block_ids):
+                if self.allocator.is_cached(block_id):
+                    assert (index + 1) * self.block_size <= seq.num_computed_tokens, \
+                        f"seq {seq.seq_id} holds cached block {block_id} at index {index} before computing it"
+        assert not self._bad_writes, f"the last plan writes cached or shared blocks {self._bad_writes}"
         self.allocator.check_invariants(seq.block_ids for seq in self.running)

@@ -1,0 +1,194 @@
+"""Automatic prefix caching in the block allocator and the scheduler: pure Python, no torch.
+
+A simulated worker (``KVChecker``) applies every plan as a rank does (drop, register,
+extend block tables) and keeps, per KV slot, the tokens whose K/V it holds: every
+position a chunk attends to must hold exactly its sequence's tokens up to there, so a
+cached block handed to the wrong sequence, or overwritten while shared, fails the test.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.block_allocator import BlockAllocator
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import FinishReason, Sequence, StopParams, extend_block_hashes
+from tpserve.step import SamplingParams, StepPlan, StepResult
+
+EOS = 2
+
+
+def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 8, max_model_len: int = 1024) -> Sequence:
+    return Sequence(seq_id, list(prompt), SamplingParams(temperature=0.0), StopParams(max_tokens, frozenset({EOS})),
+                    max_model_len)
+
+
+class KVChecker:
+    """What the workers' KV cache holds, slot by slot: the context each slot's K/V was computed from."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.tables: dict[int, list[int]] = {}
+
+    def apply(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
+        for seq_id in plan.finished_seq_ids:
+            del self.tables[seq_id]
+        for new in plan.new_seqs:
+            assert new.seq_id not in self.tables
+            self.tables[new.seq_id] = []
+        for chunk in plan.scheduled:
+            table = self.tables[chunk.seq_id]
+            table.extend(chunk.new_block_ids)
+            seq = seqs[chunk.seq_id]
+            for pos in range(chunk.start_position):  # the history it attends to
+                held = self.slots[table[pos // self.block_size]][pos % self.block_size]
+                assert held == seq.token_ids(0, pos + 1), f"seq {chunk.seq_id} reads a wrong K/V at position {pos}"
+            for offset, token in enumerate(chunk.token_ids):
+                pos = chunk.start_position + offset
+                assert seq.token_ids(pos, pos + 1) == (token,)
+                self.slots[table[pos // self.block_size]][pos % self.block_size] = seq.token_ids(0, pos + 1)
+
+
+def run_step(scheduler: Scheduler, checker: KVChecker, seqs: dict[int, Sequence], token: int = 7) -> StepPlan:
+    plan = scheduler.schedule()
+    scheduler.check_invariants()  # the plan writes no cached or shared block
+    checker.apply(plan, seqs)
+    scheduler.update(plan, StepResult(plan.step_id, (token,) * plan.num_samples))
+    scheduler.check_invariants()
+    return plan
+
+
+def test_block_hashes_chain_every_token_before_the_block() -> None:
+    a, b = make_seq(0, list(range(40))), make_seq(1, list(range(40)))
+    c = make_seq(2, [99] + list(range(1, 40)))  # differs in block 0 only
+    ha, hb, hc = (extend_block_hashes(s, 16, 40) for s in (a, b, c))
+    assert len(ha) == 2 and ha == hb
+    assert ha[0] != hc[0] and ha[1] != hc[1]  # block 1's tokens are equal; its history is not
+
+
+def test_allocator_shares_cached_blocks_and_evicts_least_recently_freed_only_when_needed() -> None:
+    allocator = BlockAllocator(4, block_size=4)
+    first = allocator.allocate(2)
+    allocator.cache(first[0], b"h0")
+    allocator.cache(first[1], b"h1")
+    assert allocator.lookup([b"h0", b"h1", b"h2"]) == first and allocator.lookup([b"h1"]) == [first[1]]
+    allocator.acquire(first)  # a second sequence shares both
+    assert allocator.ref_count(first[0]) == 2
+    allocator.check_invariants([first, first])
+    allocator.free(reversed(first))
+    allocator.free(reversed(first))
+    assert allocator.num_free_blocks == 4 and allocator.lookup([b"h0", b"h1"]) == first  # still cached
+    allocator.check_invariants([])
+    other = allocator.allocate(2)  # the two uncached blocks go first
+    assert set(other).isdisjoint(first) and allocator.num_evictions == 0
+    (evicted,) = allocator.allocate(1)  # then the least recently freed cached block: the last one of the table
+    assert evicted == first[1] and allocator.lookup([b"h0", b"h1"]) == [first[0]] and allocator.num_evictions == 1
+    allocator.check_invariants([other, [evicted]])
+    allocator.cache(evicted, b"h0")  # the hash is taken by first[0]: stays uncached
+    assert not allocator.is_cached(evicted)
+    with pytest.raises(ValueError, match="not cached"):
+        allocator.acquire([other[0]])
+    with pytest.raises(ValueError, match="cached while free"):
+        allocator.cache(first[0], b"h9")
+
+
+def test_second_request_prefills_only_past_the_shared_blocks() -> None:
+    block_size = 16
+    scheduler = Scheduler(BlockAllocator(64, block_size), max_num_seqs=8, max_num_batched_tokens=512,
+                          enable_prefix_caching=True, check_writes=True)
+    checker = KVChecker(64, block_size)
+    prefix = list(range(100, 300))  # 200 tokens: 12 full blocks (192 tokens) and 8 more
+    first, second = make_seq(0, prefix + [5, 6, 7]), make_seq(1, prefix + [8, 9])
+    seqs = {0: first, 1: second}
+    scheduler.add(first)
+    plan = run_step(scheduler, checker, seqs)
+    assert plan.scheduled[0].start_position == 0 and plan.scheduled[0].num_tokens == 203
+    assert first.num_cached_prompt_tokens == 0
+    scheduler.add(second)
+    plan = run_step(scheduler, checker, seqs)
+    decode, prefill = plan.scheduled
+    assert decode.seq_id == 0 and decode.num_tokens == 1
+    assert prefill.seq_id == 1 and prefill.start_position == 192
+    assert prefill.token_ids == tuple(prefix[192:] + [8, 9]) and prefill.sample
+    assert prefill.new_block_ids[:12] == tuple(first.block_ids[:12]) and len(prefill.new_block_ids) == 13
+    assert prefill.new_block_ids[12] not in first.block_ids
+    assert second.num_cached_prompt_tokens == 192
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (203 + 202, 192)
+    assert all(scheduler.allocator.ref_count(b) == 2 for b in first.block_ids[:12])
+
+
+def test_an_identical_prompt_still_computes_its_last_token() -> None:
+    scheduler = Scheduler(BlockAllocator(8, 4), max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True,
+                          check_writes=True)
+    checker = KVChecker(8, 4)
+    seqs = {0: make_seq(0, list(range(10, 18)), max_tokens=1), 1: make_seq(1, list(range(10, 18)))}
+    scheduler.add(seqs[0])
+    run_step(scheduler, checker, seqs)  # finishes: its two full blocks stay cached, unheld
+    assert scheduler.allocator.num_free_blocks == 8
+    scheduler.add(seqs[1])
+    plan = run_step(scheduler, checker, seqs)
+    (chunk,) = plan.scheduled
+    assert chunk.start_position == 4 and chunk.token_ids == (14, 15, 16, 17)  # block 1 is recomputed, not shared
+
+
+def test_off_means_no_sharing() -> None:
+    scheduler = Scheduler(BlockAllocator(16, 4), max_num_seqs=4, max_num_batched_tokens=64, check_writes=True)
+    checker = KVChecker(16, 4)
+    seqs = {0: make_seq(0, list(range(10, 22))), 1: make_seq(1, list(range(10, 22)))}
+    scheduler.add(seqs[0])
+    run_step(scheduler, checker, seqs)
+    scheduler.add(seqs[1])
+    plan = run_step(scheduler, checker, seqs)
+    assert plan.scheduled[1].start_position == 0 and scheduler.prefix_cache_queries == 0
+
+
+def test_abort_and_preemption_release_only_their_own_references() -> None:
+    # 6 blocks of 2: two sequences share a 4-token prefix (2 blocks); decodes run out of blocks.
+    scheduler = Scheduler(BlockAllocator(6, 2), max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True,
+                          check_writes=True)
+    checker = KVChecker(6, 2)
+    seqs = {0: make_seq(0, [10, 11, 12, 13, 14], max_tokens=6), 1: make_seq(1, [10, 11, 12, 13, 15], max_tokens=6)}
+    scheduler.add(seqs[0])
+    run_step(scheduler, checker, seqs)
+    scheduler.add(seqs[1])
+    run_step(scheduler, checker, seqs)
+    shared = seqs[0].block_ids[:2]
+    assert seqs[1].block_ids[:2] == shared and scheduler.allocator.ref_count(shared[0]) == 2
+    while not scheduler.num_preemptions:
+        run_step(scheduler, checker, seqs)
+    assert seqs[1].num_preemptions == 1 and scheduler.allocator.ref_count(shared[0]) == 1  # seq 0 keeps them
+    scheduler.finish(seqs[0], FinishReason.ABORT)
+    scheduler.check_invariants()
+    while scheduler.has_work():
+        run_step(scheduler, checker, seqs)
+    assert seqs[1].is_finished and scheduler.allocator.num_free_blocks == 6
+
+
+def test_random_workload_with_shared_prefixes_keeps_every_invariant() -> None:
+    rng = random.Random(0)
+    num_blocks, block_size = 24, 4
+    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs=6, max_num_batched_tokens=48,
+                          enable_prefix_caching=True, check_writes=True)
+    checker = KVChecker(num_blocks, block_size)
+    prefixes = [[rng.randint(3, 50) for _ in range(rng.randint(4, 24))] for _ in range(4)]
+    seqs: dict[int, Sequence] = {}
+    for _ in range(600):
+        if rng.random() < 0.3:
+            prompt = rng.choice(prefixes) + [rng.randint(3, 50) for _ in range(rng.randint(0, 10))]
+            seq = make_seq(len(seqs), prompt, max_tokens=rng.randint(1, 30), max_model_len=64)
+            seqs[seq.seq_id] = seq
+            scheduler.add(seq)
+        if seqs and rng.random() < 0.05:
+            scheduler.finish(rng.choice(list(seqs.values())), FinishReason.ABORT)
+            scheduler.check_invariants()
+        if scheduler.has_work():
+            run_step(scheduler, checker, seqs, token=EOS if rng.random() < 0.03 else rng.choice([7, 8]))
+    while scheduler.has_work():
+        run_step(scheduler, checker, seqs)
+    assert all(seq.is_finished for seq in seqs.values())
+    assert scheduler.allocator.num_free_blocks == num_blocks
+    assert scheduler.num_preemptions > 0 and scheduler.allocator.num_evictions > 0
+    assert scheduler.prefix_cache_hits > 0.3 * scheduler.prefix_cache_queries
