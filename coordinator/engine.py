@@ -48,6 +48,7 @@ class RequestOutput:
         token_ids: new token ids since the previous output (stopping token excluded).
         finish_reason: set on the request's last output.
         num_prompt_tokens, num_completion_tokens: usage so far, in tokens.
+        num_cached_prompt_tokens: prompt tokens found in the prefix cache (not computed).
     """
 
     request_id: str
@@ -56,6 +57,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_completion_tokens: int
+    num_cached_prompt_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +96,7 @@ class Engine:
         self._states: dict[int, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._wakeup = asyncio.Event()
+        self._prefix_cache_counted = (0, 0)  # scheduler's queries and hits already added to the metrics
         self.dead: str | None = None
         self.draining = False
 
@@ -226,7 +229,8 @@ class Engine:
             if finish is not None:
                 self._observe_finished(state, now)
             state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
-                                                 seq.num_prompt_tokens, seq.num_output_tokens))
+                                                 seq.num_prompt_tokens, seq.num_output_tokens,
+                                                 seq.num_cached_prompt_tokens or 0))
 
     def _observe_finished(self, state: _RequestState, now: float) -> None:
         seq = state.seq
@@ -247,6 +251,11 @@ class Engine:
         self.metrics.num_requests_running.set(len(self.scheduler.running))
         self.metrics.num_requests_waiting.set(len(self.scheduler.waiting))
         self.metrics.kv_cache_free_blocks.set(self.scheduler.allocator.num_free_blocks)
+        # The scheduler counts prefix cache look-ups cumulatively; Prometheus counters only grow by increments.
+        queries, hits = self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
+        self.metrics.prefix_cache_queries.inc(queries - self._prefix_cache_counted[0])
+        self.metrics.prefix_cache_hits.inc(hits - self._prefix_cache_counted[1])
+        self._prefix_cache_counted = (queries, hits)
 
     @property
     def num_requests(self) -> int:

@@ -75,4 +75,5 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 
 def _usage(output: RequestOutput) -> pb.Usage:
-    return pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_completion_tokens)
+    return pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_completion_tokens,
+                    cached_prompt_tokens=output.num_cached_prompt_tokens)

@@ -51,6 +51,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                                           "on the CPU it scales the KV cache's share of free RAM)")),
         ("--kv-cache-memory-bytes", dict(type=int, help="per-rank KV cache budget in bytes (default: from free memory)")),
         ("--num-gpu-blocks-override", dict(type=int, help="use exactly this many KV blocks")),
+        ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction,
+                                         help="reuse the KV blocks of shared prompt prefixes (default on)")),
     ],
     "scheduler": [
         ("--max-num-seqs", dict(type=int, help="most sequences per step")),

@@ -49,6 +49,7 @@ FINISH_REASON_NAMES = {
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # of prompt_tokens, found in the server's prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,8 @@ def _result(response: pb.GenerateResponse) -> GenerateResult:
     return GenerateResult(
         request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
         finish_reason=FINISH_REASON_NAMES[response.finish_reason],
-        usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens))
+        usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
+                    response.usage.cached_prompt_tokens))
 
 
 def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:

@@ -224,7 +224,8 @@ class Cluster:
         await self.workers.start(num_blocks)
         self._dtype = self.workers.dtype
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
-                              cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens)
+                              cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
+                              enable_prefix_caching=cfg.cache.enable_prefix_caching)
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         self.engine = Engine(scheduler, self.workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,

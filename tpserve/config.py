@@ -95,12 +95,15 @@ class CacheConfig(_Frozen):
         kv_cache_memory_bytes: per-rank memory budget for the KV cache, in bytes;
             None: sized from free memory.
         num_gpu_blocks_override: use exactly this many blocks (tests, capacity planning).
+        enable_prefix_caching: share the KV blocks of common prompt prefixes between
+            requests (vLLM's automatic prefix caching; coordinator/block_allocator.py).
     """
 
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
     num_gpu_blocks_override: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
 
 
 class SchedulerConfig(_Frozen):
