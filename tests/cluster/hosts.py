@@ -90,21 +90,22 @@ def two_hosts() -> Iterator[Hosts]:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc), children first."""
+    """Every process below ``pid``, from the parent pids of the whole process table (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past the command name
+        children.setdefault(ppid, []).append(int(entry.name))
     found, queue = [], [pid]
     while queue:
-        parent = queue.pop()
-        try:
-            tasks = list(Path(f"/proc/{parent}/task").iterdir())
-        except FileNotFoundError:
-            continue
-        for task in tasks:
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except FileNotFoundError:
-                continue
-            found.extend(children)
-            queue.extend(children)
+        kids = children.get(queue.pop(), [])
+        found.extend(kids)
+        queue.extend(kids)
     return found
 
 

@@ -81,6 +81,12 @@ class Group:
     client: Client
     pids: list[int]
 
+    def worker_pids(self) -> list[int]:
+        """The pids of the group's four worker-rank processes, on both hosts."""
+        workers = [pid for pid in self.pids if "worker.main" in command_line(pid)]
+        assert len(workers) == 4, [command_line(pid) for pid in self.pids]
+        return workers
+
     def rank_pid(self, rank: int) -> int:
         """The pid of the worker process of global ``rank``."""
         for pid in self.pids:
@@ -213,10 +219,11 @@ class TestHeadlessFirst:
         leader_log = group.leader_log.read_text()
         assert f"init_method=tcp://{LEADER_IP}:{MASTER_PORT + 1}" in leader_log
         assert f"{HEADLESS_IP}:{MASTER_PORT + 2}" in leader_log and f"{HEADLESS_IP}:{MASTER_PORT + 3}" in leader_log
-        assert len([p for p in group.pids if "worker.main" in command_line(p)]) == 4
+        group.worker_pids()
         assert group.client.model_info().tensor_parallel_size == 4
 
     def test_sigterm_on_the_leader_stops_both_hosts_cleanly(self, group: Group) -> None:
+        group.worker_pids()
         group.leader.send_signal(signal.SIGTERM)
         assert group.leader.wait(30) == 0
         assert group.headless.wait(30) == 0
@@ -235,6 +242,7 @@ class TestHeadlessLast:
         check_goldens_sixteen_at_once(group)
 
     def test_killing_a_rank_on_the_headless_host_fails_requests_and_stops_the_group(self, group: Group) -> None:
+        group.worker_pids()
         stream = group.client.generate_stream("Once upon a time", max_tokens=450, temperature=0, ignore_eos=True)
         next(stream)
         os.kill(group.rank_pid(3), signal.SIGKILL)
