@@ -93,7 +93,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 # (oversubscribed CPU matmuls slow down by an order of magnitude).
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.local_world_size))
             configure_nccl_env()  # before the process group exists: NCCL reads it at creation
-            ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds)
+            # Shared-memory collectives only when the whole group is on this host
+            # (across hosts the activations must go through gloo / NCCL).
+            ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,
+                                   shared_memory=opts.local_world_size == opts.world_size)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size)
             self._dtype = str(dtype).removeprefix("torch.")
