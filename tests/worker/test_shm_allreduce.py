@@ -115,3 +115,28 @@ def test_a_hung_peer_times_out() -> None:
         seconds, outcome = Path(out).read_text().split("\n", 1)
     assert outcome.startswith("Timed out") and "ranks [1]" in outcome, outcome
     assert 1.0 <= float(seconds) < 4.0
+
+
+def _dead_peer_main(rank: int, init_method: str, out_path: str) -> None:
+    ctx = init_distributed(rank, 2, init_method, "cpu", 30.0)
+    ctx.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(0)  # gone (its parent reaps it), never publishes again
+    start = time.monotonic()
+    try:
+        ctx.all_reduce(torch.ones(4))
+        outcome = "returned"
+    except RuntimeError as exc:
+        outcome = str(exc)
+    Path(out_path).write_text(f"{time.monotonic() - start}\n{outcome}")
+    os._exit(0)
+
+
+def test_an_exited_peer_fails_the_collective_at_once() -> None:
+    """A dead peer is noticed from its pid, long before the 30 s collective timeout."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "out.txt")
+        mp.spawn(_dead_peer_main, args=(f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2)
+        seconds, outcome = Path(out).read_text().split("\n", 1)
+    assert outcome.startswith("ranks [1] exited"), outcome
+    assert float(seconds) < 5.0

@@ -31,7 +31,9 @@ other architectures (they would need explicit fences, which Python cannot emit).
 
 A peer that stops publishing makes the wait fail after ``timeout_s`` with a
 ``RuntimeError`` ("Timed out ..."), the same failure as gloo's collective
-timeout, so a lost rank fails the step instead of hanging it.
+timeout, so a lost rank fails the step instead of hanging it. A peer process
+that has exited fails the wait within milliseconds (the waiting rank checks the
+late peers' pids while it polls), as gloo's closed connection does.
 """
 
 from __future__ import annotations
@@ -62,6 +64,18 @@ def segment_bytes(world_size: int, max_bytes: int) -> int:
     return world_size * _FLAG_STRIDE + 2 * world_size * max_bytes
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (an exited process not yet reaped is a zombie: dead)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except (PermissionError, OSError):
+        return True  # exists, but not ours to inspect
+
+
 class SharedMemoryComm:
     """Collectives among the ``world_size`` ranks of one host over a shared file in /dev/shm.
 
@@ -74,6 +88,8 @@ class SharedMemoryComm:
             back to gloo for larger ones (:meth:`fits`).
         timeout_s: seconds a collective waits for its peers before failing.
         create: create and size the file (rank 0 only).
+        peer_pids: process id of each rank (same host), to notice a peer that
+            exited without waiting for the timeout; None: rely on the timeout.
 
     Raises:
         RuntimeError: not on x86-64 (see the module docstring).
@@ -81,13 +97,14 @@ class SharedMemoryComm:
     """
 
     def __init__(self, path: str | Path, rank: int, world_size: int, max_bytes: int, timeout_s: float,
-                 *, create: bool) -> None:
+                 *, create: bool, peer_pids: list[int] | None = None) -> None:
         if not supported():
             raise RuntimeError(f"shared-memory collectives need x86-64 and /dev/shm, not {platform.machine()}")
         self.rank = rank
         self.world_size = world_size
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.peer_pids = peer_pids
         size = segment_bytes(world_size, max_bytes)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
@@ -165,10 +182,13 @@ class SharedMemoryComm:
             # The peer may share our core (more ranks than cores): give it the CPU.
             os.sched_yield()
             if polls % _CLOCK_EVERY == 0:
+                late = [r for r, i in enumerate(index) if flags[i] < seq]
+                exited = [r for r in late if self.peer_pids and not _alive(self.peer_pids[r])]
+                if exited:
+                    raise RuntimeError(f"ranks {exited} exited during shared-memory collective {seq} (rank {self.rank})")
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
                 if now > deadline:
-                    late = [r for r, i in enumerate(index) if flags[i] < seq]
                     raise RuntimeError(
                         f"Timed out after {self.timeout_s:.1f} s waiting for ranks {late} in shared-memory "
                         f"collective {seq} (rank {self.rank})")
