@@ -166,6 +166,8 @@ class Engine:
         if not state.seq.is_finished:
             self.scheduler.finish(state.seq, FinishReason.ABORT)
             log.info("request aborted", request_id=state.request_id)
+            # Cancelled, timed out or failed: counted like any finished request (issue 11, fault 13).
+            self._observe_finished(state, time.monotonic(), FinishReason.ABORT)
         self._update_gauges()
 
     # -- the loop ----------------------------------------------------------------------
@@ -227,13 +229,14 @@ class Engine:
                 if matched:
                     finish = FinishReason.STOP
             if finish is not None:
-                self._observe_finished(state, now)
+                self._observe_finished(state, now, finish)
             state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
                                                  seq.num_prompt_tokens, seq.num_output_tokens,
                                                  seq.num_cached_prompt_tokens or 0))
 
-    def _observe_finished(self, state: _RequestState, now: float) -> None:
+    def _observe_finished(self, state: _RequestState, now: float, reason: FinishReason) -> None:
         seq = state.seq
+        self.metrics.request_success.labels(finished_reason=reason.value).inc()
         self.metrics.generation_tokens.inc(seq.num_output_tokens)
         self.metrics.e2e_request_latency.observe(now - state.arrival_time)
         if seq.num_output_tokens > 1 and state.first_token_time is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -48,10 +49,56 @@ class DeadlineExceededError(TpserveError):
 
 
 _OWN_METHODS = "/tpserve."
+#: Largest request message the API decodes (4 MiB, gRPC's usual default). Every valid
+#: request is far smaller (prompt text at most 1 MiB, coordinator/validation.py); a
+#: larger one gets INVALID_ARGUMENT naming this limit. The server's transport limit
+#: (``grpc.max_receive_message_length``, tpserve/cluster.py) is set above it, so that
+#: a request between the two gets this answer, not the transport's RESOURCE_EXHAUSTED
+#: (which the API reserves for a full queue, a condition clients may retry).
+MAX_REQUEST_BYTES = 4 * 1024**2
+#: The transport's own limit: beyond it gRPC refuses the message with RESOURCE_EXHAUSTED
+#: before any handler runs. It bounds the memory one request can take.
+MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """What the safe deserializer returns for bytes that are not a valid request."""
+
+    reason: str
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    """Wraps a request deserializer so that bad bytes become :class:`_Undecodable`, not an exception.
+
+    gRPC answers a deserializer's exception with UNKNOWN and logs a traceback; the
+    handler answers ``_Undecodable`` with INVALID_ARGUMENT and one log line.
+    """
+
+    def wrapped(data: bytes) -> Any:
+        if len(data) > MAX_REQUEST_BYTES:
+            return _Undecodable(f"the request is {len(data)} bytes; the limit is {MAX_REQUEST_BYTES} bytes "
+                                "(a text prompt may have at most 1048576 bytes of UTF-8)")
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field
+            return _Undecodable(f"the request does not decode as {method}'s request message: "
+                                f"{type(exc).__name__}: {exc}")
+
+    return wrapped
+
+
+async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str, request: _Undecodable) -> None:
+    log.warning("malformed request", method=method, error=request.reason)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions escaping unary and server-streaming handlers to status codes."""
+    """Maps exceptions escaping unary and server-streaming handlers to status codes.
+
+    Also decodes requests itself: bytes that are not the method's request message, or
+    more than MAX_REQUEST_BYTES of them, get INVALID_ARGUMENT (issue 11, faults 6 and 10).
+    """
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -65,17 +112,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await _refuse_undecodable(context, method, request)
                 try:
                     return await inner(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
                     await _abort(context, method, request, exc)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+                unary_unary, _safe_deserializer(handler.request_deserializer, method), handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await _refuse_undecodable(context, method, request)
                 try:
                     async for response in inner_stream(request, context):
                         yield response
@@ -83,7 +134,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, method, request, exc)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
+                unary_stream, _safe_deserializer(handler.request_deserializer, method), handler.response_serializer)
         return handler
 
 

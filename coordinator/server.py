@@ -9,6 +9,8 @@ aborts the request in the engine (its blocks are freed). No torch.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from coordinator.engine import Engine, RequestOutput
@@ -41,13 +43,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.model_info = model_info
 
-    def _validate(self, request: pb.GenerateRequest) -> GenerateParams:
+    async def _validate(self, request: pb.GenerateRequest) -> GenerateParams:
+        """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
+        tokenize, which on the event loop would freeze every stream and health check."""
+        self._check_loaded()
+        return await asyncio.to_thread(
+            validate_request, request, self.tokenizer, self.model_info.vocab_size, self.model_info.max_model_len)
+
+    def _check_loaded(self) -> None:
         if self.engine is None:
             raise UnavailableError("the model is still loading; retry when the health service reports SERVING")
-        return validate_request(request, self.tokenizer, self.model_info.vocab_size, self.model_info.max_model_len)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        params = self._validate(request)
+        params = await self._validate(request)
         text: list[str] = []
         token_ids: list[int] = []
         last: RequestOutput | None = None
@@ -61,7 +69,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last))
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        params = self._validate(request)
+        params = await self._validate(request)
         async for output in self.engine.generate(params, context.time_remaining()):
             finished = output.finish_reason is not None
             if not (output.text or output.token_ids or finished):
@@ -71,6 +79,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        # While loading, the KV pool and the dtype are not known yet: UNAVAILABLE, as Generate.
+        self._check_loaded()
         return self.model_info
 
 

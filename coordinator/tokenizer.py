@@ -42,6 +42,10 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None,
                  eos_token_ids: Iterable[int], add_bos_token: bool | None = None) -> None:
         self._backend = backend
+        # A copy that encodes special-token spellings as plain text (prompts are
+        # literal by default); two objects, so no per-call flag is shared between threads.
+        self._literal = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._literal.encode_special_tokens = True
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         eos_token_ids = frozenset(eos_token_ids)
         bad = sorted(i for i in {*eos_token_ids, bos_token_id} - {None} if not 0 <= i < self.vocab_size)
@@ -107,14 +111,23 @@ class Tokenizer:
         return cls(backend, bos_token_id=bos_token_id, eos_token_ids=eos_ids,
                    add_bos_token=add_bos if isinstance(add_bos, bool) else None)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, parse_special_tokens: bool = False) -> list[int]:
         """Token ids of a prompt, starting with exactly one bos when ``add_bos_token``.
 
-        Special tokens written in the text (``"<s>"``) are parsed as such, as in
-        ``transformers``; a text that itself begins with the bos token (a chat
-        template's output) gets no second one.
+        Args:
+            text: the prompt.
+            parse_special_tokens: encode special-token spellings in the text
+                (``"</s>"``, ``"<unk>"``) as those tokens, as ``transformers`` does.
+                False (the API's default): they are literal text, so user text cannot
+                inject a control token. Either way, a text that begins with the bos
+                token (a chat template's output, parsed) gets no second one.
+
+        Releases the GIL while it tokenizes (``encode_batch`` does, ``encode`` does not),
+        so a caller may run it on a thread next to an event loop: a 1 MB prompt takes
+        about a second.
         """
-        ids = self._backend.encode(text, add_special_tokens=True).ids
+        backend = self._backend if parse_special_tokens else self._literal
+        ids = backend.encode_batch([text], add_special_tokens=True)[0].ids
         bos = self.bos_token_id
         if self._post_processor_adds_bos and not self.add_bos_token:
             ids = ids[1:]

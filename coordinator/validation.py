@@ -17,10 +17,17 @@ from tpserve.step import SEED_MODULUS, SamplingParams
 from tpserve.v1 import generate_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 128
+#: Longest text prompt, in bytes of UTF-8 (1 MiB, about 250,000 tokens of English):
+#: refused before tokenizing, which costs about 1 s per MiB (issue 11, faults 5 and 10).
+MAX_PROMPT_TEXT_BYTES = 1024**2
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 DEFAULT_TEMPERATURE = 1.0
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): ``logits / 1e-5`` is
+#: already one-hot after softmax, and smaller ones (down to float32's 1e-45) make
+#: ``logits / temperature`` overflow to inf and softmax to NaN (issue 11, fault 1).
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +54,8 @@ class GenerateParams:
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> GenerateParams:
-    """Checks a request and tokenizes its prompt.
+    """Checks a request and tokenizes its prompt (blocking: about 1 s for a 1 MiB prompt; the
+    server runs it off its event loop).
 
     Args:
         request: the public request.
@@ -60,7 +68,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
     """
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgumentError(f"request_id is {len(request.request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
-    prompt_token_ids = _prompt_token_ids(request, tokenizer, vocab_size)
+    prompt_token_ids = _prompt_token_ids(request, tokenizer, vocab_size, max_model_len)
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidArgumentError(
             f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than max_model_len={max_model_len}")
@@ -76,6 +84,8 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
     temperature = params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidArgumentError(f"sampling_params.temperature must be a finite number >= 0, got {temperature}")
+    if temperature < MIN_SAMPLING_TEMPERATURE:
+        temperature = 0.0  # greedy: the same tokens as temperature 0, never an overflowed softmax
     top_k = params.top_k if params.HasField("top_k") else 0
     if top_k < 0:
         raise InvalidArgumentError(f"sampling_params.top_k must be >= 0 (0 disables it), got {top_k}")
@@ -106,16 +116,24 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
     )
 
 
-def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int,
+                      max_model_len: int) -> list[int]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
             raise InvalidArgumentError("prompt text is empty; it must have at least 1 character")
-        return tokenizer.encode(request.text)
+        # len(text) <= bytes <= 4 * len(text): encode only when the count could be over.
+        if len(request.text) * 4 > MAX_PROMPT_TEXT_BYTES and len(request.text.encode()) > MAX_PROMPT_TEXT_BYTES:
+            raise InvalidArgumentError(f"prompt text is {len(request.text.encode())} bytes of UTF-8; "
+                                       f"the limit is {MAX_PROMPT_TEXT_BYTES}")
+        return tokenizer.encode(request.text, parse_special_tokens=request.parse_special_tokens)
     if kind == "token_ids":
         ids = list(request.token_ids.ids)
         if not ids:
             raise InvalidArgumentError("prompt token_ids is empty; it must have at least 1 token")
+        if len(ids) >= max_model_len:  # before the per-id check: a long list costs time
+            raise InvalidArgumentError(
+                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len={max_model_len}")
         _check_token_ids("prompt token_ids", ids, vocab_size)
         return ids
     raise InvalidArgumentError("prompt is missing: set text or token_ids")

@@ -104,7 +104,7 @@ class WorkerGroup:
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
             self.failed = f"step {plan.step_id}: worker stream broke: {exc}"
         else:
-            errors = [r.error for r in results if r.error]
+            errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
             if errors:
                 self.failed = "; ".join(errors)
             elif any(r is grpc.aio.EOF for r in results):
@@ -115,8 +115,26 @@ class WorkerGroup:
         raise WorkerGroupError(self.failed)
 
     async def _round_trip(self, msg: pb.StepPlan) -> list[pb.StepResult]:
+        """Every rank's answer, in rank order; returns early with the first error or EOF.
+
+        A rank that fails a step (out of memory, say) answers at once while its peers
+        sit in a collective waiting for it until the collective timeout: acting on the
+        first error, not on all answers, fails the group in milliseconds (issue 11, fault 3).
+        """
         await asyncio.gather(*(stream.write(msg) for stream in self._streams))
-        return await asyncio.gather(*(stream.read() for stream in self._streams))
+        reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
+        try:
+            pending = set(reads)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    result = task.result()  # a broken stream raises here
+                    if result is grpc.aio.EOF or result.error:
+                        return [result]
+            return [task.result() for task in reads]
+        finally:
+            for task in reads:
+                task.cancel()
 
     async def close(self) -> None:
         """Ends the step streams and closes the channels."""

@@ -5,7 +5,8 @@ Start-up order:
      asked tensor_parallel_size (before any process starts);
   2. bind the public gRPC port with the health service NOT_SERVING (so probes and
      clients get a clear UNAVAILABLE while the model loads);
-  3. one host: the ranks' torch.distributed rendezvous is a free loopback port.
+  3. one host: the ranks' torch.distributed rendezvous is a file in the socket
+     directory (no listener), and their collectives use the loopback interface.
      Several hosts (``--nnodes``): serve the node registry on ``--master-addr:
      --master-port`` (:mod:`tpserve.node_registry`) and wait, logging the missing
      ranks, until every headless node has joined and named its ranks' TCP
@@ -24,7 +25,6 @@ import asyncio
 import hashlib
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from importlib import resources
@@ -38,7 +38,7 @@ from prometheus_client import start_http_server
 
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
-from coordinator.errors import ErrorInterceptor
+from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
@@ -66,10 +66,21 @@ NODES_GOODBYE_SECONDS = 2.0
 DRAIN_SECONDS = SHUTDOWN_GRACE_SECONDS + NODES_GOODBYE_SECONDS + WORKER_EXIT_SECONDS
 #: Seconds between "waiting for nodes" log lines.
 WAITING_LOG_SECONDS = 10.0
+#: Keepalive of the public port (docs/design.md, "Faults found by trying public bug
+#: classes"): accept client pings at any rate, with or without calls in flight (gRPC's
+#: defaults answer a client pinging every 10 s, as proxies and meshes do, with GOAWAY
+#: too_many_pings after about 30 s, killing a stream still queued), and ping clients
+#: every 20 s ourselves, so that a long silent stream keeps NAT and proxy mappings and a
+#: vanished client is noticed within 40 s.
+PUBLIC_KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0),
+                            ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+                            ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 20_000)]
 # Clients resolve a name (dns:///replicas:50051) once per connection: closing each
 # connection after a while makes them re-resolve and find replicas added since.
 # The grace lets a long generation stream finish on the old connection.
-_PUBLIC_SERVER_OPTIONS = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000)]
+_PUBLIC_SERVER_OPTIONS = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000),
+                          *PUBLIC_KEEPALIVE_OPTIONS,
+                          ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
 
 
 #: Name GetModelInfo reports for the embedded model (its model card's name).
@@ -209,7 +220,10 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         addresses = {rank: f"unix://{self._socket_dir}/rank{rank}.sock" for rank in self.layout.node_ranks()}
         if self.layout.nnodes == 1:
-            init_method, interface = f"tcp://127.0.0.1:{_free_port()}", None
+            # No network listener at all for the rendezvous (a TCPStore listens on every
+            # interface, whatever address it is given), and gloo's/NCCL's own sockets on
+            # the loopback interface: nothing of the group is reachable from another host.
+            init_method, interface = f"file://{self._socket_dir}/rendezvous", interface_of("127.0.0.1") or "lo"
         else:
             init_method, interface = await self._start_registry(deadline)
             addresses.update(await self._wait_for_nodes(deadline))
@@ -330,9 +344,3 @@ def _bind(server: grpc.aio.Server, address: str) -> int:
         return server.add_insecure_port(address)
     except RuntimeError:
         return 0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

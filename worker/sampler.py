@@ -202,7 +202,10 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     probs = scaled.softmax(dim=-1)  # (N, V)
     noise = exponential_noise(sampling.seeds, sampling.positions, logits.shape[-1])  # (N, V)
     sampled_tokens = (probs / noise).argmax(dim=-1)  # (N,) exponential race
-    return torch.where(is_sampled, sampled_tokens, greedy_tokens)  # (N,)
+    # A row whose scaled logits overflowed (a tiny temperature: logits / 1e-38 = inf,
+    # softmax NaN, argmax 0) takes the greedy token, never a garbage one. No host sync.
+    finite = torch.isfinite(probs).all(dim=-1)  # (N,)
+    return torch.where(is_sampled & finite, sampled_tokens, greedy_tokens)  # (N,)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:

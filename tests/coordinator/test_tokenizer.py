@@ -89,7 +89,7 @@ def test_unicode_round_trips_through_byte_fallback(tokenizer: Tokenizer) -> None
 
 def test_bos_is_never_added_twice(tokenizer: Tokenizer) -> None:
     # The post-processor adds <s>; a text that already starts with "<s>" keeps one.
-    assert tokenizer.encode("<s>Hi") == [BOS, 320, 417]
+    assert tokenizer.encode("<s>Hi", parse_special_tokens=True) == [BOS, 320, 417]
     assert tokenizer.encode("Hi") == [BOS, 320, 417]
     assert tokenizer.encode("") == [BOS]
 
@@ -107,7 +107,7 @@ def test_add_bos_token_without_post_processor(tmp_path: Path, add_bos: bool, exp
     cfg = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>", "add_bos_token": add_bos}
     tok = Tokenizer.from_pretrained(make_model_dir(tmp_path, tokenizer_config=cfg, post_processor=False))
     assert tok.encode("Once upon") == expected
-    assert tok.encode("<s>Once upon") == [BOS, 403, 407]  # the text's own <s> stays, once
+    assert tok.encode("<s>Once upon", parse_special_tokens=True) == [BOS, 403, 407]  # the text's own <s>, once
 
 
 def test_no_tokenizer_config_follows_post_processor_and_model_config(tmp_path: Path) -> None:
@@ -165,3 +165,13 @@ def test_coordinator_text_modules_import_no_torch() -> None:
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_special_token_spellings_are_literal_unless_parsing_is_asked_for(tokenizer: Tokenizer) -> None:
+    # Issue 11, fault 12: "</s>" in user text was the EOS id and "<unk>" id 0.
+    literal = tokenizer.encode("Hi</s><unk>")
+    assert EOS not in literal[1:] and 0 not in literal and literal[0] == BOS
+    assert tokenizer.decode(literal) == "Hi</s><unk>"
+    assert tokenizer.encode("Hi</s><unk>", parse_special_tokens=True) == [BOS, 320, 417, EOS, 0]
+    with_bos_text = tokenizer.encode("<s>Hi")
+    assert with_bos_text[0] == BOS and BOS not in with_bos_text[1:]  # the text's "<s>" is text

@@ -1,0 +1,80 @@
+"""WorkerGroup acts on the first rank that fails a step, not after every rank answers (issue 11, fault 3).
+
+The ranks' Step streams are replaced by in-process fakes: rank 1 answers with an
+error at once while rank 0 never answers (as a rank blocked in a collective waits
+for its failed peer until the collective timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from coordinator.worker_client import WorkerGroup, WorkerGroupError
+from tpserve.step import StepPlan
+from tpserve.v1 import worker_pb2 as pb
+
+
+class _FakeStream:
+    """A Step stream whose answer is ``answer`` after ``delay_s`` (None: never)."""
+
+    def __init__(self, answer, delay_s: float | None) -> None:
+        self.answer, self.delay_s = answer, delay_s
+        self.cancelled = False
+
+    async def write(self, msg: pb.StepPlan) -> None:
+        pass
+
+    async def read(self):
+        if self.delay_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.delay_s)
+        return self.answer
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _run(streams: list[_FakeStream], step_timeout_s: float = 60.0):
+    async def main():
+        group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], step_timeout_s)
+        group._streams = streams
+        start = time.monotonic()
+        try:
+            return await group.execute(StepPlan(step_id=7)), time.monotonic() - start
+        except WorkerGroupError as exc:
+            return exc, time.monotonic() - start
+        finally:
+            await group.close()
+
+    return asyncio.run(main())
+
+
+def test_the_first_rank_error_fails_the_step_at_once() -> None:
+    error = pb.StepResult(step_id=7, error="rank 1: step 7 failed: OutOfMemoryError: CUDA out of memory")
+    outcome, elapsed = _run([_FakeStream(None, None), _FakeStream(error, 0.01)])
+    assert isinstance(outcome, WorkerGroupError)
+    assert "OutOfMemoryError" in str(outcome)
+    assert elapsed < 1.0
+
+
+def test_a_rank_closing_its_stream_fails_the_step_at_once() -> None:
+    outcome, elapsed = _run([_FakeStream(None, None), _FakeStream(grpc.aio.EOF, 0.01)])
+    assert isinstance(outcome, WorkerGroupError) and "closed its stream" in str(outcome)
+    assert elapsed < 1.0
+
+
+def test_every_rank_answering_returns_rank_0s_tokens() -> None:
+    outcome, _ = _run([_FakeStream(pb.StepResult(step_id=7, sampled_token_ids=[4, 5]), 0.05),
+                       _FakeStream(pb.StepResult(step_id=7), 0.01)])
+    assert outcome.sampled_token_ids == (4, 5)
+
+
+@pytest.mark.parametrize("step_timeout_s", [0.2])
+def test_a_silent_group_still_times_out(step_timeout_s: float) -> None:
+    outcome, elapsed = _run([_FakeStream(None, None), _FakeStream(None, None)], step_timeout_s)
+    assert isinstance(outcome, WorkerGroupError) and "timed out" in str(outcome)
+    assert step_timeout_s <= elapsed < step_timeout_s + 1.0
