@@ -242,12 +242,12 @@ class Engine:
         if seq.num_output_tokens > 1 and state.first_token_time is not None:
             self.metrics.time_per_output_token.observe((now - state.first_token_time) / (seq.num_output_tokens - 1))
 
-    def fail_all(self, reason: str) -> None:
-        """Marks the engine dead and fails every request in flight with INTERNAL."""
+    def fail_all(self, reason: str, error: type[TpserveError] = TpserveError) -> None:
+        """Marks the engine dead and fails every request in flight: with INTERNAL (a failed
+        step, TpserveError's code) or, for a rank that stopped answering, UnavailableError."""
         self.dead = reason
         for state in list(self._states.values()):
-            # INTERNAL (TpserveError's code): a worker failure, with the request id.
-            state.queue.put_nowait(TpserveError(f"request {state.request_id}: {reason}"))
+            state.queue.put_nowait(error(f"request {state.request_id}: {reason}"))
         self._on_fatal(reason)
 
     def _update_gauges(self) -> None:

@@ -23,6 +23,14 @@ from tpserve.v1 import worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+#: Seconds between liveness checks of every rank, and the most a rank may take to answer
+#: one: a rank that is alive but stuck (SIGSTOP, a hung kernel, a host gone without a
+#: FIN) is declared lost within LIVENESS_INTERVAL_S + LIVENESS_TIMEOUT_S, whatever the
+#: step's length. GetStatus runs on the rank's gRPC pool threads, not the step's thread,
+#: so a long step does not delay the answer (issue 11, fault 2).
+LIVENESS_INTERVAL_S = 1.0
+LIVENESS_TIMEOUT_S = 3.0
+
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 1024**2), ("grpc.max_receive_message_length", 64 * 1024**2)]
 
 
@@ -135,6 +143,29 @@ class WorkerGroup:
         finally:
             for task in reads:
                 task.cancel()
+
+    async def watch_liveness(self, interval_s: float = LIVENESS_INTERVAL_S,
+                             timeout_s: float = LIVENESS_TIMEOUT_S) -> str:
+        """Asks every rank for its status every ``interval_s``; returns why, once one fails to answer.
+
+        Returns:
+            The reason: a rank did not answer within ``timeout_s`` seconds, its channel
+            broke, or it reports an error.
+        """
+
+        async def check(rank: int) -> str | None:
+            try:
+                status = await self._stubs[rank].GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return f"rank {rank} did not answer a liveness check within {timeout_s:g} s: {exc.code().name}"
+            return status.error or None
+
+        while True:
+            lost = [reason for reason in await asyncio.gather(*map(check, range(self.world_size))) if reason]
+            if lost:
+                self.failed = self.failed or "; ".join(lost)
+                return "; ".join(lost)
+            await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
         """Ends the step streams and closes the channels."""

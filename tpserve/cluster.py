@@ -38,7 +38,7 @@ from prometheus_client import start_http_server
 
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
-from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
+from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
@@ -128,6 +128,7 @@ class Cluster:
         self._socket_dir = Path(tempfile.mkdtemp(prefix="tpserve-"))
         self._registry_server: grpc.aio.Server | None = None
         self._monitor_task: asyncio.Task | None = None
+        self._liveness_task: asyncio.Task | None = None
         self._dtype = ""  # resolved by the ranks
         self.port: int | None = None
 
@@ -171,7 +172,7 @@ class Cluster:
             if self.engine is not None:
                 self.engine.draining = True
             await server.stop(SHUTDOWN_GRACE_SECONDS)
-            for task in (engine_task, self._monitor_task):
+            for task in (engine_task, self._monitor_task, self._liveness_task):
                 if task is not None:
                     task.cancel()
             await self._stop_nodes()
@@ -246,6 +247,7 @@ class Cluster:
                              self.metrics, on_fatal=lambda reason: self.stop(1))
         self.servicer.engine = self.engine
         self.servicer.model_info = self._model_info(num_blocks)
+        self._liveness_task = asyncio.create_task(self._watch_liveness())
 
     async def _start_registry(self, deadline: float) -> tuple[str, str | None]:
         """Serves the node registry on --master-addr:--master-port.
@@ -302,11 +304,16 @@ class Cluster:
         rank, code = await self.ranks.wait_first_exit()
         self._group_failed(f"rank {rank} exited with code {code}")
 
-    def _group_failed(self, reason: str) -> None:
+    async def _watch_liveness(self) -> None:
+        """A rank alive but stuck (SIGSTOP, a hung kernel, a silent host) is a lost group too:
+        its requests could only hang, so they fail with UNAVAILABLE at once."""
+        self._group_failed(await self.workers.watch_liveness(), UnavailableError)
+
+    def _group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> None:
         """A rank or a node is lost: fail the requests in flight at once and stop (exit 1)."""
         log.error("worker group lost", reason=reason)
         if self.engine is not None and not self.engine.dead:
-            self.engine.fail_all(reason)
+            self.engine.fail_all(reason, error)
         self.stop(1)
 
     async def _stop_nodes(self) -> None:

@@ -63,7 +63,13 @@ class LocalRanks:
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
             env.setdefault("NCCL_SOCKET_IFNAME", interface)
         for rank in self.layout.node_ranks():
-            self.procs[rank] = subprocess.Popen(self._command(rank, addresses[rank], init_method), env=env)
+            # A session of their own: Ctrl-C in a terminal, or SIGINT/SIGTERM to the
+            # coordinator's process group (a container runtime, ``kill -- -PGID``), must
+            # reach the coordinator only, which drains in-flight requests and then stops
+            # the ranks (issue 11, fault 4). A rank still exits when its parent dies
+            # (worker/main.py watches it).
+            self.procs[rank] = subprocess.Popen(self._command(rank, addresses[rank], init_method), env=env,
+                                                start_new_session=True)
         log.info("ranks started", node_rank=self.layout.node_rank, ranks=list(self.procs),
                  init_method=init_method, interface=interface)
 

@@ -65,11 +65,14 @@ class RunningCluster:
 
 @contextmanager
 def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
-          omp_threads: int | None = 1) -> Iterator[RunningCluster]:
+          omp_threads: int | None = 1, new_session: bool = False) -> Iterator[RunningCluster]:
     """Runs ``tpserve serve`` until the block exits, then SIGTERMs it and checks nothing is left.
 
     ``omp_threads``: OMP_NUM_THREADS of every rank (1 for tests); None leaves the
     server's own rule (the host's cores split among the ranks), as benchmarks want.
+    ``new_session``: start it in a session (and process group) of its own, whose id is
+    its pid, so that a test can signal the whole group as a terminal or a container
+    runtime does.
     """
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
@@ -83,7 +86,7 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
         env.pop("OMP_NUM_THREADS", None)
     else:
         env["OMP_NUM_THREADS"] = str(omp_threads)
-    process = subprocess.Popen(cmd, env=env)
+    process = subprocess.Popen(cmd, env=env, start_new_session=new_session)
     client = Client(f"127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

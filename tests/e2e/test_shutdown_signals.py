@@ -1,0 +1,54 @@
+"""Ctrl-C or SIGTERM to the whole process group drains like SIGTERM to the coordinator (issue 11, fault 4).
+
+A terminal's Ctrl-C, a container runtime and ``kill -- -PGID`` signal every process
+of the group. The ranks run in a session of their own, so only the coordinator
+gets the signal: it stops taking requests, lets in-flight streams finish within
+its shutdown grace, then stops the ranks and exits 0. Before, the ranks died at
+once and every in-flight request failed with INTERNAL, exit code 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from tests.e2e.cluster import child_pids, pid_alive, serve
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 120
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_process_group_drains_the_stream_and_exits_zero(signum: signal.Signals) -> None:
+    with serve(None, 2, new_session=True) as cluster:
+        stream = cluster.client.generate_stream("Once upon a time", max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True, timeout_s=60)
+        token_ids = list(next(stream).token_ids)
+        os.killpg(cluster.process.pid, signum)  # the server's process group: coordinator (and, before, its ranks)
+        last = None
+        for chunk in stream:
+            token_ids.extend(chunk.token_ids)
+            last = chunk
+        assert last is not None and last.finish_reason == 2  # FINISH_REASON_LENGTH
+        assert len(token_ids) == MAX_TOKENS
+        with pytest.raises(grpc.RpcError) as refused:  # no new request once draining
+            cluster.client.generate("Hi", max_tokens=1, timeout_s=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert cluster.process.wait(30) == 0
+
+
+def test_ranks_in_their_own_session_still_exit_when_the_coordinator_dies() -> None:
+    with serve(None, 2) as cluster:
+        ranks = child_pids(cluster.process.pid)
+        assert len(ranks) == 2 and all(os.getsid(pid) == pid for pid in ranks)  # each leads its own session
+        cluster.process.kill()  # SIGKILL: no drain, no SIGTERM to the ranks
+        cluster.process.wait(10)
+        deadline = time.monotonic() + 5  # worker/main.py checks its parent every second
+        while any(pid_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(pid) for pid in ranks)
