@@ -152,7 +152,7 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
-                              StopStringMatcher(params.stop), time.monotonic())
+                              StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic())
         self._states[seq_id] = state
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))

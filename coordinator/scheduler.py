@@ -165,7 +165,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            new_seqs.append(NewSequence(seq.seq_id, seq.sampling))
+            # Penalties need every earlier token on the sampling rank; a cached prefix is never sent in a chunk.
+            history = seq.token_ids(0, seq.num_computed_tokens) if seq.sampling.uses_token_history else ()
+            new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history))
             seq.on_workers = True
             scheduled.append(self._chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table
             budget -= num_new

@@ -29,13 +29,15 @@ class StopStringMatcher:
 
     Args:
         stop: the stop strings (duplicates allowed; none is fine: text passes through).
+        include_stop: keep the matched stop string at the end of the text
+            (``include_stop_str_in_output``); what follows it is dropped all the same.
 
     Raises:
         ValueError: a stop string is empty (it would match before any text).
         TypeError: a stop string is not a ``str``.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         for s in stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop strings must be str, got {type(s).__name__}")
@@ -45,6 +47,7 @@ class StopStringMatcher:
         self._max_held = max((len(s) for s in self._stops), default=1) - 1  # in characters
         self._first_chars = frozenset(s[0] for s in self._stops)
         self._held = ""
+        self._include_stop = include_stop
         self.stopped = False
 
     @property
@@ -55,20 +58,21 @@ class StopStringMatcher:
     def push(self, delta: str) -> tuple[str, bool]:
         """Adds a text delta; returns (text safe to emit now, whether a stop string matched).
 
-        On a match the returned text ends just before the stop string; the stop
-        string and everything after it are dropped, and later pushes return
-        ``("", True)``.
+        On a match the returned text ends just before the stop string (or with it,
+        with ``include_stop``); everything after it is dropped, and later pushes
+        return ``("", True)``.
         """
         if self.stopped:
             return "", True
         if not self._stops:
             return delta, False
         text = self._held + delta
-        start = self._first_match(text)
-        if start is not None:
+        match = self._first_match(text)
+        if match is not None:
             self.stopped = True
             self._held = ""
-            return text[:start], True
+            start, end = match
+            return text[:end if self._include_stop else start], True
         cut = self._hold_from(text)
         self._held = text[cut:]
         return text[:cut], False
@@ -78,14 +82,14 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, text: str) -> int | None:
-        """Start index in ``text`` of the stop string that ends first, or None."""
+    def _first_match(self, text: str) -> tuple[int, int] | None:
+        """(start, end) in ``text`` of the stop string that ends first, or None."""
         best: tuple[int, int] | None = None  # (end, start)
         for s in self._stops:
             start = text.find(s)
             if start >= 0 and (best is None or (start + len(s), start) < best):
                 best = (start + len(s), start)
-        return None if best is None else best[1]
+        return None if best is None else (best[1], best[0])
 
     def _hold_from(self, text: str) -> int:
         """Index where the longest suffix of ``text`` that begins some stop string starts."""

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from coordinator.errors import InvalidArgumentError
+from coordinator.sampling_controls import validate_sampling_controls
 from coordinator.tokenizer import Tokenizer
 from tpserve.step import SEED_MODULUS, SamplingParams
 from tpserve.v1 import generate_pb2 as pb
@@ -42,6 +43,7 @@ class GenerateParams:
         stop: stop strings.
         stop_token_ids: stop token ids.
         ignore_eos: keep going after eos.
+        include_stop_str_in_output: keep a matched stop string at the end of the text.
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class GenerateParams:
     stop: tuple[str, ...]
     stop_token_ids: frozenset[int]
     ignore_eos: bool
+    include_stop_str_in_output: bool = False
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> GenerateParams:
@@ -104,15 +107,18 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         raise InvalidArgumentError(
             f"sampling_params.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     _check_token_ids("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+    controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids)  # min_p, penalties, ...
 
     return GenerateParams(
         request_id=request.request_id,
         prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **controls),
         stop=tuple(params.stop),
         stop_token_ids=frozenset(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,14 +84,25 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int | None = None,
+    include_stop_str_in_output: bool = False,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
-    A ``str`` prompt is sent as text, a sequence of ints as token ids.
+    A ``str`` prompt is sent as text, a sequence of ints as token ids. The fields'
+    meanings and ranges: proto/tpserve/v1/generate.proto, ``SamplingParams``.
     """
-    params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                               logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
-                        ("top_p", top_p), ("seed", seed)):
+                        ("top_p", top_p), ("seed", seed), ("min_p", min_p), ("repetition_penalty", repetition_penalty),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                        ("min_tokens", min_tokens)):
         if value is not None:
             setattr(params, name, value)
     request = pb.GenerateRequest(request_id=request_id, sampling_params=params)

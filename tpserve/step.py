@@ -27,6 +27,7 @@ This module imports no torch: the coordinator uses it too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 #: Unsigned 64-bit range of a sampling seed.
@@ -46,6 +47,23 @@ class SamplingParams:
         seed: unsigned 64-bit seed. The noise used for the token at absolute
             position ``p`` depends only on ``(seed, p)``, so a request samples the
             same tokens whatever else shares its batch, and after a preemption.
+        min_p: drop tokens whose probability (after temperature) is below
+            ``min_p`` times the most likely token's, in [0, 1]; 0 disables it.
+        repetition_penalty: CTRL's penalty (Keskar et al. 2019, arXiv:1909.05858)
+            on every token of the prompt and the output: a positive logit is
+            divided by it, a negative one multiplied; > 0, 1 disables it.
+        presence_penalty: subtracted once from the logit of every token already
+            in the output, in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per time it is in
+            the output, in [-2, 2].
+        logit_bias: ``(token id, bias)`` pairs added to the logits, sorted by id.
+        min_tokens: until this many tokens are generated, ``min_tokens_stop_ids``
+            cannot be sampled.
+        min_tokens_stop_ids: the tokens that would end the sequence (eos unless
+            ignored, and the stop token ids), filled in by the coordinator.
+
+    Order on the worker (vLLM's): logit_bias and min_tokens, then the penalties
+    (greedy rows take the argmax here), then temperature, min_p, top-k, top-p.
 
     Raises:
         ValueError: a value is outside the range above.
@@ -55,6 +73,13 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -65,6 +90,28 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < SEED_MODULUS:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not math.isfinite(bias) for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be finite")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def uses_token_history(self) -> bool:
+        """True when sampling depends on the sequence's earlier tokens (a penalty is on)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def uses_logits_controls(self) -> bool:
+        """True when anything beyond temperature / top-k / top-p changes the logits."""
+        return (self.uses_token_history or self.min_p > 0.0 or bool(self.logit_bias)
+                or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
 
     @property
     def greedy(self) -> bool:
@@ -74,10 +121,22 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class NewSequence:
-    """A sequence the workers have not seen (or dropped after a preemption)."""
+    """A sequence the workers have not seen (or dropped after a preemption).
+
+    Attributes:
+        seq_id: the sequence.
+        sampling: its sampling parameters.
+        num_prompt_tokens: its prompt's length: tokens at later positions are output
+            (``min_tokens`` and the output penalties count them).
+        history_token_ids: only when ``sampling.uses_token_history``: the tokens at
+            positions ``0 .. start_position - 1`` of its first chunk, which the workers
+            are not sent otherwise (a cached prefix); empty otherwise.
+    """
 
     seq_id: int
     sampling: SamplingParams
+    num_prompt_tokens: int = 0
+    history_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

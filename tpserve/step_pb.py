@@ -17,12 +17,9 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         new_seqs=[
             pb.NewSequence(
                 seq_id=seq.seq_id,
-                sampling=pb.WorkerSamplingParams(
-                    temperature=seq.sampling.temperature,
-                    top_k=seq.sampling.top_k,
-                    top_p=seq.sampling.top_p,
-                    seed=seq.sampling.seed,
-                ),
+                sampling=_sampling_to_pb(seq.sampling),
+                num_prompt_tokens=seq.num_prompt_tokens,
+                history_token_ids=seq.history_token_ids,
             )
             for seq in plan.new_seqs
         ],
@@ -51,14 +48,9 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         new_seqs=tuple(
             NewSequence(
                 seq.seq_id,
-                # float32 on the wire: round-trip exact for the values clients send
-                # (0, 0.5, 0.9 ... are compared after the same float32 rounding on every rank).
-                SamplingParams(
-                    temperature=seq.sampling.temperature,
-                    top_k=seq.sampling.top_k,
-                    top_p=seq.sampling.top_p,
-                    seed=seq.sampling.seed,
-                ),
+                _sampling_from_pb(seq.sampling),
+                num_prompt_tokens=seq.num_prompt_tokens,
+                history_token_ids=tuple(seq.history_token_ids),
             )
             for seq in msg.new_seqs
         ),
@@ -73,6 +65,26 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
             for chunk in msg.scheduled
         ),
         finished_seq_ids=tuple(msg.finished_seq_ids),
+    )
+
+
+def _sampling_to_pb(params: SamplingParams) -> pb.WorkerSamplingParams:
+    return pb.WorkerSamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+        min_p=params.min_p, repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
+        min_tokens_stop_ids=params.min_tokens_stop_ids,
+    )
+
+
+def _sampling_from_pb(msg: pb.WorkerSamplingParams) -> SamplingParams:
+    # float32 on the wire: every rank reads the same rounded values (0.5, 0.9, 1.1 ...),
+    # and rank 0 alone samples, so nothing depends on the coordinator's float64 copy.
+    return SamplingParams(
+        temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed, min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty, logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids),
     )
 
 

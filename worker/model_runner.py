@@ -33,6 +33,7 @@ from tpserve.model_config import ModelConfig
 from tpserve.step import SamplingParams, StepPlan, StepResult
 from worker.kv_cache import KVCacheLayout
 from worker.loader import load_model
+from worker.logits_controls import extend_history, with_logits_controls
 from worker.parallel_state import ParallelContext
 from worker.sampler import sample_tensors
 from worker.step_inputs import build_step_inputs
@@ -44,6 +45,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class _SequenceState:
     sampling: SamplingParams
     block_table: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    history: list[int] | None = None  # every token so far; rank 0, sequences with a penalty only
 
 
 class ModelRunner:
@@ -113,10 +116,15 @@ class ModelRunner:
         for seq_id in plan.finished_seq_ids:
             self._seqs.pop(seq_id, None)
         for new in plan.new_seqs:
-            self._seqs[new.seq_id] = _SequenceState(new.sampling)
+            history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_rank0 else None
+            self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
+                                                    history=history)
         self._check_chunks(plan)
         for chunk in plan.scheduled:
-            self._seqs[chunk.seq_id].block_table.extend(chunk.new_block_ids)
+            state = self._seqs[chunk.seq_id]
+            state.block_table.extend(chunk.new_block_ids)
+            if state.history is not None:
+                extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_controls.py)
         self.last_logits = None
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id)
@@ -166,4 +174,5 @@ class ModelRunner:
             return ()
         logits = logits.float()  # (N, vocab) float32
         self.last_logits = logits
-        return tuple(sample_tensors(logits, inputs.sampling).tolist())  # the step's one device-to-host copy
+        sampling = with_logits_controls(inputs.sampling, chunks, states, self.ctx.device)  # same object if unused
+        return tuple(sample_tensors(logits, sampling).tolist())  # the step's one device-to-host copy

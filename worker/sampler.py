@@ -32,6 +32,10 @@ arithmetic wraps identically everywhere, so the noise itself is bit-identical
 on the CPU and on CUDA; whether the *tokens* are depends on the logits (see
 docs/design.md, "Precision and reproducibility").
 
+Before all this, rows that ask for them get vLLM's other controls (logit_bias,
+min_tokens, repetition / presence / frequency penalties, then min_p after the
+temperature; :mod:`worker.logits_controls`); a batch where no row does skips them.
+
 Entry points: :func:`sample` (per-row :class:`~tpserve.step.SamplingParams`) and
 :func:`sample_tensors` (prebuilt ``(N,)`` tensors, for a runner that keeps them
 on the device between steps).
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.step import SamplingParams
+from worker.logits_controls import LogitsControls, apply_logits_controls, apply_min_p
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (2**64 / golden ratio)
@@ -152,6 +157,8 @@ class SamplingTensors:
         all_greedy: host-side hint: every row is greedy (skip the noise).
         any_truncation: host-side hint: some row has ``top_k > 0`` or ``top_p < 1``
             (else skip the sort).
+        controls: logit_bias, min_tokens, penalties and min_p of the rows that use
+            them; None (nothing to do) when no row does.
     """
 
     temperature: torch.Tensor
@@ -161,6 +168,7 @@ class SamplingTensors:
     positions: torch.Tensor
     all_greedy: bool
     any_truncation: bool
+    controls: LogitsControls | None = None
 
     @classmethod
     def from_params(
@@ -191,12 +199,17 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         ``(N,) int64`` token ids, on ``logits.device``.
     """
     logits = logits.float()  # (N, V)
+    controls = sampling.controls
+    if controls is not None:
+        logits = apply_logits_controls(logits, controls)  # (N, V) bias, min_tokens, penalties: before any argmax
     greedy_tokens = logits.argmax(dim=-1)  # (N,)
     if sampling.all_greedy:
         return greedy_tokens
     is_sampled = sampling.temperature > 0  # (N,)
     temperature = torch.where(is_sampled, sampling.temperature, 1.0)  # (N,) no division by 0
     scaled = logits / temperature[:, None]  # (N, V)
+    if controls is not None and controls.min_p is not None:
+        scaled = apply_min_p(scaled, controls.min_p)  # (N, V)
     if sampling.any_truncation:
         scaled = apply_top_k_top_p(scaled, sampling.top_k, sampling.top_p)  # (N, V)
     probs = scaled.softmax(dim=-1)  # (N, V)

@@ -1,0 +1,64 @@
+"""Sampling controls end to end on stories260k at tensor-parallel degree 2, after a cached prefix.
+
+The reference is a greedy loop over Hugging Face ``transformers``' logits with its own
+processors applied in vLLM's order (SequenceBiasLogitsProcessor, then
+MinNewTokensLengthLogitsProcessor, then RepetitionPenaltyLogitsProcessor, then the
+argmax). The request shares two KV blocks with an earlier one, so the sampling rank
+learns the cached tokens from the plan, never from a chunk: the repetition penalty
+must count them all the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.cluster import serve
+from tests.paths import STORIES_DIR, load_goldens, requires_stories
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+EOS, MAX_TOKENS, MIN_TOKENS, PENALTY = 2, 40, 30, 1.3
+
+
+def reference(prompt: list[int], bias: dict[int, float]) -> list[int]:
+    from transformers import (
+        LlamaForCausalLM,
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    model = LlamaForCausalLM.from_pretrained(STORIES_DIR, torch_dtype=torch.float32).eval()
+    processors = [SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]),
+                  MinNewTokensLengthLogitsProcessor(len(prompt), MIN_TOKENS, EOS),
+                  RepetitionPenaltyLogitsProcessor(PENALTY)]
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            scores = model(ids).logits[:, -1].float()  # (1, V)
+            for processor in processors:
+                scores = processor(ids, scores)
+            token = int(scores.argmax())
+            out.append(token)
+            if token == EOS:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers() -> None:
+    golden = load_goldens()[0]
+    prefix = golden["prompt_token_ids"] + golden["completion_token_ids"][:35]  # 40 tokens: 2 full blocks of 16
+    prompt = prefix + [400, 428]
+    bias = {286: 3.0, 432: -100.0}
+    want = reference(prompt, bias)
+    with serve(STORIES_DIR, 2, "--enable-prefix-caching", "--block-size", "16") as cluster:
+        cluster.client.generate(prefix + [291], max_tokens=1, temperature=0)  # fills the cache
+        result = cluster.client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=PENALTY,
+                                         min_tokens=MIN_TOKENS, logit_bias=bias)
+    got = result.token_ids + ([EOS] if result.finish_reason == "stop" else [])
+    assert result.usage.cached_prompt_tokens == 32
+    assert got == want
+    assert len(want) > MIN_TOKENS and 432 not in want
