@@ -1,6 +1,6 @@
 """Faults found by trying public bug classes against a live server (issue 11), at tp 2.
 
-One server (the embedded model, tensor_parallel_size 2) serves every test here;
+One server (the embedded model, tensor_parallel_size 2, tests/e2e/conftest.py) serves every test here;
 each test states the fault it covers. Faults that stop or break the server
 (Ctrl-C, a stopped rank) have their own modules: test_shutdown_signals.py,
 test_rank_heartbeat.py.
@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.cluster import RunningCluster, child_pids, serve
+from tests.e2e.cluster import RunningCluster, child_pids
 from tpserve.client import build_request
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
@@ -28,10 +28,9 @@ GENERATE = "/tpserve.v1.Generation/Generate"
 GENERATE_STREAM = "/tpserve.v1.Generation/GenerateStream"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> RunningCluster:
-    with serve(None, 2) as running:
-        yield running
+@pytest.fixture
+def cluster(default_tp2: RunningCluster) -> RunningCluster:
+    return default_tp2  # tests/e2e/conftest.py: shared with test_fuzz_requests.py
 
 
 def _code(call) -> grpc.StatusCode:
