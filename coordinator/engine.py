@@ -27,6 +27,7 @@ import structlog
 from coordinator.block_allocator import num_blocks_for
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.errors import DeadlineExceededError, ResourceExhaustedError, TpserveError, UnavailableError
+from coordinator.logprobs import TokenLogprob, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
@@ -49,6 +50,7 @@ class RequestOutput:
         finish_reason: set on the request's last output.
         num_prompt_tokens, num_completion_tokens: usage so far, in tokens.
         num_cached_prompt_tokens: prompt tokens found in the prefix cache (not computed).
+        logprobs: one per entry of ``token_ids`` when the request asked for logprobs.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_prompt_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -215,9 +218,11 @@ class Engine:
                 state.first_token_time = now
                 self.metrics.time_to_first_token.observe(now - state.arrival_time)
             finish = out.finish_reason
-            text, token_ids, matched = "", [], False
+            text, token_ids, matched, logprobs = "", [], False, ()
             if not seq.stopped_on_token():
                 token_ids.append(out.token_id)
+                if out.logprobs is not None:
+                    logprobs = (token_logprob(self.tokenizer, out.token_id, out.logprobs),)
                 text, matched = state.stop_matcher.push(state.detokenizer.step(out.token_id))
                 if matched and finish is None:
                     self.scheduler.finish(seq, FinishReason.STOP)
@@ -232,7 +237,7 @@ class Engine:
                 self._observe_finished(state, now, finish)
             state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
                                                  seq.num_prompt_tokens, seq.num_output_tokens,
-                                                 seq.num_cached_prompt_tokens or 0))
+                                                 seq.num_cached_prompt_tokens or 0, logprobs))
 
     def _observe_finished(self, state: _RequestState, now: float, reason: FinishReason) -> None:
         seq = state.seq

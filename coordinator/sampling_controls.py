@@ -1,7 +1,7 @@
 """Validation of the sampling controls beyond temperature / top-k / top-p (vLLM's ranges).
 
 ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-``logit_bias`` and ``min_tokens`` of a public ``SamplingParams`` become the keyword
+``logit_bias``, ``min_tokens``, ``logprobs`` and ``top_logprobs`` of a public ``SamplingParams`` become the keyword
 arguments of :class:`tpserve.step.SamplingParams`; every violation raises
 :class:`~coordinator.errors.InvalidArgumentError` naming the field and its range.
 Protobuf floats can carry NaN and infinities: every range check is written so that
@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable
 
 from coordinator.errors import InvalidArgumentError
+from tpserve.step import MAX_TOP_LOGPROBS
 from tpserve.v1 import generate_pb2 as pb
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -66,8 +67,13 @@ def validate_sampling_controls(params: pb.SamplingParams, vocab_size: int, max_t
     if not 0 <= min_tokens <= max_tokens:
         raise InvalidArgumentError(
             f"sampling_params.min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    top_logprobs = params.top_logprobs if params.HasField("top_logprobs") else 0
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgumentError(f"sampling_params.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    if top_logprobs and not params.logprobs:
+        raise InvalidArgumentError("sampling_params.top_logprobs needs sampling_params.logprobs set to true")
     return dict(
-        min_p=min_p, repetition_penalty=repetition_penalty, **penalties,
+        logprobs=params.logprobs, top_logprobs=top_logprobs, min_p=min_p, repetition_penalty=repetition_penalty, **penalties,
         logit_bias=tuple(sorted(params.logit_bias.items())), min_tokens=min_tokens,
         min_tokens_stop_ids=tuple(sorted(set(stop_ids))) if min_tokens else (),
     )

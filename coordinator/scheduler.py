@@ -35,16 +35,17 @@ from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus, extend_block_hashes
-from tpserve.step import NewSequence, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)
 class TokenOutput:
-    """One sampled token for one sequence, and why the sequence stopped, if it did."""
+    """One sampled token for one sequence, why the sequence stopped (if it did), its logprobs (if asked)."""
 
     seq: Sequence
     token_id: int
     finish_reason: FinishReason | None
+    logprobs: SampleLogprobs | None = None
 
 
 class Scheduler:
@@ -192,8 +193,11 @@ class Scheduler:
         seqs = {seq.seq_id: seq for seq in self.running}
         outputs: list[TokenOutput] = []
         tokens = iter(result.sampled_token_ids)
+        logprobs = {lp.sample_index: lp for lp in result.logprobs}
+        sample_index = -1
         for chunk in plan.scheduled:
             token_id = next(tokens) if chunk.sample else None
+            sample_index += chunk.sample
             seq = seqs.get(chunk.seq_id)
             if seq is None:
                 continue  # finished, aborted or preempted after the plan was made
@@ -205,7 +209,7 @@ class Scheduler:
             reason = seq.append_token(token_id)
             if reason is not None:
                 self.finish(seq, reason)
-            outputs.append(TokenOutput(seq, token_id, reason))
+            outputs.append(TokenOutput(seq, token_id, reason, logprobs.get(sample_index)))
         return outputs
 
     # -- the prefix cache --------------------------------------------------------------

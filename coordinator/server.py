@@ -59,14 +59,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         text: list[str] = []
         token_ids: list[int] = []
         last: RequestOutput | None = None
+        logprobs: list[pb.TokenLogprob] = []
         async for output in self.engine.generate(params, context.time_remaining()):
             text.append(output.text)
             token_ids.extend(output.token_ids)
+            logprobs.extend(_logprobs(output))
             last = output
         assert last is not None  # the engine always ends with a finished output
         return pb.GenerateResponse(
             request_id=last.request_id, text="".join(text), token_ids=token_ids,
-            finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last))
+            finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last), logprobs=logprobs)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         params = await self._validate(request)
@@ -76,12 +78,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 continue  # text held back and no token to report: nothing to send
             yield pb.GenerateStreamResponse(
                 request_id=output.request_id, text=output.text, token_ids=output.token_ids,
-                finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None)
+                finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None,
+                logprobs=_logprobs(output))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         # While loading, the KV pool and the dtype are not known yet: UNAVAILABLE, as Generate.
         self._check_loaded()
         return self.model_info
+
+
+def _logprobs(output: RequestOutput) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, text=lp.text, top_logprobs=[
+        pb.TopLogprob(token_id=top.token_id, logprob=top.logprob, text=top.text) for top in lp.top_logprobs])
+        for lp in output.logprobs]
 
 
 def _usage(output: RequestOutput) -> pb.Usage:

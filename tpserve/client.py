@@ -54,13 +54,15 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
-    """A finished completion: text, token ids, "stop" | "length" | "abort", usage in tokens."""
+    """A finished completion: text, token ids, "stop" | "length" | "abort", usage in tokens, and
+    (when asked for) one ``TokenLogprob`` per token id."""
 
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str | None
     usage: Usage
+    logprobs: tuple[pb.TokenLogprob, ...] = ()
 
     def to_json_dict(self) -> dict:
         """The ``tpserve generate --json`` object."""
@@ -91,6 +93,8 @@ def build_request(
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int | None = None,
     include_stop_str_in_output: bool = False,
+    logprobs: bool = False,
+    top_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
@@ -98,11 +102,12 @@ def build_request(
     meanings and ranges: proto/tpserve/v1/generate.proto, ``SamplingParams``.
     """
     params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                               logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output)
+                               logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output,
+                               logprobs=logprobs)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
                         ("top_p", top_p), ("seed", seed), ("min_p", min_p), ("repetition_penalty", repetition_penalty),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                        ("min_tokens", min_tokens)):
+                        ("min_tokens", min_tokens), ("top_logprobs", top_logprobs)):
         if value is not None:
             setattr(params, name, value)
     request = pb.GenerateRequest(request_id=request_id, sampling_params=params)
@@ -124,7 +129,7 @@ def _result(response: pb.GenerateResponse) -> GenerateResult:
         request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
         finish_reason=FINISH_REASON_NAMES[response.finish_reason],
         usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
-                    response.usage.cached_prompt_tokens))
+                    response.usage.cached_prompt_tokens), logprobs=tuple(response.logprobs))
 
 
 def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 #: Unsigned 64-bit range of a sampling seed.
 SEED_MODULUS = 1 << 64
+#: Most ``top_logprobs`` a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,10 @@ class SamplingParams:
             cannot be sampled.
         min_tokens_stop_ids: the tokens that would end the sequence (eos unless
             ignored, and the stop token ids), filled in by the coordinator.
+        logprobs: return the sampled token's log-probability, from the model's raw
+            distribution (``log_softmax`` of the logits before any control).
+        top_logprobs: with ``logprobs``, also the ``top_logprobs`` most likely
+            tokens of that distribution, in [0, 20].
 
     Order on the worker (vLLM's): logit_bias and min_tokens, then the penalties
     (greedy rows take the argmax here), then temperature, min_p, top-k, top-p.
@@ -80,6 +86,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     min_tokens_stop_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -101,6 +109,9 @@ class SamplingParams:
             raise ValueError("logit_bias values must be finite")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] and needs logprobs, "
+                             f"got {self.top_logprobs} (logprobs={self.logprobs})")
 
     @property
     def uses_token_history(self) -> bool:
@@ -189,6 +200,23 @@ class StepPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class SampleLogprobs:
+    """Log-probabilities of one sampled token, for a sequence that asked for them.
+
+    Attributes:
+        sample_index: which of the step's samples (index into ``sampled_token_ids``).
+        logprob: the sampled token's log-probability under the raw distribution.
+        top_token_ids, top_logprobs: the ``top_logprobs`` most likely tokens and their
+            log-probabilities, most likely first.
+    """
+
+    sample_index: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """What rank 0 returns for a step.
 
@@ -196,7 +224,10 @@ class StepResult:
         step_id: the plan's ``step_id``.
         sampled_token_ids: one token per chunk with ``sample=True``, in plan order.
             Empty on ranks other than 0.
+        logprobs: for the samples whose sequence asked (``SamplingParams.logprobs``)
+            only, in sample order; empty otherwise.
     """
 
     step_id: int
     sampled_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: tuple[SampleLogprobs, ...] = ()

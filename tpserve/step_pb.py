@@ -6,7 +6,7 @@ model runner see only :mod:`tpserve.step`. No torch.
 
 from __future__ import annotations
 
-from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import NewSequence, SampleLogprobs, SamplingParams, ScheduledChunk, StepPlan, StepResult
 from tpserve.v1 import worker_pb2 as pb
 
 
@@ -73,7 +73,7 @@ def _sampling_to_pb(params: SamplingParams) -> pb.WorkerSamplingParams:
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
         min_p=params.min_p, repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-        min_tokens_stop_ids=params.min_tokens_stop_ids,
+        min_tokens_stop_ids=params.min_tokens_stop_ids, logprobs=params.logprobs, top_logprobs=params.top_logprobs,
     )
 
 
@@ -84,15 +84,20 @@ def _sampling_from_pb(msg: pb.WorkerSamplingParams) -> SamplingParams:
         temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed, min_p=msg.min_p,
         repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty, logit_bias=tuple(sorted(msg.logit_bias.items())),
-        min_tokens=msg.min_tokens, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids),
+        min_tokens=msg.min_tokens, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids), logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
     )
 
 
 def result_to_pb(result: StepResult) -> pb.StepResult:
     """Encodes a step result for the wire."""
-    return pb.StepResult(step_id=result.step_id, sampled_token_ids=result.sampled_token_ids)
+    return pb.StepResult(step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, logprobs=[
+        pb.SampleLogprobs(sample_index=lp.sample_index, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                          top_logprobs=lp.top_logprobs) for lp in result.logprobs])
 
 
 def result_from_pb(msg: pb.StepResult) -> StepResult:
     """Decodes a step result from the wire (``msg.error`` is the caller's to check)."""
-    return StepResult(step_id=msg.step_id, sampled_token_ids=tuple(msg.sampled_token_ids))
+    return StepResult(step_id=msg.step_id, sampled_token_ids=tuple(msg.sampled_token_ids), logprobs=tuple(
+        SampleLogprobs(lp.sample_index, lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
+        for lp in msg.logprobs))

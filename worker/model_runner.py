@@ -34,6 +34,7 @@ from tpserve.step import SamplingParams, StepPlan, StepResult
 from worker.kv_cache import KVCacheLayout
 from worker.loader import load_model
 from worker.logits_controls import extend_history, with_logits_controls
+from worker.logprobs import sample_logprobs
 from worker.parallel_state import ParallelContext
 from worker.sampler import sample_tensors
 from worker.step_inputs import build_step_inputs
@@ -126,11 +127,12 @@ class ModelRunner:
             if state.history is not None:
                 extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_controls.py)
         self.last_logits = None
+        self._logprobs = ()  # set by _run for the samples that ask (worker/logprobs.py)
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
             tokens = self._run(plan)
-        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens)
+        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=self._logprobs)
 
     def _check_chunks(self, plan: StepPlan) -> None:
         seen: set[int] = set()
@@ -175,4 +177,6 @@ class ModelRunner:
         logits = logits.float()  # (N, vocab) float32
         self.last_logits = logits
         sampling = with_logits_controls(inputs.sampling, chunks, states, self.ctx.device)  # same object if unused
-        return tuple(sample_tensors(logits, sampling).tolist())  # the step's one device-to-host copy
+        tokens = sample_tensors(logits, sampling)  # (N,)
+        self._logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample])
+        return tuple(tokens.tolist())  # the step's one device-to-host copy (two with logprobs)

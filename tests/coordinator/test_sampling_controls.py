@@ -71,6 +71,9 @@ def test_controls_reach_the_worker_parameters(tokenizer: Tokenizer) -> None:
     (dict(logit_bias={i: 1.0 for i in range(1025)}), r"logit_bias has 1025 entries; the limit is 1024"),
     (dict(min_tokens=-1), r"sampling_params.min_tokens must be in \[0, max_tokens=509\], got -1"),
     (dict(max_tokens=4, min_tokens=5), r"min_tokens must be in \[0, max_tokens=4\], got 5"),
+    (dict(logprobs=True, top_logprobs=21), r"sampling_params.top_logprobs must be in \[0, 20\], got 21"),
+    (dict(logprobs=True, top_logprobs=-1), r"top_logprobs must be in \[0, 20\], got -1"),
+    (dict(top_logprobs=3), r"top_logprobs needs sampling_params.logprobs set to true"),
 ])
 def test_out_of_range_controls_are_invalid_argument_naming_field_and_range(tokenizer: Tokenizer, fields: dict,
                                                                           message: str) -> None:

@@ -1,4 +1,4 @@
-"""Sampling controls end to end on stories260k at tensor-parallel degree 2, after a cached prefix.
+"""Sampling controls and logprobs end to end on stories260k at tensor-parallel degree 2, after a cached prefix.
 
 The reference is a greedy loop over Hugging Face ``transformers``' logits with its own
 processors applied in vLLM's order (SequenceBiasLogitsProcessor, then
@@ -19,6 +19,15 @@ from tests.paths import STORIES_DIR, load_goldens, requires_stories
 pytestmark = [pytest.mark.e2e, requires_stories]
 
 EOS, MAX_TOKENS, MIN_TOKENS, PENALTY = 2, 40, 30, 1.3
+
+
+def logits_of(ids: list[int]) -> torch.Tensor:
+    """``(L, V)`` float32 transformers logits of every position of ``ids``."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(STORIES_DIR, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
 
 
 def reference(prompt: list[int], bias: dict[int, float]) -> list[int]:
@@ -58,7 +67,17 @@ def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers(
         cluster.client.generate(prefix + [291], max_tokens=1, temperature=0)  # fills the cache
         result = cluster.client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=PENALTY,
                                          min_tokens=MIN_TOKENS, logit_bias=bias)
+        sampled = cluster.client.generate(prompt, max_tokens=8, temperature=0.8, seed=1, presence_penalty=1.0,
+                                          logprobs=True, top_logprobs=4)
     got = result.token_ids + ([EOS] if result.finish_reason == "stop" else [])
     assert result.usage.cached_prompt_tokens == 32
     assert got == want
     assert len(want) > MIN_TOKENS and 432 not in want
+    # Logprobs at tp 2: log_softmax of transformers' raw logits, whatever the temperature and penalty.
+    raw = torch.log_softmax(logits_of(prompt + sampled.token_ids)[len(prompt) - 1:-1], dim=-1)  # (8, V)
+    assert len(sampled.logprobs) == len(sampled.token_ids) == 8
+    for row, (token, lp) in enumerate(zip(sampled.token_ids, sampled.logprobs, strict=True)):
+        assert lp.token_id == token and lp.logprob == pytest.approx(float(raw[row, token]), abs=1e-4)
+        top = raw[row].topk(4)
+        assert [t.token_id for t in lp.top_logprobs] == top.indices.tolist()
+        assert [t.logprob for t in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)

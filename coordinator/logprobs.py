@@ -1,0 +1,41 @@
+"""Logprobs as the public API returns them: each token with its text, and the top alternatives.
+
+The worker computes the numbers (worker/logprobs.py: the model's raw distribution,
+before temperature, penalties and filters); the coordinator adds each token's text,
+decoded alone with special tokens kept (``"</s>"``), so a client can show the
+alternatives. A token that is part of a multi-byte character decodes to U+FFFD
+alone. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.tokenizer import Tokenizer
+from tpserve.step import SampleLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A returned token's log-probability and, most likely first, the top ``top_logprobs`` tokens."""
+
+    token_id: int
+    logprob: float
+    text: str
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+def token_logprob(tokenizer: Tokenizer, token_id: int, sample: SampleLogprobs) -> TokenLogprob:
+    """The public form of one sampled token's logprobs."""
+    def text(tid: int) -> str:
+        return tokenizer.decode([tid], skip_special_tokens=False)
+
+    top = tuple(TopLogprob(tid, lp, text(tid)) for tid, lp in zip(sample.top_token_ids, sample.top_logprobs, strict=True))
+    return TokenLogprob(token_id, sample.logprob, text(token_id), top)
