@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--min-p", type=float)
+    gen.add_argument("--repetition-penalty", type=float, help="> 1 discourages prompt and output tokens")
+    gen.add_argument("--presence-penalty", type=float, help="in [-2, 2], on output tokens")
+    gen.add_argument("--frequency-penalty", type=float, help="in [-2, 2], on output tokens, per occurrence")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="repeatable")
+    gen.add_argument("--min-tokens", type=int, help="no eos or stop token id before this many tokens")
+    gen.add_argument("--include-stop-str-in-output", action="store_true")
+    gen.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
+    gen.add_argument("--top-logprobs", type=int, help="with --logprobs: the N most likely tokens too (0..20)")
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--timeout", type=float, help="deadline in seconds")
@@ -158,27 +167,53 @@ def _generate(args: argparse.Namespace) -> int:
     from tpserve.client import FINISH_REASON_NAMES, Client, GenerateResult, Usage
 
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+                    seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                    min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
+                    include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
+                    top_logprobs=args.top_logprobs)
     with Client(args.target) as client:
         if not args.stream:
             result = client.generate(args.prompt, timeout_s=args.timeout, **sampling)
         else:
-            text, token_ids, last = [], [], None
+            text, token_ids, logprobs, last = [], [], [], None
             for chunk in client.generate_stream(args.prompt, timeout_s=args.timeout, **sampling):
                 if not args.json:
                     print(chunk.text, end="", flush=True)
                 text.append(chunk.text)
                 token_ids.extend(chunk.token_ids)
+                logprobs.extend(chunk.logprobs)
                 last = chunk
             result = GenerateResult(last.request_id, "".join(text), token_ids, FINISH_REASON_NAMES[last.finish_reason],
-                                    Usage(last.usage.prompt_tokens, last.usage.completion_tokens))
+                                    Usage(last.usage.prompt_tokens, last.usage.completion_tokens,
+                                          last.usage.cached_prompt_tokens), tuple(logprobs))
     if args.json:
-        print(json.dumps(result.to_json_dict(), ensure_ascii=False))
+        obj = result.to_json_dict()
+        if args.logprobs:
+            from google.protobuf.json_format import MessageToDict
+
+            obj["logprobs"] = [MessageToDict(lp, preserving_proto_field_name=True) for lp in result.logprobs]
+        print(json.dumps(obj, ensure_ascii=False))
     elif args.stream:
         print()
     else:
         print(result.text)
     return 0
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    """``["TOKEN_ID=BIAS", ...]`` as a dict (argparse exits with the message on a malformed pair)."""
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise SystemExit(f"tpserve generate: --logit-bias expects TOKEN_ID=BIAS, got {pair!r}") from None
+        if not sep:
+            raise SystemExit(f"tpserve generate: --logit-bias expects TOKEN_ID=BIAS, got {pair!r}")
+    return bias
 
 
 def _info(args: argparse.Namespace) -> int:
