@@ -29,6 +29,16 @@ flag before the data. x86-64's memory model (TSO) keeps stores in program order
 and loads in program order, which is what this relies on; the module refuses
 other architectures (they would need explicit fences, which Python cannot emit).
 
+Waiting: a rank polls the flags for a few hundred microseconds (a peer running
+on its own core arrives within that), then sleeps in the kernel on the late
+peer's flag word with ``futex(FUTEX_WAIT)``, and every rank wakes the sleepers
+of its own flag after publishing it (``FUTEX_WAKE``). Pure spinning is fast on
+idle cores but collapses when ranks outnumber free cores (a descheduled peer
+makes every waiter burn its time slice): each collective would then cost a
+scheduler round trip. The futex compares the flag inside the kernel, so a wake
+that races the sleep is never lost, and every sleep is bounded (``_SLEEP_S``) so
+the timeout and the liveness checks below still run.
+
 A peer that stops publishing makes the wait fail after ``timeout_s`` with a
 ``RuntimeError`` ("Timed out ..."), the same failure as gloo's collective
 timeout, so a lost rank fails the step instead of hanging it. A peer process
@@ -38,6 +48,7 @@ late peers' pids while it polls), as gloo's closed connection does.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -48,10 +59,24 @@ import torch
 
 #: Bytes between two ranks' flags: one cache line each.
 _FLAG_STRIDE = 64
-#: Polls of the flags before the waiting rank starts yielding its core.
-_SPIN_POLLS = 2000
-#: Polls between two looks at the clock (for the timeout).
-_CLOCK_EVERY = 256
+#: Polls of the flags before the waiting rank sleeps (a few hundred microseconds).
+_SPIN_POLLS = 300
+#: Longest single futex sleep, seconds: the timeout and liveness checks run between sleeps.
+_SLEEP_S = 0.02
+# Linux x86-64: syscall number of futex(2), its operations (shared, not PRIVATE: the
+# word lives in memory mapped by several processes), and the errno of a timed-out wait.
+_SYS_FUTEX = 202
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_WAKE_ALL = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def supported() -> bool:
@@ -117,6 +142,11 @@ class SharedMemoryComm:
         # Flags as Python-readable int64s (a memoryview index costs ~50 ns, a tensor .item() ~1 us).
         self._flags = memoryview(self._map)[: world_size * _FLAG_STRIDE].cast("q")
         self._flag_index = [r * _FLAG_STRIDE // 8 for r in range(world_size)]
+        # The low 32 bits of each flag (little-endian) are its futex word.
+        self._anchor = ctypes.c_char.from_buffer(self._map)  # keeps the mapping's address valid
+        base = ctypes.addressof(self._anchor)
+        self._futex_addr = [ctypes.c_void_p(base + r * _FLAG_STRIDE) for r in range(world_size)]
+        self._sleep = _Timespec(0, int(_SLEEP_S * 1e9))
         data = torch.frombuffer(self._map, dtype=torch.uint8, offset=world_size * _FLAG_STRIDE,
                                 count=2 * world_size * max_bytes)
         self._slots = data.view(2, world_size, max_bytes)  # (buffer, rank, bytes)
@@ -166,38 +196,40 @@ class SharedMemoryComm:
             views = self._views[key] = [buffer[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
         views[self.rank].view(x.shape).copy_(x)
         self._flags[self._flag_index[self.rank]] = seq  # after the data: TSO keeps the order
+        _libc.syscall(_SYS_FUTEX, self._futex_addr[self.rank], _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
         self._wait(seq)
         return views
 
     def _wait(self, seq: int) -> None:
         flags, index = self._flags, self._flag_index
-        polls = 0
-        deadline = None
-        while True:
+        for _ in range(_SPIN_POLLS):
             if all(flags[i] >= seq for i in index):
                 return
-            polls += 1
-            if polls < _SPIN_POLLS:
-                continue
-            # The peer may share our core (more ranks than cores): give it the CPU.
-            os.sched_yield()
-            if polls % _CLOCK_EVERY == 0:
-                late = [r for r, i in enumerate(index) if flags[i] < seq]
-                exited = [r for r in late if self.peer_pids and not _alive(self.peer_pids[r])]
-                if exited:
-                    raise RuntimeError(f"ranks {exited} exited during shared-memory collective {seq} (rank {self.rank})")
-                now = time.monotonic()
-                deadline = deadline or now + self.timeout_s
-                if now > deadline:
-                    raise RuntimeError(
-                        f"Timed out after {self.timeout_s:.1f} s waiting for ranks {late} in shared-memory "
-                        f"collective {seq} (rank {self.rank})")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            late = [r for r, i in enumerate(index) if flags[i] < seq]
+            if not late:
+                return
+            exited = [r for r in late if self.peer_pids and not _alive(self.peer_pids[r])]
+            if exited:
+                raise RuntimeError(f"ranks {exited} exited during shared-memory collective {seq} (rank {self.rank})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Timed out after {self.timeout_s:.1f} s waiting for ranks {late} in shared-memory "
+                    f"collective {seq} (rank {self.rank})")
+            # Sleep until the first late peer's flag word changes (returns at once if it already has).
+            r = late[0]
+            seen = flags[index[r]] & 0xFFFFFFFF
+            seen = seen - (1 << 32) if seen >= 1 << 31 else seen  # the word as a C int
+            _libc.syscall(_SYS_FUTEX, self._futex_addr[r], _FUTEX_WAIT, ctypes.c_int(seen),
+                          ctypes.byref(self._sleep), None, 0)
 
     def close(self) -> None:
         """Unmap the segment (tensors that view it must no longer be used)."""
         self._flags.release()
         self._slots = None  # type: ignore[assignment]
         self._views.clear()
+        self._anchor = None  # type: ignore[assignment]
         try:
             self._map.close()
         except BufferError:  # a tensor still views the map; the OS unmaps it at exit
