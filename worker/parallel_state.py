@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from worker.comm import shm_allreduce
 from worker.comm.shm_allreduce import SharedMemoryComm
+from worker.rendezvous import tcp_store
 
 #: Largest tensor (bytes) a same-host collective carries through shared memory:
 #: a 2048-token step of a 512-wide model, or the decode steps of any model up to
@@ -148,9 +149,11 @@ def init_distributed(
         torch.cuda.set_device(device)
     if world_size == 1:
         return ctx
+    # tcp://: rank 0's store listens on the rendezvous address only (worker/rendezvous.py).
+    store = tcp_store(init_method, rank, world_size, timeout_s)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
-        init_method=init_method,
+        **({"store": store} if store is not None else {"init_method": init_method}),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
