@@ -84,7 +84,7 @@ def _code(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK, ""
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(request=_message(pb.GenerateRequest), stream=st.booleans())
 def _fuzz_requests(cluster: RunningCluster, request: pb.GenerateRequest, stream: bool) -> None:
     stub = cluster.client.stub
@@ -95,7 +95,7 @@ def _fuzz_requests(cluster: RunningCluster, request: pb.GenerateRequest, stream:
     assert code in ALLOWED, (request, code, details)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(raw=st.binary(max_size=64))
 def _fuzz_bytes(cluster: RunningCluster, raw: bytes) -> None:
     call = cluster.client.channel.unary_unary("/tpserve.v1.Generation/Generate", request_serializer=None,
