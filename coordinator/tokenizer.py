@@ -23,6 +23,8 @@ from typing import Any
 
 import tokenizers
 
+from coordinator.chat import read_chat_template
+
 
 class Tokenizer:
     """Encodes prompts and decodes completions for one model.
@@ -62,6 +64,11 @@ class Tokenizer:
         if add_bos_token and bos_token_id is None:
             raise ValueError("add_bos_token is true but the tokenizer has no bos_token")
         self.add_bos_token: bool = add_bos_token
+        # Chat (coordinator/chat.py): the template source, and the strings it may use.
+        self.chat_template: str | None = None
+        self.special_tokens_map: dict[str, str] = {}
+        self.added_token_texts: frozenset[str] = frozenset(
+            tok.content for tok in backend.get_added_tokens_decoder().values())
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -108,8 +115,12 @@ class Tokenizer:
         if tokenizer_eos is not None:
             eos_ids.add(tokenizer_eos)
         add_bos = tok_cfg.get("add_bos_token")
-        return cls(backend, bos_token_id=bos_token_id, eos_token_ids=eos_ids,
-                   add_bos_token=add_bos if isinstance(add_bos, bool) else None)
+        tokenizer = cls(backend, bos_token_id=bos_token_id, eos_token_ids=eos_ids,
+                        add_bos_token=add_bos if isinstance(add_bos, bool) else None)
+        tokenizer.chat_template = read_chat_template(model_dir, tok_cfg)
+        tokenizer.special_tokens_map = {key: content for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+                                        if (content := _token_content(tok_cfg.get(key))) is not None}
+        return tokenizer
 
     def encode(self, text: str, parse_special_tokens: bool = False) -> list[int]:
         """Token ids of a prompt, starting with exactly one bos when ``add_bos_token``.
@@ -135,6 +146,18 @@ class Tokenizer:
             ids = [bos, *ids]
         if self.add_bos_token and len(ids) >= 2 and ids[0] == ids[1] == bos:
             ids = ids[1:]
+        return ids
+
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        """Token ids of consecutive texts, each with or without special-token parsing (a chat
+        prompt's template pieces and message contents), starting with exactly one bos when
+        ``add_bos_token``."""
+        ids: list[int] = []
+        for text, parse_special_tokens in pieces:
+            backend = self._backend if parse_special_tokens else self._literal
+            ids += backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

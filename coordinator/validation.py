@@ -11,6 +11,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from coordinator.chat import encode_chat
 from coordinator.errors import InvalidArgumentError
 from coordinator.sampling_controls import validate_sampling_controls
 from coordinator.tokenizer import Tokenizer
@@ -142,7 +143,13 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_s
                 f"prompt is {len(ids)} tokens; it must be shorter than max_model_len={max_model_len}")
         _check_token_ids("prompt token_ids", ids, vocab_size)
         return ids
-    raise InvalidArgumentError("prompt is missing: set text or token_ids")
+    if kind == "messages":
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if sum(len(m["content"]) for m in messages) * 4 > MAX_PROMPT_TEXT_BYTES and \
+                sum(len(m["content"].encode()) for m in messages) > MAX_PROMPT_TEXT_BYTES:
+            raise InvalidArgumentError(f"messages' contents are over {MAX_PROMPT_TEXT_BYTES} bytes of UTF-8")
+        return encode_chat(tokenizer, messages)  # coordinator/chat.py
+    raise InvalidArgumentError("prompt is missing: set text, token_ids or messages")
 
 
 def _check_token_ids(field: str, ids, vocab_size: int) -> None:

@@ -75,7 +75,7 @@ class GenerateResult:
 
 
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[Mapping[str, str]],
     *,
     request_id: str = "",
     max_tokens: int | None = None,
@@ -98,8 +98,9 @@ def build_request(
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
-    A ``str`` prompt is sent as text, a sequence of ints as token ids. The fields'
-    meanings and ranges: proto/tpserve/v1/generate.proto, ``SamplingParams``.
+    A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
+    ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
+    model's chat template). The fields' meanings and ranges: proto/tpserve/v1/generate.proto.
     """
     params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output,
@@ -113,6 +114,8 @@ def build_request(
     request = pb.GenerateRequest(request_id=request_id, sampling_params=params)
     if isinstance(prompt, str):
         request.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         request.token_ids.SetInParent()  # an empty list is still a (bad) token-id prompt
         request.token_ids.ids.extend(prompt)
