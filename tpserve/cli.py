@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,11 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--metrics-port", dict(type=int, help="Prometheus /metrics port (default: off)")),
         ("--worker-start-timeout-seconds", dict(type=float)),
         ("--step-timeout-seconds", dict(type=float)),
+        ("--ssl-certfile", dict(help="PEM certificate chain: serve the public port over TLS")),
+        ("--ssl-keyfile", dict(help="PEM private key of --ssl-certfile")),
+        ("--ssl-ca-certs", dict(help="PEM CA bundle: require client certificates signed by it (mutual TLS)")),
+        ("--api-key", dict(help="require 'authorization: Bearer KEY' on Generation calls (health stays open)")),
+        ("--api-key-file", dict(help="file of accepted API keys, one per line")),
     ],
 }
 
@@ -106,9 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--timeout", type=float, help="deadline in seconds")
     gen.add_argument("prompt")
+    _add_credential_flags(gen)
 
     info = commands.add_parser("info", help="print the served model's description as JSON")
     info.add_argument("--target", default="127.0.0.1:50051")
+    _add_credential_flags(info)
     bench_cli.add_parser(commands)  # `tpserve bench`: flags in tpserve/bench/cli.py
     return parser
 
@@ -163,6 +171,23 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def _add_credential_flags(parser: argparse.ArgumentParser) -> None:
+    """The client side of the server's --ssl-* and --api-key flags."""
+    group = parser.add_argument_group("credentials")
+    group.add_argument("--ssl-ca-certs", help="PEM CA bundle that signed the server's certificate (TLS)")
+    group.add_argument("--ssl-certfile", help="PEM client certificate (mutual TLS)")
+    group.add_argument("--ssl-keyfile", help="PEM key of --ssl-certfile")
+    group.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
+                       help="bearer key for a server started with --api-key (default: $TPSERVE_API_KEY)")
+
+
+def _credentials(args: argparse.Namespace):
+    from tpserve.client import Credentials
+
+    return Credentials(ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                       api_key=args.api_key)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tpserve.client import FINISH_REASON_NAMES, Client, GenerateResult, Usage
 
@@ -173,7 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
                     logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
                     include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
                     top_logprobs=args.top_logprobs)
-    with Client(args.target) as client:
+    with Client(args.target, credentials=_credentials(args)) as client:
         if not args.stream:
             result = client.generate(args.prompt, timeout_s=args.timeout, **sampling)
         else:
@@ -221,7 +246,7 @@ def _info(args: argparse.Namespace) -> int:
 
     from tpserve.client import Client
 
-    with Client(args.target) as client:
+    with Client(args.target, credentials=_credentials(args)) as client:
         print(json.dumps(MessageToDict(client.model_info(), preserving_proto_field_name=True), indent=2))
     return 0
 

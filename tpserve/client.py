@@ -27,6 +27,7 @@ import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import grpc
@@ -127,6 +128,45 @@ def channel_options(load_balancing_policy: LoadBalancingPolicy = "round_robin") 
     return [("grpc.service_config", json.dumps({"loadBalancingConfig": [{load_balancing_policy: {}}]}))]
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """How a client proves itself to a server started with TLS, mutual TLS or API keys.
+
+    Attributes:
+        ssl_ca_certs: PEM CA bundle that signed the server's certificate; setting any
+            ``ssl_*`` field makes the channel TLS (None here: the system's roots).
+        ssl_certfile, ssl_keyfile: PEM client certificate and key (mutual TLS).
+        api_key: sent as ``authorization: Bearer <api_key>`` on every Generation call.
+    """
+
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    api_key: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return any((self.ssl_ca_certs, self.ssl_certfile, self.ssl_keyfile))
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS credentials from the PEM files.
+
+        Raises:
+            OSError: a file cannot be read.
+        """
+        def read(path: str | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ssl_ca_certs),
+                                            private_key=read(self.ssl_keyfile),
+                                            certificate_chain=read(self.ssl_certfile))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the bearer key, if any."""
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+
 def _result(response: pb.GenerateResponse) -> GenerateResult:
     return GenerateResult(
         request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
@@ -146,10 +186,18 @@ class Client:
         target: ``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ...
         load_balancing_policy: ``round_robin`` spreads requests over every address of
             the target; ``pick_first`` sends them all to one.
+        credentials: TLS files and API key for a server that requires them.
+
+    Raises:
+        OSError: a TLS file cannot be read.
     """
 
-    def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin") -> None:
-        self.channel = grpc.insecure_channel(target, options=channel_options(load_balancing_policy))
+    def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
+                 credentials: Credentials = Credentials()) -> None:
+        options = channel_options(load_balancing_policy)
+        self.channel = (grpc.secure_channel(target, credentials.channel_credentials(), options=options)
+                        if credentials.tls else grpc.insecure_channel(target, options=options))
+        self._metadata = credentials.metadata
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -180,16 +228,16 @@ class Client:
             time.sleep(poll_s)
 
     def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
     def generate(self, prompt: str | Sequence[int], timeout_s: float | None = None, **sampling) -> GenerateResult:
         """Unary Generate; ``sampling`` takes the keyword arguments of :func:`build_request`."""
-        return _result(self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s))
+        return _result(self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s, metadata=self._metadata))
 
     def generate_stream(self, prompt: str | Sequence[int], timeout_s: float | None = None,
                         **sampling) -> Iterator[pb.GenerateStreamResponse]:
         """Server-streaming GenerateStream; the iterator's ``cancel()`` cancels the RPC."""
-        return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s)
+        return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s, metadata=self._metadata)
 
 
 class AsyncClient:
@@ -198,8 +246,12 @@ class AsyncClient:
     Create it inside a running event loop (``async with AsyncClient(target) as client``).
     """
 
-    def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin") -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options(load_balancing_policy))
+    def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
+                 credentials: Credentials = Credentials()) -> None:
+        options = channel_options(load_balancing_policy)
+        self.channel = (grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
+                        if credentials.tls else grpc.aio.insecure_channel(target, options=options))
+        self._metadata = credentials.metadata
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -230,14 +282,15 @@ class AsyncClient:
             await asyncio.sleep(poll_s)
 
     async def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
     async def generate(self, prompt: str | Sequence[int], timeout_s: float | None = None, **sampling) -> GenerateResult:
         """Unary Generate; ``sampling`` takes the keyword arguments of :func:`build_request`."""
-        return _result(await self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s))
+        return _result(await self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s,
+                                                metadata=self._metadata))
 
     def generate_stream(self, prompt: str | Sequence[int], timeout_s: float | None = None,
                         **sampling) -> grpc.aio.UnaryStreamCall:
         """Server-streaming GenerateStream: ``async for chunk in ...``; ``cancel()`` cancels the RPC
         (so does cancelling the task that iterates it), and the server frees the request's KV blocks."""
-        return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s)
+        return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s, metadata=self._metadata)

@@ -36,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from coordinator.auth import ApiKeyInterceptor, read_api_keys, server_credentials
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
@@ -143,7 +144,16 @@ class Cluster:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.stop)
         server = self._build_server()
-        self.port = server.add_insecure_port(f"{self.config.server.host}:{self.config.server.port}")
+        cfg_server = self.config.server
+        address = f"{cfg_server.host}:{cfg_server.port}"
+        if cfg_server.ssl_certfile:
+            try:
+                credentials = server_credentials(cfg_server.ssl_certfile, cfg_server.ssl_keyfile, cfg_server.ssl_ca_certs)
+            except OSError as exc:
+                raise StartupError(f"cannot read the TLS files: {exc}") from exc
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise StartupError(f"cannot bind {self.config.server.host}:{self.config.server.port}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -188,7 +198,14 @@ class Cluster:
         return self.config.parallel.tensor_parallel_size
 
     def _build_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=_PUBLIC_SERVER_OPTIONS)
+        cfg = self.config.server
+        try:
+            keys = read_api_keys(cfg.api_key, cfg.api_key_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"cannot read the API keys: {exc}") from exc
+        # The key check runs first: an unauthenticated call never reaches validation.
+        interceptors = ([ApiKeyInterceptor(keys)] if keys else []) + [ErrorInterceptor()]
+        server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
         self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0))
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

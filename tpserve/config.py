@@ -132,6 +132,12 @@ class ServerConfig(_Frozen):
         metrics_port: Prometheus /metrics HTTP port; None disables it.
         worker_start_timeout_seconds: how long every rank may take to load its shard.
         step_timeout_seconds: how long the coordinator waits for one step's results.
+        ssl_certfile, ssl_keyfile: PEM certificate chain and key: the public port
+            speaks TLS (both or neither).
+        ssl_ca_certs: PEM CA bundle: clients must present a certificate it signed
+            (mutual TLS).
+        api_key, api_key_file: accepted bearer keys (the file: one per line);
+            Generation calls without one get UNAUTHENTICATED (coordinator/auth.py).
     """
 
     host: str = "0.0.0.0"
@@ -139,6 +145,19 @@ class ServerConfig(_Frozen):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     worker_start_timeout_seconds: float = Field(600.0, gt=0)
     step_timeout_seconds: float = Field(120.0, gt=0)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    api_key: str | None = None
+    api_key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServerConfig:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-ca-certs (mutual TLS) needs --ssl-certfile and --ssl-keyfile")
+        return self
 
 
 class ClusterConfig(_Frozen):

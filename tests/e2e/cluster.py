@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpserve.client import Client
+from tpserve.client import Client, Credentials
 
 START_TIMEOUT_S = 180.0
 
@@ -65,11 +65,14 @@ class RunningCluster:
 
 @contextmanager
 def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
-          omp_threads: int | None = 1, new_session: bool = False) -> Iterator[RunningCluster]:
+          omp_threads: int | None = 1, new_session: bool = False,
+          credentials: Credentials | None = None) -> Iterator[RunningCluster]:
     """Runs ``tpserve serve`` until the block exits, then SIGTERMs it and checks nothing is left.
 
     ``omp_threads``: OMP_NUM_THREADS of every rank (1 for tests); None leaves the
     server's own rule (the host's cores split among the ranks), as benchmarks want.
+    ``credentials``: what the readiness client (and ``RunningCluster.client``) sends,
+    for a server started with TLS or API-key flags.
     ``new_session``: start it in a session (and process group) of its own, whose id is
     its pid, so that a test can signal the whole group as a terminal or a container
     runtime does.
@@ -87,7 +90,7 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
     else:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     process = subprocess.Popen(cmd, env=env, start_new_session=new_session)
-    client = Client(f"127.0.0.1:{port}")
+    client = Client(f"127.0.0.1:{port}", credentials=credentials or Credentials())
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

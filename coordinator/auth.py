@@ -1,0 +1,113 @@
+"""Who may call the public API: TLS / mutual TLS credentials and bearer API keys.
+
+* TLS (``--ssl-certfile``, ``--ssl-keyfile``): the server proves its identity and the
+  channel is encrypted. Mutual TLS (``--ssl-ca-certs``): a client must also present
+  a certificate signed by that CA, or its handshake fails (the client sees
+  UNAVAILABLE, the request never reaches a handler).
+* API keys (``--api-key``, ``--api-key-file``): every call of the Generation service
+  carries ``authorization: Bearer <key>`` metadata, or is refused with
+  UNAUTHENTICATED. The health service and server reflection stay open, so that
+  Kubernetes probes (which carry no token) keep working; they reveal nothing
+  about requests. Keys are compared in constant time (``hmac.compare_digest``)
+  and never logged.
+
+Key and certificate files are read once at start-up. No torch.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import grpc
+import structlog
+
+log = structlog.get_logger(__name__)
+
+#: The methods that need a key: everything of the tpserve Generation service.
+_PROTECTED_PREFIX = "/tpserve.v1.Generation/"
+
+
+def read_api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:
+    """The accepted keys: ``api_key`` and one per non-empty line of ``api_key_file`` (``#`` comments).
+
+    Raises:
+        ValueError: a key is empty or contains whitespace, or the file has no key.
+        OSError: the file cannot be read.
+    """
+    keys = [api_key] if api_key is not None else []
+    if api_key_file is not None:
+        lines = Path(api_key_file).read_text().splitlines()
+        file_keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not file_keys:
+            raise ValueError(f"--api-key-file {api_key_file} holds no key")
+        keys += file_keys
+    for key in keys:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError("an API key must be non-empty and contain no whitespace")
+    return keys
+
+
+def server_credentials(certfile: str, keyfile: str, ca_certs: str | None) -> grpc.ServerCredentials:
+    """TLS credentials of the public port; with ``ca_certs``, client certificates are required.
+
+    Args:
+        certfile: PEM certificate chain of the server.
+        keyfile: PEM private key of that certificate.
+        ca_certs: PEM bundle of the CAs whose client certificates are accepted (mutual TLS).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    chain = Path(certfile).read_bytes()
+    key = Path(keyfile).read_bytes()
+    roots = Path(ca_certs).read_bytes() if ca_certs else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=roots, require_client_auth=roots is not None)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses Generation calls without ``authorization: Bearer <one of keys>`` with UNAUTHENTICATED.
+
+    Args:
+        keys: the accepted keys (at least one).
+    """
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        if not keys:
+            raise ValueError("ApiKeyInterceptor needs at least one key")
+        self._keys = [f"Bearer {k}".encode() for k in keys]
+
+    def _authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        for name, value in metadata or ():
+            if name == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                # Compare with every key, without stopping early: the time taken says nothing.
+                return sum(hmac.compare_digest(given, k) for k in self._keys) > 0
+        return False
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(_PROTECTED_PREFIX):
+            return handler
+        if self._authorized(handler_call_details.invocation_metadata):
+            return handler
+        log.warning("unauthenticated call refused", method=method)
+        message = "missing or invalid API key: send metadata 'authorization: Bearer <key>'"
+
+        async def deny(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - makes this an async generator, as the stream handler must be
+
+        serializers = dict(request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **serializers)
+        return grpc.unary_unary_rpc_method_handler(deny, **serializers)

@@ -1,0 +1,156 @@
+"""The public port under mutual TLS and API keys, with certificates made in the test (``cryptography``).
+
+One server (the embedded model, tp 1) requires a client certificate signed by the
+test CA and an API key. Refused: a plaintext client, a TLS client without a
+client certificate, a client with a certificate from another CA (all three fail
+the handshake: UNAVAILABLE), and a client without the key or with a wrong one
+(UNAUTHENTICATED). The health service answers without a key, for probes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.e2e.cluster import serve
+from tpserve.client import AsyncClient, Client, Credentials
+
+pytestmark = pytest.mark.e2e
+
+API_KEY = "tpserve-test-key-0123456789"
+
+
+def _write_cert(directory: Path, name: str, common_name: str, issuer: tuple | None, *, ca: bool) -> tuple:
+    """A key and certificate (self-signed when ``issuer`` is None), written as NAME.key / NAME.pem."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    issuer_name, issuer_key = (subject, key) if issuer is None else (issuer[1].subject, issuer[0])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    cert = builder.sign(issuer_key, hashes.SHA256())
+    (directory / f"{name}.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (directory / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key, cert
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    ca = _write_cert(d, "ca", "tpserve test CA", None, ca=True)
+    _write_cert(d, "server", "tpserve server", ca, ca=False)
+    _write_cert(d, "client", "tpserve client", ca, ca=False)
+    other_ca = _write_cert(d, "other-ca", "some other CA", None, ca=True)
+    _write_cert(d, "stranger", "stranger", other_ca, ca=False)
+    return d
+
+
+def _creds(pki: Path, *, client: str | None = "client", api_key: str | None = API_KEY) -> Credentials:
+    return Credentials(ssl_ca_certs=str(pki / "ca.pem"),
+                       ssl_certfile=None if client is None else str(pki / f"{client}.pem"),
+                       ssl_keyfile=None if client is None else str(pki / f"{client}.key"), api_key=api_key)
+
+
+@pytest.fixture(scope="module")
+def secured(pki: Path):
+    flags = ("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key"),
+             "--ssl-ca-certs", str(pki / "ca.pem"), "--api-key", API_KEY)
+    with serve(None, 1, *flags, credentials=_creds(pki)) as cluster:
+        yield cluster
+
+
+def _code(target: str, credentials: Credentials) -> grpc.StatusCode:
+    with Client(target, credentials=credentials) as client:
+        try:
+            client.generate("Once upon a time", max_tokens=4, temperature=0, timeout_s=20)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_the_right_certificate_and_key_are_served(secured) -> None:
+    result = secured.client.generate("Once upon a time", max_tokens=8, temperature=0)
+    assert result.usage.completion_tokens == 8 and result.text
+
+
+def test_callers_without_the_right_credentials_are_refused(secured, pki: Path) -> None:
+    target = secured.target
+    assert _code(target, Credentials(api_key=API_KEY)) == grpc.StatusCode.UNAVAILABLE  # plaintext
+    assert _code(target, _creds(pki, client=None)) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+    assert _code(target, _creds(pki, client="stranger")) == grpc.StatusCode.UNAVAILABLE  # another CA's
+    assert _code(target, _creds(pki, api_key=None)) == grpc.StatusCode.UNAUTHENTICATED
+    assert _code(target, _creds(pki, api_key="wrong-key")) == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info, Client(target, credentials=_creds(pki, api_key=None)) as client:
+        list(client.generate_stream("Once upon a time", max_tokens=4))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization: Bearer" in info.value.details()
+
+
+def test_health_answers_probes_without_a_key(secured, pki: Path) -> None:
+    creds = _creds(pki, api_key=None)
+    channel = grpc.secure_channel(secured.target, creds.channel_credentials())
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    finally:
+        channel.close()
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_async_client_and_cli_take_the_credentials(secured, pki: Path) -> None:
+    import asyncio
+
+    async def run() -> str:
+        async with AsyncClient(secured.target, credentials=_creds(pki)) as client:
+            return "".join([c.text async for c in client.generate_stream("Once upon a time", max_tokens=6,
+                                                                          temperature=0)])
+
+    streamed = asyncio.run(run())
+    expected = secured.client.generate("Once upon a time", max_tokens=6, temperature=0).text
+    assert streamed == expected
+    cli = [sys.executable, "-m", "tpserve.cli", "generate", "--target", secured.target, "--max-tokens", "6",
+           "--temperature", "0", "--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-certfile", str(pki / "client.pem"),
+           "--ssl-keyfile", str(pki / "client.key")]
+    env = {k: v for k, v in os.environ.items() if k != "TPSERVE_API_KEY"}
+    ok = subprocess.run([*cli, "Once upon a time"], capture_output=True, text=True, timeout=60,
+                        env={**env, "TPSERVE_API_KEY": API_KEY})
+    assert ok.returncode == 0 and ok.stdout.rstrip("\n") == expected, ok.stderr
+    refused = subprocess.run([*cli, "Once upon a time"], capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode == 1 and refused.stderr.startswith("UNAUTHENTICATED"), refused.stderr
+
+
+def test_bad_security_flags_are_refused_at_start_up(tmp_path: Path) -> None:
+    from tpserve.config import ClusterConfig
+
+    with pytest.raises(ValueError, match="go together"):
+        ClusterConfig.load_from(overrides={"server": {"ssl_certfile": "a.pem"}})
+    with pytest.raises(ValueError, match="needs --ssl-certfile"):
+        ClusterConfig.load_from(overrides={"server": {"ssl_ca_certs": "ca.pem"}})
+    from coordinator.auth import read_api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nalpha\n\n beta \n")
+    assert read_api_keys("gamma", str(keys)) == ["gamma", "alpha", "beta"]
+    keys.write_text("# none\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        read_api_keys(None, str(keys))
+    with pytest.raises(ValueError, match="whitespace"):
+        read_api_keys("two words", None)
