@@ -67,7 +67,7 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerServicer, FakeCuda, l
 
     monkeypatch.setattr("worker.model_runner.ModelRunner", make_runner)
     monkeypatch.setattr("worker.parallel_state.init_distributed",
-                        lambda rank, world_size, init_method, device, timeout: ParallelContext(rank, world_size, device))
+                        lambda rank, world_size, init_method, device, timeout, **_: ParallelContext(rank, world_size, device))
     monkeypatch.setattr("worker.nccl_env.configure_nccl_env", lambda: {})
     options = WorkerOptions(
         model_dir=str(default_model_dir()), rank=1, world_size=2, init_method="tcp://127.0.0.1:1", device="cuda",
