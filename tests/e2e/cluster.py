@@ -66,13 +66,14 @@ class RunningCluster:
 @contextmanager
 def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
           omp_threads: int | None = 1, new_session: bool = False,
-          credentials: Credentials | None = None) -> Iterator[RunningCluster]:
+          credentials: Credentials | None = None, log_path: Path | None = None) -> Iterator[RunningCluster]:
     """Runs ``tpserve serve`` until the block exits, then SIGTERMs it and checks nothing is left.
 
     ``omp_threads``: OMP_NUM_THREADS of every rank (1 for tests); None leaves the
     server's own rule (the host's cores split among the ranks), as benchmarks want.
     ``credentials``: what the readiness client (and ``RunningCluster.client``) sends,
     for a server started with TLS or API-key flags.
+    ``log_path``: write the server's (and its ranks') stdout and stderr there.
     ``new_session``: start it in a session (and process group) of its own, whose id is
     its pid, so that a test can signal the whole group as a terminal or a container
     runtime does.
@@ -89,7 +90,9 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
         env.pop("OMP_NUM_THREADS", None)
     else:
         env["OMP_NUM_THREADS"] = str(omp_threads)
-    process = subprocess.Popen(cmd, env=env, start_new_session=new_session)
+    log_file = None if log_path is None else open(log_path, "wb")  # noqa: SIM115 - closed in finally
+    process = subprocess.Popen(cmd, env=env, start_new_session=new_session, stdout=log_file,
+                               stderr=None if log_file is None else subprocess.STDOUT)
     client = Client(f"127.0.0.1:{port}", credentials=credentials or Credentials())
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -116,4 +119,6 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
         while any(pid_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = [pid for pid in workers if pid_alive(pid)]
+        if log_file is not None:
+            log_file.close()
         assert not left, f"worker processes {left} outlived tpserve serve"

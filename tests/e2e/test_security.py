@@ -1,4 +1,5 @@
-"""The public port under mutual TLS and API keys, with certificates made in the test (``cryptography``).
+"""The public port under mutual TLS and API keys, with certificates made in the test (``cryptography``),
+and logs that never carry what users send or receive.
 
 One server (the embedded model, tp 1) requires a client certificate signed by the
 test CA and an API key. Refused: a plaintext client, a TLS client without a
@@ -154,3 +155,28 @@ def test_bad_security_flags_are_refused_at_start_up(tmp_path: Path) -> None:
         read_api_keys(None, str(keys))
     with pytest.raises(ValueError, match="whitespace"):
         read_api_keys("two words", None)
+
+
+CANARY = "zebra-canary-7f3a"
+
+
+def test_no_prompt_or_generated_text_in_the_logs(tmp_path: Path) -> None:
+    """A planted string in prompts, stop strings and bad requests never reaches the log (JSON, default level)."""
+    log_path = tmp_path / "server.log"
+    with serve(None, 2, "--log-format", "json", log_path=log_path) as cluster:
+        client = cluster.client
+        prompt = f"Once upon a time {CANARY}"
+        result = client.generate(prompt, max_tokens=12, temperature=0, stop=[CANARY])
+        generated = result.text.strip()
+        stream = client.generate_stream(prompt, max_tokens=64, temperature=0.9, seed=3)
+        next(stream)
+        stream.cancel()  # an aborted request is logged (by id)
+        for bad in (dict(max_tokens=-1), dict(temperature=float("nan")), dict(stop=[CANARY * 200])):
+            with pytest.raises(grpc.RpcError):
+                client.generate(prompt, **bad)
+        with pytest.raises(grpc.RpcError):
+            client.generate([10**9, 5], max_tokens=4)  # token ids out of range
+    log = log_path.read_text(errors="replace")
+    assert "request aborted" in log  # the log was captured
+    assert CANARY not in log
+    assert len(generated) < 8 or generated not in log  # the completion's text
