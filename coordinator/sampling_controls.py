@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable
 
 from coordinator.errors import InvalidArgumentError
+from coordinator.structured_output import grammar_for
 from tpserve.step import MAX_TOP_LOGPROBS
 from tpserve.v1 import generate_pb2 as pb
 
@@ -72,8 +73,9 @@ def validate_sampling_controls(params: pb.SamplingParams, vocab_size: int, max_t
         raise InvalidArgumentError(f"sampling_params.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     if top_logprobs and not params.logprobs:
         raise InvalidArgumentError("sampling_params.top_logprobs needs sampling_params.logprobs set to true")
+    grammar = grammar_for(params.response_format) if params.HasField("response_format") else ""
     return dict(
-        logprobs=params.logprobs, top_logprobs=top_logprobs, min_p=min_p, repetition_penalty=repetition_penalty, **penalties,
+        grammar=grammar, logprobs=params.logprobs, top_logprobs=top_logprobs, min_p=min_p, repetition_penalty=repetition_penalty, **penalties,
         logit_bias=tuple(sorted(params.logit_bias.items())), min_tokens=min_tokens,
         min_tokens_stop_ids=tuple(sorted(set(stop_ids))) if min_tokens else (),
     )

@@ -67,6 +67,8 @@ class SamplingParams:
             distribution (``log_softmax`` of the logits before any control).
         top_logprobs: with ``logprobs``, also the ``top_logprobs`` most likely
             tokens of that distribution, in [0, 20].
+        grammar: an llguidance grammar (JSON text) the output must follow, or "";
+            built and validated by the coordinator from the request's response_format.
 
     Order on the worker (vLLM's): logit_bias and min_tokens, then the penalties
     (greedy rows take the argmax here), then temperature, min_p, top-k, top-p.
@@ -88,6 +90,7 @@ class SamplingParams:
     min_tokens_stop_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -114,9 +117,14 @@ class SamplingParams:
                              f"got {self.top_logprobs} (logprobs={self.logprobs})")
 
     @property
-    def uses_token_history(self) -> bool:
-        """True when sampling depends on the sequence's earlier tokens (a penalty is on)."""
+    def uses_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty is on."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def uses_token_history(self) -> bool:
+        """True when sampling depends on the sequence's earlier tokens (a penalty or a grammar)."""
+        return self.uses_penalties or bool(self.grammar)
 
     @property
     def uses_logits_controls(self) -> bool:

@@ -2,6 +2,7 @@
 
 Order, as vLLM's v1 sampler applies them to a row of float32 logits:
 
+0. a structured-output grammar's mask (worker/grammar.py): disallowed tokens ``-inf``;
 1. ``logit_bias``: ``logits[v] += bias[v]``;
 2. ``min_tokens``: while fewer than ``min_tokens`` tokens are generated, the stop
    tokens (eos unless ignored, stop token ids) get ``-inf``;
@@ -31,9 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tpserve.step import SamplingParams, ScheduledChunk
+from worker.grammar import GrammarCache, GrammarState
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class LogitsControls:
         output_rows, output_ids, output_counts: ``(O,)`` each row's distinct output
             tokens and how often each occurs (float32).
         min_p: ``(N,) float32``; None when no row uses it.
+        grammar_rows, grammar_allowed: ``(G,) int64`` rows with a grammar and their
+            ``(G, V) bool`` allowed tokens; None when no row has one.
     """
 
     bias_rows: torch.Tensor | None = None
@@ -70,12 +75,15 @@ class LogitsControls:
     output_ids: torch.Tensor | None = None
     output_counts: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
+    grammar_allowed: torch.Tensor | None = None
 
 
 class _SeqState(Protocol):
     sampling: SamplingParams
     num_prompt_tokens: int
     history: list[int] | None
+    grammar_state: GrammarState | None
 
 
 def extend_history(history: list[int], chunk: ScheduledChunk) -> None:
@@ -92,7 +100,8 @@ def extend_history(history: list[int], chunk: ScheduledChunk) -> None:
 
 def build_logits_controls(params: Sequence[SamplingParams], num_prompt_tokens: Sequence[int],
                           positions: Sequence[int], histories: Sequence[Sequence[int] | None],
-                          device: torch.device | str) -> LogitsControls | None:
+                          device: torch.device | str,
+                          grammar_masks: Sequence[tuple[int, np.ndarray]] = ()) -> LogitsControls | None:
     """The controls of ``N`` sampled rows, or None when no row uses any.
 
     Args:
@@ -102,6 +111,7 @@ def build_logits_controls(params: Sequence[SamplingParams], num_prompt_tokens: S
         histories: each row's tokens at positions ``0 .. positions[i] - 1`` (required
             for rows with a penalty; None otherwise).
         device: the logits' device.
+        grammar_masks: ``(row, (V,) bool allowed tokens)`` of the rows with a grammar.
     """
     if not any(p.uses_logits_controls for p in params):
         return None
@@ -116,11 +126,11 @@ def build_logits_controls(params: Sequence[SamplingParams], num_prompt_tokens: S
     if bans:
         rows, ids = zip(*bans)
         fields.update(ban_rows=_ints(rows, device), ban_ids=_ints(ids, device))
-    if any(p.uses_token_history for p in params):
+    if any(p.uses_penalties for p in params):
         seen: list[tuple[int, int]] = []
         counted: list[tuple[int, int, int]] = []
         for row, (p, n, pos, history) in enumerate(zip(params, num_prompt_tokens, positions, histories, strict=True)):
-            if not p.uses_token_history:
+            if not p.uses_penalties:
                 continue
             if history is None or len(history) < pos:
                 raise ValueError(f"row {row} uses a penalty but {0 if history is None else len(history)} of its "
@@ -139,24 +149,35 @@ def build_logits_controls(params: Sequence[SamplingParams], num_prompt_tokens: S
             output_counts=torch.tensor(o_counts, dtype=torch.float32, device=device))
     if any(p.min_p > 0.0 for p in params):
         fields["min_p"] = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    if grammar_masks:
+        rows, masks = zip(*grammar_masks)
+        fields.update(grammar_rows=_ints(rows, device), grammar_allowed=torch.from_numpy(np.stack(masks)).to(device))
     return LogitsControls(**fields)
 
 
 def with_logits_controls(sampling, chunks: Sequence[ScheduledChunk], states: Sequence[_SeqState],
-                         device: torch.device | str):
+                         device: torch.device | str, grammars: GrammarCache | None = None):
     """``sampling`` (a :class:`worker.sampler.SamplingTensors` or None) with the sampled rows' controls attached.
 
     Returns ``sampling`` itself when no sampled row uses a control (the common case:
-    one pass over the rows' host-side flags).
+    one pass over the rows' host-side flags). Rows with a grammar get their matcher
+    (created on first use, from ``grammars``) advanced to their latest token.
     """
     if sampling is None:
         return None
     rows = [(chunk, state) for chunk, state in zip(chunks, states, strict=True) if chunk.sample]
     if not any(state.sampling.uses_logits_controls for _, state in rows):
         return sampling
+    grammar_masks = []
+    for row, (chunk, state) in enumerate(rows):
+        if state.sampling.grammar:
+            if state.grammar_state is None:
+                state.grammar_state = GrammarState(grammars.matcher(state.sampling.grammar))
+            outputs = state.history[state.num_prompt_tokens:chunk.start_position + chunk.num_tokens]
+            grammar_masks.append((row, state.grammar_state.allowed(outputs, grammars)))
     controls = build_logits_controls(
         [s.sampling for _, s in rows], [s.num_prompt_tokens for _, s in rows],
-        [c.start_position + c.num_tokens for c, _ in rows], [s.history for _, s in rows], device)
+        [c.start_position + c.num_tokens for c, _ in rows], [s.history for _, s in rows], device, grammar_masks)
     return dataclasses.replace(sampling, controls=controls)
 
 
@@ -171,6 +192,9 @@ def apply_logits_controls(logits: torch.Tensor, controls: LogitsControls) -> tor
         ``(N, V)`` float32.
     """
     logits = logits.clone()  # (N, V) the caller's logits stay the model's (last_logits, logprobs)
+    if controls.grammar_rows is not None:
+        allowed = controls.grammar_allowed[:, :logits.shape[-1]]  # (G, V)
+        logits[controls.grammar_rows] = logits[controls.grammar_rows].masked_fill(~allowed, float("-inf"))
     if controls.bias_rows is not None:
         logits.index_put_((controls.bias_rows, controls.bias_ids), controls.bias_values, accumulate=True)
     if controls.ban_rows is not None:

@@ -32,6 +32,7 @@ import torch
 from tpserve.model_config import ModelConfig
 from tpserve.step import SamplingParams, StepPlan, StepResult
 from worker.kv_cache import KVCacheLayout
+from worker.grammar import GrammarCache, GrammarState
 from worker.loader import load_model
 from worker.logits_controls import extend_history, with_logits_controls
 from worker.logprobs import sample_logprobs
@@ -47,7 +48,8 @@ class _SequenceState:
     sampling: SamplingParams
     block_table: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    history: list[int] | None = None  # every token so far; rank 0, sequences with a penalty only
+    history: list[int] | None = None  # every token so far; rank 0, sequences with a penalty or grammar only
+    grammar_state: GrammarState | None = None  # rank 0, sequences with a grammar (worker/grammar.py)
 
 
 class ModelRunner:
@@ -75,6 +77,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
         self.model = load_model(model_dir, self.config, ctx, dtype)
+        self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.last_logits: torch.Tensor | None = None
@@ -176,7 +179,8 @@ class ModelRunner:
             return ()
         logits = logits.float()  # (N, vocab) float32
         self.last_logits = logits
-        sampling = with_logits_controls(inputs.sampling, chunks, states, self.ctx.device)  # same object if unused
+        sampling = with_logits_controls(inputs.sampling, chunks, states, self.ctx.device,
+                                        self._grammars)  # the same object when no row uses a control
         tokens = sample_tensors(logits, sampling)  # (N,)
         self._logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample])
         return tuple(tokens.tolist())  # the step's one device-to-host copy (two with logprobs)
