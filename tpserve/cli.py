@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--include-stop-str-in-output", action="store_true")
     gen.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
     gen.add_argument("--top-logprobs", type=int, help="with --logprobs: the N most likely tokens too (0..20)")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="SCHEMA", help="the completion is JSON valid under this schema "
+                                                                    "(JSON text, or @FILE)")
+    structured.add_argument("--regex", help="the completion matches this regular expression")
+    structured.add_argument("--choice", action="append", dest="choices", help="the completion is one of these "
+                                                                             "(repeatable)")
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--timeout", type=float, help="deadline in seconds")
@@ -197,7 +204,9 @@ def _generate(args: argparse.Namespace) -> int:
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                     logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
                     include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
-                    top_logprobs=args.top_logprobs)
+                    top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
+                    json_schema=Path(args.json_schema[1:]).read_text() if (args.json_schema or "").startswith("@")
+                    else args.json_schema)
     with Client(args.target, credentials=_credentials(args)) as client:
         if not args.stream:
             result = client.generate(args.prompt, timeout_s=args.timeout, **sampling)

@@ -96,6 +96,9 @@ def build_request(
     include_stop_str_in_output: bool = False,
     logprobs: bool = False,
     top_logprobs: int | None = None,
+    json_schema: str | Mapping | None = None,
+    regex: str | None = None,
+    choices: Sequence[str] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
@@ -112,6 +115,12 @@ def build_request(
                         ("min_tokens", min_tokens), ("top_logprobs", top_logprobs)):
         if value is not None:
             setattr(params, name, value)
+    if json_schema is not None:  # structured output: at most one of the three
+        params.response_format.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif regex is not None:
+        params.response_format.regex = regex
+    elif choices is not None:
+        params.response_format.choices.choices.extend(choices)
     request = pb.GenerateRequest(request_id=request_id, sampling_params=params)
     if isinstance(prompt, str):
         request.text = prompt
