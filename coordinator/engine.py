@@ -85,10 +85,14 @@ class Engine:
         max_queue_len: most requests waiting for admission.
         metrics: Prometheus metrics to update.
         on_fatal: called once when the worker group fails.
+        on_group_failure: called with the reason when a step fails; returns True when
+            the group is being restarted (the caller then calls :meth:`suspend` and
+            later :meth:`resume`), False to fail every request.
     """
 
     def __init__(self, scheduler: Scheduler, workers: WorkerGroup, tokenizer: Tokenizer, max_model_len: int,
-                 max_queue_len: int, metrics: Metrics, on_fatal: Callable[[str], None] = lambda _: None) -> None:
+                 max_queue_len: int, metrics: Metrics, on_fatal: Callable[[str], None] = lambda _: None,
+                 on_group_failure: Callable[[str], bool] = lambda _: False) -> None:
         self.scheduler = scheduler
         self.workers = workers
         self.tokenizer = tokenizer
@@ -102,6 +106,9 @@ class Engine:
         self._prefix_cache_counted = (0, 0)  # scheduler's queries and hits already added to the metrics
         self.dead: str | None = None
         self.draining = False
+        self._on_group_failure = on_group_failure
+        self.recovering: str | None = None  # why the worker group is being restarted
+        self._resumed = asyncio.Event()
 
     # -- requests --------------------------------------------------------------------
 
@@ -136,6 +143,8 @@ class Engine:
     def _add(self, params: GenerateParams) -> _RequestState:
         if self.dead:
             raise UnavailableError(f"the worker group is down: {self.dead}")
+        if self.recovering:
+            raise UnavailableError(f"the worker group is restarting after a failure ({self.recovering}); retry shortly")
         if self.draining:
             raise UnavailableError("the server is draining")
         if len(self.scheduler.waiting) >= self.max_queue_len:
@@ -189,6 +198,11 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
+            if self.recovering:
+                await self._resumed.wait()
+                continue
+            if self.dead:
+                return  # the restart failed; every request has its error
             if not (self.scheduler.running or self.scheduler.waiting):
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -202,8 +216,12 @@ class Engine:
             try:
                 result = await self.workers.execute(plan)
             except WorkerGroupError as exc:
+                if self._on_group_failure(str(exc)):
+                    continue  # a restart re-queued every sequence; the plan's work is redone
                 self.fail_all(f"the worker group failed: {exc}")
                 return
+            if self.recovering:
+                continue  # the group was declared lost during this step: its result is void
             self._process(self.scheduler.update(plan, result))
             self._update_gauges()
 
@@ -247,10 +265,32 @@ class Engine:
         if seq.num_output_tokens > 1 and state.first_token_time is not None:
             self.metrics.time_per_output_token.observe((now - state.first_token_time) / (seq.num_output_tokens - 1))
 
+    def suspend(self, reason: str) -> int:
+        """The worker group is lost and being restarted: hold every request, refuse new ones.
+
+        Running sequences go back to the queue to be recomputed on the new group
+        (:meth:`Scheduler.reset_workers`); their clients see a pause, then the rest
+        of their streams. Returns the number of sequences that will resume.
+        """
+        self.recovering = reason
+        self._resumed.clear()
+        resumed = self.scheduler.reset_workers()
+        self._update_gauges()
+        return resumed
+
+    def resume(self, workers: WorkerGroup) -> None:
+        """Continue on the restarted group ``workers`` (caches allocated, streams open)."""
+        self.workers = workers
+        self.recovering = None
+        self._resumed.set()
+        self._wakeup.set()
+
     def fail_all(self, reason: str, error: type[TpserveError] = TpserveError) -> None:
         """Marks the engine dead and fails every request in flight: with INTERNAL (a failed
         step, TpserveError's code) or, for a rank that stopped answering, UnavailableError."""
         self.dead = reason
+        self.recovering = None
+        self._resumed.set()  # a loop waiting for a restart that will not come finds the engine dead
         for state in list(self._states.values()):
             state.queue.put_nowait(error(f"request {state.request_id}: {reason}"))
         self._on_fatal(reason)

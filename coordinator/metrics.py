@@ -43,6 +43,10 @@ class Metrics:
             ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)  # exported at 0 from the start
+        self.worker_restarts = Counter(
+            "tpserve:worker_restarts", "Times the worker group was restarted after losing a rank.", registry=r)
+        self.requests_resumed = Counter(
+            "tpserve:requests_resumed", "Running requests recomputed on a restarted worker group.", registry=r)
         self.num_requests_running = Gauge("tpserve:num_requests_running", "Sequences holding KV blocks.", registry=r)
         self.num_requests_waiting = Gauge("tpserve:num_requests_waiting", "Sequences waiting for admission.", registry=r)
         self.kv_cache_free_blocks = Gauge("tpserve:kv_cache_free_blocks", "KV cache blocks nobody holds.", registry=r)

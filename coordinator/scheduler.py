@@ -121,6 +121,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def reset_workers(self) -> int:
+        """The worker group was replaced (restarted after a failure): its KV caches are empty.
+
+        Every running sequence goes back to the front of the queue, oldest first, to
+        be recomputed from its prompt and the tokens it has generated (a preemption
+        by recompute; seeded sampling depends only on seed and position, so the
+        stream continues exactly). The block pool starts afresh: cached prefixes
+        named KV that no longer exists. Returns how many sequences were running.
+        """
+        running = list(self.running)
+        for seq in reversed(running):
+            self._preempt(seq)
+        self._to_drop.clear()  # the new workers know no sequence
+        for seq in self.waiting:
+            seq.on_workers = False
+        self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
+        return len(running)
+
     # -- the two verbs -----------------------------------------------------------------
 
     def has_work(self) -> bool:

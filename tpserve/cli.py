@@ -68,6 +68,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--metrics-port", dict(type=int, help="Prometheus /metrics port (default: off)")),
         ("--worker-start-timeout-seconds", dict(type=float)),
         ("--step-timeout-seconds", dict(type=float)),
+        ("--worker-recovery-timeout-seconds", dict(
+            type=float, help="restart a lost group (one host) and resume its requests within this time; 0: exit")),
         ("--ssl-certfile", dict(help="PEM certificate chain: serve the public port over TLS")),
         ("--ssl-keyfile", dict(help="PEM private key of --ssl-certfile")),
         ("--ssl-ca-certs", dict(help="PEM CA bundle: require client certificates signed by it (mutual TLS)")),

@@ -130,6 +130,8 @@ class Cluster:
         self._registry_server: grpc.aio.Server | None = None
         self._monitor_task: asyncio.Task | None = None
         self._liveness_task: asyncio.Task | None = None
+        self._recovery: asyncio.Task | None = None
+        self._launches = 0  # rank launches so far (each gets fresh socket names)
         self._dtype = ""  # resolved by the ranks
         self.port: int | None = None
 
@@ -182,7 +184,7 @@ class Cluster:
             if self.engine is not None:
                 self.engine.draining = True
             await server.stop(SHUTDOWN_GRACE_SECONDS)
-            for task in (engine_task, self._monitor_task, self._liveness_task):
+            for task in (engine_task, self._monitor_task, self._liveness_task, self._recovery):
                 if task is not None:
                     task.cancel()
             await self._stop_nodes()
@@ -236,19 +238,13 @@ class Cluster:
         cfg = self.config
         timeout_s = cfg.server.worker_start_timeout_seconds
         deadline = time.monotonic() + timeout_s
-        addresses = {rank: f"unix://{self._socket_dir}/rank{rank}.sock" for rank in self.layout.node_ranks()}
         if self.layout.nnodes == 1:
-            # No network listener at all for the rendezvous (a TCPStore listens on every
-            # interface, whatever address it is given), and gloo's/NCCL's own sockets on
-            # the loopback interface: nothing of the group is reachable from another host.
-            init_method, interface = f"file://{self._socket_dir}/rendezvous", interface_of("127.0.0.1") or "lo"
+            addresses, init_method, interface = self._local_endpoints()
         else:
+            addresses = self._local_endpoints()[0]
             init_method, interface = await self._start_registry(deadline)
             addresses.update(await self._wait_for_nodes(deadline))
-        self.ranks.start(addresses, init_method, interface)
-        self._monitor_task = asyncio.create_task(self._monitor_ranks())
-        self.workers = WorkerGroup([addresses[rank] for rank in range(self.world_size)], cfg.server.step_timeout_seconds)
-        available = await self.workers.wait_ready(max(deadline - time.monotonic(), 0.0))
+        available = await self._launch_ranks(addresses, init_method, interface, deadline)
         num_blocks = cfg.cache.num_gpu_blocks_override or available
         if num_blocks > available:
             raise WorkerGroupError(f"--num-gpu-blocks-override {num_blocks} exceeds the {available} blocks a rank can hold")
@@ -261,10 +257,74 @@ class Cluster:
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         self.engine = Engine(scheduler, self.workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,
-                             self.metrics, on_fatal=lambda reason: self.stop(1))
+                             self.metrics, on_fatal=lambda reason: self.stop(1), on_group_failure=self._group_failed)
         self.servicer.engine = self.engine
         self.servicer.model_info = self._model_info(num_blocks)
         self._liveness_task = asyncio.create_task(self._watch_liveness())
+
+    def _local_endpoints(self) -> tuple[dict[int, str], str, str]:
+        """Fresh unix socket addresses for this host's ranks, and a single-host rendezvous.
+
+        Each launch gets new names (a restarted group must not meet its predecessor's
+        sockets or rendezvous file). No network listener at all for the rendezvous (a
+        TCPStore listens on every interface, whatever address it is given), and
+        gloo's/NCCL's own sockets on the loopback interface: nothing of a one-host
+        group is reachable from another host.
+        """
+        self._launches += 1
+        tag = self._launches
+        addresses = {rank: f"unix://{self._socket_dir}/rank{rank}-{tag}.sock" for rank in self.layout.node_ranks()}
+        return addresses, f"file://{self._socket_dir}/rendezvous-{tag}", interface_of("127.0.0.1") or "lo"
+
+    async def _launch_ranks(self, addresses: dict[int, str], init_method: str, interface: str | None,
+                            deadline: float) -> int:
+        """Starts this host's ranks and waits until every rank has loaded; returns the blocks all can hold."""
+        self.ranks.start(addresses, init_method, interface)
+        self._monitor_task = asyncio.create_task(self._monitor_ranks())
+        self.workers = WorkerGroup([addresses[rank] for rank in range(self.world_size)],
+                                   self.config.server.step_timeout_seconds)
+        return await self.workers.wait_ready(max(deadline - time.monotonic(), 0.0))
+
+    # -- recovery (one host) ---------------------------------------------------------------
+
+    def _can_recover(self) -> bool:
+        return (self.config.server.worker_recovery_timeout_seconds > 0 and self.layout.nnodes == 1
+                and self.engine is not None and not self.engine.dead and not self._stop.is_set())
+
+    async def _recover(self, reason: str, resumed: int) -> None:
+        """Restarts every rank and resumes the (suspended) requests by recompute, or fails
+        them (UNAVAILABLE) and exits 1. ``resumed``: running sequences to recompute."""
+        timeout_s = self.config.server.worker_recovery_timeout_seconds
+        log.error("worker group lost; restarting it", reason=reason, timeout_s=timeout_s)
+        started = time.monotonic()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        for task in (self._monitor_task, self._liveness_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        await self.workers.close()
+        await asyncio.to_thread(self.ranks.stop)  # survivors too: the group restarts whole
+        try:
+            addresses, init_method, interface = self._local_endpoints()
+            deadline = started + timeout_s
+            available = await asyncio.wait_for(self._launch_ranks(addresses, init_method, interface, deadline),
+                                               max(deadline - time.monotonic(), 0.0))
+            num_blocks = self.engine.scheduler.allocator.num_blocks
+            if available < num_blocks:
+                raise WorkerGroupError(f"the restarted ranks hold {available} KV blocks, the pool had {num_blocks}")
+            await asyncio.wait_for(self.workers.start(num_blocks), max(deadline - time.monotonic(), 0.1))
+        except (WorkerGroupError, asyncio.TimeoutError, OSError) as exc:
+            message = f"the worker group was lost ({reason}) and could not be restarted within {timeout_s:g} s: {exc}"
+            log.error("worker group recovery failed", error=message)
+            self._recovery = None
+            self.engine.fail_all(message, UnavailableError)
+            return
+        self._liveness_task = asyncio.create_task(self._watch_liveness())
+        self.engine.resume(self.workers)
+        self._recovery = None
+        self.metrics.worker_restarts.inc()
+        self.metrics.requests_resumed.inc(resumed)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("worker group restarted", seconds=round(time.monotonic() - started, 3), requests_resumed=resumed)
 
     async def _start_registry(self, deadline: float) -> tuple[str, str | None]:
         """Serves the node registry on --master-addr:--master-port.
@@ -326,12 +386,23 @@ class Cluster:
         its requests could only hang, so they fail with UNAVAILABLE at once."""
         self._group_failed(await self.workers.watch_liveness(), UnavailableError)
 
-    def _group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> None:
-        """A rank or a node is lost: fail the requests in flight at once and stop (exit 1)."""
+    def _group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> bool:
+        """A rank or a node is lost. With --worker-recovery-timeout-seconds on one host,
+        restart the group and resume the requests (returns True); otherwise fail the
+        requests in flight at once and stop (exit 1; returns False)."""
+        if self._recovery is not None:
+            return True  # already restarting: the other detectors see the same loss
+        if self._can_recover():
+            # Hold the requests now, before anything else runs: the engine loop must
+            # not schedule another step on the lost group.
+            resumed = self.engine.suspend(reason)
+            self._recovery = asyncio.create_task(self._recover(reason, resumed))
+            return True
         log.error("worker group lost", reason=reason)
         if self.engine is not None and not self.engine.dead:
             self.engine.fail_all(reason, error)
         self.stop(1)
+        return False
 
     async def _stop_nodes(self) -> None:
         if self.registry is not None:

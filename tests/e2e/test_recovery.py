@@ -1,0 +1,122 @@
+"""A lost rank costs no request: the coordinator restarts the group and resumes every stream by recompute.
+
+With ``--worker-recovery-timeout-seconds``, ``kill -9`` of a rank during a load of
+8 greedy and 4 seeded sampled streams (tp 2, the embedded model) must leave every
+stream complete and token for token equal to its solo run; the same again for the
+other rank (each rank in turn, two restarts in a row). A group that cannot come
+back (its checkpoint vanished) fails the held requests with UNAVAILABLE naming
+the reason, and the server exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.e2e.cluster import child_pids, serve
+from tpserve.cluster import default_model_dir
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["Once upon a time", "The dog", "Lily wanted to", "One day, a little bird", "Tom and Sue went to the park.",
+           "The sun was", "A big red ball", "Mom said"]
+MAX_TOKENS = 40
+RECOVERY = ("--worker-recovery-timeout-seconds", "90")
+
+
+def _requests() -> list[tuple[str, dict]]:
+    greedy = [(p, dict(temperature=0)) for p in PROMPTS]
+    sampled = [(p, dict(temperature=0.9, top_p=0.95, seed=100 + i)) for i, p in enumerate(PROMPTS[:4])]
+    return greedy + sampled
+
+
+def _rank_pid(server_pid: int, rank: int) -> int:
+    for pid in child_pids(server_pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"worker.main" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == str(rank).encode():
+            return pid
+    raise LookupError(f"rank {rank} of {server_pid} not found")
+
+
+def _stream_all(client, requests, on_started: threading.Event) -> list[dict]:
+    """Runs every request as a stream in its own thread; returns tokens, error and the longest gap."""
+    results: list[dict] = [{} for _ in requests]
+    started = threading.Barrier(len(requests) + 1)
+
+    def run(i: int, prompt: str, sampling: dict) -> None:
+        tokens, last, longest = [], time.monotonic(), 0.0
+        try:
+            for n, chunk in enumerate(client.generate_stream(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                              **sampling)):
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+                tokens.extend(chunk.token_ids)
+                if n == 1:
+                    started.wait(60)
+            results[i] = {"tokens": tokens, "longest_pause_s": longest}
+        except grpc.RpcError as exc:
+            results[i] = {"tokens": tokens, "error": exc}
+            if started.n_waiting:
+                started.abort()
+
+    threads = [threading.Thread(target=run, args=(i, p, s)) for i, (p, s) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    try:
+        started.wait(120)  # every stream has its first tokens
+    except threading.BrokenBarrierError:
+        pass
+    on_started.set()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def _kill_during_load(cluster, rank: int, requests) -> list[dict]:
+    started = threading.Event()
+    killer = threading.Thread(target=lambda: started.wait(300) and os.kill(_rank_pid(cluster.process.pid, rank),
+                                                                          signal.SIGKILL))
+    killer.start()
+    results = _stream_all(cluster.client, requests, started)
+    killer.join()
+    return results
+
+
+def test_kill_9_of_each_rank_in_turn_loses_no_request() -> None:
+    requests = _requests()
+    with serve(None, 2, *RECOVERY) as cluster:
+        solo = [cluster.client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True, **s).token_ids for p, s in requests]
+        pauses = []
+        for restarts, rank in enumerate((1, 0), start=1):
+            results = _kill_during_load(cluster, rank, requests)
+            for (prompt, sampling), result, expected in zip(requests, results, solo, strict=True):
+                assert "error" not in result, f"rank {rank}: {prompt!r} {sampling}: {result.get('error')}"
+                assert result["tokens"] == expected, f"rank {rank}: {prompt!r} {sampling} differs from its solo run"
+            pauses.append(max(r["longest_pause_s"] for r in results))
+            cluster.client.wait_ready(timeout_s=30)  # SERVING again
+            assert cluster.metric("tpserve:worker_restarts_total") == restarts
+        assert cluster.metric("tpserve:requests_resumed_total") >= 1
+        assert cluster.metric("tpserve:kv_cache_free_blocks") == cluster.metric("tpserve:kv_cache_total_blocks")
+        print(f"longest pause a client saw per restart: {[round(p, 2) for p in pauses]} s")
+
+
+def test_a_group_that_cannot_come_back_fails_its_requests_with_unavailable(tmp_path: Path) -> None:
+    model = shutil.copytree(default_model_dir(), tmp_path / "model")
+    with serve(model, 2, "--worker-recovery-timeout-seconds", "30") as cluster:
+        (model / "model.safetensors").unlink()  # the restarted ranks cannot load
+        stream = cluster.client.generate_stream("Once upon a time", max_tokens=200, ignore_eos=True, temperature=0)
+        next(stream)
+        os.kill(_rank_pid(cluster.process.pid, 1), signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "could not be restarted within 30 s" in info.value.details()
+        assert "no model.safetensors" in info.value.details()  # the reason the restart failed
+        assert cluster.process.wait(60) == 1
