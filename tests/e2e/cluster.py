@@ -29,7 +29,10 @@ def child_pids(pid: int) -> list[int]:
     """Direct children of a process (Linux /proc)."""
     pids = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:  # the thread exited while we looked
+            continue
         pids.extend(int(c) for c in children)
     return pids
 

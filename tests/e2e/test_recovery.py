@@ -45,7 +45,7 @@ def _rank_pid(server_pid: int, rank: int) -> int:
     raise LookupError(f"rank {rank} of {server_pid} not found")
 
 
-def _stream_all(client, requests, on_started: threading.Event) -> list[dict]:
+def _stream_all(client, requests, on_started: threading.Event, max_tokens: int = MAX_TOKENS) -> list[dict]:
     """Runs every request as a stream in its own thread; returns tokens, error and the longest gap."""
     results: list[dict] = [{} for _ in requests]
     started = threading.Barrier(len(requests) + 1)
@@ -53,7 +53,7 @@ def _stream_all(client, requests, on_started: threading.Event) -> list[dict]:
     def run(i: int, prompt: str, sampling: dict) -> None:
         tokens, last, longest = [], time.monotonic(), 0.0
         try:
-            for n, chunk in enumerate(client.generate_stream(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
+            for n, chunk in enumerate(client.generate_stream(prompt, max_tokens=max_tokens, ignore_eos=True,
                                                               **sampling)):
                 now = time.monotonic()
                 longest, last = max(longest, now - last), now
@@ -79,12 +79,13 @@ def _stream_all(client, requests, on_started: threading.Event) -> list[dict]:
     return results
 
 
-def _kill_during_load(cluster, rank: int, requests) -> list[dict]:
+def _kill_during_load(cluster, rank: int, requests, max_tokens: int = MAX_TOKENS) -> list[dict]:
+    """Streams ``requests``; kills ``rank`` with SIGKILL once every stream has its first tokens."""
     started = threading.Event()
     killer = threading.Thread(target=lambda: started.wait(300) and os.kill(_rank_pid(cluster.process.pid, rank),
                                                                           signal.SIGKILL))
     killer.start()
-    results = _stream_all(cluster.client, requests, started)
+    results = _stream_all(cluster.client, requests, started, max_tokens)
     killer.join()
     return results
 
