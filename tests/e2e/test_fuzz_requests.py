@@ -66,6 +66,12 @@ def _message(draw: st.DrawFn, message_type, depth: int = 0):
             key_field, value_field = target_type.fields_by_name["key"], target_type.fields_by_name["value"]
             entries = draw(st.dictionaries(_scalar(key_field), _scalar(value_field), max_size=4))
             getattr(msg, field.name).update(entries)
+        elif target_type is not None and field.is_repeated:
+            if depth < 2:
+                container = getattr(msg, field.name)
+                for _ in range(draw(st.integers(0, 2))):
+                    item = container.add()
+                    item.CopyFrom(draw(_message(type(item), depth + 1)))
         elif target_type is not None:
             if depth < 2:
                 getattr(msg, field.name).CopyFrom(draw(_message(type(getattr(msg, field.name)), depth + 1)))
