@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import grpc
 import structlog
 
+from tpserve.cluster_secret import client_interceptors
 from tpserve.step import StepPlan, StepResult
 from tpserve.step_pb import plan_to_pb, result_from_pb
 from tpserve.v1 import worker_pb2 as pb
@@ -34,6 +35,14 @@ LIVENESS_TIMEOUT_S = 3.0
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 * 1024**2), ("grpc.max_receive_message_length", 64 * 1024**2)]
 
 
+class _StreamBroke(Exception):
+    """Rank ``rank``'s step stream failed (the process died, or its connection did)."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(rank, reason)
+        self.rank, self.reason = rank, reason
+
+
 class WorkerGroupError(RuntimeError):
     """A rank failed, died or timed out; the group cannot run another step."""
 
@@ -44,12 +53,14 @@ class WorkerGroup:
     Args:
         addresses: each rank's gRPC address, rank order.
         step_timeout_s: seconds to wait for every rank to answer one step.
+        secret: the group's cluster secret, sent with every call (see tpserve/cluster_secret.py).
     """
 
-    def __init__(self, addresses: Sequence[str], step_timeout_s: float) -> None:
+    def __init__(self, addresses: Sequence[str], step_timeout_s: float, secret: str | None = None) -> None:
         self.addresses = list(addresses)
         self.step_timeout_s = step_timeout_s
-        self._channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in self.addresses]
+        self._channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS, interceptors=client_interceptors(secret))
+                          for a in self.addresses]
         self._stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self._channels]
         self._streams: list[grpc.aio.StreamStreamCall] = []
         self.num_kv_blocks = 0
@@ -109,8 +120,10 @@ class WorkerGroup:
             results = await asyncio.wait_for(self._round_trip(msg), self.step_timeout_s)
         except asyncio.TimeoutError:
             self.failed = f"step {plan.step_id} timed out after {self.step_timeout_s:.0f} s"
+        except _StreamBroke as exc:
+            self.failed = f"step {plan.step_id} failed: rank {exc.rank}'s step stream broke ({exc.reason})"
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
-            self.failed = f"step {plan.step_id}: worker stream broke: {exc}"
+            self.failed = f"step {plan.step_id} failed: a step stream broke: {exc}"
         else:
             errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
             if errors:
@@ -136,7 +149,10 @@ class WorkerGroup:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    result = task.result()  # a broken stream raises here
+                    try:
+                        result = task.result()  # a broken stream raises here
+                    except grpc.aio.AioRpcError as exc:  # say whose, in one line
+                        raise _StreamBroke(reads.index(task), f"{exc.code().name}: {exc.details()}") from exc
                     if result is grpc.aio.EOF or result.error:
                         return [result]
             return [task.result() for task in reads]

@@ -45,6 +45,7 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--master-addr", dict(help="the leader host's name or address (with --nnodes > 1)")),
         ("--master-port", dict(type=int, help="the leader's node registry port (default 29500); the group also uses "
                                               "the next ports (docs/cluster.md)")),
+        ("--cluster-secret-file", dict(help="secret shared by every host of the group: internal calls must carry it")),
         ("--headless", dict(action="store_true", help="run only this host's ranks, no public API (node-rank > 0)")),
     ],
     "cache": [

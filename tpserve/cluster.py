@@ -45,6 +45,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
+from tpserve.cluster_secret import AioSecretServerInterceptor, read_secret
 from tpserve.config import ClusterConfig
 from tpserve.model_config import ModelConfig
 from tpserve.netutil import PeerTimeout, host_port, interface_of, resolve
@@ -117,6 +118,7 @@ class Cluster:
         if self.max_model_len > model_len:
             raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings={model_len}")
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.secret = read_group_secret(config)
         self.health = health.aio.HealthServicer()
         self.metrics = Metrics()
         self.layout = GroupLayout(config.parallel.tensor_parallel_size, config.parallel.nnodes, 0)
@@ -282,7 +284,7 @@ class Cluster:
         self.ranks.start(addresses, init_method, interface)
         self._monitor_task = asyncio.create_task(self._monitor_ranks())
         self.workers = WorkerGroup([addresses[rank] for rank in range(self.world_size)],
-                                   self.config.server.step_timeout_seconds)
+                                   self.config.server.step_timeout_seconds, secret=self.secret)
         return await self.workers.wait_ready(max(deadline - time.monotonic(), 0.0))
 
     # -- recovery (one host) ---------------------------------------------------------------
@@ -337,7 +339,8 @@ class Cluster:
             ip = await resolve(par.master_addr, max(deadline - time.monotonic(), 0.0), "--master-addr")
         except PeerTimeout as exc:
             raise StartupError(str(exc)) from None
-        server = grpc.aio.server(options=SERVER_KEEPALIVE_OPTIONS)
+        interceptors = [AioSecretServerInterceptor(self.secret)] if self.secret else []
+        server = grpc.aio.server(options=SERVER_KEEPALIVE_OPTIONS, interceptors=interceptors)
         bound: str | None = ip
         if _bind(server, host_port(ip, par.master_port)) == 0:
             # The name resolves to an address this host does not hold (NAT): listen everywhere.
@@ -410,6 +413,21 @@ class Cluster:
                                    failed=self._exit_code != 0)
         if self._registry_server is not None:
             await self._registry_server.stop(NODES_GOODBYE_SECONDS)
+
+
+def read_group_secret(config: ClusterConfig) -> str | None:
+    """The group's cluster secret (``--cluster-secret-file``), or None.
+
+    Raises:
+        StartupError: the file cannot be read or holds too short a secret.
+    """
+    path = config.parallel.cluster_secret_file
+    if path is None:
+        return None
+    try:
+        return read_secret(path)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"--cluster-secret-file: {exc}") from exc
 
 
 def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig:

@@ -57,6 +57,9 @@ class ParallelConfig(_Frozen):
         master_port: the leader's node registry port; the group also uses the next
             ports (see :mod:`tpserve.topology`).
         headless: run only this host's ranks, no public API (every ``node_rank > 0``).
+        cluster_secret_file: a file holding a secret shared by every host of the
+            group; the node registry and the ranks refuse internal calls without it
+            (:mod:`tpserve.cluster_secret`). Recommended whenever ``nnodes > 1``.
     """
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
@@ -66,6 +69,7 @@ class ParallelConfig(_Frozen):
     master_addr: str | None = None
     master_port: int = Field(29500, ge=1, le=65535 - 2 - 64)
     headless: bool = False
+    cluster_secret_file: str | None = None
 
     @model_validator(mode="after")
     def _check_layout(self) -> ParallelConfig:

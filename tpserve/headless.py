@@ -24,7 +24,8 @@ from pathlib import Path
 import grpc
 import structlog
 
-from tpserve.cluster import StartupError, config_sha256, default_model_dir, read_model_config
+from tpserve.cluster import StartupError, config_sha256, default_model_dir, read_model_config, read_group_secret
+from tpserve.cluster_secret import client_interceptors
 from tpserve.config import ClusterConfig
 from tpserve.netutil import PeerTimeout, host_port, interface_of, wait_for_peer
 from tpserve.node_registry import CLIENT_KEEPALIVE_OPTIONS
@@ -54,6 +55,7 @@ class HeadlessNode:
         read_model_config(self.model_dir, par.tensor_parallel_size)
         self.ranks = LocalRanks(config, self.model_dir, self.layout, log_format)
         self.leader = host_port(par.master_addr, par.master_port)
+        self.secret = read_group_secret(config)
         self._stop: asyncio.Event | None = None
 
     async def serve(self) -> int:
@@ -73,7 +75,8 @@ class HeadlessNode:
             raise StartupError(f"node {par.node_rank}: {exc}") from None
         if local_ip is None:
             return 0
-        channel = grpc.aio.insecure_channel(self.leader, options=CLIENT_KEEPALIVE_OPTIONS)
+        channel = grpc.aio.insecure_channel(self.leader, options=CLIENT_KEEPALIVE_OPTIONS,
+                                            interceptors=client_interceptors(self.secret))
         call = cluster_pb2_grpc.NodeRegistryStub(channel).JoinGroup(wait_for_ready=True)
         try:
             init_method = await self._join(call, local_ip, timeout_s)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import structlog
 
+from tpserve.cluster_secret import ENV_VAR, read_secret
 from tpserve.config import ClusterConfig
 from tpserve.topology import GroupLayout
 
@@ -59,6 +60,9 @@ class LocalRanks:
                 ``NCCL_SOCKET_IFNAME`` in the environment wins.
         """
         env = dict(os.environ)
+        if self.config.parallel.cluster_secret_file:
+            # In the environment, not on the command line (which any user of the host can read).
+            env[ENV_VAR] = read_secret(self.config.parallel.cluster_secret_file)
         if interface is not None:
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
             env.setdefault("NCCL_SOCKET_IFNAME", interface)

@@ -17,6 +17,7 @@ from concurrent import futures
 
 import grpc
 
+from tpserve.cluster_secret import ENV_VAR, SecretServerInterceptor
 from tpserve.log import configure_logging
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         threading.Timer(FATAL_GRACE_SECONDS, stop.set).start()
 
     servicer = WorkerServicer(options, on_fatal)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
+    secret = os.environ.pop(ENV_VAR, None)  # set by the launcher with --cluster-secret-file
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         interceptors=[SecretServerInterceptor(secret)] if secret else [], options=[
         ("grpc.max_send_message_length", 64 * 1024**2), ("grpc.max_receive_message_length", 64 * 1024**2)])
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     server.add_insecure_port(args.address)

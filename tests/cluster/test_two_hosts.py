@@ -103,12 +103,16 @@ def group(request, hosts: Hosts, tmp_path_factory) -> Iterator[Group]:
     logs = tmp_path_factory.mktemp("two-hosts")
     env = {**os.environ, **SERVICE_LINK_ENV, "OMP_NUM_THREADS": "1"}
     leader_log, headless_log = logs / "leader.log", logs / "headless.log"
+    # Every internal call (node registry, coordinator -> remote ranks) carries the group's secret.
+    secret = logs / "cluster-secret"
+    secret.write_text("two-hosts-test-secret-0123456789")
+    secret_flags = ("--cluster-secret-file", str(secret))
 
     def start_leader() -> subprocess.Popen:
-        return hosts.run(hosts.leader, "host-a", serve_argv(*group_flags(0)), leader_log, env)
+        return hosts.run(hosts.leader, "host-a", serve_argv(*group_flags(0), *secret_flags), leader_log, env)
 
     def start_headless() -> subprocess.Popen:
-        return hosts.run(hosts.headless, "host-b", serve_argv(*group_flags(1)), headless_log, env)
+        return hosts.run(hosts.headless, "host-b", serve_argv(*group_flags(1), *secret_flags), headless_log, env)
 
     procs: list[subprocess.Popen] = []
     client = Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}")
