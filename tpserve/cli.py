@@ -69,6 +69,7 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--metrics-port", dict(type=int, help="Prometheus /metrics port (default: off)")),
         ("--worker-start-timeout-seconds", dict(type=float)),
         ("--step-timeout-seconds", dict(type=float)),
+        ("--shutdown-grace-seconds", dict(type=float, help="on SIGTERM/SIGINT, time in-flight requests get to finish")),
         ("--worker-recovery-timeout-seconds", dict(
             type=float, help="restart a lost group (one host) and resume its requests within this time; 0: exit")),
         ("--ssl-certfile", dict(help="PEM certificate chain: serve the public port over TLS")),

@@ -46,7 +46,7 @@ from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.cluster_secret import AioSecretServerInterceptor, read_secret
-from tpserve.config import ClusterConfig
+from tpserve.config import ClusterConfig, ServerConfig
 from tpserve.model_config import ModelConfig
 from tpserve.netutil import PeerTimeout, host_port, interface_of, resolve
 from tpserve.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
@@ -59,11 +59,11 @@ from tpserve.v1 import generate_pb2_grpc
 log = structlog.get_logger(__name__)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-#: Seconds in-flight RPCs get to finish on shutdown.
-SHUTDOWN_GRACE_SECONDS = 5.0
+#: Seconds in-flight RPCs get to finish on shutdown (--shutdown-grace-seconds' default).
+SHUTDOWN_GRACE_SECONDS = ServerConfig.model_fields["shutdown_grace_seconds"].default
 #: Seconds the other nodes' streams get to carry the leader's goodbye.
 NODES_GOODBYE_SECONDS = 2.0
-#: Longest shutdown: the RPC grace, the nodes' goodbye, then the ranks' SIGTERM grace.
+#: Longest shutdown with the default grace: the RPC grace, the nodes' goodbye, then the ranks' SIGTERM grace.
 #: Kubernetes' terminationGracePeriodSeconds must exceed it (tests/cluster/test_k8s.py).
 DRAIN_SECONDS = SHUTDOWN_GRACE_SECONDS + NODES_GOODBYE_SECONDS + WORKER_EXIT_SECONDS
 #: Seconds between "waiting for nodes" log lines.
@@ -185,7 +185,7 @@ class Cluster:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             if self.engine is not None:
                 self.engine.draining = True
-            await server.stop(SHUTDOWN_GRACE_SECONDS)
+            await server.stop(self.config.server.shutdown_grace_seconds)
             for task in (engine_task, self._monitor_task, self._liveness_task, self._recovery):
                 if task is not None:
                     task.cancel()

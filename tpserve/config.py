@@ -136,6 +136,9 @@ class ServerConfig(_Frozen):
         metrics_port: Prometheus /metrics HTTP port; None disables it.
         worker_start_timeout_seconds: how long every rank may take to load its shard.
         step_timeout_seconds: how long the coordinator waits for one step's results.
+        shutdown_grace_seconds: on SIGTERM or SIGINT, how long in-flight requests
+            may run to completion before the server stops (Kubernetes'
+            terminationGracePeriodSeconds must be longer).
         worker_recovery_timeout_seconds: on one host, a lost rank (killed, crashed,
             or not answering) makes the coordinator restart the whole group and resume
             every request by recompute, within this many seconds, else they fail with
@@ -155,6 +158,7 @@ class ServerConfig(_Frozen):
     worker_start_timeout_seconds: float = Field(600.0, gt=0)
     step_timeout_seconds: float = Field(120.0, gt=0)
     worker_recovery_timeout_seconds: float = Field(0.0, ge=0)
+    shutdown_grace_seconds: float = Field(5.0, ge=0)
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None

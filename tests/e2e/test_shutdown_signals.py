@@ -52,3 +52,18 @@ def test_ranks_in_their_own_session_still_exit_when_the_coordinator_dies() -> No
         while any(pid_alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(pid_alive(pid) for pid in ranks)
+
+
+def test_the_grace_is_the_flag() -> None:
+    """A stream longer than --shutdown-grace-seconds is cut when the grace ends; the server still exits 0."""
+    with serve(None, 2, "--shutdown-grace-seconds", "0.5") as cluster:
+        stream = cluster.client.generate_stream("Once upon a time", max_tokens=450, temperature=0,
+                                                ignore_eos=True, timeout_s=120)
+        next(stream)
+        started = time.monotonic()
+        cluster.process.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError):
+            for _ in stream:
+                pass
+        assert time.monotonic() - started < 10  # cut at the grace, not after 450 tokens
+        assert cluster.process.wait(30) == 0
