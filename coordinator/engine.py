@@ -27,7 +27,7 @@ import structlog
 from coordinator.block_allocator import num_blocks_for
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.errors import DeadlineExceededError, ResourceExhaustedError, TpserveError, UnavailableError
-from coordinator.logprobs import TokenLogprob, token_logprob
+from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
@@ -51,6 +51,8 @@ class RequestOutput:
         num_prompt_tokens, num_completion_tokens: usage so far, in tokens.
         num_cached_prompt_tokens: prompt tokens found in the prefix cache (not computed).
         logprobs: one per entry of ``token_ids`` when the request asked for logprobs.
+        prompt_logprobs: on the first output of a request that asked: one per prompt
+            token from the second on.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_prompt_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +112,7 @@ class Engine:
         self._on_group_failure = on_group_failure
         self.recovering: str | None = None  # why the worker group is being restarted
         self._resumed = asyncio.Event()
+        self._just_resumed = False  # no step has succeeded on the restarted group yet
 
     # -- requests --------------------------------------------------------------------
 
@@ -216,12 +220,15 @@ class Engine:
             try:
                 result = await self.workers.execute(plan)
             except WorkerGroupError as exc:
-                if self._on_group_failure(str(exc)):
+                # A step that fails again on a freshly restarted group would fail every
+                # time (a bad plan, a broken checkpoint): give up rather than loop.
+                if not self._just_resumed and self._on_group_failure(str(exc)):
                     continue  # a restart re-queued every sequence; the plan's work is redone
                 self.fail_all(f"the worker group failed: {exc}")
                 return
             if self.recovering:
                 continue  # the group was declared lost during this step: its result is void
+            self._just_resumed = False
             self._process(self.scheduler.update(plan, result))
             self._update_gauges()
 
@@ -232,9 +239,12 @@ class Engine:
             if state is None:
                 continue
             seq = out.seq
+            prompt_logprobs = ()
             if state.first_token_time is None:
                 state.first_token_time = now
                 self.metrics.time_to_first_token.observe(now - state.arrival_time)
+                if seq.sampling.prompt_logprobs is not None:
+                    prompt_logprobs = prompt_token_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
             finish = out.finish_reason
             text, token_ids, matched, logprobs = "", [], False, ()
             if not seq.stopped_on_token():
@@ -255,7 +265,7 @@ class Engine:
                 self._observe_finished(state, now, finish)
             state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
                                                  seq.num_prompt_tokens, seq.num_output_tokens,
-                                                 seq.num_cached_prompt_tokens or 0, logprobs))
+                                                 seq.num_cached_prompt_tokens or 0, logprobs, prompt_logprobs))
 
     def _observe_finished(self, state: _RequestState, now: float, reason: FinishReason) -> None:
         seq = state.seq
@@ -282,6 +292,7 @@ class Engine:
         """Continue on the restarted group ``workers`` (caches allocated, streams open)."""
         self.workers = workers
         self.recovering = None
+        self._just_resumed = True
         self._resumed.set()
         self._wakeup.set()
 

@@ -142,8 +142,8 @@ class ServerConfig(_Frozen):
         worker_recovery_timeout_seconds: on one host, a lost rank (killed, crashed,
             or not answering) makes the coordinator restart the whole group and resume
             every request by recompute, within this many seconds, else they fail with
-            UNAVAILABLE; 0 (the default) fails them at once and exits 1 for the
-            orchestrator to restart the process. Groups across hosts always exit.
+            UNAVAILABLE; 0 fails them at once and exits 1 for the orchestrator to
+            restart the process. Groups across hosts always exit.
         ssl_certfile, ssl_keyfile: PEM certificate chain and key: the public port
             speaks TLS (both or neither).
         ssl_ca_certs: PEM CA bundle: clients must present a certificate it signed
@@ -157,7 +157,7 @@ class ServerConfig(_Frozen):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     worker_start_timeout_seconds: float = Field(600.0, gt=0)
     step_timeout_seconds: float = Field(120.0, gt=0)
-    worker_recovery_timeout_seconds: float = Field(0.0, ge=0)
+    worker_recovery_timeout_seconds: float = Field(120.0, ge=0)
     shutdown_grace_seconds: float = Field(5.0, ge=0)
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None

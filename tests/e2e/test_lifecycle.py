@@ -57,7 +57,8 @@ def test_a_lost_rank_fails_requests_and_stops_the_cluster() -> None:
     fires, but the coordinator has already seen rank 1's exit, so the client sees the
     same failure within the same bound, and rank 0 is stopped with the group.
     """
-    with serve(STORIES_DIR, 2, "--distributed-timeout-seconds", "10") as cluster:
+    # Recovery off: this is the exit-for-the-orchestrator path (tests/e2e/test_recovery.py has the other).
+    with serve(STORIES_DIR, 2, "--distributed-timeout-seconds", "10", "--worker-recovery-timeout-seconds", "0") as cluster:
         workers = child_pids(cluster.process.pid)
         stream = cluster.client.generate_stream("Once upon a time", max_tokens=450, temperature=0, ignore_eos=True)
         next(stream)

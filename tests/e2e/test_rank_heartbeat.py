@@ -34,7 +34,8 @@ def _serving(health: health_pb2_grpc.HealthStub) -> bool:
 
 
 def test_a_stopped_rank_turns_health_not_serving_and_fails_requests_within_5_s() -> None:
-    with serve(None, 2) as cluster:
+    # Recovery off: the fail-fast path (with recovery the requests would pause and resume instead).
+    with serve(None, 2, "--worker-recovery-timeout-seconds", "0") as cluster:
         ranks = child_pids(cluster.process.pid)
         health = health_pb2_grpc.HealthStub(cluster.client.channel)
         stream = cluster.client.generate_stream("Once upon a time", max_tokens=400, temperature=0,

@@ -1,0 +1,93 @@
+"""The engine's side of a group restart, with stand-in worker groups (no processes).
+
+A failed step suspends the engine (every sequence re-queued for recompute) and the
+engine continues on the group it is given. A step that fails again on a freshly
+restarted group fails every request instead of restarting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.block_allocator import BlockAllocator
+from coordinator.engine import Engine
+from coordinator.errors import TpserveError, UnavailableError
+from coordinator.metrics import Metrics
+from coordinator.scheduler import Scheduler
+from coordinator.tokenizer import Tokenizer
+from coordinator.validation import GenerateParams
+from coordinator.worker_client import WorkerGroupError
+from tpserve.cluster import default_model_dir
+from tpserve.step import SamplingParams, StepPlan, StepResult
+
+
+class FakeGroup:
+    """Answers steps with token 7 for every sampled chunk; fails the steps numbered in ``fail_at``."""
+
+    def __init__(self, fail_at: set[int] = frozenset()) -> None:
+        self.fail_at = set(fail_at)
+        self.steps = 0
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        self.steps += 1
+        await asyncio.sleep(0)
+        if self.steps in self.fail_at:
+            raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
+        return StepResult(plan.step_id, tuple(7 for c in plan.scheduled if c.sample))
+
+
+def _engine(first: FakeGroup, restarted: FakeGroup, restarts: list[str]) -> Engine:
+    engine: Engine | None = None
+
+    def on_group_failure(reason: str) -> bool:
+        restarts.append(reason)
+        engine.suspend(reason)
+        asyncio.get_running_loop().call_soon(engine.resume, restarted)
+        return True
+
+    scheduler = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    engine = Engine(scheduler, first, Tokenizer.from_pretrained(default_model_dir()), 128, 16, Metrics(),
+                    on_group_failure=on_group_failure)
+    return engine
+
+
+def _params(n: int) -> GenerateParams:
+    return GenerateParams("", [1, 5, 6, 8], n, SamplingParams(temperature=0.0), (), frozenset(), True)
+
+
+async def _collect(engine: Engine, n: int) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate(_params(n)):
+        tokens.extend(out.token_ids)
+    return tokens
+
+
+def test_a_failed_step_restarts_and_every_request_completes() -> None:
+    async def run() -> tuple[list[list[int]], list[str], int]:
+        restarts: list[str] = []
+        engine = _engine(FakeGroup(fail_at={3}), FakeGroup(), restarts)
+        loop = asyncio.create_task(engine.run())
+        results = await asyncio.wait_for(asyncio.gather(_collect(engine, 6), _collect(engine, 4)), 10)
+        loop.cancel()
+        return results, restarts, engine.scheduler.allocator.num_free_blocks
+
+    results, restarts, free = asyncio.run(run())
+    assert results == [[7] * 6, [7] * 4] and restarts == ["step 2: rank 1 is gone"] and free == 64
+
+
+def test_a_step_that_fails_right_after_a_restart_fails_the_requests() -> None:
+    async def run() -> tuple[BaseException, list[str]]:
+        restarts: list[str] = []
+        engine = _engine(FakeGroup(fail_at={2}), FakeGroup(fail_at={1}), restarts)
+        loop = asyncio.create_task(engine.run())
+        with pytest.raises(TpserveError) as info:
+            await asyncio.wait_for(_collect(engine, 6), 10)
+        with pytest.raises(UnavailableError):  # the engine is dead: new requests are refused
+            await _collect(engine, 1)
+        loop.cancel()
+        return info.value, restarts
+
+    error, restarts = asyncio.run(run())
+    assert len(restarts) == 1 and "the worker group failed" in str(error)
