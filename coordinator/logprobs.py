@@ -39,3 +39,20 @@ def token_logprob(tokenizer: Tokenizer, token_id: int, sample: SampleLogprobs) -
 
     top = tuple(TopLogprob(tid, lp, text(tid)) for tid, lp in zip(sample.top_token_ids, sample.top_logprobs, strict=True))
     return TokenLogprob(token_id, sample.logprob, text(token_id), top)
+
+
+def prompt_token_logprobs(tokenizer: Tokenizer, prompt_token_ids: list[int],
+                          scored: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]]) -> tuple[TokenLogprob, ...]:
+    """The public form of a sequence's prompt logprobs: one per prompt token from the second on."""
+    def text(tid: int) -> str:
+        return tokenizer.decode([tid], skip_special_tokens=False)
+
+    out = []
+    for position in range(1, len(prompt_token_ids)):
+        if position not in scored:
+            continue  # cannot happen: every prompt position is computed before the first token
+        logprob, top_ids, top_lps = scored[position]
+        token_id = prompt_token_ids[position]
+        out.append(TokenLogprob(token_id, logprob, text(token_id),
+                                tuple(TopLogprob(t, lp, text(t)) for t, lp in zip(top_ids, top_lps, strict=True))))
+    return tuple(out)

@@ -74,8 +74,12 @@ def validate_sampling_controls(params: pb.SamplingParams, vocab_size: int, max_t
     if top_logprobs and not params.logprobs:
         raise InvalidArgumentError("sampling_params.top_logprobs needs sampling_params.logprobs set to true")
     grammar = grammar_for(params.response_format) if params.HasField("response_format") else ""
+    prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgumentError(
+            f"sampling_params.prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}")
     return dict(
-        grammar=grammar, logprobs=params.logprobs, top_logprobs=top_logprobs, min_p=min_p, repetition_penalty=repetition_penalty, **penalties,
+        grammar=grammar, prompt_logprobs=prompt_logprobs, logprobs=params.logprobs, top_logprobs=top_logprobs, min_p=min_p, repetition_penalty=repetition_penalty, **penalties,
         logit_bias=tuple(sorted(params.logit_bias.items())), min_tokens=min_tokens,
         min_tokens_stop_ids=tuple(sorted(set(stop_ids))) if min_tokens else (),
     )

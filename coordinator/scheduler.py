@@ -186,7 +186,8 @@ class Scheduler:
             self.running.append(seq)
             # Penalties need every earlier token on the sampling rank; a cached prefix is never sent in a chunk.
             history = seq.token_ids(0, seq.num_computed_tokens) if seq.sampling.uses_token_history else ()
-            new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history))
+            prompt = tuple(seq.prompt_token_ids) if seq.sampling.prompt_logprobs is not None else ()
+            new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history, prompt))
             seq.on_workers = True
             scheduled.append(self._chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table
             budget -= num_new
@@ -209,6 +210,12 @@ class Scheduler:
         if len(result.sampled_token_ids) != plan.num_samples:
             raise ValueError(f"step {plan.step_id}: {len(result.sampled_token_ids)} tokens for {plan.num_samples} samples")
         seqs = {seq.seq_id: seq for seq in self.running}
+        for scored in result.prompt_logprobs:  # before the first token: the engine reports them with it
+            seq = seqs.get(scored.seq_id)
+            for offset, logprob in enumerate(scored.logprobs if seq is not None else ()):
+                seq.prompt_logprobs.setdefault(scored.first_position + offset, (
+                    logprob, scored.top_token_ids[offset] if scored.top_token_ids else (),
+                    scored.top_logprobs[offset] if scored.top_logprobs else ()))
         outputs: list[TokenOutput] = []
         tokens = iter(result.sampled_token_ids)
         logprobs = {lp.sample_index: lp for lp in result.logprobs}
@@ -233,8 +240,11 @@ class Scheduler:
     # -- the prefix cache --------------------------------------------------------------
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks ``seq``'s tokens start with, leaving at least its last token to compute."""
-        if not self.enable_prefix_caching:
+        """The cached blocks ``seq``'s tokens start with, leaving at least its last token to compute.
+
+        None for a sequence that asks for prompt logprobs: every prompt position needs its logits.
+        """
+        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq, self.block_size, num_full * self.block_size)

@@ -62,6 +62,8 @@ class Sequence:
             stay valid across preemptions.
         num_cached_prompt_tokens: prompt tokens found in the prefix cache at the
             sequence's first admission (reported as usage); None before it.
+        prompt_logprobs: with ``sampling.prompt_logprobs``: position -> the worker's
+            logprobs of that prompt token (filled once, whatever recomputes it).
     """
 
     seq_id: int
@@ -78,6 +80,7 @@ class Sequence:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_prompt_tokens: int | None = None
+    prompt_logprobs: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -60,26 +60,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         token_ids: list[int] = []
         last: RequestOutput | None = None
         logprobs: list[pb.TokenLogprob] = []
+        prompt_logprobs: list[pb.TokenLogprob] = []
         async for output in self.engine.generate(params, context.time_remaining()):
             text.append(output.text)
             token_ids.extend(output.token_ids)
             logprobs.extend(_logprobs(output))
+            prompt_logprobs.extend(_logprobs(output, prompt=True))
             last = output
         assert last is not None  # the engine always ends with a finished output
         return pb.GenerateResponse(
             request_id=last.request_id, text="".join(text), token_ids=token_ids,
-            finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last), logprobs=logprobs)
+            finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         params = await self._validate(request)
         async for output in self.engine.generate(params, context.time_remaining()):
             finished = output.finish_reason is not None
-            if not (output.text or output.token_ids or finished):
+            if not (output.text or output.token_ids or finished or output.prompt_logprobs):
                 continue  # text held back and no token to report: nothing to send
             yield pb.GenerateStreamResponse(
                 request_id=output.request_id, text=output.text, token_ids=output.token_ids,
                 finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None,
-                logprobs=_logprobs(output))
+                logprobs=_logprobs(output), prompt_logprobs=_logprobs(output, prompt=True))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         # While loading, the KV pool and the dtype are not known yet: UNAVAILABLE, as Generate.
@@ -87,10 +90,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return self.model_info
 
 
-def _logprobs(output: RequestOutput) -> list[pb.TokenLogprob]:
+def _logprobs(output: RequestOutput, prompt: bool = False) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, text=lp.text, top_logprobs=[
         pb.TopLogprob(token_id=top.token_id, logprob=top.logprob, text=top.text) for top in lp.top_logprobs])
-        for lp in output.logprobs]
+        for lp in (output.prompt_logprobs if prompt else output.logprobs)]
 
 
 def _usage(output: RequestOutput) -> pb.Usage:

@@ -64,6 +64,7 @@ class GenerateResult:
     finish_reason: str | None
     usage: Usage
     logprobs: tuple[pb.TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
 
     def to_json_dict(self) -> dict:
         """The ``tpserve generate --json`` object."""
@@ -99,6 +100,7 @@ def build_request(
     json_schema: str | Mapping | None = None,
     regex: str | None = None,
     choices: Sequence[str] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
@@ -112,7 +114,8 @@ def build_request(
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
                         ("top_p", top_p), ("seed", seed), ("min_p", min_p), ("repetition_penalty", repetition_penalty),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                        ("min_tokens", min_tokens), ("top_logprobs", top_logprobs)):
+                        ("min_tokens", min_tokens), ("top_logprobs", top_logprobs),
+                        ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(params, name, value)
     if json_schema is not None:  # structured output: at most one of the three
@@ -181,7 +184,8 @@ def _result(response: pb.GenerateResponse) -> GenerateResult:
         request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
         finish_reason=FINISH_REASON_NAMES[response.finish_reason],
         usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
-                    response.usage.cached_prompt_tokens), logprobs=tuple(response.logprobs))
+                    response.usage.cached_prompt_tokens), logprobs=tuple(response.logprobs),
+        prompt_logprobs=tuple(response.prompt_logprobs))
 
 
 def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:

@@ -69,6 +69,9 @@ class SamplingParams:
             tokens of that distribution, in [0, 20].
         grammar: an llguidance grammar (JSON text) the output must follow, or "";
             built and validated by the coordinator from the request's response_format.
+        prompt_logprobs: None, or return each prompt token's log-probability (from
+            the second on) with the ``prompt_logprobs`` (0 to 20) most likely tokens
+            at its position; raw distribution, as ``logprobs``.
 
     Order on the worker (vLLM's): logit_bias and min_tokens, then the penalties
     (greedy rows take the argmax here), then temperature, min_p, top-k, top-p.
@@ -91,6 +94,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str = ""
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -112,6 +116,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be finite")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] and needs logprobs, "
                              f"got {self.top_logprobs} (logprobs={self.logprobs})")
@@ -150,12 +156,15 @@ class NewSequence:
         history_token_ids: only when ``sampling.uses_token_history``: the tokens at
             positions ``0 .. start_position - 1`` of its first chunk, which the workers
             are not sent otherwise (a cached prefix); empty otherwise.
+        prompt_token_ids: only with ``sampling.prompt_logprobs``: the whole prompt
+            (a chunk's last row scores the next chunk's first token).
     """
 
     seq_id: int
     sampling: SamplingParams
     num_prompt_tokens: int = 0
     history_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +234,25 @@ class SampleLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Log-probabilities of one sequence's prompt tokens ``first_position ..`` computed this step.
+
+    Attributes:
+        seq_id: the sequence.
+        first_position: position of the first scored prompt token (>= 1).
+        logprobs: each scored token's log-probability given the tokens before it.
+        top_token_ids, top_logprobs: per scored position, the ``prompt_logprobs`` most
+            likely tokens there and their log-probabilities, most likely first.
+    """
+
+    seq_id: int
+    first_position: int
+    logprobs: tuple[float, ...]
+    top_token_ids: tuple[tuple[int, ...], ...] = ()
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """What rank 0 returns for a step.
 
@@ -234,8 +262,10 @@ class StepResult:
             Empty on ranks other than 0.
         logprobs: for the samples whose sequence asked (``SamplingParams.logprobs``)
             only, in sample order; empty otherwise.
+        prompt_logprobs: for the chunks whose sequence asked for prompt logprobs.
     """
 
     step_id: int
     sampled_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: tuple[SampleLogprobs, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()

@@ -6,7 +6,15 @@ model runner see only :mod:`tpserve.step`. No torch.
 
 from __future__ import annotations
 
-from tpserve.step import NewSequence, SampleLogprobs, SamplingParams, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import (
+    NewSequence,
+    PromptLogprobs,
+    SampleLogprobs,
+    SamplingParams,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+)
 from tpserve.v1 import worker_pb2 as pb
 
 
@@ -20,6 +28,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
                 sampling=_sampling_to_pb(seq.sampling),
                 num_prompt_tokens=seq.num_prompt_tokens,
                 history_token_ids=seq.history_token_ids,
+                prompt_token_ids=seq.prompt_token_ids,
             )
             for seq in plan.new_seqs
         ],
@@ -51,6 +60,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
                 _sampling_from_pb(seq.sampling),
                 num_prompt_tokens=seq.num_prompt_tokens,
                 history_token_ids=tuple(seq.history_token_ids),
+                prompt_token_ids=tuple(seq.prompt_token_ids),
             )
             for seq in msg.new_seqs
         ),
@@ -74,7 +84,7 @@ def _sampling_to_pb(params: SamplingParams) -> pb.WorkerSamplingParams:
         min_p=params.min_p, repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
         min_tokens_stop_ids=params.min_tokens_stop_ids, logprobs=params.logprobs, top_logprobs=params.top_logprobs,
-        grammar=params.grammar,
+        grammar=params.grammar, prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -87,6 +97,7 @@ def _sampling_from_pb(msg: pb.WorkerSamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty, logit_bias=tuple(sorted(msg.logit_bias.items())),
         min_tokens=msg.min_tokens, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids), logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs, grammar=msg.grammar,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -94,11 +105,18 @@ def result_to_pb(result: StepResult) -> pb.StepResult:
     """Encodes a step result for the wire."""
     return pb.StepResult(step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, logprobs=[
         pb.SampleLogprobs(sample_index=lp.sample_index, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
-                          top_logprobs=lp.top_logprobs) for lp in result.logprobs])
+                          top_logprobs=lp.top_logprobs) for lp in result.logprobs], prompt_logprobs=[
+        pb.PromptLogprobs(seq_id=p.seq_id, first_position=p.first_position, logprobs=p.logprobs,
+                          top=[pb.TopTokens(token_ids=ids, logprobs=lps) for ids, lps in zip(p.top_token_ids,
+                                                                                            p.top_logprobs, strict=True)])
+        for p in result.prompt_logprobs])
 
 
 def result_from_pb(msg: pb.StepResult) -> StepResult:
     """Decodes a step result from the wire (``msg.error`` is the caller's to check)."""
     return StepResult(step_id=msg.step_id, sampled_token_ids=tuple(msg.sampled_token_ids), logprobs=tuple(
         SampleLogprobs(lp.sample_index, lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
-        for lp in msg.logprobs))
+        for lp in msg.logprobs), prompt_logprobs=tuple(
+        PromptLogprobs(p.seq_id, p.first_position, tuple(p.logprobs), tuple(tuple(t.token_ids) for t in p.top),
+                       tuple(tuple(t.logprobs) for t in p.top))
+        for p in msg.prompt_logprobs))

@@ -35,7 +35,7 @@ from worker.kv_cache import KVCacheLayout
 from worker.grammar import GrammarCache, GrammarState
 from worker.loader import load_model
 from worker.logits_controls import extend_history, with_logits_controls
-from worker.logprobs import sample_logprobs
+from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
 from worker.sampler import sample_tensors
 from worker.step_inputs import build_step_inputs
@@ -50,6 +50,7 @@ class _SequenceState:
     num_prompt_tokens: int = 0
     history: list[int] | None = None  # every token so far; rank 0, sequences with a penalty or grammar only
     grammar_state: GrammarState | None = None  # rank 0, sequences with a grammar (worker/grammar.py)
+    prompt_token_ids: tuple[int, ...] = ()  # only with prompt_logprobs (worker/logprobs.py)
 
 
 class ModelRunner:
@@ -122,7 +123,7 @@ class ModelRunner:
         for new in plan.new_seqs:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_rank0 else None
             self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
-                                                    history=history)
+                                                    history=history, prompt_token_ids=new.prompt_token_ids)
         self._check_chunks(plan)
         for chunk in plan.scheduled:
             state = self._seqs[chunk.seq_id]
@@ -130,12 +131,13 @@ class ModelRunner:
             if state.history is not None:
                 extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_controls.py)
         self.last_logits = None
-        self._logprobs = ()  # set by _run for the samples that ask (worker/logprobs.py)
+        self._logprobs = self._prompt_logprobs = ()  # set by _run for the sequences that ask (worker/logprobs.py)
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
             tokens = self._run(plan)
-        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=self._logprobs)
+        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=self._logprobs,
+                          prompt_logprobs=self._prompt_logprobs)
 
     def _check_chunks(self, plan: StepPlan) -> None:
         seen: set[int] = set()
@@ -172,6 +174,7 @@ class ModelRunner:
             self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
         )
         hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
+        self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)
         if inputs.sample_rows is None:
             return ()
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (N, vocab) on rank 0, else None

@@ -42,12 +42,15 @@ class StepInputs:
             ``sample=True``, in plan order; None when nothing is sampled.
         sampling: those rows' sampling parameters; None when nothing is sampled
             or the caller did not ask for them (ranks other than 0).
+        chunk_last_rows: host-side, the row of each chunk's last token, in plan
+            order (prompt logprobs find a chunk's rows from it: worker/logprobs.py).
     """
 
     input_ids: torch.Tensor
     attn: AttentionMetadata
     sample_rows: torch.Tensor | None
     sampling: SamplingTensors | None
+    chunk_last_rows: tuple[int, ...] = ()
 
 
 class _Packer:
@@ -191,4 +194,5 @@ def build_step_inputs(
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn,
         sample_rows=dev["sample_rows"] if sampled else None, sampling=sampling_tensors,
+        chunk_last_rows=tuple(last_row),
     )

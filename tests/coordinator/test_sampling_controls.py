@@ -112,3 +112,26 @@ def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
     assert kept.push("one E") == ("one ", False)
     assert kept.push("ND two") == ("END", True) and kept.push("more") == ("", True)
     assert dropped.push("one EN") == ("one ", False) and dropped.push("D two") == ("", True)
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_are_kept_once() -> None:
+    from tpserve.step import PromptLogprobs
+
+    scheduler = Scheduler(BlockAllocator(16, 4), max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    first = Sequence(0, list(range(10, 20)), SamplingParams(temperature=0.0), StopParams(4), 64)
+    scoring = Sequence(1, list(range(10, 20)), SamplingParams(temperature=0.0, prompt_logprobs=1), StopParams(4), 64)
+    scheduler.add(first)
+    plan = scheduler.schedule()
+    scheduler.update(plan, StepResult(plan.step_id, (7,)))
+    scheduler.add(scoring)
+    plan = scheduler.schedule()
+    (new,) = plan.new_seqs
+    assert new.prompt_token_ids == tuple(range(10, 20)) and plan.scheduled[1].start_position == 0  # no cache hit
+    result = StepResult(plan.step_id, (7, 8), prompt_logprobs=(PromptLogprobs(1, 1, (-1.0,) * 9, ((5,),) * 9,
+                                                                              ((-0.5,),) * 9),))
+    scheduler.update(plan, result)
+    assert sorted(scoring.prompt_logprobs) == list(range(1, 10)) and scoring.prompt_logprobs[3] == (-1.0, (5,), (-0.5,))
+    again = PromptLogprobs(1, 1, (-9.0,) * 9, ((6,),) * 9, ((-9.0,),) * 9)  # a recompute: the first values stay
+    plan = scheduler.schedule()
+    scheduler.update(plan, StepResult(plan.step_id, (7, 8), prompt_logprobs=(again,)))
+    assert scoring.prompt_logprobs[3] == (-1.0, (5,), (-0.5,))

@@ -69,6 +69,7 @@ def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers(
                                          min_tokens=MIN_TOKENS, logit_bias=bias)
         sampled = cluster.client.generate(prompt, max_tokens=8, temperature=0.8, seed=1, presence_penalty=1.0,
                                           logprobs=True, top_logprobs=4)
+        scored = cluster.client.generate(prompt, max_tokens=1, temperature=0, prompt_logprobs=2)
     got = result.token_ids + ([EOS] if result.finish_reason == "stop" else [])
     assert result.usage.cached_prompt_tokens == 32
     assert got == want
@@ -81,3 +82,10 @@ def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers(
         top = raw[row].topk(4)
         assert [t.token_id for t in lp.top_logprobs] == top.indices.tolist()
         assert [t.logprob for t in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    # Prompt logprobs at tp 2: the same distribution at every prompt position, no prefix cache.
+    raw = torch.log_softmax(logits_of(prompt), dim=-1)  # (L, V)
+    assert scored.usage.cached_prompt_tokens == 0 and len(scored.prompt_logprobs) == len(prompt) - 1
+    for position, lp in enumerate(scored.prompt_logprobs, start=1):
+        assert lp.token_id == prompt[position]
+        assert lp.logprob == pytest.approx(float(raw[position - 1, prompt[position]]), abs=1e-4)
+        assert [t.token_id for t in lp.top_logprobs] == raw[position - 1].topk(2).indices.tolist()

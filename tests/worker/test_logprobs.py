@@ -61,3 +61,31 @@ def test_reported_logprobs_are_log_softmax_of_transformers_logits(stories_dir: P
         top = want[row].topk(5)
         assert list(lp.top_token_ids) == top.indices.tolist()
         assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_over_chunks_are_log_softmax_of_transformers_logits(stories_dir: Path) -> None:
+    runner = ModelRunner(stories_dir, ParallelContext.single(), torch.float32, block_size=4)
+    runner.init_kv_cache(num_blocks=16)
+    prompt = PROMPT + [432, 383, 286, 261, 376]  # 10 tokens, prefilled in chunks of 4, 4 and 2
+    asking = SamplingParams(temperature=0.0, prompt_logprobs=3)
+    other = NewSequence(1, SILENT, len(PROMPT))
+    plans = [
+        StepPlan(0, (NewSequence(0, asking, len(prompt), prompt_token_ids=tuple(prompt)), other),
+                 (ScheduledChunk(1, tuple(PROMPT), 0, (8, 9)), ScheduledChunk(0, tuple(prompt[:4]), 0, (0,), False))),
+        StepPlan(1, (), (ScheduledChunk(1, (7,), 5), ScheduledChunk(0, tuple(prompt[4:8]), 4, (1,), False))),
+        StepPlan(2, (), (ScheduledChunk(1, (7,), 6), ScheduledChunk(0, tuple(prompt[8:]), 8, (2,)))),
+    ]
+    scored = {}
+    for plan in plans:
+        for p in runner.execute(plan).prompt_logprobs:
+            assert p.seq_id == 0
+            for i, lp in enumerate(p.logprobs):
+                scored[p.first_position + i] = (lp, p.top_token_ids[i], p.top_logprobs[i])
+    assert sorted(scored) == list(range(1, 10))  # every prompt token but the first, across chunk boundaries
+    model = load_hf_model(stories_dir)
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)  # (10, V)
+    for position, (lp, top_ids, top_lps) in scored.items():
+        assert lp == pytest.approx(float(want[position - 1, prompt[position]]), abs=1e-4)
+        assert list(top_ids) == want[position - 1].topk(3).indices.tolist()
+        assert top_lps == pytest.approx(want[position - 1].topk(3).values.tolist(), abs=1e-4)

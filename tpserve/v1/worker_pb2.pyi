@@ -37,7 +37,7 @@ class InitCacheResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerSamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "min_tokens_stop_ids", "logprobs", "top_logprobs", "grammar")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "min_tokens_stop_ids", "logprobs", "top_logprobs", "grammar", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class WorkerSamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -73,19 +74,22 @@ class WorkerSamplingParams(_message.Message):
     logprobs: bool
     top_logprobs: int
     grammar: str
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "history_token_ids")
+    __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "history_token_ids", "prompt_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: WorkerSamplingParams
     num_prompt_tokens: int
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
     __slots__ = ("seq_id", "token_ids", "start_position", "new_block_ids", "sample")
@@ -114,16 +118,38 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "error", "logprobs")
+    __slots__ = ("step_id", "sampled_token_ids", "error", "logprobs", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
     logprobs: _containers.RepeatedCompositeFieldContainer[SampleLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[SampleLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[SampleLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("seq_id", "first_position", "logprobs", "top")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    first_position: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top: _containers.RepeatedCompositeFieldContainer[TopTokens]
+    def __init__(self, seq_id: _Optional[int] = ..., first_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ...) -> None: ...
+
+class TopTokens(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SampleLogprobs(_message.Message):
     __slots__ = ("sample_index", "logprob", "top_token_ids", "top_logprobs")
