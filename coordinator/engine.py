@@ -27,7 +27,7 @@ import structlog
 from coordinator.block_allocator import num_blocks_for
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.errors import DeadlineExceededError, ResourceExhaustedError, TpserveError, UnavailableError
-from coordinator.logprobs import TokenLogprob, token_logprob
+from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
@@ -51,6 +51,8 @@ class RequestOutput:
         num_prompt_tokens, num_completion_tokens: usage so far, in tokens.
         num_cached_prompt_tokens: prompt tokens found in the prefix cache (not computed).
         logprobs: one per entry of ``token_ids`` when the request asked for logprobs.
+        prompt_logprobs: on the first output of a request that asked: one per prompt
+            token from the second on.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_prompt_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -236,9 +239,12 @@ class Engine:
             if state is None:
                 continue
             seq = out.seq
+            prompt_logprobs = ()
             if state.first_token_time is None:
                 state.first_token_time = now
                 self.metrics.time_to_first_token.observe(now - state.arrival_time)
+                if seq.sampling.prompt_logprobs is not None:
+                    prompt_logprobs = prompt_token_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
             finish = out.finish_reason
             text, token_ids, matched, logprobs = "", [], False, ()
             if not seq.stopped_on_token():
@@ -259,7 +265,7 @@ class Engine:
                 self._observe_finished(state, now, finish)
             state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
                                                  seq.num_prompt_tokens, seq.num_output_tokens,
-                                                 seq.num_cached_prompt_tokens or 0, logprobs))
+                                                 seq.num_cached_prompt_tokens or 0, logprobs, prompt_logprobs))
 
     def _observe_finished(self, state: _RequestState, now: float, reason: FinishReason) -> None:
         seq = state.seq
