@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--include-stop-str-in-output", action="store_true")
     gen.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
     gen.add_argument("--top-logprobs", type=int, help="with --logprobs: the N most likely tokens too (0..20)")
+    gen.add_argument("--prompt-logprobs", type=int, metavar="N",
+                     help="with --json: each prompt token's log-probability and the N most likely (0..20)")
     structured = gen.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="SCHEMA", help="the completion is JSON valid under this schema "
                                                                     "(JSON text, or @FILE)")
@@ -209,6 +211,7 @@ def _generate(args: argparse.Namespace) -> int:
                     logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
                     include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
                     top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
+                    prompt_logprobs=args.prompt_logprobs,
                     json_schema=Path(args.json_schema[1:]).read_text() if (args.json_schema or "").startswith("@")
                     else args.json_schema)
     with Client(args.target, credentials=_credentials(args)) as client:
@@ -232,6 +235,11 @@ def _generate(args: argparse.Namespace) -> int:
             from google.protobuf.json_format import MessageToDict
 
             obj["logprobs"] = [MessageToDict(lp, preserving_proto_field_name=True) for lp in result.logprobs]
+        if args.prompt_logprobs is not None and not args.stream:
+            from google.protobuf.json_format import MessageToDict
+
+            obj["prompt_logprobs"] = [MessageToDict(lp, preserving_proto_field_name=True)
+                                      for lp in result.prompt_logprobs]
         print(json.dumps(obj, ensure_ascii=False))
     elif args.stream:
         print()
