@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print text as it arrives")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--timeout", type=float, help="deadline in seconds")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message, rendered with the "
+                                                           "model's chat template")
+    gen.add_argument("--system", help="with --chat: a system message before it")
     gen.add_argument("prompt")
     _add_credential_flags(gen)
 
@@ -216,10 +219,10 @@ def _generate(args: argparse.Namespace) -> int:
                     else args.json_schema)
     with Client(args.target, credentials=_credentials(args)) as client:
         if not args.stream:
-            result = client.generate(args.prompt, timeout_s=args.timeout, **sampling)
+            result = client.generate(_prompt(args), timeout_s=args.timeout, **sampling)
         else:
             text, token_ids, logprobs, last = [], [], [], None
-            for chunk in client.generate_stream(args.prompt, timeout_s=args.timeout, **sampling):
+            for chunk in client.generate_stream(_prompt(args), timeout_s=args.timeout, **sampling):
                 if not args.json:
                     print(chunk.text, end="", flush=True)
                 text.append(chunk.text)
@@ -246,6 +249,14 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print(result.text)
     return 0
+
+
+def _prompt(args: argparse.Namespace) -> str | list[dict[str, str]]:
+    """The prompt text, or with ``--chat`` the messages (an optional system one, then the user's)."""
+    if not args.chat:
+        return args.prompt
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return [*system, {"role": "user", "content": args.prompt}]
 
 
 def _logit_bias(pairs: list[str]) -> dict[int, float]:
