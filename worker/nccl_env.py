@@ -26,7 +26,7 @@ NCCL_ENV_DEFAULTS: dict[str, str] = {
     # hang on a dead peer. The coordinator sees the exit.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     # Flight recorder: keep the last 2,000 collectives per rank ...
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "2000",  # TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.6 (now deprecated)
     # ... and dump them when a collective times out.
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     # The heartbeat monitor ends a rank whose watchdog itself is stuck.

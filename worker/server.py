@@ -92,7 +92,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 # Ranks share the machine's cores: split them, never oversubscribe
                 # (oversubscribed CPU matmuls slow down by an order of magnitude).
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.local_world_size))
-            configure_nccl_env()  # before the process group exists: NCCL reads it at creation
+            if device.type == "cuda":
+                configure_nccl_env()  # before the process group exists: NCCL reads it at creation
             # Shared-memory collectives only when the whole group is on this host
             # (across hosts the activations must go through gloo / NCCL).
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,

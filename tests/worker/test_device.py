@@ -59,7 +59,7 @@ def test_nccl_env_fills_in_only_what_is_unset() -> None:
     added = configure_nccl_env(environ, dump_dir="/var/dumps")
     assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the operator's choice stands
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in added
-    assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(environ["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(environ["TORCH_FR_BUFFER_SIZE"]) > 0
     assert environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/var/dumps/tpserve_nccl_trace_rank_"
     assert set(added) == set(NCCL_ENV_DEFAULTS) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"} | {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
     assert configure_nccl_env(environ) == {}  # idempotent
