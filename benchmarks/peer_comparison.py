@@ -1,6 +1,6 @@
 """tpserve against a plain ``transformers`` loop, and against the machine's memory roofline, in one run.
 
-The model is a 94.7M-parameter random Llama (hidden 512, 30 layers, 8 heads, 4 KV
+The model is a 94.9M-parameter random Llama (hidden 512, 30 layers, 8 heads, 4 KV
 heads, intermediate 1536, vocab 512, float32) built by ``transformers`` from a fixed
 seed, so every system serves the same weights. Every system gets the same requests
 (prompts as token ids, greedy, ``ignore_eos``) on the same cores:
