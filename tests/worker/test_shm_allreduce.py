@@ -92,35 +92,13 @@ def test_no_segment_file_outlives_the_group() -> None:
     assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("tpserve-")}
 
 
-def _lost_peer_main(rank: int, init_method: str, out_path: str) -> None:
-    ctx = init_distributed(rank, 2, init_method, "cpu", 1.5)
+def _lost_peer_main(rank: int, init_method: str, out_path: str, timeout_s: float, hang: bool) -> None:
+    """Rank 1 hangs (alive, publishes nothing) or exits after one collective; rank 0 records its next one."""
+    ctx = init_distributed(rank, 2, init_method, "cpu", timeout_s)
     ctx.all_reduce(torch.ones(4))
     if rank == 1:
-        time.sleep(4.0)  # hung: alive, publishes nothing
-        os._exit(0)
-    start = time.monotonic()
-    try:
-        ctx.all_reduce(torch.ones(4))
-        outcome = "returned"
-    except RuntimeError as exc:
-        outcome = str(exc)
-    Path(out_path).write_text(f"{time.monotonic() - start}\n{outcome}")
-    os._exit(0)
-
-
-def test_a_hung_peer_times_out() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "out.txt")
-        mp.spawn(_lost_peer_main, args=(f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2)
-        seconds, outcome = Path(out).read_text().split("\n", 1)
-    assert outcome.startswith("Timed out") and "ranks [1]" in outcome, outcome
-    assert 1.0 <= float(seconds) < 4.0
-
-
-def _dead_peer_main(rank: int, init_method: str, out_path: str) -> None:
-    ctx = init_distributed(rank, 2, init_method, "cpu", 30.0)
-    ctx.all_reduce(torch.ones(4))
-    if rank == 1:
+        if hang:
+            time.sleep(timeout_s + 2.5)
         os._exit(0)  # gone (its parent reaps it), never publishes again
     start = time.monotonic()
     try:
@@ -132,11 +110,22 @@ def _dead_peer_main(rank: int, init_method: str, out_path: str) -> None:
     os._exit(0)
 
 
-def test_an_exited_peer_fails_the_collective_at_once() -> None:
-    """A dead peer is noticed from its pid, long before the 30 s collective timeout."""
+def _lose_peer(timeout_s: float, hang: bool) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "out.txt")
-        mp.spawn(_dead_peer_main, args=(f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2)
+        mp.spawn(_lost_peer_main, args=(f"tcp://127.0.0.1:{_free_port()}", out, timeout_s, hang), nprocs=2)
         seconds, outcome = Path(out).read_text().split("\n", 1)
+    return float(seconds), outcome
+
+
+def test_a_hung_peer_times_out() -> None:
+    seconds, outcome = _lose_peer(1.5, hang=True)
+    assert outcome.startswith("Timed out") and "ranks [1]" in outcome, outcome
+    assert 1.0 <= seconds < 4.0
+
+
+def test_an_exited_peer_fails_the_collective_at_once() -> None:
+    """A dead peer is noticed from its pid, long before the 30 s collective timeout."""
+    seconds, outcome = _lose_peer(30.0, hang=False)
     assert outcome.startswith("ranks [1] exited"), outcome
-    assert float(seconds) < 5.0
+    assert seconds < 5.0
