@@ -80,8 +80,10 @@ PUBLIC_KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.h
 # Clients resolve a name (dns:///replicas:50051) once per connection: closing each
 # connection after a while makes them re-resolve and find replicas added since.
 # The grace lets a long generation stream finish on the old connection.
+# SO_REUSEPORT off (gRPC turns it on by default on Linux): a second server started on a
+# port already in use must fail to bind, not share the port and split the clients.
 _PUBLIC_SERVER_OPTIONS = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000),
-                          *PUBLIC_KEEPALIVE_OPTIONS,
+                          ("grpc.so_reuseport", 0), *PUBLIC_KEEPALIVE_OPTIONS,
                           ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
 
 
@@ -155,11 +157,12 @@ class Cluster:
                 credentials = server_credentials(cfg_server.ssl_certfile, cfg_server.ssl_keyfile, cfg_server.ssl_ca_certs)
             except OSError as exc:
                 raise StartupError(f"cannot read the TLS files: {exc}") from exc
-            self.port = server.add_secure_port(address, credentials)
+            self.port = _bind(server, address, credentials)
         else:
-            self.port = server.add_insecure_port(address)
+            self.port = _bind(server, address)
         if self.port == 0:
-            raise StartupError(f"cannot bind {self.config.server.host}:{self.config.server.port}")
+            raise StartupError(f"cannot bind {self.config.server.host}:{self.config.server.port} "
+                               "(in use by another process?)")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.world_size,
@@ -451,9 +454,11 @@ def config_sha256(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
 
 
-def _bind(server: grpc.aio.Server, address: str) -> int:
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
     """The bound port, or 0 where ``address`` cannot be bound (grpc raises or returns 0, by version)."""
     try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
         return server.add_insecure_port(address)
     except RuntimeError:
         return 0

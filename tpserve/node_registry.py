@@ -29,7 +29,8 @@ log = structlog.get_logger(__name__)
 # A JoinGroup stream is idle for hours; HTTP/2 pings find a leader or node that
 # vanished without closing its connection (power loss, partition) within ~20 s.
 CLIENT_KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000)]
-SERVER_KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
+SERVER_KEEPALIVE_OPTIONS = [("grpc.so_reuseport", 0),  # a port in use is an error, not shared
+                            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
                             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                             ("grpc.http2.max_ping_strikes", 0)]
 
