@@ -188,20 +188,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_credential_flags(parser: argparse.ArgumentParser) -> None:
-    """The client side of the server's --ssl-* and --api-key flags."""
-    group = parser.add_argument_group("credentials")
-    group.add_argument("--ssl-ca-certs", help="PEM CA bundle that signed the server's certificate (TLS)")
-    group.add_argument("--ssl-certfile", help="PEM client certificate (mutual TLS)")
-    group.add_argument("--ssl-keyfile", help="PEM key of --ssl-certfile")
-    group.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
-                       help="bearer key for a server started with --api-key (default: $TPSERVE_API_KEY)")
+    from tpserve.client import Credentials
+
+    Credentials.add_flags(parser)
 
 
 def _credentials(args: argparse.Namespace):
     from tpserve.client import Credentials
 
-    return Credentials(ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                       api_key=args.api_key)
+    return Credentials.from_flags(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tpserve.grpc_metadata import metadata_interceptors
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -177,6 +179,31 @@ class Credentials:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Call metadata: the bearer key, if any."""
         return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def aio_channel(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        """An asyncio channel to ``target`` whose every call carries these credentials
+        (for stubs used directly, such as the load generator's)."""
+        interceptors = metadata_interceptors(self.metadata) if self.metadata else None
+        if self.tls:
+            return grpc.aio.secure_channel(target, self.channel_credentials(), options=list(options),
+                                           interceptors=interceptors)
+        return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+
+    @staticmethod
+    def add_flags(parser) -> None:
+        """The client side of ``tpserve serve``'s --ssl-* and --api-key flags, on an argparse parser."""
+        group = parser.add_argument_group("credentials")
+        group.add_argument("--ssl-ca-certs", help="PEM CA bundle that signed the server's certificate (TLS)")
+        group.add_argument("--ssl-certfile", help="PEM client certificate (mutual TLS)")
+        group.add_argument("--ssl-keyfile", help="PEM key of --ssl-certfile")
+        group.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
+                           help="bearer key for a server started with --api-key (default: $TPSERVE_API_KEY)")
+
+    @classmethod
+    def from_flags(cls, args) -> Credentials:
+        """From the attributes :meth:`add_flags` defines on an argparse namespace."""
+        return cls(ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                   api_key=args.api_key)
 
 
 def _result(response: pb.GenerateResponse) -> GenerateResult:

@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 
+from tpserve.grpc_metadata import metadata_interceptors
+
 METADATA_KEY = "x-tpserve-cluster-secret"
 ENV_VAR = "TPSERVE_CLUSTER_SECRET"
 _DENIED = "missing or wrong cluster secret (--cluster-secret-file must be the same on every host)"
@@ -47,45 +49,9 @@ def _matches(metadata: Any, expected: bytes) -> bool:
     return False
 
 
-class _SecretMetadata:
-    """Adds the secret to a call's metadata."""
-
-    def __init__(self, secret: str) -> None:
-        self._pair = (METADATA_KEY, secret)
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
-
-
-# One class per call kind: a channel files each interceptor under the first kind it
-# is an instance of, so one class deriving from all four would see unary calls only.
-class _UnaryUnary(_SecretMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
-
-
-class _UnaryStream(_SecretMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
-
-
-class _StreamUnary(_SecretMetadata, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._details(client_call_details), request_iterator)
-
-
-class _StreamStream(_SecretMetadata, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._details(client_call_details), request_iterator)
-
-
 def client_interceptors(secret: str | None) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors for ``grpc.aio.insecure_channel(..., interceptors=...)``: none without a secret."""
-    if secret is None:
-        return []
-    return [kind(secret) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    return [] if secret is None else metadata_interceptors([(METADATA_KEY, secret)])
 
 
 def _deny_handler(handler: grpc.RpcMethodHandler, deny: Callable) -> grpc.RpcMethodHandler:

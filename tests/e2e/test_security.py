@@ -180,3 +180,17 @@ def test_no_prompt_or_generated_text_in_the_logs(tmp_path: Path) -> None:
     assert "request aborted" in log  # the log was captured
     assert CANARY not in log
     assert len(generated) < 8 or generated not in log  # the completion's text
+
+
+def test_the_load_generator_takes_the_credentials(secured, pki: Path, tmp_path: Path) -> None:
+    import json
+
+    result_file = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "tpserve.cli", "bench", "--target", secured.target, "--num-prompts", "4",
+           "--input-len", "16", "--output-len", "4", "--request-rate", "inf", "--result-file", str(result_file),
+           "--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-certfile", str(pki / "client.pem"),
+           "--ssl-keyfile", str(pki / "client.key"), "--api-key", API_KEY]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = json.loads(result_file.read_text())["runs"][0]["requests"]
+    assert len(records) == 4 and all(r["status"] == "OK" for r in records)

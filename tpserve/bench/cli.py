@@ -21,12 +21,15 @@ import sys
 
 import grpc
 
+from tpserve.client import Credentials
+
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers the ``bench`` subcommand and its flags on the ``tpserve`` parser's subcommands."""
     bench = commands.add_parser("bench", help="load a running server and report TTFT, TPOT, ITL, E2EL, throughput",
                                 description="Load a running server and report vLLM's serving metrics.")
     bench.add_argument("--target", default="127.0.0.1:50051", help="server address HOST:PORT")
+    Credentials.add_flags(bench)
     work = bench.add_argument_group("workload")
     work.add_argument("--dataset", "--dataset-name", choices=("random", "jsonl"), default="random",
                       help="random token-id prompts, or a JSONL file of {prompt, max_tokens}")
@@ -101,7 +104,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("--seed and --num-warmups must be >= 0")
     if args.dataset == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
-    with Client(args.target) as client:
+    credentials = Credentials.from_flags(args)
+    with Client(args.target, credentials=credentials) as client:
         client.wait_ready(timeout_s=args.ready_check_timeout_sec)
         info = client.model_info()
     if args.dataset == "random":
@@ -124,7 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
                                    seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
                                    request_timeout_s=args.request_timeout, num_warmups=args.num_warmups,
                                    slos_ms=slos, show_progress=not args.disable_tqdm)
-        run = runner.run(args.target, requests, config)
+        run = runner.run(args.target, requests, config, credentials)
         print(report.format_summary(run.summary, rate, args.burstiness, args.max_concurrency), flush=True)
         runs.append(run)
     if len(runs) > 1:

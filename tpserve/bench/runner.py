@@ -20,7 +20,7 @@ import grpc
 from tpserve.bench.arrivals import arrival_offsets, run_load
 from tpserve.bench.datasets import SampleRequest
 from tpserve.bench.metrics import RequestRecord, SloName, summarize
-from tpserve.client import FINISH_REASON_NAMES, build_request
+from tpserve.client import FINISH_REASON_NAMES, Credentials, build_request
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -83,12 +83,16 @@ def close_record(record: RequestRecord, last: pb.GenerateStreamResponse | None) 
                       last.usage.completion_tokens)
 
 
-async def run_async(target: str, requests: Sequence[SampleRequest], config: LoadConfig) -> RunResult:
-    """Sends ``requests`` to the server at ``target`` under ``config``; returns the measured run."""
+async def run_async(target: str, requests: Sequence[SampleRequest], config: LoadConfig,
+                    credentials: Credentials = Credentials()) -> RunResult:
+    """Sends ``requests`` to the server at ``target`` under ``config``; returns the measured run.
+
+    ``credentials``: TLS files and API key for a secured server.
+    """
     from tqdm import tqdm  # imported here: `tpserve --help` should not pay for it
 
     offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with credentials.aio_channel(target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         for index in range(config.num_warmups):  # not measured: warms caches and connections
             await stream_one(stub, index % len(requests), requests[index % len(requests)], config, time.perf_counter())
@@ -106,6 +110,7 @@ async def run_async(target: str, requests: Sequence[SampleRequest], config: Load
     return RunResult(config.request_rate, records, summarize(records, duration_s, config.slos_ms))
 
 
-def run(target: str, requests: Sequence[SampleRequest], config: LoadConfig) -> RunResult:
+def run(target: str, requests: Sequence[SampleRequest], config: LoadConfig,
+        credentials: Credentials = Credentials()) -> RunResult:
     """Blocking :func:`run_async`."""
-    return asyncio.run(run_async(target, requests, config))
+    return asyncio.run(run_async(target, requests, config, credentials))
