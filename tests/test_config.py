@@ -33,3 +33,12 @@ def test_serve_flags_follow_vllm_names() -> None:
                                       "--dtype", "bfloat16"])
     assert (args.tensor_parallel_size, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
             args.max_model_len, args.dtype) == (2, 8, 512, 8, 256, "bfloat16")
+
+
+def test_serve_names_a_bad_flag_in_one_line(capsys) -> None:
+    from tpserve.cli import main
+
+    assert main(["serve", "--ssl-certfile", "server.pem"]) == 2
+    assert capsys.readouterr().err == "tpserve serve: server: --ssl-certfile and --ssl-keyfile go together\n"
+    assert main(["serve", "--max-num-seqs", "0"]) == 2
+    assert capsys.readouterr().err == "tpserve serve: scheduler.max_num_seqs: Input should be greater than or equal to 1\n"

@@ -178,13 +178,26 @@ def _serve(args: argparse.Namespace) -> int:
         node_class = HeadlessNode if config.parallel.headless else Cluster
         node = node_class(config, log_format=args.log_format)
     except (StartupError, ValueError, OSError) as exc:
-        print(f"tpserve serve: {exc}", file=sys.stderr)
+        print(f"tpserve serve: {_config_error(exc)}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(node.serve())
     except StartupError as exc:  # a peer that never came, or refused this node
         print(f"tpserve serve: {exc}", file=sys.stderr)
         return 1
+
+
+def _config_error(exc: Exception) -> str:
+    """One line per problem: pydantic's own message lists the input dict and a documentation URL."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    lines = []
+    for error in errors():
+        where = ".".join(str(part) for part in error.get("loc", ()) if part != "__root__")
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where else message)
+    return "; ".join(lines)
 
 
 def _add_credential_flags(parser: argparse.ArgumentParser) -> None:
