@@ -35,10 +35,12 @@ def test_serve_flags_follow_vllm_names() -> None:
             args.max_model_len, args.dtype) == (2, 8, 512, 8, 256, "bfloat16")
 
 
-def test_serve_names_a_bad_flag_in_one_line(capsys) -> None:
-    from tpserve.cli import main
+def test_serve_names_a_bad_flag_in_one_line() -> None:
+    """What `tpserve serve` prints for a bad flag (not through main(): it would configure logging globally)."""
+    from tpserve.cli import _config_error, build_parser, serve_config
 
-    assert main(["serve", "--ssl-certfile", "server.pem"]) == 2
-    assert capsys.readouterr().err == "tpserve serve: server: --ssl-certfile and --ssl-keyfile go together\n"
-    assert main(["serve", "--max-num-seqs", "0"]) == 2
-    assert capsys.readouterr().err == "tpserve serve: scheduler.max_num_seqs: Input should be greater than or equal to 1\n"
+    for argv, message in ((["--ssl-certfile", "server.pem"], "server: --ssl-certfile and --ssl-keyfile go together"),
+                          (["--max-num-seqs", "0"], "scheduler.max_num_seqs: Input should be greater than or equal to 1")):
+        with pytest.raises(ValueError) as info:
+            serve_config(build_parser().parse_args(["serve", *argv]))
+        assert _config_error(info.value) == message
