@@ -6,12 +6,15 @@ after them are prefill chunks, each a contiguous run of rows. Per layer:
 
 1. the new tokens' keys and values are written into the paged KV cache at their
    slots (``slot = block_table[pos // block_size] * block_size + pos % block_size``);
-2. decodes: one ``scaled_dot_product_attention`` call for all of them. Their
-   queries are the first rows of ``q`` as they lie (no gather); their keys and
-   values are read through the block tables (``index_select`` of whole blocks
+2. decodes: on a float32 CPU step with the compiled kernels (worker/kernels/),
+   one ``paged_decode_attention`` call reads each sequence's keys and values
+   where they lie in the cache, through its block table, with no copy and no
+   padding. Elsewhere, one ``scaled_dot_product_attention`` call for all of them:
+   their queries are the first rows of ``q`` as they lie (no gather); their keys
+   and values are read through the block tables (``index_select`` of whole blocks
    into a reused buffer: one copy of each context, which is what a paged layout
-   costs without a custom kernel),
-   with a mask ``key position < context_len`` built once per step;
+   costs without a custom kernel), with a mask ``key position < context_len``
+   built once per step;
 3. prefill chunks: one call each. A chunk that starts a prompt attends over its
    own keys and values, which are already in registers' reach as ``k, v`` (causal,
    no cache read, no mask tensor); a later chunk of a long prompt reads its
@@ -33,6 +36,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from worker.kernels import cpu_kernels_available
+
+#: Head sizes the compiled decode kernel is instantiated for (worker/kernels/cpu_attention.cpp).
+KERNEL_HEAD_SIZES = (32, 64, 80, 96, 128)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,8 @@ class AttentionMetadata:
         workspace: scratch tensors by name, kept by the caller from step to step
             (the gathered keys and values land there: a fresh multi-megabyte
             tensor per layer would page-fault on every step).
+        decode_context_lens: ``(num_decodes,) int64`` tokens each decode attends
+            over (its position + 1); None when ``num_decodes == 0``.
     """
 
     positions: torch.Tensor
@@ -81,6 +91,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: tuple[PrefillChunk, ...]
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
+    decode_context_lens: torch.Tensor | None = None
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict[str, torch.Tensor],
@@ -151,6 +162,11 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q (D, H, d)`` -> ``(D, H, d)``: one query per sequence over its paged context."""
         num_seqs, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
+        if (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and d in KERNEL_HEAD_SIZES
+                and meta.decode_context_lens is not None and cpu_kernels_available()):
+            return torch.ops.tpserve_cpu.paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )  # (D, H, d), read in place through the block tables
         block_ids = meta.decode_block_tables.view(-1)  # (D * B,)
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)
         values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")

@@ -181,6 +181,7 @@ def build_step_inputs(
         positions=dev["positions"], slot_mapping=dev["slots"], num_decodes=num_decodes,
         decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=tuple(prefills),
         workspace={} if workspace is None else workspace,
+        decode_context_lens=dev["decode_context_lens"] if num_decodes else None,
     )
     sampling_tensors = None
     if build_sampling:

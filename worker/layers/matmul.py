@@ -11,6 +11,13 @@ benchmarks/peer_comparison.py's shapes), all four projections of a step:
 ``M = 4``: 85 -> 35 ms, ``M = 16``: 90 -> 60 ms, ``M = 64``: 175 -> 125 ms; at
 ``M = 1`` both forms are the same GEMV, so it keeps ``F.linear``.
 
+Where the CPU has AVX2 and the kernels built (worker/kernels/), float32 products
+of up to ``MAX_KERNEL_ROWS`` rows go to ``torch.ops.tpserve_cpu.linear_f32``
+instead, which reads every weight exactly once per call whatever the row count
+and splits the weight rows between threads (worker/kernels/cpu_linear.cpp says
+why MKL does not). Prefill-sized products stay with MKL, whose cache blocking
+wins once the product is compute-bound.
+
 CUDA keeps ``F.linear`` (cuBLAS picks its own split, and the transposes would
 cost a kernel each).
 """
@@ -20,14 +27,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.kernels import cpu_kernels_available
+
+#: Most rows of ``x`` sent to the compiled kernel; above it MKL's blocked GEMM is as fast or faster.
+MAX_KERNEL_ROWS = 64
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x (T, K) @ weight (N, K).T + bias (N,)`` -> ``(T, N)``, contiguous, ``x.dtype``.
 
-    Numerically a GEMM like ``F.linear``'s (float32 accumulation in MKL), with a
+    Numerically a GEMM like ``F.linear``'s (float32 accumulation), with a
     different blocking, so results may differ from ``F.linear`` in the last bits.
+    ``weight`` must be contiguous (the layers' parameters are).
     """
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] < 2:
+    if x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    if (x.shape[0] <= MAX_KERNEL_ROWS and x.dtype == weight.dtype == torch.float32 and cpu_kernels_available()
+            and (bias is None or bias.dtype == torch.float32)):
+        return torch.ops.tpserve_cpu.linear_f32(x.contiguous(), weight, bias)  # (T, N)
+    if x.shape[0] < 2:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t().contiguous()  # (T, N)
     if bias is not None:

@@ -1,0 +1,114 @@
+"""The compiled CPU kernels (worker/kernels/cpu_linear.cpp) against float64 references."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
+
+needs_kernels = pytest.mark.skipif(
+    not (_cpu_supports_avx2() and shutil.which("c++")), reason="needs an AVX2 CPU and a C++ compiler"
+)
+
+# K: multiples of 16 and 8, and odd tails; N: whole tiles of 4 and short last tiles; M: 1, 2, odd, > 64.
+SHAPES = [(1, 64, 8), (2, 517, 37), (3, 24, 5), (16, 512, 1024), (17, 1536, 3), (70, 40, 130)]
+
+
+@needs_kernels
+def test_the_kernels_build_on_this_machine() -> None:
+    assert cpu_kernels_available()
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_linear_f32_matches_float64(m: int, k: int, n: int, threads: int) -> None:
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = torch.ops.tpserve_cpu.linear_f32(x, w, b)
+        y_nobias = torch.ops.tpserve_cpu.linear_f32(x, w, None)
+    finally:
+        torch.set_num_threads(before)
+    expected = x.double() @ w.double().t()
+    assert y.shape == (m, n) and y.dtype == torch.float32 and y.is_contiguous()
+    tol = 1e-6 * k**0.5 * 4
+    torch.testing.assert_close(y_nobias.double(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(y.double(), expected + b.double(), rtol=tol, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_linear_int8_matches_the_dequantized_product(m: int, k: int, n: int) -> None:
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(m + k * 7 + n)
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale, b = torch.rand(n, generator=g) / 127, torch.randn(n, generator=g)
+    y = torch.ops.tpserve_cpu.linear_int8(x, q, scale, b)
+    expected = (x.double() @ q.double().t()) * scale.double() + b.double()
+    tol = 1e-6 * k**0.5 * 4
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernels
+def test_bad_inputs_are_refused_with_the_reason() -> None:
+    assert cpu_kernels_available()
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="K=9"):
+        torch.ops.tpserve_cpu.linear_f32(x, torch.randn(4, 9), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tpserve_cpu.linear_f32(x, torch.randn(8, 4).t(), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tpserve_cpu.linear_f32(x.double(), w.double(), None)
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.tpserve_cpu.linear_int8(x, w, torch.ones(4), None)
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.tpserve_cpu.linear_int8(x, w.to(torch.int8), torch.ones(3), None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 4), (4, 4), (8, 1)])
+def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(
+    head_size: int, num_heads: int, num_kv_heads: int
+) -> None:
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(head_size + num_heads * 10 + num_kv_heads)
+    num_seqs, block_size, num_blocks, max_blocks = 5, 16, 40, 10
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
+    context_lens = torch.tensor([1, 17, 33, 100, 160])  # one token, block edges + 1, a full table
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(num_seqs)])
+    # Queries as attention gets them: a view into the rotated q/k rows, not contiguous per sequence.
+    qk = torch.randn(num_seqs, num_heads + num_kv_heads, head_size, generator=g) * 3
+    q = qk[:, :num_heads]
+    out = torch.ops.tpserve_cpu.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, head_size**-0.5)
+    assert out.shape == (num_seqs, num_heads, head_size) and out.is_contiguous()
+    for s in range(num_seqs):
+        n = int(context_lens[s])
+        k = k_cache[tables[s]].reshape(-1, num_kv_heads, head_size)[:n].transpose(0, 1).double()  # (KVH, n, d)
+        v = v_cache[tables[s]].reshape(-1, num_kv_heads, head_size)[:n].transpose(0, 1).double()
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[s].unsqueeze(1).double(), k, v, scale=head_size**-0.5, enable_gqa=True
+        ).squeeze(1)  # (H, d)
+        torch.testing.assert_close(out[s].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_paged_decode_attention_refuses_a_context_past_its_block_table() -> None:
+    assert cpu_kernels_available()
+    k_cache = torch.randn(4, 16, 2, 64)
+    tables = torch.zeros(1, 2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="context length 33"):
+        torch.ops.tpserve_cpu.paged_decode_attention(torch.randn(1, 2, 64), k_cache, k_cache, tables,
+                                                     torch.tensor([33]), 0.125)
+    with pytest.raises(RuntimeError, match="head_dim 48"):
+        torch.ops.tpserve_cpu.paged_decode_attention(torch.randn(1, 2, 48), torch.randn(4, 16, 2, 48),
+                                                     torch.randn(4, 16, 2, 48), tables, torch.tensor([3]), 0.125)

@@ -1,0 +1,93 @@
+"""tpserve's compiled CPU kernels (``*.cpp`` here), built once per machine and loaded on first use.
+
+The ops land in ``torch.ops.tpserve_cpu``:
+
+* ``linear_f32(x (M, K) f32, weight (N, K) f32, bias (N,) f32 | None) -> (M, N) f32``
+* ``linear_int8(x (M, K) f32, qweight (N, K) int8, scale (N,) f32, bias (N,) f32 | None) -> (M, N) f32``,
+  ``y = (x @ qweight.T) * scale + bias``
+* ``paged_decode_attention(q (D, H, d) f32, k_cache, v_cache (num_blocks, block_size, KVH, d) f32,
+  block_tables (D, B) int64, context_lens (D,) int64, scale) -> (D, H, d) f32``: one query token per
+  sequence over its paged context (cpu_attention.cpp)
+
+They need an x86-64 CPU with AVX2 and FMA, a C++ compiler and ninja. The shared
+library is built with ``torch.utils.cpp_extension`` into
+``$TPSERVE_KERNEL_CACHE`` (default ``~/.cache/tpserve/kernels``) under a name that
+hashes the source, the flags and the torch version, so a changed source or a
+new torch rebuilds it and a process that finds it built only loads it (``python
+-m worker.kernels`` builds it ahead, as ``deploy/setup.sh`` does). Where any of
+this is missing, :func:`cpu_kernels_available` is False and the callers keep
+torch's own GEMMs: the kernels are a speed-up, never a requirement.
+``TPSERVE_CPU_KERNELS=0`` switches them off (for A/B measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP in the headers
+_log = logging.getLogger(__name__)
+
+
+def _build_directory() -> Path:
+    key = hashlib.sha256()
+    for source in _SOURCES:
+        key.update(source.read_bytes())
+    key.update(" ".join(_FLAGS).encode())
+    key.update(torch.__version__.encode())
+    root = Path(os.environ.get("TPSERVE_KERNEL_CACHE", Path.home() / ".cache" / "tpserve" / "kernels"))
+    return root / key.hexdigest()[:16]
+
+
+def _build(directory: Path, library: Path) -> None:
+    """Compile into a private directory, load it, then move the library into place atomically.
+
+    A rank that starts while another builds either finds no library (and builds its
+    own copy) or the finished one, never a half-written file.
+    """
+    import shutil
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix="build-", dir=directory))
+    try:
+        cpp_extension.load(name="tpserve_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(private),
+                           is_python_module=False, verbose=False)
+        os.replace(private / library.name, library)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _cpu_supports_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Whether ``torch.ops.tpserve_cpu`` is loaded in this process (built on the first call if need be).
+
+    Never raises: a CPU without AVX2, a missing compiler or ninja, or a failed
+    build logs one warning and returns False.
+    """
+    if os.environ.get("TPSERVE_CPU_KERNELS", "1") == "0" or not _cpu_supports_avx2():
+        return False
+    directory = _build_directory()
+    library = directory / "tpserve_cpu_kernels.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(directory, library)
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: use torch's GEMMs
+        _log.warning("tpserve CPU kernels unavailable, using torch's GEMMs: %s", exc)
+        return False
+    return hasattr(torch.ops.tpserve_cpu, "linear_f32")

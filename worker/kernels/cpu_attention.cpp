@@ -1,0 +1,209 @@
+// Decode attention over the paged KV cache on AVX2 CPUs: one query token per sequence.
+//
+// For sequence s, query head h (KV head j = h / (H / KVH), grouped-query attention, Ainslie et al.
+// 2023) and context positions t < context_lens[s], with K/V of position t at slot
+// block_tables[s, t / block_size] * block_size + t % block_size:
+//
+//     out[s, h] = sum_t softmax_t(scale * q[s, h] . k[t, j]) v[t, j]
+//
+// Why a kernel: without one, attention gathers each sequence's whole K and V through its block
+// table into a dense buffer (a copy of the context per layer per step) and runs a general SDPA
+// over the padded batch. Here each (sequence, KV head) pair reads its keys and values where they
+// lie in the cache, once, for all the query heads that share them, with an exact two-pass softmax
+// (scores, then max-subtracted exponentials; Milakov & Gimelshein 2018 give the same result
+// online). The exponential is a vectorised range reduction exp(x) = 2^n * exp(r), |r| <= ln2/2,
+// with exp(r) by its degree-7 Taylor polynomial (relative error < 2e-8 on that range, below
+// float32's epsilon), as libm-quality vector exps do.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (softmax arguments after the max is subtracted); underflows to 0 below -87.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2 = _mm256_set1_ps(0.693147180559945309f);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, ln2, x);  // x - n ln2, |r| <= ln2 / 2
+  // exp(r) = 1 + r + r^2/2! + ... + r^7/7!, Horner form.
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n through the exponent bits (n >= -126 after the clamp above).
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Four dot products of 8*D8 floats at once: q (in registers) against keys k0..k3; independent FMA
+// chains, then one horizontal reduction for the four.
+template <int D8>
+inline __m128 dot4(const __m256 (&q)[D8], const float* k0, const float* k1, const float* k2, const float* k3) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int i = 0; i < D8; ++i) {
+    a0 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k0 + 8 * i), a0);
+    a1 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k1 + 8 * i), a1);
+    a2 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k2 + 8 * i), a2);
+    a3 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k3 + 8 * i), a3);
+  }
+  // hadd twice leaves [a0 a1 a2 a3] partial sums in each 128-bit half; add the halves.
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// One (sequence, KV head): `groups` query heads q[g * q_head_stride ..] of size d = 8 * D8.
+template <int D8>
+void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* k_cache, const float* v_cache,
+            const int64_t* table, int64_t context, int64_t block_size, int64_t token_stride, float scale,
+            float* out, int64_t out_head_stride, std::vector<float>& scores, std::vector<const float*>& rows) {
+  scores.resize(static_cast<size_t>(groups * context + 4));
+  rows.resize(static_cast<size_t>(context + 4));
+  for (int64_t t = 0; t < context; ++t) rows[t] = &k_cache[(table[t / block_size] * block_size + t % block_size) * token_stride];
+  for (int64_t t = context; t < context + 4; ++t) rows[t] = rows[context - 1];  // padding for the last group of 4
+  // Pass 1: scores. Keys of 4 positions at a time against one head's query, held in registers.
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 qv[D8];
+    for (int i = 0; i < D8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), _mm256_set1_ps(scale));
+    float* s = scores.data() + g * context;
+    for (int64_t t = 0; t < context; t += 4) {
+      const __m128 d4 = dot4<D8>(qv, rows[t], rows[t + 1], rows[t + 2], rows[t + 3]);
+      if (t + 4 <= context) {
+        _mm_storeu_ps(s + t, d4);
+      } else {
+        float tmp[4];
+        _mm_storeu_ps(tmp, d4);
+        for (int64_t j = t; j < context; ++j) s[j] = tmp[j - t];
+      }
+    }
+  }
+  // Softmax over t for each head, exact: subtract the max, exponentiate, normalise at the end.
+  for (int64_t t = 0; t < context; ++t) rows[t] = &v_cache[(table[t / block_size] * block_size + t % block_size) * token_stride];
+  for (int64_t g = 0; g < groups; ++g) {
+    float* s = scores.data() + g * context;
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 8 <= context; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+    float m = hmax(vmax);
+    for (; t < context; ++t) m = std::max(m, s[t]);
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= context; t += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+      _mm256_storeu_ps(s + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; t < context; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    // Pass 2: the probability-weighted sum of values, accumulated in registers.
+    __m256 o[D8];
+    for (int i = 0; i < D8; ++i) o[i] = _mm256_setzero_ps();
+    for (t = 0; t < context; ++t) {
+      const __m256 pt = _mm256_set1_ps(s[t]);
+      const float* v = rows[t];
+      for (int i = 0; i < D8; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), o[i]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    float* og = out + g * out_head_stride;
+    for (int i = 0; i < D8; ++i) _mm256_storeu_ps(og + 8 * i, _mm256_mul_ps(o[i], inv));
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, const int64_t*, int64_t,
+                          int64_t, int64_t, float, float*, int64_t, std::vector<float>&,
+                          std::vector<const float*>&);
+
+AttendFn attend_for(int64_t d) {
+  switch (d) {
+    case 32: return &attend<4>;
+    case 64: return &attend<8>;
+    case 80: return &attend<10>;
+    case 96: return &attend<12>;
+    case 128: return &attend<16>;
+    default: return nullptr;
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "tpserve paged_decode_attention: q (D, H, d), caches (num_blocks, block_size, KVH, d)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "tpserve paged_decode_attention: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1,
+              "tpserve paged_decode_attention: contiguous caches and head vectors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
+              "tpserve paged_decode_attention: int64 block_tables (D, B) and context_lens (D,)");
+  const int64_t D = q.size(0), H = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  const AttendFn attend_fn = attend_for(d);
+  TORCH_CHECK(k_cache.size(3) == d && attend_fn != nullptr, "tpserve paged_decode_attention: head_dim ", d,
+              " must match the cache and be one of 32, 64, 80, 96, 128");
+  TORCH_CHECK(H % KVH == 0 && block_tables.size(0) == D && context_lens.numel() == D,
+              "tpserve paged_decode_attention: shapes disagree");
+  const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < D; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size,
+                "tpserve paged_decode_attention: context length ", lens[s], " outside the block table");
+  }
+  at::Tensor out = at::empty({D, H, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), token_stride = KVH * d;
+  at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const float*> rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, j = item % KVH;
+      attend_fn(qp + s * qs0 + j * groups * qs1, qs1, groups, kp + j * d, vp + j * d, tables + s * max_blocks,
+                lens[s], block_size, token_stride, static_cast<float>(scale), op + (s * H + j * groups) * d, d,
+                scores, rows);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
