@@ -5,7 +5,9 @@ are sequences that feed one token (decodes, or one-token prompts), the rows
 after them are prefill chunks, each a contiguous run of rows. Per layer:
 
 1. the new tokens' keys and values are written into the paged KV cache at their
-   slots (``slot = block_table[pos // block_size] * block_size + pos % block_size``);
+   slots (``slot = block_table[pos // block_size] * block_size + pos % block_size``)
+   by :func:`write_kv_cache`, or fused with RoPE (worker/layers/rotary.py's
+   ``rotate_and_cache``); :class:`PagedAttention` then only reads the cache;
 2. decodes: on a float32 CPU step with the compiled kernels (worker/kernels/),
    one ``paged_decode_attention`` call reads each sequence's keys and values
    where they lie in the cache, through its block table, with no copy and no
@@ -109,6 +111,14 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict
     return torch.index_select(cache, 0, block_ids, out=out)
 
 
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write ``k, v (T, num_kv_heads, d)`` into the caches at ``slot_mapping (T,) int64``, in place."""
+    num_kv_heads, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, v)
+
+
 class PagedAttention(nn.Module):
     """Causal multi-head attention over the paged KV cache, for this rank's heads.
 
@@ -139,12 +149,11 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """``q (T, num_heads, d)``, ``k, v (T, num_kv_heads, d)`` -> ``(T, num_heads * d)``.
 
-        Writes ``k, v`` into ``k_cache, v_cache`` at ``attn_metadata.slot_mapping`` first.
+        ``k, v`` must already be in ``k_cache, v_cache`` at ``attn_metadata.slot_mapping``
+        (:func:`write_kv_cache`); a prompt's first chunk attends over ``k, v`` as given.
         """
-        num_tokens, kvh, d = k.shape
+        num_tokens, d = k.shape[0], k.shape[2]
         meta = attn_metadata
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)  # the cache now holds this step's keys
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
         num_decodes = meta.num_decodes
         decoded = None
         if num_decodes:

@@ -27,7 +27,7 @@ from worker.attention import AttentionMetadata, PagedAttention
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm, SiluAndMul
-from worker.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.layers.rotary import RotaryEmbedding, rotate_and_cache
 from worker.parallel_state import ParallelContext
 
 #: One layer's paged cache on this rank: ``(k_cache, v_cache)``, each
@@ -56,13 +56,9 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens, d = x.shape[0], self.attn.head_size
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
-        qk_size = self.q_size + self.kv_size
-        # q and k heads rotated together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, d), *rope)  # (T, num_heads + num_kv_heads, d)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, num_heads, d), (T, num_kv_heads, d)
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, d)  # (T, num_kv_heads, d)
+        q, k, v = rotate_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
+                                   self.num_kv_heads)  # q, k rotated; k, v now in the cache at their slots
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 
@@ -97,9 +93,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, ctx, dtype)
 
     def forward(self, rope: Rope, h: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata)  # (T, hidden)
-        h = h + self.mlp(self.post_attention_layernorm(h))  # (T, hidden)
-        return h
+        a = self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata)  # (T, hidden)
+        h, x = self.post_attention_layernorm.add_and_norm(h, a)  # h + a, and its norm, in one pass
+        return h + self.mlp(x)  # (T, hidden)
 
 
 class LlamaModel(nn.Module):

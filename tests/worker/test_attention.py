@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.step import SamplingParams, ScheduledChunk
-from worker.attention import PagedAttention
+from worker.attention import PagedAttention, write_kv_cache
 from worker.step_inputs import build_step_inputs
 
 BLOCK_SIZE = 4
@@ -90,6 +90,7 @@ def test_mixed_batch_equals_causal_attention_over_each_history() -> None:
     q = torch.cat([q_rows[i] for i in order])  # (T, H, D)
     k_new = torch.cat([histories[i][0][STARTS[i]:] for i in order])  # (T, KVH, D)
     v_new = torch.cat([histories[i][1][STARTS[i]:] for i in order])
+    write_kv_cache(k_new, v_new, k_cache, v_cache, inputs.attn.slot_mapping)
     out = PagedAttention(HEADS, KV_HEADS, D, scale=D**-0.5)(q, k_new, v_new, k_cache, v_cache, inputs.attn)
 
     expected = []
@@ -113,6 +114,7 @@ def test_a_pure_decode_step() -> None:
     k_cache = torch.randn(4, BLOCK_SIZE, KV_HEADS, D)
     v_cache = torch.randn(4, BLOCK_SIZE, KV_HEADS, D)
     q, k, v = torch.randn(2, HEADS, D), torch.randn(2, KV_HEADS, D), torch.randn(2, KV_HEADS, D)
+    write_kv_cache(k, v, k_cache, v_cache, inputs.attn.slot_mapping)
     out = PagedAttention(HEADS, KV_HEADS, D, scale=D**-0.5)(q, k, v, k_cache, v_cache, inputs.attn)
     # Sequence 0 attends positions 0..6 in blocks 3, 1; sequence 1 only its own new key.
     keys0 = k_cache[[3, 1]].reshape(-1, KV_HEADS, D)[:7].repeat_interleave(2, 1).transpose(0, 1)  # (H, 7, D)

@@ -8,6 +8,8 @@ The ops land in ``torch.ops.tpserve_cpu``:
 * ``paged_decode_attention(q (D, H, d) f32, k_cache, v_cache (num_blocks, block_size, KVH, d) f32,
   block_tables (D, B) int64, context_lens (D,) int64, scale) -> (D, H, d) f32``: one query token per
   sequence over its paged context (cpu_attention.cpp)
+* ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache``: the decoder layer's
+  elementwise work in one pass each (cpu_elementwise.cpp; signatures in worker/layers/fused.py)
 
 They need an x86-64 CPU with AVX2 and FMA, a C++ compiler and ninja. The shared
 library is built with ``torch.utils.cpp_extension`` into
@@ -31,13 +33,16 @@ from pathlib import Path
 import torch
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP in the headers
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+# -fopenmp: at::parallel_for is inline OpenMP in ATen's headers. -ffp-contract=off: no multiply-add
+# is fused unless the source asks (the elementwise kernels keep torch's roundings).
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 _log = logging.getLogger(__name__)
 
 
 def _build_directory() -> Path:
     key = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         key.update(source.read_bytes())
     key.update(" ".join(_FLAGS).encode())
     key.update(torch.__version__.encode())

@@ -11,15 +11,15 @@
 // over the padded batch. Here each (sequence, KV head) pair reads its keys and values where they
 // lie in the cache, once, for all the query heads that share them, with an exact two-pass softmax
 // (scores, then max-subtracted exponentials; Milakov & Gimelshein 2018 give the same result
-// online). The exponential is a vectorised range reduction exp(x) = 2^n * exp(r), |r| <= ln2/2,
-// with exp(r) by its degree-7 Taylor polynomial (relative error < 2e-8 on that range, below
-// float32's epsilon), as libm-quality vector exps do.
+// online), the exponential vectorised (vec_math.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "vec_math.h"
 
 #include <cmath>
 #include <cstdint>
@@ -28,40 +28,9 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// exp(x) for x <= 0 (softmax arguments after the max is subtracted); underflows to 0 below -87.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2 = _mm256_set1_ps(0.693147180559945309f);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fnmadd_ps(n, ln2, x);  // x - n ln2, |r| <= ln2 / 2
-  // exp(r) = 1 + r + r^2/2! + ... + r^7/7!, Horner form.
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  // 2^n through the exponent bits (n >= -126 after the clamp above).
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+using tpserve::exp256;
+using tpserve::hmax;
+using tpserve::hsum;
 
 // Four dot products of 8*D8 floats at once: q (in registers) against keys k0..k3; independent FMA
 // chains, then one horizontal reduction for the four.
@@ -116,7 +85,7 @@ void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* 
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (t = 0; t + 8 <= context; t += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
       _mm256_storeu_ps(s + t, e);
       vsum = _mm256_add_ps(vsum, e);
     }

@@ -19,6 +19,8 @@
 
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -26,12 +28,7 @@ namespace {
 
 constexpr int64_t kRows = 4;  // rows of W per tile: 4 independent streams, 8 accumulators with 2 rows of x
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using tpserve::hsum;
 
 // Dot products of 4 weight rows with 1 row of x; two accumulators per row so 8 FMA chains are
 // in flight (FMA latency 4 cycles x 2 ports).

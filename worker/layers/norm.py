@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.kernels import cpu_kernels_available
 from worker.layers.weights import new_parameter
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernels (worker/kernels/cpu_elementwise.cpp) take ``x``."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and cpu_kernels_available()
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +31,23 @@ class RMSNorm(nn.Module):
         self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _compiled(x) and x.stride(-1) == 1:
+            return torch.ops.tpserve_cpu.rms_norm(x, self.weight, self.eps)  # (T, hidden_size), one pass
         input_dtype = x.dtype
         x32 = x.to(torch.float32)  # (T, hidden_size) float32
         variance = x32.pow(2).mean(-1, keepdim=True)  # (T, 1)
         x32 = x32 * torch.rsqrt(variance + self.eps)  # (T, hidden_size)
         return self.weight * x32.to(input_dtype)  # (T, hidden_size)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, rms_norm(residual + x))``, both ``(T, hidden_size)``: the residual add fused.
+
+        One pass over the rows on the compiled path (vLLM's ``fused_add_rms_norm``, out of place).
+        """
+        if _compiled(x) and _compiled(residual) and x.stride(-1) == residual.stride(-1) == 1:
+            return torch.ops.tpserve_cpu.add_rms_norm(residual, x, self.weight, self.eps)
+        h = residual + x
+        return h, self(h)
 
 
 class SiluAndMul(nn.Module):
@@ -39,5 +57,7 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if _compiled(gate_up) and gate_up.stride(-1) == 1:
+            return torch.ops.tpserve_cpu.silu_and_mul(gate_up)  # (T, n), one pass
         gate, up = gate_up.chunk(2, dim=-1)  # (T, n) each
         return F.silu(gate) * up  # (T, n)

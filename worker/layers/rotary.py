@@ -26,6 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.attention import write_kv_cache
+from worker.kernels import cpu_kernels_available
+
 
 def rope_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``(head_size / 2,)`` float32, in radians per position.
@@ -90,3 +93,45 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x (T, num_heads, d)`` by the step's ``cos, sin (T, 1, d)``: ``x cos + rotate_half(x) sin``."""
     return x * cos + _rotate_half(x) * sin  # (T, num_heads, d)
+
+
+def rotate_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate the query and key heads of ``qkv`` and write this step's keys and values into the cache.
+
+    Args:
+        qkv: ``(T, (num_heads + 2 * num_kv_heads) * d)``, the fused projection's output
+            (queries, keys, values); rotated in place on the compiled path.
+        cos, sin: the step's ``(T, 1, d)`` from :class:`RotaryEmbedding`.
+        k_cache, v_cache: one layer's ``(num_blocks, block_size, num_kv_heads, d)``.
+        slot_mapping: ``(T,) int64`` cache slot of each row.
+
+    Returns:
+        ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` rotated, and ``v (T, num_kv_heads, d)``.
+
+    On a float32 CPU step with the compiled kernels this is one pass over the rows
+    (worker/kernels/cpu_elementwise.cpp, the same roundings as :func:`apply_rotary`);
+    elsewhere :func:`apply_rotary` on the q and k heads together and
+    :func:`worker.attention.write_kv_cache`.
+    """
+    num_tokens, d = qkv.shape[0], k_cache.shape[-1]
+    if (qkv.device.type == "cpu" and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
+            and qkv.is_contiguous() and cpu_kernels_available()):
+        torch.ops.tpserve_cpu.rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        q, k, v = qkv.view(num_tokens, -1, d).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        return q, k, v
+    qk_size = (num_heads + num_kv_heads) * d
+    # q and k heads rotated together: one set of elementwise ops instead of two.
+    qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, d), cos, sin)  # (T, num_heads + num_kv_heads, d)
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    v = qkv[:, qk_size:].view(num_tokens, num_kv_heads, d)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k, v

@@ -1,0 +1,199 @@
+// The decoder layer's elementwise work, one pass each instead of a chain of small torch ops:
+// RMSNorm (with the residual add fused in), SiLU-and-mul, and RoPE with the KV-cache write.
+//
+// A decode step runs each of these 30-odd times over a few rows; as torch ops they are 5-10
+// kernel launches each, whose fixed cost (a few microseconds apiece) is most of a small step's
+// time outside the GEMMs. Each function here is float32 only and follows the reference maths
+// (transformers' LlamaRMSNorm, SiLU, apply_rotary_pos_emb) with the same operation order, so the
+// results agree with the torch path to float32 rounding (tests/worker/test_cpu_kernels.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "vec_math.h"
+
+namespace {
+
+using tpserve::exp256;
+using tpserve::hsum;
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "tpserve ", what, ": expected a float32 (T, H) CPU tensor with contiguous rows");
+}
+
+// y = w * (x / sqrt(mean(x^2) + eps)) for one row of n floats.
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv)));
+  }
+  for (; i < n; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t T = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.numel() == n,
+              "tpserve rms_norm: weight must be a contiguous float32 (H,) tensor");
+  at::Tensor y = at::empty({T, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ld = x.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rms_norm_row(xp + t * ld, wp, static_cast<float>(eps), n, yp + t * n);
+  });
+  return y;
+}
+
+// (residual + x, rms_norm(residual + x)): the residual stream's add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& x,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(residual, "add_rms_norm");
+  check_rows(x, "add_rms_norm");
+  const int64_t T = x.size(0), n = x.size(1);
+  TORCH_CHECK(residual.size(0) == T && residual.size(1) == n, "tpserve add_rms_norm: shapes differ");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.numel() == n,
+              "tpserve add_rms_norm: weight must be a contiguous float32 (H,) tensor");
+  at::Tensor sum = at::empty({T, n}, x.options());
+  at::Tensor y = at::empty({T, n}, x.options());
+  const float* rp = residual.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldr = residual.stride(0), ldx = x.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* s = sp + t * n;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(rp + t * ldr + i), _mm256_loadu_ps(xp + t * ldx + i)));
+      }
+      for (; i < n; ++i) s[i] = rp[t * ldr + i] + xp[t * ldx + i];
+      rms_norm_row(s, wp, static_cast<float>(eps), n, yp + t * n);
+    }
+  });
+  return {sum, y};
+}
+
+// silu(gate) * up for gate_up (T, 2n) laid out [gate | up]; silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_and_mul");
+  const int64_t T = gate_up.size(0), n = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "tpserve silu_and_mul: the last dimension must be even");
+  at::Tensor y = at::empty({T, n}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ld = gate_up.stride(0);
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = gp + t * ld;
+      const float* u = g + n;
+      float* o = yp + t * n;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+// In place on qkv (T, (H + 2 KVH) d): rotate the H query and KVH key heads by (cos, sin) (T, d),
+// the "rotate half" layout: out[i] = x[i] cos[i] - x[i + d/2] sin[i] for i < d/2 and
+// x[i] cos[i] + x[i - d/2] sin[i] above; then write the rotated keys and the values into the
+// caches (num_blocks, block_size, KVH, d) at slot_mapping[t].
+void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "rotary_and_cache");
+  const int64_t T = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && d % 2 == 0,
+              "tpserve rotary_and_cache: qkv must be contiguous (T, (H + 2 KVH) d)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.numel() == T * d && sin.numel() == T * d,
+              "tpserve rotary_and_cache: cos and sin must be contiguous float32 (T, d)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == num_kv_heads,
+              "tpserve rotary_and_cache: caches must be contiguous float32 (num_blocks, block_size, KVH, d)");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "tpserve rotary_and_cache: slot_mapping must be int64 (T,)");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), half = d / 2, width = qkv.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "tpserve rotary_and_cache: slot ", slots[t], " outside the cache");
+  }
+  float* qp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = qp + t * width;
+      const float* c = cp + t * d;
+      const float* s = sp + t * d;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        float* x = row + h * d;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+          // Separate multiplies and adds (no FMA): the same roundings as x * cos + rotate_half(x) * sin.
+          const __m256 lo = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)),
+                                          _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s + i)));
+          const __m256 hi = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)),
+                                          _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i)));
+          _mm256_storeu_ps(x + i, lo);
+          _mm256_storeu_ps(x + half + i, hi);
+        }
+        for (; i < half; ++i) {
+          const float x1 = x[i], x2 = x[half + i];
+          x[i] = x1 * c[i] + (-x2) * s[i];
+          x[half + i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+      const int64_t kv_bytes = num_kv_heads * d * static_cast<int64_t>(sizeof(float));
+      std::memcpy(kc + slots[t] * num_kv_heads * d, row + num_heads * d, kv_bytes);
+      std::memcpy(vc + slots[t] * num_kv_heads * d, row + (num_heads + num_kv_heads) * d, kv_bytes);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_and_cache", &rotary_and_cache);
+}
