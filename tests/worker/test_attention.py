@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -71,7 +72,8 @@ def test_one_host_to_device_copy_per_step(monkeypatch) -> None:
     assert inputs.input_ids.device.type == "meta" and inputs.attn.decode_mask.device.type == "meta"
 
 
-def test_mixed_batch_equals_causal_attention_over_each_history() -> None:
+@pytest.mark.parametrize("D", [8, 64])  # 8: the SDPA path; 64: the compiled decode kernel (worker/kernels/)
+def test_mixed_batch_equals_causal_attention_over_each_history(D: int) -> None:
     generator = torch.Generator().manual_seed(0)
     inputs = _inputs()
     k_cache = torch.zeros(8, BLOCK_SIZE, KV_HEADS, D)
@@ -106,7 +108,8 @@ def test_mixed_batch_equals_causal_attention_over_each_history() -> None:
     assert not torch.isnan(out).any()
 
 
-def test_a_pure_decode_step() -> None:
+@pytest.mark.parametrize("D", [8, 64])
+def test_a_pure_decode_step(D: int) -> None:
     chunks = [ScheduledChunk(0, (1,), 6), ScheduledChunk(1, (2,), 0)]
     inputs = build_step_inputs(chunks, [[3, 1], [0]], [SamplingParams(temperature=0)] * 2, BLOCK_SIZE,
                                torch.device("cpu"))

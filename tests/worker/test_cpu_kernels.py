@@ -112,3 +112,64 @@ def test_paged_decode_attention_refuses_a_context_past_its_block_table() -> None
     with pytest.raises(RuntimeError, match="head_dim 48"):
         torch.ops.tpserve_cpu.paged_decode_attention(torch.randn(1, 2, 48), torch.randn(4, 16, 2, 48),
                                                      torch.randn(4, 16, 2, 48), tables, torch.tensor([3]), 0.125)
+
+
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, in float64."""
+    x = x.double()
+    return w.double() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 512), (5, 72), (33, 13)])
+def test_rms_norm_and_its_fused_residual_add_match_the_reference(rows: int, hidden: int) -> None:
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(rows * hidden)
+    x, residual = torch.randn(rows, hidden, generator=g) * 4, torch.randn(rows, hidden, generator=g)
+    w = torch.randn(hidden, generator=g)
+    torch.testing.assert_close(torch.ops.tpserve_cpu.rms_norm(x, w, 1e-5).double(), _torch_rms_norm(x, w, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    total, normed = torch.ops.tpserve_cpu.add_rms_norm(residual, x, w, 1e-6)
+    assert torch.equal(total, residual + x)  # one float32 add, the same rounding
+    torch.testing.assert_close(normed.double(), _torch_rms_norm(residual + x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_silu_and_mul_matches_torch_over_the_whole_float_range() -> None:
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(0)
+    gate = torch.cat([torch.randn(3, 37, generator=g) * 10, torch.tensor([[-200.0, -88.5, 0.0, 88.5, 200.0] * 7 + [1, 2]])])
+    up = torch.randn(4, 37, generator=g)
+    out = torch.ops.tpserve_cpu.silu_and_mul(torch.cat([gate, up], dim=1))
+    expected = torch.nn.functional.silu(gate.double()) * up.double()
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-6)
+    assert torch.isfinite(out).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_size"), [(8, 4, 64), (4, 1, 16), (2, 2, 6)])
+def test_rotary_and_cache_equals_apply_rotary_then_the_cache_write(num_heads: int, num_kv_heads: int,
+                                                                   head_size: int) -> None:
+    from worker.attention import write_kv_cache
+    from worker.layers.rotary import RotaryEmbedding, apply_rotary
+
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(head_size)
+    tokens, slots = 6, torch.tensor([5, 0, 17, 3, 30, 9])
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g)
+    cos, sin = RotaryEmbedding(head_size, 10000.0, None, torch.device("cpu"))(torch.tensor([0, 1, 7, 100, 3, 2048]),
+                                                                             torch.float32)
+    caches = [torch.zeros(4, 8, num_kv_heads, head_size) for _ in range(4)]
+    view = qkv.view(tokens, -1, head_size)
+    qk = apply_rotary(view[:, : num_heads + num_kv_heads], cos, sin)
+    v = view[:, num_heads + num_kv_heads :]
+    write_kv_cache(qk[:, num_heads:], v, caches[0], caches[1], slots)
+    fused = qkv.clone()
+    torch.ops.tpserve_cpu.rotary_and_cache(fused, cos, sin, caches[2], caches[3], slots, num_heads, num_kv_heads)
+    fused_view = fused.view(tokens, -1, head_size)
+    assert torch.equal(fused_view[:, : num_heads + num_kv_heads], qk)  # the same roundings, bit for bit
+    assert torch.equal(fused_view[:, num_heads + num_kv_heads :], v)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    with pytest.raises(RuntimeError, match="slot 32 outside"):
+        torch.ops.tpserve_cpu.rotary_and_cache(fused, cos, sin, caches[2], caches[3], slots + 2, num_heads,
+                                               num_kv_heads)
