@@ -9,9 +9,10 @@ after them are prefill chunks, each a contiguous run of rows. Per layer:
    by :func:`write_kv_cache`, or fused with RoPE (worker/layers/rotary.py's
    ``rotate_and_cache``); :class:`PagedAttention` then only reads the cache;
 2. decodes: on a float32 CPU step with the compiled kernels (worker/kernels/),
-   one ``paged_decode_attention`` call reads each sequence's keys and values
-   where they lie in the cache, through its block table, with no copy and no
-   padding. Elsewhere, one ``scaled_dot_product_attention`` call for all of them:
+   one ``paged_attention`` call reads each sequence's keys and values where they
+   lie in the cache, through its block table, with no copy and no padding; there
+   the group also holds chunks of up to 16 tokens (speculative verification,
+   short prompts), each row causal over its own position. Elsewhere, one ``scaled_dot_product_attention`` call for all of them:
    their queries are the first rows of ``q`` as they lie (no gather); their keys
    and values are read through the block tables (``index_select`` of whole blocks
    into a reused buffer: one copy of each context, which is what a paged layout
@@ -41,8 +42,14 @@ from torch import nn
 
 from worker.kernels import cpu_kernels_available
 
-#: Head sizes the compiled decode kernel is instantiated for (worker/kernels/cpu_attention.cpp).
+#: Head sizes the compiled paged kernel is instantiated for (worker/kernels/cpu_attention.cpp).
 KERNEL_HEAD_SIZES = (32, 64, 80, 96, 128)
+
+
+def paged_kernel_available(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether the compiled paged attention takes a step of ``dtype`` activations on ``device``."""
+    return (device.type == "cpu" and dtype == torch.float32 and head_size in KERNEL_HEAD_SIZES
+            and cpu_kernels_available())
 
 
 @dataclass(frozen=True)
@@ -73,17 +80,22 @@ class AttentionMetadata:
     Attributes:
         positions: ``(T,) int64`` absolute position of each row of the flat batch.
         slot_mapping: ``(T,) int64`` cache slot of each row, ``block_id * block_size + offset``.
-        num_decodes: the first ``num_decodes`` rows are one-token sequences.
-        decode_block_tables: ``(num_decodes, max_blocks) int64``, padded with block 0
-            (masked out); None when ``num_decodes == 0``.
+        num_decodes: the first ``num_decodes`` rows are the decode group: one-token
+            sequences (and, with ``decode_query_start_loc``, short chunks).
+        decode_block_tables: ``(S, max_blocks) int64`` for the group's ``S`` sequences,
+            padded with block 0 (masked out, or never read); None when ``num_decodes == 0``.
         decode_mask: ``(num_decodes, 1, 1, max_blocks * block_size) bool``, True for
             key positions below the sequence's context length; None likewise.
         prefills: the prefill chunks, in row order.
         workspace: scratch tensors by name, kept by the caller from step to step
             (the gathered keys and values land there: a fresh multi-megabyte
             tensor per layer would page-fault on every step).
-        decode_context_lens: ``(num_decodes,) int64`` tokens each decode attends
-            over (its position + 1); None when ``num_decodes == 0``.
+        decode_context_lens: ``(S,) int64`` tokens each sequence of the first group
+            attends over (its last position + 1); None when ``num_decodes == 0``.
+        decode_query_start_loc: ``(S + 1,) int64`` row offsets of the first group's
+            sequences, when it is read by the compiled paged kernel and may hold
+            chunks of several tokens (worker/step_inputs.py's ``paged_kernel``); None
+            otherwise (one row per sequence, ``decode_mask`` set).
     """
 
     positions: torch.Tensor
@@ -94,6 +106,7 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
     decode_context_lens: torch.Tensor | None = None
+    decode_query_start_loc: torch.Tensor | None = None
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict[str, torch.Tensor],
@@ -169,12 +182,12 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """``q (D, H, d)`` -> ``(D, H, d)``: one query per sequence over its paged context."""
+        """``q (D, H, d)`` -> ``(D, H, d)``: the decode group's rows over their paged contexts."""
         num_seqs, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
-        if (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and d in KERNEL_HEAD_SIZES
-                and meta.decode_context_lens is not None and cpu_kernels_available()):
-            return torch.ops.tpserve_cpu.paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        if meta.decode_query_start_loc is not None:  # step_inputs checked the kernel takes this step
+            return torch.ops.tpserve_cpu.paged_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_start_loc,
+                meta.decode_context_lens, self.scale,
             )  # (D, H, d), read in place through the block tables
         block_ids = meta.decode_block_tables.view(-1)  # (D * B,)
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)

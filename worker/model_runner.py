@@ -31,6 +31,7 @@ import torch
 
 from tpserve.model_config import ModelConfig
 from tpserve.step import SamplingParams, StepPlan, StepResult
+from worker.attention import paged_kernel_available
 from worker.kv_cache import KVCacheLayout
 from worker.grammar import GrammarCache, GrammarState
 from worker.loader import load_model
@@ -84,6 +85,7 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
         self._seqs: dict[int, _SequenceState] = {}
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
+        self._paged_kernel = paged_kernel_available(ctx.device, dtype, self.config.head_dim)
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
@@ -172,6 +174,7 @@ class ModelRunner:
         inputs = build_step_inputs(
             chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
             self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
+            paged_kernel=self._paged_kernel,
         )
         hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
         self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)

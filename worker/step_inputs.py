@@ -10,6 +10,10 @@ of the device copy. Masks are built on the device from those views.
 
 The flat batch is reordered **decodes first** (see worker/attention.py): the
 chunks that feed one token, in plan order, then the longer chunks in plan order.
+With ``paged_kernel`` (the compiled CPU attention, worker/kernels/) the first
+group is every chunk of at most ``MAX_PAGED_QUERY_LEN`` tokens (decodes,
+speculative verification, short prompts), which that kernel reads through the
+block tables, with their row offsets (``query_start_loc``) instead of a mask.
 ``sample_rows`` maps the sampled chunks, in plan order, to their last row, so
 the sampled tokens come back in the order of the plan.
 
@@ -29,6 +33,9 @@ from worker.attention import AttentionMetadata, PrefillChunk
 from worker.sampler import SamplingTensors
 
 _TWO_63 = 1 << 63
+#: Longest chunk the compiled paged attention takes with the decodes (``paged_kernel``); longer
+#: prompt chunks go to SDPA, whose blocked kernel wins once a chunk's queries share enough keys.
+MAX_PAGED_QUERY_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ def build_step_inputs(
     *,
     with_sampling: bool = True,
     workspace: dict[str, torch.Tensor] | None = None,
+    paged_kernel: bool = False,
 ) -> StepInputs:
     """Build a step's inputs from its chunks, in plan order.
 
@@ -102,12 +110,16 @@ def build_step_inputs(
         device: where the model runs.
         with_sampling: build the sampling tensors (only the rank that samples needs them).
         workspace: scratch tensors attention may keep across steps (see AttentionMetadata).
+        paged_kernel: attention runs the compiled paged kernel (float32 CPU ranks with
+            worker/kernels/ built): chunks up to ``MAX_PAGED_QUERY_LEN`` tokens join the decodes.
 
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
     """
-    order = [i for i, c in enumerate(chunks) if c.num_tokens == 1] + [i for i, c in enumerate(chunks) if c.num_tokens > 1]
-    num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+    short = MAX_PAGED_QUERY_LEN if paged_kernel else 1  # the longest chunk of the first group
+    paged = [i for i, c in enumerate(chunks) if c.num_tokens <= short]
+    order = paged + [i for i, c in enumerate(chunks) if c.num_tokens > short]
+    num_decodes = sum(chunks[i].num_tokens for i in paged)  # rows of the first group
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -128,21 +140,27 @@ def build_step_inputs(
             slots.extend(range(base, base + take))
             pos += take
         last_row[i] = row + chunk.num_tokens - 1
-        if chunk.num_tokens > 1:
+        if chunk.num_tokens > short:
             prefill_specs.append((row, len(tokens), start, i))
     packer.add("input_ids", tokens)
     packer.add("positions", positions)
     packer.add("slots", slots)
 
     decode_blocks = 0
-    if num_decodes:
-        decode_blocks = max(chunks[i].start_position // block_size + 1 for i in order[:num_decodes])
+    if paged:
+        context_lens = [chunks[i].start_position + chunks[i].num_tokens for i in paged]
+        decode_blocks = -(-max(context_lens) // block_size)
         rows: list[int] = []
-        for i in order[:num_decodes]:
+        for i in paged:
             table = list(block_tables[i][:decode_blocks])
-            rows.extend(table + [0] * (decode_blocks - len(table)))  # padding: masked out
+            rows.extend(table + [0] * (decode_blocks - len(table)))  # padding: masked out, or never read
         packer.add("decode_tables", rows)
-        packer.add("decode_context_lens", [chunks[i].start_position + 1 for i in order[:num_decodes]])
+        packer.add("decode_context_lens", context_lens)
+        if paged_kernel:
+            starts = [0]
+            for i in paged:
+                starts.append(starts[-1] + chunks[i].num_tokens)
+            packer.add("decode_query_start_loc", starts)
     for n, (_, _, start, i) in enumerate(prefill_specs):
         if start > 0:
             context = start + chunks[i].num_tokens
@@ -163,8 +181,9 @@ def build_step_inputs(
 
     dev = packer.to_device(device, floats)
     decode_tables = decode_mask = None
-    if num_decodes:
-        decode_tables = dev["decode_tables"].view(num_decodes, decode_blocks)  # (D, B)
+    if paged:
+        decode_tables = dev["decode_tables"].view(len(paged), decode_blocks)  # (S, B)
+    if paged and not paged_kernel:  # SDPA's mask: key position < context length (one query row each)
         key_pos = torch.arange(decode_blocks * block_size, device=device)  # (K,)
         decode_mask = (key_pos[None, :] < dev["decode_context_lens"][:, None]).view(num_decodes, 1, 1, -1)
     prefills = []
@@ -181,7 +200,8 @@ def build_step_inputs(
         positions=dev["positions"], slot_mapping=dev["slots"], num_decodes=num_decodes,
         decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=tuple(prefills),
         workspace={} if workspace is None else workspace,
-        decode_context_lens=dev["decode_context_lens"] if num_decodes else None,
+        decode_context_lens=dev["decode_context_lens"] if paged else None,
+        decode_query_start_loc=dev["decode_query_start_loc"] if paged and paged_kernel else None,
     )
     sampling_tensors = None
     if build_sampling:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from tpserve.step import SamplingParams, ScheduledChunk
 from worker.attention import PagedAttention, write_kv_cache
+from worker.kernels import cpu_kernels_available
 from worker.step_inputs import build_step_inputs
 
 BLOCK_SIZE = 4
@@ -20,11 +21,12 @@ TABLES = [[7, 2], [0, 5, 3], [6, 1], [4]]
 SAMPLE = [True, True, False, True]
 
 
-def _inputs(device: str = "cpu", with_sampling: bool = True):
+def _inputs(device: str = "cpu", with_sampling: bool = True, paged_kernel: bool = False):
     chunks = [ScheduledChunk(i, tuple(range(10 * i, 10 * i + n)), s, sample=smp)
               for i, (n, s, smp) in enumerate(zip(QUERY_LENS, STARTS, SAMPLE))]
     sampling = [SamplingParams(temperature=0.5 * i, top_k=i, top_p=1.0 - 0.1 * i, seed=2**64 - 1 - i) for i in range(4)]
-    return build_step_inputs(chunks, TABLES, sampling, BLOCK_SIZE, torch.device(device), with_sampling=with_sampling)
+    return build_step_inputs(chunks, TABLES, sampling, BLOCK_SIZE, torch.device(device), with_sampling=with_sampling,
+                             paged_kernel=paged_kernel)
 
 
 def test_decodes_come_first_and_every_field_lines_up() -> None:
@@ -72,10 +74,27 @@ def test_one_host_to_device_copy_per_step(monkeypatch) -> None:
     assert inputs.input_ids.device.type == "meta" and inputs.attn.decode_mask.device.type == "meta"
 
 
-@pytest.mark.parametrize("D", [8, 64])  # 8: the SDPA path; 64: the compiled decode kernel (worker/kernels/)
-def test_mixed_batch_equals_causal_attention_over_each_history(D: int) -> None:
+def test_with_the_paged_kernel_short_chunks_join_the_decodes() -> None:
+    inputs = _inputs(paged_kernel=True)
+    meta = inputs.attn
+    # Every chunk has at most 16 tokens: all in the paged group, in plan order, no prefill, no mask.
+    assert inputs.input_ids.tolist() == [0, 1, 2, 3, 4, 10, 20, 21, 22, 30]
+    assert meta.num_decodes == 10 and meta.prefills == () and meta.decode_mask is None
+    assert meta.decode_query_start_loc.tolist() == [0, 5, 6, 9, 10]
+    assert meta.decode_context_lens.tolist() == [5, 10, 7, 3]
+    assert meta.decode_block_tables.tolist() == [[7, 2, 0], [0, 5, 3], [6, 1, 0], [4, 0, 0]]
+    assert inputs.sample_rows.tolist() == [4, 5, 9]
+
+
+# (D, paged_kernel): 8 takes the SDPA path; 64 with the kernel takes the compiled paged attention.
+PATHS = [(8, False), (64, False), pytest.param(64, True, marks=pytest.mark.skipif(
+    not cpu_kernels_available(), reason="the compiled CPU kernels are not built on this machine"))]
+
+
+@pytest.mark.parametrize(("D", "paged_kernel"), PATHS)
+def test_mixed_batch_equals_causal_attention_over_each_history(D: int, paged_kernel: bool) -> None:
     generator = torch.Generator().manual_seed(0)
-    inputs = _inputs()
+    inputs = _inputs(paged_kernel=paged_kernel)
     k_cache = torch.zeros(8, BLOCK_SIZE, KV_HEADS, D)
     v_cache = torch.zeros(8, BLOCK_SIZE, KV_HEADS, D)
     # Earlier steps left each sequence's history (positions before its start) in its blocks.
@@ -88,7 +107,7 @@ def test_mixed_batch_equals_causal_attention_over_each_history(D: int) -> None:
             v_cache[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = v_all[pos]
         histories.append((k_all, v_all))
     q_rows = [torch.randn(n, HEADS, D, generator=generator) for n in QUERY_LENS]  # plan order
-    order = [1, 3, 0, 2]  # the flat batch's order: decodes first
+    order = [0, 1, 2, 3] if paged_kernel else [1, 3, 0, 2]  # the flat batch's order: decodes first
     q = torch.cat([q_rows[i] for i in order])  # (T, H, D)
     k_new = torch.cat([histories[i][0][STARTS[i]:] for i in order])  # (T, KVH, D)
     v_new = torch.cat([histories[i][1][STARTS[i]:] for i in order])
@@ -108,11 +127,11 @@ def test_mixed_batch_equals_causal_attention_over_each_history(D: int) -> None:
     assert not torch.isnan(out).any()
 
 
-@pytest.mark.parametrize("D", [8, 64])
-def test_a_pure_decode_step(D: int) -> None:
+@pytest.mark.parametrize(("D", "paged_kernel"), PATHS)
+def test_a_pure_decode_step(D: int, paged_kernel: bool) -> None:
     chunks = [ScheduledChunk(0, (1,), 6), ScheduledChunk(1, (2,), 0)]
     inputs = build_step_inputs(chunks, [[3, 1], [0]], [SamplingParams(temperature=0)] * 2, BLOCK_SIZE,
-                               torch.device("cpu"))
+                               torch.device("cpu"), paged_kernel=paged_kernel)
     assert inputs.attn.prefills == () and inputs.sampling.all_greedy
     k_cache = torch.randn(4, BLOCK_SIZE, KV_HEADS, D)
     v_cache = torch.randn(4, BLOCK_SIZE, KV_HEADS, D)

@@ -76,8 +76,9 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
 @needs_kernels
 @pytest.mark.parametrize("head_size", [32, 64, 80, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 4), (4, 4), (8, 1)])
-def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(
-    head_size: int, num_heads: int, num_kv_heads: int
+@pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1), (1, 5, 3, 16, 2)])  # decodes; short causal chunks
+def test_paged_attention_matches_sdpa_over_the_gathered_context(
+    head_size: int, num_heads: int, num_kv_heads: int, query_lens: tuple[int, ...]
 ) -> None:
     assert cpu_kernels_available()
     g = torch.Generator().manual_seed(head_size + num_heads * 10 + num_kv_heads)
@@ -86,32 +87,39 @@ def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g)
     context_lens = torch.tensor([1, 17, 33, 100, 160])  # one token, block edges + 1, a full table
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(num_seqs)])
-    # Queries as attention gets them: a view into the rotated q/k rows, not contiguous per sequence.
-    qk = torch.randn(num_seqs, num_heads + num_kv_heads, head_size, generator=g) * 3
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    rows = int(starts[-1])
+    # Queries as attention gets them: a view into the rotated q/k rows, not contiguous per row.
+    qk = torch.randn(rows, num_heads + num_kv_heads, head_size, generator=g) * 3
     q = qk[:, :num_heads]
-    out = torch.ops.tpserve_cpu.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, head_size**-0.5)
-    assert out.shape == (num_seqs, num_heads, head_size) and out.is_contiguous()
+    out = torch.ops.tpserve_cpu.paged_attention(q, k_cache, v_cache, tables, starts, context_lens, head_size**-0.5)
+    assert out.shape == (rows, num_heads, head_size) and out.is_contiguous()
     for s in range(num_seqs):
-        n = int(context_lens[s])
-        k = k_cache[tables[s]].reshape(-1, num_kv_heads, head_size)[:n].transpose(0, 1).double()  # (KVH, n, d)
-        v = v_cache[tables[s]].reshape(-1, num_kv_heads, head_size)[:n].transpose(0, 1).double()
+        n, length = query_lens[s], int(context_lens[s])
+        k = k_cache[tables[s]].reshape(-1, num_kv_heads, head_size)[:length].transpose(0, 1).double()  # (KVH, L, d)
+        v = v_cache[tables[s]].reshape(-1, num_kv_heads, head_size)[:length].transpose(0, 1).double()
+        causal = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]  # (n, L)
         expected = torch.nn.functional.scaled_dot_product_attention(
-            q[s].unsqueeze(1).double(), k, v, scale=head_size**-0.5, enable_gqa=True
-        ).squeeze(1)  # (H, d)
-        torch.testing.assert_close(out[s].double(), expected, rtol=1e-5, atol=1e-5)
+            q[starts[s] : starts[s + 1]].transpose(0, 1).double(), k, v, attn_mask=causal, scale=head_size**-0.5,
+            enable_gqa=True,
+        ).transpose(0, 1)  # (n, H, d)
+        torch.testing.assert_close(out[starts[s] : starts[s + 1]].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
-def test_paged_decode_attention_refuses_a_context_past_its_block_table() -> None:
+def test_paged_attention_refuses_a_context_past_its_block_table() -> None:
     assert cpu_kernels_available()
     k_cache = torch.randn(4, 16, 2, 64)
-    tables = torch.zeros(1, 2, dtype=torch.int64)
+    tables, starts = torch.zeros(1, 2, dtype=torch.int64), torch.tensor([0, 1])
     with pytest.raises(RuntimeError, match="context length 33"):
-        torch.ops.tpserve_cpu.paged_decode_attention(torch.randn(1, 2, 64), k_cache, k_cache, tables,
-                                                     torch.tensor([33]), 0.125)
+        torch.ops.tpserve_cpu.paged_attention(torch.randn(1, 2, 64), k_cache, k_cache, tables, starts,
+                                              torch.tensor([33]), 0.125)
     with pytest.raises(RuntimeError, match="head_dim 48"):
-        torch.ops.tpserve_cpu.paged_decode_attention(torch.randn(1, 2, 48), torch.randn(4, 16, 2, 48),
-                                                     torch.randn(4, 16, 2, 48), tables, torch.tensor([3]), 0.125)
+        torch.ops.tpserve_cpu.paged_attention(torch.randn(1, 2, 48), torch.randn(4, 16, 2, 48),
+                                              torch.randn(4, 16, 2, 48), tables, starts, torch.tensor([3]), 0.125)
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        torch.ops.tpserve_cpu.paged_attention(torch.randn(2, 2, 64), k_cache, k_cache, tables, starts,
+                                              torch.tensor([3]), 0.125)
 
 
 def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,10 +1,13 @@
-// Decode attention over the paged KV cache on AVX2 CPUs: one query token per sequence.
+// Attention over the paged KV cache on AVX2 CPUs for sequences that feed a few tokens each
+// (decodes: one; speculative verification or a short prompt chunk: a few).
 //
-// For sequence s, query head h (KV head j = h / (H / KVH), grouped-query attention, Ainslie et al.
-// 2023) and context positions t < context_lens[s], with K/V of position t at slot
-// block_tables[s, t / block_size] * block_size + t % block_size:
+// Sequence s owns query rows [query_start_loc[s], query_start_loc[s + 1]) = n rows, the last n
+// of its L = context_lens[s] positions. For its i-th row (position L - n + i), query head h (KV
+// head j = h / (H / KVH), grouped-query attention, Ainslie et al. 2023) and causal positions
+// t <= L - n + i, with K/V of position t at slot block_tables[s, t / block_size] * block_size +
+// t % block_size (already written for this step's tokens):
 //
-//     out[s, h] = sum_t softmax_t(scale * q[s, h] . k[t, j]) v[t, j]
+//     out[row, h] = sum_t softmax_t(scale * q[row, h] . k[t, j]) v[t, j]
 //
 // Why a kernel: without one, attention gathers each sequence's whole K and V through its block
 // table into a dense buffer (a copy of the context per layer per step) and runs a general SDPA
@@ -48,35 +51,23 @@ inline __m128 dot4(const __m256 (&q)[D8], const float* k0, const float* k1, cons
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// One (sequence, KV head): `groups` query heads q[g * q_head_stride ..] of size d = 8 * D8.
+// One query row and KV head: `groups` query heads q[g * q_head_stride ..] of size d = 8 * D8 over
+// the first `context` keys and values, given as row pointers (padded with 4 more for dot4).
 template <int D8>
-void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* k_cache, const float* v_cache,
-            const int64_t* table, int64_t context, int64_t block_size, int64_t token_stride, float scale,
-            float* out, int64_t out_head_stride, std::vector<float>& scores, std::vector<const float*>& rows) {
-  scores.resize(static_cast<size_t>(groups * context + 4));
-  rows.resize(static_cast<size_t>(context + 4));
-  for (int64_t t = 0; t < context; ++t) rows[t] = &k_cache[(table[t / block_size] * block_size + t % block_size) * token_stride];
-  for (int64_t t = context; t < context + 4; ++t) rows[t] = rows[context - 1];  // padding for the last group of 4
-  // Pass 1: scores. Keys of 4 positions at a time against one head's query, held in registers.
+void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* const* keys,
+            const float* const* values, int64_t context, float scale, float* out, int64_t out_head_stride,
+            std::vector<float>& scores) {
+  scores.resize(static_cast<size_t>(context + 4));
+  float* s = scores.data();
   for (int64_t g = 0; g < groups; ++g) {
+    // Pass 1: scores, keys of 4 positions at a time against the head's query held in registers.
     __m256 qv[D8];
-    for (int i = 0; i < D8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), _mm256_set1_ps(scale));
-    float* s = scores.data() + g * context;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int i = 0; i < D8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), vscale);
     for (int64_t t = 0; t < context; t += 4) {
-      const __m128 d4 = dot4<D8>(qv, rows[t], rows[t + 1], rows[t + 2], rows[t + 3]);
-      if (t + 4 <= context) {
-        _mm_storeu_ps(s + t, d4);
-      } else {
-        float tmp[4];
-        _mm_storeu_ps(tmp, d4);
-        for (int64_t j = t; j < context; ++j) s[j] = tmp[j - t];
-      }
+      _mm_storeu_ps(s + t, dot4<D8>(qv, keys[t], keys[t + 1], keys[t + 2], keys[t + 3]));  // s has 4 spare
     }
-  }
-  // Softmax over t for each head, exact: subtract the max, exponentiate, normalise at the end.
-  for (int64_t t = 0; t < context; ++t) rows[t] = &v_cache[(table[t / block_size] * block_size + t % block_size) * token_stride];
-  for (int64_t g = 0; g < groups; ++g) {
-    float* s = scores.data() + g * context;
+    // Softmax, exact: subtract the max, exponentiate, normalise at the end.
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
     for (; t + 8 <= context; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
@@ -99,7 +90,7 @@ void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* 
     for (int i = 0; i < D8; ++i) o[i] = _mm256_setzero_ps();
     for (t = 0; t < context; ++t) {
       const __m256 pt = _mm256_set1_ps(s[t]);
-      const float* v = rows[t];
+      const float* v = values[t];
       for (int i = 0; i < D8; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), o[i]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
@@ -108,9 +99,8 @@ void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* 
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, const int64_t*, int64_t,
-                          int64_t, int64_t, float, float*, int64_t, std::vector<float>&,
-                          std::vector<const float*>&);
+using AttendFn = void (*)(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, float,
+                          float*, int64_t, std::vector<float>&);
 
 AttendFn attend_for(int64_t d) {
   switch (d) {
@@ -123,46 +113,64 @@ AttendFn attend_for(int64_t d) {
   }
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "tpserve paged_decode_attention: q (D, H, d), caches (num_blocks, block_size, KVH, d)");
+              "tpserve paged_attention: q (R, H, d), caches (num_blocks, block_size, KVH, d)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
-              "tpserve paged_decode_attention: float32 only");
+              "tpserve paged_attention: float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1,
-              "tpserve paged_decode_attention: contiguous caches and head vectors");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                  context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
-              "tpserve paged_decode_attention: int64 block_tables (D, B) and context_lens (D,)");
-  const int64_t D = q.size(0), H = q.size(1), d = q.size(2);
+              "tpserve paged_attention: contiguous caches and head vectors");
+  for (const at::Tensor* t : {&block_tables, &query_start_loc, &context_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "tpserve paged_attention: block_tables, query_start_loc and context_lens must be contiguous int64");
+  }
+  const int64_t R = q.size(0), H = q.size(1), d = q.size(2), S = context_lens.numel();
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   const AttendFn attend_fn = attend_for(d);
-  TORCH_CHECK(k_cache.size(3) == d && attend_fn != nullptr, "tpserve paged_decode_attention: head_dim ", d,
+  TORCH_CHECK(k_cache.size(3) == d && attend_fn != nullptr, "tpserve paged_attention: head_dim ", d,
               " must match the cache and be one of 32, 64, 80, 96, 128");
-  TORCH_CHECK(H % KVH == 0 && block_tables.size(0) == D && context_lens.numel() == D,
-              "tpserve paged_decode_attention: shapes disagree");
+  TORCH_CHECK(H % KVH == 0 && block_tables.dim() == 2 && block_tables.size(0) == S && query_start_loc.numel() == S + 1,
+              "tpserve paged_attention: shapes disagree");
   const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < D; ++s) {
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size,
-                "tpserve paged_decode_attention: context length ", lens[s], " outside the block table");
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[S] == R, "tpserve paged_attention: query_start_loc must run from 0 to ", R);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = starts[s + 1] - starts[s];
+    TORCH_CHECK(n >= 1 && lens[s] >= n && lens[s] <= max_blocks * block_size, "tpserve paged_attention: sequence ",
+                s, " has ", n, " query rows and context length ", lens[s], " (its block table holds ",
+                max_blocks * block_size, ")");
   }
-  at::Tensor out = at::empty({D, H, d}, q.options());
+  at::Tensor out = at::empty({R, H, d}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), token_stride = KVH * d;
-  at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> rows;
+    std::vector<const float*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, j = item % KVH;
-      attend_fn(qp + s * qs0 + j * groups * qs1, qs1, groups, kp + j * d, vp + j * d, tables + s * max_blocks,
-                lens[s], block_size, token_stride, static_cast<float>(scale), op + (s * H + j * groups) * d, d,
-                scores, rows);
+      const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
+      // Where each position's key and value lie, once for all of the sequence's query rows.
+      keys.resize(static_cast<size_t>(L + 4));
+      values.resize(static_cast<size_t>(L + 4));
+      const int64_t* table = tables + s * max_blocks;
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        keys[t] = kp + slot * token_stride + j * d;
+        values[t] = vp + slot * token_stride + j * d;
+      }
+      for (int64_t t = L; t < L + 4; ++t) keys[t] = keys[L - 1];  // read, never used: dot4's last group
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = first + i;
+        attend_fn(qp + row * qs0 + j * groups * qs1, qs1, groups, keys.data(), values.data(), L - n + i + 1,
+                  static_cast<float>(scale), op + (row * H + j * groups) * d, d, scores);
+      }
     }
   });
   return out;
@@ -171,8 +179,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

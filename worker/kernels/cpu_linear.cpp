@@ -26,66 +26,48 @@
 
 namespace {
 
-constexpr int64_t kRows = 4;  // rows of W per tile: 4 independent streams, 8 accumulators with 2 rows of x
+constexpr int kRows = 4;  // rows of W per tile: 4 independent memory streams
 
 using tpserve::hsum;
 
-// Dot products of 4 weight rows with 1 row of x; two accumulators per row so 8 FMA chains are
-// in flight (FMA latency 4 cycles x 2 ports).
-inline void tile_4x1(const float* const w[kRows], const float* x, int64_t K, float out[kRows]) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+// Dot products of kRows weight rows with R rows of x: each weight vector, loaded once, feeds R
+// FMAs, and the kRows * R accumulators are independent chains (12 for R = 3: enough to keep both
+// FMA ports busy through the 4-cycle latency, and with the 4 weight vectors and one x vector
+// still within the 16 ymm registers; R = 4 spills).
+template <int R>
+inline void tile(const float* const w[kRows], const float* x, int64_t ldx, int64_t K, float out[R][kRows]) {
+  __m256 acc[R][kRows];
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < kRows; ++n) acc[r][n] = _mm256_setzero_ps();
+  }
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w[0] + k), x0, a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w[1] + k), x0, a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w[2] + k), x0, a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w[3] + k), x0, a3);
-    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w[0] + k + 8), x1, b0);
-    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w[1] + k + 8), x1, b1);
-    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w[2] + k + 8), x1, b2);
-    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w[3] + k + 8), x1, b3);
-  }
   for (; k + 8 <= K; k += 8) {
-    const __m256 x0 = _mm256_loadu_ps(x + k);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w[0] + k), x0, a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w[1] + k), x0, a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w[2] + k), x0, a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w[3] + k), x0, a3);
+    __m256 wv[kRows];
+    for (int n = 0; n < kRows; ++n) wv[n] = _mm256_loadu_ps(w[n] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      for (int n = 0; n < kRows; ++n) acc[r][n] = _mm256_fmadd_ps(wv[n], xv, acc[r][n]);
+    }
   }
-  out[0] = hsum(_mm256_add_ps(a0, b0));
-  out[1] = hsum(_mm256_add_ps(a1, b1));
-  out[2] = hsum(_mm256_add_ps(a2, b2));
-  out[3] = hsum(_mm256_add_ps(a3, b3));
-  for (; k < K; ++k) {
-    for (int r = 0; r < kRows; ++r) out[r] += w[r][k] * x[k];
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < kRows; ++n) {
+      float sum = hsum(acc[r][n]);
+      for (int64_t j = k; j < K; ++j) sum += w[n][j] * x[r * ldx + j];
+      out[r][n] = sum;
+    }
   }
 }
 
-// 4 weight rows with 2 rows of x: each weight vector loaded once feeds two FMAs.
-inline void tile_4x2(const float* const w[kRows], const float* x0p, const float* x1p, int64_t K,
-                     float out0[kRows], float out1[kRows]) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 x0 = _mm256_loadu_ps(x0p + k), x1 = _mm256_loadu_ps(x1p + k);
-    const __m256 w0 = _mm256_loadu_ps(w[0] + k), w1 = _mm256_loadu_ps(w[1] + k);
-    const __m256 w2 = _mm256_loadu_ps(w[2] + k), w3 = _mm256_loadu_ps(w[3] + k);
-    a0 = _mm256_fmadd_ps(w0, x0, a0);
-    a1 = _mm256_fmadd_ps(w1, x0, a1);
-    a2 = _mm256_fmadd_ps(w2, x0, a2);
-    a3 = _mm256_fmadd_ps(w3, x0, a3);
-    c0 = _mm256_fmadd_ps(w0, x1, c0);
-    c1 = _mm256_fmadd_ps(w1, x1, c1);
-    c2 = _mm256_fmadd_ps(w2, x1, c2);
-    c3 = _mm256_fmadd_ps(w3, x1, c3);
-  }
-  out0[0] = hsum(a0); out0[1] = hsum(a1); out0[2] = hsum(a2); out0[3] = hsum(a3);
-  out1[0] = hsum(c0); out1[1] = hsum(c1); out1[2] = hsum(c2); out1[3] = hsum(c3);
-  for (; k < K; ++k) {
-    for (int r = 0; r < kRows; ++r) {
-      out0[r] += w[r][k] * x0p[k];
-      out1[r] += w[r][k] * x1p[k];
+// R rows of y from row m on, for the tile of W rows [n0, n0 + rows).
+template <int R>
+inline void tile_rows(const float* const w[kRows], int64_t rows, int64_t n0, int64_t m, int64_t K, int64_t N,
+                      const float* x, const float* scale, const float* bias, float* y) {
+  float out[R][kRows];
+  tile<R>(w, x + m * K, K, K, out);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t n = n0 + i;
+      y[(m + r) * N + n] = out[r][i] * (scale ? scale[n] : 1.0f) + (bias ? bias[n] : 0.0f);
     }
   }
 }
@@ -106,7 +88,6 @@ template <typename RowFn>
 void run_rows(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, const float* x,
               const float* scale, const float* bias, float* y, RowFn row) {
   std::vector<float> buffer(static_cast<size_t>(kRows * K));
-  float out0[kRows], out1[kRows];
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, n_end - n0);
     const float* w[kRows];
@@ -114,23 +95,11 @@ void run_rows(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, c
       // A short last tile repeats its last row; the extra results are not written.
       w[r] = row(n0 + std::min<int64_t>(r, rows - 1), buffer.data() + r * K);
     }
+    // W's tile is read from memory by the first group of x rows and from L1 by the others.
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) {
-      tile_4x2(w, x + m * K, x + (m + 1) * K, K, out0, out1);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = n0 + r;
-        const float s = scale ? scale[n] : 1.0f, b = bias ? bias[n] : 0.0f;
-        y[m * N + n] = out0[r] * s + b;
-        y[(m + 1) * N + n] = out1[r] * s + b;
-      }
-    }
-    if (m < M) {
-      tile_4x1(w, x + m * K, K, out0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = n0 + r;
-        y[m * N + n] = out0[r] * (scale ? scale[n] : 1.0f) + (bias ? bias[n] : 0.0f);
-      }
-    }
+    for (; m + 3 <= M; m += 3) tile_rows<3>(w, rows, n0, m, K, N, x, scale, bias, y);
+    if (M - m == 2) tile_rows<2>(w, rows, n0, m, K, N, x, scale, bias, y);
+    if (M - m == 1) tile_rows<1>(w, rows, n0, m, K, N, x, scale, bias, y);
   }
 }
 
