@@ -161,7 +161,8 @@ def main() -> int:
     shape = TINY_CONFIG if args.tiny else MODEL_CONFIG
     loads = workloads(args.seed)
     if args.tiny:
-        loads = {"single": [(p[:8], 8) for p, _ in loads["single"]], "batch16": [(p[:16], 8) for p, _ in loads["batch16"]]}
+        loads = {"single": [(p[:8], 8) for p, _ in loads["single"]],
+                 "batch16": [(p[:16], 8) for p, _ in loads["batch16"]]}
     embedded = default_model_dir()
     docs = heldout_documents(embedded, 20 if args.tiny and args.max_docs is None else args.max_docs)
     report: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
@@ -171,7 +172,8 @@ def main() -> int:
         model_dir = build_model(Path(tmp), args.seed, shape)
         for name in args.configs:
             dtype, quantization = CONFIGS[name]
-            figures = speed(model_dir, dtype, quantization, loads, not args.skip_serving, context=16 if args.tiny else 160)
+            figures = speed(model_dir, dtype, quantization, loads, not args.skip_serving,
+                            context=16 if args.tiny else 160)
             ppl, tokens = perplexity(embedded, docs, dtype, quantization)
             figures.update(heldout_perplexity=ppl)
             report["heldout_tokens"] = tokens

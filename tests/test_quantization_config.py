@@ -91,7 +91,8 @@ def test_a_gptq_checkpoint_is_refused_at_start_up_before_any_rank(tmp_path: Path
 def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
     config = serve_config(build_parser().parse_args(["serve", "--quantization", "int8"]))
     assert config.load.quantization == "int8" and ClusterConfig().load.quantization is None
-    command = LocalRanks(config, default_model_dir(), GroupLayout(2, 1, 0), "json")._command(1, "unix:///x", "file:///y")
+    ranks = LocalRanks(config, default_model_dir(), GroupLayout(2, 1, 0), "json")
+    command = ranks._command(1, "unix:///x", "file:///y")
     assert command[command.index("--quantization") + 1] == "int8"
     assert "--quantization" not in LocalRanks(ClusterConfig(), default_model_dir(), GroupLayout(1, 1, 0),
                                               "json")._command(0, "unix:///x", "file:///y")

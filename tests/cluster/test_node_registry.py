@@ -123,7 +123,8 @@ def test_waiting_for_a_peer_that_never_listens_times_out_naming_it() -> None:
 
 def test_a_node_with_another_quantization_is_refused() -> None:
     """int8 and float ranks in one group would sum mismatched partials without any error."""
-    assert SETTINGS.mismatch(join(quantization="int8").join) == "node 1 has quantization=int8, the leader quantization=none"
+    refused = SETTINGS.mismatch(join(quantization="int8").join)
+    assert refused == "node 1 has quantization=int8, the leader quantization=none"
     int8 = GroupSettings(GroupLayout(4, 2, 0), model_config_sha256="abc", dtype="auto", block_size=16,
                          quantization="int8")
     assert int8.mismatch(join().join) == "node 1 has quantization=none, the leader quantization=int8"
