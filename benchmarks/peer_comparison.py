@@ -64,12 +64,16 @@ GOALS = {
 # -- the workload --------------------------------------------------------------------------
 
 
-def build_model(directory: Path, seed: int) -> Path:
-    """Save the seeded random model (and the embedded model's tokenizer, for detokenization)."""
+def build_model(directory: Path, seed: int, config: dict | None = None) -> Path:
+    """Save the seeded random model (and the embedded model's tokenizer, for detokenization).
+
+    ``config``: ``LlamaConfig`` arguments; None: :data:`MODEL_CONFIG` (benchmarks/quantization.py
+    passes a smaller shape for its quick check).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG)).float().eval()
+    model = LlamaForCausalLM(LlamaConfig(**(config or MODEL_CONFIG))).float().eval()
     model.save_pretrained(directory, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir() / name, directory / name)
@@ -107,13 +111,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bare_steps(model_dir: Path, batch_sizes: list[int], context: int) -> dict[int, float]:
+def bare_steps(model_dir: Path, batch_sizes: list[int], context: int, dtype: torch.dtype = torch.float32,
+               quantization: str | None = None) -> dict[int, float]:
     """Seconds of one ``ModelRunner.execute`` decode step at each batch size (median of 20), tp 1."""
     from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
     from worker.model_runner import ModelRunner
     from worker.parallel_state import ParallelContext
 
-    runner = ModelRunner(model_dir, ParallelContext.single(), torch.float32, 16)
+    runner = ModelRunner(model_dir, ParallelContext.single(), dtype, 16, quantization=quantization)
     blocks_per_seq = context // 16 + 4
     runner.init_kv_cache(max(batch_sizes) * blocks_per_seq)
     out: dict[int, float] = {}

@@ -36,6 +36,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--dtype", dict(choices=("auto", "float32", "bfloat16", "float16"),
                          help="auto: float32 on the CPU; on CUDA the checkpoint's half dtype, bfloat16 for float32")),
         ("--device", dict(choices=("auto", "cpu", "cuda"))),
+        ("--quantization", dict(choices=("int8",), help="int8: weight-only int8 linear layers (per-channel scales, "
+                                                        "activations in --dtype), quantized at load time")),
     ],
     "parallel": [
         ("--tensor-parallel-size", dict(type=int, help="number of worker ranks the model is split over")),

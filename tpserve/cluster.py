@@ -354,7 +354,7 @@ class Cluster:
                 raise StartupError(f"cannot bind the node registry on port {par.master_port} (--master-port)")
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
-                                 self.config.cache.block_size)
+                                 self.config.cache.block_size, self.config.load.quantization or "")
         self.registry = NodeRegistry(settings, init_method, on_lost=self._group_failed)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()
@@ -437,12 +437,16 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig
     """The checkpoint's config, checked to split at ``tensor_parallel_size``.
 
     Raises:
-        StartupError: not a checkpoint directory, or the model cannot be split.
+        StartupError: not a checkpoint directory, an unsupported architecture or
+            quantization_config, or the model cannot be split.
     """
     if not (model_dir / "config.json").is_file():
         raise StartupError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
     try:
-        config = ModelConfig.from_pretrained(model_dir)
+        config = ModelConfig.from_pretrained(model_dir)  # also refuses an unsupported quantization_config
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {model_dir}: {exc}") from exc
+    try:
         config.check_tensor_parallel(tensor_parallel_size)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --tensor-parallel-size {tensor_parallel_size}: {exc}") from exc

@@ -2,7 +2,8 @@
 
 Precedence, lowest first: field defaults < YAML file (``--config``) < command-line
 flags. Flag names follow vLLM (``--tensor-parallel-size``, ``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--block-size``, ``--max-model-len``, ``--dtype``).
+``--max-num-batched-tokens``, ``--block-size``, ``--max-model-len``, ``--dtype``,
+``--quantization``).
 Validation errors are pydantic ``ValidationError`` (a ``ValueError``) naming the field.
 
 No torch here: the coordinator reads this too.
@@ -15,6 +16,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tpserve.quantization import Quantization
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -34,12 +37,18 @@ class LoadConfig(_Frozen):
             CUDA, the checkpoint's half-precision ``torch_dtype`` (bfloat16 for a
             float32 checkpoint).
         device: "auto" is CUDA when available, else the CPU.
+        quantization: "int8": weight-only int8 (per-output-channel symmetric scales,
+            activations in ``dtype``) for every decoder linear layer, quantized from
+            a float checkpoint at load time (vLLM's flag name). None: the weights as
+            stored; a compressed-tensors int8 checkpoint is int8 either way
+            (tpserve/quantization.py).
     """
 
     model: str | None = None
     served_model_name: str | None = None
     dtype: Dtype = "auto"
     device: Device = "auto"
+    quantization: Quantization | None = None
 
 
 class ParallelConfig(_Frozen):

@@ -99,7 +99,8 @@ class HeadlessNode:
         await call.write(pb.NodeMessage(join=pb.JoinRequest(
             node_rank=par.node_rank, nnodes=par.nnodes, tensor_parallel_size=par.tensor_parallel_size,
             model_config_sha256=config_sha256(self.model_dir), dtype=self.config.load.dtype,
-            block_size=self.config.cache.block_size, rank_addresses=addresses)))
+            block_size=self.config.cache.block_size, rank_addresses=addresses,
+            quantization=self.config.load.quantization or "")))
         log.info("joined; waiting for every node", leader=self.leader, node_rank=par.node_rank, ranks=addresses)
         started = time.monotonic()
         try:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tpserve.quantization import Quantization, checkpoint_quantization
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -57,6 +59,8 @@ class ModelConfig:
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: end-of-sequence ids (may be empty).
         torch_dtype: the checkpoint's dtype name (``"float32"``, ``"bfloat16"``...), or None.
+        quantization: how the checkpoint's linear weights are stored: None (float) or
+            ``"int8"`` (compressed-tensors int8 weight-only; :mod:`tpserve.quantization`).
     """
 
     model_type: str
@@ -79,6 +83,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    quantization: Quantization | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -86,8 +91,8 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: no ``config.json`` in ``model_dir``.
-            ValueError: unsupported model type, activation, RoPE type or sliding
-                window; a required key is missing.
+            ValueError: unsupported model type, activation, RoPE type, sliding
+                window or quantization_config; a required key is missing.
         """
         path = Path(model_dir) / "config.json"
         with path.open(encoding="utf-8") as f:
@@ -140,6 +145,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=checkpoint_quantization(raw),
         )
 
     def check_tensor_parallel(self, tp: int) -> None:

@@ -44,12 +44,15 @@ class GroupSettings:
         model_config_sha256: SHA-256 (hex) of the model's config.json.
         dtype: the --dtype flag as given.
         block_size: tokens per KV block.
+        quantization: the --quantization flag as given, "" when unset (ranks with
+            int8 and float weights would compute different partial sums, silently).
     """
 
     layout: GroupLayout
     model_config_sha256: str
     dtype: str
     block_size: int
+    quantization: str = ""
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -62,6 +65,7 @@ class GroupSettings:
             ("model config.json sha256", join.model_config_sha256, self.model_config_sha256),
             ("dtype", join.dtype, self.dtype),
             ("block_size", join.block_size, self.block_size),
+            ("quantization", join.quantization or "none", self.quantization or "none"),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"

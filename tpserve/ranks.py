@@ -85,6 +85,7 @@ class LocalRanks:
                 "--node-rank", str(layout.node_rank),
                 "--address", address, "--init-method", init_method,
                 "--device", cfg.load.device, "--dtype", cfg.load.dtype,
+                *(["--quantization", cfg.load.quantization] if cfg.load.quantization else []),
                 "--block-size", str(cfg.cache.block_size),
                 *cfg.worker_cache_flags(),
                 "--distributed-timeout-seconds", str(cfg.parallel.distributed_timeout_seconds),

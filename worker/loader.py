@@ -16,6 +16,13 @@ Checkpoint names map to parameters one to one, except the fused projections:
 ``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` (shard ``"q"``/``"k"``/``"v"``) and
 ``gate_proj``/``up_proj`` -> ``gate_up_proj`` (shard 0/1). ``lm_head.weight``
 absent means tied word embeddings; ``rotary_emb.inv_freq`` buffers are skipped.
+
+Weight-only int8 (``quantization="int8"``, tpserve/quantization.py): the linear
+layers' ``weight`` is int8 and ``weight_scale`` float32. A compressed-tensors int8
+checkpoint fills both (``<layer>.weight`` and ``<layer>.weight_scale``, fused like the
+weights; a symmetric checkpoint's ``weight_zero_point``, if stored, must be zero); a
+float checkpoint's weights are quantized while they are read, one tensor at a time
+(worker/layers/int8_weights.py), so no rank holds more than one float tensor.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ import torch
 from safetensors import safe_open
 
 from tpserve.model_config import ModelConfig
+from tpserve.quantization import Quantization
 from worker.model import LlamaForCausalLM
 from worker.parallel_state import ParallelContext
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 LM_HEAD = "lm_head.weight"
+ZERO_POINT_SUFFIX = ".weight_zero_point"
 _FUSED: dict[str, tuple[str, str | int]] = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
@@ -63,7 +72,8 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype
+    model_dir: str | Path, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+    quantization: Quantization | None = None,
 ) -> LlamaForCausalLM:
     """Build this rank's shard of the model and fill it from ``model_dir``.
 
@@ -71,7 +81,9 @@ def load_model(
         model_dir: directory with ``config.json`` and the safetensors files.
         config: the parsed ``config.json``.
         ctx: this rank's tensor-parallel group (rank and degree pick the slices).
-        dtype: dtype the weights are cast to.
+        dtype: dtype the weights are cast to (int8 weights stay int8).
+        quantization: ``--quantization``; a checkpoint stored in int8
+            (``config.quantization``) is loaded as int8 whatever this says.
 
     Raises:
         ValueError: the checkpoint lacks weights the model needs, holds weights it
@@ -81,7 +93,8 @@ def load_model(
     tied = config.tie_word_embeddings or LM_HEAD not in files
     # Parameters are allocated uninitialised (torch.empty) on ctx.device: nothing
     # is randomly initialised, and each is written once, by its weight_loader.
-    model = LlamaForCausalLM(config, ctx, dtype, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config, ctx, dtype, tie_word_embeddings=tied,
+                             quantization=config.quantization or quantization)
     load_weights(model, files, ctx.device)
     return model.eval()
 
@@ -106,9 +119,13 @@ def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.d
     tied = getattr(model, "tie_word_embeddings", False)
     targets: dict[str, tuple[str, str | int | None]] = {}
     unexpected = []
+    zero_points = []
     for name in files:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == LM_HEAD):
             continue  # recomputed / shared with the embedding
+        if name.endswith(ZERO_POINT_SUFFIX):
+            zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
+            continue
         param_name, shard_id = _parameter_for(name)
         param = params.get(param_name)
         if param is None or shard_id not in param.shard_ids:  # type: ignore[attr-defined]
@@ -131,11 +148,22 @@ def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.d
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from error
                 loaded.add((param_name, shard_id))
+    _check_zero_points(files, zero_points)
 
+    # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.
+    loaded |= {(name, shard) for name, p in params.items() for shard in getattr(p, "computed_shard_ids", ())}
     expected = {(name, shard) for name, p in params.items() for shard in p.shard_ids}  # type: ignore[attr-defined]
     missing = sorted(_checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing}")
+
+
+def _check_zero_points(files: dict[str, Path], names: list[str]) -> None:
+    """A stored ``weight_zero_point`` of a symmetric checkpoint must be zero (the layers have none)."""
+    for name in names:
+        with safe_open(files[name], framework="pt") as f:
+            if bool(f.get_tensor(name).any()):
+                raise ValueError(f"weight {name!r} is not zero: asymmetric int8 is not supported")
 
 
 def _parameter_for(checkpoint_name: str) -> tuple[str, str | int | None]:

@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-method", required=True, help="torch.distributed rendezvous, e.g. tcp://127.0.0.1:29500")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", choices=("int8",), default=None)
     parser.add_argument("--block-size", type=int, default=16)
     # KV cache sizing (worker/memory.py): explicit blocks, explicit bytes, or measured.
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         local_rank=args.rank if args.local_rank is None else args.local_rank,
         local_world_size=args.world_size if args.local_world_size is None else args.local_world_size,
         node_rank=args.node_rank,
-        device=args.device, dtype=args.dtype, block_size=args.block_size,
+        device=args.device, dtype=args.dtype, block_size=args.block_size, quantization=args.quantization,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
         cache=CacheSizing(args.gpu_memory_utilization, args.max_num_batched_tokens, args.max_num_seqs,
                           args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,

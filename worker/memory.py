@@ -18,6 +18,14 @@ Order of precedence (docs/design.md, "KV cache sizing"):
 
 The coordinator takes the smallest count over the ranks and refuses to start when
 one ``max_model_len`` sequence does not fit (tpserve/cluster.py).
+
+Weight-only int8 (``--quantization int8``) needs no rule of its own, because both
+measurements are taken after loading: on CUDA the profile's peak holds the int8
+weights and scales as allocated (the float slices quantized while loading are freed,
+and ``empty_cache`` returns them, before the peak is reset), plus the matmul's
+temporaries; on the CPU ``MemAvailable`` is read after the load, so the bytes the
+int8 weights did not take are available to the cache. :func:`weight_bytes` is what
+the rank reports as its weights' size.
 """
 
 from __future__ import annotations
@@ -65,6 +73,17 @@ class CacheSizing:
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers as allocated (int8 weights: 1 byte per element).
+
+    Tied parameters count once. Includes the norms, the embedding, the LM head, the int8
+    layers' float32 scales and the rotary tables: everything loading puts on the device
+    except the KV cache.
+    """
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def available_host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int:

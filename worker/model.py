@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tpserve.model_config import ModelConfig
+from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -40,18 +41,20 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
     """Self-attention of one layer, on this rank's query and key/value heads."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 quantization: Quantization | None = None) -> None:
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, d, config.total_num_heads, config.total_num_kv_heads, ctx,
-            bias=config.attention_bias, dtype=dtype,
+            bias=config.attention_bias, dtype=dtype, quantization=quantization,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            config.total_num_heads * d, config.hidden_size, ctx, bias=config.o_proj_bias, dtype=dtype
+            config.total_num_heads * d, config.hidden_size, ctx, bias=config.o_proj_bias, dtype=dtype,
+            quantization=quantization,
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
 
@@ -66,14 +69,16 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, arXiv:2002.05202)."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 quantization: Quantization | None = None) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], ctx, bias=config.mlp_bias, dtype=dtype
+            config.hidden_size, [size, size], ctx, bias=config.mlp_bias, dtype=dtype, quantization=quantization
         )
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(size, config.hidden_size, ctx, bias=config.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, ctx, bias=config.mlp_bias, dtype=dtype,
+                                           quantization=quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
@@ -84,13 +89,14 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 quantization: Quantization | None = None) -> None:
         super().__init__()
         device = ctx.device
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, ctx, dtype)
+        self.self_attn = LlamaAttention(config, ctx, dtype, quantization)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, ctx, dtype)
+        self.mlp = LlamaMLP(config, ctx, dtype, quantization)
 
     def forward(self, rope: Rope, h: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         a = self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata)  # (T, hidden)
@@ -101,11 +107,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                 quantization: Quantization | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, ctx.device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx, dtype, quantization)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device)
 
     def forward(
@@ -132,16 +140,21 @@ class LlamaForCausalLM(nn.Module):
         dtype: dtype of every parameter and activation (float32, bfloat16, float16).
         tie_word_embeddings: the LM head shares the input embedding's weight
             (decided by the loader from the checkpoint's contents).
+        quantization: None, or "int8": every decoder linear layer (qkv, o, gate_up,
+            down) holds int8 weights and per-channel scales; the embedding, the LM head
+            and the norms stay in ``dtype`` (docs/design.md, "Weight-only int8").
 
     Parameters are allocated uninitialised on ``ctx.device``; the loader fills them.
     """
 
     def __init__(
-        self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool
+        self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool,
+        quantization: Quantization | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, ctx, dtype)
+        self.quantization = quantization
+        self.model = LlamaModel(config, ctx, dtype, quantization)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
         self.tie_word_embeddings = tie_word_embeddings
         if tie_word_embeddings:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tpserve.model_config import ModelConfig
+from tpserve.quantization import Quantization
 from tpserve.step import SamplingParams, StepPlan, StepResult
 from worker.attention import paged_kernel_available
 from worker.kv_cache import KVCacheLayout
@@ -62,6 +63,8 @@ class ModelRunner:
         ctx: this rank's tensor-parallel group.
         dtype: weights, activations and KV cache dtype (float32, bfloat16, float16).
         block_size: tokens per KV block (the coordinator's ``--block-size``).
+        quantization: ``--quantization`` ("int8" or None); a compressed-tensors int8
+            checkpoint is int8 either way (worker/loader.py).
 
     Raises:
         ValueError: the model cannot be split ``ctx.world_size`` ways (the message
@@ -69,7 +72,8 @@ class ModelRunner:
             checkpoint with missing/unexpected weights.
     """
 
-    def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int) -> None:
+    def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
+                 quantization: Quantization | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
         self.config = ModelConfig.from_pretrained(model_dir)
@@ -78,7 +82,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
-        self.model = load_model(model_dir, self.config, ctx, dtype)
+        self.model = load_model(model_dir, self.config, ctx, dtype, quantization)
         self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0

@@ -20,7 +20,7 @@ import structlog
 from tpserve.step_pb import plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
-from worker.memory import CacheSizing
+from worker.memory import CacheSizing, weight_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +42,7 @@ class WorkerOptions:
             Local rank ``r`` computes on ``cuda:r`` (worker/device.py).
         cache: how to size the KV cache (worker/memory.py); its ``num_local_ranks``
             is replaced by ``local_world_size``.
+        quantization: "int8" (``--quantization``) or None (tpserve/quantization.py).
     """
 
     model_dir: str
@@ -56,6 +57,7 @@ class WorkerOptions:
     local_world_size: int = 1
     node_rank: int = 0
     cache: CacheSizing = field(default_factory=CacheSizing)
+    quantization: str | None = None
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -99,11 +101,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,
                                    shared_memory=opts.local_world_size == opts.world_size)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
-            self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size)
+            self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization)
             self._dtype = str(dtype).removeprefix("torch.")
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
             self._num_blocks_available = num_kv_blocks(self._runner, cache)
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, dtype=str(dtype),
+                     quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available)
             self._ready.set()
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, then fatal

@@ -119,3 +119,13 @@ def test_waiting_for_a_peer_that_never_listens_times_out_naming_it() -> None:
     with pytest.raises(PeerTimeout, match=f"the leader at 127.0.0.1:{port} did not answer within 1 s"):
         asyncio.run(wait_for_peer("127.0.0.1", port, 1.0, "the leader"))
     assert 1.0 <= time.monotonic() - started < 3.0
+
+
+def test_a_node_with_another_quantization_is_refused() -> None:
+    """int8 and float ranks in one group would sum mismatched partials without any error."""
+    refused = SETTINGS.mismatch(join(quantization="int8").join)
+    assert refused == "node 1 has quantization=int8, the leader quantization=none"
+    int8 = GroupSettings(GroupLayout(4, 2, 0), model_config_sha256="abc", dtype="auto", block_size=16,
+                         quantization="int8")
+    assert int8.mismatch(join().join) == "node 1 has quantization=none, the leader quantization=int8"
+    assert int8.mismatch(join(quantization="int8").join) is None

@@ -71,3 +71,24 @@ def test_sampler_noise_and_tokens_equal_the_cpus() -> None:
     cpu_tokens = sample_tensors(logits, SamplingTensors.from_params(params, pos, "cpu"))
     device_tokens = sample_tensors(logits.to(device), SamplingTensors.from_params(params, pos, device)).cpu()
     assert torch.equal(device_tokens, cpu_tokens)
+
+
+def test_int8_weights_quantized_on_the_device_equal_the_cpus_and_the_matmul_runs_there(
+        tiny_checkpoints: dict[str, Path]) -> None:
+    from worker.layers.int8_matmul import int8_linear
+
+    device = torch.device("cuda", 0) if DEVICE == "cuda" else torch.device(DEVICE)
+    model_dir = tiny_checkpoints["mqa_untied_bias"]
+    on_device = ModelRunner(model_dir, ParallelContext.single(device), torch.bfloat16, 4, quantization="int8").model
+    on_cpu = ModelRunner(model_dir, ParallelContext.single(), torch.bfloat16, 4, quantization="int8").model
+    cpu_params = dict(on_cpu.named_parameters())
+    for name, param in on_device.named_parameters():
+        assert param.device == device
+        assert torch.equal(param.cpu(), cpu_params[name]), name  # float32 division and rounding: IEEE on both
+    layer = on_device.model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
+    x = torch.randn(5, layer.weight.shape[1], dtype=torch.bfloat16, device=device)  # (5, K)
+    y = int8_linear(x, layer.weight, layer.weight_scale, layer.bias)  # (5, N)
+    assert y.dtype == torch.bfloat16 and y.device == device
+    want = x.float() @ (layer.weight.float() * layer.weight_scale[:, None]).t() + layer.bias.float()
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)

@@ -55,10 +55,11 @@ class DeviceGuard(TorchDispatchMode):
         return out
 
 
-@pytest.fixture
-def guarded_runner(tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch):
-    """A meta runner whose model forward, LM head and sampler run under one DeviceGuard."""
-    runner = ModelRunner(tiny_checkpoints["mqa_untied_bias"], ParallelContext.single("meta"), torch.bfloat16, 4)
+@pytest.fixture(params=[None, "int8"], ids=["float", "int8"])
+def guarded_runner(tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    """A meta runner (float, or weight-only int8) whose model forward, LM head and sampler run under one DeviceGuard."""
+    runner = ModelRunner(tiny_checkpoints["mqa_untied_bias"], ParallelContext.single("meta"), torch.bfloat16, 4,
+                         quantization=request.param)
     guard = DeviceGuard()
     sampled: list[tuple[torch.Tensor, torch.Tensor]] = []
     model = runner.model
@@ -85,7 +86,8 @@ def guarded_runner(tiny_checkpoints: dict[str, Path], monkeypatch: pytest.Monkey
 def test_forward_pass_on_meta_in_bf16_stays_on_the_device_without_host_sync(guarded_runner) -> None:
     runner, guard, sampled = guarded_runner
     assert {p.device.type for p in runner.model.parameters()} == {"meta"}
-    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+    int8 = {torch.int8, torch.float32} if runner.model.quantization else set()  # int8 weights, float32 scales
+    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16} | int8
     runner.init_kv_cache(num_blocks=16)
     greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5)
     prefill = StepPlan(0, (NewSequence(0, greedy), NewSequence(1, seeded), NewSequence(2, seeded)), (

@@ -35,8 +35,11 @@ SIZING = CacheSizing(gpu_memory_utilization=0.9, max_num_batched_tokens=64, max_
 class FakeRunner:
     """Records, per call, the thread and its current CUDA device; computes nothing."""
 
-    def __init__(self, cuda: FakeCuda, model_dir: str, ctx: ParallelContext, dtype: torch.dtype, block_size: int):
+    def __init__(self, cuda: FakeCuda, model_dir: str, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
+                 quantization: str | None = None):
         self.cuda = cuda
+        self.model = torch.nn.Module()  # no weights: what the rank logs about them (weight_bytes) is 0
+        self.model.quantization = quantization
         self.config = ModelConfig.from_pretrained(model_dir)
         self.ctx = ctx
         self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
@@ -61,8 +64,8 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerServicer, FakeCuda, l
     cuda = FakeCuda(num_gpus=2).install(monkeypatch)
     runners: list[FakeRunner] = []
 
-    def make_runner(*args) -> FakeRunner:
-        runners.append(FakeRunner(cuda, *args))
+    def make_runner(*args, **kwargs) -> FakeRunner:
+        runners.append(FakeRunner(cuda, *args, **kwargs))
         return runners[-1]
 
     monkeypatch.setattr("worker.model_runner.ModelRunner", make_runner)

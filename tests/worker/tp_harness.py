@@ -36,6 +36,7 @@ class Job:
     num_blocks: int
     block_size: int
     dtype: torch.dtype = torch.float32
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
     """Run every job on this rank; returns the records (meaningful on rank 0)."""
     results: dict[str, list[StepRecord]] = {}
     for job in jobs:
-        runner = ModelRunner(job.model_dir, ctx, job.dtype, job.block_size)
+        runner = ModelRunner(job.model_dir, ctx, job.dtype, job.block_size, quantization=job.quantization)
         runner.init_kv_cache(job.num_blocks)
         records = []
         for plan in job.plans:

@@ -16,6 +16,11 @@ Fused variants load several checkpoint tensors into one parameter:
 heads replicated when ``world_size > total_num_kv_heads``). Each parameter's
 ``weight_loader(param, source, shard_id)`` reads only this rank's rows or columns
 of the checkpoint tensor; ``shard_ids`` lists the ``shard_id`` values it expects.
+
+``quantization="int8"``: ``weight`` is int8 with a float32 ``weight_scale`` per
+output channel (worker/layers/int8_weights.py: column-parallel layers hold their
+rows' scales, row-parallel ones the full ``(output_size,)`` scales), and the matmul
+is :func:`~worker.layers.int8_matmul.int8_linear`; activations stay in ``dtype``.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpserve.quantization import Quantization
+from worker.layers.int8_matmul import int8_linear
+from worker.layers.int8_weights import load_columns, load_rows, new_int8_weights
 from worker.layers.matmul import linear
-from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
+from worker.layers.weights import CheckpointSource, new_parameter
 from worker.parallel_state import ParallelContext
 
 
@@ -32,6 +40,20 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
+
+
+def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
+    """The checkpoint shards every parameter of ``layer`` expects (bias and scale: one per weight shard)."""
+    for param in (layer.weight, layer.bias, layer.weight_scale):
+        if param is not None:
+            param.shard_ids = shard_ids  # type: ignore[attr-defined]
+
+
+def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a float or an int8 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
+    if layer.weight_scale is None:
+        return linear(x, layer.weight, bias)
+    return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -42,13 +64,15 @@ class ColumnParallelLinear(nn.Module):
         output_size: features of the full ``y``; must divide by ``world_size``.
         ctx: the tensor-parallel group.
         bias: whether the layer has a bias.
-        dtype: parameter dtype.
+        dtype: parameter (bias, float weight) and activation dtype.
+        quantization: None, or "int8" (int8 weight, float32 scale per output row).
 
     Shapes: ``x (T, input_size) -> (T, output_size / world_size)``, ``x.dtype``.
     """
 
     def __init__(
-        self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype
+        self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype,
+        quantization: Quantization | None = None,
     ) -> None:
         super().__init__()
         self.ctx = ctx
@@ -56,21 +80,21 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_partition = _divide(output_size, ctx.world_size, "output_size")
         shape = (self.output_size_per_partition, input_size)
-        self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
-        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
-        self.bias = None
-        if bias:
-            self.bias = new_parameter(shape[:1], dtype, ctx.device, self.weight_loader)
-            self.bias.shard_ids = (None,)  # type: ignore[attr-defined]
+        self.weight_scale = None
+        if quantization == "int8":
+            new_int8_weights(self, shape, shape[0], ctx.device)  # the scales split with the rows
+        else:
+            self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
+        self.bias = new_parameter(shape[:1], dtype, ctx.device, self.weight_loader) if bias else None
+        _set_shard_ids(self, (None,))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
-        """Copy rows ``[rank * out/tp, (rank + 1) * out/tp)`` of the full weight or bias."""
-        check_shape(source, (self.output_size, *param.shape[1:]))
+        """Copy rows ``[rank * out/tp, (rank + 1) * out/tp)`` of the full weight, bias or scale."""
         size = self.output_size_per_partition
-        copy_into(param.data, read_narrow(source, 0, self.ctx.rank * size, size))
+        load_rows(self, param, source, self.output_size, self.ctx.rank * size, size, shard_id=shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # (T, output_size / tp)
+        return _matmul(self, x, self.bias)  # (T, output_size / tp)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -82,26 +106,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], ctx: ParallelContext, *, bias: bool, dtype: torch.dtype
+        self, input_size: int, output_sizes: list[int], ctx: ParallelContext, *, bias: bool, dtype: torch.dtype,
+        quantization: Quantization | None = None,
     ) -> None:
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             _divide(size, ctx.world_size, "output_size")
-        super().__init__(input_size, sum(output_sizes), ctx, bias=bias, dtype=dtype)
-        shard_ids = tuple(range(len(output_sizes)))
-        self.weight.shard_ids = shard_ids  # type: ignore[attr-defined]
-        if self.bias is not None:
-            self.bias.shard_ids = shard_ids  # type: ignore[attr-defined]
+        super().__init__(input_size, sum(output_sizes), ctx, bias=bias, dtype=dtype, quantization=quantization)
+        _set_shard_ids(self, tuple(range(len(output_sizes))))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy this rank's rows of output ``shard_id`` (an int) into its place in ``param``."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an output index < {len(self.output_sizes)}, got {shard_id!r}")
         tp = self.ctx.world_size
-        check_shape(source, (self.output_sizes[shard_id], *param.shape[1:]))
         size = self.output_sizes[shard_id] // tp
         offset = sum(self.output_sizes[:shard_id]) // tp
-        copy_into(param.data[offset : offset + size], read_narrow(source, 0, self.ctx.rank * size, size))
+        load_rows(self, param, source, self.output_sizes[shard_id], self.ctx.rank * size, size, offset, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -128,6 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         *,
         bias: bool,
         dtype: torch.dtype,
+        quantization: Quantization | None = None,
     ) -> None:
         tp = ctx.world_size
         self.head_size = head_size
@@ -149,10 +171,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_size
         # The parent splits output_size by tp; give it the padded total so each
         # rank's part is exactly q_size + 2 * kv_size.
-        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, ctx, bias=bias, dtype=dtype)
-        self.weight.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
-        if self.bias is not None:
-            self.bias.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, ctx, bias=bias, dtype=dtype,
+                         quantization=quantization)
+        _set_shard_ids(self, ("q", "k", "v"))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy this rank's heads of ``q_proj``/``k_proj``/``v_proj`` (``shard_id``) into ``param``."""
@@ -163,8 +184,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        check_shape(source, (total * self.head_size, *param.shape[1:]))
-        copy_into(param.data[offset : offset + size], read_narrow(source, 0, start, size))
+        load_rows(self, param, source, total * self.head_size, start, size, offset, shard_id)
 
 
 class RowParallelLinear(nn.Module):
@@ -175,33 +195,38 @@ class RowParallelLinear(nn.Module):
         output_size: features of ``y`` (whole, replicated on every rank after the reduce).
         ctx: the tensor-parallel group.
         bias: whether the layer has a bias (replicated, added once after the reduce).
-        dtype: parameter dtype.
+        dtype: parameter (bias, float weight) and activation dtype.
+        quantization: None, or "int8" (int8 weight columns, the full ``(output_size,)``
+            float32 scales of the whole rows, so every rank's partial sum has the same scale).
 
     Shapes: ``x (T, input_size / world_size) -> (T, output_size)``, ``x.dtype``.
     """
 
     def __init__(
-        self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype
+        self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype,
+        quantization: Quantization | None = None,
     ) -> None:
         super().__init__()
         self.ctx = ctx
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, ctx.world_size, "input_size")
-        self.weight = new_parameter((output_size, self.input_size_per_partition), dtype, ctx.device, self.weight_loader)
-        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+        shape = (output_size, self.input_size_per_partition)
+        self.weight_scale = None
+        if quantization == "int8":
+            new_int8_weights(self, shape, output_size, ctx.device)
+        else:
+            self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
         self.bias = new_parameter((output_size,), dtype, ctx.device) if bias else None
-        if self.bias is not None:
-            self.bias.shard_ids = (None,)  # type: ignore[attr-defined]
+        _set_shard_ids(self, (None,))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
-        """Copy columns ``[rank * in/tp, (rank + 1) * in/tp)`` of the full weight."""
-        check_shape(source, (self.output_size, self.input_size))
+        """Copy columns ``[rank * in/tp, (rank + 1) * in/tp)`` of the full weight, or the whole scale."""
         size = self.input_size_per_partition
-        copy_into(param.data, read_narrow(source, 1, self.ctx.rank * size, size))
+        load_columns(self, param, source, (self.output_size, self.input_size), self.ctx.rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)  # (T, output_size), this rank's partial sum
+        y = _matmul(self, x, None)  # (T, output_size), this rank's partial sum
         y = self.ctx.all_reduce(y)  # (T, output_size), summed over ranks
         if self.bias is not None:
             y = y + self.bias  # (T, output_size); once, not once per rank

@@ -50,6 +50,9 @@ def copy_into(destination: torch.Tensor, value: torch.Tensor) -> None:
     """
     if destination.shape != value.shape:
         raise ValueError(f"shard has shape {list(value.shape)}, expected {list(destination.shape)}")
+    if value.dtype == torch.int8 and destination.dtype != torch.int8:
+        # An int8 tensor cast to float would silently serve the quantized integers as weights.
+        raise ValueError("an int8 tensor for a float parameter: is the checkpoint's quantization_config missing?")
     destination.copy_(value, non_blocking=True)
 
 

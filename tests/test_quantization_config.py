@@ -1,0 +1,103 @@
+"""``--quantization`` and a checkpoint's ``quantization_config``: what is served, what is refused at start-up.
+
+No torch: the coordinator decides this before any rank starts (tpserve/quantization.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tpserve.cli import build_parser, serve_config
+from tpserve.cluster import Cluster, StartupError, default_model_dir
+from tpserve.config import ClusterConfig
+from tpserve.model_config import ModelConfig
+from tpserve.quantization import checkpoint_quantization
+from tpserve.ranks import LocalRanks
+from tpserve.topology import GroupLayout
+
+#: The quantization_config of a compressed-tensors W8A16 checkpoint as llm-compressor writes it.
+W8A16 = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None, "format": None,
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "channel",
+                    "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax"}}},
+}
+
+
+def _edited(edit) -> dict:
+    config = copy.deepcopy(W8A16)
+    edit(config)
+    return config
+
+
+def _weights(**changes):
+    return lambda c: c["config_groups"]["group_0"]["weights"].update(changes)
+
+
+def test_compressed_tensors_int8_weight_only_is_int8_and_float_is_none() -> None:
+    assert checkpoint_quantization({"model_type": "llama"}) is None
+    assert checkpoint_quantization({"quantization_config": W8A16}) == "int8"
+    assert checkpoint_quantization({"quantization_config": _edited(lambda c: c.update(format="naive-quantized"))}) \
+        == "int8"
+    # Decoder layers left in ``ignore`` stay float in the file; the loader quantizes them.
+    assert checkpoint_quantization({"quantization_config": _edited(lambda c: c.update(
+        ignore=["lm_head", "re:.*layers.0.mlp.down_proj"]))}) == "int8"
+
+
+@pytest.mark.parametrize("quantization_config, named", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "quant_method='gptq'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "quant_method='awq'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method='fp8'"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quant_method='bitsandbytes'"),
+    (_edited(lambda c: c.update(format="pack-quantized")), "format='pack-quantized'"),
+    (_edited(lambda c: c.update(format="float-quantized")), "format='float-quantized'"),
+    (_edited(_weights(num_bits=4)), "weights.num_bits=4"),
+    (_edited(_weights(type="float")), "weights.type='float'"),
+    (_edited(_weights(symmetric=False)), "weights.symmetric=False"),
+    (_edited(_weights(strategy="group", group_size=128)), "weights.strategy='group'"),
+    (_edited(lambda c: c["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"})),
+     "input_activations="),
+    (_edited(lambda c: c.update(kv_cache_scheme={"num_bits": 8, "type": "float"})), "kv_cache_scheme="),
+    (_edited(lambda c: c.update(ignore=[])), "quantizes lm_head"),
+    (_edited(lambda c: c.update(quantization_status="frozen")), "quantization_status='frozen'"),
+])
+def test_other_quantization_configs_are_refused_naming_what_was_found(quantization_config: dict, named: str) -> None:
+    with pytest.raises(ValueError) as info:
+        checkpoint_quantization({"quantization_config": quantization_config})
+    message = str(info.value)
+    assert named in message
+    assert "compressed-tensors int8 weight-only" in message and "--quantization int8" in message
+
+
+def test_a_gptq_checkpoint_is_refused_at_start_up_before_any_rank(tmp_path: Path) -> None:
+    model_dir = tmp_path / "gptq"
+    shutil.copytree(default_model_dir(), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StartupError, match=r"unsupported quantized checkpoint: quantization_config "
+                                           r"quant_method='gptq'.*--quantization int8"):
+        Cluster(ClusterConfig.load_from(None, {"load": {"model": str(model_dir)}}))
+
+
+def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
+    config = serve_config(build_parser().parse_args(["serve", "--quantization", "int8"]))
+    assert config.load.quantization == "int8" and ClusterConfig().load.quantization is None
+    ranks = LocalRanks(config, default_model_dir(), GroupLayout(2, 1, 0), "json")
+    command = ranks._command(1, "unix:///x", "file:///y")
+    assert command[command.index("--quantization") + 1] == "int8"
+    assert "--quantization" not in LocalRanks(ClusterConfig(), default_model_dir(), GroupLayout(1, 1, 0),
+                                              "json")._command(0, "unix:///x", "file:///y")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int4"])
+    with pytest.raises(ValueError, match="load.quantization"):
+        ClusterConfig.load_from(None, {"load": {"quantization": "gptq"}})
+    assert ModelConfig.from_pretrained(default_model_dir()).quantization is None

@@ -1,0 +1,112 @@
+"""Which weight quantization a checkpoint carries, read from ``config.json``'s ``quantization_config``.
+
+tpserve serves one quantized format, **int8 weight-only** (W8A16): per-output-channel
+symmetric int8 weights with float scales, activations in the model dtype. It comes
+from two places:
+
+* ``--quantization int8`` on a float checkpoint: the ranks quantize every decoder
+  linear layer while loading (worker/layers/int8_weights.py);
+* a checkpoint already quantized in the `compressed-tensors
+  <https://github.com/neuralmagic/compressed-tensors>`_ format (``quant_method:
+  "compressed-tensors"``, ``format`` ``"int-quantized"`` or ``"naive-quantized"``):
+  each quantized linear layer stores ``weight`` as int8 ``(N, K)`` and
+  ``weight_scale`` as ``(N, 1)`` float (``dequantized = weight * weight_scale``; the
+  library's ``NaiveQuantizationCompressor``), symmetric, so no zero point is stored.
+
+Every other ``quantization_config`` (GPTQ, AWQ, fp8, bitsandbytes, int4,
+group-wise or asymmetric compressed-tensors, activation or KV-cache quantization,
+a quantized LM head) is refused at start-up, by the coordinator, before any rank
+starts: :func:`checkpoint_quantization` raises ``ValueError`` naming what it found
+and what is supported. No torch here: the coordinator reads this too.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+#: The one scheme: int8 weights, per output channel, symmetric; activations in the model dtype.
+Quantization = Literal["int8"]
+QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8",)
+#: compressed-tensors formats that store ``weight`` as plain int8 plus ``weight_scale``.
+COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")
+SUPPORTED = ("compressed-tensors int8 weight-only checkpoints (format int-quantized or naive-quantized: "
+             "8-bit int weights, symmetric, strategy channel, no activation or KV-cache quantization, "
+             "lm_head ignored), or a float checkpoint with --quantization int8")
+
+
+def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
+    """The quantization a checkpoint's weights are stored in: None (float) or ``"int8"``.
+
+    Args:
+        raw_config: the checkpoint's ``config.json`` as a dict.
+
+    Raises:
+        ValueError: a ``quantization_config`` other than compressed-tensors int8
+            weight-only; the message names the offending key and value and what is
+            supported.
+    """
+    qc = raw_config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise _refuse(f"quantization_config is a {type(qc).__name__}, not a mapping")
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise _refuse(f"quantization_config quant_method={method!r}")
+    fmt = qc.get("format")
+    if fmt not in COMPRESSED_TENSORS_FORMATS:
+        raise _refuse(f"compressed-tensors format={fmt!r}")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse(f"compressed-tensors quantization_status={status!r} (the weights are not stored as int8)")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise _refuse(f"compressed-tensors {key}={qc[key]!r}")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _refuse("compressed-tensors without config_groups")
+    ignore = list(qc.get("ignore") or [])
+    for name, group in groups.items():
+        _check_group(name, group, ignore)
+    return "int8"
+
+
+def _check_group(name: str, group: Any, ignore: list[str]) -> None:
+    if not isinstance(group, dict):
+        raise _refuse(f"config_groups.{name} is not a mapping")
+    if group.get("format") not in (None, *COMPRESSED_TENSORS_FORMATS):
+        raise _refuse(f"config_groups.{name}.format={group['format']!r}")
+    for key in ("input_activations", "output_activations"):
+        if group.get(key):
+            raise _refuse(f"config_groups.{name}.{key}={group[key]!r} (activation quantization)")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise _refuse(f"config_groups.{name}.weights={weights!r}")
+    expected = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    for key, value in expected.items():
+        if weights.get(key) != value:
+            raise _refuse(f"config_groups.{name}.weights.{key}={weights.get(key)!r} (expected {value!r})")
+    for key in ("group_size", "block_structure", "actorder"):
+        if weights.get(key) is not None:
+            raise _refuse(f"config_groups.{name}.weights.{key}={weights[key]!r}")
+    if weights.get("dynamic"):
+        raise _refuse(f"config_groups.{name}.weights.dynamic={weights['dynamic']!r}")
+    targets = list(group.get("targets") or [])
+    if _matches(targets, "lm_head", "Linear") and not _matches(ignore, "lm_head", None):
+        # The LM head stays in the model dtype (docs/design.md, "Weight-only int8").
+        raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
+
+
+def _matches(patterns: list[str], module: str, module_class: str | None) -> bool:
+    """compressed-tensors' target rule: a class name, an exact module name, or ``re:<regex>`` on the name."""
+    for pattern in patterns:
+        if pattern == module or (module_class is not None and pattern == module_class):
+            return True
+        if pattern.startswith("re:") and re.match(pattern[3:], module):
+            return True
+    return False
+
+
+def _refuse(found: str) -> ValueError:
+    return ValueError(f"unsupported quantized checkpoint: {found}; tpserve serves {SUPPORTED}")
