@@ -7,7 +7,11 @@ row-major and contiguous (one output channel per row, as ``nn.Linear`` stores it
 weight), and ``scales (N,)`` float32, one per output channel (``w ~= qweight *
 scales[:, None]``; worker/layers/int8_weights.py).
 
-This body is the reference: on the CPU, ``torch._weight_int8pack_mm`` (PyTorch's
+With float32 activations on a CPU with the compiled kernels (worker/kernels/), the
+product is ``torch.ops.tpserve_cpu.linear_int8``: each int8 row is read once, widened
+in L1 and multiplied into every row of ``x``, with the scale applied to each dot
+product (float32 accumulation), at any row count. Elsewhere: on the CPU,
+``torch._weight_int8pack_mm`` (PyTorch's
 weight-only int8 GEMM, the kernel behind torchao's CPU int8 weight-only path) where it
 is known to be correct, else dequantize-then-matmul. ``_weight_int8pack_mm`` in
 PyTorch 2.13 needs ``K`` to be a multiple of 8 in bfloat16: with ``K = 12`` or ``100``
@@ -18,6 +22,8 @@ every dtype on the fallback unless ``K % 8 == 0``.
 from __future__ import annotations
 
 import torch
+
+from worker.kernels import cpu_kernels_available
 
 #: ``x.dtype`` values ``torch._weight_int8pack_mm`` takes on the CPU.
 _PACK_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,6 +47,10 @@ def int8_linear(
         activations; for half-precision activations ``_weight_int8pack_mm`` applies
         the scales in ``x.dtype`` (rounded to it), the fallback in float32.
     """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and cpu_kernels_available():
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        return torch.ops.tpserve_cpu.linear_int8(x.contiguous(), qweight, scales, bias)  # (T, N)
     if (x.device.type == "cpu" and x.dtype in _PACK_MM_DTYPES and x.dim() == 2
             and qweight.shape[1] % _PACK_MM_K_MULTIPLE == 0):
         y = torch._weight_int8pack_mm(x.contiguous(), qweight, scales.to(x.dtype))  # (T, N)
