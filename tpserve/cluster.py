@@ -41,6 +41,7 @@ from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
 from coordinator.metrics import Metrics
+from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
@@ -258,7 +259,8 @@ class Cluster:
         self._dtype = self.workers.dtype
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
-                              enable_prefix_caching=cfg.cache.enable_prefix_caching)
+                              enable_prefix_caching=cfg.cache.enable_prefix_caching,
+                              proposer=make_proposer(cfg.speculative))
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         self.engine = Engine(scheduler, self.workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,

@@ -127,6 +127,50 @@ class SchedulerConfig(_Frozen):
     max_queue_len: int = Field(1024, ge=1)
 
 
+class SpeculativeConfig(_Frozen):
+    """Speculative decoding (vLLM's ``speculative_config`` keys, as flags).
+
+    Attributes:
+        speculative_method: None (off) or "ngram": prompt lookup decoding, which proposes
+            the tokens that followed the latest earlier occurrence of the sequence's last
+            n-gram (coordinator/ngram_proposer.py; docs/design.md, "Speculative decoding").
+        num_speculative_tokens: most tokens proposed per sequence per step (k); required
+            with a method.
+        prompt_lookup_max, prompt_lookup_min: the n-gram lengths tried, longest first.
+            vLLM's defaults: both 5 when neither is given, else the one given for both.
+
+    Raises:
+        ValueError: a method without ``num_speculative_tokens``, or a lookup range that
+            is empty or below 1.
+    """
+
+    speculative_method: Literal["ngram"] | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeConfig:
+        if self.speculative_method is None:
+            if self.num_speculative_tokens is not None:
+                raise ValueError("num_speculative_tokens needs speculative_method (ngram)")
+            return self
+        if self.num_speculative_tokens is None:
+            raise ValueError(f"speculative_method={self.speculative_method} needs num_speculative_tokens (>= 1)")
+        low, high = self.lookup_range
+        if low > high:
+            raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
+        return self
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """``(prompt_lookup_min, prompt_lookup_max)`` with vLLM's defaults filled in."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 5, 5
+        return (low if low is not None else high), (high if high is not None else low)
+
+
 class ServerConfig(_Frozen):
     """The public gRPC endpoint and its neighbours.
 
@@ -181,6 +225,7 @@ class ClusterConfig(_Frozen):
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
 
     @classmethod
@@ -189,7 +234,7 @@ class ClusterConfig(_Frozen):
 
         Args:
             yaml_path: a YAML mapping with the sections ``load``, ``parallel``,
-                ``cache``, ``scheduler``, ``server``.
+                ``cache``, ``scheduler``, ``speculative``, ``server``.
             overrides: ``{section: {field: value}}`` from flags; ``None`` values
                 mean "not given" and are ignored.
 

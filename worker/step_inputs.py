@@ -11,7 +11,10 @@ of the device copy. Masks are built on the device from those views.
 The flat batch is reordered **decodes first** (see worker/attention.py): the
 chunks that feed one token, in plan order, then the longer chunks in plan order.
 ``sample_rows`` maps the sampled chunks, in plan order, to their last row, so
-the sampled tokens come back in the order of the plan.
+the sampled tokens come back in the order of the plan. A chunk with proposals
+(speculative decoding) also has ``spec_rows``: the rows of its last
+``num_spec_tokens + 1`` tokens but the last, each of which samples the position
+after it to verify the proposal there (worker/spec_verify.py).
 
 Pure host arithmetic in Python lists: a decode step of ``S`` sequences costs
 ``O(S x blocks)`` list operations and no torch op but the buffer's creation.
@@ -44,6 +47,10 @@ class StepInputs:
             or the caller did not ask for them (ranks other than 0).
         chunk_last_rows: host-side, the row of each chunk's last token, in plan
             order (prompt logprobs find a chunk's rows from it: worker/logprobs.py).
+        spec_rows: ``(S,) int64`` with proposals in the step: for each sampled chunk
+            with ``num_spec_tokens = k`` in plan order, the ``k`` rows before its last
+            (row ``j`` samples the token at ``start_position + j + 1``); None without.
+        spec_sampling: those rows' sampling parameters (rank 0); None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -51,6 +58,8 @@ class StepInputs:
     sample_rows: torch.Tensor | None
     sampling: SamplingTensors | None
     chunk_last_rows: tuple[int, ...] = ()
+    spec_rows: torch.Tensor | None = None
+    spec_sampling: SamplingTensors | None = None
 
 
 class _Packer:
@@ -154,12 +163,16 @@ def build_step_inputs(
     if sampled:
         packer.add("sample_rows", [last_row[i] for i in sampled])
     if build_sampling:
-        params = [sampling[i] for i in sampled]
-        packer.add("top_k", [p.top_k for p in params])
-        packer.add("seeds", [p.seed - (1 << 64) if p.seed >= _TWO_63 else p.seed for p in params])  # int64 bits
-        packer.add("sample_positions", [chunks[i].start_position + chunks[i].num_tokens for i in sampled])
-        packer.reserve("temperature_top_p", len(params))  # float32 (temperature, top_p) per int64
-        floats["temperature_top_p"] = [x for p in params for x in (p.temperature, p.top_p)]
+        _add_sampling(packer, floats, "", [sampling[i] for i in sampled],
+                      [chunks[i].start_position + chunks[i].num_tokens for i in sampled])
+    # Speculative decoding: row j of a chunk's last k + 1 samples position start + j + 1 (the last row is above).
+    spec = [(i, j) for i in sampled for j in range(chunks[i].num_tokens - 1 - chunks[i].num_spec_tokens,
+                                                     chunks[i].num_tokens - 1)]
+    if spec:
+        packer.add("spec_rows", [last_row[i] - chunks[i].num_tokens + 1 + j for i, j in spec])
+        if with_sampling:
+            _add_sampling(packer, floats, "spec_", [sampling[i] for i, _ in spec],
+                          [chunks[i].start_position + j + 1 for i, j in spec])
 
     dev = packer.to_device(device, floats)
     decode_tables = decode_mask = None
@@ -182,17 +195,30 @@ def build_step_inputs(
         decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=tuple(prefills),
         workspace={} if workspace is None else workspace,
     )
-    sampling_tensors = None
-    if build_sampling:
-        params = [sampling[i] for i in sampled]
-        pairs = dev["temperature_top_p"].view(torch.float32)  # (2N,) float32
-        sampling_tensors = SamplingTensors(
-            temperature=pairs[0::2], top_p=pairs[1::2], top_k=dev["top_k"], seeds=dev["seeds"],
-            positions=dev["sample_positions"], all_greedy=all(p.greedy for p in params),
-            any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-        )
+    sampling_tensors = _sampling_tensors(dev, "", [sampling[i] for i in sampled]) if build_sampling else None
+    spec_sampling = _sampling_tensors(dev, "spec_", [sampling[i] for i, _ in spec]) if spec and with_sampling else None
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn,
         sample_rows=dev["sample_rows"] if sampled else None, sampling=sampling_tensors,
-        chunk_last_rows=tuple(last_row),
+        chunk_last_rows=tuple(last_row), spec_rows=dev["spec_rows"] if spec else None, spec_sampling=spec_sampling,
+    )
+
+
+def _add_sampling(packer: _Packer, floats: dict[str, list[float]], prefix: str,
+                  params: Sequence[SamplingParams], positions: Sequence[int]) -> None:
+    """Packs the sampling parameters of some rows under ``prefix`` (positions: the token each row samples)."""
+    packer.add(prefix + "top_k", [p.top_k for p in params])
+    packer.add(prefix + "seeds", [p.seed - (1 << 64) if p.seed >= _TWO_63 else p.seed for p in params])  # int64 bits
+    packer.add(prefix + "sample_positions", positions)
+    packer.reserve(prefix + "temperature_top_p", len(params))  # float32 (temperature, top_p) per int64
+    floats[prefix + "temperature_top_p"] = [x for p in params for x in (p.temperature, p.top_p)]
+
+
+def _sampling_tensors(dev: dict[str, torch.Tensor], prefix: str, params: Sequence[SamplingParams]) -> SamplingTensors:
+    """The device views of what :func:`_add_sampling` packed under ``prefix``."""
+    pairs = dev[prefix + "temperature_top_p"].view(torch.float32)  # (2N,) float32
+    return SamplingTensors(
+        temperature=pairs[0::2], top_p=pairs[1::2], top_k=dev[prefix + "top_k"], seeds=dev[prefix + "seeds"],
+        positions=dev[prefix + "sample_positions"], all_greedy=all(p.greedy for p in params),
+        any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
     )

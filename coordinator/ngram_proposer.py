@@ -1,0 +1,149 @@
+"""Prompt lookup decoding: propose the tokens that followed the sequence's last n-gram before.
+
+The proposer of ``--speculative-method ngram`` (Saxena 2023, "Prompt Lookup
+Decoding", github.com/apoorvumang/prompt-lookup-decoding; vLLM's ``NgramProposer``).
+For ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, take the
+sequence's last ``n`` tokens and find their most recent earlier occurrence
+(prompt and output alike); the proposal is the ``k`` tokens that followed it,
+read on past the end of the sequence as a copy (a match ``d`` tokens back
+proposes a loop of period ``d``). The longest n-gram with a match wins; no match
+proposes nothing.
+
+Speculation only pays when the text repeats itself (code, summaries, quotes of
+the input). :class:`AdaptiveSpeculation` switches it off per sequence while its
+proposals are mostly rejected, so a non-repetitive workload does not pay for a
+k + 1 token verification step that yields one token.
+
+Pure Python, no torch: the coordinator has the tokens. The search is
+``bytes.rfind`` over the tokens packed as int32 (C speed, O(L) per n-gram).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tpserve.config import SpeculativeConfig
+
+_ITEM = array("i").itemsize  # 4 bytes per token id
+
+
+class NgramProposer:
+    """Proposes up to ``num_speculative_tokens`` tokens by n-gram lookup in the sequence itself.
+
+    Args:
+        num_speculative_tokens: k, the most tokens proposed.
+        prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first.
+
+    Raises:
+        ValueError: ``k < 1``, ``prompt_lookup_min < 1`` or ``min > max``.
+    """
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({prompt_lookup_max})")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> tuple[int, ...]:
+        """The proposal for the token after ``token_ids``.
+
+        Args:
+            token_ids: the sequence so far (prompt and output), token ids in [0, 2**31).
+            max_tokens: propose at most this many (the room left before max_tokens or
+                max_model_len); None: ``num_speculative_tokens``.
+
+        Returns:
+            Up to ``min(k, max_tokens)`` token ids, possibly none.
+        """
+        k = self.num_speculative_tokens if max_tokens is None else min(self.num_speculative_tokens, max_tokens)
+        length = len(token_ids)
+        if k <= 0 or length < self.prompt_lookup_min + 1:
+            return ()
+        haystack = array("i", token_ids).tobytes()
+        for n in range(min(self.prompt_lookup_max, length - 1), self.prompt_lookup_min - 1, -1):
+            start = _rfind_aligned(haystack, haystack[(length - n) * _ITEM:], length - 1)
+            if start is None:
+                continue
+            # What followed the match, read on past the sequence's end as the copy it proposes:
+            # a match d tokens back continues with period d (a loop proposes k tokens, not d).
+            period = length - n - start
+            proposal = []
+            for position in range(start + n, start + n + k):
+                while position >= length:
+                    position -= period
+                proposal.append(token_ids[position])
+            return tuple(proposal)
+        return ()
+
+
+def _rfind_aligned(haystack: bytes, needle: bytes, end_token: int) -> int | None:
+    """Token index of the last token-aligned occurrence of ``needle`` that ends before token ``end_token``.
+
+    Ending before the sequence's last token excludes the suffix itself and leaves at
+    least one token after the match to propose.
+    """
+    end = end_token * _ITEM
+    while True:
+        at = haystack.rfind(needle, 0, end)
+        if at < 0:
+            return None
+        if at % _ITEM == 0:
+            return at // _ITEM
+        end = at + len(needle) - 1  # a match straddling token boundaries: look further left
+
+
+@dataclass(slots=True)
+class AdaptiveSpeculation:
+    """Per sequence: speculate while proposals are accepted often enough, else pause.
+
+    The acceptance of each verified proposal (accepted / proposed tokens) feeds an
+    exponential moving average; when it falls below ``min_acceptance`` the sequence
+    stops speculating for ``pause`` output tokens, and each further pause doubles,
+    up to ``max_pause``. Rationale: on a CPU or a small batch a step verifying k + 1
+    tokens costs little more than a decode, but not nothing; a rate of 0.2 already
+    gains about 0.2 k tokens per step, below that the extra rows are waste.
+
+    Attributes:
+        ewma: the moving average of the acceptance rate, starting optimistic (1).
+        resume_at: the output length at which speculation resumes (0: not paused).
+        pause: the next pause's length in output tokens.
+        min_acceptance: the average below which it pauses (0: never).
+    """
+
+    ewma: float = 1.0
+    resume_at: int = 0
+    pause: int = 16
+    min_acceptance: float = 0.2
+
+    WEIGHT = 0.3  # of the newest proposal in the average: about the last 3 to 5 count
+    MAX_PAUSE = 512
+
+    def allowed(self, num_output_tokens: int) -> bool:
+        """Whether the sequence may speculate now."""
+        return num_output_tokens >= self.resume_at
+
+    def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
+        """Feeds one verified proposal; may start a pause."""
+        if num_proposed <= 0:
+            return
+        self.ewma += self.WEIGHT * (num_accepted / num_proposed - self.ewma)
+        if self.ewma < self.min_acceptance:
+            self.resume_at = num_output_tokens + self.pause
+            self.pause = min(2 * self.pause, self.MAX_PAUSE)
+            self.ewma = 0.5  # on resuming, two bad proposals in a row pause it again
+
+
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | None:
+    """The proposer ``config`` asks for (``--speculative-method``), or None when speculation is off."""
+    if config.speculative_method is None:
+        return None
+    low, high = config.lookup_range
+    return NgramProposer(config.num_speculative_tokens, low, high)
