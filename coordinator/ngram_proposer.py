@@ -10,9 +10,9 @@ proposes a loop of period ``d``). The longest n-gram with a match wins; no match
 proposes nothing.
 
 Speculation only pays when the text repeats itself (code, summaries, quotes of
-the input). :class:`AdaptiveSpeculation` switches it off per sequence while its
-proposals are mostly rejected, so a non-repetitive workload does not pay for a
-k + 1 token verification step that yields one token.
+the input). :class:`coordinator.spec_decode.AdaptiveSpeculation` switches it off
+per sequence while its proposals are mostly rejected, so a non-repetitive
+workload does not pay for a k + 1 token verification step that yields one token.
 
 Pure Python, no torch: the coordinator has the tokens. The search is
 ``bytes.rfind`` over the tokens packed as int32 (C speed, O(L) per n-gram).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -98,47 +97,6 @@ def _rfind_aligned(haystack: bytes, needle: bytes, end_token: int) -> int | None
         if at % _ITEM == 0:
             return at // _ITEM
         end = at + len(needle) - 1  # a match straddling token boundaries: look further left
-
-
-@dataclass(slots=True)
-class AdaptiveSpeculation:
-    """Per sequence: speculate while proposals are accepted often enough, else pause.
-
-    The acceptance of each verified proposal (accepted / proposed tokens) feeds an
-    exponential moving average; when it falls below ``min_acceptance`` the sequence
-    stops speculating for ``pause`` output tokens, and each further pause doubles,
-    up to ``max_pause``. Rationale: on a CPU or a small batch a step verifying k + 1
-    tokens costs little more than a decode, but not nothing; a rate of 0.2 already
-    gains about 0.2 k tokens per step, below that the extra rows are waste.
-
-    Attributes:
-        ewma: the moving average of the acceptance rate, starting optimistic (1).
-        resume_at: the output length at which speculation resumes (0: not paused).
-        pause: the next pause's length in output tokens.
-        min_acceptance: the average below which it pauses (0: never).
-    """
-
-    ewma: float = 1.0
-    resume_at: int = 0
-    pause: int = 16
-    min_acceptance: float = 0.2
-
-    WEIGHT = 0.3  # of the newest proposal in the average: about the last 3 to 5 count
-    MAX_PAUSE = 512
-
-    def allowed(self, num_output_tokens: int) -> bool:
-        """Whether the sequence may speculate now."""
-        return num_output_tokens >= self.resume_at
-
-    def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
-        """Feeds one verified proposal; may start a pause."""
-        if num_proposed <= 0:
-            return
-        self.ewma += self.WEIGHT * (num_accepted / num_proposed - self.ewma)
-        if self.ewma < self.min_acceptance:
-            self.resume_at = num_output_tokens + self.pause
-            self.pause = min(2 * self.pause, self.MAX_PAUSE)
-            self.ewma = 0.5  # on resuming, two bad proposals in a row pause it again
 
 
 def make_proposer(config: SpeculativeConfig) -> NgramProposer | None:

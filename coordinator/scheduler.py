@@ -41,53 +41,14 @@ checkable after any step with ``check_invariants``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
 from coordinator.ngram_proposer import NgramProposer
+from coordinator.spec_decode import SpecDecodeStats
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus, extend_block_hashes
 from tpserve.step import NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
-
-
-@dataclass(slots=True)
-class SpecDecodeStats:
-    """Speculative decoding's cumulative counters (the ``tpserve:spec_decode_*`` metrics).
-
-    Attributes:
-        num_drafts: proposals verified (one per sequence per step that had one).
-        num_draft_tokens: tokens proposed in them.
-        num_accepted_tokens: proposed tokens accepted.
-        draft_tokens_per_pos, accepted_tokens_per_pos: the same two counts by position
-            in the proposal (0 is the first proposed token); acceptance at position i
-            is ``accepted_tokens_per_pos[i] / draft_tokens_per_pos[i]``.
-    """
-
-    num_speculative_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    draft_tokens_per_pos: list[int] = field(default_factory=list)
-    accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.draft_tokens_per_pos = self.draft_tokens_per_pos or [0] * self.num_speculative_tokens
-        self.accepted_tokens_per_pos = self.accepted_tokens_per_pos or [0] * self.num_speculative_tokens
-
-    def snapshot(self) -> SpecDecodeStats:
-        """A copy of the counters now."""
-        return dataclasses.replace(self, draft_tokens_per_pos=list(self.draft_tokens_per_pos),
-                                   accepted_tokens_per_pos=list(self.accepted_tokens_per_pos))
-
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        """Counts one verified proposal of ``num_proposed`` tokens whose first ``num_accepted`` were accepted."""
-        self.num_drafts += 1
-        self.num_draft_tokens += num_proposed
-        self.num_accepted_tokens += num_accepted
-        for pos in range(num_proposed):
-            self.draft_tokens_per_pos[pos] += 1
-            self.accepted_tokens_per_pos[pos] += pos < num_accepted
 
 
 @dataclass(frozen=True, slots=True)

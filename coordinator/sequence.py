@@ -11,7 +11,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 
-from coordinator.ngram_proposer import AdaptiveSpeculation
+from coordinator.spec_decode import AdaptiveSpeculation
 from tpserve.step import SamplingParams
 
 

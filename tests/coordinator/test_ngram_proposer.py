@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.ngram_proposer import AdaptiveSpeculation, NgramProposer, make_proposer
+from coordinator.ngram_proposer import NgramProposer, make_proposer
+from coordinator.spec_decode import AdaptiveSpeculation
 from tpserve.config import ClusterConfig, SpeculativeConfig
 
 

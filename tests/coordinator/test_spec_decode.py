@@ -15,7 +15,8 @@ import random
 from collections.abc import Callable
 
 from coordinator.block_allocator import BlockAllocator
-from coordinator.ngram_proposer import AdaptiveSpeculation, NgramProposer
+from coordinator.ngram_proposer import NgramProposer
+from coordinator.spec_decode import AdaptiveSpeculation
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, StopParams
 from tpserve.step import SamplingParams, StepPlan, StepResult
