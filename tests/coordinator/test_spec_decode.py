@@ -109,8 +109,10 @@ def run(workload: list[tuple[int, list[int], int]], proposer: NgramProposer | No
         scheduler.check_invariants()  # the plan writes no cached or shared block
         outputs = scheduler.update(plan, workers.execute(plan, seqs))
         scheduler.check_invariants()
-        for out in outputs:  # nothing after a stop
-            assert out.seq.output_token_ids.index(out.token_id) >= 0
+        for index, out in enumerate(outputs):  # nothing after a stop
+            if out.finish_reason is not None:
+                assert out.seq.output_token_ids[-1] == out.token_id
+                assert all(later.seq is not out.seq for later in outputs[index + 1:])
         step += 1
     assert all(seq.is_finished for seq in seqs.values())
     assert scheduler.allocator.num_free_blocks == num_blocks
