@@ -260,7 +260,8 @@ class ClusterConfig(_Frozen):
                  "--max-num-seqs", str(scheduler.max_num_seqs)]
         for flag, value in (("--kv-cache-memory-bytes", cache.kv_cache_memory_bytes),
                             ("--num-gpu-blocks-override", cache.num_gpu_blocks_override),
-                            ("--max-model-len", scheduler.max_model_len)):
+                            ("--max-model-len", scheduler.max_model_len),
+                            ("--num-speculative-tokens", self.speculative.num_speculative_tokens)):
             if value is not None:
                 flags += [flag, str(value)]
         return flags
