@@ -41,6 +41,9 @@ class NgramProposer:
         ValueError: ``k < 1``, ``prompt_lookup_min < 1`` or ``min > max``.
     """
 
+    #: The proposal's tokens are known here (the draft model's are not: :class:`DraftModelProposer`).
+    on_workers = False
+
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -99,9 +102,34 @@ def _rfind_aligned(haystack: bytes, needle: bytes, end_token: int) -> int | None
         end = at + len(needle) - 1  # a match straddling token boundaries: look further left
 
 
-def make_proposer(config: SpeculativeConfig) -> NgramProposer | None:
+class DraftModelProposer:
+    """``--speculative-method draft``: the workers' draft model proposes (worker/draft_model.py).
+
+    The coordinator only decides how many tokens each sequence may get proposed (the
+    blocks and token budget they need are reserved like an n-gram proposal's); the
+    tokens come back in the step's result with the verified ones.
+
+    Args:
+        num_speculative_tokens: k, the most tokens proposed.
+    """
+
+    on_workers = True
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def num_to_propose(self, max_tokens: int) -> int:
+        """How many tokens the draft proposes with room for ``max_tokens``."""
+        return max(0, min(self.num_speculative_tokens, max_tokens))
+
+
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | DraftModelProposer | None:
     """The proposer ``config`` asks for (``--speculative-method``), or None when speculation is off."""
     if config.speculative_method is None:
         return None
+    if config.speculative_method == "draft":
+        return DraftModelProposer(config.num_speculative_tokens)
     low, high = config.lookup_range
     return NgramProposer(config.num_speculative_tokens, low, high)

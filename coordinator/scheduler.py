@@ -28,6 +28,8 @@ under the stop rules, counts only the verified positions as computed (so the
 prefix cache never registers a block holding a rejected token, whose slot is
 simply overwritten later), and frees the blocks reserved beyond the sequence's
 new length; the next plan tells the workers to cut their block tables to match.
+With a draft model (``--speculative-method draft``) the chunk only names how many
+tokens the workers' draft proposes (``num_draft_tokens``); the rest is the same.
 
 ``update`` records the blocks that the step filled in the prefix cache, appends the
 sampled tokens, applies the token-level stop rules and frees the blocks of sequences
@@ -45,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
-from coordinator.ngram_proposer import NgramProposer
+from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.spec_decode import SpecDecodeStats
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus, extend_block_hashes
 from tpserve.step import NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
@@ -82,7 +84,7 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = False, check_writes: bool = False,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: NgramProposer | DraftModelProposer | None = None) -> None:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -178,11 +180,12 @@ class Scheduler:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Speculation spends budget only where every later running sequence keeps a token.
-            proposal = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
-                if num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ()
-            new_block_ids = self._grow(seq, num_new + len(proposal)) if proposal else None
+            proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
+                if num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ((), 0)
+            num_spec = len(proposal) + num_draft
+            new_block_ids = self._grow(seq, num_new + num_spec) if num_spec else None
             if new_block_ids is None:
-                proposal = ()  # no room for the guesses: decode as usual (and preempt if need be)
+                proposal, num_draft, num_spec = (), 0, 0  # no room for guesses: decode as usual (preempt if need be)
                 new_block_ids = self._grow(seq, num_new)
             while new_block_ids is None:
                 victim = self.running[-1]
@@ -193,8 +196,8 @@ class Scheduler:
                 new_block_ids = self._grow(seq, num_new)
             if new_block_ids is None:
                 break  # seq itself was preempted; every older one is scheduled
-            scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal))
-            budget -= num_new + len(proposal)
+            scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
+            budget -= num_new + num_spec
             index += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -258,7 +261,7 @@ class Scheduler:
             seq = seqs.get(chunk.seq_id)
             if seq is None:
                 continue  # finished, aborted or preempted after the plan was made
-            if chunk.num_spec_tokens:
+            if chunk.num_spec_tokens or chunk.num_draft_tokens:
                 outputs += self._apply_verified(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset])
                 continue
             if self.enable_prefix_caching:
@@ -274,14 +277,19 @@ class Scheduler:
 
     # -- speculative decoding --------------------------------------------------------
 
-    def _propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """Proposed tokens after ``seq``'s last one, at most ``room`` (none when it may not speculate)."""
+    def _propose(self, seq: Sequence, room: int) -> tuple[tuple[int, ...], int]:
+        """``(proposed tokens, tokens the draft model will propose)`` after ``seq``'s last one, at most
+        ``room`` in all (none when it may not speculate)."""
         if self.proposer is None or room <= 0 or not seq.sampling.allows_speculation \
                 or not seq.speculation.allowed(seq.num_output_tokens):
-            return ()
+            return (), 0
         # Every accepted token and the one sampled after them must fit max_tokens and max_model_len.
         room = min(room, seq.stop.max_tokens - seq.num_output_tokens - 1, seq.max_model_len - seq.num_tokens - 1)
-        return self.proposer.propose(seq.token_ids(0, seq.num_tokens), room) if room > 0 else ()
+        if room <= 0:
+            return (), 0
+        if self.proposer.on_workers:
+            return (), self.proposer.num_to_propose(room)
+        return self.proposer.propose(seq.token_ids(0, seq.num_tokens), room), 0
 
     def _tokens_per_sample(self, plan: StepPlan, result: StepResult) -> list[int]:
         """How many tokens each sample of ``plan`` gave in ``result``; validates the result first."""
@@ -290,7 +298,7 @@ class Scheduler:
         if accepted and len(accepted) != len(samples) or (not accepted and plan.num_spec_tokens):
             raise ValueError(f"step {plan.step_id}: {len(accepted)} acceptance counts for {len(samples)} samples")
         counts = [1 + (accepted[i] if accepted else 0) for i in range(len(samples))]
-        if any(count - 1 > chunk.num_spec_tokens for count, chunk in zip(counts, samples)):
+        if any(count - 1 > chunk.num_spec_tokens + chunk.num_draft_tokens for count, chunk in zip(counts, samples)):
             raise ValueError(f"step {plan.step_id}: more proposals accepted than proposed")
         if len(result.sampled_token_ids) != sum(counts):
             raise ValueError(f"step {plan.step_id}: {len(result.sampled_token_ids)} tokens for "
@@ -299,7 +307,7 @@ class Scheduler:
 
     def _apply_verified(self, seq: Sequence, chunk: ScheduledChunk, token_ids: tuple[int, ...]) -> list[TokenOutput]:
         """Appends a verified chunk's tokens up to a stop; rolls back the rejected positions."""
-        num_proposed, num_accepted = chunk.num_spec_tokens, len(token_ids) - 1
+        num_proposed, num_accepted = chunk.num_spec_tokens + chunk.num_draft_tokens, len(token_ids) - 1
         outputs: list[TokenOutput] = []
         reason = None
         for token_id in token_ids:
@@ -366,7 +374,7 @@ class Scheduler:
         for chunk in scheduled:
             table = tables[chunk.seq_id]
             first = chunk.start_position // self.block_size
-            last = (chunk.start_position + chunk.num_tokens - 1) // self.block_size
+            last = (chunk.start_position + chunk.num_tokens + chunk.num_draft_tokens - 1) // self.block_size
             bad += [b for b in table[first:last + 1] if self.allocator.is_cached(b) or self.allocator.ref_count(b) != 1]
         return bad
 
@@ -383,7 +391,8 @@ class Scheduler:
         return block_ids
 
     @staticmethod
-    def _chunk(seq: Sequence, num_new: int, new_block_ids: list[int], proposal: tuple[int, ...] = ()) -> ScheduledChunk:
+    def _chunk(seq: Sequence, num_new: int, new_block_ids: list[int], proposal: tuple[int, ...] = (),
+               num_draft: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
             seq_id=seq.seq_id,
@@ -392,6 +401,7 @@ class Scheduler:
             new_block_ids=tuple(new_block_ids),
             sample=start + num_new == seq.num_tokens,
             num_spec_tokens=len(proposal),
+            num_draft_tokens=num_draft,
         )
 
     def check_invariants(self) -> None:

@@ -64,8 +64,10 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--max-queue-len", dict(type=int, help="most waiting requests before RESOURCE_EXHAUSTED")),
     ],
     "speculative": [
-        ("--speculative-method", dict(choices=("ngram",), help="speculative decoding: ngram is prompt lookup "
-                                                                "(default: off)")),
+        ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "
+                                                                        "lookup, draft a small model (default: off)")),
+        ("--speculative-model", dict(help="with --speculative-method draft: the draft model's checkpoint directory "
+                                          "(same tokenizer)")),
         ("--num-speculative-tokens", dict(type=int, help="most tokens proposed per sequence per step")),
         ("--prompt-lookup-max", dict(type=int, help="longest n-gram looked up (ngram; default 5)")),
         ("--prompt-lookup-min", dict(type=int, help="shortest n-gram looked up (ngram; default 5)")),

@@ -116,6 +116,12 @@ class Cluster:
         self.log_format = log_format
         self.model_dir = Path(config.load.model) if config.load.model else default_model_dir()
         self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size)
+        if config.speculative.speculative_model is not None:
+            draft = read_model_config(Path(config.speculative.speculative_model), config.parallel.tensor_parallel_size)
+            if draft.vocab_size != self.model_config.vocab_size:
+                raise StartupError(f"--speculative-model {config.speculative.speculative_model} has vocab_size="
+                                   f"{draft.vocab_size}, the model {self.model_config.vocab_size}: a draft model "
+                                   "must share the model's tokenizer")
         model_len = self.model_config.max_position_embeddings
         self.max_model_len = config.scheduler.max_model_len or model_len
         if self.max_model_len > model_len:

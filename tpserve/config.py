@@ -131,20 +131,24 @@ class SpeculativeConfig(_Frozen):
     """Speculative decoding (vLLM's ``speculative_config`` keys, as flags).
 
     Attributes:
-        speculative_method: None (off) or "ngram": prompt lookup decoding, which proposes
+        speculative_method: None (off); "ngram": prompt lookup decoding, which proposes
             the tokens that followed the latest earlier occurrence of the sequence's last
-            n-gram (coordinator/ngram_proposer.py; docs/design.md, "Speculative decoding").
+            n-gram (coordinator/ngram_proposer.py; docs/design.md, "Speculative decoding");
+            "draft": a small model of the same tokenizer, run by the same ranks with its
+            own KV cache, proposes greedily (worker/draft_model.py).
+        speculative_model: with "draft", the draft model's checkpoint directory.
         num_speculative_tokens: most tokens proposed per sequence per step (k); required
             with a method.
         prompt_lookup_max, prompt_lookup_min: the n-gram lengths tried, longest first.
             vLLM's defaults: both 5 when neither is given, else the one given for both.
 
     Raises:
-        ValueError: a method without ``num_speculative_tokens``, or a lookup range that
-            is empty or below 1.
+        ValueError: a method without ``num_speculative_tokens``, a lookup range that is
+            empty or below 1, or ``speculative_model`` without "draft" (or the reverse).
     """
 
-    speculative_method: Literal["ngram"] | None = None
+    speculative_method: Literal["ngram", "draft"] | None = None
+    speculative_model: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     prompt_lookup_max: int | None = Field(None, ge=1)
     prompt_lookup_min: int | None = Field(None, ge=1)
@@ -152,11 +156,14 @@ class SpeculativeConfig(_Frozen):
     @model_validator(mode="after")
     def _check_lookup(self) -> SpeculativeConfig:
         if self.speculative_method is None:
-            if self.num_speculative_tokens is not None:
-                raise ValueError("num_speculative_tokens needs speculative_method (ngram)")
+            if self.num_speculative_tokens is not None or self.speculative_model is not None:
+                raise ValueError("num_speculative_tokens and speculative_model need speculative_method (ngram or draft)")
             return self
         if self.num_speculative_tokens is None:
             raise ValueError(f"speculative_method={self.speculative_method} needs num_speculative_tokens (>= 1)")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model (the draft's directory) goes with speculative_method=draft, "
+                             f"got speculative_method={self.speculative_method}, speculative_model={self.speculative_model}")
         low, high = self.lookup_range
         if low > high:
             raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
@@ -253,7 +260,8 @@ class ClusterConfig(_Frozen):
         return cls.model_validate(data)
 
     def worker_cache_flags(self) -> list[str]:
-        """The flags of ``python -m worker.main`` that size a rank's KV cache (worker/memory.py)."""
+        """The flags of ``python -m worker.main`` that size a rank's KV cache (worker/memory.py), the draft
+        model's included (it has a cache too)."""
         cache, scheduler = self.cache, self.scheduler
         flags = ["--gpu-memory-utilization", str(cache.gpu_memory_utilization),
                  "--max-num-batched-tokens", str(scheduler.max_num_batched_tokens),
@@ -261,7 +269,8 @@ class ClusterConfig(_Frozen):
         for flag, value in (("--kv-cache-memory-bytes", cache.kv_cache_memory_bytes),
                             ("--num-gpu-blocks-override", cache.num_gpu_blocks_override),
                             ("--max-model-len", scheduler.max_model_len),
-                            ("--num-speculative-tokens", self.speculative.num_speculative_tokens)):
+                            ("--num-speculative-tokens", self.speculative.num_speculative_tokens),
+                            ("--speculative-model", self.speculative.speculative_model)):
             if value is not None:
                 flags += [flag, str(value)]
         return flags

@@ -27,7 +27,8 @@ Order of application on a worker, fixed so every rank agrees:
      proposals (speculative decoding) is verified: the sampling rank samples at each
      of its last ``num_spec_tokens + 1`` positions and keeps the longest prefix of
      proposals equal to those samples, plus the first sample that differs (or the
-     bonus sample after the last proposal): ``1 + num_accepted`` tokens.
+     bonus sample after the last proposal): ``1 + num_accepted`` tokens. A chunk with
+     ``num_draft_tokens`` gets its proposals from the workers' draft model first.
 
 This module imports no torch: the coordinator uses it too.
 """
@@ -203,6 +204,10 @@ class ScheduledChunk:
         num_spec_tokens: how many of the last ``token_ids`` are proposed tokens to
             verify (speculative decoding; docs/design.md); 0 for an ordinary chunk.
             Only with ``sample=True`` and fewer than ``len(token_ids)``.
+        num_draft_tokens: ``--speculative-method draft``: the workers' draft model
+            proposes this many tokens after ``token_ids``, verified in the same step
+            like ``num_spec_tokens`` (the blocks hold them too). Only with
+            ``sample=True`` and ``num_spec_tokens == 0``.
     """
 
     seq_id: int
@@ -211,6 +216,7 @@ class ScheduledChunk:
     new_block_ids: tuple[int, ...] = ()
     sample: bool = True
     num_spec_tokens: int = 0
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -242,7 +248,7 @@ class StepPlan:
     @property
     def num_spec_tokens(self) -> int:
         """Proposed tokens the step verifies (0 without speculative decoding)."""
-        return sum(chunk.num_spec_tokens for chunk in self.scheduled)
+        return sum(chunk.num_spec_tokens + chunk.num_draft_tokens for chunk in self.scheduled)
 
 
 @dataclass(frozen=True, slots=True)

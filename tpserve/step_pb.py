@@ -40,6 +40,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
                 new_block_ids=chunk.new_block_ids,
                 sample=chunk.sample,
                 num_spec_tokens=chunk.num_spec_tokens,
+                num_draft_tokens=chunk.num_draft_tokens,
             )
             for chunk in plan.scheduled
         ],
@@ -75,6 +76,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
                 new_block_ids=tuple(chunk.new_block_ids),
                 sample=chunk.sample,
                 num_spec_tokens=chunk.num_spec_tokens,
+                num_draft_tokens=chunk.num_draft_tokens,
             )
             for chunk in msg.scheduled
         ),

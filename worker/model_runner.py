@@ -34,7 +34,8 @@ import torch
 
 from tpserve.model_config import ModelConfig
 from tpserve.step import SamplingParams, StepPlan, StepResult
-from worker.kv_cache import KVCacheLayout
+from worker.draft_model import DraftModel, with_proposals
+from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
 from worker.grammar import GrammarCache, GrammarState
 from worker.loader import load_model
 from worker.logits_controls import extend_history, with_logits_controls
@@ -65,6 +66,9 @@ class ModelRunner:
         ctx: this rank's tensor-parallel group.
         dtype: weights, activations and KV cache dtype (float32, bfloat16, float16).
         block_size: tokens per KV block (the coordinator's ``--block-size``).
+        draft_model_dir: ``--speculative-model``: a draft model of the same vocabulary,
+            run on the same ranks with its own cache (worker/draft_model.py); None: none.
+            ``kv_layout`` then sizes both caches together.
 
     Raises:
         ValueError: the model cannot be split ``ctx.world_size`` ways (the message
@@ -72,7 +76,8 @@ class ModelRunner:
             checkpoint with missing/unexpected weights.
     """
 
-    def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int) -> None:
+    def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
+                 draft_model_dir: str | Path | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
         self.config = ModelConfig.from_pretrained(model_dir)
@@ -80,8 +85,12 @@ class ModelRunner:
         self.ctx = ctx
         self.dtype = dtype
         self.block_size = block_size
-        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
+        self._target_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
         self.model = load_model(model_dir, self.config, ctx, dtype)
+        self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
+                                                                     self.config.vocab_size)
+        self.kv_layout = self._target_layout if self.draft is None else \
+            PairedKVCacheLayout(self._target_layout, self.draft.kv_layout)
         self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -96,12 +105,16 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (block ids ``0 .. num_blocks - 1``)."""
-        self.kv_caches = self.kv_layout.allocate(num_blocks, self.ctx.device)
+        self.kv_caches = self._target_layout.allocate(num_blocks, self.ctx.device)
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:
         """Drop the KV cache and every sequence (after the memory profile, before the real cache)."""
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.free_kv_cache()
         self.num_blocks = 0
         self._seqs.clear()
 
@@ -165,7 +178,10 @@ class ModelRunner:
             if chunk.num_spec_tokens and (chunk.num_spec_tokens >= chunk.num_tokens or not chunk.sample):
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has num_spec_tokens="
                                  f"{chunk.num_spec_tokens}: needs sample and fewer than its {chunk.num_tokens} tokens")
-            end = chunk.start_position + chunk.num_tokens
+            if chunk.num_draft_tokens and (self.draft is None or chunk.num_spec_tokens or not chunk.sample):
+                raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has num_draft_tokens="
+                                 f"{chunk.num_draft_tokens}: needs a draft model, sample and no num_spec_tokens")
+            end = chunk.start_position + chunk.num_tokens + chunk.num_draft_tokens
             capacity = (len(state.block_table) + len(chunk.new_block_ids)) * self.block_size
             if end > capacity:
                 raise ValueError(
@@ -185,6 +201,14 @@ class ModelRunner:
             chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
             self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
         )
+        if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
+            proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
+            if any(proposals):  # the target verifies them in its one pass
+                chunks = with_proposals(chunks, proposals)
+                inputs = build_step_inputs(
+                    chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
+                    self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
+                )
         hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
         self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)
         if inputs.sample_rows is None:

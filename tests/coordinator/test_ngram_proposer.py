@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.ngram_proposer import NgramProposer, make_proposer
+from coordinator.ngram_proposer import DraftModelProposer, NgramProposer, make_proposer
 from coordinator.spec_decode import AdaptiveSpeculation
 from tpserve.config import ClusterConfig, SpeculativeConfig
 
@@ -65,8 +65,19 @@ def test_config_follows_vllm_defaults_and_names_the_field() -> None:
                           prompt_lookup_max=2)
     with pytest.raises(ValueError, match="speculative_method"):
         SpeculativeConfig(speculative_method="eagle", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="needs speculative_method"):
+    with pytest.raises(ValueError, match="need speculative_method"):
         SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="speculative_model .* goes with speculative_method=draft"):
+        SpeculativeConfig(speculative_method="draft", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="goes with speculative_method=draft"):
+        SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=2, speculative_model="/m")
+    draft = make_proposer(SpeculativeConfig(speculative_method="draft", num_speculative_tokens=3, speculative_model="/m"))
+    assert isinstance(draft, DraftModelProposer) and draft.on_workers and draft.num_to_propose(2) == 2
+    config = ClusterConfig.load_from(None, {"speculative": {"speculative_method": "draft", "speculative_model": "/m",
+                                                            "num_speculative_tokens": 3}})
+    flags = config.worker_cache_flags()
+    assert flags[flags.index("--speculative-model") + 1] == "/m"
+    assert flags[flags.index("--num-speculative-tokens") + 1] == "3"
 
 
 def test_adaptive_speculation_pauses_longer_each_time() -> None:

@@ -93,6 +93,8 @@ def test_invalid_speculative_chunks_are_refused(stories_runner: ModelRunner) -> 
     with pytest.raises(ValueError, match="num_spec_tokens=1: needs sample"):
         stories_runner.execute(StepPlan(1, new, (ScheduledChunk(5, (1, 2), 0, (40,), sample=False,
                                                                 num_spec_tokens=1),)))
+    with pytest.raises(ValueError, match="num_draft_tokens=2: needs a draft model"):
+        stories_runner.execute(StepPlan(2, new, (ScheduledChunk(5, (1, 2), 0, (40,), num_draft_tokens=2),)))
 
 
 # -- the target distribution of sampled requests -----------------------------------------------
