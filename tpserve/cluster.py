@@ -362,7 +362,7 @@ class Cluster:
                 raise StartupError(f"cannot bind the node registry on port {par.master_port} (--master-port)")
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
-                                 self.config.cache.block_size)
+                                 self.config.cache.block_size, draft_config_sha256(self.config))
         self.registry = NodeRegistry(settings, init_method, on_lost=self._group_failed)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()
@@ -455,6 +455,12 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --tensor-parallel-size {tensor_parallel_size}: {exc}") from exc
     return config
+
+
+def draft_config_sha256(config: ClusterConfig) -> str:
+    """SHA-256 (hex) of the draft model's config.json, or "" without ``--speculative-model``."""
+    draft = config.speculative.speculative_model
+    return "" if draft is None else config_sha256(Path(draft))
 
 
 def config_sha256(model_dir: Path) -> str:

@@ -44,12 +44,15 @@ class GroupSettings:
         model_config_sha256: SHA-256 (hex) of the model's config.json.
         dtype: the --dtype flag as given.
         block_size: tokens per KV block.
+        draft_model_config_sha256: SHA-256 (hex) of the draft model's config.json
+            (``--speculative-method draft``), or "" without one.
     """
 
     layout: GroupLayout
     model_config_sha256: str
     dtype: str
     block_size: int
+    draft_model_config_sha256: str = ""
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -62,6 +65,7 @@ class GroupSettings:
             ("model config.json sha256", join.model_config_sha256, self.model_config_sha256),
             ("dtype", join.dtype, self.dtype),
             ("block_size", join.block_size, self.block_size),
+            ("draft model config.json sha256", join.draft_model_config_sha256, self.draft_model_config_sha256),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"
