@@ -74,7 +74,7 @@ class Scheduler:
             tokens up to them (``--enable-prefix-caching``).
         check_writes: record, at each ``schedule``, any block the plan writes that is
             cached or shared, for ``check_invariants`` (tests; costs a little per step).
-        proposer: speculative decoding's proposer (``--speculative-method ngram``); None: off.
+        proposer: speculative decoding's proposer (``--speculative-method ngram`` or ``draft``); None: off.
 
     Attributes:
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the
