@@ -10,6 +10,11 @@ of the device copy. Masks are built on the device from those views.
 
 The flat batch is reordered **decodes first** (see worker/attention.py): the
 chunks that feed one token, in plan order, then the longer chunks in plan order.
+A chunk with proposals (speculative decoding) is laid out among the decodes, one
+decode row per token: attention writes the whole step's K/V into the cache before
+it reads, so row ``j`` attends over positions ``0 .. start_position + j`` through
+the block table like any decode, and the verification of a whole batch is one
+batched attention call rather than one call per sequence.
 ``sample_rows`` maps the sampled chunks, in plan order, to their last row, so
 the sampled tokens come back in the order of the plan. A chunk with proposals
 (speculative decoding) also has ``spec_rows``: the rows of its last
@@ -115,8 +120,11 @@ def build_step_inputs(
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
     """
-    order = [i for i, c in enumerate(chunks) if c.num_tokens == 1] + [i for i, c in enumerate(chunks) if c.num_tokens > 1]
-    num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+    as_decodes = [c.num_tokens == 1 or c.num_spec_tokens > 0 for c in chunks]
+    order = [i for i in range(len(chunks)) if as_decodes[i]] + [i for i in range(len(chunks)) if not as_decodes[i]]
+    # (plan index, position) of each decode row: a chunk with proposals gives one row per token.
+    decode_rows = [(i, chunks[i].start_position + j) for i in order if as_decodes[i] for j in range(chunks[i].num_tokens)]
+    num_decodes = len(decode_rows)
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -137,7 +145,7 @@ def build_step_inputs(
             slots.extend(range(base, base + take))
             pos += take
         last_row[i] = row + chunk.num_tokens - 1
-        if chunk.num_tokens > 1:
+        if not as_decodes[i]:
             prefill_specs.append((row, len(tokens), start, i))
     packer.add("input_ids", tokens)
     packer.add("positions", positions)
@@ -145,13 +153,13 @@ def build_step_inputs(
 
     decode_blocks = 0
     if num_decodes:
-        decode_blocks = max(chunks[i].start_position // block_size + 1 for i in order[:num_decodes])
+        decode_blocks = max(pos // block_size + 1 for _, pos in decode_rows)
         rows: list[int] = []
-        for i in order[:num_decodes]:
+        for i, _ in decode_rows:
             table = list(block_tables[i][:decode_blocks])
             rows.extend(table + [0] * (decode_blocks - len(table)))  # padding: masked out
         packer.add("decode_tables", rows)
-        packer.add("decode_context_lens", [chunks[i].start_position + 1 for i in order[:num_decodes]])
+        packer.add("decode_context_lens", [pos + 1 for _, pos in decode_rows])
     for n, (_, _, start, i) in enumerate(prefill_specs):
         if start > 0:
             context = start + chunks[i].num_tokens
