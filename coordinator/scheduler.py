@@ -75,6 +75,8 @@ class Scheduler:
         check_writes: record, at each ``schedule``, any block the plan writes that is
             cached or shared, for ``check_invariants`` (tests; costs a little per step).
         proposer: speculative decoding's proposer (``--speculative-method ngram`` or ``draft``); None: off.
+        disable_speculation_above: no proposals while more sequences than this run
+            (``--speculative-disable-by-batch-size``); None: no limit.
 
     Attributes:
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the
@@ -84,7 +86,8 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = False, check_writes: bool = False,
-                 proposer: NgramProposer | DraftModelProposer | None = None) -> None:
+                 proposer: NgramProposer | DraftModelProposer | None = None,
+                 disable_speculation_above: int | None = None) -> None:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -99,6 +102,7 @@ class Scheduler:
         self._to_drop: list[int] = []  # seq ids the workers must forget at the next plan
         self._trims: dict[int, int] = {}  # seq id -> blocks the workers keep (after rejected proposals)
         self.proposer = proposer
+        self.disable_speculation_above = disable_speculation_above
         self.spec = SpecDecodeStats(proposer.num_speculative_tokens if proposer else 0)
         self._next_step_id = 0
         self.num_preemptions = 0
@@ -175,13 +179,15 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         preempted = False
 
+        speculate = self.proposer is not None and (self.disable_speculation_above is None
+                                                   or len(self.running) <= self.disable_speculation_above)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Speculation spends budget only where every later running sequence keeps a token.
             proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
-                if num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ((), 0)
+                if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ((), 0)
             num_spec = len(proposal) + num_draft
             new_block_ids = self._grow(seq, num_new + num_spec) if num_spec else None
             if new_block_ids is None:

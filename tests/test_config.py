@@ -37,9 +37,10 @@ def test_serve_flags_follow_vllm_names() -> None:
 
     config = serve_config(build_parser().parse_args(["serve", "--speculative-method", "ngram",
                                                      "--num-speculative-tokens", "4", "--prompt-lookup-max", "3",
-                                                     "--prompt-lookup-min", "2"]))
+                                                     "--prompt-lookup-min", "2",
+                                                     "--speculative-disable-by-batch-size", "8"]))
     assert config.speculative.speculative_method == "ngram" and config.speculative.num_speculative_tokens == 4
-    assert config.speculative.lookup_range == (2, 3)
+    assert config.speculative.lookup_range == (2, 3) and config.speculative.speculative_disable_by_batch_size == 8
 
 
 def test_serve_names_a_bad_flag_in_one_line() -> None:

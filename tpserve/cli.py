@@ -71,6 +71,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--num-speculative-tokens", dict(type=int, help="most tokens proposed per sequence per step")),
         ("--prompt-lookup-max", dict(type=int, help="longest n-gram looked up (ngram; default 5)")),
         ("--prompt-lookup-min", dict(type=int, help="shortest n-gram looked up (ngram; default 5)")),
+        ("--speculative-disable-by-batch-size", dict(type=int, help="no proposals in a step of more sequences than "
+                                                                    "this (default: always speculate)")),
     ],
     "server": [
         ("--host", dict(help="address to bind (default 0.0.0.0)")),

@@ -266,7 +266,8 @@ class Cluster:
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
                               enable_prefix_caching=cfg.cache.enable_prefix_caching,
-                              proposer=make_proposer(cfg.speculative))
+                              proposer=make_proposer(cfg.speculative),
+                              disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size)
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         self.engine = Engine(scheduler, self.workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,

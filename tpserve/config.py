@@ -141,6 +141,10 @@ class SpeculativeConfig(_Frozen):
             with a method.
         prompt_lookup_max, prompt_lookup_min: the n-gram lengths tried, longest first.
             vLLM's defaults: both 5 when neither is given, else the one given for both.
+        speculative_disable_by_batch_size: no proposals in a step that runs more than
+            this many sequences (vLLM's ``disable_by_batch_size``): a large batch is
+            already compute-bound, and verifying k + 1 rows per sequence costs more than
+            the accepted tokens gain; None: always speculate.
 
     Raises:
         ValueError: a method without ``num_speculative_tokens``, a lookup range that is
@@ -152,6 +156,7 @@ class SpeculativeConfig(_Frozen):
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     prompt_lookup_max: int | None = Field(None, ge=1)
     prompt_lookup_min: int | None = Field(None, ge=1)
+    speculative_disable_by_batch_size: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check_lookup(self) -> SpeculativeConfig:

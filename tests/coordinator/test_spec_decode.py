@@ -196,6 +196,27 @@ def test_poor_acceptance_pauses_speculation_for_the_sequence() -> None:
     assert seq.speculation.pause > 16  # paused more than once
 
 
+def test_no_proposals_in_a_batch_larger_than_the_limit() -> None:
+    scheduler = Scheduler(BlockAllocator(32, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                          proposer=NgramProposer(3, 1, 2), disable_speculation_above=2)
+    workers = FakeWorkers(32, 4, lambda context: (5, 6)[len(context) % 2])
+    seqs = {i: make_seq(i, [5, 6, 5, 6, 5], 40) for i in range(3)}
+    seen = set()
+    for step in range(40):
+        if step in (0, 2):  # two requests, then a third joins
+            for seq in list(seqs.values())[:2] if step == 0 else [seqs[2]]:
+                scheduler.add(seq)
+        num_running = len(scheduler.running)
+        plan = scheduler.schedule()
+        speculating = any(c.num_spec_tokens for c in plan.scheduled)
+        seen.add((num_running, speculating))
+        assert not (speculating and num_running > 2)
+        scheduler.update(plan, workers.execute(plan, seqs))
+        scheduler.check_invariants()
+    assert (2, True) in seen and (3, False) in seen  # both sides of the limit were exercised
+    assert all(seq.output_token_ids == [6, 5] * 20 for seq in seqs.values())
+
+
 def test_requests_that_need_per_token_state_do_not_speculate() -> None:
     scheduler = Scheduler(BlockAllocator(16, 4), max_num_seqs=4, max_num_batched_tokens=32,
                           proposer=NgramProposer(3, 1, 2))
