@@ -101,7 +101,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,
                                    shared_memory=opts.local_world_size == opts.world_size)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
-            self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, opts.draft_model_dir)
+            self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size,
+                                       draft_model_dir=opts.draft_model_dir)
             self._dtype = str(dtype).removeprefix("torch.")
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
             self._num_blocks_available = num_kv_blocks(self._runner, cache)

@@ -35,7 +35,8 @@ SIZING = CacheSizing(gpu_memory_utilization=0.9, max_num_batched_tokens=64, max_
 class FakeRunner:
     """Records, per call, the thread and its current CUDA device; computes nothing."""
 
-    def __init__(self, cuda: FakeCuda, model_dir: str, ctx: ParallelContext, dtype: torch.dtype, block_size: int):
+    def __init__(self, cuda: FakeCuda, model_dir: str, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
+                 draft_model_dir: str | None = None):
         self.cuda = cuda
         self.config = ModelConfig.from_pretrained(model_dir)
         self.ctx = ctx
@@ -61,8 +62,8 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerServicer, FakeCuda, l
     cuda = FakeCuda(num_gpus=2).install(monkeypatch)
     runners: list[FakeRunner] = []
 
-    def make_runner(*args) -> FakeRunner:
-        runners.append(FakeRunner(cuda, *args))
+    def make_runner(*args, **kwargs) -> FakeRunner:
+        runners.append(FakeRunner(cuda, *args, **kwargs))
         return runners[-1]
 
     monkeypatch.setattr("worker.model_runner.ModelRunner", make_runner)
