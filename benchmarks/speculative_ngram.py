@@ -21,7 +21,8 @@ measure, the acceptance rate (accepted / proposed tokens, from the server's
 
     python benchmarks/speculative_ngram.py --out benchmarks/results                 # embedded model
     python benchmarks/speculative_ngram.py --model ../shared/models/stories260k --out benchmarks/results
-    python benchmarks/speculative_ngram.py --num-requests 2 --max-tokens 16        # a quick check that it runs
+    python benchmarks/speculative_ngram.py --num-requests 2 --max-tokens 32 --passage-len 40 --prompt-len 64  # runs?
+    python benchmarks/speculative_ngram.py --speculative-model DIR          # a draft model instead of n-grams
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def main() -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--speculative-model", default=None,
+                        help="compare --speculative-method draft with this draft model instead of ngram")
     parser.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     args = parser.parse_args()
 
@@ -120,13 +123,16 @@ def main() -> int:
     }
     spec_flags = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.num_speculative_tokens),
                   "--prompt-lookup-max", str(args.prompt_lookup_max), "--prompt-lookup-min", str(args.prompt_lookup_min)]
+    if args.speculative_model is not None:
+        spec_flags = ["--speculative-method", "draft", "--speculative-model", args.speculative_model,
+                      "--num-speculative-tokens", str(args.num_speculative_tokens)]
     report = {"benchmark": "speculative_ngram", "model": args.model or "embedded default",
               "tensor_parallel_size": args.tensor_parallel_size, "num_requests": args.num_requests,
               "prompt_len": args.prompt_len, "passage_len": args.passage_len, "max_tokens": args.max_tokens, "speculative_flags": " ".join(spec_flags),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average_at_start": os.getloadavg(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results: dict[str, dict[str, dict]] = {name: {} for name in workloads}
-    for setting, flags in (("off", []), ("ngram", spec_flags)):
+    for setting, flags in (("off", []), ("on", spec_flags)):
         with serve(args.model, args.tensor_parallel_size, *flags, omp_threads=None) as cluster:
             cluster.client.generate([1, 5, 6, 7], max_tokens=4, temperature=0)  # warm-up
             if not workloads["repetitive"]:
@@ -136,7 +142,7 @@ def main() -> int:
             for name, requests in workloads.items():
                 results[name][setting] = run_workload(cluster, requests)
     for name, by_setting in results.items():
-        off, on = by_setting["off"], by_setting["ngram"]
+        off, on = by_setting["off"], by_setting["on"]
         by_setting["speedup"] = {
             "sequential": round(off["sequential_ms_per_token"] / on["sequential_ms_per_token"], 3),
             "concurrent": round(on["concurrent_tokens_per_s"] / off["concurrent_tokens_per_s"], 3)}
@@ -144,7 +150,8 @@ def main() -> int:
     print(json.dumps(report, indent=2))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "speculative_ngram_" + (Path(args.model).name if args.model else "default_model") + ".json"
+        method = "draft" if args.speculative_model else "ngram"
+        name = f"speculative_{method}_" + (Path(args.model).name if args.model else "default_model") + ".json"
         (args.out / name).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
