@@ -7,7 +7,9 @@ asking for logprobs does not speculate) over the same seed.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +17,7 @@ import grpc
 import pytest
 
 from tests.e2e.cluster import serve
+from tests.e2e.test_recovery import _rank_pid
 from tests.e2e.test_stories_serving import assert_matches_golden, greedy, wait_all_blocks_free
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
@@ -112,3 +115,24 @@ def test_cancelling_a_speculating_stream_frees_every_block(cluster) -> None:
         list(stream)
     assert info.value.code() == grpc.StatusCode.CANCELLED
     wait_all_blocks_free(cluster)
+
+
+def test_a_lost_rank_mid_speculation_costs_no_token(cluster) -> None:
+    """Kill -9 of the last rank while 6 speculating streams run: the group restarts, every
+    stream resumes by recompute and ends token for token as its golden (or its solo run)."""
+    goldens = load_goldens()
+    sampled = dict(max_tokens=60, temperature=0.8, top_k=40, seed=9, ignore_eos=True)
+    solo = cluster.client.generate("Lily and Ben played", **sampled).token_ids
+    info = cluster.client.model_info()
+    victim = _rank_pid(cluster.process.pid, info.tensor_parallel_size - 1)
+    streams = [cluster.client.generate_stream(g["prompt"], max_tokens=g["max_tokens"], temperature=0)
+               for g in goldens] + [cluster.client.generate_stream("Lily and Ben played", **sampled)]
+    firsts = [next(stream) for stream in streams]  # every stream is running
+    os.kill(victim, signal.SIGKILL)
+    with ThreadPoolExecutor(len(streams)) as pool:
+        rests = list(pool.map(lambda stream: [t for chunk in stream for t in chunk.token_ids], streams))
+    outputs = [list(first.token_ids) + rest for first, rest in zip(firsts, rests)]
+    for output, golden in zip(outputs, goldens):
+        assert output == golden["completion_token_ids"]
+    assert outputs[-1] == list(solo)
+    assert cluster.metric("tpserve:worker_restarts_total") >= 1
