@@ -5,7 +5,9 @@ Data flow of one step (all on the coordinator's event loop, so no locks):
     Scheduler.schedule() -> StepPlan -> WorkerGroup.execute(plan) -> StepResult
     -> Scheduler.update(plan, result) -> TokenOutput per sampled token
     -> per request: IncrementalDetokenizer -> StopStringMatcher -> RequestOutput
-       onto the request's queue, read by its gRPC handler.
+       onto the request's queue, read by its gRPC handler. With speculative
+       decoding a step may give a request several tokens: they go out in one
+       RequestOutput, cut at the first stop (token, length or stop string).
 
 Requests join the running batch at the next step and leave it the step they finish.
 A handler that stops listening (client cancel, deadline) aborts its request, which
@@ -107,6 +109,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._prefix_cache_counted = (0, 0)  # scheduler's queries and hits already added to the metrics
+        self._spec_counted = scheduler.spec.snapshot()  # speculative decoding counters already added
         self.dead: str | None = None
         self.draining = False
         self._on_group_failure = on_group_failure
@@ -234,27 +237,34 @@ class Engine:
 
     def _process(self, outputs: list[TokenOutput]) -> None:
         now = time.monotonic()
-        for out in outputs:
-            state = self._states.get(out.seq.seq_id)
-            if state is None:
-                continue
-            seq = out.seq
-            prompt_logprobs = ()
-            if state.first_token_time is None:
-                state.first_token_time = now
-                self.metrics.time_to_first_token.observe(now - state.arrival_time)
-                if seq.sampling.prompt_logprobs is not None:
-                    prompt_logprobs = prompt_token_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
-            finish = out.finish_reason
-            text, token_ids, matched, logprobs = "", [], False, ()
-            if not seq.stopped_on_token():
+        for _, outs in itertools.groupby(outputs, key=lambda out: out.seq.seq_id):  # a sequence's are adjacent
+            self._process_request(list(outs), now)
+
+    def _process_request(self, outs: list[TokenOutput], now: float) -> None:
+        """One step's tokens of one request (several with speculative decoding) -> one RequestOutput."""
+        seq = outs[0].seq
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            return
+        prompt_logprobs = ()
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - state.arrival_time)
+            if seq.sampling.prompt_logprobs is not None:
+                prompt_logprobs = prompt_token_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
+        text, token_ids, logprobs, finish = "", [], [], None
+        for index, out in enumerate(outs):
+            finish, matched = out.finish_reason, False
+            if not (finish is FinishReason.STOP and seq.is_stop_token(out.token_id)):  # a stop token is not returned
                 token_ids.append(out.token_id)
                 if out.logprobs is not None:
-                    logprobs = (token_logprob(self.tokenizer, out.token_id, out.logprobs),)
-                text, matched = state.stop_matcher.push(state.detokenizer.step(out.token_id))
-                if matched and finish is None:
-                    self.scheduler.finish(seq, FinishReason.STOP)
+                    logprobs.append(token_logprob(self.tokenizer, out.token_id, out.logprobs))
+                delta, matched = state.stop_matcher.push(state.detokenizer.step(out.token_id))
+                text += delta
                 if matched:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    # Tokens after the stop string's (a multi-token step) were never returned: usage omits them.
+                    seq.truncate_output(seq.num_output_tokens - (len(outs) - 1 - index))
                     finish = FinishReason.STOP
             if finish is not None and not matched:
                 tail, matched = state.stop_matcher.push(state.detokenizer.flush())
@@ -262,10 +272,12 @@ class Engine:
                 if matched:
                     finish = FinishReason.STOP
             if finish is not None:
-                self._observe_finished(state, now, finish)
-            state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
-                                                 seq.num_prompt_tokens, seq.num_output_tokens,
-                                                 seq.num_cached_prompt_tokens or 0, logprobs, prompt_logprobs))
+                break
+        if finish is not None:
+            self._observe_finished(state, now, finish)
+        state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
+                                             seq.num_prompt_tokens, seq.num_output_tokens,
+                                             seq.num_cached_prompt_tokens or 0, tuple(logprobs), prompt_logprobs))
 
     def _observe_finished(self, state: _RequestState, now: float, reason: FinishReason) -> None:
         seq = state.seq
@@ -315,6 +327,9 @@ class Engine:
         self.metrics.prefix_cache_queries.inc(queries - self._prefix_cache_counted[0])
         self.metrics.prefix_cache_hits.inc(hits - self._prefix_cache_counted[1])
         self._prefix_cache_counted = (queries, hits)
+        if self.scheduler.spec.num_drafts != self._spec_counted.num_drafts:
+            self.metrics.add_spec_decode(self.scheduler.spec, self._spec_counted)
+            self._spec_counted = self.scheduler.spec.snapshot()
 
     @property
     def num_requests(self) -> int:

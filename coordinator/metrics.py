@@ -8,7 +8,12 @@ run several in one process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from coordinator.spec_decode import SpecDecodeStats
 
 # Latency buckets in seconds, from a fast decode step to a long generation.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -51,3 +56,28 @@ class Metrics:
         self.num_requests_waiting = Gauge("tpserve:num_requests_waiting", "Sequences waiting for admission.", registry=r)
         self.kv_cache_free_blocks = Gauge("tpserve:kv_cache_free_blocks", "KV cache blocks nobody holds.", registry=r)
         self.kv_cache_total_blocks = Gauge("tpserve:kv_cache_total_blocks", "KV cache blocks in the pool.", registry=r)
+        # Speculative decoding, vLLM's vllm:spec_decode_* names; acceptance at position i is
+        # accepted_tokens_per_pos{position=i} / draft_tokens_per_pos{position=i}.
+        self.spec_decode_num_drafts = Counter(
+            "tpserve:spec_decode_num_drafts", "Proposals verified (one per sequence and step with one).", registry=r)
+        self.spec_decode_num_draft_tokens = Counter(
+            "tpserve:spec_decode_num_draft_tokens", "Proposed tokens verified.", registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "tpserve:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", registry=r)
+        self.spec_decode_num_draft_tokens_per_pos = Counter(
+            "tpserve:spec_decode_num_draft_tokens_per_pos", "Proposed tokens verified, by position in the proposal.",
+            ["position"], registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "tpserve:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the proposal.",
+            ["position"], registry=r)
+
+    def add_spec_decode(self, now: SpecDecodeStats, before: SpecDecodeStats) -> None:
+        """Adds what the scheduler's cumulative speculative decoding counters gained since ``before``."""
+        self.spec_decode_num_drafts.inc(now.num_drafts - before.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(now.num_draft_tokens - before.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(now.num_accepted_tokens - before.num_accepted_tokens)
+        for pos, (drafted, accepted) in enumerate(zip(now.draft_tokens_per_pos, now.accepted_tokens_per_pos)):
+            self.spec_decode_num_draft_tokens_per_pos.labels(position=str(pos)).inc(
+                drafted - before.draft_tokens_per_pos[pos])
+            self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(pos)).inc(
+                accepted - before.accepted_tokens_per_pos[pos])

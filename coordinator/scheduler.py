@@ -18,6 +18,19 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
 3. Sequences finished or aborted since the last plan are named in it, so the
    workers drop their state.
 
+Speculative decoding (with a ``proposer``): a running sequence in decode whose
+sampling allows it (``SamplingParams.allows_speculation``) gets up to k proposed
+tokens after its last one, within the step's token budget (leaving one token for
+each later running sequence), ``max_tokens`` and ``max_model_len``, and the KV
+blocks they need: when those are not free it decodes without proposals (never
+preempting for a guess). ``update`` appends the accepted tokens one at a time
+under the stop rules, counts only the verified positions as computed (so the
+prefix cache never registers a block holding a rejected token, whose slot is
+simply overwritten later), and frees the blocks reserved beyond the sequence's
+new length; the next plan tells the workers to cut their block tables to match.
+With a draft model (``--speculative-method draft``) the chunk only names how many
+tokens the workers' draft proposes (``num_draft_tokens``); the rest is the same.
+
 ``update`` records the blocks that the step filled in the prefix cache, appends the
 sampled tokens, applies the token-level stop rules and frees the blocks of sequences
 that finished. Text-level stops (stop strings) are decided
@@ -34,6 +47,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
+from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
+from coordinator.spec_decode import SpecDecodeStats
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus, extend_block_hashes
 from tpserve.step import NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
 
@@ -59,14 +74,20 @@ class Scheduler:
             tokens up to them (``--enable-prefix-caching``).
         check_writes: record, at each ``schedule``, any block the plan writes that is
             cached or shared, for ``check_invariants`` (tests; costs a little per step).
+        proposer: speculative decoding's proposer (``--speculative-method ngram`` or ``draft``); None: off.
+        disable_speculation_above: no proposals while more sequences than this run
+            (``--speculative-disable-by-batch-size``); None: no limit.
 
     Attributes:
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the
             prefix cache at admission, and how many of them were found (cumulative).
+        spec: speculative decoding's counters (cumulative).
     """
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = False, check_writes: bool = False) -> None:
+                 enable_prefix_caching: bool = False, check_writes: bool = False,
+                 proposer: NgramProposer | DraftModelProposer | None = None,
+                 disable_speculation_above: int | None = None) -> None:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -79,6 +100,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._to_drop: list[int] = []  # seq ids the workers must forget at the next plan
+        self._trims: dict[int, int] = {}  # seq id -> blocks the workers keep (after rejected proposals)
+        self.proposer = proposer
+        self.disable_speculation_above = disable_speculation_above
+        self.spec = SpecDecodeStats(proposer.num_speculative_tokens if proposer else 0)
         self._next_step_id = 0
         self.num_preemptions = 0
 
@@ -109,6 +134,7 @@ class Scheduler:
         self.allocator.free(reversed(seq.block_ids))  # last blocks first: the first to evict
         seq.block_ids = []
         seq.num_computed_tokens = 0
+        self._trims.pop(seq.seq_id, None)  # the workers drop the whole table
         if seq.on_workers:
             self._to_drop.append(seq.seq_id)
             seq.on_workers = False
@@ -134,6 +160,7 @@ class Scheduler:
         for seq in reversed(running):
             self._preempt(seq)
         self._to_drop.clear()  # the new workers know no sequence
+        self._trims.clear()
         for seq in self.waiting:
             seq.on_workers = False
         self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
@@ -152,11 +179,20 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         preempted = False
 
+        speculate = self.proposer is not None and (self.disable_speculation_above is None
+                                                   or len(self.running) <= self.disable_speculation_above)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            new_block_ids = self._grow(seq, num_new)
+            # Speculation spends budget only where every later running sequence keeps a token.
+            proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
+                if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ((), 0)
+            num_spec = len(proposal) + num_draft
+            new_block_ids = self._grow(seq, num_new + num_spec) if num_spec else None
+            if new_block_ids is None:
+                proposal, num_draft, num_spec = (), 0, 0  # no room for guesses: decode as usual (preempt if need be)
+                new_block_ids = self._grow(seq, num_new)
             while new_block_ids is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -166,8 +202,8 @@ class Scheduler:
                 new_block_ids = self._grow(seq, num_new)
             if new_block_ids is None:
                 break  # seq itself was preempted; every older one is scheduled
-            scheduled.append(self._chunk(seq, num_new, new_block_ids))
-            budget -= num_new
+            scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
+            budget -= num_new + num_spec
             index += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -194,21 +230,24 @@ class Scheduler:
 
         if self.check_writes:
             self._bad_writes = self._cached_blocks_written(scheduled)
-        plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop))
+        plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop),
+                        tuple(self._trims.items()))
         self._next_step_id += 1
         self._to_drop = []
+        self._trims = {}
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenOutput]:
         """Applies a step's sampled tokens; returns them with the sequences' finish reasons.
 
         Sequences finished or aborted while the step ran are skipped: their tokens are dropped.
+        A chunk with proposals may give several tokens, in order; nothing after a stop.
 
         Raises:
-            ValueError: the result does not carry one token per sampling chunk.
+            ValueError: the result does not carry one token per sampling chunk (plus
+                the accepted proposals), or accepts more proposals than a chunk had.
         """
-        if len(result.sampled_token_ids) != plan.num_samples:
-            raise ValueError(f"step {plan.step_id}: {len(result.sampled_token_ids)} tokens for {plan.num_samples} samples")
+        counts = self._tokens_per_sample(plan, result)
         seqs = {seq.seq_id: seq for seq in self.running}
         for scored in result.prompt_logprobs:  # before the first token: the engine reports them with it
             seq = seqs.get(scored.seq_id)
@@ -217,15 +256,20 @@ class Scheduler:
                     logprob, scored.top_token_ids[offset] if scored.top_token_ids else (),
                     scored.top_logprobs[offset] if scored.top_logprobs else ()))
         outputs: list[TokenOutput] = []
-        tokens = iter(result.sampled_token_ids)
+        offset = 0
         logprobs = {lp.sample_index: lp for lp in result.logprobs}
         sample_index = -1
         for chunk in plan.scheduled:
-            token_id = next(tokens) if chunk.sample else None
+            token_id = result.sampled_token_ids[offset] if chunk.sample else None
             sample_index += chunk.sample
+            num_sampled = counts[sample_index] if chunk.sample else 0
+            offset += num_sampled
             seq = seqs.get(chunk.seq_id)
             if seq is None:
                 continue  # finished, aborted or preempted after the plan was made
+            if chunk.num_spec_tokens or chunk.num_draft_tokens:
+                outputs += self._apply_verified(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset])
+                continue
             if self.enable_prefix_caching:
                 self._cache_full_blocks(seq, seq.num_computed_tokens + chunk.num_tokens)
             seq.num_computed_tokens += chunk.num_tokens
@@ -235,6 +279,63 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
             outputs.append(TokenOutput(seq, token_id, reason, logprobs.get(sample_index)))
+        return outputs
+
+    # -- speculative decoding --------------------------------------------------------
+
+    def _propose(self, seq: Sequence, room: int) -> tuple[tuple[int, ...], int]:
+        """``(proposed tokens, tokens the draft model will propose)`` after ``seq``'s last one, at most
+        ``room`` in all (none when it may not speculate)."""
+        if self.proposer is None or room <= 0 or not seq.sampling.allows_speculation \
+                or not seq.speculation.allowed(seq.num_output_tokens):
+            return (), 0
+        # Every accepted token and the one sampled after them must fit max_tokens and max_model_len.
+        room = min(room, seq.stop.max_tokens - seq.num_output_tokens - 1, seq.max_model_len - seq.num_tokens - 1)
+        if room <= 0:
+            return (), 0
+        if self.proposer.on_workers:
+            return (), self.proposer.num_to_propose(room)
+        return self.proposer.propose(seq.token_ids(0, seq.num_tokens), room), 0
+
+    def _tokens_per_sample(self, plan: StepPlan, result: StepResult) -> list[int]:
+        """How many tokens each sample of ``plan`` gave in ``result``; validates the result first."""
+        accepted = result.num_accepted_tokens
+        samples = [chunk for chunk in plan.scheduled if chunk.sample]
+        if accepted and len(accepted) != len(samples) or (not accepted and plan.num_spec_tokens):
+            raise ValueError(f"step {plan.step_id}: {len(accepted)} acceptance counts for {len(samples)} samples")
+        counts = [1 + (accepted[i] if accepted else 0) for i in range(len(samples))]
+        if any(count - 1 > chunk.num_spec_tokens + chunk.num_draft_tokens for count, chunk in zip(counts, samples)):
+            raise ValueError(f"step {plan.step_id}: more proposals accepted than proposed")
+        if len(result.sampled_token_ids) != sum(counts):
+            raise ValueError(f"step {plan.step_id}: {len(result.sampled_token_ids)} tokens for "
+                             f"{plan.num_samples} samples ({sum(counts)} with the accepted proposals)")
+        return counts
+
+    def _apply_verified(self, seq: Sequence, chunk: ScheduledChunk, token_ids: tuple[int, ...]) -> list[TokenOutput]:
+        """Appends a verified chunk's tokens up to a stop; rolls back the rejected positions."""
+        num_proposed, num_accepted = chunk.num_spec_tokens + chunk.num_draft_tokens, len(token_ids) - 1
+        outputs: list[TokenOutput] = []
+        reason = None
+        for token_id in token_ids:
+            reason = seq.append_token(token_id)
+            outputs.append(TokenOutput(seq, token_id, reason))
+            if reason is not None:
+                break  # nothing past a stop
+        # Valid K/V: the fed token and the accepted proposals; the rest is overwritten later.
+        num_computed = chunk.start_position + 1 + min(len(outputs), num_accepted)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, num_computed)  # only verified positions: no rejected token is cached
+        seq.num_computed_tokens = num_computed
+        self.spec.record(num_proposed, num_accepted)
+        seq.speculation.record(num_proposed, num_accepted, seq.num_output_tokens)
+        if reason is not None:
+            self.finish(seq, reason)
+            return outputs
+        keep = num_blocks_for(seq.num_tokens, self.block_size)
+        if len(seq.block_ids) > keep:  # blocks reserved for rejected proposals go back to the pool
+            self.allocator.free(reversed(seq.block_ids[keep:]))
+            del seq.block_ids[keep:]
+            self._trims[seq.seq_id] = keep
         return outputs
 
     # -- the prefix cache --------------------------------------------------------------
@@ -279,7 +380,7 @@ class Scheduler:
         for chunk in scheduled:
             table = tables[chunk.seq_id]
             first = chunk.start_position // self.block_size
-            last = (chunk.start_position + chunk.num_tokens - 1) // self.block_size
+            last = (chunk.start_position + chunk.num_tokens + chunk.num_draft_tokens - 1) // self.block_size
             bad += [b for b in table[first:last + 1] if self.allocator.is_cached(b) or self.allocator.ref_count(b) != 1]
         return bad
 
@@ -296,14 +397,17 @@ class Scheduler:
         return block_ids
 
     @staticmethod
-    def _chunk(seq: Sequence, num_new: int, new_block_ids: list[int]) -> ScheduledChunk:
+    def _chunk(seq: Sequence, num_new: int, new_block_ids: list[int], proposal: tuple[int, ...] = (),
+               num_draft: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids(start, start + num_new),
+            token_ids=seq.token_ids(start, start + num_new) + proposal,
             start_position=start,
             new_block_ids=tuple(new_block_ids),
             sample=start + num_new == seq.num_tokens,
+            num_spec_tokens=len(proposal),
+            num_draft_tokens=num_draft,
         )
 
     def check_invariants(self) -> None:

@@ -11,6 +11,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 
+from coordinator.spec_decode import AdaptiveSpeculation
 from tpserve.step import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Sequence:
             sequence's first admission (reported as usage); None before it.
         prompt_logprobs: with ``sampling.prompt_logprobs``: position -> the worker's
             logprobs of that prompt token (filled once, whatever recomputes it).
+        speculation: whether speculative decoding is paused for it (poor acceptance).
     """
 
     seq_id: int
@@ -81,6 +83,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_prompt_tokens: int | None = None
     prompt_logprobs: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+    speculation: AdaptiveSpeculation = field(default_factory=AdaptiveSpeculation)
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +119,16 @@ class Sequence:
         if len(self.output_token_ids) >= self.stop.max_tokens or self.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` ends the sequence as a token (eos unless ignored, a stop id); it is not returned."""
+        return token_id in self.stop.stop_token_ids or (not self.stop.ignore_eos and token_id in self.stop.eos_token_ids)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Forgets the output after its first ``num_output_tokens`` tokens (a stop string matched
+        inside a multi-token step: usage counts only what was returned). Only on a finished sequence."""
+        assert self.is_finished, "only a finished sequence's output is cut"
+        del self.output_token_ids[num_output_tokens:]
 
     def stopped_on_token(self) -> bool:
         """Whether the last token is a stop token (eos or stop id), which is not returned."""

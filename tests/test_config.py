@@ -33,6 +33,14 @@ def test_serve_flags_follow_vllm_names() -> None:
                                       "--dtype", "bfloat16"])
     assert (args.tensor_parallel_size, args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
             args.max_model_len, args.dtype) == (2, 8, 512, 8, 256, "bfloat16")
+    from tpserve.cli import serve_config
+
+    config = serve_config(build_parser().parse_args(["serve", "--speculative-method", "ngram",
+                                                     "--num-speculative-tokens", "4", "--prompt-lookup-max", "3",
+                                                     "--prompt-lookup-min", "2",
+                                                     "--speculative-disable-by-batch-size", "8"]))
+    assert config.speculative.speculative_method == "ngram" and config.speculative.num_speculative_tokens == 4
+    assert config.speculative.lookup_range == (2, 3) and config.speculative.speculative_disable_by_batch_size == 8
 
 
 def test_serve_names_a_bad_flag_in_one_line() -> None:
@@ -40,7 +48,9 @@ def test_serve_names_a_bad_flag_in_one_line() -> None:
     from tpserve.cli import _config_error, build_parser, serve_config
 
     for argv, message in ((["--ssl-certfile", "server.pem"], "server: --ssl-certfile and --ssl-keyfile go together"),
-                          (["--max-num-seqs", "0"], "scheduler.max_num_seqs: Input should be greater than or equal to 1")):
+                          (["--max-num-seqs", "0"], "scheduler.max_num_seqs: Input should be greater than or equal to 1"),
+                          (["--speculative-method", "ngram"],
+                           "speculative: speculative_method=ngram needs num_speculative_tokens (>= 1)")):
         with pytest.raises(ValueError) as info:
             serve_config(build_parser().parse_args(["serve", *argv]))
         assert _config_error(info.value) == message

@@ -65,6 +65,17 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--max-model-len", dict(type=int, help="longest sequence in tokens (default: the model's)")),
         ("--max-queue-len", dict(type=int, help="most waiting requests before RESOURCE_EXHAUSTED")),
     ],
+    "speculative": [
+        ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "
+                                                                        "lookup, draft a small model (default: off)")),
+        ("--speculative-model", dict(help="with --speculative-method draft: the draft model's checkpoint directory "
+                                          "(same tokenizer)")),
+        ("--num-speculative-tokens", dict(type=int, help="most tokens proposed per sequence per step")),
+        ("--prompt-lookup-max", dict(type=int, help="longest n-gram looked up (ngram; default 5)")),
+        ("--prompt-lookup-min", dict(type=int, help="shortest n-gram looked up (ngram; default 5)")),
+        ("--speculative-disable-by-batch-size", dict(type=int, help="no proposals in a step of more sequences than "
+                                                                    "this (default: always speculate)")),
+    ],
     "server": [
         ("--host", dict(help="address to bind (default 0.0.0.0)")),
         ("--port", dict(type=int, help="gRPC port (default 50051)")),
@@ -89,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start a coordinator and its worker ranks on this machine")
-    serve.add_argument("--config", help="YAML file with sections load/parallel/cache/scheduler/server; flags override it")
+    serve.add_argument("--config", help="YAML file with sections load/parallel/cache/scheduler/speculative/server; flags override it")
     serve.add_argument("--log-format", choices=("console", "json"), default="console")
     for section, flags in _SERVE_FLAGS.items():
         group = serve.add_argument_group(section)

@@ -41,6 +41,7 @@ from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
 from coordinator.metrics import Metrics
+from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
@@ -115,6 +116,12 @@ class Cluster:
         self.log_format = log_format
         self.model_dir = Path(config.load.model) if config.load.model else default_model_dir()
         self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size)
+        if config.speculative.speculative_model is not None:
+            draft = read_model_config(Path(config.speculative.speculative_model), config.parallel.tensor_parallel_size)
+            if draft.vocab_size != self.model_config.vocab_size:
+                raise StartupError(f"--speculative-model {config.speculative.speculative_model} has vocab_size="
+                                   f"{draft.vocab_size}, the model {self.model_config.vocab_size}: a draft model "
+                                   "must share the model's tokenizer")
         model_len = self.model_config.max_position_embeddings
         self.max_model_len = config.scheduler.max_model_len or model_len
         if self.max_model_len > model_len:
@@ -258,7 +265,9 @@ class Cluster:
         self._dtype = self.workers.dtype
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
-                              enable_prefix_caching=cfg.cache.enable_prefix_caching)
+                              enable_prefix_caching=cfg.cache.enable_prefix_caching,
+                              proposer=make_proposer(cfg.speculative),
+                              disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size)
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         self.engine = Engine(scheduler, self.workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,
@@ -354,7 +363,8 @@ class Cluster:
                 raise StartupError(f"cannot bind the node registry on port {par.master_port} (--master-port)")
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
-                                 self.config.cache.block_size, self.config.load.quantization or "")
+                                 self.config.cache.block_size, self.config.load.quantization or "",
+                                 draft_config_sha256(self.config))
         self.registry = NodeRegistry(settings, init_method, on_lost=self._group_failed)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()
@@ -451,6 +461,12 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --tensor-parallel-size {tensor_parallel_size}: {exc}") from exc
     return config
+
+
+def draft_config_sha256(config: ClusterConfig) -> str:
+    """SHA-256 (hex) of the draft model's config.json, or "" without ``--speculative-model``."""
+    draft = config.speculative.speculative_model
+    return "" if draft is None else config_sha256(Path(draft))
 
 
 def config_sha256(model_dir: Path) -> str:

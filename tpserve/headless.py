@@ -24,7 +24,8 @@ from pathlib import Path
 import grpc
 import structlog
 
-from tpserve.cluster import StartupError, config_sha256, default_model_dir, read_model_config, read_group_secret
+from tpserve.cluster import (StartupError, config_sha256, default_model_dir, draft_config_sha256, read_group_secret,
+                             read_model_config)
 from tpserve.cluster_secret import client_interceptors
 from tpserve.config import ClusterConfig
 from tpserve.netutil import PeerTimeout, host_port, interface_of, wait_for_peer
@@ -100,7 +101,8 @@ class HeadlessNode:
             node_rank=par.node_rank, nnodes=par.nnodes, tensor_parallel_size=par.tensor_parallel_size,
             model_config_sha256=config_sha256(self.model_dir), dtype=self.config.load.dtype,
             block_size=self.config.cache.block_size, rank_addresses=addresses,
-            quantization=self.config.load.quantization or "")))
+            quantization=self.config.load.quantization or "",
+            draft_model_config_sha256=draft_config_sha256(self.config))))
         log.info("joined; waiting for every node", leader=self.leader, node_rank=par.node_rank, ranks=addresses)
         started = time.monotonic()
         try:

@@ -46,6 +46,8 @@ class GroupSettings:
         block_size: tokens per KV block.
         quantization: the --quantization flag as given, "" when unset (ranks with
             int8 and float weights would compute different partial sums, silently).
+        draft_model_config_sha256: SHA-256 (hex) of the draft model's config.json
+            (``--speculative-method draft``), or "" without one.
     """
 
     layout: GroupLayout
@@ -53,6 +55,7 @@ class GroupSettings:
     dtype: str
     block_size: int
     quantization: str = ""
+    draft_model_config_sha256: str = ""
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -66,6 +69,7 @@ class GroupSettings:
             ("dtype", join.dtype, self.dtype),
             ("block_size", join.block_size, self.block_size),
             ("quantization", join.quantization or "none", self.quantization or "none"),
+            ("draft model config.json sha256", join.draft_model_config_sha256, self.draft_model_config_sha256),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"

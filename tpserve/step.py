@@ -16,11 +16,19 @@ Order of application on a worker, fixed so every rank agrees:
      to reuse from the next step on);
   2. register every ``NewSequence`` (a preempted sequence comes back this way,
      with ``start_position`` 0 and its whole block table in ``new_block_ids``);
+  2b. cut the block table of every sequence in ``trimmed_block_tables`` to its first
+     ``num_blocks`` blocks (speculative decoding: blocks reserved for rejected
+     proposals went back to the pool); unknown sequences are ignored;
   3. for each ``ScheduledChunk`` in order: append ``new_block_ids`` to the
      sequence's block table, then write the K/V of ``token_ids`` at positions
      ``start_position ..`` and attend over positions ``0 .. start_position + len(token_ids) - 1``;
   4. for each chunk with ``sample=True``, in plan order, sample one token from the
-     logits of its last position.
+     logits of its last position; a chunk whose last ``num_spec_tokens`` tokens are
+     proposals (speculative decoding) is verified: the sampling rank samples at each
+     of its last ``num_spec_tokens + 1`` positions and keeps the longest prefix of
+     proposals equal to those samples, plus the first sample that differs (or the
+     bonus sample after the last proposal): ``1 + num_accepted`` tokens. A chunk with
+     ``num_draft_tokens`` gets its proposals from the workers' draft model first.
 
 This module imports no torch: the coordinator uses it too.
 """
@@ -139,6 +147,17 @@ class SamplingParams:
                 or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
 
     @property
+    def allows_speculation(self) -> bool:
+        """Whether speculative decoding may propose tokens for this request.
+
+        Not with a control that depends on the tokens before each position (penalties,
+        grammar, min_tokens, logit_bias, min_p: verified rows would need per-position
+        state) or that reports per token (logprobs, prompt_logprobs): such a request
+        decodes one token per step (docs/design.md, "Speculative decoding").
+        """
+        return not (self.uses_logits_controls or self.logprobs or self.prompt_logprobs is not None)
+
+    @property
     def greedy(self) -> bool:
         """True when the token is the argmax of the logits."""
         return self.temperature == 0.0
@@ -182,6 +201,13 @@ class ScheduledChunk:
             ``[i * block_size, (i + 1) * block_size)``.
         sample: whether to sample the token that follows ``token_ids[-1]``
             (False for a prefill chunk that is not the prompt's last).
+        num_spec_tokens: how many of the last ``token_ids`` are proposed tokens to
+            verify (speculative decoding; docs/design.md); 0 for an ordinary chunk.
+            Only with ``sample=True`` and fewer than ``len(token_ids)``.
+        num_draft_tokens: ``--speculative-method draft``: the workers' draft model
+            proposes this many tokens after ``token_ids``, verified in the same step
+            like ``num_spec_tokens`` (the blocks hold them too). Only with
+            ``sample=True`` and ``num_spec_tokens == 0``.
     """
 
     seq_id: int
@@ -189,6 +215,8 @@ class ScheduledChunk:
     start_position: int
     new_block_ids: tuple[int, ...] = ()
     sample: bool = True
+    num_spec_tokens: int = 0
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -204,6 +232,8 @@ class StepPlan:
     new_seqs: tuple[NewSequence, ...] = ()
     scheduled: tuple[ScheduledChunk, ...] = ()
     finished_seq_ids: tuple[int, ...] = ()
+    #: ``(seq_id, num_blocks)``: keep only the first ``num_blocks`` of the sequence's table.
+    trimmed_block_tables: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -214,6 +244,11 @@ class StepPlan:
     def num_samples(self) -> int:
         """Number of tokens the step samples (chunks with ``sample=True``)."""
         return sum(1 for chunk in self.scheduled if chunk.sample)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens the step verifies (0 without speculative decoding)."""
+        return sum(chunk.num_spec_tokens + chunk.num_draft_tokens for chunk in self.scheduled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,8 +293,13 @@ class StepResult:
 
     Attributes:
         step_id: the plan's ``step_id``.
-        sampled_token_ids: one token per chunk with ``sample=True``, in plan order.
-            Empty on ranks other than 0.
+        sampled_token_ids: one token per chunk with ``sample=True``, in plan order;
+            a chunk with proposals gives ``1 + num_accepted_tokens[i]`` consecutive
+            tokens (the accepted proposals, then one sampled token). Empty on ranks
+            other than 0.
+        num_accepted_tokens: when the plan has proposals, one count per chunk with
+            ``sample=True``, in plan order (0 for a chunk without proposals); empty
+            otherwise (every sample then gave one token).
         logprobs: for the samples whose sequence asked (``SamplingParams.logprobs``)
             only, in sample order; empty otherwise.
         prompt_logprobs: for the chunks whose sequence asked for prompt logprobs.
@@ -269,3 +309,4 @@ class StepResult:
     sampled_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: tuple[SampleLogprobs, ...] = ()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    num_accepted_tokens: tuple[int, ...] = ()

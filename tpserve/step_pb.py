@@ -39,10 +39,14 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
                 start_position=chunk.start_position,
                 new_block_ids=chunk.new_block_ids,
                 sample=chunk.sample,
+                num_spec_tokens=chunk.num_spec_tokens,
+                num_draft_tokens=chunk.num_draft_tokens,
             )
             for chunk in plan.scheduled
         ],
         finished_seq_ids=plan.finished_seq_ids,
+        trimmed_block_tables=[pb.TrimmedBlockTable(seq_id=seq_id, num_blocks=num_blocks)
+                              for seq_id, num_blocks in plan.trimmed_block_tables],
     )
 
 
@@ -71,10 +75,13 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
                 start_position=chunk.start_position,
                 new_block_ids=tuple(chunk.new_block_ids),
                 sample=chunk.sample,
+                num_spec_tokens=chunk.num_spec_tokens,
+                num_draft_tokens=chunk.num_draft_tokens,
             )
             for chunk in msg.scheduled
         ),
         finished_seq_ids=tuple(msg.finished_seq_ids),
+        trimmed_block_tables=tuple((t.seq_id, t.num_blocks) for t in msg.trimmed_block_tables),
     )
 
 
@@ -109,7 +116,7 @@ def result_to_pb(result: StepResult) -> pb.StepResult:
         pb.PromptLogprobs(seq_id=p.seq_id, first_position=p.first_position, logprobs=p.logprobs,
                           top=[pb.TopTokens(token_ids=ids, logprobs=lps) for ids, lps in zip(p.top_token_ids,
                                                                                             p.top_logprobs, strict=True)])
-        for p in result.prompt_logprobs])
+        for p in result.prompt_logprobs], num_accepted_tokens=result.num_accepted_tokens)
 
 
 def result_from_pb(msg: pb.StepResult) -> StepResult:
@@ -119,4 +126,4 @@ def result_from_pb(msg: pb.StepResult) -> StepResult:
         for lp in msg.logprobs), prompt_logprobs=tuple(
         PromptLogprobs(p.seq_id, p.first_position, tuple(p.logprobs), tuple(tuple(t.token_ids) for t in p.top),
                        tuple(tuple(t.logprobs) for t in p.top))
-        for p in msg.prompt_logprobs))
+        for p in msg.prompt_logprobs), num_accepted_tokens=tuple(msg.num_accepted_tokens))

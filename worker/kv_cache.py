@@ -65,3 +65,28 @@ class KVCacheLayout:
             (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
             for _ in range(self.num_layers)
         ]
+
+
+@dataclass(frozen=True)
+class PairedKVCacheLayout:
+    """A target's and its draft model's caches, indexed by the same block ids: sized as one.
+
+    Attributes:
+        target, draft: the two layouts (the same ``block_size``).
+    """
+
+    target: KVCacheLayout
+    draft: KVCacheLayout
+
+    @property
+    def block_size(self) -> int:
+        return self.target.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id takes on this rank: the target's block and the draft's."""
+        return self.target.bytes_per_block + self.draft.bytes_per_block
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        """How many block ids fit in ``budget_bytes`` (rounded down, >= 0)."""
+        return max(0, budget_bytes // self.bytes_per_block)

@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, help="0: no speculative decoding")
+    parser.add_argument("--speculative-model", default=None, help="the draft model's checkpoint directory")
     parser.add_argument("--distributed-timeout-seconds", type=float, default=60.0)
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     return parser.parse_args(argv)
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         distributed_timeout_seconds=args.distributed_timeout_seconds,
         cache=CacheSizing(args.gpu_memory_utilization, args.max_num_batched_tokens, args.max_num_seqs,
                           args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          num_gpu_blocks_override=args.num_gpu_blocks_override),
+                          num_gpu_blocks_override=args.num_gpu_blocks_override,
+                          num_speculative_tokens=args.num_speculative_tokens),
+        draft_model_dir=args.speculative_model,
     )
     stop = threading.Event()
     exit_code = [0]

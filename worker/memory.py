@@ -60,6 +60,8 @@ class CacheSizing:
         num_local_ranks: ranks of the group on this host (they share its RAM).
         kv_cache_memory_bytes: explicit per-rank budget, or None.
         num_gpu_blocks_override: explicit block count, or None.
+        num_speculative_tokens: proposals per sequence per step (speculative decoding;
+            0: off): a verification step computes logits on up to k + 1 rows per sequence.
     """
 
     gpu_memory_utilization: float = 0.9
@@ -69,6 +71,7 @@ class CacheSizing:
     num_local_ranks: int = 1
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -151,7 +154,7 @@ def cuda_kv_cache_bytes(device: torch.device, utilization: float, profile: Calla
 
 
 def profile_plans(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                  block_size: int) -> tuple[int, list[StepPlan]]:
+                  block_size: int, num_speculative_tokens: int = 0) -> tuple[int, list[StepPlan]]:
     """The steps the CUDA profile runs, and the KV blocks they need.
 
     1. the largest prefill step: ``max_num_batched_tokens`` tokens over
@@ -161,7 +164,10 @@ def profile_plans(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
        ``max_model_len - 1`` (attention over a full context). Their block tables
        repeat block 0, so the profile cache stays small while the attention's
        working memory is that of full contexts;
-    3. a step that drops every sequence.
+    3. with speculative decoding, the largest verification step: that many sequences,
+       each with as many proposals (at most ``num_speculative_tokens``) as the token
+       budget allows, ending at ``max_model_len - 1`` (logits on every one of their rows);
+    4. a step that drops every sequence.
 
     Returns:
         ``(num_blocks, plans)``.
@@ -188,7 +194,18 @@ def profile_plans(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
         tuple(ScheduledChunk(s, (0,), max_model_len - 1, full_table) for s in decode_ids),
         finished_seq_ids=tuple(range(num_seqs)),
     )
-    return next_block, [prefill, decode, StepPlan(2, finished_seq_ids=tuple(decode_ids))]
+    plans = [prefill, decode]
+    num_spec = min(num_speculative_tokens, (max_num_batched_tokens - num_seqs) // num_seqs, max_model_len - 1)
+    if num_spec > 0:
+        spec_ids = range(2 * num_seqs, 3 * num_seqs)
+        start = max_model_len - 1 - num_spec
+        plans.append(StepPlan(
+            2, tuple(NewSequence(s, _PROFILE_SAMPLING) for s in spec_ids),
+            tuple(ScheduledChunk(s, (0,) * (num_spec + 1), start, full_table, num_spec_tokens=num_spec)
+                  for s in spec_ids),
+            finished_seq_ids=tuple(decode_ids)))
+        decode_ids = spec_ids
+    return next_block, plans + [StepPlan(len(plans), finished_seq_ids=tuple(decode_ids))]
 
 
 def num_kv_blocks(runner, sizing: CacheSizing, read_available: Callable[[], int] = available_host_memory_bytes) -> int:
@@ -220,7 +237,7 @@ def num_kv_blocks(runner, sizing: CacheSizing, read_available: Callable[[], int]
 def _profile(runner, sizing: CacheSizing) -> int:
     """Run :func:`profile_plans` on ``runner``; returns the temporary cache's bytes (freed again)."""
     num_blocks, plans = profile_plans(sizing.max_num_batched_tokens, sizing.max_num_seqs, sizing.max_model_len,
-                                      runner.kv_layout.block_size)
+                                      runner.kv_layout.block_size, sizing.num_speculative_tokens)
     runner.init_kv_cache(num_blocks)
     try:
         for plan in plans:

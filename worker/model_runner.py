@@ -14,12 +14,15 @@ plan's delta needs, per sequence: its block table and its sampling parameters.
    (tokens, positions) and the :class:`~worker.attention.AttentionMetadata` once;
    run the model, which writes the chunk's K/V and attends over positions
    ``0 .. start_position + num_tokens - 1``;
-4. compute logits only for the last token of chunks with ``sample=True``,
-   gather them on rank 0, sample there, in plan order.
+4. compute logits only for the last token of chunks with ``sample=True``
+   (and, for a chunk with proposals, for the rows before it that verify them),
+   gather them on rank 0, sample there, in plan order; verify the proposals
+   (worker/spec_verify.py).
 
 Observing logits (tests, debugging): after ``execute``, rank 0's
 ``last_logits`` holds the step's ``(num_samples, vocab_size)`` float32 logits
-(None on other ranks or when nothing was sampled).
+(None on other ranks or when nothing was sampled); ``last_spec_logits`` the
+``(S, vocab_size)`` logits of the verification rows (None without proposals).
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from tpserve.step import SamplingParams, StepPlan, StepResult
 from worker.attention import paged_kernel_available
-from worker.kv_cache import KVCacheLayout
+from worker.draft_model import DraftModel, with_proposals
+from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
 from worker.grammar import GrammarCache, GrammarState
 from worker.loader import load_model
 from worker.logits_controls import extend_history, with_logits_controls
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
 from worker.sampler import sample_tensors
+from worker.spec_verify import accept_proposals
 from worker.step_inputs import build_step_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -65,6 +70,9 @@ class ModelRunner:
         block_size: tokens per KV block (the coordinator's ``--block-size``).
         quantization: ``--quantization`` ("int8" or None); a compressed-tensors int8
             checkpoint is int8 either way (worker/loader.py).
+        draft_model_dir: ``--speculative-model``: a draft model of the same vocabulary,
+            run on the same ranks with its own cache (worker/draft_model.py); None: none.
+            ``kv_layout`` then sizes both caches together.
 
     Raises:
         ValueError: the model cannot be split ``ctx.world_size`` ways (the message
@@ -73,7 +81,7 @@ class ModelRunner:
     """
 
     def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
-                 quantization: Quantization | None = None) -> None:
+                 quantization: Quantization | None = None, draft_model_dir: str | Path | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
         self.config = ModelConfig.from_pretrained(model_dir)
@@ -81,15 +89,22 @@ class ModelRunner:
         self.ctx = ctx
         self.dtype = dtype
         self.block_size = block_size
-        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
+        self._target_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
         self.model = load_model(model_dir, self.config, ctx, dtype, quantization)
+        self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
+                                                                     self.config.vocab_size)
+        self.kv_layout = self._target_layout if self.draft is None else \
+            PairedKVCacheLayout(self._target_layout, self.draft.kv_layout)
         self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.last_logits: torch.Tensor | None = None
+        self.last_spec_logits: torch.Tensor | None = None
         self._seqs: dict[int, _SequenceState] = {}
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
-        self._paged_kernel = paged_kernel_available(ctx.device, dtype, self.config.head_dim)
+        # The draft runs on the target's step inputs, so both must take the same attention path.
+        self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
+                              and (self.draft is None or self.draft.paged_kernel))
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
@@ -97,12 +112,16 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (block ids ``0 .. num_blocks - 1``)."""
-        self.kv_caches = self.kv_layout.allocate(num_blocks, self.ctx.device)
+        self.kv_caches = self._target_layout.allocate(num_blocks, self.ctx.device)
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:
         """Drop the KV cache and every sequence (after the memory profile, before the real cache)."""
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.free_kv_cache()
         self.num_blocks = 0
         self._seqs.clear()
 
@@ -126,6 +145,9 @@ class ModelRunner:
             raise RuntimeError("init_kv_cache() must be called before execute()")
         for seq_id in plan.finished_seq_ids:
             self._seqs.pop(seq_id, None)
+        for seq_id, num_blocks in plan.trimmed_block_tables:  # blocks of rejected proposals, freed
+            if seq_id in self._seqs:
+                del self._seqs[seq_id].block_table[num_blocks:]
         for new in plan.new_seqs:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_rank0 else None
             self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
@@ -136,14 +158,15 @@ class ModelRunner:
             state.block_table.extend(chunk.new_block_ids)
             if state.history is not None:
                 extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_controls.py)
-        self.last_logits = None
+        self.last_logits = self.last_spec_logits = None
+        self._num_accepted: tuple[int, ...] = ()
         self._logprobs = self._prompt_logprobs = ()  # set by _run for the sequences that ask (worker/logprobs.py)
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
             tokens = self._run(plan)
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=self._logprobs,
-                          prompt_logprobs=self._prompt_logprobs)
+                          prompt_logprobs=self._prompt_logprobs, num_accepted_tokens=self._num_accepted)
 
     def _check_chunks(self, plan: StepPlan) -> None:
         seen: set[int] = set()
@@ -159,7 +182,13 @@ class ModelRunner:
                 raise ValueError(f"step {plan.step_id}: block ids {bad} outside [0, {self.num_blocks})")
             if chunk.num_tokens < 1 or chunk.start_position < 0:
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has an empty chunk or negative start")
-            end = chunk.start_position + chunk.num_tokens
+            if chunk.num_spec_tokens and (chunk.num_spec_tokens >= chunk.num_tokens or not chunk.sample):
+                raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has num_spec_tokens="
+                                 f"{chunk.num_spec_tokens}: needs sample and fewer than its {chunk.num_tokens} tokens")
+            if chunk.num_draft_tokens and (self.draft is None or chunk.num_spec_tokens or not chunk.sample):
+                raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has num_draft_tokens="
+                                 f"{chunk.num_draft_tokens}: needs a draft model, sample and no num_spec_tokens")
+            end = chunk.start_position + chunk.num_tokens + chunk.num_draft_tokens
             capacity = (len(state.block_table) + len(chunk.new_block_ids)) * self.block_size
             if end > capacity:
                 raise ValueError(
@@ -180,17 +209,37 @@ class ModelRunner:
             self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
             paged_kernel=self._paged_kernel,
         )
+        if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
+            proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
+            if any(proposals):  # the target verifies them in its one pass
+                chunks = with_proposals(chunks, proposals)
+                inputs = build_step_inputs(
+                    chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
+                    self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
+                    paged_kernel=self._paged_kernel,
+                )
         hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
         self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)
         if inputs.sample_rows is None:
             return ()
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (N, vocab) on rank 0, else None
+        rows = inputs.sample_rows if inputs.spec_rows is None else torch.cat([inputs.sample_rows, inputs.spec_rows])
+        logits = self.model.compute_logits(hidden[rows])  # (N + S, vocab) on rank 0, else None
         if logits is None:
             return ()
-        logits = logits.float()  # (N, vocab) float32
+        logits = logits.float()  # (N + S, vocab) float32
+        num_samples = plan.num_samples
+        logits, spec_logits = logits[:num_samples], logits[num_samples:]  # (N, vocab), (S, vocab)
         self.last_logits = logits
         sampling = with_logits_controls(inputs.sampling, chunks, states, self.ctx.device,
                                         self._grammars)  # the same object when no row uses a control
         tokens = sample_tensors(logits, sampling)  # (N,)
         self._logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample])
-        return tuple(tokens.tolist())  # the step's one device-to-host copy (two with logprobs)
+        if inputs.spec_rows is None:
+            return tuple(tokens.tolist())  # the step's one device-to-host copy (two with logprobs)
+        self.last_spec_logits = spec_logits
+        # Sequences with proposals use no logits control (SamplingParams.allows_speculation).
+        spec_tokens = sample_tensors(spec_logits, inputs.spec_sampling)  # (S,)
+        both = torch.cat([tokens, spec_tokens]).tolist()  # one copy for both
+        token_ids, self._num_accepted = accept_proposals([c for c in chunks if c.sample], both[:num_samples],
+                                                         both[num_samples:])
+        return token_ids

@@ -83,6 +83,14 @@ class ParallelContext:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
+    def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place; returns ``x`` (the same shape and dtype on every rank)."""
+        if self.world_size == 1:
+            return x
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def gather_to_rank0(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` along ``dim``, in rank order, on rank 0.
 

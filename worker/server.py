@@ -43,6 +43,7 @@ class WorkerOptions:
         cache: how to size the KV cache (worker/memory.py); its ``num_local_ranks``
             is replaced by ``local_world_size``.
         quantization: "int8" (``--quantization``) or None (tpserve/quantization.py).
+        draft_model_dir: ``--speculative-model``, or None.
     """
 
     model_dir: str
@@ -58,6 +59,7 @@ class WorkerOptions:
     node_rank: int = 0
     cache: CacheSizing = field(default_factory=CacheSizing)
     quantization: str | None = None
+    draft_model_dir: str | None = None
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -101,7 +103,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,
                                    shared_memory=opts.local_world_size == opts.world_size)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
-            self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization)
+            self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization,
+                                       draft_model_dir=opts.draft_model_dir)
             self._dtype = str(dtype).removeprefix("torch.")
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
             self._num_blocks_available = num_kv_blocks(self._runner, cache)

@@ -14,8 +14,16 @@ With ``paged_kernel`` (the compiled CPU attention, worker/kernels/) the first
 group is every chunk of at most ``MAX_PAGED_QUERY_LEN`` tokens (decodes,
 speculative verification, short prompts), which that kernel reads through the
 block tables, with their row offsets (``query_start_loc``) instead of a mask.
+Without it, a chunk with proposals (speculative decoding) is laid out among the
+decodes, one decode row per token: attention writes the whole step's K/V into the
+cache before it reads, so row ``j`` attends over positions ``0 .. start_position + j``
+through the block table like any decode, and the verification of a whole batch is
+one batched attention call rather than one call per sequence.
 ``sample_rows`` maps the sampled chunks, in plan order, to their last row, so
-the sampled tokens come back in the order of the plan.
+the sampled tokens come back in the order of the plan. A chunk with proposals
+(speculative decoding) also has ``spec_rows``: the rows of its last
+``num_spec_tokens + 1`` tokens but the last, each of which samples the position
+after it to verify the proposal there (worker/spec_verify.py).
 
 Pure host arithmetic in Python lists: a decode step of ``S`` sequences costs
 ``O(S x blocks)`` list operations and no torch op but the buffer's creation.
@@ -51,6 +59,10 @@ class StepInputs:
             or the caller did not ask for them (ranks other than 0).
         chunk_last_rows: host-side, the row of each chunk's last token, in plan
             order (prompt logprobs find a chunk's rows from it: worker/logprobs.py).
+        spec_rows: ``(S,) int64`` with proposals in the step: for each sampled chunk
+            with ``num_spec_tokens = k`` in plan order, the ``k`` rows before its last
+            (row ``j`` samples the token at ``start_position + j + 1``); None without.
+        spec_sampling: those rows' sampling parameters (rank 0); None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -58,6 +70,8 @@ class StepInputs:
     sample_rows: torch.Tensor | None
     sampling: SamplingTensors | None
     chunk_last_rows: tuple[int, ...] = ()
+    spec_rows: torch.Tensor | None = None
+    spec_sampling: SamplingTensors | None = None
 
 
 class _Packer:
@@ -116,10 +130,14 @@ def build_step_inputs(
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
     """
-    short = MAX_PAGED_QUERY_LEN if paged_kernel else 1  # the longest chunk of the first group
-    paged = [i for i, c in enumerate(chunks) if c.num_tokens <= short]
-    order = paged + [i for i, c in enumerate(chunks) if c.num_tokens > short]
-    num_decodes = sum(chunks[i].num_tokens for i in paged)  # rows of the first group
+    short = MAX_PAGED_QUERY_LEN if paged_kernel else 1  # the longest whole chunk of the first group
+    first = [c.num_tokens <= short or (not paged_kernel and c.num_spec_tokens > 0) for c in chunks]
+    order = [i for i in range(len(chunks)) if first[i]] + [i for i in range(len(chunks)) if not first[i]]
+    # The first group's (plan index, context length) entries: with the kernel one per chunk (its rows
+    # are causal over their own positions), else one per row, each a decode of its own position.
+    group = [(i, chunks[i].start_position + (chunks[i].num_tokens if paged_kernel else j + 1))
+             for i in order if first[i] for j in range(1 if paged_kernel else chunks[i].num_tokens)]
+    num_decodes = sum(chunks[i].num_tokens for i in order if first[i])  # rows of the first group
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -140,25 +158,24 @@ def build_step_inputs(
             slots.extend(range(base, base + take))
             pos += take
         last_row[i] = row + chunk.num_tokens - 1
-        if chunk.num_tokens > short:
+        if not first[i]:
             prefill_specs.append((row, len(tokens), start, i))
     packer.add("input_ids", tokens)
     packer.add("positions", positions)
     packer.add("slots", slots)
 
     decode_blocks = 0
-    if paged:
-        context_lens = [chunks[i].start_position + chunks[i].num_tokens for i in paged]
-        decode_blocks = -(-max(context_lens) // block_size)
+    if group:
+        decode_blocks = -(-max(length for _, length in group) // block_size)
         rows: list[int] = []
-        for i in paged:
+        for i, _ in group:
             table = list(block_tables[i][:decode_blocks])
             rows.extend(table + [0] * (decode_blocks - len(table)))  # padding: masked out, or never read
         packer.add("decode_tables", rows)
-        packer.add("decode_context_lens", context_lens)
+        packer.add("decode_context_lens", [length for _, length in group])
         if paged_kernel:
             starts = [0]
-            for i in paged:
+            for i, _ in group:
                 starts.append(starts[-1] + chunks[i].num_tokens)
             packer.add("decode_query_start_loc", starts)
     for n, (_, _, start, i) in enumerate(prefill_specs):
@@ -172,18 +189,22 @@ def build_step_inputs(
     if sampled:
         packer.add("sample_rows", [last_row[i] for i in sampled])
     if build_sampling:
-        params = [sampling[i] for i in sampled]
-        packer.add("top_k", [p.top_k for p in params])
-        packer.add("seeds", [p.seed - (1 << 64) if p.seed >= _TWO_63 else p.seed for p in params])  # int64 bits
-        packer.add("sample_positions", [chunks[i].start_position + chunks[i].num_tokens for i in sampled])
-        packer.reserve("temperature_top_p", len(params))  # float32 (temperature, top_p) per int64
-        floats["temperature_top_p"] = [x for p in params for x in (p.temperature, p.top_p)]
+        _add_sampling(packer, floats, "", [sampling[i] for i in sampled],
+                      [chunks[i].start_position + chunks[i].num_tokens for i in sampled])
+    # Speculative decoding: row j of a chunk's last k + 1 samples position start + j + 1 (the last row is above).
+    spec = [(i, j) for i in sampled for j in range(chunks[i].num_tokens - 1 - chunks[i].num_spec_tokens,
+                                                     chunks[i].num_tokens - 1)]
+    if spec:
+        packer.add("spec_rows", [last_row[i] - chunks[i].num_tokens + 1 + j for i, j in spec])
+        if with_sampling:
+            _add_sampling(packer, floats, "spec_", [sampling[i] for i, _ in spec],
+                          [chunks[i].start_position + j + 1 for i, j in spec])
 
     dev = packer.to_device(device, floats)
     decode_tables = decode_mask = None
-    if paged:
-        decode_tables = dev["decode_tables"].view(len(paged), decode_blocks)  # (S, B)
-    if paged and not paged_kernel:  # SDPA's mask: key position < context length (one query row each)
+    if group:
+        decode_tables = dev["decode_tables"].view(len(group), decode_blocks)  # (S, B)
+    if group and not paged_kernel:  # SDPA's mask: key position < context length (one query row each)
         key_pos = torch.arange(decode_blocks * block_size, device=device)  # (K,)
         decode_mask = (key_pos[None, :] < dev["decode_context_lens"][:, None]).view(num_decodes, 1, 1, -1)
     prefills = []
@@ -200,20 +221,33 @@ def build_step_inputs(
         positions=dev["positions"], slot_mapping=dev["slots"], num_decodes=num_decodes,
         decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=tuple(prefills),
         workspace={} if workspace is None else workspace,
-        decode_context_lens=dev["decode_context_lens"] if paged else None,
-        decode_query_start_loc=dev["decode_query_start_loc"] if paged and paged_kernel else None,
+        decode_context_lens=dev["decode_context_lens"] if group else None,
+        decode_query_start_loc=dev["decode_query_start_loc"] if group and paged_kernel else None,
     )
-    sampling_tensors = None
-    if build_sampling:
-        params = [sampling[i] for i in sampled]
-        pairs = dev["temperature_top_p"].view(torch.float32)  # (2N,) float32
-        sampling_tensors = SamplingTensors(
-            temperature=pairs[0::2], top_p=pairs[1::2], top_k=dev["top_k"], seeds=dev["seeds"],
-            positions=dev["sample_positions"], all_greedy=all(p.greedy for p in params),
-            any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-        )
+    sampling_tensors = _sampling_tensors(dev, "", [sampling[i] for i in sampled]) if build_sampling else None
+    spec_sampling = _sampling_tensors(dev, "spec_", [sampling[i] for i, _ in spec]) if spec and with_sampling else None
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn,
         sample_rows=dev["sample_rows"] if sampled else None, sampling=sampling_tensors,
-        chunk_last_rows=tuple(last_row),
+        chunk_last_rows=tuple(last_row), spec_rows=dev["spec_rows"] if spec else None, spec_sampling=spec_sampling,
+    )
+
+
+def _add_sampling(packer: _Packer, floats: dict[str, list[float]], prefix: str,
+                  params: Sequence[SamplingParams], positions: Sequence[int]) -> None:
+    """Packs the sampling parameters of some rows under ``prefix`` (positions: the token each row samples)."""
+    packer.add(prefix + "top_k", [p.top_k for p in params])
+    packer.add(prefix + "seeds", [p.seed - (1 << 64) if p.seed >= _TWO_63 else p.seed for p in params])  # int64 bits
+    packer.add(prefix + "sample_positions", positions)
+    packer.reserve(prefix + "temperature_top_p", len(params))  # float32 (temperature, top_p) per int64
+    floats[prefix + "temperature_top_p"] = [x for p in params for x in (p.temperature, p.top_p)]
+
+
+def _sampling_tensors(dev: dict[str, torch.Tensor], prefix: str, params: Sequence[SamplingParams]) -> SamplingTensors:
+    """The device views of what :func:`_add_sampling` packed under ``prefix``."""
+    pairs = dev[prefix + "temperature_top_p"].view(torch.float32)  # (2N,) float32
+    return SamplingTensors(
+        temperature=pairs[0::2], top_p=pairs[1::2], top_k=dev[prefix + "top_k"], seeds=dev[prefix + "seeds"],
+        positions=dev[prefix + "sample_positions"], all_greedy=all(p.greedy for p in params),
+        any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
     )

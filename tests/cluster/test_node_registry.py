@@ -98,6 +98,14 @@ async def _registry_scenario() -> dict:
     return seen
 
 
+def test_every_node_must_run_the_same_draft_model() -> None:
+    with_draft = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, draft_model_config_sha256="d1")
+    assert with_draft.mismatch(join(draft_model_config_sha256="d1").join) is None
+    assert with_draft.mismatch(join().join) == \
+        "node 1 has draft model config.json sha256=, the leader draft model config.json sha256=d1"
+    assert SETTINGS.mismatch(join(draft_model_config_sha256="d1").join).startswith("node 1 has draft model")
+
+
 def test_the_registry_refuses_mismatches_and_twins_releases_nodes_at_seal_and_reports_a_lost_node() -> None:
     seen = asyncio.run(_registry_scenario())
     code, details = seen["mismatch"]

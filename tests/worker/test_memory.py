@@ -85,9 +85,21 @@ def test_profile_plans_cover_the_largest_prefill_and_decode_steps() -> None:
     assert set(drop.finished_seq_ids) == {c.seq_id for c in decode.scheduled}
 
 
+def test_profile_plans_with_speculation_add_the_largest_verification_step() -> None:
+    _, (_, decode, verify, drop) = profile_plans(max_num_batched_tokens=30, max_num_seqs=8, max_model_len=128,
+                                                 block_size=16, num_speculative_tokens=4)
+    # 8 sequences and a budget of 30 tokens: 2 proposals each (3 rows), ending at position 127.
+    assert [(c.num_tokens, c.start_position, c.num_spec_tokens) for c in verify.scheduled] == [(3, 125, 2)] * 8
+    assert sum(c.num_tokens for c in verify.scheduled) <= 30
+    assert set(verify.finished_seq_ids) == {c.seq_id for c in decode.scheduled}
+    assert set(drop.finished_seq_ids) == {c.seq_id for c in verify.scheduled}
+    assert len(profile_plans(8, 8, 128, 16, num_speculative_tokens=4)[1]) == 3  # no budget left for proposals
+
+
 def test_profile_runs_on_a_real_runner_and_leaves_no_cache_behind() -> None:
     runner = ModelRunner(default_model_dir(), ParallelContext.single(), torch.float32, block_size=16)
-    sizing = CacheSizing(max_num_batched_tokens=600, max_num_seqs=8, max_model_len=runner.config.max_position_embeddings)
+    sizing = CacheSizing(max_num_batched_tokens=600, max_num_seqs=8, max_model_len=runner.config.max_position_embeddings,
+                         num_speculative_tokens=3)
     cache_bytes = _profile(runner, sizing)
     assert cache_bytes == profile_plans(600, 8, sizing.max_model_len, 16)[0] * runner.kv_layout.bytes_per_block
     assert runner.kv_caches == [] and runner.num_sequences == 0

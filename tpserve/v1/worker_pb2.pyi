@@ -92,44 +92,60 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_position", "new_block_ids", "sample")
+    __slots__ = ("seq_id", "token_ids", "start_position", "new_block_ids", "sample", "num_spec_tokens", "num_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    num_spec_tokens: int
+    num_draft_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_spec_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids")
+    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRIMMED_BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    trimmed_block_tables: _containers.RepeatedCompositeFieldContainer[TrimmedBlockTable]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ...) -> None: ...
+
+class TrimmedBlockTable(_message.Message):
+    __slots__ = ("seq_id", "num_blocks")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "error", "logprobs", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled_token_ids", "error", "logprobs", "prompt_logprobs", "num_accepted_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
     logprobs: _containers.RepeatedCompositeFieldContainer[SampleLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[SampleLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    num_accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[SampleLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_accepted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "first_position", "logprobs", "top")
