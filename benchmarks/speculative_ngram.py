@@ -1,8 +1,9 @@
 """ngram speculative decoding against none, on a repetitive and a non-repetitive workload, in one run.
 
 Two servers of the same model, one without speculation and one with
-``--speculative-method ngram`` (flags below), get the same two workloads, built from
-token ids so they need no tokenizer:
+``--speculative-method ngram`` (flags below), both up at once and measured in turn
+(``--repeats`` passes each, alternating; medians), get the same two workloads, built
+from token ids so they need no tokenizer:
 
 * **repetitive** (quoting the input, as a summary or an edit of a document does): a
   passage of the model's own greedy text (``--passage-len`` tokens from a story
@@ -28,11 +29,13 @@ measure, the acceptance rate (accepted / proposed tokens, from the server's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
 import re
+import statistics
 import sys
 import time
 import urllib.request
@@ -68,29 +71,48 @@ def spec_counters(metrics_port: int) -> dict[str, float]:
             for m in re.finditer(r"^tpserve:spec_decode_(num_\w+?)_total (\S+)$", body, re.MULTILINE)}
 
 
-def run_workload(cluster, requests: list[dict]) -> dict:
-    """``requests`` one after another, then all at once; decode ms/token and tok/s."""
-    client = cluster.client
-    before = spec_counters(cluster.metrics_port)
+def one_pass(client, requests: list[dict]) -> tuple[float, float]:
+    """``requests`` one after another (decode ms per output token), then all at once (output tok/s)."""
     start, tokens = time.perf_counter(), 0
     for request in requests:
         tokens += len(client.generate(**request).token_ids)
-    sequential_s = time.perf_counter() - start
+    sequential = (time.perf_counter() - start) * 1e3 / max(tokens, 1)
     with ThreadPoolExecutor(len(requests)) as pool:
         start = time.perf_counter()
         results = list(pool.map(lambda r: client.generate(**r), requests))
-        concurrent_s = time.perf_counter() - start
-    after = spec_counters(cluster.metrics_port)
-    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
-    proposed, accepted, drafts = (delta.get("num_draft_tokens", 0), delta.get("num_accepted_tokens", 0),
-                                  delta.get("num_drafts", 0))
-    return {
-        "sequential_ms_per_token": round(sequential_s * 1e3 / max(tokens, 1), 3),
-        "concurrent_tokens_per_s": round(sum(len(r.token_ids) for r in results) / concurrent_s, 1),
-        "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
-        "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
-        "tokens_per_verified_proposal": round(1 + accepted / drafts, 3) if drafts else None,
-    }
+        concurrent = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+    return sequential, concurrent
+
+
+def run_interleaved(clusters: dict, requests: list[dict], repeats: int) -> dict:
+    """Passes of ``requests`` on each server in turn (off, on, off, on, ...); medians and counters per server.
+
+    One pass varies by +-15 % or more on the shared 2-core machine (measured), more than
+    the effect sought on the non-repetitive workload: alternating the servers pass by
+    pass exposes both to the same moments of the machine, and the median drops outliers.
+    """
+    before = {name: spec_counters(c.metrics_port) for name, c in clusters.items()}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in clusters}
+    for _ in range(repeats):
+        for name, cluster in clusters.items():
+            runs[name].append(one_pass(cluster.client, requests))
+    out = {}
+    for name, cluster in clusters.items():
+        after = spec_counters(cluster.metrics_port)
+        delta = {key: after.get(key, 0.0) - before[name].get(key, 0.0) for key in after}
+        proposed, accepted, drafts = (delta.get("num_draft_tokens", 0), delta.get("num_accepted_tokens", 0),
+                                      delta.get("num_drafts", 0))
+        sequential, concurrent = [r[0] for r in runs[name]], [r[1] for r in runs[name]]
+        out[name] = {
+            "sequential_ms_per_token": round(statistics.median(sequential), 3),
+            "concurrent_tokens_per_s": round(statistics.median(concurrent), 1),
+            "sequential_ms_per_token_runs": [round(x, 3) for x in sequential],
+            "concurrent_tokens_per_s_runs": [round(x, 1) for x in concurrent],
+            "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
+            "tokens_per_verified_proposal": round(1 + accepted / drafts, 3) if drafts else None,
+        }
+    return out
 
 
 def main() -> int:
@@ -106,6 +128,7 @@ def main() -> int:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--speculative-model", default=None,
                         help="compare --speculative-method draft with this draft model instead of ngram")
+    parser.add_argument("--repeats", type=int, default=5, help="passes of each workload per server; medians")
     parser.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     args = parser.parse_args()
 
@@ -128,19 +151,21 @@ def main() -> int:
                       "--num-speculative-tokens", str(args.num_speculative_tokens)]
     report = {"benchmark": "speculative_ngram", "model": args.model or "embedded default",
               "tensor_parallel_size": args.tensor_parallel_size, "num_requests": args.num_requests,
-              "prompt_len": args.prompt_len, "passage_len": args.passage_len, "max_tokens": args.max_tokens, "speculative_flags": " ".join(spec_flags),
+              "prompt_len": args.prompt_len, "passage_len": args.passage_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "speculative_flags": " ".join(spec_flags),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average_at_start": os.getloadavg(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    results: dict[str, dict[str, dict]] = {name: {} for name in workloads}
-    for setting, flags in (("off", []), ("on", spec_flags)):
-        with serve(args.model, args.tensor_parallel_size, *flags, omp_threads=None) as cluster:
+    results: dict[str, dict[str, dict]] = {}
+    with contextlib.ExitStack() as stack:  # both servers up at once, measured in turn
+        clusters = {setting: stack.enter_context(serve(args.model, args.tensor_parallel_size, *flags, omp_threads=None))
+                    for setting, flags in (("off", []), ("on", spec_flags))}
+        for cluster in clusters.values():
             cluster.client.generate([1, 5, 6, 7], max_tokens=4, temperature=0)  # warm-up
-            if not workloads["repetitive"]:
-                workloads["repetitive"] = [
-                    dict(prompt=prompt, max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-                    for prompt in quoting_prompts(cluster.client, args.num_requests, args.passage_len)]
-            for name, requests in workloads.items():
-                results[name][setting] = run_workload(cluster, requests)
+        workloads["repetitive"] = [dict(prompt=prompt, max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+                                   for prompt in quoting_prompts(clusters["off"].client, args.num_requests,
+                                                                 args.passage_len)]
+        for name, requests in workloads.items():
+            results[name] = run_interleaved(clusters, requests, args.repeats)
     for name, by_setting in results.items():
         off, on = by_setting["off"], by_setting["on"]
         by_setting["speedup"] = {

@@ -133,7 +133,9 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_s
         if len(request.text) * 4 > MAX_PROMPT_TEXT_BYTES and len(request.text.encode()) > MAX_PROMPT_TEXT_BYTES:
             raise InvalidArgumentError(f"prompt text is {len(request.text.encode())} bytes of UTF-8; "
                                        f"the limit is {MAX_PROMPT_TEXT_BYTES}")
-        return tokenizer.encode(request.text, parse_special_tokens=request.parse_special_tokens)
+        ids = tokenizer.encode(request.text, parse_special_tokens=request.parse_special_tokens)
+        _check_encoded("prompt text", ids, vocab_size)
+        return ids
     if kind == "token_ids":
         ids = list(request.token_ids.ids)
         if not ids:
@@ -148,8 +150,17 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_s
         if sum(len(m["content"]) for m in messages) * 4 > MAX_PROMPT_TEXT_BYTES and \
                 sum(len(m["content"].encode()) for m in messages) > MAX_PROMPT_TEXT_BYTES:
             raise InvalidArgumentError(f"messages' contents are over {MAX_PROMPT_TEXT_BYTES} bytes of UTF-8")
-        return encode_chat(tokenizer, messages)  # coordinator/chat.py
+        ids = encode_chat(tokenizer, messages)  # coordinator/chat.py
+        _check_encoded("messages", ids, vocab_size)
+        return ids
     raise InvalidArgumentError("prompt is missing: set text, token_ids or messages")
+
+
+def _check_encoded(field: str, ids: list[int], vocab_size: int) -> None:
+    """A tokenizer with more tokens than the model's embedding would crash the ranks' lookup."""
+    if ids and max(ids) >= vocab_size:
+        raise InvalidArgumentError(f"{field} encodes to token id {max(ids)}, outside the model's vocabulary "
+                                   f"[0, {vocab_size}): the tokenizer has more tokens than the model")
 
 
 def _check_token_ids(field: str, ids, vocab_size: int) -> None:

@@ -135,3 +135,15 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_are_kept_once() -> None:
     plan = scheduler.schedule()
     scheduler.update(plan, StepResult(plan.step_id, (7, 8), prompt_logprobs=(again,)))
     assert scoring.prompt_logprobs[3] == (-1.0, (5,), (-0.5,))
+
+
+def test_a_text_prompt_the_model_cannot_embed_is_refused_not_sent_to_the_ranks(tokenizer: Tokenizer) -> None:
+    """A tokenizer larger than the model (here 1,024 tokens for a 512-token model) must not crash a rank."""
+    ids = tokenizer.encode("Once upon a time", parse_special_tokens=False)
+    assert max(ids) >= 512  # the embedded tokenizer's ids for these words are above 512
+    with pytest.raises(InvalidArgumentError, match=f"token id {max(ids)}, outside the model's vocabulary"):
+        validate_request(pb.GenerateRequest(text="Once upon a time", sampling_params=pb.SamplingParams(max_tokens=4)),
+                         tokenizer, 512, 256)
+    ok = validate_request(pb.GenerateRequest(text="Once upon a time", sampling_params=pb.SamplingParams(max_tokens=4)),
+                          tokenizer, 1024, 256)
+    assert list(ok.prompt_token_ids) == ids
