@@ -22,6 +22,8 @@ measure, the acceptance rate (accepted / proposed tokens, from the server's
 
     python benchmarks/speculative_ngram.py --out benchmarks/results                 # embedded model
     python benchmarks/speculative_ngram.py --model ../shared/models/stories260k --out benchmarks/results
+    python benchmarks/speculative_ngram.py --peer-model --num-requests 4 --max-tokens 64 --passage-len 64 \
+        --out benchmarks/results                                         # the recorded run: the 95M model
     python benchmarks/speculative_ngram.py --num-requests 2 --max-tokens 32 --passage-len 40 --prompt-len 64  # runs?
     python benchmarks/speculative_ngram.py --speculative-model DIR          # a draft model instead of n-grams
 """
@@ -37,6 +39,7 @@ import random
 import re
 import statistics
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -51,12 +54,20 @@ OPENINGS = ("Once upon a time", "Tom had a red ball", "One day, a little girl", 
             "Lily and Ben went to the park", "A big dog", "Mom said", "There was a small bird")
 
 
-def quoting_prompts(client, num_requests: int, passage_len: int) -> list[list[int]]:
-    """BOS, a greedy passage from a story opening, then its first half again (the model continues quoting)."""
+def quoting_prompts(client, num_requests: int, passage_len: int, vocab: int, text_openings: bool) -> list[list[int]]:
+    """BOS, a greedy passage from a story opening, then its first half again (the model continues quoting).
+
+    The openings are text (``text_openings``) for a model that embeds its tokenizer's
+    every token (the embedded model, stories260k); otherwise (peer_comparison.py's random
+    95M model carries a larger tokenizer than its 512 tokens) seeded token ids below ``vocab``.
+    """
+    rng = random.Random(1)
     prompts = []
     for i in range(num_requests):
-        passage = list(client.generate(OPENINGS[i % len(OPENINGS)] + " " * (i // len(OPENINGS)),
-                                       max_tokens=passage_len, temperature=0, ignore_eos=True).token_ids)
+        opening = OPENINGS[i % len(OPENINGS)] + " " * (i // len(OPENINGS))
+        if not text_openings:
+            opening = [1] + [rng.randrange(3, vocab) for _ in range(8)]
+        passage = list(client.generate(opening, max_tokens=passage_len, temperature=0, ignore_eos=True).token_ids)
         prompts.append([1] + passage + passage[:passage_len // 2])
     return prompts
 
@@ -85,7 +96,7 @@ def one_pass(client, requests: list[dict]) -> tuple[float, float]:
 
 
 def run_interleaved(clusters: dict, requests: list[dict], repeats: int) -> dict:
-    """Passes of ``requests`` on each server in turn (off, on, off, on, ...); medians and counters per server.
+    """Passes of ``requests`` on each server in turn (off, on, on, off, ...); medians and counters per server.
 
     One pass varies by +-15 % or more on the shared 2-core machine (measured), more than
     the effect sought on the non-repetitive workload: alternating the servers pass by
@@ -93,9 +104,10 @@ def run_interleaved(clusters: dict, requests: list[dict], repeats: int) -> dict:
     """
     before = {name: spec_counters(c.metrics_port) for name, c in clusters.items()}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in clusters}
-    for _ in range(repeats):
-        for name, cluster in clusters.items():
-            runs[name].append(one_pass(cluster.client, requests))
+    names = list(clusters)
+    for r in range(repeats):  # ABBA: each server goes first in half the repeats, so order biases cancel
+        for name in names if r % 2 == 0 else names[::-1]:
+            runs[name].append(one_pass(clusters[name].client, requests))
     out = {}
     for name, cluster in clusters.items():
         after = spec_counters(cluster.metrics_port)
@@ -118,6 +130,8 @@ def run_interleaved(clusters: dict, requests: list[dict], repeats: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    parser.add_argument("--peer-model", action="store_true",
+                        help="the 94.9M-parameter random Llama of peer_comparison.py (seed 0) instead of --model")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=120, help="non-repetitive prompts' length")
@@ -128,14 +142,22 @@ def main() -> int:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--speculative-model", default=None,
                         help="compare --speculative-method draft with this draft model instead of ngram")
-    parser.add_argument("--repeats", type=int, default=5, help="passes of each workload per server; medians")
+    parser.add_argument("--repeats", type=int, default=4, help="passes of each workload per server; medians")
     parser.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     args = parser.parse_args()
+    model_name = Path(args.model).name if args.model else "default_model"
+    if args.peer_model:
+        from benchmarks.peer_comparison import build_model
+
+        args.model, model_name = str(build_model(Path(tempfile.mkdtemp(prefix="tpserve-spec-")), 0)), "peer95m"
 
     config = Path(args.model) / "config.json" if args.model else Path(__file__).resolve().parents[1] / \
         "tpserve" / "default_model" / "config.json"
     model_config = json.loads(config.read_text())
     vocab = model_config["vocab_size"]
+    from tokenizers import Tokenizer
+
+    text_openings = Tokenizer.from_file(str(config.with_name("tokenizer.json"))).get_vocab_size() <= vocab
     if max(args.prompt_len, 1 + args.passage_len * 3 // 2) + args.max_tokens > model_config["max_position_embeddings"]:
         parser.error(f"prompts + --max-tokens must fit the model's {model_config['max_position_embeddings']} positions")
     rng = random.Random(0)
@@ -149,7 +171,7 @@ def main() -> int:
     if args.speculative_model is not None:
         spec_flags = ["--speculative-method", "draft", "--speculative-model", args.speculative_model,
                       "--num-speculative-tokens", str(args.num_speculative_tokens)]
-    report = {"benchmark": "speculative_ngram", "model": args.model or "embedded default",
+    report = {"benchmark": "speculative_ngram", "model": model_name,
               "tensor_parallel_size": args.tensor_parallel_size, "num_requests": args.num_requests,
               "prompt_len": args.prompt_len, "passage_len": args.passage_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "speculative_flags": " ".join(spec_flags),
@@ -163,7 +185,7 @@ def main() -> int:
             cluster.client.generate([1, 5, 6, 7], max_tokens=4, temperature=0)  # warm-up
         workloads["repetitive"] = [dict(prompt=prompt, max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
                                    for prompt in quoting_prompts(clusters["off"].client, args.num_requests,
-                                                                 args.passage_len)]
+                                                                 args.passage_len, vocab, text_openings)]
         for name, requests in workloads.items():
             results[name] = run_interleaved(clusters, requests, args.repeats)
     for name, by_setting in results.items():
@@ -176,7 +198,7 @@ def main() -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         method = "draft" if args.speculative_model else "ngram"
-        name = f"speculative_{method}_" + (Path(args.model).name if args.model else "default_model") + ".json"
+        name = f"speculative_{method}_{model_name}.json"
         (args.out / name).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
