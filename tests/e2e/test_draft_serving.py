@@ -6,12 +6,11 @@ requests the same server's non-speculative path (logprobs requests do not specul
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from tests.e2e.test_spec_decode_serving import spec_counters
-from tests.e2e.test_stories_serving import assert_matches_golden, greedy, wait_all_blocks_free
+from tests.e2e.test_stories_serving import (assert_goldens_sixteen_at_once, assert_matches_golden, greedy,
+                                            wait_all_blocks_free)
 from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 from tests.tiny_models import TinyModelSpec, save_tiny_model
@@ -36,11 +35,7 @@ def test_goldens_alone_and_sixteen_at_once(cluster) -> None:
     goldens = load_goldens()
     for golden in goldens:
         assert_matches_golden(greedy(cluster.client, golden), golden)
-    batch = [goldens[i % len(goldens)] for i in range(16)]
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda g: greedy(cluster.client, g), batch))
-    for result, golden in zip(results, batch):
-        assert_matches_golden(result, golden)
+    assert_goldens_sixteen_at_once(cluster.client)
     counters = spec_counters(cluster)
     proposed = counters["tpserve:spec_decode_num_draft_tokens_total"]
     accepted = counters["tpserve:spec_decode_num_accepted_tokens_total"]

@@ -18,7 +18,8 @@ import pytest
 
 from tests.e2e.cluster import serve
 from tests.e2e.test_recovery import _rank_pid
-from tests.e2e.test_stories_serving import assert_matches_golden, greedy, wait_all_blocks_free
+from tests.e2e.test_stories_serving import (assert_goldens_sixteen_at_once, assert_matches_golden,
+                                            assert_streams_match_the_goldens, greedy, wait_all_blocks_free)
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -58,21 +59,11 @@ def test_goldens_one_at_a_time_with_proposals_accepted(cluster) -> None:
 
 
 def test_goldens_sixteen_at_once(cluster) -> None:
-    goldens = load_goldens()
-    batch = [goldens[i % len(goldens)] for i in range(16)]
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda g: greedy(cluster.client, g), batch))
-    for result, golden in zip(results, batch):
-        assert_matches_golden(result, golden)
+    assert_goldens_sixteen_at_once(cluster.client)
 
 
 def test_stream_deltas_concatenate_to_the_golden(cluster) -> None:
-    for golden in load_goldens():
-        chunks = list(cluster.client.generate_stream(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0))
-        assert "".join(c.text for c in chunks) == golden["text"]
-        assert [t for c in chunks for t in c.token_ids] == golden["completion_token_ids"]
-        assert all(c.finish_reason == 0 for c in chunks[:-1])
-        assert chunks[-1].usage.completion_tokens == len(golden["completion_token_ids"])
+    assert_streams_match_the_goldens(cluster.client)  # several tokens may share a delta
 
 
 def test_stop_string_stop_token_and_max_tokens_cut_where_they_would_without(cluster) -> None:

@@ -46,13 +46,32 @@ def test_goldens_one_at_a_time(cluster) -> None:
         assert_matches_golden(greedy(cluster.client, golden), golden)
 
 
-def test_goldens_sixteen_at_once(cluster) -> None:
+def assert_goldens_sixteen_at_once(client) -> None:
+    """16 greedy requests at once (the goldens, cycled), each token for token its golden."""
     goldens = load_goldens()
     batch = [goldens[i % len(goldens)] for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda g: greedy(cluster.client, g), batch))
+        results = list(pool.map(lambda g: greedy(client, g), batch))
     for result, golden in zip(results, batch):
         assert_matches_golden(result, golden)
+
+
+def assert_streams_match_the_goldens(client, min_chunks: int = 1) -> None:
+    """Each golden streamed: the deltas join to its text and tokens; finish_reason and usage only at the end.
+
+    ``min_chunks``: each stream has more deltas than this (it really streamed).
+    """
+    for golden in load_goldens():
+        chunks = list(client.generate_stream(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0))
+        assert "".join(c.text for c in chunks) == golden["text"]
+        assert [t for c in chunks for t in c.token_ids] == golden["completion_token_ids"]
+        assert all(c.finish_reason == 0 for c in chunks[:-1])
+        assert chunks[-1].usage.completion_tokens == len(golden["completion_token_ids"])
+        assert len(chunks) > min_chunks
+
+
+def test_goldens_sixteen_at_once(cluster) -> None:
+    assert_goldens_sixteen_at_once(cluster.client)
 
 
 def test_prompt_as_token_ids_gives_the_golden(cluster) -> None:
@@ -62,13 +81,7 @@ def test_prompt_as_token_ids_gives_the_golden(cluster) -> None:
 
 
 def test_stream_deltas_concatenate_to_the_unary_text(cluster) -> None:
-    for golden in load_goldens():
-        chunks = list(cluster.client.generate_stream(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0))
-        assert "".join(c.text for c in chunks) == golden["text"]
-        assert [t for c in chunks for t in c.token_ids] == golden["completion_token_ids"]
-        assert all(c.finish_reason == 0 for c in chunks[:-1])
-        assert chunks[-1].usage.completion_tokens == len(golden["completion_token_ids"])
-        assert len(chunks) > 10  # it really streamed
+    assert_streams_match_the_goldens(cluster.client, min_chunks=10)
 
 
 def test_stop_string_inside_tokens_is_cut_from_the_text(cluster) -> None:
