@@ -13,13 +13,12 @@ import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
 from tests.e2e.cluster import serve
 from tests.e2e.test_recovery import _rank_pid
-from tests.e2e.test_stories_serving import (assert_goldens_sixteen_at_once, assert_matches_golden,
-                                            assert_streams_match_the_goldens, greedy, wait_all_blocks_free)
+from tests.e2e.test_stories_serving import (assert_cancelling_frees_every_block, assert_goldens_sixteen_at_once,
+                                            assert_matches_golden, assert_streams_match_the_goldens, greedy)
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -98,14 +97,7 @@ def test_seeded_sampling_is_reproducible_and_matches_the_plain_path(cluster) -> 
 
 
 def test_cancelling_a_speculating_stream_frees_every_block(cluster) -> None:
-    stream = cluster.client.generate_stream("Once upon a time", max_tokens=400, temperature=0, ignore_eos=True)
-    received = [next(stream) for _ in range(5)]
-    assert all(chunk.finish_reason == 0 for chunk in received)
-    stream.cancel()
-    with pytest.raises(grpc.RpcError) as info:
-        list(stream)
-    assert info.value.code() == grpc.StatusCode.CANCELLED
-    wait_all_blocks_free(cluster)
+    assert_cancelling_frees_every_block(cluster)  # blocks reserved for proposals included
 
 
 def test_a_lost_rank_mid_speculation_costs_no_token(cluster) -> None:
