@@ -121,21 +121,28 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 // Whole tiles per task, and enough of them that each thread streams a long run of W.
 int64_t grain_tiles(int64_t N) { return std::max<int64_t>(1, (N / kRows) / (4 * at::get_num_threads())); }
 
+// y (M, N) = x @ W^T [* scale] [+ bias], W's rows split between the threads by whole tiles;
+// `row(n, buffer)` gives W's row n as float32 (see run_rows).
+template <typename RowFn>
+at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10::optional<at::Tensor>& bias,
+                  RowFn row) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + kRows - 1) / kRows, grain_tiles(N), [&](int64_t t0, int64_t t1) {
+    run_rows(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, scale, bp, yp, row);
+  });
+  return y;
+}
+
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   check_inputs(x, w, bias);
   TORCH_CHECK(w.scalar_type() == at::kFloat, "tpserve linear_f32: weight must be float32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + kRows - 1) / kRows;
-  at::parallel_for(0, tiles, grain_tiles(N), [&](int64_t t0, int64_t t1) {
-    run_rows(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, nullptr, bp, yp,
-             [&](int64_t n, float*) { return wp + n * K; });
-  });
-  return y;
+  const int64_t K = w.size(1);
+  return linear(x, w.size(0), nullptr, bias, [=](int64_t n, float*) { return wp + n * K; });
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
@@ -144,21 +151,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   TORCH_CHECK(qw.scalar_type() == at::kChar, "tpserve linear_int8: weight must be int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qw.size(0),
               "tpserve linear_int8: scale must be a contiguous float32 (N,) tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
   const int8_t* qp = qw.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + kRows - 1) / kRows;
-  at::parallel_for(0, tiles, grain_tiles(N), [&](int64_t t0, int64_t t1) {
-    run_rows(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, sp, bp, yp, [&](int64_t n, float* buf) {
-      widen_row(qp + n * K, K, buf);
-      return static_cast<const float*>(buf);
-    });
+  const int64_t K = qw.size(1);
+  return linear(x, qw.size(0), scale.data_ptr<float>(), bias, [=](int64_t n, float* buf) {
+    widen_row(qp + n * K, K, buf);  // int8 row -> float32 in this thread's L1 buffer
+    return static_cast<const float*>(buf);
   });
-  return y;
 }
 
 }  // namespace
