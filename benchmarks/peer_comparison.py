@@ -111,16 +111,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bare_steps(model_dir: Path, batch_sizes: list[int], context: int, dtype: torch.dtype = torch.float32,
-               quantization: str | None = None) -> dict[int, float]:
-    """Seconds of one ``ModelRunner.execute`` decode step at each batch size (median of 20), tp 1."""
-    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+def bare_runner(model_dir: Path, dtype: torch.dtype = torch.float32, quantization: str | None = None):
+    """A tp-1 ``ModelRunner`` in this process, for :func:`bare_steps`."""
     from worker.model_runner import ModelRunner
     from worker.parallel_state import ParallelContext
 
-    runner = ModelRunner(model_dir, ParallelContext.single(), dtype, 16, quantization=quantization)
+    return ModelRunner(model_dir, ParallelContext.single(), dtype, 16, quantization=quantization)
+
+
+def bare_steps(model_dir: Path | object, batch_sizes: list[int], context: int, dtype: torch.dtype = torch.float32,
+               quantization: str | None = None) -> dict[int, float]:
+    """Seconds of one ``ModelRunner.execute`` decode step at each batch size (median of 20), tp 1.
+
+    ``model_dir``: a checkpoint, or a runner from :func:`bare_runner` (reused between rounds).
+    """
+    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+
+    runner = model_dir if not isinstance(model_dir, Path) else bare_runner(model_dir, dtype, quantization)
     blocks_per_seq = context // 16 + 4
-    runner.init_kv_cache(max(batch_sizes) * blocks_per_seq)
+    if runner.num_blocks < max(batch_sizes) * blocks_per_seq:
+        runner.init_kv_cache(max(batch_sizes) * blocks_per_seq)
     out: dict[int, float] = {}
     step_id = 0
     for batch in batch_sizes:
@@ -143,31 +153,34 @@ def bare_steps(model_dir: Path, batch_sizes: list[int], context: int, dtype: tor
 # -- transformers ---------------------------------------------------------------------------
 
 
-def run_transformers(model_dir: Path, loads: dict) -> dict:
-    """The same workloads through ``model.generate`` (greedy, static batches of at most 16)."""
-    from transformers import AutoModelForCausalLM
+class Transformers:
+    """The baseline: ``model.generate`` (greedy) in this process, static batches of at most 16."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
 
-    def generate(batch: list[tuple[list[int], int]]) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def generate(self, batch: list[tuple[list[int], int]]) -> None:
         width = max(len(p) for p, _ in batch)
         new = max(n for _, n in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False, pad_token_id=0)
 
-    (prompt, n), = loads["single"]
-    generate([(prompt, 1)])  # warm-up
-    first = _timed(lambda: generate([(prompt, 1)]))
-    full = _timed(lambda: generate([(prompt, n)]))
-    report = {"single_decode_ms_per_token": (full - first) / (n - 1) * 1e3}
-    for name in ("batch16", "mixed"):
-        reqs = loads[name]
-        wall = sum(_timed(lambda b=reqs[i:i + 16]: generate(b)) for i in range(0, len(reqs), 16))
-        report[f"{name}_output_tokens_per_s"] = sum(n for _, n in reqs) / wall
-    return report
+    def decode_ms_per_token(self, request: tuple[list[int], int]) -> float:
+        """One request's decode time per token: a full run less a one-token run (its prefill)."""
+        prompt, n = request
+        first = _timed(lambda: self.generate([(prompt, 1)]))
+        full = _timed(lambda: self.generate([(prompt, n)]))
+        return (full - first) / (n - 1) * 1e3
+
+    def output_tokens_per_s(self, reqs: list[tuple[list[int], int]]) -> float:
+        """Requested output tokens over the wall time of static batches of 16 in arrival order."""
+        wall = sum(_timed(lambda b=reqs[i:i + 16]: self.generate(b)) for i in range(0, len(reqs), 16))
+        return sum(n for _, n in reqs) / wall
 
 
 # -- tpserve --------------------------------------------------------------------------------
@@ -199,82 +212,106 @@ async def _load(target: str, reqs: list[tuple[list[int], int]]) -> dict:
             "ttft_median_ms": statistics.median(r["ttft"] for r in results) * 1e3}
 
 
-def run_tpserve(model_dir: Path, tp: int, loads: dict) -> dict:
-    report = {}
-    with serve(model_dir, tp, omp_threads=None) as cluster:
-        asyncio.run(_load(cluster.target, loads["batch16"][:4]))  # warm-up: first steps, allocations
-        for name in ("single", "batch16", "mixed"):
-            report[name] = asyncio.run(_load(cluster.target, loads[name]))
-    report["single_decode_ms_per_token"] = report["single"]["tpot_median_ms"]
-    for name in ("batch16", "mixed"):
-        report[f"{name}_output_tokens_per_s"] = report[name]["output_tokens_per_s"]
-    return report
-
-
 # -- the report -----------------------------------------------------------------------------
 
 
-def verdicts(r: dict) -> list[tuple[str, float, str, float, bool]]:
-    """(what, measured ratio, comparison, goal, met) for each goal."""
+def round_ratios(r: dict) -> list[tuple[str, float, str, float]]:
+    """(what, ratio, comparison, goal) for each goal measured within one round."""
     t1, t2, hf = r["tpserve_tp1"], r["tpserve_tp2"], r["transformers"]
-    rows = [
-        ("tp1 decode ms/token / roofline ms", t1["single_decode_ms_per_token"] / r["roofline_ms"], "<=",
-         GOALS["decode_vs_roofline"]),
-        ("tp1 client TPOT / bare step, batch 1", t1["single"]["tpot_median_ms"] / r["bare_step_ms"]["1"], "<=",
+    t1_single, t2_single = t1["single"]["tpot_median_ms"], t2["single"]["tpot_median_ms"]
+    t1_b16, t2_b16 = t1["batch16"]["output_tokens_per_s"], t2["batch16"]["output_tokens_per_s"]
+    return [
+        ("tp1 decode ms/token / roofline ms", t1_single / r["roofline_ms"], "<=", GOALS["decode_vs_roofline"]),
+        ("tp1 client TPOT / bare step, batch 1", t1_single / r["bare_step_ms"]["1"], "<=",
          GOALS["server_overhead"]),
         ("tp1 client TPOT / bare step, batch 16", t1["batch16"]["tpot_median_ms"] / r["bare_step_ms"]["16"], "<=",
          GOALS["server_overhead"]),
-        ("tp2 / tp1 decode ms/token, batch 1", t2["single_decode_ms_per_token"] / t1["single_decode_ms_per_token"],
-         "<=", GOALS["tp2_vs_tp1_batch1"]),
-        ("tp2 / tp1 tok/s, 16 at once", t2["batch16_output_tokens_per_s"] / t1["batch16_output_tokens_per_s"], ">=",
-         GOALS["tp2_vs_tp1_batch16"]),
+        ("tp2 / tp1 decode ms/token, batch 1", t2_single / t1_single, "<=", GOALS["tp2_vs_tp1_batch1"]),
+        ("tp2 / tp1 tok/s, 16 at once", t2_b16 / t1_b16, ">=", GOALS["tp2_vs_tp1_batch16"]),
+        ("tp1 / transformers tok/s, batch16", t1_b16 / hf["batch16_output_tokens_per_s"], ">=",
+         GOALS["vs_transformers"]),
+        ("tp2 / transformers tok/s, batch16", t2_b16 / hf["batch16_output_tokens_per_s"], ">=",
+         GOALS["vs_transformers"]),
     ]
-    for name in ("batch16", "mixed"):
-        for tp, rep in (("tp1", t1), ("tp2", t2)):
-            rows.append((f"{tp} / transformers tok/s, {name}",
-                         rep[f"{name}_output_tokens_per_s"] / hf[f"{name}_output_tokens_per_s"], ">=",
-                         GOALS["vs_transformers"]))
-    return [(what, ratio, op, goal, ratio <= goal if op == "<=" else ratio >= goal) for what, ratio, op, goal in rows]
+
+
+def verdicts(report: dict) -> list[dict]:
+    """Each goal: the median of its per-round ratios (and each round's), or the mixed run's ratio; met or not."""
+    rows = []
+    per_round = [round_ratios(r) for r in report["rounds"]]
+    for i, (what, _, op, goal) in enumerate(per_round[0]):
+        values = [rr[i][1] for rr in per_round]
+        rows.append((what, statistics.median(values), op, goal, values))
+    mixed = report["mixed"]
+    for tp in ("tp1", "tp2"):
+        rows.append((f"{tp} / transformers tok/s, mixed",
+                     mixed[f"tpserve_{tp}"]["output_tokens_per_s"] / mixed["transformers"], ">=",
+                     GOALS["vs_transformers"], None))
+    return [dict(what=what, ratio=round(x, 3), goal=f"{op} {goal}", met=x <= goal if op == "<=" else x >= goal,
+                 **({"rounds": [round(v, 3) for v in values]} if values else {}))
+            for what, x, op, goal, values in rows]
+
+
+def measure_round(model_dir_bytes: int, runner, hf: Transformers, targets: dict[int, str], loads: dict) -> dict:
+    """One round: the machine's baselines, then every system on the single and batch16 workloads."""
+    bandwidth = copy_bandwidth()
+    r: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_ms": model_dir_bytes / bandwidth * 1e3}
+    r["bare_step_ms"] = {str(b): t * 1e3 for b, t in bare_steps(runner, [1, 16], context=160).items()}
+    r["transformers"] = {"single_decode_ms_per_token": hf.decode_ms_per_token(loads["single"][0]),
+                         "batch16_output_tokens_per_s": hf.output_tokens_per_s(loads["batch16"])}
+    for tp, target in targets.items():
+        r[f"tpserve_tp{tp}"] = {name: asyncio.run(_load(target, loads[name])) for name in ("single", "batch16")}
+    return r
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the single and batch16 runs")
     parser.add_argument("--out", type=Path, default=None, help="directory for peer_comparison.json")
-    parser.add_argument("--skip-transformers", action="store_true", help="(debugging) leave out the baseline")
     args = parser.parse_args()
 
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)  # what a tp-1 rank takes, and what transformers gets
     loads = workloads(args.seed)
-    report: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
-                    "torch": torch.__version__, "threads": threads, "seed": args.seed,
-                    "model": {**MODEL_CONFIG, "dtype": "float32"}}
-    with tempfile.TemporaryDirectory(prefix="tpserve-peer-") as tmp:
-        model_dir = build_model(Path(tmp), args.seed)
-        weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-        bandwidth = copy_bandwidth()
-        report.update(weight_bytes=weight_bytes, copy_bandwidth_gb_s=bandwidth / 1e9,
-                      roofline_ms=weight_bytes / bandwidth * 1e3)
-        print(f"roofline: {weight_bytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s = {report['roofline_ms']:.1f} ms",
-              flush=True)
-        bare = bare_steps(model_dir, [1, 16], context=160)
-        report["bare_step_ms"] = {str(b): s * 1e3 for b, s in bare.items()}
-        print(f"bare step: {report['bare_step_ms']}", flush=True)
-        if not args.skip_transformers:
-            report["transformers"] = run_transformers(model_dir, loads)
-            print(f"transformers: {report['transformers']}", flush=True)
-        for tp in (1, 2):
-            report[f"tpserve_tp{tp}"] = run_tpserve(model_dir, tp, loads)
-            print(f"tpserve tp {tp}: {report[f'tpserve_tp{tp}']}", flush=True)
-    if not args.skip_transformers:
-        report["goals"] = [dict(what=w, ratio=round(x, 3), goal=f"{op} {g}", met=m) for w, x, op, g, m in verdicts(report)]
-        for row in report["goals"]:
-            print(f"{'MET ' if row['met'] else 'MISS'}  {row['what']}: {row['ratio']:.2f} (goal {row['goal']})")
+    report: dict = {"machine": machine_description(), "torch": torch.__version__, "threads": threads,
+                    "seed": args.seed, "model": {**MODEL_CONFIG, "dtype": "float32"}, "rounds": []}
+    with tempfile.TemporaryDirectory(prefix="tpserve-peer-") as tmp, \
+            serve(build_model(Path(tmp), args.seed), 1, omp_threads=None) as tp1, \
+            serve(Path(tmp), 2, omp_threads=None) as tp2:
+        model_dir = Path(tmp)
+        report["weight_bytes"] = weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+        targets = {1: tp1.target, 2: tp2.target}
+        for target in targets.values():  # warm-up: first steps, allocations, connections
+            asyncio.run(_load(target, loads["batch16"][:4]))
+        hf, runner = Transformers(model_dir), bare_runner(model_dir)
+        for i in range(args.rounds):
+            r = measure_round(weight_bytes, runner, hf, targets, loads)
+            report["rounds"].append(r)
+            print(f"round {i + 1}: " + "; ".join(f"{w} {x:.2f}" for w, x, _, _ in round_ratios(r)), flush=True)
+        report["mixed"] = {"transformers": hf.output_tokens_per_s(loads["mixed"]),
+                           **{f"tpserve_tp{tp}": asyncio.run(_load(t, loads["mixed"])) for tp, t in targets.items()}}
+    report["goals"] = verdicts(report)
+    for row in report["goals"]:
+        print(f"{'MET ' if row['met'] else 'MISS'}  {row['what']}: {row['ratio']:.2f} (goal {row['goal']})"
+              + (f"  rounds {row['rounds']}" if "rounds" in row else ""))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "peer_comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def machine_description() -> str:
+    """Architecture, cores, CPU model and its widest vector ISA as torch sees it."""
+    model = "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}, {os.cpu_count()} cores, {model}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from worker.comm import shm_allreduce
 from worker.comm.shm_allreduce import SharedMemoryComm
+from worker.kernels import cpu_kernels_available
 from worker.rendezvous import tcp_store
 
 #: Largest tensor (bytes) a same-host collective carries through shared memory:
@@ -188,23 +189,26 @@ def _open_shared_memory(rank: int, world_size: int, timeout_s: float) -> SharedM
     rank maps it, then rank 0 unlinks it, so no file outlives the group even if a
     rank is killed later. Any failure leaves the whole group on gloo.
     """
-    identities: list[tuple[str, int] | None] = [None] * world_size
-    dist.all_gather_object(identities, (_host_identity(), os.getpid()) if shm_allreduce.supported() else None)
+    identities: list[tuple[str, int, bool] | None] = [None] * world_size
+    me = (_host_identity(), os.getpid(), cpu_kernels_available()) if shm_allreduce.supported() else None
+    dist.all_gather_object(identities, me)
     if any(i is None for i in identities) or len({i[0] for i in identities}) != 1:
         return None  # across hosts (or not x86-64): gloo
     pids = [i[1] for i in identities]
+    compiled = all(i[2] for i in identities)  # one protocol version for the whole group
     path = [f"/dev/shm/tpserve-{uuid.uuid4().hex}" if rank == 0 else None]
     comm: SharedMemoryComm | None = None
     if rank == 0:
         try:
-            comm = SharedMemoryComm(path[0], rank, world_size, SHM_MAX_BYTES, timeout_s, create=True, peer_pids=pids)
+            comm = SharedMemoryComm(path[0], rank, world_size, SHM_MAX_BYTES, timeout_s, create=True, peer_pids=pids,
+                                    compiled=compiled)
         except OSError:
             path = [None]
     dist.broadcast_object_list(path, src=0)
     if path[0] is not None and rank != 0:
         try:
             comm = SharedMemoryComm(path[0], rank, world_size, SHM_MAX_BYTES, timeout_s, create=False,
-                                    peer_pids=pids)
+                                    peer_pids=pids, compiled=compiled)
         except OSError:
             comm = None
     opened = [None] * world_size

@@ -13,8 +13,20 @@ needs_kernels = pytest.mark.skipif(
     not (_cpu_supports_avx2() and shutil.which("c++")), reason="needs an AVX2 CPU and a C++ compiler"
 )
 
-# K: multiples of 16 and 8, and odd tails; N: whole tiles of 4 and short last tiles; M: 1, 2, odd, > 64.
-SHAPES = [(1, 64, 8), (2, 517, 37), (3, 24, 5), (16, 512, 1024), (17, 1536, 3), (70, 40, 130)]
+# K: multiples of 16 and 8, and odd tails; N: whole tiles of 4 and short last tiles; M: 1, 2, odd, > 64,
+# and every remainder of the AVX-512 path's groups of 6 rows and the AVX2 path's groups of 3.
+SHAPES = [(1, 64, 8), (2, 517, 37), (3, 24, 5), (16, 512, 1024), (17, 1536, 3), (70, 40, 130), (13, 33, 9),
+          (11, 16, 6)]
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request: pytest.FixtureRequest):
+    """Run a linear test on each vector path this CPU has (an AVX-512 CPU runs both)."""
+    assert cpu_kernels_available()
+    if not torch.ops.tpserve_cpu.use_avx512(request.param == "avx512") and request.param == "avx512":
+        pytest.skip("this CPU has no AVX-512 (the AVX2 case covers it)")
+    yield request.param
+    torch.ops.tpserve_cpu.use_avx512(True)
 
 
 @needs_kernels
@@ -25,7 +37,7 @@ def test_the_kernels_build_on_this_machine() -> None:
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-def test_linear_f32_matches_float64(m: int, k: int, n: int, threads: int) -> None:
+def test_linear_f32_matches_float64(m: int, k: int, n: int, threads: int, isa: str) -> None:
     assert cpu_kernels_available()
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
@@ -45,7 +57,7 @@ def test_linear_f32_matches_float64(m: int, k: int, n: int, threads: int) -> Non
 
 @needs_kernels
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-def test_linear_int8_matches_the_dequantized_product(m: int, k: int, n: int) -> None:
+def test_linear_int8_matches_the_dequantized_product(m: int, k: int, n: int, isa: str) -> None:
     assert cpu_kernels_available()
     g = torch.Generator().manual_seed(m + k * 7 + n)
     x = torch.randn(m, k, generator=g)

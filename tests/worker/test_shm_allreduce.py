@@ -20,9 +20,14 @@ import torch.multiprocessing as mp
 
 from tests.worker.tp_harness import _free_port
 from worker.comm import shm_allreduce
+from worker.kernels import cpu_kernels_available
 from worker.parallel_state import SHM_MAX_BYTES, destroy_distributed, init_distributed
 
 pytestmark = pytest.mark.skipif(not shm_allreduce.supported(), reason="shared-memory collectives need x86-64 and /dev/shm")
+
+#: Both versions of the protocol: compiled (worker/kernels/cpu_shm.cpp) and Python. The ranks are
+#: spawned, so they inherit the switch from the environment (worker/kernels/__init__.py).
+VERSIONS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 #: Odd element counts: one element, not a multiple of any vector width, a decode row, one over a page.
@@ -32,7 +37,7 @@ SIZES = (1, 7, 513, 4099, 3 * 5 * 7 * 11 * 13)
 def _compare_main(rank: int, world_size: int, init_method: str, out_path: str) -> None:
     torch.set_num_threads(1)
     ctx = init_distributed(rank, world_size, init_method, "cpu", 30.0)
-    report: dict = {"shm": ctx.shm is not None, "cases": []}
+    report: dict = {"shm": ctx.shm is not None, "compiled": ctx.shm is not None and ctx.shm.compiled, "cases": []}
     for dtype in DTYPES:
         for size in SIZES:
             g = torch.Generator().manual_seed(1000 * rank + size)
@@ -65,10 +70,19 @@ def _run(world_size: int) -> dict:
         return pickle.loads(Path(out).read_bytes())
 
 
+def _use(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if compiled and not cpu_kernels_available():
+        pytest.skip("tpserve's CPU kernels did not build here (needs AVX2 and a C++ compiler)")
+    monkeypatch.setenv("TPSERVE_CPU_KERNELS", "1" if compiled else "0")
+
+
+@VERSIONS
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_shared_memory_all_reduce_equals_gloo(world_size: int) -> None:
+def test_shared_memory_all_reduce_equals_gloo(world_size: int, compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(compiled, monkeypatch)
     report = _run(world_size)
     assert report["shm"], "ranks on one host did not get shared-memory collectives"
+    assert report["compiled"] == compiled
     for dtype, size, got, expected, exact, magnitude in report["cases"]:
         assert got.dtype == expected.dtype and got.shape == expected.shape
         if world_size == 2 or not got.dtype.is_floating_point:
@@ -118,14 +132,56 @@ def _lose_peer(timeout_s: float, hang: bool) -> tuple[float, str]:
     return float(seconds), outcome
 
 
-def test_a_hung_peer_times_out() -> None:
+@VERSIONS
+def test_a_hung_peer_times_out(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(compiled, monkeypatch)
     seconds, outcome = _lose_peer(1.5, hang=True)
     assert outcome.startswith("Timed out") and "ranks [1]" in outcome, outcome
     assert 1.0 <= seconds < 4.0
 
 
-def test_an_exited_peer_fails_the_collective_at_once() -> None:
+@VERSIONS
+def test_an_exited_peer_fails_the_collective_at_once(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dead peer is noticed from its pid, long before the 30 s collective timeout."""
+    _use(compiled, monkeypatch)
     seconds, outcome = _lose_peer(30.0, hang=False)
     assert outcome.startswith("ranks [1] exited"), outcome
     assert seconds < 5.0
+
+
+def _stress_main(rank: int, init_method: str, out_path: str) -> None:
+    """Back-to-back collectives of changing sizes; rank 1 is late by 2 ms every 25th, so rank 0 sleeps."""
+    torch.set_num_threads(1)
+    ctx = init_distributed(rank, 2, init_method, "cpu", 30.0)
+    wrong, late_waits = 0, []
+    for i in range(1, 501):
+        late = i % 25 == 0
+        if late and rank == 1:
+            time.sleep(0.002)  # past the spin: rank 0 must be woken from its futex sleep
+        x = torch.full((1 + (i * 37) % 3000,), float(i * (rank + 1)))
+        start = time.monotonic()
+        ctx.all_reduce(x)
+        if late:
+            late_waits.append(time.monotonic() - start)
+        wrong += int(not torch.equal(x, torch.full_like(x, float(i * 3))))
+    if rank == 0:
+        Path(out_path).write_text(f"{wrong}\n{' '.join(map(str, late_waits))}")
+    destroy_distributed()
+
+
+@VERSIONS
+def test_back_to_back_collectives_and_late_peers_are_woken(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """500 collectives, each buffer reused every other one; 20 of them find the peer 2 ms late.
+
+    A lost wake-up would cost the waiter its whole futex sleep (shm_allreduce._SLEEP_S, 20 ms) instead of ~2 ms.
+    """
+    _use(compiled, monkeypatch)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.txt"
+        mp.spawn(_stress_main, args=(f"tcp://127.0.0.1:{_free_port()}", str(out)), nprocs=2)
+        wrong, waits = out.read_text().split("\n")
+    waits = [float(w) for w in waits.split()]
+    assert int(wrong) == 0
+    assert len(waits) == 20
+    # Median: one slow wake on a busy machine is noise; a lost wake-up is every one of them.
+    assert sorted(waits)[10] < shm_allreduce._SLEEP_S * 0.75, waits

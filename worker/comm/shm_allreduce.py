@@ -39,6 +39,13 @@ scheduler round trip. The futex compares the flag inside the kernel, so a wake
 that races the sleep is never lost, and every sleep is bounded (``_SLEEP_S``) so
 the timeout and the liveness checks below still run.
 
+Compiled path: where tpserve's CPU kernels are built on every rank
+(worker/kernels/cpu_shm.cpp), one collective is one call into C++ that copies,
+publishes, spins on the flags with ``pause`` and sums with vector instructions;
+it wakes sleepers only when a peer announced that it sleeps, so the usual
+collective makes no system call. That costs a few microseconds instead of the
+Python version's 15-30; the group picks one version for all its ranks.
+
 A peer that stops publishing makes the wait fail after ``timeout_s`` with a
 ``RuntimeError`` ("Timed out ..."), the same failure as gloo's collective
 timeout, so a lost rank fails the step instead of hanging it. A peer process
@@ -63,6 +70,10 @@ _FLAG_STRIDE = 64
 _SPIN_POLLS = 300
 #: Longest single futex sleep, seconds: the timeout and liveness checks run between sleeps.
 _SLEEP_S = 0.02
+#: Compiled path: seconds a rank spins on a late peer's flag before it sleeps. Long enough to cover
+#: the skew between ranks on idle cores (a few to tens of microseconds); short enough that a rank
+#: sharing its core with a descheduled peer gives the core up quickly.
+_SPIN_S = 200e-6
 # Linux x86-64: syscall number of futex(2), its operations (shared, not PRIVATE: the
 # word lives in memory mapped by several processes), and the errno of a timed-out wait.
 _SYS_FUTEX = 202
@@ -115,6 +126,8 @@ class SharedMemoryComm:
         create: create and size the file (rank 0 only).
         peer_pids: process id of each rank (same host), to notice a peer that
             exited without waiting for the timeout; None: rely on the timeout.
+        compiled: use the compiled collective (``torch.ops.tpserve_cpu.shm_collective``);
+            every rank of the group must pass the same value.
 
     Raises:
         RuntimeError: not on x86-64 (see the module docstring).
@@ -122,7 +135,7 @@ class SharedMemoryComm:
     """
 
     def __init__(self, path: str | Path, rank: int, world_size: int, max_bytes: int, timeout_s: float,
-                 *, create: bool, peer_pids: list[int] | None = None) -> None:
+                 *, create: bool, peer_pids: list[int] | None = None, compiled: bool = False) -> None:
         if not supported():
             raise RuntimeError(f"shared-memory collectives need x86-64 and /dev/shm, not {platform.machine()}")
         self.rank = rank
@@ -130,6 +143,7 @@ class SharedMemoryComm:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.peer_pids = peer_pids
+        self.compiled = compiled
         size = segment_bytes(world_size, max_bytes)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
@@ -144,7 +158,7 @@ class SharedMemoryComm:
         self._flag_index = [r * _FLAG_STRIDE // 8 for r in range(world_size)]
         # The low 32 bits of each flag (little-endian) are its futex word.
         self._anchor = ctypes.c_char.from_buffer(self._map)  # keeps the mapping's address valid
-        base = ctypes.addressof(self._anchor)
+        base = self._base = ctypes.addressof(self._anchor)
         self._futex_addr = [ctypes.c_void_p(base + r * _FLAG_STRIDE) for r in range(world_size)]
         self._sleep = _Timespec(0, int(_SLEEP_S * 1e9))
         data = torch.frombuffer(self._map, dtype=torch.uint8, offset=world_size * _FLAG_STRIDE,
@@ -166,6 +180,13 @@ class SharedMemoryComm:
         Raises:
             RuntimeError: a peer did not arrive within ``timeout_s``.
         """
+        if self.compiled:
+            flat = x if x.is_contiguous() else x.contiguous()
+            self._seq += 1
+            self._compiled_collective(flat, reduce=True)
+            if flat.data_ptr() != x.data_ptr():
+                x.copy_(flat)
+            return x
         slots = self._exchange(x)  # world_size flat views of x's dtype
         flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
         flat.copy_(slots[0])
@@ -188,17 +209,52 @@ class SharedMemoryComm:
         """Publish ``x`` in this rank's slot, wait for every rank, return all slots as flat ``x.dtype`` views."""
         self._seq += 1
         seq = self._seq
+        if self.compiled:
+            self._compiled_collective(x.contiguous(), reduce=False)
+            return self._slot_views(seq, x)
+        views = self._slot_views(seq, x)
+        views[self.rank].view(x.shape).copy_(x)
+        self._flags[self._flag_index[self.rank]] = seq  # after the data: TSO keeps the order
+        _libc.syscall(_SYS_FUTEX, self._futex_addr[self.rank], _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
+        self._wait(seq)
+        return views
+
+    def _compiled_collective(self, x: torch.Tensor, *, reduce: bool) -> None:
+        """Collective ``self._seq`` in C++ (contiguous ``x``; summed in place with ``reduce``)."""
+        seq, op = self._seq, torch.ops.tpserve_cpu.shm_collective
+        deadline = time.monotonic() + self.timeout_s
+        publish = True
+        # Each call waits at most _SLEEP_S, so the liveness and timeout checks run between calls.
+        while not op(x, self._base, self.rank, self.world_size, self.max_bytes, seq, publish, reduce,
+                     _SPIN_S, _SLEEP_S):
+            publish = False
+            self._check_peers(seq, deadline)
+
+    def _slot_views(self, seq: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's slot of collective ``seq`` as a flat view of ``x``'s dtype and size."""
         key = (seq & 1, x.numel(), x.dtype)
         views = self._views.get(key)
         if views is None:  # a step reuses a handful of (size, dtype) pairs: build their views once
             nbytes = x.numel() * x.element_size()
             buffer = self._slots[seq & 1]  # (world_size, max_bytes) uint8
             views = self._views[key] = [buffer[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
-        views[self.rank].view(x.shape).copy_(x)
-        self._flags[self._flag_index[self.rank]] = seq  # after the data: TSO keeps the order
-        _libc.syscall(_SYS_FUTEX, self._futex_addr[self.rank], _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
-        self._wait(seq)
         return views
+
+    def _check_peers(self, seq: int, deadline: float) -> list[int]:
+        """The ranks whose flag is still below ``seq``.
+
+        Raises:
+            RuntimeError: one of them has exited, or ``deadline`` (time.monotonic) has passed.
+        """
+        late = [r for r, i in enumerate(self._flag_index) if self._flags[i] < seq]
+        exited = [r for r in late if self.peer_pids and not _alive(self.peer_pids[r])]
+        if exited:
+            raise RuntimeError(f"ranks {exited} exited during shared-memory collective {seq} (rank {self.rank})")
+        if late and time.monotonic() > deadline:
+            raise RuntimeError(
+                f"Timed out after {self.timeout_s:.1f} s waiting for ranks {late} in shared-memory "
+                f"collective {seq} (rank {self.rank})")
+        return late
 
     def _wait(self, seq: int) -> None:
         flags, index = self._flags, self._flag_index
@@ -207,16 +263,9 @@ class SharedMemoryComm:
                 return
         deadline = time.monotonic() + self.timeout_s
         while True:
-            late = [r for r, i in enumerate(index) if flags[i] < seq]
+            late = self._check_peers(seq, deadline)
             if not late:
                 return
-            exited = [r for r in late if self.peer_pids and not _alive(self.peer_pids[r])]
-            if exited:
-                raise RuntimeError(f"ranks {exited} exited during shared-memory collective {seq} (rank {self.rank})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"Timed out after {self.timeout_s:.1f} s waiting for ranks {late} in shared-memory "
-                    f"collective {seq} (rank {self.rank})")
             # Sleep until the first late peer's flag word changes (returns at once if it already has).
             r = late[0]
             seen = flags[index[r]] & 0xFFFFFFFF

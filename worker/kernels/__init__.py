@@ -5,13 +5,19 @@ The ops land in ``torch.ops.tpserve_cpu``:
 * ``linear_f32(x (M, K) f32, weight (N, K) f32, bias (N,) f32 | None) -> (M, N) f32``
 * ``linear_int8(x (M, K) f32, qweight (N, K) int8, scale (N,) f32, bias (N,) f32 | None) -> (M, N) f32``,
   ``y = (x @ qweight.T) * scale + bias``
-* ``paged_decode_attention(q (D, H, d) f32, k_cache, v_cache (num_blocks, block_size, KVH, d) f32,
-  block_tables (D, B) int64, context_lens (D,) int64, scale) -> (D, H, d) f32``: one query token per
-  sequence over its paged context (cpu_attention.cpp)
+* ``paged_attention(q (T, H, d) f32, k_cache, v_cache (num_blocks, block_size, KVH, d) f32,
+  block_tables (S, B) int64, query_start_loc (S + 1,) int64, context_lens (S,) int64, scale)
+  -> (T, H, d) f32``: each sequence's few query tokens (causal) over its paged context
+  (cpu_attention.cpp)
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache``: the decoder layer's
-  elementwise work in one pass each (cpu_elementwise.cpp; signatures in worker/layers/fused.py)
+  elementwise work in one pass each (cpu_elementwise.cpp)
+* ``shm_collective(x, base, rank, world_size, max_bytes, seq, publish, reduce, spin_s, wait_s) -> bool``:
+  one shared-memory all-reduce or exchange between same-host ranks (cpu_shm.cpp; the protocol is
+  worker/comm/shm_allreduce.py's)
+* ``use_avx512(enabled) -> bool``: switch the linears' AVX-512 path off and on (tests, A/B runs)
 
-They need an x86-64 CPU with AVX2 and FMA, a C++ compiler and ninja. The shared
+They need an x86-64 CPU with AVX2 and FMA (the linears also use AVX-512 where the CPU has it),
+a C++ compiler and ninja. The shared
 library is built with ``torch.utils.cpp_extension`` into
 ``$TPSERVE_KERNEL_CACHE`` (default ``~/.cache/tpserve/kernels``) under a name that
 hashes the source, the flags and the torch version, so a changed source or a

@@ -1,4 +1,4 @@
-// Decode-sized linear layers on AVX2 CPUs: y (M, N) = x (M, K) @ W (N, K)^T [* scale (N,)] [+ bias (N,)].
+// Decode-sized linear layers on AVX2 and AVX-512 CPUs: y (M, N) = x (M, K) @ W (N, K)^T [* scale (N,)] [+ bias (N,)].
 //
 // Why a kernel of our own: a decode step multiplies a few rows of activations by every weight
 // matrix, so its cost is streaming the weights from memory once. MKL's sgemm/sgemv for M = 1..16
@@ -9,6 +9,10 @@
 // scale per output row (symmetric per-channel weight-only quantization: W ~= scale[n] * Wq[n, :]);
 // int8 rows are widened to float32 in a per-thread buffer and the scale is applied to each dot
 // product, so activations and accumulation stay float32.
+//
+// Two vector paths, picked at run time: AVX-512 where the CPU has it (6 rows of x per weight
+// tile; on the 2-core Xeon host, the 95M benchmark model's projections at 16 rows take ~31 ms
+// against MKL's 41-60 ms and the AVX2 path's 39 ms), else AVX2 + FMA (3 rows per tile).
 //
 // Threads: ATen's intra-op pool (at::parallel_for), so torch.set_num_threads governs it.
 #include <ATen/Parallel.h>
@@ -21,6 +25,7 @@
 
 #include "vec_math.h"
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -60,6 +65,116 @@ inline void tile(const float* const w[kRows], const float* x, int64_t ldx, int64
     }
   }
 }
+
+// ---- AVX-512 (Intel Skylake-SP and later, AMD Zen 4 and later) ----------------------------
+// The same tiling with 16-float vectors and the 32 zmm registers: 6 rows of x per weight tile
+// (24 accumulators + 4 weight vectors + 1 x vector = 29 registers), so each weight vector feeds 6
+// FMAs and the loop is FMA-bound rather than load-bound. The K % 16 tail is a masked load (zeros
+// past K), and the 4 sums of one x row are reduced together into one 128-bit store.
+#define TPSERVE_AVX512 __attribute__((target("avx512f,avx512vl")))
+
+TPSERVE_AVX512 inline __m256 fold512(__m512 v) {  // lanes i + (i + 8): 16 -> 8 partial sums
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+}
+
+// [sum(a), sum(b), sum(c), sum(d)]
+TPSERVE_AVX512 inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m256 ab = _mm256_hadd_ps(fold512(a), fold512(b));  // a01 a23 b01 b23 | a45 a67 b45 b67
+  const __m256 cd = _mm256_hadd_ps(fold512(c), fold512(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);                 // a b c d (0..3) | a b c d (4..7)
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+template <int R>
+TPSERVE_AVX512 inline void tile512(const float* const w[kRows], const float* x, int64_t ldx, int64_t K,
+                                   __m128 out[R], const float* const* next) {
+  __m512 acc[R][kRows];
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < kRows; ++n) acc[r][n] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[kRows];
+    for (int n = 0; n < kRows; ++n) wv[n] = _mm512_loadu_ps(w[n] + k);
+    if (next) {  // fetch the next tile's line at the same offset while this one computes
+      for (int n = 0; n < kRows; ++n) _mm_prefetch(reinterpret_cast<const char*>(next[n] + k), _MM_HINT_T0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+      for (int n = 0; n < kRows; ++n) acc[r][n] = _mm512_fmadd_ps(wv[n], xv, acc[r][n]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[kRows];
+    for (int n = 0; n < kRows; ++n) wv[n] = _mm512_maskz_loadu_ps(mask, w[n] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);
+      for (int n = 0; n < kRows; ++n) acc[r][n] = _mm512_fmadd_ps(wv[n], xv, acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <int R>
+TPSERVE_AVX512 inline void tile_rows512(const float* const w[kRows], int64_t rows, int64_t n0, int64_t m, int64_t K,
+                                        int64_t N, const float* x, const float* scale, const float* bias, float* y,
+                                        const float* const* next) {
+  __m128 out[R];
+  tile512<R>(w, x + m * K, K, K, out, next);
+  const __mmask8 mask = static_cast<__mmask8>((1u << rows) - 1);
+  const __m128 s = scale ? _mm_maskz_loadu_ps(mask, scale + n0) : _mm_set1_ps(1.0f);
+  const __m128 b = bias ? _mm_maskz_loadu_ps(mask, bias + n0) : _mm_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm_mask_storeu_ps(y + (m + r) * N + n0, mask, _mm_add_ps(_mm_mul_ps(out[r], s), b));
+  }
+}
+
+template <typename RowFn>
+TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, const float* x,
+                                const float* scale, const float* bias, float* y, RowFn row, const float* prefetch) {
+  std::vector<float> buffer(static_cast<size_t>(kRows * K));
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, n_end - n0);
+    const float* w[kRows];
+    for (int r = 0; r < kRows; ++r) w[r] = row(n0 + std::min<int64_t>(r, rows - 1), buffer.data() + r * K);
+    // The next tile's rows (float32 weights only: int8 rows are widened from elsewhere), prefetched
+    // during the first group of x rows so that memory streams while the FMAs run.
+    const float* next_rows[kRows];
+    const float* const* next = nullptr;
+    if (prefetch && n0 + kRows < n_end) {
+      for (int r = 0; r < kRows; ++r) next_rows[r] = prefetch + std::min<int64_t>(n0 + kRows + r, n_end - 1) * K;
+      next = next_rows;
+    }
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6, next = nullptr) tile_rows512<6>(w, rows, n0, m, K, N, x, scale, bias, y, next);
+    switch (M - m) {
+      case 5: tile_rows512<5>(w, rows, n0, m, K, N, x, scale, bias, y, next); break;
+      case 4: tile_rows512<4>(w, rows, n0, m, K, N, x, scale, bias, y, next); break;
+      case 3: tile_rows512<3>(w, rows, n0, m, K, N, x, scale, bias, y, next); break;
+      case 2: tile_rows512<2>(w, rows, n0, m, K, N, x, scale, bias, y, next); break;
+      case 1: tile_rows512<1>(w, rows, n0, m, K, N, x, scale, bias, y, next); break;
+      default: break;
+    }
+  }
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+// Cleared by use_avx512(False): tests and A/B measurements run the AVX2 path on AVX-512 machines.
+std::atomic<bool> allow_avx512{true};
+
+// Enable (the default) or disable the AVX-512 path; returns whether it is now in use.
+bool use_avx512(bool enabled) {
+  allow_avx512.store(enabled);
+  return enabled && cpu_has_avx512();
+}
+
+// ---- AVX2 + FMA ------------------------------------------------------------------------------
 
 // R rows of y from row m on, for the tile of W rows [n0, n0 + rows).
 template <int R>
@@ -125,14 +240,19 @@ int64_t grain_tiles(int64_t N) { return std::max<int64_t>(1, (N / kRows) / (4 * 
 // `row(n, buffer)` gives W's row n as float32 (see run_rows).
 template <typename RowFn>
 at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10::optional<at::Tensor>& bias,
-                  RowFn row) {
+                  RowFn row, const float* prefetch = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const bool avx512 = allow_avx512.load(std::memory_order_relaxed) && cpu_has_avx512();
   at::parallel_for(0, (N + kRows - 1) / kRows, grain_tiles(N), [&](int64_t t0, int64_t t1) {
-    run_rows(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, scale, bp, yp, row);
+    if (avx512) {
+      run_rows512(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, scale, bp, yp, row, prefetch);
+    } else {
+      run_rows(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, scale, bp, yp, row);
+    }
   });
   return y;
 }
@@ -142,7 +262,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   TORCH_CHECK(w.scalar_type() == at::kFloat, "tpserve linear_f32: weight must be float32");
   const float* wp = w.data_ptr<float>();
   const int64_t K = w.size(1);
-  return linear(x, w.size(0), nullptr, bias, [=](int64_t n, float*) { return wp + n * K; });
+  return linear(x, w.size(0), nullptr, bias, [=](int64_t n, float*) { return wp + n * K; }, wp);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
@@ -164,6 +284,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tens
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("use_avx512(bool enabled) -> bool", &use_avx512);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
