@@ -51,6 +51,21 @@ inline __m128 dot4(const __m256 (&q)[D8], const float* k0, const float* k1, cons
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// Positions a pass prefetches ahead of the one it reads. The rows of one KV head are 4 * D8 cache
+// lines spread over blocks that need not be adjacent, so the hardware prefetchers lose the stream
+// at every block boundary; asking for the rows a few positions ahead keeps memory busy
+// (16 sequences of 195 positions, 30 layers, blocks in random order: 13.3 -> 12.0 ms, the median of
+// 20 interleaved runs against the version without).
+constexpr int64_t kAhead = 16;
+
+// Prefetch 4 consecutive rows (positions) of one head: the pointer array is padded past the end.
+template <int D8>
+inline void prefetch_rows(const float* const* rows) {
+  for (int r = 0; r < 4; ++r) {
+    for (int line = 0; line < D8; line += 2) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + 8 * line), _MM_HINT_T0);
+  }
+}
+
 // One query row and KV head: `groups` query heads q[g * q_head_stride ..] of size d = 8 * D8 over
 // the first `context` keys and values, given as row pointers (padded with 4 more for dot4).
 template <int D8>
@@ -65,6 +80,7 @@ void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* 
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int i = 0; i < D8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), vscale);
     for (int64_t t = 0; t < context; t += 4) {
+      if (g == 0) prefetch_rows<D8>(keys + t + kAhead);  // the first query head streams K from memory
       _mm_storeu_ps(s + t, dot4<D8>(qv, keys[t], keys[t + 1], keys[t + 2], keys[t + 3]));  // s has 4 spare
     }
     // Softmax, exact: subtract the max, exponentiate, normalise at the end.
@@ -89,6 +105,7 @@ void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* 
     __m256 o[D8];
     for (int i = 0; i < D8; ++i) o[i] = _mm256_setzero_ps();
     for (t = 0; t < context; ++t) {
+      if (g == 0 && (t & 3) == 0) prefetch_rows<D8>(values + t + kAhead);
       const __m256 pt = _mm256_set1_ps(s[t]);
       const float* v = values[t];
       for (int i = 0; i < D8; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), o[i]);
@@ -157,15 +174,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
       // Where each position's key and value lie, once for all of the sequence's query rows.
-      keys.resize(static_cast<size_t>(L + 4));
-      values.resize(static_cast<size_t>(L + 4));
+      keys.resize(static_cast<size_t>(L + 4 + kAhead));
+      values.resize(static_cast<size_t>(L + 4 + kAhead));
       const int64_t* table = tables + s * max_blocks;
       for (int64_t t = 0; t < L; ++t) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         keys[t] = kp + slot * token_stride + j * d;
         values[t] = vp + slot * token_stride + j * d;
       }
-      for (int64_t t = L; t < L + 4; ++t) keys[t] = keys[L - 1];  // read, never used: dot4's last group
+      // Past the end: dot4's last group reads (never uses) keys[L..L+3]; the prefetches look kAhead further.
+      for (int64_t t = L; t < L + 4 + kAhead; ++t) {
+        keys[t] = keys[L - 1];
+        values[t] = values[L - 1];
+      }
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = first + i;
         attend_fn(qp + row * qs0 + j * groups * qs1, qs1, groups, keys.data(), values.data(), L - n + i + 1,
