@@ -18,6 +18,14 @@ Baselines measured in the same run:
 * the bare worker step: ``ModelRunner.execute`` of a decode step timed alone in this
   process at batch 1 and 16, with the thread count a tp-1 rank gets.
 
+Interleaved rounds: the machine's speed drifts (this VM's copy bandwidth moves between
+14 and 25 GB/s from one minute to the next), so a ratio between numbers taken minutes
+apart measures the drift. Both servers (tp 1 and tp 2) stay up for the whole run; each
+of ``--rounds`` rounds measures the bandwidth, the bare step, transformers and both
+servers on ``single`` and ``batch16`` back to back, and each goal's ratio is taken
+within a round, then the median over rounds. ``mixed`` (minutes per system) runs once
+at the end.
+
 It prints each ratio against the goals of the step-speed issue and writes the whole
 report as JSON. Usage:
 
