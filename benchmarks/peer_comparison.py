@@ -16,7 +16,9 @@ Baselines measured in the same run:
 * the memory roofline of one decode step: the weights' bytes over the machine's copy
   bandwidth (STREAM's convention: bytes read + bytes written by a 512 MiB copy);
 * the bare worker step: ``ModelRunner.execute`` of a decode step timed alone in this
-  process at batch 1 and 16, with the thread count a tp-1 rank gets.
+  process at batch 1 and 16, with the thread count a tp-1 rank gets: the mean of 127
+  steps from 128 positions on, as a request of ``batch16`` decodes them (a client's TPOT
+  is a mean over its tokens too, so occasional slow steps count in both).
 
 Interleaved rounds: the machine's speed drifts (this VM's copy bandwidth moves between
 14 and 25 GB/s from one minute to the next), so a ratio between numbers taken minutes
@@ -88,9 +90,14 @@ def build_model(directory: Path, seed: int, config: dict | None = None) -> Path:
     return directory
 
 
-def workloads(seed: int) -> dict[str, list[tuple[list[int], int]]]:
-    """Each workload's requests as (prompt token ids, output tokens), in arrival order."""
-    rng = random.Random(seed)
+def workloads(seed: int, variant: int = 0) -> dict[str, list[tuple[list[int], int]]]:
+    """Each workload's requests as (prompt token ids, output tokens), in arrival order.
+
+    ``variant``: another draw of the same shapes (0: the recorded one). Each round of the
+    benchmark and its warm-up get their own, so no prompt is ever served twice: a repeated
+    prompt would be served from tpserve's prefix cache, and transformers has none.
+    """
+    rng = random.Random(seed if variant == 0 else f"{seed}/{variant}")
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(3, MODEL_CONFIG["vocab_size"]) for _ in range(n)]
@@ -128,15 +135,18 @@ def bare_runner(model_dir: Path, dtype: torch.dtype = torch.float32, quantizatio
 
 
 def bare_steps(model_dir: Path | object, batch_sizes: list[int], context: int, dtype: torch.dtype = torch.float32,
-               quantization: str | None = None) -> dict[int, float]:
-    """Seconds of one ``ModelRunner.execute`` decode step at each batch size (median of 20), tp 1.
+               quantization: str | None = None, steps: int = 20, mean: bool = False) -> dict[int, float]:
+    """Seconds of one ``ModelRunner.execute`` decode step at each batch size, tp 1.
 
     ``model_dir``: a checkpoint, or a runner from :func:`bare_runner` (reused between rounds).
+    ``steps`` decode steps from ``context`` positions on, after 4 unmeasured ones; their median,
+    or with ``mean`` their mean (the statistic of a client's TPOT: a request's decode time over
+    its tokens).
     """
     from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 
     runner = model_dir if not isinstance(model_dir, Path) else bare_runner(model_dir, dtype, quantization)
-    blocks_per_seq = context // 16 + 4
+    blocks_per_seq = (context + steps + 4) // 16 + 1
     if runner.num_blocks < max(batch_sizes) * blocks_per_seq:
         runner.init_kv_cache(max(batch_sizes) * blocks_per_seq)
     out: dict[int, float] = {}
@@ -148,13 +158,13 @@ def bare_steps(model_dir: Path | object, batch_sizes: list[int], context: int, d
         step_id += 1
         runner.execute(StepPlan(step_id, tuple(NewSequence(s, SamplingParams(temperature=0)) for s in seqs), prefill))
         times = []
-        for i in range(24):
+        for i in range(steps + 4):
             step_id += 1
             plan = StepPlan(step_id, (), tuple(ScheduledChunk(s, (5,), context + i) for s in seqs))
             times.append(_timed(lambda: runner.execute(plan)))
         step_id += 1
         runner.execute(StepPlan(step_id, finished_seq_ids=tuple(seqs)))
-        out[batch] = statistics.median(times[4:])
+        out[batch] = (statistics.fmean if mean else statistics.median)(times[4:])
     return out
 
 
@@ -261,10 +271,15 @@ def verdicts(report: dict) -> list[dict]:
 
 
 def measure_round(model_dir_bytes: int, runner, hf: Transformers, targets: dict[int, str], loads: dict) -> dict:
-    """One round: the machine's baselines, then every system on the single and batch16 workloads."""
+    """One round: the machine's baselines, then every system on the single and batch16 workloads.
+
+    ``loads``: this round's own requests (:func:`workloads` with the round's variant).
+    """
     bandwidth = copy_bandwidth()
     r: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_ms": model_dir_bytes / bandwidth * 1e3}
-    r["bare_step_ms"] = {str(b): t * 1e3 for b, t in bare_steps(runner, [1, 16], context=160).items()}
+    # As many steps as a request decodes, from a context like batch16's, averaged like a client's TPOT.
+    bare = bare_steps(runner, [1, 16], context=128, steps=127, mean=True)
+    r["bare_step_ms"] = {str(b): t * 1e3 for b, t in bare.items()}
     r["transformers"] = {"single_decode_ms_per_token": hf.decode_ms_per_token(loads["single"][0]),
                          "batch16_output_tokens_per_s": hf.output_tokens_per_s(loads["batch16"])}
     for tp, target in targets.items():
@@ -290,11 +305,12 @@ def main() -> int:
         model_dir = Path(tmp)
         report["weight_bytes"] = weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         targets = {1: tp1.target, 2: tp2.target}
-        for target in targets.values():  # warm-up: first steps, allocations, connections
-            asyncio.run(_load(target, loads["batch16"][:4]))
+        warm_up = workloads(args.seed, variant=args.rounds + 1)["batch16"][:4]
+        for target in targets.values():  # first steps, allocations, connections
+            asyncio.run(_load(target, warm_up))
         hf, runner = Transformers(model_dir), bare_runner(model_dir)
         for i in range(args.rounds):
-            r = measure_round(weight_bytes, runner, hf, targets, loads)
+            r = measure_round(weight_bytes, runner, hf, targets, workloads(args.seed, variant=i + 1))
             report["rounds"].append(r)
             print(f"round {i + 1}: " + "; ".join(f"{w} {x:.2f}" for w, x, _, _ in round_ratios(r)), flush=True)
         report["mixed"] = {"transformers": hf.output_tokens_per_s(loads["mixed"]),
