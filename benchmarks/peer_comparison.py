@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -58,6 +57,7 @@ from tests.e2e.cluster import serve  # noqa: E402  (the launcher the tests use)
 from tpserve.client import build_request  # noqa: E402
 from tpserve.cluster import default_model_dir  # noqa: E402
 from tpserve.v1 import generate_pb2_grpc  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 
 MODEL_CONFIG = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
                     num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024,
@@ -320,8 +320,7 @@ def main() -> int:
         print(f"{'MET ' if row['met'] else 'MISS'}  {row['what']}: {row['ratio']:.2f} (goal {row['goal']})"
               + (f"  rounds {row['rounds']}" if "rounds" in row else ""))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "peer_comparison.json").write_text(json.dumps(report, indent=2) + "\n")
+        save_report(args.out, "peer_comparison.json", report)
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.e2e.cluster import serve  # noqa: E402  (the same launcher the tests use)
+from benchmarks.report import save_report  # noqa: E402
 
 
 def ttft(client, prompt: list[int], max_tokens: int) -> float:
@@ -99,9 +100,8 @@ def main() -> int:
         kind: round(off[kind]["p50_ms"] / on[kind]["p50_ms"], 2) for kind in ("sequential_ttft", "concurrent_ttft")}
     print(json.dumps(report, indent=2))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         name = "prefix_caching_" + (Path(args.model).name if args.model else "default_model") + ".json"
-        (args.out / name).write_text(json.dumps(report, indent=2) + "\n")
+        save_report(args.out, name, report)
     return 0
 
 

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from benchmarks.peer_comparison import MODEL_CONFIG, _load, bare_steps, build_model, workloads  # noqa: E402
 from tests.e2e.cluster import serve  # noqa: E402
 from tpserve.cluster import default_model_dir  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 
 #: name -> (--dtype, --quantization)
 CONFIGS: dict[str, tuple[str, str | None]] = {
@@ -185,8 +186,7 @@ def main() -> int:
     for name, rel in report["vs_float32"].items():
         print(f"{name} / float32: {rel}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "quantization.json").write_text(json.dumps(report, indent=2) + "\n")
+        save_report(args.out, "quantization.json", report)
     return 0
 
 

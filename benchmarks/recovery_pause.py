@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.e2e.cluster import serve  # noqa: E402
 from tests.e2e.test_recovery import PROMPTS, _kill_during_load  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 
 MAX_TOKENS = 64
 
@@ -49,8 +50,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
         report["worker_restarts"] = cluster.metric("tpserve:worker_restarts_total")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "recovery_pause.json").write_text(json.dumps(report, indent=2) + "\n")
+        save_report(args.out, "recovery_pause.json", report)
     return 0 if all(k["token_exact"] == len(requests) for k in report["kills"]) else 1
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.e2e.cluster import serve  # noqa: E402  (the same launcher the tests use)
+from benchmarks.report import save_report  # noqa: E402
 
 PROMPTS = ["Once upon a time", "Lily wanted to", "The dog", "Tom and Sue went to the park.", "One day, a little bird"]
 
@@ -83,9 +84,8 @@ def main() -> int:
         report["runs"].append(run)
         print(json.dumps(run), flush=True)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
         # The model is named inside the report; the file keeps one fixed name.
-        (args.out / "serving_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
+        save_report(args.out, "serving_throughput.json", report)
     return 0
 
 

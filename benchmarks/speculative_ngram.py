@@ -48,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.e2e.cluster import serve  # noqa: E402  (the same launcher the tests use)
+from benchmarks.report import save_report  # noqa: E402
 
 
 OPENINGS = ("Once upon a time", "Tom had a red ball", "One day, a little girl", "The sun was hot",
@@ -196,10 +197,9 @@ def main() -> int:
     report.update(results=results, load_average_at_end=os.getloadavg())
     print(json.dumps(report, indent=2))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         method = "draft" if args.speculative_model else "ngram"
         name = f"speculative_{method}_{model_name}.json"
-        (args.out / name).write_text(json.dumps(report, indent=2) + "\n")
+        save_report(args.out, name, report)
     return 0
 
 
