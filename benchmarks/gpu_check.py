@@ -10,8 +10,10 @@
 3. serve the embedded default model, then the random Llama, through the real
    gRPC path (``tpserve serve`` subprocesses), and measure on each: decode
    ms/token of one streamed request, output tok/s of 64 requests at once, the
-   KV cache the server sized (blocks, tokens), and the HBM roofline
-   (weight bytes / 4.8 TB/s, the H200's bandwidth) next to the decode time.
+   KV cache the server sized (blocks, tokens), the decode graphs its rank
+   captured, and the HBM roofline (weight bytes / 4.8 TB/s, the H200's
+   bandwidth) next to the decode time; then the random Llama once more with
+   ``--enforce-eager`` at batch 1, for what the CUDA graphs save per token.
 
 Prints one summary and writes it as JSON (``--out``). Exit code 1 when a stage
 fails (the summary says which); the stages after it still run.
@@ -50,6 +52,7 @@ LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2)
 SEED = 0
 PROMPT = "Once upon a time"
+_GRAPHS_LOGGED = re.compile(r"decode graphs captured.*")
 _ATTENTION_NAME = re.compile(r"attention|attn|flash|fmha|sdpa|cudnn", re.IGNORECASE)
 
 
@@ -166,11 +169,13 @@ def _free_port() -> int:
 
 
 def serve_and_measure(name: str, model_dir: Path | None, dtype: str, device: str, args: argparse.Namespace,
-                      log_dir: Path) -> dict:
-    """Start ``tpserve serve``, measure batch-1 decode and 64-at-once throughput, stop it (exit 0 expected)."""
+                      log_dir: Path, extra_flags: tuple[str, ...] = (), throughput: bool = True) -> dict:
+    """Start ``tpserve serve``, measure batch-1 decode and (``throughput``) 64-at-once throughput, stop it
+    (exit 0 expected). Records the decode graphs the ranks captured, from their log."""
     port = _free_port()
     cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", device, "--dtype", dtype, "--tensor-parallel-size", "1", "--max-num-seqs", str(args.concurrency)]
+           "--device", device, "--dtype", dtype, "--tensor-parallel-size", "1", "--max-num-seqs", str(args.concurrency),
+           *extra_flags]
     if model_dir is not None:
         cmd += ["--model", str(model_dir)]
     log_path = log_dir / f"serve-{name}.log"
@@ -196,9 +201,12 @@ def serve_and_measure(name: str, model_dir: Path | None, dtype: str, device: str
             decode_tokens = 16 if args.dry_run else 256
             client.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)  # warm-up
             result["decode_ms_per_token_batch1"] = _decode_ms_per_token(client, decode_tokens)
-            max_tokens = 8 if args.dry_run else 128
-            result["output_tokens_per_s_concurrent"] = _throughput(client, args.concurrency, max_tokens)
-            result["concurrency"] = args.concurrency
+            if throughput:
+                max_tokens = 8 if args.dry_run else 128
+                result["output_tokens_per_s_concurrent"] = _throughput(client, args.concurrency, max_tokens)
+                result["concurrency"] = args.concurrency
+            captured = _GRAPHS_LOGGED.search(log_path.read_text())
+            result["cuda_graphs"] = captured.group(0) if captured else "none captured"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -275,8 +283,13 @@ def main() -> int:
         if "build_random_llama" not in report["failed"]:
             _stage(report, f"serve_{llama_dir.name}", serve_and_measure, llama_dir.name, llama_dir,
                    "float32" if args.dry_run else "bfloat16", device, args, tmp_dir)
+            # The same model without CUDA graphs, batch 1 only: what the graphs save per token.
+            _stage(report, f"serve_{llama_dir.name}_eager", serve_and_measure, f"{llama_dir.name}-eager", llama_dir,
+                   "float32" if args.dry_run else "bfloat16", device, args, tmp_dir, ("--enforce-eager",), False)
         for name, model_dir, dtype in (("serve_default_model", default_model_dir(), torch.float32),
                                        (f"serve_{llama_dir.name}", llama_dir,
+                                        torch.float32 if args.dry_run else torch.bfloat16),
+                                       (f"serve_{llama_dir.name}_eager", llama_dir,
                                         torch.float32 if args.dry_run else torch.bfloat16)):
             stage = report.get(name, {})
             if "decode_ms_per_token_batch1" in stage:
@@ -284,7 +297,12 @@ def main() -> int:
                 stage["hbm_roofline_ms_per_token"] = round(stage["weight_bytes"] / HBM_BYTES_PER_S * 1e3, 4)
                 stage["decode_over_roofline"] = round(
                     stage["decode_ms_per_token_batch1"] / stage["hbm_roofline_ms_per_token"], 1)
-        for name, log_name in (("serve_default_model", "default"), (f"serve_{llama_dir.name}", llama_dir.name)):
+        graphs, eager = report.get(f"serve_{llama_dir.name}", {}), report.get(f"serve_{llama_dir.name}_eager", {})
+        if "decode_ms_per_token_batch1" in graphs and "decode_ms_per_token_batch1" in eager:
+            report["eager_over_graphs_batch1"] = round(
+                eager["decode_ms_per_token_batch1"] / graphs["decode_ms_per_token_batch1"], 2)
+        for name, log_name in (("serve_default_model", "default"), (f"serve_{llama_dir.name}", llama_dir.name),
+                               (f"serve_{llama_dir.name}_eager", f"{llama_dir.name}-eager")):
             stage = report.get(name)
             if isinstance(stage, dict) and ("error" in stage or stage.get("exit_code") != 0):
                 if "error" not in stage:
@@ -314,8 +332,12 @@ def _print_summary(report: dict) -> None:
         print(f"{name}: dtype {stage['dtype']}, KV cache {stage['num_kv_blocks']} blocks = {stage['kv_cache_tokens']} "
               f"tokens, start {stage['start_seconds']} s; decode {stage['decode_ms_per_token_batch1']} ms/token at "
               f"batch 1 (HBM roofline {stage.get('hbm_roofline_ms_per_token')} ms, "
-              f"{stage.get('decode_over_roofline')}x); {stage['output_tokens_per_s_concurrent']} output tok/s at "
-              f"{stage['concurrency']} at once; exit code {stage['exit_code']}")
+              f"{stage.get('decode_over_roofline')}x); "
+              + (f"{stage['output_tokens_per_s_concurrent']} output tok/s at {stage['concurrency']} at once; "
+                 if "output_tokens_per_s_concurrent" in stage else "")
+              + f"{stage['cuda_graphs']}; exit code {stage['exit_code']}")
+    if "eager_over_graphs_batch1" in report:
+        print(f"CUDA graphs: eager decode / graph decode at batch 1 = {report['eager_over_graphs_batch1']}x")
     for name in report["failed"]:
         print(f"FAILED stage {name}: {report[name]['error']}")
         print(report[name].get("traceback", ""))

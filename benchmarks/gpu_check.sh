@@ -7,7 +7,9 @@
 # Stages (each bounded by `timeout`; a failed stage is reported and the next one still runs):
 #   1. the `gpu`-marked tests (tests/worker/test_gpu.py): bfloat16 logits against transformers at
 #      tp 1, and tp 2 over NCCL when two GPUs are visible; weights loaded onto the GPU; the
-#      sampler's noise and tokens on the GPU equal the CPU's;
+#      sampler's noise and tokens on the GPU equal the CPU's; then the Triton paged decode kernel
+#      compiled on the GPU (tests/worker/test_triton_attention.py) and decode steps replayed from
+#      captured CUDA graphs against transformers (tests/worker/test_cuda_graphs.py);
 #   2. benchmarks/gpu_check.py: a 1B-class random Llama built from a fixed seed; which attention
 #      kernel / SDPA backend ran; the embedded model and the 1B model served through the real gRPC
 #      path (`tpserve serve`): decode ms/token at batch 1, output tok/s at 64 at once, the KV cache
@@ -70,7 +72,8 @@ echo "[gpu_check] python: $("$PY" -c 'import sys, torch; print(sys.version.split
 status=0
 started=$SECONDS
 echo "[gpu_check] stage 1: gpu-marked tests"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/worker/test_gpu.py -rs 2>&1 | tee "$OUT_DIR/gpu_tests.log" | grep -v "it/s\]"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs tests/worker/test_gpu.py tests/worker/test_triton_attention.py \
+  tests/worker/test_cuda_graphs.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" | grep -v "it/s\]"
 test_status=${PIPESTATUS[0]}
 [ "$test_status" = 0 ] || { echo "[gpu_check] stage 1 FAILED (exit $test_status)"; status=1; }
 echo "[gpu_check] stage 1: $((SECONDS - started)) s"

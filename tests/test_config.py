@@ -54,3 +54,24 @@ def test_serve_names_a_bad_flag_in_one_line() -> None:
         with pytest.raises(ValueError) as info:
             serve_config(build_parser().parse_args(["serve", *argv]))
         assert _config_error(info.value) == message
+
+
+def test_cuda_graph_flags_reach_the_worker_command_line() -> None:
+    from tpserve.cli import serve_config
+    from tpserve.cluster import default_model_dir
+    from tpserve.ranks import LocalRanks
+    from tpserve.topology import GroupLayout
+    from worker.main import parse_args
+
+    config = serve_config(build_parser().parse_args(["serve", "--cuda-graph-sizes", "1", "4", "32"]))
+    assert config.load.cuda_graph_sizes == (1, 4, 32) and not config.load.enforce_eager
+    command = LocalRanks(config, default_model_dir(), GroupLayout(1, 1, 0), "json")._command(0, "unix:///x", "file:///y")
+    worker_args = parse_args(command[3:])  # past `python -m worker.main`
+    assert worker_args.cuda_graph_sizes == [1, 4, 32] and not worker_args.enforce_eager
+    eager = serve_config(build_parser().parse_args(["serve", "--enforce-eager"]))
+    command = LocalRanks(eager, default_model_dir(), GroupLayout(1, 1, 0), "json")._command(0, "unix:///x", "file:///y")
+    assert parse_args(command[3:]).enforce_eager and "--cuda-graph-sizes" not in command
+    with pytest.raises(ValidationError, match="cuda_graph_sizes"):
+        ClusterConfig.load_from(None, {"load": {"cuda_graph_sizes": [0]}})
+    with pytest.raises(ValidationError, match="cuda_graph_sizes"):
+        ClusterConfig.load_from(None, {"load": {"cuda_graph_sizes": []}})

@@ -38,6 +38,9 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--device", dict(choices=("auto", "cpu", "cuda"))),
         ("--quantization", dict(choices=("int8",), help="int8: weight-only int8 linear layers (per-channel scales, "
                                                         "activations in --dtype), quantized at load time")),
+        ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
+        ("--cuda-graph-sizes", dict(type=int, nargs="+", help="CUDA: decode batch sizes to capture as graphs "
+                                                              "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")),
     ],
     "parallel": [
         ("--tensor-parallel-size", dict(type=int, help="number of worker ranks the model is split over")),

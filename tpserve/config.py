@@ -3,7 +3,7 @@
 Precedence, lowest first: field defaults < YAML file (``--config``) < command-line
 flags. Flag names follow vLLM (``--tensor-parallel-size``, ``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--block-size``, ``--max-model-len``, ``--dtype``,
-``--quantization``).
+``--quantization``, ``--enforce-eager``, ``--cuda-graph-sizes``).
 Validation errors are pydantic ``ValidationError`` (a ``ValueError``) naming the field.
 
 No torch here: the coordinator reads this too.
@@ -12,7 +12,7 @@ No torch here: the coordinator reads this too.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,6 +42,11 @@ class LoadConfig(_Frozen):
             a float checkpoint at load time (vLLM's flag name). None: the weights as
             stored; a compressed-tensors int8 checkpoint is int8 either way
             (tpserve/quantization.py).
+        enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag); a
+            no-op on the CPU.
+        cuda_graph_sizes: the decode batch sizes captured as CUDA graphs, in
+            sequences (worker/cuda_graphs.py); None: vLLM's 1, 2, 4, 8, 16, 24, ...
+            up to the first that holds ``--max-num-seqs``.
     """
 
     model: str | None = None
@@ -49,6 +54,8 @@ class LoadConfig(_Frozen):
     dtype: Dtype = "auto"
     device: Device = "auto"
     quantization: Quantization | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[Annotated[int, Field(ge=1, le=512)], ...] | None = Field(None, min_length=1)
 
 
 class ParallelConfig(_Frozen):

@@ -86,6 +86,8 @@ class LocalRanks:
                 "--address", address, "--init-method", init_method,
                 "--device", cfg.load.device, "--dtype", cfg.load.dtype,
                 *(["--quantization", cfg.load.quantization] if cfg.load.quantization else []),
+                *(["--enforce-eager"] if cfg.load.enforce_eager else []),
+                *(["--cuda-graph-sizes", *map(str, cfg.load.cuda_graph_sizes)] if cfg.load.cuda_graph_sizes else []),
                 "--block-size", str(cfg.cache.block_size),
                 *cfg.worker_cache_flags(),
                 "--distributed-timeout-seconds", str(cfg.parallel.distributed_timeout_seconds),

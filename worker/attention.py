@@ -12,7 +12,9 @@ after them are prefill chunks, each a contiguous run of rows. Per layer:
    one ``paged_attention`` call reads each sequence's keys and values where they
    lie in the cache, through its block table, with no copy and no padding; there
    the group also holds chunks of up to 16 tokens (speculative verification,
-   short prompts), each row causal over its own position. Elsewhere, one ``scaled_dot_product_attention`` call for all of them:
+   short prompts), each row causal over its own position. On CUDA, the Triton paged
+   kernel (worker/kernels/triton_attention.py) likewise, one row per sequence.
+   Elsewhere, one ``scaled_dot_product_attention`` call for all of them:
    their queries are the first rows of ``q`` as they lie (no gather); their keys
    and values are read through the block tables (``index_select`` of whole blocks
    into a reused buffer: one copy of each context, which is what a paged layout
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels import cpu_kernels_available
+from worker.kernels.triton_attention import paged_decode_attention
 
 #: Head sizes the compiled paged kernel is instantiated for (worker/kernels/cpu_attention.cpp).
 KERNEL_HEAD_SIZES = (32, 64, 80, 96, 128)
@@ -96,6 +99,9 @@ class AttentionMetadata:
             sequences, when it is read by the compiled paged kernel and may hold
             chunks of several tokens (worker/step_inputs.py's ``paged_kernel``); None
             otherwise (one row per sequence, ``decode_mask`` set).
+        triton_decode: the first group (one row per sequence) is read by the Triton
+            paged kernel through ``decode_block_tables`` and ``decode_context_lens``
+            (CUDA; worker/kernels/triton_attention.py); ``decode_mask`` is None.
     """
 
     positions: torch.Tensor
@@ -107,6 +113,7 @@ class AttentionMetadata:
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
     decode_context_lens: torch.Tensor | None = None
     decode_query_start_loc: torch.Tensor | None = None
+    triton_decode: bool = False
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict[str, torch.Tensor],
@@ -189,6 +196,9 @@ class PagedAttention(nn.Module):
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_start_loc,
                 meta.decode_context_lens, self.scale,
             )  # (D, H, d), read in place through the block tables
+        if meta.triton_decode:
+            return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                          self.scale)  # (D, H, d), likewise on the GPU
         block_ids = meta.decode_block_tables.view(-1)  # (D * B,)
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)
         values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")

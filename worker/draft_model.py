@@ -35,6 +35,7 @@ from worker.kv_cache import KVCacheLayout
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
 from worker.attention import paged_kernel_available
+from worker.kernels.triton_attention import triton_attention_available
 from worker.step_inputs import StepInputs, build_step_inputs
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -70,6 +71,7 @@ class DraftModel:
         self._workspace: dict[str, torch.Tensor] = {}
         #: Whether the compiled paged attention takes the draft's steps (its head size may differ).
         self.paged_kernel = paged_kernel_available(ctx.device, dtype, self.config.head_dim)
+        self.triton_decode = triton_attention_available(ctx.device, block_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (the target's block ids)."""
@@ -105,7 +107,7 @@ class DraftModel:
                                    chunks[i].start_position + chunks[i].num_tokens - 1 + step) for i in active]
             decode = build_step_inputs(feed, [tables[i] for i in active], [_GREEDY] * len(active), self.block_size,
                                        self.ctx.device, with_sampling=False, workspace=self._workspace,
-                                       paged_kernel=self.paged_kernel)
+                                       paged_kernel=self.paged_kernel, triton_decode=self.triton_decode)
             hidden = self.model(decode.input_ids, decode.attn.positions, self.kv_caches, decode.attn)  # (A', hidden)
             wanting = [n for n, i in enumerate(active) if chunks[i].num_draft_tokens > step]  # they need d_{step+1}
             if not wanting:

@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=("int8",), default=None)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                        help="decode batch sizes captured as CUDA graphs (default: worker/cuda_graphs.py's)")
     # KV cache sizing (worker/memory.py): explicit blocks, explicit bytes, or measured.
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                           num_gpu_blocks_override=args.num_gpu_blocks_override,
                           num_speculative_tokens=args.num_speculative_tokens),
         draft_model_dir=args.speculative_model,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
     )
     stop = threading.Event()
     exit_code = [0]

@@ -27,6 +27,7 @@ Observing logits (tests, debugging): after ``execute``, rank 0's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +37,11 @@ from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from tpserve.step import SamplingParams, StepPlan, StepResult
 from worker.attention import paged_kernel_available
+from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
 from worker.grammar import GrammarCache, GrammarState
+from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
 from worker.logits_controls import extend_history, with_logits_controls
 from worker.logprobs import prompt_logprobs, sample_logprobs
@@ -105,21 +108,49 @@ class ModelRunner:
         # The draft runs on the target's step inputs, so both must take the same attention path.
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
                               and (self.draft is None or self.draft.paged_kernel))
+        self._triton_decode = triton_attention_available(ctx.device, block_size)
+        self._graphs: DecodeGraphs | None = None
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
         return self.kv_layout.num_blocks_for_budget(kv_cache_memory_bytes)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` blocks per layer (block ids ``0 .. num_blocks - 1``)."""
-        self.kv_caches = self._target_layout.allocate(num_blocks, self.ctx.device)
+    def init_kv_cache(self, num_blocks: int, *, cuda_graph_sizes: Sequence[int] = (), max_model_len: int | None = None,
+                      capture: bool = True) -> None:
+        """Allocate ``num_blocks`` blocks per layer (block ids ``0 .. num_blocks - 1``) and capture decode graphs.
+
+        Args:
+            num_blocks: the KV blocks the coordinator allocates from.
+            cuda_graph_sizes: decode batch sizes to capture (worker/cuda_graphs.py); empty,
+                or a rank without the Triton decode path (off CUDA) or with a draft model:
+                every step runs eagerly. With graphs the cache holds one more block, the
+                padding rows' null block.
+            max_model_len: the longest context a graph takes (default: the model's).
+            capture: False checks the graphs' static-buffer path eagerly (tests on the CPU).
+        """
+        graphs = bool(cuda_graph_sizes) and self.draft is None and (self._triton_decode or not capture)
+        self._graphs = None
+        self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if graphs:
+            # The graphs' attention, for the eager steps too (capture=False on the CPU: Triton's interpreter).
+            self._triton_decode, self._paged_kernel = True, False
+            self._graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
+                                        max_model_len or self.config.max_position_embeddings, cuda_graph_sizes,
+                                        capture=capture)
+            self._graphs.capture_all()
+
+    @property
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes replayed from graphs (empty: every step eager)."""
+        return () if self._graphs is None else self._graphs.sizes
 
     def free_kv_cache(self) -> None:
         """Drop the KV cache and every sequence (after the memory profile, before the real cache)."""
         self.kv_caches = []
+        self._graphs = None
         if self.draft is not None:
             self.draft.free_kv_cache()
         self.num_blocks = 0
@@ -207,7 +238,7 @@ class ModelRunner:
         inputs = build_step_inputs(
             chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
             self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
-            paged_kernel=self._paged_kernel,
+            paged_kernel=self._paged_kernel, triton_decode=self._triton_decode,
         )
         if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
             proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
@@ -216,9 +247,12 @@ class ModelRunner:
                 inputs = build_step_inputs(
                     chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
                     self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
-                    paged_kernel=self._paged_kernel,
+                    paged_kernel=self._paged_kernel, triton_decode=self._triton_decode,
                 )
-        hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
+        if self._graphs is not None and self._graphs.takes(chunks, inputs):
+            hidden = self._graphs.run(inputs)  # (T, hidden), a replayed CUDA graph
+        else:
+            hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
         self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)
         if inputs.sample_rows is None:
             return ()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -44,6 +45,9 @@ class WorkerOptions:
             is replaced by ``local_world_size``.
         quantization: "int8" (``--quantization``) or None (tpserve/quantization.py).
         draft_model_dir: ``--speculative-model``, or None.
+        enforce_eager: no CUDA graphs (``--enforce-eager``).
+        cuda_graph_sizes: the decode batch sizes to capture on CUDA; None: the default
+            for ``cache.max_num_seqs`` (worker/cuda_graphs.py).
     """
 
     model_dir: str
@@ -60,6 +64,8 @@ class WorkerOptions:
     cache: CacheSizing = field(default_factory=CacheSizing)
     quantization: str | None = None
     draft_model_dir: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -141,7 +147,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"num_kv_blocks={request.num_kv_blocks} exceeds this rank's {self._num_blocks_available}")
         self._bind_thread()  # a gRPC pool thread: its current CUDA device is cuda:0 until told
-        self._runner.init_kv_cache(request.num_kv_blocks)
+        opts = self.options
+        sizes: tuple[int, ...] = ()
+        if self._device.type == "cuda" and not opts.enforce_eager:
+            from worker.cuda_graphs import default_capture_sizes
+
+            sizes = opts.cuda_graph_sizes or default_capture_sizes(opts.cache.max_num_seqs)
+        started = time.monotonic()
+        self._runner.init_kv_cache(request.num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len)
+        if self._runner.cuda_graph_sizes:
+            log.info("decode graphs captured", rank=opts.rank, sizes=list(self._runner.cuda_graph_sizes),
+                     seconds=round(time.monotonic() - started, 2))
+        elif sizes:
+            log.info("decode graphs off: no Triton decode kernel or a draft model", rank=opts.rank)
         return pb.InitCacheResponse()
 
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:

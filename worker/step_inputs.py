@@ -111,6 +111,7 @@ def build_step_inputs(
     with_sampling: bool = True,
     workspace: dict[str, torch.Tensor] | None = None,
     paged_kernel: bool = False,
+    triton_decode: bool = False,
 ) -> StepInputs:
     """Build a step's inputs from its chunks, in plan order.
 
@@ -126,6 +127,9 @@ def build_step_inputs(
         workspace: scratch tensors attention may keep across steps (see AttentionMetadata).
         paged_kernel: attention runs the compiled paged kernel (float32 CPU ranks with
             worker/kernels/ built): chunks up to ``MAX_PAGED_QUERY_LEN`` tokens join the decodes.
+        triton_decode: the decode rows go to the Triton paged kernel (CUDA,
+            worker/kernels/triton_attention.py): one row per sequence as without
+            ``paged_kernel``, read through the block tables, so no mask is built.
 
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
@@ -204,7 +208,7 @@ def build_step_inputs(
     decode_tables = decode_mask = None
     if group:
         decode_tables = dev["decode_tables"].view(len(group), decode_blocks)  # (S, B)
-    if group and not paged_kernel:  # SDPA's mask: key position < context length (one query row each)
+    if group and not paged_kernel and not triton_decode:  # SDPA's mask: key position < context length (one query row each)
         key_pos = torch.arange(decode_blocks * block_size, device=device)  # (K,)
         decode_mask = (key_pos[None, :] < dev["decode_context_lens"][:, None]).view(num_decodes, 1, 1, -1)
     prefills = []
@@ -223,6 +227,7 @@ def build_step_inputs(
         workspace={} if workspace is None else workspace,
         decode_context_lens=dev["decode_context_lens"] if group else None,
         decode_query_start_loc=dev["decode_query_start_loc"] if group and paged_kernel else None,
+        triton_decode=triton_decode and bool(group),
     )
     sampling_tensors = _sampling_tensors(dev, "", [sampling[i] for i in sampled]) if build_sampling else None
     spec_sampling = _sampling_tensors(dev, "spec_", [sampling[i] for i, _ in spec]) if spec and with_sampling else None

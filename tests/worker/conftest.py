@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's GPU kernels (worker/kernels/triton_attention.py) then run on CPU tensors in its
+    # interpreter; Triton reads this when it is first imported, so it is set before any test runs.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.paths import GOLDENS_PATH, STORIES_DIR, load_goldens
 from tests.tiny_models import TINY_MODELS, save_tiny_model

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -48,8 +49,10 @@ class FakeRunner:
     def _record(self, method: str) -> None:
         self.calls.append((method, threading.current_thread().name, self.cuda.current_device()))
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, cuda_graph_sizes: tuple[int, ...] = (),
+                      max_model_len: int | None = None) -> None:
         self._record("init_kv_cache")
+        self.cuda_graph_sizes = tuple(cuda_graph_sizes)  # captured as asked: no model, nothing to refuse
 
     def free_kv_cache(self) -> None:
         self._record("free_kv_cache")
@@ -125,7 +128,16 @@ def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loa
         server.stop(grace=None)
     assert [r.sampled_token_ids for r in results] == [(7,), (7,)]
     assert runner.calls[0] == ("init_kv_cache", "init-cache", torch.device("cuda", 1))
+    assert runner.cuda_graph_sizes == (1, 2, 4)  # vLLM's sizes up to max_num_seqs=4 (the default, no flag)
     assert [c[0] for c in runner.calls[1:]] == ["execute", "execute"]
     for method, thread, device in runner.calls[1:]:
         assert thread.startswith("grpc-pool"), (method, thread)  # a gRPC handler thread, not the load thread
         assert device == torch.device("cuda", 1), (method, thread, device)  # bound in that very thread
+
+
+def test_init_cache_captures_the_flags_graph_sizes_or_none_with_enforce_eager(loaded) -> None:
+    servicer, _, (runner,) = loaded
+    for changes, expected in (({"cuda_graph_sizes": (1, 8)}, (1, 8)), ({"enforce_eager": True}, ())):
+        servicer.options = replace(servicer.options, **changes)
+        servicer.InitCache(pb.InitCacheRequest(num_kv_blocks=8), None)
+        assert runner.cuda_graph_sizes == expected

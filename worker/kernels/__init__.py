@@ -16,6 +16,9 @@ The ops land in ``torch.ops.tpserve_cpu``:
   worker/comm/shm_allreduce.py's)
 * ``use_avx512(enabled) -> bool``: switch the linears' AVX-512 path off and on (tests, A/B runs)
 
+The GPU's counterpart of ``paged_attention`` is a Triton kernel, not built here:
+triton_attention.py (``paged_decode_attention``, one query row per sequence).
+
 They need an x86-64 CPU with AVX2 and FMA (the linears also use AVX-512 where the CPU has it),
 a C++ compiler and ninja. The shared
 library is built with ``torch.utils.cpp_extension`` into

@@ -1,0 +1,49 @@
+"""The Triton source of worker/kernels/triton_attention.py's paged decode kernel (that module documents it).
+
+Kept apart, undecorated, so that importing the wrapper costs no Triton import, and
+the same function can be jitted for the GPU or for Triton's CPU interpreter.
+"""
+
+import triton.language as tl
+
+
+def paged_decode_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, scale,
+    stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_table,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    g = tl.arange(0, GROUP_PAD)  # query heads of this KV head
+    d = tl.arange(0, HEAD_PAD)
+    t = tl.arange(0, BLOCK_SIZE)  # token offsets within a block
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G, D)
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # (G,)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)  # (G,)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)  # (G, D) unnormalised output
+    for b in range(0, tl.cdiv(context_len, BLOCK_SIZE)):
+        block = tl.load(block_tables_ptr + seq * stride_table + b).to(tl.int64)
+        t_ok = b * BLOCK_SIZE + t < context_len  # (BS,)
+        offsets = (block * stride_cache_block + t[:, None] * stride_cache_token
+                   + kv_head * stride_cache_head + d[None, :])  # (BS, D)
+        kv_ok = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # (BS, D)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, BS)
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: a block holds >= 1 position
+        correction = tl.exp(running_max - new_max)  # (G,), 0 on the first block
+        p = tl.exp(scores - new_max[:, None])  # (G, BS)
+        running_sum = running_sum * correction + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # (BS, D)
+        acc = acc * correction[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G, D)
+        running_max = new_max
+    out = acc / running_sum[:, None]  # (G, D)
+    tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

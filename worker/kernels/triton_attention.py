@@ -1,0 +1,112 @@
+"""Paged decode attention in Triton: each sequence's query over its keys and values where they lie.
+
+The GPU's counterpart of cpu_attention.cpp. Without it a CUDA decode step gathers
+every sequence's context out of the paged cache (``index_select`` of whole
+blocks) before one SDPA call: a copy of the whole context per layer per step,
+padded to the longest sequence. Here one program per ``(sequence, KV head)``
+walks that sequence's block table, loads one block of keys at a time, and keeps
+the softmax online (Milakov & Gimelshein 2018, arXiv:1805.02867; the
+paged-attention layout of Kwon et al. 2023, arXiv:2309.06180), so each key and
+value is read once, from where it lies, and nothing past the context length is
+touched. The ``num_heads / num_kv_heads`` query heads that share a KV head (GQA)
+are one program: their keys are read once for the group.
+
+Its shapes are fixed by the batch size alone (the context lengths are read from
+a device tensor inside the loop), so a decode step that calls it can be captured
+in a CUDA graph (worker/cuda_graphs.py) and replayed at any context length.
+
+Triton is imported on first use: it ships with PyTorch's CUDA builds, and a CPU
+machine without it never gets here. With ``TRITON_INTERPRET=1`` in the environment
+before Triton is first imported, the same kernel runs on CPU tensors in Triton's
+interpreter (slowly): tests/worker/conftest.py sets it on machines without CUDA,
+so the kernel's tests run everywhere.
+``TPSERVE_TRITON_ATTENTION=0`` turns the kernel off (SDPA over gathered blocks
+instead), for A/B measurements.
+
+Not done yet: splitting one long context over several programs (flash-decoding);
+at batch 1 the grid is only ``num_kv_heads`` programs wide.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def triton_attention_available(device: torch.device, block_size: int) -> bool:
+    """Whether decode attention on ``device`` runs :func:`paged_decode_attention`.
+
+    True on CUDA with Triton importable and a power-of-two ``block_size`` (a block is
+    one ``tl.arange``), unless ``TPSERVE_TRITON_ATTENTION=0``.
+    """
+    return (device.type == "cuda" and _is_power_of_two(block_size)
+            and os.environ.get("TPSERVE_TRITON_ATTENTION", "1") != "0"
+            and importlib.util.find_spec("triton") is not None)
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel, built on first use."""
+    import triton
+
+    from worker.kernels import _triton_paged_decode
+
+    return triton.jit(_triton_paged_decode.paged_decode_kernel)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence over its paged context: ``softmax(q K^T * scale) V``.
+
+    Args:
+        q: ``(S, H, d)`` float16 / bfloat16 / float32, the last dim contiguous.
+        k_cache, v_cache: ``(num_blocks, block_size, KVH, d)``, same dtype, contiguous;
+            ``H`` a multiple of ``KVH``, ``block_size`` a power of two.
+        block_tables: ``(S, B) int32 / int64``: sequence ``s``'s positions ``p`` lie in
+            block ``block_tables[s, p // block_size]``; entries past its context are never read.
+        context_lens: ``(S,) int32 / int64``, each ``>= 1``: keys at positions
+            ``0 .. context_lens[s] - 1`` are attended over (the query's own included).
+        scale: softmax scale, ``d ** -0.5`` for Llama.
+        out: ``(S, H, d)`` to write into (a CUDA graph's static output); None: a new tensor.
+
+    Returns:
+        ``(S, H, d)`` in ``q``'s dtype; the arithmetic is float32.
+
+    Raises:
+        ValueError: mismatched shapes, ``H`` not a multiple of ``KVH``, a block size
+            that is not a power of two, CPU tensors outside Triton's interpreter.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if not _is_power_of_two(block_size):
+        raise ValueError(f"block_size={block_size} must be a power of two")
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must have {num_seqs} rows")
+    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q's last dimension and the caches must be contiguous")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("a Triton kernel on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    _kernel()[(num_seqs, num_kv_heads)](
+        out, q, k_cache, v_cache, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(2, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, HEAD_PAD=max(16, 1 << (head_dim - 1).bit_length()),
+    )
+    return out
