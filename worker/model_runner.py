@@ -13,7 +13,8 @@ plan's delta needs, per sequence: its block table and its sampling parameters.
 3. append each chunk's ``new_block_ids`` to its block table; build the flat batch
    (tokens, positions) and the :class:`~worker.attention.AttentionMetadata` once;
    run the model, which writes the chunk's K/V and attends over positions
-   ``0 .. start_position + num_tokens - 1``;
+   ``0 .. start_position + num_tokens - 1`` (a pure decode step on CUDA replays
+   the model's CUDA graph of its padded batch size instead: worker/cuda_graphs.py);
 4. compute logits only for the last token of chunks with ``sample=True``
    (and, for a chunk with proposals, for the rows before it that verify them),
    gather them on rank 0, sample there, in plan order; verify the proposals

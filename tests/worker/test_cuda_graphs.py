@@ -166,3 +166,66 @@ def test_eager_steps_with_proposals_read_the_cache_through_the_triton_kernel(tin
     with torch.no_grad():
         expected = load_hf_model(model_dir).to(DEVICE)(torch.tensor([text], device=DEVICE)).logits[0, 5:].float()
     torch.testing.assert_close(verified, expected.cpu(), atol=2e-4, rtol=1e-4)
+
+
+def _teacher_forced_plans(texts: dict[int, list[int]], prompt_lens: dict[int, int],
+                          schedule: list[tuple[int, ...]]) -> tuple[list[StepPlan], list[list[tuple[int, int]]]]:
+    """Plans that prefill every prompt, then decode ``schedule``'s sequences step by step, feeding ``texts``.
+
+    Returns the plans and, per plan, the (sequence, position) of each sampled row.
+    """
+    free = list(range(NUM_BLOCKS))
+    random.Random(2).shuffle(free)
+    tables: dict[int, list[int]] = {s: [] for s in texts}
+    fed = dict(prompt_lens)  # tokens of each sequence in the cache after the step
+
+    def grow(seq: int, end: int) -> tuple[int, ...]:
+        new = [free.pop() for _ in range(-(-end // BLOCK_SIZE) - len(tables[seq]))]
+        tables[seq] += new
+        return tuple(new)
+
+    plans = [StepPlan(0, tuple(NewSequence(s, GREEDY) for s in texts),
+                      tuple(ScheduledChunk(s, tuple(texts[s][: prompt_lens[s]]), 0, grow(s, prompt_lens[s]))
+                            for s in texts))]
+    rows = [[(s, prompt_lens[s] - 1) for s in texts]]
+    alive = set(texts)
+    for step, seqs in enumerate(schedule, start=1):
+        finished = tuple(sorted(alive - set(seqs)))
+        alive -= set(finished)
+        chunks = tuple(ScheduledChunk(s, (texts[s][fed[s]],), fed[s], grow(s, fed[s] + 1)) for s in seqs)
+        rows.append([(s, fed[s]) for s in seqs])
+        for s in seqs:
+            fed[s] += 1
+        plans.append(StepPlan(step, scheduled=chunks, finished_seq_ids=finished))
+    return plans, rows
+
+
+@needs_triton
+@pytest.mark.parametrize("tp", [2])
+def test_decode_graphs_under_tensor_parallelism_match_transformers(tp: int, tiny_checkpoints: dict[str, Path]) -> None:
+    """Every rank replays its graph (the all-reduces inside it: NCCL on GPUs, the CPU's collective here)."""
+    from tests.worker.tp_harness import Job, run_jobs
+
+    if DEVICE.type == "cuda" and torch.cuda.device_count() < tp:
+        pytest.skip(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    model_dir = tiny_checkpoints["gqa_tied"]
+    hf = load_hf_model(model_dir)
+    rng = random.Random(3)
+    prompt_lens = {s: 2 + 3 * s for s in range(3)}
+    texts = {}
+    for s, n in prompt_lens.items():  # each prompt and 8 greedy tokens of transformers' (no EOS stop)
+        texts[s] = [rng.randrange(3, 130) for _ in range(n)]
+        for _ in range(8):
+            with torch.no_grad():
+                texts[s].append(int(hf(torch.tensor([texts[s]])).logits[0, -1].argmax()))
+    schedule = [(0, 1, 2)] * 3 + [(2, 0)] * 2 + [(0,)] * 2  # padded to 4, to 2, batch 1
+    plans, rows = _teacher_forced_plans(texts, prompt_lens, schedule)
+    job = Job("graphs", str(model_dir), tuple(plans), NUM_BLOCKS, BLOCK_SIZE, cuda_graph_sizes=(1, 2, 4),
+              max_model_len=32)
+    records = run_jobs([job], world_size=tp, device=DEVICE.type)["graphs"]
+    with torch.no_grad():
+        expected = {s: hf(torch.tensor([t])).logits[0].float() for s, t in texts.items()}  # (L, V) each
+    for record, step_rows in zip(records, rows, strict=True):
+        for logits, (seq, position) in zip(record.logits, step_rows, strict=True):
+            torch.testing.assert_close(logits, expected[seq][position], atol=2e-4, rtol=1e-4)
+            assert int(logits.argmax()) == texts[seq][position + 1]  # the greedy text, token for token

@@ -37,6 +37,8 @@ class Job:
     block_size: int
     dtype: torch.dtype = torch.float32
     quantization: str | None = None
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode graphs (worker/cuda_graphs.py); off CUDA run uncaptured
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
     results: dict[str, list[StepRecord]] = {}
     for job in jobs:
         runner = ModelRunner(job.model_dir, ctx, job.dtype, job.block_size, quantization=job.quantization)
-        runner.init_kv_cache(job.num_blocks)
+        runner.init_kv_cache(job.num_blocks, cuda_graph_sizes=job.cuda_graph_sizes, max_model_len=job.max_model_len,
+                             capture=ctx.device.type == "cuda")
         records = []
         for plan in job.plans:
             result = runner.execute(plan)
