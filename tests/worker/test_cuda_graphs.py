@@ -19,6 +19,7 @@ import torch
 from tests.tiny_models import load_hf_model
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.cuda_graphs import DecodeGraphs, default_capture_sizes
+from worker.kernels.triton_attention import split_plan
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 
@@ -82,8 +83,11 @@ def test_decode_graphs_match_transformers_through_padding_joins_and_departures(
         tiny_checkpoints: dict[str, Path]) -> None:
     model_dir = tiny_checkpoints["mqa_untied_bias"]
     runner = ModelRunner(model_dir, ParallelContext.single(DEVICE), torch.float32, block_size=BLOCK_SIZE)
-    runner.init_kv_cache(NUM_BLOCKS, cuda_graph_sizes=(1, 2, 4, 8), max_model_len=64,
+    # Tables of 2,048 tokens: the graphs' attention splits each context four ways (worker/kernels/
+    # triton_attention.py's split_plan), most parts past these short contexts.
+    runner.init_kv_cache(NUM_BLOCKS, cuda_graph_sizes=(1, 2, 4, 8), max_model_len=2048,
                          capture=DEVICE.type == "cuda")
+    assert split_plan(8, 1, graphs_width := 2048 // BLOCK_SIZE, BLOCK_SIZE) == (4, graphs_width // 4)
     assert runner.cuda_graph_sizes == (1, 2, 4, 8)
     assert runner.kv_caches[0][0].shape[0] == NUM_BLOCKS + 1  # the padding rows' null block
     graphs: DecodeGraphs = runner._graphs

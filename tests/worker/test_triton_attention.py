@@ -14,7 +14,8 @@ import importlib.util
 import pytest
 import torch
 
-from worker.kernels.triton_attention import paged_decode_attention, triton_attention_available
+from worker.kernels.triton_attention import (MAX_SPLITS, SPLIT_BELOW_PROGRAMS, paged_decode_attention, split_plan,
+                                             triton_attention_available)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -71,6 +72,32 @@ def test_matches_attention_over_the_gathered_context(num_heads: int, num_kv_head
     assert out.shape == q.shape and out.dtype == dtype
     tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # the output's rounding
     torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_of_few_sequences_split_and_combine(dtype: torch.dtype) -> None:
+    """Flash-decoding: three programs per (sequence, KV head), combined by their softmax statistics."""
+    block_size, width = 16, 80  # tables of 1,280 tokens
+    assert split_plan(4, 2, width, block_size) == (3, 27)
+    gen = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(100, block_size, 2, 32, generator=gen).to(dtype)
+    v_cache = torch.randn(100, block_size, 2, 32, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(100, generator=gen)[:width] for _ in range(4)])
+    # One token (two splits empty), one past the first split's 432, the whole table, one full split.
+    lens = torch.tensor([1, 433, width * block_size, 27 * block_size])
+    q = torch.randn(4, 4, 32, generator=gen).to(dtype)
+    out = paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+                                 lens.to(DEVICE), 32**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.cpu().double(), reference(q, k_cache, v_cache, tables, lens, 32**-0.5),
+                               atol=tolerance, rtol=tolerance)
+
+
+def test_split_plan_splits_only_narrow_steps_over_long_tables() -> None:
+    assert split_plan(1, 8, 32, 16) == (1, 32)  # 512 tokens: one part
+    assert split_plan(1, 8, 33, 16) == (2, 17)
+    assert split_plan(1, 8, 8192, 16) == (MAX_SPLITS, 512)  # 128k tokens: at most MAX_SPLITS parts
+    assert split_plan(SPLIT_BELOW_PROGRAMS // 8, 8, 8192, 16) == (1, 8192)  # enough programs already
 
 
 def test_writes_into_a_given_output_and_takes_int32_tables() -> None:

@@ -8,14 +8,19 @@ import triton.language as tl
 
 
 def paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, scale,
+    out_ptr, partial_max_ptr, partial_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    context_lens_ptr, scale, blocks_per_split,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    # Program (seq, kv_head, split) attends over blocks [split * blocks_per_split, +blocks_per_split)
+    # of the context. SPLIT: out is (S, H, num_splits, d) float32, the unnormalised partial output,
+    # with its running max and sum in partial_max / partial_sum (S, H, num_splits), combined after.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     g = tl.arange(0, GROUP_PAD)  # query heads of this KV head
     d = tl.arange(0, HEAD_PAD)
@@ -28,7 +33,8 @@ def paged_decode_kernel(
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # (G,)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)  # (G,)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)  # (G, D) unnormalised output
-    for b in range(0, tl.cdiv(context_len, BLOCK_SIZE)):
+    first = split * blocks_per_split
+    for b in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(context_len, BLOCK_SIZE))):
         block = tl.load(block_tables_ptr + seq * stride_table + b).to(tl.int64)
         t_ok = b * BLOCK_SIZE + t < context_len  # (BS,)
         offsets = (block * stride_cache_block + t[:, None] * stride_cache_token
@@ -44,6 +50,13 @@ def paged_decode_kernel(
         v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # (BS, D)
         acc = acc * correction[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G, D)
         running_max = new_max
-    out = acc / running_sum[:, None]  # (G, D)
-    tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # a split past the context keeps max -inf and sum 0: it weighs nothing when combined
+        num_splits = tl.num_programs(2)
+        stat = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # (G,) into (S, H, splits)
+        tl.store(partial_max_ptr + stat, running_max, mask=g_ok)
+        tl.store(partial_sum_ptr + stat, running_sum, mask=g_ok)
+        tl.store(out_ptr + stat[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        out = acc / running_sum[:, None]  # (G, D)
+        tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

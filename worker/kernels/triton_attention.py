@@ -23,8 +23,10 @@ so the kernel's tests run everywhere.
 ``TPSERVE_TRITON_ATTENTION=0`` turns the kernel off (SDPA over gathered blocks
 instead), for A/B measurements.
 
-Not done yet: splitting one long context over several programs (flash-decoding);
-at batch 1 the grid is only ``num_kv_heads`` programs wide.
+A step of few sequences would be only ``num_seqs * num_kv_heads`` programs wide, a
+fraction of a GPU's SMs, so there a long context is split into parts attended by
+programs of their own and combined by their softmax statistics (flash-decoding;
+:func:`split_plan`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ import importlib.util
 import os
 
 import torch
+
+
+#: Splitting one context over several programs (flash-decoding): only when a step has fewer
+#: ``(sequence, KV head)`` programs than this (an H200 has 132 SMs), into at most ``MAX_SPLITS``
+#: parts of at least ``SPLIT_TOKENS`` tokens (vLLM's paged_attention_v2 partitions 512).
+SPLIT_BELOW_PROGRAMS = 128
+MAX_SPLITS = 16
+SPLIT_TOKENS = 512
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -49,6 +59,22 @@ def triton_attention_available(device: torch.device, block_size: int) -> bool:
     return (device.type == "cuda" and _is_power_of_two(block_size)
             and os.environ.get("TPSERVE_TRITON_ATTENTION", "1") != "0"
             and importlib.util.find_spec("triton") is not None)
+
+
+def split_plan(num_seqs: int, num_kv_heads: int, table_width: int, block_size: int) -> tuple[int, int]:
+    """``(num_splits, blocks_per_split)`` for a step: how many programs share one sequence's context.
+
+    Decided from shapes only (so a CUDA graph keeps its choice): split only when the step's
+    ``num_seqs * num_kv_heads`` programs would leave most of a GPU's SMs idle
+    (``SPLIT_BELOW_PROGRAMS``) and the block tables span more than ``SPLIT_TOKENS`` tokens;
+    then into at most ``MAX_SPLITS`` parts of at least ``SPLIT_TOKENS`` tokens. A split
+    past a sequence's context does nothing.
+    """
+    max_tokens = table_width * block_size
+    if num_seqs * num_kv_heads >= SPLIT_BELOW_PROGRAMS or max_tokens <= SPLIT_TOKENS:
+        return 1, max(1, table_width)
+    num_splits = min(MAX_SPLITS, -(-max_tokens // SPLIT_TOKENS))
+    return num_splits, -(-table_width // num_splits)
 
 
 @functools.cache
@@ -102,11 +128,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    _kernel()[(num_seqs, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, context_lens, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(2, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, HEAD_PAD=max(16, 1 << (head_dim - 1).bit_length()),
-    )
-    return out
+    num_splits, blocks_per_split = split_plan(num_seqs, num_kv_heads, block_tables.shape[1], block_size)
+    constants = dict(GROUP=group, GROUP_PAD=max(2, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
+                     HEAD_DIM=head_dim, HEAD_PAD=max(16, 1 << (head_dim - 1).bit_length()))
+    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    if num_splits == 1:
+        _kernel()[(num_seqs, num_kv_heads, 1)](
+            out, out, out, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, SPLIT=False, **constants)
+        return out
+    # Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"; vLLM's
+    # paged_attention_v2): each split's partial output, max and sum, then one weighted combination.
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty_like(partial_max)
+    _kernel()[(num_seqs, num_kv_heads, num_splits)](
+        partial, partial_max, partial_sum, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
+        q.stride(0), q.stride(1), 0, 0, *strides, SPLIT=True, **constants)
+    weights = torch.exp(partial_max - partial_max.amax(dim=-1, keepdim=True))  # (S, H, splits); 0 where empty
+    combined = (partial * weights.unsqueeze(-1)).sum(dim=2) / (partial_sum * weights).sum(dim=-1, keepdim=True)
+    return out.copy_(combined)  # (S, H, d) in q's dtype
