@@ -111,6 +111,8 @@ def test_writes_into_a_given_output_and_takes_int32_tables() -> None:
     result = paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
                                     lens.to(DEVICE), 0.25, out=out)
     assert result is out
+    with pytest.raises(ValueError, match="must be like q"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, out=torch.empty(2, 2, 8))
     torch.testing.assert_close(out.cpu().double(), reference(q, k_cache, v_cache, tables, lens, 0.25))
 
 

@@ -108,7 +108,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Raises:
         ValueError: mismatched shapes, ``H`` not a multiple of ``KVH``, a block size
-            that is not a power of two, CPU tensors outside Triton's interpreter.
+            that is not a power of two, an ``out`` unlike ``q``, CPU tensors outside Triton's interpreter.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -125,6 +125,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("a Triton kernel on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)} {q.dtype}, last dim contiguous")
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
