@@ -208,7 +208,7 @@ def build_step_inputs(
     decode_tables = decode_mask = None
     if group:
         decode_tables = dev["decode_tables"].view(len(group), decode_blocks)  # (S, B)
-    if group and not paged_kernel and not triton_decode:  # SDPA's mask: key position < context length (one query row each)
+    if group and not paged_kernel and not triton_decode:  # SDPA's mask: key position < context length
         key_pos = torch.arange(decode_blocks * block_size, device=device)  # (K,)
         decode_mask = (key_pos[None, :] < dev["decode_context_lens"][:, None]).view(num_decodes, 1, 1, -1)
     prefills = []
