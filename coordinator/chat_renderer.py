@@ -132,12 +132,14 @@ class ChatRenderPool:
             raise InvalidArgumentError(reply["error"])
         return reply["text"]
 
-    def close(self) -> None:
-        """Kills every renderer; later renders get UNAVAILABLE."""
+    async def close(self) -> None:
+        """Kills every renderer and waits for their ends; later renders get UNAVAILABLE."""
         self._closed = True
-        for renderer in list(self._live):
+        renderers = list(self._live)
+        for renderer in renderers:
             self._discard(renderer)
         self._idle.clear()
+        await asyncio.gather(*(r.process.wait() for r in renderers))
 
     @property
     def num_processes(self) -> int:

@@ -66,9 +66,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
                                        self.model_info.max_model_len, tenant, chat)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stops the chat template renderers (at shutdown)."""
-        self.chat_renderer.close()
+        await self.chat_renderer.close()
 
     def _check_loaded(self) -> None:
         if self.engine is None:

@@ -196,7 +196,7 @@ class Cluster:
             if self.engine is not None:
                 self.engine.draining = True
             await server.stop(self.config.server.shutdown_grace_seconds)
-            self.servicer.close()
+            await self.servicer.close()
             for task in (engine_task, self._monitor_task, self._liveness_task, self._recovery):
                 if task is not None:
                     task.cancel()
