@@ -149,8 +149,11 @@ class ChatRenderPool:
     async def _take(self) -> _Renderer:
         if self._closed:
             raise UnavailableError("the server is stopping")
-        if self._idle:
-            return self._idle.pop()
+        while self._idle:
+            renderer = self._idle.pop()
+            if renderer.process.returncode is None:
+                return renderer
+            self._live.discard(renderer)  # died while idle (killed from outside): start another
         try:
             renderer = await _Renderer.start()
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:

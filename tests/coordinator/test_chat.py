@@ -167,7 +167,5 @@ def test_a_role_that_is_not_a_role_name_is_refused_naming_it(tmp_path: Path, rol
     model_dir = checkpoint(tmp_path, CHATML_TEMPLATE)
     with pytest.raises(InvalidArgumentError, match=r"messages\[1\]\.role must be a role name"):
         encode(model_dir, [{"role": "system", "content": "a"}, {"role": role, "content": "b"}])
-    ids = encode(model_dir, [{"role": "system", "content": "a"}, {"role": "tool", "content": "b"},
-                             {"role": "ipython", "content": "c"}])
-    assert ids == [1] + transformers_ids(model_dir, [{"role": "system", "content": "a"}, {"role": "tool", "content": "b"},
-                                                    {"role": "ipython", "content": "c"}])
+    names = [{"role": "system", "content": "a"}, {"role": "tool", "content": "b"}, {"role": "ipython", "content": "c"}]
+    assert encode(model_dir, names) == [1] + transformers_ids(model_dir, names)

@@ -65,7 +65,8 @@ def _client(cluster: RunningCluster, key: str) -> Client:
 
 
 def _cached(client: Client, **kwargs) -> int:
-    return client.generate(SECRET_PROMPT, max_tokens=1, temperature=0, timeout_s=30, **kwargs).usage.cached_prompt_tokens
+    result = client.generate(SECRET_PROMPT, max_tokens=1, temperature=0, timeout_s=30, **kwargs)
+    return result.usage.cached_prompt_tokens
 
 
 def test_a_tenant_finds_only_its_own_prefix_cache_entries(cluster: RunningCluster) -> None:
