@@ -96,6 +96,7 @@ class ChatRenderPool:
         self._slots = asyncio.Semaphore(size)
         self._idle: list[_Renderer] = []
         self._live: set[_Renderer] = set()
+        self._killed: list[asyncio.subprocess.Process] = []  # until their ends are seen (close() waits)
         self._closed = False
 
     async def render(self, template: str, messages: list[dict[str, str]], special_tokens: dict[str, str]) -> str:
@@ -135,11 +136,11 @@ class ChatRenderPool:
     async def close(self) -> None:
         """Kills every renderer and waits for their ends; later renders get UNAVAILABLE."""
         self._closed = True
-        renderers = list(self._live)
-        for renderer in renderers:
+        for renderer in list(self._live):
             self._discard(renderer)
         self._idle.clear()
-        await asyncio.gather(*(r.process.wait() for r in renderers))
+        await asyncio.gather(*(process.wait() for process in self._killed))
+        await asyncio.sleep(0)  # their pipes' transports close on the next turn of the loop
 
     @property
     def num_processes(self) -> int:
@@ -167,3 +168,4 @@ class ChatRenderPool:
     def _discard(self, renderer: _Renderer) -> None:
         renderer.kill()
         self._live.discard(renderer)
+        self._killed = [p for p in self._killed if p.returncode is None] + [renderer.process]

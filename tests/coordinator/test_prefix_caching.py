@@ -186,6 +186,28 @@ def test_tenant_ids_come_from_the_bearer_key_and_never_spell_it() -> None:
     assert tenant_id([]) == tenant_id(None) == tenant_id([("authorization", "Basic abc")]) == ""
 
 
+def test_validation_puts_tenant_and_cache_salt_into_the_namespace() -> None:
+    from coordinator.errors import InvalidArgumentError
+    from coordinator.tokenizer import Tokenizer
+    from coordinator.validation import validate_request
+    from tpserve.cluster import default_model_dir
+    from tpserve.v1 import generate_pb2 as pb
+
+    tokenizer = Tokenizer.from_pretrained(default_model_dir())
+
+    def namespace(tenant: str = "", **fields) -> bytes:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 5, 6]), **fields)
+        return validate_request(request, tokenizer, 1024, 512, tenant).cache_namespace
+
+    assert namespace() == b""  # anonymous and unsalted: the chain of a server without keys, as before
+    assert namespace("a") == prefix_cache_namespace("a", "") != namespace("b")
+    assert namespace("a", cache_salt="x") == prefix_cache_namespace("a", "x") != namespace("a")
+    assert namespace(cache_salt="x") not in {b"", namespace("a", cache_salt="x")}
+    for bad in ("", "x" * 257):
+        with pytest.raises(InvalidArgumentError, match="cache_salt is .* characters; it must have 1 to 256"):
+            namespace(cache_salt=bad)
+
+
 def test_off_means_no_sharing() -> None:
     scheduler = Scheduler(BlockAllocator(16, 4), max_num_seqs=4, max_num_batched_tokens=64, check_writes=True)
     checker = KVChecker(16, 4)
