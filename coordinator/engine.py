@@ -169,6 +169,7 @@ class Engine:
             sampling=params.sampling,
             stop=StopParams(params.max_tokens, self.tokenizer.eos_token_ids, params.stop_token_ids, params.ignore_eos),
             max_model_len=self.max_model_len,
+            cache_namespace=params.cache_namespace,
         )
         state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
                               StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic())

@@ -103,12 +103,15 @@ def build_request(
     regex: str | None = None,
     choices: Sequence[str] | None = None,
     prompt_logprobs: int | None = None,
+    cache_salt: str | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
     A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
     ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
-    model's chat template). The fields' meanings and ranges: proto/tpserve/v1/generate.proto.
+    model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
+    from those of requests without the same salt. The fields' meanings and ranges:
+    proto/tpserve/v1/generate.proto.
     """
     params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output,
@@ -127,6 +130,8 @@ def build_request(
     elif choices is not None:
         params.response_format.choices.choices.extend(choices)
     request = pb.GenerateRequest(request_id=request_id, sampling_params=params)
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):

@@ -196,6 +196,7 @@ class Cluster:
             if self.engine is not None:
                 self.engine.draining = True
             await server.stop(self.config.server.shutdown_grace_seconds)
+            await self.servicer.close()
             for task in (engine_task, self._monitor_task, self._liveness_task, self._recovery):
                 if task is not None:
                     task.cancel()
@@ -220,7 +221,7 @@ class Cluster:
         # The key check runs first: an unauthenticated call never reaches validation.
         interceptors = ([ApiKeyInterceptor(keys)] if keys else []) + [ErrorInterceptor()]
         server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
-        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0))
+        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0), api_keys=bool(keys))
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
