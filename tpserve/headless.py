@@ -71,6 +71,8 @@ class HeadlessNode:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._stop.set)
+        # SIGHUP reloads the leader's keys and certificates; a headless node has none: it must not die of it.
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: nothing to reload on a headless node"))
         par, timeout_s = self.config.parallel, self.config.server.worker_start_timeout_seconds
         try:
             local_ip = await self._until_stopped(wait_for_peer(par.master_addr, par.master_port, timeout_s, "the leader"))
