@@ -38,6 +38,8 @@ try:
 except RuntimeError:
     log.exception("internal error", request_id="abc\\x1b[2J\\x1b[31mred",
                   method="m\\r\\n2026-01-01 [info] forged line")
+for _ in range(50):
+    log.warning("unauthenticated call refused", method="/tpserve.v1.Generation/Generate")
 log.info("done")
 """
 
@@ -56,6 +58,7 @@ def test_console_traceback_has_no_locals_is_bounded_and_escapes_control_characte
     assert len(lines) < 60, len(lines)  # before: about 3,000 lines for 60 frames with locals
     assert err.count('handler(depth - 1, prompt)') <= 20  # the innermost frames only
     assert "\x1b" not in err and "\r" not in err
+    assert err.count("unauthenticated call refused") == 1  # 49 more within the minute: counted, not written
     assert "request_id=abc\\x1b[2J\\x1b[31mred" in err  # before: written raw, clearing the operator's screen
     assert not any(line.startswith("2026-01-01 [info] forged line") for line in lines)
 
@@ -63,7 +66,7 @@ def test_console_traceback_has_no_locals_is_bounded_and_escapes_control_characte
 def test_json_lines_carry_the_exception_bounded_without_locals() -> None:
     err = _run("json")
     entries = [json.loads(line) for line in err.splitlines()]
-    assert [e["event"] for e in entries] == ["internal error", "done"]
+    assert [e["event"] for e in entries] == ["internal error", "unauthenticated call refused", "done"]
     (exception,) = entries[0]["exception"]  # before: the traceback was dropped ("exc_info": true)
     assert exception["exc_type"] == "RuntimeError" and exception["exc_value"] == "the step failed"
     frames = exception["frames"]  # the outermost and innermost 10, and one naming the 42 skipped (62 in all)
