@@ -4,7 +4,7 @@ control characters escaped, repeated warnings rate-limited, exceptions in JSON l
 Each format is configured with ``configure_logging`` in a child process (the configuration
 is process-wide), which logs what a server would: an internal error whose frames hold a
 prompt in their locals, 60 frames deep, with a client's ``request_id`` holding ANSI escapes
-and a forged line.
+and a forged line, and a message of 50,000 characters.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ log = structlog.get_logger("test")
 def handler(depth, prompt):
     request = {{{{"prompt": prompt, "max_tokens": 16}}}}
     if depth == 0:
-        raise RuntimeError("the step failed")
+        raise RuntimeError("the step failed" + "!" * 50_000)  # a long message: bounded too
     handler(depth - 1, prompt)
 
 
@@ -53,7 +53,7 @@ def _run(fmt: str) -> str:
 def test_console_traceback_has_no_locals_is_bounded_and_escapes_control_characters() -> None:
     err = _run("console")
     assert PROMPT not in err and "max_tokens" not in err  # before: rich printed every frame's locals
-    assert "RuntimeError: the step failed" in err
+    assert "RuntimeError: the step failed!!!" in err and len(err) < 20_000
     lines = err.splitlines()
     assert len(lines) < 60, len(lines)  # before: about 3,000 lines for 60 frames with locals
     assert err.count('handler(depth - 1, prompt)') <= 20  # the innermost frames only
@@ -68,7 +68,8 @@ def test_json_lines_carry_the_exception_bounded_without_locals() -> None:
     entries = [json.loads(line) for line in err.splitlines()]
     assert [e["event"] for e in entries] == ["internal error", "unauthenticated call refused", "done"]
     (exception,) = entries[0]["exception"]  # before: the traceback was dropped ("exc_info": true)
-    assert exception["exc_type"] == "RuntimeError" and exception["exc_value"] == "the step failed"
+    assert exception["exc_type"] == "RuntimeError"
+    assert exception["exc_value"] == "the step failed" + "!" * (16_000 - 15) + "... (34015 characters cut)"
     frames = exception["frames"]  # the outermost and innermost 10, and one naming the 42 skipped (62 in all)
     assert len(frames) == 21 and frames[10]["name"] == "Skipped frames: 42"
     assert all("locals" not in frame for frame in frames)

@@ -80,13 +80,24 @@ def escape_control_keep_lines(text: str) -> str:
     return "\n".join(escape_control(line) for line in text.split("\n"))
 
 
+def _bound_exception_messages(_logger: Any, _method: str, event_dict: dict) -> dict:
+    """structlog processor: each JSON ``exception``'s message cut to :data:`MAX_TRACEBACK_CHARS` characters."""
+    for exception in event_dict.get("exception") or ():
+        value = exception.get("exc_value") if isinstance(exception, dict) else None
+        if isinstance(value, str) and len(value) > MAX_TRACEBACK_CHARS:
+            exception["exc_value"] = value[:MAX_TRACEBACK_CHARS] + f"... ({len(value) - MAX_TRACEBACK_CHARS} " \
+                                                                     "characters cut)"
+    return event_dict
+
+
 class RateLimitWarnings:
     """structlog processor: a warning repeated within ``window_s`` is written once, then counted.
 
     "Repeated": the same event text (the modules' events are distinct sentences). The first occurrence is written; the
     next ones within ``window_s`` of it are dropped and counted; the first one after
     the window is written with the count (``num_suppressed``, and in the event text) and
-    opens a new window. Thread-safe (worker ranks log from several threads).
+    opens a new window. A burst followed by silence is not summarised until the event
+    recurs (no timer thread). Thread-safe (worker ranks log from several threads).
 
     Args:
         window_s: the window in seconds.
@@ -133,7 +144,8 @@ def processors(fmt: Literal["console", "json"], rate_limiter: RateLimitWarnings 
         # The exception as fields: type, message, the innermost frames, never the locals.
         transformer = ExceptionDictTransformer(show_locals=False, max_frames=MAX_TRACEBACK_FRAMES, use_rich=False)
         # JSON escapes the exception's own control characters.
-        chain += [structlog.processors.ExceptionRenderer(transformer), structlog.processors.JSONRenderer()]
+        chain += [structlog.processors.ExceptionRenderer(transformer), _bound_exception_messages,
+                  structlog.processors.JSONRenderer()]
     else:
         chain.append(structlog.dev.ConsoleRenderer(colors=False, exception_formatter=bounded_traceback))
     return chain
