@@ -116,6 +116,7 @@ class Engine:
         self.recovering: str | None = None  # why the worker group is being restarted
         self._resumed = asyncio.Event()
         self._just_resumed = False  # no step has succeeded on the restarted group yet
+        scheduler.on_preempt = self._preempted
 
     # -- requests --------------------------------------------------------------------
 
@@ -178,6 +179,14 @@ class Engine:
         self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
         self._wakeup.set()
         return state
+
+    def _preempted(self, seq: Sequence) -> None:
+        """Counts and logs a preemption (sizes and ids only: no token of the request reaches the log)."""
+        self.metrics.num_preemptions.inc()
+        state = self._states.get(seq.seq_id)
+        log.info("request preempted", request_id=state.request_id if state else None, seq_id=seq.seq_id,
+                 num_tokens=seq.num_tokens, num_preemptions=seq.num_preemptions,
+                 num_running=len(self.scheduler.running), num_free_blocks=self.scheduler.allocator.num_free_blocks)
 
     def _abort(self, state: _RequestState) -> None:
         """Forgets a request; frees its blocks if it has not finished (cancel, deadline)."""

@@ -44,6 +44,7 @@ checkable after any step with ``check_invariants``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
@@ -106,6 +107,8 @@ class Scheduler:
         self.spec = SpecDecodeStats(proposer.num_speculative_tokens if proposer else 0)
         self._next_step_id = 0
         self.num_preemptions = 0
+        #: Called with each sequence preempted for want of KV blocks (the engine counts and logs it).
+        self.on_preempt: Callable[[Sequence], None] | None = None
 
     # -- admission and removal ---------------------------------------------------------
 
@@ -139,13 +142,17 @@ class Scheduler:
             self._to_drop.append(seq.seq_id)
             seq.on_workers = False
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, for_blocks: bool = True) -> None:
+        """Back to the front of the queue, blocks freed; ``for_blocks``: for want of KV blocks
+        (counted, reported to ``on_preempt``), not a worker group restart."""
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if for_blocks and self.on_preempt is not None:
+            self.on_preempt(seq)
 
     def reset_workers(self) -> int:
         """The worker group was replaced (restarted after a failure): its KV caches are empty.
@@ -158,7 +165,7 @@ class Scheduler:
         """
         running = list(self.running)
         for seq in reversed(running):
-            self._preempt(seq)
+            self._preempt(seq, for_blocks=False)
         self._to_drop.clear()  # the new workers know no sequence
         self._trims.clear()
         for seq in self.waiting:
@@ -326,7 +333,8 @@ class Scheduler:
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, num_computed)  # only verified positions: no rejected token is cached
         seq.num_computed_tokens = num_computed
-        self.spec.record(num_proposed, num_accepted)
+        # Counted: accepted proposals kept; those past a stop are thrown away (vLLM counts the same).
+        self.spec.record(num_proposed, min(len(outputs), num_accepted))
         seq.speculation.record(num_proposed, num_accepted, seq.num_output_tokens)
         if reason is not None:
             self.finish(seq, reason)

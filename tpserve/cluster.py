@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from coordinator.auth import ApiKeyInterceptor, read_api_keys, server_credentials
+from coordinator.auth import ApiKeyInterceptor, read_api_keys
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
@@ -44,6 +44,7 @@ from coordinator.metrics import Metrics
 from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
+from coordinator.tls import ServerCertificates
 from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.cluster_secret import AioSecretServerInterceptor, read_secret
@@ -145,6 +146,8 @@ class Cluster:
         self._launches = 0  # rank launches so far (each gets fresh socket names)
         self._dtype = ""  # resolved by the ranks
         self.port: int | None = None
+        self.certificates: ServerCertificates | None = None  # with --ssl-certfile
+        self.api_keys: ApiKeyInterceptor | None = None  # with --api-key / --api-key-file
 
     def stop(self, exit_code: int = 0) -> None:
         """Asks the cluster to shut down (safe from signal handlers and callbacks)."""
@@ -156,15 +159,17 @@ class Cluster:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)  # never the default: that kills without a drain
         server = self._build_server()
         cfg_server = self.config.server
         address = f"{cfg_server.host}:{cfg_server.port}"
         if cfg_server.ssl_certfile:
             try:
-                credentials = server_credentials(cfg_server.ssl_certfile, cfg_server.ssl_keyfile, cfg_server.ssl_ca_certs)
-            except OSError as exc:
-                raise StartupError(f"cannot read the TLS files: {exc}") from exc
-            self.port = _bind(server, address, credentials)
+                self.certificates = ServerCertificates(cfg_server.ssl_certfile, cfg_server.ssl_keyfile,
+                                                       cfg_server.ssl_ca_certs)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"TLS: {exc}") from exc
+            self.port = _bind(server, address, self.certificates.credentials())
         else:
             self.port = _bind(server, address)
         if self.port == 0:
@@ -208,6 +213,30 @@ class Cluster:
             log.info("stopped", exit_code=self._exit_code)
         return self._exit_code
 
+    def reload(self) -> None:
+        """SIGHUP: read the API keys and the TLS files again (rotation without a restart).
+
+        What fails to read or check is logged and left as it was; requests in flight and
+        open connections are not touched. Keys given with ``--api-key`` alone do not change.
+        """
+        cfg = self.config.server
+        if self.api_keys is not None:
+            try:
+                keys = read_api_keys(cfg.api_key, cfg.api_key_file)
+                self.api_keys.set_keys(keys)
+                log.info("API keys reloaded", num_keys=len(keys))
+            except (OSError, ValueError) as exc:
+                log.error("API keys not reloaded; the old ones stay", error=str(exc))
+        if self.certificates is not None:
+            try:
+                files = self.certificates.reload()
+                log.info("TLS certificates reloaded", certfile=cfg.ssl_certfile,
+                         not_valid_after=f"{files.not_valid_after:%Y-%m-%d %H:%M:%S} UTC")
+            except (OSError, ValueError) as exc:
+                log.error("TLS certificates not reloaded; the old ones stay", error=str(exc))
+        if self.api_keys is None and self.certificates is None:
+            log.info("SIGHUP: no API keys or TLS certificates to reload")
+
     @property
     def world_size(self) -> int:
         return self.config.parallel.tensor_parallel_size
@@ -219,7 +248,8 @@ class Cluster:
         except (OSError, ValueError) as exc:
             raise StartupError(f"cannot read the API keys: {exc}") from exc
         # The key check runs first: an unauthenticated call never reaches validation.
-        interceptors = ([ApiKeyInterceptor(keys)] if keys else []) + [ErrorInterceptor()]
+        self.api_keys = ApiKeyInterceptor(keys) if keys else None
+        interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
         server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
         self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0), api_keys=bool(keys))
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
@@ -365,7 +395,7 @@ class Cluster:
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
                                  self.config.cache.block_size, self.config.load.quantization or "",
-                                 draft_config_sha256(self.config))
+                                 draft_config_sha256(self.config), self.max_model_len)
         self.registry = NodeRegistry(settings, init_method, on_lost=self._group_failed)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()
