@@ -14,6 +14,7 @@ import asyncio
 import grpc
 
 from coordinator.engine import Engine, RequestOutput
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.errors import UnavailableError
@@ -36,19 +37,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         engine: the running engine; None while the model loads (requests get UNAVAILABLE).
         tokenizer: the model's tokenizer.
         model_info: what GetModelInfo answers.
+        grammars: compiles response_format grammars in child processes under a time
+            limit; None compiles them on the validation thread, unbounded (tests).
     """
 
-    def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo) -> None:
+    def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.grammars = grammars
 
     async def _validate(self, request: pb.GenerateRequest) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
-        tokenize, which on the event loop would freeze every stream and health check."""
+        tokenize, which on the event loop would freeze every stream and health check; a
+        grammar compiles in a child process, the thread waiting at most its time limit."""
         self._check_loaded()
-        return await asyncio.to_thread(
-            validate_request, request, self.tokenizer, self.model_info.vocab_size, self.model_info.max_model_len)
+        return await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
+                                       self.model_info.max_model_len, self.grammars)
 
     def _check_loaded(self) -> None:
         if self.engine is None:

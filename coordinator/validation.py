@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from coordinator.chat import encode_chat
 from coordinator.errors import InvalidArgumentError
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sampling_controls import validate_sampling_controls
 from coordinator.tokenizer import Tokenizer
 from tpserve.step import SEED_MODULUS, SamplingParams
@@ -57,7 +58,8 @@ class GenerateParams:
     include_stop_str_in_output: bool = False
 
 
-def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> GenerateParams:
+def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                     grammars: GrammarCompiler | None = None) -> GenerateParams:
     """Checks a request and tokenizes its prompt (blocking: about 1 s for a 1 MiB prompt; the
     server runs it off its event loop).
 
@@ -66,6 +68,8 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         tokenizer: the model's tokenizer (for a text prompt).
         vocab_size: the model's vocabulary size: token ids must be in [0, vocab_size).
         max_model_len: longest sequence in tokens.
+        grammars: compiles a response_format in child processes under a time limit
+            (the server's); None compiles on this thread (tests, tools).
 
     Raises:
         InvalidArgumentError: a field is missing or out of range; the message names it.
@@ -109,7 +113,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
             f"sampling_params.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     _check_token_ids("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
-    controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids)  # min_p, penalties, ...
+    controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids, grammars)  # min_p, penalties, ...
 
     return GenerateParams(
         request_id=request.request_id,

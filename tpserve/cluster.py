@@ -40,6 +40,7 @@ from coordinator.auth import ApiKeyInterceptor, read_api_keys, server_credential
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.metrics import Metrics
 from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
@@ -203,6 +204,7 @@ class Cluster:
             if self.workers is not None:
                 await self.workers.close()
             self.ranks.stop()
+            self.servicer.grammars.close()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             log.info("stopped", exit_code=self._exit_code)
         return self._exit_code
@@ -220,7 +222,9 @@ class Cluster:
         # The key check runs first: an unauthenticated call never reaches validation.
         interceptors = ([ApiKeyInterceptor(keys)] if keys else []) + [ErrorInterceptor()]
         server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
-        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0))
+        # Structured output grammars compile in child processes, bounded in time (issue 20, fault 3).
+        grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
+        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0), grammars)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
