@@ -7,7 +7,8 @@ busy for tens of seconds after its client gave up. So compiles run in a small po
 child processes (``python -m coordinator.grammar_compiler``, as the ranks are started;
 ``nice`` 19 so serving keeps the CPUs): the validation thread sends ``(kind, source)`` down a pipe and waits at most
 ``timeout_s``; a child that takes longer is killed (a fresh one is started in its
-place) and the request is refused.
+place) and the request is refused. Children start on the first grammar (a server that
+never sees one runs none); their start-up (about a second) is not part of the limit.
 
 A child builds the grammar exactly as rank 0 will (tpserve/llguidance_setup.py: the
 model's llguidance tokenizer and the shared parser limits), so a grammar that compiled
@@ -22,7 +23,6 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -148,9 +148,8 @@ class GrammarCompiler:
         self.model_dir, self.vocab_size = str(model_dir), vocab_size
         self.timeout_s = timeout_s
         self._idle: queue.Queue[_Child] = queue.Queue()
-        for _ in range(num_processes):
-            self._idle.put(_Child(self.model_dir, vocab_size))
         self._num_processes = num_processes
+        self._num_started = 0  # children are started on demand: a server without grammars has none
         self._cache: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -172,32 +171,44 @@ class GrammarCompiler:
                 return _result(status, value, self.timeout_s)
         if self._closed:
             raise UnavailableError("the grammar compiler is closed")
-        try:  # a queue of hostile schemas waits at most one limit per child ahead of it
-            child = self._idle.get(timeout=self.timeout_s * self._num_processes + _START_TIMEOUT_S)
-        except queue.Empty:
-            raise ResourceExhaustedError("every grammar compiler is busy; retry shortly") from None
+        child = self._take_child()
         try:
             child.wait_ready()
             child.send(key)
-            start = time.monotonic()
             if child.conn.poll(self.timeout_s):
                 status, value = child.conn.recv()
             else:
                 child.kill()  # the compile cannot be interrupted: end its process
                 child = _Child(self.model_dir, self.vocab_size)
-                status, value = "timeout", f"{time.monotonic() - start:.1f}"
+                status, value = "timeout", ""
         except (EOFError, OSError, UnavailableError):
             child.kill()
             child = _Child(self.model_dir, self.vocab_size)
             raise UnavailableError("the grammar compiler failed; retry") from None
         finally:
-            self._idle.put(child)
+            child.kill() if self._closed else self._idle.put(child)
         if status != "timeout":  # a time depends on the host's load: a retry may pass
             with self._lock:
                 self._cache[key] = (status, value)
                 if len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
         return _result(status, value, self.timeout_s)
+
+    def _take_child(self) -> _Child:
+        """An idle child, a new one while fewer than ``num_processes`` run, else the next to be free."""
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            start = self._num_started < self._num_processes
+            self._num_started += start
+        if start:
+            return _Child(self.model_dir, self.vocab_size)
+        try:  # a queue of hostile schemas waits at most one limit per child ahead of it
+            return self._idle.get(timeout=self.timeout_s * self._num_processes + _START_TIMEOUT_S)
+        except queue.Empty:
+            raise ResourceExhaustedError("every grammar compiler is busy; retry shortly") from None
 
     def close(self) -> None:
         """Ends every child (idempotent)."""
