@@ -19,7 +19,9 @@ ids, as the coordinator stops on them) are allowed exactly where the grammar acc
 string half-way, reported as a complete stop.
 
 Compiled grammars are cached by grammar text: the first sequence with a grammar pays
-the build, the next ones deep-copy the pristine matcher. The llguidance tokenizer
+the build, the next ones deep-copy the pristine matcher. The build starts on a
+background thread as soon as a plan brings the sequence (:meth:`GrammarCache.prefetch`),
+so it overlaps the step's forward pass (llguidance releases the GIL while it builds). The llguidance tokenizer
 (from the checkpoint's ``tokenizer.json``, about a second) is built once, on the first
 structured request. No work at all for a batch without grammars.
 """
@@ -27,6 +29,7 @@ structured request. No work at all for a batch without grammars.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +54,21 @@ class GrammarCache:
         self._tokenizer = None
         self.eos_token_ids: list[int] = checkpoint_eos_token_ids(self.model_dir)
         self._pristine: dict[str, object] = {}
+        self._pending: dict[str, Future] = {}
+        self._builder: ThreadPoolExecutor | None = None
+
+    def prefetch(self, grammar: str) -> None:
+        """Starts building ``grammar`` on a background thread unless it is built or being built."""
+        if grammar in self._pristine or grammar in self._pending:
+            return
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-build")
+        if len(self._pending) >= _MAX_CACHED_GRAMMARS:  # sequences that ended before sampling
+            self._pending.pop(next(iter(self._pending)))
+        self._pending[grammar] = self._builder.submit(self._build, grammar)
+
+    def _build(self, grammar: str):
+        return build_matcher(self._llm_tokenizer(), grammar)
 
     def _llm_tokenizer(self):
         if self._tokenizer is None:
@@ -65,8 +83,9 @@ class GrammarCache:
         """
         pristine = self._pristine.get(grammar)
         if pristine is None:
+            pending = self._pending.pop(grammar, None)
             try:
-                pristine = build_matcher(self._llm_tokenizer(), grammar)
+                pristine = pending.result() if pending is not None else self._build(grammar)
             except ValueError as exc:
                 raise ValueError(f"grammar rejected: {exc}") from None
             if len(self._pristine) >= _MAX_CACHED_GRAMMARS:

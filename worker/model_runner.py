@@ -184,6 +184,8 @@ class ModelRunner:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_rank0 else None
             self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
                                                     history=history, prompt_token_ids=new.prompt_token_ids)
+            if new.sampling.grammar and self.ctx.is_rank0:  # built while the forward pass runs
+                self._grammars.prefetch(new.sampling.grammar)
         self._check_chunks(plan)
         for chunk in plan.scheduled:
             state = self._seqs[chunk.seq_id]

@@ -130,3 +130,22 @@ def test_an_extra_eos_id_that_is_also_text_ends_json_only_where_it_is_complete(r
 
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_grammar_built_in_the_background_masks_as_one_built_in_the_step(random_model: Path) -> None:
+    """Rank 0 starts a new sequence's build when the plan arrives (GrammarCache.prefetch); the
+    mask after a prefix is the same, eos (2) is held back until the JSON is complete, and a
+    grammar llguidance refuses still raises when the matcher is asked for."""
+    from coordinator.structured_output import grammar_for
+    from worker.grammar import GrammarCache, GrammarState
+
+    grammar = grammar_for(pb.ResponseFormat(json_schema=json.dumps(SCHEMA)))
+    direct, prefetched = GrammarCache(random_model, 512), GrammarCache(random_model, 512)
+    prefetched.prefetch(grammar)
+    prefix = direct._llm_tokenizer().tokenize_str('{"name":"ab"')
+    masks = [GrammarState(cache.matcher(grammar)).allowed(prefix, cache, (2,)) for cache in (direct, prefetched)]
+    assert (masks[0] == masks[1]).all() and 0 < masks[0].sum() < 512 and not masks[0][2]
+    bad = '{"grammars": [{"lark_grammar": "start: nope"}]}'  # an undefined rule
+    prefetched.prefetch(bad)
+    with pytest.raises(ValueError, match="grammar rejected"):
+        prefetched.matcher(bad)
