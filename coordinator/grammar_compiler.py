@@ -5,15 +5,18 @@ while it works, but a compile cannot be interrupted: a hostile schema (deep ``an
 ``allOf`` of many ``anyOf``, which multiply out) could keep a thread, and a CPU core,
 busy for tens of seconds after its client gave up. So compiles run in a small pool of
 child processes (``python -m coordinator.grammar_compiler``, as the ranks are started;
-``nice`` 19 so serving keeps the CPUs): the validation thread sends ``(kind, source)`` down a pipe and waits at most
-``timeout_s``; a child that takes longer is killed (a fresh one is started in its
-place) and the request is refused. Children start on the first grammar (a server that
-never sees one runs none); their start-up (about a second) is not part of the limit.
+``nice`` 10: serving keeps most of the CPUs, yet a compile on a saturated host still gets
+about a tenth of a core within its limit). The validation thread sends ``(kind, source)``
+down a pipe and waits at most ``timeout_s``; a child that takes longer is killed (a fresh
+one is started in its place) and the request is refused. Children start on the first
+grammar (a server that never sees one runs none); their start-up (about a second) is not
+part of the limit.
 
 A child builds the grammar exactly as rank 0 will (tpserve/llguidance_setup.py: the
 model's llguidance tokenizer and the shared parser limits), so a grammar that compiled
 here builds on the rank, in about the same time, which the limit bounds, and an invalid
-one never reaches a rank. Results (grammars and refusals, not time-outs) are cached by source. No torch.
+one never reaches a rank. Results (grammars and refusals, not time-outs) are cached by
+source. No torch.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def compile_format(kind: Kind, source: str, tokenizer=None) -> str:
 def _serve(conn_in: Connection, conn_out: Connection, model_dir: str, vocab_size: int) -> None:
     """A child's loop: ``(kind, source)`` in, ``("ok", grammar)`` or ``("error", message)`` out."""
     try:
-        os.nice(19)  # behind the ranks and the coordinator on a busy host
+        os.nice(10)  # behind the ranks and the coordinator on a busy host (module docstring)
     except OSError:
         pass
     from tpserve.llguidance_setup import llg_tokenizer

@@ -28,6 +28,7 @@ structured request. No work at all for a batch without grammars.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -56,24 +57,45 @@ class GrammarCache:
         self._pristine: dict[str, object] = {}
         self._pending: dict[str, Future] = {}
         self._builder: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the step thread and PrepareGrammar's gRPC threads
+        self._tokenizer_lock = threading.Lock()
 
-    def prefetch(self, grammar: str) -> None:
-        """Starts building ``grammar`` on a background thread unless it is built or being built."""
-        if grammar in self._pristine or grammar in self._pending:
-            return
-        if self._builder is None:
-            self._builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-build")
-        if len(self._pending) >= _MAX_CACHED_GRAMMARS:  # sequences that ended before sampling
-            self._pending.pop(next(iter(self._pending)))
-        self._pending[grammar] = self._builder.submit(self._build, grammar)
+    def prefetch(self, grammar: str) -> Future | None:
+        """Starts building ``grammar`` on the background thread unless it is built or being built.
+
+        Returns:
+            The build's future, or None when the grammar is already built.
+        """
+        with self._lock:
+            if grammar in self._pristine:
+                return None
+            pending = self._pending.get(grammar)
+            if pending is None:
+                if self._builder is None:
+                    self._builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-build")
+                if len(self._pending) >= _MAX_CACHED_GRAMMARS:  # sequences that ended before sampling
+                    self._pending.pop(next(iter(self._pending)))
+                pending = self._pending[grammar] = self._builder.submit(self._build, grammar)
+            return pending
+
+    def prepare(self, grammar: str) -> None:
+        """Builds ``grammar`` (blocking, on the background thread) so that no step has to.
+
+        Raises:
+            ValueError: llguidance rejects the grammar.
+        """
+        pending = self.prefetch(grammar)
+        if pending is not None:
+            pending.result()
 
     def _build(self, grammar: str):
         return build_matcher(self._llm_tokenizer(), grammar)
 
     def _llm_tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = llg_tokenizer(self.model_dir, self.vocab_size)
-        return self._tokenizer
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llg_tokenizer(self.model_dir, self.vocab_size)
+            return self._tokenizer
 
     def matcher(self, grammar: str):
         """A fresh ``LLMatcher`` for ``grammar`` (compiled once per grammar text).
@@ -81,16 +103,18 @@ class GrammarCache:
         Raises:
             ValueError: llguidance rejects the grammar (the coordinator built it first).
         """
-        pristine = self._pristine.get(grammar)
+        with self._lock:
+            pristine = self._pristine.get(grammar)
+            pending = self._pending.pop(grammar, None) if pristine is None else None
         if pristine is None:
-            pending = self._pending.pop(grammar, None)
             try:
                 pristine = pending.result() if pending is not None else self._build(grammar)
             except ValueError as exc:
                 raise ValueError(f"grammar rejected: {exc}") from None
-            if len(self._pristine) >= _MAX_CACHED_GRAMMARS:
-                self._pristine.pop(next(iter(self._pristine)))
-            self._pristine[grammar] = pristine
+            with self._lock:
+                if len(self._pristine) >= _MAX_CACHED_GRAMMARS:
+                    self._pristine.pop(next(iter(self._pristine)))
+                self._pristine[grammar] = pristine
         return pristine.deep_copy()
 
 

@@ -162,6 +162,15 @@ class ModelRunner:
         """Sequences this rank currently holds state for."""
         return len(self._seqs)
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Builds a structured-output grammar's matcher on rank 0 (blocking; any thread but the step's).
+
+        Raises:
+            ValueError: llguidance rejects the grammar.
+        """
+        if self.ctx.is_rank0:
+            self._grammars.prepare(grammar)
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply ``plan`` and return the sampled tokens (rank 0) or none (other ranks).
 

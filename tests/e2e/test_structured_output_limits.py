@@ -39,8 +39,13 @@ def _refusal(call) -> tuple[grpc.StatusCode, str]:
     return info.value.code(), info.value.details()
 
 
-def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCluster) -> None:
-    client = cluster.client
+def _while_streaming(client, calls) -> tuple[list, list[float], list[int]]:
+    """Runs ``calls`` one after another while a greedy stream decodes and health is polled.
+
+    Returns:
+        Each call's result (or ``(code, details)`` when it raised), the stream's inter-token
+        gaps in seconds over the calls' window, and every health status seen.
+    """
     health = health_pb2_grpc.HealthStub(client.channel)
     statuses: list[int] = []
     arrivals: list[float] = []
@@ -61,18 +66,33 @@ def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCl
     threads = [threading.Thread(target=poll_health), threading.Thread(target=stream)]
     for thread in threads:
         thread.start()
+    results = []
     try:
         while len(arrivals) < 5:  # the stream is decoding
             time.sleep(0.01)
         window_start = time.monotonic()
-        deep = _refusal(lambda: client.generate("Hi", max_tokens=8, json_schema=deep_any_of(200), timeout_s=5))
-        slow = _refusal(lambda: client.generate("Hi", max_tokens=8, json_schema=multiplying_all_of(11), timeout_s=5))
-        many = _refusal(lambda: client.generate("Hi", max_tokens=8, choices=["x" * 300] * 256, timeout_s=5))
+        for call in calls:
+            try:
+                results.append(call())
+            except grpc.RpcError as exc:
+                results.append((exc.code(), exc.details()))
         window_end = time.monotonic()
     finally:
         done.set()
         for thread in threads:
             thread.join()
+    assert arrivals[-1] > window_end, "the stream ended before the calls did: nothing was measured"
+    during = [t for t in arrivals if window_start <= t <= window_end]
+    gaps = [b - a for a, b in zip([window_start, *during], [*during, window_end])]
+    return results, gaps, statuses
+
+
+def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCluster) -> None:
+    client = cluster.client
+    (deep, slow, many), gaps, statuses = _while_streaming(client, [
+        lambda: client.generate("Hi", max_tokens=8, json_schema=deep_any_of(200), timeout_s=5),
+        lambda: client.generate("Hi", max_tokens=8, json_schema=multiplying_all_of(11), timeout_s=5),
+        lambda: client.generate("Hi", max_tokens=8, choices=["x" * 300] * 256, timeout_s=5)])
     assert deep == (grpc.StatusCode.INVALID_ARGUMENT,
                     "sampling_params.response_format.json_schema nests 801 levels deep; the limit is 64")
     # Refused at the compile-time limit (1 s) or by llguidance's own limits, whichever comes first here.
@@ -80,10 +100,22 @@ def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCl
     assert slow[1].startswith("sampling_params.response_format.json_schema "), slow
     assert many == (grpc.StatusCode.INVALID_ARGUMENT,
                     "sampling_params.response_format.choices is 76800 bytes; the limit is 65536")
-    assert arrivals[-1] > window_end, "the stream ended before the hostile requests did: nothing was measured"
-    during = [t for t in arrivals if window_start <= t <= window_end]
-    gaps = [b - a for a, b in zip([window_start, *during], [*during, window_end])]
     assert max(gaps) < MAX_GAP_S, f"inter-token gap up to {max(gaps) * 1000:.0f} ms while refusing"
+    assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
+
+
+def test_an_accepted_heavy_schema_is_built_before_its_request_is_scheduled(cluster: RunningCluster) -> None:
+    """About 0.25 s to build (an ``allOf`` of five four-way ``anyOf``s): rank 0 builds it on a
+    PrepareGrammar call, off the step thread, so the other stream's steps do not wait for it."""
+    schema = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"}},
+                                    "required": [f"p{i}_{j}"]} for j in range(4)]} for i in range(5)]}
+    client = cluster.client
+    (result,), gaps, statuses = _while_streaming(client, [
+        lambda: client.generate("Hi", max_tokens=100, temperature=0, json_schema=schema, timeout_s=30)])
+    assert result.finish_reason in ("stop", "length"), result
+    if result.finish_reason == "stop":
+        assert isinstance(json.loads(result.text), dict), result.text
+    assert max(gaps) < MAX_GAP_S, f"inter-token gap up to {max(gaps) * 1000:.0f} ms while the grammar was built"
     assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
 
 

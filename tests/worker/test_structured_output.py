@@ -133,15 +133,16 @@ def test_an_extra_eos_id_that_is_also_text_ends_json_only_where_it_is_complete(r
 
 
 def test_a_grammar_built_in_the_background_masks_as_one_built_in_the_step(random_model: Path) -> None:
-    """Rank 0 starts a new sequence's build when the plan arrives (GrammarCache.prefetch); the
-    mask after a prefix is the same, eos (2) is held back until the JSON is complete, and a
+    """Rank 0 builds a request's grammar before it is scheduled (PrepareGrammar, GrammarCache.prepare),
+    or at the latest when the plan arrives (GrammarCache.prefetch); the mask after a prefix is the same, eos (2) is held back until the JSON is complete, and a
     grammar llguidance refuses still raises when the matcher is asked for."""
     from coordinator.structured_output import grammar_for
     from worker.grammar import GrammarCache, GrammarState
 
     grammar = grammar_for(pb.ResponseFormat(json_schema=json.dumps(SCHEMA)))
     direct, prefetched = GrammarCache(random_model, 512), GrammarCache(random_model, 512)
-    prefetched.prefetch(grammar)
+    prefetched.prepare(grammar)  # PrepareGrammar: built and waited for, off the step thread
+    assert prefetched.prefetch(grammar).done()  # the step finds it built
     prefix = direct._llm_tokenizer().tokenize_str('{"name":"ab"')
     masks = [GrammarState(cache.matcher(grammar)).allowed(prefix, cache, (2,)) for cache in (direct, prefetched)]
     assert (masks[0] == masks[1]).all() and 0 < masks[0].sum() < 512 and not masks[0][2]

@@ -36,6 +36,18 @@ class InitCacheResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PrepareGrammarRequest(_message.Message):
+    __slots__ = ("grammar",)
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    grammar: str
+    def __init__(self, grammar: _Optional[str] = ...) -> None: ...
+
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...
+
 class WorkerSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "min_tokens_stop_ids", "logprobs", "top_logprobs", "grammar", "prompt_logprobs", "grammar_stop_ids")
     class LogitBiasEntry(_message.Message):
