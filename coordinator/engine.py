@@ -123,7 +123,8 @@ class Engine:
         """Adds a request and yields its outputs until it finishes.
 
         Leaving the iteration early (the client cancelled) aborts the request and frees
-        its KV blocks.
+        its KV blocks. A structured-output request is queued once rank 0 has built its
+        grammar (:meth:`_prepare_grammar`).
 
         Raises:
             UnavailableError: draining, or the worker group is down.

@@ -39,6 +39,8 @@ MAX_COMPILE_SECONDS = 1.0
 #: Longest wait for a child's start-up (interpreter, llguidance, the tokenizer: ~1-2 s idle).
 _START_TIMEOUT_S = 60.0
 _CACHE_SIZE = 256
+#: Seconds beyond two limits a compile may wait for a free child before RESOURCE_EXHAUSTED.
+_QUEUE_SLACK_S = 2.0
 
 
 class GrammarCompileTimeout(Exception):
@@ -163,7 +165,7 @@ class GrammarCompiler:
         Raises:
             ValueError: llguidance refuses it; the message is llguidance's.
             GrammarCompileTimeout: it took longer than ``timeout_s`` seconds.
-            ResourceExhaustedError: every child stayed busy for ``timeout_s`` * the pool size.
+            ResourceExhaustedError: no child came free within two limits (a flood of compiles).
             UnavailableError: the compiler is closed or a child could not start.
         """
         key = (kind, source)
@@ -208,8 +210,8 @@ class GrammarCompiler:
             self._num_started += start
         if start:
             return _Child(self.model_dir, self.vocab_size)
-        try:  # a queue of hostile schemas waits at most one limit per child ahead of it
-            return self._idle.get(timeout=self.timeout_s * self._num_processes + _START_TIMEOUT_S)
+        try:  # a busy child is free (or killed and replaced) within one limit
+            return self._idle.get(timeout=2 * self.timeout_s + _QUEUE_SLACK_S)
         except queue.Empty:
             raise ResourceExhaustedError("every grammar compiler is busy; retry shortly") from None
 
