@@ -101,15 +101,15 @@ class _Child:
     """One compile process and its two pipes."""
 
     def __init__(self, model_dir: str, vocab_size: int) -> None:
-        to_child, from_parent = os.pipe()
-        to_parent, from_child = os.pipe()
+        child_reads, parent_writes = os.pipe()
+        parent_reads, child_writes = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.grammar_compiler", str(to_child), str(from_child), model_dir,
-             str(vocab_size)], pass_fds=(to_child, from_child), stdin=subprocess.DEVNULL)
-        os.close(to_child)
-        os.close(from_child)
-        self.send_conn = Connection(from_parent, readable=False)
-        self.conn = Connection(to_parent, writable=False)
+            [sys.executable, "-m", "coordinator.grammar_compiler", str(child_reads), str(child_writes), model_dir,
+             str(vocab_size)], pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL)
+        os.close(child_reads)
+        os.close(child_writes)
+        self.send_conn = Connection(parent_writes, readable=False)
+        self.conn = Connection(parent_reads, writable=False)
         self.ready = False
 
     def send(self, message: tuple) -> None:
