@@ -21,7 +21,11 @@ start=$(date +%s)
 python3 -m venv "$work/venv"
 PIP=("$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 if command -v nvidia-smi >/dev/null 2>&1; then "${PIP[@]}" 'torch>=2.5'; else "${PIP[@]}" 'torch==2.13.0'; fi
-"${PIP[@]}" "$repo"
+# From a copy of the tracked and unignored files: building in the checkout would leave a
+# build/ whose stale files a later install would package.
+mkdir "$work/src"
+(cd "$repo" && git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -cf -) | tar -xf - -C "$work/src"
+"${PIP[@]}" "$work/src"
 echo "plain install: $(( $(date +%s) - start )) s"
 cd "$work"  # nothing from the checkout is importable from here
 for mod in transformers pytest; do

@@ -124,15 +124,18 @@ class Engine:
         """Adds a request and yields its outputs until it finishes.
 
         Leaving the iteration early (the client cancelled) aborts the request and frees
-        its KV blocks.
+        its KV blocks. A structured-output request is queued once rank 0 has built its
+        grammar (:meth:`_prepare_grammar`).
 
         Raises:
             UnavailableError: draining, or the worker group is down.
             ResourceExhaustedError: the queue is full, or the request can never fit in the KV cache.
             DeadlineExceededError: ``timeout_s`` seconds passed before it finished.
         """
-        state = self._add(params)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if params.sampling.grammar and not (self.dead or self.recovering or self.draining):
+            await self._prepare_grammar(params.sampling.grammar, deadline, timeout_s)
+        state = self._add(params)
         try:
             while True:
                 remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -147,6 +150,27 @@ class Engine:
                     return
         finally:
             self._abort(state)
+
+    async def _prepare_grammar(self, grammar: str, deadline: float | None, timeout_s: float | None) -> None:
+        """Has rank 0 build a structured-output grammar before the request is scheduled, so
+        that no step waits for it (issue 20, fault 3). The coordinator compiled it already,
+        under its time limit (coordinator/grammar_compiler.py); if rank 0 cannot be asked, the
+        step that first samples the request builds it instead (worker/grammar.py).
+
+        Raises:
+            DeadlineExceededError: the client's deadline passed meanwhile.
+            TpserveError: rank 0 refused a grammar the coordinator accepted (INTERNAL: a bug).
+        """
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(self.workers.prepare_grammar(grammar), remaining)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"deadline of {timeout_s:.3f} s exceeded while rank 0 built the "
+                                        "request's grammar") from None
+        except WorkerGroupError as exc:
+            log.warning("grammar not prepared; the step builds it", error=str(exc))
+        except ValueError as exc:
+            raise TpserveError(f"rank 0 refused a grammar the coordinator accepted: {exc}") from None
 
     def _add(self, params: GenerateParams) -> _RequestState:
         if self.dead:

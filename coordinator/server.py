@@ -17,6 +17,7 @@ from coordinator.cache_isolation import tenant_id
 from coordinator.chat import prepare_chat
 from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.errors import UnavailableError
@@ -41,19 +42,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         model_info: what GetModelInfo answers.
         api_keys: whether callers authenticate with API keys: each key is then a tenant
             of its own in the prefix cache (:mod:`coordinator.cache_isolation`).
+        grammars: compiles response_format grammars in child processes under a time
+            limit; None compiles them on the validation thread, unbounded (tests).
     """
 
     def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo,
-                 api_keys: bool = False) -> None:
+                 api_keys: bool = False, grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.api_keys = api_keys
+        self.grammars = grammars
         self.chat_renderer = ChatRenderPool()
 
     async def _validate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
-        tokenize, which on the event loop would freeze every stream and health check.
+        tokenize, which on the event loop would freeze every stream and health check; a
+        grammar compiles in a child process, the thread waiting at most its time limit.
         A chat template renders first, in the bounded renderer pool (never on a thread:
         one that never ends could not be stopped)."""
         self._check_loaded()
@@ -64,7 +69,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             chat = (prompt, await self.chat_renderer.render(self.tokenizer.chat_template, prompt.messages,
                                                             self.tokenizer.special_tokens_map))
         return await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
-                                       self.model_info.max_model_len, tenant, chat)
+                                       self.model_info.max_model_len, tenant, chat, self.grammars)
 
     async def close(self) -> None:
         """Stops the chat template renderers (at shutdown)."""

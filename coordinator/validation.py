@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from coordinator.cache_isolation import prefix_cache_namespace
 from coordinator.chat import ChatPrompt, encode_chat, tokenize_chat
 from coordinator.errors import InvalidArgumentError
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sampling_controls import validate_sampling_controls
 from coordinator.tokenizer import Tokenizer
 from tpserve.step import SEED_MODULUS, SamplingParams
@@ -63,7 +64,8 @@ class GenerateParams:
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                     tenant: str = "", chat: tuple[ChatPrompt, str] | None = None) -> GenerateParams:
+                     tenant: str = "", chat: tuple[ChatPrompt, str] | None = None,
+                     grammars: GrammarCompiler | None = None) -> GenerateParams:
     """Checks a request and tokenizes its prompt (blocking: about 1 s for a 1 MiB prompt; the
     server runs it off its event loop).
 
@@ -76,6 +78,8 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
             ``""`` when API keys are off.
         chat: for a chat request, its prepared messages and their rendered text
             (:class:`coordinator.chat_renderer.ChatRenderPool`); None renders them here.
+        grammars: compiles a response_format in child processes under a time limit
+            (the server's); None compiles on this thread (tests, tools).
 
     Raises:
         InvalidArgumentError: a field is missing or out of range; the message names it.
@@ -122,7 +126,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
             f"sampling_params.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     _check_token_ids("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
-    controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids)  # min_p, penalties, ...
+    controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids, grammars)  # min_p, penalties, ...
 
     return GenerateParams(
         request_id=request.request_id,

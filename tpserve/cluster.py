@@ -40,6 +40,7 @@ from coordinator.auth import ApiKeyInterceptor, read_api_keys
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.metrics import Metrics
 from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
@@ -209,6 +210,7 @@ class Cluster:
             if self.workers is not None:
                 await self.workers.close()
             self.ranks.stop()
+            self.servicer.grammars.close()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             log.info("stopped", exit_code=self._exit_code)
         return self._exit_code
@@ -251,7 +253,10 @@ class Cluster:
         self.api_keys = ApiKeyInterceptor(keys) if keys else None
         interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
         server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
-        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0), api_keys=bool(keys))
+        # Structured output grammars compile in child processes, bounded in time (issue 20, fault 3).
+        grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
+        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0), api_keys=bool(keys),
+                                           grammars=grammars)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -162,6 +162,15 @@ class ModelRunner:
         """Sequences this rank currently holds state for."""
         return len(self._seqs)
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Builds a structured-output grammar's matcher on rank 0 (blocking; any thread but the step's).
+
+        Raises:
+            ValueError: llguidance rejects the grammar.
+        """
+        if self.ctx.is_rank0:
+            self._grammars.prepare(grammar)
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply ``plan`` and return the sampled tokens (rank 0) or none (other ranks).
 
@@ -184,6 +193,8 @@ class ModelRunner:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_rank0 else None
             self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
                                                     history=history, prompt_token_ids=new.prompt_token_ids)
+            if new.sampling.grammar and self.ctx.is_rank0:  # built while the forward pass runs
+                self._grammars.prefetch(new.sampling.grammar)
         self._check_chunks(plan)
         for chunk in plan.scheduled:
             state = self._seqs[chunk.seq_id]
