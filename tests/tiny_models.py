@@ -26,7 +26,7 @@ class TinyModelSpec:
 
     Attributes:
         name: short id used in test names and directory names.
-        model_type: ``"llama"``, ``"qwen2"`` or ``"qwen3"``.
+        model_type: ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"phi3"``.
         config: keyword arguments of the ``transformers`` config class.
         max_shard_size: when set, ``save_pretrained`` shards the checkpoint
             (``model.safetensors.index.json``).
@@ -78,15 +78,19 @@ TINY_MODELS: tuple[TinyModelSpec, ...] = (
     TinyModelSpec("qwen3_qk_norm", "qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                                              "vocab_size": 190, "tie_word_embeddings": False,
                                              "rope_theta": 1000000.0}, seed=6),
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj); GQA, untied.
+    TinyModelSpec("phi3_fused", "phi3", {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 170,
+                                         "tie_word_embeddings": False, "pad_token_id": 0}, seed=7),
 )
 
 
 def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
     """The ``transformers`` model of ``spec`` with seeded random weights, float32, eval mode."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     config_cls, model_cls = {
+        "phi3": (Phi3Config, Phi3ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
