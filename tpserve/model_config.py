@@ -159,15 +159,16 @@ class ModelConfig:
         Args:
             key: the config key, e.g. ``"attention_bias"``.
             default: the value ``transformers`` assumes when the key is absent.
-            kind: the type(s) the value must have; default ``type(default)``. ``bool``
-                accepts only booleans; ``float`` accepts integers too.
+            kind: the type(s) the value must have; default ``type(default)`` (no check
+                when ``default`` is None too). ``bool`` accepts only booleans; ``float``
+                accepts integers too.
 
         Raises:
             ValueError: the value has another type; the message names the key.
         """
         value = self.hf_config.get(key)
-        if value is None:
-            return default
+        if value is None or (kind is None and default is None):
+            return default if value is None else value
         kinds = kind if isinstance(kind, tuple) else (kind or type(default),)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             return float(value)  # type: ignore[return-value]

@@ -127,6 +127,7 @@ def test_hf_value_reads_family_keys_with_their_types() -> None:
     config = ModelConfig.from_dict(_llama(attention_bias=True, partial_factor=1, name="x"))
     assert config.hf_value("attention_bias", False) is True
     assert config.hf_value("mlp_bias", False) is False  # absent: the default
+    assert config.hf_value("name", None) == "x" and config.hf_value("absent", None) is None  # unchecked
     assert config.hf_value("partial_factor", 0.5) == 1.0 and isinstance(config.hf_value("partial_factor", 0.5), float)
     with pytest.raises(ValueError, match=r"config.json name='x' must be of type bool"):
         config.hf_value("name", False)
