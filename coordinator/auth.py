@@ -25,8 +25,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-#: The methods that need a key: everything of the tpserve Generation service.
-_PROTECTED_PREFIX = "/tpserve.v1.Generation/"
+#: The methods that need a key: everything of the tpserve Generation service and of the
+#: engine protocol a gateway speaks (coordinator/vllm_engine_service.py; smg's --api-key).
+_PROTECTED_PREFIX = ("/tpserve.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
 
 
 def read_api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:

@@ -127,6 +127,17 @@ class BlockAllocator:
 
     # -- the prefix cache ------------------------------------------------------------
 
+    def evict_cached(self) -> int:
+        """Drops every cached block nobody holds from the prefix cache (they become plain
+        free blocks); held blocks keep their hashes. Returns how many were dropped."""
+        num_dropped = len(self._evictable)
+        for block_id in self._evictable:
+            del self._block_of_hash[self._hash_of_block.pop(block_id)]
+            self._free.append(block_id)
+        self._evictable.clear()
+        return num_dropped
+
+
     def lookup(self, block_hashes: Iterable[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of ``block_hashes`` (nothing changes).
 
