@@ -1,0 +1,155 @@
+"""A real gateway (``smg`` from PyPI) over two tp-1 replicas of stories260k, used with the real ``openai`` client.
+
+The gateway tokenizes, renders the chat template and detokenizes itself, then routes
+token ids to a replica over the engine protocol (coordinator/vllm_engine_service.py).
+Its answers are checked against the same replicas' native API on the same token ids
+(the native API is checked against transformers by the goldens tests). Every test
+shares one gateway and one pair of replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+from coordinator.tokenizer import Tokenizer
+from tests.e2e.cluster import RunningCluster, serve
+from tests.e2e.gateway import RunningGateway, model_with_chat_template, run_gateway
+from tests.paths import STORIES_DIR, requires_stories
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Lily went to the park"]
+MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+          "additionalProperties": False}
+
+
+@dataclass
+class Fleet:
+    replicas: list[RunningCluster]
+    gateway: RunningGateway
+    client: openai.OpenAI
+    tokenizer: Tokenizer
+    model: str
+
+    def loads(self) -> list[vpb.SchedulerLoad]:
+        """Each replica's GetLoads, by the engine protocol."""
+        out = []
+        for replica in self.replicas:
+            with grpc.insecure_channel(replica.target) as channel:
+                out.append(vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads(vpb.GetLoadsRequest(), timeout=5)
+                           .loads[0])
+        return out
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The token ids the gateway sends for a completions prompt: the gateway's tokenizer
+        adds no BOS (it reads none from stories260k's tokenizer.json), where ours does."""
+        ids = self.tokenizer.encode(text)
+        return ids[1:] if ids[:1] == [self.tokenizer.bos_token_id] else ids
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    model = model_with_chat_template(STORIES_DIR, tmp / "stories260k")
+    with ExitStack() as stack:
+        replicas = [stack.enter_context(serve(model, 1, log_path=tmp / f"replica{i}.log")) for i in range(2)]
+        gateway = stack.enter_context(run_gateway([r.target for r in replicas], tmp / "smg.log",
+                                                  "--policy", "round_robin"))
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield Fleet(replicas, gateway, client, Tokenizer.from_pretrained(model), model.name)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completions_equal_native_generate_streamed_and_not(fleet: Fleet, prompt: str) -> None:
+    ids = fleet.prompt_ids(prompt)
+    native = fleet.replicas[0].client.generate(ids, max_tokens=24, temperature=0.0)
+    whole = fleet.client.completions.create(model=fleet.model, prompt=prompt, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == native.text
+    assert whole.choices[0].finish_reason == native.finish_reason
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), native.usage.completion_tokens)
+    stream = fleet.client.completions.create(model=fleet.model, prompt=prompt, max_tokens=24, temperature=0,
+                                             stream=True)
+    deltas = [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert "".join(deltas) == native.text
+    assert len([d for d in deltas if d]) > 1
+
+
+def test_chat_equals_native_chat(fleet: Fleet) -> None:
+    native = fleet.replicas[1].client.generate(MESSAGES, max_tokens=32, temperature=0.0)
+    chat = fleet.client.chat.completions.create(model=fleet.model, messages=MESSAGES, max_tokens=32, temperature=0)
+    # The gateway strips the completion's leading whitespace in chat messages, as OpenAI's API does.
+    assert chat.choices[0].message.content == native.text.lstrip()
+    assert chat.usage.prompt_tokens == native.usage.prompt_tokens  # the same template, rendered twice
+
+
+def test_chat_logprobs_equal_native_logprobs(fleet: Fleet) -> None:
+    native = fleet.replicas[0].client.generate(MESSAGES, max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2)
+    chat = fleet.client.chat.completions.create(model=fleet.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in native.logprobs], abs=1e-5)
+    assert [t.logprob for c in content for t in c.top_logprobs] == \
+        pytest.approx([t.logprob for lp in native.logprobs for t in lp.top_logprobs], abs=1e-5)
+    assert [c.token for c in content] == [fleet.tokenizer.decode([lp.token_id]) for lp in native.logprobs]
+
+
+def test_stop_strings_and_max_tokens(fleet: Fleet) -> None:
+    ids = fleet.prompt_ids(PROMPTS[0])
+    native = fleet.replicas[1].client.generate(ids, max_tokens=40, temperature=0.0, stop=[" named"])
+    assert native.finish_reason == "stop"
+    out = fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                          stop=[" named"])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (native.text, "stop")
+    short = fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (3, "length")
+
+
+def test_json_schema_response_format(fleet: Fleet) -> None:
+    native = fleet.replicas[0].client.generate(MESSAGES, max_tokens=48, temperature=0.0, json_schema=SCHEMA)
+    chat = fleet.client.chat.completions.create(
+        model=fleet.model, messages=MESSAGES, max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}})
+    text = chat.choices[0].message.content
+    assert text == native.text.lstrip()
+    if chat.choices[0].finish_reason == "stop":  # a finished object is valid under the schema
+        assert set(json.loads(text)) == {"name"}
+    else:
+        assert text.startswith('{"name":"')
+
+
+def test_a_bad_request_is_a_4xx_with_the_message(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[0], max_tokens=-1)
+    assert info.value.status_code == 400 and "max_tokens" in str(info.value)
+    # Refused by the replica (INVALID_ARGUMENT), not the gateway: its message comes through.
+    with pytest.raises(openai.BadRequestError) as info:
+        fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[0], max_tokens=4, top_p=1.5)
+    assert "top_p" in str(info.value)
+
+
+def test_a_client_that_disconnects_frees_the_replicas_blocks(fleet: Fleet) -> None:
+    stream = fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[2], max_tokens=400, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    for _, _ in zip(range(3), stream):
+        pass
+    assert sum(load.num_running_reqs for load in fleet.loads()) == 1
+    stream.close()
+    closed = time.monotonic()
+    while True:
+        loads = fleet.loads()
+        if all(load.num_used_tokens == 0 and load.num_running_reqs == 0 for load in loads):
+            break
+        assert time.monotonic() - closed < 2.0, f"blocks still held 2 s after the client left: {loads}"
+        time.sleep(0.05)
