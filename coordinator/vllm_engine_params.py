@@ -30,6 +30,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from coordinator.engine import RequestOutput
 from coordinator.errors import InvalidArgumentError
 from coordinator.logprobs import TokenLogprob
+from coordinator.parallel_sampling import MAX_N
 from coordinator.sequence import FinishReason
 from tpserve.step import MAX_TOP_LOGPROBS, SEED_MODULUS
 from tpserve.v1 import generate_pb2 as pb
@@ -89,11 +90,11 @@ def to_sampling_params(params: vpb.SamplingParams) -> pb.SamplingParams:
     """The public sampling parameters of an engine-protocol request.
 
     Raises:
-        InvalidArgumentError: ``n`` > 1, an unsupported constraint, or logprob counts
+        InvalidArgumentError: ``n`` > MAX_N, an unsupported constraint, or logprob counts
             out of [0, 20]; the message names the field.
     """
-    if params.n > 1:
-        raise InvalidArgumentError(f"sampling_params.n is {params.n}; this server returns 1 completion per request")
+    if params.n > MAX_N:
+        raise InvalidArgumentError(f"sampling_params.n must be in [1, {MAX_N}], got {params.n}")
     out = pb.SamplingParams(stop=list(params.stop), ignore_eos=params.ignore_eos,
                             include_stop_str_in_output=params.include_stop_str_in_output)
     if params.HasField("temperature"):
@@ -186,9 +187,10 @@ def _top(lp: TokenLogprob) -> vpb.TopLogProbs:
 
 
 def chunk(output: RequestOutput, prompt_token_ids: Sequence[int], num_logprobs: int,
-          num_prompt_logprobs: int) -> vpb.GenerateResponse:
-    """One streamed delta: the tokens this output added (counts are deltas, as vLLM's)."""
+          num_prompt_logprobs: int, index: int = 0) -> vpb.GenerateResponse:
+    """One streamed delta of sample ``index``: the tokens this output added (counts are deltas, as vLLM's)."""
     return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
+        index=index,
         token_ids=output.token_ids, prompt_tokens=output.num_prompt_tokens,
         completion_tokens=len(output.token_ids), cached_tokens=output.num_cached_prompt_tokens,
         output_logprobs=output_logprobs(output.logprobs, num_logprobs),
@@ -197,15 +199,15 @@ def chunk(output: RequestOutput, prompt_token_ids: Sequence[int], num_logprobs: 
 
 def complete(last: RequestOutput, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob],
              prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob], num_logprobs: int,
-             num_prompt_logprobs: int) -> vpb.GenerateResponse:
-    """The final message: ``token_ids`` and ``logprobs`` are the whole completion's when not
+             num_prompt_logprobs: int, index: int = 0) -> vpb.GenerateResponse:
+    """The final message of sample ``index``: ``token_ids`` and ``logprobs`` are the whole completion's when not
     streaming, the last delta's when streaming (as vLLM's servicer sends them).
 
     ``completion_tokens`` is the request's usage, the stopping token (EOS or a stop token
     id, never returned) included, as ``tpserve.v1``'s usage counts it.
     """
     return vpb.GenerateResponse(complete=vpb.GenerateComplete(
-        output_ids=token_ids, finish_reason=FINISH_REASONS[last.finish_reason],
+        index=index, output_ids=token_ids, finish_reason=FINISH_REASONS[last.finish_reason],
         prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_completion_tokens,
         cached_tokens=last.num_cached_prompt_tokens,
         output_logprobs=output_logprobs(logprobs, num_logprobs),

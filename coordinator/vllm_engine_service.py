@@ -38,6 +38,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from coordinator.cache_isolation import tenant_id
 from coordinator.engine import Engine
 from coordinator.errors import UnavailableError
+from coordinator.parallel_sampling import generate_n
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
 from coordinator.vllm_engine_params import chunk, complete, to_generate_request
@@ -89,22 +90,28 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
         num_prompt_logprobs = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else 0
         prompt = params.prompt_token_ids
-        token_ids, logprobs, prompt_logprobs = [], [], []
-        async for output in engine.generate(params, context.time_remaining()):
-            prompt_logprobs.extend(output.prompt_logprobs)
+        n = max(sampling.n, 1)
+        token_ids = [[] for _ in range(n)]
+        logprobs = [[] for _ in range(n)]
+        prompt_logprobs = [[] for _ in range(n)]
+        completes = {}
+        async for index, output in generate_n(engine, params, n, context.time_remaining()):
+            prompt_logprobs[index].extend(output.prompt_logprobs)
             finished = output.finish_reason is not None
             if request.stream:
                 if output.token_ids or output.prompt_logprobs:
-                    yield chunk(output, prompt, num_logprobs, num_prompt_logprobs)
+                    yield chunk(output, prompt, num_logprobs, num_prompt_logprobs, index)
                 if finished:
-                    yield complete(output, output.token_ids, output.logprobs, prompt, prompt_logprobs, num_logprobs,
-                                   num_prompt_logprobs)
+                    yield complete(output, output.token_ids, output.logprobs, prompt, prompt_logprobs[index],
+                                   num_logprobs, num_prompt_logprobs, index)
             else:
-                token_ids.extend(output.token_ids)
-                logprobs.extend(output.logprobs)
+                token_ids[index].extend(output.token_ids)
+                logprobs[index].extend(output.logprobs)
                 if finished:
-                    yield complete(output, token_ids, logprobs, prompt, prompt_logprobs, num_logprobs,
-                                   num_prompt_logprobs)
+                    completes[index] = complete(output, token_ids[index], logprobs[index], prompt,
+                                                prompt_logprobs[index], num_logprobs, num_prompt_logprobs, index)
+        for index in sorted(completes):  # not streamed: every sample at the end, in order (as vLLM's servicer)
+            yield completes[index]
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         engine = self.generation.engine

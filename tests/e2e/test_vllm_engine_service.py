@@ -89,7 +89,7 @@ def test_prompt_logprobs_have_an_empty_first_entry(server: RunningCluster, engin
 
 
 @pytest.mark.parametrize(("fields", "named"), [
-    (dict(sampling_params=vpb.SamplingParams(n=2)), "sampling_params.n"),
+    (dict(sampling_params=vpb.SamplingParams(n=17)), "sampling_params.n"),
     (dict(sampling_params=vpb.SamplingParams(structural_tag="{}")), "sampling_params.structural_tag"),
     (dict(sampling_params=vpb.SamplingParams(grammar="start: 'a'")), "sampling_params.grammar"),
     (dict(sampling_params=vpb.SamplingParams(logprobs=-1)), "sampling_params.logprobs"),
@@ -180,3 +180,25 @@ def test_embed_and_profiling_are_unimplemented_with_a_reason(server: RunningClus
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and info.value.details()
+
+
+def test_n_samples_compute_the_prompt_once_and_equal_seeded_native_requests(server: RunningCluster, engine) -> None:
+    """n=4: samples 1 to 3 find the prompt's full blocks that sample 0 computed (prefix-cache
+    hits 3x the prompt's full blocks); sample i is the native request with seed + i."""
+    prompt = (_prompt_ids(server) * 4)[:40]  # 2 full blocks of 16 and 8 tokens
+    engine.FlushCache(common_pb2.FlushCacheRequest(), timeout=5)
+    hits = server.metric("tpserve:prefix_cache_hits_total")
+    messages = list(engine.Generate(_request(prompt, stream=True, temperature=1.0, seed=7, max_tokens=12, n=4),
+                                    timeout=60))
+    assert server.metric("tpserve:prefix_cache_hits_total") - hits == 3 * 32
+    completes = {m.complete.index: m.complete for m in messages if m.HasField("complete")}
+    assert sorted(completes) == [0, 1, 2, 3]
+    assert sorted(c.cached_tokens for c in completes.values()) == [0, 32, 32, 32]
+    for index in range(4):
+        tokens = [t for m in messages if m.HasField("chunk") and m.chunk.index == index for t in m.chunk.token_ids]
+        native = server.client.generate(prompt, temperature=1.0, seed=7 + index, max_tokens=12)
+        assert tokens == native.token_ids
+    (whole,) = [list(engine.Generate(_request(prompt, temperature=1.0, seed=7, max_tokens=12, n=2), timeout=60))]
+    assert [m.complete.index for m in whole] == [0, 1]
+    assert list(whole[1].complete.output_ids) == server.client.generate(prompt, temperature=1.0, seed=8,
+                                                                          max_tokens=12).token_ids
