@@ -71,7 +71,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("gateway")
     model = model_with_chat_template(STORIES_DIR, tmp / "stories260k")
     with ExitStack() as stack:
-        replicas = [stack.enter_context(serve(model, 1, log_path=tmp / f"replica{i}.log")) for i in range(2)]
+        # Each in a process group of its own, which the last test kills.
+        replicas = [stack.enter_context(serve(model, 1, log_path=tmp / f"replica{i}.log", new_session=True))
+                    for i in range(2)]
         gateway = stack.enter_context(run_gateway([r.target for r in replicas], tmp / "smg.log",
                                                   "--policy", "round_robin"))
         client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -231,3 +233,42 @@ def test_cache_aware_routing_finds_the_sessions_prefixes(fleet: Fleet, tmp_path:
     assert cache_aware >= 0.85 * ideal
     assert cache_aware / ideal >= 1.2 * round_robin / rr_ideal
     assert min(per_replica) >= 0.1 * sum(per_replica)  # both replicas served sessions
+
+
+def test_a_killed_replica_costs_no_request_and_hangs_none(fleet: Fleet) -> None:
+    """kill -9 of one replica's process group under a steady stream of requests: the gateway
+    retries on the other replica (and its breaker and health checks drop the dead one), so
+    every request succeeds and none hangs. Runs last: the fleet has one replica afterwards."""
+    import os
+    import signal
+    import threading
+
+    results: list[tuple[float, float, str]] = []  # (start, seconds, outcome)
+    stop = threading.Event()
+
+    def stream_of_requests() -> None:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                out = fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[0], max_tokens=8,
+                                                      temperature=0, timeout=20)
+                outcome = out.choices[0].finish_reason
+            except openai.OpenAIError as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            results.append((start, time.monotonic() - start, outcome))
+
+    threads = [threading.Thread(target=stream_of_requests) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    killed = time.monotonic()
+    os.killpg(fleet.replicas[1].process.pid, signal.SIGKILL)
+    time.sleep(4.0)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "a request hung"
+    after = [r for r in results if r[0] > killed]
+    assert len(after) >= 10 and len([r for r in results if r[0] < killed]) >= 2
+    assert [r for r in results if r[2] != "length"] == []  # every request, before and after the kill
+    assert max(seconds for _, seconds, _ in results) < 10
