@@ -19,11 +19,25 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from coordinator.engine import Engine, RequestOutput
+from coordinator.errors import InvalidArgumentError
 from coordinator.validation import GenerateParams
 from tpserve.step import SEED_MODULUS
+from tpserve.v1 import generate_pb2 as pb
 
 #: Most completions one request may ask for (vLLM has no limit; this bounds one caller's share).
 MAX_N = 16
+
+
+def num_samples(params: pb.SamplingParams) -> int:
+    """The request's ``n``, checked.
+
+    Raises:
+        InvalidArgumentError: ``n`` outside [1, MAX_N].
+    """
+    n = params.n if params.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise InvalidArgumentError(f"sampling_params.n must be in [1, {MAX_N}], got {n}")
+    return n
 
 
 def sample_params(params: GenerateParams, index: int) -> GenerateParams:

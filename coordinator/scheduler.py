@@ -5,10 +5,12 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
 1. Running sequences, oldest first, each get the tokens it has not computed yet
    (one for a decode, the rest of the prompt, or a chunk of it, for a prefill),
    within ``max_num_batched_tokens``. When the KV blocks they need are not free,
-   the newest running sequence is preempted: its blocks are freed and it goes
-   back to the front of the queue, to be recomputed later (recompute preemption).
-2. If nothing was preempted, waiting sequences are admitted first come, first
-   served, while the step has token budget, a sequence slot (``max_num_seqs``)
+   the newest running sequence not yet scheduled in this step with the lowest
+   priority (the largest ``priority`` value) is preempted: its blocks are freed and it
+   goes back to the queue, ahead of every later request of its priority, to be
+   recomputed later (recompute preemption).
+2. If nothing was preempted, waiting sequences are admitted in order of priority,
+   then first come, first served, while the step has token budget, a sequence slot (``max_num_seqs``)
    and free blocks for the whole remaining prompt: a request is admitted only
    when its blocks fit. A long prompt may be split into chunks over several steps.
    With prefix caching, an admitted sequence first takes references to the cached
@@ -112,7 +114,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence (its prompt must be non-empty and fit max_model_len)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Puts ``seq`` in the queue after every sequence of its priority that came before it."""
+        position = len(self.waiting)
+        while position and (self.waiting[position - 1].priority, self.waiting[position - 1].seq_id) > \
+                (seq.priority, seq.seq_id):
+            position -= 1
+        self.waiting.insert(position, seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a sequence now (stop string, abort, cancel): frees its blocks at once.
@@ -145,7 +155,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)  # older than every waiting sequence of its priority: first among them
 
     def reset_workers(self) -> int:
         """The worker group was replaced (restarted after a failure): its KV caches are empty.
@@ -194,14 +204,16 @@ class Scheduler:
                 proposal, num_draft, num_spec = (), 0, 0  # no room for guesses: decode as usual (preempt if need be)
                 new_block_ids = self._grow(seq, num_new)
             while new_block_ids is None:
-                victim = self.running[-1]
+                # The lowest priority among those not scheduled yet (seq and later), newest first.
+                victim = self.running[max(range(index, len(self.running)),
+                                          key=lambda i: (self.running[i].priority, i))]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
                 new_block_ids = self._grow(seq, num_new)
             if new_block_ids is None:
-                break  # seq itself was preempted; every older one is scheduled
+                continue  # seq itself was preempted (out of running): the next one is at index now
             scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
             budget -= num_new + num_spec
             index += 1

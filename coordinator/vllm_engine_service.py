@@ -116,8 +116,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         engine = self.generation.engine
         if engine is not None:  # nothing runs while loading: nothing to abort
+            tenant = tenant_id(context.invocation_metadata()) if self.generation.api_keys else None
             for request_id in request.request_ids:
-                engine.abort_request(request_id)
+                engine.abort_request(request_id, tenant)
         return vpb.AbortResponse()
 
     async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext) -> vpb.EmbedResponse:

@@ -136,6 +136,31 @@ def test_preemption_recomputes_the_newest_sequence() -> None:
     assert plan.scheduled[0].start_position == 0 and plan.scheduled[0].num_tokens == 3 + 2
 
 
+def test_priority_orders_the_queue_and_picks_the_preemption_victim() -> None:
+    """Lower values first (vLLM's convention): a later high-priority request overtakes waiting
+    low-priority ones, and under KV pressure the low-priority sequence is preempted, not the newest."""
+    scheduler = Scheduler(BlockAllocator(64, 2), max_num_seqs=1, max_num_batched_tokens=64)
+    lows = [make_seq(i, 3, max_tokens=1) for i in range(4)]
+    for seq in lows:
+        seq.priority = 1
+        scheduler.add(seq)
+    high = make_seq(4, 3, max_tokens=1)
+    scheduler.add(high)
+    admitted = [step(scheduler)[0].new_seqs[0].seq_id for _ in range(5)]
+    assert admitted == [4, 0, 1, 2, 3]
+
+    scheduler = Scheduler(BlockAllocator(4, 2), max_num_seqs=4, max_num_batched_tokens=64)
+    low, high = make_seq(0, 3, max_tokens=4), make_seq(1, 3, max_tokens=4)
+    low.priority = 1
+    scheduler.add(low)
+    scheduler.add(high)
+    step(scheduler)
+    step(scheduler)
+    plan, _ = step(scheduler)  # both need a third block: the low-priority (older) one goes
+    assert [c.seq_id for c in plan.scheduled] == [1] and plan.finished_seq_ids == (0,)
+    assert low.status is SequenceStatus.WAITING and low.num_preemptions == 1 and high.num_preemptions == 0
+
+
 def test_finish_frees_blocks_at_once_and_drops_late_tokens() -> None:
     scheduler = Scheduler(BlockAllocator(8, 4), max_num_seqs=4, max_num_batched_tokens=64)
     seq = make_seq(0, 5)

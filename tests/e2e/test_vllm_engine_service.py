@@ -1,5 +1,6 @@
 """The engine protocol (``vllm.grpc.engine.VllmEngine``) on a real server of stories260k, by a raw gRPC client.
 
+The last tests check Abort, ``n`` and ``priority`` on the native API (tpserve.v1).
 One server with ``--max-num-seqs 1`` serves every test: the queue test needs requests
 to wait, the others run one request at a time anyway. Values are checked against the
 same server's native API (``tpserve.v1``), itself checked against transformers by the
@@ -22,6 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from tests.e2e.cluster import RunningCluster, serve
 from tests.paths import STORIES_DIR, requires_stories
+from tpserve.v1 import generate_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -202,3 +204,67 @@ def test_n_samples_compute_the_prompt_once_and_equal_seeded_native_requests(serv
     assert [m.complete.index for m in whole] == [0, 1]
     assert list(whole[1].complete.output_ids) == server.client.generate(prompt, temperature=1.0, seed=8,
                                                                           max_tokens=12).token_ids
+
+
+# -- the same controls on the native API (tpserve.v1) ---------------------------------------------
+
+
+def test_native_abort_ends_only_the_named_request_and_frees_its_blocks(server: RunningCluster, engine) -> None:
+    stream = server.client.generate_stream(_prompt_ids(server), request_id="native-abort", temperature=0.0,
+                                           max_tokens=400, ignore_eos=True, timeout_s=60)
+    next(stream)
+    assert server.client.abort("no-such-request") == 0
+    assert server.client.abort("native-abort") == 1
+    assert list(stream)[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert _loads(engine).num_used_tokens == 0
+
+
+def test_native_n_streams_indexed_samples_from_one_prefill(server: RunningCluster) -> None:
+    prompt = (_prompt_ids(server) * 4)[:40]
+    with grpc.insecure_channel(server.target) as channel:
+        vllm_engine_pb2_grpc.VllmEngineStub(channel).FlushCache(common_pb2.FlushCacheRequest(), timeout=5)
+    hits = server.metric("tpserve:prefix_cache_hits_total")
+    messages = list(server.client.generate_stream(prompt, temperature=1.0, seed=3, max_tokens=10, n=4, timeout_s=60))
+    assert server.metric("tpserve:prefix_cache_hits_total") - hits == 3 * 32
+    for index in range(4):
+        mine = [m for m in messages if m.index == index]
+        native = server.client.generate(prompt, temperature=1.0, seed=3 + index, max_tokens=10)
+        assert [t for m in mine for t in m.token_ids] == native.token_ids
+        assert "".join(m.text for m in mine) == native.text
+        assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH and mine[-1].usage.completion_tokens == 10
+    with pytest.raises(grpc.RpcError) as info:
+        server.client.generate(prompt, n=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateStream" in info.value.details()
+
+
+def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(server: RunningCluster) -> None:
+    """--max-num-seqs 1: one request runs, 20 of priority 1 wait, then one of priority 0 arrives:
+    it is the next admitted, and finishes before any of the 20 starts."""
+    import threading
+
+    prompt = _prompt_ids(server)
+    first_token_at: dict[str, float] = {}
+
+    def consume(name: str, **kwargs) -> None:
+        for message in server.client.generate_stream(prompt, request_id=name, temperature=0.0, timeout_s=120,
+                                                     **kwargs):
+            if message.token_ids and name not in first_token_at:
+                first_token_at[name] = time.monotonic()
+
+    blocker = threading.Thread(target=consume, args=("blocker",), kwargs=dict(max_tokens=400, ignore_eos=True))
+    blocker.start()
+    while "blocker" not in first_token_at:
+        time.sleep(0.01)
+    lows = [threading.Thread(target=consume, args=(f"low{i}",), kwargs=dict(max_tokens=4, priority=1))
+            for i in range(20)]
+    for thread in lows:
+        thread.start()
+    time.sleep(0.5)  # all 20 queued
+    high = threading.Thread(target=consume, args=("high",), kwargs=dict(max_tokens=4, priority=0))
+    high.start()
+    time.sleep(0.3)
+    server.client.abort("blocker")
+    for thread in [blocker, high, *lows]:
+        thread.join(60)
+    assert len(first_token_at) == 22
+    assert first_token_at["high"] < min(first_token_at[f"low{i}"] for i in range(20))
