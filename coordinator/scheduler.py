@@ -173,7 +173,11 @@ class Scheduler:
         self._trims.clear()
         for seq in self.waiting:
             seq.on_workers = False
+        listener = self.allocator.listener
         self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
+        self.allocator.listener = listener
+        if listener is not None:
+            listener.cleared()
         return len(running)
 
     # -- the two verbs -----------------------------------------------------------------
@@ -383,7 +387,11 @@ class Scheduler:
             return
         hashes = extend_block_hashes(seq, self.block_size, num_computed_tokens)
         for index in range(first, last):
-            self.allocator.cache(seq.block_ids[index], hashes[index])
+            # Tokens and parent go to a KV-event listener only (coordinator/kv_events.py).
+            tokens = seq.token_ids(index * self.block_size, (index + 1) * self.block_size) \
+                if self.allocator.listener is not None else ()
+            self.allocator.cache(seq.block_ids[index], hashes[index], tokens, hashes[index - 1] if index else None,
+                                 seq.cache_namespace)
 
     def _cached_blocks_written(self, scheduled: list[ScheduledChunk]) -> list[int]:
         """Blocks a plan's chunks write that are cached or shared (always empty unless there is a bug)."""

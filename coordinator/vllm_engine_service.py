@@ -10,9 +10,10 @@ prefix cache and metrics (:mod:`coordinator.vllm_engine_params` translates at th
 edge). Errors are :mod:`coordinator.errors` exceptions, mapped to status codes by the
 one interceptor.
 
-Not served (UNIMPLEMENTED, with the reason): Embed (generation models only), the
-profiler RPCs, and SubscribeKvEvents (the gateway's ``cache_aware`` policy then keeps
-its own approximate prefix tree of the requests it routed). The protocol has no
+SubscribeKvEvents streams the prefix cache's stored and removed blocks
+(:mod:`coordinator.kv_events`), which the gateway's ``cache_aware`` policy routes on. Not
+served (UNIMPLEMENTED, with the reason): Embed (generation models only) and the profiler
+RPCs. The protocol has no
 ``cache_salt`` field: requests through a gateway share the anonymous tenant's
 unsalted prefix cache unless the server requires API keys (each key a tenant).
 
@@ -38,6 +39,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from coordinator.cache_isolation import tenant_id
 from coordinator.engine import Engine
 from coordinator.errors import UnavailableError
+from coordinator.kv_events import KvEventLog
 from coordinator.parallel_sampling import generate_n
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
@@ -48,6 +50,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "tokenizer.model")
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 SERVER_TYPE = "tpserve-grpc"
+#: How often a SubscribeKvEvents stream sends what the prefix cache did meanwhile.
+KV_EVENTS_INTERVAL_S = 0.02
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -135,9 +139,24 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published; the gateway's "
-                            "cache_aware policy routes on its own prefix tree and GetLoads")
-        yield common_pb2.KvEventBatch()  # unreachable: makes this a generator, as the RPC streams
+        """Streams the prefix cache's events from now on (``start_sequence_number`` is not
+        replayed: blocks cached before the subscription are not announced), a batch every
+        :data:`KV_EVENTS_INTERVAL_S` at most."""
+        allocator = self._engine().scheduler.allocator
+        if allocator.listener is None:  # kept across a worker-group restart (Scheduler.reset_workers)
+            allocator.listener = KvEventLog(allocator.block_size)
+        log = allocator.listener
+        subscriber = log.subscribe()
+        try:
+            sequence_number = 1
+            while True:
+                await asyncio.sleep(KV_EVENTS_INTERVAL_S)
+                batch = log.drain(subscriber, sequence_number)
+                if batch is not None:
+                    sequence_number += 1
+                    yield batch
+        finally:
+            log.unsubscribe(subscriber)
 
     # -- state -----------------------------------------------------------------------------------
 

@@ -176,6 +176,30 @@ def test_flush_cache_drops_the_prefix_cache(server: RunningCluster, engine) -> N
     assert after.complete.cached_tokens == 0
 
 
+def test_kv_events_announce_stored_and_removed_blocks(server: RunningCluster, engine) -> None:
+    prompt = [(7 * i) % 400 + 3 for i in range(40)]  # a prompt no other test uses: 2 full blocks
+    engine.FlushCache(common_pb2.FlushCacheRequest(), timeout=5)
+    events = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+    time.sleep(0.2)  # subscribed
+    (done,) = engine.Generate(_request(prompt, temperature=0.0, max_tokens=2), timeout=30)
+    assert done.complete.finish_reason == "length"
+    stored = []
+    for batch in events:
+        stored += [e.stored for e in batch.events if e.HasField("stored")]
+        if len(stored) >= 2:
+            break
+    assert [list(s.blocks[0].token_ids) for s in stored[:2]] == [prompt[:16], prompt[16:32]]
+    assert not stored[0].HasField("parent_block_hash")
+    assert stored[1].parent_block_hash == stored[0].blocks[0].block_hash
+    engine.FlushCache(common_pb2.FlushCacheRequest(), timeout=5)  # the request is done: both blocks go
+    removed = set()
+    for batch in events:
+        removed |= {h for e in batch.events if e.HasField("removed") for h in e.removed.block_hashes}
+        if {s.blocks[0].block_hash for s in stored[:2]} <= removed:
+            break
+    events.cancel()
+
+
 def test_embed_and_profiling_are_unimplemented_with_a_reason(server: RunningCluster, engine) -> None:
     for call in (lambda: engine.Embed(vpb.EmbedRequest(), timeout=5),
                  lambda: engine.StartProfile(common_pb2.StartProfileRequest(), timeout=5)):
