@@ -9,6 +9,8 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
    priority (the largest ``priority`` value) is preempted: its blocks are freed and it
    goes back to the queue, ahead of every later request of its priority, to be
    recomputed later (recompute preemption).
+   Before that, a waiting sequence that cannot be admitted (too few free blocks, no
+   free slot) preempts running sequences of lower priority to take their place.
 2. If nothing was preempted, waiting sequences are admitted in order of priority,
    then first come, first served, while the step has token budget, a sequence slot (``max_num_seqs``)
    and free blocks for the whole remaining prompt: a request is admitted only
@@ -193,6 +195,7 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         preempted = False
 
+        self._preempt_for_priority()
         speculate = self.proposer is not None and (self.disable_speculation_above is None
                                                    or len(self.running) <= self.disable_speculation_above)
         index = 0
@@ -355,6 +358,27 @@ class Scheduler:
         return outputs
 
     # -- the prefix cache --------------------------------------------------------------
+
+    def _preempt_for_priority(self) -> None:
+        """The first waiting sequence takes the place of running ones of lower priority when it
+        cannot be admitted otherwise (too few free blocks for its prompt, or no free slot):
+        they are preempted, lowest priority and newest first, until it fits. Nothing is
+        preempted when even all of them would not make room."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        lower = [seq for seq in self.running if seq.priority > head.priority]
+        if not lower:
+            return
+        cached = self._cached_prefix(head)
+        num_needed = num_blocks_for(head.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
+        reclaimable = sum(1 for seq in lower for block_id in seq.block_ids if self.allocator.ref_count(block_id) == 1)
+        if num_needed > self.allocator.num_free_blocks + reclaimable:
+            return
+        while lower and not (self.allocator.can_allocate(num_needed) and len(self.running) < self.max_num_seqs):
+            victim = max(lower, key=lambda seq: (seq.priority, self.running.index(seq)))
+            lower.remove(victim)
+            self._preempt(victim)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks ``seq``'s tokens start with, leaving at least its last token to compute.
