@@ -29,8 +29,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-#: The methods that need a key: everything of the tpserve Generation service.
-_PROTECTED_PREFIX = "/tpserve.v1.Generation/"
+#: The methods that need a key: everything of the tpserve Generation service and of the
+#: engine protocol a gateway speaks (coordinator/vllm_engine_service.py; smg's --api-key).
+_PROTECTED_PREFIX = ("/tpserve.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
 #: ``Bearer <token>``: the scheme in any case, then one or more spaces (RFC 6750 section 2.1).
 _BEARER = re.compile(rb"(?i:bearer) +(\S+) *")
 

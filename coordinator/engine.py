@@ -75,6 +75,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     arrival_time: float
+    tenant: str = ""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_time: float | None = None
 
@@ -195,9 +196,11 @@ class Engine:
             stop=StopParams(params.max_tokens, self.tokenizer.eos_token_ids, params.stop_token_ids, params.ignore_eos),
             max_model_len=self.max_model_len,
             cache_namespace=params.cache_namespace,
+            priority=params.priority,
         )
         state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
-                              StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic())
+                              StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic(),
+                              params.tenant)
         self._states[seq_id] = state
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
@@ -222,6 +225,33 @@ class Engine:
             # Cancelled, timed out or failed: counted like any finished request (issue 11, fault 13).
             self._observe_finished(state, time.monotonic(), FinishReason.ABORT)
         self._update_gauges()
+
+    def abort_request(self, request_id: str, tenant: str | None = None) -> int:
+        """Ends every unfinished request named ``request_id`` now (an explicit Abort): its
+        blocks are freed at once and its stream ends with finish_reason ABORT.
+
+        Args:
+            request_id: the caller's request id (every sample of an ``n`` > 1 request has it).
+            tenant: only requests of this tenant (API keys on); None: any request.
+
+        Returns:
+            How many were aborted (0: none in flight).
+        """
+        now, num_aborted = time.monotonic(), 0
+        for state in [s for s in self._states.values()
+                      if s.request_id == request_id and (tenant is None or s.tenant == tenant)]:
+            seq = state.seq
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self._observe_finished(state, now, FinishReason.ABORT)
+            state.queue.put_nowait(RequestOutput(state.request_id, "", [], FinishReason.ABORT, seq.num_prompt_tokens,
+                                                 seq.num_output_tokens, seq.num_cached_prompt_tokens or 0))
+            num_aborted += 1
+        if num_aborted:
+            log.info("request aborted by the caller", request_id=request_id, num_aborted=num_aborted)
+            self._update_gauges()
+        return num_aborted
 
     # -- the loop ----------------------------------------------------------------------
 

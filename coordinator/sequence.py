@@ -69,6 +69,8 @@ class Sequence:
         cache_namespace: the prefix-cache namespace block 0's hash chains from
             (:func:`coordinator.cache_isolation.prefix_cache_namespace`: the caller's tenant
             and ``cache_salt``); ``b""`` for the anonymous, unsalted one.
+        priority: the queue's order: lower values are admitted first, and preempted
+            last (vLLM's convention); equal priorities keep arrival order. Default 0.
     """
 
     seq_id: int
@@ -88,6 +90,7 @@ class Sequence:
     prompt_logprobs: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
     speculation: AdaptiveSpeculation = field(default_factory=AdaptiveSpeculation)
     cache_namespace: bytes = b""
+    priority: int = 0
 
     @property
     def num_tokens(self) -> int:

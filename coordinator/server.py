@@ -1,4 +1,4 @@
-"""The public gRPC API: ``Generate``, ``GenerateStream`` and ``GetModelInfo``.
+"""The public gRPC API: ``Generate``, ``GenerateStream``, ``Abort`` and ``GetModelInfo``.
 
 Protobuf stops here: each handler validates its request into ``GenerateParams``,
 iterates the engine's ``RequestOutput`` stream and encodes responses. Errors are
@@ -20,7 +20,8 @@ from coordinator.engine import Engine, RequestOutput
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
-from coordinator.errors import UnavailableError
+from coordinator.errors import InvalidArgumentError, UnavailableError
+from coordinator.parallel_sampling import generate_n, num_samples
 from coordinator.validation import GenerateParams, chat_messages, validate_request
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
@@ -80,6 +81,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise UnavailableError("the model is still loading; retry when the health service reports SERVING")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        if num_samples(request.sampling_params) > 1:
+            raise InvalidArgumentError("sampling_params.n > 1 needs GenerateStream (its messages carry the index)")
         params = await self._validate(request, context)
         text: list[str] = []
         token_ids: list[int] = []
@@ -99,15 +102,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             prompt_logprobs=prompt_logprobs)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        n = num_samples(request.sampling_params)
         params = await self._validate(request, context)
-        async for output in self.engine.generate(params, context.time_remaining()):
+        async for index, output in generate_n(self.engine, params, n, context.time_remaining()):
             finished = output.finish_reason is not None
             if not (output.text or output.token_ids or finished or output.prompt_logprobs):
                 continue  # text held back and no token to report: nothing to send
             yield pb.GenerateStreamResponse(
-                request_id=output.request_id, text=output.text, token_ids=output.token_ids,
+                request_id=output.request_id, index=index, text=output.text, token_ids=output.token_ids,
                 finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None,
                 logprobs=_logprobs(output), prompt_logprobs=_logprobs(output, prompt=True))
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        self._check_loaded()
+        # With API keys a caller may end only its own requests; without, requests have no owner.
+        tenant = tenant_id(context.invocation_metadata()) if self.api_keys else None
+        return pb.AbortResponse(num_aborted=sum(self.engine.abort_request(request_id, tenant)
+                                                for request_id in request.request_ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         # While loading, the KV pool and the dtype are not known yet: UNAVAILABLE, as Generate.

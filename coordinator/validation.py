@@ -50,6 +50,8 @@ class GenerateParams:
         include_stop_str_in_output: keep a matched stop string at the end of the text.
         cache_namespace: the prefix-cache namespace of the caller's tenant and
             ``cache_salt`` (:mod:`coordinator.cache_isolation`).
+        priority: queue order, lower first (:class:`coordinator.sequence.Sequence`).
+        tenant: the caller's tenant id ("" without API keys): whose Abort may end it.
     """
 
     request_id: str
@@ -61,6 +63,8 @@ class GenerateParams:
     ignore_eos: bool
     include_stop_str_in_output: bool = False
     cache_namespace: bytes = b""
+    priority: int = 0
+    tenant: str = ""
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
@@ -138,6 +142,8 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
         cache_namespace=prefix_cache_namespace(tenant, request.cache_salt),
+        priority=request.priority,
+        tenant=tenant,
     )
 
 

@@ -35,6 +35,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from coordinator.auth import ApiKeyInterceptor, read_api_keys
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
@@ -47,6 +48,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
 from coordinator.tls import ServerCertificates
 from coordinator.tokenizer import Tokenizer
+from coordinator.vllm_engine_service import VllmEngineServicer
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.cluster_secret import AioSecretServerInterceptor, read_secret
 from tpserve.config import ClusterConfig, ServerConfig
@@ -62,6 +64,7 @@ from tpserve.v1 import generate_pb2_grpc
 log = structlog.get_logger(__name__)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 #: Seconds in-flight RPCs get to finish on shutdown (--shutdown-grace-seconds' default).
 SHUTDOWN_GRACE_SECONDS = ServerConfig.model_fields["shutdown_grace_seconds"].default
 #: Seconds the other nodes' streams get to carry the leader's goodbye.
@@ -258,8 +261,11 @@ class Cluster:
         self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0), api_keys=bool(keys),
                                            grammars=grammars)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        # The engine protocol a gateway (smg) routes, on the same port and engine.
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(self.servicer, self.model_dir), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
         return server
 
     async def _set_health(self, status: int) -> None:
