@@ -27,7 +27,7 @@ from typing import Any
 from tpserve.quantization import Quantization, checkpoint_quantization
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
@@ -48,9 +48,13 @@ class ModelConfig:
         rms_norm_eps: epsilon inside RMSNorm's square root.
         rope_theta: RoPE base wavelength (Su et al. 2021, arXiv:2104.09864).
         rope_scaling: ``None`` for plain RoPE, else a dict with ``rope_type``
-            ``"linear"`` (``factor``) or ``"llama3"`` (``factor``,
+            ``"linear"`` (``factor``), ``"llama3"`` (``factor``,
             ``low_freq_factor``, ``high_freq_factor``,
-            ``original_max_position_embeddings``).
+            ``original_max_position_embeddings``), ``"yarn"`` (``factor``,
+            ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
+            ``truncate``, ``attention_factor``, ``mscale``, ``mscale_all_dim``; the
+            last three may be None) or ``"dynamic"`` (``factor``,
+            ``max_position_embeddings``); worker/layers/rotary.py has the formulas.
         max_position_embeddings: longest sequence the model was built for, in tokens.
         tie_word_embeddings: the LM head reuses the input embedding matrix.
         attention_bias: q_proj, k_proj and v_proj carry a bias.
@@ -177,6 +181,20 @@ class ModelConfig:
                 f"multiple of it, so the key/value heads cannot be replicated evenly"
             )
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence this model serves, in tokens: ``max_position_embeddings``, extended
+        by RoPE scaling that extrapolates past it (vLLM's rule): ``"dynamic"`` to
+        ``max_position_embeddings * factor``, ``"yarn"`` to ``original_max_position_embeddings * factor``
+        (when longer)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * scaling["factor"])
+        if scaling.get("rope_type") == "yarn":
+            return max(self.max_position_embeddings,
+                       int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+        return self.max_position_embeddings
+
     def num_kv_heads_per_rank(self, tp: int) -> int:
         """Key/value heads each rank stores: ``total_num_kv_heads / tp``, at least 1."""
         return max(1, self.total_num_kv_heads // tp)
@@ -236,18 +254,32 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     if rope_type == "default":
         return rope_theta, None
-    if "factor" not in params:
+    if rope_type == "yarn" and params.get("factor") is None:  # transformers: the ratio of the two lengths
+        original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        if original:
+            params["factor"] = max_position_embeddings / original
+    if params.get("factor") is None:
         raise ValueError(f"rope_scaling rope_type={rope_type!r} needs a 'factor'")
     scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(params["factor"])}
+    original_max = int(
+        raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or max_position_embeddings
+    )
     if rope_type == "llama3":
         missing = [key for key in _LLAMA3_ROPE_KEYS if key not in params]
         if missing:
             raise ValueError(f"rope_scaling rope_type='llama3' is missing {missing}")
         scaling["low_freq_factor"] = float(params["low_freq_factor"])
         scaling["high_freq_factor"] = float(params["high_freq_factor"])
-        scaling["original_max_position_embeddings"] = int(
-            raw.get("original_max_position_embeddings")
-            or params.get("original_max_position_embeddings")
-            or max_position_embeddings
-        )
+        scaling["original_max_position_embeddings"] = original_max
+    elif rope_type == "yarn":  # defaults as transformers' _compute_yarn_parameters
+        scaling["original_max_position_embeddings"] = original_max
+        scaling["beta_fast"] = float(params.get("beta_fast") or 32)
+        scaling["beta_slow"] = float(params.get("beta_slow") or 1)
+        scaling["truncate"] = bool(params.get("truncate", True))
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            scaling[key] = None if params.get(key) is None else float(params[key])
+    elif rope_type == "dynamic":  # transformers scales against max_position_embeddings itself
+        scaling["max_position_embeddings"] = max_position_embeddings
     return rope_theta, scaling

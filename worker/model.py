@@ -124,7 +124,7 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden), all-reduced over ranks
-        rope = self.rotary_emb(positions, h.dtype)  # cos, sin: (T, 1, head_dim) each
+        rope = self.rotary_emb(positions, h.dtype, attn_metadata.rope_seq_lens)  # cos, sin: (T, 1, head_dim) each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv_cache, attn_metadata)  # (T, hidden)
         return self.norm(h)  # (T, hidden)

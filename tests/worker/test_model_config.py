@@ -88,7 +88,8 @@ def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
     ("overrides", "words"),
     [
         ({"model_type": "gpt2"}, ["model_type='gpt2'"]),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type='yarn'"]),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, ["rope_type='longrope'"]),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, ["dynamic", "factor"]),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["llama3", "low_freq_factor"]),
         ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, ["sliding_window=4096"]),
         ({"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window"]),
