@@ -34,7 +34,7 @@ def test_inv_freq_matches_transformers(case: str) -> None:
     hf_config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=2048,
                             rope_theta=500000.0, rope_scaling=dict(scaling) if scaling else None)
     hf_rope = LlamaRotaryEmbedding(hf_config)
-    config = ModelConfig.from_dict(hf_config.to_dict())
+    config = ModelConfig.from_dict({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     assert torch.equal(ours, hf_rope.inv_freq)
 
@@ -71,7 +71,7 @@ def test_dynamic_ntk_matches_transformers_forward_by_forward(prompt_len: int, de
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     hf_config = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=64, rope_theta=10000.0,
-                            rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+                            rope_scaling={"rope_type": "dynamic", "factor": 2.0}, architectures=["LlamaForCausalLM"])
     hf_rope = LlamaRotaryEmbedding(hf_config)
     config = ModelConfig.from_dict(hf_config.to_dict())
     assert config.max_model_len == 128
@@ -103,7 +103,7 @@ def test_step_inputs_carry_each_rows_dynamic_length() -> None:
 def test_scaled_rope_extends_the_model_length() -> None:
     from tpserve.model_config import ModelConfig as Config
 
-    base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
             "num_attention_heads": 2, "max_position_embeddings": 4096}
     assert Config.from_dict(base).max_model_len == 4096
     yarn = Config.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
