@@ -1,0 +1,104 @@
+"""One model family against ``transformers`` at several tensor-parallel degrees (parent side of its tests).
+
+The scenario of issue 19, for a tiny seeded checkpoint whose sliding window (if any)
+is a few blocks long, so that blocks fall out of it:
+
+* **alone**: 8 prompts of 3 to 40 tokens, one sequence at a time, 32 greedy tokens each;
+  the first four also ask for their prompt logprobs;
+* **16 at once**: every prompt twice. The second copies arrive one step later: odd ones
+  prefill in chunks of ``window`` tokens (a chunk boundary on the window's edge), even
+  ones hit the prefix cache of their first copy (whole shared blocks, the rest
+  prefilled); two copies are preempted after 12 tokens, past the window, and recomputed.
+
+Every sampled token must equal ``transformers``' greedy ``generate``, the logits of every
+sampled row (float32) ``transformers``' within 1e-4, and the prompt logprobs the
+log-softmax of ``transformers``' logits within 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
+from tests.worker.scenarios import GREEDY, SeqSpec, build_plans, hf_reference
+from tests.worker.tp_harness import Job, StepRecord
+from tpserve.step import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 512
+NUM_NEW_TOKENS = 32
+PROMPT_LENGTHS = (3, 9, 17, 24, 30, 12, 40, 6)
+WITH_PROMPT_LOGPROBS = SamplingParams(temperature=0.0, prompt_logprobs=2)
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """The jobs of one checkpoint and what rank 0 must report for them."""
+
+    jobs: tuple[Job, ...]
+    expected: dict[str, list[list[tuple[int, int]]]]  # job name -> per step: (seq_id, completion index)
+    completions: dict[int, list[int]]  # seq_id -> greedy tokens
+    logits: dict[int, torch.Tensor]  # seq_id -> (NUM_NEW_TOKENS, vocab) float32
+    prompt_log_softmax: dict[int, torch.Tensor]  # seq_id -> (len(prompt), vocab): row i predicts token i + 1
+    prompts: dict[int, tuple[int, ...]]
+
+
+def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int = 0) -> FamilyCase:
+    """Save ``spec``'s checkpoint in ``directory``, compute ``transformers``' reference and the plans."""
+    save_tiny_model(spec, directory)
+    model = load_hf_model(directory)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prompts = [tuple(rng.randrange(3, vocab) for _ in range(n)) for n in PROMPT_LENGTHS]
+    specs = [SeqSpec(i, p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)]
+    completions, logits = hf_reference(model, specs)
+    log_softmax = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            log_softmax[i] = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    n = len(prompts)
+    step = window or 8
+    alone = [SeqSpec(i, p, NUM_NEW_TOKENS, WITH_PROMPT_LOGPROBS if i < 4 else GREEDY, arrive_step=33 * i)
+             for i, p in enumerate(prompts)]
+    together = [SeqSpec(i, p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)]
+    together += [SeqSpec(n + i, p, NUM_NEW_TOKENS, arrive_step=1,
+                         prefill_chunk=step if i % 2 else None, prefix_from=None if i % 2 else i,
+                         preempt_after=12 if i in (2, 3) else None)
+                 for i, p in enumerate(prompts)]
+    for i in range(n):  # the copies generate what their originals do
+        completions[n + i], logits[n + i] = completions[i], logits[i]
+    jobs, expected = [], {}
+    for name, seqs in (("alone", alone), ("together", together)):
+        plans, want = build_plans(seqs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
+        job_name = f"{spec.name}/{name}"
+        jobs.append(Job(job_name, str(directory), tuple(plans), NUM_BLOCKS, BLOCK_SIZE))
+        expected[job_name] = want
+    return FamilyCase(tuple(jobs), expected, completions, logits, log_softmax, dict(enumerate(prompts)))
+
+
+def check(case: FamilyCase, records: dict[str, list[StepRecord]]) -> None:
+    """Assert every job's tokens, logits and prompt logprobs equal the reference's."""
+    for job in case.jobs:
+        steps, want = records[job.name], case.expected[job.name]
+        assert len(steps) == len(want)
+        scored = 0
+        for step, (record, samples) in enumerate(zip(steps, want, strict=True)):
+            tokens = tuple(case.completions[seq_id][index] for seq_id, index in samples)
+            assert record.sampled_token_ids == tokens, f"{job.name} step {step}: samples {samples}"
+            if samples:
+                expected_logits = torch.stack([case.logits[seq_id][index] for seq_id, index in samples])
+                torch.testing.assert_close(record.logits, expected_logits, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m, step=step: f"{job.name} step {step}: {m}")
+            for scores in record.prompt_logprobs:
+                reference = case.prompt_log_softmax[scores.seq_id]
+                prompt = case.prompts[scores.seq_id]
+                for i, logprob in enumerate(scores.logprobs):
+                    position = scores.first_position + i
+                    assert abs(logprob - float(reference[position - 1, prompt[position]])) < 1e-4
+                    scored += 1
+        if job.name.endswith("/alone"):
+            assert scored == sum(len(case.prompts[i]) - 1 for i in range(4))  # every asked prompt token
