@@ -3,21 +3,32 @@
 The scenario of issue 19, for a tiny seeded checkpoint whose sliding window (if any)
 is a few blocks long, so that blocks fall out of it:
 
-* **alone**: 8 prompts of 3 to 40 tokens, one sequence at a time, 32 greedy tokens each;
-  the first four also ask for their prompt logprobs;
+* **alone** (degree 1 only: a batch's effect does not depend on the degree, and at 2
+  and 4 its ~260 one-sequence steps would double the suite's multi-process time): 8
+  prompts of 3 to 40 tokens, one sequence at a time, 32 greedy tokens each; the first
+  four also ask for their prompt logprobs;
 * **16 at once**: every prompt twice. The second copies arrive one step later: odd ones
   prefill in chunks of ``window`` tokens (a chunk boundary on the window's edge), even
   ones hit the prefix cache of their first copy (whole shared blocks, the rest
-  prefilled); two copies are preempted after 12 tokens, past the window, and recomputed.
+  prefilled); two copies are preempted after 12 tokens, past the window, and recomputed;
+  the first two originals ask for their prompt logprobs.
 
 Every sampled token must equal ``transformers``' greedy ``generate``, the logits of every
 sampled row (float32) ``transformers``' within 1e-4, and the prompt logprobs the
 log-softmax of ``transformers``' logits within 1e-4.
+
+Starting a process group costs more than the tiny models' steps, so every family test
+module registers its checkpoints at import (:func:`register`; pytest imports every
+module before it runs any test) and the first test to ask for a degree runs every
+registered checkpoint's jobs in one group (:func:`records_at`).
 """
 
 from __future__ import annotations
 
+import atexit
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +36,7 @@ import torch
 
 from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
 from tests.worker.scenarios import GREEDY, SeqSpec, build_plans, hf_reference
-from tests.worker.tp_harness import Job, StepRecord
+from tests.worker.tp_harness import Job, StepRecord, run_jobs
 from tpserve.step import SamplingParams
 
 BLOCK_SIZE = 4
@@ -64,7 +75,8 @@ def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int 
     step = window or 8
     alone = [SeqSpec(i, p, NUM_NEW_TOKENS, WITH_PROMPT_LOGPROBS if i < 4 else GREEDY, arrive_step=33 * i)
              for i, p in enumerate(prompts)]
-    together = [SeqSpec(i, p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)]
+    together = [SeqSpec(i, p, NUM_NEW_TOKENS, WITH_PROMPT_LOGPROBS if i in (1, 6) else GREEDY)
+                for i, p in enumerate(prompts)]
     together += [SeqSpec(n + i, p, NUM_NEW_TOKENS, arrive_step=1,
                          prefill_chunk=step if i % 2 else None, prefix_from=None if i % 2 else i,
                          preempt_after=12 if i in (2, 3) else None)
@@ -80,9 +92,48 @@ def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int 
     return FamilyCase(tuple(jobs), expected, completions, logits, log_softmax, dict(enumerate(prompts)))
 
 
-def check(case: FamilyCase, records: dict[str, list[StepRecord]]) -> None:
-    """Assert every job's tokens, logits and prompt logprobs equal the reference's."""
-    for job in case.jobs:
+_REGISTERED: dict[str, tuple[TinyModelSpec, int | None]] = {}
+_CASES: dict[str, FamilyCase] = {}
+_RECORDS: dict[int, dict[str, list[StepRecord]]] = {}
+
+
+def register(spec: TinyModelSpec, window: int | None) -> str:
+    """Declare a checkpoint (at a test module's import); returns its name for :func:`case` and :func:`check`."""
+    _REGISTERED[spec.name] = (spec, window)
+    return spec.name
+
+
+def case(name: str) -> FamilyCase:
+    """The prepared case of a registered checkpoint (every registered one prepared on first use)."""
+    if not _CASES:
+        root = Path(tempfile.mkdtemp(prefix="tpserve-families-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        for seed, (spec, window) in enumerate(_REGISTERED.values()):
+            _CASES[spec.name] = prepare(spec, root / spec.name, window, seed=seed)
+    return _CASES[name]
+
+
+def records_at(tp: int) -> dict[str, list[StepRecord]]:
+    """Rank 0's records of every registered checkpoint's jobs at degree ``tp``, run once in one group."""
+    if tp not in _RECORDS:
+        case(next(iter(_REGISTERED)))
+        _RECORDS[tp] = run_jobs([job for c in _CASES.values() for job in _jobs_at(c, tp)], world_size=tp)
+    return _RECORDS[tp]
+
+
+def check(name: str, tp: int) -> None:
+    """Assert checkpoint ``name``'s tokens, logits and prompt logprobs at degree ``tp`` equal the reference's."""
+    family, records = case(name), records_at(tp)
+    _check(family, records, tp)
+
+
+def _jobs_at(case: FamilyCase, tp: int) -> list[Job]:
+    """Both jobs at degree 1, "together" above (see the module docstring)."""
+    return [job for job in case.jobs if tp == 1 or job.name.endswith("/together")]
+
+
+def _check(case: FamilyCase, records: dict[str, list[StepRecord]], tp: int) -> None:
+    for job in _jobs_at(case, tp):
         steps, want = records[job.name], case.expected[job.name]
         assert len(steps) == len(want)
         scored = 0
@@ -100,5 +151,5 @@ def check(case: FamilyCase, records: dict[str, list[StepRecord]]) -> None:
                     position = scores.first_position + i
                     assert abs(logprob - float(reference[position - 1, prompt[position]])) < 1e-4
                     scored += 1
-        if job.name.endswith("/alone"):
-            assert scored == sum(len(case.prompts[i]) - 1 for i in range(4))  # every asked prompt token
+        asked = range(4) if job.name.endswith("/alone") else (1, 6)
+        assert scored == sum(len(case.prompts[i]) - 1 for i in asked)  # every asked prompt token

@@ -13,37 +13,28 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_models import TinyModelSpec
-from tests.worker.family_check import FamilyCase, check, prepare
-from tests.worker.tp_harness import run_jobs
+from tests.worker.family_check import case, check, register
 
 WINDOW = 8
-SPECS = (
-    TinyModelSpec("mistral_window", "mistral", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                                                "vocab_size": 150, "sliding_window": WINDOW}, seed=11),
-    TinyModelSpec("qwen2_window", "qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                                            "vocab_size": 170, "use_sliding_window": True,
-                                            "sliding_window": WINDOW, "max_window_layers": 1}, seed=12),
-)
-
-
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FamilyCase]:
-    return {spec.name: prepare(spec, tmp_path_factory.mktemp(spec.name), WINDOW, seed=i)
-            for i, spec in enumerate(SPECS)}
+MISTRAL = register(TinyModelSpec("mistral_window", "mistral", {
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 150,
+    "sliding_window": WINDOW}, seed=11), WINDOW)
+QWEN2 = register(TinyModelSpec("qwen2_window", "qwen2", {
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 170,
+    "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}, seed=12), WINDOW)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_sliding_window_models_match_transformers(tp: int, cases: dict[str, FamilyCase]) -> None:
-    records = run_jobs([job for case in cases.values() for job in case.jobs], world_size=tp)
-    for case in cases.values():
-        check(case, records)
+@pytest.mark.parametrize("name", [MISTRAL, QWEN2])
+def test_sliding_window_model_matches_transformers(name: str, tp: int) -> None:
+    check(name, tp)
 
 
-def test_the_checkpoints_really_slide(cases: dict[str, FamilyCase]) -> None:
+def test_the_checkpoints_really_slide() -> None:
     """Guards the test itself: the saved configs give the windows the docstring promises."""
     from tpserve.model_config import ModelConfig
 
-    mistral = ModelConfig.from_pretrained(cases["mistral_window"].jobs[0].model_dir)
-    qwen = ModelConfig.from_pretrained(cases["qwen2_window"].jobs[0].model_dir)
+    mistral = ModelConfig.from_pretrained(case(MISTRAL).jobs[0].model_dir)
+    qwen = ModelConfig.from_pretrained(case(QWEN2).jobs[0].model_dir)
     assert [mistral.layer_sliding_window(i) for i in range(2)] == [WINDOW, WINDOW]
     assert [qwen.layer_sliding_window(i) for i in range(2)] == [None, WINDOW]
