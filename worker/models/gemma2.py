@@ -193,8 +193,6 @@ class Gemma2ForCausalLM(CausalLM):
     """
 
     stacked_params_mapping = LLAMA_STACKED_PARAMS
-    #: Every ``LAYER_PATTERN``-th layer is global when the config lists no ``layer_types``.
-    LAYER_PATTERN = 2
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool,
                  quantization: Quantization | None = None) -> None:
@@ -202,7 +200,7 @@ class Gemma2ForCausalLM(CausalLM):
         self.config = config
         self.quantization = quantization
         self.final_logit_softcap = config.hf_value("final_logit_softcapping", None, (int, float))
-        layer_types = gemma_layer_types(config, self.LAYER_PATTERN)
+        layer_types = self.layer_types(config)
         layers = [GemmaDecoderLayer(config, ctx, dtype, quantization,
                                     self.attention(config, ctx, dtype, quantization, layer_type), layer_type)
                   for layer_type in layer_types]
@@ -211,6 +209,10 @@ class Gemma2ForCausalLM(CausalLM):
         self.tie_word_embeddings = tie_word_embeddings
         if tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def layer_types(self, config: ModelConfig) -> tuple[str, ...]:
+        """Each layer's type: the config's ``layer_types``, else local and global alternating."""
+        return gemma_layer_types(config, 2)
 
     def attention(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                   quantization: Quantization | None, layer_type: str) -> nn.Module:
