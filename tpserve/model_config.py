@@ -304,7 +304,8 @@ def _parse_attention_windows(
     return window, tuple(layer_types)
 
 
-def _parse_layer_rope(raw: dict[str, Any], max_position_embeddings: int) -> dict[str, tuple[float, dict[str, Any] | None]]:
+def _parse_layer_rope(raw: dict[str, Any],
+                      max_position_embeddings: int) -> dict[str, tuple[float, dict[str, Any] | None]]:
     """RoPE parameters nested by layer type (``transformers`` 5), each parsed as :func:`_parse_rope`; else {}."""
     params = raw.get("rope_parameters")
     if not isinstance(params, dict) or not params or not set(params) <= set(LAYER_TYPES):

@@ -103,7 +103,8 @@ def test_step_inputs_carry_each_rows_dynamic_length() -> None:
 def test_scaled_rope_extends_the_model_length() -> None:
     from tpserve.model_config import ModelConfig as Config
 
-    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 1,
             "num_attention_heads": 2, "max_position_embeddings": 4096}
     assert Config.from_dict(base).max_model_len == 4096
     yarn = Config.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,

@@ -158,7 +158,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     _kernel()[(num_seqs, num_kv_heads, num_splits)](
-        partial, partial_max, partial_sum, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split, *window,
+        partial, partial_max, partial_sum, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
+        *window,
         q.stride(0), q.stride(1), 0, 0, *strides, SPLIT=True, **constants)
     weights = torch.exp(partial_max - partial_max.amax(dim=-1, keepdim=True))  # (S, H, splits); 0 where empty
     combined = (partial * weights.unsqueeze(-1)).sum(dim=2) / (partial_sum * weights).sum(dim=-1, keepdim=True)

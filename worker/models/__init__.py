@@ -8,6 +8,7 @@ loader and the runner is worker/models/base.py's :class:`CausalLM`.
 | --------- | --------------------------------------------------------- |
 | llama.py  | LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM    |
 | gemma2.py | Gemma2ForCausalLM (its pieces also serve Gemma 3)         |
+| gemma3.py | Gemma3ForCausalLM (text)                                  |
 """
 
 from __future__ import annotations
