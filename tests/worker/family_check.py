@@ -65,12 +65,13 @@ def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int 
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     prompts = [tuple(rng.randrange(3, vocab) for _ in range(n)) for n in PROMPT_LENGTHS]
-    specs = [SeqSpec(i, p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)]
-    completions, logits = hf_reference(model, specs)
-    log_softmax = {}
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            log_softmax[i] = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    if (model.config.rope_parameters or {}).get("rope_type") == "dynamic":
+        completions, logits, log_softmax = _dynamic_rope_reference(model, prompts)
+    else:
+        completions, logits = hf_reference(model, [SeqSpec(i, p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)])
+        with torch.no_grad():
+            log_softmax = {i: torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1)
+                           for i, p in enumerate(prompts)}
     n = len(prompts)
     step = window or 8
     alone = [SeqSpec(i, p, NUM_NEW_TOKENS, WITH_PROMPT_LOGPROBS if i < 4 else GREEDY, arrive_step=33 * i)
@@ -90,6 +91,35 @@ def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int 
         jobs.append(Job(job_name, str(directory), tuple(plans), NUM_BLOCKS, BLOCK_SIZE))
         expected[job_name] = want
     return FamilyCase(tuple(jobs), expected, completions, logits, log_softmax, dict(enumerate(prompts)))
+
+
+@torch.no_grad()
+def _dynamic_rope_reference(model: torch.nn.Module, prompts: list[tuple[int, ...]]):
+    """Dynamic NTK RoPE: ``generate``'s own per-step logits, each sequence from a fresh rotary state.
+
+    ``transformers`` rescales per forward and keeps the largest length seen across calls, and its
+    cache keeps each key as rotated then, so one forward over prompt + completion (what
+    :func:`hf_reference` scores) is not what ``generate`` computed; and a previous, longer
+    sequence would leak its scale into the next. Each prompt therefore starts from the
+    rotary embedding's initial state, and the logits are ``generate``'s.
+    """
+    rotary = model.model.rotary_emb
+
+    def reset() -> None:
+        rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
+        rotary.max_seq_len_cached = rotary.original_max_seq_len
+
+    model.generation_config.eos_token_id = None
+    completions, logits, log_softmax = {}, {}, {}
+    for i, prompt in enumerate(prompts):
+        reset()
+        log_softmax[i] = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        reset()
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        completions[i] = out.sequences[0, len(prompt):].tolist()
+        logits[i] = torch.cat(out.logits).float()  # (NUM_NEW_TOKENS, vocab)
+    return completions, logits, log_softmax
 
 
 _REGISTERED: dict[str, tuple[TinyModelSpec, int | None]] = {}
