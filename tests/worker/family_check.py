@@ -123,13 +123,15 @@ def _dynamic_rope_reference(model: torch.nn.Module, prompts: list[tuple[int, ...
 
 
 _REGISTERED: dict[str, tuple[TinyModelSpec, int | None]] = {}
+_DEGREES: dict[str, tuple[int, ...]] = {}
 _CASES: dict[str, FamilyCase] = {}
 _RECORDS: dict[int, dict[str, list[StepRecord]]] = {}
 
 
-def register(spec: TinyModelSpec, window: int | None) -> str:
-    """Declare a checkpoint (at a test module's import); returns its name for :func:`case` and :func:`check`."""
+def register(spec: TinyModelSpec, window: int | None, degrees: tuple[int, ...] = (1, 2, 4)) -> str:
+    """Declare a checkpoint (at a test module's import) and the degrees it runs at; returns its name."""
     _REGISTERED[spec.name] = (spec, window)
+    _DEGREES[spec.name] = degrees
     return spec.name
 
 
@@ -147,12 +149,14 @@ def records_at(tp: int) -> dict[str, list[StepRecord]]:
     """Rank 0's records of every registered checkpoint's jobs at degree ``tp``, run once in one group."""
     if tp not in _RECORDS:
         case(next(iter(_REGISTERED)))
-        _RECORDS[tp] = run_jobs([job for c in _CASES.values() for job in _jobs_at(c, tp)], world_size=tp)
+        jobs = [job for name, c in _CASES.items() if tp in _DEGREES[name] for job in _jobs_at(c, tp)]
+        _RECORDS[tp] = run_jobs(jobs, world_size=tp)
     return _RECORDS[tp]
 
 
 def check(name: str, tp: int) -> None:
     """Assert checkpoint ``name``'s tokens, logits and prompt logprobs at degree ``tp`` equal the reference's."""
+    assert tp in _DEGREES[name], f"{name} is registered for degrees {_DEGREES[name]}"
     family, records = case(name), records_at(tp)
     _check(family, records, tp)
 
