@@ -133,7 +133,7 @@ class AttentionMetadata:
     decode_query_start_loc: torch.Tensor | None = None
     triton_decode: bool = False
     rope_seq_lens: torch.Tensor | None = None
-    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def decode_window_mask(self, window: int) -> torch.Tensor:
         """``decode_mask`` restricted to each row's last ``window`` positions, built once per step and window.
@@ -141,11 +141,11 @@ class AttentionMetadata:
         ``(num_decodes, 1, 1, max_blocks * block_size) bool``, True where
         ``context_len - window <= key position < context_len``.
         """
-        mask = self.window_masks.get((-1, window))
+        mask = self.window_masks.get(window)
         if mask is None:
             key_pos = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)  # (K,)
             first = (self.decode_context_lens - window).view(-1, 1, 1, 1)  # (D, 1, 1, 1) first position attended
-            mask = self.window_masks[(-1, window)] = self.decode_mask & (key_pos >= first)
+            mask = self.window_masks[window] = self.decode_mask & (key_pos >= first)
         return mask
 
 
