@@ -177,15 +177,16 @@ class ModelConfig:
         Args:
             key: the config key, e.g. ``"attention_bias"``.
             default: the value ``transformers`` assumes when the key is absent.
-            kind: the type(s) the value must have; default ``type(default)``. ``bool``
-                accepts only booleans; ``float`` accepts integers too.
+            kind: the type(s) the value must have; default ``type(default)`` (no check
+                when ``default`` is None too). ``bool`` accepts only booleans; ``float``
+                accepts integers too.
 
         Raises:
             ValueError: the value has another type; the message names the key.
         """
         value = self.hf_config.get(key)
-        if value is None:
-            return default
+        if value is None or (kind is None and default is None):
+            return default if value is None else value
         kinds = kind if isinstance(kind, tuple) else (kind or type(default),)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             return float(value)  # type: ignore[return-value]
@@ -329,8 +330,9 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         raise ValueError(
             f"rope_scaling rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))  # Phi-style top level too
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported")
     if rope_type == "default":
         return rope_theta, None
     if rope_type == "yarn" and params.get("factor") is None:  # transformers: the ratio of the two lengths

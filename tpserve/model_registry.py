@@ -22,6 +22,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
+    "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
+    "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
 }
 
 

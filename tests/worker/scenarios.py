@@ -63,6 +63,11 @@ class _State:
     preempted: bool = False
 
 
+def _new_sequence(spec: SeqSpec) -> NewSequence:
+    prompt = spec.prompt if spec.sampling.prompt_logprobs is not None else ()
+    return NewSequence(spec.seq_id, spec.sampling, len(spec.prompt), prompt_token_ids=prompt)
+
+
 def build_plans(
     specs: list[SeqSpec], completions: dict[int, list[int]], block_size: int, num_blocks: int, seed: int = 0
 ) -> tuple[list[StepPlan], list[list[tuple[int, int]]]]:
@@ -77,10 +82,6 @@ def build_plans(
         shared = {b for seq_id, st in states.items() if seq_id != owner for b in st.block_table}
         free.extend(b for b in table if b not in shared)
 
-    def new_sequence(spec: SeqSpec) -> NewSequence:
-        prompt = spec.prompt if spec.sampling.prompt_logprobs is not None else ()
-        return NewSequence(spec.seq_id, spec.sampling, len(spec.prompt), prompt_token_ids=prompt)
-
     while step == 0 or states or finished_next or any(s.arrive_step >= step for s in specs):
         finished, new_seqs, scheduled, samples = list(finished_next), [], [], []
         for seq_id in finished_next:
@@ -91,7 +92,7 @@ def build_plans(
         for spec in specs:
             if spec.arrive_step == step:
                 states[spec.seq_id] = _State(spec, block_table=[])
-                new_seqs.append(new_sequence(spec))
+                new_seqs.append(_new_sequence(spec))
                 source = states.get(spec.prefix_from) if spec.prefix_from is not None else None
                 if source is not None:
                     common = 0
@@ -110,7 +111,7 @@ def build_plans(
                 release(state.block_table, spec.seq_id)  # preempted: dropped, then re-sent whole
                 state.block_table, state.num_computed, state.preempted = [], 0, True
                 finished.append(spec.seq_id)
-                new_seqs.append(new_sequence(spec))
+                new_seqs.append(_new_sequence(spec))
             known = list(spec.prompt) + completions[spec.seq_id][: state.num_sampled]
             limit = spec.prefill_chunk or len(known)
             tokens = known[state.num_computed : state.num_computed + limit]

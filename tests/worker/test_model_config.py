@@ -96,6 +96,7 @@ def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
         ({"architectures": None}, ["no 'architectures'"]),
         ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, ["rope_type='longrope'"]),
         ({"rope_scaling": {"rope_type": "dynamic"}}, ["dynamic", "factor"]),
+        ({"partial_rotary_factor": 0.75}, ["partial_rotary_factor=0.75"]),  # Phi-4-mini's place for it
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["llama3", "low_freq_factor"]),
         ({"sliding_window": 0}, ["sliding_window=0"]),
         ({"layer_types": ["full_attention"] * 4}, ["layer_types", "(5)"]),
@@ -149,6 +150,7 @@ def test_hf_value_reads_family_keys_with_their_types() -> None:
     config = ModelConfig.from_dict(_llama(attention_bias=True, partial_factor=1, name="x"))
     assert config.hf_value("attention_bias", False) is True
     assert config.hf_value("mlp_bias", False) is False  # absent: the default
+    assert config.hf_value("name", None) == "x" and config.hf_value("absent", None) is None  # unchecked
     assert config.hf_value("partial_factor", 0.5) == 1.0 and isinstance(config.hf_value("partial_factor", 0.5), float)
     with pytest.raises(ValueError, match=r"config.json name='x' must be of type bool"):
         config.hf_value("name", False)

@@ -62,7 +62,7 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
             result = runner.execute(plan)
             assert result.step_id == plan.step_id
             logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
-            records.append(StepRecord(result.sampled_token_ids, logits, tuple(result.prompt_logprobs)))
+            records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs))
         results[job.name] = records
     return results
 

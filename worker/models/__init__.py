@@ -2,13 +2,8 @@
 
 The table lives in tpserve/model_registry.py (torch-free, so the coordinator can
 refuse an unknown architecture at start-up); the classes' contract with the
-loader and the runner is worker/models/base.py's :class:`CausalLM`.
-
-| file      | architectures                                             |
-| --------- | --------------------------------------------------------- |
-| llama.py  | LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM    |
-| gemma2.py | Gemma2ForCausalLM (its pieces also serve Gemma 3)         |
-| gemma3.py | Gemma3ForCausalLM (text)                                  |
+loader and the runner is worker/models/base.py's :class:`CausalLM`. The families
+and what each needs are listed once, in README.md ("Serving a model").
 """
 
 from __future__ import annotations
