@@ -3,10 +3,8 @@
 The scenario of issue 19, for a tiny seeded checkpoint whose sliding window (if any)
 is a few blocks long, so that blocks fall out of it:
 
-* **alone** (degree 1 only: a batch's effect does not depend on the degree, and at 2
-  and 4 its ~260 one-sequence steps would double the suite's multi-process time): 8
-  prompts of 3 to 40 tokens, one sequence at a time, 32 greedy tokens each; the first
-  four also ask for their prompt logprobs;
+* **alone**: 8 prompts of 3 to 40 tokens, one sequence at a time, 32 greedy tokens each;
+  the first four also ask for their prompt logprobs;
 * **16 at once**: every prompt twice. The second copies arrive one step later: odd ones
   prefill in chunks of ``window`` tokens (a chunk boundary on the window's edge), even
   ones hit the prefix cache of their first copy (whole shared blocks, the rest
@@ -123,15 +121,13 @@ def _dynamic_rope_reference(model: torch.nn.Module, prompts: list[tuple[int, ...
 
 
 _REGISTERED: dict[str, tuple[TinyModelSpec, int | None]] = {}
-_DEGREES: dict[str, tuple[int, ...]] = {}
 _CASES: dict[str, FamilyCase] = {}
 _RECORDS: dict[int, dict[str, list[StepRecord]]] = {}
 
 
-def register(spec: TinyModelSpec, window: int | None, degrees: tuple[int, ...] = (1, 2, 4)) -> str:
-    """Declare a checkpoint (at a test module's import) and the degrees it runs at; returns its name."""
+def register(spec: TinyModelSpec, window: int | None) -> str:
+    """Declare a checkpoint (at a test module's import); returns its name for :func:`case` and :func:`check`."""
     _REGISTERED[spec.name] = (spec, window)
-    _DEGREES[spec.name] = degrees
     return spec.name
 
 
@@ -149,25 +145,18 @@ def records_at(tp: int) -> dict[str, list[StepRecord]]:
     """Rank 0's records of every registered checkpoint's jobs at degree ``tp``, run once in one group."""
     if tp not in _RECORDS:
         case(next(iter(_REGISTERED)))
-        jobs = [job for name, c in _CASES.items() if tp in _DEGREES[name] for job in _jobs_at(c, tp)]
-        _RECORDS[tp] = run_jobs(jobs, world_size=tp)
+        _RECORDS[tp] = run_jobs([job for c in _CASES.values() for job in c.jobs], world_size=tp)
     return _RECORDS[tp]
 
 
 def check(name: str, tp: int) -> None:
     """Assert checkpoint ``name``'s tokens, logits and prompt logprobs at degree ``tp`` equal the reference's."""
-    assert tp in _DEGREES[name], f"{name} is registered for degrees {_DEGREES[name]}"
     family, records = case(name), records_at(tp)
-    _check(family, records, tp)
+    _check(family, records)
 
 
-def _jobs_at(case: FamilyCase, tp: int) -> list[Job]:
-    """Both jobs at degree 1, "together" above (see the module docstring)."""
-    return [job for job in case.jobs if tp == 1 or job.name.endswith("/together")]
-
-
-def _check(case: FamilyCase, records: dict[str, list[StepRecord]], tp: int) -> None:
-    for job in _jobs_at(case, tp):
+def _check(case: FamilyCase, records: dict[str, list[StepRecord]]) -> None:
+    for job in case.jobs:
         steps, want = records[job.name], case.expected[job.name]
         assert len(steps) == len(want)
         scored = 0
