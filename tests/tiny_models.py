@@ -26,7 +26,7 @@ class TinyModelSpec:
 
     Attributes:
         name: short id used in test names and directory names.
-        model_type: ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"phi3"``.
+        model_type: a ``transformers`` model type (``"llama"``, ``"qwen2"``, ``"gemma2"``...).
         config: keyword arguments of the ``transformers`` config class.
         max_shard_size: when set, ``save_pretrained`` shards the checkpoint
             (``model.safetensors.index.json``).
@@ -86,19 +86,12 @@ TINY_MODELS: tuple[TinyModelSpec, ...] = (
 
 def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
     """The ``transformers`` model of ``spec`` with seeded random weights, float32, eval mode."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_cls, model_cls = {
-        "phi3": (Phi3Config, Phi3ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }[spec.model_type]
-    config = config_cls(**{**_BASE, **spec.config})
+    config = AutoConfig.for_model(spec.model_type, **{**_BASE, **spec.config})
     config._attn_implementation = "eager"
     torch.manual_seed(spec.seed)
-    model = model_cls(config).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
     generator = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

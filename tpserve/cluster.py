@@ -127,10 +127,12 @@ class Cluster:
                 raise StartupError(f"--speculative-model {config.speculative.speculative_model} has vocab_size="
                                    f"{draft.vocab_size}, the model {self.model_config.vocab_size}: a draft model "
                                    "must share the model's tokenizer")
-        model_len = self.model_config.max_position_embeddings
+        model_len = self.model_config.max_model_len  # max_position_embeddings, or as RoPE scaling extends it
         self.max_model_len = config.scheduler.max_model_len or model_len
         if self.max_model_len > model_len:
-            raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings={model_len}")
+            raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's longest context {model_len} "
+                               f"(max_position_embeddings={self.model_config.max_position_embeddings}, "
+                               "extended by dynamic or yarn RoPE scaling)")
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.secret = read_group_secret(config)
         self.health = health.aio.HealthServicer()
@@ -305,9 +307,14 @@ class Cluster:
         check_pool_holds_a_full_sequence(num_blocks, cfg.cache.block_size, self.max_model_len)
         await self.workers.start(num_blocks)
         self._dtype = self.workers.dtype
+        # Dynamic NTK RoPE rotates a prompt's keys for the prompt's length once that passes max_position_embeddings
+        # (worker/layers/rotary.py): equal prefixes of different prompts need not hold equal keys, so none are shared.
+        scaling = self.model_config.rope_scaling or {}
+        share_prefixes = cfg.cache.enable_prefix_caching and not (
+            scaling.get("rope_type") == "dynamic" and self.max_model_len > self.model_config.max_position_embeddings)
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
-                              enable_prefix_caching=cfg.cache.enable_prefix_caching,
+                              enable_prefix_caching=share_prefixes,
                               proposer=make_proposer(cfg.speculative),
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size)
         self.metrics.kv_cache_total_blocks.set(num_blocks)

@@ -110,6 +110,10 @@ class ModelRunner:
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
                               and (self.draft is None or self.draft.paged_kernel))
         self._triton_decode = triton_attention_available(ctx.device, block_size)
+        # Dynamic NTK RoPE rotates each row for its sequence's length (worker/layers/rotary.py): built per step,
+        # which the decode graphs' static inputs do not carry, so such a model runs eagerly.
+        scaling = self.config.rope_scaling
+        self._dynamic_rope = scaling is not None and scaling["rope_type"] == "dynamic"
         self._graphs: DecodeGraphs | None = None
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
@@ -129,7 +133,8 @@ class ModelRunner:
             max_model_len: the longest context a graph takes (default: the model's).
             capture: False checks the graphs' static-buffer path eagerly (tests on the CPU).
         """
-        graphs = bool(cuda_graph_sizes) and self.draft is None and (self._triton_decode or not capture)
+        graphs = (bool(cuda_graph_sizes) and self.draft is None and not self._dynamic_rope
+                  and (self._triton_decode or not capture))
         self._graphs = None
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
         if self.draft is not None:
@@ -139,7 +144,7 @@ class ModelRunner:
             # The graphs' attention, for the eager steps too (capture=False on the CPU: Triton's interpreter).
             self._triton_decode, self._paged_kernel = True, False
             self._graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
-                                        max_model_len or self.config.max_position_embeddings, cuda_graph_sizes,
+                                        max_model_len or self.config.max_model_len, cuda_graph_sizes,
                                         capture=capture)
             self._graphs.capture_all()
 
@@ -178,7 +183,7 @@ class ModelRunner:
             RuntimeError: ``init_kv_cache`` was not called.
             ValueError: the plan names an unknown sequence, schedules one twice,
                 uses a block id outside the cache, gives a sequence too few
-                blocks for its context, or reaches past max_position_embeddings.
+                blocks for its context, or reaches past the config's ``max_model_len``.
                 Finished and new sequences are applied before the check; no
                 forward pass runs.
         """
@@ -237,20 +242,21 @@ class ModelRunner:
                 raise ValueError(
                     f"step {plan.step_id}: seq_id={chunk.seq_id} needs {end} KV slots, its blocks hold {capacity}"
                 )
-            if end > self.config.max_position_embeddings:
+            if end > self.config.max_model_len:
                 raise ValueError(
                     f"step {plan.step_id}: seq_id={chunk.seq_id} reaches position {end - 1}, "
-                    f"max_position_embeddings={self.config.max_position_embeddings}"
+                    f"the model's longest context is {self.config.max_model_len}"
                 )
 
     def _run(self, plan: StepPlan) -> tuple[int, ...]:
         """Forward the flat batch and sample; inside ``inference_mode``."""
         chunks = plan.scheduled
         states = [self._seqs[c.seq_id] for c in chunks]
+        prompt_lens = [s.num_prompt_tokens for s in states] if self._dynamic_rope else None
         inputs = build_step_inputs(
             chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
             self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
-            paged_kernel=self._paged_kernel, triton_decode=self._triton_decode,
+            paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
         )
         if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
             proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
@@ -259,7 +265,7 @@ class ModelRunner:
                 inputs = build_step_inputs(
                     chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
                     self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
-                    paged_kernel=self._paged_kernel, triton_decode=self._triton_decode,
+                    paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
                 )
         if self._graphs is not None and self._graphs.takes(chunks, inputs):
             hidden = self._graphs.run(inputs)  # (T, hidden), a replayed CUDA graph
