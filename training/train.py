@@ -43,6 +43,10 @@ class Settings:
     # data
     n_train_docs: int = 64_000
     n_heldout_docs: int = 1_000
+    # chat exchanges (corpus.Grammar.chat) mixed at random places among the training documents;
+    # 0 trains on the stories alone (the model before it spoke chat)
+    n_chat_docs: int = 12_000
+    n_heldout_chats: int = 300
     tokenizer_docs: int = 20_000
     vocab_size: int = 1024
     # model
@@ -246,11 +250,17 @@ def main() -> None:
     # 1. text and tokenizer
     train_docs = corpus.generate(corpus.TRAIN_SEED, s.n_train_docs)
     held_docs = corpus.generate(corpus.HELDOUT_SEED, s.n_heldout_docs)
-    say(f"generated {len(train_docs)} training and {len(held_docs)} held-out documents")
+    chat_docs = corpus.generate_chats(corpus.CHAT_TRAIN_SEED, s.n_chat_docs)
+    mix = random.Random(s.seed)
+    for doc in chat_docs:  # each chat at a random place; the stories keep their order
+        train_docs.insert(mix.randrange(len(train_docs) + 1), doc)
+    say(f"generated {len(train_docs)} training documents ({len(chat_docs)} chats) and {len(held_docs)} held-out")
     tok = train_tokenizer(train_docs[:s.tokenizer_docs], s.vocab_size)
     check_round_trip(tok)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(s.max_position_embeddings), indent=2) + "\n")
+    template = corpus.CHAT_TEMPLATE if s.n_chat_docs else None
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(s.max_position_embeddings, template), indent=2) + "\n")
     train_stream, train_starts = pack(tok, train_docs)
     held_stream, held_starts = pack(tok, held_docs)
     # each phase takes fresh windows from the stream: no text is seen twice
