@@ -47,6 +47,11 @@ class Settings:
     # 0 trains on the stories alone (the model before it spoke chat)
     n_chat_docs: int = 12_000
     n_heldout_chats: int = 300
+    # fine-tuning: start from this model directory (its weights and tokenizer) instead of a random
+    # initialisation and a new tokenizer, on stories drawn with story_seed (fresh text, not the
+    # windows the model was trained on)
+    init_from: str = ""
+    story_seed: int = corpus.TRAIN_SEED
     tokenizer_docs: int = 20_000
     vocab_size: int = 1024
     # model
@@ -248,14 +253,19 @@ def main() -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
     # 1. text and tokenizer
-    train_docs = corpus.generate(corpus.TRAIN_SEED, s.n_train_docs)
+    train_docs = corpus.generate(s.story_seed, s.n_train_docs)
     held_docs = corpus.generate(corpus.HELDOUT_SEED, s.n_heldout_docs)
     chat_docs = corpus.generate_chats(corpus.CHAT_TRAIN_SEED, s.n_chat_docs)
     mix = random.Random(s.seed)
     for doc in chat_docs:  # each chat at a random place; the stories keep their order
         train_docs.insert(mix.randrange(len(train_docs) + 1), doc)
     say(f"generated {len(train_docs)} training documents ({len(chat_docs)} chats) and {len(held_docs)} held-out")
-    tok = train_tokenizer(train_docs[:s.tokenizer_docs], s.vocab_size)
+    if s.init_from:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(s.init_from) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_docs[:s.tokenizer_docs], s.vocab_size)
     check_round_trip(tok)
     tok.save(str(out / "tokenizer.json"))
     template = corpus.CHAT_TEMPLATE if s.n_chat_docs else None
@@ -282,7 +292,12 @@ def main() -> None:
         f"of which {begin:,} used ({tokens_trained:,} predicted); phases {phases(s)}")
 
     # 2. model
-    model = build_model(s)
+    if s.init_from:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(s.init_from, dtype=torch.float32)
+    else:
+        model = build_model(s)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model: {n_params:,} parameters")
     decay = [p for p in model.parameters() if p.dim() >= 2]
