@@ -163,9 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         return bench_cli.main(args)
     try:
         return _generate(args) if args.command == "generate" else _info(args)
+    except UsageError as exc:
+        print(f"tpserve {args.command}: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
-        print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+        from tpserve.client import describe_rpc_error, with_default_port
+
+        print(describe_rpc_error(exc, with_default_port(args.target), tls=_credentials(args).tls), file=sys.stderr)
         return 1
+    except OSError as exc:  # a credentials file
+        print(f"tpserve {args.command}: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -193,6 +201,13 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     try:
         config = serve_config(args)
+    except OSError as exc:
+        print(f"tpserve serve: --config {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"tpserve serve: {_config_error(exc)}", file=sys.stderr)
+        return 2
+    try:
         node_class = HeadlessNode if config.parallel.headless else Cluster
         node = node_class(config, log_format=args.log_format)
     except (StartupError, ValueError, OSError) as exc:
@@ -200,22 +215,47 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(node.serve())
-    except StartupError as exc:  # a peer that never came, or refused this node
-        print(f"tpserve serve: {exc}", file=sys.stderr)
+    except StartupError as exc:  # a port in use, a peer that never came, or refused this node
+        print(f"tpserve serve: {_as_flags(str(exc))}", file=sys.stderr)
         return 1
 
 
 def _config_error(exc: Exception) -> str:
-    """One line per problem: pydantic's own message lists the input dict and a documentation URL."""
+    """One line naming the flags: pydantic's own message lists the input dict and a documentation URL,
+    and the configuration names its fields as the YAML does (``speculative.num_speculative_tokens``)."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror}"
     errors = getattr(exc, "errors", None)
     if not callable(errors):
-        return str(exc)
+        return _as_flags(str(exc))
     lines = []
     for error in errors():
-        where = ".".join(str(part) for part in error.get("loc", ()) if part != "__root__")
+        loc = [str(part) for part in error.get("loc", ()) if part != "__root__"]
         message = str(error.get("msg", "")).removeprefix("Value error, ")
-        lines.append(f"{where}: {message}" if where else message)
+        where = _as_flags(".".join(loc)) if loc and loc[-1] in _FIELDS else ".".join(loc)
+        lines.append(_as_flags(f"{where}: {message}" if where else message))
     return "; ".join(lines)
+
+
+# configuration field -> its flag, for messages (a field is named like its flag; YAML keys are fields)
+_FIELDS = {flag.lstrip("-").replace("-", "_"): flag for flags in _SERVE_FLAGS.values() for flag, _ in flags}
+
+
+def _as_flags(message: str) -> str:
+    """``message`` with configuration fields written as flags: ``speculative: speculative_method=ngram needs
+    num_speculative_tokens`` -> ``--speculative-method=ngram needs --num-speculative-tokens``."""
+    import re
+
+    message = re.sub(r"\[Errno \d+\] ", "", message)
+    message = re.sub(r"^(?:" + "|".join(_SERVE_FLAGS) + r")[.:] ?", "", message)
+
+    def flag(match: re.Match) -> str:
+        name = match.group(1)
+        # plain words (model, port, headless) only where they are clearly the field: name=value
+        return _FIELDS[name] if "_" in name or match.group(2) else name
+
+    return re.sub(r"(?<![\w./-])(" + "|".join(sorted(_FIELDS, key=len, reverse=True)) + r")(?![\w/])(=?)",
+                  lambda m: flag(m) + m.group(2), message)
 
 
 def _add_credential_flags(parser: argparse.ArgumentParser) -> None:
@@ -230,9 +270,51 @@ def _credentials(args: argparse.Namespace):
     return Credentials.from_flags(args)
 
 
+class UsageError(Exception):
+    """A flag combination or a flag's file that ``tpserve generate`` / ``info`` cannot use; the message says
+    which flags and what to do."""
+
+
+def _check_generate_flags(args: argparse.Namespace) -> None:
+    """Refuses the combinations argparse cannot see.
+
+    Raises:
+        UsageError: naming the flags.
+    """
+    if not args.json:
+        for flag, given in (("--logprobs", args.logprobs), ("--top-logprobs", args.top_logprobs is not None),
+                            ("--prompt-logprobs", args.prompt_logprobs is not None)):
+            if given:
+                raise UsageError(f"{flag} is printed only in the JSON object: add --json")
+    if args.top_logprobs is not None and not args.logprobs:
+        raise UsageError("--top-logprobs goes with --logprobs: add --logprobs")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system goes with --chat (a system message before the prompt): add --chat")
+    if args.prompt_logprobs is not None and args.stream:
+        raise UsageError("--prompt-logprobs comes with the unary call: drop --stream")
+
+
+def _json_schema(value: str | None) -> str | None:
+    """``--json-schema``'s text, read from the file after ``@``.
+
+    Raises:
+        UsageError: the file cannot be read.
+    """
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise UsageError(f"--json-schema {value}: cannot read {value[1:]} ({exc.strerror}); give a JSON schema file "
+                         "after @, or the schema itself") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--json-schema {value}: {value[1:]} is not UTF-8 text") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tpserve.client import FINISH_REASON_NAMES, Client, GenerateResult, Usage
 
+    _check_generate_flags(args)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                     min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -241,8 +323,7 @@ def _generate(args: argparse.Namespace) -> int:
                     include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
                     top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
                     prompt_logprobs=args.prompt_logprobs, cache_salt=args.cache_salt,
-                    json_schema=Path(args.json_schema[1:]).read_text() if (args.json_schema or "").startswith("@")
-                    else args.json_schema)
+                    json_schema=_json_schema(args.json_schema))
     with Client(args.target, credentials=_credentials(args)) as client:
         if not args.stream:
             result = client.generate(_prompt(args), timeout_s=args.timeout, **sampling)

@@ -39,6 +39,44 @@ from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
 LoadBalancingPolicy = Literal["round_robin", "pick_first"]
+DEFAULT_PORT = 50051  # tpserve serve's --port
+
+
+def with_default_port(target: str) -> str:
+    """``target`` with tpserve's port where it names a host alone: ``127.0.0.1`` -> ``127.0.0.1:50051``,
+    ``::1`` or ``[::1]`` -> ``[::1]:50051`` (gRPC itself would dial 443). Targets with a port or a
+    resolver scheme (``dns:///``, ``ipv4:``, ``unix:``) are returned unchanged."""
+    if "/" in target or target.startswith(("ipv4:", "ipv6:", "unix:", "dns:", "vsock:", "unix-abstract:")):
+        return target
+    if target.startswith("["):
+        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+    if target.count(":") > 1:  # a bare IPv6 address
+        return f"[{target}]:{DEFAULT_PORT}"
+    return target if ":" in target else f"{target}:{DEFAULT_PORT}"
+
+
+def describe_rpc_error(exc: grpc.RpcError, target: str, tls: bool = False) -> str:
+    """One line for a failed call: the status code, the server's message and, where the cause is likely on
+    the caller's side (no server there, TLS on one side only, no API key), what to check."""
+    code, details = exc.code(), exc.details() or ""
+    line = f"{code.name}: {details}"
+    lower = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "connection refused" in lower or ("failed to connect" in lower and "ssl" not in lower):
+            return (f"{line} -- no tpserve server answers at {target}: start one (tpserve serve) or check "
+                    "--target HOST[:PORT]")
+        if not tls and ("socket closed" in lower or "connection reset" in lower or "end of file" in lower):
+            return (f"{line} -- the server at {target} closed the connection: if it was started with "
+                    "--ssl-certfile, connect with TLS (--ssl-ca-certs CA.pem)")
+        if tls and ("ssl" in lower or "handshake" in lower or "tls" in lower):
+            return (f"{line} -- the TLS handshake with {target} failed: check --ssl-ca-certs (the CA that signed "
+                    "the server's certificate), the client certificate if the server requires one, and that the "
+                    "server serves TLS at all")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{line} -- give the server's API key with --api-key or $TPSERVE_API_KEY"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{line} -- the call took longer than its deadline (--timeout)"
+    return line
 
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -228,7 +266,7 @@ class Client:
     """Blocking client of the tpserve servers at ``target`` (see the module docstring).
 
     Args:
-        target: ``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ...
+        target: ``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ...; a host alone means port 50051.
         load_balancing_policy: ``round_robin`` spreads requests over every address of
             the target; ``pick_first`` sends them all to one.
         credentials: TLS files and API key for a server that requires them.
@@ -240,6 +278,7 @@ class Client:
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials()) -> None:
         options = channel_options(load_balancing_policy)
+        target = with_default_port(target)
         self.channel = (grpc.secure_channel(target, credentials.channel_credentials(), options=options)
                         if credentials.tls else grpc.insecure_channel(target, options=options))
         self._metadata = credentials.metadata
@@ -294,6 +333,7 @@ class AsyncClient:
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials()) -> None:
         options = channel_options(load_balancing_policy)
+        target = with_default_port(target)
         self.channel = (grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
                         if credentials.tls else grpc.aio.insecure_channel(target, options=options))
         self._metadata = credentials.metadata

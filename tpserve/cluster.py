@@ -173,14 +173,21 @@ class Cluster:
         else:
             self.port = _bind(server, address)
         if self.port == 0:
-            raise StartupError(f"cannot bind {self.config.server.host}:{self.config.server.port} "
-                               "(in use by another process?)")
+            await server.stop(None)  # an unstarted server left to the collector fails after the loop closed
+            raise StartupError(f"--port {cfg_server.port}: cannot bind {address}, another process listens there; "
+                               "stop it or choose another --port")
+        # /metrics is bound before anything starts: a taken port stops the start-up with one line
+        if cfg_server.metrics_port is not None:
+            try:
+                start_http_server(cfg_server.metrics_port, registry=self.metrics.registry)
+            except OSError as exc:
+                await server.stop(None)
+                raise StartupError(f"--metrics-port {cfg_server.metrics_port}: cannot bind it ({exc.strerror}); stop "
+                                   "the process that listens there or choose another --metrics-port") from None
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.world_size,
                  nnodes=self.layout.nnodes)
-        if self.config.server.metrics_port is not None:
-            start_http_server(self.config.server.metrics_port, registry=self.metrics.registry)
         engine_task = None
         try:
             ready = asyncio.create_task(self._start_group())

@@ -81,6 +81,9 @@ def parse_rates(text: str) -> list[float]:
 
 def main(args: argparse.Namespace) -> int:
     """Runs ``tpserve bench`` with parsed arguments; returns the exit status."""
+    from tpserve.client import with_default_port
+
+    args.target = with_default_port(args.target)
     try:
         return _bench(args)
     except ValueError as exc:
