@@ -312,7 +312,7 @@ def _json_schema(value: str | None) -> str | None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tpserve.client import FINISH_REASON_NAMES, Client, GenerateResult, Usage
+    from tpserve.client import Client, GenerateResult
 
     _check_generate_flags(args)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -336,9 +336,8 @@ def _generate(args: argparse.Namespace) -> int:
                 token_ids.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs)
                 last = chunk
-            result = GenerateResult(last.request_id, "".join(text), token_ids, FINISH_REASON_NAMES[last.finish_reason],
-                                    Usage(last.usage.prompt_tokens, last.usage.completion_tokens,
-                                          last.usage.cached_prompt_tokens), tuple(logprobs))
+            result = GenerateResult(last.request_id, "".join(text), token_ids, last.finish_reason, last.usage,
+                                    tuple(logprobs))
     if args.json:
         obj = result.to_json_dict()
         if args.logprobs:
@@ -386,7 +385,9 @@ def _info(args: argparse.Namespace) -> int:
     from tpserve.client import Client
 
     with Client(args.target, credentials=_credentials(args)) as client:
-        print(json.dumps(MessageToDict(client.model_info(), preserving_proto_field_name=True), indent=2))
+        info = MessageToDict(client.model_info(), preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)  # "quantization": "" says none
+        print(json.dumps(info, indent=2))
     return 0
 
 
