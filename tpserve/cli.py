@@ -35,7 +35,7 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--served-model-name", dict(help="name GetModelInfo reports (default: the directory's name)")),
         ("--dtype", dict(choices=("auto", "float32", "bfloat16", "float16"),
                          help="auto: float32 on the CPU; on CUDA the checkpoint's half dtype, bfloat16 for float32")),
-        ("--device", dict(choices=("auto", "cpu", "cuda"))),
+        ("--device", dict(choices=("auto", "cpu", "cuda"), help="where the ranks run; auto: CUDA where a GPU is visible")),
         ("--quantization", dict(choices=("int8",), help="int8: weight-only int8 linear layers (per-channel scales, "
                                                         "activations in --dtype), quantized at load time")),
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
@@ -83,8 +83,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--host", dict(help="address to bind (default 0.0.0.0)")),
         ("--port", dict(type=int, help="gRPC port (default 50051)")),
         ("--metrics-port", dict(type=int, help="Prometheus /metrics port (default: off)")),
-        ("--worker-start-timeout-seconds", dict(type=float)),
-        ("--step-timeout-seconds", dict(type=float)),
+        ("--worker-start-timeout-seconds", dict(type=float, help="how long every rank may take to load its shard")),
+        ("--step-timeout-seconds", dict(type=float, help="a step that takes longer fails as a lost rank")),
         ("--shutdown-grace-seconds", dict(type=float, help="on SIGTERM/SIGINT, time in-flight requests get to finish")),
         ("--worker-recovery-timeout-seconds", dict(
             type=float, help="restart a lost group (one host) and resume its requests within this time; 0: exit")),
@@ -97,36 +97,81 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
 }
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help line ends with its default where it has one (argparse's
+    ``ArgumentDefaultsHelpFormatter`` would also print "None" and "False"); a help text that
+    already says its default keeps its own words. The API key's default (from
+    ``$TPSERVE_API_KEY``) is never shown."""
+
+    def _default(self, action: argparse.Action) -> object:
+        return action.default
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if not action.option_strings or "default" in help_ or action.dest in ("api_key", "help", "version"):
+            return help_
+        default = self._default(action)
+        if default in (None, False, [], (), "") or default is argparse.SUPPRESS:
+            return help_
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{help_} (default: {shown})".replace("%", "%%")
+
+
+class _ServeHelpFormatter(_HelpFormatter):
+    """``serve``'s flags default to None (so that ``--config`` can set them): their help shows the
+    configuration's defaults (tpserve/config.py)."""
+
+    def _default(self, action: argparse.Action) -> object:
+        if action.dest not in _FIELDS:
+            return action.default
+        from tpserve.config import ClusterConfig
+
+        config = ClusterConfig()
+        for section, flags in _SERVE_FLAGS.items():
+            if any(flag.lstrip("-").replace("-", "_") == action.dest for flag, _ in flags):
+                return getattr(getattr(config, section), action.dest)
+        return action.default
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.")
+    parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.",
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="start a coordinator and its worker ranks on this machine")
+    serve = commands.add_parser("serve", help="start a coordinator and its worker ranks on this machine",
+                                formatter_class=_ServeHelpFormatter)
     serve.add_argument("--config", help="YAML file with sections load/parallel/cache/scheduler/speculative/server; flags override it")
-    serve.add_argument("--log-format", choices=("console", "json"), default="console")
+    serve.add_argument("--log-format", choices=("console", "json"), default="console",
+                       help="console: readable lines; json: one JSON object per line, for log collectors")
     for section, flags in _SERVE_FLAGS.items():
         group = serve.add_argument_group(section)
         for flag, kwargs in flags:
             group.add_argument(flag, default=None, **kwargs)
 
-    gen = commands.add_parser("generate", help="generate a completion from a running server")
-    gen.add_argument("--target", default="127.0.0.1:50051", help="server address HOST:PORT")
-    gen.add_argument("--max-tokens", type=int)
+    gen = commands.add_parser("generate", help="generate a completion from a running server",
+                              formatter_class=_HelpFormatter)
+    gen.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
+    gen.add_argument("--max-tokens", type=int,
+                     help="most tokens to generate (server default: as many as fit in the model's length)")
     gen.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens (server default: all)")
+    gen.add_argument("--top-p", type=float, help="sample among the most likely tokens whose probabilities add up to P "
+                     "(server default 1.0)")
+    gen.add_argument("--seed", type=int, help="seeds the sampling: the same seed and prompt give the same text")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--min-p", type=float)
+    gen.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
+                     help="stop at this token id (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past end-of-sequence")
+    gen.add_argument("--min-p", type=float, help="drop tokens less likely than this share of the most likely one")
     gen.add_argument("--repetition-penalty", type=float, help="> 1 discourages prompt and output tokens")
     gen.add_argument("--presence-penalty", type=float, help="in [-2, 2], on output tokens")
     gen.add_argument("--frequency-penalty", type=float, help="in [-2, 2], on output tokens, per occurrence")
-    gen.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="repeatable")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                     help="add BIAS to the token's logit (repeatable)")
     gen.add_argument("--min-tokens", type=int, help="no eos or stop token id before this many tokens")
-    gen.add_argument("--include-stop-str-in-output", action="store_true")
+    gen.add_argument("--include-stop-str-in-output", action="store_true", help="keep the matched --stop string in "
+                     "the text")
     gen.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
     gen.add_argument("--top-logprobs", type=int, help="with --logprobs: the N most likely tokens too (0..20)")
     gen.add_argument("--prompt-logprobs", type=int, metavar="N",
@@ -145,11 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", help="with --chat: a system message before it")
     gen.add_argument("--cache-salt", help="reuse only prefix-cache entries of requests with this salt (and "
                      "the same API key); keeps prompts apart from other callers'")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     _add_credential_flags(gen)
 
-    info = commands.add_parser("info", help="print the served model's description as JSON")
-    info.add_argument("--target", default="127.0.0.1:50051")
+    info = commands.add_parser("info", help="print the served model's description as JSON",
+                               formatter_class=_HelpFormatter)
+    info.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
     _add_credential_flags(info)
     bench_cli.add_parser(commands)  # `tpserve bench`: flags in tpserve/bench/cli.py
     return parser
