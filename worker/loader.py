@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
+from worker.load_progress import ShardProgress
 from worker.model import LlamaForCausalLM
 from worker.parallel_state import ParallelContext
 
@@ -138,8 +139,10 @@ def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.d
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in targets:
         by_file[files[name]].append(name)
+    progress = ShardProgress(by_file)  # one log line per file: bytes and time
+    read_on = read_device(device or torch.device("cpu"))
     for path, names in by_file.items():
-        with safe_open(path, framework="pt", device=read_device(device or torch.device("cpu"))) as f:
+        with progress.shard(path), safe_open(path, framework="pt", device=read_on) as f:
             for name in names:
                 param_name, shard_id = targets[name]
                 param = params[param_name]
