@@ -12,10 +12,11 @@ import socket
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from tpserve.cli import main
-from tpserve.client import with_default_port
+from tpserve.client import describe_rpc_error, with_default_port
 
 TPSERVE = [sys.executable, "-m", "tpserve.cli"]
 
@@ -113,3 +114,28 @@ def test_flag_errors_are_one_line_naming_flags(argv, expected, capsys):
 ])
 def test_target_host_alone_means_port_50051(target, expected):
     assert with_default_port(target) == expected
+
+
+class _RpcError(grpc.RpcError):
+    """A failed call as grpc raises it: a status code and the details text gRPC's core wrote."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize("code, details, tls, hint", [
+    (grpc.StatusCode.UNAVAILABLE, "Socket closed", False, "if it was started with --ssl-certfile, connect with TLS"),
+    (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50051: "
+     "Ssl handshake failed: SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER", True,
+     "the TLS handshake with 127.0.0.1:50051 failed: check --ssl-ca-certs"),
+    (grpc.StatusCode.UNAUTHENTICATED, "missing authorization: Bearer <key>", False, "--api-key or $TPSERVE_API_KEY"),
+])
+def test_rpc_failures_say_what_to_check(code, details, tls, hint):
+    line = describe_rpc_error(_RpcError(code, details), "127.0.0.1:50051", tls=tls)
+    assert line.startswith(f"{code.name}: {details} -- ") and hint in line
