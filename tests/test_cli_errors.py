@@ -109,7 +109,8 @@ def test_flag_errors_are_one_line_naming_flags(argv, expected, capsys):
 @pytest.mark.parametrize("target, expected", [
     ("127.0.0.1", "127.0.0.1:50051"), ("localhost", "localhost:50051"), ("::1", "[::1]:50051"),
     ("[::1]", "[::1]:50051"), ("[::1]:7", "[::1]:7"), ("host:7", "host:7"),
-    ("dns:///tpserve.svc:50051", "dns:///tpserve.svc:50051"), ("ipv4:10.0.0.1:5,10.0.0.2:5", "ipv4:10.0.0.1:5,10.0.0.2:5"),
+    ("dns:///tpserve.svc:50051", "dns:///tpserve.svc:50051"),
+    ("ipv4:10.0.0.1:5,10.0.0.2:5", "ipv4:10.0.0.1:5,10.0.0.2:5"),
     ("unix:///tmp/s", "unix:///tmp/s"),
 ])
 def test_target_host_alone_means_port_50051(target, expected):

@@ -35,7 +35,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--served-model-name", dict(help="name GetModelInfo reports (default: the directory's name)")),
         ("--dtype", dict(choices=("auto", "float32", "bfloat16", "float16"),
                          help="auto: float32 on the CPU; on CUDA the checkpoint's half dtype, bfloat16 for float32")),
-        ("--device", dict(choices=("auto", "cpu", "cuda"), help="where the ranks run; auto: CUDA where a GPU is visible")),
+        ("--device", dict(choices=("auto", "cpu", "cuda"),
+                          help="where the ranks run; auto: CUDA where a GPU is visible")),
         ("--quantization", dict(choices=("int8",), help="int8: weight-only int8 linear layers (per-channel scales, "
                                                         "activations in --dtype), quantized at load time")),
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),

@@ -299,7 +299,8 @@ class Cluster:
             quantization=info.quantization or "none", tensor_parallel_size=self.world_size, nnodes=self.layout.nnodes,
             num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
-            speculative_method=spec.speculative_method or "off", num_speculative_tokens=spec.num_speculative_tokens or 0,
+            speculative_method=spec.speculative_method or "off",
+            num_speculative_tokens=spec.num_speculative_tokens or 0,
             address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
             metrics_url=(f"http://localhost:{server.metrics_port}/metrics" if server.metrics_port is not None
                          else "off"),
