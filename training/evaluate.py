@@ -138,6 +138,8 @@ def main() -> None:
 
     st = _settings(a.model)
     held = encode_docs(tok, corpus.generate(corpus.HELDOUT_SEED, st["n_heldout_docs"]), eos)
+    # the unigram baseline is estimated on the base run's training split (a chat fine-tune's log,
+    # chat_training_log.json, is not the one read here)
     train = encode_docs(tok, corpus.generate(corpus.TRAIN_SEED, st["n_train_docs"]), eos)
     m_nll, m_n = model_nll(model, held, a.batch)
     u_nll, u_n = unigram_nll(train, held, vocab)
