@@ -36,9 +36,9 @@ from safetensors import safe_open
 
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
-from worker.load_progress import ShardProgress
 from worker.model import LlamaForCausalLM
 from worker.parallel_state import ParallelContext
+from worker.load_progress import ShardProgress  # noqa: I001 - after the registry helper's imports
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
