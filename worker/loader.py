@@ -38,7 +38,7 @@ from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from worker.model import LlamaForCausalLM
 from worker.parallel_state import ParallelContext
-from worker.load_progress import ShardProgress  # noqa: I001 - after the registry helper's imports
+from worker.load_progress import ShardProgress
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
