@@ -47,7 +47,8 @@ stamp=.venv/.tpserve-setup
 want="pyproject $(sha256sum pyproject.toml | cut -c1-16) torch $TORCH_SPEC"
 have=$(cat "$stamp" 2>/dev/null || true)
 if [ -x .venv/bin/tpserve ] && { [ "$have" = "$want extras test" ] || [ "$have" = "$want extras $extras" ]; }; then
-  done_step packages "up to date (${have##* extras }; pyproject.toml unchanged)"
+  kind=${have##* extras }
+  done_step packages "up to date (${kind:-serve-only}; pyproject.toml unchanged)"
 else
   PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
   "${PIP[@]}" "$TORCH_SPEC"
