@@ -89,6 +89,7 @@ def test_no_server_says_what_to_check():
       "--num-speculative-tokens", "2"], "tpserve serve: --prompt-lookup-min=4 must be <= --prompt-lookup-max=2"),
     (["serve", "--nnodes", "2"], "tpserve serve: --tensor-parallel-size=1 is not divisible by --nnodes=2"),
     (["serve", "--max-num-seqs", "0"], "tpserve serve: --max-num-seqs: Input should be greater than or equal to 1"),
+    (["serve", "--port", "99999"], "tpserve serve: --port: Input should be less than or equal to 65535"),
     (["serve", "--config", "/nonexistent/tpserve.yaml"],
      "tpserve serve: --config /nonexistent/tpserve.yaml: No such file or directory"),
     (["generate", "--logprobs", "Hi"], "tpserve generate: --logprobs is printed only in the JSON object: add --json"),

@@ -279,7 +279,7 @@ def _config_error(exc: Exception) -> str:
     for error in errors():
         loc = [str(part) for part in error.get("loc", ()) if part != "__root__"]
         message = str(error.get("msg", "")).removeprefix("Value error, ")
-        where = _as_flags(".".join(loc)) if loc and loc[-1] in _FIELDS else ".".join(loc)
+        where = _FIELDS[loc[-1]] if loc and loc[-1] in _FIELDS else ".".join(loc)
         lines.append(_as_flags(f"{where}: {message}" if where else message))
     return "; ".join(lines)
 
