@@ -205,7 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        return _serve(args)
+        try:
+            return _serve(args)
+        except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are installed
+            return 130
     if args.command == "bench":
         return bench_cli.main(args)
     try:
