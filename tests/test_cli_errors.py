@@ -100,7 +100,9 @@ def test_no_server_says_what_to_check():
     (["generate", "--ssl-ca-certs", "/nonexistent/ca.pem", "Hi"],
      "tpserve generate: /nonexistent/ca.pem: No such file or directory"),
 ])
-def test_flag_errors_are_one_line_naming_flags(argv, expected, capsys):
+def test_flag_errors_are_one_line_naming_flags(argv, expected, capsys, monkeypatch):
+    # serve configures logging for the whole process (to this test's captured stderr): not here
+    monkeypatch.setattr("tpserve.log.configure_logging", lambda *args, **kwargs: None)
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert _one_line(captured.err) == expected
