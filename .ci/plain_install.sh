@@ -33,7 +33,7 @@ for mod in transformers pytest; do
 done
 "$work/venv/bin/tpserve" serve --tensor-parallel-size 1 --port "$port" >"$work/serve.log" 2>&1 &
 server_pid=$!
-expected=', there was a shy girl named Kate. Kate and her big sister went to the zoo. Kate was very excited. At the zoo, she saw a sleepy lion and a big elephant. She also'
+expected=', there was a clever girl named Ella. Ella and her big sister went to the park. Ella was very excited. In the park, she saw a big slide and a little pond. She also saw many ducks.'
 for _ in $(seq 1 120); do
   if ! kill -0 "$server_pid" 2>/dev/null; then echo "plain install: the server exited"; cat "$work/serve.log"; exit 1; fi
   if grep -q '"serving"\|serving' "$work/serve.log"; then break; fi

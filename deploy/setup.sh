@@ -1,18 +1,79 @@
 #!/usr/bin/env bash
-# Sets up tpserve in ./.venv on a fresh machine: Python venv, torch, tpserve and its test extra.
-# On a machine without an NVIDIA GPU it pins torch 2.13.0, whose CPU build needs no CUDA download.
-# It also builds the AVX2 CPU kernels (worker/kernels/), where a compiler is present.
-# Idempotent: a second run only checks what is installed.
+# Sets up tpserve in ./.venv: a Python venv, torch, tpserve (editable) and the AVX2 CPU kernels.
+#
+#   bash deploy/setup.sh            # to serve: the runtime dependencies only
+#   bash deploy/setup.sh --test     # to run the tests too: adds the `test` extra (transformers, triton, ...)
+#   --cpu / --gpu                   # torch's CPU build 2.13.0 or a CUDA build (default: --gpu where
+#                                   # nvidia-smi runs; a container build says which)
+#
+# One line per step, with its time. Idempotent and quick to re-run: pip is skipped while
+# .venv/.tpserve-setup records the same pyproject.toml, torch and extras (and --test covers a
+# serve-only request), and the kernels while the library built from the same sources exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-if command -v nvidia-smi >/dev/null 2>&1; then
-  "${PIP[@]}" 'torch>=2.5'
-else
-  "${PIP[@]}" 'torch==2.13.0'
+extras=""
+torch_kind=auto
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="test" ;;
+    --serve) extras="" ;;
+    --cpu) torch_kind=cpu ;;
+    --gpu) torch_kind=gpu ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "deploy/setup.sh: unknown option $arg (options: --serve, --test, --cpu, --gpu)" >&2; exit 2 ;;
+  esac
+done
+if [ "$torch_kind" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then torch_kind=gpu; else torch_kind=cpu; fi
 fi
-"${PIP[@]}" -e '.[test]'
-.venv/bin/python -m worker.kernels  # compile the CPU kernels once now, not in the first rank that needs them
-echo "tpserve installed in $(pwd)/.venv: $(.venv/bin/tpserve --version)"
+if [ "$torch_kind" = gpu ]; then TORCH_SPEC='torch>=2.5'; else TORCH_SPEC='torch==2.13.0'; fi
+
+t_all=$EPOCHREALTIME
+step_start=
+begin() { step_start=$EPOCHREALTIME; }
+# done_step NAME WHAT: "setup: NAME: WHAT (1.2 s)"
+done_step() {
+  local ms=$(( (${EPOCHREALTIME/./} - ${step_start/./}) / 1000 ))
+  printf 'setup: %-9s %s (%d.%d s)\n' "$1:" "$2" $((ms / 1000)) $((ms % 1000 / 100))
+}
+
+begin
+if [ -x .venv/bin/python ]; then done_step venv "$(pwd)/.venv exists"
+else "$PYTHON" -m venv .venv; done_step venv "created $(pwd)/.venv ($("$PYTHON" --version 2>&1))"; fi
+
+begin
+stamp=.venv/.tpserve-setup
+want="pyproject $(sha256sum pyproject.toml | cut -c1-16) torch $TORCH_SPEC"
+have=$(cat "$stamp" 2>/dev/null || true)
+if [ -x .venv/bin/tpserve ] && { [ "$have" = "$want extras test" ] || [ "$have" = "$want extras $extras" ]; }; then
+  kind=${have##* extras }
+  done_step packages "up to date (${kind:-serve-only}; pyproject.toml unchanged)"
+else
+  PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+  "${PIP[@]}" "$TORCH_SPEC"
+  done_step torch "$TORCH_SPEC installed"
+  begin
+  "${PIP[@]}" -e ".${extras:+[$extras]}"
+  echo "$want extras $extras" > "$stamp"
+  done_step tpserve "installed (editable${extras:+, with the $extras extra})"
+fi
+
+begin
+# The kernels' library is named by a hash of their sources, flags and torch's version
+# (worker/kernels/__init__.py); the stamp keeps the path a build gave for these sources.
+kstamp=.venv/.tpserve-kernels
+ksources="$(cat worker/kernels/*.cpp worker/kernels/*.h worker/kernels/__init__.py | sha256sum | cut -c1-16) $(cat "$stamp")"
+read -r kseen klib < <(tail -n 1 "$kstamp" 2>/dev/null || true) || true
+if [ "$(head -n 1 "$kstamp" 2>/dev/null)" = "$ksources" ] && { [ "$klib" = none ] || [ -f "$klib" ]; }; then
+  done_step kernels "cached ($klib)"
+else
+  # Compiled once now, not in the first rank that needs them; never fatal (torch's ops run instead).
+  out=$(.venv/bin/python -m worker.kernels)
+  dir=$(printf '%s\n' "$out" | sed -n 's/^tpserve CPU kernels ready in //p')
+  printf '%s\nkernels %s\n' "$ksources" "${dir:+$dir/tpserve_cpu_kernels.so}" > "$kstamp"
+  [ -n "$dir" ] || printf '%s\nkernels none\n' "$ksources" > "$kstamp"
+  done_step kernels "$out"
+fi
+step_start=$t_all
+done_step done "tpserve in $(pwd)/.venv; serve with: .venv/bin/tpserve serve"

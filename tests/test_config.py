@@ -47,10 +47,10 @@ def test_serve_names_a_bad_flag_in_one_line() -> None:
     """What `tpserve serve` prints for a bad flag (not through main(): it would configure logging globally)."""
     from tpserve.cli import _config_error, build_parser, serve_config
 
-    for argv, message in ((["--ssl-certfile", "server.pem"], "server: --ssl-certfile and --ssl-keyfile go together"),
-                          (["--max-num-seqs", "0"], "scheduler.max_num_seqs: Input should be greater than or equal to 1"),
+    for argv, message in ((["--ssl-certfile", "server.pem"], "--ssl-certfile and --ssl-keyfile go together"),
+                          (["--max-num-seqs", "0"], "--max-num-seqs: Input should be greater than or equal to 1"),
                           (["--speculative-method", "ngram"],
-                           "speculative: speculative_method=ngram needs num_speculative_tokens (>= 1)")):
+                           "--speculative-method=ngram needs --num-speculative-tokens (>= 1)")):
         with pytest.raises(ValueError) as info:
             serve_config(build_parser().parse_args(["serve", *argv]))
         assert _config_error(info.value) == message

@@ -35,7 +35,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--served-model-name", dict(help="name GetModelInfo reports (default: the directory's name)")),
         ("--dtype", dict(choices=("auto", "float32", "bfloat16", "float16"),
                          help="auto: float32 on the CPU; on CUDA the checkpoint's half dtype, bfloat16 for float32")),
-        ("--device", dict(choices=("auto", "cpu", "cuda"))),
+        ("--device", dict(choices=("auto", "cpu", "cuda"),
+                          help="where the ranks run; auto: CUDA where a GPU is visible")),
         ("--quantization", dict(choices=("int8",), help="int8: weight-only int8 linear layers (per-channel scales, "
                                                         "activations in --dtype), quantized at load time")),
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
@@ -83,8 +84,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--host", dict(help="address to bind (default 0.0.0.0)")),
         ("--port", dict(type=int, help="gRPC port (default 50051)")),
         ("--metrics-port", dict(type=int, help="Prometheus /metrics port (default: off)")),
-        ("--worker-start-timeout-seconds", dict(type=float)),
-        ("--step-timeout-seconds", dict(type=float)),
+        ("--worker-start-timeout-seconds", dict(type=float, help="how long every rank may take to load its shard")),
+        ("--step-timeout-seconds", dict(type=float, help="a step that takes longer fails as a lost rank")),
         ("--shutdown-grace-seconds", dict(type=float, help="on SIGTERM/SIGINT, time in-flight requests get to finish")),
         ("--worker-recovery-timeout-seconds", dict(
             type=float, help="restart a lost group (one host) and resume its requests within this time; 0: exit")),
@@ -97,36 +98,81 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
 }
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help line ends with its default where it has one (argparse's
+    ``ArgumentDefaultsHelpFormatter`` would also print "None" and "False"); a help text that
+    already says its default keeps its own words. The API key's default (from
+    ``$TPSERVE_API_KEY``) is never shown."""
+
+    def _default(self, action: argparse.Action) -> object:
+        return action.default
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if not action.option_strings or "default" in help_ or action.dest in ("api_key", "help", "version"):
+            return help_
+        default = self._default(action)
+        if default in (None, False, [], (), "") or default is argparse.SUPPRESS:
+            return help_
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{help_} (default: {shown})".replace("%", "%%")
+
+
+class _ServeHelpFormatter(_HelpFormatter):
+    """``serve``'s flags default to None (so that ``--config`` can set them): their help shows the
+    configuration's defaults (tpserve/config.py)."""
+
+    def _default(self, action: argparse.Action) -> object:
+        if action.dest not in _FIELDS:
+            return action.default
+        from tpserve.config import ClusterConfig
+
+        config = ClusterConfig()
+        for section, flags in _SERVE_FLAGS.items():
+            if any(flag.lstrip("-").replace("-", "_") == action.dest for flag, _ in flags):
+                return getattr(getattr(config, section), action.dest)
+        return action.default
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.")
+    parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.",
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="start a coordinator and its worker ranks on this machine")
+    serve = commands.add_parser("serve", help="start a coordinator and its worker ranks on this machine",
+                                formatter_class=_ServeHelpFormatter)
     serve.add_argument("--config", help="YAML file with sections load/parallel/cache/scheduler/speculative/server; flags override it")
-    serve.add_argument("--log-format", choices=("console", "json"), default="console")
+    serve.add_argument("--log-format", choices=("console", "json"), default="console",
+                       help="console: readable lines; json: one JSON object per line, for log collectors")
     for section, flags in _SERVE_FLAGS.items():
         group = serve.add_argument_group(section)
         for flag, kwargs in flags:
             group.add_argument(flag, default=None, **kwargs)
 
-    gen = commands.add_parser("generate", help="generate a completion from a running server")
-    gen.add_argument("--target", default="127.0.0.1:50051", help="server address HOST:PORT")
-    gen.add_argument("--max-tokens", type=int)
+    gen = commands.add_parser("generate", help="generate a completion from a running server",
+                              formatter_class=_HelpFormatter)
+    gen.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
+    gen.add_argument("--max-tokens", type=int,
+                     help="most tokens to generate (server default: as many as fit in the model's length)")
     gen.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens (server default: all)")
+    gen.add_argument("--top-p", type=float, help="sample among the most likely tokens whose probabilities add up to P "
+                     "(server default 1.0)")
+    gen.add_argument("--seed", type=int, help="seeds the sampling: the same seed and prompt give the same text")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--min-p", type=float)
+    gen.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
+                     help="stop at this token id (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past end-of-sequence")
+    gen.add_argument("--min-p", type=float, help="drop tokens less likely than this share of the most likely one")
     gen.add_argument("--repetition-penalty", type=float, help="> 1 discourages prompt and output tokens")
     gen.add_argument("--presence-penalty", type=float, help="in [-2, 2], on output tokens")
     gen.add_argument("--frequency-penalty", type=float, help="in [-2, 2], on output tokens, per occurrence")
-    gen.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="repeatable")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                     help="add BIAS to the token's logit (repeatable)")
     gen.add_argument("--min-tokens", type=int, help="no eos or stop token id before this many tokens")
-    gen.add_argument("--include-stop-str-in-output", action="store_true")
+    gen.add_argument("--include-stop-str-in-output", action="store_true", help="keep the matched --stop string in "
+                     "the text")
     gen.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
     gen.add_argument("--top-logprobs", type=int, help="with --logprobs: the N most likely tokens too (0..20)")
     gen.add_argument("--prompt-logprobs", type=int, metavar="N",
@@ -145,11 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", help="with --chat: a system message before it")
     gen.add_argument("--cache-salt", help="reuse only prefix-cache entries of requests with this salt (and "
                      "the same API key); keeps prompts apart from other callers'")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     _add_credential_flags(gen)
 
-    info = commands.add_parser("info", help="print the served model's description as JSON")
-    info.add_argument("--target", default="127.0.0.1:50051")
+    info = commands.add_parser("info", help="print the served model's description as JSON",
+                               formatter_class=_HelpFormatter)
+    info.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
     _add_credential_flags(info)
     bench_cli.add_parser(commands)  # `tpserve bench`: flags in tpserve/bench/cli.py
     return parser
@@ -158,14 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        return _serve(args)
+        try:
+            return _serve(args)
+        except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are installed
+            return 130
     if args.command == "bench":
         return bench_cli.main(args)
     try:
         return _generate(args) if args.command == "generate" else _info(args)
+    except UsageError as exc:
+        print(f"tpserve {args.command}: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
-        print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+        from tpserve.client import describe_rpc_error, with_default_port
+
+        print(describe_rpc_error(exc, with_default_port(args.target), tls=_credentials(args).tls), file=sys.stderr)
         return 1
+    except OSError as exc:  # a credentials file
+        print(f"tpserve {args.command}: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -193,6 +251,13 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     try:
         config = serve_config(args)
+    except OSError as exc:
+        print(f"tpserve serve: --config {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"tpserve serve: {_config_error(exc)}", file=sys.stderr)
+        return 2
+    try:
         node_class = HeadlessNode if config.parallel.headless else Cluster
         node = node_class(config, log_format=args.log_format)
     except (StartupError, ValueError, OSError) as exc:
@@ -200,22 +265,47 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(node.serve())
-    except StartupError as exc:  # a peer that never came, or refused this node
-        print(f"tpserve serve: {exc}", file=sys.stderr)
+    except StartupError as exc:  # a port in use, a peer that never came, or refused this node
+        print(f"tpserve serve: {_as_flags(str(exc))}", file=sys.stderr)
         return 1
 
 
 def _config_error(exc: Exception) -> str:
-    """One line per problem: pydantic's own message lists the input dict and a documentation URL."""
+    """One line naming the flags: pydantic's own message lists the input dict and a documentation URL,
+    and the configuration names its fields as the YAML does (``speculative.num_speculative_tokens``)."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror}"
     errors = getattr(exc, "errors", None)
     if not callable(errors):
-        return str(exc)
+        return _as_flags(str(exc))
     lines = []
     for error in errors():
-        where = ".".join(str(part) for part in error.get("loc", ()) if part != "__root__")
+        loc = [str(part) for part in error.get("loc", ()) if part != "__root__"]
         message = str(error.get("msg", "")).removeprefix("Value error, ")
-        lines.append(f"{where}: {message}" if where else message)
+        where = _FIELDS[loc[-1]] if loc and loc[-1] in _FIELDS else ".".join(loc)
+        lines.append(_as_flags(f"{where}: {message}" if where else message))
     return "; ".join(lines)
+
+
+# configuration field -> its flag, for messages (a field is named like its flag; YAML keys are fields)
+_FIELDS = {flag.lstrip("-").replace("-", "_"): flag for flags in _SERVE_FLAGS.values() for flag, _ in flags}
+
+
+def _as_flags(message: str) -> str:
+    """``message`` with configuration fields written as flags: ``speculative: speculative_method=ngram needs
+    num_speculative_tokens`` -> ``--speculative-method=ngram needs --num-speculative-tokens``."""
+    import re
+
+    message = re.sub(r"\[Errno \d+\] ", "", message)
+    message = re.sub(r"^(?:" + "|".join(_SERVE_FLAGS) + r")[.:] ?", "", message)
+
+    def flag(match: re.Match) -> str:
+        name = match.group(1)
+        # plain words (model, port, headless) only where they are clearly the field: name=value
+        return _FIELDS[name] if "_" in name or match.group(2) else name
+
+    return re.sub(r"(?<![\w./-])(" + "|".join(sorted(_FIELDS, key=len, reverse=True)) + r")(?![\w/])(=?)",
+                  lambda m: flag(m) + m.group(2), message)
 
 
 def _add_credential_flags(parser: argparse.ArgumentParser) -> None:
@@ -230,9 +320,51 @@ def _credentials(args: argparse.Namespace):
     return Credentials.from_flags(args)
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from tpserve.client import FINISH_REASON_NAMES, Client, GenerateResult, Usage
+class UsageError(Exception):
+    """A flag combination or a flag's file that ``tpserve generate`` / ``info`` cannot use; the message says
+    which flags and what to do."""
 
+
+def _check_generate_flags(args: argparse.Namespace) -> None:
+    """Refuses the combinations argparse cannot see.
+
+    Raises:
+        UsageError: naming the flags.
+    """
+    if not args.json:
+        for flag, given in (("--logprobs", args.logprobs), ("--top-logprobs", args.top_logprobs is not None),
+                            ("--prompt-logprobs", args.prompt_logprobs is not None)):
+            if given:
+                raise UsageError(f"{flag} is printed only in the JSON object: add --json")
+    if args.top_logprobs is not None and not args.logprobs:
+        raise UsageError("--top-logprobs goes with --logprobs: add --logprobs")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system goes with --chat (a system message before the prompt): add --chat")
+    if args.prompt_logprobs is not None and args.stream:
+        raise UsageError("--prompt-logprobs comes with the unary call: drop --stream")
+
+
+def _json_schema(value: str | None) -> str | None:
+    """``--json-schema``'s text, read from the file after ``@``.
+
+    Raises:
+        UsageError: the file cannot be read.
+    """
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise UsageError(f"--json-schema {value}: cannot read {value[1:]} ({exc.strerror}); give a JSON schema file "
+                         "after @, or the schema itself") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--json-schema {value}: {value[1:]} is not UTF-8 text") from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tpserve.client import Client, GenerateResult
+
+    _check_generate_flags(args)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                     min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -241,8 +373,7 @@ def _generate(args: argparse.Namespace) -> int:
                     include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
                     top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
                     prompt_logprobs=args.prompt_logprobs, cache_salt=args.cache_salt,
-                    json_schema=Path(args.json_schema[1:]).read_text() if (args.json_schema or "").startswith("@")
-                    else args.json_schema)
+                    json_schema=_json_schema(args.json_schema))
     with Client(args.target, credentials=_credentials(args)) as client:
         if not args.stream:
             result = client.generate(_prompt(args), timeout_s=args.timeout, **sampling)
@@ -255,9 +386,8 @@ def _generate(args: argparse.Namespace) -> int:
                 token_ids.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs)
                 last = chunk
-            result = GenerateResult(last.request_id, "".join(text), token_ids, FINISH_REASON_NAMES[last.finish_reason],
-                                    Usage(last.usage.prompt_tokens, last.usage.completion_tokens,
-                                          last.usage.cached_prompt_tokens), tuple(logprobs))
+            result = GenerateResult(last.request_id, "".join(text), token_ids, last.finish_reason, last.usage,
+                                    tuple(logprobs))
     if args.json:
         obj = result.to_json_dict()
         if args.logprobs:
@@ -305,7 +435,9 @@ def _info(args: argparse.Namespace) -> int:
     from tpserve.client import Client
 
     with Client(args.target, credentials=_credentials(args)) as client:
-        print(json.dumps(MessageToDict(client.model_info(), preserving_proto_field_name=True), indent=2))
+        info = MessageToDict(client.model_info(), preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)  # "quantization": "" says none
+        print(json.dumps(info, indent=2))
     return 0
 
 

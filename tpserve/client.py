@@ -26,7 +26,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -39,6 +39,44 @@ from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
 LoadBalancingPolicy = Literal["round_robin", "pick_first"]
+DEFAULT_PORT = 50051  # tpserve serve's --port
+
+
+def with_default_port(target: str) -> str:
+    """``target`` with tpserve's port where it names a host alone: ``127.0.0.1`` -> ``127.0.0.1:50051``,
+    ``::1`` or ``[::1]`` -> ``[::1]:50051`` (gRPC itself would dial 443). Targets with a port or a
+    resolver scheme (``dns:///``, ``ipv4:``, ``unix:``) are returned unchanged."""
+    if "/" in target or target.startswith(("ipv4:", "ipv6:", "unix:", "dns:", "vsock:", "unix-abstract:")):
+        return target
+    if target.startswith("["):
+        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+    if target.count(":") > 1:  # a bare IPv6 address
+        return f"[{target}]:{DEFAULT_PORT}"
+    return target if ":" in target else f"{target}:{DEFAULT_PORT}"
+
+
+def describe_rpc_error(exc: grpc.RpcError, target: str, tls: bool = False) -> str:
+    """One line for a failed call: the status code, the server's message and, where the cause is likely on
+    the caller's side (no server there, TLS on one side only, no API key), what to check."""
+    code, details = exc.code(), exc.details() or ""
+    line = f"{code.name}: {details}"
+    lower = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "connection refused" in lower or ("failed to connect" in lower and "ssl" not in lower):
+            return (f"{line} -- no tpserve server answers at {target}: start one (tpserve serve) or check "
+                    "--target HOST[:PORT]")
+        if not tls and ("socket closed" in lower or "connection reset" in lower or "end of file" in lower):
+            return (f"{line} -- the server at {target} closed the connection: if it was started with "
+                    "--ssl-certfile, connect with TLS (--ssl-ca-certs CA.pem)")
+        if tls and ("ssl" in lower or "handshake" in lower or "tls" in lower):
+            return (f"{line} -- the TLS handshake with {target} failed: check --ssl-ca-certs (the CA that signed "
+                    "the server's certificate), the client certificate if the server requires one, and that the "
+                    "server serves TLS at all")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{line} -- give the server's API key with --api-key or $TPSERVE_API_KEY"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{line} -- the call took longer than its deadline (--timeout)"
+    return line
 
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -78,8 +116,71 @@ class GenerateResult:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One message of a stream: the text and token ids generated since the previous one. The last
+    message carries ``finish_reason`` ("stop" | "length" | "abort") and ``usage``; before it they
+    are None. ``logprobs``: one ``TokenLogprob`` per token id, when asked for."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: tuple[pb.TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
+    index: int = 0  # the sample (with n > 1), in [0, n)
+
+
+def _chunk(response: pb.GenerateStreamResponse) -> StreamChunk:
+    return StreamChunk(
+        request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
+        finish_reason=FINISH_REASON_NAMES[response.finish_reason],
+        usage=(Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
+                     response.usage.cached_prompt_tokens) if response.HasField("usage") else None),
+        logprobs=tuple(response.logprobs), prompt_logprobs=tuple(response.prompt_logprobs), index=response.index)
+
+
+class GenerateStream:
+    """The :class:`StreamChunk` s of a ``GenerateStream`` call, in order. ``cancel()`` cancels the RPC (the
+    server frees the request's KV blocks); the call's other methods (``code()``, ``details()``, ...)
+    are reachable here too. Iterating raises ``grpc.RpcError`` if the call fails."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        return _chunk(next(self._call))
+
+    def __getattr__(self, name: str):
+        return getattr(self._call, name)
+
+
+class AsyncGenerateStream:
+    """:class:`GenerateStream` for :class:`AsyncClient`: ``async for chunk in stream``."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def _chunks(self) -> AsyncIterator[StreamChunk]:
+        async for response in self._call:
+            yield _chunk(response)
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self._chunks()
+
+    def __getattr__(self, name: str):
+        return getattr(self._call, name)
+
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+
 def build_request(
-    prompt: str | Sequence[int] | Sequence[Mapping[str, str]],
+    prompt: Prompt,
     *,
     request_id: str = "",
     max_tokens: int | None = None,
@@ -114,6 +215,9 @@ def build_request(
     model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
     from those of requests without the same salt. The fields' meanings and ranges:
     proto/tpserve/v1/generate.proto.
+
+    Raises:
+        ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
     """
     params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output,
@@ -125,6 +229,11 @@ def build_request(
                         ("prompt_logprobs", prompt_logprobs), ("n", n)):
         if value is not None:
             setattr(params, name, value)
+    constraints = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices))
+                   if value is not None]
+    if len(constraints) > 1:
+        raise ValueError(f"{' and '.join(constraints)} both constrain the output; give one of json_schema, regex "
+                         "and choices")
     if json_schema is not None:  # structured output: at most one of the three
         params.response_format.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
     elif regex is not None:
@@ -213,6 +322,11 @@ class Credentials:
                    api_key=args.api_key)
 
 
+def _request_fields(arguments: dict[str, object]) -> dict[str, object]:
+    """A method's arguments (its ``locals()``) that :func:`build_request` takes."""
+    return {name: value for name, value in arguments.items() if name not in ("self", "timeout_s")}
+
+
 def _result(response: pb.GenerateResponse) -> GenerateResult:
     return GenerateResult(
         request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
@@ -230,7 +344,7 @@ class Client:
     """Blocking client of the tpserve servers at ``target`` (see the module docstring).
 
     Args:
-        target: ``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ...
+        target: ``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ...; a host alone means port 50051.
         load_balancing_policy: ``round_robin`` spreads requests over every address of
             the target; ``pick_first`` sends them all to one.
         credentials: TLS files and API key for a server that requires them.
@@ -242,6 +356,7 @@ class Client:
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials()) -> None:
         options = channel_options(load_balancing_policy)
+        target = with_default_port(target)
         self.channel = (grpc.secure_channel(target, credentials.channel_credentials(), options=options)
                         if credentials.tls else grpc.insecure_channel(target, options=options))
         self._metadata = credentials.metadata
@@ -277,14 +392,58 @@ class Client:
     def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
-    def generate(self, prompt: str | Sequence[int], timeout_s: float | None = None, **sampling) -> GenerateResult:
-        """Unary Generate; ``sampling`` takes the keyword arguments of :func:`build_request`."""
-        return _result(self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s, metadata=self._metadata))
+    def generate(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
+                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
+                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
+                 n: int | None = None, priority: int = 0, request_id: str = "",
+                 timeout_s: float | None = None) -> GenerateResult:
+        """Unary Generate: the whole completion.
 
-    def generate_stream(self, prompt: str | Sequence[int], timeout_s: float | None = None,
-                        **sampling) -> Iterator[pb.GenerateStreamResponse]:
-        """Server-streaming GenerateStream; the iterator's ``cancel()`` cancels the RPC."""
-        return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s, metadata=self._metadata)
+        Args:
+            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
+            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
+            timeout_s: the call's deadline in seconds (None: no deadline).
+
+        Raises:
+            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
+            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+        """
+        request = build_request(**_request_fields(locals()))
+        return _result(self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata))
+
+    def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
+                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
+                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
+                 n: int | None = None, priority: int = 0, request_id: str = "",
+                 timeout_s: float | None = None) -> GenerateStream:
+        """Server-streaming GenerateStream: :class:`StreamChunk` s as the tokens come; ``cancel()`` cancels
+        the RPC. Takes :meth:`generate`'s arguments.
+
+        Args:
+            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
+            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
+            timeout_s: the call's deadline in seconds (None: no deadline).
+
+        Raises:
+            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
+            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+        """
+        request = build_request(**_request_fields(locals()))
+        return GenerateStream(self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata))
 
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
         """Ends the caller's requests with these ids now; returns how many were in flight."""
@@ -301,6 +460,7 @@ class AsyncClient:
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials()) -> None:
         options = channel_options(load_balancing_policy)
+        target = with_default_port(target)
         self.channel = (grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
                         if credentials.tls else grpc.aio.insecure_channel(target, options=options))
         self._metadata = credentials.metadata
@@ -336,13 +496,56 @@ class AsyncClient:
     async def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
-    async def generate(self, prompt: str | Sequence[int], timeout_s: float | None = None, **sampling) -> GenerateResult:
-        """Unary Generate; ``sampling`` takes the keyword arguments of :func:`build_request`."""
-        return _result(await self.stub.Generate(build_request(prompt, **sampling), timeout=timeout_s,
-                                                metadata=self._metadata))
+    async def generate(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
+                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
+                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
+                 n: int | None = None, priority: int = 0, request_id: str = "",
+                 timeout_s: float | None = None) -> GenerateResult:
+        """Unary Generate: the whole completion.
 
-    def generate_stream(self, prompt: str | Sequence[int], timeout_s: float | None = None,
-                        **sampling) -> grpc.aio.UnaryStreamCall:
-        """Server-streaming GenerateStream: ``async for chunk in ...``; ``cancel()`` cancels the RPC
-        (so does cancelling the task that iterates it), and the server frees the request's KV blocks."""
-        return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s, metadata=self._metadata)
+        Args:
+            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
+            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
+            timeout_s: the call's deadline in seconds (None: no deadline).
+
+        Raises:
+            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
+            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+        """
+        request = build_request(**_request_fields(locals()))
+        return _result(await self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata))
+
+    def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
+                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
+                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
+                 n: int | None = None, priority: int = 0, request_id: str = "",
+                 timeout_s: float | None = None) -> AsyncGenerateStream:
+        """Server-streaming GenerateStream: ``async for chunk in ...`` gives :class:`StreamChunk` s;
+        ``cancel()`` cancels the RPC (so does cancelling the task that iterates it), and the server frees
+        the request's KV blocks. Takes :meth:`generate`'s arguments.
+
+        Args:
+            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
+            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
+            timeout_s: the call's deadline in seconds (None: no deadline).
+
+        Raises:
+            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
+            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+        """
+        request = build_request(**_request_fields(locals()))
+        return AsyncGenerateStream(self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata))

@@ -50,6 +50,7 @@ from coordinator.tls import ServerCertificates
 from coordinator.tokenizer import Tokenizer
 from coordinator.vllm_engine_service import VllmEngineServicer
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
+from tpserve import __version__
 from tpserve.cluster_secret import AioSecretServerInterceptor, read_secret
 from tpserve.config import ClusterConfig, ServerConfig
 from tpserve.model_config import ModelConfig
@@ -179,14 +180,21 @@ class Cluster:
         else:
             self.port = _bind(server, address)
         if self.port == 0:
-            raise StartupError(f"cannot bind {self.config.server.host}:{self.config.server.port} "
-                               "(in use by another process?)")
+            await server.stop(None)  # an unstarted server left to the collector fails after the loop closed
+            raise StartupError(f"--port {cfg_server.port}: cannot bind {address}, another process listens there; "
+                               "stop it or choose another --port")
+        # /metrics is bound before anything starts: a taken port stops the start-up with one line
+        if cfg_server.metrics_port is not None:
+            try:
+                start_http_server(cfg_server.metrics_port, registry=self.metrics.registry)
+            except OSError as exc:
+                await server.stop(None)
+                raise StartupError(f"--metrics-port {cfg_server.metrics_port}: cannot bind it ({exc.strerror}); stop "
+                                   "the process that listens there or choose another --metrics-port") from None
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.world_size,
                  nnodes=self.layout.nnodes)
-        if self.config.server.metrics_port is not None:
-            start_http_server(self.config.server.metrics_port, registry=self.metrics.registry)
         engine_task = None
         try:
             ready = asyncio.create_task(self._start_group())
@@ -195,7 +203,7 @@ class Cluster:
             if ready.done() and ready.exception() is None:
                 engine_task = asyncio.create_task(self.engine.run())
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-                log.info("serving", num_kv_blocks=self.workers.num_kv_blocks, max_model_len=self.max_model_len)
+                log.info("serving", **self._serving_fields())
                 await self._stop.wait()
             elif ready.done():
                 log.error("start-up failed", error=str(ready.exception()))
@@ -285,6 +293,31 @@ class Cluster:
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
             num_kv_blocks=num_kv_blocks,
             block_size=cfg.cache.block_size,
+            quantization=cfg.load.quantization or self.model_config.quantization or "",
+            speculative_method=cfg.speculative.speculative_method or "",
+            num_speculative_tokens=cfg.speculative.num_speculative_tokens or 0,
+            enable_prefix_caching=cfg.cache.enable_prefix_caching,
+            server_version=__version__,
+        )
+
+    def _serving_fields(self) -> dict[str, object]:
+        """What is on, for the one ``serving`` log line: the model and how it is run, the KV cache, the
+        features, the security of the public port and where the metrics are."""
+        cfg, info = self.config, self.servicer.model_info
+        spec = cfg.speculative
+        server = cfg.server
+        tls = "off" if not server.ssl_certfile else "mutual" if server.ssl_ca_certs else "on"
+        return dict(
+            model=str(self.model_dir), served_model_name=info.model_name, dtype=info.dtype,
+            quantization=info.quantization or "none", tensor_parallel_size=self.world_size, nnodes=self.layout.nnodes,
+            num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
+            max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
+            speculative_method=spec.speculative_method or "off",
+            num_speculative_tokens=spec.num_speculative_tokens or 0,
+            address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
+            metrics_url=(f"http://localhost:{server.metrics_port}/metrics" if server.metrics_port is not None
+                         else "off"),
+            version=__version__,
         )
 
     # -- start-up ------------------------------------------------------------------------

@@ -210,6 +210,8 @@ class Grammar:
     def __init__(self, seed: int):
         self.r = random.Random(seed)
         self._opener = ""
+        # a hero asked for by a chat request (``chat``): the next person() that may be it returns it
+        self._hero: Person | None = None
 
     # -- helpers --------------------------------------------------------
     def pick(self, xs):
@@ -219,6 +221,9 @@ class Grammar:
         return self.r.random() < p
 
     def person(self, exclude=(), allow_animal: bool = True) -> Person:
+        hero, self._hero = self._hero, None
+        if hero is not None:
+            return hero
         r = self.r
         while True:
             if allow_animal and r.random() < 0.25:
@@ -575,6 +580,97 @@ class Grammar:
         return getattr(self, kind)()
 
 
+    # -- chat ------------------------------------------------------------
+    _STORY_ASKS = ["Tell me a story about {x}.", "Tell me a story about {x}", "Can you tell me a story about {x}?",
+                   "Please tell me a story about {x}.", "Write a story about {x}.", "I want a story about {x}.",
+                   "tell me a story about {x}"]
+    _ANY_STORY_ASKS = ["Tell me a story.", "Tell me a story", "Can you tell me a story?", "Please tell me a story.",
+                       "Tell me a bedtime story.", "I want a story!", "Write a story."]
+    # plots whose hero may be an animal (story_help and story_shop need a child)
+    _ANIMAL_PLOTS = ["story_lost", "story_share", "story_fear", "story_build", "story_trip", "story_rain",
+                     "story_birthday"]
+
+    def _story_answer(self) -> tuple[str, str]:
+        """A request for a story (about an animal, a named child, a girl or boy, or anything) and the story."""
+        r = self.r
+        k = r.random()
+        plots = [name for name, _ in self._KINDS if name.startswith("story_")]
+        if k < 0.45:
+            kind, names = r.choice(ANIMAL_HEROES)
+            male = r.random() < 0.5
+            name = r.choice(names)
+            adj = r.choice(HERO_ADJ)
+            about = r.choice([f"a {kind}", f"a {kind}", f"{art(adj)} {kind}", f"a {kind} named {name}"])
+            self._hero = Person(name, male, f"{art(adj)} {kind} named {name}")
+            plots = self._ANIMAL_PLOTS
+        elif k < 0.8:
+            male = r.random() < 0.5
+            name = r.choice(BOYS if male else GIRLS)
+            adj = r.choice(HERO_ADJ)
+            child = "boy" if male else "girl"
+            about = r.choice([name, f"a {child}", f"a {child} named {name}", f"{art(adj)} {child}"])
+            self._hero = Person(name, male, f"{art(adj)} {child} named {name}")
+        else:
+            about = None
+        ask = r.choice(self._ANY_STORY_ASKS) if about is None else r.choice(self._STORY_ASKS).format(x=about)
+        return ask, getattr(self, r.choice(plots))()
+
+    def _fact_answer(self) -> tuple[str, str]:
+        """A question about numbers, animals or days, and its answer in the grammar's words."""
+        r = self.r
+        k = r.random()
+        if k < 0.3:
+            n, m = r.randint(0, 10), r.randint(0, 10)
+            return (r.choice([f"What is {num(n)} plus {num(m)}?", f"What is {n} plus {m}?"]),
+                    f"{cap(num(n))} plus {num(m)} is {num(n + m)}.")
+        if k < 0.45:
+            n = r.randint(0, 20)
+            return (f"Is {num(n)} odd or even?", f"{cap(num(n))} is {'an even' if n % 2 == 0 else 'an odd'} number.")
+        if k < 0.75:
+            one, many, sound, home, eat = self.pick(ANIMAL_SOUNDS)
+            return self.pick([(f"What does a {one} say?", f"A {one} says {sound}."),
+                              (f"Where do {many} live?", f"{cap(many)} live {home}."),
+                              (f"What do {many} like to do?", f"{cap(many)} like to {eat}.")])
+        if k < 0.9:
+            i = r.randrange(7)
+            return f"What comes after {DAYS[i]}?", f"After {DAYS[i]} comes {DAYS[(i + 1) % 7]}."
+        return r.choice(["Hi!", "Hello!", "Hello, how are you?", "Hi, who are you?"]), r.choice([
+            "Hello! I am a little story model. I can tell you a story about a cat, a dog or a girl named Lily.",
+            "Hi! I am happy today. Do you want a story?", "Hello! I know many stories. Ask me for one!"])
+
+    def chat(self) -> str:
+        """One exchange in the chat format of the model's template (``CHAT_TEMPLATE``): a user
+        line and the assistant's answer; three in four ask for a story."""
+        ask, answer = self._story_answer() if self.chance(0.75) else self._fact_answer()
+        return f"{USER}{ask}\n{ASSISTANT}{answer}"
+
+
+# The chat format: what CHAT_TEMPLATE renders for a user message and the generation prompt
+# (plain-text role markers: the tokenizer keeps only <s>, </s> and <unk> as special tokens).
+USER = "User: "
+ASSISTANT = "Assistant: "
+# The model's chat template (tokenizer_config.json's ``chat_template``, Jinja as transformers renders
+# it): a system message is a line of its own, each turn is ``User: ...`` / ``Assistant: ...`` on a
+# line, and the generation prompt is ``Assistant:`` (the answer's first token brings its space).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}\n"
+    "{% else %}{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+# Seeds of the chat exchanges mixed into the training text, and of their held-out set.
+CHAT_TRAIN_SEED = 20261201
+CHAT_HELDOUT_SEED = 778
+
+
+def generate_chats(seed: int, n: int) -> list[str]:
+    """``n`` chat exchanges (``Grammar.chat``) from the grammar seeded with ``seed``."""
+    g = Grammar(seed)
+    return [g.chat() for _ in range(n)]
+
+
 def generate(seed: int, n: int) -> list[str]:
     """``n`` documents from the grammar seeded with ``seed`` (deterministic)."""
     g = Grammar(seed)
@@ -585,8 +681,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=TRAIN_SEED)
     p.add_argument("-n", type=int, default=5)
+    p.add_argument("--chat", action="store_true", help="chat exchanges (seed CHAT_TRAIN_SEED unless --seed)")
     a = p.parse_args()
-    for d in generate(a.seed, a.n):
+    docs = generate_chats(CHAT_TRAIN_SEED if a.seed == TRAIN_SEED else a.seed, a.n) if a.chat else generate(a.seed, a.n)
+    for d in docs:
         print(d, end="\n\n")
 
 

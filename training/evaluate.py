@@ -39,6 +39,8 @@ PROMPTS = [
     "Tom and Mia met in the park.",
     "Sam and Zoe wanted to build a sand castle.",
 ]
+CHAT_PROMPTS = ["Tell me a story about a cat", "Tell me a story about a girl named Mia.", "What does a cow say?",
+                "What is two plus three?"]
 MAX_BYTES = 8 * 1024 * 1024
 
 
@@ -116,6 +118,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompt", action="append", default=None,
                     help="a prompt to complete greedily (repeatable; default: three built-in prompts)")
+    ap.add_argument("--max-chat-tokens", type=int, default=200, help="longest greedy chat answer")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -135,11 +138,27 @@ def main() -> None:
 
     st = _settings(a.model)
     held = encode_docs(tok, corpus.generate(corpus.HELDOUT_SEED, st["n_heldout_docs"]), eos)
+    # the unigram baseline is estimated on the base run's training split (a chat fine-tune's log,
+    # chat_training_log.json, is not the one read here)
     train = encode_docs(tok, corpus.generate(corpus.TRAIN_SEED, st["n_train_docs"]), eos)
     m_nll, m_n = model_nll(model, held, a.batch)
     u_nll, u_n = unigram_nll(train, held, vocab)
     assert m_n == u_n
     ppl, uni = math.exp(m_nll / m_n), math.exp(u_nll / u_n)
+
+    # chat: held-out exchanges (a grammar seed never trained on), and greedy answers to CHAT_PROMPTS
+    chats = encode_docs(tok, corpus.generate_chats(corpus.CHAT_HELDOUT_SEED, st.get("n_heldout_chats", 300)), eos)
+    c_nll, c_n = model_nll(model, chats, a.batch)
+    chat_samples = []
+    for p in CHAT_PROMPTS:
+        rendered = f"{corpus.USER}{p}\n{corpus.ASSISTANT}".rstrip()  # what CHAT_TEMPLATE renders, after <s>
+        ids = torch.tensor([tok.encode(rendered).ids])
+        outs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=a.max_chat_tokens, pad_token_id=eos)
+        new = outs[0, ids.shape[1]:].tolist()
+        finish = "stop" if new and new[-1] == eos else "length"
+        chat_samples.append({"user": p, "answer": tok.decode(new, skip_special_tokens=True).strip(),
+                             "tokens": len(new) - (finish == "stop"), "finish": finish})
 
     samples = []
     for p in a.prompt or PROMPTS:
@@ -160,7 +179,9 @@ def main() -> None:
         "heldout_nll": round(m_nll / m_n, 4), "heldout_perplexity": round(ppl, 3),
         "unigram_nll": round(u_nll / u_n, 4), "unigram_perplexity": round(uni, 2),
         "unigram_over_model": round(uni / ppl, 1),
-        **files, "samples": samples,
+        "heldout_chat_exchanges": len(chats), "heldout_chat_tokens": c_n,
+        "heldout_chat_nll": round(c_nll / c_n, 4), "heldout_chat_perplexity": round(math.exp(c_nll / c_n), 3),
+        **files, "samples": samples, "chat_samples": chat_samples,
     }
     print(f"parameters:            {n_params:,}")
     print(f"held-out tokens:       {m_n:,} in {len(held)} documents")
@@ -168,8 +189,11 @@ def main() -> None:
     print(f"unigram perplexity:    {uni:.2f}  (add-one, estimated on {result['train_tokens']:,} training tokens)")
     print(f"unigram / model:       {uni / ppl:.1f}x")
     print(f"files:                 {files['total_bytes']:,} bytes in all")
+    print(f"held-out chat perplexity: {math.exp(c_nll / c_n):.3f}  ({c_n:,} tokens in {len(chats)} exchanges)")
     for s in samples:
         print(f"\n[{s['tokens']} tokens, {s['finish']}] {s['prompt']}|{s['completion']}")
+    for s in chat_samples:
+        print(f"\n[chat, {s['tokens']} tokens, {s['finish']}] User: {s['user']}\nAssistant: {s['answer']}")
     if a.json:
         a.json.write_text(json.dumps(result, indent=2) + "\n")
 

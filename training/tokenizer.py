@@ -62,8 +62,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def tokenizer_config(max_len: int) -> dict:
-    return {
+def tokenizer_config(max_len: int, chat_template: str | None = None) -> dict:
+    config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "</s>",
@@ -73,6 +73,9 @@ def tokenizer_config(max_len: int) -> dict:
         "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
     }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config
 
 
 ROUND_TRIP_TEXTS = [

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +44,15 @@ class Settings:
     # data
     n_train_docs: int = 64_000
     n_heldout_docs: int = 1_000
+    # chat exchanges (corpus.Grammar.chat) mixed at random places among the training documents;
+    # 0 (the base run) trains on the stories alone; the chat fine-tune gives 2,500 (model card, "Chat")
+    n_chat_docs: int = 0
+    n_heldout_chats: int = 300
+    # fine-tuning: start from this model directory (its weights and tokenizer) instead of a random
+    # initialisation and a new tokenizer, on stories drawn with story_seed (fresh text, not the
+    # windows the model was trained on)
+    init_from: str = ""
+    story_seed: int = corpus.TRAIN_SEED
     tokenizer_docs: int = 20_000
     vocab_size: int = 1024
     # model
@@ -244,13 +254,24 @@ def main() -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
     # 1. text and tokenizer
-    train_docs = corpus.generate(corpus.TRAIN_SEED, s.n_train_docs)
+    train_docs = corpus.generate(s.story_seed, s.n_train_docs)
     held_docs = corpus.generate(corpus.HELDOUT_SEED, s.n_heldout_docs)
-    say(f"generated {len(train_docs)} training and {len(held_docs)} held-out documents")
-    tok = train_tokenizer(train_docs[:s.tokenizer_docs], s.vocab_size)
+    chat_docs = corpus.generate_chats(corpus.CHAT_TRAIN_SEED, s.n_chat_docs)
+    mix = random.Random(s.seed)
+    for doc in chat_docs:  # each chat at a random place; the stories keep their order
+        train_docs.insert(mix.randrange(len(train_docs) + 1), doc)
+    say(f"generated {len(train_docs)} training documents ({len(chat_docs)} chats) and {len(held_docs)} held-out")
+    if s.init_from:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(s.init_from) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_docs[:s.tokenizer_docs], s.vocab_size)
     check_round_trip(tok)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(s.max_position_embeddings), indent=2) + "\n")
+    template = corpus.CHAT_TEMPLATE if s.n_chat_docs else None
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(s.max_position_embeddings, template), indent=2) + "\n")
     train_stream, train_starts = pack(tok, train_docs)
     held_stream, held_starts = pack(tok, held_docs)
     # each phase takes fresh windows from the stream: no text is seen twice
@@ -272,7 +293,12 @@ def main() -> None:
         f"of which {begin:,} used ({tokens_trained:,} predicted); phases {phases(s)}")
 
     # 2. model
-    model = build_model(s)
+    if s.init_from:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(s.init_from, dtype=torch.float32)
+    else:
+        model = build_model(s)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model: {n_params:,} parameters")
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -339,7 +365,7 @@ def main() -> None:
     log["software"] = {"python": platform.python_version(), "torch": torch.__version__,
                        "transformers": __import__("transformers").__version__,
                        "tokenizers": __import__("tokenizers").__version__}
-    log["command"] = "python -m training.train --out " + str(out)
+    log["command"] = " ".join(["python", "-m", "training.train", *sys.argv[1:]])
     if not args.no_plot:
         plot(log, out / "loss_curve.png")
     log["wall_seconds"] = round(time.perf_counter() - t_start, 1)

@@ -41,6 +41,7 @@ from tpserve.quantization import Quantization
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
+from worker.load_progress import ShardProgress
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -139,8 +140,10 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in targets:
         by_file[files[name]].append(name)
+    progress = ShardProgress(by_file)  # one log line per file: bytes and time
+    read_on = read_device(device or torch.device("cpu"))
     for path, names in by_file.items():
-        with safe_open(path, framework="pt", device=read_device(device or torch.device("cpu"))) as f:
+        with progress.shard(path), safe_open(path, framework="pt", device=read_on) as f:
             for name in names:
                 param_name, shard_id = targets[name]
                 param = params[param_name]

@@ -70,3 +70,27 @@ def test_served_greedy_completions_match_transformers(references, tensor_paralle
         assert result.token_ids == ref["token_ids"], ref["prompt"]
         assert result.text == ref["text"] and result.finish_reason == ref["finish_reason"]
     assert sum(len(r.token_ids) for r in results) > 3 * MAX_TOKENS  # real text, not an early eos
+
+
+CHAT = [{"role": "user", "content": "Tell me a story about a cat"}]
+
+
+def test_the_embedded_model_chats_in_the_story_voice() -> None:
+    """`tpserve generate --chat`: the template renders as transformers renders it, and the answer is
+    transformers' greedy answer token for token: a story about a cat that ends with end-of-sequence."""
+    model_dir = default_model_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert rendered == "<s>User: Tell me a story about a cat\nAssistant:"
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.inference_mode():
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=300, do_sample=False, eos_token_id=2,
+                                   pad_token_id=2)
+    reference = generated[0, len(ids):].tolist()
+    assert reference[-1] == 2, "the reference answer did not end"
+    with serve(None, 1) as cluster:
+        result = cluster.client.generate(CHAT, max_tokens=300, temperature=0)
+    assert result.usage.prompt_tokens == len(ids)
+    assert result.token_ids == reference[:-1] and result.finish_reason == "stop"
+    assert " cat named " in result.text and result.text.rstrip().endswith((".", "!", '"'))

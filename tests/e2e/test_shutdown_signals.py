@@ -34,7 +34,7 @@ def test_a_signal_to_the_process_group_drains_the_stream_and_exits_zero(signum: 
         for chunk in stream:
             token_ids.extend(chunk.token_ids)
             last = chunk
-        assert last is not None and last.finish_reason == 2  # FINISH_REASON_LENGTH
+        assert last is not None and last.finish_reason == "length"
         assert len(token_ids) == MAX_TOKENS
         with pytest.raises(grpc.RpcError) as refused:  # no new request once draining
             cluster.client.generate("Hi", max_tokens=1, timeout_s=10)

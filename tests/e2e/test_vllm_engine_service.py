@@ -23,7 +23,6 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from tests.e2e.cluster import RunningCluster, serve
 from tests.paths import STORIES_DIR, requires_stories
-from tpserve.v1 import generate_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -239,7 +238,7 @@ def test_native_abort_ends_only_the_named_request_and_frees_its_blocks(server: R
     next(stream)
     assert server.client.abort("no-such-request") == 0
     assert server.client.abort("native-abort") == 1
-    assert list(stream)[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert list(stream)[-1].finish_reason == "abort"
     assert _loads(engine).num_used_tokens == 0
 
 
@@ -255,7 +254,7 @@ def test_native_n_streams_indexed_samples_from_one_prefill(server: RunningCluste
         native = server.client.generate(prompt, temperature=1.0, seed=3 + index, max_tokens=10)
         assert [t for m in mine for t in m.token_ids] == native.token_ids
         assert "".join(m.text for m in mine) == native.text
-        assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH and mine[-1].usage.completion_tokens == 10
+        assert mine[-1].finish_reason == "length" and mine[-1].usage.completion_tokens == 10
     with pytest.raises(grpc.RpcError) as info:
         server.client.generate(prompt, n=2)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateStream" in info.value.details()

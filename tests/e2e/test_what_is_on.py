@@ -1,0 +1,70 @@
+"""A server says what is on: one ``serving`` log line with the whole serving configuration, and
+``GetModelInfo`` / ``tpserve info`` with quantization, speculative decoding, prefix caching and the
+version. The stream yields typed chunks that add up to the unary result.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.cluster import serve
+from tpserve import __version__
+from tpserve.client import GenerateStream, StreamChunk, Usage
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def int8_ngram(tmp_path_factory):
+    log = tmp_path_factory.mktemp("what_is_on") / "serve.log"
+    with serve(None, 1, "--quantization", "int8", "--speculative-method", "ngram", "--num-speculative-tokens", "2",
+               "--prompt-lookup-max", "3", "--prompt-lookup-min", "1", "--num-gpu-blocks-override", "64",
+               log_path=log) as cluster:
+        yield cluster, log
+
+
+def test_model_info_and_tpserve_info_say_what_is_on(int8_ngram):
+    cluster, _ = int8_ngram
+    info = cluster.client.model_info()
+    assert (info.quantization, info.speculative_method, info.num_speculative_tokens) == ("int8", "ngram", 2)
+    assert info.enable_prefix_caching and info.server_version == __version__
+    assert (info.dtype, info.num_kv_blocks, info.block_size) == ("float32", 64, 16)
+    printed = subprocess.run([sys.executable, "-m", "tpserve.cli", "info", "--target", cluster.target],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    shown = json.loads(printed)
+    assert {k: shown[k] for k in ("quantization", "speculative_method", "num_speculative_tokens",
+                                  "enable_prefix_caching", "server_version")} == {
+        "quantization": "int8", "speculative_method": "ngram", "num_speculative_tokens": 2,
+        "enable_prefix_caching": True, "server_version": __version__}
+
+
+def test_one_serving_line_lists_the_configuration(int8_ngram):
+    cluster, log = int8_ngram
+    lines = [line for line in log.read_text(errors="replace").splitlines() if " serving " in line]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    for field in ("dtype=float32", "quantization=int8", "tensor_parallel_size=1", "nnodes=1", "num_kv_blocks=64",
+                  "kv_cache_tokens=1024", "max_model_len=512", "enable_prefix_caching=True",
+                  "speculative_method=ngram", "num_speculative_tokens=2", "tls=off", "api_key=off",
+                  f"address=127.0.0.1:{cluster.port}",
+                  f"metrics_url=http://localhost:{cluster.metrics_port}/metrics", f"version={__version__}",
+                  "served_model_name=tpserve-tiny-stories"):
+        assert field in line, (field, line)
+
+
+def test_stream_yields_typed_chunks_that_add_up_to_the_result(int8_ngram):
+    cluster, _ = int8_ngram
+    result = cluster.client.generate("Once upon a time", max_tokens=24, temperature=0)
+    stream = cluster.client.generate_stream("Once upon a time", max_tokens=24, temperature=0)
+    assert isinstance(stream, GenerateStream)
+    chunks = list(stream)
+    assert all(isinstance(c, StreamChunk) for c in chunks) and len(chunks) > 1
+    assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
+    assert chunks[-1].finish_reason == result.finish_reason == "length"
+    assert chunks[-1].usage == Usage(result.usage.prompt_tokens, 24, chunks[-1].usage.cached_prompt_tokens)
+    assert "".join(c.text for c in chunks) == result.text
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids

@@ -1,0 +1,145 @@
+"""Every ``tpserve`` failure a user can cause is one line that names the cause (by its flag) and the fix:
+no traceback, whatever the command.
+
+The port and file cases run the installed command in a process of its own, as a user does (a
+traceback printed while the process exits is only visible there); the flag combinations call
+``main`` in this process.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from tpserve.cli import main
+from tpserve.client import describe_rpc_error, with_default_port
+
+TPSERVE = [sys.executable, "-m", "tpserve.cli"]
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(TPSERVE + args, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.fixture
+def taken_port():
+    """A port some other process listens on (this one), as a user's second server would find it."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_taken_metrics_port_is_one_line_naming_the_flag(taken_port):
+    run = _run(["serve", "--port", str(_free_port()), "--metrics-port", str(taken_port)])
+    assert run.returncode == 1
+    line = _one_line(run.stderr)
+    assert line.startswith(f"tpserve serve: --metrics-port {taken_port}: ") and "choose another --metrics-port" in line
+    assert "listening" not in run.stdout + run.stderr  # refused before the public port opened
+
+
+def test_taken_port_is_one_line_naming_the_flag(taken_port):
+    run = _run(["serve", "--port", str(taken_port)])
+    assert run.returncode == 1
+    # gRPC's core logs its own bind failure (one E-line) before ours: the last line is what to do
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.splitlines()[-1].startswith(f"tpserve serve: --port {taken_port}: ")
+    assert "choose another --port" in run.stderr
+
+
+def test_missing_json_schema_file(tmp_path):
+    run = _run(["generate", "--target", f"127.0.0.1:{_free_port()}", "--json-schema", f"@{tmp_path}/nope.json",
+                "Hi"])
+    assert run.returncode == 2
+    assert _one_line(run.stderr) == (f"tpserve generate: --json-schema @{tmp_path}/nope.json: cannot read "
+                                     f"{tmp_path}/nope.json (No such file or directory); give a JSON schema file "
+                                     "after @, or the schema itself")
+
+
+def test_no_server_says_what_to_check():
+    port = _free_port()
+    run = _run(["generate", "--target", f"127.0.0.1:{port}", "Hi"])
+    assert run.returncode == 1
+    line = _one_line(run.stderr)
+    assert line.startswith("UNAVAILABLE: ") and f"no tpserve server answers at 127.0.0.1:{port}" in line
+    assert "start one (tpserve serve) or check --target" in line
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "--speculative-method", "ngram"],
+     "tpserve serve: --speculative-method=ngram needs --num-speculative-tokens (>= 1)"),
+    (["serve", "--prompt-lookup-min", "4", "--prompt-lookup-max", "2", "--speculative-method", "ngram",
+      "--num-speculative-tokens", "2"], "tpserve serve: --prompt-lookup-min=4 must be <= --prompt-lookup-max=2"),
+    (["serve", "--nnodes", "2"], "tpserve serve: --tensor-parallel-size=1 is not divisible by --nnodes=2"),
+    (["serve", "--max-num-seqs", "0"], "tpserve serve: --max-num-seqs: Input should be greater than or equal to 1"),
+    (["serve", "--port", "99999"], "tpserve serve: --port: Input should be less than or equal to 65535"),
+    (["serve", "--config", "/nonexistent/tpserve.yaml"],
+     "tpserve serve: --config /nonexistent/tpserve.yaml: No such file or directory"),
+    (["generate", "--logprobs", "Hi"], "tpserve generate: --logprobs is printed only in the JSON object: add --json"),
+    (["generate", "--json", "--top-logprobs", "2", "Hi"],
+     "tpserve generate: --top-logprobs goes with --logprobs: add --logprobs"),
+    (["generate", "--system", "Be brief.", "Hi"],
+     "tpserve generate: --system goes with --chat (a system message before the prompt): add --chat"),
+    (["generate", "--ssl-ca-certs", "/nonexistent/ca.pem", "Hi"],
+     "tpserve generate: /nonexistent/ca.pem: No such file or directory"),
+])
+def test_flag_errors_are_one_line_naming_flags(argv, expected, capsys, monkeypatch):
+    # serve configures logging for the whole process (to this test's captured stderr): not here
+    monkeypatch.setattr("tpserve.log.configure_logging", lambda *args, **kwargs: None)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert _one_line(captured.err) == expected
+    assert "_" not in expected.split(": ", 1)[1].split(" ")[0], "a YAML key where a flag was meant"
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("127.0.0.1", "127.0.0.1:50051"), ("localhost", "localhost:50051"), ("::1", "[::1]:50051"),
+    ("[::1]", "[::1]:50051"), ("[::1]:7", "[::1]:7"), ("host:7", "host:7"),
+    ("dns:///tpserve.svc:50051", "dns:///tpserve.svc:50051"),
+    ("ipv4:10.0.0.1:5,10.0.0.2:5", "ipv4:10.0.0.1:5,10.0.0.2:5"),
+    ("unix:///tmp/s", "unix:///tmp/s"),
+])
+def test_target_host_alone_means_port_50051(target, expected):
+    assert with_default_port(target) == expected
+
+
+class _RpcError(grpc.RpcError):
+    """A failed call as grpc raises it: a status code and the details text gRPC's core wrote."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize("code, details, tls, hint", [
+    (grpc.StatusCode.UNAVAILABLE, "Socket closed", False, "if it was started with --ssl-certfile, connect with TLS"),
+    (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50051: "
+     "Ssl handshake failed: SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER", True,
+     "the TLS handshake with 127.0.0.1:50051 failed: check --ssl-ca-certs"),
+    (grpc.StatusCode.UNAUTHENTICATED, "missing authorization: Bearer <key>", False, "--api-key or $TPSERVE_API_KEY"),
+])
+def test_rpc_failures_say_what_to_check(code, details, tls, hint):
+    line = describe_rpc_error(_RpcError(code, details), "127.0.0.1:50051", tls=tls)
+    assert line.startswith(f"{code.name}: {details} -- ") and hint in line
