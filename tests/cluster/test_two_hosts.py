@@ -200,7 +200,7 @@ def test_a_mismatched_node_is_refused_and_a_node_that_never_comes_keeps_the_lead
     finally:
         stop_process_group(mismatched)
         stop_process_group(leader)
-    assert "FAILED_PRECONDITION: node 1 has dtype=bfloat16, the leader dtype=auto" in headless_log.read_text()
+    assert "FAILED_PRECONDITION: node 1 has --dtype=bfloat16, the leader --dtype=auto" in headless_log.read_text()
     output = leader_log.read_text()
     assert returncode == 1, output
     assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.NOT_SERVING}

@@ -38,7 +38,7 @@ def test_a_model_that_cannot_be_split_is_refused_at_start_up() -> None:
         [sys.executable, "-m", "tpserve.cli", "serve", "--model", str(STORIES_DIR), "--tensor-parallel-size", "8",
          "--port", str(free_port())], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert "intermediate_size=172" in out.stderr and "tensor_parallel_size=8" in out.stderr
+    assert "intermediate_size=172" in out.stderr and "--tensor-parallel-size=8" in out.stderr
 
 
 def test_sigterm_stops_every_process_with_exit_code_zero() -> None:

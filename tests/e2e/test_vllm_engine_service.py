@@ -260,7 +260,7 @@ def test_native_n_streams_indexed_samples_from_one_prefill(server: RunningCluste
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateStream" in info.value.details()
 
 
-def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(server: RunningCluster) -> None:
+def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(server: RunningCluster, engine) -> None:
     """--max-num-seqs 1: one request runs, 20 of priority 1 wait, then one of priority 0 arrives:
     it is the next admitted, and finishes before any of the 20 starts."""
     import threading
@@ -274,7 +274,16 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(server: 
             if message.token_ids and name not in first_token_at:
                 first_token_at[name] = time.monotonic()
 
-    blocker = threading.Thread(target=consume, args=("blocker",), kwargs=dict(max_tokens=400, ignore_eos=True))
+    def wait_for_waiting(count: int) -> None:
+        # The queue as the server sees it (GetLoads), not a sleep: on an idle machine the
+        # blocker's ~500 tokens take well under a second on this model.
+        deadline = time.monotonic() + 20
+        while _loads(engine).num_waiting_reqs < count:
+            assert time.monotonic() < deadline, f"never {count} waiting"
+            time.sleep(0.005)
+
+    longest = server.client.model_info().max_model_len - len(prompt) - 1
+    blocker = threading.Thread(target=consume, args=("blocker",), kwargs=dict(max_tokens=longest, ignore_eos=True))
     blocker.start()
     while "blocker" not in first_token_at:
         time.sleep(0.01)
@@ -282,10 +291,11 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(server: 
             for i in range(20)]
     for thread in lows:
         thread.start()
-    time.sleep(0.5)  # all 20 queued
+    wait_for_waiting(20)
     high = threading.Thread(target=consume, args=("high",), kwargs=dict(max_tokens=4, priority=0))
     high.start()
-    time.sleep(0.3)
+    wait_for_waiting(21)
+    assert "blocker" in first_token_at and not any(name.startswith("low") for name in first_token_at)
     server.client.abort("blocker")
     for thread in [blocker, high, *lows]:
         thread.join(60)
