@@ -41,6 +41,7 @@ from worker.attention import paged_kernel_available
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
+from worker.layers.moe import expert_layers, take_expert_token_counts
 from worker.grammar import GrammarCache, GrammarState
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
@@ -111,6 +112,8 @@ class ModelRunner:
                               and (self.draft is None or self.draft.paged_kernel))
         self._triton_decode = triton_attention_available(ctx.device, block_size)
         self._graphs: DecodeGraphs | None = None
+        # Mixture-of-experts layers, whose routed-token counts rank 0 reports every step.
+        self._expert_layers = expert_layers(self.model) if ctx.is_rank0 else []
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
@@ -142,6 +145,7 @@ class ModelRunner:
                                         max_model_len or self.config.max_position_embeddings, cuda_graph_sizes,
                                         capture=capture)
             self._graphs.capture_all()
+        take_expert_token_counts(self._expert_layers)  # drop what profiling and capture routed
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -197,8 +201,10 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
             tokens = self._run(plan)
+            expert_token_counts = take_expert_token_counts(self._expert_layers)  # after _run's host copy: no wait
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=self._logprobs,
-                          prompt_logprobs=self._prompt_logprobs, num_accepted_tokens=self._num_accepted)
+                          prompt_logprobs=self._prompt_logprobs, num_accepted_tokens=self._num_accepted,
+                          expert_token_counts=expert_token_counts)
 
     def _check_chunks(self, plan: StepPlan) -> None:
         seen: set[int] = set()

@@ -150,7 +150,8 @@ class FusedMoE(nn.Module):
         self.down_proj = new_parameter((num_experts, hidden_size, local), dtype, ctx.device, self.weight_loader)
         self.gate_up_proj.shard_ids = tuple((e, k) for e in range(num_experts) for k in ("gate", "up"))
         self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
-        #: Tokens routed to each expert since the last :meth:`take_routed_counts`, ``(E,)`` int64.
+        #: Tokens routed to each expert since the last :meth:`take_routed_counts`, ``(E,)`` int64;
+        #: counted on rank 0 only. A replayed CUDA graph counts its padding rows too.
         self.register_buffer("routed_counts", torch.zeros(num_experts, dtype=torch.int64, device=ctx.device),
                              persistent=False)
 
@@ -168,8 +169,9 @@ class FusedMoE(nn.Module):
             copy_into(param.data[expert, offset:offset + local], read_narrow(source, 0, start, local))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)  # (T * k,)
-        self.routed_counts.index_add_(0, flat, torch.ones_like(flat))  # (E,); no host sync, graph-safe
+        if self.ctx.is_rank0:  # the rank that reports them (StepResult.expert_token_counts)
+            flat = ids.reshape(-1)  # (T * k,)
+            self.routed_counts.index_add_(0, flat, torch.ones_like(flat))  # (E,); no host sync, graph-safe
         return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights)  # (T, H), partial
 
     def take_routed_counts(self) -> torch.Tensor:
@@ -255,3 +257,27 @@ class SparseMoeBlock(nn.Module):
             scale = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))  # (T, 1), replicated
             y = y + scale * self.shared_expert(x)  # (T, H), still a partial: the scale is per token
         return self.ctx.all_reduce(y)  # (T, H), summed over ranks
+
+
+def expert_layers(model: nn.Module) -> list[tuple[int, FusedMoE]]:
+    """The model's :class:`FusedMoE` modules with their decoder layer's index (``...layers.{i}...``), in order."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            parts = name.split(".")
+            found.append((int(parts[parts.index("layers") + 1]), module))
+    return found
+
+
+def take_expert_token_counts(layers: list[tuple[int, FusedMoE]]) -> tuple[int, ...]:
+    """Every layer's counts since the last call as flat ``(layer, expert, num_tokens)`` triples, nonzero only.
+
+    One device-to-host copy of an ``(n, 3)`` int64 tensor; resets the counts.
+    """
+    if not layers:
+        return ()
+    counts = torch.stack([moe.take_routed_counts() for _, moe in layers])  # (L, E) int64
+    where = counts.nonzero()  # (n, 2): (row of layers, expert)
+    index = torch.tensor([i for i, _ in layers], dtype=torch.int64, device=counts.device)
+    triples = torch.stack([index[where[:, 0]], where[:, 1], counts[where[:, 0], where[:, 1]]], dim=1)  # (n, 3)
+    return tuple(triples.reshape(-1).tolist())
