@@ -4,40 +4,48 @@ Both sides of the worker group read this module: the coordinator sizes its KV
 block pool and checks tensor-parallel divisibility before starting any worker;
 each worker builds its model shard from it. It therefore imports no torch.
 
-Supported architectures (all "Llama family": RMSNorm, RoPE, SwiGLU MLP, GQA):
-
-| model_type | q/k/v bias            | o_proj bias           | refused                              |
-| ---------- | --------------------- | --------------------- | ------------------------------------ |
-| llama      | ``attention_bias``    | ``attention_bias``    | -                                    |
-| mistral    | no                    | no                    | ``sliding_window`` < max positions   |
-| qwen2      | always                | no                    | ``use_sliding_window: true``         |
+:class:`ModelConfig` holds what every family shares (sizes, heads, RoPE, the
+facts that size the KV cache) under standard Hugging Face keys, plus the raw
+dict (``hf_config``): a family's model class (worker/models/) reads its own keys
+from it with :meth:`ModelConfig.hf_value`. The architecture must be one of
+tpserve/model_registry.py's, which the coordinator checks here, at start-up.
 
 RoPE parameters are read from the ``transformers`` 5 layout (``rope_parameters``
 holding ``rope_theta``) or the older one (top-level ``rope_theta`` plus
 ``rope_scaling``); both normalise to ``rope_theta`` and ``rope_scaling``.
+
+Sliding-window attention is refused for now (``use_sliding_window: true``, or a
+``sliding_window`` shorter than ``max_position_embeddings``); ``layer_types`` and
+``sliding_window`` are parsed so the KV sizing can read them without torch.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from tpserve.model_registry import resolve_architecture
 from tpserve.quantization import Quantization, checkpoint_quantization
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
+_T = TypeVar("_T")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters of a Llama-family checkpoint.
+    """Architecture hyper-parameters every served family shares, and the raw config.
 
     Attributes:
-        model_type: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
-        architectures: class names from the config (informative only).
+        architecture: the served ``architectures`` name (a key of
+            :data:`tpserve.model_registry.MODEL_REGISTRY`), e.g. ``"LlamaForCausalLM"``.
+        model_type: ``config.json``'s ``model_type`` (``"llama"``, ``"qwen2"``...), informative.
+        architectures: class names from the config.
         vocab_size: number of token ids (rows of the embedding), unpadded.
         hidden_size: width of the residual stream.
         intermediate_size: width of the MLP (gate/up output).
@@ -45,6 +53,7 @@ class ModelConfig:
         total_num_heads: query heads of the whole model (``num_attention_heads``).
         total_num_kv_heads: key/value heads of the whole model (``num_key_value_heads``).
         head_dim: size of one attention head (explicit ``head_dim`` or hidden/heads).
+        hidden_act: the MLP's activation name (``hidden_act``; each family checks it).
         rms_norm_eps: epsilon inside RMSNorm's square root.
         rope_theta: RoPE base wavelength (Su et al. 2021, arXiv:2104.09864).
         rope_scaling: ``None`` for plain RoPE, else a dict with ``rope_type``
@@ -52,18 +61,23 @@ class ModelConfig:
             ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``).
         max_position_embeddings: longest sequence the model was built for, in tokens.
+        sliding_window: tokens a sliding-window layer attends to (itself included), or
+            None when no layer slides (absent, ``use_sliding_window: false``, or not
+            shorter than ``max_position_embeddings``).
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``
+            (``layer_types`` of the config, else every layer alike).
         tie_word_embeddings: the LM head reuses the input embedding matrix.
-        attention_bias: q_proj, k_proj and v_proj carry a bias.
-        o_proj_bias: o_proj carries a bias.
-        mlp_bias: gate_proj, up_proj and down_proj carry a bias.
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: end-of-sequence ids (may be empty).
         torch_dtype: the checkpoint's dtype name (``"float32"``, ``"bfloat16"``...), or None.
         quantization: how the checkpoint's linear weights are stored: None (float) or
             ``"int8"`` (compressed-tensors int8 weight-only; :mod:`tpserve.quantization`).
+        hf_config: the whole ``config.json`` dict, for family-specific keys
+            (read them with :meth:`hf_value`). Not to be mutated.
     """
 
-    model_type: str
+    architecture: str
+    model_type: str | None
     architectures: tuple[str, ...]
     vocab_size: int
     hidden_size: int
@@ -72,18 +86,19 @@ class ModelConfig:
     total_num_heads: int
     total_num_kv_heads: int
     head_dim: int
+    hidden_act: str
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
+    sliding_window: int | None
+    layer_types: tuple[str, ...]
     tie_word_embeddings: bool
-    attention_bias: bool
-    o_proj_bias: bool
-    mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     quantization: Quantization | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -91,8 +106,8 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: no ``config.json`` in ``model_dir``.
-            ValueError: unsupported model type, activation, RoPE type, sliding
-                window or quantization_config; a required key is missing.
+            ValueError: unsupported architecture, RoPE type, sliding window, layer
+                type or quantization_config; a required key is missing.
         """
         path = Path(model_dir) / "config.json"
         with path.open(encoding="utf-8") as f:
@@ -101,52 +116,66 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Parse a ``config.json`` already loaded as a dict; see :meth:`from_pretrained`."""
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
-            )
-        _check_no_sliding_window(raw, model_type)
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act={hidden_act!r} is not supported; expected 'silu'")
-
+        architectures = tuple(raw.get("architectures") or ())
+        architecture = resolve_architecture(architectures)
         hidden_size = _required(raw, "hidden_size")
         total_num_heads = _required(raw, "num_attention_heads")
+        num_hidden_layers = _required(raw, "num_hidden_layers")
         head_dim = raw.get("head_dim") or hidden_size // total_num_heads
         max_position_embeddings = _required(raw, "max_position_embeddings")
         rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
-        if model_type == "qwen2":
-            attention_bias, o_proj_bias = True, False
-        elif model_type == "llama":
-            attention_bias = o_proj_bias = bool(raw.get("attention_bias", False))
-        else:
-            attention_bias = o_proj_bias = False
+        sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings)
         eos = raw.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         return cls(
-            model_type=model_type,
-            architectures=tuple(raw.get("architectures") or ()),
+            architecture=architecture,
+            model_type=raw.get("model_type"),
+            architectures=architectures,
             vocab_size=_required(raw, "vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=_required(raw, "intermediate_size"),
-            num_hidden_layers=_required(raw, "num_hidden_layers"),
+            num_hidden_layers=num_hidden_layers,
             total_num_heads=total_num_heads,
             total_num_kv_heads=raw.get("num_key_value_heads") or total_num_heads,
             head_dim=head_dim,
+            hidden_act=str(raw.get("hidden_act", "silu")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position_embeddings,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            o_proj_bias=o_proj_bias,
-            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=checkpoint_quantization(raw),
+            hf_config=raw,
         )
+
+    def hf_value(self, key: str, default: _T, kind: type[_T] | tuple[type, ...] | None = None) -> _T:
+        """A family-specific key of ``config.json`` (``default`` when absent or null), type-checked.
+
+        Args:
+            key: the config key, e.g. ``"attention_bias"``.
+            default: the value ``transformers`` assumes when the key is absent.
+            kind: the type(s) the value must have; default ``type(default)``. ``bool``
+                accepts only booleans; ``float`` accepts integers too.
+
+        Raises:
+            ValueError: the value has another type; the message names the key.
+        """
+        value = self.hf_config.get(key)
+        if value is None:
+            return default
+        kinds = kind if isinstance(kind, tuple) else (kind or type(default),)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)  # type: ignore[return-value]
+        ok = isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+        if not ok:
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ValueError(f"config.json {key}={value!r} must be of type {names}")
+        return value
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Refuse a tensor-parallel degree this model cannot be split into.
@@ -203,16 +232,37 @@ def _required(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
-def _check_no_sliding_window(raw: dict[str, Any], model_type: str) -> None:
+def _parse_attention_windows(
+    raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
+
+    Raises:
+        ValueError: a malformed ``layer_types``, or a sliding window (not supported yet).
+    """
+    window = raw.get("sliding_window")
+    if raw.get("use_sliding_window") is False or (window is not None and window >= max_position_embeddings):
+        window = None  # Qwen2/Qwen3 switch the window off; a window covering every position is full attention
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
+    if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
+        raise ValueError(f"config.json layer_types must list one type per layer ({num_hidden_layers})")
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported; expected {LAYER_TYPES}")
+    _check_no_sliding_window(raw, window, max_position_embeddings)
+    return window, tuple(layer_types)
+
+
+def _check_no_sliding_window(raw: dict[str, Any], window: int | None, max_position_embeddings: int) -> None:
     # Sliding-window attention would need a different mask and cache eviction;
     # serving such a model with full attention would silently change its output.
-    if model_type == "qwen2" and raw.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=True (qwen2) is not supported: no sliding-window attention")
-    window = raw.get("sliding_window")
-    max_pos = raw.get("max_position_embeddings")
-    if model_type == "mistral" and window is not None and max_pos is not None and window < max_pos:
+    if raw.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported: no sliding-window attention")
+    if window is not None:
         raise ValueError(
-            f"sliding_window={window} < max_position_embeddings={max_pos} is not supported: "
+            f"sliding_window={window} < max_position_embeddings={max_position_embeddings} is not supported: "
             "no sliding-window attention"
         )
 

@@ -64,7 +64,7 @@ class DecodeGraphs:
     """Captured decode forward passes of one rank's model, one per batch size.
 
     Args:
-        model: the rank's :class:`~worker.model.LlamaForCausalLM`; its forward must
+        model: the rank's :class:`~worker.models.base.CausalLM`; its forward must
             take an :class:`AttentionMetadata` with ``triton_decode``.
         kv_caches: the rank's caches, per layer ``(num_blocks + 1, block_size, KVH, d)``:
             block ``null_block = num_blocks`` is the padding rows' (see the module docstring).

@@ -12,10 +12,12 @@ to that GPU, and the cast into the parameter is a non-blocking copy on the GPU;
 no CPU tensor of a weight is ever cast or kept. The model is built with
 uninitialised parameters (no random initialisation), then filled here.
 
-Checkpoint names map to parameters one to one, except the fused projections:
-``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` (shard ``"q"``/``"k"``/``"v"``) and
-``gate_proj``/``up_proj`` -> ``gate_up_proj`` (shard 0/1). ``lm_head.weight``
-absent means tied word embeddings; ``rotary_emb.inv_freq`` buffers are skipped.
+The loader knows no family: the model class comes from the registry
+(worker/models/), and the model says where each checkpoint tensor goes
+(``model.weight_map(name)`` -> parameter name and shard, or None to skip; the
+Llama layout stacks q/k/v_proj into ``qkv_proj`` and gate/up_proj into
+``gate_up_proj``: worker/models/base.py). ``lm_head.weight`` absent means tied
+word embeddings.
 
 Weight-only int8 (``quantization="int8"``, tpserve/quantization.py): the linear
 layers' ``weight`` is int8 and ``weight_scale`` float32. A compressed-tensors int8
@@ -36,21 +38,14 @@ from safetensors import safe_open
 
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
-from worker.model import LlamaForCausalLM
+from worker.models import model_class
+from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 LM_HEAD = "lm_head.weight"
 ZERO_POINT_SUFFIX = ".weight_zero_point"
-_FUSED: dict[str, tuple[str, str | int]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_UNFUSED = {value: key for key, value in _FUSED.items()}
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
@@ -74,8 +69,8 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
 def load_model(
     model_dir: str | Path, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
     quantization: Quantization | None = None,
-) -> LlamaForCausalLM:
-    """Build this rank's shard of the model and fill it from ``model_dir``.
+) -> CausalLM:
+    """Build this rank's shard of the model (the class of ``config.architecture``) and fill it from ``model_dir``.
 
     Args:
         model_dir: directory with ``config.json`` and the safetensors files.
@@ -86,15 +81,16 @@ def load_model(
             (``config.quantization``) is loaded as int8 whatever this says.
 
     Raises:
-        ValueError: the checkpoint lacks weights the model needs, holds weights it
-            does not know, or a tensor has the wrong shape (each error names them).
+        ValueError: the family refuses a config value, the checkpoint lacks weights the
+            model needs, holds weights it does not know, or a tensor has the wrong shape
+            (each error names them).
     """
     files = checkpoint_files(model_dir)
     tied = config.tie_word_embeddings or LM_HEAD not in files
     # Parameters are allocated uninitialised (torch.empty) on ctx.device: nothing
     # is randomly initialised, and each is written once, by its weight_loader.
-    model = LlamaForCausalLM(config, ctx, dtype, tie_word_embeddings=tied,
-                             quantization=config.quantization or quantization)
+    model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied,
+                                             quantization=config.quantization or quantization)
     load_weights(model, files, ctx.device)
     return model.eval()
 
@@ -104,11 +100,12 @@ def read_device(device: torch.device) -> str:
     return str(device) if device.type == "cuda" else "cpu"
 
 
-def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.device | None = None) -> None:
+def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint tensors in ``files``.
 
     Args:
-        model: parameters carrying ``weight_loader`` and ``shard_ids``.
+        model: parameters carrying ``weight_loader`` and ``shard_ids``; its ``weight_map``
+            places each checkpoint tensor.
         files: tensor name -> file.
         device: the parameters' device; CUDA slices are read straight onto it.
 
@@ -117,16 +114,19 @@ def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.d
     """
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
-    targets: dict[str, tuple[str, str | int | None]] = {}
+    targets: dict[str, tuple[str, ShardId]] = {}
     unexpected = []
     zero_points = []
     for name in files:
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == LM_HEAD):
-            continue  # recomputed / shared with the embedding
+        if tied and name == LM_HEAD:
+            continue  # shared with the embedding
         if name.endswith(ZERO_POINT_SUFFIX):
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue
-        param_name, shard_id = _parameter_for(name)
+        target = model.weight_map(name)
+        if target is None:
+            continue  # not a weight (a recomputed buffer)
+        param_name, shard_id = target
         param = params.get(param_name)
         if param is None or shard_id not in param.shard_ids:  # type: ignore[attr-defined]
             unexpected.append(name)
@@ -134,7 +134,7 @@ def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.d
     if unexpected:
         raise ValueError(f"checkpoint has weights the model does not use: {sorted(unexpected)}")
 
-    loaded: set[tuple[str, str | int | None]] = set()
+    loaded: set[tuple[str, ShardId]] = set()
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in targets:
         by_file[files[name]].append(name)
@@ -153,7 +153,7 @@ def load_weights(model: torch.nn.Module, files: dict[str, Path], device: torch.d
     # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.
     loaded |= {(name, shard) for name, p in params.items() for shard in getattr(p, "computed_shard_ids", ())}
     expected = {(name, shard) for name, p in params.items() for shard in p.shard_ids}  # type: ignore[attr-defined]
-    missing = sorted(_checkpoint_name(name, shard) for name, shard in expected - loaded)
+    missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing}")
 
@@ -164,24 +164,3 @@ def _check_zero_points(files: dict[str, Path], names: list[str]) -> None:
         with safe_open(files[name], framework="pt") as f:
             if bool(f.get_tensor(name).any()):
                 raise ValueError(f"weight {name!r} is not zero: asymmetric int8 is not supported")
-
-
-def _parameter_for(checkpoint_name: str) -> tuple[str, str | int | None]:
-    """``model.layers.0.self_attn.k_proj.weight`` -> (``model.layers.0.self_attn.qkv_proj.weight``, ``"k"``)."""
-    parts = checkpoint_name.split(".")
-    for i, part in enumerate(parts):
-        if part in _FUSED:
-            parts[i], shard_id = _FUSED[part]
-            return ".".join(parts), shard_id
-    return checkpoint_name, None
-
-
-def _checkpoint_name(param_name: str, shard_id: str | int | None) -> str:
-    """Inverse of :func:`_parameter_for`, for error messages."""
-    if shard_id is None:
-        return param_name
-    parts = param_name.split(".")
-    for i, part in enumerate(parts):
-        if (part, shard_id) in _UNFUSED:
-            parts[i] = _UNFUSED[(part, shard_id)]
-    return ".".join(parts)

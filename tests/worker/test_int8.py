@@ -31,7 +31,7 @@ from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_
 from tests.worker.tp_harness import Job, StepRecord, run_jobs
 from tpserve.model_config import ModelConfig
 from worker.memory import weight_bytes
-from worker.model import LlamaForCausalLM
+from worker.models.llama import LlamaForCausalLM
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 
@@ -43,8 +43,8 @@ GOLDEN_JOB = "stories260k_int8"
 GOLDEN_MIN_PREFIX = 16
 GOLDEN_MIN_FULL_LINES = 4
 #: The 95M-parameter shape of benchmarks/peer_comparison.py (built on the meta device: no memory).
-BENCHMARK_SHAPE = dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
-                       num_attention_heads=8, num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024,
+BENCHMARK_SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
+                       intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024,
                        tie_word_embeddings=False)
 
 

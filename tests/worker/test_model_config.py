@@ -34,14 +34,16 @@ def _llama(**overrides: object) -> dict:
 def test_parses_stories260k(stories_dir: Path) -> None:
     config = ModelConfig.from_pretrained(stories_dir)
     assert config.model_type == "llama"
-    assert config.architectures == ("LlamaForCausalLM",)
+    assert config.architecture == "LlamaForCausalLM" and config.architectures == ("LlamaForCausalLM",)
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (512, 64, 172)
     assert (config.num_hidden_layers, config.total_num_heads, config.total_num_kv_heads) == (5, 8, 4)
     assert config.head_dim == 8
     assert config.rms_norm_eps == 1e-5 and config.rope_theta == 10000.0 and config.rope_scaling is None
     assert config.max_position_embeddings == 512
     assert config.tie_word_embeddings is True
-    assert (config.attention_bias, config.o_proj_bias, config.mlp_bias) == (False, False, False)
+    assert config.hidden_act == "silu"
+    assert config.sliding_window is None and config.layer_types == ("full_attention",) * 5
+    assert config.hf_config["model_type"] == "llama"
     assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
     assert config.torch_dtype == "float32"
 
@@ -55,10 +57,10 @@ def test_parses_transformers5_layout_from_disk(tiny_checkpoints: dict[str, Path]
         "original_max_position_embeddings": 16,
     }
     qwen = ModelConfig.from_pretrained(tiny_checkpoints["qwen2_qkv_bias"])
-    assert (qwen.attention_bias, qwen.o_proj_bias) == (True, False)
-    assert qwen.rope_theta == 1000000.0
+    assert qwen.architecture == "Qwen2ForCausalLM" and qwen.rope_theta == 1000000.0
+    assert qwen.sliding_window is None  # transformers writes use_sliding_window: false
     llama_bias = ModelConfig.from_pretrained(tiny_checkpoints["mqa_untied_bias"])
-    assert (llama_bias.attention_bias, llama_bias.o_proj_bias, llama_bias.mlp_bias) == (True, True, True)
+    assert llama_bias.hf_value("attention_bias", False) is True and llama_bias.hf_value("mlp_bias", False) is True
     assert llama_bias.tie_word_embeddings is False and llama_bias.total_num_kv_heads == 1
 
 
@@ -80,19 +82,24 @@ def test_parses_transformers4_rope_scaling_and_defaults() -> None:
 
 
 def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(_llama(model_type="mistral", sliding_window=None)))
-    assert ModelConfig.from_pretrained(tmp_path).model_type == "mistral"
+    raw = _llama(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert (config.model_type, config.architecture) == ("mistral", "MistralForCausalLM")
 
 
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
-        ({"model_type": "gpt2"}, ["model_type='gpt2'"]),
+        ({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]},
+         ["GPTNeoXForCausalLM", "is not supported", "LlamaForCausalLM", "Qwen2ForCausalLM"]),
+        ({"architectures": None}, ["no 'architectures'"]),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type='yarn'"]),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["llama3", "low_freq_factor"]),
         ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, ["sliding_window=4096"]),
         ({"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window"]),
-        ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
+        ({"layer_types": ["full_attention"] * 4}, ["layer_types", "(5)"]),
+        ({"layer_types": ["linear_attention"] * 5}, ["'linear_attention'"]),
         ({"vocab_size": None}, ["vocab_size"]),
     ],
 )
@@ -105,7 +112,25 @@ def test_refuses_unsupported_configs(overrides: dict, words: list[str]) -> None:
 
 def test_mistral_with_window_covering_every_position_is_full_attention() -> None:
     config = ModelConfig.from_dict(_llama(model_type="mistral", sliding_window=512))
-    assert (config.attention_bias, config.o_proj_bias) == (False, False)
+    assert config.sliding_window is None and set(config.layer_types) == {"full_attention"}
+
+
+def test_a_window_switched_off_is_full_attention() -> None:
+    """Qwen2.5 checkpoints store a window with ``use_sliding_window: false``: not a sliding model."""
+    config = ModelConfig.from_dict(_llama(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                                          sliding_window=128, use_sliding_window=False))
+    assert config.sliding_window is None
+
+
+def test_hf_value_reads_family_keys_with_their_types() -> None:
+    config = ModelConfig.from_dict(_llama(attention_bias=True, partial_factor=1, name="x"))
+    assert config.hf_value("attention_bias", False) is True
+    assert config.hf_value("mlp_bias", False) is False  # absent: the default
+    assert config.hf_value("partial_factor", 0.5) == 1.0 and isinstance(config.hf_value("partial_factor", 0.5), float)
+    with pytest.raises(ValueError, match=r"config.json name='x' must be of type bool"):
+        config.hf_value("name", False)
+    with pytest.raises(ValueError, match=r"attention_bias=True must be of type int"):
+        config.hf_value("attention_bias", 0)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

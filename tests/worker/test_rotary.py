@@ -25,7 +25,7 @@ def test_inv_freq_matches_transformers(case: str) -> None:
     hf_config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=2048,
                             rope_theta=500000.0, rope_scaling=dict(scaling) if scaling else None)
     hf_rope = LlamaRotaryEmbedding(hf_config)
-    config = ModelConfig.from_dict(hf_config.to_dict())
+    config = ModelConfig.from_dict({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     assert torch.equal(ours, hf_rope.inv_freq)
 

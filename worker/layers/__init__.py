@@ -1,1 +1,1 @@
-"""Tensor-parallel building blocks of the Llama-family model (see worker/model.py)."""
+"""Tensor-parallel building blocks of the model families (see worker/models/)."""

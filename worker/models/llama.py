@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2), one tensor-parallel shard of it.
+"""The Llama decoder, one tensor-parallel shard of it; Mistral (no window) and Qwen2 are Llama with other biases.
 
 Architecture (Touvron et al. 2023, arXiv:2302.13971; reference: ``transformers``'
 ``modeling_llama.py``), for a flat batch of ``T`` tokens on one rank:
@@ -14,10 +14,25 @@ Architecture (Touvron et al. 2023, arXiv:2302.13971; reference: ``transformers``
 
 ``num_heads``/``num_kv_heads``/``intermediate`` below are this rank's shares.
 Parameter names match the Hugging Face checkpoint except the fused
-``qkv_proj`` (q/k/v_proj) and ``gate_up_proj`` (gate/up_proj); see worker/loader.py.
+``qkv_proj`` (q/k/v_proj) and ``gate_up_proj`` (gate/up_proj): the class's
+``stacked_params_mapping`` (worker/models/base.py).
+
+The families differ only in which projections carry a bias (``transformers``'
+``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``):
+
+| class              | q/k/v bias         | o_proj bias        | MLP bias    |
+| ------------------ | ------------------ | ------------------ | ----------- |
+| LlamaForCausalLM   | ``attention_bias`` | ``attention_bias`` | ``mlp_bias``|
+| MistralForCausalLM | no                 | no                 | no          |
+| Qwen2ForCausalLM   | always             | no                 | no          |
+
+A related family reuses the pieces through :meth:`LlamaForCausalLM.decoder_layer`
+(its attention or MLP) and :meth:`LlamaForCausalLM.biases`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,31 +44,38 @@ from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm, SiluAndMul
 from worker.layers.rotary import RotaryEmbedding, rotate_and_cache
+from worker.models.base import LLAMA_STACKED_PARAMS, CausalLM, KVCache
 from worker.parallel_state import ParallelContext
 
-#: One layer's paged cache on this rank: ``(k_cache, v_cache)``, each
-#: ``(num_blocks, block_size, num_kv_heads, head_dim)``.
-KVCache = tuple[torch.Tensor, torch.Tensor]
 #: The step's RoPE ``(cos, sin)``, each ``(T, 1, head_dim)``, shared by every layer.
 Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Biases:
+    """Which projections carry a bias."""
+
+    qkv: bool = False
+    o_proj: bool = False
+    mlp: bool = False
 
 
 class LlamaAttention(nn.Module):
     """Self-attention of one layer, on this rank's query and key/value heads."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 quantization: Quantization | None = None) -> None:
+                 quantization: Quantization | None = None, biases: Biases = Biases()) -> None:
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, d, config.total_num_heads, config.total_num_kv_heads, ctx,
-            bias=config.attention_bias, dtype=dtype, quantization=quantization,
+            bias=biases.qkv, dtype=dtype, quantization=quantization,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            config.total_num_heads * d, config.hidden_size, ctx, bias=config.o_proj_bias, dtype=dtype,
+            config.total_num_heads * d, config.hidden_size, ctx, bias=biases.o_proj, dtype=dtype,
             quantization=quantization,
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
@@ -70,14 +92,14 @@ class LlamaMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, arXiv:2002.05202)."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 quantization: Quantization | None = None) -> None:
+                 quantization: Quantization | None = None, *, bias: bool = False) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], ctx, bias=config.mlp_bias, dtype=dtype, quantization=quantization
+            config.hidden_size, [size, size], ctx, bias=bias, dtype=dtype, quantization=quantization
         )
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(size, config.hidden_size, ctx, bias=config.mlp_bias, dtype=dtype,
+        self.down_proj = RowParallelLinear(size, config.hidden_size, ctx, bias=bias, dtype=dtype,
                                            quantization=quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,16 +109,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: ``self_attn`` then ``mlp``, given (a family picks them)."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 quantization: Quantization | None = None) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, self_attn: nn.Module,
+                 mlp: nn.Module) -> None:
         super().__init__()
         device = ctx.device
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, ctx, dtype, quantization)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, ctx, dtype, quantization)
+        self.mlp = mlp
 
     def forward(self, rope: Rope, h: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         a = self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata)  # (T, hidden)
@@ -105,15 +127,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm."""
+    """Embedding, the given decoder layers and final norm."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 quantization: Quantization | None = None) -> None:
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, layers: list[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, ctx.device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ctx, dtype, quantization)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device)
 
     def forward(
@@ -130,35 +150,49 @@ class LlamaModel(nn.Module):
         return self.norm(h)  # (T, hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The causal LM: :class:`LlamaModel` plus a vocab-parallel LM head.
 
-    Args:
-        config: the model's architecture.
-        ctx: this rank's tensor-parallel group; ``config.check_tensor_parallel``
-            must accept its ``world_size``.
-        dtype: dtype of every parameter and activation (float32, bfloat16, float16).
-        tie_word_embeddings: the LM head shares the input embedding's weight
-            (decided by the loader from the checkpoint's contents).
-        quantization: None, or "int8": every decoder linear layer (qkv, o, gate_up,
-            down) holds int8 weights and per-channel scales; the embedding, the LM head
-            and the norms stay in ``dtype`` (docs/design.md, "Weight-only int8").
+    Args: those of :class:`~worker.models.base.CausalLM`. ``quantization="int8"``:
+    every decoder linear layer (qkv, o, gate_up, down) holds int8 weights and
+    per-channel scales; the embedding, the LM head and the norms stay in ``dtype``
+    (docs/design.md, "Weight-only int8").
 
-    Parameters are allocated uninitialised on ``ctx.device``; the loader fills them.
+    Raises:
+        ValueError: ``hidden_act`` is not ``"silu"``, or a bias key is not a boolean.
     """
+
+    stacked_params_mapping = LLAMA_STACKED_PARAMS
 
     def __init__(
         self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool,
         quantization: Quantization | None = None,
     ) -> None:
         super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported by {config.architecture}; "
+                             "expected 'silu'")
         self.config = config
         self.quantization = quantization
-        self.model = LlamaModel(config, ctx, dtype, quantization)
+        layers = [self.decoder_layer(config, ctx, dtype, quantization, i) for i in range(config.num_hidden_layers)]
+        self.model = LlamaModel(config, ctx, dtype, layers)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
         self.tie_word_embeddings = tie_word_embeddings
         if tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def biases(cls, config: ModelConfig) -> Biases:
+        """Llama: ``attention_bias`` on q/k/v and o_proj, ``mlp_bias`` on the MLP (both default False)."""
+        attention_bias = config.hf_value("attention_bias", False)
+        return Biases(qkv=attention_bias, o_proj=attention_bias, mlp=config.hf_value("mlp_bias", False))
+
+    def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                      quantization: Quantization | None, layer_index: int) -> nn.Module:
+        """Decoder layer ``layer_index``: where a related family swaps its attention or MLP."""
+        biases = self.biases(config)
+        return LlamaDecoderLayer(config, ctx, dtype, LlamaAttention(config, ctx, dtype, quantization, biases),
+                                 LlamaMLP(config, ctx, dtype, quantization, bias=biases.mlp))
 
     def forward(
         self,
@@ -179,3 +213,19 @@ class LlamaForCausalLM(nn.Module):
         A collective: every rank must call it with the same ``N``.
         """
         return self.lm_head(hidden)  # (N, vocab_size) on rank 0
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral without a sliding window (a window is refused by the config): Llama with no bias at all."""
+
+    @classmethod
+    def biases(cls, config: ModelConfig) -> Biases:
+        return Biases()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with a bias on q/k/v (always) and none on o_proj or the MLP."""
+
+    @classmethod
+    def biases(cls, config: ModelConfig) -> Biases:
+        return Biases(qkv=True)

@@ -1,0 +1,56 @@
+"""Which model families tpserve serves: a checkpoint's ``architectures`` name -> the worker class.
+
+The table is plain strings, so this module imports no torch: the coordinator
+reads it at start-up to refuse an unknown architecture before starting any
+worker (tpserve/model_config.py), and each worker imports the named class
+(worker/models/__init__.py) to build its shard.
+
+A family is one file ``worker/models/<family>.py`` holding its ``*ForCausalLM``
+class, and one line here per ``architectures`` name it serves (docs/design.md,
+"Adding a model family"). The class states its own weight mapping and reads its
+own config keys; see worker/models/__init__.py for the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """Every ``architectures`` name tpserve serves, sorted."""
+    return tuple(sorted(MODEL_REGISTRY))
+
+
+def resolve_architecture(architectures: Sequence[str]) -> str:
+    """The first of a config's ``architectures`` that tpserve serves.
+
+    Args:
+        architectures: the ``architectures`` list of config.json (e.g. ``["LlamaForCausalLM"]``).
+
+    Raises:
+        ValueError: none is served (or the list is empty); the message names them and
+            lists the supported architectures.
+    """
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            return name
+    named = ", ".join(architectures) if architectures else "none (config.json has no 'architectures')"
+    raise ValueError(f"architecture {named} is not supported; supported: {', '.join(supported_architectures())}")
+
+
+def model_class_path(architecture: str) -> tuple[str, str]:
+    """``(module, class name)`` of ``architecture``'s worker model.
+
+    Raises:
+        ValueError: ``architecture`` is not in :data:`MODEL_REGISTRY`.
+    """
+    target = MODEL_REGISTRY.get(resolve_architecture([architecture]))
+    module, _, name = target.partition(":")  # type: ignore[union-attr]
+    return module, name
