@@ -26,7 +26,7 @@ class TinyModelSpec:
 
     Attributes:
         name: short id used in test names and directory names.
-        model_type: ``"llama"`` or ``"qwen2"``.
+        model_type: a key of :data:`MODEL_CLASSES` (``"llama"``, ``"qwen2"``, ``"mixtral"``...).
         config: keyword arguments of the ``transformers`` config class.
         max_shard_size: when set, ``save_pretrained`` shards the checkpoint
             (``model.safetensors.index.json``).
@@ -77,14 +77,22 @@ TINY_MODELS: tuple[TinyModelSpec, ...] = (
 )
 
 
+#: ``model_type`` -> the ``transformers`` (config, model) class names.
+MODEL_CLASSES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
 def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
     """The ``transformers`` model of ``spec`` with seeded random weights, float32, eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[spec.model_type]
+    config_name, model_name = MODEL_CLASSES[spec.model_type]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     config = config_cls(**{**_BASE, **spec.config})
     config._attn_implementation = "eager"
     torch.manual_seed(spec.seed)

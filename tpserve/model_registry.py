@@ -19,6 +19,7 @@ from collections.abc import Sequence
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
+    "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
 }
 

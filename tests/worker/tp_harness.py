@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from tpserve.step import StepPlan
+from tpserve.step import PromptLogprobs, StepPlan
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext, destroy_distributed, init_distributed
 
@@ -47,6 +47,8 @@ class StepRecord:
 
     sampled_token_ids: tuple[int, ...]
     logits: torch.Tensor | None  # (num_samples, vocab_size) float32
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    expert_token_counts: tuple[int, ...] = ()  # (layer, expert, num_tokens) triples, MoE models
 
 
 def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRecord]]:
@@ -61,7 +63,8 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
             result = runner.execute(plan)
             assert result.step_id == plan.step_id
             logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
-            records.append(StepRecord(result.sampled_token_ids, logits))
+            records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs,
+                                      result.expert_token_counts))
         results[job.name] = records
     return results
 
@@ -75,7 +78,8 @@ def _rank_main(rank: int, world_size: int, init_method: str, jobs: list[Job], ou
         results = execute_jobs(ctx, jobs)
         if rank != 0:
             for records in results.values():
-                assert all(r.sampled_token_ids == () and r.logits is None for r in records)
+                assert all(r.sampled_token_ids == () and r.logits is None and not r.expert_token_counts
+                           for r in records)
         else:
             with open(out_path, "wb") as f:
                 pickle.dump(results, f)
