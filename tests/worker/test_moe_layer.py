@@ -22,6 +22,7 @@ from worker.layers.moe import (
     SparseMoeBlock,
     expert_checkpoint_name,
     expert_weight_map,
+    is_sparse_layer,
     select_experts,
 )
 from worker.layers.moe_experts import grouped_experts_torch
@@ -213,3 +214,12 @@ def test_bad_shapes_and_int8_are_refused() -> None:
                  dtype=torch.float32)
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts"):
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8")
+
+
+def test_qwen_sparse_layers_follow_step_and_exceptions() -> None:
+    assert [is_sparse_layer(i, 8, 1, []) for i in range(4)] == [True] * 4
+    assert [is_sparse_layer(i, 8, 2, []) for i in range(4)] == [False, True, False, True]
+    assert [is_sparse_layer(i, 8, 1, [0, 2]) for i in range(4)] == [False, True, False, True]
+    assert not any(is_sparse_layer(i, 0, 1, []) for i in range(4))
+    with pytest.raises(ValueError, match="decoder_sparse_step=0 must be >= 1"):
+        is_sparse_layer(0, 8, 0, [])

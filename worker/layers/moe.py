@@ -88,6 +88,20 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
     return weights, ids
 
 
+def is_sparse_layer(layer_index: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: list[int]) -> bool:
+    """Whether Qwen-MoE decoder layer ``layer_index`` has a MoE block (else a dense MLP), as ``transformers`` decides.
+
+    Sparse when not in ``mlp_only_layers``, ``num_experts > 0`` and ``(layer_index + 1)`` is a
+    multiple of ``decoder_sparse_step``.
+
+    Raises:
+        ValueError: ``decoder_sparse_step < 1``.
+    """
+    if decoder_sparse_step < 1:
+        raise ValueError(f"config.json decoder_sparse_step={decoder_sparse_step} must be >= 1")
+    return layer_index not in mlp_only_layers and num_experts > 0 and (layer_index + 1) % decoder_sparse_step == 0
+
+
 def expert_weight_map(checkpoint_name: str, names: tuple[str, str, str]) -> tuple[str, tuple[int, str]] | None:
     """``...experts.3.w1.weight`` -> (``...experts.gate_up_proj``, ``(3, "gate")``); None if not an expert tensor.
 
