@@ -34,8 +34,9 @@ def test_align_rows_groups_every_row_once_by_expert() -> None:
     assert block_expert.tolist()[:4] == [0, 1, 2, 3]  # one block each, in expert order; then unused
 
 
-@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 8, 2), (19, 8, 2), (40, 16, 4)])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 8, 2), (19, 8, 2), (40, 16, 4), (70, 2, 2)])
 def test_triton_experts_equal_the_grouped_torch_path(num_tokens: int, num_experts: int, top_k: int) -> None:
+    """Decode-sized steps (16-row blocks) and a prefill-sized one (140 rows over 2 experts: 64-row blocks)."""
     g = torch.Generator().manual_seed(num_tokens)
     hidden, inter = 48, 40  # neither a multiple of the kernel's blocks: the masks matter
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5

@@ -1,7 +1,7 @@
 """The experts of a MoE layer on CUDA: a grouped GEMM in Triton over rows sorted by expert.
 
 The routed rows of a step (row ``t * k + j``: token ``t``'s ``j``-th choice) are
-sorted by expert and each expert's group is padded to a multiple of ``BLOCK_M``
+sorted by expert and each expert's group is padded to a multiple of ``BLOCK_M`` (16 or 64)
 (:func:`align_rows`, all in device ops: no host read, so a decode step stays
 capturable in a CUDA graph, and its shapes depend on ``T * k`` only). One program
 then multiplies ``BLOCK_M`` rows of one expert by a ``BLOCK_N`` tile of that
@@ -28,10 +28,17 @@ import torch
 
 from worker.layers.moe_experts import _act, combine
 
-#: Rows of one expert per program (tl.dot needs at least 16).
-BLOCK_M = 16
+#: Rows of one expert per program (tl.dot needs at least 16): 16 for decode-sized steps, where
+#: an expert gets a few rows and padding to 64 would waste the work, 64 once the average group
+#: fills it (prefill), so each weight tile is read once per 64 rows.
+BLOCK_M_SMALL, BLOCK_M_LARGE = 16, 64
 BLOCK_N = 64
 BLOCK_K = 32
+
+
+def block_rows(num_rows: int, num_experts: int) -> int:
+    """``BLOCK_M`` for a step of ``num_rows`` routed rows over ``num_experts`` (a function of shapes only)."""
+    return BLOCK_M_LARGE if num_rows >= BLOCK_M_LARGE * num_experts else BLOCK_M_SMALL
 
 
 @functools.cache
@@ -44,7 +51,7 @@ def _kernel():
     return triton.jit(_triton_moe_gemm.grouped_gemm_kernel)
 
 
-def align_rows(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+def align_rows(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed rows sorted by expert, each expert's group padded to ``block_m`` rows.
 
     Args:
@@ -78,13 +85,13 @@ def align_rows(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> t
 
 
 def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tensor, block_expert: torch.Tensor,
-                 num_rows: int, a_row_divisor: int) -> torch.Tensor:
+                 num_rows: int, a_row_divisor: int, block_m: int) -> torch.Tensor:
     """``out[r] = a[r // a_row_divisor] @ weight[e(r)].T`` for every routed row ``r < num_rows``.
 
     Args:
         a: ``(M, K)`` activations, last dim contiguous.
         weight: ``(E, N, K)`` contiguous.
-        sorted_rows, block_expert: from :func:`align_rows`.
+        sorted_rows, block_expert: from :func:`align_rows` with ``block_m``.
         num_rows: ``T * k``.
         a_row_divisor: ``k`` when rows read their token's activations, 1 when their own.
 
@@ -106,7 +113,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tenso
     _kernel()[grid](
         a, weight, out, sorted_rows, block_expert,
         num_rows, n_out, k_in, a_row_divisor, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         IEEE=a.dtype == torch.float32)
     return out
 
@@ -116,8 +123,9 @@ def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
     """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``."""
     num_tokens, top_k = ids.shape
     num_rows = num_tokens * top_k
-    sorted_rows, block_expert = align_rows(ids, gate_up.shape[0])
-    h = grouped_gemm(x, gate_up, sorted_rows, block_expert, num_rows, top_k)  # (T * k, 2 * I)
+    block_m = block_rows(num_rows, gate_up.shape[0])
+    sorted_rows, block_expert = align_rows(ids, gate_up.shape[0], block_m)
+    h = grouped_gemm(x, gate_up, sorted_rows, block_expert, num_rows, top_k, block_m)  # (T * k, 2 * I)
     h = _act(h)  # (T * k, I)
-    out = grouped_gemm(h, down, sorted_rows, block_expert, num_rows, 1)  # (T * k, H)
+    out = grouped_gemm(h, down, sorted_rows, block_expert, num_rows, 1, block_m)  # (T * k, H)
     return combine(out.view(num_tokens, top_k, -1), weights)  # (T, H)
