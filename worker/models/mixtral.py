@@ -52,7 +52,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def weight_map(self, checkpoint_name: str) -> tuple[str, ShardId] | None:
         name = checkpoint_name.replace(_CHECKPOINT_BLOCK, _BLOCK)
-        return expert_weight_map(name, MIXTRAL_EXPERT_NAMES) or super().weight_map(name)  # type: ignore[return-value]
+        mapped = expert_weight_map(name, MIXTRAL_EXPERT_NAMES)
+        return mapped if mapped is not None else super().weight_map(name)
 
     def checkpoint_name(self, param_name: str, shard_id: ShardId) -> str:
         name = expert_checkpoint_name(param_name, shard_id, MIXTRAL_EXPERT_NAMES) or super().checkpoint_name(
