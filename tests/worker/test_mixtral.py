@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import TinyModelSpec
-from tests.worker.moe_family_check import FamilyCase, build_case, check_family
+from tests.worker.moe_family_check import FamilyCase, build_case, check_family, check_job, graph_job
+from tests.worker.tp_harness import run_jobs
 from tpserve.model_config import ModelConfig
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
@@ -46,3 +47,9 @@ def test_int8_is_refused_for_the_experts(case: FamilyCase) -> None:
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models"):
         load_model(case.model_dir, ModelConfig.from_pretrained(case.model_dir), ParallelContext.single(),
                    torch.float32, quantization="int8")
+
+
+def test_decode_graph_padding_rows_are_not_counted(case: FamilyCase) -> None:
+    """3 sequences decode 4 steps through graphs of 4 rows: the padding row routes too, and is subtracted."""
+    job = graph_job(case, num_prompts=3, graph_size=4, num_steps=5)
+    check_job(case, job, run_jobs([job], world_size=1)[job.name])

@@ -283,14 +283,20 @@ def expert_layers(model: nn.Module) -> list[tuple[int, FusedMoE]]:
     return found
 
 
-def take_expert_token_counts(layers: list[tuple[int, FusedMoE]]) -> tuple[int, ...]:
-    """Every layer's counts since the last call as flat ``(layer, expert, num_tokens)`` triples, nonzero only.
-
-    One device-to-host copy of an ``(n, 3)`` int64 tensor; resets the counts.
-    """
+def take_routed_counts(layers: list[tuple[int, FusedMoE]]) -> torch.Tensor | None:
+    """Every layer's ``(E,)`` counts since the last call, stacked ``(L, E)`` int64 on the device (reset); None if none."""
     if not layers:
+        return None
+    return torch.stack([moe.take_routed_counts() for _, moe in layers])  # (L, E)
+
+
+def count_triples(layers: list[tuple[int, FusedMoE]], counts: torch.Tensor | None) -> tuple[int, ...]:
+    """``counts (L, E)`` of ``layers`` as flat ``(layer, expert, num_tokens)`` triples of the nonzero counts.
+
+    One device-to-host copy of an ``(n, 3)`` int64 tensor.
+    """
+    if counts is None:
         return ()
-    counts = torch.stack([moe.take_routed_counts() for _, moe in layers])  # (L, E) int64
     where = counts.nonzero()  # (n, 2): (row of layers, expert)
     index = torch.tensor([i for i, _ in layers], dtype=torch.int64, device=counts.device)
     triples = torch.stack([index[where[:, 0]], where[:, 1], counts[where[:, 0], where[:, 1]]], dim=1)  # (n, 3)
