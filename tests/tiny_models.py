@@ -26,7 +26,7 @@ class TinyModelSpec:
 
     Attributes:
         name: short id used in test names and directory names.
-        model_type: a key of :data:`MODEL_CLASSES` (``"llama"``, ``"qwen2"``, ``"mixtral"``...).
+        model_type: a key of :data:`MODEL_CLASSES` (``"llama"``, ``"qwen3"``, ``"mixtral"``...).
         config: keyword arguments of the ``transformers`` config class.
         max_shard_size: when set, ``save_pretrained`` shards the checkpoint
             (``model.safetensors.index.json``).
@@ -74,6 +74,13 @@ TINY_MODELS: tuple[TinyModelSpec, ...] = (
                                                    "vocab_size": 300, "tie_word_embeddings": False,
                                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
                   max_shard_size="40KB", seed=5),
+    # Qwen3: per-head q/k RMSNorm before RoPE; head_dim (32) != hidden / heads (16); 2 KV heads, replicated at tp 4.
+    TinyModelSpec("qwen3_qk_norm", "qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                                             "vocab_size": 190, "tie_word_embeddings": False,
+                                             "rope_theta": 1000000.0}, seed=6),
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj); GQA, untied.
+    TinyModelSpec("phi3_fused", "phi3", {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 170,
+                                         "tie_word_embeddings": False, "pad_token_id": 0}, seed=7),
 )
 
 
@@ -81,6 +88,8 @@ TINY_MODELS: tuple[TinyModelSpec, ...] = (
 MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -123,3 +132,30 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+
+
+def save_servable_model(name: str, directory: Path, tokenizer_dir: Path) -> Path:
+    """The tiny checkpoint ``name`` at ``tokenizer_dir``'s vocabulary (512: stories260k's), with its tokenizer.
+
+    Servable end to end (``tpserve serve`` needs ``tokenizer.json``); 256 positions. The LM
+    head's rows of the byte-fallback tokens (``<0x..>``) are zeroed, so greedy text is made of
+    whole tokens: random weights would otherwise emit invalid UTF-8 byte runs, whose
+    replacement characters are the detokenizer's business, not the model's. Returns ``directory``.
+    """
+    import dataclasses
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    spec = next(s for s in TINY_MODELS if s.name == name)
+    spec = dataclasses.replace(spec, config={**spec.config, "vocab_size": 512, "max_position_embeddings": 256})
+    model = build_hf_model(spec)
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab()
+    byte_tokens = [i for token, i in vocab.items() if token.startswith("<0x") and token.endswith(">")]
+    with torch.no_grad():
+        model.get_output_embeddings().weight[byte_tokens] = 0.0
+    model.save_pretrained(directory, safe_serialization=True)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_dir / file).is_file():
+            shutil.copy(tokenizer_dir / file, directory / file)
+    return directory

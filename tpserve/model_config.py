@@ -282,8 +282,9 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         raise ValueError(
             f"rope_scaling rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))  # Phi-style top level too
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported")
     if rope_type == "default":
         return rope_theta, None
     if "factor" not in params:

@@ -21,6 +21,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
+    "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
+    "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
 }
 
 

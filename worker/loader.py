@@ -128,7 +128,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             continue  # not a weight (a recomputed buffer)
         param_name, shard_id = target
         param = params.get(param_name)
-        if param is None or shard_id not in param.shard_ids:  # type: ignore[attr-defined]
+        # shard_id None on a stacked parameter: the checkpoint stores it fused as well (Phi-3's qkv_proj).
+        if param is None or (shard_id is not None and shard_id not in param.shard_ids):  # type: ignore[attr-defined]
             unexpected.append(name)
         targets[name] = (param_name, shard_id)
     if unexpected:
@@ -147,7 +148,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                     param.weight_loader(param, f.get_slice(name), shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from error
-                loaded.add((param_name, shard_id))
+                shards = param.shard_ids if shard_id is None else (shard_id,)  # type: ignore[attr-defined]
+                loaded |= {(param_name, shard) for shard in shards}
     _check_zero_points(files, zero_points)
 
     # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.

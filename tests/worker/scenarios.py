@@ -59,6 +59,12 @@ class _State:
     preempted: bool = False
 
 
+def _new_sequence(spec: SeqSpec) -> NewSequence:
+    if spec.sampling.prompt_logprobs is None:
+        return NewSequence(spec.seq_id, spec.sampling)
+    return NewSequence(spec.seq_id, spec.sampling, len(spec.prompt), prompt_token_ids=spec.prompt)
+
+
 def build_plans(
     specs: list[SeqSpec], completions: dict[int, list[int]], block_size: int, num_blocks: int, seed: int = 0
 ) -> tuple[list[StepPlan], list[list[tuple[int, int]]]]:
@@ -77,7 +83,7 @@ def build_plans(
         for spec in specs:
             if spec.arrive_step == step:
                 states[spec.seq_id] = _State(spec, block_table=[])
-                new_seqs.append(NewSequence(spec.seq_id, spec.sampling))
+                new_seqs.append(_new_sequence(spec))
         for state in list(states.values()):
             spec = state.spec
             if state.num_sampled == spec.num_new_tokens:
@@ -86,7 +92,7 @@ def build_plans(
                 free.extend(state.block_table)  # preempted: dropped, then re-sent whole
                 state.block_table, state.num_computed, state.preempted = [], 0, True
                 finished.append(spec.seq_id)
-                new_seqs.append(NewSequence(spec.seq_id, spec.sampling))
+                new_seqs.append(_new_sequence(spec))
             known = list(spec.prompt) + completions[spec.seq_id][: state.num_sampled]
             limit = spec.prefill_chunk or len(known)
             tokens = known[state.num_computed : state.num_computed + limit]

@@ -193,3 +193,39 @@ def test_rotary_and_cache_equals_apply_rotary_then_the_cache_write(num_heads: in
     with pytest.raises(RuntimeError, match="slot 32 outside"):
         torch.ops.tpserve_cpu.rotary_and_cache(fused, cos, sin, caches[2], caches[3], slots + 2, num_heads,
                                                num_kv_heads)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_size"), [(8, 4, 64), (4, 1, 16), (2, 2, 6)])
+def test_qk_norm_rotary_and_cache_equals_the_per_head_norm_then_the_rotation(num_heads: int, num_kv_heads: int,
+                                                                            head_size: int) -> None:
+    """The fused QK-norm (Qwen3) against ``rotate_and_cache``'s torch path: RMSNorm per head, rotate, write."""
+    import worker.layers.rotary as rotary
+    from worker.layers.norm import RMSNorm
+
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(head_size)
+    tokens, slots = 6, torch.tensor([5, 0, 17, 3, 30, 9])
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g) * 3
+    cos, sin = rotary.RotaryEmbedding(head_size, 10000.0, None, torch.device("cpu"))(
+        torch.tensor([0, 1, 7, 100, 3, 2048]), torch.float32)
+    norms = []
+    for _ in range(2):
+        norm = RMSNorm(head_size, 1e-6, dtype=torch.float32, device=torch.device("cpu"))
+        norm.weight.data = 1 + 0.3 * torch.randn(head_size, generator=g)
+        norms.append(norm)
+    caches = [torch.zeros(4, 8, num_kv_heads, head_size) for _ in range(4)]
+    reference_qkv = qkv.clone()  # the compiled path works in place
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rotary, "cpu_kernels_available", lambda: False)
+        want = rotary.rotate_and_cache(reference_qkv, cos, sin, caches[0], caches[1], slots, num_heads, num_kv_heads,
+                                       qk_norm=(norms[0], norms[1]))
+    got = rotary.rotate_and_cache(qkv, cos, sin, caches[2], caches[3], slots, num_heads, num_kv_heads,
+                                  qk_norm=(norms[0], norms[1]))
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    plain = rotary.apply_rotary(reference_qkv.view(tokens, -1, head_size)[:, :num_heads], cos, sin)
+    assert not torch.allclose(got[0], plain, atol=1e-2)  # the norm did something
+    torch.testing.assert_close(caches[2], caches[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[3], caches[1])  # values are copied, untouched
+    assert caches[2].abs().sum() > 0

@@ -95,6 +95,7 @@ def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
          ["GPTNeoXForCausalLM", "is not supported", "LlamaForCausalLM", "Qwen2ForCausalLM"]),
         ({"architectures": None}, ["no 'architectures'"]),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type='yarn'"]),
+        ({"partial_rotary_factor": 0.75}, ["partial_rotary_factor=0.75"]),  # Phi-4-mini's place for it
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["llama3", "low_freq_factor"]),
         ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, ["sliding_window=4096"]),
         ({"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window"]),

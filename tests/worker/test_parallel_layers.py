@@ -185,3 +185,31 @@ def test_loader_rejects_wrong_shapes() -> None:
     layer = ColumnParallelLinear(16, 24, _ctx(0, 2), bias=False, dtype=DTYPE)
     with pytest.raises(ValueError, match=r"shape \[24, 15\], expected \[24, 16\]"):
         layer.weight.weight_loader(layer.weight, _randn(24, 15))
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("total_num_kv_heads", [4, 1])
+def test_fused_checkpoint_tensors_load_like_their_parts(tp: int, total_num_kv_heads: int) -> None:
+    """A fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3; ``shard_id=None``) fills each rank as its parts
+    would, reading only that rank's rows of each part."""
+    heads, d, hidden, inter = 8, 4, 16, 24
+    kv_rows = total_num_kv_heads * d
+    wq, wk, wv = _randn(heads * d, hidden), _randn(kv_rows, hidden), _randn(kv_rows, hidden)
+    gate, up = _randn(inter, hidden), _randn(inter, hidden)
+    for rank in range(tp):
+        split = QKVParallelLinear(hidden, d, heads, total_num_kv_heads, _ctx(rank, tp), bias=False, dtype=DTYPE)
+        fused = QKVParallelLinear(hidden, d, heads, total_num_kv_heads, _ctx(rank, tp), bias=False, dtype=DTYPE)
+        for shard, w in (("q", wq), ("k", wk), ("v", wv)):
+            split.weight.weight_loader(split.weight, w, shard)
+        source = RecordingSource(torch.cat([wq, wk, wv]))
+        fused.weight.weight_loader(fused.weight, source, None)
+        assert torch.equal(fused.weight, split.weight)
+        assert sum(read[0].stop - read[0].start for read in source.reads) == split.weight.shape[0]  # its rows only
+        merged_split = MergedColumnParallelLinear(hidden, [inter, inter], _ctx(rank, tp), bias=False, dtype=DTYPE)
+        merged_fused = MergedColumnParallelLinear(hidden, [inter, inter], _ctx(rank, tp), bias=False, dtype=DTYPE)
+        merged_split.weight.weight_loader(merged_split.weight, gate, 0)
+        merged_split.weight.weight_loader(merged_split.weight, up, 1)
+        merged_fused.weight.weight_loader(merged_fused.weight, torch.cat([gate, up]), None)
+        assert torch.equal(merged_fused.weight, merged_split.weight)
+    with pytest.raises(ValueError, match=r"fused checkpoint tensor has shape \[47, 16\], expected 48 rows"):
+        merged_fused.weight.weight_loader(merged_fused.weight, _randn(47, hidden), None)

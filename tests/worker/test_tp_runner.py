@@ -10,6 +10,12 @@ every token the reference's: ``generate(do_sample=False)`` for greedy rows, our
 seeded sampler on ``transformers``' logits for sampled rows (so the noise
 depends only on (seed, position), whatever the batch, degree or preemption).
 
+Longer greedy runs, for the checkpoints of ``GREEDY_MODELS`` (the newer families):
+32 greedy tokens for each of 8 prompts, once with every prompt alone in its steps
+and once 16 sequences (each prompt twice) in one batch, with ``prompt_logprobs``:
+every token must be ``transformers``' ``generate``, every sampled row's logits and
+every prompt token's log-probability within 1e-4 (float32).
+
 Degrees 2 and 4 spawn one process per rank over gloo; degree 1 runs in this
 process (it makes no collective). All checkpoints of one degree share one
 process group. stories260k reproduces its greedy goldens at degrees 1 and 2.
@@ -17,6 +23,7 @@ process group. stories260k reproduces its greedy goldens at degrees 1 and 2.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +33,18 @@ import torch
 from tests.tiny_models import TINY_MODELS, load_hf_model
 from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_specs
 from tests.worker.tp_harness import Job, StepRecord, run_jobs
+from tpserve.step import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 NUM_GOLDEN_LINES = 3
 GOLDEN_JOB = "stories260k_goldens"
+#: Checkpoints (tests/tiny_models.py) that also run the longer greedy scenarios.
+GREEDY_MODELS = ("qwen3_qk_norm",)
+GREEDY_PROMPTS = 8
+GREEDY_TOKENS = 32
+GREEDY_BLOCKS = 176  # 16 sequences of at most 12 + 32 tokens: 11 blocks of 4 each
+GREEDY_SCORED = SamplingParams(temperature=0.0, prompt_logprobs=0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,7 @@ class Case:
     expected: list[list[tuple[int, int]]]  # per step: (seq_id, completion index) per sample
     completions: dict[int, list[int]]
     logits: dict[int, torch.Tensor] | None  # per seq_id: (num_new_tokens, vocab)
+    prompt_logprobs: dict[int, torch.Tensor] | None = None  # per seq_id: (prompt length - 1,)
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +84,55 @@ def golden_case(stories_dir: Path, golden_lines: list[dict]) -> Case:
     return Case(Job(GOLDEN_JOB, str(stories_dir), tuple(plans), NUM_BLOCKS, BLOCK_SIZE), expected, completions, None)
 
 
+@torch.no_grad()
+def _greedy_reference(model: torch.nn.Module, prompts: list[tuple[int, ...]]):
+    """Per prompt: ``generate``'s 32 tokens, the logits that chose them (32, V), its prompt logprobs (P - 1,)."""
+    completions, logits, prompt_logprobs = [], [], []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=GREEDY_TOKENS,
+                             min_new_tokens=GREEDY_TOKENS, pad_token_id=0, eos_token_id=None)
+        completion = out[0, len(prompt):].tolist()
+        full = model(torch.tensor([list(prompt) + completion[:-1]])).logits[0].float()  # (P + 31, V)
+        scores = torch.log_softmax(full[: len(prompt) - 1], dim=-1)  # (P - 1, V): rows scoring tokens 1 .. P-1
+        completions.append(completion)
+        logits.append(full[len(prompt) - 1:])
+        prompt_logprobs.append(scores.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0])
+    return completions, logits, prompt_logprobs
+
+
 @pytest.fixture(scope="module")
-def records_at(tiny_cases: dict[str, Case], golden_case: Case):
+def greedy_cases(tiny_checkpoints: dict[str, Path]) -> dict[str, Case]:
+    """Per GREEDY_MODELS checkpoint, ``<name>/alone`` and ``<name>/16_at_once`` (module docstring)."""
+    cases = {}
+    for name in GREEDY_MODELS:
+        model = load_hf_model(tiny_checkpoints[name])
+        rng = random.Random(19)
+        prompts = [tuple(rng.randrange(3, model.config.vocab_size) for _ in range(rng.randrange(2, 13)))
+                   for _ in range(GREEDY_PROMPTS)]
+        completions, logits, prompt_logprobs = _greedy_reference(model, prompts)
+        alone = [SeqSpec(i, prompts[i], GREEDY_TOKENS, GREEDY_SCORED, arrive_step=i * GREEDY_TOKENS)
+                 for i in range(GREEDY_PROMPTS)]  # each arrives as the previous one is named finished
+        together = [SeqSpec(i, prompts[i % GREEDY_PROMPTS], GREEDY_TOKENS, GREEDY_SCORED)
+                    for i in range(2 * GREEDY_PROMPTS)]
+        for kind, specs in (("alone", alone), ("16_at_once", together)):
+            seq_ids = [spec.seq_id for spec in specs]
+            plans, expected = build_plans(specs, {i: completions[i % GREEDY_PROMPTS] for i in seq_ids},
+                                          BLOCK_SIZE, GREEDY_BLOCKS, seed=len(specs))
+            job = Job(f"{name}/{kind}", str(tiny_checkpoints[name]), tuple(plans), GREEDY_BLOCKS, BLOCK_SIZE)
+            cases[job.name] = Case(job, expected, {i: completions[i % GREEDY_PROMPTS] for i in seq_ids},
+                                   {i: logits[i % GREEDY_PROMPTS] for i in seq_ids},
+                                   {i: prompt_logprobs[i % GREEDY_PROMPTS] for i in seq_ids})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def records_at(tiny_cases: dict[str, Case], golden_case: Case, greedy_cases: dict[str, Case]):
     """``records_at(tp)``: rank 0's records of every case at degree ``tp``, run once per degree."""
     cache: dict[int, dict[str, list[StepRecord]]] = {}
 
     def run(tp: int) -> dict[str, list[StepRecord]]:
         if tp not in cache:
-            jobs = [case.job for case in tiny_cases.values()]
+            jobs = [case.job for case in (*tiny_cases.values(), *greedy_cases.values())]
             if tp in (1, 2):
                 jobs.append(golden_case.job)
             cache[tp] = run_jobs(jobs, world_size=tp)
@@ -87,6 +143,12 @@ def records_at(tiny_cases: dict[str, Case], golden_case: Case):
 
 def _check_case(case: Case, records: list[StepRecord]) -> None:
     assert len(records) == len(case.expected)
+    scored = {entry.seq_id: torch.tensor(entry.logprobs) for record in records for entry in record.prompt_logprobs
+              if entry.first_position == 1}
+    if case.prompt_logprobs is not None:
+        assert scored.keys() == case.prompt_logprobs.keys()
+        for seq_id, want in case.prompt_logprobs.items():
+            torch.testing.assert_close(scored[seq_id], want, atol=1e-4, rtol=0, msg=lambda m: f"seq {seq_id}: {m}")
     for step, (record, samples) in enumerate(zip(records, case.expected, strict=True)):
         want_tokens = tuple(case.completions[seq_id][index] for seq_id, index in samples)
         assert record.sampled_token_ids == want_tokens, f"step {step}: samples {samples}"
@@ -102,6 +164,17 @@ def _check_case(case: Case, records: list[StepRecord]) -> None:
 @pytest.mark.parametrize("name", [spec.name for spec in TINY_MODELS])
 def test_tiny_model_matches_transformers(tp: int, name: str, records_at, tiny_cases: dict[str, Case]) -> None:
     _check_case(tiny_cases[name], records_at(tp)[name])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["alone", "16_at_once"])
+@pytest.mark.parametrize("name", GREEDY_MODELS)
+def test_greedy_runs_match_transformers(tp: int, kind: str, name: str, records_at,
+                                        greedy_cases: dict[str, Case]) -> None:
+    case = greedy_cases[f"{name}/{kind}"]
+    largest_batch = max(len(plan.scheduled) for plan in case.job.plans)
+    assert largest_batch == (1 if kind == "alone" else 2 * GREEDY_PROMPTS)
+    _check_case(case, records_at(tp)[case.job.name])
 
 
 @pytest.mark.parametrize("tp", [1, 2])

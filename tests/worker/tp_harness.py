@@ -78,8 +78,8 @@ def _rank_main(rank: int, world_size: int, init_method: str, jobs: list[Job], ou
         results = execute_jobs(ctx, jobs)
         if rank != 0:
             for records in results.values():
-                assert all(r.sampled_token_ids == () and r.logits is None and not r.expert_token_counts
-                           for r in records)
+                assert all(r.sampled_token_ids == () and r.logits is None and not r.prompt_logprobs
+                           and not r.expert_token_counts for r in records)
         else:
             with open(out_path, "wb") as f:
                 pickle.dump(results, f)

@@ -9,8 +9,8 @@ The ops land in ``torch.ops.tpserve_cpu``:
   block_tables (S, B) int64, query_start_loc (S + 1,) int64, context_lens (S,) int64, scale)
   -> (T, H, d) f32``: each sequence's few query tokens (causal) over its paged context
   (cpu_attention.cpp)
-* ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache``: the decoder layer's
-  elementwise work in one pass each (cpu_elementwise.cpp)
+* ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache`` (``qk_norm_rotary_and_cache``:
+  after a per-head q/k RMSNorm): the decoder layer's elementwise work in one pass each (cpu_elementwise.cpp)
 * ``shm_collective(x, base, rank, world_size, max_bytes, seq, publish, reduce, spin_s, wait_s) -> bool``:
   one shared-memory all-reduce or exchange between same-host ranks (cpu_shm.cpp; the protocol is
   worker/comm/shm_allreduce.py's)

@@ -1,5 +1,6 @@
 // The decoder layer's elementwise work, one pass each instead of a chain of small torch ops:
-// RMSNorm (with the residual add fused in), SiLU-and-mul, and RoPE with the KV-cache write.
+// RMSNorm (with the residual add fused in), SiLU-and-mul, and RoPE (after an optional per-head
+// q/k RMSNorm) with the KV-cache write.
 //
 // A decode step runs each of these 30-odd times over a few rows; as torch ops they are 5-10
 // kernel launches each, whose fixed cost (a few microseconds apiece) is most of a small step's
@@ -122,12 +123,14 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-// In place on qkv (T, (H + 2 KVH) d): rotate the H query and KVH key heads by (cos, sin) (T, d),
-// the "rotate half" layout: out[i] = x[i] cos[i] - x[i + d/2] sin[i] for i < d/2 and
-// x[i] cos[i] + x[i - d/2] sin[i] above; then write the rotated keys and the values into the
-// caches (num_blocks, block_size, KVH, d) at slot_mapping[t].
-void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                      at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+// In place on qkv (T, (H + 2 KVH) d): optionally RMS-normalise each query head by q_weight (d) and
+// each key head by k_weight (d) (QK-norm: Qwen3, Gemma 3; null weights: none), then rotate the H query
+// and KVH key heads by (cos, sin) (T, d), the "rotate half" layout: out[i] = x[i] cos[i] - x[i + d/2] sin[i]
+// for i < d/2 and x[i] cos[i] + x[i - d/2] sin[i] above; then write the rotated keys and the values into
+// the caches (num_blocks, block_size, KVH, d) at slot_mapping[t].
+void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* k_weight, float eps,
+                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "rotary_and_cache");
   const int64_t T = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && d % 2 == 0,
@@ -157,6 +160,7 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
       const float* s = sp + t * d;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         float* x = row + h * d;
+        if (q_weight != nullptr) rms_norm_row(x, h < num_heads ? q_weight : k_weight, eps, d, x);  // in place
         int64_t i = 0;
         for (; i + 8 <= half; i += 8) {
           const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
@@ -181,6 +185,26 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   });
 }
 
+void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  norm_rotary_and_cache(qkv, nullptr, nullptr, 0.0f, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                        num_kv_heads);
+}
+
+// rotary_and_cache with each query head RMS-normalised by q_weight (d,) and each key head by k_weight (d,)
+// first, as transformers' Qwen3Attention does (q_norm, k_norm before apply_rotary_pos_emb).
+void qk_norm_rotary_and_cache(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                              const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t d = k_cache.size(3);
+  for (const at::Tensor* w : {&q_weight, &k_weight}) {
+    TORCH_CHECK(w->is_contiguous() && w->scalar_type() == at::kFloat && w->numel() == d,
+                "tpserve qk_norm_rotary_and_cache: q_weight and k_weight must be contiguous float32 (d,)");
+  }
+  norm_rotary_and_cache(qkv, q_weight.data_ptr<float>(), k_weight.data_ptr<float>(), static_cast<float>(eps), cos,
+                        sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
@@ -189,6 +213,9 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+  m.def("qk_norm_rotary_and_cache(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, "
+        "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, "
+        "int num_kv_heads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
@@ -196,4 +223,5 @@ TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_and_cache", &rotary_and_cache);
+  m.impl("qk_norm_rotary_and_cache", &qk_norm_rotary_and_cache);
 }

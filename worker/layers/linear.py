@@ -16,6 +16,8 @@ Fused variants load several checkpoint tensors into one parameter:
 heads replicated when ``world_size > total_num_kv_heads``). Each parameter's
 ``weight_loader(param, source, shard_id)`` reads only this rank's rows or columns
 of the checkpoint tensor; ``shard_ids`` lists the ``shard_id`` values it expects.
+A fused layer also takes ``shard_id=None``: the checkpoint stores it fused too
+(Phi-3's ``qkv_proj``, ``gate_up_proj``), its parts' rows one after the other.
 
 ``quantization="int8"``: ``weight`` is int8 with a float32 ``weight_scale`` per
 output channel (worker/layers/int8_weights.py: column-parallel layers hold their
@@ -32,7 +34,7 @@ from tpserve.quantization import Quantization
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.int8_weights import load_columns, load_rows, new_int8_weights
 from worker.layers.matmul import linear
-from worker.layers.weights import CheckpointSource, new_parameter
+from worker.layers.weights import CheckpointSource, load_fused, new_parameter
 from worker.parallel_state import ParallelContext
 
 
@@ -117,7 +119,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _set_shard_ids(self, tuple(range(len(output_sizes))))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
-        """Copy this rank's rows of output ``shard_id`` (an int) into its place in ``param``."""
+        """Copy this rank's rows of output ``shard_id`` (an int; None: all outputs, fused) into ``param``."""
+        if shard_id is None:
+            load_fused(self.weight_loader, param, source, list(enumerate(self.output_sizes)))
+            return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an output index < {len(self.output_sizes)}, got {shard_id!r}")
         tp = self.ctx.world_size
@@ -177,7 +182,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         _set_shard_ids(self, ("q", "k", "v"))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
-        """Copy this rank's heads of ``q_proj``/``k_proj``/``v_proj`` (``shard_id``) into ``param``."""
+        """Copy this rank's heads of ``q_proj``/``k_proj``/``v_proj`` (``shard_id``) into ``param``.
+
+        ``shard_id=None``: ``source`` is the fused ``qkv_proj`` (q's rows, then k's, then v's).
+        """
+        if shard_id is None:
+            kv_rows = self.total_num_kv_heads * self.head_size
+            load_fused(self.weight_loader, param, source,
+                       [("q", self.total_num_heads * self.head_size), ("k", kv_rows), ("v", kv_rows)])
+            return
         if shard_id == "q":
             total, start, size, offset = self.total_num_heads, self.ctx.rank * self.q_size, self.q_size, 0
         elif shard_id in ("k", "v"):

@@ -21,7 +21,10 @@ class RMSNorm(nn.Module):
     ``y = w * (x / sqrt(mean(x**2) + eps))``, the statistics in float32 and the
     result cast back before scaling, exactly as ``transformers``' ``LlamaRMSNorm``.
 
-    Shapes: ``x (T, hidden_size) -> (T, hidden_size)``, ``x.dtype``.
+    Shapes: ``x (..., hidden_size) -> (..., hidden_size)``, ``x.dtype``: the residual
+    stream ``(T, hidden_size)``, or every head ``(T, num_heads, head_dim)`` with
+    ``hidden_size = head_dim`` (QK-norm: Qwen3's and Gemma 3's ``q_norm``/``k_norm``,
+    fused into the RoPE pass by :func:`worker.layers.rotary.rotate_and_cache`).
     """
 
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from worker.attention import write_kv_cache
 from worker.kernels import cpu_kernels_available
+from worker.layers.norm import RMSNorm
 
 
 def rope_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -104,6 +105,7 @@ def rotate_and_cache(
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate the query and key heads of ``qkv`` and write this step's keys and values into the cache.
 
@@ -113,24 +115,37 @@ def rotate_and_cache(
         cos, sin: the step's ``(T, 1, d)`` from :class:`RotaryEmbedding`.
         k_cache, v_cache: one layer's ``(num_blocks, block_size, num_kv_heads, d)``.
         slot_mapping: ``(T,) int64`` cache slot of each row.
+        qk_norm: ``(q_norm, k_norm)``, RMSNorms of size ``d`` applied to every query and
+            key head before the rotation (QK-norm, as Qwen3 and Gemma 3 do); None: none.
 
     Returns:
         ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` rotated, and ``v (T, num_kv_heads, d)``.
 
     On a float32 CPU step with the compiled kernels this is one pass over the rows
     (worker/kernels/cpu_elementwise.cpp, the same roundings as :func:`apply_rotary`);
-    elsewhere :func:`apply_rotary` on the q and k heads together and
+    elsewhere the norms, :func:`apply_rotary` on the q and k heads together and
     :func:`worker.attention.write_kv_cache`.
     """
     num_tokens, d = qkv.shape[0], k_cache.shape[-1]
     if (qkv.device.type == "cpu" and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
             and qkv.is_contiguous() and cpu_kernels_available()):
-        torch.ops.tpserve_cpu.rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        if qk_norm is None:
+            torch.ops.tpserve_cpu.rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                                                   num_kv_heads)
+        else:
+            q_norm, k_norm = qk_norm
+            torch.ops.tpserve_cpu.qk_norm_rotary_and_cache(qkv, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin,
+                                                           k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
         q, k, v = qkv.view(num_tokens, -1, d).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         return q, k, v
     qk_size = (num_heads + num_kv_heads) * d
+    qk = qkv[:, :qk_size].view(num_tokens, -1, d)  # (T, num_heads + num_kv_heads, d)
+    if qk_norm is not None:
+        q_norm, k_norm = qk_norm
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        qk = torch.cat([q_norm(q), k_norm(k)], dim=1)  # (T, num_heads + num_kv_heads, d), each head normalised
     # q and k heads rotated together: one set of elementwise ops instead of two.
-    qk = apply_rotary(qkv[:, :qk_size].view(num_tokens, -1, d), cos, sin)  # (T, num_heads + num_kv_heads, d)
+    qk = apply_rotary(qk, cos, sin)  # (T, num_heads + num_kv_heads, d)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     v = qkv[:, qk_size:].view(num_tokens, num_kv_heads, d)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -28,6 +28,49 @@ def source_shape(source: CheckpointSource) -> tuple[int, ...]:
     return tuple(source.get_shape())  # type: ignore[attr-defined]
 
 
+class RowRange:
+    """Rows ``[first, first + num_rows)`` of a checkpoint source, itself a checkpoint source.
+
+    A part of a fused checkpoint tensor (Phi-3's ``qkv_proj`` holds q, k and v's rows one
+    after the other): indexing it reads only the rows asked for from the source behind.
+    """
+
+    def __init__(self, source: CheckpointSource, first: int, num_rows: int) -> None:
+        self.source = source
+        self.first = first
+        self.num_rows = num_rows
+
+    def get_shape(self) -> tuple[int, ...]:
+        return (self.num_rows, *source_shape(self.source)[1:])
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows = index[0]
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"RowRange takes a tuple of unit-step slices, got {index!r}")
+        start, stop, _ = rows.indices(self.num_rows)
+        return self.source[(slice(self.first + start, self.first + stop), *index[1:])]
+
+
+def load_fused(loader: Any, param: torch.nn.Parameter, source: CheckpointSource,
+               parts: list[tuple[Any, int]]) -> None:
+    """Load a fused checkpoint tensor part by part: ``loader(param, RowRange(...), shard_id)`` for each
+    ``(shard_id, num_rows)`` of ``parts``, in the order their rows are stacked in ``source``.
+
+    Raises:
+        ValueError: ``source`` does not have ``sum(num_rows)`` rows.
+    """
+    total = sum(num_rows for _, num_rows in parts)
+    shape = source_shape(source)
+    if shape[0] != total:
+        raise ValueError(f"fused checkpoint tensor has shape {list(shape)}, expected {total} rows "
+                         f"({' + '.join(str(n) for _, n in parts)})")
+    first = 0
+    for shard_id, num_rows in parts:
+        loader(param, RowRange(source, first, num_rows), shard_id)
+        first += num_rows
+
+
 def read_narrow(source: CheckpointSource, dim: int, start: int, size: int) -> torch.Tensor:
     """Read ``source[..., start:start + size, ...]`` along ``dim`` (0 or 1) only."""
     index = [slice(None)] * len(source_shape(source))

@@ -2,11 +2,8 @@
 
 The table lives in tpserve/model_registry.py (torch-free, so the coordinator can
 refuse an unknown architecture at start-up); the classes' contract with the
-loader and the runner is worker/models/base.py's :class:`CausalLM`.
-
-| file     | architectures                                             |
-| -------- | --------------------------------------------------------- |
-| llama.py | LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM    |
+loader and the runner is worker/models/base.py's :class:`CausalLM`. The families
+and what each needs are listed once, in README.md ("Serving a model").
 """
 
 from __future__ import annotations
