@@ -23,6 +23,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
     "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
