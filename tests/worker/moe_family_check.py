@@ -97,15 +97,15 @@ def _at_once_plans(prompts: list[tuple[int, ...]], completions: list[list[int]])
     return tuple(_steps(list(range(len(prompts))), prompts, completions, 0, ()))
 
 
-def graph_job(case: FamilyCase, num_prompts: int, graph_size: int, num_steps: int) -> Job:
-    """The first ``num_prompts`` prompts at once for ``num_steps`` steps, decoding through graphs of ``graph_size`` rows.
+def at_once_job(case: FamilyCase, num_prompts: int, num_steps: int, graph_size: int | None = None) -> Job:
+    """The first ``num_prompts`` prompts at once for ``num_steps`` steps; with ``graph_size``, through decode graphs.
 
     Off CUDA the graphs' static-buffer path runs eagerly (Triton's interpreter for attention),
     padding rows included: what a replayed graph computes.
     """
     plans = _at_once_plans(case.prompts[:num_prompts], case.completions)[:num_steps]
-    return Job("graphs", case.model_dir, plans, NUM_PROMPTS * BLOCKS_PER_SEQ, BLOCK_SIZE,
-               cuda_graph_sizes=(graph_size,))
+    return Job("short", case.model_dir, plans, NUM_PROMPTS * BLOCKS_PER_SEQ, BLOCK_SIZE,
+               cuda_graph_sizes=(graph_size,) if graph_size else ())
 
 
 def check_family(case: FamilyCase, tp: int) -> None:

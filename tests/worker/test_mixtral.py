@@ -1,7 +1,10 @@
 """Mixtral (worker/models/mixtral.py) against ``transformers`` at tensor-parallel degrees 1, 2 and 4.
 
 See tests/worker/moe_family_check.py for what is checked. The tiny model has 8
-experts, top-2, every layer sparse; 4 attention heads over 2 KV heads.
+experts, top-2, every layer sparse; 4 attention heads over 2 KV heads. Also here, as
+the family every path shares: a missing expert tensor's name, the int8 refusal, the
+decode graphs' padding rows in the expert counts, and the CUDA path's Triton experts
+(in Triton's interpreter) inside the model.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import TinyModelSpec
-from tests.worker.moe_family_check import FamilyCase, build_case, check_family, check_job, graph_job
+from tests.worker.moe_family_check import FamilyCase, at_once_job, build_case, check_family, check_job
 from tests.worker.tp_harness import run_jobs
 from tpserve.model_config import ModelConfig
+from worker.kernels.triton_moe import grouped_experts_triton
+from worker.layers import moe
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
 
@@ -51,5 +56,12 @@ def test_int8_is_refused_for_the_experts(case: FamilyCase) -> None:
 
 def test_decode_graph_padding_rows_are_not_counted(case: FamilyCase) -> None:
     """3 sequences decode 4 steps through graphs of 4 rows: the padding row routes too, and is subtracted."""
-    job = graph_job(case, num_prompts=3, graph_size=4, num_steps=5)
+    job = at_once_job(case, num_prompts=3, num_steps=5, graph_size=4)
+    check_job(case, job, run_jobs([job], world_size=1)[job.name])
+
+
+def test_the_triton_experts_serve_the_model(case: FamilyCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's grouped kernel (Triton's interpreter here) inside the model: same tokens and logits."""
+    monkeypatch.setattr(moe, "grouped_experts", grouped_experts_triton)
+    job = at_once_job(case, num_prompts=3, num_steps=4)
     check_job(case, job, run_jobs([job], world_size=1)[job.name])
