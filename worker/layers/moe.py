@@ -165,7 +165,8 @@ class FusedMoE(nn.Module):
         self.gate_up_proj.shard_ids = tuple((e, k) for e in range(num_experts) for k in ("gate", "up"))
         self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
         #: Tokens routed to each expert since the last :meth:`take_routed_counts`, ``(E,)`` int64;
-        #: counted on rank 0 only. A replayed CUDA graph counts its padding rows too.
+        #: counted on rank 0 only, padding rows of a replayed CUDA graph included (the runner
+        #: subtracts those: worker/model_runner.py).
         self.register_buffer("routed_counts", torch.zeros(num_experts, dtype=torch.int64, device=ctx.device),
                              persistent=False)
 
