@@ -10,6 +10,13 @@ same cores, with benchmarks/peer_comparison.py's workloads and conventions:
 * ``mixed``: 48 requests at once, prompt 16-256 and output 16-192 tokens (seeded): output
   tokens/s (``transformers`` runs static batches of 16 in arrival order, left-padded).
 
+Both systems get ``--threads`` threads (default 1: the server's one rank and ``transformers``
+alike). On this shared 2-core host a 2-thread run measures the neighbours more than the code:
+whenever another process is busy, 2-thread OpenMP regions stall at their barriers, and a decode
+step of 16 took transformers 411 ms at 2 threads against 75 ms at 1 in one probe (1.5-2.3 s
+against 50-90 ms in another), and the tpserve rank's TPOT went from 32-37 ms to 340-380 ms
+between two runs (benchmarks/README.md).
+
 The machine's speed drifts, so ``batch16`` runs in ``--rounds`` interleaved rounds (tpserve,
 then transformers, each round with prompts of its own) and its ratio is the median of the
 within-round ratios; ``mixed`` runs once at the end. The server stays up for the whole run;
@@ -82,11 +89,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the batch16 runs")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the server")
+    parser.add_argument("--threads", type=int, default=1, help="threads of the server's rank and of transformers")
     parser.add_argument("--out", type=Path, default=None, help="directory for moe_comparison.json")
     args = parser.parse_args()
 
-    threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)  # what transformers gets; the server splits the same cores among its ranks
+    threads = args.threads
+    torch.set_num_threads(threads)  # transformers'; the server's rank gets OMP_NUM_THREADS=threads
     loads = workloads(args.seed)
     report: dict = {"machine": machine_description(), "torch": torch.__version__, "threads": threads,
                     "seed": args.seed, "tensor_parallel_size": args.tp, "load_average_before": os.getloadavg(),
@@ -95,7 +103,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tpserve-moe-") as tmp:
         model_dir, total, active = build_model(Path(tmp), args.seed)
         report["model"].update(total_parameters=total, active_parameters=active)
-        with serve(model_dir, args.tp, omp_threads=None) as server:
+        with serve(model_dir, args.tp, omp_threads=threads) as server:
             asyncio.run(_load(server.target, workloads(args.seed, variant=args.rounds + 1)["batch16"][:4]))  # warm
             hf = Transformers(model_dir)
             for i in range(args.rounds):
