@@ -5,18 +5,22 @@
   a certificate signed by that CA, or its handshake fails (the client sees
   UNAVAILABLE, the request never reaches a handler).
 * API keys (``--api-key``, ``--api-key-file``): every call of the Generation service
-  carries ``authorization: Bearer <key>`` metadata, or is refused with
-  UNAUTHENTICATED. The health service and server reflection stay open, so that
+  carries ``authorization: Bearer <key>`` metadata (the scheme in any case: RFC 6750
+  section 2.1 and RFC 9110 section 11.1 make it case-insensitive), or is refused with
+  UNAUTHENTICATED; the refusals' warnings are rate-limited (tpserve/log.py). The health service and server reflection stay open, so that
   Kubernetes probes (which carry no token) keep working; they reveal nothing
   about requests. Keys are compared in constant time (``hmac.compare_digest``)
   and never logged.
 
-Key and certificate files are read once at start-up. No torch.
+Key and certificate files are read at start-up and again on SIGHUP (rotation without a
+restart: :class:`ApiKeyInterceptor.set_keys` here, the certificates in
+:mod:`coordinator.tls`). No torch.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -25,8 +29,11 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-#: The methods that need a key: everything of the tpserve Generation service.
-_PROTECTED_PREFIX = "/tpserve.v1.Generation/"
+#: The methods that need a key: everything of the tpserve Generation service and of the
+#: engine protocol a gateway speaks (coordinator/vllm_engine_service.py; smg's --api-key).
+_PROTECTED_PREFIX = ("/tpserve.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
+#: ``Bearer <token>``: the scheme in any case, then one or more spaces (RFC 6750 section 2.1).
+_BEARER = re.compile(rb"(?i:bearer) +(\S+) *")
 
 
 def read_api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:
@@ -49,23 +56,6 @@ def read_api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:
     return keys
 
 
-def server_credentials(certfile: str, keyfile: str, ca_certs: str | None) -> grpc.ServerCredentials:
-    """TLS credentials of the public port; with ``ca_certs``, client certificates are required.
-
-    Args:
-        certfile: PEM certificate chain of the server.
-        keyfile: PEM private key of that certificate.
-        ca_certs: PEM bundle of the CAs whose client certificates are accepted (mutual TLS).
-
-    Raises:
-        OSError: a file cannot be read.
-    """
-    chain = Path(certfile).read_bytes()
-    key = Path(keyfile).read_bytes()
-    roots = Path(ca_certs).read_bytes() if ca_certs else None
-    return grpc.ssl_server_credentials([(key, chain)], root_certificates=roots, require_client_auth=roots is not None)
-
-
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses Generation calls without ``authorization: Bearer <one of keys>`` with UNAUTHENTICATED.
 
@@ -74,14 +64,24 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, keys: Sequence[str]) -> None:
+        self._keys: list[bytes] = []
+        self.set_keys(keys)
+
+    def set_keys(self, keys: Sequence[str]) -> None:
+        """Replaces the accepted keys (on SIGHUP); calls in flight keep the answer they got.
+
+        Raises:
+            ValueError: ``keys`` is empty.
+        """
         if not keys:
             raise ValueError("ApiKeyInterceptor needs at least one key")
-        self._keys = [f"Bearer {k}".encode() for k in keys]
+        self._keys = [k.encode() for k in keys]  # one assignment: a concurrent check sees old or new keys
 
     def _authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         for name, value in metadata or ():
             if name == "authorization":
-                given = value.encode() if isinstance(value, str) else value
+                match = _BEARER.fullmatch(value.encode() if isinstance(value, str) else value)
+                given = match.group(1) if match else b""
                 # Compare with every key, without stopping early: the time taken says nothing.
                 return sum(hmac.compare_digest(given, k) for k in self._keys) > 0
         return False

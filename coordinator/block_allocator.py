@@ -15,7 +15,11 @@ Pure Python, no torch: unit-tested without a device.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coordinator.kv_events import KvEventLog
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -75,6 +79,8 @@ class BlockAllocator:
         self._block_of_hash: dict[bytes, int] = {}
         self._hash_of_block: dict[int, bytes] = {}
         self.num_evictions = 0
+        #: Told of every block that enters or leaves the prefix cache (coordinator/kv_events.py).
+        self.listener: KvEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,8 +105,11 @@ class BlockAllocator:
                 block_id = self._free.popleft()
             else:
                 block_id, _ = self._evictable.popitem(last=False)
-                del self._block_of_hash[self._hash_of_block.pop(block_id)]
+                block_hash = self._hash_of_block.pop(block_id)
+                del self._block_of_hash[block_hash]
                 self.num_evictions += 1
+                if self.listener is not None:
+                    self.listener.removed(block_hash)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -126,6 +135,20 @@ class BlockAllocator:
                     self._free.append(block_id)
 
     # -- the prefix cache ------------------------------------------------------------
+
+    def evict_cached(self) -> int:
+        """Drops every cached block nobody holds from the prefix cache (they become plain
+        free blocks); held blocks keep their hashes. Returns how many were dropped."""
+        num_dropped = len(self._evictable)
+        for block_id in self._evictable:
+            block_hash = self._hash_of_block.pop(block_id)
+            del self._block_of_hash[block_hash]
+            self._free.append(block_id)
+            if self.listener is not None:
+                self.listener.removed(block_hash)
+        self._evictable.clear()
+        return num_dropped
+
 
     def lookup(self, block_hashes: Iterable[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of ``block_hashes`` (nothing changes).
@@ -159,12 +182,15 @@ class BlockAllocator:
                 del self._evictable[block_id]
             self._ref_counts[block_id] += 1
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
+    def cache(self, block_id: int, block_hash: bytes, token_ids: Sequence[int] = (),
+              parent_hash: bytes | None = None, namespace: bytes = b"") -> None:
         """Records that held block ``block_id`` is full and holds the K/V of ``block_hash``.
 
         From now on the block is never written again. When another block already holds
         that hash (two sequences computed the same prefix at once), nothing changes: the
-        block stays its sequence's own, uncached, and is freed as such.
+        block stays its sequence's own, uncached, and is freed as such. ``token_ids``,
+        ``parent_hash`` (the block before it in its sequence) and ``namespace`` only go to
+        the ``listener``.
 
         Raises:
             ValueError: the block is free or already cached under another hash.
@@ -180,6 +206,8 @@ class BlockAllocator:
             return
         self._block_of_hash[block_hash] = block_id
         self._hash_of_block[block_id] = block_hash
+        if self.listener is not None:
+            self.listener.stored(block_hash, token_ids, parent_hash, namespace)
 
     def is_cached(self, block_id: int) -> bool:
         """Whether the block holds a cached full block (and so must never be written)."""

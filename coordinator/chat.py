@@ -7,23 +7,37 @@ string or a list of named templates whose ``default`` is used, or a
 (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
 ``loopcontrols`` extension, a ``tojson`` filter, ``raise_exception`` and
 ``strftime_now``), with ``messages``, ``add_generation_prompt=True`` and the special
-tokens' strings (``bos_token``, ``eos_token``, ...).
+tokens' strings (``bos_token``, ``eos_token``, ...). The server renders in a separate,
+killable process with a time and memory limit (:mod:`coordinator.chat_renderer`).
 
-Tokenizing: the rendered text contains control tokens written by the template
-(``<s>``, ``[INST]``, ``<|im_start|>``) which must become those tokens, while text
-inside a message is text: a user who writes ``</s>`` gets the characters, never the
-eos token. When no message contains a special token's spelling, the whole rendered text
-is encoded once with special tokens parsed, which is exactly what ``transformers``
-does. Otherwise the text is cut at the messages' contents: template pieces are encoded
-with special tokens parsed, contents literally (the token boundaries at the cuts can
-then differ from a one-piece encoding; the special spelling stays text). Either way
-the ids start with exactly one BOS when the tokenizer adds one. No torch.
+No control token can come from a message (issue 20, fault 2):
+
+- a role is a role name (letters, digits, ``_``, ``-``, ``.``; no special token's
+  spelling), since templates write it into the prompt as template text;
+- the text of a message is text. When no content contains a special token's
+  spelling, the rendered text is encoded once with special tokens parsed, which is
+  exactly what ``transformers`` does. Otherwise (:class:`ChatPrompt`) every such
+  spelling in a content is replaced, before rendering, by a sentinel the caller cannot
+  guess (a per-request random number between private-use characters, which survive
+  the string operations templates apply: strip, upper, concatenation, ``tojson``).
+  The rendered text is then cut only at the special-token spellings left in it, which
+  are the template's own: those become their tokens, and each text between them is
+  encoded with the sentinels turned back into the user's spellings, literally (as
+  characters). Token boundaries are those of ``transformers`` except at the start of
+  such a text, where a tokenizer that prepends a space marker to the first word of an
+  encoding may differ. Added tokens not flagged special (Qwen's ``<think>``) are
+  ordinary vocabulary and encode as tokens anywhere, as in ``transformers`` and vLLM.
+
+Either way the ids start with exactly one BOS when the tokenizer adds one. No torch.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -33,6 +47,12 @@ from coordinator.errors import InvalidArgumentError
 
 MAX_MESSAGES = 1024
 MAX_ROLE_LEN = 64
+#: Most bytes of UTF-8 in all contents together (the text prompt's limit).
+MAX_CONTENT_BYTES = 1024**2
+#: A role is a name such as user, assistant, system, tool, ipython: never markup, spaces or newlines.
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+# Sentinel delimiters: Supplementary Private Use Area-A, never changed by case or strip.
+_OPEN, _MID, _CLOSE = "\U000F0000", "\U000F0001", "\U000F0002"
 
 
 def read_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
@@ -91,43 +111,106 @@ def render_chat(template: str, messages: Sequence[dict[str, str]], special_token
         raise InvalidArgumentError(f"messages: the model's chat template refused them: {exc}") from None
 
 
-def encode_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of a chat request: rendered, then tokenized as the module docstring says.
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Checked messages, ready to render: each special token's spelling in a content is a sentinel.
+
+    Attributes:
+        messages: ``{"role", "content"}`` dicts to render (contents escaped).
+        escaped: whether any content held a special token's spelling.
+        nonce: this request's sentinel number (digits).
+        specials: the special tokens' spellings; sentinel ``k`` stands for ``specials[k]``.
+    """
+
+    messages: list[dict[str, str]]
+    escaped: bool
+    nonce: str
+    specials: tuple[str, ...]
+
+
+def prepare_chat(tokenizer, messages: Sequence[dict[str, str]]) -> ChatPrompt:
+    """Checks a conversation and escapes the special-token spellings of its contents.
 
     Args:
-        tokenizer: a :class:`coordinator.tokenizer.Tokenizer` with ``chat_template``.
+        tokenizer: a :class:`coordinator.tokenizer.Tokenizer`.
         messages: ``{"role": ..., "content": ...}`` dicts.
 
     Raises:
-        InvalidArgumentError: no template, no messages, too many, a bad role, or the
-            template refuses them.
+        InvalidArgumentError: no template, no messages or too many, contents over
+            ``MAX_CONTENT_BYTES``, or ``messages[i].role`` is not a role name or spells a
+            special token.
     """
     if tokenizer.chat_template is None:
         raise InvalidArgumentError("messages: the model has no chat template (chat_template in "
                                    "tokenizer_config.json or chat_template.jinja); send a text prompt")
     if not 1 <= len(messages) <= MAX_MESSAGES:
         raise InvalidArgumentError(f"messages has {len(messages)} entries; it must have 1 to {MAX_MESSAGES}")
+    if sum(len(m["content"]) for m in messages) * 4 > MAX_CONTENT_BYTES and \
+            sum(len(m["content"].encode()) for m in messages) > MAX_CONTENT_BYTES:
+        raise InvalidArgumentError(f"messages' contents are over {MAX_CONTENT_BYTES} bytes of UTF-8")
+    specials = tokenizer.special_token_texts
     for index, message in enumerate(messages):
-        if not 1 <= len(message["role"]) <= MAX_ROLE_LEN:
+        role = message["role"]
+        if not 1 <= len(role) <= MAX_ROLE_LEN:
             raise InvalidArgumentError(f"messages[{index}].role must be 1 to {MAX_ROLE_LEN} characters")
-    text = render_chat(tokenizer.chat_template, messages, tokenizer.special_tokens_map)
-    specials = tokenizer.added_token_texts
-    if not any(s in message["content"] for message in messages for s in specials):
+        if not _ROLE.fullmatch(role) or any(s in role for s in specials):
+            raise InvalidArgumentError(
+                f"messages[{index}].role must be a role name (such as user, assistant, system or tool): a letter, "
+                "then letters, digits, '_', '-' or '.', and no special token")
+    pattern = _specials_pattern(specials)
+    escaped = pattern is not None and any(pattern.search(m["content"]) for m in messages)
+    if not escaped:
+        return ChatPrompt([dict(role=m["role"], content=m["content"]) for m in messages], False, "", specials)
+    nonce = str(secrets.randbelow(10**18)).zfill(18)
+    index_of = {s: k for k, s in enumerate(specials)}
+
+    def sentinel(match: re.Match) -> str:
+        return f"{_OPEN}{nonce}{_MID}{index_of[match.group()]}{_CLOSE}"
+
+    return ChatPrompt([dict(role=m["role"], content=pattern.sub(sentinel, m["content"])) for m in messages], True,
+                      nonce, specials)
+
+
+def tokenize_chat(tokenizer, prompt: ChatPrompt, text: str) -> list[int]:
+    """Token ids of a rendered chat prompt, as the module docstring says.
+
+    Args:
+        tokenizer: the :class:`coordinator.tokenizer.Tokenizer` that prepared ``prompt``.
+        prompt: from :func:`prepare_chat`.
+        text: ``prompt.messages`` rendered with the chat template.
+    """
+    if not prompt.escaped:
         return tokenizer.encode(text, parse_special_tokens=True)
+    sentinels = re.compile(re.escape(_OPEN + prompt.nonce + _MID) + r"(\d+)" + re.escape(_CLOSE))
+    specials = prompt.specials
+
+    def unescape(piece: str) -> str:
+        return sentinels.sub(lambda m: specials[int(m.group(1))] if int(m.group(1)) < len(specials) else "", piece)
+
     pieces: list[tuple[str, bool]] = []
     cursor = 0
-    for message in messages:
-        content = message["content"]
-        if not content:
-            continue
-        if text.find(content, cursor) < 0:
-            content = content.strip()  # templates often trim
-        start = text.find(content, cursor)
-        if start < 0:
-            raise InvalidArgumentError(
-                f"messages[{messages.index(message)}].content contains a special token's spelling and the chat "
-                "template changes the content, so it cannot be kept as text")
-        pieces += [(text[cursor:start], True), (content, False)]
-        cursor = start + len(content)
-    pieces.append((text[cursor:], True))
+    for match in _specials_pattern(specials).finditer(text):  # the template's own: users' are sentinels here
+        pieces += [(unescape(text[cursor:match.start()]), False), (match.group(), True)]
+        cursor = match.end()
+    pieces.append((unescape(text[cursor:]), False))
     return tokenizer.encode_pieces([p for p in pieces if p[0]])
+
+
+def encode_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a chat request, rendered in this process (tests, tools; the server renders
+    in :class:`coordinator.chat_renderer.ChatRenderPool`, which bounds time and memory).
+
+    Raises:
+        InvalidArgumentError: as :func:`prepare_chat` and :func:`render_chat`.
+    """
+    prompt = prepare_chat(tokenizer, messages)
+    return tokenize_chat(tokenizer, prompt, render_chat(tokenizer.chat_template, prompt.messages,
+                                                        tokenizer.special_tokens_map))
+
+
+@lru_cache(maxsize=8)
+def _specials_pattern(specials: tuple[str, ...]) -> re.Pattern | None:
+    """Finds special-token spellings leftmost first, the longest at a position (as ``tokenizers`` matches)."""
+    if not specials:
+        return None
+    return re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))

@@ -75,6 +75,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     arrival_time: float
+    tenant: str = ""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_time: float | None = None
 
@@ -116,6 +117,7 @@ class Engine:
         self.recovering: str | None = None  # why the worker group is being restarted
         self._resumed = asyncio.Event()
         self._just_resumed = False  # no step has succeeded on the restarted group yet
+        scheduler.on_preempt = self._preempted
 
     # -- requests --------------------------------------------------------------------
 
@@ -123,15 +125,18 @@ class Engine:
         """Adds a request and yields its outputs until it finishes.
 
         Leaving the iteration early (the client cancelled) aborts the request and frees
-        its KV blocks.
+        its KV blocks. A structured-output request is queued once rank 0 has built its
+        grammar (:meth:`_prepare_grammar`).
 
         Raises:
             UnavailableError: draining, or the worker group is down.
             ResourceExhaustedError: the queue is full, or the request can never fit in the KV cache.
             DeadlineExceededError: ``timeout_s`` seconds passed before it finished.
         """
-        state = self._add(params)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if params.sampling.grammar and not (self.dead or self.recovering or self.draining):
+            await self._prepare_grammar(params.sampling.grammar, deadline, timeout_s)
+        state = self._add(params)
         try:
             while True:
                 remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -146,6 +151,27 @@ class Engine:
                     return
         finally:
             self._abort(state)
+
+    async def _prepare_grammar(self, grammar: str, deadline: float | None, timeout_s: float | None) -> None:
+        """Has rank 0 build a structured-output grammar before the request is scheduled, so
+        that no step waits for it (issue 20, fault 3). The coordinator compiled it already,
+        under its time limit (coordinator/grammar_compiler.py); if rank 0 cannot be asked, the
+        step that first samples the request builds it instead (worker/grammar.py).
+
+        Raises:
+            DeadlineExceededError: the client's deadline passed meanwhile.
+            TpserveError: rank 0 refused a grammar the coordinator accepted (INTERNAL: a bug).
+        """
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(self.workers.prepare_grammar(grammar), remaining)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"deadline of {timeout_s:.3f} s exceeded while rank 0 built the "
+                                        "request's grammar") from None
+        except WorkerGroupError as exc:
+            log.warning("grammar not prepared; the step builds it", error=str(exc))
+        except ValueError as exc:
+            raise TpserveError(f"rank 0 refused a grammar the coordinator accepted: {exc}") from None
 
     def _add(self, params: GenerateParams) -> _RequestState:
         if self.dead:
@@ -169,14 +195,25 @@ class Engine:
             sampling=params.sampling,
             stop=StopParams(params.max_tokens, self.tokenizer.eos_token_ids, params.stop_token_ids, params.ignore_eos),
             max_model_len=self.max_model_len,
+            cache_namespace=params.cache_namespace,
+            priority=params.priority,
         )
         state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
-                              StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic())
+                              StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic(),
+                              params.tenant)
         self._states[seq_id] = state
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
         self._wakeup.set()
         return state
+
+    def _preempted(self, seq: Sequence) -> None:
+        """Counts and logs a preemption (sizes and ids only: no token of the request reaches the log)."""
+        self.metrics.num_preemptions.inc()
+        state = self._states.get(seq.seq_id)
+        log.info("request preempted", request_id=state.request_id if state else None, seq_id=seq.seq_id,
+                 num_tokens=seq.num_tokens, num_preemptions=seq.num_preemptions,
+                 num_running=len(self.scheduler.running), num_free_blocks=self.scheduler.allocator.num_free_blocks)
 
     def _abort(self, state: _RequestState) -> None:
         """Forgets a request; frees its blocks if it has not finished (cancel, deadline)."""
@@ -188,6 +225,33 @@ class Engine:
             # Cancelled, timed out or failed: counted like any finished request (issue 11, fault 13).
             self._observe_finished(state, time.monotonic(), FinishReason.ABORT)
         self._update_gauges()
+
+    def abort_request(self, request_id: str, tenant: str | None = None) -> int:
+        """Ends every unfinished request named ``request_id`` now (an explicit Abort): its
+        blocks are freed at once and its stream ends with finish_reason ABORT.
+
+        Args:
+            request_id: the caller's request id (every sample of an ``n`` > 1 request has it).
+            tenant: only requests of this tenant (API keys on); None: any request.
+
+        Returns:
+            How many were aborted (0: none in flight).
+        """
+        now, num_aborted = time.monotonic(), 0
+        for state in [s for s in self._states.values()
+                      if s.request_id == request_id and (tenant is None or s.tenant == tenant)]:
+            seq = state.seq
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self._observe_finished(state, now, FinishReason.ABORT)
+            state.queue.put_nowait(RequestOutput(state.request_id, "", [], FinishReason.ABORT, seq.num_prompt_tokens,
+                                                 seq.num_output_tokens, seq.num_cached_prompt_tokens or 0))
+            num_aborted += 1
+        if num_aborted:
+            log.info("request aborted by the caller", request_id=request_id, num_aborted=num_aborted)
+            self._update_gauges()
+        return num_aborted
 
     # -- the loop ----------------------------------------------------------------------
 

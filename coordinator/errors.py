@@ -48,7 +48,8 @@ class DeadlineExceededError(TpserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-_OWN_METHODS = "/tpserve."
+#: Methods whose errors this interceptor maps: ours and the engine protocol's (coordinator/vllm_engine_service.py).
+_OWN_METHODS = ("/tpserve.", "/vllm.grpc.engine.")
 #: Largest request message the API decodes (4 MiB, gRPC's usual default). Every valid
 #: request is far smaller (prompt text at most 1 MiB, coordinator/validation.py); a
 #: larger one gets INVALID_ARGUMENT naming this limit. The server's transport limit

@@ -52,6 +52,10 @@ class Metrics:
             "tpserve:worker_restarts", "Times the worker group was restarted after losing a rank.", registry=r)
         self.requests_resumed = Counter(
             "tpserve:requests_resumed", "Running requests recomputed on a restarted worker group.", registry=r)
+        # vLLM's vllm:num_preemptions_total (prometheus_client adds the _total suffix).
+        self.num_preemptions = Counter(
+            "tpserve:num_preemptions", "Running requests preempted for want of KV cache blocks (recomputed later).",
+            registry=r)
         self.num_requests_running = Gauge("tpserve:num_requests_running", "Sequences holding KV blocks.", registry=r)
         self.num_requests_waiting = Gauge("tpserve:num_requests_waiting", "Sequences waiting for admission.", registry=r)
         self.kv_cache_free_blocks = Gauge("tpserve:kv_cache_free_blocks", "KV cache blocks nobody holds.", registry=r)

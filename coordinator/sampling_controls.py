@@ -14,7 +14,8 @@ import math
 from collections.abc import Iterable
 
 from coordinator.errors import InvalidArgumentError
-from coordinator.structured_output import grammar_for
+from coordinator.grammar_compiler import GrammarCompiler
+from coordinator.structured_output import check_stop_conditions, grammar_for
 from tpserve.step import MAX_TOP_LOGPROBS
 from tpserve.v1 import generate_pb2 as pb
 
@@ -27,7 +28,7 @@ def _optional(params: pb.SamplingParams, name: str, default: float) -> float:
 
 
 def validate_sampling_controls(params: pb.SamplingParams, vocab_size: int, max_tokens: int,
-                               stop_ids: Iterable[int]) -> dict:
+                               stop_ids: Iterable[int], grammars: GrammarCompiler | None = None) -> dict:
     """The controls of ``params`` as keyword arguments of ``tpserve.step.SamplingParams``.
 
     Args:
@@ -35,7 +36,9 @@ def validate_sampling_controls(params: pb.SamplingParams, vocab_size: int, max_t
         vocab_size: token ids in ``logit_bias`` must be in [0, vocab_size).
         max_tokens: the request's max_tokens (min_tokens may not exceed it).
         stop_ids: the tokens ``min_tokens`` holds back: eos (unless ignore_eos) and
-            the stop token ids.
+            the stop token ids; with a grammar (no stop ids, no ignore_eos) the eos
+            ids the ranks allow only where the grammar accepts.
+        grammars: compiles ``response_format`` (coordinator/structured_output.py).
 
     Raises:
         InvalidArgumentError: a value is out of range, NaN or infinite; the message
@@ -73,7 +76,8 @@ def validate_sampling_controls(params: pb.SamplingParams, vocab_size: int, max_t
         raise InvalidArgumentError(f"sampling_params.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     if top_logprobs and not params.logprobs:
         raise InvalidArgumentError("sampling_params.top_logprobs needs sampling_params.logprobs set to true")
-    grammar = grammar_for(params.response_format) if params.HasField("response_format") else ""
+    check_stop_conditions(params)
+    grammar = grammar_for(params.response_format, grammars) if params.HasField("response_format") else ""
     prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgumentError(
@@ -82,4 +86,5 @@ def validate_sampling_controls(params: pb.SamplingParams, vocab_size: int, max_t
         grammar=grammar, prompt_logprobs=prompt_logprobs, logprobs=params.logprobs, top_logprobs=top_logprobs, min_p=min_p, repetition_penalty=repetition_penalty, **penalties,
         logit_bias=tuple(sorted(params.logit_bias.items())), min_tokens=min_tokens,
         min_tokens_stop_ids=tuple(sorted(set(stop_ids))) if min_tokens else (),
+        grammar_stop_ids=tuple(sorted(set(stop_ids))) if grammar else (),
     )

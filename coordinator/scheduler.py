@@ -5,10 +5,14 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
 1. Running sequences, oldest first, each get the tokens it has not computed yet
    (one for a decode, the rest of the prompt, or a chunk of it, for a prefill),
    within ``max_num_batched_tokens``. When the KV blocks they need are not free,
-   the newest running sequence is preempted: its blocks are freed and it goes
-   back to the front of the queue, to be recomputed later (recompute preemption).
-2. If nothing was preempted, waiting sequences are admitted first come, first
-   served, while the step has token budget, a sequence slot (``max_num_seqs``)
+   the newest running sequence not yet scheduled in this step with the lowest
+   priority (the largest ``priority`` value) is preempted: its blocks are freed and it
+   goes back to the queue, ahead of every later request of its priority, to be
+   recomputed later (recompute preemption).
+   Before that, a waiting sequence that cannot be admitted (too few free blocks, no
+   free slot) preempts running sequences of lower priority to take their place.
+2. If nothing was preempted, waiting sequences are admitted in order of priority,
+   then first come, first served, while the step has token budget, a sequence slot (``max_num_seqs``)
    and free blocks for the whole remaining prompt: a request is admitted only
    when its blocks fit. A long prompt may be split into chunks over several steps.
    With prefix caching, an admitted sequence first takes references to the cached
@@ -44,6 +48,7 @@ checkable after any step with ``check_invariants``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
@@ -106,13 +111,23 @@ class Scheduler:
         self.spec = SpecDecodeStats(proposer.num_speculative_tokens if proposer else 0)
         self._next_step_id = 0
         self.num_preemptions = 0
+        #: Called with each sequence preempted for want of KV blocks (the engine counts and logs it).
+        self.on_preempt: Callable[[Sequence], None] | None = None
 
     # -- admission and removal ---------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence (its prompt must be non-empty and fit max_model_len)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Puts ``seq`` in the queue after every sequence of its priority that came before it."""
+        position = len(self.waiting)
+        while position and (self.waiting[position - 1].priority, self.waiting[position - 1].seq_id) > \
+                (seq.priority, seq.seq_id):
+            position -= 1
+        self.waiting.insert(position, seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a sequence now (stop string, abort, cancel): frees its blocks at once.
@@ -139,13 +154,17 @@ class Scheduler:
             self._to_drop.append(seq.seq_id)
             seq.on_workers = False
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, for_blocks: bool = True) -> None:
+        """Back to the front of the queue, blocks freed; ``for_blocks``: for want of KV blocks
+        (counted, reported to ``on_preempt``), not a worker group restart."""
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)  # older than every waiting sequence of its priority: first among them
+        if for_blocks and self.on_preempt is not None:
+            self.on_preempt(seq)
 
     def reset_workers(self) -> int:
         """The worker group was replaced (restarted after a failure): its KV caches are empty.
@@ -158,12 +177,16 @@ class Scheduler:
         """
         running = list(self.running)
         for seq in reversed(running):
-            self._preempt(seq)
+            self._preempt(seq, for_blocks=False)
         self._to_drop.clear()  # the new workers know no sequence
         self._trims.clear()
         for seq in self.waiting:
             seq.on_workers = False
+        listener = self.allocator.listener
         self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
+        self.allocator.listener = listener
+        if listener is not None:
+            listener.cleared()
         return len(running)
 
     # -- the two verbs -----------------------------------------------------------------
@@ -179,6 +202,7 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         preempted = False
 
+        self._preempt_for_priority()
         speculate = self.proposer is not None and (self.disable_speculation_above is None
                                                    or len(self.running) <= self.disable_speculation_above)
         index = 0
@@ -194,14 +218,16 @@ class Scheduler:
                 proposal, num_draft, num_spec = (), 0, 0  # no room for guesses: decode as usual (preempt if need be)
                 new_block_ids = self._grow(seq, num_new)
             while new_block_ids is None:
-                victim = self.running[-1]
+                # The lowest priority among those not scheduled yet (seq and later), newest first.
+                victim = self.running[max(range(index, len(self.running)),
+                                          key=lambda i: (self.running[i].priority, i))]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
                 new_block_ids = self._grow(seq, num_new)
             if new_block_ids is None:
-                break  # seq itself was preempted; every older one is scheduled
+                continue  # seq itself was preempted (out of running): the next one is at index now
             scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
             budget -= num_new + num_spec
             index += 1
@@ -326,7 +352,8 @@ class Scheduler:
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, num_computed)  # only verified positions: no rejected token is cached
         seq.num_computed_tokens = num_computed
-        self.spec.record(num_proposed, num_accepted)
+        # Counted: accepted proposals kept; those past a stop are thrown away (vLLM counts the same).
+        self.spec.record(num_proposed, min(len(outputs), num_accepted))
         seq.speculation.record(num_proposed, num_accepted, seq.num_output_tokens)
         if reason is not None:
             self.finish(seq, reason)
@@ -339,6 +366,27 @@ class Scheduler:
         return outputs
 
     # -- the prefix cache --------------------------------------------------------------
+
+    def _preempt_for_priority(self) -> None:
+        """The first waiting sequence takes the place of running ones of lower priority when it
+        cannot be admitted otherwise (too few free blocks for its prompt, or no free slot):
+        they are preempted, lowest priority and newest first, until it fits. Nothing is
+        preempted when even all of them would not make room."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        lower = [seq for seq in self.running if seq.priority > head.priority]
+        if not lower:
+            return
+        cached = self._cached_prefix(head)
+        num_needed = num_blocks_for(head.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
+        reclaimable = sum(1 for seq in lower for block_id in seq.block_ids if self.allocator.ref_count(block_id) == 1)
+        if num_needed > self.allocator.num_free_blocks + reclaimable:
+            return
+        while lower and not (self.allocator.can_allocate(num_needed) and len(self.running) < self.max_num_seqs):
+            victim = max(lower, key=lambda seq: (seq.priority, self.running.index(seq)))
+            lower.remove(victim)
+            self._preempt(victim)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks ``seq``'s tokens start with, leaving at least its last token to compute.
@@ -371,7 +419,11 @@ class Scheduler:
             return
         hashes = extend_block_hashes(seq, self.block_size, num_computed_tokens)
         for index in range(first, last):
-            self.allocator.cache(seq.block_ids[index], hashes[index])
+            # Tokens and parent go to a KV-event listener only (coordinator/kv_events.py).
+            tokens = seq.token_ids(index * self.block_size, (index + 1) * self.block_size) \
+                if self.allocator.listener is not None else ()
+            self.allocator.cache(seq.block_ids[index], hashes[index], tokens, hashes[index - 1] if index else None,
+                                 seq.cache_namespace)
 
     def _cached_blocks_written(self, scheduled: list[ScheduledChunk]) -> list[int]:
         """Blocks a plan's chunks write that are cached or shared (always empty unless there is a bug)."""

@@ -66,6 +66,11 @@ class Sequence:
         prompt_logprobs: with ``sampling.prompt_logprobs``: position -> the worker's
             logprobs of that prompt token (filled once, whatever recomputes it).
         speculation: whether speculative decoding is paused for it (poor acceptance).
+        cache_namespace: the prefix-cache namespace block 0's hash chains from
+            (:func:`coordinator.cache_isolation.prefix_cache_namespace`: the caller's tenant
+            and ``cache_salt``); ``b""`` for the anonymous, unsalted one.
+        priority: the queue's order: lower values are admitted first, and preempted
+            last (vLLM's convention); equal priorities keep arrival order. Default 0.
     """
 
     seq_id: int
@@ -84,6 +89,8 @@ class Sequence:
     num_cached_prompt_tokens: int | None = None
     prompt_logprobs: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
     speculation: AdaptiveSpeculation = field(default_factory=AdaptiveSpeculation)
+    cache_namespace: bytes = b""
+    priority: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -142,7 +149,9 @@ def extend_block_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list
     """Extends ``seq.block_hashes`` to every full block of its first ``num_tokens`` tokens.
 
     Block ``i``'s hash is ``SHA-256(hash of block i-1 || tokens of block i)``, the tokens
-    as native int64 (the hashes never leave this process; block 0 chains from b""): it names the block's
+    as native int64 (the hashes never leave this process); block 0 chains from
+    ``seq.cache_namespace`` (``b""`` by default), so two namespaces (tenants, cache salts)
+    share no block hash at all. It names the block's
     tokens and every token before them, as vLLM's prefix cache does. SHA-256 rather
     than Python's ``hash`` because a collision would silently hand one prompt another
     prompt's K/V.
@@ -153,6 +162,6 @@ def extend_block_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list
     hashes = seq.block_hashes
     for index in range(len(hashes), num_tokens // block_size):
         tokens = seq.token_ids(index * block_size, (index + 1) * block_size)
-        parent = hashes[-1] if hashes else b""
+        parent = hashes[-1] if hashes else seq.cache_namespace
         hashes.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
     return hashes

@@ -1,4 +1,4 @@
-"""The public gRPC API: ``Generate``, ``GenerateStream`` and ``GetModelInfo``.
+"""The public gRPC API: ``Generate``, ``GenerateStream``, ``Abort`` and ``GetModelInfo``.
 
 Protobuf stops here: each handler validates its request into ``GenerateParams``,
 iterates the engine's ``RequestOutput`` stream and encodes responses. Errors are
@@ -13,11 +13,16 @@ import asyncio
 
 import grpc
 
+from coordinator.cache_isolation import tenant_id
+from coordinator.chat import prepare_chat
+from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
-from coordinator.errors import UnavailableError
-from coordinator.validation import GenerateParams, validate_request
+from coordinator.errors import InvalidArgumentError, UnavailableError
+from coordinator.parallel_sampling import generate_n, num_samples
+from coordinator.validation import GenerateParams, chat_messages, validate_request
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -36,26 +41,49 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         engine: the running engine; None while the model loads (requests get UNAVAILABLE).
         tokenizer: the model's tokenizer.
         model_info: what GetModelInfo answers.
+        api_keys: whether callers authenticate with API keys: each key is then a tenant
+            of its own in the prefix cache (:mod:`coordinator.cache_isolation`).
+        grammars: compiles response_format grammars in child processes under a time
+            limit; None compiles them on the validation thread, unbounded (tests).
     """
 
-    def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo) -> None:
+    def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo,
+                 api_keys: bool = False, grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.api_keys = api_keys
+        self.grammars = grammars
+        self.chat_renderer = ChatRenderPool()
 
-    async def _validate(self, request: pb.GenerateRequest) -> GenerateParams:
+    async def _validate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
-        tokenize, which on the event loop would freeze every stream and health check."""
+        tokenize, which on the event loop would freeze every stream and health check; a
+        grammar compiles in a child process, the thread waiting at most its time limit.
+        A chat template renders first, in the bounded renderer pool (never on a thread:
+        one that never ends could not be stopped)."""
         self._check_loaded()
-        return await asyncio.to_thread(
-            validate_request, request, self.tokenizer, self.model_info.vocab_size, self.model_info.max_model_len)
+        tenant = tenant_id(context.invocation_metadata()) if self.api_keys else ""
+        chat = None
+        if request.WhichOneof("prompt") == "messages":
+            prompt = prepare_chat(self.tokenizer, chat_messages(request))
+            chat = (prompt, await self.chat_renderer.render(self.tokenizer.chat_template, prompt.messages,
+                                                            self.tokenizer.special_tokens_map))
+        return await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
+                                       self.model_info.max_model_len, tenant, chat, self.grammars)
+
+    async def close(self) -> None:
+        """Stops the chat template renderers (at shutdown)."""
+        await self.chat_renderer.close()
 
     def _check_loaded(self) -> None:
         if self.engine is None:
             raise UnavailableError("the model is still loading; retry when the health service reports SERVING")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        params = await self._validate(request)
+        if num_samples(request.sampling_params) > 1:
+            raise InvalidArgumentError("sampling_params.n > 1 needs GenerateStream (its messages carry the index)")
+        params = await self._validate(request, context)
         text: list[str] = []
         token_ids: list[int] = []
         last: RequestOutput | None = None
@@ -74,15 +102,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             prompt_logprobs=prompt_logprobs)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        params = await self._validate(request)
-        async for output in self.engine.generate(params, context.time_remaining()):
+        n = num_samples(request.sampling_params)
+        params = await self._validate(request, context)
+        async for index, output in generate_n(self.engine, params, n, context.time_remaining()):
             finished = output.finish_reason is not None
             if not (output.text or output.token_ids or finished or output.prompt_logprobs):
                 continue  # text held back and no token to report: nothing to send
             yield pb.GenerateStreamResponse(
-                request_id=output.request_id, text=output.text, token_ids=output.token_ids,
+                request_id=output.request_id, index=index, text=output.text, token_ids=output.token_ids,
                 finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None,
                 logprobs=_logprobs(output), prompt_logprobs=_logprobs(output, prompt=True))
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        self._check_loaded()
+        # With API keys a caller may end only its own requests; without, requests have no owner.
+        tenant = tenant_id(context.invocation_metadata()) if self.api_keys else None
+        return pb.AbortResponse(num_aborted=sum(self.engine.abort_request(request_id, tenant)
+                                                for request_id in request.request_ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         # While loading, the KV pool and the dtype are not known yet: UNAVAILABLE, as Generate.

@@ -59,7 +59,8 @@ class SpecDecodeStats:
     Attributes:
         num_drafts: proposals verified (one per sequence per step that had one).
         num_draft_tokens: tokens proposed in them.
-        num_accepted_tokens: proposed tokens accepted.
+        num_accepted_tokens: proposed tokens accepted and kept (none past a stop: those are
+            thrown away, so they count as proposed, not accepted).
         draft_tokens_per_pos, accepted_tokens_per_pos: the same two counts by position
             in the proposal (0 is the first proposed token); acceptance at position i
             is ``accepted_tokens_per_pos[i] / draft_tokens_per_pos[i]``.
@@ -82,7 +83,7 @@ class SpecDecodeStats:
                                    accepted_tokens_per_pos=list(self.accepted_tokens_per_pos))
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
-        """Counts one verified proposal of ``num_proposed`` tokens whose first ``num_accepted`` were accepted."""
+        """Counts one verified proposal of ``num_proposed`` tokens whose first ``num_accepted`` were accepted and kept."""
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted

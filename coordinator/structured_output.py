@@ -13,8 +13,14 @@ of vLLM's structured-output backends. The worker side is worker/grammar.py.
 - ``regex``: the whole output matches it (Rust ``regex`` syntax);
 - ``choices``: the output is exactly one of the strings.
 
-Grammars are cached by their source (an LRU of 256), so a schema sent with every
-request is compiled and validated once. No torch.
+Limits, each refused with INVALID_ARGUMENT naming the field and the limit (issue 20,
+fault 3): the source's size, a schema's JSON nesting depth (checked here, before
+llguidance sees it), llguidance's own parser limits, and the compile time: the grammar
+is compiled in a child process (coordinator/grammar_compiler.py), never in a step.
+
+A grammar request must end where its grammar ends (issue 20, faults 5 and 6): stop
+strings, stop token ids, ``min_tokens`` and ``ignore_eos`` are refused with one, and
+the ranks allow the model's eos only where the grammar accepts. No torch.
 """
 
 from __future__ import annotations
@@ -23,54 +29,107 @@ import json
 from functools import lru_cache
 
 from coordinator.errors import InvalidArgumentError
+from coordinator.grammar_compiler import GrammarCompiler, GrammarCompileTimeout, compile_format
 from tpserve.v1 import generate_pb2 as pb
 
 MAX_FORMAT_BYTES = 64 * 1024
 MAX_CHOICES = 256
+#: Most nesting levels of objects and arrays in a schema's JSON (its root is level 1).
+#: Real schemas stay under 20; llguidance's JSON parser stops at 128.
+MAX_SCHEMA_DEPTH = 64
 
 
-def grammar_for(response_format: pb.ResponseFormat) -> str:
+def grammar_for(response_format: pb.ResponseFormat, compiler: GrammarCompiler | None = None) -> str:
     """The llguidance grammar of a request's response_format ("" when unset).
 
+    Args:
+        response_format: the request's format.
+        compiler: compiles in child processes under a time limit (the server's); None
+            compiles on this thread without a time limit or a tokenizer (tests, tools).
+
     Raises:
-        InvalidArgumentError: a malformed schema or regex, too large, no or too many
-            choices; the message names the field and what llguidance said.
+        InvalidArgumentError: a malformed schema or regex, over a size, depth or
+            compile-time limit, no or too many choices; the message names the field
+            (``json_schema``, ``regex`` or ``choices``) and the limit or what llguidance said.
     """
     kind = response_format.WhichOneof("format")
     if kind is None:
         return ""
+    field = f"sampling_params.response_format.{kind}"
     if kind == "choices":
         choices = tuple(response_format.choices.choices)
         if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
-            raise InvalidArgumentError(f"sampling_params.response_format.choices must have 1 to {MAX_CHOICES} "
-                                       "non-empty strings")
-        value = "|".join(_escape(choice) for choice in choices)
-        kind = "regex"
+            raise InvalidArgumentError(f"{field} must have 1 to {MAX_CHOICES} non-empty strings")
+        size = sum(len(choice.encode()) for choice in choices)
+        source, compile_kind = "|".join(_escape(choice) for choice in choices), "regex"
     else:
-        value = getattr(response_format, kind)
-    if len(value.encode()) > MAX_FORMAT_BYTES:
-        raise InvalidArgumentError(f"sampling_params.response_format.{kind} is over {MAX_FORMAT_BYTES} bytes")
-    return _compile(kind, value)
+        source = getattr(response_format, kind)
+        size, compile_kind = len(source.encode()), kind
+    if size > MAX_FORMAT_BYTES:
+        raise InvalidArgumentError(f"{field} is {size} bytes; the limit is {MAX_FORMAT_BYTES}")
+    if kind == "json_schema":
+        source = _checked_schema(source, field)
+    try:
+        return compiler.compile(compile_kind, source) if compiler is not None else _compile(compile_kind, source)
+    except GrammarCompileTimeout as exc:
+        raise InvalidArgumentError(f"{field} took over the compile-time limit of {exc} to compile") from None
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{field} is not supported: {str(exc).strip()[:500]}") from None
+
+
+def check_stop_conditions(params: pb.SamplingParams) -> None:
+    """Refuses the stop conditions that would end a grammar request where its grammar does not.
+
+    A stop string or stop token id could cut the output short (``{"name":" s`` reported
+    as a complete stop); ``min_tokens`` would force tokens past the grammar's end and
+    ``ignore_eos`` would keep sampling after it. vLLM accepts these and returns the
+    broken output; we refuse them (the README's structured output section).
+
+    Raises:
+        InvalidArgumentError: naming the fields, when response_format is set with any of them.
+    """
+    if not params.HasField("response_format") or params.response_format.WhichOneof("format") is None:
+        return
+    conflicting = [name for name, on in [
+        ("stop", bool(params.stop)), ("stop_token_ids", bool(params.stop_token_ids)),
+        ("min_tokens", params.HasField("min_tokens") and params.min_tokens > 0), ("ignore_eos", params.ignore_eos),
+    ] if on]
+    if conflicting:
+        names = ", ".join(f"sampling_params.{name}" for name in conflicting)
+        raise InvalidArgumentError(f"{names} cannot be combined with sampling_params.response_format: the output "
+                                   "ends exactly where its grammar is complete")
+
+
+def _checked_schema(source: str, field: str) -> str:
+    """The schema's JSON re-serialized compactly, after the depth limit."""
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"{field} is not valid JSON: {exc}") from None
+    except RecursionError:  # Python's own parser gives up near 1000 levels
+        raise InvalidArgumentError(f"{field} nests deeper than the limit of {MAX_SCHEMA_DEPTH} levels") from None
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidArgumentError(f"{field} nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def _depth(value: object) -> int:
+    """Nesting levels of dicts and lists (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 @lru_cache(maxsize=256)
-def _compile(kind: str, value: str) -> str:
-    import llguidance
-
-    field = f"sampling_params.response_format.{kind}"
-    if kind == "json_schema":
-        try:
-            schema = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"{field} is not valid JSON: {exc}") from None
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                                defaults={"whitespace_flexible": False})
-    else:
-        grammar = llguidance.LLMatcher.grammar_from_regex(value)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise InvalidArgumentError(f"{field} is not supported: {error.strip()[:500]}")
-    return grammar
+def _compile(kind: str, source: str) -> str:
+    return compile_format(kind, source)
 
 
 def _escape(text: str) -> str:

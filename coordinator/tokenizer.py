@@ -67,8 +67,10 @@ class Tokenizer:
         # Chat (coordinator/chat.py): the template source, and the strings it may use.
         self.chat_template: str | None = None
         self.special_tokens_map: dict[str, str] = {}
-        self.added_token_texts: frozenset[str] = frozenset(
-            tok.content for tok in backend.get_added_tokens_decoder().values())
+        # Spellings of the control tokens (added tokens flagged special), which user text may
+        # not turn into tokens; sorted, so that a chat prompt's sentinels name them stably.
+        self.special_token_texts: tuple[str, ...] = tuple(sorted(
+            {tok.content for tok in backend.get_added_tokens_decoder().values() if tok.special and tok.content}))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:

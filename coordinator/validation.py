@@ -11,14 +11,17 @@ import math
 import random
 from dataclasses import dataclass
 
-from coordinator.chat import encode_chat
+from coordinator.cache_isolation import prefix_cache_namespace
+from coordinator.chat import ChatPrompt, encode_chat, tokenize_chat
 from coordinator.errors import InvalidArgumentError
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sampling_controls import validate_sampling_controls
 from coordinator.tokenizer import Tokenizer
 from tpserve.step import SEED_MODULUS, SamplingParams
 from tpserve.v1 import generate_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 128
+MAX_CACHE_SALT_LEN = 256
 #: Longest text prompt, in bytes of UTF-8 (1 MiB, about 250,000 tokens of English):
 #: refused before tokenizing, which costs about 1 s per MiB (issue 11, faults 5 and 10).
 MAX_PROMPT_TEXT_BYTES = 1024**2
@@ -45,6 +48,10 @@ class GenerateParams:
         stop_token_ids: stop token ids.
         ignore_eos: keep going after eos.
         include_stop_str_in_output: keep a matched stop string at the end of the text.
+        cache_namespace: the prefix-cache namespace of the caller's tenant and
+            ``cache_salt`` (:mod:`coordinator.cache_isolation`).
+        priority: queue order, lower first (:class:`coordinator.sequence.Sequence`).
+        tenant: the caller's tenant id ("" without API keys): whose Abort may end it.
     """
 
     request_id: str
@@ -55,9 +62,14 @@ class GenerateParams:
     stop_token_ids: frozenset[int]
     ignore_eos: bool
     include_stop_str_in_output: bool = False
+    cache_namespace: bytes = b""
+    priority: int = 0
+    tenant: str = ""
 
 
-def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> GenerateParams:
+def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                     tenant: str = "", chat: tuple[ChatPrompt, str] | None = None,
+                     grammars: GrammarCompiler | None = None) -> GenerateParams:
     """Checks a request and tokenizes its prompt (blocking: about 1 s for a 1 MiB prompt; the
     server runs it off its event loop).
 
@@ -66,13 +78,22 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         tokenizer: the model's tokenizer (for a text prompt).
         vocab_size: the model's vocabulary size: token ids must be in [0, vocab_size).
         max_model_len: longest sequence in tokens.
+        tenant: the caller's tenant id (:func:`coordinator.cache_isolation.tenant_id`),
+            ``""`` when API keys are off.
+        chat: for a chat request, its prepared messages and their rendered text
+            (:class:`coordinator.chat_renderer.ChatRenderPool`); None renders them here.
+        grammars: compiles a response_format in child processes under a time limit
+            (the server's); None compiles on this thread (tests, tools).
 
     Raises:
         InvalidArgumentError: a field is missing or out of range; the message names it.
     """
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgumentError(f"request_id is {len(request.request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
-    prompt_token_ids = _prompt_token_ids(request, tokenizer, vocab_size, max_model_len)
+    if request.HasField("cache_salt") and not 1 <= len(request.cache_salt) <= MAX_CACHE_SALT_LEN:
+        raise InvalidArgumentError(f"cache_salt is {len(request.cache_salt)} characters; "
+                                   f"it must have 1 to {MAX_CACHE_SALT_LEN}")
+    prompt_token_ids = _prompt_token_ids(request, tokenizer, vocab_size, max_model_len, chat)
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidArgumentError(
             f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than max_model_len={max_model_len}")
@@ -109,7 +130,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
             f"sampling_params.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     _check_token_ids("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
-    controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids)  # min_p, penalties, ...
+    controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids, grammars)  # min_p, penalties, ...
 
     return GenerateParams(
         request_id=request.request_id,
@@ -120,11 +141,14 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         stop_token_ids=frozenset(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        cache_namespace=prefix_cache_namespace(tenant, request.cache_salt),
+        priority=request.priority,
+        tenant=tenant,
     )
 
 
 def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int,
-                      max_model_len: int) -> list[int]:
+                      max_model_len: int, chat: tuple[ChatPrompt, str] | None) -> list[int]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
@@ -146,11 +170,10 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_s
         _check_token_ids("prompt token_ids", ids, vocab_size)
         return ids
     if kind == "messages":
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-        if sum(len(m["content"]) for m in messages) * 4 > MAX_PROMPT_TEXT_BYTES and \
-                sum(len(m["content"].encode()) for m in messages) > MAX_PROMPT_TEXT_BYTES:
-            raise InvalidArgumentError(f"messages' contents are over {MAX_PROMPT_TEXT_BYTES} bytes of UTF-8")
-        ids = encode_chat(tokenizer, messages)  # coordinator/chat.py
+        if chat is None:  # rendered here, without the server's bounds (tests, tools)
+            ids = encode_chat(tokenizer, chat_messages(request))
+        else:
+            ids = tokenize_chat(tokenizer, *chat)
         _check_encoded("messages", ids, vocab_size)
         return ids
     raise InvalidArgumentError("prompt is missing: set text, token_ids or messages")
@@ -167,3 +190,8 @@ def _check_token_ids(field: str, ids, vocab_size: int) -> None:
     for token_id in ids:
         if not 0 <= token_id < vocab_size:
             raise InvalidArgumentError(f"{field} contains {token_id}; token ids must be in [0, {vocab_size})")
+
+
+def chat_messages(request: pb.GenerateRequest) -> list[dict[str, str]]:
+    """A chat request's messages as ``{"role", "content"}`` dicts (checked by :func:`coordinator.chat.prepare_chat`)."""
+    return [{"role": m.role, "content": m.content} for m in request.messages.messages]

@@ -66,6 +66,9 @@ class WorkerGroup:
         self.num_kv_blocks = 0
         self.dtype = ""  # as the ranks resolved it
         self.failed: str | None = None
+        # One PrepareGrammar at a time: rank 0 builds one grammar at a time anyway, and its
+        # gRPC pool (4 threads) must keep one free for the liveness checks.
+        self._preparing = asyncio.Semaphore(1)
 
     @property
     def world_size(self) -> int:
@@ -159,6 +162,22 @@ class WorkerGroup:
         finally:
             for task in reads:
                 task.cancel()
+
+    async def prepare_grammar(self, grammar: str) -> None:
+        """Has rank 0 (the sampling rank) build ``grammar``'s matcher before its request is scheduled.
+
+        Raises:
+            WorkerGroupError: the call failed or took over the step timeout (rank 0 down or busy).
+            ValueError: rank 0's llguidance refused the grammar.
+        """
+        async with self._preparing:
+            try:
+                response = await self._stubs[0].PrepareGrammar(pb.PrepareGrammarRequest(grammar=grammar),
+                                                                timeout=self.step_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise WorkerGroupError(f"rank 0: PrepareGrammar: {exc.code().name}: {exc.details()}") from exc
+        if response.error:
+            raise ValueError(response.error)
 
     async def watch_liveness(self, interval_s: float = LIVENESS_INTERVAL_S,
                              timeout_s: float = LIVENESS_TIMEOUT_S) -> str:

@@ -26,7 +26,7 @@ class TinyModelSpec:
 
     Attributes:
         name: short id used in test names and directory names.
-        model_type: a key of :data:`MODEL_CLASSES` (``"llama"``, ``"qwen3"``, ``"mixtral"``...).
+        model_type: a ``transformers`` model type (``"llama"``, ``"qwen2"``, ``"gemma2"``...).
         config: keyword arguments of the ``transformers`` config class.
         max_shard_size: when set, ``save_pretrained`` shards the checkpoint
             (``model.safetensors.index.json``).
@@ -84,28 +84,14 @@ TINY_MODELS: tuple[TinyModelSpec, ...] = (
 )
 
 
-#: ``model_type`` -> the ``transformers`` (config, model) class names.
-MODEL_CLASSES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-}
-
-
 def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
     """The ``transformers`` model of ``spec`` with seeded random weights, float32, eval mode."""
-    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_name, model_name = MODEL_CLASSES[spec.model_type]
-    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
-    config = config_cls(**{**_BASE, **spec.config})
+    config = AutoConfig.for_model(spec.model_type, **{**_BASE, **spec.config})
     config._attn_implementation = "eager"
     torch.manual_seed(spec.seed)
-    model = model_cls(config).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
     generator = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

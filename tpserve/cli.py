@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message, rendered with the "
                                                            "model's chat template")
     gen.add_argument("--system", help="with --chat: a system message before it")
+    gen.add_argument("--cache-salt", help="reuse only prefix-cache entries of requests with this salt (and "
+                     "the same API key); keeps prompts apart from other callers'")
     gen.add_argument("prompt")
     _add_credential_flags(gen)
 
@@ -238,7 +240,7 @@ def _generate(args: argparse.Namespace) -> int:
                     logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
                     include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
                     top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
-                    prompt_logprobs=args.prompt_logprobs,
+                    prompt_logprobs=args.prompt_logprobs, cache_salt=args.cache_salt,
                     json_schema=Path(args.json_schema[1:]).read_text() if (args.json_schema or "").startswith("@")
                     else args.json_schema)
     with Client(args.target, credentials=_credentials(args)) as client:

@@ -103,12 +103,17 @@ def build_request(
     regex: str | None = None,
     choices: Sequence[str] | None = None,
     prompt_logprobs: int | None = None,
+    cache_salt: str | None = None,
+    n: int | None = None,
+    priority: int = 0,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
     A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
     ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
-    model's chat template). The fields' meanings and ranges: proto/tpserve/v1/generate.proto.
+    model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
+    from those of requests without the same salt. The fields' meanings and ranges:
+    proto/tpserve/v1/generate.proto.
     """
     params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output,
@@ -117,7 +122,7 @@ def build_request(
                         ("top_p", top_p), ("seed", seed), ("min_p", min_p), ("repetition_penalty", repetition_penalty),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                         ("min_tokens", min_tokens), ("top_logprobs", top_logprobs),
-                        ("prompt_logprobs", prompt_logprobs)):
+                        ("prompt_logprobs", prompt_logprobs), ("n", n)):
         if value is not None:
             setattr(params, name, value)
     if json_schema is not None:  # structured output: at most one of the three
@@ -126,7 +131,9 @@ def build_request(
         params.response_format.regex = regex
     elif choices is not None:
         params.response_format.choices.choices.extend(choices)
-    request = pb.GenerateRequest(request_id=request_id, sampling_params=params)
+    request = pb.GenerateRequest(request_id=request_id, sampling_params=params, priority=priority)
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):
@@ -278,6 +285,11 @@ class Client:
                         **sampling) -> Iterator[pb.GenerateStreamResponse]:
         """Server-streaming GenerateStream; the iterator's ``cancel()`` cancels the RPC."""
         return self.stub.GenerateStream(build_request(prompt, **sampling), timeout=timeout_s, metadata=self._metadata)
+
+    def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
+        """Ends the caller's requests with these ids now; returns how many were in flight."""
+        return self.stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=timeout_s,
+                               metadata=self._metadata).num_aborted
 
 
 class AsyncClient:

@@ -35,16 +35,20 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from coordinator.auth import ApiKeyInterceptor, read_api_keys, server_credentials
+from coordinator.auth import ApiKeyInterceptor, read_api_keys
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor, TpserveError, UnavailableError
+from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.metrics import Metrics
 from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
+from coordinator.tls import ServerCertificates
 from coordinator.tokenizer import Tokenizer
+from coordinator.vllm_engine_service import VllmEngineServicer
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.cluster_secret import AioSecretServerInterceptor, read_secret
 from tpserve.config import ClusterConfig, ServerConfig
@@ -60,6 +64,7 @@ from tpserve.v1 import generate_pb2_grpc
 log = structlog.get_logger(__name__)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 #: Seconds in-flight RPCs get to finish on shutdown (--shutdown-grace-seconds' default).
 SHUTDOWN_GRACE_SECONDS = ServerConfig.model_fields["shutdown_grace_seconds"].default
 #: Seconds the other nodes' streams get to carry the leader's goodbye.
@@ -122,10 +127,12 @@ class Cluster:
                 raise StartupError(f"--speculative-model {config.speculative.speculative_model} has vocab_size="
                                    f"{draft.vocab_size}, the model {self.model_config.vocab_size}: a draft model "
                                    "must share the model's tokenizer")
-        model_len = self.model_config.max_position_embeddings
+        model_len = self.model_config.max_model_len  # max_position_embeddings, or as RoPE scaling extends it
         self.max_model_len = config.scheduler.max_model_len or model_len
         if self.max_model_len > model_len:
-            raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings={model_len}")
+            raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's longest context {model_len} "
+                               f"(max_position_embeddings={self.model_config.max_position_embeddings}, "
+                               "extended by dynamic or yarn RoPE scaling)")
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.secret = read_group_secret(config)
         self.health = health.aio.HealthServicer()
@@ -145,6 +152,8 @@ class Cluster:
         self._launches = 0  # rank launches so far (each gets fresh socket names)
         self._dtype = ""  # resolved by the ranks
         self.port: int | None = None
+        self.certificates: ServerCertificates | None = None  # with --ssl-certfile
+        self.api_keys: ApiKeyInterceptor | None = None  # with --api-key / --api-key-file
 
     def stop(self, exit_code: int = 0) -> None:
         """Asks the cluster to shut down (safe from signal handlers and callbacks)."""
@@ -156,15 +165,17 @@ class Cluster:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)  # never the default: that kills without a drain
         server = self._build_server()
         cfg_server = self.config.server
         address = f"{cfg_server.host}:{cfg_server.port}"
         if cfg_server.ssl_certfile:
             try:
-                credentials = server_credentials(cfg_server.ssl_certfile, cfg_server.ssl_keyfile, cfg_server.ssl_ca_certs)
-            except OSError as exc:
-                raise StartupError(f"cannot read the TLS files: {exc}") from exc
-            self.port = _bind(server, address, credentials)
+                self.certificates = ServerCertificates(cfg_server.ssl_certfile, cfg_server.ssl_keyfile,
+                                                       cfg_server.ssl_ca_certs)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"TLS: {exc}") from exc
+            self.port = _bind(server, address, self.certificates.credentials())
         else:
             self.port = _bind(server, address)
         if self.port == 0:
@@ -196,6 +207,7 @@ class Cluster:
             if self.engine is not None:
                 self.engine.draining = True
             await server.stop(self.config.server.shutdown_grace_seconds)
+            await self.servicer.close()
             for task in (engine_task, self._monitor_task, self._liveness_task, self._recovery):
                 if task is not None:
                     task.cancel()
@@ -203,9 +215,34 @@ class Cluster:
             if self.workers is not None:
                 await self.workers.close()
             self.ranks.stop()
+            self.servicer.grammars.close()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             log.info("stopped", exit_code=self._exit_code)
         return self._exit_code
+
+    def reload(self) -> None:
+        """SIGHUP: read the API keys and the TLS files again (rotation without a restart).
+
+        What fails to read or check is logged and left as it was; requests in flight and
+        open connections are not touched. Keys given with ``--api-key`` alone do not change.
+        """
+        cfg = self.config.server
+        if self.api_keys is not None:
+            try:
+                keys = read_api_keys(cfg.api_key, cfg.api_key_file)
+                self.api_keys.set_keys(keys)
+                log.info("API keys reloaded", num_keys=len(keys))
+            except (OSError, ValueError) as exc:
+                log.error("API keys not reloaded; the old ones stay", error=str(exc))
+        if self.certificates is not None:
+            try:
+                files = self.certificates.reload()
+                log.info("TLS certificates reloaded", certfile=cfg.ssl_certfile,
+                         not_valid_after=f"{files.not_valid_after:%Y-%m-%d %H:%M:%S} UTC")
+            except (OSError, ValueError) as exc:
+                log.error("TLS certificates not reloaded; the old ones stay", error=str(exc))
+        if self.api_keys is None and self.certificates is None:
+            log.info("SIGHUP: no API keys or TLS certificates to reload")
 
     @property
     def world_size(self) -> int:
@@ -218,12 +255,19 @@ class Cluster:
         except (OSError, ValueError) as exc:
             raise StartupError(f"cannot read the API keys: {exc}") from exc
         # The key check runs first: an unauthenticated call never reaches validation.
-        interceptors = ([ApiKeyInterceptor(keys)] if keys else []) + [ErrorInterceptor()]
+        self.api_keys = ApiKeyInterceptor(keys) if keys else None
+        interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
         server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
-        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0))
+        # Structured output grammars compile in child processes, bounded in time (issue 20, fault 3).
+        grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
+        self.servicer = GenerationServicer(None, self.tokenizer, self._model_info(0), api_keys=bool(keys),
+                                           grammars=grammars)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        # The engine protocol a gateway (smg) routes, on the same port and engine.
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(self.servicer, self.model_dir), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
         return server
 
     async def _set_health(self, status: int) -> None:
@@ -263,9 +307,14 @@ class Cluster:
         check_pool_holds_a_full_sequence(num_blocks, cfg.cache.block_size, self.max_model_len)
         await self.workers.start(num_blocks)
         self._dtype = self.workers.dtype
+        # Dynamic NTK RoPE rotates a prompt's keys for the prompt's length once that passes max_position_embeddings
+        # (worker/layers/rotary.py): equal prefixes of different prompts need not hold equal keys, so none are shared.
+        scaling = self.model_config.rope_scaling or {}
+        share_prefixes = cfg.cache.enable_prefix_caching and not (
+            scaling.get("rope_type") == "dynamic" and self.max_model_len > self.model_config.max_position_embeddings)
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
-                              enable_prefix_caching=cfg.cache.enable_prefix_caching,
+                              enable_prefix_caching=share_prefixes,
                               proposer=make_proposer(cfg.speculative),
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size)
         self.metrics.kv_cache_total_blocks.set(num_blocks)
@@ -364,7 +413,7 @@ class Cluster:
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
                                  self.config.cache.block_size, self.config.load.quantization or "",
-                                 draft_config_sha256(self.config))
+                                 draft_config_sha256(self.config), self.max_model_len)
         self.registry = NodeRegistry(settings, init_method, on_lost=self._group_failed)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()

@@ -53,7 +53,9 @@ class HeadlessNode:
         self.config = config
         self.layout = GroupLayout(par.tensor_parallel_size, par.nnodes, par.node_rank)
         self.model_dir = Path(config.load.model) if config.load.model else default_model_dir()
-        read_model_config(self.model_dir, par.tensor_parallel_size)
+        model_len = read_model_config(self.model_dir, par.tensor_parallel_size).max_position_embeddings
+        #: Resolved like the leader's (tpserve/cluster.py); the leader refuses a node whose value differs.
+        self.max_model_len = config.scheduler.max_model_len or model_len
         self.ranks = LocalRanks(config, self.model_dir, self.layout, log_format)
         self.leader = host_port(par.master_addr, par.master_port)
         self.secret = read_group_secret(config)
@@ -69,6 +71,8 @@ class HeadlessNode:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._stop.set)
+        # SIGHUP reloads the leader's keys and certificates; a headless node has none: it must not die of it.
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: nothing to reload on a headless node"))
         par, timeout_s = self.config.parallel, self.config.server.worker_start_timeout_seconds
         try:
             local_ip = await self._until_stopped(wait_for_peer(par.master_addr, par.master_port, timeout_s, "the leader"))
@@ -102,7 +106,7 @@ class HeadlessNode:
             model_config_sha256=config_sha256(self.model_dir), dtype=self.config.load.dtype,
             block_size=self.config.cache.block_size, rank_addresses=addresses,
             quantization=self.config.load.quantization or "",
-            draft_model_config_sha256=draft_config_sha256(self.config))))
+            draft_model_config_sha256=draft_config_sha256(self.config), max_model_len=self.max_model_len)))
         log.info("joined; waiting for every node", leader=self.leader, node_rank=par.node_rank, ranks=addresses)
         started = time.monotonic()
         try:

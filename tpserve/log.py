@@ -2,30 +2,162 @@
 
 "console" is for people, "json" for log collectors (one JSON object per line).
 Worker ranks bind ``rank`` to every line so a group's logs can be told apart.
+
+What reaches the log, in both formats (docs/design.md, "Operational faults (issue 20)"):
+
+* No request content at the default level. Tracebacks never show local variables
+  (structlog's default console formatter, rich's, prints every frame's locals, which
+  held the prompt and the whole request: about 3,000 lines per internal error), and
+  they are bounded: the innermost :data:`MAX_TRACEBACK_FRAMES` frames of each
+  exception in a chain, at most :data:`MAX_TRACEBACK_CHARS` characters. JSON lines
+  carry the exception as structured fields (type, message, the same bounded frames)
+  under ``exception``.
+* Control characters (C0, DEL, C1: ANSI escape sequences, newlines, carriage returns)
+  in any string value are written escaped (``\\x1b``), so a client-chosen value such
+  as a ``request_id`` cannot colour, rewrite or forge console lines.
+* Warnings repeated within :data:`RATE_LIMIT_WINDOW_S` (the same event text) are
+  written once; the next one after the window says how many were suppressed, e.g.
+  ``unauthenticated call refused (suppressed 57 similar in the last 60 s)``, with
+  ``num_suppressed=57``. A client sending bad keys in a loop cannot fill the disk.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
-from typing import Literal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, Literal, TextIO
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
+
+#: Innermost frames kept per exception of a traceback.
+MAX_TRACEBACK_FRAMES = 20
+#: Longest console traceback, in characters (a message can be long: the end is cut).
+MAX_TRACEBACK_CHARS = 16_000
+#: Seconds within which a repeated warning is counted, not written.
+RATE_LIMIT_WINDOW_S = 60.0
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_EXCEPTION_KEYS = frozenset({"exc_info", "exception"})
+
+
+def escape_control(text: str) -> str:
+    """``text`` with each C0 / DEL / C1 control character written as ``\\xNN`` (newline, tab and ESC included)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def escape_control_characters(_logger: Any, _method: str, event_dict: dict) -> dict:
+    """structlog processor: :func:`escape_control` on every string value, keys and nested lists/dicts too."""
+    return {escape_control(k) if isinstance(k, str) else k: v if k in _EXCEPTION_KEYS else _escape_value(v)
+            for k, v in event_dict.items()}
+
+
+def _escape_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return escape_control(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_escape_value(v) for v in value)
+    if isinstance(value, dict):
+        return {_escape_value(k): _escape_value(v) for k, v in value.items()}
+    return value
+
+
+def bounded_traceback(sio: TextIO, exc_info: Any) -> None:
+    """Console exception formatter: a plain traceback, no locals, innermost frames only, bounded length."""
+    text = "".join(traceback.format_exception(*exc_info, limit=-MAX_TRACEBACK_FRAMES))
+    if len(text) > MAX_TRACEBACK_CHARS:
+        text = text[:MAX_TRACEBACK_CHARS] + f"... ({len(text) - MAX_TRACEBACK_CHARS} characters cut)\n"
+    sio.write("\n" + escape_control_keep_lines(text))
+
+
+def escape_control_keep_lines(text: str) -> str:
+    """:func:`escape_control` on each line of a multi-line text (a traceback), keeping its line breaks."""
+    return "\n".join(escape_control(line) for line in text.split("\n"))
+
+
+def _bound_exception_messages(_logger: Any, _method: str, event_dict: dict) -> dict:
+    """structlog processor: each JSON ``exception``'s message cut to :data:`MAX_TRACEBACK_CHARS` characters."""
+    for exception in event_dict.get("exception") or ():
+        value = exception.get("exc_value") if isinstance(exception, dict) else None
+        if isinstance(value, str) and len(value) > MAX_TRACEBACK_CHARS:
+            exception["exc_value"] = value[:MAX_TRACEBACK_CHARS] + f"... ({len(value) - MAX_TRACEBACK_CHARS} " \
+                                                                     "characters cut)"
+    return event_dict
+
+
+class RateLimitWarnings:
+    """structlog processor: a warning repeated within ``window_s`` is written once, then counted.
+
+    "Repeated": the same event text (the modules' events are distinct sentences). The first occurrence is written; the
+    next ones within ``window_s`` of it are dropped and counted; the first one after
+    the window is written with the count (``num_suppressed``, and in the event text) and
+    opens a new window. A burst followed by silence is not summarised until the event
+    recurs (no timer thread). Thread-safe (worker ranks log from several threads).
+
+    Args:
+        window_s: the window in seconds.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, window_s: float = RATE_LIMIT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: dict[str, list] = {}  # event -> [window start, number suppressed]
+
+    def __call__(self, logger: Any, method: str, event_dict: dict) -> dict:
+        if method not in ("warning", "warn"):
+            return event_dict
+        key = str(event_dict.get("event"))
+        now = self._clock()
+        with self._lock:
+            state = self._seen.get(key)
+            if state is not None and now - state[0] < self.window_s:
+                state[1] += 1
+                raise structlog.DropEvent
+            suppressed = state[1] if state is not None else 0
+            self._seen[key] = [now, 0]
+            if len(self._seen) > 10_000:  # distinct events are few; never grow without bound
+                self._seen = {key: self._seen[key]}
+        if suppressed:
+            event_dict["event"] = f"{event_dict.get('event')} (suppressed {suppressed} similar in the last " \
+                                  f"{self.window_s:g} s)"
+            event_dict["num_suppressed"] = suppressed
+        return event_dict
+
+
+def processors(fmt: Literal["console", "json"], rate_limiter: RateLimitWarnings | None = None) -> list:
+    """The processor chain of ``fmt``, renderer last (tests render through it)."""
+    chain: list = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        rate_limiter or RateLimitWarnings(),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        escape_control_characters,
+    ]
+    if fmt == "json":
+        # The exception as fields: type, message, the innermost frames, never the locals.
+        transformer = ExceptionDictTransformer(show_locals=False, max_frames=MAX_TRACEBACK_FRAMES, use_rich=False)
+        # JSON escapes the exception's own control characters.
+        chain += [structlog.processors.ExceptionRenderer(transformer), _bound_exception_messages,
+                  structlog.processors.JSONRenderer()]
+    else:
+        chain.append(structlog.dev.ConsoleRenderer(colors=False, exception_formatter=bounded_traceback))
+    return chain
 
 
 def configure_logging(fmt: Literal["console", "json"] = "console", level: str = "INFO", rank: int | None = None) -> None:
     """Configures structlog and the standard library's logging (used by grpc) once per process."""
     logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
-    processors: list = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
     if rank is not None:
         structlog.contextvars.bind_contextvars(rank=rank)
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
-        processors=[*processors, renderer],
+        processors=processors(fmt),
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,

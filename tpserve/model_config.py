@@ -14,9 +14,10 @@ RoPE parameters are read from the ``transformers`` 5 layout (``rope_parameters``
 holding ``rope_theta``) or the older one (top-level ``rope_theta`` plus
 ``rope_scaling``); both normalise to ``rope_theta`` and ``rope_scaling``.
 
-Sliding-window attention is refused for now (``use_sliding_window: true``, or a
-``sliding_window`` shorter than ``max_position_embeddings``); ``layer_types`` and
-``sliding_window`` are parsed so the KV sizing can read them without torch.
+``sliding_window`` and ``layer_types`` say which layers attend over a sliding
+window (:meth:`ModelConfig.layer_sliding_window`); RoPE parameters nested by layer
+type (Gemma 3's local and global bases) are kept per type
+(:meth:`ModelConfig.layer_rope`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tpserve.model_registry import resolve_architecture
 from tpserve.quantization import Quantization, checkpoint_quantization
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
@@ -57,15 +58,26 @@ class ModelConfig:
         rms_norm_eps: epsilon inside RMSNorm's square root.
         rope_theta: RoPE base wavelength (Su et al. 2021, arXiv:2104.09864).
         rope_scaling: ``None`` for plain RoPE, else a dict with ``rope_type``
-            ``"linear"`` (``factor``) or ``"llama3"`` (``factor``,
+            ``"linear"`` (``factor``), ``"llama3"`` (``factor``,
             ``low_freq_factor``, ``high_freq_factor``,
-            ``original_max_position_embeddings``).
+            ``original_max_position_embeddings``), ``"yarn"`` (``factor``,
+            ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
+            ``truncate``, ``attention_factor``, ``mscale``, ``mscale_all_dim``; the
+            last three may be None) or ``"dynamic"`` (``factor``,
+            ``max_position_embeddings``); worker/layers/rotary.py has the formulas.
         max_position_embeddings: longest sequence the model was built for, in tokens.
         sliding_window: tokens a sliding-window layer attends to (itself included), or
             None when no layer slides (absent, ``use_sliding_window: false``, or not
             shorter than ``max_position_embeddings``).
         layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``
-            (``layer_types`` of the config, else every layer alike).
+            (``layer_types`` of the config; else Qwen2's rule, layers from
+            ``max_window_layers`` on slide when ``use_sliding_window``; else every
+            layer alike). A family whose config class derives another default
+            (Gemma's alternation) reads ``hf_config`` itself when the key is absent.
+        layer_rope_parameters: ``{layer type: (rope_theta, rope_scaling)}`` when the config
+            nests its RoPE parameters by layer type (``rope_parameters:
+            {"full_attention": {...}, "sliding_attention": {...}}``), else empty;
+            ``rope_theta``/``rope_scaling`` are then the full-attention layers'.
         tie_word_embeddings: the LM head reuses the input embedding matrix.
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: end-of-sequence ids (may be empty).
@@ -98,6 +110,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     quantization: Quantization | None = None
+    layer_rope_parameters: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -123,7 +136,11 @@ class ModelConfig:
         num_hidden_layers = _required(raw, "num_hidden_layers")
         head_dim = raw.get("head_dim") or hidden_size // total_num_heads
         max_position_embeddings = _required(raw, "max_position_embeddings")
-        rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
+        layer_rope = _parse_layer_rope(raw, max_position_embeddings)
+        if layer_rope:
+            rope_theta, rope_scaling = layer_rope.get("full_attention") or next(iter(layer_rope.values()))
+        else:
+            rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
         sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings)
         eos = raw.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
@@ -150,6 +167,7 @@ class ModelConfig:
             eos_token_ids=eos_token_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=checkpoint_quantization(raw),
+            layer_rope_parameters=layer_rope,
             hf_config=raw,
         )
 
@@ -159,15 +177,16 @@ class ModelConfig:
         Args:
             key: the config key, e.g. ``"attention_bias"``.
             default: the value ``transformers`` assumes when the key is absent.
-            kind: the type(s) the value must have; default ``type(default)``. ``bool``
-                accepts only booleans; ``float`` accepts integers too.
+            kind: the type(s) the value must have; default ``type(default)`` (no check
+                when ``default`` is None too). ``bool`` accepts only booleans; ``float``
+                accepts integers too.
 
         Raises:
             ValueError: the value has another type; the message names the key.
         """
         value = self.hf_config.get(key)
-        if value is None:
-            return default
+        if value is None or (kind is None and default is None):
+            return default if value is None else value
         kinds = kind if isinstance(kind, tuple) else (kind or type(default),)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             return float(value)  # type: ignore[return-value]
@@ -206,6 +225,33 @@ class ModelConfig:
                 f"multiple of it, so the key/value heads cannot be replicated evenly"
             )
 
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window of layer ``layer_index`` in tokens (itself included), or None for full attention.
+
+        A layer slides when its ``layer_types`` entry is ``"sliding_attention"`` and the
+        model has a ``sliding_window`` (``transformers``: ``config.sliding_window if
+        layer_type == "sliding_attention" else None``).
+        """
+        return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
+
+    def layer_rope(self, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+        """``(rope_theta, rope_scaling)`` of the layers of ``layer_type``: their nested entry, else the model's."""
+        return self.layer_rope_parameters.get(layer_type, (self.rope_theta, self.rope_scaling))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence this model serves, in tokens: ``max_position_embeddings``, extended
+        by RoPE scaling that extrapolates past it (vLLM's rule): ``"dynamic"`` to
+        ``max_position_embeddings * factor``, ``"yarn"`` to ``original_max_position_embeddings * factor``
+        (when longer)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * scaling["factor"])
+        if scaling.get("rope_type") == "yarn":
+            return max(self.max_position_embeddings,
+                       int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+        return self.max_position_embeddings
+
     def num_kv_heads_per_rank(self, tp: int) -> int:
         """Key/value heads each rank stores: ``total_num_kv_heads / tp``, at least 1."""
         return max(1, self.total_num_kv_heads // tp)
@@ -238,12 +284,17 @@ def _parse_attention_windows(
     """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
 
     Raises:
-        ValueError: a malformed ``layer_types``, or a sliding window (not supported yet).
+        ValueError: a malformed ``layer_types`` or ``sliding_window``.
     """
     window = raw.get("sliding_window")
     if raw.get("use_sliding_window") is False or (window is not None and window >= max_position_embeddings):
         window = None  # Qwen2/Qwen3 switch the window off; a window covering every position is full attention
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"config.json sliding_window={window!r} must be a positive integer")
     layer_types = raw.get("layer_types")
+    if layer_types is None and raw.get("use_sliding_window") and window is not None:
+        first = raw.get("max_window_layers", num_hidden_layers)  # Qwen2Config's rule
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_hidden_layers)]
     if layer_types is None:
         layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
@@ -251,20 +302,17 @@ def _parse_attention_windows(
     unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; expected {LAYER_TYPES}")
-    _check_no_sliding_window(raw, window, max_position_embeddings)
     return window, tuple(layer_types)
 
 
-def _check_no_sliding_window(raw: dict[str, Any], window: int | None, max_position_embeddings: int) -> None:
-    # Sliding-window attention would need a different mask and cache eviction;
-    # serving such a model with full attention would silently change its output.
-    if raw.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=True is not supported: no sliding-window attention")
-    if window is not None:
-        raise ValueError(
-            f"sliding_window={window} < max_position_embeddings={max_position_embeddings} is not supported: "
-            "no sliding-window attention"
-        )
+def _parse_layer_rope(raw: dict[str, Any],
+                      max_position_embeddings: int) -> dict[str, tuple[float, dict[str, Any] | None]]:
+    """RoPE parameters nested by layer type (``transformers`` 5), each parsed as :func:`_parse_rope`; else {}."""
+    params = raw.get("rope_parameters")
+    if not isinstance(params, dict) or not params or not set(params) <= set(LAYER_TYPES):
+        return {}
+    return {layer_type: _parse_rope({**raw, "rope_parameters": nested, "rope_scaling": None}, max_position_embeddings)
+            for layer_type, nested in params.items() if isinstance(nested, dict)}
 
 
 def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, dict[str, Any] | None]:
@@ -287,18 +335,32 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         raise ValueError(f"partial_rotary_factor={partial} is not supported")
     if rope_type == "default":
         return rope_theta, None
-    if "factor" not in params:
+    if rope_type == "yarn" and params.get("factor") is None:  # transformers: the ratio of the two lengths
+        original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        if original:
+            params["factor"] = max_position_embeddings / original
+    if params.get("factor") is None:
         raise ValueError(f"rope_scaling rope_type={rope_type!r} needs a 'factor'")
     scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(params["factor"])}
+    original_max = int(
+        raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or max_position_embeddings
+    )
     if rope_type == "llama3":
         missing = [key for key in _LLAMA3_ROPE_KEYS if key not in params]
         if missing:
             raise ValueError(f"rope_scaling rope_type='llama3' is missing {missing}")
         scaling["low_freq_factor"] = float(params["low_freq_factor"])
         scaling["high_freq_factor"] = float(params["high_freq_factor"])
-        scaling["original_max_position_embeddings"] = int(
-            raw.get("original_max_position_embeddings")
-            or params.get("original_max_position_embeddings")
-            or max_position_embeddings
-        )
+        scaling["original_max_position_embeddings"] = original_max
+    elif rope_type == "yarn":  # defaults as transformers' _compute_yarn_parameters
+        scaling["original_max_position_embeddings"] = original_max
+        scaling["beta_fast"] = float(params.get("beta_fast") or 32)
+        scaling["beta_slow"] = float(params.get("beta_slow") or 1)
+        scaling["truncate"] = bool(params.get("truncate", True))
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            scaling[key] = None if params.get(key) is None else float(params[key])
+    elif rope_type == "dynamic":  # transformers scales against max_position_embeddings itself
+        scaling["max_position_embeddings"] = max_position_embeddings
     return rope_theta, scaling

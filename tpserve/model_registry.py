@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 #: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
 MODEL_REGISTRY: dict[str, str] = {
+    "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",

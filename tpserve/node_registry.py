@@ -48,6 +48,8 @@ class GroupSettings:
             int8 and float weights would compute different partial sums, silently).
         draft_model_config_sha256: SHA-256 (hex) of the draft model's config.json
             (``--speculative-method draft``), or "" without one.
+        max_model_len: --max-model-len as resolved (the model's limit when unset); it
+            sizes each rank's KV pool, so a node that differs would shrink the group's.
     """
 
     layout: GroupLayout
@@ -56,6 +58,7 @@ class GroupSettings:
     block_size: int
     quantization: str = ""
     draft_model_config_sha256: str = ""
+    max_model_len: int = 0
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -70,6 +73,7 @@ class GroupSettings:
             ("block_size", join.block_size, self.block_size),
             ("quantization", join.quantization or "none", self.quantization or "none"),
             ("draft model config.json sha256", join.draft_model_config_sha256, self.draft_model_config_sha256),
+            ("--max-model-len", join.max_model_len, self.max_model_len),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"

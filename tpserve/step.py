@@ -77,6 +77,9 @@ class SamplingParams:
             tokens of that distribution, in [0, 20].
         grammar: an llguidance grammar (JSON text) the output must follow, or "";
             built and validated by the coordinator from the request's response_format.
+        grammar_stop_ids: with a grammar, the tokens that end the sequence (the
+            model's eos ids, filled in by the coordinator): allowed exactly where the
+            grammar accepts, whatever llguidance's own idea of eos.
         prompt_logprobs: None, or return each prompt token's log-probability (from
             the second on) with the ``prompt_logprobs`` (0 to 20) most likely tokens
             at its position; raw distribution, as ``logprobs``.
@@ -102,6 +105,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str = ""
+    grammar_stop_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:

@@ -91,7 +91,7 @@ def _sampling_to_pb(params: SamplingParams) -> pb.WorkerSamplingParams:
         min_p=params.min_p, repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
         min_tokens_stop_ids=params.min_tokens_stop_ids, logprobs=params.logprobs, top_logprobs=params.top_logprobs,
-        grammar=params.grammar, prompt_logprobs=params.prompt_logprobs,
+        grammar=params.grammar, grammar_stop_ids=params.grammar_stop_ids, prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -103,7 +103,7 @@ def _sampling_from_pb(msg: pb.WorkerSamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty, logit_bias=tuple(sorted(msg.logit_bias.items())),
         min_tokens=msg.min_tokens, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids), logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs, grammar=msg.grammar,
+        top_logprobs=msg.top_logprobs, grammar=msg.grammar, grammar_stop_ids=tuple(msg.grammar_stop_ids),
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 

@@ -25,6 +25,20 @@ after them are prefill chunks, each a contiguous run of rows. Per layer:
    no cache read, no mask tensor); a later chunk of a long prompt reads its
    earlier positions through its block table under a causal mask with offset.
 
+Per layer, two options change what a row attends over (both are the layer's, set
+at construction, so one step's metadata serves every layer):
+
+* ``sliding_window = W``: a query at position ``p`` attends only keys at positions
+  ``> p - W`` (its own and the ``W - 1`` before it; Hugging Face's ``sliding_window``,
+  ``masking_utils.sliding_window_overlay``, as Mistral, Qwen2 and Gemma 2/3 use it).
+  The compiled and Triton kernels skip the blocks before the window; a later prefill
+  chunk reads its history from the first block its window touches; the SDPA decode
+  group still gathers the whole table (one copy, as before) and masks it.
+* ``logit_softcap = c``: scores become ``c * tanh(score / c)`` before the mask and
+  softmax (Gemma 2's ``attn_logit_softcapping``). SDPA cannot do that, so there the
+  torch path spells the attention out (:func:`_softcapped_attention`); the kernels
+  take it as an argument.
+
 Why not one padded call for everything: a decode batch padded to the longest
 prefill chunk does ``num_seqs x chunk_len x context`` work for one useful row per
 decode, and a padded prefill grid wastes up to half of a mixed batch; the
@@ -102,6 +116,10 @@ class AttentionMetadata:
         triton_decode: the first group (one row per sequence) is read by the Triton
             paged kernel through ``decode_block_tables`` and ``decode_context_lens``
             (CUDA; worker/kernels/triton_attention.py); ``decode_mask`` is None.
+        rope_seq_lens: ``(T,) int64`` the sequence length each row's dynamic NTK RoPE is
+            computed for, ``max(prompt length, position + 1)``; None unless the model uses it.
+        window_masks: the step's sliding-window masks by window, built on first use
+            (:meth:`decode_window_mask`).
     """
 
     positions: torch.Tensor
@@ -114,6 +132,21 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     decode_query_start_loc: torch.Tensor | None = None
     triton_decode: bool = False
+    rope_seq_lens: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_window_mask(self, window: int) -> torch.Tensor:
+        """``decode_mask`` restricted to each row's last ``window`` positions, built once per step and window.
+
+        ``(num_decodes, 1, 1, max_blocks * block_size) bool``, True where
+        ``context_len - window <= key position < context_len``.
+        """
+        mask = self.window_masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)  # (K,)
+            first = (self.decode_context_lens - window).view(-1, 1, 1, 1)  # (D, 1, 1, 1) first position attended
+            mask = self.window_masks[window] = self.decode_mask & (key_pos >= first)
+        return mask
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict[str, torch.Tensor],
@@ -148,14 +181,27 @@ class PagedAttention(nn.Module):
             Ainslie et al. 2023, arXiv:2305.13245).
         head_size: size of one head ``d``.
         scale: softmax scale, ``d ** -0.5`` for Llama (Vaswani et al. 2017).
+        sliding_window: None, or ``W >= 1``: each query attends only the keys at its own and
+            the ``W - 1`` previous positions (see the module docstring).
+        logit_softcap: None, or ``c > 0``: scores soft-capped to ``c * tanh(score / c)``.
+
+    Raises:
+        ValueError: ``sliding_window < 1`` or ``logit_softcap <= 0``.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, *,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None: no window)")
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"logit_softcap={logit_softcap} must be > 0 (or None: no soft-capping)")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.enable_gqa = num_kv_heads != num_heads
 
     def forward(
@@ -191,38 +237,83 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q (D, H, d)`` -> ``(D, H, d)``: the decode group's rows over their paged contexts."""
         num_seqs, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
+        window, softcap = self.sliding_window or 0, self.logit_softcap or 0.0  # the kernels' "none" is 0
         if meta.decode_query_start_loc is not None:  # step_inputs checked the kernel takes this step
             return torch.ops.tpserve_cpu.paged_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_start_loc,
-                meta.decode_context_lens, self.scale,
+                meta.decode_context_lens, self.scale, window, softcap,
             )  # (D, H, d), read in place through the block tables
         if meta.triton_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                          self.scale)  # (D, H, d), likewise on the GPU
+                                          self.scale, sliding_window=window,
+                                          logit_softcap=softcap)  # (D, H, d), likewise on the GPU
         block_ids = meta.decode_block_tables.view(-1)  # (D * B,)
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)
         values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")
         keys = keys.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
         values = values.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=self.enable_gqa
-        )  # (D, H, 1, d)
+        mask = meta.decode_mask if self.sliding_window is None else meta.decode_window_mask(self.sliding_window)
+        o = self._attention(q.unsqueeze(2), keys, values, mask)  # (D, H, 1, d)
         return o.squeeze(2)  # (D, H, d)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``q (B, H, n, d)`` over ``k, v (B, KVH, C, d)`` under ``mask`` (broadcast to ``(B, H, n, C)``,
+        True = attend; None: causal, ``n == C``) -> ``(B, H, n, d)``."""
+        if self.logit_softcap is not None:
+            if mask is None:
+                mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()  # (n, C)
+            return _softcapped_attention(q, k, v, mask, self.scale, self.logit_softcap)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                              enable_gqa=self.enable_gqa)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         """One chunk's rows of ``q (T, H, d)`` -> ``(n, H, d)``."""
-        kvh, d = self.num_kv_heads, self.head_size
+        kvh, d, window = self.num_kv_heads, self.head_size, self.sliding_window
+        n = chunk.end - chunk.start
+        first_pos = chunk.context_len - n  # the chunk's first position
         qs = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
         if chunk.block_table is None:  # a prompt's first chunk: its own keys, causal
             ks = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
             vs = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.enable_gqa)  # (1, H, n, d)
+            mask = None if window is None or n <= window else _window_mask(0, n, 0, n, window, q.device)
         else:  # a later chunk: the history through the block table, causal with offset
-            ks = k_cache.index_select(0, chunk.block_table).view(-1, kvh, d)[: chunk.context_len]  # (C, KVH, d)
-            vs = v_cache.index_select(0, chunk.block_table).view(-1, kvh, d)[: chunk.context_len]
+            skip = 0  # whole blocks before the first row's window: never read
+            if window is not None:
+                skip = max(0, first_pos - window + 1) // k_cache.shape[1]
+            table = chunk.block_table[skip:]
+            key_start = skip * k_cache.shape[1]  # position of the first key read
+            ks = k_cache.index_select(0, table).view(-1, kvh, d)[: chunk.context_len - key_start]  # (C, KVH, d)
+            vs = v_cache.index_select(0, table).view(-1, kvh, d)[: chunk.context_len - key_start]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, C, d)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask, scale=self.scale,
-                                               enable_gqa=self.enable_gqa)  # (1, H, n, d)
+            mask = chunk.mask if window is None else _window_mask(first_pos, n, key_start, chunk.context_len,
+                                                                  window, q.device)
+        o = self._attention(qs, ks, vs, mask)  # (1, H, n, d)
         return o[0].transpose(0, 1)  # (n, H, d)
+
+
+def _window_mask(first_pos: int, num_queries: int, key_start: int, key_end: int, window: int,
+                 device: torch.device) -> torch.Tensor:
+    """``(num_queries, key_end - key_start) bool``: queries at ``first_pos ..`` over keys at ``key_start ..``,
+    True where ``query position - window < key position <= query position``."""
+    query_pos = torch.arange(first_pos, first_pos + num_queries, device=device)[:, None]  # (n, 1)
+    key_pos = torch.arange(key_start, key_end, device=device)[None, :]  # (1, C)
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """``softmax(c * tanh(q k^T * scale / c) masked) v`` for ``q (B, H, n, d)``, ``k, v (B, KVH, C, d)``.
+
+    Gemma 2's attention (``transformers``' ``eager_attention_forward`` with ``softcap``):
+    the cap is applied to the scaled scores, then the mask (``(n, C)`` or broadcastable to
+    ``(B, H, n, C)``, True = attend) and a float32 softmax. Returns ``(B, H, n, d)`` in ``q``'s dtype.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # GQA: each KV head serves ``groups`` consecutive query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, C, d)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, n, C)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, n, C)
+    return torch.matmul(probs, v)  # (B, H, n, d)

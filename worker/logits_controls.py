@@ -174,7 +174,8 @@ def with_logits_controls(sampling, chunks: Sequence[ScheduledChunk], states: Seq
             if state.grammar_state is None:
                 state.grammar_state = GrammarState(grammars.matcher(state.sampling.grammar))
             outputs = state.history[state.num_prompt_tokens:chunk.start_position + chunk.num_tokens]
-            grammar_masks.append((row, state.grammar_state.allowed(outputs, grammars)))
+            allowed = state.grammar_state.allowed(outputs, grammars, state.sampling.grammar_stop_ids)
+            grammar_masks.append((row, allowed))
     controls = build_logits_controls(
         [s.sampling for _, s in rows], [s.num_prompt_tokens for _, s in rows],
         [c.start_position + c.num_tokens for c, _ in rows], [s.history for _, s in rows], device, grammar_masks)

@@ -111,6 +111,10 @@ class ModelRunner:
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
                               and (self.draft is None or self.draft.paged_kernel))
         self._triton_decode = triton_attention_available(ctx.device, block_size)
+        # Dynamic NTK RoPE rotates each row for its sequence's length (worker/layers/rotary.py): built per step,
+        # which the decode graphs' static inputs do not carry, so such a model runs eagerly.
+        scaling = self.config.rope_scaling
+        self._dynamic_rope = scaling is not None and scaling["rope_type"] == "dynamic"
         self._graphs: DecodeGraphs | None = None
         # Mixture-of-experts layers, whose routed-token counts rank 0 reports every step.
         self._expert_layers = expert_layers(self.model) if ctx.is_rank0 else []
@@ -134,7 +138,8 @@ class ModelRunner:
             max_model_len: the longest context a graph takes (default: the model's).
             capture: False checks the graphs' static-buffer path eagerly (tests on the CPU).
         """
-        graphs = bool(cuda_graph_sizes) and self.draft is None and (self._triton_decode or not capture)
+        graphs = (bool(cuda_graph_sizes) and self.draft is None and not self._dynamic_rope
+                  and (self._triton_decode or not capture))
         take_routed_counts(self._expert_layers)  # drop what earlier (profiling) passes routed
         self._graphs = None
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
@@ -145,7 +150,7 @@ class ModelRunner:
             # The graphs' attention, for the eager steps too (capture=False on the CPU: Triton's interpreter).
             self._triton_decode, self._paged_kernel = True, False
             self._graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
-                                        max_model_len or self.config.max_position_embeddings, cuda_graph_sizes,
+                                        max_model_len or self.config.max_model_len, cuda_graph_sizes,
                                         capture=capture)
             self._graphs.capture_all()
         counts = take_routed_counts(self._expert_layers)  # the graphs' warm-ups
@@ -174,6 +179,15 @@ class ModelRunner:
         """Sequences this rank currently holds state for."""
         return len(self._seqs)
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """Builds a structured-output grammar's matcher on rank 0 (blocking; any thread but the step's).
+
+        Raises:
+            ValueError: llguidance rejects the grammar.
+        """
+        if self.ctx.is_rank0:
+            self._grammars.prepare(grammar)
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply ``plan`` and return the sampled tokens (rank 0) or none (other ranks).
 
@@ -181,7 +195,7 @@ class ModelRunner:
             RuntimeError: ``init_kv_cache`` was not called.
             ValueError: the plan names an unknown sequence, schedules one twice,
                 uses a block id outside the cache, gives a sequence too few
-                blocks for its context, or reaches past max_position_embeddings.
+                blocks for its context, or reaches past the config's ``max_model_len``.
                 Finished and new sequences are applied before the check; no
                 forward pass runs.
         """
@@ -196,6 +210,8 @@ class ModelRunner:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_rank0 else None
             self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
                                                     history=history, prompt_token_ids=new.prompt_token_ids)
+            if new.sampling.grammar and self.ctx.is_rank0:  # built while the forward pass runs
+                self._grammars.prefetch(new.sampling.grammar)
         self._check_chunks(plan)
         for chunk in plan.scheduled:
             state = self._seqs[chunk.seq_id]
@@ -248,20 +264,21 @@ class ModelRunner:
                 raise ValueError(
                     f"step {plan.step_id}: seq_id={chunk.seq_id} needs {end} KV slots, its blocks hold {capacity}"
                 )
-            if end > self.config.max_position_embeddings:
+            if end > self.config.max_model_len:
                 raise ValueError(
                     f"step {plan.step_id}: seq_id={chunk.seq_id} reaches position {end - 1}, "
-                    f"max_position_embeddings={self.config.max_position_embeddings}"
+                    f"the model's longest context is {self.config.max_model_len}"
                 )
 
     def _run(self, plan: StepPlan) -> tuple[int, ...]:
         """Forward the flat batch and sample; inside ``inference_mode``."""
         chunks = plan.scheduled
         states = [self._seqs[c.seq_id] for c in chunks]
+        prompt_lens = [s.num_prompt_tokens for s in states] if self._dynamic_rope else None
         inputs = build_step_inputs(
             chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
             self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
-            paged_kernel=self._paged_kernel, triton_decode=self._triton_decode,
+            paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
         )
         if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
             proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
@@ -270,7 +287,7 @@ class ModelRunner:
                 inputs = build_step_inputs(
                     chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
                     self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
-                    paged_kernel=self._paged_kernel, triton_decode=self._triton_decode,
+                    paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
                 )
         if self._graphs is not None and self._graphs.takes(chunks, inputs):
             hidden = self._graphs.run(inputs)  # (T, hidden), a replayed CUDA graph

@@ -162,6 +162,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log.info("decode graphs off: no Triton decode kernel or a draft model", rank=opts.rank)
         return pb.InitCacheResponse()
 
+    def PrepareGrammar(self, request: pb.PrepareGrammarRequest,
+                       context: grpc.ServicerContext) -> pb.PrepareGrammarResponse:
+        """Builds a grammar's matcher on this gRPC pool thread (llguidance releases the GIL), so
+        that the step that first samples the request finds it built (issue 20, fault 3)."""
+        if not self._ready.is_set():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the shard is not loaded yet")
+        try:
+            self._runner.prepare_grammar(request.grammar)
+        except ValueError as exc:
+            return pb.PrepareGrammarResponse(error=str(exc))
+        return pb.PrepareGrammarResponse()
+
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
         # The whole stream runs on the gRPC pool thread that iterates this generator.
         self._bind_thread()

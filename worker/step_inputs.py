@@ -112,6 +112,7 @@ def build_step_inputs(
     workspace: dict[str, torch.Tensor] | None = None,
     paged_kernel: bool = False,
     triton_decode: bool = False,
+    num_prompt_tokens: Sequence[int] | None = None,
 ) -> StepInputs:
     """Build a step's inputs from its chunks, in plan order.
 
@@ -130,6 +131,9 @@ def build_step_inputs(
         triton_decode: the decode rows go to the Triton paged kernel (CUDA,
             worker/kernels/triton_attention.py): one row per sequence as without
             ``paged_kernel``, read through the block tables, so no mask is built.
+        num_prompt_tokens: each chunk's sequence's prompt length, for dynamic NTK RoPE:
+            then ``attn.rope_seq_lens`` holds ``max(prompt length, position + 1)`` per row
+            (worker/layers/rotary.py); None: not built.
 
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
@@ -145,6 +149,7 @@ def build_step_inputs(
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    rope_seq_lens: list[int] = []
     last_row = [0] * len(chunks)  # plan index -> row of its last token
     packer = _Packer()
     prefill_specs: list[tuple[int, int, int, int]] = []  # (start row, end row, start position, plan index)
@@ -161,12 +166,16 @@ def build_step_inputs(
             base = table[block] * block_size + offset
             slots.extend(range(base, base + take))
             pos += take
+        if num_prompt_tokens is not None:
+            rope_seq_lens.extend(max(num_prompt_tokens[i], p + 1) for p in range(start, end))
         last_row[i] = row + chunk.num_tokens - 1
         if not first[i]:
             prefill_specs.append((row, len(tokens), start, i))
     packer.add("input_ids", tokens)
     packer.add("positions", positions)
     packer.add("slots", slots)
+    if num_prompt_tokens is not None:
+        packer.add("rope_seq_lens", rope_seq_lens)
 
     decode_blocks = 0
     if group:
@@ -228,6 +237,7 @@ def build_step_inputs(
         decode_context_lens=dev["decode_context_lens"] if group else None,
         decode_query_start_loc=dev["decode_query_start_loc"] if group and paged_kernel else None,
         triton_decode=triton_decode and bool(group),
+        rope_seq_lens=dev["rope_seq_lens"] if num_prompt_tokens is not None else None,
     )
     sampling_tensors = _sampling_tensors(dev, "", [sampling[i] for i in sampled]) if build_sampling else None
     spec_sampling = _sampling_tensors(dev, "spec_", [sampling[i] for i, _ in spec]) if spec and with_sampling else None

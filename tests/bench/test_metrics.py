@@ -3,11 +3,13 @@
 Three successful requests and three failures over a 2 s benchmark (times in seconds
 from each request's send):
 
-| request | chunks at          | tokens per chunk | completion_tokens | TTFT | ITL (ms)   | E2EL | TPOT                  |
-| ------- | ------------------ | ---------------- | ----------------- | ---- | ---------- | ---- | --------------------- |
-| a       | .100 .130 .170 .250 | 1 1 2 1          | 5                 | 100  | 30 40 80   | 250  | (250-100)/(5-1)=37.5  |
-| b       | .050 .060          | 1 1              | 2                 | 50   | 10         | 60   | (60-50)/(2-1)=10      |
-| c       | .200               | 1                | 1                 | 200  | -          | 200  | none (0 for goodput)  |
+| request | chunks at           | tokens per chunk | completion_tokens | TTFT | ITL per token (ms) | per message | E2EL | TPOT                 |
+| ------- | ------------------- | ---------------- | ----------------- | ---- | ------------------ | ----------- | ---- | -------------------- |
+| a       | .100 .130 .170 .250 | 1 1 2 1          | 5                 | 100  | 30 20 20 80        | 30 40 80    | 250  | (250-100)/(5-1)=37.5 |
+| b       | .050 .060           | 1 1              | 2                 | 50   | 10                 | 10          | 60   | (60-50)/(2-1)=10     |
+| c       | .200                | 1                | 1                 | 200  | -                  | -           | 200  | none (0 for goodput) |
+
+(a's third chunk carries 2 tokens 40 ms after the second: two per-token samples of 20 ms.)
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def records() -> list[RequestRecord]:
 def test_per_request_metrics(records) -> None:
     a, b, c = records[:3]
     assert a.ttft_s == pytest.approx(0.100) and a.e2el_s == pytest.approx(0.250)
-    assert a.itl_s == pytest.approx([0.030, 0.040, 0.080])
+    assert a.itl_s == pytest.approx([0.030, 0.020, 0.020, 0.080])
+    assert a.message_itl_s == pytest.approx([0.030, 0.040, 0.080])
     assert a.tpot_s == pytest.approx(0.0375)
     assert (b.ttft_s, b.e2el_s, b.tpot_s) == pytest.approx((0.050, 0.060, 0.010))
     assert c.tpot_s is None and c.itl_s == [] and c.ttft_s == c.e2el_s == pytest.approx(0.200)
@@ -64,8 +67,11 @@ def test_summary(records) -> None:
     assert s["ttft_ms"] == pytest.approx({"mean": 350 / 3, "median": 100, "p90": 180, "p99": 198})
     # TPOT [37.5, 10] (c has one token): p90 = 10 + 0.9 * 27.5.
     assert s["tpot_ms"] == pytest.approx({"mean": 23.75, "median": 23.75, "p90": 34.75, "p99": 37.225})
-    # ITL [30, 40, 80, 10]: sorted [10, 30, 40, 80], p90 at rank 2.7 = 40 + 0.7 * 40.
-    assert s["itl_ms"] == pytest.approx({"mean": 40, "median": 35, "p90": 68, "p99": 78.8})
+    # ITL per token [30, 20, 20, 80, 10]: sorted [10, 20, 20, 30, 80], p90 at rank 3.6 = 30 + 0.6 * 50.
+    assert s["itl_ms"] == pytest.approx({"mean": 32, "median": 20, "p90": 60, "p99": 78})
+    # Per message [30, 40, 80, 10]: sorted [10, 30, 40, 80], p90 at rank 2.7 = 40 + 0.7 * 40.
+    assert s["itl_per_message_ms"] == pytest.approx({"mean": 40, "median": 35, "p90": 68, "p99": 78.8})
+    assert s["tokens_per_message"] == pytest.approx(8 / 7)  # 8 tokens in 7 messages
     assert s["e2el_ms"] == pytest.approx({"mean": 170, "median": 200, "p90": 240, "p99": 249})
     assert "request_goodput" not in s
 
@@ -120,3 +126,15 @@ def test_json_record_has_derived_metrics(records) -> None:
     assert (row["ttft_s"], row["tpot_s"], row["e2el_s"]) == (0.1, 0.0375, 0.25)
     assert row["chunk_times_s"] == [0.1, 0.13, 0.17, 0.25] and row["chunk_num_tokens"] == [1, 1, 2, 1]
     assert (row["status"], row["completion_tokens"], row["prompt_tokens"]) == ("OK", 5, 10)
+
+
+def test_itl_is_per_token_when_messages_carry_several() -> None:
+    """Speculative decoding: 4 tokens per message every 24 ms is an ITL of 6 ms, equal to the TPOT (issue 20,
+    item 11: reported 24 ms as "Inter-token Latency" beside a TPOT of 6 ms). A message without tokens
+    (text held back, or the final usage) is no sample and its time goes to the next token."""
+    record = make(0, [(0.100, 1), (0.124, 4), (0.148, 4), (0.160, 0), (0.172, 4), (0.180, 0)], 10, 13)
+    assert record.itl_s == pytest.approx([0.006] * 12)
+    assert record.tpot_s == pytest.approx((0.180 - 0.100) / 12)
+    s = summarize([record], duration_s=1.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(6.0) and s["itl_per_message_ms"]["mean"] == pytest.approx(16.0)
+    assert s["tokens_per_message"] == pytest.approx(13 / 4)

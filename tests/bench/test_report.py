@@ -40,6 +40,9 @@ def test_summary_table() -> None:
     assert "Request goodput (req/s):                6.67" in table  # 20 requests meet tpot <= 15 ms in 3 s
     assert "Mean TPOT (ms):                         10.00" in table
     assert "P99 ITL (ms):                           10.00" in table
+    assert "Inter-token Latency (per token)" in table  # says what it is, and the tokens per message beside it
+    assert "Mean tokens per message:                1.00" in table
+    assert "Mean ITL per message (ms):              10.00" in table
     assert "Burstiness factor:                      1 (Poisson process)" in table
 
 

@@ -63,7 +63,8 @@ def test_core_kinds_validate_against_the_kubernetes_schemas(rendered) -> None:
 
     _, docs = rendered
     core = [doc for doc in docs if doc["kind"] != "LeaderWorkerSet"]
-    assert {doc["kind"] for doc in core} == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert {doc["kind"] for doc in core} == {"Deployment", "Service", "PodDisruptionBudget",
+                                             "ServiceAccount", "Role", "RoleBinding"}  # + the gateway's
     for doc in core:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
@@ -104,7 +105,8 @@ def entrypoint_flags() -> list[str]:
 def pod_templates(docs: list[dict]) -> Iterator[tuple[str, dict, dict[str, str]]]:
     """(role, pod template, the variables LWS would set) of every tpserve pod."""
     for doc in by_kind(docs, "Deployment"):
-        yield "single-host", doc["spec"]["template"], {}
+        if doc["metadata"]["labels"]["app"] == "tpserve":  # not the gateway (test_k8s_gateway.py)
+            yield "single-host", doc["spec"]["template"], {}
     for doc in by_kind(docs, "LeaderWorkerSet"):
         template = doc["spec"]["leaderWorkerTemplate"]
         lws_env = {"LWS_GROUP_SIZE": str(template["size"]),
@@ -160,7 +162,8 @@ def test_api_pods_have_grpc_probes_metrics_annotations_and_a_drain_grace(rendere
 
 def test_services_select_only_api_pods_and_a_budget_covers_every_pod(rendered) -> None:
     _, docs = rendered
-    services = {doc["metadata"]["name"]: doc for doc in by_kind(docs, "Service")}
+    services = {doc["metadata"]["name"]: doc for doc in by_kind(docs, "Service")
+                if doc["metadata"]["labels"]["app"] == "tpserve"}  # not the gateway's
     assert services["tpserve-replicas"]["spec"]["clusterIP"] == "None"  # DNS gives every replica's address
     assert "clusterIP" not in services["tpserve"]["spec"]
     for service in services.values():

@@ -13,6 +13,7 @@ import random
 import pytest
 
 from coordinator.block_allocator import BlockAllocator
+from coordinator.cache_isolation import prefix_cache_namespace, tenant_id
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, StopParams, extend_block_hashes
 from tpserve.step import SamplingParams, StepPlan, StepResult
@@ -132,6 +133,79 @@ def test_an_identical_prompt_still_computes_its_last_token() -> None:
     plan = run_step(scheduler, checker, seqs)
     (chunk,) = plan.scheduled
     assert chunk.start_position == 4 and chunk.token_ids == (14, 15, 16, 17)  # block 1 is recomputed, not shared
+
+
+def test_namespaces_share_no_block_hash_and_no_hit() -> None:
+    """Issue 20, fault 1: tenant B (or another cache_salt) must not find tenant A's blocks."""
+    tokens = list(range(100, 140))
+    namespaces = {"anonymous": b"", "a": prefix_cache_namespace("a", ""), "b": prefix_cache_namespace("b", ""),
+                  "a+salt": prefix_cache_namespace("a", "s1"), "a+salt2": prefix_cache_namespace("a", "s2"),
+                  "salt only": prefix_cache_namespace("", "s1")}
+    assert namespaces["a"] == prefix_cache_namespace("a", "") and prefix_cache_namespace("ab", "c") != \
+        prefix_cache_namespace("a", "bc")
+    chains = {}
+    for name, namespace in namespaces.items():
+        seq = make_seq(0, tokens)
+        seq.cache_namespace = namespace
+        chains[name] = extend_block_hashes(seq, 16, 40)
+    for i, first in enumerate(chains.values()):  # the namespace is in block 0: every block of a chain differs
+        for second in list(chains.values())[i + 1:]:
+            assert all(x != y for x, y in zip(first, second, strict=True))
+
+    block_size = 16
+    scheduler = Scheduler(BlockAllocator(32, block_size), max_num_seqs=4, max_num_batched_tokens=256,
+                          enable_prefix_caching=True, check_writes=True)
+    checker = KVChecker(32, block_size)
+    seqs: dict[int, Sequence] = {}
+
+    def cached_tokens(namespace: str) -> int:
+        seq = make_seq(len(seqs), tokens, max_tokens=1)
+        seq.cache_namespace = namespaces[namespace]
+        seqs[seq.seq_id] = seq
+        scheduler.add(seq)
+        while scheduler.has_work():
+            run_step(scheduler, checker, seqs)
+        return seq.num_cached_prompt_tokens
+
+    assert cached_tokens("a") == 0
+    assert cached_tokens("b") == 0  # another tenant: a miss, although A's blocks are cached
+    assert cached_tokens("a+salt") == 0 and cached_tokens("anonymous") == 0 and cached_tokens("salt only") == 0
+    assert cached_tokens("a") == 32  # A's own repeat hits its two full blocks
+    assert cached_tokens("b") == 32 and cached_tokens("a+salt") == 32  # each namespace finds its own
+    assert cached_tokens("a+salt2") == 0
+
+
+def test_tenant_ids_come_from_the_bearer_key_and_never_spell_it() -> None:
+    key = "tenant-a-secret-key"
+    ids = {tenant_id([("authorization", value)]) for value in (f"Bearer {key}", f"bearer {key}", f" Bearer  {key} ",
+                                                                f"Bearer {key}".encode())}
+    assert len(ids) == 1
+    (tenant,) = ids
+    assert len(tenant) == 16 and key not in tenant
+    assert tenant_id([("authorization", "Bearer another-key")]) not in {tenant, ""}
+    assert tenant_id([]) == tenant_id(None) == tenant_id([("authorization", "Basic abc")]) == ""
+
+
+def test_validation_puts_tenant_and_cache_salt_into_the_namespace() -> None:
+    from coordinator.errors import InvalidArgumentError
+    from coordinator.tokenizer import Tokenizer
+    from coordinator.validation import validate_request
+    from tpserve.cluster import default_model_dir
+    from tpserve.v1 import generate_pb2 as pb
+
+    tokenizer = Tokenizer.from_pretrained(default_model_dir())
+
+    def namespace(tenant: str = "", **fields) -> bytes:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 5, 6]), **fields)
+        return validate_request(request, tokenizer, 1024, 512, tenant).cache_namespace
+
+    assert namespace() == b""  # anonymous and unsalted: the chain of a server without keys, as before
+    assert namespace("a") == prefix_cache_namespace("a", "") != namespace("b")
+    assert namespace("a", cache_salt="x") == prefix_cache_namespace("a", "x") != namespace("a")
+    assert namespace(cache_salt="x") not in {b"", namespace("a", cache_salt="x")}
+    for bad in ("", "x" * 257):
+        with pytest.raises(InvalidArgumentError, match="cache_salt is .* characters; it must have 1 to 256"):
+            namespace(cache_salt=bad)
 
 
 def test_off_means_no_sharing() -> None:

@@ -84,7 +84,8 @@ def test_out_of_range_controls_are_invalid_argument_naming_field_and_range(token
 def test_step_protocol_carries_every_control() -> None:
     sampling = SamplingParams(temperature=0.5, top_k=3, top_p=0.75, seed=2**64 - 1, min_p=0.125,
                               repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=1.5,
-                              logit_bias=((2, -100.0), (9, 0.25)), min_tokens=3, min_tokens_stop_ids=(2, 7))
+                              logit_bias=((2, -100.0), (9, 0.25)), min_tokens=3, min_tokens_stop_ids=(2, 7),
+                              grammar='{"grammars": []}', grammar_stop_ids=(2, 9))
     from tpserve.step import NewSequence
 
     plan = StepPlan(4, (NewSequence(1, sampling, 12, (1, 2, 3, 4)),))

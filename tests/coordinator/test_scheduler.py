@@ -136,6 +136,63 @@ def test_preemption_recomputes_the_newest_sequence() -> None:
     assert plan.scheduled[0].start_position == 0 and plan.scheduled[0].num_tokens == 3 + 2
 
 
+def test_priority_orders_the_queue_and_picks_the_preemption_victim() -> None:
+    """Lower values first (vLLM's convention): a later high-priority request overtakes waiting
+    low-priority ones, and under KV pressure the low-priority sequence is preempted, not the newest."""
+    scheduler = Scheduler(BlockAllocator(64, 2), max_num_seqs=1, max_num_batched_tokens=64)
+    lows = [make_seq(i, 3, max_tokens=1) for i in range(4)]
+    for seq in lows:
+        seq.priority = 1
+        scheduler.add(seq)
+    high = make_seq(4, 3, max_tokens=1)
+    scheduler.add(high)
+    admitted = [step(scheduler)[0].new_seqs[0].seq_id for _ in range(5)]
+    assert admitted == [4, 0, 1, 2, 3]
+
+    scheduler = Scheduler(BlockAllocator(4, 2), max_num_seqs=4, max_num_batched_tokens=64)
+    low, high = make_seq(0, 3, max_tokens=4), make_seq(1, 3, max_tokens=4)
+    low.priority = 1
+    scheduler.add(low)
+    scheduler.add(high)
+    step(scheduler)
+    step(scheduler)
+    plan, _ = step(scheduler)  # both need a third block: the low-priority (older) one goes
+    assert [c.seq_id for c in plan.scheduled] == [1] and plan.finished_seq_ids == (0,)
+    assert low.status is SequenceStatus.WAITING and low.num_preemptions == 1 and high.num_preemptions == 0
+
+
+def test_a_waiting_high_priority_sequence_preempts_lower_priority_running_ones() -> None:
+    # 5 blocks of 2 tokens, 4 held by two running low-priority sequences: a high-priority
+    # arrival that needs 2 blocks preempts the newer of them and runs in the same step.
+    scheduler = Scheduler(BlockAllocator(5, 2), max_num_seqs=4, max_num_batched_tokens=64)
+    lows = [make_seq(i, 3, max_tokens=8) for i in range(2)]
+    for seq in lows:
+        seq.priority = 1
+        scheduler.add(seq)
+    step(scheduler)
+    high = make_seq(2, 3, max_tokens=8)
+    scheduler.add(high)
+    plan, _ = step(scheduler)
+    assert [c.seq_id for c in plan.scheduled] == [0, 2] and plan.finished_seq_ids == (1,)
+    assert lows[1].status is SequenceStatus.WAITING and lows[0].num_preemptions == 0
+    # An equal priority waits its turn, and so does one that no preemption could make room for.
+    equal = make_seq(3, 3)
+    equal.priority = 1
+    scheduler.add(equal)
+    scheduler.add(make_seq(4, 40))
+    plan, _ = step(scheduler)
+    assert [c.seq_id for c in plan.scheduled] == [0, 2] and scheduler.num_preemptions == 1
+    # max_num_seqs 1: the slot itself goes to the higher priority.
+    scheduler = Scheduler(BlockAllocator(64, 2), max_num_seqs=1, max_num_batched_tokens=64)
+    low = make_seq(0, 3, max_tokens=8)
+    low.priority = 5
+    scheduler.add(low)
+    step(scheduler)
+    scheduler.add(make_seq(1, 3, max_tokens=8))
+    plan, _ = step(scheduler)
+    assert [n.seq_id for n in plan.new_seqs] == [1] and low.status is SequenceStatus.WAITING
+
+
 def test_finish_frees_blocks_at_once_and_drops_late_tokens() -> None:
     scheduler = Scheduler(BlockAllocator(8, 4), max_num_seqs=4, max_num_batched_tokens=64)
     seq = make_seq(0, 5)
@@ -175,6 +232,30 @@ def test_random_workload_never_leaks_blocks() -> None:
         if scheduler.running or scheduler.waiting:
             step(scheduler, token=EOS if rng.random() < 0.05 else 7)
     while scheduler.running or scheduler.waiting:
+        step(scheduler)
+    assert all(seq.is_finished for seq in seqs)
+    assert scheduler.allocator.num_free_blocks == 24 and scheduler.num_preemptions > 0
+
+
+def test_random_workload_with_priorities_never_leaks_blocks_or_hangs() -> None:
+    rng = random.Random(1)
+    scheduler = Scheduler(BlockAllocator(24, 4), max_num_seqs=4, max_num_batched_tokens=40)
+    seqs = []
+    for _ in range(400):
+        if rng.random() < 0.3:
+            seq = make_seq(len(seqs), rng.randint(1, 30), max_tokens=rng.randint(1, 20), max_model_len=64)
+            seq.priority = rng.randint(-2, 2)
+            seqs.append(seq)
+            scheduler.add(seq)
+        if seqs and rng.random() < 0.05:
+            scheduler.finish(rng.choice(seqs), FinishReason.ABORT)
+        if scheduler.running or scheduler.waiting:
+            step(scheduler, token=EOS if rng.random() < 0.05 else 7)
+        assert [(s.priority, s.seq_id) for s in scheduler.waiting] == \
+            sorted((s.priority, s.seq_id) for s in scheduler.waiting)
+    for _ in range(2000):
+        if not (scheduler.running or scheduler.waiting):
+            break
         step(scheduler)
     assert all(seq.is_finished for seq in seqs)
     assert scheduler.allocator.num_free_blocks == 24 and scheduler.num_preemptions > 0

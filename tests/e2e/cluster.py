@@ -37,6 +37,18 @@ def child_pids(pid: int) -> list[int]:
     return pids
 
 
+def rank_pids(pid: int) -> list[int]:
+    """The server's worker ranks among its children (not its grammar compilers, coordinator/grammar_compiler.py)."""
+    ranks = []
+    for child in child_pids(pid):
+        try:
+            if b"worker.main" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
+                ranks.append(child)
+        except FileNotFoundError:  # exited while we looked
+            continue
+    return ranks
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

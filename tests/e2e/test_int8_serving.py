@@ -46,3 +46,25 @@ def test_int8_serving_at_tp2_agrees_with_the_goldens_sixteen_at_once(tmp_path: P
     # The same prompt gives the same tokens in any slot of the batch.
     for i, result in enumerate(results):
         assert list(result.token_ids) == list(results[i % 5].token_ids)
+
+
+def test_a_corrupt_int8_checkpoint_is_refused_at_start_up(tmp_path: Path) -> None:
+    """Issue 20, item 7: a NaN weight_scale started and served all-<unk> tokens with NaN logprobs. Now the
+    server exits 1 with one line per rank naming the tensor and the row, and no traceback."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.worker.int8_checkpoints import save_compressed_tensors
+
+    checkpoint, _ = save_compressed_tensors(STORIES_DIR, tmp_path / "ct", tmp_path / "dequantized")
+    tensors = load_file(checkpoint / "model.safetensors")
+    tensors["model.layers.2.mlp.down_proj.weight_scale"][5] = float("nan")
+    save_file(tensors, checkpoint / "model.safetensors")
+    done = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve", "--model", str(checkpoint), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)  # before: it served, never exiting
+    assert done.returncode == 1, done.stderr[-3000:]
+    (failed,) = [line for line in done.stderr.splitlines() if "start-up failed" in line]
+    assert "weight 'model.layers.2.mlp.down_proj.weight_scale': weight_scale of output row 5 is nan" in failed
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) < 10

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.cluster import RunningCluster, child_pids
+from tests.e2e.cluster import RunningCluster, rank_pids
 from tpserve.client import build_request
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
@@ -206,7 +206,7 @@ def _is_loopback(hex_address: str) -> bool:
 
 
 def test_no_rank_listens_beyond_loopback(cluster: RunningCluster) -> None:
-    ranks = child_pids(cluster.process.pid)
+    ranks = rank_pids(cluster.process.pid)
     assert len(ranks) == 2
     exposed = {pid: [a for a in _listening_addresses(pid) if not _is_loopback(a)] for pid in ranks}
     assert not any(exposed.values()), f"rank sockets listening beyond loopback: {exposed}"

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.cluster import child_pids, serve
+from tests.e2e.cluster import rank_pids, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ def _serving(health: health_pb2_grpc.HealthStub) -> bool:
 def test_a_stopped_rank_turns_health_not_serving_and_fails_requests_within_5_s() -> None:
     # Recovery off: the fail-fast path (with recovery the requests would pause and resume instead).
     with serve(None, 2, "--worker-recovery-timeout-seconds", "0") as cluster:
-        ranks = child_pids(cluster.process.pid)
+        ranks = rank_pids(cluster.process.pid)
         health = health_pb2_grpc.HealthStub(cluster.client.channel)
         stream = cluster.client.generate_stream("Once upon a time", max_tokens=400, temperature=0,
                                                 ignore_eos=True, timeout_s=60)

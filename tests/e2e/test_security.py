@@ -10,11 +10,14 @@ the handshake: UNAVAILABLE), and a client without the key or with a wrong one
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import ipaddress
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -29,8 +32,10 @@ pytestmark = pytest.mark.e2e
 API_KEY = "tpserve-test-key-0123456789"
 
 
-def _write_cert(directory: Path, name: str, common_name: str, issuer: tuple | None, *, ca: bool) -> tuple:
-    """A key and certificate (self-signed when ``issuer`` is None), written as NAME.key / NAME.pem."""
+def _write_cert(directory: Path, name: str, common_name: str, issuer: tuple | None, *, ca: bool,
+                valid_days: tuple[float, float] = (-5 / 1440, 1)) -> tuple:
+    """A key and certificate (self-signed when ``issuer`` is None), written as NAME.key / NAME.pem, valid from
+    ``valid_days[0]`` to ``valid_days[1]`` days from now."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -41,8 +46,8 @@ def _write_cert(directory: Path, name: str, common_name: str, issuer: tuple | No
     issuer_name, issuer_key = (subject, key) if issuer is None else (issuer[1].subject, issuer[0])
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
-               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
+               .serial_number(x509.random_serial_number()).not_valid_before(now + datetime.timedelta(days=valid_days[0]))
+               .not_valid_after(now + datetime.timedelta(days=valid_days[1]))
                .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
     if not ca:
         builder = builder.add_extension(x509.SubjectAlternativeName(
@@ -194,3 +199,73 @@ def test_the_load_generator_takes_the_credentials(secured, pki: Path, tmp_path: 
     assert done.returncode == 0, done.stderr[-2000:]
     records = json.loads(result_file.read_text())["runs"][0]["requests"]
     assert len(records) == 4 and all(r["status"] == "OK" for r in records)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LowerCaseBearer(Credentials):
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"bearer {self.api_key}"),)  # RFC 6750 allows any case
+
+
+def _wait_for_line(log_path: Path, text: str, after: int = 0, timeout_s: float = 15.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = log_path.read_text(errors="replace")
+        if text in log[after:]:
+            return log
+        time.sleep(0.1)
+    raise AssertionError(f"no {text!r} in the log: {log_path.read_text(errors='replace')[-3000:]}")
+
+
+def test_sighup_reloads_certificates_and_keys_without_a_restart(tmp_path: Path) -> None:
+    """Issue 20, item 10: SIGHUP killed the server at once (no drain), and keys and certificates were read once.
+    Now an in-flight stream finishes, new connections get the new certificate (signed by another CA here, so
+    the old one cannot pass) and the new key, a file that fails its checks leaves the old ones in place,
+    and the ``bearer`` scheme is accepted in lower case."""
+    ca_one = _write_cert(tmp_path, "ca-one", "CA one", None, ca=True)
+    ca_two = _write_cert(tmp_path, "ca-two", "CA two", None, ca=True)
+    _write_cert(tmp_path, "server", "server one", ca_one, ca=False)
+    keys = tmp_path / "keys"
+    keys.write_text("key-one\n")
+    log_path = tmp_path / "server.log"
+    flags = ("--ssl-certfile", str(tmp_path / "server.pem"), "--ssl-keyfile", str(tmp_path / "server.key"),
+             "--api-key-file", str(keys))
+    one = Credentials(ssl_ca_certs=str(tmp_path / "ca-one.pem"), api_key="key-one")
+    with serve(None, 1, *flags, credentials=one, log_path=log_path) as cluster:
+        stream = cluster.client.generate_stream("Once upon a time", max_tokens=60, temperature=0, ignore_eos=True,
+                                                timeout_s=60)
+        token_ids = list(next(stream).token_ids)
+        _write_cert(tmp_path, "server", "server two", ca_two, ca=False)
+        keys.write_text("key-two\n")
+        cluster.process.send_signal(signal.SIGHUP)
+        token_ids += [t for chunk in stream for t in chunk.token_ids]
+        assert len(token_ids) == 60  # the stream in flight finished
+        log = _wait_for_line(log_path, "TLS certificates reloaded")
+        assert "API keys reloaded" in log and cluster.process.poll() is None
+        two = str(tmp_path / "ca-two.pem")
+        assert _code(cluster.target, _LowerCaseBearer(ssl_ca_certs=two, api_key="key-two")) == grpc.StatusCode.OK
+        assert _code(cluster.target, Credentials(ssl_ca_certs=two, api_key="key-one")) == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert _code(cluster.target, Credentials(ssl_ca_certs=str(tmp_path / "ca-one.pem"), api_key="key-two")) == \
+            grpc.StatusCode.UNAVAILABLE  # the old certificate is no longer served
+        # A broken rotation (an empty key file, an expired certificate) keeps what works.
+        keys.write_text("# emptied by mistake\n")
+        _write_cert(tmp_path, "server", "server three", ca_one, ca=False, valid_days=(-3, -1))
+        cluster.process.send_signal(signal.SIGHUP)
+        log = _wait_for_line(log_path, "TLS certificates not reloaded", after=len(log))
+        assert "API keys not reloaded" in log and "has expired" in log
+        assert _code(cluster.target, Credentials(ssl_ca_certs=two, api_key="key-two")) == grpc.StatusCode.OK
+        assert cluster.process.poll() is None
+
+
+def test_an_expired_certificate_is_refused_at_start_up(tmp_path: Path) -> None:
+    """Before, it started and every client then failed the handshake; now one line names the file and dates."""
+    _write_cert(tmp_path, "server", "server", None, ca=False, valid_days=(-30, -2))
+    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--port", "0", "--ssl-certfile", str(tmp_path / "server.pem"),
+           "--ssl-keyfile", str(tmp_path / "server.key")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # before: it served, never exiting
+    assert done.returncode == 1
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("tpserve serve:")]
+    assert f"{tmp_path / 'server.pem'}: certificate 'CN=server' has expired (valid from" in line
+    assert "Traceback" not in done.stderr

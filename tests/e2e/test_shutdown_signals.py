@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from tests.e2e.cluster import child_pids, pid_alive, serve
+from tests.e2e.cluster import rank_pids, pid_alive, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +44,7 @@ def test_a_signal_to_the_process_group_drains_the_stream_and_exits_zero(signum: 
 
 def test_ranks_in_their_own_session_still_exit_when_the_coordinator_dies() -> None:
     with serve(None, 2) as cluster:
-        ranks = child_pids(cluster.process.pid)
+        ranks = rank_pids(cluster.process.pid)
         assert len(ranks) == 2 and all(os.getsid(pid) == pid for pid in ranks)  # each leads its own session
         cluster.process.kill()  # SIGKILL: no drain, no SIGTERM to the ranks
         cluster.process.wait(10)

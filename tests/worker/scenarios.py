@@ -39,6 +39,9 @@ class SeqSpec:
         arrive_step: the step whose plan first names it.
         prefill_chunk: most prompt tokens per step (None: the whole prompt).
         preempt_after: preempt it once, after this many generated tokens.
+        prefix_from: a prefix-cache hit: on arrival it shares the blocks of this
+            (running) sequence that hold their common prompt prefix, whole blocks
+            only and never its last prompt token, and prefills only the rest.
     """
 
     seq_id: int
@@ -48,6 +51,7 @@ class SeqSpec:
     arrive_step: int = 0
     prefill_chunk: int | None = None
     preempt_after: int | None = None
+    prefix_from: int | None = None
 
 
 @dataclass
@@ -60,9 +64,8 @@ class _State:
 
 
 def _new_sequence(spec: SeqSpec) -> NewSequence:
-    if spec.sampling.prompt_logprobs is None:
-        return NewSequence(spec.seq_id, spec.sampling)
-    return NewSequence(spec.seq_id, spec.sampling, len(spec.prompt), prompt_token_ids=spec.prompt)
+    prompt = spec.prompt if spec.sampling.prompt_logprobs is not None else ()
+    return NewSequence(spec.seq_id, spec.sampling, len(spec.prompt), prompt_token_ids=prompt)
 
 
 def build_plans(
@@ -75,21 +78,37 @@ def build_plans(
     plans, expected = [], []
     finished_next: list[int] = []
     step = 0
+    def release(table: list[int], owner: int) -> None:  # blocks another sequence shares stay taken
+        shared = {b for seq_id, st in states.items() if seq_id != owner for b in st.block_table}
+        free.extend(b for b in table if b not in shared)
+
     while step == 0 or states or finished_next or any(s.arrive_step >= step for s in specs):
         finished, new_seqs, scheduled, samples = list(finished_next), [], [], []
         for seq_id in finished_next:
-            free.extend(states.pop(seq_id).block_table)
+            release(states[seq_id].block_table, seq_id)
+            del states[seq_id]
         finished_next = []
+        cached: dict[int, list[int]] = {}  # seq_id -> the blocks of a prefix-cache hit
         for spec in specs:
             if spec.arrive_step == step:
                 states[spec.seq_id] = _State(spec, block_table=[])
                 new_seqs.append(_new_sequence(spec))
+                source = states.get(spec.prefix_from) if spec.prefix_from is not None else None
+                if source is not None:
+                    common = 0
+                    while (common < min(len(spec.prompt) - 1, source.num_computed)
+                           and spec.prompt[common] == source.spec.prompt[common]):
+                        common += 1
+                    shared = source.block_table[: common // block_size]
+                    states[spec.seq_id].block_table = list(shared)
+                    states[spec.seq_id].num_computed = len(shared) * block_size
+                    cached[spec.seq_id] = list(shared)
         for state in list(states.values()):
             spec = state.spec
             if state.num_sampled == spec.num_new_tokens:
                 continue  # done, named in the next plan
             if spec.preempt_after == state.num_sampled and not state.preempted and state.num_computed:
-                free.extend(state.block_table)  # preempted: dropped, then re-sent whole
+                release(state.block_table, spec.seq_id)  # preempted: dropped, then re-sent whole
                 state.block_table, state.num_computed, state.preempted = [], 0, True
                 finished.append(spec.seq_id)
                 new_seqs.append(_new_sequence(spec))
@@ -100,6 +119,7 @@ def build_plans(
             num_new_blocks = -(-end // block_size) - len(state.block_table)
             new_blocks = [free.pop() for _ in range(num_new_blocks)]
             state.block_table.extend(new_blocks)
+            new_blocks = cached.pop(spec.seq_id, []) + new_blocks  # a hit's shared blocks come first
             chunk_samples = end == len(known)
             scheduled.append(ScheduledChunk(spec.seq_id, tuple(tokens), state.num_computed, tuple(new_blocks),
                                             sample=chunk_samples))

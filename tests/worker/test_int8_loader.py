@@ -79,3 +79,35 @@ def test_int8_tensors_without_a_quantization_config_are_refused(compressed: Path
 
     with pytest.raises(ValueError, match=rf"'{LAYER}.weight'.*int8 tensor for a float parameter"):
         _load(_rewrite(float_dir, tmp_path / "m", int8_weight))
+
+
+@pytest.mark.parametrize("layer", [LAYER, "model.layers.0.mlp.down_proj"])  # column- and row-parallel
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_scale_is_refused_naming_the_tensor(compressed: Path, tmp_path: Path, layer: str,
+                                                         bad: float) -> None:
+    def corrupt(tensors: dict) -> None:
+        tensors[f"{layer}.weight_scale"][3] = bad  # before: served all-<unk> tokens with NaN logprobs
+
+    with pytest.raises(ValueError, match=rf"'{layer}.weight_scale'.*output row 3 is {bad}.*corrupt checkpoint"):
+        _load(_rewrite(compressed, tmp_path / "m", corrupt))
+
+
+@pytest.mark.parametrize("layer", [LAYER, "model.layers.0.mlp.down_proj"])
+def test_a_zero_scale_of_a_non_zero_row_is_refused(compressed: Path, tmp_path: Path, layer: str) -> None:
+    stored = load_file(compressed / "model.safetensors")
+    assert stored[f"{layer}.weight"][2].any()
+
+    def corrupt(tensors: dict) -> None:
+        tensors[f"{layer}.weight_scale"][2] = 0  # before: row 2 served as zeros, silently
+
+    with pytest.raises(ValueError, match=rf"'{layer}.weight(_scale)?'.*output row 2 is 0 but the row's int8"):
+        _load(_rewrite(compressed, tmp_path / "m", corrupt))
+
+
+def test_a_zero_scale_of_a_zero_row_is_accepted(compressed: Path, tmp_path: Path) -> None:
+    def zero_row(tensors: dict) -> None:  # a pruned output channel: scale 0, weights 0
+        tensors[f"{LAYER}.weight"][2] = 0
+        tensors[f"{LAYER}.weight_scale"][2] = 0
+
+    qkv = _load(_rewrite(compressed, tmp_path / "m", zero_row)).model.layers[1].self_attn.qkv_proj
+    assert float(qkv.weight_scale[qkv.q_size + 2]) == 0.0 and not qkv.weight[qkv.q_size + 2].any()

@@ -94,11 +94,11 @@ def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
         ({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]},
          ["GPTNeoXForCausalLM", "is not supported", "LlamaForCausalLM", "Qwen2ForCausalLM"]),
         ({"architectures": None}, ["no 'architectures'"]),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_type='yarn'"]),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, ["rope_type='longrope'"]),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, ["dynamic", "factor"]),
         ({"partial_rotary_factor": 0.75}, ["partial_rotary_factor=0.75"]),  # Phi-4-mini's place for it
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["llama3", "low_freq_factor"]),
-        ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, ["sliding_window=4096"]),
-        ({"model_type": "qwen2", "use_sliding_window": True}, ["use_sliding_window"]),
+        ({"sliding_window": 0}, ["sliding_window=0"]),
         ({"layer_types": ["full_attention"] * 4}, ["layer_types", "(5)"]),
         ({"layer_types": ["linear_attention"] * 5}, ["'linear_attention'"]),
         ({"vocab_size": None}, ["vocab_size"]),
@@ -116,6 +116,29 @@ def test_mistral_with_window_covering_every_position_is_full_attention() -> None
     assert config.sliding_window is None and set(config.layer_types) == {"full_attention"}
 
 
+def test_sliding_windows_per_layer_follow_transformers_defaults() -> None:
+    """Mistral: every layer slides; Qwen2 without ``layer_types``: layers from ``max_window_layers`` on."""
+    mistral = ModelConfig.from_dict(_llama(model_type="mistral", architectures=["MistralForCausalLM"],
+                                           sliding_window=16))
+    assert [mistral.layer_sliding_window(i) for i in range(5)] == [16] * 5
+    qwen = ModelConfig.from_dict(_llama(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=8,
+                                        use_sliding_window=True, max_window_layers=3))
+    assert [qwen.layer_sliding_window(i) for i in range(5)] == [None, None, None, 8, 8]
+    listed = ModelConfig.from_dict(_llama(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2
+                                          + ["sliding_attention"]))
+    assert [listed.layer_sliding_window(i) for i in range(5)] == [8, None, 8, None, 8]
+
+
+def test_rope_nested_by_layer_type_is_kept_per_type() -> None:
+    """Gemma 3 (transformers 5): a local base for sliding layers, a scaled global one for full layers."""
+    config = ModelConfig.from_dict(_llama(rope_theta=None, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}))
+    assert config.layer_rope("sliding_attention") == (10000.0, None)
+    assert config.layer_rope("full_attention") == (1000000.0, {"rope_type": "linear", "factor": 8.0})
+    assert (config.rope_theta, config.rope_scaling) == config.layer_rope("full_attention")
+
+
 def test_a_window_switched_off_is_full_attention() -> None:
     """Qwen2.5 checkpoints store a window with ``use_sliding_window: false``: not a sliding model."""
     config = ModelConfig.from_dict(_llama(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
@@ -127,6 +150,7 @@ def test_hf_value_reads_family_keys_with_their_types() -> None:
     config = ModelConfig.from_dict(_llama(attention_bias=True, partial_factor=1, name="x"))
     assert config.hf_value("attention_bias", False) is True
     assert config.hf_value("mlp_bias", False) is False  # absent: the default
+    assert config.hf_value("name", None) == "x" and config.hf_value("absent", None) is None  # unchecked
     assert config.hf_value("partial_factor", 0.5) == 1.0 and isinstance(config.hf_value("partial_factor", 0.5), float)
     with pytest.raises(ValueError, match=r"config.json name='x' must be of type bool"):
         config.hf_value("name", False)

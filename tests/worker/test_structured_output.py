@@ -4,7 +4,9 @@ A random-weights Llama (stories260k's tokenizer, seeded weights: it prefers noth
 samples at temperature 1 under each response_format; the coordinator's validation builds
 the llguidance grammar, the real scheduler and model runner run the batch in one process.
 50 completions under a JSON schema all parse and validate with ``jsonschema``; a regex and
-a choice list likewise. A schema llguidance rejects is INVALID_ARGUMENT.
+a choice list likewise. A schema llguidance rejects is INVALID_ARGUMENT. An extra eos id
+in ``generation_config.json`` that is also ordinary text ends a grammar request only where
+the grammar is complete (issue 20, fault 5).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def random_model(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return directory
 
 
-def complete(model_dir: Path, response_format: pb.ResponseFormat, max_tokens: int = 80) -> list[str]:
+def complete(model_dir: Path, response_format: pb.ResponseFormat, max_tokens: int = 80,
+             logit_bias: dict[int, float] | None = None) -> list[str]:
     tokenizer = Tokenizer.from_pretrained(model_dir)
     runner = ModelRunner(model_dir, ParallelContext.single(), torch.float32, block_size=16)
     runner.init_kv_cache(num_blocks=NUM * 8)
@@ -64,7 +67,8 @@ def complete(model_dir: Path, response_format: pb.ResponseFormat, max_tokens: in
     seqs = []
     for seed in range(NUM):
         request = pb.GenerateRequest(text="Once upon a time", sampling_params=pb.SamplingParams(
-            temperature=1.0, seed=seed, max_tokens=max_tokens, response_format=response_format))
+            temperature=1.0, seed=seed, max_tokens=max_tokens, response_format=response_format,
+            logit_bias=logit_bias or {}))
         params = validate_request(request, tokenizer, 512, 256)
         seq = Sequence(seed, params.prompt_token_ids, params.sampling,
                        StopParams(params.max_tokens, tokenizer.eos_token_ids), 256)
@@ -74,7 +78,9 @@ def complete(model_dir: Path, response_format: pb.ResponseFormat, max_tokens: in
         plan = scheduler.schedule()
         scheduler.update(plan, runner.execute(plan))
     assert all(seq.finish_reason.value == "stop" for seq in seqs)  # every grammar completed before max_tokens
-    return [tokenizer.decode(seq.output_token_ids) for seq in seqs]
+    # The stop token ends a sequence but is not returned (as the engine does).
+    return [tokenizer.decode(seq.output_token_ids[:-1] if seq.stopped_on_token() else seq.output_token_ids)
+            for seq in seqs]
 
 
 def test_json_schema_completions_all_parse_and_validate(random_model: Path) -> None:
@@ -105,3 +111,42 @@ def test_formats_llguidance_rejects_are_invalid_argument(random_model: Path) -> 
         request = pb.GenerateRequest(text="Hi", sampling_params=pb.SamplingParams(response_format=response_format))
         with pytest.raises(InvalidArgumentError, match=re.escape(message)):
             validate_request(request, tokenizer, 512, 256)
+
+
+def test_an_extra_eos_id_that_is_also_text_ends_json_only_where_it_is_complete(random_model: Path,
+                                                                               tmp_path: Path) -> None:
+    """``eos_token_id: [2, id of "i"]`` and a strong bias towards "i": the grammar allows "i" inside
+    a JSON string, and before the fix the sampler took it there, which ended every output at
+    its first string as a complete stop (``{"name":"``). An eos id is now an end, allowed only
+    where the JSON is complete (``complete`` also checks every sequence finished with STOP)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    token_i = HFTokenizer.from_file(str(random_model / "tokenizer.json")).token_to_id("i")  # 417, not "▁i"
+    model = tmp_path / "model"
+    shutil.copytree(random_model, model)
+    (model / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, token_i]}))
+    texts = complete(model, pb.ResponseFormat(json_schema=json.dumps(SCHEMA)), logit_bias={token_i: 20.0})
+    import jsonschema
+
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_grammar_built_in_the_background_masks_as_one_built_in_the_step(random_model: Path) -> None:
+    """Rank 0 builds a request's grammar before it is scheduled (PrepareGrammar, GrammarCache.prepare),
+    or at the latest when the plan arrives (GrammarCache.prefetch); the mask after a prefix is the same, eos (2) is held back until the JSON is complete, and a
+    grammar llguidance refuses still raises when the matcher is asked for."""
+    from coordinator.structured_output import grammar_for
+    from worker.grammar import GrammarCache, GrammarState
+
+    grammar = grammar_for(pb.ResponseFormat(json_schema=json.dumps(SCHEMA)))
+    direct, prefetched = GrammarCache(random_model, 512), GrammarCache(random_model, 512)
+    prefetched.prepare(grammar)  # PrepareGrammar: built and waited for, off the step thread
+    assert prefetched.prefetch(grammar).done()  # the step finds it built
+    prefix = direct._llm_tokenizer().tokenize_str('{"name":"ab"')
+    masks = [GrammarState(cache.matcher(grammar)).allowed(prefix, cache, (2,)) for cache in (direct, prefetched)]
+    assert (masks[0] == masks[1]).all() and 0 < masks[0].sum() < 512 and not masks[0][2]
+    bad = '{"grammars": [{"lark_grammar": "start: nope"}]}'  # an undefined rule
+    prefetched.prefetch(bad)
+    with pytest.raises(ValueError, match="grammar rejected"):
+        prefetched.matcher(bad)

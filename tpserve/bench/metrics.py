@@ -6,8 +6,13 @@ From these, exactly as ``vllm bench serve`` computes them (vllm/benchmarks/serve
 ``calculate_metrics``):
 
 - TTFT: arrival of the first chunk - send.
-- ITL: every gap between consecutive chunks (a chunk may carry several tokens, or none
-  while text is held back; the gap is still one ITL sample).
+- ITL, per token: a chunk carrying n tokens, t seconds after the previous chunk that
+  carried tokens, gives n samples of t / n (chunks carrying no token add their time to the
+  next one). With one token per chunk this is vLLM's ITL; under speculative decoding a
+  chunk carries every token a step accepted, and a gap per chunk would be a latency per
+  *step* (several tokens), not per token, so its mean would not be comparable with TPOT.
+  The per-chunk gaps are kept as ``itl_per_message_ms`` (vLLM's per-chunk ITL), beside
+  ``tokens_per_message`` (mean tokens per chunk carrying tokens).
 - E2EL: arrival of the last chunk - send.
 - TPOT: (E2EL - TTFT) / (output_len - 1), only for requests with output_len > 1, where
   output_len is the server's ``usage.completion_tokens``. For goodput a request with
@@ -82,9 +87,28 @@ class RequestRecord:
         return self.chunk_times_s[-1] if self.chunk_times_s else None
 
     @property
-    def itl_s(self) -> list[float]:
+    def message_itl_s(self) -> list[float]:
+        """Every gap between consecutive chunks (one sample per chunk after the first, however many tokens)."""
         times = self.chunk_times_s
         return [later - earlier for earlier, later in zip(times, times[1:])]
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Per-token inter-token latencies (module docstring): one sample per token after the first chunk's."""
+        samples: list[float] = []
+        previous: float | None = None
+        for elapsed, num_tokens in zip(self.chunk_times_s, self.chunk_num_tokens):
+            if num_tokens <= 0:
+                continue
+            if previous is not None:
+                samples += [(elapsed - previous) / num_tokens] * num_tokens
+            previous = elapsed
+        return samples
+
+    @property
+    def num_token_messages(self) -> int:
+        """Chunks that carried at least one token."""
+        return sum(n > 0 for n in self.chunk_num_tokens)
 
     @property
     def tpot_s(self) -> float | None:
@@ -182,6 +206,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slos_ms: dict
         "ttft_ms": distribution_ms([r.ttft_s for r in done]),
         "tpot_ms": distribution_ms([r.tpot_s for r in done if r.tpot_s is not None]),
         "itl_ms": distribution_ms([gap for r in done for gap in r.itl_s]),
+        "itl_per_message_ms": distribution_ms([gap for r in done for gap in r.message_itl_s]),
+        "tokens_per_message": (sum(sum(r.chunk_num_tokens) for r in done) / num_messages
+                               if (num_messages := sum(r.num_token_messages for r in done)) else None),
         "e2el_ms": distribution_ms([r.e2el_s for r in done]),
     }
     if slos_ms:

@@ -21,7 +21,7 @@ from tpserve.bench.runner import RunResult
 _WIDTH = 50
 _SECTIONS = (("ttft_ms", "TTFT", "Time to First Token"),
              ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
-             ("itl_ms", "ITL", "Inter-token Latency"),
+             ("itl_ms", "ITL", "Inter-token Latency (per token)"),
              ("e2el_ms", "E2EL", "End-to-end Latency"))
 
 
@@ -54,6 +54,9 @@ def format_summary(summary: dict, request_rate: float, burstiness: float, max_co
         for stat, value in summary[key].items():
             label = {"mean": "Mean", "median": "Median"}.get(stat, stat.upper())
             lines.append(_line(f"{label} {short} (ms):", value))
+        if key == "itl_ms":  # several tokens per message under speculative decoding: say how many
+            lines.append(_line("Mean tokens per message:", summary.get("tokens_per_message")))
+            lines.append(_line("Mean ITL per message (ms):", summary.get("itl_per_message_ms", {}).get("mean")))
     lines.append("=" * _WIDTH)
     return "\n".join(line.rstrip() for line in lines)
 

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=tpserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tpserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/tpserve.v1.Generation/Abort',
+                request_serializer=tpserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=tpserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -76,6 +81,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Ends the caller's requests with these ids now: their KV blocks are freed at
+        once and their streams end with finish_reason ABORT. Ids not in flight are
+        ignored. With API keys, only requests made with the caller's key are ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tpserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tpserve_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=tpserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=tpserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class Generation:
             '/tpserve.v1.Generation/GetModelInfo',
             tpserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             tpserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpserve.v1.Generation/Abort',
+            tpserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            tpserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,11 @@ class WorkerServiceStub:
                 request_serializer=tpserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=tpserve_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/tpserve.v1.WorkerService/PrepareGrammar',
+                request_serializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -72,6 +77,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Rank 0 builds a structured-output grammar's matcher off the step thread, before the
+        coordinator schedules the request; other ranks answer at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +102,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=tpserve_dot_v1_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=tpserve_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +190,33 @@ class WorkerService:
             '/tpserve.v1.WorkerService/Step',
             tpserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
             tpserve_dot_v1_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpserve.v1.WorkerService/PrepareGrammar',
+            tpserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+            tpserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

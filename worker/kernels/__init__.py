@@ -6,9 +6,10 @@ The ops land in ``torch.ops.tpserve_cpu``:
 * ``linear_int8(x (M, K) f32, qweight (N, K) int8, scale (N,) f32, bias (N,) f32 | None) -> (M, N) f32``,
   ``y = (x @ qweight.T) * scale + bias``
 * ``paged_attention(q (T, H, d) f32, k_cache, v_cache (num_blocks, block_size, KVH, d) f32,
-  block_tables (S, B) int64, query_start_loc (S + 1,) int64, context_lens (S,) int64, scale)
-  -> (T, H, d) f32``: each sequence's few query tokens (causal) over its paged context
-  (cpu_attention.cpp)
+  block_tables (S, B) int64, query_start_loc (S + 1,) int64, context_lens (S,) int64, scale,
+  sliding_window=0, logit_softcap=0.0) -> (T, H, d) f32``: each sequence's few query tokens
+  (causal; within the last ``sliding_window`` positions when > 0, blocks before them unread;
+  scores soft-capped when ``logit_softcap`` > 0) over its paged context (cpu_attention.cpp)
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache`` (``qk_norm_rotary_and_cache``:
   after a per-head q/k RMSNorm): the decoder layer's elementwise work in one pass each (cpu_elementwise.cpp)
 * ``shm_collective(x, base, rank, world_size, max_bytes, seq, publish, reduce, spin_s, wait_s) -> bool``:

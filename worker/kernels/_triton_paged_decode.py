@@ -9,15 +9,18 @@ import triton.language as tl
 
 def paged_decode_kernel(
     out_ptr, partial_max_ptr, partial_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    context_lens_ptr, scale, blocks_per_split,
+    context_lens_ptr, scale, blocks_per_split, sliding_window, logit_softcap,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # Program (seq, kv_head, split) attends over blocks [split * blocks_per_split, +blocks_per_split)
     # of the context. SPLIT: out is (S, H, num_splits, d) float32, the unnormalised partial output,
     # with its running max and sum in partial_max / partial_sum (S, H, num_splits), combined after.
+    # Only positions >= context_len - sliding_window are attended (the query sits at context_len - 1;
+    # the wrapper passes 2**30 for no window); blocks wholly before that are never loaded. SOFTCAP: scores pass through
+    # logit_softcap * tanh(score / logit_softcap) before the softmax (Gemma 2).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -33,15 +36,19 @@ def paged_decode_kernel(
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # (G,)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)  # (G,)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)  # (G, D) unnormalised output
+    window_start = tl.maximum(context_len - sliding_window, 0)  # first position attended
     first = split * blocks_per_split
-    for b in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(context_len, BLOCK_SIZE))):
+    for b in range(tl.maximum(first, window_start // BLOCK_SIZE),
+                   tl.minimum(first + blocks_per_split, tl.cdiv(context_len, BLOCK_SIZE))):
         block = tl.load(block_tables_ptr + seq * stride_table + b).to(tl.int64)
-        t_ok = b * BLOCK_SIZE + t < context_len  # (BS,)
+        t_ok = (b * BLOCK_SIZE + t < context_len) & (b * BLOCK_SIZE + t >= window_start)  # (BS,)
         offsets = (block * stride_cache_block + t[:, None] * stride_cache_token
                    + kv_head * stride_cache_head + d[None, :])  # (BS, D)
         kv_ok = t_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # (BS, D)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, BS)
+        if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which overflows to the right limits
+            scores = logit_softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / logit_softcap) + 1.0))
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: a block holds >= 1 position
         correction = tl.exp(running_max - new_max)  # (G,), 0 on the first block

@@ -7,7 +7,12 @@
 // t <= L - n + i, with K/V of position t at slot block_tables[s, t / block_size] * block_size +
 // t % block_size (already written for this step's tokens):
 //
-//     out[row, h] = sum_t softmax_t(scale * q[row, h] . k[t, j]) v[t, j]
+//     out[row, h] = sum_t softmax_t(cap(scale * q[row, h] . k[t, j])) v[t, j]
+//
+// where cap(x) = x, or logit_softcap * tanh(x / logit_softcap) when logit_softcap > 0 (Gemma 2's
+// attention-logit soft-capping), and, with sliding_window = W > 0, t also runs only over the W
+// positions t > p - W of a row at position p (Hugging Face's sliding_window: Mistral, Qwen2,
+// Gemma 2/3). Positions before the first row's window are never read: their blocks are skipped.
 //
 // Why a kernel: without one, attention gathers each sequence's whole K and V through its block
 // table into a dense buffer (a copy of the context per layer per step) and runs a general SDPA
@@ -24,6 +29,7 @@
 
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -70,8 +76,8 @@ inline void prefetch_rows(const float* const* rows) {
 // the first `context` keys and values, given as row pointers (padded with 4 more for dot4).
 template <int D8>
 void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* const* keys,
-            const float* const* values, int64_t context, float scale, float* out, int64_t out_head_stride,
-            std::vector<float>& scores) {
+            const float* const* values, int64_t context, float scale, float softcap, float* out,
+            int64_t out_head_stride, std::vector<float>& scores) {
   scores.resize(static_cast<size_t>(context + 4));
   float* s = scores.data();
   for (int64_t g = 0; g < groups; ++g) {
@@ -82,6 +88,9 @@ void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* 
     for (int64_t t = 0; t < context; t += 4) {
       if (g == 0) prefetch_rows<D8>(keys + t + kAhead);  // the first query head streams K from memory
       _mm_storeu_ps(s + t, dot4<D8>(qv, keys[t], keys[t + 1], keys[t + 2], keys[t + 3]));  // s has 4 spare
+    }
+    if (softcap > 0.0f) {  // Gemma 2: cap * tanh(score / cap), before the softmax (scalar: a rare path)
+      for (int64_t u = 0; u < context; ++u) s[u] = softcap * std::tanh(s[u] / softcap);
     }
     // Softmax, exact: subtract the max, exponentiate, normalise at the end.
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -117,7 +126,7 @@ void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* 
 }
 
 using AttendFn = void (*)(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, float,
-                          float*, int64_t, std::vector<float>&);
+                          float, float*, int64_t, std::vector<float>&);
 
 AttendFn attend_for(int64_t d) {
   switch (d) {
@@ -132,7 +141,8 @@ AttendFn attend_for(int64_t d) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                           double logit_softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "tpserve paged_attention: q (R, H, d), caches (num_blocks, block_size, KVH, d)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -151,6 +161,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               " must match the cache and be one of 32, 64, 80, 96, 128");
   TORCH_CHECK(H % KVH == 0 && block_tables.dim() == 2 && block_tables.size(0) == S && query_start_loc.numel() == S + 1,
               "tpserve paged_attention: shapes disagree");
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0.0,
+              "tpserve paged_attention: sliding_window and logit_softcap must be >= 0 (0: none)");
   const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
@@ -173,24 +185,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     std::vector<const float*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
+      // The first position any row reads: 0, or the first row's window start (earlier blocks are skipped).
+      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, L - n - sliding_window + 1) : 0;
       // Where each position's key and value lie, once for all of the sequence's query rows.
-      keys.resize(static_cast<size_t>(L + 4 + kAhead));
-      values.resize(static_cast<size_t>(L + 4 + kAhead));
+      keys.resize(static_cast<size_t>(L - lo + 4 + kAhead));
+      values.resize(static_cast<size_t>(L - lo + 4 + kAhead));
       const int64_t* table = tables + s * max_blocks;
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t t = lo; t < L; ++t) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        keys[t] = kp + slot * token_stride + j * d;
-        values[t] = vp + slot * token_stride + j * d;
+        keys[t - lo] = kp + slot * token_stride + j * d;
+        values[t - lo] = vp + slot * token_stride + j * d;
       }
       // Past the end: dot4's last group reads (never uses) keys[L..L+3]; the prefetches look kAhead further.
       for (int64_t t = L; t < L + 4 + kAhead; ++t) {
-        keys[t] = keys[L - 1];
-        values[t] = values[L - 1];
+        keys[t - lo] = keys[L - 1 - lo];
+        values[t - lo] = values[L - 1 - lo];
       }
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = first + i;
-        attend_fn(qp + row * qs0 + j * groups * qs1, qs1, groups, keys.data(), values.data(), L - n + i + 1,
-                  static_cast<float>(scale), op + (row * H + j * groups) * d, d, scores);
+        const int64_t row = first + i, p = L - n + i;  // the row's position
+        const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+        attend_fn(qp + row * qs0 + j * groups * qs1, qs1, groups, keys.data() + (start - lo),
+                  values.data() + (start - lo), p + 1 - start, static_cast<float>(scale),
+                  static_cast<float>(logit_softcap), op + (row * H + j * groups) * d, d, scores);
       }
     }
   });
@@ -201,7 +217,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -44,6 +44,8 @@ import torch
 SPLIT_BELOW_PROGRAMS = 128
 MAX_SPLITS = 16
 SPLIT_TOKENS = 512
+#: The window the kernel is given for "no window": longer than any context it can be asked to read.
+_NO_WINDOW = 1 << 30
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -89,8 +91,9 @@ def _kernel():
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence over its paged context: ``softmax(q K^T * scale) V``.
+                           out: torch.Tensor | None = None, *, sliding_window: int = 0,
+                           logit_softcap: float = 0.0) -> torch.Tensor:
+    """One query token per sequence over its paged context: ``softmax(cap(q K^T * scale)) V``.
 
     Args:
         q: ``(S, H, d)`` float16 / bfloat16 / float32, the last dim contiguous.
@@ -102,13 +105,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ``0 .. context_lens[s] - 1`` are attended over (the query's own included).
         scale: softmax scale, ``d ** -0.5`` for Llama.
         out: ``(S, H, d)`` to write into (a CUDA graph's static output); None: a new tensor.
+        sliding_window: ``W > 0``: only the last ``W`` positions (``> context_len - 1 - W``,
+            Hugging Face's ``sliding_window``) are attended, and the blocks before them never
+            loaded; 0: the whole context.
+        logit_softcap: ``c > 0``: scores become ``c * tanh(score / c)`` before the softmax
+            (``cap``; Gemma 2's ``attn_logit_softcapping``); 0: none.
 
     Returns:
         ``(S, H, d)`` in ``q``'s dtype; the arithmetic is float32.
 
     Raises:
         ValueError: mismatched shapes, ``H`` not a multiple of ``KVH``, a block size
-            that is not a power of two, an ``out`` unlike ``q``, CPU tensors outside Triton's interpreter.
+            that is not a power of two, an ``out`` unlike ``q``, CPU tensors outside Triton's interpreter,
+            a negative ``sliding_window`` or ``logit_softcap``.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -127,16 +136,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)} {q.dtype}, last dim contiguous")
+    if sliding_window < 0 or logit_softcap < 0:
+        raise ValueError(f"sliding_window={sliding_window} and logit_softcap={logit_softcap} must be >= 0 (0: none)")
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     num_splits, blocks_per_split = split_plan(num_seqs, num_kv_heads, block_tables.shape[1], block_size)
     constants = dict(GROUP=group, GROUP_PAD=max(2, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
-                     HEAD_DIM=head_dim, HEAD_PAD=max(16, 1 << (head_dim - 1).bit_length()))
+                     HEAD_DIM=head_dim, HEAD_PAD=max(16, 1 << (head_dim - 1).bit_length()),
+                     SOFTCAP=logit_softcap > 0)
+    window = (sliding_window or _NO_WINDOW, float(logit_softcap))
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_splits == 1:
         _kernel()[(num_seqs, num_kv_heads, 1)](
-            out, out, out, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
+            out, out, out, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split, *window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, SPLIT=False, **constants)
         return out
     # Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"; vLLM's
@@ -146,6 +159,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial_sum = torch.empty_like(partial_max)
     _kernel()[(num_seqs, num_kv_heads, num_splits)](
         partial, partial_max, partial_sum, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
+        *window,
         q.stride(0), q.stride(1), 0, 0, *strides, SPLIT=True, **constants)
     weights = torch.exp(partial_max - partial_max.amax(dim=-1, keepdim=True))  # (S, H, splits); 0 where empty
     combined = (partial * weights.unsqueeze(-1)).sum(dim=2) / (partial_sum * weights).sum(dim=-1, keepdim=True)

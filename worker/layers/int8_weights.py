@@ -28,6 +28,14 @@ tensor in an int8 layer (``--quantization int8``, or a layer a compressed-tensor
 checkpoint left in ``ignore``) is quantized here; the scale shards it computes are
 recorded in ``weight_scale.computed_shard_ids`` so the loader does not ask the
 checkpoint for them.
+
+A stored scale is checked as it is read (a corrupt checkpoint must not start and
+serve garbage): every scale must be finite, and a zero scale is allowed only for an
+output row whose int8 weights are all zero (else that row would be served as zeros).
+The second check needs both tensors, so it runs when the later of the pair (the
+``weight`` or its ``weight_scale``, in whichever order the files hold them) is read;
+the loader names the tensor in the ``ValueError``. Scales computed here from float
+weights are not checked: a zero scale then means a zero row.
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ def new_int8_weights(layer: nn.Module, shape: tuple[int, int], num_scales: int, 
     layer.weight = new_parameter(shape, torch.int8, device, layer.weight_loader)
     layer.weight_scale = new_parameter((num_scales,), torch.float32, device, layer.weight_loader)
     layer.weight_scale.computed_shard_ids = set()  # type: ignore[attr-defined]
+    # shard id -> which of "weight" / "scale" were read as stored, for _check_pair.
+    layer.int8_stored_parts = {}
 
 
 def load_rows(layer: nn.Module, param: nn.Parameter, source: CheckpointSource, total_rows: int,
@@ -97,7 +107,10 @@ def load_rows(layer: nn.Module, param: nn.Parameter, source: CheckpointSource, t
     """
     if param is getattr(layer, "weight_scale", None):
         _check_scale_shape(source, total_rows)
-        copy_into(param.data[offset:offset + size], read_narrow(source, 0, start, size).reshape(size))
+        scales = read_narrow(source, 0, start, size).reshape(size)
+        _check_finite(scales, start)
+        copy_into(param.data[offset:offset + size], scales)
+        _check_pair(layer, "scale", shard_id, offset, size, start)
         return
     check_shape(source, (total_rows, *param.shape[1:]))
     rows = read_narrow(source, 0, start, size)  # (size, K)
@@ -106,6 +119,8 @@ def load_rows(layer: nn.Module, param: nn.Parameter, source: CheckpointSource, t
         copy_into(layer.weight_scale.data[offset:offset + size], scales)
         layer.weight_scale.computed_shard_ids.add(shard_id)
     copy_into(param.data[offset:offset + size], rows)
+    if param.dtype == torch.int8 and shard_id not in layer.weight_scale.computed_shard_ids:
+        _check_pair(layer, "weight", shard_id, offset, size, start)
 
 
 def load_columns(layer: nn.Module, param: nn.Parameter, source: CheckpointSource, full_shape: tuple[int, int],
@@ -119,7 +134,10 @@ def load_columns(layer: nn.Module, param: nn.Parameter, source: CheckpointSource
     num_rows = full_shape[0]
     if param is getattr(layer, "weight_scale", None):
         _check_scale_shape(source, num_rows)
-        copy_into(param.data, read_narrow(source, 0, 0, num_rows).reshape(num_rows))
+        scales = read_narrow(source, 0, 0, num_rows).reshape(num_rows)
+        _check_finite(scales, 0)
+        copy_into(param.data, scales)
+        _check_pair(layer, "scale", None, 0, num_rows, 0)
         return
     check_shape(source, full_shape)
     columns = read_narrow(source, 1, start, size)  # (N, size)
@@ -129,6 +147,8 @@ def load_columns(layer: nn.Module, param: nn.Parameter, source: CheckpointSource
         copy_into(layer.weight_scale.data, scales)
         layer.weight_scale.computed_shard_ids.add(None)
     copy_into(param.data, columns)
+    if param.dtype == torch.int8 and None not in layer.weight_scale.computed_shard_ids:
+        _check_pair(layer, "weight", None, 0, num_rows, 0)
 
 
 def _check_scale_shape(source: CheckpointSource, num_rows: int) -> None:
@@ -136,3 +156,37 @@ def _check_scale_shape(source: CheckpointSource, num_rows: int) -> None:
     if shape not in ((num_rows,), (num_rows, 1)):
         raise ValueError(f"weight_scale has shape {list(shape)}, expected [{num_rows}, 1] (one scale per output "
                          "channel: only per-channel int8 is supported)")
+
+
+def _check_finite(scales: torch.Tensor, first_row: int) -> None:
+    """Raise ``ValueError`` naming the first output row (checkpoint numbering) whose stored scale is NaN or inf."""
+    bad = ~torch.isfinite(scales.float())  # (size,) bool
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"weight_scale of output row {first_row + row} is {float(scales[row])} "
+                         f"({int(bad.sum())} non-finite scales): a corrupt checkpoint")
+
+
+def _check_pair(layer: nn.Module, part: str, shard_id: object, offset: int, size: int, first_row: int) -> None:
+    """Once a shard's stored int8 weight and stored scale are both read: refuse a zero scale of a non-zero row.
+
+    Args:
+        part: "weight" or "scale", the one just read.
+        offset, size: the shard's rows in the layer's parameters.
+        first_row: the shard's first row in the checkpoint tensor (for the message).
+
+    Raises:
+        ValueError: a row with scale 0 holds non-zero int8 weights (it would be served as zeros).
+    """
+    parts = layer.int8_stored_parts.setdefault(shard_id, set())
+    parts.add(part)
+    if parts != {"weight", "scale"}:
+        return
+    zero = layer.weight_scale.data[offset:offset + size] == 0  # (size,) bool
+    if not bool(zero.any()):
+        return
+    nonzero_rows = layer.weight.data[offset:offset + size].ne(0).any(dim=1) & zero  # (size,) bool
+    if bool(nonzero_rows.any()):
+        row = int(nonzero_rows.nonzero()[0, 0])
+        raise ValueError(f"weight_scale of output row {first_row + row} is 0 but the row's int8 weights are not "
+                         f"all zero ({int(nonzero_rows.sum())} such rows): a corrupt checkpoint")

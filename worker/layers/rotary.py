@@ -11,7 +11,24 @@ The inverse frequencies follow Hugging Face ``transformers`` exactly
   ``original_max_position_embeddings / low_freq_factor`` are divided by
   ``factor``, shorter than ``... / high_freq_factor`` kept, and those in between
   interpolated with ``smooth = (old_len / wavelen - low) / (high - low)``
-  (``_compute_llama3_parameters``).
+  (``_compute_llama3_parameters``);
+* ``"yarn"`` (Peng et al. 2023, arXiv:2309.00071): dimensions that turn fewer than
+  ``beta_slow`` times over ``original_max_position_embeddings`` are interpolated
+  (``/ factor``), those turning more than ``beta_fast`` times kept, a linear ramp
+  between; ``cos`` and ``sin`` are multiplied by ``attention_factor`` (default
+  ``0.1 ln(factor) + 1``, or the ``mscale`` / ``mscale_all_dim`` ratio)
+  (``_compute_yarn_parameters``);
+* ``"dynamic"`` (dynamic NTK): the base grows with the sequence length ``L``,
+  ``theta' = theta * (factor * L / max_position_embeddings - (factor - 1)) ** (d / (d - 2))``
+  for ``L > max_position_embeddings`` (``_compute_dynamic_ntk_parameters``).
+  ``transformers`` recomputes it per forward from the largest position in the batch,
+  and its cache keeps each key rotated as it was when computed: for one sequence, the
+  prompt's tokens with ``L`` = the prompt's length and each generated token at
+  position ``p`` with ``L = p + 1``. Here every token gets
+  ``L = max(prompt length, p + 1)`` of its own sequence (``AttentionMetadata.rope_seq_lens``),
+  which is that, token for token, for every sequence of a batch; a batched
+  ``transformers`` forward instead uses the batch's longest length for all its rows
+  (docs/design.md, "RoPE scaling").
 
 The rotation is the "rotate half" (GPT-NeoX) layout Llama checkpoints use:
 ``x * cos + rotate_half(x) * sin`` with ``cos, sin`` of ``cat(freqs, freqs)``,
@@ -34,17 +51,22 @@ from worker.layers.norm import RMSNorm
 def rope_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``(head_size / 2,)`` float32, in radians per position.
 
+    For ``"dynamic"`` these are the frequencies up to ``max_position_embeddings``
+    (the plain ones); longer sequences get :func:`dynamic_inv_freq`.
+
     Raises:
         ValueError: an unsupported ``rope_scaling["rope_type"]``.
     """
     exponent = torch.arange(0, head_size, 2, dtype=torch.int64).to(torch.float) / head_size  # (d/2,)
     inv_freq = 1.0 / (theta**exponent)  # (d/2,)
     rope_type = "default" if rope_scaling is None else rope_scaling["rope_type"]
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
         return inv_freq
     factor = rope_scaling["factor"]  # type: ignore[index]
     if rope_type == "linear":
         return inv_freq / factor
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_size, theta, rope_scaling)  # type: ignore[arg-type]
     if rope_type != "llama3":
         raise ValueError(f"rope_type={rope_type!r} is not supported")
     low_freq_factor = rope_scaling["low_freq_factor"]  # type: ignore[index]
@@ -60,6 +82,58 @@ def rope_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any] | N
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)  # (d/2,)
 
 
+def _yarn_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's ``(d/2,)`` float32 inverse frequencies: interpolated below the ramp, kept above it."""
+    factor = rope_scaling["factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+
+    def correction_dim(num_rotations: float) -> float:  # the dimension that turns num_rotations times
+        return head_size * math.log(old_context_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(rope_scaling["beta_fast"]), correction_dim(rope_scaling["beta_slow"])
+    if rope_scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no zero-width ramp
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # (d/2,)
+    pos_freqs = theta ** (torch.arange(0, head_size, 2).to(torch.float) / head_size)  # (d/2,)
+    extrapolation = 1 - ramp  # 1: keep the dimension's frequency, 0: divide it by factor
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_scaling(rope_scaling: dict[str, Any] | None) -> float:
+    """The factor ``cos`` and ``sin`` are multiplied by: YaRN's ``attention_factor``, else 1."""
+    if rope_scaling is None or rope_scaling["rope_type"] != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = rope_scaling["factor"], rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
+def dynamic_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any],
+                     seq_lens: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: ``(T, d/2)`` float32 inverse frequencies for sequence lengths ``seq_lens (T,) int64``.
+
+    Lengths up to ``max_position_embeddings`` give the plain frequencies. The arithmetic
+    is ``transformers``' (float32 tensors from an int64 length), element by element.
+    """
+    max_len = rope_scaling["max_position_embeddings"]
+    factor = rope_scaling["factor"]
+    base = theta * ((factor * seq_lens / max_len) - (factor - 1)) ** (head_size / (head_size - 2))  # (T,) float32
+    exponent = torch.arange(0, head_size, 2, dtype=torch.int64, device=seq_lens.device).to(torch.float) / head_size
+    scaled = 1.0 / (base[:, None] ** exponent[None, :])  # (T, d/2)
+    plain = 1.0 / (theta**exponent)  # (d/2,) what transformers keeps up to max_position_embeddings
+    return torch.where(seq_lens[:, None] > max_len, scaled, plain[None, :])  # (T, d/2)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)  # (..., d/2) each
     return torch.cat((-x2, x1), dim=-1)  # (..., d)
@@ -69,8 +143,9 @@ class RotaryEmbedding(nn.Module):
     """Cosines and sines of the rotation angles ``position * inv_freq``, once per step.
 
     Computed on the fly from the positions, as ``transformers``'
-    ``LlamaRotaryEmbedding.forward`` does (float32 angles, then cast), so there is
-    no table to size and every layer shares the step's ``(cos, sin)``.
+    ``LlamaRotaryEmbedding.forward`` does (float32 angles, times YaRN's attention
+    factor, then cast), so there is no table to size and every layer shares the
+    step's ``(cos, sin)``.
 
     Args:
         head_size: size of one head ``d`` (even).
@@ -83,12 +158,28 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_size, theta, rope_scaling).to(device)  # (d/2,) float32
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_size, self.theta, self.rope_scaling = head_size, theta, rope_scaling
+        self.dynamic = rope_scaling is not None and rope_scaling["rope_type"] == "dynamic"
+        self.attention_scaling = rope_attention_scaling(rope_scaling)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions (T,) int64`` -> ``cos, sin`` each ``(T, 1, d)`` in ``dtype`` (broadcast over heads)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2) radians
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions (T,) int64`` -> ``cos, sin`` each ``(T, 1, d)`` in ``dtype`` (broadcast over heads).
+
+        ``seq_lens (T,) int64``: dynamic NTK only, the sequence length each row's rotation is
+        computed for (``AttentionMetadata.rope_seq_lens``); None: ``positions + 1``.
+        """
+        if self.dynamic:
+            lengths = positions + 1 if seq_lens is None else seq_lens  # (T,)
+            inv_freq = dynamic_inv_freq(self.head_size, self.theta, self.rope_scaling, lengths)  # (T, d/2)
+            freqs = positions[:, None].float() * inv_freq  # (T, d/2) radians
+        else:
+            freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2) radians
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)  # (T, 1, d) each
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)  # (T, 1, d) each
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The Llama decoder, one tensor-parallel shard of it; Mistral (no window) and Qwen2 are Llama with other biases.
+"""The Llama decoder, one tensor-parallel shard of it; Mistral and Qwen2 are Llama with other biases.
 
 Architecture (Touvron et al. 2023, arXiv:2302.13971; reference: ``transformers``'
 ``modeling_llama.py``), for a flat batch of ``T`` tokens on one rank:
@@ -25,6 +25,10 @@ The families differ only in which projections carry a bias (``transformers``'
 | LlamaForCausalLM   | ``attention_bias`` | ``attention_bias`` | ``mlp_bias``|
 | MistralForCausalLM | no                 | no                 | no          |
 | Qwen2ForCausalLM   | always             | no                 | no          |
+
+Mistral's ``sliding_window`` and Qwen2's (``use_sliding_window``, ``max_window_layers``)
+make some layers attend over a window (``ModelConfig.layer_sliding_window``,
+worker/attention.py).
 
 A related family reuses the pieces through :meth:`LlamaForCausalLM.decoder_layer`
 (its attention or MLP) and :meth:`LlamaForCausalLM.biases`.
@@ -61,10 +65,11 @@ class Biases:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention of one layer, on this rank's query and key/value heads."""
+    """Self-attention of one layer, on this rank's query and key/value heads (``sliding_window``: its window)."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 quantization: Quantization | None = None, biases: Biases = Biases()) -> None:
+                 quantization: Quantization | None = None, biases: Biases = Biases(), *,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -78,7 +83,7 @@ class LlamaAttention(nn.Module):
             config.total_num_heads * d, config.hidden_size, ctx, bias=biases.o_proj, dtype=dtype,
             quantization=quantization,
         )
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5, sliding_window=sliding_window)
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
@@ -144,7 +149,7 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden), all-reduced over ranks
-        rope = self.rotary_emb(positions, h.dtype)  # cos, sin: (T, 1, head_dim) each
+        rope = self.rotary_emb(positions, h.dtype, attn_metadata.rope_seq_lens)  # cos, sin: (T, 1, head_dim) each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv_cache, attn_metadata)  # (T, hidden)
         return self.norm(h)  # (T, hidden)
@@ -191,8 +196,9 @@ class LlamaForCausalLM(CausalLM):
                       quantization: Quantization | None, layer_index: int) -> nn.Module:
         """Decoder layer ``layer_index``: where a related family swaps its attention or MLP."""
         biases = self.biases(config)
-        return LlamaDecoderLayer(config, ctx, dtype, LlamaAttention(config, ctx, dtype, quantization, biases),
-                                 LlamaMLP(config, ctx, dtype, quantization, bias=biases.mlp))
+        attention = LlamaAttention(config, ctx, dtype, quantization, biases,
+                                   sliding_window=config.layer_sliding_window(layer_index))
+        return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype, quantization, bias=biases.mlp))
 
     def forward(
         self,
@@ -216,7 +222,7 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral without a sliding window (a window is refused by the config): Llama with no bias at all."""
+    """Mistral: Llama with no bias at all (and, v0.1, a ``sliding_window`` on every layer)."""
 
     @classmethod
     def biases(cls, config: ModelConfig) -> Biases:

@@ -7,9 +7,10 @@ SwiGLU ``down(up * silu(gate))``, GQA, no bias anywhere); the checkpoint holds
 So nothing is stacked: every tensor maps to the parameter of its name with ``shard_id=None``,
 which the fused layers split into their parts, each rank reading only its rows.
 
-Refused by the shared config (tpserve/model_config.py): ``sliding_window`` shorter than the
-context (Phi-3-mini-4k's 2047), ``longrope`` RoPE scaling (the 128k variants, Phi-3.5),
-``partial_rotary_factor`` below 1 (Phi-4-mini).
+A ``sliding_window`` shorter than the context (Phi-3-mini-4k's 2047) applies to every layer,
+as ``transformers``' Phi-3 masks it. Refused by the shared config (tpserve/model_config.py):
+``longrope`` RoPE scaling (the 128k variants, Phi-3.5), ``partial_rotary_factor`` below 1
+(Phi-4-mini).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ class Qwen3Attention(LlamaAttention):
     """Llama attention with QK-norm: each query and key head RMS-normalised before the rotation."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
-                 quantization: Quantization | None, biases: Biases) -> None:
-        super().__init__(config, ctx, dtype, quantization, biases)
+                 quantization: Quantization | None, biases: Biases, *, sliding_window: int | None = None) -> None:
+        super().__init__(config, ctx, dtype, quantization, biases, sliding_window=sliding_window)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=ctx.device)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=ctx.device)
 
@@ -57,5 +57,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                       quantization: Quantization | None, layer_index: int) -> nn.Module:
         biases = self.biases(config)
-        return LlamaDecoderLayer(config, ctx, dtype, Qwen3Attention(config, ctx, dtype, quantization, biases),
-                                 LlamaMLP(config, ctx, dtype, quantization, bias=biases.mlp))
+        attention = Qwen3Attention(config, ctx, dtype, quantization, biases,
+                                   sliding_window=config.layer_sliding_window(layer_index))
+        return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype, quantization, bias=biases.mlp))

@@ -1,0 +1,72 @@
+"""Who may share prefix-cache entries: the caller's tenant and the request's ``cache_salt``.
+
+A shared prefix cache is an oracle: a request that finds another request's blocks is
+served faster (time to first token) and reports them (``cached_prompt_tokens``), so a
+caller could test, block by block, guesses about someone else's prompt (vLLM's
+CVE-2025-46570). So each request has a *namespace*, the digest of
+
+- its tenant: with API keys on, an id derived from the key it authenticated with
+  (:func:`tenant_id`; never the key itself), else ``""`` (one anonymous tenant);
+- its ``cache_salt`` (the request field, ``""`` when unset),
+
+and block 0 of its sequence chains from that namespace instead of from nothing
+(:func:`coordinator.sequence.extend_block_hashes`): every block hash of the chain then
+differs between namespaces, so a request can only ever find blocks that requests of its
+own namespace computed (vLLM's ``cache_salt`` does the same to the first block). The
+default namespace (anonymous, no salt) is ``b""``, the unsalted chain.
+
+No torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from collections.abc import Sequence
+
+#: Keyed so that a tenant id reveals nothing about its key, even a short one; per process,
+#: which is all the cache needs (its blocks do not outlive the process either).
+_TENANT_KEY = secrets.token_bytes(32)
+#: Domain separation: a namespace digest can never equal a block hash (whose input is a
+#: 32-byte hash or int64 token ids, not this text), so no salt can be chosen to continue
+#: someone else's chain.
+_NAMESPACE_PREFIX = b"tpserve prefix-cache namespace\x00"
+
+
+def tenant_id(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+    """The tenant of an authenticated call: a keyed hash (16 hex digits) of its bearer key.
+
+    Only meaningful once the API-key check (:class:`coordinator.auth.ApiKeyInterceptor`)
+    accepted the call; the scheme's case and surrounding spaces do not matter.
+
+    Args:
+        metadata: the call's invocation metadata.
+
+    Returns:
+        The id, or ``""`` when the call carries no ``authorization`` bearer key.
+    """
+    for name, value in metadata or ():
+        if name != "authorization":
+            continue
+        text = value.decode(errors="replace") if isinstance(value, bytes) else value
+        scheme, _, key = text.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            return ""
+        return hmac.new(_TENANT_KEY, key.encode(), hashlib.sha256).hexdigest()[:16]
+    return ""
+
+
+def prefix_cache_namespace(tenant: str, cache_salt: str) -> bytes:
+    """The 32-byte namespace block 0 chains from, or ``b""`` for the anonymous, unsalted one.
+
+    Args:
+        tenant: :func:`tenant_id` of the caller, ``""`` when API keys are off.
+        cache_salt: the request's ``cache_salt``, ``""`` when unset.
+    """
+    if not tenant and not cache_salt:
+        return b""
+    # JSON keeps ("ab", "c") and ("a", "bc") apart.
+    return hashlib.sha256(_NAMESPACE_PREFIX + json.dumps([tenant, cache_salt]).encode()).digest()

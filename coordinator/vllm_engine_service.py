@@ -1,0 +1,263 @@
+"""The engine protocol a gateway routes: ``vllm.grpc.engine.VllmEngine``, on the public port.
+
+The Shepherd Model Gateway (``smg launch --backend vllm --worker-urls grpc://HOST:PORT``)
+registers a worker by asking GetModelInfo, GetServerInfo and GetTokenizer (it builds
+its own tokenizer from the archive, so it needs no copy of the model directory), then
+sends tokenized Generate calls, polls GetLoads for its load-aware policies and
+HealthCheck for liveness, and calls Abort when its HTTP client goes away. Every call
+lands on the same engine as ``tpserve.v1.Generation``: the same validation, queue,
+prefix cache and metrics (:mod:`coordinator.vllm_engine_params` translates at the
+edge). Errors are :mod:`coordinator.errors` exceptions, mapped to status codes by the
+one interceptor.
+
+SubscribeKvEvents streams the prefix cache's stored and removed blocks
+(:mod:`coordinator.kv_events`), which the gateway's ``cache_aware`` policy routes on. Not
+served (UNIMPLEMENTED, with the reason): Embed (generation models only) and the profiler
+RPCs. The protocol has no
+``cache_salt`` field: requests through a gateway share the anonymous tenant's
+unsalted prefix cache unless the server requires API keys (each key a tenant).
+
+No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import time
+import zipfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+from coordinator.cache_isolation import tenant_id
+from coordinator.engine import Engine
+from coordinator.errors import UnavailableError
+from coordinator.kv_events import KvEventLog
+from coordinator.parallel_sampling import generate_n
+from coordinator.server import GenerationServicer
+from coordinator.validation import validate_request
+from coordinator.vllm_engine_params import chunk, complete, to_generate_request
+
+#: What GetTokenizer ships: the files a Hugging Face tokenizer and its chat template load from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json", "tokenizer.model")
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+SERVER_TYPE = "tpserve-grpc"
+#: How often a SubscribeKvEvents stream sends what the prefix cache did meanwhile.
+KV_EVENTS_INTERVAL_S = 0.02
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """Serves ``vllm.grpc.engine.VllmEngine`` over the engine of ``generation``.
+
+    Args:
+        generation: the public API's servicer: its engine (None while loading), tokenizer,
+            model info and API-key setting are shared, never copied.
+        model_dir: the served checkpoint directory (model facts, tokenizer files).
+    """
+
+    def __init__(self, generation: GenerationServicer, model_dir: Path) -> None:
+        self.generation = generation
+        self.model_dir = Path(model_dir)
+        self.started = time.monotonic()
+        self.last_receive_timestamp = 0.0
+        self._tokenizer_archive: tuple[bytes, str] | None = None
+        try:
+            self._config = json.loads((self.model_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            self._config = {}
+
+    def _engine(self) -> Engine:
+        engine = self.generation.engine
+        if engine is None:
+            raise UnavailableError("the model is still loading; retry when HealthCheck reports healthy")
+        return engine
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine = self._engine()
+        self.last_receive_timestamp = time.time()
+        gen = self.generation
+        tenant = tenant_id(context.invocation_metadata()) if gen.api_keys else ""
+        public = to_generate_request(request)
+        # The same bounded grammar compiler as tpserve.v1 (a hostile schema through the
+        # gateway must not stall the server either); a gateway renders chat itself.
+        params = await asyncio.to_thread(validate_request, public, gen.tokenizer, gen.model_info.vocab_size,
+                                         gen.model_info.max_model_len, tenant, None, gen.grammars)
+        sampling = request.sampling_params
+        num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
+        num_prompt_logprobs = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else 0
+        prompt = params.prompt_token_ids
+        n = max(sampling.n, 1)
+        token_ids = [[] for _ in range(n)]
+        logprobs = [[] for _ in range(n)]
+        prompt_logprobs = [[] for _ in range(n)]
+        completes = {}
+        async for index, output in generate_n(engine, params, n, context.time_remaining()):
+            prompt_logprobs[index].extend(output.prompt_logprobs)
+            finished = output.finish_reason is not None
+            if request.stream:
+                if output.token_ids or output.prompt_logprobs:
+                    yield chunk(output, prompt, num_logprobs, num_prompt_logprobs, index)
+                if finished:
+                    yield complete(output, output.token_ids, output.logprobs, prompt, prompt_logprobs[index],
+                                   num_logprobs, num_prompt_logprobs, index)
+            else:
+                token_ids[index].extend(output.token_ids)
+                logprobs[index].extend(output.logprobs)
+                if finished:
+                    completes[index] = complete(output, token_ids[index], logprobs[index], prompt,
+                                                prompt_logprobs[index], num_logprobs, num_prompt_logprobs, index)
+        for index in sorted(completes):  # not streamed: every sample at the end, in order (as vLLM's servicer)
+            yield completes[index]
+
+    async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
+        engine = self.generation.engine
+        if engine is not None:  # nothing runs while loading: nothing to abort
+            tenant = tenant_id(context.invocation_metadata()) if self.generation.api_keys else None
+            for request_id in request.request_ids:
+                engine.abort_request(request_id, tenant)
+        return vpb.AbortResponse()
+
+    async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext) -> vpb.EmbedResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed is not served: tpserve serves generation models")
+
+    async def StartProfile(self, request: common_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not served over the engine protocol; "
+                            "profile the ranks with torch.profiler (docs/design.md)")
+
+    async def StopProfile(self, request: common_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        await self.StartProfile(common_pb2.StartProfileRequest(), context)
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext):
+        """Streams the prefix cache's events from now on (``start_sequence_number`` is not
+        replayed: blocks cached before the subscription are not announced), a batch every
+        :data:`KV_EVENTS_INTERVAL_S` at most."""
+        allocator = self._engine().scheduler.allocator
+        if allocator.listener is None:  # kept across a worker-group restart (Scheduler.reset_workers)
+            allocator.listener = KvEventLog(allocator.block_size)
+        log = allocator.listener
+        subscriber = log.subscribe()
+        try:
+            sequence_number = 1
+            while True:
+                await asyncio.sleep(KV_EVENTS_INTERVAL_S)
+                batch = log.drain(subscriber, sequence_number)
+                if batch is not None:
+                    sequence_number += 1
+                    yield batch
+        finally:
+            log.unsubscribe(subscriber)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    async def HealthCheck(self, request: vpb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> vpb.HealthCheckResponse:
+        engine = self.generation.engine
+        if engine is None:
+            return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
+        problem = engine.dead or engine.recovering or ("draining" if engine.draining else "")
+        return vpb.HealthCheckResponse(healthy=not problem, message=problem or "serving")
+
+    async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:
+        self._engine()
+        info, tokenizer, config = self.generation.model_info, self.generation.tokenizer, self._config
+        return vpb.GetModelInfoResponse(
+            model_path=str(self.model_dir), is_generation=True, max_context_length=info.max_model_len,
+            vocab_size=info.vocab_size, supports_vision=False, served_model_name=info.model_name,
+            tokenizer_path=str(self.model_dir), model_type=config.get("model_type", ""),
+            architectures=config.get("architectures", []), eos_token_ids=list(info.eos_token_ids),
+            pad_token_id=_int_or(config.get("pad_token_id"), -1),
+            bos_token_id=-1 if tokenizer.bos_token_id is None else tokenizer.bos_token_id,
+            max_req_input_len=info.max_model_len - 1)  # a prompt must leave room for one token
+
+    async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
+        engine = self._engine()
+        info = self.generation.model_info
+        return vpb.GetServerInfoResponse(
+            active_requests=engine.num_requests, is_paused=engine.draining,
+            last_receive_timestamp=self.last_receive_timestamp, uptime_seconds=time.monotonic() - self.started,
+            server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype="auto", block_size=info.block_size,
+            model_dtype=info.dtype, max_num_seqs=engine.scheduler.max_num_seqs)
+
+    async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
+        scheduler = self._engine().scheduler
+        allocator = scheduler.allocator
+        total_tokens = allocator.num_blocks * allocator.block_size
+        used_tokens = (allocator.num_blocks - allocator.num_free_blocks) * allocator.block_size
+        queries = scheduler.prefix_cache_queries
+        load = vpb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
+            num_total_reqs=len(scheduler.running) + len(scheduler.waiting), num_used_tokens=used_tokens,
+            max_total_num_tokens=total_tokens, token_usage=used_tokens / total_tokens,
+            cache_hit_rate=scheduler.prefix_cache_hits / queries if queries else 0.0,
+            max_running_requests=scheduler.max_num_seqs,
+            num_waiting_uncached_tokens=sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting))
+        return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=_version(),
+                                    dp_rank_count=1, loads=[load])
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
+        """Drops the prefix cache's unheld blocks; with ``timeout_s`` > 0, first waits up to that
+        long for the requests in flight to finish, so that their blocks are dropped too."""
+        engine = self._engine()
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        while engine.num_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        num_dropped = engine.scheduler.allocator.evict_cached()
+        busy = engine.num_requests
+        message = f"dropped {num_dropped} cached blocks" + (
+            f"; {busy} requests in flight keep theirs until they finish" if busy else "")
+        return common_pb2.FlushCacheResponse(success=not busy, message=message)
+
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext):
+        if self._tokenizer_archive is None:
+            self._tokenizer_archive = await asyncio.to_thread(tokenizer_archive, self.model_dir)
+        data, digest = self._tokenizer_archive
+        for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            last = start + TOKENIZER_CHUNK_BYTES >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[start:start + TOKENIZER_CHUNK_BYTES],
+                                               sha256=digest if last else "")
+
+
+def tokenizer_archive(model_dir: Path) -> tuple[bytes, str]:
+    """A zip of the model's tokenizer files (:data:`TOKENIZER_FILES` that exist) and its SHA-256 hex digest.
+
+    Raises:
+        FileNotFoundError: the directory has no tokenizer.json.
+    """
+    if not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                archive.write(model_dir / name, name)
+    data = buffer.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _int_or(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"tpserve {version('tpserve')}"
+    except PackageNotFoundError:
+        return "tpserve"

@@ -1,0 +1,148 @@
+"""Structured output at the coordinator: bounded compiles and stop conditions (issue 20, faults 3, 5, 6).
+
+Real requests through ``validate_request`` with the embedded model's tokenizer; the
+compile-time limit runs a real :class:`GrammarCompiler` (child processes) on a schema
+that llguidance takes about a second to build (an ``allOf`` of ``anyOf``s multiplies
+out). Every refusal must be INVALID_ARGUMENT naming the field and the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator.errors import InvalidArgumentError
+from coordinator.grammar_compiler import GrammarCompiler
+from coordinator.structured_output import MAX_FORMAT_BYTES, MAX_SCHEMA_DEPTH
+from coordinator.tokenizer import Tokenizer
+from coordinator.validation import validate_request
+from tpserve.cluster import default_model_dir
+from tpserve.v1 import generate_pb2 as pb
+
+VOCAB_SIZE, MAX_MODEL_LEN = 1024, 512
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+          "additionalProperties": False}
+
+
+def deep_any_of(depth: int) -> dict:
+    """``anyOf`` nested ``depth`` deep (4 JSON levels each): the issue's hostile schema at 200 (about 12 KB)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"a": schema}}]}
+    return schema
+
+
+def multiplying_all_of(num: int) -> dict:
+    """``allOf`` of ``num`` two-way ``anyOf``s: 2**num alternatives (about a second to build at 10)."""
+    return {"allOf": [{"anyOf": [
+        {"type": "object", "properties": {f"a{i}": {"type": "integer"}}, "required": [f"a{i}"]},
+        {"type": "object", "properties": {f"b{i}": {"type": "string"}}, "required": [f"b{i}"]}]} for i in range(num)]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(default_model_dir())
+
+
+def request(response_format: pb.ResponseFormat, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 5, 6]),
+                              sampling_params=pb.SamplingParams(response_format=response_format, **sampling))
+
+
+def refusal(tokenizer: Tokenizer, msg: pb.GenerateRequest, **kwargs) -> str:
+    with pytest.raises(InvalidArgumentError) as info:
+        validate_request(msg, tokenizer, VOCAB_SIZE, MAX_MODEL_LEN, **kwargs)
+    return str(info.value)
+
+
+# -- fault 3: limits on depth, size and compile time -----------------------------------------
+
+
+@pytest.mark.parametrize("depth", [35, 200])
+def test_a_deep_schema_is_refused_naming_the_depth_limit(tokenizer: Tokenizer, depth: int) -> None:
+    """Was ``ValueError: recursion limit exceeded`` (INTERNAL) from llguidance's JSON parser."""
+    message = refusal(tokenizer, request(pb.ResponseFormat(json_schema=json.dumps(deep_any_of(depth)))))
+    assert message == (f"sampling_params.response_format.json_schema nests {4 * depth + 1} levels deep; "
+                       f"the limit is {MAX_SCHEMA_DEPTH}")
+
+
+def test_json_nested_past_pythons_parser_is_refused_naming_the_depth_limit(tokenizer: Tokenizer) -> None:
+    message = refusal(tokenizer, request(pb.ResponseFormat(json_schema="[" * 5000 + "]" * 5000)))
+    assert message == f"sampling_params.response_format.json_schema nests deeper than the limit of {MAX_SCHEMA_DEPTH} levels"
+
+
+def test_a_schema_within_the_depth_limit_compiles(tokenizer: Tokenizer) -> None:
+    params = validate_request(request(pb.ResponseFormat(json_schema=json.dumps(deep_any_of(15)))), tokenizer,
+                              VOCAB_SIZE, MAX_MODEL_LEN)
+    assert params.sampling.grammar and '"anyOf"' in params.sampling.grammar
+
+
+def test_choices_over_the_size_limit_are_refused_naming_choices(tokenizer: Tokenizer) -> None:
+    """Was refused naming ``regex`` (the choices' internal form)."""
+    choices = pb.Choices(choices=[f"{i:03d}" + "x" * 297 for i in range(256)])  # 256 x 300 bytes
+    message = refusal(tokenizer, request(pb.ResponseFormat(choices=choices)))
+    assert message == f"sampling_params.response_format.choices is 76800 bytes; the limit is {MAX_FORMAT_BYTES}"
+
+
+@pytest.fixture(scope="module")
+def compiler() -> Iterator[GrammarCompiler]:
+    grammars = GrammarCompiler(default_model_dir(), VOCAB_SIZE, timeout_s=0.25, num_processes=1)
+    yield grammars
+    grammars.close()
+
+
+def test_a_slow_schema_is_refused_at_the_compile_time_limit_and_the_compiler_recovers(
+        tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:
+    # The child's start-up (its tokenizer) is not part of the limit: warm it first.
+    ok = validate_request(request(pb.ResponseFormat(json_schema=json.dumps(SCHEMA))), tokenizer, VOCAB_SIZE,
+                          MAX_MODEL_LEN, grammars=compiler)
+    assert '"name"' in ok.sampling.grammar
+    slow = request(pb.ResponseFormat(json_schema=json.dumps(multiplying_all_of(10))))
+    start = time.monotonic()
+    message = refusal(tokenizer, slow, grammars=compiler)
+    elapsed = time.monotonic() - start
+    assert message == "sampling_params.response_format.json_schema took over the compile-time limit of 0.25 s to compile"
+    assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+    # The stuck child was killed and replaced: the next schema compiles (same grammar as before).
+    again = validate_request(request(pb.ResponseFormat(regex="[a-z]{3}")), tokenizer, VOCAB_SIZE, MAX_MODEL_LEN,
+                             grammars=compiler)
+    assert "[a-z]{3}" in again.sampling.grammar
+
+
+def test_the_child_refuses_what_llguidance_refuses_naming_the_field(tokenizer: Tokenizer,
+                                                                    compiler: GrammarCompiler) -> None:
+    message = refusal(tokenizer, request(pb.ResponseFormat(regex="(a")), grammars=compiler)
+    assert message.startswith("sampling_params.response_format.regex is not supported:") and "unclosed group" in message
+    message = refusal(tokenizer, request(pb.ResponseFormat(json_schema='{"type": "objectx"}')), grammars=compiler)
+    assert message.startswith("sampling_params.response_format.json_schema is not supported:")
+
+
+# -- faults 5 and 6: a grammar ends only where it is complete --------------------------------
+
+
+@pytest.mark.parametrize(("sampling", "fields"), [
+    (dict(stop=["ai"]), "sampling_params.stop"),
+    (dict(stop_token_ids=[5]), "sampling_params.stop_token_ids"),
+    (dict(min_tokens=5, max_tokens=8), "sampling_params.min_tokens"),
+    (dict(ignore_eos=True), "sampling_params.ignore_eos"),
+    (dict(stop=["x"], ignore_eos=True), "sampling_params.stop, sampling_params.ignore_eos"),
+])
+@pytest.mark.parametrize("response_format", [
+    pb.ResponseFormat(json_schema=json.dumps(SCHEMA)), pb.ResponseFormat(regex="[a-z]{3}"),
+    pb.ResponseFormat(choices=pb.Choices(choices=["yes", "no"]))], ids=["json_schema", "regex", "choices"])
+def test_stop_conditions_with_a_grammar_are_refused_naming_the_fields(
+        tokenizer: Tokenizer, response_format: pb.ResponseFormat, sampling: dict, fields: str) -> None:
+    message = refusal(tokenizer, request(response_format, **sampling))
+    assert message == (f"{fields} cannot be combined with sampling_params.response_format: "
+                       "the output ends exactly where its grammar is complete")
+
+
+def test_a_grammar_request_sends_the_eos_ids_the_ranks_allow_only_where_it_accepts(tokenizer: Tokenizer) -> None:
+    params = validate_request(request(pb.ResponseFormat(regex="[a-z]{3}")), tokenizer, VOCAB_SIZE,
+                              MAX_MODEL_LEN)
+    assert params.sampling.grammar_stop_ids == tuple(sorted(tokenizer.eos_token_ids)) != ()
+    plain = validate_request(request(pb.ResponseFormat()), tokenizer, VOCAB_SIZE, MAX_MODEL_LEN)
+    assert plain.sampling.grammar == "" and plain.sampling.grammar_stop_ids == ()

@@ -1,0 +1,128 @@
+"""Hostile structured-output requests against a live server (issue 20, faults 3, 5, 6), at tp 2.
+
+Served by the shared embedded-model server (tests/e2e/conftest.py ``default_tp2``): no
+start-up of its own. While one greedy stream runs and health is polled, hostile formats
+are sent: a schema of ``anyOf`` nested 200 deep (which used to end in INTERNAL, and whose
+kind froze every stream for half a minute when compiled inside a step), an ``allOf``
+of ``anyOf``s that takes llguidance seconds to build (compiled in a child process,
+killed at the time limit), and choices over the size limit. Each is refused with
+INVALID_ARGUMENT naming its field and limit, the stream's inter-token gap stays under
+200 ms and health stays SERVING.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.coordinator.test_structured_output_limits import SCHEMA, deep_any_of, multiplying_all_of
+from tests.e2e.cluster import RunningCluster
+
+pytestmark = pytest.mark.e2e
+
+MAX_GAP_S = 0.2
+
+
+@pytest.fixture
+def cluster(default_tp2: RunningCluster) -> RunningCluster:
+    return default_tp2
+
+
+def _refusal(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def _while_streaming(client, calls) -> tuple[list, list[float], list[int]]:
+    """Runs ``calls`` one after another while a greedy stream decodes and health is polled.
+
+    Returns:
+        Each call's result (or ``(code, details)`` when it raised), the stream's inter-token
+        gaps in seconds over the calls' window, and every health status seen.
+    """
+    health = health_pb2_grpc.HealthStub(client.channel)
+    statuses: list[int] = []
+    arrivals: list[float] = []
+    done = threading.Event()
+
+    def poll_health() -> None:
+        while not done.is_set():
+            statuses.append(health.Check(health_pb2.HealthCheckRequest(), timeout=2).status)
+            time.sleep(0.05)
+
+    def stream() -> None:
+        for response in client.generate_stream("Once upon a time", max_tokens=500, temperature=0, ignore_eos=True,
+                                               timeout_s=120):
+            arrivals.extend(time.monotonic() for _ in response.token_ids)
+            if done.is_set():
+                return
+
+    threads = [threading.Thread(target=poll_health), threading.Thread(target=stream)]
+    for thread in threads:
+        thread.start()
+    results = []
+    try:
+        while len(arrivals) < 5:  # the stream is decoding
+            time.sleep(0.01)
+        window_start = time.monotonic()
+        for call in calls:
+            try:
+                results.append(call())
+            except grpc.RpcError as exc:
+                results.append((exc.code(), exc.details()))
+        window_end = time.monotonic()
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+    assert arrivals[-1] > window_end, "the stream ended before the calls did: nothing was measured"
+    during = [t for t in arrivals if window_start <= t <= window_end]
+    gaps = [b - a for a, b in zip([window_start, *during], [*during, window_end])]
+    return results, gaps, statuses
+
+
+def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCluster) -> None:
+    client = cluster.client
+    (deep, slow, many), gaps, statuses = _while_streaming(client, [
+        lambda: client.generate("Hi", max_tokens=8, json_schema=deep_any_of(200), timeout_s=5),
+        lambda: client.generate("Hi", max_tokens=8, json_schema=multiplying_all_of(11), timeout_s=5),
+        lambda: client.generate("Hi", max_tokens=8, choices=["x" * 300] * 256, timeout_s=5)])
+    assert deep == (grpc.StatusCode.INVALID_ARGUMENT,
+                    "sampling_params.response_format.json_schema nests 801 levels deep; the limit is 64")
+    # Refused at the compile-time limit (1 s) or by llguidance's own limits, whichever comes first here.
+    assert slow[0] == grpc.StatusCode.INVALID_ARGUMENT, slow
+    assert slow[1].startswith("sampling_params.response_format.json_schema "), slow
+    assert many == (grpc.StatusCode.INVALID_ARGUMENT,
+                    "sampling_params.response_format.choices is 76800 bytes; the limit is 65536")
+    assert max(gaps) < MAX_GAP_S, f"inter-token gap up to {max(gaps) * 1000:.0f} ms while refusing"
+    assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
+
+
+def test_an_accepted_heavy_schema_is_built_before_its_request_is_scheduled(cluster: RunningCluster) -> None:
+    """About 0.25 s to build (an ``allOf`` of five four-way ``anyOf``s): rank 0 builds it on a
+    PrepareGrammar call, off the step thread, so the other stream's steps do not wait for it."""
+    schema = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"}},
+                                    "required": [f"p{i}_{j}"]} for j in range(4)]} for i in range(5)]}
+    client = cluster.client
+    (result,), gaps, statuses = _while_streaming(client, [
+        lambda: client.generate("Hi", max_tokens=100, temperature=0, json_schema=schema, timeout_s=30)])
+    assert result.finish_reason in ("stop", "length"), result
+    if result.finish_reason == "stop":
+        assert isinstance(json.loads(result.text), dict), result.text
+    assert max(gaps) < MAX_GAP_S, f"inter-token gap up to {max(gaps) * 1000:.0f} ms while the grammar was built"
+    assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
+
+
+def test_structured_output_still_works_and_refuses_stop_conditions(cluster: RunningCluster) -> None:
+    result = cluster.client.generate("Once upon a time", max_tokens=60, temperature=1.0, seed=1, json_schema=SCHEMA)
+    assert result.finish_reason == "stop" and set(json.loads(result.text)) == {"name"}, result
+    for sampling, field in [(dict(stop=["ai"]), "sampling_params.stop"), (dict(min_tokens=5), "sampling_params.min_tokens"),
+                            (dict(ignore_eos=True), "sampling_params.ignore_eos")]:
+        code, details = _refusal(lambda: cluster.client.generate("Hi", max_tokens=8, choices=["yes", "no"], **sampling))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"{field} cannot be combined"), details

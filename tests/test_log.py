@@ -1,0 +1,108 @@
+"""What tpserve's logging writes (issue 20, item 8): no request content in tracebacks, bounded tracebacks,
+control characters escaped, repeated warnings rate-limited, exceptions in JSON lines.
+
+Each format is configured with ``configure_logging`` in a child process (the configuration
+is process-wide), which logs what a server would: an internal error whose frames hold a
+prompt in their locals, 60 frames deep, with a client's ``request_id`` holding ANSI escapes
+and a forged line, and a message of 50,000 characters.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import structlog
+
+PROMPT = "my confidential prompt about patient 1234"
+
+_SCRIPT = f"""
+import structlog
+from tpserve.log import configure_logging
+
+configure_logging({{fmt!r}})
+log = structlog.get_logger("test")
+
+
+def handler(depth, prompt):
+    request = {{{{"prompt": prompt, "max_tokens": 16}}}}
+    if depth == 0:
+        raise RuntimeError("the step failed" + "!" * 50_000)  # a long message: bounded too
+    handler(depth - 1, prompt)
+
+
+try:
+    handler(60, {PROMPT!r})
+except RuntimeError:
+    log.exception("internal error", request_id="abc\\x1b[2J\\x1b[31mred",
+                  method="m\\r\\n2026-01-01 [info] forged line")
+for _ in range(50):
+    log.warning("unauthenticated call refused", method="/tpserve.v1.Generation/Generate")
+log.info("done")
+"""
+
+
+def _run(fmt: str) -> str:
+    done = subprocess.run([sys.executable, "-c", _SCRIPT.format(fmt=fmt)], capture_output=True, text=True,
+                          timeout=60, check=True)
+    return done.stderr
+
+
+def test_console_traceback_has_no_locals_is_bounded_and_escapes_control_characters() -> None:
+    err = _run("console")
+    assert PROMPT not in err and "max_tokens" not in err  # before: rich printed every frame's locals
+    assert "RuntimeError: the step failed!!!" in err and len(err) < 20_000
+    lines = err.splitlines()
+    assert len(lines) < 60, len(lines)  # before: about 3,000 lines for 60 frames with locals
+    assert err.count('handler(depth - 1, prompt)') <= 20  # the innermost frames only
+    assert "\x1b" not in err and "\r" not in err
+    assert err.count("unauthenticated call refused") == 1  # 49 more within the minute: counted, not written
+    assert "request_id=abc\\x1b[2J\\x1b[31mred" in err  # before: written raw, clearing the operator's screen
+    assert not any(line.startswith("2026-01-01 [info] forged line") for line in lines)
+
+
+def test_json_lines_carry_the_exception_bounded_without_locals() -> None:
+    err = _run("json")
+    entries = [json.loads(line) for line in err.splitlines()]
+    assert [e["event"] for e in entries] == ["internal error", "unauthenticated call refused", "done"]
+    (exception,) = entries[0]["exception"]  # before: the traceback was dropped ("exc_info": true)
+    assert exception["exc_type"] == "RuntimeError"
+    assert exception["exc_value"] == "the step failed" + "!" * (16_000 - 15) + "... (34015 characters cut)"
+    frames = exception["frames"]  # the outermost and innermost 10, and one naming the 42 skipped (62 in all)
+    assert len(frames) == 21 and frames[10]["name"] == "Skipped frames: 42"
+    assert all("locals" not in frame for frame in frames)
+    assert PROMPT not in err
+    assert entries[0]["request_id"].startswith("abc\\x1b[2J")
+
+
+def test_repeated_warnings_are_counted_not_written() -> None:
+    from tpserve.log import RATE_LIMIT_WINDOW_S, RateLimitWarnings
+
+    now = [0.0]
+    out: list[dict] = []
+    log = structlog.wrap_logger(None, processors=[RateLimitWarnings(clock=lambda: now[0]),
+                                                  lambda _l, _m, event: out.append(event) or ""],
+                                wrapper_class=structlog.make_filtering_bound_logger(20))
+    for _ in range(58):
+        log.warning("unauthenticated call refused", method="/tpserve.v1.Generation/Generate")
+        log.info("info lines are not limited")
+    log.warning("another warning")
+    now[0] = RATE_LIMIT_WINDOW_S + 1
+    log.warning("unauthenticated call refused", method="/tpserve.v1.Generation/Generate")
+    refused = [e for e in out if e["event"].startswith("unauthenticated")]
+    assert [e["event"] for e in refused] == [
+        "unauthenticated call refused",
+        "unauthenticated call refused (suppressed 57 similar in the last 60 s)"]
+    assert refused[1]["num_suppressed"] == 57
+    assert sum(e["event"] == "info lines are not limited" for e in out) == 58
+    assert sum(e["event"] == "another warning" for e in out) == 1
+
+
+@pytest.mark.parametrize("text, escaped", [("a\x1b[31mb", "a\\x1b[31mb"), ("x\ny", "x\\x0ay"),
+                                           ("\x9b2J", "\\x9b2J"), ("naïve 日本", "naïve 日本")])
+def test_escape_control(text: str, escaped: str) -> None:
+    from tpserve.log import escape_control
+
+    assert escape_control(text) == escaped
