@@ -4,7 +4,7 @@ Reference: ``transformers``' ``modeling_mixtral.py``. For a flat batch of ``T`` 
 
     h = embed(input_ids)
     for each layer:
-        h = h + o_proj(attention(rope(q, k), v))          as Mistral: no bias anywhere
+        h = h + o_proj(attention(rope(q, k), v))          as Mistral: no bias, ``sliding_window`` if set
         h = h + moe(rms_norm(h))                          worker/layers/moe.py, one all-reduce
                  moe(x) = sum over x's top-2 of 8 experts e of p_e * down_e(silu(gate_e(x)) * up_e(x)),
                  p = softmax(router(x)) restricted to the top 2, renormalised
@@ -48,7 +48,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         moe = SparseMoeBlock(config.hidden_size, config.hf_value("num_local_experts", 8),
                              config.hf_value("num_experts_per_tok", 2), config.intermediate_size, ctx, dtype,
                              renormalize=True, weights_in_dtype=False, quantization=quantization)
-        return LlamaDecoderLayer(config, ctx, dtype, LlamaAttention(config, ctx, dtype, quantization, Biases()), moe)
+        attention = LlamaAttention(config, ctx, dtype, quantization, Biases(),
+                                   sliding_window=config.layer_sliding_window(layer_index))
+        return LlamaDecoderLayer(config, ctx, dtype, attention, moe)
 
     def weight_map(self, checkpoint_name: str) -> tuple[str, ShardId] | None:
         name = checkpoint_name.replace(_CHECKPOINT_BLOCK, _BLOCK)

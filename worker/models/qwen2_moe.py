@@ -48,7 +48,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
                       quantization: Quantization | None, layer_index: int) -> nn.Module:
         # Hub checkpoints say num_experts; transformers 5 may write num_local_experts (its attribute map).
         num_experts = config.hf_value("num_experts", config.hf_value("num_local_experts", 60))
-        attention = LlamaAttention(config, ctx, dtype, quantization, self.biases(config))
+        attention = LlamaAttention(config, ctx, dtype, quantization, self.biases(config),
+                                   sliding_window=config.layer_sliding_window(layer_index))
         if not is_sparse_layer(layer_index, num_experts, config.hf_value("decoder_sparse_step", 1),
                                config.hf_value("mlp_only_layers", [])):
             return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype, quantization))

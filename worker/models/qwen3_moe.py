@@ -45,7 +45,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                       quantization: Quantization | None, layer_index: int) -> nn.Module:
         # Hub checkpoints say num_experts; transformers 5 writes num_local_experts (its attribute map).
         num_experts = config.hf_value("num_experts", config.hf_value("num_local_experts", 128))
-        attention = Qwen3Attention(config, ctx, dtype, quantization, self.biases(config))
+        attention = Qwen3Attention(config, ctx, dtype, quantization, self.biases(config),
+                                   sliding_window=config.layer_sliding_window(layer_index))
         if not is_sparse_layer(layer_index, num_experts, config.hf_value("decoder_sparse_step", 1),
                                config.hf_value("mlp_only_layers", [])):
             return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype, quantization))
