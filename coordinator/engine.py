@@ -297,6 +297,8 @@ class Engine:
                 continue  # the group was declared lost during this step: its result is void
             self._just_resumed = False
             self._process(self.scheduler.update(plan, result))
+            if result.expert_token_counts:
+                self.metrics.add_expert_tokens(result.expert_token_counts)
             self._update_gauges()
 
     def _process(self, outputs: list[TokenOutput]) -> None:

@@ -75,6 +75,18 @@ class Metrics:
             "tpserve:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the proposal.",
             ["position"], registry=r)
 
+        # Mixture of experts: load balance across experts, per decoder layer (no vLLM name to mirror).
+        self.moe_expert_tokens = Counter(
+            "tpserve:moe_expert_tokens", "Tokens routed to each expert of a mixture-of-experts layer "
+            "(a token counts once per expert it chooses: tokens x num_experts_per_tok in all).",
+            ["layer", "expert"], registry=r)
+
+    def add_expert_tokens(self, triples: tuple[int, ...]) -> None:
+        """Adds a step's ``(layer, expert, num_tokens)`` triples (``StepResult.expert_token_counts``)."""
+        for i in range(0, len(triples) - 2, 3):
+            layer, expert, num_tokens = triples[i:i + 3]
+            self.moe_expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(num_tokens)
+
     def add_spec_decode(self, now: SpecDecodeStats, before: SpecDecodeStats) -> None:
         """Adds what the scheduler's cumulative speculative decoding counters gained since ``before``."""
         self.spec_decode_num_drafts.inc(now.num_drafts - before.num_drafts)

@@ -21,9 +21,12 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
+    "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "worker.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -307,6 +307,9 @@ class StepResult:
         logprobs: for the samples whose sequence asked (``SamplingParams.logprobs``)
             only, in sample order; empty otherwise.
         prompt_logprobs: for the chunks whose sequence asked for prompt logprobs.
+        expert_token_counts: mixture-of-experts models only: the tokens each expert
+            received this step, as flat ``(layer, expert, num_tokens)`` triples of the
+            nonzero counts (``layer``: the decoder layer's index); empty otherwise.
     """
 
     step_id: int
@@ -314,3 +317,4 @@ class StepResult:
     logprobs: tuple[SampleLogprobs, ...] = ()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     num_accepted_tokens: tuple[int, ...] = ()
+    expert_token_counts: tuple[int, ...] = ()

@@ -116,7 +116,8 @@ def result_to_pb(result: StepResult) -> pb.StepResult:
         pb.PromptLogprobs(seq_id=p.seq_id, first_position=p.first_position, logprobs=p.logprobs,
                           top=[pb.TopTokens(token_ids=ids, logprobs=lps) for ids, lps in zip(p.top_token_ids,
                                                                                             p.top_logprobs, strict=True)])
-        for p in result.prompt_logprobs], num_accepted_tokens=result.num_accepted_tokens)
+        for p in result.prompt_logprobs], num_accepted_tokens=result.num_accepted_tokens,
+        expert_token_counts=result.expert_token_counts)
 
 
 def result_from_pb(msg: pb.StepResult) -> StepResult:
@@ -126,4 +127,5 @@ def result_from_pb(msg: pb.StepResult) -> StepResult:
         for lp in msg.logprobs), prompt_logprobs=tuple(
         PromptLogprobs(p.seq_id, p.first_position, tuple(p.logprobs), tuple(tuple(t.token_ids) for t in p.top),
                        tuple(tuple(t.logprobs) for t in p.top))
-        for p in msg.prompt_logprobs), num_accepted_tokens=tuple(msg.num_accepted_tokens))
+        for p in msg.prompt_logprobs), num_accepted_tokens=tuple(msg.num_accepted_tokens),
+        expert_token_counts=tuple(msg.expert_token_counts))

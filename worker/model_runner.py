@@ -41,6 +41,7 @@ from worker.attention import paged_kernel_available
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
+from worker.layers.moe import count_triples, expert_layers, take_routed_counts
 from worker.grammar import GrammarCache, GrammarState
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
@@ -115,6 +116,10 @@ class ModelRunner:
         scaling = self.config.rope_scaling
         self._dynamic_rope = scaling is not None and scaling["rope_type"] == "dynamic"
         self._graphs: DecodeGraphs | None = None
+        # Mixture-of-experts layers, whose routed-token counts rank 0 reports every step.
+        self._expert_layers = expert_layers(self.model) if ctx.is_rank0 else []
+        self._padding_counts: torch.Tensor | None = None  # (L, E): what one graph padding row routes
+        self._num_padding_rows = 0  # in this step's replayed graph
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
@@ -135,6 +140,7 @@ class ModelRunner:
         """
         graphs = (bool(cuda_graph_sizes) and self.draft is None and not self._dynamic_rope
                   and (self._triton_decode or not capture))
+        take_routed_counts(self._expert_layers)  # drop what earlier (profiling) passes routed
         self._graphs = None
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
         if self.draft is not None:
@@ -147,6 +153,12 @@ class ModelRunner:
                                         max_model_len or self.config.max_model_len, cuda_graph_sizes,
                                         capture=capture)
             self._graphs.capture_all()
+        counts = take_routed_counts(self._expert_layers)  # the graphs' warm-ups
+        if graphs and counts is not None:
+            # The warm-ups ran every capture size with padding rows only (token 0 at position 0,
+            # attending over itself): each such row routes alike, and a replay's padding rows
+            # are subtracted from the step's counts (worker/cuda_graphs.py).
+            self._padding_counts = counts // sum(self._graphs.sizes)  # (L, E)
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -213,8 +225,18 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
             tokens = self._run(plan)
+            expert_token_counts = self._expert_token_counts()  # after _run's host copy: no wait
         return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=self._logprobs,
-                          prompt_logprobs=self._prompt_logprobs, num_accepted_tokens=self._num_accepted)
+                          prompt_logprobs=self._prompt_logprobs, num_accepted_tokens=self._num_accepted,
+                          expert_token_counts=expert_token_counts)
+
+    def _expert_token_counts(self) -> tuple[int, ...]:
+        """This step's routed tokens per (MoE layer, expert), less a replayed graph's padding rows."""
+        counts = take_routed_counts(self._expert_layers)  # (L, E) or None
+        if counts is not None and self._num_padding_rows and self._padding_counts is not None:
+            counts -= self._num_padding_rows * self._padding_counts
+        self._num_padding_rows = 0
+        return count_triples(self._expert_layers, counts)
 
     def _check_chunks(self, plan: StepPlan) -> None:
         seen: set[int] = set()
@@ -269,6 +291,7 @@ class ModelRunner:
                 )
         if self._graphs is not None and self._graphs.takes(chunks, inputs):
             hidden = self._graphs.run(inputs)  # (T, hidden), a replayed CUDA graph
+            self._num_padding_rows = self._graphs.padded_size(len(chunks)) - len(chunks)
         else:
             hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
         self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)

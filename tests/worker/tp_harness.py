@@ -48,6 +48,7 @@ class StepRecord:
     sampled_token_ids: tuple[int, ...]
     logits: torch.Tensor | None  # (num_samples, vocab_size) float32
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    expert_token_counts: tuple[int, ...] = ()  # (layer, expert, num_tokens) triples, MoE models
 
 
 def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRecord]]:
@@ -62,7 +63,8 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
             result = runner.execute(plan)
             assert result.step_id == plan.step_id
             logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
-            records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs))
+            records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs,
+                                      result.expert_token_counts))
         results[job.name] = records
     return results
 
@@ -76,7 +78,8 @@ def _rank_main(rank: int, world_size: int, init_method: str, jobs: list[Job], ou
         results = execute_jobs(ctx, jobs)
         if rank != 0:
             for records in results.values():
-                assert all(r.sampled_token_ids == () and r.logits is None and not r.prompt_logprobs for r in records)
+                assert all(r.sampled_token_ids == () and r.logits is None and not r.prompt_logprobs
+                           and not r.expert_token_counts for r in records)
         else:
             with open(out_path, "wb") as f:
                 pickle.dump(results, f)

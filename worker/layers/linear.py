@@ -74,10 +74,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype,
-        quantization: Quantization | None = None,
+        quantization: Quantization | None = None, reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.ctx = ctx
+        self.reduce_results = reduce_results
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = _divide(output_size, ctx.world_size, "output_size")
@@ -211,16 +212,19 @@ class RowParallelLinear(nn.Module):
         dtype: parameter (bias, float weight) and activation dtype.
         quantization: None, or "int8" (int8 weight columns, the full ``(output_size,)``
             float32 scales of the whole rows, so every rank's partial sum has the same scale).
+        reduce_results: False leaves the all-reduce (and the bias) to the caller, which
+            sums this partial with others first (a MoE block's shared expert).
 
     Shapes: ``x (T, input_size / world_size) -> (T, output_size)``, ``x.dtype``.
     """
 
     def __init__(
         self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype,
-        quantization: Quantization | None = None,
+        quantization: Quantization | None = None, reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.ctx = ctx
+        self.reduce_results = reduce_results
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, ctx.world_size, "input_size")
@@ -240,6 +244,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _matmul(self, x, None)  # (T, output_size), this rank's partial sum
+        if not self.reduce_results:
+            return y
         y = self.ctx.all_reduce(y)  # (T, output_size), summed over ranks
         if self.bias is not None:
             y = y + self.bias  # (T, output_size); once, not once per rank

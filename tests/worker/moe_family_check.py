@@ -1,0 +1,147 @@
+"""The check every mixture-of-experts family passes against ``transformers`` (parent-process side).
+
+For a tiny seeded checkpoint (tests/tiny_models.py), ``transformers`` generates 32
+greedy tokens for each of 16 prompts (3 to 12 tokens) and scores each prompt. Our
+``ModelRunner`` then runs, at one tensor-parallel degree, two jobs teacher-forced
+with those completions (tests/worker/tp_harness.py):
+
+* *alone*: the first 8 prompts one after another, each the only sequence of its steps;
+* *at once*: all 16 in one batch (prefills together, then 31 decode steps of 16).
+
+Every sampled token must equal ``transformers``' and every sampled row's logits
+and prompt logprob match its own within 1e-4 (float32); a prompt's logits alone and
+in the batch of 16 agree to 1e-5 (the experts chosen are the same; only the GEMMs'
+grouping differs); and each MoE layer's per-expert counts sum, over a job, to the
+tokens it ran times ``num_experts_per_tok``, with no count from a dense layer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
+from tests.worker.tp_harness import Job, StepRecord, run_jobs
+from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+
+NUM_PROMPTS, NUM_ALONE, NUM_NEW_TOKENS, BLOCK_SIZE = 16, 8, 32, 4
+MAX_PROMPT = 12
+BLOCKS_PER_SEQ = -(-(MAX_PROMPT + NUM_NEW_TOKENS) // BLOCK_SIZE)
+SAMPLING = SamplingParams(temperature=0.0, prompt_logprobs=0)
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """A tiny checkpoint, ``transformers``' outputs for it, and the two jobs."""
+
+    model_dir: str
+    prompts: list[tuple[int, ...]]
+    completions: list[list[int]]
+    logits: list[torch.Tensor]  # per prompt: (NUM_NEW_TOKENS, vocab) float32
+    prompt_logprobs: list[torch.Tensor]  # per prompt: (len - 1,) float32
+    top_k: int
+    moe_layers: frozenset[int]
+    jobs: tuple[Job, Job]  # alone, at once
+
+
+@torch.no_grad()
+def build_case(spec: TinyModelSpec, directory: Path, moe_layers: set[int], top_k: int) -> FamilyCase:
+    """Save ``spec``'s checkpoint in ``directory`` and compute ``transformers``' reference."""
+    save_tiny_model(spec, directory)
+    model = load_hf_model(directory)
+    model.generation_config.eos_token_id = None  # exactly NUM_NEW_TOKENS
+    rng = random.Random(spec.seed)
+    prompts = [tuple(rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(3, MAX_PROMPT)))
+               for _ in range(NUM_PROMPTS)]
+    completions, logits, prompt_logprobs = [], [], []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])  # (1, P)
+        out = model.generate(ids, do_sample=False, max_new_tokens=NUM_NEW_TOKENS, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        completions.append(out.sequences[0, len(prompt):].tolist())
+        logits.append(torch.cat(out.logits).float())  # (NUM_NEW_TOKENS, V)
+        scores = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)  # (P - 1, V)
+        prompt_logprobs.append(scores.gather(1, ids[0, 1:, None])[:, 0])  # (P - 1,)
+    alone, at_once = _alone_plans(prompts[:NUM_ALONE], completions), _at_once_plans(prompts, completions)
+    num_blocks = NUM_PROMPTS * BLOCKS_PER_SEQ
+    jobs = (Job(f"{spec.name}_alone", str(directory), alone, num_blocks, BLOCK_SIZE),
+            Job(f"{spec.name}_at_once", str(directory), at_once, num_blocks, BLOCK_SIZE))
+    return FamilyCase(str(directory), prompts, completions, logits, prompt_logprobs, top_k, frozenset(moe_layers),
+                      jobs)
+
+
+def _steps(seq_ids: list[int], prompts: list[tuple[int, ...]], completions: list[list[int]], first_step: int,
+           finished: tuple[int, ...]) -> list[StepPlan]:
+    """The prefill of ``seq_ids`` together, then their decodes, teacher-forced with the completions."""
+    new = tuple(NewSequence(i, SAMPLING, len(prompts[i]), prompt_token_ids=prompts[i]) for i in seq_ids)
+    blocks = {i: tuple(range(n * BLOCKS_PER_SEQ, (n + 1) * BLOCKS_PER_SEQ)) for n, i in enumerate(seq_ids)}
+    plans = [StepPlan(first_step, new, tuple(ScheduledChunk(i, prompts[i], 0, blocks[i]) for i in seq_ids), finished)]
+    for j in range(1, NUM_NEW_TOKENS):
+        chunks = tuple(ScheduledChunk(i, (completions[i][j - 1],), len(prompts[i]) + j - 1) for i in seq_ids)
+        plans.append(StepPlan(first_step + j, scheduled=chunks))
+    return plans
+
+
+def _alone_plans(prompts: list[tuple[int, ...]], completions: list[list[int]]) -> tuple[StepPlan, ...]:
+    plans: list[StepPlan] = []
+    for i in range(len(prompts)):
+        plans += _steps([i], prompts, completions, len(plans), (i - 1,) if i else ())
+    return tuple(plans)
+
+
+def _at_once_plans(prompts: list[tuple[int, ...]], completions: list[list[int]]) -> tuple[StepPlan, ...]:
+    return tuple(_steps(list(range(len(prompts))), prompts, completions, 0, ()))
+
+
+def at_once_job(case: FamilyCase, num_prompts: int, num_steps: int, graph_size: int | None = None) -> Job:
+    """The first ``num_prompts`` prompts at once for ``num_steps`` steps; with ``graph_size``, through decode graphs.
+
+    Off CUDA the graphs' static-buffer path runs eagerly (Triton's interpreter for attention),
+    padding rows included: what a replayed graph computes.
+    """
+    plans = _at_once_plans(case.prompts[:num_prompts], case.completions)[:num_steps]
+    return Job("short", case.model_dir, plans, NUM_PROMPTS * BLOCKS_PER_SEQ, BLOCK_SIZE,
+               cuda_graph_sizes=(graph_size,) if graph_size else ())
+
+
+def check_family(case: FamilyCase, tp: int) -> None:
+    """Run both jobs at degree ``tp`` and check them (see the module docstring)."""
+    records = run_jobs(list(case.jobs), world_size=tp)
+    alone_logits = check_job(case, case.jobs[0], records[case.jobs[0].name])
+    batch_logits = check_job(case, case.jobs[1], records[case.jobs[1].name])
+    for i, logits in alone_logits.items():
+        torch.testing.assert_close(logits, batch_logits[i], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"prompt {i} alone vs in a batch of {NUM_PROMPTS}: {m}")
+
+
+def check_job(case: FamilyCase, job: Job, records: list[StepRecord]) -> dict[int, torch.Tensor]:
+    """Tokens, logits, prompt logprobs and expert counts of one job; returns each prompt's (steps, V) logits."""
+    assert len(records) == len(job.plans)
+    rows: dict[int, list[torch.Tensor]] = defaultdict(list)
+    scored: dict[int, list[float]] = defaultdict(list)
+    counted: dict[int, int] = defaultdict(int)
+    num_tokens = 0
+    for plan, record in zip(job.plans, records, strict=True):
+        seq_ids = [c.seq_id for c in plan.scheduled]
+        step = [len(rows[i]) for i in seq_ids]
+        assert record.sampled_token_ids == tuple(case.completions[i][j] for i, j in zip(seq_ids, step)), \
+            f"{job.name} step {plan.step_id}"
+        for n, i in enumerate(seq_ids):
+            rows[i].append(record.logits[n])
+        for p in record.prompt_logprobs:
+            scored[p.seq_id] += p.logprobs
+        triples = record.expert_token_counts
+        for layer, _, count in zip(triples[0::3], triples[1::3], triples[2::3]):
+            counted[layer] += count
+        num_tokens += sum(c.num_tokens for c in plan.scheduled)
+    logits = {i: torch.stack(r) for i, r in rows.items()}
+    for i, got in logits.items():
+        torch.testing.assert_close(got, case.logits[i][:len(got)], atol=1e-4, rtol=1e-4, msg=lambda m: f"{job.name} {i}: {m}")
+        torch.testing.assert_close(torch.tensor(scored[i]), case.prompt_logprobs[i], atol=1e-4, rtol=0,
+                                   msg=lambda m: f"{job.name} prompt logprobs {i}: {m}")
+    assert dict(counted) == {layer: num_tokens * case.top_k for layer in case.moe_layers}, job.name
+    return logits

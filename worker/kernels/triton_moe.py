@@ -1,0 +1,131 @@
+"""The experts of a MoE layer on CUDA: a grouped GEMM in Triton over rows sorted by expert.
+
+The routed rows of a step (row ``t * k + j``: token ``t``'s ``j``-th choice) are
+sorted by expert and each expert's group is padded to a multiple of ``BLOCK_M`` (16 or 64)
+(:func:`align_rows`, all in device ops: no host read, so a decode step stays
+capturable in a CUDA graph, and its shapes depend on ``T * k`` only). One program
+then multiplies ``BLOCK_M`` rows of one expert by a ``BLOCK_N`` tile of that
+expert's weight: every weight tile is read once per block of its expert's rows,
+and an expert no token chose costs nothing (its blocks do not exist). The layout
+is vLLM's fused_moe (``moe_align_block_size``; Kwon et al. 2023) and MegaBlocks'
+(Gale et al. 2022, arXiv:2211.15841) block-sparse view of the experts; the code is ours.
+
+Two launches per layer: ``gate_up`` (rows read their token's activations), then,
+after ``silu(gate) * up``, ``down`` (rows read their own activations). A token's ``k``
+outputs are scaled by their routing weights and summed after, as on the CPU path.
+
+Float32 weights multiply in IEEE float32 (no TF32), so the CPU interpreter
+(``TRITON_INTERPRET=1``, tests/worker/conftest.py) and the GPU agree with a float32
+reference; bfloat16/float16 accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from worker.layers.moe_experts import _act, combine
+
+#: Rows of one expert per program (tl.dot needs at least 16): 16 for decode-sized steps, where
+#: an expert gets a few rows and padding to 64 would waste the work, 64 once the average group
+#: fills it (prefill), so each weight tile is read once per 64 rows.
+BLOCK_M_SMALL, BLOCK_M_LARGE = 16, 64
+BLOCK_N = 64
+BLOCK_K = 32
+
+
+def block_rows(num_rows: int, num_experts: int) -> int:
+    """``BLOCK_M`` for a step of ``num_rows`` routed rows over ``num_experts`` (a function of shapes only)."""
+    return BLOCK_M_LARGE if num_rows >= BLOCK_M_LARGE * num_experts else BLOCK_M_SMALL
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel, built on first use."""
+    import triton
+
+    from worker.kernels import _triton_moe_gemm
+
+    return triton.jit(_triton_moe_gemm.grouped_gemm_kernel)
+
+
+def align_rows(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed rows sorted by expert, each expert's group padded to ``block_m`` rows.
+
+    Args:
+        ids: ``(T, k)`` int64 expert of each choice.
+        num_experts: ``E``.
+        block_m: rows per block.
+
+    Returns:
+        ``(sorted_rows (P,) int32, block_expert (P / block_m,) int32)`` with
+        ``P = ceil((T * k + E * (block_m - 1)) / block_m) * block_m`` (a bound fixed by
+        the shape): block ``b`` holds rows ``sorted_rows[b * block_m:][:block_m]`` of expert
+        ``block_expert[b]`` (``-1``: unused); padding rows hold ``T * k``.
+    """
+    flat = ids.reshape(-1)  # (n,)
+    n = flat.shape[0]
+    device = flat.device
+    order = torch.argsort(flat, stable=True)  # (n,) rows by expert, token order within one
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m  # (E,)
+    padded_end = torch.cumsum(padded, 0)  # (E,)
+    start = torch.cumsum(counts, 0) - counts  # (E,) first sorted row of each expert
+    sorted_expert = flat[order]  # (n,)
+    position = padded_end[sorted_expert] - padded[sorted_expert] + torch.arange(n, device=device) - start[sorted_expert]
+    total = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_rows = torch.full((total,), n, dtype=torch.int32, device=device)
+    sorted_rows[position] = order.to(torch.int32)
+    block_start = torch.arange(0, total, block_m, device=device)  # (P / block_m,)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)  # expert whose padded range holds it
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_rows, block_expert
+
+
+def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tensor, block_expert: torch.Tensor,
+                 num_rows: int, a_row_divisor: int, block_m: int) -> torch.Tensor:
+    """``out[r] = a[r // a_row_divisor] @ weight[e(r)].T`` for every routed row ``r < num_rows``.
+
+    Args:
+        a: ``(M, K)`` activations, last dim contiguous.
+        weight: ``(E, N, K)`` contiguous.
+        sorted_rows, block_expert: from :func:`align_rows` with ``block_m``.
+        num_rows: ``T * k``.
+        a_row_divisor: ``k`` when rows read their token's activations, 1 when their own.
+
+    Returns:
+        ``(num_rows, N)`` in ``a.dtype``.
+
+    Raises:
+        ValueError: CPU tensors outside Triton's interpreter, or mismatched dims.
+    """
+    if a.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("a Triton kernel on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
+    if a.shape[1] != weight.shape[2] or a.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"a {tuple(a.shape)} and weight {tuple(weight.shape)} do not fit, or are not contiguous")
+    num_experts, n_out, k_in = weight.shape
+    out = torch.empty(num_rows, n_out, dtype=a.dtype, device=a.device)
+    if num_rows == 0:
+        return out
+    grid = (block_expert.shape[0], -(-n_out // BLOCK_N))
+    _kernel()[grid](
+        a, weight, out, sorted_rows, block_expert,
+        num_rows, n_out, k_in, a_row_divisor, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=a.dtype == torch.float32)
+    return out
+
+
+def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                           weights: torch.Tensor) -> torch.Tensor:
+    """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``."""
+    num_tokens, top_k = ids.shape
+    num_rows = num_tokens * top_k
+    block_m = block_rows(num_rows, gate_up.shape[0])
+    sorted_rows, block_expert = align_rows(ids, gate_up.shape[0], block_m)
+    h = grouped_gemm(x, gate_up, sorted_rows, block_expert, num_rows, top_k, block_m)  # (T * k, 2 * I)
+    h = _act(h)  # (T * k, I)
+    out = grouped_gemm(h, down, sorted_rows, block_expert, num_rows, 1, block_m)  # (T * k, H)
+    return combine(out.view(num_tokens, top_k, -1), weights)  # (T, H)

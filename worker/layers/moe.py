@@ -1,0 +1,304 @@
+"""Mixture-of-experts feed-forward layer with tensor-parallel experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A sparse MoE block (Shazeer et al. 2017, arXiv:1701.06538; Mixtral: Jiang et al.
+2024, arXiv:2401.04088) replaces the dense SwiGLU MLP of a decoder layer:
+
+    logits  = x @ W_router.T                                  (T, E), replicated on every rank
+    ids, w  = top_k(softmax(logits))                          (T, k) each; renormalised when asked
+    y       = sum_j w[:, j] * down_e(silu(gate_e(x)) * up_e(x)),  e = ids[:, j]
+    y      += sigmoid(x @ w_shared_gate) * shared_expert(x)   Qwen2-MoE only
+
+Tensor parallelism: every rank holds a slice of *every* expert's intermediate
+dimension, like the dense MLP (gate/up split by rows, down by columns), so each
+rank computes a partial ``y`` for every token and the block ends in ONE all-reduce,
+shared expert included (its gate is a per-token scalar, so scaling the partials
+before the sum is the same as after). The router is replicated: every rank picks
+the same experts.
+
+Stacked parameters of :class:`FusedMoE` (the names ``transformers`` 5 uses):
+``gate_up_proj (E, 2 * I / tp, H)`` laid out ``[gate | up]`` per expert, and
+``down_proj (E, H, I / tp)``. Checkpoints store one tensor per expert
+(``experts.{e}.w1/w3/w2`` for Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj``
+for Qwen); :func:`expert_weight_map` names the parameter and the shard
+``(e, "gate" | "up" | "down")`` each fills (``transformers`` 5 writes this layout
+too, though it stacks the experts in memory).
+
+Batch invariance: a token's experts must not depend on what else is in the step.
+The router logits are computed in float64 and rounded to the activation dtype (the
+correctly rounded value of each dot product up to float64 error, ~1e-16 relative,
+whatever the GEMM's blocking), and ties in top-k are broken by the lower expert
+index (a stable sort), so a token's choice is a function of its own hidden state.
+The experts' GEMMs do run on groups whose size depends on the batch, so a token's
+output may differ in the last bits, as every dense layer's does.
+
+Expert computation (:mod:`worker.layers.moe_experts`): tokens are grouped by expert
+(one sort), one GEMM pair per expert on its contiguous group on the CPU, a grouped
+Triton kernel on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.quantization import Quantization
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _divide
+from worker.layers.moe_experts import grouped_experts
+from worker.layers.norm import SiluAndMul
+from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
+from worker.parallel_state import ParallelContext
+
+#: The kinds of per-expert checkpoint tensors, in the order families name them.
+EXPERT_PROJECTIONS = ("gate", "up", "down")
+#: Checkpoint module names of (gate, up, down) per family.
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x (T, H) @ weight (E, H).T`` -> ``(T, E)`` in ``x.dtype``, the same for a row alone or in any batch.
+
+    Accumulated in float64 and rounded once to ``x.dtype``: the value ``transformers``'
+    router GEMM approximates in ``x.dtype``, minus its blocking-dependent last bits.
+    """
+    return F.linear(x.double(), weight.double()).to(x.dtype)  # (T, E)
+
+
+def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: ``softmax`` over all experts in float32, the ``top_k`` largest, optionally renormalised.
+
+    As ``transformers``' ``MixtralTopKRouter`` (always renormalised) and
+    ``Qwen{2,3}MoeTopKRouter`` (renormalised when ``norm_topk_prob``). Equal
+    probabilities rank the lower expert index first.
+
+    Args:
+        logits: ``(T, E)`` router logits, any float dtype.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        renormalize: divide the ``top_k`` probabilities by their sum.
+
+    Returns:
+        ``(weights (T, top_k) float32, ids (T, top_k) int64)``, most probable first.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)  # (T, E) float32
+    ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties keep index order
+    weights, ids = ranked[:, :top_k], order[:, :top_k]  # (T, top_k) each
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def is_sparse_layer(layer_index: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: list[int]) -> bool:
+    """Whether Qwen-MoE decoder layer ``layer_index`` has a MoE block (else a dense MLP), as ``transformers`` decides.
+
+    Sparse when not in ``mlp_only_layers``, ``num_experts > 0`` and ``(layer_index + 1)`` is a
+    multiple of ``decoder_sparse_step``.
+
+    Raises:
+        ValueError: ``decoder_sparse_step < 1``.
+    """
+    if decoder_sparse_step < 1:
+        raise ValueError(f"config.json decoder_sparse_step={decoder_sparse_step} must be >= 1")
+    return layer_index not in mlp_only_layers and num_experts > 0 and (layer_index + 1) % decoder_sparse_step == 0
+
+
+def expert_weight_map(checkpoint_name: str, names: tuple[str, str, str]) -> tuple[str, tuple[int, str]] | None:
+    """``...experts.3.w1.weight`` -> (``...experts.gate_up_proj``, ``(3, "gate")``); None if not an expert tensor.
+
+    Args:
+        checkpoint_name: a checkpoint tensor's name.
+        names: the family's checkpoint names of (gate, up, down), e.g. :data:`MIXTRAL_EXPERT_NAMES`.
+    """
+    parts = checkpoint_name.split(".")
+    if "experts" not in parts:
+        return None
+    i = parts.index("experts")
+    tail = parts[i + 1:]
+    if len(tail) != 3 or not tail[0].isdigit() or tail[1] not in names or tail[2] != "weight":
+        return None
+    kind = EXPERT_PROJECTIONS[names.index(tail[1])]
+    param = "down_proj" if kind == "down" else "gate_up_proj"
+    return ".".join(parts[:i + 1] + [param]), (int(tail[0]), kind)
+
+
+def expert_checkpoint_name(param_name: str, shard_id: object, names: tuple[str, str, str]) -> str | None:
+    """Inverse of :func:`expert_weight_map` (for error messages); None if ``shard_id`` is not an expert's."""
+    if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in EXPERT_PROJECTIONS):
+        return None
+    expert, kind = shard_id
+    prefix = param_name.rsplit(".", 1)[0]
+    return f"{prefix}.{expert}.{names[EXPERT_PROJECTIONS.index(kind)]}.weight"
+
+
+class FusedMoE(nn.Module):
+    """Every expert's SwiGLU MLP, this rank's slice of each, applied to the tokens routed to it.
+
+    Args:
+        num_experts: ``E``.
+        hidden_size: ``H``.
+        intermediate_size: ``I``, one expert's full intermediate width; must divide by ``world_size``.
+        ctx: the tensor-parallel group.
+        dtype: parameter and activation dtype.
+        quantization: must be None: ``--quantization int8`` is refused for expert weights.
+
+    Shapes: ``forward(x (T, H), ids (T, k) int64, weights (T, k))`` -> this rank's
+    partial ``(T, H)`` in ``x.dtype`` (the caller all-reduces).
+
+    Raises:
+        ValueError: ``intermediate_size`` not divisible, or a quantization asked for.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
+                 dtype: torch.dtype, quantization: Quantization | None = None) -> None:
+        super().__init__()
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models "
+                             "(expert weights); serve them unquantized")
+        self.ctx = ctx
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.intermediate_size_per_partition = _divide(intermediate_size, ctx.world_size, "moe_intermediate_size")
+        local = self.intermediate_size_per_partition
+        self.gate_up_proj = new_parameter((num_experts, 2 * local, hidden_size), dtype, ctx.device, self.weight_loader)
+        self.down_proj = new_parameter((num_experts, hidden_size, local), dtype, ctx.device, self.weight_loader)
+        self.gate_up_proj.shard_ids = tuple((e, k) for e in range(num_experts) for k in ("gate", "up"))
+        self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
+        #: Tokens routed to each expert since the last :meth:`take_routed_counts`, ``(E,)`` int64;
+        #: counted on rank 0 only, padding rows of a replayed CUDA graph included (the runner
+        #: subtracts those: worker/model_runner.py).
+        self.register_buffer("routed_counts", torch.zeros(num_experts, dtype=torch.int64, device=ctx.device),
+                             persistent=False)
+
+    def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
+        """Copy this rank's slice of expert ``e``'s gate/up rows or down columns; ``shard_id = (e, kind)``."""
+        local, full = self.intermediate_size_per_partition, self.intermediate_size
+        start = self.ctx.rank * local
+        expert, kind = shard_id  # type: ignore[misc]
+        if kind == "down":
+            check_shape(source, (self.hidden_size, full))
+            copy_into(param.data[expert], read_narrow(source, 1, start, local))
+        else:
+            check_shape(source, (full, self.hidden_size))
+            offset = 0 if kind == "gate" else local
+            copy_into(param.data[expert, offset:offset + local], read_narrow(source, 0, start, local))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.ctx.is_rank0:  # the rank that reports them (StepResult.expert_token_counts)
+            flat = ids.reshape(-1)  # (T * k,)
+            self.routed_counts.index_add_(0, flat, torch.ones_like(flat))  # (E,); no host sync, graph-safe
+        return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights)  # (T, H), partial
+
+    def take_routed_counts(self) -> torch.Tensor:
+        """The ``(E,)`` int64 counts since the last call (on the layer's device), and reset them."""
+        counts = self.routed_counts.clone()
+        self.routed_counts.zero_()
+        return counts
+
+
+class SharedExpertMLP(nn.Module):
+    """Qwen2-MoE's always-on expert: a SwiGLU MLP whose down projection is left unreduced (a partial sum)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ctx: ParallelContext, dtype: torch.dtype,
+                 quantization: Quantization | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, ctx, bias=False,
+                                                       dtype=dtype, quantization=quantization)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, bias=False, dtype=dtype,
+                                           quantization=quantization, reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, H), this rank's partial
+
+
+class ReplicatedGate(nn.Module):
+    """A bias-free linear map held whole on every rank: the router ``(E, H)`` or the shared-expert gate ``(1, H)``."""
+
+    def __init__(self, hidden_size: int, output_size: int, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_parameter((output_size, hidden_size), dtype, ctx.device)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts and (Qwen2-MoE) a gated shared expert; ends in one all-reduce.
+
+    Args:
+        hidden_size: ``H``.
+        num_experts: ``E`` (``num_local_experts`` for Mixtral, ``num_experts`` for Qwen).
+        top_k: experts per token (``num_experts_per_tok``).
+        intermediate_size: one expert's width (``intermediate_size`` for Mixtral,
+            ``moe_intermediate_size`` for Qwen).
+        ctx: the tensor-parallel group.
+        dtype: parameter and activation dtype.
+        renormalize: renormalise the top-k probabilities (Mixtral: always; Qwen: ``norm_topk_prob``).
+        weights_in_dtype: round the routing weights to ``dtype`` before scaling the
+            experts' outputs (Qwen's routers do, Mixtral's keeps them in float32).
+        shared_expert_intermediate_size: width of Qwen2-MoE's shared expert; 0 for none.
+        quantization: must be None for the experts (see :class:`FusedMoE`).
+
+    Shapes: ``x (T, H) -> (T, H)``, ``x.dtype``, all-reduced over ranks.
+
+    Checkpoint names under the block: ``gate.weight``; ``experts.{e}.<gate|up|down>.weight``;
+    with a shared expert ``shared_expert.{gate,up,down}_proj.weight`` and ``shared_expert_gate.weight``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 ctx: ParallelContext, dtype: torch.dtype, *, renormalize: bool, weights_in_dtype: bool,
+                 shared_expert_intermediate_size: int = 0, quantization: Quantization | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.ctx = ctx
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_dtype = weights_in_dtype
+        self.gate = ReplicatedGate(hidden_size, num_experts, ctx, dtype)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, ctx, dtype=dtype,
+                                quantization=quantization)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, ctx, dtype,
+                                                 quantization)
+            self.shared_expert_gate = ReplicatedGate(hidden_size, 1, ctx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(router_logits(x, self.gate.weight), self.top_k, self.renormalize)  # (T, k)
+        if self.weights_in_dtype:
+            weights = weights.to(x.dtype)  # (T, k), as transformers' Qwen routers return them
+        y = self.experts(x, ids, weights)  # (T, H), this rank's partial
+        if self.shared_expert is not None:
+            scale = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))  # (T, 1), replicated
+            y = y + scale * self.shared_expert(x)  # (T, H), still a partial: the scale is per token
+        return self.ctx.all_reduce(y)  # (T, H), summed over ranks
+
+
+def expert_layers(model: nn.Module) -> list[tuple[int, FusedMoE]]:
+    """The model's :class:`FusedMoE` modules with their decoder layer's index (``...layers.{i}...``), in order."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            parts = name.split(".")
+            found.append((int(parts[parts.index("layers") + 1]), module))
+    return found
+
+
+def take_routed_counts(layers: list[tuple[int, FusedMoE]]) -> torch.Tensor | None:
+    """Every layer's ``(E,)`` counts since the last call, stacked ``(L, E)`` int64 on the device (reset); None if none."""
+    if not layers:
+        return None
+    return torch.stack([moe.take_routed_counts() for _, moe in layers])  # (L, E)
+
+
+def count_triples(layers: list[tuple[int, FusedMoE]], counts: torch.Tensor | None) -> tuple[int, ...]:
+    """``counts (L, E)`` of ``layers`` as flat ``(layer, expert, num_tokens)`` triples of the nonzero counts.
+
+    One device-to-host copy of an ``(n, 3)`` int64 tensor.
+    """
+    if counts is None:
+        return ()
+    where = counts.nonzero()  # (n, 2): (row of layers, expert)
+    index = torch.tensor([i for i, _ in layers], dtype=torch.int64, device=counts.device)
+    triples = torch.stack([index[where[:, 0]], where[:, 1], counts[where[:, 0], where[:, 1]]], dim=1)  # (n, 3)
+    return tuple(triples.reshape(-1).tolist())

@@ -1,0 +1,83 @@
+"""The experts' SwiGLU MLPs over the tokens routed to them, grouped by expert (no per-token loop).
+
+Every ``(token, choice)`` pair of a step is one *routed row*: ``T * k`` rows, row
+``t * k + j`` being token ``t``'s ``j``-th expert ``ids[t, j]``. The rows are sorted
+by expert (one stable sort), so each expert's rows are contiguous:
+
+* CPU (and any device without Triton): one GEMM pair per expert with rows, on its
+  contiguous group (:func:`grouped_experts_torch`); the group sizes are read on the host.
+* CUDA: the grouped Triton kernel of worker/kernels/triton_moe.py, two launches per
+  layer (gate/up, then down with the routing weight); its shapes depend on ``T`` only
+  and nothing is read on the host, so a decode step stays capturable in a CUDA graph.
+
+Both return, per token, ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` summed over
+``j`` in routing order (most probable first), a partial of the tensor-parallel sum.
+``TPSERVE_TRITON_MOE=0`` keeps CUDA on the torch path, for A/B measurements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from worker.layers.matmul import linear
+from worker.layers.norm import SiluAndMul
+
+_act = SiluAndMul()
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """Apply each token's ``k`` experts and sum them by their routing weights.
+
+    Args:
+        x: ``(T, H)`` activations.
+        gate_up: ``(E, 2 * I, H)`` stacked ``[gate | up]`` weights (``I``: this rank's slice).
+        down: ``(E, H, I)`` stacked down weights.
+        ids: ``(T, k)`` int64 expert of each choice.
+        weights: ``(T, k)`` routing weights (float32, or ``x.dtype`` to round as the family does).
+
+    Returns:
+        ``(T, H)`` in ``x.dtype``.
+    """
+    if x.device.type == "cuda" and _triton_moe_enabled():
+        from worker.kernels.triton_moe import grouped_experts_triton
+
+        return grouped_experts_triton(x, gate_up, down, ids, weights)
+    return grouped_experts_torch(x, gate_up, down, ids, weights)
+
+
+def _triton_moe_enabled() -> bool:
+    return os.environ.get("TPSERVE_TRITON_MOE", "1") != "0"
+
+
+def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host)."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)  # (T * k,) routed rows
+    order = torch.argsort(flat, stable=True)  # (T * k,) rows grouped by expert, in token order within one
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # rows per expert, on the host
+    xs = x[order // top_k]  # (T * k, H) each row's token
+    out_sorted = torch.empty(xs.shape[0], down.shape[1], dtype=x.dtype, device=x.device)  # (T * k, H)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            h = _act(linear(xs[rows], gate_up[expert]))  # (count, I)
+            out_sorted[rows] = linear(h, down[expert])  # (count, H)
+            start += count
+    out = torch.empty_like(out_sorted)
+    out[order] = out_sorted  # (T * k, H) back in row order t * k + j
+    return combine(out.view(num_tokens, top_k, -1), weights)
+
+
+def combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[:, j] * expert_out[:, j]``: ``(T, k, H), (T, k) -> (T, H)`` in ``expert_out.dtype``.
+
+    Products in the promoted dtype (float32 routing weights lift a bfloat16 output, as
+    in ``transformers``' Mixtral), summed in float32, rounded once.
+    """
+    scaled = expert_out * weights.unsqueeze(-1)  # (T, k, H)
+    return scaled.sum(dim=1, dtype=torch.float32).to(expert_out.dtype)  # (T, H)
