@@ -34,10 +34,10 @@ from tpserve.v1 import generate_pb2_grpc
 pytestmark = [pytest.mark.e2e, requires_stories]
 
 PROMPT = "Once upon a time, there was a little"
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                           "friends": {"type": "array", "items": {"type": "string", "maxLength": 16},
-                                                       "maxItems": 6}},
-          "required": ["name", "friends"]}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "friends": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                                       "maxItems": 3}},
+          "required": ["name", "friends"], "additionalProperties": False}
 MAX_TOKENS = 120
 
 
@@ -118,8 +118,8 @@ def test_a_continuation_from_k_tokens_is_the_tail_of_the_uninterrupted_request(r
         assert rest[-1].finish_reason == full[-1].finish_reason and \
             rest[-1].usage.completion_tokens == full[-1].usage.completion_tokens, k
         assert _logprobs(rest) == pytest.approx(_logprobs(full)[k:], abs=1e-5), k
-    if kind == "json":
-        json.loads(text)  # valid under the schema's grammar, whatever the seam
+    if kind == "json":  # complete and valid under the schema's grammar, whatever the seam
+        assert full[-1].finish_reason == pb.FINISH_REASON_STOP and set(json.loads(text)) == {"name", "friends"}
 
 
 def test_streams_move_off_a_killed_replica_token_for_token(replicas, references) -> None:
