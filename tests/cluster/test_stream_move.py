@@ -38,7 +38,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "friends": {"type": "array", "items": {"type": "string", "maxLength": 10},
                                                        "maxItems": 3}},
           "required": ["name", "friends"], "additionalProperties": False}
-MAX_TOKENS = 120
+MAX_TOKENS = 300
 
 
 def _kinds(stop: str) -> dict[str, dict]:
@@ -48,7 +48,7 @@ def _kinds(stop: str) -> dict[str, dict]:
         "sampled": dict(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1234, repetition_penalty=1.3,
                         presence_penalty=0.3, frequency_penalty=0.2, min_tokens=MAX_TOKENS - 10, logprobs=True),
         "stop": dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stop=[stop]),
-        "json": dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=99, json_schema=SCHEMA, logprobs=True),
+        "json": dict(max_tokens=60, temperature=1.0, seed=99, json_schema=SCHEMA, logprobs=True),
     }
 
 
@@ -138,9 +138,13 @@ def test_streams_move_off_a_killed_replica_token_for_token(replicas, references)
                 async for chunk in client.generate_stream(PROMPT, **kinds[name], timeout_s=60):
                     received[index].append(chunk)
 
+            for _ in range(8):  # round_robin connects to both addresses before the streams start
+                await client.model_info()
             tasks = [asyncio.create_task(consume(i, name)) for i, name in enumerate(names)]
             deadline = time.monotonic() + 30
-            while sum(1 for r in received if 3 <= len(r) and r[-1].finish_reason is None) < len(names) // 2:
+            # Mid-stream: every stream has delivered tokens, and the doomed replica still holds some.
+            while min(len(r) for r in received) < 3 or \
+                    await asyncio.to_thread(doomed.metric, "tpserve:num_requests_running") < 2:
                 assert time.monotonic() < deadline, [len(r) for r in received]
                 await asyncio.sleep(0.005)
             os.killpg(doomed.process.pid, signal.SIGKILL)  # the replica's coordinator and its rank, at once
@@ -148,7 +152,8 @@ def test_streams_move_off_a_killed_replica_token_for_token(replicas, references)
             return received
 
     received = asyncio.run(main())
-    assert moves and any(move.num_delivered_tokens > 0 for move in moves), moves
+    # The replica's streams moved (a structured one may have finished before the kill), tokens delivered.
+    assert sum(move.num_delivered_tokens > 0 for move in moves) >= 4, moves
     for name, chunks in zip(names, received, strict=True):
         full = references[name]
         assert [t for c in chunks for t in c.token_ids] == _tokens(full), name  # no token twice, none lost
