@@ -41,6 +41,7 @@ from tests.cluster.hosts import (
 from tests.e2e.cluster import pid_alive
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 from tpserve.client import Client
+from tpserve.stream_move import MovePolicy
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -115,7 +116,7 @@ def group(request, hosts: Hosts, tmp_path_factory) -> Iterator[Group]:
         return hosts.run(hosts.headless, "host-b", serve_argv(*group_flags(1), *secret_flags), headless_log, env)
 
     procs: list[subprocess.Popen] = []
-    client = Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}")
+    client = Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}", move_policy=MovePolicy(max_moves=0))  # the leader's own statuses
     try:
         if headless_first:
             procs.append(start_headless())
