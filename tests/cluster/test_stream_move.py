@@ -122,6 +122,17 @@ def test_a_continuation_from_k_tokens_is_the_tail_of_the_uninterrupted_request(r
         assert full[-1].finish_reason == pb.FINISH_REASON_STOP and set(json.loads(text)) == {"name", "friends"}
 
 
+def test_a_continuation_its_format_refuses_ends_without_harm(replicas, references) -> None:
+    # Tokens the JSON grammar cannot have produced: the rank's matcher allows only an end (no crash,
+    # nothing leaked), and the replica serves the next request exactly.
+    stub = generate_pb2_grpc.GenerationStub(replicas[1].client.channel)
+    request = _request(references["_kinds"]["json"])
+    request.generated_token_ids.extend(_tokens(references["greedy"])[:5])  # story text, not JSON
+    rest = _stream(stub, request)
+    assert _tokens(rest) == [] and rest[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert _tokens(_stream(stub, _request(references["_kinds"]["json"]))) == _tokens(references["json"])
+
+
 def test_streams_move_off_a_killed_replica_token_for_token(replicas, references) -> None:
     doomed, kept = replicas
     kinds = references["_kinds"]
@@ -171,4 +182,7 @@ def test_a_stream_that_cannot_move_fails_with_the_last_error(replicas) -> None:
                                                       on_move=moves.append)) as client:
         with pytest.raises(grpc.RpcError) as info:
             list(client.generate_stream(PROMPT, max_tokens=4))
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and [m.attempt for m in moves] == [1, 2]
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and [m.attempt for m in moves] == [1, 2]
+        with pytest.raises(grpc.RpcError) as info:  # a unary call is sent again whole, as often
+            client.generate(PROMPT, max_tokens=4)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and [m.attempt for m in moves] == [1, 2, 1, 2]
