@@ -82,6 +82,16 @@ def test_a_lost_group_moves_and_the_last_error_ends_a_stream_out_of_moves() -> N
     assert info.value is refused and len(moves) == 2
 
 
+@pytest.mark.parametrize("words", ["failed to connect to all addresses", "connections to all backends failing"])
+def test_a_first_attempt_that_reaches_no_address_is_raised_at_once(words) -> None:
+    refused = RpcError(grpc.StatusCode.UNAVAILABLE, f"{words}; last error: UNKNOWN: "
+                       "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused")
+    mover, moves = _mover()
+    with pytest.raises(RpcError) as info:
+        mover.next_request(refused)
+    assert info.value is refused and not moves
+
+
 def test_n_samples_do_not_move() -> None:
     mover, moves = _mover(n=2)
     with pytest.raises(RpcError):

@@ -361,8 +361,15 @@ def _json_schema(value: str | None) -> str | None:
         raise UsageError(f"--json-schema {value}: {value[1:]} is not UTF-8 text") from None
 
 
+def _report_move(move) -> None:
+    """One stderr line per request moved to another replica (tpserve/stream_move.py)."""
+    print(f"tpserve generate: {move.code.name} ({move.details}); continuing on another replica after "
+          f"{move.num_delivered_tokens} tokens (attempt {move.attempt})", file=sys.stderr, flush=True)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tpserve.client import Client, GenerateResult
+    from tpserve.stream_move import MovePolicy
 
     _check_generate_flags(args)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -374,7 +381,7 @@ def _generate(args: argparse.Namespace) -> int:
                     top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
                     prompt_logprobs=args.prompt_logprobs, cache_salt=args.cache_salt,
                     json_schema=_json_schema(args.json_schema))
-    with Client(args.target, credentials=_credentials(args)) as client:
+    with Client(args.target, credentials=_credentials(args), move_policy=MovePolicy(on_move=_report_move)) as client:
         if not args.stream:
             result = client.generate(_prompt(args), timeout_s=args.timeout, **sampling)
         else:

@@ -33,6 +33,8 @@ SEED_RANGE = 2**64  # SamplingParams.seed: any unsigned 64-bit value
 
 #: INTERNAL details that mean the server lost its workers or the transport broke, not a bug in the request.
 _LOST_GROUP_MARKERS = ("worker group", "engine loop failed", "rst_stream", "stream removed")
+#: gRPC's UNAVAILABLE when no address of the target accepts a connection at all (pick_first's and round_robin's words).
+_NO_ADDRESS = ("failed to connect to all addresses", "connections to all backends failing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,8 @@ class StreamMover:
 
     ``delivered(message)`` is called with each message received; ``next_request(exc)``
     after a failure returns the request to send next and the seconds to wait first, or
-    raises ``exc`` when the stream cannot move (not a movable error, ``n`` > 1, out of moves).
+    raises ``exc`` when the stream cannot move (not a movable error, ``n`` > 1, out of moves,
+    or a first attempt that reached no address of the target at all).
     """
 
     def __init__(self, request: pb.GenerateRequest, policy: MovePolicy) -> None:
@@ -124,6 +127,8 @@ class StreamMover:
         """
         if self.finished or not self._movable or self.moves >= self.policy.max_moves or not is_movable(exc):
             raise exc
+        if not self.tokens and not self.moves and any(m in (exc.details() or "").lower() for m in _NO_ADDRESS):
+            raise exc  # never reached a server: no replica to move to (a wrong --target says so at once)
         self.moves += 1
         backoff = min(self.policy.initial_backoff_s * 2 ** (self.moves - 1), self.policy.max_backoff_s)
         backoff *= random.uniform(0.5, 1.0)
