@@ -40,7 +40,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tpserve.grpc_metadata import metadata_interceptors
-from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove: on_move's argument
+from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove re-exported
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 

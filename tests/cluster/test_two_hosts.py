@@ -116,7 +116,8 @@ def group(request, hosts: Hosts, tmp_path_factory) -> Iterator[Group]:
         return hosts.run(hosts.headless, "host-b", serve_argv(*group_flags(1), *secret_flags), headless_log, env)
 
     procs: list[subprocess.Popen] = []
-    client = Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}", move_policy=MovePolicy(max_moves=0))  # the leader's own statuses
+    # The leader's own statuses, as they come: a broken stream is not moved and sent again.
+    client = Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}", move_policy=MovePolicy(max_moves=0))
     try:
         if headless_first:
             procs.append(start_headless())
