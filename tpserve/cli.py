@@ -88,7 +88,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--step-timeout-seconds", dict(type=float, help="a step that takes longer fails as a lost rank")),
         ("--shutdown-grace-seconds", dict(type=float, help="on SIGTERM/SIGINT, time in-flight requests get to finish")),
         ("--worker-recovery-timeout-seconds", dict(
-            type=float, help="restart a lost group (one host) and resume its requests within this time; 0: exit")),
+            type=float, help="restart a lost group (waiting for lost nodes to rejoin) and resume its requests "
+                             "within this time; 0: exit")),
         ("--ssl-certfile", dict(help="PEM certificate chain: serve the public port over TLS")),
         ("--ssl-keyfile", dict(help="PEM private key of --ssl-certfile")),
         ("--ssl-ca-certs", dict(help="PEM CA bundle: require client certificates signed by it (mutual TLS)")),
