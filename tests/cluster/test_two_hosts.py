@@ -284,19 +284,25 @@ def _metric(name: str) -> float:
     return float(next(line.split()[1] for line in body.splitlines() if line.startswith(name + " ")))
 
 
-def _streams_during(group: Group, requests: list[tuple[str, dict]], fault: Callable[[], None]) -> list:
+def _streams_during(group: Group, requests: list[tuple[str, dict]], fault: Callable[[], None],
+                    pauses: list[float] | None = None) -> list:
     """Runs the requests as streams, calls ``fault`` once each has delivered tokens; each stream's
-    token ids, or its error."""
+    token ids, or its error. ``pauses``: gets each stream's longest gap between two messages, in s."""
     started = threading.Barrier(len(requests) + 1)
 
     def one(prompt_and_sampling) -> list[int] | grpc.RpcError:
         prompt, sampling = prompt_and_sampling
         tokens: list[int] = []
+        last, longest = time.monotonic(), 0.0
         try:
             for chunk in group.client.generate_stream(prompt, ignore_eos=True, timeout_s=120, **sampling):
+                now = time.monotonic()
+                longest, last = max(longest, now - last) if tokens else 0.0, now
                 tokens.extend(chunk.token_ids)
                 if len(tokens) == 2:
                     started.wait(60)
+            if pauses is not None:
+                pauses.append(longest)
             return tokens
         except grpc.RpcError as exc:
             return exc
@@ -328,9 +334,12 @@ class TestHostLoss:
             time.sleep(3)
             group.headless = group.start_headless()
 
-        results = _streams_during(group, requests, kill_the_host_and_start_it_again)
+        pauses: list[float] = []
+        results = _streams_during(group, requests, kill_the_host_and_start_it_again, pauses)
         for request, result, want in zip(requests, results, expected, strict=True):
             assert result == want, (request, result)
+        # The pause a client sees: the 3 s the host is away, the group's restart, the recompute.
+        print(f"host lost and back after 3 s: longest pause a stream saw {max(pauses):.2f} s")
         assert _metric("tpserve:requests_resumed_total") == 16
         assert _metric("tpserve:worker_restarts_total") == 1
         assert "the group restarts" not in group.leader_log.read_text()  # no node was left to stop
