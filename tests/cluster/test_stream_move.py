@@ -5,10 +5,11 @@ stand behind one ``ipv4:`` target. First, on the replica that is never faulted: 
 request continued from k delivered tokens (``generated_token_ids``) gives exactly the
 tail of the uninterrupted request (greedy with logprobs, seeded sampling with a
 repetition penalty and ``min_tokens``, a stop string spanning the seam, a JSON schema),
-its text the rest of the text and its logprobs within 1e-5. Then a batch of streams of
-those kinds through the ``Client`` / ``AsyncClient``: one replica's whole process group
-is killed with SIGKILL mid-stream, and every stream completes, equal token for token and
-text for text to the same request on the unfaulted replica, no token twice.
+its text the rest of the text and its logprobs within 1e-5. Then a batch of 24 streams of
+those kinds through the ``AsyncClient``: one replica's whole process group is killed with
+SIGKILL mid-stream, and every stream completes, equal token for token and text for text
+to the same request on the unfaulted replica, no token twice (logprobs within 1e-4: a
+batch's composition moves float32 logits by that much).
 """
 
 from __future__ import annotations
@@ -170,7 +171,10 @@ def test_streams_move_off_a_killed_replica_token_for_token(replicas, references)
         full = references[name]
         assert [t for c in chunks for t in c.token_ids] == _tokens(full), name  # no token twice, none lost
         assert "".join(c.text for c in chunks) == "".join(m.text for m in full), name
-        assert [lp.logprob for c in chunks for lp in c.logprobs] == pytest.approx(_logprobs(full), abs=1e-5)
+        # 1e-4, not 1e-5: the references ran alone and these in a batch of 24 (then of the moved ones on the
+        # other replica); float32 logits on the CPU move by up to 1e-4 with the batch's composition (the
+        # seed's documented bound, generate.proto). The continuation itself adds nothing: 1e-5 above.
+        assert [lp.logprob for c in chunks for lp in c.logprobs] == pytest.approx(_logprobs(full), abs=1e-4)
         assert chunks[-1].finish_reason is not None and \
             chunks[-1].usage.completion_tokens == full[-1].usage.completion_tokens, name
 
