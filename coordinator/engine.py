@@ -28,7 +28,8 @@ import structlog
 
 from coordinator.block_allocator import num_blocks_for
 from coordinator.detokenizer import IncrementalDetokenizer
-from coordinator.errors import DeadlineExceededError, ResourceExhaustedError, TpserveError, UnavailableError
+from coordinator.errors import (DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, TpserveError,
+                               UnavailableError)
 from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler, TokenOutput
@@ -197,10 +198,17 @@ class Engine:
             max_model_len=self.max_model_len,
             cache_namespace=params.cache_namespace,
             priority=params.priority,
+            # A continued request (another replica's earlier output) starts where a sequence
+            # resumed by recompute does: its output kept, nothing computed (scheduler.reset_workers).
+            output_token_ids=list(params.generated_token_ids),
         )
         state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
                               StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic(),
                               params.tenant)
+        for token_id in params.generated_token_ids:  # text the caller has: replayed, so stop strings span the seam
+            if state.stop_matcher.push(state.detokenizer.step(token_id))[1]:
+                raise InvalidArgumentError(f"request {request_id}: the text of generated_token_ids contains a stop "
+                                           "string; that completion had ended")
         self._states[seq_id] = state
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))

@@ -52,6 +52,8 @@ class GenerateParams:
             ``cache_salt`` (:mod:`coordinator.cache_isolation`).
         priority: queue order, lower first (:class:`coordinator.sequence.Sequence`).
         tenant: the caller's tenant id ("" without API keys): whose Abort may end it.
+        generated_token_ids: a continued request's earlier output (the request's
+            ``generated_token_ids``): fewer than ``max_tokens``, no stop token among them.
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class GenerateParams:
     cache_namespace: bytes = b""
     priority: int = 0
     tenant: str = ""
+    generated_token_ids: tuple[int, ...] = ()
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
@@ -130,6 +133,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
             f"sampling_params.stop_token_ids has {len(params.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     _check_token_ids("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+    generated = _generated_token_ids(request, vocab_size, max_tokens, stop_ids)
     controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids, grammars)  # min_p, penalties, ...
 
     return GenerateParams(
@@ -144,7 +148,30 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         cache_namespace=prefix_cache_namespace(tenant, request.cache_salt),
         priority=request.priority,
         tenant=tenant,
+        generated_token_ids=generated,
     )
+
+
+def _generated_token_ids(request: pb.GenerateRequest, vocab_size: int, max_tokens: int,
+                         stop_ids: set[int]) -> tuple[int, ...]:
+    """A continued request's earlier output (proto: ``generated_token_ids``): fewer than
+    ``max_tokens`` (the uninterrupted request would have finished), no stop token (never
+    delivered), and one sample only (each sample of ``n`` has its own output)."""
+    ids = request.generated_token_ids
+    if not ids:
+        return ()
+    if request.sampling_params.HasField("n") and request.sampling_params.n > 1:
+        raise InvalidArgumentError("generated_token_ids continues one completion; it needs sampling_params.n = 1, "
+                                   f"got {request.sampling_params.n}")
+    if len(ids) >= max_tokens:
+        raise InvalidArgumentError(f"generated_token_ids has {len(ids)} tokens; a continued request has fewer than "
+                                   f"max_tokens={max_tokens} (the prompt's room in the context included)")
+    _check_token_ids("generated_token_ids", ids, vocab_size)
+    stops = stop_ids.intersection(ids)
+    if stops:
+        raise InvalidArgumentError(f"generated_token_ids contains the stop token {min(stops)}, which ends a "
+                                   "completion and is never delivered")
+    return tuple(ids)
 
 
 def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int,

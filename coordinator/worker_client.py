@@ -64,6 +64,7 @@ class WorkerGroup:
         self._stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self._channels]
         self._streams: list[grpc.aio.StreamStreamCall] = []
         self.num_kv_blocks = 0
+        self._closed = False  # close() was called: a step it interrupts failed, it was not cancelled
         self.dtype = ""  # as the ranks resolved it
         self.failed: str | None = None
         # One PrepareGrammar at a time: rank 0 builds one grammar at a time anyway, and its
@@ -127,6 +128,13 @@ class WorkerGroup:
             self.failed = f"step {plan.step_id} failed: rank {exc.rank}'s step stream broke ({exc.reason})"
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
             self.failed = f"step {plan.step_id} failed: a step stream broke: {exc}"
+        except asyncio.CancelledError:
+            if not self._closed:
+                raise  # the caller's task is cancelled (shutdown): not a failure of the group
+            # close() cancelled the streams under this step: the group was declared lost (a node's
+            # registry link dropped first) and is being restarted. The engine loop must see a
+            # failed step, not die of the cancellation (issue 22).
+            self.failed = f"step {plan.step_id} failed: the group's step streams were closed"
         else:
             errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
             if errors:
@@ -203,7 +211,8 @@ class WorkerGroup:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
-        """Ends the step streams and closes the channels."""
+        """Ends the step streams and closes the channels; a step in flight fails (WorkerGroupError)."""
+        self._closed = True
         for stream in self._streams:
             stream.cancel()
         await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)

@@ -88,7 +88,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--step-timeout-seconds", dict(type=float, help="a step that takes longer fails as a lost rank")),
         ("--shutdown-grace-seconds", dict(type=float, help="on SIGTERM/SIGINT, time in-flight requests get to finish")),
         ("--worker-recovery-timeout-seconds", dict(
-            type=float, help="restart a lost group (one host) and resume its requests within this time; 0: exit")),
+            type=float, help="restart a lost group (waiting for lost nodes to rejoin) and resume its requests "
+                             "within this time; 0: exit")),
         ("--ssl-certfile", dict(help="PEM certificate chain: serve the public port over TLS")),
         ("--ssl-keyfile", dict(help="PEM private key of --ssl-certfile")),
         ("--ssl-ca-certs", dict(help="PEM CA bundle: require client certificates signed by it (mutual TLS)")),
@@ -361,8 +362,15 @@ def _json_schema(value: str | None) -> str | None:
         raise UsageError(f"--json-schema {value}: {value[1:]} is not UTF-8 text") from None
 
 
+def _report_move(move) -> None:
+    """One stderr line per request moved to another replica (tpserve/stream_move.py)."""
+    print(f"tpserve generate: {move.code.name} ({move.details}); continuing on another replica after "
+          f"{move.num_delivered_tokens} tokens (attempt {move.attempt})", file=sys.stderr, flush=True)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tpserve.client import Client, GenerateResult
+    from tpserve.stream_move import MovePolicy
 
     _check_generate_flags(args)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -374,7 +382,7 @@ def _generate(args: argparse.Namespace) -> int:
                     top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
                     prompt_logprobs=args.prompt_logprobs, cache_salt=args.cache_salt,
                     json_schema=_json_schema(args.json_schema))
-    with Client(args.target, credentials=_credentials(args)) as client:
+    with Client(args.target, credentials=_credentials(args), move_policy=MovePolicy(on_move=_report_move)) as client:
         if not args.stream:
             result = client.generate(_prompt(args), timeout_s=args.timeout, **sampling)
         else:

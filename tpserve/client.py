@@ -18,6 +18,11 @@ gRPC's own ``round_robin`` policy: gRPC keeps one HTTP/2 connection per address,
 so without it every request of a client would go to the first replica
 (``pick_first``). Errors surface as ``grpc.RpcError`` (``grpc.aio.AioRpcError``)
 with the server's status code and message.
+
+A stream whose replica is lost mid-way (``UNAVAILABLE``, a dropped connection, ``INTERNAL``
+from a lost worker group) continues on another address of the target, token for token
+(:mod:`tpserve.stream_move`; ``move_policy`` bounds the moves, ``MovePolicy(max_moves=0)``
+turns them off). So that it can, a request without a seed gets one from the client.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tpserve.grpc_metadata import metadata_interceptors
+from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove re-exported
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -141,19 +147,44 @@ def _chunk(response: pb.GenerateStreamResponse) -> StreamChunk:
         logprobs=tuple(response.logprobs), prompt_logprobs=tuple(response.prompt_logprobs), index=response.index)
 
 
+def _deadline(timeout_s: float | None) -> float | None:
+    """The monotonic time ``timeout_s`` seconds from now (None: no deadline)."""
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _remaining_s(deadline: float | None) -> float | None:
+    """Seconds left until a monotonic ``deadline`` (None: no deadline); at least 1 ms, so that an
+    attempt past the deadline ends with the server's DEADLINE_EXCEEDED."""
+    return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+
+
 class GenerateStream:
     """The :class:`StreamChunk` s of a ``GenerateStream`` call, in order. ``cancel()`` cancels the RPC (the
     server frees the request's KV blocks); the call's other methods (``code()``, ``details()``, ...)
-    are reachable here too. Iterating raises ``grpc.RpcError`` if the call fails."""
+    are reachable here too (on the current attempt's call, after a move). Iterating raises
+    ``grpc.RpcError`` if the call fails and cannot move to another replica (:mod:`tpserve.stream_move`)."""
 
-    def __init__(self, call) -> None:
+    def __init__(self, call, mover: StreamMover | None = None, start=None, deadline: float | None = None) -> None:
         self._call = call
+        self._mover = mover
+        self._start = start  # (request, timeout_s) -> a new call, for a move
+        self._deadline = deadline
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self
 
     def __next__(self) -> StreamChunk:
-        return _chunk(next(self._call))
+        while True:
+            try:
+                message = next(self._call)
+            except grpc.RpcError as exc:
+                if self._mover is None:
+                    raise
+                request, backoff_s = self._mover.next_request(exc)  # raises exc when it cannot move
+                time.sleep(backoff_s)
+                self._call = self._start(request, _remaining_s(self._deadline))
+                continue
+            return _chunk(self._mover.delivered(message) if self._mover else message)
 
     def __getattr__(self, name: str):
         return getattr(self._call, name)
@@ -162,12 +193,25 @@ class GenerateStream:
 class AsyncGenerateStream:
     """:class:`GenerateStream` for :class:`AsyncClient`: ``async for chunk in stream``."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, mover: StreamMover | None = None, start=None,
+                 deadline: float | None = None) -> None:
         self._call = call
+        self._mover = mover
+        self._start = start  # (request, timeout_s) -> a new call, for a move
+        self._deadline = deadline
 
     async def _chunks(self) -> AsyncIterator[StreamChunk]:
-        async for response in self._call:
-            yield _chunk(response)
+        while True:
+            try:
+                async for response in self._call:
+                    yield _chunk(self._mover.delivered(response) if self._mover else response)
+                return
+            except grpc.RpcError as exc:
+                if self._mover is None:
+                    raise
+                request, backoff_s = self._mover.next_request(exc)  # raises exc when it cannot move
+                await asyncio.sleep(backoff_s)
+                self._call = self._start(request, _remaining_s(self._deadline))
 
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self._chunks()
@@ -348,13 +392,16 @@ class Client:
         load_balancing_policy: ``round_robin`` spreads requests over every address of
             the target; ``pick_first`` sends them all to one.
         credentials: TLS files and API key for a server that requires them.
+        move_policy: how streams broken by a lost replica move to another address
+            (:class:`tpserve.stream_move.MovePolicy`; ``MovePolicy(max_moves=0)``: never).
 
     Raises:
         OSError: a TLS file cannot be read.
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
-                 credentials: Credentials = Credentials()) -> None:
+                 credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy()) -> None:
+        self.move_policy = move_policy
         options = channel_options(load_balancing_policy)
         target = with_default_port(target)
         self.channel = (grpc.secure_channel(target, credentials.channel_credentials(), options=options)
@@ -415,8 +462,14 @@ class Client:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = build_request(**_request_fields(locals()))
-        return _result(self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata))
+        request = with_seed(build_request(**_request_fields(locals())))
+        mover, deadline = StreamMover(request, self.move_policy), _deadline(timeout_s)
+        while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
+            try:
+                return _result(self.stub.Generate(request, timeout=_remaining_s(deadline), metadata=self._metadata))
+            except grpc.RpcError as exc:
+                request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
+                time.sleep(backoff_s)
 
     def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -442,8 +495,13 @@ class Client:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = build_request(**_request_fields(locals()))
-        return GenerateStream(self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata))
+        request = with_seed(build_request(**_request_fields(locals())))
+        deadline = _deadline(timeout_s)
+
+        def start(req: pb.GenerateRequest, timeout: float | None):
+            return self.stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
+
+        return GenerateStream(start(request, timeout_s), StreamMover(request, self.move_policy), start, deadline)
 
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
         """Ends the caller's requests with these ids now; returns how many were in flight."""
@@ -458,7 +516,8 @@ class AsyncClient:
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
-                 credentials: Credentials = Credentials()) -> None:
+                 credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy()) -> None:
+        self.move_policy = move_policy
         options = channel_options(load_balancing_policy)
         target = with_default_port(target)
         self.channel = (grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
@@ -519,8 +578,15 @@ class AsyncClient:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = build_request(**_request_fields(locals()))
-        return _result(await self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata))
+        request = with_seed(build_request(**_request_fields(locals())))
+        mover, deadline = StreamMover(request, self.move_policy), _deadline(timeout_s)
+        while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
+            try:
+                return _result(await self.stub.Generate(request, timeout=_remaining_s(deadline),
+                                                        metadata=self._metadata))
+            except grpc.RpcError as exc:
+                request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
+                await asyncio.sleep(backoff_s)
 
     def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -547,5 +613,10 @@ class AsyncClient:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = build_request(**_request_fields(locals()))
-        return AsyncGenerateStream(self.stub.GenerateStream(request, timeout=timeout_s, metadata=self._metadata))
+        request = with_seed(build_request(**_request_fields(locals())))
+        deadline = _deadline(timeout_s)
+
+        def start(req: pb.GenerateRequest, timeout: float | None):
+            return self.stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
+
+        return AsyncGenerateStream(start(request, timeout_s), StreamMover(request, self.move_policy), start, deadline)

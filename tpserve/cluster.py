@@ -151,6 +151,7 @@ class Cluster:
         self._liveness_task: asyncio.Task | None = None
         self._recovery: asyncio.Task | None = None
         self._launches = 0  # rank launches so far (each gets fresh socket names)
+        self._group_interface: str | None = None  # nnodes > 1: the interface the group's collectives use
         self._dtype = ""  # resolved by the ranks
         self.port: int | None = None
         self.certificates: ServerCertificates | None = None  # with --ssl-certfile
@@ -332,6 +333,7 @@ class Cluster:
         else:
             addresses = self._local_endpoints()[0]
             init_method, interface = await self._start_registry(deadline)
+            self._group_interface = interface
             addresses.update(await self._wait_for_nodes(deadline))
         available = await self._launch_ranks(addresses, init_method, interface, deadline)
         num_blocks = cfg.cache.num_gpu_blocks_override or available
@@ -381,15 +383,21 @@ class Cluster:
                                    self.config.server.step_timeout_seconds, secret=self.secret)
         return await self.workers.wait_ready(max(deadline - time.monotonic(), 0.0))
 
-    # -- recovery (one host) ---------------------------------------------------------------
+    # -- recovery ------------------------------------------------------------------------
 
     def _can_recover(self) -> bool:
-        return (self.config.server.worker_recovery_timeout_seconds > 0 and self.layout.nnodes == 1
+        return (self.config.server.worker_recovery_timeout_seconds > 0
                 and self.engine is not None and not self.engine.dead and not self._stop.is_set())
 
     async def _recover(self, reason: str, resumed: int) -> None:
         """Restarts every rank and resumes the (suspended) requests by recompute, or fails
-        them (UNAVAILABLE) and exits 1. ``resumed``: running sequences to recompute."""
+        them (UNAVAILABLE) and exits 1. ``resumed``: running sequences to recompute.
+
+        With ``--nnodes`` > 1 a lost host (its registry link dropped, or one of its ranks
+        failed) pauses the group rather than ending it: every rank on every host stops (a
+        torch.distributed group is whole or nothing), the registry takes joins again, and
+        once every node has joined (its pod or ``--headless`` process started again) all
+        ranks start on a fresh rendezvous (a new rank 0 store)."""
         timeout_s = self.config.server.worker_recovery_timeout_seconds
         log.error("worker group lost; restarting it", reason=reason, timeout_s=timeout_s)
         started = time.monotonic()
@@ -402,6 +410,10 @@ class Cluster:
         try:
             addresses, init_method, interface = self._local_endpoints()
             deadline = started + timeout_s
+            if self.layout.nnodes > 1:
+                self.registry.reopen(reason)
+                init_method, interface = self.registry.init_method, self._group_interface
+                addresses.update(await self._wait_for_nodes(deadline, timeout_s))
             available = await asyncio.wait_for(self._launch_ranks(addresses, init_method, interface, deadline),
                                                max(deadline - time.monotonic(), 0.0))
             num_blocks = self.engine.scheduler.allocator.num_blocks
@@ -455,14 +467,16 @@ class Cluster:
                  init_method=init_method)
         return init_method, interface_of(bound) if bound else None
 
-    async def _wait_for_nodes(self, deadline: float) -> dict[int, str]:
-        """Waits until every headless node has joined, logging the missing ranks; returns their addresses."""
+    async def _wait_for_nodes(self, deadline: float, timeout_s: float | None = None) -> dict[int, str]:
+        """Waits until every headless node has joined, logging the missing ranks; returns their addresses.
+        ``timeout_s``: what the deadline was set from, for the error (default: --worker-start-timeout-seconds)."""
         registry = self.registry
+        timeout_s = self.config.server.worker_start_timeout_seconds if timeout_s is None else timeout_s
         while registry.missing_nodes():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WorkerGroupError(f"nodes {registry.missing_nodes()} (ranks {registry.missing_ranks()}) did not "
-                                       f"join within {self.config.server.worker_start_timeout_seconds:g} s")
+                                       f"join within {timeout_s:g} s")
             log.warning("waiting for nodes", missing_nodes=registry.missing_nodes(),
                         missing_ranks=registry.missing_ranks())
             try:
@@ -485,8 +499,8 @@ class Cluster:
         self._group_failed(await self.workers.watch_liveness(), UnavailableError)
 
     def _group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> bool:
-        """A rank or a node is lost. With --worker-recovery-timeout-seconds on one host,
-        restart the group and resume the requests (returns True); otherwise fail the
+        """A rank or a node is lost. With --worker-recovery-timeout-seconds, restart the
+        group (on every host) and resume the requests (returns True); otherwise fail the
         requests in flight at once and stop (exit 1; returns False)."""
         if self._recovery is not None:
             return True  # already restarting: the other detectors see the same loss

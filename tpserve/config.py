@@ -211,11 +211,12 @@ class ServerConfig(_Frozen):
         shutdown_grace_seconds: on SIGTERM or SIGINT, how long in-flight requests
             may run to completion before the server stops (Kubernetes'
             terminationGracePeriodSeconds must be longer).
-        worker_recovery_timeout_seconds: on one host, a lost rank (killed, crashed,
-            or not answering) makes the coordinator restart the whole group and resume
-            every request by recompute, within this many seconds, else they fail with
-            UNAVAILABLE; 0 fails them at once and exits 1 for the orchestrator to
-            restart the process. Groups across hosts always exit.
+        worker_recovery_timeout_seconds: a lost rank (killed, crashed, or not
+            answering) or, across hosts, a lost node makes the coordinator restart the
+            whole group (waiting for lost nodes to join again) and resume every request
+            by recompute, within this many seconds, else they fail with UNAVAILABLE and
+            it exits 1; 0 fails them at once and exits 1 for the orchestrator to
+            restart the group.
         ssl_certfile, ssl_keyfile: PEM certificate chain and key: the public port
             speaks TLS (both or neither).
         ssl_ca_certs: PEM CA bundle: clients must present a certificate it signed

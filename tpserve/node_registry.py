@@ -8,7 +8,10 @@ link. When every node has joined, the leader *seals* the group: it sends each no
 so that every rank of every host reaches the torch.distributed rendezvous within
 seconds of the others, however far apart the hosts started. Until then a node may
 leave and join again (a restarted pod); after that, a node that leaves breaks the
-group and ``on_lost`` is called once, with the reason. No torch.
+group and ``on_lost`` is called once, with the reason. With recovery on
+(``--worker-recovery-timeout-seconds``), the leader then :meth:`~NodeRegistry.reopen` s the
+registry: the nodes still there are stopped, every node joins again and the group is
+sealed anew, on a fresh rendezvous. No torch.
 """
 
 from __future__ import annotations
@@ -134,6 +137,22 @@ class NodeRegistry(cluster_pb2_grpc.NodeRegistryServicer):
             node.outbox.put_nowait(pb.LeaderMessage(accepted=pb.JoinAccepted(init_method=self.init_method)))
         return {rank: node.join.rank_addresses[layout.local_rank(rank)]
                 for n, node in self._nodes.items() for rank in layout.node_ranks(n)}
+
+    def reopen(self, reason: str) -> None:
+        """The group restarts after a loss: back to the joining phase, every node forgotten.
+
+        Nodes still connected are told to stop (``GroupShutdown`` with ``failed``: their
+        ranks are part of the broken torch.distributed group, which restarts whole); they
+        exit 1 and join again once their orchestrator (or an operator) starts them again,
+        as the lost node does. ``complete`` is set again when every node has joined.
+        """
+        for node in self._nodes.values():
+            node.outbox.put_nowait(pb.LeaderMessage(shutdown=pb.GroupShutdown(
+                reason=f"the group restarts after a loss: {reason}", failed=True)))
+        self._nodes.clear()  # their departures that follow are no loss (_left ignores them)
+        self._sealed = False
+        self._lost = False
+        self.complete.clear()
 
     def shutdown(self, reason: str, failed: bool) -> None:
         """Tells every node to stop; their streams end once the message is written."""

@@ -90,8 +90,9 @@ def test_the_leader_worker_set_validates_against_its_crd(rendered) -> None:
     error = jsonschema.exceptions.best_match(lws_validator().iter_errors(lws))
     assert error is None, f"{error.message} at {'/'.join(map(str, error.absolute_path))}"  # not the whole schema
     with pytest.raises(jsonschema.ValidationError):  # the strict schema does refuse a misplaced field
-        lws_validator().validate({**lws, "spec": {**lws["spec"], "restartPolicy": "RecreateGroupOnPodRestart"}})
-    assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+        lws_validator().validate({**lws, "spec": {**lws["spec"], "restartPolicy": "None"}})
+    # A worker pod's restart must not recreate the leader (issue 22): the leader pauses the group instead.
+    assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "None"
 
 
 def entrypoint_flags() -> list[str]:

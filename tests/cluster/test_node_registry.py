@@ -146,3 +146,69 @@ def test_every_node_must_have_the_same_max_model_len() -> None:
     assert leader.mismatch(join(max_model_len=2048).join) is None
     assert leader.mismatch(join(max_model_len=1024).join) == \
         "node 1 has --max-model-len=1024, the leader --max-model-len=2048"
+
+
+THREE_NODES = GroupSettings(GroupLayout(6, 3, 0), model_config_sha256="abc", dtype="auto", block_size=16)
+
+
+def join3(node_rank: int) -> pb.NodeMessage:
+    return pb.NodeMessage(join=pb.JoinRequest(
+        node_rank=node_rank, nnodes=3, tensor_parallel_size=6, model_config_sha256="abc", dtype="auto", block_size=16,
+        rank_addresses=[f"10.0.0.{node_rank + 1}:29502", f"10.0.0.{node_rank + 1}:29503"]))
+
+
+async def _reopen_scenario() -> dict:
+    lost: list[str] = []
+    registry = NodeRegistry(THREE_NODES, "tcp://10.0.0.1:29501", on_lost=lost.append)
+    server = grpc.aio.server()
+    cluster_pb2_grpc.add_NodeRegistryServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    seen = {}
+
+    async def wait_lost(count: int) -> None:
+        for _ in range(100):
+            if len(lost) >= count:
+                return
+            await asyncio.sleep(0.02)
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = cluster_pb2_grpc.NodeRegistryStub(channel)
+        survivor, doomed = stub.JoinGroup(), stub.JoinGroup()
+        await survivor.write(join3(1))
+        await doomed.write(join3(2))
+        await asyncio.wait_for(registry.complete.wait(), 5)
+        registry.seal()
+        await survivor.read(), await doomed.read()  # accepted
+        doomed.cancel()  # node 2's host is gone
+        await wait_lost(1)
+        registry.reopen(lost[0])
+        seen["survivor_told"] = (await survivor.read()).shutdown
+        survivor.cancel()  # it exits 1, as told
+        seen["missing_after_reopen"] = registry.missing_nodes()
+        seen["complete_after_reopen"] = registry.complete.is_set()
+        back = [stub.JoinGroup(), stub.JoinGroup()]
+        await back[0].write(join3(2))
+        await back[1].write(join3(1))
+        await asyncio.wait_for(registry.complete.wait(), 5)
+        seen["remote"] = registry.seal()
+        seen["accepted"] = [(await call.read()).accepted.init_method for call in back]
+        await asyncio.sleep(0.1)
+        seen["lost_before_second_loss"] = list(lost)  # the survivor's departure is no loss
+        back[0].cancel()
+        await wait_lost(2)
+        seen["lost"] = list(lost)
+        back[1].cancel()
+    await server.stop(0)
+    return seen
+
+
+def test_a_reopened_registry_stops_the_survivors_and_takes_every_node_again() -> None:
+    seen = asyncio.run(_reopen_scenario())
+    assert seen["survivor_told"].failed and seen["survivor_told"].reason.startswith("the group restarts after a loss: "
+                                                                                      "node 2 (")
+    assert seen["missing_after_reopen"] == [1, 2] and not seen["complete_after_reopen"]
+    assert seen["remote"] == {2: "10.0.0.2:29502", 3: "10.0.0.2:29503", 4: "10.0.0.3:29502", 5: "10.0.0.3:29503"}
+    assert seen["accepted"] == ["tcp://10.0.0.1:29501"] * 2
+    assert len(seen["lost_before_second_loss"]) == 1
+    assert len(seen["lost"]) == 2 and seen["lost"][1].startswith("node 2 (")  # a sealed group reports a loss again

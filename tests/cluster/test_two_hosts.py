@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from tests.cluster.hosts import (
 from tests.e2e.cluster import pid_alive
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 from tpserve.client import Client
+from tpserve.stream_move import MovePolicy
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -80,6 +83,7 @@ class Group:
     headless_log: Path
     client: Client
     pids: list[int]
+    start_headless: Callable[[], subprocess.Popen]  # again, as an orchestrator would (stopped at teardown)
 
     def worker_pids(self) -> list[int]:
         """The pids of the group's four worker-rank processes, on both hosts."""
@@ -98,8 +102,10 @@ class Group:
 
 @pytest.fixture(scope="class")
 def group(request, hosts: Hosts, tmp_path_factory) -> Iterator[Group]:
-    """Starts the group in the order the test class names, yields it ready, stops it."""
+    """Starts the group in the order the test class names (with its leader's ``LEADER_FLAGS``), yields it
+    ready, stops it."""
     headless_first = request.cls.HEADLESS_FIRST
+    leader_flags = getattr(request.cls, "LEADER_FLAGS", ())
     logs = tmp_path_factory.mktemp("two-hosts")
     env = {**os.environ, **SERVICE_LINK_ENV, "OMP_NUM_THREADS": "1"}
     leader_log, headless_log = logs / "leader.log", logs / "headless.log"
@@ -109,26 +115,30 @@ def group(request, hosts: Hosts, tmp_path_factory) -> Iterator[Group]:
     secret_flags = ("--cluster-secret-file", str(secret))
 
     def start_leader() -> subprocess.Popen:
-        return hosts.run(hosts.leader, "host-a", serve_argv(*group_flags(0), *secret_flags), leader_log, env)
+        return hosts.run(hosts.leader, "host-a", serve_argv(*group_flags(0), *secret_flags, *leader_flags),
+                         leader_log, env)
 
     def start_headless() -> subprocess.Popen:
-        return hosts.run(hosts.headless, "host-b", serve_argv(*group_flags(1), *secret_flags), headless_log, env)
+        proc = hosts.run(hosts.headless, "host-b", serve_argv(*group_flags(1), *secret_flags), headless_log, env)
+        procs.append(proc)
+        return proc
 
     procs: list[subprocess.Popen] = []
-    client = Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}")
+    # The leader's own statuses, as they come: a broken stream is not moved and sent again.
+    client = Client(f"{LEADER_PUBLIC_IP}:{PUBLIC_PORT}", move_policy=MovePolicy(max_moves=0))
     try:
         if headless_first:
-            procs.append(start_headless())
+            start_headless()
             wait_for_text(headless_log, "waiting for peer", 30)  # it is retrying the leader
             procs.append(start_leader())
         else:
             procs.append(start_leader())
             wait_for_text(leader_log, "waiting for nodes", 30)
-            procs.append(start_headless())
+            start_headless()
         leader, headless = (procs[1], procs[0]) if headless_first else (procs[0], procs[1])
         client.wait_ready(timeout_s=START_TIMEOUT_S)
         pids = descendants(leader.pid) + descendants(headless.pid)
-        yield Group(leader, headless, leader_log, headless_log, client, pids)
+        yield Group(leader, headless, leader_log, headless_log, client, pids, start_headless)
     finally:
         client.close()
         for proc in procs:
@@ -239,6 +249,7 @@ class TestHeadlessFirst:
 
 class TestHeadlessLast:
     HEADLESS_FIRST = False
+    LEADER_FLAGS = ("--worker-recovery-timeout-seconds", "0")  # the fail-fast path: the group exits
 
     def test_goldens_token_for_token_sixteen_at_once(self, group: Group) -> None:
         # Every golden once more, in one batch: this start order gives the same tokens.
@@ -262,3 +273,83 @@ class TestHeadlessLast:
         while any(pid_alive(p) for p in group.pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in group.pids if pid_alive(p)]
+
+
+RECOVERY_S = 20
+METRICS_PORT = 9400
+
+
+def _metric(name: str) -> float:
+    body = urllib.request.urlopen(f"http://{LEADER_PUBLIC_IP}:{METRICS_PORT}/metrics", timeout=5).read().decode()
+    return float(next(line.split()[1] for line in body.splitlines() if line.startswith(name + " ")))
+
+
+def _streams_during(group: Group, requests: list[tuple[str, dict]], fault: Callable[[], None],
+                    pauses: list[float] | None = None) -> list:
+    """Runs the requests as streams, calls ``fault`` once each has delivered tokens; each stream's
+    token ids, or its error. ``pauses``: gets each stream's longest gap between two messages, in s."""
+    started = threading.Barrier(len(requests) + 1)
+
+    def one(prompt_and_sampling) -> list[int] | grpc.RpcError:
+        prompt, sampling = prompt_and_sampling
+        tokens: list[int] = []
+        last, longest = time.monotonic(), 0.0
+        try:
+            for chunk in group.client.generate_stream(prompt, ignore_eos=True, timeout_s=120, **sampling):
+                now = time.monotonic()
+                longest, last = max(longest, now - last) if tokens else 0.0, now
+                tokens.extend(chunk.token_ids)
+                if len(tokens) == 2:
+                    started.wait(60)
+            if pauses is not None:
+                pauses.append(longest)
+            return tokens
+        except grpc.RpcError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = pool.map(one, requests)
+        started.wait(60)
+        fault()
+        return list(results)
+
+
+class TestHostLoss:
+    """issue 22, part 1: a lost headless host pauses the group; it resumes when the host is back."""
+
+    HEADLESS_FIRST = False
+    LEADER_FLAGS = ("--worker-recovery-timeout-seconds", str(RECOVERY_S), "--metrics-port", str(METRICS_PORT))
+
+    def test_a_killed_host_that_comes_back_resumes_every_stream_token_for_token(self, group: Group) -> None:
+        goldens = load_goldens()
+        requests = [(goldens[i % len(goldens)]["prompt"], dict(max_tokens=96, temperature=0)) for i in range(8)] + \
+            [(goldens[i % len(goldens)]["prompt"], dict(max_tokens=96, temperature=0.9, seed=i,
+                                                       repetition_penalty=1.2)) for i in range(8)]
+        with ThreadPoolExecutor(16) as pool:  # the run without the fault, the same batch
+            expected = list(pool.map(lambda r: group.client.generate(r[0], ignore_eos=True, **r[1]).token_ids,
+                                     requests))
+
+        def kill_the_host_and_start_it_again() -> None:
+            os.killpg(group.headless.pid, signal.SIGKILL)  # its coordinator-less process and both ranks
+            time.sleep(3)
+            group.headless = group.start_headless()
+
+        pauses: list[float] = []
+        results = _streams_during(group, requests, kill_the_host_and_start_it_again, pauses)
+        for request, result, want in zip(requests, results, expected, strict=True):
+            assert result == want, (request, result)
+        # The pause a client sees: the 3 s the host is away, the group's restart, the recompute.
+        print(f"host lost and back after 3 s: longest pause a stream saw {max(pauses):.2f} s")
+        assert _metric("tpserve:requests_resumed_total") == 16
+        assert _metric("tpserve:worker_restarts_total") == 1
+        assert "the group restarts" not in group.leader_log.read_text()  # no node was left to stop
+
+    def test_a_host_that_does_not_come_back_fails_the_held_requests_naming_it(self, group: Group) -> None:
+        requests = [("Once upon a time", dict(max_tokens=300, temperature=0))] * 4
+        results = _streams_during(group, requests, lambda: os.killpg(group.headless.pid, signal.SIGKILL))
+        for result in results:
+            assert isinstance(result, grpc.RpcError), result
+            assert result.code() == grpc.StatusCode.UNAVAILABLE, result.details()
+            assert f"could not be restarted within {RECOVERY_S} s" in result.details()
+            assert "nodes [1] (ranks [2, 3]) did not join" in result.details()
+        assert group.leader.wait(30) == 1

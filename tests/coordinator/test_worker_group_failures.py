@@ -78,3 +78,55 @@ def test_a_silent_group_still_times_out(step_timeout_s: float) -> None:
     outcome, elapsed = _run([_FakeStream(None, None), _FakeStream(None, None)], step_timeout_s)
     assert isinstance(outcome, WorkerGroupError) and "timed out" in str(outcome)
     assert step_timeout_s <= elapsed < step_timeout_s + 1.0
+
+
+class _CancellableStream(_FakeStream):
+    """Never answers; ``cancel()`` makes a pending ``read`` raise CancelledError, as a grpc.aio call does."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+        self._reading: asyncio.Future | None = None
+
+    async def read(self):
+        self._reading = asyncio.get_running_loop().create_future()
+        return await self._reading
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._reading is not None:
+            self._reading.cancel()
+
+
+def test_a_step_interrupted_by_close_fails_instead_of_cancelling_the_caller() -> None:
+    # The group is declared lost (a node's registry link dropped) while a step waits in a collective:
+    # the restart closes the group, and the engine loop must see a failed step, not die (issue 22).
+    async def main():
+        group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], 60.0)
+        group._streams = [_CancellableStream(), _CancellableStream()]
+        step = asyncio.create_task(group.execute(StepPlan(step_id=7)))
+        await asyncio.sleep(0.05)
+        await group.close()
+        try:
+            return await step
+        except WorkerGroupError as exc:
+            return exc
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, WorkerGroupError) and "step streams were closed" in str(outcome)
+
+
+def test_cancelling_the_caller_of_a_step_still_cancels_it() -> None:
+    async def main():
+        group = WorkerGroup(["unix:///nonexistent/rank0.sock"], 60.0)
+        group._streams = [_CancellableStream()]
+        step = asyncio.create_task(group.execute(StepPlan(step_id=7)))
+        await asyncio.sleep(0.05)
+        step.cancel()
+        try:
+            await step
+        except asyncio.CancelledError:
+            return "cancelled"
+        finally:
+            await group.close()
+
+    assert asyncio.run(main()) == "cancelled"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpserve.client import Client, Credentials
+from tpserve.stream_move import MovePolicy
 
 START_TIMEOUT_S = 180.0
 
@@ -108,7 +109,8 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
     log_file = None if log_path is None else open(log_path, "wb")  # noqa: SIM115 - closed in finally
     process = subprocess.Popen(cmd, env=env, start_new_session=new_session, stdout=log_file,
                                stderr=None if log_file is None else subprocess.STDOUT)
-    client = Client(f"127.0.0.1:{port}", credentials=credentials or Credentials())
+    # The server's own statuses, as they come: a broken stream is not moved and sent again (tpserve.stream_move).
+    client = Client(f"127.0.0.1:{port}", credentials=credentials or Credentials(), move_policy=MovePolicy(max_moves=0))
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

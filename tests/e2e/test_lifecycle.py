@@ -77,13 +77,14 @@ def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loa
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from tpserve.client import Client
+    from tpserve.stream_move import MovePolicy
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tpserve.cli", "serve", "--model", str(STORIES_DIR),
                                 "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port)])
     statuses, early_errors = [], []
     try:
-        with Client(f"127.0.0.1:{port}") as client:
+        with Client(f"127.0.0.1:{port}", move_policy=MovePolicy(max_moves=0)) as client:  # the loading status itself
             health = health_pb2_grpc.HealthStub(client.channel)
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:

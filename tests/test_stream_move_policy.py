@@ -1,0 +1,99 @@
+"""The client's rules for moving a broken stream (tpserve/stream_move.py), without a server.
+
+Live moves off a killed replica: tests/cluster/test_stream_move.py.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed
+from tpserve.v1 import generate_pb2 as pb
+
+
+class RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+DROPPED = RpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+
+
+def _mover(n: int | None = None, **policy) -> tuple[StreamMover, list[StreamMove]]:
+    moves: list[StreamMove] = []
+    request = pb.GenerateRequest(text="Once", sampling_params=pb.SamplingParams(max_tokens=9))
+    if n is not None:
+        request.sampling_params.n = n
+    return StreamMover(with_seed(request), MovePolicy(initial_backoff_s=0.1, on_move=moves.append, **policy)), moves
+
+
+def test_a_request_without_a_seed_gets_one_and_a_given_seed_is_kept() -> None:
+    drawn = with_seed(pb.GenerateRequest(text="Once"))
+    assert drawn.sampling_params.HasField("seed")
+    given = with_seed(pb.GenerateRequest(text="Once", sampling_params=pb.SamplingParams(seed=0)))
+    assert given.sampling_params.seed == 0
+
+
+def test_the_continuation_carries_every_delivered_token_once_and_the_servers_id() -> None:
+    mover, moves = _mover()
+    seed = mover.request.sampling_params.seed
+    mover.delivered(pb.GenerateStreamResponse(request_id="req-1", token_ids=[5, 6], text="ab"))
+    request, backoff = mover.next_request(DROPPED)
+    assert list(request.generated_token_ids) == [5, 6] and request.request_id == "req-1"
+    assert request.sampling_params.seed == seed and request.text == "Once" and 0.05 <= backoff <= 0.1
+    # The second replica's messages, then a second break: the tokens of both, once each.
+    message = mover.delivered(pb.GenerateStreamResponse(request_id="req-1", token_ids=[7],
+                                                        prompt_logprobs=[pb.TokenLogprob(token_id=3)]))
+    assert not message.prompt_logprobs  # the caller has them from the first replica
+    request, backoff = mover.next_request(DROPPED)
+    assert list(request.generated_token_ids) == [5, 6, 7] and 0.1 <= backoff <= 0.2
+    assert [(m.attempt, m.num_delivered_tokens, m.code) for m in moves] == \
+        [(1, 2, grpc.StatusCode.UNAVAILABLE), (2, 3, grpc.StatusCode.UNAVAILABLE)]
+
+
+@pytest.mark.parametrize("error", [
+    RpcError(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p must be in (0, 1]"),
+    RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),
+    RpcError(grpc.StatusCode.CANCELLED, "cancelled"),
+    RpcError(grpc.StatusCode.INTERNAL, "request req-1: rank 0 refused a grammar the coordinator accepted"),
+], ids=["invalid", "deadline", "cancelled", "internal-bug"])
+def test_errors_of_the_request_itself_are_raised_as_they_are(error) -> None:
+    mover, moves = _mover()
+    with pytest.raises(RpcError) as info:
+        mover.next_request(error)
+    assert info.value is error and not moves
+
+
+def test_a_lost_group_moves_and_the_last_error_ends_a_stream_out_of_moves() -> None:
+    mover, moves = _mover(max_moves=2)
+    lost = RpcError(grpc.StatusCode.INTERNAL, "request req-1: the worker group failed: rank 1 exited")
+    mover.next_request(lost)
+    mover.next_request(DROPPED)
+    refused = RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    with pytest.raises(RpcError) as info:
+        mover.next_request(refused)
+    assert info.value is refused and len(moves) == 2
+
+
+@pytest.mark.parametrize("words", ["failed to connect to all addresses", "connections to all backends failing"])
+def test_a_first_attempt_that_reaches_no_address_is_raised_at_once(words) -> None:
+    refused = RpcError(grpc.StatusCode.UNAVAILABLE, f"{words}; last error: UNKNOWN: "
+                       "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused")
+    mover, moves = _mover()
+    with pytest.raises(RpcError) as info:
+        mover.next_request(refused)
+    assert info.value is refused and not moves
+
+
+def test_n_samples_do_not_move() -> None:
+    mover, moves = _mover(n=2)
+    with pytest.raises(RpcError):
+        mover.next_request(DROPPED)
+    assert not moves
