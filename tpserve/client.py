@@ -454,7 +454,7 @@ class Client:
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
@@ -487,7 +487,7 @@ class Client:
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
@@ -570,7 +570,7 @@ class AsyncClient:
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
@@ -605,7 +605,7 @@ class AsyncClient:
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... cache_salt: the request's fields (:func:`build_request`; their meanings and
+            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
