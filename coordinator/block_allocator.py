@@ -4,7 +4,7 @@ The coordinator owns block ids; every worker rank has a pool of the same size, s
 id names the same slot range on every rank (each rank stores its own KV heads there).
 Blocks carry reference counts because full blocks are shared between sequences
 (automatic prefix caching, as in vLLM): a full block is named by a hash of its
-tokens chained with every token before it (:mod:`coordinator.sequence`), and a
+tokens chained with every token before it (:mod:`coordinator.kv_cache_manager`), and a
 sequence whose prompt starts with cached blocks takes references to them instead of
 computing them again. A cached block is never written again; when nobody holds it,
 it stays cached until the pool needs it (least recently freed first).
@@ -155,7 +155,7 @@ class BlockAllocator:
 
         Args:
             block_hashes: chained hashes of a sequence's full blocks, first block first
-                (:func:`coordinator.sequence.extend_block_hashes`).
+                (:func:`coordinator.kv_cache_manager.extend_block_hashes`).
         """
         block_ids = []
         for block_hash in block_hashes:

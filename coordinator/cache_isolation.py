@@ -10,7 +10,7 @@ CVE-2025-46570). So each request has a *namespace*, the digest of
 - its ``cache_salt`` (the request field, ``""`` when unset),
 
 and block 0 of its sequence chains from that namespace instead of from nothing
-(:func:`coordinator.sequence.extend_block_hashes`): every block hash of the chain then
+(:func:`coordinator.kv_cache_manager.extend_block_hashes`): every block hash of the chain then
 differs between namespaces, so a request can only ever find blocks that requests of its
 own namespace computed (vLLM's ``cache_salt`` does the same to the first block). The
 default namespace (anonymous, no salt) is ``b""``, the unsalted chain.

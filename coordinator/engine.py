@@ -32,6 +32,7 @@ from coordinator.errors import (DeadlineExceededError, InvalidArgumentError, Res
                                UnavailableError)
 from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
+from coordinator.output_collector import RequestOutputCollector
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
 from coordinator.stop_strings import StopStringMatcher
@@ -77,7 +78,7 @@ class _RequestState:
     stop_matcher: StopStringMatcher
     arrival_time: float
     tenant: str = ""
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: RequestOutputCollector = field(default_factory=RequestOutputCollector)
     first_token_time: float | None = None
 
 
@@ -138,19 +139,19 @@ class Engine:
         if params.sampling.grammar and not (self.dead or self.recovering or self.draining):
             await self._prepare_grammar(params.sampling.grammar, deadline, timeout_s)
         state = self._add(params)
+        # One timer per request, not one per output (asyncio.wait_for wraps every get in a task).
+        timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(deadline - time.monotonic(), 0.0), state.queue.put_nowait,
+            DeadlineExceededError(f"request {state.request_id}: deadline of {timeout_s:.3f} s exceeded"))
         try:
             while True:
-                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                try:
-                    output = await asyncio.wait_for(state.queue.get(), remaining)
-                except asyncio.TimeoutError:
-                    raise DeadlineExceededError(f"request {state.request_id}: deadline of {timeout_s:.3f} s exceeded") from None
-                if isinstance(output, Exception):
-                    raise output
+                output = await state.queue.get()  # raises the error put (deadline, failure)
                 yield output
                 if output.finish_reason is not None:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             self._abort(state)
 
     async def _prepare_grammar(self, grammar: str, deadline: float | None, timeout_s: float | None) -> None:
@@ -310,9 +311,16 @@ class Engine:
             self._update_gauges()
 
     def _process(self, outputs: list[TokenOutput]) -> None:
+        """Turns a step's tokens into one RequestOutput per request (a sequence's tokens are adjacent)."""
         now = time.monotonic()
-        for _, outs in itertools.groupby(outputs, key=lambda out: out.seq.seq_id):  # a sequence's are adjacent
-            self._process_request(list(outs), now)
+        start, num_outputs = 0, len(outputs)
+        while start < num_outputs:
+            seq = outputs[start].seq
+            end = start + 1
+            while end < num_outputs and outputs[end].seq is seq:  # several only with speculative decoding
+                end += 1
+            self._process_request(outputs[start:end], now)
+            start = end
 
     def _process_request(self, outs: list[TokenOutput], now: float) -> None:
         """One step's tokens of one request (several with speculative decoding) -> one RequestOutput."""

@@ -9,7 +9,7 @@ prefixes (the engine protocol's SubscribeKvEvents, ``smg_grpc_proto`` common.pro
 - **removed**: a cached block was evicted or flushed; its contents are gone;
 - **cleared**: the whole pool was replaced (the worker group restarted).
 
-Block hashes are our 32-byte chained digests (:func:`coordinator.sequence.extend_block_hashes`)
+Block hashes are our 32-byte chained digests (:func:`coordinator.kv_cache_manager.extend_block_hashes`)
 reduced to a signed 64-bit integer, big-endian, as the protocol's ``block_hash`` is: the
 gateway uses them as node identities and hashes the token ids itself. A block computed
 under a tenant's or a salt's namespace carries it in ``cache_salt`` (hex), so that the

@@ -35,6 +35,9 @@ new length; the next plan tells the workers to cut their block tables to match.
 With a draft model (``--speculative-method draft``) the chunk only names how many
 tokens the workers' draft proposes (``num_draft_tokens``); the rest is the same.
 
+Which blocks a sequence gets, and prefix caching (block hashes, look-ups, hit counts), are
+the KV-cache manager's (:mod:`coordinator.kv_cache_manager`); the scheduler asks it for blocks.
+
 ``update`` records the blocks that the step filled in the prefix cache, appends the
 sampled tokens, applies the token-level stop rules and frees the blocks of sequences
 that finished. Text-level stops (stop strings) are decided
@@ -52,9 +55,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
+from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.spec_decode import SpecDecodeStats
-from coordinator.sequence import FinishReason, Sequence, SequenceStatus, extend_block_hashes
+from coordinator.sequence import FinishReason, Sequence, SequenceStatus
 from tpserve.step import NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
 
 
@@ -84,8 +88,7 @@ class Scheduler:
             (``--speculative-disable-by-batch-size``); None: no limit.
 
     Attributes:
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the
-            prefix cache at admission, and how many of them were found (cumulative).
+        kv_cache: the block tables and the prefix cache (:mod:`coordinator.kv_cache_manager`).
         spec: speculative decoding's counters (cumulative).
     """
 
@@ -93,15 +96,12 @@ class Scheduler:
                  enable_prefix_caching: bool = False, check_writes: bool = False,
                  proposer: NgramProposer | DraftModelProposer | None = None,
                  disable_speculation_above: int | None = None) -> None:
-        self.allocator = allocator
+        self.kv_cache = KVCacheManager(allocator, enable_prefix_caching)
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_prefix_caching = enable_prefix_caching
         self.check_writes = check_writes
         self._bad_writes: list[int] = []
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._to_drop: list[int] = []  # seq ids the workers must forget at the next plan
@@ -113,6 +113,25 @@ class Scheduler:
         self.num_preemptions = 0
         #: Called with each sequence preempted for want of KV blocks (the engine counts and logs it).
         self.on_preempt: Callable[[Sequence], None] | None = None
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The block pool (replaced when the worker group restarts)."""
+        return self.kv_cache.allocator
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.kv_cache.enable_prefix_caching
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache at admission (cumulative)."""
+        return self.kv_cache.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of :attr:`prefix_cache_queries`, the tokens found cached (cumulative)."""
+        return self.kv_cache.prefix_cache_hits
 
     # -- admission and removal ---------------------------------------------------------
 
@@ -146,8 +165,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(reversed(seq.block_ids))  # last blocks first: the first to evict
-        seq.block_ids = []
+        self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
         self._trims.pop(seq.seq_id, None)  # the workers drop the whole table
         if seq.on_workers:
@@ -182,11 +200,7 @@ class Scheduler:
         self._trims.clear()
         for seq in self.waiting:
             seq.on_workers = False
-        listener = self.allocator.listener
-        self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
-        self.allocator.listener = listener
-        if listener is not None:
-            listener.cleared()
+        self.kv_cache.reset()
         return len(running)
 
     # -- the two verbs -----------------------------------------------------------------
@@ -213,10 +227,10 @@ class Scheduler:
             proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
                 if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ((), 0)
             num_spec = len(proposal) + num_draft
-            new_block_ids = self._grow(seq, num_new + num_spec) if num_spec else None
+            new_block_ids = self.kv_cache.grow(seq, num_new + num_spec) if num_spec else None
             if new_block_ids is None:
                 proposal, num_draft, num_spec = (), 0, 0  # no room for guesses: decode as usual (preempt if need be)
-                new_block_ids = self._grow(seq, num_new)
+                new_block_ids = self.kv_cache.grow(seq, num_new)
             while new_block_ids is None:
                 # The lowest priority among those not scheduled yet (seq and later), newest first.
                 victim = self.running[max(range(index, len(self.running)),
@@ -225,7 +239,7 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-                new_block_ids = self._grow(seq, num_new)
+                new_block_ids = self.kv_cache.grow(seq, num_new)
             if new_block_ids is None:
                 continue  # seq itself was preempted (out of running): the next one is at index now
             scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
@@ -234,14 +248,12 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self._cached_prefix(seq)
-            # Cached blocks nobody holds count as free blocks: taking them uses those up.
-            num_needed = num_blocks_for(seq.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
-            if not self.allocator.can_allocate(num_needed):
+            cached = self.kv_cache.cached_prefix(seq)
+            if not self.allocator.can_allocate(self.kv_cache.num_blocks_to_admit(seq, cached)):
                 break  # FCFS: do not let later, smaller requests overtake it
-            self._take_cached_prefix(seq, cached)
+            self.kv_cache.take_cached_prefix(seq, cached)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            new_block_ids = self._grow(seq, num_new)
+            new_block_ids = self.kv_cache.grow(seq, num_new)
             assert new_block_ids is not None  # checked just above
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -296,8 +308,7 @@ class Scheduler:
             if chunk.num_spec_tokens or chunk.num_draft_tokens:
                 outputs += self._apply_verified(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset])
                 continue
-            if self.enable_prefix_caching:
-                self._cache_full_blocks(seq, seq.num_computed_tokens + chunk.num_tokens)
+            self.kv_cache.cache_full_blocks(seq, seq.num_computed_tokens + chunk.num_tokens)
             seq.num_computed_tokens += chunk.num_tokens
             if token_id is None:
                 continue
@@ -349,8 +360,7 @@ class Scheduler:
                 break  # nothing past a stop
         # Valid K/V: the fed token and the accepted proposals; the rest is overwritten later.
         num_computed = chunk.start_position + 1 + min(len(outputs), num_accepted)
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, num_computed)  # only verified positions: no rejected token is cached
+        self.kv_cache.cache_full_blocks(seq, num_computed)  # only verified positions: no rejected token is cached
         seq.num_computed_tokens = num_computed
         # Counted: accepted proposals kept; those past a stop are thrown away (vLLM counts the same).
         self.spec.record(num_proposed, min(len(outputs), num_accepted))
@@ -360,12 +370,11 @@ class Scheduler:
             return outputs
         keep = num_blocks_for(seq.num_tokens, self.block_size)
         if len(seq.block_ids) > keep:  # blocks reserved for rejected proposals go back to the pool
-            self.allocator.free(reversed(seq.block_ids[keep:]))
-            del seq.block_ids[keep:]
+            self.kv_cache.trim(seq, keep)
             self._trims[seq.seq_id] = keep
         return outputs
 
-    # -- the prefix cache --------------------------------------------------------------
+    # -- priority ----------------------------------------------------------------------
 
     def _preempt_for_priority(self) -> None:
         """The first waiting sequence takes the place of running ones of lower priority when it
@@ -378,8 +387,7 @@ class Scheduler:
         lower = [seq for seq in self.running if seq.priority > head.priority]
         if not lower:
             return
-        cached = self._cached_prefix(head)
-        num_needed = num_blocks_for(head.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
+        num_needed = self.kv_cache.num_blocks_to_admit(head, self.kv_cache.cached_prefix(head))
         reclaimable = sum(1 for seq in lower for block_id in seq.block_ids if self.allocator.ref_count(block_id) == 1)
         if num_needed > self.allocator.num_free_blocks + reclaimable:
             return
@@ -387,43 +395,6 @@ class Scheduler:
             victim = max(lower, key=lambda seq: (seq.priority, self.running.index(seq)))
             lower.remove(victim)
             self._preempt(victim)
-
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks ``seq``'s tokens start with, leaving at least its last token to compute.
-
-        None for a sequence that asks for prompt logprobs: every prompt position needs its logits.
-        """
-        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
-            return []
-        num_full = (seq.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(seq, self.block_size, num_full * self.block_size)
-        return self.allocator.lookup(hashes[:num_full])
-
-    def _take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
-        """Makes ``cached`` the start of ``seq``'s block table, as computed tokens, and counts the hit."""
-        num_cached_tokens = len(cached) * self.block_size
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += num_cached_tokens
-        if seq.num_cached_prompt_tokens is None:
-            seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
-        self.allocator.acquire(cached)
-        seq.block_ids = list(cached)
-        seq.num_computed_tokens = num_cached_tokens
-
-    def _cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Records in the cache the blocks of ``seq`` that became full once ``num_computed_tokens`` are computed."""
-        first = seq.num_computed_tokens // self.block_size
-        last = num_computed_tokens // self.block_size
-        if last <= first:
-            return
-        hashes = extend_block_hashes(seq, self.block_size, num_computed_tokens)
-        for index in range(first, last):
-            # Tokens and parent go to a KV-event listener only (coordinator/kv_events.py).
-            tokens = seq.token_ids(index * self.block_size, (index + 1) * self.block_size) \
-                if self.allocator.listener is not None else ()
-            self.allocator.cache(seq.block_ids[index], hashes[index], tokens, hashes[index - 1] if index else None,
-                                 seq.cache_namespace)
 
     def _cached_blocks_written(self, scheduled: list[ScheduledChunk]) -> list[int]:
         """Blocks a plan's chunks write that are cached or shared (always empty unless there is a bug)."""
@@ -437,16 +408,6 @@ class Scheduler:
         return bad
 
     # -- helpers -----------------------------------------------------------------------
-
-    def _grow(self, seq: Sequence, num_new: int) -> list[int] | None:
-        """Allocates the blocks ``seq`` needs to hold ``num_new`` more tokens (None: too few free)."""
-        needed = num_blocks_for(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_ids)
-        if needed <= 0:
-            return []
-        block_ids = self.allocator.allocate(needed)
-        if block_ids is not None:
-            seq.block_ids.extend(block_ids)
-        return block_ids
 
     @staticmethod
     def _chunk(seq: Sequence, num_new: int, new_block_ids: list[int], proposal: tuple[int, ...] = (),

@@ -7,8 +7,6 @@ state of :mod:`coordinator.engine`. No torch.
 from __future__ import annotations
 
 import enum
-import hashlib
-from array import array
 from dataclasses import dataclass, field
 
 from coordinator.spec_decode import AdaptiveSpeculation
@@ -59,7 +57,7 @@ class Sequence:
         block_ids: the block table; block i holds positions [i*block_size, (i+1)*block_size).
         on_workers: whether the workers hold state for this sequence.
         block_hashes: chained hashes of the sequence's full blocks so far
-            (:func:`extend_block_hashes`); they depend only on the tokens, so they
+            (:func:`coordinator.kv_cache_manager.extend_block_hashes`); they depend only on the tokens, so they
             stay valid across preemptions.
         num_cached_prompt_tokens: prompt tokens found in the prefix cache at the
             sequence's first admission (reported as usage); None before it.
@@ -143,25 +141,3 @@ class Sequence:
             return False
         last = self.output_token_ids[-1]
         return last in self.stop.stop_token_ids or (not self.stop.ignore_eos and last in self.stop.eos_token_ids)
-
-
-def extend_block_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]:
-    """Extends ``seq.block_hashes`` to every full block of its first ``num_tokens`` tokens.
-
-    Block ``i``'s hash is ``SHA-256(hash of block i-1 || tokens of block i)``, the tokens
-    as native int64 (the hashes never leave this process); block 0 chains from
-    ``seq.cache_namespace`` (``b""`` by default), so two namespaces (tenants, cache salts)
-    share no block hash at all. It names the block's
-    tokens and every token before them, as vLLM's prefix cache does. SHA-256 rather
-    than Python's ``hash`` because a collision would silently hand one prompt another
-    prompt's K/V.
-
-    Returns:
-        ``seq.block_hashes`` (``num_tokens // block_size`` entries at least).
-    """
-    hashes = seq.block_hashes
-    for index in range(len(hashes), num_tokens // block_size):
-        tokens = seq.token_ids(index * block_size, (index + 1) * block_size)
-        parent = hashes[-1] if hashes else seq.cache_namespace
-        hashes.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
-    return hashes

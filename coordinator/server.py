@@ -104,14 +104,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         n = num_samples(request.sampling_params)
         params = await self._validate(request, context)
+        if n == 1:  # the common case, one async-generator hop fewer per message
+            async for output in self.engine.generate(params, context.time_remaining()):
+                if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
+                    yield _stream_response(output, 0)
+            return
         async for index, output in generate_n(self.engine, params, n, context.time_remaining()):
-            finished = output.finish_reason is not None
-            if not (output.text or output.token_ids or finished or output.prompt_logprobs):
-                continue  # text held back and no token to report: nothing to send
-            yield pb.GenerateStreamResponse(
-                request_id=output.request_id, index=index, text=output.text, token_ids=output.token_ids,
-                finish_reason=_FINISH_REASON_TO_PB[output.finish_reason], usage=_usage(output) if finished else None,
-                logprobs=_logprobs(output), prompt_logprobs=_logprobs(output, prompt=True))
+            if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
+                yield _stream_response(output, index)  # else text held back and no token: nothing to send
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         self._check_loaded()
@@ -124,6 +124,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         # While loading, the KV pool and the dtype are not known yet: UNAVAILABLE, as Generate.
         self._check_loaded()
         return self.model_info
+
+
+def _stream_response(output: RequestOutput, index: int) -> pb.GenerateStreamResponse:
+    """One stream message; only the fields that are set are filled (a message per token per stream)."""
+    response = pb.GenerateStreamResponse(request_id=output.request_id, index=index, text=output.text,
+                                         token_ids=output.token_ids)
+    if output.finish_reason is not None:
+        response.finish_reason = _FINISH_REASON_TO_PB[output.finish_reason]
+        response.usage.CopyFrom(_usage(output))
+    if output.logprobs:
+        response.logprobs.extend(_logprobs(output))
+    if output.prompt_logprobs:
+        response.prompt_logprobs.extend(_logprobs(output, prompt=True))
+    return response
 
 
 def _logprobs(output: RequestOutput, prompt: bool = False) -> list[pb.TokenLogprob]:

@@ -15,7 +15,8 @@ import pytest
 from coordinator.block_allocator import BlockAllocator
 from coordinator.cache_isolation import prefix_cache_namespace, tenant_id
 from coordinator.scheduler import Scheduler
-from coordinator.sequence import FinishReason, Sequence, StopParams, extend_block_hashes
+from coordinator.kv_cache_manager import extend_block_hashes
+from coordinator.sequence import FinishReason, Sequence, StopParams
 from tpserve.step import SamplingParams, StepPlan, StepResult
 
 EOS = 2

@@ -1,0 +1,152 @@
+"""The KV-cache manager: each sequence's block table, and prefix caching over the block pool.
+
+The scheduler decides *what* runs; this module decides *which blocks* it runs in (vLLM
+v1's ``KVCacheManager`` beside its ``BlockPool``):
+
+    Scheduler ──asks──▶ KVCacheManager ──allocates, frees, caches──▶ BlockAllocator (the pool)
+                         block hashes, prefix look-ups,          free lists, ref counts,
+                         hit counts, block tables                the hash -> block index, eviction
+
+Prefix caching: a full block is named by a chained hash of its tokens and every token
+before it (:func:`extend_block_hashes`); block 0 chains from the sequence's namespace
+(:mod:`coordinator.cache_isolation`: the caller's tenant and ``cache_salt``), so two
+namespaces share no block. At admission a sequence takes references to the cached blocks
+its tokens start with (:meth:`KVCacheManager.cached_prefix`, :meth:`~KVCacheManager.take_cached_prefix`);
+as steps compute its blocks, the full ones enter the cache (:meth:`~KVCacheManager.cache_full_blocks`).
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import TYPE_CHECKING
+
+from coordinator.block_allocator import BlockAllocator, num_blocks_for
+
+if TYPE_CHECKING:
+    from coordinator.sequence import Sequence
+
+
+def extend_block_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]:
+    """Extends ``seq.block_hashes`` to every full block of its first ``num_tokens`` tokens.
+
+    Block ``i``'s hash is ``SHA-256(hash of block i-1 || tokens of block i)``, the tokens
+    as native int64 (the hashes never leave this process); block 0 chains from
+    ``seq.cache_namespace`` (``b""`` by default), so two namespaces (tenants, cache salts)
+    share no block hash at all. It names the block's tokens and every token before them,
+    as vLLM's prefix cache does. SHA-256 rather than Python's ``hash`` because a collision
+    would silently hand one prompt another prompt's K/V. The hashes depend only on the
+    tokens, so they stay valid across preemptions.
+
+    Returns:
+        ``seq.block_hashes`` (``num_tokens // block_size`` entries at least).
+    """
+    hashes = seq.block_hashes
+    for index in range(len(hashes), num_tokens // block_size):
+        tokens = seq.token_ids(index * block_size, (index + 1) * block_size)
+        parent = hashes[-1] if hashes else seq.cache_namespace
+        hashes.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
+    return hashes
+
+
+class KVCacheManager:
+    """Gives sequences their KV blocks, sharing cached full blocks when prefix caching is on.
+
+    Args:
+        allocator: the worker group's block pool.
+        enable_prefix_caching: share full blocks between sequences with the same tokens
+            up to them (``--enable-prefix-caching``).
+
+    Attributes:
+        prefix_cache_queries, prefix_cache_hits: tokens looked up in the prefix cache at
+            admission, and how many of them were found (cumulative).
+    """
+
+    def __init__(self, allocator: BlockAllocator, enable_prefix_caching: bool = False) -> None:
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- admission ---------------------------------------------------------------------
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq``'s tokens start with, leaving at least its last token to compute
+        (its logits are needed). Nothing changes; nothing for a sequence that asks for prompt
+        logprobs (every prompt position needs its logits) or with prefix caching off."""
+        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
+            return []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(seq, self.block_size, num_full * self.block_size)
+        return self.allocator.lookup(hashes[:num_full])
+
+    def num_blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
+        """Free blocks that admitting ``seq`` with the cached prefix ``cached`` uses up: its
+        uncached blocks, plus the cached ones nobody holds (they count as free blocks)."""
+        return num_blocks_for(seq.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
+
+    def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Makes ``cached`` the start of ``seq``'s (empty) block table, as computed tokens, and counts the look-up."""
+        num_cached_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+        self.allocator.acquire(cached)
+        seq.block_ids = list(cached)
+        seq.num_computed_tokens = num_cached_tokens
+
+    # -- growth and release ------------------------------------------------------------
+
+    def grow(self, seq: Sequence, num_new: int) -> list[int] | None:
+        """Allocates the blocks ``seq`` needs to hold ``num_new`` more tokens; returns them
+        (``[]``: none needed), or None (and nothing) when too few are free."""
+        needed = num_blocks_for(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_ids)
+        if needed <= 0:
+            return []
+        block_ids = self.allocator.allocate(needed)
+        if block_ids is not None:
+            seq.block_ids.extend(block_ids)
+        return block_ids
+
+    def trim(self, seq: Sequence, num_blocks: int) -> None:
+        """Frees ``seq``'s blocks after its first ``num_blocks`` (reserved for rejected proposals)."""
+        self.allocator.free(reversed(seq.block_ids[num_blocks:]))
+        del seq.block_ids[num_blocks:]
+
+    def free(self, seq: Sequence) -> None:
+        """Drops ``seq``'s whole block table; its cached blocks stay cached, last ones evicted first."""
+        self.allocator.free(reversed(seq.block_ids))
+        seq.block_ids = []
+
+    def reset(self) -> None:
+        """A new, empty pool of the same size (the worker group restarted: cached prefixes named
+        K/V that no longer exists); the KV-event listener is kept and told."""
+        listener = self.allocator.listener
+        self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
+        self.allocator.listener = listener
+        if listener is not None:
+            listener.cleared()
+
+    # -- caching computed blocks -------------------------------------------------------
+
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Records in the prefix cache the blocks of ``seq`` that became full once its first
+        ``num_computed_tokens`` tokens are computed (call before raising ``seq.num_computed_tokens``)."""
+        if not self.enable_prefix_caching:
+            return
+        first = seq.num_computed_tokens // self.block_size
+        last = num_computed_tokens // self.block_size
+        if last <= first:
+            return
+        hashes = extend_block_hashes(seq, self.block_size, num_computed_tokens)
+        listener = self.allocator.listener
+        for index in range(first, last):
+            # Tokens and parent go to a KV-event listener only (coordinator/kv_events.py).
+            tokens = seq.token_ids(index * self.block_size, (index + 1) * self.block_size) if listener else ()
+            self.allocator.cache(seq.block_ids[index], hashes[index], tokens, hashes[index - 1] if index else None,
+                                 seq.cache_namespace)
