@@ -1,0 +1,133 @@
+"""A request's outputs between the engine loop and its handler (coordinator/output_collector.py):
+outputs a slow handler has not taken yet are merged into one, with nothing lost or reordered, and
+a request's deadline is one timer (issue 26, per-token cost).
+
+Stand-in worker groups sample known tokens; the text is checked against a full decode by the
+model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.block_allocator import BlockAllocator
+from coordinator.engine import Engine, RequestOutput
+from coordinator.errors import DeadlineExceededError, TpserveError
+from coordinator.logprobs import TokenLogprob
+from coordinator.metrics import Metrics
+from coordinator.output_collector import RequestOutputCollector, merge_outputs
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import FinishReason
+from coordinator.tokenizer import Tokenizer
+from coordinator.validation import validate_request
+from tpserve.cluster import default_model_dir
+from tpserve.step import SampleLogprobs, StepPlan, StepResult
+from tpserve.v1 import generate_pb2 as pb
+
+PROMPT = [1, 5, 6, 8]
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(default_model_dir())
+
+
+def _output(text: str, token_ids: list[int], finish=None, completion=0, logprobs=(), prompt_logprobs=()):
+    return RequestOutput("r", text, token_ids, finish, 4, completion, 2, logprobs, prompt_logprobs)
+
+
+def test_merged_outputs_join_deltas_and_keep_the_later_finish_and_usage() -> None:
+    lp = [TokenLogprob(t, -0.5 * t, f"t{t}") for t in (10, 11, 12)]
+    prompt_lp = (TokenLogprob(5, -1.0, "p"),)
+    first = _output("Once", [10], completion=1, logprobs=(lp[0],), prompt_logprobs=prompt_lp)
+    second = _output(" upon a", [11, 12], FinishReason.STOP, completion=3, logprobs=tuple(lp[1:]))
+    merged = merge_outputs(first, second)
+    assert merged == RequestOutput("r", "Once upon a", [10, 11, 12], FinishReason.STOP, 4, 3, 2, tuple(lp), prompt_lp)
+    assert first.token_ids == [10] and second.token_ids == [11, 12]  # inputs untouched
+
+
+def test_the_collector_merges_what_is_pending_and_hands_an_error_over_after_the_output() -> None:
+    async def scenario() -> None:
+        collector = RequestOutputCollector()
+        getter = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        assert not getter.done()  # waits for an output
+        collector.put_nowait(_output("a", [1], completion=1))
+        assert (await getter).token_ids == [1]
+        collector.put_nowait(_output("b", [2], completion=2))
+        collector.put_nowait(_output("c", [3], completion=3))
+        collector.put_nowait(TpserveError("first failure"))
+        collector.put_nowait(TpserveError("second failure"))
+        merged = await collector.get()
+        assert (merged.text, merged.token_ids, merged.num_completion_tokens) == ("bc", [2, 3], 3)
+        with pytest.raises(TpserveError, match="first failure"):
+            await collector.get()
+
+    asyncio.run(scenario())
+
+
+class CountingGroup:
+    """Samples tokens 30, 31, ... (one per sampled chunk per step), with logprobs; each step takes ``step_s``."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.num_steps = 0
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        await asyncio.sleep(self.step_s)
+        self.num_steps += 1
+        samples = [c for c in plan.scheduled if c.sample]
+        token_ids = tuple(30 + (self.num_steps % 40) for _ in samples)
+        return StepResult(plan.step_id, token_ids, tuple(
+            SampleLogprobs(i, -0.25, (t,), (-0.25,)) for i, t in enumerate(token_ids)))
+
+
+def _engine(tokenizer: Tokenizer, group) -> Engine:
+    scheduler = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    return Engine(scheduler, group, tokenizer, 128, 16, Metrics())
+
+
+def _params(tokenizer: Tokenizer, **fields):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling_params=pb.SamplingParams(
+        temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=True))
+    return validate_request(request, tokenizer, 1024, 128, **fields)
+
+
+async def _collect(engine: Engine, params, lag_s: float, timeout_s: float | None = None) -> list[RequestOutput]:
+    loop = asyncio.create_task(engine.run())
+    outputs = []
+    try:
+        async for output in engine.generate(params, timeout_s):
+            outputs.append(output)
+            await asyncio.sleep(lag_s)  # a slow reader: the engine runs several steps meanwhile
+    finally:
+        loop.cancel()
+    return outputs
+
+
+@pytest.mark.parametrize("lag_s", [0.0, 0.01], ids=["keeps-up", "lags"])
+def test_a_lagging_handler_gets_fewer_outputs_with_every_token_text_and_logprob(tokenizer, lag_s) -> None:
+    engine = _engine(tokenizer, CountingGroup())
+    outputs = asyncio.run(_collect(engine, _params(tokenizer), lag_s))
+    token_ids = [t for out in outputs for t in out.token_ids]
+    expected = [30 + (step % 40) for step in range(1, NUM_TOKENS + 1)]
+    assert token_ids == expected
+    assert "".join(out.text for out in outputs) == tokenizer.decode(PROMPT + expected)[len(tokenizer.decode(PROMPT)):]
+    assert [lp.token_id for out in outputs for lp in out.logprobs] == expected
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].num_completion_tokens == NUM_TOKENS
+    assert all(out.finish_reason is None for out in outputs[:-1])
+    if lag_s:
+        assert len(outputs) < NUM_TOKENS / 2  # merged: far fewer messages than tokens
+    else:
+        assert len(outputs) == NUM_TOKENS  # one per step when the handler keeps up
+    assert engine.scheduler.allocator.num_free_blocks == 64
+
+
+def test_the_deadline_ends_the_request_and_frees_its_blocks(tokenizer) -> None:
+    engine = _engine(tokenizer, CountingGroup(step_s=0.02))
+    with pytest.raises(DeadlineExceededError, match="deadline of 0.100 s exceeded"):
+        asyncio.run(_collect(engine, _params(tokenizer), 0.0, timeout_s=0.1))
+    assert engine.scheduler.allocator.num_free_blocks == 64 and engine.num_requests == 0
