@@ -14,7 +14,10 @@ included; not its worker ranks') before and after the batch:
 The ratio candidate / baseline is what to compare across machines. One command,
 bounded: about 2-4 minutes on a quiet 2-core machine with the defaults.
 
+    git worktree add --detach /tmp/tpserve-main main
     .venv/bin/python benchmarks/coordinator_cpu.py --baseline /tmp/tpserve-main --out benchmarks/results
+
+``--also NAME=DIR`` adds further checkouts (another branch, a merge) to the same rounds.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def measure(pid: int, target: str, num_streams: int, max_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, help="another tpserve checkout to measure beside this one")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=DIR",
+                        help="a further checkout to measure in the same run (repeatable)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
@@ -109,6 +114,7 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, help="write each server's log here")
     args = parser.parse_args()
     checkouts = {"candidate": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    checkouts |= {name: Path(path).resolve() for name, _, path in (also.partition("=") for also in args.also)}
     max_num_seqs = max(args.streams)
     results: dict[str, dict[int, list[dict]]] = {name: {n: [] for n in args.streams} for name in checkouts}
     with ExitStack() as stack:
@@ -132,8 +138,11 @@ def main() -> None:
             row[f"{name}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in results[name][num_streams])
             row[f"{name}_tokens_per_message"] = statistics.median(r["tokens_per_message"] for r in results[name][num_streams])
         if "baseline" in checkouts:
-            row["ratio"] = round(row["candidate_cpu_us_per_token"] / row["baseline_cpu_us_per_token"], 3)
-        row["goal_40us"] = "yes" if row["candidate_cpu_us_per_token"] <= 40 else "no"
+            for name in checkouts:
+                if name != "baseline":
+                    row[f"{name}_ratio"] = round(row[f"{name}_cpu_us_per_token"] / row["baseline_cpu_us_per_token"], 3)
+        for name in checkouts:
+            row[f"{name}_goal_40us"] = "yes" if row[f"{name}_cpu_us_per_token"] <= 40 else "no"
         table.append(row)
         print(row)
     report = {"benchmark": "coordinator_cpu", "model": "embedded default", "tensor_parallel_size": 1,
