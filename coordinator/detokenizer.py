@@ -101,7 +101,8 @@ class IncrementalDetokenizer:
     def _emit(self, text: str) -> str:
         """Emits the held tokens' text, ``text`` being the window's decode; they become the anchor."""
         held = self._window[self._num_anchor:]
-        held_text = self._tokenizer.decode(held)  # the next anchor's text
+        # The next anchor's text; one held token (the usual case) is memoized by the tokenizer.
+        held_text = self._tokenizer.decode_token(held[0]) if len(held) == 1 else self._tokenizer.decode(held)
         if text.startswith(self._anchor_text):
             delta = text[len(self._anchor_text):]
         else:

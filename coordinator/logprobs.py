@@ -35,7 +35,7 @@ class TokenLogprob:
 def token_logprob(tokenizer: Tokenizer, token_id: int, sample: SampleLogprobs) -> TokenLogprob:
     """The public form of one sampled token's logprobs."""
     def text(tid: int) -> str:
-        return tokenizer.decode([tid], skip_special_tokens=False)
+        return tokenizer.decode_token(tid, skip_special_tokens=False)
 
     top = tuple(TopLogprob(tid, lp, text(tid)) for tid, lp in zip(sample.top_token_ids, sample.top_logprobs, strict=True))
     return TokenLogprob(token_id, sample.logprob, text(token_id), top)
@@ -45,7 +45,7 @@ def prompt_token_logprobs(tokenizer: Tokenizer, prompt_token_ids: list[int],
                           scored: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]]) -> tuple[TokenLogprob, ...]:
     """The public form of a sequence's prompt logprobs: one per prompt token from the second on."""
     def text(tid: int) -> str:
-        return tokenizer.decode([tid], skip_special_tokens=False)
+        return tokenizer.decode_token(tid, skip_special_tokens=False)
 
     out = []
     for position in range(1, len(prompt_token_ids)):

@@ -58,6 +58,7 @@ class Tokenizer:
         # Ids that decode(skip_special_tokens=True) drops: added tokens flagged special.
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}  # decode_token's memo
         self._post_processor_adds_bos = self._probe_post_processor_bos()
         if add_bos_token is None:
             add_bos_token = self._post_processor_adds_bos
@@ -169,6 +170,16 @@ class Tokenizer:
         API edge rejects them before they get here.
         """
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """Text of one token decoded alone, as ``decode([token_id], ...)``; memoized, since it
+        depends on the id only (the detokenizer's anchors and every logprob's text ask for the
+        same ids again and again). At most one entry per vocabulary id and flag."""
+        cache = self._token_texts[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self._backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     def _probe_post_processor_bos(self) -> bool:
         """Whether ``tokenizer.json``'s post-processor puts the bos token first."""

@@ -201,3 +201,12 @@ def test_cost_per_step_is_bounded_by_the_window(tokenizer: Tokenizer) -> None:
     # Each step decodes the anchor (the last emission) plus held tokens: a few ids, never O(length).
     assert max(counting.window_sizes) <= 2 * detok_module._MAX_HELD_TOKENS
     assert len(counting.window_sizes) <= 2 * len(completion) + 10
+
+
+def test_a_memoized_token_text_is_the_token_decoded_alone(tokenizer: Tokenizer) -> None:
+    # decode_token is what the detokenizer's anchors and every logprob's text use: for every id
+    # of the vocabulary (bytes, specials, pieces), asked twice (the second from the memo).
+    for skip_special_tokens in (True, False):
+        for _ in range(2):
+            assert [tokenizer.decode_token(i, skip_special_tokens) for i in range(tokenizer.vocab_size)] == \
+                [tokenizer.decode([i], skip_special_tokens) for i in range(tokenizer.vocab_size)]
