@@ -11,7 +11,7 @@ import pytest
 
 from tpserve.config import ParallelConfig
 from tpserve.netutil import PeerTimeout, wait_for_peer
-from tpserve.node_registry import GroupSettings, NodeRegistry
+from launch.node_registry import GroupSettings, NodeRegistry
 from tpserve.topology import GroupLayout, rank_port, store_port
 from tpserve.v1 import cluster_pb2 as pb
 from tpserve.v1 import cluster_pb2_grpc
