@@ -85,6 +85,12 @@ def test_worker_settings_reach_the_rank_in_one_hop(tmp_path: Path, capsys: pytes
     sent = LocalRanks(eager, default_model_dir(), GroupLayout(1, 1, 0), "json").rank_config(0, "unix:///x", "file:///y")
     options = worker_options(RankConfig.from_json(sent.to_json()))
     assert options.enforce_eager and options.cuda_graph_sizes is None
+    # The lone rank's config that worker/main.py's docstring shows for debugging by hand is valid.
+    import worker.main
+
+    doc = worker.main.__doc__
+    by_hand = RankConfig.from_json(doc[doc.index('{"model_dir"'):doc.index("}", doc.index('{"model_dir"')) + 1])
+    assert by_hand.cluster == ClusterConfig() and worker_options(by_hand).world_size == 1
     # A config the rank cannot use is refused by the rank, naming the field (argparse: exit 2).
     path.write_text(path.read_text().replace('"rank": 3', '"rank": 4'))
     with pytest.raises(SystemExit) as exit_info:

@@ -97,7 +97,8 @@ def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
     sent = RankConfig.from_json(ranks.rank_config(1, "unix:///x", "file:///y").to_json())  # as the rank reads it
     assert sent.cluster.load.quantization == "int8" and sent.rank == 1
     plain = LocalRanks(ClusterConfig(), default_model_dir(), GroupLayout(1, 1, 0), "json")
-    assert RankConfig.from_json(plain.rank_config(0, "unix:///x", "file:///y").to_json()).cluster.load.quantization is None
+    sent = RankConfig.from_json(plain.rank_config(0, "unix:///x", "file:///y").to_json())
+    assert sent.cluster.load.quantization is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int4"])
     with pytest.raises(ValueError, match="load.quantization"):

@@ -291,7 +291,8 @@ class RankConfig(_Frozen):
     ``node_rank * local_world_size + [0, local_world_size)`` (tpserve/topology.py).
 
     Attributes:
-        cluster: the whole cluster configuration, as the launching node validated it.
+        cluster: the whole cluster configuration, as the launching node validated it (by hand:
+            the defaults when left out).
         model_dir: the checkpoint directory, resolved (the embedded model when
             ``cluster.load.model`` is None).
         rank, world_size: this global rank and the group's number of ranks.
@@ -304,7 +305,7 @@ class RankConfig(_Frozen):
         ValueError: a rank outside ``[0, world_size)`` or a local rank outside ``[0, local_world_size)``.
     """
 
-    cluster: ClusterConfig
+    cluster: ClusterConfig = ClusterConfig()
     model_dir: str
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1)

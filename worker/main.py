@@ -10,10 +10,14 @@ exits non-zero after a fatal error (a failed load or step), so that nothing outl
 cluster and nothing lingers half-broken.
 
 Debugging one rank by hand: take a rank's file while ``tpserve serve`` runs (its directory
-is logged as ``config_dir`` with "ranks started"), or write one (``RankConfig(...).to_json()``);
-for a lone rank set ``world_size`` and ``local_world_size`` to 1, ``address`` to e.g.
-``unix:///tmp/rank0.sock`` and ``init_method`` to e.g. ``file:///tmp/rendezvous``; then run
-``python -m worker.main --config rank0.json`` (``--config -`` reads it from stdin).
+is logged as ``config_dir`` with "ranks started"; edit ``address`` and ``init_method`` to
+fresh names), or write a lone rank's, where every cluster setting left out takes its default::
+
+    {"model_dir": "tpserve/default_model", "rank": 0, "world_size": 1, "local_rank": 0,
+     "local_world_size": 1, "address": "unix:///tmp/rank0.sock", "init_method": "file:///tmp/rendezvous"}
+
+then run ``python -m worker.main --config rank0.json`` (``--config -`` reads it from stdin) and
+drive it with ``coordinator.worker_client.WorkerGroup(["unix:///tmp/rank0.sock"], 60)``.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ def read_config(argv: list[str] | None = None) -> RankConfig:
         SystemExit: no ``--config``, an unreadable file, or a configuration that does not
             validate (argparse prints the reason, naming the field, and exits 2).
     """
-    parser = argparse.ArgumentParser(prog="python -m worker.main", description="One tpserve tensor-parallel worker "
-                                     "rank (started by `tpserve serve`; see this module's docstring to run one by hand).")
+    parser = argparse.ArgumentParser(prog="python -m worker.main",
+                                     description="One tpserve tensor-parallel worker rank (started by `tpserve "
+                                                 "serve`; see this module's docstring to run one by hand).")
     parser.add_argument("--config", required=True, metavar="FILE",
                         help="the rank's tpserve.config.RankConfig as JSON; - reads it from stdin")
     args = parser.parse_args(argv)
