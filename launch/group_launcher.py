@@ -26,6 +26,7 @@ import structlog
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from launch.local_ranks import LocalRanks
 from launch.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
+from launch.shutdown import NODES_GOODBYE_SECONDS
 from launch.startup import StartupError, bind, config_sha256, draft_config_sha256
 from tpserve.cluster_secret import AioSecretServerInterceptor
 from tpserve.config import ClusterConfig
@@ -35,8 +36,6 @@ from tpserve.v1 import cluster_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-#: Seconds the other nodes' streams get to carry the leader's goodbye.
-NODES_GOODBYE_SECONDS = 2.0
 #: Seconds between "waiting for nodes" log lines.
 WAITING_LOG_SECONDS = 10.0
 

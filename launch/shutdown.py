@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from launch.group_launcher import NODES_GOODBYE_SECONDS
 from launch.local_ranks import WORKER_EXIT_SECONDS
 from tpserve.config import ServerConfig
 
@@ -27,6 +26,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+#: Seconds the other nodes' streams get to carry the leader's goodbye.
+NODES_GOODBYE_SECONDS = 2.0
 #: Seconds in-flight RPCs get to finish on shutdown (--shutdown-grace-seconds' default).
 SHUTDOWN_GRACE_SECONDS = ServerConfig.model_fields["shutdown_grace_seconds"].default
 #: Longest shutdown with the default grace: the RPC grace, the nodes' goodbye, then the ranks' SIGTERM grace.

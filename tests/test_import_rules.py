@@ -14,6 +14,7 @@ ones resolved, and ``importlib.import_module("...")`` / ``__import__("...")`` wi
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import socket
 import subprocess
@@ -37,6 +38,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def imports_of(path: Path) -> set[str]:
     """Every module the file ``path`` imports, as absolute dotted names."""
     return imports_in(path.read_text(), _module_name(path), is_package=path.name == "__init__.py")
