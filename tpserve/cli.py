@@ -418,3 +418,6 @@ def _info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
     return 0
 
+
+if __name__ == "__main__":  # the command moved with `serve`: say where, rather than exit silently
+    sys.exit("tpserve.cli holds the commands' grammar; run `tpserve` or `python -m launch.cli`")
