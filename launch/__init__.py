@@ -9,6 +9,7 @@ server and this host's ranks) or, with ``--headless``, a :class:`~launch.headles
 - :mod:`launch.group_launcher`: the leader's worker group, local ranks and the node registry;
 - :mod:`launch.local_ranks`: one host's rank processes, each given its ``RankConfig`` as JSON;
 - :mod:`launch.node_registry`: which hosts of a multi-host group have joined;
+- :mod:`launch.topology`: where each rank runs and which ports a group uses; :mod:`launch.netutil`: peers;
 - :mod:`launch.recovery`: liveness, restart-and-resume of a lost group;
 - :mod:`launch.shutdown`: the ordered stop.
 

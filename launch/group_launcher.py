@@ -25,13 +25,13 @@ import structlog
 
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from launch.local_ranks import LocalRanks
+from launch.netutil import PeerTimeout, host_port, interface_of, resolve
 from launch.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
 from launch.shutdown import NODES_GOODBYE_SECONDS
 from launch.startup import StartupError, bind, config_sha256, draft_config_sha256
+from launch.topology import GroupLayout, store_port
 from tpserve.cluster_secret import AioSecretServerInterceptor
 from tpserve.config import ClusterConfig
-from tpserve.netutil import PeerTimeout, host_port, interface_of, resolve
-from tpserve.topology import GroupLayout, store_port
 from tpserve.v1 import cluster_pb2_grpc
 
 log = structlog.get_logger(__name__)

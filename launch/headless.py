@@ -25,13 +25,13 @@ import grpc
 import structlog
 
 from launch.local_ranks import LocalRanks
+from launch.netutil import PeerTimeout, host_port, interface_of, wait_for_peer
 from launch.node_registry import CLIENT_KEEPALIVE_OPTIONS
 from launch.startup import (StartupError, config_sha256, draft_config_sha256, model_dir_of, read_group_secret,
                             read_model_config)
+from launch.topology import GroupLayout, rank_port
 from tpserve.cluster_secret import client_interceptors
 from tpserve.config import ClusterConfig
-from tpserve.netutil import PeerTimeout, host_port, interface_of, wait_for_peer
-from tpserve.topology import GroupLayout, rank_port
 from tpserve.v1 import cluster_pb2 as pb
 from tpserve.v1 import cluster_pb2_grpc
 

@@ -33,8 +33,8 @@ from launch.public_server import PublicServer
 from launch.recovery import Recovery
 from launch.shutdown import Shutdown
 from launch.startup import StartupError, model_dir_of, read_group_secret, read_model_config
+from launch.topology import GroupLayout
 from tpserve.config import ClusterConfig
-from tpserve.topology import GroupLayout
 
 log = structlog.get_logger(__name__)
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import structlog
 
+from launch.topology import GroupLayout
 from tpserve.cluster_secret import ENV_VAR, read_secret
 from tpserve.config import ClusterConfig, RankConfig
-from tpserve.topology import GroupLayout
 
 log = structlog.get_logger(__name__)
 

@@ -63,7 +63,7 @@ def test_worker_settings_reach_the_rank_in_one_hop(tmp_path: Path, capsys: pytes
     from tpserve.cli import serve_config
     from tpserve.config import RankConfig
     from tpserve.embedded_model import default_model_dir
-    from tpserve.topology import GroupLayout
+    from launch.topology import GroupLayout
     from worker.main import read_config, worker_options
 
     config = serve_config(build_parser().parse_args([

@@ -15,12 +15,12 @@ import pytest
 from launch.leader import Leader
 from launch.local_ranks import LocalRanks
 from launch.startup import StartupError
+from launch.topology import GroupLayout
 from tpserve.cli import build_parser, serve_config
 from tpserve.config import ClusterConfig, RankConfig
 from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import checkpoint_quantization
-from tpserve.topology import GroupLayout
 
 #: The quantization_config of a compressed-tensors W8A16 checkpoint as llm-compressor writes it.
 W8A16 = {

@@ -71,7 +71,7 @@ class ParallelConfig(_Frozen):
         master_addr: the leader's host name or address, as every host can reach it
             (required when ``nnodes > 1``).
         master_port: the leader's node registry port; the group also uses the next
-            ports (see :mod:`tpserve.topology`).
+            ports (see :mod:`launch.topology`).
         headless: run only this host's ranks, no public API (every ``node_rank > 0``).
         cluster_secret_file: a file holding a secret shared by every host of the
             group; the node registry and the ranks refuse internal calls without it
@@ -288,7 +288,7 @@ class RankConfig(_Frozen):
     The launcher (launch/local_ranks.py) writes it as JSON (:meth:`to_json`) and the rank reads
     it back with the same validation (:meth:`from_json`, worker/main.py): one object crosses the
     process boundary, not a flag list. A rank's same-host peers are the global ranks
-    ``node_rank * local_world_size + [0, local_world_size)`` (tpserve/topology.py).
+    ``node_rank * local_world_size + [0, local_world_size)`` (launch/topology.py).
 
     Attributes:
         cluster: the whole cluster configuration, as the launching node validated it (by hand:
