@@ -36,7 +36,7 @@ def main() -> int:
     for tp in args.tensor_parallel_size:
         with serve(args.model, tp) as cluster:
             stem = args.out / f"bench_sweep_tp{tp}"
-            subprocess.run([sys.executable, "-m", "tpserve.cli", "bench", "--target", cluster.target,
+            subprocess.run([sys.executable, "-m", "launch.cli", "bench", "--target", cluster.target,
                             "--dataset", "random", "--num-prompts", str(args.num_prompts),
                             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                             "--ignore-eos", "--num-warmups", "4", "--sweep-request-rate", args.rates,

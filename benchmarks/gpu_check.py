@@ -42,7 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from tpserve.client import Client  # noqa: E402
-from tpserve.cluster import default_model_dir  # noqa: E402
+from tpserve.embedded_model import default_model_dir  # noqa: E402
 
 #: H200 HBM3e bandwidth, bytes/s (NVIDIA's datasheet: 4.8 TB/s).
 HBM_BYTES_PER_S = 4.8e12
@@ -173,7 +173,7 @@ def serve_and_measure(name: str, model_dir: Path | None, dtype: str, device: str
     """Start ``tpserve serve``, measure batch-1 decode and (``throughput``) 64-at-once throughput, stop it
     (exit 0 expected). Records the decode graphs the ranks captured, from their log."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", device, "--dtype", dtype, "--tensor-parallel-size", "1", "--max-num-seqs", str(args.concurrency),
            *extra_flags]
     if model_dir is not None:

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from benchmarks.peer_comparison import Transformers, _load, machine_description, workloads  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 from tests.e2e.cluster import serve  # noqa: E402  (the launcher the tests use)
-from tpserve.cluster import default_model_dir  # noqa: E402
+from tpserve.embedded_model import default_model_dir  # noqa: E402
 
 MODEL_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=7, num_attention_heads=8,
                     num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=512,

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from tests.e2e.cluster import serve  # noqa: E402  (the launcher the tests use)
 from tpserve.client import build_request  # noqa: E402
-from tpserve.cluster import default_model_dir  # noqa: E402
+from tpserve.embedded_model import default_model_dir  # noqa: E402
 from tpserve.v1 import generate_pb2_grpc  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from benchmarks.peer_comparison import MODEL_CONFIG, _load, bare_steps, build_model, workloads  # noqa: E402
 from tests.e2e.cluster import serve  # noqa: E402
-from tpserve.cluster import default_model_dir  # noqa: E402
+from tpserve.embedded_model import default_model_dir  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 
 #: name -> (--dtype, --quantization)

@@ -53,7 +53,7 @@ _OWN_METHODS = ("/tpserve.", "/vllm.grpc.engine.")
 #: Largest request message the API decodes (4 MiB, gRPC's usual default). Every valid
 #: request is far smaller (prompt text at most 1 MiB, coordinator/validation.py); a
 #: larger one gets INVALID_ARGUMENT naming this limit. The server's transport limit
-#: (``grpc.max_receive_message_length``, tpserve/cluster.py) is set above it, so that
+#: (``grpc.max_receive_message_length``, launch/public_server.py) is set above it, so that
 #: a request between the two gets this answer, not the transport's RESOURCE_EXHAUSTED
 #: (which the API reserves for a full queue, a condition clients may retry).
 MAX_REQUEST_BYTES = 4 * 1024**2

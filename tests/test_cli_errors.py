@@ -15,10 +15,10 @@ import sys
 import grpc
 import pytest
 
-from tpserve.cli import main
+from launch.cli import main
 from tpserve.client import describe_rpc_error, with_default_port
 
-TPSERVE = [sys.executable, "-m", "tpserve.cli"]
+TPSERVE = [sys.executable, "-m", "launch.cli"]
 
 
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:

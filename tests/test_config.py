@@ -45,7 +45,7 @@ def test_serve_flags_follow_vllm_names() -> None:
 
 def test_serve_names_a_bad_flag_in_one_line() -> None:
     """What `tpserve serve` prints for a bad flag (not through main(): it would configure logging globally)."""
-    from tpserve.cli import _config_error, build_parser, serve_config
+    from tpserve.cli import config_error, build_parser, serve_config
 
     for argv, message in ((["--ssl-certfile", "server.pem"], "--ssl-certfile and --ssl-keyfile go together"),
                           (["--max-num-seqs", "0"], "--max-num-seqs: Input should be greater than or equal to 1"),
@@ -53,24 +53,49 @@ def test_serve_names_a_bad_flag_in_one_line() -> None:
                            "--speculative-method=ngram needs --num-speculative-tokens (>= 1)")):
         with pytest.raises(ValueError) as info:
             serve_config(build_parser().parse_args(["serve", *argv]))
-        assert _config_error(info.value) == message
+        assert config_error(info.value) == message
 
 
-def test_cuda_graph_flags_reach_the_worker_command_line() -> None:
+def test_worker_settings_reach_the_rank_in_one_hop(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Flags -> ClusterConfig -> the rank's RankConfig file (JSON, as the launcher writes it) -> the rank's
+    WorkerOptions: one serialised, validated object, read back by the rank with the same models."""
+    from launch.local_ranks import LocalRanks
     from tpserve.cli import serve_config
-    from tpserve.cluster import default_model_dir
-    from tpserve.ranks import LocalRanks
-    from tpserve.topology import GroupLayout
-    from worker.main import parse_args
+    from tpserve.config import RankConfig
+    from tpserve.embedded_model import default_model_dir
+    from launch.topology import GroupLayout
+    from worker.main import read_config, worker_options
 
-    config = serve_config(build_parser().parse_args(["serve", "--cuda-graph-sizes", "1", "4", "32"]))
+    config = serve_config(build_parser().parse_args([
+        "serve", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1", "--headless",
+        "--master-addr", "10.0.0.7", "--cuda-graph-sizes", "1", "4", "32", "--kv-cache-memory-bytes", "1000000",
+        "--max-model-len", "128", "--max-num-seqs", "8", "--distributed-timeout-seconds", "7", "--dtype", "bfloat16"]))
     assert config.load.cuda_graph_sizes == (1, 4, 32) and not config.load.enforce_eager
-    command = LocalRanks(config, default_model_dir(), GroupLayout(1, 1, 0), "json")._command(0, "unix:///x", "file:///y")
-    worker_args = parse_args(command[3:])  # past `python -m worker.main`
-    assert worker_args.cuda_graph_sizes == [1, 4, 32] and not worker_args.enforce_eager
+    ranks = LocalRanks(config, default_model_dir(), GroupLayout(4, 2, 1), "json")
+    path = tmp_path / "rank3.json"
+    path.write_text(ranks.rank_config(3, "tcp://10.0.0.8:29503", "tcp://10.0.0.7:29501").to_json())
+    options = worker_options(read_config(["--config", str(path)]))
+    assert (options.rank, options.world_size, options.local_rank, options.local_world_size, options.node_rank) == \
+        (3, 4, 1, 2, 1)
+    assert options.model_dir == str(default_model_dir()) and options.init_method == "tcp://10.0.0.7:29501"
+    assert options.cuda_graph_sizes == (1, 4, 32) and not options.enforce_eager and options.dtype == "bfloat16"
+    assert options.distributed_timeout_seconds == 7.0 and options.cache.kv_cache_memory_bytes == 1_000_000
+    assert options.cache.max_model_len == 128 and options.cache.max_num_seqs == 8
     eager = serve_config(build_parser().parse_args(["serve", "--enforce-eager"]))
-    command = LocalRanks(eager, default_model_dir(), GroupLayout(1, 1, 0), "json")._command(0, "unix:///x", "file:///y")
-    assert parse_args(command[3:]).enforce_eager and "--cuda-graph-sizes" not in command
+    sent = LocalRanks(eager, default_model_dir(), GroupLayout(1, 1, 0), "json").rank_config(0, "unix:///x", "file:///y")
+    options = worker_options(RankConfig.from_json(sent.to_json()))
+    assert options.enforce_eager and options.cuda_graph_sizes is None
+    # The lone rank's config that worker/main.py's docstring shows for debugging by hand is valid.
+    import worker.main
+
+    doc = worker.main.__doc__
+    by_hand = RankConfig.from_json(doc[doc.index('{"model_dir"'):doc.index("}", doc.index('{"model_dir"')) + 1])
+    assert by_hand.cluster == ClusterConfig() and worker_options(by_hand).world_size == 1
+    # A config the rank cannot use is refused by the rank, naming the field (argparse: exit 2).
+    path.write_text(path.read_text().replace('"rank": 3', '"rank": 4'))
+    with pytest.raises(SystemExit) as exit_info:
+        read_config(["--config", str(path)])
+    assert exit_info.value.code == 2 and "rank=4 must be < world_size=4" in capsys.readouterr().err
     with pytest.raises(ValidationError, match="cuda_graph_sizes"):
         ClusterConfig.load_from(None, {"load": {"cuda_graph_sizes": [0]}})
     with pytest.raises(ValidationError, match="cuda_graph_sizes"):

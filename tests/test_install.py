@@ -63,7 +63,7 @@ def test_dockerfile_stages_install_with_setup_sh():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = sorted(p.name for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
                       for p in ROOT.glob(pattern) if (p / "__init__.py").is_file())
-    assert packages == ["coordinator", "tpserve", "worker"]
+    assert packages == ["coordinator", "launch", "tpserve", "worker"]
     setup_options = set(re.findall(r"^\s+(--\w+)\)", (ROOT / "deploy" / "setup.sh").read_text(), re.MULTILINE))
     for target, kind in (("cpu", "--cpu"), ("gpu", "--gpu")):
         steps = _lineage(stages, target)

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from launch.leader import Leader
+from launch.local_ranks import LocalRanks
+from launch.startup import StartupError
+from launch.topology import GroupLayout
 from tpserve.cli import build_parser, serve_config
-from tpserve.cluster import Cluster, StartupError, default_model_dir
-from tpserve.config import ClusterConfig
+from tpserve.config import ClusterConfig, RankConfig
+from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import checkpoint_quantization
-from tpserve.ranks import LocalRanks
-from tpserve.topology import GroupLayout
 
 #: The quantization_config of a compressed-tensors W8A16 checkpoint as llm-compressor writes it.
 W8A16 = {
@@ -85,17 +87,18 @@ def test_a_gptq_checkpoint_is_refused_at_start_up_before_any_rank(tmp_path: Path
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(StartupError, match=r"unsupported quantized checkpoint: quantization_config "
                                            r"quant_method='gptq'.*--quantization int8"):
-        Cluster(ClusterConfig.load_from(None, {"load": {"model": str(model_dir)}}))
+        Leader(ClusterConfig.load_from(None, {"load": {"model": str(model_dir)}}))
 
 
 def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
     config = serve_config(build_parser().parse_args(["serve", "--quantization", "int8"]))
     assert config.load.quantization == "int8" and ClusterConfig().load.quantization is None
     ranks = LocalRanks(config, default_model_dir(), GroupLayout(2, 1, 0), "json")
-    command = ranks._command(1, "unix:///x", "file:///y")
-    assert command[command.index("--quantization") + 1] == "int8"
-    assert "--quantization" not in LocalRanks(ClusterConfig(), default_model_dir(), GroupLayout(1, 1, 0),
-                                              "json")._command(0, "unix:///x", "file:///y")
+    sent = RankConfig.from_json(ranks.rank_config(1, "unix:///x", "file:///y").to_json())  # as the rank reads it
+    assert sent.cluster.load.quantization == "int8" and sent.rank == 1
+    plain = LocalRanks(ClusterConfig(), default_model_dir(), GroupLayout(1, 1, 0), "json")
+    sent = RankConfig.from_json(plain.rank_config(0, "unix:///x", "file:///y").to_json())
+    assert sent.cluster.load.quantization is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int4"])
     with pytest.raises(ValueError, match="load.quantization"):

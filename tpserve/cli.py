@@ -1,4 +1,8 @@
-"""The ``tpserve`` command: ``serve`` a model, ``generate`` from a server, ``info`` about it.
+"""The ``tpserve`` command's grammar: ``serve`` a model, ``generate`` from a server, ``info`` about it.
+
+Every command's flags are parsed here (:func:`build_parser`), and the client commands run here
+(:func:`run_client_command`); the console script itself is ``launch.cli:main``, which also runs
+``serve`` (it starts the coordinator and the ranks, which this shared package never imports).
 
 Scripts rely on these names and outputs (see README.md):
   tpserve serve [--model DIR] [--tensor-parallel-size N] [--port PORT] ...
@@ -13,9 +17,7 @@ error it prints the gRPC status code name and the message to stderr and exits 1.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -203,13 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        try:
-            return _serve(args)
-        except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are installed
-            return 130
+def run_client_command(args: argparse.Namespace) -> int:
+    """Runs ``generate``, ``info`` or ``bench`` (parsed by :func:`build_parser`); returns the exit code.
+    ``serve`` starts processes and runs in the launch package (launch/cli.py, the ``tpserve`` command)."""
     if args.command == "bench":
         return bench_cli.main(args)
     try:
@@ -243,48 +241,20 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig.load_from(args.config, overrides)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    # Imported here: `tpserve generate` should not pay for the server's imports.
-    from tpserve.cluster import Cluster, StartupError
-    from tpserve.headless import HeadlessNode
-    from tpserve.log import configure_logging
-
-    configure_logging(args.log_format)
-    try:
-        config = serve_config(args)
-    except OSError as exc:
-        print(f"tpserve serve: --config {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"tpserve serve: {_config_error(exc)}", file=sys.stderr)
-        return 2
-    try:
-        node_class = HeadlessNode if config.parallel.headless else Cluster
-        node = node_class(config, log_format=args.log_format)
-    except (StartupError, ValueError, OSError) as exc:
-        print(f"tpserve serve: {_config_error(exc)}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(node.serve())
-    except StartupError as exc:  # a port in use, a peer that never came, or refused this node
-        print(f"tpserve serve: {_as_flags(str(exc))}", file=sys.stderr)
-        return 1
-
-
-def _config_error(exc: Exception) -> str:
+def config_error(exc: Exception) -> str:
     """One line naming the flags: pydantic's own message lists the input dict and a documentation URL,
     and the configuration names its fields as the YAML does (``speculative.num_speculative_tokens``)."""
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror}"
     errors = getattr(exc, "errors", None)
     if not callable(errors):
-        return _as_flags(str(exc))
+        return as_flags(str(exc))
     lines = []
     for error in errors():
         loc = [str(part) for part in error.get("loc", ()) if part != "__root__"]
         message = str(error.get("msg", "")).removeprefix("Value error, ")
         where = _FIELDS[loc[-1]] if loc and loc[-1] in _FIELDS else ".".join(loc)
-        lines.append(_as_flags(f"{where}: {message}" if where else message))
+        lines.append(as_flags(f"{where}: {message}" if where else message))
     return "; ".join(lines)
 
 
@@ -292,7 +262,7 @@ def _config_error(exc: Exception) -> str:
 _FIELDS = {flag.lstrip("-").replace("-", "_"): flag for flags in _SERVE_FLAGS.values() for flag, _ in flags}
 
 
-def _as_flags(message: str) -> str:
+def as_flags(message: str) -> str:
     """``message`` with configuration fields written as flags: ``speculative: speculative_method=ngram needs
     num_speculative_tokens`` -> ``--speculative-method=ngram needs --num-speculative-tokens``."""
     import re
@@ -449,5 +419,5 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the command moved with `serve`: say where, rather than exit silently
+    sys.exit("tpserve.cli holds the commands' grammar; run `tpserve` or `python -m launch.cli`")

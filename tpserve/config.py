@@ -71,7 +71,7 @@ class ParallelConfig(_Frozen):
         master_addr: the leader's host name or address, as every host can reach it
             (required when ``nnodes > 1``).
         master_port: the leader's node registry port; the group also uses the next
-            ports (see :mod:`tpserve.topology`).
+            ports (see :mod:`launch.topology`).
         headless: run only this host's ranks, no public API (every ``node_rank > 0``).
         cluster_secret_file: a file holding a secret shared by every host of the
             group; the node registry and the ranks refuse internal calls without it
@@ -281,18 +281,58 @@ class ClusterConfig(_Frozen):
             data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
         return cls.model_validate(data)
 
-    def worker_cache_flags(self) -> list[str]:
-        """The flags of ``python -m worker.main`` that size a rank's KV cache (worker/memory.py), the draft
-        model's included (it has a cache too)."""
-        cache, scheduler = self.cache, self.scheduler
-        flags = ["--gpu-memory-utilization", str(cache.gpu_memory_utilization),
-                 "--max-num-batched-tokens", str(scheduler.max_num_batched_tokens),
-                 "--max-num-seqs", str(scheduler.max_num_seqs)]
-        for flag, value in (("--kv-cache-memory-bytes", cache.kv_cache_memory_bytes),
-                            ("--num-gpu-blocks-override", cache.num_gpu_blocks_override),
-                            ("--max-model-len", scheduler.max_model_len),
-                            ("--num-speculative-tokens", self.speculative.num_speculative_tokens),
-                            ("--speculative-model", self.speculative.speculative_model)):
-            if value is not None:
-                flags += [flag, str(value)]
-        return flags
+
+class RankConfig(_Frozen):
+    """What one worker rank runs with: the cluster's configuration and the rank's place in the group.
+
+    The launcher (launch/local_ranks.py) writes it as JSON (:meth:`to_json`) and the rank reads
+    it back with the same validation (:meth:`from_json`, worker/main.py): one object crosses the
+    process boundary, not a flag list. A rank's same-host peers are the global ranks
+    ``node_rank * local_world_size + [0, local_world_size)`` (launch/topology.py).
+
+    Attributes:
+        cluster: the whole cluster configuration, as the launching node validated it (by hand:
+            the defaults when left out).
+        model_dir: the checkpoint directory, resolved (the embedded model when
+            ``cluster.load.model`` is None).
+        rank, world_size: this global rank and the group's number of ranks.
+        local_rank, local_world_size, node_rank: the rank's place on its host.
+        address: the gRPC address its WorkerService binds, e.g. ``unix:///tmp/tpserve-x/rank0-1.sock``.
+        init_method: the torch.distributed rendezvous, e.g. ``tcp://10.0.0.7:29501``.
+        log_format: "console" or "json", as ``--log-format``.
+
+    Raises:
+        ValueError: a rank outside ``[0, world_size)`` or a local rank outside ``[0, local_world_size)``.
+    """
+
+    cluster: ClusterConfig = ClusterConfig()
+    model_dir: str
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    local_rank: int = Field(ge=0)
+    local_world_size: int = Field(ge=1)
+    node_rank: int = Field(0, ge=0)
+    address: str
+    init_method: str
+    log_format: Literal["console", "json"] = "console"
+
+    @model_validator(mode="after")
+    def _check_place(self) -> RankConfig:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
+        if self.local_rank >= self.local_world_size:
+            raise ValueError(f"local_rank={self.local_rank} must be < local_world_size={self.local_world_size}")
+        return self
+
+    def to_json(self) -> str:
+        """The JSON text a rank reads back with :meth:`from_json`."""
+        return self.model_dump_json(indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankConfig:
+        """Parses and validates :meth:`to_json`'s text.
+
+        Raises:
+            pydantic.ValidationError: malformed JSON, an unknown or missing field, a value out of range.
+        """
+        return cls.model_validate_json(text)

@@ -1,9 +1,23 @@
-"""Entry point of one worker rank: ``python -m worker.main --rank R --world-size N ...``.
+"""Entry point of one worker rank: ``python -m worker.main --config RANK.json``.
 
-Started by ``tpserve serve`` (tpserve/cluster.py), one process per rank. The rank serves
-the internal WorkerService on ``--address`` (a unix socket by default), exits when its
-parent (the coordinator) dies, and exits non-zero after a fatal error (a failed load or
-step), so that nothing outlives the cluster and nothing lingers half-broken.
+Started by ``tpserve serve`` (launch/local_ranks.py), one process per rank. Everything the rank
+needs is one :class:`tpserve.config.RankConfig`, the cluster configuration the launcher
+validated plus the rank's place in the group, as JSON; the rank validates it again with the
+same pydantic models and maps it to :class:`worker.server.WorkerOptions` in one place
+(:func:`worker_options`). The rank serves the internal WorkerService on the config's
+``address`` (a unix socket by default), exits when its parent (the coordinator) dies, and
+exits non-zero after a fatal error (a failed load or step), so that nothing outlives the
+cluster and nothing lingers half-broken.
+
+Debugging one rank by hand: take a rank's file while ``tpserve serve`` runs (its directory
+is logged as ``config_dir`` with "ranks started"; edit ``address`` and ``init_method`` to
+fresh names), or write a lone rank's, where every cluster setting left out takes its default::
+
+    {"model_dir": "tpserve/default_model", "rank": 0, "world_size": 1, "local_rank": 0,
+     "local_world_size": 1, "address": "unix:///tmp/rank0.sock", "init_method": "file:///tmp/rendezvous"}
+
+then run ``python -m worker.main --config rank0.json`` (``--config -`` reads it from stdin) and
+drive it with ``coordinator.worker_client.WorkerGroup(["unix:///tmp/rank0.sock"], 60)``.
 """
 
 from __future__ import annotations
@@ -14,10 +28,12 @@ import signal
 import sys
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
 from tpserve.cluster_secret import ENV_VAR, SecretServerInterceptor
+from tpserve.config import RankConfig
 from tpserve.log import configure_logging
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing
@@ -29,58 +45,51 @@ PARENT_POLL_SECONDS = 1.0
 FATAL_GRACE_SECONDS = 2.0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m worker.main", description="One tpserve tensor-parallel worker rank.")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    # Placement on this host (tpserve/topology.py): the rank's same-host peers are the
-    # global ranks node_rank * local_world_size + [0, local_world_size).
-    parser.add_argument("--local-rank", type=int, default=None, help="index among this host's ranks (default: --rank)")
-    parser.add_argument("--local-world-size", type=int, default=None,
-                        help="ranks of the group on this host (default: --world-size)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this host's index in the group")
-    parser.add_argument("--address", required=True, help="gRPC address to serve, e.g. unix:///tmp/tpserve/rank0.sock")
-    parser.add_argument("--init-method", required=True, help="torch.distributed rendezvous, e.g. tcp://127.0.0.1:29500")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", choices=("int8",), default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
-                        help="decode batch sizes captured as CUDA graphs (default: worker/cuda_graphs.py's)")
-    # KV cache sizing (worker/memory.py): explicit blocks, explicit bytes, or measured.
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-speculative-tokens", type=int, default=0, help="0: no speculative decoding")
-    parser.add_argument("--speculative-model", default=None, help="the draft model's checkpoint directory")
-    parser.add_argument("--distributed-timeout-seconds", type=float, default=60.0)
-    parser.add_argument("--log-format", choices=("console", "json"), default="console")
-    return parser.parse_args(argv)
+def read_config(argv: list[str] | None = None) -> RankConfig:
+    """The rank's configuration, from the JSON file ``--config`` names (``-``: stdin).
+
+    Raises:
+        SystemExit: no ``--config``, an unreadable file, or a configuration that does not
+            validate (argparse prints the reason, naming the field, and exits 2).
+    """
+    parser = argparse.ArgumentParser(prog="python -m worker.main",
+                                     description="One tpserve tensor-parallel worker rank (started by `tpserve "
+                                                 "serve`; see this module's docstring to run one by hand).")
+    parser.add_argument("--config", required=True, metavar="FILE",
+                        help="the rank's tpserve.config.RankConfig as JSON; - reads it from stdin")
+    args = parser.parse_args(argv)
+    try:
+        text = sys.stdin.read() if args.config == "-" else Path(args.config).read_text(encoding="utf-8")
+        return RankConfig.from_json(text)
+    except OSError as exc:
+        parser.error(f"--config {args.config}: {exc.strerror}")
+    except ValueError as exc:  # pydantic's ValidationError names each field
+        parser.error(f"--config {args.config}: {exc}")
+
+
+def worker_options(config: RankConfig) -> WorkerOptions:
+    """The rank's WorkerOptions: the one place a cluster setting becomes a worker setting."""
+    cluster = config.cluster
+    load, cache, scheduler, spec = cluster.load, cluster.cache, cluster.scheduler, cluster.speculative
+    return WorkerOptions(
+        model_dir=config.model_dir, rank=config.rank, world_size=config.world_size, init_method=config.init_method,
+        local_rank=config.local_rank, local_world_size=config.local_world_size, node_rank=config.node_rank,
+        device=load.device, dtype=load.dtype, block_size=cache.block_size, quantization=load.quantization,
+        distributed_timeout_seconds=cluster.parallel.distributed_timeout_seconds,
+        cache=CacheSizing(cache.gpu_memory_utilization, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
+                          scheduler.max_model_len, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+                          num_gpu_blocks_override=cache.num_gpu_blocks_override,
+                          num_speculative_tokens=spec.num_speculative_tokens or 0),
+        draft_model_dir=spec.speculative_model,
+        enforce_eager=load.enforce_eager,
+        cuda_graph_sizes=load.cuda_graph_sizes,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_format, rank=args.rank)
-    options = WorkerOptions(
-        model_dir=args.model, rank=args.rank, world_size=args.world_size, init_method=args.init_method,
-        local_rank=args.rank if args.local_rank is None else args.local_rank,
-        local_world_size=args.world_size if args.local_world_size is None else args.local_world_size,
-        node_rank=args.node_rank,
-        device=args.device, dtype=args.dtype, block_size=args.block_size, quantization=args.quantization,
-        distributed_timeout_seconds=args.distributed_timeout_seconds,
-        cache=CacheSizing(args.gpu_memory_utilization, args.max_num_batched_tokens, args.max_num_seqs,
-                          args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          num_gpu_blocks_override=args.num_gpu_blocks_override,
-                          num_speculative_tokens=args.num_speculative_tokens),
-        draft_model_dir=args.speculative_model,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-    )
+    config = read_config(argv)
+    configure_logging(config.log_format, rank=config.rank)
+    options = worker_options(config)
     stop = threading.Event()
     exit_code = [0]
 
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                          interceptors=[SecretServerInterceptor(secret)] if secret else [], options=[
         ("grpc.max_send_message_length", 64 * 1024**2), ("grpc.max_receive_message_length", 64 * 1024**2)])
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    server.add_insecure_port(args.address)
+    server.add_insecure_port(config.address)
     server.start()
 
     for signum in (signal.SIGTERM, signal.SIGINT):

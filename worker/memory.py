@@ -17,7 +17,7 @@ Order of precedence (docs/design.md, "KV cache sizing"):
    CPU cache is zeroed in RAM at start-up).
 
 The coordinator takes the smallest count over the ranks and refuses to start when
-one ``max_model_len`` sequence does not fit (tpserve/cluster.py).
+one ``max_model_len`` sequence does not fit (launch/leader.py).
 
 Weight-only int8 (``--quantization int8``) needs no rule of its own, because both
 measurements are taken after loading: on CUDA the profile's peak holds the int8

@@ -5,7 +5,7 @@ listens on every IPv4 and IPv6 address of the machine, whatever HOST is: anyone 
 can reach the machine can read and write the group's keys. Here rank 0 binds the
 listening socket itself, to HOST's address only, and hands it to the store
 (``master_listen_fd``); the other ranks connect as before. On one host the launcher
-uses a ``file://`` store instead (no listener at all; tpserve/cluster.py).
+uses a ``file://`` store instead (no listener at all; launch/group_launcher.py).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def server_counts(cluster) -> dict[str, float]:
 def test_bench_against_live_server(cluster, tmp_path: Path) -> None:
     before = server_counts(cluster)
     result_file, plot_file = tmp_path / "bench.json", tmp_path / "bench.png"
-    cmd = [sys.executable, "-m", "tpserve.cli", "bench", "--target", cluster.target, "--dataset", "random",
+    cmd = [sys.executable, "-m", "launch.cli", "bench", "--target", cluster.target, "--dataset", "random",
            "--num-prompts", "64", "--request-rate", "16", "--input-len", "24", "--output-len", "16",
            "--range-ratio", "0.5", "--ignore-eos", "--seed", "3", "--goodput", "e2el:60000",
            "--result-file", str(result_file), "--plot", str(plot_file), "--disable-tqdm"]

@@ -13,7 +13,7 @@ from tpserve.bench.metrics import RequestRecord, summarize
 from tpserve.bench.plot import plot_run, plot_sweep, tokens_over_time
 from tpserve.bench.report import format_summary, format_sweep, write_result
 from tpserve.bench.runner import RunResult
-from tpserve.cli import main
+from launch.cli import main
 
 
 def synthetic_run(rate: float, tpot_s: float, num_requests: int = 20) -> RunResult:

@@ -132,7 +132,7 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 def serve_argv(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "tpserve.cli", "serve", *flags]
+    return [sys.executable, "-m", "launch.cli", "serve", *flags]
 
 
 def wait_for_text(log: Path, text: str, timeout_s: float) -> None:

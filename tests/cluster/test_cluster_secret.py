@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from concurrent import futures
 from pathlib import Path
@@ -81,7 +82,9 @@ def test_a_group_with_a_secret_serves_and_its_ranks_refuse_strangers(tmp_path: P
                         if b"worker.main" in Path(f"/proc/{p}/cmdline").read_bytes())
         cmdline = Path(f"/proc/{rank_pid}/cmdline").read_bytes().decode().split("\0")
         assert SECRET not in " ".join(cmdline)  # never on a command line (/proc/*/cmdline is world-readable)
-        address = cmdline[cmdline.index("--address") + 1]
+        rank_config = Path(cmdline[cmdline.index("--config") + 1]).read_text()  # launch/local_ranks.py writes it
+        assert SECRET not in rank_config  # nor in the rank's config file: only its path is
+        address = json.loads(rank_config)["address"]
         with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError) as info:
                 worker_pb2_grpc.WorkerServiceStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)

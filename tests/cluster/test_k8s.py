@@ -23,7 +23,7 @@ import yaml
 
 from tests.paths import REPO_ROOT, SHARED_DIR
 from tpserve.cli import build_parser, serve_config
-from tpserve.cluster import DRAIN_SECONDS
+from launch.shutdown import DRAIN_SECONDS
 from tpserve.config import ClusterConfig
 
 LWS_CRD = SHARED_DIR / "k8s-schemas" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"

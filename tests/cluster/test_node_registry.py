@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
+from launch.netutil import PeerTimeout, wait_for_peer
+from launch.node_registry import GroupSettings, NodeRegistry
+from launch.topology import GroupLayout, rank_port, store_port
 from tpserve.config import ParallelConfig
-from tpserve.netutil import PeerTimeout, wait_for_peer
-from tpserve.node_registry import GroupSettings, NodeRegistry
-from tpserve.topology import GroupLayout, rank_port, store_port
 from tpserve.v1 import cluster_pb2 as pb
 from tpserve.v1 import cluster_pb2_grpc
 

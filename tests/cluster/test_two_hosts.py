@@ -95,7 +95,8 @@ class Group:
         """The pid of the worker process of global ``rank``."""
         for pid in self.pids:
             argv = command_line(pid)
-            if "worker.main" in argv and argv[argv.index("--rank") + 1] == str(rank):
+            # each rank is `python -m worker.main --config <dir>/rank<R>.json` (launch/local_ranks.py)
+            if "worker.main" in argv and argv[argv.index("--config") + 1].endswith(f"/rank{rank}.json"):
                 return pid
         raise LookupError(f"no process for rank {rank} among {self.pids}")
 

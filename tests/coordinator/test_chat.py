@@ -20,7 +20,7 @@ import pytest
 from coordinator.errors import InvalidArgumentError
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.v1 import generate_pb2 as pb
 
 LLAMA2_TEMPLATE = (

@@ -19,7 +19,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
 from coordinator.worker_client import WorkerGroupError
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.step import SamplingParams, StepPlan, StepResult
 
 

@@ -14,7 +14,7 @@ import pytest
 from coordinator.errors import UnavailableError
 from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.v1 import generate_pb2 as pb
 
 

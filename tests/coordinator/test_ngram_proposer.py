@@ -6,7 +6,7 @@ import pytest
 
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer, make_proposer
 from coordinator.spec_decode import AdaptiveSpeculation
-from tpserve.config import ClusterConfig, SpeculativeConfig
+from tpserve.config import ClusterConfig, RankConfig, SpeculativeConfig
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence() -> None:
@@ -75,9 +75,9 @@ def test_config_follows_vllm_defaults_and_names_the_field() -> None:
     assert isinstance(draft, DraftModelProposer) and draft.on_workers and draft.num_to_propose(2) == 2
     config = ClusterConfig.load_from(None, {"speculative": {"speculative_method": "draft", "speculative_model": "/m",
                                                             "num_speculative_tokens": 3}})
-    flags = config.worker_cache_flags()
-    assert flags[flags.index("--speculative-model") + 1] == "/m"
-    assert flags[flags.index("--num-speculative-tokens") + 1] == "3"
+    sent = RankConfig.from_json(RankConfig(cluster=config, model_dir="/t", rank=0, world_size=1, local_rank=0,
+                                           local_world_size=1, address="unix:///x", init_method="file:///y").to_json())
+    assert sent.cluster.speculative == config.speculative  # what the ranks size the draft's cache from
 
 
 def test_adaptive_speculation_pauses_longer_each_time() -> None:

@@ -19,7 +19,7 @@ from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
 from tests.coordinator.test_engine_recovery import FakeGroup
 from tests.coordinator.test_spec_decode import make_seq
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.step import SamplingParams
 
 PROMPT = [1, 5, 6, 8]

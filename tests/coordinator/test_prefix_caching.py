@@ -191,7 +191,7 @@ def test_validation_puts_tenant_and_cache_salt_into_the_namespace() -> None:
     from coordinator.errors import InvalidArgumentError
     from coordinator.tokenizer import Tokenizer
     from coordinator.validation import validate_request
-    from tpserve.cluster import default_model_dir
+    from tpserve.embedded_model import default_model_dir
     from tpserve.v1 import generate_pb2 as pb
 
     tokenizer = Tokenizer.from_pretrained(default_model_dir())

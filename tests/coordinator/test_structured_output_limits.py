@@ -19,7 +19,7 @@ from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.structured_output import MAX_FORMAT_BYTES, MAX_SCHEMA_DEPTH
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.v1 import generate_pb2 as pb
 
 VOCAB_SIZE, MAX_MODEL_LEN = 1024, 512

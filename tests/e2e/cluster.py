@@ -95,7 +95,7 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
     runtime does.
     """
     port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), *extra]
     if model is not None:
         cmd += ["--model", str(model)]

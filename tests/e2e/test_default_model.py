@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.cluster import serve
-from tpserve.cluster import DEFAULT_MODEL_NAME, default_model_dir
+from tpserve.embedded_model import DEFAULT_MODEL_NAME, default_model_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

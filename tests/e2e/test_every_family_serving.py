@@ -83,7 +83,7 @@ def test_serve_prints_transformers_greedy_text(name: str, tmp_path: Path) -> Non
     want_text = tokenizer.decode(prompt_ids + want, skip_special_tokens=True)[len(prefix):]
     with serve(model_dir, 1) as cluster:
         printed = subprocess.run(
-            [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--temperature", "0",
+            [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
              "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", PROMPT],
             capture_output=True, text=True, timeout=60, check=True)
     result = json.loads(printed.stdout)

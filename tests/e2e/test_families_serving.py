@@ -50,7 +50,7 @@ def test_serve_prints_transformers_greedy_text(name: str, tmp_path: Path) -> Non
     want = reference(text_ids)
     with serve(model_dir, 2) as cluster:
         out = subprocess.run(
-            [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--temperature", "0",
+            [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
              "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", PROMPT],
             capture_output=True, text=True, timeout=60, check=True)
         results = [cluster.client.generate(ids, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

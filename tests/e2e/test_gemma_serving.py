@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -71,7 +71,7 @@ def test_serve_prints_transformers_greedy_text(gemma_dir: Path) -> None:
     expected = whole[len(raw.decode(prompt, skip_special_tokens=True)):]
     with serve(gemma_dir, 2) as cluster:
         printed = subprocess.run(
-            [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--temperature", "0",
+            [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
              "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", PROMPT],
             capture_output=True, text=True, timeout=60, check=True).stdout
     result = json.loads(printed)

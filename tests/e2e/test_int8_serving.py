@@ -62,7 +62,7 @@ def test_a_corrupt_int8_checkpoint_is_refused_at_start_up(tmp_path: Path) -> Non
     tensors = load_file(checkpoint / "model.safetensors")
     tensors["model.layers.2.mlp.down_proj.weight_scale"][5] = float("nan")
     save_file(tensors, checkpoint / "model.safetensors")
-    done = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve", "--model", str(checkpoint), "--port", "0"],
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--model", str(checkpoint), "--port", "0"],
                           capture_output=True, text=True, timeout=60)  # before: it served, never exiting
     assert done.returncode == 1, done.stderr[-3000:]
     (failed,) = [line for line in done.stderr.splitlines() if "start-up failed" in line]

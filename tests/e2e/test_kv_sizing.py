@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 def test_a_pool_smaller_than_one_full_sequence_is_refused_at_start_up() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tpserve.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+        [sys.executable, "-m", "launch.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
          "--num-gpu-blocks-override", "31"], capture_output=True, text=True, timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 1, out.stderr[-2000:]

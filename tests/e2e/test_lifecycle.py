@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.e2e, requires_stories]
 
 def test_a_model_that_cannot_be_split_is_refused_at_start_up() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tpserve.cli", "serve", "--model", str(STORIES_DIR), "--tensor-parallel-size", "8",
+        [sys.executable, "-m", "launch.cli", "serve", "--model", str(STORIES_DIR), "--tensor-parallel-size", "8",
          "--port", str(free_port())], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "intermediate_size=172" in out.stderr and "--tensor-parallel-size=8" in out.stderr
@@ -80,7 +80,7 @@ def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loa
     from tpserve.stream_move import MovePolicy
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "tpserve.cli", "serve", "--model", str(STORIES_DIR),
+    process = subprocess.Popen([sys.executable, "-m", "launch.cli", "serve", "--model", str(STORIES_DIR),
                                 "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port)])
     statuses, early_errors = [], []
     try:
@@ -114,7 +114,7 @@ def test_a_second_server_on_a_port_in_use_is_refused() -> None:
     """gRPC binds with SO_REUSEPORT by default: two servers would share the port and split the clients."""
     with serve(None, 1) as cluster:
         second = subprocess.run(
-            [sys.executable, "-m", "tpserve.cli", "serve", "--host", "127.0.0.1", "--port", str(cluster.port)],
+            [sys.executable, "-m", "launch.cli", "serve", "--host", "127.0.0.1", "--port", str(cluster.port)],
             capture_output=True, text=True, timeout=120)
         assert second.returncode != 0
         assert f"cannot bind 127.0.0.1:{cluster.port}" in second.stderr + second.stdout

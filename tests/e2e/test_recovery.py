@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from tests.e2e.cluster import child_pids, serve
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,8 @@ def _requests() -> list[tuple[str, dict]]:
 def _rank_pid(server_pid: int, rank: int) -> int:
     for pid in child_pids(server_pid):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"worker.main" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == str(rank).encode():
+        # each rank is `python -m worker.main --config <dir>/rank<R>.json` (launch/local_ranks.py)
+        if b"worker.main" in cmdline and cmdline[cmdline.index(b"--config") + 1].endswith(f"/rank{rank}.json".encode()):
             return pid
     raise LookupError(f"rank {rank} of {server_pid} not found")
 

@@ -132,7 +132,7 @@ def test_async_client_and_cli_take_the_credentials(secured, pki: Path) -> None:
     streamed = asyncio.run(run())
     expected = secured.client.generate("Once upon a time", max_tokens=6, temperature=0).text
     assert streamed == expected
-    cli = [sys.executable, "-m", "tpserve.cli", "generate", "--target", secured.target, "--max-tokens", "6",
+    cli = [sys.executable, "-m", "launch.cli", "generate", "--target", secured.target, "--max-tokens", "6",
            "--temperature", "0", "--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-certfile", str(pki / "client.pem"),
            "--ssl-keyfile", str(pki / "client.key")]
     env = {k: v for k, v in os.environ.items() if k != "TPSERVE_API_KEY"}
@@ -191,7 +191,7 @@ def test_the_load_generator_takes_the_credentials(secured, pki: Path, tmp_path: 
     import json
 
     result_file = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "tpserve.cli", "bench", "--target", secured.target, "--num-prompts", "4",
+    cmd = [sys.executable, "-m", "launch.cli", "bench", "--target", secured.target, "--num-prompts", "4",
            "--input-len", "16", "--output-len", "4", "--request-rate", "inf", "--result-file", str(result_file),
            "--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-certfile", str(pki / "client.pem"),
            "--ssl-keyfile", str(pki / "client.key"), "--api-key", API_KEY]
@@ -262,7 +262,7 @@ def test_sighup_reloads_certificates_and_keys_without_a_restart(tmp_path: Path) 
 def test_an_expired_certificate_is_refused_at_start_up(tmp_path: Path) -> None:
     """Before, it started and every client then failed the handshake; now one line names the file and dates."""
     _write_cert(tmp_path, "server", "server", None, ca=False, valid_days=(-30, -2))
-    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--port", "0", "--ssl-certfile", str(tmp_path / "server.pem"),
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", "0", "--ssl-certfile", str(tmp_path / "server.pem"),
            "--ssl-keyfile", str(tmp_path / "server.key")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # before: it served, never exiting
     assert done.returncode == 1

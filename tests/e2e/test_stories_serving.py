@@ -193,17 +193,17 @@ def test_model_info(cluster) -> None:
 def test_cli_generate_json_prints_the_golden(cluster) -> None:
     golden = load_goldens()[0]
     out = subprocess.run(
-        [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--temperature", "0",
+        [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
          "--max-tokens", "64", "--json", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
     printed = json.loads(out.stdout)
     assert printed == {"text": golden["text"], "token_ids": golden["completion_token_ids"], "finish_reason": "length",
                        "usage": {"prompt_tokens": 5, "completion_tokens": 64}}
     streamed = subprocess.run(
-        [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--temperature", "0",
+        [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
          "--max-tokens", "64", "--stream", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
     assert streamed.stdout == golden["text"] + "\n"
     bad = subprocess.run(
-        [sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target, "--top-p", "2", "Hi"],
+        [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--top-p", "2", "Hi"],
         capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and bad.stdout == ""
     assert bad.stderr.startswith("INVALID_ARGUMENT: ") and "top_p" in bad.stderr

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.coordinator.test_chat import LLAMA2_TEMPLATE, literal_reference
 from tests.e2e.cluster import RunningCluster, child_pids, serve
 from tpserve.client import Client, Credentials
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -82,7 +82,7 @@ def test_a_tenant_finds_only_its_own_prefix_cache_entries(cluster: RunningCluste
         assert _cached(a, cache_salt="s1") == full
         assert _cached(a, cache_salt="s2") == 0 and _cached(b, cache_salt="s1") == 0
         env = {k: v for k, v in os.environ.items() if k != "TPSERVE_API_KEY"}
-        done = subprocess.run([sys.executable, "-m", "tpserve.cli", "generate", "--target", cluster.target,
+        done = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target,
                                "--max-tokens", "1", "--temperature", "0", "--cache-salt", "from-the-cli",
                                SECRET_PROMPT], capture_output=True, text=True, timeout=60,
                               env={**env, "TPSERVE_API_KEY": KEY_A})

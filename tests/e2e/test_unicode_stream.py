@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

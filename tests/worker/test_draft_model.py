@@ -89,10 +89,11 @@ def test_a_draft_of_another_vocabulary_is_refused(stories_dir: Path, tmp_path: P
     with pytest.raises(ValueError, match="vocab_size=300; the target has 512"):
         ModelRunner(stories_dir, ParallelContext.single(), torch.float32, BLOCK_SIZE, draft_model_dir=draft_dir)
     # The coordinator refuses it before starting any rank.
-    from tpserve.cluster import Cluster, StartupError
+    from launch.leader import Leader
+    from launch.startup import StartupError
     from tpserve.config import ClusterConfig
 
     config = ClusterConfig.load_from(None, {"load": {"model": str(stories_dir)}, "speculative": {
         "speculative_method": "draft", "speculative_model": str(draft_dir), "num_speculative_tokens": 2}})
     with pytest.raises(StartupError, match="has vocab_size=300, the model 512: a draft model must share"):
-        Cluster(config)
+        Leader(config)

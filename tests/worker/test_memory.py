@@ -10,7 +10,7 @@ import torch
 
 from coordinator.block_allocator import check_pool_holds_a_full_sequence
 from tests.worker.cuda_mock import GIB, FakeCuda
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from worker.memory import (
     CPU_MEMORY_FRACTION,
     CacheSizing,

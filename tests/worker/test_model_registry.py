@@ -77,7 +77,7 @@ def test_serve_refuses_an_unknown_architecture_in_one_line(tmp_path: Path) -> No
               "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "max_position_embeddings": 64}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "serve", "--model", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--model", str(tmp_path),
                           "--port", str(free_port())], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.worker.cuda_mock import GIB, FakeCuda
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
 from tpserve.step_pb import plan_to_pb, result_from_pb

@@ -11,7 +11,8 @@ Life of a headless node (node_rank > 0):
      the group's torch.distributed rendezvous;
   5. run until the leader stops the group (exit 0 for an orderly stop, else 1), a
      local rank exits (tell the leader, exit 1), or SIGTERM/SIGINT (exit 0).
-No public API here, and no torch (the ranks are separate processes).
+No public API here, no coordinator module (tests/test_import_rules.py checks it) and no torch (the
+ranks are separate processes).
 """
 
 from __future__ import annotations
@@ -19,19 +20,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import structlog
 
-from tpserve.cluster import (StartupError, config_sha256, default_model_dir, draft_config_sha256, read_group_secret,
-                             read_model_config)
+from launch.local_ranks import LocalRanks
+from launch.netutil import PeerTimeout, host_port, interface_of, wait_for_peer
+from launch.node_registry import CLIENT_KEEPALIVE_OPTIONS
+from launch.startup import (StartupError, config_sha256, draft_config_sha256, model_dir_of, read_group_secret,
+                            read_model_config)
+from launch.topology import GroupLayout, rank_port
 from tpserve.cluster_secret import client_interceptors
 from tpserve.config import ClusterConfig
-from tpserve.netutil import PeerTimeout, host_port, interface_of, wait_for_peer
-from tpserve.node_registry import CLIENT_KEEPALIVE_OPTIONS
-from tpserve.ranks import LocalRanks
-from tpserve.topology import GroupLayout, rank_port
 from tpserve.v1 import cluster_pb2 as pb
 from tpserve.v1 import cluster_pb2_grpc
 
@@ -52,9 +52,9 @@ class HeadlessNode:
         par = config.parallel
         self.config = config
         self.layout = GroupLayout(par.tensor_parallel_size, par.nnodes, par.node_rank)
-        self.model_dir = Path(config.load.model) if config.load.model else default_model_dir()
+        self.model_dir = model_dir_of(config)
         model_len = read_model_config(self.model_dir, par.tensor_parallel_size).max_position_embeddings
-        #: Resolved like the leader's (tpserve/cluster.py); the leader refuses a node whose value differs.
+        #: Resolved like the leader's (launch/leader.py); the leader refuses a node whose value differs.
         self.max_model_len = config.scheduler.max_model_len or model_len
         self.ranks = LocalRanks(config, self.model_dir, self.layout, log_format)
         self.leader = host_port(par.master_addr, par.master_port)

@@ -1,27 +1,30 @@
 """This host's worker-rank processes: start them, watch them, stop them.
 
-Used by the leader (:mod:`tpserve.cluster`) and by a headless node
-(:mod:`tpserve.headless`). Each rank is ``python -m worker.main`` with its global
-rank, its place on this host (``--local-rank``, ``--local-world-size``,
-``--node-rank``: a rank's same-host peers are global ranks ``node_rank *
-local_world_size + [0, local_world_size)``), the address its WorkerService binds
-and the group's torch.distributed rendezvous. No torch.
+Used by the leader (:mod:`launch.group_launcher`) and by a headless node
+(:mod:`launch.headless`). Each rank is ``python -m worker.main --config FILE``, where FILE
+is its :class:`tpserve.config.RankConfig` as JSON: the cluster configuration, its global
+rank, its place on this host (a rank's same-host peers are global ranks ``node_rank *
+local_world_size + [0, local_world_size)``), the address its WorkerService binds and the
+group's torch.distributed rendezvous. The files of one launch lie in a private temporary
+directory (mode 0700, logged as ``config_dir``) until the ranks stop. No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
 
+from launch.topology import GroupLayout
 from tpserve.cluster_secret import ENV_VAR, read_secret
-from tpserve.config import ClusterConfig
-from tpserve.topology import GroupLayout
+from tpserve.config import ClusterConfig, RankConfig
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +50,7 @@ class LocalRanks:
         self.layout = layout
         self.log_format = log_format
         self.procs: dict[int, subprocess.Popen] = {}  # global rank -> process
+        self.config_dir: Path | None = None  # the running launch's rank configs
 
     def start(self, addresses: Mapping[int, str], init_method: str, interface: str | None = None) -> None:
         """Starts one process per local rank.
@@ -66,32 +70,27 @@ class LocalRanks:
         if interface is not None:
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
             env.setdefault("NCCL_SOCKET_IFNAME", interface)
+        self.config_dir = Path(tempfile.mkdtemp(prefix="tpserve-ranks-"))
         for rank in self.layout.node_ranks():
+            path = self.config_dir / f"rank{rank}.json"
+            path.write_text(self.rank_config(rank, addresses[rank], init_method).to_json())
             # A session of their own: Ctrl-C in a terminal, or SIGINT/SIGTERM to the
             # coordinator's process group (a container runtime, ``kill -- -PGID``), must
             # reach the coordinator only, which drains in-flight requests and then stops
             # the ranks (issue 11, fault 4). A rank still exits when its parent dies
             # (worker/main.py watches it).
-            self.procs[rank] = subprocess.Popen(self._command(rank, addresses[rank], init_method), env=env,
+            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "worker.main", "--config", str(path)], env=env,
                                                 start_new_session=True)
         log.info("ranks started", node_rank=self.layout.node_rank, ranks=list(self.procs),
-                 init_method=init_method, interface=interface)
+                 init_method=init_method, interface=interface, config_dir=str(self.config_dir))
 
-    def _command(self, rank: int, address: str, init_method: str) -> list[str]:
-        cfg, layout = self.config, self.layout
-        return [sys.executable, "-m", "worker.main", "--model", str(self.model_dir),
-                "--rank", str(rank), "--world-size", str(layout.world_size),
-                "--local-rank", str(layout.local_rank(rank)), "--local-world-size", str(layout.ranks_per_node),
-                "--node-rank", str(layout.node_rank),
-                "--address", address, "--init-method", init_method,
-                "--device", cfg.load.device, "--dtype", cfg.load.dtype,
-                *(["--quantization", cfg.load.quantization] if cfg.load.quantization else []),
-                *(["--enforce-eager"] if cfg.load.enforce_eager else []),
-                *(["--cuda-graph-sizes", *map(str, cfg.load.cuda_graph_sizes)] if cfg.load.cuda_graph_sizes else []),
-                "--block-size", str(cfg.cache.block_size),
-                *cfg.worker_cache_flags(),
-                "--distributed-timeout-seconds", str(cfg.parallel.distributed_timeout_seconds),
-                "--log-format", self.log_format]
+    def rank_config(self, rank: int, address: str, init_method: str) -> RankConfig:
+        """What global ``rank`` of this node runs with (see :class:`tpserve.config.RankConfig`)."""
+        layout = self.layout
+        return RankConfig(cluster=self.config, model_dir=str(self.model_dir), rank=rank, world_size=layout.world_size,
+                          local_rank=layout.local_rank(rank), local_world_size=layout.ranks_per_node,
+                          node_rank=layout.node_rank, address=address, init_method=init_method,
+                          log_format=self.log_format)
 
     def first_exited(self) -> tuple[int, int] | None:
         """(global rank, exit code) of a rank that has exited, or None while all run."""
@@ -107,7 +106,7 @@ class LocalRanks:
         return exited
 
     def stop(self) -> None:
-        """SIGTERM every rank, SIGKILL those still running after WORKER_EXIT_SECONDS."""
+        """SIGTERM every rank, SIGKILL those still running after WORKER_EXIT_SECONDS; removes their configs."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -117,3 +116,6 @@ class LocalRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.config_dir is not None:
+            shutil.rmtree(self.config_dir, ignore_errors=True)
+            self.config_dir = None

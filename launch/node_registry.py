@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from tpserve.topology import GroupLayout
+from launch.topology import GroupLayout
 from tpserve.v1 import cluster_pb2 as pb
 from tpserve.v1 import cluster_pb2_grpc
 

@@ -1,0 +1,149 @@
+"""``tpserve serve``: one coordinator and its worker ranks, on one host or as the leader of several.
+
+Start-up order:
+  1. read the model's config.json and refuse a model that cannot be split at the
+     asked tensor_parallel_size (before any process starts; :mod:`launch.startup`);
+  2. bind the public gRPC port with the health service NOT_SERVING (:mod:`launch.public_server`);
+  3. gather the group and start this host's ranks (:mod:`launch.group_launcher`: the node
+     registry with ``--nnodes``, then ``python -m worker.main`` per local rank);
+  4. wait until every rank of every host has loaded its shard; size the KV pool to
+     the smallest rank's budget; start the engine; health SERVING.
+A lost rank or node restarts the group (:mod:`launch.recovery`); SIGINT, SIGTERM or a failure
+stops it in order (:mod:`launch.shutdown`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import structlog
+
+from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
+from coordinator.engine import Engine
+from coordinator.errors import TpserveError
+from coordinator.metrics import Metrics
+from coordinator.ngram_proposer import make_proposer
+from coordinator.scheduler import Scheduler
+from coordinator.tokenizer import Tokenizer
+from coordinator.worker_client import WorkerGroupError
+from launch.group_launcher import GroupLauncher
+from launch.public_server import PublicServer
+from launch.recovery import Recovery
+from launch.shutdown import Shutdown
+from launch.startup import StartupError, model_dir_of, read_group_secret, read_model_config
+from launch.topology import GroupLayout
+from tpserve.config import ClusterConfig
+
+log = structlog.get_logger(__name__)
+
+
+class Leader:
+    """A coordinator with its worker ranks. ``await Leader(config).serve()`` runs until stopped.
+
+    With ``--nnodes M > 1`` this is node 0 of a group whose other hosts run
+    :class:`launch.headless.HeadlessNode`.
+
+    Raises:
+        StartupError: the model cannot be served with this configuration.
+    """
+
+    def __init__(self, config: ClusterConfig, log_format: str = "console") -> None:
+        self.config = config
+        self.model_dir = model_dir_of(config)
+        self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size)
+        if config.speculative.speculative_model is not None:
+            draft = read_model_config(Path(config.speculative.speculative_model),
+                                      config.parallel.tensor_parallel_size)
+            if draft.vocab_size != self.model_config.vocab_size:
+                raise StartupError(f"--speculative-model {config.speculative.speculative_model} has vocab_size="
+                                   f"{draft.vocab_size}, the model {self.model_config.vocab_size}: a draft model "
+                                   "must share the model's tokenizer")
+        model_len = self.model_config.max_model_len  # max_position_embeddings, or as RoPE scaling extends it
+        self.max_model_len = config.scheduler.max_model_len or model_len
+        if self.max_model_len > model_len:
+            raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's longest context {model_len} "
+                               f"(max_position_embeddings={self.model_config.max_position_embeddings}, "
+                               "extended by dynamic or yarn RoPE scaling)")
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.metrics = Metrics()
+        self.layout = GroupLayout(config.parallel.tensor_parallel_size, config.parallel.nnodes, 0)
+        self.shutdown = Shutdown()
+        self.public = PublicServer(config, self.model_dir, self.model_config, self.max_model_len, self.tokenizer,
+                                   self.metrics)
+        self.launcher = GroupLauncher(config, self.model_dir, self.layout, read_group_secret(config),
+                                      self.max_model_len, log_format, on_lost=self._group_failed)
+        self.recovery = Recovery(config, self.launcher, self.public, self.metrics, self.shutdown)
+        self.engine: Engine | None = None
+
+    def stop(self, exit_code: int = 0) -> None:
+        """Asks the leader to shut down (safe from signal handlers and callbacks)."""
+        self.shutdown.stop(exit_code)
+
+    async def serve(self) -> int:
+        """Runs until SIGINT/SIGTERM or a fatal error; returns the process exit code.
+
+        Raises:
+            StartupError: the public port, /metrics, TLS files or API keys cannot be used.
+        """
+        self.shutdown.install_signal_handlers(reload=self.public.reload)
+        await self.public.start(self.layout.nnodes)
+        engine_task = None
+        try:
+            ready = asyncio.create_task(self._start_group())
+            stopped = asyncio.create_task(self.shutdown.wait())
+            await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.done() and ready.exception() is None:
+                engine_task = asyncio.create_task(self.engine.run())
+                await self.public.set_serving(True)
+                log.info("serving", **self.public.serving_fields(self.layout.nnodes))
+                await self.shutdown.wait()
+            elif ready.done():
+                log.error("start-up failed", error=str(ready.exception()))
+                self.shutdown.exit_code = 1
+            else:
+                ready.cancel()
+        finally:
+            await self.shutdown.drain(self.public, self.engine, self.config.server.shutdown_grace_seconds,
+                                      [engine_task, *self.recovery.tasks], self.launcher)
+        return self.shutdown.exit_code
+
+    async def _start_group(self) -> None:
+        """Gathers the group, starts this host's ranks, waits for every rank, starts the engine."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.server.worker_start_timeout_seconds
+        available = await self.launcher.start(deadline)
+        num_blocks = cfg.cache.num_gpu_blocks_override or available
+        if num_blocks > available:
+            raise WorkerGroupError(f"--num-gpu-blocks-override {num_blocks} exceeds the {available} blocks a rank can hold")
+        check_pool_holds_a_full_sequence(num_blocks, cfg.cache.block_size, self.max_model_len)
+        workers = self.launcher.workers
+        await workers.start(num_blocks)
+        self.engine = self._build_engine(num_blocks)
+        self.public.attach(self.engine, num_blocks, workers.dtype)
+        self.recovery.engine = self.engine
+        self.recovery.watch_liveness()
+
+    def _build_engine(self, num_blocks: int) -> Engine:
+        """The scheduler over a pool of ``num_blocks`` KV blocks, and the engine that runs it."""
+        cfg = self.config
+        # Dynamic NTK RoPE rotates a prompt's keys for the prompt's length once that passes max_position_embeddings
+        # (worker/layers/rotary.py): equal prefixes of different prompts need not hold equal keys, so none are shared.
+        scaling = self.model_config.rope_scaling or {}
+        share_prefixes = cfg.cache.enable_prefix_caching and not (
+            scaling.get("rope_type") == "dynamic" and self.max_model_len > self.model_config.max_position_embeddings)
+        scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
+                              cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
+                              enable_prefix_caching=share_prefixes,
+                              proposer=make_proposer(cfg.speculative),
+                              disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size)
+        self.metrics.kv_cache_total_blocks.set(num_blocks)
+        self.metrics.kv_cache_free_blocks.set(num_blocks)
+        return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,
+                      cfg.scheduler.max_queue_len, self.metrics, on_fatal=lambda reason: self.stop(1),
+                      on_group_failure=self._group_failed)
+
+    def _group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> bool:
+        """A rank or a node is lost: restart the group or stop (:meth:`launch.recovery.Recovery.group_failed`)."""
+        return self.recovery.group_failed(reason, error)

@@ -1,0 +1,231 @@
+"""The leader's public gRPC server: Generation and the engine protocol a gateway routes
+(``vllm.grpc.engine.VllmEngine``) on one port, with health, reflection, TLS, API keys and
+Prometheus' /metrics beside it.
+
+It is bound before any rank starts, with the health service NOT_SERVING, so that probes and
+clients get a clear UNAVAILABLE while the model loads; :meth:`PublicServer.attach` hands it the
+engine once the group is up. SIGHUP re-reads the API keys and the TLS files (:meth:`reload`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from coordinator.auth import ApiKeyInterceptor, read_api_keys
+from coordinator.engine import Engine
+from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
+from coordinator.grammar_compiler import GrammarCompiler
+from coordinator.metrics import Metrics
+from coordinator.server import GenerationServicer
+from coordinator.tls import ServerCertificates
+from coordinator.tokenizer import Tokenizer
+from coordinator.vllm_engine_service import VllmEngineServicer
+from launch.startup import StartupError, bind
+from tpserve import __version__
+from tpserve.config import ClusterConfig
+from tpserve.embedded_model import DEFAULT_MODEL_NAME
+from tpserve.model_config import ModelConfig
+from tpserve.v1 import generate_pb2 as pb
+from tpserve.v1 import generate_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+#: Keepalive of the public port (docs/design.md, "Faults found by trying public bug
+#: classes"): accept client pings at any rate, with or without calls in flight (gRPC's
+#: defaults answer a client pinging every 10 s, as proxies and meshes do, with GOAWAY
+#: too_many_pings after about 30 s, killing a stream still queued), and ping clients
+#: every 20 s ourselves, so that a long silent stream keeps NAT and proxy mappings and a
+#: vanished client is noticed within 40 s.
+PUBLIC_KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0),
+                            ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+                            ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 20_000)]
+# Clients resolve a name (dns:///replicas:50051) once per connection: closing each
+# connection after a while makes them re-resolve and find replicas added since.
+# The grace lets a long generation stream finish on the old connection.
+# SO_REUSEPORT off (gRPC turns it on by default on Linux): a second server started on a
+# port already in use must fail to bind, not share the port and split the clients.
+_PUBLIC_SERVER_OPTIONS = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000),
+                          ("grpc.so_reuseport", 0), *PUBLIC_KEEPALIVE_OPTIONS,
+                          ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+
+
+class PublicServer:
+    """The public port of one leader.
+
+    Args:
+        config: the cluster configuration (its ``server`` section binds, secures and drains the port).
+        model_dir: the served checkpoint.
+        model_config: its checked config.
+        max_model_len: the longest sequence served, in tokens, as resolved.
+        tokenizer: the model's tokenizer.
+        metrics: the coordinator's Prometheus metrics, served on ``--metrics-port``.
+    """
+
+    def __init__(self, config: ClusterConfig, model_dir: Path, model_config: ModelConfig, max_model_len: int,
+                 tokenizer: Tokenizer, metrics: Metrics) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.health = health.aio.HealthServicer()
+        self.servicer: GenerationServicer | None = None
+        self.port: int | None = None
+        self.certificates: ServerCertificates | None = None  # with --ssl-certfile
+        self.api_keys: ApiKeyInterceptor | None = None  # with --api-key / --api-key-file
+        self.dtype = ""  # resolved by the ranks
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self, nnodes: int) -> None:
+        """Builds the server, binds the public port (and /metrics), health NOT_SERVING, starts it.
+
+        Raises:
+            StartupError: unreadable API keys or TLS files, or a port another process holds.
+        """
+        server = self._build()
+        cfg = self.config.server
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.ssl_certfile:
+            try:
+                self.certificates = ServerCertificates(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"TLS: {exc}") from exc
+            self.port = bind(server, address, self.certificates.credentials())
+        else:
+            self.port = bind(server, address)
+        if self.port == 0:
+            await server.stop(None)  # an unstarted server left to the collector fails after the loop closed
+            raise StartupError(f"--port {cfg.port}: cannot bind {address}, another process listens there; "
+                               "stop it or choose another --port")
+        # /metrics is bound before anything starts: a taken port stops the start-up with one line
+        if cfg.metrics_port is not None:
+            try:
+                start_http_server(cfg.metrics_port, registry=self.metrics.registry)
+            except OSError as exc:
+                await server.stop(None)
+                raise StartupError(f"--metrics-port {cfg.metrics_port}: cannot bind it ({exc.strerror}); stop "
+                                   "the process that listens there or choose another --metrics-port") from None
+        await self.set_serving(False)
+        await server.start()
+        self._server = server
+        log.info("listening", port=self.port, model=str(self.model_dir),
+                 tensor_parallel_size=self.config.parallel.tensor_parallel_size, nnodes=nnodes)
+
+    def _build(self) -> grpc.aio.Server:
+        cfg = self.config.server
+        try:
+            keys = read_api_keys(cfg.api_key, cfg.api_key_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"cannot read the API keys: {exc}") from exc
+        # The key check runs first: an unauthenticated call never reaches validation.
+        self.api_keys = ApiKeyInterceptor(keys) if keys else None
+        interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
+        server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
+        # Structured output grammars compile in child processes, bounded in time (issue 20, fault 3).
+        grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
+        self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0), api_keys=bool(keys),
+                                           grammars=grammars)
+        generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        # The engine protocol a gateway (smg) routes, on the same port and engine.
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(self.servicer, self.model_dir), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
+        return server
+
+    def attach(self, engine: Engine, num_kv_blocks: int, dtype: str) -> None:
+        """Serves ``engine`` from now on; GetModelInfo reports the pool and the ranks' dtype."""
+        self.dtype = dtype
+        self.servicer.engine = engine
+        self.servicer.model_info = self.model_info(num_kv_blocks)
+
+    async def set_serving(self, serving: bool) -> None:
+        """The health service's answer, for the whole server and for Generation."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", GENERATION_SERVICE):
+            await self.health.set(service, status)
+
+    def model_info(self, num_kv_blocks: int) -> pb.ModelInfo:
+        """What GetModelInfo answers with a pool of ``num_kv_blocks`` (0 while the ranks load)."""
+        cfg = self.config
+        return pb.ModelInfo(
+            model_name=cfg.load.served_model_name or (self.model_dir.name if cfg.load.model else DEFAULT_MODEL_NAME),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            dtype=self.dtype,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+            num_kv_blocks=num_kv_blocks,
+            block_size=cfg.cache.block_size,
+            quantization=cfg.load.quantization or self.model_config.quantization or "",
+            speculative_method=cfg.speculative.speculative_method or "",
+            num_speculative_tokens=cfg.speculative.num_speculative_tokens or 0,
+            enable_prefix_caching=cfg.cache.enable_prefix_caching,
+            server_version=__version__,
+        )
+
+    def serving_fields(self, nnodes: int) -> dict[str, object]:
+        """What is on, for the one ``serving`` log line: the model and how it is run, the KV cache, the
+        features, the security of the public port and where the metrics are."""
+        cfg, info = self.config, self.servicer.model_info
+        spec = cfg.speculative
+        server = cfg.server
+        tls = "off" if not server.ssl_certfile else "mutual" if server.ssl_ca_certs else "on"
+        return dict(
+            model=str(self.model_dir), served_model_name=info.model_name, dtype=info.dtype,
+            quantization=info.quantization or "none", tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            nnodes=nnodes, num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
+            max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
+            speculative_method=spec.speculative_method or "off",
+            num_speculative_tokens=spec.num_speculative_tokens or 0,
+            address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
+            metrics_url=(f"http://localhost:{server.metrics_port}/metrics" if server.metrics_port is not None
+                         else "off"),
+            version=__version__,
+        )
+
+    def reload(self) -> None:
+        """SIGHUP: read the API keys and the TLS files again (rotation without a restart).
+
+        What fails to read or check is logged and left as it was; requests in flight and
+        open connections are not touched. Keys given with ``--api-key`` alone do not change.
+        """
+        cfg = self.config.server
+        if self.api_keys is not None:
+            try:
+                keys = read_api_keys(cfg.api_key, cfg.api_key_file)
+                self.api_keys.set_keys(keys)
+                log.info("API keys reloaded", num_keys=len(keys))
+            except (OSError, ValueError) as exc:
+                log.error("API keys not reloaded; the old ones stay", error=str(exc))
+        if self.certificates is not None:
+            try:
+                files = self.certificates.reload()
+                log.info("TLS certificates reloaded", certfile=cfg.ssl_certfile,
+                         not_valid_after=f"{files.not_valid_after:%Y-%m-%d %H:%M:%S} UTC")
+            except (OSError, ValueError) as exc:
+                log.error("TLS certificates not reloaded; the old ones stay", error=str(exc))
+        if self.api_keys is None and self.certificates is None:
+            log.info("SIGHUP: no API keys or TLS certificates to reload")
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops the port: in-flight RPCs get ``grace_s`` seconds, then the servicer's streams close."""
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self.servicer is not None:
+            await self.servicer.close()
+
+    def close_grammars(self) -> None:
+        """Ends the structured-output compiler's child processes."""
+        if self.servicer is not None:
+            self.servicer.grammars.close()

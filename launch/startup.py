@@ -1,0 +1,83 @@
+"""What a node checks and resolves before it starts any process, on the leader and on a headless node alike.
+
+Both refuse a model that cannot be split at the asked ``--tensor-parallel-size`` and read the
+group's secret; both name the model to the node registry by the SHA-256 of its config.json.
+No coordinator and no torch here: a headless node imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import grpc
+
+from tpserve.cluster_secret import read_secret
+from tpserve.config import ClusterConfig
+from tpserve.embedded_model import default_model_dir
+from tpserve.model_config import ModelConfig
+
+
+class StartupError(RuntimeError):
+    """The node cannot start with this configuration or model; the message says why."""
+
+
+def model_dir_of(config: ClusterConfig) -> Path:
+    """``--model``'s directory, or the embedded model's without one."""
+    return Path(config.load.model) if config.load.model else default_model_dir()
+
+
+def read_group_secret(config: ClusterConfig) -> str | None:
+    """The group's cluster secret (``--cluster-secret-file``), or None.
+
+    Raises:
+        StartupError: the file cannot be read or holds too short a secret.
+    """
+    path = config.parallel.cluster_secret_file
+    if path is None:
+        return None
+    try:
+        return read_secret(path)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"--cluster-secret-file: {exc}") from exc
+
+
+def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig:
+    """The checkpoint's config, checked to split at ``tensor_parallel_size``.
+
+    Raises:
+        StartupError: not a checkpoint directory, an unsupported architecture or
+            quantization_config, or the model cannot be split.
+    """
+    if not (model_dir / "config.json").is_file():
+        raise StartupError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        config = ModelConfig.from_pretrained(model_dir)  # also refuses an unsupported quantization_config
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {model_dir}: {exc}") from exc
+    try:
+        config.check_tensor_parallel(tensor_parallel_size)
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {model_dir} at --tensor-parallel-size {tensor_parallel_size}: {exc}") from exc
+    return config
+
+
+def draft_config_sha256(config: ClusterConfig) -> str:
+    """SHA-256 (hex) of the draft model's config.json, or "" without ``--speculative-model``."""
+    draft = config.speculative.speculative_model
+    return "" if draft is None else config_sha256(Path(draft))
+
+
+def config_sha256(model_dir: Path) -> str:
+    """SHA-256 (hex) of a checkpoint's config.json: how the nodes of a group check they serve the same model."""
+    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+
+
+def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """The bound port, or 0 where ``address`` cannot be bound (grpc raises or returns 0, by version)."""
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        return 0
