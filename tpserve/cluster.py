@@ -57,6 +57,7 @@ from tpserve.model_config import ModelConfig
 from tpserve.netutil import PeerTimeout, host_port, interface_of, resolve
 from tpserve.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
 from tpserve.ranks import WORKER_EXIT_SECONDS, LocalRanks
+from tpserve.pipeline_split import sampling_rank, stage_layer_counts
 from tpserve.topology import GroupLayout, store_port
 from tpserve.v1 import cluster_pb2_grpc
 from tpserve.v1 import generate_pb2 as pb
@@ -121,7 +122,8 @@ class Cluster:
         self.config = config
         self.log_format = log_format
         self.model_dir = Path(config.load.model) if config.load.model else default_model_dir()
-        self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size)
+        self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size,
+                                              config.parallel.pipeline_parallel_size)
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model), config.parallel.tensor_parallel_size)
             if draft.vocab_size != self.model_config.vocab_size:
@@ -138,7 +140,7 @@ class Cluster:
         self.secret = read_group_secret(config)
         self.health = health.aio.HealthServicer()
         self.metrics = Metrics()
-        self.layout = GroupLayout(config.parallel.tensor_parallel_size, config.parallel.nnodes, 0)
+        self.layout = GroupLayout(config.parallel.world_size, config.parallel.nnodes, 0)
         self.ranks = LocalRanks(config, self.model_dir, self.layout, log_format)
         self.registry: NodeRegistry | None = None
         self.workers: WorkerGroup | None = None
@@ -255,7 +257,8 @@ class Cluster:
 
     @property
     def world_size(self) -> int:
-        return self.config.parallel.tensor_parallel_size
+        """Every rank of the group (tensor x pipeline parallel size)."""
+        return self.config.parallel.world_size
 
     def _build_server(self) -> grpc.aio.Server:
         cfg = self.config.server
@@ -289,7 +292,8 @@ class Cluster:
             model_name=cfg.load.served_model_name or (self.model_dir.name if cfg.load.model else DEFAULT_MODEL_NAME),
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
-            tensor_parallel_size=self.world_size,
+            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+            pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
             dtype=self._dtype,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
             num_kv_blocks=num_kv_blocks,
@@ -310,7 +314,8 @@ class Cluster:
         tls = "off" if not server.ssl_certfile else "mutual" if server.ssl_ca_certs else "on"
         return dict(
             model=str(self.model_dir), served_model_name=info.model_name, dtype=info.dtype,
-            quantization=info.quantization or "none", tensor_parallel_size=self.world_size, nnodes=self.layout.nnodes,
+            quantization=info.quantization or "none", tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size, nnodes=self.layout.nnodes,
             num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
             speculative_method=spec.speculative_method or "off",
@@ -379,8 +384,10 @@ class Cluster:
         """Starts this host's ranks and waits until every rank has loaded; returns the blocks all can hold."""
         self.ranks.start(addresses, init_method, interface)
         self._monitor_task = asyncio.create_task(self._monitor_ranks())
+        par = self.config.parallel
         self.workers = WorkerGroup([addresses[rank] for rank in range(self.world_size)],
-                                   self.config.server.step_timeout_seconds, secret=self.secret)
+                                   self.config.server.step_timeout_seconds, secret=self.secret,
+                                   sampling_rank=sampling_rank(par.tensor_parallel_size, par.pipeline_parallel_size))
         return await self.workers.wait_ready(max(deadline - time.monotonic(), 0.0))
 
     # -- recovery ------------------------------------------------------------------------
@@ -458,7 +465,8 @@ class Cluster:
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
                                  self.config.cache.block_size, self.config.load.quantization or "",
-                                 draft_config_sha256(self.config), self.max_model_len)
+                                 draft_config_sha256(self.config), self.max_model_len,
+                                 self.config.parallel.pipeline_parallel_size)
         self.registry = NodeRegistry(settings, init_method, on_lost=self._group_failed)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()
@@ -539,8 +547,8 @@ def read_group_secret(config: ClusterConfig) -> str | None:
         raise StartupError(f"--cluster-secret-file: {exc}") from exc
 
 
-def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig:
-    """The checkpoint's config, checked to split at ``tensor_parallel_size``.
+def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> ModelConfig:
+    """The checkpoint's config, checked to split at ``tensor_parallel_size`` and into ``pipeline_parallel_size`` stages.
 
     Raises:
         StartupError: not a checkpoint directory, an unsupported architecture or
@@ -556,6 +564,10 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig
         config.check_tensor_parallel(tensor_parallel_size)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --tensor-parallel-size {tensor_parallel_size}: {exc}") from exc
+    try:
+        stage_layer_counts(config.num_hidden_layers, pipeline_parallel_size)
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {model_dir} at --pipeline-parallel-size {pipeline_parallel_size}: {exc}") from exc
     return config
 
 

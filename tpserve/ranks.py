@@ -81,6 +81,7 @@ class LocalRanks:
         cfg, layout = self.config, self.layout
         return [sys.executable, "-m", "worker.main", "--model", str(self.model_dir),
                 "--rank", str(rank), "--world-size", str(layout.world_size),
+                "--pipeline-parallel-size", str(cfg.parallel.pipeline_parallel_size),
                 "--local-rank", str(layout.local_rank(rank)), "--local-world-size", str(layout.ranks_per_node),
                 "--node-rank", str(layout.node_rank),
                 "--address", address, "--init-method", init_method,

@@ -33,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m worker.main", description="One tpserve tensor-parallel worker rank.")
     parser.add_argument("--model", required=True)
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True, help="every rank: tensor x pipeline parallel size")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="stages; rank r is tensor-parallel rank r %% tp of stage r // tp (worker/pipeline.py)")
     # Placement on this host (tpserve/topology.py): the rank's same-host peers are the
     # global ranks node_rank * local_world_size + [0, local_world_size).
     parser.add_argument("--local-rank", type=int, default=None, help="index among this host's ranks (default: --rank)")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=args.model, rank=args.rank, world_size=args.world_size, init_method=args.init_method,
         local_rank=args.rank if args.local_rank is None else args.local_rank,
         local_world_size=args.world_size if args.local_world_size is None else args.local_world_size,
-        node_rank=args.node_rank,
+        node_rank=args.node_rank, pipeline_parallel_size=args.pipeline_parallel_size,
         device=args.device, dtype=args.dtype, block_size=args.block_size, quantization=args.quantization,
         distributed_timeout_seconds=args.distributed_timeout_seconds,
         cache=CacheSizing(args.gpu_memory_utilization, args.max_num_batched_tokens, args.max_num_seqs,
