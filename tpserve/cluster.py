@@ -196,8 +196,8 @@ class Cluster:
                                    "the process that listens there or choose another --metrics-port") from None
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
-        log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.world_size,
-                 nnodes=self.layout.nnodes)
+        log.info("listening", port=self.port, model=str(self.model_dir), tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+                 pipeline_parallel_size=self.config.parallel.pipeline_parallel_size, nnodes=self.layout.nnodes)
         engine_task = None
         try:
             ready = asyncio.create_task(self._start_group())
