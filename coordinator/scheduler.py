@@ -195,19 +195,27 @@ class Scheduler:
         """Whether ``schedule`` would produce a plan with work (or drops to send)."""
         return bool(self.running or self.waiting or self._to_drop)
 
-    def schedule(self) -> StepPlan:
-        """Builds the next step's plan; see the module docstring for the policy."""
+    def schedule(self, busy: frozenset[int] = frozenset()) -> StepPlan:
+        """Builds the next step's plan; see the module docstring for the policy.
+
+        ``busy``: ids of running sequences in a step still in flight (pipeline micro-batches,
+        coordinator/micro_batches.py): they are neither scheduled nor preempted (that step
+        still writes their blocks) until its result is applied.
+        """
         budget = self.max_num_batched_tokens
         new_seqs: list[NewSequence] = []
         scheduled: list[ScheduledChunk] = []
         preempted = False
 
-        self._preempt_for_priority()
+        self._preempt_for_priority(busy)
         speculate = self.proposer is not None and (self.disable_speculation_above is None
                                                    or len(self.running) <= self.disable_speculation_above)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.seq_id in busy:
+                index += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Speculation spends budget only where every later running sequence keeps a token.
             proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
@@ -219,7 +227,8 @@ class Scheduler:
                 new_block_ids = self._grow(seq, num_new)
             while new_block_ids is None:
                 # The lowest priority among those not scheduled yet (seq and later), newest first.
-                victim = self.running[max(range(index, len(self.running)),
+                victim = self.running[max((i for i in range(index, len(self.running))
+                                           if self.running[i].seq_id not in busy),
                                           key=lambda i: (self.running[i].priority, i))]
                 self._preempt(victim)
                 preempted = True
@@ -367,7 +376,7 @@ class Scheduler:
 
     # -- the prefix cache --------------------------------------------------------------
 
-    def _preempt_for_priority(self) -> None:
+    def _preempt_for_priority(self, busy: frozenset[int] = frozenset()) -> None:
         """The first waiting sequence takes the place of running ones of lower priority when it
         cannot be admitted otherwise (too few free blocks for its prompt, or no free slot):
         they are preempted, lowest priority and newest first, until it fits. Nothing is
@@ -375,7 +384,7 @@ class Scheduler:
         if not self.waiting:
             return
         head = self.waiting[0]
-        lower = [seq for seq in self.running if seq.priority > head.priority]
+        lower = [seq for seq in self.running if seq.priority > head.priority and seq.seq_id not in busy]
         if not lower:
             return
         cached = self._cached_prefix(head)

@@ -63,6 +63,10 @@ class WorkerGroup:
                  sampling_rank: int = 0) -> None:
         self.addresses = list(addresses)
         self.sampling_rank = sampling_rank
+        # Several steps may be in flight (pipeline micro-batches, coordinator/micro_batches.py):
+        # plans are written in call order and each step's answers read after the previous step's.
+        self._writing = asyncio.Lock()
+        self._last_read: asyncio.Future | None = None
         self.step_timeout_s = step_timeout_s
         self._channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS, interceptors=client_interceptors(secret))
                           for a in self.addresses]
@@ -158,9 +162,16 @@ class WorkerGroup:
         sit in a collective waiting for it until the collective timeout: acting on the
         first error, not on all answers, fails the group in milliseconds (issue 11, fault 3).
         """
-        await asyncio.gather(*(stream.write(msg) for stream in self._streams))
-        reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
+        async with self._writing:
+            await asyncio.gather(*(stream.write(msg) for stream in self._streams))
+            previous, mine = self._last_read, asyncio.get_running_loop().create_future()
+            self._last_read = mine
+        reads: list[asyncio.Future] = []
+        clean = False  # every rank's answer read: the streams are at the next step's answers
         try:
+            if previous is not None and not await previous:  # the earlier step's answers come first
+                return [pb.StepResult(step_id=msg.step_id, error="an earlier step in flight failed")]
+            reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
             pending = set(reads)
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -171,10 +182,12 @@ class WorkerGroup:
                         raise _StreamBroke(reads.index(task), f"{exc.code().name}: {exc.details()}") from exc
                     if result is grpc.aio.EOF or result.error:
                         return [result]
+            clean = True
             return [task.result() for task in reads]
         finally:
             for task in reads:
                 task.cancel()
+            mine.set_result(clean)
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Has the sampling rank build ``grammar``'s matcher before its request is scheduled.

@@ -360,7 +360,8 @@ class Cluster:
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         self.engine = Engine(scheduler, self.workers, self.tokenizer, self.max_model_len, cfg.scheduler.max_queue_len,
-                             self.metrics, on_fatal=lambda reason: self.stop(1), on_group_failure=self._group_failed)
+                             self.metrics, on_fatal=lambda reason: self.stop(1), on_group_failure=self._group_failed,
+                             micro_batches=cfg.parallel.pipeline_parallel_size)
         self.servicer.engine = self.engine
         self.servicer.model_info = self._model_info(num_blocks)
         self._liveness_task = asyncio.create_task(self._watch_liveness())
