@@ -6,7 +6,9 @@ each stage would idle ``(P - 1) / P`` of the time. So the engine loop keeps up t
 step ``k + 1``. Each step's plan is a separate micro-batch: the scheduler leaves out
 every sequence of a step still in flight (``Scheduler.schedule(busy=...)``: a sequence
 is never in two in-flight batches, and never preempted while a step writes its blocks),
-so the running sequences rotate over the micro-batches as their results come back.
+so the running sequences rotate over the micro-batches as their results come back; each
+plan takes at most an even share (``ceil(active / P)``) of the active sequences, so
+that one batch does not take them all and leave the others empty.
 
 Why this is safe on the ranks: every rank applies the plans in the order they were
 sent (one ``Step`` stream per rank); a stage's KV cache holds only its own layers, so
@@ -76,7 +78,9 @@ async def run_micro_batches(engine: Engine, depth: int) -> None:
             return
         # Fill the pipeline: each new micro-batch takes only sequences no step in flight holds.
         while len(inflight) < depth and (scheduler.running or scheduler.waiting):
-            plan = scheduler.schedule(busy=inflight.busy)
+            # An even share of the sequences per micro-batch, so that the batches rotate.
+            active = min(len(scheduler.running) + len(scheduler.waiting), scheduler.max_num_seqs)
+            plan = scheduler.schedule(busy=inflight.busy, max_seqs=max(1, -(-active // depth)))
             if not (plan.scheduled or plan.finished_seq_ids or plan.trimmed_block_tables):
                 break  # every schedulable sequence is in flight, or nothing fits yet
             inflight.add(plan, asyncio.create_task(engine.workers.execute(plan)))

@@ -195,13 +195,15 @@ class Scheduler:
         """Whether ``schedule`` would produce a plan with work (or drops to send)."""
         return bool(self.running or self.waiting or self._to_drop)
 
-    def schedule(self, busy: frozenset[int] = frozenset()) -> StepPlan:
+    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> StepPlan:
         """Builds the next step's plan; see the module docstring for the policy.
 
-        ``busy``: ids of running sequences in a step still in flight (pipeline micro-batches,
-        coordinator/micro_batches.py): they are neither scheduled nor preempted (that step
-        still writes their blocks) until its result is applied.
+        Pipeline micro-batches (coordinator/micro_batches.py): ``busy`` are the ids of running
+        sequences in a step still in flight: they are neither scheduled nor preempted (that
+        step still writes their blocks) until its result is applied; ``max_seqs`` caps the
+        sequences of this plan (None: ``max_num_seqs``), so the batches share them out.
         """
+        cap = self.max_num_seqs if max_seqs is None else max_seqs
         budget = self.max_num_batched_tokens
         new_seqs: list[NewSequence] = []
         scheduled: list[ScheduledChunk] = []
@@ -211,7 +213,7 @@ class Scheduler:
         speculate = self.proposer is not None and (self.disable_speculation_above is None
                                                    or len(self.running) <= self.disable_speculation_above)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < cap:
             seq = self.running[index]
             if seq.seq_id in busy:
                 index += 1
@@ -241,7 +243,8 @@ class Scheduler:
             budget -= num_new + num_spec
             index += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(scheduled) < cap):
             seq = self.waiting[0]
             cached = self._cached_prefix(seq)
             # Cached blocks nobody holds count as free blocks: taking them uses those up.
