@@ -12,6 +12,7 @@ the metrics show that each of those paths ran.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.e2e.cluster import serve
 from tests.e2e.test_stories_serving import (assert_goldens_sixteen_at_once, assert_matches_golden,
@@ -52,3 +53,23 @@ def test_goldens_sixteen_at_once_with_preemption(cluster) -> None:
 
 def test_streams_match_the_goldens(cluster) -> None:
     assert_streams_match_the_goldens(cluster.client, min_chunks=4)
+
+
+def test_penalties_logprobs_and_structured_output_on_the_last_stage(cluster) -> None:
+    """The controls the sampling rank (rank 0 of the last stage) applies: penalties and a logit bias
+    against transformers' greedy reference, logprobs against its log-softmax, a grammar it built."""
+    from tests.e2e.test_sampling_controls import MAX_TOKENS, MIN_TOKENS, PENALTY, logits_of, reference
+
+    prompt = load_goldens()[0]["prompt_token_ids"]
+    bias = {286: 3.0, 432: -100.0}
+    result = cluster.client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=PENALTY,
+                                     min_tokens=MIN_TOKENS, logit_bias=bias)
+    assert result.token_ids + ([2] if result.finish_reason == "stop" else []) == reference(prompt, bias)
+    sampled = cluster.client.generate(prompt, max_tokens=8, temperature=0.8, seed=1, logprobs=True, top_logprobs=4)
+    raw = torch.log_softmax(logits_of(prompt + sampled.token_ids)[len(prompt) - 1:-1], dim=-1)  # (8, V)
+    for row, (token, lp) in enumerate(zip(sampled.token_ids, sampled.logprobs, strict=True)):
+        assert lp.token_id == token and lp.logprob == pytest.approx(float(raw[row, token]), abs=1e-4)
+        assert [t.token_id for t in lp.top_logprobs] == raw[row].topk(4).indices.tolist()
+    chosen = cluster.client.generate("Once upon a time", max_tokens=8, temperature=1.0, seed=3,
+                                     choices=["a cat", "a dog", "the end"])
+    assert chosen.text in ("a cat", "a dog", "the end")
