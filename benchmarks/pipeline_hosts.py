@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.cluster.hosts import (LEADER_IP, LEADER_PUBLIC_IP, netns_unavailable, serve_argv,  # noqa: E402
-                                 stop_process_group, two_hosts)
+from tests.cluster.hosts import (CLIENT_IP, LEADER_IP, LEADER_PUBLIC_IP, netns_unavailable,  # noqa: E402
+                                 serve_argv, stop_process_group, two_hosts)
 from tests.paths import STORIES_DIR  # noqa: E402
 
 LAYOUTS = {"tp4": ("--tensor-parallel-size", "4"),
@@ -59,6 +59,12 @@ def link_bytes(namespace: str, interface: str) -> int:
     """Bytes received plus sent on ``interface`` (in ``namespace``) since it was created."""
     return sum(int(_netns(namespace, "cat", f"/sys/class/net/{interface}/statistics/{kind}_bytes"))
                for kind in ("rx", "tx"))
+
+
+def addresses_in_use() -> int:
+    """How many interfaces of this (root) namespace hold the test client's address (tests/cluster/hosts.py)."""
+    out = subprocess.run(["ip", "-br", "addr"], check=True, capture_output=True, text=True).stdout
+    return sum(f" {CLIENT_IP}/" in f" {line}" for line in out.splitlines())
 
 
 def measure(hosts, link: tuple[str, str], layout: str, model: str, max_tokens: int, master_port: int,
@@ -109,6 +115,11 @@ def main() -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
+    if addresses_in_use():
+        # Another run of the two-host tests holds the same fixed addresses: the client would reach its leader.
+        print(f"cannot run: {CLIENT_IP} is already in use (a two-host test is running); try again later",
+              file=sys.stderr)
+        return 2
     logs = Path(f"/tmp/pipeline_hosts-{os.getpid()}")
     logs.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
@@ -130,6 +141,9 @@ def main() -> int:
             for name in LAYOUTS:
                 port += 10  # a fresh rendezvous per start
                 run = measure(hosts, link, name, args.model, args.max_tokens, port, logs)
+                if addresses_in_use() != 1:
+                    print("another two-host run started meanwhile: the measurement is void", file=sys.stderr)
+                    return 2
                 print(f"round {round_index} {name}: {run['bytes_per_step']:.0f} B/step, "
                       f"{run['output_tokens_per_s']:.1f} output tok/s at 16 at once", flush=True)
                 runs[name].append(run)
