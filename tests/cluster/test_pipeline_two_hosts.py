@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tests.cluster.hosts import (LEADER_IP, LEADER_PUBLIC_IP, Hosts, descendants, netns_unavailable, serve_argv,
+from tests.cluster.hosts import (LEADER_IP, LEADER_PUBLIC_IP, descendants, netns_unavailable, serve_argv,
                                  stop_process_group, two_hosts)
 from tests.cluster.test_two_hosts import (MASTER_PORT, PUBLIC_PORT, START_TIMEOUT_S, STEP_TIMEOUT_S, Group,
                                           check_goldens_alone, check_goldens_sixteen_at_once)
