@@ -56,7 +56,9 @@ def server(checkout: Path, max_num_seqs: int, log_path: Path | None):
     """``tpserve serve`` of the checkout ``checkout`` (its code imported first); yields (pid, target)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", "1", "--host", "127.0.0.1",
+    # The launch package holds the CLI since issue 24; older checkouts (baselines) have it in tpserve.
+    cli = "launch.cli" if (checkout / "launch" / "cli.py").is_file() else "tpserve.cli"
+    cmd = [sys.executable, "-m", cli, "serve", "--tensor-parallel-size", "1", "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", str(free_port()), "--max-num-seqs", str(max_num_seqs),
            "--max-num-batched-tokens", str(max(2048, max_num_seqs * 8))]
     log_file = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below

@@ -33,6 +33,7 @@ from coordinator.errors import (DeadlineExceededError, InvalidArgumentError, Res
 from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.output_collector import RequestOutputCollector
+from coordinator.micro_batches import run_micro_batches
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
 from coordinator.stop_strings import StopStringMatcher
@@ -100,8 +101,9 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, workers: WorkerGroup, tokenizer: Tokenizer, max_model_len: int,
                  max_queue_len: int, metrics: Metrics, on_fatal: Callable[[str], None] = lambda _: None,
-                 on_group_failure: Callable[[str], bool] = lambda _: False) -> None:
+                 on_group_failure: Callable[[str], bool] = lambda _: False, micro_batches: int = 1) -> None:
         self.scheduler = scheduler
+        self.micro_batches = micro_batches  # steps in flight: the pipeline's stages (coordinator/micro_batches.py)
         self.workers = workers
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -277,6 +279,9 @@ class Engine:
             self.fail_all(f"engine loop failed: {type(exc).__name__}: {exc}")
 
     async def _loop(self) -> None:
+        if self.micro_batches > 1:  # pipeline stages: up to one step in flight per stage
+            await run_micro_batches(self, self.micro_batches)
+            return
         while True:
             if self.recovering:
                 await self._resumed.wait()

@@ -209,19 +209,29 @@ class Scheduler:
         """Whether ``schedule`` would produce a plan with work (or drops to send)."""
         return bool(self.running or self.waiting or self._to_drop)
 
-    def schedule(self) -> StepPlan:
-        """Builds the next step's plan; see the module docstring for the policy."""
+    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> StepPlan:
+        """Builds the next step's plan; see the module docstring for the policy.
+
+        Pipeline micro-batches (coordinator/micro_batches.py): ``busy`` are the ids of running
+        sequences in a step still in flight: they are neither scheduled nor preempted (that
+        step still writes their blocks) until its result is applied; ``max_seqs`` caps the
+        sequences of this plan (None: ``max_num_seqs``), so the batches share them out.
+        """
+        cap = self.max_num_seqs if max_seqs is None else max_seqs
         budget = self.max_num_batched_tokens
         new_seqs: list[NewSequence] = []
         scheduled: list[ScheduledChunk] = []
         preempted = False
 
-        self._preempt_for_priority()
+        self._preempt_for_priority(busy)
         speculate = self.proposer is not None and (self.disable_speculation_above is None
                                                    or len(self.running) <= self.disable_speculation_above)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < cap:
             seq = self.running[index]
+            if seq.seq_id in busy:
+                index += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Speculation spends budget only where every later running sequence keeps a token.
             proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
@@ -233,7 +243,8 @@ class Scheduler:
                 new_block_ids = self.kv_cache.grow(seq, num_new)
             while new_block_ids is None:
                 # The lowest priority among those not scheduled yet (seq and later), newest first.
-                victim = self.running[max(range(index, len(self.running)),
+                victim = self.running[max((i for i in range(index, len(self.running))
+                                           if self.running[i].seq_id not in busy),
                                           key=lambda i: (self.running[i].priority, i))]
                 self._preempt(victim)
                 preempted = True
@@ -246,7 +257,8 @@ class Scheduler:
             budget -= num_new + num_spec
             index += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(scheduled) < cap):
             seq = self.waiting[0]
             cached = self.kv_cache.cached_prefix(seq)
             if not self.allocator.can_allocate(self.kv_cache.num_blocks_to_admit(seq, cached)):
@@ -376,7 +388,7 @@ class Scheduler:
 
     # -- priority ----------------------------------------------------------------------
 
-    def _preempt_for_priority(self) -> None:
+    def _preempt_for_priority(self, busy: frozenset[int] = frozenset()) -> None:
         """The first waiting sequence takes the place of running ones of lower priority when it
         cannot be admitted otherwise (too few free blocks for its prompt, or no free slot):
         they are preempted, lowest priority and newest first, until it fits. Nothing is
@@ -384,7 +396,7 @@ class Scheduler:
         if not self.waiting:
             return
         head = self.waiting[0]
-        lower = [seq for seq in self.running if seq.priority > head.priority]
+        lower = [seq for seq in self.running if seq.priority > head.priority and seq.seq_id not in busy]
         if not lower:
             return
         num_needed = self.kv_cache.num_blocks_to_admit(head, self.kv_cache.cached_prefix(head))

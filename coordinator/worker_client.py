@@ -1,7 +1,8 @@
 """The coordinator's side of the worker protocol: fan each step plan out to every rank.
 
 Every rank receives the same ``StepPlan`` on its own ``Step`` stream and answers it;
-the step is done when all have answered (rank 0's answer carries the tokens). A rank
+the step is done when all have answered (the sampling rank's answer carries the tokens:
+rank 0, or with pipeline stages rank 0 of the last stage, tpserve/pipeline_split.py). A rank
 that answers with an error, closes its stream or misses the step timeout makes the
 whole group unusable: :class:`WorkerGroupError` is raised and the caller fails the
 requests in flight. No torch.
@@ -54,10 +55,18 @@ class WorkerGroup:
         addresses: each rank's gRPC address, rank order.
         step_timeout_s: seconds to wait for every rank to answer one step.
         secret: the group's cluster secret, sent with every call (see tpserve/cluster_secret.py).
+        sampling_rank: the rank whose answers carry the tokens and that builds grammars
+            (rank 0 of the last pipeline stage; 0 without stages).
     """
 
-    def __init__(self, addresses: Sequence[str], step_timeout_s: float, secret: str | None = None) -> None:
+    def __init__(self, addresses: Sequence[str], step_timeout_s: float, secret: str | None = None,
+                 sampling_rank: int = 0) -> None:
         self.addresses = list(addresses)
+        self.sampling_rank = sampling_rank
+        # Several steps may be in flight (pipeline micro-batches, coordinator/micro_batches.py):
+        # plans are written in call order and each step's answers read after the previous step's.
+        self._writing = asyncio.Lock()
+        self._last_read: asyncio.Future | None = None
         self.step_timeout_s = step_timeout_s
         self._channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS, interceptors=client_interceptors(secret))
                           for a in self.addresses]
@@ -112,7 +121,7 @@ class WorkerGroup:
         self._streams = [stub.Step() for stub in self._stubs]
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step on every rank and returns rank 0's result.
+        """Runs one step on every rank and returns the sampling rank's result.
 
         Raises:
             WorkerGroupError: a rank failed, closed its stream, or exceeded the step timeout.
@@ -142,7 +151,7 @@ class WorkerGroup:
             elif any(r is grpc.aio.EOF for r in results):
                 self.failed = f"step {plan.step_id}: a rank closed its stream"
             else:
-                return result_from_pb(results[0])
+                return result_from_pb(results[self.sampling_rank])
         log.error("worker group failed", reason=self.failed)
         raise WorkerGroupError(self.failed)
 
@@ -153,9 +162,16 @@ class WorkerGroup:
         sit in a collective waiting for it until the collective timeout: acting on the
         first error, not on all answers, fails the group in milliseconds (issue 11, fault 3).
         """
-        await asyncio.gather(*(stream.write(msg) for stream in self._streams))
-        reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
+        async with self._writing:
+            await asyncio.gather(*(stream.write(msg) for stream in self._streams))
+            previous, mine = self._last_read, asyncio.get_running_loop().create_future()
+            self._last_read = mine
+        reads: list[asyncio.Future] = []
+        clean = False  # every rank's answer read: the streams are at the next step's answers
         try:
+            if previous is not None and not await previous:  # the earlier step's answers come first
+                return [pb.StepResult(step_id=msg.step_id, error="an earlier step in flight failed")]
+            reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
             pending = set(reads)
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -166,13 +182,15 @@ class WorkerGroup:
                         raise _StreamBroke(reads.index(task), f"{exc.code().name}: {exc.details()}") from exc
                     if result is grpc.aio.EOF or result.error:
                         return [result]
+            clean = True
             return [task.result() for task in reads]
         finally:
             for task in reads:
                 task.cancel()
+            mine.set_result(clean)
 
     async def prepare_grammar(self, grammar: str) -> None:
-        """Has rank 0 (the sampling rank) build ``grammar``'s matcher before its request is scheduled.
+        """Has the sampling rank build ``grammar``'s matcher before its request is scheduled.
 
         Raises:
             WorkerGroupError: the call failed or took over the step timeout (rank 0 down or busy).
@@ -180,10 +198,11 @@ class WorkerGroup:
         """
         async with self._preparing:
             try:
-                response = await self._stubs[0].PrepareGrammar(pb.PrepareGrammarRequest(grammar=grammar),
-                                                                timeout=self.step_timeout_s)
+                response = await self._stubs[self.sampling_rank].PrepareGrammar(
+                    pb.PrepareGrammarRequest(grammar=grammar), timeout=self.step_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                raise WorkerGroupError(f"rank 0: PrepareGrammar: {exc.code().name}: {exc.details()}") from exc
+                raise WorkerGroupError(f"rank {self.sampling_rank}: PrepareGrammar: {exc.code().name}: "
+                                       f"{exc.details()}") from exc
         if response.error:
             raise ValueError(response.error)
 

@@ -32,6 +32,7 @@ from launch.startup import StartupError, bind, config_sha256, draft_config_sha25
 from launch.topology import GroupLayout, store_port
 from tpserve.cluster_secret import AioSecretServerInterceptor
 from tpserve.config import ClusterConfig
+from tpserve.pipeline_split import sampling_rank
 from tpserve.v1 import cluster_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -124,8 +125,10 @@ class GroupLauncher:
         """Starts this host's ranks and waits until every rank has loaded; returns the blocks all can hold."""
         self.ranks.start(addresses, init_method, interface)
         self._monitor_task = asyncio.create_task(self._monitor_ranks())
+        par = self.config.parallel
         self.workers = WorkerGroup([addresses[rank] for rank in range(self.layout.world_size)],
-                                   self.config.server.step_timeout_seconds, secret=self.secret)
+                                   self.config.server.step_timeout_seconds, secret=self.secret,
+                                   sampling_rank=sampling_rank(par.tensor_parallel_size, par.pipeline_parallel_size))
         return await self.workers.wait_ready(max(deadline - time.monotonic(), 0.0))
 
     async def _monitor_ranks(self) -> None:
@@ -156,7 +159,8 @@ class GroupLauncher:
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
                                  self.config.cache.block_size, self.config.load.quantization or "",
-                                 draft_config_sha256(self.config), self.max_model_len)
+                                 draft_config_sha256(self.config), self.max_model_len,
+                                 self.config.parallel.pipeline_parallel_size)
         self.registry = NodeRegistry(settings, init_method, on_lost=self.on_lost)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()

@@ -52,7 +52,8 @@ class Leader:
     def __init__(self, config: ClusterConfig, log_format: str = "console") -> None:
         self.config = config
         self.model_dir = model_dir_of(config)
-        self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size)
+        self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size,
+                                              config.parallel.pipeline_parallel_size)
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model),
                                       config.parallel.tensor_parallel_size)
@@ -68,7 +69,7 @@ class Leader:
                                "extended by dynamic or yarn RoPE scaling)")
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.metrics = Metrics()
-        self.layout = GroupLayout(config.parallel.tensor_parallel_size, config.parallel.nnodes, 0)
+        self.layout = GroupLayout(config.parallel.world_size, config.parallel.nnodes, 0)
         self.shutdown = Shutdown()
         self.public = PublicServer(config, self.model_dir, self.model_config, self.max_model_len, self.tokenizer,
                                    self.metrics)
@@ -142,7 +143,7 @@ class Leader:
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,
                       cfg.scheduler.max_queue_len, self.metrics, on_fatal=lambda reason: self.stop(1),
-                      on_group_failure=self._group_failed)
+                      on_group_failure=self._group_failed, micro_batches=cfg.parallel.pipeline_parallel_size)
 
     def _group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> bool:
         """A rank or a node is lost: restart the group or stop (:meth:`launch.recovery.Recovery.group_failed`)."""

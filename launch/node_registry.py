@@ -53,6 +53,7 @@ class GroupSettings:
             (``--speculative-method draft``), or "" without one.
         max_model_len: --max-model-len as resolved (the model's limit when unset); it
             sizes each rank's KV pool, so a node that differs would shrink the group's.
+        pipeline_parallel_size: stages; ``layout.world_size`` is tensor x pipeline parallel size.
     """
 
     layout: GroupLayout
@@ -62,6 +63,7 @@ class GroupSettings:
     quantization: str = ""
     draft_model_config_sha256: str = ""
     max_model_len: int = 0
+    pipeline_parallel_size: int = 1
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -70,7 +72,8 @@ class GroupSettings:
             return f"node_rank={join.node_rank} is outside [1, nnodes={layout.nnodes})"
         for name, theirs, ours in (
             ("nnodes", join.nnodes, layout.nnodes),
-            ("tensor_parallel_size", join.tensor_parallel_size, layout.world_size),
+            ("tensor_parallel_size", join.tensor_parallel_size, layout.world_size // self.pipeline_parallel_size),
+            ("pipeline_parallel_size", join.pipeline_parallel_size or 1, self.pipeline_parallel_size),
             ("model config.json sha256", join.model_config_sha256, self.model_config_sha256),
             ("dtype", join.dtype, self.dtype),
             ("block_size", join.block_size, self.block_size),

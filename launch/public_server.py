@@ -119,7 +119,8 @@ class PublicServer:
         await server.start()
         self._server = server
         log.info("listening", port=self.port, model=str(self.model_dir),
-                 tensor_parallel_size=self.config.parallel.tensor_parallel_size, nnodes=nnodes)
+                 tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+                 pipeline_parallel_size=self.config.parallel.pipeline_parallel_size, nnodes=nnodes)
 
     def _build(self) -> grpc.aio.Server:
         cfg = self.config.server
@@ -163,6 +164,7 @@ class PublicServer:
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
             dtype=self.dtype,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
             num_kv_blocks=num_kv_blocks,
@@ -184,7 +186,7 @@ class PublicServer:
         return dict(
             model=str(self.model_dir), served_model_name=info.model_name, dtype=info.dtype,
             quantization=info.quantization or "none", tensor_parallel_size=cfg.parallel.tensor_parallel_size,
-            nnodes=nnodes, num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
+            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size, nnodes=nnodes, num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
             speculative_method=spec.speculative_method or "off",
             num_speculative_tokens=spec.num_speculative_tokens or 0,

@@ -16,6 +16,7 @@ from tpserve.cluster_secret import read_secret
 from tpserve.config import ClusterConfig
 from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
+from tpserve.pipeline_split import stage_layer_counts
 
 
 class StartupError(RuntimeError):
@@ -42,8 +43,8 @@ def read_group_secret(config: ClusterConfig) -> str | None:
         raise StartupError(f"--cluster-secret-file: {exc}") from exc
 
 
-def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig:
-    """The checkpoint's config, checked to split at ``tensor_parallel_size``.
+def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> ModelConfig:
+    """The checkpoint's config, checked to split at ``tensor_parallel_size`` and into ``pipeline_parallel_size`` stages.
 
     Raises:
         StartupError: not a checkpoint directory, an unsupported architecture or
@@ -59,6 +60,10 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int) -> ModelConfig
         config.check_tensor_parallel(tensor_parallel_size)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --tensor-parallel-size {tensor_parallel_size}: {exc}") from exc
+    try:
+        stage_layer_counts(config.num_hidden_layers, pipeline_parallel_size)
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {model_dir} at --pipeline-parallel-size {pipeline_parallel_size}: {exc}") from exc
     return config
 
 

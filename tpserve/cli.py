@@ -47,6 +47,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
     ],
     "parallel": [
         ("--tensor-parallel-size", dict(type=int, help="number of worker ranks the model is split over")),
+        ("--pipeline-parallel-size", dict(type=int, help="pipeline stages the layers are split into (default 1); "
+                                                         "each stage has --tensor-parallel-size ranks (docs/cluster.md)")),
         ("--distributed-timeout-seconds", dict(type=float, help="collective timeout: a lost rank fails the step")),
         ("--nnodes", dict(type=int, help="hosts the tensor-parallel group spans (default 1)")),
         ("--node-rank", dict(type=int, help="this host's index in the group; 0 runs the coordinator")),

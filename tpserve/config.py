@@ -62,11 +62,15 @@ class ParallelConfig(_Frozen):
     """How the model is split, and over how many hosts (vLLM's and SGLang's flag names).
 
     Attributes:
-        tensor_parallel_size: number of worker ranks (Megatron-LM tensor parallelism).
+        tensor_parallel_size: worker ranks per pipeline stage (Megatron-LM tensor parallelism).
+        pipeline_parallel_size: pipeline stages the decoder layers are split into
+            (tpserve/pipeline_split.py); the group has ``tensor_parallel_size *
+            pipeline_parallel_size`` ranks (``world_size``), stage-major.
         distributed_timeout_seconds: a collective that waits longer than this fails
             the step instead of hanging it (a lost rank).
-        nnodes: hosts the group spans; each runs ``tensor_parallel_size / nnodes``
-            ranks (node n holds global ranks ``n*L .. n*L+L-1``).
+        nnodes: hosts the group spans; each runs ``world_size / nnodes``
+            ranks (node n holds global ranks ``n*L .. n*L+L-1``: with pipeline stages,
+            whole stages per host when ``nnodes`` divides ``pipeline_parallel_size``).
         node_rank: this host's index; 0 is the leader (coordinator + its ranks).
         master_addr: the leader's host name or address, as every host can reach it
             (required when ``nnodes > 1``).
@@ -79,6 +83,7 @@ class ParallelConfig(_Frozen):
     """
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
     distributed_timeout_seconds: float = Field(60.0, gt=0)
     nnodes: int = Field(1, ge=1, le=64)
     node_rank: int = Field(0, ge=0)
@@ -87,10 +92,18 @@ class ParallelConfig(_Frozen):
     headless: bool = False
     cluster_secret_file: str | None = None
 
+    @property
+    def world_size(self) -> int:
+        """Every rank of the group: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     @model_validator(mode="after")
     def _check_layout(self) -> ParallelConfig:
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not divisible by nnodes={self.nnodes}")
+        if self.world_size % self.nnodes:
+            ranks = f"tensor_parallel_size={self.tensor_parallel_size}" + (
+                f" x pipeline_parallel_size={self.pipeline_parallel_size} = {self.world_size} ranks"
+                if self.pipeline_parallel_size > 1 else "")
+            raise ValueError(f"{ranks} is not divisible by nnodes={self.nnodes}")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be < nnodes={self.nnodes}")
         if self.headless != (self.node_rank > 0):

@@ -118,6 +118,10 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     targets: dict[str, tuple[str, ShardId]] = {}
     unexpected = []
     zero_points = []
+    # Pipeline stages: only this stage's tensors, its layers renumbered from 0; ``stored`` is
+    # each one's name in the file (the same name with one stage).
+    stored = {local: name for name in files if (local := model.stage_checkpoint_name(name)) is not None}
+    files = {local: files[name] for local, name in stored.items()}
     for name in files:
         if tied and name == LM_HEAD:
             continue  # shared with the embedding
@@ -148,12 +152,12 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                 param_name, shard_id = targets[name]
                 param = params[param_name]
                 try:
-                    param.weight_loader(param, f.get_slice(name), shard_id)  # type: ignore[attr-defined]
+                    param.weight_loader(param, f.get_slice(stored[name]), shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from error
                 shards = param.shard_ids if shard_id is None else (shard_id,)  # type: ignore[attr-defined]
                 loaded |= {(param_name, shard) for shard in shards}
-    _check_zero_points(files, zero_points)
+    _check_zero_points({stored[n]: files[n] for n in zero_points}, [stored[n] for n in zero_points])
 
     # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.
     loaded |= {(name, shard) for name, p in params.items() for shard in getattr(p, "computed_shard_ids", ())}

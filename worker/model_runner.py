@@ -29,7 +29,7 @@ Observing logits (tests, debugging): after ``execute``, rank 0's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ from worker.loader import load_model
 from worker.logits_controls import extend_history, with_logits_controls
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
+from worker.pipeline_checks import check_pipeline
 from worker.sampler import sample_tensors
 from worker.spec_verify import accept_proposals
 from worker.step_inputs import build_step_inputs
@@ -91,10 +92,14 @@ class ModelRunner:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
         self.config = ModelConfig.from_pretrained(model_dir)
         self.config.check_tensor_parallel(ctx.world_size)
+        check_pipeline(self.config, ctx.pp, draft_model_dir)
         self.ctx = ctx
         self.dtype = dtype
         self.block_size = block_size
-        self._target_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
+        # Each pipeline stage sizes the cache of its own layers (the pool is the minimum over ranks).
+        start, end = ctx.pp.layer_range(self.config.num_hidden_layers)
+        self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype),
+                                      num_layers=end - start)
         self.model = load_model(model_dir, self.config, ctx, dtype, quantization)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
                                                                      self.config.vocab_size)
@@ -117,7 +122,7 @@ class ModelRunner:
         self._dynamic_rope = scaling is not None and scaling["rope_type"] == "dynamic"
         self._graphs: DecodeGraphs | None = None
         # Mixture-of-experts layers, whose routed-token counts rank 0 reports every step.
-        self._expert_layers = expert_layers(self.model) if ctx.is_rank0 else []
+        self._expert_layers = expert_layers(self.model) if ctx.is_sampler else []
         self._padding_counts: torch.Tensor | None = None  # (L, E): what one graph padding row routes
         self._num_padding_rows = 0  # in this step's replayed graph
 
@@ -185,7 +190,7 @@ class ModelRunner:
         Raises:
             ValueError: llguidance rejects the grammar.
         """
-        if self.ctx.is_rank0:
+        if self.ctx.is_sampler:
             self._grammars.prepare(grammar)
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -207,10 +212,10 @@ class ModelRunner:
             if seq_id in self._seqs:
                 del self._seqs[seq_id].block_table[num_blocks:]
         for new in plan.new_seqs:
-            history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_rank0 else None
+            history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_sampler else None
             self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
                                                     history=history, prompt_token_ids=new.prompt_token_ids)
-            if new.sampling.grammar and self.ctx.is_rank0:  # built while the forward pass runs
+            if new.sampling.grammar and self.ctx.is_sampler:  # built while the forward pass runs
                 self._grammars.prefetch(new.sampling.grammar)
         self._check_chunks(plan)
         for chunk in plan.scheduled:
@@ -277,7 +282,7 @@ class ModelRunner:
         prompt_lens = [s.num_prompt_tokens for s in states] if self._dynamic_rope else None
         inputs = build_step_inputs(
             chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
-            self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
+            self.ctx.device, with_sampling=self.ctx.is_sampler, workspace=self._workspace,
             paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
         )
         if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
@@ -286,14 +291,21 @@ class ModelRunner:
                 chunks = with_proposals(chunks, proposals)
                 inputs = build_step_inputs(
                     chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
-                    self.ctx.device, with_sampling=self.ctx.is_rank0, workspace=self._workspace,
+                    self.ctx.device, with_sampling=self.ctx.is_sampler, workspace=self._workspace,
                     paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
                 )
         if self._graphs is not None and self._graphs.takes(chunks, inputs):
             hidden = self._graphs.run(inputs)  # (T, hidden), a replayed CUDA graph
             self._num_padding_rows = self._graphs.padded_size(len(chunks)) - len(chunks)
         else:
-            hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)  # (T, hidden)
+            stage = self.ctx.pp
+            received = None if stage.is_first else stage.recv_prev(  # (T, hidden): the previous stage's output
+                inputs.input_ids.shape[0], self.config.hidden_size, self.dtype, self.ctx.device)
+            hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn,
+                                received)  # (T, hidden)
+            if not stage.is_last:
+                stage.send_next(hidden)  # to the next stage, which samples or sends on (worker/pipeline.py)
+                return ()
         self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)
         if inputs.sample_rows is None:
             return ()

@@ -1,4 +1,4 @@
-"""The tensor-parallel group of one worker rank, and its two collectives.
+"""The tensor-parallel group of one worker rank, its collectives, and its pipeline stage.
 
 Every parallel layer receives a :class:`ParallelContext` as an argument (never a
 global) and calls its collectives from ``forward()``, where a reader sees them:
@@ -14,6 +14,10 @@ of gloo (:mod:`worker.comm.shm_allreduce`: microseconds instead of ~0.4 ms per
 collective); gloo stays the path across hosts and for tensors too large for the
 shared slots. Every collective runs under the group's timeout, so a lost rank
 fails the step with an error instead of hanging it.
+
+With ``pipeline_parallel_size`` P > 1 the world is ``tp * P`` ranks, stage-major
+(worker/pipeline.py): the context's group is this rank's stage (its ``tp`` ranks,
+one ``torch.distributed`` subgroup per stage) and ``pp`` says which stage it is.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from worker.comm import shm_allreduce
 from worker.comm.shm_allreduce import SharedMemoryComm
 from worker.kernels import cpu_kernels_available
+from worker.pipeline import PipelineStage
 from worker.rendezvous import tcp_store
 
 #: Largest tensor (bytes) a same-host collective carries through shared memory:
@@ -53,6 +58,7 @@ class ParallelContext:
             group (and when ``world_size == 1``, where no group exists).
         shm: shared-memory collectives when every rank is a CPU rank on this
             host; None: gloo/NCCL only.
+        pp: this rank's pipeline stage (one stage by default).
     """
 
     rank: int
@@ -60,6 +66,7 @@ class ParallelContext:
     device: torch.device
     group: dist.ProcessGroup | None = None
     shm: SharedMemoryComm | None = None
+    pp: PipelineStage = dataclasses.field(default_factory=PipelineStage)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -72,8 +79,13 @@ class ParallelContext:
 
     @property
     def is_rank0(self) -> bool:
-        """True on the rank that samples and reports tokens."""
+        """True on rank 0 of this tensor-parallel group (the rank the LM head's logits are gathered on)."""
         return self.rank == 0
+
+    @property
+    def is_sampler(self) -> bool:
+        """True on the rank that samples and reports tokens: rank 0 of the last pipeline stage."""
+        return self.rank == 0 and self.pp.is_last
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over all ranks, in place; returns ``x`` (any shape and dtype)."""
@@ -126,25 +138,29 @@ def init_distributed(
     timeout_s: float,
     *,
     shared_memory: bool = True,
+    pipeline_parallel_size: int = 1,
 ) -> ParallelContext:
-    """Join the tensor-parallel group and return this rank's context.
+    """Join the group and return this rank's context (its stage's tensor-parallel group).
 
     Args:
-        rank: this process's rank, ``0 <= rank < world_size``.
-        world_size: tensor-parallel degree.
+        rank: this process's global rank, ``0 <= rank < world_size``.
+        world_size: every rank of the group: ``tensor_parallel_size * pipeline_parallel_size``.
         init_method: rendezvous URL shared by all ranks, e.g. ``"tcp://10.0.0.1:29500"``.
         device: ``"cpu"`` (gloo backend) or an indexed CUDA device such as ``"cuda:0"``
             (NCCL), one per rank: the rank's local GPU (worker/device.py picks it).
         timeout_s: seconds a collective may wait for the other ranks before it fails.
-        shared_memory: let CPU ranks that all share one host use shared-memory
-            collectives (they fall back to gloo when the ranks span hosts).
+        shared_memory: let CPU ranks of a stage that all share one host use shared-memory
+            collectives (they fall back to gloo when the stage's ranks span hosts).
+        pipeline_parallel_size: stages; rank ``r`` is tensor-parallel rank ``r % tp`` of
+            stage ``r // tp`` (worker/pipeline.py).
 
     Returns:
         The context. With ``world_size == 1`` no process group is created and
         ``init_method`` is not contacted.
 
     Raises:
-        ValueError: ``rank`` outside ``[0, world_size)``, ``timeout_s <= 0``, or a CUDA device without an index.
+        ValueError: ``rank`` outside ``[0, world_size)``, ``timeout_s <= 0``, a CUDA device without an index,
+            or ``world_size`` not a multiple of ``pipeline_parallel_size``.
         RuntimeError / DistStoreError: the rendezvous failed or timed out.
     """
     device = torch.device(device)
@@ -153,7 +169,14 @@ def init_distributed(
         raise ValueError("init_distributed needs an indexed CUDA device (cuda:<local rank>), got 'cuda'")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    ctx = ParallelContext(rank=rank, world_size=world_size, device=device)
+    pp = pipeline_parallel_size
+    if pp < 1 or world_size % pp:
+        raise ValueError(f"world_size={world_size} is not a multiple of pipeline_parallel_size={pp}")
+    tp = world_size // pp
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
+    stage = PipelineStage(stage=rank // tp, num_stages=pp, tp_rank=rank % tp, tp_size=tp)
+    ctx = ParallelContext(rank=rank % tp, world_size=tp, device=device, pp=stage)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1:
@@ -168,8 +191,13 @@ def init_distributed(
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
-    if device.type == "cpu" and shared_memory:
-        ctx = dataclasses.replace(ctx, shm=_open_shared_memory(rank, world_size, timeout_s))
+    if pp > 1:
+        # Every rank creates every stage's subgroup, in the same order (torch.distributed's rule).
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timedelta(seconds=timeout_s))
+                  for s in range(pp)]
+        ctx = dataclasses.replace(ctx, group=groups[stage.stage])
+    if device.type == "cpu" and shared_memory and tp > 1:
+        ctx = dataclasses.replace(ctx, shm=_open_shared_memory(ctx.rank, tp, timeout_s, ctx.group))
     return ctx
 
 
@@ -182,8 +210,11 @@ def _host_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
-def _open_shared_memory(rank: int, world_size: int, timeout_s: float) -> SharedMemoryComm | None:
+def _open_shared_memory(rank: int, world_size: int, timeout_s: float,
+                        group: dist.ProcessGroup | None = None) -> SharedMemoryComm | None:
     """Map one shared segment among the group's ranks when they all share this host; else None.
+
+    ``rank``/``world_size``: in ``group`` (None: the default group).
 
     A collective itself (every rank must call it). Rank 0 creates the file, every
     rank maps it, then rank 0 unlinks it, so no file outlives the group even if a
@@ -191,7 +222,7 @@ def _open_shared_memory(rank: int, world_size: int, timeout_s: float) -> SharedM
     """
     identities: list[tuple[str, int, bool] | None] = [None] * world_size
     me = (_host_identity(), os.getpid(), cpu_kernels_available()) if shm_allreduce.supported() else None
-    dist.all_gather_object(identities, me)
+    dist.all_gather_object(identities, me, group=group)
     if any(i is None for i in identities) or len({i[0] for i in identities}) != 1:
         return None  # across hosts (or not x86-64): gloo
     pids = [i[1] for i in identities]
@@ -204,7 +235,7 @@ def _open_shared_memory(rank: int, world_size: int, timeout_s: float) -> SharedM
                                     compiled=compiled)
         except OSError:
             path = [None]
-    dist.broadcast_object_list(path, src=0)
+    dist.broadcast_object_list(path, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     if path[0] is not None and rank != 0:
         try:
             comm = SharedMemoryComm(path[0], rank, world_size, SHM_MAX_BYTES, timeout_s, create=False,
@@ -212,7 +243,7 @@ def _open_shared_memory(rank: int, world_size: int, timeout_s: float) -> SharedM
         except OSError:
             comm = None
     opened = [None] * world_size
-    dist.all_gather_object(opened, comm is not None)
+    dist.all_gather_object(opened, comm is not None, group=group)
     if rank == 0 and path[0] is not None:
         os.unlink(path[0])  # every rank has mapped it (or failed to)
     if not all(opened):

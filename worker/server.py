@@ -48,6 +48,8 @@ class WorkerOptions:
         enforce_eager: no CUDA graphs (``--enforce-eager``).
         cuda_graph_sizes: the decode batch sizes to capture on CUDA; None: the default
             for ``cache.max_num_seqs`` (worker/cuda_graphs.py).
+        pipeline_parallel_size: stages (worker/pipeline.py); ``world_size`` counts every
+            rank of every stage.
     """
 
     model_dir: str
@@ -66,6 +68,7 @@ class WorkerOptions:
     draft_model_dir: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    pipeline_parallel_size: int = 1
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -93,6 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             from worker.model_runner import ModelRunner
             from worker.nccl_env import configure_nccl_env
             from worker.parallel_state import init_distributed
+            from worker.pipeline_checks import check_pipeline_graphs
 
             opts = self.options
             device = resolve_device(opts.device, opts.local_rank, opts.local_world_size)
@@ -104,10 +108,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.local_world_size))
             if device.type == "cuda":
                 configure_nccl_env()  # before the process group exists: NCCL reads it at creation
-            # Shared-memory collectives only when the whole group is on this host
-            # (across hosts the activations must go through gloo / NCCL).
+            check_pipeline_graphs(opts.pipeline_parallel_size, device.type, opts.enforce_eager)
+            # Shared-memory collectives only when the whole tensor-parallel group (the stage) is on this
+            # host (across hosts the activations must go through gloo / NCCL).
+            tp = opts.world_size // opts.pipeline_parallel_size
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,
-                                   shared_memory=opts.local_world_size == opts.world_size)
+                                   shared_memory=opts.local_world_size == opts.world_size or opts.local_world_size % tp == 0,
+                                   pipeline_parallel_size=opts.pipeline_parallel_size)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization,
                                        draft_model_dir=opts.draft_model_dir)

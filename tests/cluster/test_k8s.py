@@ -27,7 +27,7 @@ from launch.shutdown import DRAIN_SECONDS
 from tpserve.config import ClusterConfig
 
 LWS_CRD = SHARED_DIR / "k8s-schemas" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-pipeline")
 
 requires_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 
@@ -136,10 +136,16 @@ def test_every_tpserve_command_line_parses_with_the_real_parser(rendered) -> Non
         assert par.headless == (role == "worker")
         groups.setdefault(role, []).append(par)
         gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
-        assert gpus == (0 if overlay == "cpu" else par.tensor_parallel_size // par.nnodes)  # one GPU per local rank
+        assert gpus == (0 if overlay == "cpu" else par.world_size // par.nnodes)  # one GPU per local rank
     leader, (worker,) = groups["leader"][0], groups["worker"]
-    assert (leader.tensor_parallel_size, leader.nnodes, worker.node_rank) == \
-        ({"cpu": 4, "gpu": 8}[overlay], 2, 1)  # the gpu overlay: a tp 8 group over 2 nodes
+    # gpu: a tp 8 group over 2 nodes; gpu-pipeline: 2 stages of tp 8, one stage per node (tp within, pp across).
+    assert (leader.tensor_parallel_size, leader.pipeline_parallel_size, leader.nnodes, worker.node_rank) == \
+        ({"cpu": (4, 1), "gpu": (8, 1), "gpu-pipeline": (8, 2)}[overlay] + (2, 1))
+    assert (worker.tensor_parallel_size, worker.pipeline_parallel_size) == \
+        (leader.tensor_parallel_size, leader.pipeline_parallel_size)
+    if leader.pipeline_parallel_size > 1:
+        assert leader.pipeline_parallel_size % leader.nnodes == 0  # whole stages on each pod
+        assert config.load.enforce_eager  # stages refuse CUDA graphs (worker/pipeline_checks.py)
     assert (worker.master_addr, worker.master_port) == (leader.master_addr, leader.master_port)
 
 

@@ -22,7 +22,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.step import SampleLogprobs, StepPlan, StepResult
 from tpserve.v1 import generate_pb2 as pb
 

@@ -63,14 +63,52 @@ class CausalLM(nn.Module):
     stacked_params_mapping: tuple[tuple[str, str, ShardId], ...] = ()
     #: Checkpoint tensors that are not weights (recomputed buffers), by name suffix.
     skipped_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    #: Pipeline stages (worker/pipeline.py): whether the family builds a layer range only. A family
+    #: that does sets the four attributes below in its constructor; the others refuse P > 1.
+    supports_pipeline: bool = False
+    #: Checkpoint name prefixes: the decoder layers (``<prefix><index>.``), the embedding, and
+    #: what the last stage holds after the layers (final norm, LM head).
+    layers_prefix: str = "model.layers."
+    embedding_prefixes: tuple[str, ...] = ("model.embed_tokens.",)
+    head_prefixes: tuple[str, ...] = ("model.norm.", "lm_head.")
+    #: This rank's decoder layers: global indices ``[start, end)``; the stage's modules hold them as
+    #: local indices ``0 .. end - start - 1``. Whether it holds the embedding and the head.
+    layer_range: tuple[int, int] = (0, 0)
+    has_embedding: bool = True
+    has_head: bool = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids, positions (T,) int64`` -> final hidden states ``(T, hidden_size)``.
 
-        Writes this step's keys and values into ``kv_caches`` (one per layer).
+        Writes this step's keys and values into ``kv_caches`` (one per layer of this stage).
+        With pipeline stages: ``hidden_states (T, hidden_size)`` is the previous stage's
+        output (None on the first stage, which embeds ``input_ids``), and a stage before
+        the last returns its last layer's output, before the final norm.
         """
         raise NotImplementedError
+
+    def stage_checkpoint_name(self, checkpoint_name: str) -> str | None:
+        """A checkpoint tensor's name as this stage's modules number it, or None: not on this stage.
+
+        ``model.layers.7.mlp.down_proj.weight`` on a stage holding layers ``[6, 12)`` is
+        ``model.layers.1.mlp.down_proj.weight``; on any other stage None. The embedding
+        is kept where ``has_embedding``, the final norm and LM head where ``has_head``;
+        every other name is returned as it is (one stage: every name, unchanged).
+        """
+        if not self.supports_pipeline:
+            return checkpoint_name
+        if checkpoint_name.startswith(self.layers_prefix):
+            index, _, rest = checkpoint_name[len(self.layers_prefix):].partition(".")
+            start, end = self.layer_range
+            if not index.isdigit() or not start <= int(index) < end:
+                return None
+            return f"{self.layers_prefix}{int(index) - start}.{rest}"
+        if checkpoint_name.startswith(self.embedding_prefixes):
+            return checkpoint_name if self.has_embedding else None
+        if checkpoint_name.startswith(self.head_prefixes):
+            return checkpoint_name if self.has_head else None
+        return checkpoint_name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden (N, hidden_size)`` of the rows that sample -> ``(N, vocab_size)`` on rank 0, else None.

@@ -132,14 +132,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the given decoder layers and final norm."""
+    """Embedding, the given decoder layers and final norm.
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, layers: list[nn.Module]) -> None:
+    With pipeline stages (worker/pipeline.py) ``layers`` are this stage's; ``embedding``
+    False leaves out the embedding (a stage after the first), ``head`` False the final
+    norm (a stage before the last).
+    """
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, layers: list[nn.Module], *,
+                 embedding: bool = True, head: bool = True) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
+                             if embedding else None)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, ctx.device)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device) if head else None
 
     def forward(
         self,
@@ -147,12 +154,14 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # (T, hidden), all-reduced over ranks
+        # (T, hidden): embedded and all-reduced over ranks, or the previous pipeline stage's output.
+        h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
         rope = self.rotary_emb(positions, h.dtype, attn_metadata.rope_seq_lens)  # cos, sin: (T, 1, head_dim) each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv_cache, attn_metadata)  # (T, hidden)
-        return self.norm(h)  # (T, hidden)
+        return h if self.norm is None else self.norm(h)  # (T, hidden)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -168,6 +177,7 @@ class LlamaForCausalLM(CausalLM):
     """
 
     stacked_params_mapping = LLAMA_STACKED_PARAMS
+    supports_pipeline = True
 
     def __init__(
         self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool,
@@ -179,11 +189,17 @@ class LlamaForCausalLM(CausalLM):
                              "expected 'silu'")
         self.config = config
         self.quantization = quantization
-        layers = [self.decoder_layer(config, ctx, dtype, quantization, i) for i in range(config.num_hidden_layers)]
-        self.model = LlamaModel(config, ctx, dtype, layers)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
+        # Pipeline stages: this stage's layer range; the first embeds, the last holds the norm and the LM head
+        # (and, with tied embeddings, the embedding matrix the head shares).
+        stage = ctx.pp
+        self.layer_range = stage.layer_range(config.num_hidden_layers)
+        self.has_head = stage.is_last
+        self.has_embedding = stage.is_first or (stage.is_last and tie_word_embeddings)
+        layers = [self.decoder_layer(config, ctx, dtype, quantization, i) for i in range(*self.layer_range)]
+        self.model = LlamaModel(config, ctx, dtype, layers, embedding=self.has_embedding, head=self.has_head)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype) if self.has_head else None
         self.tie_word_embeddings = tie_word_embeddings
-        if tie_word_embeddings:
+        if tie_word_embeddings and self.has_head:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     @classmethod
@@ -206,12 +222,14 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``input_ids, positions (T,) int64`` -> final hidden states ``(T, hidden_size)``.
 
-        Writes this step's keys and values into ``kv_caches`` (one per layer).
+        Writes this step's keys and values into ``kv_caches`` (one per layer of this stage);
+        ``hidden_states``: the previous pipeline stage's output (worker/models/base.py).
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)  # (T, hidden)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_states)  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden (N, hidden_size)`` of the rows that sample -> ``(N, vocab_size)`` on rank 0, else None.

@@ -1,0 +1,57 @@
+"""Run step plans through ``ModelRunner`` on ``tp x pp`` gloo groups (child-process side).
+
+As tests/worker/tp_harness.py, with pipeline stages: ``tp * pp`` ranks, stage-major
+(worker/pipeline.py); every rank executes every plan; the sampling rank (rank 0 of
+the last stage) records what it sampled, and every other rank must sample nothing.
+Several layouts run in one spawn of processes (each joins a fresh process group per
+layout), which saves the start-up of a spawn per layout.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from tests.worker.tp_harness import COLLECTIVE_TIMEOUT_S, Job, StepRecord, _free_port, execute_jobs
+from tpserve.pipeline_split import sampling_rank
+from worker.parallel_state import destroy_distributed, init_distributed
+
+#: A layout: (tensor_parallel_size, pipeline_parallel_size).
+Layout = tuple[int, int]
+
+
+def _rank_main(rank: int, runs: list[tuple[Layout, list[Job], str]], out_dir: str) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    for (tp, pp), jobs, init_method in runs:
+        if rank >= tp * pp:
+            continue
+        ctx = init_distributed(rank, tp * pp, init_method, "cpu", COLLECTIVE_TIMEOUT_S, pipeline_parallel_size=pp)
+        try:
+            results = execute_jobs(ctx, jobs)
+            ctx.pp.wait_sends()
+            if rank != sampling_rank(tp, pp):
+                for records in results.values():
+                    assert all(r.sampled_token_ids == () and r.logits is None and not r.prompt_logprobs
+                               for r in records)
+            else:
+                with open(Path(out_dir) / f"tp{tp}_pp{pp}.pkl", "wb") as f:
+                    pickle.dump(results, f)
+        finally:
+            destroy_distributed()
+
+
+def run_pipeline_layouts(runs: dict[Layout, list[Job]]) -> dict[Layout, dict[str, list[StepRecord]]]:
+    """Run each layout's jobs on ``tp * pp`` spawned CPU ranks; return each layout's sampling-rank records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = [(layout, jobs, f"tcp://127.0.0.1:{_free_port()}") for layout, jobs in runs.items()]
+        nprocs = max(tp * pp for tp, pp in runs)
+        mp.spawn(_rank_main, args=(plan, tmp), nprocs=nprocs, join=True)
+        out = {}
+        for tp, pp in runs:
+            with open(Path(tmp) / f"tp{tp}_pp{pp}.pkl", "rb") as f:
+                out[(tp, pp)] = pickle.load(f)
+        return out
