@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
-from worker.logits_controls import apply_logits_controls, apply_min_p, build_logits_controls, with_logits_controls
+from worker.logits_processors import SampledRow, apply_min_p, build_processors, with_processors
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 from worker.sampler import SamplingTensors, sample_tensors
@@ -39,10 +39,18 @@ def histories(n: int = 3, length: int = 12) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (length,), generator=gen).tolist() for _ in range(n)]
 
 
+def apply_processors(logits: torch.Tensor, rows: list[SampledRow]) -> torch.Tensor:
+    """The processors before the temperature, as the sampler applies them (on a copy)."""
+    out = logits.clone()
+    for processor in build_processors(rows, "cpu"):
+        if not processor.after_temperature:
+            out = processor.apply(out)
+    return out
+
+
 def controlled(logits: torch.Tensor, params: list[SamplingParams], num_prompt: int = 5) -> torch.Tensor:
     hist = histories(len(params))
-    controls = build_logits_controls(params, [num_prompt] * len(params), [len(h) for h in hist], hist, "cpu")
-    return apply_logits_controls(logits, controls)
+    return apply_processors(logits, [SampledRow(p, num_prompt, len(h), h) for p, h in zip(params, hist)])
 
 
 def test_repetition_penalty_matches_transformers_on_prompt_and_output() -> None:
@@ -83,10 +91,9 @@ def test_min_tokens_matches_transformers_min_new_tokens() -> None:
     params = SamplingParams(min_tokens=4, min_tokens_stop_ids=stop_ids)
     for generated in range(6):  # 5 prompt tokens, then `generated` outputs
         pos = 5 + generated
-        controls = build_logits_controls([params], [5], [pos], [None], "cpu")
         reference = MinNewTokensLengthLogitsProcessor(5, 4, list(stop_ids))
         want = reference(torch.zeros(1, pos, dtype=torch.long), logits.clone())
-        got = logits if controls is None else apply_logits_controls(logits, controls)
+        got = apply_processors(logits, [SampledRow(params, 5, pos)])
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert (got[0, 2] == float("-inf")) == (generated < 4)
 
@@ -108,10 +115,10 @@ def test_sampler_applies_controls_in_vllm_order_and_only_where_asked() -> None:
 
     class State:
         def __init__(self, sampling: SamplingParams, history: list[int] | None) -> None:
-            self.sampling, self.num_prompt_tokens, self.history = sampling, 5, history
+            self.sampling, self.num_prompt_tokens, self.history, self.grammar_state = sampling, 5, history, None
 
-    assert with_logits_controls(tensors, chunks, [State(plain, None)] * 2, "cpu") is tensors  # nothing to pay
-    with_controls = with_logits_controls(tensors, chunks, [State(penalized, hist[0]), State(plain, None)], "cpu")
+    assert with_processors(tensors, chunks, [State(plain, None)] * 2, "cpu") is tensors  # nothing to pay
+    with_controls = with_processors(tensors, chunks, [State(penalized, hist[0]), State(plain, None)], "cpu")
     tokens = sample_tensors(logits, with_controls)
     biased = logits[0].clone()
     biased[11] += 4.0
