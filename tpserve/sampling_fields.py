@@ -52,7 +52,9 @@ class SamplingField:
             keeps its token history; speculation is off).
         needs: the field only acts when this other field is non-empty (``min_tokens``
             without stop ids does nothing).
-        cli_type: the CLI flag's parser for a scalar (None: ``type``).
+        items: a repeated field's item type (a map's: ``(key, value)``).
+        flag_name: the CLI flag when not ``--`` + name with dashes ("" for none).
+        cli: whether ``tpserve generate`` has a flag for it.
     """
 
     name: str
@@ -67,11 +69,14 @@ class SamplingField:
     high_name: str = ""
     history: bool = False
     needs: str = ""
+    items: object = None
+    flag_name: str = ""
+    cli: bool = True
 
     @property
     def flag(self) -> str:
         """The ``tpserve generate`` flag (vLLM's spelling)."""
-        return "--" + self.name.replace("_", "-")
+        return self.flag_name or "--" + self.name.replace("_", "-")
 
     @property
     def on_worker(self) -> bool:
@@ -124,8 +129,10 @@ FIELDS: tuple[SamplingField, ...] = (
                   "(default 1.0: all)", "sampler", low=0, high=1, low_open=True),
     SamplingField("seed", int, None, "seeds the sampling: the same seed and prompt give the same text "
                   "(default: random)", "sampler", low=0, high=SEED_MODULUS, high_open=True),
-    SamplingField("stop", list, (), "stop strings: the completion ends before the first", "coordinator"),
-    SamplingField("stop_token_ids", list, (), "token ids that end the completion", "coordinator"),
+    SamplingField("stop", list, (), "stop string: the completion ends before it (repeatable)", "coordinator",
+                  items=str),
+    SamplingField("stop_token_ids", list, (), "stop at this token id (repeatable)", "coordinator", items=int,
+                  flag_name="--stop-token-id"),
     SamplingField("ignore_eos", bool, False, "keep generating past the end-of-sequence token", "coordinator"),
     SamplingField("min_p", float, 0.0, "drop tokens less likely than this share of the most likely one "
                   "(default 0: off)", "processor", low=0, high=1),
@@ -135,7 +142,8 @@ FIELDS: tuple[SamplingField, ...] = (
                   "processor", low=-2, high=2, history=True),
     SamplingField("frequency_penalty", float, 0.0, "in [-2, 2], subtracted per occurrence in the output",
                   "processor", low=-2, high=2, history=True),
-    SamplingField("logit_bias", dict, (), "token id -> bias in [-100, 100], added to the logits", "processor"),
+    SamplingField("logit_bias", dict, (), "add BIAS in [-100, 100] to the token's logit (repeatable)", "processor",
+                  items=(int, float)),
     SamplingField("min_tokens", int, 0, "no end-of-sequence or stop token id before this many tokens",
                   "processor", low=0, high_name="max_tokens", needs="min_tokens_stop_ids"),
     SamplingField("include_stop_str_in_output", bool, False, "keep a matched stop string in the text", "coordinator"),
@@ -144,7 +152,8 @@ FIELDS: tuple[SamplingField, ...] = (
                   low=0, high=MAX_TOP_LOGPROBS),
     SamplingField("prompt_logprobs", int, None, "each prompt token's log-probability and the N most likely "
                   "(0..20)", "output", low=0, high=MAX_TOP_LOGPROBS),
-    SamplingField("n", int, 1, "completions to generate from the prompt (1..16)", "coordinator", low=1, high=MAX_N),
+    SamplingField("n", int, 1, "completions to generate from the prompt (1..16)", "coordinator", low=1, high=MAX_N,
+                  cli=False),  # the CLI prints one completion
 )
 
 FIELDS_BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
