@@ -67,7 +67,9 @@ class SampledRow:
 class LogitsProcessor(ABC):
     """One control: packs its rows' tensors once per step and transforms ``(N, V)`` float32 logits."""
 
-    #: Applied to ``logits / temperature`` (it keeps the argmax), not before the greedy argmax.
+    #: The SamplingParams fields it reads (tpserve/sampling_fields.py: each ``processor`` field has one reader).
+    fields: ClassVar[tuple[str, ...]] = ()
+    #: Applied to ``logits / temperature`` of the sampled rows, after the greedy argmax.
     after_temperature: ClassVar[bool] = False
 
     @staticmethod
@@ -115,6 +117,8 @@ class _RowSubset(LogitsProcessor):
 class GrammarMask(LogitsProcessor):
     """Structured output: ``-inf`` for the tokens a row's grammar disallows."""
 
+    fields = ("grammar",)
+
     def __init__(self, rows: torch.Tensor, allowed: torch.Tensor) -> None:
         self.rows, self.allowed = rows, allowed  # (G,) int64, (G, V') bool
 
@@ -136,6 +140,8 @@ class GrammarMask(LogitsProcessor):
 class LogitBias(LogitsProcessor):
     """``logit_bias``: ``logits[row, token] += bias`` for each (row, token, bias) entry."""
 
+    fields = ("logit_bias",)
+
     def __init__(self, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
         self.rows, self.ids, self.values = rows, ids, values  # (B,) int64, (B,) int64, (B,) float32
 
@@ -155,6 +161,8 @@ class LogitBias(LogitsProcessor):
 
 class MinTokens(LogitsProcessor):
     """``min_tokens``: ``-inf`` for the stop tokens of rows that have generated fewer."""
+
+    fields = ("min_tokens",)
 
     def __init__(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         self.rows, self.ids = rows, ids  # (K,) int64 each
@@ -182,6 +190,8 @@ class Penalties(_RowSubset):
         seen_rows, seen_ids: ``(S,) int64`` each row's prompt and output tokens (repeats allowed).
         out_rows, out_ids: ``(O,) int64`` each row's output tokens, one entry per occurrence.
     """
+
+    fields = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
     def __init__(self, rows: torch.Tensor, all_rows: bool, penalties: torch.Tensor, seen_rows: torch.Tensor,
                  seen_ids: torch.Tensor, out_rows: torch.Tensor, out_ids: torch.Tensor) -> None:
@@ -223,6 +233,7 @@ class Penalties(_RowSubset):
 class MinP(_RowSubset):
     """``min_p``, after the temperature: ``-inf`` for tokens less likely than ``min_p`` times the row's top token."""
 
+    fields = ("min_p",)
     after_temperature = True
 
     def __init__(self, rows: torch.Tensor, all_rows: bool, min_p: torch.Tensor) -> None:

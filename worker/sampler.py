@@ -166,7 +166,8 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.
         ``(N, V)`` float32, the kept logits unchanged.
     """
     vocab_size = logits.shape[-1]
-    if not 0 < k_max < vocab_size:  # every row keeps all
+    k_max = min(k_max, vocab_size)
+    if k_max <= 0:  # every row keeps all
         return logits
     k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)  # (N,)
     kth = logits.topk(k_max, dim=-1).values.gather(-1, (k.clamp(max=k_max) - 1)[:, None])  # (N, 1)
