@@ -136,6 +136,8 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("ignore_eos", bool, False, "keep generating past the end-of-sequence token", "coordinator"),
     SamplingField("min_p", float, 0.0, "drop tokens less likely than this share of the most likely one "
                   "(default 0: off)", "processor", low=0, high=1),
+    SamplingField("typical_p", float, 1.0, "locally typical sampling: the tokens nearest the entropy, up to this "
+                  "probability (default 1.0: off)", "processor", low=0, high=1, low_open=True),
     SamplingField("repetition_penalty", float, 1.0, "> 1 discourages tokens of the prompt and the output "
                   "(default 1: off)", "processor", low=0, low_open=True, history=True),
     SamplingField("presence_penalty", float, 0.0, "in [-2, 2], subtracted once from output tokens' logits",

@@ -268,8 +268,44 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))  # (N, V)
 
 
+class TypicalP(_RowSubset):
+    """``typical_p``, locally typical sampling (Meister et al. 2022, arXiv:2202.00666), after the temperature.
+
+    With ``H = -sum p log p`` the row's entropy, tokens are ranked by how far their surprisal is
+    from it, ``|-log p(v) - H|`` (closest first, stable); the row keeps the shortest such prefix
+    whose probability reaches ``typical_p`` (and every token as close as its last), the rest get
+    ``-inf`` (transformers' TypicalLogitsWarper).
+    """
+
+    fields = ("typical_p",)
+    after_temperature = True
+
+    def __init__(self, rows: torch.Tensor, all_rows: bool, mass: torch.Tensor) -> None:
+        super().__init__(rows, all_rows)
+        self.mass = mass  # (R, 1) float32 in (0, 1)
+
+    @staticmethod
+    def wants(row: SampledRow) -> bool:
+        return row.params.typical_p < 1.0 and row.params.temperature > 0.0
+
+    @classmethod
+    def _build(cls, indices, rows, device, all_rows):
+        mass = torch.tensor([[row.params.typical_p] for row in rows], dtype=torch.float32, device=device)
+        return cls(_ints(indices, device), all_rows, mass)
+
+    def apply_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        log_p = logits.log_softmax(dim=-1)  # (R, V)
+        p = log_p.exp()  # (R, V)
+        entropy = -(p * log_p).nansum(dim=-1, keepdim=True)  # (R, 1) a -inf logit adds 0 * -inf = NaN: skipped
+        distance = (-log_p - entropy).abs()  # (R, V) inf for -inf logits
+        sorted_distance, order = distance.sort(dim=-1, stable=True)  # (R, V) closest to typical first
+        mass = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)  # (R, V) the reference's rounding
+        last = (mass < self.mass).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)  # (R, 1)
+        return logits.masked_fill(distance > sorted_distance.gather(-1, last), float("-inf"))  # (R, V)
+
+
 #: The order the processors apply in (vLLM v1's; the module docstring). A new control adds its class here.
-ORDER: tuple[type[LogitsProcessor], ...] = (GrammarMask, LogitBias, MinTokens, Penalties, MinP)
+ORDER: tuple[type[LogitsProcessor], ...] = (GrammarMask, LogitBias, MinTokens, Penalties, MinP, TypicalP)
 
 
 def build_processors(rows: Sequence[SampledRow], device: torch.device | str) -> tuple[LogitsProcessor, ...]:
