@@ -19,6 +19,7 @@ from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    TypicalLogitsWarper,
 )
 
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
@@ -103,6 +104,38 @@ def test_min_p_matches_transformers_warper(min_p: float) -> None:
     scaled = rows(5) / 0.7
     want = MinPLogitsWarper(min_p)(torch.zeros(3, 1, dtype=torch.long), scaled.clone())
     torch.testing.assert_close(apply_min_p(scaled, torch.full((3,), min_p)), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("typical_p", [0.2, 0.5, 0.9, 0.99])
+def test_typical_p_matches_transformers_warper(typical_p: float) -> None:
+    # Rows of several spreads, one with a -inf (an earlier processor's ban), after temperature 0.7.
+    scaled = torch.cat([rows(7, n=3), rows(8, n=3) * 0.2, rows(9, n=2) * 4]) / 0.7  # (8, V)
+    scaled[2, 5] = float("-inf")
+    params = SamplingParams(temperature=0.7, typical_p=typical_p, seed=1)
+    (processor,) = build_processors([SampledRow(params, 5, 9)] * 8, "cpu")
+    want = TypicalLogitsWarper(typical_p)(torch.zeros(8, 1, dtype=torch.long), scaled.clone())
+    torch.testing.assert_close(processor.apply(scaled.clone()), want, rtol=0, atol=0)
+    assert processor.after_temperature
+
+
+def test_typical_p_samples_only_typical_tokens_and_leaves_other_rows() -> None:
+    logits = (rows(10, n=1) * 0.3).expand(400, -1)  # (400, V) one flat distribution, 400 positions
+    typical = SamplingParams(temperature=1.0, typical_p=0.3, seed=3)
+    kept = TypicalLogitsWarper(0.3)(torch.zeros(1, 1, dtype=torch.long), logits[:1].clone())[0] > float("-inf")
+    assert 1 < int(kept.sum()) < VOCAB
+    tensors = SamplingTensors.from_params([typical] * 400, list(range(1, 401)), "cpu")
+    states = [_State(typical, None)] * 400
+    chunks = [ScheduledChunk(i, (1,), i) for i in range(400)]  # row i samples position i + 1
+    tokens = sample_tensors(logits, with_processors(tensors, chunks, states, "cpu"))
+    assert kept[tokens].all() and len(set(tokens.tolist())) == int(kept.sum())  # every typical token drawn
+    untouched = SamplingParams(temperature=1.0, seed=3)  # the same seed without typical_p: the whole vocabulary
+    plain = sample_tensors(logits, SamplingTensors.from_params([untouched] * 400, list(range(1, 401)), "cpu"))
+    assert not kept[plain].all()
+
+
+class _State:
+    def __init__(self, sampling: SamplingParams, history: list[int] | None) -> None:
+        self.sampling, self.num_prompt_tokens, self.history, self.grammar_state = sampling, 0, history, None
 
 
 def test_sampler_applies_controls_in_vllm_order_and_only_where_asked() -> None:
