@@ -3,7 +3,7 @@ logits processors, pick the tokens. One command, bounded (about 10 s):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sampler_cost.py [--rows 64] [--vocab 512] [--repeats 300]
 
-Prints the median microseconds per call for a greedy batch and a mixed batch (half greedy, half
+Prints the median CPU microseconds (the thread's) per call for a greedy batch and a mixed batch (half greedy, half
 sampled with temperature 0.8, top_k 40, top_p 0.9; every fourth sampled row with min_p 0.05 and a
 repetition penalty over a 100-token history). Runs on whichever sampler the checkout has (the
 old ``worker.logits_controls`` or ``worker.logits_processors``), so a before / after is two runs
@@ -74,10 +74,10 @@ def measure(rows: int, vocab: int, repeats: int) -> dict[str, float]:
         run = _sampler(params, positions, histories)
         run(logits)
         times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+        for _ in range(repeats):  # the thread's CPU time: less noise from other processes than the wall clock
+            start = time.thread_time()
             run(logits)
-            times.append(time.perf_counter() - start)
+            times.append(time.thread_time() - start)
         out[name] = statistics.median(times) * 1e6
     return out
 
@@ -87,18 +87,22 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=1024, help="the embedded model's vocabulary")
     parser.add_argument("--repeats", type=int, default=300)
-    parser.add_argument("--compare", help="another checkout (its .venv is used): alternate 3 rounds with it")
+    parser.add_argument("--compare", help="another checkout (its .venv, which imports its code): 3 rounds, alternating")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--root", help="import the sampler from this checkout (set by --compare)")
     args = parser.parse_args()
+    if args.root:
+        sys.path.insert(0, args.root)
     if args.compare:
         import json
 
-        cmd = ["benchmarks/sampler_cost.py", "--rows", str(args.rows), "--vocab", str(args.vocab),
+        cmd = [str(Path(__file__).resolve()), "--rows", str(args.rows), "--vocab", str(args.vocab),
                "--repeats", str(args.repeats), "--json"]
         for round_ in range(3):
-            for label, root in (("other", Path(args.compare)), ("this", ROOT)):
-                out = subprocess.run([str(root / ".venv/bin/python"), *cmd], cwd=root, capture_output=True,
-                                     text=True, check=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+            for label, root in (("other", Path(args.compare).resolve()), ("this", ROOT)):
+                out = subprocess.run([str(root / ".venv/bin/python"), *cmd, "--root", str(root)], cwd=root,
+                                     capture_output=True, text=True, check=True,
+                                     env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
                 result = json.loads(out.stdout)
                 print(f"round {round_} {label:5s}: " + ", ".join(f"{k} {v:.0f} us" for k, v in result.items()))
         return

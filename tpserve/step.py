@@ -67,12 +67,22 @@ def _step_fields() -> list[tuple[str, str, object]]:
     return fields + list(_DERIVED_FIELDS)
 
 
+_HISTORY_FIELDS = tuple(spec for spec in sampling_fields.FIELDS if spec.history)
+_PROCESSOR_FIELDS = tuple(spec for spec in sampling_fields.FIELDS if spec.stage == "processor")
+
+
 class _SamplingParamsMethods:
     """The behaviour of :class:`SamplingParams`; its fields come from the table."""
 
     __slots__ = ()
 
     def __post_init__(self) -> None:
+        self._check()
+        # Computed once: the sampling rank asks for every row of every step.
+        object.__setattr__(self, "_flags", (any(self._active(spec) for spec in _HISTORY_FIELDS),
+                                            any(self._active(spec) for spec in _PROCESSOR_FIELDS)))
+
+    def _check(self) -> None:
         for spec in sampling_fields.FIELDS:
             if not spec.on_worker:
                 continue
@@ -92,7 +102,7 @@ class _SamplingParamsMethods:
     @property
     def uses_penalties(self) -> bool:
         """True when a control that reads the token history is on (the repetition, presence, frequency penalties)."""
-        return any(self._active(spec) for spec in sampling_fields.FIELDS if spec.history)
+        return self._flags[0]
 
     @property
     def uses_token_history(self) -> bool:
@@ -102,8 +112,7 @@ class _SamplingParamsMethods:
     @property
     def uses_logits_controls(self) -> bool:
         """True when a logits processor beyond temperature / top-k / top-p is on (or a grammar)."""
-        return bool(self.grammar) or any(self._active(spec) for spec in sampling_fields.FIELDS
-                                         if spec.stage == "processor")
+        return bool(self.grammar) or self._flags[1]
 
     @property
     def allows_speculation(self) -> bool:
@@ -140,7 +149,8 @@ def _docstring() -> str:
 
 SamplingParams = dataclasses.make_dataclass(
     "SamplingParams", [(name, annotation, dataclasses.field(default=default))
-                       for name, annotation, default in _step_fields()],
+                       for name, annotation, default in _step_fields()]
+    + [("_flags", "tuple[bool, bool]", dataclasses.field(init=False, repr=False, compare=False))],
     bases=(_SamplingParamsMethods,), frozen=True, slots=True)
 SamplingParams.__module__ = __name__  # pickling and repr name it tpserve.step.SamplingParams
 SamplingParams.__doc__ = _docstring()

@@ -121,34 +121,48 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      k_max: int | None = None) -> torch.Tensor:
-    """Set filtered-out logits to ``-inf``.
+                      k_max: int | None = None, any_top_p: bool = True) -> torch.Tensor:
+    """Set filtered-out logits to ``-inf``: top-k, then top-p over the top-k distribution.
+
+    Token order is the stable descending sort's (equal logits: lower token id first). The
+    top-p mass is computed from ``softmax`` of the top-k-masked row in token order, gathered
+    in that order and summed from the most likely, whichever way the candidates were found:
+    a full sort, or (``k_max`` given) ``topk`` of ``k_max`` candidates, which gives each row
+    bit for bit the same result, so a row keeps the same tokens in any batch.
 
     Args:
         logits: ``(N, V)`` float32, already divided by the temperature.
         top_k: ``(N,) int64``; ``0`` keeps all ``V``.
         top_p: ``(N,) float32`` in ``(0, 1]``; ``1`` keeps all.
-        k_max: host-side hint when no row has ``top_p < 1``: the largest ``top_k``; then
-            :func:`apply_top_k` does it without a sort (the same result).
+        k_max: host-side hint: a bound on every row's kept tokens after top-k (the largest
+            ``top_k``, when every row with ``top_p < 1`` has a ``top_k``); None: sort.
+        any_top_p: host-side hint: some row has ``top_p < 1`` (else top-k alone).
 
     Returns:
         ``(N, V)`` float32, the kept logits unchanged.
     """
-    if k_max is not None:
-        return apply_top_k(logits, top_k, k_max)
     vocab_size = logits.shape[-1]
-    # Stable: equal logits keep token-id order, whatever the batch around them.
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (N, V), (N, V)
-    rank = torch.arange(vocab_size, device=logits.device)  # (V,)
-    k = torch.where(top_k > 0, top_k, vocab_size)  # (N,)
-    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))  # (N, V)
-    sorted_probs = sorted_logits.softmax(dim=-1)  # (N, V)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (N, V) probability of better tokens
+    if k_max is not None and k_max < vocab_size:
+        masked = apply_top_k(logits, top_k, k_max)  # (N, V)
+        if not any_top_p:
+            return masked
+        candidates = masked.topk(k_max, dim=-1).indices.sort(dim=-1).values  # (N, k) by token id
+        _, by_value = masked.gather(-1, candidates).sort(dim=-1, descending=True, stable=True)  # (N, k)
+        order = candidates.gather(-1, by_value)  # (N, k) the stable sort's first k
+    else:
+        # Stable: equal logits keep token-id order, whatever the batch around them.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (N, V), (N, V)
+        rank = torch.arange(vocab_size, device=logits.device)  # (V,)
+        k = torch.where(top_k > 0, top_k, vocab_size)  # (N,)
+        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))  # (N, V)
+        masked = torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # (N, V) token order
+    sorted_probs = masked.softmax(dim=-1).gather(-1, order)  # (N, K) most likely first
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (N, K) probability of better tokens
     # top_p == 1 keeps everything (float rounding could otherwise drop a tail token).
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # (N, V)
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # (N, K)
     drop[:, 0] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))  # (N, V)
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # (N, V) original order
+    remove = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, order, drop)  # (N, V)
+    return masked.masked_fill(remove, float("-inf"))  # (N, V)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -195,8 +209,9 @@ class SamplingTensors:
             their order; empty (nothing to do) when no row does.
         sampled_rows: ``(S,) int64`` the rows with ``temperature > 0`` when some rows are
             greedy and some not (the noise and the filters run on those only); None otherwise.
-        top_k_only: host-side hint: no row has ``top_p < 1``, and the largest ``top_k``
-            (top-k without a sort); None otherwise.
+        k_max: host-side hint: the largest ``top_k`` of the sampled rows when every row with
+            ``top_p < 1`` has a ``top_k`` (candidates by ``topk``, no sort); None otherwise.
+        any_top_p: host-side hint: some sampled row has ``top_p < 1``.
     """
 
     temperature: torch.Tensor
@@ -208,7 +223,8 @@ class SamplingTensors:
     any_truncation: bool
     processors: tuple = ()
     sampled_rows: torch.Tensor | None = None
-    top_k_only: int | None = None
+    k_max: int | None = None
+    any_top_p: bool = True
 
     @classmethod
     def from_params(
@@ -230,16 +246,20 @@ class SamplingTensors:
 
 def mixed_rows(params: Sequence[SamplingParams]) -> list[int] | None:
     """The sampled (not greedy) rows when the batch has both kinds, else None."""
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy
     return sampled if 0 < len(sampled) < len(params) else None
 
 
 def host_hints(params: Sequence[SamplingParams]) -> dict:
-    """:class:`SamplingTensors`' host-side hints (``all_greedy``, ``any_truncation``, ``top_k_only``) of its rows."""
-    sampled = [p for p in params if not p.greedy]
-    truncation = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
-    top_k_only = max(p.top_k for p in sampled) if truncation and all(p.top_p >= 1.0 for p in sampled) else None
-    return dict(all_greedy=not sampled, any_truncation=truncation, top_k_only=top_k_only)
+    """:class:`SamplingTensors`' host-side hints (``all_greedy``, ``any_truncation``, ``k_max``, ``any_top_p``)."""
+    sampled = [p for p in params if p.temperature != 0.0]  # not greedy
+    if not sampled:
+        return dict(all_greedy=True, any_truncation=False)
+    any_top_p = any(p.top_p < 1.0 for p in sampled)
+    k_max = max(p.top_k for p in sampled)
+    bounded = k_max > 0 and not any(p.top_p < 1.0 and p.top_k == 0 for p in sampled)
+    return dict(all_greedy=False, any_truncation=any_top_p or k_max > 0, k_max=k_max if bounded else None,
+                any_top_p=any_top_p)
 
 
 def add_sampling(packer, floats: dict[str, list[float]], prefix: str, params: Sequence[SamplingParams],
@@ -302,7 +322,7 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         scaled, top_k, top_p = scaled[rows], top_k[rows], top_p[rows]  # (S, V), (S,), (S,)
         seeds, positions, is_sampled = seeds[rows], positions[rows], is_sampled[rows]
     if sampling.any_truncation:
-        scaled = apply_top_k_top_p(scaled, top_k, top_p, sampling.top_k_only)  # (S, V)
+        scaled = apply_top_k_top_p(scaled, top_k, top_p, sampling.k_max, sampling.any_top_p)  # (S, V)
     probs = scaled.softmax(dim=-1)  # (S, V)
     noise = exponential_noise(seeds, positions, logits.shape[-1])  # (S, V)
     sampled_tokens = (probs / noise).argmax(dim=-1)  # (S,) exponential race
