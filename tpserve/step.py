@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from tpserve import sampling_fields
 
@@ -147,13 +148,23 @@ def _docstring() -> str:
     return "\n".join(lines)
 
 
-SamplingParams = dataclasses.make_dataclass(
-    "SamplingParams", [(name, annotation, dataclasses.field(default=default))
-                       for name, annotation, default in _step_fields()]
-    + [("_flags", "tuple[bool, bool]", dataclasses.field(init=False, repr=False, compare=False))],
-    bases=(_SamplingParamsMethods,), frozen=True, slots=True)
-SamplingParams.__module__ = __name__  # pickling and repr name it tpserve.step.SamplingParams
-SamplingParams.__doc__ = _docstring()
+def _make_sampling_params() -> type:
+    cls = dataclasses.make_dataclass(
+        "SamplingParams", [(name, annotation, dataclasses.field(default=default))
+                           for name, annotation, default in _step_fields()]
+        + [("_flags", "tuple[bool, bool]", dataclasses.field(init=False, repr=False, compare=False))],
+        bases=(_SamplingParamsMethods,), frozen=True, slots=True)
+    cls.__module__ = __name__  # pickling and repr name it tpserve.step.SamplingParams
+    cls.__doc__ = _docstring()
+    return cls
+
+
+if TYPE_CHECKING:  # its fields are the table's: a type checker sees a class that takes and has any of them
+    class SamplingParams(_SamplingParamsMethods):
+        def __init__(self, *args: Any, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    SamplingParams = _make_sampling_params()
 
 
 @dataclass(frozen=True, slots=True)
