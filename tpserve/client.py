@@ -258,8 +258,10 @@ def request_keywords(function):
     tail = [p for p in head if p.kind is inspect.Parameter.KEYWORD_ONLY]  # timeout_s
     head = [p for p in head if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     function.__signature__ = signature.replace(parameters=[*head, *_REQUEST_KEYWORDS, *tail])
-    function.__doc__ = (function.__doc__ or "").rstrip() + "\n\n    Sampling keywords (None: the server's default):\n" + \
-        "\n".join("    " + line for line in _KEYWORD_DOCS.splitlines()) + "\n"
+    doc = (function.__doc__ or "").rstrip()
+    indent = " " * min((len(line) - len(line.lstrip()) for line in doc.splitlines()[1:] if line.strip()), default=4)
+    function.__doc__ = f"{doc}\n\n{indent}Sampling keywords (None: the server's default):\n" + \
+        "\n".join(indent + line for line in _KEYWORD_DOCS.splitlines()) + "\n"
     return function
 
 
