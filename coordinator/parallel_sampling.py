@@ -19,13 +19,14 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from coordinator.engine import Engine, RequestOutput
-from coordinator.errors import InvalidArgumentError
+from coordinator.sampling_controls import field_value
 from coordinator.validation import GenerateParams
+from tpserve import sampling_fields
 from tpserve.step import SEED_MODULUS
 from tpserve.v1 import generate_pb2 as pb
 
 #: Most completions one request may ask for (vLLM has no limit; this bounds one caller's share).
-MAX_N = 16
+MAX_N = sampling_fields.MAX_N
 
 
 def num_samples(params: pb.SamplingParams) -> int:
@@ -34,10 +35,7 @@ def num_samples(params: pb.SamplingParams) -> int:
     Raises:
         InvalidArgumentError: ``n`` outside [1, MAX_N].
     """
-    n = params.n if params.HasField("n") else 1
-    if not 1 <= n <= MAX_N:
-        raise InvalidArgumentError(f"sampling_params.n must be in [1, {MAX_N}], got {n}")
-    return n
+    return field_value(params, "n")  # range: tpserve/sampling_fields.py
 
 
 def sample_params(params: GenerateParams, index: int) -> GenerateParams:

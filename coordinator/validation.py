@@ -7,7 +7,6 @@ nothing past this point sees protobuf or unchecked input. No torch.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ from coordinator.cache_isolation import prefix_cache_namespace
 from coordinator.chat import ChatPrompt, encode_chat, tokenize_chat
 from coordinator.errors import InvalidArgumentError
 from coordinator.grammar_compiler import GrammarCompiler
-from coordinator.sampling_controls import validate_sampling_controls
+from coordinator.sampling_controls import field_value, validate_sampling_controls
 from coordinator.tokenizer import Tokenizer
 from tpserve.step import SEED_MODULUS, SamplingParams
 from tpserve.v1 import generate_pb2 as pb
@@ -103,24 +102,14 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
 
     params = request.sampling_params
     room = max_model_len - len(prompt_token_ids)
-    max_tokens = room
-    if params.HasField("max_tokens"):
-        if params.max_tokens < 1:
-            raise InvalidArgumentError(f"sampling_params.max_tokens must be >= 1, got {params.max_tokens}")
-        max_tokens = min(params.max_tokens, room)
-
-    temperature = params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise InvalidArgumentError(f"sampling_params.temperature must be a finite number >= 0, got {temperature}")
+    max_tokens = field_value(params, "max_tokens")  # ranges: tpserve/sampling_fields.py
+    max_tokens = room if max_tokens is None else min(max_tokens, room)
+    temperature = field_value(params, "temperature")
     if temperature < MIN_SAMPLING_TEMPERATURE:
         temperature = 0.0  # greedy: the same tokens as temperature 0, never an overflowed softmax
-    top_k = params.top_k if params.HasField("top_k") else 0
-    if top_k < 0:
-        raise InvalidArgumentError(f"sampling_params.top_k must be >= 0 (0 disables it), got {top_k}")
-    top_p = params.top_p if params.HasField("top_p") else 1.0
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidArgumentError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
-    seed = params.seed if params.HasField("seed") else random.randrange(SEED_MODULUS)
+    top_k, top_p = field_value(params, "top_k"), field_value(params, "top_p")
+    seed = field_value(params, "seed")
+    seed = random.randrange(SEED_MODULUS) if seed is None else seed
 
     if len(params.stop) > MAX_STOP_STRINGS:
         raise InvalidArgumentError(f"sampling_params.stop has {len(params.stop)} strings; the limit is {MAX_STOP_STRINGS}")

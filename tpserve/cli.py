@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from tpserve import __version__
+from tpserve.sampling_fields import FIELDS
 
 if TYPE_CHECKING:
     from tpserve.config import ClusterConfig
@@ -158,30 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate a completion from a running server",
                               formatter_class=_HelpFormatter)
     gen.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
-    gen.add_argument("--max-tokens", type=int,
-                     help="most tokens to generate (server default: as many as fit in the model's length)")
-    gen.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
-    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens (server default: all)")
-    gen.add_argument("--top-p", type=float, help="sample among the most likely tokens whose probabilities add up to P "
-                     "(server default 1.0)")
-    gen.add_argument("--seed", type=int, help="seeds the sampling: the same seed and prompt give the same text")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
-                     help="stop at this token id (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past end-of-sequence")
-    gen.add_argument("--min-p", type=float, help="drop tokens less likely than this share of the most likely one")
-    gen.add_argument("--repetition-penalty", type=float, help="> 1 discourages prompt and output tokens")
-    gen.add_argument("--presence-penalty", type=float, help="in [-2, 2], on output tokens")
-    gen.add_argument("--frequency-penalty", type=float, help="in [-2, 2], on output tokens, per occurrence")
-    gen.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
-                     help="add BIAS to the token's logit (repeatable)")
-    gen.add_argument("--min-tokens", type=int, help="no eos or stop token id before this many tokens")
-    gen.add_argument("--include-stop-str-in-output", action="store_true", help="keep the matched --stop string in "
-                     "the text")
-    gen.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
-    gen.add_argument("--top-logprobs", type=int, help="with --logprobs: the N most likely tokens too (0..20)")
-    gen.add_argument("--prompt-logprobs", type=int, metavar="N",
-                     help="with --json: each prompt token's log-probability and the N most likely (0..20)")
+    _add_sampling_flags(gen)
     structured = gen.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="SCHEMA", help="the completion is JSON valid under this schema "
                                                                     "(JSON text, or @FILE)")
@@ -298,6 +276,23 @@ class UsageError(Exception):
     which flags and what to do."""
 
 
+def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
+    """One flag per field of the sampling table (tpserve/sampling_fields.py), vLLM's names; unset: the server's
+    default."""
+    for spec in FIELDS:
+        if not spec.cli:
+            continue
+        if spec.type is bool:
+            gen.add_argument(spec.flag, action="store_true", help=spec.help)
+        elif spec.type is list:
+            gen.add_argument(spec.flag, type=spec.items, action="append", default=[], dest=spec.name, help=spec.help)
+        elif spec.type is dict:
+            gen.add_argument(spec.flag, action="append", default=[], dest=spec.name, metavar="TOKEN_ID=BIAS",
+                             help=spec.help)
+        else:
+            gen.add_argument(spec.flag, type=spec.type, dest=spec.name, help=spec.help)
+
+
 def _check_generate_flags(args: argparse.Namespace) -> None:
     """Refuses the combinations argparse cannot see.
 
@@ -345,15 +340,9 @@ def _generate(args: argparse.Namespace) -> int:
     from tpserve.stream_move import MovePolicy
 
     _check_generate_flags(args)
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
-                    min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                    logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
-                    include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
-                    top_logprobs=args.top_logprobs, regex=args.regex, choices=args.choices,
-                    prompt_logprobs=args.prompt_logprobs, cache_salt=args.cache_salt,
-                    json_schema=_json_schema(args.json_schema))
+    sampling = {spec.name: getattr(args, spec.name) for spec in FIELDS if spec.cli}
+    sampling.update(logit_bias=_logit_bias(args.logit_bias), regex=args.regex, choices=args.choices,
+                    cache_salt=args.cache_salt, json_schema=_json_schema(args.json_schema))
     with Client(args.target, credentials=_credentials(args), move_policy=MovePolicy(on_move=_report_move)) as client:
         if not args.stream:
             result = client.generate(_prompt(args), timeout_s=args.timeout, **sampling)

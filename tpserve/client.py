@@ -28,6 +28,7 @@ turns them off). So that it can, a request without a seed gets one from the clie
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import time
@@ -40,6 +41,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tpserve.grpc_metadata import metadata_interceptors
+from tpserve.sampling_fields import FIELDS, SamplingField
 from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove re-exported
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
@@ -223,35 +225,48 @@ class AsyncGenerateStream:
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 
-def build_request(
-    prompt: Prompt,
-    *,
-    request_id: str = "",
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: Mapping[int, float] | None = None,
-    min_tokens: int | None = None,
-    include_stop_str_in_output: bool = False,
-    logprobs: bool = False,
-    top_logprobs: int | None = None,
-    json_schema: str | Mapping | None = None,
-    regex: str | None = None,
-    choices: Sequence[str] | None = None,
-    prompt_logprobs: int | None = None,
-    cache_salt: str | None = None,
-    n: int | None = None,
-    priority: int = 0,
-) -> pb.GenerateRequest:
+def _annotation(spec: SamplingField) -> object:
+    """The client keyword's type: an unset scalar is None (the server's default)."""
+    if spec.type is list:
+        return Sequence[spec.items]
+    if spec.type is dict:
+        return Mapping[spec.items[0], spec.items[1]] | None
+    return bool if spec.type is bool else spec.type | None
+
+
+def _client_default(spec: SamplingField) -> object:
+    return {list: (), dict: None, bool: False}.get(spec.type)
+
+
+#: build_request's keywords: every field of the sampling table (tpserve/sampling_fields.py), then the rest.
+_REQUEST_KEYWORDS = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=_client_default(spec),
+                                       annotation=_annotation(spec)) for spec in FIELDS] + [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+    for name, annotation, default in (
+        ("json_schema", str | Mapping | None, None), ("regex", str | None, None),
+        ("choices", Sequence[str] | None, None), ("cache_salt", str | None, None), ("priority", int, 0),
+        ("request_id", str, ""))]
+_PROMPT = inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Prompt)
+_KEYWORD_DOCS = "\n".join(f"    {spec.name}: {spec.help}" for spec in FIELDS)
+
+
+def request_keywords(function):
+    """Gives ``function(self?, prompt, *, timeout_s?, **fields)`` the signature of :func:`build_request`'s
+    keywords (shown by ``help()`` and ``inspect.signature``) and their meanings in its docstring."""
+    signature = inspect.signature(function)
+    head = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    tail = [p for p in head if p.kind is inspect.Parameter.KEYWORD_ONLY]  # timeout_s
+    head = [p for p in head if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    function.__signature__ = signature.replace(parameters=[*head, *_REQUEST_KEYWORDS, *tail])
+    doc = (function.__doc__ or "").rstrip()
+    indent = " " * min((len(line) - len(line.lstrip()) for line in doc.splitlines()[1:] if line.strip()), default=4)
+    function.__doc__ = f"{doc}\n\n{indent}Sampling keywords (None: the server's default):\n" + \
+        "\n".join(indent + line for line in _KEYWORD_DOCS.splitlines()) + "\n"
+    return function
+
+
+@request_keywords
+def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
     A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
@@ -262,17 +277,21 @@ def build_request(
 
     Raises:
         ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+        TypeError: an unknown keyword.
     """
-    params = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                               logit_bias=dict(logit_bias or {}), include_stop_str_in_output=include_stop_str_in_output,
-                               logprobs=logprobs)
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
-                        ("top_p", top_p), ("seed", seed), ("min_p", min_p), ("repetition_penalty", repetition_penalty),
-                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                        ("min_tokens", min_tokens), ("top_logprobs", top_logprobs),
-                        ("prompt_logprobs", prompt_logprobs), ("n", n)):
-        if value is not None:
-            setattr(params, name, value)
+    bound = build_request.__signature__.bind(prompt, **fields)
+    bound.apply_defaults()
+    values = bound.arguments
+    params = pb.SamplingParams()
+    for spec in FIELDS:
+        value = values[spec.name]
+        if spec.type is list:
+            getattr(params, spec.name).extend(value)
+        elif spec.type is dict:
+            getattr(params, spec.name).update(dict(value or {}))
+        elif value is not None:
+            setattr(params, spec.name, value)
+    json_schema, regex, choices = values["json_schema"], values["regex"], values["choices"]
     constraints = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices))
                    if value is not None]
     if len(constraints) > 1:
@@ -284,9 +303,9 @@ def build_request(
         params.response_format.regex = regex
     elif choices is not None:
         params.response_format.choices.choices.extend(choices)
-    request = pb.GenerateRequest(request_id=request_id, sampling_params=params, priority=priority)
-    if cache_salt is not None:
-        request.cache_salt = cache_salt
+    request = pb.GenerateRequest(request_id=values["request_id"], sampling_params=params, priority=values["priority"])
+    if values["cache_salt"] is not None:
+        request.cache_salt = values["cache_salt"]
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):
@@ -366,11 +385,6 @@ class Credentials:
                    api_key=args.api_key)
 
 
-def _request_fields(arguments: dict[str, object]) -> dict[str, object]:
-    """A method's arguments (its ``locals()``) that :func:`build_request` takes."""
-    return {name: value for name, value in arguments.items() if name not in ("self", "timeout_s")}
-
-
 def _result(response: pb.GenerateResponse) -> GenerateResult:
     return GenerateResult(
         request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
@@ -439,22 +453,13 @@ class Client:
     def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
-    def generate(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
-                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
-                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
-                 n: int | None = None, priority: int = 0, request_id: str = "",
-                 timeout_s: float | None = None) -> GenerateResult:
+    @request_keywords
+    def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> GenerateResult:
         """Unary Generate: the whole completion.
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
+            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
@@ -462,7 +467,7 @@ class Client:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = with_seed(build_request(**_request_fields(locals())))
+        request = with_seed(build_request(prompt, **fields))
         mover, deadline = StreamMover(request, self.move_policy), _deadline(timeout_s)
         while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
             try:
@@ -471,23 +476,14 @@ class Client:
                 request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
                 time.sleep(backoff_s)
 
-    def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
-                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
-                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
-                 n: int | None = None, priority: int = 0, request_id: str = "",
-                 timeout_s: float | None = None) -> GenerateStream:
+    @request_keywords
+    def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> GenerateStream:
         """Server-streaming GenerateStream: :class:`StreamChunk` s as the tokens come; ``cancel()`` cancels
         the RPC. Takes :meth:`generate`'s arguments.
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
+            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
@@ -495,7 +491,7 @@ class Client:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = with_seed(build_request(**_request_fields(locals())))
+        request = with_seed(build_request(prompt, **fields))
         deadline = _deadline(timeout_s)
 
         def start(req: pb.GenerateRequest, timeout: float | None):
@@ -555,22 +551,13 @@ class AsyncClient:
     async def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
 
-    async def generate(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
-                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
-                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
-                 n: int | None = None, priority: int = 0, request_id: str = "",
-                 timeout_s: float | None = None) -> GenerateResult:
+    @request_keywords
+    async def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> GenerateResult:
         """Unary Generate: the whole completion.
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
+            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
@@ -578,7 +565,7 @@ class AsyncClient:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = with_seed(build_request(**_request_fields(locals())))
+        request = with_seed(build_request(prompt, **fields))
         mover, deadline = StreamMover(request, self.move_policy), _deadline(timeout_s)
         while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
             try:
@@ -588,24 +575,15 @@ class AsyncClient:
                 request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
                 await asyncio.sleep(backoff_s)
 
-    def generate_stream(self, prompt: Prompt, *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                 logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
-                 include_stop_str_in_output: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, json_schema: str | Mapping | None = None,
-                 regex: str | None = None, choices: Sequence[str] | None = None, cache_salt: str | None = None,
-                 n: int | None = None, priority: int = 0, request_id: str = "",
-                 timeout_s: float | None = None) -> AsyncGenerateStream:
+    @request_keywords
+    def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> AsyncGenerateStream:
         """Server-streaming GenerateStream: ``async for chunk in ...`` gives :class:`StreamChunk` s;
         ``cancel()`` cancels the RPC (so does cancelling the task that iterates it), and the server frees
         the request's KV blocks. Takes :meth:`generate`'s arguments.
 
         Args:
             prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            max_tokens ... priority: the request's fields (:func:`build_request`; their meanings and
+            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
                 ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
             timeout_s: the call's deadline in seconds (None: no deadline).
 
@@ -613,7 +591,7 @@ class AsyncClient:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
-        request = with_seed(build_request(**_request_fields(locals())))
+        request = with_seed(build_request(prompt, **fields))
         deadline = _deadline(timeout_s)
 
         def start(req: pb.GenerateRequest, timeout: float | None):

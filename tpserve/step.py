@@ -35,109 +35,75 @@ This module imports no torch: the coordinator uses it too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-#: Unsigned 64-bit range of a sampling seed.
-SEED_MODULUS = 1 << 64
-#: Most ``top_logprobs`` a request may ask for (OpenAI's limit).
-MAX_TOP_LOGPROBS = 20
+from tpserve import sampling_fields
+
+#: Re-exported: the table's constants (tpserve/sampling_fields.py).
+SEED_MODULUS = sampling_fields.SEED_MODULUS
+MAX_TOP_LOGPROBS = sampling_fields.MAX_TOP_LOGPROBS
+
+#: The worker's fields: the table's (``stage != "coordinator"``), then what the coordinator fills in.
+#: ``(name, annotation, default)``; the first four are also positional (temperature, top_k, top_p, seed).
+_DERIVED_FIELDS = (
+    ("min_tokens_stop_ids", "tuple[int, ...]", ()),
+    ("grammar", "str", ""),
+    ("grammar_stop_ids", "tuple[int, ...]", ()),
+)
+_ANNOTATIONS = {float: "float", int: "int", bool: "bool", dict: "tuple[tuple[int, float], ...]"}
+_STEP_DEFAULTS = {"seed": 0}  # the coordinator draws an unset seed; a bare step's is 0
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How a worker turns one row of logits into a token.
+def _step_fields() -> list[tuple[str, str, object]]:
+    fields = []
+    for spec in sampling_fields.FIELDS:
+        if not spec.on_worker:
+            continue
+        default = _STEP_DEFAULTS.get(spec.name, spec.default)
+        annotation = _ANNOTATIONS[spec.type] + (" | None" if default is None else "")
+        fields.append((spec.name, annotation, default))
+    return fields + list(_DERIVED_FIELDS)
 
-    Attributes:
-        temperature: softmax temperature, >= 0. ``0`` means greedy (argmax).
-        top_k: keep the ``top_k`` most likely tokens; ``0`` disables the filter.
-        top_p: nucleus sampling (Holtzman et al. 2019, arXiv:1904.09751): keep the
-            smallest set of most likely tokens whose probability sum reaches
-            ``top_p``; in (0, 1], ``1.0`` disables the filter.
-        seed: unsigned 64-bit seed. The noise used for the token at absolute
-            position ``p`` depends only on ``(seed, p)``, so a request samples the
-            same tokens whatever else shares its batch, and after a preemption.
-        min_p: drop tokens whose probability (after temperature) is below
-            ``min_p`` times the most likely token's, in [0, 1]; 0 disables it.
-        repetition_penalty: CTRL's penalty (Keskar et al. 2019, arXiv:1909.05858)
-            on every token of the prompt and the output: a positive logit is
-            divided by it, a negative one multiplied; > 0, 1 disables it.
-        presence_penalty: subtracted once from the logit of every token already
-            in the output, in [-2, 2].
-        frequency_penalty: subtracted from a token's logit once per time it is in
-            the output, in [-2, 2].
-        logit_bias: ``(token id, bias)`` pairs added to the logits, sorted by id.
-        min_tokens: until this many tokens are generated, ``min_tokens_stop_ids``
-            cannot be sampled.
-        min_tokens_stop_ids: the tokens that would end the sequence (eos unless
-            ignored, and the stop token ids), filled in by the coordinator.
-        logprobs: return the sampled token's log-probability, from the model's raw
-            distribution (``log_softmax`` of the logits before any control).
-        top_logprobs: with ``logprobs``, also the ``top_logprobs`` most likely
-            tokens of that distribution, in [0, 20].
-        grammar: an llguidance grammar (JSON text) the output must follow, or "";
-            built and validated by the coordinator from the request's response_format.
-        grammar_stop_ids: with a grammar, the tokens that end the sequence (the
-            model's eos ids, filled in by the coordinator): allowed exactly where the
-            grammar accepts, whatever llguidance's own idea of eos.
-        prompt_logprobs: None, or return each prompt token's log-probability (from
-            the second on) with the ``prompt_logprobs`` (0 to 20) most likely tokens
-            at its position; raw distribution, as ``logprobs``.
 
-    Order on the worker (vLLM's): logit_bias and min_tokens, then the penalties
-    (greedy rows take the argmax here), then temperature, min_p, top-k, top-p.
+_HISTORY_FIELDS = tuple(spec for spec in sampling_fields.FIELDS if spec.history)
+_PROCESSOR_FIELDS = tuple(spec for spec in sampling_fields.FIELDS if spec.stage == "processor")
 
-    Raises:
-        ValueError: a value is outside the range above.
-    """
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    min_tokens_stop_ids: tuple[int, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    grammar: str = ""
-    grammar_stop_ids: tuple[int, ...] = ()
-    prompt_logprobs: int | None = None
+class _SamplingParamsMethods:
+    """The behaviour of :class:`SamplingParams`; its fields come from the table."""
+
+    __slots__ = ()
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed < SEED_MODULUS:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if any(not math.isfinite(bias) for _, bias in self.logit_bias):
-            raise ValueError("logit_bias values must be finite")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] and needs logprobs, "
-                             f"got {self.top_logprobs} (logprobs={self.logprobs})")
+        self._check()
+        # Computed once: the sampling rank asks for every row of every step.
+        object.__setattr__(self, "_flags", (any(self._active(spec) for spec in _HISTORY_FIELDS),
+                                            any(self._active(spec) for spec in _PROCESSOR_FIELDS)))
+
+    def _check(self) -> None:
+        for spec in sampling_fields.FIELDS:
+            if not spec.on_worker:
+                continue
+            value = getattr(self, spec.name)
+            if spec.type is dict:
+                if any(not math.isfinite(bias) for _, bias in value):
+                    raise ValueError(f"{spec.name} values must be finite")
+            elif value is not None and (spec.low is not None or spec.high is not None):
+                sampling_fields.check(spec.name, value)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs needs logprobs, got {self.top_logprobs} (logprobs={self.logprobs})")
+
+    def _active(self, spec: sampling_fields.SamplingField) -> bool:
+        value = getattr(self, spec.name)
+        return value != spec.default and value != () and (not spec.needs or bool(getattr(self, spec.needs)))
 
     @property
     def uses_penalties(self) -> bool:
-        """True when a repetition, presence or frequency penalty is on."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """True when a control that reads the token history is on (the repetition, presence, frequency penalties)."""
+        return self._flags[0]
 
     @property
     def uses_token_history(self) -> bool:
@@ -146,9 +112,8 @@ class SamplingParams:
 
     @property
     def uses_logits_controls(self) -> bool:
-        """True when anything beyond temperature / top-k / top-p changes the logits."""
-        return (self.uses_token_history or self.min_p > 0.0 or bool(self.logit_bias)
-                or (self.min_tokens > 0 and bool(self.min_tokens_stop_ids)))
+        """True when a logits processor beyond temperature / top-k / top-p is on (or a grammar)."""
+        return bool(self.grammar) or self._flags[1]
 
     @property
     def allows_speculation(self) -> bool:
@@ -165,6 +130,41 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the token is the argmax of the logits."""
         return self.temperature == 0.0
+
+
+def _docstring() -> str:
+    lines = ["How a worker turns one row of logits into a token.", "",
+             "Fields from the sampling table (tpserve/sampling_fields.py; ranges as there):", ""]
+    for name, annotation, default in _step_fields():
+        spec = sampling_fields.FIELDS_BY_NAME.get(name)
+        meaning = spec.help if spec else {
+            "min_tokens_stop_ids": "the tokens min_tokens holds back (eos unless ignored, stop token ids)",
+            "grammar": "an llguidance grammar (JSON text) the output must follow, or \"\"",
+            "grammar_stop_ids": "with a grammar, the tokens that end the sequence, allowed where it accepts"}[name]
+        lines.append(f"    {name} ({annotation}, default {default!r}): {meaning}")
+    lines += ["", "The noise for the token at position p depends only on (seed, p); logprobs come from the",
+              "raw distribution. The order on the worker: worker/logits_processors.py.", "",
+              "Raises:", "    ValueError: a value is outside its range."]
+    return "\n".join(lines)
+
+
+def _make_sampling_params() -> type:
+    cls = dataclasses.make_dataclass(
+        "SamplingParams", [(name, annotation, dataclasses.field(default=default))
+                           for name, annotation, default in _step_fields()]
+        + [("_flags", "tuple[bool, bool]", dataclasses.field(init=False, repr=False, compare=False))],
+        bases=(_SamplingParamsMethods,), frozen=True, slots=True)
+    cls.__module__ = __name__  # pickling and repr name it tpserve.step.SamplingParams
+    cls.__doc__ = _docstring()
+    return cls
+
+
+if TYPE_CHECKING:  # its fields are the table's: a type checker sees a class that takes and has any of them
+    class SamplingParams(_SamplingParamsMethods):
+        def __init__(self, *args: Any, **fields: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    SamplingParams = _make_sampling_params()
 
 
 @dataclass(frozen=True, slots=True)

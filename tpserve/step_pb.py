@@ -6,6 +6,7 @@ model runner see only :mod:`tpserve.step`. No torch.
 
 from __future__ import annotations
 
+from tpserve.sampling_fields import FIELDS
 from tpserve.step import (
     NewSequence,
     PromptLogprobs,
@@ -86,26 +87,37 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
 
 
 def _sampling_to_pb(params: SamplingParams) -> pb.WorkerSamplingParams:
-    return pb.WorkerSamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-        min_p=params.min_p, repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-        min_tokens_stop_ids=params.min_tokens_stop_ids, logprobs=params.logprobs, top_logprobs=params.top_logprobs,
-        grammar=params.grammar, grammar_stop_ids=params.grammar_stop_ids, prompt_logprobs=params.prompt_logprobs,
-    )
+    """Every worker field of the table (tpserve/sampling_fields.py) under its own name, then the derived ones."""
+    msg = pb.WorkerSamplingParams(min_tokens_stop_ids=params.min_tokens_stop_ids, grammar=params.grammar,
+                                  grammar_stop_ids=params.grammar_stop_ids)
+    for spec in _WORKER_FIELDS:
+        value = getattr(params, spec.name)
+        if spec.type is dict:
+            getattr(msg, spec.name).update(dict(value))
+        elif value is not None:  # None: an optional field left unset (prompt_logprobs)
+            setattr(msg, spec.name, value)
+    return msg
 
 
 def _sampling_from_pb(msg: pb.WorkerSamplingParams) -> SamplingParams:
     # float32 on the wire: every rank reads the same rounded values (0.5, 0.9, 1.1 ...),
     # and rank 0 alone samples, so nothing depends on the coordinator's float64 copy.
-    return SamplingParams(
-        temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed, min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty, logit_bias=tuple(sorted(msg.logit_bias.items())),
-        min_tokens=msg.min_tokens, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids), logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs, grammar=msg.grammar, grammar_stop_ids=tuple(msg.grammar_stop_ids),
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-    )
+    values: dict[str, object] = {}
+    for spec in _WORKER_FIELDS:
+        if spec.type is dict:
+            values[spec.name] = tuple(sorted(getattr(msg, spec.name).items()))
+        elif spec.name in _OPTIONAL:
+            values[spec.name] = getattr(msg, spec.name) if msg.HasField(spec.name) else None
+        else:
+            values[spec.name] = getattr(msg, spec.name)
+    return SamplingParams(**values, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids), grammar=msg.grammar,
+                          grammar_stop_ids=tuple(msg.grammar_stop_ids))
+
+
+_WORKER_FIELDS = tuple(spec for spec in FIELDS if spec.on_worker)
+#: Fields with presence on the wire (``optional`` in worker.proto): unset means None.
+_OPTIONAL = frozenset(f.name for f in pb.WorkerSamplingParams.DESCRIPTOR.fields if f.has_presence
+                      and f.message_type is None)
 
 
 def result_to_pb(result: StepResult) -> pb.StepResult:

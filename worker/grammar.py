@@ -10,7 +10,7 @@ Before each sample the matcher is advanced by the output tokens the sequence was
 since (its token history, the same one the penalties use, so a preempted or
 prefix-cached sequence rebuilds its state from its tokens), then asked for the mask
 of allowed next tokens; disallowed logits become ``-inf`` before anything else
-(worker/logits_controls.py).
+(worker/logits_processors.py).
 
 The tokens that end the sequence (``SamplingParams.grammar_stop_ids``: the model's eos
 ids, as the coordinator stops on them) are allowed exactly where the grammar accepts

@@ -45,7 +45,7 @@ from worker.layers.moe import count_triples, expert_layers, take_routed_counts
 from worker.grammar import GrammarCache, GrammarState
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
-from worker.logits_controls import extend_history, with_logits_controls
+from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
 from worker.pipeline_checks import check_pipeline
@@ -222,7 +222,7 @@ class ModelRunner:
             state = self._seqs[chunk.seq_id]
             state.block_table.extend(chunk.new_block_ids)
             if state.history is not None:
-                extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_controls.py)
+                extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_processors.py)
         self.last_logits = self.last_spec_logits = None
         self._num_accepted: tuple[int, ...] = ()
         self._logprobs = self._prompt_logprobs = ()  # set by _run for the sequences that ask (worker/logprobs.py)
@@ -317,7 +317,7 @@ class ModelRunner:
         num_samples = plan.num_samples
         logits, spec_logits = logits[:num_samples], logits[num_samples:]  # (N, vocab), (S, vocab)
         self.last_logits = logits
-        sampling = with_logits_controls(inputs.sampling, chunks, states, self.ctx.device,
+        sampling = with_processors(inputs.sampling, chunks, states, self.ctx.device,
                                         self._grammars)  # the same object when no row uses a control
         tokens = sample_tensors(logits, sampling)  # (N,)
         self._logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample])

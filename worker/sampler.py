@@ -32,9 +32,12 @@ arithmetic wraps identically everywhere, so the noise itself is bit-identical
 on the CPU and on CUDA; whether the *tokens* are depends on the logits (see
 docs/design.md, "Precision and reproducibility").
 
-Before all this, rows that ask for them get vLLM's other controls (logit_bias,
-min_tokens, repetition / presence / frequency penalties, then min_p after the
-temperature; :mod:`worker.logits_controls`); a batch where no row does skips them.
+Before all this, rows that ask for them get vLLM's other controls, each a logits
+processor (grammar, logit_bias, min_tokens, penalties before the greedy argmax;
+min_p after the temperature; :mod:`worker.logits_processors`, whose ``ORDER`` is the
+one place the order is declared); a batch where no row uses one skips them. Greedy-only
+batches are one argmax; in a mixed batch the filters, softmax and noise run on the
+sampled rows only.
 
 Entry points: :func:`sample` (per-row :class:`~tpserve.step.SamplingParams`) and
 :func:`sample_tensors` (prebuilt ``(N,)`` tensors, for a runner that keeps them
@@ -49,7 +52,6 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.step import SamplingParams
-from worker.logits_controls import LogitsControls, apply_logits_controls, apply_min_p
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (2**64 / golden ratio)
@@ -88,10 +90,10 @@ def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
     Returns:
         int64 tensor of the same shape: the bit patterns of ``splitmix64(x)``.
     """
-    x = x + _as_int64(_GOLDEN)
-    x = (x ^ _shift_right(x, 30)) * _as_int64(_MIX1)
-    x = (x ^ _shift_right(x, 27)) * _as_int64(_MIX2)
-    return x ^ _shift_right(x, 31)
+    x = x + _as_int64(_GOLDEN)  # a new tensor: the ops below work in place on it
+    x.bitwise_xor_(_shift_right(x, 30)).mul_(_as_int64(_MIX1))
+    x.bitwise_xor_(_shift_right(x, 27)).mul_(_as_int64(_MIX2))
+    return x.bitwise_xor_(_shift_right(x, 31))
 
 
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -113,35 +115,81 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     key = splitmix64_tensor(splitmix64_tensor(seeds) ^ positions)  # (N,)
     counter = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) * _as_int64(_GOLDEN)  # (V,) v * golden
     bits = splitmix64_tensor(key[:, None] + counter[None, :])  # (N, V) mix(key + (v + 1) * golden)
-    mantissa = _shift_right(bits, 64 - _UNIFORM_BITS).to(torch.float32)  # (N, V) integers in [0, 2**23)
-    uniform = (mantissa + 0.5) * (2.0**-_UNIFORM_BITS)  # (N, V) in [2**-24, 1 - 2**-24], exact
-    return -torch.log(uniform)  # (N, V) Exp(1)
+    uniform = _shift_right(bits, 64 - _UNIFORM_BITS).to(torch.float32)  # (N, V) integers in [0, 2**23)
+    uniform.add_(0.5).mul_(2.0**-_UNIFORM_BITS)  # (N, V) in [2**-24, 1 - 2**-24], exact
+    return uniform.log_().neg_()  # (N, V) Exp(1)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set filtered-out logits to ``-inf``.
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      k_max: int | None = None, any_top_p: bool = True) -> torch.Tensor:
+    """Set filtered-out logits to ``-inf``: top-k, then top-p over the top-k distribution.
+
+    Token order is the stable descending sort's (equal logits: lower token id first). The
+    top-p mass is computed from ``softmax`` of the top-k-masked row in token order, gathered
+    in that order and summed from the most likely, whichever way the candidates were found:
+    a full sort, or (``k_max`` given) ``topk`` of ``k_max`` candidates, which gives each row
+    bit for bit the same result, so a row keeps the same tokens in any batch.
 
     Args:
         logits: ``(N, V)`` float32, already divided by the temperature.
         top_k: ``(N,) int64``; ``0`` keeps all ``V``.
         top_p: ``(N,) float32`` in ``(0, 1]``; ``1`` keeps all.
+        k_max: host-side hint: a bound on every row's kept tokens after top-k (the largest
+            ``top_k``, when every row with ``top_p < 1`` has a ``top_k``); None: sort.
+        any_top_p: host-side hint: some row has ``top_p < 1`` (else top-k alone).
 
     Returns:
         ``(N, V)`` float32, the kept logits unchanged.
     """
     vocab_size = logits.shape[-1]
-    # Stable: equal logits keep token-id order, whatever the batch around them.
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (N, V), (N, V)
-    rank = torch.arange(vocab_size, device=logits.device)  # (V,)
-    k = torch.where(top_k > 0, top_k, vocab_size)  # (N,)
-    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))  # (N, V)
-    sorted_probs = sorted_logits.softmax(dim=-1)  # (N, V)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (N, V) probability of better tokens
+    if k_max is not None and k_max < vocab_size:
+        masked = apply_top_k(logits, top_k, k_max)  # (N, V)
+        if not any_top_p:
+            return masked
+        candidates = masked.topk(k_max, dim=-1).indices.sort(dim=-1).values  # (N, k) by token id
+        _, by_value = masked.gather(-1, candidates).sort(dim=-1, descending=True, stable=True)  # (N, k)
+        order = candidates.gather(-1, by_value)  # (N, k) the stable sort's first k
+    else:
+        # Stable: equal logits keep token-id order, whatever the batch around them.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (N, V), (N, V)
+        rank = torch.arange(vocab_size, device=logits.device)  # (V,)
+        k = torch.where(top_k > 0, top_k, vocab_size)  # (N,)
+        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))  # (N, V)
+        masked = torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # (N, V) token order
+    sorted_probs = masked.softmax(dim=-1).gather(-1, order)  # (N, K) most likely first
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (N, K) probability of better tokens
     # top_p == 1 keeps everything (float rounding could otherwise drop a tail token).
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # (N, V)
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # (N, K)
     drop[:, 0] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))  # (N, V)
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # (N, V) original order
+    remove = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, order, drop)  # (N, V)
+    return masked.masked_fill(remove, float("-inf"))  # (N, V)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Top-k alone, without a sort: keeps what the stable sort of :func:`apply_top_k_top_p` keeps.
+
+    A row keeps its logits above its k-th largest value ``t`` (``torch.topk``), and of those
+    equal to ``t`` the lowest token ids, as many as fill k (the stable sort's tie order).
+
+    Args:
+        logits: ``(N, V)`` float32.
+        top_k: ``(N,) int64``; ``0`` keeps all ``V``.
+        k_max: host-side: the largest ``top_k`` of the rows (no device sync).
+
+    Returns:
+        ``(N, V)`` float32, the kept logits unchanged.
+    """
+    vocab_size = logits.shape[-1]
+    k_max = min(k_max, vocab_size)
+    if k_max <= 0:  # every row keeps all
+        return logits
+    k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)  # (N,)
+    kth = logits.topk(k_max, dim=-1).values.gather(-1, (k.clamp(max=k_max) - 1)[:, None])  # (N, 1)
+    above = logits > kth  # (N, V)
+    tied = logits == kth  # (N, V)
+    room = k[:, None] - above.sum(dim=-1, keepdim=True)  # (N, 1) ties to keep, lowest ids first
+    keep = above | (tied & (tied.cumsum(dim=-1) <= room)) | (k[:, None] >= vocab_size)  # (N, V)
+    return logits.masked_fill(~keep, float("-inf"))  # (N, V)
 
 
 @dataclass(frozen=True)
@@ -157,8 +205,13 @@ class SamplingTensors:
         all_greedy: host-side hint: every row is greedy (skip the noise).
         any_truncation: host-side hint: some row has ``top_k > 0`` or ``top_p < 1``
             (else skip the sort).
-        controls: logit_bias, min_tokens, penalties and min_p of the rows that use
-            them; None (nothing to do) when no row does.
+        processors: the logits processors some row uses (worker/logits_processors.py), in
+            their order; empty (nothing to do) when no row does.
+        sampled_rows: ``(S,) int64`` the rows with ``temperature > 0`` when some rows are
+            greedy and some not (the noise and the filters run on those only); None otherwise.
+        k_max: host-side hint: the largest ``top_k`` of the sampled rows when every row with
+            ``top_p < 1`` has a ``top_k`` (candidates by ``topk``, no sort); None otherwise.
+        any_top_p: host-side hint: some sampled row has ``top_p < 1``.
     """
 
     temperature: torch.Tensor
@@ -168,7 +221,10 @@ class SamplingTensors:
     positions: torch.Tensor
     all_greedy: bool
     any_truncation: bool
-    controls: LogitsControls | None = None
+    processors: tuple = ()
+    sampled_rows: torch.Tensor | None = None
+    k_max: int | None = None
+    any_top_p: bool = True
 
     @classmethod
     def from_params(
@@ -181,15 +237,62 @@ class SamplingTensors:
         ).view(-1, 3)  # (N, 3)
         floats = floats.to(device, non_blocking=True)
         ints = ints.to(device, non_blocking=True)
+        mixed = mixed_rows(params)
         return cls(
             temperature=floats[:, 0], top_p=floats[:, 1], top_k=ints[:, 0], seeds=ints[:, 1], positions=ints[:, 2],
-            all_greedy=all(p.greedy for p in params),
-            any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            **host_hints(params), sampled_rows=None if mixed is None else torch.tensor(mixed).to(device),
         )
+
+
+def mixed_rows(params: Sequence[SamplingParams]) -> list[int] | None:
+    """The sampled (not greedy) rows when the batch has both kinds, else None."""
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy
+    return sampled if 0 < len(sampled) < len(params) else None
+
+
+def host_hints(params: Sequence[SamplingParams]) -> dict:
+    """:class:`SamplingTensors`' host-side hints (``all_greedy``, ``any_truncation``, ``k_max``, ``any_top_p``)."""
+    sampled = [p for p in params if p.temperature != 0.0]  # not greedy
+    if not sampled:
+        return dict(all_greedy=True, any_truncation=False)
+    any_top_p = any(p.top_p < 1.0 for p in sampled)
+    k_max = max(p.top_k for p in sampled)
+    bounded = k_max > 0 and not any(p.top_p < 1.0 and p.top_k == 0 for p in sampled)
+    return dict(all_greedy=False, any_truncation=any_top_p or k_max > 0, k_max=k_max if bounded else None,
+                any_top_p=any_top_p)
+
+
+def add_sampling(packer, floats: dict[str, list[float]], prefix: str, params: Sequence[SamplingParams],
+                 positions: Sequence[int]) -> None:
+    """Packs the sampling parameters of some rows under ``prefix`` into worker/step_inputs.py's one host-to-device
+    copy (``positions``: of the token each row samples); :func:`packed_sampling_tensors` reads them back."""
+    packer.add(prefix + "top_k", [p.top_k for p in params])
+    packer.add(prefix + "seeds", [_as_int64(p.seed) for p in params])  # int64 bit patterns
+    packer.add(prefix + "sample_positions", positions)
+    mixed = mixed_rows(params)
+    if mixed is not None:
+        packer.add(prefix + "sampled_rows", mixed)
+    packer.reserve(prefix + "temperature_top_p", len(params))  # float32 (temperature, top_p) per int64
+    floats[prefix + "temperature_top_p"] = [x for p in params for x in (p.temperature, p.top_p)]
+
+
+def packed_sampling_tensors(dev: dict[str, torch.Tensor], prefix: str,
+                            params: Sequence[SamplingParams]) -> SamplingTensors:
+    """The device views of what :func:`add_sampling` packed under ``prefix``."""
+    pairs = dev[prefix + "temperature_top_p"].view(torch.float32)  # (2N,) float32
+    return SamplingTensors(
+        temperature=pairs[0::2], top_p=pairs[1::2], top_k=dev[prefix + "top_k"], seeds=dev[prefix + "seeds"],
+        positions=dev[prefix + "sample_positions"], sampled_rows=dev.get(prefix + "sampled_rows"),
+        **host_hints(params),
+    )
 
 
 def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """Pick one token per row; no host sync, no per-row work.
+
+    A batch without processors and all greedy is one argmax. In a batch with greedy and
+    sampled rows, the temperature's filters, the softmax and the noise run on the sampled
+    rows only (``sampling.sampled_rows``).
 
     Args:
         logits: ``(N, V)`` float32 (any float dtype is upcast).
@@ -199,26 +302,36 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         ``(N,) int64`` token ids, on ``logits.device``.
     """
     logits = logits.float()  # (N, V)
-    controls = sampling.controls
-    if controls is not None:
-        logits = apply_logits_controls(logits, controls)  # (N, V) bias, min_tokens, penalties: before any argmax
+    if sampling.processors:
+        logits = logits.clone()  # (N, V) processors work in place; the caller's stay the model's (logprobs)
+        for processor in sampling.processors:
+            if not processor.after_temperature:
+                logits = processor.apply(logits)  # (N, V) grammar, bias, min_tokens, penalties: before any argmax
     greedy_tokens = logits.argmax(dim=-1)  # (N,)
     if sampling.all_greedy:
         return greedy_tokens
     is_sampled = sampling.temperature > 0  # (N,)
     temperature = torch.where(is_sampled, sampling.temperature, 1.0)  # (N,) no division by 0
     scaled = logits / temperature[:, None]  # (N, V)
-    if controls is not None and controls.min_p is not None:
-        scaled = apply_min_p(scaled, controls.min_p)  # (N, V)
+    for processor in sampling.processors:
+        if processor.after_temperature:
+            scaled = processor.apply(scaled)  # (N, V) min_p
+    rows = sampling.sampled_rows
+    top_k, top_p, seeds, positions = sampling.top_k, sampling.top_p, sampling.seeds, sampling.positions
+    if rows is not None:  # greedy and sampled rows: the rest is the sampled rows' (S of them)
+        scaled, top_k, top_p = scaled[rows], top_k[rows], top_p[rows]  # (S, V), (S,), (S,)
+        seeds, positions, is_sampled = seeds[rows], positions[rows], is_sampled[rows]
     if sampling.any_truncation:
-        scaled = apply_top_k_top_p(scaled, sampling.top_k, sampling.top_p)  # (N, V)
-    probs = scaled.softmax(dim=-1)  # (N, V)
-    noise = exponential_noise(sampling.seeds, sampling.positions, logits.shape[-1])  # (N, V)
-    sampled_tokens = (probs / noise).argmax(dim=-1)  # (N,) exponential race
+        scaled = apply_top_k_top_p(scaled, top_k, top_p, sampling.k_max, sampling.any_top_p)  # (S, V)
+    probs = scaled.softmax(dim=-1)  # (S, V)
+    noise = exponential_noise(seeds, positions, logits.shape[-1])  # (S, V)
+    sampled_tokens = (probs / noise).argmax(dim=-1)  # (S,) exponential race
     # A row whose scaled logits overflowed (a tiny temperature: logits / 1e-38 = inf,
     # softmax NaN, argmax 0) takes the greedy token, never a garbage one. No host sync.
-    finite = torch.isfinite(probs).all(dim=-1)  # (N,)
-    return torch.where(is_sampled & finite, sampled_tokens, greedy_tokens)  # (N,)
+    finite = torch.isfinite(probs).all(dim=-1)  # (S,)
+    if rows is None:
+        return torch.where(is_sampled & finite, sampled_tokens, greedy_tokens)  # (N,)
+    return greedy_tokens.index_copy(0, rows, torch.where(finite, sampled_tokens, greedy_tokens[rows]))  # (N,)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:

@@ -38,9 +38,8 @@ import torch
 
 from tpserve.step import SamplingParams, ScheduledChunk
 from worker.attention import AttentionMetadata, PrefillChunk
-from worker.sampler import SamplingTensors
+from worker.sampler import SamplingTensors, add_sampling, packed_sampling_tensors
 
-_TWO_63 = 1 << 63
 #: Longest chunk the compiled paged attention takes with the decodes (``paged_kernel``); longer
 #: prompt chunks go to SDPA, whose blocked kernel wins once a chunk's queries share enough keys.
 MAX_PAGED_QUERY_LEN = 16
@@ -202,7 +201,7 @@ def build_step_inputs(
     if sampled:
         packer.add("sample_rows", [last_row[i] for i in sampled])
     if build_sampling:
-        _add_sampling(packer, floats, "", [sampling[i] for i in sampled],
+        add_sampling(packer, floats, "", [sampling[i] for i in sampled],
                       [chunks[i].start_position + chunks[i].num_tokens for i in sampled])
     # Speculative decoding: row j of a chunk's last k + 1 samples position start + j + 1 (the last row is above).
     spec = [(i, j) for i in sampled for j in range(chunks[i].num_tokens - 1 - chunks[i].num_spec_tokens,
@@ -210,7 +209,7 @@ def build_step_inputs(
     if spec:
         packer.add("spec_rows", [last_row[i] - chunks[i].num_tokens + 1 + j for i, j in spec])
         if with_sampling:
-            _add_sampling(packer, floats, "spec_", [sampling[i] for i, _ in spec],
+            add_sampling(packer, floats, "spec_", [sampling[i] for i, _ in spec],
                           [chunks[i].start_position + j + 1 for i, j in spec])
 
     dev = packer.to_device(device, floats)
@@ -239,30 +238,10 @@ def build_step_inputs(
         triton_decode=triton_decode and bool(group),
         rope_seq_lens=dev["rope_seq_lens"] if num_prompt_tokens is not None else None,
     )
-    sampling_tensors = _sampling_tensors(dev, "", [sampling[i] for i in sampled]) if build_sampling else None
-    spec_sampling = _sampling_tensors(dev, "spec_", [sampling[i] for i, _ in spec]) if spec and with_sampling else None
+    sampling_tensors = packed_sampling_tensors(dev, "", [sampling[i] for i in sampled]) if build_sampling else None
+    spec_sampling = packed_sampling_tensors(dev, "spec_", [sampling[i] for i, _ in spec]) if spec and with_sampling else None
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn,
         sample_rows=dev["sample_rows"] if sampled else None, sampling=sampling_tensors,
         chunk_last_rows=tuple(last_row), spec_rows=dev["spec_rows"] if spec else None, spec_sampling=spec_sampling,
-    )
-
-
-def _add_sampling(packer: _Packer, floats: dict[str, list[float]], prefix: str,
-                  params: Sequence[SamplingParams], positions: Sequence[int]) -> None:
-    """Packs the sampling parameters of some rows under ``prefix`` (positions: the token each row samples)."""
-    packer.add(prefix + "top_k", [p.top_k for p in params])
-    packer.add(prefix + "seeds", [p.seed - (1 << 64) if p.seed >= _TWO_63 else p.seed for p in params])  # int64 bits
-    packer.add(prefix + "sample_positions", positions)
-    packer.reserve(prefix + "temperature_top_p", len(params))  # float32 (temperature, top_p) per int64
-    floats[prefix + "temperature_top_p"] = [x for p in params for x in (p.temperature, p.top_p)]
-
-
-def _sampling_tensors(dev: dict[str, torch.Tensor], prefix: str, params: Sequence[SamplingParams]) -> SamplingTensors:
-    """The device views of what :func:`_add_sampling` packed under ``prefix``."""
-    pairs = dev[prefix + "temperature_top_p"].view(torch.float32)  # (2N,) float32
-    return SamplingTensors(
-        temperature=pairs[0::2], top_p=pairs[1::2], top_k=dev[prefix + "top_k"], seeds=dev[prefix + "seeds"],
-        positions=dev[prefix + "sample_positions"], all_greedy=all(p.greedy for p in params),
-        any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
     )

@@ -19,6 +19,8 @@ import torch
 from tpserve.step import SamplingParams
 from worker.sampler import (
     SamplingTensors,
+    apply_top_k,
+    apply_top_k_top_p,
     exponential_noise,
     sample,
     sample_tensors,
@@ -138,6 +140,26 @@ def test_seeded_rows_sample_the_same_alone_and_in_a_batch_of_8() -> None:
     assert torch.equal(reversed_batch.flip(0), batched)
     # A row without top-k/top-p gives the same token whether or not its batch needed the sort.
     assert int(sample(logits[2:3], [params[2]], [positions[2]])[0]) == int(batched[2])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_top_k_without_a_sort_keeps_what_the_stable_sort_keeps(seed: int) -> None:
+    # Logits rounded to halves: many ties at the k-th value, where the stable sort keeps the lowest ids.
+    logits = (_logits(6, vocab=64, seed=seed) * 2).round() / 2  # (6, 64)
+    logits[5, 10:] = float("-inf")  # a row with fewer finite logits than its k
+    top_k = torch.tensor([1, 5, 0, 17, 64, 40])
+    by_sort = apply_top_k_top_p(logits, top_k, torch.ones(6))
+    without = apply_top_k_top_p(logits, top_k, torch.ones(6), k_max=64, any_top_p=False)
+    assert torch.equal(without, by_sort)
+    small = top_k.clamp(max=17)  # k_max below the vocabulary: the topk path proper
+    assert torch.equal(apply_top_k(logits, small, 17), apply_top_k_top_p(logits, small, torch.ones(6)))
+    assert (by_sort[1] > float("-inf")).sum() == 5
+    # top-p over top-k candidates found by topk: bit for bit the full sort's, ties included.
+    top_k, top_p = torch.tensor([3, 5, 17, 40, 1, 60]), torch.tensor([0.5, 0.9, 0.7, 0.95, 0.3, 0.99])
+    by_sort = apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p, k_max=60), by_sort)
+    assert torch.equal(apply_top_k_top_p(logits[1:2], top_k[1:2], top_p[1:2], k_max=5), by_sort[1:2])  # alone
+    assert ((by_sort > float("-inf")).sum(dim=-1) <= top_k).all()
 
 
 def test_tensor_entry_point_equals_the_params_entry_point() -> None:

@@ -19,10 +19,11 @@ from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    TypicalLogitsWarper,
 )
 
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
-from worker.logits_controls import apply_logits_controls, apply_min_p, build_logits_controls, with_logits_controls
+from worker.logits_processors import SampledRow, apply_min_p, build_processors, with_processors
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 from worker.sampler import SamplingTensors, sample_tensors
@@ -39,10 +40,18 @@ def histories(n: int = 3, length: int = 12) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (length,), generator=gen).tolist() for _ in range(n)]
 
 
+def apply_processors(logits: torch.Tensor, rows: list[SampledRow]) -> torch.Tensor:
+    """The processors before the temperature, as the sampler applies them (on a copy)."""
+    out = logits.clone()
+    for processor in build_processors(rows, "cpu"):
+        if not processor.after_temperature:
+            out = processor.apply(out)
+    return out
+
+
 def controlled(logits: torch.Tensor, params: list[SamplingParams], num_prompt: int = 5) -> torch.Tensor:
     hist = histories(len(params))
-    controls = build_logits_controls(params, [num_prompt] * len(params), [len(h) for h in hist], hist, "cpu")
-    return apply_logits_controls(logits, controls)
+    return apply_processors(logits, [SampledRow(p, num_prompt, len(h), h) for p, h in zip(params, hist)])
 
 
 def test_repetition_penalty_matches_transformers_on_prompt_and_output() -> None:
@@ -83,10 +92,9 @@ def test_min_tokens_matches_transformers_min_new_tokens() -> None:
     params = SamplingParams(min_tokens=4, min_tokens_stop_ids=stop_ids)
     for generated in range(6):  # 5 prompt tokens, then `generated` outputs
         pos = 5 + generated
-        controls = build_logits_controls([params], [5], [pos], [None], "cpu")
         reference = MinNewTokensLengthLogitsProcessor(5, 4, list(stop_ids))
         want = reference(torch.zeros(1, pos, dtype=torch.long), logits.clone())
-        got = logits if controls is None else apply_logits_controls(logits, controls)
+        got = apply_processors(logits, [SampledRow(params, 5, pos)])
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert (got[0, 2] == float("-inf")) == (generated < 4)
 
@@ -96,6 +104,38 @@ def test_min_p_matches_transformers_warper(min_p: float) -> None:
     scaled = rows(5) / 0.7
     want = MinPLogitsWarper(min_p)(torch.zeros(3, 1, dtype=torch.long), scaled.clone())
     torch.testing.assert_close(apply_min_p(scaled, torch.full((3,), min_p)), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("typical_p", [0.2, 0.5, 0.9, 0.99])
+def test_typical_p_matches_transformers_warper(typical_p: float) -> None:
+    # Rows of several spreads, one with a -inf (an earlier processor's ban), after temperature 0.7.
+    scaled = torch.cat([rows(7, n=3), rows(8, n=3) * 0.2, rows(9, n=2) * 4]) / 0.7  # (8, V)
+    scaled[2, 5] = float("-inf")
+    params = SamplingParams(temperature=0.7, typical_p=typical_p, seed=1)
+    (processor,) = build_processors([SampledRow(params, 5, 9)] * 8, "cpu")
+    want = TypicalLogitsWarper(typical_p)(torch.zeros(8, 1, dtype=torch.long), scaled.clone())
+    torch.testing.assert_close(processor.apply(scaled.clone()), want, rtol=0, atol=0)
+    assert processor.after_temperature
+
+
+def test_typical_p_samples_only_typical_tokens_and_leaves_other_rows() -> None:
+    logits = (rows(10, n=1) * 0.3).expand(400, -1)  # (400, V) one flat distribution, 400 positions
+    typical = SamplingParams(temperature=1.0, typical_p=0.3, seed=3)
+    kept = TypicalLogitsWarper(0.3)(torch.zeros(1, 1, dtype=torch.long), logits[:1].clone())[0] > float("-inf")
+    assert 1 < int(kept.sum()) < VOCAB
+    tensors = SamplingTensors.from_params([typical] * 400, list(range(1, 401)), "cpu")
+    states = [_State(typical, None)] * 400
+    chunks = [ScheduledChunk(i, (1,), i) for i in range(400)]  # row i samples position i + 1
+    tokens = sample_tensors(logits, with_processors(tensors, chunks, states, "cpu"))
+    assert kept[tokens].all() and len(set(tokens.tolist())) == int(kept.sum())  # every typical token drawn
+    untouched = SamplingParams(temperature=1.0, seed=3)  # the same seed without typical_p: the whole vocabulary
+    plain = sample_tensors(logits, SamplingTensors.from_params([untouched] * 400, list(range(1, 401)), "cpu"))
+    assert not kept[plain].all()
+
+
+class _State:
+    def __init__(self, sampling: SamplingParams, history: list[int] | None) -> None:
+        self.sampling, self.num_prompt_tokens, self.history, self.grammar_state = sampling, 0, history, None
 
 
 def test_sampler_applies_controls_in_vllm_order_and_only_where_asked() -> None:
@@ -108,10 +148,10 @@ def test_sampler_applies_controls_in_vllm_order_and_only_where_asked() -> None:
 
     class State:
         def __init__(self, sampling: SamplingParams, history: list[int] | None) -> None:
-            self.sampling, self.num_prompt_tokens, self.history = sampling, 5, history
+            self.sampling, self.num_prompt_tokens, self.history, self.grammar_state = sampling, 5, history, None
 
-    assert with_logits_controls(tensors, chunks, [State(plain, None)] * 2, "cpu") is tensors  # nothing to pay
-    with_controls = with_logits_controls(tensors, chunks, [State(penalized, hist[0]), State(plain, None)], "cpu")
+    assert with_processors(tensors, chunks, [State(plain, None)] * 2, "cpu") is tensors  # nothing to pay
+    with_controls = with_processors(tensors, chunks, [State(penalized, hist[0]), State(plain, None)], "cpu")
     tokens = sample_tensors(logits, with_controls)
     biased = logits[0].clone()
     biased[11] += 4.0
