@@ -23,7 +23,7 @@ from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
 from tpserve.cli import build_parser
 from tpserve.client import Client, build_request
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.sampling_fields import FIELDS, FIELDS_BY_NAME, SamplingField
 from tpserve.step import NewSequence, SamplingParams, StepPlan
 from tpserve.step_pb import plan_from_pb, plan_to_pb
