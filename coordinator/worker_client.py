@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import grpc
 import structlog
@@ -112,48 +113,75 @@ class WorkerGroup:
         self._streams = [stub.Step() for stub in self._stubs]
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step on every rank and returns rank 0's result.
+        """Runs one step on every rank and returns rank 0's result (:meth:`submit`, then its answer).
 
         Raises:
             WorkerGroupError: a rank failed, closed its stream, or exceeded the step timeout.
         """
+        return await (await self.submit(plan))
+
+    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        """Sends one step to every rank; returns once every rank's stream has the plan, with a
+        future of rank 0's result, so the caller works while the ranks compute (the engine's
+        overlap: docs/design.md, "The engine loop"). The step timeout covers both halves.
+
+        Raises:
+            WorkerGroupError: the group failed already, or a plan could not be written; the
+                future raises it for a rank that fails, closes its stream or times out.
+        """
         if self.failed:
             raise WorkerGroupError(self.failed)
         msg = plan_to_pb(plan)
+        deadline = time.monotonic() + self.step_timeout_s
         try:
-            results = await asyncio.wait_for(self._round_trip(msg), self.step_timeout_s)
-        except asyncio.TimeoutError:
+            await asyncio.wait_for(asyncio.gather(*(stream.write(msg) for stream in self._streams)),
+                                   self.step_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - mapped to a WorkerGroupError or re-raised
+            self._fail(plan, exc)
+        return asyncio.ensure_future(self._answer(plan, deadline))
+
+    async def _answer(self, plan: StepPlan, deadline: float) -> StepResult:
+        """Rank 0's result of a submitted step (every rank must answer without error)."""
+        try:
+            results = await asyncio.wait_for(self._read_all(), max(deadline - time.monotonic(), 0.0))
+        except BaseException as exc:  # noqa: BLE001 - mapped to a WorkerGroupError or re-raised
+            self._fail(plan, exc)
+        errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
+        if errors:
+            self.failed = "; ".join(errors)
+        elif any(r is grpc.aio.EOF for r in results):
+            self.failed = f"step {plan.step_id}: a rank closed its stream"
+        else:
+            return result_from_pb(results[0])
+        log.error("worker group failed", reason=self.failed)
+        raise WorkerGroupError(self.failed)
+
+    def _fail(self, plan: StepPlan, exc: BaseException) -> NoReturn:
+        """Marks the group failed for ``exc`` and raises WorkerGroupError; re-raises what is not a
+        failure of the group (the caller's task cancelled at shutdown, a bug)."""
+        if isinstance(exc, asyncio.TimeoutError):
             self.failed = f"step {plan.step_id} timed out after {self.step_timeout_s:.0f} s"
-        except _StreamBroke as exc:
+        elif isinstance(exc, _StreamBroke):
             self.failed = f"step {plan.step_id} failed: rank {exc.rank}'s step stream broke ({exc.reason})"
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
+        elif isinstance(exc, (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError)):
             self.failed = f"step {plan.step_id} failed: a step stream broke: {exc}"
-        except asyncio.CancelledError:
-            if not self._closed:
-                raise  # the caller's task is cancelled (shutdown): not a failure of the group
+        elif isinstance(exc, asyncio.CancelledError) and self._closed:
             # close() cancelled the streams under this step: the group was declared lost (a node's
             # registry link dropped first) and is being restarted. The engine loop must see a
             # failed step, not die of the cancellation (issue 22).
             self.failed = f"step {plan.step_id} failed: the group's step streams were closed"
         else:
-            errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
-            if errors:
-                self.failed = "; ".join(errors)
-            elif any(r is grpc.aio.EOF for r in results):
-                self.failed = f"step {plan.step_id}: a rank closed its stream"
-            else:
-                return result_from_pb(results[0])
+            raise exc  # the caller's task is cancelled (shutdown): not a failure of the group
         log.error("worker group failed", reason=self.failed)
-        raise WorkerGroupError(self.failed)
+        raise WorkerGroupError(self.failed) from None
 
-    async def _round_trip(self, msg: pb.StepPlan) -> list[pb.StepResult]:
-        """Every rank's answer, in rank order; returns early with the first error or EOF.
+    async def _read_all(self) -> list[pb.StepResult]:
+        """Every rank's answer to the step just written, in rank order; returns early with the first error or EOF.
 
         A rank that fails a step (out of memory, say) answers at once while its peers
         sit in a collective waiting for it until the collective timeout: acting on the
         first error, not on all answers, fails the group in milliseconds (issue 11, fault 3).
         """
-        await asyncio.gather(*(stream.write(msg) for stream in self._streams))
         reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
         try:
             pending = set(reads)

@@ -214,7 +214,7 @@ class Cluster:
         finally:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             if self.engine is not None:
-                self.engine.draining = True
+                self.engine.drain()
             await server.stop(self.config.server.shutdown_grace_seconds)
             await self.servicer.close()
             for task in (engine_task, self._monitor_task, self._liveness_task, self._recovery):
