@@ -129,6 +129,9 @@ class Engine:
         self.state = EngineState.SERVING
         self._reason: str | None = None  # why the engine is RECOVERING or DEAD
         self._state_changed = asyncio.Event()  # wakes a loop waiting in RECOVERING
+        # A step's outputs between Scheduler.update and their processing, which waits for the next
+        # plan to be sent (an await): an explicit Abort meanwhile streams its request's first.
+        self._unstreamed: list[TokenOutput] = []
         scheduler.on_preempt = self._preempted
 
     # -- the life cycle (coordinator/engine_state.py) --------------------------------
@@ -290,6 +293,9 @@ class Engine:
         for state in [s for s in self._states.values()
                       if s.request_id == request_id and (tenant is None or s.tenant == tenant)]:
             seq = state.seq
+            if any(out.seq is seq for out in self._unstreamed):  # its last step's tokens come first
+                self._process_request([out for out in self._unstreamed if out.seq is seq], now)
+                self._unstreamed = [out for out in self._unstreamed if out.seq is not seq]
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, FinishReason.ABORT)
@@ -363,12 +369,12 @@ class Engine:
             return None  # the group was declared lost during this step: its result is void
         if self.state is EngineState.RESUMED:
             self._enter(EngineState.SERVING)
-        outputs = self.scheduler.update(step.plan, result)
+        self._unstreamed = self.scheduler.update(step.plan, result)
         plan = self._plan()
         following = None if plan is None else await InFlightStep.dispatch(self.workers, plan, follows_step=True)
+        outputs, self._unstreamed = self._unstreamed, []
         if self.state is not EngineState.DEAD:  # (fail_all, meanwhile, gave every request its error)
-            # Requests aborted while the plan was sent get none of this step's tokens.
-            self._process([out for out in outputs if out.seq.finish_reason is not FinishReason.ABORT])
+            self._process(outputs)
         if result.expert_token_counts:
             self.metrics.add_expert_tokens(result.expert_token_counts)
         self._update_gauges()
