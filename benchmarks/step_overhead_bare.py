@@ -29,17 +29,20 @@ BLOCK_SIZE = 16
 WARMUP_STEPS = 5
 
 
-def _measure(ctx, model_dir: str, sizes: list[int], num_steps: int) -> dict[str, float]:
-    """Median seconds of one decode ``execute`` per size (meaningful on rank 0)."""
+def _measure(ctx, model_dir: str, sizes: list[int], num_steps: int, dtype: str = "float32",
+             cuda_graphs: bool = False) -> dict[str, float]:
+    """Median seconds of one decode ``execute`` per size (meaningful on rank 0); ``cuda_graphs``:
+    decode steps replayed from graphs captured at exactly ``sizes`` (on CUDA, as a server does)."""
     import torch
 
     from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
     from worker.model_runner import ModelRunner
 
-    runner = ModelRunner(model_dir, ctx, torch.float32, block_size=BLOCK_SIZE)
+    runner = ModelRunner(model_dir, ctx, getattr(torch, dtype), block_size=BLOCK_SIZE)
     total_steps = WARMUP_STEPS + num_steps
     blocks_per_seq = -(-(PROMPT_LEN + total_steps + 1) // BLOCK_SIZE)
-    runner.init_kv_cache(max(sizes) * blocks_per_seq)
+    runner.init_kv_cache(max(sizes) * blocks_per_seq, cuda_graph_sizes=tuple(sizes) if cuda_graphs else (),
+                         max_model_len=blocks_per_seq * BLOCK_SIZE, capture=ctx.device.type == "cuda")
     vocab = runner.config.vocab_size
     medians: dict[str, float] = {}
     step_id = 0
