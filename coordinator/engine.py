@@ -359,13 +359,15 @@ class Engine:
         try:
             result = await step.result()
         except WorkerGroupError as exc:
+            if step.workers is not self.workers:
+                return None  # a step of the lost group, which was replaced meanwhile: nothing to report
             # A step that fails again on a freshly restarted group would fail every
             # time (a bad plan, a broken checkpoint): give up rather than loop.
             if self.state is EngineState.RESUMED or not self._on_group_failure(str(exc)):
                 self.fail_all(f"the worker group failed: {exc}")
             return None  # or a restart re-queued every sequence: the plan's work is redone
         received = time.perf_counter()
-        if not self.state.runs_steps:
+        if not self.state.runs_steps or step.workers is not self.workers:
             return None  # the group was declared lost during this step: its result is void
         if self.state is EngineState.RESUMED:
             self._enter(EngineState.SERVING)

@@ -31,6 +31,7 @@ class InFlightStep:
     """One dispatched step.
 
     Attributes:
+        workers: the group it was sent to (a step of a group since replaced is void).
         plan: what the ranks run.
         dispatched_at: ``time.perf_counter()`` seconds when the plan was handed to the group.
         follows_step: dispatched right after the previous step's result (no idle wait
@@ -38,6 +39,7 @@ class InFlightStep:
         answer: resolves to rank 0's result, or raises WorkerGroupError.
     """
 
+    workers: StepSubmitter
     plan: StepPlan
     dispatched_at: float
     follows_step: bool
@@ -52,7 +54,7 @@ class InFlightStep:
         except WorkerGroupError as exc:
             answer = asyncio.get_running_loop().create_future()
             answer.set_exception(exc)
-        return cls(plan, started, follows_step, answer)
+        return cls(workers, plan, started, follows_step, answer)
 
     async def result(self) -> StepResult:
         """Rank 0's result.

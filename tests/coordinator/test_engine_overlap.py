@@ -16,11 +16,13 @@ from prometheus_client import generate_latest
 from coordinator import metrics as metrics_module
 from coordinator.block_allocator import BlockAllocator
 from coordinator.engine import Engine
+from coordinator.engine_state import EngineState
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
+from coordinator.worker_client import WorkerGroupError
 from tpserve.cluster import default_model_dir
 from tpserve.step import SamplingParams, StepPlan, StepResult
 
@@ -153,3 +155,33 @@ def test_step_metrics_carry_the_steps_and_the_ranks_times(monkeypatch: pytest.Mo
     assert 0 < busy < sample("tpserve:step_duration_seconds_sum")
     assert 0 < fraction < 1
     assert "tpserve:iteration_tokens_total_bucket" in generate_latest(metrics.registry).decode()
+
+
+def test_a_step_of_a_replaced_group_that_fails_late_does_not_fail_the_restarted_one() -> None:
+    """The group is lost and restarted while a step is in flight on it; that step's failure,
+    arriving after the restart, is void: the requests finish on the new group, token-exact."""
+    engine, old, _ = _engine()
+    new = ScriptedGroup(engine.scheduler)
+
+    class Lost(ScriptedGroup):
+        async def _run(self, plan: StepPlan) -> StepResult:
+            if plan.step_id < 2:
+                return await super()._run(plan)
+            await asyncio.sleep(0.05)
+            raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
+
+    lost = Lost(engine.scheduler)
+    engine.workers = lost
+
+    def restart(plan: StepPlan) -> None:
+        if plan.step_id == 2:
+            def swap() -> None:
+                engine.suspend("rank 1 is gone")
+                new.sampled = dict(lost.sampled)
+                engine.resume(new)
+            asyncio.get_running_loop().call_soon(swap)
+
+    lost.on_submit = restart
+    (outputs,) = _run(engine, _params("r0", 6))
+    assert [t for out in outputs for t in out.token_ids] == SCRIPT[:6] and outputs[-1].finish_reason is not None
+    assert engine.state is EngineState.SERVING and engine.scheduler.allocator.num_free_blocks == 64
