@@ -66,13 +66,14 @@ def scrape(metrics_port: int, name: str) -> float | None:
 
 
 @contextmanager
-def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int):
-    """``tpserve serve`` of ``tree``'s code (cwd and PYTHONPATH): yields (pid, port, metrics port)."""
+def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int):
+    """``tpserve serve`` of ``tree``'s code (cwd and PYTHONPATH), ``threads`` torch threads per rank:
+    yields (pid, port, metrics port)."""
     from tpserve.client import Client
 
     port, metrics_port = free_port(), free_port()
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    env.pop("OMP_NUM_THREADS", None)  # the server's own rule: the host's cores split among the ranks
+    # As many threads per rank as the bare step has: the ratio compares like with like.
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
            "--max-num-seqs", str(max_num_seqs)]
@@ -135,9 +136,10 @@ def run_load(server: tuple[int, int, int], num_streams: int, max_tokens: int) ->
             "rank_wait_per_step_s": wait}
 
 
-def bare_steps(tree: Path, tensor_parallel_size: int, sizes: list[int], num_steps: int) -> dict[str, float]:
+def bare_steps(tree: Path, tensor_parallel_size: int, sizes: list[int], num_steps: int,
+               threads: int) -> dict[str, float]:
     """The bare decode step on ``tree``'s runner, in a fresh process (rank 0's medians, seconds)."""
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_overhead_bare.py"),
                           "--model-dir", str(tree / "tpserve" / "default_model"),
                           "--tensor-parallel-size", str(tensor_parallel_size),
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--streams", default="1,16,64,256", help="comma-separated numbers of concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per stream")
     parser.add_argument("--bare-steps", type=int, default=30, help="timed bare decode steps per size")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, bare step and server alike")
     parser.add_argument("--baseline-repo", type=Path, default=None,
                         help="another checkout whose code serves the baseline, interleaved in this run")
     parser.add_argument("--out", type=Path, default=None, help="write step_overhead.json into this directory")
@@ -204,12 +207,13 @@ def main() -> None:
     trees = {"candidate": REPO} if args.baseline_repo is None else {"baseline": args.baseline_repo.resolve(),
                                                                     "candidate": REPO}
     started = time.monotonic()
-    report: dict = {"machine": machine(), "goals": GOALS, "max_tokens": args.max_tokens,
+    report: dict = {"machine": machine(), "goals": GOALS, "max_tokens": args.max_tokens, "threads": args.threads,
                     "trees": {name: str(tree) for name, tree in trees.items()}, "rows": {n: {} for n in trees}}
     for tp in tps:
-        bare = {name: bare_steps(tree, tp, sizes, args.bare_steps) for name, tree in trees.items()}
+        bare = {name: bare_steps(tree, tp, sizes, args.bare_steps, args.threads) for name, tree in trees.items()}
         with ExitStack() as stack:
-            servers = {name: stack.enter_context(serve(tree, tp, max(sizes))) for name, tree in trees.items()}
+            servers = {name: stack.enter_context(serve(tree, tp, max(sizes), args.threads))
+                       for name, tree in trees.items()}
             for name in trees:  # warm-up: the first requests pay one-time costs
                 run_load(servers[name], 4, 8)
             for n in sizes:

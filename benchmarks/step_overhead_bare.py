@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import tempfile
@@ -48,7 +49,8 @@ def _measure(ctx, model_dir: str, sizes: list[int], num_steps: int, dtype: str =
     step_id = 0
     for num_seqs in sizes:
         tables = [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in range(num_seqs)]
-        new = tuple(NewSequence(s, SamplingParams(seed=1000 + s), num_prompt_tokens=PROMPT_LEN) for s in range(num_seqs))
+        new = tuple(NewSequence(s, SamplingParams(seed=1000 + s), num_prompt_tokens=PROMPT_LEN)
+                    for s in range(num_seqs))
         prefill = tuple(ScheduledChunk(s, tuple((7 * s + 3 * j + 1) % vocab for j in range(PROMPT_LEN)), 0,
                                        tuple(tables[s][:-(-PROMPT_LEN // BLOCK_SIZE)])) for s in range(num_seqs))
         last = list(runner.execute(StepPlan(step_id, new, prefill)).sampled_token_ids)
@@ -66,7 +68,8 @@ def _measure(ctx, model_dir: str, sizes: list[int], num_steps: int, dtype: str =
                 times.append(time.perf_counter() - started)
             last = list(result.sampled_token_ids)
         step_id += 1
-        runner.execute(StepPlan(step_id, finished_seq_ids=tuple(range(num_seqs))))  # drop them: the next size reuses ids
+        # Drop them: the next size reuses their ids.
+        runner.execute(StepPlan(step_id, finished_seq_ids=tuple(range(num_seqs))))
         medians[str(num_seqs)] = statistics.median(times)
     return medians
 
@@ -77,7 +80,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, siz
 
     from worker.parallel_state import destroy_distributed, init_distributed
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ctx = init_distributed(rank, world_size, init_method, "cpu", 120.0)
     try:
         medians = _measure(ctx, model_dir, sizes, num_steps)
