@@ -12,7 +12,10 @@ For each tensor-parallel size and number of streams (each ``--max-tokens`` outpu
   (``/proc/<pid>/stat`` utime + stime, its threads included, no rank, no client) over the
   load, divided by the tokens streamed;
 - rank wait: rank 0's mean wait per step between sending a result and receiving the next
-  plan (``tpserve:worker_wait_seconds``; "-" on a tree that does not export it).
+  plan (``tpserve:worker_wait_seconds``; "-" on a tree that does not export it), and rank
+  0's mean execute time per step inside the server (``tpserve:model_execute_time_seconds``)
+  with TPOT over it: the same ratio as TPOT / bare, measured during the load itself, so a
+  busy host moves both sides alike.
 
 Then every goal of issue 26 with its verdict: TPOT / bare <= 1.2 at 16 and 64 streams
 (each tp), coordinator CPU <= 40 us per token at 64 and 256 streams, bare step at 64 <= 3 ms.
@@ -122,18 +125,15 @@ async def _load(port: int, num_streams: int, max_tokens: int) -> tuple[float, in
 def run_load(server: tuple[int, int, int], num_streams: int, max_tokens: int) -> dict:
     """One load on one server: TPOT, coordinator CPU per token, rank 0's mean wait per step."""
     pid, port, metrics_port = server
-    wait_before = (scrape(metrics_port, "tpserve:worker_wait_seconds_sum"),
-                   scrape(metrics_port, "tpserve:worker_wait_seconds_count"))
+    names = ("tpserve:worker_wait_seconds", "tpserve:model_execute_time_seconds")
+    before = [(scrape(metrics_port, f"{n}_sum"), scrape(metrics_port, f"{n}_count")) for n in names]
     cpu_before = cpu_seconds(pid)
     tpot, tokens = asyncio.run(_load(port, num_streams, max_tokens))
     cpu = cpu_seconds(pid) - cpu_before
-    wait_after = (scrape(metrics_port, "tpserve:worker_wait_seconds_sum"),
-                  scrape(metrics_port, "tpserve:worker_wait_seconds_count"))
-    wait = None
-    if None not in wait_before + wait_after and wait_after[1] > wait_before[1]:
-        wait = (wait_after[0] - wait_before[0]) / (wait_after[1] - wait_before[1])
+    after = [(scrape(metrics_port, f"{n}_sum"), scrape(metrics_port, f"{n}_count")) for n in names]
+    means = [None if None in b + a or a[1] <= b[1] else (a[0] - b[0]) / (a[1] - b[1]) for b, a in zip(before, after)]
     return {"tpot_s": tpot, "tokens": tokens, "coordinator_cpu_s": cpu, "coordinator_cpu_per_token_s": cpu / tokens,
-            "rank_wait_per_step_s": wait}
+            "rank_wait_per_step_s": means[0], "rank_execute_per_step_s": means[1]}
 
 
 def bare_steps(tree: Path, tensor_parallel_size: int, sizes: list[int], num_steps: int,
@@ -172,14 +172,15 @@ def verdicts(rows: dict[str, dict[str, dict]]) -> list[dict]:
 def print_table(name: str, rows: dict[str, dict[str, dict]]) -> None:
     print(f"\n{name}")
     print("| tp | streams | bare decode step | client TPOT | TPOT / bare | coordinator CPU per output token "
-          "| rank wait per step |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| rank wait per step | rank 0 execute per step (in the server) | TPOT / execute |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for tp, by_streams in rows.items():
         for n, row in by_streams.items():
-            wait = "-" if row["rank_wait_per_step_s"] is None else f"{row['rank_wait_per_step_s'] * 1e3:.2f} ms"
+            wait, execute = row["rank_wait_per_step_s"], row["rank_execute_per_step_s"]
             print(f"| {tp} | {n} | {row['bare_step_s'] * 1e3:.2f} ms | {row['tpot_s'] * 1e3:.2f} ms | "
                   f"{row['tpot_s'] / row['bare_step_s']:.2f}x | {row['coordinator_cpu_per_token_s'] * 1e6:.0f} us | "
-                  f"{wait} |")
+                  + ("- | - | - |" if wait is None else
+                     f"{wait * 1e3:.2f} ms | {execute * 1e3:.2f} ms | {row['tpot_s'] / execute:.2f}x |"))
     for goal in verdicts(rows):
         print(f"  {goal['goal']}: {goal['value']} (limit {goal['limit']}) -> {'met' if goal['met'] else 'NOT met'}")
 
@@ -210,14 +211,15 @@ def main() -> None:
     report: dict = {"machine": machine(), "goals": GOALS, "max_tokens": args.max_tokens, "threads": args.threads,
                     "trees": {name: str(tree) for name, tree in trees.items()}, "rows": {n: {} for n in trees}}
     for tp in tps:
-        bare = {name: bare_steps(tree, tp, sizes, args.bare_steps, args.threads) for name, tree in trees.items()}
         with ExitStack() as stack:
             servers = {name: stack.enter_context(serve(tree, tp, max(sizes), args.threads))
                        for name, tree in trees.items()}
             for name in trees:  # warm-up: the first requests pay one-time costs
                 run_load(servers[name], 4, 8)
             for n in sizes:
-                for name in trees:  # interleaved: machine noise falls on every tree
+                # Interleaved, each bare step just before the loads: machine noise falls on every tree and column.
+                bare = {name: bare_steps(tree, tp, [n], args.bare_steps, args.threads) for name, tree in trees.items()}
+                for name in trees:
                     row = run_load(servers[name], n, args.max_tokens)
                     row["bare_step_s"] = bare[name][str(n)]
                     report["rows"][name].setdefault(str(tp), {})[str(n)] = row
