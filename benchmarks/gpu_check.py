@@ -13,7 +13,11 @@
    KV cache the server sized (blocks, tokens), the decode graphs its rank
    captured, and the HBM roofline (weight bytes / 4.8 TB/s, the H200's
    bandwidth) next to the decode time; then the random Llama once more with
-   ``--enforce-eager`` at batch 1, for what the CUDA graphs save per token.
+   ``--enforce-eager`` at batch 1, for what the CUDA graphs save per token;
+4. the step's fixed cost (issue 26): client TPOT of 64 concurrent streams on the
+   random Llama (CUDA graphs on) over its bare ``ModelRunner.execute`` decode step at
+   64 sequences, replayed from a graph captured in-process
+   (benchmarks/step_overhead_bare.py): the overlap goal is at most 1.2x.
 
 Prints one summary and writes it as JSON (``--out``). Exit code 1 when a stage
 fails (the summary says which); the stages after it still run.
@@ -80,7 +84,8 @@ def build_random_llama(out_dir: Path, dims: dict, device: str) -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**dims, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
+    config = LlamaConfig(**dims, architectures=["LlamaForCausalLM"], vocab_size=1024, max_position_embeddings=2048,
+                         rms_norm_eps=1e-5,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, dtype="bfloat16")
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in LlamaForCausalLM(config).named_parameters()}
@@ -205,6 +210,7 @@ def serve_and_measure(name: str, model_dir: Path | None, dtype: str, device: str
                 max_tokens = 8 if args.dry_run else 128
                 result["output_tokens_per_s_concurrent"] = _throughput(client, args.concurrency, max_tokens)
                 result["concurrency"] = args.concurrency
+                result["tpot_ms_concurrent"] = _concurrent_tpot_ms(client, args.concurrency, max_tokens)
             captured = _GRAPHS_LOGGED.search(log_path.read_text())
             result["cuda_graphs"] = captured.group(0) if captured else "none captured"
     finally:
@@ -254,6 +260,48 @@ def _throughput(client: Client, concurrency: int, max_tokens: int) -> float:
     return round(sum(counts) / elapsed, 1)
 
 
+def _concurrent_tpot_ms(client: Client, concurrency: int, max_tokens: int) -> float:
+    """``concurrency`` seeded streams at once; mean over streams of (last - first token time) / (tokens - 1)."""
+    tpots: list[float] = []
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        first = last = 0.0
+        count = 0
+        try:
+            for chunk in client.generate_stream(f"{PROMPT} {i}", max_tokens=max_tokens, temperature=0.8, seed=i,
+                                                ignore_eos=True):
+                if chunk.token_ids:
+                    last = time.perf_counter()
+                    first, count = first or last, count + len(chunk.token_ids)
+            tpots.append((last - first) / max(count - 1, 1))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"stream {i}: {exc}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {concurrency} streams failed, first: {errors[0]}")
+    return round(sum(tpots) / len(tpots) * 1e3, 3)
+
+
+def bare_step_ms(model_dir: Path, device: str, concurrency: int, dry_run: bool) -> dict:
+    """The bare decode step at ``concurrency`` sequences, in-process, with a CUDA graph of that size on CUDA."""
+    from benchmarks.step_overhead_bare import _measure
+    from worker.parallel_state import ParallelContext
+
+    ctx = ParallelContext.single(torch.device("cuda", 0) if device == "cuda" else device)
+    seconds = _measure(ctx, str(model_dir), [concurrency], 5 if dry_run else 50,
+                       dtype="float32" if dry_run else "bfloat16", cuda_graphs=device == "cuda")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"bare_step_ms": round(seconds[str(concurrency)] * 1e3, 3), "sequences": concurrency,
+            "cuda_graphs": device == "cuda"}
+
+
 def _stage(report: dict, name: str, fn, *args) -> None:
     started = time.monotonic()
     try:
@@ -297,6 +345,12 @@ def main() -> int:
                 stage["hbm_roofline_ms_per_token"] = round(stage["weight_bytes"] / HBM_BYTES_PER_S * 1e3, 4)
                 stage["decode_over_roofline"] = round(
                     stage["decode_ms_per_token_batch1"] / stage["hbm_roofline_ms_per_token"], 1)
+        if "build_random_llama" not in report["failed"]:
+            _stage(report, "bare_step", bare_step_ms, llama_dir, device, args.concurrency, args.dry_run)
+            served, bare = report.get(f"serve_{llama_dir.name}", {}), report.get("bare_step", {})
+            if "tpot_ms_concurrent" in served and "bare_step_ms" in bare:
+                report["step_overhead"] = dict(bare, tpot_ms=served["tpot_ms_concurrent"], tpot_over_bare_step=round(
+                    served["tpot_ms_concurrent"] / bare["bare_step_ms"], 2), goal=1.2)
         graphs, eager = report.get(f"serve_{llama_dir.name}", {}), report.get(f"serve_{llama_dir.name}_eager", {})
         if "decode_ms_per_token_batch1" in graphs and "decode_ms_per_token_batch1" in eager:
             report["eager_over_graphs_batch1"] = round(
@@ -336,6 +390,11 @@ def _print_summary(report: dict) -> None:
               + (f"{stage['output_tokens_per_s_concurrent']} output tok/s at {stage['concurrency']} at once; "
                  if "output_tokens_per_s_concurrent" in stage else "")
               + f"{stage['cuda_graphs']}; exit code {stage['exit_code']}")
+    overhead = report.get("step_overhead")
+    if overhead:
+        print(f"step overhead: client TPOT {overhead['tpot_ms']} ms at {overhead['sequences']} streams over the bare "
+              f"decode step {overhead['bare_step_ms']} ms = {overhead['tpot_over_bare_step']}x (goal <= 1.2; CUDA "
+              f"graphs {'on' if overhead['cuda_graphs'] else 'off'})")
     if "eager_over_graphs_batch1" in report:
         print(f"CUDA graphs: eager decode / graph decode at batch 1 = {report['eager_over_graphs_batch1']}x")
     for name in report["failed"]:

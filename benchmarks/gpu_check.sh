@@ -13,7 +13,8 @@
 #   2. benchmarks/gpu_check.py: a 1B-class random Llama built from a fixed seed; which attention
 #      kernel / SDPA backend ran; the embedded model and the 1B model served through the real gRPC
 #      path (`tpserve serve`): decode ms/token at batch 1, output tok/s at 64 at once, the KV cache
-#      the server sized, and the HBM roofline (weight bytes / 4.8 TB/s).
+#      the server sized, and the HBM roofline (weight bytes / 4.8 TB/s); and the TPOT / bare-step ratio at 64
+#      streams on the 1B model with CUDA graphs on (issue 26: the step's fixed cost around the model).
 # The summary is printed and written to $OUT/gpu_check.json (the device tool's $OUT) or
 # ./gpu_check.json; the tests' log to $OUT/gpu_tests.log.
 #

@@ -2,12 +2,22 @@
 
 Data flow of one step (all on the coordinator's event loop, so no locks):
 
-    Scheduler.schedule() -> StepPlan -> WorkerGroup.execute(plan) -> StepResult
+    Scheduler.schedule() -> StepPlan -> WorkerGroup.submit(plan) -> StepResult
     -> Scheduler.update(plan, result) -> TokenOutput per sampled token
     -> per request: IncrementalDetokenizer -> StopStringMatcher -> RequestOutput
        onto the request's queue, read by its gRPC handler. With speculative
        decoding a step may give a request several tokens: they go out in one
        RequestOutput, cut at the first stop (token, length or stop string).
+
+The ranks never wait for the per-request work (issue 26): when step t's result
+arrives the loop applies it to the scheduler (token bookkeeping, token-level stops),
+plans and dispatches step t+1, and only then detokenizes and streams step t while
+the ranks run t+1 (coordinator/inflight_step.py). A sequence that a stop string, a
+cancel or an abort ends meanwhile is in t+1's plan: its token from t+1 is dropped
+(``Scheduler.update`` skips a finished sequence) and the plan after names it to the
+workers. Its blocks are freed at once, yet no step can reuse them before t+1
+returns: blocks are allocated only by ``schedule``, which runs only while no step
+is in flight.
 
 Requests join the running batch at the next step and leave it the step they finish.
 A handler that stops listening (client cancel, deadline) aborts its request, which
@@ -28,8 +38,10 @@ import structlog
 
 from coordinator.block_allocator import num_blocks_for
 from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.engine_state import EngineState, check_transition
 from coordinator.errors import (DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, TpserveError,
                                UnavailableError)
+from coordinator.inflight_step import InFlightStep
 from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.output_collector import RequestOutputCollector
@@ -40,6 +52,7 @@ from coordinator.stop_strings import StopStringMatcher
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
+from tpserve.step import StepPlan
 
 log = structlog.get_logger(__name__)
 
@@ -115,13 +128,44 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._prefix_cache_counted = (0, 0)  # scheduler's queries and hits already added to the metrics
         self._spec_counted = scheduler.spec.snapshot()  # speculative decoding counters already added
-        self.dead: str | None = None
-        self.draining = False
         self._on_group_failure = on_group_failure
-        self.recovering: str | None = None  # why the worker group is being restarted
-        self._resumed = asyncio.Event()
-        self._just_resumed = False  # no step has succeeded on the restarted group yet
+        self.state = EngineState.SERVING
+        self._reason: str | None = None  # why the engine is RECOVERING or DEAD
+        self._state_changed = asyncio.Event()  # wakes a loop waiting in RECOVERING
+        # A step's outputs between Scheduler.update and their processing, which waits for the next
+        # plan to be sent (an await): an explicit Abort meanwhile streams its request's first.
+        self._unstreamed: list[TokenOutput] = []
         scheduler.on_preempt = self._preempted
+
+    # -- the life cycle (coordinator/engine_state.py) --------------------------------
+
+    @property
+    def dead(self) -> str | None:
+        """Why the worker group failed for good; None while it is not DEAD."""
+        return self._reason if self.state is EngineState.DEAD else None
+
+    @property
+    def recovering(self) -> str | None:
+        """Why the worker group is being restarted; None while it is not RECOVERING."""
+        return self._reason if self.state is EngineState.RECOVERING else None
+
+    @property
+    def draining(self) -> bool:
+        return self.state is EngineState.DRAINING
+
+    def _enter(self, state: EngineState, reason: str | None = None) -> None:
+        check_transition(self.state, state)
+        log.debug("engine state", old=self.state.value, new=state.value)
+        self.state, self._reason = state, reason
+        self._state_changed.set()
+        self._wakeup.set()
+
+    def drain(self) -> None:
+        """Refuse new requests; those in flight run to their end. A no-op while the group is
+        restarting or down (new requests are refused then anyway; a draining server does not
+        restart its group)."""
+        if self.state in (EngineState.SERVING, EngineState.RESUMED):
+            self._enter(EngineState.DRAINING)
 
     # -- requests --------------------------------------------------------------------
 
@@ -138,7 +182,7 @@ class Engine:
             DeadlineExceededError: ``timeout_s`` seconds passed before it finished.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if params.sampling.grammar and not (self.dead or self.recovering or self.draining):
+        if params.sampling.grammar and self.state in (EngineState.SERVING, EngineState.RESUMED):
             await self._prepare_grammar(params.sampling.grammar, deadline, timeout_s)
         state = self._add(params)
         # One timer per request, not one per output (asyncio.wait_for wraps every get in a task).
@@ -178,11 +222,11 @@ class Engine:
             raise TpserveError(f"rank 0 refused a grammar the coordinator accepted: {exc}") from None
 
     def _add(self, params: GenerateParams) -> _RequestState:
-        if self.dead:
-            raise UnavailableError(f"the worker group is down: {self.dead}")
-        if self.recovering:
-            raise UnavailableError(f"the worker group is restarting after a failure ({self.recovering}); retry shortly")
-        if self.draining:
+        if self.state is EngineState.DEAD:
+            raise UnavailableError(f"the worker group is down: {self._reason}")
+        if self.state is EngineState.RECOVERING:
+            raise UnavailableError(f"the worker group is restarting after a failure ({self._reason}); retry shortly")
+        if self.state is EngineState.DRAINING:
             raise UnavailableError("the server is draining")
         if len(self.scheduler.waiting) >= self.max_queue_len:
             raise ResourceExhaustedError(f"the queue is full ({self.max_queue_len} requests waiting)")
@@ -252,6 +296,9 @@ class Engine:
         for state in [s for s in self._states.values()
                       if s.request_id == request_id and (tenant is None or s.tenant == tenant)]:
             seq = state.seq
+            if any(out.seq is seq for out in self._unstreamed):  # its last step's tokens come first
+                self._process_request([out for out in self._unstreamed if out.seq is seq], now)
+                self._unstreamed = [out for out in self._unstreamed if out.seq is not seq]
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, FinishReason.ABORT)
@@ -282,38 +329,66 @@ class Engine:
         if self.micro_batches > 1:  # pipeline stages: up to one step in flight per stage
             await run_micro_batches(self, self.micro_batches)
             return
-        while True:
-            if self.recovering:
-                await self._resumed.wait()
-                continue
-            if self.dead:
-                return  # the restart failed; every request has its error
-            if not (self.scheduler.running or self.scheduler.waiting):
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            plan = self.scheduler.schedule()
-            if not plan.scheduled:
-                # Nothing fits until a running request finishes; admission guarantees one will.
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                result = await self.workers.execute(plan)
-            except WorkerGroupError as exc:
-                # A step that fails again on a freshly restarted group would fail every
-                # time (a bad plan, a broken checkpoint): give up rather than loop.
-                if not self._just_resumed and self._on_group_failure(str(exc)):
-                    continue  # a restart re-queued every sequence; the plan's work is redone
+        step: InFlightStep | None = None  # dispatched, result not taken yet
+        try:
+            while True:
+                if step is None:
+                    if self.state is EngineState.DEAD:
+                        return  # the restart failed, or a step failed twice: every request has its error
+                    if not self.state.runs_steps:
+                        self._state_changed.clear()
+                        await self._state_changed.wait()  # RECOVERING: until resume() or fail_all()
+                        continue
+                    plan = self._plan()
+                    if plan is None:
+                        self.metrics.end_busy_window()
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                        continue
+                    step = await InFlightStep.dispatch(self.workers, plan, follows_step=False)
+                step = await self._complete(step)
+        finally:
+            if step is not None:
+                step.cancel()  # cancelled (shutdown) while a step ran
+
+    def _plan(self) -> StepPlan | None:
+        """The next step's plan; None when there is nothing to run or nothing fits (until a
+        running request finishes or a new one arrives: admission guarantees one will fit)."""
+        if not (self.scheduler.running or self.scheduler.waiting):
+            return None
+        plan = self.scheduler.schedule()
+        return plan if plan.scheduled else None
+
+    async def _complete(self, step: InFlightStep) -> InFlightStep | None:
+        """Takes ``step``'s result, dispatches the next step, then streams ``step``'s tokens while
+        the ranks run it. Returns the step now in flight (None: none)."""
+        try:
+            result = await step.result()
+        except WorkerGroupError as exc:
+            if step.workers is not self.workers:
+                return None  # a step of the lost group, which was replaced meanwhile: nothing to report
+            # A step that fails again on a freshly restarted group would fail every
+            # time (a bad plan, a broken checkpoint): give up rather than loop.
+            if self.state is EngineState.RESUMED or not self._on_group_failure(str(exc)):
                 self.fail_all(f"the worker group failed: {exc}")
-                return
-            if self.recovering:
-                continue  # the group was declared lost during this step: its result is void
-            self._just_resumed = False
-            self._process(self.scheduler.update(plan, result))
-            if result.expert_token_counts:
-                self.metrics.add_expert_tokens(result.expert_token_counts)
-            self._update_gauges()
+            return None  # or a restart re-queued every sequence: the plan's work is redone
+        received = time.perf_counter()
+        if not self.state.runs_steps or step.workers is not self.workers:
+            return None  # the group was declared lost during this step: its result is void
+        if self.state is EngineState.RESUMED:
+            self._enter(EngineState.SERVING)
+        self._unstreamed = self.scheduler.update(step.plan, result)
+        plan = self._plan()
+        following = None if plan is None else await InFlightStep.dispatch(self.workers, plan, follows_step=True)
+        outputs, self._unstreamed = self._unstreamed, []
+        if self.state is not EngineState.DEAD:  # (fail_all, meanwhile, gave every request its error)
+            self._process(outputs)
+        if result.expert_token_counts:
+            self.metrics.add_expert_tokens(result.expert_token_counts)
+        self._update_gauges()
+        self.metrics.observe_step(step.plan.num_tokens, received - step.dispatched_at, result.model_execute_time_s,
+                                  result.wait_time_s if step.follows_step else None, received, time.perf_counter())
+        return following
 
     def _process(self, outputs: list[TokenOutput]) -> None:
         """Turns a step's tokens into one RequestOutput per request (a sequence's tokens are adjacent)."""
@@ -381,8 +456,7 @@ class Engine:
         (:meth:`Scheduler.reset_workers`); their clients see a pause, then the rest
         of their streams. Returns the number of sequences that will resume.
         """
-        self.recovering = reason
-        self._resumed.clear()
+        self._enter(EngineState.RECOVERING, reason)
         resumed = self.scheduler.reset_workers()
         self._update_gauges()
         return resumed
@@ -390,17 +464,12 @@ class Engine:
     def resume(self, workers: WorkerGroup) -> None:
         """Continue on the restarted group ``workers`` (caches allocated, streams open)."""
         self.workers = workers
-        self.recovering = None
-        self._just_resumed = True
-        self._resumed.set()
-        self._wakeup.set()
+        self._enter(EngineState.RESUMED)  # until a step succeeds on it
 
     def fail_all(self, reason: str, error: type[TpserveError] = TpserveError) -> None:
         """Marks the engine dead and fails every request in flight: with INTERNAL (a failed
         step, TpserveError's code) or, for a rank that stopped answering, UnavailableError."""
-        self.dead = reason
-        self.recovering = None
-        self._resumed.set()  # a loop waiting for a restart that will not come finds the engine dead
+        self._enter(EngineState.DEAD, reason)  # a loop waiting for a restart that will not come finds it dead
         for state in list(self._states.values()):
             state.queue.put_nowait(error(f"request {state.request_id}: {reason}"))
         self._on_fatal(reason)

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 
 # Latency buckets in seconds, from a fast decode step to a long generation.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# One step's parts, in seconds: from a rank's wait between two steps (tens of microseconds) to a long prefill.
+_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+# Tokens in one step (vLLM's iteration_tokens buckets: decode batches up to long prefill chunks).
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: Wall seconds over which tpserve:engine_busy_fraction is averaged (at least; it ends at a step).
+BUSY_WINDOW_S = 1.0
 
 
 class Metrics:
@@ -75,11 +81,59 @@ class Metrics:
             "tpserve:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the proposal.",
             ["position"], registry=r)
 
+        # The step loop (issue 26): what a step costs around the model, visible in production.
+        self.iteration_tokens = Histogram(
+            "tpserve:iteration_tokens_total", "Tokens scheduled per step (prefill chunks, decodes and proposals).",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.step_duration = Histogram(
+            "tpserve:step_duration_seconds", "Time from sending a step's plan to the ranks to having rank 0's result, "
+            "seen by the coordinator.", buckets=_STEP_BUCKETS, registry=r)
+        self.model_execute_time = Histogram(
+            "tpserve:model_execute_time_seconds", "Time rank 0 spent executing a step (ModelRunner.execute: inputs, "
+            "forward, sampling).", buckets=_STEP_BUCKETS, registry=r)
+        self.worker_wait = Histogram(
+            "tpserve:worker_wait_seconds", "Time rank 0 waited between sending a step's result and receiving the next "
+            "plan, for steps planned while work was queued: the coordinator's share of a step that the ranks see.",
+            buckets=_STEP_BUCKETS, registry=r)
+        self.engine_busy = Counter(
+            "tpserve:engine_busy_seconds", "Time the engine loop spent on its own work (planning, bookkeeping, "
+            "detokenizing, streaming), not waiting for the ranks or for requests; rate() is its busy fraction.",
+            registry=r)
+        self.engine_busy_fraction = Gauge(
+            "tpserve:engine_busy_fraction", f"The engine loop's busy share of the wall time over the latest window of "
+            f"at least {BUSY_WINDOW_S:g} s with steps running (1: the coordinator is the bottleneck).", registry=r)
+        self._busy_window: tuple[float, float] | None = None  # (window start, busy seconds in it)
+
         # Mixture of experts: load balance across experts, per decoder layer (no vLLM name to mirror).
         self.moe_expert_tokens = Counter(
             "tpserve:moe_expert_tokens", "Tokens routed to each expert of a mixture-of-experts layer "
             "(a token counts once per expert it chooses: tokens x num_experts_per_tok in all).",
             ["layer", "expert"], registry=r)
+
+    def observe_step(self, num_tokens: int, duration_s: float, model_execute_s: float, worker_wait_s: float | None,
+                     received: float, done: float) -> None:
+        """Records one step: its tokens, its round trip, rank 0's execute time (0: not reported),
+        rank 0's wait before it (None: the loop had been idle), and the loop's busy interval
+        ``[received, done]`` (``time.perf_counter()`` seconds) after its result came."""
+        self.iteration_tokens.observe(num_tokens)
+        self.step_duration.observe(duration_s)
+        if model_execute_s > 0:
+            self.model_execute_time.observe(model_execute_s)
+        if worker_wait_s is not None:
+            self.worker_wait.observe(worker_wait_s)
+        busy = done - received
+        self.engine_busy.inc(busy)
+        start, busy_in_window = self._busy_window or (received - duration_s, 0.0)
+        busy_in_window += busy
+        if done - start >= BUSY_WINDOW_S:
+            self.engine_busy_fraction.set(min(busy_in_window / (done - start), 1.0))
+            self._busy_window = None
+        else:
+            self._busy_window = (start, busy_in_window)
+
+    def end_busy_window(self) -> None:
+        """The loop goes idle (no work): the next window starts at its next step."""
+        self._busy_window = None
 
     def add_expert_tokens(self, triples: tuple[int, ...]) -> None:
         """Adds a step's ``(layer, expert, num_tokens)`` triples (``StepResult.expert_token_counts``)."""

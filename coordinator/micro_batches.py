@@ -28,6 +28,7 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING
 
+from coordinator.engine_state import EngineState
 from coordinator.worker_client import WorkerGroupError
 
 if TYPE_CHECKING:
@@ -69,13 +70,14 @@ async def run_micro_batches(engine: Engine, depth: int) -> None:
     inflight = InFlight()
     scheduler = engine.scheduler
     while True:
-        if engine.recovering:
-            await inflight.drain()  # their results are void: the restart re-queued every sequence
-            await engine._resumed.wait()
-            continue
-        if engine.dead:
+        if engine.state is EngineState.DEAD:
             await inflight.drain()
             return
+        if not engine.state.runs_steps:
+            await inflight.drain()  # their results are void: the restart re-queued every sequence
+            engine._state_changed.clear()
+            await engine._state_changed.wait()  # RECOVERING: until resume() or fail_all()
+            continue
         # Fill the pipeline: each new micro-batch takes only sequences no step in flight holds.
         while len(inflight) < depth and (scheduler.running or scheduler.waiting):
             # An even share of the sequences per micro-batch, so that the batches rotate.
@@ -105,13 +107,14 @@ async def run_micro_batches(engine: Engine, depth: int) -> None:
             result: StepResult = await task
         except WorkerGroupError as exc:
             await inflight.drain()
-            if not engine._just_resumed and engine._on_group_failure(str(exc)):
+            if engine.state is not EngineState.RESUMED and engine._on_group_failure(str(exc)):
                 continue  # a restart re-queued every sequence; the steps' work is redone
             engine.fail_all(f"the worker group failed: {exc}")
             return
-        if engine.recovering:
+        if not engine.state.runs_steps:
             continue  # the group was declared lost during this step: its result is void
-        engine._just_resumed = False
+        if engine.state is EngineState.RESUMED:
+            engine._enter(EngineState.SERVING)  # a step succeeded on the restarted group
         engine._process(scheduler.update(plan, result))
         if result.expert_token_counts:
             engine.metrics.add_expert_tokens(result.expert_token_counts)

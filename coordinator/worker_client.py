@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import grpc
 import structlog
@@ -121,53 +122,98 @@ class WorkerGroup:
         self._streams = [stub.Step() for stub in self._stubs]
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        """Runs one step on every rank and returns the sampling rank's result.
+        """Runs one step on every rank and returns the sampling rank's result (:meth:`submit`, then its answer).
 
         Raises:
             WorkerGroupError: a rank failed, closed its stream, or exceeded the step timeout.
         """
+        return await (await self.submit(plan))
+
+    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        """Sends one step to every rank; returns once every rank's stream has the plan, with a
+        future of the sampling rank's result, so the caller works while the ranks compute (the
+        engine's overlap: docs/design.md, "The engine loop"). The step timeout covers both halves.
+
+        Several steps may be in flight (pipeline micro-batches, coordinator/micro_batches.py):
+        plans are written in call order and each step's answers are read after the previous step's.
+
+        Raises:
+            WorkerGroupError: the group failed already, or a plan could not be written; the
+                future raises it for a rank that fails, closes its stream or times out.
+        """
         if self.failed:
             raise WorkerGroupError(self.failed)
         msg = plan_to_pb(plan)
+        deadline = time.monotonic() + self.step_timeout_s
+        async with self._writing:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(stream.write(msg) for stream in self._streams)),
+                                       self.step_timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - mapped to a WorkerGroupError or re-raised
+                self._fail(plan, exc)
+            previous, mine = self._last_read, asyncio.get_running_loop().create_future()
+            self._last_read = mine
+        return asyncio.ensure_future(self._answer(plan, deadline, previous, mine))
+
+    async def _answer(self, plan: StepPlan, deadline: float, previous: asyncio.Future | None,
+                      mine: asyncio.Future) -> StepResult:
+        """The sampling rank's result of a submitted step (every rank must answer without error).
+
+        ``previous`` resolves to whether the step written before this one had all its answers
+        read (the streams are then at this step's answers); ``mine`` is set the same way for the next.
+        """
+        clean = False
+
+        async def read_in_turn() -> list[pb.StepResult]:
+            if previous is not None and not await previous:  # the earlier step's answers come first
+                return [pb.StepResult(step_id=plan.step_id, error="an earlier step in flight failed")]
+            return await self._read_all()
+
         try:
-            results = await asyncio.wait_for(self._round_trip(msg), self.step_timeout_s)
-        except asyncio.TimeoutError:
+            results = await asyncio.wait_for(read_in_turn(), max(deadline - time.monotonic(), 0.0))
+            clean = len(results) == self.world_size
+        except BaseException as exc:  # noqa: BLE001 - mapped to a WorkerGroupError or re-raised
+            self._fail(plan, exc)
+        finally:
+            if not mine.done():
+                mine.set_result(clean)
+        errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
+        if errors:
+            self.failed = "; ".join(errors)
+        elif any(r is grpc.aio.EOF for r in results):
+            self.failed = f"step {plan.step_id}: a rank closed its stream"
+        else:
+            return result_from_pb(results[self.sampling_rank])
+        log.error("worker group failed", reason=self.failed)
+        raise WorkerGroupError(self.failed)
+
+    def _fail(self, plan: StepPlan, exc: BaseException) -> NoReturn:
+        """Marks the group failed for ``exc`` and raises WorkerGroupError; re-raises what is not a
+        failure of the group (the caller's task cancelled at shutdown, a bug)."""
+        if isinstance(exc, asyncio.TimeoutError):
             self.failed = f"step {plan.step_id} timed out after {self.step_timeout_s:.0f} s"
-        except _StreamBroke as exc:
+        elif isinstance(exc, _StreamBroke):
             self.failed = f"step {plan.step_id} failed: rank {exc.rank}'s step stream broke ({exc.reason})"
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
+        elif isinstance(exc, (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError)):
             self.failed = f"step {plan.step_id} failed: a step stream broke: {exc}"
-        except asyncio.CancelledError:
-            if not self._closed:
-                raise  # the caller's task is cancelled (shutdown): not a failure of the group
+        elif isinstance(exc, asyncio.CancelledError) and self._closed:
             # close() cancelled the streams under this step: the group was declared lost (a node's
             # registry link dropped first) and is being restarted. The engine loop must see a
             # failed step, not die of the cancellation (issue 22).
             self.failed = f"step {plan.step_id} failed: the group's step streams were closed"
         else:
-            errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
-            if errors:
-                self.failed = "; ".join(errors)
-            elif any(r is grpc.aio.EOF for r in results):
-                self.failed = f"step {plan.step_id}: a rank closed its stream"
-            else:
-                return result_from_pb(results[self.sampling_rank])
+            raise exc  # the caller's task is cancelled (shutdown): not a failure of the group
         log.error("worker group failed", reason=self.failed)
-        raise WorkerGroupError(self.failed)
+        raise WorkerGroupError(self.failed) from None
 
-    async def _round_trip(self, msg: pb.StepPlan) -> list[pb.StepResult]:
-        """Every rank's answer, in rank order; returns early with the first error or EOF.
+    async def _read_all(self) -> list[pb.StepResult]:
+        """Every rank's answer to the step just written, in rank order; returns early with the first error or EOF.
 
         A rank that fails a step (out of memory, say) answers at once while its peers
         sit in a collective waiting for it until the collective timeout: acting on the
         first error, not on all answers, fails the group in milliseconds (issue 11, fault 3).
         """
-        async with self._writing:
-            await asyncio.gather(*(stream.write(msg) for stream in self._streams))
-            previous, mine = self._last_read, asyncio.get_running_loop().create_future()
-            self._last_read = mine
-        reads: list[asyncio.Future] = []
-        clean = False  # every rank's answer read: the streams are at the next step's answers
+        reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
         try:
             if previous is not None and not await previous:  # the earlier step's answers come first
                 return [pb.StepResult(step_id=msg.step_id, error="an earlier step in flight failed")]

@@ -67,7 +67,7 @@ class Shutdown:
         """Stops everything in order (see the module docstring); ``tasks``: background tasks to cancel."""
         await public.set_serving(False)
         if engine is not None:
-            engine.draining = True
+            engine.drain()
         await public.stop(grace_s)
         for task in tasks:
             if task is not None:

@@ -310,6 +310,10 @@ class StepResult:
         expert_token_counts: mixture-of-experts models only: the tokens each expert
             received this step, as flat ``(layer, expert, num_tokens)`` triples of the
             nonzero counts (``layer``: the decoder layer's index); empty otherwise.
+        model_execute_time_s: seconds the rank spent executing the step (set by the
+            rank's step stream, worker/server.py; 0 when not measured).
+        wait_time_s: seconds the rank waited for this plan after sending its previous
+            result (0 for its first step).
     """
 
     step_id: int
@@ -318,3 +322,5 @@ class StepResult:
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     num_accepted_tokens: tuple[int, ...] = ()
     expert_token_counts: tuple[int, ...] = ()
+    model_execute_time_s: float = 0.0
+    wait_time_s: float = 0.0

@@ -129,7 +129,8 @@ def result_to_pb(result: StepResult) -> pb.StepResult:
                           top=[pb.TopTokens(token_ids=ids, logprobs=lps) for ids, lps in zip(p.top_token_ids,
                                                                                             p.top_logprobs, strict=True)])
         for p in result.prompt_logprobs], num_accepted_tokens=result.num_accepted_tokens,
-        expert_token_counts=result.expert_token_counts)
+        expert_token_counts=result.expert_token_counts, model_execute_time_s=result.model_execute_time_s,
+        wait_time_s=result.wait_time_s)
 
 
 def result_from_pb(msg: pb.StepResult) -> StepResult:
@@ -140,4 +141,5 @@ def result_from_pb(msg: pb.StepResult) -> StepResult:
         PromptLogprobs(p.seq_id, p.first_position, tuple(p.logprobs), tuple(tuple(t.token_ids) for t in p.top),
                        tuple(tuple(t.logprobs) for t in p.top))
         for p in msg.prompt_logprobs), num_accepted_tokens=tuple(msg.num_accepted_tokens),
-        expert_token_counts=tuple(msg.expert_token_counts))
+        expert_token_counts=tuple(msg.expert_token_counts), model_execute_time_s=msg.model_execute_time_s,
+        wait_time_s=msg.wait_time_s)

@@ -184,7 +184,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
         # The whole stream runs on the gRPC pool thread that iterates this generator.
         self._bind_thread()
+        sent = None  # when the previous result went out: the wait for each plan is reported with its result
         for msg in request_iterator:
+            started = time.perf_counter()
             try:
                 result = self._runner.execute(plan_from_pb(msg))
             except Exception as exc:  # noqa: BLE001 - a failed step poisons the group: report, then stop
@@ -193,7 +195,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 yield pb.StepResult(step_id=msg.step_id, error=error)
                 self._on_fatal(error)
                 return
-            yield result_to_pb(result)
+            yield result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
+                                       wait_time_s=started - (sent or started)))
+            sent = time.perf_counter()
 
 
 def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821

@@ -37,6 +37,9 @@ class FakeGroup:
             raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
         return StepResult(plan.step_id, tuple(7 for c in plan.scheduled if c.sample))
 
+    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        return asyncio.ensure_future(self.execute(plan))
+
 
 def _engine(first: FakeGroup, restarted: FakeGroup, restarts: list[str]) -> Engine:
     engine: Engine | None = None

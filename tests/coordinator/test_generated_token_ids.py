@@ -82,6 +82,9 @@ class RecordingGroup:
         await asyncio.sleep(0)
         return StepResult(plan.step_id, tuple(7 for c in plan.scheduled if c.sample))
 
+    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        return asyncio.ensure_future(self.execute(plan))
+
 
 def _engine(tokenizer: Tokenizer, group: RecordingGroup) -> Engine:
     scheduler = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64)

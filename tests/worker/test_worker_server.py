@@ -141,3 +141,27 @@ def test_init_cache_captures_the_flags_graph_sizes_or_none_with_enforce_eager(lo
         servicer.options = replace(servicer.options, **changes)
         servicer.InitCache(pb.InitCacheRequest(num_kv_blocks=8), None)
         assert runner.cuda_graph_sizes == expected
+
+
+def test_step_reports_its_execute_time_and_the_wait_for_its_plan(loaded) -> None:
+    """Rank 0's timing in StepResult (tpserve:model_execute_time_seconds, tpserve:worker_wait_seconds)."""
+    import time
+
+    servicer, _, (runner,) = loaded
+    plain = runner.execute
+
+    def slow_execute(plan: StepPlan) -> StepResult:
+        time.sleep(0.02)
+        return plain(plan)
+
+    runner.execute = slow_execute
+
+    def plans():
+        yield plan_to_pb(StepPlan(0))
+        time.sleep(0.05)  # the coordinator takes its time to send the next plan
+        yield plan_to_pb(StepPlan(1))
+
+    first, second = (result_from_pb(r) for r in servicer.Step(plans(), None))
+    assert 0.02 <= first.model_execute_time_s < 1 and 0.02 <= second.model_execute_time_s < 1
+    assert first.wait_time_s == 0.0  # nothing was sent before it
+    assert 0.05 <= second.wait_time_s < 1

@@ -148,7 +148,7 @@ class TrimmedBlockTable(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "error", "logprobs", "prompt_logprobs", "num_accepted_tokens", "expert_token_counts")
+    __slots__ = ("step_id", "sampled_token_ids", "error", "logprobs", "prompt_logprobs", "num_accepted_tokens", "expert_token_counts", "model_execute_time_s", "wait_time_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,8 @@ class StepResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_EXECUTE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIME_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
@@ -163,7 +165,9 @@ class StepResult(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     num_accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     expert_token_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[SampleLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_accepted_tokens: _Optional[_Iterable[int]] = ..., expert_token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    model_execute_time_s: float
+    wait_time_s: float
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[SampleLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_accepted_tokens: _Optional[_Iterable[int]] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., model_execute_time_s: _Optional[float] = ..., wait_time_s: _Optional[float] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "first_position", "logprobs", "top")

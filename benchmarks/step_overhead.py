@@ -1,0 +1,236 @@
+"""The fixed cost of a step (issue 26): client TPOT against the bare ``ModelRunner.execute`` decode step.
+
+For each tensor-parallel size and number of streams (each ``--max-tokens`` output tokens,
+``ignore_eos``, seeded sampling), on the embedded model:
+
+- bare step: the median ``ModelRunner.execute`` of a pure decode plan at that many
+  sequences, built in-process as the scheduler plans (benchmarks/step_overhead_bare.py);
+- client TPOT: every stream's (last token time - first token time) / (tokens - 1), seen by
+  an asyncio client through the full gRPC path (``tpserve serve``), mean over streams;
+- TPOT / bare;
+- coordinator CPU per output token: the coordinator process's own CPU time
+  (``/proc/<pid>/stat`` utime + stime, its threads included, no rank, no client) over the
+  load, divided by the tokens streamed;
+- rank wait: rank 0's mean wait per step between sending a result and receiving the next
+  plan (``tpserve:worker_wait_seconds``; "-" on a tree that does not export it), and rank
+  0's mean execute time per step inside the server (``tpserve:model_execute_time_seconds``)
+  with TPOT over it: the same ratio as TPOT / bare, measured during the load itself, so a
+  busy host moves both sides alike.
+
+Then every goal of issue 26 with its verdict: TPOT / bare <= 1.2 at 16 and 64 streams
+(each tp), coordinator CPU <= 40 us per token at 64 and 256 streams, bare step at 64 <= 3 ms.
+
+With ``--baseline-repo PATH`` another checkout (say ``git worktree add /tmp/base main``)
+serves too, in the same run: both servers are up at once and each load runs on the baseline,
+then on this tree, alternately; the bare steps likewise. One command, bounded (about three
+minutes on an idle 2-core host)::
+
+    .venv/bin/python benchmarks/step_overhead.py --baseline-repo /tmp/base --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.report import save_report  # noqa: E402
+from tests.e2e.cluster import free_port  # noqa: E402
+
+PROMPT = "Once upon a time, there was a little"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+GOALS = "TPOT / bare <= 1.2 at 16 and 64 streams; coordinator CPU <= 40 us/token at 64 and 256; bare step at 64 <= 3 ms"
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far, all its threads (``/proc/<pid>/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def scrape(metrics_port: int, name: str) -> float | None:
+    """One unlabelled sample from /metrics; None when the server does not export it."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+@contextmanager
+def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int):
+    """``tpserve serve`` of ``tree``'s code (cwd and PYTHONPATH), ``threads`` torch threads per rank:
+    yields (pid, port, metrics port)."""
+    from tpserve.client import Client
+
+    port, metrics_port = free_port(), free_port()
+    # As many threads per rank as the bare step has: the ratio compares like with like.
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
+           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+           "--max-num-seqs", str(max_num_seqs)]
+    process = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"tpserve serve of {tree} exited with {process.returncode} during start-up")
+            try:
+                client.wait_ready(timeout_s=1.0)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+        yield process.pid, port, metrics_port
+    finally:
+        client.close()
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+async def _load(port: int, num_streams: int, max_tokens: int) -> tuple[float, int]:
+    """Runs ``num_streams`` streams at once; returns (mean TPOT in seconds, tokens received)."""
+    from tpserve.client import AsyncClient
+
+    async with AsyncClient(f"127.0.0.1:{port}") as client:
+        async def one(index: int) -> tuple[float, int]:
+            first = last = 0.0
+            count = 0
+            async for chunk in client.generate_stream(PROMPT, max_tokens=max_tokens, ignore_eos=True, seed=index):
+                if chunk.token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+                    count += len(chunk.token_ids)
+            return (last - first) / max(count - 1, 1), count
+
+        results = await asyncio.gather(*(one(i) for i in range(num_streams)))
+    return sum(r[0] for r in results) / len(results), sum(r[1] for r in results)
+
+
+def run_load(server: tuple[int, int, int], num_streams: int, max_tokens: int) -> dict:
+    """One load on one server: TPOT, coordinator CPU per token, rank 0's mean wait per step."""
+    pid, port, metrics_port = server
+    names = ("tpserve:worker_wait_seconds", "tpserve:model_execute_time_seconds")
+    before = [(scrape(metrics_port, f"{n}_sum"), scrape(metrics_port, f"{n}_count")) for n in names]
+    cpu_before = cpu_seconds(pid)
+    tpot, tokens = asyncio.run(_load(port, num_streams, max_tokens))
+    cpu = cpu_seconds(pid) - cpu_before
+    after = [(scrape(metrics_port, f"{n}_sum"), scrape(metrics_port, f"{n}_count")) for n in names]
+    means = [None if None in b + a or a[1] <= b[1] else (a[0] - b[0]) / (a[1] - b[1]) for b, a in zip(before, after)]
+    return {"tpot_s": tpot, "tokens": tokens, "coordinator_cpu_s": cpu, "coordinator_cpu_per_token_s": cpu / tokens,
+            "rank_wait_per_step_s": means[0], "rank_execute_per_step_s": means[1]}
+
+
+def bare_steps(tree: Path, tensor_parallel_size: int, sizes: list[int], num_steps: int,
+               threads: int) -> dict[str, float]:
+    """The bare decode step on ``tree``'s runner, in a fresh process (rank 0's medians, seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_overhead_bare.py"),
+                          "--model-dir", str(tree / "tpserve" / "default_model"),
+                          "--tensor-parallel-size", str(tensor_parallel_size),
+                          "--sizes", ",".join(map(str, sizes)), "--steps", str(num_steps)],
+                         cwd=tree, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def verdicts(rows: dict[str, dict[str, dict]]) -> list[dict]:
+    """Issue 26's goals over one tree's rows (keyed by tp, then streams)."""
+    goals = []
+    for tp, by_streams in rows.items():
+        for n in ("16", "64"):
+            if n in by_streams:
+                ratio = by_streams[n]["tpot_s"] / by_streams[n]["bare_step_s"]
+                goals.append({"goal": f"TPOT / bare at {n} streams, tp {tp}", "value": round(ratio, 2),
+                              "limit": 1.2, "met": ratio <= 1.2})
+        for n in ("64", "256"):
+            if n in by_streams:
+                us = by_streams[n]["coordinator_cpu_per_token_s"] * 1e6
+                goals.append({"goal": f"coordinator CPU per token at {n} streams, tp {tp} (us)",
+                              "value": round(us, 1), "limit": 40, "met": us <= 40})
+        if "64" in by_streams:
+            ms = by_streams["64"]["bare_step_s"] * 1e3
+            goals.append({"goal": f"bare step at 64 sequences, tp {tp} (ms)", "value": round(ms, 2), "limit": 3,
+                          "met": ms <= 3})
+    return goals
+
+
+def print_table(name: str, rows: dict[str, dict[str, dict]]) -> None:
+    print(f"\n{name}")
+    print("| tp | streams | bare decode step | client TPOT | TPOT / bare | coordinator CPU per output token "
+          "| rank wait per step | rank 0 execute per step (in the server) | TPOT / execute |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for tp, by_streams in rows.items():
+        for n, row in by_streams.items():
+            wait, execute = row["rank_wait_per_step_s"], row["rank_execute_per_step_s"]
+            print(f"| {tp} | {n} | {row['bare_step_s'] * 1e3:.2f} ms | {row['tpot_s'] * 1e3:.2f} ms | "
+                  f"{row['tpot_s'] / row['bare_step_s']:.2f}x | {row['coordinator_cpu_per_token_s'] * 1e6:.0f} us | "
+                  + ("- | - | - |" if wait is None else
+                     f"{wait * 1e3:.2f} ms | {execute * 1e3:.2f} ms | {row['tpot_s'] / execute:.2f}x |"))
+    for goal in verdicts(rows):
+        print(f"  {goal['goal']}: {goal['value']} (limit {goal['limit']}) -> {'met' if goal['met'] else 'NOT met'}")
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_average_at_start": os.getloadavg()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tensor-parallel-size", default="1,2", help="comma-separated tp sizes")
+    parser.add_argument("--streams", default="1,16,64,256", help="comma-separated numbers of concurrent streams")
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per stream")
+    parser.add_argument("--bare-steps", type=int, default=30, help="timed bare decode steps per size")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, bare step and server alike")
+    parser.add_argument("--baseline-repo", type=Path, default=None,
+                        help="another checkout whose code serves the baseline, interleaved in this run")
+    parser.add_argument("--out", type=Path, default=None, help="write step_overhead.json into this directory")
+    args = parser.parse_args()
+    tps = [int(t) for t in args.tensor_parallel_size.split(",")]
+    sizes = [int(s) for s in args.streams.split(",")]
+    trees = {"candidate": REPO} if args.baseline_repo is None else {"baseline": args.baseline_repo.resolve(),
+                                                                    "candidate": REPO}
+    started = time.monotonic()
+    report: dict = {"machine": machine(), "goals": GOALS, "max_tokens": args.max_tokens, "threads": args.threads,
+                    "trees": {name: str(tree) for name, tree in trees.items()}, "rows": {n: {} for n in trees}}
+    for tp in tps:
+        with ExitStack() as stack:
+            servers = {name: stack.enter_context(serve(tree, tp, max(sizes), args.threads))
+                       for name, tree in trees.items()}
+            for name in trees:  # warm-up: the first requests pay one-time costs
+                run_load(servers[name], 4, 8)
+            for n in sizes:
+                # Interleaved, each bare step just before the loads: machine noise falls on every tree and column.
+                bare = {name: bare_steps(tree, tp, [n], args.bare_steps, args.threads) for name, tree in trees.items()}
+                for name in trees:
+                    row = run_load(servers[name], n, args.max_tokens)
+                    row["bare_step_s"] = bare[name][str(n)]
+                    report["rows"][name].setdefault(str(tp), {})[str(n)] = row
+    report["seconds"] = round(time.monotonic() - started, 1)
+    report["verdicts"] = {name: verdicts(rows) for name, rows in report["rows"].items()}
+    for name, tree in trees.items():
+        print_table(f"{name}: {tree}", report["rows"][name])
+    print(f"\n{report['seconds']} s; machine: {report['machine']}")
+    if args.out is not None:
+        print("written", save_report(args.out, "step_overhead.json", report))
+
+
+if __name__ == "__main__":
+    main()
