@@ -77,7 +77,8 @@ def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int
     port, metrics_port = free_port(), free_port()
     # As many threads per rank as the bare step has: the ratio compares like with like.
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "tpserve.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
+    cli = "launch.cli" if (tree / "launch" / "cli.py").is_file() else "tpserve.cli"  # older trees: tpserve.cli
+    cmd = [sys.executable, "-m", cli, "serve", "--tensor-parallel-size", str(tensor_parallel_size),
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
            "--max-num-seqs", str(max_num_seqs)]
     process = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -215,9 +215,6 @@ class WorkerGroup:
         """
         reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
         try:
-            if previous is not None and not await previous:  # the earlier step's answers come first
-                return [pb.StepResult(step_id=msg.step_id, error="an earlier step in flight failed")]
-            reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
             pending = set(reads)
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -228,12 +225,10 @@ class WorkerGroup:
                         raise _StreamBroke(reads.index(task), f"{exc.code().name}: {exc.details()}") from exc
                     if result is grpc.aio.EOF or result.error:
                         return [result]
-            clean = True
             return [task.result() for task in reads]
         finally:
             for task in reads:
                 task.cancel()
-            mine.set_result(clean)
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Has the sampling rank build ``grammar``'s matcher before its request is scheduled.

@@ -23,7 +23,7 @@ from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
 from coordinator.worker_client import WorkerGroupError
-from tpserve.cluster import default_model_dir
+from tpserve.embedded_model import default_model_dir
 from tpserve.step import SamplingParams, StepPlan, StepResult
 
 # " the cat sat on the mat and ran away" in the embedded model's vocabulary.
@@ -130,7 +130,8 @@ def test_an_abort_while_the_next_plan_is_sent_gets_no_more_tokens() -> None:
     group.on_submit = abort_at_step_3
     aborted, full = _run(engine, _params("r0", 10), _params("r1", 6))
     assert [t for out in aborted for t in out.token_ids] == SCRIPT[:3]  # steps 0 to 2, none of step 3
-    assert aborted[-1].finish_reason is FinishReason.ABORT and [o.finish_reason for o in aborted[:-1]] == [None] * 3
+    # The output collector may merge the step's tokens into the abort's message (a reader behind).
+    assert aborted[-1].finish_reason is FinishReason.ABORT and all(o.finish_reason is None for o in aborted[:-1])
     assert aborted[-1].num_completion_tokens == 3
     assert [t for out in full for t in out.token_ids] == SCRIPT[:6]
     assert engine.scheduler.allocator.num_free_blocks == 64

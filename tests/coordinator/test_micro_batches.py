@@ -37,6 +37,10 @@ class PipelinedGroup:
         self.last_step = -1
         self.steps = 0
 
+    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        """The engine's dispatch (coordinator/worker_client.py WorkerGroup.submit): the step runs in the background."""
+        return asyncio.ensure_future(self.execute(plan))
+
     async def execute(self, plan: StepPlan) -> StepResult:
         assert plan.step_id > self.last_step  # sent in order
         self.last_step = plan.step_id

@@ -76,6 +76,10 @@ class CountingGroup:
         self.step_s = step_s
         self.num_steps = 0
 
+    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        """The engine's dispatch (coordinator/worker_client.py WorkerGroup.submit): the step runs in the background."""
+        return asyncio.ensure_future(self.execute(plan))
+
     async def execute(self, plan: StepPlan) -> StepResult:
         await asyncio.sleep(self.step_s)
         self.num_steps += 1
