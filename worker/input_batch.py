@@ -74,8 +74,8 @@ class InputBatch:
 
     def tables(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """``(S, B) int64`` the tables of ``seq_ids`` in that order, ``B`` the longest of them (a new tensor)."""
-        rows = [self._rows[s] for s in seq_ids]
-        width = max(self.num_blocks[r] for r in rows)
+        rows = list(map(self._rows.__getitem__, seq_ids))
+        width = max(map(self.num_blocks.__getitem__, rows))
         return self.block_tables[:, :width].index_select(0, torch.tensor(rows, dtype=torch.int64))
 
     def _clear(self, row: int, keep: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import add, attrgetter
 
 import torch
 
@@ -48,6 +49,8 @@ from worker.sampler import SamplingTensors
 __all__ = ["MAX_PAGED_QUERY_LEN", "StepInputs", "block_table_tensor", "build_step_inputs"]
 
 _TWO_63 = 1 << 63
+_token_ids, _start_position, _sample, _num_spec_tokens = (
+    attrgetter("token_ids"), attrgetter("start_position"), attrgetter("sample"), attrgetter("num_spec_tokens"))
 
 
 @dataclass(frozen=True)
@@ -170,8 +173,8 @@ def build_step_inputs(
     if builder is None:
         builder = select_metadata_builder(paged_kernel=paged_kernel, triton_decode=triton_decode)
     tables = block_tables if isinstance(block_tables, torch.Tensor) else block_table_tensor(block_tables)  # (S, B)
-    lens = [len(c.token_ids) for c in chunks]
-    starts = [c.start_position for c in chunks]
+    lens = list(map(len, map(_token_ids, chunks)))
+    starts = list(map(_start_position, chunks))
     short, spec_in_group = builder.max_group_query_len, builder.spec_rows_in_group
     first = [n <= short or (spec_in_group and c.num_spec_tokens > 0) for n, c in zip(lens, chunks)]
     num_first = sum(first)
@@ -191,7 +194,8 @@ def build_step_inputs(
     if num_prompt_tokens is not None:
         packer.add("rope_seq_lens", torch.maximum(torch.tensor(num_prompt_tokens)[row_chunk], positions + 1))
     if num_first:
-        context = max(starts[i] + lens[i] for i in order[:num_first])
+        context = max(map(add, starts, lens)) if num_first == len(chunks) else \
+            max(starts[i] + lens[i] for i in order[:num_first])
         decode_blocks = -(-context // block_size)
         if builder.one_entry_per_chunk:  # one entry per chunk, its rows causal over their own positions
             entries = row_chunk.new_tensor(order[:num_first])  # (S,)
@@ -208,14 +212,14 @@ def build_step_inputs(
             packer.add(f"table{k}", tables[i, : -(-(start + lens[i]) // block_size)])
         prefill_tables.append((k, ends[k] - lens[i], ends[k], start))
 
-    sampled = [i for i, c in enumerate(chunks) if c.sample]
+    sampled = [i for i, sample in enumerate(map(_sample, chunks)) if sample]
     if sampled:
         packer.add("sample_rows", [last_row[i] for i in sampled])
     floats: dict[str, list[float]] = {}
     build_sampling = with_sampling and bool(sampled)
     if build_sampling:
         _add_sampling(packer, floats, "", [sampling[i] for i in sampled], [starts[i] + lens[i] for i in sampled])
-    spec = _spec_rows(chunks, sampled, last_row)
+    spec = _spec_rows(chunks, sampled, last_row) if any(map(_num_spec_tokens, chunks)) else []
     if spec:
         packer.add("spec_rows", [row for _, _, row in spec])
         if with_sampling:
