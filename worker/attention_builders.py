@@ -73,11 +73,13 @@ class AttentionMetadataBuilder:
         max_group_query_len: the longest chunk (in tokens) the decode group takes whole.
         one_entry_per_chunk: the group's entries are chunks (several rows each) rather than rows.
         spec_rows_in_group: chunks with proposals join the group, one decode row per token.
+        triton_decode: the group is read by the Triton kernel (``AttentionMetadata.triton_decode``).
     """
 
     max_group_query_len = 1
     one_entry_per_chunk = False
     spec_rows_in_group = True
+    triton_decode = False
 
     def build(self, positions: torch.Tensor, slot_mapping: torch.Tensor, group: DecodeGroup | None,
               prefills: list[PrefillSpec], block_size: int, workspace: dict[str, torch.Tensor],
@@ -100,7 +102,7 @@ class AttentionMetadataBuilder:
             prefills=tuple(_prefill_chunk(p, positions.device) for p in prefills), workspace=workspace,
             decode_context_lens=group.context_lens if group else None,
             decode_query_start_loc=group.query_start_loc if group else None,
-            triton_decode=isinstance(self, TritonMetadataBuilder) and group is not None,
+            triton_decode=self.triton_decode and group is not None,
             rope_seq_lens=rope_seq_lens,
         )
 
@@ -118,6 +120,8 @@ class SdpaMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
     """The Triton paged decode kernel: block tables and context lengths, one row per entry."""
+
+    triton_decode = True
 
 
 class PagedKernelMetadataBuilder(AttentionMetadataBuilder):
