@@ -60,7 +60,7 @@ from worker.kernels import cpu_kernels_available
 from worker.kernels.triton_attention import paged_decode_attention
 
 #: Head sizes the compiled paged kernel is instantiated for (worker/kernels/cpu_attention.cpp).
-KERNEL_HEAD_SIZES = (32, 64, 80, 96, 128)
+KERNEL_HEAD_SIZES = (16, 32, 64, 80, 96, 128)
 
 
 def paged_kernel_available(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:

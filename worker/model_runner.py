@@ -20,6 +20,11 @@ plan's delta needs, per sequence: its block table and its sampling parameters.
    gather them on rank 0, sample there, in plan order; verify the proposals
    (worker/spec_verify.py).
 
+The runner keeps each sequence's block table in a persistent batch
+(worker/input_batch.py) and applies only the plan's delta to it; the attention
+backend's metadata builder (worker/attention_builders.py) is chosen once, when the
+backend is known. ``_run`` returns a :class:`~worker.step_output.StepOutput`.
+
 Observing logits (tests, debugging): after ``execute``, rank 0's
 ``last_logits`` holds the step's ``(num_samples, vocab_size)`` float32 logits
 (None on other ranks or when nothing was sampled); ``last_spec_logits`` the
@@ -36,13 +41,15 @@ import torch
 
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
-from tpserve.step import SamplingParams, StepPlan, StepResult
+from tpserve.step import SamplingParams, ScheduledChunk, StepPlan, StepResult
 from worker.attention import paged_kernel_available
+from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
 from worker.layers.moe import count_triples, expert_layers, take_routed_counts
 from worker.grammar import GrammarCache, GrammarState
+from worker.input_batch import InputBatch
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
 from worker.logits_processors import extend_history, with_processors
@@ -51,7 +58,8 @@ from worker.parallel_state import ParallelContext
 from worker.pipeline_checks import check_pipeline
 from worker.sampler import sample_tensors
 from worker.spec_verify import accept_proposals
-from worker.step_inputs import build_step_inputs
+from worker.step_inputs import StepInputs, build_step_inputs
+from worker.step_output import StepOutput
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -64,6 +72,12 @@ class _SequenceState:
     history: list[int] | None = None  # every token so far; rank 0, sequences with a penalty or grammar only
     grammar_state: GrammarState | None = None  # rank 0, sequences with a grammar (worker/grammar.py)
     prompt_token_ids: tuple[int, ...] = ()  # only with prompt_logprobs (worker/logprobs.py)
+    uses_logits_controls: bool = False  # sampling.uses_logits_controls, read once
+    reports_logprobs: bool = False  # sampling.logprobs or prompt_logprobs: worker/logprobs.py has work
+
+    def __post_init__(self) -> None:
+        self.uses_logits_controls = self.sampling.uses_logits_controls
+        self.reports_logprobs = self.sampling.logprobs or self.sampling.prompt_logprobs is not None
 
 
 class ModelRunner:
@@ -111,11 +125,14 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
         self.last_spec_logits: torch.Tensor | None = None
         self._seqs: dict[int, _SequenceState] = {}
+        self._batch = InputBatch(-(-self.config.max_model_len // block_size))  # block tables, kept between steps
+        self._max_model_len = self.config.max_model_len
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
         # The draft runs on the target's step inputs, so both must take the same attention path.
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
                               and (self.draft is None or self.draft.paged_kernel))
         self._triton_decode = triton_attention_available(ctx.device, block_size)
+        self._builder = select_metadata_builder(paged_kernel=self._paged_kernel, triton_decode=self._triton_decode)
         # Dynamic NTK RoPE rotates each row for its sequence's length (worker/layers/rotary.py): built per step,
         # which the decode graphs' static inputs do not carry, so such a model runs eagerly.
         scaling = self.config.rope_scaling
@@ -124,7 +141,6 @@ class ModelRunner:
         # Mixture-of-experts layers, whose routed-token counts rank 0 reports every step.
         self._expert_layers = expert_layers(self.model) if ctx.is_sampler else []
         self._padding_counts: torch.Tensor | None = None  # (L, E): what one graph padding row routes
-        self._num_padding_rows = 0  # in this step's replayed graph
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
@@ -154,6 +170,7 @@ class ModelRunner:
         if graphs:
             # The graphs' attention, for the eager steps too (capture=False on the CPU: Triton's interpreter).
             self._triton_decode, self._paged_kernel = True, False
+            self._builder = select_metadata_builder(triton_decode=True)
             self._graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
                                         max_model_len or self.config.max_model_len, cuda_graph_sizes,
                                         capture=capture)
@@ -177,6 +194,8 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.free_kv_cache()
         self.num_blocks = 0
+        for seq_id in self._seqs:
+            self._batch.remove(seq_id)
         self._seqs.clear()
 
     @property
@@ -206,56 +225,68 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache() must be called before execute()")
+        seqs, batch = self._seqs, self._batch
         for seq_id in plan.finished_seq_ids:
-            self._seqs.pop(seq_id, None)
+            if seqs.pop(seq_id, None) is not None:
+                batch.remove(seq_id)
         for seq_id, num_blocks in plan.trimmed_block_tables:  # blocks of rejected proposals, freed
-            if seq_id in self._seqs:
-                del self._seqs[seq_id].block_table[num_blocks:]
+            if seq_id in seqs:
+                del seqs[seq_id].block_table[num_blocks:]
+                batch.trim(seq_id, num_blocks)
         for new in plan.new_seqs:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_sampler else None
-            self._seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
-                                                    history=history, prompt_token_ids=new.prompt_token_ids)
+            seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
+                                              history=history, prompt_token_ids=new.prompt_token_ids)
+            batch.add(new.seq_id)
             if new.sampling.grammar and self.ctx.is_sampler:  # built while the forward pass runs
                 self._grammars.prefetch(new.sampling.grammar)
         self._check_chunks(plan)
         for chunk in plan.scheduled:
-            state = self._seqs[chunk.seq_id]
-            state.block_table.extend(chunk.new_block_ids)
+            state = seqs[chunk.seq_id]
+            if chunk.new_block_ids:
+                state.block_table.extend(chunk.new_block_ids)
+                batch.append_blocks(chunk.seq_id, chunk.new_block_ids)
             if state.history is not None:
                 extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_processors.py)
         self.last_logits = self.last_spec_logits = None
-        self._num_accepted: tuple[int, ...] = ()
-        self._logprobs = self._prompt_logprobs = ()  # set by _run for the sequences that ask (worker/logprobs.py)
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
-            tokens = self._run(plan)
-            expert_token_counts = self._expert_token_counts()  # after _run's host copy: no wait
-        return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=self._logprobs,
-                          prompt_logprobs=self._prompt_logprobs, num_accepted_tokens=self._num_accepted,
+            out = self._run(plan)
+            expert_token_counts = self._expert_token_counts(out.num_padding_rows)  # after _run's host copy: no wait
+        self.last_logits, self.last_spec_logits = out.logits, out.spec_logits
+        return StepResult(step_id=plan.step_id, sampled_token_ids=out.sampled_token_ids, logprobs=out.logprobs,
+                          prompt_logprobs=out.prompt_logprobs, num_accepted_tokens=out.num_accepted_tokens,
                           expert_token_counts=expert_token_counts)
 
-    def _expert_token_counts(self) -> tuple[int, ...]:
+    def _expert_token_counts(self, num_padding_rows: int) -> tuple[int, ...]:
         """This step's routed tokens per (MoE layer, expert), less a replayed graph's padding rows."""
         counts = take_routed_counts(self._expert_layers)  # (L, E) or None
-        if counts is not None and self._num_padding_rows and self._padding_counts is not None:
-            counts -= self._num_padding_rows * self._padding_counts
-        self._num_padding_rows = 0
+        if counts is not None and num_padding_rows and self._padding_counts is not None:
+            counts -= num_padding_rows * self._padding_counts
         return count_triples(self._expert_layers, counts)
 
     def _check_chunks(self, plan: StepPlan) -> None:
         seen: set[int] = set()
+        seqs, num_blocks, block_size, max_model_len = self._seqs, self.num_blocks, self.block_size, self._max_model_len
         for chunk in plan.scheduled:
-            state = self._seqs.get(chunk.seq_id)
+            state = seqs.get(chunk.seq_id)
             if state is None:
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} is not known to this worker")
             if chunk.seq_id in seen:
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} is scheduled twice")
             seen.add(chunk.seq_id)
-            bad = [b for b in chunk.new_block_ids if not 0 <= b < self.num_blocks]
-            if bad:
-                raise ValueError(f"step {plan.step_id}: block ids {bad} outside [0, {self.num_blocks})")
-            if chunk.num_tokens < 1 or chunk.start_position < 0:
+            new_blocks = chunk.new_block_ids
+            if new_blocks and not all(0 <= b < num_blocks for b in new_blocks):
+                bad = [b for b in new_blocks if not 0 <= b < num_blocks]
+                raise ValueError(f"step {plan.step_id}: block ids {bad} outside [0, {num_blocks})")
+            num_tokens = len(chunk.token_ids)
+            if (num_tokens == 1 and chunk.start_position >= 0 and not chunk.num_spec_tokens
+                    and not chunk.num_draft_tokens
+                    and chunk.start_position < min((len(state.block_table) + len(new_blocks)) * block_size,
+                                                   max_model_len)):
+                continue  # a decode that fits: the common case, the checks below all pass
+            if num_tokens < 1 or chunk.start_position < 0:
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has an empty chunk or negative start")
             if chunk.num_spec_tokens and (chunk.num_spec_tokens >= chunk.num_tokens or not chunk.sample):
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has num_spec_tokens="
@@ -264,39 +295,31 @@ class ModelRunner:
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} has num_draft_tokens="
                                  f"{chunk.num_draft_tokens}: needs a draft model, sample and no num_spec_tokens")
             end = chunk.start_position + chunk.num_tokens + chunk.num_draft_tokens
-            capacity = (len(state.block_table) + len(chunk.new_block_ids)) * self.block_size
+            capacity = (len(state.block_table) + len(new_blocks)) * block_size
             if end > capacity:
                 raise ValueError(
                     f"step {plan.step_id}: seq_id={chunk.seq_id} needs {end} KV slots, its blocks hold {capacity}"
                 )
-            if end > self.config.max_model_len:
+            if end > max_model_len:
                 raise ValueError(
                     f"step {plan.step_id}: seq_id={chunk.seq_id} reaches position {end - 1}, "
-                    f"the model's longest context is {self.config.max_model_len}"
+                    f"the model's longest context is {max_model_len}"
                 )
 
-    def _run(self, plan: StepPlan) -> tuple[int, ...]:
+    def _run(self, plan: StepPlan) -> StepOutput:
         """Forward the flat batch and sample; inside ``inference_mode``."""
         chunks = plan.scheduled
         states = [self._seqs[c.seq_id] for c in chunks]
-        prompt_lens = [s.num_prompt_tokens for s in states] if self._dynamic_rope else None
-        inputs = build_step_inputs(
-            chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
-            self.ctx.device, with_sampling=self.ctx.is_sampler, workspace=self._workspace,
-            paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
-        )
+        inputs = self._inputs(chunks, states)
         if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
             proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
             if any(proposals):  # the target verifies them in its one pass
                 chunks = with_proposals(chunks, proposals)
-                inputs = build_step_inputs(
-                    chunks, [s.block_table for s in states], [s.sampling for s in states], self.block_size,
-                    self.ctx.device, with_sampling=self.ctx.is_sampler, workspace=self._workspace,
-                    paged_kernel=self._paged_kernel, triton_decode=self._triton_decode, num_prompt_tokens=prompt_lens,
-                )
+                inputs = self._inputs(chunks, states)
+        num_padding_rows = 0
         if self._graphs is not None and self._graphs.takes(chunks, inputs):
             hidden = self._graphs.run(inputs)  # (T, hidden), a replayed CUDA graph
-            self._num_padding_rows = self._graphs.padded_size(len(chunks)) - len(chunks)
+            num_padding_rows = self._graphs.padded_size(len(chunks)) - len(chunks)
         else:
             stage = self.ctx.pp
             received = None if stage.is_first else stage.recv_prev(  # (T, hidden): the previous stage's output
@@ -305,28 +328,38 @@ class ModelRunner:
                                 received)  # (T, hidden)
             if not stage.is_last:
                 stage.send_next(hidden)  # to the next stage, which samples or sends on (worker/pipeline.py)
-                return ()
-        self._prompt_logprobs = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows)
+                return StepOutput(num_padding_rows=num_padding_rows)
+        reporting = any(s.reports_logprobs for s in states)
+        scored = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows) if reporting else ()
         if inputs.sample_rows is None:
-            return ()
+            return StepOutput(prompt_logprobs=scored, num_padding_rows=num_padding_rows)
         rows = inputs.sample_rows if inputs.spec_rows is None else torch.cat([inputs.sample_rows, inputs.spec_rows])
         logits = self.model.compute_logits(hidden[rows])  # (N + S, vocab) on rank 0, else None
         if logits is None:
-            return ()
+            return StepOutput(prompt_logprobs=scored, num_padding_rows=num_padding_rows)
         logits = logits.float()  # (N + S, vocab) float32
         num_samples = plan.num_samples
         logits, spec_logits = logits[:num_samples], logits[num_samples:]  # (N, vocab), (S, vocab)
-        self.last_logits = logits
-        sampling = with_processors(inputs.sampling, chunks, states, self.ctx.device,
-                                        self._grammars)  # the same object when no row uses a control
+        sampling = inputs.sampling
+        if any(s.uses_logits_controls for s in states):  # the same object when no sampled row uses a control
+            sampling = with_processors(sampling, chunks, states, self.ctx.device, self._grammars)
         tokens = sample_tensors(logits, sampling)  # (N,)
-        self._logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample])
+        logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample]) \
+            if reporting else ()
         if inputs.spec_rows is None:
-            return tuple(tokens.tolist())  # the step's one device-to-host copy (two with logprobs)
-        self.last_spec_logits = spec_logits
+            return StepOutput(tuple(tokens.tolist()), logprobs, scored, (), logits,  # the step's one host copy
+                              num_padding_rows=num_padding_rows)  # (two with logprobs)
         # Sequences with proposals use no logits control (SamplingParams.allows_speculation).
         spec_tokens = sample_tensors(spec_logits, inputs.spec_sampling)  # (S,)
         both = torch.cat([tokens, spec_tokens]).tolist()  # one copy for both
-        token_ids, self._num_accepted = accept_proposals([c for c in chunks if c.sample], both[:num_samples],
-                                                         both[num_samples:])
-        return token_ids
+        token_ids, num_accepted = accept_proposals([c for c in chunks if c.sample], both[:num_samples],
+                                                   both[num_samples:])
+        return StepOutput(token_ids, logprobs, scored, num_accepted, logits, spec_logits, num_padding_rows)
+
+    def _inputs(self, chunks: Sequence[ScheduledChunk], states: list[_SequenceState]) -> StepInputs:
+        """The step's inputs, block tables from the persistent batch."""
+        return build_step_inputs(
+            chunks, self._batch.tables([c.seq_id for c in chunks]), [s.sampling for s in states], self.block_size,
+            self.ctx.device, with_sampling=self.ctx.is_sampler, workspace=self._workspace, builder=self._builder,
+            num_prompt_tokens=[s.num_prompt_tokens for s in states] if self._dynamic_rope else None,
+        )

@@ -1,48 +1,55 @@
-"""One step's model inputs, built on the host in one buffer and copied to the device once.
+"""One step's model inputs: the flat batch, its KV slots and the selected backend's attention metadata.
 
 Per step the model needs token ids, positions, KV slots, block tables, the rows
-whose logits are sampled and the sampling parameters of those rows. Built as
-separate tensors these are a dozen small host-to-device copies, each a driver
-call and, from pageable memory, a synchronisation. Here every integer goes into
-one ``int64`` buffer (the float parameters as float32 bit patterns inside it),
-pinned on CUDA, copied with one non-blocking ``to(device)``; the fields are views
-of the device copy. Masks are built on the device from those views.
+whose logits are sampled and the sampling parameters of those rows. On the host
+they are built with tensor ops from the plan's chunks and the sequences' block
+tables (an ``(S, B)`` tensor; the runner keeps it between steps in
+worker/input_batch.py), then every integer goes into one ``int64`` buffer (the
+float parameters as float32 bit patterns inside it), pinned on CUDA, copied with
+one non-blocking ``to(device)``; the fields are views of the device copy.
 
 The flat batch is reordered **decodes first** (see worker/attention.py): the
-chunks that feed one token, in plan order, then the longer chunks in plan order.
-With ``paged_kernel`` (the compiled CPU attention, worker/kernels/) the first
-group is every chunk of at most ``MAX_PAGED_QUERY_LEN`` tokens (decodes,
-speculative verification, short prompts), which that kernel reads through the
-block tables, with their row offsets (``query_start_loc``) instead of a mask.
-Without it, a chunk with proposals (speculative decoding) is laid out among the
-decodes, one decode row per token: attention writes the whole step's K/V into the
-cache before it reads, so row ``j`` attends over positions ``0 .. start_position + j``
-through the block table like any decode, and the verification of a whole batch is
-one batched attention call rather than one call per sequence.
+chunks the attention backend's decode group takes, in plan order, then the longer
+chunks in plan order. Which chunks those are and what metadata the backend reads
+is the backend's own :class:`~worker.attention_builders.AttentionMetadataBuilder`
+(one per backend, chosen once by the runner): with the compiled CPU paged kernel
+every chunk of at most ``MAX_PAGED_QUERY_LEN`` tokens, one entry per chunk; with
+Triton or SDPA the one-token chunks and the chunks with proposals (speculative
+decoding), one decode row per token.
 ``sample_rows`` maps the sampled chunks, in plan order, to their last row, so
 the sampled tokens come back in the order of the plan. A chunk with proposals
 (speculative decoding) also has ``spec_rows``: the rows of its last
 ``num_spec_tokens + 1`` tokens but the last, each of which samples the position
 after it to verify the proposal there (worker/spec_verify.py).
 
-Pure host arithmetic in Python lists: a decode step of ``S`` sequences costs
-``O(S x blocks)`` list operations and no torch op but the buffer's creation.
+Cost: ``O(S)`` Python over the plan's chunks (their token ids and positions), the
+rest a fixed number of tensor ops whatever ``S``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import add, attrgetter
 
 import torch
 
 from tpserve.step import SamplingParams, ScheduledChunk
-from worker.attention import AttentionMetadata, PrefillChunk
+from worker.attention import AttentionMetadata
+from worker.attention_builders import (
+    MAX_PAGED_QUERY_LEN,
+    AttentionMetadataBuilder,
+    DecodeGroup,
+    PrefillSpec,
+    select_metadata_builder,
+)
 from worker.sampler import SamplingTensors, add_sampling, packed_sampling_tensors
 
-#: Longest chunk the compiled paged attention takes with the decodes (``paged_kernel``); longer
-#: prompt chunks go to SDPA, whose blocked kernel wins once a chunk's queries share enough keys.
-MAX_PAGED_QUERY_LEN = 16
+__all__ = ["MAX_PAGED_QUERY_LEN", "StepInputs", "block_table_tensor", "build_step_inputs"]
+
+_token_ids, _start_position, _sample, _num_spec_tokens = (
+    attrgetter("token_ids"), attrgetter("start_position"), attrgetter("sample"), attrgetter("num_spec_tokens"))
 
 
 @dataclass(frozen=True)
@@ -74,23 +81,38 @@ class StepInputs:
 
 
 class _Packer:
-    """Appends int64 sections to one host list and hands out their device views after one copy."""
+    """Appends int64 sections (lists or host tensors) to one buffer and hands out their device views after one copy."""
 
     def __init__(self) -> None:
-        self.values: list[int] = []
+        self.parts: list[torch.Tensor] = []
+        self.values: list[int] = []  # ints not yet turned into a part
+        self.length = 0
         self.sections: dict[str, tuple[int, int]] = {}
 
-    def add(self, name: str, values: Sequence[int]) -> None:
-        start = len(self.values)
-        self.values.extend(values)
-        self.sections[name] = (start, len(self.values))
+    def add(self, name: str, values: Sequence[int] | torch.Tensor) -> None:
+        """Appends ``values`` (ints, or a host ``int64`` tensor of any shape, flattened) as section ``name``."""
+        if isinstance(values, torch.Tensor):
+            self._flush()
+            self.parts.append(values.reshape(-1))
+            size = values.numel()
+        else:
+            self.values.extend(values)
+            size = len(values)
+        self.sections[name] = (self.length, self.length + size)
+        self.length += size
 
     def reserve(self, name: str, length: int) -> None:
         self.add(name, [0] * length)
 
+    def _flush(self) -> None:
+        if self.values:
+            self.parts.append(torch.tensor(self.values, dtype=torch.int64))
+            self.values = []
+
     def to_device(self, device: torch.device, floats: dict[str, Sequence[float]]) -> dict[str, torch.Tensor]:
         """One host tensor (pinned for CUDA), float sections filled in, one copy; views by name."""
-        host = torch.tensor(self.values, dtype=torch.int64)  # (L,)
+        self._flush()
+        host = torch.cat(self.parts) if len(self.parts) != 1 else self.parts[0].clone()  # (L,)
         for name, values in floats.items():  # float32 pairs fill each reserved int64
             start, end = self.sections[name]
             host[start:end].view(torch.float32).copy_(torch.tensor(values, dtype=torch.float32))
@@ -100,15 +122,22 @@ class _Packer:
         return {name: buffer[start:end] for name, (start, end) in self.sections.items()}
 
 
+def block_table_tensor(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``(S, max blocks) int64`` of the given tables, padded with block 0 (read only under a mask, or never)."""
+    width = max((len(t) for t in block_tables), default=0)
+    return torch.tensor([[*t, *([0] * (width - len(t)))] for t in block_tables], dtype=torch.int64).view(-1, width)
+
+
 def build_step_inputs(
     chunks: Sequence[ScheduledChunk],
-    block_tables: Sequence[Sequence[int]],
+    block_tables: torch.Tensor | Sequence[Sequence[int]],
     sampling: Sequence[SamplingParams],
     block_size: int,
     device: torch.device,
     *,
     with_sampling: bool = True,
     workspace: dict[str, torch.Tensor] | None = None,
+    builder: AttentionMetadataBuilder | None = None,
     paged_kernel: bool = False,
     triton_decode: bool = False,
     num_prompt_tokens: Sequence[int] | None = None,
@@ -119,17 +148,20 @@ def build_step_inputs(
         chunks: the plan's scheduled chunks (each ``num_tokens >= 1``).
         block_tables: each chunk's sequence's block ids after this step's additions,
             covering positions ``0 .. start_position + num_tokens - 1`` (the runner
-            checked this).
+            checked this): an ``(S, B) int64`` host tensor, rows in plan order and
+            padded with block 0, or lists.
         sampling: each chunk's sequence's sampling parameters.
         block_size: tokens per KV block.
         device: where the model runs.
         with_sampling: build the sampling tensors (only the rank that samples needs them).
         workspace: scratch tensors attention may keep across steps (see AttentionMetadata).
+        builder: the attention backend's metadata builder (worker/attention_builders.py);
+            None: the one ``paged_kernel`` / ``triton_decode`` select.
         paged_kernel: attention runs the compiled paged kernel (float32 CPU ranks with
             worker/kernels/ built): chunks up to ``MAX_PAGED_QUERY_LEN`` tokens join the decodes.
         triton_decode: the decode rows go to the Triton paged kernel (CUDA,
-            worker/kernels/triton_attention.py): one row per sequence as without
-            ``paged_kernel``, read through the block tables, so no mask is built.
+            worker/kernels/triton_attention.py): one row per sequence, read through the
+            block tables, so no mask is built.
         num_prompt_tokens: each chunk's sequence's prompt length, for dynamic NTK RoPE:
             then ``attn.rope_seq_lens`` holds ``max(prompt length, position + 1)`` per row
             (worker/layers/rotary.py); None: not built.
@@ -137,111 +169,98 @@ def build_step_inputs(
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
     """
-    short = MAX_PAGED_QUERY_LEN if paged_kernel else 1  # the longest whole chunk of the first group
-    first = [c.num_tokens <= short or (not paged_kernel and c.num_spec_tokens > 0) for c in chunks]
-    order = [i for i in range(len(chunks)) if first[i]] + [i for i in range(len(chunks)) if not first[i]]
-    # The first group's (plan index, context length) entries: with the kernel one per chunk (its rows
-    # are causal over their own positions), else one per row, each a decode of its own position.
-    group = [(i, chunks[i].start_position + (chunks[i].num_tokens if paged_kernel else j + 1))
-             for i in order if first[i] for j in range(1 if paged_kernel else chunks[i].num_tokens)]
-    num_decodes = sum(chunks[i].num_tokens for i in order if first[i])  # rows of the first group
-    tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    rope_seq_lens: list[int] = []
+    if builder is None:
+        builder = select_metadata_builder(paged_kernel=paged_kernel, triton_decode=triton_decode)
+    tables = block_tables if isinstance(block_tables, torch.Tensor) else block_table_tensor(block_tables)  # (S, B)
+    lens = list(map(len, map(_token_ids, chunks)))
+    starts = list(map(_start_position, chunks))
+    short, spec_in_group = builder.max_group_query_len, builder.spec_rows_in_group
+    first = [n <= short or (spec_in_group and c.num_spec_tokens > 0) for n, c in zip(lens, chunks)]
+    num_first = sum(first)
+    order = list(range(len(chunks))) if num_first == len(chunks) else \
+        [i for i, f in enumerate(first) if f] + [i for i, f in enumerate(first) if not f]
+    lens_o = [lens[i] for i in order]
+    ends = list(accumulate(lens_o))  # row after each chunk's last, in row order
     last_row = [0] * len(chunks)  # plan index -> row of its last token
+    for k, i in enumerate(order):
+        last_row[i] = ends[k] - 1
+    num_decodes = ends[num_first - 1] if num_first else 0
     packer = _Packer()
-    prefill_specs: list[tuple[int, int, int, int]] = []  # (start row, end row, start position, plan index)
-    for i in order:
-        chunk, table = chunks[i], block_tables[i]
-        row, start = len(tokens), chunk.start_position
-        tokens.extend(chunk.token_ids)
-        end = start + chunk.num_tokens
-        positions.extend(range(start, end))
-        pos = start
-        while pos < end:  # one range per block the chunk touches
-            block, offset = divmod(pos, block_size)
-            take = min(block_size - offset, end - pos)
-            base = table[block] * block_size + offset
-            slots.extend(range(base, base + take))
-            pos += take
-        if num_prompt_tokens is not None:
-            rope_seq_lens.extend(max(num_prompt_tokens[i], p + 1) for p in range(start, end))
-        last_row[i] = row + chunk.num_tokens - 1
-        if not first[i]:
-            prefill_specs.append((row, len(tokens), start, i))
-    packer.add("input_ids", tokens)
+    packer.add("input_ids", [t for i in order for t in chunks[i].token_ids])
+    positions, row_chunk = _flat_positions(order, lens_o, ends, starts)  # (T,), (T,) plan index of each row
     packer.add("positions", positions)
-    packer.add("slots", slots)
+    packer.add("slots", tables[row_chunk, positions // block_size] * block_size + positions % block_size)
     if num_prompt_tokens is not None:
-        packer.add("rope_seq_lens", rope_seq_lens)
-
-    decode_blocks = 0
-    if group:
-        decode_blocks = -(-max(length for _, length in group) // block_size)
-        rows: list[int] = []
-        for i, _ in group:
-            table = list(block_tables[i][:decode_blocks])
-            rows.extend(table + [0] * (decode_blocks - len(table)))  # padding: masked out, or never read
-        packer.add("decode_tables", rows)
-        packer.add("decode_context_lens", [length for _, length in group])
-        if paged_kernel:
-            starts = [0]
-            for i, _ in group:
-                starts.append(starts[-1] + chunks[i].num_tokens)
-            packer.add("decode_query_start_loc", starts)
-    for n, (_, _, start, i) in enumerate(prefill_specs):
+        packer.add("rope_seq_lens", torch.maximum(torch.tensor(num_prompt_tokens)[row_chunk], positions + 1))
+    if num_first:
+        context = max(map(add, starts, lens)) if num_first == len(chunks) else \
+            max(starts[i] + lens[i] for i in order[:num_first])
+        decode_blocks = -(-context // block_size)
+        if builder.one_entry_per_chunk:  # one entry per chunk, its rows causal over their own positions
+            entries = row_chunk.new_tensor(order[:num_first])  # (S,)
+            packer.add("decode_context_lens", [starts[i] + lens[i] for i in order[:num_first]])
+            packer.add("decode_query_start_loc", [0, *ends[:num_first]])
+        else:  # one entry per row, each a decode of its own position
+            entries = row_chunk[:num_decodes]
+            packer.add("decode_context_lens", positions[:num_decodes] + 1)
+        packer.add("decode_tables", tables[entries, :decode_blocks])
+    prefill_tables = []  # (start row, end row, start position, whether it has a table)
+    for k in range(num_first, len(order)):
+        i, start = order[k], starts[order[k]]
         if start > 0:
-            context = start + chunks[i].num_tokens
-            packer.add(f"table{n}", block_tables[i][: -(-context // block_size)])
+            packer.add(f"table{k}", tables[i, : -(-(start + lens[i]) // block_size)])
+        prefill_tables.append((k, ends[k] - lens[i], ends[k], start))
 
-    sampled = [i for i, c in enumerate(chunks) if c.sample]
-    floats: dict[str, list[float]] = {}
-    build_sampling = with_sampling and bool(sampled)
+    sampled = [i for i, sample in enumerate(map(_sample, chunks)) if sample]
     if sampled:
         packer.add("sample_rows", [last_row[i] for i in sampled])
+    floats: dict[str, list[float]] = {}
+    build_sampling = with_sampling and bool(sampled)
     if build_sampling:
-        add_sampling(packer, floats, "", [sampling[i] for i in sampled],
-                      [chunks[i].start_position + chunks[i].num_tokens for i in sampled])
-    # Speculative decoding: row j of a chunk's last k + 1 samples position start + j + 1 (the last row is above).
-    spec = [(i, j) for i in sampled for j in range(chunks[i].num_tokens - 1 - chunks[i].num_spec_tokens,
-                                                     chunks[i].num_tokens - 1)]
+        add_sampling(packer, floats, "", [sampling[i] for i in sampled], [starts[i] + lens[i] for i in sampled])
+    spec = _spec_rows(chunks, sampled, last_row) if any(map(_num_spec_tokens, chunks)) else []
     if spec:
-        packer.add("spec_rows", [last_row[i] - chunks[i].num_tokens + 1 + j for i, j in spec])
+        packer.add("spec_rows", [row for _, _, row in spec])
         if with_sampling:
-            add_sampling(packer, floats, "spec_", [sampling[i] for i, _ in spec],
-                          [chunks[i].start_position + j + 1 for i, j in spec])
+            add_sampling(packer, floats, "spec_", [sampling[i] for i, _, _ in spec],
+                          [chunks[i].start_position + j + 1 for i, j, _ in spec])
 
     dev = packer.to_device(device, floats)
-    decode_tables = decode_mask = None
-    if group:
-        decode_tables = dev["decode_tables"].view(len(group), decode_blocks)  # (S, B)
-    if group and not paged_kernel and not triton_decode:  # SDPA's mask: key position < context length
-        key_pos = torch.arange(decode_blocks * block_size, device=device)  # (K,)
-        decode_mask = (key_pos[None, :] < dev["decode_context_lens"][:, None]).view(num_decodes, 1, 1, -1)
-    prefills = []
-    for n, (row, end_row, start, i) in enumerate(prefill_specs):
-        if start == 0:
-            prefills.append(PrefillChunk(row, end_row, None, end_row - row, None))
-            continue
-        context = start + end_row - row
-        key_pos = torch.arange(context, device=device)  # (C,)
-        query_pos = torch.arange(start, start + end_row - row, device=device)  # (n,)
-        mask = key_pos[None, :] <= query_pos[:, None]  # (n, C) causal with the chunk's offset
-        prefills.append(PrefillChunk(row, end_row, dev[f"table{n}"], context, mask))
-    attn = AttentionMetadata(
-        positions=dev["positions"], slot_mapping=dev["slots"], num_decodes=num_decodes,
-        decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=tuple(prefills),
-        workspace={} if workspace is None else workspace,
-        decode_context_lens=dev["decode_context_lens"] if group else None,
-        decode_query_start_loc=dev["decode_query_start_loc"] if group and paged_kernel else None,
-        triton_decode=triton_decode and bool(group),
-        rope_seq_lens=dev["rope_seq_lens"] if num_prompt_tokens is not None else None,
-    )
+    group = None
+    if num_first:
+        entries_count = dev["decode_context_lens"].numel()
+        group = DecodeGroup(num_decodes, dev["decode_tables"].view(entries_count, -1), dev["decode_context_lens"],
+                            dev.get("decode_query_start_loc"))
+    prefills = [PrefillSpec(row, end, start, dev.get(f"table{k}")) for k, row, end, start in prefill_tables]
+    attn = builder.build(dev["positions"], dev["slots"], group, prefills, block_size,
+                         {} if workspace is None else workspace, dev.get("rope_seq_lens"))
     sampling_tensors = packed_sampling_tensors(dev, "", [sampling[i] for i in sampled]) if build_sampling else None
-    spec_sampling = packed_sampling_tensors(dev, "spec_", [sampling[i] for i, _ in spec]) if spec and with_sampling else None
+    spec_sampling = (packed_sampling_tensors(dev, "spec_", [sampling[i] for i, _, _ in spec])
+                     if spec and with_sampling else None)
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn,
         sample_rows=dev["sample_rows"] if sampled else None, sampling=sampling_tensors,
         chunk_last_rows=tuple(last_row), spec_rows=dev["spec_rows"] if spec else None, spec_sampling=spec_sampling,
     )
+
+
+def _flat_positions(order: list[int], lens_o: list[int], ends: list[int],
+                    starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(T,) int64`` each row's position and ``(T,) int64`` its chunk's plan index, rows in ``order``."""
+    order_t = torch.tensor(order, dtype=torch.int64)  # (S,)
+    starts_o = torch.tensor([starts[i] for i in order], dtype=torch.int64)  # (S,)
+    if ends[-1] == len(order):  # one token per chunk (decodes): row k is chunk order[k]
+        return starts_o, order_t
+    lens_t = torch.tensor(lens_o, dtype=torch.int64)  # (S,)
+    first_rows = torch.tensor(ends, dtype=torch.int64) - lens_t  # (S,) each chunk's first row
+    offsets = torch.arange(ends[-1]) - first_rows.repeat_interleave(lens_t)  # (T,) row within its chunk
+    return starts_o.repeat_interleave(lens_t) + offsets, order_t.repeat_interleave(lens_t)
+
+
+def _spec_rows(chunks: Sequence[ScheduledChunk], sampled: list[int],
+               last_row: list[int]) -> list[tuple[int, int, int]]:
+    """Speculative decoding: ``(plan index, j, row)`` of each verification row, row ``j`` of a chunk's last
+    ``k + 1`` sampling position ``start + j + 1`` (the last row is the chunk's sample row)."""
+    return [(i, j, last_row[i] - len(chunks[i].token_ids) + 1 + j)
+            for i in sampled if chunks[i].num_spec_tokens
+            for j in range(len(chunks[i].token_ids) - 1 - chunks[i].num_spec_tokens, len(chunks[i].token_ids) - 1)]

@@ -86,7 +86,7 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("head_size", [32, 64, 80, 128])
+@pytest.mark.parametrize("head_size", [16, 32, 64, 80, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 4), (4, 4), (8, 1)])
 @pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1), (1, 5, 3, 16, 2)])  # decodes; short causal chunks
 def test_paged_attention_matches_sdpa_over_the_gathered_context(

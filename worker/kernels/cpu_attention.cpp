@@ -130,6 +130,7 @@ using AttendFn = void (*)(const float*, int64_t, int64_t, const float* const*, c
 
 AttendFn attend_for(int64_t d) {
   switch (d) {
+    case 16: return &attend<2>;
     case 32: return &attend<4>;
     case 64: return &attend<8>;
     case 80: return &attend<10>;
@@ -158,7 +159,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   const AttendFn attend_fn = attend_for(d);
   TORCH_CHECK(k_cache.size(3) == d && attend_fn != nullptr, "tpserve paged_attention: head_dim ", d,
-              " must match the cache and be one of 32, 64, 80, 96, 128");
+              " must match the cache and be one of 16, 32, 64, 80, 96, 128");
   TORCH_CHECK(H % KVH == 0 && block_tables.dim() == 2 && block_tables.size(0) == S && query_start_loc.numel() == S + 1,
               "tpserve paged_attention: shapes disagree");
   TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0.0,
