@@ -324,8 +324,9 @@ class ModelRunner:
             stage = self.ctx.pp
             received = None if stage.is_first else stage.recv_prev(  # (T, hidden): the previous stage's output
                 inputs.input_ids.shape[0], self.config.hidden_size, self.dtype, self.ctx.device)
-            hidden = self.model(inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn,
-                                received)  # (T, hidden)
+            args = (inputs.input_ids, inputs.attn.positions, self.kv_caches, inputs.attn)
+            # Only models that split into stages (CausalLM.supports_pipeline) take the received hidden states.
+            hidden = self.model(*args) if received is None else self.model(*args, received)  # (T, hidden)
             if not stage.is_last:
                 stage.send_next(hidden)  # to the next stage, which samples or sends on (worker/pipeline.py)
                 return StepOutput(num_padding_rows=num_padding_rows)
