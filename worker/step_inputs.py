@@ -221,7 +221,7 @@ def build_step_inputs(
         key_pos = torch.arange(decode_blocks * block_size, device=device)  # (K,)
         decode_mask = (key_pos[None, :] < dev["decode_context_lens"][:, None]).view(num_decodes, 1, 1, -1)
     prefills = []
-    for n, (row, end_row, start, i) in enumerate(prefill_specs):
+    for n, (row, end_row, start, _) in enumerate(prefill_specs):
         if start == 0:
             prefills.append(PrefillChunk(row, end_row, None, end_row - row, None))
             continue
