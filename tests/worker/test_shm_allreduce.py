@@ -111,8 +111,10 @@ def _lost_peer_main(rank: int, init_method: str, out_path: str, timeout_s: float
     ctx = init_distributed(rank, 2, init_method, "cpu", timeout_s)
     ctx.all_reduce(torch.ones(4))
     if rank == 1:
-        if hang:
-            time.sleep(timeout_s + 2.5)
+        if hang:  # alive and silent until rank 0 has its outcome (or long past its timeout)
+            deadline = time.monotonic() + timeout_s + 2.5
+            while not Path(out_path).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         os._exit(0)  # gone (its parent reaps it), never publishes again
     start = time.monotonic()
     try:

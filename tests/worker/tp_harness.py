@@ -118,7 +118,10 @@ def _lost_rank_main(rank: int, world_size: int, init_method: str, timeout_s: flo
     ctx = init_distributed(rank, world_size, init_method, "cpu", timeout_s)
     ctx.all_reduce(torch.ones(4))  # the group works
     if rank == 1:
-        time.sleep(timeout_s + 1.0)  # hung: the connection stays open, nothing is sent
+        # Hung: the connection stays open, nothing is sent, until rank 0 has its outcome (or long past its timeout).
+        deadline = time.monotonic() + timeout_s + 1.0
+        while not os.path.exists(out_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(0)
     start = time.monotonic()
     try:
