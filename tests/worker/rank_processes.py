@@ -11,6 +11,10 @@ tests (a test that kills a rank loses nothing but its own group).
 A forked rank inherits the fork server's environment, not the test's, so
 :func:`spawn_ranks` sends the test's ``os.environ`` along and each rank installs it
 before running: ``monkeypatch.setenv`` reaches the ranks as it did with spawn.
+
+``TPSERVE_TEST_START_METHOD=spawn`` starts the ranks the old way (to compare, or if a
+platform's fork server misbehaves; nothing the fork server imports initialises CUDA, so
+NCCL ranks fork from it as well).
 """
 
 from __future__ import annotations
@@ -43,5 +47,6 @@ def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
     """
     # Takes effect when the fork server starts (the first call); later calls change nothing.
     multiprocessing.set_forkserver_preload(PRELOAD)
+    start_method = os.environ.get("TPSERVE_TEST_START_METHOD", "forkserver")
     mp.start_processes(_run_with_environment, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+                       start_method=start_method)
