@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 #: shared configuration of today's suite, so each starts once; a tp-2 server holds about 0.6 GB.
 MAX_SHARED_SERVERS = int(os.environ.get("TPSERVE_TEST_MAX_SHARED_SERVERS", "4"))
 
+#: The session's pool, once a test has asked for it (for the summary line).
+_pools: list[SharedServers] = []
+
 
 @pytest.fixture(scope="session")
 def shared_servers() -> Iterator[SharedServers]:
@@ -23,7 +26,15 @@ def shared_servers() -> Iterator[SharedServers]:
     from tests.e2e.cluster import SharedServers  # imports grpc: only for the tests that ask
 
     servers = SharedServers(MAX_SHARED_SERVERS)
+    _pools.append(servers)
     try:
         yield servers
     finally:
         servers.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line: how many shared servers started and how many requests for one they served (the saving)."""
+    for servers in _pools:
+        terminalreporter.write_line(f"shared servers: {servers.num_started} started for {servers.num_requests} "
+                                    f"requests (max {servers.max_running} running at once)")

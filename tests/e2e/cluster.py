@@ -164,6 +164,7 @@ class SharedServers:
     def __init__(self, max_running: int) -> None:
         self.max_running = max_running
         self.num_started = 0
+        self.num_requests = 0
         self._running: OrderedDict[ServerKey, tuple[ExitStack, RunningCluster]] = OrderedDict()
 
     def get(self, model: str | Path | None, tensor_parallel_size: int, *extra: str) -> RunningCluster:
@@ -173,6 +174,7 @@ class SharedServers:
             RuntimeError: the shared server of this configuration has exited (a test stopped it).
         """
         key: ServerKey = (None if model is None else str(model), tensor_parallel_size, extra)
+        self.num_requests += 1
         if key in self._running:
             self._running.move_to_end(key)
             running = self._running[key][1]
