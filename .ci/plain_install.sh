@@ -19,7 +19,8 @@ cleanup() {
 trap cleanup EXIT
 start=$(date +%s)
 python3 -m venv "$work/venv"
-PIP=("$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: no byte-compiling of every installed file (torch alone has thousands); Python compiles what it imports.
+PIP=("$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
 if command -v nvidia-smi >/dev/null 2>&1; then "${PIP[@]}" 'torch>=2.5'; else "${PIP[@]}" 'torch==2.13.0'; fi
 # From a copy of the tracked and unignored files: building in the checkout would leave a
 # build/ whose stale files a later install would package.

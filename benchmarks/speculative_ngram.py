@@ -189,7 +189,7 @@ def main() -> int:
                                                                  args.passage_len, vocab, text_openings)]
         for name, requests in workloads.items():
             results[name] = run_interleaved(clusters, requests, args.repeats)
-    for name, by_setting in results.items():
+    for by_setting in results.values():
         off, on = by_setting["off"], by_setting["on"]
         by_setting["speedup"] = {
             "sequential": round(off["sequential_ms_per_token"] / on["sequential_ms_per_token"], 3),

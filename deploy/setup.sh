@@ -50,7 +50,9 @@ if [ -x .venv/bin/tpserve ] && { [ "$have" = "$want extras test" ] || [ "$have" 
   kind=${have##* extras }
   done_step packages "up to date (${kind:-serve-only}; pyproject.toml unchanged)"
 else
-  PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+  # --no-compile: pip would byte-compile every installed file (torch and transformers: thousands); Python
+  # compiles what it imports, when it first imports it.
+  PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile)
   "${PIP[@]}" "$TORCH_SPEC"
   done_step torch "$TORCH_SPEC installed"
   begin

@@ -95,7 +95,7 @@ async def resolve(host: str, timeout_s: float, what: str) -> str:
         try:
             infos = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM),
                                            deadline - time.monotonic())
-            return infos[0][4][0]
+            return str(infos[0][4][0])  # an IPv4/IPv6 address string (the tuple is typed str | int)
         except (OSError, asyncio.TimeoutError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0)))

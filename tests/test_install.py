@@ -90,7 +90,7 @@ def test_dockerfile_build_lines_documented_and_match_k8s_tags():
     readme = (ROOT / "README.md").read_text()
     for target, tag in builds:
         assert f"docker build -f deploy/Dockerfile --target {target} -t {tag} ." in readme
-        assert f"docker run " in readme and tag in readme
+        assert "docker run " in readme and tag in readme
     for overlay, tag in (("cpu", "0.1.0"), ("gpu", "0.1.0-cuda")):
         kustomization = (ROOT / "k8s" / "overlays" / overlay / "kustomization.yaml").read_text()
         assert f"newTag: {tag}" in kustomization

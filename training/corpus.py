@@ -365,7 +365,7 @@ class Grammar:
         what, it, fail, fix = self.pick(BUILDS)
         out = [self.opener(h)]
         out.append(f"{h.name} and {f.name} wanted to build {what}.")
-        out.append(f"They worked very hard all morning.")
+        out.append("They worked very hard all morning.")
         out.append(f"At last, {it} was ready.")
         out.append(self.said(f.name, self.pick(["It is so big!", "It looks great!", "We did it!"])))
         out.append(f"But then {it} {fail}.")
@@ -410,7 +410,7 @@ class Grammar:
         m = self.r.randint(1, 9)
         out = [self.opener(h)]
         out.append(f"{h.name} went to the shop with {h.his} {fam}.")
-        out.append(f"They needed food for dinner.")
+        out.append("They needed food for dinner.")
         out.append(f"{h.name} put {num(n)} {a if n > 1 else a[:-1] if not a.endswith('ches') else a[:-2]} in the basket.")
         out.append(f"Then {h.he} put {num(m)} {b if m > 1 else b[:-1] if not b.endswith('ches') else b[:-2]} in the basket.")
         out.append(self.said(f"{h.His} {fam}", "How many things are in the basket now?"))
@@ -420,7 +420,7 @@ class Grammar:
                                                             "Very good! You can count well.",
                                                             "Yes! Well done."])))
         out.append(f"{h.name} felt {self.pick(FEELINGS_GOOD)}.")
-        out.append(f"At home, they made a nice dinner together.")
+        out.append("At home, they made a nice dinner together.")
         return " ".join(out)
 
     def story_trip(self) -> str:
@@ -436,7 +436,7 @@ class Grammar:
         out.append(self.said(h.name, self.pick([f"Look, {fam}! This is so much fun!",
                                                 "I love this place!", "Can we stay a little longer?"])))
         out.append(f"{h.His} {fam} smiled and said yes.")
-        out.append(f"When the sun went down, they went home.")
+        out.append("When the sun went down, they went home.")
         out.append(f"{h.name} was tired but {self.pick(FEELINGS_GOOD)}.")
         out.append(f"That night, {h.he} told {h.his} teddy bear about {the(x)}.")
         return " ".join(out)
@@ -446,14 +446,14 @@ class Grammar:
         f = self.friend(h)
         game = self.pick(["hide and seek", "a board game", "with blocks", "pretend to be pirates",
                           "with paper and paints", "a card game"])
-        out = [f"It was a rainy day.", f"{h.name} wanted to play outside, but the rain did not stop."]
+        out = ["It was a rainy day.", f"{h.name} wanted to play outside, but the rain did not stop."]
         out.append(f"{h.He} sat by the window and felt {self.pick(FEELINGS_BAD)}.")
-        out.append(f"Then there was a knock at the door.")
+        out.append("Then there was a knock at the door.")
         out.append(f"It was {h.his} friend {f.name}!")
         out.append(self.said(f.name, "Let us play inside today."))
         out.append(f"So they played {game} all afternoon.")
-        out.append(f"They laughed and laughed.")
-        out.append(f"When the rain stopped, they saw a big rainbow in the sky.")
+        out.append("They laughed and laughed.")
+        out.append("When the rain stopped, they saw a big rainbow in the sky.")
         out.append(self.said(h.name, "This was the best rainy day ever!"))
         return " ".join(out)
 
@@ -505,7 +505,7 @@ class Grammar:
             out.append(self.said(b.name, f"Because {reason}."))
             out.append(self.said(a.name, f"Do not be sad. {help_}"))
             out.append(self.said(b.name, f"Thank you, {a.name}. You are very kind."))
-        out.append(self.pick([f"Then they played together until dinner.", f"They walked home together.",
+        out.append(self.pick(["Then they played together until dinner.", "They walked home together.",
                               f"{a.name} and {b.name} smiled."]))
         return " ".join(out)
 
@@ -560,7 +560,7 @@ class Grammar:
             elif k < 0.85:
                 i = self.r.randrange(7)
                 out.append(self.pick([f"After {DAYS[i]} comes {DAYS[(i + 1) % 7]}.",
-                                      f"There are seven days in a week.",
+                                      "There are seven days in a week.",
                                       f"{DAYS[i]} is a day of the week."]))
             else:
                 s, what = self.pick(SEASONS)

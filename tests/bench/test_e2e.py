@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.e2e.cluster import free_port, serve
+from tests.e2e.cluster import free_port
 from tpserve.bench import LOCUSTFILE
 from tests.paths import STORIES_DIR, requires_stories
 
@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.e2e, requires_stories]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with serve(STORIES_DIR, 2) as running:
-        yield running
+def cluster(shared_servers):
+    """The shared stories260k server at tp 2 (tests/conftest.py): the checks read its counters as differences."""
+    return shared_servers.get(STORIES_DIR, 2)
 
 
 def server_counts(cluster) -> dict[str, float]:

@@ -222,7 +222,7 @@ def test_random_workload_never_leaks_blocks() -> None:
     rng = random.Random(0)
     scheduler = Scheduler(BlockAllocator(24, 4), max_num_seqs=6, max_num_batched_tokens=40)
     seqs = []
-    for step_index in range(400):
+    for _ in range(400):
         if rng.random() < 0.3:
             seq = make_seq(len(seqs), rng.randint(1, 30), max_tokens=rng.randint(1, 20), max_model_len=64)
             seqs.append(seq)

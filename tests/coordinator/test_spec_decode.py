@@ -123,7 +123,7 @@ def random_workload(seed: int, num_requests: int = 30) -> list[tuple[int, list[i
     rng = random.Random(seed)
     motifs = [[rng.randint(3, 13) for _ in range(rng.randint(2, 5))] for _ in range(3)]
     workload = []
-    for i in range(num_requests):
+    for _ in range(num_requests):
         prompt = [1] + rng.choice(motifs) * rng.randint(1, 4) + [rng.randint(3, 13) for _ in range(rng.randint(0, 6))]
         workload.append((rng.randint(0, 3 * num_requests), prompt, rng.randint(1, 40)))
     return workload

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,3 +140,61 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
         if log_file is not None:
             log_file.close()
         assert not left, f"worker processes {left} outlived tpserve serve"
+
+
+#: A shared server's configuration: (model directory or None for the embedded one, tensor_parallel_size, extra flags).
+ServerKey = tuple[str | None, int, tuple[str, ...]]
+
+
+class SharedServers:
+    """``tpserve serve`` processes shared by every test that needs the same configuration.
+
+    A start-up costs seconds of CPU (a coordinator and one process per rank, each importing
+    torch); tests that only send requests to a server share one per configuration, started
+    on first use (the ``shared_server`` fixture, tests/conftest.py). At most ``max_running``
+    run at once; starting another stops the least recently used one.
+
+    What a sharing test may do: requests of any kind, cancellations, deadlines, bad input.
+    What it must not do: stop, signal, drain or kill the server or a rank, or assert an
+    absolute counter that another test's requests move (read the counter before and after
+    and compare the difference, as tests/bench/test_e2e.py does). Such tests, and tests
+    that need flags of their own, call :func:`serve` and get a server to themselves.
+    """
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self.num_started = 0
+        self.num_requests = 0
+        self._running: OrderedDict[ServerKey, tuple[ExitStack, RunningCluster]] = OrderedDict()
+
+    def get(self, model: str | Path | None, tensor_parallel_size: int, *extra: str) -> RunningCluster:
+        """The running server of this configuration (started now if none is).
+
+        Raises:
+            RuntimeError: the shared server of this configuration has exited (a test stopped it).
+        """
+        key: ServerKey = (None if model is None else str(model), tensor_parallel_size, extra)
+        self.num_requests += 1
+        if key in self._running:
+            self._running.move_to_end(key)
+            running = self._running[key][1]
+            if running.process.poll() is not None:
+                raise RuntimeError(f"the shared server {key} exited with {running.process.returncode}: "
+                                   "a test that stops its server must start its own with serve()")
+            return running
+        while len(self._running) >= self.max_running:
+            self._stop(next(iter(self._running)))
+        stack = ExitStack()
+        running = stack.enter_context(serve(model, tensor_parallel_size, *extra))
+        self.num_started += 1
+        self._running[key] = (stack, running)
+        return running
+
+    def _stop(self, key: ServerKey) -> None:
+        stack, _ = self._running.pop(key)
+        stack.close()
+
+    def close(self) -> None:
+        """Stop every running server (each checked as :func:`serve` checks it: no rank outlives it)."""
+        while self._running:
+            self._stop(next(reversed(self._running)))

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.e2e.cluster import RunningCluster, serve
+from tests.e2e.cluster import RunningCluster, SharedServers
 
 
 @pytest.fixture(scope="session")
-def default_tp2() -> Iterator[RunningCluster]:
-    """One ``tpserve serve`` of the embedded model at tensor_parallel_size 2, shared by the
-    modules whose tests leave it running (test_public_faults.py, test_fuzz_requests.py):
-    one start-up instead of one per module keeps the e2e suite within its time budget."""
-    with serve(None, 2) as running:
-        yield running
+def default_tp2(shared_servers: SharedServers) -> RunningCluster:
+    """The shared ``tpserve serve`` of the embedded model at tensor_parallel_size 2 (tests/conftest.py),
+    for the modules whose tests leave it running (test_public_faults.py, test_fuzz_requests.py, ...)."""
+    return shared_servers.get(None, 2)

@@ -59,13 +59,13 @@ def test_the_embedded_model_is_a_complete_checkpoint() -> None:
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_served_greedy_completions_match_transformers(references, tensor_parallel_size) -> None:
-    with serve(None, tensor_parallel_size) as cluster:
-        info = cluster.client.model_info()
-        assert info.model_name == DEFAULT_MODEL_NAME and info.tensor_parallel_size == tensor_parallel_size
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(pool.map(
-                lambda ref: cluster.client.generate(ref["prompt"], max_tokens=MAX_TOKENS, temperature=0), references))
+def test_served_greedy_completions_match_transformers(references, tensor_parallel_size, shared_servers) -> None:
+    cluster = shared_servers.get(None, tensor_parallel_size)
+    info = cluster.client.model_info()
+    assert info.model_name == DEFAULT_MODEL_NAME and info.tensor_parallel_size == tensor_parallel_size
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(
+            lambda ref: cluster.client.generate(ref["prompt"], max_tokens=MAX_TOKENS, temperature=0), references))
     for ref, result in zip(references, results):
         assert result.token_ids == ref["token_ids"], ref["prompt"]
         assert result.text == ref["text"] and result.finish_reason == ref["finish_reason"]
@@ -75,7 +75,7 @@ def test_served_greedy_completions_match_transformers(references, tensor_paralle
 CHAT = [{"role": "user", "content": "Tell me a story about a cat"}]
 
 
-def test_the_embedded_model_chats_in_the_story_voice() -> None:
+def test_the_embedded_model_chats_in_the_story_voice(shared_servers) -> None:
     """`tpserve generate --chat`: the template renders as transformers renders it, and the answer is
     transformers' greedy answer token for token: a story about a cat that ends with end-of-sequence."""
     model_dir = default_model_dir()
@@ -89,8 +89,7 @@ def test_the_embedded_model_chats_in_the_story_voice() -> None:
                                    pad_token_id=2)
     reference = generated[0, len(ids):].tolist()
     assert reference[-1] == 2, "the reference answer did not end"
-    with serve(None, 1) as cluster:
-        result = cluster.client.generate(CHAT, max_tokens=300, temperature=0)
+    result = shared_servers.get(None, 1).client.generate(CHAT, max_tokens=300, temperature=0)
     assert result.usage.prompt_tokens == len(ids)
     assert result.token_ids == reference[:-1] and result.finish_reason == "stop"
     assert " cat named " in result.text and result.text.rstrip().endswith((".", "!", '"'))

@@ -110,12 +110,12 @@ def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loa
         assert process.wait(30) == 0
 
 
-def test_a_second_server_on_a_port_in_use_is_refused() -> None:
+def test_a_second_server_on_a_port_in_use_is_refused(shared_servers) -> None:
     """gRPC binds with SO_REUSEPORT by default: two servers would share the port and split the clients."""
-    with serve(None, 1) as cluster:
-        second = subprocess.run(
-            [sys.executable, "-m", "launch.cli", "serve", "--host", "127.0.0.1", "--port", str(cluster.port)],
-            capture_output=True, text=True, timeout=120)
-        assert second.returncode != 0
-        assert f"cannot bind 127.0.0.1:{cluster.port}" in second.stderr + second.stdout
-        assert cluster.client.model_info().model_name == "tpserve-tiny-stories"  # the first still serves
+    cluster = shared_servers.get(None, 1)
+    second = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "serve", "--host", "127.0.0.1", "--port", str(cluster.port)],
+        capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0
+    assert f"cannot bind 127.0.0.1:{cluster.port}" in second.stderr + second.stdout
+    assert cluster.client.model_info().model_name == "tpserve-tiny-stories"  # the first still serves

@@ -17,16 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
-def cluster(request):
-    with serve(STORIES_DIR, request.param) as running:
-        yield running
+def cluster(request, shared_servers):
+    return shared_servers.get(STORIES_DIR, request.param)
 
 
 def greedy(client, golden, **kwargs):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -54,7 +56,7 @@ class _Driver:
         self.logits: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq -> (position, logits)
         self.step_id = 0
 
-    def step(self, prompts: dict[int, list[int]] = {}, decode: tuple[int, ...] = (), finished: tuple[int, ...] = ()):
+    def step(self, prompts: Mapping[int, list[int]] = MappingProxyType({}), decode: tuple[int, ...] = (), finished: tuple[int, ...] = ()):
         chunks, new = [], []
         for seq in finished:
             self.free += self.tables.pop(seq)

@@ -9,11 +9,12 @@ refused.
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 
 import pytest
-import torch.multiprocessing as mp
 
+from tests.worker.rank_processes import spawn_ranks
 from tests.worker.tp_harness import _free_port
 from worker.parallel_state import destroy_distributed, init_distributed
 
@@ -29,7 +30,7 @@ def _non_loopback_ipv4() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
-def _rank_main(rank: int, port: int, ip: str, out: mp.Queue) -> None:
+def _rank_main(rank: int, port: int, ip: str, out: multiprocessing.SimpleQueue) -> None:
     ctx = init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "cpu", 30.0, shared_memory=False)
     if rank == 0:
         with socket.socket() as probe:
@@ -49,6 +50,6 @@ def test_the_store_refuses_connections_to_a_non_loopback_address() -> None:
     ip = _non_loopback_ipv4()
     if ip is None:
         pytest.skip("this machine has no non-loopback IPv4 address to probe from")
-    out = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank_main, args=(_free_port(), ip, out), nprocs=2, join=True)
+    out = multiprocessing.get_context("forkserver").SimpleQueue()
+    spawn_ranks(_rank_main, (_free_port(), ip, out), nprocs=2)
     assert out.get() == "ConnectionRefusedError"

@@ -1,6 +1,6 @@
 """Shared-memory collectives against gloo's, on random tensors of every dtype and odd sizes.
 
-Each rank is a spawned process; every collective is issued twice, once through the
+Each rank is a new process (forked from a server that has imported torch: tests/worker/rank_processes.py); every collective is issued twice, once through the
 group's shared memory (``ParallelContext.all_reduce``) and once through gloo
 (``dist.all_reduce`` directly), and rank 0 records the differences.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.worker.rank_processes import spawn_ranks
 from tests.worker.tp_harness import _free_port
 from worker.comm import shm_allreduce
 from worker.kernels import cpu_kernels_available
@@ -25,8 +25,8 @@ from worker.parallel_state import SHM_MAX_BYTES, destroy_distributed, init_distr
 
 pytestmark = pytest.mark.skipif(not shm_allreduce.supported(), reason="shared-memory collectives need x86-64 and /dev/shm")
 
-#: Both versions of the protocol: compiled (worker/kernels/cpu_shm.cpp) and Python. The ranks are
-#: spawned, so they inherit the switch from the environment (worker/kernels/__init__.py).
+#: Both versions of the protocol: compiled (worker/kernels/cpu_shm.cpp) and Python. The ranks get the
+#: test's environment (spawn_ranks), so they see the switch (worker/kernels/__init__.py).
 VERSIONS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
@@ -66,7 +66,7 @@ def _compare_main(rank: int, world_size: int, init_method: str, out_path: str) -
 def _run(world_size: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "out.pkl")
-        mp.spawn(_compare_main, args=(world_size, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=world_size)
+        spawn_ranks(_compare_main, (world_size, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=world_size)
         return pickle.loads(Path(out).read_bytes())
 
 
@@ -111,8 +111,10 @@ def _lost_peer_main(rank: int, init_method: str, out_path: str, timeout_s: float
     ctx = init_distributed(rank, 2, init_method, "cpu", timeout_s)
     ctx.all_reduce(torch.ones(4))
     if rank == 1:
-        if hang:
-            time.sleep(timeout_s + 2.5)
+        if hang:  # alive and silent until rank 0 has its outcome (or long past its timeout)
+            deadline = time.monotonic() + timeout_s + 2.5
+            while not Path(out_path).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         os._exit(0)  # gone (its parent reaps it), never publishes again
     start = time.monotonic()
     try:
@@ -127,7 +129,7 @@ def _lost_peer_main(rank: int, init_method: str, out_path: str, timeout_s: float
 def _lose_peer(timeout_s: float, hang: bool) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "out.txt")
-        mp.spawn(_lost_peer_main, args=(f"tcp://127.0.0.1:{_free_port()}", out, timeout_s, hang), nprocs=2)
+        spawn_ranks(_lost_peer_main, (f"tcp://127.0.0.1:{_free_port()}", out, timeout_s, hang), nprocs=2)
         seconds, outcome = Path(out).read_text().split("\n", 1)
     return float(seconds), outcome
 
@@ -178,7 +180,7 @@ def test_back_to_back_collectives_and_late_peers_are_woken(compiled: bool, monke
     _use(compiled, monkeypatch)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.txt"
-        mp.spawn(_stress_main, args=(f"tcp://127.0.0.1:{_free_port()}", str(out)), nprocs=2)
+        spawn_ranks(_stress_main, (f"tcp://127.0.0.1:{_free_port()}", str(out)), nprocs=2)
         wrong, waits = out.read_text().split("\n")
     waits = [float(w) for w in waits.split()]
     assert int(wrong) == 0

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.worker.rank_processes import spawn_ranks
 from tpserve.step import PromptLogprobs, StepPlan
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext, destroy_distributed, init_distributed
@@ -97,7 +97,7 @@ def run_jobs(jobs: list[Job], world_size: int, device: str = "cpu") -> dict[str,
     """Run ``jobs`` at tensor-parallel degree ``world_size``; return rank 0's records (logits on the CPU).
 
     ``world_size == 1`` runs in this process (no process group is needed);
-    larger degrees spawn one process per rank, joined over gloo on localhost
+    larger degrees start one process per rank (tests/worker/rank_processes.py), joined over gloo on localhost
     (``device="cpu"``) or NCCL with rank ``r`` on ``cuda:r`` (``device="cuda"``).
     """
     if world_size == 1:
@@ -105,7 +105,7 @@ def run_jobs(jobs: list[Job], world_size: int, device: str = "cpu") -> dict[str,
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "rank0.pkl")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        mp.spawn(_rank_main, args=(world_size, init_method, jobs, out_path, device), nprocs=world_size, join=True)
+        spawn_ranks(_rank_main, (world_size, init_method, jobs, out_path, device), nprocs=world_size)
         with open(out_path, "rb") as f:
             return pickle.load(f)
 
@@ -118,7 +118,10 @@ def _lost_rank_main(rank: int, world_size: int, init_method: str, timeout_s: flo
     ctx = init_distributed(rank, world_size, init_method, "cpu", timeout_s)
     ctx.all_reduce(torch.ones(4))  # the group works
     if rank == 1:
-        time.sleep(timeout_s + 1.0)  # hung: the connection stays open, nothing is sent
+        # Hung: the connection stays open, nothing is sent, until rank 0 has its outcome (or long past its timeout).
+        deadline = time.monotonic() + timeout_s + 1.0
+        while not os.path.exists(out_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(0)
     start = time.monotonic()
     try:
@@ -136,6 +139,6 @@ def run_lost_rank(timeout_s: float) -> tuple[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "rank0.pkl")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        mp.spawn(_lost_rank_main, args=(2, init_method, timeout_s, out_path), nprocs=2, join=True)
+        spawn_ranks(_lost_rank_main, (2, init_method, timeout_s, out_path), nprocs=2)
         with open(out_path, "rb") as f:
             return pickle.load(f)

@@ -22,10 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpserve.model_config import ModelConfig
-from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata
-from worker.parallel_state import ParallelContext
 
 #: One layer's paged cache on this rank: ``(k_cache, v_cache)``, each
 #: ``(num_blocks, block_size, num_kv_heads, head_dim)``.
