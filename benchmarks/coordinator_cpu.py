@@ -123,7 +123,7 @@ def main() -> None:
         servers = {name: stack.enter_context(server(path, max_num_seqs, args.log_dir / f"{name}.log"
                                                     if args.log_dir else None))
                    for name, path in checkouts.items()}
-        for name, (pid, target) in servers.items():  # warm-up: first requests compile and allocate
+        for pid, target in servers.values():  # warm-up: first requests compile and allocate
             measure(pid, target, 4, 8)
         for num_streams in args.streams:
             for round_index in range(args.rounds):

@@ -18,7 +18,6 @@ import pytest
 
 from coordinator.errors import InvalidArgumentError
 from coordinator.parallel_sampling import num_samples
-from coordinator.sampling_controls import field_value
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
 from tpserve.cli import build_parser

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.cluster import serve
 from tpserve.embedded_model import DEFAULT_MODEL_NAME, default_model_dir
 
 torch = pytest.importorskip("torch")
