@@ -9,6 +9,11 @@ GB/s of weights read. llama.cpp's rate for comparison: weight bytes / its decode
 peer_comparison.py's report.
 
     python benchmarks/decode_linears.py [--rows 1 4 16] [--threads 2] [--reps 15]   # ~1 minute
+    python benchmarks/decode_linears.py --threads 1 --cpu-time   # on a busy machine
+
+``--cpu-time`` (one thread only): the calling thread's CPU time instead of wall time, so time
+spent descheduled by other processes does not count (memory stalls still do). On a shared host
+at load average 10-20 it separated variants whose wall times were noise.
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU time (--threads 1)")
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time counts the calling thread only: use --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     if not cpu_kernels_available():
         print("the compiled kernels are not available on this machine")
@@ -63,11 +72,12 @@ def main() -> int:
         times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(args.reps):
             for name, fn in systems.items():
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
         ops.use_avx512(True)
-        print(f"M = {m}, {args.threads} threads, {nbytes / 1e6:.0f} MB of weights, {args.reps} interleaved reps:")
+        print(f"M = {m}, {args.threads} threads, {nbytes / 1e6:.0f} MB of weights, {args.reps} interleaved reps"
+              f"{', thread CPU time' if args.cpu_time else ''}:")
         for name, ts in times.items():
             best, median = min(ts), statistics.median(ts)
             print(f"  {name:24s} best {best * 1e3:7.2f} ms ({nbytes / best / 1e9:5.1f} GB/s)"
