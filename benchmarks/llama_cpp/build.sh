@@ -42,7 +42,7 @@ if [ ! -f "$MODEL/model.safetensors" ]; then
   "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, '$REPO'); \
 from benchmarks.peer_comparison import build_model; p = Path('$MODEL'); p.mkdir(parents=True, exist_ok=True); build_model(p, 0)"
 fi
-PYTHONPATH="$LLAMA/gguf-py:$WORK/pydeps" "$PY" "$LLAMA/convert_hf_to_gguf.py" "$MODEL" --outtype f32 \
+PYTHONPATH="$LLAMA/gguf-py:$WORK/pydeps" "$PY" "$REPO/benchmarks/llama_cpp/convert.py" "$LLAMA/convert_hf_to_gguf.py" "$MODEL" --outtype f32 \
   --outfile "$WORK/m95-f32.gguf"
 
 echo "--llama-server $WORK/build/bin/llama-server --llama-gguf $WORK/m95-f32.gguf"
