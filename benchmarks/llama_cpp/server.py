@@ -34,8 +34,10 @@ class LlamaServer:
         gguf: the model file.
         threads: ``-t`` and ``-tb`` (generation and batch threads).
         parallel: ``-np``, the number of slots (sequences decoded together).
-        kv_f32: an fp32 KV cache (``-ctk f32 -ctv f32``) instead of the default f16, for the
-            logprob check against transformers.
+        kv_f32: an fp32 KV cache (``-ctk f32 -ctv f32``) instead of the default f16, and flash
+            attention off (``-fa off``: its CPU path rounds Q to f16, which moved this model's
+            logprobs by ~5e-4 and flipped a greedy token at 17 of 128; off: within 1.4e-6 of
+            transformers), for the check against transformers.
         positions_per_slot: each slot's context (``-c`` is this times ``parallel``).
 
     Raises:
@@ -50,7 +52,7 @@ class LlamaServer:
                      "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                      "-c", str(positions_per_slot * parallel)]
         if kv_f32:
-            self.args += ["-ctk", "f32", "-ctv", "f32"]
+            self.args += ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]
         self.parallel = parallel
         self.start_timeout_s = start_timeout_s
         self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
@@ -122,7 +124,7 @@ class LlamaServer:
         """
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         start = time.perf_counter()
-        stamps, tokens = [], []
+        stamps, tokens, last = [], [], {}
         try:
             conn.request("POST", "/completion", body=json.dumps({
                 "prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}),
@@ -138,11 +140,14 @@ class LlamaServer:
                     stamps.append(time.perf_counter())
                     tokens += event["tokens"]
                 if event.get("stop"):
+                    last = event
                     break
         finally:
             conn.close()
         if len(tokens) != max_tokens:
-            raise RuntimeError(f"asked llama-server for {max_tokens} tokens, got {len(tokens)}")
+            raise RuntimeError(f"asked llama-server for {max_tokens} tokens, got {len(tokens)} in the stream "
+                               f"(its last event: stop_type {last.get('stop_type')!r}, "
+                               f"tokens_predicted {last.get('tokens_predicted')})")
         tpot = (stamps[-1] - stamps[0]) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
         return {"token_ids": tokens, "tokens": len(tokens), "ttft": stamps[0] - start, "tpot": tpot}
 
