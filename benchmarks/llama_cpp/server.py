@@ -117,14 +117,16 @@ class LlamaServer:
     def stream(self, prompt: list[int], max_tokens: int) -> dict:
         """One streamed greedy request: its output token ids, TTFT and TPOT in seconds.
 
-        TPOT is (last token's arrival - first's) / (tokens - 1), as for tpserve's streams.
+        TPOT is (last token's arrival - first's) / (tokens - 1), as for tpserve's streams. Tokens
+        are counted by each event's ``tokens_predicted`` (under 16 concurrent streams events came
+        with an empty ``tokens`` list), and ``token_ids`` lists the ids the events carried.
 
         Raises:
             RuntimeError: a status other than 200, or fewer or more tokens than asked.
         """
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         start = time.perf_counter()
-        stamps, tokens, last = [], [], {}
+        stamps, tokens, last, predicted = [], [], {}, 0
         try:
             conn.request("POST", "/completion", body=json.dumps({
                 "prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}),
@@ -136,20 +138,22 @@ class LlamaServer:
                 if not line.startswith(b"data: "):
                     continue
                 event = json.loads(line[6:])
-                if event.get("tokens"):
-                    stamps.append(time.perf_counter())
-                    tokens += event["tokens"]
+                tokens += event.get("tokens") or []
+                if event.get("tokens_predicted", 0) > predicted:  # (arrival, tokens so far)
+                    predicted = event["tokens_predicted"]
+                    stamps.append((time.perf_counter(), predicted))
                 if event.get("stop"):
                     last = event
                     break
         finally:
             conn.close()
-        if len(tokens) != max_tokens:
-            raise RuntimeError(f"asked llama-server for {max_tokens} tokens, got {len(tokens)} in the stream "
+        if predicted != max_tokens:
+            raise RuntimeError(f"asked llama-server for {max_tokens} tokens, got {predicted} in the stream "
                                f"(its last event: stop_type {last.get('stop_type')!r}, "
                                f"tokens_predicted {last.get('tokens_predicted')})")
-        tpot = (stamps[-1] - stamps[0]) / (len(tokens) - 1) if len(tokens) > 1 else float("nan")
-        return {"token_ids": tokens, "tokens": len(tokens), "ttft": stamps[0] - start, "tpot": tpot}
+        (t0, n0), (t1, n1) = stamps[0], stamps[-1]
+        tpot = (t1 - t0) / (n1 - n0) if n1 > n0 else float("nan")
+        return {"token_ids": tokens, "tokens": predicted, "ttft": t0 - start, "tpot": tpot}
 
     def load(self, reqs: list[tuple[list[int], int]]) -> dict:
         """All of ``reqs`` at once (one thread each), as peer_comparison's ``_load`` does for tpserve."""
