@@ -9,7 +9,7 @@
 # Usage: bash benchmarks/llama_cpp/build.sh [WORK_DIR]   (default: ~/.cache/tpserve/llama_cpp)
 # Prints the two paths to pass on:  --llama-server WORK_DIR/build/bin/llama-server --llama-gguf WORK_DIR/m95-f32.gguf
 # Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36, the version recorded in benchmarks/results),
-# JOBS (default 2). About 25 minutes on a busy 2-core host, most of it the C++ build.
+# JOBS (default 2). 63 minutes on the shared 2-core host at load average 4-20, nearly all of it the C++ build.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
