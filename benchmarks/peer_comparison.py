@@ -28,16 +28,28 @@ servers on ``single`` and ``batch16`` back to back, and each goal's ratio is tak
 within a round, then the median over rounds. ``mixed`` (minutes per system) runs once
 at the end.
 
+A second peer, llama.cpp's ``llama-server`` (issue 26), joins when ``--llama-server`` and
+``--llama-gguf`` are given (benchmarks/llama_cpp/build.sh builds both): 2 threads, 16 slots,
+continuous batching, otherwise its defaults (f16 KV cache). It is measured in every round
+after tpserve and on ``mixed``, and before the rounds a check runs one request on transformers,
+tpserve tp 1 and a second llama-server with an fp32 KV cache: the greedy token ids must be
+identical, and llama.cpp's logprobs of them are compared with transformers' log-softmax.
+
 It prints each ratio against the goals of the step-speed issue and writes the whole
 report as JSON. Usage:
 
     python benchmarks/peer_comparison.py --out benchmarks/results
+    python benchmarks/peer_comparison.py --llama-server PATH --llama-gguf PATH --out benchmarks/results
+    python benchmarks/peer_comparison.py --quick --llama-server PATH --llama-gguf PATH   # ~3 minutes
+
+``--quick``: one round, tp 1 only, transformers only in the check (tpserve against llama.cpp).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import random
@@ -58,6 +70,7 @@ from tpserve.client import build_request  # noqa: E402
 from tpserve.embedded_model import default_model_dir  # noqa: E402
 from tpserve.v1 import generate_pb2_grpc  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
+from benchmarks.llama_cpp.server import LlamaServer  # noqa: E402
 
 MODEL_CONFIG = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
                     num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024,
@@ -68,6 +81,9 @@ GOALS = {
     "tp2_vs_tp1_batch1": 1.1,  # decode ms/token: at most
     "tp2_vs_tp1_batch16": 0.9,  # throughput: at least
     "vs_transformers": 3.0,  # batch16 and mixed throughput: at least
+    "vs_llama_cpp_single": 1.0,  # llama.cpp ms/token / tpserve tp 1 ms/token: at least (issue 26)
+    "vs_llama_cpp_batch16": 1.2,  # tok/s: at least
+    "vs_llama_cpp_mixed": 1.5,  # tok/s: at least
 }
 
 
@@ -188,6 +204,16 @@ class Transformers:
             self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                 do_sample=False, pad_token_id=0)
 
+    def greedy_reference(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        """Greedy output token ids and each one's log-probability (log-softmax of the raw logits, float32)."""
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0, output_logits=True,
+                                      return_dict_in_generate=True)
+        ids = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(logits[0].float(), -1)[i].item() for logits, i in zip(out.logits, ids)]
+        return ids, logprobs
+
     def decode_ms_per_token(self, request: tuple[list[int], int]) -> float:
         """One request's decode time per token: a full run less a one-token run (its prefill)."""
         prompt, n = request
@@ -206,16 +232,43 @@ class Transformers:
 
 async def _stream(stub, prompt: list[int], max_tokens: int) -> dict:
     start = time.perf_counter()
-    stamps, tokens = [], 0
+    stamps, ids = [], []
     request = build_request(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
     async for chunk in stub.GenerateStream(request):
         if chunk.token_ids:
             stamps.append(time.perf_counter())
-            tokens += len(chunk.token_ids)
+            ids += chunk.token_ids
+    tokens = len(ids)
     if tokens != max_tokens:
         raise RuntimeError(f"asked {max_tokens} tokens, got {tokens}")
     tpot = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else float("nan")
-    return {"tokens": tokens, "ttft": stamps[0] - start, "tpot": tpot}
+    return {"tokens": tokens, "token_ids": ids, "ttft": stamps[0] - start, "tpot": tpot}
+
+
+async def _one(target: str, prompt: list[int], max_tokens: int) -> dict:
+    async with grpc.aio.insecure_channel(target) as channel:
+        return await _stream(generate_pb2_grpc.GenerationStub(channel), prompt, max_tokens)
+
+
+def check_llama_cpp(args, hf: Transformers, target: str, request: tuple[list[int], int]) -> dict:
+    """transformers, tpserve tp 1 and llama.cpp (fp32 KV cache) on one greedy request.
+
+    Returns whether the three token sequences are identical and the largest |llama.cpp logprob -
+    transformers logprob| over the output tokens.
+    """
+    prompt, n = request
+    ref_ids, ref_logprobs = hf.greedy_reference(prompt, n)
+    ours = asyncio.run(_one(target, prompt, n))["token_ids"]
+    with LlamaServer(args.llama_server, args.llama_gguf, threads=args.llama_threads, kv_f32=True) as server:
+        answer = server.complete(prompt, n, n_probs=1)
+    theirs = answer["tokens"]
+    probs = answer["completion_probabilities"]
+    diffs = [abs(p["logprob"] - r) for p, r in zip(probs, ref_logprobs)] if theirs == ref_ids else []
+    return {"output_tokens": n, "tpserve_equals_transformers": ours == ref_ids,
+            "llama_cpp_equals_transformers": theirs == ref_ids,
+            "first_difference": next((i for i, (a, b, c) in enumerate(zip(ref_ids, ours, theirs)) if not a == b == c),
+                                     None),
+            "llama_cpp_max_abs_logprob_diff": max(diffs) if diffs else None}
 
 
 async def _load(target: str, reqs: list[tuple[list[int], int]]) -> dict:
@@ -234,23 +287,35 @@ async def _load(target: str, reqs: list[tuple[list[int], int]]) -> dict:
 
 
 def round_ratios(r: dict) -> list[tuple[str, float, str, float]]:
-    """(what, ratio, comparison, goal) for each goal measured within one round."""
-    t1, t2, hf = r["tpserve_tp1"], r["tpserve_tp2"], r["transformers"]
-    t1_single, t2_single = t1["single"]["tpot_median_ms"], t2["single"]["tpot_median_ms"]
-    t1_b16, t2_b16 = t1["batch16"]["output_tokens_per_s"], t2["batch16"]["output_tokens_per_s"]
-    return [
+    """(what, ratio, comparison, goal) for each goal measured within one round (of the systems it ran)."""
+    t1 = r["tpserve_tp1"]
+    t1_single, t1_b16 = t1["single"]["tpot_median_ms"], t1["batch16"]["output_tokens_per_s"]
+    rows = [
         ("tp1 decode ms/token / roofline ms", t1_single / r["roofline_ms"], "<=", GOALS["decode_vs_roofline"]),
         ("tp1 client TPOT / bare step, batch 1", t1_single / r["bare_step_ms"]["1"], "<=",
          GOALS["server_overhead"]),
         ("tp1 client TPOT / bare step, batch 16", t1["batch16"]["tpot_median_ms"] / r["bare_step_ms"]["16"], "<=",
          GOALS["server_overhead"]),
-        ("tp2 / tp1 decode ms/token, batch 1", t2_single / t1_single, "<=", GOALS["tp2_vs_tp1_batch1"]),
-        ("tp2 / tp1 tok/s, 16 at once", t2_b16 / t1_b16, ">=", GOALS["tp2_vs_tp1_batch16"]),
-        ("tp1 / transformers tok/s, batch16", t1_b16 / hf["batch16_output_tokens_per_s"], ">=",
-         GOALS["vs_transformers"]),
-        ("tp2 / transformers tok/s, batch16", t2_b16 / hf["batch16_output_tokens_per_s"], ">=",
-         GOALS["vs_transformers"]),
     ]
+    if "tpserve_tp2" in r:
+        t2 = r["tpserve_tp2"]
+        rows += [("tp2 / tp1 decode ms/token, batch 1", t2["single"]["tpot_median_ms"] / t1_single, "<=",
+                  GOALS["tp2_vs_tp1_batch1"]),
+                 ("tp2 / tp1 tok/s, 16 at once", t2["batch16"]["output_tokens_per_s"] / t1_b16, ">=",
+                  GOALS["tp2_vs_tp1_batch16"])]
+    if "transformers" in r:
+        hf = r["transformers"]["batch16_output_tokens_per_s"]
+        rows.append(("tp1 / transformers tok/s, batch16", t1_b16 / hf, ">=", GOALS["vs_transformers"]))
+        if "tpserve_tp2" in r:
+            rows.append(("tp2 / transformers tok/s, batch16", r["tpserve_tp2"]["batch16"]["output_tokens_per_s"] / hf,
+                         ">=", GOALS["vs_transformers"]))
+    if "llama_cpp" in r:
+        lc = r["llama_cpp"]
+        rows += [("tp1 / llama.cpp decode speed, batch 1 (their ms / ours)",
+                  lc["single"]["tpot_median_ms"] / t1_single, ">=", GOALS["vs_llama_cpp_single"]),
+                 ("tp1 / llama.cpp tok/s, 16 at once", t1_b16 / lc["batch16"]["output_tokens_per_s"], ">=",
+                  GOALS["vs_llama_cpp_batch16"])]
+    return rows
 
 
 def verdicts(report: dict) -> list[dict]:
@@ -262,65 +327,101 @@ def verdicts(report: dict) -> list[dict]:
         rows.append((what, statistics.median(values), op, goal, values))
     mixed = report["mixed"]
     for tp in ("tp1", "tp2"):
-        rows.append((f"{tp} / transformers tok/s, mixed",
-                     mixed[f"tpserve_{tp}"]["output_tokens_per_s"] / mixed["transformers"], ">=",
-                     GOALS["vs_transformers"], None))
+        if f"tpserve_{tp}" in mixed and "transformers" in mixed:
+            rows.append((f"{tp} / transformers tok/s, mixed",
+                         mixed[f"tpserve_{tp}"]["output_tokens_per_s"] / mixed["transformers"], ">=",
+                         GOALS["vs_transformers"], None))
+    if "llama_cpp" in mixed:
+        rows.append(("tp1 / llama.cpp tok/s, mixed",
+                     mixed["tpserve_tp1"]["output_tokens_per_s"] / mixed["llama_cpp"]["output_tokens_per_s"], ">=",
+                     GOALS["vs_llama_cpp_mixed"], None))
     return [dict(what=what, ratio=round(x, 3), goal=f"{op} {goal}", met=x <= goal if op == "<=" else x >= goal,
                  **({"rounds": [round(v, 3) for v in values]} if values else {}))
             for what, x, op, goal, values in rows]
 
 
-def measure_round(model_dir_bytes: int, runner, hf: Transformers, targets: dict[int, str], loads: dict) -> dict:
+def measure_round(model_dir_bytes: int, runner, hf: Transformers | None, targets: dict[int, str], loads: dict,
+                  llama: LlamaServer | None = None) -> dict:
     """One round: the machine's baselines, then every system on the single and batch16 workloads.
 
-    ``loads``: this round's own requests (:func:`workloads` with the round's variant).
+    ``loads``: this round's own requests (:func:`workloads` with the round's variant). ``hf``
+    None: transformers is not timed (``--quick``); ``llama``: llama.cpp is, after tpserve.
     """
     bandwidth = copy_bandwidth()
     r: dict = {"copy_bandwidth_gb_s": bandwidth / 1e9, "roofline_ms": model_dir_bytes / bandwidth * 1e3}
     # As many steps as a request decodes, from a context like batch16's, averaged like a client's TPOT.
     bare = bare_steps(runner, [1, 16], context=128, steps=127, mean=True)
     r["bare_step_ms"] = {str(b): t * 1e3 for b, t in bare.items()}
-    r["transformers"] = {"single_decode_ms_per_token": hf.decode_ms_per_token(loads["single"][0]),
-                         "batch16_output_tokens_per_s": hf.output_tokens_per_s(loads["batch16"])}
+    if hf is not None:
+        r["transformers"] = {"single_decode_ms_per_token": hf.decode_ms_per_token(loads["single"][0]),
+                             "batch16_output_tokens_per_s": hf.output_tokens_per_s(loads["batch16"])}
     for tp, target in targets.items():
         r[f"tpserve_tp{tp}"] = {name: asyncio.run(_load(target, loads[name])) for name in ("single", "batch16")}
+    if llama is not None:
+        r["llama_cpp"] = {name: llama.load(loads[name]) for name in ("single", "batch16")}
     return r
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the single and batch16 runs")
-    parser.add_argument("--out", type=Path, default=None, help="directory for peer_comparison.json")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of the single and batch16 runs (default 3; --quick: 1)")
+    parser.add_argument("--out", type=Path, default=None, help="directory for the JSON report")
+    parser.add_argument("--name", default="peer_comparison.json", help="the report's file name in --out")
+    parser.add_argument("--llama-server", type=Path, default=None,
+                        help="llama.cpp's llama-server binary (benchmarks/llama_cpp/build.sh): adds llama.cpp")
+    parser.add_argument("--llama-gguf", type=Path, default=None,
+                        help="the benchmark model as a float32 GGUF (benchmarks/llama_cpp/build.sh)")
+    parser.add_argument("--llama-threads", type=int, default=None, help="llama-server -t/-tb (default: all cores)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one round, tp 1 only, transformers only in the llama.cpp check")
     args = parser.parse_args()
+    if (args.llama_server is None) != (args.llama_gguf is None):
+        parser.error("--llama-server and --llama-gguf go together")
+    rounds = args.rounds or (1 if args.quick else 3)
 
     threads = os.cpu_count() or 1
+    args.llama_threads = args.llama_threads or threads
     torch.set_num_threads(threads)  # what a tp-1 rank takes, and what transformers gets
     loads = workloads(args.seed)
     report: dict = {"machine": machine_description(), "torch": torch.__version__, "threads": threads,
-                    "seed": args.seed, "model": {**MODEL_CONFIG, "dtype": "float32"}, "rounds": []}
-    with tempfile.TemporaryDirectory(prefix="tpserve-peer-") as tmp, \
-            serve(build_model(Path(tmp), args.seed), 1, omp_threads=None) as tp1, \
-            serve(Path(tmp), 2, omp_threads=None) as tp2:
-        model_dir = Path(tmp)
+                    "seed": args.seed, "model": {**MODEL_CONFIG, "dtype": "float32"}, "rounds": [],
+                    "quick": args.quick}
+    with contextlib.ExitStack() as stack:
+        model_dir = build_model(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tpserve-peer-"))),
+                                args.seed)
+        targets = {1: stack.enter_context(serve(model_dir, 1, omp_threads=None)).target}
+        if not args.quick:
+            targets[2] = stack.enter_context(serve(model_dir, 2, omp_threads=None)).target
         report["weight_bytes"] = weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-        targets = {1: tp1.target, 2: tp2.target}
-        warm_up = workloads(args.seed, variant=args.rounds + 1)["batch16"][:4]
+        warm_up = workloads(args.seed, variant=rounds + 1)["batch16"][:4]
         for target in targets.values():  # first steps, allocations, connections
             asyncio.run(_load(target, warm_up))
         hf, runner = Transformers(model_dir), bare_runner(model_dir)
-        for i in range(args.rounds):
-            r = measure_round(weight_bytes, runner, hf, targets, workloads(args.seed, variant=i + 1))
+        llama = None
+        if args.llama_server is not None:
+            report["llama_cpp_check"] = check = check_llama_cpp(args, hf, targets[1], loads["single"][0])
+            print(f"llama.cpp check: {check}", flush=True)
+            llama = stack.enter_context(LlamaServer(args.llama_server, args.llama_gguf, threads=args.llama_threads))
+            report["llama_cpp_server"] = {"args": llama.args[1:], "binary": str(args.llama_server)}
+            llama.load(warm_up)
+        for i in range(rounds):
+            r = measure_round(weight_bytes, runner, None if args.quick else hf, targets,
+                              workloads(args.seed, variant=i + 1), llama)
             report["rounds"].append(r)
             print(f"round {i + 1}: " + "; ".join(f"{w} {x:.2f}" for w, x, _, _ in round_ratios(r)), flush=True)
-        report["mixed"] = {"transformers": hf.output_tokens_per_s(loads["mixed"]),
-                           **{f"tpserve_tp{tp}": asyncio.run(_load(t, loads["mixed"])) for tp, t in targets.items()}}
+        report["mixed"] = {f"tpserve_tp{tp}": asyncio.run(_load(t, loads["mixed"])) for tp, t in targets.items()}
+        if llama is not None:
+            report["mixed"]["llama_cpp"] = llama.load(loads["mixed"])
+        if not args.quick:
+            report["mixed"]["transformers"] = hf.output_tokens_per_s(loads["mixed"])
     report["goals"] = verdicts(report)
     for row in report["goals"]:
         print(f"{'MET ' if row['met'] else 'MISS'}  {row['what']}: {row['ratio']:.2f} (goal {row['goal']})"
               + (f"  rounds {row['rounds']}" if "rounds" in row else ""))
     if args.out:
-        save_report(args.out, "peer_comparison.json", report)
+        save_report(args.out, args.name, report)
     return 0
 
 

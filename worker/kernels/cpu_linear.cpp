@@ -39,8 +39,12 @@ using tpserve::hsum;
 // FMAs, and the kRows * R accumulators are independent chains (12 for R = 3: enough to keep both
 // FMA ports busy through the 4-cycle latency, and with the 4 weight vectors and one x vector
 // still within the 16 ymm registers; R = 4 spills).
+// `next`: the following tile's rows (or nullptr), whose lines at the same offsets are prefetched
+// while this tile computes, so the memory stream never waits on the FMAs (the AVX-512 path's
+// prefetch, below; at M = 1 the hardware prefetchers alone lose each 4-row tile's 4 short streams).
 template <int R>
-inline void tile(const float* const w[kRows], const float* x, int64_t ldx, int64_t K, float out[R][kRows]) {
+inline void tile(const float* const w[kRows], const float* x, int64_t ldx, int64_t K, float out[R][kRows],
+                 const float* const* next) {
   __m256 acc[R][kRows];
   for (int r = 0; r < R; ++r) {
     for (int n = 0; n < kRows; ++n) acc[r][n] = _mm256_setzero_ps();
@@ -49,6 +53,9 @@ inline void tile(const float* const w[kRows], const float* x, int64_t ldx, int64
   for (; k + 8 <= K; k += 8) {
     __m256 wv[kRows];
     for (int n = 0; n < kRows; ++n) wv[n] = _mm256_loadu_ps(w[n] + k);
+    if (next && (k & 15) == 0) {  // one prefetch per 64-byte line
+      for (int n = 0; n < kRows; ++n) _mm_prefetch(reinterpret_cast<const char*>(next[n] + k), _MM_HINT_T0);
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
       for (int n = 0; n < kRows; ++n) acc[r][n] = _mm256_fmadd_ps(wv[n], xv, acc[r][n]);
@@ -179,9 +186,9 @@ bool use_avx512(bool enabled) {
 // R rows of y from row m on, for the tile of W rows [n0, n0 + rows).
 template <int R>
 inline void tile_rows(const float* const w[kRows], int64_t rows, int64_t n0, int64_t m, int64_t K, int64_t N,
-                      const float* x, const float* scale, const float* bias, float* y) {
+                      const float* x, const float* scale, const float* bias, float* y, const float* const* next) {
   float out[R][kRows];
-  tile<R>(w, x + m * K, K, K, out);
+  tile<R>(w, x + m * K, K, K, out, next);
   for (int r = 0; r < R; ++r) {
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t n = n0 + i;
@@ -204,7 +211,7 @@ inline void widen_row(const int8_t* q, int64_t K, float* dst) {
 // W's row n as float32 (the row itself, or its widened copy in `buffer`).
 template <typename RowFn>
 void run_rows(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, const float* x,
-              const float* scale, const float* bias, float* y, RowFn row) {
+              const float* scale, const float* bias, float* y, RowFn row, const float* prefetch) {
   std::vector<float> buffer(static_cast<size_t>(kRows * K));
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, n_end - n0);
@@ -213,11 +220,17 @@ void run_rows(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, c
       // A short last tile repeats its last row; the extra results are not written.
       w[r] = row(n0 + std::min<int64_t>(r, rows - 1), buffer.data() + r * K);
     }
+    const float* next_rows[kRows];
+    const float* const* next = nullptr;
+    if (prefetch && n0 + kRows < n_end) {  // as in run_rows512
+      for (int r = 0; r < kRows; ++r) next_rows[r] = prefetch + std::min<int64_t>(n0 + kRows + r, n_end - 1) * K;
+      next = next_rows;
+    }
     // W's tile is read from memory by the first group of x rows and from L1 by the others.
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile_rows<3>(w, rows, n0, m, K, N, x, scale, bias, y);
-    if (M - m == 2) tile_rows<2>(w, rows, n0, m, K, N, x, scale, bias, y);
-    if (M - m == 1) tile_rows<1>(w, rows, n0, m, K, N, x, scale, bias, y);
+    for (; m + 3 <= M; m += 3, next = nullptr) tile_rows<3>(w, rows, n0, m, K, N, x, scale, bias, y, next);
+    if (M - m == 2) tile_rows<2>(w, rows, n0, m, K, N, x, scale, bias, y, next);
+    if (M - m == 1) tile_rows<1>(w, rows, n0, m, K, N, x, scale, bias, y, next);
   }
 }
 
@@ -251,7 +264,7 @@ at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10:
     if (avx512) {
       run_rows512(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, scale, bp, yp, row, prefetch);
     } else {
-      run_rows(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, scale, bp, yp, row);
+      run_rows(t0 * kRows, std::min(N, t1 * kRows), M, K, N, xp, scale, bp, yp, row, prefetch);
     }
   });
   return y;

@@ -1,0 +1,89 @@
+"""How fast a decode step's linears stream the 95M benchmark model's weights, per vector path (issue 26).
+
+All 30 layers' four projections of benchmarks/peer_comparison.py's model (QKV 1024 x 512, O 512 x 512,
+gate-up 3072 x 512, down 512 x 1536; float32, 377 MB, more than any cache) multiplied by ``M`` rows:
+tpserve's compiled kernel on its AVX-512 and AVX2 paths (worker/kernels/cpu_linear.cpp, switched
+with ``use_avx512``), MKL's ``F.linear``, and the read-only bound: ``torch.sum`` over the same bytes.
+Interleaved repetitions (the machine's bandwidth drifts); each system's best and median, in ms and
+GB/s of weights read. llama.cpp's rate for comparison: weight bytes / its decode ms per token in
+peer_comparison.py's report.
+
+    python benchmarks/decode_linears.py [--rows 1 4 16] [--threads 2] [--reps 15]   # ~1 minute
+    python benchmarks/decode_linears.py --threads 1 --cpu-time   # on a busy machine
+
+``--cpu-time`` (one thread only): the calling thread's CPU time instead of wall time, so time
+spent descheduled by other processes does not count (memory stalls still do). On a shared host
+at load average 10-20 it separated variants whose wall times were noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from worker.kernels import cpu_kernels_available  # noqa: E402
+
+SHAPES = [(1024, 512), (512, 512), (3072, 512), (512, 1536)]  # (N, K) of one layer's projections
+LAYERS = 30
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU time (--threads 1)")
+    args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time counts the calling thread only: use --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels_available():
+        print("the compiled kernels are not available on this machine")
+        return 1
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) for _ in range(LAYERS) for n, k in SHAPES]
+    flat = torch.cat([w.flatten() for w in weights])
+    nbytes = flat.numel() * 4
+    ops = torch.ops.tpserve_cpu
+    paths = ["avx512", "avx2"] if ops.use_avx512(True) else ["avx2"]
+    for m in args.rows:
+        xs = {k: torch.randn(m, k, generator=g) for _, k in SHAPES}
+
+        def kernel(path: str) -> None:
+            ops.use_avx512(path == "avx512")
+            for w in weights:
+                ops.linear_f32(xs[w.shape[1]], w, None)
+
+        def mkl() -> None:
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+
+        systems = {f"kernel {p}": (lambda p=p: kernel(p)) for p in paths}
+        systems |= {"MKL F.linear": mkl, "read-only bound (sum)": lambda: flat.sum()}
+        times: dict[str, list[float]] = {name: [] for name in systems}
+        for _ in range(args.reps):
+            for name, fn in systems.items():
+                start = clock()
+                fn()
+                times[name].append(clock() - start)
+        ops.use_avx512(True)
+        print(f"M = {m}, {args.threads} threads, {nbytes / 1e6:.0f} MB of weights, {args.reps} interleaved reps"
+              f"{', thread CPU time' if args.cpu_time else ''}:")
+        for name, ts in times.items():
+            best, median = min(ts), statistics.median(ts)
+            print(f"  {name:24s} best {best * 1e3:7.2f} ms ({nbytes / best / 1e9:5.1f} GB/s)"
+                  f"  median {median * 1e3:7.2f} ms ({nbytes / median / 1e9:5.1f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
