@@ -55,7 +55,7 @@ class LlamaServer:
             self.args += ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]
         self.parallel = parallel
         self.start_timeout_s = start_timeout_s
-        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LlamaServer:
