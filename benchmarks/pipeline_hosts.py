@@ -132,6 +132,14 @@ def serving(hosts: Hosts, layout: str, model: str, master_port: int, logs: Path)
             stop_process_group(proc)
 
 
+def forwarder_cpu_s(hosts: Hosts) -> float | None:
+    """CPU seconds (user + system) the user-space link's forwarder has used so far; None without one."""
+    if hosts.delay is None:
+        return None
+    fields = Path(f"/proc/{hosts.delay.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: proc(5) fields 14, 15
+
+
 def measure(hosts: Hosts, layout: str, model: str, max_tokens: int, master_port: int, logs: Path) -> dict:
     """Starts ``layout`` over the two hosts, measures bytes per step and 16-at-once tokens/s, stops it."""
     with serving(hosts, layout, model, master_port, logs) as client:
@@ -141,13 +149,18 @@ def measure(hosts: Hosts, layout: str, model: str, max_tokens: int, master_port:
         alone = client.generate(PROMPT, **one)
         bytes_per_step = (link_bytes(hosts.leader, hosts.group_link[0]) - before) / max_tokens
         assert len(alone.token_ids) == max_tokens
+        cpu_before = forwarder_cpu_s(hosts)
         started = time.monotonic()
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda _: client.generate(PROMPT, **one), range(16)))
         seconds = time.monotonic() - started
+        cpu_after = forwarder_cpu_s(hosts)
         assert all(r.token_ids == alone.token_ids for r in results)  # the same greedy tokens in the batch
-        return {"bytes_per_step": bytes_per_step, "output_tokens_per_s": 16 * max_tokens / seconds,
-                "seconds_16_at_once": seconds, "token_ids": list(alone.token_ids)}
+        run = {"bytes_per_step": bytes_per_step, "output_tokens_per_s": 16 * max_tokens / seconds,
+               "seconds_16_at_once": seconds, "token_ids": list(alone.token_ids)}
+        if cpu_before is not None and cpu_after is not None:  # how busy the user-space link was meanwhile
+            run["forwarder_cpu_share_16_at_once"] = (cpu_after - cpu_before) / seconds
+        return run
 
 
 def check_goldens(hosts: Hosts, model: str, master_port: int, logs: Path) -> dict:
@@ -243,7 +256,9 @@ def main() -> int:
                         print("another two-host run started meanwhile: the measurement is void", file=sys.stderr)
                         return 2
                     print(f"round {round_index} delay {delay_ms} ms {name}: {run['bytes_per_step']:.0f} B/step, "
-                          f"{run['output_tokens_per_s']:.1f} output tok/s at 16 at once", flush=True)
+                          f"{run['output_tokens_per_s']:.1f} output tok/s at 16 at once"
+                          + (f", forwarder busy {run['forwarder_cpu_share_16_at_once']:.0%}"
+                             if "forwarder_cpu_share_16_at_once" in run else ""), flush=True)
                     runs[delay_ms][name].append(run)
         if args.check_goldens:
             set_delay(hosts, mechanism, max(args.delay_ms))
