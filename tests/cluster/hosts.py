@@ -7,6 +7,10 @@
 
 Each node also runs in its own UTS namespace with its own host name, as on two
 machines (ranks tell hosts apart by name). Traffic stays inside these links.
+``two_hosts(subnet=201)`` uses 10.201.x.x instead (runs beside the tests), and
+``two_hosts(delay_ms=2)`` joins A and B by a link that delays each frame 2 ms each
+way (tests/cluster/delay_link.py: TAP devices and a forwarder, for kernels without
+``tc netem``) instead of the veth pair.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.cluster.delay_link import DelayLink, delay_link
 
 LEADER_IP, HEADLESS_IP = "10.200.0.1", "10.200.0.2"
 CLIENT_IP, LEADER_PUBLIC_IP = "10.200.1.1", "10.200.1.2"
@@ -33,6 +39,12 @@ class Hosts:
     leader: str
     headless: str
     links: list[str] = field(default_factory=list)
+    group_link: tuple[str, str] = ("", "")  # the leader's and the headless host's ends of the A-B link
+    leader_ip: str = LEADER_IP
+    headless_ip: str = HEADLESS_IP
+    client_ip: str = CLIENT_IP
+    leader_public_ip: str = LEADER_PUBLIC_IP
+    delay: DelayLink | None = None  # the user-space delay link, where it joins A and B
 
     def run(self, namespace: str, hostname: str, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         """Starts ``argv`` in ``namespace`` with its own host name; stdout and stderr go to ``log``.
@@ -63,25 +75,43 @@ def netns_unavailable() -> str | None:
 
 
 @contextmanager
-def two_hosts() -> Iterator[Hosts]:
-    """Creates the two namespaces and their links; deletes them on exit, whatever happened."""
+def two_hosts(subnet: int = 200, delay_ms: float | None = None) -> Iterator[Hosts]:
+    """Creates the two namespaces and their links; deletes them on exit, whatever happened.
+
+    Args:
+        subnet: the second octet of every address (10.<subnet>.x.x); the tests use 200.
+        delay_ms: None for a veth pair between A and B; a number (0 included) for the
+            user-space delay link with that one-way delay each direction, in milliseconds.
+    """
     tag = os.getpid() % 100000
-    hosts = Hosts(leader=f"tpA{tag}", headless=f"tpB{tag}")
+    hosts = Hosts(leader=f"tpA{tag}", headless=f"tpB{tag}", leader_ip=f"10.{subnet}.0.1",
+                  headless_ip=f"10.{subnet}.0.2", client_ip=f"10.{subnet}.1.1", leader_public_ip=f"10.{subnet}.1.2")
     try:
-        for ns in (hosts.leader, hosts.headless):
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        group_a, group_b, client_root, client_a = f"tga{tag}", f"tgb{tag}", f"tcr{tag}", f"tca{tag}"
-        _ip("link", "add", group_a, "netns", hosts.leader, "type", "veth", "peer", "name", group_b, "netns", hosts.headless)
-        _ip("link", "add", client_root, "type", "veth", "peer", "name", client_a, "netns", hosts.leader)
-        hosts.links.append(client_root)
-        for ns, dev, addr in ((hosts.leader, group_a, LEADER_IP), (hosts.headless, group_b, HEADLESS_IP),
-                              (hosts.leader, client_a, LEADER_PUBLIC_IP)):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-        _ip("addr", "add", f"{CLIENT_IP}/24", "dev", client_root)
-        _ip("link", "set", client_root, "up")
-        yield hosts
+        with ExitStack() as stack:
+            for ns in (hosts.leader, hosts.headless):
+                _ip("netns", "add", ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+            client_root, client_a = f"tcr{tag}", f"tca{tag}"
+            if delay_ms is None:
+                hosts.group_link = (f"tga{tag}", f"tgb{tag}")
+                _ip("link", "add", hosts.group_link[0], "netns", hosts.leader, "type", "veth", "peer", "name",
+                    hosts.group_link[1], "netns", hosts.headless)
+                for ns, dev, addr in ((hosts.leader, hosts.group_link[0], hosts.leader_ip),
+                                      (hosts.headless, hosts.group_link[1], hosts.headless_ip)):
+                    _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                    _ip("-n", ns, "link", "set", dev, "up")
+            else:
+                hosts.group_link = (f"tda{tag}", f"tdb{tag}")
+                hosts.delay = stack.enter_context(delay_link(
+                    hosts.leader, f"{hosts.leader_ip}/24", hosts.headless, f"{hosts.headless_ip}/24", delay_ms,
+                    hosts.group_link))
+            _ip("link", "add", client_root, "type", "veth", "peer", "name", client_a, "netns", hosts.leader)
+            hosts.links.append(client_root)
+            _ip("-n", hosts.leader, "addr", "add", f"{hosts.leader_public_ip}/24", "dev", client_a)
+            _ip("-n", hosts.leader, "link", "set", client_a, "up")
+            _ip("addr", "add", f"{hosts.client_ip}/24", "dev", client_root)
+            _ip("link", "set", client_root, "up")
+            yield hosts
     finally:
         for ns in (hosts.leader, hosts.headless):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
