@@ -22,6 +22,7 @@ source. No torch.
 from __future__ import annotations
 
 import os
+import signal
 import queue
 import subprocess
 import sys
@@ -234,5 +235,6 @@ def _result(status: str, value: str, timeout_s: float) -> str:
 
 
 if __name__ == "__main__":  # a child: read fd, write fd, model directory, vocabulary size
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the server, which stops us
     _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False),
            sys.argv[3], int(sys.argv[4]))

@@ -24,8 +24,11 @@ MAX_TOKENS = 120
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_process_group_drains_the_stream_and_exits_zero(signum: signal.Signals) -> None:
-    with serve(None, 2, new_session=True) as cluster:
+def test_a_signal_to_the_process_group_drains_the_stream_and_exits_zero(signum: signal.Signals, tmp_path) -> None:
+    log = tmp_path / "server.log"
+    with serve(None, 2, new_session=True, log_path=log) as cluster:
+        # A structured-output request first: its grammar-compiler children are in the group too.
+        assert cluster.client.generate("Is it?", max_tokens=4, choices=["yes", "no"], timeout_s=60).text in ("yes", "no")
         stream = cluster.client.generate_stream("Once upon a time", max_tokens=MAX_TOKENS, temperature=0,
                                                 ignore_eos=True, timeout_s=60)
         token_ids = list(next(stream).token_ids)
@@ -40,6 +43,8 @@ def test_a_signal_to_the_process_group_drains_the_stream_and_exits_zero(signum: 
             cluster.client.generate("Hi", max_tokens=1, timeout_s=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert cluster.process.wait(30) == 0
+    # Every helper process ignores the terminal's Ctrl-C (the coordinator stops them): no traceback.
+    assert "Traceback" not in log.read_text(errors="replace")
 
 
 def test_ranks_in_their_own_session_still_exit_when_the_coordinator_dies() -> None:

@@ -72,6 +72,9 @@ def _build(directory: Path, library: Path) -> None:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
+    # A first build takes about a minute on 2 cores: say so, or a quiet rank looks hung.
+    _log.warning("compiling the tpserve CPU kernels (first use of these sources, about a minute; cached in %s)",
+                 directory)
     private = Path(tempfile.mkdtemp(prefix="build-", dir=directory))
     try:
         cpp_extension.load(name="tpserve_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
