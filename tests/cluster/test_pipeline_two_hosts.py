@@ -14,18 +14,15 @@ then a rank of the headless stage is killed, and the group fails its requests
 from __future__ import annotations
 
 import os
-import signal
-import time
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from tests.cluster.hosts import (LEADER_IP, LEADER_PUBLIC_IP, descendants, netns_unavailable, serve_argv,
                                  stop_process_group, two_hosts)
 from tests.cluster.test_two_hosts import (MASTER_PORT, PUBLIC_PORT, START_TIMEOUT_S, STEP_TIMEOUT_S, Group,
-                                          check_goldens_alone, check_goldens_sixteen_at_once)
-from tests.e2e.cluster import pid_alive
+                                          check_a_killed_rank_fails_the_requests_and_stops_the_group, check_goldens_alone,
+                                          check_goldens_sixteen_at_once)
 from tests.paths import STORIES_DIR, requires_stories
 from tpserve.client import Client
 from tpserve.stream_move import MovePolicy
@@ -84,18 +81,4 @@ def test_goldens_token_for_token_sixteen_at_once(group: Group) -> None:
 
 
 def test_killing_a_rank_of_the_last_stage_fails_requests_and_stops_the_group(group: Group) -> None:
-    stream = group.client.generate_stream("Once upon a time", max_tokens=450, temperature=0, ignore_eos=True)
-    next(stream)
-    os.kill(group.rank_pid(3), signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as info:
-        list(stream)
-    assert time.monotonic() - started < STEP_TIMEOUT_S
-    assert info.value.code() == grpc.StatusCode.INTERNAL
-    assert "request req-" in info.value.details() and "failed" in info.value.details()
-    assert group.leader.wait(30) == 1
-    assert group.headless.wait(30) == 1
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in group.pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in group.pids if pid_alive(p)]
+    check_a_killed_rank_fails_the_requests_and_stops_the_group(group, 3)

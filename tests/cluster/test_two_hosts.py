@@ -170,6 +170,25 @@ def check_goldens_sixteen_at_once(group: Group) -> None:
         assert_matches_golden(result, golden)
 
 
+def check_a_killed_rank_fails_the_requests_and_stops_the_group(group: Group, rank: int) -> None:
+    """SIGKILL of ``rank`` mid-stream: the stream fails (INTERNAL) within a step timeout, both hosts exit 1, no process is left."""
+    stream = group.client.generate_stream("Once upon a time", max_tokens=450, temperature=0, ignore_eos=True)
+    next(stream)
+    os.kill(group.rank_pid(rank), signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    assert time.monotonic() - started < STEP_TIMEOUT_S
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "request req-" in info.value.details() and "failed" in info.value.details()
+    assert group.leader.wait(30) == 1
+    assert group.headless.wait(30) == 1
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in group.pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in group.pids if pid_alive(p)]
+
+
 def test_a_leader_address_that_never_resolves_fails_the_headless_node_naming_it(hosts: Hosts, tmp_path: Path) -> None:
     log = tmp_path / "headless.log"
     flags = ["--model", str(STORIES_DIR), "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
@@ -259,21 +278,7 @@ class TestHeadlessLast:
 
     def test_killing_a_rank_on_the_headless_host_fails_requests_and_stops_the_group(self, group: Group) -> None:
         group.worker_pids()
-        stream = group.client.generate_stream("Once upon a time", max_tokens=450, temperature=0, ignore_eos=True)
-        next(stream)
-        os.kill(group.rank_pid(3), signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as info:
-            list(stream)
-        assert time.monotonic() - started < STEP_TIMEOUT_S
-        assert info.value.code() == grpc.StatusCode.INTERNAL
-        assert "request req-" in info.value.details() and "failed" in info.value.details()
-        assert group.leader.wait(30) == 1
-        assert group.headless.wait(30) == 1
-        deadline = time.monotonic() + 10
-        while any(pid_alive(p) for p in group.pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in group.pids if pid_alive(p)]
+        check_a_killed_rank_fails_the_requests_and_stops_the_group(group, 3)
 
 
 RECOVERY_S = 20
