@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.step import SamplingParams
+from worker.kernels import cpu_kernels_available
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (2**64 / golden ratio)
@@ -112,12 +113,51 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     Returns:
         ``(N, V)`` float32 on ``seeds.device``, every value in ``[6e-8, 16.7]``.
     """
+    return sampling_uniform(seeds, positions, vocab_size).log_().neg_()  # (N, V) Exp(1)
+
+
+def sampling_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, *,
+                     kernel: bool = True) -> torch.Tensor:
+    """:func:`exponential_noise`'s ``(N, V)`` float32 uniforms ``u``, before the ``-log``.
+
+    On the CPU with the compiled kernels (and ``kernel``) one pass of
+    worker/kernels/cpu_sampling.cpp; otherwise about fifteen int64 tensor ops. The bits are the same.
+    """
+    if kernel and _race_kernel(seeds.device):
+        return torch.ops.tpserve_cpu.sampling_uniform(seeds, positions, vocab_size)  # (N, V)
     key = splitmix64_tensor(splitmix64_tensor(seeds) ^ positions)  # (N,)
     counter = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) * _as_int64(_GOLDEN)  # (V,) v * golden
     bits = splitmix64_tensor(key[:, None] + counter[None, :])  # (N, V) mix(key + (v + 1) * golden)
     uniform = _shift_right(bits, 64 - _UNIFORM_BITS).to(torch.float32)  # (N, V) integers in [0, 2**23)
-    uniform.add_(0.5).mul_(2.0**-_UNIFORM_BITS)  # (N, V) in [2**-24, 1 - 2**-24], exact
-    return uniform.log_().neg_()  # (N, V) Exp(1)
+    return uniform.add_(0.5).mul_(2.0**-_UNIFORM_BITS)  # (N, V) in [2**-24, 1 - 2**-24], exact
+
+
+def _race_kernel(device: torch.device) -> bool:
+    """Whether the compiled sampling kernels (worker/kernels/cpu_sampling.cpp) serve ``device``."""
+    return device.type == "cpu" and cpu_kernels_available()
+
+
+def exponential_race(probs: torch.Tensor, seeds: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``argmax_v probs[i, v] / E[i, v]`` with :func:`exponential_noise`'s ``E``, and which rows are finite.
+
+    On the CPU with the compiled kernels, one pass for the uniforms, torch's ``log_`` (so the
+    noise keeps its bits) and one pass for the quotient's argmax and the finiteness check,
+    without the ``(N, V)`` noise and quotient tensors; the same tokens as the tensor ops.
+
+    Args:
+        probs: ``(N, V)`` float32 probabilities.
+        seeds, positions: ``(N,) int64``, as :func:`exponential_noise` takes them.
+
+    Returns:
+        ``(N,) int64`` the race's winners (meaningless in a non-finite row) and ``(N,) bool``
+        whether every probability of the row is finite.
+    """
+    if _race_kernel(probs.device) and probs.dtype == torch.float32:
+        log_u = sampling_uniform(seeds, positions, probs.shape[-1]).log_()  # (N, V)
+        return torch.ops.tpserve_cpu.exponential_race(probs.contiguous(), log_u)
+    noise = exponential_noise(seeds, positions, probs.shape[-1])  # (N, V)
+    return (probs / noise).argmax(dim=-1), torch.isfinite(probs).all(dim=-1)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -324,11 +364,9 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     if sampling.any_truncation:
         scaled = apply_top_k_top_p(scaled, top_k, top_p, sampling.k_max, sampling.any_top_p)  # (S, V)
     probs = scaled.softmax(dim=-1)  # (S, V)
-    noise = exponential_noise(seeds, positions, logits.shape[-1])  # (S, V)
-    sampled_tokens = (probs / noise).argmax(dim=-1)  # (S,) exponential race
     # A row whose scaled logits overflowed (a tiny temperature: logits / 1e-38 = inf,
     # softmax NaN, argmax 0) takes the greedy token, never a garbage one. No host sync.
-    finite = torch.isfinite(probs).all(dim=-1)  # (S,)
+    sampled_tokens, finite = exponential_race(probs, seeds, positions)  # (S,), (S,)
     if rows is None:
         return torch.where(is_sampled & finite, sampled_tokens, greedy_tokens)  # (N,)
     return greedy_tokens.index_copy(0, rows, torch.where(finite, sampled_tokens, greedy_tokens[rows]))  # (N,)

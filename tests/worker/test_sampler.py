@@ -12,20 +12,24 @@ approximation), which a correct sampler exceeds with probability 0.001 per test.
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
 
 from tpserve.step import SamplingParams
+from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
 from worker.sampler import (
     SamplingTensors,
     apply_top_k,
     apply_top_k_top_p,
     exponential_noise,
+    exponential_race,
     sample,
     sample_tensors,
     splitmix64,
     splitmix64_tensor,
+    sampling_uniform,
 )
 
 NUM_DRAWS = 20_000
@@ -100,6 +104,24 @@ def test_noise_is_a_function_of_seed_position_and_token_only() -> None:
     assert float(noise.min()) > 0 and torch.isfinite(noise).all()
     wide = exponential_noise(torch.arange(50), torch.zeros(50, dtype=torch.int64), 2000)  # 100,000 draws
     assert abs(float(wide.mean()) - 1.0) < 0.01 and abs(float(wide.var()) - 1.0) < 0.03  # Exp(1): mean 1, var 1
+
+
+@pytest.mark.skipif(not (_cpu_supports_avx2() and shutil.which("c++")), reason="needs an AVX2 CPU and a C++ compiler")
+def test_the_compiled_noise_and_race_equal_the_tensor_ops_bit_for_bit() -> None:
+    assert cpu_kernels_available()
+    seeds = torch.tensor([0, 1, -1, 2**62, -(2**63), 12345], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 4095, 1, 99, 2**40], dtype=torch.int64)
+    uniform = sampling_uniform(seeds, positions, 5000)  # (6, 5000) worker/kernels/cpu_sampling.cpp
+    assert torch.equal(uniform, sampling_uniform(seeds, positions, 5000, kernel=False))  # the int64 tensor ops
+    probs = (torch.randn(6, 5000, generator=torch.Generator().manual_seed(1)) * 4).softmax(dim=-1)  # (6, V)
+    probs[1] = 0.0  # every quotient 0: the first token, as torch's argmax
+    probs[2, 17] = float("nan")
+    probs[3, 4999] = float("inf")
+    noise = uniform.log().neg()
+    tokens, finite = exponential_race(probs, seeds, positions)
+    assert finite.tolist() == [True, True, False, False, True, True]
+    expected = (probs / noise).argmax(dim=-1)
+    assert torch.equal(tokens[finite], expected[finite]) and int(tokens[1]) == 0
 
 
 def test_greedy_rows_take_the_argmax() -> None:
