@@ -173,6 +173,9 @@ def build_step_inputs(
         builder = select_metadata_builder(paged_kernel=paged_kernel, triton_decode=triton_decode)
     tables = block_tables if isinstance(block_tables, torch.Tensor) else block_table_tensor(block_tables)  # (S, B)
     lens = list(map(len, map(_token_ids, chunks)))
+    if lens.count(1) == len(chunks):  # every chunk one token (a decode step): rows in plan order
+        return _decode_step_inputs(chunks, tables, sampling, block_size, device, with_sampling, workspace, builder,
+                                   num_prompt_tokens)
     starts = list(map(_start_position, chunks))
     short, spec_in_group = builder.max_group_query_len, builder.spec_rows_in_group
     first = [n <= short or (spec_in_group and c.num_spec_tokens > 0) for n, c in zip(lens, chunks)]
@@ -241,6 +244,49 @@ def build_step_inputs(
         input_ids=dev["input_ids"], attn=attn,
         sample_rows=dev["sample_rows"] if sampled else None, sampling=sampling_tensors,
         chunk_last_rows=tuple(last_row), spec_rows=dev["spec_rows"] if spec else None, spec_sampling=spec_sampling,
+    )
+
+
+def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, sampling: Sequence[SamplingParams],
+                        block_size: int, device: torch.device, with_sampling: bool,
+                        workspace: dict[str, torch.Tensor] | None, builder: AttentionMetadataBuilder,
+                        num_prompt_tokens: Sequence[int] | None) -> StepInputs:
+    """:func:`build_step_inputs` of a step whose chunks are all one token (no proposals can be among them):
+    the same inputs, without the reordering's passes. Row ``i`` is chunk ``i``, the decode group all of them."""
+    num_rows = len(chunks)
+    starts = list(map(_start_position, chunks))
+    packer = _Packer()
+    packer.add("input_ids", [c.token_ids[0] for c in chunks])
+    positions = torch.tensor(starts, dtype=torch.int64)  # (S,)
+    packer.add("positions", positions)
+    packer.add("slots", tables.gather(1, (positions // block_size)[:, None]).view(-1) * block_size
+               + positions % block_size)  # (S,)
+    if num_prompt_tokens is not None:
+        packer.add("rope_seq_lens", torch.maximum(torch.tensor(num_prompt_tokens, dtype=torch.int64), positions + 1))
+    decode_blocks = -(-(max(starts) + 1) // block_size)
+    packer.add("decode_context_lens", positions + 1)  # (S,) one entry per chunk and per row alike
+    if builder.one_entry_per_chunk:
+        packer.add("decode_query_start_loc", torch.arange(num_rows + 1, dtype=torch.int64))  # (S + 1,)
+    packer.add("decode_tables", tables[:, :decode_blocks])  # (S, blocks)
+    sampled = [i for i, sample in enumerate(map(_sample, chunks)) if sample]  # a chunk's last row is its index
+    all_sampled = len(sampled) == num_rows
+    sampled_params = sampling if all_sampled else [sampling[i] for i in sampled]
+    if sampled:
+        packer.add("sample_rows", sampled)
+    floats: dict[str, list[float]] = {}
+    build_sampling = with_sampling and bool(sampled)
+    if build_sampling:
+        add_sampling(packer, floats, "", sampled_params, [s + 1 for s in starts] if all_sampled else
+                     [starts[i] + 1 for i in sampled])
+    dev = packer.to_device(device, floats)
+    group = DecodeGroup(num_rows, dev["decode_tables"].view(num_rows, -1), dev["decode_context_lens"],
+                        dev.get("decode_query_start_loc"))
+    attn = builder.build(dev["positions"], dev["slots"], group, [], block_size, {} if workspace is None else workspace,
+                         dev.get("rope_seq_lens"))
+    return StepInputs(
+        input_ids=dev["input_ids"], attn=attn, sample_rows=dev["sample_rows"] if sampled else None,
+        sampling=packed_sampling_tensors(dev, "", sampled_params) if build_sampling else None,
+        chunk_last_rows=tuple(range(num_rows)),
     )
 
 

@@ -144,3 +144,43 @@ def test_a_pure_decode_step(D: int, paged_kernel: bool) -> None:
     ref0 = F.scaled_dot_product_attention(q[0][:, None], keys0, vals0)[:, 0]  # (H, D)
     torch.testing.assert_close(out[0].view(HEADS, D), ref0)
     torch.testing.assert_close(out[1].view(HEADS, D), v[1].repeat_interleave(2, 0))  # softmax over one key
+
+
+@pytest.mark.parametrize("paged_kernel", [False, True])
+def test_a_step_of_one_token_chunks_lines_up_in_plan_order(paged_kernel: bool, monkeypatch) -> None:
+    """The decode step's own path (worker/step_inputs.py's ``_decode_step_inputs``): rows in plan order, a
+    chunk that does not sample, dynamic-RoPE lengths, and still one host-to-device copy."""
+    chunks = [ScheduledChunk(0, (11,), 9), ScheduledChunk(1, (12,), 2, sample=False), ScheduledChunk(2, (13,), 4)]
+    sampling = [SamplingParams(temperature=0.5 * i, top_k=i, seed=i) for i in range(3)]
+
+    def build(device: str):
+        return build_step_inputs(chunks, [[0, 5, 3], [4], [6, 1]], sampling, BLOCK_SIZE, torch.device(device),
+                                 paged_kernel=paged_kernel, num_prompt_tokens=[4, 8, 2])
+
+    inputs = build("cpu")
+    meta = inputs.attn
+    assert inputs.input_ids.tolist() == [11, 12, 13] and meta.positions.tolist() == [9, 2, 4]
+    assert meta.slot_mapping.tolist() == [13, 18, 4]  # block_table[pos // 4] * 4 + pos % 4
+    assert meta.num_decodes == 3 and meta.prefills == ()
+    assert meta.decode_block_tables.tolist() == [[0, 5, 3], [4, 0, 0], [6, 1, 0]]
+    assert meta.decode_context_lens.tolist() == [10, 3, 5]
+    if paged_kernel:
+        assert meta.decode_query_start_loc.tolist() == [0, 1, 2, 3] and meta.decode_mask is None
+    else:
+        assert meta.decode_query_start_loc is None and meta.decode_mask[:, 0, 0].sum(-1).tolist() == [10, 3, 5]
+    assert meta.rope_seq_lens.tolist() == [10, 8, 5]  # max(prompt length, position + 1)
+    assert inputs.sample_rows.tolist() == [0, 2] and inputs.chunk_last_rows == (0, 1, 2)
+    s = inputs.sampling
+    assert s.temperature.tolist() == [0.0, 1.0] and s.top_k.tolist() == [0, 2] and s.positions.tolist() == [10, 5]
+    assert s.seeds.tolist() == [0, 2] and s.sampled_rows.tolist() == [1] and not s.all_greedy
+    copies = []
+    original = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out.device != self.device:
+            copies.append(tuple(self.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    assert build("meta").input_ids.device.type == "meta" and len(copies) == 1, copies
