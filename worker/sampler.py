@@ -252,6 +252,8 @@ class SamplingTensors:
         k_max: host-side hint: the largest ``top_k`` of the sampled rows when every row with
             ``top_p < 1`` has a ``top_k`` (candidates by ``topk``, no sort); None otherwise.
         any_top_p: host-side hint: some sampled row has ``top_p < 1``.
+        unit_temperature: host-side hint: every sampled row has ``temperature == 1`` (the
+            division, ``x / 1 == x`` exactly, is skipped).
     """
 
     temperature: torch.Tensor
@@ -265,6 +267,7 @@ class SamplingTensors:
     sampled_rows: torch.Tensor | None = None
     k_max: int | None = None
     any_top_p: bool = True
+    unit_temperature: bool = False
 
     @classmethod
     def from_params(
@@ -299,7 +302,7 @@ def host_hints(params: Sequence[SamplingParams]) -> dict:
     k_max = max(p.top_k for p in sampled)
     bounded = k_max > 0 and not any(p.top_p < 1.0 and p.top_k == 0 for p in sampled)
     return dict(all_greedy=False, any_truncation=any_top_p or k_max > 0, k_max=k_max if bounded else None,
-                any_top_p=any_top_p)
+                any_top_p=any_top_p, unit_temperature=all(p.temperature == 1.0 for p in sampled))
 
 
 def add_sampling(packer, floats: dict[str, list[float]], prefix: str, params: Sequence[SamplingParams],
@@ -351,8 +354,11 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     if sampling.all_greedy:
         return greedy_tokens
     is_sampled = sampling.temperature > 0  # (N,)
-    temperature = torch.where(is_sampled, sampling.temperature, 1.0)  # (N,) no division by 0
-    scaled = logits / temperature[:, None]  # (N, V)
+    if sampling.unit_temperature:  # every sampled row at temperature 1 (greedy rows' scaled logits go unused)
+        scaled = logits  # (N, V)
+    else:
+        temperature = torch.where(is_sampled, sampling.temperature, 1.0)  # (N,) no division by 0
+        scaled = logits / temperature[:, None]  # (N, V)
     for processor in sampling.processors:
         if processor.after_temperature:
             scaled = processor.apply(scaled)  # (N, V) min_p
