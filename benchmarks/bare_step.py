@@ -135,6 +135,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     trees = {"candidate": REPO} if args.baseline is None else {"baseline": args.baseline.resolve(), "candidate": REPO}
     runs: dict[str, list[dict[str, list[float]]]] = {name: [] for name in trees}
+    machine = _machine()
     for _ in range(args.rounds):
         for name, tree in trees.items():
             runs[name].append(_run_tree(tree, sizes, args.steps, args.threads))
@@ -155,7 +156,23 @@ def main() -> None:
         print(f"| {n} | " + " | ".join(cells) + ratio + " |")
     if args.json is not None:
         args.json.write_text(json.dumps({"rounds_wall_cpu_s": runs, "medians_wall_cpu_s": medians,
-                                         "threads": args.threads, "steps": args.steps}, indent=1) + "\n")
+                                         "threads": args.threads, "steps": args.steps,
+                                         "trees": {name: str(tree) for name, tree in trees.items()},
+                                         "machine": dict(machine, load_average_end=os.getloadavg())},
+                                        indent=1) + "\n")
+
+
+def _machine() -> dict:
+    """What the numbers were measured on: CPU, cores, torch, the time (UTC) and the load when it started."""
+    import platform
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "load_average_start": os.getloadavg()}
 
 
 if __name__ == "__main__":
