@@ -64,9 +64,6 @@ inline __m128 dot4(const __m256 (&q)[D8], const float* k0, const float* k1, cons
 // 20 interleaved runs against the version without).
 constexpr int64_t kAhead = 16;
 
-// The most bytes of one sequence's keys (and as many of its values) asked for ahead of it.
-constexpr int64_t kSequencePrefetchBytes = 32 * 1024;
-
 // Prefetch 4 consecutive rows (positions) of one head: the pointer array is padded past the end.
 template <int D8>
 inline void prefetch_rows(const float* const* rows) {
@@ -184,39 +181,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), token_stride = KVH * d;
-  // The first position any row of sequence s reads: 0, or its first row's window start (earlier blocks skipped).
-  auto first_position = [&](int64_t s) {
-    return sliding_window > 0 ? std::max<int64_t>(0, lens[s] - (starts[s + 1] - starts[s]) - sliding_window + 1)
-                              : int64_t{0};
-  };
-  // Ask for sequence s's keys and values, every KV head (whole blocks' worth of contiguous rows), up to
-  // kSequencePrefetchBytes of each, while the sequence before it is computed: the per-head passes read
-  // one line in KVH, which the hardware prefetchers follow badly, and a short context's rows are then
-  // in cache before its first head starts. 64 decodes of 35 positions, 4 KV heads of 16, caches flushed
-  // before each call: 0.38 -> 0.34 ms (warm: 0.09 either way); inside the embedded model's decode step
-  // on the busy 2-core host the difference was within the noise (asking two sequences ahead: the same).
-  auto prefetch_sequence = [&](int64_t s) {
-    const int64_t L = lens[s], row_bytes = token_stride * static_cast<int64_t>(sizeof(float));
-    const int64_t* table = tables + s * max_blocks;
-    int64_t budget = kSequencePrefetchBytes;
-    for (int64_t b = first_position(s) / block_size; b * block_size < L && budget > 0; ++b) {
-      const int64_t bytes = std::min(block_size, L - b * block_size) * row_bytes;
-      const char* kb = reinterpret_cast<const char*>(kp + table[b] * block_size * token_stride);
-      const char* vb = reinterpret_cast<const char*>(vp + table[b] * block_size * token_stride);
-      for (int64_t off = 0; off < bytes && budget > 0; off += 64, budget -= 64) {
-        _mm_prefetch(kb + off, _MM_HINT_T1);
-        _mm_prefetch(vb + off, _MM_HINT_T1);
-      }
-    }
-  };
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const float*> keys, values;
-    if (begin < end) prefetch_sequence(begin / KVH);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
-      if (j == 0 && s + 1 < S) prefetch_sequence(s + 1);
-      const int64_t lo = first_position(s);
+      // The first position any row reads: 0, or the first row's window start (earlier blocks are skipped).
+      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, L - n - sliding_window + 1) : 0;
       // Where each position's key and value lie, once for all of the sequence's query rows.
       keys.resize(static_cast<size_t>(L - lo + 4 + kAhead));
       values.resize(static_cast<size_t>(L - lo + 4 + kAhead));
