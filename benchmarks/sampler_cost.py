@@ -3,9 +3,10 @@ logits processors, pick the tokens. One command, bounded (about 10 s):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sampler_cost.py [--rows 64] [--vocab 512] [--repeats 300]
 
-Prints the median CPU microseconds (the thread's) per call for a greedy batch and a mixed batch (half greedy, half
+Prints the median CPU microseconds (the thread's) per call for a greedy batch, a mixed batch (half greedy, half
 sampled with temperature 0.8, top_k 40, top_p 0.9; every fourth sampled row with min_p 0.05 and a
-repetition penalty over a 100-token history). Runs on whichever sampler the checkout has (the
+repetition penalty over a 100-token history) and a default batch (every row the default parameters,
+temperature 1 and no filter, a seed each: benchmarks/bare_step.py's sampling). Runs on whichever sampler the checkout has (the
 old ``worker.logits_controls`` or ``worker.logits_processors``), so a before / after is two runs
 of this script in two checkouts, interleaved (``--compare OTHER_CHECKOUT``).
 """
@@ -31,7 +32,8 @@ def _batches(rows: int):
              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=i,
                             **(dict(min_p=0.05, repetition_penalty=1.2) if i % 8 == 1 else {}))
              for i in range(rows)]
-    return {"greedy": greedy, "mixed": mixed}
+    default = [SamplingParams(seed=i) for i in range(rows)]  # temperature 1, no filter: every row races
+    return {"greedy": greedy, "mixed": mixed, "default": default}
 
 
 def _sampler(params, positions, histories):
@@ -100,7 +102,9 @@ def main() -> None:
                "--repeats", str(args.repeats), "--json"]
         for round_ in range(3):
             for label, root in (("other", Path(args.compare).resolve()), ("this", ROOT)):
-                out = subprocess.run([str(root / ".venv/bin/python"), *cmd, "--root", str(root)], cwd=root,
+                python = root / ".venv/bin/python"  # a bare worktree of another commit: this interpreter
+                out = subprocess.run([str(python if python.exists() else sys.executable), *cmd, "--root", str(root)],
+                                     cwd=root,
                                      capture_output=True, text=True, check=True,
                                      env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
                 result = json.loads(out.stdout)
