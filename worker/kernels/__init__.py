@@ -12,6 +12,10 @@ The ops land in ``torch.ops.tpserve_cpu``:
   scores soft-capped when ``logit_softcap`` > 0) over its paged context (cpu_attention.cpp)
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache`` (``qk_norm_rotary_and_cache``:
   after a per-head q/k RMSNorm): the decoder layer's elementwise work in one pass each (cpu_elementwise.cpp)
+* ``sampling_uniform(seeds (N,) int64, positions (N,) int64, vocab_size) -> (N, V) f32`` and
+  ``exponential_race(probs (N, V) f32, log_u (N, V) f32) -> ((N,) int64, (N,) bool)``: the sampler's
+  counter-based uniforms and the exponential race's argmax with the rows' finiteness (cpu_sampling.cpp;
+  the same bits as worker/sampler.py's tensor ops)
 * ``shm_collective(x, base, rank, world_size, max_bytes, seq, publish, reduce, spin_s, wait_s) -> bool``:
   one shared-memory all-reduce or exchange between same-host ranks (cpu_shm.cpp; the protocol is
   worker/comm/shm_allreduce.py's)
