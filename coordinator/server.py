@@ -17,6 +17,7 @@ from coordinator.cache_isolation import tenant_id
 from coordinator.chat import prepare_chat
 from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
+from coordinator.output_collector import UNARY
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
@@ -89,7 +90,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         last: RequestOutput | None = None
         logprobs: list[pb.TokenLogprob] = []
         prompt_logprobs: list[pb.TokenLogprob] = []
-        async for output in self.engine.generate(params, context.time_remaining()):
+        # UNARY: the engine wakes this handler once, at the end, with every token merged.
+        async for output in self.engine.generate(params, context.time_remaining(), stream_interval=UNARY):
             text.append(output.text)
             token_ids.extend(output.token_ids)
             logprobs.extend(_logprobs(output))
