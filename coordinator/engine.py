@@ -427,6 +427,20 @@ class Engine:
             self.metrics.time_to_first_token.observe(now - state.arrival_time)
             if seq.sampling.prompt_logprobs is not None:
                 prompt_logprobs = prompt_token_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
+        if len(outs) == 1 and outs[0].finish_reason is None and outs[0].logprobs is None:
+            # The common case, one token mid-sequence without logprobs (issue 26, per-token
+            # cost): what the loop below does for it, without the loop.
+            token_id = outs[0].token_id
+            text, matched = state.stop_matcher.push(state.detokenizer.step(token_id))
+            finish = None
+            if matched:
+                self.scheduler.finish(seq, FinishReason.STOP)
+                finish = FinishReason.STOP
+                self._observe_finished(state, now, finish)
+            state.queue.put_nowait(RequestOutput(state.request_id, text, [token_id], finish, seq.num_prompt_tokens,
+                                                 seq.num_output_tokens, seq.num_cached_prompt_tokens or 0, (),
+                                                 prompt_logprobs))
+            return
         text, token_ids, logprobs, finish = "", [], [], None
         for index, out in enumerate(outs):
             finish, matched = out.finish_reason, False
