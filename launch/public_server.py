@@ -243,8 +243,8 @@ def freeze_startup_heap() -> None:
     each full collection they trigger would otherwise walk the whole start-up heap again (about
     8% of the coordinator's CPU at 64 streams before this; benchmarks/coordinator_cpu.py).
     Objects frozen here are never collected, so only what lives for the process is frozen:
-    a collection first frees start-up's garbage. Called again after a recovery it freezes
-    the new group's objects too.
+    a collection first frees start-up's garbage. Requests in flight are not frozen with it
+    (none is: it runs before the health service says SERVING).
     """
     gc.collect()
     gc.freeze()
