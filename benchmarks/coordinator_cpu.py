@@ -18,6 +18,9 @@ bounded: about 2-4 minutes on a quiet 2-core machine with the defaults.
     .venv/bin/python benchmarks/coordinator_cpu.py --baseline /tmp/tpserve-main --out benchmarks/results
 
 ``--also NAME=DIR`` adds further checkouts (another branch, a merge) to the same rounds.
+``--stream-interval N...`` serves this checkout once per interval (``--stream-interval``
+of ``tpserve serve``: tokens per stream message; 1 is the default), named ``candidate``
+for 1 and ``candidate_siN`` otherwise, all in the same rounds.
 """
 
 from __future__ import annotations
@@ -52,15 +55,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextmanager
-def server(checkout: Path, max_num_seqs: int, log_path: Path | None):
-    """``tpserve serve`` of the checkout ``checkout`` (its code imported first); yields (pid, target)."""
+def server(checkout: Path, max_num_seqs: int, log_path: Path | None, extra_args: tuple[str, ...] = ()):
+    """``tpserve serve`` of the checkout ``checkout`` (its code imported first, ``extra_args`` added);
+    yields (pid, target)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
     # The launch package holds the CLI since issue 24; older checkouts (baselines) have it in tpserve.
     cli = "launch.cli" if (checkout / "launch" / "cli.py").is_file() else "tpserve.cli"
     cmd = [sys.executable, "-m", cli, "serve", "--tensor-parallel-size", "1", "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", str(free_port()), "--max-num-seqs", str(max_num_seqs),
-           "--max-num-batched-tokens", str(max(2048, max_num_seqs * 8))]
+           "--max-num-batched-tokens", str(max(2048, max_num_seqs * 8)), *extra_args]
     log_file = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
     process = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"
@@ -112,16 +116,20 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--stream-interval", type=int, nargs="+", default=[1],
+                        help="serve this checkout once per interval (tokens per stream message)")
     parser.add_argument("--out", type=Path, help="write coordinator_cpu.json here")
     parser.add_argument("--log-dir", type=Path, help="write each server's log here")
     args = parser.parse_args()
-    checkouts = {"candidate": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    checkouts = {("candidate" if i == 1 else f"candidate_si{i}"): ROOT for i in args.stream_interval}
+    extra = {name: ("--stream-interval", name.removeprefix("candidate_si")) for name in checkouts if name != "candidate"}
+    checkouts |= {"baseline": args.baseline.resolve()} if args.baseline else {}
     checkouts |= {name: Path(path).resolve() for name, _, path in (also.partition("=") for also in args.also)}
     max_num_seqs = max(args.streams)
     results: dict[str, dict[int, list[dict]]] = {name: {n: [] for n in args.streams} for name in checkouts}
     with ExitStack() as stack:
         servers = {name: stack.enter_context(server(path, max_num_seqs, args.log_dir / f"{name}.log"
-                                                    if args.log_dir else None))
+                                                    if args.log_dir else None, extra.get(name, ())))
                    for name, path in checkouts.items()}
         for pid, target in servers.values():  # warm-up: first requests compile and allocate
             measure(pid, target, 4, 8)
@@ -148,6 +156,7 @@ def main() -> None:
         table.append(row)
         print(row)
     report = {"benchmark": "coordinator_cpu", "model": "embedded default", "tensor_parallel_size": 1,
+              "stream_intervals": args.stream_interval,
               "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": platform.platform(),
               "processor": platform.processor(), "num_cpus": os.cpu_count(), "load_average": os.getloadavg(),
               "time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

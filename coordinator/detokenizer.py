@@ -86,8 +86,10 @@ class IncrementalDetokenizer:
         """
         if token_id in self._special:
             return ""
-        self._window.append(token_id)
-        text = self._tokenizer.decode(self._window)
+        window = self._window
+        window.append(token_id)
+        # The steady state, one anchor token and the new one: a memoized decode.
+        text = self._tokenizer.decode_pair(*window) if len(window) == 2 else self._tokenizer.decode(window)
         if text.endswith(_REPLACEMENT) and self.num_held_tokens < _MAX_HELD_TOKENS:
             return ""
         return self._emit(text)

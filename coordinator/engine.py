@@ -110,12 +110,19 @@ class Engine:
         on_group_failure: called with the reason when a step fails; returns True when
             the group is being restarted (the caller then calls :meth:`suspend` and
             later :meth:`resume`), False to fail every request.
+        micro_batches: steps in flight at once (pipeline stages).
+        stream_interval: tokens a stream's handler waits for before it is woken (the first
+            output and the last go at once): coordinator/output_collector.py.
     """
 
     def __init__(self, scheduler: Scheduler, workers: WorkerGroup, tokenizer: Tokenizer, max_model_len: int,
                  max_queue_len: int, metrics: Metrics, on_fatal: Callable[[str], None] = lambda _: None,
-                 on_group_failure: Callable[[str], bool] = lambda _: False, micro_batches: int = 1) -> None:
+                 on_group_failure: Callable[[str], bool] = lambda _: False, micro_batches: int = 1,
+                 stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.scheduler = scheduler
+        self.stream_interval = stream_interval
         self.micro_batches = micro_batches  # steps in flight: the pipeline's stages (coordinator/micro_batches.py)
         self.workers = workers
         self.tokenizer = tokenizer
@@ -169,8 +176,14 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------
 
-    async def generate(self, params: GenerateParams, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, params: GenerateParams, timeout_s: float | None = None,
+                       stream_interval: int | None = None) -> AsyncIterator[RequestOutput]:
         """Adds a request and yields its outputs until it finishes.
+
+        Outputs produced while the caller had not taken the previous one arrive merged into
+        one; ``stream_interval`` (default: the engine's; :data:`UNARY` for a caller that
+        wants only the end) holds them back until that many tokens are pending
+        (coordinator/output_collector.py).
 
         Leaving the iteration early (the client cancelled) aborts the request and frees
         its KV blocks. A structured-output request is queued once rank 0 has built its
@@ -184,7 +197,7 @@ class Engine:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if params.sampling.grammar and self.state in (EngineState.SERVING, EngineState.RESUMED):
             await self._prepare_grammar(params.sampling.grammar, deadline, timeout_s)
-        state = self._add(params)
+        state = self._add(params, self.stream_interval if stream_interval is None else stream_interval)
         # One timer per request, not one per output (asyncio.wait_for wraps every get in a task).
         timer = None if deadline is None else asyncio.get_running_loop().call_later(
             max(deadline - time.monotonic(), 0.0), state.queue.put_nowait,
@@ -221,7 +234,7 @@ class Engine:
         except ValueError as exc:
             raise TpserveError(f"rank 0 refused a grammar the coordinator accepted: {exc}") from None
 
-    def _add(self, params: GenerateParams) -> _RequestState:
+    def _add(self, params: GenerateParams, stream_interval: int) -> _RequestState:
         if self.state is EngineState.DEAD:
             raise UnavailableError(f"the worker group is down: {self._reason}")
         if self.state is EngineState.RECOVERING:
@@ -251,7 +264,7 @@ class Engine:
         )
         state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
                               StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic(),
-                              params.tenant)
+                              params.tenant, RequestOutputCollector(stream_interval))
         for token_id in params.generated_token_ids:  # text the caller has: replayed, so stop strings span the seam
             if state.stop_matcher.push(state.detokenizer.step(token_id))[1]:
                 raise InvalidArgumentError(f"request {request_id}: the text of generated_token_ids contains a stop "
@@ -414,6 +427,20 @@ class Engine:
             self.metrics.time_to_first_token.observe(now - state.arrival_time)
             if seq.sampling.prompt_logprobs is not None:
                 prompt_logprobs = prompt_token_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
+        if len(outs) == 1 and outs[0].finish_reason is None and outs[0].logprobs is None:
+            # The common case, one token mid-sequence without logprobs (issue 26, per-token
+            # cost): what the loop below does for it, without the loop.
+            token_id = outs[0].token_id
+            text, matched = state.stop_matcher.push(state.detokenizer.step(token_id))
+            finish = None
+            if matched:
+                self.scheduler.finish(seq, FinishReason.STOP)
+                finish = FinishReason.STOP
+                self._observe_finished(state, now, finish)
+            state.queue.put_nowait(RequestOutput(state.request_id, text, [token_id], finish, seq.num_prompt_tokens,
+                                                 seq.num_output_tokens, seq.num_cached_prompt_tokens or 0, (),
+                                                 prompt_logprobs))
+            return
         text, token_ids, logprobs, finish = "", [], [], None
         for index, out in enumerate(outs):
             finish, matched = out.finish_reason, False

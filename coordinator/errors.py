@@ -7,6 +7,7 @@ Anything else that escapes a handler is a bug: INTERNAL, with the request id.
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -122,6 +123,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, _safe_deserializer(handler.request_deserializer, method), handler.response_serializer)
+        if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
+            inner_writer = handler.unary_stream  # writes its messages itself (context.write)
+
+            async def unary_stream_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                if isinstance(request, _Undecodable):
+                    await _refuse_undecodable(context, method, request)
+                try:
+                    await inner_writer(request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
+                    await _abort(context, method, request, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_writer, _safe_deserializer(handler.request_deserializer, method),
+                handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 

@@ -47,14 +47,16 @@ def sample_params(params: GenerateParams, index: int) -> GenerateParams:
 
 
 async def generate_n(engine: Engine, params: GenerateParams, n: int,
-                     timeout_s: float | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yields ``(sample index, output)`` of ``n`` samples of ``params`` until all have finished.
+                     timeout_s: float | None = None,
+                     stream_interval: int | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields ``(sample index, output)`` of ``n`` samples of ``params`` until all have finished
+    (``stream_interval``: :meth:`Engine.generate`'s, for every sample).
 
     Raises:
         The first error of any sample (:meth:`Engine.generate`'s); the others are then aborted.
     """
     if n == 1:
-        async for output in engine.generate(params, timeout_s):
+        async for output in engine.generate(params, timeout_s, stream_interval):
             yield 0, output
         return
     outputs: asyncio.Queue = asyncio.Queue()
@@ -62,7 +64,7 @@ async def generate_n(engine: Engine, params: GenerateParams, n: int,
 
     async def run(index: int) -> None:
         try:
-            async for output in engine.generate(sample_params(params, index), timeout_s):
+            async for output in engine.generate(sample_params(params, index), timeout_s, stream_interval):
                 prefilled.set()
                 outputs.put_nowait((index, output))
         except Exception as exc:  # noqa: BLE001 - handed to the caller's iteration

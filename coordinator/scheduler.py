@@ -320,8 +320,9 @@ class Scheduler:
             if chunk.num_spec_tokens or chunk.num_draft_tokens:
                 outputs += self._apply_verified(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset])
                 continue
-            self.kv_cache.cache_full_blocks(seq, seq.num_computed_tokens + chunk.num_tokens)
-            seq.num_computed_tokens += chunk.num_tokens
+            num_computed = seq.num_computed_tokens + len(chunk.token_ids)
+            self.kv_cache.cache_full_blocks(seq, num_computed)
+            seq.num_computed_tokens = num_computed
             if token_id is None:
                 continue
             reason = seq.append_token(token_id)

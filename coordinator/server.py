@@ -17,6 +17,7 @@ from coordinator.cache_isolation import tenant_id
 from coordinator.chat import prepare_chat
 from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
+from coordinator.output_collector import UNARY
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
@@ -89,7 +90,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         last: RequestOutput | None = None
         logprobs: list[pb.TokenLogprob] = []
         prompt_logprobs: list[pb.TokenLogprob] = []
-        async for output in self.engine.generate(params, context.time_remaining()):
+        # UNARY: the engine wakes this handler once, at the end, with every token merged.
+        async for output in self.engine.generate(params, context.time_remaining(), stream_interval=UNARY):
             text.append(output.text)
             token_ids.extend(output.token_ids)
             logprobs.extend(_logprobs(output))
@@ -101,17 +103,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last), logprobs=logprobs,
             prompt_logprobs=prompt_logprobs)
 
-    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Writes each output as a message with ``context.write`` (grpc.aio's reader-writer API):
+        a coroutine, not an async generator, so a message passes no generator of ours (nor the
+        error interceptor's) on its way out (issue 26, per-token cost)."""
         n = num_samples(request.sampling_params)
         params = await self._validate(request, context)
-        if n == 1:  # the common case, one async-generator hop fewer per message
+        write = context.write
+        if n == 1:  # the common case: no task of generate_n's in between
             async for output in self.engine.generate(params, context.time_remaining()):
                 if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                    yield _stream_response(output, 0)
+                    await write(_stream_response(output, 0))
             return
         async for index, output in generate_n(self.engine, params, n, context.time_remaining()):
             if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                yield _stream_response(output, index)  # else text held back and no token: nothing to send
+                await write(_stream_response(output, index))  # else text held back and no token: nothing to send
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         self._check_loaded()

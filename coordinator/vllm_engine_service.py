@@ -40,6 +40,7 @@ from coordinator.cache_isolation import tenant_id
 from coordinator.engine import Engine
 from coordinator.errors import UnavailableError
 from coordinator.kv_events import KvEventLog
+from coordinator.output_collector import UNARY
 from coordinator.parallel_sampling import generate_n
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
@@ -101,7 +102,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         logprobs = [[] for _ in range(n)]
         prompt_logprobs = [[] for _ in range(n)]
         completes = {}
-        async for index, output in generate_n(engine, params, n, context.time_remaining()):
+        # Not streamed: each sample's handler is woken once, at its end (coordinator/output_collector.py).
+        interval = None if request.stream else UNARY
+        async for index, output in generate_n(engine, params, n, context.time_remaining(), interval):
             prompt_logprobs[index].extend(output.prompt_logprobs)
             finished = output.finish_reason is not None
             if request.stream:

@@ -143,7 +143,8 @@ class Leader:
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,
                       cfg.scheduler.max_queue_len, self.metrics, on_fatal=lambda reason: self.stop(1),
-                      on_group_failure=self._group_failed, micro_batches=cfg.parallel.pipeline_parallel_size)
+                      on_group_failure=self._group_failed, micro_batches=cfg.parallel.pipeline_parallel_size,
+                      stream_interval=cfg.server.stream_interval)
 
     def _group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> bool:
         """A rank or a node is lost: restart the group or stop (:meth:`launch.recovery.Recovery.group_failed`)."""

@@ -100,6 +100,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--ssl-ca-certs", dict(help="PEM CA bundle: require client certificates signed by it (mutual TLS)")),
         ("--api-key", dict(help="require 'authorization: Bearer KEY' on Generation calls (health stays open)")),
         ("--api-key-file", dict(help="file of accepted API keys, one per line")),
+        ("--stream-interval", dict(type=int, help="tokens a stream gathers per message (first and last go at once; "
+                                                  "default 1: every step)")),
     ],
 }
 

@@ -236,6 +236,10 @@ class ServerConfig(_Frozen):
             (mutual TLS).
         api_key, api_key_file: accepted bearer keys (the file: one per line);
             Generation calls without one get UNAUTHENTICATED (coordinator/auth.py).
+        stream_interval: tokens a stream gathers before it is sent (vLLM's and SGLang's
+            ``--stream-interval``); its first and last messages go at once. 1 sends every
+            step's tokens; more: fewer messages, less coordinator CPU per token
+            (coordinator/output_collector.py).
     """
 
     host: str = "0.0.0.0"
@@ -250,6 +254,7 @@ class ServerConfig(_Frozen):
     ssl_ca_certs: str | None = None
     api_key: str | None = None
     api_key_file: str | None = None
+    stream_interval: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check_tls(self) -> ServerConfig:

@@ -21,7 +21,7 @@ from tpserve.v1 import worker_pb2 as pb
 
 def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
     """Encodes a plan for the wire."""
-    return pb.StepPlan(
+    msg = pb.StepPlan(
         step_id=plan.step_id,
         new_seqs=[
             pb.NewSequence(
@@ -33,22 +33,22 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
             )
             for seq in plan.new_seqs
         ],
-        scheduled=[
-            pb.ScheduledChunk(
-                seq_id=chunk.seq_id,
-                token_ids=chunk.token_ids,
-                start_position=chunk.start_position,
-                new_block_ids=chunk.new_block_ids,
-                sample=chunk.sample,
-                num_spec_tokens=chunk.num_spec_tokens,
-                num_draft_tokens=chunk.num_draft_tokens,
-            )
-            for chunk in plan.scheduled
-        ],
         finished_seq_ids=plan.finished_seq_ids,
         trimmed_block_tables=[pb.TrimmedBlockTable(seq_id=seq_id, num_blocks=num_blocks)
                               for seq_id, num_blocks in plan.trimmed_block_tables],
     )
+    # One chunk per running sequence per step: the hot part (issue 26, per-token cost). ``add``
+    # builds it in place, and a plain decode chunk sets only its three fields (keyword
+    # arguments cost protobuf more than the values do): about 2 µs a chunk instead of 3.5.
+    add = msg.scheduled.add
+    for chunk in plan.scheduled:
+        if chunk.new_block_ids or chunk.num_spec_tokens or chunk.num_draft_tokens or not chunk.sample:
+            add(seq_id=chunk.seq_id, token_ids=chunk.token_ids, start_position=chunk.start_position,
+                new_block_ids=chunk.new_block_ids, sample=chunk.sample, num_spec_tokens=chunk.num_spec_tokens,
+                num_draft_tokens=chunk.num_draft_tokens)
+        else:
+            add(seq_id=chunk.seq_id, token_ids=chunk.token_ids, start_position=chunk.start_position, sample=True)
+    return msg
 
 
 def plan_from_pb(msg: pb.StepPlan) -> StepPlan:

@@ -17,7 +17,7 @@ from coordinator.engine import Engine, RequestOutput
 from coordinator.errors import DeadlineExceededError, TpserveError
 from coordinator.logprobs import TokenLogprob
 from coordinator.metrics import Metrics
-from coordinator.output_collector import RequestOutputCollector, merge_outputs
+from coordinator.output_collector import UNARY, RequestOutputCollector, merge_outputs
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ def test_merged_outputs_join_deltas_and_keep_the_later_finish_and_usage() -> Non
     prompt_lp = (TokenLogprob(5, -1.0, "p"),)
     first = _output("Once", [10], completion=1, logprobs=(lp[0],), prompt_logprobs=prompt_lp)
     second = _output(" upon a", [11, 12], FinishReason.STOP, completion=3, logprobs=tuple(lp[1:]))
-    merged = merge_outputs(first, second)
+    merged = merge_outputs([first, second])
     assert merged == RequestOutput("r", "Once upon a", [10, 11, 12], FinishReason.STOP, 4, 3, 2, tuple(lp), prompt_lp)
     assert first.token_ids == [10] and second.token_ids == [11, 12]  # inputs untouched
 
@@ -127,6 +127,58 @@ def test_a_lagging_handler_gets_fewer_outputs_with_every_token_text_and_logprob(
         assert len(outputs) < NUM_TOKENS / 2  # merged: far fewer messages than tokens
     else:
         assert len(outputs) == NUM_TOKENS  # one per step when the handler keeps up
+    assert engine.scheduler.allocator.num_free_blocks == 64
+
+
+def test_a_stream_interval_holds_tokens_back_but_never_the_first_output_nor_the_last() -> None:
+    async def scenario() -> None:
+        collector = RequestOutputCollector(stream_interval=3)
+        collector.put_nowait(_output("a", [1], completion=1))
+        assert (await collector.get()).token_ids == [1]  # the first output at once (time to first token)
+        getter = asyncio.create_task(collector.get())
+        collector.put_nowait(_output("b", [2], completion=2))
+        collector.put_nowait(_output("c", [3], completion=3))
+        await asyncio.sleep(0)
+        assert not getter.done()  # 2 tokens pending < 3
+        collector.put_nowait(_output("d", [4], completion=4))
+        merged = await getter
+        assert (merged.text, merged.token_ids, merged.num_completion_tokens) == ("bcd", [2, 3, 4], 4)
+        collector.put_nowait(_output("e", [5], completion=5))
+        collector.put_nowait(_output("", [], FinishReason.STOP, completion=5))  # the last: at once
+        last = await collector.get()
+        assert (last.text, last.token_ids, last.finish_reason) == ("e", [5], FinishReason.STOP)
+        collector.put_nowait(_output("f", [6], completion=6))  # held back, then handed over before an error
+        collector.put_nowait(TpserveError("failed"))
+        assert (await collector.get()).token_ids == [6]
+        with pytest.raises(TpserveError, match="failed"):
+            await collector.get()
+
+    asyncio.run(scenario())
+    with pytest.raises(ValueError, match="stream_interval must be at least 1"):
+        RequestOutputCollector(stream_interval=0)
+
+
+@pytest.mark.parametrize("interval", [1, 5, UNARY], ids=["every-step", "five", "unary"])
+def test_the_engine_streams_every_token_in_interval_sized_outputs(tokenizer, interval) -> None:
+    engine = _engine(tokenizer, CountingGroup())
+
+    async def collect() -> list[RequestOutput]:
+        loop = asyncio.create_task(engine.run())
+        try:
+            return [out async for out in engine.generate(_params(tokenizer), stream_interval=interval)]
+        finally:
+            loop.cancel()
+
+    outputs = asyncio.run(collect())
+    expected = [30 + (step % 40) for step in range(1, NUM_TOKENS + 1)]
+    assert [t for out in outputs for t in out.token_ids] == expected
+    assert "".join(out.text for out in outputs) == tokenizer.decode(PROMPT + expected)[len(tokenizer.decode(PROMPT)):]
+    sizes = [len(out.token_ids) for out in outputs]
+    if interval == UNARY:
+        assert sizes == [1, NUM_TOKENS - 1]  # the first token, then the rest at the end
+    else:  # the first at once, then interval-sized, the last with what remains
+        assert sizes[0] == 1 and all(size == interval for size in sizes[1:-1]) and 1 <= sizes[-1] <= interval
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
     assert engine.scheduler.allocator.num_free_blocks == 64
 
 

@@ -1,0 +1,55 @@
+"""The coordinator's per-token fast paths give exactly what the general paths give (issue 26,
+per-token cost): the plan's chunks as ``plan_to_pb`` now adds them, and the detokenizer's
+memoized two-token decode.
+
+The plan's reference is the protobuf message built field by field from every attribute of
+every chunk; the decode's reference is the ``tokenizers`` library's own decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import tokenizer as tokenizer_module
+from coordinator.tokenizer import Tokenizer
+from tpserve.embedded_model import default_model_dir
+from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from tpserve.step_pb import plan_from_pb, plan_to_pb
+from tpserve.v1 import worker_pb2 as pb
+
+CHUNKS = (
+    ScheduledChunk(0, (7,), 12),  # a decode: seq id 0 and token 7, both proto3 defaults when zero or small
+    ScheduledChunk(3, (0,), 40),
+    ScheduledChunk(5, (1, 2, 3, 300), 0, (4, 9), sample=False),  # a prefill chunk that does not sample
+    ScheduledChunk(6, (1, 2, 3), 17, (11,)),  # the prompt's last chunk, a new block
+    ScheduledChunk(2**40, (99, 5, 6), 2**20, (), num_spec_tokens=2),  # proposals to verify
+    ScheduledChunk(8, (42,), 70, (12, 13), num_draft_tokens=3),  # draft-model proposals
+)
+
+
+def test_plan_to_pb_equals_the_message_built_field_by_field_and_round_trips() -> None:
+    plan = StepPlan(4, (NewSequence(6, SamplingParams(temperature=0.5, seed=3), 3),), CHUNKS, (1, 2), ((5, 1),))
+    reference = pb.StepPlan(step_id=4, scheduled=[pb.ScheduledChunk(
+        seq_id=c.seq_id, token_ids=c.token_ids, start_position=c.start_position, new_block_ids=c.new_block_ids,
+        sample=c.sample, num_spec_tokens=c.num_spec_tokens, num_draft_tokens=c.num_draft_tokens) for c in CHUNKS])
+    msg = plan_to_pb(plan)
+    assert list(msg.scheduled) == list(reference.scheduled)
+    assert plan_from_pb(pb.StepPlan.FromString(msg.SerializeToString())) == plan
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(default_model_dir())
+
+
+def test_decode_pair_equals_the_tokenizers_decode_and_starts_over_when_full(tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(tokenizer_module, "PAIR_MEMO_SIZE", 50)
+    tokenizer._pair_texts.clear()
+    backend = tokenizer._backend
+    special = sorted(tokenizer.special_token_ids)
+    ids = [*range(0, tokenizer.vocab_size, 7), *special]
+    for first, second in zip(ids, ids[3:] + ids[:3]):
+        expected = backend.decode([first, second], skip_special_tokens=True)
+        assert tokenizer.decode_pair(first, second) == expected
+        assert tokenizer.decode_pair(first, second) == expected  # from the memo
+        assert len(tokenizer._pair_texts) <= 50
