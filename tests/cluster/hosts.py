@@ -28,8 +28,18 @@ from pathlib import Path
 
 from tests.cluster.delay_link import DelayLink, delay_link
 
-LEADER_IP, HEADLESS_IP = "10.200.0.1", "10.200.0.2"
-CLIENT_IP, LEADER_PUBLIC_IP = "10.200.1.1", "10.200.1.2"
+
+
+def _subnet() -> int:
+    """10.200 alone; under pytest-xdist, 10.(210 + n) for worker gw<n>, so that two modules on two hosts
+    run at once without sharing an address (10.201 is the benchmark's, 10.202 the delay link test's)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return 200 if worker is None else 210 + int(worker.removeprefix("gw"))
+
+
+SUBNET = _subnet()
+LEADER_IP, HEADLESS_IP = f"10.{SUBNET}.0.1", f"10.{SUBNET}.0.2"
+CLIENT_IP, LEADER_PUBLIC_IP = f"10.{SUBNET}.1.1", f"10.{SUBNET}.1.2"
 
 
 @dataclass
@@ -75,11 +85,11 @@ def netns_unavailable() -> str | None:
 
 
 @contextmanager
-def two_hosts(subnet: int = 200, delay_ms: float | None = None) -> Iterator[Hosts]:
+def two_hosts(subnet: int = SUBNET, delay_ms: float | None = None) -> Iterator[Hosts]:
     """Creates the two namespaces and their links; deletes them on exit, whatever happened.
 
     Args:
-        subnet: the second octet of every address (10.<subnet>.x.x); the tests use 200.
+        subnet: the second octet of every address (10.<subnet>.x.x); the tests use :data:`SUBNET`.
         delay_ms: None for a veth pair between A and B; a number (0 included) for the
             user-space delay link with that one-way delay each direction, in milliseconds.
     """

@@ -7,7 +7,8 @@ kind froze every stream for half a minute when compiled inside a step), an ``all
 of ``anyOf``s that takes llguidance seconds to build (compiled in a child process,
 killed at the time limit), and choices over the size limit. Each is refused with
 INVALID_ARGUMENT naming its field and limit, the stream's inter-token gap stays under
-200 ms and health stays SERVING.
+a second (the faults froze it for seconds to half a minute; the bound leaves room for a
+2-core machine running three test processes) and health stays SERVING.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from tests.e2e.cluster import RunningCluster
 
 pytestmark = pytest.mark.e2e
 
-MAX_GAP_S = 0.2
+#: Seconds. Each fault stalled every stream for seconds (a build inside a step: ~30 s); scheduling noise
+#: on a loaded 2-core machine reaches ~0.25 s (tests run three at a time, pyproject.toml).
+MAX_GAP_S = 1.0
 
 
 @pytest.fixture

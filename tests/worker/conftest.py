@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ def _quiet_transformers() -> None:
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_cpu_thread() -> Iterator[None]:
-    """Tiny matmuls on a shared CPU run ~20x faster on one thread than fighting over all of them."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="session")

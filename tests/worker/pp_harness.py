@@ -4,7 +4,8 @@ As tests/worker/tp_harness.py, with pipeline stages: ``tp * pp`` ranks, stage-ma
 (worker/pipeline.py); every rank executes every plan; the sampling rank (rank 0 of
 the last stage) records what it sampled, and every other rank must sample nothing.
 Several layouts run in one spawn of processes (each joins a fresh process group per
-layout), which saves the start-up of a spawn per layout.
+layout), which saves the start-up of a spawn per layout; the ranks fork from the tests' fork
+server (tests/worker/rank_processes.py), which has imported torch already.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.worker.rank_processes import spawn_ranks
 from tests.worker.tp_harness import COLLECTIVE_TIMEOUT_S, Job, StepRecord, _free_port, execute_jobs
 from tpserve.pipeline_split import sampling_rank
 from worker.parallel_state import destroy_distributed, init_distributed
@@ -45,11 +46,11 @@ def _rank_main(rank: int, runs: list[tuple[Layout, list[Job], str]], out_dir: st
 
 
 def run_pipeline_layouts(runs: dict[Layout, list[Job]]) -> dict[Layout, dict[str, list[StepRecord]]]:
-    """Run each layout's jobs on ``tp * pp`` spawned CPU ranks; return each layout's sampling-rank records."""
+    """Run each layout's jobs on ``tp * pp`` CPU ranks; return each layout's sampling-rank records."""
     with tempfile.TemporaryDirectory() as tmp:
         plan = [(layout, jobs, f"tcp://127.0.0.1:{_free_port()}") for layout, jobs in runs.items()]
         nprocs = max(tp * pp for tp, pp in runs)
-        mp.spawn(_rank_main, args=(plan, tmp), nprocs=nprocs, join=True)
+        spawn_ranks(_rank_main, (plan, tmp), nprocs=nprocs)
         out = {}
         for tp, pp in runs:
             with open(Path(tmp) / f"tp{tp}_pp{pp}.pkl", "rb") as f:

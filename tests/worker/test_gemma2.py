@@ -17,6 +17,9 @@ import pytest
 from tests.tiny_models import TinyModelSpec
 from tests.worker.family_check import case, check, register
 
+# Every registered family runs in one process group per degree (family_check.py): one test process for all.
+pytestmark = pytest.mark.xdist_group("families")
+
 WINDOW = 12
 GEMMA2 = register(TinyModelSpec("gemma2", "gemma2", {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 180,

@@ -15,6 +15,9 @@ import pytest
 from tests.tiny_models import TinyModelSpec
 from tests.worker.family_check import case, check, register
 
+# Every registered family runs in one process group per degree (family_check.py): one test process for all.
+pytestmark = pytest.mark.xdist_group("families")
+
 YARN = register(TinyModelSpec("llama_yarn", "llama", {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 140,
     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}, seed=51), None)
