@@ -12,7 +12,8 @@
 //
 // Two vector paths, picked at run time: AVX-512 where the CPU has it (6 rows of x per weight
 // tile; on the 2-core Xeon host, the 95M benchmark model's projections at 16 rows take ~31 ms
-// against MKL's 41-60 ms and the AVX2 path's 39 ms), else AVX2 + FMA (3 rows per tile).
+// against MKL's 41-60 ms and the AVX2 path's 39 ms; up to 4 rows of x a sequential GEMV, and
+// prefill-sized x in blocks of rows, see linear()), else AVX2 + FMA (3 rows per tile).
 //
 // Threads: ATen's intra-op pool (at::parallel_for), so torch.set_num_threads governs it.
 #include <ATen/Parallel.h>
@@ -174,14 +175,15 @@ TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64
   }
 }
 
-// One or two rows of x (a decode step of one or two sequences), float32 weights: W's rows one after
+// Up to kSeqMaxRows rows of x (a decode step of a few sequences), float32 weights: W's rows one after
 // the other, so a thread's share of W is a single sequential stream, the access pattern the hardware
 // prefetchers follow best, with a software prefetch kSeqAhead floats ahead on top. The 4-row tiles
-// above read 4 rows 2-6 KB apart in step, 4 streams the prefetchers track less well: at M = 1 on
-// one Zen 5 core the 95M model's projections took 17.5 ms that way against 11.7 ms for torch.sum
-// over the same bytes (benchmarks/decode_linears.py). Two accumulators per row of x keep two FMA
-// chains in flight; each dot product is reduced once, at the end of its row.
+// above read 4 rows 2-6 KB apart in step, 4 streams the prefetchers track less well: on one Zen 5
+// core the 95M model's projections took 0.81x the tiles' time at M = 1, 0.86x at 3, 0.73x at 4
+// (torch.sum over the same bytes: about 0.7x). Two accumulators per row of x keep two FMA chains in
+// flight; each dot product is reduced once, at the end of its row.
 constexpr int64_t kSeqAhead = 1024;  // floats: 4 KB ahead of the line being read
+constexpr int64_t kSeqMaxRows = 4;  // rows of x up to which the sequential GEMV is used
 
 template <int R>
 TPSERVE_AVX512 void run_seq512(int64_t n_begin, int64_t n_end, int64_t K, int64_t N, const float* x,
@@ -316,16 +318,20 @@ at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10:
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const bool avx512 = allow_avx512.load(std::memory_order_relaxed) && cpu_has_avx512();
-  // Float32 weights (`prefetch` is W itself), one or two rows: the sequential GEMV (run_seq512).
-  const bool seq = avx512 && prefetch != nullptr && scale == nullptr && M <= 2;
+  // Float32 weights (`prefetch` is W itself), up to kSeqMaxRows rows: the sequential GEMV (run_seq512).
+  const bool seq = avx512 && prefetch != nullptr && scale == nullptr && M <= kSeqMaxRows;
   // Rows of x per pass over a thread's share of W: a prefill-sized x would not stay in L2 while
   // each W tile meets all its rows, so it is cut into blocks that do (kMBlock * K * 4 bytes).
   const int64_t m_block = M <= 2 * kMBlock ? M : kMBlock;
   at::parallel_for(0, (N + kRows - 1) / kRows, grain_tiles(N), [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kRows, n1 = std::min(N, t1 * kRows);
     if (seq) {
-      if (M == 1) run_seq512<1>(n0, n1, K, N, xp, bp, yp, prefetch);
-      else run_seq512<2>(n0, n1, K, N, xp, bp, yp, prefetch);
+      switch (M) {
+        case 1: run_seq512<1>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 2: run_seq512<2>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 3: run_seq512<3>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        default: run_seq512<4>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+      }
       return;
     }
     for (int64_t m0 = 0; m0 < M; m0 += m_block) {
