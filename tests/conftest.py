@@ -25,7 +25,7 @@ _counts: list[tuple[int, int, int]] = []
 def _one_cpu_thread() -> Iterator[None]:
     """The test process's own torch work (references in ``transformers``, tiny models) on one thread: tiny
     matmuls on a shared CPU run ~20x faster on one thread than fighting over all of them, the more so with
-    three test processes and their servers' ranks on two cores. Ranks get OMP_NUM_THREADS=1 of their own."""
+    two test processes and their servers' ranks on two cores. Ranks get OMP_NUM_THREADS=1 of their own."""
     import torch
 
     num_threads = torch.get_num_threads()

@@ -8,7 +8,7 @@ of ``anyOf``s that takes llguidance seconds to build (compiled in a child proces
 killed at the time limit), and choices over the size limit. Each is refused with
 INVALID_ARGUMENT naming its field and limit, the stream's inter-token gap stays under
 a second (the faults froze it for seconds to half a minute; the bound leaves room for a
-2-core machine running three test processes) and health stays SERVING.
+2-core machine running two test processes) and health stays SERVING.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.e2e.cluster import RunningCluster
 pytestmark = pytest.mark.e2e
 
 #: Seconds. Each fault stalled every stream for seconds (a build inside a step: ~30 s); scheduling noise
-#: on a loaded 2-core machine reaches ~0.25 s (tests run three at a time, pyproject.toml).
+#: on a loaded 2-core machine reaches ~0.25 s (tests run two at a time, pyproject.toml).
 MAX_GAP_S = 1.0
 
 
