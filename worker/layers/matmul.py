@@ -51,7 +51,8 @@ def kernel_for_prefill() -> bool:
     ``/proc/cpuinfo`` (Linux); False where it cannot be read.
     """
     try:
-        info = open("/proc/cpuinfo").read(65536)  # the first CPU's block is enough
+        with open("/proc/cpuinfo") as cpuinfo:
+            info = cpuinfo.read(65536)  # the first CPU's block is enough
     except OSError:
         return False
     return "AuthenticAMD" in info and " avx512f" in info and " avx512vl" in info
