@@ -7,8 +7,8 @@ kind froze every stream for half a minute when compiled inside a step), an ``all
 of ``anyOf``s that takes llguidance seconds to build (compiled in a child process,
 killed at the time limit), and choices over the size limit. Each is refused with
 INVALID_ARGUMENT naming its field and limit, the stream's inter-token gap stays under
-a second (the faults froze it for seconds to half a minute; the bound leaves room for a
-2-core machine running two test processes) and health stays SERVING.
+200 ms (on a loaded host: three times the stream's own largest gap before the calls) and
+health stays SERVING.
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from tests.e2e.cluster import RunningCluster
 
 pytestmark = pytest.mark.e2e
 
-#: Seconds. Each fault stalled every stream for seconds (a build inside a step: ~30 s); scheduling noise
-#: on a loaded 2-core machine reaches ~0.25 s (tests run two at a time, pyproject.toml).
-MAX_GAP_S = 1.0
-#: Seconds: a quiet host's bound on the gap while an accepted 0.25-s grammar builds.
+#: Seconds: a quiet host's bound on the stream's gaps while the calls run. On a loaded host (the tests run in two
+#: processes, and the CI's plain install beside them) :func:`_gap_bound` is three times the stream's own gaps.
 QUIET_GAP_S = 0.2
 #: Tokens the stream decodes before the calls: their largest gap is the host's noise.
 LEAD_IN_TOKENS = 20
@@ -38,6 +36,12 @@ LEAD_IN_TOKENS = 20
 @pytest.fixture
 def cluster(default_tp2: RunningCluster) -> RunningCluster:
     return default_tp2
+
+
+def _gap_bound(lead_in_gap: float) -> float:
+    """Seconds: the quiet bound, or three times the stream's largest gap before the calls where the host is
+    loaded. A compile inside a step stalls the stream for the compile's time, which a loaded host stretches too."""
+    return max(QUIET_GAP_S, 3 * lead_in_gap)
 
 
 def _refusal(call) -> tuple[grpc.StatusCode, str]:
@@ -99,7 +103,7 @@ def _while_streaming(client, calls) -> tuple[list, list[float], list[int], float
 
 def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCluster) -> None:
     client = cluster.client
-    (deep, slow, many), gaps, statuses, _ = _while_streaming(client, [
+    (deep, slow, many), gaps, statuses, lead_in_gap = _while_streaming(client, [
         lambda: client.generate("Hi", max_tokens=8, json_schema=deep_any_of(200), timeout_s=5),
         lambda: client.generate("Hi", max_tokens=8, json_schema=multiplying_all_of(11), timeout_s=5),
         lambda: client.generate("Hi", max_tokens=8, choices=["x" * 300] * 256, timeout_s=5)])
@@ -110,7 +114,9 @@ def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCl
     assert slow[1].startswith("sampling_params.response_format.json_schema "), slow
     assert many == (grpc.StatusCode.INVALID_ARGUMENT,
                     "sampling_params.response_format.choices is 76800 bytes; the limit is 65536")
-    assert max(gaps) < MAX_GAP_S, f"inter-token gap up to {max(gaps) * 1000:.0f} ms while refusing"
+    bound = _gap_bound(lead_in_gap)
+    assert max(gaps) < bound, (f"inter-token gap up to {max(gaps) * 1000:.0f} ms while refusing "
+                               f"(bound {bound * 1000:.0f} ms; {lead_in_gap * 1000:.0f} ms before it)")
     assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
 
 
@@ -135,7 +141,7 @@ def test_an_accepted_heavy_schema_is_built_before_its_request_is_scheduled(clust
         assert result.finish_reason in ("stop", "length"), result
         if result.finish_reason == "stop":
             assert isinstance(json.loads(result.text), dict), result.text
-    bound = max(QUIET_GAP_S, 3 * lead_in_gap)
+    bound = _gap_bound(lead_in_gap)
     assert max(gaps) < bound, (f"inter-token gap up to {max(gaps) * 1000:.0f} ms while the grammar was built "
                                f"(bound {bound * 1000:.0f} ms; {lead_in_gap * 1000:.0f} ms before it)")
     assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
