@@ -57,9 +57,9 @@ def test_decodes_come_first_and_every_field_lines_up() -> None:
     assert _inputs(with_sampling=False).sampling is None
 
 
-def test_one_host_to_device_copy_per_step(monkeypatch) -> None:
-    """Every int of a step reaches the device in one ``to()`` (fault 5 of the GPU issue)."""
-    copies = []
+def _count_device_copies(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of every ``Tensor.to`` that changes device from now on (a list the test reads)."""
+    copies: list[tuple[int, ...]] = []
     original = torch.Tensor.to
 
     def counting_to(self, *args, **kwargs):
@@ -69,6 +69,12 @@ def test_one_host_to_device_copy_per_step(monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    return copies
+
+
+def test_one_host_to_device_copy_per_step(monkeypatch) -> None:
+    """Every int of a step reaches the device in one ``to()`` (fault 5 of the GPU issue)."""
+    copies = _count_device_copies(monkeypatch)
     inputs = _inputs("meta")
     assert len(copies) == 1, copies
     assert inputs.input_ids.device.type == "meta" and inputs.attn.decode_mask.device.type == "meta"
@@ -173,14 +179,5 @@ def test_a_step_of_one_token_chunks_lines_up_in_plan_order(paged_kernel: bool, m
     s = inputs.sampling
     assert s.temperature.tolist() == [0.0, 1.0] and s.top_k.tolist() == [0, 2] and s.positions.tolist() == [10, 5]
     assert s.seeds.tolist() == [0, 2] and s.sampled_rows.tolist() == [1] and not s.all_greedy
-    copies = []
-    original = torch.Tensor.to
-
-    def counting_to(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        if out.device != self.device:
-            copies.append(tuple(self.shape))
-        return out
-
-    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    copies = _count_device_copies(monkeypatch)
     assert build("meta").input_ids.device.type == "meta" and len(copies) == 1, copies
