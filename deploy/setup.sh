@@ -56,8 +56,19 @@ else
   "${PIP[@]}" "$TORCH_SPEC"
   done_step torch "$TORCH_SPEC installed"
   begin
-  "${PIP[@]}" -e ".${extras:+[$extras]}"
-  done_step tpserve "installed (editable${extras:+, with the $extras extra})"
+  # The project and its dependencies through uv where it can be had and pip's index is PyPI's (uv downloads
+  # and installs in parallel: the test extra's ~100 packages in ~6 s here, pip 35-50 s); pip otherwise, or if
+  # uv fails. uv reads no pip configuration, hence the index check; pip's constraint file is passed on. torch
+  # came from pip above (its find-links may hold the CPU build), and uv keeps an installed torch that fits.
+  installer=pip
+  if [ -z "${PIP_INDEX_URL:-}" ] && ! .venv/bin/python -m pip config get global.index-url >/dev/null 2>&1 \
+      && "${PIP[@]}" uv >/dev/null 2>&1; then
+    constraint=$(.venv/bin/python -m pip config get global.constraint 2>/dev/null || true)
+    if .venv/bin/uv pip install --quiet --python .venv/bin/python ${constraint:+--constraint "$constraint"} \
+        -e ".${extras:+[$extras]}"; then installer=uv; fi
+  fi
+  [ "$installer" = uv ] || "${PIP[@]}" -e ".${extras:+[$extras]}"
+  done_step tpserve "installed with $installer (editable${extras:+, with the $extras extra})"
   begin
   # The bytecode, once, in parallel. Python writes it on a module's first import, except where
   # PYTHONDONTWRITEBYTECODE is set (many container images, this project's CI hosts): there every
