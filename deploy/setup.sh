@@ -80,7 +80,9 @@ else
   done_step bytecode "compiled (site-packages)"
 fi
 # Ours too (under a second; up-to-date files are skipped): every rank, server and test process imports these.
-.venv/bin/python -m compileall -q -j 0 tpserve coordinator worker launch tests >/dev/null
+# Only the folders present: deploy/Dockerfile copies no tests/.
+ours=(); for dir in tpserve coordinator worker launch tests; do [ -d "$dir" ] && ours+=("$dir"); done
+.venv/bin/python -m compileall -q -j 0 "${ours[@]}" >/dev/null
 
 begin
 # The kernels' library is named by a hash of their sources, flags and torch's version
