@@ -11,9 +11,11 @@ global) and calls its collectives from ``forward()``, where a reader sees them:
 Backend: NCCL on CUDA, gloo on CPU; the code path is otherwise the same. CPU
 ranks that all share one host exchange activations through shared memory instead
 of gloo (:mod:`worker.comm.shm_allreduce`: microseconds instead of ~0.4 ms per
-collective); gloo stays the path across hosts and for tensors too large for the
-shared slots. Every collective runs under the group's timeout, so a lost rank
-fails the step with an error instead of hanging it.
+collective). A group spread over hosts all-reduces in two levels, shared memory
+within each host and gloo between one leader per host
+(:mod:`worker.comm.two_level`); flat gloo stays the path for the other collectives
+and for tensors too large for the shared slots. Every collective runs under the
+group's timeout, so a lost rank fails the step with an error instead of hanging it.
 
 With ``pipeline_parallel_size`` P > 1 the world is ``tp * P`` ranks, stage-major
 (worker/pipeline.py): the context's group is this rank's stage (its ``tp`` ranks,
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from worker.comm import shm_allreduce
 from worker.comm.shm_allreduce import SharedMemoryComm
+from worker.comm.two_level import TwoLevelAllReduce
 from worker.kernels import cpu_kernels_available
 from worker.pipeline import PipelineStage
 from worker.rendezvous import tcp_store
@@ -58,6 +61,8 @@ class ParallelContext:
             group (and when ``world_size == 1``, where no group exists).
         shm: shared-memory collectives when every rank is a CPU rank on this
             host; None: gloo/NCCL only.
+        two_level: the all-reduce of CPU ranks spread over hosts, two or more
+            of them on one host (shared memory within hosts, gloo between them); None otherwise.
         pp: this rank's pipeline stage (one stage by default).
     """
 
@@ -66,6 +71,7 @@ class ParallelContext:
     device: torch.device
     group: dist.ProcessGroup | None = None
     shm: SharedMemoryComm | None = None
+    two_level: TwoLevelAllReduce | None = None
     pp: PipelineStage = dataclasses.field(default_factory=PipelineStage)
 
     def __post_init__(self) -> None:
@@ -83,6 +89,18 @@ class ParallelContext:
         return self.rank == 0
 
     @property
+    def all_reduce_path(self) -> str:
+        """How this rank's small all-reduces travel, for the logs: "shared memory", "two levels"
+        (shared memory within hosts, gloo between them), "gloo", "nccl" or "none" (one rank)."""
+        if self.world_size == 1:
+            return "none"
+        if self.shm is not None:
+            return "shared memory"
+        if self.two_level is not None:
+            return "two levels"
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    @property
     def is_sampler(self) -> bool:
         """True on the rank that samples and reports tokens: rank 0 of the last pipeline stage."""
         return self.rank == 0 and self.pp.is_last
@@ -93,6 +111,8 @@ class ParallelContext:
             return x
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_reduce(x)
+        if self.two_level is not None and self.two_level.fits(x):
+            return self.two_level.all_reduce(x)
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
@@ -149,8 +169,9 @@ def init_distributed(
         device: ``"cpu"`` (gloo backend) or an indexed CUDA device such as ``"cuda:0"``
             (NCCL), one per rank: the rank's local GPU (worker/device.py picks it).
         timeout_s: seconds a collective may wait for the other ranks before it fails.
-        shared_memory: let CPU ranks of a stage that all share one host use shared-memory
-            collectives (they fall back to gloo when the stage's ranks span hosts).
+        shared_memory: let CPU ranks of a stage that share a host use shared-memory
+            collectives: all of them when the stage is on one host, else the two-level
+            all-reduce (one stage only: with pipeline stages, a stage over hosts uses gloo).
         pipeline_parallel_size: stages; rank ``r`` is tensor-parallel rank ``r % tp`` of
             stage ``r // tp`` (worker/pipeline.py).
 
@@ -197,7 +218,8 @@ def init_distributed(
                   for s in range(pp)]
         ctx = dataclasses.replace(ctx, group=groups[stage.stage])
     if device.type == "cpu" and shared_memory and tp > 1:
-        ctx = dataclasses.replace(ctx, shm=_open_shared_memory(ctx.rank, tp, timeout_s, ctx.group))
+        shm, two_level = _open_shared_memory(ctx.rank, tp, timeout_s, ctx.group, across_hosts=pp == 1)
+        ctx = dataclasses.replace(ctx, shm=shm, two_level=two_level)
     return ctx
 
 
@@ -210,47 +232,61 @@ def _host_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
-def _open_shared_memory(rank: int, world_size: int, timeout_s: float,
-                        group: dist.ProcessGroup | None = None) -> SharedMemoryComm | None:
-    """Map one shared segment among the group's ranks when they all share this host; else None.
+def _open_shared_memory(rank: int, world_size: int, timeout_s: float, group: dist.ProcessGroup | None = None,
+                        *, across_hosts: bool = True) -> tuple[SharedMemoryComm | None, TwoLevelAllReduce | None]:
+    """Map one shared segment per host among the group's ranks on it: ``(shm, None)`` when the whole group
+    shares this host, ``(None, two_level)`` when it spans hosts and some host holds two or more of its
+    ranks (``across_hosts``), else ``(None, None)`` (gloo only).
 
-    ``rank``/``world_size``: in ``group`` (None: the default group).
+    ``rank``/``world_size``: in ``group`` (None: the default group, whose ranks are then the global ones).
 
-    A collective itself (every rank must call it). Rank 0 creates the file, every
-    rank maps it, then rank 0 unlinks it, so no file outlives the group even if a
-    rank is killed later. Any failure leaves the whole group on gloo.
+    A collective itself (every rank must call it). Each host's first rank creates its file, every rank
+    of the host maps it, then the creator unlinks it, so no file outlives the group even if a rank is
+    killed later. Any failure on any host leaves the whole group on gloo.
     """
     identities: list[tuple[str, int, bool] | None] = [None] * world_size
     me = (_host_identity(), os.getpid(), cpu_kernels_available()) if shm_allreduce.supported() else None
     dist.all_gather_object(identities, me, group=group)
-    if any(i is None for i in identities) or len({i[0] for i in identities}) != 1:
-        return None  # across hosts (or not x86-64): gloo
-    pids = [i[1] for i in identities]
-    compiled = all(i[2] for i in identities)  # one protocol version for the whole group
-    path = [f"/dev/shm/tpserve-{uuid.uuid4().hex}" if rank == 0 else None]
+    if any(i is None for i in identities):
+        return None, None  # not x86-64 somewhere: gloo
+    hosts = [i[0] for i in identities]  # type: ignore[index]
+    local = [r for r in range(world_size) if hosts[r] == hosts[rank]]  # this host's ranks, in group order
+    one_host = len(local) == world_size
+    if not one_host and (not across_hosts or len(set(hosts)) == world_size):
+        return None, None  # a rank per host: nothing to share
+    pids = [identities[r][1] for r in local]  # type: ignore[index]
+    compiled = all(identities[r][2] for r in local)  # type: ignore[index]  # one protocol version per segment
+    creator = rank == local[0] and len(local) > 1
+    path = f"/dev/shm/tpserve-{uuid.uuid4().hex}" if creator else None
     comm: SharedMemoryComm | None = None
-    if rank == 0:
+    if creator:
         try:
-            comm = SharedMemoryComm(path[0], rank, world_size, SHM_MAX_BYTES, timeout_s, create=True, peer_pids=pids,
+            comm = SharedMemoryComm(path, 0, len(local), SHM_MAX_BYTES, timeout_s, create=True, peer_pids=pids,
                                     compiled=compiled)
         except OSError:
-            path = [None]
-    dist.broadcast_object_list(path, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    if path[0] is not None and rank != 0:
+            path = None
+    paths: list[str | None] = [None] * world_size
+    dist.all_gather_object(paths, path, group=group)
+    if not creator and paths[local[0]] is not None:
         try:
-            comm = SharedMemoryComm(path[0], rank, world_size, SHM_MAX_BYTES, timeout_s, create=False,
-                                    peer_pids=pids, compiled=compiled)
+            comm = SharedMemoryComm(paths[local[0]], local.index(rank), len(local), SHM_MAX_BYTES, timeout_s,
+                                    create=False, peer_pids=pids, compiled=compiled)
         except OSError:
             comm = None
-    opened = [None] * world_size
-    dist.all_gather_object(opened, comm is not None, group=group)
-    if rank == 0 and path[0] is not None:
-        os.unlink(path[0])  # every rank has mapped it (or failed to)
+    opened: list[bool | None] = [None] * world_size
+    dist.all_gather_object(opened, comm is not None or len(local) == 1, group=group)
+    if path is not None:
+        os.unlink(path)  # every rank of this host has mapped it (or failed to)
     if not all(opened):
         if comm is not None:
             comm.close()
-        return None
-    return comm
+        return None, None
+    if one_host:
+        return comm, None
+    # Every rank creates the leaders' group (torch.distributed's rule for new_group); only leaders use it.
+    leader_ranks = sorted({hosts.index(h) for h in hosts})
+    leaders = dist.new_group(leader_ranks, timeout=timedelta(seconds=timeout_s))
+    return None, TwoLevelAllReduce(comm, leaders if rank in leader_ranks else None, SHM_MAX_BYTES)
 
 
 def destroy_distributed() -> None:

@@ -109,11 +109,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if device.type == "cuda":
                 configure_nccl_env()  # before the process group exists: NCCL reads it at creation
             check_pipeline_graphs(opts.pipeline_parallel_size, device.type, opts.enforce_eager)
-            # Shared-memory collectives only when the whole tensor-parallel group (the stage) is on this
-            # host (across hosts the activations must go through gloo / NCCL).
-            tp = opts.world_size // opts.pipeline_parallel_size
+            # Shared-memory collectives wherever ranks of the stage share a host: init_distributed
+            # finds which do (one host: shared memory; several: two levels; a rank per host: gloo).
             ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,
-                                   shared_memory=opts.local_world_size == opts.world_size or opts.local_world_size % tp == 0,
                                    pipeline_parallel_size=opts.pipeline_parallel_size)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization,
@@ -123,7 +121,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self._num_blocks_available = num_kv_blocks(self._runner, cache)
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, dtype=str(dtype),
                      quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
-                     device=str(device), num_kv_blocks_available=self._num_blocks_available)
+                     device=str(device), num_kv_blocks_available=self._num_blocks_available,
+                     all_reduce=ctx.all_reduce_path)
             self._ready.set()
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, then fatal
             self._error = f"rank {self.options.rank}: {type(exc).__name__}: {exc}"
