@@ -196,6 +196,10 @@ class WorkerGroup:
             self.failed = f"step {plan.step_id} failed: rank {exc.rank}'s step stream broke ({exc.reason})"
         elif isinstance(exc, (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError)):
             self.failed = f"step {plan.step_id} failed: a step stream broke: {exc}"
+        elif isinstance(exc, asyncio.InvalidStateError):
+            # grpc.aio's answer to a write on a call that has ended: a rank died after the last step's
+            # answers were read and before this plan was written (the overlap writes it early).
+            self.failed = f"step {plan.step_id} failed: a step stream broke: a rank's call had ended ({exc})"
         elif isinstance(exc, asyncio.CancelledError) and self._closed:
             # close() cancelled the streams under this step: the group was declared lost (a node's
             # registry link dropped first) and is being restarted. The engine loop must see a

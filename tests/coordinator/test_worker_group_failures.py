@@ -16,6 +16,7 @@ import pytest
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.step import StepPlan
 from tpserve.v1 import worker_pb2 as pb
+from tpserve.v1 import worker_pb2_grpc
 
 
 class _FakeStream:
@@ -130,3 +131,34 @@ def test_cancelling_the_caller_of_a_step_still_cancels_it() -> None:
             await group.close()
 
     assert asyncio.run(main()) == "cancelled"
+
+
+class _EndsAtOnce(worker_pb2_grpc.WorkerServiceServicer):
+    """A real WorkerService whose Step call ends as soon as it opens (a rank killed under an open stream)."""
+
+    async def Step(self, requests, context):  # noqa: N802 - the gRPC method's name
+        return
+        yield  # an async generator: a streaming response with no message
+
+
+def test_a_plan_written_to_a_stream_that_already_ended_fails_the_group_not_the_loop() -> None:
+    """grpc.aio raises asyncio.InvalidStateError ("RPC already finished") for a write on a call that ended:
+    a rank died between two steps. The engine's overlap writes the next plan before reading the last
+    answers, so this reached the loop as a bug (tests/e2e/test_recovery.py failed on it once)."""
+    async def main():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(_EndsAtOnce(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        group = WorkerGroup([f"127.0.0.1:{port}"], 10.0)
+        try:
+            group._streams = [stub.Step() for stub in group._stubs]
+            await group._streams[0].code()  # the call has ended
+            with pytest.raises(WorkerGroupError, match="step 7 failed: a step stream broke"):
+                await group.submit(StepPlan(step_id=7))
+            assert group.failed
+        finally:
+            await group.close()
+            await server.stop(None)
+
+    asyncio.run(main())
