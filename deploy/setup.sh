@@ -70,14 +70,22 @@ else
   [ "$installer" = uv ] || "${PIP[@]}" -e ".${extras:+[$extras]}"
   done_step tpserve "installed with $installer (editable${extras:+, with the $extras extra})"
   begin
-  # The bytecode, once, in parallel. Python writes it on a module's first import, except where
-  # PYTHONDONTWRITEBYTECODE is set (many container images, this project's CI hosts): there every
-  # process compiles torch's modules again: a rank's imports (torch, the worker, grpc) cost 6.5 CPU-seconds
-  # instead of 3.0, and the test suite starts about 100 ranks.
-  # Exit status 1 names files this Python cannot parse (torch ships a 3.12-only test file); never imported.
-  .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
+  # Bytecode. Python compiles a module on its first import and caches it, except where
+  # PYTHONDONTWRITEBYTECODE is set (many container images): there every process compiles again what it
+  # imports (a rank's imports, torch, the worker and grpc, cost 6.5 CPU-seconds instead of 3.0), so all
+  # of site-packages is compiled now, in parallel (25-30 s on 2 cores). Elsewhere only what a rank and a
+  # server import is compiled now (about 9 s), in one process rather than in every rank of the first
+  # servers at once; the rest is compiled and cached by the first process that imports it.
+  if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+    # Exit status 1 names files this Python cannot parse (torch ships a 3.12-only test file); never imported.
+    .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
+    compiled="site-packages, as PYTHONDONTWRITEBYTECODE is set"
+  else
+    .venv/bin/python -c "import torch, grpc, worker.main, worker.server, launch.cli, launch.public_server, coordinator.engine, tpserve.client"
+    compiled="what a rank and a server import; the rest on first use"
+  fi
   echo "$want extras $extras" > "$stamp"
-  done_step bytecode "compiled (site-packages)"
+  done_step bytecode "compiled ($compiled)"
 fi
 # Ours too (under a second; up-to-date files are skipped): every rank, server and test process imports these.
 # Only the folders present: deploy/Dockerfile copies no tests/.
