@@ -56,7 +56,7 @@ from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
 from worker.pipeline_checks import check_pipeline
-from worker.sampler import sample_tensors
+from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
 from worker.step_inputs import StepInputs, build_step_inputs
 from worker.step_output import StepOutput
@@ -128,6 +128,7 @@ class ModelRunner:
         self._batch = InputBatch(-(-self.config.max_model_len // block_size))  # block tables, kept between steps
         self._max_model_len = self.config.max_model_len
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
+        self._sampling_cache = SamplingCache()  # a steady decode batch's sampling tensors, kept between steps
         # The draft runs on the target's step inputs, so both must take the same attention path.
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
                               and (self.draft is None or self.draft.paged_kernel))
@@ -363,4 +364,5 @@ class ModelRunner:
             chunks, self._batch.tables([c.seq_id for c in chunks]), [s.sampling for s in states], self.block_size,
             self.ctx.device, with_sampling=self.ctx.is_sampler, workspace=self._workspace, builder=self._builder,
             num_prompt_tokens=[s.num_prompt_tokens for s in states] if self._dynamic_rope else None,
+            sampling_cache=self._sampling_cache,
         )

@@ -44,7 +44,7 @@ from worker.attention_builders import (
     PrefillSpec,
     select_metadata_builder,
 )
-from worker.sampler import SamplingTensors, add_sampling, packed_sampling_tensors
+from worker.sampler import SamplingCache, SamplingTensors, add_sampling, packed_sampling_tensors
 
 __all__ = ["MAX_PAGED_QUERY_LEN", "StepInputs", "block_table_tensor", "build_step_inputs"]
 
@@ -141,6 +141,7 @@ def build_step_inputs(
     paged_kernel: bool = False,
     triton_decode: bool = False,
     num_prompt_tokens: Sequence[int] | None = None,
+    sampling_cache: SamplingCache | None = None,
 ) -> StepInputs:
     """Build a step's inputs from its chunks, in plan order.
 
@@ -165,6 +166,8 @@ def build_step_inputs(
         num_prompt_tokens: each chunk's sequence's prompt length, for dynamic NTK RoPE:
             then ``attn.rope_seq_lens`` holds ``max(prompt length, position + 1)`` per row
             (worker/layers/rotary.py); None: not built.
+        sampling_cache: a decode step whose every row samples takes its sampling tensors from
+            it (kept by the caller between steps: worker/sampler.py's :class:`SamplingCache`).
 
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
@@ -175,7 +178,7 @@ def build_step_inputs(
     lens = list(map(len, map(_token_ids, chunks)))
     if lens.count(1) == len(chunks):  # every chunk one token (a decode step): rows in plan order
         return _decode_step_inputs(chunks, tables, sampling, block_size, device, with_sampling, workspace, builder,
-                                   num_prompt_tokens)
+                                   num_prompt_tokens, sampling_cache)
     starts = list(map(_start_position, chunks))
     short, spec_in_group = builder.max_group_query_len, builder.spec_rows_in_group
     first = [n <= short or (spec_in_group and c.num_spec_tokens > 0) for n, c in zip(lens, chunks)]
@@ -250,7 +253,8 @@ def build_step_inputs(
 def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, sampling: Sequence[SamplingParams],
                         block_size: int, device: torch.device, with_sampling: bool,
                         workspace: dict[str, torch.Tensor] | None, builder: AttentionMetadataBuilder,
-                        num_prompt_tokens: Sequence[int] | None) -> StepInputs:
+                        num_prompt_tokens: Sequence[int] | None,
+                        sampling_cache: SamplingCache | None = None) -> StepInputs:
     """:func:`build_step_inputs` of a step whose chunks are all one token (no proposals can be among them):
     the same inputs, without the reordering's passes. Row ``i`` is chunk ``i``, the decode group all of them."""
     num_rows = len(chunks)
@@ -268,14 +272,16 @@ def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, 
     if builder.one_entry_per_chunk:
         packer.add("decode_query_start_loc", torch.arange(num_rows + 1, dtype=torch.int64))  # (S + 1,)
     packer.add("decode_tables", tables[:, :decode_blocks])  # (S, blocks)
-    sampled = [i for i, sample in enumerate(map(_sample, chunks)) if sample]  # a chunk's last row is its index
-    all_sampled = len(sampled) == num_rows
+    all_sampled = all(map(_sample, chunks))
+    # A chunk's last row is its index.
+    sampled = range(num_rows) if all_sampled else [i for i, sample in enumerate(map(_sample, chunks)) if sample]
     sampled_params = sampling if all_sampled else [sampling[i] for i in sampled]
     if sampled:
         packer.add("sample_rows", sampled)
     floats: dict[str, list[float]] = {}
     build_sampling = with_sampling and bool(sampled)
-    if build_sampling:
+    cached = build_sampling and all_sampled and sampling_cache is not None  # positions: decode_context_lens
+    if build_sampling and not cached:
         add_sampling(packer, floats, "", sampled_params, [s + 1 for s in starts] if all_sampled else
                      [starts[i] + 1 for i in sampled])
     dev = packer.to_device(device, floats)
@@ -283,10 +289,14 @@ def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, 
                         dev.get("decode_query_start_loc"))
     attn = builder.build(dev["positions"], dev["slots"], group, [], block_size, {} if workspace is None else workspace,
                          dev.get("rope_seq_lens"))
+    sampling_tensors = None
+    if cached:  # the sampled positions, one past each row's, are the context lengths
+        sampling_tensors = sampling_cache.tensors(sampled_params, dev["decode_context_lens"], device)
+    elif build_sampling:
+        sampling_tensors = packed_sampling_tensors(dev, "", sampled_params)
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn, sample_rows=dev["sample_rows"] if sampled else None,
-        sampling=packed_sampling_tensors(dev, "", sampled_params) if build_sampling else None,
-        chunk_last_rows=tuple(range(num_rows)),
+        sampling=sampling_tensors, chunk_last_rows=tuple(range(num_rows)),
     )
 
 
