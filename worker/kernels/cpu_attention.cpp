@@ -27,7 +27,7 @@
 // K/V lines that a step's other layers evicted. So: addresses once per sequence, one block-table
 // read per block, shared by its KV heads; the query heads of a KV head in one pass (shared loads,
 // independent chains); small token rows (all KV heads of a position) prefetched whole by the
-// sequence's first head, and the next sequence's first rows prefetched while this one runs
+// sequence's first head, and the next sequence's rows prefetched while this one's first head runs
 // (one layer's call at 74 positions, in a bare decode step: 361 -> 190 us; alone, cache-warm: 172 -> 82).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -102,17 +102,10 @@ void position_offsets(const int64_t* table, int64_t block_size, int64_t token_st
   for (int64_t t = L; t < L + 4 + kAhead; ++t) o[t] = o[L - 1];
 }
 
-// Prefetch the whole K and V rows of positions [lo, min(L, lo + kAhead)): what a sequence's first
-// head reads before its own prefetches (kAhead positions ahead) take over.
-void prefetch_first_rows(const int64_t* table, int64_t block_size, int64_t token_stride, int64_t row_lines,
-                         const float* kp, const float* vp, int64_t lo, int64_t L) {
-  for (int64_t t = lo; t < std::min(L, lo + kAhead); ++t) {
-    const int64_t offset = (table[t / block_size] * block_size + t % block_size) * token_stride;
-    for (int64_t line = 0; line < row_lines; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(kp + offset + 16 * line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vp + offset + 16 * line), _MM_HINT_T0);
-    }
-  }
+// The first position any of a sequence's n rows reads: 0, or with a sliding window the first row's
+// window start (earlier blocks are skipped).
+inline int64_t first_position(int64_t L, int64_t n, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, L - n - sliding_window + 1) : 0;
 }
 
 // The kernel's per-call constants for one KV head of one sequence.
@@ -122,6 +115,8 @@ struct HeadView {
   const float* kpf;     // what to prefetch (nullptr: nothing): kpf + off[t], pf_lines lines
   const float* vpf;
   int64_t pf_lines;
+  const int64_t* next_off = nullptr;  // the next sequence's offsets, prefetched (whole rows) as these are read
+  int64_t next_len = 0;               // its positions
 };
 
 // One query row and G query heads sharing one KV head: q[g * q_head_stride ..] (d = 8 * D8) over
@@ -142,6 +137,7 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
   }
   for (int64_t t = 0; t < context; t += 4) {
     if (h.kpf) prefetch_rows(h.kpf, off + t + kAhead, h.pf_lines);
+    if (h.next_off && t < h.next_len) prefetch_rows(h.kpf, h.next_off + t, h.pf_lines);
     const float *k0 = h.keys + off[t], *k1 = h.keys + off[t + 1], *k2 = h.keys + off[t + 2], *k3 = h.keys + off[t + 3];
     for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t, dot4<D8>(qv[g], k0, k1, k2, k3));
   }
@@ -185,7 +181,10 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
   }
   int64_t t = 0;
   for (; t + kSets <= context; t += kSets) {
-    if (h.vpf && (t & 3) < kSets) prefetch_rows(h.vpf, off + (t & ~int64_t{3}) + kAhead, h.pf_lines);
+    if (h.vpf && (t & 3) < kSets) {
+      prefetch_rows(h.vpf, off + (t & ~int64_t{3}) + kAhead, h.pf_lines);
+      if (h.next_off && t < h.next_len) prefetch_rows(h.vpf, h.next_off + (t & ~int64_t{3}), h.pf_lines);
+    }
     for (int u = 0; u < kSets; ++u) {
       const float* v = h.values + off[t + u];
       for (int i = 0; i < D8; ++i) {
@@ -307,26 +306,31 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const bool whole_rows = row_lines <= kWholeRowLines;
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> off;
-    int64_t offsets_of = -1;  // the sequence `off` holds
+    std::vector<int64_t> off, next;
+    int64_t offsets_of = -1, next_of = -1;  // the sequences `off` and `next` hold
+    const int64_t last = (end - 1) / KVH;  // this thread's last sequence
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
-      // The first position any row reads: 0, or the first row's window start (earlier blocks are skipped).
-      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, L - n - sliding_window + 1) : 0;
+      const int64_t lo = first_position(L, n, sliding_window);
       const bool lead = s != offsets_of;  // this thread's first KV head of the sequence
       if (lead) {
-        position_offsets(tables + s * max_blocks, block_size, token_stride, lo, L, off);
-        offsets_of = s;
-        if (whole_rows && s < (end - 1) / KVH) {  // this thread's next sequence: its first rows, while this one runs
-          const int64_t next_n = starts[s + 2] - starts[s + 1];
-          const int64_t next_lo = sliding_window > 0 ? std::max<int64_t>(0, lens[s + 1] - next_n - sliding_window + 1) : 0;
-          prefetch_first_rows(tables + (s + 1) * max_blocks, block_size, token_stride, row_lines, kp, vp, next_lo,
-                              lens[s + 1]);
+        if (next_of == s) {
+          off.swap(next);
+        } else {
+          position_offsets(tables + s * max_blocks, block_size, token_stride, lo, L, off);
         }
+        offsets_of = s;
       }
       HeadView h{kp + j * d, vp + j * d, nullptr, nullptr, head_lines};
       if (lead && whole_rows) {  // whole token rows, for this and the sequence's other heads
         h.kpf = kp, h.vpf = vp, h.pf_lines = row_lines;
+        if (s < last) {  // and the next sequence's, while this one is read (its first head then finds them)
+          const int64_t next_n = starts[s + 2] - starts[s + 1], next_lo = first_position(lens[s + 1], next_n,
+                                                                                         sliding_window);
+          position_offsets(tables + (s + 1) * max_blocks, block_size, token_stride, next_lo, lens[s + 1], next);
+          next_of = s + 1;
+          h.next_off = next.data(), h.next_len = lens[s + 1] - next_lo;
+        }
       } else if (!whole_rows) {  // wide rows: each head its own lines
         h.kpf = h.keys, h.vpf = h.values;
       }
