@@ -335,8 +335,12 @@ class ModelRunner:
         scored = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows) if reporting else ()
         if inputs.sample_rows is None:
             return StepOutput(prompt_logprobs=scored, num_padding_rows=num_padding_rows)
-        rows = inputs.sample_rows if inputs.spec_rows is None else torch.cat([inputs.sample_rows, inputs.spec_rows])
-        logits = self.model.compute_logits(hidden[rows])  # (N + S, vocab) on rank 0, else None
+        if inputs.samples_every_row and inputs.spec_rows is None:  # a decode step: every row, in order
+            sampled_hidden = hidden  # (N, hidden)
+        else:
+            rows = inputs.sample_rows if inputs.spec_rows is None else torch.cat([inputs.sample_rows, inputs.spec_rows])
+            sampled_hidden = hidden[rows]  # (N + S, hidden)
+        logits = self.model.compute_logits(sampled_hidden)  # (N + S, vocab) on rank 0, else None
         if logits is None:
             return StepOutput(prompt_logprobs=scored, num_padding_rows=num_padding_rows)
         logits = logits.float()  # (N + S, vocab) float32

@@ -69,6 +69,8 @@ class StepInputs:
             with ``num_spec_tokens = k`` in plan order, the ``k`` rows before its last
             (row ``j`` samples the token at ``start_position + j + 1``); None without.
         spec_sampling: those rows' sampling parameters (rank 0); None otherwise.
+        samples_every_row: host-side: ``sample_rows`` is ``0 .. T - 1`` (a decode step where
+            every chunk samples), so the hidden states need no gather before the LM head.
     """
 
     input_ids: torch.Tensor
@@ -78,6 +80,7 @@ class StepInputs:
     chunk_last_rows: tuple[int, ...] = ()
     spec_rows: torch.Tensor | None = None
     spec_sampling: SamplingTensors | None = None
+    samples_every_row: bool = False
 
 
 class _Packer:
@@ -296,7 +299,7 @@ def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, 
         sampling_tensors = packed_sampling_tensors(dev, "", sampled_params)
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn, sample_rows=dev["sample_rows"] if sampled else None,
-        sampling=sampling_tensors, chunk_last_rows=tuple(range(num_rows)),
+        sampling=sampling_tensors, chunk_last_rows=tuple(range(num_rows)), samples_every_row=all_sampled,
     )
 
 
