@@ -382,8 +382,10 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         return logits.argmax(dim=-1)  # (N,)
     # (N,) the greedy rows' tokens, and a sampled row's if it overflows; computed now where the greedy rows
     # need them or a processor below may rewrite ``logits`` in place, else only if a row overflows.
-    greedy_tokens = logits.argmax(dim=-1) if sampling.processors or sampling.sampled_rows is not None else None
-    is_sampled = sampling.temperature > 0  # (N,)
+    rows = sampling.sampled_rows
+    greedy_tokens = logits.argmax(dim=-1) if sampling.processors or rows is not None else None
+    # (N,) bool; unused when every row samples at temperature 1 and none overflows (the common case)
+    is_sampled = sampling.temperature > 0 if rows is not None or not sampling.unit_temperature else None
     if sampling.unit_temperature:  # every sampled row at temperature 1 (greedy rows' scaled logits go unused)
         scaled = logits  # (N, V)
     else:
@@ -392,7 +394,6 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     for processor in sampling.processors:
         if processor.after_temperature:
             scaled = processor.apply(scaled)  # (N, V) min_p
-    rows = sampling.sampled_rows
     top_k, top_p, seeds, positions = sampling.top_k, sampling.top_p, sampling.seeds, sampling.positions
     if rows is not None:  # greedy and sampled rows: the rest is the sampled rows' (S of them)
         scaled, top_k, top_p = scaled[rows], top_k[rows], top_p[rows]  # (S, V), (S,), (S,)
@@ -407,6 +408,7 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         if logits.device.type == "cpu" and bool(finite.all()):  # the common case; on the CPU no device to sync
             return sampled_tokens  # (N,) (skips an (N, V) argmax: 64 rows of 1,024, about 80 us of a step)
         greedy_tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens  # (N,)
+        is_sampled = sampling.temperature > 0 if is_sampled is None else is_sampled  # (N,)
         return torch.where(is_sampled & finite, sampled_tokens, greedy_tokens)  # (N,)
     return greedy_tokens.index_copy(0, rows, torch.where(finite, sampled_tokens, greedy_tokens[rows]))  # (N,)
 

@@ -256,7 +256,8 @@ def rotate_and_cache(
             q_norm, k_norm = qk_norm
             torch.ops.tpserve_cpu.qk_norm_rotary_and_cache(qkv, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin,
                                                            k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-        q, k, v = qkv.view(num_tokens, -1, d).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        # split_with_sizes: the C method (Tensor.split is a Python wrapper around it, a few us a layer).
+        q, k, v = qkv.view(num_tokens, -1, d).split_with_sizes([num_heads, num_kv_heads, num_kv_heads], dim=1)
         return q, k, v
     qk_size = (num_heads + num_kv_heads) * d
     qk = qkv[:, :qk_size].view(num_tokens, -1, d)  # (T, num_heads + num_kv_heads, d)
