@@ -405,7 +405,8 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     # softmax NaN, argmax 0) takes the greedy token, never a garbage one (off the CPU without a host sync).
     sampled_tokens, finite = exponential_race(probs, seeds, positions)  # (S,), (S,)
     if rows is None:  # every row sampled: the greedy token only stands in for a row that overflowed
-        if logits.device.type == "cpu" and bool(finite.all()):  # the common case; on the CPU no device to sync
+        # The common case; on the CPU no device to sync (a list scan: a 64-row tensor all() is a ~15 us reduction).
+        if logits.device.type == "cpu" and all(finite.tolist()):
             return sampled_tokens  # (N,) (skips an (N, V) argmax: 64 rows of 1,024, about 80 us of a step)
         greedy_tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens  # (N,)
         is_sampled = sampling.temperature > 0 if is_sampled is None else is_sampled  # (N,)

@@ -158,7 +158,8 @@ def build_step_inputs(
         block_size: tokens per KV block.
         device: where the model runs.
         with_sampling: build the sampling tensors (only the rank that samples needs them).
-        workspace: scratch tensors attention may keep across steps (see AttentionMetadata).
+        workspace: scratch tensors attention may keep across steps (see AttentionMetadata); the
+            decode path keeps a host ``row_offsets`` there too.
         builder: the attention backend's metadata builder (worker/attention_builders.py);
             None: the one ``paged_kernel`` / ``triton_decode`` select.
         paged_kernel: attention runs the compiled paged kernel (float32 CPU ranks with
@@ -273,7 +274,7 @@ def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, 
     decode_blocks = -(-(max(starts) + 1) // block_size)
     packer.add("decode_context_lens", positions + 1)  # (S,) one entry per chunk and per row alike
     if builder.one_entry_per_chunk:
-        packer.add("decode_query_start_loc", torch.arange(num_rows + 1, dtype=torch.int64))  # (S + 1,)
+        packer.add("decode_query_start_loc", _row_offsets(num_rows + 1, workspace))  # (S + 1,) 0 .. S
     packer.add("decode_tables", tables[:, :decode_blocks])  # (S, blocks)
     all_sampled = all(map(_sample, chunks))
     # A chunk's last row is its index.
@@ -301,6 +302,17 @@ def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, 
         input_ids=dev["input_ids"], attn=attn, sample_rows=dev["sample_rows"] if sampled else None,
         sampling=sampling_tensors, chunk_last_rows=tuple(range(num_rows)), samples_every_row=all_sampled,
     )
+
+
+def _row_offsets(length: int, workspace: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """``(length,) int64`` ``0 .. length - 1`` on the host: a view of one kept in ``workspace`` (read only; the
+    packer copies it into the step's buffer), as a fresh ``arange`` costs ~10 us a step."""
+    if workspace is None:
+        return torch.arange(length, dtype=torch.int64)
+    kept = workspace.get("row_offsets")
+    if kept is None or kept.numel() < length:
+        kept = workspace["row_offsets"] = torch.arange(max(length, 1024), dtype=torch.int64)
+    return kept[:length]
 
 
 def _flat_positions(order: list[int], lens_o: list[int], ends: list[int],
