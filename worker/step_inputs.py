@@ -6,7 +6,9 @@ they are built with tensor ops from the plan's chunks and the sequences' block
 tables (an ``(S, B)`` tensor; the runner keeps it between steps in
 worker/input_batch.py), then every integer goes into one ``int64`` buffer (the
 float parameters as float32 bit patterns inside it), pinned on CUDA, copied with
-one non-blocking ``to(device)``; the fields are views of the device copy.
+one non-blocking ``to(device)``; the fields are views of the device copy. A decode step whose
+every chunk samples takes its sampling parameters from the caller's
+:class:`~worker.sampler.SamplingCache` instead (kept between steps; only the positions change).
 
 The flat batch is reordered **decodes first** (see worker/attention.py): the
 chunks the attention backend's decode group takes, in plan order, then the longer
