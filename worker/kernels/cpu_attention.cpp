@@ -28,7 +28,8 @@
 // read per block, shared by its KV heads; the query heads of a KV head in one pass (shared loads,
 // independent chains); small token rows (all KV heads of a position) prefetched whole by the
 // sequence's first head, and the next sequence's rows prefetched while this one's first head runs
-// (one layer's call at 74 positions, in a bare decode step: 361 -> 190 us; alone, cache-warm: 172 -> 82).
+// (one layer's call at 74 positions inside a bare decode step, single noisy measurements: 361 us before,
+// 190-207 with the first three, ~125 with the next sequence's rows too; alone, cache-warm: 172 -> 82).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -156,7 +156,7 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
   const int64_t kv_floats = num_kv_heads * d;
   // A small row's cache lines (the embedded model: 4 a row) are asked for a few rows ahead, for
   // writing: the slots of a decode step lie all over the cache, mostly out of cache, and the copies
-  // below would otherwise wait on each line in turn (one layer's call, 64 rows: ~23 -> ~12 us).
+  // below would otherwise wait on each line in turn (one layer's call, 64 rows, torch.profiler: 23 -> 19 us).
   const int64_t ahead_lines = kv_floats <= 128 ? (kv_floats + 15) / 16 : 0;
   constexpr int64_t kAheadRows = 4;
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
