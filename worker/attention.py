@@ -222,10 +222,10 @@ class PagedAttention(nn.Module):
         meta = attn_metadata
         num_decodes = meta.num_decodes
         decoded = None
+        if num_decodes == num_tokens and num_decodes:  # a pure decode step: every row, no slice, no scatter
+            return self._decode(q, k_cache, v_cache, meta).reshape(num_tokens, self.num_heads * d)  # (T, H * d)
         if num_decodes:
             decoded = self._decode(q[:num_decodes], k_cache, v_cache, meta)  # (D, H, d)
-            if num_decodes == num_tokens:
-                return decoded.reshape(num_tokens, self.num_heads * d)  # a pure decode step: no scatter
         out = q.new_empty(num_tokens, self.num_heads, d)  # (T, H, d)
         if decoded is not None:
             out[:num_decodes] = decoded

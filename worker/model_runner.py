@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
 from worker.pipeline_checks import check_pipeline
-from worker.sampler import sample_tensors
+from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
 from worker.step_inputs import StepInputs, build_step_inputs
 from worker.step_output import StepOutput
@@ -74,10 +75,20 @@ class _SequenceState:
     prompt_token_ids: tuple[int, ...] = ()  # only with prompt_logprobs (worker/logprobs.py)
     uses_logits_controls: bool = False  # sampling.uses_logits_controls, read once
     reports_logprobs: bool = False  # sampling.logprobs or prompt_logprobs: worker/logprobs.py has work
+    tracks_history: bool = False  # history is not None
 
     def __post_init__(self) -> None:
         self.uses_logits_controls = self.sampling.uses_logits_controls
         self.reports_logprobs = self.sampling.logprobs or self.sampling.prompt_logprobs is not None
+        self.tracks_history = self.history is not None
+
+
+# The per-step scans over a batch's chunks and states, as C-level attribute reads (``any(map(...))``).
+_new_block_ids = attrgetter("new_block_ids")
+_tracks_history = attrgetter("tracks_history")
+_reports_logprobs = attrgetter("reports_logprobs")
+_uses_logits_controls = attrgetter("uses_logits_controls")
+_seq_id, _sampling = attrgetter("seq_id"), attrgetter("sampling")
 
 
 class ModelRunner:
@@ -128,6 +139,7 @@ class ModelRunner:
         self._batch = InputBatch(-(-self.config.max_model_len // block_size))  # block tables, kept between steps
         self._max_model_len = self.config.max_model_len
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
+        self._sampling_cache = SamplingCache()  # a steady decode batch's sampling tensors, kept between steps
         # The draft runs on the target's step inputs, so both must take the same attention path.
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
                               and (self.draft is None or self.draft.paged_kernel))
@@ -240,19 +252,20 @@ class ModelRunner:
             batch.add(new.seq_id)
             if new.sampling.grammar and self.ctx.is_sampler:  # built while the forward pass runs
                 self._grammars.prefetch(new.sampling.grammar)
-        self._check_chunks(plan)
-        for chunk in plan.scheduled:
-            state = seqs[chunk.seq_id]
-            if chunk.new_block_ids:
-                state.block_table.extend(chunk.new_block_ids)
-                batch.append_blocks(chunk.seq_id, chunk.new_block_ids)
-            if state.history is not None:
-                extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_processors.py)
+        states = self._check_chunks(plan)  # (S,) in plan order
+        # Most decode steps add no block and track no history: the C-level scans skip the loop.
+        if any(map(_new_block_ids, plan.scheduled)) or any(map(_tracks_history, states)):
+            for chunk, state in zip(plan.scheduled, states):
+                if chunk.new_block_ids:
+                    state.block_table.extend(chunk.new_block_ids)
+                    batch.append_blocks(chunk.seq_id, chunk.new_block_ids)
+                if state.history is not None:
+                    extend_history(state.history, chunk)  # the penalties' token counts (worker/logits_processors.py)
         self.last_logits = self.last_spec_logits = None
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
-            out = self._run(plan)
+            out = self._run(plan, states)
             expert_token_counts = self._expert_token_counts(out.num_padding_rows)  # after _run's host copy: no wait
         self.last_logits, self.last_spec_logits = out.logits, out.spec_logits
         return StepResult(step_id=plan.step_id, sampled_token_ids=out.sampled_token_ids, logprobs=out.logprobs,
@@ -266,7 +279,9 @@ class ModelRunner:
             counts -= num_padding_rows * self._padding_counts
         return count_triples(self._expert_layers, counts)
 
-    def _check_chunks(self, plan: StepPlan) -> None:
+    def _check_chunks(self, plan: StepPlan) -> list[_SequenceState]:
+        """Each scheduled chunk's sequence state, in plan order, after the checks ``execute`` documents."""
+        states: list[_SequenceState] = []
         seen: set[int] = set()
         seqs, num_blocks, block_size, max_model_len = self._seqs, self.num_blocks, self.block_size, self._max_model_len
         for chunk in plan.scheduled:
@@ -276,6 +291,7 @@ class ModelRunner:
             if chunk.seq_id in seen:
                 raise ValueError(f"step {plan.step_id}: seq_id={chunk.seq_id} is scheduled twice")
             seen.add(chunk.seq_id)
+            states.append(state)
             new_blocks = chunk.new_block_ids
             if new_blocks and not all(0 <= b < num_blocks for b in new_blocks):
                 bad = [b for b in new_blocks if not 0 <= b < num_blocks]
@@ -305,11 +321,11 @@ class ModelRunner:
                     f"step {plan.step_id}: seq_id={chunk.seq_id} reaches position {end - 1}, "
                     f"the model's longest context is {max_model_len}"
                 )
+        return states
 
-    def _run(self, plan: StepPlan) -> StepOutput:
-        """Forward the flat batch and sample; inside ``inference_mode``."""
+    def _run(self, plan: StepPlan, states: list[_SequenceState]) -> StepOutput:
+        """Forward the flat batch and sample (``states``: the chunks' sequences); inside ``inference_mode``."""
         chunks = plan.scheduled
-        states = [self._seqs[c.seq_id] for c in chunks]
         inputs = self._inputs(chunks, states)
         if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
             proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
@@ -330,19 +346,23 @@ class ModelRunner:
             if not stage.is_last:
                 stage.send_next(hidden)  # to the next stage, which samples or sends on (worker/pipeline.py)
                 return StepOutput(num_padding_rows=num_padding_rows)
-        reporting = any(s.reports_logprobs for s in states)
+        reporting = any(map(_reports_logprobs, states))
         scored = prompt_logprobs(self.model, hidden, chunks, states, inputs.chunk_last_rows) if reporting else ()
         if inputs.sample_rows is None:
             return StepOutput(prompt_logprobs=scored, num_padding_rows=num_padding_rows)
-        rows = inputs.sample_rows if inputs.spec_rows is None else torch.cat([inputs.sample_rows, inputs.spec_rows])
-        logits = self.model.compute_logits(hidden[rows])  # (N + S, vocab) on rank 0, else None
+        if inputs.samples_every_row and inputs.spec_rows is None:  # a decode step: every row, in order
+            sampled_hidden = hidden  # (N, hidden)
+        else:
+            rows = inputs.sample_rows if inputs.spec_rows is None else torch.cat([inputs.sample_rows, inputs.spec_rows])
+            sampled_hidden = hidden[rows]  # (N + S, hidden)
+        logits = self.model.compute_logits(sampled_hidden)  # (N + S, vocab) on rank 0, else None
         if logits is None:
             return StepOutput(prompt_logprobs=scored, num_padding_rows=num_padding_rows)
         logits = logits.float()  # (N + S, vocab) float32
         num_samples = plan.num_samples
         logits, spec_logits = logits[:num_samples], logits[num_samples:]  # (N, vocab), (S, vocab)
         sampling = inputs.sampling
-        if any(s.uses_logits_controls for s in states):  # the same object when no sampled row uses a control
+        if any(map(_uses_logits_controls, states)):  # the same object when no sampled row uses a control
             sampling = with_processors(sampling, chunks, states, self.ctx.device, self._grammars)
         tokens = sample_tensors(logits, sampling)  # (N,)
         logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample]) \
@@ -360,7 +380,8 @@ class ModelRunner:
     def _inputs(self, chunks: Sequence[ScheduledChunk], states: list[_SequenceState]) -> StepInputs:
         """The step's inputs, block tables from the persistent batch."""
         return build_step_inputs(
-            chunks, self._batch.tables([c.seq_id for c in chunks]), [s.sampling for s in states], self.block_size,
+            chunks, self._batch.tables(list(map(_seq_id, chunks))), list(map(_sampling, states)), self.block_size,
             self.ctx.device, with_sampling=self.ctx.is_sampler, workspace=self._workspace, builder=self._builder,
             num_prompt_tokens=[s.num_prompt_tokens for s in states] if self._dynamic_rope else None,
+            sampling_cache=self._sampling_cache,
         )

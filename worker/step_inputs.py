@@ -6,7 +6,9 @@ they are built with tensor ops from the plan's chunks and the sequences' block
 tables (an ``(S, B)`` tensor; the runner keeps it between steps in
 worker/input_batch.py), then every integer goes into one ``int64`` buffer (the
 float parameters as float32 bit patterns inside it), pinned on CUDA, copied with
-one non-blocking ``to(device)``; the fields are views of the device copy.
+one non-blocking ``to(device)``; the fields are views of the device copy. A decode step whose
+every chunk samples takes its sampling parameters from the caller's
+:class:`~worker.sampler.SamplingCache` instead (kept between steps; only the positions change).
 
 The flat batch is reordered **decodes first** (see worker/attention.py): the
 chunks the attention backend's decode group takes, in plan order, then the longer
@@ -44,7 +46,7 @@ from worker.attention_builders import (
     PrefillSpec,
     select_metadata_builder,
 )
-from worker.sampler import SamplingTensors, add_sampling, packed_sampling_tensors
+from worker.sampler import SamplingCache, SamplingTensors, add_sampling, packed_sampling_tensors
 
 __all__ = ["MAX_PAGED_QUERY_LEN", "StepInputs", "block_table_tensor", "build_step_inputs"]
 
@@ -69,6 +71,8 @@ class StepInputs:
             with ``num_spec_tokens = k`` in plan order, the ``k`` rows before its last
             (row ``j`` samples the token at ``start_position + j + 1``); None without.
         spec_sampling: those rows' sampling parameters (rank 0); None otherwise.
+        samples_every_row: host-side: ``sample_rows`` is ``0 .. T - 1`` (a decode step where
+            every chunk samples), so the hidden states need no gather before the LM head.
     """
 
     input_ids: torch.Tensor
@@ -78,6 +82,7 @@ class StepInputs:
     chunk_last_rows: tuple[int, ...] = ()
     spec_rows: torch.Tensor | None = None
     spec_sampling: SamplingTensors | None = None
+    samples_every_row: bool = False
 
 
 class _Packer:
@@ -141,6 +146,7 @@ def build_step_inputs(
     paged_kernel: bool = False,
     triton_decode: bool = False,
     num_prompt_tokens: Sequence[int] | None = None,
+    sampling_cache: SamplingCache | None = None,
 ) -> StepInputs:
     """Build a step's inputs from its chunks, in plan order.
 
@@ -154,7 +160,8 @@ def build_step_inputs(
         block_size: tokens per KV block.
         device: where the model runs.
         with_sampling: build the sampling tensors (only the rank that samples needs them).
-        workspace: scratch tensors attention may keep across steps (see AttentionMetadata).
+        workspace: scratch tensors attention may keep across steps (see AttentionMetadata); the
+            decode path keeps a host ``row_offsets`` there too.
         builder: the attention backend's metadata builder (worker/attention_builders.py);
             None: the one ``paged_kernel`` / ``triton_decode`` select.
         paged_kernel: attention runs the compiled paged kernel (float32 CPU ranks with
@@ -165,6 +172,8 @@ def build_step_inputs(
         num_prompt_tokens: each chunk's sequence's prompt length, for dynamic NTK RoPE:
             then ``attn.rope_seq_lens`` holds ``max(prompt length, position + 1)`` per row
             (worker/layers/rotary.py); None: not built.
+        sampling_cache: a decode step whose every row samples takes its sampling tensors from
+            it (kept by the caller between steps: worker/sampler.py's :class:`SamplingCache`).
 
     Returns:
         The inputs; ``T = sum(num_tokens)`` rows, decodes first.
@@ -175,7 +184,7 @@ def build_step_inputs(
     lens = list(map(len, map(_token_ids, chunks)))
     if lens.count(1) == len(chunks):  # every chunk one token (a decode step): rows in plan order
         return _decode_step_inputs(chunks, tables, sampling, block_size, device, with_sampling, workspace, builder,
-                                   num_prompt_tokens)
+                                   num_prompt_tokens, sampling_cache)
     starts = list(map(_start_position, chunks))
     short, spec_in_group = builder.max_group_query_len, builder.spec_rows_in_group
     first = [n <= short or (spec_in_group and c.num_spec_tokens > 0) for n, c in zip(lens, chunks)]
@@ -250,7 +259,8 @@ def build_step_inputs(
 def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, sampling: Sequence[SamplingParams],
                         block_size: int, device: torch.device, with_sampling: bool,
                         workspace: dict[str, torch.Tensor] | None, builder: AttentionMetadataBuilder,
-                        num_prompt_tokens: Sequence[int] | None) -> StepInputs:
+                        num_prompt_tokens: Sequence[int] | None,
+                        sampling_cache: SamplingCache | None = None) -> StepInputs:
     """:func:`build_step_inputs` of a step whose chunks are all one token (no proposals can be among them):
     the same inputs, without the reordering's passes. Row ``i`` is chunk ``i``, the decode group all of them."""
     num_rows = len(chunks)
@@ -266,16 +276,18 @@ def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, 
     decode_blocks = -(-(max(starts) + 1) // block_size)
     packer.add("decode_context_lens", positions + 1)  # (S,) one entry per chunk and per row alike
     if builder.one_entry_per_chunk:
-        packer.add("decode_query_start_loc", torch.arange(num_rows + 1, dtype=torch.int64))  # (S + 1,)
+        packer.add("decode_query_start_loc", _row_offsets(num_rows + 1, workspace))  # (S + 1,) 0 .. S
     packer.add("decode_tables", tables[:, :decode_blocks])  # (S, blocks)
-    sampled = [i for i, sample in enumerate(map(_sample, chunks)) if sample]  # a chunk's last row is its index
-    all_sampled = len(sampled) == num_rows
+    all_sampled = all(map(_sample, chunks))
+    # A chunk's last row is its index.
+    sampled = range(num_rows) if all_sampled else [i for i, sample in enumerate(map(_sample, chunks)) if sample]
     sampled_params = sampling if all_sampled else [sampling[i] for i in sampled]
     if sampled:
         packer.add("sample_rows", sampled)
     floats: dict[str, list[float]] = {}
     build_sampling = with_sampling and bool(sampled)
-    if build_sampling:
+    cached = build_sampling and all_sampled and sampling_cache is not None  # positions: decode_context_lens
+    if build_sampling and not cached:
         add_sampling(packer, floats, "", sampled_params, [s + 1 for s in starts] if all_sampled else
                      [starts[i] + 1 for i in sampled])
     dev = packer.to_device(device, floats)
@@ -283,11 +295,26 @@ def _decode_step_inputs(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, 
                         dev.get("decode_query_start_loc"))
     attn = builder.build(dev["positions"], dev["slots"], group, [], block_size, {} if workspace is None else workspace,
                          dev.get("rope_seq_lens"))
+    sampling_tensors = None
+    if cached:  # the sampled positions, one past each row's, are the context lengths
+        sampling_tensors = sampling_cache.tensors(sampled_params, dev["decode_context_lens"], device)
+    elif build_sampling:
+        sampling_tensors = packed_sampling_tensors(dev, "", sampled_params)
     return StepInputs(
         input_ids=dev["input_ids"], attn=attn, sample_rows=dev["sample_rows"] if sampled else None,
-        sampling=packed_sampling_tensors(dev, "", sampled_params) if build_sampling else None,
-        chunk_last_rows=tuple(range(num_rows)),
+        sampling=sampling_tensors, chunk_last_rows=tuple(range(num_rows)), samples_every_row=all_sampled,
     )
+
+
+def _row_offsets(length: int, workspace: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """``(length,) int64`` ``0 .. length - 1`` on the host: a view of one kept in ``workspace`` (read only; the
+    packer copies it into the step's buffer), as a fresh ``arange`` costs ~10 us a step."""
+    if workspace is None:
+        return torch.arange(length, dtype=torch.int64)
+    kept = workspace.get("row_offsets")
+    if kept is None or kept.numel() < length:
+        kept = workspace["row_offsets"] = torch.arange(max(length, 1024), dtype=torch.int64)
+    return kept[:length]
 
 
 def _flat_positions(order: list[int], lens_o: list[int], ends: list[int],

@@ -20,6 +20,16 @@
 // lie in the cache, once, for all the query heads that share them, with an exact two-pass softmax
 // (scores, then max-subtracted exponentials; Milakov & Gimelshein 2018 give the same result
 // online), the exponential vectorised (vec_math.h).
+//
+// Where a decode step's time goes with small heads (the embedded model: d = 16, 8 query heads over
+// 4 KV heads, 64 sequences of ~70 positions, 2.4 MB of K/V per layer): computing each position's
+// address (one division per position), dependent FMA chains in the value pass, and waiting for
+// K/V lines that a step's other layers evicted. So: addresses once per sequence, one block-table
+// read per block, shared by its KV heads; the query heads of a KV head in one pass (shared loads,
+// independent chains); small token rows (all KV heads of a position) prefetched whole by the
+// sequence's first head, and the next sequence's rows prefetched while this one's first head runs
+// (one layer's call at 74 positions inside a bare decode step, single noisy measurements: 361 us before,
+// 190-207 with the first three, ~125 with the next sequence's rows too; alone, cache-warm: 172 -> 82).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -64,78 +74,190 @@ inline __m128 dot4(const __m256 (&q)[D8], const float* k0, const float* k1, cons
 // 20 interleaved runs against the version without).
 constexpr int64_t kAhead = 16;
 
-// Prefetch 4 consecutive rows (positions) of one head: the pointer array is padded past the end.
-template <int D8>
-inline void prefetch_rows(const float* const* rows) {
+// Token rows of at most this many cache lines (all KV heads of a position: KVH * d floats) are
+// prefetched whole by the sequence's first KV head, so its other heads find their rows in L1
+// (the embedded model: 4 lines; a wider row is prefetched head by head, the head's own lines).
+constexpr int64_t kWholeRowLines = 8;
+
+// Prefetch `lines` cache lines at each of 4 consecutive positions (the offset array is padded past the end).
+inline void prefetch_rows(const float* base, const int64_t* off, int64_t lines) {
   for (int r = 0; r < 4; ++r) {
-    for (int line = 0; line < D8; line += 2) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + 8 * line), _MM_HINT_T0);
+    for (int64_t line = 0; line < lines; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + off[r] + 16 * line), _MM_HINT_T0);
+    }
   }
 }
 
-// One query row and KV head: `groups` query heads q[g * q_head_stride ..] of size d = 8 * D8 over
-// the first `context` keys and values, given as row pointers (padded with 4 more for dot4).
-template <int D8>
-void attend(const float* q, int64_t q_head_stride, int64_t groups, const float* const* keys,
-            const float* const* values, int64_t context, float scale, float softcap, float* out,
-            int64_t out_head_stride, std::vector<float>& scores) {
-  scores.resize(static_cast<size_t>(context + 4));
+// Where each position's key and value lie: off[t - lo] = slot(t) * token_stride for t in [lo, L),
+// one block-table read per block (no division per position), then 4 + kAhead copies of the last
+// offset (dot4 reads 4 positions at a time, the prefetches look kAhead further).
+void position_offsets(const int64_t* table, int64_t block_size, int64_t token_stride, int64_t lo, int64_t L,
+                      std::vector<int64_t>& off) {
+  off.resize(static_cast<size_t>(L - lo + 4 + kAhead));
+  int64_t* o = off.data() - lo;
+  for (int64_t t = lo; t < L;) {
+    const int64_t block = t / block_size, end = std::min(L, (block + 1) * block_size);
+    const int64_t base = (table[block] * block_size - block * block_size) * token_stride;  // slot(t) - t, scaled
+    for (; t < end; ++t) o[t] = base + t * token_stride;
+  }
+  for (int64_t t = L; t < L + 4 + kAhead; ++t) o[t] = o[L - 1];
+}
+
+// The first position any of a sequence's n rows reads: 0, or with a sliding window the first row's
+// window start (earlier blocks are skipped).
+inline int64_t first_position(int64_t L, int64_t n, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, L - n - sliding_window + 1) : 0;
+}
+
+// The kernel's per-call constants for one KV head of one sequence.
+struct HeadView {
+  const float* keys;    // k_cache + j * d: key of position t at keys + off[t]
+  const float* values;  // likewise in v_cache
+  const float* kpf;     // what to prefetch (nullptr: nothing): kpf + off[t], pf_lines lines
+  const float* vpf;
+  int64_t pf_lines;
+  const int64_t* next_off = nullptr;  // the next sequence's offsets, prefetched (whole rows) as these are read
+  int64_t next_len = 0;               // its positions
+};
+
+// One query row and G query heads sharing one KV head: q[g * q_head_stride ..] (d = 8 * D8) over
+// the first `context` positions of `off`. The G heads share every key and value load, and their
+// accumulators are independent chains (the value pass, a chain of FMAs per position, is
+// latency-bound with one head and d = 16).
+template <int D8, int G>
+void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int64_t* off, int64_t context,
+            float scale, float softcap, float* out, int64_t out_head_stride, std::vector<float>& scores) {
+  const int64_t stride = context + 8;  // per head: dot4's 3 spare, the softmax's last vector 7
+  scores.resize(static_cast<size_t>(G * stride));
   float* s = scores.data();
-  for (int64_t g = 0; g < groups; ++g) {
-    // Pass 1: scores, keys of 4 positions at a time against the head's query held in registers.
-    __m256 qv[D8];
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (int i = 0; i < D8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), vscale);
-    for (int64_t t = 0; t < context; t += 4) {
-      if (g == 0) prefetch_rows<D8>(keys + t + kAhead);  // the first query head streams K from memory
-      _mm_storeu_ps(s + t, dot4<D8>(qv, keys[t], keys[t + 1], keys[t + 2], keys[t + 3]));  // s has 4 spare
-    }
+  // Pass 1: scores, keys of 4 positions at a time against the heads' queries held in registers.
+  __m256 qv[G][D8];
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < D8; ++i) qv[g][i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), vscale);
+  }
+  for (int64_t t = 0; t < context; t += 4) {
+    if (h.kpf) prefetch_rows(h.kpf, off + t + kAhead, h.pf_lines);
+    if (h.next_off && t < h.next_len) prefetch_rows(h.kpf, h.next_off + t, h.pf_lines);
+    const float *k0 = h.keys + off[t], *k1 = h.keys + off[t + 1], *k2 = h.keys + off[t + 2], *k3 = h.keys + off[t + 3];
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t, dot4<D8>(qv[g], k0, k1, k2, k3));
+  }
+  // Softmax per head, exact: subtract the max, exponentiate, normalise at the end.
+  const __m256 kLane = _mm256_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f);
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * stride;
     if (softcap > 0.0f) {  // Gemma 2: cap * tanh(score / cap), before the softmax (scalar: a rare path)
-      for (int64_t u = 0; u < context; ++u) s[u] = softcap * std::tanh(s[u] / softcap);
+      for (int64_t u = 0; u < context; ++u) sg[u] = softcap * std::tanh(sg[u] / softcap);
     }
-    // Softmax, exact: subtract the max, exponentiate, normalise at the end.
     __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
-    for (; t + 8 <= context; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+    for (; t + 8 <= context; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + t));
     float m = hmax(vmax);
-    for (; t < context; ++t) m = std::max(m, s[t]);
+    for (; t < context; ++t) m = std::max(m, sg[t]);
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (t = 0; t + 8 <= context; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
-      _mm256_storeu_ps(s + t, e);
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm));
+      _mm256_storeu_ps(sg + t, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum(vsum);
-    for (; t < context; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
+    if (t < context) {  // the last 1..7 positions: one more vector, the lanes past the end zeroed
+      const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(t)), kLane),
+                                         _mm256_set1_ps(static_cast<float>(context)), _CMP_LT_OQ);
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm)), valid);
+      _mm256_storeu_ps(sg + t, e);  // within the head's stride
+      vsum = _mm256_add_ps(vsum, e);
     }
-    // Pass 2: the probability-weighted sum of values, accumulated in registers.
-    __m256 o[D8];
-    for (int i = 0; i < D8; ++i) o[i] = _mm256_setzero_ps();
-    for (t = 0; t < context; ++t) {
-      if (g == 0 && (t & 3) == 0) prefetch_rows<D8>(values + t + kAhead);
-      const __m256 pt = _mm256_set1_ps(s[t]);
-      const float* v = values[t];
-      for (int i = 0; i < D8; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), o[i]);
+    inv_sum[g] = 1.0f / hsum(vsum);
+  }
+  // Pass 2: the probability-weighted sum of values, accumulated in registers; with few
+  // accumulators, two positions at a time into two sets (more chains in flight), added at the end.
+  constexpr int kSets = G * D8 <= 4 ? 2 : 1;
+  __m256 o[kSets][G][D8];
+  for (int u = 0; u < kSets; ++u) {
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < D8; ++i) o[u][g][i] = _mm256_setzero_ps();
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  }
+  int64_t t = 0;
+  for (; t + kSets <= context; t += kSets) {
+    if (h.vpf && (t & 3) < kSets) {
+      prefetch_rows(h.vpf, off + (t & ~int64_t{3}) + kAhead, h.pf_lines);
+      if (h.next_off && t < h.next_len) prefetch_rows(h.vpf, h.next_off + (t & ~int64_t{3}), h.pf_lines);
+    }
+    for (int u = 0; u < kSets; ++u) {
+      const float* v = h.values + off[t + u];
+      for (int i = 0; i < D8; ++i) {
+        const __m256 vv = _mm256_loadu_ps(v + 8 * i);
+        for (int g = 0; g < G; ++g) o[u][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * stride + t + u]), vv, o[u][g][i]);
+      }
+    }
+  }
+  for (; t < context; ++t) {  // kSets = 2 and an odd context: the last position
+    const float* v = h.values + off[t];
+    for (int i = 0; i < D8; ++i) {
+      const __m256 vv = _mm256_loadu_ps(v + 8 * i);
+      for (int g = 0; g < G; ++g) o[0][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * stride + t]), vv, o[0][g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[g]);
     float* og = out + g * out_head_stride;
-    for (int i = 0; i < D8; ++i) _mm256_storeu_ps(og + 8 * i, _mm256_mul_ps(o[i], inv));
+    for (int i = 0; i < D8; ++i) {
+      __m256 acc = o[0][g][i];
+      for (int u = 1; u < kSets; ++u) acc = _mm256_add_ps(acc, o[u][g][i]);
+      _mm256_storeu_ps(og + 8 * i, _mm256_mul_ps(acc, inv));
+    }
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, float,
-                          float, float*, int64_t, std::vector<float>&);
+using AttendFn = void (*)(const float*, int64_t, const HeadView&, const int64_t*, int64_t, float, float, float*,
+                          int64_t, std::vector<float>&);
 
-AttendFn attend_for(int64_t d) {
+// All `groups` query heads of one KV head, G at a time (G: as many as keep the queries and the
+// value accumulators within the 16 ymm registers).
+template <int D8>
+void attend_group(AttendFn one, AttendFn two, AttendFn four, int64_t groups, const float* q, int64_t q_head_stride,
+                  const HeadView& h, const int64_t* off, int64_t context, float scale, float softcap, float* out,
+                  int64_t out_head_stride, std::vector<float>& scores) {
+  int64_t g = 0;
+  for (; four && g + 4 <= groups; g += 4) {
+    four(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, out + g * out_head_stride,
+         out_head_stride, scores);
+  }
+  for (; two && g + 2 <= groups; g += 2) {
+    two(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, out + g * out_head_stride,
+        out_head_stride, scores);
+  }
+  for (; g < groups; ++g) {
+    one(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, out + g * out_head_stride,
+        out_head_stride, scores);
+  }
+}
+
+using GroupFn = void (*)(int64_t, const float*, int64_t, const HeadView&, const int64_t*, int64_t, float, float,
+                         float*, int64_t, std::vector<float>&);
+
+template <int D8>
+void attend_heads(int64_t groups, const float* q, int64_t q_head_stride, const HeadView& h, const int64_t* off,
+                  int64_t context, float scale, float softcap, float* out, int64_t out_head_stride,
+                  std::vector<float>& scores) {
+  // Head sizes up to 32 (D8 <= 4) take 2 heads at a time, 16 (D8 = 2) 4; wider heads one.
+  constexpr bool two = D8 <= 4, four = D8 <= 2;
+  attend_group<D8>(&attend<D8, 1>, two ? &attend<D8, two ? 2 : 1> : nullptr,
+                   four ? &attend<D8, four ? 4 : 1> : nullptr, groups, q, q_head_stride, h, off, context, scale,
+                   softcap, out, out_head_stride, scores);
+}
+
+GroupFn attend_for(int64_t d) {
   switch (d) {
-    case 16: return &attend<2>;
-    case 32: return &attend<4>;
-    case 64: return &attend<8>;
-    case 80: return &attend<10>;
-    case 96: return &attend<12>;
-    case 128: return &attend<16>;
+    case 16: return &attend_heads<2>;
+    case 32: return &attend_heads<4>;
+    case 64: return &attend_heads<8>;
+    case 80: return &attend_heads<10>;
+    case 96: return &attend_heads<12>;
+    case 128: return &attend_heads<16>;
     default: return nullptr;
   }
 }
@@ -157,7 +279,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   const int64_t R = q.size(0), H = q.size(1), d = q.size(2), S = context_lens.numel();
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
-  const AttendFn attend_fn = attend_for(d);
+  const GroupFn attend_fn = attend_for(d);
   TORCH_CHECK(k_cache.size(3) == d && attend_fn != nullptr, "tpserve paged_attention: head_dim ", d,
               " must match the cache and be one of 16, 32, 64, 80, 96, 128");
   TORCH_CHECK(H % KVH == 0 && block_tables.dim() == 2 && block_tables.size(0) == S && query_start_loc.numel() == S + 1,
@@ -181,33 +303,44 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), token_stride = KVH * d;
+  const int64_t row_lines = (token_stride + 15) / 16, head_lines = (d + 15) / 16;
+  const bool whole_rows = row_lines <= kWholeRowLines;
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> keys, values;
+    std::vector<int64_t> off, next;
+    int64_t offsets_of = -1, next_of = -1;  // the sequences `off` and `next` hold
+    const int64_t last = (end - 1) / KVH;  // this thread's last sequence
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
-      // The first position any row reads: 0, or the first row's window start (earlier blocks are skipped).
-      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, L - n - sliding_window + 1) : 0;
-      // Where each position's key and value lie, once for all of the sequence's query rows.
-      keys.resize(static_cast<size_t>(L - lo + 4 + kAhead));
-      values.resize(static_cast<size_t>(L - lo + 4 + kAhead));
-      const int64_t* table = tables + s * max_blocks;
-      for (int64_t t = lo; t < L; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        keys[t - lo] = kp + slot * token_stride + j * d;
-        values[t - lo] = vp + slot * token_stride + j * d;
+      const int64_t lo = first_position(L, n, sliding_window);
+      const bool lead = s != offsets_of;  // this thread's first KV head of the sequence
+      if (lead) {
+        if (next_of == s) {
+          off.swap(next);
+        } else {
+          position_offsets(tables + s * max_blocks, block_size, token_stride, lo, L, off);
+        }
+        offsets_of = s;
       }
-      // Past the end: dot4's last group reads (never uses) keys[L..L+3]; the prefetches look kAhead further.
-      for (int64_t t = L; t < L + 4 + kAhead; ++t) {
-        keys[t - lo] = keys[L - 1 - lo];
-        values[t - lo] = values[L - 1 - lo];
+      HeadView h{kp + j * d, vp + j * d, nullptr, nullptr, head_lines};
+      if (lead && whole_rows) {  // whole token rows, for this and the sequence's other heads
+        h.kpf = kp, h.vpf = vp, h.pf_lines = row_lines;
+        if (s < last) {  // and the next sequence's, while this one is read (its first head then finds them)
+          const int64_t next_n = starts[s + 2] - starts[s + 1], next_lo = first_position(lens[s + 1], next_n,
+                                                                                         sliding_window);
+          position_offsets(tables + (s + 1) * max_blocks, block_size, token_stride, next_lo, lens[s + 1], next);
+          next_of = s + 1;
+          h.next_off = next.data(), h.next_len = lens[s + 1] - next_lo;
+        }
+      } else if (!whole_rows) {  // wide rows: each head its own lines
+        h.kpf = h.keys, h.vpf = h.values;
       }
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = first + i, p = L - n + i;  // the row's position
         const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
-        attend_fn(qp + row * qs0 + j * groups * qs1, qs1, groups, keys.data() + (start - lo),
-                  values.data() + (start - lo), p + 1 - start, static_cast<float>(scale),
-                  static_cast<float>(logit_softcap), op + (row * H + j * groups) * d, d, scores);
+        attend_fn(groups, qp + row * qs0 + j * groups * qs1, qs1, h, off.data() + (start - lo), p + 1 - start,
+                  static_cast<float>(scale), static_cast<float>(logit_softcap), op + (row * H + j * groups) * d, d,
+                  scores);
       }
     }
   });

@@ -144,7 +144,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
                              if embedding else None)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, ctx.device)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, ctx.device,
+                                          max_position=config.max_model_len)  # a cos/sin table when it is small
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device) if head else None
 
