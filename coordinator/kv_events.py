@@ -15,12 +15,15 @@ gateway uses them as node identities and hashes the token ids itself. A block co
 under a tenant's or a salt's namespace carries it in ``cache_salt`` (hex), so that the
 gateway keeps it apart from unsalted prefixes.
 
-Each subscriber has its own pending list; events are recorded only while someone
-subscribes (nothing accumulates otherwise). No torch.
+Each subscriber has its own pending list, and a subscriber waiting in :meth:`KvEventLog.wait`
+wakes as soon as an event is recorded: a step's events leave together, before the engine loop
+streams that step's outputs (vLLM publishes its KV events once per step). Events are recorded
+only while someone subscribes (nothing accumulates otherwise). No torch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -46,6 +49,7 @@ class KvEventLog:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._pending: dict[int, list[common_pb2.KvCacheEvent]] = {}
+        self._ready: dict[int, asyncio.Event] = {}  # set while the subscriber has pending events
         self._next_subscriber = 0
         self._next_event_id = 1
 
@@ -84,6 +88,7 @@ class KvEventLog:
                                                                      cleared=common_pb2.KvCacheCleared())]
             else:
                 events.append(event)
+            self._ready[subscriber].set()
 
     # -- the subscribers' side -------------------------------------------------------
 
@@ -92,10 +97,17 @@ class KvEventLog:
         subscriber = self._next_subscriber
         self._next_subscriber += 1
         self._pending[subscriber] = []
+        self._ready[subscriber] = asyncio.Event()
         return subscriber
 
     def unsubscribe(self, subscriber: int) -> None:
         self._pending.pop(subscriber, None)
+        self._ready.pop(subscriber, None)
+
+    async def wait(self, subscriber: int) -> None:
+        """Returns once the subscriber has events to :meth:`drain` (at once if it has some already).
+        Called on the engine's event loop, as the allocator records on it."""
+        await self._ready[subscriber].wait()
 
     def drain(self, subscriber: int, sequence_number: int) -> common_pb2.KvEventBatch | None:
         """The subscriber's events since its last drain as batch ``sequence_number``, or None if none."""
@@ -103,4 +115,5 @@ class KvEventLog:
         if not events:
             return None
         self._pending[subscriber] = []
+        self._ready[subscriber].clear()
         return common_pb2.KvEventBatch(sequence_number=sequence_number, timestamp=time.time(), events=events)
