@@ -94,9 +94,10 @@ ours=(); for dir in tpserve coordinator worker launch tests; do [ -d "$dir" ] &&
 
 begin
 # The kernels' library is named by a hash of their sources, flags and torch's version
-# (worker/kernels/__init__.py); the stamp keeps the path a build gave for these sources.
+# (worker/kernels/__init__.py); the stamp keeps the path a build gave for these sources and the cache
+# directory asked for (a new TPSERVE_KERNEL_CACHE builds there).
 kstamp=.venv/.tpserve-kernels
-ksources="$(cat worker/kernels/*.cpp worker/kernels/*.h worker/kernels/__init__.py | sha256sum | cut -c1-16) $(cat "$stamp")"
+ksources="$(cat worker/kernels/*.cpp worker/kernels/*.h worker/kernels/__init__.py | sha256sum | cut -c1-16) $(cat "$stamp") cache=${TPSERVE_KERNEL_CACHE:-default}"
 read -r kseen klib < <(tail -n 1 "$kstamp" 2>/dev/null || true) || true
 if [ "$(head -n 1 "$kstamp" 2>/dev/null)" = "$ksources" ] && { [ "$klib" = none ] || [ -f "$klib" ]; }; then
   done_step kernels "cached ($klib)"
