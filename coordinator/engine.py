@@ -15,9 +15,16 @@ plans and dispatches step t+1, and only then detokenizes and streams step t whil
 the ranks run t+1 (coordinator/inflight_step.py). A sequence that a stop string, a
 cancel or an abort ends meanwhile is in t+1's plan: its token from t+1 is dropped
 (``Scheduler.update`` skips a finished sequence) and the plan after names it to the
-workers. Its blocks are freed at once, yet no step can reuse them before t+1
-returns: blocks are allocated only by ``schedule``, which runs only while no step
-is in flight.
+workers. Its blocks are freed at once; a later plan may give them to another
+sequence, but the ranks run plans in the order sent, so every step that still
+writes them for the finished sequence has run before that plan's does.
+
+With async scheduling (``--async-scheduling``) the loop keeps one more step in
+flight: t+1 is planned and sent before t's result arrives (the scheduler counts a
+planned sample as pending; the ranks feed their own sampled token in its place), and
+when t's result is in, the loop applies it, sends t+2 and then streams t, so a rank
+that ends a step finds the next plan waiting. A sequence that t's token stops is in
+t+1 and possibly t+2; their tokens for it are dropped like any finished sequence's.
 
 Requests join the running batch at the next step and leave it the step they finish.
 A handler that stops listening (client cancel, deadline) aborts its request, which
@@ -31,6 +38,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -124,6 +132,8 @@ class Engine:
         self.scheduler = scheduler
         self.stream_interval = stream_interval
         self.micro_batches = micro_batches  # steps in flight: the pipeline's stages (coordinator/micro_batches.py)
+        # Steps in flight beyond the one whose result is awaited: 1 under async scheduling.
+        self._depth = 2 if scheduler.async_scheduling else 1
         self.workers = workers
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -342,10 +352,10 @@ class Engine:
         if self.micro_batches > 1:  # pipeline stages: up to one step in flight per stage
             await run_micro_batches(self, self.micro_batches)
             return
-        step: InFlightStep | None = None  # dispatched, result not taken yet
+        in_flight: deque[InFlightStep] = deque()  # dispatched, results not taken yet, oldest first
         try:
             while True:
-                if step is None:
+                if not in_flight:
                     if self.state is EngineState.DEAD:
                         return  # the restart failed, or a step failed twice: every request has its error
                     if not self.state.runs_steps:
@@ -358,11 +368,12 @@ class Engine:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
-                    step = await InFlightStep.dispatch(self.workers, plan, follows_step=False)
-                step = await self._complete(step)
+                    in_flight.append(await InFlightStep.dispatch(self.workers, plan, follows_step=False))
+                await self._dispatch_ahead(in_flight)  # async scheduling: step t+1 before t's result
+                await self._complete(in_flight)
         finally:
-            if step is not None:
-                step.cancel()  # cancelled (shutdown) while a step ran
+            for step in in_flight:
+                step.cancel()  # cancelled (shutdown) while steps ran
 
     def _plan(self) -> StepPlan | None:
         """The next step's plan; None when there is nothing to run or nothing fits (until a
@@ -370,29 +381,49 @@ class Engine:
         if not (self.scheduler.running or self.scheduler.waiting):
             return None
         plan = self.scheduler.schedule()
-        return plan if plan.scheduled else None
+        if plan.scheduled:
+            return plan
+        self.scheduler.take_back(plan)  # its drops and trims go with the next plan
+        return None
 
-    async def _complete(self, step: InFlightStep) -> InFlightStep | None:
-        """Takes ``step``'s result, dispatches the next step, then streams ``step``'s tokens while
-        the ranks run it. Returns the step now in flight (None: none)."""
+    async def _dispatch_ahead(self, in_flight: deque[InFlightStep]) -> None:
+        """Tops the steps in flight up to the loop's depth: one more than the step whose result
+        is awaited next under async scheduling (the ranks find their next plan queued when a
+        step ends), none otherwise."""
+        while in_flight and len(in_flight) < self._depth and self.state.runs_steps \
+                and in_flight[-1].workers is self.workers:
+            plan = self._plan()
+            if plan is None:
+                return
+            in_flight.append(await InFlightStep.dispatch(self.workers, plan, follows_step=True))
+
+    async def _complete(self, in_flight: deque[InFlightStep]) -> None:
+        """Takes the oldest step's result, dispatches the next step, then streams the step's tokens
+        while the ranks run what is in flight. Leaves the steps still in flight in ``in_flight``."""
+        step = in_flight.popleft()
         try:
             result = await step.result()
         except WorkerGroupError as exc:
+            self._drop(in_flight)  # later steps of a failed group are void
             if step.workers is not self.workers:
-                return None  # a step of the lost group, which was replaced meanwhile: nothing to report
+                return  # a step of the lost group, which was replaced meanwhile: nothing to report
             # A step that fails again on a freshly restarted group would fail every
             # time (a bad plan, a broken checkpoint): give up rather than loop.
             if self.state is EngineState.RESUMED or not self._on_group_failure(str(exc)):
                 self.fail_all(f"the worker group failed: {exc}")
-            return None  # or a restart re-queued every sequence: the plan's work is redone
+            return  # or a restart re-queued every sequence: the plan's work is redone
         received = time.perf_counter()
         if not self.state.runs_steps or step.workers is not self.workers:
-            return None  # the group was declared lost during this step: its result is void
+            self._drop(in_flight)
+            return  # the group was declared lost during this step: its result is void
         if self.state is EngineState.RESUMED:
             self._enter(EngineState.SERVING)
         self._unstreamed = self.scheduler.update(step.plan, result)
-        plan = self._plan()
-        following = None if plan is None else await InFlightStep.dispatch(self.workers, plan, follows_step=True)
+        if not in_flight:
+            plan = self._plan()
+            if plan is not None:
+                in_flight.append(await InFlightStep.dispatch(self.workers, plan, follows_step=True))
+        await self._dispatch_ahead(in_flight)
         outputs, self._unstreamed = self._unstreamed, []
         if self.state is not EngineState.DEAD:  # (fail_all, meanwhile, gave every request its error)
             self._process(outputs)
@@ -401,7 +432,12 @@ class Engine:
         self._update_gauges()
         self.metrics.observe_step(step.plan.num_tokens, received - step.dispatched_at, result.model_execute_time_s,
                                   result.wait_time_s if step.follows_step else None, received, time.perf_counter())
-        return following
+
+    @staticmethod
+    def _drop(in_flight: deque[InFlightStep]) -> None:
+        """Gives up on every step in flight (their group failed or was replaced)."""
+        while in_flight:
+            in_flight.popleft().cancel()
 
     def _process(self, outputs: list[TokenOutput]) -> None:
         """Turns a step's tokens into one RequestOutput per request (a sequence's tokens are adjacent)."""

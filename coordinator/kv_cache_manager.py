@@ -134,12 +134,14 @@ class KVCacheManager:
 
     # -- caching computed blocks -------------------------------------------------------
 
-    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int, start: int | None = None) -> None:
         """Records in the prefix cache the blocks of ``seq`` that became full once its first
-        ``num_computed_tokens`` tokens are computed (call before raising ``seq.num_computed_tokens``)."""
+        ``num_computed_tokens`` tokens are computed, from position ``start`` on (None:
+        ``seq.num_computed_tokens``; call before raising it). Async scheduling passes the
+        applied chunk's start: the sequence's count ran ahead when later steps were planned."""
         if not self.enable_prefix_caching:
             return
-        first = seq.num_computed_tokens // self.block_size
+        first = (seq.num_computed_tokens if start is None else start) // self.block_size
         last = num_computed_tokens // self.block_size
         if last <= first:
             return

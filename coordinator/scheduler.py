@@ -43,6 +43,21 @@ sampled tokens, applies the token-level stop rules and frees the blocks of seque
 that finished. Text-level stops (stop strings) are decided
 by the caller, which calls ``finish``.
 
+Async scheduling (``async_scheduling=True``; vLLM's ``--async-scheduling``): the engine
+plans step t+1 while step t runs, before its result. ``schedule`` then counts a plan's
+work as done when it plans it: each chunk's tokens as computed, and each sample as a
+*pending* token of its sequence (``Sequence.num_pending_tokens``). A sequence with a
+pending token decodes it in the next plan as ``PLACEHOLDER_TOKEN_ID`` (the workers feed
+the token they sampled), unless that token is its last by length (``max_tokens``,
+``max_model_len``), which is known without its value. ``update`` puts the sampled
+token in the pending one's place and applies the stop rules; a sequence a token stops
+is in the step already planned after it, whose token for it is dropped (it is no longer
+running) and whose blocks it wrote were freed before any later plan could reuse them
+(the workers run plans in order). Nothing is speculated about text: stop strings end a
+sequence when its step is processed, as without async scheduling. A preempted sequence
+drops its pending tokens (it is recomputed from the tokens known), and a result for an
+earlier admission of a sequence is ignored (``Sequence.admitted_step``).
+
 Pure Python, no torch: the invariants (every block free or held, ref counts equal
 holders, nothing leaked after finish, abort or preempt, no cached block written) are
 checkable after any step with ``check_invariants``.
@@ -59,7 +74,7 @@ from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.spec_decode import SpecDecodeStats
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus
-from tpserve.step import NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import PLACEHOLDER_TOKEN_ID, NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,11 @@ class Scheduler:
         proposer: speculative decoding's proposer (``--speculative-method ngram`` or ``draft``); None: off.
         disable_speculation_above: no proposals while more sequences than this run
             (``--speculative-disable-by-batch-size``); None: no limit.
+        async_scheduling: plans may be made before the previous step's result is applied
+            (see the module docstring); not with a proposer.
+
+    Raises:
+        ValueError: ``async_scheduling`` with a proposer (a proposal needs the tokens before it).
 
     Attributes:
         kv_cache: the block tables and the prefix cache (:mod:`coordinator.kv_cache_manager`).
@@ -95,7 +115,10 @@ class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = False, check_writes: bool = False,
                  proposer: NgramProposer | DraftModelProposer | None = None,
-                 disable_speculation_above: int | None = None) -> None:
+                 disable_speculation_above: int | None = None, async_scheduling: bool = False) -> None:
+        if async_scheduling and proposer is not None:
+            raise ValueError("async scheduling does not combine with speculative decoding")
+        self.async_scheduling = async_scheduling
         self.kv_cache = KVCacheManager(allocator, enable_prefix_caching)
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -167,6 +190,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_pending_tokens = 0  # what steps in flight sample for it is dropped: it is recomputed
         self._trims.pop(seq.seq_id, None)  # the workers drop the whole table
         if seq.on_workers:
             self._to_drop.append(seq.seq_id)
@@ -229,10 +253,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0 and len(scheduled) < cap:
             seq = self.running[index]
-            if seq.seq_id in busy:
+            if seq.seq_id in busy or seq.num_pending_tokens and self._pending_is_last(seq):
                 index += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             # Speculation spends budget only where every later running sequence keeps a token.
             proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
                 if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ((), 0)
@@ -256,6 +280,8 @@ class Scheduler:
             scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
             budget -= num_new + num_spec
             index += 1
+            if self.async_scheduling:
+                self._count_planned(seq, scheduled[-1])
 
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < cap):
@@ -275,8 +301,11 @@ class Scheduler:
             prompt = tuple(seq.prompt_token_ids) if seq.sampling.prompt_logprobs is not None else ()
             new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history, prompt))
             seq.on_workers = True
+            seq.admitted_step = self._next_step_id
             scheduled.append(self._chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table
             budget -= num_new
+            if self.async_scheduling:
+                self._count_planned(seq, scheduled[-1])
 
         if self.check_writes:
             self._bad_writes = self._cached_blocks_written(scheduled)
@@ -287,10 +316,29 @@ class Scheduler:
         self._trims = {}
         return plan
 
+    def _pending_is_last(self, seq: Sequence) -> bool:
+        """Async scheduling: whether the tokens steps in flight sample for ``seq`` end it by length."""
+        pending = seq.num_pending_tokens
+        return seq.num_output_tokens + pending >= seq.stop.max_tokens or seq.num_tokens + pending >= seq.max_model_len
+
+    @staticmethod
+    def _count_planned(seq: Sequence, chunk: ScheduledChunk) -> None:
+        """Async scheduling: counts ``chunk`` as done once planned (its tokens computed, its sample pending)."""
+        seq.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+        seq.num_pending_tokens += chunk.sample
+
+    def take_back(self, plan: StepPlan) -> None:
+        """``plan``, the last one made, will not be sent (it schedules nothing): the sequences it
+        tells the workers to drop or trim go in the next plan instead."""
+        self._to_drop[:0] = plan.finished_seq_ids
+        for seq_id, num_blocks in plan.trimmed_block_tables:
+            self._trims.setdefault(seq_id, num_blocks)
+
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenOutput]:
         """Applies a step's sampled tokens; returns them with the sequences' finish reasons.
 
-        Sequences finished or aborted while the step ran are skipped: their tokens are dropped.
+        Sequences finished or aborted while the step ran are skipped: their tokens are dropped;
+        so are those of a sequence preempted and admitted again since the plan.
         A chunk with proposals may give several tokens, in order; nothing after a stop.
 
         Raises:
@@ -315,16 +363,21 @@ class Scheduler:
             num_sampled = counts[sample_index] if chunk.sample else 0
             offset += num_sampled
             seq = seqs.get(chunk.seq_id)
-            if seq is None:
+            if seq is None or seq.admitted_step > plan.step_id:
                 continue  # finished, aborted or preempted after the plan was made
             if chunk.num_spec_tokens or chunk.num_draft_tokens:
                 outputs += self._apply_verified(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset])
                 continue
-            num_computed = seq.num_computed_tokens + len(chunk.token_ids)
-            self.kv_cache.cache_full_blocks(seq, num_computed)
-            seq.num_computed_tokens = num_computed
+            # Async scheduling counted the chunk when it was planned (and later plans may have
+            # gone further); the cache registers blocks only up to the tokens known now.
+            num_computed = chunk.start_position + len(chunk.token_ids)
+            self.kv_cache.cache_full_blocks(seq, num_computed, chunk.start_position)
+            if num_computed > seq.num_computed_tokens:
+                seq.num_computed_tokens = num_computed
             if token_id is None:
                 continue
+            if seq.num_pending_tokens:
+                seq.num_pending_tokens -= 1
             reason = seq.append_token(token_id)
             if reason is not None:
                 self.finish(seq, reason)
@@ -425,13 +478,16 @@ class Scheduler:
     @staticmethod
     def _chunk(seq: Sequence, num_new: int, new_block_ids: list[int], proposal: tuple[int, ...] = (),
                num_draft: int = 0) -> ScheduledChunk:
-        start = seq.num_computed_tokens
+        start, num_known = seq.num_computed_tokens, seq.num_tokens
+        # A position past the known tokens holds a pending one (async scheduling): the workers have it.
+        tokens = seq.token_ids(start, start + num_new) if start + num_new <= num_known else \
+            seq.token_ids(start, num_known) + (PLACEHOLDER_TOKEN_ID,) * (start + num_new - max(start, num_known))
         return ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids(start, start + num_new) + proposal,
+            token_ids=tokens + proposal,
             start_position=start,
             new_block_ids=tuple(new_block_ids),
-            sample=start + num_new == seq.num_tokens,
+            sample=start + num_new == num_known + seq.num_pending_tokens,
             num_spec_tokens=len(proposal),
             num_draft_tokens=num_draft,
         )

@@ -69,6 +69,11 @@ class Sequence:
             and ``cache_salt``); ``b""`` for the anonymous, unsalted one.
         priority: the queue's order: lower values are admitted first, and preempted
             last (vLLM's convention); equal priorities keep arrival order. Default 0.
+        num_pending_tokens: async scheduling: tokens that steps in flight sample for it,
+            not applied yet (their positions are already counted in ``num_computed_tokens``
+            once fed); 0 otherwise.
+        admitted_step: the step id of the plan that last admitted it (new or after a
+            preemption); a result of an earlier plan belongs to a former admission.
     """
 
     seq_id: int
@@ -89,6 +94,8 @@ class Sequence:
     speculation: AdaptiveSpeculation = field(default_factory=AdaptiveSpeculation)
     cache_namespace: bytes = b""
     priority: int = 0
+    num_pending_tokens: int = 0
+    admitted_step: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -73,6 +73,10 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--max-num-batched-tokens", dict(type=int, help="token budget per step")),
         ("--max-model-len", dict(type=int, help="longest sequence in tokens (default: the model's)")),
         ("--max-queue-len", dict(type=int, help="most waiting requests before RESOURCE_EXHAUSTED")),
+        ("--async-scheduling", dict(action=argparse.BooleanOptionalAction,
+                                    help="plan each step before the previous step's result is back, so the ranks "
+                                         "never wait for the coordinator (not with speculative decoding or "
+                                         "pipeline stages; default off)")),
     ],
     "speculative": [
         ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "

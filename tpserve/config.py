@@ -148,12 +148,17 @@ class SchedulerConfig(_Frozen):
         max_model_len: longest sequence in tokens; None: the model's
             ``max_position_embeddings``. Larger than that is refused at start-up.
         max_queue_len: most requests waiting for admission; more get RESOURCE_EXHAUSTED.
+        async_scheduling: plan step t+1 while step t runs, before its result (vLLM's
+            ``--async-scheduling``): the ranks find their next plan waiting when a step
+            ends instead of waiting for the coordinator's round trip (coordinator/scheduler.py).
+            Not with speculative decoding or pipeline stages.
     """
 
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     max_queue_len: int = Field(1024, ge=1)
+    async_scheduling: bool = False
 
 
 class SpeculativeConfig(_Frozen):
@@ -274,6 +279,16 @@ class ClusterConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _check_async_scheduling(self) -> ClusterConfig:
+        if self.scheduler.async_scheduling and self.speculative.speculative_method is not None:
+            raise ValueError("--async-scheduling does not combine with --speculative-method (a proposal needs "
+                             "the tokens before it)")
+        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("--async-scheduling needs --pipeline-parallel-size 1 (micro-batches already keep "
+                             "every stage busy)")
+        return self
 
     @classmethod
     def load_from(cls, yaml_path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> ClusterConfig:

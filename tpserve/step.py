@@ -30,6 +30,12 @@ Order of application on a worker, fixed so every rank agrees:
      bonus sample after the last proposal): ``1 + num_accepted`` tokens. A chunk with
      ``num_draft_tokens`` gets its proposals from the workers' draft model first.
 
+Async scheduling (``--async-scheduling``; vLLM's name) plans step t+1 before step t's
+result is back: a decode chunk of a sequence that step t samples carries
+``PLACEHOLDER_TOKEN_ID`` as its one token, and the workers feed the token they
+sampled for it in the step before (the sampling rank keeps it and, with tensor
+parallelism, broadcasts it to the others before anything else of the step).
+
 This module imports no torch: the coordinator uses it too.
 """
 
@@ -45,6 +51,9 @@ from tpserve import sampling_fields
 #: Re-exported: the table's constants (tpserve/sampling_fields.py).
 SEED_MODULUS = sampling_fields.SEED_MODULUS
 MAX_TOP_LOGPROBS = sampling_fields.MAX_TOP_LOGPROBS
+
+#: A decode chunk's token under async scheduling: "the token this sequence was sampled in the step before".
+PLACEHOLDER_TOKEN_ID = -1
 
 #: The worker's fields: the table's (``stage != "coordinator"``), then what the coordinator fills in.
 #: ``(name, annotation, default)``; the first four are also positional (temperature, top_k, top_p, seed).
@@ -197,7 +206,9 @@ class ScheduledChunk:
     Attributes:
         seq_id: the sequence.
         token_ids: tokens fed this step: a prompt chunk (prefill) or the last
-            sampled token (decode). Never empty.
+            sampled token (decode). Never empty. Under async scheduling a decode's
+            one token may be ``PLACEHOLDER_TOKEN_ID``: the token the step before
+            sampled for the sequence, not yet known to the coordinator.
         start_position: absolute position of ``token_ids[0]``; equals the number
             of the sequence's tokens already in the KV cache.
         new_block_ids: KV block ids appended to the sequence's block table before

@@ -34,6 +34,7 @@ Observing logits (tests, debugging): after ``execute``, rank 0's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from pathlib import Path
@@ -57,6 +58,7 @@ from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
 from worker.pipeline_checks import check_pipeline
+from worker.placeholders import fill_placeholders, has_placeholders
 from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
 from worker.step_inputs import StepInputs, build_step_inputs
@@ -76,6 +78,7 @@ class _SequenceState:
     uses_logits_controls: bool = False  # sampling.uses_logits_controls, read once
     reports_logprobs: bool = False  # sampling.logprobs or prompt_logprobs: worker/logprobs.py has work
     tracks_history: bool = False  # history is not None
+    last_token: int | None = None  # the sampling rank: the token sampled last (async scheduling's placeholder)
 
     def __post_init__(self) -> None:
         self.uses_logits_controls = self.sampling.uses_logits_controls
@@ -88,7 +91,7 @@ _new_block_ids = attrgetter("new_block_ids")
 _tracks_history = attrgetter("tracks_history")
 _reports_logprobs = attrgetter("reports_logprobs")
 _uses_logits_controls = attrgetter("uses_logits_controls")
-_seq_id, _sampling = attrgetter("seq_id"), attrgetter("sampling")
+_seq_id, _sampling, _sample = attrgetter("seq_id"), attrgetter("sampling"), attrgetter("sample")
 
 
 class ModelRunner:
@@ -253,6 +256,8 @@ class ModelRunner:
             if new.sampling.grammar and self.ctx.is_sampler:  # built while the forward pass runs
                 self._grammars.prefetch(new.sampling.grammar)
         states = self._check_chunks(plan)  # (S,) in plan order
+        if has_placeholders(plan):  # async scheduling: the tokens sampled the step before
+            plan = fill_placeholders(plan, [s.last_token for s in states], self.ctx)
         # Most decode steps add no block and track no history: the C-level scans skip the loop.
         if any(map(_new_block_ids, plan.scheduled)) or any(map(_tracks_history, states)):
             for chunk, state in zip(plan.scheduled, states):
@@ -268,6 +273,9 @@ class ModelRunner:
             out = self._run(plan, states)
             expert_token_counts = self._expert_token_counts(out.num_padding_rows)  # after _run's host copy: no wait
         self.last_logits, self.last_spec_logits = out.logits, out.spec_logits
+        if out.sampled_token_ids and not out.num_accepted_tokens:  # one token per sampling chunk, in order
+            for state, token in zip(compress(states, map(_sample, plan.scheduled)), out.sampled_token_ids):
+                state.last_token = token
         return StepResult(step_id=plan.step_id, sampled_token_ids=out.sampled_token_ids, logprobs=out.logprobs,
                           prompt_logprobs=out.prompt_logprobs, num_accepted_tokens=out.num_accepted_tokens,
                           expert_token_counts=expert_token_counts)

@@ -57,13 +57,14 @@ def reference(prompt: list[int], bias: dict[int, float]) -> list[int]:
     return out
 
 
-def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers() -> None:
+@pytest.mark.parametrize("extra", [(), ("--async-scheduling",)], ids=["sync", "async"])
+def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers(extra: tuple[str, ...]) -> None:
     golden = load_goldens()[0]
     prefix = golden["prompt_token_ids"] + golden["completion_token_ids"][:35]  # 40 tokens: 2 full blocks of 16
     prompt = prefix + [400, 428]
     bias = {286: 3.0, 432: -100.0}
     want = reference(prompt, bias)
-    with serve(STORIES_DIR, 2, "--enable-prefix-caching", "--block-size", "16") as cluster:
+    with serve(STORIES_DIR, 2, "--enable-prefix-caching", "--block-size", "16", *extra) as cluster:
         cluster.client.generate(prefix + [291], max_tokens=1, temperature=0)  # fills the cache
         result = cluster.client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=PENALTY,
                                          min_tokens=MIN_TOKENS, logit_bias=bias)

@@ -1,5 +1,9 @@
 """End to end through ``tpserve serve`` on the real stories260k model, at degrees 1 and 2.
 
+Every test runs on four servers: degrees 1 and 2, each without and with
+``--async-scheduling`` (step t+1 planned before step t's result, issue 26); the goldens
+also at degree 4 with async scheduling.
+
 The references are the shared goldens (made with Hugging Face ``transformers``) and
 the model's own tokenizer; nothing here compares the server only with itself,
 except where the property is invariance (a stream equals the unary call; a seeded
@@ -22,9 +26,11 @@ from tests.paths import STORIES_DIR, load_goldens, requires_stories
 pytestmark = [pytest.mark.e2e, requires_stories]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+@pytest.fixture(scope="module", params=[(1, ()), (2, ()), (1, ("--async-scheduling",)), (2, ("--async-scheduling",))],
+                ids=lambda p: f"tp{p[0]}" + ("-async" if p[1] else ""))
 def cluster(request, shared_servers):
-    return shared_servers.get(STORIES_DIR, request.param)
+    tensor_parallel_size, extra = request.param
+    return shared_servers.get(STORIES_DIR, tensor_parallel_size, *extra)
 
 
 def greedy(client, golden, **kwargs):
@@ -70,6 +76,27 @@ def assert_streams_match_the_goldens(client, min_chunks: int = 1) -> None:
 
 def test_goldens_sixteen_at_once(cluster) -> None:
     assert_goldens_sixteen_at_once(cluster.client)
+
+
+def test_goldens_at_tp4_with_async_scheduling(shared_servers) -> None:
+    """Four ranks feed the tokens rank 0 sampled (one broadcast per step): every golden, alone and 16 at once."""
+    cluster = shared_servers.get(STORIES_DIR, 4, "--async-scheduling")
+    for golden in load_goldens():
+        assert_matches_golden(greedy(cluster.client, golden), golden)
+    assert_goldens_sixteen_at_once(cluster.client)
+
+
+def test_json_schema_output_parses_and_follows_the_schema(cluster) -> None:
+    """Rank 0's grammar advances with the tokens it fed (under async scheduling: its own samples)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for seed in (1, 2, 3):
+        result = cluster.client.generate("Once upon a time", max_tokens=80, temperature=1.0, seed=seed,
+                                         json_schema=schema)
+        value = json.loads(result.text)
+        assert result.finish_reason == "stop" and set(value) == {"name", "age"}, result
+        assert isinstance(value["age"], int) and 0 <= value["age"] <= 99 and len(value["name"]) <= 10
 
 
 def test_prompt_as_token_ids_gives_the_golden(cluster) -> None:

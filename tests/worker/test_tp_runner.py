@@ -16,6 +16,11 @@ and once 16 sequences (each prompt twice) in one batch, with ``prompt_logprobs``
 every token must be ``transformers``' ``generate``, every sampled row's logits and
 every prompt token's log-probability within 1e-4 (float32).
 
+Async scheduling (``--async-scheduling``): the first tiny checkpoint's scenario and the
+greedy 16-at-once run again with every decode's token replaced by ``PLACEHOLDER_TOKEN_ID``
+(:func:`with_placeholders`): the ranks must feed the tokens they sampled themselves
+(broadcast from rank 0 at degrees 2 and 4) and report exactly the same tokens and logits.
+
 Degrees 2 and 4 spawn one process per rank over gloo; degree 1 runs in this
 process (it makes no collective). All checkpoints of one degree share one
 process group. stories260k reproduces its greedy goldens at degrees 1 and 2.
@@ -24,7 +29,7 @@ process group. stories260k reproduces its greedy goldens at degrees 1 and 2.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +38,7 @@ import torch
 from tests.tiny_models import TINY_MODELS, load_hf_model
 from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_specs
 from tests.worker.tp_harness import Job, StepRecord, run_jobs
-from tpserve.step import SamplingParams
+from tpserve.step import PLACEHOLDER_TOKEN_ID, SamplingParams, StepPlan
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -58,6 +63,21 @@ class Case:
     prompt_logprobs: dict[int, torch.Tensor] | None = None  # per seq_id: (prompt length - 1,)
 
 
+def with_placeholders(plans: list[StepPlan]) -> tuple[StepPlan, ...]:
+    """The plans as async scheduling sends them: a one-token chunk of a sequence sampled since it was
+    (re)admitted feeds ``PLACEHOLDER_TOKEN_ID`` (the token the ranks sampled for it last)."""
+    sampled: set[int] = set()
+    out = []
+    for plan in plans:
+        sampled -= {new.seq_id for new in plan.new_seqs} | set(plan.finished_seq_ids)
+        chunks = tuple(replace(c, token_ids=(PLACEHOLDER_TOKEN_ID,)) if c.seq_id in sampled and c.num_tokens == 1
+                       else c for c in plan.scheduled)
+        sampled |= {c.seq_id for c in plan.scheduled if c.sample}
+        out.append(replace(plan, scheduled=chunks))
+    assert sum(c.token_ids == (PLACEHOLDER_TOKEN_ID,) for plan in out for c in plan.scheduled) > 10
+    return tuple(out)
+
+
 @pytest.fixture(scope="module")
 def tiny_cases(tiny_checkpoints: dict[str, Path]) -> dict[str, Case]:
     cases = {}
@@ -68,6 +88,9 @@ def tiny_cases(tiny_checkpoints: dict[str, Path]) -> dict[str, Case]:
         plans, expected = build_plans(specs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=i)
         job = Job(spec.name, str(tiny_checkpoints[spec.name]), tuple(plans), NUM_BLOCKS, BLOCK_SIZE)
         cases[spec.name] = Case(job, expected, completions, logits)
+        if i == 0:
+            cases[f"{spec.name}/async"] = Case(replace(job, name=f"{spec.name}/async", plans=with_placeholders(plans)),
+                                               expected, completions, logits)
     return cases
 
 
@@ -122,6 +145,10 @@ def greedy_cases(tiny_checkpoints: dict[str, Path]) -> dict[str, Case]:
             cases[job.name] = Case(job, expected, {i: completions[i % GREEDY_PROMPTS] for i in seq_ids},
                                    {i: logits[i % GREEDY_PROMPTS] for i in seq_ids},
                                    {i: prompt_logprobs[i % GREEDY_PROMPTS] for i in seq_ids})
+            if kind == "16_at_once":
+                name_async = f"{name}/{kind}_async"
+                cases[name_async] = replace(cases[job.name], job=replace(job, name=name_async,
+                                                                         plans=with_placeholders(plans)))
     return cases
 
 
@@ -161,13 +188,13 @@ def _check_case(case: Case, records: list[StepRecord]) -> None:
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("name", [spec.name for spec in TINY_MODELS])
+@pytest.mark.parametrize("name", [spec.name for spec in TINY_MODELS] + [f"{TINY_MODELS[0].name}/async"])
 def test_tiny_model_matches_transformers(tp: int, name: str, records_at, tiny_cases: dict[str, Case]) -> None:
     _check_case(tiny_cases[name], records_at(tp)[name])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("kind", ["alone", "16_at_once"])
+@pytest.mark.parametrize("kind", ["alone", "16_at_once", "16_at_once_async"])
 @pytest.mark.parametrize("name", GREEDY_MODELS)
 def test_greedy_runs_match_transformers(tp: int, kind: str, name: str, records_at,
                                         greedy_cases: dict[str, Case]) -> None:
