@@ -333,11 +333,13 @@ def main() -> int:
             # The same model without CUDA graphs, batch 1 only: what the graphs save per token.
             _stage(report, f"serve_{llama_dir.name}_eager", serve_and_measure, f"{llama_dir.name}-eager", llama_dir,
                    "float32" if args.dry_run else "bfloat16", device, args, tmp_dir, ("--enforce-eager",), False)
+            # With async scheduling: step t+1 is planned before t's result (the ranks never wait on the loop).
+            _stage(report, f"serve_{llama_dir.name}_async", serve_and_measure, f"{llama_dir.name}-async", llama_dir,
+                   "float32" if args.dry_run else "bfloat16", device, args, tmp_dir, ("--async-scheduling",))
         for name, model_dir, dtype in (("serve_default_model", default_model_dir(), torch.float32),
-                                       (f"serve_{llama_dir.name}", llama_dir,
-                                        torch.float32 if args.dry_run else torch.bfloat16),
-                                       (f"serve_{llama_dir.name}_eager", llama_dir,
-                                        torch.float32 if args.dry_run else torch.bfloat16)):
+                                       *((f"serve_{llama_dir.name}{suffix}", llama_dir,
+                                          torch.float32 if args.dry_run else torch.bfloat16)
+                                         for suffix in ("", "_eager", "_async"))):
             stage = report.get(name, {})
             if "decode_ms_per_token_batch1" in stage:
                 stage["weight_bytes"] = weight_bytes(model_dir, dtype)
@@ -350,12 +352,18 @@ def main() -> int:
             if "tpot_ms_concurrent" in served and "bare_step_ms" in bare:
                 report["step_overhead"] = dict(bare, tpot_ms=served["tpot_ms_concurrent"], tpot_over_bare_step=round(
                     served["tpot_ms_concurrent"] / bare["bare_step_ms"], 2), goal=1.2)
+            served_async = report.get(f"serve_{llama_dir.name}_async", {})
+            if "tpot_ms_concurrent" in served_async and "bare_step_ms" in bare:
+                report["step_overhead_async"] = dict(bare, tpot_ms=served_async["tpot_ms_concurrent"],
+                                                     tpot_over_bare_step=round(served_async["tpot_ms_concurrent"]
+                                                                               / bare["bare_step_ms"], 2), goal=1.2)
         graphs, eager = report.get(f"serve_{llama_dir.name}", {}), report.get(f"serve_{llama_dir.name}_eager", {})
         if "decode_ms_per_token_batch1" in graphs and "decode_ms_per_token_batch1" in eager:
             report["eager_over_graphs_batch1"] = round(
                 eager["decode_ms_per_token_batch1"] / graphs["decode_ms_per_token_batch1"], 2)
         for name, log_name in (("serve_default_model", "default"), (f"serve_{llama_dir.name}", llama_dir.name),
-                               (f"serve_{llama_dir.name}_eager", f"{llama_dir.name}-eager")):
+                               (f"serve_{llama_dir.name}_eager", f"{llama_dir.name}-eager"),
+                               (f"serve_{llama_dir.name}_async", f"{llama_dir.name}-async")):
             stage = report.get(name)
             if isinstance(stage, dict) and ("error" in stage or stage.get("exit_code") != 0):
                 if "error" not in stage:
@@ -389,11 +397,12 @@ def _print_summary(report: dict) -> None:
               + (f"{stage['output_tokens_per_s_concurrent']} output tok/s at {stage['concurrency']} at once; "
                  if "output_tokens_per_s_concurrent" in stage else "")
               + f"{stage['cuda_graphs']}; exit code {stage['exit_code']}")
-    overhead = report.get("step_overhead")
-    if overhead:
-        print(f"step overhead: client TPOT {overhead['tpot_ms']} ms at {overhead['sequences']} streams over the bare "
-              f"decode step {overhead['bare_step_ms']} ms = {overhead['tpot_over_bare_step']}x (goal <= 1.2; CUDA "
-              f"graphs {'on' if overhead['cuda_graphs'] else 'off'})")
+    for key, label in (("step_overhead", ""), ("step_overhead_async", " (--async-scheduling)")):
+        overhead = report.get(key)
+        if overhead:
+            print(f"step overhead{label}: client TPOT {overhead['tpot_ms']} ms at {overhead['sequences']} streams over "
+                  f"the bare decode step {overhead['bare_step_ms']} ms = {overhead['tpot_over_bare_step']}x (goal <= "
+                  f"1.2; CUDA graphs {'on' if overhead['cuda_graphs'] else 'off'})")
     if "eager_over_graphs_batch1" in report:
         print(f"CUDA graphs: eager decode / graph decode at batch 1 = {report['eager_over_graphs_batch1']}x")
     for name in report["failed"]:

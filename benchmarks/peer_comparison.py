@@ -374,6 +374,8 @@ def main() -> int:
     parser.add_argument("--llama-gguf", type=Path, default=None,
                         help="the benchmark model as a float32 GGUF (benchmarks/llama_cpp/build.sh)")
     parser.add_argument("--llama-threads", type=int, default=None, help="llama-server -t/-tb (default: all cores)")
+    parser.add_argument("--serve-args", default="",
+                        help="extra `tpserve serve` flags for every tpserve server, e.g. \"--async-scheduling\"")
     parser.add_argument("--quick", action="store_true",
                         help="one round, tp 1 only, transformers only in the llama.cpp check")
     args = parser.parse_args()
@@ -391,9 +393,11 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         model_dir = build_model(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tpserve-peer-"))),
                                 args.seed)
-        targets = {1: stack.enter_context(serve(model_dir, 1, omp_threads=None)).target}
+        extra = tuple(args.serve_args.split())
+        report["serve_args"] = list(extra)
+        targets = {1: stack.enter_context(serve(model_dir, 1, *extra, omp_threads=None)).target}
         if not args.quick:
-            targets[2] = stack.enter_context(serve(model_dir, 2, omp_threads=None)).target
+            targets[2] = stack.enter_context(serve(model_dir, 2, *extra, omp_threads=None)).target
         report["weight_bytes"] = weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         warm_up = workloads(args.seed, variant=rounds + 1)["batch16"][:4]
         for target in targets.values():  # first steps, allocations, connections

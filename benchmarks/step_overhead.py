@@ -26,6 +26,9 @@ then on this tree, alternately; the bare steps likewise. One command, bounded (a
 minutes on an idle 2-core host)::
 
     .venv/bin/python benchmarks/step_overhead.py --baseline-repo /tmp/base --out benchmarks/results
+
+``--variant NAME=FLAGS`` serves this tree once more with extra ``tpserve serve`` flags, in the
+same rounds, with this tree's bare step (e.g. ``--variant "async=--async-scheduling"``).
 """
 
 from __future__ import annotations
@@ -69,9 +72,9 @@ def scrape(metrics_port: int, name: str) -> float | None:
 
 
 @contextmanager
-def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int):
-    """``tpserve serve`` of ``tree``'s code (cwd and PYTHONPATH), ``threads`` torch threads per rank:
-    yields (pid, port, metrics port)."""
+def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int, extra: tuple[str, ...] = ()):
+    """``tpserve serve`` of ``tree``'s code (cwd and PYTHONPATH), ``threads`` torch threads per rank,
+    ``extra`` flags: yields (pid, port, metrics port)."""
     from tpserve.client import Client
 
     port, metrics_port = free_port(), free_port()
@@ -80,7 +83,7 @@ def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int
     cli = "launch.cli" if (tree / "launch" / "cli.py").is_file() else "tpserve.cli"  # older trees: tpserve.cli
     cmd = [sys.executable, "-m", cli, "serve", "--tensor-parallel-size", str(tensor_parallel_size),
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
-           "--max-num-seqs", str(max_num_seqs)]
+           "--max-num-seqs", str(max_num_seqs), *extra]
     process = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = Client(f"127.0.0.1:{port}")
     try:
@@ -202,27 +205,35 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, bare step and server alike")
     parser.add_argument("--baseline-repo", type=Path, default=None,
                         help="another checkout whose code serves the baseline, interleaved in this run")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="serve this tree again with these extra flags (space-separated), same rounds")
     parser.add_argument("--out", type=Path, default=None, help="write step_overhead.json into this directory")
     args = parser.parse_args()
     tps = [int(t) for t in args.tensor_parallel_size.split(",")]
     sizes = [int(s) for s in args.streams.split(",")]
     trees = {"candidate": REPO} if args.baseline_repo is None else {"baseline": args.baseline_repo.resolve(),
                                                                     "candidate": REPO}
+    flags: dict[str, tuple[str, ...]] = {name: () for name in trees}
+    for variant in args.variant:
+        name, _, extra = variant.partition("=")
+        trees[name], flags[name] = REPO, tuple(extra.split())
     started = time.monotonic()
     report: dict = {"machine": machine(), "goals": GOALS, "max_tokens": args.max_tokens, "threads": args.threads,
-                    "trees": {name: str(tree) for name, tree in trees.items()}, "rows": {n: {} for n in trees}}
+                    "trees": {name: str(tree) for name, tree in trees.items()},
+                    "flags": {name: list(extra) for name, extra in flags.items()}, "rows": {n: {} for n in trees}}
     for tp in tps:
         with ExitStack() as stack:
-            servers = {name: stack.enter_context(serve(tree, tp, max(sizes), args.threads))
+            servers = {name: stack.enter_context(serve(tree, tp, max(sizes), args.threads, flags[name]))
                        for name, tree in trees.items()}
             for name in trees:  # warm-up: the first requests pay one-time costs
                 run_load(servers[name], 4, 8)
             for n in sizes:
                 # Interleaved, each bare step just before the loads: machine noise falls on every tree and column.
-                bare = {name: bare_steps(tree, tp, [n], args.bare_steps, args.threads) for name, tree in trees.items()}
+                # A variant shares its tree's bare step (same code, other flags).
+                bare_of = {tree: bare_steps(tree, tp, [n], args.bare_steps, args.threads) for tree in set(trees.values())}
                 for name in trees:
                     row = run_load(servers[name], n, args.max_tokens)
-                    row["bare_step_s"] = bare[name][str(n)]
+                    row["bare_step_s"] = bare_of[trees[name]][str(n)]
                     report["rows"][name].setdefault(str(tp), {})[str(n)] = row
     report["seconds"] = round(time.monotonic() - started, 1)
     report["verdicts"] = {name: verdicts(rows) for name, rows in report["rows"].items()}

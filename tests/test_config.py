@@ -41,6 +41,8 @@ def test_serve_flags_follow_vllm_names() -> None:
                                                      "--speculative-disable-by-batch-size", "8"]))
     assert config.speculative.speculative_method == "ngram" and config.speculative.num_speculative_tokens == 4
     assert config.speculative.lookup_range == (2, 3) and config.speculative.speculative_disable_by_batch_size == 8
+    assert not config.scheduler.async_scheduling  # off unless asked, as in vLLM
+    assert serve_config(build_parser().parse_args(["serve", "--async-scheduling"])).scheduler.async_scheduling
 
 
 def test_serve_names_a_bad_flag_in_one_line() -> None:
@@ -50,7 +52,13 @@ def test_serve_names_a_bad_flag_in_one_line() -> None:
     for argv, message in ((["--ssl-certfile", "server.pem"], "--ssl-certfile and --ssl-keyfile go together"),
                           (["--max-num-seqs", "0"], "--max-num-seqs: Input should be greater than or equal to 1"),
                           (["--speculative-method", "ngram"],
-                           "--speculative-method=ngram needs --num-speculative-tokens (>= 1)")):
+                           "--speculative-method=ngram needs --num-speculative-tokens (>= 1)"),
+                          (["--async-scheduling", "--speculative-method", "ngram", "--num-speculative-tokens", "2"],
+                           "--async-scheduling does not combine with --speculative-method (a proposal needs the "
+                           "tokens before it)"),
+                          (["--async-scheduling", "--pipeline-parallel-size", "2"],
+                           "--async-scheduling needs --pipeline-parallel-size 1 (micro-batches already keep every "
+                           "stage busy)")):
         with pytest.raises(ValueError) as info:
             serve_config(build_parser().parse_args(["serve", *argv]))
         assert config_error(info.value) == message

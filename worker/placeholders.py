@@ -6,8 +6,11 @@ t+1 before step t's result reaches it, so a sequence that t samples decodes in t
 sampled token (``ModelRunner``); here the plan's placeholders are replaced with those tokens
 before anything else of the step reads them (block tables, penalty history, grammar,
 inputs), so the rest of the step is that of an ordinary plan. With tensor parallelism the
-other ranks get the tokens from the sampling rank in one broadcast of ``(P,)`` int64 (P:
-the placeholders), issued by every rank at the same point of the same plan.
+other ranks get the tokens from the sampling rank in one collective of ``(P,)`` int64 (P:
+the placeholders), issued by every rank at the same point of the same plan: an all-reduce
+to which only the sampling rank adds anything (zeros elsewhere), so that it takes the
+all-reduce's fastest path (shared memory on one host: microseconds, where a gloo
+broadcast over loopback TCP costs a round trip).
 
 This is vLLM v1's async scheduling ("the worker uses the sampled token ids of the previous
 step as inputs"), without a device-resident copy: on a GPU the tokens make one host round
@@ -59,9 +62,9 @@ def fill_placeholders(plan: StepPlan, last_tokens: Sequence[int | None], ctx: Pa
     if not (ctx.pp.is_first and ctx.pp.is_last):
         raise ValueError(f"step {plan.step_id}: placeholder tokens (async scheduling) need one pipeline stage")
     tokens = [PLACEHOLDER_TOKEN_ID if last_tokens[i] is None else last_tokens[i] for i in rows] \
-        if ctx.is_sampler else [PLACEHOLDER_TOKEN_ID] * len(rows)
-    if ctx.world_size > 1:
-        tokens = ctx.broadcast_from_rank0(torch.tensor(tokens, dtype=torch.int64)).tolist()
+        if ctx.is_sampler else [0] * len(rows)
+    if ctx.world_size > 1:  # a broadcast from the sampling rank, as a sum over zeros elsewhere (exact)
+        tokens = ctx.all_reduce(torch.tensor(tokens, dtype=torch.int64)).tolist()
     for i, token in zip(rows, tokens):
         chunk = chunks[i]
         if token == PLACEHOLDER_TOKEN_ID:
