@@ -76,6 +76,7 @@ class WorkerGroup:
         self.num_kv_blocks = 0
         self._closed = False  # close() was called: a step it interrupts failed, it was not cancelled
         self.dtype = ""  # as the ranks resolved it
+        self.device = ""  # "cpu" or "cuda", as the ranks resolved it
         self.failed: str | None = None
         # One PrepareGrammar at a time: rank 0 builds one grammar at a time anyway, and its
         # gRPC pool (4 threads) must keep one free for the liveness checks.
@@ -107,6 +108,7 @@ class WorkerGroup:
                 if status.ready:
                     available[rank] = status.num_kv_blocks_available
                     self.dtype = status.dtype
+                    self.device = status.device
                     pending.discard(rank)
             if pending:
                 if time.monotonic() > deadline:

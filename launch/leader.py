@@ -139,7 +139,7 @@ class Leader:
                               enable_prefix_caching=share_prefixes,
                               proposer=make_proposer(cfg.speculative),
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size,
-                              async_scheduling=cfg.scheduler.async_scheduling)
+                              async_scheduling=cfg.async_scheduling_on(self.launcher.workers.device))
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,

@@ -181,7 +181,7 @@ class PublicServer:
     def serving_fields(self, nnodes: int) -> dict[str, object]:
         """What is on, for the one ``serving`` log line: the model and how it is run, the KV cache, the
         features, the security of the public port and where the metrics are."""
-        cfg, info = self.config, self.servicer.model_info
+        cfg, info, engine = self.config, self.servicer.model_info, self.servicer.engine
         spec = cfg.speculative
         server = cfg.server
         tls = "off" if not server.ssl_certfile else "mutual" if server.ssl_ca_certs else "on"
@@ -192,6 +192,7 @@ class PublicServer:
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
             speculative_method=spec.speculative_method or "off",
             num_speculative_tokens=spec.num_speculative_tokens or 0,
+            async_scheduling="on" if engine is not None and engine.scheduler.async_scheduling else "off",
             address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
             metrics_url=(f"http://localhost:{server.metrics_port}/metrics" if server.metrics_port is not None
                          else "off"),

@@ -41,8 +41,14 @@ def test_serve_flags_follow_vllm_names() -> None:
                                                      "--speculative-disable-by-batch-size", "8"]))
     assert config.speculative.speculative_method == "ngram" and config.speculative.num_speculative_tokens == 4
     assert config.speculative.lookup_range == (2, 3) and config.speculative.speculative_disable_by_batch_size == 8
-    assert not config.scheduler.async_scheduling  # off unless asked, as in vLLM
-    assert serve_config(build_parser().parse_args(["serve", "--async-scheduling"])).scheduler.async_scheduling
+    # Async scheduling: vLLM's default rule (on for CUDA ranks, not with a proposer or pipeline stages), or the flag.
+    assert config.scheduler.async_scheduling is None and not config.async_scheduling_on("cuda")  # ngram above
+    plain = serve_config(build_parser().parse_args(["serve"]))
+    assert plain.async_scheduling_on("cuda") and not plain.async_scheduling_on("cpu")
+    assert not serve_config(build_parser().parse_args(["serve", "--pipeline-parallel-size", "2"])).async_scheduling_on(
+        "cuda")
+    assert serve_config(build_parser().parse_args(["serve", "--async-scheduling"])).async_scheduling_on("cpu")
+    assert not serve_config(build_parser().parse_args(["serve", "--no-async-scheduling"])).async_scheduling_on("cuda")
 
 
 def test_serve_names_a_bad_flag_in_one_line() -> None:

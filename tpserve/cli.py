@@ -76,7 +76,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--async-scheduling", dict(action=argparse.BooleanOptionalAction,
                                     help="plan each step before the previous step's result is back, so the ranks "
                                          "never wait for the coordinator (not with speculative decoding or "
-                                         "pipeline stages; default off)")),
+                                         "pipeline stages; default: on for CUDA ranks without either, off on "
+                                         "the CPU)")),
     ],
     "speculative": [
         ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "

@@ -151,14 +151,18 @@ class SchedulerConfig(_Frozen):
         async_scheduling: plan step t+1 while step t runs, before its result (vLLM's
             ``--async-scheduling``): the ranks find their next plan waiting when a step
             ends instead of waiting for the coordinator's round trip (coordinator/scheduler.py).
-            Not with speculative decoding or pipeline stages.
+            None (the default) is vLLM's rule: on where it is supported and pays, that is
+            on CUDA ranks without speculative decoding or pipeline stages; off on the CPU,
+            where the ranks share the cores with the coordinator and busier ranks slow it
+            down (benchmarks/README.md, step_overhead). True with speculative decoding or
+            pipeline stages is refused.
     """
 
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     max_queue_len: int = Field(1024, ge=1)
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
 
 
 class SpeculativeConfig(_Frozen):
@@ -282,13 +286,22 @@ class ClusterConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_async_scheduling(self) -> ClusterConfig:
-        if self.scheduler.async_scheduling and self.speculative.speculative_method is not None:
+        if self.scheduler.async_scheduling is True and self.speculative.speculative_method is not None:
             raise ValueError("--async-scheduling does not combine with --speculative-method (a proposal needs "
                              "the tokens before it)")
-        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+        if self.scheduler.async_scheduling is True and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("--async-scheduling needs --pipeline-parallel-size 1 (micro-batches already keep "
                              "every stage busy)")
         return self
+
+    def async_scheduling_on(self, device: str) -> bool:
+        """Whether the engine plans ahead (``SchedulerConfig.async_scheduling``) on ranks of ``device``
+        ("cpu" or "cuda"): as given, else vLLM's rule (on for CUDA without speculative decoding or
+        pipeline stages; vLLM 0.14 turned it on by default with the same exclusions, the CPU among them)."""
+        if self.scheduler.async_scheduling is not None:
+            return self.scheduler.async_scheduling
+        return device == "cuda" and self.speculative.speculative_method is None \
+            and self.parallel.pipeline_parallel_size == 1
 
     @classmethod
     def load_from(cls, yaml_path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> ClusterConfig:

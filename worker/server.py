@@ -144,6 +144,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_kv_blocks_available=self._num_blocks_available,
             error=self._error,
             dtype=self._dtype,
+            device="" if self._device is None else self._device.type,
         )
 
     def InitCache(self, request: pb.InitCacheRequest, context: grpc.ServicerContext) -> pb.InitCacheResponse:
