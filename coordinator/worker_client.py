@@ -146,7 +146,7 @@ class WorkerGroup:
         if self.failed:
             raise WorkerGroupError(self.failed)
         msg = plan_to_pb(plan)
-        deadline = time.monotonic() + self.step_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.step_timeout_s  # the loop's clock: time.monotonic()
         async with self._writing:
             try:
                 await asyncio.wait_for(asyncio.gather(*(stream.write(msg) for stream in self._streams)),
@@ -165,18 +165,26 @@ class WorkerGroup:
         read (the streams are then at this step's answers); ``mine`` is set the same way for the next.
         """
         clean = False
+        # The step's deadline cancels this task (asyncio.wait_for would wrap the reads in one more
+        # task per step; this runs on every step: issue 26, per-step cost).
+        task, expired = asyncio.current_task(), []
 
-        async def read_in_turn() -> list[pb.StepResult]:
-            if previous is not None and not await previous:  # the earlier step's answers come first
-                return [pb.StepResult(step_id=plan.step_id, error="an earlier step in flight failed")]
-            return await self._read_all()
+        def expire() -> None:
+            expired.append(True)
+            if task is not None:
+                task.cancel()
 
+        timer = asyncio.get_running_loop().call_at(deadline, expire)
         try:
-            results = await asyncio.wait_for(read_in_turn(), max(deadline - time.monotonic(), 0.0))
+            if previous is not None and not await previous:  # the earlier step's answers come first
+                results = [pb.StepResult(step_id=plan.step_id, error="an earlier step in flight failed")]
+            else:
+                results = await self._read_all()
             clean = len(results) == self.world_size
         except BaseException as exc:  # noqa: BLE001 - mapped to a WorkerGroupError or re-raised
-            self._fail(plan, exc)
+            self._fail(plan, asyncio.TimeoutError() if expired and isinstance(exc, asyncio.CancelledError) else exc)
         finally:
+            timer.cancel()
             if not mine.done():
                 mine.set_result(clean)
         errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
@@ -219,6 +227,11 @@ class WorkerGroup:
         sit in a collective waiting for it until the collective timeout: acting on the
         first error, not on all answers, fails the group in milliseconds (issue 11, fault 3).
         """
+        if len(self._streams) == 1:  # no other rank to watch meanwhile: read it directly, no task
+            try:
+                return [await self._streams[0].read()]
+            except grpc.aio.AioRpcError as exc:
+                raise _StreamBroke(0, f"{exc.code().name}: {exc.details()}") from exc
         reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
         try:
             pending = set(reads)

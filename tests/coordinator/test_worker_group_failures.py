@@ -41,7 +41,7 @@ class _FakeStream:
 
 def _run(streams: list[_FakeStream], step_timeout_s: float = 60.0):
     async def main():
-        group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], step_timeout_s)
+        group = WorkerGroup([f"unix:///nonexistent/rank{r}.sock" for r in range(len(streams))], step_timeout_s)
         group._streams = streams
         start = time.monotonic()
         try:
@@ -74,11 +74,26 @@ def test_every_rank_answering_returns_rank_0s_tokens() -> None:
     assert outcome.sampled_token_ids == (4, 5)
 
 
+@pytest.mark.parametrize("num_ranks", [1, 2])  # one rank is read directly, several through tasks
 @pytest.mark.parametrize("step_timeout_s", [0.2])
-def test_a_silent_group_still_times_out(step_timeout_s: float) -> None:
-    outcome, elapsed = _run([_FakeStream(None, None), _FakeStream(None, None)], step_timeout_s)
-    assert isinstance(outcome, WorkerGroupError) and "timed out" in str(outcome)
+def test_a_silent_group_still_times_out(step_timeout_s: float, num_ranks: int) -> None:
+    outcome, elapsed = _run([_FakeStream(None, None) for _ in range(num_ranks)], step_timeout_s)
+    assert isinstance(outcome, WorkerGroupError) and "timed out after" in str(outcome)
     assert step_timeout_s <= elapsed < step_timeout_s + 1.0
+
+
+def test_a_single_rank_answers_and_its_broken_stream_is_named() -> None:
+    outcome, _ = _run([_FakeStream(pb.StepResult(step_id=7, sampled_token_ids=[9]), 0.01)])
+    assert outcome.sampled_token_ids == (9,)
+
+    class Broken(_FakeStream):
+        async def read(self):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "Socket closed")
+
+    outcome, elapsed = _run([Broken(None, 0.0)])
+    assert isinstance(outcome, WorkerGroupError) and "rank 0's step stream broke (UNAVAILABLE: Socket closed)" \
+        in str(outcome) and elapsed < 1.0
 
 
 class _CancellableStream(_FakeStream):
