@@ -86,6 +86,19 @@ def test_goldens_at_tp4_with_async_scheduling(shared_servers) -> None:
     assert_goldens_sixteen_at_once(cluster.client)
 
 
+def test_async_scheduling_with_preemption_and_chunked_prefill_gives_the_goldens(shared_servers) -> None:
+    """A pool of 16 blocks (about 3 goldens at once) and a 64-token step budget at tp 2 with async
+    scheduling: sequences are preempted with tokens pending and prompts come in chunks, and all 16
+    goldens at once still come out token for token."""
+    cluster = shared_servers.get(STORIES_DIR, 2, "--async-scheduling", "--num-gpu-blocks-override", "16",
+                                 "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--max-model-len", "128")
+    before = cluster.metric("tpserve:num_preemptions_total")
+    assert_goldens_sixteen_at_once(cluster.client)
+    assert cluster.metric("tpserve:num_preemptions_total") > before
+    assert cluster.metric("tpserve:prefix_cache_hits_total") > 0
+    assert cluster.metric("tpserve:kv_cache_free_blocks") == 16
+
+
 def test_json_schema_output_parses_and_follows_the_schema(cluster) -> None:
     """Rank 0's grammar advances with the tokens it fed (under async scheduling: its own samples)."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
