@@ -118,9 +118,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--stream-interval", type=int, nargs="+", default=[1],
                         help="serve this checkout once per interval (tokens per stream message)")
-    parser.add_argument("--out", type=Path, help="write coordinator_cpu.json here")
+    parser.add_argument("--out", type=Path, help="write the report (--name) into this directory")
+    parser.add_argument("--name", default="coordinator_cpu.json", help="the report's file name")
     parser.add_argument("--log-dir", type=Path, help="write each server's log here")
     args = parser.parse_args()
+    load_average_start = os.getloadavg()
     checkouts = {("candidate" if i == 1 else f"candidate_si{i}"): ROOT for i in args.stream_interval}
     extra = {name: ("--stream-interval", name.removeprefix("candidate_si")) for name in checkouts if name != "candidate"}
     checkouts |= {"baseline": args.baseline.resolve()} if args.baseline else {}
@@ -158,11 +160,12 @@ def main() -> None:
     report = {"benchmark": "coordinator_cpu", "model": "embedded default", "tensor_parallel_size": 1,
               "stream_intervals": args.stream_interval,
               "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": platform.platform(),
-              "processor": platform.processor(), "num_cpus": os.cpu_count(), "load_average": os.getloadavg(),
+              "processor": platform.processor(), "num_cpus": os.cpu_count(),
+              "load_average_start": load_average_start, "load_average": os.getloadavg(),
               "time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
               "table": table, "rounds_raw": results}
     if args.out:
-        print(save_report(args.out, "coordinator_cpu.json", report))
+        print(save_report(args.out, args.name, report))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ Two things pile outputs up:
   (:data:`UNARY`): one wake-up per request.
 
 Cheaper than ``asyncio.Queue``: no deque, no getter list, one future per wait, created
-only when the handler would otherwise block. Single event loop, no locks. No torch.
+only when the handler would otherwise block, on the loop looked up at the first wait
+(``asyncio.get_running_loop`` makes a ``getpid`` system call each time). Single event
+loop, no locks. No torch.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class RequestOutputCollector:
     it, so no text produced before a failure is lost.
     """
 
-    __slots__ = ("_pending", "_num_tokens", "_error", "_waiter", "_interval", "_started", "_ready")
+    __slots__ = ("_pending", "_num_tokens", "_error", "_waiter", "_interval", "_started", "_ready", "_loop")
 
     def __init__(self, stream_interval: int = 1) -> None:
         if stream_interval < 1:
@@ -61,6 +63,7 @@ class RequestOutputCollector:
         self._interval = stream_interval
         self._started = False  # an output was handed over (the first is never held back)
         self._ready = False  # _pending is due to the handler
+        self._loop: asyncio.AbstractEventLoop | None = None  # the handler's, from its first wait on
 
     def put_nowait(self, item: RequestOutput | Exception) -> None:
         """Adds a step's output (merged with any pending ones when taken) or an error (the first one is kept)."""
@@ -85,7 +88,9 @@ class RequestOutputCollector:
             Exception: the error put (after any output put before it was taken).
         """
         while not self._ready and self._error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:

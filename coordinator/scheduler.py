@@ -77,9 +77,10 @@ from coordinator.sequence import FinishReason, Sequence, SequenceStatus
 from tpserve.step import PLACEHOLDER_TOKEN_ID, NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen slots dataclass's __init__ costs 4x (one per token; issue 26)
 class TokenOutput:
-    """One sampled token for one sequence, why the sequence stopped (if it did), its logprobs (if asked)."""
+    """One sampled token for one sequence, why the sequence stopped (if it did), its logprobs (if asked);
+    not changed once made."""
 
     seq: Sequence
     token_id: int

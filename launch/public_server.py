@@ -22,6 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from coordinator.auth import ApiKeyInterceptor, read_api_keys
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
+from coordinator.gc_policy import set_serving_gc_thresholds
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.metrics import Metrics
 from coordinator.server import GenerationServicer
@@ -151,6 +152,7 @@ class PublicServer:
         self.servicer.engine = engine
         self.servicer.model_info = self.model_info(num_kv_blocks)
         freeze_startup_heap()
+        set_serving_gc_thresholds()  # young collections every 50,000 allocations (coordinator/gc_policy.py)
 
     async def set_serving(self, serving: bool) -> None:
         """The health service's answer, for the whole server and for Generation."""
