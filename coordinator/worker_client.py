@@ -45,6 +45,13 @@ class _StreamBroke(Exception):
         self.rank, self.reason = rank, reason
 
 
+def _being_cancelled() -> bool:
+    """Whether the running task was asked to cancel (``Task.cancelling``, Python 3.11+; False before)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling is not None and cancelling())
+
+
 class WorkerGroupError(RuntimeError):
     """A rank failed, died or timed out; the group cannot run another step."""
 
@@ -210,10 +217,12 @@ class WorkerGroup:
             # grpc.aio's answer to a write on a call that has ended: a rank died after the last step's
             # answers were read and before this plan was written (the overlap writes it early).
             self.failed = f"step {plan.step_id} failed: a step stream broke: a rank's call had ended ({exc})"
-        elif isinstance(exc, asyncio.CancelledError) and self._closed:
+        elif isinstance(exc, asyncio.CancelledError) and self._closed and not _being_cancelled():
             # close() cancelled the streams under this step: the group was declared lost (a node's
             # registry link dropped first) and is being restarted. The engine loop must see a
-            # failed step, not die of the cancellation (issue 22).
+            # failed step, not die of the cancellation (issue 22). But a caller that was itself
+            # cancelled (shutdown cancels the engine loop, then closes the group) is cancelled:
+            # a group failure there would fail the shutdown (exit 1).
             self.failed = f"step {plan.step_id} failed: the group's step streams were closed"
         else:
             raise exc  # the caller's task is cancelled (shutdown): not a failure of the group

@@ -177,3 +177,33 @@ def test_a_plan_written_to_a_stream_that_already_ended_fails_the_group_not_the_l
             await server.stop(None)
 
     asyncio.run(main())
+
+
+class _BlockedWriteStream(_CancellableStream):
+    """Its ``write`` waits until the call is cancelled (a rank that stopped reading: flow control)."""
+
+    async def write(self, msg: pb.StepPlan) -> None:
+        self._reading = asyncio.get_running_loop().create_future()
+        await self._reading
+
+
+@pytest.mark.parametrize("where", ["writing the plan", "waiting for the answer"])
+def test_a_cancelled_caller_is_cancelled_even_when_the_group_closes_under_it(where: str) -> None:
+    """Shutdown cancels the engine loop and then closes the group: the loop must end cancelled, not
+    see a failed group (which made a clean shutdown exit 1)."""
+    async def main():
+        group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], 60.0)
+        stream = _BlockedWriteStream if where == "writing the plan" else _CancellableStream
+        group._streams = [stream(), stream()]
+        step = asyncio.create_task(group.execute(StepPlan(step_id=7)))
+        await asyncio.sleep(0.05)
+        step.cancel()  # as Shutdown.drain: the engine loop first, then launcher.shut_down closes the group
+        await group.close()
+        try:
+            await step
+        except asyncio.CancelledError:
+            return "cancelled"
+        except WorkerGroupError as exc:
+            return exc
+
+    assert asyncio.run(main()) == "cancelled"
