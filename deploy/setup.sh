@@ -110,4 +110,8 @@ else
   done_step kernels "$out"
 fi
 step_start=$t_all
-done_step done "tpserve in $(pwd)/.venv; serve with: .venv/bin/tpserve serve"
+if [ "$extras" = test ]; then
+  done_step done "tpserve in $(pwd)/.venv; test with: .venv/bin/python -m pytest -q (serve with: .venv/bin/tpserve serve)"
+else
+  done_step done "tpserve in $(pwd)/.venv; serve with: .venv/bin/tpserve serve"
+fi

@@ -162,7 +162,8 @@ class PublicServer:
 
     def model_info(self, num_kv_blocks: int) -> pb.ModelInfo:
         """What GetModelInfo answers with a pool of ``num_kv_blocks`` (0 while the ranks load)."""
-        cfg = self.config
+        servicer = getattr(self, "servicer", None)  # none yet for the first answer, built with it
+        cfg, engine = self.config, None if servicer is None else servicer.engine
         return pb.ModelInfo(
             model_name=cfg.load.served_model_name or (self.model_dir.name if cfg.load.model else DEFAULT_MODEL_NAME),
             max_model_len=self.max_model_len,
@@ -178,6 +179,7 @@ class PublicServer:
             num_speculative_tokens=cfg.speculative.num_speculative_tokens or 0,
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
             server_version=__version__,
+            async_scheduling=engine is not None and engine.scheduler.async_scheduling,
         )
 
     def serving_fields(self, nnodes: int) -> dict[str, object]:

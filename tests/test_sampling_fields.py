@@ -148,3 +148,14 @@ def test_each_processor_field_has_one_processor_in_the_declared_order() -> None:
     assert table <= set(readers), f"no processor reads {sorted(table - set(readers))}"
     step_fields = {f.name for f in dataclasses.fields(SamplingParams)}
     assert set(readers) <= step_fields
+
+
+def test_none_leaves_every_field_unset_lists_included() -> None:
+    """``build_request``'s docstring: None leaves a field unset, for the list fields as for the others
+    (``stop=["x"] if c else None`` raised ``TypeError: must assign iterable`` before)."""
+    from tpserve.client import build_request
+
+    request = build_request("Hi", stop=None, stop_token_ids=None, logit_bias=None, seed=None, choices=None)
+    assert list(request.sampling_params.stop) == [] and list(request.sampling_params.stop_token_ids) == []
+    assert not request.sampling_params.HasField("seed")
+    assert list(build_request("Hi", stop=["x"]).sampling_params.stop) == ["x"]

@@ -286,7 +286,7 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     for spec in FIELDS:
         value = values[spec.name]
         if spec.type is list:
-            getattr(params, spec.name).extend(value)
+            getattr(params, spec.name).extend(value or ())  # None leaves it unset, as for the others
         elif spec.type is dict:
             getattr(params, spec.name).update(dict(value or {}))
         elif value is not None:
