@@ -34,7 +34,7 @@ Async scheduling (``--async-scheduling``; vLLM's name) plans step t+1 before ste
 result is back: a decode chunk of a sequence that step t samples carries
 ``PLACEHOLDER_TOKEN_ID`` as its one token, and the workers feed the token they
 sampled for it in the step before (the sampling rank keeps it and, with tensor
-parallelism, broadcasts it to the others before anything else of the step).
+parallelism, sends it to the others before anything else of the step: worker/placeholders.py).
 
 This module imports no torch: the coordinator uses it too.
 """

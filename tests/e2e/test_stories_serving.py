@@ -79,7 +79,7 @@ def test_goldens_sixteen_at_once(cluster) -> None:
 
 
 def test_goldens_at_tp4_with_async_scheduling(shared_servers) -> None:
-    """Four ranks feed the tokens rank 0 sampled (one broadcast per step): every golden, alone and 16 at once."""
+    """Four ranks feed the tokens rank 0 sampled (one all-reduce per step): every golden, alone and 16 at once."""
     cluster = shared_servers.get(STORIES_DIR, 4, "--async-scheduling")
     assert cluster.client.model_info().async_scheduling
     for golden in load_goldens():

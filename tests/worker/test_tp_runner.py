@@ -19,7 +19,7 @@ every prompt token's log-probability within 1e-4 (float32).
 Async scheduling (``--async-scheduling``): the first tiny checkpoint's scenario and the
 greedy 16-at-once run again with every decode's token replaced by ``PLACEHOLDER_TOKEN_ID``
 (:func:`with_placeholders`): the ranks must feed the tokens they sampled themselves
-(broadcast from rank 0 at degrees 2 and 4) and report exactly the same tokens and logits.
+(rank 0's, sent to the others in one all-reduce at degrees 2 and 4) and report exactly the same tokens and logits.
 
 Degrees 2 and 4 spawn one process per rank over gloo; degree 1 runs in this
 process (it makes no collective). All checkpoints of one degree share one
