@@ -10,9 +10,9 @@ is the same command.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
+from tpserve import event_loop
 from tpserve.cli import as_flags, build_parser, config_error, run_client_command, serve_config
 
 
@@ -54,7 +54,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tpserve serve: {config_error(exc)}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(node.serve())
+        return event_loop.run(node.serve())  # uvloop where installed: less CPU per streamed token
     except StartupError as exc:  # a port in use, a peer that never came, or refused this node
         print(f"tpserve serve: {as_flags(str(exc))}", file=sys.stderr)
         return 1
