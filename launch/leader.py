@@ -35,6 +35,7 @@ from launch.shutdown import Shutdown
 from launch.startup import StartupError, model_dir_of, read_group_secret, read_model_config
 from launch.topology import GroupLayout
 from tpserve.config import ClusterConfig
+from tpserve.sched_policy import set_policy
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +89,9 @@ class Leader:
         Raises:
             StartupError: the public port, /metrics, TLS files or API keys cannot be used.
         """
+        # The coordinator's wakeups must not preempt its own event loop (tpserve/sched_policy.py); the
+        # ranks started below inherit the policy and reset themselves to SCHED_OTHER (worker/main.py).
+        set_policy("batch")
         self.shutdown.install_signal_handlers(reload=self.public.reload)
         await self.public.start(self.layout.nnodes)
         engine_task = None

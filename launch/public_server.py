@@ -35,6 +35,7 @@ from tpserve.config import ClusterConfig
 from tpserve.embedded_model import DEFAULT_MODEL_NAME
 from tpserve.event_loop import running_loop_name
 from tpserve.model_config import ModelConfig
+from tpserve.sched_policy import policy_name
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -198,7 +199,7 @@ class PublicServer:
             speculative_method=spec.speculative_method or "off",
             num_speculative_tokens=spec.num_speculative_tokens or 0,
             async_scheduling="on" if engine is not None and engine.scheduler.async_scheduling else "off",
-            event_loop=running_loop_name(),
+            event_loop=running_loop_name(), sched_policy=policy_name(),
             address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
             metrics_url=(f"http://localhost:{server.metrics_port}/metrics" if server.metrics_port is not None
                          else "off"),

@@ -35,6 +35,7 @@ import grpc
 from tpserve.cluster_secret import ENV_VAR, SecretServerInterceptor
 from tpserve.config import RankConfig
 from tpserve.log import configure_logging
+from tpserve.sched_policy import policy_name, set_policy
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing
 from worker.server import WorkerOptions, WorkerServicer
@@ -88,6 +89,8 @@ def worker_options(config: RankConfig) -> WorkerOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if policy_name() == "batch":  # inherited from the coordinator: a rank's threads run under SCHED_OTHER
+        set_policy("other")      # (tpserve/sched_policy.py), set before the rank starts any thread of its own
     config = read_config(argv)
     configure_logging(config.log_format, rank=config.rank)
     options = worker_options(config)

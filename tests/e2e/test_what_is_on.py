@@ -6,12 +6,13 @@ version. The stream yields typed chunks that add up to the unary result.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.cluster import serve
+from tests.e2e.cluster import child_pids, serve
 from tpserve import __version__
 from tpserve.client import GenerateStream, StreamChunk, Usage
 
@@ -50,7 +51,7 @@ def test_one_serving_line_lists_the_configuration(int8_ngram):
     line = lines[0]
     for field in ("dtype=float32", "quantization=int8", "tensor_parallel_size=1", "nnodes=1", "num_kv_blocks=64",
                   "kv_cache_tokens=1024", "max_model_len=512", "enable_prefix_caching=True",
-                  "speculative_method=ngram", "num_speculative_tokens=2", "async_scheduling=off", "event_loop=uvloop", "tls=off",
+                  "speculative_method=ngram", "num_speculative_tokens=2", "async_scheduling=off", "event_loop=uvloop", "sched_policy=batch", "tls=off",
                   "api_key=off",
                   f"address=127.0.0.1:{cluster.port}",
                   f"metrics_url=http://localhost:{cluster.metrics_port}/metrics", f"version={__version__}",
@@ -70,3 +71,19 @@ def test_stream_yields_typed_chunks_that_add_up_to_the_result(int8_ngram):
     assert chunks[-1].usage == Usage(result.usage.prompt_tokens, 24, chunks[-1].usage.cached_prompt_tokens)
     assert "".join(c.text for c in chunks) == result.text
     assert [t for c in chunks for t in c.token_ids] == result.token_ids
+
+
+def _thread_policies(pid: int) -> set[int]:
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies are set on Linux only")
+def test_the_coordinator_runs_under_sched_batch_and_its_ranks_do_not(int8_ngram):
+    """tpserve/sched_policy.py: every thread of the coordinator SCHED_BATCH (its wakeups do not preempt its
+    own event loop), every thread of a rank SCHED_OTHER although a child process inherits its parent's."""
+    cluster, _ = int8_ngram
+    cluster.client.generate("Once upon a time", max_tokens=4, temperature=0)  # every thread started
+    ranks = child_pids(cluster.process.pid)
+    assert len(ranks) == 1, ranks
+    assert _thread_policies(cluster.process.pid) == {os.SCHED_BATCH}
+    assert _thread_policies(ranks[0]) == {os.SCHED_OTHER}
