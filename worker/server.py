@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+from concurrent import futures
+
 import grpc
 import structlog
 
@@ -22,6 +24,7 @@ from tpserve.step_pb import plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing, weight_bytes
+from worker.step_stream import serve_steps
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +86,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._dtype = ""
         self._device = None  # torch.device, once resolved by load()
         self._ready = threading.Event()
+        # Every torch computation of the rank (the load, InitCache, the steps) runs on this one
+        # thread. libgomp keeps an OpenMP team per thread that opens parallel regions, and once
+        # its threads outnumber the cores it stops spinning between regions and sleeps instead:
+        # a second team (InitCache on one gRPC pool thread, the steps on another) made every
+        # one of a step's ~120 parallel regions pay a futex wake-up (the 95M model's linears at
+        # one request: 15.3 ms against 10.3 on the thread that had run the others, 2 cores).
+        self._compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-rank{options.rank}")
+
+    def start_loading(self) -> futures.Future:
+        """Starts :meth:`load` on the rank's compute thread; the future resolves when it has ended."""
+        return self._compute.submit(self.load)
 
     def load(self) -> None:
         """Joins the process group, loads this rank's shard and sizes its KV cache (background thread)."""
@@ -153,7 +167,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.num_kv_blocks > self._num_blocks_available:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"num_kv_blocks={request.num_kv_blocks} exceeds this rank's {self._num_blocks_available}")
-        self._bind_thread()  # a gRPC pool thread: its current CUDA device is cuda:0 until told
+        self._compute.submit(self._init_cache, request.num_kv_blocks).result()
+        return pb.InitCacheResponse()
+
+    def _init_cache(self, num_kv_blocks: int) -> None:
+        """InitCache's work, on the compute thread (its CUDA graphs are replayed there too)."""
+        self._bind_thread()
         opts = self.options
         sizes: tuple[int, ...] = ()
         if self._device.type == "cuda" and not opts.enforce_eager:
@@ -161,13 +180,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
             sizes = opts.cuda_graph_sizes or default_capture_sizes(opts.cache.max_num_seqs)
         started = time.monotonic()
-        self._runner.init_kv_cache(request.num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len)
+        self._runner.init_kv_cache(num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len)
         if self._runner.cuda_graph_sizes:
             log.info("decode graphs captured", rank=opts.rank, sizes=list(self._runner.cuda_graph_sizes),
                      seconds=round(time.monotonic() - started, 2))
         elif sizes:
             log.info("decode graphs off: no Triton decode kernel or a draft model", rank=opts.rank)
-        return pb.InitCacheResponse()
 
     def PrepareGrammar(self, request: pb.PrepareGrammarRequest,
                        context: grpc.ServicerContext) -> pb.PrepareGrammarResponse:
@@ -182,22 +200,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return pb.PrepareGrammarResponse()
 
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
-        # The whole stream runs on the gRPC pool thread that iterates this generator.
-        self._bind_thread()
-        sent = None  # when the previous result went out: the wait for each plan is reported with its result
-        for msg in request_iterator:
+        # The steps run on the rank's compute thread (worker/step_stream.py): gRPC's pool thread
+        # that iterates this generator only sends results, so a step never waits for a send.
+        sent: list[float] = []  # when the previous result was handed to the stream
+
+        def execute(msg: pb.StepPlan) -> tuple[pb.StepResult, bool]:
             started = time.perf_counter()
             try:
                 result = self._runner.execute(plan_from_pb(msg))
             except Exception as exc:  # noqa: BLE001 - a failed step poisons the group: report, then stop
                 error = f"rank {self.options.rank}: step {msg.step_id} failed: {type(exc).__name__}: {exc}"
                 log.error("step failed", error=error)
-                yield pb.StepResult(step_id=msg.step_id, error=error)
                 self._on_fatal(error)
-                return
-            yield result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
-                                       wait_time_s=started - (sent or started)))
-            sent = time.perf_counter()
+                return pb.StepResult(step_id=msg.step_id, error=error), True
+            out = result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
+                                        wait_time_s=started - sent[0] if sent else 0.0))
+            sent[:] = [time.perf_counter()]
+            return out, False
+
+        return serve_steps(request_iterator, execute, on_start=self._bind_thread, spawn=self._compute.submit)
 
 
 def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821
