@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     parent = os.getppid()
-    servicer.start_loading()  # on the rank's compute thread, where its steps will run
+    threading.Thread(target=servicer.load, name="load", daemon=True).start()
     while not stop.wait(PARENT_POLL_SECONDS):
         if os.getppid() != parent:  # re-parented: the coordinator is gone
             break

@@ -24,7 +24,6 @@ from tpserve.step_pb import plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing, weight_bytes
-from worker.step_stream import serve_steps
 
 log = structlog.get_logger(__name__)
 
@@ -86,17 +85,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._dtype = ""
         self._device = None  # torch.device, once resolved by load()
         self._ready = threading.Event()
-        # Every torch computation of the rank (the load, InitCache, the steps) runs on this one
-        # thread. libgomp keeps an OpenMP team per thread that opens parallel regions, and once
-        # its threads outnumber the cores it stops spinning between regions and sleeps instead:
-        # a second team (InitCache on one gRPC pool thread, the steps on another) made every
-        # one of a step's ~120 parallel regions pay a futex wake-up (the 95M model's linears at
-        # one request: 15.3 ms against 10.3 on the thread that had run the others, 2 cores).
-        self._compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-rank{options.rank}")
-
-    def start_loading(self) -> futures.Future:
-        """Starts :meth:`load` on the rank's compute thread; the future resolves when it has ended."""
-        return self._compute.submit(self.load)
 
     def load(self) -> None:
         """Joins the process group, loads this rank's shard and sizes its KV cache (background thread)."""
@@ -167,12 +155,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.num_kv_blocks > self._num_blocks_available:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"num_kv_blocks={request.num_kv_blocks} exceeds this rank's {self._num_blocks_available}")
-        self._compute.submit(self._init_cache, request.num_kv_blocks).result()
+        # On a thread that ends with it. libgomp keeps an OpenMP team per thread that opens parallel
+        # regions, until that thread exits, and once the teams' threads outnumber the cores it stops
+        # spinning between regions and sleeps instead. A gRPC pool thread lives on: had InitCache run
+        # on one and the Step stream on another, every one of a step's ~120 parallel regions would
+        # pay a futex wake-up (the 95M model's rank step at one request: 24-27 ms against 15-18).
+        with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"init-cache-rank{self.options.rank}") as once:
+            once.submit(self._init_cache, request.num_kv_blocks).result()
         return pb.InitCacheResponse()
 
     def _init_cache(self, num_kv_blocks: int) -> None:
-        """InitCache's work, on the compute thread (its CUDA graphs are replayed there too)."""
-        self._bind_thread()
+        """InitCache's work: the KV cache, and on CUDA the decode graphs."""
+        self._bind_thread()  # a thread of its own: its current CUDA device is cuda:0 until told
         opts = self.options
         sizes: tuple[int, ...] = ()
         if self._device.type == "cuda" and not opts.enforce_eager:
@@ -200,25 +194,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return pb.PrepareGrammarResponse()
 
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
-        # The steps run on the rank's compute thread (worker/step_stream.py): gRPC's pool thread
-        # that iterates this generator only sends results, so a step never waits for a send.
-        sent: list[float] = []  # when the previous result was handed to the stream
-
-        def execute(msg: pb.StepPlan) -> tuple[pb.StepResult, bool]:
+        # The whole stream runs on the gRPC pool thread that iterates this generator.
+        self._bind_thread()
+        sent = None  # when the previous result went out: the wait for each plan is reported with its result
+        for msg in request_iterator:
             started = time.perf_counter()
             try:
                 result = self._runner.execute(plan_from_pb(msg))
             except Exception as exc:  # noqa: BLE001 - a failed step poisons the group: report, then stop
                 error = f"rank {self.options.rank}: step {msg.step_id} failed: {type(exc).__name__}: {exc}"
                 log.error("step failed", error=error)
+                yield pb.StepResult(step_id=msg.step_id, error=error)
                 self._on_fatal(error)
-                return pb.StepResult(step_id=msg.step_id, error=error), True
-            out = result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
-                                        wait_time_s=started - sent[0] if sent else 0.0))
-            sent[:] = [time.perf_counter()]
-            return out, False
-
-        return serve_steps(request_iterator, execute, on_start=self._bind_thread, spawn=self._compute.submit)
+                return
+            yield result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
+                                       wait_time_s=started - (sent or started)))
+            sent = time.perf_counter()
 
 
 def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821

@@ -81,19 +81,21 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerServicer, FakeCuda, l
         cache=SIZING)
     errors: list[str] = []
     servicer = WorkerServicer(options, errors.append)
-    servicer.start_loading().result(timeout=120)  # on the rank's compute thread, as worker/main.py does
+    loader = threading.Thread(target=servicer.load, name="load")
+    loader.start()
+    loader.join()
     assert errors == [] and servicer._ready.is_set()
     return servicer, cuda, runners
 
 
 def test_load_binds_the_local_gpu_and_sizes_the_cache_from_free_memory(loaded) -> None:
     servicer, cuda, (runner,) = loaded
-    assert cuda.set_device_calls[0] == ("compute-rank1_0", torch.device("cuda", 1))
+    assert cuda.set_device_calls[0] == ("load", torch.device("cuda", 1))
     assert runner.ctx.device == torch.device("cuda", 1)
-    # The profile ran the scheduler's largest steps on the compute thread, on cuda:1, then freed its cache.
+    # The profile ran the scheduler's largest steps on the load thread, on cuda:1, then freed its cache.
     num_profile_blocks, plans = profile_plans(64, 4, runner.config.max_position_embeddings, 16)
     assert [c[0] for c in runner.calls] == ["init_kv_cache", "execute", "execute", "execute", "free_kv_cache"]
-    assert all(thread == "compute-rank1_0" and device == torch.device("cuda", 1) for _, thread, device in runner.calls)
+    assert all(thread == "load" and device == torch.device("cuda", 1) for _, thread, device in runner.calls)
     assert cuda.events.index("reset_peak_memory_stats") < cuda.events.index("mem_get_info")
     # vLLM's rule: 0.9 * total - (peak activations and weights + memory outside torch's allocator).
     profile_bytes = num_profile_blocks * runner.kv_layout.bytes_per_block
@@ -114,7 +116,7 @@ def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loa
     try:
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            # InitCache on a thread of its own, so that no pool thread has set a device before Step.
+            # InitCache called from a thread of its own, so that no pool thread has set a device before Step.
             init = threading.Thread(target=servicer.InitCache, args=(pb.InitCacheRequest(num_kv_blocks=8), None),
                                     name="init-cache")
             init.start()
@@ -125,11 +127,13 @@ def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loa
     finally:
         server.stop(grace=None)
     assert [r.sampled_token_ids for r in results] == [(7,), (7,)]
-    assert runner.calls[0] == ("init_kv_cache", "compute-rank1_0", torch.device("cuda", 1))
+    assert runner.calls[0] == ("init_kv_cache", "init-cache-rank1_0", torch.device("cuda", 1))
+    # ...on a thread that has ended, so that its OpenMP team is gone before the steps run.
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("init-cache-rank")]
     assert runner.cuda_graph_sizes == (1, 2, 4)  # vLLM's sizes up to max_num_seqs=4 (the default, no flag)
     assert [c[0] for c in runner.calls[1:]] == ["execute", "execute"]
     for method, thread, device in runner.calls[1:]:
-        assert thread == "compute-rank1_0", (method, thread)  # the rank's compute thread (worker/server.py)
+        assert thread.startswith("grpc-pool"), (method, thread)  # a gRPC handler thread, not the load thread
         assert device == torch.device("cuda", 1), (method, thread, device)  # bound in that very thread
 
 
