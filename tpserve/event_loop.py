@@ -4,8 +4,8 @@ Per streamed token the coordinator runs a few loop callbacks: the stream's handl
 ``context.write`` completes through grpc.aio's completion-queue reader, the engine's step
 result arrives. At 64 and 256 streams these callbacks are a measurable part of the
 coordinator's CPU per token (issue 26), and uvloop (libuv's loop in Cython, a drop-in
-``asyncio`` loop) runs them for less: ``benchmarks/coordinator_cpu.py`` measured 0.85-0.93x
-of the CPU per token at 256 streams, same run (benchmarks/README.md). vLLM's and SGLang's
+``asyncio`` loop) runs them for less: ``benchmarks/coordinator_cpu.py`` measured 0.86x of
+the CPU per token at 64 streams and 0.93x at 256, same run (benchmarks/README.md). vLLM's and SGLang's
 API servers run on uvloop for the same reason.
 
 uvloop is a runtime dependency on Linux and macOS; where it is not installed (Windows) the

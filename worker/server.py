@@ -13,9 +13,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-
 from concurrent import futures
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -159,7 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # regions, until that thread exits, and once the teams' threads outnumber the cores it stops
         # spinning between regions and sleeps instead. A gRPC pool thread lives on: had InitCache run
         # on one and the Step stream on another, every one of a step's ~120 parallel regions would
-        # pay a futex wake-up (the 95M model's rank step at one request: 24-27 ms against 15-18).
+        # pay a futex wake-up (the 95M model's rank step at one request: 24-27 ms against 12-14).
         with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"init-cache-rank{self.options.rank}") as once:
             once.submit(self._init_cache, request.num_kv_blocks).result()
         return pb.InitCacheResponse()
