@@ -36,7 +36,7 @@ def set_policy(name: str) -> bool:
     refused it (each thread is tried; one that exits meanwhile is skipped).
 
     Raises:
-        ValueError: ``name`` is not a policy of :data:`POLICIES` on any platform.
+        ValueError: ``name`` is neither ``"batch"`` nor ``"other"``.
     """
     if name not in ("batch", "other"):
         raise ValueError(f"unknown scheduling policy {name!r}: 'batch' or 'other'")
