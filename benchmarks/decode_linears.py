@@ -10,6 +10,11 @@ peer_comparison.py's report.
 
     python benchmarks/decode_linears.py [--rows 1 4 16] [--threads 2] [--reps 15]   # ~1 minute
     python benchmarks/decode_linears.py --threads 1 --cpu-time   # on a busy machine
+    python benchmarks/decode_linears.py --rows 1 2 4 --baseline-repo ../old --out benchmarks/results --name X.json
+
+``--baseline-repo``: another checkout's ``worker/kernels/cpu_linear.cpp``, compiled here under its own
+op namespace (``tpserve_cpu_baseline``) and timed in the same interleaved reps on its AVX-512 path
+(AVX2 where the CPU has no AVX-512), so a kernel change is measured against its parent in one run.
 
 ``--cpu-time`` (one thread only): the calling thread's CPU time instead of wall time, so time
 spent descheduled by other processes does not count (memory stalls still do). On a shared host
@@ -19,8 +24,10 @@ at load average 10-20 it separated variants whose wall times were noise.
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,10 +36,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from worker.kernels import cpu_kernels_available  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
+from worker.kernels import _FLAGS, cpu_kernels_available  # noqa: E402
 
 SHAPES = [(1024, 512), (512, 512), (3072, 512), (512, 1536)]  # (N, K) of one layer's projections
 LAYERS = 30
+
+
+def load_baseline(repo: Path):
+    """``repo``'s linear kernel as ``torch.ops.tpserve_cpu_baseline`` (compiled in a temporary directory)."""
+    from torch.utils import cpp_extension
+
+    kernels = repo / "worker" / "kernels"
+    build = Path(tempfile.mkdtemp(prefix="tpserve-baseline-kernel-"))
+    source = (kernels / "cpu_linear.cpp").read_text().replace("tpserve_cpu", "tpserve_cpu_baseline")
+    (build / "cpu_linear.cpp").write_text(source)
+    for header in kernels.glob("*.h"):
+        (build / header.name).write_text(header.read_text())
+    cpp_extension.load(name="tpserve_cpu_baseline", sources=[str(build / "cpu_linear.cpp")], extra_cflags=_FLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    return torch.ops.tpserve_cpu_baseline
 
 
 def main() -> int:
@@ -41,6 +64,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU time (--threads 1)")
+    parser.add_argument("--baseline-repo", type=Path, default=None,
+                        help="a checkout whose cpu_linear.cpp is timed beside this one's, in the same reps")
+    parser.add_argument("--out", type=Path, default=None, help="directory for the JSON report")
+    parser.add_argument("--name", default="decode_linears.json", help="the report's file name in --out")
     args = parser.parse_args()
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time counts the calling thread only: use --threads 1")
@@ -55,6 +82,11 @@ def main() -> int:
     nbytes = flat.numel() * 4
     ops = torch.ops.tpserve_cpu
     paths = ["avx512", "avx2"] if ops.use_avx512(True) else ["avx2"]
+    baseline = load_baseline(args.baseline_repo) if args.baseline_repo else None
+    report: dict = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+                    "torch": torch.__version__, "weight_bytes": nbytes, "reps": args.reps,
+                    "clock": "thread_time" if args.cpu_time else "perf_counter",
+                    "baseline_repo": str(args.baseline_repo) if args.baseline_repo else None, "rows": {}}
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for _, k in SHAPES}
 
@@ -67,7 +99,13 @@ def main() -> int:
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
 
+        def baseline_kernel() -> None:
+            for w in weights:
+                baseline.linear_f32(xs[w.shape[1]], w, None)
+
         systems = {f"kernel {p}": (lambda p=p: kernel(p)) for p in paths}
+        if baseline is not None:
+            systems[f"baseline kernel {paths[0]}"] = baseline_kernel
         systems |= {"MKL F.linear": mkl, "read-only bound (sum)": lambda: flat.sum()}
         times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(args.reps):
@@ -78,10 +116,23 @@ def main() -> int:
         ops.use_avx512(True)
         print(f"M = {m}, {args.threads} threads, {nbytes / 1e6:.0f} MB of weights, {args.reps} interleaved reps"
               f"{', thread CPU time' if args.cpu_time else ''}:")
+        row: dict = {}
         for name, ts in times.items():
             best, median = min(ts), statistics.median(ts)
+            row[name] = {"best_ms": best * 1e3, "median_ms": median * 1e3}
             print(f"  {name:24s} best {best * 1e3:7.2f} ms ({nbytes / best / 1e9:5.1f} GB/s)"
                   f"  median {median * 1e3:7.2f} ms ({nbytes / median / 1e9:5.1f} GB/s)")
+        bound = statistics.median(times["read-only bound (sum)"])
+        ratios = {f"{name} / read-only bound": statistics.median(ts) / bound for name, ts in times.items()
+                  if name.startswith(("kernel", "baseline"))}
+        if baseline is not None:
+            ratios[f"kernel {paths[0]} / baseline"] = (statistics.median(times[f"kernel {paths[0]}"])
+                                                      / statistics.median(times[f"baseline kernel {paths[0]}"]))
+        for name, ratio in ratios.items():
+            print(f"  {name:40s} {ratio:.3f} (medians)")
+        report["rows"][str(m)] = {"systems": row, "ratios": ratios}
+    if args.out:
+        save_report(args.out, args.name, report)
     return 0
 
 

@@ -175,50 +175,68 @@ TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64
   }
 }
 
-// Up to kSeqMaxRows rows of x (a decode step of a few sequences), float32 weights: W's rows one after
-// the other, so a thread's share of W is a single sequential stream, the access pattern the hardware
-// prefetchers follow best, with a software prefetch kSeqAhead floats ahead on top. The 4-row tiles
-// above read 4 rows 2-6 KB apart in step, 4 streams the prefetchers track less well: on one Zen 5
-// core the 95M model's projections took 0.81x the tiles' time at M = 1, 0.86x at 3, 0.73x at 4
-// (torch.sum over the same bytes: about 0.7x). Two accumulators per row of x keep two FMA chains in
-// flight; each dot product is reduced once, at the end of its row.
-constexpr int64_t kSeqAhead = 1024;  // floats: 4 KB ahead of the line being read
+// Up to kSeqMaxRows rows of x (a decode step of a few sequences), float32 weights: each thread's
+// share of W is cut into kSeqStreams contiguous parts, read side by side, one row of each per pass,
+// so a thread keeps kSeqStreams sequential streams in flight (each with a software prefetch
+// kSeqAhead floats ahead). A stream is the access pattern the hardware prefetchers follow best; the
+// 4-row tiles above read 4 rows 2-6 KB apart in step, which they track less well (on one Zen 5 core
+// the 95M model's projections took 0.81x the tiles' time at M = 1 with one stream per thread). Why
+// several streams rather than one: where W comes from DRAM rather than the last-level cache, one
+// stream per core leaves the memory system idle between its misses. On the 2-core Xeon host (480 MB
+// L3 shared with other tenants), 30 of the 95M model's (3072, 512) gate_up matrices at M = 1, 2
+// threads: one stream 5.6-6.8 ms, 4 streams 4.0-4.1 ms, torch.sum over the same 189 MB 5.6-6.4 ms
+// (benchmarks/README.md, "Four streams per thread"). One accumulator per (stream, row of x) keeps
+// kSeqStreams * R independent FMA chains in flight: 16 + R x vectors + 1 weight vector of the 32
+// zmm registers at R = 4. Each dot product is reduced once, at the end of its row.
+constexpr int64_t kSeqAhead = 1024;  // floats: 4 KB ahead of the line being read, in each stream
 constexpr int64_t kSeqMaxRows = 4;  // rows of x up to which the sequential GEMV is used
+constexpr int kSeqStreams = 4;  // streams of W rows per thread
+
+// y[r * N + n] for the S rows n = rows[s] and R rows of x, one pass over the rows side by side.
+template <int R, int S>
+TPSERVE_AVX512 inline void seq_dots512(const int64_t rows[S], int64_t K, int64_t N, const float* x, const float* bias,
+                                       float* y, const float* w) {
+  const float* wr[S];
+  __m512 acc[S][R];
+  for (int s = 0; s < S; ++s) {
+    wr[s] = w + rows[s] * K;
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
+    for (int s = 0; s < S; ++s) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr[s] + k + kSeqAhead), _MM_HINT_T0);  // one per 64-byte line
+      const __m512 wv = _mm512_loadu_ps(wr[s] + k);
+      for (int r = 0; r < R; ++r) acc[s][r] = _mm512_fmadd_ps(wv, xv[r], acc[s][r]);
+    }
+  }
+  if (k < K) {  // K % 16 tail: a masked load, zeros past K
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    for (int s = 0; s < S; ++s) {
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, wr[s] + k);
+      for (int r = 0; r < R; ++r) acc[s][r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + r * K + k), acc[s][r]);
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const float b = bias ? bias[rows[s]] : 0.0f;
+    for (int r = 0; r < R; ++r) y[r * N + rows[s]] = _mm512_reduce_add_ps(acc[s][r]) + b;
+  }
+}
 
 template <int R>
 TPSERVE_AVX512 void run_seq512(int64_t n_begin, int64_t n_end, int64_t K, int64_t N, const float* x,
                                const float* bias, float* y, const float* w) {
-  const int64_t tail = K % 16;
-  const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const float* wr = w + n * K;
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + k + kSeqAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wr + k + 16 + kSeqAhead), _MM_HINT_T0);
-      const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + k), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * K + k + 16), acc[r][1]);
-      }
-    }
-    if (k + 16 <= K) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + k + kSeqAhead), _MM_HINT_T0);
-      const __m512 w0 = _mm512_loadu_ps(wr + k);
-      for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + k), acc[r][0]);
-      k += 16;
-    }
-    if (tail) {
-      const __m512 w0 = _mm512_maskz_loadu_ps(mask, wr + k);
-      for (int r = 0; r < R; ++r) {
-        acc[r][1] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, x + r * K + k), acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + (bias ? bias[n] : 0.0f);
-    }
+  const int64_t part = (n_end - n_begin) / kSeqStreams;  // rows per stream; the remainder streams alone after
+  for (int64_t i = 0; i < part; ++i) {
+    int64_t rows[kSeqStreams];
+    for (int s = 0; s < kSeqStreams; ++s) rows[s] = n_begin + s * part + i;
+    seq_dots512<R, kSeqStreams>(rows, K, N, x, bias, y, w);
+  }
+  for (int64_t n = n_begin + kSeqStreams * part; n < n_end; ++n) {
+    const int64_t rows[1] = {n};
+    seq_dots512<R, 1>(rows, K, N, x, bias, y, w);
   }
 }
 
