@@ -12,7 +12,7 @@
 //
 // Two vector paths, picked at run time: AVX-512 where the CPU has it (6 rows of x per weight
 // tile; on the 2-core Xeon host, the 95M benchmark model's projections at 16 rows take ~31 ms
-// against MKL's 41-60 ms and the AVX2 path's 39 ms; up to 4 rows of x a sequential GEMV, and
+// against MKL's 41-60 ms and the AVX2 path's 39 ms; up to 8 rows of x a sequential GEMV, and
 // prefill-sized x in blocks of rows, see linear()), else AVX2 + FMA (3 rows per tile).
 //
 // Threads: ATen's intra-op pool (at::parallel_for), so torch.set_num_threads governs it.
@@ -176,21 +176,25 @@ TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64
 }
 
 // Up to kSeqMaxRows rows of x (a decode step of a few sequences), float32 weights: each thread's
-// share of W is cut into kSeqStreams contiguous parts, read side by side, one row of each per pass,
-// so a thread keeps kSeqStreams sequential streams in flight (each with a software prefetch
-// kSeqAhead floats ahead). A stream is the access pattern the hardware prefetchers follow best; the
-// 4-row tiles above read 4 rows 2-6 KB apart in step, which they track less well (on one Zen 5 core
-// the 95M model's projections took 0.81x the tiles' time at M = 1 with one stream per thread). Why
-// several streams rather than one: where W comes from DRAM rather than the last-level cache, one
-// stream per core leaves the memory system idle between its misses. On the 2-core Xeon host (480 MB
-// L3 shared with other tenants), 30 of the 95M model's (3072, 512) gate_up matrices at M = 1, 2
-// threads: one stream 5.6-6.8 ms, 4 streams 4.0-4.1 ms, torch.sum over the same 189 MB 5.6-6.4 ms
-// (benchmarks/README.md, "Four streams per thread"). One accumulator per (stream, row of x) keeps
-// kSeqStreams * R independent FMA chains in flight: 16 + R x vectors + 1 weight vector of the 32
-// zmm registers at R = 4. Each dot product is reduced once, at the end of its row.
+// share of W is cut into S contiguous parts, read side by side, one row of each per pass, so a
+// thread keeps S sequential streams in flight (each with a software prefetch kSeqAhead floats
+// ahead). A stream is the access pattern the hardware prefetchers follow best; the 4-row tiles above
+// read 4 rows 2-6 KB apart in step, which they track less well (on one Zen 5 core the 95M model's
+// projections took 0.81x the tiles' time at M = 1 with one stream per thread). Why several streams
+// rather than one: where W comes from DRAM rather than the last-level cache, one stream per core
+// leaves the memory system idle between its misses. On the 2-core Xeon host (480 MB L3 shared with
+// other tenants), the 95M model's 30 layers of projections, 2 threads, against one stream per thread
+// and the tiles from 5 rows on, in the same run (benchmarks/README.md, "Streams per thread"): 0.67x
+// the time at M = 1, 0.87x at 2, 0.58x at 4, 0.94x at 5, 0.92x at 6, 0.67x at 7 and 0.66x at 8, at
+// about torch.sum's rate over the same bytes up to M = 4. From 9 rows on the product is FMA-bound and
+// the tiles are as fast (0.94-1.04x at 10-16 rows). One accumulator per (stream, row of x): S * R
+// independent FMA chains, which with the R x vectors and the weight vector must fit the 32 zmm
+// registers: S = 4 up to 4 rows of x (16 + 4 + 1), 2 up to 8 (16 + 8 + 1). Each dot product is
+// reduced once, at the end of its row.
 constexpr int64_t kSeqAhead = 1024;  // floats: 4 KB ahead of the line being read, in each stream
-constexpr int64_t kSeqMaxRows = 4;  // rows of x up to which the sequential GEMV is used
-constexpr int kSeqStreams = 4;  // streams of W rows per thread
+constexpr int64_t kSeqMaxRows = 8;  // rows of x up to which the sequential GEMV is used
+// Streams of W rows per thread for R rows of x (the register budget above).
+constexpr int seq_streams(int R) { return R <= 4 ? 4 : 2; }
 
 // y[r * N + n] for the S rows n = rows[s] and R rows of x, one pass over the rows side by side.
 template <int R, int S>
@@ -228,13 +232,14 @@ TPSERVE_AVX512 inline void seq_dots512(const int64_t rows[S], int64_t K, int64_t
 template <int R>
 TPSERVE_AVX512 void run_seq512(int64_t n_begin, int64_t n_end, int64_t K, int64_t N, const float* x,
                                const float* bias, float* y, const float* w) {
-  const int64_t part = (n_end - n_begin) / kSeqStreams;  // rows per stream; the remainder streams alone after
+  constexpr int S = seq_streams(R);
+  const int64_t part = (n_end - n_begin) / S;  // rows per stream; the remainder streams alone after
   for (int64_t i = 0; i < part; ++i) {
-    int64_t rows[kSeqStreams];
-    for (int s = 0; s < kSeqStreams; ++s) rows[s] = n_begin + s * part + i;
-    seq_dots512<R, kSeqStreams>(rows, K, N, x, bias, y, w);
+    int64_t rows[S];
+    for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
+    seq_dots512<R, S>(rows, K, N, x, bias, y, w);
   }
-  for (int64_t n = n_begin + kSeqStreams * part; n < n_end; ++n) {
+  for (int64_t n = n_begin + S * part; n < n_end; ++n) {
     const int64_t rows[1] = {n};
     seq_dots512<R, 1>(rows, K, N, x, bias, y, w);
   }
@@ -348,7 +353,11 @@ at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10:
         case 1: run_seq512<1>(n0, n1, K, N, xp, bp, yp, prefetch); break;
         case 2: run_seq512<2>(n0, n1, K, N, xp, bp, yp, prefetch); break;
         case 3: run_seq512<3>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        default: run_seq512<4>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 4: run_seq512<4>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 5: run_seq512<5>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 6: run_seq512<6>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 7: run_seq512<7>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        default: run_seq512<8>(n0, n1, K, N, xp, bp, yp, prefetch); break;
       }
       return;
     }
