@@ -118,7 +118,10 @@ def test_a_continuation_from_k_tokens_is_the_tail_of_the_uninterrupted_request(r
         assert delivered_text + "".join(m.text for m in rest) == text, k
         assert rest[-1].finish_reason == full[-1].finish_reason and \
             rest[-1].usage.completion_tokens == full[-1].usage.completion_tokens, k
-        assert _logprobs(rest) == pytest.approx(_logprobs(full)[k:], abs=1e-5), k
+        # The continuation's first k tokens are prefilled (a GEMM over many rows) where the reference decoded
+        # them one at a time (the streamed GEMV): another summation order, so float32 logprobs may differ in
+        # their last bits (1.05e-5 seen at -9.48), as in the move test below.
+        assert _logprobs(rest) == pytest.approx(_logprobs(full)[k:], abs=1e-4), k
     if kind == "json":  # complete and valid under the schema's grammar, whatever the seam
         assert full[-1].finish_reason == pb.FINISH_REASON_STOP and set(json.loads(text)) == {"name", "friends"}
 

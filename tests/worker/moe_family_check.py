@@ -8,8 +8,9 @@ with those completions (tests/worker/tp_harness.py):
 * *alone*: the first 8 prompts one after another, each the only sequence of its steps;
 * *at once*: all 16 in one batch (prefills together, then 31 decode steps of 16).
 
-Every sampled token must equal ``transformers``' and every sampled row's logits
-and prompt logprob match its own within 1e-4 (float32); a prompt's logits alone and
+Every sampled token must equal ``transformers``' (or tie with it in both rows:
+:func:`_same_greedy_choice`) and every sampled row's logits and prompt logprob match
+its own within 1e-4 (float32); a prompt's logits alone and
 in the batch of 16 agree to 1e-5 (the experts chosen are the same; only the GEMMs'
 grouping differs); and each MoE layer's per-expert counts sum, over a job, to the
 tokens it ran times ``num_experts_per_tok``, with no count from a dense layer.
@@ -118,6 +119,21 @@ def check_family(case: FamilyCase, tp: int) -> None:
                                    msg=lambda m: f"prompt {i} alone vs in a batch of {NUM_PROMPTS}: {m}")
 
 
+#: Logits this close are a tie in float32 (a few ulp at |logit| ~ 10): either token is a right greedy choice.
+TIE = 1e-5
+
+
+def _same_greedy_choice(ours: int, theirs: int, our_logits: torch.Tensor, their_logits: torch.Tensor) -> bool:
+    """Whether greedy token ``ours`` agrees with ``transformers``' ``theirs``: equal, or the two tie in both rows.
+
+    A seeded random model can put two tokens' logits within rounding of each other (seen: 10.2597 both,
+    3e-6 apart, in opposite order in the two implementations); the steps are teacher-forced with
+    ``transformers``' tokens, so such a tie changes nothing after it, and the logits are compared anyway.
+    """
+    return ours == theirs or all(abs(float(row[ours] - row[theirs])) <= TIE and float(row.max() - row[theirs]) <= TIE
+                                 for row in (our_logits, their_logits))
+
+
 def check_job(case: FamilyCase, job: Job, records: list[StepRecord]) -> dict[int, torch.Tensor]:
     """Tokens, logits, prompt logprobs and expert counts of one job; returns each prompt's (steps, V) logits."""
     assert len(records) == len(job.plans)
@@ -128,8 +144,9 @@ def check_job(case: FamilyCase, job: Job, records: list[StepRecord]) -> dict[int
     for plan, record in zip(job.plans, records, strict=True):
         seq_ids = [c.seq_id for c in plan.scheduled]
         step = [len(rows[i]) for i in seq_ids]
-        assert record.sampled_token_ids == tuple(case.completions[i][j] for i, j in zip(seq_ids, step)), \
-            f"{job.name} step {plan.step_id}"
+        for n, (i, j) in enumerate(zip(seq_ids, step)):
+            assert _same_greedy_choice(record.sampled_token_ids[n], case.completions[i][j], record.logits[n],
+                                       case.logits[i][j]), f"{job.name} step {plan.step_id} prompt {i}"
         for n, i in enumerate(seq_ids):
             rows[i].append(record.logits[n])
         for p in record.prompt_logprobs:
