@@ -13,8 +13,8 @@ peer_comparison.py's report.
     python benchmarks/decode_linears.py --rows 1 2 4 --baseline-repo ../old --out benchmarks/results --name X.json
 
 ``--baseline-repo``: another checkout's ``worker/kernels/cpu_linear.cpp``, compiled here under its own
-op namespace (``tpserve_cpu_baseline``) and timed in the same interleaved reps on its AVX-512 path
-(AVX2 where the CPU has no AVX-512), so a kernel change is measured against its parent in one run.
+op namespace (``tpserve_cpu_baseline``) and timed in the same interleaved reps on each vector path,
+so a kernel change is measured against its parent in one run.
 
 ``--cpu-time`` (one thread only): the calling thread's CPU time instead of wall time, so time
 spent descheduled by other processes does not count (memory stalls still do). On a shared host
@@ -99,13 +99,14 @@ def main() -> int:
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
 
-        def baseline_kernel() -> None:
+        def baseline_kernel(path: str) -> None:
+            baseline.use_avx512(path == "avx512")
             for w in weights:
                 baseline.linear_f32(xs[w.shape[1]], w, None)
 
         systems = {f"kernel {p}": (lambda p=p: kernel(p)) for p in paths}
         if baseline is not None:
-            systems[f"baseline kernel {paths[0]}"] = baseline_kernel
+            systems |= {f"baseline kernel {p}": (lambda p=p: baseline_kernel(p)) for p in paths}
         systems |= {"MKL F.linear": mkl, "read-only bound (sum)": lambda: flat.sum()}
         times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(args.reps):
@@ -126,8 +127,9 @@ def main() -> int:
         ratios = {f"{name} / read-only bound": statistics.median(ts) / bound for name, ts in times.items()
                   if name.startswith(("kernel", "baseline"))}
         if baseline is not None:
-            ratios[f"kernel {paths[0]} / baseline"] = (statistics.median(times[f"kernel {paths[0]}"])
-                                                      / statistics.median(times[f"baseline kernel {paths[0]}"]))
+            ratios |= {f"kernel {p} / baseline {p}": (statistics.median(times[f"kernel {p}"])
+                                                      / statistics.median(times[f"baseline kernel {p}"]))
+                       for p in paths}
         for name, ratio in ratios.items():
             print(f"  {name:40s} {ratio:.3f} (medians)")
         report["rows"][str(m)] = {"systems": row, "ratios": ratios}

@@ -12,8 +12,9 @@
 //
 // Two vector paths, picked at run time: AVX-512 where the CPU has it (6 rows of x per weight
 // tile; on the 2-core Xeon host, the 95M benchmark model's projections at 16 rows take ~31 ms
-// against MKL's 41-60 ms and the AVX2 path's 39 ms; up to 8 rows of x a sequential GEMV, and
-// prefill-sized x in blocks of rows, see linear()), else AVX2 + FMA (3 rows per tile).
+// against MKL's 41-60 ms and the AVX2 path's 39 ms; up to 8 rows of float32 x a streamed GEMV,
+// run_seq512, and prefill-sized x in blocks of rows, see linear()), else AVX2 + FMA (3 rows per
+// tile; up to 4 rows of float32 x the streamed GEMV in 8-float vectors, run_seq256).
 //
 // Threads: ATen's intra-op pool (at::parallel_for), so torch.set_num_threads governs it.
 #include <ATen/Parallel.h>
@@ -312,6 +313,60 @@ void run_rows(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, c
   }
 }
 
+// The streamed GEMV of run_seq512 in 8-float vectors, for CPUs without AVX-512: up to kSeqMaxRows2 rows
+// of x, S streams of W rows per thread within the 16 ymm registers (S * R accumulators + R x vectors +
+// 1 weight vector: 4 streams up to 2 rows of x, 11 registers; 2 up to 4, 13). The K % 8 tail is scalar.
+// Against the AVX2 tiles, on the 2-core Xeon host with use_avx512(False), the 95M model's projections:
+// 0.90x the time at M = 1, 0.92x at 2 and 3, 0.86x at 4 (benchmarks/README.md, "Streams per thread").
+// From 5 rows on the tiles' 3-row groups stay (as many rows as registers allow, and FMA-bound sooner).
+constexpr int64_t kSeqMaxRows2 = 4;
+constexpr int seq_streams2(int R) { return R <= 2 ? 4 : 2; }
+
+template <int R, int S>
+inline void seq_dots256(const int64_t rows[S], int64_t K, int64_t N, const float* x, const float* bias, float* y,
+                        const float* w) {
+  const float* wr[S];
+  __m256 acc[S][R];
+  for (int s = 0; s < S; ++s) {
+    wr[s] = w + rows[s] * K;
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm256_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+    for (int s = 0; s < S; ++s) {
+      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[s] + k + kSeqAhead), _MM_HINT_T0);
+      const __m256 wv = _mm256_loadu_ps(wr[s] + k);
+      for (int r = 0; r < R; ++r) acc[s][r] = _mm256_fmadd_ps(wv, xv[r], acc[s][r]);
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const float b = bias ? bias[rows[s]] : 0.0f;
+    for (int r = 0; r < R; ++r) {
+      float sum = hsum(acc[s][r]);
+      for (int64_t t = k; t < K; ++t) sum += wr[s][t] * x[r * K + t];
+      y[r * N + rows[s]] = sum + b;
+    }
+  }
+}
+
+template <int R>
+void run_seq256(int64_t n_begin, int64_t n_end, int64_t K, int64_t N, const float* x, const float* bias, float* y,
+                const float* w) {
+  constexpr int S = seq_streams2(R);
+  const int64_t part = (n_end - n_begin) / S;  // rows per stream; the remainder streams alone after
+  for (int64_t i = 0; i < part; ++i) {
+    int64_t rows[S];
+    for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
+    seq_dots256<R, S>(rows, K, N, x, bias, y, w);
+  }
+  for (int64_t n = n_begin + S * part; n < n_end; ++n) {
+    const int64_t rows[1] = {n};
+    seq_dots256<R, 1>(rows, K, N, x, bias, y, w);
+  }
+}
+
 void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "tpserve cpu_linear: tensors must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "tpserve cpu_linear: x (M, K) and weight (N, K) must be 2-D");
@@ -343,6 +398,7 @@ at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10:
   const bool avx512 = allow_avx512.load(std::memory_order_relaxed) && cpu_has_avx512();
   // Float32 weights (`prefetch` is W itself), up to kSeqMaxRows rows: the sequential GEMV (run_seq512).
   const bool seq = avx512 && prefetch != nullptr && scale == nullptr && M <= kSeqMaxRows;
+  const bool seq2 = !avx512 && prefetch != nullptr && scale == nullptr && M <= kSeqMaxRows2;  // run_seq256
   // Rows of x per pass over a thread's share of W: a prefill-sized x would not stay in L2 while
   // each W tile meets all its rows, so it is cut into blocks that do (kMBlock * K * 4 bytes).
   const int64_t m_block = M <= 2 * kMBlock ? M : kMBlock;
@@ -358,6 +414,15 @@ at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10:
         case 6: run_seq512<6>(n0, n1, K, N, xp, bp, yp, prefetch); break;
         case 7: run_seq512<7>(n0, n1, K, N, xp, bp, yp, prefetch); break;
         default: run_seq512<8>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+      }
+      return;
+    }
+    if (seq2) {
+      switch (M) {
+        case 1: run_seq256<1>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 2: run_seq256<2>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 3: run_seq256<3>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        default: run_seq256<4>(n0, n1, K, N, xp, bp, yp, prefetch); break;
       }
       return;
     }
