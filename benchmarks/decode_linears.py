@@ -10,6 +10,7 @@ peer_comparison.py's report.
 
     python benchmarks/decode_linears.py [--rows 1 4 16] [--threads 2] [--reps 15]   # ~1 minute
     python benchmarks/decode_linears.py --threads 1 --cpu-time   # on a busy machine
+    python benchmarks/decode_linears.py --int8   # weight-only int8 (linear_int8), 95 MB
     python benchmarks/decode_linears.py --rows 1 2 4 --baseline-repo ../old --out benchmarks/results --name X.json
 
 ``--baseline-repo``: another checkout's ``worker/kernels/cpu_linear.cpp``, compiled here under its own
@@ -66,6 +67,8 @@ def main() -> int:
     parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU time (--threads 1)")
     parser.add_argument("--baseline-repo", type=Path, default=None,
                         help="a checkout whose cpu_linear.cpp is timed beside this one's, in the same reps")
+    parser.add_argument("--int8", action="store_true",
+                        help="weight-only int8 weights (per-row scales, linear_int8) instead of float32")
     parser.add_argument("--out", type=Path, default=None, help="directory for the JSON report")
     parser.add_argument("--name", default="decode_linears.json", help="the report's file name in --out")
     args = parser.parse_args()
@@ -78,36 +81,48 @@ def main() -> int:
         return 1
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) for _ in range(LAYERS) for n, k in SHAPES]
-    flat = torch.cat([w.flatten() for w in weights])
+    if args.int8:  # symmetric per-row int8, as worker/layers/quantization.py stores it
+        scales = [w.abs().amax(dim=1) / 127 for w in weights]
+        weights = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
+    # The read-only bound reads the weights' bytes as float32 (int8 values reinterpreted: the sum is noise).
+    flat = torch.cat([w.flatten() for w in weights]).view(torch.float32)
     nbytes = flat.numel() * 4
     ops = torch.ops.tpserve_cpu
     paths = ["avx512", "avx2"] if ops.use_avx512(True) else ["avx2"]
     baseline = load_baseline(args.baseline_repo) if args.baseline_repo else None
     report: dict = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
                     "torch": torch.__version__, "weight_bytes": nbytes, "reps": args.reps,
+                    "weights": "int8" if args.int8 else "float32",
                     "clock": "thread_time" if args.cpu_time else "perf_counter",
                     "baseline_repo": str(args.baseline_repo) if args.baseline_repo else None, "rows": {}}
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for _, k in SHAPES}
 
+        def run(lib, path: str) -> None:
+            lib.use_avx512(path == "avx512")
+            if args.int8:
+                for w, s in zip(weights, scales):
+                    lib.linear_int8(xs[w.shape[1]], w, s, None)
+            else:
+                for w in weights:
+                    lib.linear_f32(xs[w.shape[1]], w, None)
+
         def kernel(path: str) -> None:
-            ops.use_avx512(path == "avx512")
-            for w in weights:
-                ops.linear_f32(xs[w.shape[1]], w, None)
+            run(ops, path)
 
         def mkl() -> None:
             for w in weights:
-                F.linear(xs[w.shape[1]], w)
+                F.linear(xs[w.shape[1]], w if not args.int8 else w.float())
 
         def baseline_kernel(path: str) -> None:
-            baseline.use_avx512(path == "avx512")
-            for w in weights:
-                baseline.linear_f32(xs[w.shape[1]], w, None)
+            run(baseline, path)
 
         systems = {f"kernel {p}": (lambda p=p: kernel(p)) for p in paths}
         if baseline is not None:
             systems |= {f"baseline kernel {p}": (lambda p=p: baseline_kernel(p)) for p in paths}
-        systems |= {"MKL F.linear": mkl, "read-only bound (sum)": lambda: flat.sum()}
+        if not args.int8:  # (MKL has no int8-weight GEMM)
+            systems["MKL F.linear"] = mkl
+        systems["read-only bound (sum)"] = lambda: flat.sum()
         times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(args.reps):
             for name, fn in systems.items():
@@ -115,7 +130,8 @@ def main() -> int:
                 fn()
                 times[name].append(clock() - start)
         ops.use_avx512(True)
-        print(f"M = {m}, {args.threads} threads, {nbytes / 1e6:.0f} MB of weights, {args.reps} interleaved reps"
+        print(f"M = {m}, {args.threads} threads, {nbytes / 1e6:.0f} MB of {'int8' if args.int8 else 'float32'} weights,"
+              f" {args.reps} interleaved reps"
               f"{', thread CPU time' if args.cpu_time else ''}:")
         row: dict = {}
         for name, ts in times.items():

@@ -7,8 +7,9 @@
 // once and multiplies it into every row of x while it is in L1 (x stays in L2), so W crosses the
 // memory bus exactly once per step whatever M is. Weights are float32, or int8 with one float32
 // scale per output row (symmetric per-channel weight-only quantization: W ~= scale[n] * Wq[n, :]);
-// int8 rows are widened to float32 in a per-thread buffer and the scale is applied to each dot
-// product, so activations and accumulation stay float32.
+// int8 weights are widened to float32 (in registers by the streamed GEMV, a row at a time into a
+// per-thread buffer for the tiles) and the scale is applied to each dot product, so activations
+// and accumulation stay float32.
 //
 // Two vector paths, picked at run time: AVX-512 where the CPU has it (6 rows of x per weight
 // tile; on the 2-core Xeon host, the 95M benchmark model's projections at 16 rows take ~31 ms
@@ -197,11 +198,21 @@ constexpr int64_t kSeqMaxRows = 8;  // rows of x up to which the sequential GEMV
 // Streams of W rows per thread for R rows of x (the register budget above).
 constexpr int seq_streams(int R) { return R <= 4 ? 4 : 2; }
 
-// y[r * N + n] for the S rows n = rows[s] and R rows of x, one pass over the rows side by side.
-template <int R, int S>
-TPSERVE_AVX512 inline void seq_dots512(const int64_t rows[S], int64_t K, int64_t N, const float* x, const float* bias,
-                                       float* y, const float* w) {
-  const float* wr[S];
+// 16 weights from k on as float32: loaded, or (int8) widened (vpmovsxbd + vcvtdq2ps).
+TPSERVE_AVX512 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+TPSERVE_AVX512 inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+// y[r * N + n] = (scale[n] *) x[r] . W[n] (+ bias[n]) for the S rows n = rows[s] and R rows of x, one
+// pass over the rows side by side. W is float32, or int8 with one float32 scale per row (applied to
+// the dot product, as in the tiles). Prefetches run 4 KB ahead in each stream whatever the type.
+template <int R, int S, typename T>
+TPSERVE_AVX512 inline void seq_dots512(const int64_t rows[S], int64_t K, int64_t N, const float* x, const float* scale,
+                                       const float* bias, float* y, const T* w) {
+  constexpr int64_t ahead = kSeqAhead * 4 / static_cast<int64_t>(sizeof(T));  // elements in 4 KB
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(T));  // elements in a 64-byte line
+  const T* wr[S];
   __m512 acc[S][R];
   for (int s = 0; s < S; ++s) {
     wr[s] = w + rows[s] * K;
@@ -212,37 +223,36 @@ TPSERVE_AVX512 inline void seq_dots512(const int64_t rows[S], int64_t K, int64_t
     __m512 xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
     for (int s = 0; s < S; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr[s] + k + kSeqAhead), _MM_HINT_T0);  // one per 64-byte line
-      const __m512 wv = _mm512_loadu_ps(wr[s] + k);
+      if (sizeof(T) == 4 || k % line == 0) {  // one per 64-byte line (every step for float32)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[s] + k + ahead), _MM_HINT_T0);
+      }
+      const __m512 wv = load16(wr[s] + k);
       for (int r = 0; r < R; ++r) acc[s][r] = _mm512_fmadd_ps(wv, xv[r], acc[s][r]);
     }
   }
-  if (k < K) {  // K % 16 tail: a masked load, zeros past K
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
-    for (int s = 0; s < S; ++s) {
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, wr[s] + k);
-      for (int r = 0; r < R; ++r) acc[s][r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + r * K + k), acc[s][r]);
-    }
-  }
   for (int s = 0; s < S; ++s) {
-    const float b = bias ? bias[rows[s]] : 0.0f;
-    for (int r = 0; r < R; ++r) y[r * N + rows[s]] = _mm512_reduce_add_ps(acc[s][r]) + b;
+    const int64_t n = rows[s];
+    for (int r = 0; r < R; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[s][r]);
+      for (int64_t t = k; t < K; ++t) sum += static_cast<float>(wr[s][t]) * x[r * K + t];  // K % 16 tail
+      y[r * N + n] = (scale ? scale[n] * sum : sum) + (bias ? bias[n] : 0.0f);
+    }
   }
 }
 
-template <int R>
+template <int R, typename T>
 TPSERVE_AVX512 void run_seq512(int64_t n_begin, int64_t n_end, int64_t K, int64_t N, const float* x,
-                               const float* bias, float* y, const float* w) {
+                               const float* scale, const float* bias, float* y, const T* w) {
   constexpr int S = seq_streams(R);
   const int64_t part = (n_end - n_begin) / S;  // rows per stream; the remainder streams alone after
   for (int64_t i = 0; i < part; ++i) {
     int64_t rows[S];
     for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
-    seq_dots512<R, S>(rows, K, N, x, bias, y, w);
+    seq_dots512<R, S>(rows, K, N, x, scale, bias, y, w);
   }
   for (int64_t n = n_begin + S * part; n < n_end; ++n) {
     const int64_t rows[1] = {n};
-    seq_dots512<R, 1>(rows, K, N, x, bias, y, w);
+    seq_dots512<R, 1>(rows, K, N, x, scale, bias, y, w);
   }
 }
 
@@ -319,13 +329,23 @@ void run_rows(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, c
 // Against the AVX2 tiles, on the 2-core Xeon host with use_avx512(False), the 95M model's projections:
 // 0.90x the time at M = 1, 0.92x at 2 and 3, 0.86x at 4 (benchmarks/README.md, "Streams per thread").
 // From 5 rows on the tiles' 3-row groups stay (as many rows as registers allow, and FMA-bound sooner).
+// Both streamed GEMVs take int8 weights too (load16/load8 widen them as they arrive; against the
+// tiles, which widen a row at a time into an L1 buffer: 0.43-0.50x the time at 1-4 rows of x,
+// 0.52x at 5 and 0.60x at 8 on AVX-512; results/decode_linears_int8_streams.json).
 constexpr int64_t kSeqMaxRows2 = 4;
 constexpr int seq_streams2(int R) { return R <= 2 ? 4 : 2; }
 
-template <int R, int S>
-inline void seq_dots256(const int64_t rows[S], int64_t K, int64_t N, const float* x, const float* bias, float* y,
-                        const float* w) {
-  const float* wr[S];
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <int R, int S, typename T>
+inline void seq_dots256(const int64_t rows[S], int64_t K, int64_t N, const float* x, const float* scale,
+                        const float* bias, float* y, const T* w) {
+  constexpr int64_t ahead = kSeqAhead * 4 / static_cast<int64_t>(sizeof(T));
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+  const T* wr[S];
   __m256 acc[S][R];
   for (int s = 0; s < S; ++s) {
     wr[s] = w + rows[s] * K;
@@ -336,34 +356,34 @@ inline void seq_dots256(const int64_t rows[S], int64_t K, int64_t N, const float
     __m256 xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
     for (int s = 0; s < S; ++s) {
-      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[s] + k + kSeqAhead), _MM_HINT_T0);
-      const __m256 wv = _mm256_loadu_ps(wr[s] + k);
+      if (k % line == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[s] + k + ahead), _MM_HINT_T0);
+      const __m256 wv = load8(wr[s] + k);
       for (int r = 0; r < R; ++r) acc[s][r] = _mm256_fmadd_ps(wv, xv[r], acc[s][r]);
     }
   }
   for (int s = 0; s < S; ++s) {
-    const float b = bias ? bias[rows[s]] : 0.0f;
+    const int64_t n = rows[s];
     for (int r = 0; r < R; ++r) {
       float sum = hsum(acc[s][r]);
-      for (int64_t t = k; t < K; ++t) sum += wr[s][t] * x[r * K + t];
-      y[r * N + rows[s]] = sum + b;
+      for (int64_t t = k; t < K; ++t) sum += static_cast<float>(wr[s][t]) * x[r * K + t];  // K % 8 tail
+      y[r * N + n] = (scale ? scale[n] * sum : sum) + (bias ? bias[n] : 0.0f);
     }
   }
 }
 
-template <int R>
-void run_seq256(int64_t n_begin, int64_t n_end, int64_t K, int64_t N, const float* x, const float* bias, float* y,
-                const float* w) {
+template <int R, typename T>
+void run_seq256(int64_t n_begin, int64_t n_end, int64_t K, int64_t N, const float* x, const float* scale,
+                const float* bias, float* y, const T* w) {
   constexpr int S = seq_streams2(R);
   const int64_t part = (n_end - n_begin) / S;  // rows per stream; the remainder streams alone after
   for (int64_t i = 0; i < part; ++i) {
     int64_t rows[S];
     for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
-    seq_dots256<R, S>(rows, K, N, x, bias, y, w);
+    seq_dots256<R, S>(rows, K, N, x, scale, bias, y, w);
   }
   for (int64_t n = n_begin + S * part; n < n_end; ++n) {
     const int64_t rows[1] = {n};
-    seq_dots256<R, 1>(rows, K, N, x, bias, y, w);
+    seq_dots256<R, 1>(rows, K, N, x, scale, bias, y, w);
   }
 }
 
@@ -386,43 +406,43 @@ constexpr int64_t kMBlock = 96;
 int64_t grain_tiles(int64_t N) { return std::max<int64_t>(1, (N / kRows) / (4 * at::get_num_threads())); }
 
 // y (M, N) = x @ W^T [* scale] [+ bias], W's rows split between the threads by whole tiles;
-// `row(n, buffer)` gives W's row n as float32 (see run_rows).
-template <typename RowFn>
+// `row(n, buffer)` gives W's row n as float32 (see run_rows). `streamed`: W itself (float32 or int8,
+// with `scale` for int8), for the streamed GEMV of up to kSeqMaxRows (AVX-512) or kSeqMaxRows2 (AVX2)
+// rows of x; nullptr: the tiles at every row count.
+template <typename T, typename RowFn>
 at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10::optional<at::Tensor>& bias,
-                  RowFn row, const float* prefetch = nullptr) {
+                  RowFn row, const float* prefetch, const T* streamed) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const bool avx512 = allow_avx512.load(std::memory_order_relaxed) && cpu_has_avx512();
-  // Float32 weights (`prefetch` is W itself), up to kSeqMaxRows rows: the sequential GEMV (run_seq512).
-  const bool seq = avx512 && prefetch != nullptr && scale == nullptr && M <= kSeqMaxRows;
-  const bool seq2 = !avx512 && prefetch != nullptr && scale == nullptr && M <= kSeqMaxRows2;  // run_seq256
+  const bool seq = streamed != nullptr && M <= (avx512 ? kSeqMaxRows : kSeqMaxRows2);
   // Rows of x per pass over a thread's share of W: a prefill-sized x would not stay in L2 while
   // each W tile meets all its rows, so it is cut into blocks that do (kMBlock * K * 4 bytes).
   const int64_t m_block = M <= 2 * kMBlock ? M : kMBlock;
   at::parallel_for(0, (N + kRows - 1) / kRows, grain_tiles(N), [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kRows, n1 = std::min(N, t1 * kRows);
-    if (seq) {
+    if (seq && avx512) {
       switch (M) {
-        case 1: run_seq512<1>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 2: run_seq512<2>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 3: run_seq512<3>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 4: run_seq512<4>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 5: run_seq512<5>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 6: run_seq512<6>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 7: run_seq512<7>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        default: run_seq512<8>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 1: run_seq512<1>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 2: run_seq512<2>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 3: run_seq512<3>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 4: run_seq512<4>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 5: run_seq512<5>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 6: run_seq512<6>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 7: run_seq512<7>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        default: run_seq512<8>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
       }
       return;
     }
-    if (seq2) {
+    if (seq) {
       switch (M) {
-        case 1: run_seq256<1>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 2: run_seq256<2>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        case 3: run_seq256<3>(n0, n1, K, N, xp, bp, yp, prefetch); break;
-        default: run_seq256<4>(n0, n1, K, N, xp, bp, yp, prefetch); break;
+        case 1: run_seq256<1>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 2: run_seq256<2>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        case 3: run_seq256<3>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
+        default: run_seq256<4>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
       }
       return;
     }
@@ -443,7 +463,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   TORCH_CHECK(w.scalar_type() == at::kFloat, "tpserve linear_f32: weight must be float32");
   const float* wp = w.data_ptr<float>();
   const int64_t K = w.size(1);
-  return linear(x, w.size(0), nullptr, bias, [=](int64_t n, float*) { return wp + n * K; }, wp);
+  return linear(x, w.size(0), nullptr, bias, [=](int64_t n, float*) { return wp + n * K; }, wp, wp);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
@@ -457,7 +477,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   return linear(x, qw.size(0), scale.data_ptr<float>(), bias, [=](int64_t n, float* buf) {
     widen_row(qp + n * K, K, buf);  // int8 row -> float32 in this thread's L1 buffer
     return static_cast<const float*>(buf);
-  });
+  }, nullptr, qp);
 }
 
 }  // namespace
