@@ -13,9 +13,9 @@
 //
 // Two vector paths, picked at run time: AVX-512 where the CPU has it (6 rows of x per weight
 // tile; on the 2-core Xeon host, the 95M benchmark model's projections at 16 rows take ~31 ms
-// against MKL's 41-60 ms and the AVX2 path's 39 ms; up to 8 rows of float32 x a streamed GEMV,
-// run_seq512, and prefill-sized x in blocks of rows, see linear()), else AVX2 + FMA (3 rows per
-// tile; up to 4 rows of float32 x the streamed GEMV in 8-float vectors, run_seq256).
+// against MKL's 41-60 ms and the AVX2 path's 39 ms; up to 8 rows of x a streamed GEMV, run_seq512,
+// and prefill-sized x in blocks of rows, see linear()), else AVX2 + FMA (3 rows per tile; up to 4
+// rows of x the streamed GEMV in 8-float vectors, run_seq256).
 //
 // Threads: ATen's intra-op pool (at::parallel_for), so torch.set_num_threads governs it.
 #include <ATen/Parallel.h>
@@ -177,7 +177,7 @@ TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64
   }
 }
 
-// Up to kSeqMaxRows rows of x (a decode step of a few sequences), float32 weights: each thread's
+// Up to kSeqMaxRows rows of x (a decode step of a few sequences), float32 or int8 weights: each thread's
 // share of W is cut into S contiguous parts, read side by side, one row of each per pass, so a
 // thread keeps S sequential streams in flight (each with a software prefetch kSeqAhead floats
 // ahead). A stream is the access pattern the hardware prefetchers follow best; the 4-row tiles above
@@ -194,7 +194,7 @@ TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64
 // registers: S = 4 up to 4 rows of x (16 + 4 + 1), 2 up to 8 (16 + 8 + 1). Each dot product is
 // reduced once, at the end of its row.
 constexpr int64_t kSeqAhead = 1024;  // floats: 4 KB ahead of the line being read, in each stream
-constexpr int64_t kSeqMaxRows = 8;  // rows of x up to which the sequential GEMV is used
+constexpr int64_t kSeqMaxRows = 8;  // rows of x up to which the streamed GEMV is used (AVX-512)
 // Streams of W rows per thread for R rows of x (the register budget above).
 constexpr int seq_streams(int R) { return R <= 4 ? 4 : 2; }
 
