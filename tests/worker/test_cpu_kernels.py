@@ -15,9 +15,9 @@ needs_kernels = pytest.mark.skipif(
 
 # K: multiples of 16 and 8, and odd tails; N: whole tiles of 4 and short last tiles; M: 1, 2, odd, > 64,
 # and every remainder of the AVX-512 path's groups of 6 rows and the AVX2 path's groups of 3. M = 1 to 8
-# take the sequential GEMV on AVX-512 (K: its 16-float steps and a masked tail; N: each thread's rows in
-# 4 streams, 2 from 5 rows of x on, with rows left over to stream alone, and fewer rows than streams);
-# M = 200 is cut into blocks of 96 rows and a last one of 8.
+# take the streamed GEMV on AVX-512 and M = 1 to 4 on AVX2, float32 and int8 (K: its 16- or 8-float
+# steps and a scalar tail; N: each thread's rows in 2 or 4 streams, with rows left over to stream
+# alone, and fewer rows than streams); M = 200 is cut into blocks of 96 rows and a last one of 8.
 SHAPES = [(1, 64, 8), (2, 517, 37), (3, 24, 5), (16, 512, 1024), (17, 1536, 3), (70, 40, 130), (13, 33, 9),
           (11, 16, 6), (1, 48, 7), (2, 40, 9), (4, 81, 11), (200, 24, 10), (1, 512, 203), (2, 96, 45), (4, 100, 66),
           (5, 64, 31), (6, 100, 45), (8, 512, 203), (9, 40, 13)]
