@@ -53,7 +53,7 @@ _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 #: (26 s on 2 cores) and these two take 17 (10 s). Files of one group share a unit's namespace, so
 #: two of them must not define the same internal name (cpu_elementwise and cpu_sampling both have a
 #: ``check_rows``). A source in no group is a unit of its own.
-_UNITS = (("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_shm.cpp"), ("cpu_linear.cpp", "cpu_sampling.cpp"))
+_UNITS = (("cpu_attention.cpp", "cpu_decode_block.cpp", "cpu_elementwise.cpp", "cpu_shm.cpp"), ("cpu_linear.cpp", "cpu_sampling.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers. -ffp-contract=off: no multiply-add
 # is fused unless the source asks (the elementwise kernels keep torch's roundings).
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]

@@ -246,6 +246,14 @@ class RowParallelLinear(nn.Module):
         y = _matmul(self, x, None)  # (T, output_size), this rank's partial sum
         if not self.reduce_results:
             return y
+        return self.reduce(y)  # (T, output_size)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial ``y (T, output_size)`` -> the layer's output: summed over ranks, plus the bias.
+
+        :meth:`forward`'s second half, for a caller that computed the partial product itself
+        (worker/layers/decode_block.py). The all-reduce is a collective: every rank calls it.
+        """
         y = self.ctx.all_reduce(y)  # (T, output_size), summed over ranks
         if self.bias is not None:
             y = y + self.bias  # (T, output_size); once, not once per rank

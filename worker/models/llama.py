@@ -44,6 +44,7 @@ from torch import nn
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata, PagedAttention
+from worker.layers.decode_block import decode_block_forward, decode_block_supported, step_takes_decode_block
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm, SiluAndMul
@@ -124,8 +125,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = mlp
+        # Llama's own attention and MLP on a float32 CPU: a decode step runs each half of the layer as one
+        # compiled call (the same kernels, without the Python between them).
+        self.decode_block = (type(self_attn) is LlamaAttention and type(mlp) is LlamaMLP
+                             and decode_block_supported(self_attn, device, dtype))
 
     def forward(self, rope: Rope, h: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if self.decode_block and step_takes_decode_block(h, attn_metadata):
+            return decode_block_forward(self, rope, h, kv_cache, attn_metadata)  # (T, hidden), bit-identical
         a = self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata)  # (T, hidden)
         h, x = self.post_attention_layernorm.add_and_norm(h, a)  # h + a, and its norm, in one pass
         return h + self.mlp(x)  # (T, hidden)

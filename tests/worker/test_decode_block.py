@@ -1,0 +1,129 @@
+"""The decode layer in two compiled calls (worker/layers/decode_block.py) equals the module path bit for bit.
+
+Two runners of one checkpoint take the same steps: one as served (a decode step's Llama
+layers run ``attention_block`` and ``mlp_block``), one with every layer's ``decode_block``
+off (the modules, op by op). The steps mix what a decode step meets: a prefill of three
+prompts (the module path in both), decodes of all three at growing contexts (past a
+sliding window where the model has one), a short prompt that joins the decode group and
+a preempted sequence that leaves it. The final hidden states of every step, the sampled
+tokens and both KV caches at the end must be equal, not close: the two paths run the same
+kernels in the same order. The checkpoints cover every projection with a bias (Llama's
+o_proj and MLP biases, Qwen2's q/k/v), GQA and MQA, a head size of 32, Llama 3 RoPE,
+Phi-3's fused checkpoint, a window, and weight-only int8.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import worker.models.llama as llama
+from tests.tiny_models import TinyModelSpec, save_tiny_model
+from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from worker.kernels import _cpu_supports_avx2
+from worker.model_runner import ModelRunner
+from worker.parallel_state import ParallelContext
+
+pytestmark = pytest.mark.skipif(not (_cpu_supports_avx2() and shutil.which("c++")),
+                                reason="the decode block is a compiled kernel: needs an AVX2 CPU and a C++ compiler")
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(temperature=0.0)
+WINDOW = 6
+MISTRAL_WINDOW = TinyModelSpec("mistral_window_block", "mistral", {
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 150,
+    "sliding_window": WINDOW}, seed=21)
+
+
+class _Steps:
+    """A runner, its steps' final hidden states, and its own block allocation (one table per sequence)."""
+
+    def __init__(self, checkpoint: Path, quantization: str | None, decode_block: bool) -> None:
+        self.runner = ModelRunner(checkpoint, ParallelContext.single(), torch.float32, BLOCK_SIZE,
+                                  quantization=quantization)
+        self.runner.init_kv_cache(num_blocks=64)
+        layers = self.runner.model.model.layers
+        if not decode_block:
+            for layer in layers:
+                layer.decode_block = False
+        self.supported = all(layer.decode_block for layer in layers)
+        self.hidden: list[torch.Tensor] = []
+        self.runner.model.model.register_forward_hook(lambda module, args, out: self.hidden.append(out.clone()))
+
+    def step(self, plan: StepPlan) -> dict[int, int]:
+        """The plan's sampled tokens by sequence (every chunk samples)."""
+        result = self.runner.execute(plan)
+        return dict(zip((chunk.seq_id for chunk in plan.scheduled), result.sampled_token_ids, strict=True))
+
+
+def _run(steps: _Steps) -> list[dict[int, int]]:
+    """Drive ``steps`` through the scenario of the module docstring; returns each step's sampled tokens."""
+    prompts = {0: list(range(3, 8)), 1: list(range(20, 31)), 2: list(range(40, 60))}
+    blocks = {seq: list(range(16 * seq, 16 * seq + 16)) for seq in range(4)}
+    positions: dict[int, int] = {}
+    last: dict[int, int] = {}
+    out = []
+    plan_id = 0
+
+    def run(new: tuple[NewSequence, ...], chunks: list[ScheduledChunk], finished: tuple[int, ...] = ()) -> None:
+        nonlocal plan_id
+        plan_id += 1
+        sampled = steps.step(StepPlan(plan_id, new, tuple(chunks), finished))
+        for chunk in chunks:
+            positions[chunk.seq_id] = chunk.start_position + len(chunk.token_ids)
+        last.update(sampled)
+        out.append(sampled)
+
+    def prefill(seq: int) -> ScheduledChunk:
+        return ScheduledChunk(seq, tuple(prompts[seq]), 0, tuple(blocks[seq]))
+
+    def decode(seq: int) -> ScheduledChunk:
+        return ScheduledChunk(seq, (last[seq],), positions[seq])
+
+    run(tuple(NewSequence(s, GREEDY) for s in (0, 1, 2)), [prefill(s) for s in (0, 1, 2)])
+    for _ in range(10):
+        run((), [decode(s) for s in (0, 1, 2)])
+    prompts[3] = [9, 8, 7]  # a short prompt: it joins the decode group's paged kernel
+    run((NewSequence(3, GREEDY),), [decode(s) for s in (0, 1, 2)] + [prefill(3)])
+    for _ in range(4):
+        run((), [decode(s) for s in (0, 1, 2, 3)])
+    run((), [decode(s) for s in (0, 2, 3)], finished=(1,))  # sequence 1 leaves the batch
+    for _ in range(3):
+        run((), [decode(s) for s in (0, 2, 3)])
+    return out
+
+
+@pytest.mark.parametrize(("name", "quantization"), [
+    ("gqa_tied", None), ("mqa_untied_bias", None), ("qwen2_qkv_bias", None), ("llama3_rope", None),
+    ("phi3_fused", None), ("mistral_window", None), ("gqa_tied", "int8"), ("mqa_untied_bias", "int8"),
+])
+def test_decode_block_equals_the_module_path(name: str, quantization: str | None,
+                                             tiny_checkpoints: dict[str, Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = (save_tiny_model(MISTRAL_WINDOW, tmp_path / "mistral") if name == "mistral_window"
+                  else tiny_checkpoints[name])
+    calls = []
+    forward = llama.decode_block_forward
+    monkeypatch.setattr(llama, "decode_block_forward", lambda *args: calls.append(1) or forward(*args))
+    blocked = _Steps(checkpoint, quantization, decode_block=True)
+    assert blocked.supported, "every layer of a Llama-family model on a float32 CPU takes the decode block"
+    tokens = _run(blocked)
+    layers = len(blocked.runner.model.model.layers)
+    assert len(calls) == layers * (len(tokens) - 1)  # every step but the first (a prefill) took it
+    modules = _Steps(checkpoint, quantization, decode_block=False)
+    assert _run(modules) == tokens
+    assert len(calls) == layers * (len(tokens) - 1)  # the module path never did
+    assert len(blocked.hidden) == len(modules.hidden) == len(tokens)
+    for step, (a, b) in enumerate(zip(blocked.hidden, modules.hidden, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
+    for (k_a, v_a), (k_b, v_b) in zip(blocked.runner.kv_caches, modules.runner.kv_caches, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+def test_qwen3_qk_norm_layers_keep_the_module_path(tiny_checkpoints: dict[str, Path]) -> None:
+    """Qwen3's attention normalises q and k per head, which the decode block does not: its layers stay off."""
+    runner = ModelRunner(tiny_checkpoints["qwen3_qk_norm"], ParallelContext.single(), torch.float32, BLOCK_SIZE)
+    assert not any(layer.decode_block for layer in runner.model.model.layers)

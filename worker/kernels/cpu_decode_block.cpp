@@ -1,0 +1,111 @@
+// The two halves of a Llama decoder layer for a decode step, each one call from Python.
+//
+// Why: the 95M benchmark model's decode step at batch 1 reads 380 MB of weights in about 15 ms,
+// and spent another 2-3 ms around them: 30 layers of some 20 Python-level calls each (module
+// calls, argument parsing, the dispatcher), for ops that compute in a few microseconds. llama.cpp
+// runs the same step as one C++ graph. Here each half of the layer is one op that runs the same
+// kernels as the Python path (cpu_elementwise, cpu_linear, cpu_attention) in the same order, so
+// the results are bit-identical to it (tests/worker/test_decode_block.py); only the Python and
+// dispatch between them is gone. The kernels are called through the dispatcher (about a
+// microsecond each from C++), which keeps this file independent of the others' translation units.
+//
+// The tensor-parallel all-reduces stay between the halves, in Python (worker/layers/decode_block.py):
+//   attention_block: o = o_proj(paged_attention(rope(qkv_proj(rms_norm(h)))))   this rank's partial o
+//   [all-reduce o; + o_proj's bias]
+//   mlp_block:       h2 = h + o;  m = down_proj(silu(gate) * up), gate|up = gate_up_proj(rms_norm(h2))
+//   [all-reduce m; + down_proj's bias];  h = h2 + m
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>& linear_f32_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tpserve_cpu::linear_f32", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const OptTensor&)>&
+linear_int8_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tpserve_cpu::linear_int8", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+  return op;
+}
+
+// x (T, K) @ weight (N, K)^T [* scale] [+ bias] -> (T, N): the float32 or the int8 linear (scale given).
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const OptTensor& scale, const OptTensor& bias) {
+  if (scale.has_value()) return linear_int8_op().call(x, weight, *scale, bias);
+  return linear_f32_op().call(x, weight, bias);
+}
+
+at::Tensor attention_block(const at::Tensor& h, const at::Tensor& norm_weight, double eps,
+                           const at::Tensor& qkv_weight, const OptTensor& qkv_scale, const OptTensor& qkv_bias,
+                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                           const at::Tensor& o_weight, const OptTensor& o_scale) {
+  static const auto rms_norm_op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tpserve_cpu::rms_norm", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  static const auto rotary_op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("tpserve_cpu::rotary_and_cache", "")
+                                 .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                             at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  static const auto attention_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tpserve_cpu::paged_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, double, int64_t, double)>();
+  const int64_t T = h.size(0), d = k_cache.size(3);
+  at::Tensor x = rms_norm_op.call(h, norm_weight, eps);                    // (T, hidden)
+  at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);         // (T, (H + 2 KVH) d)
+  rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);  // q, k rotated; k, v cached
+  at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});  // (T, H, d), rows strided
+  at::Tensor o = attention_op.call(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                sliding_window, 0.0);                   // (T, H, d)
+  return project(o.view({T, num_heads * d}), o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
+}
+
+std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor& h, const at::Tensor& o, const at::Tensor& norm_weight,
+                                             double eps, const at::Tensor& gate_up_weight,
+                                             const OptTensor& gate_up_scale, const OptTensor& gate_up_bias,
+                                             const at::Tensor& down_weight, const OptTensor& down_scale) {
+  static const auto add_rms_norm_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tpserve_cpu::add_rms_norm", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  static const auto silu_and_mul_op = c10::Dispatcher::singleton()
+                                       .findSchemaOrThrow("tpserve_cpu::silu_and_mul", "")
+                                       .typed<at::Tensor(const at::Tensor&)>();
+  auto [h2, x] = add_rms_norm_op.call(h, o, norm_weight, eps);                 // h + o, and its norm: (T, hidden)
+  at::Tensor gate_up = project(x, gate_up_weight, gate_up_scale, gate_up_bias);  // (T, 2 intermediate)
+  at::Tensor m = project(silu_and_mul_op.call(gate_up), down_weight, down_scale, std::nullopt);  // (T, hidden), partial
+  return {h2, m};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("attention_block(Tensor h, Tensor norm_weight, float eps, Tensor qkv_weight, Tensor? qkv_scale, "
+        "Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "int num_heads, int num_kv_heads, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, "
+        "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale) -> Tensor");
+  m.def("mlp_block(Tensor h, Tensor o, Tensor norm_weight, float eps, Tensor gate_up_weight, "
+        "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
+  m.impl("attention_block", &attention_block);
+  m.impl("mlp_block", &mlp_block);
+}

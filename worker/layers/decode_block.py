@@ -1,0 +1,65 @@
+"""A Llama decoder layer's decode step on the CPU in two compiled calls instead of some twenty.
+
+On a float32 (or weight-only int8) CPU step whose rows are all decodes read by the
+compiled paged kernel, :func:`decode_block_forward` runs the layer as
+``torch.ops.tpserve_cpu.attention_block`` (norm, qkv projection, RoPE and cache
+write, paged attention, o projection) and ``mlp_block`` (residual add and norm,
+gate/up projection, SiLU-and-mul, down projection), with the tensor-parallel
+all-reduces between them (worker/kernels/cpu_decode_block.cpp). Both run the very
+kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
+submodules) calls, in the same order, so the hidden states are bit-identical to
+it; what goes is the Python between them. Measured on the 95M benchmark model (30
+layers), a batch-1 step without its weight reads: see docs/design.md, "The decode
+layer in two calls".
+
+Prefill and mixed steps, other devices and dtypes, and layers that differ from
+Llama's (QK-norm, soft-capping, MoE) keep the module path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.attention import KERNEL_HEAD_SIZES, AttentionMetadata
+from worker.kernels import cpu_kernels_available
+from worker.layers.matmul import MAX_KERNEL_ROWS, kernel_for_prefill
+
+
+def decode_block_supported(attention: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a Llama layer with ``attention`` (a ``LlamaAttention``) on ``device`` in ``dtype`` can take
+    :func:`decode_block_forward` (the caller checks the layer's classes are Llama's own)."""
+    attn = attention.attn  # its PagedAttention
+    return (device.type == "cpu" and dtype == torch.float32 and attn.logit_softcap is None
+            and attn.head_size in KERNEL_HEAD_SIZES and cpu_kernels_available())
+
+
+def step_takes_decode_block(h: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether this step's ``h (T, hidden)`` is all decode rows read by the compiled paged kernel, few
+    enough that the module path's linears take the compiled kernel too (worker/layers/matmul.py)."""
+    num_tokens = h.shape[0]
+    return (meta.decode_query_start_loc is not None and meta.num_decodes == num_tokens
+            and (num_tokens <= MAX_KERNEL_ROWS or kernel_for_prefill()))
+
+
+def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    """``LlamaDecoderLayer.forward`` for a step :func:`step_takes_decode_block` accepts: ``h (T, hidden)``
+    float32 -> ``(T, hidden)``; writes the step's keys and values into ``kv_cache``.
+
+    Collective on a tensor-parallel group (two all-reduces, as the module path).
+    """
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv_proj, o_proj = attention.qkv_proj, attention.o_proj
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    o = torch.ops.tpserve_cpu.attention_block(
+        h, norm1.weight, norm1.eps, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, *rope, *kv_cache,
+        meta.slot_mapping, attention.num_heads, attention.num_kv_heads, meta.decode_block_tables,
+        meta.decode_query_start_loc, meta.decode_context_lens, attention.attn.scale,
+        attention.attn.sliding_window or 0, o_proj.weight, o_proj.weight_scale,
+    )  # (T, hidden), this rank's partial sum
+    o = o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    h, m = torch.ops.tpserve_cpu.mlp_block(h, o, norm2.weight, norm2.eps, gate_up.weight, gate_up.weight_scale,
+                                           gate_up.bias, down.weight, down.weight_scale)  # h + o; partial MLP
+    return h + down.reduce(m)  # (T, hidden)
