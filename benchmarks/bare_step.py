@@ -15,6 +15,7 @@ One command, bounded run time::
 
     .venv/bin/python benchmarks/bare_step.py                     # this tree
     .venv/bin/python benchmarks/bare_step.py --baseline /tmp/main # interleaved with another checkout
+    .venv/bin/python benchmarks/bare_step.py --model DIR --threads 2 --sizes 1,4,16  # another checkpoint
 
 With ``--baseline PATH`` each round runs the measurement once in a subprocess on
 ``PATH``'s code and once on this tree's, alternately, so machine noise falls on both;
@@ -103,22 +104,23 @@ def measure_bare_step(num_seqs: int, *, num_steps: int = 40, warmup_steps: int =
     return statistics.median(t[cpu] for t in times[warmup_steps:])
 
 
-def _measure_all(sizes: list[int], num_steps: int) -> dict[str, list[float]]:
+def _measure_all(sizes: list[int], num_steps: int, model_dir: str | None = None) -> dict[str, list[float]]:
     """Per size: [median wall seconds, median CPU seconds] (one set of steps, both clocks)."""
     out = {}
     for n in sizes:
-        steps = DecodeSteps(n, max_steps=5 + num_steps)
+        steps = DecodeSteps(n, max_steps=5 + num_steps, model_dir=model_dir)
         times = [steps.step() for _ in range(5 + num_steps)][5:]
         out[str(n)] = [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
     return out
 
 
-def _run_tree(tree: Path, sizes: list[int], num_steps: int, threads: int) -> dict[str, list[float]]:
+def _run_tree(tree: Path, sizes: list[int], num_steps: int, threads: int,
+              model_dir: str | None = None) -> dict[str, list[float]]:
     """One measurement of every size on ``tree``'s code, in a fresh process."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(tree))
     code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); import torch; torch.set_num_threads({threads}); "
             f"sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import bare_step; "
-            f"print(json.dumps(bare_step._measure_all({sizes!r}, {num_steps})))")
+            f"print(json.dumps(bare_step._measure_all({sizes!r}, {num_steps}, {model_dir!r})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -130,6 +132,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each a fresh process per tree)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to interleave with")
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory (default: the embedded model), e.g. peer_comparison's 95M model")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -138,10 +142,11 @@ def main() -> None:
     machine = _machine()
     for _ in range(args.rounds):
         for name, tree in trees.items():
-            runs[name].append(_run_tree(tree, sizes, args.steps, args.threads))
+            runs[name].append(_run_tree(tree, sizes, args.steps, args.threads, args.model))
     medians = {name: {n: [statistics.median(r[str(n)][clock] for r in rounds) for clock in (0, 1)] for n in sizes}
                for name, rounds in runs.items()}
-    print(f"bare decode step, ModelRunner.execute, embedded model, tp 1, float32, {args.threads} thread(s), "
+    print(f"bare decode step, ModelRunner.execute, {args.model or 'embedded model'}, tp 1, float32, "
+          f"{args.threads} thread(s), "
           f"median of {args.steps} steps per round, median of {args.rounds} rounds; wall ms (CPU ms)")
     header = "| sequences | " + " | ".join(f"{name} ms" for name in trees) + \
         (" | ratio wall (CPU) |" if len(trees) > 1 else " |")
@@ -156,7 +161,7 @@ def main() -> None:
         print(f"| {n} | " + " | ".join(cells) + ratio + " |")
     if args.json is not None:
         args.json.write_text(json.dumps({"rounds_wall_cpu_s": runs, "medians_wall_cpu_s": medians,
-                                         "threads": args.threads, "steps": args.steps,
+                                         "threads": args.threads, "steps": args.steps, "model": args.model,
                                          "trees": {name: str(tree) for name, tree in trees.items()},
                                          "machine": dict(machine, load_average_end=os.getloadavg())},
                                         indent=1) + "\n")

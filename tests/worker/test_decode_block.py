@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import worker.layers.decode_block as decode_block
 import worker.models.llama as llama
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
@@ -96,15 +97,21 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
     return out
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["one_call", "two_halves"])
 @pytest.mark.parametrize(("name", "quantization"), [
     ("gqa_tied", None), ("mqa_untied_bias", None), ("qwen2_qkv_bias", None), ("llama3_rope", None),
     ("phi3_fused", None), ("mistral_window", None), ("gqa_tied", "int8"), ("mqa_untied_bias", "int8"),
 ])
-def test_decode_block_equals_the_module_path(name: str, quantization: str | None,
+def test_decode_block_equals_the_module_path(name: str, quantization: str | None, halves: bool,
                                              tiny_checkpoints: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``halves``: the tensor-parallel form (``attention_block``, the all-reduce, ``mlp_block``), here on
+    one rank, where the all-reduce is the identity; else one rank's ``decoder_layer``."""
     checkpoint = (save_tiny_model(MISTRAL_WINDOW, tmp_path / "mistral") if name == "mistral_window"
                   else tiny_checkpoints[name])
+    if halves:
+        layer_args = decode_block._layer_args
+        monkeypatch.setattr(decode_block, "_layer_args", lambda layer: (*layer_args(layer)[:3], False))
     calls = []
     forward = llama.decode_block_forward
     monkeypatch.setattr(llama, "decode_block_forward", lambda *args: calls.append(1) or forward(*args))

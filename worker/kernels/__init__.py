@@ -12,6 +12,9 @@ The ops land in ``torch.ops.tpserve_cpu``:
   scores soft-capped when ``logit_softcap`` > 0) over its paged context (cpu_attention.cpp)
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache`` (``qk_norm_rotary_and_cache``:
   after a per-head q/k RMSNorm): the decoder layer's elementwise work in one pass each (cpu_elementwise.cpp)
+* ``decoder_layer`` (one rank), ``attention_block`` and ``mlp_block`` (a tensor-parallel rank): a
+  Llama-family layer's decode step as one or two calls of the kernels above, bit-identical to the
+  module path (cpu_decode_block.cpp; worker/layers/decode_block.py)
 * ``sampling_uniform(seeds (N,) int64, positions (N,) int64, vocab_size) -> (N, V) f32`` and
   ``exponential_race(probs (N, V) f32, log_u (N, V) f32) -> ((N,) int64, (N,) bool)``: the sampler's
   counter-based uniforms and the exponential race's argmax with the rows' finiteness (cpu_sampling.cpp;
@@ -53,7 +56,8 @@ _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 #: (26 s on 2 cores) and these two take 17 (10 s). Files of one group share a unit's namespace, so
 #: two of them must not define the same internal name (cpu_elementwise and cpu_sampling both have a
 #: ``check_rows``). A source in no group is a unit of its own.
-_UNITS = (("cpu_attention.cpp", "cpu_decode_block.cpp", "cpu_elementwise.cpp", "cpu_shm.cpp"), ("cpu_linear.cpp", "cpu_sampling.cpp"))
+_UNITS = (("cpu_attention.cpp", "cpu_decode_block.cpp", "cpu_elementwise.cpp", "cpu_shm.cpp"),
+          ("cpu_linear.cpp", "cpu_sampling.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers. -ffp-contract=off: no multiply-add
 # is fused unless the source asks (the elementwise kernels keep torch's roundings).
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]

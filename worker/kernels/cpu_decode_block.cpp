@@ -1,21 +1,25 @@
-// The two halves of a Llama decoder layer for a decode step, each one call from Python.
+// A Llama decoder layer's decode step as one call from Python (two with tensor parallelism).
 //
 // Why: the 95M benchmark model's decode step at batch 1 reads 380 MB of weights in about 15 ms,
 // and spent another 2-3 ms around them: 30 layers of some 20 Python-level calls each (module
 // calls, argument parsing, the dispatcher), for ops that compute in a few microseconds. llama.cpp
-// runs the same step as one C++ graph. Here each half of the layer is one op that runs the same
-// kernels as the Python path (cpu_elementwise, cpu_linear, cpu_attention) in the same order, so
+// runs the same step as one C++ graph. Here the layer (or each half of it) is one op that runs the
+// same kernels as the Python path (cpu_elementwise, cpu_linear, cpu_attention) in the same order, so
 // the results are bit-identical to it (tests/worker/test_decode_block.py); only the Python and
 // dispatch between them is gone. The kernels are called through the dispatcher (about a
 // microsecond each from C++), which keeps this file independent of the others' translation units.
 //
-// The tensor-parallel all-reduces stay between the halves, in Python (worker/layers/decode_block.py):
+// With tensor parallelism the all-reduces stay between the halves, in Python (worker/layers/decode_block.py):
 //   attention_block: o = o_proj(paged_attention(rope(qkv_proj(rms_norm(h)))))   this rank's partial o
 //   [all-reduce o; + o_proj's bias]
 //   mlp_block:       h2 = h + o;  m = down_proj(silu(gate) * up), gate|up = gate_up_proj(rms_norm(h2))
 //   [all-reduce m; + down_proj's bias];  h = h2 + m
+// On one rank, decoder_layer runs all of it in one call. Arguments come in two groups: the step's
+// (h, RoPE, caches, slots, block tables) first, then the layer's own (weights, sizes), which the
+// Python side builds once per layer.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -48,32 +52,32 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const OptTenso
   return linear_f32_op().call(x, weight, bias);
 }
 
-at::Tensor attention_block(const at::Tensor& h, const at::Tensor& norm_weight, double eps,
-                           const at::Tensor& qkv_weight, const OptTensor& qkv_scale, const OptTensor& qkv_bias,
-                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& context_lens, double scale, int64_t sliding_window,
-                           const at::Tensor& o_weight, const OptTensor& o_scale) {
+at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                           const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_weight,
+                           const OptTensor& qkv_scale, const OptTensor& qkv_bias, int64_t num_heads,
+                           int64_t num_kv_heads, double scale, int64_t sliding_window, const at::Tensor& o_weight,
+                           const OptTensor& o_scale) {
   static const auto rms_norm_op = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("tpserve_cpu::rms_norm", "")
-                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+                                      .findSchemaOrThrow("tpserve_cpu::rms_norm", "")
+                                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static const auto rotary_op = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("tpserve_cpu::rotary_and_cache", "")
-                                 .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                             at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+                                    .findSchemaOrThrow("tpserve_cpu::rotary_and_cache", "")
+                                    .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                                at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
   static const auto attention_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, double, int64_t, double)>();
   const int64_t T = h.size(0), d = k_cache.size(3);
-  at::Tensor x = rms_norm_op.call(h, norm_weight, eps);                    // (T, hidden)
-  at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);         // (T, (H + 2 KVH) d)
+  at::Tensor x = rms_norm_op.call(h, norm_weight, eps);            // (T, hidden)
+  at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);    // (T, (H + 2 KVH) d)
   rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);  // q, k rotated; k, v cached
   at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});  // (T, H, d), rows strided
   at::Tensor o = attention_op.call(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                                sliding_window, 0.0);                   // (T, H, d)
+                                   sliding_window, 0.0);           // (T, H, d)
   return project(o.view({T, num_heads * d}), o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
 }
 
@@ -86,26 +90,55 @@ std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor& h, const at::Tens
           .findSchemaOrThrow("tpserve_cpu::add_rms_norm", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
   static const auto silu_and_mul_op = c10::Dispatcher::singleton()
-                                       .findSchemaOrThrow("tpserve_cpu::silu_and_mul", "")
-                                       .typed<at::Tensor(const at::Tensor&)>();
-  auto [h2, x] = add_rms_norm_op.call(h, o, norm_weight, eps);                 // h + o, and its norm: (T, hidden)
-  at::Tensor gate_up = project(x, gate_up_weight, gate_up_scale, gate_up_bias);  // (T, 2 intermediate)
-  at::Tensor m = project(silu_and_mul_op.call(gate_up), down_weight, down_scale, std::nullopt);  // (T, hidden), partial
+                                          .findSchemaOrThrow("tpserve_cpu::silu_and_mul", "")
+                                          .typed<at::Tensor(const at::Tensor&)>();
+  auto [h2, x] = add_rms_norm_op.call(h, o, norm_weight, eps);                     // h + o, and its norm: (T, hidden)
+  at::Tensor gate_up = project(x, gate_up_weight, gate_up_scale, gate_up_bias);   // (T, 2 intermediate)
+  at::Tensor m = project(silu_and_mul_op.call(gate_up), down_weight, down_scale, std::nullopt);  // (T, hidden)
   return {h2, m};
+}
+
+// One rank holds the whole layer (no all-reduce): both halves and the residual adds, in one call.
+// The row-parallel biases are added where the module path adds them, after the (here absent) sum.
+at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                         const at::Tensor& norm1_weight, double eps1, const at::Tensor& qkv_weight,
+                         const OptTensor& qkv_scale, const OptTensor& qkv_bias, int64_t num_heads,
+                         int64_t num_kv_heads, double scale, int64_t sliding_window, const at::Tensor& o_weight,
+                         const OptTensor& o_scale, const OptTensor& o_bias, const at::Tensor& norm2_weight,
+                         double eps2, const at::Tensor& gate_up_weight, const OptTensor& gate_up_scale,
+                         const OptTensor& gate_up_bias, const at::Tensor& down_weight, const OptTensor& down_scale,
+                         const OptTensor& down_bias) {
+  at::Tensor o = attention_block(h, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
+                                 context_lens, norm1_weight, eps1, qkv_weight, qkv_scale, qkv_bias, num_heads,
+                                 num_kv_heads, scale, sliding_window, o_weight, o_scale);  // (T, hidden)
+  if (o_bias.has_value()) o = at::add(o, *o_bias);
+  auto [h2, m] = mlp_block(h, o, norm2_weight, eps2, gate_up_weight, gate_up_scale, gate_up_bias, down_weight,
+                           down_scale);
+  if (down_bias.has_value()) m = at::add(m, *down_bias);
+  return at::add(h2, m);  // (T, hidden)
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
-  m.def("attention_block(Tensor h, Tensor norm_weight, float eps, Tensor qkv_weight, Tensor? qkv_scale, "
-        "Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "int num_heads, int num_kv_heads, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, "
+  m.def("attention_block(Tensor h, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor norm_weight, "
+        "float eps, Tensor qkv_weight, Tensor? qkv_scale, Tensor? qkv_bias, int num_heads, int num_kv_heads, "
         "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale) -> Tensor");
   m.def("mlp_block(Tensor h, Tensor o, Tensor norm_weight, float eps, Tensor gate_up_weight, "
         "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale) -> (Tensor, Tensor)");
+  m.def("decoder_layer(Tensor h, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor norm1_weight, "
+        "float eps1, Tensor qkv_weight, Tensor? qkv_scale, Tensor? qkv_bias, int num_heads, int num_kv_heads, "
+        "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale, Tensor? o_bias, Tensor norm2_weight, "
+        "float eps2, Tensor gate_up_weight, Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, "
+        "Tensor? down_scale, Tensor? down_bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("attention_block", &attention_block);
   m.impl("mlp_block", &mlp_block);
+  m.impl("decoder_layer", &decoder_layer);
 }

@@ -1,16 +1,16 @@
-"""A Llama decoder layer's decode step on the CPU in two compiled calls instead of some twenty.
+"""A Llama decoder layer's decode step on the CPU in one compiled call (two with tensor parallelism).
 
 On a float32 (or weight-only int8) CPU step whose rows are all decodes read by the
 compiled paged kernel, :func:`decode_block_forward` runs the layer as
 ``torch.ops.tpserve_cpu.attention_block`` (norm, qkv projection, RoPE and cache
 write, paged attention, o projection) and ``mlp_block`` (residual add and norm,
 gate/up projection, SiLU-and-mul, down projection), with the tensor-parallel
-all-reduces between them (worker/kernels/cpu_decode_block.cpp). Both run the very
-kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
-submodules) calls, in the same order, so the hidden states are bit-identical to
-it; what goes is the Python between them. Measured on the 95M benchmark model (30
-layers), a batch-1 step without its weight reads: see docs/design.md, "The decode
-layer in two calls".
+all-reduces between them, or on one rank as ``decoder_layer``, both halves and the
+residual adds (worker/kernels/cpu_decode_block.cpp). They run the very kernels the
+module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s submodules) calls, in
+the same order, so the hidden states are bit-identical to it; what goes is the
+Python between them, some twenty calls a layer. Measured on the 95M benchmark model
+(30 layers), the bare batch-1 step: docs/design.md, "Compiled CPU kernels".
 
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
 Llama's (QK-norm, soft-capping, MoE) keep the module path.
@@ -42,24 +42,40 @@ def step_takes_decode_block(h: torch.Tensor, meta: AttentionMetadata) -> bool:
             and (num_tokens <= MAX_KERNEL_ROWS or kernel_for_prefill()))
 
 
+def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple, bool]:
+    """The layer's own arguments of the compiled ops (weights, scales, biases, sizes), built once:
+    ``attention_block``'s, ``mlp_block``'s, the row-parallel biases ``(o_proj, down_proj)``, and
+    whether this rank holds the whole layer (one call: ``decoder_layer``)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv_proj, o_proj, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+    norm1, norm2, attn = layer.input_layernorm, layer.post_attention_layernorm, attention.attn
+    return ((norm1.weight, norm1.eps, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, attention.num_heads,
+             attention.num_kv_heads, attn.scale, attn.sliding_window or 0, o_proj.weight, o_proj.weight_scale),
+            (norm2.weight, norm2.eps, gate_up.weight, gate_up.weight_scale, gate_up.bias, down.weight,
+             down.weight_scale),
+            (o_proj.bias, down.bias), o_proj.ctx.world_size == 1)
+
+
 def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                          kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
     """``LlamaDecoderLayer.forward`` for a step :func:`step_takes_decode_block` accepts: ``h (T, hidden)``
     float32 -> ``(T, hidden)``; writes the step's keys and values into ``kv_cache``.
 
-    Collective on a tensor-parallel group (two all-reduces, as the module path).
+    On one rank the whole layer is one call (``decoder_layer``); on a tensor-parallel group, two,
+    with the module path's all-reduce (and the row-parallel layer's bias) after each: a collective.
+    The layer's own arguments are gathered on its first decode step and kept (the parameters are
+    loaded in place and never replaced).
     """
-    attention, mlp = layer.self_attn, layer.mlp
-    qkv_proj, o_proj = attention.qkv_proj, attention.o_proj
-    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    o = torch.ops.tpserve_cpu.attention_block(
-        h, norm1.weight, norm1.eps, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, *rope, *kv_cache,
-        meta.slot_mapping, attention.num_heads, attention.num_kv_heads, meta.decode_block_tables,
-        meta.decode_query_start_loc, meta.decode_context_lens, attention.attn.scale,
-        attention.attn.sliding_window or 0, o_proj.weight, o_proj.weight_scale,
-    )  # (T, hidden), this rank's partial sum
-    o = o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    h, m = torch.ops.tpserve_cpu.mlp_block(h, o, norm2.weight, norm2.eps, gate_up.weight, gate_up.weight_scale,
-                                           gate_up.bias, down.weight, down.weight_scale)  # h + o; partial MLP
-    return h + down.reduce(m)  # (T, hidden)
+    args = layer.__dict__.get("_decode_block_args")
+    if args is None:
+        args = layer.__dict__["_decode_block_args"] = _layer_args(layer)
+    attention_args, mlp_args, biases, single_rank = args
+    step_args = (*rope, *kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_query_start_loc,
+                 meta.decode_context_lens)
+    if single_rank:
+        return torch.ops.tpserve_cpu.decoder_layer(h, *step_args, *attention_args, biases[0], *mlp_args,
+                                                   biases[1])  # (T, hidden)
+    o = torch.ops.tpserve_cpu.attention_block(h, *step_args, *attention_args)  # (T, hidden), this rank's part
+    o = layer.self_attn.o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
+    h, m = torch.ops.tpserve_cpu.mlp_block(h, o, *mlp_args)  # h + o; this rank's part of the MLP
+    return h + layer.mlp.down_proj.reduce(m)  # (T, hidden)
