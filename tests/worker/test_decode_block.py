@@ -1,8 +1,8 @@
 """The decode layer in two compiled calls (worker/layers/decode_block.py) equals the module path bit for bit.
 
-Two runners of one checkpoint take the same steps: one as served (a decode step's Llama
-layers run ``attention_block`` and ``mlp_block``), one with every layer's ``decode_block``
-off (the modules, op by op). The steps mix what a decode step meets: a prefill of three
+Two runners of one checkpoint take the same steps: one as served (a decode step runs the
+whole stack as one ``DecodeLayers`` call, or, in the tensor-parallel form, each layer as
+``attention_block`` and ``mlp_block``), one with the decode block off (the modules, op by op). The steps mix what a decode step meets: a prefill of three
 prompts (the module path in both), decodes of all three at growing contexts (past a
 sliding window where the model has one), a short prompt that joins the decode group and
 a preempted sequence that leaves it. The final hidden states of every step, the sampled
@@ -48,6 +48,7 @@ class _Steps:
         self.runner.init_kv_cache(num_blocks=64)
         layers = self.runner.model.model.layers
         if not decode_block:
+            self.runner.model.model.decode_stack = None
             for layer in layers:
                 layer.decode_block = False
         self.supported = all(layer.decode_block for layer in layers)
@@ -97,7 +98,7 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("halves", [False, True], ids=["one_call", "two_halves"])
+@pytest.mark.parametrize("halves", [False, True], ids=["stack", "two_halves"])
 @pytest.mark.parametrize(("name", "quantization"), [
     ("gqa_tied", None), ("mqa_untied_bias", None), ("qwen2_qkv_bias", None), ("llama3_rope", None),
     ("phi3_fused", None), ("mistral_window", None), ("gqa_tied", "int8"), ("mqa_untied_bias", "int8"),
@@ -105,24 +106,30 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
 def test_decode_block_equals_the_module_path(name: str, quantization: str | None, halves: bool,
                                              tiny_checkpoints: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """``halves``: the tensor-parallel form (``attention_block``, the all-reduce, ``mlp_block``), here on
-    one rank, where the all-reduce is the identity; else one rank's ``decoder_layer``."""
+    """``halves``: the tensor-parallel form, per layer (``attention_block``, the all-reduce, ``mlp_block``),
+    here on one rank, where the all-reduce is the identity; else one rank's :class:`DecodeStack`."""
     checkpoint = (save_tiny_model(MISTRAL_WINDOW, tmp_path / "mistral") if name == "mistral_window"
                   else tiny_checkpoints[name])
-    if halves:
-        layer_args = decode_block._layer_args
-        monkeypatch.setattr(decode_block, "_layer_args", lambda layer: (*layer_args(layer)[:3], False))
     calls = []
-    forward = llama.decode_block_forward
-    monkeypatch.setattr(llama, "decode_block_forward", lambda *args: calls.append(1) or forward(*args))
+    if halves:
+        forward = llama.decode_block_forward
+        monkeypatch.setattr(llama, "decode_block_forward", lambda *args: calls.append(1) or forward(*args))
+    else:
+        stack_call = decode_block.DecodeStack.__call__
+        monkeypatch.setattr(decode_block.DecodeStack, "__call__",
+                            lambda self, *args: calls.append(1) or stack_call(self, *args))
     blocked = _Steps(checkpoint, quantization, decode_block=True)
     assert blocked.supported, "every layer of a Llama-family model on a float32 CPU takes the decode block"
+    model = blocked.runner.model.model
+    assert model.decode_stack is not None  # one rank
+    if halves:
+        model.decode_stack = None
     tokens = _run(blocked)
-    layers = len(blocked.runner.model.model.layers)
-    assert len(calls) == layers * (len(tokens) - 1)  # every step but the first (a prefill) took it
+    per_step = 1 if not halves else len(model.layers)
+    assert len(calls) == per_step * (len(tokens) - 1)  # every step but the first (a prefill) took it
     modules = _Steps(checkpoint, quantization, decode_block=False)
     assert _run(modules) == tokens
-    assert len(calls) == layers * (len(tokens) - 1)  # the module path never did
+    assert len(calls) == per_step * (len(tokens) - 1)  # the module path never did
     assert len(blocked.hidden) == len(modules.hidden) == len(tokens)
     for step, (a, b) in enumerate(zip(blocked.hidden, modules.hidden, strict=True)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
@@ -134,3 +141,4 @@ def test_qwen3_qk_norm_layers_keep_the_module_path(tiny_checkpoints: dict[str, P
     """Qwen3's attention normalises q and k per head, which the decode block does not: its layers stay off."""
     runner = ModelRunner(tiny_checkpoints["qwen3_qk_norm"], ParallelContext.single(), torch.float32, BLOCK_SIZE)
     assert not any(layer.decode_block for layer in runner.model.model.layers)
+    assert runner.model.model.decode_stack is None

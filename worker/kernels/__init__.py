@@ -12,9 +12,10 @@ The ops land in ``torch.ops.tpserve_cpu``:
   scores soft-capped when ``logit_softcap`` > 0) over its paged context (cpu_attention.cpp)
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache`` (``qk_norm_rotary_and_cache``:
   after a per-head q/k RMSNorm): the decoder layer's elementwise work in one pass each (cpu_elementwise.cpp)
-* ``decoder_layer`` (one rank), ``attention_block`` and ``mlp_block`` (a tensor-parallel rank): a
-  Llama-family layer's decode step as one or two calls of the kernels above, bit-identical to the
-  module path (cpu_decode_block.cpp; worker/layers/decode_block.py)
+* ``attention_block`` and ``mlp_block`` (a tensor-parallel rank's layer), and the class
+  ``torch.classes.tpserve_cpu.DecodeLayers`` (one rank's whole stack): a Llama-family decode step as
+  two calls a layer, or one call, of the kernels above, bit-identical to the module path
+  (cpu_decode_block.cpp; worker/layers/decode_block.py)
 * ``sampling_uniform(seeds (N,) int64, positions (N,) int64, vocab_size) -> (N, V) f32`` and
   ``exponential_race(probs (N, V) f32, log_u (N, V) f32) -> ((N,) int64, (N,) bool)``: the sampler's
   counter-based uniforms and the exponential race's argmax with the rows' finiteness (cpu_sampling.cpp;

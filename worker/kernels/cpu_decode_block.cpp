@@ -1,4 +1,4 @@
-// A Llama decoder layer's decode step as one call from Python (two with tensor parallelism).
+// A Llama decoder stack's decode step as one call from Python (two a layer with tensor parallelism).
 //
 // Why: the 95M benchmark model's decode step at batch 1 reads 380 MB of weights in about 15 ms,
 // and spent another 2-3 ms around them: 30 layers of some 20 Python-level calls each (module
@@ -14,9 +14,9 @@
 //   [all-reduce o; + o_proj's bias]
 //   mlp_block:       h2 = h + o;  m = down_proj(silu(gate) * up), gate|up = gate_up_proj(rms_norm(h2))
 //   [all-reduce m; + down_proj's bias];  h = h2 + m
-// On one rank, decoder_layer runs all of it in one call. Arguments come in two groups: the step's
-// (h, RoPE, caches, slots, block tables) first, then the layer's own (weights, sizes), which the
-// Python side builds once per layer.
+// On one rank, DecodeLayers runs every layer of the step in one call: it keeps each layer's own
+// arguments (weights, sizes), given once, and takes only the step's (h, RoPE, caches, slots, block
+// tables) per call.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -24,6 +24,8 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -98,29 +100,83 @@ std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor& h, const at::Tens
   return {h2, m};
 }
 
-// One rank holds the whole layer (no all-reduce): both halves and the residual adds, in one call.
-// The row-parallel biases are added where the module path adds them, after the (here absent) sum.
-at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                         at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                         const at::Tensor& norm1_weight, double eps1, const at::Tensor& qkv_weight,
-                         const OptTensor& qkv_scale, const OptTensor& qkv_bias, int64_t num_heads,
-                         int64_t num_kv_heads, double scale, int64_t sliding_window, const at::Tensor& o_weight,
-                         const OptTensor& o_scale, const OptTensor& o_bias, const at::Tensor& norm2_weight,
-                         double eps2, const at::Tensor& gate_up_weight, const OptTensor& gate_up_scale,
-                         const OptTensor& gate_up_bias, const at::Tensor& down_weight, const OptTensor& down_scale,
-                         const OptTensor& down_bias) {
+// A layer's own arguments: weights, scales and biases (None where the layer has none), sizes.
+struct LayerArgs {
+  at::Tensor norm1_weight;
+  double eps1;
+  at::Tensor qkv_weight;
+  OptTensor qkv_scale, qkv_bias;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+  int64_t sliding_window;
+  at::Tensor o_weight;
+  OptTensor o_scale, o_bias;
+  at::Tensor norm2_weight;
+  double eps2;
+  at::Tensor gate_up_weight;
+  OptTensor gate_up_scale, gate_up_bias;
+  at::Tensor down_weight;
+  OptTensor down_scale, down_bias;
+};
+
+// One rank holds the whole layer (no all-reduce): both halves and the residual adds. The row-parallel
+// biases are added where the module path adds them, after the (here absent) sum over ranks.
+at::Tensor decoder_layer(const LayerArgs& L, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                         const at::Tensor& context_lens) {
   at::Tensor o = attention_block(h, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
-                                 context_lens, norm1_weight, eps1, qkv_weight, qkv_scale, qkv_bias, num_heads,
-                                 num_kv_heads, scale, sliding_window, o_weight, o_scale);  // (T, hidden)
-  if (o_bias.has_value()) o = at::add(o, *o_bias);
-  auto [h2, m] = mlp_block(h, o, norm2_weight, eps2, gate_up_weight, gate_up_scale, gate_up_bias, down_weight,
-                           down_scale);
-  if (down_bias.has_value()) m = at::add(m, *down_bias);
+                                 context_lens, L.norm1_weight, L.eps1, L.qkv_weight, L.qkv_scale, L.qkv_bias,
+                                 L.num_heads, L.num_kv_heads, L.scale, L.sliding_window, L.o_weight,
+                                 L.o_scale);  // (T, hidden)
+  if (L.o_bias.has_value()) o = at::add(o, *L.o_bias);
+  auto [h2, m] = mlp_block(h, o, L.norm2_weight, L.eps2, L.gate_up_weight, L.gate_up_scale, L.gate_up_bias,
+                           L.down_weight, L.down_scale);
+  if (L.down_bias.has_value()) m = at::add(m, *L.down_bias);
   return at::add(h2, m);  // (T, hidden)
 }
 
 }  // namespace
+
+namespace tpserve {
+
+// Every layer of a one-rank stack (or pipeline stage), for a whole decode step in one call from
+// Python: the layers' own arguments are given once (add_layer, in layer order), each step brings
+// only its own (forward). Python: torch.classes.tpserve_cpu.DecodeLayers (worker/layers/decode_block.py).
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  void add_layer(at::Tensor norm1_weight, double eps1, at::Tensor qkv_weight, OptTensor qkv_scale,
+                 OptTensor qkv_bias, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t sliding_window,
+                 at::Tensor o_weight, OptTensor o_scale, OptTensor o_bias, at::Tensor norm2_weight, double eps2,
+                 at::Tensor gate_up_weight, OptTensor gate_up_scale, OptTensor gate_up_bias, at::Tensor down_weight,
+                 OptTensor down_scale, OptTensor down_bias) {
+    layers_.push_back({std::move(norm1_weight), eps1, std::move(qkv_weight), std::move(qkv_scale),
+                       std::move(qkv_bias), num_heads, num_kv_heads, scale, sliding_window, std::move(o_weight),
+                       std::move(o_scale), std::move(o_bias), std::move(norm2_weight), eps2,
+                       std::move(gate_up_weight), std::move(gate_up_scale), std::move(gate_up_bias),
+                       std::move(down_weight), std::move(down_scale), std::move(down_bias)});
+  }
+
+  // h (T, hidden) through every layer -> (T, hidden); layer i's keys and values go to k_caches[i], v_caches[i].
+  at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
+                     std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens) {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "tpserve DecodeLayers: ",
+                layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(), " value caches");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      h = decoder_layer(layers_[i], h, cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables,
+                        query_start_loc, context_lens);
+    }
+    return h;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<LayerArgs> layers_;
+};
+
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("attention_block(Tensor h, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -129,16 +185,14 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
         "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale) -> Tensor");
   m.def("mlp_block(Tensor h, Tensor o, Tensor norm_weight, float eps, Tensor gate_up_weight, "
         "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale) -> (Tensor, Tensor)");
-  m.def("decoder_layer(Tensor h, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor norm1_weight, "
-        "float eps1, Tensor qkv_weight, Tensor? qkv_scale, Tensor? qkv_bias, int num_heads, int num_kv_heads, "
-        "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale, Tensor? o_bias, Tensor norm2_weight, "
-        "float eps2, Tensor gate_up_weight, Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, "
-        "Tensor? down_scale, Tensor? down_bias) -> Tensor");
+  m.class_<tpserve::DecodeLayers>("DecodeLayers")
+      .def(torch::init<>())
+      .def("add_layer", &tpserve::DecodeLayers::add_layer)
+      .def("forward", &tpserve::DecodeLayers::forward)
+      .def("num_layers", &tpserve::DecodeLayers::num_layers);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("attention_block", &attention_block);
   m.impl("mlp_block", &mlp_block);
-  m.impl("decoder_layer", &decoder_layer);
 }

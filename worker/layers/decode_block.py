@@ -1,15 +1,15 @@
-"""A Llama decoder layer's decode step on the CPU in one compiled call (two with tensor parallelism).
+"""A Llama decoder stack's decode step on the CPU in one compiled call (two a layer with tensor parallelism).
 
 On a float32 (or weight-only int8) CPU step whose rows are all decodes read by the
-compiled paged kernel, :func:`decode_block_forward` runs the layer as
-``torch.ops.tpserve_cpu.attention_block`` (norm, qkv projection, RoPE and cache
-write, paged attention, o projection) and ``mlp_block`` (residual add and norm,
-gate/up projection, SiLU-and-mul, down projection), with the tensor-parallel
-all-reduces between them, or on one rank as ``decoder_layer``, both halves and the
-residual adds (worker/kernels/cpu_decode_block.cpp). They run the very kernels the
-module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s submodules) calls, in
-the same order, so the hidden states are bit-identical to it; what goes is the
-Python between them, some twenty calls a layer. Measured on the 95M benchmark model
+compiled paged kernel, a layer runs as ``torch.ops.tpserve_cpu.attention_block``
+(norm, qkv projection, RoPE and cache write, paged attention, o projection) and
+``mlp_block`` (residual add and norm, gate/up projection, SiLU-and-mul, down
+projection), with the tensor-parallel all-reduces between them
+(:func:`decode_block_forward`); on one rank, :class:`DecodeStack` runs every layer,
+both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.cpp).
+They run the very kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
+submodules) calls, in the same order, so the hidden states are bit-identical to it;
+what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
 (30 layers), the bare batch-1 step: docs/design.md, "Compiled CPU kernels".
 
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
@@ -42,10 +42,9 @@ def step_takes_decode_block(h: torch.Tensor, meta: AttentionMetadata) -> bool:
             and (num_tokens <= MAX_KERNEL_ROWS or kernel_for_prefill()))
 
 
-def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple, bool]:
-    """The layer's own arguments of the compiled ops (weights, scales, biases, sizes), built once:
-    ``attention_block``'s, ``mlp_block``'s, the row-parallel biases ``(o_proj, down_proj)``, and
-    whether this rank holds the whole layer (one call: ``decoder_layer``)."""
+def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
+    """The layer's own arguments of the compiled ops (weights, scales, biases, sizes):
+    ``attention_block``'s, ``mlp_block``'s, and the row-parallel biases ``(o_proj, down_proj)``."""
     attention, mlp = layer.self_attn, layer.mlp
     qkv_proj, o_proj, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
     norm1, norm2, attn = layer.input_layernorm, layer.post_attention_layernorm, attention.attn
@@ -53,29 +52,59 @@ def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple, bool]:
              attention.num_kv_heads, attn.scale, attn.sliding_window or 0, o_proj.weight, o_proj.weight_scale),
             (norm2.weight, norm2.eps, gate_up.weight, gate_up.weight_scale, gate_up.bias, down.weight,
              down.weight_scale),
-            (o_proj.bias, down.bias), o_proj.ctx.world_size == 1)
+            (o_proj.bias, down.bias))
+
+
+def _step_args(meta: AttentionMetadata) -> tuple:
+    """The step's arguments that follow the caches (RoPE's ``cos, sin`` come before them)."""
+    return (meta.slot_mapping, meta.decode_block_tables, meta.decode_query_start_loc, meta.decode_context_lens)
 
 
 def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                          kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-    """``LlamaDecoderLayer.forward`` for a step :func:`step_takes_decode_block` accepts: ``h (T, hidden)``
-    float32 -> ``(T, hidden)``; writes the step's keys and values into ``kv_cache``.
+    """``LlamaDecoderLayer.forward`` on a tensor-parallel rank, for a step :func:`step_takes_decode_block`
+    accepts: ``h (T, hidden)`` float32 -> ``(T, hidden)``; writes the step's keys and values into ``kv_cache``.
 
-    On one rank the whole layer is one call (``decoder_layer``); on a tensor-parallel group, two,
-    with the module path's all-reduce (and the row-parallel layer's bias) after each: a collective.
-    The layer's own arguments are gathered on its first decode step and kept (the parameters are
-    loaded in place and never replaced).
+    Two calls, each followed by the module path's all-reduce (and the row-parallel layer's bias): a
+    collective. The layer's own arguments are gathered on its first decode step and kept (the
+    parameters are loaded in place and never replaced). On one rank :class:`DecodeStack` takes the
+    whole step instead.
     """
     args = layer.__dict__.get("_decode_block_args")
     if args is None:
         args = layer.__dict__["_decode_block_args"] = _layer_args(layer)
-    attention_args, mlp_args, biases, single_rank = args
-    step_args = (*rope, *kv_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_query_start_loc,
-                 meta.decode_context_lens)
-    if single_rank:
-        return torch.ops.tpserve_cpu.decoder_layer(h, *step_args, *attention_args, biases[0], *mlp_args,
-                                                   biases[1])  # (T, hidden)
-    o = torch.ops.tpserve_cpu.attention_block(h, *step_args, *attention_args)  # (T, hidden), this rank's part
+    attention_args, mlp_args, _ = args
+    o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta),
+                                              *attention_args)  # (T, hidden), this rank's part
     o = layer.self_attn.o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
     h, m = torch.ops.tpserve_cpu.mlp_block(h, o, *mlp_args)  # h + o; this rank's part of the MLP
     return h + layer.mlp.down_proj.reduce(m)  # (T, hidden)
+
+
+class DecodeStack:
+    """Every layer of a one-rank Llama stack (or pipeline stage) in one compiled call per decode step.
+
+    ``torch.classes.tpserve_cpu.DecodeLayers`` keeps each layer's own arguments, gathered on the
+    first call (the parameters are loaded in place and never replaced); each step passes only
+    its own: ``h``, RoPE, the caches, slots and block tables. The same kernels in the same order as
+    the modules, so bit-identical to them (tests/worker/test_decode_block.py).
+
+    Args:
+        layers: the stack's ``LlamaDecoderLayer`` s, each with ``decode_block`` True.
+    """
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self._layers = list(layers)  # a plain list: the modules stay registered once, in the model
+        self._compiled = None
+
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """``h (T, hidden)`` float32 through every layer -> ``(T, hidden)``, for a step
+        :func:`step_takes_decode_block` accepts; writes each layer's keys and values into its cache."""
+        if self._compiled is None:
+            self._compiled = torch.classes.tpserve_cpu.DecodeLayers()
+            for layer in self._layers:
+                attention_args, mlp_args, (o_bias, down_bias) = _layer_args(layer)
+                self._compiled.add_layer(*attention_args, o_bias, *mlp_args, down_bias)
+        return self._compiled.forward(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                      *_step_args(meta))  # (T, hidden)

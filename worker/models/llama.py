@@ -44,7 +44,8 @@ from torch import nn
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata, PagedAttention
-from worker.layers.decode_block import decode_block_forward, decode_block_supported, step_takes_decode_block
+from worker.layers.decode_block import (DecodeStack, decode_block_forward, decode_block_supported,
+                                        step_takes_decode_block)
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm, SiluAndMul
@@ -125,8 +126,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = mlp
-        # Llama's own attention and MLP on a float32 CPU: a decode step runs each half of the layer as one
-        # compiled call (the same kernels, without the Python between them).
+        # Llama's own attention and MLP on a float32 CPU: a tensor-parallel rank's decode step runs each
+        # half of the layer as one compiled call (one rank: LlamaModel's decode_stack takes the whole step).
         self.decode_block = (type(self_attn) is LlamaAttention and type(mlp) is LlamaMLP
                              and decode_block_supported(self_attn, device, dtype))
 
@@ -155,6 +156,10 @@ class LlamaModel(nn.Module):
                                           max_position=config.max_model_len)  # a cos/sin table when it is small
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device) if head else None
+        # One rank of Llama's own layers on a float32 CPU: a decode step runs the whole stack as one
+        # compiled call (the same kernels as the modules, without the Python between them).
+        self.decode_stack = (DecodeStack(self.layers) if ctx.world_size == 1 and layers
+                             and all(getattr(layer, "decode_block", False) for layer in layers) else None)
 
     def forward(
         self,
@@ -167,8 +172,11 @@ class LlamaModel(nn.Module):
         # (T, hidden): embedded and all-reduced over ranks, or the previous pipeline stage's output.
         h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
         rope = self.rotary_emb(positions, h.dtype, attn_metadata.rope_seq_lens)  # cos, sin: (T, 1, head_dim) each
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(rope, h, kv_cache, attn_metadata)  # (T, hidden)
+        if self.decode_stack is not None and step_takes_decode_block(h, attn_metadata):
+            h = self.decode_stack(rope, h, kv_caches, attn_metadata)  # (T, hidden), bit-identical
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h = layer(rope, h, kv_cache, attn_metadata)  # (T, hidden)
         return h if self.norm is None else self.norm(h)  # (T, hidden)
 
 
