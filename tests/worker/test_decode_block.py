@@ -9,7 +9,7 @@ a preempted sequence that leaves it. The final hidden states of every step, the 
 tokens and both KV caches at the end must be equal, not close: the two paths run the same
 kernels in the same order. The checkpoints cover every projection with a bias (Llama's
 o_proj and MLP biases, Qwen2's q/k/v), GQA and MQA, a head size of 32, Llama 3 RoPE,
-Phi-3's fused checkpoint, a window, and weight-only int8.
+Phi-3's fused checkpoint, a window, Qwen3's QK-norm, and weight-only int8.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
 @pytest.mark.parametrize("halves", [False, True], ids=["stack", "two_halves"])
 @pytest.mark.parametrize(("name", "quantization"), [
     ("gqa_tied", None), ("mqa_untied_bias", None), ("qwen2_qkv_bias", None), ("llama3_rope", None),
-    ("phi3_fused", None), ("mistral_window", None), ("gqa_tied", "int8"), ("mqa_untied_bias", "int8"),
+    ("phi3_fused", None), ("mistral_window", None), ("qwen3_qk_norm", None), ("gqa_tied", "int8"),
+    ("mqa_untied_bias", "int8"),
 ])
 def test_decode_block_equals_the_module_path(name: str, quantization: str | None, halves: bool,
                                              tiny_checkpoints: dict[str, Path], tmp_path: Path,
@@ -137,8 +138,14 @@ def test_decode_block_equals_the_module_path(name: str, quantization: str | None
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
 
 
-def test_qwen3_qk_norm_layers_keep_the_module_path(tiny_checkpoints: dict[str, Path]) -> None:
-    """Qwen3's attention normalises q and k per head, which the decode block does not: its layers stay off."""
-    runner = ModelRunner(tiny_checkpoints["qwen3_qk_norm"], ParallelContext.single(), torch.float32, BLOCK_SIZE)
-    assert not any(layer.decode_block for layer in runner.model.model.layers)
+def test_moe_layers_keep_the_module_path(tmp_path: Path) -> None:
+    """A mixture-of-experts MLP is not the decode block's: Qwen3-MoE's sparse layer keeps the modules, its
+    dense layer (``mlp_only_layers``) takes the block, and no stack covers a model that mixes them."""
+    spec = TinyModelSpec("qwen3_moe_block", "qwen3_moe", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 180,
+        "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "mlp_only_layers": [1], "tie_word_embeddings": False}, seed=22)
+    runner = ModelRunner(save_tiny_model(spec, tmp_path / spec.name), ParallelContext.single(), torch.float32,
+                         BLOCK_SIZE)
+    assert [layer.decode_block for layer in runner.model.model.layers] == [False, True]
     assert runner.model.model.decode_stack is None

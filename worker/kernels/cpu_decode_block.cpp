@@ -10,7 +10,7 @@
 // microsecond each from C++), which keeps this file independent of the others' translation units.
 //
 // With tensor parallelism the all-reduces stay between the halves, in Python (worker/layers/decode_block.py):
-//   attention_block: o = o_proj(paged_attention(rope(qkv_proj(rms_norm(h)))))   this rank's partial o
+//   attention_block: o = o_proj(paged_attention(rope([qk_norm](qkv_proj(rms_norm(h))))))   this rank's partial o
 //   [all-reduce o; + o_proj's bias]
 //   mlp_block:       h2 = h + o;  m = down_proj(silu(gate) * up), gate|up = gate_up_proj(rms_norm(h2))
 //   [all-reduce m; + down_proj's bias];  h = h2 + m
@@ -60,7 +60,8 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                            const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_weight,
                            const OptTensor& qkv_scale, const OptTensor& qkv_bias, int64_t num_heads,
                            int64_t num_kv_heads, double scale, int64_t sliding_window, const at::Tensor& o_weight,
-                           const OptTensor& o_scale) {
+                           const OptTensor& o_scale, const OptTensor& q_norm_weight, const OptTensor& k_norm_weight,
+                           double qk_norm_eps) {
   static const auto rms_norm_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("tpserve_cpu::rms_norm", "")
                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -68,6 +69,11 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                                     .findSchemaOrThrow("tpserve_cpu::rotary_and_cache", "")
                                     .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                                 at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  static const auto qk_norm_rotary_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tpserve_cpu::qk_norm_rotary_and_cache", "")
+          .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&, const at::Tensor&,
+                      at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
   static const auto attention_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::paged_attention", "")
@@ -76,7 +82,12 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
   const int64_t T = h.size(0), d = k_cache.size(3);
   at::Tensor x = rms_norm_op.call(h, norm_weight, eps);            // (T, hidden)
   at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);    // (T, (H + 2 KVH) d)
-  rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);  // q, k rotated; k, v cached
+  if (q_norm_weight.has_value()) {  // QK-norm (Qwen3): each q and k head RMS-normalised before the rotation
+    qk_norm_rotary_op.call(qkv, *q_norm_weight, *k_norm_weight, qk_norm_eps, cos, sin, k_cache, v_cache,
+                           slot_mapping, num_heads, num_kv_heads);
+  } else {
+    rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
+  }  // q, k rotated; k, v cached
   at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});  // (T, H, d), rows strided
   at::Tensor o = attention_op.call(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
                                    sliding_window, 0.0);           // (T, H, d)
@@ -110,7 +121,9 @@ struct LayerArgs {
   double scale;
   int64_t sliding_window;
   at::Tensor o_weight;
-  OptTensor o_scale, o_bias;
+  OptTensor o_scale, q_norm_weight, k_norm_weight;
+  double qk_norm_eps;
+  OptTensor o_bias;
   at::Tensor norm2_weight;
   double eps2;
   at::Tensor gate_up_weight;
@@ -128,7 +141,7 @@ at::Tensor decoder_layer(const LayerArgs& L, const at::Tensor& h, const at::Tens
   at::Tensor o = attention_block(h, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
                                  context_lens, L.norm1_weight, L.eps1, L.qkv_weight, L.qkv_scale, L.qkv_bias,
                                  L.num_heads, L.num_kv_heads, L.scale, L.sliding_window, L.o_weight,
-                                 L.o_scale);  // (T, hidden)
+                                 L.o_scale, L.q_norm_weight, L.k_norm_weight, L.qk_norm_eps);  // (T, hidden)
   if (L.o_bias.has_value()) o = at::add(o, *L.o_bias);
   auto [h2, m] = mlp_block(h, o, L.norm2_weight, L.eps2, L.gate_up_weight, L.gate_up_scale, L.gate_up_bias,
                            L.down_weight, L.down_scale);
@@ -147,12 +160,14 @@ class DecodeLayers : public torch::CustomClassHolder {
  public:
   void add_layer(at::Tensor norm1_weight, double eps1, at::Tensor qkv_weight, OptTensor qkv_scale,
                  OptTensor qkv_bias, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t sliding_window,
-                 at::Tensor o_weight, OptTensor o_scale, OptTensor o_bias, at::Tensor norm2_weight, double eps2,
+                 at::Tensor o_weight, OptTensor o_scale, OptTensor q_norm_weight, OptTensor k_norm_weight,
+                 double qk_norm_eps, OptTensor o_bias, at::Tensor norm2_weight, double eps2,
                  at::Tensor gate_up_weight, OptTensor gate_up_scale, OptTensor gate_up_bias, at::Tensor down_weight,
                  OptTensor down_scale, OptTensor down_bias) {
     layers_.push_back({std::move(norm1_weight), eps1, std::move(qkv_weight), std::move(qkv_scale),
                        std::move(qkv_bias), num_heads, num_kv_heads, scale, sliding_window, std::move(o_weight),
-                       std::move(o_scale), std::move(o_bias), std::move(norm2_weight), eps2,
+                       std::move(o_scale), std::move(q_norm_weight), std::move(k_norm_weight), qk_norm_eps,
+                       std::move(o_bias), std::move(norm2_weight), eps2,
                        std::move(gate_up_weight), std::move(gate_up_scale), std::move(gate_up_bias),
                        std::move(down_weight), std::move(down_scale), std::move(down_bias)});
   }
@@ -182,7 +197,8 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("attention_block(Tensor h, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor norm_weight, "
         "float eps, Tensor qkv_weight, Tensor? qkv_scale, Tensor? qkv_bias, int num_heads, int num_kv_heads, "
-        "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale) -> Tensor");
+        "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale, Tensor? q_norm_weight, "
+        "Tensor? k_norm_weight, float qk_norm_eps) -> Tensor");
   m.def("mlp_block(Tensor h, Tensor o, Tensor norm_weight, float eps, Tensor gate_up_weight, "
         "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale) -> (Tensor, Tensor)");
   m.class_<tpserve::DecodeLayers>("DecodeLayers")

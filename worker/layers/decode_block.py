@@ -13,7 +13,7 @@ what goes is the Python between them, some twenty calls a layer. Measured on the
 (30 layers), the bare batch-1 step: docs/design.md, "Compiled CPU kernels".
 
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
-Llama's (QK-norm, soft-capping, MoE) keep the module path.
+Llama's or Qwen3's (soft-capping, MoE) keep the module path.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
     attention, mlp = layer.self_attn, layer.mlp
     qkv_proj, o_proj, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
     norm1, norm2, attn = layer.input_layernorm, layer.post_attention_layernorm, attention.attn
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)  # QK-norm (Qwen3)
+    qk_norm = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
     return ((norm1.weight, norm1.eps, qkv_proj.weight, qkv_proj.weight_scale, qkv_proj.bias, attention.num_heads,
-             attention.num_kv_heads, attn.scale, attn.sliding_window or 0, o_proj.weight, o_proj.weight_scale),
+             attention.num_kv_heads, attn.scale, attn.sliding_window or 0, o_proj.weight, o_proj.weight_scale,
+             *qk_norm),
             (norm2.weight, norm2.eps, gate_up.weight, gate_up.weight_scale, gate_up.bias, down.weight,
              down.weight_scale),
             (o_proj.bias, down.bias))

@@ -95,6 +95,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 
 
+#: The attention classes whose maths the compiled decode layer reproduces (worker/layers/decode_block.py).
+#: Exact types: a subclass that changes the maths must not inherit the compiled path (Qwen3's QK-norm
+#: adds itself, worker/models/qwen3.py).
+DECODE_BLOCK_ATTENTIONS: set[type[nn.Module]] = {LlamaAttention}
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, arXiv:2002.05202)."""
 
@@ -128,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         # Llama's own attention and MLP on a float32 CPU: a tensor-parallel rank's decode step runs each
         # half of the layer as one compiled call (one rank: LlamaModel's decode_stack takes the whole step).
-        self.decode_block = (type(self_attn) is LlamaAttention and type(mlp) is LlamaMLP
+        self.decode_block = (type(self_attn) in DECODE_BLOCK_ATTENTIONS and type(mlp) is LlamaMLP
                              and decode_block_supported(self_attn, device, dtype))
 
     def forward(self, rope: Rope, h: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -24,7 +24,8 @@ from worker.attention import AttentionMetadata
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import rotate_and_cache
 from worker.models.base import KVCache
-from worker.models.llama import Biases, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Rope
+from worker.models.llama import (DECODE_BLOCK_ATTENTIONS, Biases, LlamaAttention, LlamaDecoderLayer,
+                                 LlamaForCausalLM, LlamaMLP, Rope)
 from worker.parallel_state import ParallelContext
 
 
@@ -43,6 +44,9 @@ class Qwen3Attention(LlamaAttention):
                                    self.num_kv_heads, qk_norm=(self.q_norm, self.k_norm))  # normed, rotated, cached
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
+
+
+DECODE_BLOCK_ATTENTIONS.add(Qwen3Attention)  # the compiled decode layer normalises q and k per head too
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
