@@ -185,8 +185,6 @@ class DecodeLayers : public torch::CustomClassHolder {
     return h;
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   std::vector<LayerArgs> layers_;
 };
@@ -204,8 +202,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.class_<tpserve::DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_layer", &tpserve::DecodeLayers::add_layer)
-      .def("forward", &tpserve::DecodeLayers::forward)
-      .def("num_layers", &tpserve::DecodeLayers::num_layers);
+      .def("forward", &tpserve::DecodeLayers::forward);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {

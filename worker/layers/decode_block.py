@@ -27,8 +27,12 @@ from worker.layers.matmul import MAX_KERNEL_ROWS, kernel_for_prefill
 
 
 def decode_block_supported(attention: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a Llama layer with ``attention`` (a ``LlamaAttention``) on ``device`` in ``dtype`` can take
-    :func:`decode_block_forward` (the caller checks the layer's classes are Llama's own)."""
+    """Whether a layer with ``attention`` on ``device`` in ``dtype`` can take the compiled decode layer.
+
+    The caller checks the layer's classes first: an attention in
+    ``worker.models.llama.DECODE_BLOCK_ATTENTIONS`` (Llama's, Qwen3's) and Llama's MLP.
+    Building the kernels on first use is part of the check (False where they cannot be built).
+    """
     attn = attention.attn  # its PagedAttention
     return (device.type == "cpu" and dtype == torch.float32 and attn.logit_softcap is None
             and attn.head_size in KERNEL_HEAD_SIZES and cpu_kernels_available())
