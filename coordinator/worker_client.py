@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 import grpc
@@ -43,6 +44,21 @@ class _StreamBroke(Exception):
     def __init__(self, rank: int, reason: str) -> None:
         super().__init__(rank, reason)
         self.rank, self.reason = rank, reason
+
+
+@dataclass(frozen=True)
+class RankLoss:
+    """Why :meth:`WorkerGroup.watch_liveness` gave up on the group.
+
+    Attributes:
+        reason: one line per lost rank, joined.
+        stuck: every lost rank is alive but answers nothing in time (the group is down:
+            UNAVAILABLE); False when a rank is gone or reports an error (a worker failure:
+            INTERNAL, as when a step finds it first; ARCHITECTURE.md, "Errors").
+    """
+
+    reason: str
+    stuck: bool
 
 
 def _being_cancelled() -> bool:
@@ -276,26 +292,30 @@ class WorkerGroup:
             raise ValueError(response.error)
 
     async def watch_liveness(self, interval_s: float = LIVENESS_INTERVAL_S,
-                             timeout_s: float = LIVENESS_TIMEOUT_S) -> str:
+                             timeout_s: float = LIVENESS_TIMEOUT_S) -> RankLoss:
         """Asks every rank for its status every ``interval_s``; returns why, once one fails to answer.
 
         Returns:
-            The reason: a rank did not answer within ``timeout_s`` seconds, its channel
-            broke, or it reports an error.
+            The loss: ranks that did not answer within ``timeout_s`` seconds (alive but stuck:
+            a hung kernel, a host gone without a FIN), and ranks whose channel broke (the
+            process is gone: the connection is refused or reset) or that report an error.
         """
 
-        async def check(rank: int) -> str | None:
+        async def check(rank: int) -> tuple[str, bool] | None:
             try:
                 status = await self._stubs[rank].GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
-                return f"rank {rank} did not answer a liveness check within {timeout_s:g} s: {exc.code().name}"
-            return status.error or None
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return f"rank {rank} did not answer a liveness check within {timeout_s:g} s", True
+                return f"rank {rank} failed: its liveness check ended with {exc.code().name}", False
+            return (status.error, False) if status.error else None
 
         while True:
-            lost = [reason for reason in await asyncio.gather(*map(check, range(self.world_size))) if reason]
+            lost = [found for found in await asyncio.gather(*map(check, range(self.world_size))) if found]
             if lost:
-                self.failed = self.failed or "; ".join(lost)
-                return "; ".join(lost)
+                reason = "; ".join(why for why, _ in lost)
+                self.failed = self.failed or reason
+                return RankLoss(reason, stuck=all(stuck for _, stuck in lost))
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:

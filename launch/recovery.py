@@ -53,12 +53,14 @@ class Recovery:
         self._recovery: asyncio.Task | None = None
 
     def watch_liveness(self) -> None:
-        """Starts the watch that fails a group whose rank is alive but stuck: its requests could
-        only hang, so they fail with UNAVAILABLE at once (or the group restarts)."""
+        """Starts the watch that fails a group whose rank is alive but stuck (its requests could
+        only hang, so they fail with UNAVAILABLE at once) or gone between two steps' reads (they
+        fail with INTERNAL, a worker failure, whichever detector sees it first); or the group restarts."""
         self._liveness_task = asyncio.create_task(self._watch_liveness())
 
     async def _watch_liveness(self) -> None:
-        self.group_failed(await self.launcher.workers.watch_liveness(), UnavailableError)
+        loss = await self.launcher.workers.watch_liveness()
+        self.group_failed(loss.reason, UnavailableError if loss.stuck else TpserveError)
 
     def group_failed(self, reason: str, error: type[TpserveError] = TpserveError) -> bool:
         """A rank or a node is lost. With --worker-recovery-timeout-seconds, restart the

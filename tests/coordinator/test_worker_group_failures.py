@@ -207,3 +207,36 @@ def test_a_cancelled_caller_is_cancelled_even_when_the_group_closes_under_it(whe
             return exc
 
     assert asyncio.run(main()) == "cancelled"
+
+
+class _SilentRank(worker_pb2_grpc.WorkerServiceServicer):
+    """A rank that is alive but stuck: it accepts the liveness check and never answers."""
+
+    async def GetStatus(self, request, context):
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize(("ranks", "stuck", "says"), [
+    (["silent"], True, "rank 0 did not answer a liveness check within 0.3 s"),
+    (["gone"], False, "rank 0 failed: its liveness check ended with UNAVAILABLE"),
+    (["silent", "gone"], False, "rank 1 failed"),  # one rank gone: a worker failure, whatever the others do
+])
+def test_the_liveness_watch_tells_a_stuck_rank_from_a_gone_one(ranks: list[str], stuck: bool, says: str) -> None:
+    """Stuck (no answer in time): the group is down, UNAVAILABLE. Gone (its connection refused): a worker
+    failure, INTERNAL, the code a step reports when it finds the loss first (launch/recovery.py)."""
+    async def main():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(_SilentRank(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        addresses = [f"127.0.0.1:{port}" if kind == "silent" else "unix:///nonexistent/rank.sock" for kind in ranks]
+        group = WorkerGroup(addresses, step_timeout_s=60.0)
+        try:
+            return await asyncio.wait_for(group.watch_liveness(interval_s=0.05, timeout_s=0.3), 10)
+        finally:
+            await group.close()
+            await server.stop(None)
+
+    loss = asyncio.run(main())
+    assert loss.stuck is stuck
+    assert says in loss.reason, loss.reason
