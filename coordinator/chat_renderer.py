@@ -40,6 +40,10 @@ RENDER_TIMEOUT_S = 2.0
 NUM_RENDERERS = 2
 #: A renderer must start (import jinja2) within this, even on a loaded host.
 _START_TIMEOUT_S = 60.0
+#: Processes started for one render before it fails with UNAVAILABLE.
+_START_ATTEMPTS = 2
+#: The renderer's module (``python -m``).
+_WORKER_MODULE = "coordinator.chat_render_worker"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -53,11 +57,14 @@ class _Renderer:
     async def start(cls) -> _Renderer:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "coordinator.chat_render_worker", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", _WORKER_MODULE, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, env=env)
         renderer = cls(process)
         try:
             await asyncio.wait_for(renderer.read(), _START_TIMEOUT_S)  # {"ready": true}
+        except asyncio.IncompleteReadError:  # it ended before it was ready: say how
+            code = await process.wait()
+            raise OSError(f"the renderer process exited with code {code} before it was ready") from None
         except BaseException:
             renderer.kill()
             raise
@@ -155,10 +162,17 @@ class ChatRenderPool:
             if renderer.process.returncode is None:
                 return renderer
             self._live.discard(renderer)  # died while idle (killed from outside): start another
-        try:
-            renderer = await _Renderer.start()
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
-            raise UnavailableError(f"no chat template renderer could start ({type(exc).__name__}: {exc})") from None
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                renderer = await _Renderer.start()
+                break
+            except (OSError, asyncio.TimeoutError) as exc:
+                # A start can fail once on a loaded host (seen twice in full test runs: the process ended
+                # before its first frame); a second process is cheap, a failed chat request is not.
+                log.warning("chat template renderer did not start", attempt=attempt, error=f"{type(exc).__name__}: {exc}")
+                if attempt == _START_ATTEMPTS:
+                    raise UnavailableError(f"no chat template renderer could start ({type(exc).__name__}: {exc})") \
+                        from None
         self._live.add(renderer)
         if self._closed:  # closed while it started
             self._discard(renderer)

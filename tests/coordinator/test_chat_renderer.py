@@ -86,3 +86,45 @@ def test_templates_over_the_memory_and_size_limits_are_refused(template: str, me
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_a_renderer_that_ends_before_it_is_ready_is_replaced_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that fails (the process ended before its first frame) gets one more process; the render works."""
+    from coordinator import chat_renderer
+
+    starts: list[str] = []
+    start = chat_renderer._Renderer.start.__func__
+
+    async def failing_once(cls):
+        module = "coordinator.no_such_module" if not starts else "coordinator.chat_render_worker"
+        starts.append(module)
+        monkeypatch.setattr(chat_renderer, "_WORKER_MODULE", module)
+        return await start(cls)
+
+    monkeypatch.setattr(chat_renderer._Renderer, "start", classmethod(failing_once))
+
+    async def run() -> str:
+        pool = ChatRenderPool(size=1, timeout_s=20)
+        try:
+            return await pool.render(GOOD, MESSAGES, {})
+        finally:
+            await pool.close()
+
+    assert asyncio.run(run()) == "<user>HELLO"
+    assert len(starts) == 2
+
+
+def test_a_renderer_that_never_starts_is_unavailable_naming_its_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coordinator import chat_renderer
+
+    monkeypatch.setattr(chat_renderer, "_WORKER_MODULE", "coordinator.no_such_module")
+
+    async def run() -> None:
+        pool = ChatRenderPool(size=1, timeout_s=20)
+        try:
+            await pool.render(GOOD, MESSAGES, {})
+        finally:
+            await pool.close()
+
+    with pytest.raises(UnavailableError, match="exited with code 1 before it was ready"):
+        asyncio.run(run())
