@@ -29,6 +29,10 @@ minutes on an idle 2-core host)::
 
 ``--variant NAME=FLAGS`` serves this tree once more with extra ``tpserve serve`` flags, in the
 same rounds, with this tree's bare step (e.g. ``--variant "async=--async-scheduling"``).
+
+``--rounds R`` runs every load R times (and the bare steps before each), the trees taking turns
+to go first; each cell is then the median of its R rounds, and the report keeps every round.
+On a shared 2-core host one round moves by 10-30 % from the next: compare trees over rounds.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -152,6 +157,17 @@ def bare_steps(tree: Path, tensor_parallel_size: int, sizes: list[int], num_step
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def median_row(rounds: list[dict]) -> dict:
+    """Each field's median over a load's rounds (None where a server did not export it)."""
+    row = {}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds if r[key] is not None]
+        row[key] = statistics.median(values) if values else None
+    if len(rounds) > 1:
+        row["rounds"] = rounds
+    return row
+
+
 def verdicts(rows: dict[str, dict[str, dict]]) -> list[dict]:
     """Issue 26's goals over one tree's rows (keyed by tp, then streams)."""
     goals = []
@@ -207,6 +223,8 @@ def main() -> None:
                         help="another checkout whose code serves the baseline, interleaved in this run")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="serve this tree again with these extra flags (space-separated), same rounds")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every load (trees alternating who goes first); cells are medians")
     parser.add_argument("--out", type=Path, default=None, help="write step_overhead.json into this directory")
     args = parser.parse_args()
     tps = [int(t) for t in args.tensor_parallel_size.split(",")]
@@ -219,6 +237,7 @@ def main() -> None:
         trees[name], flags[name] = REPO, tuple(extra.split())
     started = time.monotonic()
     report: dict = {"machine": machine(), "goals": GOALS, "max_tokens": args.max_tokens, "threads": args.threads,
+                    "rounds": args.rounds,
                     "trees": {name: str(tree) for name, tree in trees.items()},
                     "flags": {name: list(extra) for name, extra in flags.items()}, "rows": {n: {} for n in trees}}
     for tp in tps:
@@ -230,11 +249,15 @@ def main() -> None:
             for n in sizes:
                 # Interleaved, each bare step just before the loads: machine noise falls on every tree and column.
                 # A variant shares its tree's bare step (same code, other flags).
-                bare_of = {tree: bare_steps(tree, tp, [n], args.bare_steps, args.threads) for tree in set(trees.values())}
+                loads: dict[str, list[dict]] = {name: [] for name in trees}
+                for r in range(args.rounds):
+                    bare_of = {tree: bare_steps(tree, tp, [n], args.bare_steps, args.threads)[str(n)]
+                               for tree in dict.fromkeys(trees.values())}
+                    for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):  # who goes first alternates
+                        loads[name].append({**run_load(servers[name], n, args.max_tokens),
+                                            "bare_step_s": bare_of[trees[name]]})
                 for name in trees:
-                    row = run_load(servers[name], n, args.max_tokens)
-                    row["bare_step_s"] = bare_of[trees[name]][str(n)]
-                    report["rows"][name].setdefault(str(tp), {})[str(n)] = row
+                    report["rows"][name].setdefault(str(tp), {})[str(n)] = median_row(loads[name])
     report["seconds"] = round(time.monotonic() - started, 1)
     report["verdicts"] = {name: verdicts(rows) for name, rows in report["rows"].items()}
     for name, tree in trees.items():

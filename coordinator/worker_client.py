@@ -1,11 +1,13 @@
 """The coordinator's side of the worker protocol: fan each step plan out to every rank.
 
-Every rank receives the same ``StepPlan`` on its own ``Step`` stream and answers it;
-the step is done when all have answered (the sampling rank's answer carries the tokens:
-rank 0, or with pipeline stages rank 0 of the last stage, tpserve/pipeline_split.py). A rank
-that answers with an error, closes its stream or misses the step timeout makes the
-whole group unusable: :class:`WorkerGroupError` is raised and the caller fails the
-requests in flight. No torch.
+Every rank receives the same ``StepPlan`` on its own ``Step`` stream. The sampling rank
+(rank 0, or with pipeline stages rank 0 of the last stage, tpserve/pipeline_split.py)
+answers each plan with the step's tokens; the step is done when it has. Every other rank
+answers only a step that fails (``ERRORS_ONLY``, tpserve/step_pb.py): a task per such rank
+keeps a read open on its stream, so a step costs the coordinator one read however many
+ranks there are, and a failed peer is still seen at once. A rank that answers with an
+error, closes its stream or misses the step timeout makes the whole group unusable:
+:class:`WorkerGroupError` is raised and the caller fails the requests in flight. No torch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import structlog
 
 from tpserve.cluster_secret import client_interceptors
 from tpserve.step import StepPlan, StepResult
-from tpserve.step_pb import plan_to_pb, result_from_pb
+from tpserve.step_pb import ERRORS_ONLY, plan_to_pb, result_from_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 
@@ -96,6 +98,8 @@ class WorkerGroup:
                           for a in self.addresses]
         self._stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self._channels]
         self._streams: list[grpc.aio.StreamStreamCall] = []
+        self._watchers: list[asyncio.Task] = []  # a task per rank that answers only failures
+        self._lost: str | None = None  # what such a rank reported: the step in flight fails with it
         self.num_kv_blocks = 0
         self._closed = False  # close() was called: a step it interrupts failed, it was not cancelled
         self.dtype = ""  # as the ranks resolved it
@@ -144,7 +148,41 @@ class WorkerGroup:
         """Allocates every rank's KV cache and opens the step streams."""
         await asyncio.gather(*(s.InitCache(pb.InitCacheRequest(num_kv_blocks=num_kv_blocks)) for s in self._stubs))
         self.num_kv_blocks = num_kv_blocks
-        self._streams = [stub.Step() for stub in self._stubs]
+        self._attach([stub.Step(metadata=None if rank == self.sampling_rank else (ERRORS_ONLY,))
+                      for rank, stub in enumerate(self._stubs)])
+
+    def _attach(self, streams: list) -> None:
+        """Takes the ranks' open Step streams (rank order) and watches every one but the sampling rank's."""
+        self._streams = streams
+        self._watchers = [asyncio.ensure_future(self._watch(rank)) for rank in range(len(streams))
+                          if rank != self.sampling_rank]
+
+    async def _watch(self, rank: int) -> None:
+        """Reads rank ``rank``'s stream, which answers only a failed step: its first error, its end
+        or its breaking fails the group, and ends the sampling rank's read of the step in flight.
+
+        That read would otherwise wait for the step timeout: the sampling rank sits in a collective
+        waiting for its failed peer until the collective's own timeout (issue 11, fault 3).
+        """
+        stream = self._streams[rank]
+        try:
+            while True:
+                result = await stream.read()
+                if result is grpc.aio.EOF:
+                    reason = f"rank {rank} closed its stream"
+                    break
+                if result.error:
+                    reason = result.error
+                    break
+                # A success: the rank answers every plan (the stream was opened without ERRORS_ONLY).
+        except grpc.aio.AioRpcError as exc:
+            reason = f"rank {rank}'s step stream broke ({exc.code().name}: {exc.details()})"
+        except asyncio.CancelledError:
+            return  # close(): the group is being shut down or replaced
+        self._lost = reason
+        self.failed = self.failed or reason
+        log.error("worker group failed", reason=reason)
+        self._streams[self.sampling_rank].cancel()  # its read in flight raises CancelledError: _fail
 
     async def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step on every rank and returns the sampling rank's result (:meth:`submit`, then its answer).
@@ -182,10 +220,11 @@ class WorkerGroup:
 
     async def _answer(self, plan: StepPlan, deadline: float, previous: asyncio.Future | None,
                       mine: asyncio.Future) -> StepResult:
-        """The sampling rank's result of a submitted step (every rank must answer without error).
+        """The sampling rank's result of a submitted step; a failure any rank reports fails it.
 
-        ``previous`` resolves to whether the step written before this one had all its answers
-        read (the streams are then at this step's answers); ``mine`` is set the same way for the next.
+        ``previous`` resolves to whether the step written before this one had its answer read
+        (the sampling rank's stream is then at this step's answer); ``mine`` is set the same way
+        for the next.
         """
         clean = False
         # The step's deadline cancels this task (asyncio.wait_for would wrap the reads in one more
@@ -199,24 +238,24 @@ class WorkerGroup:
 
         timer = asyncio.get_running_loop().call_at(deadline, expire)
         try:
-            if previous is not None and not await previous:  # the earlier step's answers come first
-                results = [pb.StepResult(step_id=plan.step_id, error="an earlier step in flight failed")]
+            if previous is not None and not await previous:  # the earlier step's answer comes first
+                result = pb.StepResult(step_id=plan.step_id, error="an earlier step in flight failed")
             else:
-                results = await self._read_all()
-            clean = len(results) == self.world_size
+                result = await self._read()
+            clean = result is not grpc.aio.EOF and not result.error
         except BaseException as exc:  # noqa: BLE001 - mapped to a WorkerGroupError or re-raised
             self._fail(plan, asyncio.TimeoutError() if expired and isinstance(exc, asyncio.CancelledError) else exc)
         finally:
             timer.cancel()
             if not mine.done():
                 mine.set_result(clean)
-        errors = [r.error for r in results if r is not grpc.aio.EOF and r.error]
-        if errors:
-            self.failed = "; ".join(errors)
-        elif any(r is grpc.aio.EOF for r in results):
-            self.failed = f"step {plan.step_id}: a rank closed its stream"
+        if result is grpc.aio.EOF:
+            self.failed = f"step {plan.step_id}: rank {self.sampling_rank} closed its stream"
+        elif result.error:
+            self.failed = self.failed or result.error  # a watched rank's reason, when it came first
         else:
-            return result_from_pb(results[self.sampling_rank])
+            # Valid even when another rank failed meanwhile: the step's collectives all completed.
+            return result_from_pb(result)
         log.error("worker group failed", reason=self.failed)
         raise WorkerGroupError(self.failed)
 
@@ -233,6 +272,9 @@ class WorkerGroup:
             # grpc.aio's answer to a write on a call that has ended: a rank died after the last step's
             # answers were read and before this plan was written (the overlap writes it early).
             self.failed = f"step {plan.step_id} failed: a step stream broke: a rank's call had ended ({exc})"
+        elif isinstance(exc, asyncio.CancelledError) and self._lost is not None and not _being_cancelled():
+            # A rank that answers only failures reported one (_watch), and ended this read.
+            self.failed = f"step {plan.step_id} failed: {self._lost}"
         elif isinstance(exc, asyncio.CancelledError) and self._closed and not _being_cancelled():
             # close() cancelled the streams under this step: the group was declared lost (a node's
             # registry link dropped first) and is being restarted. The engine loop must see a
@@ -245,34 +287,12 @@ class WorkerGroup:
         log.error("worker group failed", reason=self.failed)
         raise WorkerGroupError(self.failed) from None
 
-    async def _read_all(self) -> list[pb.StepResult]:
-        """Every rank's answer to the step just written, in rank order; returns early with the first error or EOF.
-
-        A rank that fails a step (out of memory, say) answers at once while its peers
-        sit in a collective waiting for it until the collective timeout: acting on the
-        first error, not on all answers, fails the group in milliseconds (issue 11, fault 3).
-        """
-        if len(self._streams) == 1:  # no other rank to watch meanwhile: read it directly, no task
-            try:
-                return [await self._streams[0].read()]
-            except grpc.aio.AioRpcError as exc:
-                raise _StreamBroke(0, f"{exc.code().name}: {exc.details()}") from exc
-        reads = [asyncio.ensure_future(stream.read()) for stream in self._streams]
+    async def _read(self) -> pb.StepResult:
+        """The sampling rank's answer to the step just written (or grpc.aio.EOF)."""
         try:
-            pending = set(reads)
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    try:
-                        result = task.result()  # a broken stream raises here
-                    except grpc.aio.AioRpcError as exc:  # say whose, in one line
-                        raise _StreamBroke(reads.index(task), f"{exc.code().name}: {exc.details()}") from exc
-                    if result is grpc.aio.EOF or result.error:
-                        return [result]
-            return [task.result() for task in reads]
-        finally:
-            for task in reads:
-                task.cancel()
+            return await self._streams[self.sampling_rank].read()
+        except grpc.aio.AioRpcError as exc:
+            raise _StreamBroke(self.sampling_rank, f"{exc.code().name}: {exc.details()}") from exc
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Has the sampling rank build ``grammar``'s matcher before its request is scheduled.
@@ -321,6 +341,8 @@ class WorkerGroup:
     async def close(self) -> None:
         """Ends the step streams and closes the channels; a step in flight fails (WorkerGroupError)."""
         self._closed = True
+        for watcher in self._watchers:
+            watcher.cancel()
         for stream in self._streams:
             stream.cancel()
         await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)

@@ -18,6 +18,12 @@ from tpserve.step import (
 )
 from tpserve.v1 import worker_pb2 as pb
 
+#: Step stream metadata (key, value) that asks a rank to answer a plan only when its step fails.
+#: The coordinator opens every rank's stream but the sampling rank's with it: their answers carry
+#: nothing it uses, and each one read costs it a gRPC read per step (vLLM's executor likewise has
+#: only its output rank reply). A stream without it is answered plan for plan.
+ERRORS_ONLY = ("tpserve-step-answers", "errors-only")
+
 
 def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
     """Encodes a plan for the wire."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import structlog
 
-from tpserve.step_pb import plan_from_pb, result_to_pb
+from tpserve.step_pb import ERRORS_ONLY, plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing, weight_bytes
@@ -193,8 +193,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return pb.PrepareGrammarResponse()
 
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
+        """Runs each plan and answers it; a stream opened with ``ERRORS_ONLY`` metadata (every rank
+        but the sampling rank's, coordinator/worker_client.py) is answered only for a failed step."""
         # The whole stream runs on the gRPC pool thread that iterates this generator.
         self._bind_thread()
+        answer_all = context is None or ERRORS_ONLY not in context.invocation_metadata()
         sent = None  # when the previous result went out: the wait for each plan is reported with its result
         for msg in request_iterator:
             started = time.perf_counter()
@@ -206,8 +209,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 yield pb.StepResult(step_id=msg.step_id, error=error)
                 self._on_fatal(error)
                 return
-            yield result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
-                                       wait_time_s=started - (sent or started)))
+            if answer_all:
+                yield result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
+                                           wait_time_s=started - (sent or started)))
             sent = time.perf_counter()
 
 

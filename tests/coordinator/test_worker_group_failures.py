@@ -2,7 +2,8 @@
 
 The ranks' Step streams are replaced by in-process fakes: rank 1 answers with an
 error at once while rank 0 never answers (as a rank blocked in a collective waits
-for its failed peer until the collective timeout).
+for its failed peer until the collective timeout). Rank 1's stream answers only
+failures (tpserve/step_pb.py, ``ERRORS_ONLY``): the group watches it with a read of its own.
 """
 
 from __future__ import annotations
@@ -20,29 +21,40 @@ from tpserve.v1 import worker_pb2_grpc
 
 
 class _FakeStream:
-    """A Step stream whose answer is ``answer`` after ``delay_s`` (None: never)."""
+    """A Step stream whose every read answers ``answer`` after ``delay_s`` (None: never).
+
+    ``cancel()`` makes a pending ``read`` raise CancelledError in its reader, as a grpc.aio call
+    does, without the reader's task being cancelled.
+    """
 
     def __init__(self, answer, delay_s: float | None) -> None:
         self.answer, self.delay_s = answer, delay_s
         self.cancelled = False
+        self.reads = 0
+        self._reading: asyncio.Future | None = None
 
     async def write(self, msg: pb.StepPlan) -> None:
         pass
 
     async def read(self):
-        if self.delay_s is None:
-            await asyncio.Event().wait()
-        await asyncio.sleep(self.delay_s)
-        return self.answer
+        if self.cancelled:
+            raise asyncio.CancelledError
+        self.reads += 1
+        self._reading = reading = asyncio.get_running_loop().create_future()
+        if self.delay_s is not None:
+            asyncio.get_running_loop().call_later(self.delay_s, lambda: reading.done() or reading.set_result(self.answer))
+        return await reading
 
     def cancel(self) -> None:
         self.cancelled = True
+        if self._reading is not None and not self._reading.done():
+            self._reading.cancel()
 
 
 def _run(streams: list[_FakeStream], step_timeout_s: float = 60.0):
     async def main():
         group = WorkerGroup([f"unix:///nonexistent/rank{r}.sock" for r in range(len(streams))], step_timeout_s)
-        group._streams = streams
+        group._attach(streams)
         start = time.monotonic()
         try:
             return await group.execute(StepPlan(step_id=7)), time.monotonic() - start
@@ -74,6 +86,40 @@ def test_every_rank_answering_returns_rank_0s_tokens() -> None:
     assert outcome.sampled_token_ids == (4, 5)
 
 
+def test_a_watched_rank_whose_stream_breaks_fails_the_step_at_once() -> None:
+    class Broken(_FakeStream):
+        async def read(self):
+            await asyncio.sleep(0.01)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "Socket closed")
+
+    outcome, elapsed = _run([_FakeStream(None, None), Broken(None, None)])
+    assert isinstance(outcome, WorkerGroupError)
+    assert "step 7 failed: rank 1's step stream broke (UNAVAILABLE: Socket closed)" in str(outcome)
+    assert elapsed < 1.0
+
+
+def test_a_rank_that_answers_only_failures_costs_one_read_in_all_and_fails_the_next_step() -> None:
+    """Steps wait for the sampling rank alone; the other rank's stream has one read open throughout.
+    A failure it reports between steps fails the next submit with its reason."""
+    async def main():
+        group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], 60.0)
+        rank0, rank1 = _FakeStream(pb.StepResult(step_id=1, sampled_token_ids=[4]), 0.001), _CancellableStream()
+        group._attach([rank0, rank1])
+        try:
+            tokens = [(await group.execute(StepPlan(step_id=i))).sampled_token_ids for i in range(5)]
+            assert tokens == [(4,)] * 5 and (rank0.reads, rank1.reads) == (5, 1)
+            rank1._reading.set_result(pb.StepResult(step_id=5, error="rank 1: step 5 failed: RuntimeError: boom"))
+            await asyncio.sleep(0.01)
+            assert rank0.cancelled  # its reads would have waited on a peer that is gone
+            with pytest.raises(WorkerGroupError, match="rank 1: step 5 failed: RuntimeError: boom"):
+                await group.execute(StepPlan(step_id=6))
+        finally:
+            await group.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2])  # one rank is read directly, several through tasks
 @pytest.mark.parametrize("step_timeout_s", [0.2])
 def test_a_silent_group_still_times_out(step_timeout_s: float, num_ranks: int) -> None:
@@ -97,20 +143,10 @@ def test_a_single_rank_answers_and_its_broken_stream_is_named() -> None:
 
 
 class _CancellableStream(_FakeStream):
-    """Never answers; ``cancel()`` makes a pending ``read`` raise CancelledError, as a grpc.aio call does."""
+    """Never answers (until ``cancel()``)."""
 
     def __init__(self) -> None:
         super().__init__(None, None)
-        self._reading: asyncio.Future | None = None
-
-    async def read(self):
-        self._reading = asyncio.get_running_loop().create_future()
-        return await self._reading
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self._reading is not None:
-            self._reading.cancel()
 
 
 def test_a_step_interrupted_by_close_fails_instead_of_cancelling_the_caller() -> None:
@@ -118,7 +154,7 @@ def test_a_step_interrupted_by_close_fails_instead_of_cancelling_the_caller() ->
     # the restart closes the group, and the engine loop must see a failed step, not die (issue 22).
     async def main():
         group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], 60.0)
-        group._streams = [_CancellableStream(), _CancellableStream()]
+        group._attach([_CancellableStream(), _CancellableStream()])
         step = asyncio.create_task(group.execute(StepPlan(step_id=7)))
         await asyncio.sleep(0.05)
         await group.close()
@@ -134,7 +170,7 @@ def test_a_step_interrupted_by_close_fails_instead_of_cancelling_the_caller() ->
 def test_cancelling_the_caller_of_a_step_still_cancels_it() -> None:
     async def main():
         group = WorkerGroup(["unix:///nonexistent/rank0.sock"], 60.0)
-        group._streams = [_CancellableStream()]
+        group._attach([_CancellableStream()])
         step = asyncio.create_task(group.execute(StepPlan(step_id=7)))
         await asyncio.sleep(0.05)
         step.cancel()
@@ -167,7 +203,7 @@ def test_a_plan_written_to_a_stream_that_already_ended_fails_the_group_not_the_l
         await server.start()
         group = WorkerGroup([f"127.0.0.1:{port}"], 10.0)
         try:
-            group._streams = [stub.Step() for stub in group._stubs]
+            group._attach([stub.Step() for stub in group._stubs])
             await group._streams[0].code()  # the call has ended
             with pytest.raises(WorkerGroupError, match="step 7 failed: a step stream broke"):
                 await group.submit(StepPlan(step_id=7))
@@ -194,7 +230,7 @@ def test_a_cancelled_caller_is_cancelled_even_when_the_group_closes_under_it(whe
     async def main():
         group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], 60.0)
         stream = _BlockedWriteStream if where == "writing the plan" else _CancellableStream
-        group._streams = [stream(), stream()]
+        group._attach([stream(), stream()])
         step = asyncio.create_task(group.execute(StepPlan(step_id=7)))
         await asyncio.sleep(0.05)
         step.cancel()  # as Shutdown.drain: the engine loop first, then launcher.shut_down closes the group

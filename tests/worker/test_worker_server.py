@@ -22,7 +22,7 @@ from tests.worker.cuda_mock import GIB, FakeCuda
 from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
-from tpserve.step_pb import plan_to_pb, result_from_pb
+from tpserve.step_pb import ERRORS_ONLY, plan_to_pb, result_from_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 from worker.kv_cache import KVCacheLayout
@@ -135,6 +135,37 @@ def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loa
     for method, thread, device in runner.calls[1:]:
         assert thread.startswith("grpc-pool"), (method, thread)  # a gRPC handler thread, not the load thread
         assert device == torch.device("cuda", 1), (method, thread, device)  # bound in that very thread
+
+
+def test_a_stream_opened_errors_only_is_answered_only_for_the_step_that_fails(loaded, tmp_path: Path) -> None:
+    """Every rank but the sampling rank (coordinator/worker_client.py): one answer, the failure."""
+    servicer, _, (runner,) = loaded
+    plain, executed = runner.execute, []
+
+    def execute(plan: StepPlan) -> StepResult:
+        executed.append(plan.step_id)
+        if plan.step_id == 2:
+            raise RuntimeError("boom")
+        return plain(plan)
+
+    runner.execute = execute
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    address = f"unix://{tmp_path}/rank1.sock"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        servicer.InitCache(pb.InitCacheRequest(num_kv_blocks=8), None)
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            plans = [StepPlan(i) for i in range(4)]
+            answers = list(stub.Step(iter(plan_to_pb(p) for p in plans), timeout=10, metadata=(ERRORS_ONLY,)))
+            plain_answers = list(stub.Step(iter(plan_to_pb(p) for p in plans[:2]), timeout=10))
+    finally:
+        server.stop(grace=None)
+    assert [(a.step_id, a.error) for a in answers] == [(2, "rank 1: step 2 failed: RuntimeError: boom")]
+    assert [a.step_id for a in plain_answers] == [0, 1] and not any(a.error for a in plain_answers)
+    assert executed == [0, 1, 2, 0, 1]  # the first stream ended at its failure
 
 
 def test_init_cache_captures_the_flags_graph_sizes_or_none_with_enforce_eager(loaded) -> None:
