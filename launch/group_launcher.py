@@ -202,11 +202,13 @@ class GroupLauncher:
         removes the socket directory; leaves no process behind."""
         if self._monitor_task is not None:
             self._monitor_task.cancel()
+        if self.workers is not None:
+            # First: the other nodes' ranks end their step streams once told to stop, and the group
+            # watches those streams for failures (coordinator/worker_client.py, _watch).
+            await self.workers.close()
         if self.registry is not None:
             self.registry.shutdown("the group failed" if failed else "the leader stopped", failed=failed)
         if self._registry_server is not None:
             await self._registry_server.stop(NODES_GOODBYE_SECONDS)
-        if self.workers is not None:
-            await self.workers.close()
         self.ranks.stop()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
