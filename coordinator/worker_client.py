@@ -262,7 +262,14 @@ class WorkerGroup:
     def _fail(self, plan: StepPlan, exc: BaseException) -> NoReturn:
         """Marks the group failed for ``exc`` and raises WorkerGroupError; re-raises what is not a
         failure of the group (the caller's task cancelled at shutdown, a bug)."""
-        if isinstance(exc, asyncio.TimeoutError):
+        ours = (asyncio.TimeoutError, asyncio.InvalidStateError, _StreamBroke, grpc.aio.AioRpcError,
+                grpc.aio.UsageError, ConnectionError)
+        if self._lost is not None and (isinstance(exc, ours) or (isinstance(exc, asyncio.CancelledError)
+                                                                 and not _being_cancelled())):
+            # A rank that answers only failures reported one (_watch) and cancelled the sampling rank's
+            # stream under this step (its read, or a plan being written): that report is the cause.
+            self.failed = f"step {plan.step_id} failed: {self._lost}"
+        elif isinstance(exc, asyncio.TimeoutError):
             self.failed = f"step {plan.step_id} timed out after {self.step_timeout_s:.0f} s"
         elif isinstance(exc, _StreamBroke):
             self.failed = f"step {plan.step_id} failed: rank {exc.rank}'s step stream broke ({exc.reason})"
@@ -272,9 +279,6 @@ class WorkerGroup:
             # grpc.aio's answer to a write on a call that has ended: a rank died after the last step's
             # answers were read and before this plan was written (the overlap writes it early).
             self.failed = f"step {plan.step_id} failed: a step stream broke: a rank's call had ended ({exc})"
-        elif isinstance(exc, asyncio.CancelledError) and self._lost is not None and not _being_cancelled():
-            # A rank that answers only failures reported one (_watch), and ended this read.
-            self.failed = f"step {plan.step_id} failed: {self._lost}"
         elif isinstance(exc, asyncio.CancelledError) and self._closed and not _being_cancelled():
             # close() cancelled the streams under this step: the group was declared lost (a node's
             # registry link dropped first) and is being restarted. The engine loop must see a

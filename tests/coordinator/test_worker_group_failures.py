@@ -99,6 +99,23 @@ def test_a_watched_rank_whose_stream_breaks_fails_the_step_at_once() -> None:
     assert elapsed < 1.0
 
 
+def test_a_plan_being_written_when_a_watched_rank_fails_names_that_failure() -> None:
+    """The watcher cancels the sampling rank's call under a write in progress; grpc.aio then raises
+    InvalidStateError ("RPC already finished") from the write: the step names rank 1's error."""
+    class WriteUntilCancelled(_FakeStream):
+        async def write(self, msg: pb.StepPlan) -> None:
+            self._reading = asyncio.get_running_loop().create_future()
+            try:
+                await self._reading
+            except asyncio.CancelledError:
+                raise asyncio.InvalidStateError("RPC already finished.") from None
+
+    error = pb.StepResult(step_id=7, error="rank 1: step 7 failed: RuntimeError: boom")
+    outcome, elapsed = _run([WriteUntilCancelled(None, None), _FakeStream(error, 0.01)])
+    assert isinstance(outcome, WorkerGroupError) and elapsed < 1.0
+    assert str(outcome) == "step 7 failed: rank 1: step 7 failed: RuntimeError: boom"
+
+
 def test_a_rank_that_answers_only_failures_costs_one_read_in_all_and_fails_the_next_step() -> None:
     """Steps wait for the sampling rank alone; the other rank's stream has one read open throughout.
     A failure it reports between steps fails the next submit with its reason."""
