@@ -104,6 +104,7 @@ class WorkerGroup:
         self._closed = False  # close() was called: a step it interrupts failed, it was not cancelled
         self.dtype = ""  # as the ranks resolved it
         self.device = ""  # "cpu" or "cuda", as the ranks resolved it
+        self.num_threads: dict[int, int] = {}  # rank -> a CPU rank's intra-op threads (0 on CUDA)
         self.failed: str | None = None
         # One PrepareGrammar at a time: rank 0 builds one grammar at a time anyway, and its
         # gRPC pool (4 threads) must keep one free for the liveness checks.
@@ -136,6 +137,7 @@ class WorkerGroup:
                     available[rank] = status.num_kv_blocks_available
                     self.dtype = status.dtype
                     self.device = status.device
+                    self.num_threads[rank] = status.num_threads
                     pending.discard(rank)
             if pending:
                 if time.monotonic() > deadline:

@@ -15,7 +15,9 @@ stops it in order (:mod:`launch.shutdown`).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import structlog
@@ -38,6 +40,16 @@ from tpserve.config import ClusterConfig
 from tpserve.sched_policy import set_policy
 
 log = structlog.get_logger(__name__)
+
+
+def coordinator_has_a_core(num_threads: Mapping[int, int], local_ranks: Iterable[int], cores: int | None = None) -> bool:
+    """Whether the CPU ranks on the coordinator's host leave it a core of its own: their intra-op
+    threads (``num_threads``, rank -> threads, as the ranks report them) add up to fewer than the
+    ``cores`` this process may run on (default: ``os.sched_getaffinity``). The default thread split
+    (worker/server.py: the cores over the host's ranks) takes them all; ``OMP_NUM_THREADS`` can leave one.
+    """
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return sum(num_threads.get(rank, 0) for rank in local_ranks) < cores
 
 
 class Leader:
@@ -133,6 +145,8 @@ class Leader:
     def _build_engine(self, num_blocks: int) -> Engine:
         """The scheduler over a pool of ``num_blocks`` KV blocks, and the engine that runs it."""
         cfg = self.config
+        workers = self.launcher.workers
+        spare_core = workers.device == "cpu" and coordinator_has_a_core(workers.num_threads, self.layout.node_ranks())
         # Dynamic NTK RoPE rotates a prompt's keys for the prompt's length once that passes max_position_embeddings
         # (worker/layers/rotary.py): equal prefixes of different prompts need not hold equal keys, so none are shared.
         scaling = self.model_config.rope_scaling or {}
@@ -143,7 +157,7 @@ class Leader:
                               enable_prefix_caching=share_prefixes,
                               proposer=make_proposer(cfg.speculative),
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size,
-                              async_scheduling=cfg.async_scheduling_on(self.launcher.workers.device))
+                              async_scheduling=cfg.async_scheduling_on(workers.device, spare_core))
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,

@@ -41,14 +41,30 @@ def test_serve_flags_follow_vllm_names() -> None:
                                                      "--speculative-disable-by-batch-size", "8"]))
     assert config.speculative.speculative_method == "ngram" and config.speculative.num_speculative_tokens == 4
     assert config.speculative.lookup_range == (2, 3) and config.speculative.speculative_disable_by_batch_size == 8
-    # Async scheduling: vLLM's default rule (on for CUDA ranks, not with a proposer or pipeline stages), or the flag.
+    # Async scheduling: on for CUDA ranks and for CPU ranks that leave the coordinator a core (not with a
+    # proposer or pipeline stages), or as the flag says.
     assert config.scheduler.async_scheduling is None and not config.async_scheduling_on("cuda")  # ngram above
+    assert not config.async_scheduling_on("cpu", spare_core=True)
     plain = serve_config(build_parser().parse_args(["serve"]))
     assert plain.async_scheduling_on("cuda") and not plain.async_scheduling_on("cpu")
-    assert not serve_config(build_parser().parse_args(["serve", "--pipeline-parallel-size", "2"])).async_scheduling_on(
-        "cuda")
+    assert plain.async_scheduling_on("cpu", spare_core=True)
+    piped = serve_config(build_parser().parse_args(["serve", "--pipeline-parallel-size", "2"]))
+    assert not piped.async_scheduling_on("cuda") and not piped.async_scheduling_on("cpu", spare_core=True)
     assert serve_config(build_parser().parse_args(["serve", "--async-scheduling"])).async_scheduling_on("cpu")
-    assert not serve_config(build_parser().parse_args(["serve", "--no-async-scheduling"])).async_scheduling_on("cuda")
+    off = serve_config(build_parser().parse_args(["serve", "--no-async-scheduling"]))
+    assert not off.async_scheduling_on("cuda") and not off.async_scheduling_on("cpu", spare_core=True)
+
+
+def test_the_coordinator_has_a_core_when_its_hosts_ranks_leave_one() -> None:
+    from launch.leader import coordinator_has_a_core
+
+    assert coordinator_has_a_core({0: 1}, range(1), cores=2)  # tp 1, OMP_NUM_THREADS=1 on 2 cores
+    assert not coordinator_has_a_core({0: 2}, range(1), cores=2)  # the default split: every core
+    assert not coordinator_has_a_core({0: 1, 1: 1}, range(2), cores=2)  # tp 2, a thread each
+    assert coordinator_has_a_core({0: 3, 1: 3}, range(2), cores=8)
+    # Two hosts of two ranks: only this host's ranks (0 and 1) share its cores.
+    assert coordinator_has_a_core({0: 1, 1: 1, 2: 4, 3: 4}, range(2), cores=4)
+    assert not coordinator_has_a_core({0: 2, 1: 2, 2: 1, 3: 1}, range(2), cores=4)
 
 
 def test_serve_names_a_bad_flag_in_one_line() -> None:

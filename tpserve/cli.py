@@ -76,8 +76,9 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--async-scheduling", dict(action=argparse.BooleanOptionalAction,
                                     help="plan each step before the previous step's result is back, so the ranks "
                                          "never wait for the coordinator (not with speculative decoding or "
-                                         "pipeline stages; default: on for CUDA ranks without either, off on "
-                                         "the CPU)")),
+                                         "pipeline stages; default: on without either for CUDA ranks, and for "
+                                         "CPU ranks whose threads leave the coordinator a core of its own; off "
+                                         "for CPU ranks that take every core, the default thread split)")),
     ],
     "speculative": [
         ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "

@@ -151,11 +151,12 @@ class SchedulerConfig(_Frozen):
         async_scheduling: plan step t+1 while step t runs, before its result (vLLM's
             ``--async-scheduling``): the ranks find their next plan waiting when a step
             ends instead of waiting for the coordinator's round trip (coordinator/scheduler.py).
-            None (the default) is vLLM's rule: on where it is supported and pays, that is
-            on CUDA ranks without speculative decoding or pipeline stages; off on the CPU,
-            where the ranks share the cores with the coordinator and busier ranks slow it
-            down (benchmarks/README.md, step_overhead). True with speculative decoding or
-            pipeline stages is refused.
+            None (the default): on where it is supported and pays, that is without
+            speculative decoding or pipeline stages, on CUDA ranks (vLLM's rule) and on CPU
+            ranks that leave the coordinator a core of its own; off on CPU ranks that take
+            every core (the default thread split), where the coordinator's work during a
+            step takes a core from a rank's threads (benchmarks/README.md, step_overhead).
+            True with speculative decoding or pipeline stages is refused.
     """
 
     max_num_seqs: int = Field(64, ge=1)
@@ -294,13 +295,18 @@ class ClusterConfig(_Frozen):
                              "every stage busy)")
         return self
 
-    def async_scheduling_on(self, device: str) -> bool:
+    def async_scheduling_on(self, device: str, spare_core: bool = False) -> bool:
         """Whether the engine plans ahead (``SchedulerConfig.async_scheduling``) on ranks of ``device``
-        ("cpu" or "cuda"): as given, else vLLM's rule (on for CUDA without speculative decoding or
-        pipeline stages; vLLM 0.14 turned it on by default with the same exclusions, the CPU among them)."""
+        ("cpu" or "cuda"): as given, else on without speculative decoding or pipeline stages
+        (vLLM 0.14's default, with the same exclusions) on CUDA, and on the CPU where
+        ``spare_core``: the ranks on the coordinator's host leave it a core of their own
+        (:func:`launch.leader.coordinator_has_a_core`). vLLM keeps it off on its CPU backend;
+        with a core of its own the coordinator's planning overlaps the step instead of taking a
+        core from the ranks' threads (benchmarks/README.md, step_overhead: 15-30 % lower TPOT at
+        tp 1 with one thread on two cores, none of it with two)."""
         if self.scheduler.async_scheduling is not None:
             return self.scheduler.async_scheduling
-        return device == "cuda" and self.speculative.speculative_method is None \
+        return (device == "cuda" or (device == "cpu" and spare_core)) and self.speculative.speculative_method is None \
             and self.parallel.pipeline_parallel_size == 1
 
     @classmethod

@@ -83,6 +83,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._error = ""
         self._dtype = ""
         self._device = None  # torch.device, once resolved by load()
+        self._num_threads = 0  # a CPU rank's intra-op threads, once load() has set them
         self._ready = threading.Event()
 
     def load(self) -> None:
@@ -107,6 +108,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 # Ranks share the machine's cores: split them, never oversubscribe
                 # (oversubscribed CPU matmuls slow down by an order of magnitude).
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.local_world_size))
+            self._num_threads = torch.get_num_threads() if device.type == "cpu" else 0
             if device.type == "cuda":
                 configure_nccl_env()  # before the process group exists: NCCL reads it at creation
             check_pipeline_graphs(opts.pipeline_parallel_size, device.type, opts.enforce_eager)
@@ -146,6 +148,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             error=self._error,
             dtype=self._dtype,
             device="" if self._device is None else self._device.type,
+            num_threads=self._num_threads,
         )
 
     def InitCache(self, request: pb.InitCacheRequest, context: grpc.ServicerContext) -> pb.InitCacheResponse:

@@ -8,6 +8,7 @@ files, loaded the way any Hugging Face checkpoint is.
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -69,6 +70,15 @@ def test_served_greedy_completions_match_transformers(references, tensor_paralle
         assert result.token_ids == ref["token_ids"], ref["prompt"]
         assert result.text == ref["text"] and result.finish_reason == ref["finish_reason"]
     assert sum(len(r.token_ids) for r in results) > 3 * MAX_TOKENS  # real text, not an early eos
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_async_scheduling_is_on_by_default_where_the_ranks_leave_the_coordinator_a_core(
+        tensor_parallel_size, shared_servers) -> None:
+    """The shared servers' ranks have one thread each (OMP_NUM_THREADS=1): on this 2-core host tp 1
+    leaves the coordinator a core (async on), tp 2 takes both (off)."""
+    info = shared_servers.get(None, tensor_parallel_size).client.model_info()
+    assert info.async_scheduling == (tensor_parallel_size < len(os.sched_getaffinity(0)))
 
 
 CHAT = [{"role": "user", "content": "Tell me a story about a cat"}]

@@ -33,7 +33,7 @@ def test_model_info_and_tpserve_info_say_what_is_on(int8_ngram):
     info = cluster.client.model_info()
     assert (info.quantization, info.speculative_method, info.num_speculative_tokens) == ("int8", "ngram", 2)
     assert info.enable_prefix_caching and info.server_version == __version__
-    assert not info.async_scheduling  # not with speculative decoding (nor on the CPU by default)
+    assert not info.async_scheduling  # not with speculative decoding (a proposal needs the tokens first)
     assert (info.dtype, info.num_kv_blocks, info.block_size) == ("float32", 64, 16)
     printed = subprocess.run([sys.executable, "-m", "launch.cli", "info", "--target", cluster.target],
                              capture_output=True, text=True, timeout=60, check=True).stdout
