@@ -214,6 +214,12 @@ class WorkerGroup:
             try:
                 await asyncio.wait_for(asyncio.gather(*(stream.write(msg) for stream in self._streams)),
                                        self.step_timeout_s)
+                if _being_cancelled():
+                    # asyncio.wait_for (Python 3.11) returns the writes' result when they end just as the
+                    # caller is cancelled, and the cancellation is lost (gh-86296). Delivered here, or the
+                    # engine loop would wait on this step at shutdown, and the group's close() under it
+                    # would read as a group failure (exit 1).
+                    raise asyncio.CancelledError
             except BaseException as exc:  # noqa: BLE001 - mapped to a WorkerGroupError or re-raised
                 self._fail(plan, exc)
             previous, mine = self._last_read, asyncio.get_running_loop().create_future()

@@ -262,6 +262,38 @@ def test_a_cancelled_caller_is_cancelled_even_when_the_group_closes_under_it(whe
     assert asyncio.run(main()) == "cancelled"
 
 
+def test_a_cancellation_that_asyncio_wait_for_swallows_still_cancels_the_step(monkeypatch) -> None:
+    """Python 3.11's wait_for returns the inner result when it ends just as the caller is cancelled,
+    losing the cancellation (gh-86296): at shutdown the engine loop then waited on one more step, and
+    the group's close() under it read as a group failure (tests/e2e/test_shutdown_signals.py, exit 1)."""
+    if not hasattr(asyncio.Task, "cancelling"):
+        pytest.skip("Task.cancelling() is Python 3.11+; 3.10's wait_for has no such count to lose")
+
+    async def swallowing_wait_for(awaitable, timeout):
+        result = await awaitable
+        asyncio.current_task().cancel()  # the cancellation arrives as the writes end...
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass  # ...and is swallowed: cancelling() stays 1, nothing is raised
+        return result
+
+    monkeypatch.setattr("coordinator.worker_client.asyncio.wait_for", swallowing_wait_for)
+
+    async def main():
+        group = WorkerGroup(["unix:///nonexistent/rank0.sock"], 60.0)
+        group._attach([_FakeStream(pb.StepResult(step_id=7, sampled_token_ids=[4]), 0.01)])
+        try:
+            await group.execute(StepPlan(step_id=7))
+        except asyncio.CancelledError:
+            return "cancelled"
+        finally:
+            await group.close()
+        return "ran on"
+
+    assert asyncio.run(main()) == "cancelled"
+
+
 class _SilentRank(worker_pb2_grpc.WorkerServiceServicer):
     """A rank that is alive but stuck: it accepts the liveness check and never answers."""
 
