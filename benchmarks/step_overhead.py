@@ -11,6 +11,11 @@ For each tensor-parallel size and number of streams (each ``--max-tokens`` outpu
 - coordinator CPU per output token: the coordinator process's own CPU time
   (``/proc/<pid>/stat`` utime + stime, its threads included, no rank, no client) over the
   load, divided by the tokens streamed;
+- the ranks' CPU time per output token (every rank process, ``/proc``) and this client's
+  (``time.process_time``: the asyncio client and its gRPC threads), and how busy the three kept
+  the cores this benchmark may use over the load: (coordinator + ranks + client CPU) / (wall x
+  cores). On a host whose cores they share, near 100 % says that TPOT is what their CPU time
+  allows, whatever overlaps what: client TPOT / bare can then fall only with less CPU per token;
 - rank wait: rank 0's mean wait per step between sending a result and receiving the next
   plan (``tpserve:worker_wait_seconds``; "-" on a tree that does not export it), and rank
   0's mean execute time per step inside the server (``tpserve:model_execute_time_seconds``)
@@ -54,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.report import save_report  # noqa: E402
-from tests.e2e.cluster import free_port  # noqa: E402
+from tests.e2e.cluster import child_pids, free_port  # noqa: E402
 
 PROMPT = "Once upon a time, there was a little"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -132,16 +137,22 @@ async def _load(port: int, num_streams: int, max_tokens: int) -> tuple[float, in
 
 
 def run_load(server: tuple[int, int, int], num_streams: int, max_tokens: int) -> dict:
-    """One load on one server: TPOT, coordinator CPU per token, rank 0's mean wait per step."""
+    """One load on one server: TPOT, the CPU time per token of the coordinator, of the ranks and of
+    this client, how busy they kept the host's cores, and rank 0's mean wait and execute per step."""
     pid, port, metrics_port = server
     names = ("tpserve:worker_wait_seconds", "tpserve:model_execute_time_seconds")
     before = [(scrape(metrics_port, f"{n}_sum"), scrape(metrics_port, f"{n}_count")) for n in names]
-    cpu_before = cpu_seconds(pid)
+    ranks = child_pids(pid)
+    cpu_before, ranks_before = cpu_seconds(pid), sum(map(cpu_seconds, ranks))
+    client_before, wall_before = time.process_time(), time.perf_counter()
     tpot, tokens = asyncio.run(_load(port, num_streams, max_tokens))
-    cpu = cpu_seconds(pid) - cpu_before
+    wall, client = time.perf_counter() - wall_before, time.process_time() - client_before
+    cpu, ranks_cpu = cpu_seconds(pid) - cpu_before, sum(map(cpu_seconds, ranks)) - ranks_before
     after = [(scrape(metrics_port, f"{n}_sum"), scrape(metrics_port, f"{n}_count")) for n in names]
     means = [None if None in b + a or a[1] <= b[1] else (a[0] - b[0]) / (a[1] - b[1]) for b, a in zip(before, after)]
     return {"tpot_s": tpot, "tokens": tokens, "coordinator_cpu_s": cpu, "coordinator_cpu_per_token_s": cpu / tokens,
+            "ranks_cpu_per_token_s": ranks_cpu / tokens, "client_cpu_per_token_s": client / tokens,
+            "host_busy": (cpu + ranks_cpu + client) / (wall * len(os.sched_getaffinity(0))),
             "rank_wait_per_step_s": means[0], "rank_execute_per_step_s": means[1]}
 
 
@@ -192,15 +203,18 @@ def verdicts(rows: dict[str, dict[str, dict]]) -> list[dict]:
 def print_table(name: str, rows: dict[str, dict[str, dict]]) -> None:
     print(f"\n{name}")
     print("| tp | streams | bare decode step | client TPOT | TPOT / bare | coordinator CPU per output token "
-          "| rank wait per step | rank 0 execute per step (in the server) | TPOT / execute |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| rank wait per step | rank 0 execute per step (in the server) | TPOT / execute "
+          "| ranks' / client's CPU per token | host CPU busy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for tp, by_streams in rows.items():
         for n, row in by_streams.items():
             wait, execute = row["rank_wait_per_step_s"], row["rank_execute_per_step_s"]
             print(f"| {tp} | {n} | {row['bare_step_s'] * 1e3:.2f} ms | {row['tpot_s'] * 1e3:.2f} ms | "
                   f"{row['tpot_s'] / row['bare_step_s']:.2f}x | {row['coordinator_cpu_per_token_s'] * 1e6:.0f} us | "
                   + ("- | - | - |" if wait is None else
-                     f"{wait * 1e3:.2f} ms | {execute * 1e3:.2f} ms | {row['tpot_s'] / execute:.2f}x |"))
+                     f"{wait * 1e3:.2f} ms | {execute * 1e3:.2f} ms | {row['tpot_s'] / execute:.2f}x |")
+                  + f" {row['ranks_cpu_per_token_s'] * 1e6:.0f} / {row['client_cpu_per_token_s'] * 1e6:.0f} us | "
+                    f"{row['host_busy'] * 100:.0f} % |")
     for goal in verdicts(rows):
         print(f"  {goal['goal']}: {goal['value']} (limit {goal['limit']}) -> {'met' if goal['met'] else 'NOT met'}")
 

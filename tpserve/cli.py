@@ -45,6 +45,10 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
         ("--cuda-graph-sizes", dict(type=int, nargs="+", help="CUDA: decode batch sizes to capture as graphs "
                                                               "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")),
+        ("--cpu-omp-threads-bind", dict(help="CPU ranks' cores (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto gives each "
+                                             "of a host's ranks cores of its own where their threads fit, nobind "
+                                             "leaves them to the kernel, 0-3|4-7 names each local rank's cores "
+                                             "(default auto)")),
     ],
     "parallel": [
         ("--tensor-parallel-size", dict(type=int, help="number of worker ranks the model is split over")),

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tpserve.cpu_binding import parse_bind
 from tpserve.quantization import Quantization
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -47,6 +48,10 @@ class LoadConfig(_Frozen):
         cuda_graph_sizes: the decode batch sizes captured as CUDA graphs, in
             sequences (worker/cuda_graphs.py); None: vLLM's 1, 2, 4, 8, 16, 24, ...
             up to the first that holds ``--max-num-seqs``.
+        cpu_omp_threads_bind: the cores CPU ranks run on (vLLM's
+            ``VLLM_CPU_OMP_THREADS_BIND``): "auto" gives each of a host's ranks cores of
+            its own, the last ones, where their threads fit; "nobind" leaves them to the
+            kernel; "0-3|4-7" names each local rank's cores (tpserve/cpu_binding.py).
     """
 
     model: str | None = None
@@ -56,6 +61,13 @@ class LoadConfig(_Frozen):
     quantization: Quantization | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[Annotated[int, Field(ge=1, le=512)], ...] | None = Field(None, min_length=1)
+    cpu_omp_threads_bind: str = "auto"
+
+    @field_validator("cpu_omp_threads_bind")
+    @classmethod
+    def _check_bind(cls, value: str) -> str:
+        parse_bind(value)  # a ValueError names what is wrong
+        return value
 
 
 class ParallelConfig(_Frozen):
@@ -293,6 +305,15 @@ class ClusterConfig(_Frozen):
         if self.scheduler.async_scheduling is True and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("--async-scheduling needs --pipeline-parallel-size 1 (micro-batches already keep "
                              "every stage busy)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_bind_lists(self) -> ClusterConfig:
+        lists = parse_bind(self.load.cpu_omp_threads_bind)
+        local_ranks = self.parallel.world_size // self.parallel.nnodes
+        if isinstance(lists, tuple) and len(lists) != local_ranks:
+            raise ValueError(f"cpu_omp_threads_bind={self.load.cpu_omp_threads_bind!r} names {len(lists)} core "
+                             f"lists for {local_ranks} ranks per host: give one per rank, '|'-separated")
         return self
 
     def async_scheduling_on(self, device: str, spare_core: bool = False) -> bool:

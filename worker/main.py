@@ -85,6 +85,7 @@ def worker_options(config: RankConfig) -> WorkerOptions:
         draft_model_dir=spec.speculative_model,
         enforce_eager=load.enforce_eager,
         cuda_graph_sizes=load.cuda_graph_sizes,
+        cpu_omp_threads_bind=load.cpu_omp_threads_bind,
     )
 
 

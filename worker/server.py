@@ -49,6 +49,7 @@ class WorkerOptions:
         enforce_eager: no CUDA graphs (``--enforce-eager``).
         cuda_graph_sizes: the decode batch sizes to capture on CUDA; None: the default
             for ``cache.max_num_seqs`` (worker/cuda_graphs.py).
+        cpu_omp_threads_bind: a CPU rank's cores (``--cpu-omp-threads-bind``; tpserve/cpu_binding.py).
         pipeline_parallel_size: stages (worker/pipeline.py); ``world_size`` counts every
             rank of every stage.
     """
@@ -69,6 +70,7 @@ class WorkerOptions:
     draft_model_dir: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    cpu_omp_threads_bind: str = "auto"
     pipeline_parallel_size: int = 1
 
 
@@ -104,10 +106,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             device = resolve_device(opts.device, opts.local_rank, opts.local_world_size)
             self._device = device
             bind_thread(device)
-            if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-                # Ranks share the machine's cores: split them, never oversubscribe
-                # (oversubscribed CPU matmuls slow down by an order of magnitude).
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.local_world_size))
+            cpu_cores = "-"
+            if device.type == "cpu":
+                cpu_cores = self._place_on_cores(torch)
             self._num_threads = torch.get_num_threads() if device.type == "cpu" else 0
             if device.type == "cuda":
                 configure_nccl_env()  # before the process group exists: NCCL reads it at creation
@@ -125,12 +126,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, dtype=str(dtype),
                      quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
-                     all_reduce=ctx.all_reduce_path)
+                     all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores)
             self._ready.set()
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, then fatal
             self._error = f"rank {self.options.rank}: {type(exc).__name__}: {exc}"
             log.error("loading failed", error=self._error)
             self._on_fatal(self._error)
+
+    def _place_on_cores(self, torch) -> str:
+        """A CPU rank's threads and cores (tpserve/cpu_binding.py): its share of the cores this
+        process may run on unless ``OMP_NUM_THREADS`` says otherwise, then its binding. Returns
+        the cores for the log, as a cpulist, or why they were left to the kernel.
+
+        Raises:
+            ValueError: explicit core lists that do not fit this host (fatal: reported at start-up).
+        """
+        from tpserve.cpu_binding import bind_process, default_num_threads, format_cpulist, rank_binding
+
+        opts = self.options
+        allowed = os.sched_getaffinity(0)
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(default_num_threads(opts.cpu_omp_threads_bind, opts.local_rank,
+                                                      opts.local_world_size, allowed))
+        binding = rank_binding(opts.cpu_omp_threads_bind, opts.local_rank, opts.local_world_size,
+                               torch.get_num_threads(), allowed)
+        if binding.cores is None:
+            return f"unbound ({binding.reason})"
+        bind_process(binding.cores)
+        return format_cpulist(binding.cores)
 
     def _bind_thread(self) -> None:
         """Make this rank's GPU the calling thread's current CUDA device (CUDA's is per thread)."""
