@@ -288,13 +288,17 @@ def _concurrent_tpot_ms(client: Client, concurrency: int, max_tokens: int) -> fl
 
 
 def bare_step_ms(model_dir: Path, device: str, concurrency: int, dry_run: bool) -> dict:
-    """The bare decode step at ``concurrency`` sequences, in-process, with a CUDA graph of that size on CUDA."""
+    """The bare decode step at ``concurrency`` sequences, in-process, with a CUDA graph of that size on CUDA:
+    the mean over the positions the concurrent TPOT load decodes at (its prompt, then its output tokens)."""
+    from tokenizers import Tokenizer
+
     from benchmarks.step_overhead_bare import _measure
     from worker.parallel_state import ParallelContext
 
+    prompt_len = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(f"{PROMPT} 0").ids)
     ctx = ParallelContext.single(torch.device("cuda", 0) if device == "cuda" else device)
-    seconds = _measure(ctx, str(model_dir), [concurrency], 5 if dry_run else 50,
-                       dtype="float32" if dry_run else "bfloat16", cuda_graphs=device == "cuda")
+    seconds = _measure(ctx, str(model_dir), [concurrency], 7 if dry_run else 127,
+                       dtype="float32" if dry_run else "bfloat16", cuda_graphs=device == "cuda", prompt_len=prompt_len)
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"bare_step_ms": round(seconds[str(concurrency)] * 1e3, 3), "sequences": concurrency,

@@ -3,8 +3,10 @@
 For each tensor-parallel size and number of streams (each ``--max-tokens`` output tokens,
 ``ignore_eos``, seeded sampling), on the embedded model:
 
-- bare step: the median ``ModelRunner.execute`` of a pure decode plan at that many
-  sequences, built in-process as the scheduler plans (benchmarks/step_overhead_bare.py);
+- bare step: the mean ``ModelRunner.execute`` of pure decode plans at that many sequences,
+  built in-process as the scheduler plans (benchmarks/step_overhead_bare.py), over the
+  positions the load decodes at (the server's prompt length, then ``--max-tokens`` - 1 steps:
+  TPOT is the mean over the same steps, and attention grows with the position);
 - client TPOT: every stream's (last token time - first token time) / (tokens - 1), seen by
   an asyncio client through the full gRPC path (``tpserve serve``), mean over streams;
 - TPOT / bare;
@@ -156,14 +158,24 @@ def run_load(server: tuple[int, int, int], num_streams: int, max_tokens: int) ->
             "rank_wait_per_step_s": means[0], "rank_execute_per_step_s": means[1]}
 
 
-def bare_steps(tree: Path, tensor_parallel_size: int, sizes: list[int], num_steps: int,
+def prompt_tokens(port: int) -> int:
+    """How many tokens the server makes of PROMPT (its tokenizer, special tokens included)."""
+    from tpserve.client import Client
+
+    with Client(f"127.0.0.1:{port}") as client:
+        return client.generate(PROMPT, max_tokens=1, ignore_eos=True).usage.prompt_tokens
+
+
+def bare_steps(tree: Path, tensor_parallel_size: int, sizes: list[int], num_steps: int, prompt_len: int,
                threads: int) -> dict[str, float]:
-    """The bare decode step on ``tree``'s runner, in a fresh process (rank 0's medians, seconds)."""
+    """The bare decode step on ``tree``'s runner, in a fresh process: rank 0's mean over ``num_steps``
+    decode steps from position ``prompt_len`` (seconds)."""
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_overhead_bare.py"),
                           "--model-dir", str(tree / "tpserve" / "default_model"),
                           "--tensor-parallel-size", str(tensor_parallel_size),
-                          "--sizes", ",".join(map(str, sizes)), "--steps", str(num_steps)],
+                          "--sizes", ",".join(map(str, sizes)), "--steps", str(num_steps),
+                          "--prompt-len", str(prompt_len)],
                          cwd=tree, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -231,7 +243,6 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", default="1,2", help="comma-separated tp sizes")
     parser.add_argument("--streams", default="1,16,64,256", help="comma-separated numbers of concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per stream")
-    parser.add_argument("--bare-steps", type=int, default=30, help="timed bare decode steps per size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, bare step and server alike")
     parser.add_argument("--baseline-repo", type=Path, default=None,
                         help="another checkout whose code serves the baseline, interleaved in this run")
@@ -260,12 +271,15 @@ def main() -> None:
                        for name, tree in trees.items()}
             for name in trees:  # warm-up: the first requests pay one-time costs
                 run_load(servers[name], 4, 8)
+            # The bare step decodes at the positions the loads' TPOT averages over.
+            prompt_len = prompt_tokens(servers["candidate"][1])
+            report["prompt_tokens"] = prompt_len
             for n in sizes:
                 # Interleaved, each bare step just before the loads: machine noise falls on every tree and column.
                 # A variant shares its tree's bare step (same code, other flags).
                 loads: dict[str, list[dict]] = {name: [] for name in trees}
                 for r in range(args.rounds):
-                    bare_of = {tree: bare_steps(tree, tp, [n], args.bare_steps, args.threads)[str(n)]
+                    bare_of = {tree: bare_steps(tree, tp, [n], args.max_tokens - 1, prompt_len, args.threads)[str(n)]
                                for tree in dict.fromkeys(trees.values())}
                     for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):  # who goes first alternates
                         loads[name].append({**run_load(servers[name], n, args.max_tokens),

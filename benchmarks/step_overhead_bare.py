@@ -27,55 +27,64 @@ from pathlib import Path
 
 PROMPT_LEN = 24
 BLOCK_SIZE = 16
-WARMUP_STEPS = 5
 
 
 def _measure(ctx, model_dir: str, sizes: list[int], num_steps: int, dtype: str = "float32",
-             cuda_graphs: bool = False) -> dict[str, float]:
-    """Median seconds of one decode ``execute`` per size (meaningful on rank 0); ``cuda_graphs``:
-    decode steps replayed from graphs captured at exactly ``sizes`` (on CUDA, as a server does)."""
+             cuda_graphs: bool = False, prompt_len: int = PROMPT_LEN) -> dict[str, float]:
+    """Mean seconds of one decode ``execute`` per size (meaningful on rank 0), over ``num_steps`` decode
+    steps at positions ``prompt_len .. prompt_len + num_steps - 1``: the positions a load of
+    ``prompt_len``-token prompts and ``num_steps + 1`` output tokens decodes at, whose TPOT is the
+    mean over the same steps (attention grows with the position). An untimed pass of the same plans
+    goes first (warm-up). ``cuda_graphs``: decode steps replayed from graphs captured at exactly
+    ``sizes`` (on CUDA, as a server does)."""
     import torch
 
-    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
     from worker.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, ctx, getattr(torch, dtype), block_size=BLOCK_SIZE)
-    total_steps = WARMUP_STEPS + num_steps
-    blocks_per_seq = -(-(PROMPT_LEN + total_steps + 1) // BLOCK_SIZE)
+    blocks_per_seq = -(-(prompt_len + num_steps + 1) // BLOCK_SIZE)
     runner.init_kv_cache(max(sizes) * blocks_per_seq, cuda_graph_sizes=tuple(sizes) if cuda_graphs else (),
                          max_model_len=blocks_per_seq * BLOCK_SIZE, capture=ctx.device.type == "cuda")
-    vocab = runner.config.vocab_size
-    medians: dict[str, float] = {}
+    means: dict[str, float] = {}
     step_id = 0
     for num_seqs in sizes:
-        tables = [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in range(num_seqs)]
-        new = tuple(NewSequence(s, SamplingParams(seed=1000 + s), num_prompt_tokens=PROMPT_LEN)
-                    for s in range(num_seqs))
-        prefill = tuple(ScheduledChunk(s, tuple((7 * s + 3 * j + 1) % vocab for j in range(PROMPT_LEN)), 0,
-                                       tuple(tables[s][:-(-PROMPT_LEN // BLOCK_SIZE)])) for s in range(num_seqs))
-        last = list(runner.execute(StepPlan(step_id, new, prefill)).sampled_token_ids)
-        times = []
-        for step in range(total_steps):
-            step_id += 1
-            position = PROMPT_LEN + step
-            grow = position % BLOCK_SIZE == 0
-            chunks = tuple(ScheduledChunk(s, (last[s] if last else 0,), position,
-                                          (tables[s][position // BLOCK_SIZE],) if grow else ())
-                           for s in range(num_seqs))
-            started = time.perf_counter()
-            result = runner.execute(StepPlan(step_id, scheduled=chunks))
-            if step >= WARMUP_STEPS:
-                times.append(time.perf_counter() - started)
-            last = list(result.sampled_token_ids)
+        _, step_id = _one_pass(runner, num_seqs, num_steps, prompt_len, blocks_per_seq, step_id)  # warm-up
+        times, step_id = _one_pass(runner, num_seqs, num_steps, prompt_len, blocks_per_seq, step_id)
+        means[str(num_seqs)] = statistics.fmean(times)
+    return means
+
+
+def _one_pass(runner, num_seqs: int, num_steps: int, prompt_len: int, blocks_per_seq: int,
+              step_id: int) -> tuple[list[float], int]:
+    """Prefills ``num_seqs`` sequences, times ``num_steps`` decode steps, drops the sequences.
+    Returns the decode steps' seconds and the next step id."""
+    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+
+    vocab = runner.config.vocab_size
+    tables = [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in range(num_seqs)]
+    new = tuple(NewSequence(s, SamplingParams(seed=1000 + s), num_prompt_tokens=prompt_len) for s in range(num_seqs))
+    prefill = tuple(ScheduledChunk(s, tuple((7 * s + 3 * j + 1) % vocab for j in range(prompt_len)), 0,
+                                   tuple(tables[s][:-(-prompt_len // BLOCK_SIZE)])) for s in range(num_seqs))
+    last = list(runner.execute(StepPlan(step_id, new, prefill)).sampled_token_ids)
+    times = []
+    for step in range(num_steps):
         step_id += 1
-        # Drop them: the next size reuses their ids.
-        runner.execute(StepPlan(step_id, finished_seq_ids=tuple(range(num_seqs))))
-        medians[str(num_seqs)] = statistics.median(times)
-    return medians
+        position = prompt_len + step
+        grow = position % BLOCK_SIZE == 0
+        chunks = tuple(ScheduledChunk(s, (last[s] if last else 0,), position, (tables[s][position // BLOCK_SIZE],) if grow else ())
+                       for s in range(num_seqs))
+        started = time.perf_counter()
+        result = runner.execute(StepPlan(step_id, scheduled=chunks))
+        times.append(time.perf_counter() - started)
+        last = list(result.sampled_token_ids)
+    step_id += 1
+    # Drop them: the next pass reuses their ids.
+    runner.execute(StepPlan(step_id, finished_seq_ids=tuple(range(num_seqs))))
+    return times, step_id + 1
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, sizes: list[int], num_steps: int,
-               out_path: str) -> None:
+               prompt_len: int, out_path: str) -> None:
     import torch
 
     from worker.parallel_state import destroy_distributed, init_distributed
@@ -83,15 +92,17 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, siz
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ctx = init_distributed(rank, world_size, init_method, "cpu", 120.0)
     try:
-        medians = _measure(ctx, model_dir, sizes, num_steps)
+        means = _measure(ctx, model_dir, sizes, num_steps, prompt_len=prompt_len)
         if rank == 0:
-            Path(out_path).write_text(json.dumps(medians))
+            Path(out_path).write_text(json.dumps(means))
     finally:
         destroy_distributed()
 
 
-def measure(model_dir: str, tensor_parallel_size: int, sizes: list[int], num_steps: int) -> dict[str, float]:
-    """Median seconds of one bare decode step per number of sequences, rank 0's clock."""
+def measure(model_dir: str, tensor_parallel_size: int, sizes: list[int], num_steps: int,
+            prompt_len: int = PROMPT_LEN) -> dict[str, float]:
+    """Mean seconds of one bare decode step per number of sequences over ``num_steps`` steps from
+    position ``prompt_len`` (:func:`_measure`), rank 0's clock."""
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
@@ -100,10 +111,10 @@ def measure(model_dir: str, tensor_parallel_size: int, sizes: list[int], num_ste
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "rank0.json")
         if tensor_parallel_size == 1:
-            _rank_main(0, 1, "", model_dir, sizes, num_steps, out_path)
+            _rank_main(0, 1, "", model_dir, sizes, num_steps, prompt_len, out_path)
         else:
             mp.spawn(_rank_main, args=(tensor_parallel_size, f"tcp://127.0.0.1:{port}", model_dir, sizes, num_steps,
-                                       out_path), nprocs=tensor_parallel_size, join=True)
+                                       prompt_len, out_path), nprocs=tensor_parallel_size, join=True)
         return json.loads(Path(out_path).read_text())
 
 
@@ -112,10 +123,11 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--sizes", default="1,16,64,256")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="timed decode steps per size")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt tokens: the first decode position")
     args = parser.parse_args()
     print(json.dumps(measure(args.model_dir, args.tensor_parallel_size, [int(s) for s in args.sizes.split(",")],
-                             args.steps)))
+                             args.steps, args.prompt_len)))
 
 
 if __name__ == "__main__":
