@@ -30,8 +30,7 @@ def test_explicit_lists_may_not_share_a_core() -> None:
 
 
 @pytest.mark.parametrize(("local_world_size", "threads", "expected"), [
-    (1, 1, [{7}]),                      # one rank, one thread: the last core, the first seven stay free
-    (2, 1, [{6}, {7}]),                 # a core each, counted from the last
+    (2, 1, [{6}, {7}]),                 # a core each, counted from the last: the first six stay free
     (2, 3, [{2, 3, 4}, {5, 6, 7}]),     # consecutive cores per rank
     (4, 2, [{0, 1}, {2, 3}, {4, 5}, {6, 7}]),
 ])
@@ -48,8 +47,9 @@ def test_auto_follows_the_cores_the_process_may_use() -> None:
 def test_auto_binds_nothing_where_it_would_stack_ranks_or_change_nothing() -> None:
     over = rank_binding("auto", 0, 4, 1, range(2))
     assert over.cores is None and "4 ranks x 1 threads outnumber the 2 cores" in over.reason
-    whole = rank_binding("auto", 0, 1, 2, range(2))
-    assert whole.cores is None and whole.reason == "the rank has every core"
+    alone = rank_binding("auto", 0, 1, 1, range(8))
+    assert alone.cores is None and alone.reason == "the host's only rank"
+    assert rank_binding("0", 0, 1, 1, range(2)).cores == {0}  # an explicit list binds it all the same
 
 
 def test_nobind_and_explicit_lists() -> None:

@@ -6,19 +6,20 @@ every all-reduce. Binding each local rank to cores of its own stops both. vLLM's
 binds by default for the same reason (``VLLM_CPU_OMP_THREADS_BIND=auto``); its values are
 kept here:
 
-- ``auto``: each of the host's ranks gets ``threads`` consecutive cores of those this process
-  may run on (``os.sched_getaffinity``), counted from the last, so that the first ones, which
-  no rank takes when the ranks' threads leave some, stay the coordinator's. Nothing is bound
-  when the ranks' threads outnumber the cores (binding would stack ranks on a core), nor
-  where a rank would get every core (binding would change nothing).
+- ``auto``: where a host runs two ranks or more, each gets ``threads`` consecutive cores of
+  those this process may run on (``os.sched_getaffinity``), counted from the last, so that
+  the first ones, which no rank takes when the ranks' threads leave some, stay the
+  coordinator's. Nothing is bound when the ranks' threads outnumber the cores (binding would
+  stack ranks on a core), nor for a host's only rank: it has no peer to keep apart from, and
+  bound it could no longer move off a core the coordinator or a client is using to an idle one
+  (at tp 1, one thread, 2 cores: TPOT -10 % to +11 % over three runs, no gain to keep).
 - ``nobind``: the kernel places the ranks' threads.
 - a list per local rank, ``|``-separated, each a Linux cpulist: ``0-3|4-7`` binds local rank
   0 to cores 0-3 and local rank 1 to 4-7 (several servers on one host, NUMA nodes). A rank's
   threads then default to its cores' count.
 
-Measured on a 2-core host, the embedded model, one thread per rank, 16 and 64 streams
-(benchmarks/README.md, step_overhead): client TPOT 10-16 % lower at tp 2, about 8 % lower at
-64 streams at tp 1.
+Measured on a 2-core host, the embedded model, one thread per rank (benchmarks/README.md,
+step_overhead): client TPOT 12-19 % lower at tp 2 at 1, 16 and 64 streams, in three runs.
 
 No torch here: the configuration validates the value (tpserve/config.py).
 """
@@ -107,11 +108,11 @@ def rank_binding(value: str, local_rank: int, local_world_size: int, num_threads
             raise ValueError(f"--cpu-omp-threads-bind {value!r}: local rank {local_rank}'s cores {outside} are "
                              f"not among those this process may run on ({format_cpulist(allowed)})")
         return Binding(spec[local_rank], "--cpu-omp-threads-bind")
+    if local_world_size == 1:
+        return Binding(None, "the host's only rank")
     needed = local_world_size * num_threads
     if needed > len(allowed):
         return Binding(None, f"{local_world_size} ranks x {num_threads} threads outnumber the {len(allowed)} cores")
-    if needed == len(allowed) == num_threads:
-        return Binding(None, "the rank has every core")
     start = len(allowed) - needed + local_rank * num_threads
     return Binding(frozenset(allowed[start:start + num_threads]), "auto")
 
