@@ -21,9 +21,11 @@ from typing import NoReturn
 import grpc
 import structlog
 
+from coordinator.step_socket_stream import SocketStepStream
 from tpserve.cluster_secret import client_interceptors
 from tpserve.step import StepPlan, StepResult
 from tpserve.step_pb import ERRORS_ONLY, plan_to_pb, result_from_pb
+from tpserve.step_socket import socket_path
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 
@@ -94,10 +96,11 @@ class WorkerGroup:
         self._writing = asyncio.Lock()
         self._last_read: asyncio.Future | None = None
         self.step_timeout_s = step_timeout_s
+        self._secret = secret
         self._channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS, interceptors=client_interceptors(secret))
                           for a in self.addresses]
         self._stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self._channels]
-        self._streams: list[grpc.aio.StreamStreamCall] = []
+        self._streams: list = []  # per rank: a SocketStepStream (this host) or grpc.aio's Step call
         self._watchers: list[asyncio.Task] = []  # a task per rank that answers only failures
         self._lost: str | None = None  # what such a rank reported: the step in flight fails with it
         self.num_kv_blocks = 0
@@ -147,11 +150,28 @@ class WorkerGroup:
         return min(available.values())
 
     async def start(self, num_kv_blocks: int) -> None:
-        """Allocates every rank's KV cache and opens the step streams."""
+        """Allocates every rank's KV cache and opens the step streams: a plain socket to each rank of
+        this host (tpserve/step_socket.py), the gRPC ``Step`` stream to each rank of another.
+
+        Raises:
+            WorkerGroupError: a rank of this host does not accept its step connection.
+        """
         await asyncio.gather(*(s.InitCache(pb.InitCacheRequest(num_kv_blocks=num_kv_blocks)) for s in self._stubs))
         self.num_kv_blocks = num_kv_blocks
-        self._attach([stub.Step(metadata=None if rank == self.sampling_rank else (ERRORS_ONLY,))
-                      for rank, stub in enumerate(self._stubs)])
+        streams: list = []
+        for rank, (stub, address) in enumerate(zip(self._stubs, self.addresses, strict=True)):
+            errors_only = rank != self.sampling_rank
+            path = socket_path(address)
+            if path is None:
+                streams.append(stub.Step(metadata=(ERRORS_ONLY,) if errors_only else None))
+                continue
+            try:
+                streams.append(await SocketStepStream.open(path, errors_only, self._secret))
+            except OSError as exc:
+                for stream in streams:
+                    stream.cancel()
+                raise WorkerGroupError(f"rank {rank}: its step socket {path}: {exc}") from exc
+        self._attach(streams)
 
     def _attach(self, streams: list) -> None:
         """Takes the ranks' open Step streams (rank order) and watches every one but the sampling rank's."""
@@ -179,6 +199,8 @@ class WorkerGroup:
                 # A success: the rank answers every plan (the stream was opened without ERRORS_ONLY).
         except grpc.aio.AioRpcError as exc:
             reason = f"rank {rank}'s step stream broke ({exc.code().name}: {exc.details()})"
+        except OSError as exc:  # the step socket (ConnectionError)
+            reason = f"rank {rank}'s step stream broke ({type(exc).__name__}: {exc})"
         except asyncio.CancelledError:
             return  # close(): the group is being shut down or replaced
         self._lost = reason
@@ -305,6 +327,8 @@ class WorkerGroup:
             return await self._streams[self.sampling_rank].read()
         except grpc.aio.AioRpcError as exc:
             raise _StreamBroke(self.sampling_rank, f"{exc.code().name}: {exc.details()}") from exc
+        except OSError as exc:  # the step socket (ConnectionError)
+            raise _StreamBroke(self.sampling_rank, f"{type(exc).__name__}: {exc}") from exc
 
     async def prepare_grammar(self, grammar: str) -> None:
         """Has the sampling rank build ``grammar``'s matcher before its request is scheduled.

@@ -36,9 +36,11 @@ from tpserve.cluster_secret import ENV_VAR, SecretServerInterceptor
 from tpserve.config import RankConfig
 from tpserve.log import configure_logging
 from tpserve.sched_policy import policy_name, set_policy
+from tpserve.step_socket import socket_path
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing
 from worker.server import WorkerOptions, WorkerServicer
+from worker.step_socket_server import StepSocketServer
 
 #: Seconds between checks that the parent process is alive.
 PARENT_POLL_SECONDS = 1.0
@@ -111,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     server.add_insecure_port(config.address)
     server.start()
+    path = socket_path(config.address)  # the coordinator's own host: steps over a plain socket
+    step_server = StepSocketServer(servicer, path, secret) if path is not None else None
+    if step_server is not None:
+        step_server.start()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(PARENT_POLL_SECONDS):
         if os.getppid() != parent:  # re-parented: the coordinator is gone
             break
+    if step_server is not None:
+        step_server.close()
     server.stop(grace=0.5)
     # Exit without waiting for a collective a dead peer will never finish.
     sys.stdout.flush()

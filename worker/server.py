@@ -3,8 +3,9 @@
 The rank starts serving ``GetStatus`` at once and loads its shard on a background
 thread, so the coordinator can tell "still loading" from "dead". It never decides
 what runs: each ``StepPlan`` it receives is executed as it is, in arrival order, on
-the one thread of the ``Step`` stream (collectives need every rank to issue them in
-the same order).
+one thread (collectives need every rank to issue them in the same order): the step
+socket's (worker/step_socket_server.py) for the coordinator of its own host, the
+``Step`` stream's for one on another host.
 """
 
 from __future__ import annotations
@@ -220,25 +221,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
         """Runs each plan and answers it; a stream opened with ``ERRORS_ONLY`` metadata (every rank
-        but the sampling rank's, coordinator/worker_client.py) is answered only for a failed step."""
+        but the sampling rank's, coordinator/worker_client.py) is answered only for a failed step.
+        The coordinator's own host uses the step socket instead (tpserve/step_socket.py)."""
         # The whole stream runs on the gRPC pool thread that iterates this generator.
         self._bind_thread()
         answer_all = context is None or ERRORS_ONLY not in context.invocation_metadata()
         sent = None  # when the previous result went out: the wait for each plan is reported with its result
         for msg in request_iterator:
-            started = time.perf_counter()
-            try:
-                result = self._runner.execute(plan_from_pb(msg))
-            except Exception as exc:  # noqa: BLE001 - a failed step poisons the group: report, then stop
-                error = f"rank {self.options.rank}: step {msg.step_id} failed: {type(exc).__name__}: {exc}"
-                log.error("step failed", error=error)
-                yield pb.StepResult(step_id=msg.step_id, error=error)
-                self._on_fatal(error)
+            result, failed = self.run_plan(msg, answer_all, sent)
+            if result is not None:
+                yield result
+            if failed:
                 return
-            if answer_all:
-                yield result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
-                                           wait_time_s=started - (sent or started)))
             sent = time.perf_counter()
+
+    def run_plan(self, msg: pb.StepPlan, answer_all: bool, sent: float | None) -> tuple[pb.StepResult | None, bool]:
+        """Executes one plan: returns its answer (None for a success on an errors-only stream) and
+        whether it failed. A failed step is fatal (``on_fatal``): a group that missed a collective
+        cannot run another. ``sent``: when the previous answer went out (perf_counter), or None."""
+        started = time.perf_counter()
+        try:
+            result = self._runner.execute(plan_from_pb(msg))
+        except Exception as exc:  # noqa: BLE001 - a failed step poisons the group: report, then stop
+            error = f"rank {self.options.rank}: step {msg.step_id} failed: {type(exc).__name__}: {exc}"
+            log.error("step failed", error=error)
+            self._on_fatal(error)
+            return pb.StepResult(step_id=msg.step_id, error=error), True
+        if not answer_all:
+            return None, False
+        return result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
+                                    wait_time_s=started - (sent or started))), False
+
+    def bind_step_thread(self) -> None:
+        """Makes the calling thread fit to run steps (its CUDA device)."""
+        self._bind_thread()
 
 
 def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821

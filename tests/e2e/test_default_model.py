@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +103,25 @@ def test_cpu_ranks_run_on_cores_of_their_own(tensor_parallel_size, shared_server
         assert sorted(min(cores) for cores in per_rank) == allowed[len(allowed) - tensor_parallel_size:]
         assert all(len(cores) == 1 for cores in per_rank)
     assert os.sched_getaffinity(cluster.process.pid) == set(allowed)  # the coordinator is not bound
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_the_ranks_of_the_coordinators_host_step_over_their_socket(tensor_parallel_size, shared_servers) -> None:
+    """Each rank holds a connected step socket (tpserve/step_socket.py: ``<its gRPC socket>.step``), and
+    steps run: the plans come that way, not on the gRPC Step stream."""
+    from tests.e2e.cluster import child_pids
+
+    cluster = shared_servers.get(None, tensor_parallel_size)
+    assert cluster.client.generate("Once upon a time", max_tokens=4, temperature=0).token_ids
+    connected = {}  # inode -> path, of connected Unix sockets bound to a path (/proc/net/unix)
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[5] == "03":
+            connected[fields[6]] = fields[7]
+    for pid in child_pids(cluster.process.pid):
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+                  if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+        assert any(connected.get(inode, "").endswith(".sock.step") for inode in inodes), f"rank process {pid}"
 
 
 CHAT = [{"role": "user", "content": "Tell me a story about a cat"}]
