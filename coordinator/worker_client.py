@@ -151,11 +151,8 @@ class WorkerGroup:
 
     async def start(self, num_kv_blocks: int) -> None:
         """Allocates every rank's KV cache and opens the step streams: a plain socket to each rank of
-        this host (tpserve/step_socket.py), the gRPC ``Step`` stream to each rank of another.
-
-        Raises:
-            WorkerGroupError: a rank of this host does not accept its step connection.
-        """
+        this host (tpserve/step_socket.py), the gRPC ``Step`` stream to each rank of another, and to a
+        rank of this host whose step socket does not answer (it could not bind one)."""
         await asyncio.gather(*(s.InitCache(pb.InitCacheRequest(num_kv_blocks=num_kv_blocks)) for s in self._stubs))
         self.num_kv_blocks = num_kv_blocks
         streams: list = []
@@ -167,10 +164,10 @@ class WorkerGroup:
                 continue
             try:
                 streams.append(await SocketStepStream.open(path, errors_only, self._secret))
-            except OSError as exc:
-                for stream in streams:
-                    stream.cancel()
-                raise WorkerGroupError(f"rank {rank}: its step socket {path}: {exc}") from exc
+            except OSError as exc:  # the rank could not bind it (worker/main.py): its gRPC stream serves
+                log.warning("no step socket: rank's steps go over its gRPC stream", rank=rank, path=path,
+                            error=str(exc))
+                streams.append(stub.Step(metadata=(ERRORS_ONLY,) if errors_only else None))
         self._attach(streams)
 
     def _attach(self, streams: list) -> None:

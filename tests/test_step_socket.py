@@ -206,3 +206,34 @@ def test_a_watched_rank_failing_on_its_socket_fails_the_step_at_once(rank) -> No
     finally:
         hold.set()
     assert "rank 1: step 99 failed: boom" in reason and elapsed < 1.0
+
+
+def test_a_rank_whose_step_socket_does_not_answer_steps_over_its_grpc_stream(tmp_path) -> None:
+    """A rank that could not bind its step socket (worker/main.py logs it) still serves: the group
+    opens that rank's gRPC Step stream instead, errors-only for all but the sampling rank."""
+    from tpserve.step_pb import ERRORS_ONLY
+
+    class Stub:
+        metadata = "not opened"
+
+        async def InitCache(self, request):
+            return None
+
+        def Step(self, metadata=None):
+            self.metadata = metadata
+            return "the gRPC stream"
+
+    async def main():
+        group = WorkerGroup([f"unix://{tmp_path}/rank0.sock", f"unix://{tmp_path}/rank1.sock"], 60.0)
+        group._stubs = [Stub(), Stub()]
+        attached = []
+        group._attach = attached.extend
+        try:
+            await group.start(8)
+        finally:
+            await asyncio.gather(*(channel.close() for channel in group._channels))
+        return attached, [stub.metadata for stub in group._stubs]
+
+    attached, metadata = asyncio.run(main())
+    assert attached == ["the gRPC stream"] * 2
+    assert metadata == [None, (ERRORS_ONLY,)]

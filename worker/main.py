@@ -31,6 +31,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import structlog
 
 from tpserve.cluster_secret import ENV_VAR, SecretServerInterceptor
 from tpserve.config import RankConfig
@@ -41,6 +42,8 @@ from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing
 from worker.server import WorkerOptions, WorkerServicer
 from worker.step_socket_server import StepSocketServer
+
+log = structlog.get_logger(__name__)
 
 #: Seconds between checks that the parent process is alive.
 PARENT_POLL_SECONDS = 1.0
@@ -114,9 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     server.add_insecure_port(config.address)
     server.start()
     path = socket_path(config.address)  # the coordinator's own host: steps over a plain socket
-    step_server = StepSocketServer(servicer, path, secret) if path is not None else None
-    if step_server is not None:
-        step_server.start()
+    step_server = None
+    if path is not None:
+        try:
+            step_server = StepSocketServer(servicer, path, secret)
+            step_server.start()
+        except OSError as exc:  # e.g. a path over the 108 bytes of a Unix socket name: gRPC's Step serves
+            log.warning("no step socket: steps go over the gRPC stream", path=path, error=str(exc))
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
