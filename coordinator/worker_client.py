@@ -1,6 +1,8 @@
 """The coordinator's side of the worker protocol: fan each step plan out to every rank.
 
-Every rank receives the same ``StepPlan`` on its own ``Step`` stream. The sampling rank
+Every rank receives the same ``StepPlan`` on its own step stream: a Unix socket for a rank of
+the coordinator's host (tpserve/step_socket.py), the gRPC ``Step`` stream for one of another
+host; both read and fail alike here. The sampling rank
 (rank 0, or with pipeline stages rank 0 of the last stage, tpserve/pipeline_split.py)
 answers each plan with the step's tokens; the step is done when it has. Every other rank
 answers only a step that fails (``ERRORS_ONLY``, tpserve/step_pb.py): a task per such rank

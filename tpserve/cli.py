@@ -46,7 +46,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--cuda-graph-sizes", dict(type=int, nargs="+", help="CUDA: decode batch sizes to capture as graphs "
                                                               "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")),
         ("--cpu-omp-threads-bind", dict(help="CPU ranks' cores (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto gives each "
-                                             "of a host's ranks cores of its own where their threads fit, nobind "
+                                             "rank cores of its own where a host has two or more and their threads "
+                                             "fit (a lone rank stays free), nobind "
                                              "leaves them to the kernel, 0-3|4-7 names each local rank's cores "
                                              "(default auto)")),
     ],

@@ -49,8 +49,9 @@ class LoadConfig(_Frozen):
             sequences (worker/cuda_graphs.py); None: vLLM's 1, 2, 4, 8, 16, 24, ...
             up to the first that holds ``--max-num-seqs``.
         cpu_omp_threads_bind: the cores CPU ranks run on (vLLM's
-            ``VLLM_CPU_OMP_THREADS_BIND``): "auto" gives each of a host's ranks cores of
-            its own, the last ones, where their threads fit; "nobind" leaves them to the
+            ``VLLM_CPU_OMP_THREADS_BIND``): "auto" gives each rank cores of its own, the
+            last ones, where a host has two ranks or more and their threads fit (a lone
+            rank stays free to move); "nobind" leaves them to the
             kernel; "0-3|4-7" names each local rank's cores (tpserve/cpu_binding.py).
     """
 

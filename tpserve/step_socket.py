@@ -23,6 +23,7 @@ No torch; no grpc: the coordinator imports this too.
 
 from __future__ import annotations
 
+import hmac
 import struct
 
 PROTOCOL = "tpserve-step/1"
@@ -77,8 +78,6 @@ def parse_hello(payload: bytes, secret: str | None) -> bool:
     Raises:
         PermissionError: not this protocol, or not the group's secret.
     """
-    import hmac
-
     try:
         protocol, mode, given = payload.decode().split(" ")
     except ValueError:

@@ -156,7 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         bind_process(binding.cores)
         return format_cpulist(binding.cores)
 
-    def _bind_thread(self) -> None:
+    def bind_step_thread(self) -> None:
         """Make this rank's GPU the calling thread's current CUDA device (CUDA's is per thread)."""
         from worker.device import bind_thread
 
@@ -192,7 +192,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _init_cache(self, num_kv_blocks: int) -> None:
         """InitCache's work: the KV cache, and on CUDA the decode graphs."""
-        self._bind_thread()  # a thread of its own: its current CUDA device is cuda:0 until told
+        self.bind_step_thread()  # a thread of its own: its current CUDA device is cuda:0 until told
         opts = self.options
         sizes: tuple[int, ...] = ()
         if self._device.type == "cuda" and not opts.enforce_eager:
@@ -224,7 +224,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         but the sampling rank's, coordinator/worker_client.py) is answered only for a failed step.
         The coordinator's own host uses the step socket instead (tpserve/step_socket.py)."""
         # The whole stream runs on the gRPC pool thread that iterates this generator.
-        self._bind_thread()
+        self.bind_step_thread()
         answer_all = context is None or ERRORS_ONLY not in context.invocation_metadata()
         sent = None  # when the previous result went out: the wait for each plan is reported with its result
         for msg in request_iterator:
@@ -251,10 +251,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return None, False
         return result_to_pb(replace(result, model_execute_time_s=time.perf_counter() - started,
                                     wait_time_s=started - (sent or started))), False
-
-    def bind_step_thread(self) -> None:
-        """Makes the calling thread fit to run steps (its CUDA device)."""
-        self._bind_thread()
 
 
 def _resolve_dtype(dtype: str, model_dir: str, device) -> "torch.dtype":  # noqa: F821

@@ -3,7 +3,8 @@ writes plans there, and the one thread that runs this rank's steps reads them, e
 answers, with no gRPC thread in between.
 
 One connection at a time: the thread that accepts them runs each one's steps, so a second
-connection waits in the listen queue until the first ends (steps never run on two threads). A connection ends when the coordinator closes it (a restart of the group, a shutdown) or a step
+connection waits in the listen queue until the first ends (steps never run on two threads). A
+connection ends when the coordinator closes it (a restart of the group, a shutdown) or a step
 fails: its answer is written, the rank's ``on_fatal`` runs, and the connection is closed.
 """
 
