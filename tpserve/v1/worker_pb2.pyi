@@ -130,18 +130,28 @@ class ScheduledChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_spec_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables")
+    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TRIMMED_BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GROW_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GROW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     trimmed_block_tables: _containers.RepeatedCompositeFieldContainer[TrimmedBlockTable]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ...) -> None: ...
+    decode_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    decode_start_positions: _containers.RepeatedScalarFieldContainer[int]
+    decode_grow_rows: _containers.RepeatedScalarFieldContainer[int]
+    decode_grow_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrimmedBlockTable(_message.Message):
     __slots__ = ("seq_id", "num_blocks")
