@@ -199,7 +199,7 @@ class NewSequence:
     prompt_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per sequence per step (0.14 µs against 0.73 frozen; issue 26); never mutated
 class ScheduledChunk:
     """The tokens one sequence contributes to this step's flat batch.
 
