@@ -153,8 +153,8 @@ def run_load(server: tuple[int, int, int], num_streams: int, max_tokens: int) ->
     # The client runs as the coordinator does, under SCHED_BATCH (tpserve/sched_policy.py): it
     # shares the ranks' cores only because the benchmark runs on one host, and under the default
     # policy each of its wakeups (one per streamed token) preempts a rank mid-step. Measured at tp 1
-    # and 16 streams on the 2-core host, 16 rounds each (benchmarks/README.md, "The load client
-    # under SCHED_BATCH"): its CPU per token 0.73x, TPOT 0.96x (median) and 0.92x (mean).
+    # and 16 streams on the 2-core host by benchmarks/client_policy.py (results/client_policy.json,
+    # 20 loads each): TPOT 0.85x (median), the client's CPU per token 0.66x.
     set_policy("batch")
     try:
         tpot, tokens = asyncio.run(_load(port, num_streams, max_tokens))
