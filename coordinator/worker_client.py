@@ -26,7 +26,7 @@ import structlog
 from coordinator.step_socket_stream import SocketStepStream
 from tpserve.cluster_secret import client_interceptors
 from tpserve.step import StepPlan, StepResult
-from tpserve.step_pb import ERRORS_ONLY, plan_to_pb, result_from_pb
+from tpserve.step_pb import ERRORS_ONLY, STEP_PROTOCOL, plan_to_pb, result_from_pb
 from tpserve.step_socket import socket_path
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
@@ -123,7 +123,8 @@ class WorkerGroup:
         """Waits until every rank has loaded its shard; returns the KV blocks all can hold.
 
         Raises:
-            WorkerGroupError: a rank reported a load error, or ``timeout_s`` passed.
+            WorkerGroupError: a rank reported a load error, reads another step protocol
+                (another tpserve version), or ``timeout_s`` passed.
         """
         deadline = time.monotonic() + timeout_s
         pending = set(range(self.world_size))
@@ -138,6 +139,10 @@ class WorkerGroup:
                     continue  # not listening yet
                 if status.error:
                     raise WorkerGroupError(status.error)
+                if status.step_protocol != STEP_PROTOCOL:
+                    raise WorkerGroupError(
+                        f"rank {rank} reads step protocol {status.step_protocol} and this coordinator writes "
+                        f"{STEP_PROTOCOL}: the group runs two tpserve versions; run one version on every host")
                 if status.ready:
                     available[rank] = status.num_kv_blocks_available
                     self.dtype = status.dtype

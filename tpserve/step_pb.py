@@ -18,6 +18,13 @@ from tpserve.step import (
 )
 from tpserve.v1 import worker_pb2 as pb
 
+#: The version of the step protocol (worker.proto's StepPlan and StepResult as this module reads
+#: and writes them), which every rank reports in GetStatus and the coordinator checks before the
+#: group's first step: protobuf skips fields it does not know, so a rank of another version would
+#: read a plan as a different batch, not fail. 0: no version (before 2); 2: the leading plain
+#: decodes as columns (``StepPlan.decode_*``).
+STEP_PROTOCOL = 2
+
 #: Step stream metadata (key, value) that asks a rank to answer a plan only when its step fails.
 #: The coordinator opens every rank's stream but the sampling rank's with it: their answers carry
 #: nothing it uses, and each one read costs it a gRPC read per step (vLLM's executor likewise has

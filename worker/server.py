@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import structlog
 
-from tpserve.step_pb import ERRORS_ONLY, plan_from_pb, result_to_pb
+from tpserve.step_pb import ERRORS_ONLY, STEP_PROTOCOL, plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 from worker.memory import CacheSizing, weight_bytes
@@ -173,6 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             dtype=self._dtype,
             device="" if self._device is None else self._device.type,
             num_threads=self._num_threads,
+            step_protocol=STEP_PROTOCOL,
         )
 
     def InitCache(self, request: pb.InitCacheRequest, context: grpc.ServicerContext) -> pb.InitCacheResponse:

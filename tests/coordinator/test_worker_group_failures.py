@@ -16,6 +16,7 @@ import pytest
 
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.step import StepPlan
+from tpserve.step_pb import STEP_PROTOCOL
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 
@@ -325,3 +326,38 @@ def test_the_liveness_watch_tells_a_stuck_rank_from_a_gone_one(ranks: list[str],
     loss = asyncio.run(main())
     assert loss.stuck is stuck
     assert says in loss.reason, loss.reason
+
+
+class _LoadedRank(worker_pb2_grpc.WorkerServiceServicer):
+    """A rank that has loaded its shard and reads step protocol ``step_protocol``."""
+
+    def __init__(self, step_protocol: int) -> None:
+        self.step_protocol = step_protocol
+
+    async def GetStatus(self, request, context):
+        return pb.WorkerStatus(rank=0, world_size=1, ready=True, num_kv_blocks_available=77, dtype="float32",
+                               device="cpu", num_threads=1, step_protocol=self.step_protocol)
+
+
+@pytest.mark.parametrize("step_protocol", [STEP_PROTOCOL, 0, STEP_PROTOCOL + 1])
+def test_a_rank_of_another_step_protocol_is_refused_before_any_step(step_protocol: int) -> None:
+    """A rank of another tpserve version would read the plans' bytes as another batch (protobuf skips
+    unknown fields): the group refuses it while it waits for the ranks, with both versions named."""
+    async def main():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(_LoadedRank(step_protocol), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        group = WorkerGroup([f"127.0.0.1:{port}"], step_timeout_s=60.0)
+        try:
+            return await group.wait_ready(timeout_s=10)
+        finally:
+            await group.close()
+            await server.stop(None)
+
+    if step_protocol == STEP_PROTOCOL:
+        assert asyncio.run(main()) == 77
+        return
+    with pytest.raises(WorkerGroupError, match=f"rank 0 reads step protocol {step_protocol} and this coordinator "
+                                               f"writes {STEP_PROTOCOL}: the group runs two tpserve versions"):
+        asyncio.run(main())

@@ -22,7 +22,7 @@ from tests.worker.cuda_mock import GIB, FakeCuda
 from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
-from tpserve.step_pb import ERRORS_ONLY, plan_to_pb, result_from_pb
+from tpserve.step_pb import ERRORS_ONLY, STEP_PROTOCOL, plan_to_pb, result_from_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
 from worker.kv_cache import KVCacheLayout
@@ -103,6 +103,7 @@ def test_load_binds_the_local_gpu_and_sizes_the_cache_from_free_memory(loaded) -
     expected_blocks = (int(0.9 * 80 * GIB) - used) // runner.kv_layout.bytes_per_block
     status = servicer.GetStatus(pb.GetStatusRequest(), None)
     assert status.ready and status.num_kv_blocks_available == expected_blocks > 0
+    assert status.step_protocol == STEP_PROTOCOL == 2  # what the coordinator checks before the first step
 
 
 def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loaded, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tpserve/v1/worker.proto\x12\ntpserve.v1\"\x12\n\x10GetStatusRequest\"\xa3\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1f\n\x17num_kv_blocks_available\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x13\n\x0bnum_threads\x18\x08 \x01(\r\")\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\"\x13\n\x11InitCacheResponse\"(\n\x15PrepareGrammarRequest\x12\x0f\n\x07grammar\x18\x01 \x01(\t\"\'\n\x16PrepareGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\xf7\x03\n\x14WorkerSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x43\n\nlogit_bias\x18\t \x03(\x0b\x32/.tpserve.v1.WorkerSamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0b \x03(\x05\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10grammar_stop_ids\x18\x10 \x03(\x05\x12\x11\n\ttypical_p\x18\x11 \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_prompt_logprobs\"\xa1\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .tpserve.v1.WorkerSamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11history_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\"\xa5\x01\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\x0fnum_spec_tokens\x18\x06 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\"\xd7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.NewSequence\x12-\n\tscheduled\x18\x03 \x03(\x0b\x32\x1a.tpserve.v1.ScheduledChunk\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12;\n\x14trimmed_block_tables\x18\x05 \x03(\x0b\x32\x1d.tpserve.v1.TrimmedBlockTable\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\x06 \x03(\x04\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x07 \x03(\x05\x12\x1e\n\x16\x64\x65\x63ode_start_positions\x18\x08 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_grow_rows\x18\t \x03(\r\x12\x1d\n\x15\x64\x65\x63ode_grow_block_ids\x18\n \x03(\r\"7\n\x11TrimmedBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x97\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.tpserve.v1.SampleLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.tpserve.v1.PromptLogprobs\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x03(\r\x12\x1b\n\x13\x65xpert_token_counts\x18\x07 \x03(\r\x12\x1c\n\x14model_execute_time_s\x18\x08 \x01(\x01\x12\x13\n\x0bwait_time_s\x18\t \x01(\x01\"n\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tpserve.v1.TopTokens\"0\n\tTopTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"d\n\x0eSampleLogprobs\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x32\xb1\x02\n\rWorkerService\x12\x43\n\tGetStatus\x12\x1c.tpserve.v1.GetStatusRequest\x1a\x18.tpserve.v1.WorkerStatus\x12H\n\tInitCache\x12\x1c.tpserve.v1.InitCacheRequest\x1a\x1d.tpserve.v1.InitCacheResponse\x12\x38\n\x04Step\x12\x14.tpserve.v1.StepPlan\x1a\x16.tpserve.v1.StepResult(\x01\x30\x01\x12W\n\x0ePrepareGrammar\x12!.tpserve.v1.PrepareGrammarRequest\x1a\".tpserve.v1.PrepareGrammarResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tpserve/v1/worker.proto\x12\ntpserve.v1\"\x12\n\x10GetStatusRequest\"\xba\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1f\n\x17num_kv_blocks_available\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x13\n\x0bnum_threads\x18\x08 \x01(\r\x12\x15\n\rstep_protocol\x18\t \x01(\r\")\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\"\x13\n\x11InitCacheResponse\"(\n\x15PrepareGrammarRequest\x12\x0f\n\x07grammar\x18\x01 \x01(\t\"\'\n\x16PrepareGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\xf7\x03\n\x14WorkerSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x43\n\nlogit_bias\x18\t \x03(\x0b\x32/.tpserve.v1.WorkerSamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0b \x03(\x05\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10grammar_stop_ids\x18\x10 \x03(\x05\x12\x11\n\ttypical_p\x18\x11 \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_prompt_logprobs\"\xa1\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .tpserve.v1.WorkerSamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11history_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\"\xa5\x01\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\x0fnum_spec_tokens\x18\x06 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\"\xd7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.NewSequence\x12-\n\tscheduled\x18\x03 \x03(\x0b\x32\x1a.tpserve.v1.ScheduledChunk\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12;\n\x14trimmed_block_tables\x18\x05 \x03(\x0b\x32\x1d.tpserve.v1.TrimmedBlockTable\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\x06 \x03(\x04\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x07 \x03(\x05\x12\x1e\n\x16\x64\x65\x63ode_start_positions\x18\x08 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_grow_rows\x18\t \x03(\r\x12\x1d\n\x15\x64\x65\x63ode_grow_block_ids\x18\n \x03(\r\"7\n\x11TrimmedBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x97\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.tpserve.v1.SampleLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.tpserve.v1.PromptLogprobs\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x03(\r\x12\x1b\n\x13\x65xpert_token_counts\x18\x07 \x03(\r\x12\x1c\n\x14model_execute_time_s\x18\x08 \x01(\x01\x12\x13\n\x0bwait_time_s\x18\t \x01(\x01\"n\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tpserve.v1.TopTokens\"0\n\tTopTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"d\n\x0eSampleLogprobs\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x32\xb1\x02\n\rWorkerService\x12\x43\n\tGetStatus\x12\x1c.tpserve.v1.GetStatusRequest\x1a\x18.tpserve.v1.WorkerStatus\x12H\n\tInitCache\x12\x1c.tpserve.v1.InitCacheRequest\x1a\x1d.tpserve.v1.InitCacheResponse\x12\x38\n\x04Step\x12\x14.tpserve.v1.StepPlan\x1a\x16.tpserve.v1.StepResult(\x01\x30\x01\x12W\n\x0ePrepareGrammar\x12!.tpserve.v1.PrepareGrammarRequest\x1a\".tpserve.v1.PrepareGrammarResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=39
   _globals['_GETSTATUSREQUEST']._serialized_end=57
   _globals['_WORKERSTATUS']._serialized_start=60
-  _globals['_WORKERSTATUS']._serialized_end=223
-  _globals['_INITCACHEREQUEST']._serialized_start=225
-  _globals['_INITCACHEREQUEST']._serialized_end=266
-  _globals['_INITCACHERESPONSE']._serialized_start=268
-  _globals['_INITCACHERESPONSE']._serialized_end=287
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=289
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=329
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=331
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=370
-  _globals['_WORKERSAMPLINGPARAMS']._serialized_start=373
-  _globals['_WORKERSAMPLINGPARAMS']._serialized_end=876
-  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=808
-  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=856
-  _globals['_NEWSEQUENCE']._serialized_start=879
-  _globals['_NEWSEQUENCE']._serialized_end=1040
-  _globals['_SCHEDULEDCHUNK']._serialized_start=1043
-  _globals['_SCHEDULEDCHUNK']._serialized_end=1208
-  _globals['_STEPPLAN']._serialized_start=1211
-  _globals['_STEPPLAN']._serialized_end=1554
-  _globals['_TRIMMEDBLOCKTABLE']._serialized_start=1556
-  _globals['_TRIMMEDBLOCKTABLE']._serialized_end=1611
-  _globals['_STEPRESULT']._serialized_start=1614
-  _globals['_STEPRESULT']._serialized_end=1893
-  _globals['_PROMPTLOGPROBS']._serialized_start=1895
-  _globals['_PROMPTLOGPROBS']._serialized_end=2005
-  _globals['_TOPTOKENS']._serialized_start=2007
-  _globals['_TOPTOKENS']._serialized_end=2055
-  _globals['_SAMPLELOGPROBS']._serialized_start=2057
-  _globals['_SAMPLELOGPROBS']._serialized_end=2157
-  _globals['_WORKERSERVICE']._serialized_start=2160
-  _globals['_WORKERSERVICE']._serialized_end=2465
+  _globals['_WORKERSTATUS']._serialized_end=246
+  _globals['_INITCACHEREQUEST']._serialized_start=248
+  _globals['_INITCACHEREQUEST']._serialized_end=289
+  _globals['_INITCACHERESPONSE']._serialized_start=291
+  _globals['_INITCACHERESPONSE']._serialized_end=310
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=312
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=352
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=354
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=393
+  _globals['_WORKERSAMPLINGPARAMS']._serialized_start=396
+  _globals['_WORKERSAMPLINGPARAMS']._serialized_end=899
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=831
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=879
+  _globals['_NEWSEQUENCE']._serialized_start=902
+  _globals['_NEWSEQUENCE']._serialized_end=1063
+  _globals['_SCHEDULEDCHUNK']._serialized_start=1066
+  _globals['_SCHEDULEDCHUNK']._serialized_end=1231
+  _globals['_STEPPLAN']._serialized_start=1234
+  _globals['_STEPPLAN']._serialized_end=1577
+  _globals['_TRIMMEDBLOCKTABLE']._serialized_start=1579
+  _globals['_TRIMMEDBLOCKTABLE']._serialized_end=1634
+  _globals['_STEPRESULT']._serialized_start=1637
+  _globals['_STEPRESULT']._serialized_end=1916
+  _globals['_PROMPTLOGPROBS']._serialized_start=1918
+  _globals['_PROMPTLOGPROBS']._serialized_end=2028
+  _globals['_TOPTOKENS']._serialized_start=2030
+  _globals['_TOPTOKENS']._serialized_end=2078
+  _globals['_SAMPLELOGPROBS']._serialized_start=2080
+  _globals['_SAMPLELOGPROBS']._serialized_end=2180
+  _globals['_WORKERSERVICE']._serialized_start=2183
+  _globals['_WORKERSERVICE']._serialized_end=2488
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads")
+    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class WorkerStatus(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     ready: bool
@@ -28,7 +29,8 @@ class WorkerStatus(_message.Message):
     dtype: str
     device: str
     num_threads: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    step_protocol: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_kv_blocks",)
