@@ -163,8 +163,13 @@ def test_streams_move_off_a_killed_replica_token_for_token(replicas, references)
                 async for chunk in client.generate_stream(PROMPT, **kinds[name], timeout_s=60):
                     received[index].append(chunk)
 
-            for _ in range(8):  # round_robin connects to both addresses before the streams start
-                await client.model_info()
+            # round_robin sends only to the addresses it has connected to: a request must reach the
+            # doomed replica before the streams start, or on a loaded host they may all go to the other.
+            served = await asyncio.to_thread(doomed.metric, "tpserve:prompt_tokens_total")
+            deadline = time.monotonic() + 30
+            while await asyncio.to_thread(doomed.metric, "tpserve:prompt_tokens_total") == served:
+                assert time.monotonic() < deadline, "round_robin never picked the doomed replica"
+                await client.generate(PROMPT, max_tokens=1)
             tasks = [asyncio.create_task(consume(i, name)) for i, name in enumerate(names)]
             deadline = time.monotonic() + 30
             # Mid-stream: every stream has delivered tokens, and the doomed replica still holds some.
@@ -176,6 +181,9 @@ def test_streams_move_off_a_killed_replica_token_for_token(replicas, references)
             await asyncio.gather(*tasks)
             return received
 
+    # The doomed replica compiles the JSON schema's grammar before the streams start (the references
+    # ran on the other replica), so that its JSON streams start with the others.
+    _stream(generate_pb2_grpc.GenerationStub(doomed.client.channel), _request(kinds["json"]))
     received = asyncio.run(main())
     # The fault hit mid-stream: streams moved with tokens already delivered (how many the doomed
     # replica held depends on round_robin's picks and on which streams had finished).
