@@ -55,7 +55,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
     scheduled = plan.scheduled
     num_decodes = _num_leading_decodes(scheduled)
     if num_decodes:
-        head = scheduled[:num_decodes] if num_decodes < len(scheduled) else scheduled
+        head = scheduled[:num_decodes]
         msg.decode_seq_ids.extend([chunk.seq_id for chunk in head])
         msg.decode_token_ids.extend([chunk.token_ids[0] for chunk in head])
         msg.decode_start_positions.extend([chunk.start_position for chunk in head])
