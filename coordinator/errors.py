@@ -16,6 +16,8 @@ from typing import Any
 import grpc
 import structlog
 
+from coordinator.wire_utf8 import invalid_utf8_field
+
 log = structlog.get_logger(__name__)
 
 
@@ -84,8 +86,13 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any], method: str) -> Call
         try:
             return deserialize(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field
+            where = ""
+            descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)  # FromString's class
+            if "UTF-8" in str(exc) and descriptor is not None:
+                field = invalid_utf8_field(descriptor, data)
+                where = f"; field {field} is not valid UTF-8 (proto3 strings must be)" if field else ""
             return _Undecodable(f"the request does not decode as {method}'s request message: "
-                                f"{type(exc).__name__}: {exc}")
+                                f"{type(exc).__name__}: {exc}{where}")
 
     return wrapped
 

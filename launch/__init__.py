@@ -16,3 +16,11 @@ server and this host's ranks) or, with ``--headless``, a :class:`~launch.headles
 Import rules (tests/test_import_rules.py): ``coordinator`` imports no torch and no worker;
 ``worker`` imports neither coordinator nor launch; ``tpserve`` (shared) imports none of the three.
 """
+
+import os
+
+# gRPC's C core logs in its own format straight to stderr (a port in use: an add_port.cc E-line before
+# ours; fork_posix.cc lines from the ranks). It reads this once, at its first channel or server, which a
+# module imported by the coordinator may already create: so here, before any of them, and inherited by the
+# ranks. A user who sets GRPC_VERBOSITY (debug) keeps it. tpserve/log.py says what reaches the log.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")

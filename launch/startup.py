@@ -50,6 +50,10 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         StartupError: not a checkpoint directory, an unsupported architecture or
             quantization_config, or the model cannot be split.
     """
+    if not model_dir.exists():
+        raise StartupError(f"--model {model_dir}: no such directory (give a Hugging Face checkpoint directory)")
+    if not model_dir.is_dir():
+        raise StartupError(f"--model {model_dir}: not a directory (give a Hugging Face checkpoint directory)")
     if not (model_dir / "config.json").is_file():
         raise StartupError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
     try:

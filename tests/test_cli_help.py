@@ -38,15 +38,25 @@ def test_every_flag_has_a_help_line(command):
 def test_help_shows_defaults():
     commands = _commands()
     serve = " ".join(commands["serve"].format_help().split())
-    for shown in ("number of worker ranks the model is split over (default: 1)", "gRPC port (default 50051)",
-                  "tokens per KV cache block (default: 16)", "address to bind (default 0.0.0.0)", "(default: console)",
-                  "reuse the KV blocks of shared prompt prefixes (default on)"):
+    for shown in ("number of worker ranks the model is split over (default: 1)", "gRPC port (default: 50051)",
+                  "tokens per KV cache block (default: 16)", "address to bind (default: 0.0.0.0)", "(default: console)",
+                  "reuse the KV blocks of shared prompt prefixes (default: on)",
+                  "0 runs the coordinator (default: 0)", "quantized at load time (default: none",
+                  "use exactly this many KV blocks (default: as many as the memory budget holds)"):
         assert shown in serve, shown
     assert "(default: None)" not in serve and "(default: False)" not in serve
     generate = " ".join(commands["generate"].format_help().split())
     assert "(port 50051 if none) (default: 127.0.0.1:50051)" in generate
+    assert "0 keeps all (default: 0)" in generate
     bench = " ".join(commands["bench"].format_help().split())
     assert "requests per load (default: 200)" in bench and "(default: None)" not in bench
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "info", "bench"])
+def test_every_default_is_spelled_one_way(command):
+    """"(default: X)" or "; default: X", never "(default X)", "default X" or "X (default)"."""
+    text = " ".join(_commands()[command].format_help().split())
+    assert not re.findall(r"\(default [^:]|; default [^:]|\(default\)", text)
 
 
 def test_api_key_from_the_environment_is_not_shown(monkeypatch):

@@ -106,3 +106,43 @@ def test_escape_control(text: str, escaped: str) -> None:
     from tpserve.log import escape_control
 
     assert escape_control(text) == escaped
+
+
+_LINES_SCRIPT = """
+import logging, os, structlog
+from tpserve.log import configure_logging
+
+writes = []
+real_write = os.write
+os.write = lambda fd, data: writes.append(data) or real_write(fd, data)
+configure_logging("console", rank=3)
+structlog.get_logger("test").info("step done", detail="x" * 3000)
+logging.getLogger("grpc").warning("from the standard library")
+os.write = real_write
+print(len(writes), [w.count(b"\\n") for w in writes], flush=True)
+"""
+
+
+def test_every_record_is_one_whole_line_in_one_write() -> None:
+    """The ranks of a group share one stderr: a line written in pieces (``print`` writes the message and its
+    newline apart) can take another rank's line inside it. Each record is one ``write(2)`` of one line."""
+    done = subprocess.run([sys.executable, "-c", _LINES_SCRIPT], capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert done.stdout.strip() == "2 [1, 1]", done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and "step done" in lines[0] and "rank=3" in lines[0] and "x" * 3000 in lines[0]
+    assert lines[1] == "from the standard library"
+
+
+def test_grpc_core_lines_are_silenced_in_the_server_processes() -> None:
+    """gRPC's C core would print ``E... add_port.cc:83] Failed to add port`` in its own format before our line."""
+    script = ("import launch  # first, as the server processes do (tpserve serve, python -m launch.cli)\n"
+              "import os, socket, grpc\n"
+              "from concurrent.futures import ThreadPoolExecutor\n"
+              "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+              "server = grpc.server(ThreadPoolExecutor(1))\n"
+              "try:\n    server.add_insecure_port(f'127.0.0.1:{s.getsockname()[1]}')\n"
+              "except RuntimeError:\n    print(os.environ['GRPC_VERBOSITY'])\n")
+    env = {key: value for key, value in __import__("os").environ.items() if key != "GRPC_VERBOSITY"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout.strip() == "NONE" and "add_port" not in done.stderr, done.stderr

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 
-from tpserve import __version__
+from tpserve import __version__, generate_command
 from tpserve.sampling_fields import FIELDS
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--device", dict(choices=("auto", "cpu", "cuda"),
                           help="where the ranks run; auto: CUDA where a GPU is visible")),
         ("--quantization", dict(choices=("int8",), help="int8: weight-only int8 linear layers (per-channel scales, "
-                                                        "activations in --dtype), quantized at load time")),
+                                                        "activations in --dtype), quantized at load time (default: "
+                                                        "none, or the checkpoint's quantization_config)")),
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
         ("--cuda-graph-sizes", dict(type=int, nargs="+", help="CUDA: decode batch sizes to capture as graphs "
                                                               "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")),
@@ -69,7 +70,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--gpu-memory-utilization", dict(type=float, help="share of each GPU's memory a rank may use (default 0.9; "
                                                           "on the CPU it scales the KV cache's share of free RAM)")),
         ("--kv-cache-memory-bytes", dict(type=int, help="per-rank KV cache budget in bytes (default: from free memory)")),
-        ("--num-gpu-blocks-override", dict(type=int, help="use exactly this many KV blocks")),
+        ("--num-gpu-blocks-override", dict(type=int, help="use exactly this many KV blocks (default: as many as "
+                                                                      "the memory budget holds)")),
         ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction,
                                          help="reuse the KV blocks of shared prompt prefixes (default on)")),
     ],
@@ -128,13 +130,20 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_ = action.help or ""
-        if not action.option_strings or "default" in help_ or action.dest in ("api_key", "help", "version"):
+        if "default" in help_:  # one spelling for every flag: "(default: X)", "; default: X"
+            return _DEFAULT_SPELLING.sub(r"\1default: ", help_)
+        if not action.option_strings or action.dest in ("api_key", "help", "version"):
             return help_
         default = self._default(action)
-        if default in (None, False, [], (), "") or default is argparse.SUPPRESS:
+        # `is`: a default of 0 (--node-rank) is shown, though 0 == False
+        if default is None or default is False or default in ([], (), "") or default is argparse.SUPPRESS:
             return help_
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{help_} (default: {shown})".replace("%", "%%")
+
+
+#: A help text's own "(default X" or "; default X", written as the formatter writes defaults.
+_DEFAULT_SPELLING = re.compile(r"([(;] ?)default (?!:)")
 
 
 class _ServeHelpFormatter(_HelpFormatter):
@@ -204,14 +213,15 @@ def run_client_command(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return bench_cli.main(args)
     try:
-        return _generate(args) if args.command == "generate" else _info(args)
-    except UsageError as exc:
+        return generate_command.generate(args) if args.command == "generate" else _info(args)
+    except generate_command.UsageError as exc:
         print(f"tpserve {args.command}: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
         from tpserve.client import describe_rpc_error, with_default_port
 
-        print(describe_rpc_error(exc, with_default_port(args.target), tls=_credentials(args).tls), file=sys.stderr)
+        print(describe_rpc_error(exc, with_default_port(args.target), tls=generate_command.credentials(args).tls),
+              file=sys.stderr)
         return 1
     except OSError as exc:  # a credentials file
         print(f"tpserve {args.command}: {exc.filename}: {exc.strerror}", file=sys.stderr)
@@ -258,8 +268,6 @@ _FIELDS = {flag.lstrip("-").replace("-", "_"): flag for flags in _SERVE_FLAGS.va
 def as_flags(message: str) -> str:
     """``message`` with configuration fields written as flags: ``speculative: speculative_method=ngram needs
     num_speculative_tokens`` -> ``--speculative-method=ngram needs --num-speculative-tokens``."""
-    import re
-
     message = re.sub(r"\[Errno \d+\] ", "", message)
     message = re.sub(r"^(?:" + "|".join(_SERVE_FLAGS) + r")[.:] ?", "", message)
 
@@ -276,17 +284,6 @@ def _add_credential_flags(parser: argparse.ArgumentParser) -> None:
     from tpserve.client import Credentials
 
     Credentials.add_flags(parser)
-
-
-def _credentials(args: argparse.Namespace):
-    from tpserve.client import Credentials
-
-    return Credentials.from_flags(args)
-
-
-class UsageError(Exception):
-    """A flag combination or a flag's file that ``tpserve generate`` / ``info`` cannot use; the message says
-    which flags and what to do."""
 
 
 def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
@@ -306,117 +303,12 @@ def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
             gen.add_argument(spec.flag, type=spec.type, dest=spec.name, help=spec.help)
 
 
-def _check_generate_flags(args: argparse.Namespace) -> None:
-    """Refuses the combinations argparse cannot see.
-
-    Raises:
-        UsageError: naming the flags.
-    """
-    if not args.json:
-        for flag, given in (("--logprobs", args.logprobs), ("--top-logprobs", args.top_logprobs is not None),
-                            ("--prompt-logprobs", args.prompt_logprobs is not None)):
-            if given:
-                raise UsageError(f"{flag} is printed only in the JSON object: add --json")
-    if args.top_logprobs is not None and not args.logprobs:
-        raise UsageError("--top-logprobs goes with --logprobs: add --logprobs")
-    if args.system is not None and not args.chat:
-        raise UsageError("--system goes with --chat (a system message before the prompt): add --chat")
-    if args.prompt_logprobs is not None and args.stream:
-        raise UsageError("--prompt-logprobs comes with the unary call: drop --stream")
-
-
-def _json_schema(value: str | None) -> str | None:
-    """``--json-schema``'s text, read from the file after ``@``.
-
-    Raises:
-        UsageError: the file cannot be read.
-    """
-    if value is None or not value.startswith("@"):
-        return value
-    try:
-        return Path(value[1:]).read_text()
-    except OSError as exc:
-        raise UsageError(f"--json-schema {value}: cannot read {value[1:]} ({exc.strerror}); give a JSON schema file "
-                         "after @, or the schema itself") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"--json-schema {value}: {value[1:]} is not UTF-8 text") from None
-
-
-def _report_move(move) -> None:
-    """One stderr line per request moved to another replica (tpserve/stream_move.py)."""
-    print(f"tpserve generate: {move.code.name} ({move.details}); continuing on another replica after "
-          f"{move.num_delivered_tokens} tokens (attempt {move.attempt})", file=sys.stderr, flush=True)
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from tpserve.client import Client, GenerateResult
-    from tpserve.stream_move import MovePolicy
-
-    _check_generate_flags(args)
-    sampling = {spec.name: getattr(args, spec.name) for spec in FIELDS if spec.cli}
-    sampling.update(logit_bias=_logit_bias(args.logit_bias), regex=args.regex, choices=args.choices,
-                    cache_salt=args.cache_salt, json_schema=_json_schema(args.json_schema))
-    with Client(args.target, credentials=_credentials(args), move_policy=MovePolicy(on_move=_report_move)) as client:
-        if not args.stream:
-            result = client.generate(_prompt(args), timeout_s=args.timeout, **sampling)
-        else:
-            text, token_ids, logprobs, last = [], [], [], None
-            for chunk in client.generate_stream(_prompt(args), timeout_s=args.timeout, **sampling):
-                if not args.json:
-                    print(chunk.text, end="", flush=True)
-                text.append(chunk.text)
-                token_ids.extend(chunk.token_ids)
-                logprobs.extend(chunk.logprobs)
-                last = chunk
-            result = GenerateResult(last.request_id, "".join(text), token_ids, last.finish_reason, last.usage,
-                                    tuple(logprobs))
-    if args.json:
-        obj = result.to_json_dict()
-        if args.logprobs:
-            from google.protobuf.json_format import MessageToDict
-
-            obj["logprobs"] = [MessageToDict(lp, preserving_proto_field_name=True) for lp in result.logprobs]
-        if args.prompt_logprobs is not None and not args.stream:
-            from google.protobuf.json_format import MessageToDict
-
-            obj["prompt_logprobs"] = [MessageToDict(lp, preserving_proto_field_name=True)
-                                      for lp in result.prompt_logprobs]
-        print(json.dumps(obj, ensure_ascii=False))
-    elif args.stream:
-        print()
-    else:
-        print(result.text)
-    return 0
-
-
-def _prompt(args: argparse.Namespace) -> str | list[dict[str, str]]:
-    """The prompt text, or with ``--chat`` the messages (an optional system one, then the user's)."""
-    if not args.chat:
-        return args.prompt
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    return [*system, {"role": "user", "content": args.prompt}]
-
-
-def _logit_bias(pairs: list[str]) -> dict[int, float]:
-    """``["TOKEN_ID=BIAS", ...]`` as a dict (argparse exits with the message on a malformed pair)."""
-    bias = {}
-    for pair in pairs:
-        token, sep, value = pair.partition("=")
-        try:
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise SystemExit(f"tpserve generate: --logit-bias expects TOKEN_ID=BIAS, got {pair!r}") from None
-        if not sep:
-            raise SystemExit(f"tpserve generate: --logit-bias expects TOKEN_ID=BIAS, got {pair!r}")
-    return bias
-
-
 def _info(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from tpserve.client import Client
 
-    with Client(args.target, credentials=_credentials(args)) as client:
+    with Client(args.target, credentials=generate_command.credentials(args)) as client:
         info = MessageToDict(client.model_info(), preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)  # "quantization": "" says none
         print(json.dumps(info, indent=2))

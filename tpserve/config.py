@@ -24,8 +24,15 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
+#: Largest count a request or step field carries on the wire (protobuf ``int32``): a token, sequence or
+#: block count above it would be refused by the first message that carries it, after start-up.
+INT32_MAX = 2**31 - 1
+
+
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # allow_inf_nan=False: ``--step-timeout-seconds inf`` would pass ``gt=0`` and fail later as a
+    # timedelta overflow (a traceback from a rank); every float of the configuration is finite.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class LoadConfig(_Frozen):
@@ -99,7 +106,7 @@ class ParallelConfig(_Frozen):
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
     distributed_timeout_seconds: float = Field(60.0, gt=0)
     nnodes: int = Field(1, ge=1, le=64)
-    node_rank: int = Field(0, ge=0)
+    node_rank: int = Field(0, ge=0, le=INT32_MAX)
     master_addr: str | None = None
     master_port: int = Field(29500, ge=1, le=65535 - 2 - 64)
     headless: bool = False
@@ -147,8 +154,8 @@ class CacheConfig(_Frozen):
 
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    kv_cache_memory_bytes: int | None = Field(None, gt=0)
-    num_gpu_blocks_override: int | None = Field(None, ge=1)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, le=2**63 - 1)
+    num_gpu_blocks_override: int | None = Field(None, ge=1, le=INT32_MAX)
     enable_prefix_caching: bool = True
 
 
@@ -172,10 +179,10 @@ class SchedulerConfig(_Frozen):
             True with speculative decoding or pipeline stages is refused.
     """
 
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    max_queue_len: int = Field(1024, ge=1)
+    max_num_seqs: int = Field(64, ge=1, le=INT32_MAX)
+    max_num_batched_tokens: int = Field(2048, ge=1, le=INT32_MAX)
+    max_model_len: int | None = Field(None, ge=2, le=INT32_MAX)
+    max_queue_len: int = Field(1024, ge=1, le=INT32_MAX)
     async_scheduling: bool | None = None
 
 
@@ -206,9 +213,9 @@ class SpeculativeConfig(_Frozen):
     speculative_method: Literal["ngram", "draft"] | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
-    prompt_lookup_max: int | None = Field(None, ge=1)
-    prompt_lookup_min: int | None = Field(None, ge=1)
-    speculative_disable_by_batch_size: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1, le=INT32_MAX)
+    prompt_lookup_min: int | None = Field(None, ge=1, le=INT32_MAX)
+    speculative_disable_by_batch_size: int | None = Field(None, ge=1, le=INT32_MAX)
 
     @model_validator(mode="after")
     def _check_lookup(self) -> SpeculativeConfig:
@@ -277,7 +284,7 @@ class ServerConfig(_Frozen):
     ssl_ca_certs: str | None = None
     api_key: str | None = None
     api_key_file: str | None = None
-    stream_interval: int = Field(1, ge=1)
+    stream_interval: int = Field(1, ge=1, le=INT32_MAX)
 
     @model_validator(mode="after")
     def _check_tls(self) -> ServerConfig:

@@ -19,11 +19,18 @@ What reaches the log, in both formats (docs/design.md, "Operational faults (issu
   written once; the next one after the window says how many were suppressed, e.g.
   ``unauthenticated call refused (suppressed 57 similar in the last 60 s)``, with
   ``num_suppressed=57``. A client sending bad keys in a loop cannot fill the disk.
+* Every record is one line written by one ``write(2)`` call (:class:`LineWriter`), so that the
+  lines of a group's processes, which share one stderr, never interleave mid-line.
+* gRPC's C core writes its own lines (``add_port.cc``, ``fork_posix.cc``) straight to the file
+  descriptor, in its own format, next to ours: the server's processes silence it
+  (``GRPC_VERBOSITY=NONE``, set by :mod:`launch` unless the user set it). Whatever it would say
+  that matters reaches the user as our own line (a port in use: ``tpserve serve: --port ...``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import threading
@@ -151,14 +158,39 @@ def processors(fmt: Literal["console", "json"], rate_limiter: RateLimitWarnings 
     return chain
 
 
+class LineWriter:
+    """A text stream for log lines: each ``write`` goes to the current ``sys.stderr``'s file descriptor in
+    one ``write(2)`` call (looping only on a partial write), so that a line of up to ``PIPE_BUF`` (4,096)
+    bytes reaches a pipe shared by several processes whole. ``print`` (structlog's ``PrintLogger``) writes
+    a message and its newline separately, and a buffered stream may split a long line: either lets another
+    rank's line land inside it. A ``sys.stderr`` without a descriptor (a test's capture) is written to as is.
+    """
+
+    def write(self, text: str) -> int:
+        stream = sys.stderr
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            return stream.write(text)
+        stream.flush()  # what others wrote through sys.stderr goes first
+        data = text.encode("utf-8", "backslashreplace")
+        while data:
+            data = data[os.write(fd, data):]
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+
 def configure_logging(fmt: Literal["console", "json"] = "console", level: str = "INFO", rank: int | None = None) -> None:
     """Configures structlog and the standard library's logging (used by grpc) once per process."""
-    logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
+    writer = LineWriter()
+    logging.basicConfig(stream=writer, level=level, format="%(message)s")
     if rank is not None:
         structlog.contextvars.bind_contextvars(rank=rank)
     structlog.configure(
         processors=processors(fmt),
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=writer),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )

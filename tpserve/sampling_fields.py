@@ -124,7 +124,7 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("max_tokens", int, None, "most tokens to generate (default: as many as fit in the context)",
                   "coordinator", low=1),
     SamplingField("temperature", float, 1.0, "softmax temperature; 0 is greedy (default 1.0)", "sampler", low=0),
-    SamplingField("top_k", int, 0, "sample among the K most likely tokens; 0 (default) keeps all", "sampler", low=0),
+    SamplingField("top_k", int, 0, "sample among the K most likely tokens; 0 keeps all (default 0)", "sampler", low=0),
     SamplingField("top_p", float, 1.0, "nucleus sampling: the most likely tokens whose probabilities add up to P "
                   "(default 1.0: all)", "sampler", low=0, high=1, low_open=True),
     SamplingField("seed", int, None, "seeds the sampling: the same seed and prompt give the same text "
@@ -159,6 +159,31 @@ FIELDS: tuple[SamplingField, ...] = (
 )
 
 FIELDS_BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
+
+#: The integer range of each protobuf scalar type a sampling field may have on the wire
+#: (proto/tpserve/v1/generate.proto): a value outside it cannot be sent at all.
+WIRE_RANGES: dict[str, tuple[int, int]] = {
+    "int32": (-(2**31), 2**31 - 1), "uint32": (0, 2**32 - 1),
+    "int64": (-(2**63), 2**63 - 1), "uint64": (0, 2**64 - 1),
+}
+
+
+def check_value(spec: SamplingField, value: float, wire_type: str = "") -> str | None:
+    """What is wrong with a client-side ``value`` for ``spec``, or None when it may be sent.
+
+    An integer field's range is its own range within its wire type's (``wire_type``: the proto scalar,
+    e.g. ``"int32"``): ``max_tokens`` is ``[1, 2147483647]``, ``seed`` ``[0, 18446744073709551615]``.
+    The request's own bounds (``min_tokens <= max_tokens``) are the server's to check.
+
+    Returns:
+        ``"must be in [1, 2147483647], got 10000000000"``, or None.
+    """
+    wire = WIRE_RANGES.get(wire_type)
+    if spec.type is float or wire is None:
+        return None if spec.in_range(value) else f"must be {spec.range_text()}, got {_num(value)}"
+    low = wire[0] if spec.low is None else max(wire[0], int(spec.low) + spec.low_open)
+    high = wire[1] if spec.high is None or spec.high_name else min(wire[1], int(spec.high) - spec.high_open)
+    return None if low <= value <= high else f"must be in [{low}, {high}], got {value}"
 
 
 def check(name: str, value: float, prefix: str = "", bounds: dict[str, float] | None = None) -> None:

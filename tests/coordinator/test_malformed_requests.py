@@ -45,6 +45,7 @@ def test_invalid_utf8_gets_invalid_argument_logged_as_one_line(capfd: pytest.Cap
     code, details = asyncio.run(_call(INVALID_UTF8_TEXT))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not decode as /tpserve.v1.Generation/Generate's request message" in details
+    assert details.endswith("field text is not valid UTF-8 (proto3 strings must be)")
     out, err = capfd.readouterr()
     logged = [line for line in (out + err).splitlines() if "malformed request" in line]
     assert len(logged) == 1, out + err
@@ -54,3 +55,20 @@ def test_invalid_utf8_gets_invalid_argument_logged_as_one_line(capfd: pytest.Cap
 def test_a_well_formed_request_still_reaches_the_handler() -> None:
     code, details = asyncio.run(_call(pb.GenerateRequest(text="Hi").SerializeToString()))
     assert code == grpc.StatusCode.UNAVAILABLE and "loading" in details
+
+
+@pytest.mark.parametrize("message, path", [
+    (pb.GenerateRequest(text="ok", sampling_params=pb.SamplingParams(stop=["fine", "BAD"])), "sampling_params.stop"),
+    (pb.GenerateRequest(request_id="BAD", text="ok"), "request_id"),
+    (pb.GenerateRequest(text="ok", sampling_params=pb.SamplingParams(response_format=pb.ResponseFormat(regex="BAD"))),
+     "sampling_params.response_format.regex"),
+])
+def test_the_field_with_bad_utf8_is_named(message: pb.GenerateRequest, path: str) -> None:
+    from coordinator.wire_utf8 import invalid_utf8_field
+
+    raw = message.SerializeToString().replace(b"BAD", b"B\xffD")  # same length: the wire format stays valid
+    with pytest.raises(Exception, match="UTF-8"):
+        pb.GenerateRequest.FromString(raw)
+    assert invalid_utf8_field(pb.GenerateRequest.DESCRIPTOR, raw) == path
+    assert invalid_utf8_field(pb.GenerateRequest.DESCRIPTOR, message.SerializeToString()) is None
+    assert invalid_utf8_field(pb.GenerateRequest.DESCRIPTOR, b"\xff\xff\xff") is None  # not wire format

@@ -1,0 +1,71 @@
+"""``tpserve generate``'s lines about a moving stream (tpserve/stream_move.py): each on a line of its own,
+"retrying on ADDRESS" where the target has one address, "another replica" only where it has several, and a
+final line that says the stream stopped after its moves."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+
+from tpserve import cli, generate_command
+from tpserve.stream_move import StreamMove
+
+
+def _move(attempt: int) -> StreamMove:
+    return StreamMove("req-1", attempt, 496, grpc.StatusCode.UNAVAILABLE, "Socket closed", 0.15)
+
+
+@pytest.mark.parametrize("target, count", [
+    ("127.0.0.1:50051", 1), ("ipv4:127.0.0.1:1,127.0.0.2:1", 2), ("unix:///tmp/tpserve.sock", 1),
+    ("no-such-host.invalid:1", 0), ("[::1]:7", 1),
+])
+def test_addresses_of_a_target(target, count):
+    assert generate_command.num_addresses(target) == count
+
+
+def test_one_address_is_retried_on_a_line_of_its_own(capsys, monkeypatch):
+    reporter = generate_command.MoveReporter("127.0.0.1:7")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    reporter.printed("Once upon a time, there was")  # the streamed text so far: no newline
+    reporter(_move(1))
+    reporter(_move(2))
+    err = capsys.readouterr().err
+    assert err == ("\ntpserve generate: UNAVAILABLE (Socket closed); retrying on 127.0.0.1:7 after 496 tokens "
+                   "(attempt 1, in 0.1 s)\n"
+                   "tpserve generate: UNAVAILABLE (Socket closed); retrying on 127.0.0.1:7 after 496 tokens "
+                   "(attempt 2, in 0.1 s)\n")
+    assert reporter.moves == 2
+
+
+def test_several_addresses_continue_on_another_replica(capsys):
+    reporter = generate_command.MoveReporter("ipv4:127.0.0.1:7,127.0.0.2:7")
+    reporter.printed("text")
+    reporter(_move(1))  # stdout is not a terminal here: nothing is glued, no newline is added
+    assert capsys.readouterr().err.startswith("tpserve generate: UNAVAILABLE (Socket closed); continuing on another "
+                                              "replica after 496 tokens (attempt 1")
+
+
+def test_the_last_line_says_the_stream_stopped(capsys, monkeypatch):
+    class Lost(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "Socket closed"
+
+    def run_generate(args, sampling, reporter):
+        reporter(_move(1))
+        raise Lost()
+
+    monkeypatch.setattr(generate_command, "run_generate", run_generate)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = cli.build_parser().parse_args(["generate", "--target", f"127.0.0.1:{port}", "Hi"])
+    assert cli.run_client_command(args) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and f"retrying on 127.0.0.1:{port}" in lines[0]
+    assert lines[1].startswith("UNAVAILABLE: Socket closed -- ") and lines[1].endswith("(the stream stopped after 1 moves)")
