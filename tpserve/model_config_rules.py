@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_finite(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    if _is_int(value):
+        return abs(value) <= sys.float_info.max  # compared exactly: float() of a larger int would overflow
+    return isinstance(value, float) and math.isfinite(value)
 
 
 POSITIVE_INT = Check(lambda v: _is_int(v) and v >= 1, "a positive integer")

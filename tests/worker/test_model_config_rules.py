@@ -64,9 +64,11 @@ BAD_VALUES = [
     ("rms-norm-eps-0", "LlamaForCausalLM", {"rms_norm_eps": 0}, "rms_norm_eps=0 must be"),
     ("rms-norm-eps-nan-string", "LlamaForCausalLM", {"rms_norm_eps": "nan"}, 'rms_norm_eps="nan" must be'),
     ("rms-norm-eps-nan", "LlamaForCausalLM", {"rms_norm_eps": NAN}, "rms_norm_eps=NaN must be"),
+    ("rms-norm-eps-infinite", "LlamaForCausalLM", {"rms_norm_eps": float("inf")}, "rms_norm_eps=Infinity must be"),
     # positions, heads, sizes
     ("max-positions-0", "LlamaForCausalLM", {"max_position_embeddings": 0}, "max_position_embeddings=0 must be a positive integer"),
     ("max-positions-negative", "LlamaForCausalLM", {"max_position_embeddings": -512}, "max_position_embeddings=-512 must be"),
+    ("max-positions-string", "LlamaForCausalLM", {"max_position_embeddings": "4096"}, 'max_position_embeddings="4096" must be'),
     ("heads-0", "LlamaForCausalLM", {"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
     ("heads-true", "LlamaForCausalLM", {"num_attention_heads": True}, "num_attention_heads=true must be a positive integer"),
     ("kv-heads-0", "LlamaForCausalLM", {"num_key_value_heads": 0}, "num_key_value_heads=0 must be a positive integer"),
