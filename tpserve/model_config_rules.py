@@ -183,6 +183,8 @@ def check_config(raw: Mapping[str, Any], architecture: str) -> None:
         ValueError: one line naming the first bad field and its value.
     """
     rules = {**MODEL_RULES, **FAMILY_RULES.get(architecture, {})}
+    if raw.get("use_sliding_window") is False:  # the window is not read (transformers writes 0 or null there)
+        rules.pop("sliding_window")
     check_fields(raw, rules)
     check_relations(raw, RELATIONS)
     for where, rope in _rope_dicts(raw):

@@ -117,6 +117,7 @@ def test_nonsense_is_refused_naming_the_field_and_value(architecture: str, overr
     ("LlamaForCausalLM", _rope("linear", factor=0.5)),  # compresses positions: odd, not nonsense
     ("Qwen2MoeForCausalLM", {"num_experts": 0, "num_experts_per_tok": 4}),  # 0 experts: every layer dense
     ("Gemma2ForCausalLM", {"final_logit_softcapping": None}),  # null: no soft-capping
+    ("Qwen2MoeForCausalLM", {"use_sliding_window": False, "sliding_window": 0}),  # switched off: not read
     ("LlamaForCausalLM", {"num_experts_per_tok": "x"}),  # a key Llama does not read is not checked
 ])
 def test_edge_values_that_make_sense_are_served(architecture: str, overrides: dict) -> None:
