@@ -24,6 +24,7 @@ from typing import Any
 import tokenizers
 
 from coordinator.chat import read_chat_template
+from coordinator.tokenizer_post_processor import post_processor_tokens, with_special_tokens
 
 
 #: Most token pairs :meth:`Tokenizer.decode_pair` remembers (about 150 bytes each).
@@ -63,7 +64,8 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}  # decode_token's memo
         self._pair_texts: dict[tuple[int, int], str] = {}  # decode_pair's memo
-        self._post_processor_adds_bos = self._probe_post_processor_bos()
+        self._post_processor_first, self._post_processor_last = post_processor_tokens(backend)
+        self._post_processor_adds_bos = bos_token_id is not None and self._post_processor_first == bos_token_id
         if add_bos_token is None:
             add_bos_token = self._post_processor_adds_bos
         if add_bos_token and bos_token_id is None:
@@ -202,13 +204,20 @@ class Tokenizer:
             text = self._pair_texts[key] = self._backend.decode([first, second], skip_special_tokens=True)
         return text
 
-    def _probe_post_processor_bos(self) -> bool:
-        """Whether ``tokenizer.json``'s post-processor puts the bos token first."""
-        if self.bos_token_id is None:
-            return False
-        with_special = self._backend.encode("a", add_special_tokens=True).ids
-        plain = self._backend.encode("a", add_special_tokens=False).ids
-        return len(with_special) > len(plain) and with_special[0] == self.bos_token_id
+    def served_json(self) -> str | None:
+        """The ``tokenizer.json`` a client that loads it alone (the gateway, by GetTokenizer) must get
+        so that encoding with special tokens gives :meth:`encode`'s ids; None when the file itself does.
+
+        The file's post-processor is rewritten (:func:`coordinator.tokenizer_post_processor.with_special_tokens`)
+        only where it disagrees with ``add_bos_token`` (a ``tokenizer.json`` without one while
+        tokenizer_config.json says ``add_bos_token: true``, or one adding the bos while the config says
+        false); whatever it adds last (an eos) it keeps, as :meth:`encode` does. One difference is left: a
+        text that begins with the bos spelling, parsed, gets one bos here and two from the file.
+        """
+        if self._post_processor_adds_bos == self.add_bos_token:
+            return None
+        return with_special_tokens(self._backend, bos_token_id=self.bos_token_id if self.add_bos_token else None,
+                                   eos_token_id=self._post_processor_last).to_str()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

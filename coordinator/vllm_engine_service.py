@@ -228,7 +228,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext):
         if self._tokenizer_archive is None:
-            self._tokenizer_archive = await asyncio.to_thread(tokenizer_archive, self.model_dir)
+            self._tokenizer_archive = await asyncio.to_thread(tokenizer_archive, self.model_dir,
+                                                              self.generation.tokenizer.served_json())
         data, digest = self._tokenizer_archive
         for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
             last = start + TOKENIZER_CHUNK_BYTES >= len(data)
@@ -236,8 +237,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                                sha256=digest if last else "")
 
 
-def tokenizer_archive(model_dir: Path) -> tuple[bytes, str]:
+def tokenizer_archive(model_dir: Path, tokenizer_json: str | None = None) -> tuple[bytes, str]:
     """A zip of the model's tokenizer files (:data:`TOKENIZER_FILES` that exist) and its SHA-256 hex digest.
+
+    ``tokenizer_json`` replaces the directory's tokenizer.json when given: the server's tokenizer's
+    :meth:`~coordinator.tokenizer.Tokenizer.served_json`, whose post-processor adds the special tokens
+    the server's own encoding adds, for a client that reads tokenizer.json alone.
 
     Raises:
         FileNotFoundError: the directory has no tokenizer.json.
@@ -247,7 +252,9 @@ def tokenizer_archive(model_dir: Path) -> tuple[bytes, str]:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
+            if name == "tokenizer.json" and tokenizer_json is not None:
+                archive.writestr(name, tokenizer_json)
+            elif (model_dir / name).is_file():
                 archive.write(model_dir / name, name)
     data = buffer.getvalue()
     return data, hashlib.sha256(data).hexdigest()

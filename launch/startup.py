@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from tpserve.checkpoint import check_head_weights, checkpoint_files
 from tpserve.cluster_secret import read_secret
 from tpserve.config import ClusterConfig
 from tpserve.embedded_model import default_model_dir
@@ -48,7 +49,8 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
 
     Raises:
         StartupError: not a checkpoint directory, an unsupported architecture or
-            quantization_config, or the model cannot be split.
+            quantization_config, a config value out of its range, an untied model without
+            ``lm_head.weight``, or the model cannot be split.
     """
     if not model_dir.exists():
         raise StartupError(f"--model {model_dir}: no such directory (give a Hugging Face checkpoint directory)")
@@ -58,6 +60,7 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         raise StartupError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
     try:
         config = ModelConfig.from_pretrained(model_dir)  # also refuses an unsupported quantization_config
+        check_checkpoint(model_dir, config)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir}: {exc}") from exc
     try:
@@ -69,6 +72,22 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --pipeline-parallel-size {pipeline_parallel_size}: {exc}") from exc
     return config
+
+
+def check_checkpoint(model_dir: Path, config: ModelConfig) -> None:
+    """Refuse a checkpoint that lacks a weight the config implies (an untied model's ``lm_head.weight``),
+    from the files' headers only, before any rank starts: each rank's loader would refuse it too, but
+    a rank's failure ends the server with exit code 1 and a log line, not this one line and code 2.
+    A directory without safetensors files is left to the ranks' loader, which names what is missing.
+
+    Raises:
+        ValueError: naming the missing weight.
+    """
+    try:
+        names = checkpoint_files(model_dir)
+    except FileNotFoundError:
+        return
+    check_head_weights(config, names)
 
 
 def draft_config_sha256(config: ClusterConfig) -> str:

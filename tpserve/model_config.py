@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tpserve.model_registry import resolve_architecture
+from tpserve.model_config_rules import check_config
+from tpserve.model_registry import resolve_architecture, ties_word_embeddings_by_default
 from tpserve.quantization import Quantization, checkpoint_quantization
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -78,7 +79,9 @@ class ModelConfig:
             nests its RoPE parameters by layer type (``rope_parameters:
             {"full_attention": {...}, "sliding_attention": {...}}``), else empty;
             ``rope_theta``/``rope_scaling`` are then the full-attention layers'.
-        tie_word_embeddings: the LM head reuses the input embedding matrix.
+        tie_word_embeddings: the LM head reuses the input embedding matrix (absent from the config:
+            the family's ``transformers`` default, :func:`tpserve.model_registry.ties_word_embeddings_by_default`).
+            False means the checkpoint must hold ``lm_head.weight`` (worker/loader.py, launch/startup.py).
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: end-of-sequence ids (may be empty).
         torch_dtype: the checkpoint's dtype name (``"float32"``, ``"bfloat16"``...), or None.
@@ -120,7 +123,8 @@ class ModelConfig:
         Raises:
             FileNotFoundError: no ``config.json`` in ``model_dir``.
             ValueError: unsupported architecture, RoPE type, sliding window, layer
-                type or quantization_config; a required key is missing.
+                type or quantization_config; a required key is missing; a value out of
+                its range (tpserve/model_config_rules.py: one line naming the field and value).
         """
         path = Path(model_dir) / "config.json"
         with path.open(encoding="utf-8") as f:
@@ -131,10 +135,11 @@ class ModelConfig:
         """Parse a ``config.json`` already loaded as a dict; see :meth:`from_pretrained`."""
         architectures = tuple(raw.get("architectures") or ())
         architecture = resolve_architecture(architectures)
+        check_config(raw, architecture)  # nonsense values refused before anything is computed from them
         hidden_size = _required(raw, "hidden_size")
         total_num_heads = _required(raw, "num_attention_heads")
         num_hidden_layers = _required(raw, "num_hidden_layers")
-        head_dim = raw.get("head_dim") or hidden_size // total_num_heads
+        head_dim = _get(raw, "head_dim", hidden_size // total_num_heads)
         max_position_embeddings = _required(raw, "max_position_embeddings")
         layer_rope = _parse_layer_rope(raw, max_position_embeddings)
         if layer_rope:
@@ -153,16 +158,16 @@ class ModelConfig:
             intermediate_size=_required(raw, "intermediate_size"),
             num_hidden_layers=num_hidden_layers,
             total_num_heads=total_num_heads,
-            total_num_kv_heads=raw.get("num_key_value_heads") or total_num_heads,
+            total_num_kv_heads=_get(raw, "num_key_value_heads", total_num_heads),
             head_dim=head_dim,
             hidden_act=str(raw.get("hidden_act", "silu")),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position_embeddings,
             sliding_window=sliding_window,
             layer_types=layer_types,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(_get(raw, "tie_word_embeddings", ties_word_embeddings_by_default(architecture))),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -272,6 +277,12 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_kv_heads_per_rank(tp) * self.head_dim * dtype_size
 
 
+def _get(raw: dict[str, Any], key: str, default: Any) -> Any:
+    """``raw[key]``, or ``default`` when it is absent or null (never when it is 0: a 0 is refused, not replaced)."""
+    value = raw.get(key)
+    return default if value is None else value
+
+
 def _required(raw: dict[str, Any], key: str) -> Any:
     if raw.get(key) is None:
         raise ValueError(f"config.json has no {key!r}")
@@ -323,7 +334,10 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
     RoPE dict's, then ``max_position_embeddings``.
     """
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope_theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    # The RoPE dict's base, else the top-level one, else transformers' default; a 0 is refused
+    # (tpserve/model_config_rules.py), never replaced by the default.
+    rope_theta = float(_get(params, "rope_theta", _get(raw, "rope_theta", 10000.0)))
+    params.pop("rope_theta", None)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -356,8 +370,8 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         scaling["original_max_position_embeddings"] = original_max
     elif rope_type == "yarn":  # defaults as transformers' _compute_yarn_parameters
         scaling["original_max_position_embeddings"] = original_max
-        scaling["beta_fast"] = float(params.get("beta_fast") or 32)
-        scaling["beta_slow"] = float(params.get("beta_slow") or 1)
+        scaling["beta_fast"] = float(_get(params, "beta_fast", 32))
+        scaling["beta_slow"] = float(_get(params, "beta_slow", 1))
         scaling["truncate"] = bool(params.get("truncate", True))
         for key in ("attention_factor", "mscale", "mscale_all_dim"):
             scaling[key] = None if params.get(key) is None else float(params[key])

@@ -29,6 +29,15 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
+#: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
+#: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.
+TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
+
+def ties_word_embeddings_by_default(architecture: str) -> bool:
+    """Whether ``architecture``'s LM head shares the embedding when config.json does not say."""
+    return architecture in TIED_BY_DEFAULT
+
 
 def supported_architectures() -> tuple[str, ...]:
     """Every ``architectures`` name tpserve serves, sorted."""

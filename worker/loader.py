@@ -16,8 +16,9 @@ The loader knows no family: the model class comes from the registry
 (worker/models/), and the model says where each checkpoint tensor goes
 (``model.weight_map(name)`` -> parameter name and shard, or None to skip; the
 Llama layout stacks q/k/v_proj into ``qkv_proj`` and gate/up_proj into
-``gate_up_proj``: worker/models/base.py). ``lm_head.weight`` absent means tied
-word embeddings.
+``gate_up_proj``: worker/models/base.py). The head is tied to the embedding when the
+config says so (``tie_word_embeddings``, or the family's default); an untied model
+without ``lm_head.weight`` is refused (tpserve/checkpoint.py), never served tied.
 
 Weight-only int8 (``quantization="int8"``, tpserve/quantization.py): the linear
 layers' ``weight`` is int8 and ``weight_scale`` float32. A compressed-tensors int8
@@ -29,13 +30,13 @@ float checkpoint's weights are quantized while they are read, one tensor at a ti
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from tpserve.checkpoint import LM_HEAD, check_head_weights, checkpoint_files
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from worker.models import model_class
@@ -43,28 +44,7 @@ from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
 from worker.load_progress import ShardProgress
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-LM_HEAD = "lm_head.weight"
 ZERO_POINT_SUFFIX = ".weight_zero_point"
-
-
-def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
-    """Map every tensor name in the checkpoint to the file holding it.
-
-    Raises:
-        FileNotFoundError: neither ``model.safetensors`` nor its index exists.
-    """
-    model_dir = Path(model_dir)
-    index_path = model_dir / INDEX_FILE
-    if index_path.exists():
-        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    single = model_dir / SINGLE_FILE
-    if not single.exists():
-        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
 
 
 def load_model(
@@ -83,11 +63,12 @@ def load_model(
 
     Raises:
         ValueError: the family refuses a config value, the checkpoint lacks weights the
-            model needs, holds weights it does not know, or a tensor has the wrong shape
+            model needs (``lm_head.weight`` of an untied model included), holds weights it does not know, or a tensor has the wrong shape
             (each error names them).
     """
-    files = checkpoint_files(model_dir)
-    tied = config.tie_word_embeddings or LM_HEAD not in files
+    files = checkpoint_files(model_dir)  # tensor name -> file, listed from the headers (tpserve/checkpoint.py)
+    check_head_weights(config, files)
+    tied = config.tie_word_embeddings
     # Parameters are allocated uninitialised (torch.empty) on ctx.device: nothing
     # is randomly initialised, and each is written once, by its weight_loader.
     model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied,

@@ -175,3 +175,64 @@ def test_special_token_spellings_are_literal_unless_parsing_is_asked_for(tokeniz
     assert tokenizer.encode("Hi</s><unk>", parse_special_tokens=True) == [BOS, 320, 417, EOS, 0]
     with_bos_text = tokenizer.encode("<s>Hi")
     assert with_bos_text[0] == BOS and BOS not in with_bos_text[1:]  # the text's "<s>" is text
+
+
+def _served_ids(model_dir: Path, text: str) -> list[int]:
+    """Ids of ``text`` by the tokenizer.json that GetTokenizer serves for ``model_dir`` (with special tokens,
+    as a client that loads the file alone encodes a prompt)."""
+    import io
+    import zipfile
+
+    import tokenizers
+
+    from coordinator.vllm_engine_service import tokenizer_archive
+
+    data, _ = tokenizer_archive(model_dir, Tokenizer.from_pretrained(model_dir).served_json())
+    served = zipfile.ZipFile(io.BytesIO(data)).read("tokenizer.json").decode()
+    return tokenizers.Tokenizer.from_str(served).encode(text, add_special_tokens=True).ids
+
+
+SERVED_PROMPTS = ["Once upon a time", "The little dog", "", " two  spaces", "日本"]
+
+
+@pytest.mark.parametrize("model", ["stories260k", "default"])
+def test_served_tokenizer_json_encodes_as_the_server(model: str) -> None:
+    from tpserve.embedded_model import default_model_dir
+
+    model_dir = STORIES_DIR if model == "stories260k" else default_model_dir()
+    server = Tokenizer.from_pretrained(model_dir)
+    assert server.served_json() is None  # their tokenizer.json already adds the bos: served as it is
+    for text in SERVED_PROMPTS:
+        assert _served_ids(model_dir, text) == server.encode(text)
+
+
+@pytest.mark.parametrize(("add_bos", "post_processor", "expected"), [
+    (True, False, [BOS, 403, 407]),  # converted SentencePiece models: the config says bos, the file has no processor
+    (False, True, [403, 407]),  # the file adds a bos the config turns off
+])
+def test_served_tokenizer_json_follows_add_bos_token(tmp_path: Path, add_bos: bool, post_processor: bool,
+                                                     expected: list[int]) -> None:
+    """The served file used to be the directory's: the first case's client got [403, 407] where the
+    server encodes [1, 403, 407], the second's [1, 403, 407] where the server encodes [403, 407]."""
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": add_bos}
+    model_dir = make_model_dir(tmp_path, tokenizer_config=cfg, post_processor=post_processor)
+    assert Tokenizer.from_pretrained(model_dir).encode("Once upon") == expected
+    assert _served_ids(model_dir, "Once upon") == expected
+    import tokenizers
+
+    served = tokenizers.Tokenizer.from_str(Tokenizer.from_pretrained(model_dir).served_json())
+    assert served.encode("Once", "upon").ids == ([BOS, 403, BOS, 407] if add_bos else [403, 407])  # pairs alike
+    assert served.encode("Once upon", add_special_tokens=False).ids == [403, 407]
+
+
+def test_served_tokenizer_json_keeps_an_eos_the_file_adds(tmp_path: Path) -> None:
+    data = json.loads((STORIES_DIR / "tokenizer.json").read_text())
+    data["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+        {"SpecialToken": {"id": "</s>", "type_id": 0}}], "pair": [
+        {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}], "special_tokens": {
+        "<s>": {"id": "<s>", "ids": [BOS], "tokens": ["<s>"]}, "</s>": {"id": "</s>", "ids": [EOS], "tokens": ["</s>"]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "add_bos_token": False}))
+    assert Tokenizer.from_pretrained(tmp_path).encode("Once upon") == [403, 407, EOS]
+    assert _served_ids(tmp_path, "Once upon") == [403, 407, EOS]

@@ -53,8 +53,11 @@ class Fleet:
         return out
 
     def prompt_ids(self, text: str) -> list[int]:
-        """The token ids the gateway sends for a completions prompt: the gateway's tokenizer
-        adds no BOS (it reads none from stories260k's tokenizer.json), where ours does."""
+        """The token ids the gateway sends for a completions prompt: ours without the BOS. The
+        tokenizer.json that GetTokenizer serves adds it (tests/coordinator/test_tokenizer.py), but smg
+        encodes a completions prompt with ``add_special_tokens=false`` (its completion preparation
+        stage; its /v1/tokenize shows the same ids), so no served file can put it back; its chat
+        path gets the BOS from the template's ``{{ bos_token }}``, once, as ours does."""
         ids = self.tokenizer.encode(text)
         return ids[1:] if ids[:1] == [self.tokenizer.bos_token_id] else ids
 

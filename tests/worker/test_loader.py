@@ -70,13 +70,15 @@ def test_rotary_inv_freq_buffers_are_skipped(tiny_checkpoints: dict[str, Path], 
     _load(_rewrite(tiny_checkpoints["gqa_tied"], tmp_path / "m", add))
 
 
-def test_absent_lm_head_means_tied(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_untied_model_without_lm_head_is_refused_naming_it(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """It was served tied (the embedding as its head): another model's logits, silently."""
     source = tiny_checkpoints["mqa_untied_bias"]
     assert not ModelConfig.from_pretrained(source).tie_word_embeddings
     untied = _load(source)
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
-    tied = _load(_rewrite(source, tmp_path / "m", lambda t: t.pop("lm_head.weight")))
-    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    headless = _rewrite(source, tmp_path / "m", lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=false but the checkpoint has no lm_head.weight"):
+        _load(headless)
 
 
 def test_tied_checkpoint_has_no_separate_head(tiny_checkpoints: dict[str, Path]) -> None:

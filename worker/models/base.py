@@ -50,7 +50,7 @@ class CausalLM(nn.Module):
     * ``ctx``: this rank's tensor-parallel group;
     * ``dtype``: parameter and activation dtype;
     * ``tie_word_embeddings``: the LM head shares the input embedding (decided by the
-      loader: the config says so, or the checkpoint has no ``lm_head.weight``);
+      loader: what the config says, or the family's default; an untied model needs ``lm_head.weight``);
     * ``quantization``: None or ``"int8"`` (decoder linear layers only).
 
     Parameters are allocated uninitialised on ``ctx.device``; the loader fills them.

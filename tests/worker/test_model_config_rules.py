@@ -1,0 +1,140 @@
+"""Nonsense in config.json is refused at parse time, one line naming the field and its value.
+
+Each case was served before (NaN or garbage for every request, every request refused, or
+a traceback in a rank): tpserve/model_config_rules.py's tables now refuse it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tpserve.model_config import ModelConfig
+
+NAN = float("nan")
+
+
+def _config(architecture: str = "LlamaForCausalLM", **overrides: object) -> dict:
+    raw = {
+        "architectures": [architecture], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 172,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+    }
+    raw.update(overrides)
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def _rope(rope_type: str, **fields: object) -> dict:
+    base = {"linear": {"factor": 2.0}, "dynamic": {"factor": 2.0}, "yarn": {"factor": 4.0},
+            "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}}[rope_type]
+    return {"rope_scaling": {"rope_type": rope_type, **base, **fields}}
+
+
+# (case id, architecture, overrides, the refusal's text)
+BAD_VALUES = [
+    # RoPE: factors of each scaling type, their sub-fields, bases
+    ("linear-factor-0", "LlamaForCausalLM", _rope("linear", factor=0), "rope_scaling.factor=0 must be a finite number > 0"),
+    ("linear-factor-negative", "LlamaForCausalLM", _rope("linear", factor=-2.0), "rope_scaling.factor=-2.0 must be"),
+    ("yarn-factor-0", "LlamaForCausalLM", _rope("yarn", factor=0.0), "rope_scaling.factor=0.0 must be a finite number > 0"),
+    ("yarn-factor-negative", "Qwen2ForCausalLM", _rope("yarn", factor=-4), "rope_scaling.factor=-4 must be"),
+    ("llama3-factor-0", "LlamaForCausalLM", _rope("llama3", factor=0), "rope_scaling.factor=0 must be"),
+    ("llama3-factor-negative", "LlamaForCausalLM", _rope("llama3", factor=-8.0), "rope_scaling.factor=-8.0 must be"),
+    ("dynamic-factor-0", "LlamaForCausalLM", _rope("dynamic", factor=0), "rope_scaling.factor=0 must be a finite number >= 1"),
+    ("dynamic-factor-below-1", "LlamaForCausalLM", _rope("dynamic", factor=0.5), "rope_scaling.factor=0.5 must be a finite number >= 1"),
+    ("factor-nan-string", "LlamaForCausalLM", _rope("linear", factor="nan"), 'rope_scaling.factor="nan" must be'),
+    ("llama3-low-freq-0", "LlamaForCausalLM", _rope("llama3", low_freq_factor=0), "rope_scaling.low_freq_factor=0 must be"),
+    ("llama3-high-equals-low", "LlamaForCausalLM", _rope("llama3", high_freq_factor=1.0),
+     "rope_scaling.low_freq_factor=1.0, rope_scaling.high_freq_factor=1.0: high_freq_factor must be greater"),
+    ("llama3-original-max-0", "LlamaForCausalLM", _rope("llama3", original_max_position_embeddings=0),
+     "rope_scaling.original_max_position_embeddings=0 must be a positive integer"),
+    ("yarn-beta-fast-0", "LlamaForCausalLM", _rope("yarn", beta_fast=0), "rope_scaling.beta_fast=0 must be"),
+    ("yarn-beta-slow-negative", "LlamaForCausalLM", _rope("yarn", beta_slow=-1), "rope_scaling.beta_slow=-1 must be"),
+    ("yarn-attention-factor-0", "LlamaForCausalLM", _rope("yarn", attention_factor=0), "rope_scaling.attention_factor=0 must be"),
+    ("yarn-mscale-inf", "LlamaForCausalLM", _rope("yarn", mscale=float("inf")), "rope_scaling.mscale=Infinity must be a finite number"),
+    ("rope-theta-0", "LlamaForCausalLM", {"rope_theta": 0}, "rope_theta=0 must be a finite number > 0"),
+    ("rope-theta-negative", "LlamaForCausalLM", {"rope_theta": -10000.0}, "rope_theta=-10000.0 must be"),
+    ("rope-theta-nan", "LlamaForCausalLM", {"rope_theta": NAN}, "rope_theta=NaN must be"),
+    ("rope-theta-0-transformers5", "LlamaForCausalLM", {"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "rope_parameters.rope_theta=0 must be"),
+    ("rope-theta-0-by-layer-type", "Gemma3ForCausalLM",
+     {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 0}}},
+     "rope_parameters.sliding_attention.rope_theta=0 must be"),
+    # norms' epsilon
+    ("rms-norm-eps-negative", "LlamaForCausalLM", {"rms_norm_eps": -1e-5}, "rms_norm_eps=-1e-05 must be a finite number > 0"),
+    ("rms-norm-eps-0", "LlamaForCausalLM", {"rms_norm_eps": 0}, "rms_norm_eps=0 must be"),
+    ("rms-norm-eps-nan-string", "LlamaForCausalLM", {"rms_norm_eps": "nan"}, 'rms_norm_eps="nan" must be'),
+    ("rms-norm-eps-nan", "LlamaForCausalLM", {"rms_norm_eps": NAN}, "rms_norm_eps=NaN must be"),
+    ("rms-norm-eps-infinite", "LlamaForCausalLM", {"rms_norm_eps": float("inf")}, "rms_norm_eps=Infinity must be"),
+    # positions, heads, sizes
+    ("max-positions-0", "LlamaForCausalLM", {"max_position_embeddings": 0}, "max_position_embeddings=0 must be a positive integer"),
+    ("max-positions-negative", "LlamaForCausalLM", {"max_position_embeddings": -512}, "max_position_embeddings=-512 must be"),
+    ("max-positions-string", "LlamaForCausalLM", {"max_position_embeddings": "4096"}, 'max_position_embeddings="4096" must be'),
+    ("heads-0", "LlamaForCausalLM", {"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
+    ("heads-true", "LlamaForCausalLM", {"num_attention_heads": True}, "num_attention_heads=true must be a positive integer"),
+    ("kv-heads-0", "LlamaForCausalLM", {"num_key_value_heads": 0}, "num_key_value_heads=0 must be a positive integer"),
+    ("heads-not-a-multiple-of-kv-heads", "LlamaForCausalLM", {"num_attention_heads": 6},
+     "num_attention_heads=6, num_key_value_heads=4: num_attention_heads must be a multiple of num_key_value_heads"),
+    ("head-dim-0", "LlamaForCausalLM", {"head_dim": 0}, "head_dim=0 must be a positive even integer"),
+    ("head-dim-odd", "LlamaForCausalLM", {"head_dim": 7}, "head_dim=7 must be a positive even integer"),
+    ("hidden-size-0", "LlamaForCausalLM", {"hidden_size": 0}, "hidden_size=0 must be a positive integer"),
+    ("intermediate-size-negative", "LlamaForCausalLM", {"intermediate_size": -172}, "intermediate_size=-172 must be"),
+    ("vocab-size-0", "LlamaForCausalLM", {"vocab_size": 0}, "vocab_size=0 must be a positive integer"),
+    ("layers-float", "LlamaForCausalLM", {"num_hidden_layers": 4.0}, "num_hidden_layers=4.0 must be a positive integer"),
+    ("sliding-window-negative", "MistralForCausalLM", {"sliding_window": -1}, "sliding_window=-1 must be a positive integer"),
+    ("sliding-window-string", "MistralForCausalLM", {"sliding_window": "4096"}, 'sliding_window="4096" must be'),
+    ("max-window-layers-negative", "Qwen2ForCausalLM", {"max_window_layers": -1}, "max_window_layers=-1 must be an integer >= 0"),
+    # the families' own keys
+    ("mixtral-experts-0", "MixtralForCausalLM", {"num_local_experts": 0}, "num_local_experts=0 must be a positive integer"),
+    ("mixtral-more-per-token-than-experts", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 3},
+     "num_experts_per_tok=3, num_local_experts=2: num_experts_per_tok must be at most num_local_experts"),
+    ("qwen2moe-experts-per-token-0", "Qwen2MoeForCausalLM", {"num_experts_per_tok": 0}, "num_experts_per_tok=0 must be"),
+    ("qwen2moe-sparse-step-0", "Qwen2MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be"),
+    ("qwen2moe-shared-expert-size-0", "Qwen2MoeForCausalLM", {"shared_expert_intermediate_size": 0},
+     "shared_expert_intermediate_size=0 must be"),
+    ("qwen3moe-moe-size-negative", "Qwen3MoeForCausalLM", {"moe_intermediate_size": -768}, "moe_intermediate_size=-768 must be"),
+    ("qwen3moe-more-per-token-than-experts", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 8},
+     "num_experts_per_tok must be at most num_experts"),
+    ("gemma2-query-scalar-0", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar=0 must be"),
+    ("gemma2-softcap-negative", "Gemma2ForCausalLM", {"final_logit_softcapping": -30.0}, "final_logit_softcapping=-30.0 must be"),
+    ("gemma2-attn-softcap-0", "Gemma2ForCausalLM", {"attn_logit_softcapping": 0}, "attn_logit_softcapping=0 must be"),
+    ("gemma3-local-base-0", "Gemma3ForCausalLM", {"rope_local_base_freq": 0}, "rope_local_base_freq=0 must be"),
+    ("gemma3-window-pattern-0", "Gemma3ForCausalLM", {"sliding_window_pattern": 0}, "sliding_window_pattern=0 must be"),
+]
+
+
+@pytest.mark.parametrize(("architecture", "overrides", "message"), [case[1:] for case in BAD_VALUES],
+                         ids=[case[0] for case in BAD_VALUES])
+def test_nonsense_is_refused_naming_the_field_and_value(architecture: str, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        ModelConfig.from_dict(_config(architecture, **overrides))
+    text = str(error.value)
+    assert text.startswith("config.json ") and message in text, text
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize(("architecture", "overrides"), [
+    ("LlamaForCausalLM", _rope("dynamic", factor=1.0)),
+    ("LlamaForCausalLM", _rope("linear", factor=0.5)),  # compresses positions: odd, not nonsense
+    ("Qwen2MoeForCausalLM", {"num_experts": 0, "num_experts_per_tok": 4}),  # 0 experts: every layer dense
+    ("Gemma2ForCausalLM", {"final_logit_softcapping": None}),  # null: no soft-capping
+    ("Qwen2MoeForCausalLM", {"use_sliding_window": False, "sliding_window": 0}),  # switched off: not read
+    ("LlamaForCausalLM", {"num_experts_per_tok": "x"}),  # a key Llama does not read is not checked
+])
+def test_edge_values_that_make_sense_are_served(architecture: str, overrides: dict) -> None:
+    ModelConfig.from_dict(_config(architecture, **overrides))
+
+
+def test_rope_theta_zero_is_not_replaced_by_the_default() -> None:
+    """``rope_theta: 0`` used to become 10000 silently (an ``or`` chain); absent still means 10000."""
+    assert ModelConfig.from_dict(_config(rope_theta=None)).rope_theta == 10000.0
+    assert ModelConfig.from_dict(_config(rope_theta=500000)).rope_theta == 500000.0
+    with pytest.raises(ValueError, match="rope_theta=0 must be"):
+        ModelConfig.from_dict(_config(rope_theta=0))
+
+
+def test_tie_word_embeddings_defaults_to_the_familys() -> None:
+    """Absent from config.json: Gemma ties (its transformers config's default), the others do not."""
+    assert ModelConfig.from_dict(_config("Gemma2ForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("Gemma3ForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("LlamaForCausalLM")).tie_word_embeddings is False
+    assert ModelConfig.from_dict(_config("Gemma2ForCausalLM", tie_word_embeddings=False)).tie_word_embeddings is False

@@ -1,0 +1,224 @@
+"""Which values of a ``config.json`` make sense: one table of rules, field -> what it must be.
+
+A model served from nonsense (a RoPE factor of 0, a negative ``rms_norm_eps``, zero heads)
+does not fail: it answers NaN or garbage for every request, or refuses every request, or
+dies in a traceback deep in a rank. :func:`check_config` refuses it at start-up instead,
+before any process starts, with one line naming the field and its value, e.g.
+``config.json rope_theta=0 must be a finite number > 0``.
+
+The tables, each ``field -> Check``, a field checked only where present (not null; a
+missing required key is :func:`tpserve.model_config._required`'s error):
+
+- :data:`MODEL_RULES`: the keys every family reads (sizes, heads, positions, epsilon, base);
+- :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's scalars);
+- :data:`ROPE_RULES`: the keys of a ``rope_scaling`` / ``rope_parameters`` dict (each
+  layer type's too); ``longrope`` and other types are refused by the parser, not here;
+- :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token).
+
+Values must be JSON numbers: a string (``"nan"``) or a boolean is refused, and so are NaN
+and infinities. Integers are required where ``transformers`` uses the value as a count.
+No torch: the coordinator runs this (tpserve/model_config.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Check:
+    """What one field must be: ``test(value)`` true, described as ``expect`` in the refusal."""
+
+    test: Callable[[Any], bool]
+    expect: str
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    if _is_int(value):
+        return abs(value) <= sys.float_info.max  # compared exactly: float() of a larger int would overflow
+    return isinstance(value, float) and math.isfinite(value)
+
+
+POSITIVE_INT = Check(lambda v: _is_int(v) and v >= 1, "a positive integer")
+NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+POSITIVE = Check(lambda v: _is_finite(v) and v > 0, "a finite number > 0")
+FINITE = Check(_is_finite, "a finite number")
+AT_LEAST_ONE = Check(lambda v: _is_finite(v) and v >= 1, "a finite number >= 1")
+EVEN_INT = Check(lambda v: _is_int(v) and v >= 2 and v % 2 == 0, "a positive even integer (RoPE rotates pairs)")
+
+#: Top-level keys every family reads.
+MODEL_RULES: dict[str, Check] = {
+    "vocab_size": POSITIVE_INT,
+    "hidden_size": POSITIVE_INT,
+    "intermediate_size": POSITIVE_INT,
+    "num_hidden_layers": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT,
+    "num_key_value_heads": POSITIVE_INT,
+    "head_dim": EVEN_INT,
+    "max_position_embeddings": POSITIVE_INT,
+    "original_max_position_embeddings": POSITIVE_INT,
+    "rms_norm_eps": POSITIVE,
+    "rope_theta": POSITIVE,
+    "sliding_window": POSITIVE_INT,
+    "max_window_layers": NON_NEGATIVE_INT,
+}
+
+_QWEN_MOE: dict[str, Check] = {
+    "num_experts": NON_NEGATIVE_INT,  # 0: every layer dense (transformers' Qwen2MoeDecoderLayer)
+    "num_local_experts": NON_NEGATIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "decoder_sparse_step": POSITIVE_INT,
+}
+_GEMMA: dict[str, Check] = {
+    "query_pre_attn_scalar": POSITIVE,
+    "attn_logit_softcapping": POSITIVE,
+    "final_logit_softcapping": POSITIVE,
+}
+
+#: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
+FAMILY_RULES: dict[str, dict[str, Check]] = {
+    "MixtralForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT},
+    "Qwen2MoeForCausalLM": {**_QWEN_MOE, "shared_expert_intermediate_size": POSITIVE_INT},
+    "Qwen3MoeForCausalLM": _QWEN_MOE,
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": {**_GEMMA, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": POSITIVE_INT},
+}
+
+#: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.
+#: ``factor`` > 0 here; ``dynamic`` asks for >= 1 (:data:`ROPE_TYPE_RULES`).
+ROPE_RULES: dict[str, Check] = {
+    "rope_theta": POSITIVE,
+    "factor": POSITIVE,
+    "original_max_position_embeddings": POSITIVE_INT,
+    "low_freq_factor": POSITIVE,
+    "high_freq_factor": POSITIVE,
+    "beta_fast": POSITIVE,
+    "beta_slow": POSITIVE,
+    "attention_factor": POSITIVE,
+    "mscale": FINITE,
+    "mscale_all_dim": FINITE,
+}
+
+#: Per ``rope_type``, rules that replace :data:`ROPE_RULES`' for the same key: a dynamic factor below 1 would
+#: shorten the model's context below ``max_position_embeddings`` (to 0 at factor 0, where every
+#: request is refused as too long).
+ROPE_TYPE_RULES: dict[str, dict[str, Check]] = {"dynamic": {"factor": AT_LEAST_ONE}}
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A rule between fields, checked once each field has passed its own: ``test(*values)``."""
+
+    fields: tuple[str, ...]
+    test: Callable[..., bool]
+    expect: str
+
+
+#: Rules between top-level keys; a relation whose fields are not all present is skipped.
+RELATIONS: tuple[Relation, ...] = (
+    Relation(("num_attention_heads", "num_key_value_heads"), lambda q, kv: q % kv == 0,
+             "num_attention_heads must be a multiple of num_key_value_heads (each key/value head serves a group)"),
+    Relation(("num_experts_per_tok", "num_local_experts"), lambda k, n: n == 0 or k <= n,
+             "num_experts_per_tok must be at most num_local_experts"),
+    Relation(("num_experts_per_tok", "num_experts"), lambda k, n: n == 0 or k <= n,
+             "num_experts_per_tok must be at most num_experts"),
+)
+#: Rules between keys of one RoPE dict.
+ROPE_RELATIONS: tuple[Relation, ...] = (
+    Relation(("low_freq_factor", "high_freq_factor"), lambda low, high: high > low,
+             "high_freq_factor must be greater than low_freq_factor (Llama 3's smoothing divides by their difference)"),
+)
+
+
+def check_fields(values: Mapping[str, Any], rules: Mapping[str, Check], where: str = "") -> None:
+    """Check each field of ``rules`` present (not None) in ``values``.
+
+    Args:
+        values: a config dict (or a RoPE dict of it).
+        rules: field -> its :class:`Check`.
+        where: the dict's place in config.json, prefixed to field names (``"rope_scaling."``).
+
+    Raises:
+        ValueError: the first field that fails, named with its value, e.g.
+            ``config.json rope_theta=0 must be a finite number > 0``.
+    """
+    for key, check in rules.items():
+        value = values.get(key)
+        if value is not None and not check.test(value):
+            raise ValueError(f"config.json {where}{key}={_show(value)} must be {check.expect}")
+
+
+def check_relations(values: Mapping[str, Any], relations: tuple[Relation, ...], where: str = "") -> None:
+    """Check each relation whose fields are all present in ``values`` as numbers.
+
+    Raises:
+        ValueError: naming every field of the failed relation with its value.
+    """
+    for relation in relations:
+        if not all(_is_finite(values.get(key)) for key in relation.fields):
+            continue  # absent, or a key this family does not read (never checked alone)
+        if not relation.test(*(values[key] for key in relation.fields)):
+            named = ", ".join(f"{where}{key}={_show(values[key])}" for key in relation.fields)
+            raise ValueError(f"config.json {named}: {relation.expect}")
+
+
+def check_config(raw: Mapping[str, Any], architecture: str) -> None:
+    """Refuse nonsense in a whole ``config.json`` (top-level keys, the family's, the RoPE dicts).
+
+    Args:
+        raw: the parsed config.json.
+        architecture: the served architecture (a key of :data:`FAMILY_RULES`, or not).
+
+    Raises:
+        ValueError: one line naming the first bad field and its value.
+    """
+    rules = {**MODEL_RULES, **FAMILY_RULES.get(architecture, {})}
+    if raw.get("use_sliding_window") is False:  # the window is not read (transformers writes 0 or null there)
+        rules.pop("sliding_window")
+    check_fields(raw, rules)
+    check_relations(raw, RELATIONS)
+    for where, rope in _rope_dicts(raw):
+        check_rope(rope, where)
+
+
+def check_rope(rope: Mapping[str, Any], where: str) -> None:
+    """Check one RoPE dict as written: its fields, those of its ``rope_type``, their relations.
+
+    Raises:
+        ValueError: naming the field as ``<where><key>``.
+    """
+    rope_type = rope.get("rope_type", rope.get("type"))
+    by_type = ROPE_TYPE_RULES.get(rope_type, {}) if isinstance(rope_type, str) else {}
+    check_fields(rope, {**ROPE_RULES, **by_type}, where)  # the type's rule replaces the general one
+    check_relations(rope, ROPE_RELATIONS, where)
+
+
+def _rope_dicts(raw: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """Every RoPE dict of the config with its place: ``rope_scaling``, ``rope_parameters``, and
+    ``rope_parameters``' dicts nested by layer type (``transformers`` 5)."""
+    found = []
+    for key in ("rope_scaling", "rope_parameters"):
+        value = raw.get(key)
+        if not isinstance(value, Mapping):
+            continue
+        nested = [(name, sub) for name, sub in value.items() if isinstance(sub, Mapping)]
+        if nested:
+            found += [(f"{key}.{name}.", sub) for name, sub in nested]
+        else:
+            found.append((f"{key}.", value))
+    return found
+
+
+def _show(value: Any) -> str:
+    """A value as config.json writes it (``"nan"`` for a string, ``NaN`` for a float, ``0`` for zero)."""
+    return json.dumps(value)
