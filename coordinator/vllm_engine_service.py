@@ -16,6 +16,9 @@ served (UNIMPLEMENTED, with the reason): Embed (generation models only) and the 
 RPCs. The protocol has no
 ``cache_salt`` field: requests through a gateway share the anonymous tenant's
 unsalted prefix cache unless the server requires API keys (each key a tenant).
+FlushCache, SubscribeKvEvents and GetLoads act on or show every tenant: with API keys they
+need an operator key (coordinator/auth.py); GetServerInfo leaves its traffic fields unset
+for a tenant.
 
 No torch.
 """
