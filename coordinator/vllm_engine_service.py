@@ -45,6 +45,7 @@ from coordinator.errors import UnavailableError
 from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
 from coordinator.output_collector import UNARY
 from coordinator.parallel_sampling import generate_n
+from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
 from coordinator.vllm_engine_params import chunk, complete, to_generate_request
@@ -54,6 +55,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "tokenizer.model")
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 SERVER_TYPE = "tpserve-grpc"
+#: Seconds between load records on a quiet SubscribeKvEvents stream (smg 1.13 vetoes a worker
+#: whose records stop for 15 s).
+KV_EVENTS_HEARTBEAT_S = 1.0
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -153,17 +157,43 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         replayed: blocks cached before the subscription are not announced): a batch as soon as
         a step's events are recorded, so that they leave before that step's outputs are streamed.
         A gateway that hears of a turn's blocks only after its client has sent the next turn
-        routes that turn blind; a fixed 20 ms poll left that window open after every step."""
-        allocator = self._engine().scheduler.allocator
+        routes that turn blind; a fixed 20 ms poll left that window open after every step.
+
+        The stream answers at once (its headers; and, to a subscriber that asks with
+        ``load_records_before_first_batch``, a load record numbered 0) and sends a ``load_only``
+        record every :data:`KV_EVENTS_HEARTBEAT_S` while the cache is quiet: smg 1.13 vetoes a
+        worker whose subscription does not answer within 2 s, or whose load records stop for 15 s
+        (issue 47). Every batch carries the engine's load (``EngineLoad``)."""
+        scheduler = self._engine().scheduler
+        allocator = scheduler.allocator
         if allocator.listener is None:  # kept across a worker-group restart (Scheduler.reset_workers)
             allocator.listener = KvEventLog(allocator.block_size, self.max_kv_event_subscribers)
         log = allocator.listener
         subscriber = log.subscribe()  # RESOURCE_EXHAUSTED past --max-kv-event-subscribers
         try:
+            await context.send_initial_metadata(())
+            sample = 1
+            # A subscriber that predates load records before the first batch would take a
+            # record numbered 0 for a duplicate: it hears nothing until the first batch.
+            last_sent = 0 if request.load_records_before_first_batch else None
+            if last_sent is not None:
+                yield common_pb2.KvEventBatch(sequence_number=0, timestamp=time.time(),
+                                              load=engine_load(self._engine().scheduler, sample, load_only=True))
             while True:
+                try:
+                    batch = await asyncio.wait_for(log.next_batch(subscriber), KV_EVENTS_HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    if last_sent is None:
+                        continue
+                    batch = common_pb2.KvEventBatch(sequence_number=last_sent, timestamp=time.time())
+                    load_only = True
+                else:
+                    last_sent, load_only = batch.sequence_number, False
+                sample += 1
+                batch.load.CopyFrom(engine_load(self._engine().scheduler, sample, load_only))
                 # While this write waits for a slow reader, the engine goes on: the batches
                 # it misses are dropped from the shared ring, and its sequence numbers jump.
-                yield await log.next_batch(subscriber)
+                yield batch
         finally:
             log.unsubscribe(subscriber)
 
@@ -223,7 +253,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_total_num_tokens=total_tokens, token_usage=used_tokens / total_tokens,
             cache_hit_rate=scheduler.prefix_cache_hits / queries if queries else 0.0,
             max_running_requests=scheduler.max_num_seqs,
-            num_waiting_uncached_tokens=sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting))
+            num_waiting_uncached_tokens=_waiting_uncached_tokens(scheduler))
         return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=_version(),
                                     dp_rank_count=1, loads=[load])
 
@@ -249,6 +279,27 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             last = start + TOKENIZER_CHUNK_BYTES >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start:start + TOKENIZER_CHUNK_BYTES],
                                                sha256=digest if last else "")
+
+
+def engine_load(scheduler: Scheduler, sample: int, load_only: bool) -> common_pb2.EngineLoad:
+    """The load record a KV event batch carries: GetLoads' routing numbers, read now (age 0).
+
+    Args:
+        scheduler: the engine's scheduler.
+        sample: the record's number on its stream (monotonic).
+        load_only: the batch carries no events (a heartbeat, or the record before the first batch).
+    """
+    allocator = scheduler.allocator
+    used_blocks = allocator.num_blocks - allocator.num_free_blocks
+    return common_pb2.EngineLoad(
+        running_requests=len(scheduler.running), waiting_requests=len(scheduler.waiting),
+        waiting_uncached_tokens=_waiting_uncached_tokens(scheduler),
+        token_usage=used_blocks / allocator.num_blocks if allocator.num_blocks else 0.0,
+        max_running_requests=scheduler.max_num_seqs, age_ms=0, sample=sample, load_only=load_only)
+
+
+def _waiting_uncached_tokens(scheduler: Scheduler) -> int:
+    return sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
 
 
 def tokenizer_archive(model_dir: Path) -> tuple[bytes, str]:
