@@ -33,6 +33,12 @@ class InvalidArgumentError(TpserveError, ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class PermissionDeniedError(TpserveError):
+    """The caller's key lacks the role the call needs; the message names the role."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhaustedError(TpserveError):
     """The queue is full, or the request can never fit in the KV cache."""
 

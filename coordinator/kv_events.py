@@ -15,23 +15,46 @@ gateway uses them as node identities and hashes the token ids itself. A block co
 under a tenant's or a salt's namespace carries it in ``cache_salt`` (hex), so that the
 gateway keeps it apart from unsalted prefixes.
 
-Each subscriber has its own pending list, and a subscriber waiting in :meth:`KvEventLog.wait`
-wakes as soon as an event is recorded: a step's events leave together, before the engine loop
-streams that step's outputs (vLLM publishes its KV events once per step). Events are recorded
-only while someone subscribes (nothing accumulates otherwise). No torch.
+Data flow (issue 41, fault 3: per-subscriber work on the engine loop let 1,000 subscribers
+that never read cut throughput 7x and grow the coordinator by 680 MB):
+
+- the engine (the allocator, during a step) appends each event once to one *open batch*,
+  whatever the number of subscribers; the first event of a batch wakes the waiting readers
+  (one ``asyncio.Event``), and nothing else happens on the engine's side;
+- a reader, in its own RPC task, seals the open batch into one shared *ring* of batches
+  (numbered 1, 2, ...; at most :data:`MAX_BUFFERED_EVENTS` events kept, oldest batches
+  dropped first) and reads the ring from its own cursor. A subscriber holds a cursor, not a
+  copy: its memory does not grow when it lags;
+- a reader whose next batch already left the ring skips to the oldest kept one, and the
+  ``sequence_number`` it sees jumps by the number of batches it missed (the way vLLM's KV
+  event stream tells a subscriber it lost messages). A subscriber's first batch is number 1.
+
+A step's events leave together, before the engine loop streams that step's outputs (vLLM
+publishes its KV events once per step). Events are recorded only while someone
+subscribes (nothing accumulates otherwise). At most ``max_subscribers`` subscribe at once;
+one more gets RESOURCE_EXHAUSTED. No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from smg_grpc_proto.generated import common_pb2
 
-#: Most events kept for one subscriber between two drains; beyond it, the subscriber is
-#: told everything was cleared (it then relearns from later events) rather than grow without bound.
-MAX_PENDING_EVENTS = 100_000
+from coordinator.errors import ResourceExhaustedError
+
+#: Most events the ring keeps for readers that lag (about 30 MB of block-stored events at
+#: 16 tokens a block), shared by every subscriber; older batches are dropped first.
+MAX_BUFFERED_EVENTS = 65_536
+#: Most events of one batch: a batch nobody reads is sealed by the engine at this size, so
+#: that the ring's bound holds even while every subscriber is stuck on a full connection.
+MAX_BATCH_EVENTS = 4_096
+#: Default of ``--max-kv-event-subscribers``: a gateway replica subscribes once per worker,
+#: so a fleet needs a handful; each more costs a wake-up per batch.
+DEFAULT_MAX_SUBSCRIBERS = 16
 
 
 def block_hash_int64(block_hash: bytes) -> int:
@@ -40,25 +63,42 @@ def block_hash_int64(block_hash: bytes) -> int:
 
 
 class KvEventLog:
-    """Records prefix-cache events for each subscriber (the allocator's ``listener``).
+    """Records prefix-cache events once, for every subscriber (the allocator's ``listener``).
 
     Args:
         block_size: tokens per block.
+        max_subscribers: most subscribers at once (``--max-kv-event-subscribers``).
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS) -> None:
         self.block_size = block_size
-        self._pending: dict[int, list[common_pb2.KvCacheEvent]] = {}
-        self._ready: dict[int, asyncio.Event] = {}  # set while the subscriber has pending events
+        self.max_subscribers = max_subscribers
+        self._open: list[common_pb2.KvCacheEvent] = []  # the batch being recorded
+        self._ring: deque[tuple[int, float, list[common_pb2.KvCacheEvent]]] = deque()  # (number, time, events)
+        self._num_buffered = 0  # events in the ring
+        self._next_batch = 1  # number of the next sealed batch
+        self._cursors: dict[int, int] = {}  # subscriber -> number of the next batch it reads
+        self._first_batch: dict[int, int] = {}  # subscriber -> the first batch number it could read
+        self._recorded = asyncio.Event()  # set while the open batch has events
         self._next_subscriber = 0
         self._next_event_id = 1
 
-    # -- the allocator's side --------------------------------------------------------
+    @property
+    def num_subscribers(self) -> int:
+        """Subscribers now."""
+        return len(self._cursors)
+
+    @property
+    def num_buffered_events(self) -> int:
+        """Events held for the subscribers (sealed and open), at most about :data:`MAX_BUFFERED_EVENTS`."""
+        return self._num_buffered + len(self._open)
+
+    # -- the allocator's side (the engine loop: constant work per event) ----------------
 
     def stored(self, block_hash: bytes, token_ids: Sequence[int], parent_hash: bytes | None,
                namespace: bytes = b"") -> None:
         """Block ``block_hash`` (its ``block_size`` tokens ``token_ids``) entered the cache."""
-        if not self._pending:
+        if not self._cursors:
             return
         stored = common_pb2.KvBlocksStored(blocks=[common_pb2.KvBlock(
             block_hash=block_hash_int64(block_hash), token_ids=list(token_ids), block_size=self.block_size)])
@@ -70,50 +110,82 @@ class KvEventLog:
 
     def removed(self, block_hash: bytes) -> None:
         """Block ``block_hash`` left the cache (evicted or flushed)."""
-        if self._pending:
+        if self._cursors:
             self._record(common_pb2.KvCacheEvent(
                 removed=common_pb2.KvBlocksRemoved(block_hashes=[block_hash_int64(block_hash)])))
 
     def cleared(self) -> None:
         """Every cached block is gone (a new pool)."""
-        if self._pending:
+        if self._cursors:
             self._record(common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared()))
 
     def _record(self, event: common_pb2.KvCacheEvent) -> None:
         event.event_id = self._next_event_id
         self._next_event_id += 1
-        for subscriber, events in self._pending.items():
-            if len(events) >= MAX_PENDING_EVENTS:
-                self._pending[subscriber] = [common_pb2.KvCacheEvent(event_id=event.event_id,
-                                                                     cleared=common_pb2.KvCacheCleared())]
-            else:
-                events.append(event)
-            self._ready[subscriber].set()
+        self._open.append(event)
+        if len(self._open) == 1:
+            self._recorded.set()  # once per batch: wakes the readers waiting now
+        elif len(self._open) >= MAX_BATCH_EVENTS:
+            self._seal()
 
-    # -- the subscribers' side -------------------------------------------------------
+    def _seal(self) -> None:
+        """Moves the open batch into the ring, dropping the oldest batches beyond the bound."""
+        self._ring.append((self._next_batch, time.time(), self._open))
+        self._next_batch += 1
+        self._num_buffered += len(self._open)
+        self._open = []
+        self._recorded.clear()
+        while self._num_buffered > MAX_BUFFERED_EVENTS and len(self._ring) > 1:
+            self._num_buffered -= len(self._ring.popleft()[2])
+
+    # -- the subscribers' side (each in its own RPC task) ------------------------------------
 
     def subscribe(self) -> int:
-        """A new subscriber, from now on; returns its id for :meth:`drain` and :meth:`unsubscribe`."""
+        """A new subscriber, from now on; returns its id for :meth:`read` and :meth:`unsubscribe`.
+
+        Raises:
+            ResourceExhaustedError: ``max_subscribers`` subscribe already.
+        """
+        if len(self._cursors) >= self.max_subscribers:
+            raise ResourceExhaustedError(
+                f"SubscribeKvEvents: {len(self._cursors)} subscribers already, the most this server takes "
+                f"(--max-kv-event-subscribers {self.max_subscribers}); retry when one unsubscribes")
+        if self._open:
+            self._seal()  # events recorded before this subscriber are not its to read
         subscriber = self._next_subscriber
         self._next_subscriber += 1
-        self._pending[subscriber] = []
-        self._ready[subscriber] = asyncio.Event()
+        self._cursors[subscriber] = self._first_batch[subscriber] = self._next_batch
         return subscriber
 
     def unsubscribe(self, subscriber: int) -> None:
-        self._pending.pop(subscriber, None)
-        self._ready.pop(subscriber, None)
+        """Forgets ``subscriber`` (its stream ended); unknown ids are ignored."""
+        self._cursors.pop(subscriber, None)
+        self._first_batch.pop(subscriber, None)
+        if not self._cursors:  # nobody left to read them
+            self._ring.clear()
+            self._open = []
+            self._num_buffered = 0
+            self._recorded.clear()
 
-    async def wait(self, subscriber: int) -> None:
-        """Returns once the subscriber has events to :meth:`drain` (at once if it has some already).
-        Called on the engine's event loop, as the allocator records on it."""
-        await self._ready[subscriber].wait()
+    def read(self, subscriber: int) -> common_pb2.KvEventBatch | None:
+        """The subscriber's next batch, or None when it has read everything recorded so far.
 
-    def drain(self, subscriber: int, sequence_number: int) -> common_pb2.KvEventBatch | None:
-        """The subscriber's events since its last drain as batch ``sequence_number``, or None if none."""
-        events = self._pending.get(subscriber)
-        if not events:
-            return None
-        self._pending[subscriber] = []
-        self._ready[subscriber].clear()
-        return common_pb2.KvEventBatch(sequence_number=sequence_number, timestamp=time.time(), events=events)
+        Its ``sequence_number`` counts the subscriber's batches from 1; a jump means the
+        subscriber lagged and the batches in between were dropped.
+        """
+        cursor = self._cursors[subscriber]
+        if cursor >= self._next_batch:  # read up to the ring's end
+            if not self._open:
+                return None
+            self._seal()
+        oldest = self._ring[0][0]
+        number, timestamp, events = self._ring[max(cursor, oldest) - oldest]
+        self._cursors[subscriber] = number + 1
+        return common_pb2.KvEventBatch(sequence_number=number - self._first_batch[subscriber] + 1,
+                                       timestamp=timestamp, events=events)
+
+    async def next_batch(self, subscriber: int) -> common_pb2.KvEventBatch:
+        """Waits for, then returns, the subscriber's next batch (:meth:`read`)."""
+        while (batch := self.read(subscriber)) is None:
+            await self._recorded.wait()
+        return batch

@@ -13,6 +13,7 @@ import asyncio
 
 import grpc
 
+from coordinator.auth import ApiKeyInterceptor, check_priority, is_operator
 from coordinator.cache_isolation import tenant_id
 from coordinator.chat import prepare_chat
 from coordinator.chat_renderer import ChatRenderPool
@@ -46,14 +47,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             of its own in the prefix cache (:mod:`coordinator.cache_isolation`).
         grammars: compiles response_format grammars in child processes under a time
             limit; None compiles them on the validation thread, unbounded (tests).
+        keys: the API-key check, which knows each key's role (coordinator/auth.py); None:
+            every caller is an operator (one trust domain).
     """
 
     def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo,
-                 api_keys: bool = False, grammars: GrammarCompiler | None = None) -> None:
+                 api_keys: bool = False, grammars: GrammarCompiler | None = None,
+                 keys: ApiKeyInterceptor | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.api_keys = api_keys
+        self.keys = keys
         self.grammars = grammars
         self.chat_renderer = ChatRenderPool()
 
@@ -64,6 +69,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         A chat template renders first, in the bounded renderer pool (never on a thread:
         one that never ends could not be stopped)."""
         self._check_loaded()
+        check_priority(request.priority, self.is_operator(context))
         tenant = tenant_id(context.invocation_metadata()) if self.api_keys else ""
         chat = None
         if request.WhichOneof("prompt") == "messages":
@@ -72,6 +78,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                                             self.tokenizer.special_tokens_map))
         return await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
                                        self.model_info.max_model_len, tenant, chat, self.grammars)
+
+    def is_operator(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the caller holds the operator role (always, without API keys)."""
+        return is_operator(self.keys, context.invocation_metadata())
 
     async def close(self) -> None:
         """Stops the chat template renderers (at shutdown)."""

@@ -16,6 +16,9 @@ served (UNIMPLEMENTED, with the reason): Embed (generation models only) and the 
 RPCs. The protocol has no
 ``cache_salt`` field: requests through a gateway share the anonymous tenant's
 unsalted prefix cache unless the server requires API keys (each key a tenant).
+FlushCache, SubscribeKvEvents and GetLoads act on or show every tenant: with API keys they
+need an operator key (coordinator/auth.py); GetServerInfo leaves its traffic fields unset
+for a tenant.
 
 No torch.
 """
@@ -39,9 +42,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from coordinator.cache_isolation import tenant_id
 from coordinator.engine import Engine
 from coordinator.errors import UnavailableError
-from coordinator.kv_events import KvEventLog
+from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
 from coordinator.output_collector import UNARY
 from coordinator.parallel_sampling import generate_n
+from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
 from coordinator.vllm_engine_params import chunk, complete, to_generate_request
@@ -51,6 +55,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "tokenizer.model")
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 SERVER_TYPE = "tpserve-grpc"
+#: Seconds between load records on a quiet SubscribeKvEvents stream (smg 1.13 vetoes a worker
+#: whose records stop for 15 s).
+KV_EVENTS_HEARTBEAT_S = 1.0
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -60,11 +67,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         generation: the public API's servicer: its engine (None while loading), tokenizer,
             model info and API-key setting are shared, never copied.
         model_dir: the served checkpoint directory (model facts, tokenizer files).
+        max_kv_event_subscribers: most SubscribeKvEvents streams at once (``--max-kv-event-subscribers``).
     """
 
-    def __init__(self, generation: GenerationServicer, model_dir: Path) -> None:
+    def __init__(self, generation: GenerationServicer, model_dir: Path,
+                 max_kv_event_subscribers: int = DEFAULT_MAX_SUBSCRIBERS) -> None:
         self.generation = generation
         self.model_dir = Path(model_dir)
+        self.max_kv_event_subscribers = max_kv_event_subscribers
         self.started = time.monotonic()
         self.last_receive_timestamp = 0.0
         self._tokenizer_archive: tuple[bytes, str] | None = None
@@ -86,7 +96,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         gen = self.generation
         tenant = tenant_id(context.invocation_metadata()) if gen.api_keys else ""
-        public = to_generate_request(request)
+        public = to_generate_request(request)  # the protocol has no priority: always the default 0
         # The same bounded grammar compiler as tpserve.v1 (a hostile schema through the
         # gateway must not stall the server either); a gateway renders chat itself.
         params = await asyncio.to_thread(validate_request, public, gen.tokenizer, gen.model_info.vocab_size,
@@ -142,24 +152,48 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext):
-        """Streams the prefix cache's events from now on (``start_sequence_number`` is not
+        """Operators only (coordinator/auth.py): the events carry every tenant's token ids.
+        Streams the prefix cache's events from now on (``start_sequence_number`` is not
         replayed: blocks cached before the subscription are not announced): a batch as soon as
         a step's events are recorded, so that they leave before that step's outputs are streamed.
         A gateway that hears of a turn's blocks only after its client has sent the next turn
-        routes that turn blind; a fixed 20 ms poll left that window open after every step."""
-        allocator = self._engine().scheduler.allocator
+        routes that turn blind; a fixed 20 ms poll left that window open after every step.
+
+        The stream answers at once (its headers; and, to a subscriber that asks with
+        ``load_records_before_first_batch``, a load record numbered 0) and sends a ``load_only``
+        record every :data:`KV_EVENTS_HEARTBEAT_S` while the cache is quiet: smg 1.13 vetoes a
+        worker whose subscription does not answer within 2 s, or whose load records stop for 15 s
+        (issue 47). Every batch carries the engine's load (``EngineLoad``)."""
+        scheduler = self._engine().scheduler
+        allocator = scheduler.allocator
         if allocator.listener is None:  # kept across a worker-group restart (Scheduler.reset_workers)
-            allocator.listener = KvEventLog(allocator.block_size)
+            allocator.listener = KvEventLog(allocator.block_size, self.max_kv_event_subscribers)
         log = allocator.listener
-        subscriber = log.subscribe()
+        subscriber = log.subscribe()  # RESOURCE_EXHAUSTED past --max-kv-event-subscribers
         try:
-            sequence_number = 1
+            await context.send_initial_metadata(())
+            sample = 1
+            # A subscriber that predates load records before the first batch would take a
+            # record numbered 0 for a duplicate: it hears nothing until the first batch.
+            last_sent = 0 if request.load_records_before_first_batch else None
+            if last_sent is not None:
+                yield common_pb2.KvEventBatch(sequence_number=0, timestamp=time.time(),
+                                              load=engine_load(self._engine().scheduler, sample, load_only=True))
             while True:
-                await log.wait(subscriber)
-                batch = log.drain(subscriber, sequence_number)
-                if batch is not None:
-                    sequence_number += 1
-                    yield batch
+                try:
+                    batch = await asyncio.wait_for(log.next_batch(subscriber), KV_EVENTS_HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    if last_sent is None:
+                        continue
+                    batch = common_pb2.KvEventBatch(sequence_number=last_sent, timestamp=time.time())
+                    load_only = True
+                else:
+                    last_sent, load_only = batch.sequence_number, False
+                sample += 1
+                batch.load.CopyFrom(engine_load(self._engine().scheduler, sample, load_only))
+                # While this write waits for a slow reader, the engine goes on: the batches
+                # it misses are dropped from the shared ring, and its sequence numbers jump.
+                yield batch
         finally:
             log.unsubscribe(subscriber)
 
@@ -175,12 +209,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:
+        """The model's facts. ``model_path`` and ``tokenizer_path`` carry the served model's
+        name, never the server's directory (issue 41: a caller learnt the server's file
+        layout); a gateway fetches the tokenizer with GetTokenizer."""
         self._engine()
         info, tokenizer, config = self.generation.model_info, self.generation.tokenizer, self._config
         return vpb.GetModelInfoResponse(
-            model_path=str(self.model_dir), is_generation=True, max_context_length=info.max_model_len,
+            model_path=info.model_name, is_generation=True, max_context_length=info.max_model_len,
             vocab_size=info.vocab_size, supports_vision=False, served_model_name=info.model_name,
-            tokenizer_path=str(self.model_dir), model_type=config.get("model_type", ""),
+            tokenizer_path=info.model_name, model_type=config.get("model_type", ""),
             architectures=config.get("architectures", []), eos_token_ids=list(info.eos_token_ids),
             pad_token_id=_int_or(config.get("pad_token_id"), -1),
             bos_token_id=-1 if tokenizer.bos_token_id is None else tokenizer.bos_token_id,
@@ -188,15 +225,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
+        """The server's configuration and whether it drains; to an operator also its traffic
+        (requests in flight, the time of the last request, uptime), which shows other
+        tenants' requests and so is left unset (0) for a tenant."""
         engine = self._engine()
         info = self.generation.model_info
-        return vpb.GetServerInfoResponse(
-            active_requests=engine.num_requests, is_paused=engine.draining,
-            last_receive_timestamp=self.last_receive_timestamp, uptime_seconds=time.monotonic() - self.started,
-            server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype="auto", block_size=info.block_size,
-            model_dtype=info.dtype, max_num_seqs=engine.scheduler.max_num_seqs)
+        response = vpb.GetServerInfoResponse(
+            is_paused=engine.draining, server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype="auto",
+            block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=engine.scheduler.max_num_seqs)
+        if self.generation.is_operator(context):
+            response.active_requests = engine.num_requests
+            response.last_receive_timestamp = self.last_receive_timestamp
+            response.uptime_seconds = time.monotonic() - self.started
+        return response
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
+        """The queue, KV usage and prefix-cache hit rate of every tenant: operators only
+        (coordinator/auth.py refuses a tenant key with PERMISSION_DENIED)."""
         scheduler = self._engine().scheduler
         allocator = scheduler.allocator
         total_tokens = allocator.num_blocks * allocator.block_size
@@ -208,13 +253,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_total_num_tokens=total_tokens, token_usage=used_tokens / total_tokens,
             cache_hit_rate=scheduler.prefix_cache_hits / queries if queries else 0.0,
             max_running_requests=scheduler.max_num_seqs,
-            num_waiting_uncached_tokens=sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting))
+            num_waiting_uncached_tokens=_waiting_uncached_tokens(scheduler))
         return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=_version(),
                                     dp_rank_count=1, loads=[load])
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        """Drops the prefix cache's unheld blocks; with ``timeout_s`` > 0, first waits up to that
+        """Operators only (coordinator/auth.py): drops every tenant's blocks. Drops the prefix cache's unheld blocks; with ``timeout_s`` > 0, first waits up to that
         long for the requests in flight to finish, so that their blocks are dropped too."""
         engine = self._engine()
         deadline = time.monotonic() + max(request.timeout_s, 0.0)
@@ -235,6 +280,27 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             last = start + TOKENIZER_CHUNK_BYTES >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start:start + TOKENIZER_CHUNK_BYTES],
                                                sha256=digest if last else "")
+
+
+def engine_load(scheduler: Scheduler, sample: int, load_only: bool) -> common_pb2.EngineLoad:
+    """The load record a KV event batch carries: GetLoads' routing numbers, read now (age 0).
+
+    Args:
+        scheduler: the engine's scheduler.
+        sample: the record's number on its stream (monotonic).
+        load_only: the batch carries no events (a heartbeat, or the record before the first batch).
+    """
+    allocator = scheduler.allocator
+    used_blocks = allocator.num_blocks - allocator.num_free_blocks
+    return common_pb2.EngineLoad(
+        running_requests=len(scheduler.running), waiting_requests=len(scheduler.waiting),
+        waiting_uncached_tokens=_waiting_uncached_tokens(scheduler),
+        token_usage=used_blocks / allocator.num_blocks if allocator.num_blocks else 0.0,
+        max_running_requests=scheduler.max_num_seqs, age_ms=0, sample=sample, load_only=load_only)
+
+
+def _waiting_uncached_tokens(scheduler: Scheduler) -> int:
+    return sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
 
 
 def tokenizer_archive(model_dir: Path, tokenizer_json: str | None = None) -> tuple[bytes, str]:

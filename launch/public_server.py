@@ -130,19 +130,21 @@ class PublicServer:
         cfg = self.config.server
         try:
             keys = read_api_keys(cfg.api_key, cfg.api_key_file)
+            operator_keys = read_api_keys(cfg.operator_api_key, cfg.operator_api_key_file, "--operator-api-key-file")
         except (OSError, ValueError) as exc:
             raise StartupError(f"cannot read the API keys: {exc}") from exc
         # The key check runs first: an unauthenticated call never reaches validation.
-        self.api_keys = ApiKeyInterceptor(keys) if keys else None
+        self.api_keys = ApiKeyInterceptor(keys, operator_keys) if keys or operator_keys else None
         interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
         server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
         # Structured output grammars compile in child processes, bounded in time (issue 20, fault 3).
         grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
-        self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0), api_keys=bool(keys),
-                                           grammars=grammars)
+        self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0),
+                                           api_keys=self.api_keys is not None, grammars=grammars, keys=self.api_keys)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         # The engine protocol a gateway (smg) routes, on the same port and engine.
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(self.servicer, self.model_dir), server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
+            self.servicer, self.model_dir, cfg.max_kv_event_subscribers), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)
@@ -216,8 +218,10 @@ class PublicServer:
         if self.api_keys is not None:
             try:
                 keys = read_api_keys(cfg.api_key, cfg.api_key_file)
-                self.api_keys.set_keys(keys)
-                log.info("API keys reloaded", num_keys=len(keys))
+                operator_keys = read_api_keys(cfg.operator_api_key, cfg.operator_api_key_file,
+                                              "--operator-api-key-file")
+                self.api_keys.set_keys(keys, operator_keys)
+                log.info("API keys reloaded", num_keys=len(keys), num_operator_keys=len(operator_keys))
             except (OSError, ValueError) as exc:
                 log.error("API keys not reloaded; the old ones stay", error=str(exc))
         if self.certificates is not None:

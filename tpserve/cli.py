@@ -113,6 +113,10 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--ssl-ca-certs", dict(help="PEM CA bundle: require client certificates signed by it (mutual TLS)")),
         ("--api-key", dict(help="require 'authorization: Bearer KEY' on Generation calls (health stays open)")),
         ("--api-key-file", dict(help="file of accepted API keys, one per line")),
+        ("--operator-api-key", dict(help="an operator's (a gateway's) key: also FlushCache, SubscribeKvEvents, "
+                                         "server-wide loads and priorities below 0")),
+        ("--operator-api-key-file", dict(help="file of operator API keys, one per line")),
+        ("--max-kv-event-subscribers", dict(type=int, help="most SubscribeKvEvents streams at once")),
         ("--stream-interval", dict(type=int, help="tokens a stream gathers per message (first and last go at once; "
                                                   "default 1: every step)")),
     ],
@@ -132,7 +136,7 @@ class _HelpFormatter(argparse.HelpFormatter):
         help_ = action.help or ""
         if "default" in help_:  # one spelling for every flag: "(default: X)", "; default: X"
             return _DEFAULT_SPELLING.sub(r"\1default: ", help_)
-        if not action.option_strings or action.dest in ("api_key", "help", "version"):
+        if not action.option_strings or action.dest in ("api_key", "operator_api_key", "help", "version"):
             return help_
         default = self._default(action)
         # `is`: a default of 0 (--node-rank) is shown, though 0 == False

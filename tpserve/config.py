@@ -264,8 +264,13 @@ class ServerConfig(_Frozen):
             speaks TLS (both or neither).
         ssl_ca_certs: PEM CA bundle: clients must present a certificate it signed
             (mutual TLS).
-        api_key, api_key_file: accepted bearer keys (the file: one per line);
+        api_key, api_key_file: accepted tenant bearer keys (the file: one per line);
             Generation calls without one get UNAUTHENTICATED (coordinator/auth.py).
+        operator_api_key, operator_api_key_file: accepted operator keys (a gateway's,
+            an administrator's): they may also flush the prefix cache, subscribe to its
+            events, read server-wide state and use priorities below 0 (coordinator/auth.py).
+        max_kv_event_subscribers: most SubscribeKvEvents streams at once; one more gets
+            RESOURCE_EXHAUSTED (coordinator/kv_events.py).
         stream_interval: tokens a stream gathers before it is sent (vLLM's and SGLang's
             ``--stream-interval``); its first and last messages go at once. 1 sends every
             step's tokens; more: fewer messages, less coordinator CPU per token
@@ -284,6 +289,9 @@ class ServerConfig(_Frozen):
     ssl_ca_certs: str | None = None
     api_key: str | None = None
     api_key_file: str | None = None
+    operator_api_key: str | None = None
+    operator_api_key_file: str | None = None
+    max_kv_event_subscribers: int = Field(16, ge=0, le=INT32_MAX)
     stream_interval: int = Field(1, ge=1, le=INT32_MAX)
 
     @model_validator(mode="after")

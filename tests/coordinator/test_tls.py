@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from structlog.testing import capture_logs
 
-from coordinator.auth import ApiKeyInterceptor
+from coordinator.auth import ApiKeyInterceptor, Role
 from coordinator.tls import ServerCertificates, read_certificate_files
 
 NOW = datetime.datetime(2026, 6, 1, 12, 0, tzinfo=datetime.timezone.utc)
@@ -85,14 +85,21 @@ def test_reload_hands_gRPC_the_new_files_once_and_keeps_the_old_on_error(tmp_pat
     ("Bearer ", False)])
 def test_the_bearer_scheme_is_case_insensitive(value: str, accepted: bool) -> None:
     interceptor = ApiKeyInterceptor(["k1", "k2"])
-    assert interceptor._authorized([("authorization", value)]) is accepted
-    assert interceptor._authorized([("authorization", value.encode())]) is accepted
+    assert (interceptor.role([("authorization", value)]) is Role.TENANT) is accepted
+    assert (interceptor.role([("authorization", value.encode())]) is Role.TENANT) is accepted
 
 
 def test_set_keys_replaces_the_keys() -> None:
     interceptor = ApiKeyInterceptor(["old"])
-    interceptor.set_keys(["new"])
-    assert interceptor._authorized([("authorization", "Bearer new")])
-    assert not interceptor._authorized([("authorization", "Bearer old")])
+    interceptor.set_keys(["new"], ["boss"])
+    assert interceptor.role([("authorization", "Bearer new")]) is Role.TENANT
+    assert interceptor.role([("authorization", "Bearer boss")]) is Role.OPERATOR
+    assert interceptor.role([("authorization", "Bearer old")]) is None
     with pytest.raises(ValueError, match="at least one key"):
         interceptor.set_keys([])
+
+
+def test_a_key_in_both_lists_is_an_operators() -> None:
+    interceptor = ApiKeyInterceptor(["shared", "tenant"], ["shared"])
+    assert interceptor.role([("authorization", "Bearer shared")]) is Role.OPERATOR
+    assert interceptor.role([("authorization", "Bearer tenant")]) is Role.TENANT

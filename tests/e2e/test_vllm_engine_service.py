@@ -336,3 +336,34 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(server: 
         thread.join(60)
     assert len(first_token_at) == 22
     assert first_token_at["high"] < min(first_token_at[f"low{i}"] for i in range(20))
+
+
+def test_kv_events_answer_at_once_and_keep_a_quiet_stream_alive(server: RunningCluster, engine) -> None:
+    """Issue 47, item 1: SubscribeKvEvents sent nothing (not even its headers) until the first
+    cache event, and smg 1.13 vetoes a worker whose subscription does not answer within 2 s, or
+    whose load records stop for 15 s. Now: headers at once; to a subscriber that asks for load
+    records before the first batch, a record numbered 0 at once, then one a second while quiet."""
+    from coordinator.vllm_engine_service import KV_EVENTS_HEARTBEAT_S
+
+    legacy = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+    start = time.monotonic()
+    legacy.initial_metadata()  # blocks until the server sends its headers
+    assert time.monotonic() - start < 1.0
+    legacy.cancel()
+    stream = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(load_records_before_first_batch=True),
+                                      timeout=30)
+    start = time.monotonic()
+    first = next(stream)
+    assert time.monotonic() - start < 1.0
+    assert first.sequence_number == 0 and not first.events and first.load.load_only
+    assert first.load.max_running_requests == 1 and first.load.running_requests == 0
+    beat = next(stream)  # nothing is cached meanwhile: a heartbeat
+    assert time.monotonic() - start < 3 * KV_EVENTS_HEARTBEAT_S
+    assert beat.sequence_number == 0 and beat.load.load_only and beat.load.sample > first.load.sample
+    prompt = [(13 * i) % 400 + 5 for i in range(20)]  # one full block no other test stores
+    engine.Generate(_request(prompt, temperature=0.0, max_tokens=1), timeout=30).next()
+    batch = next(b for b in stream if b.events)
+    assert batch.sequence_number == 1 and not batch.load.load_only and batch.load.sample > beat.load.sample
+    after = next(stream)  # quiet again: the heartbeat repeats the last sequence sent
+    assert after.load.load_only and after.sequence_number == batch.sequence_number
+    stream.cancel()
