@@ -168,6 +168,7 @@ class RequestTable:
         Raises:
             ResourceExhaustedError: the samples do not all fit in the queue now.
         """
+        self._release(entry)  # (admitted twice: its places once)
         self.check_queue(entry.num_samples, num_waiting, max_queue_len)
         entry.num_reserved = entry.num_samples
         self.num_reserved += entry.num_samples

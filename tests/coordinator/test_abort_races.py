@@ -15,6 +15,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,8 +27,10 @@ from coordinator.engine import Engine
 from coordinator.errors import ErrorInterceptor
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.metrics import Metrics
+from coordinator.parallel_sampling import generate_n
 from coordinator.request_table import MAX_ABORT_IDS
 from coordinator.scheduler import Scheduler
+from coordinator.sequence import FinishReason
 from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
 from coordinator.vllm_engine_service import VllmEngineServicer
@@ -41,6 +44,7 @@ from tpserve.v1 import generate_pb2_grpc
 SCRIPT = [315, 322, 344, 365, 973, 619, 322, 357, 365, 352, 844, 318, 994]
 PROMPT = [1, 5, 6, 8, 9, 10, 11, 12, 13, 14]  # 2.5 blocks of 4: samples of one request share two
 VOCAB_SIZE, MAX_MODEL_LEN = 1024, 4096
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ScriptedGroup:
@@ -285,6 +289,40 @@ def test_an_abort_list_over_the_limit_is_invalid_argument_on_both_services() -> 
     # Before: both OK (nothing bounds the list).
     expected = f"request_ids has {MAX_ABORT_IDS + 1} ids; the limit is {MAX_ABORT_IDS} per Abort"
     assert asyncio.run(go()) == [(grpc.StatusCode.INVALID_ARGUMENT, expected)] * 2
+    assert f"At most {MAX_ABORT_IDS} ids per call" in (REPO_ROOT / "proto/tpserve/v1/generate.proto").read_text()
+
+
+def test_an_abort_ends_only_its_tenants_requests_and_the_table_forgets_every_request() -> None:
+    """With API keys each key is a tenant: another tenant's Abort of the same id ends nothing."""
+    async def go() -> tuple[int, int, list, int, int]:
+        engine, _ = _engine(max_num_seqs=1, first_step_s=0.5)  # sample 1 waits 0.5 s for sample 0's prefill
+        loop = asyncio.create_task(engine.run())
+        try:
+            mine = engine.requests.open("same-id", "tenant-a", 2)
+            params = GenerateParams("same-id", PROMPT, 50, SamplingParams(temperature=0.0), (), frozenset(), True,
+                                    tenant="tenant-a")
+            outputs = []
+
+            async def run() -> None:
+                async for _, output in generate_n(engine, params, 2, entry=mine):
+                    outputs.append(output)
+
+            task = asyncio.ensure_future(run())
+            await _wait_until(lambda: len(engine.scheduler.running) == 1)
+            assert engine.requests.num_reserved == 1  # sample 1's place, held while sample 0 prefills
+            others = engine.abort_requests(["same-id"], tenant="tenant-b")
+            own = engine.abort_requests(["same-id"], tenant="tenant-a")
+            await asyncio.wait_for(task, 10)
+            engine.requests.close(mine)
+            return others, own, [o.finish_reason for o in outputs if o.finish_reason], len(engine.requests), \
+                engine.requests.num_reserved
+        finally:
+            loop.cancel()
+
+    others, own, finishes, num_entries, num_reserved = asyncio.run(go())
+    assert (others, own) == (0, 2)
+    assert finishes == [FinishReason.ABORT, FinishReason.ABORT]
+    assert (num_entries, num_reserved) == (0, 0)
 
 
 @pytest.mark.parametrize("api", ["tpserve.v1", "vllm"])
