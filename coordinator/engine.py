@@ -317,7 +317,7 @@ class Engine:
                                                  seq.num_output_tokens, seq.num_cached_prompt_tokens or 0))
             num_aborted += 1
         if entries:
-            log.info("requests aborted by the caller", request_ids=[entry.request_id for entry in entries[:8]],
+            log.info("request aborted by the caller", request_ids=[entry.request_id for entry in entries[:8]],
                      num_requests=len(entries), num_aborted=num_aborted)
             self._update_gauges()
         return num_aborted
