@@ -186,7 +186,7 @@ def test_an_abort_while_the_grammar_compiles_ends_the_request_before_it_runs(api
     assert end in (("FINISH_REASON_ABORT", 0), ("abort", 0))
     assert num_aborted == 1
     assert num_seqs_run == 1  # only the warm-up ever reached a step
-    assert ended_after < 0.4, f"the stream ended {ended_after:.2f} s after the Abort"
+    assert ended_after < 0.5, f"the stream ended {ended_after:.2f} s after the Abort"
 
 
 def test_an_abort_while_rank_0_builds_the_grammar_ends_the_request_at_once() -> None:
@@ -327,9 +327,9 @@ def test_an_abort_ends_only_its_tenants_requests_and_the_table_forgets_every_req
 
 @pytest.mark.parametrize("api", ["tpserve.v1", "vllm"])
 def test_a_bulk_abort_does_not_stall_a_running_stream(api: str) -> None:
-    """2,000 requests queued behind one stream; an Abort of MAX_ABORT_IDS ids (64 of them queued):
+    """3,000 requests queued behind one stream; an Abort of MAX_ABORT_IDS ids (64 of them queued):
     the stream's largest gap between tokens while the Abort runs stays near its usual one."""
-    num_queued, num_named = 2000, 64
+    num_queued, num_named = 3000, 64
 
     async def go() -> tuple[float, float, int]:
         engine, _ = _engine(max_num_seqs=1, max_queue_len=4096, num_blocks=4096)
@@ -339,7 +339,7 @@ def test_a_bulk_abort_does_not_stall_a_running_stream(api: str) -> None:
             stream = native.GenerateStream(_request("runner", 3000))
             await stream.read()
 
-            async def queued(i: int) -> None:  # straight into the engine: not 2,000 gRPC calls
+            async def queued(i: int) -> None:  # straight into the engine: not 3,000 gRPC calls
                 async for _ in engine.generate(GenerateParams(f"queued-{i}", PROMPT, 4, SamplingParams(temperature=0.0),
                                                               (), frozenset(), True)):
                     pass
@@ -368,7 +368,7 @@ def test_a_bulk_abort_does_not_stall_a_running_stream(api: str) -> None:
 
     baseline, during, num_left = asyncio.run(go())
     assert num_left == num_queued - num_named
-    # Before: 0.5-1 s (every id compared with every request in flight, on the event loop).
+    # Before: 0.3-1 s (every id compared with every request in flight, on the event loop).
     print(f"largest gap during the Abort {during * 1000:.1f} ms, usual {baseline * 1000:.1f} ms")
     assert during < max(0.1, 3 * baseline), f"largest gap {during * 1000:.0f} ms (usual {baseline * 1000:.0f} ms)"
 
