@@ -114,7 +114,7 @@ class RequestTable:
         return sum(len(entries) for entries in self._by_id.values())
 
     def open(self, request_id: str, tenant: str = "", num_samples: int = 1) -> RequestEntry:
-        """Registers a request just received; the caller :meth:`close`\\ s it when its handler ends.
+        """Registers a request just received; its handler calls :meth:`close` when it ends.
 
         Args:
             request_id: the caller's id; "" assigns one (``req-`` and 12 hex digits).
