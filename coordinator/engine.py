@@ -37,22 +37,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 import structlog
 
-from coordinator.block_allocator import num_blocks_for
+from coordinator.admission import check_admissible, prepare_grammar
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.engine_state import EngineState, check_transition
-from coordinator.errors import (DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, TpserveError,
-                               UnavailableError)
+from coordinator.errors import DeadlineExceededError, InvalidArgumentError, TpserveError
 from coordinator.inflight_step import InFlightStep
-from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
+from coordinator.logprobs import prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.output_collector import RequestOutputCollector
+from coordinator.request_output import RequestOutput, aborted_output
+from coordinator.request_table import RequestAborted, RequestEntry, RequestTable
 from coordinator.micro_batches import run_micro_batches
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
@@ -63,33 +63,6 @@ from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from tpserve.step import StepPlan
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)  # not frozen: a frozen slots dataclass's __init__ costs 4x (one per token; issue 26)
-class RequestOutput:
-    """What one step added to one request (not changed once put on the request's queue).
-
-    Attributes:
-        request_id: the request.
-        text: new text since the previous output (may be empty while held back).
-        token_ids: new token ids since the previous output (stopping token excluded).
-        finish_reason: set on the request's last output.
-        num_prompt_tokens, num_completion_tokens: usage so far, in tokens.
-        num_cached_prompt_tokens: prompt tokens found in the prefix cache (not computed).
-        logprobs: one per entry of ``token_ids`` when the request asked for logprobs.
-        prompt_logprobs: on the first output of a request that asked: one per prompt
-            token from the second on.
-    """
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    num_cached_prompt_tokens: int = 0
-    logprobs: tuple[TokenLogprob, ...] = ()
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -140,6 +113,7 @@ class Engine:
         self.max_queue_len = max_queue_len
         self.metrics = metrics
         self._on_fatal = on_fatal
+        self.requests = RequestTable()  # every request from its receipt, by id: Abort's table
         self._states: dict[int, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._wakeup = asyncio.Event()
@@ -187,7 +161,8 @@ class Engine:
     # -- requests --------------------------------------------------------------------
 
     async def generate(self, params: GenerateParams, timeout_s: float | None = None,
-                       stream_interval: int | None = None) -> AsyncIterator[RequestOutput]:
+                       stream_interval: int | None = None,
+                       entry: RequestEntry | None = None) -> AsyncIterator[RequestOutput]:
         """Adds a request and yields its outputs until it finishes.
 
         Outputs produced while the caller had not taken the previous one arrive merged into
@@ -195,9 +170,15 @@ class Engine:
         wants only the end) holds them back until that many tokens are pending
         (coordinator/output_collector.py).
 
+        ``entry`` is the request as its handler registered it on receipt
+        (:attr:`requests`; every sample of an ``n`` > 1 request shares it); None registers
+        it here. An Abort of its id ends it wherever it is: one that came before it was
+        queued (while rank 0 built its grammar, or before an ``n`` > 1 request's sample
+        started) gives one output, with no token and finish_reason ABORT.
+
         Leaving the iteration early (the client cancelled) aborts the request and frees
         its KV blocks. A structured-output request is queued once rank 0 has built its
-        grammar (:meth:`_prepare_grammar`).
+        grammar (coordinator/admission.py).
 
         Raises:
             UnavailableError: draining, or the worker group is down.
@@ -205,61 +186,52 @@ class Engine:
             DeadlineExceededError: ``timeout_s`` seconds passed before it finished.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if params.sampling.grammar and self.state in (EngineState.SERVING, EngineState.RESUMED):
-            await self._prepare_grammar(params.sampling.grammar, deadline, timeout_s)
-        state = self._add(params, self.stream_interval if stream_interval is None else stream_interval)
-        # One timer per request, not one per output (asyncio.wait_for wraps every get in a task).
-        timer = None if deadline is None else asyncio.get_running_loop().call_later(
-            max(deadline - time.monotonic(), 0.0), state.queue.put_nowait,
-            DeadlineExceededError(f"request {state.request_id}: deadline of {timeout_s:.3f} s exceeded"))
+        own_entry = entry is None
+        entry = self.requests.open(params.request_id, params.tenant) if entry is None else entry
+        state, timer = None, None
         try:
+            if params.sampling.grammar and self.state in (EngineState.SERVING, EngineState.RESUMED):
+                await entry.unless_aborted(prepare_grammar(self.workers, params.sampling.grammar, deadline, timeout_s))
+            if entry.aborted:
+                raise RequestAborted(entry.request_id)
+            state = self._add(params, self.stream_interval if stream_interval is None else stream_interval, entry)
+            # One timer per request, not one per output (asyncio.wait_for wraps every get in a task).
+            timer = None if deadline is None else asyncio.get_running_loop().call_later(
+                max(deadline - time.monotonic(), 0.0), state.queue.put_nowait,
+                DeadlineExceededError(f"request {state.request_id}: deadline of {timeout_s:.3f} s exceeded"))
             while True:
                 output = await state.queue.get()  # raises the error put (deadline, failure)
                 yield output
                 if output.finish_reason is not None:
                     return
+        except RequestAborted:  # before it was queued: nothing of it ran
+            yield aborted_output(entry.request_id, len(params.prompt_token_ids))
         finally:
             if timer is not None:
                 timer.cancel()
-            self._abort(state)
+            if state is not None:
+                self._abort(state)
+            if own_entry:
+                self.requests.close(entry)
 
-    async def _prepare_grammar(self, grammar: str, deadline: float | None, timeout_s: float | None) -> None:
-        """Has rank 0 build a structured-output grammar before the request is scheduled, so
-        that no step waits for it (issue 20, fault 3). The coordinator compiled it already,
-        under its time limit (coordinator/grammar_compiler.py); if rank 0 cannot be asked, the
-        step that first samples the request builds it instead (worker/grammar.py).
+    def admit(self, params: GenerateParams, entry: RequestEntry) -> None:
+        """Admits all ``entry.num_samples`` samples of a request at once (``n`` > 1): their queue
+        places are held until each is queued (:meth:`generate` with ``entry``), so none is
+        refused once another has streamed.
 
         Raises:
-            DeadlineExceededError: the client's deadline passed meanwhile.
-            TpserveError: rank 0 refused a grammar the coordinator accepted (INTERNAL: a bug).
+            UnavailableError, ResourceExhaustedError: as :meth:`generate`, for the whole request.
         """
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            await asyncio.wait_for(self.workers.prepare_grammar(grammar), remaining)
-        except asyncio.TimeoutError:
-            raise DeadlineExceededError(f"deadline of {timeout_s:.3f} s exceeded while rank 0 built the "
-                                        "request's grammar") from None
-        except WorkerGroupError as exc:
-            log.warning("grammar not prepared; the step builds it", error=str(exc))
-        except ValueError as exc:
-            raise TpserveError(f"rank 0 refused a grammar the coordinator accepted: {exc}") from None
+        check_admissible(self.state, self._reason, params, self.scheduler, self.max_model_len)
+        self.requests.reserve(entry, len(self.scheduler.waiting), self.max_queue_len)
 
-    def _add(self, params: GenerateParams, stream_interval: int) -> _RequestState:
-        if self.state is EngineState.DEAD:
-            raise UnavailableError(f"the worker group is down: {self._reason}")
-        if self.state is EngineState.RECOVERING:
-            raise UnavailableError(f"the worker group is restarting after a failure ({self._reason}); retry shortly")
-        if self.state is EngineState.DRAINING:
-            raise UnavailableError("the server is draining")
-        if len(self.scheduler.waiting) >= self.max_queue_len:
-            raise ResourceExhaustedError(f"the queue is full ({self.max_queue_len} requests waiting)")
-        longest = min(len(params.prompt_token_ids) + params.max_tokens, self.max_model_len)
-        if num_blocks_for(longest, self.scheduler.block_size) > self.scheduler.allocator.num_blocks:
-            raise ResourceExhaustedError(
-                f"the request needs up to {longest} tokens of KV cache; the cache holds "
-                f"{self.scheduler.allocator.num_blocks * self.scheduler.block_size}")
+    def _add(self, params: GenerateParams, stream_interval: int, entry: RequestEntry) -> _RequestState:
+        held = self.requests.take_reservation(entry)  # admitted with its request's other samples
+        check_admissible(self.state, self._reason, params, self.scheduler, self.max_model_len, admitted=held)
+        if not held:
+            self.requests.check_queue(1, len(self.scheduler.waiting), self.max_queue_len)
         seq_id = next(self._seq_ids)
-        request_id = params.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        request_id = entry.request_id
         seq = Sequence(
             seq_id=seq_id,
             prompt_token_ids=list(params.prompt_token_ids),
@@ -280,6 +252,7 @@ class Engine:
                 raise InvalidArgumentError(f"request {request_id}: the text of generated_token_ids contains a stop "
                                            "string; that completion had ended")
         self._states[seq_id] = state
+        entry.samples.append(state)
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
         self._wakeup.set()
@@ -305,23 +278,37 @@ class Engine:
         self._update_gauges()
 
     def abort_request(self, request_id: str, tenant: str | None = None) -> int:
-        """Ends every unfinished request named ``request_id`` now (an explicit Abort): its
-        blocks are freed at once and its stream ends with finish_reason ABORT.
+        """:meth:`abort_requests` of one id."""
+        return self.abort_requests((request_id,), tenant)
+
+    def abort_requests(self, request_ids: Collection[str], tenant: str | None = None) -> int:
+        """Ends every request named in ``request_ids`` now (an explicit Abort), wherever it is:
+        validating, waiting for its grammar, queued, running, or an ``n`` > 1 request whose
+        later samples have not started. Queued samples' blocks are freed at once; every
+        sample's stream ends with finish_reason ABORT. One look-up per id
+        (coordinator/request_table.py), whatever else is in flight.
 
         Args:
-            request_id: the caller's request id (every sample of an ``n`` > 1 request has it).
+            request_ids: the callers' request ids (every sample of an ``n`` > 1 request has its request's).
             tenant: only requests of this tenant (API keys on); None: any request.
 
         Returns:
-            How many were aborted (0: none in flight).
+            How many samples were ended (0: none in flight; a request aborted before its
+            samples were queued counts its ``n``).
+
+        Raises:
+            InvalidArgumentError: more than MAX_ABORT_IDS ids (coordinator/request_table.py).
         """
-        now, num_aborted = time.monotonic(), 0
-        for state in [s for s in self._states.values()
-                      if s.request_id == request_id and (tenant is None or s.tenant == tenant)]:
+        entries = self.requests.abort(request_ids, tenant)
+        num_aborted = sum(entry.num_samples - len(entry.samples) for entry in entries)  # end before they start
+        states = [state for entry in entries for state in entry.samples if state.seq.seq_id in self._states]
+        now = time.monotonic()
+        if states and self._unstreamed:  # their last step's tokens come first
+            seq_ids = {state.seq.seq_id for state in states}
+            self._process([out for out in self._unstreamed if out.seq.seq_id in seq_ids])
+            self._unstreamed = [out for out in self._unstreamed if out.seq.seq_id not in seq_ids]
+        for state in states:
             seq = state.seq
-            if any(out.seq is seq for out in self._unstreamed):  # its last step's tokens come first
-                self._process_request([out for out in self._unstreamed if out.seq is seq], now)
-                self._unstreamed = [out for out in self._unstreamed if out.seq is not seq]
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, FinishReason.ABORT)
@@ -329,8 +316,9 @@ class Engine:
             state.queue.put_nowait(RequestOutput(state.request_id, "", [], FinishReason.ABORT, seq.num_prompt_tokens,
                                                  seq.num_output_tokens, seq.num_cached_prompt_tokens or 0))
             num_aborted += 1
-        if num_aborted:
-            log.info("request aborted by the caller", request_id=request_id, num_aborted=num_aborted)
+        if entries:
+            log.info("request aborted by the caller", request_ids=[entry.request_id for entry in entries[:8]],
+                     num_requests=len(entries), num_aborted=num_aborted)
             self._update_gauges()
         return num_aborted
 

@@ -18,6 +18,8 @@ from coordinator.cache_isolation import tenant_id
 from coordinator.chat import prepare_chat
 from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
+from coordinator.request_output import aborted_output
+from coordinator.request_table import RequestAborted, RequestEntry, check_abort_ids
 from coordinator.output_collector import UNARY
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
@@ -62,15 +64,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.grammars = grammars
         self.chat_renderer = ChatRenderPool()
 
-    async def _validate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateParams:
+    async def _validate(self, request: pb.GenerateRequest, tenant: str) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
         tokenize, which on the event loop would freeze every stream and health check; a
         grammar compiles in a child process, the thread waiting at most its time limit.
         A chat template renders first, in the bounded renderer pool (never on a thread:
         one that never ends could not be stopped)."""
-        self._check_loaded()
-        check_priority(request.priority, self.is_operator(context))
-        tenant = tenant_id(context.invocation_metadata()) if self.api_keys else ""
         chat = None
         if request.WhichOneof("prompt") == "messages":
             prompt = prepare_chat(self.tokenizer, chat_messages(request))
@@ -87,26 +86,43 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         """Stops the chat template renderers (at shutdown)."""
         await self.chat_renderer.close()
 
-    def _check_loaded(self) -> None:
+    def _check_loaded(self) -> Engine:
         if self.engine is None:
             raise UnavailableError("the model is still loading; retry when the health service reports SERVING")
+        return self.engine
+
+    def _receive(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                 n: int) -> tuple[Engine, RequestEntry]:
+        """Registers a request as it arrives, before validation: an Abort of its id from now on
+        ends it (coordinator/request_table.py). The handler closes the entry when it ends."""
+        engine = self._check_loaded()
+        check_priority(request.priority, self.is_operator(context))  # before the table: refused whole
+        tenant = tenant_id(context.invocation_metadata()) if self.api_keys else ""
+        return engine, engine.requests.open(request.request_id, tenant, n)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         if num_samples(request.sampling_params) > 1:
             raise InvalidArgumentError("sampling_params.n > 1 needs GenerateStream (its messages carry the index)")
-        params = await self._validate(request, context)
+        engine, entry = self._receive(request, context, 1)
         text: list[str] = []
         token_ids: list[int] = []
         last: RequestOutput | None = None
         logprobs: list[pb.TokenLogprob] = []
         prompt_logprobs: list[pb.TokenLogprob] = []
-        # UNARY: the engine wakes this handler once, at the end, with every token merged.
-        async for output in self.engine.generate(params, context.time_remaining(), stream_interval=UNARY):
-            text.append(output.text)
-            token_ids.extend(output.token_ids)
-            logprobs.extend(_logprobs(output))
-            prompt_logprobs.extend(_logprobs(output, prompt=True))
-            last = output
+        try:
+            try:
+                params = await entry.unless_aborted(self._validate(request, entry.tenant))
+            except RequestAborted:  # an Abort while it was validated
+                last = aborted_output(entry.request_id, 0)
+            else:  # UNARY: the engine wakes this handler once, at the end, with every token merged.
+                async for output in engine.generate(params, context.time_remaining(), UNARY, entry):
+                    text.append(output.text)
+                    token_ids.extend(output.token_ids)
+                    logprobs.extend(_logprobs(output))
+                    prompt_logprobs.extend(_logprobs(output, prompt=True))
+                    last = output
+        finally:
+            engine.requests.close(entry)
         assert last is not None  # the engine always ends with a finished output
         return pb.GenerateResponse(
             request_id=last.request_id, text="".join(text), token_ids=token_ids,
@@ -118,23 +134,37 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         a coroutine, not an async generator, so a message passes no generator of ours (nor the
         error interceptor's) on its way out (issue 26, per-token cost)."""
         n = num_samples(request.sampling_params)
-        params = await self._validate(request, context)
+        engine, entry = self._receive(request, context, n)
         write = context.write
-        if n == 1:  # the common case: no task of generate_n's in between
-            async for output in self.engine.generate(params, context.time_remaining()):
+        try:
+            try:
+                params = await entry.unless_aborted(self._validate(request, entry.tenant))
+            except RequestAborted:  # an Abort while it was validated: every sample ends now
+                for index in range(n):
+                    await write(_stream_response(aborted_output(entry.request_id, 0), index))
+                return
+            if n == 1:  # the common case: no task of generate_n's in between
+                async for output in engine.generate(params, context.time_remaining(), None, entry):
+                    if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
+                        await write(_stream_response(output, 0))
+                return
+            async for index, output in generate_n(engine, params, n, context.time_remaining(), None, entry):
                 if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                    await write(_stream_response(output, 0))
-            return
-        async for index, output in generate_n(self.engine, params, n, context.time_remaining()):
-            if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                await write(_stream_response(output, index))  # else text held back and no token: nothing to send
+                    await write(_stream_response(output, index))  # else text held back and no token: nothing to send
+        finally:
+            engine.requests.close(entry)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        self._check_loaded()
+        """Ends the named requests wherever they are (coordinator/request_table.py).
+
+        Raises:
+            InvalidArgumentError: more than MAX_ABORT_IDS ids.
+        """
+        check_abort_ids(request.request_ids)
+        engine = self._check_loaded()
         # With API keys a caller may end only its own requests; without, requests have no owner.
         tenant = tenant_id(context.invocation_metadata()) if self.api_keys else None
-        return pb.AbortResponse(num_aborted=sum(self.engine.abort_request(request_id, tenant)
-                                                for request_id in request.request_ids))
+        return pb.AbortResponse(num_aborted=engine.abort_requests(request.request_ids, tenant))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         # While loading, the KV pool and the dtype are not known yet: UNAVAILABLE, as Generate.

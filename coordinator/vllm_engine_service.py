@@ -46,6 +46,8 @@ from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
 from coordinator.output_collector import UNARY
 from coordinator.parallel_sampling import generate_n
 from coordinator.scheduler import Scheduler
+from coordinator.request_output import aborted_output
+from coordinator.request_table import RequestAborted, RequestEntry, check_abort_ids
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
 from coordinator.vllm_engine_params import chunk, complete, to_generate_request
@@ -96,23 +98,40 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         gen = self.generation
         tenant = tenant_id(context.invocation_metadata()) if gen.api_keys else ""
-        public = to_generate_request(request)  # the protocol has no priority: always the default 0
-        # The same bounded grammar compiler as tpserve.v1 (a hostile schema through the
-        # gateway must not stall the server either); a gateway renders chat itself.
-        params = await asyncio.to_thread(validate_request, public, gen.tokenizer, gen.model_info.vocab_size,
-                                         gen.model_info.max_model_len, tenant, None, gen.grammars)
+        public = to_generate_request(request)
+        n = max(request.sampling_params.n, 1)
+        # Registered before validation: a gateway's Abort lands wherever the request is (request_table.py).
+        entry = engine.requests.open(request.request_id, tenant, n)
+        try:
+            async for response in self._generate(engine, entry, request, public, context):
+                yield response
+        finally:
+            engine.requests.close(entry)
+
+    async def _generate(self, engine: Engine, entry: RequestEntry, request: vpb.GenerateRequest,
+                        public, context: grpc.aio.ServicerContext):
+        gen, n = self.generation, entry.num_samples
+        try:
+            # The same bounded grammar compiler as tpserve.v1 (a hostile schema through the
+            # gateway must not stall the server either); a gateway renders chat itself.
+            params = await entry.unless_aborted(asyncio.to_thread(
+                validate_request, public, gen.tokenizer, gen.model_info.vocab_size, gen.model_info.max_model_len,
+                entry.tenant, None, gen.grammars))
+        except RequestAborted:  # an Abort while it was validated: every sample ends now, with no token
+            for index in range(n):
+                yield complete(aborted_output(entry.request_id, 0), [], [], [], [], 0, 0, index)
+            return
         sampling = request.sampling_params
         num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
         num_prompt_logprobs = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else 0
         prompt = params.prompt_token_ids
-        n = max(sampling.n, 1)
         token_ids = [[] for _ in range(n)]
         logprobs = [[] for _ in range(n)]
         prompt_logprobs = [[] for _ in range(n)]
         completes = {}
         # Not streamed: each sample's handler is woken once, at its end (coordinator/output_collector.py).
         interval = None if request.stream else UNARY
-        async for index, output in generate_n(engine, params, n, context.time_remaining(), interval):
+        async for index, output in generate_n(engine, params, n, context.time_remaining(), interval, entry):
             prompt_logprobs[index].extend(output.prompt_logprobs)
             finished = output.finish_reason is not None
             if request.stream:
@@ -131,11 +150,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield completes[index]
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
+        """Ends the named requests wherever they are, validating, queued, running, or samples of
+        an ``n`` > 1 request not started yet (coordinator/request_table.py).
+
+        Raises:
+            InvalidArgumentError: more than MAX_ABORT_IDS ids.
+        """
+        check_abort_ids(request.request_ids)
         engine = self.generation.engine
         if engine is not None:  # nothing runs while loading: nothing to abort
             tenant = tenant_id(context.invocation_metadata()) if self.generation.api_keys else None
-            for request_id in request.request_ids:
-                engine.abort_request(request_id, tenant)
+            engine.abort_requests(request.request_ids, tenant)
         return vpb.AbortResponse()
 
     async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext) -> vpb.EmbedResponse:

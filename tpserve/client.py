@@ -528,7 +528,8 @@ class Client:
         return GenerateStream(start(request, timeout_s), StreamMover(request, self.move_policy), start, deadline)
 
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
-        """Ends the caller's requests with these ids now; returns how many were in flight."""
+        """Ends the caller's requests with these ids now, wherever they are (at most 4096 ids a call);
+        returns how many samples were in flight."""
         return self.stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=timeout_s,
                                metadata=self._metadata).num_aborted
 

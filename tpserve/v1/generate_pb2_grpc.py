@@ -82,9 +82,12 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Ends the caller's requests with these ids now: their KV blocks are freed at
-        once and their streams end with finish_reason ABORT. Ids not in flight are
+        """Ends the caller's requests with these ids now, wherever they are (being
+        validated, waiting for their grammar, queued, running, or samples of an
+        n > 1 request not started yet): their KV blocks are freed at once and every
+        sample's stream ends with finish_reason ABORT. Ids not in flight are
         ignored. With API keys, only requests made with the caller's key are ended.
+        At most 4096 ids per call (INVALID_ARGUMENT beyond).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
