@@ -74,6 +74,12 @@ class Sequence:
             once fed); 0 otherwise.
         admitted_step: the step id of the plan that last admitted it (new or after a
             preemption); a result of an earlier plan belongs to a former admission.
+        arrival_s: when it reached the scheduler (its clock's seconds), for priority aging
+            (:mod:`coordinator.priority`); None before.
+        resumed_at_output: its output length when it was last resumed after a preemption
+            (:mod:`coordinator.priority`: no preemption again before a new token); None otherwise.
+        num_continued_tokens: the first output tokens the caller sent as ``generated_token_ids``
+            (a continued stream): computed as prompt, and counted as prompt tokens in usage.
     """
 
     seq_id: int
@@ -96,6 +102,9 @@ class Sequence:
     priority: int = 0
     num_pending_tokens: int = 0
     admitted_step: int = -1
+    arrival_s: float | None = None
+    resumed_at_output: int | None = None
+    num_continued_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +118,16 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_usage_prompt_tokens(self) -> int:
+        """Usage's prompt tokens: the prompt and a continuation's given tokens (the server computed, not generated, them)."""
+        return len(self.prompt_token_ids) + self.num_continued_tokens
+
+    @property
+    def num_usage_completion_tokens(self) -> int:
+        """Usage's completion tokens: those this server generated (the stopping token included)."""
+        return len(self.output_token_ids) - self.num_continued_tokens
 
     def token_ids(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens at positions [start, end) of prompt + output."""
