@@ -22,10 +22,11 @@ callers may use (what bounds it is the API keys' rule, coordinator/auth.py).
 vLLM orders by ``(priority, arrival)`` with no aging (``aging_s = 0`` here: strict
 priority, which can starve); OS schedulers age waiting work the same way.
 
-The progress rule: a sequence resumed after a preemption (recomputed from its tokens)
-is not preempted again until it has produced a token since it was resumed, so a
+The progress rule: an admitted sequence (new, or resumed after a preemption and
+recomputed from its tokens) is not preempted until it has produced a token since, so a
 low-priority stream under KV pressure loses its KV at most once per token it produces
-instead of being preempted again and again in the middle of its recompute. It never
+instead of being preempted again and again in the middle of its (re)computation, each
+time throwing that work away. It never
 deadlocks: a protected sequence is passed over for another victim; when every candidate
 is protected, the sequence that needs blocks waits a step if some other sequence runs in
 this step (which frees or takes blocks towards an end), and only when nothing else
@@ -95,13 +96,13 @@ class PriorityPolicy:
 
     @staticmethod
     def on_admitted(seq: Sequence) -> None:
-        """Starts a resumed sequence's protection: it is not preempted again before its next token."""
-        seq.resumed_at_output = seq.num_output_tokens if seq.num_preemptions else None
+        """Starts an admitted sequence's protection: it is not preempted before its next token."""
+        seq.admitted_at_output = seq.num_output_tokens
 
     @staticmethod
     def is_protected(seq: Sequence) -> bool:
-        """Whether ``seq`` was resumed after a preemption and has produced no token since."""
-        return seq.resumed_at_output is not None and seq.num_output_tokens <= seq.resumed_at_output
+        """Whether ``seq`` has produced no token since it was last admitted."""
+        return seq.admitted_at_output is not None and seq.num_output_tokens <= seq.admitted_at_output
 
     def pick_victim(self, candidates: list[Sequence], allow_protected: bool) -> Sequence | None:
         """The sequence to preempt for want of KV blocks: the least urgent, then newest (the last

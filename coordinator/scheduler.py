@@ -10,8 +10,8 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
    request of its rank, to be recomputed later (recompute preemption).
    Before that, a waiting sequence that cannot be admitted (too few free blocks, no
    free slot) preempts less urgent running sequences to take their place.
-   Urgency is priority aged by waiting, and a sequence resumed after a preemption is not
-   preempted again before its next token (:mod:`coordinator.priority`).
+   Urgency is priority aged by waiting, and an admitted sequence is not preempted
+   before its next token unless nothing else could run (:mod:`coordinator.priority`).
 2. If nothing was preempted, waiting sequences are admitted in that order
    (first come, first served within a rank), while the step has token budget, a sequence slot (``max_num_seqs``)
    and free blocks for the whole remaining prompt: a request is admitted only
@@ -274,7 +274,7 @@ class Scheduler:
                                                    allow_protected=not scheduled)
                 preempted = True
                 if victim is None:
-                    break  # all just resumed: seq waits for blocks while the sequences scheduled before it run
+                    break  # none has progressed since admitted: seq waits while those scheduled before it run
                 self._preempt(victim)
                 if victim is seq:
                     break

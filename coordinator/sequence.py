@@ -76,8 +76,9 @@ class Sequence:
             preemption); a result of an earlier plan belongs to a former admission.
         arrival_s: when it reached the scheduler (its clock's seconds), for priority aging
             (:mod:`coordinator.priority`); None before.
-        resumed_at_output: its output length when it was last resumed after a preemption
-            (:mod:`coordinator.priority`: no preemption again before a new token); None otherwise.
+        admitted_at_output: its output length when it was last admitted (new, or resumed after
+            a preemption): it is not preempted before its output grows (:mod:`coordinator.priority`);
+            None before its first admission.
         num_continued_tokens: the first output tokens the caller sent as ``generated_token_ids``
             (a continued stream): computed as prompt, and counted as prompt tokens in usage.
     """
@@ -103,7 +104,7 @@ class Sequence:
     num_pending_tokens: int = 0
     admitted_step: int = -1
     arrival_s: float | None = None
-    resumed_at_output: int | None = None
+    admitted_at_output: int | None = None
     num_continued_tokens: int = 0
 
     @property
