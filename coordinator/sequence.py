@@ -79,8 +79,9 @@ class Sequence:
         admitted_at_output: its output length when it was last admitted (new, or resumed after
             a preemption): it is not preempted before its output grows (:mod:`coordinator.priority`);
             None before its first admission.
-        num_continued_tokens: the first output tokens the caller sent as ``generated_token_ids``
-            (a continued stream): computed as prompt, and counted as prompt tokens in usage.
+        num_continued_tokens: the output tokens it was created with: a continued stream's earlier
+            output (the request's ``generated_token_ids``), which this server computes as prompt and
+            did not generate: usage and the metrics count them as prompt tokens. Set at creation.
     """
 
     seq_id: int
@@ -105,7 +106,10 @@ class Sequence:
     admitted_step: int = -1
     arrival_s: float | None = None
     admitted_at_output: int | None = None
-    num_continued_tokens: int = 0
+    num_continued_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.num_continued_tokens = len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
