@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from coordinator.errors import ResourceExhaustedError, UnavailableError
 
@@ -220,7 +220,7 @@ class GrammarCompiler:
         status, value = self._ask(("tokens", grammar, tuple(token_ids)), limit)
         return int(_result(status, value, limit))
 
-    def _ask(self, message: tuple, timeout_s: float) -> tuple[str, object]:
+    def _ask(self, message: tuple, timeout_s: float) -> tuple[str, Any]:
         """Sends ``message`` to a free child and waits at most ``timeout_s`` for its ``(status, value)``;
         ``("timeout", "")`` when it takes longer (the child is killed and replaced)."""
         if self._closed:
@@ -269,7 +269,7 @@ class GrammarCompiler:
                 return
 
 
-def _result(status: str, value, timeout_s: float):
+def _result(status: str, value: Any, timeout_s: float) -> Any:
     if status == "ok":
         return value
     if status == "timeout":
