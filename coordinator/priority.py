@@ -18,7 +18,7 @@ waiting request may preempt a running one (a strictly smaller rank), so a reques
 has aged past later urgent arrivals is neither overtaken nor preempted by them: a
 request of priority ``p`` waits at most about ``(p - p_min) * aging_s`` seconds plus the
 service time of what ranked before it, where ``p_min`` is the most urgent priority
-callers may use (what bounds it is the API keys' rule, coordinator/auth.py).
+callers may use (bounding that is the API keys' business, not the scheduler's).
 vLLM orders by ``(priority, arrival)`` with no aging (``aging_s = 0`` here: strict
 priority, which can starve); OS schedulers age waiting work the same way.
 
@@ -26,12 +26,11 @@ The progress rule: an admitted sequence (new, or resumed after a preemption and
 recomputed from its tokens) is not preempted until it has produced a token since, so a
 low-priority stream under KV pressure loses its KV at most once per token it produces
 instead of being preempted again and again in the middle of its (re)computation, each
-time throwing that work away. It never
-deadlocks: a protected sequence is passed over for another victim; when every candidate
-is protected, the sequence that needs blocks waits a step if some other sequence runs in
-this step (which frees or takes blocks towards an end), and only when nothing else
-would run is a protected sequence preempted (the least urgent, newest one), so every
-step makes progress. No torch.
+time throwing that work away. It never deadlocks: a protected sequence is passed over
+for another victim; when every candidate is protected, the sequence that needs blocks
+waits a step if some other sequence runs in this step (which frees or takes blocks
+towards an end), and only when nothing else would run is a protected sequence preempted
+(the least urgent, newest one), so every step makes progress. No torch.
 """
 
 from __future__ import annotations

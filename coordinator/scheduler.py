@@ -280,7 +280,7 @@ class Scheduler:
                     break
                 new_block_ids = self.kv_cache.grow(seq, num_new)
             if new_block_ids is None:
-                index += seq.status is SequenceStatus.RUNNING  # preempted, the next one is at index now
+                index += seq.status is SequenceStatus.RUNNING  # waits: next; preempted: the next is at index
                 continue
             scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
             budget -= num_new + num_spec
