@@ -242,7 +242,7 @@ class Engine:
             priority=params.priority,
             # A continued request (another replica's earlier output) starts where a sequence
             # resumed by recompute does: its output kept, nothing computed (scheduler.reset_workers).
-            output_token_ids=list(params.generated_token_ids),
+            output_token_ids=list(params.generated_token_ids),  # usage counts them as prompt tokens
         )
         state = _RequestState(request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
                               StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic(),
@@ -254,7 +254,7 @@ class Engine:
         self._states[seq_id] = state
         entry.samples.append(state)
         self.scheduler.add(seq)
-        self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
+        self.metrics.prompt_tokens.inc(seq.num_usage_prompt_tokens)
         self._wakeup.set()
         return state
 
@@ -313,8 +313,8 @@ class Engine:
                 continue
             self.scheduler.finish(seq, FinishReason.ABORT)
             self._observe_finished(state, now, FinishReason.ABORT)
-            state.queue.put_nowait(RequestOutput(state.request_id, "", [], FinishReason.ABORT, seq.num_prompt_tokens,
-                                                 seq.num_output_tokens, seq.num_cached_prompt_tokens or 0))
+            state.queue.put_nowait(RequestOutput(state.request_id, "", [], FinishReason.ABORT, seq.num_usage_prompt_tokens,
+                                                 seq.num_usage_completion_tokens, seq.num_cached_prompt_tokens or 0))
             num_aborted += 1
         if entries:
             log.info("request aborted by the caller", request_ids=[entry.request_id for entry in entries[:8]],
@@ -461,8 +461,8 @@ class Engine:
                 self.scheduler.finish(seq, FinishReason.STOP)
                 finish = FinishReason.STOP
                 self._observe_finished(state, now, finish)
-            state.queue.put_nowait(RequestOutput(state.request_id, text, [token_id], finish, seq.num_prompt_tokens,
-                                                 seq.num_output_tokens, seq.num_cached_prompt_tokens or 0, (),
+            state.queue.put_nowait(RequestOutput(state.request_id, text, [token_id], finish, seq.num_usage_prompt_tokens,
+                                                 seq.num_usage_completion_tokens, seq.num_cached_prompt_tokens or 0, (),
                                                  prompt_logprobs))
             return
         text, token_ids, logprobs, finish = "", [], [], None
@@ -489,16 +489,16 @@ class Engine:
         if finish is not None:
             self._observe_finished(state, now, finish)
         state.queue.put_nowait(RequestOutput(state.request_id, text, token_ids, finish,
-                                             seq.num_prompt_tokens, seq.num_output_tokens,
+                                             seq.num_usage_prompt_tokens, seq.num_usage_completion_tokens,
                                              seq.num_cached_prompt_tokens or 0, tuple(logprobs), prompt_logprobs))
 
     def _observe_finished(self, state: _RequestState, now: float, reason: FinishReason) -> None:
         seq = state.seq
         self.metrics.request_success.labels(finished_reason=reason.value).inc()
-        self.metrics.generation_tokens.inc(seq.num_output_tokens)
+        self.metrics.generation_tokens.inc(num_generated := seq.num_usage_completion_tokens)  # not a continuation's
         self.metrics.e2e_request_latency.observe(now - state.arrival_time)
-        if seq.num_output_tokens > 1 and state.first_token_time is not None:
-            self.metrics.time_per_output_token.observe((now - state.first_token_time) / (seq.num_output_tokens - 1))
+        if num_generated > 1 and state.first_token_time is not None:
+            self.metrics.time_per_output_token.observe((now - state.first_token_time) / (num_generated - 1))
 
     def suspend(self, reason: str) -> int:
         """The worker group is lost and being restarted: hold every request, refuse new ones.

@@ -16,7 +16,8 @@ A child builds the grammar exactly as rank 0 will (tpserve/llguidance_setup.py: 
 model's llguidance tokenizer and the shared parser limits), so a grammar that compiled
 here builds on the rank, in about the same time, which the limit bounds, and an invalid
 one never reaches a rank. Results (grammars and refusals, not time-outs) are cached by
-source. No torch.
+source. A child also checks a continued request's tokens against its grammar
+(:meth:`GrammarCompiler.count_accepted`, issue 41 item 8), under the same kind of limit. No torch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import threading
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from coordinator.errors import ResourceExhaustedError, UnavailableError
 
@@ -42,6 +43,9 @@ _START_TIMEOUT_S = 60.0
 _CACHE_SIZE = 256
 #: Seconds beyond two limits a compile may wait for a free child before RESOURCE_EXHAUSTED.
 _QUEUE_SLACK_S = 2.0
+#: Time a token check may take per token, beyond the compile limit (llguidance advances a
+#: grammar by a token in microseconds; its parser limits bound the worst case).
+CHECK_SECONDS_PER_TOKEN = 1e-3
 
 
 class GrammarCompileTimeout(Exception):
@@ -77,8 +81,25 @@ def compile_format(kind: Kind, source: str, tokenizer=None) -> str:
     return grammar
 
 
+def count_accepted_tokens(grammar: str, token_ids: list[int], tokenizer) -> int:
+    """How many of ``token_ids``, from the grammar's start, ``grammar`` accepts (``len(token_ids)``: all).
+
+    Args:
+        grammar: an llguidance grammar (:func:`compile_format`'s).
+        token_ids: output tokens, in order.
+        tokenizer: the model's ``llguidance.LLTokenizer``.
+
+    Raises:
+        ValueError: llguidance refuses the grammar.
+    """
+    from tpserve.llguidance_setup import build_matcher
+
+    return build_matcher(tokenizer, grammar).validate_tokens(token_ids)
+
+
 def _serve(conn_in: Connection, conn_out: Connection, model_dir: str, vocab_size: int) -> None:
-    """A child's loop: ``(kind, source)`` in, ``("ok", grammar)`` or ``("error", message)`` out."""
+    """A child's loop: ``(kind, source)`` in, ``("ok", grammar)`` or ``("error", message)`` out;
+    ``("tokens", grammar, token_ids)`` in, ``("ok", number accepted)`` out."""
     try:
         os.nice(10)  # behind the ranks and the coordinator on a busy host (module docstring)
     except OSError:
@@ -89,11 +110,14 @@ def _serve(conn_in: Connection, conn_out: Connection, model_dir: str, vocab_size
     conn_out.send(("ready", ""))
     while True:
         try:
-            kind, source = conn_in.recv()
+            message = conn_in.recv()
         except (EOFError, OSError):
             return  # the coordinator is gone
         try:
-            conn_out.send(("ok", compile_format(kind, source, tokenizer)))
+            if message[0] == "tokens":
+                conn_out.send(("ok", count_accepted_tokens(message[1], list(message[2]), tokenizer)))
+            else:
+                conn_out.send(("ok", compile_format(message[0], message[1], tokenizer)))
         except ValueError as exc:
             conn_out.send(("error", str(exc)))
 
@@ -175,16 +199,40 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 status, value = self._cache[key]
                 return _result(status, value, self.timeout_s)
+        status, value = self._ask(key, self.timeout_s)
+        if status != "timeout":  # a time depends on the host's load: a retry may pass
+            with self._lock:
+                self._cache[key] = (status, value)
+                if len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return _result(status, value, self.timeout_s)
+
+    def count_accepted(self, grammar: str, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` ``grammar`` accepts from its start (:func:`count_accepted_tokens`),
+        in a child, within ``timeout_s`` plus :data:`CHECK_SECONDS_PER_TOKEN` a token.
+
+        Raises:
+            ValueError: llguidance refuses the grammar.
+            GrammarCompileTimeout: it took longer than that (the message gives the limit).
+            ResourceExhaustedError, UnavailableError: as :meth:`compile`.
+        """
+        limit = self.timeout_s + len(token_ids) * CHECK_SECONDS_PER_TOKEN
+        status, value = self._ask(("tokens", grammar, tuple(token_ids)), limit)
+        return int(_result(status, value, limit))
+
+    def _ask(self, message: tuple, timeout_s: float) -> tuple[str, Any]:
+        """Sends ``message`` to a free child and waits at most ``timeout_s`` for its ``(status, value)``;
+        ``("timeout", "")`` when it takes longer (the child is killed and replaced)."""
         if self._closed:
             raise UnavailableError("the grammar compiler is closed")
         child = self._take_child()
         try:
             child.wait_ready()
-            child.send(key)
-            if child.conn.poll(self.timeout_s):
+            child.send(message)
+            if child.conn.poll(timeout_s):
                 status, value = child.conn.recv()
             else:
-                child.kill()  # the compile cannot be interrupted: end its process
+                child.kill()  # the work cannot be interrupted: end its process
                 child = _Child(self.model_dir, self.vocab_size)
                 status, value = "timeout", ""
         except (EOFError, OSError, UnavailableError):
@@ -193,12 +241,7 @@ class GrammarCompiler:
             raise UnavailableError("the grammar compiler failed; retry") from None
         finally:
             child.kill() if self._closed else self._idle.put(child)
-        if status != "timeout":  # a time depends on the host's load: a retry may pass
-            with self._lock:
-                self._cache[key] = (status, value)
-                if len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        return _result(status, value, self.timeout_s)
+        return status, value
 
     def _take_child(self) -> _Child:
         """An idle child, a new one while fewer than ``num_processes`` run, else the next to be free."""
@@ -226,7 +269,7 @@ class GrammarCompiler:
                 return
 
 
-def _result(status: str, value: str, timeout_s: float) -> str:
+def _result(status: str, value: Any, timeout_s: float) -> Any:
     if status == "ok":
         return value
     if status == "timeout":

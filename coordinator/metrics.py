@@ -40,7 +40,8 @@ class Metrics:
         self.e2e_request_latency = Histogram(
             "tpserve:e2e_request_latency_seconds", "Time from arrival to the last token (or the abort).",
             buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("tpserve:prompt_tokens", "Prompt tokens received.", registry=r)
+        self.prompt_tokens = Counter(
+            "tpserve:prompt_tokens", "Prompt tokens received (a continuation's given tokens included).", registry=r)
         self.prefix_cache_queries = Counter(
             "tpserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.", registry=r)
         self.prefix_cache_hits = Counter(

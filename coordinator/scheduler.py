@@ -5,14 +5,15 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
 1. Running sequences, oldest first, each get the tokens it has not computed yet
    (one for a decode, the rest of the prompt, or a chunk of it, for a prefill),
    within ``max_num_batched_tokens``. When the KV blocks they need are not free,
-   the newest running sequence not yet scheduled in this step with the lowest
-   priority (the largest ``priority`` value) is preempted: its blocks are freed and it
-   goes back to the queue, ahead of every later request of its priority, to be
-   recomputed later (recompute preemption).
+   the least urgent, newest running sequence not yet scheduled in this step is
+   preempted: its blocks are freed and it goes back to the queue, ahead of every later
+   request of its rank, to be recomputed later (recompute preemption).
    Before that, a waiting sequence that cannot be admitted (too few free blocks, no
-   free slot) preempts running sequences of lower priority to take their place.
-2. If nothing was preempted, waiting sequences are admitted in order of priority,
-   then first come, first served, while the step has token budget, a sequence slot (``max_num_seqs``)
+   free slot) preempts less urgent running sequences to take their place.
+   Urgency is priority aged by waiting, and an admitted sequence is not preempted
+   before its next token unless nothing else could run (:mod:`coordinator.priority`).
+2. If nothing was preempted, waiting sequences are admitted in that order
+   (first come, first served within a rank), while the step has token budget, a sequence slot (``max_num_seqs``)
    and free blocks for the whole remaining prompt: a request is admitted only
    when its blocks fit. A long prompt may be split into chunks over several steps.
    With prefix caching, an admitted sequence first takes references to the cached
@@ -65,6 +66,7 @@ checkable after any step with ``check_invariants``.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +74,9 @@ from dataclasses import dataclass
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
+from coordinator.priority import DEFAULT_PRIORITY_AGING_S, PriorityPolicy
 from coordinator.spec_decode import SpecDecodeStats
+from coordinator.scheduler_invariants import cached_blocks_written, check_invariants
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus
 from tpserve.step import PLACEHOLDER_TOKEN_ID, NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
 
@@ -104,9 +108,12 @@ class Scheduler:
             (``--speculative-disable-by-batch-size``); None: no limit.
         async_scheduling: plans may be made before the previous step's result is applied
             (see the module docstring); not with a proposer.
+        priority_aging_s: seconds of waiting worth one priority level (``--priority-aging-seconds``;
+            0: strict priority); ``clock``: monotonic seconds (:mod:`coordinator.priority`).
 
     Raises:
-        ValueError: ``async_scheduling`` with a proposer (a proposal needs the tokens before it).
+        ValueError: ``async_scheduling`` with a proposer (a proposal needs the tokens before it),
+            or a negative ``priority_aging_s``.
 
     Attributes:
         kv_cache: the block tables and the prefix cache (:mod:`coordinator.kv_cache_manager`).
@@ -116,9 +123,11 @@ class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = False, check_writes: bool = False,
                  proposer: NgramProposer | DraftModelProposer | None = None,
-                 disable_speculation_above: int | None = None, async_scheduling: bool = False) -> None:
+                 disable_speculation_above: int | None = None, async_scheduling: bool = False,
+                 priority_aging_s: float = DEFAULT_PRIORITY_AGING_S, clock: Callable[[], float] = time.monotonic) -> None:
         if async_scheduling and proposer is not None:
             raise ValueError("async scheduling does not combine with speculative decoding")
+        self.priority = PriorityPolicy(priority_aging_s, clock)
         self.async_scheduling = async_scheduling
         self.kv_cache = KVCacheManager(allocator, enable_prefix_caching)
         self.block_size = allocator.block_size
@@ -162,15 +171,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence (its prompt must be non-empty and fit max_model_len)."""
         seq.status = SequenceStatus.WAITING
-        self._enqueue(seq)
-
-    def _enqueue(self, seq: Sequence) -> None:
-        """Puts ``seq`` in the queue after every sequence of its priority that came before it."""
-        position = len(self.waiting)
-        while position and (self.waiting[position - 1].priority, self.waiting[position - 1].seq_id) > \
-                (seq.priority, seq.seq_id):
-            position -= 1
-        self.waiting.insert(position, seq)
+        self.priority.stamp(seq)
+        self.priority.enqueue(self.waiting, seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a sequence now (stop string, abort, cancel): frees its blocks at once.
@@ -205,7 +207,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(seq)  # older than every waiting sequence of its priority: first among them
+        self.priority.enqueue(self.waiting, seq)  # older than every waiting sequence of its rank: first among them
         if for_blocks and self.on_preempt is not None:
             self.on_preempt(seq)
 
@@ -246,7 +248,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         new_seqs: list[NewSequence] = []
         scheduled: list[ScheduledChunk] = []
-        preempted = False
+        preempted = False  # or a sequence waits for blocks: no admission in this step
 
         self._preempt_for_priority(busy)
         speculate = self.proposer is not None and (self.disable_speculation_above is None
@@ -267,17 +269,19 @@ class Scheduler:
                 proposal, num_draft, num_spec = (), 0, 0  # no room for guesses: decode as usual (preempt if need be)
                 new_block_ids = self.kv_cache.grow(seq, num_new)
             while new_block_ids is None:
-                # The lowest priority among those not scheduled yet (seq and later), newest first.
-                victim = self.running[max((i for i in range(index, len(self.running))
-                                           if self.running[i].seq_id not in busy),
-                                          key=lambda i: (self.running[i].priority, i))]
-                self._preempt(victim)
+                # Among those not scheduled yet (seq and later); a protected one only if nothing else would run.
+                victim = self.priority.pick_victim([s for s in self.running[index:] if s.seq_id not in busy],
+                                                   allow_protected=not scheduled)
                 preempted = True
+                if victim is None:
+                    break  # none has progressed since admitted: seq waits while those scheduled before it run
+                self._preempt(victim)
                 if victim is seq:
                     break
                 new_block_ids = self.kv_cache.grow(seq, num_new)
             if new_block_ids is None:
-                continue  # seq itself was preempted (out of running): the next one is at index now
+                index += seq.status is SequenceStatus.RUNNING  # waits: next; preempted: the next is at index
+                continue
             scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
             budget -= num_new + num_spec
             index += 1
@@ -296,6 +300,7 @@ class Scheduler:
             assert new_block_ids is not None  # checked just above
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            self.priority.on_admitted(seq)
             self.running.append(seq)
             # Penalties need every earlier token on the sampling rank; a cached prefix is never sent in a chunk.
             history = seq.token_ids(0, seq.num_computed_tokens) if seq.sampling.uses_token_history else ()
@@ -309,7 +314,7 @@ class Scheduler:
                 self._count_planned(seq, scheduled[-1])
 
         if self.check_writes:
-            self._bad_writes = self._cached_blocks_written(scheduled)
+            self._bad_writes = cached_blocks_written(scheduled, self.running, self.allocator)
         plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop),
                         tuple(self._trims.items()))
         self._next_step_id += 1
@@ -444,14 +449,15 @@ class Scheduler:
     # -- priority ----------------------------------------------------------------------
 
     def _preempt_for_priority(self, busy: frozenset[int] = frozenset()) -> None:
-        """The first waiting sequence takes the place of running ones of lower priority when it
-        cannot be admitted otherwise (too few free blocks for its prompt, or no free slot):
-        they are preempted, lowest priority and newest first, until it fits. Nothing is
-        preempted when even all of them would not make room."""
+        """The first waiting sequence takes the place of less urgent running ones (not protected:
+        :mod:`coordinator.priority`) when it cannot be admitted otherwise (too few free blocks for
+        its prompt, or no free slot): they are preempted, least urgent and newest first, until it
+        fits. Nothing is preempted when even all of them would not make room."""
         if not self.waiting:
             return
-        head = self.waiting[0]
-        lower = [seq for seq in self.running if seq.priority > head.priority and seq.seq_id not in busy]
+        head, policy = self.waiting[0], self.priority
+        lower = [seq for seq in self.running if policy.outranks(head, seq) and seq.seq_id not in busy
+                 and not policy.is_protected(seq)]
         if not lower:
             return
         num_needed = self.kv_cache.num_blocks_to_admit(head, self.kv_cache.cached_prefix(head))
@@ -459,20 +465,9 @@ class Scheduler:
         if num_needed > self.allocator.num_free_blocks + reclaimable:
             return
         while lower and not (self.allocator.can_allocate(num_needed) and len(self.running) < self.max_num_seqs):
-            victim = max(lower, key=lambda seq: (seq.priority, self.running.index(seq)))
+            victim = max(lower, key=lambda seq: (policy.rank(seq), self.running.index(seq)))
             lower.remove(victim)
             self._preempt(victim)
-
-    def _cached_blocks_written(self, scheduled: list[ScheduledChunk]) -> list[int]:
-        """Blocks a plan's chunks write that are cached or shared (always empty unless there is a bug)."""
-        tables = {seq.seq_id: seq.block_ids for seq in self.running}
-        bad = []
-        for chunk in scheduled:
-            table = tables[chunk.seq_id]
-            first = chunk.start_position // self.block_size
-            last = (chunk.start_position + chunk.num_tokens + chunk.num_draft_tokens - 1) // self.block_size
-            bad += [b for b in table[first:last + 1] if self.allocator.is_cached(b) or self.allocator.ref_count(b) != 1]
-        return bad
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -494,24 +489,12 @@ class Scheduler:
         )
 
     def check_invariants(self) -> None:
-        """Asserts the block pool's bookkeeping against the live sequences.
-
-        Every block is free or held, never both; its ref count equals the running
-        sequences that list it; a shared block is cached; a cached block in a block
-        table is full and computed; and (with ``check_writes``) the last plan wrote no
-        cached or shared block.
+        """Asserts the block pool's bookkeeping against the live sequences
+        (:func:`coordinator.scheduler_invariants.check_invariants`; with ``check_writes``, also
+        that the last plan wrote no cached or shared block).
 
         Raises:
             AssertionError: a leaked, double-held, miscounted or overwritten block, or a
                 sequence in the wrong queue.
         """
-        assert all(seq.status is SequenceStatus.RUNNING for seq in self.running)
-        assert all(seq.status is SequenceStatus.WAITING and not seq.block_ids for seq in self.waiting)
-        for seq in self.running:
-            assert len(seq.block_ids) >= num_blocks_for(seq.num_computed_tokens, self.block_size)
-            for index, block_id in enumerate(seq.block_ids):
-                if self.allocator.is_cached(block_id):
-                    assert (index + 1) * self.block_size <= seq.num_computed_tokens, \
-                        f"seq {seq.seq_id} holds cached block {block_id} at index {index} before computing it"
-        assert not self._bad_writes, f"the last plan writes cached or shared blocks {self._bad_writes}"
-        self.allocator.check_invariants(seq.block_ids for seq in self.running)
+        check_invariants(self.running, self.waiting, self.allocator, self._bad_writes)

@@ -74,6 +74,14 @@ class Sequence:
             once fed); 0 otherwise.
         admitted_step: the step id of the plan that last admitted it (new or after a
             preemption); a result of an earlier plan belongs to a former admission.
+        arrival_s: when it reached the scheduler (its clock's seconds), for priority aging
+            (:mod:`coordinator.priority`); None before.
+        admitted_at_output: its output length when it was last admitted (new, or resumed after
+            a preemption): it is not preempted before its output grows (:mod:`coordinator.priority`);
+            None before its first admission.
+        num_continued_tokens: the output tokens it was created with: a continued stream's earlier
+            output (the request's ``generated_token_ids``), which this server computes as prompt and
+            did not generate: usage and the metrics count them as prompt tokens. Set at creation.
     """
 
     seq_id: int
@@ -96,6 +104,12 @@ class Sequence:
     priority: int = 0
     num_pending_tokens: int = 0
     admitted_step: int = -1
+    arrival_s: float | None = None
+    admitted_at_output: int | None = None
+    num_continued_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.num_continued_tokens = len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +123,16 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_usage_prompt_tokens(self) -> int:
+        """Usage's prompt tokens: the prompt and a continuation's given tokens (the server computed, not generated, them)."""
+        return len(self.prompt_token_ids) + self.num_continued_tokens
+
+    @property
+    def num_usage_completion_tokens(self) -> int:
+        """Usage's completion tokens: those this server generated (the stopping token included)."""
+        return len(self.output_token_ids) - self.num_continued_tokens
 
     def token_ids(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens at positions [start, end) of prompt + output."""

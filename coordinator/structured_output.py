@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from coordinator.errors import InvalidArgumentError
-from coordinator.grammar_compiler import GrammarCompiler, GrammarCompileTimeout, compile_format
+from coordinator.grammar_compiler import GrammarCompiler, GrammarCompileTimeout, compile_format, count_accepted_tokens
 from tpserve.v1 import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from coordinator.tokenizer import Tokenizer
 
 MAX_FORMAT_BYTES = 64 * 1024
 MAX_CHOICES = 256
@@ -75,6 +79,50 @@ def grammar_for(response_format: pb.ResponseFormat, compiler: GrammarCompiler | 
         raise InvalidArgumentError(f"{field} took over the compile-time limit of {exc} to compile") from None
     except ValueError as exc:
         raise InvalidArgumentError(f"{field} is not supported: {str(exc).strip()[:500]}") from None
+
+
+def check_continuation(response_format: pb.ResponseFormat, grammar: str, token_ids: tuple[int, ...],
+                       tokenizer: Tokenizer, vocab_size: int, compiler: GrammarCompiler | None = None) -> None:
+    """Refuses a continuation (``generated_token_ids``) that the request's grammar does not allow.
+
+    The server continues such a request as if it had produced those tokens itself; tokens
+    that break the grammar would leave the ranks' matcher in error, and the request would
+    "finish" at once with STOP, the server vouching for a document it did not produce
+    (issue 41, item 8). A stream the server produced passes: its grammar allowed every token.
+
+    Args:
+        response_format: the request's format (names the field in the error).
+        grammar: its llguidance grammar (:func:`grammar_for`).
+        token_ids: the continuation, ids in [0, vocab_size).
+        tokenizer: the model's tokenizer (used here when there is no ``compiler``).
+        vocab_size: rows of the model's logits.
+        compiler: checks in a child process under a time limit (the server's); None: on this thread.
+
+    Raises:
+        InvalidArgumentError: naming ``generated_token_ids``, the first token the grammar rejects
+            and its position, or the time limit of the check.
+    """
+    field = f"sampling_params.response_format.{response_format.WhichOneof('format')}"
+    try:
+        if compiler is not None:
+            num_accepted = compiler.count_accepted(grammar, list(token_ids))
+        else:
+            num_accepted = count_accepted_tokens(grammar, list(token_ids), _llg_tokenizer(tokenizer, vocab_size))
+    except GrammarCompileTimeout as exc:
+        raise InvalidArgumentError(f"generated_token_ids: checking its {len(token_ids)} tokens against {field} took "
+                                   f"over the limit of {exc}") from None
+    if num_accepted < len(token_ids):
+        raise InvalidArgumentError(
+            f"generated_token_ids[{num_accepted}] (token {token_ids[num_accepted]}) breaks {field}: the grammar "
+            f"rejects it after the {num_accepted} tokens before it; a continuation must be output the grammar allows")
+
+
+@lru_cache(maxsize=4)
+def _llg_tokenizer(tokenizer: Tokenizer, vocab_size: int):
+    """The tokenizer as llguidance's (built once per tokenizer: about 10 ms on a 32k vocabulary)."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size)
 
 
 def check_stop_conditions(params: pb.SamplingParams) -> None:

@@ -79,6 +79,10 @@ class Tokenizer:
         self.special_token_texts: tuple[str, ...] = tuple(sorted(
             {tok.content for tok in backend.get_added_tokens_decoder().values() if tok.special and tok.content}))
 
+    def to_json(self) -> str:
+        """The tokenizer's ``tokenizer.json`` text (llguidance builds its token table from it)."""
+        return self._backend.to_str()
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
         """Loads ``tokenizer.json`` and the optional configs from a model directory.

@@ -15,6 +15,7 @@ from coordinator.chat import ChatPrompt, encode_chat, tokenize_chat
 from coordinator.errors import InvalidArgumentError
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sampling_controls import field_value, validate_sampling_controls
+from coordinator.structured_output import check_continuation
 from coordinator.tokenizer import Tokenizer
 from tpserve.step import SEED_MODULUS, SamplingParams
 from tpserve.v1 import generate_pb2 as pb
@@ -52,7 +53,8 @@ class GenerateParams:
         priority: queue order, lower first (:class:`coordinator.sequence.Sequence`).
         tenant: the caller's tenant id ("" without API keys): whose Abort may end it.
         generated_token_ids: a continued request's earlier output (the request's
-            ``generated_token_ids``): fewer than ``max_tokens``, no stop token among them.
+            ``generated_token_ids``): fewer than ``max_tokens``, no stop token among them,
+            allowed by the request's grammar if it has one (usage counts them as prompt tokens).
     """
 
     request_id: str
@@ -124,6 +126,8 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
     generated = _generated_token_ids(request, vocab_size, max_tokens, stop_ids)
     controls = validate_sampling_controls(params, vocab_size, max_tokens, stop_ids, grammars)  # min_p, penalties, ...
+    if generated and controls["grammar"]:  # checked like output: the server continues it as its own
+        check_continuation(params.response_format, controls["grammar"], generated, tokenizer, vocab_size, grammars)
 
     return GenerateParams(
         request_id=request.request_id,

@@ -157,7 +157,8 @@ class Leader:
                               enable_prefix_caching=share_prefixes,
                               proposer=make_proposer(cfg.speculative),
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size,
-                              async_scheduling=cfg.async_scheduling_on(workers.device, spare_core))
+                              async_scheduling=cfg.async_scheduling_on(workers.device, spare_core),
+                              priority_aging_s=cfg.scheduler.priority_aging_seconds)
         self.metrics.kv_cache_total_blocks.set(num_blocks)
         self.metrics.kv_cache_free_blocks.set(num_blocks)
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,

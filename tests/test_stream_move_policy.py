@@ -97,3 +97,22 @@ def test_n_samples_do_not_move() -> None:
     with pytest.raises(RpcError):
         mover.next_request(DROPPED)
     assert not moves
+
+
+def test_usage_after_a_move_is_the_usage_of_the_whole_completion() -> None:
+    # The continuing server counts the 3 tokens it was given as prompt tokens (it computed, not
+    # generated, them: issue 41, item 8); the caller sees the usage of the stream it received:
+    # a 4-token prompt and 3 + 2 completion tokens, as if the stream had not moved.
+    mover, _ = _mover()
+    mover.delivered(pb.GenerateStreamResponse(request_id="req-1", token_ids=[5, 6, 7]))
+    mover.next_request(DROPPED)
+    mover.delivered(pb.GenerateStreamResponse(request_id="req-1", token_ids=[8]))
+    last = mover.delivered(pb.GenerateStreamResponse(
+        request_id="req-1", token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH,
+        usage=pb.Usage(prompt_tokens=4 + 3, completion_tokens=2, cached_prompt_tokens=4)))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_prompt_tokens) == (4, 5, 4)
+    # An unmoved stream's usage is the server's, as it is.
+    mover, _ = _mover()
+    last = mover.delivered(pb.GenerateStreamResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH,
+                                                     usage=pb.Usage(prompt_tokens=4, completion_tokens=1)))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (4, 1)

@@ -86,6 +86,9 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                          "pipeline stages; default: on without either for CUDA ranks, and for "
                                          "CPU ranks whose threads leave the coordinator a core of its own; off "
                                          "for CPU ranks that take every core, the default thread split)")),
+        ("--priority-aging-seconds", dict(type=float, help="seconds of waiting worth one priority level, so that "
+                                                           "no request waits forever behind more urgent ones; "
+                                                           "0: strict priority (default 10)")),
     ],
     "speculative": [
         ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "

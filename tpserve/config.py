@@ -177,6 +177,10 @@ class SchedulerConfig(_Frozen):
             every core (the default thread split), where the coordinator's work during a
             step takes a core from a rank's threads (benchmarks/README.md, step_overhead).
             True with speculative decoding or pipeline stages is refused.
+        priority_aging_seconds: seconds of waiting worth one priority level: a request's
+            effective priority is ``priority - waited_s / priority_aging_seconds``, so no
+            request waits forever behind a stream of more urgent ones; 0: strict priority
+            (vLLM's order, no aging). coordinator/priority.py.
     """
 
     max_num_seqs: int = Field(64, ge=1, le=INT32_MAX)
@@ -184,6 +188,7 @@ class SchedulerConfig(_Frozen):
     max_model_len: int | None = Field(None, ge=2, le=INT32_MAX)
     max_queue_len: int = Field(1024, ge=1, le=INT32_MAX)
     async_scheduling: bool | None = None
+    priority_aging_seconds: float = Field(10.0, ge=0, allow_inf_nan=False)  # coordinator.priority.DEFAULT_PRIORITY_AGING_S
 
 
 class SpeculativeConfig(_Frozen):

@@ -14,6 +14,13 @@ Such a continuation needs the first attempt's seed, so a request without one get
 random seed from the client before its first send (the server would draw one the same
 way). A request with ``n`` > 1 does not move (each sample has its own output; the field
 needs ``n`` = 1): its error is raised as it is.
+
+Usage after a move: the server that continues a stream counts the tokens it was given as
+prompt tokens (it computed them as a prompt; it did not generate them) and only its own
+tokens as completion tokens. The mover gives the caller the usage of the completion it
+received instead: those tokens move back from ``prompt_tokens`` to ``completion_tokens``,
+so a moved stream reports what the same stream unmoved would (the servers' own counts, in
+their metrics, are what each computed).
 """
 
 from __future__ import annotations
@@ -106,6 +113,7 @@ class StreamMover:
         self.tokens: list[int] = []
         self.moves = 0
         self.finished = False
+        self._num_continued = 0  # tokens the current attempt was sent as generated_token_ids
         self._movable = not (request.sampling_params.HasField("n") and request.sampling_params.n > 1)
 
     def delivered(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
@@ -117,6 +125,10 @@ class StreamMover:
             self.finished = True
         if self.moves and message.prompt_logprobs:
             del message.prompt_logprobs[:]
+        if self._num_continued and message.HasField("usage"):  # the caller's completion, not this server's share
+            moved = min(self._num_continued, message.usage.prompt_tokens)  # never below 0 (uint32)
+            message.usage.prompt_tokens -= moved
+            message.usage.completion_tokens += moved
         return message
 
     def next_request(self, exc: grpc.RpcError) -> tuple[pb.GenerateRequest, float]:
@@ -142,4 +154,5 @@ class StreamMover:
         request.CopyFrom(self.request)
         del request.generated_token_ids[:]
         request.generated_token_ids.extend(self.tokens)
+        self._num_continued = len(self.tokens)
         return request, backoff

@@ -126,8 +126,10 @@ def test_a_continuation_from_k_tokens_is_the_tail_of_the_uninterrupted_request(r
         delivered_text = delivered[k]
         assert _tokens(rest) == tokens[k:], k
         assert delivered_text + "".join(m.text for m in rest) == text, k
-        assert rest[-1].finish_reason == full[-1].finish_reason and \
-            rest[-1].usage.completion_tokens == full[-1].usage.completion_tokens, k
+        assert rest[-1].finish_reason == full[-1].finish_reason, k
+        # The server computed the k given tokens as prompt: usage counts them there (issue 41, item 8).
+        assert (rest[-1].usage.prompt_tokens, rest[-1].usage.completion_tokens) == \
+            (full[-1].usage.prompt_tokens + k, full[-1].usage.completion_tokens - k), k
         # The continuation's first k tokens are prefilled (a GEMM over many rows) where the reference decoded
         # them one at a time (the streamed GEMV): another summation order, so float32 logprobs may differ in
         # their last bits (1.05e-5 seen at -9.48), as in the move test below.
@@ -136,14 +138,19 @@ def test_a_continuation_from_k_tokens_is_the_tail_of_the_uninterrupted_request(r
         assert full[-1].finish_reason == pb.FINISH_REASON_STOP and set(json.loads(text)) == {"name", "friends"}
 
 
-def test_a_continuation_its_format_refuses_ends_without_harm(replicas, references) -> None:
-    # Tokens the JSON grammar cannot have produced: the rank's matcher allows only an end (no crash,
-    # nothing leaked), and the replica serves the next request exactly.
+def test_a_continuation_its_format_refuses_is_invalid_argument(replicas, references) -> None:
+    # Tokens the JSON grammar cannot have produced are refused, naming the first one the grammar
+    # rejects (before issue 41, item 8: OK, finish STOP, no token: the server vouched for a document
+    # it had not produced); a valid cut of the JSON stream passes (the test above), and the replica
+    # serves the next request exactly.
     stub = generate_pb2_grpc.GenerationStub(replicas[1].client.channel)
     request = _request(references["_kinds"]["json"])
     request.generated_token_ids.extend(_tokens(references["greedy"])[:5])  # story text, not JSON
-    rest = _stream(stub, request)
-    assert _tokens(rest) == [] and rest[-1].finish_reason == pb.FINISH_REASON_STOP
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(stub, request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("generated_token_ids[0] (token ")
+    assert "breaks sampling_params.response_format.json_schema" in info.value.details()
     assert _tokens(_stream(stub, _request(references["_kinds"]["json"]))) == _tokens(references["json"])
 
 

@@ -109,9 +109,11 @@ def test_the_continuation_is_recomputed_as_output_and_counts_towards_max_tokens(
     first = group.plans[0]
     assert [new.num_prompt_tokens for new in first.new_seqs] == [len(PROMPT)]
     assert first.scheduled[0].token_ids == (*PROMPT, 30, 40) and first.scheduled[0].start_position == 0
-    # Only the new tokens come back; max_tokens and usage count the earlier two.
+    # Only the new tokens come back; max_tokens counts the earlier two, and usage counts them as
+    # prompt tokens: this server computed, and did not generate, them (issue 41, item 8).
     assert [t for out in outputs for t in out.token_ids] == [7, 7, 7, 7]
-    assert outputs[-1].finish_reason.value == "length" and outputs[-1].num_completion_tokens == 6
+    assert outputs[-1].finish_reason.value == "length"
+    assert (outputs[-1].num_prompt_tokens, outputs[-1].num_completion_tokens) == (len(PROMPT) + 2, 4)
     assert engine.scheduler.allocator.num_free_blocks == 64
 
 
