@@ -111,6 +111,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--ssl-ca-certs", dict(help="PEM CA bundle: require client certificates signed by it (mutual TLS)")),
         ("--api-key", dict(help="require 'authorization: Bearer KEY' on Generation calls (health stays open)")),
         ("--api-key-file", dict(help="file of accepted API keys, one per line")),
+        ("--handshake-timeout-seconds", dict(type=float, help="close a connection that has not begun HTTP/2 within "
+                                                               "this time (default 10)")),
+        ("--max-connections", dict(type=int, help="connections the public port accepts at a time (default: the "
+                                                  "open-file limit less 256)")),
+        ("--health-port", dict(type=int, help="also serve gRPC health alone on this plaintext port, reachable "
+                                              "while the public port is full (default: off)")),
         ("--stream-interval", dict(type=int, help="tokens a stream gathers per message (first and last go at once; "
                                                   "default 1: every step)")),
     ],
