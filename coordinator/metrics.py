@@ -67,6 +67,13 @@ class Metrics:
         self.num_requests_waiting = Gauge("tpserve:num_requests_waiting", "Sequences waiting for admission.", registry=r)
         self.kv_cache_free_blocks = Gauge("tpserve:kv_cache_free_blocks", "KV cache blocks nobody holds.", registry=r)
         self.kv_cache_total_blocks = Gauge("tpserve:kv_cache_total_blocks", "KV cache blocks in the pool.", registry=r)
+        # The public port's TCP connections against its cap (launch/connection_limits.py): at the cap,
+        # new connections are closed at once; health still answers on --health-port.
+        self.num_connections = Gauge(
+            "tpserve:num_connections", "Established TCP connections to the public gRPC port.", registry=r)
+        self.max_connections = Gauge(
+            "tpserve:max_connections", "Connections the public gRPC port accepts at a time (--max-connections).",
+            registry=r)
         # Speculative decoding, vLLM's vllm:spec_decode_* names; acceptance at position i is
         # accepted_tokens_per_pos{position=i} / draft_tokens_per_pos{position=i}.
         self.spec_decode_num_drafts = Counter(

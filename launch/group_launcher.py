@@ -24,7 +24,7 @@ import grpc
 import structlog
 
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
-from launch.local_ranks import LocalRanks
+from launch.local_ranks import LocalRanks, describe_exit
 from launch.netutil import PeerTimeout, host_port, interface_of, resolve
 from launch.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
 from launch.shutdown import NODES_GOODBYE_SECONDS
@@ -96,15 +96,16 @@ class GroupLauncher:
         ``nnodes > 1`` every node joins again first. Returns the KV blocks all ranks can hold.
 
         Raises:
-            WorkerGroupError, asyncio.TimeoutError, OSError: not back by ``deadline``.
+            WorkerGroupError: a node did not join or a rank did not load by ``deadline``, naming them
+                (their own deadline: an outer timeout at the same moment would end it with no reason).
+            OSError: a rank could not be started.
         """
         addresses, init_method, interface = self._local_endpoints()
         if self.layout.nnodes > 1:
             self.registry.reopen(reason)
             init_method, interface = self.registry.init_method, self._group_interface
             addresses.update(await self._wait_for_nodes(deadline, timeout_s))
-        return await asyncio.wait_for(self._launch_ranks(addresses, init_method, interface, deadline),
-                                      max(deadline - time.monotonic(), 0.0))
+        return await self._launch_ranks(addresses, init_method, interface, deadline)
 
     def _local_endpoints(self) -> tuple[dict[int, str], str, str]:
         """Fresh unix socket addresses for this host's ranks, and a single-host rendezvous.
@@ -133,7 +134,7 @@ class GroupLauncher:
 
     async def _monitor_ranks(self) -> None:
         rank, code = await self.ranks.wait_first_exit()
-        self.on_lost(f"rank {rank} exited with code {code}")
+        self.on_lost(describe_exit(rank, code))
 
     async def _start_registry(self, deadline: float) -> tuple[str, str | None]:
         """Serves the node registry on --master-addr:--master-port.

@@ -24,7 +24,7 @@ import time
 import grpc
 import structlog
 
-from launch.local_ranks import LocalRanks
+from launch.local_ranks import LocalRanks, describe_exit
 from launch.netutil import PeerTimeout, host_port, interface_of, wait_for_peer
 from launch.node_registry import CLIENT_KEEPALIVE_OPTIONS
 from launch.startup import (StartupError, config_sha256, draft_config_sha256, model_dir_of, read_group_secret,
@@ -140,7 +140,7 @@ class HeadlessNode:
         node = self.config.parallel.node_rank
         if rank_exit in done:
             rank, code = rank_exit.result()
-            reason = f"node {node}: rank {rank} exited with code {code}"
+            reason = f"node {node}: {describe_exit(rank, code)}"
             log.error("rank exited", rank=rank, returncode=code)
             await _send_failure(call, reason)
             return 1

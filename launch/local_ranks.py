@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,19 @@ log = structlog.get_logger(__name__)
 WORKER_EXIT_SECONDS = 5.0
 #: Seconds between checks that every rank still runs.
 POLL_SECONDS = 0.5
+
+
+def describe_exit(rank: int, code: int) -> str:
+    """How a rank of this host ended, naming the rank, the host and the cause: "rank 1 on host h
+    was killed by SIGKILL (exit code -9)" or "rank 1 on host h exited with code 1"."""
+    host = socket.gethostname()
+    if code < 0:
+        try:
+            cause = signal.Signals(-code).name
+        except ValueError:
+            cause = f"signal {-code}"
+        return f"rank {rank} on host {host} was killed by {cause} (exit code {code})"
+    return f"rank {rank} on host {host} exited with code {code}"
 
 
 class LocalRanks:

@@ -29,6 +29,8 @@ from coordinator.server import GenerationServicer
 from coordinator.tls import ServerCertificates
 from coordinator.tokenizer import Tokenizer
 from coordinator.vllm_engine_service import VllmEngineServicer
+from launch.connection_limits import (ConnectionWatch, connection_options, raise_nofile_limit,
+                                      resolve_max_connections)
 from launch.startup import StartupError, bind
 from tpserve import __version__
 from tpserve.config import ClusterConfig
@@ -60,6 +62,9 @@ PUBLIC_KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.h
 _PUBLIC_SERVER_OPTIONS = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000),
                           ("grpc.so_reuseport", 0), *PUBLIC_KEEPALIVE_OPTIONS,
                           ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+#: Connections the health port (--health-port) accepts at a time: probes and a gateway's checks
+#: need a few; a flood there cannot take the descriptors the public port needs.
+HEALTH_MAX_CONNECTIONS = 64
 
 
 class PublicServer:
@@ -88,7 +93,10 @@ class PublicServer:
         self.certificates: ServerCertificates | None = None  # with --ssl-certfile
         self.api_keys: ApiKeyInterceptor | None = None  # with --api-key / --api-key-file
         self.dtype = ""  # resolved by the ranks
+        self.max_connections = 0  # the public port's connection cap, once started
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None  # with --health-port
+        self._watch: ConnectionWatch | None = None
 
     async def start(self, nnodes: int) -> None:
         """Builds the server, binds the public port (and /metrics), health NOT_SERVING, starts it.
@@ -96,8 +104,11 @@ class PublicServer:
         Raises:
             StartupError: unreadable API keys or TLS files, or a port another process holds.
         """
-        server = self._build()
         cfg = self.config.server
+        # Before anything opens a descriptor that counts against it (issue 41, fault 4).
+        nofile = raise_nofile_limit()
+        self.max_connections = resolve_max_connections(cfg.max_connections, nofile["nofile_soft"])
+        server = self._build()
         address = f"{cfg.host}:{cfg.port}"
         if cfg.ssl_certfile:
             try:
@@ -119,12 +130,38 @@ class PublicServer:
                 await server.stop(None)
                 raise StartupError(f"--metrics-port {cfg.metrics_port}: cannot bind it ({exc.strerror}); stop "
                                    "the process that listens there or choose another --metrics-port") from None
+        if cfg.health_port is not None:
+            self._health_server = await self._start_health_port(cfg.host, cfg.health_port, server)
         await self.set_serving(False)
         await server.start()
         self._server = server
+        self._watch = ConnectionWatch(self.port, self.max_connections, self.metrics)
+        self._watch.start()
         log.info("listening", port=self.port, model=str(self.model_dir),
                  tensor_parallel_size=self.config.parallel.tensor_parallel_size,
-                 pipeline_parallel_size=self.config.parallel.pipeline_parallel_size, nnodes=nnodes)
+                 pipeline_parallel_size=self.config.parallel.pipeline_parallel_size, nnodes=nnodes,
+                 max_connections=self.max_connections, handshake_timeout_s=cfg.handshake_timeout_seconds,
+                 health_port=cfg.health_port, **nofile)
+
+    async def _start_health_port(self, host: str, port: int, public: grpc.aio.Server) -> grpc.aio.Server:
+        """Serves the health service alone (the same answers as the public port's) on ``host:port``,
+        plaintext, with its own small connection cap: a kubelet's gRPC probe (which speaks no TLS)
+        and a gateway's checks reach it while the public port is at its cap.
+
+        Raises:
+            StartupError: another process holds the port (``public``, not started yet, is stopped).
+        """
+        cfg = self.config.server
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *PUBLIC_KEEPALIVE_OPTIONS,
+                                          *connection_options(cfg.handshake_timeout_seconds, HEALTH_MAX_CONNECTIONS)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if bind(server, f"{host}:{port}") == 0:
+            await server.stop(None)
+            await public.stop(None)
+            raise StartupError(f"--health-port {port}: cannot bind {host}:{port}, another process listens there; "
+                               "stop it or choose another --health-port")
+        await server.start()
+        return server
 
     def _build(self) -> grpc.aio.Server:
         cfg = self.config.server
@@ -136,7 +173,8 @@ class PublicServer:
         # The key check runs first: an unauthenticated call never reaches validation.
         self.api_keys = ApiKeyInterceptor(keys, operator_keys) if keys or operator_keys else None
         interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
-        server = grpc.aio.server(interceptors=interceptors, options=_PUBLIC_SERVER_OPTIONS)
+        options = [*_PUBLIC_SERVER_OPTIONS, *connection_options(cfg.handshake_timeout_seconds, self.max_connections)]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
         # Structured output grammars compile in child processes, bounded in time (issue 20, fault 3).
         grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
         self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0),
@@ -236,8 +274,12 @@ class PublicServer:
 
     async def stop(self, grace_s: float) -> None:
         """Stops the port: in-flight RPCs get ``grace_s`` seconds, then the servicer's streams close."""
+        if self._watch is not None:
+            self._watch.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         if self.servicer is not None:
             await self.servicer.close()
 

@@ -6,6 +6,13 @@ the leader holds the requests (the engine suspends them), restarts every rank on
 (:meth:`launch.group_launcher.GroupLauncher.restart`) and resumes them by recompute; without
 it, or past the timeout, the requests fail with UNAVAILABLE and the leader exits 1 for the
 orchestrator to restart it.
+
+A restart can itself fail: a replacement rank killed or crashing while the group loads, a node
+lost again. That is seen at once (the ranks' monitor, the node registry) and the restart is
+tried again, up to :data:`MAX_RESTART_ATTEMPTS` times within the timeout, each failure logged
+with the rank, the host and the cause; a restart that cannot succeed (a rank reports a load
+error) or the last failed attempt fails the requests within seconds with that cause, not at
+the end of the timeout with an empty reason (issue 41, fault 11).
 """
 
 from __future__ import annotations
@@ -25,6 +32,20 @@ from launch.shutdown import Shutdown
 from tpserve.config import ClusterConfig
 
 log = structlog.get_logger(__name__)
+
+#: Restarts tried for one loss (within --worker-recovery-timeout-seconds) before the leader gives up.
+MAX_RESTART_ATTEMPTS = 3
+#: Seconds between a failed restart attempt (its ranks stopped) and the next.
+RESTART_BACKOFF_SECONDS = 1.0
+
+
+class RestartFailed(Exception):
+    """A restart attempt that failed; ``retry``: whether another attempt may succeed (a rank or a
+    node lost while the group loaded) or not (a rank's load error, the deadline)."""
+
+    def __init__(self, cause: str, retry: bool) -> None:
+        super().__init__(cause)
+        self.retry = retry
 
 
 class Recovery:
@@ -51,6 +72,7 @@ class Recovery:
         self.engine: Engine | None = None
         self._liveness_task: asyncio.Task | None = None
         self._recovery: asyncio.Task | None = None
+        self._attempt_lost: asyncio.Future[str] | None = None  # a restart attempt's loss, while one runs
 
     def watch_liveness(self) -> None:
         """Starts the watch that fails a group whose rank is alive but stuck (its requests could
@@ -67,7 +89,11 @@ class Recovery:
         group (on every host) and resume the requests (returns True); otherwise fail the
         requests in flight at once and stop (exit 1; returns False)."""
         if self._recovery is not None:
-            return True  # already restarting: the other detectors see the same loss
+            # Already restarting: the other detectors see the same loss, or a rank or node of the
+            # restarting group is lost (the attempt fails now, not at the end of the timeout).
+            if self._attempt_lost is not None and not self._attempt_lost.done():
+                self._attempt_lost.set_result(reason)
+            return True
         if self._can_recover():
             # Hold the requests now, before anything else runs: the engine loop must
             # not schedule another step on the lost group.
@@ -100,19 +126,23 @@ class Recovery:
         if self._liveness_task is not None and self._liveness_task is not asyncio.current_task():
             self._liveness_task.cancel()
         await self.launcher.stop_ranks()
-        try:
-            deadline = started + timeout_s
-            available = await self.launcher.restart(reason, deadline, timeout_s)
-            num_blocks = self.engine.scheduler.allocator.num_blocks
-            if available < num_blocks:
-                raise WorkerGroupError(f"the restarted ranks hold {available} KV blocks, the pool had {num_blocks}")
-            await asyncio.wait_for(self.launcher.workers.start(num_blocks), max(deadline - time.monotonic(), 0.1))
-        except (WorkerGroupError, asyncio.TimeoutError, OSError) as exc:
-            message = f"the worker group was lost ({reason}) and could not be restarted within {timeout_s:g} s: {exc}"
-            log.error("worker group recovery failed", error=message)
-            self._recovery = None
-            self.engine.fail_all(message, UnavailableError)
-            return
+        deadline = started + timeout_s
+        for attempt in range(1, MAX_RESTART_ATTEMPTS + 1):
+            try:
+                await self._restart_once(reason, deadline, timeout_s)
+                break
+            except RestartFailed as exc:
+                cause = f"{exc} (restart attempt {attempt} of {MAX_RESTART_ATTEMPTS})"
+                retry = exc.retry and attempt < MAX_RESTART_ATTEMPTS and \
+                    deadline - time.monotonic() > RESTART_BACKOFF_SECONDS
+                if retry:
+                    log.warning("worker group restart attempt failed; trying again", cause=cause,
+                                seconds_left=round(deadline - time.monotonic(), 1))
+                await self.launcher.stop_ranks()
+                if not retry:
+                    self._fail(reason, timeout_s, cause)
+                    return
+                await asyncio.sleep(RESTART_BACKOFF_SECONDS)
         self.watch_liveness()
         self.engine.resume(self.launcher.workers)
         self._recovery = None
@@ -120,6 +150,54 @@ class Recovery:
         self.metrics.requests_resumed.inc(resumed)
         await self.public.set_serving(True)
         log.info("worker group restarted", seconds=round(time.monotonic() - started, 3), requests_resumed=resumed)
+
+    async def _restart_once(self, reason: str, deadline: float, timeout_s: float) -> None:
+        """One restart attempt: every rank started again, loaded, and its KV cache allocated.
+
+        Raises:
+            RestartFailed: with the cause (never empty): a rank or node lost while the group loaded
+                (may be retried), or a load error, a smaller pool, the deadline (not retried).
+        """
+        loop = asyncio.get_running_loop()
+        self._attempt_lost = lost = loop.create_future()
+        attempt = asyncio.create_task(self._start_group(reason, deadline, timeout_s))
+        try:
+            # The inner steps give up at the deadline with their own reasons; this one only if they do not.
+            done, _ = await asyncio.wait({attempt, lost}, timeout=max(deadline - time.monotonic(), 0.0) + 5.0,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if lost in done:
+                raise RestartFailed(f"while the group restarted, {lost.result()}", retry=True)
+            if attempt not in done:
+                raise RestartFailed("the restarted ranks neither loaded nor failed by the deadline", retry=False)
+            exc = attempt.exception()
+            if exc is None:
+                return
+            if isinstance(exc, (WorkerGroupError, OSError, asyncio.TimeoutError)):
+                raise RestartFailed(str(exc) or f"{type(exc).__name__} while the ranks restarted", retry=False)
+            raise exc
+        finally:
+            self._attempt_lost = None
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.gather(attempt, return_exceptions=True)
+
+    async def _start_group(self, reason: str, deadline: float, timeout_s: float) -> None:
+        """Starts every rank again and allocates the pool the engine had."""
+        available = await self.launcher.restart(reason, deadline, timeout_s)
+        num_blocks = self.engine.scheduler.allocator.num_blocks
+        if available < num_blocks:
+            raise WorkerGroupError(f"the restarted ranks hold {available} KV blocks, the pool had {num_blocks}")
+        try:
+            await asyncio.wait_for(self.launcher.workers.start(num_blocks), max(deadline - time.monotonic(), 0.1))
+        except asyncio.TimeoutError:
+            raise WorkerGroupError("the restarted ranks did not allocate their KV cache by the deadline") from None
+
+    def _fail(self, reason: str, timeout_s: float, cause: str) -> None:
+        """The restart failed: the held requests fail with UNAVAILABLE naming ``cause``, and the leader exits 1."""
+        message = f"the worker group was lost ({reason}) and could not be restarted within {timeout_s:g} s: {cause}"
+        log.error("worker group recovery failed", error=message)
+        self._recovery = None
+        self.engine.fail_all(message, UnavailableError)
 
     @property
     def tasks(self) -> list[asyncio.Task | None]:

@@ -81,6 +81,7 @@ def test_dockerfile_stages_install_with_setup_sh():
         assert entry.startswith('["tpserve", "serve"') and '"--port", "50051"' in entry
         exposed = " ".join(rest for word, rest in steps if word == "EXPOSE").split()
         assert "50051" in exposed and "9400" in exposed and '"--metrics-port", "9400"' in entry
+        assert "50052" in exposed and '"--health-port", "50052"' in entry  # the probes' port (k8s/base)
 
 
 def test_dockerfile_build_lines_documented_and_match_k8s_tags():

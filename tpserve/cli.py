@@ -120,6 +120,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                          "server-wide loads and priorities below 0")),
         ("--operator-api-key-file", dict(help="file of operator API keys, one per line")),
         ("--max-kv-event-subscribers", dict(type=int, help="most SubscribeKvEvents streams at once")),
+        ("--handshake-timeout-seconds", dict(type=float, help="close a connection that has not begun HTTP/2 within "
+                                                               "this time (default 10)")),
+        ("--max-connections", dict(type=int, help="connections the public port accepts at a time (default: the "
+                                                  "open-file limit less 256)")),
+        ("--health-port", dict(type=int, help="also serve gRPC health alone on this plaintext port, reachable "
+                                              "while the public port is full (default: off)")),
         ("--stream-interval", dict(type=int, help="tokens a stream gathers per message (first and last go at once; "
                                                   "default 1: every step)")),
     ],

@@ -276,6 +276,15 @@ class ServerConfig(_Frozen):
             events, read server-wide state and use priorities below 0 (coordinator/auth.py).
         max_kv_event_subscribers: most SubscribeKvEvents streams at once; one more gets
             RESOURCE_EXHAUSTED (coordinator/kv_events.py).
+        handshake_timeout_seconds: a connection to the public port (or the health port) that
+            has not sent the HTTP/2 preface and SETTINGS (and, with TLS, finished its
+            handshake) within this many seconds is closed (gRPC's default: 120 s).
+        max_connections: connections the public port accepts at a time; past it new ones are
+            closed at once. None: what the open-file limit leaves after 256 descriptors for
+            the server itself (launch/connection_limits.py).
+        health_port: a second port serving only the gRPC health service (plaintext, its own
+            small connection cap): probes and gateways get an answer while the public port
+            is at its cap or speaks TLS. None: health on the public port only.
         stream_interval: tokens a stream gathers before it is sent (vLLM's and SGLang's
             ``--stream-interval``); its first and last messages go at once. 1 sends every
             step's tokens; more: fewer messages, less coordinator CPU per token
@@ -298,6 +307,9 @@ class ServerConfig(_Frozen):
     operator_api_key_file: str | None = None
     max_kv_event_subscribers: int = Field(16, ge=0, le=INT32_MAX)
     stream_interval: int = Field(1, ge=1, le=INT32_MAX)
+    handshake_timeout_seconds: float = Field(10.0, gt=0)
+    max_connections: int | None = Field(None, ge=1, le=INT32_MAX)
+    health_port: int | None = Field(None, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _check_tls(self) -> ServerConfig:

@@ -151,15 +151,19 @@ def test_every_tpserve_command_line_parses_with_the_real_parser(rendered) -> Non
 
 def test_api_pods_have_grpc_probes_metrics_annotations_and_a_drain_grace(rendered) -> None:
     _, docs = rendered
-    for role, template, _ in pod_templates(docs):
+    for role, template, lws_env in pod_templates(docs):
         spec = template["spec"]
         assert spec["terminationGracePeriodSeconds"] > DRAIN_SECONDS
         assert spec["enableServiceLinks"] is False
         if role == "worker":
             continue
         (container,) = spec["containers"]
+        # The probes reach the health port, which answers while the public port is at its
+        # connection cap (issue 41, fault 4), and which the container runs with.
+        health_port = parse_container(container, lws_env).server.health_port
+        assert health_port == 50052 and {"name": "health", "containerPort": 50052} in container["ports"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": 50051}, probe
+            assert container[probe]["grpc"] == {"port": health_port}, probe
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= ClusterConfig().server.worker_start_timeout_seconds
         annotations = template["metadata"]["annotations"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -83,7 +84,8 @@ class RunningCluster:
 @contextmanager
 def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
           omp_threads: int | None = 1, new_session: bool = False,
-          credentials: Credentials | None = None, log_path: Path | None = None) -> Iterator[RunningCluster]:
+          credentials: Credentials | None = None, log_path: Path | None = None,
+          nofile: tuple[int, int] | None = None) -> Iterator[RunningCluster]:
     """Runs ``tpserve serve`` until the block exits, then SIGTERMs it and checks nothing is left.
 
     ``omp_threads``: OMP_NUM_THREADS of every rank (1 for tests); None leaves the
@@ -94,6 +96,7 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
     ``new_session``: start it in a session (and process group) of its own, whose id is
     its pid, so that a test can signal the whole group as a terminal or a container
     runtime does.
+    ``nofile``: the server's (soft, hard) limit on open files, as a container's ulimit sets it.
     """
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "launch.cli", "serve", "--tensor-parallel-size", str(tensor_parallel_size),
@@ -108,8 +111,9 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
     else:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     log_file = None if log_path is None else open(log_path, "wb")  # noqa: SIM115 - closed in finally
+    preexec = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile))
     process = subprocess.Popen(cmd, env=env, start_new_session=new_session, stdout=log_file,
-                               stderr=None if log_file is None else subprocess.STDOUT)
+                               stderr=None if log_file is None else subprocess.STDOUT, preexec_fn=preexec)
     # The server's own statuses, as they come: a broken stream is not moved and sent again (tpserve.stream_move).
     client = Client(f"127.0.0.1:{port}", credentials=credentials or Credentials(), move_policy=MovePolicy(max_moves=0))
     try:

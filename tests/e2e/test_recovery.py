@@ -5,7 +5,9 @@ With ``--worker-recovery-timeout-seconds``, ``kill -9`` of a rank during a load 
 stream complete and token for token equal to its solo run; the same again for the
 other rank (each rank in turn, two restarts in a row). A group that cannot come
 back (its checkpoint vanished) fails the held requests with UNAVAILABLE naming
-the reason, and the server exits 1.
+the reason, and the server exits 1. A replacement rank killed while the group restarts
+(issue 41, fault 11) makes the leader try again at once, or, after the last attempt, exit
+within seconds naming the rank, the host and the cause.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -44,6 +47,26 @@ def _rank_pid(server_pid: int, rank: int) -> int:
         if b"worker.main" in cmdline and cmdline[cmdline.index(b"--config") + 1].endswith(f"/rank{rank}.json".encode()):
             return pid
     raise LookupError(f"rank {rank} of {server_pid} not found")
+
+
+def _kill_replacements(server_pid: int, rank: int, killed_pid: int, num: int, timeout_s: float = 60.0) -> list[int]:
+    """Kills (SIGKILL) the next ``num`` processes of ``rank`` after ``killed_pid`` as each appears: the
+    replacements a restart starts, killed while the group loads. Returns their pids (fewer if
+    ``timeout_s`` passes)."""
+    seen = {killed_pid}
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while len(killed) < num and time.monotonic() < deadline:
+        try:
+            pid = _rank_pid(server_pid, rank)
+        except (LookupError, OSError, ValueError):  # between two launches, or a process just gone
+            pid = None
+        if pid is not None and pid not in seen:
+            os.kill(pid, signal.SIGKILL)
+            seen.add(pid)
+            killed.append(pid)
+        time.sleep(0.02)
+    return killed
 
 
 def _stream_all(client, requests, on_started: threading.Event, max_tokens: int = MAX_TOKENS) -> list[dict]:
@@ -125,3 +148,57 @@ def test_a_group_that_cannot_come_back_fails_its_requests_with_unavailable(tmp_p
         assert "could not be restarted within 30 s" in info.value.details()
         assert "no model.safetensors" in info.value.details()  # the reason the restart failed
         assert cluster.process.wait(60) == 1
+
+
+def _kill_rank_then_replacements(cluster, num_replacements: int, max_tokens: int):
+    """Streams one greedy request; kills rank 1 once it has its first tokens, then the next
+    ``num_replacements`` rank 1 processes the restarts start. Returns (the stream's tokens or
+    error, the pids killed, monotonic time of the last kill)."""
+    stream = cluster.client.generate_stream("Once upon a time", max_tokens=max_tokens, ignore_eos=True,
+                                            temperature=0)
+    tokens = list(next(stream).token_ids)
+    pid = _rank_pid(cluster.process.pid, 1)
+    os.kill(pid, signal.SIGKILL)
+    killed = [pid, *_kill_replacements(cluster.process.pid, 1, pid, num_replacements)]
+    last_kill = time.monotonic()
+    try:
+        for chunk in stream:
+            tokens.extend(chunk.token_ids)
+    except grpc.RpcError as exc:
+        return exc, killed, last_kill
+    return tokens, killed, last_kill
+
+
+def test_a_replacement_killed_during_the_restart_is_retried_and_the_stream_resumes(tmp_path: Path) -> None:
+    log_path = tmp_path / "server.log"
+    with serve(None, 2, "--worker-recovery-timeout-seconds", "60", log_path=log_path) as cluster:
+        solo = cluster.client.generate("Once upon a time", max_tokens=MAX_TOKENS, ignore_eos=True,
+                                       temperature=0).token_ids
+        result, killed, last_kill = _kill_rank_then_replacements(cluster, 1, MAX_TOKENS)
+        assert len(killed) == 2, "the replacement rank was not seen starting"
+        assert not isinstance(result, grpc.RpcError), result.details()
+        resumed_s = time.monotonic() - last_kill
+        assert result == solo  # resumed by recompute, token for token
+        cluster.client.wait_ready(timeout_s=30)
+        assert cluster.metric("tpserve:worker_restarts_total") == 1
+        print(f"a second failure during the restart: the stream completed {resumed_s:.1f} s after it")
+    log = log_path.read_text(errors="replace")
+    assert "worker group restart attempt failed; trying again" in log
+    assert f"rank 1 on host {socket.gethostname()} was killed by SIGKILL" in log
+    assert "restart attempt 1 of 3" in log
+
+
+def test_a_restart_that_keeps_failing_exits_within_seconds_naming_rank_host_and_cause() -> None:
+    with serve(None, 2, "--worker-recovery-timeout-seconds", "60") as cluster:
+        # Each of the three restart attempts loses its replacement rank 1 while the group loads.
+        error, killed, last_kill = _kill_rank_then_replacements(cluster, 3, 200)
+        assert len(killed) == 4, "a replacement rank was not seen starting"
+        assert isinstance(error, grpc.RpcError), "the stream completed"
+        assert cluster.process.wait(30) == 1
+        exit_s = time.monotonic() - last_kill
+        print(f"three failed restarts: UNAVAILABLE and exit {exit_s:.1f} s after the last kill: {error.details()}")
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        details = error.details()
+        assert f"rank 1 on host {socket.gethostname()} was killed by SIGKILL (exit code -9)" in details
+        assert "while the group restarted" in details and "restart attempt 3 of 3" in details
+        assert exit_s < 15.0
