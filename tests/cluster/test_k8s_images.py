@@ -111,14 +111,22 @@ def test_a_registry_set_once_with_kustomize_images_reaches_every_pod(tmp_path) -
         pytest.skip("kubectl is not installed")
     out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    images = pod_images([d for d in yaml.safe_load_all(out.stdout) if d])
-    assert images == pushed == {f"{REGISTRY}/tpserve:0.1.0-cuda", f"{REGISTRY}/tpserve-gateway:0.1.0"}
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert pod_images(docs) == pushed == {f"{REGISTRY}/tpserve:0.1.0-cuda", f"{REGISTRY}/tpserve-gateway:0.1.0"}
+    import kubernetes_validate
+
+    for doc in docs:  # no LeaderWorkerSet in gpu-llama-8b: every kind is a core one
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_the_docs_name_only_overlays_that_exist_and_the_commands_the_script_prints() -> None:
     doc = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
     named = set(re.findall(r"k8s/overlays/([\w.-]+)", doc)) - {"site"}
     assert named == set(OVERLAYS)  # every overlay documented, none that does not exist
+    # Every other YAML block is an excerpt, word for word, of a manifest that test_k8s.py renders.
+    manifests = "\n".join(p.read_text() for p in (REPO_ROOT / "k8s").rglob("*.yaml"))
+    excerpts = [b for b in re.findall(r"```yaml\n(.*?)```", doc, re.DOTALL) if not b.startswith("# k8s/overlays/site/")]
+    assert excerpts and all(block in manifests for block in excerpts)
     example = re.search(r"\$ (deploy/images.sh --print [^\n]*)\n(.*?)```", doc, re.DOTALL)
     assert printed(*shlex.split(example.group(1))[2:]) == [shlex.split(line) for line in example.group(2).splitlines()]
 

@@ -174,7 +174,12 @@ def test_the_download_job_fetches_what_tpserve_loads_into_the_served_directory(r
     for container in pod["initContainers"] + pod["containers"]:  # the Job writes: the claim read-write
         (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
         assert not mount.get("readOnly")
-    assert pod["volumes"] == [{"name": "models", "persistentVolumeClaim": {"claimName": "tpserve-models"}}]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "tpserve-models"}}
+    # huggingface_hub's caches on scratch space: only the checkpoint's files take room on the claim.
+    home = {e["name"]: e.get("value") for e in download["env"]}["HF_HOME"]
+    (scratch,) = [m["name"] for m in download["volumeMounts"] if m["mountPath"] == home]
+    assert "emptyDir" in volumes[scratch] and not home.startswith("/models")
     assert pod["restartPolicy"] == "OnFailure"  # a failed download resumes in place
 
 
