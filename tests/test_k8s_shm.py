@@ -3,7 +3,7 @@
 A container's /dev/shm is 64 MiB by default; NCCL's shared-memory transport (and
 the CPU ranks' shared-memory all-reduce) need more, and fail or fall back to
 slower paths without it. The check reads every manifest under k8s/ and, for each
-pod template whose containers run the ``tpserve`` image, requires a ``/dev/shm``
+pod template whose containers run ``tpserve serve`` (the ``tpserve`` image's ENTRYPOINT), requires a ``/dev/shm``
 mount of an ``emptyDir`` volume with ``medium: Memory`` and a ``sizeLimit``.
 """
 
@@ -30,8 +30,10 @@ def _pod_specs(node: object) -> Iterator[dict]:
 
 
 def _runs_tpserve(container: dict) -> bool:
+    """The container runs ``tpserve serve``: the tpserve image with its ENTRYPOINT (a ``command``
+    runs something else from the image, e.g. the model download Job's ``hf download``)."""
     image = str(container.get("image", ""))
-    return image.rsplit("/", 1)[-1].split(":")[0] == "tpserve"
+    return image.rsplit("/", 1)[-1].split(":")[0] == "tpserve" and "command" not in container
 
 
 def test_tpserve_pods_mount_a_memory_backed_dev_shm() -> None:

@@ -1,6 +1,8 @@
-"""The Kubernetes manifests: both overlays render, validate, and start what they claim.
+"""The Kubernetes manifests: every overlay renders, validates, and starts what it claims.
 
-``kubectl kustomize`` renders k8s/overlays/{cpu,gpu}; core kinds are validated with
+``kubectl kustomize`` renders each of k8s/overlays/ (the embedded model's cpu, gpu and
+gpu-pipeline, and the real checkpoints' cpu-qwen3-0.6b, gpu-llama-8b, gpu-llama-8b-hostpath
+and gpu-llama-405b, docs/kubernetes.md); core kinds are validated with
 ``kubernetes-validate`` (its bundled schemas, offline, strict: unknown fields fail),
 the LeaderWorkerSet with ``jsonschema`` against the CRD's own schema from
 ../shared/k8s-schemas (made strict the same way). Every tpserve container's command
@@ -23,23 +25,40 @@ import yaml
 
 from tests.paths import REPO_ROOT, SHARED_DIR
 from tpserve.cli import build_parser, serve_config
-from launch.shutdown import DRAIN_SECONDS
+from launch.local_ranks import WORKER_EXIT_SECONDS
+from launch.shutdown import NODES_GOODBYE_SECONDS
 from tpserve.config import ClusterConfig
 
 LWS_CRD = SHARED_DIR / "k8s-schemas" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
-OVERLAYS = ("cpu", "gpu", "gpu-pipeline")
+#: overlay -> (single-host replicas' (tp, pp) or None, multi-host groups' (tp, pp, pods) or None).
+LAYOUTS = {
+    "cpu": ((2, 1), (4, 1, 2)),
+    "gpu": ((4, 1), (8, 1, 2)),
+    "gpu-pipeline": ((4, 1), (8, 2, 2)),
+    "cpu-qwen3-0.6b": ((2, 1), None),
+    "gpu-llama-8b": ((2, 1), None),
+    "gpu-llama-8b-hostpath": ((2, 1), None),
+    "gpu-llama-405b": (None, (8, 2, 2)),
+}
+OVERLAYS = tuple(LAYOUTS)
+#: Overlays whose checkpoint a Job downloads into a claim (k8s/components/model-pvc).
+MODEL_PVC_OVERLAYS = ("cpu-qwen3-0.6b", "gpu-llama-8b", "gpu-llama-405b")
 
 requires_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
-def rendered(request) -> tuple[str, list[dict]]:
+def render(path: str) -> list[dict]:
+    """``kubectl kustomize PATH`` (relative to the repository root), as documents; skips without kubectl."""
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed (needed for `kubectl kustomize`)")
-    out = subprocess.run(["kubectl", "kustomize", str(REPO_ROOT / "k8s" / "overlays" / request.param)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["kubectl", "kustomize", str(REPO_ROOT / path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return request.param, [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(f"k8s/overlays/{request.param}")
 
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
@@ -61,10 +80,11 @@ def strict(schema: object) -> object:
 def test_core_kinds_validate_against_the_kubernetes_schemas(rendered) -> None:
     import kubernetes_validate
 
-    _, docs = rendered
+    overlay, docs = rendered
     core = [doc for doc in docs if doc["kind"] != "LeaderWorkerSet"]
+    model_pvc = {"PersistentVolumeClaim", "Job", "ConfigMap"} if overlay in MODEL_PVC_OVERLAYS else set()
     assert {doc["kind"] for doc in core} == {"Deployment", "Service", "PodDisruptionBudget",
-                                             "ServiceAccount", "Role", "RoleBinding"}  # + the gateway's
+                                             "ServiceAccount", "Role", "RoleBinding"} | model_pvc  # + the gateway's
     for doc in core:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
@@ -83,9 +103,13 @@ def lws_validator():
 def test_the_leader_worker_set_validates_against_its_crd(rendered) -> None:
     import jsonschema
 
+    overlay, docs = rendered
+    if LAYOUTS[overlay][1] is None:  # single-host only: no LWS controller needed
+        assert not by_kind(docs, "LeaderWorkerSet")
+        return
     if not LWS_CRD.is_file():
         pytest.skip(f"the LeaderWorkerSet CRD is not under {LWS_CRD.parent} (set TPSERVE_SHARED_DIR)")
-    (lws,) = by_kind(rendered[1], "LeaderWorkerSet")
+    (lws,) = by_kind(docs, "LeaderWorkerSet")
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
     error = jsonschema.exceptions.best_match(lws_validator().iter_errors(lws))
     assert error is None, f"{error.message} at {'/'.join(map(str, error.absolute_path))}"  # not the whole schema
@@ -136,11 +160,17 @@ def test_every_tpserve_command_line_parses_with_the_real_parser(rendered) -> Non
         assert par.headless == (role == "worker")
         groups.setdefault(role, []).append(par)
         gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
-        assert gpus == (0 if overlay == "cpu" else par.world_size // par.nnodes)  # one GPU per local rank
+        assert gpus == (0 if overlay.startswith("cpu") else par.world_size // par.nnodes)  # one GPU per local rank
+    single_host, group = LAYOUTS[overlay]
+    assert [(p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes) for p in groups.get("single-host", [])] == \
+        ([] if single_host is None else [single_host + (1,)])
+    if group is None:
+        assert "leader" not in groups and "worker" not in groups
+        return
     leader, (worker,) = groups["leader"][0], groups["worker"]
     # gpu: a tp 8 group over 2 nodes; gpu-pipeline: 2 stages of tp 8, one stage per node (tp within, pp across).
     assert (leader.tensor_parallel_size, leader.pipeline_parallel_size, leader.nnodes, worker.node_rank) == \
-        ({"cpu": (4, 1), "gpu": (8, 1), "gpu-pipeline": (8, 2)}[overlay] + (2, 1))
+        (group + (1,))
     assert (worker.tensor_parallel_size, worker.pipeline_parallel_size) == \
         (leader.tensor_parallel_size, leader.pipeline_parallel_size)
     if leader.pipeline_parallel_size > 1:
@@ -149,23 +179,33 @@ def test_every_tpserve_command_line_parses_with_the_real_parser(rendered) -> Non
     assert (worker.master_addr, worker.master_port) == (leader.master_addr, leader.master_port)
 
 
+def drain_seconds(container: dict, config: ClusterConfig) -> float:
+    """Longest stop of the container: its preStop sleep, then tpserve's drain (launch/shutdown.py) with
+    the container's own --shutdown-grace-seconds."""
+    pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    return pre_stop + config.server.shutdown_grace_seconds + NODES_GOODBYE_SECONDS + WORKER_EXIT_SECONDS
+
+
 def test_api_pods_have_grpc_probes_metrics_annotations_and_a_drain_grace(rendered) -> None:
     _, docs = rendered
     for role, template, lws_env in pod_templates(docs):
         spec = template["spec"]
-        assert spec["terminationGracePeriodSeconds"] > DRAIN_SECONDS
+        (container,) = spec["containers"]
+        config = parse_container(container, lws_env)
+        # The kubelet kills the container when the grace ends: every drain must fit, preStop included.
+        assert spec["terminationGracePeriodSeconds"] > drain_seconds(container, config)
         assert spec["enableServiceLinks"] is False
         if role == "worker":
             continue
-        (container,) = spec["containers"]
         # The probes reach the health port, which answers while the public port is at its
         # connection cap (issue 41, fault 4), and which the container runs with.
-        health_port = parse_container(container, lws_env).server.health_port
+        health_port = config.server.health_port
         assert health_port == 50052 and {"name": "health", "containerPort": 50052} in container["ports"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": health_port}, probe
         startup = container["startupProbe"]
-        assert startup["periodSeconds"] * startup["failureThreshold"] >= ClusterConfig().server.worker_start_timeout_seconds
+        # Ranks may take --worker-start-timeout-seconds to load: the startup probe must wait at least as long.
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= config.server.worker_start_timeout_seconds
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "9400"
         assert template["metadata"]["labels"]["tpserve.io/role"] == "api"

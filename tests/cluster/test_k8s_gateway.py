@@ -1,6 +1,6 @@
 """The gateway component (k8s/components/gateway): smg finds exactly the tpserve API pods,
 on their gRPC port, with the permissions that takes, and its command line parses with
-smg's own parser. Both overlays include it; kinds are validated by test_k8s.py."""
+smg's own parser. Every overlay includes it; kinds are validated by test_k8s.py."""
 
 from __future__ import annotations
 
