@@ -39,8 +39,17 @@ _INT32_MAX = 2**31 - 1
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
 
-def to_generate_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
+def to_generate_request(request: vpb.GenerateRequest, bos_token_id: int | None = None) -> pb.GenerateRequest:
     """The public request an engine-protocol request means (not yet validated).
+
+    ``bos_token_id``: the BOS this server's tokenizer starts a text prompt with (None: it adds none).
+    The engine protocol's tokenized input is how a gateway sends text: smg tokenizes every prompt
+    itself, and encodes a ``/v1/completions`` prompt without special tokens (its completion
+    preparation stage; 1.13 sends no ``original_text``), where ``Generate`` with the same text and
+    vLLM's own completions endpoint start it with the BOS. So ids that do not start with the BOS get
+    it in front, as our chat path gives a rendered template that lacks it one, before any
+    ``truncate_prompt_tokens`` (vLLM truncates after encoding): the same text gives the same tokens
+    on both paths. Ids that start with it (a chat template's ``{{ bos_token }}``) are taken as sent.
 
     Raises:
         InvalidArgumentError: a field this server does not support is set; the message
@@ -64,6 +73,8 @@ def to_generate_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
         ids = list(request.tokenized.input_ids)
         if not ids:
             raise InvalidArgumentError("tokenized.input_ids is empty; it must have at least 1 token")
+        if bos_token_id is not None and ids[0] != bos_token_id:
+            ids.insert(0, bos_token_id)
         if params.HasField("truncate_prompt_tokens"):
             ids = _truncate(ids, params.truncate_prompt_tokens)
         if max(ids) > _INT32_MAX:

@@ -98,7 +98,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         gen = self.generation
         tenant = tenant_id(context.invocation_metadata()) if gen.api_keys else ""
-        public = to_generate_request(request)
+        tokenizer = gen.tokenizer
+        public = to_generate_request(request, tokenizer.bos_token_id if tokenizer.add_bos_token else None)
         n = max(request.sampling_params.n, 1)
         # Registered before validation: a gateway's Abort lands wherever the request is (request_table.py).
         entry = engine.requests.open(request.request_id, tenant, n)

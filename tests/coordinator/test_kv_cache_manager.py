@@ -73,5 +73,6 @@ def test_trim_free_and_reset_return_every_block_and_tell_the_listener() -> None:
     assert seq.block_ids == [] and manager.allocator.num_free_blocks == 8 and manager.allocator.is_cached(0)
     manager.reset()
     assert manager.allocator.listener is events and not manager.allocator.is_cached(0)
-    kinds = [event.WhichOneof("data") for event in events.drain(subscriber, 0).events]
+    batches = iter(lambda: events.read(subscriber), None)  # every batch recorded so far
+    kinds = [event.WhichOneof("data") for batch in batches for event in batch.events]
     assert kinds == ["stored", "cleared"]

@@ -45,6 +45,19 @@ def test_truncation_keeps_the_last_tokens_and_text_passes_through() -> None:
     assert to_generate_request(vpb.GenerateRequest(text="hello")).text == "hello"
 
 
+def test_a_gateways_encoding_of_a_text_gets_the_bos_the_server_adds() -> None:
+    """smg sends a completions prompt encoded without special tokens."""
+    text_ids = vpb.TokenizedInput(original_text="Once upon", input_ids=[403, 407])
+    assert list(to_generate_request(vpb.GenerateRequest(tokenized=text_ids), 1).token_ids.ids) == [1, 403, 407]
+    assert list(to_generate_request(vpb.GenerateRequest(tokenized=text_ids)).token_ids.ids) == [403, 407]  # no BOS
+    chat_ids = vpb.TokenizedInput(original_text="<s>User: hi", input_ids=[1, 7, 8])  # {{ bos_token }} rendered
+    assert list(to_generate_request(vpb.GenerateRequest(tokenized=chat_ids), 1).token_ids.ids) == [1, 7, 8]
+    bare_ids = vpb.TokenizedInput(input_ids=[403, 407])  # smg 1.13 sends no original_text
+    assert list(to_generate_request(vpb.GenerateRequest(tokenized=bare_ids), 1).token_ids.ids) == [1, 403, 407]
+    truncated = vpb.GenerateRequest(tokenized=text_ids, sampling_params=vpb.SamplingParams(truncate_prompt_tokens=2))
+    assert list(to_generate_request(truncated, 1).token_ids.ids) == [403, 407]  # encoded, then truncated (vLLM)
+
+
 @pytest.mark.parametrize(("request_", "field"), [
     (vpb.GenerateRequest(), "input"),
     (vpb.GenerateRequest(tokenized=vpb.TokenizedInput()), "tokenized.input_ids"),

@@ -53,13 +53,10 @@ class Fleet:
         return out
 
     def prompt_ids(self, text: str) -> list[int]:
-        """The token ids the gateway sends for a completions prompt: ours without the BOS. The
-        tokenizer.json that GetTokenizer serves adds it (tests/coordinator/test_tokenizer.py), but smg
-        encodes a completions prompt with ``add_special_tokens=false`` (its completion preparation
-        stage; its /v1/tokenize shows the same ids), so no served file can put it back; its chat
-        path gets the BOS from the template's ``{{ bos_token }}``, once, as ours does."""
-        ids = self.tokenizer.encode(text)
-        return ids[1:] if ids[:1] == [self.tokenizer.bos_token_id] else ids
+        """The token ids a completions prompt has on both paths: the server's encoding, BOS included.
+        smg encodes a completions prompt without special tokens and sends the text beside the ids;
+        the engine service puts the BOS back (coordinator/vllm_engine_params.py)."""
+        return self.tokenizer.encode(text)
 
 
 def as_gateway_decodes(text: str) -> str:
@@ -85,12 +82,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_completions_equal_native_generate_streamed_and_not(fleet: Fleet, prompt: str) -> None:
-    ids = fleet.prompt_ids(prompt)
-    native = fleet.replicas[0].client.generate(ids, max_tokens=24, temperature=0.0)
+    native = fleet.replicas[0].client.generate(prompt, max_tokens=24, temperature=0.0)  # the same text both ways
     whole = fleet.client.completions.create(model=fleet.model, prompt=prompt, max_tokens=24, temperature=0)
     assert whole.choices[0].text == as_gateway_decodes(native.text)
     assert whole.choices[0].finish_reason == native.finish_reason
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), native.usage.completion_tokens)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == \
+        (native.usage.prompt_tokens, native.usage.completion_tokens)
+    assert native.usage.prompt_tokens == len(fleet.prompt_ids(prompt))  # the BOS counted on both paths
     stream = fleet.client.completions.create(model=fleet.model, prompt=prompt, max_tokens=24, temperature=0,
                                              stream=True)
     deltas = [chunk.choices[0].text for chunk in stream if chunk.choices]
@@ -117,8 +115,7 @@ def test_chat_logprobs_equal_native_logprobs(fleet: Fleet) -> None:
 
 
 def test_stop_strings_and_max_tokens(fleet: Fleet) -> None:
-    ids = fleet.prompt_ids(PROMPTS[0])
-    native = fleet.replicas[1].client.generate(ids, max_tokens=40, temperature=0.0, stop=[" named"])
+    native = fleet.replicas[1].client.generate(PROMPTS[0], max_tokens=40, temperature=0.0, stop=[" named"])
     assert native.finish_reason == "stop"
     out = fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[0], max_tokens=40, temperature=0,
                                           stop=[" named"])
@@ -141,11 +138,11 @@ def test_json_schema_response_format(fleet: Fleet) -> None:
 
 
 def test_n_completions_are_the_seeded_native_samples(fleet: Fleet) -> None:
-    ids = fleet.prompt_ids(PROMPTS[1])
     out = fleet.client.completions.create(model=fleet.model, prompt=PROMPTS[1], max_tokens=16, temperature=1.0,
                                           seed=11, n=2)
     texts = {choice.index: choice.text for choice in out.choices}
-    native = [fleet.replicas[0].client.generate(ids, max_tokens=16, temperature=1.0, seed=11 + i).text for i in (0, 1)]
+    native = [fleet.replicas[0].client.generate(PROMPTS[1], max_tokens=16, temperature=1.0, seed=11 + i).text
+              for i in (0, 1)]
     assert texts == {0: as_gateway_decodes(native[0]), 1: as_gateway_decodes(native[1])}
 
 
@@ -183,6 +180,11 @@ def _multi_turn(fleet: Fleet, gateway: RunningGateway, seed: int, concurrency: i
     """16 sessions, each a prefix of its own (300 tokens or more) and 4 turns (each turn's prompt
     the previous one plus a few words), ``concurrency`` sessions at a time through ``gateway``.
 
+    Each turn is a chat request, whose template starts it with the BOS on the gateway's side too:
+    smg's event-driven ``cache_aware`` matches the blocks of our KV events against its own token
+    ids, and for a completions prompt those lack the BOS the replica puts in front
+    (coordinator/vllm_engine_params.py), so they would never match (docs/design.md).
+
     Returns:
         The prefix-cache hits (tokens) the replicas' metrics counted, the prompt tokens each
         replica received, and the most hits possible (every turn finding the full blocks it
@@ -199,15 +201,16 @@ def _multi_turn(fleet: Fleet, gateway: RunningGateway, seed: int, concurrency: i
         prompts.append([text := text + " " + " ".join(rng.choice(WORDS) for _ in range(6)) for _ in range(4)])
     ideal = 0
     for turns in prompts:
-        ids = [fleet.prompt_ids(turn) for turn in turns]
-        assert len(ids[0]) >= 300
+        ids = [fleet.tokenizer.encode(f"<s>user: {turn}\nassistant:", parse_special_tokens=True) for turn in turns]
+        assert len(ids[0]) >= 300 and ids[0][:2] == [fleet.tokenizer.bos_token_id, ids[1][1]]  # one BOS
         for before, after in zip(ids, ids[1:]):
             common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), len(before))
             ideal += common // 16 * 16
 
     def session(index: int) -> None:
         for prompt in prompts[index]:
-            client.completions.create(model=fleet.model, prompt=prompt, max_tokens=1, temperature=0)
+            client.chat.completions.create(model=fleet.model, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=1, temperature=0)
 
     def counters() -> tuple[float, list[float]]:
         hits = sum(r.metric("tpserve:prefix_cache_hits_total") for r in fleet.replicas)

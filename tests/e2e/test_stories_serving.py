@@ -245,8 +245,13 @@ def test_cli_generate_json_prints_the_golden(cluster) -> None:
         [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
          "--max-tokens", "64", "--stream", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
     assert streamed.stdout == golden["text"] + "\n"
-    bad = subprocess.run(
+    bad = subprocess.run(  # out of its own range: refused by the CLI, before any call (exit 2)
         [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--top-p", "2", "Hi"],
         capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and bad.stdout == ""
-    assert bad.stderr.startswith("INVALID_ARGUMENT: ") and "top_p" in bad.stderr
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "tpserve generate: --top-p must be in (0, 1], got 2\n"
+    bad = subprocess.run(  # a bound between two fields is the server's to check (INVALID_ARGUMENT, exit 1)
+        [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--max-tokens", "2",
+         "--min-tokens", "5", "Hi"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("INVALID_ARGUMENT: ") and "min_tokens" in bad.stderr

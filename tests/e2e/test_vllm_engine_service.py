@@ -177,7 +177,8 @@ def test_flush_cache_drops_the_prefix_cache(server: RunningCluster, engine) -> N
 
 
 def test_kv_events_announce_stored_and_removed_blocks(server: RunningCluster, engine) -> None:
-    prompt = [(7 * i) % 400 + 3 for i in range(40)]  # a prompt no other test uses: 2 full blocks
+    # a prompt no other test uses, 2 full blocks; it starts with the BOS (1), as the replica would put it there
+    prompt = [1, *((7 * i) % 400 + 3 for i in range(39))]
     engine.FlushCache(common_pb2.FlushCacheRequest(), timeout=5)
     events = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
     time.sleep(0.2)  # subscribed
@@ -219,7 +220,7 @@ def test_kv_events_of_a_request_leave_with_its_step_not_a_poll_later(server: Run
     time.sleep(0.2)  # subscribed
     lags = []
     for i in range(9):
-        prompt = [(11 * j + 101 * i) % 400 + 3 for j in range(36)]  # 2 full blocks no other request has
+        prompt = [1, *((11 * j + 101 * i) % 400 + 3 for j in range(35))]  # 2 full blocks no other request has
         (done,) = engine.Generate(_request(prompt, temperature=0.0, max_tokens=1), timeout=30)
         answered = time.monotonic()
         assert done.complete.finish_reason == "length"
@@ -360,10 +361,22 @@ def test_kv_events_answer_at_once_and_keep_a_quiet_stream_alive(server: RunningC
     beat = next(stream)  # nothing is cached meanwhile: a heartbeat
     assert time.monotonic() - start < 3 * KV_EVENTS_HEARTBEAT_S
     assert beat.sequence_number == 0 and beat.load.load_only and beat.load.sample > first.load.sample
-    prompt = [(13 * i) % 400 + 5 for i in range(20)]  # one full block no other test stores
+    prompt = [1, *((13 * i) % 400 + 5 for i in range(19))]  # one full block no other test stores
     engine.Generate(_request(prompt, temperature=0.0, max_tokens=1), timeout=30).next()
     batch = next(b for b in stream if b.events)
     assert batch.sequence_number == 1 and not batch.load.load_only and batch.load.sample > beat.load.sample
     after = next(stream)  # quiet again: the heartbeat repeats the last sequence sent
     assert after.load.load_only and after.sequence_number == batch.sequence_number
     stream.cancel()
+
+
+def test_tokenized_input_gets_the_bos_a_text_prompt_gets(server: RunningCluster, engine) -> None:
+    """smg encodes a completions prompt without the BOS (issue 41, item 12): the replica puts it back, so the
+    engine protocol and Generate give the same tokens for the same text."""
+    ids = _prompt_ids(server)
+    assert ids[0] == 1
+    native = server.client.generate(PROMPT, max_tokens=8, temperature=0.0)
+    for sent in (ids, ids[1:]):  # as smg's chat path sends it (BOS rendered), and as its completions path does
+        (done,) = engine.Generate(_request(sent, temperature=0.0, max_tokens=8), timeout=30)
+        assert list(done.complete.output_ids) == list(native.token_ids)
+        assert done.complete.prompt_tokens == len(ids) == native.usage.prompt_tokens
