@@ -98,7 +98,7 @@ def test_an_empty_chat_message_is_refused(capsys):
 
 
 def test_the_client_names_the_field_out_of_its_wire_range():
-    with pytest.raises(ValueError, match=r"^max_tokens: Value out of range: 2147483648 \(its wire type is int32\)"):
+    with pytest.raises(ValueError, match=r"^max_tokens: Value out of range: 2147483648"):
         build_request("Hi", max_tokens=INT32_MAX + 1)
 
 

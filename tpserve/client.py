@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tpserve.grpc_metadata import metadata_interceptors
-from tpserve.sampling_fields import FIELDS, SamplingField, check_value
+from tpserve.sampling_fields import FIELDS, SamplingField
 from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove re-exported
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
@@ -271,25 +270,6 @@ def request_keywords(function):
     return function
 
 
-_WIRE_TYPES = {FieldDescriptor.TYPE_INT32: "int32", FieldDescriptor.TYPE_UINT32: "uint32", FieldDescriptor.TYPE_INT64: "int64",
-               FieldDescriptor.TYPE_UINT64: "uint64", FieldDescriptor.TYPE_FLOAT: "float", FieldDescriptor.TYPE_DOUBLE: "double"}
-
-
-def sampling_wire_type(name: str) -> str:
-    """The proto scalar type of ``SamplingParams.<name>`` (``"int32"``, ``"uint64"``, ``"float"``, ...; a
-    map's key type); "" for others. The range a client can send is that type's (:func:`check_sampling_value`)."""
-    field = pb.SamplingParams.DESCRIPTOR.fields_by_name[name]
-    if field.message_type is not None and field.message_type.GetOptions().map_entry:
-        field = field.message_type.fields_by_name["key"]
-    return _WIRE_TYPES.get(field.type, "")
-
-
-def check_sampling_value(spec: SamplingField, value: float) -> str | None:
-    """:func:`tpserve.sampling_fields.check_value` within ``spec``'s wire type: what is wrong with
-    ``value``, or None."""
-    return check_value(spec, value, sampling_wire_type(spec.name))
-
-
 @request_keywords
 def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
@@ -318,7 +298,7 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
             elif value is not None:
                 setattr(params, spec.name, value)
         except (ValueError, TypeError) as exc:  # protobuf's "Value out of range: 10000000000" names no field
-            raise ValueError(f"{spec.name}: {exc} (its wire type is {sampling_wire_type(spec.name)})") from None
+            raise ValueError(f"{spec.name}: {exc}") from None
     json_schema, regex, choices = values["json_schema"], values["regex"], values["choices"]
     constraints = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices))
                    if value is not None]

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
-from tpserve.sampling_fields import FIELDS
+from tpserve.sampling_fields import FIELDS, SamplingField, check_value
+from tpserve.v1 import generate_pb2 as pb
 
 
 def credentials(args: argparse.Namespace):
@@ -24,6 +26,26 @@ def credentials(args: argparse.Namespace):
 class UsageError(Exception):
     """A flag combination or a flag's file that ``tpserve generate`` / ``info`` cannot use; the message says
     which flags and what to do."""
+
+
+_WIRE_TYPES = {FieldDescriptor.TYPE_INT32: "int32", FieldDescriptor.TYPE_UINT32: "uint32", FieldDescriptor.TYPE_INT64: "int64",
+               FieldDescriptor.TYPE_UINT64: "uint64", FieldDescriptor.TYPE_FLOAT: "float", FieldDescriptor.TYPE_DOUBLE: "double"}
+
+
+def sampling_wire_type(name: str) -> str:
+    """The proto scalar type of ``SamplingParams.<name>`` (``"int32"``, ``"uint64"``, ``"float"``, ...; a
+    map's key type); "" for others. The range a client can send is that type's (:func:`check_sampling_value`)."""
+    field = pb.SamplingParams.DESCRIPTOR.fields_by_name[name]
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        field = field.message_type.fields_by_name["key"]
+    return _WIRE_TYPES.get(field.type, "")
+
+
+def check_sampling_value(spec: SamplingField, value: float) -> str | None:
+    """:func:`tpserve.sampling_fields.check_value` within ``spec``'s wire type: what is wrong with
+    ``value``, or None."""
+    return check_value(spec, value, sampling_wire_type(spec.name))
+
 
 
 def check_generate_flags(args: argparse.Namespace) -> None:
@@ -55,8 +77,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
     Raises:
         UsageError: naming the flag, the range and the value.
     """
-    from tpserve.client import check_sampling_value
-
     for spec in FIELDS:
         if not spec.cli or spec.type in (bool, dict):
             continue
