@@ -34,7 +34,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from coordinator.engine import RequestOutput
+    from coordinator.request_output import RequestOutput
 
 #: The interval of a handler that only wants the request's last output (unary Generate).
 UNARY = sys.maxsize

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from coordinator.engine import RequestOutput
+from coordinator.request_output import RequestOutput
 from coordinator.errors import InvalidArgumentError
 from coordinator.logprobs import TokenLogprob
 from coordinator.parallel_sampling import MAX_N

@@ -30,6 +30,7 @@ from tpserve.sampling_fields import FIELDS
 if TYPE_CHECKING:
     from tpserve.config import ClusterConfig
 from tpserve.bench import cli as bench_cli
+from tpserve.help_format import HelpFormatter
 
 _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
     # section -> (flag, argparse kwargs); dest is the config field name.
@@ -132,34 +133,7 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
 }
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """Each flag's help line ends with its default where it has one (argparse's
-    ``ArgumentDefaultsHelpFormatter`` would also print "None" and "False"); a help text that
-    already says its default keeps its own words. The API key's default (from
-    ``$TPSERVE_API_KEY``) is never shown."""
-
-    def _default(self, action: argparse.Action) -> object:
-        return action.default
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_ = action.help or ""
-        if "default" in help_:  # one spelling for every flag: "(default: X)", "; default: X"
-            return _DEFAULT_SPELLING.sub(r"\1default: ", help_)
-        if not action.option_strings or action.dest in ("api_key", "operator_api_key", "help", "version"):
-            return help_
-        default = self._default(action)
-        # `is`: a default of 0 (--node-rank) is shown, though 0 == False
-        if default is None or default is False or default in ([], (), "") or default is argparse.SUPPRESS:
-            return help_
-        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
-        return f"{help_} (default: {shown})".replace("%", "%%")
-
-
-#: A help text's own "(default X" or "; default X", written as the formatter writes defaults.
-_DEFAULT_SPELLING = re.compile(r"([(;] ?)default (?!:)")
-
-
-class _ServeHelpFormatter(_HelpFormatter):
+class _ServeHelpFormatter(HelpFormatter):
     """``serve``'s flags default to None (so that ``--config`` can set them): their help shows the
     configuration's defaults (tpserve/config.py)."""
 
@@ -177,7 +151,7 @@ class _ServeHelpFormatter(_HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.",
-                                     formatter_class=_HelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -192,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, default=None, **kwargs)
 
     gen = commands.add_parser("generate", help="generate a completion from a running server",
-                              formatter_class=_HelpFormatter)
+                              formatter_class=HelpFormatter)
     gen.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
     _add_sampling_flags(gen)
     structured = gen.add_mutually_exclusive_group()
@@ -213,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_credential_flags(gen)
 
     info = commands.add_parser("info", help="print the served model's description as JSON",
-                               formatter_class=_HelpFormatter)
+                               formatter_class=HelpFormatter)
     info.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
     _add_credential_flags(info)
     bench_cli.add_parser(commands)  # `tpserve bench`: flags in tpserve/bench/cli.py

@@ -26,11 +26,11 @@ from tpserve.client import Credentials
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers the ``bench`` subcommand and its flags on the ``tpserve`` parser's subcommands."""
-    from tpserve.cli import _HelpFormatter
+    from tpserve.help_format import HelpFormatter
 
     bench = commands.add_parser("bench", help="load a running server and report TTFT, TPOT, ITL, E2EL, throughput",
                                 description="Load a running server and report vLLM's serving metrics.",
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     bench.add_argument("--target", default="127.0.0.1:50051", help="server address HOST[:PORT] (port 50051 if none)")
     Credentials.add_flags(bench)
     work = bench.add_argument_group("workload")
