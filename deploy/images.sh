@@ -56,6 +56,10 @@ if [ -z "$tag" ]; then
   [ -n "$tag" ] || { echo "images.sh: no version in $root/pyproject.toml (give --tag)" >&2; exit 2; }
 fi
 registry=${registry%/}
+if [ "$push" = 1 ] && [ -z "$registry" ]; then
+  # An unprefixed name pushes to Docker Hub's library/ namespace: almost never meant.
+  echo "images.sh: --push needs --registry R (or \$REGISTRY): the images would go to Docker Hub as library/NAME" >&2; exit 2
+fi
 if [ -n "$platform" ] && [ "$push" = 0 ] && [[ "$platform" == *,* ]]; then
   # buildx can load only a single-platform image into the local docker.
   echo "images.sh: several platforms ($platform) need --push (buildx cannot --load them)" >&2; exit 2

@@ -241,6 +241,7 @@ class PublicServer:
             async_scheduling="on" if engine is not None and engine.scheduler.async_scheduling else "off",
             event_loop=running_loop_name(), sched_policy=policy_name(),
             address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
+            operator_api_key="on" if server.operator_api_key or server.operator_api_key_file else "off",
             metrics_url=(f"http://localhost:{server.metrics_port}/metrics" if server.metrics_port is not None
                          else "off"),
             version=__version__,

@@ -1,6 +1,6 @@
 """``tpserve generate``'s lines about a moving stream (tpserve/stream_move.py): each on a line of its own,
 "retrying on ADDRESS" where the target has one address, "another replica" only where it has several, and a
-final line that says the stream stopped after its moves."""
+final line that says it gave up after its tries."""
 
 from __future__ import annotations
 
@@ -68,4 +68,4 @@ def test_the_last_line_says_the_stream_stopped(capsys, monkeypatch):
     assert cli.run_client_command(args) == 1
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and f"retrying on 127.0.0.1:{port}" in lines[0]
-    assert lines[1].startswith("UNAVAILABLE: Socket closed -- ") and lines[1].endswith("(the stream stopped after 1 moves)")
+    assert lines[1].startswith("UNAVAILABLE: Socket closed -- ") and lines[1].endswith("(gave up after 1 tries to continue the stream)")

@@ -173,7 +173,7 @@ def generate(args: argparse.Namespace) -> int:
 
         glued = reporter.open_line and sys.stdout.isatty() and sys.stderr.isatty()
         print(f"{chr(10) if glued else ''}{describe_rpc_error(exc, reporter.target, tls=credentials(args).tls)} "
-              f"(the stream stopped after {reporter.moves} moves)", file=sys.stderr)
+              f"(gave up after {reporter.moves} tries to continue the stream)", file=sys.stderr)
         return 1
     print_result(args, result)
     return 0

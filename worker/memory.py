@@ -11,7 +11,8 @@ Order of precedence (docs/design.md, "KV cache sizing"):
    at their peak, its CUDA context and NCCL buffers, any other process), read from
    ``torch.cuda.mem_get_info`` and the caching allocator's statistics.
 4. CPU: ``gpu_memory_utilization * CPU_MEMORY_FRACTION`` of the host's available
-   memory (``MemAvailable`` of /proc/meminfo, read after the weights are loaded),
+   memory (``MemAvailable`` of /proc/meminfo, and no more than the cgroup's limit less
+   its usage in a container, read after the weights are loaded),
    split evenly between the host's ranks, and never more than ``max_num_seqs``
    sequences of ``max_model_len`` tokens (more blocks could never be used, and a
    CPU cache is zeroed in RAM at start-up).
@@ -89,24 +90,48 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def available_host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int:
-    """The host's available memory in bytes (Linux ``MemAvailable``; psutil elsewhere).
+def available_host_memory_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:
+    """The memory this process may still take, in bytes: the host's available memory (Linux
+    ``MemAvailable``; psutil elsewhere), and no more than its cgroup's limit less the cgroup's usage.
+
+    A container's ``/proc/meminfo`` shows the node's memory, not the pod's limit: a CPU rank that sized
+    its cache from it could be OOM-killed by its own cache (cgroup v2 ``memory.max`` and
+    ``memory.current``; v1 ``memory/memory.limit_in_bytes`` and ``memory.usage_in_bytes``).
 
     Raises:
         RuntimeError: neither source is readable; pass ``--kv-cache-memory-bytes``.
     """
+    available = None
     try:
         for line in Path(meminfo).read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the file counts kB
+                available = int(line.split()[1]) * 1024  # the file counts kB
     except OSError:
         pass
-    try:
-        import psutil
-    except ImportError as exc:
-        raise RuntimeError(f"cannot read the available memory ({meminfo}, psutil); "
-                           "pass --kv-cache-memory-bytes") from exc
-    return int(psutil.virtual_memory().available)
+    if available is None:
+        try:
+            import psutil
+        except ImportError as exc:
+            raise RuntimeError(f"cannot read the available memory ({meminfo}, psutil); "
+                               "pass --kv-cache-memory-bytes") from exc
+        available = int(psutil.virtual_memory().available)
+    room = cgroup_room_bytes(Path(cgroup))
+    return available if room is None else min(available, room)
+
+
+def cgroup_room_bytes(cgroup: Path) -> int | None:
+    """The cgroup's memory limit less its usage, in bytes; None without a limit (or a readable cgroup)."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit_text = (cgroup / limit_file).read_text().strip()
+            usage = int((cgroup / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 2**62:  # v1's "no limit"
+            return None
+        return max(int(limit_text) - usage, 0)
+    return None
 
 
 def cpu_kv_cache_bytes(sizing: CacheSizing, available_bytes: int, bytes_per_block: int, block_size: int) -> int:

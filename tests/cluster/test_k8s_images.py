@@ -90,6 +90,14 @@ def test_the_images_built_are_exactly_those_the_manifests_run() -> None:
     assert used == built
 
 
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("gpu")])
+def test_a_gpu_overlay_runs_one_tpserve_image(overlay: str) -> None:
+    """A GPU cluster pushes the CUDA image (deploy/images.sh gpu): the download Job and the init containers
+    that wait for the checkpoint must not ask for the CPU one (gpu-llama-405b did: ImagePullBackOff)."""
+    tpserve = {image for image in pod_images(render(f"k8s/overlays/{overlay}")) if "gateway" not in image}
+    assert tpserve == {"tpserve:0.1.0-cuda"}
+
+
 def site_overlay_from_the_docs() -> dict:
     """The site overlay docs/kubernetes.md tells the reader to write (the YAML block after its path)."""
     doc = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
@@ -142,6 +150,7 @@ def test_buildx_builds_and_pushes_several_platforms_in_one_command() -> None:
     (["gpus"], "unknown argument 'gpus'"),
     (["--platform", "linux/amd64,linux/arm64"], "need --push"),
     (["--registry"], "--registry needs a value"),
+    (["--push", "cpu"], "--push needs --registry"),  # else Docker Hub library/tpserve
 ])
 def test_bad_arguments_exit_2_and_say_why(args, message) -> None:
     out = images_sh("--print", *args)

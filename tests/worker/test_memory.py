@@ -69,7 +69,7 @@ def test_cpu_rule_splits_available_memory_and_caps_at_what_can_be_used() -> None
 def test_available_host_memory_is_read_from_meminfo(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32000000 kB\nMemFree:         1000 kB\nMemAvailable:   12345678 kB\n")
-    assert available_host_memory_bytes(meminfo) == 12345678 * 1024
+    assert available_host_memory_bytes(meminfo, tmp_path) == 12345678 * 1024  # no cgroup files there
     assert available_host_memory_bytes() > 0  # this machine's
 
 
@@ -109,3 +109,24 @@ def test_coordinator_refuses_a_pool_smaller_than_one_full_sequence() -> None:
     check_pool_holds_a_full_sequence(num_blocks=32, block_size=16, max_model_len=512)  # exactly one fits
     with pytest.raises(ValueError, match=r"holds 496 tokens \(31 blocks of 16\).*max_model_len=512"):
         check_pool_holds_a_full_sequence(num_blocks=31, block_size=16, max_model_len=512)
+
+
+@pytest.mark.parametrize("files, room", [
+    ({"memory.max": "max\n", "memory.current": "100\n"}, None),  # v2 without a limit
+    ({"memory.max": "8589934592\n", "memory.current": "1073741824\n"}, 7 * 1024**3),  # a pod limit of 8 GiB
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "5\n"}, None),  # v1
+    ({"memory/memory.limit_in_bytes": "4096\n", "memory/memory.usage_in_bytes": "5000\n"}, 0),
+    ({}, None),
+])
+def test_a_container_is_sized_by_its_cgroup_not_the_node(tmp_path, files, room) -> None:
+    """A pod's /proc/meminfo shows the node: a CPU rank sized from it alone could be OOM-killed by its cache."""
+    from worker.memory import cgroup_room_bytes
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_room_bytes(tmp_path) == room
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 99999999 kB\nMemAvailable: 20000000 kB\n")
+    expected = 20000000 * 1024 if room is None else min(room, 20000000 * 1024)
+    assert available_host_memory_bytes(meminfo, tmp_path) == expected
