@@ -19,16 +19,19 @@ tpserve:saturation             (none)                              0-1, see :fun
 kv_cache_total_blocks, block   vllm:cache_config_info              block_size, num_gpu_blocks
 =============================  ==================================  ==========================
 
-Everything is set where the engine sets its other gauges (once per step and on
-admission, finish and abort), from counts the scheduler already keeps: no
-per-token work.
+The engine hands over its counts where it sets its other gauges (once per step and
+on admission, finish and abort): three integers stored; the gauges are computed when
+Prometheus scrapes. No per-token work, and next to none per step.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 
 def kv_cache_usage(num_free_blocks: int, num_total_blocks: int) -> float:
@@ -59,47 +62,55 @@ def saturation(num_running: int, num_waiting: int, max_num_seqs: int, kv_usage: 
     return min(max(slots, kv_usage), 1.0)
 
 
-class LoadGauges:
-    """The scaling and routing gauges of one registry, tpserve's names and vLLM's."""
+class LoadGauges(Collector):
+    """The scaling and routing gauges of one registry, tpserve's names and vLLM's.
+
+    A collector: :meth:`update` only stores the scheduler's three counts (one tuple, so a
+    scrape from the metrics thread sees one consistent snapshot), and the gauges are
+    derived from them when Prometheus scrapes, not on every step.
+    """
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.kv_cache_usage_perc = Gauge(
-            "tpserve:kv_cache_usage_perc", "KV cache usage as a fraction: 1 - free / total blocks (0-1, "
-            "despite vLLM's name).", registry=r)
-        self.saturation = Gauge(
-            "tpserve:saturation", "Replica saturation, 0-1: max(running / max_num_seqs, KV cache usage), "
-            "and 1 while a request waits.", registry=r)
-        self.vllm_num_requests_waiting = Gauge(
-            "vllm:num_requests_waiting", "= tpserve:num_requests_waiting (vLLM's name, for inference routers).",
-            registry=r)
-        self.vllm_num_requests_running = Gauge(
-            "vllm:num_requests_running", "= tpserve:num_requests_running (vLLM's name, for inference routers).",
-            registry=r)
-        self.vllm_kv_cache_usage_perc = Gauge(
-            "vllm:kv_cache_usage_perc", "= tpserve:kv_cache_usage_perc, 0-1 (vLLM's name, for inference routers).",
-            registry=r)
-        # The EPP's LoRA affinity reads this; tpserve serves no adapters, which it says (max_lora 0)
-        # rather than leave the router to log a missing series. The value is a timestamp, as vLLM's.
-        lora = Gauge("vllm:lora_requests_info", "LoRA adapters running and waiting (tpserve serves none).",
-                     ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
-        lora.labels(max_lora="0", running_lora_adapters="", waiting_lora_adapters="").set(time.time())
-        self._cache_config = Gauge("vllm:cache_config_info", "KV cache configuration (value 1; vLLM's name).",
-                                   ["block_size", "num_gpu_blocks"], registry=r)
-        self._max_num_seqs = 0
-        self._num_total_blocks = 0
+        self._pool = (0, 0, 0)  # (blocks in the pool, tokens per block, max_num_seqs)
+        self._load = (0, 0, 0)  # (running, waiting, free blocks)
+        self._started = time.time()  # vllm:lora_requests_info's value, a timestamp as vLLM's
+        registry.register(self)
 
     def configure(self, num_total_blocks: int, block_size: int, max_num_seqs: int) -> None:
         """The pool (``num_total_blocks`` blocks of ``block_size`` tokens) and the sequence slots; at start-up."""
-        self._num_total_blocks, self._max_num_seqs = num_total_blocks, max_num_seqs
-        self._cache_config.clear()
-        self._cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(num_total_blocks)).set(1)
+        self._pool = (num_total_blocks, block_size, max_num_seqs)
 
     def update(self, num_running: int, num_waiting: int, num_free_blocks: int) -> None:
-        """Sets every gauge from the scheduler's counts (no per-token work: a handful of float sets)."""
-        usage = kv_cache_usage(num_free_blocks, self._num_total_blocks)
-        self.kv_cache_usage_perc.set(usage)
-        self.saturation.set(saturation(num_running, num_waiting, self._max_num_seqs, usage))
-        self.vllm_num_requests_waiting.set(num_waiting)
-        self.vllm_num_requests_running.set(num_running)
-        self.vllm_kv_cache_usage_perc.set(usage)
+        """The scheduler's counts, read at the next scrape (no per-step or per-token work beyond this store)."""
+        self._load = (num_running, num_waiting, num_free_blocks)
+
+    def describe(self) -> Iterator[Metric]:
+        """The families (registration checks their names against the registry's)."""
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        """The gauges, from the latest :meth:`update`."""
+        (num_total_blocks, block_size, max_num_seqs), (running, waiting, free) = self._pool, self._load
+        usage = kv_cache_usage(free, num_total_blocks)
+        yield GaugeMetricFamily("tpserve:kv_cache_usage_perc", "KV cache usage as a fraction: 1 - free / total "
+                                "blocks (0-1, despite vLLM's name).", value=usage)
+        yield GaugeMetricFamily("tpserve:saturation", "Replica saturation, 0-1: max(running / max_num_seqs, "
+                                "KV cache usage), and 1 while a request waits.",
+                                value=saturation(running, waiting, max_num_seqs, usage))
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "= tpserve:num_requests_waiting (vLLM's name, for "
+                                "inference routers).", value=waiting)
+        yield GaugeMetricFamily("vllm:num_requests_running", "= tpserve:num_requests_running (vLLM's name, for "
+                                "inference routers).", value=running)
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "= tpserve:kv_cache_usage_perc, 0-1 (vLLM's name, for "
+                                "inference routers).", value=usage)
+        # The endpoint picker's LoRA affinity reads this; tpserve serves no adapters and says so
+        # (max_lora 0) rather than leave the router to log a missing series.
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting (tpserve serves none).",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], self._started)
+        yield lora
+        cache = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (value 1; vLLM's name).",
+                                  labels=["block_size", "num_gpu_blocks"])
+        if num_total_blocks:
+            cache.add_metric([str(block_size), str(num_total_blocks)], 1)
+        yield cache

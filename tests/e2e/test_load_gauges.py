@@ -30,10 +30,11 @@ def scrape(cluster: RunningCluster) -> Sample:
 def stable_scrape(cluster: RunningCluster) -> dict[str, float]:
     """The unlabelled gauges, from two consecutive scrapes that agree (the engine sets them between
     steps, so one scrape may fall between two sets)."""
-    while True:
+    for _ in range(100):
         first, second = (load_gauges(scrape(cluster)) for _ in range(2))
         if first == second:
             return first
+    raise AssertionError("the load gauges changed between every two scrapes")
 
 
 def load_gauges(samples: Sample) -> dict[str, float]:
