@@ -526,9 +526,8 @@ class Engine:
         self._on_fatal(reason)
 
     def _update_gauges(self) -> None:
-        self.metrics.num_requests_running.set(len(self.scheduler.running))
-        self.metrics.num_requests_waiting.set(len(self.scheduler.waiting))
-        self.metrics.kv_cache_free_blocks.set(self.scheduler.allocator.num_free_blocks)
+        self.metrics.set_load(len(self.scheduler.running), len(self.scheduler.waiting),
+                              self.scheduler.allocator.num_free_blocks)
         # The scheduler counts prefix cache look-ups cumulatively; Prometheus counters only grow by increments.
         queries, hits = self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
         self.metrics.prefix_cache_queries.inc(queries - self._prefix_cache_counted[0])

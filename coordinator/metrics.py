@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from coordinator.load_gauges import LoadGauges
+
 if TYPE_CHECKING:
     from coordinator.spec_decode import SpecDecodeStats
 
@@ -67,6 +69,8 @@ class Metrics:
         self.num_requests_waiting = Gauge("tpserve:num_requests_waiting", "Sequences waiting for admission.", registry=r)
         self.kv_cache_free_blocks = Gauge("tpserve:kv_cache_free_blocks", "KV cache blocks nobody holds.", registry=r)
         self.kv_cache_total_blocks = Gauge("tpserve:kv_cache_total_blocks", "KV cache blocks in the pool.", registry=r)
+        # KV usage 0-1, saturation and vLLM's names of these gauges, for autoscalers and routers (issue 48).
+        self.load = LoadGauges(r)
         # The public port's TCP connections against its cap (launch/connection_limits.py): at the cap,
         # new connections are closed at once; health still answers on --health-port.
         self.num_connections = Gauge(
@@ -138,6 +142,19 @@ class Metrics:
             self._busy_window = None
         else:
             self._busy_window = (start, busy_in_window)
+
+    def set_pool(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
+        """The KV pool (``num_blocks`` blocks of ``block_size`` tokens, all free) and the sequence slots."""
+        self.kv_cache_total_blocks.set(num_blocks)
+        self.load.configure(num_blocks, block_size, max_num_seqs)
+        self.set_load(0, 0, num_blocks)
+
+    def set_load(self, num_running: int, num_waiting: int, num_free_blocks: int) -> None:
+        """The scheduler's counts, into every load gauge (ours, vLLM's names, usage, saturation)."""
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_free_blocks.set(num_free_blocks)
+        self.load.update(num_running, num_waiting, num_free_blocks)
 
     def end_busy_window(self) -> None:
         """The loop goes idle (no work): the next window starts at its next step."""

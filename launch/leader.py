@@ -159,8 +159,7 @@ class Leader:
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size,
                               async_scheduling=cfg.async_scheduling_on(workers.device, spare_core),
                               priority_aging_s=cfg.scheduler.priority_aging_seconds)
-        self.metrics.kv_cache_total_blocks.set(num_blocks)
-        self.metrics.kv_cache_free_blocks.set(num_blocks)
+        self.metrics.set_pool(num_blocks, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,
                       cfg.scheduler.max_queue_len, self.metrics, on_fatal=lambda reason: self.stop(1),
                       on_group_failure=self._group_failed, micro_batches=cfg.parallel.pipeline_parallel_size,

@@ -1,8 +1,8 @@
 """The Kubernetes manifests: every overlay renders, validates, and starts what it claims.
 
 ``kubectl kustomize`` renders each of k8s/overlays/ (the embedded model's cpu, gpu and
-gpu-pipeline, and the real checkpoints' cpu-qwen3-0.6b, gpu-llama-8b, gpu-llama-8b-hostpath
-and gpu-llama-405b, docs/kubernetes.md); core kinds are validated with
+gpu-pipeline, and the real checkpoints' cpu-qwen3-0.6b, gpu-llama-8b, gpu-llama-8b-hostpath,
+gpu-llama-405b, and gpu-llama-8b-hpa and -keda with an autoscaler, docs/kubernetes.md); core kinds are validated with
 ``kubernetes-validate`` (its bundled schemas, offline, strict: unknown fields fail),
 the LeaderWorkerSet with ``jsonschema`` against the CRD's own schema from
 ../shared/k8s-schemas (made strict the same way). Every tpserve container's command
@@ -39,10 +39,16 @@ LAYOUTS = {
     "gpu-llama-8b": ((2, 1), None),
     "gpu-llama-8b-hostpath": ((2, 1), None),
     "gpu-llama-405b": (None, (8, 2, 2)),
+    "gpu-llama-8b-hpa": ((2, 1), None),   # gpu-llama-8b + an autoscaler (test_k8s_autoscaling.py)
+    "gpu-llama-8b-keda": ((2, 1), None),
 }
 OVERLAYS = tuple(LAYOUTS)
 #: Overlays whose checkpoint a Job downloads into a claim (k8s/components/model-pvc).
 MODEL_PVC_OVERLAYS = ("cpu-qwen3-0.6b", "gpu-llama-8b", "gpu-llama-405b")
+#: Overlays that add an autoscaler to another: (that overlay, the core kinds they add). KEDA's
+#: ScaledObject is a CRD's kind, validated by test_k8s_autoscaling.py.
+AUTOSCALED = {"gpu-llama-8b-hpa": ("gpu-llama-8b", {"HorizontalPodAutoscaler", "ConfigMap"}),
+              "gpu-llama-8b-keda": ("gpu-llama-8b", set())}
 
 requires_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 
@@ -81,10 +87,11 @@ def test_core_kinds_validate_against_the_kubernetes_schemas(rendered) -> None:
     import kubernetes_validate
 
     overlay, docs = rendered
-    core = [doc for doc in docs if doc["kind"] != "LeaderWorkerSet"]
-    model_pvc = {"PersistentVolumeClaim", "Job", "ConfigMap"} if overlay in MODEL_PVC_OVERLAYS else set()
-    assert {doc["kind"] for doc in core} == {"Deployment", "Service", "PodDisruptionBudget",
-                                             "ServiceAccount", "Role", "RoleBinding"} | model_pvc  # + the gateway's
+    core = [doc for doc in docs if doc["kind"] not in ("LeaderWorkerSet", "ScaledObject")]
+    base, autoscaler = AUTOSCALED.get(overlay, (overlay, set()))
+    model_pvc = {"PersistentVolumeClaim", "Job", "ConfigMap"} if base in MODEL_PVC_OVERLAYS else set()
+    assert {doc["kind"] for doc in core} == {"Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role",
+                                             "RoleBinding"} | model_pvc | autoscaler  # + the gateway's
     for doc in core:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
