@@ -63,14 +63,15 @@ def test_both_versions_list_the_services_and_resolve_symbols() -> None:
                                     (v1alpha_pb2_grpc.ServerReflectionStub, v1alpha_pb2)):
                 listed, generation, own, missing = await asyncio.to_thread(_ask, stub_class, pb2, f"127.0.0.1:{port}", [
                     pb2.ServerReflectionRequest(list_services=""),
-                    pb2.ServerReflectionRequest(file_containing_symbol=GENERATION),
+                    pb2.ServerReflectionRequest(file_containing_symbol=GENERATION + ".GenerateStream"),
                     pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME_V1),
                     pb2.ServerReflectionRequest(file_containing_symbol="tpserve.v1.NoSuchService")])
                 assert isinstance(listed, pb2.ServerReflectionResponse)
                 assert sorted(s.name for s in listed.list_services_response.service) == sorted(
                     [GENERATION, SERVICE_NAME_V1, SERVICE_NAME_V1ALPHA])
                 files = _files(generation)
-                assert generate_pb2.DESCRIPTOR.name in files
+                assert generate_pb2.DESCRIPTOR.name in files  # a method's name finds its service's file
+                assert generation.original_request.file_containing_symbol == GENERATION + ".GenerateStream"
                 (service,) = [s for s in files[generate_pb2.DESCRIPTOR.name].service if s.name == "Generation"]
                 assert {"Generate", "GenerateStream"} <= {m.name for m in service.method}
                 (v1_file,) = _files(own).values()
