@@ -129,7 +129,7 @@ def test_full_queue_sends_pushback_and_the_client_waits_for_it() -> None:
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert trailer[PUSHBACK_KEY] == "600"
 
-    # The policy's own backoff before attempt 2 is at most 0.1 s: a 0.6 s gap is the server's pushback.
+    # The policy's own backoff before attempt 2 is about 25 ms: a 0.6 s gap is the server's pushback.
     servicer = ScriptedGeneration(ResourceExhaustedError("the queue is full (1 requests waiting)", 600), failures=1)
     assert _run(servicer, _generate).text == "ok"
     assert len(servicer.attempts) == 2
@@ -163,7 +163,7 @@ def test_service_config_shape() -> None:
     assert config["loadBalancingConfig"] == [{"pick_first": {}}]
     (method,) = config["methodConfig"]
     assert method["name"] == [{"service": "tpserve.v1.Generation"}]
-    assert method["retryPolicy"] == {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "1.0s",
+    assert method["retryPolicy"] == {"maxAttempts": 5, "initialBackoff": "0.025s", "maxBackoff": "0.25s",
                                      "backoffMultiplier": 2.0,
                                      "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}
     assert config["retryThrottling"] == {"maxTokens": 10, "tokenRatio": 0.1}
@@ -173,3 +173,20 @@ def test_service_config_shape() -> None:
     assert json.loads(options["grpc.service_config"])["loadBalancingConfig"] == [{"round_robin": {}}]
     with pytest.raises(ValueError, match="max_attempts"):
         service_config("round_robin", RetryPolicy(max_attempts=0))
+
+
+def test_retry_throttling_stops_retrying_a_target_that_keeps_failing() -> None:
+    """retryThrottling (10 tokens, one per failed attempt, retries only above 5): the first call makes its
+    5 attempts, after which the channel has 5 tokens left and the second call gets one attempt, no retry."""
+    servicer = ScriptedGeneration(UnavailableError("down"), failures=100)
+
+    async def two_calls(client: AsyncClient) -> list[int]:
+        per_call = []
+        for _ in range(2):
+            before = len(servicer.attempts)
+            with pytest.raises(grpc.RpcError):
+                await _generate(client)
+            per_call.append(len(servicer.attempts) - before)
+        return per_call
+
+    assert _run(servicer, two_calls) == [5, 1]
