@@ -223,13 +223,13 @@ class Engine:
             UnavailableError, ResourceExhaustedError: as :meth:`generate`, for the whole request.
         """
         check_admissible(self.state, self._reason, params, self.scheduler, self.max_model_len)
-        self.requests.reserve(entry, len(self.scheduler.waiting), self.max_queue_len)
+        self.requests.reserve(entry, self.scheduler.waiting, self.max_queue_len)
 
     def _add(self, params: GenerateParams, stream_interval: int, entry: RequestEntry) -> _RequestState:
         held = self.requests.take_reservation(entry)  # admitted with its request's other samples
         check_admissible(self.state, self._reason, params, self.scheduler, self.max_model_len, admitted=held)
         if not held:
-            self.requests.check_queue(1, len(self.scheduler.waiting), self.max_queue_len)
+            self.requests.check_queue(1, self.scheduler.waiting, self.max_queue_len)
         seq_id = next(self._seq_ids)
         request_id = entry.request_id
         seq = Sequence(

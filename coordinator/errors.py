@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import structlog
 
+from coordinator.pushback import NO_RETRY_PUSHBACK_MS, PUSHBACK_KEY
 from coordinator.wire_utf8 import invalid_utf8_field
 
 log = structlog.get_logger(__name__)
@@ -40,9 +41,19 @@ class PermissionDeniedError(TpserveError):
 
 
 class ResourceExhaustedError(TpserveError):
-    """The queue is full, or the request can never fit in the KV cache."""
+    """The queue is full, or the request can never fit in the KV cache.
+
+    Args:
+        message: what the client sees.
+        retry_pushback_ms: the wait, in milliseconds, sent to the client as ``grpc-retry-pushback-ms``
+            (coordinator/pushback.py); None (a condition no retry cures) sends -1: do not retry.
+    """
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_pushback_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_pushback_ms = retry_pushback_ms
 
 
 class UnavailableError(TpserveError):
@@ -168,6 +179,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, exc: Exception) -> None:
+    if isinstance(exc, ResourceExhaustedError):  # server pushback, read by the client's retry policy
+        pushback = NO_RETRY_PUSHBACK_MS if exc.retry_pushback_ms is None else exc.retry_pushback_ms
+        await context.abort(exc.code, str(exc), (*(context.trailing_metadata() or ()), (PUSHBACK_KEY, str(pushback))))
     if isinstance(exc, TpserveError):
         await context.abort(exc.code, str(exc))
     # context.abort raises an exception of grpc's own to end the call: let it through.

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from coordinator.errors import ResourceExhaustedError, UnavailableError
+from coordinator.pushback import MIN_PUSHBACK_MS
 
 Kind = Literal["json_schema", "regex"]
 #: Default compile-time limit, in seconds: legitimate schemas compile in milliseconds.
@@ -257,7 +258,7 @@ class GrammarCompiler:
         try:  # a busy child is free (or killed and replaced) within one limit
             return self._idle.get(timeout=2 * self.timeout_s + _QUEUE_SLACK_S)
         except queue.Empty:
-            raise ResourceExhaustedError("every grammar compiler is busy; retry shortly") from None
+            raise ResourceExhaustedError("every grammar compiler is busy; retry shortly", MIN_PUSHBACK_MS) from None
 
     def close(self) -> None:
         """Ends every child (idempotent)."""

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from coordinator.errors import InvalidArgumentError, ResourceExhaustedError
+from coordinator.pushback import queue_full_pushback_ms
+from coordinator.sequence import Sequence
 
 #: Most request ids one Abort may name. Above what a gateway's bulk abort of everything one
 #: worker holds needs (by default 1,024 waiting + 64 running requests: --max-queue-len,
@@ -158,34 +160,37 @@ class RequestTable:
                     aborted.append(entry)
         return aborted
 
-    def reserve(self, entry: RequestEntry, num_waiting: int, max_queue_len: int) -> None:
+    def reserve(self, entry: RequestEntry, waiting: Collection[Sequence], max_queue_len: int) -> None:
         """Takes the queue places of all ``entry.num_samples`` samples at once.
 
         Args:
-            num_waiting: sequences waiting in the scheduler now.
+            waiting: the sequences waiting in the scheduler now.
             max_queue_len: most sequences that may wait.
 
         Raises:
             ResourceExhaustedError: the samples do not all fit in the queue now.
         """
         self._release(entry)  # (admitted twice: its places once)
-        self.check_queue(entry.num_samples, num_waiting, max_queue_len)
+        self.check_queue(entry.num_samples, waiting, max_queue_len)
         entry.num_reserved = entry.num_samples
         self.num_reserved += entry.num_samples
 
-    def check_queue(self, num_samples: int, num_waiting: int, max_queue_len: int) -> None:
-        """Refuses ``num_samples`` more waiting sequences that the queue cannot take.
+    def check_queue(self, num_samples: int, waiting: Collection[Sequence], max_queue_len: int) -> None:
+        """Refuses ``num_samples`` more waiting sequences that the queue of ``waiting`` ones cannot take.
 
         Raises:
-            ResourceExhaustedError: the queue is full, or too full for all of them.
+            ResourceExhaustedError: the queue is full, or too full for all of them; it carries the
+                server pushback of the queue's state (coordinator/pushback.py).
         """
+        num_waiting = len(waiting)
         if num_waiting + self.num_reserved + num_samples <= max_queue_len:
             return
+        pushback_ms = queue_full_pushback_ms(waiting)
         if num_samples == 1:
-            raise ResourceExhaustedError(f"the queue is full ({max_queue_len} requests waiting)")
+            raise ResourceExhaustedError(f"the queue is full ({max_queue_len} requests waiting)", pushback_ms)
         raise ResourceExhaustedError(
             f"the request's n={num_samples} samples do not fit in the queue ({num_waiting + self.num_reserved} of "
-            f"{max_queue_len} places taken); none was started")
+            f"{max_queue_len} places taken); none was started", pushback_ms)
 
     def take_reservation(self, entry: RequestEntry) -> bool:
         """Uses one of ``entry``'s held queue places for a sample being queued; False if it holds none."""

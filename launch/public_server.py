@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
@@ -31,6 +30,7 @@ from coordinator.tokenizer import Tokenizer
 from coordinator.vllm_engine_service import VllmEngineServicer
 from launch.connection_limits import (ConnectionWatch, connection_options, raise_nofile_limit,
                                       resolve_max_connections)
+from launch.reflection import enable_server_reflection
 from launch.startup import StartupError, bind
 from tpserve import __version__
 from tpserve.config import ClusterConfig
@@ -184,8 +184,8 @@ class PublicServer:
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
             self.servicer, self.model_dir, cfg.max_kv_event_subscribers), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME), server)
+        # grpc.reflection.v1 and v1alpha (launch/reflection.py)
+        enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME), server)
         return server
 
     def attach(self, engine: Engine, num_kv_blocks: int, dtype: str) -> None:

@@ -35,18 +35,17 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tpserve.grpc_metadata import metadata_interceptors
 from tpserve.sampling_fields import FIELDS, SamplingField
+from tpserve.service_config import LoadBalancingPolicy, RetryPolicy, channel_options
 from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove re-exported
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
-LoadBalancingPolicy = Literal["round_robin", "pick_first"]
 DEFAULT_PORT = 50051  # tpserve serve's --port
 
 
@@ -324,11 +323,6 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     return request
 
 
-def channel_options(load_balancing_policy: LoadBalancingPolicy = "round_robin") -> list[tuple[str, str]]:
-    """gRPC channel options selecting the load-balancing policy over a target's addresses."""
-    return [("grpc.service_config", json.dumps({"loadBalancingConfig": [{load_balancing_policy: {}}]}))]
-
-
 @dataclass(frozen=True)
 class Credentials:
     """How a client proves itself to a server started with TLS, mutual TLS or API keys.
@@ -416,15 +410,18 @@ class Client:
         credentials: TLS files and API key for a server that requires them.
         move_policy: how streams broken by a lost replica move to another address
             (:class:`tpserve.stream_move.MovePolicy`; ``MovePolicy(max_moves=0)``: never).
+        retry_policy: gRPC's own retries of UNAVAILABLE and RESOURCE_EXHAUSTED, with server pushback
+            (:class:`tpserve.service_config.RetryPolicy`; ``RetryPolicy(max_attempts=1)``: none).
 
     Raises:
         OSError: a TLS file cannot be read.
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
-                 credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy()) -> None:
+                 credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy(),
+                 retry_policy: RetryPolicy = RetryPolicy()) -> None:
         self.move_policy = move_policy
-        options = channel_options(load_balancing_policy)
+        options = channel_options(load_balancing_policy, retry_policy)
         target = with_default_port(target)
         self.channel = (grpc.secure_channel(target, credentials.channel_credentials(), options=options)
                         if credentials.tls else grpc.insecure_channel(target, options=options))
@@ -521,9 +518,10 @@ class AsyncClient:
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
-                 credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy()) -> None:
+                 credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy(),
+                 retry_policy: RetryPolicy = RetryPolicy()) -> None:
         self.move_policy = move_policy
-        options = channel_options(load_balancing_policy)
+        options = channel_options(load_balancing_policy, retry_policy)
         target = with_default_port(target)
         self.channel = (grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
                         if credentials.tls else grpc.aio.insecure_channel(target, options=options))

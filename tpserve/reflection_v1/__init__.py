@@ -1,0 +1,1 @@
+"""Generated stubs of gRPC server reflection v1 (do not edit; run tpserve/reflection_v1/compile.py)."""

@@ -1,0 +1,100 @@
+"""The client's gRPC service config: load balancing, and gRPC's own retry policy (gRFC A6).
+
+A tpserve client channel retries a call that failed with ``UNAVAILABLE`` (a replica killed or
+restarting, a server draining, a connection reset) or ``RESOURCE_EXHAUSTED`` (a full queue)
+by gRPC's retry policy, inside the gRPC library: no code of ours re-sends it.
+
+- Which calls: every method of ``tpserve.v1.Generation``; unary calls whole, server-streaming
+  calls until they are committed, which is when the first response arrives (the server sends
+  its headers with the first message). Health checks are not retried (``wait_ready`` polls).
+- How often: at most ``max_attempts`` attempts (gRPC caps it at 5), attempt n+1 after about
+  min(initial_backoff_s * backoff_multiplier**(n-1), max_backoff_s) seconds (gRPC jitters it by
+  up to 20%). The defaults are Envoy's retry backoff (25 ms, at most 250 ms): a call whose replica
+  died is sent again to another one at once (the load balancer picks only connected replicas), and
+  a target with no server at all is reported within about 0.4 s (0.025 + 0.05 + 0.1 + 0.2 s).
+- Server pushback: when the server's status carries ``grpc-retry-pushback-ms`` trailing
+  metadata, gRPC waits exactly that long instead (tpserve sends it with a full queue's
+  ``RESOURCE_EXHAUSTED``: coordinator/pushback.py); a negative value means "do not retry"
+  (sent with the ``RESOURCE_EXHAUSTED`` that retrying cannot cure: a request larger than the
+  KV cache). ``RESOURCE_EXHAUSTED`` is retryable for that reason: a retry is paced by the
+  server, as vLLM's and TGI's clients back off on 429.
+- Throttling: the channel keeps a token bucket per target (``retryThrottling``): each failed
+  attempt takes a token, each success returns ``throttle_token_ratio``; below half of
+  ``throttle_max_tokens`` gRPC stops retrying, so a fleet that is down or overloaded as a whole
+  gets its errors at once, not five times the load.
+
+The stream mover (tpserve/stream_move.py) handles what gRPC cannot: a stream that breaks after
+messages arrived (committed, so gRPC never retries it) continues on another replica from the
+tokens delivered, and ``INTERNAL`` from a lost worker group. The two nest, never race: each move
+is a new call with its own gRPC attempts, and no attempt gRPC retries has delivered a message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+LoadBalancingPolicy = Literal["round_robin", "pick_first"]
+#: The service whose methods the retry policy covers (proto/tpserve/v1/generate.proto).
+GENERATION_SERVICE = "tpserve.v1.Generation"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """gRPC's retry policy for a client's calls (see the module docstring).
+
+    Attributes:
+        max_attempts: attempts per call, the first included (1: no retries; gRPC caps it at 5).
+        initial_backoff_s, max_backoff_s, backoff_multiplier: the wait before attempt n+1 is about
+            ``min(initial_backoff_s * backoff_multiplier**(n-1), max_backoff_s)`` seconds.
+        retryable_status_codes: the statuses retried (gRPC's names).
+        throttle_max_tokens, throttle_token_ratio: the channel's retry token bucket.
+    """
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.025
+    max_backoff_s: float = 0.25
+    backoff_multiplier: float = 2.0
+    retryable_status_codes: tuple[str, ...] = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+    throttle_max_tokens: int = 10
+    throttle_token_ratio: float = 0.1
+
+
+def service_config(load_balancing_policy: LoadBalancingPolicy = "round_robin",
+                   retry_policy: RetryPolicy = RetryPolicy()) -> dict:
+    """The service config (gRPC's JSON form, as a dict) of a client channel.
+
+    Raises:
+        ValueError: ``retry_policy.max_attempts`` below 1.
+    """
+    if retry_policy.max_attempts < 1:
+        raise ValueError(f"max_attempts must be at least 1, got {retry_policy.max_attempts}")
+    config: dict = {"loadBalancingConfig": [{load_balancing_policy: {}}]}
+    if retry_policy.max_attempts == 1:
+        return config  # gRPC refuses a retryPolicy of fewer than 2 attempts: no policy is none
+    config["methodConfig"] = [{
+        "name": [{"service": GENERATION_SERVICE}],
+        "retryPolicy": {
+            "maxAttempts": retry_policy.max_attempts,
+            "initialBackoff": f"{retry_policy.initial_backoff_s}s",
+            "maxBackoff": f"{retry_policy.max_backoff_s}s",
+            "backoffMultiplier": retry_policy.backoff_multiplier,
+            "retryableStatusCodes": list(retry_policy.retryable_status_codes),
+        },
+    }]
+    config["retryThrottling"] = {"maxTokens": retry_policy.throttle_max_tokens,
+                                 "tokenRatio": retry_policy.throttle_token_ratio}
+    return config
+
+
+def channel_options(load_balancing_policy: LoadBalancingPolicy = "round_robin",
+                    retry_policy: RetryPolicy = RetryPolicy()) -> list[tuple[str, object]]:
+    """gRPC channel options: the service config above, and retries on (``grpc.enable_retries``,
+    gRPC's default since 1.40, set so that an environment cannot turn them off unseen).
+
+    Raises:
+        ValueError: as :func:`service_config`.
+    """
+    return [("grpc.service_config", json.dumps(service_config(load_balancing_policy, retry_policy))),
+            ("grpc.enable_retries", 1)]
