@@ -27,7 +27,6 @@ from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from launch.local_ranks import LocalRanks, describe_exit
 from launch.netutil import PeerTimeout, host_port, interface_of, resolve
 from launch.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
-from launch.shutdown import NODES_GOODBYE_SECONDS
 from launch.startup import StartupError, bind, config_sha256, draft_config_sha256
 from launch.topology import GroupLayout, store_port
 from tpserve.cluster_secret import AioSecretServerInterceptor
@@ -36,6 +35,9 @@ from tpserve.pipeline_split import sampling_rank
 from tpserve.v1 import cluster_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+#: Seconds the other nodes' streams get to carry the leader's goodbye (launch/shutdown.py counts them).
+NODES_GOODBYE_SECONDS = 2.0
 
 #: Seconds between "waiting for nodes" log lines.
 WAITING_LOG_SECONDS = 10.0

@@ -16,18 +16,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from launch.group_launcher import NODES_GOODBYE_SECONDS, GroupLauncher
 from launch.local_ranks import WORKER_EXIT_SECONDS
 from tpserve.config import ServerConfig
 
 if TYPE_CHECKING:
     from coordinator.engine import Engine
-    from launch.group_launcher import GroupLauncher
     from launch.public_server import PublicServer
 
 log = structlog.get_logger(__name__)
 
-#: Seconds the other nodes' streams get to carry the leader's goodbye.
-NODES_GOODBYE_SECONDS = 2.0
 #: Seconds in-flight RPCs get to finish on shutdown (--shutdown-grace-seconds' default).
 SHUTDOWN_GRACE_SECONDS = ServerConfig.model_fields["shutdown_grace_seconds"].default
 #: Longest shutdown with the default grace: the RPC grace, the nodes' goodbye, then the ranks' SIGTERM grace.

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from worker.layers.moe_experts import _act, combine
+from worker.layers.moe_combine import combine, expert_act
 
 #: Rows of one expert per program (tl.dot needs at least 16): 16 for decode-sized steps, where
 #: an expert gets a few rows and padding to 64 would waste the work, 64 once the average group
@@ -126,6 +126,6 @@ def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
     block_m = block_rows(num_rows, gate_up.shape[0])
     sorted_rows, block_expert = align_rows(ids, gate_up.shape[0], block_m)
     h = grouped_gemm(x, gate_up, sorted_rows, block_expert, num_rows, top_k, block_m)  # (T * k, 2 * I)
-    h = _act(h)  # (T * k, I)
+    h = expert_act(h)  # (T * k, I)
     out = grouped_gemm(h, down, sorted_rows, block_expert, num_rows, 1, block_m)  # (T * k, H)
     return combine(out.view(num_tokens, top_k, -1), weights)  # (T, H)

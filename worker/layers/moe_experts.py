@@ -22,9 +22,7 @@ import os
 import torch
 
 from worker.layers.matmul import linear
-from worker.layers.norm import SiluAndMul
-
-_act = SiluAndMul()
+from worker.layers.moe_combine import combine, expert_act
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
@@ -65,19 +63,9 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            h = _act(linear(xs[rows], gate_up[expert]))  # (count, I)
+            h = expert_act(linear(xs[rows], gate_up[expert]))  # (count, I)
             out_sorted[rows] = linear(h, down[expert])  # (count, H)
             start += count
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted  # (T * k, H) back in row order t * k + j
     return combine(out.view(num_tokens, top_k, -1), weights)
-
-
-def combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_j weights[:, j] * expert_out[:, j]``: ``(T, k, H), (T, k) -> (T, H)`` in ``expert_out.dtype``.
-
-    Products in the promoted dtype (float32 routing weights lift a bfloat16 output, as
-    in ``transformers``' Mixtral), summed in float32, rounded once.
-    """
-    scaled = expert_out * weights.unsqueeze(-1)  # (T, k, H)
-    return scaled.sum(dim=1, dtype=torch.float32).to(expert_out.dtype)  # (T, H)
