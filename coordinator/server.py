@@ -20,6 +20,8 @@ from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
 from coordinator.request_output import aborted_output
 from coordinator.request_table import RequestAborted, RequestEntry, check_abort_ids
+from coordinator.request_timeline import RequestTimings, replica_name, stamp_timings
+from coordinator import tracing
 from coordinator.output_collector import UNARY
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
@@ -63,6 +65,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.keys = keys
         self.grammars = grammars
         self.chat_renderer = ChatRenderPool()
+        self.replica = replica_name(model_info.model_name)  # in every response's timings
 
     async def _validate(self, request: pb.GenerateRequest, tenant: str) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
@@ -98,7 +101,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         engine = self._check_loaded()
         check_priority(request.priority, self.is_operator(context))  # before the table: refused whole
         tenant = tenant_id(context.invocation_metadata()) if self.api_keys else ""
-        return engine, engine.requests.open(request.request_id, tenant, n)
+        entry = engine.requests.open(request.request_id, tenant, n)
+        if tracing.enabled():  # once per request; off: nothing
+            entry.trace_context = tracing.extract(context.invocation_metadata())
+        return engine, entry
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         if num_samples(request.sampling_params) > 1:
@@ -113,7 +119,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             try:
                 params = await entry.unless_aborted(self._validate(request, entry.tenant))
             except RequestAborted:  # an Abort while it was validated
-                last = aborted_output(entry.request_id, 0)
+                last = stamp_timings(aborted_output(entry.request_id, 0), entry, None)
             else:  # UNARY: the engine wakes this handler once, at the end, with every token merged.
                 async for output in engine.generate(params, context.time_remaining(), UNARY, entry):
                     text.append(output.text)
@@ -127,7 +133,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return pb.GenerateResponse(
             request_id=last.request_id, text="".join(text), token_ids=token_ids,
             finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, timings=timings_pb(last.timings, self.replica))
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Writes each output as a message with ``context.write`` (grpc.aio's reader-writer API):
@@ -141,16 +147,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 params = await entry.unless_aborted(self._validate(request, entry.tenant))
             except RequestAborted:  # an Abort while it was validated: every sample ends now
                 for index in range(n):
-                    await write(_stream_response(aborted_output(entry.request_id, 0), index))
+                    await write(_stream_response(stamp_timings(aborted_output(entry.request_id, 0), entry, None),
+                                                 index, self.replica))
                 return
             if n == 1:  # the common case: no task of generate_n's in between
                 async for output in engine.generate(params, context.time_remaining(), None, entry):
                     if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                        await write(_stream_response(output, 0))
+                        await write(_stream_response(output, 0, self.replica))
                 return
             async for index, output in generate_n(engine, params, n, context.time_remaining(), None, entry):
                 if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                    await write(_stream_response(output, index))  # else text held back and no token: nothing to send
+                    await write(_stream_response(output, index, self.replica))  # else text held back and no token: nothing to send
         finally:
             engine.requests.close(entry)
 
@@ -172,13 +179,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return self.model_info
 
 
-def _stream_response(output: RequestOutput, index: int) -> pb.GenerateStreamResponse:
-    """One stream message; only the fields that are set are filled (a message per token per stream)."""
+def _stream_response(output: RequestOutput, index: int, replica: str) -> pb.GenerateStreamResponse:
+    """One stream message; only the fields that are set are filled (a message per token per stream);
+    the last carries the timings, with ``replica``."""
     response = pb.GenerateStreamResponse(request_id=output.request_id, index=index, text=output.text,
                                          token_ids=output.token_ids)
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASON_TO_PB[output.finish_reason]
         response.usage.CopyFrom(_usage(output))
+        response.timings.CopyFrom(timings_pb(output.timings, replica))
     if output.logprobs:
         response.logprobs.extend(_logprobs(output))
     if output.prompt_logprobs:
@@ -195,3 +204,14 @@ def _logprobs(output: RequestOutput, prompt: bool = False) -> list[pb.TokenLogpr
 def _usage(output: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_completion_tokens,
                     cached_prompt_tokens=output.num_cached_prompt_tokens)
+
+
+def timings_pb(timings: RequestTimings | None, replica: str) -> pb.RequestTimings:
+    """``timings`` as the protocol's message (all zero but ``replica`` when None: a sample that
+    failed before the engine saw it)."""
+    if timings is None:
+        return pb.RequestTimings(replica=replica)
+    return pb.RequestTimings(
+        queue_time_s=timings.queue_time_s, prefill_time_s=timings.prefill_time_s, decode_time_s=timings.decode_time_s,
+        time_to_first_token_s=timings.time_to_first_token_s, num_preemptions=timings.num_preemptions,
+        cached_prompt_tokens=timings.cached_prompt_tokens, replica=replica)

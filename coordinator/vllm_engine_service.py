@@ -40,6 +40,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.cache_isolation import tenant_id
+from coordinator import tracing
 from coordinator.engine import Engine
 from coordinator.errors import UnavailableError
 from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
@@ -103,6 +104,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         n = max(request.sampling_params.n, 1)
         # Registered before validation: a gateway's Abort lands wherever the request is (request_table.py).
         entry = engine.requests.open(request.request_id, tenant, n)
+        if tracing.enabled():  # the gateway propagates the caller's traceparent
+            entry.trace_context = tracing.extract(context.invocation_metadata())
         try:
             async for response in self._generate(engine, entry, request, public, context):
                 yield response
