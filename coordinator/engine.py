@@ -192,7 +192,7 @@ class Engine:
         state, timer = None, None
         try:
             if params.sampling.grammar and self.state in (EngineState.SERVING, EngineState.RESUMED):
-                await entry.unless_aborted(prepare_grammar(self.workers, params.sampling.grammar, deadline, timeout_s))
+                await entry.unless_aborted(prepare_grammar(self.workers, params.sampling.grammar, deadline, timeout_s, entry))
             if entry.aborted:
                 raise RequestAborted(entry.request_id)
             state = self._add(params, self.stream_interval if stream_interval is None else stream_interval, entry)

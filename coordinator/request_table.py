@@ -70,6 +70,9 @@ class RequestEntry:
         trace_context: the caller's W3C trace context (``traceparent``) when tracing is on
             (coordinator/tracing.py); None otherwise.
         traced_samples: the ids of the samples whose spans were written (each once).
+        validated_s: when its validation ended (tokenization, chat template, the coordinator's
+            grammar compilation); None before.
+        grammar_s: when rank 0 began and ended building its grammar; None without one.
     """
 
     request_id: str
@@ -80,6 +83,8 @@ class RequestEntry:
     num_reserved: int = 0
     received_s: float = field(default_factory=time.monotonic)
     trace_context: object = None
+    validated_s: float | None = None
+    grammar_s: tuple[float, float] | None = None
     traced_samples: set[int] | None = None  # made by the first span written: nothing per request when off
     _abort_waiter: asyncio.Future | None = None  # set when aborted; made only once something waits
 

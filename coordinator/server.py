@@ -10,6 +10,7 @@ aborts the request in the engine (its blocks are freed). No torch.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -67,7 +68,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.chat_renderer = ChatRenderPool()
         self.replica = replica_name(model_info.model_name)  # in every response's timings
 
-    async def _validate(self, request: pb.GenerateRequest, tenant: str) -> GenerateParams:
+    async def _validate(self, request: pb.GenerateRequest, entry: RequestEntry) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
         tokenize, which on the event loop would freeze every stream and health check; a
         grammar compiles in a child process, the thread waiting at most its time limit.
@@ -78,8 +79,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             prompt = prepare_chat(self.tokenizer, chat_messages(request))
             chat = (prompt, await self.chat_renderer.render(self.tokenizer.chat_template, prompt.messages,
                                                             self.tokenizer.special_tokens_map))
-        return await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
-                                       self.model_info.max_model_len, tenant, chat, self.grammars)
+        params = await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
+                                         self.model_info.max_model_len, entry.tenant, chat, self.grammars)
+        entry.validated_s = time.monotonic()  # the trace's validate span ends here
+        return params
 
     def is_operator(self, context: grpc.aio.ServicerContext) -> bool:
         """Whether the caller holds the operator role (always, without API keys)."""
@@ -117,7 +120,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         prompt_logprobs: list[pb.TokenLogprob] = []
         try:
             try:
-                params = await entry.unless_aborted(self._validate(request, entry.tenant))
+                params = await entry.unless_aborted(self._validate(request, entry))
             except RequestAborted:  # an Abort while it was validated
                 last = stamp_timings(aborted_output(entry.request_id, 0), entry, None)
             else:  # UNARY: the engine wakes this handler once, at the end, with every token merged.
@@ -144,7 +147,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         write = context.write
         try:
             try:
-                params = await entry.unless_aborted(self._validate(request, entry.tenant))
+                params = await entry.unless_aborted(self._validate(request, entry))
             except RequestAborted:  # an Abort while it was validated: every sample ends now
                 for index in range(n):
                     await write(_stream_response(stamp_timings(aborted_output(entry.request_id, 0), entry, None),

@@ -7,11 +7,18 @@ smg gateway and the tpserve client send) is taken at receipt, and when a sample 
 its spans are written at once from the instants the engine noted anyway
 (coordinator/request_timeline.py), with their real start and end times:
 
-    tpserve.request            received -> last output; events first_token, finish
+    tpserve.request            received -> last output; events first_token, step, finish
       tpserve.queue            received -> first admitted
+        tpserve.validate       received -> validated (tokenization, chat template, grammar compile)
+        tpserve.grammar        rank 0 building a response_format's grammar (with one)
       tpserve.prefill          first admitted -> first token
       tpserve.preemption       preempted -> re-admitted (one per preemption)
       tpserve.decode           first token -> last output
+
+Every :data:`STEP_SAMPLE_INTERVAL`-th engine step's timings (its duration, rank 0's execute
+time, its tokens: what ``Metrics.observe_step`` records anyway) are kept while tracing is on
+(:func:`sample_steps`) and become ``step`` events on the request spans of the requests that
+were admitted when the step ended.
 
 A stream moved to another replica (tpserve/stream_move.py) continues with the same
 ``traceparent``, so both replicas' request spans share one trace and one parent.
@@ -22,11 +29,14 @@ The SDK and the OTLP exporter are the ``tracing`` extra; they are imported only 
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from coordinator.metrics import Metrics
     from coordinator.request_output import RequestOutput
     from coordinator.request_table import RequestEntry
     from coordinator.request_timeline import RequestTimings
@@ -35,6 +45,10 @@ INSTALL_HINT = "--otlp-traces-endpoint needs the tracing extra: pip install 'tps
 
 _tracer: Any = None  # an opentelemetry Tracer while tracing is on
 _provider: Any = None
+#: Every this many engine steps, one step's timings are kept for the request spans.
+STEP_SAMPLE_INTERVAL = 16
+#: The sampled steps, oldest first: (time.monotonic() at its end, tokens, duration s, rank 0's execute s).
+_steps: deque[tuple[float, int, float, float]] = deque(maxlen=4096)
 
 
 class TracingUnavailableError(RuntimeError):
@@ -65,6 +79,7 @@ def configure(endpoint: str | None, service_name: str, exporter: Any = None) -> 
     else:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     _provider, _tracer = provider, provider.get_tracer("tpserve")
+    _steps.clear()
 
 
 def shutdown() -> None:
@@ -73,6 +88,24 @@ def shutdown() -> None:
     if _provider is not None:
         _provider.shutdown()
     _tracer = _provider = None
+
+
+def sample_steps(metrics: Metrics, every: int = STEP_SAMPLE_INTERVAL) -> None:
+    """Keeps every ``every``-th step that ``metrics.observe_step`` records for the request spans
+    (:func:`record_request`). Called once at start-up, only with tracing on: off, the step path
+    is untouched."""
+    observe = metrics.observe_step
+    count = 0
+
+    def observe_step(num_tokens: int, duration_s: float, model_execute_s: float, worker_wait_s: float | None,
+                     received: float, done: float) -> None:
+        nonlocal count
+        observe(num_tokens, duration_s, model_execute_s, worker_wait_s, received, done)
+        count += 1
+        if count % every == 0:
+            _steps.append((time.monotonic(), num_tokens, duration_s, model_execute_s))
+
+    setattr(metrics, "observe_step", observe_step)  # noqa: B010 - an instance's method replaced
 
 
 def enabled() -> bool:
@@ -133,16 +166,25 @@ def _record(entry: RequestEntry, timings: RequestTimings, sample: object, finish
                              attributes=attributes, kind=trace.SpanKind.SERVER)
     child_context = trace.set_span_in_context(span)
 
-    def child(name: str, start: float, stop: float) -> None:
-        tracer.start_span(name, context=child_context, start_time=to_ns(start)).end(end_time=to_ns(stop))
+    def child(name: str, start: float, stop: float, parent: Any = child_context) -> Any:
+        span = tracer.start_span(name, context=parent, start_time=to_ns(start))
+        span.end(end_time=to_ns(stop))
+        return span
 
     admitted = timings.admitted_s if timings.admitted_s is not None else timings.finished_s
-    child("tpserve.queue", timings.received_s, admitted)
+    queue = child("tpserve.queue", timings.received_s, admitted)
+    in_queue = trace.set_span_in_context(queue)
+    if entry.validated_s is not None:  # tokenization, chat template, the coordinator's grammar compile
+        child("tpserve.validate", timings.received_s, min(entry.validated_s, admitted), in_queue)
+    if entry.grammar_s is not None:  # rank 0 building the grammar before the request is queued
+        child("tpserve.grammar", entry.grammar_s[0], min(entry.grammar_s[1], admitted), in_queue)
     if timings.admitted_s is not None:
         child("tpserve.prefill", timings.admitted_s, timings.first_token_s or timings.finished_s)
     for index, preempted in enumerate(timings.preempted_s):
         resumed = timings.resumed_s[index] if index < len(timings.resumed_s) else timings.finished_s
         child("tpserve.preemption", preempted, max(resumed, preempted))
+    if timings.admitted_s is not None:
+        _add_step_events(span, timings.admitted_s, timings.finished_s, to_ns)
     if timings.first_token_s is not None:
         span.add_event("first_token", timestamp=to_ns(timings.first_token_s))
         child("tpserve.decode", timings.first_token_s, timings.finished_s)
@@ -150,6 +192,17 @@ def _record(entry: RequestEntry, timings: RequestTimings, sample: object, finish
     if finish == "error":
         span.set_status(trace.StatusCode.ERROR, "ended without a last output (deadline, failure or cancel)")
     span.end(end_time=end)
+
+
+def _add_step_events(span: Any, start: float, stop: float, to_ns: Any) -> None:
+    """A ``step`` event for each sampled step that ended in [start, stop] (monotonic seconds)."""
+    steps = _steps
+    index = bisect.bisect_left(steps, (start,))
+    while index < len(steps) and steps[index][0] <= stop:
+        ended, num_tokens, duration_s, execute_s = steps[index]
+        span.add_event("step", {"tpserve.step.num_tokens": num_tokens, "tpserve.step.duration_s": duration_s,
+                                "tpserve.step.model_execute_time_s": execute_s}, timestamp=to_ns(ended))
+        index += 1
 
 
 def _clock_offset_ns() -> Any:

@@ -121,6 +121,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             params = await entry.unless_aborted(asyncio.to_thread(
                 validate_request, public, gen.tokenizer, gen.model_info.vocab_size, gen.model_info.max_model_len,
                 entry.tenant, None, gen.grammars))
+            entry.validated_s = time.monotonic()  # the trace's validate span ends here
         except RequestAborted:  # an Abort while it was validated: every sample ends now, with no token
             for index in range(n):
                 yield complete(aborted_output(entry.request_id, 0), [], [], [], [], 0, 0, index)

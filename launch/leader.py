@@ -88,6 +88,8 @@ class Leader:
                 raise StartupError(str(exc)) from None
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.metrics = Metrics()
+        if tracing.enabled():  # every 16th step's timings become events on the request spans
+            tracing.sample_steps(self.metrics)
         self.layout = GroupLayout(config.parallel.world_size, config.parallel.nnodes, 0)
         self.shutdown = Shutdown()
         self.public = PublicServer(config, self.model_dir, self.model_config, self.max_model_len, self.tokenizer,

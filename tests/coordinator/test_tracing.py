@@ -1,5 +1,5 @@
 """OpenTelemetry traces of requests (issue 48, part 2): one trace per request under the caller's
-``traceparent``, children in order, preemptions, a moved stream in one trace, and the refusal
+``traceparent``, children in order, sampled step events, preemptions, a moved stream in one trace, and the refusal
 of ``--otlp-traces-endpoint`` without the tracing extra.
 
 The spans go to the SDK's in-memory exporter (``tracing.configure(..., exporter=...)``); the
@@ -45,7 +45,9 @@ def by_name(spans, name: str) -> list:
 
 def test_a_request_with_a_traceparent_is_one_trace_of_ordered_children(exporter) -> None:
     async def main():
-        async with serving(make_engine(step_s=0.005)) as (stub, _):
+        engine = make_engine(step_s=0.005)
+        tracing.sample_steps(engine.metrics, every=2)  # as the leader does with tracing on (every 16th)
+        async with serving(engine) as (stub, _):
             return await timed_stream(stub, request("r1", 6), metadata=(("traceparent", TRACEPARENT),))
 
     messages, _ = asyncio.run(main())
@@ -55,20 +57,49 @@ def test_a_request_with_a_traceparent_is_one_trace_of_ordered_children(exporter)
     (root,) = by_name(spans, "tpserve.request")
     assert format(root.parent.span_id, "016x") == PARENT_ID and root.parent.is_remote
     assert root.kind is trace.SpanKind.SERVER
-    children = sorted((s for s in spans if s is not root), key=lambda s: s.start_time)
+    children = sorted((s for s in spans if s.parent.span_id == root.context.span_id), key=lambda s: s.start_time)
     assert [s.name for s in children] == ["tpserve.queue", "tpserve.prefill", "tpserve.decode"]
-    assert all(s.parent.span_id == root.context.span_id for s in children)
     queue, prefill, decode = children
+    (validate,) = [s for s in spans if s.parent.span_id == queue.context.span_id]
+    assert validate.name == "tpserve.validate" and validate.start_time == queue.start_time
+    assert validate.end_time <= queue.end_time and len(spans) == 5
     assert root.start_time == queue.start_time and queue.end_time == prefill.start_time
     assert prefill.end_time == decode.start_time and decode.end_time == root.end_time
-    assert [e.name for e in root.events] == ["first_token", "finish"]
-    assert root.events[0].timestamp == prefill.end_time and root.events[1].attributes["finish_reason"] == "length"
+    first_token, finish = (e for e in root.events if e.name != "step")
+    assert (first_token.name, finish.name) == ("first_token", "finish")
+    assert first_token.timestamp == prefill.end_time and finish.attributes["finish_reason"] == "length"
+    steps = [e for e in root.events if e.name == "step"]  # 6 steps (one prefill, five decodes): every 2nd
+    assert len(steps) == 3, [e.name for e in root.events]
+    assert all(prefill.start_time <= e.timestamp <= root.end_time for e in steps)
+    assert all(e.attributes["tpserve.step.num_tokens"] >= 1 and e.attributes["tpserve.step.duration_s"] > 0.004
+               for e in steps)
     assert root.attributes["gen_ai.request.id"] == "r1"
     assert root.attributes["gen_ai.usage.completion_tokens"] == 6
     assert root.attributes["gen_ai.latency.time_in_queue"] == timings.queue_time_s
     assert root.attributes["gen_ai.latency.time_to_first_token"] == timings.time_to_first_token_s
     assert (root.end_time - root.start_time) / 1e9 == pytest.approx(
         timings.queue_time_s + timings.prefill_time_s + timings.decode_time_s, abs=2e-6)
+
+
+def test_a_grammar_build_is_a_span_in_the_queue(exporter) -> None:
+    """A response_format request: rank 0 builds its grammar (30 ms here) after validation (which
+    compiled it on the coordinator) and before the queue ends: both are children of the queue span."""
+    async def main():
+        async with serving(make_engine(step_s=0.002, grammar_s=0.030)) as (stub, _):
+            req = request("g", 3)
+            req.sampling_params.ignore_eos = False  # refused with a grammar
+            req.sampling_params.response_format.choices.choices.extend(["yes", "no"])
+            await stub.Generate(req)
+
+    asyncio.run(main())
+    spans = exporter.get_finished_spans()
+    (queue,) = by_name(spans, "tpserve.queue")
+    (validate,) = by_name(spans, "tpserve.validate")
+    (grammar,) = by_name(spans, "tpserve.grammar")
+    assert validate.parent.span_id == queue.context.span_id == grammar.parent.span_id
+    assert queue.start_time == validate.start_time <= validate.end_time <= grammar.start_time
+    assert grammar.end_time <= queue.end_time
+    assert grammar.end_time - grammar.start_time >= 29_000_000  # ns
 
 
 def test_a_request_without_a_traceparent_starts_its_own_trace(exporter) -> None:
