@@ -8,7 +8,8 @@ process, for three arms in the same rounds, taking turns to go first:
 - ``baseline``: another checkout (``--baseline``, e.g. the commit before the timings);
 - ``off``: this checkout, tracing off (the default): the timings are on every last output;
 - ``on``: this checkout with every request traced (spans to the SDK's in-memory exporter
-  through a ``SimpleSpanProcessor``, so the export is inside the measurement too).
+  through a ``SimpleSpanProcessor``, so the export is inside the measurement too) and every
+  16th step's timings kept for the spans' ``step`` events, as the leader does.
 
 Tracing off must cost nothing per step or token: ``off`` / ``baseline`` should be within the
 host's noise (the spread of the rounds). ``on`` pays per request, not per token: about five
@@ -37,7 +38,7 @@ def measure_traced(num_streams: int, max_tokens: int) -> float:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from benchmarks.engine_cpu import measure
-    from coordinator import tracing
+    from coordinator import metrics, tracing
     from coordinator.request_table import RequestTable
 
     exporter = InMemorySpanExporter()
@@ -50,6 +51,13 @@ def measure_traced(num_streams: int, max_tokens: int) -> float:
         return entry
 
     RequestTable.open = traced_open  # type: ignore[method-assign]
+
+    class SampledMetrics(metrics.Metrics):  # as the leader's with tracing on: every 16th step kept
+        def __init__(self) -> None:
+            super().__init__()
+            tracing.sample_steps(self)
+
+    metrics.Metrics = SampledMetrics  # type: ignore[misc]
     per_token = measure(num_streams, max_tokens, 1)
     assert len(exporter.get_finished_spans()) >= 4 * (num_streams + 4), "every request traced"
     return per_token
