@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -181,3 +183,43 @@ def test_the_client_and_generate_json_expose_the_timings() -> None:
         "num_preemptions": 2, "cached_prompt_tokens": 16, "replica": "tiny@tpserve-0"}
     assert client_timings_of(pb.GenerateStreamResponse()) is None  # mid-stream, or an older server
     assert "timings" not in GenerateResult("r", "x", [5], "stop", Usage(3, 1)).to_json_dict()
+
+
+@contextlib.contextmanager
+def served_in_a_thread() -> Iterator[int]:
+    """A scripted engine's Generation service on its own event loop thread; yields its port."""
+    started, port = threading.Event(), []
+    loop = asyncio.new_event_loop()
+    stop = loop.create_future()
+
+    async def run() -> None:
+        async with serving(make_engine(step_s=0.002)) as (_, bound):
+            port.append(bound)
+            started.set()
+            await stop
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
+    thread.start()
+    assert started.wait(30), "the server did not start"
+    try:
+        yield port[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set_result, None)
+        thread.join(30)
+        loop.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_tpserve_generate_json_prints_the_timings(capsys, stream: bool) -> None:
+    from tpserve.cli import build_parser, run_client_command
+
+    with served_in_a_thread() as port:
+        argv = ["generate", "--target", f"127.0.0.1:{port}", "--json", "--max-tokens", "4", "--temperature", "0",
+                "--ignore-eos", *(["--stream"] if stream else []), "Once upon a time"]
+        assert run_client_command(build_parser().parse_args(argv)) == 0
+    timings = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["timings"]
+    assert set(timings) == {"queue_time_s", "prefill_time_s", "decode_time_s", "time_to_first_token_s",
+                            "num_preemptions", "cached_prompt_tokens", "replica"}
+    assert timings["replica"] == "tiny@tpserve-0" and timings["num_preemptions"] == 0
+    assert timings["decode_time_s"] >= 0.005  # 3 decode steps of 2 ms after the first token
+    assert timings["time_to_first_token_s"] == pytest.approx(timings["queue_time_s"] + timings["prefill_time_s"])
