@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -19,6 +20,9 @@ from coordinator.errors import DeadlineExceededError, ResourceExhaustedError, Tp
 from coordinator.scheduler import Scheduler
 from coordinator.validation import GenerateParams
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
+
+if TYPE_CHECKING:
+    from coordinator.request_table import RequestEntry
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +55,8 @@ def check_admissible(state: EngineState, reason: str | None, params: GeneratePar
             f"{scheduler.allocator.num_blocks * scheduler.block_size}")
 
 
-async def prepare_grammar(workers: WorkerGroup, grammar: str, deadline: float | None, timeout_s: float | None) -> None:
+async def prepare_grammar(workers: WorkerGroup, grammar: str, deadline: float | None, timeout_s: float | None,
+                          entry: RequestEntry | None = None) -> None:
     """Has rank 0 build a structured-output grammar before the request is scheduled, so
     that no step waits for it (issue 20, fault 3). The coordinator compiled it already,
     under its time limit (coordinator/grammar_compiler.py); if rank 0 cannot be asked, the
@@ -59,14 +64,18 @@ async def prepare_grammar(workers: WorkerGroup, grammar: str, deadline: float | 
 
     Args:
         deadline: the client's deadline (``time.monotonic()``), None for none; ``timeout_s``: its length.
+        entry: the request, whose ``grammar_s`` gets the build's start and end (its trace's grammar span).
 
     Raises:
         DeadlineExceededError: the client's deadline passed meanwhile.
         TpserveError: rank 0 refused a grammar the coordinator accepted (INTERNAL: a bug).
     """
-    remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    started = time.monotonic()
+    remaining = None if deadline is None else max(deadline - started, 0.0)
     try:
         await asyncio.wait_for(workers.prepare_grammar(grammar), remaining)
+        if entry is not None:
+            entry.grammar_s = (started, time.monotonic())
     except asyncio.TimeoutError:
         raise DeadlineExceededError(f"deadline of {timeout_s:.3f} s exceeded while rank 0 built the "
                                     "request's grammar") from None

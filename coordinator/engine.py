@@ -53,6 +53,7 @@ from coordinator.metrics import Metrics
 from coordinator.output_collector import RequestOutputCollector
 from coordinator.request_output import RequestOutput, aborted_output
 from coordinator.request_table import RequestAborted, RequestEntry, RequestTable
+from coordinator.request_timeline import stamp_timings
 from coordinator.micro_batches import run_micro_batches
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
@@ -176,9 +177,9 @@ class Engine:
         queued (while rank 0 built its grammar, or before an ``n`` > 1 request's sample
         started) gives one output, with no token and finish_reason ABORT.
 
-        Leaving the iteration early (the client cancelled) aborts the request and frees
-        its KV blocks. A structured-output request is queued once rank 0 has built its
-        grammar (coordinator/admission.py).
+        Leaving the iteration early (the client cancelled) aborts the request and frees its KV
+        blocks. A structured-output request is queued once rank 0 has built its grammar
+        (coordinator/admission.py); the last output carries the timings (request_timeline.py).
 
         Raises:
             UnavailableError: draining, or the worker group is down.
@@ -191,7 +192,7 @@ class Engine:
         state, timer = None, None
         try:
             if params.sampling.grammar and self.state in (EngineState.SERVING, EngineState.RESUMED):
-                await entry.unless_aborted(prepare_grammar(self.workers, params.sampling.grammar, deadline, timeout_s))
+                await entry.unless_aborted(prepare_grammar(self.workers, params.sampling.grammar, deadline, timeout_s, entry))
             if entry.aborted:
                 raise RequestAborted(entry.request_id)
             state = self._add(params, self.stream_interval if stream_interval is None else stream_interval, entry)
@@ -201,11 +202,11 @@ class Engine:
                 DeadlineExceededError(f"request {state.request_id}: deadline of {timeout_s:.3f} s exceeded"))
             while True:
                 output = await state.queue.get()  # raises the error put (deadline, failure)
-                yield output
+                yield output if output.finish_reason is None else stamp_timings(output, entry, state)
                 if output.finish_reason is not None:
                     return
         except RequestAborted:  # before it was queued: nothing of it ran
-            yield aborted_output(entry.request_id, len(params.prompt_token_ids))
+            yield stamp_timings(aborted_output(entry.request_id, len(params.prompt_token_ids)), entry, None)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -272,8 +273,7 @@ class Engine:
             return
         if not state.seq.is_finished:
             self.scheduler.finish(state.seq, FinishReason.ABORT)
-            log.info("request aborted", request_id=state.request_id)
-            # Cancelled, timed out or failed: counted like any finished request (issue 11, fault 13).
+            log.info("request aborted", request_id=state.request_id)  # counted as any finished (issue 11)
             self._observe_finished(state, time.monotonic(), FinishReason.ABORT)
         self._update_gauges()
 

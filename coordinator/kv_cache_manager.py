@@ -20,6 +20,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from typing import TYPE_CHECKING
 
@@ -96,6 +97,7 @@ class KVCacheManager:
             self.prefix_cache_hits += num_cached_tokens
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+        seq.admitted_s.append(time.monotonic())  # once per admission, not per step: the request's timings
         self.allocator.acquire(cached)
         seq.block_ids = list(cached)
         seq.num_computed_tokens = num_cached_tokens

@@ -8,9 +8,13 @@ engine. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from coordinator.logprobs import TokenLogprob
 from coordinator.sequence import FinishReason
+
+if TYPE_CHECKING:
+    from coordinator.request_timeline import RequestTimings
 
 
 @dataclass(slots=True)  # not frozen: a frozen slots dataclass's __init__ costs 4x (one per token; issue 26)
@@ -27,6 +31,8 @@ class RequestOutput:
         logprobs: one per entry of ``token_ids`` when the request asked for logprobs.
         prompt_logprobs: on the first output of a request that asked: one per prompt
             token from the second on.
+        timings: on the last output, where the sample's time went
+            (coordinator/request_timeline.py); None before.
     """
 
     request_id: str
@@ -38,6 +44,7 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    timings: RequestTimings | None = None
 
 
 def aborted_output(request_id: str, num_prompt_tokens: int) -> RequestOutput:

@@ -21,6 +21,7 @@ One event loop, no locks. No torch.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Collection
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import TypeVar
 from coordinator.errors import InvalidArgumentError, ResourceExhaustedError
 from coordinator.pushback import queue_full_pushback_ms
 from coordinator.sequence import Sequence
+from coordinator.request_timeline import trace_unfinished
 
 #: Most request ids one Abort may name. Above what a gateway's bulk abort of everything one
 #: worker holds needs (by default 1,024 waiting + 64 running requests: --max-queue-len,
@@ -65,6 +67,14 @@ class RequestEntry:
         samples: the engine's state of each sample it queued (queued or running, or finished
             while the handler still streams), in the order queued.
         num_reserved: queue places still held for samples not yet queued.
+        received_s: when it was received (``time.monotonic()``): where its timings start
+            (coordinator/request_timeline.py).
+        trace_context: the caller's W3C trace context (``traceparent``) when tracing is on
+            (coordinator/tracing.py); None otherwise.
+        traced_samples: the ids of the samples whose spans were written (each once).
+        validated_s: when its validation ended (tokenization, chat template, the coordinator's
+            grammar compilation); None before.
+        grammar_s: when rank 0 began and ended building its grammar; None without one.
     """
 
     request_id: str
@@ -73,6 +83,11 @@ class RequestEntry:
     aborted: bool = False
     samples: list = field(default_factory=list)
     num_reserved: int = 0
+    received_s: float = field(default_factory=time.monotonic)
+    trace_context: object = None
+    validated_s: float | None = None
+    grammar_s: tuple[float, float] | None = None
+    traced_samples: set[int] | None = None  # made by the first span written: nothing per request when off
     _abort_waiter: asyncio.Future | None = None  # set when aborted; made only once something waits
 
     async def unless_aborted(self, awaitable: Awaitable[T]) -> T:
@@ -130,6 +145,8 @@ class RequestTable:
     def close(self, entry: RequestEntry) -> None:
         """Forgets a request (its handler ended) and gives back the queue places it still held."""
         self._release(entry)
+        if entry.trace_context is not None:  # tracing on: a sample that failed still gets its span
+            trace_unfinished(entry)
         entries = self._by_id.get(entry.request_id)
         if entries is None:
             return

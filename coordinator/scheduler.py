@@ -205,7 +205,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
+        seq.note_preempted()  # and when: the request's timings and trace
         self.num_preemptions += 1
         self.priority.enqueue(self.waiting, seq)  # older than every waiting sequence of its rank: first among them
         if for_blocks and self.on_preempt is not None:

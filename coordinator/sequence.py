@@ -7,6 +7,7 @@ state of :mod:`coordinator.engine`. No torch.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from coordinator.spec_decode import AdaptiveSpeculation
@@ -79,6 +80,9 @@ class Sequence:
         admitted_at_output: its output length when it was last admitted (new, or resumed after
             a preemption): it is not preempted before its output grows (:mod:`coordinator.priority`);
             None before its first admission.
+        admitted_s: when it was admitted, each time (``time.monotonic()`` seconds): its first
+            admission, then one per resume after a preemption (coordinator/request_timeline.py).
+        preempted_s: when it was preempted for want of KV blocks, each time (same clock).
         num_continued_tokens: the output tokens it was created with: a continued stream's earlier
             output (the request's ``generated_token_ids``), which this server computes as prompt and
             did not generate: usage and the metrics count them as prompt tokens. Set at creation.
@@ -106,6 +110,8 @@ class Sequence:
     admitted_step: int = -1
     arrival_s: float | None = None
     admitted_at_output: int | None = None
+    admitted_s: list[float] = field(default_factory=list)
+    preempted_s: list[float] = field(default_factory=list)
     num_continued_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -155,6 +161,11 @@ class Sequence:
         if len(self.output_token_ids) >= self.stop.max_tokens or self.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def note_preempted(self) -> None:
+        """Counts a preemption for want of KV blocks (not per step: rare) and its time."""
+        self.num_preemptions += 1
+        self.preempted_s.append(time.monotonic())
 
     def is_stop_token(self, token_id: int) -> bool:
         """Whether ``token_id`` ends the sequence as a token (eos unless ignored, a stop id); it is not returned."""

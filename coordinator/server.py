@@ -10,6 +10,7 @@ aborts the request in the engine (its blocks are freed). No torch.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -20,6 +21,8 @@ from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
 from coordinator.request_output import aborted_output
 from coordinator.request_table import RequestAborted, RequestEntry, check_abort_ids
+from coordinator.request_timeline import RequestTimings, replica_name, stamp_timings
+from coordinator import tracing
 from coordinator.output_collector import UNARY
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
@@ -63,8 +66,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.keys = keys
         self.grammars = grammars
         self.chat_renderer = ChatRenderPool()
+        self.replica = replica_name(model_info.model_name)  # in every response's timings
 
-    async def _validate(self, request: pb.GenerateRequest, tenant: str) -> GenerateParams:
+    async def _validate(self, request: pb.GenerateRequest, entry: RequestEntry) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
         tokenize, which on the event loop would freeze every stream and health check; a
         grammar compiles in a child process, the thread waiting at most its time limit.
@@ -75,8 +79,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             prompt = prepare_chat(self.tokenizer, chat_messages(request))
             chat = (prompt, await self.chat_renderer.render(self.tokenizer.chat_template, prompt.messages,
                                                             self.tokenizer.special_tokens_map))
-        return await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
-                                       self.model_info.max_model_len, tenant, chat, self.grammars)
+        params = await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
+                                         self.model_info.max_model_len, entry.tenant, chat, self.grammars)
+        entry.validated_s = time.monotonic()  # the trace's validate span ends here
+        return params
 
     def is_operator(self, context: grpc.aio.ServicerContext) -> bool:
         """Whether the caller holds the operator role (always, without API keys)."""
@@ -98,7 +104,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         engine = self._check_loaded()
         check_priority(request.priority, self.is_operator(context))  # before the table: refused whole
         tenant = tenant_id(context.invocation_metadata()) if self.api_keys else ""
-        return engine, engine.requests.open(request.request_id, tenant, n)
+        entry = engine.requests.open(request.request_id, tenant, n)
+        if tracing.enabled():  # once per request; off: nothing
+            entry.trace_context = tracing.extract(context.invocation_metadata())
+        return engine, entry
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         if num_samples(request.sampling_params) > 1:
@@ -111,9 +120,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         prompt_logprobs: list[pb.TokenLogprob] = []
         try:
             try:
-                params = await entry.unless_aborted(self._validate(request, entry.tenant))
+                params = await entry.unless_aborted(self._validate(request, entry))
             except RequestAborted:  # an Abort while it was validated
-                last = aborted_output(entry.request_id, 0)
+                last = stamp_timings(aborted_output(entry.request_id, 0), entry, None)
             else:  # UNARY: the engine wakes this handler once, at the end, with every token merged.
                 async for output in engine.generate(params, context.time_remaining(), UNARY, entry):
                     text.append(output.text)
@@ -127,7 +136,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return pb.GenerateResponse(
             request_id=last.request_id, text="".join(text), token_ids=token_ids,
             finish_reason=_FINISH_REASON_TO_PB[last.finish_reason], usage=_usage(last), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, timings=timings_pb(last.timings, self.replica))
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Writes each output as a message with ``context.write`` (grpc.aio's reader-writer API):
@@ -138,19 +147,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         write = context.write
         try:
             try:
-                params = await entry.unless_aborted(self._validate(request, entry.tenant))
+                params = await entry.unless_aborted(self._validate(request, entry))
             except RequestAborted:  # an Abort while it was validated: every sample ends now
                 for index in range(n):
-                    await write(_stream_response(aborted_output(entry.request_id, 0), index))
+                    await write(_stream_response(stamp_timings(aborted_output(entry.request_id, 0), entry, None),
+                                                 index, self.replica))
                 return
             if n == 1:  # the common case: no task of generate_n's in between
                 async for output in engine.generate(params, context.time_remaining(), None, entry):
                     if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                        await write(_stream_response(output, 0))
+                        await write(_stream_response(output, 0, self.replica))
                 return
             async for index, output in generate_n(engine, params, n, context.time_remaining(), None, entry):
                 if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                    await write(_stream_response(output, index))  # else text held back and no token: nothing to send
+                    await write(_stream_response(output, index, self.replica))  # else text held back and no token: nothing to send
         finally:
             engine.requests.close(entry)
 
@@ -172,13 +182,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return self.model_info
 
 
-def _stream_response(output: RequestOutput, index: int) -> pb.GenerateStreamResponse:
-    """One stream message; only the fields that are set are filled (a message per token per stream)."""
+def _stream_response(output: RequestOutput, index: int, replica: str) -> pb.GenerateStreamResponse:
+    """One stream message; only the fields that are set are filled (a message per token per stream);
+    the last carries the timings, with ``replica``."""
     response = pb.GenerateStreamResponse(request_id=output.request_id, index=index, text=output.text,
                                          token_ids=output.token_ids)
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASON_TO_PB[output.finish_reason]
         response.usage.CopyFrom(_usage(output))
+        response.timings.CopyFrom(timings_pb(output.timings, replica))
     if output.logprobs:
         response.logprobs.extend(_logprobs(output))
     if output.prompt_logprobs:
@@ -195,3 +207,14 @@ def _logprobs(output: RequestOutput, prompt: bool = False) -> list[pb.TokenLogpr
 def _usage(output: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_completion_tokens,
                     cached_prompt_tokens=output.num_cached_prompt_tokens)
+
+
+def timings_pb(timings: RequestTimings | None, replica: str) -> pb.RequestTimings:
+    """``timings`` as the protocol's message (all zero but ``replica`` when None: a sample that
+    failed before the engine saw it)."""
+    if timings is None:
+        return pb.RequestTimings(replica=replica)
+    return pb.RequestTimings(
+        queue_time_s=timings.queue_time_s, prefill_time_s=timings.prefill_time_s, decode_time_s=timings.decode_time_s,
+        time_to_first_token_s=timings.time_to_first_token_s, num_preemptions=timings.num_preemptions,
+        cached_prompt_tokens=timings.cached_prompt_tokens, replica=replica)

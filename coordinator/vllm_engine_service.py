@@ -40,6 +40,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.cache_isolation import tenant_id
+from coordinator import tracing
 from coordinator.engine import Engine
 from coordinator.errors import UnavailableError
 from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
@@ -103,6 +104,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         n = max(request.sampling_params.n, 1)
         # Registered before validation: a gateway's Abort lands wherever the request is (request_table.py).
         entry = engine.requests.open(request.request_id, tenant, n)
+        if tracing.enabled():  # the gateway propagates the caller's traceparent
+            entry.trace_context = tracing.extract(context.invocation_metadata())
         try:
             async for response in self._generate(engine, entry, request, public, context):
                 yield response
@@ -118,6 +121,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             params = await entry.unless_aborted(asyncio.to_thread(
                 validate_request, public, gen.tokenizer, gen.model_info.vocab_size, gen.model_info.max_model_len,
                 entry.tenant, None, gen.grammars))
+            entry.validated_s = time.monotonic()  # the trace's validate span ends here
         except RequestAborted:  # an Abort while it was validated: every sample ends now, with no token
             for index in range(n):
                 yield complete(aborted_output(entry.request_id, 0), [], [], [], [], 0, 0, index)

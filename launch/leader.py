@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 
 from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_sequence
+from coordinator import tracing
 from coordinator.engine import Engine
 from coordinator.errors import TpserveError
 from coordinator.metrics import Metrics
@@ -80,8 +81,15 @@ class Leader:
             raise StartupError(f"--max-model-len {self.max_model_len} exceeds the model's longest context {model_len} "
                                f"(max_position_embeddings={self.model_config.max_position_embeddings}, "
                                "extended by dynamic or yarn RoPE scaling)")
+        if config.server.otlp_traces_endpoint:  # before the model loads: a missing extra fails at once
+            try:
+                tracing.configure(config.server.otlp_traces_endpoint, "tpserve")
+            except tracing.TracingUnavailableError as exc:
+                raise StartupError(str(exc)) from None
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.metrics = Metrics()
+        if tracing.enabled():  # every 16th step's timings become events on the request spans
+            tracing.sample_steps(self.metrics)
         self.layout = GroupLayout(config.parallel.world_size, config.parallel.nnodes, 0)
         self.shutdown = Shutdown()
         self.public = PublicServer(config, self.model_dir, self.model_config, self.max_model_len, self.tokenizer,
@@ -124,6 +132,7 @@ class Leader:
         finally:
             await self.shutdown.drain(self.public, self.engine, self.config.server.shutdown_grace_seconds,
                                       [engine_task, *self.recovery.tasks], self.launcher)
+            tracing.shutdown()  # the spans still batched go out
         return self.shutdown.exit_code
 
     async def _start_group(self) -> None:

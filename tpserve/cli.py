@@ -129,6 +129,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                               "while the public port is full (default: off)")),
         ("--stream-interval", dict(type=int, help="tokens a stream gathers per message (first and last go at once; "
                                                   "default 1: every step)")),
+        ("--otlp-traces-endpoint", dict(help="send each request's trace spans to this OTLP/gRPC collector, e.g. "
+                                             "http://localhost:4317 (needs the tracing extra; default: off)")),
     ],
 }
 

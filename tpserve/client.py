@@ -40,6 +40,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tpserve.grpc_metadata import metadata_interceptors
+from tpserve.results import Timings, Usage, timings_of
 from tpserve.sampling_fields import FIELDS, SamplingField
 from tpserve.service_config import LoadBalancingPolicy, RetryPolicy, channel_options
 from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove re-exported
@@ -94,16 +95,9 @@ FINISH_REASON_NAMES = {
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0  # of prompt_tokens, found in the server's prefix cache
-
-
-@dataclass(frozen=True, slots=True)
 class GenerateResult:
-    """A finished completion: text, token ids, "stop" | "length" | "abort", usage in tokens, and
-    (when asked for) one ``TokenLogprob`` per token id."""
+    """A finished completion: text, token ids, "stop" | "length" | "abort", usage in tokens, (when
+    asked for) one ``TokenLogprob`` per token id, and where its time went on the server (``timings``)."""
 
     request_id: str
     text: str
@@ -112,6 +106,7 @@ class GenerateResult:
     usage: Usage
     logprobs: tuple[pb.TokenLogprob, ...] = ()
     prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
+    timings: Timings | None = None  # None from a server older than RequestTimings
 
     def to_json_dict(self) -> dict:
         """The ``tpserve generate --json`` object."""
@@ -120,14 +115,14 @@ class GenerateResult:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.usage.prompt_tokens, "completion_tokens": self.usage.completion_tokens},
-        }
+            **({"timings": self.timings.to_json_dict()} if self.timings is not None else {})}
 
 
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
     """One message of a stream: the text and token ids generated since the previous one. The last
-    message carries ``finish_reason`` ("stop" | "length" | "abort") and ``usage``; before it they
-    are None. ``logprobs``: one ``TokenLogprob`` per token id, when asked for."""
+    message carries ``finish_reason`` ("stop" | "length" | "abort"), ``usage`` and ``timings``; before it
+    they are None. ``logprobs``: one ``TokenLogprob`` per token id, when asked for."""
 
     request_id: str
     text: str
@@ -137,6 +132,7 @@ class StreamChunk:
     logprobs: tuple[pb.TokenLogprob, ...] = ()
     prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
     index: int = 0  # the sample (with n > 1), in [0, n)
+    timings: Timings | None = None
 
 
 def _chunk(response: pb.GenerateStreamResponse) -> StreamChunk:
@@ -150,7 +146,8 @@ def _chunk(response: pb.GenerateStreamResponse) -> StreamChunk:
         finish_reason=FINISH_REASON_NAMES[response.finish_reason],
         usage=(Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
                      response.usage.cached_prompt_tokens) if response.HasField("usage") else None),
-        logprobs=tuple(response.logprobs), prompt_logprobs=tuple(response.prompt_logprobs), index=response.index)
+        logprobs=tuple(response.logprobs), prompt_logprobs=tuple(response.prompt_logprobs), index=response.index,
+        timings=timings_of(response))
 
 
 def _deadline(timeout_s: float | None) -> float | None:
@@ -393,7 +390,7 @@ def _result(response: pb.GenerateResponse) -> GenerateResult:
         finish_reason=FINISH_REASON_NAMES[response.finish_reason],
         usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
                     response.usage.cached_prompt_tokens), logprobs=tuple(response.logprobs),
-        prompt_logprobs=tuple(response.prompt_logprobs))
+        prompt_logprobs=tuple(response.prompt_logprobs), timings=timings_of(response))
 
 
 def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:
@@ -473,10 +470,10 @@ class Client:
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
         request = with_seed(build_request(prompt, **fields))
-        mover, deadline = StreamMover(request, self.move_policy), _deadline(timeout_s)
+        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
         while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
             try:
-                return _result(self.stub.Generate(request, timeout=_remaining_s(deadline), metadata=self._metadata))
+                return _result(self.stub.Generate(request, timeout=_remaining_s(deadline), metadata=mover.metadata))
             except grpc.RpcError as exc:
                 request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
                 time.sleep(backoff_s)
@@ -497,12 +494,12 @@ class Client:
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
         request = with_seed(build_request(prompt, **fields))
-        deadline = _deadline(timeout_s)
+        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
 
-        def start(req: pb.GenerateRequest, timeout: float | None):
-            return self.stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
+        def start(req: pb.GenerateRequest, timeout: float | None):  # a moved stream: the same traceparent
+            return self.stub.GenerateStream(req, timeout=timeout, metadata=mover.metadata)
 
-        return GenerateStream(start(request, timeout_s), StreamMover(request, self.move_policy), start, deadline)
+        return GenerateStream(start(request, timeout_s), mover, start, deadline)
 
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
         """Ends the caller's requests with these ids now, wherever they are (at most 4096 ids a call);
@@ -573,11 +570,10 @@ class AsyncClient:
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
         request = with_seed(build_request(prompt, **fields))
-        mover, deadline = StreamMover(request, self.move_policy), _deadline(timeout_s)
+        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
         while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
             try:
-                return _result(await self.stub.Generate(request, timeout=_remaining_s(deadline),
-                                                        metadata=self._metadata))
+                return _result(await self.stub.Generate(request, timeout=_remaining_s(deadline), metadata=mover.metadata))
             except grpc.RpcError as exc:
                 request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
                 await asyncio.sleep(backoff_s)
@@ -599,9 +595,9 @@ class AsyncClient:
             ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
         """
         request = with_seed(build_request(prompt, **fields))
-        deadline = _deadline(timeout_s)
+        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
 
-        def start(req: pb.GenerateRequest, timeout: float | None):
-            return self.stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
+        def start(req: pb.GenerateRequest, timeout: float | None):  # a moved stream: the same traceparent
+            return self.stub.GenerateStream(req, timeout=timeout, metadata=mover.metadata)
 
-        return AsyncGenerateStream(start(request, timeout_s), StreamMover(request, self.move_policy), start, deadline)
+        return AsyncGenerateStream(start(request, timeout_s), mover, start, deadline)

@@ -289,6 +289,9 @@ class ServerConfig(_Frozen):
             ``--stream-interval``); its first and last messages go at once. 1 sends every
             step's tokens; more: fewer messages, less coordinator CPU per token
             (coordinator/output_collector.py).
+        otlp_traces_endpoint: OTLP/gRPC collector to send each request's trace spans to
+            (vLLM's ``--otlp-traces-endpoint``; coordinator/tracing.py); None: no tracing, at
+            no cost. Needs the ``tracing`` extra.
     """
 
     host: str = "0.0.0.0"
@@ -310,6 +313,7 @@ class ServerConfig(_Frozen):
     handshake_timeout_seconds: float = Field(10.0, gt=0)
     max_connections: int | None = Field(None, ge=1, le=INT32_MAX)
     health_port: int | None = Field(None, ge=0, le=65535)
+    otlp_traces_endpoint: str | None = None
 
     @model_validator(mode="after")
     def _check_tls(self) -> ServerConfig:

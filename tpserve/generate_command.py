@@ -199,7 +199,7 @@ def run_generate(args: argparse.Namespace, sampling: dict, reporter: MoveReporte
                 last = chunk
             assert last is not None, "a stream ends with a message carrying its finish_reason"
             result = GenerateResult(last.request_id, "".join(text), token_ids, last.finish_reason, last.usage,
-                                    tuple(logprobs))
+                                    tuple(logprobs), timings=last.timings)
     return result
 
 

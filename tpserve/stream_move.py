@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,8 +108,10 @@ class StreamMover:
     or a first attempt that reached no address of the target at all).
     """
 
-    def __init__(self, request: pb.GenerateRequest, policy: MovePolicy) -> None:
+    def __init__(self, request: pb.GenerateRequest, policy: MovePolicy,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.request = request
+        self.metadata = trace_metadata(metadata)  # every attempt's call metadata: one trace follows the stream
         self.policy = policy
         self.tokens: list[int] = []
         self.moves = 0
@@ -156,3 +159,18 @@ class StreamMover:
         request.generated_token_ids.extend(self.tokens)
         self._num_continued = len(self.tokens)
         return request, backoff
+
+
+def trace_metadata(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """``metadata`` plus the caller's current OpenTelemetry trace context (``traceparent``,
+    ``tracestate``) when the caller uses OpenTelemetry (imported it); ``metadata`` itself
+    otherwise. Taken once per request: a stream that moves to another replica
+    (:mod:`tpserve.stream_move`) sends the same ``traceparent`` again, so one trace follows it."""
+    if "opentelemetry.trace" not in sys.modules:  # the caller does not trace: nothing to do, nothing imported
+        return metadata
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    extra = tuple((key, value) for key, value in carrier.items() if key in ("traceparent", "tracestate"))
+    return metadata + extra if extra else metadata

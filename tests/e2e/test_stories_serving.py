@@ -239,8 +239,11 @@ def test_cli_generate_json_prints_the_golden(cluster) -> None:
         [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
          "--max-tokens", "64", "--json", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
     printed = json.loads(out.stdout)
+    timings = printed.pop("timings")  # where the request's time went (issue 48)
     assert printed == {"text": golden["text"], "token_ids": golden["completion_token_ids"], "finish_reason": "length",
                        "usage": {"prompt_tokens": 5, "completion_tokens": 64}}
+    assert timings["decode_time_s"] > 0 and timings["prefill_time_s"] > 0 and timings["num_preemptions"] == 0
+    assert timings["replica"].startswith("stories260k@")
     streamed = subprocess.run(
         [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
          "--max-tokens", "64", "--stream", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
