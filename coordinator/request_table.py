@@ -29,8 +29,8 @@ from typing import TypeVar
 
 from coordinator.errors import InvalidArgumentError, ResourceExhaustedError
 from coordinator.pushback import queue_full_pushback_ms
-from coordinator.sequence import Sequence
 from coordinator.request_timeline import trace_unfinished
+from coordinator.sequence import Sequence
 
 #: Most request ids one Abort may name. Above what a gateway's bulk abort of everything one
 #: worker holds needs (by default 1,024 waiting + 64 running requests: --max-queue-len,
