@@ -49,6 +49,8 @@ class RequestTimings:
         received_s, admitted_s, first_token_s, finished_s: the instants themselves
             (``time.monotonic()``; admitted_s and first_token_s are None when it never got there).
         preempted_s, resumed_s: each preemption's instant, and each re-admission's after one.
+        prefill_chunks: each prefill chunk's end and the positions ``[start, end)`` it computed
+            (:attr:`Sequence.prefill_chunks_s`), recomputes after a preemption included.
     """
 
     queue_time_s: float
@@ -63,6 +65,7 @@ class RequestTimings:
     finished_s: float
     preempted_s: tuple[float, ...] = ()
     resumed_s: tuple[float, ...] = ()
+    prefill_chunks: tuple[tuple[float, int, int], ...] = ()
 
     @property
     def e2e_time_s(self) -> float:
@@ -89,7 +92,8 @@ def timings_of(received_s: float, seq: Sequence | None, first_token_s: float | N
         cached_prompt_tokens=0 if seq is None else seq.num_cached_prompt_tokens or 0,
         received_s=received_s, admitted_s=admitted, first_token_s=first, finished_s=now,
         preempted_s=() if seq is None else tuple(seq.preempted_s),
-        resumed_s=() if seq is None else tuple(seq.admitted_s[1:]))
+        resumed_s=() if seq is None else tuple(seq.admitted_s[1:]),
+        prefill_chunks=() if seq is None else tuple(seq.prefill_chunks_s))
 
 
 def stamp_timings(output: RequestOutput, entry: RequestEntry, state: SampleState | None) -> RequestOutput:

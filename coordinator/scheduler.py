@@ -378,8 +378,7 @@ class Scheduler:
             # gone further); the cache registers blocks only up to the tokens known now.
             num_computed = chunk.start_position + len(chunk.token_ids)
             self.kv_cache.cache_full_blocks(seq, num_computed, chunk.start_position)
-            if num_computed > seq.num_computed_tokens:
-                seq.num_computed_tokens = num_computed
+            seq.note_computed(chunk.start_position, num_computed)
             if token_id is None:
                 continue
             if seq.num_pending_tokens:

@@ -83,6 +83,9 @@ class Sequence:
         admitted_s: when it was admitted, each time (``time.monotonic()`` seconds): its first
             admission, then one per resume after a preemption (coordinator/request_timeline.py).
         preempted_s: when it was preempted for want of KV blocks, each time (same clock).
+        prefill_chunks_s: each prefill chunk's end and the positions it computed:
+            ``(time.monotonic(), start, end)``, one per prefill step (not per token; decode
+            steps add nothing): the request's trace has a span per chunk.
         num_continued_tokens: the output tokens it was created with: a continued stream's earlier
             output (the request's ``generated_token_ids``), which this server computes as prompt and
             did not generate: usage and the metrics count them as prompt tokens. Set at creation.
@@ -112,6 +115,7 @@ class Sequence:
     admitted_at_output: int | None = None
     admitted_s: list[float] = field(default_factory=list)
     preempted_s: list[float] = field(default_factory=list)
+    prefill_chunks_s: list[tuple[float, int, int]] = field(default_factory=list)
     num_continued_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -161,6 +165,16 @@ class Sequence:
         if len(self.output_token_ids) >= self.stop.max_tokens or self.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def note_computed(self, start: int, num_computed: int) -> None:
+        """A step computed positions ``[start, num_computed)``. Async scheduling may have counted them
+        when it planned (and later plans gone further), so the count only grows. A prefill chunk's end
+        is noted (more than one position, or a prompt position): decode steps pass one position past
+        the prompt and note nothing."""
+        if num_computed > self.num_computed_tokens:
+            self.num_computed_tokens = num_computed
+        if num_computed - start > 1 or num_computed <= self.num_prompt_tokens:
+            self.prefill_chunks_s.append((time.monotonic(), start, num_computed))
 
     def note_preempted(self) -> None:
         """Counts a preemption for want of KV blocks (not per step: rare) and its time."""

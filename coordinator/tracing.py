@@ -12,6 +12,8 @@ its spans are written at once from the instants the engine noted anyway
         tpserve.validate       received -> validated (tokenization, chat template, grammar compile)
         tpserve.grammar        rank 0 building a response_format's grammar (with one)
       tpserve.prefill          first admitted -> first token
+      tpserve.prefill_chunk    one per prefill step: the previous chunk's end (or the admission) ->
+                               its end, with the positions it computed (recomputes included)
       tpserve.preemption       preempted -> re-admitted (one per preemption)
       tpserve.decode           first token -> last output
 
@@ -166,8 +168,8 @@ def _record(entry: RequestEntry, timings: RequestTimings, sample: object, finish
                              attributes=attributes, kind=trace.SpanKind.SERVER)
     child_context = trace.set_span_in_context(span)
 
-    def child(name: str, start: float, stop: float, parent: Any = child_context) -> Any:
-        span = tracer.start_span(name, context=parent, start_time=to_ns(start))
+    def child(name: str, start: float, stop: float, parent: Any = child_context, attributes: Any = None) -> Any:
+        span = tracer.start_span(name, context=parent, start_time=to_ns(start), attributes=attributes)
         span.end(end_time=to_ns(stop))
         return span
 
@@ -180,6 +182,7 @@ def _record(entry: RequestEntry, timings: RequestTimings, sample: object, finish
         child("tpserve.grammar", entry.grammar_s[0], min(entry.grammar_s[1], admitted), in_queue)
     if timings.admitted_s is not None:
         child("tpserve.prefill", timings.admitted_s, timings.first_token_s or timings.finished_s)
+    _add_chunk_spans(timings, child)
     for index, preempted in enumerate(timings.preempted_s):
         resumed = timings.resumed_s[index] if index < len(timings.resumed_s) else timings.finished_s
         child("tpserve.preemption", preempted, max(resumed, preempted))
@@ -192,6 +195,21 @@ def _record(entry: RequestEntry, timings: RequestTimings, sample: object, finish
     if finish == "error":
         span.set_status(trace.StatusCode.ERROR, "ended without a last output (deadline, failure or cancel)")
     span.end(end_time=end)
+
+
+def _add_chunk_spans(timings: RequestTimings, child: Any) -> None:
+    """A ``tpserve.prefill_chunk`` span per prefill step of the sample: from the later of the
+    previous chunk's end and the last admission before this chunk, to this chunk's end, with the
+    prompt positions it computed (``tpserve.chunk.start``, ``tpserve.chunk.num_tokens``)."""
+    admissions = [a for a in (timings.admitted_s, *timings.resumed_s) if a is not None]
+    previous_end = None
+    for end, start_position, end_position in timings.prefill_chunks:
+        admitted = max((a for a in admissions if a <= end), default=end)
+        start = admitted if previous_end is None else max(previous_end, admitted)
+        child("tpserve.prefill_chunk", start, max(end, start),
+              attributes={"tpserve.chunk.start": start_position,
+                          "tpserve.chunk.num_tokens": end_position - start_position})
+        previous_end = end
 
 
 def _add_step_events(span: Any, start: float, stop: float, to_ns: Any) -> None:

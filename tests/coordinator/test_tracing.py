@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from coordinator import tracing
 from coordinator.errors import UnavailableError
-from tests.coordinator.test_request_timings import make_engine, request, serving, timed_stream
+from tests.coordinator.test_request_timings import PROMPT, make_engine, request, serving, timed_stream
 from tests.e2e.cluster import free_port
 from tests.paths import REPO_ROOT
 from tpserve.client import AsyncClient
@@ -58,11 +58,15 @@ def test_a_request_with_a_traceparent_is_one_trace_of_ordered_children(exporter)
     assert format(root.parent.span_id, "016x") == PARENT_ID and root.parent.is_remote
     assert root.kind is trace.SpanKind.SERVER
     children = sorted((s for s in spans if s.parent.span_id == root.context.span_id), key=lambda s: s.start_time)
+    (chunk,) = [s for s in children if s.name == "tpserve.prefill_chunk"]  # the prompt fits one step
+    children.remove(chunk)
     assert [s.name for s in children] == ["tpserve.queue", "tpserve.prefill", "tpserve.decode"]
     queue, prefill, decode = children
+    assert chunk.start_time == prefill.start_time and chunk.end_time <= prefill.end_time
+    assert dict(chunk.attributes) == {"tpserve.chunk.start": 0, "tpserve.chunk.num_tokens": len(PROMPT)}
     (validate,) = [s for s in spans if s.parent.span_id == queue.context.span_id]
     assert validate.name == "tpserve.validate" and validate.start_time == queue.start_time
-    assert validate.end_time <= queue.end_time and len(spans) == 5
+    assert validate.end_time <= queue.end_time and len(spans) == 6
     assert root.start_time == queue.start_time and queue.end_time == prefill.start_time
     assert prefill.end_time == decode.start_time and decode.end_time == root.end_time
     first_token, finish = (e for e in root.events if e.name != "step")
@@ -180,3 +184,25 @@ def test_configure_without_the_extra_raises_the_install_hint(monkeypatch) -> Non
         tracing.configure("http://127.0.0.1:4317", "tpserve")
     assert not tracing.enabled()
 
+
+
+def test_a_chunked_prefill_is_a_span_per_chunk(exporter) -> None:
+    """A prompt longer than the step's token budget (256) is computed in chunks: one span each, in
+    order, back to back, covering the prompt's positions once."""
+    prompt = [(7 * i) % 500 + 3 for i in range(600)]
+
+    async def main():
+        engine = make_engine(step_s=0.002)
+        async with serving(engine) as (stub, _):
+            return await timed_stream(stub, request("long", 3, prompt), metadata=(("traceparent", TRACEPARENT),))
+
+    asyncio.run(main())
+    spans = exporter.get_finished_spans()
+    (root,) = by_name(spans, "tpserve.request")
+    (prefill,) = by_name(spans, "tpserve.prefill")
+    chunks = sorted(by_name(spans, "tpserve.prefill_chunk"), key=lambda s: s.start_time)
+    assert [(c.attributes["tpserve.chunk.start"], c.attributes["tpserve.chunk.num_tokens"]) for c in chunks] == \
+        [(0, 256), (256, 256), (512, 88)]
+    assert all(c.parent.span_id == root.context.span_id for c in chunks)
+    assert chunks[0].start_time == prefill.start_time and chunks[-1].end_time <= prefill.end_time
+    assert all(a.end_time == b.start_time for a, b in zip(chunks, chunks[1:]))  # back to back
