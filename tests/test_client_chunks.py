@@ -1,5 +1,5 @@
-"""A stream message as the client hands it over (tpserve/client.py ``_chunk``): the usual one
-mid-stream and the last one, with every field the message carries."""
+"""A stream message as the client hands it over (tpserve/results.py ``chunk_of``, still ``_chunk`` in
+tpserve.client): the usual one mid-stream and the last one, with every field the message carries."""
 
 from __future__ import annotations
 

@@ -27,25 +27,28 @@ turns them off). So that it can, a request without a seed gets one from the clie
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import json
-import os
-import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from tpserve.grpc_metadata import metadata_interceptors
-from tpserve.results import Timings, Usage, timings_of
-from tpserve.sampling_fields import FIELDS, SamplingField
+from tpserve.client_calls import Calls, run_async, run_blocking
+from tpserve.client_streams import AsyncGenerateStream, GenerateStream
+from tpserve.credentials import Credentials
+from tpserve.request_builder import Prompt, build_request, request_keywords
+from tpserve.results import FINISH_REASON_NAMES, GenerateResult, StreamChunk, Timings, Usage, chunk_of
 from tpserve.service_config import LoadBalancingPolicy, RetryPolicy, channel_options
-from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed  # noqa: F401 - StreamMove re-exported
+from tpserve.stream_move import MovePolicy, StreamMove
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
+
+# What callers import from here, wherever it is defined.
+__all__ = ["DEFAULT_PORT", "FINISH_REASON_NAMES", "AsyncClient", "AsyncGenerateStream", "Client", "Credentials",
+           "GenerateResult", "GenerateStream", "MovePolicy", "Prompt", "RetryPolicy", "StreamChunk", "StreamMove",
+           "Timings", "Usage", "build_request", "describe_rpc_error", "request_keywords", "with_default_port"]
+
+_chunk = chunk_of  # the name tests/test_client_chunks.py and older callers know
 
 DEFAULT_PORT = 50051  # tpserve serve's --port
 
@@ -86,318 +89,39 @@ def describe_rpc_error(exc: grpc.RpcError, target: str, tls: bool = False) -> st
         return f"{line} -- the call took longer than its deadline (--timeout)"
     return line
 
-FINISH_REASON_NAMES = {
-    pb.FINISH_REASON_UNSPECIFIED: None,
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-@dataclass(frozen=True, slots=True)
-class GenerateResult:
-    """A finished completion: text, token ids, "stop" | "length" | "abort", usage in tokens, (when
-    asked for) one ``TokenLogprob`` per token id, and where its time went on the server (``timings``)."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    usage: Usage
-    logprobs: tuple[pb.TokenLogprob, ...] = ()
-    prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
-    timings: Timings | None = None  # None from a server older than RequestTimings
-
-    def to_json_dict(self) -> dict:
-        """The ``tpserve generate --json`` object."""
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": self.usage.prompt_tokens, "completion_tokens": self.usage.completion_tokens},
-            **({"timings": self.timings.to_json_dict()} if self.timings is not None else {})}
+def _doc_of(plan: Callable[..., Any]) -> Callable[[F], F]:
+    """Gives a client method its plan's docstring (tpserve/client_calls.py), written once for both clients."""
+    def give(method: F) -> F:
+        method.__doc__ = plan.__doc__
+        return method
+    return give
 
 
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
-    """One message of a stream: the text and token ids generated since the previous one. The last
-    message carries ``finish_reason`` ("stop" | "length" | "abort"), ``usage`` and ``timings``; before it
-    they are None. ``logprobs``: one ``TokenLogprob`` per token id, when asked for."""
+class _ClientBase:
+    """The channel, stubs and :class:`Calls` of a client; ``channel`` is blocking or asyncio."""
 
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    logprobs: tuple[pb.TokenLogprob, ...] = ()
-    prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
-    index: int = 0  # the sample (with n > 1), in [0, n)
-    timings: Timings | None = None
-
-
-def _chunk(response: pb.GenerateStreamResponse) -> StreamChunk:
-    """One message as a StreamChunk: a message per token per stream, so the usual one (mid-stream, no
-    logprobs) skips the fields it does not carry (2.6 -> 1.8 µs); usage comes only with a finish reason."""
-    if not response.finish_reason and not response.logprobs and not response.prompt_logprobs:
-        return StreamChunk(response.request_id, response.text, list(response.token_ids), None, None, (), (),
-                           response.index)
-    return StreamChunk(
-        request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
-        finish_reason=FINISH_REASON_NAMES[response.finish_reason],
-        usage=(Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
-                     response.usage.cached_prompt_tokens) if response.HasField("usage") else None),
-        logprobs=tuple(response.logprobs), prompt_logprobs=tuple(response.prompt_logprobs), index=response.index,
-        timings=timings_of(response))
-
-
-def _deadline(timeout_s: float | None) -> float | None:
-    """The monotonic time ``timeout_s`` seconds from now (None: no deadline)."""
-    return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-def _remaining_s(deadline: float | None) -> float | None:
-    """Seconds left until a monotonic ``deadline`` (None: no deadline); at least 1 ms, so that an
-    attempt past the deadline ends with the server's DEADLINE_EXCEEDED."""
-    return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-
-
-class GenerateStream:
-    """The :class:`StreamChunk` s of a ``GenerateStream`` call, in order. ``cancel()`` cancels the RPC (the
-    server frees the request's KV blocks); the call's other methods (``code()``, ``details()``, ...)
-    are reachable here too (on the current attempt's call, after a move). Iterating raises
-    ``grpc.RpcError`` if the call fails and cannot move to another replica (:mod:`tpserve.stream_move`)."""
-
-    def __init__(self, call, mover: StreamMover | None = None, start=None, deadline: float | None = None) -> None:
-        self._call = call
-        self._mover = mover
-        self._start = start  # (request, timeout_s) -> a new call, for a move
-        self._deadline = deadline
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        return self
-
-    def __next__(self) -> StreamChunk:
-        while True:
-            try:
-                message = next(self._call)
-            except grpc.RpcError as exc:
-                if self._mover is None:
-                    raise
-                request, backoff_s = self._mover.next_request(exc)  # raises exc when it cannot move
-                time.sleep(backoff_s)
-                self._call = self._start(request, _remaining_s(self._deadline))
-                continue
-            return _chunk(self._mover.delivered(message) if self._mover else message)
-
-    def __getattr__(self, name: str):
-        return getattr(self._call, name)
-
-
-class AsyncGenerateStream:
-    """:class:`GenerateStream` for :class:`AsyncClient`: ``async for chunk in stream``."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, mover: StreamMover | None = None, start=None,
-                 deadline: float | None = None) -> None:
-        self._call = call
-        self._mover = mover
-        self._start = start  # (request, timeout_s) -> a new call, for a move
-        self._deadline = deadline
-
-    async def _chunks(self) -> AsyncIterator[StreamChunk]:
-        while True:
-            try:
-                async for response in self._call:
-                    yield _chunk(self._mover.delivered(response) if self._mover else response)
-                return
-            except grpc.RpcError as exc:
-                if self._mover is None:
-                    raise
-                request, backoff_s = self._mover.next_request(exc)  # raises exc when it cannot move
-                await asyncio.sleep(backoff_s)
-                self._call = self._start(request, _remaining_s(self._deadline))
-
-    def __aiter__(self) -> AsyncIterator[StreamChunk]:
-        return self._chunks()
-
-    def __getattr__(self, name: str):
-        return getattr(self._call, name)
-
-
-Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
-
-
-def _annotation(spec: SamplingField) -> object:
-    """The client keyword's type: an unset scalar is None (the server's default)."""
-    if spec.type is list:
-        return Sequence[spec.items]
-    if spec.type is dict:
-        return Mapping[spec.items[0], spec.items[1]] | None
-    return bool if spec.type is bool else spec.type | None
-
-
-def _client_default(spec: SamplingField) -> object:
-    return {list: (), dict: None, bool: False}.get(spec.type)
-
-
-#: build_request's keywords: every field of the sampling table (tpserve/sampling_fields.py), then the rest.
-_REQUEST_KEYWORDS = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=_client_default(spec),
-                                       annotation=_annotation(spec)) for spec in FIELDS] + [
-    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-    for name, annotation, default in (
-        ("json_schema", str | Mapping | None, None), ("regex", str | None, None),
-        ("choices", Sequence[str] | None, None), ("cache_salt", str | None, None), ("priority", int, 0),
-        ("request_id", str, ""))]
-_PROMPT = inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Prompt)
-_KEYWORD_DOCS = "\n".join(f"    {spec.name}: {spec.help}" for spec in FIELDS)
-
-
-def request_keywords(function):
-    """Gives ``function(self?, prompt, *, timeout_s?, **fields)`` the signature of :func:`build_request`'s
-    keywords (shown by ``help()`` and ``inspect.signature``) and their meanings in its docstring."""
-    signature = inspect.signature(function)
-    head = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    tail = [p for p in head if p.kind is inspect.Parameter.KEYWORD_ONLY]  # timeout_s
-    head = [p for p in head if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    function.__signature__ = signature.replace(parameters=[*head, *_REQUEST_KEYWORDS, *tail])
-    doc = (function.__doc__ or "").rstrip()
-    indent = " " * min((len(line) - len(line.lstrip()) for line in doc.splitlines()[1:] if line.strip()), default=4)
-    function.__doc__ = f"{doc}\n\n{indent}Sampling keywords (None: the server's default):\n" + \
-        "\n".join(indent + line for line in _KEYWORD_DOCS.splitlines()) + "\n"
-    return function
-
-
-@request_keywords
-def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
-    """A GenerateRequest from Python values; None leaves a field unset (the server's default).
-
-    A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
-    ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
-    model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
-    from those of requests without the same salt. The fields' meanings and ranges:
-    proto/tpserve/v1/generate.proto.
-
-    Raises:
-        ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
-        TypeError: an unknown keyword.
-    """
-    bound = build_request.__signature__.bind(prompt, **fields)
-    bound.apply_defaults()
-    values = bound.arguments
-    params = pb.SamplingParams()
-    for spec in FIELDS:
-        value = values[spec.name]
-        try:
-            if spec.type is list:
-                getattr(params, spec.name).extend(value or ())  # None leaves it unset, as for the others
-            elif spec.type is dict:
-                getattr(params, spec.name).update(dict(value or {}))
-            elif value is not None:
-                setattr(params, spec.name, value)
-        except (ValueError, TypeError) as exc:  # protobuf's "Value out of range: 10000000000" names no field
-            raise ValueError(f"{spec.name}: {exc}") from None
-    json_schema, regex, choices = values["json_schema"], values["regex"], values["choices"]
-    constraints = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices))
-                   if value is not None]
-    if len(constraints) > 1:
-        raise ValueError(f"{' and '.join(constraints)} both constrain the output; give one of json_schema, regex "
-                         "and choices")
-    if json_schema is not None:  # structured output: at most one of the three
-        params.response_format.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
-    elif regex is not None:
-        params.response_format.regex = regex
-    elif choices is not None:
-        params.response_format.choices.choices.extend(choices)
-    request = pb.GenerateRequest(request_id=values["request_id"], sampling_params=params, priority=values["priority"])
-    if values["cache_salt"] is not None:
-        request.cache_salt = values["cache_salt"]
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif prompt and isinstance(prompt[0], Mapping):
-        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
-    else:
-        request.token_ids.SetInParent()  # an empty list is still a (bad) token-id prompt
-        request.token_ids.ids.extend(prompt)
-    return request
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """How a client proves itself to a server started with TLS, mutual TLS or API keys.
-
-    Attributes:
-        ssl_ca_certs: PEM CA bundle that signed the server's certificate; setting any
-            ``ssl_*`` field makes the channel TLS (None here: the system's roots).
-        ssl_certfile, ssl_keyfile: PEM client certificate and key (mutual TLS).
-        api_key: sent as ``authorization: Bearer <api_key>`` on every Generation call.
-    """
-
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    api_key: str | None = None
+    def __init__(self, channel: Any, credentials: Credentials, move_policy: MovePolicy) -> None:
+        self.channel = channel
+        self._metadata = credentials.metadata
+        self.stub = generate_pb2_grpc.GenerationStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self._calls = Calls(self.stub, self.health, self._metadata, move_policy)
 
     @property
-    def tls(self) -> bool:
-        return any((self.ssl_ca_certs, self.ssl_certfile, self.ssl_keyfile))
+    def move_policy(self) -> MovePolicy:
+        """How streams (and unary calls) broken by a lost replica move to another address; settable."""
+        return self._calls.move_policy
 
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """TLS credentials from the PEM files.
-
-        Raises:
-            OSError: a file cannot be read.
-        """
-        def read(path: str | None) -> bytes | None:
-            return None if path is None else Path(path).read_bytes()
-
-        return grpc.ssl_channel_credentials(root_certificates=read(self.ssl_ca_certs),
-                                            private_key=read(self.ssl_keyfile),
-                                            certificate_chain=read(self.ssl_certfile))
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Call metadata: the bearer key, if any."""
-        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
-
-    def aio_channel(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-        """An asyncio channel to ``target`` whose every call carries these credentials
-        (for stubs used directly, such as the load generator's)."""
-        interceptors = metadata_interceptors(self.metadata) if self.metadata else None
-        if self.tls:
-            return grpc.aio.secure_channel(target, self.channel_credentials(), options=list(options),
-                                           interceptors=interceptors)
-        return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
-
-    @staticmethod
-    def add_flags(parser) -> None:
-        """The client side of ``tpserve serve``'s --ssl-* and --api-key flags, on an argparse parser."""
-        group = parser.add_argument_group("credentials")
-        group.add_argument("--ssl-ca-certs", help="PEM CA bundle that signed the server's certificate (TLS)")
-        group.add_argument("--ssl-certfile", help="PEM client certificate (mutual TLS)")
-        group.add_argument("--ssl-keyfile", help="PEM key of --ssl-certfile")
-        group.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
-                           help="bearer key for a server started with --api-key (default: $TPSERVE_API_KEY)")
-
-    @classmethod
-    def from_flags(cls, args) -> Credentials:
-        """From the attributes :meth:`add_flags` defines on an argparse namespace."""
-        return cls(ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                   api_key=args.api_key)
+    @move_policy.setter
+    def move_policy(self, policy: MovePolicy) -> None:
+        self._calls.move_policy = policy
 
 
-def _result(response: pb.GenerateResponse) -> GenerateResult:
-    return GenerateResult(
-        request_id=response.request_id, text=response.text, token_ids=list(response.token_ids),
-        finish_reason=FINISH_REASON_NAMES[response.finish_reason],
-        usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
-                    response.usage.cached_prompt_tokens), logprobs=tuple(response.logprobs),
-        prompt_logprobs=tuple(response.prompt_logprobs), timings=timings_of(response))
-
-
-def _is_serving(response: health_pb2.HealthCheckResponse) -> bool:
-    return response.status == health_pb2.HealthCheckResponse.SERVING
-
-
-class Client:
+class Client(_ClientBase):
     """Blocking client of the tpserve servers at ``target`` (see the module docstring).
 
     Args:
@@ -417,14 +141,11 @@ class Client:
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy(),
                  retry_policy: RetryPolicy = RetryPolicy()) -> None:
-        self.move_policy = move_policy
         options = channel_options(load_balancing_policy, retry_policy)
         target = with_default_port(target)
-        self.channel = (grpc.secure_channel(target, credentials.channel_credentials(), options=options)
-                        if credentials.tls else grpc.insecure_channel(target, options=options))
-        self._metadata = credentials.metadata
-        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        super().__init__(grpc.secure_channel(target, credentials.channel_credentials(), options=options)
+                         if credentials.tls else grpc.insecure_channel(target, options=options),
+                         credentials, move_policy)
 
     def __enter__(self) -> Client:
         return self
@@ -433,83 +154,36 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Closes the channel; calls in flight end with CANCELLED."""
         self.channel.close()
 
+    @_doc_of(Calls.wait_ready)
     def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.25) -> None:
-        """Blocks until the health service reports SERVING (on the address the call lands on).
+        run_blocking(self._calls.wait_ready(timeout_s, poll_s))
 
-        Raises:
-            TimeoutError: not SERVING after ``timeout_s`` seconds.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if _is_serving(self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)):
-                    return
-            except grpc.RpcError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not SERVING after {timeout_s:.0f} s")
-            time.sleep(poll_s)
-
+    @_doc_of(Calls.model_info)
     def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
+        return run_blocking(self._calls.model_info(timeout_s))
 
     @request_keywords
-    def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> GenerateResult:
-        """Unary Generate: the whole completion.
-
-        Args:
-            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
-                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
-            timeout_s: the call's deadline in seconds (None: no deadline).
-
-        Raises:
-            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
-            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
-        """
-        request = with_seed(build_request(prompt, **fields))
-        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
-        while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
-            try:
-                return _result(self.stub.Generate(request, timeout=_remaining_s(deadline), metadata=mover.metadata))
-            except grpc.RpcError as exc:
-                request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
-                time.sleep(backoff_s)
+    @_doc_of(Calls.generate)
+    def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **fields: Any) -> GenerateResult:
+        return run_blocking(self._calls.generate(prompt, timeout_s, fields))
 
     @request_keywords
-    def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> GenerateStream:
-        """Server-streaming GenerateStream: :class:`StreamChunk` s as the tokens come; ``cancel()`` cancels
-        the RPC. Takes :meth:`generate`'s arguments.
+    @_doc_of(Calls.stream)
+    def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None, **fields: Any) -> GenerateStream:
+        start = self._calls.stream(prompt, timeout_s, fields)
+        return GenerateStream(start.call, start.mover, start.start, start.deadline)
 
-        Args:
-            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
-                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
-            timeout_s: the call's deadline in seconds (None: no deadline).
-
-        Raises:
-            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
-            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
-        """
-        request = with_seed(build_request(prompt, **fields))
-        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
-
-        def start(req: pb.GenerateRequest, timeout: float | None):  # a moved stream: the same traceparent
-            return self.stub.GenerateStream(req, timeout=timeout, metadata=mover.metadata)
-
-        return GenerateStream(start(request, timeout_s), mover, start, deadline)
-
+    @_doc_of(Calls.abort)
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
-        """Ends the caller's requests with these ids now, wherever they are (at most 4096 ids a call);
-        returns how many samples were in flight."""
-        return self.stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=timeout_s,
-                               metadata=self._metadata).num_aborted
+        return run_blocking(self._calls.abort(request_ids, timeout_s))
 
 
-class AsyncClient:
-    """asyncio client with :class:`Client`'s methods, as coroutines; streams are ``async for`` iterables.
+class AsyncClient(_ClientBase):
+    """asyncio client with :class:`Client`'s arguments and methods, as coroutines; streams are ``async for``
+    iterables (``generate_stream`` itself is not awaited).
 
     Create it inside a running event loop (``async with AsyncClient(target) as client``).
     """
@@ -517,14 +191,11 @@ class AsyncClient:
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy(),
                  retry_policy: RetryPolicy = RetryPolicy()) -> None:
-        self.move_policy = move_policy
         options = channel_options(load_balancing_policy, retry_policy)
         target = with_default_port(target)
-        self.channel = (grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
-                        if credentials.tls else grpc.aio.insecure_channel(target, options=options))
-        self._metadata = credentials.metadata
-        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        super().__init__(grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
+                         if credentials.tls else grpc.aio.insecure_channel(target, options=options),
+                         credentials, move_policy)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -533,71 +204,29 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        """Closes the channel; calls in flight end with CANCELLED."""
         await self.channel.close()
 
+    @_doc_of(Calls.wait_ready)
     async def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.25) -> None:
-        """Waits until the health service reports SERVING.
+        await run_async(self._calls.wait_ready(timeout_s, poll_s))
 
-        Raises:
-            TimeoutError: not SERVING after ``timeout_s`` seconds.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if _is_serving(await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)):
-                    return
-            except grpc.aio.AioRpcError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not SERVING after {timeout_s:.0f} s")
-            await asyncio.sleep(poll_s)
-
+    @_doc_of(Calls.model_info)
     async def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata)
+        return await run_async(self._calls.model_info(timeout_s))
 
     @request_keywords
-    async def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> GenerateResult:
-        """Unary Generate: the whole completion.
-
-        Args:
-            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
-                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
-            timeout_s: the call's deadline in seconds (None: no deadline).
-
-        Raises:
-            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
-            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
-        """
-        request = with_seed(build_request(prompt, **fields))
-        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
-        while True:  # a lost replica's request is sent again, whole: the same seed, the same completion
-            try:
-                return _result(await self.stub.Generate(request, timeout=_remaining_s(deadline), metadata=mover.metadata))
-            except grpc.RpcError as exc:
-                request, backoff_s = mover.next_request(exc)  # raises exc when it cannot move
-                await asyncio.sleep(backoff_s)
+    @_doc_of(Calls.generate)
+    async def generate(self, prompt: Prompt, *, timeout_s: float | None = None, **fields: Any) -> GenerateResult:
+        return await run_async(self._calls.generate(prompt, timeout_s, fields))
 
     @request_keywords
-    def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None, **fields) -> AsyncGenerateStream:
-        """Server-streaming GenerateStream: ``async for chunk in ...`` gives :class:`StreamChunk` s;
-        ``cancel()`` cancels the RPC (so does cancelling the task that iterates it), and the server frees
-        the request's KV blocks. Takes :meth:`generate`'s arguments.
+    @_doc_of(Calls.stream)
+    def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None,
+                        **fields: Any) -> AsyncGenerateStream:
+        start = self._calls.stream(prompt, timeout_s, fields)
+        return AsyncGenerateStream(start.call, start.mover, start.start, start.deadline)
 
-        Args:
-            prompt: text, token ids, or chat messages (``{"role", "content"}`` mappings).
-            fields: the request's keywords (:func:`build_request`, listed below; their meanings and
-                ranges: proto/tpserve/v1/generate.proto); None leaves the server's default.
-            timeout_s: the call's deadline in seconds (None: no deadline).
-
-        Raises:
-            grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
-            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
-        """
-        request = with_seed(build_request(prompt, **fields))
-        mover, deadline = StreamMover(request, self.move_policy, self._metadata), _deadline(timeout_s)
-
-        def start(req: pb.GenerateRequest, timeout: float | None):  # a moved stream: the same traceparent
-            return self.stub.GenerateStream(req, timeout=timeout, metadata=mover.metadata)
-
-        return AsyncGenerateStream(start(request, timeout_s), mover, start, deadline)
+    @_doc_of(Calls.abort)
+    async def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
+        return await run_async(self._calls.abort(request_ids, timeout_s))

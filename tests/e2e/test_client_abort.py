@@ -1,0 +1,56 @@
+"""``abort`` on both clients against a real server (tests/e2e/cluster.py ``serve``, through the shared
+servers): running streams end with finish reason "abort" long before ``max_tokens``, the call counts
+the samples it ended, and an unknown id counts 0. The two clients' parity without a server:
+tests/test_client_parity.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.e2e.cluster import SharedServers
+from tpserve.client import AsyncClient, Client
+from tpserve.stream_move import MovePolicy
+
+#: Far more tokens than the streams get before the abort: the embedded model would need minutes for them.
+MAX_TOKENS = 4000
+STREAM = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, timeout_s=120)
+
+
+def test_client_abort_ends_the_named_stream_only(shared_servers: SharedServers) -> None:
+    cluster = shared_servers.get(None, 1)
+    with Client(cluster.target, move_policy=MovePolicy(max_moves=0)) as client:
+        aborted = client.generate_stream("Once upon a time", request_id="abort-sync-1", **STREAM)
+        kept = client.generate_stream("Once upon a time", request_id="abort-sync-2", **STREAM)
+        next(aborted), next(kept)  # both running
+        assert client.abort("abort-no-such-request") == 0
+        assert client.abort("abort-sync-1") == 1
+        last = list(aborted)[-1]
+        assert last.finish_reason == "abort" and 0 < last.usage.completion_tokens < MAX_TOKENS
+        assert next(kept).finish_reason is None  # the other stream still runs
+        assert client.abort("abort-sync-2", "abort-no-such-request") == 1
+        assert list(kept)[-1].finish_reason == "abort"
+        assert client.abort("abort-sync-1") == 0  # ended: nothing left to abort
+
+
+def test_async_client_abort_ends_several_streams_in_one_call(shared_servers: SharedServers) -> None:
+    cluster = shared_servers.get(None, 1)
+
+    async def run() -> list[tuple[str | None, int]]:
+        async with AsyncClient(cluster.target, move_policy=MovePolicy(max_moves=0)) as client:
+            ids = ["abort-async-1", "abort-async-2"]
+            streams = [client.generate_stream("Once upon a time", request_id=i, **STREAM).__aiter__() for i in ids]
+            for stream in streams:
+                await stream.__anext__()  # running
+            assert await client.abort("abort-no-such-request") == 0
+            assert await client.abort(*ids) == 2
+            ends = []
+            for stream in streams:
+                chunks = [chunk async for chunk in stream]
+                ends.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
+            assert await client.abort(*ids) == 0
+            return ends
+
+    ends = asyncio.run(run())
+    assert [reason for reason, _ in ends] == ["abort", "abort"]
+    assert all(0 < completion_tokens < MAX_TOKENS for _, completion_tokens in ends)

@@ -1,0 +1,143 @@
+"""``Client`` and ``AsyncClient`` are one client that awaits or not (tpserve/client_calls.py): the same
+RPC methods with the same signatures, and the same plan run by both drivers, without a server.
+
+Against a real server: tests/e2e/test_client_abort.py (abort on both), tests/test_grpc_retry_policy.py,
+tests/cluster/test_stream_move.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tpserve.client import AsyncClient, Client, Credentials, build_request
+from tpserve.client_calls import Calls, run_async, run_blocking
+from tpserve.stream_move import MovePolicy
+from tpserve.v1 import generate_pb2 as pb
+
+#: Every RPC of the Generation service, plus the health wait and close.
+RPC_METHODS = {"wait_ready", "model_info", "generate", "generate_stream", "abort", "close"}
+
+
+def _public_methods(cls: type) -> dict[str, object]:
+    return {name: member for name, member in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")}
+
+
+def test_both_clients_have_every_rpc_with_the_same_signature() -> None:
+    sync, asynchronous = _public_methods(Client), _public_methods(AsyncClient)
+    assert set(sync) == set(asynchronous) == RPC_METHODS
+    for name in RPC_METHODS:
+        ours, theirs = inspect.signature(sync[name]), inspect.signature(asynchronous[name])
+        assert list(ours.parameters.values()) == list(theirs.parameters.values()), name
+        # The stream's iterator is the only type that differs: for vs async for.
+        assert ours.return_annotation == theirs.return_annotation.replace("AsyncGenerateStream", "GenerateStream")
+        assert sync[name].__doc__ == asynchronous[name].__doc__, name
+    assert inspect.signature(Client.__init__) == inspect.signature(AsyncClient.__init__)
+    # generate and generate_stream take build_request's prompt and keywords, then timeout_s.
+    fields = list(inspect.signature(build_request).parameters)
+    for method in (Client.generate, Client.generate_stream):
+        assert list(inspect.signature(method).parameters) == ["self", *fields, "timeout_s"]
+
+
+def test_the_asyncio_client_awaits_every_rpc_but_the_stream() -> None:
+    asynchronous = _public_methods(AsyncClient)
+    assert {name for name, method in asynchronous.items() if inspect.iscoroutinefunction(method)} == \
+        RPC_METHODS - {"generate_stream"}
+    assert not any(inspect.iscoroutinefunction(method) for method in _public_methods(Client).values())
+    assert inspect.signature(AsyncClient.generate_stream).return_annotation == "AsyncGenerateStream"
+
+
+class RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class FakeStub:
+    """A Generation (and Health) stub whose methods answer from ``answers`` in turn (an exception is
+    raised) and record each call; ``asynchronous`` makes them coroutines, as a grpc.aio stub's calls."""
+
+    def __init__(self, answers: list[object], asynchronous: bool) -> None:
+        self.answers, self.calls = list(answers), []
+        for name in ("Generate", "GetModelInfo", "Abort", "Check"):
+            setattr(self, name, self._method(name, asynchronous))
+
+    def _method(self, name: str, asynchronous: bool):
+        def answer(request, timeout=None, metadata=None):
+            self.calls.append((name, request, timeout, metadata))
+            value = self.answers.pop(0)
+            if isinstance(value, BaseException):
+                raise value
+            return value
+
+        async def answer_async(request, timeout=None, metadata=None):
+            await asyncio.sleep(0)
+            return answer(request, timeout, metadata)
+
+        return answer_async if asynchronous else answer
+
+
+def _run_both(make_plan, answers: list[object]) -> list[tuple[object, list]]:
+    """``make_plan(calls)``'s outcome (value or exception) and the stub's calls, blocking then asyncio."""
+    outcomes = []
+    for asynchronous in (False, True):
+        stub = FakeStub(answers, asynchronous)
+        calls = Calls(stub, stub, Credentials(api_key="k").metadata, MovePolicy(initial_backoff_s=0.01))
+        plan = make_plan(calls)
+        try:
+            value = asyncio.run(run_async(plan)) if asynchronous else run_blocking(plan)
+        except (grpc.RpcError, TimeoutError) as exc:
+            value = exc
+        outcomes.append((value, stub.calls))
+    return outcomes
+
+
+DROPPED = RpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+DONE = pb.GenerateResponse(request_id="r-1", text=" done", token_ids=[4, 5], finish_reason=pb.FINISH_REASON_LENGTH,
+                           usage=pb.Usage(prompt_tokens=3, completion_tokens=2))
+
+
+def test_a_lost_replicas_generate_is_sent_again_whole_by_both_drivers() -> None:
+    for result, calls in _run_both(lambda c: c.generate("Once", 30.0, {"max_tokens": 2}), [DROPPED, DONE]):
+        assert (result.text, result.token_ids, result.finish_reason) == (" done", [4, 5], "length")
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (3, 2)
+        (_, first, first_timeout, metadata), (_, second, second_timeout, _) = calls
+        assert first == second and first.sampling_params.HasField("seed")  # the same seed: the same completion
+        assert 29.0 < second_timeout < first_timeout <= 30.0  # one deadline for both attempts
+        assert ("authorization", "Bearer k") in metadata
+
+
+def test_an_error_that_cannot_move_reaches_the_caller_from_both_drivers() -> None:
+    refused = RpcError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be at least 1")
+    for error, calls in _run_both(lambda c: c.generate("Once", None, {"max_tokens": 0}), [refused, DONE]):
+        assert error is refused and len(calls) == 1 and calls[0][2] is None
+
+
+def test_wait_ready_polls_until_serving_on_both_drivers() -> None:
+    status = health_pb2.HealthCheckResponse
+    answers = [RpcError(grpc.StatusCode.UNAVAILABLE, "connection refused"), status(status=status.NOT_SERVING),
+               status(status=status.SERVING)]
+    for value, calls in _run_both(lambda c: c.wait_ready(5.0, 0.001), answers):
+        assert value is None and [name for name, *_ in calls] == ["Check"] * 3
+        assert {timeout for _, _, timeout, _ in calls} == {2.0}
+    for error, calls in _run_both(lambda c: c.wait_ready(0.0, 0.001), [status(status=status.NOT_SERVING)] * 2):
+        assert isinstance(error, TimeoutError) and len(calls) == 1
+
+
+@pytest.mark.parametrize("ids", [("a",), ("a", "b", "c")])
+def test_abort_and_model_info_send_the_same_request_from_both_drivers(ids: tuple[str, ...]) -> None:
+    answers = [pb.AbortResponse(num_aborted=len(ids))]
+    for num_aborted, calls in _run_both(lambda c: c.abort(ids, 10.0), answers):
+        assert num_aborted == len(ids)
+        assert calls == [("Abort", pb.AbortRequest(request_ids=ids), 10.0, (("authorization", "Bearer k"),))]
+    for info, calls in _run_both(lambda c: c.model_info(10.0), [pb.ModelInfo(model_name="m", max_model_len=64)]):
+        assert (info.model_name, info.max_model_len) == ("m", 64) and calls[0][0] == "GetModelInfo"

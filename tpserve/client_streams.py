@@ -1,0 +1,84 @@
+"""The iterators of a GenerateStream call: blocking (:class:`GenerateStream`) and asyncio
+(:class:`AsyncGenerateStream`). Both hand over :class:`tpserve.results.StreamChunk` s and, when the call
+breaks, take the same move step (:meth:`_MovingStream._move`, :mod:`tpserve.stream_move`): they differ
+only in how they wait for the next message and for the backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+
+from tpserve.client_calls import remaining_s
+from tpserve.results import StreamChunk, chunk_of
+from tpserve.stream_move import StreamMover
+from tpserve.v1 import generate_pb2 as pb
+
+
+class _MovingStream:
+    """The state both iterators share: the current attempt's call, the mover and the deadline."""
+
+    def __init__(self, call: Any, mover: StreamMover | None = None,
+                 start: Callable[[pb.GenerateRequest, float | None], Any] | None = None,
+                 deadline: float | None = None) -> None:
+        self._call = call
+        self._mover = mover
+        self._start = start  # (request, timeout_s) -> a new call, for a move
+        self._deadline = deadline
+        self._moved_request: pb.GenerateRequest | None = None
+
+    def _move(self, exc: grpc.RpcError) -> float:
+        """The backoff in seconds before :meth:`_restart`; raises ``exc`` when the stream cannot move."""
+        if self._mover is None:
+            raise exc
+        self._moved_request, backoff_s = self._mover.next_request(exc)
+        return backoff_s
+
+    def _restart(self) -> None:
+        """Starts the moved request's attempt, with what is left of the deadline."""
+        assert self._start is not None and self._moved_request is not None  # set by _move
+        self._call = self._start(self._moved_request, remaining_s(self._deadline))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+class GenerateStream(_MovingStream):
+    """The :class:`StreamChunk` s of a ``GenerateStream`` call, in order. ``cancel()`` cancels the RPC (the
+    server frees the request's KV blocks); the call's other methods (``code()``, ``details()``, ...)
+    are reachable here too (on the current attempt's call, after a move). Iterating raises
+    ``grpc.RpcError`` if the call fails and cannot move to another replica (:mod:`tpserve.stream_move`)."""
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        while True:
+            try:
+                message = next(self._call)
+            except grpc.RpcError as exc:
+                time.sleep(self._move(exc))
+                self._restart()
+                continue
+            return chunk_of(self._mover.delivered(message) if self._mover else message)
+
+
+class AsyncGenerateStream(_MovingStream):
+    """:class:`GenerateStream` for :class:`AsyncClient`: ``async for chunk in stream``."""
+
+    async def _chunks(self) -> AsyncIterator[StreamChunk]:
+        while True:
+            try:
+                async for response in self._call:
+                    yield chunk_of(self._mover.delivered(response) if self._mover else response)
+                return
+            except grpc.RpcError as exc:
+                await asyncio.sleep(self._move(exc))
+                self._restart()
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self._chunks()

@@ -1,0 +1,109 @@
+"""Building a GenerateRequest from Python values: :func:`build_request`, whose keywords are the
+sampling table's (tpserve/sampling_fields.py) and a few more, and :func:`request_keywords`, which gives a
+client method the same keywords (for ``help()`` and ``inspect.signature``)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping, Sequence
+
+from tpserve.sampling_fields import FIELDS, SamplingField
+from tpserve.v1 import generate_pb2 as pb
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+
+def _annotation(spec: SamplingField) -> object:
+    """The client keyword's type: an unset scalar is None (the server's default)."""
+    if spec.type is list:
+        return Sequence[spec.items]
+    if spec.type is dict:
+        return Mapping[spec.items[0], spec.items[1]] | None
+    return bool if spec.type is bool else spec.type | None
+
+
+def _client_default(spec: SamplingField) -> object:
+    return {list: (), dict: None, bool: False}.get(spec.type)
+
+
+#: build_request's keywords: every field of the sampling table (tpserve/sampling_fields.py), then the rest.
+_REQUEST_KEYWORDS = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=_client_default(spec),
+                                       annotation=_annotation(spec)) for spec in FIELDS] + [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+    for name, annotation, default in (
+        ("json_schema", str | Mapping | None, None), ("regex", str | None, None),
+        ("choices", Sequence[str] | None, None), ("cache_salt", str | None, None), ("priority", int, 0),
+        ("request_id", str, ""))]
+_PROMPT = inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Prompt)
+_KEYWORD_DOCS = "\n".join(f"    {spec.name}: {spec.help}" for spec in FIELDS)
+
+
+def request_keywords(function):
+    """Gives ``function(self?, prompt, *, timeout_s?, **fields)`` the signature of :func:`build_request`'s
+    keywords (shown by ``help()`` and ``inspect.signature``) and their meanings in its docstring."""
+    signature = inspect.signature(function)
+    head = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    tail = [p for p in head if p.kind is inspect.Parameter.KEYWORD_ONLY]  # timeout_s
+    head = [p for p in head if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    function.__signature__ = signature.replace(parameters=[*head, *_REQUEST_KEYWORDS, *tail])
+    doc = (function.__doc__ or "").rstrip()
+    indent = " " * min((len(line) - len(line.lstrip()) for line in doc.splitlines()[1:] if line.strip()), default=4)
+    function.__doc__ = f"{doc}\n\n{indent}Sampling keywords (None: the server's default):\n" + \
+        "\n".join(indent + line for line in _KEYWORD_DOCS.splitlines()) + "\n"
+    return function
+
+
+@request_keywords
+def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
+    """A GenerateRequest from Python values; None leaves a field unset (the server's default).
+
+    A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
+    ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
+    model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
+    from those of requests without the same salt. The fields' meanings and ranges:
+    proto/tpserve/v1/generate.proto.
+
+    Raises:
+        ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+        TypeError: an unknown keyword.
+    """
+    bound = build_request.__signature__.bind(prompt, **fields)
+    bound.apply_defaults()
+    values = bound.arguments
+    params = pb.SamplingParams()
+    for spec in FIELDS:
+        value = values[spec.name]
+        try:
+            if spec.type is list:
+                getattr(params, spec.name).extend(value or ())  # None leaves it unset, as for the others
+            elif spec.type is dict:
+                getattr(params, spec.name).update(dict(value or {}))
+            elif value is not None:
+                setattr(params, spec.name, value)
+        except (ValueError, TypeError) as exc:  # protobuf's "Value out of range: 10000000000" names no field
+            raise ValueError(f"{spec.name}: {exc}") from None
+    json_schema, regex, choices = values["json_schema"], values["regex"], values["choices"]
+    constraints = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices))
+                   if value is not None]
+    if len(constraints) > 1:
+        raise ValueError(f"{' and '.join(constraints)} both constrain the output; give one of json_schema, regex "
+                         "and choices")
+    if json_schema is not None:  # structured output: at most one of the three
+        params.response_format.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif regex is not None:
+        params.response_format.regex = regex
+    elif choices is not None:
+        params.response_format.choices.choices.extend(choices)
+    request = pb.GenerateRequest(request_id=values["request_id"], sampling_params=params, priority=values["priority"])
+    if values["cache_salt"] is not None:
+        request.cache_salt = values["cache_salt"]
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        request.token_ids.SetInParent()  # an empty list is still a (bad) token-id prompt
+        request.token_ids.ids.extend(prompt)
+    return request
+
