@@ -53,7 +53,7 @@ from coordinator.metrics import Metrics
 from coordinator.output_collector import RequestOutputCollector
 from coordinator.request_output import RequestOutput, aborted_output
 from coordinator.request_table import RequestAborted, RequestEntry, RequestTable
-from coordinator.request_timeline import stamp_timings
+from coordinator.request_timeline import stamp_timings, trace_unfinished
 from coordinator.micro_batches import run_micro_batches
 from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence, StopParams
@@ -115,6 +115,7 @@ class Engine:
         self.metrics = metrics
         self._on_fatal = on_fatal
         self.requests = RequestTable()  # every request from its receipt, by id: Abort's table
+        self.requests.on_unfinished = trace_unfinished
         self._states: dict[int, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._wakeup = asyncio.Event()

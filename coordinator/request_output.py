@@ -14,7 +14,7 @@ from coordinator.logprobs import TokenLogprob
 from coordinator.sequence import FinishReason
 
 if TYPE_CHECKING:
-    from coordinator.request_timeline import RequestTimings
+    from coordinator.request_timings import RequestTimings
 
 
 @dataclass(slots=True)  # not frozen: a frozen slots dataclass's __init__ costs 4x (one per token; issue 26)

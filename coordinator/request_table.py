@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from coordinator.errors import InvalidArgumentError, ResourceExhaustedError
 from coordinator.pushback import queue_full_pushback_ms
-from coordinator.request_timeline import trace_unfinished
 from coordinator.sequence import Sequence
 
 #: Most request ids one Abort may name. Above what a gateway's bulk abort of everything one
@@ -126,6 +125,9 @@ class RequestTable:
         self._by_id: dict[str, list[RequestEntry]] = {}
         #: Queue places held for samples of admitted requests not queued yet (count as waiting).
         self.num_reserved = 0
+        #: Called with a traced request as it closes, to record samples that ended without a last
+        #: output (set by the engine: coordinator/request_timeline.py's ``trace_unfinished``).
+        self.on_unfinished: Callable[[RequestEntry], None] | None = None
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._by_id.values())
@@ -145,8 +147,8 @@ class RequestTable:
     def close(self, entry: RequestEntry) -> None:
         """Forgets a request (its handler ended) and gives back the queue places it still held."""
         self._release(entry)
-        if entry.trace_context is not None:  # tracing on: a sample that failed still gets its span
-            trace_unfinished(entry)
+        if entry.trace_context is not None and self.on_unfinished is not None:  # tracing on: a failed
+            self.on_unfinished(entry)  # sample still gets its span (request_timeline.trace_unfinished)
         entries = self._by_id.get(entry.request_id)
         if entries is None:
             return

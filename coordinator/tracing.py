@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from coordinator.metrics import Metrics
     from coordinator.request_output import RequestOutput
     from coordinator.request_table import RequestEntry
-    from coordinator.request_timeline import RequestTimings
+    from coordinator.request_timings import RequestTimings
 
 INSTALL_HINT = "--otlp-traces-endpoint needs the tracing extra: pip install 'tpserve[tracing]'"
 
