@@ -83,14 +83,14 @@ def _one_pass(runner, num_seqs: int, num_steps: int, prompt_len: int, blocks_per
     return times, step_id + 1
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, sizes: list[int], num_steps: int,
+def _rank_main(rank: int, tp_size: int, init_method: str, model_dir: str, sizes: list[int], num_steps: int,
                prompt_len: int, out_path: str) -> None:
     import torch
 
     from worker.parallel_state import destroy_distributed, init_distributed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    ctx = init_distributed(rank, world_size, init_method, "cpu", 120.0)
+    ctx = init_distributed(rank, tp_size, init_method, "cpu", 120.0)
     try:
         means = _measure(ctx, model_dir, sizes, num_steps, prompt_len=prompt_len)
         if rank == 0:

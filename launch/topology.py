@@ -1,7 +1,7 @@
-"""Where each rank of a tensor-parallel group runs, and which ports the group uses.
+"""Where each rank of a worker group runs, and which ports the group uses.
 
-A group of ``tensor_parallel_size`` ranks spans ``nnodes`` hosts, ``L =
-tensor_parallel_size / nnodes`` ranks per host, in blocks: node ``n`` holds global
+A group of ``world_size = tensor_parallel_size * pipeline_parallel_size`` ranks spans
+``nnodes`` hosts, ``L = world_size / nnodes`` ranks per host, in blocks: node ``n`` holds global
 ranks ``n*L .. n*L+L-1`` and local rank ``r`` of node ``n`` is global rank ``n*L + r``
 (local rank ``r`` uses ``cuda:r`` where there are GPUs). Node 0, the leader, runs
 the coordinator; so global rank 0, which samples and hosts the torch.distributed
@@ -33,7 +33,8 @@ class GroupLayout:
     """The placement of one group's ranks over its hosts.
 
     Attributes:
-        world_size: tensor-parallel size, the group's number of ranks.
+        world_size: the group's number of ranks, ``tensor_parallel_size * pipeline_parallel_size``
+            (``ParallelConfig.world_size``); placement needs no more than that.
         nnodes: hosts in the group.
         node_rank: this host's index (0 = leader).
 

@@ -107,6 +107,7 @@ def test_worker_settings_reach_the_rank_in_one_hop(tmp_path: Path, capsys: pytes
     options = worker_options(read_config(["--config", str(path)]))
     assert (options.rank, options.world_size, options.local_rank, options.local_world_size, options.node_rank) == \
         (3, 4, 1, 2, 1)
+    assert (options.tensor_parallel_size, options.pipeline_parallel_size) == (4, 1)
     assert options.model_dir == str(default_model_dir()) and options.init_method == "tcp://10.0.0.7:29501"
     assert options.cuda_graph_sizes == (1, 4, 32) and not options.enforce_eager and options.dtype == "bfloat16"
     assert options.distributed_timeout_seconds == 7.0 and options.cache.kv_cache_memory_bytes == 1_000_000
@@ -130,3 +131,27 @@ def test_worker_settings_reach_the_rank_in_one_hop(tmp_path: Path, capsys: pytes
         ClusterConfig.load_from(None, {"load": {"cuda_graph_sizes": [0]}})
     with pytest.raises(ValidationError, match="cuda_graph_sizes"):
         ClusterConfig.load_from(None, {"load": {"cuda_graph_sizes": []}})
+
+
+def test_the_rank_gets_the_tensor_parallel_size_as_itself() -> None:
+    """Issue 42: the tp degree reaches the worker as ``tensor_parallel_size`` (not re-derived from the
+    group's size), ``world_size`` is tp x pp everywhere, and a RankConfig whose ``world_size`` is not
+    the cluster's tp x pp is refused."""
+    from launch.local_ranks import LocalRanks
+    from launch.topology import GroupLayout
+    from tpserve.cli import serve_config
+    from tpserve.config import RankConfig
+    from tpserve.embedded_model import default_model_dir
+    from worker.main import worker_options
+
+    config = serve_config(build_parser().parse_args([
+        "serve", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]))
+    assert config.parallel.world_size == 4
+    ranks = LocalRanks(config, default_model_dir(), GroupLayout(config.parallel.world_size), "json")
+    sent = RankConfig.from_json(ranks.rank_config(3, "unix:///x", "file:///y").to_json())
+    options = worker_options(sent)
+    assert (sent.rank, sent.world_size) == (3, 4)
+    assert (options.tensor_parallel_size, options.pipeline_parallel_size, options.world_size) == (2, 2, 4)
+    with pytest.raises(ValidationError, match="world_size=2 must be tensor_parallel_size=2 x pipeline_parallel_size=2 = 4"):
+        RankConfig(cluster=config, model_dir="/m", rank=0, world_size=2, local_rank=0, local_world_size=1,
+                   address="unix:///x", init_method="file:///y")

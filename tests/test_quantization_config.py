@@ -91,7 +91,7 @@ def test_a_gptq_checkpoint_is_refused_at_start_up_before_any_rank(tmp_path: Path
 
 
 def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
-    config = serve_config(build_parser().parse_args(["serve", "--quantization", "int8"]))
+    config = serve_config(build_parser().parse_args(["serve", "--quantization", "int8", "--tensor-parallel-size", "2"]))
     assert config.load.quantization == "int8" and ClusterConfig().load.quantization is None
     ranks = LocalRanks(config, default_model_dir(), GroupLayout(2, 1, 0), "json")
     sent = RankConfig.from_json(ranks.rank_config(1, "unix:///x", "file:///y").to_json())  # as the rank reads it

@@ -405,14 +405,17 @@ class RankConfig(_Frozen):
             the defaults when left out).
         model_dir: the checkpoint directory, resolved (the embedded model when
             ``cluster.load.model`` is None).
-        rank, world_size: this global rank and the group's number of ranks.
+        rank, world_size: this global rank and the group's number of ranks, ``tensor_parallel_size *
+            pipeline_parallel_size`` (``cluster.parallel.world_size``: the rank takes its tensor- and
+            pipeline-parallel sizes from ``cluster.parallel``).
         local_rank, local_world_size, node_rank: the rank's place on its host.
         address: the gRPC address its WorkerService binds, e.g. ``unix:///tmp/tpserve-x/rank0-1.sock``.
         init_method: the torch.distributed rendezvous, e.g. ``tcp://10.0.0.7:29501``.
         log_format: "console" or "json", as ``--log-format``.
 
     Raises:
-        ValueError: a rank outside ``[0, world_size)`` or a local rank outside ``[0, local_world_size)``.
+        ValueError: a rank outside ``[0, world_size)``, a local rank outside ``[0, local_world_size)``,
+            or a ``world_size`` other than ``cluster.parallel.world_size``.
     """
 
     cluster: ClusterConfig = ClusterConfig()
@@ -428,6 +431,10 @@ class RankConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_place(self) -> RankConfig:
+        if self.world_size != self.cluster.parallel.world_size:
+            par = self.cluster.parallel
+            raise ValueError(f"world_size={self.world_size} must be tensor_parallel_size={par.tensor_parallel_size}"
+                             f" x pipeline_parallel_size={par.pipeline_parallel_size} = {par.world_size}")
         if self.rank >= self.world_size:
             raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
         if self.local_rank >= self.local_world_size:

@@ -53,7 +53,7 @@ class DraftModel:
 
     Raises:
         ValueError: another vocabulary size, a draft that cannot be split
-            ``ctx.world_size`` ways, or an unsupported checkpoint.
+            ``ctx.tp_size`` ways, or an unsupported checkpoint.
     """
 
     def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
@@ -62,10 +62,10 @@ class DraftModel:
         if self.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {model_dir} has vocab_size={self.config.vocab_size}; "
                              f"the target has {vocab_size}: they must share the tokenizer")
-        self.config.check_tensor_parallel(ctx.world_size)
+        self.config.check_tensor_parallel(ctx.tp_size)
         self.ctx = ctx
         self.block_size = block_size
-        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
+        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, dtype)
         self.model = load_model(model_dir, self.config, ctx, dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._workspace: dict[str, torch.Tensor] = {}

@@ -78,7 +78,8 @@ def worker_options(config: RankConfig) -> WorkerOptions:
     cluster = config.cluster
     load, cache, scheduler, spec = cluster.load, cluster.cache, cluster.scheduler, cluster.speculative
     return WorkerOptions(
-        model_dir=config.model_dir, rank=config.rank, world_size=config.world_size, init_method=config.init_method,
+        model_dir=config.model_dir, rank=config.rank, init_method=config.init_method,
+        tensor_parallel_size=cluster.parallel.tensor_parallel_size,
         local_rank=config.local_rank, local_world_size=config.local_world_size, node_rank=config.node_rank,
         pipeline_parallel_size=cluster.parallel.pipeline_parallel_size,
         device=load.device, dtype=load.dtype, block_size=cache.block_size, quantization=load.quantization,

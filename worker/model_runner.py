@@ -109,7 +109,7 @@ class ModelRunner:
             ``kv_layout`` then sizes both caches together.
 
     Raises:
-        ValueError: the model cannot be split ``ctx.world_size`` ways (the message
+        ValueError: the model cannot be split ``ctx.tp_size`` ways (the message
             names the dimension), an unsupported dtype or architecture, or a
             checkpoint with missing/unexpected weights.
     """
@@ -119,14 +119,14 @@ class ModelRunner:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
         self.config = ModelConfig.from_pretrained(model_dir)
-        self.config.check_tensor_parallel(ctx.world_size)
+        self.config.check_tensor_parallel(ctx.tp_size)
         check_pipeline(self.config, ctx.pp, draft_model_dir)
         self.ctx = ctx
         self.dtype = dtype
         self.block_size = block_size
         # Each pipeline stage sizes the cache of its own layers (the pool is the minimum over ranks).
         start, end = ctx.pp.layer_range(self.config.num_hidden_layers)
-        self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype),
+        self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, dtype),
                                       num_layers=end - start)
         self.model = load_model(model_dir, self.config, ctx, dtype, quantization)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,

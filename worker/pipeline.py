@@ -1,7 +1,7 @@
 """One rank's place in the pipeline (``--pipeline-parallel-size``), and the stage-to-stage activations.
 
-A group of ``tp * pp`` ranks is ``pp`` stages of ``tp`` tensor-parallel ranks,
-numbered stage-major (tpserve/pipeline_split.py: global rank ``stage * tp + tp_rank``).
+A group of ``tp_size * pp_size`` ranks (``world_size``) is ``pp_size`` stages of ``tp_size`` tensor-parallel ranks,
+numbered stage-major (tpserve/pipeline_split.py: global rank ``pp_rank * tp_size + tp_rank``).
 Each stage holds a contiguous range of decoder layers; the first also the embedding,
 the last the final norm, the LM head and the sampler.
 
@@ -34,43 +34,65 @@ from tpserve.pipeline_split import stage_layer_range
 class PipelineStage:
     """This rank's stage.
 
+    The rank's tensor-parallel coordinates live in :class:`~worker.parallel_state.ParallelContext`
+    only; a stage knows just the global ranks it exchanges activations with.
+
     Attributes:
-        stage: index in ``[0, num_stages)``.
-        num_stages: ``pipeline_parallel_size``.
-        tp_rank, tp_size: the rank's place in its stage's tensor-parallel group.
+        pp_rank: this stage's index in ``[0, pp_size)``.
+        pp_size: ``pipeline_parallel_size``, the number of stages.
+        prev_rank, next_rank: global ranks of the same tensor-parallel rank in the previous
+            and the next stage (``(pp_rank -/+ 1) * tp_size + tp_rank``); None at the ends.
+
+    Raises:
+        ValueError: ``pp_rank`` outside ``[0, pp_size)``, or a peer missing (or given) where
+            a neighbouring stage exists (or does not).
     """
 
-    stage: int = 0
-    num_stages: int = 1
-    tp_rank: int = 0
-    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    prev_rank: int | None = None
+    next_rank: int | None = None
     _pending: list = field(default_factory=list, compare=False, repr=False)  # the send in flight (0 or 1)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.stage < self.num_stages:
-            raise ValueError(f"stage={self.stage} is outside [0, num_stages={self.num_stages})")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank={self.pp_rank} is outside [0, pp_size={self.pp_size})")
+        if (self.prev_rank is None) != self.is_first or (self.next_rank is None) != self.is_last:
+            raise ValueError(f"stage {self.pp_rank} of {self.pp_size} has prev_rank={self.prev_rank}, "
+                             f"next_rank={self.next_rank}: a peer is needed exactly where a neighbouring stage is")
+
+    @classmethod
+    def of_rank(cls, rank: int, tp_size: int, pp_size: int) -> PipelineStage:
+        """The stage of global ``rank`` in a stage-major group of ``pp_size`` stages of ``tp_size`` ranks.
+
+        Raises:
+            ValueError: ``rank`` outside ``[0, tp_size * pp_size)``.
+        """
+        if not 0 <= rank < tp_size * pp_size:
+            raise ValueError(f"rank={rank} is outside [0, world_size={tp_size * pp_size})")
+        pp_rank = rank // tp_size
+        return cls(pp_rank=pp_rank, pp_size=pp_size,
+                   prev_rank=rank - tp_size if pp_rank > 0 else None,
+                   next_rank=rank + tp_size if pp_rank < pp_size - 1 else None)
 
     @property
     def is_first(self) -> bool:
         """Embeds the step's tokens."""
-        return self.stage == 0
+        return self.pp_rank == 0
 
     @property
     def is_last(self) -> bool:
         """Holds the final norm and the LM head; samples."""
-        return self.stage == self.num_stages - 1
+        return self.pp_rank == self.pp_size - 1
 
     def layer_range(self, num_layers: int) -> tuple[int, int]:
         """``(start, end)`` global indices of this stage's decoder layers (tpserve/pipeline_split.py)."""
-        return stage_layer_range(num_layers, self.num_stages, self.stage)
-
-    def _peer(self, stage: int) -> int:
-        return stage * self.tp_size + self.tp_rank
+        return stage_layer_range(num_layers, self.pp_size, self.pp_rank)
 
     def send_next(self, hidden: torch.Tensor) -> None:
         """Send ``hidden (T, hidden_size)`` to the same tensor-parallel rank of the next stage (no wait)."""
         self.wait_sends()
-        work = dist.isend(hidden.contiguous(), dst=self._peer(self.stage + 1))
+        work = dist.isend(hidden.contiguous(), dst=self.next_rank)
         self._pending.append((work, hidden))
 
     def wait_sends(self) -> None:
@@ -86,5 +108,5 @@ class PipelineStage:
             RuntimeError: the peer failed or the group's timeout passed (a lost rank).
         """
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-        dist.recv(hidden, src=self._peer(self.stage - 1))
+        dist.recv(hidden, src=self.prev_rank)
         return hidden

@@ -28,7 +28,7 @@ def check_pipeline(config: ModelConfig, stage: PipelineStage, draft_model_dir: o
     Raises:
         ValueError: naming the reason.
     """
-    pp = stage.num_stages
+    pp = stage.pp_size
     if pp == 1:
         return
     if not model_class(config.architecture).supports_pipeline:

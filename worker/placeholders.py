@@ -63,7 +63,7 @@ def fill_placeholders(plan: StepPlan, last_tokens: Sequence[int | None], ctx: Pa
         raise ValueError(f"step {plan.step_id}: placeholder tokens (async scheduling) need one pipeline stage")
     tokens = [PLACEHOLDER_TOKEN_ID if last_tokens[i] is None else last_tokens[i] for i in rows] \
         if ctx.is_sampler else [0] * len(rows)
-    if ctx.world_size > 1:  # a broadcast from the sampling rank, as a sum over zeros elsewhere (exact)
+    if ctx.tp_size > 1:  # a broadcast from the sampling rank, as a sum over zeros elsewhere (exact)
         tokens = ctx.all_reduce(torch.tensor(tokens, dtype=torch.int64, device=ctx.device)).tolist()
     for i, token in zip(rows, tokens):
         chunk = chunks[i]

@@ -34,7 +34,9 @@ class WorkerOptions:
 
     Attributes:
         model_dir: Hugging Face checkpoint directory.
-        rank, world_size: this rank and the tensor-parallel size.
+        rank: this rank's global index, ``[0, world_size)`` (:attr:`world_size`: every rank,
+            ``tensor_parallel_size * pipeline_parallel_size``).
+        tensor_parallel_size: ranks per pipeline stage, the degree every layer is split over.
         init_method: torch.distributed rendezvous, e.g. ``tcp://127.0.0.1:29500``.
         device: "cpu", "cuda" or "auto".
         dtype: "auto", "float32", "bfloat16" or "float16".
@@ -51,13 +53,12 @@ class WorkerOptions:
         cuda_graph_sizes: the decode batch sizes to capture on CUDA; None: the default
             for ``cache.max_num_seqs`` (worker/cuda_graphs.py).
         cpu_omp_threads_bind: a CPU rank's cores (``--cpu-omp-threads-bind``; tpserve/cpu_binding.py).
-        pipeline_parallel_size: stages (worker/pipeline.py); ``world_size`` counts every
-            rank of every stage.
+        pipeline_parallel_size: stages (worker/pipeline.py).
     """
 
     model_dir: str
     rank: int
-    world_size: int
+    tensor_parallel_size: int
     init_method: str
     device: str
     dtype: str
@@ -73,6 +74,11 @@ class WorkerOptions:
     cuda_graph_sizes: tuple[int, ...] | None = None
     cpu_omp_threads_bind: str = "auto"
     pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the group: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -116,15 +122,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             check_pipeline_graphs(opts.pipeline_parallel_size, device.type, opts.enforce_eager)
             # Shared-memory collectives wherever ranks of the stage share a host: init_distributed
             # finds which do (one host: shared memory; several: two levels; a rank per host: gloo).
-            ctx = init_distributed(opts.rank, opts.world_size, opts.init_method, device, opts.distributed_timeout_seconds,
-                                   pipeline_parallel_size=opts.pipeline_parallel_size)
+            ctx = init_distributed(opts.rank, opts.tensor_parallel_size, opts.init_method, device,
+                                   opts.distributed_timeout_seconds, pp_size=opts.pipeline_parallel_size)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization,
                                        draft_model_dir=opts.draft_model_dir)
             self._dtype = str(dtype).removeprefix("torch.")
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
             self._num_blocks_available = num_kv_blocks(self._runner, cache)
-            log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, dtype=str(dtype),
+            log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, tp_rank=ctx.tp_rank,
+                     tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, dtype=str(dtype),
                      quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
                      all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores)

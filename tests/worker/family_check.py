@@ -145,7 +145,7 @@ def records_at(tp: int) -> dict[str, list[StepRecord]]:
     """Rank 0's records of every registered checkpoint's jobs at degree ``tp``, run once in one group."""
     if tp not in _RECORDS:
         case(next(iter(_REGISTERED)))
-        _RECORDS[tp] = run_jobs([job for c in _CASES.values() for job in c.jobs], world_size=tp)
+        _RECORDS[tp] = run_jobs([job for c in _CASES.values() for job in c.jobs], tp_size=tp)
     return _RECORDS[tp]
 
 

@@ -111,7 +111,7 @@ def at_once_job(case: FamilyCase, num_prompts: int, num_steps: int, graph_size: 
 
 def check_family(case: FamilyCase, tp: int) -> None:
     """Run both jobs at degree ``tp`` and check them (see the module docstring)."""
-    records = run_jobs(list(case.jobs), world_size=tp)
+    records = run_jobs(list(case.jobs), tp_size=tp)
     alone_logits = check_job(case, case.jobs[0], records[case.jobs[0].name])
     batch_logits = check_job(case, case.jobs[1], records[case.jobs[1].name])
     for i, logits in alone_logits.items():

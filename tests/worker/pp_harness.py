@@ -30,7 +30,7 @@ def _rank_main(rank: int, runs: list[tuple[Layout, list[Job], str]], out_dir: st
     for (tp, pp), jobs, init_method in runs:
         if rank >= tp * pp:
             continue
-        ctx = init_distributed(rank, tp * pp, init_method, "cpu", COLLECTIVE_TIMEOUT_S, pipeline_parallel_size=pp)
+        ctx = init_distributed(rank, tp, init_method, "cpu", COLLECTIVE_TIMEOUT_S, pp_size=pp)
         try:
             results = execute_jobs(ctx, jobs)
             ctx.pp.wait_sends()

@@ -24,7 +24,7 @@ def cases(tiny_checkpoints: dict[str, Path]) -> dict[str, Bf16Case]:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bf16_logits_match_transformers_bf16(tp: int, cases: dict[str, Bf16Case]) -> None:
-    records = run_jobs([case.job for case in cases.values()], world_size=tp)
+    records = run_jobs([case.job for case in cases.values()], tp_size=tp)
     for name, case in cases.items():
         worst = check_bf16(case, records[name], f"{name} tp={tp}")
         print(f"{name} tp={tp}: worst |ours - hf_bf16| = {worst:.4f}")

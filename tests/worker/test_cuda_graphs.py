@@ -228,7 +228,7 @@ def test_decode_graphs_under_tensor_parallelism_match_transformers(tp: int, tiny
     plans, rows = _teacher_forced_plans(texts, prompt_lens, schedule)
     job = Job("graphs", str(model_dir), tuple(plans), NUM_BLOCKS, BLOCK_SIZE, cuda_graph_sizes=(1, 2, 4),
               max_model_len=32)
-    records = run_jobs([job], world_size=tp, device=DEVICE.type)["graphs"]
+    records = run_jobs([job], tp_size=tp, device=DEVICE.type)["graphs"]
     with torch.no_grad():
         expected = {s: hf(torch.tensor([t])).logits[0].float() for s, t in texts.items()}  # (L, V) each
     for record, step_rows in zip(records, rows, strict=True):

@@ -40,7 +40,7 @@ def cases(tiny_checkpoints: dict[str, Path]) -> dict[str, Bf16Case]:
 def test_bf16_logits_match_transformers_bf16_on_the_device(tp: int, cases: dict[str, Bf16Case]) -> None:
     if DEVICE == "cuda" and torch.cuda.device_count() < tp:
         pytest.skip(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
-    records = run_jobs([case.job for case in cases.values()], world_size=tp, device=DEVICE)
+    records = run_jobs([case.job for case in cases.values()], tp_size=tp, device=DEVICE)
     for name, case in cases.items():
         worst = check_bf16(case, records[name], f"{name} tp={tp} on {DEVICE}")
         print(f"{name} tp={tp} on {DEVICE}: worst |ours - hf_bf16| = {worst:.4f}")

@@ -97,7 +97,7 @@ def records_at(cases: dict[str, Case], golden_case):
 
     def run(tp: int) -> dict[str, list[StepRecord]]:
         if tp not in cache:
-            cache[tp] = run_jobs([case.job for case in cases.values()] + [golden_case[0]], world_size=tp)
+            cache[tp] = run_jobs([case.job for case in cases.values()] + [golden_case[0]], tp_size=tp)
         return cache[tp]
 
     return run

@@ -39,7 +39,7 @@ def _dequantized(w: torch.Tensor) -> torch.Tensor:
 
 
 def _ctx(rank: int, tp: int) -> ShardOnlyContext:
-    return ShardOnlyContext(rank=rank, world_size=tp, device=torch.device("cpu"))
+    return ShardOnlyContext(tp_rank=rank, tp_size=tp, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tp", TPS)

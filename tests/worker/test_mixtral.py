@@ -57,11 +57,11 @@ def test_int8_is_refused_for_the_experts(case: FamilyCase) -> None:
 def test_decode_graph_padding_rows_are_not_counted(case: FamilyCase) -> None:
     """3 sequences decode 4 steps through graphs of 4 rows: the padding row routes too, and is subtracted."""
     job = at_once_job(case, num_prompts=3, num_steps=5, graph_size=4)
-    check_job(case, job, run_jobs([job], world_size=1)[job.name])
+    check_job(case, job, run_jobs([job], tp_size=1)[job.name])
 
 
 def test_the_triton_experts_serve_the_model(case: FamilyCase, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path's grouped kernel (Triton's interpreter here) inside the model: same tokens and logits."""
     monkeypatch.setattr(moe, "grouped_experts", grouped_experts_triton)
     job = at_once_job(case, num_prompts=3, num_steps=4)
-    check_job(case, job, run_jobs([job], world_size=1)[job.name])
+    check_job(case, job, run_jobs([job], tp_size=1)[job.name])

@@ -23,7 +23,7 @@ def runner(stories_dir: Path) -> ModelRunner:
 
 
 def test_model_that_cannot_be_split_is_refused_naming_the_dimension(stories_dir: Path) -> None:
-    ctx = ParallelContext(rank=0, world_size=8, device=torch.device("cpu"))  # checked before any collective
+    ctx = ParallelContext(tp_rank=0, tp_size=8, device=torch.device("cpu"))  # checked before any collective
     with pytest.raises(ValueError, match="intermediate_size=172 is not divisible by tensor_parallel_size=8"):
         ModelRunner(stories_dir, ctx, torch.float32, block_size=16)
 

@@ -75,7 +75,7 @@ def _checkpoint(block: torch.nn.Module, names: tuple[str, str, str]) -> dict[str
 def _our_block(family: str, norm_topk_prob: bool, rank: int, tp: int, checkpoint: dict[str, torch.Tensor],
                names: tuple[str, str, str]) -> SparseMoeBlock:
     """Rank ``rank``'s block, loaded from ``checkpoint`` through the mapping and every parameter's loader."""
-    ctx = ShardOnlyContext(rank=rank, world_size=tp, device=torch.device("cpu"))
+    ctx = ShardOnlyContext(tp_rank=rank, tp_size=tp, device=torch.device("cpu"))
     block = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, ctx, torch.float32,
                            renormalize=family == "mixtral" or norm_topk_prob, weights_in_dtype=family != "mixtral",
                            shared_expert_intermediate_size=SHARED_INTER if family == "qwen2_moe" else 0)
@@ -205,12 +205,12 @@ def test_expert_names_round_trip() -> None:
 
 
 def test_bad_shapes_and_int8_are_refused() -> None:
-    ctx = ShardOnlyContext(rank=0, world_size=2, device=torch.device("cpu"))
+    ctx = ShardOnlyContext(tp_rank=0, tp_size=2, device=torch.device("cpu"))
     moe = FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"expected \[48, 32\]"):
         moe.weight_loader(moe.gate_up_proj, torch.zeros(INTER, HIDDEN + 1), (0, "gate"))
     with pytest.raises(ValueError, match="moe_intermediate_size=48 is not divisible by tensor_parallel_size=5"):
-        FusedMoE(EXPERTS, HIDDEN, INTER, ShardOnlyContext(rank=0, world_size=5, device=torch.device("cpu")),
+        FusedMoE(EXPERTS, HIDDEN, INTER, ShardOnlyContext(tp_rank=0, tp_size=5, device=torch.device("cpu")),
                  dtype=torch.float32)
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts"):
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8")

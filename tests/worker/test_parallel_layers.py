@@ -26,7 +26,7 @@ DTYPE = torch.float32
 
 
 class ShardOnlyContext(ParallelContext):
-    """Rank ``rank`` of a ``world_size`` group with identity collectives: layers return partials."""
+    """Rank ``tp_rank`` of a ``tp_size`` tensor-parallel group with identity collectives: layers return partials."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -51,7 +51,7 @@ class RecordingSource:
 
 
 def _ctx(rank: int, tp: int) -> ShardOnlyContext:
-    return ShardOnlyContext(rank=rank, world_size=tp, device=torch.device("cpu"))
+    return ShardOnlyContext(tp_rank=rank, tp_size=tp, device=torch.device("cpu"))
 
 
 def _randn(*shape: int) -> torch.Tensor:

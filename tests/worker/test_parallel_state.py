@@ -20,8 +20,8 @@ def test_single_rank_collectives_are_no_ops() -> None:
 
 
 def test_invalid_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match="rank=2 is outside"):
-        ParallelContext(rank=2, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="tp_rank=2 is outside"):
+        ParallelContext(tp_rank=2, tp_size=2, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="timeout_s"):
         init_distributed(0, 1, "tcp://127.0.0.1:1", "cpu", timeout_s=0)
 

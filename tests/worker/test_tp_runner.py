@@ -162,7 +162,7 @@ def records_at(tiny_cases: dict[str, Case], golden_case: Case, greedy_cases: dic
             jobs = [case.job for case in (*tiny_cases.values(), *greedy_cases.values())]
             if tp in (1, 2):
                 jobs.append(golden_case.job)
-            cache[tp] = run_jobs(jobs, world_size=tp)
+            cache[tp] = run_jobs(jobs, tp_size=tp)
         return cache[tp]
 
     return run

@@ -43,7 +43,7 @@ class FakeRunner:
         self.model.quantization = quantization
         self.config = ModelConfig.from_pretrained(model_dir)
         self.ctx = ctx
-        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.world_size, block_size, dtype)
+        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, dtype)
         self.calls: list[tuple[str, str, torch.device | None]] = []  # (method, thread name, current device)
 
     def _record(self, method: str) -> None:
@@ -73,10 +73,10 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerServicer, FakeCuda, l
 
     monkeypatch.setattr("worker.model_runner.ModelRunner", make_runner)
     monkeypatch.setattr("worker.parallel_state.init_distributed",
-                        lambda rank, world_size, init_method, device, timeout, **_: ParallelContext(rank, world_size, device))
+                        lambda rank, tp_size, init_method, device, timeout, **_: ParallelContext(rank, tp_size, device))
     monkeypatch.setattr("worker.nccl_env.configure_nccl_env", lambda: {})
     options = WorkerOptions(
-        model_dir=str(default_model_dir()), rank=1, world_size=2, init_method="tcp://127.0.0.1:1", device="cuda",
+        model_dir=str(default_model_dir()), rank=1, tensor_parallel_size=2, init_method="tcp://127.0.0.1:1", device="cuda",
         dtype="bfloat16", block_size=16, distributed_timeout_seconds=10.0, local_rank=1, local_world_size=2,
         cache=SIZING)
     errors: list[str] = []

@@ -69,11 +69,11 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
     return results
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, jobs: list[Job], out_path: str,
+def _rank_main(rank: int, tp_size: int, init_method: str, jobs: list[Job], out_path: str,
                device: str = "cpu") -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores
     device = "cpu" if device == "cpu" else f"cuda:{rank}"  # one GPU per rank (NCCL), else gloo
-    ctx = init_distributed(rank, world_size, init_method, device, COLLECTIVE_TIMEOUT_S)
+    ctx = init_distributed(rank, tp_size, init_method, device, COLLECTIVE_TIMEOUT_S)
     try:
         results = execute_jobs(ctx, jobs)
         if rank != 0:
@@ -93,29 +93,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_jobs(jobs: list[Job], world_size: int, device: str = "cpu") -> dict[str, list[StepRecord]]:
-    """Run ``jobs`` at tensor-parallel degree ``world_size``; return rank 0's records (logits on the CPU).
+def run_jobs(jobs: list[Job], tp_size: int, device: str = "cpu") -> dict[str, list[StepRecord]]:
+    """Run ``jobs`` at tensor-parallel degree ``tp_size``; return rank 0's records (logits on the CPU).
 
-    ``world_size == 1`` runs in this process (no process group is needed);
+    ``tp_size == 1`` runs in this process (no process group is needed);
     larger degrees start one process per rank (tests/worker/rank_processes.py), joined over gloo on localhost
     (``device="cpu"``) or NCCL with rank ``r`` on ``cuda:r`` (``device="cuda"``).
     """
-    if world_size == 1:
+    if tp_size == 1:
         return execute_jobs(ParallelContext.single("cuda:0" if device == "cuda" else device), jobs)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "rank0.pkl")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        spawn_ranks(_rank_main, (world_size, init_method, jobs, out_path, device), nprocs=world_size)
+        spawn_ranks(_rank_main, (tp_size, init_method, jobs, out_path, device), nprocs=tp_size)
         with open(out_path, "rb") as f:
             return pickle.load(f)
 
 
-def _lost_rank_main(rank: int, world_size: int, init_method: str, timeout_s: float, out_path: str) -> None:
+def _lost_rank_main(rank: int, tp_size: int, init_method: str, timeout_s: float, out_path: str) -> None:
     """Rank 1 stops taking part (hung, still connected); rank 0 records how its next all-reduce ends."""
     import os
     import time
 
-    ctx = init_distributed(rank, world_size, init_method, "cpu", timeout_s)
+    ctx = init_distributed(rank, tp_size, init_method, "cpu", timeout_s)
     ctx.all_reduce(torch.ones(4))  # the group works
     if rank == 1:
         # Hung: the connection stays open, nothing is sent, until rank 0 has its outcome (or long past its timeout).

@@ -9,8 +9,8 @@ collective then costs two memory copies and a few microseconds of polling.
 
 Protocol (one segment per tensor-parallel group, mapped by every rank):
 
-    flags:  world_size int64 counters, one per cache line (no false sharing)
-    slots:  2 buffers x world_size slots x ``max_bytes`` bytes
+    flags:  num_ranks int64 counters, one per cache line (no false sharing)
+    slots:  2 buffers x num_ranks slots x ``max_bytes`` bytes
 
 Collective number ``seq`` (1, 2, ...; every rank issues the same sequence, as
 with any collective) uses buffer ``seq % 2``. Each rank copies its tensor into
@@ -95,9 +95,9 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and Path("/dev/shm").is_dir()
 
 
-def segment_bytes(world_size: int, max_bytes: int) -> int:
-    """Size of the shared segment in bytes for ``world_size`` ranks and ``max_bytes`` per slot."""
-    return world_size * _FLAG_STRIDE + 2 * world_size * max_bytes
+def segment_bytes(num_ranks: int, max_bytes: int) -> int:
+    """Size of the shared segment in bytes for ``num_ranks`` ranks and ``max_bytes`` per slot."""
+    return num_ranks * _FLAG_STRIDE + 2 * num_ranks * max_bytes
 
 
 def _alive(pid: int) -> bool:
@@ -113,13 +113,13 @@ def _alive(pid: int) -> bool:
 
 
 class SharedMemoryComm:
-    """Collectives among the ``world_size`` ranks of one host over a shared file in /dev/shm.
+    """Collectives among the ``num_ranks`` ranks of one host over a shared file in /dev/shm.
 
     Args:
         path: the segment's file; rank 0 creates it (``create=True``) before the
             others open it, and anyone may unlink it once all have mapped it.
-        rank: this rank, ``0 <= rank < world_size``.
-        world_size: ranks in the group (all on this host).
+        rank: this rank, ``0 <= rank < num_ranks``.
+        num_ranks: ranks in the group (all on this host).
         max_bytes: largest tensor (bytes) a collective may carry; callers fall
             back to gloo for larger ones (:meth:`fits`).
         timeout_s: seconds a collective waits for its peers before failing.
@@ -134,17 +134,17 @@ class SharedMemoryComm:
         OSError: the file cannot be created, opened or mapped.
     """
 
-    def __init__(self, path: str | Path, rank: int, world_size: int, max_bytes: int, timeout_s: float,
+    def __init__(self, path: str | Path, rank: int, num_ranks: int, max_bytes: int, timeout_s: float,
                  *, create: bool, peer_pids: list[int] | None = None, compiled: bool = False) -> None:
         if not supported():
             raise RuntimeError(f"shared-memory collectives need x86-64 and /dev/shm, not {platform.machine()}")
         self.rank = rank
-        self.world_size = world_size
+        self.num_ranks = num_ranks
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.peer_pids = peer_pids
         self.compiled = compiled
-        size = segment_bytes(world_size, max_bytes)
+        size = segment_bytes(num_ranks, max_bytes)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -154,16 +154,16 @@ class SharedMemoryComm:
         finally:
             os.close(fd)
         # Flags as Python-readable int64s (a memoryview index costs ~50 ns, a tensor .item() ~1 us).
-        self._flags = memoryview(self._map)[: world_size * _FLAG_STRIDE].cast("q")
-        self._flag_index = [r * _FLAG_STRIDE // 8 for r in range(world_size)]
+        self._flags = memoryview(self._map)[: num_ranks * _FLAG_STRIDE].cast("q")
+        self._flag_index = [r * _FLAG_STRIDE // 8 for r in range(num_ranks)]
         # The low 32 bits of each flag (little-endian) are its futex word.
         self._anchor = ctypes.c_char.from_buffer(self._map)  # keeps the mapping's address valid
         base = self._base = ctypes.addressof(self._anchor)
-        self._futex_addr = [ctypes.c_void_p(base + r * _FLAG_STRIDE) for r in range(world_size)]
+        self._futex_addr = [ctypes.c_void_p(base + r * _FLAG_STRIDE) for r in range(num_ranks)]
         self._sleep = _Timespec(0, int(_SLEEP_S * 1e9))
-        data = torch.frombuffer(self._map, dtype=torch.uint8, offset=world_size * _FLAG_STRIDE,
-                                count=2 * world_size * max_bytes)
-        self._slots = data.view(2, world_size, max_bytes)  # (buffer, rank, bytes)
+        data = torch.frombuffer(self._map, dtype=torch.uint8, offset=num_ranks * _FLAG_STRIDE,
+                                count=2 * num_ranks * max_bytes)
+        self._slots = data.view(2, num_ranks, max_bytes)  # (buffer, rank, bytes)
         self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._seq = 0
 
@@ -187,7 +187,7 @@ class SharedMemoryComm:
             if flat.data_ptr() != x.data_ptr():
                 x.copy_(flat)
             return x
-        slots = self._exchange(x)  # world_size flat views of x's dtype
+        slots = self._exchange(x)  # num_ranks flat views of x's dtype
         flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
         flat.copy_(slots[0])
         for other in slots[1:]:
@@ -225,7 +225,7 @@ class SharedMemoryComm:
         deadline = time.monotonic() + self.timeout_s
         publish = True
         # Each call waits at most _SLEEP_S, so the liveness and timeout checks run between calls.
-        while not op(x, self._base, self.rank, self.world_size, self.max_bytes, seq, publish, reduce,
+        while not op(x, self._base, self.rank, self.num_ranks, self.max_bytes, seq, publish, reduce,
                      _SPIN_S, _SLEEP_S):
             publish = False
             self._check_peers(seq, deadline)
@@ -236,8 +236,8 @@ class SharedMemoryComm:
         views = self._views.get(key)
         if views is None:  # a step reuses a handful of (size, dtype) pairs: build their views once
             nbytes = x.numel() * x.element_size()
-            buffer = self._slots[seq & 1]  # (world_size, max_bytes) uint8
-            views = self._views[key] = [buffer[r, :nbytes].view(x.dtype) for r in range(self.world_size)]
+            buffer = self._slots[seq & 1]  # (num_ranks, max_bytes) uint8
+            views = self._views[key] = [buffer[r, :nbytes].view(x.dtype) for r in range(self.num_ranks)]
         return views
 
     def _check_peers(self, seq: int, deadline: float) -> list[int]:

@@ -20,7 +20,7 @@ The ops land in ``torch.ops.tpserve_cpu``:
   ``exponential_race(probs (N, V) f32, log_u (N, V) f32) -> ((N,) int64, (N,) bool)``: the sampler's
   counter-based uniforms and the exponential race's argmax with the rows' finiteness (cpu_sampling.cpp;
   the same bits as worker/sampler.py's tensor ops)
-* ``shm_collective(x, base, rank, world_size, max_bytes, seq, publish, reduce, spin_s, wait_s) -> bool``:
+* ``shm_collective(x, base, rank, num_ranks, max_bytes, seq, publish, reduce, spin_s, wait_s) -> bool``:
   one shared-memory all-reduce or exchange between same-host ranks (cpu_shm.cpp; the protocol is
   worker/comm/shm_allreduce.py's)
 * ``use_avx512(enabled) -> bool``: switch the linears' AVX-512 path off and on (tests, A/B runs)

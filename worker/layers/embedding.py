@@ -1,8 +1,8 @@
 """Vocab-parallel input embedding and LM head (Megatron-LM, arXiv:1909.08053, section 3).
 
-The vocabulary is padded to ``padded_vocab_size``, a multiple of ``world_size``,
+The vocabulary is padded to ``padded_vocab_size``, a multiple of ``tp_size``,
 and rank ``r`` holds rows ``[r * V_p, (r + 1) * V_p)`` of the embedding matrix
-(``V_p = padded_vocab_size / world_size``); padding rows are zero.
+(``V_p = padded_vocab_size / tp_size``); padding rows are zero.
 
 * ``VocabParallelEmbedding``: each rank embeds the token ids that fall in its
   rows, writes zeros for the others, and an all-reduce sums the partial
@@ -81,9 +81,9 @@ class VocabParallelEmbedding(nn.Module):
         self.ctx = ctx
         self.vocab_size = vocab_size
         self.embedding_size = embedding_size
-        self.padded_vocab_size = -(-vocab_size // ctx.world_size) * ctx.world_size
-        self.vocab_size_per_partition = self.padded_vocab_size // ctx.world_size
-        self.vocab_start = ctx.rank * self.vocab_size_per_partition
+        self.padded_vocab_size = -(-vocab_size // ctx.tp_size) * ctx.tp_size
+        self.vocab_size_per_partition = self.padded_vocab_size // ctx.tp_size
+        self.vocab_start = ctx.tp_rank * self.vocab_size_per_partition
         self.vocab_end = self.vocab_start + self.vocab_size_per_partition
         shape = (self.vocab_size_per_partition, embedding_size)
         self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
@@ -98,7 +98,7 @@ class VocabParallelEmbedding(nn.Module):
         param.data[num_real_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.ctx.world_size == 1:
+        if self.ctx.tp_size == 1:
             return F.embedding(input_ids, self.weight)  # (T, embedding_size)
         in_slice = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # (T,) bool
         local_ids = torch.where(in_slice, input_ids - self.vocab_start, 0)  # (T,) int64, valid row indices

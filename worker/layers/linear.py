@@ -1,7 +1,7 @@
 """Tensor-parallel linear layers (Megatron-LM layout, arXiv:1909.08053, section 3).
 
 ``y = x @ W.T + b`` with ``W`` of shape ``(output_size, input_size)`` split across
-the ``world_size`` ranks of a :class:`~worker.parallel_state.ParallelContext`:
+the ``tp_size`` ranks of a :class:`~worker.parallel_state.ParallelContext`:
 
 * column-parallel: rank ``r`` holds output rows ``[r * out/tp, (r + 1) * out/tp)``
   and produces that slice of ``y``; no communication;
@@ -13,7 +13,7 @@ the ``world_size`` ranks of a :class:`~worker.parallel_state.ParallelContext`:
 Fused variants load several checkpoint tensors into one parameter:
 ``MergedColumnParallelLinear`` (``gate_proj`` + ``up_proj``) and
 ``QKVParallelLinear`` (``q_proj`` + ``k_proj`` + ``v_proj``, split by head, KV
-heads replicated when ``world_size > total_num_kv_heads``). Each parameter's
+heads replicated when ``tp_size > total_num_kv_heads``). Each parameter's
 ``weight_loader(param, source, shard_id)`` reads only this rank's rows or columns
 of the checkpoint tensor; ``shard_ids`` lists the ``shard_id`` values it expects.
 A fused layer also takes ``shard_id=None``: the checkpoint stores it fused too
@@ -63,13 +63,13 @@ class ColumnParallelLinear(nn.Module):
 
     Args:
         input_size: features of ``x`` (whole, replicated on every rank).
-        output_size: features of the full ``y``; must divide by ``world_size``.
+        output_size: features of the full ``y``; must divide by ``tp_size``.
         ctx: the tensor-parallel group.
         bias: whether the layer has a bias.
         dtype: parameter (bias, float weight) and activation dtype.
         quantization: None, or "int8" (int8 weight, float32 scale per output row).
 
-    Shapes: ``x (T, input_size) -> (T, output_size / world_size)``, ``x.dtype``.
+    Shapes: ``x (T, input_size) -> (T, output_size / tp_size)``, ``x.dtype``.
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.input_size = input_size
         self.output_size = output_size
-        self.output_size_per_partition = _divide(output_size, ctx.world_size, "output_size")
+        self.output_size_per_partition = _divide(output_size, ctx.tp_size, "output_size")
         shape = (self.output_size_per_partition, input_size)
         self.weight_scale = None
         if quantization == "int8":
@@ -94,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy rows ``[rank * out/tp, (rank + 1) * out/tp)`` of the full weight, bias or scale."""
         size = self.output_size_per_partition
-        load_rows(self, param, source, self.output_size, self.ctx.rank * size, size, shard_id=shard_id)
+        load_rows(self, param, source, self.output_size, self.ctx.tp_rank * size, size, shard_id=shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _matmul(self, x, self.bias)  # (T, output_size / tp)
@@ -104,7 +104,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused in one matmul (``gate_proj`` and ``up_proj``).
 
     Rank ``r``'s weight is ``[W_0[r's rows]; W_1[r's rows]; ...]``, so its output
-    is ``(T, sum(output_sizes) / world_size)`` laid out as the local slice of
+    is ``(T, sum(output_sizes) / tp_size)`` laid out as the local slice of
     output 0, then of output 1, and so on. ``shard_id`` is the output's index.
     """
 
@@ -114,7 +114,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
-            _divide(size, ctx.world_size, "output_size")
+            _divide(size, ctx.tp_size, "output_size")
         super().__init__(input_size, sum(output_sizes), ctx, bias=bias, dtype=dtype, quantization=quantization)
         _set_shard_ids(self, tuple(range(len(output_sizes))))
 
@@ -125,20 +125,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an output index < {len(self.output_sizes)}, got {shard_id!r}")
-        tp = self.ctx.world_size
+        tp = self.ctx.tp_size
         size = self.output_sizes[shard_id] // tp
         offset = sum(self.output_sizes[:shard_id]) // tp
-        load_rows(self, param, source, self.output_sizes[shard_id], self.ctx.rank * size, size, offset, shard_id)
+        load_rows(self, param, source, self.output_sizes[shard_id], self.ctx.tp_rank * size, size, offset, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused ``q_proj``, ``k_proj``, ``v_proj``, split by attention head.
 
     Rank ``r`` holds query heads ``[r * num_heads, (r + 1) * num_heads)`` with
-    ``num_heads = total_num_heads / world_size``, and ``num_kv_heads`` key/value
-    heads: ``total_num_kv_heads / world_size`` of them starting at
-    ``r * num_kv_heads`` when ``world_size <= total_num_kv_heads``; otherwise one,
-    head ``r // (world_size / total_num_kv_heads)``, replicated on that many ranks
+    ``num_heads = total_num_heads / tp_size``, and ``num_kv_heads`` key/value
+    heads: ``total_num_kv_heads / tp_size`` of them starting at
+    ``r * num_kv_heads`` when ``tp_size <= total_num_kv_heads``; otherwise one,
+    head ``r // (tp_size / total_num_kv_heads)``, replicated on that many ranks
     (the KV head the rank's query heads attend to under GQA, Ainslie et al. 2023,
     arXiv:2305.13245). ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``.
 
@@ -157,14 +157,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         dtype: torch.dtype,
         quantization: Quantization | None = None,
     ) -> None:
-        tp = ctx.world_size
+        tp = ctx.tp_size
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = _divide(total_num_heads, tp, "num_attention_heads")
         if tp <= total_num_kv_heads:
             self.num_kv_heads = _divide(total_num_kv_heads, tp, "num_key_value_heads")
-            self.kv_head_start = ctx.rank * self.num_kv_heads
+            self.kv_head_start = ctx.tp_rank * self.num_kv_heads
         else:
             if tp % total_num_kv_heads:
                 raise ValueError(
@@ -172,7 +172,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                 )
             replicas = tp // total_num_kv_heads  # ranks sharing one KV head
             self.num_kv_heads = 1
-            self.kv_head_start = ctx.rank // replicas
+            self.kv_head_start = ctx.tp_rank // replicas
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         # The parent splits output_size by tp; give it the padded total so each
@@ -192,7 +192,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                        [("q", self.total_num_heads * self.head_size), ("k", kv_rows), ("v", kv_rows)])
             return
         if shard_id == "q":
-            total, start, size, offset = self.total_num_heads, self.ctx.rank * self.q_size, self.q_size, 0
+            total, start, size, offset = self.total_num_heads, self.ctx.tp_rank * self.q_size, self.q_size, 0
         elif shard_id in ("k", "v"):
             total, start, size = self.total_num_kv_heads, self.kv_head_start * self.head_size, self.kv_size
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
@@ -205,7 +205,7 @@ class RowParallelLinear(nn.Module):
     """``y = all_reduce(x[:, rank's slice] @ W[:, rank's columns].T) + b``.
 
     Args:
-        input_size: features of the full ``x``; must divide by ``world_size``.
+        input_size: features of the full ``x``; must divide by ``tp_size``.
         output_size: features of ``y`` (whole, replicated on every rank after the reduce).
         ctx: the tensor-parallel group.
         bias: whether the layer has a bias (replicated, added once after the reduce).
@@ -215,7 +215,7 @@ class RowParallelLinear(nn.Module):
         reduce_results: False leaves the all-reduce (and the bias) to the caller, which
             sums this partial with others first (a MoE block's shared expert).
 
-    Shapes: ``x (T, input_size / world_size) -> (T, output_size)``, ``x.dtype``.
+    Shapes: ``x (T, input_size / tp_size) -> (T, output_size)``, ``x.dtype``.
     """
 
     def __init__(
@@ -227,7 +227,7 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.input_size = input_size
         self.output_size = output_size
-        self.input_size_per_partition = _divide(input_size, ctx.world_size, "input_size")
+        self.input_size_per_partition = _divide(input_size, ctx.tp_size, "input_size")
         shape = (output_size, self.input_size_per_partition)
         self.weight_scale = None
         if quantization == "int8":
@@ -240,7 +240,7 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy columns ``[rank * in/tp, (rank + 1) * in/tp)`` of the full weight, or the whole scale."""
         size = self.input_size_per_partition
-        load_columns(self, param, source, (self.output_size, self.input_size), self.ctx.rank * size, size)
+        load_columns(self, param, source, (self.output_size, self.input_size), self.ctx.tp_rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _matmul(self, x, None)  # (T, output_size), this rank's partial sum

@@ -136,7 +136,7 @@ class FusedMoE(nn.Module):
     Args:
         num_experts: ``E``.
         hidden_size: ``H``.
-        intermediate_size: ``I``, one expert's full intermediate width; must divide by ``world_size``.
+        intermediate_size: ``I``, one expert's full intermediate width; must divide by ``tp_size``.
         ctx: the tensor-parallel group.
         dtype: parameter and activation dtype.
         quantization: must be None: ``--quantization int8`` is refused for expert weights.
@@ -158,7 +158,7 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.intermediate_size_per_partition = _divide(intermediate_size, ctx.world_size, "moe_intermediate_size")
+        self.intermediate_size_per_partition = _divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
         local = self.intermediate_size_per_partition
         self.gate_up_proj = new_parameter((num_experts, 2 * local, hidden_size), dtype, ctx.device, self.weight_loader)
         self.down_proj = new_parameter((num_experts, hidden_size, local), dtype, ctx.device, self.weight_loader)
@@ -173,7 +173,7 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy this rank's slice of expert ``e``'s gate/up rows or down columns; ``shard_id = (e, kind)``."""
         local, full = self.intermediate_size_per_partition, self.intermediate_size
-        start = self.ctx.rank * local
+        start = self.ctx.tp_rank * local
         expert, kind = shard_id  # type: ignore[misc]
         if kind == "down":
             check_shape(source, (self.hidden_size, full))

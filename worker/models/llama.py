@@ -164,7 +164,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device) if head else None
         # One rank of Llama's own layers on a float32 CPU: a decode step runs the whole stack as one
         # compiled call (the same kernels as the modules, without the Python between them).
-        self.decode_stack = (DecodeStack(self.layers) if ctx.world_size == 1 and layers
+        self.decode_stack = (DecodeStack(self.layers) if ctx.tp_size == 1 and layers
                              and all(getattr(layer, "decode_block", False) for layer in layers) else None)
 
     def forward(
