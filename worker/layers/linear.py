@@ -38,10 +38,16 @@ from worker.layers.weights import CheckpointSource, load_fused, new_parameter
 from worker.parallel_state import ParallelContext
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator // denominator``, the per-rank share of a size ``what`` split across ``denominator`` ranks.
+
+    Raises ValueError when it does not split evenly (the config names the size and the parallel size)."""
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
+
+
+_divide = divide  # this module's call sites' name (public ``divide`` is what other modules import)
 
 
 def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpserve.quantization import Quantization
-from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _divide
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from worker.layers.linear import divide as _divide
 from worker.layers.moe_experts import grouped_experts
 from worker.layers.norm import SiluAndMul
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
