@@ -152,7 +152,7 @@ def _is_test_module(module: str) -> bool:
     return module.rpartition(".")[2].startswith("test_")
 
 
-def test_modules_imported_by(source: str, module: str) -> list[str]:
+def imported_test_modules(source: str, module: str) -> list[str]:
     """The test modules that ``source`` (the text of test module or helper ``module``) imports, sorted."""
     found = set()
     for name in imports_in(source, module):
@@ -190,17 +190,17 @@ def test_the_checker_finds_a_test_module_imported_by_another() -> None:
               "def f():\n    from .test_abort_races import ScriptedGroup\n"
               "from tests.coordinator import test_spec_decode\n"
               "from tests.coordinator.fakes import FakeRankGroup\nfrom tests.e2e.cluster import SharedServers\n")
-    assert test_modules_imported_by(source, "tests.coordinator.test_probe") == [
+    assert imported_test_modules(source, "tests.coordinator.test_probe") == [
         "tests.coordinator.test_abort_races", "tests.coordinator.test_engine_overlap",
         "tests.coordinator.test_spec_decode"]
-    assert test_modules_imported_by("from tests.coordinator.fakes import FakeRankGroup\n",
+    assert imported_test_modules("from tests.coordinator.fakes import FakeRankGroup\n",
                                     "tests.coordinator.test_probe") == []
 
 
 def test_no_test_module_imports_another_test_module() -> None:
     broken = {}
     for path in sorted((ROOT / "tests").rglob("*.py")):
-        bad = test_modules_imported_by(path.read_text(), _module_name(path))
+        bad = imported_test_modules(path.read_text(), _module_name(path))
         if bad:
             broken[str(path.relative_to(ROOT))] = bad
     assert not broken, f"test modules imported by other modules (move the helpers to a non-test module): {broken}"

@@ -18,27 +18,9 @@ from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
-from coordinator.worker_client import WorkerGroupError
+from tests.coordinator.fakes import FakeGroup
 from tpserve.embedded_model import default_model_dir
-from tpserve.step import SamplingParams, StepPlan, StepResult
-
-
-class FakeGroup:
-    """Answers steps with token 7 for every sampled chunk; fails the steps numbered in ``fail_at``."""
-
-    def __init__(self, fail_at: set[int] = frozenset()) -> None:
-        self.fail_at = set(fail_at)
-        self.steps = 0
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        self.steps += 1
-        await asyncio.sleep(0)
-        if self.steps in self.fail_at:
-            raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
-        return StepResult(plan.step_id, tuple(7 for c in plan.scheduled if c.sample))
-
-    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
-        return asyncio.ensure_future(self.execute(plan))
+from tpserve.step import SamplingParams
 
 
 def _engine(first: FakeGroup, restarted: FakeGroup, restarts: list[str]) -> Engine:

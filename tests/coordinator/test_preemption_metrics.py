@@ -17,8 +17,7 @@ from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
-from tests.coordinator.test_engine_recovery import FakeGroup
-from tests.coordinator.test_spec_decode import make_seq
+from tests.coordinator.fakes import FakeGroup, make_seq
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import SamplingParams
 
