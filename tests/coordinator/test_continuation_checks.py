@@ -44,11 +44,6 @@ FORMATS = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
-
-
-@pytest.fixture(scope="module")
 def llg(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     """Tokens as a grammar-constrained sampler produces them (no leading space, no BOS)."""
     return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=VOCAB_SIZE)

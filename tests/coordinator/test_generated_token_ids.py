@@ -19,18 +19,12 @@ from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.embedded_model import default_model_dir
 from tpserve.step import StepPlan, StepResult
 from tpserve.v1 import generate_pb2 as pb
 
 VOCAB_SIZE = 1024  # the embedded model's tokenizer
 MAX_MODEL_LEN = 128
 PROMPT = [1, 5, 6, 8]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 def _request(generated, max_tokens: int | None = 8, **sampling) -> pb.GenerateRequest:

@@ -22,17 +22,11 @@ from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.embedded_model import default_model_dir
 from tpserve.step import SampleLogprobs, StepPlan, StepResult
 from tpserve.v1 import generate_pb2 as pb
 
 PROMPT = [1, 5, 6, 8]
 NUM_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 def _output(text: str, token_ids: list[int], finish=None, completion=0, logprobs=(), prompt_logprobs=()):

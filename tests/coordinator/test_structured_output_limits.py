@@ -36,11 +36,6 @@ def three_way_all_of(num: int) -> dict:
         for j in range(3)]} for i in range(num)]}
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
-
-
 def request(response_format: pb.ResponseFormat, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 5, 6]),
                               sampling_params=pb.SamplingParams(response_format=response_format, **sampling))
