@@ -54,7 +54,7 @@ def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
     """The checkpoint shards every parameter of ``layer`` expects (bias and scale: one per weight shard)."""
     for param in (layer.weight, layer.bias, layer.weight_scale):
         if param is not None:
-            param.shard_ids = shard_ids  # type: ignore[attr-defined]
+            param.shard_ids = shard_ids
 
 
 def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -219,7 +219,7 @@ class ReplicatedGate(nn.Module):
     def __init__(self, hidden_size: int, output_size: int, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = new_parameter((output_size, hidden_size), dtype, ctx.device)
-        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+        self.weight.shard_ids = (None,)
 
 
 class SparseMoeBlock(nn.Module):
