@@ -35,7 +35,7 @@ from coordinator.server import GenerationServicer
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
 from coordinator.vllm_engine_service import VllmEngineServicer
-from tests.coordinator.fakes import MAX_MODEL_LEN, PROMPT, VOCAB_SIZE, ScriptedGroup
+from tests.coordinator.fakes import MAX_MODEL_LEN, PROMPT, VOCAB_SIZE, FakeRankGroup
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import SamplingParams
 from tpserve.v1 import generate_pb2 as pb
@@ -45,10 +45,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _engine(max_num_seqs: int = 8, max_queue_len: int = 64, num_blocks: int = 1024,
-            **group_args) -> tuple[Engine, ScriptedGroup]:
+            **group_args) -> tuple[Engine, FakeRankGroup]:
     scheduler = Scheduler(BlockAllocator(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                           enable_prefix_caching=True)
-    group = ScriptedGroup(**group_args)
+    group = FakeRankGroup(**{"step_s": 0.002, **group_args})
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     return Engine(scheduler, group, tokenizer, MAX_MODEL_LEN, max_queue_len, Metrics()), group
 

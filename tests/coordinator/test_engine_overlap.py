@@ -17,7 +17,8 @@ from coordinator import metrics as metrics_module
 from coordinator.engine_state import EngineState
 from coordinator.sequence import FinishReason
 from coordinator.worker_client import WorkerGroupError
-from tests.coordinator.overlap_engine import SCRIPT, ScriptedGroup, _engine, _params, _run
+from tests.coordinator.fakes import FakeRankGroup
+from tests.coordinator.overlap_engine import SCRIPT, _engine, _params, _run
 from tpserve.step import StepPlan, StepResult
 
 
@@ -93,16 +94,16 @@ def test_a_step_of_a_replaced_group_that_fails_late_does_not_fail_the_restarted_
     """The group is lost and restarted while a step is in flight on it; that step's failure,
     arriving after the restart, is void: the requests finish on the new group, token-exact."""
     engine, old, _ = _engine()
-    new = ScriptedGroup(engine.scheduler)
+    new = FakeRankGroup(scheduler=engine.scheduler)
 
-    class Lost(ScriptedGroup):
+    class Lost(FakeRankGroup):
         async def _run(self, plan: StepPlan) -> StepResult:
             if plan.step_id < 2:
                 return await super()._run(plan)
             await asyncio.sleep(0.05)
             raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
 
-    lost = Lost(engine.scheduler)
+    lost = Lost(scheduler=engine.scheduler)
     engine.workers = lost
 
     def restart(plan: StepPlan) -> None:

@@ -12,12 +12,10 @@ import grpc
 from coordinator.block_allocator import BlockAllocator
 from coordinator.engine import Engine
 from coordinator.errors import ErrorInterceptor
-from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.server import GenerationServicer
-from coordinator.tokenizer import Tokenizer
-from tests.coordinator.fakes import MAX_MODEL_LEN, PROMPT, VOCAB_SIZE, ScriptedGroup
-from tpserve.embedded_model import default_model_dir
+from tests.coordinator import fakes
+from tests.coordinator.fakes import MAX_MODEL_LEN, PROMPT, VOCAB_SIZE, FakeRankGroup
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -25,11 +23,11 @@ MODEL_NAME = "tiny"
 
 
 def make_engine(max_num_seqs: int = 8, num_blocks: int = 1024, **group_args) -> Engine:
-    """A real engine (blocks of 4 tokens, prefix caching) over a ScriptedGroup."""
+    """A real engine (blocks of 4 tokens, prefix caching) over a FakeRankGroup (SCRIPT, 2 ms a step)."""
     scheduler = Scheduler(BlockAllocator(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                           enable_prefix_caching=True)
-    return Engine(scheduler, ScriptedGroup(**group_args), Tokenizer.from_pretrained(default_model_dir()),
-                  MAX_MODEL_LEN, 64, Metrics())
+    return fakes.make_engine(group=FakeRankGroup(**{"step_s": 0.002, **group_args}), scheduler=scheduler,
+                       max_model_len=MAX_MODEL_LEN, max_queue_len=64)
 
 
 @contextlib.asynccontextmanager
