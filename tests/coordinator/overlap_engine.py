@@ -9,8 +9,7 @@ from coordinator.engine import Engine
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
 from coordinator.validation import GenerateParams
-from tests.coordinator.fakes import FakeRankGroup, make_engine
-from tpserve.step import SamplingParams
+from tests.coordinator.fakes import FakeRankGroup, make_engine, make_params
 
 # " the cat sat on the mat and ran away" in the embedded model's vocabulary.
 SCRIPT = [315, 322, 344, 365, 973, 619, 322, 357, 365, 352, 844, 318, 994]
@@ -24,7 +23,7 @@ def _engine(**group_args) -> tuple[Engine, FakeRankGroup, Metrics]:
 
 
 def _params(request_id: str, max_tokens: int, stop: tuple[str, ...] = ()) -> GenerateParams:
-    return GenerateParams(request_id, PROMPT, max_tokens, SamplingParams(temperature=0.0), stop, frozenset(), True)
+    return make_params(request_id=request_id, prompt=PROMPT, max_tokens=max_tokens, stop=stop)
 
 
 async def _collect(engine: Engine, params: GenerateParams) -> list:

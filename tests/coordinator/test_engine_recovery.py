@@ -14,8 +14,7 @@ import pytest
 from coordinator.engine import Engine
 from coordinator.errors import TpserveError, UnavailableError
 from coordinator.validation import GenerateParams
-from tests.coordinator.fakes import FakeRankGroup, constant, make_engine
-from tpserve.step import SamplingParams
+from tests.coordinator.fakes import FakeRankGroup, constant, make_engine, make_params
 
 
 def _engine(first: FakeRankGroup, restarted: FakeRankGroup, restarts: list[str]) -> Engine:
@@ -32,7 +31,7 @@ def _engine(first: FakeRankGroup, restarted: FakeRankGroup, restarts: list[str])
 
 
 def _params(n: int) -> GenerateParams:
-    return GenerateParams("", [1, 5, 6, 8], n, SamplingParams(temperature=0.0), (), frozenset(), True)
+    return make_params(prompt=[1, 5, 6, 8], max_tokens=n)
 
 
 async def _collect(engine: Engine, n: int) -> list[int]:

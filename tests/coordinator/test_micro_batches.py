@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from coordinator.engine import Engine
-from coordinator.validation import GenerateParams
-from tests.coordinator.fakes import FakeRankGroup, make_engine
-from tpserve.step import SamplingParams
+from tests.coordinator.fakes import FakeRankGroup, make_engine, make_params
 
 PROMPT = [1, 5, 6, 8]
 
@@ -41,7 +39,7 @@ def _engine(group: FakeRankGroup, restarted: FakeRankGroup | None = None, depth:
 
 async def _collect(engine: Engine, n: int) -> list[int]:
     tokens: list[int] = []
-    params = GenerateParams("", PROMPT, n, SamplingParams(temperature=0.0), (), frozenset(), True)
+    params = make_params(prompt=PROMPT, max_tokens=n)
     async for out in engine.generate(params):
         tokens.extend(out.token_ids)
     return tokens

@@ -14,9 +14,7 @@ from structlog.testing import capture_logs
 from coordinator.block_allocator import BlockAllocator
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
-from coordinator.validation import GenerateParams
-from tests.coordinator.fakes import FakeRankGroup, constant, make_engine, make_seq
-from tpserve.step import SamplingParams
+from tests.coordinator.fakes import FakeRankGroup, constant, make_engine, make_params, make_seq
 
 PROMPT = [1, 5, 6, 8]
 
@@ -28,7 +26,7 @@ def test_each_preemption_is_counted_and_logged_without_the_prompt() -> None:
     engine = make_engine(group=FakeRankGroup(sample=constant(7)), scheduler=scheduler, max_model_len=64, metrics=metrics)
 
     async def collect(request_id: str) -> list[int]:
-        params = GenerateParams(request_id, PROMPT, 12, SamplingParams(temperature=0.0), (), frozenset(), True)
+        params = make_params(request_id=request_id, prompt=PROMPT, max_tokens=12)
         return [t for out in [o async for o in engine.generate(params)] for t in out.token_ids]
 
     async def run() -> list[list[int]]:
