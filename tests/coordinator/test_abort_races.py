@@ -26,16 +26,14 @@ from coordinator.block_allocator import BlockAllocator
 from coordinator.engine import Engine
 from coordinator.errors import ErrorInterceptor
 from coordinator.grammar_compiler import GrammarCompiler
-from coordinator.metrics import Metrics
 from coordinator.parallel_sampling import generate_n
 from coordinator.request_table import MAX_ABORT_IDS
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason
 from coordinator.server import GenerationServicer
-from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
 from coordinator.vllm_engine_service import VllmEngineServicer
-from tests.coordinator.fakes import MAX_MODEL_LEN, PROMPT, VOCAB_SIZE, FakeRankGroup
+from tests.coordinator.fakes import MAX_MODEL_LEN, PROMPT, VOCAB_SIZE, FakeRankGroup, make_engine
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import SamplingParams
 from tpserve.v1 import generate_pb2 as pb
@@ -49,8 +47,7 @@ def _engine(max_num_seqs: int = 8, max_queue_len: int = 64, num_blocks: int = 10
     scheduler = Scheduler(BlockAllocator(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                           enable_prefix_caching=True)
     group = FakeRankGroup(**{"step_s": 0.002, **group_args})
-    tokenizer = Tokenizer.from_pretrained(default_model_dir())
-    return Engine(scheduler, group, tokenizer, MAX_MODEL_LEN, max_queue_len, Metrics()), group
+    return make_engine(group=group, scheduler=scheduler, max_model_len=MAX_MODEL_LEN, max_queue_len=max_queue_len), group
 
 
 @contextlib.asynccontextmanager
