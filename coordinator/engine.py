@@ -446,7 +446,7 @@ class Engine:
         state = self._states.get(seq.seq_id)
         if state is None:
             return
-        prompt_logprobs = ()
+        prompt_logprobs: tuple = ()
         if state.first_token_time is None:
             state.first_token_time = now
             self.metrics.time_to_first_token.observe(now - state.arrival_time)

@@ -97,6 +97,7 @@ class RequestOutputCollector:
                 self._waiter = None
         pending = self._pending
         if not pending:
+            assert self._error is not None  # the wait above ends on an output or on an error
             raise self._error
         self._pending, self._num_tokens, self._started, self._ready = [], 0, True, False
         return pending[0] if len(pending) == 1 else merge_outputs(pending)

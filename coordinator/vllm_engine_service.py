@@ -44,6 +44,7 @@ from coordinator import tracing
 from coordinator.engine import Engine
 from coordinator.errors import UnavailableError
 from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
+from coordinator.logprobs import TokenLogprob
 from coordinator.output_collector import UNARY
 from coordinator.parallel_sampling import generate_n
 from coordinator.scheduler import Scheduler
@@ -130,9 +131,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
         num_prompt_logprobs = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else 0
         prompt = params.prompt_token_ids
-        token_ids = [[] for _ in range(n)]
-        logprobs = [[] for _ in range(n)]
-        prompt_logprobs = [[] for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        prompt_logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         completes = {}
         # Not streamed: each sample's handler is woken once, at its end (coordinator/output_collector.py).
         interval = None if request.stream else UNARY

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from coordinator.tokenizer import Tokenizer
     from tests.e2e.cluster import SharedServers
 
 #: Shared servers kept running at once (tests/e2e/cluster.py:SharedServers). Four hold every
@@ -32,6 +33,25 @@ def _one_cpu_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """The embedded test model's tokenizer (tpserve/embedded_model.py), a fresh one for each test module (its
+    memos start empty there, as tests that count memo hits expect)."""
+    from coordinator.tokenizer import Tokenizer
+    from tpserve.embedded_model import default_model_dir
+
+    return Tokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def stories_tokenizer() -> Tokenizer:
+    """The stories260k checkpoint's tokenizer (SentencePiece BPE with byte fallback), one for each test module."""
+    from coordinator.tokenizer import Tokenizer
+    from tests.paths import STORIES_DIR
+
+    return Tokenizer.from_pretrained(STORIES_DIR)
 
 
 @pytest.fixture(scope="session")

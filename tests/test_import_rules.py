@@ -141,3 +141,90 @@ print(json.dumps({{"code": code, "modules": sorted(m for m in sys.modules if m.s
     assert "launch.headless" in result["modules"]  # the node did run
     leaked = [m for m in result["modules"] if m.split(".")[0] in ("coordinator", "worker", "torch")]
     assert not leaked, f"a headless node loaded {leaked}"
+
+
+# --- No test module imports another; no runtime module imports another module's private name -------------
+
+
+def _is_test_module(module: str) -> bool:
+    """A test module: its last part starts with ``test_`` (pytest collects it). Helpers that tests share live
+    in modules that do not (tests/coordinator/fakes.py, tests/e2e/cluster.py, tests/tiny_models.py, conftest.py)."""
+    return module.rpartition(".")[2].startswith("test_")
+
+
+def imported_test_modules(source: str, module: str) -> list[str]:
+    """The test modules that ``source`` (the text of test module or helper ``module``) imports, sorted."""
+    found = set()
+    for name in imports_in(source, module):
+        parts = name.split(".")
+        # `from tests.coordinator.test_x import helper` names tests.coordinator.test_x.helper: any part counts
+        found.update(".".join(parts[:i + 1]) for i, part in enumerate(parts)
+                     if part.startswith("test_") and parts[0] == "tests")
+    return sorted(found - {module})
+
+
+def private_imports_in(source: str, module: str, is_package: bool = False) -> list[str]:
+    """``from X import _y`` in ``source`` (the text of ``module``) where X is another module: neither
+    ``module`` itself nor a package that holds it (a package's private submodules and names are its own)."""
+    package = module if is_package else module.rpartition(".")[0]
+    own = {module} | {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            parts = package.split(".")
+            prefix = ".".join(parts[:len(parts) - node.level + 1])
+            name = f"{prefix}.{node.module}" if node.module else prefix
+        else:
+            name = node.module or ""
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__") and name not in own:
+                found.append(f"{name}.{alias.name}")
+    return sorted(found)
+
+
+def test_the_checker_finds_a_test_module_imported_by_another() -> None:
+    """Synthetic violations, absolute, relative and lazy: each is caught; a helper module is not one."""
+    source = ("from tests.coordinator.test_engine_overlap import _engine\n"
+              "def f():\n    from .test_abort_races import ScriptedGroup\n"
+              "from tests.coordinator import test_spec_decode\n"
+              "from tests.coordinator.fakes import FakeRankGroup\nfrom tests.e2e.cluster import SharedServers\n")
+    assert imported_test_modules(source, "tests.coordinator.test_probe") == [
+        "tests.coordinator.test_abort_races", "tests.coordinator.test_engine_overlap",
+        "tests.coordinator.test_spec_decode"]
+    assert imported_test_modules("from tests.coordinator.fakes import FakeRankGroup\n",
+                                    "tests.coordinator.test_probe") == []
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    broken = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        bad = imported_test_modules(path.read_text(), _module_name(path))
+        if bad:
+            broken[str(path.relative_to(ROOT))] = bad
+    assert not broken, f"test modules imported by other modules (move the helpers to a non-test module): {broken}"
+
+
+def test_the_checker_finds_a_private_name_imported_from_another_module() -> None:
+    source = ("from coordinator.engine import Engine, _drain\n"
+              "def f():\n    from .scheduler import _Waiting\n"
+              "from coordinator.metrics import Metrics\nfrom coordinator.probe import _own\n"
+              "from coordinator import _package_private\n")
+    assert private_imports_in(source, "coordinator.probe") == ["coordinator.engine._drain",
+                                                               "coordinator.scheduler._Waiting"]
+    assert private_imports_in("from . import _lib\n", "worker.kernels.triton") == []  # its own package's
+    assert private_imports_in("from .cpu import _lib\n", "worker.kernels", is_package=True) == [
+        "worker.kernels.cpu._lib"]
+    assert private_imports_in("from worker.kernels.cpu import _lib\n", "worker.kernels.triton") == [
+        "worker.kernels.cpu._lib"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_runtime_module_imports_another_modules_private_name(package: str) -> None:
+    broken = {}
+    for path in _sources(package):
+        bad = private_imports_in(path.read_text(), _module_name(path), is_package=path.name == "__init__.py")
+        if bad:
+            broken[str(path.relative_to(ROOT))] = bad
+    assert not broken, f"{package} imports other modules' private names: {broken}"

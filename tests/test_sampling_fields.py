@@ -18,11 +18,9 @@ import pytest
 
 from coordinator.errors import InvalidArgumentError
 from coordinator.parallel_sampling import num_samples
-from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
 from tpserve.cli import build_parser
 from tpserve.client import Client, build_request
-from tpserve.embedded_model import default_model_dir
 from tpserve.sampling_fields import FIELDS, FIELDS_BY_NAME, SamplingField
 from tpserve.step import NewSequence, SamplingParams, StepPlan
 from tpserve.step_pb import plan_from_pb, plan_to_pb
@@ -68,11 +66,6 @@ def _public(spec: SamplingField, value) -> pb.SamplingParams | None:
             pb.SamplingParams(max_tokens=value)
     except (ValueError, TypeError):  # an unsigned field cannot carry a negative value: nothing to check
         return None
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 @pytest.mark.parametrize("spec", RANGED, ids=lambda f: f.name)

@@ -242,9 +242,9 @@ class SpeculativeConfig(_Frozen):
     def lookup_range(self) -> tuple[int, int]:
         """``(prompt_lookup_min, prompt_lookup_max)`` with vLLM's defaults filled in."""
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            return 5, 5
-        return (low if low is not None else high), (high if high is not None else low)
+        if low is None:
+            return (5, 5) if high is None else (high, high)
+        return low, (high if high is not None else low)
 
 
 class ServerConfig(_Frozen):

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from coordinator.metrics import Metrics
-from tests.cluster.test_k8s import by_kind, render, strict
+from tests.cluster.k8s import by_kind, render, strict
 
 #: PromQL's metric names (colons allowed) followed by a label selector or a bracket.
 METRIC_IN_QUERY = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[{\[]")

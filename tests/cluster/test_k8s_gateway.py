@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_k8s import by_kind, pod_templates, rendered  # noqa: F401 - the fixture
+from tests.cluster.k8s import by_kind, pod_templates
 
 
 def gateway(docs: list[dict]) -> dict:
@@ -29,7 +29,7 @@ def flag(args: list[str], name: str) -> list[str]:
     raise KeyError(name)
 
 
-def test_the_gateway_command_line_parses_with_smgs_own_parser(rendered) -> None:  # noqa: F811
+def test_the_gateway_command_line_parses_with_smgs_own_parser(rendered) -> None:
     launch_router = pytest.importorskip("smg.launch_router", reason="smg is not installed (pip install tpserve[gateway])")
     (container,) = gateway(rendered[1])["spec"]["template"]["spec"]["containers"]
     args = [a.replace("$(POD_NAMESPACE)", "default") for a in container["args"]]
@@ -40,7 +40,7 @@ def test_the_gateway_command_line_parses_with_smgs_own_parser(rendered) -> None:
     assert {e["name"] for e in container["env"]} == {"POD_NAMESPACE"}
 
 
-def test_the_gateway_discovers_exactly_the_api_pods_on_their_grpc_port(rendered) -> None:  # noqa: F811
+def test_the_gateway_discovers_exactly_the_api_pods_on_their_grpc_port(rendered) -> None:
     docs = rendered[1]
     (container,) = gateway(docs)["spec"]["template"]["spec"]["containers"]
     selector = dict(pair.split("=") for pair in flag(container["args"], "selector"))
@@ -53,7 +53,7 @@ def test_the_gateway_discovers_exactly_the_api_pods_on_their_grpc_port(rendered)
     assert ports == {int(flag(container["args"], "service-discovery-port")[0])}
 
 
-def test_the_gateway_may_watch_pods_in_its_namespace_and_nothing_more(rendered) -> None:  # noqa: F811
+def test_the_gateway_may_watch_pods_in_its_namespace_and_nothing_more(rendered) -> None:
     docs = rendered[1]
     account = gateway(docs)["spec"]["template"]["spec"]["serviceAccountName"]
     (binding,) = by_kind(docs, "RoleBinding")

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.cluster.test_k8s import OVERLAYS, render
+from tests.cluster.k8s import OVERLAYS, render
 from tests.paths import REPO_ROOT
 
 REGISTRY = "registry.example.com/llm"

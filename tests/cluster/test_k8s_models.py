@@ -20,7 +20,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.cluster.test_k8s import LAYOUTS, MODEL_PVC_OVERLAYS, by_kind, parse_container, pod_templates, render
+from tests.cluster.k8s import LAYOUTS, MODEL_PVC_OVERLAYS, by_kind, parse_container, pod_templates, render
 from tests.paths import REPO_ROOT
 from tpserve.model_config import ModelConfig
 from worker.kv_cache import KVCacheLayout

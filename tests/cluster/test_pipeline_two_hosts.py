@@ -18,11 +18,25 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.hosts import (LEADER_IP, LEADER_PUBLIC_IP, descendants, netns_unavailable, serve_argv,
-                                 stop_process_group, two_hosts)
-from tests.cluster.test_two_hosts import (MASTER_PORT, PUBLIC_PORT, START_TIMEOUT_S, STEP_TIMEOUT_S, Group,
-                                          check_a_killed_rank_fails_the_requests_and_stops_the_group, check_goldens_alone,
-                                          check_goldens_sixteen_at_once)
+from tests.cluster.hosts import (
+    LEADER_IP,
+    LEADER_PUBLIC_IP,
+    descendants,
+    netns_unavailable,
+    serve_argv,
+    stop_process_group,
+    two_hosts,
+)
+from tests.cluster.two_hosts import (
+    MASTER_PORT,
+    PUBLIC_PORT,
+    START_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    Group,
+    check_a_killed_rank_fails_the_requests_and_stops_the_group,
+    check_goldens_alone,
+    check_goldens_sixteen_at_once,
+)
 from tests.paths import STORIES_DIR, requires_stories
 from tpserve.client import Client
 from tpserve.stream_move import MovePolicy

@@ -17,7 +17,7 @@ from contextlib import ExitStack, suppress
 import grpc
 import pytest
 
-from tests.cluster.test_two_hosts import SERVICE_LINK_ENV, assert_matches_golden
+from tests.cluster.two_hosts import SERVICE_LINK_ENV, assert_matches_golden
 from tests.e2e.cluster import RunningCluster, serve
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 from tpserve.client import AsyncClient, Client

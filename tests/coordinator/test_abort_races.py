@@ -26,65 +26,28 @@ from coordinator.block_allocator import BlockAllocator
 from coordinator.engine import Engine
 from coordinator.errors import ErrorInterceptor
 from coordinator.grammar_compiler import GrammarCompiler
-from coordinator.metrics import Metrics
 from coordinator.parallel_sampling import generate_n
 from coordinator.request_table import MAX_ABORT_IDS
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason
 from coordinator.server import GenerationServicer
-from coordinator.tokenizer import Tokenizer
-from coordinator.vllm_engine_service import VllmEngineServicer
-from tpserve.embedded_model import default_model_dir
 from coordinator.validation import GenerateParams
-from tpserve.step import SamplingParams, StepPlan, StepResult
+from coordinator.vllm_engine_service import VllmEngineServicer
+from tests.coordinator.fakes import MAX_MODEL_LEN, PROMPT, VOCAB_SIZE, FakeRankGroup, make_engine
+from tpserve.embedded_model import default_model_dir
+from tpserve.step import SamplingParams
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
-# " the cat sat on the mat and ran away" in the embedded model's vocabulary (no eos among them).
-SCRIPT = [315, 322, 344, 365, 973, 619, 322, 357, 365, 352, 844, 318, 994]
-PROMPT = [1, 5, 6, 8, 9, 10, 11, 12, 13, 14]  # 2.5 blocks of 4: samples of one request share two
-VOCAB_SIZE, MAX_MODEL_LEN = 1024, 4096
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class ScriptedGroup:
-    """A worker group that samples SCRIPT in order for each sequence, ``step_s`` seconds a step;
-    rank 0 builds a grammar in ``grammar_s`` seconds. Records the sequences it ever ran."""
-
-    def __init__(self, step_s: float = 0.002, grammar_s: float = 0.0, first_step_s: float | None = None) -> None:
-        self.step_s, self.grammar_s = step_s, grammar_s
-        self.first_step_s = step_s if first_step_s is None else first_step_s
-        self.sampled: dict[int, int] = {}  # seq id -> tokens sampled for it so far
-        self.seen: set[int] = set()
-
-    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
-        return asyncio.ensure_future(self._run(plan))
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        return await (await self.submit(plan))
-
-    async def prepare_grammar(self, grammar: str) -> None:
-        await asyncio.sleep(self.grammar_s)
-
-    async def _run(self, plan: StepPlan) -> StepResult:
-        await asyncio.sleep(self.step_s if self.seen else self.first_step_s)
-        tokens = []
-        for chunk in plan.scheduled:
-            self.seen.add(chunk.seq_id)
-            if chunk.sample:
-                index = self.sampled.get(chunk.seq_id, 0)
-                self.sampled[chunk.seq_id] = index + 1
-                tokens.append(SCRIPT[index % len(SCRIPT)])
-        return StepResult(plan.step_id, tuple(tokens))
-
-
 def _engine(max_num_seqs: int = 8, max_queue_len: int = 64, num_blocks: int = 1024,
-            **group_args) -> tuple[Engine, ScriptedGroup]:
+            **group_args) -> tuple[Engine, FakeRankGroup]:
     scheduler = Scheduler(BlockAllocator(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                           enable_prefix_caching=True)
-    group = ScriptedGroup(**group_args)
-    tokenizer = Tokenizer.from_pretrained(default_model_dir())
-    return Engine(scheduler, group, tokenizer, MAX_MODEL_LEN, max_queue_len, Metrics()), group
+    group = FakeRankGroup(**{"step_s": 0.002, **group_args})
+    return make_engine(group=group, scheduler=scheduler, max_model_len=MAX_MODEL_LEN, max_queue_len=max_queue_len), group
 
 
 @contextlib.asynccontextmanager

@@ -19,16 +19,13 @@ from collections.abc import Iterator
 import llguidance
 import pytest
 
-from coordinator.block_allocator import BlockAllocator
-from coordinator.engine import Engine
 from coordinator.errors import InvalidArgumentError
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.metrics import Metrics
-from coordinator.scheduler import Scheduler
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
+from tests.coordinator.fakes import FakeRankGroup, constant, make_engine
 from tpserve.embedded_model import default_model_dir
-from tpserve.step import StepPlan, StepResult
 from tpserve.v1 import generate_pb2 as pb
 
 VOCAB_SIZE = 1024  # the embedded model's tokenizer
@@ -41,11 +38,6 @@ FORMATS = {
     "choices": (pb.ResponseFormat(choices=pb.Choices(choices=["alpha", "beta"])), "alp", "z"),
     "json_schema": (pb.ResponseFormat(json_schema=json.dumps(SCHEMA)), '{"name":"Tom","age":', '"x"'),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -97,25 +89,10 @@ def test_a_forged_first_token_is_refused_at_position_0(tokenizer, llg) -> None:
         validate_request(_request(response_format, story), tokenizer, VOCAB_SIZE, MAX_MODEL_LEN)
 
 
-class RecordingGroup:
-    """Samples token 7 for every sampled chunk and keeps the plans."""
-
-    def __init__(self) -> None:
-        self.plans: list[StepPlan] = []
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        await asyncio.sleep(0)
-        return StepResult(plan.step_id, tuple(7 for c in plan.scheduled if c.sample))
-
-    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
-        return asyncio.ensure_future(self.execute(plan))
-
-
-def _run(tokenizer: Tokenizer, request: pb.GenerateRequest) -> tuple[list, Metrics, RecordingGroup]:
-    metrics, group = Metrics(), RecordingGroup()
-    engine = Engine(Scheduler(BlockAllocator(256, 4), max_num_seqs=8, max_num_batched_tokens=1024), group,
-                    tokenizer, MAX_MODEL_LEN, 16, metrics)
+def _run(tokenizer: Tokenizer, request: pb.GenerateRequest) -> tuple[list, Metrics, FakeRankGroup]:
+    metrics, group = Metrics(), FakeRankGroup(sample=constant(7))
+    engine = make_engine(group=group, num_blocks=256, max_num_batched_tokens=1024, tokenizer=tokenizer,
+                         max_model_len=MAX_MODEL_LEN, metrics=metrics)
     params = validate_request(request, tokenizer, VOCAB_SIZE, MAX_MODEL_LEN)
 
     async def main() -> list:

@@ -34,20 +34,15 @@ def byte_token(value: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(STORIES_DIR)
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer():
     transformers = pytest.importorskip(
         "transformers", reason="transformers is a test dependency (pip install -e '.[test]')")
     return transformers.AutoTokenizer.from_pretrained(STORIES_DIR)
 
 
-def stream(tokenizer: Tokenizer, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> tuple[list[str], str]:
+def stream(stories_tokenizer: Tokenizer, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> tuple[list[str], str]:
     """The deltas of every step, and the flush."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    detok = IncrementalDetokenizer(stories_tokenizer, prompt_ids)
     deltas = [detok.step(t) for t in completion_ids]
     return deltas, detok.flush()
 
@@ -67,24 +62,24 @@ def assert_clean(deltas: list[str]) -> None:
 
 
 @pytest.mark.parametrize("golden", load_goldens(), ids=lambda g: g["prompt"])
-def test_golden_completions(tokenizer: Tokenizer, hf_tokenizer, golden: dict) -> None:
+def test_golden_completions(stories_tokenizer: Tokenizer, hf_tokenizer, golden: dict) -> None:
     prompt_ids, completion_ids = golden["prompt_token_ids"], golden["completion_token_ids"]
-    deltas, tail = stream(tokenizer, prompt_ids, completion_ids)
+    deltas, tail = stream(stories_tokenizer, prompt_ids, completion_ids)
     assert "".join(deltas) + tail == golden["text"]
     assert tail == ""  # nothing held at the end of plain text
     assert reference(hf_decoder(hf_tokenizer), prompt_ids, completion_ids) == golden["text"]
     # With eos appended (the engine does not feed it, but if it did it must add nothing).
-    deltas, tail = stream(tokenizer, prompt_ids, [*completion_ids, EOS])
+    deltas, tail = stream(stories_tokenizer, prompt_ids, [*completion_ids, EOS])
     assert deltas[-1] == "" and "".join(deltas) + tail == golden["text"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("text", TEXTS)
-def test_unicode_streams_never_emit_broken_characters(tokenizer: Tokenizer, hf_tokenizer, prompt: str,
+def test_unicode_streams_never_emit_broken_characters(stories_tokenizer: Tokenizer, hf_tokenizer, prompt: str,
                                                       text: str) -> None:
-    prompt_ids = tokenizer.encode(prompt)
-    completion_ids = tokenizer.encode(text)[1:]  # without bos; starts with "▁": a space after a prompt
-    deltas, tail = stream(tokenizer, prompt_ids, completion_ids)
+    prompt_ids = stories_tokenizer.encode(prompt)
+    completion_ids = stories_tokenizer.encode(text)[1:]  # without bos; starts with "▁": a space after a prompt
+    deltas, tail = stream(stories_tokenizer, prompt_ids, completion_ids)
     assert_clean(deltas)
     assert tail == ""
     # A bos-only prompt decodes to "", so the decoder strips the completion's leading space.
@@ -94,24 +89,24 @@ def test_unicode_streams_never_emit_broken_characters(tokenizer: Tokenizer, hf_t
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_every_prompt_split_at_a_character_boundary(tokenizer: Tokenizer, text: str) -> None:
+def test_every_prompt_split_at_a_character_boundary(stories_tokenizer: Tokenizer, text: str) -> None:
     # Splitting one encoding anywhere makes prompts that end in, or whose last few
     # tokens start inside, a run of byte tokens: the first anchor must not start mid-character.
-    ids = tokenizer.encode("Start " + text + " end")
+    ids = stories_tokenizer.encode("Start " + text + " end")
     num_checked = 0
     for k in range(1, len(ids)):
         prompt_ids, completion_ids = ids[:k], ids[k:]
-        if tokenizer.decode(prompt_ids).endswith("\ufffd"):
+        if stories_tokenizer.decode(prompt_ids).endswith("\ufffd"):
             continue  # the prompt ends inside a character: no boundary convention holds
-        deltas, tail = stream(tokenizer, prompt_ids, completion_ids)
+        deltas, tail = stream(stories_tokenizer, prompt_ids, completion_ids)
         assert_clean(deltas)
-        assert "".join(deltas) + tail == reference(tokenizer.decode, prompt_ids, completion_ids), k
+        assert "".join(deltas) + tail == reference(stories_tokenizer.decode, prompt_ids, completion_ids), k
         num_checked += 1
     assert num_checked > len(text) // 2
 
 
-def test_multibyte_character_is_held_until_complete(tokenizer: Tokenizer) -> None:
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
+def test_multibyte_character_is_held_until_complete(stories_tokenizer: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(stories_tokenizer, stories_tokenizer.encode("Hi"))
     assert detok.step(410) == " "  # "▁"
     assert [detok.step(byte_token(b)) for b in "日".encode()] == ["", "", "日"]
     assert detok.num_held_tokens == 0
@@ -120,30 +115,30 @@ def test_multibyte_character_is_held_until_complete(tokenizer: Tokenizer) -> Non
     assert detok.step(byte_token("🙂".encode()[3])) == "🙂"
 
 
-def test_truncated_bytes_flush_as_replacement_characters(tokenizer: Tokenizer) -> None:
-    prompt_ids = tokenizer.encode("ab")
+def test_truncated_bytes_flush_as_replacement_characters(stories_tokenizer: Tokenizer) -> None:
+    prompt_ids = stories_tokenizer.encode("ab")
     truncated = [byte_token(b) for b in "本".encode()[:2]]
-    deltas, tail = stream(tokenizer, prompt_ids, truncated)
+    deltas, tail = stream(stories_tokenizer, prompt_ids, truncated)
     assert deltas == ["", ""]
     assert tail == "\ufffd\ufffd"  # one per byte, as a full decode gives
-    assert "".join(deltas) + tail == reference(tokenizer.decode, prompt_ids, truncated)
+    assert "".join(deltas) + tail == reference(stories_tokenizer.decode, prompt_ids, truncated)
 
 
-def test_truncated_bytes_after_a_complete_character_keep_that_character(tokenizer: Tokenizer) -> None:
+def test_truncated_bytes_after_a_complete_character_keep_that_character(stories_tokenizer: Tokenizer) -> None:
     # A full decode turns the whole byte run (日 + 2 bytes) into 5 U+FFFD; text already
     # streamed cannot be taken back, so only the truncated bytes become U+FFFD.
     completion = [byte_token(b) for b in "日".encode() + "本".encode()[:2]]
-    deltas, tail = stream(tokenizer, tokenizer.encode("ab"), completion)
+    deltas, tail = stream(stories_tokenizer, stories_tokenizer.encode("ab"), completion)
     assert deltas == ["", "", "日", "", ""]
     assert tail == "\ufffd\ufffd"
 
 
-def test_stray_byte_releases_after_bounded_wait(tokenizer: Tokenizer) -> None:
+def test_stray_byte_releases_after_bounded_wait(stories_tokenizer: Tokenizer) -> None:
     # A continuation byte on its own makes the byte run invalid however long it grows:
     # the detokenizer stops waiting after _MAX_HELD_TOKENS and emits U+FFFD, as a full decode does.
     max_held = detok_module._MAX_HELD_TOKENS
-    prompt_ids = tokenizer.encode("ab")
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    prompt_ids = stories_tokenizer.encode("ab")
+    detok = IncrementalDetokenizer(stories_tokenizer, prompt_ids)
     stray_run = [byte_token(0x97)] + [byte_token(b) for b in "日本語".encode()]  # 10 byte tokens
     deltas, num_held = [], []
     for token in stray_run:
@@ -153,28 +148,28 @@ def test_stray_byte_releases_after_bounded_wait(tokenizer: Tokenizer) -> None:
     assert max(num_held) == max_held - 1
     assert detok.step(403) == "\ufffd" * (len(stray_run) - max_held) + " Once"
     assert detok.flush() == ""
-    assert "".join(deltas) + "\ufffd" * 2 + " Once" == reference(tokenizer.decode, prompt_ids, [*stray_run, 403])
+    assert "".join(deltas) + "\ufffd" * 2 + " Once" == reference(stories_tokenizer.decode, prompt_ids, [*stray_run, 403])
 
 
-def test_special_tokens_produce_no_text_and_keep_spacing(tokenizer: Tokenizer) -> None:
-    once, upon = tokenizer.encode("Once upon")[1:]
-    detok = IncrementalDetokenizer(tokenizer, [BOS])
+def test_special_tokens_produce_no_text_and_keep_spacing(stories_tokenizer: Tokenizer) -> None:
+    once, upon = stories_tokenizer.encode("Once upon")[1:]
+    detok = IncrementalDetokenizer(stories_tokenizer, [BOS])
     # bos-only prompt: "Once" starts the text, so no space; eos (ignore_eos) and bos add nothing.
     assert [detok.step(t) for t in (once, EOS, BOS, upon, 0)] == ["Once", "", "", " upon", ""]
     assert detok.flush() == ""
 
 
-def test_empty_prompt_ids(tokenizer: Tokenizer) -> None:
-    once, upon = tokenizer.encode("Once upon")[1:]
-    deltas, tail = stream(tokenizer, [], [once, upon])
+def test_empty_prompt_ids(stories_tokenizer: Tokenizer) -> None:
+    once, upon = stories_tokenizer.encode("Once upon")[1:]
+    deltas, tail = stream(stories_tokenizer, [], [once, upon])
     assert deltas == ["Once", " upon"] and tail == ""
 
 
-def test_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
+def test_prompt_ending_inside_a_character(stories_tokenizer: Tokenizer) -> None:
     # Token-id prompts may end mid-character; the completion's continuation bytes are
     # not text on their own, so they come out as U+FFFD (no delta ends mid-character).
     first, *rest = (byte_token(b) for b in "日".encode())
-    deltas, tail = stream(tokenizer, [*tokenizer.encode("x"), first], [*rest, 403])
+    deltas, tail = stream(stories_tokenizer, [*stories_tokenizer.encode("x"), first], [*rest, 403])
     assert deltas == ["", "\ufffd\ufffd", " Once"] and tail == ""
 
 
@@ -190,23 +185,23 @@ class _CountingTokenizer(Tokenizer):
         return super().decode(ids, skip_special_tokens)
 
 
-def test_cost_per_step_is_bounded_by_the_window(tokenizer: Tokenizer) -> None:
-    counting = _CountingTokenizer(tokenizer)
+def test_cost_per_step_is_bounded_by_the_window(stories_tokenizer: Tokenizer) -> None:
+    counting = _CountingTokenizer(stories_tokenizer)
     golden = load_goldens()[0]
     completion = golden["completion_token_ids"] * 40  # 2,560 tokens
     long_prompt = golden["prompt_token_ids"] + golden["completion_token_ids"] * 8
     detok = IncrementalDetokenizer(counting, long_prompt)
     text = "".join(detok.step(t) for t in completion) + detok.flush()
-    assert text == reference(tokenizer.decode, long_prompt, completion)
+    assert text == reference(stories_tokenizer.decode, long_prompt, completion)
     # Each step decodes the anchor (the last emission) plus held tokens: a few ids, never O(length).
     assert max(counting.window_sizes) <= 2 * detok_module._MAX_HELD_TOKENS
     assert len(counting.window_sizes) <= 2 * len(completion) + 10
 
 
-def test_a_memoized_token_text_is_the_token_decoded_alone(tokenizer: Tokenizer) -> None:
+def test_a_memoized_token_text_is_the_token_decoded_alone(stories_tokenizer: Tokenizer) -> None:
     # decode_token is what the detokenizer's anchors and every logprob's text use: for every id
     # of the vocabulary (bytes, specials, pieces), asked twice (the second from the memo).
     for skip_special_tokens in (True, False):
         for _ in range(2):
-            assert [tokenizer.decode_token(i, skip_special_tokens) for i in range(tokenizer.vocab_size)] == \
-                [tokenizer.decode([i], skip_special_tokens) for i in range(tokenizer.vocab_size)]
+            assert [stories_tokenizer.decode_token(i, skip_special_tokens) for i in range(stories_tokenizer.vocab_size)] == \
+                [stories_tokenizer.decode([i], skip_special_tokens) for i in range(stories_tokenizer.vocab_size)]

@@ -11,37 +11,13 @@ import asyncio
 
 import pytest
 
-from coordinator.block_allocator import BlockAllocator
 from coordinator.engine import Engine
 from coordinator.errors import TpserveError, UnavailableError
-from coordinator.metrics import Metrics
-from coordinator.scheduler import Scheduler
-from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
-from coordinator.worker_client import WorkerGroupError
-from tpserve.embedded_model import default_model_dir
-from tpserve.step import SamplingParams, StepPlan, StepResult
+from tests.coordinator.fakes import FakeRankGroup, constant, make_engine, make_params
 
 
-class FakeGroup:
-    """Answers steps with token 7 for every sampled chunk; fails the steps numbered in ``fail_at``."""
-
-    def __init__(self, fail_at: set[int] = frozenset()) -> None:
-        self.fail_at = set(fail_at)
-        self.steps = 0
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        self.steps += 1
-        await asyncio.sleep(0)
-        if self.steps in self.fail_at:
-            raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
-        return StepResult(plan.step_id, tuple(7 for c in plan.scheduled if c.sample))
-
-    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
-        return asyncio.ensure_future(self.execute(plan))
-
-
-def _engine(first: FakeGroup, restarted: FakeGroup, restarts: list[str]) -> Engine:
+def _engine(first: FakeRankGroup, restarted: FakeRankGroup, restarts: list[str]) -> Engine:
     engine: Engine | None = None
 
     def on_group_failure(reason: str) -> bool:
@@ -50,14 +26,12 @@ def _engine(first: FakeGroup, restarted: FakeGroup, restarts: list[str]) -> Engi
         asyncio.get_running_loop().call_soon(engine.resume, restarted)
         return True
 
-    scheduler = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
-    engine = Engine(scheduler, first, Tokenizer.from_pretrained(default_model_dir()), 128, 16, Metrics(),
-                    on_group_failure=on_group_failure)
+    engine = make_engine(group=first, on_group_failure=on_group_failure)
     return engine
 
 
 def _params(n: int) -> GenerateParams:
-    return GenerateParams("", [1, 5, 6, 8], n, SamplingParams(temperature=0.0), (), frozenset(), True)
+    return make_params(prompt=[1, 5, 6, 8], max_tokens=n)
 
 
 async def _collect(engine: Engine, n: int) -> list[int]:
@@ -70,7 +44,7 @@ async def _collect(engine: Engine, n: int) -> list[int]:
 def test_a_failed_step_restarts_and_every_request_completes() -> None:
     async def run() -> tuple[list[list[int]], list[str], int]:
         restarts: list[str] = []
-        engine = _engine(FakeGroup(fail_at={3}), FakeGroup(), restarts)
+        engine = _engine(FakeRankGroup(sample=constant(7), fail_at={3}), FakeRankGroup(sample=constant(7)), restarts)
         loop = asyncio.create_task(engine.run())
         results = await asyncio.wait_for(asyncio.gather(_collect(engine, 6), _collect(engine, 4)), 10)
         loop.cancel()
@@ -83,7 +57,8 @@ def test_a_failed_step_restarts_and_every_request_completes() -> None:
 def test_a_step_that_fails_right_after_a_restart_fails_the_requests() -> None:
     async def run() -> tuple[BaseException, list[str]]:
         restarts: list[str] = []
-        engine = _engine(FakeGroup(fail_at={2}), FakeGroup(fail_at={1}), restarts)
+        engine = _engine(FakeRankGroup(sample=constant(7), fail_at={2}),
+                         FakeRankGroup(sample=constant(7), fail_at={1}), restarts)
         loop = asyncio.create_task(engine.run())
         with pytest.raises(TpserveError) as info:
             await asyncio.wait_for(_collect(engine, 6), 10)

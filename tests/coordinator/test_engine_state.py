@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.engine_state import TRANSITIONS, EngineState, check_transition
 from coordinator.errors import UnavailableError
-from tests.coordinator.test_engine_overlap import _engine, _params, _run
+from tests.coordinator.overlap_engine import _engine, _params, _run
 
 
 def test_every_state_has_its_moves_and_dead_is_final() -> None:

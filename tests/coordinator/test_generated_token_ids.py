@@ -12,25 +12,16 @@ import asyncio
 
 import pytest
 
-from coordinator.block_allocator import BlockAllocator
 from coordinator.engine import Engine
 from coordinator.errors import InvalidArgumentError
-from coordinator.metrics import Metrics
-from coordinator.scheduler import Scheduler
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.embedded_model import default_model_dir
-from tpserve.step import StepPlan, StepResult
+from tests.coordinator.fakes import FakeRankGroup, constant, make_engine
 from tpserve.v1 import generate_pb2 as pb
 
 VOCAB_SIZE = 1024  # the embedded model's tokenizer
 MAX_MODEL_LEN = 128
 PROMPT = [1, 5, 6, 8]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 def _request(generated, max_tokens: int | None = 8, **sampling) -> pb.GenerateRequest:
@@ -71,24 +62,8 @@ def test_an_eos_in_the_continuation_is_refused_unless_ignore_eos(tokenizer) -> N
                             MAX_MODEL_LEN).generated_token_ids == (30, eos)
 
 
-class RecordingGroup:
-    """Samples token 7 for every sampled chunk and keeps the plans."""
-
-    def __init__(self) -> None:
-        self.plans: list[StepPlan] = []
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        await asyncio.sleep(0)
-        return StepResult(plan.step_id, tuple(7 for c in plan.scheduled if c.sample))
-
-    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
-        return asyncio.ensure_future(self.execute(plan))
-
-
-def _engine(tokenizer: Tokenizer, group: RecordingGroup) -> Engine:
-    scheduler = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
-    return Engine(scheduler, group, tokenizer, MAX_MODEL_LEN, 16, Metrics())
+def _engine(tokenizer: Tokenizer, group: FakeRankGroup) -> Engine:
+    return make_engine(group=group, tokenizer=tokenizer, max_model_len=MAX_MODEL_LEN)
 
 
 async def _run(engine: Engine, params) -> list:
@@ -100,7 +75,7 @@ async def _run(engine: Engine, params) -> list:
 
 
 def test_the_continuation_is_recomputed_as_output_and_counts_towards_max_tokens(tokenizer) -> None:
-    group = RecordingGroup()
+    group = FakeRankGroup(sample=constant(7))
     engine = _engine(tokenizer, group)
     params = validate_request(_request([30, 40], max_tokens=6), tokenizer, VOCAB_SIZE, MAX_MODEL_LEN)
     outputs = asyncio.run(_run(engine, params))
@@ -121,7 +96,7 @@ def test_a_continuation_whose_text_holds_a_stop_string_is_refused(tokenizer) -> 
     tokens = tokenizer.encode("The cat sat down.", parse_special_tokens=False)[1:]
     request = _request(tokens, max_tokens=40, stop=["sat"])
     params = validate_request(request, tokenizer, VOCAB_SIZE, MAX_MODEL_LEN)
-    engine = _engine(tokenizer, RecordingGroup())
+    engine = _engine(tokenizer, FakeRankGroup(sample=constant(7)))
     with pytest.raises(InvalidArgumentError, match="the text of generated_token_ids contains a stop string"):
         asyncio.run(_run(engine, params))
     assert engine.num_requests == 0 and engine.scheduler.allocator.num_free_blocks == 64

@@ -12,27 +12,18 @@ import asyncio
 
 import pytest
 
-from coordinator.block_allocator import BlockAllocator
 from coordinator.engine import Engine, RequestOutput
 from coordinator.errors import DeadlineExceededError, TpserveError
 from coordinator.logprobs import TokenLogprob
-from coordinator.metrics import Metrics
 from coordinator.output_collector import UNARY, RequestOutputCollector, merge_outputs
-from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.embedded_model import default_model_dir
-from tpserve.step import SampleLogprobs, StepPlan, StepResult
+from tests.coordinator.fakes import FakeRankGroup, make_engine
 from tpserve.v1 import generate_pb2 as pb
 
 PROMPT = [1, 5, 6, 8]
 NUM_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 def _output(text: str, token_ids: list[int], finish=None, completion=0, logprobs=(), prompt_logprobs=()):
@@ -69,29 +60,13 @@ def test_the_collector_merges_what_is_pending_and_hands_an_error_over_after_the_
     asyncio.run(scenario())
 
 
-class CountingGroup:
-    """Samples tokens 30, 31, ... (one per sampled chunk per step), with logprobs; each step takes ``step_s``."""
-
-    def __init__(self, step_s: float = 0.0) -> None:
-        self.step_s = step_s
-        self.num_steps = 0
-
-    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
-        """The engine's dispatch (coordinator/worker_client.py WorkerGroup.submit): the step runs in the background."""
-        return asyncio.ensure_future(self.execute(plan))
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        await asyncio.sleep(self.step_s)
-        self.num_steps += 1
-        samples = [c for c in plan.scheduled if c.sample]
-        token_ids = tuple(30 + (self.num_steps % 40) for _ in samples)
-        return StepResult(plan.step_id, token_ids, tuple(
-            SampleLogprobs(i, -0.25, (t,), (-0.25,)) for i, t in enumerate(token_ids)))
+def counting_group(step_s: float = 0.0) -> FakeRankGroup:
+    """Samples 30 + (the step's number % 40) for each sampled chunk, with logprobs; each step takes ``step_s``."""
+    return FakeRankGroup(sample=lambda k, step: 30 + step % 40, logprobs=True, step_s=step_s)
 
 
-def _engine(tokenizer: Tokenizer, group) -> Engine:
-    scheduler = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
-    return Engine(scheduler, group, tokenizer, 128, 16, Metrics())
+def _engine(tokenizer: Tokenizer, group: FakeRankGroup) -> Engine:
+    return make_engine(group=group, tokenizer=tokenizer)
 
 
 def _params(tokenizer: Tokenizer, **fields):
@@ -114,7 +89,7 @@ async def _collect(engine: Engine, params, lag_s: float, timeout_s: float | None
 
 @pytest.mark.parametrize("lag_s", [0.0, 0.01], ids=["keeps-up", "lags"])
 def test_a_lagging_handler_gets_fewer_outputs_with_every_token_text_and_logprob(tokenizer, lag_s) -> None:
-    engine = _engine(tokenizer, CountingGroup())
+    engine = _engine(tokenizer, counting_group())
     outputs = asyncio.run(_collect(engine, _params(tokenizer), lag_s))
     token_ids = [t for out in outputs for t in out.token_ids]
     expected = [30 + (step % 40) for step in range(1, NUM_TOKENS + 1)]
@@ -160,7 +135,7 @@ def test_a_stream_interval_holds_tokens_back_but_never_the_first_output_nor_the_
 
 @pytest.mark.parametrize("interval", [1, 5, UNARY], ids=["every-step", "five", "unary"])
 def test_the_engine_streams_every_token_in_interval_sized_outputs(tokenizer, interval) -> None:
-    engine = _engine(tokenizer, CountingGroup())
+    engine = _engine(tokenizer, counting_group())
 
     async def collect() -> list[RequestOutput]:
         loop = asyncio.create_task(engine.run())
@@ -183,7 +158,7 @@ def test_the_engine_streams_every_token_in_interval_sized_outputs(tokenizer, int
 
 
 def test_the_deadline_ends_the_request_and_frees_its_blocks(tokenizer) -> None:
-    engine = _engine(tokenizer, CountingGroup(step_s=0.02))
+    engine = _engine(tokenizer, counting_group(step_s=0.02))
     with pytest.raises(DeadlineExceededError, match="deadline of 0.100 s exceeded"):
         asyncio.run(_collect(engine, _params(tokenizer), 0.0, timeout_s=0.1))
     assert engine.scheduler.allocator.num_free_blocks == 64 and engine.num_requests == 0

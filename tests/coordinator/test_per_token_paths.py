@@ -12,8 +12,6 @@ from __future__ import annotations
 import pytest
 
 from coordinator import tokenizer as tokenizer_module
-from coordinator.tokenizer import Tokenizer
-from tpserve.embedded_model import default_model_dir
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from tpserve.step_pb import plan_from_pb, plan_to_pb
 from tpserve.v1 import worker_pb2 as pb
@@ -70,11 +68,6 @@ def test_the_chunk_messages_alone_still_decode() -> None:
 def test_malformed_decode_columns_are_refused(columns, match) -> None:
     with pytest.raises(ValueError, match=match):
         plan_from_pb(pb.StepPlan(step_id=9, **columns))
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 def test_decode_pair_equals_the_tokenizers_decode_and_starts_over_when_full(tokenizer, monkeypatch) -> None:

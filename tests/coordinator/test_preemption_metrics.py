@@ -12,15 +12,9 @@ from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
 from coordinator.block_allocator import BlockAllocator
-from coordinator.engine import Engine
 from coordinator.metrics import Metrics
 from coordinator.scheduler import Scheduler
-from coordinator.tokenizer import Tokenizer
-from coordinator.validation import GenerateParams
-from tests.coordinator.test_engine_recovery import FakeGroup
-from tests.coordinator.test_spec_decode import make_seq
-from tpserve.embedded_model import default_model_dir
-from tpserve.step import SamplingParams
+from tests.coordinator.fakes import FakeRankGroup, constant, make_engine, make_params, make_seq
 
 PROMPT = [1, 5, 6, 8]
 
@@ -29,10 +23,10 @@ def test_each_preemption_is_counted_and_logged_without_the_prompt() -> None:
     metrics = Metrics()
     # 6 blocks of 4 tokens; three requests of 4 + 12 tokens (4 blocks each) cannot all run.
     scheduler = Scheduler(BlockAllocator(6, 4), max_num_seqs=8, max_num_batched_tokens=64)
-    engine = Engine(scheduler, FakeGroup(), Tokenizer.from_pretrained(default_model_dir()), 64, 16, metrics)
+    engine = make_engine(group=FakeRankGroup(sample=constant(7)), scheduler=scheduler, max_model_len=64, metrics=metrics)
 
     async def collect(request_id: str) -> list[int]:
-        params = GenerateParams(request_id, PROMPT, 12, SamplingParams(temperature=0.0), (), frozenset(), True)
+        params = make_params(request_id=request_id, prompt=PROMPT, max_tokens=12)
         return [t for out in [o async for o in engine.generate(params)] for t in out.token_ids]
 
     async def run() -> list[list[int]]:

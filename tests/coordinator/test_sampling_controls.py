@@ -17,17 +17,11 @@ from coordinator.sequence import Sequence, StopParams
 from coordinator.stop_strings import StopStringMatcher
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
-from tpserve.embedded_model import default_model_dir
 from tpserve.step import SamplingParams, StepPlan, StepResult
 from tpserve.step_pb import plan_from_pb, plan_to_pb
 from tpserve.v1 import generate_pb2 as pb
 
 VOCAB_SIZE, MAX_MODEL_LEN = 1024, 512
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 def request(**sampling) -> pb.GenerateRequest:

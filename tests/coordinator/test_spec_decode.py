@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 from coordinator.block_allocator import BlockAllocator
 from coordinator.ngram_proposer import NgramProposer
-from coordinator.spec_decode import AdaptiveSpeculation
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, StopParams
+from coordinator.spec_decode import AdaptiveSpeculation
+from tests.coordinator.fakes import EOS, make_seq
 from tpserve.step import SamplingParams, StepPlan, StepResult
 
-EOS = 2
 Target = Callable[[tuple[int, ...]], int]
 
 
@@ -33,12 +33,6 @@ def repetitive_target(context: tuple[int, ...]) -> int:
         return 3 + (a * 5 + len(context)) % 9
     token = 3 + (a * 3 + b * 5) % 11
     return EOS if token == 13 and len(context) % 3 == 0 else token
-
-
-def make_seq(seq_id: int, prompt: list[int], max_tokens: int, max_model_len: int = 96,
-             sampling: SamplingParams | None = None) -> Sequence:
-    return Sequence(seq_id, list(prompt), sampling or SamplingParams(temperature=0.0),
-                    StopParams(max_tokens, frozenset({EOS})), max_model_len)
 
 
 class FakeWorkers:

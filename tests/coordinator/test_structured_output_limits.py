@@ -19,6 +19,7 @@ from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.structured_output import MAX_FORMAT_BYTES, MAX_SCHEMA_DEPTH
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
+from tests.coordinator.costly_schemas import deep_any_of
 from tpserve.embedded_model import default_model_dir
 from tpserve.v1 import generate_pb2 as pb
 
@@ -27,33 +28,12 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "require
           "additionalProperties": False}
 
 
-def deep_any_of(depth: int) -> dict:
-    """``anyOf`` nested ``depth`` deep (4 JSON levels each): the issue's hostile schema at 200 (about 12 KB)."""
-    schema: dict = {"type": "integer"}
-    for _ in range(depth):
-        schema = {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"a": schema}}]}
-    return schema
-
-
-def multiplying_all_of(num: int) -> dict:
-    """``allOf`` of ``num`` two-way ``anyOf``s: 2**num alternatives. Built in about 0.25 s at 10 on a quiet host
-    (AVX-512, llguidance 1.x); at 11 llguidance refuses it (a grammar-size assertion) after about 0.5 s."""
-    return {"allOf": [{"anyOf": [
-        {"type": "object", "properties": {f"a{i}": {"type": "integer"}}, "required": [f"a{i}"]},
-        {"type": "object", "properties": {f"b{i}": {"type": "string"}}, "required": [f"b{i}"]}]} for i in range(num)]}
-
-
 def three_way_all_of(num: int) -> dict:
     """``allOf`` of ``num`` three-way ``anyOf``s: 3**num alternatives. At 7, about 0.6 s to build on a quiet host,
     below llguidance's grammar-size limit: slow, yet not refused by llguidance itself."""
     return {"allOf": [{"anyOf": [
         {"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"}}, "required": [f"p{i}_{j}"]}
         for j in range(3)]} for i in range(num)]}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
 
 
 def request(response_format: pb.ResponseFormat, **sampling) -> pb.GenerateRequest:

@@ -24,11 +24,6 @@ UNICODE_TEXTS = ["café ñandú über", "日本語 and 中文", f"hi 🙂👍�
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_pretrained(STORIES_DIR)
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer():
     transformers = pytest.importorskip(
         "transformers", reason="transformers is a test dependency (pip install -e '.[test]')")
@@ -49,49 +44,49 @@ def make_model_dir(tmp_path: Path, *, tokenizer_config: dict | None, post_proces
     return tmp_path
 
 
-def test_stories_settings(tokenizer: Tokenizer) -> None:
-    assert tokenizer.bos_token_id == BOS
-    assert tokenizer.eos_token_ids == frozenset({EOS})
-    assert tokenizer.vocab_size == 512
-    assert tokenizer.add_bos_token is True
-    assert tokenizer.special_token_ids == frozenset({0, 1, 2})
+def test_stories_settings(stories_tokenizer: Tokenizer) -> None:
+    assert stories_tokenizer.bos_token_id == BOS
+    assert stories_tokenizer.eos_token_ids == frozenset({EOS})
+    assert stories_tokenizer.vocab_size == 512
+    assert stories_tokenizer.add_bos_token is True
+    assert stories_tokenizer.special_token_ids == frozenset({0, 1, 2})
 
 
 @pytest.mark.parametrize("golden", load_goldens(), ids=lambda g: g["prompt"])
-def test_encode_matches_golden_prompt_ids(tokenizer: Tokenizer, golden: dict) -> None:
-    assert tokenizer.encode(golden["prompt"]) == golden["prompt_token_ids"]
+def test_encode_matches_golden_prompt_ids(stories_tokenizer: Tokenizer, golden: dict) -> None:
+    assert stories_tokenizer.encode(golden["prompt"]) == golden["prompt_token_ids"]
 
 
 @pytest.mark.parametrize("golden", load_goldens(), ids=lambda g: g["prompt"])
-def test_decode_of_golden_is_prompt_then_text(tokenizer: Tokenizer, golden: dict) -> None:
+def test_decode_of_golden_is_prompt_then_text(stories_tokenizer: Tokenizer, golden: dict) -> None:
     prompt_ids, completion_ids = golden["prompt_token_ids"], golden["completion_token_ids"]
-    assert tokenizer.decode(prompt_ids) == golden["prompt"]
-    assert tokenizer.decode(prompt_ids + completion_ids) == golden["prompt"] + golden["text"]
+    assert stories_tokenizer.decode(prompt_ids) == golden["prompt"]
+    assert stories_tokenizer.decode(prompt_ids + completion_ids) == golden["prompt"] + golden["text"]
 
 
-def test_encode_and_decode_match_transformers(tokenizer: Tokenizer, hf_tokenizer) -> None:
+def test_encode_and_decode_match_transformers(stories_tokenizer: Tokenizer, hf_tokenizer) -> None:
     texts = [g["prompt"] for g in load_goldens()] + UNICODE_TEXTS
     for text in texts:
-        ids = tokenizer.encode(text)
+        ids = stories_tokenizer.encode(text)
         assert ids == hf_tokenizer(text).input_ids
-        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True) == text
-        assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
-        assert tokenizer.decode(ids, skip_special_tokens=False).startswith("<s>")
+        assert stories_tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True) == text
+        assert stories_tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
+        assert stories_tokenizer.decode(ids, skip_special_tokens=False).startswith("<s>")
 
 
-def test_unicode_round_trips_through_byte_fallback(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode("日本")
+def test_unicode_round_trips_through_byte_fallback(stories_tokenizer: Tokenizer) -> None:
+    ids = stories_tokenizer.encode("日本")
     # "▁" then the 6 UTF-8 bytes of 日本 as byte-fallback tokens (<0xE6> is id 3 + 0xE6).
     assert ids == [BOS, 410, 3 + 0xE6, 3 + 0x97, 3 + 0xA5, 3 + 0xE6, 3 + 0x9C, 3 + 0xAC]
-    assert tokenizer.decode(ids) == "日本"
-    assert tokenizer.decode(ids[:-1]) == "\ufffd" * 5  # an incomplete run of bytes: all U+FFFD
+    assert stories_tokenizer.decode(ids) == "日本"
+    assert stories_tokenizer.decode(ids[:-1]) == "\ufffd" * 5  # an incomplete run of bytes: all U+FFFD
 
 
-def test_bos_is_never_added_twice(tokenizer: Tokenizer) -> None:
+def test_bos_is_never_added_twice(stories_tokenizer: Tokenizer) -> None:
     # The post-processor adds <s>; a text that already starts with "<s>" keeps one.
-    assert tokenizer.encode("<s>Hi", parse_special_tokens=True) == [BOS, 320, 417]
-    assert tokenizer.encode("Hi") == [BOS, 320, 417]
-    assert tokenizer.encode("") == [BOS]
+    assert stories_tokenizer.encode("<s>Hi", parse_special_tokens=True) == [BOS, 320, 417]
+    assert stories_tokenizer.encode("Hi") == [BOS, 320, 417]
+    assert stories_tokenizer.encode("") == [BOS]
 
 
 def test_add_bos_token_false_drops_post_processor_bos(tmp_path: Path) -> None:
@@ -167,13 +162,13 @@ def test_coordinator_text_modules_import_no_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_special_token_spellings_are_literal_unless_parsing_is_asked_for(tokenizer: Tokenizer) -> None:
+def test_special_token_spellings_are_literal_unless_parsing_is_asked_for(stories_tokenizer: Tokenizer) -> None:
     # Issue 11, fault 12: "</s>" in user text was the EOS id and "<unk>" id 0.
-    literal = tokenizer.encode("Hi</s><unk>")
+    literal = stories_tokenizer.encode("Hi</s><unk>")
     assert EOS not in literal[1:] and 0 not in literal and literal[0] == BOS
-    assert tokenizer.decode(literal) == "Hi</s><unk>"
-    assert tokenizer.encode("Hi</s><unk>", parse_special_tokens=True) == [BOS, 320, 417, EOS, 0]
-    with_bos_text = tokenizer.encode("<s>Hi")
+    assert stories_tokenizer.decode(literal) == "Hi</s><unk>"
+    assert stories_tokenizer.encode("Hi</s><unk>", parse_special_tokens=True) == [BOS, 320, 417, EOS, 0]
+    with_bos_text = stories_tokenizer.encode("<s>Hi")
     assert with_bos_text[0] == BOS and BOS not in with_bos_text[1:]  # the text's "<s>" is text
 
 

@@ -19,7 +19,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from coordinator import tracing
 from coordinator.errors import UnavailableError
-from tests.coordinator.test_request_timings import PROMPT, make_engine, request, serving, timed_stream
+from tests.coordinator.fakes import PROMPT
+from tests.coordinator.timed_engine import make_engine, request, serving, timed_stream
 from tests.e2e.cluster import free_port
 from tests.paths import REPO_ROOT
 from tpserve.client import AsyncClient

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_spec_decode_serving import spec_counters
-from tests.e2e.test_stories_serving import (assert_cancelling_frees_every_block, assert_goldens_sixteen_at_once,
-                                            assert_matches_golden, greedy)
 from tests.e2e.cluster import serve
+from tests.e2e.spec_decode import spec_counters
+from tests.e2e.stories import (
+    assert_cancelling_frees_every_block,
+    assert_goldens_sixteen_at_once,
+    assert_matches_golden,
+    greedy,
+)
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import serve
-from tests.e2e.test_stories_serving import wait_all_blocks_free
+from tests.e2e.stories import wait_all_blocks_free
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
-from tests.worker.test_int8 import GOLDEN_MIN_FULL_LINES, GOLDEN_MIN_PREFIX
+from tests.worker.int8_goldens import GOLDEN_MIN_FULL_LINES, GOLDEN_MIN_PREFIX
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.e2e.cluster import serve
-from tests.e2e.test_stories_serving import assert_goldens_sixteen_at_once, assert_streams_match_the_goldens
+from tests.e2e.stories import assert_goldens_sixteen_at_once, assert_streams_match_the_goldens
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -54,7 +54,7 @@ def test_streams_match_the_goldens(cluster) -> None:
 def test_penalties_logprobs_and_structured_output_on_the_last_stage(cluster) -> None:
     """The controls the sampling rank (rank 0 of the last stage) applies: penalties and a logit bias
     against transformers' greedy reference, logprobs against its log-softmax, a grammar it built."""
-    from tests.e2e.test_sampling_controls import MAX_TOKENS, MIN_TOKENS, PENALTY, logits_of, reference
+    from tests.e2e.sampling_reference import MAX_TOKENS, MIN_TOKENS, PENALTY, logits_of, reference
 
     prompt = load_goldens()[0]["prompt_token_ids"]
     bias = {286: 3.0, 432: -100.0}
@@ -75,7 +75,7 @@ def test_a_killed_rank_of_the_last_stage_is_a_lost_group_restarted_with_every_st
     """As tests/e2e/test_recovery.py for a tp group: kill -9 of rank 3 (stage 1) under load; the group
     restarts (the default --worker-recovery-timeout-seconds) and every stream, greedy and seeded, ends
     token for token as it does alone. Last in the module: it restarts the group."""
-    from tests.e2e.test_recovery import MAX_TOKENS, _kill_during_load, _requests
+    from tests.e2e.recovery import MAX_TOKENS, _kill_during_load, _requests
 
     requests = _requests()
     solo = [cluster.client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True, **s).token_ids for p, s in requests]

@@ -8,17 +8,21 @@ asking for logprobs does not speculate) over the same seed.
 from __future__ import annotations
 
 import os
-import re
 import signal
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.e2e.cluster import serve
-from tests.e2e.test_recovery import _rank_pid
-from tests.e2e.test_stories_serving import (assert_cancelling_frees_every_block, assert_goldens_sixteen_at_once,
-                                            assert_matches_golden, assert_streams_match_the_goldens, greedy)
+from tests.e2e.recovery import _rank_pid
+from tests.e2e.spec_decode import spec_counters
+from tests.e2e.stories import (
+    assert_cancelling_frees_every_block,
+    assert_goldens_sixteen_at_once,
+    assert_matches_golden,
+    assert_streams_match_the_goldens,
+    greedy,
+)
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -31,13 +35,6 @@ SPEC_FLAGS = ("--speculative-method", "ngram", "--num-speculative-tokens", "4",
 def cluster(request):
     with serve(STORIES_DIR, request.param, *SPEC_FLAGS) as running:
         yield running
-
-
-def spec_counters(cluster) -> dict[str, float]:
-    """The tpserve:spec_decode_* samples, labelled ones as name{position="i"}."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^(tpserve:spec_decode_\S+_total(?:\{[^}]*\})?) (\S+)$", body, re.MULTILINE)}
 
 
 def test_goldens_one_at_a_time_with_proposals_accepted(cluster) -> None:

@@ -21,6 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from tests.e2e.stories import (
+    assert_cancelling_frees_every_block,
+    assert_goldens_sixteen_at_once,
+    assert_matches_golden,
+    assert_streams_match_the_goldens,
+    greedy,
+    wait_all_blocks_free,
+)
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -37,45 +45,9 @@ def cluster(request, shared_servers):
     return shared_servers.get(STORIES_DIR, tensor_parallel_size, *extra)
 
 
-def greedy(client, golden, **kwargs):
-    return client.generate(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0, **kwargs)
-
-
-def assert_matches_golden(result, golden) -> None:
-    assert result.token_ids == golden["completion_token_ids"]
-    assert result.text == golden["text"]
-    assert result.finish_reason == golden["finish_reason"]
-    assert result.usage.prompt_tokens == len(golden["prompt_token_ids"])
-    assert result.usage.completion_tokens == len(golden["completion_token_ids"]) + (golden["finish_reason"] == "stop")
-
-
 def test_goldens_one_at_a_time(cluster) -> None:
     for golden in load_goldens():
         assert_matches_golden(greedy(cluster.client, golden), golden)
-
-
-def assert_goldens_sixteen_at_once(client) -> None:
-    """16 greedy requests at once (the goldens, cycled), each token for token its golden."""
-    goldens = load_goldens()
-    batch = [goldens[i % len(goldens)] for i in range(16)]
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda g: greedy(client, g), batch))
-    for result, golden in zip(results, batch):
-        assert_matches_golden(result, golden)
-
-
-def assert_streams_match_the_goldens(client, min_chunks: int = 1) -> None:
-    """Each golden streamed: the deltas join to its text and tokens; finish_reason and usage only at the end.
-
-    ``min_chunks``: each stream has more deltas than this (it really streamed).
-    """
-    for golden in load_goldens():
-        chunks = list(client.generate_stream(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0))
-        assert "".join(c.text for c in chunks) == golden["text"]
-        assert [t for c in chunks for t in c.token_ids] == golden["completion_token_ids"]
-        assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
-        assert chunks[-1].usage.completion_tokens == len(golden["completion_token_ids"])
-        assert len(chunks) > min_chunks
 
 
 def test_goldens_sixteen_at_once(cluster) -> None:
@@ -192,28 +164,6 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(cluster, pro
     assert message in info.value.details()
     golden = load_goldens()[0]
     assert greedy(cluster.client, golden).token_ids == golden["completion_token_ids"]
-
-
-def wait_all_blocks_free(cluster, timeout_s: float = 10.0) -> None:
-    total = cluster.metric("tpserve:kv_cache_total_blocks")
-    deadline = time.monotonic() + timeout_s
-    while cluster.metric("tpserve:kv_cache_free_blocks") != total:
-        assert time.monotonic() < deadline, "KV blocks were not freed"
-        time.sleep(0.05)
-    assert cluster.metric("tpserve:num_requests_running") == 0
-
-
-def assert_cancelling_frees_every_block(cluster) -> None:
-    """A long stream cancelled after 5 deltas ends CANCELLED, and every KV block it held comes back."""
-    stream = cluster.client.generate_stream("Once upon a time", max_tokens=400, temperature=0, ignore_eos=True)
-    received = [next(stream) for _ in range(5)]
-    assert all(chunk.finish_reason is None for chunk in received)
-    assert cluster.metric("tpserve:kv_cache_free_blocks") < cluster.metric("tpserve:kv_cache_total_blocks")
-    stream.cancel()
-    with pytest.raises(grpc.RpcError) as info:
-        list(stream)
-    assert info.value.code() == grpc.StatusCode.CANCELLED
-    wait_all_blocks_free(cluster)
 
 
 def test_cancelling_a_stream_frees_every_block(cluster) -> None:

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.coordinator.test_structured_output_limits import deep_any_of, multiplying_all_of
+from tests.coordinator.costly_schemas import deep_any_of, multiplying_all_of
 from tests.e2e.cluster import RunningCluster
 
 pytestmark = pytest.mark.e2e

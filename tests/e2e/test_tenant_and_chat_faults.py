@@ -24,7 +24,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.coordinator.test_chat import LLAMA2_TEMPLATE, literal_reference
+from tests.coordinator.chat_templates import LLAMA2_TEMPLATE, literal_reference
 from tests.e2e.cluster import RunningCluster, child_pids, serve
 from tpserve.client import Client, Credentials
 from tpserve.embedded_model import default_model_dir

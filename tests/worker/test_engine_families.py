@@ -24,7 +24,7 @@ from coordinator.sequence import Sequence, StopParams
 from coordinator.spec_decode import AdaptiveSpeculation
 from tests.paths import requires_stories
 from tests.tiny_models import load_hf_model, save_servable_model
-from tests.worker.test_structured_output import SCHEMA, complete
+from tests.worker.structured import SCHEMA, complete
 from tpserve.step import SamplingParams
 from tpserve.v1 import generate_pb2 as pb
 from worker.model_runner import ModelRunner

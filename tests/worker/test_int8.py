@@ -27,12 +27,13 @@ import torch
 
 from tests.tiny_models import load_hf_model
 from tests.worker.int8_checkpoints import save_compressed_tensors, save_dequantized
+from tests.worker.int8_goldens import GOLDEN_MIN_FULL_LINES, GOLDEN_MIN_PREFIX
 from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_specs
 from tests.worker.tp_harness import Job, StepRecord, run_jobs
 from tpserve.model_config import ModelConfig
 from worker.memory import weight_bytes
-from worker.models.llama import LlamaForCausalLM
 from worker.model_runner import ModelRunner
+from worker.models.llama import LlamaForCausalLM
 from worker.parallel_state import ParallelContext
 
 MODELS = ("gqa_tied", "mqa_untied_bias")
@@ -40,8 +41,6 @@ COMPRESSED_MODEL = "mqa_untied_bias"
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 GOLDEN_JOB = "stories260k_int8"
-GOLDEN_MIN_PREFIX = 16
-GOLDEN_MIN_FULL_LINES = 4
 #: The 95M-parameter shape of benchmarks/peer_comparison.py (built on the meta device: no memory).
 BENCHMARK_SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
                        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024,

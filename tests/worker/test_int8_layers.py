@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.worker.test_parallel_layers import RecordingSource, ShardOnlyContext
+from tests.worker.shard_fakes import RecordingSource, ShardOnlyContext
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 

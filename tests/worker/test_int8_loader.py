@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.worker.int8_checkpoints import quantize_definition, save_compressed_tensors
-from tests.worker.test_loader import _load, _rewrite
+from tests.worker.loader_helpers import _load, _rewrite
 
 LAYER = "model.layers.1.self_attn.k_proj"
 

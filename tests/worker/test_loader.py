@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from tests.worker.loader_helpers import _load, _rewrite
 from tpserve.model_config import ModelConfig
-from worker.loader import checkpoint_files, load_model
-from worker.parallel_state import ParallelContext
-
-
-def _rewrite(source: Path, target: Path, edit) -> Path:
-    """Copy ``source``'s config.json and a single-file checkpoint of its tensors after ``edit(dict)``."""
-    target.mkdir()
-    shutil.copy(source / "config.json", target / "config.json")
-    tensors = {}
-    for path in set(checkpoint_files(source).values()):
-        tensors.update(load_file(path))
-    edit(tensors)
-    save_file(tensors, target / "model.safetensors")
-    return target
-
-
-def _load(model_dir: Path):
-    return load_model(model_dir, ModelConfig.from_pretrained(model_dir), ParallelContext.single(), torch.float32)
+from worker.loader import checkpoint_files
 
 
 def test_sharded_checkpoint_is_read_through_its_index(tiny_checkpoints: dict[str, Path]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker.test_parallel_layers import ShardOnlyContext
+from tests.worker.shard_fakes import ShardOnlyContext
 from worker.layers.moe import (
     MIXTRAL_EXPERT_NAMES,
     QWEN_EXPERT_NAMES,

@@ -28,8 +28,17 @@ from tests.paths import STORIES_DIR, load_goldens, requires_stories
 from tests.tiny_models import TINY_MAX_POSITIONS, TinyModelSpec, load_hf_model, save_tiny_model
 from tests.worker.pp_harness import run_pipeline_layouts
 from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_specs
-from tests.worker.test_tp_runner import (BLOCK_SIZE, GREEDY_BLOCKS, GREEDY_PROMPTS, GREEDY_SCORED, GREEDY_TOKENS,
-                                         NUM_BLOCKS, Case, _check_case, _greedy_reference)
+from tests.worker.tp_goldens import (
+    BLOCK_SIZE,
+    GREEDY_BLOCKS,
+    GREEDY_PROMPTS,
+    GREEDY_SCORED,
+    GREEDY_TOKENS,
+    NUM_BLOCKS,
+    Case,
+    _check_case,
+    _greedy_reference,
+)
 from tests.worker.tp_harness import Job
 from tpserve.pipeline_split import stage_layer_counts
 

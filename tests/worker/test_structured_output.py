@@ -19,26 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.block_allocator import BlockAllocator
 from coordinator.errors import InvalidArgumentError
-from coordinator.scheduler import Scheduler
-from coordinator.sequence import Sequence, StopParams
 from coordinator.tokenizer import Tokenizer
 from coordinator.validation import validate_request
 from tests.paths import requires_stories
+from tests.worker.structured import SCHEMA, complete
 from tpserve.v1 import generate_pb2 as pb
-from worker.model_runner import ModelRunner
-from worker.parallel_state import ParallelContext
 
 pytestmark = requires_stories
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
-          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "ok": {"type": "boolean"}}}
 REGEX = r"[a-z]{2,5}-[0-9]{3}"
 CHOICES = ["red", "green", "light blue"]
-NUM = 50
 
 
 @pytest.fixture(scope="module")
@@ -56,31 +47,6 @@ def random_model(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         if (stories_dir / name).is_file():
             shutil.copy(stories_dir / name, directory / name)
     return directory
-
-
-def complete(model_dir: Path, response_format: pb.ResponseFormat, max_tokens: int = 80,
-             logit_bias: dict[int, float] | None = None) -> list[str]:
-    tokenizer = Tokenizer.from_pretrained(model_dir)
-    runner = ModelRunner(model_dir, ParallelContext.single(), torch.float32, block_size=16)
-    runner.init_kv_cache(num_blocks=NUM * 8)
-    scheduler = Scheduler(BlockAllocator(NUM * 8, 16), max_num_seqs=NUM, max_num_batched_tokens=4096)
-    seqs = []
-    for seed in range(NUM):
-        request = pb.GenerateRequest(text="Once upon a time", sampling_params=pb.SamplingParams(
-            temperature=1.0, seed=seed, max_tokens=max_tokens, response_format=response_format,
-            logit_bias=logit_bias or {}))
-        params = validate_request(request, tokenizer, 512, 256)
-        seq = Sequence(seed, params.prompt_token_ids, params.sampling,
-                       StopParams(params.max_tokens, tokenizer.eos_token_ids), 256)
-        seqs.append(seq)
-        scheduler.add(seq)
-    while scheduler.has_work():
-        plan = scheduler.schedule()
-        scheduler.update(plan, runner.execute(plan))
-    assert all(seq.finish_reason.value == "stop" for seq in seqs)  # every grammar completed before max_tokens
-    # The stop token ends a sequence but is not returned (as the engine does).
-    return [tokenizer.decode(seq.output_token_ids[:-1] if seq.stopped_on_token() else seq.output_token_ids)
-            for seq in seqs]
 
 
 def test_json_schema_completions_all_parse_and_validate(random_model: Path) -> None:

@@ -38,17 +38,23 @@ from worker.layers.weights import CheckpointSource, load_fused, new_parameter
 from worker.parallel_state import ParallelContext
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator // denominator``, the per-rank share of a size ``what`` split across ``denominator`` ranks.
+
+    Raises ValueError when it does not split evenly (the config names the size and the parallel size)."""
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
+
+
+_divide = divide  # this module's call sites' name (public ``divide`` is what other modules import)
 
 
 def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
     """The checkpoint shards every parameter of ``layer`` expects (bias and scale: one per weight shard)."""
     for param in (layer.weight, layer.bias, layer.weight_scale):
         if param is not None:
-            param.shard_ids = shard_ids  # type: ignore[attr-defined]
+            param.shard_ids = shard_ids
 
 
 def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

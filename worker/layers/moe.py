@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpserve.quantization import Quantization
-from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _divide
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from worker.layers.linear import divide as _divide
 from worker.layers.moe_experts import grouped_experts
 from worker.layers.norm import SiluAndMul
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
@@ -218,7 +219,7 @@ class ReplicatedGate(nn.Module):
     def __init__(self, hidden_size: int, output_size: int, ctx: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = new_parameter((output_size, hidden_size), dtype, ctx.device)
-        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+        self.weight.shard_ids = (None,)
 
 
 class SparseMoeBlock(nn.Module):

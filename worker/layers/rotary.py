@@ -62,16 +62,16 @@ def rope_inv_freq(head_size: int, theta: float, rope_scaling: dict[str, Any] | N
     rope_type = "default" if rope_scaling is None else rope_scaling["rope_type"]
     if rope_type in ("default", "dynamic"):
         return inv_freq
-    factor = rope_scaling["factor"]  # type: ignore[index]
+    factor = rope_scaling["factor"]
     if rope_type == "linear":
         return inv_freq / factor
     if rope_type == "yarn":
-        return _yarn_inv_freq(head_size, theta, rope_scaling)  # type: ignore[arg-type]
+        return _yarn_inv_freq(head_size, theta, rope_scaling)
     if rope_type != "llama3":
         raise ValueError(f"rope_type={rope_type!r} is not supported")
-    low_freq_factor = rope_scaling["low_freq_factor"]  # type: ignore[index]
-    high_freq_factor = rope_scaling["high_freq_factor"]  # type: ignore[index]
-    old_context_len = rope_scaling["original_max_position_embeddings"]  # type: ignore[index]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / inv_freq  # (d/2,) positions per turn

@@ -49,7 +49,8 @@ class RowRange:
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise TypeError(f"RowRange takes a tuple of unit-step slices, got {index!r}")
         start, stop, _ = rows.indices(self.num_rows)
-        return self.source[(slice(self.first + start, self.first + stop), *index[1:])]
+        key = (slice(self.first + start, self.first + stop), *index[1:])  # (mypy's 3.10 parser: not inline)
+        return self.source[key]
 
 
 def load_fused(loader: Any, param: torch.nn.Parameter, source: CheckpointSource,
