@@ -3,7 +3,7 @@
 What a rank spends per step besides the coordinator: applying the plan, building the
 step's inputs and attention metadata, the forward pass, the logits and sampling. On
 the embedded model (tpserve/default_model, 1.1M parameters) the forward itself is
-well under a millisecond, so this measures the step's fixed cost (issue 26).
+well under a millisecond, so this measures the step's fixed cost (docs/design/scheduling.md, "The engine loop").
 
 Plans are built as the scheduler builds them: every sequence first prefilled in one
 step (its whole prompt, with the blocks it needs), then each decode step feeds every

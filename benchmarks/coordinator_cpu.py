@@ -1,4 +1,4 @@
-"""The coordinator's CPU time per output token (issue 26's per-token goal: at most 40 µs at 64 and 256 streams).
+"""The coordinator's CPU time per output token (the per-token goal: at most 40 µs at 64 and 256 streams).
 
 Starts ``tpserve serve`` (the embedded default model, tp 1) for this checkout and, with
 ``--baseline DIR``, for another checkout of tpserve (a ``git worktree`` of the commit to
@@ -60,7 +60,7 @@ def server(checkout: Path, max_num_seqs: int, log_path: Path | None, extra_args:
     yields (pid, target)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
-    # The launch package holds the CLI since issue 24; older checkouts (baselines) have it in tpserve.
+    # The launch package holds the CLI now; older checkouts (baselines) have it in tpserve.
     cli = "launch.cli" if (checkout / "launch" / "cli.py").is_file() else "tpserve.cli"
     cmd = [sys.executable, "-m", cli, "serve", "--tensor-parallel-size", "1", "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", str(free_port()), "--max-num-seqs", str(max_num_seqs),

@@ -1,4 +1,5 @@
-"""How fast a decode step's linears stream the 95M benchmark model's weights, per vector path (issue 26).
+"""How fast a decode step's linears stream the 95M benchmark model's weights, per vector path
+(docs/design/kernels.md, "Compiled CPU kernels").
 
 All 30 layers' four projections of benchmarks/peer_comparison.py's model (QKV 1024 x 512, O 512 x 512,
 gate-up 3072 x 512, down 512 x 1536; float32, 377 MB, more than any cache) multiplied by ``M`` rows:

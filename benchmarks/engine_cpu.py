@@ -1,4 +1,4 @@
-"""The engine loop's own CPU per output token, without gRPC (issue 26, per-token cost).
+"""The engine loop's own CPU per output token, without gRPC (docs/design/request-path.md, "Where a streamed token's coordinator CPU goes").
 
 benchmarks/coordinator_cpu.py measures the whole coordinator process, where gRPC's per
 message and per call costs (benchmarks/grpc_stream_floor.py) dominate and a loaded host's

@@ -1,4 +1,5 @@
-"""The gateway (smg, cache_aware) against direct round-robin, over the same two replicas (issue 21).
+"""The gateway (smg, cache_aware) against direct round-robin, over the same two replicas
+(docs/design/request-path.md, "The engine protocol a gateway routes").
 
 Two tp-1 replicas of stories260k; the same workloads through both paths, interleaved
 in rounds (the VM's speed drifts):

@@ -14,7 +14,7 @@
    captured, and the HBM roofline (weight bytes / 4.8 TB/s, the H200's
    bandwidth) next to the decode time; then the random Llama once more with
    ``--enforce-eager`` at batch 1, for what the CUDA graphs save per token;
-4. the step's fixed cost (issue 26): client TPOT of 64 concurrent streams on the
+4. the step's fixed cost: client TPOT of 64 concurrent streams on the
    random Llama (CUDA graphs on) over its bare ``ModelRunner.execute`` decode step at
    64 sequences, replayed from a graph captured in-process
    (benchmarks/step_overhead_bare.py): the overlap goal is at most 1.2x.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the first thing to run when a session is lent a CUDA machine (issue 13).
+# The GPU check: the first thing to run when a session is lent a CUDA machine (docs/design/gpu.md, "The GPU check").
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine: under 8 minutes on one H200
 #   bash benchmarks/gpu_check.sh --dry-run  # on any CPU machine: the same stages on the CPU, tiny model
@@ -14,7 +14,7 @@
 #      kernel / SDPA backend ran; the embedded model and the 1B model served through the real gRPC
 #      path (`tpserve serve`): decode ms/token at batch 1, output tok/s at 64 at once, the KV cache
 #      the server sized, and the HBM roofline (weight bytes / 4.8 TB/s); and the TPOT / bare-step ratio at 64
-#      streams on the 1B model with CUDA graphs on (issue 26: the step's fixed cost around the model).
+#      streams on the 1B model with CUDA graphs on (the step's fixed cost around the model).
 # The summary is printed and written to $OUT/gpu_check.json (the device tool's $OUT) or
 # ./gpu_check.json; the tests' log to $OUT/gpu_tests.log.
 #

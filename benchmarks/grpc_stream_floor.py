@@ -6,7 +6,7 @@ stream once per step) and then yields one ``GenerateStreamResponse`` of the size
 step sends (request id, a short text delta, one token id). The client process opens
 ``--streams`` concurrent streams of ``--messages`` messages on one channel. The server's
 own CPU time (``/proc/<pid>/stat``, user and system apart) divided by the messages sent is
-the cost of a message that no per-token work of ours can remove. If it is above issue 26's
+the cost of a message that no per-token work of ours can remove. If it is above the per-token goal's
 40 µs per output token, that goal needs fewer messages than tokens.
 
     .venv/bin/python benchmarks/grpc_stream_floor.py --streams 64 256

@@ -28,7 +28,7 @@ servers on ``single`` and ``batch16`` back to back, and each goal's ratio is tak
 within a round, then the median over rounds. ``mixed`` (minutes per system) runs once
 at the end.
 
-A second peer, llama.cpp's ``llama-server`` (issue 26), joins when ``--llama-server`` and
+A second peer, llama.cpp's ``llama-server``, joins when ``--llama-server`` and
 ``--llama-gguf`` are given (benchmarks/llama_cpp/build.sh builds both): 2 threads, 16 slots,
 continuous batching, otherwise its defaults (f16 KV cache). It is measured in every round
 after tpserve and on ``mixed``, and before the rounds a check runs one request on transformers,
@@ -81,7 +81,7 @@ GOALS = {
     "tp2_vs_tp1_batch1": 1.1,  # decode ms/token: at most
     "tp2_vs_tp1_batch16": 0.9,  # throughput: at least
     "vs_transformers": 3.0,  # batch16 and mixed throughput: at least
-    "vs_llama_cpp_single": 1.0,  # llama.cpp ms/token / tpserve tp 1 ms/token: at least (issue 26)
+    "vs_llama_cpp_single": 1.0,  # llama.cpp ms/token / tpserve tp 1 ms/token: at least
     "vs_llama_cpp_batch16": 1.2,  # tok/s: at least
     "vs_llama_cpp_mixed": 1.5,  # tok/s: at least
 }

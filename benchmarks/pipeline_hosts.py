@@ -1,4 +1,4 @@
-"""Tensor parallelism within hosts and pipeline parallelism across them, against tp across hosts (issue 25).
+"""Tensor parallelism within hosts and pipeline parallelism across them, against tp across hosts.
 
 Two hosts are network namespaces (tests/cluster/hosts.py; root only, addresses
 10.<--subnet>.x.x, 10.201 by default so that it runs beside the two-host tests) whose
@@ -30,7 +30,7 @@ liveness checks) and the output tokens/s of 16 such requests at once.
 ``--check-goldens`` then serves tp2_pp2 at the largest delay and counts the
 stories260k goldens that come out token-exact, alone and 16 at once.
 
-Goals (issue 25): with 2 ms of delay, tp2_pp2 moves >= 4x fewer bytes per step and
+Goals: with 2 ms of delay, tp2_pp2 moves >= 4x fewer bytes per step and
 makes >= 2x the output tokens/s of tp4.
 """
 

@@ -1,4 +1,4 @@
-"""The sampler's share of a decode step at 64 rows (issue 26): pack the rows' parameters, apply the
+"""The sampler's share of a decode step at 64 rows (docs/design/sampling.md, "Sampling controls"): pack the rows' parameters, apply the
 logits processors, pick the tokens. One command, bounded (about 10 s):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sampler_cost.py [--rows 64] [--vocab 512] [--repeats 300]

@@ -1,4 +1,4 @@
-"""The fixed cost of a step (issue 26): client TPOT against the bare ``ModelRunner.execute`` decode step.
+"""The fixed cost of a step (docs/design/scheduling.md, "The engine loop"): client TPOT against the bare ``ModelRunner.execute`` decode step.
 
 For each tensor-parallel size and number of streams (each ``--max-tokens`` output tokens,
 ``ignore_eos``, seeded sampling), on the embedded model:
@@ -26,7 +26,7 @@ For each tensor-parallel size and number of streams (each ``--max-tokens`` outpu
   with TPOT over it: the same ratio as TPOT / bare, measured during the load itself, so a
   busy host moves both sides alike.
 
-Then every goal of issue 26 with its verdict: TPOT / bare <= 1.2 at 16 and 64 streams
+Then every goal with its verdict: TPOT / bare <= 1.2 at 16 and 64 streams
 (each tp), coordinator CPU <= 40 us per token at 64 and 256 streams, bare step at 64 <= 3 ms.
 
 With ``--baseline-repo PATH`` another checkout (say ``git worktree add /tmp/base main``)

@@ -1,4 +1,5 @@
-"""What request timings and tracing cost the engine loop per output token (issue 48).
+"""What request timings and tracing cost the engine loop per output token
+(docs/design/observability.md, "Request timings and tracing").
 
 The per-step and per-token cost of the coordinator's own Python is what
 benchmarks/engine_cpu.py measures (the engine in one process over a worker group that

@@ -58,7 +58,8 @@ def check_admissible(state: EngineState, reason: str | None, params: GeneratePar
 async def prepare_grammar(workers: WorkerGroup, grammar: str, deadline: float | None, timeout_s: float | None,
                           entry: RequestEntry | None = None) -> None:
     """Has rank 0 build a structured-output grammar before the request is scheduled, so
-    that no step waits for it (issue 20, fault 3). The coordinator compiled it already,
+    that no step waits for it (docs/design/sampling.md, "Grammars compile in child processes"). The coordinator
+    compiled it already,
     under its time limit (coordinator/grammar_compiler.py); if rank 0 cannot be asked, the
     step that first samples the request builds it instead (worker/grammar.py).
 

@@ -11,7 +11,8 @@
   service and server reflection stay open, so that Kubernetes probes (which carry no
   token) keep working; they reveal nothing about requests. Keys are compared in constant
   time (``hmac.compare_digest``) and never logged.
-* Roles (issue 41): a key is a **tenant**'s (``--api-key``, ``--api-key-file``) or an
+* Roles (docs/design/security.md, "Two roles, one key check"): a key is a **tenant**'s (``--api-key``,
+``--api-key-file``) or an
   **operator**'s (``--operator-api-key``, ``--operator-api-key-file``: a gateway, an
   administrator). A tenant generates, aborts its own requests and reads the model's
   facts; what acts on or shows other tenants is the operator's: the methods of

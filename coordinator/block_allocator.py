@@ -31,7 +31,7 @@ def check_pool_holds_a_full_sequence(num_blocks: int, block_size: int, max_model
     """Refuse a KV pool smaller than one ``max_model_len`` sequence (vLLM's start-up rule).
 
     Such a pool would refuse, or preempt forever, every request allowed to reach
-    ``max_model_len``; the server refuses to start instead (docs/design.md, "KV cache sizing").
+    ``max_model_len``; the server refuses to start instead (docs/design/scheduling.md, "KV cache sizing").
 
     Raises:
         ValueError: naming the pool's tokens, ``max_model_len`` and the flags that fix it.

@@ -10,7 +10,7 @@ string or a list of named templates whose ``default`` is used, or a
 tokens' strings (``bos_token``, ``eos_token``, ...). The server renders in a separate,
 killable process with a time and memory limit (:mod:`coordinator.chat_renderer`).
 
-No control token can come from a message (issue 20, fault 2):
+No control token can come from a message (docs/design/request-path.md, "Chat"):
 
 - a role is a role name (letters, digits, ``_``, ``-``, ``.``; no special token's
   spelling), since templates write it into the prompt as template text;

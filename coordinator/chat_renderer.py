@@ -5,8 +5,9 @@ and Jinja has no limit of its own: nested loops over ``range(100000)`` run for h
 ``'x' * 10**10`` asks for 10 GB, and one C-level operation (``10 ** 10 ** 9``) cannot
 be interrupted at all. Run on a thread, such a render cannot be stopped: it keeps its
 thread (of the event loop's default executor, which then starves every request), and
-the interpreter waits for it at exit, so SIGTERM no longer stops the server (issue 20,
-fault 3). A sandbox that counts loop iterations or output size would not stop a single
+the interpreter waits for it at exit, so SIGTERM no longer stops the server (docs/design/request-path.md,
+"Chat templates render in killable processes"). A sandbox that counts loop iterations or output size
+would not stop a single
 huge operation either. So each render runs in a renderer process
 (:mod:`coordinator.chat_render_worker`): at most ``size`` of them, each with a limited
 address space; a render that takes longer than ``timeout_s``, or whose request is

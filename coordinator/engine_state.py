@@ -1,4 +1,5 @@
-"""The engine's life cycle as one state with explicit transitions (issue 24, item 3).
+"""The engine's life cycle as one state with explicit transitions (docs/design/scheduling.md, "The engine's states
+are one enum").
 
 ::
 

@@ -123,7 +123,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping unary and server-streaming handlers to status codes.
 
     Also decodes requests itself: bytes that are not the method's request message, or
-    more than MAX_REQUEST_BYTES of them, get INVALID_ARGUMENT (issue 11, faults 6 and 10).
+    more than MAX_REQUEST_BYTES of them, get INVALID_ARGUMENT (docs/design/faults.md, "Size caps, chosen together").
     """
 
     async def intercept_service(

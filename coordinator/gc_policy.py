@@ -1,4 +1,5 @@
-"""The serving coordinator's garbage-collector thresholds (issue 26, per-token cost).
+"""The serving coordinator's garbage-collector thresholds (docs/design/request-path.md, "Where a streamed token's
+coordinator CPU goes").
 
 Every streamed token allocates a handful of objects the collector tracks (the step's
 output, the stream message, futures, loop handles); nearly all are freed by reference

@@ -1,4 +1,5 @@
-"""Grammar compilation in separate processes, under a time limit (issue 20, fault 3).
+"""Grammar compilation in separate processes, under a time limit (docs/design/sampling.md, "Grammars compile in child
+processes").
 
 llguidance compiles a JSON schema, regex or Lark grammar in Rust. It releases the GIL
 while it works, but a compile cannot be interrupted: a hostile schema (deep ``anyOf``,
@@ -17,7 +18,8 @@ model's llguidance tokenizer and the shared parser limits), so a grammar that co
 here builds on the rank, in about the same time, which the limit bounds, and an invalid
 one never reaches a rank. Results (grammars and refusals, not time-outs) are cached by
 source. A child also checks a continued request's tokens against its grammar
-(:meth:`GrammarCompiler.count_accepted`, issue 41 item 8), under the same kind of limit. No torch.
+(:meth:`GrammarCompiler.count_accepted`, docs/design/cluster.md, "A continuation is checked like output"), under the
+same kind of limit. No torch.
 """
 
 from __future__ import annotations

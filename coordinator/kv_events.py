@@ -15,7 +15,8 @@ gateway uses them as node identities and hashes the token ids itself. A block co
 under a tenant's or a salt's namespace carries it in ``cache_salt`` (hex), so that the
 gateway keeps it apart from unsalted prefixes.
 
-Data flow (issue 41, fault 3: per-subscriber work on the engine loop let 1,000 subscribers
+Data flow (docs/design/request-path.md, "KV events: one shared ring"; per-subscriber work on the engine loop let
+1,000 subscribers
 that never read cut throughput 7x and grow the coordinator by 680 MB):
 
 - the engine (the allocator, during a step) appends each event once to one *open batch*,

@@ -1,4 +1,4 @@
-"""The load gauges that autoscalers and inference-aware routers read (issue 48).
+"""The load gauges that autoscalers and inference-aware routers read (docs/design/observability.md, "Scaling signals").
 
 Kubernetes autoscalers (HPA through the Prometheus Adapter, KEDA's prometheus
 trigger) and the Gateway API Inference Extension's endpoint picker (EPP, used by

@@ -69,7 +69,8 @@ class Metrics:
         self.num_requests_waiting = Gauge("tpserve:num_requests_waiting", "Sequences waiting for admission.", registry=r)
         self.kv_cache_free_blocks = Gauge("tpserve:kv_cache_free_blocks", "KV cache blocks nobody holds.", registry=r)
         self.kv_cache_total_blocks = Gauge("tpserve:kv_cache_total_blocks", "KV cache blocks in the pool.", registry=r)
-        # KV usage 0-1, saturation and vLLM's names of these gauges, for autoscalers and routers (issue 48).
+        # KV usage 0-1, saturation and vLLM's names of these gauges, for autoscalers
+        # and routers (docs/design/observability.md, "Scaling signals").
         self.load = LoadGauges(r)
         # The public port's TCP connections against its cap (launch/connection_limits.py): at the cap,
         # new connections are closed at once; health still answers on --health-port.
@@ -93,7 +94,8 @@ class Metrics:
             "tpserve:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the proposal.",
             ["position"], registry=r)
 
-        # The step loop (issue 26): what a step costs around the model, visible in production.
+        # The step loop (docs/design/scheduling.md, "Step metrics"): what a step costs around the model, visible in
+        # production.
         self.iteration_tokens = Histogram(
             "tpserve:iteration_tokens_total", "Tokens scheduled per step (prefill chunks, decodes and proposals).",
             buckets=_TOKEN_BUCKETS, registry=r)

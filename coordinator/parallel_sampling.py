@@ -10,7 +10,7 @@ differ, and a seeded request is reproducible sample by sample.
 
 The ``n`` samples are admitted together when the request arrives (``Engine.admit``): their
 queue places are held until each is queued, so the request is refused whole
-(RESOURCE_EXHAUSTED) or not at all, never after a sample has streamed (issue 41, item 9).
+(RESOURCE_EXHAUSTED) or not at all, never after a sample has streamed (docs/design/request-path.md, "`n` > 1").
 
 Every sample carries the request's id and shares its entry in the engine's request table:
 an Abort of that id ends them all, those running and those not started yet (each ends

@@ -1,6 +1,6 @@
 """Who goes first and who is preempted: request priority with aging, and preemption only after progress.
 
-The ordering rule (issue 41, item 7). A request's *effective* priority is
+The ordering rule (docs/design/scheduling.md, "Priority ages"). A request's *effective* priority is
 
     effective = priority - waited_s / priority_aging_s
 

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from coordinator.request_timings import RequestTimings
 
 
-@dataclass(slots=True)  # not frozen: a frozen slots dataclass's __init__ costs 4x (one per token; issue 26)
+# Not frozen: a frozen slots dataclass's __init__ costs 4x, once per token (docs/design/request-path.md).
+@dataclass(slots=True)
 class RequestOutput:
     """What one step added to one request (not changed once put on the request's queue).
 

@@ -1,5 +1,5 @@
 """Requests in flight by id, from the moment a handler receives one: the table Abort reads,
-and the queue places an ``n`` > 1 request holds for its samples (issue 41, items 5, 6, 9).
+and the queue places an ``n`` > 1 request holds for its samples (docs/design/request-path.md, "Abort").
 
 A handler registers its request (:meth:`RequestTable.open`) before anything else happens
 to it: validation (tokenizing, the grammar's compile in a child process), rank 0's build

@@ -141,7 +141,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Writes each output as a message with ``context.write`` (grpc.aio's reader-writer API):
         a coroutine, not an async generator, so a message passes no generator of ours (nor the
-        error interceptor's) on its way out (issue 26, per-token cost)."""
+        error interceptor's) on its way out (docs/design/request-path.md, "Where a streamed token's coordinator CPU
+        goes")."""
         n = num_samples(request.sampling_params)
         engine, entry = self._receive(request, context, n)
         write = context.write

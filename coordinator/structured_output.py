@@ -13,13 +13,14 @@ of vLLM's structured-output backends. The worker side is worker/grammar.py.
 - ``regex``: the whole output matches it (Rust ``regex`` syntax);
 - ``choices``: the output is exactly one of the strings.
 
-Limits, each refused with INVALID_ARGUMENT naming the field and the limit (issue 20,
-fault 3): the source's size, a schema's JSON nesting depth (checked here, before
+Limits, each refused with INVALID_ARGUMENT naming the field and the limit (docs/design/sampling.md,
+"Grammars compile in child processes"): the source's size, a schema's JSON nesting depth (checked here, before
 llguidance sees it), llguidance's own parser limits, and the compile time: the grammar
 is compiled in a child process (coordinator/grammar_compiler.py), never in a step.
 
-A grammar request must end where its grammar ends (issue 20, faults 5 and 6): stop
-strings, stop token ids, ``min_tokens`` and ``ignore_eos`` are refused with one, and
+A grammar request must end where its grammar ends (docs/design/sampling.md, "A grammar
+request ends only where its grammar does"): stop strings, stop token ids, ``min_tokens`` and
+``ignore_eos`` are refused with one, and
 the ranks allow the model's eos only where the grammar accepts. No torch.
 """
 
@@ -88,7 +89,8 @@ def check_continuation(response_format: pb.ResponseFormat, grammar: str, token_i
     The server continues such a request as if it had produced those tokens itself; tokens
     that break the grammar would leave the ranks' matcher in error, and the request would
     "finish" at once with STOP, the server vouching for a document it did not produce
-    (issue 41, item 8). A stream the server produced passes: its grammar allowed every token.
+    (docs/design/cluster.md, "A continuation is checked like output"). A stream the server produced passes: its
+    grammar allowed every token.
 
     Args:
         response_format: the request's format (names the field in the error).

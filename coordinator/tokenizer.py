@@ -196,8 +196,10 @@ class Tokenizer:
 
         The detokenizer's window in the steady state is one anchor token and one new token
         (coordinator/detokenizer.py): a pair seen before costs a dict look-up instead of a
-        call into ``tokenizers`` (about 2-3 µs), once per streamed token (issue 26, per-token
-        cost). A decode depends on the ids only, so the memo is exact. It is bounded: full
+        call into ``tokenizers`` (about 2-3 µs), once per streamed token (the per-token cost:
+        docs/design/request-path.md,
+        "Where a streamed token's coordinator CPU goes"). A decode depends on the ids only, so the memo is
+        exact. It is bounded: full
         at :data:`PAIR_MEMO_SIZE` entries, it starts over (cheap; the frequent pairs return).
         """
         key = (first, second)

@@ -23,7 +23,7 @@ from tpserve.v1 import generate_pb2 as pb
 MAX_REQUEST_ID_LEN = 128
 MAX_CACHE_SALT_LEN = 256
 #: Longest text prompt, in bytes of UTF-8 (1 MiB, about 250,000 tokens of English):
-#: refused before tokenizing, which costs about 1 s per MiB (issue 11, faults 5 and 10).
+#: refused before tokenizing, which costs about 1 s per MiB (docs/design/faults.md, "Size caps").
 MAX_PROMPT_TEXT_BYTES = 1024**2
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -31,7 +31,8 @@ MAX_STOP_TOKEN_IDS = 64
 DEFAULT_TEMPERATURE = 1.0
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): ``logits / 1e-5`` is
 #: already one-hot after softmax, and smaller ones (down to float32's 1e-45) make
-#: ``logits / temperature`` overflow to inf and softmax to NaN (issue 11, fault 1).
+#: ``logits / temperature`` overflow to inf and softmax to NaN (docs/design/sampling.md, "Tiny temperatures are
+#: greedy").
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 

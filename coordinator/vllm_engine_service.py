@@ -175,7 +175,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def StartProfile(self, request: common_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not served over the engine protocol; "
-                            "profile the ranks with torch.profiler (docs/design.md)")
+                            "profile the ranks with torch.profiler (docs/design/kernels.md)")
 
     async def StopProfile(self, request: common_pb2.StopProfileRequest,
                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
@@ -194,7 +194,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         ``load_records_before_first_batch``, a load record numbered 0) and sends a ``load_only``
         record every :data:`KV_EVENTS_HEARTBEAT_S` while the cache is quiet: smg 1.13 vetoes a
         worker whose subscription does not answer within 2 s, or whose load records stop for 15 s
-        (issue 47). Every batch carries the engine's load (``EngineLoad``)."""
+        (docs/design/request-path.md, "KV event stream answers at once"). Every batch carries the engine's load
+        (``EngineLoad``)."""
         scheduler = self._engine().scheduler
         allocator = scheduler.allocator
         if allocator.listener is None:  # kept across a worker-group restart (Scheduler.reset_workers)
@@ -241,8 +242,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:
         """The model's facts. ``model_path`` and ``tokenizer_path`` carry the served model's
-        name, never the server's directory (issue 41: a caller learnt the server's file
-        layout); a gateway fetches the tokenizer with GetTokenizer."""
+        name, never the server's directory (a caller learnt the server's file
+        layout from it); a gateway fetches the tokenizer with GetTokenizer."""
         self._engine()
         info, tokenizer, config = self.generation.model_info, self.generation.tokenizer, self._config
         return vpb.GetModelInfoResponse(

@@ -37,7 +37,7 @@ log = structlog.get_logger(__name__)
 #: one: a rank that is alive but stuck (SIGSTOP, a hung kernel, a host gone without a
 #: FIN) is declared lost within LIVENESS_INTERVAL_S + LIVENESS_TIMEOUT_S, whatever the
 #: step's length. GetStatus runs on the rank's gRPC pool threads, not the step's thread,
-#: so a long step does not delay the answer (issue 11, fault 2).
+#: so a long step does not delay the answer (docs/design/faults.md, "A liveness check").
 LIVENESS_INTERVAL_S = 1.0
 LIVENESS_TIMEOUT_S = 3.0
 
@@ -188,7 +188,8 @@ class WorkerGroup:
         or its breaking fails the group, and ends the sampling rank's read of the step in flight.
 
         That read would otherwise wait for the step timeout: the sampling rank sits in a collective
-        waiting for its failed peer until the collective's own timeout (issue 11, fault 3).
+        waiting for its failed peer until the collective's own timeout (docs/design/faults.md, "The first rank error
+        fails the step").
         """
         stream = self._streams[rank]
         try:
@@ -223,7 +224,7 @@ class WorkerGroup:
     async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
         """Sends one step to every rank; returns once every rank's stream has the plan, with a
         future of the sampling rank's result, so the caller works while the ranks compute (the
-        engine's overlap: docs/design.md, "The engine loop"). The step timeout covers both halves.
+        engine's overlap: docs/design/scheduling.md, "The engine loop"). The step timeout covers both halves.
 
         Several steps may be in flight (pipeline micro-batches, coordinator/micro_batches.py):
         plans are written in call order and each step's answers are read after the previous step's.
@@ -262,7 +263,7 @@ class WorkerGroup:
         """
         clean = False
         # The step's deadline cancels this task (asyncio.wait_for would wrap the reads in one more
-        # task per step; this runs on every step: issue 26, per-step cost).
+        # task per step; this runs on every step: docs/design/scheduling.md, "The engine loop").
         task, expired = asyncio.current_task(), []
 
         def expire() -> None:
@@ -316,7 +317,7 @@ class WorkerGroup:
         elif isinstance(exc, asyncio.CancelledError) and self._closed and not _being_cancelled():
             # close() cancelled the streams under this step: the group was declared lost (a node's
             # registry link dropped first) and is being restarted. The engine loop must see a
-            # failed step, not die of the cancellation (issue 22). But a caller that was itself
+            # failed step, not die of the cancellation (docs/design/faults.md, "Recovery"). But a caller that was itself
             # cancelled (shutdown cancels the engine loop, then closes the group) is cancelled:
             # a group failure there would fail the shutdown (exit 1).
             self.failed = f"step {plan.step_id} failed: the group's step streams were closed"

@@ -1,4 +1,4 @@
-"""The public port's defences against connection floods (issue 41, fault 4).
+"""The public port's defences against connection floods (docs/design/faults.md, "Silent connections").
 
 A TCP connection that never sends a byte costs the server a file descriptor until gRPC's
 handshake timeout (120 s by default) closes it; at the common soft limit of 1,024 open

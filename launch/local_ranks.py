@@ -92,7 +92,8 @@ class LocalRanks:
             # A session of their own: Ctrl-C in a terminal, or SIGINT/SIGTERM to the
             # coordinator's process group (a container runtime, ``kill -- -PGID``), must
             # reach the coordinator only, which drains in-flight requests and then stops
-            # the ranks (issue 11, fault 4). A rank still exits when its parent dies
+            # the ranks (docs/design/faults.md, "Ranks leave shutdown to the coordinator"). A rank still exits when
+            # its parent dies
             # (worker/main.py watches it).
             self.procs[rank] = subprocess.Popen([sys.executable, "-m", "worker.main", "--config", str(path)], env=env,
                                                 start_new_session=True)

@@ -45,8 +45,8 @@ log = structlog.get_logger(__name__)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-#: Keepalive of the public port (docs/design.md, "Faults found by trying public bug
-#: classes"): accept client pings at any rate, with or without calls in flight (gRPC's
+#: Keepalive of the public port (docs/design/faults.md, "Public
+#: keepalive"): accept client pings at any rate, with or without calls in flight (gRPC's
 #: defaults answer a client pinging every 10 s, as proxies and meshes do, with GOAWAY
 #: too_many_pings after about 30 s, killing a stream still queued), and ping clients
 #: every 20 s ourselves, so that a long silent stream keeps NAT and proxy mappings and a
@@ -105,7 +105,7 @@ class PublicServer:
             StartupError: unreadable API keys or TLS files, or a port another process holds.
         """
         cfg = self.config.server
-        # Before anything opens a descriptor that counts against it (issue 41, fault 4).
+        # Before anything opens a descriptor that counts against it (docs/design/faults.md, "Silent connections").
         nofile = raise_nofile_limit()
         self.max_connections = resolve_max_connections(cfg.max_connections, nofile["nofile_soft"])
         server = self._build()
@@ -175,7 +175,8 @@ class PublicServer:
         interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
         options = [*_PUBLIC_SERVER_OPTIONS, *connection_options(cfg.handshake_timeout_seconds, self.max_connections)]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        # Structured output grammars compile in child processes, bounded in time (issue 20, fault 3).
+        # Structured output grammars compile in child processes, bounded in time (docs/design/sampling.md, "Grammars
+        # compile in child processes").
         grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
         self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0),
                                            api_keys=self.api_keys is not None, grammars=grammars, keys=self.api_keys)

@@ -12,7 +12,7 @@ lost again. That is seen at once (the ranks' monitor, the node registry) and the
 tried again, up to :data:`MAX_RESTART_ATTEMPTS` times within the timeout, each failure logged
 with the rank, the host and the cause; a restart that cannot succeed (a rank reports a load
 error) or the last failed attempt fails the requests within seconds with that cause, not at
-the end of the timeout with an empty reason (issue 41, fault 11).
+the end of the timeout with an empty reason (docs/design/faults.md, "A second failure during a restart").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Who may import whom (docs/design.md, "Layout"), checked on the source and on a running headless node.
+"""Who may import whom (docs/design/request-path.md, "Layout"), checked on the source and on a running headless node.
 
 - ``coordinator`` imports no torch, no worker and no launch (it schedules; it never touches tensors);
 - ``worker`` imports neither the coordinator nor launch (ranks execute plans; they decide nothing);

@@ -1,4 +1,5 @@
-"""What tpserve's logging writes (issue 20, item 8): no request content in tracebacks, bounded tracebacks,
+"""What tpserve's logging writes (docs/design/operations.md, "Logs"): no request content in tracebacks, bounded
+tracebacks,
 control characters escaped, repeated warnings rate-limited, exceptions in JSON lines.
 
 Each format is configured with ``configure_logging`` in a child process (the configuration

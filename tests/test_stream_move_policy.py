@@ -101,7 +101,8 @@ def test_n_samples_do_not_move() -> None:
 
 def test_usage_after_a_move_is_the_usage_of_the_whole_completion() -> None:
     # The continuing server counts the 3 tokens it was given as prompt tokens (it computed, not
-    # generated, them: issue 41, item 8); the caller sees the usage of the stream it received:
+    # generated, them: docs/design/cluster.md, "A continuation is checked like output"); the caller sees the usage of
+    # the stream it received:
     # a 4-token prompt and 3 + 2 completion tokens, as if the stream had not moved.
     mover, _ = _mover()
     mover.delivered(pb.GenerateStreamResponse(request_id="req-1", token_ids=[5, 6, 7]))

@@ -197,7 +197,7 @@ class SpeculativeConfig(_Frozen):
     Attributes:
         speculative_method: None (off); "ngram": prompt lookup decoding, which proposes
             the tokens that followed the latest earlier occurrence of the sequence's last
-            n-gram (coordinator/ngram_proposer.py; docs/design.md, "Speculative decoding");
+            n-gram (coordinator/ngram_proposer.py; docs/design/scheduling.md, "Speculative decoding");
             "draft": a small model of the same tokenizer, run by the same ranks with its
             own KV cache, proposes greedily (worker/draft_model.py).
         speculative_model: with "draft", the draft model's checkpoint directory.

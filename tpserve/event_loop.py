@@ -3,7 +3,7 @@
 Per streamed token the coordinator runs a few loop callbacks: the stream's handler wakes, its
 ``context.write`` completes through grpc.aio's completion-queue reader, the engine's step
 result arrives. At 64 and 256 streams these callbacks are a measurable part of the
-coordinator's CPU per token (issue 26), and uvloop (libuv's loop in Cython, a drop-in
+coordinator's CPU per token (docs/design/request-path.md), and uvloop (libuv's loop in Cython, a drop-in
 ``asyncio`` loop) runs them for less: ``benchmarks/coordinator_cpu.py`` measured 0.86x of
 the CPU per token at 64 streams and 0.93x at 256, same run (benchmarks/README.md). vLLM's and SGLang's
 API servers run on uvloop for the same reason.

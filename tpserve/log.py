@@ -3,7 +3,7 @@
 "console" is for people, "json" for log collectors (one JSON object per line).
 Worker ranks bind ``rank`` to every line so a group's logs can be told apart.
 
-What reaches the log, in both formats (docs/design.md, "Operational faults (issue 20)"):
+What reaches the log, in both formats (docs/design/operations.md, "Logs"):
 
 * No request content at the default level. Tracebacks never show local variables
   (structlog's default console formatter, rich's, prints every frame's locals, which

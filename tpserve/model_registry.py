@@ -6,8 +6,8 @@ worker (tpserve/model_config.py), and each worker imports the named class
 (worker/models/__init__.py) to build its shard.
 
 A family is one file ``worker/models/<family>.py`` holding its ``*ForCausalLM``
-class, and one line here per ``architectures`` name it serves (docs/design.md,
-"Adding a model family"). The class states its own weight mapping and reads its
+class, and one line here per ``architectures`` name it serves (docs/design/models.md,
+"Model families: the registry"). The class states its own weight mapping and reads its
 own config keys; see worker/models/__init__.py for the contract.
 """
 

@@ -94,7 +94,7 @@ def _check_group(name: str, group: Any, ignore: list[str]) -> None:
         raise _refuse(f"config_groups.{name}.weights.dynamic={weights['dynamic']!r}")
     targets = list(group.get("targets") or [])
     if _matches(targets, "lm_head", "Linear") and not _matches(ignore, "lm_head", None):
-        # The LM head stays in the model dtype (docs/design.md, "Weight-only int8").
+        # The LM head stays in the model dtype (docs/design/models.md, "Weight-only int8").
         raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
 
 

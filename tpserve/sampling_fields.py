@@ -1,6 +1,6 @@
 """The sampling fields of a request, declared once: name, type, range, default, help and stage.
 
-Everything else is derived from :data:`FIELDS` (docs/design.md, "Sampling controls"):
+Everything else is derived from :data:`FIELDS` (docs/design/sampling.md, "Sampling controls"):
 
 * the coordinator's checks of a public ``SamplingParams`` (:func:`check`, with the
   message ``sampling_params.<name> must be ...``, INVALID_ARGUMENT);

@@ -129,9 +129,9 @@ class _SamplingParamsMethods:
         """Whether speculative decoding may propose tokens for this request.
 
         Not with a control that depends on the tokens before each position (penalties,
-        grammar, min_tokens, logit_bias, min_p: verified rows would need per-position
+        grammar, min_tokens, logit_bias, min_p, typical_p: verified rows would need per-position
         state) or that reports per token (logprobs, prompt_logprobs): such a request
-        decodes one token per step (docs/design.md, "Speculative decoding").
+        decodes one token per step (docs/design/scheduling.md, "Speculative decoding").
         """
         return not (self.uses_logits_controls or self.logprobs or self.prompt_logprobs is not None)
 
@@ -199,7 +199,8 @@ class NewSequence:
     prompt_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(slots=True)  # not frozen: built per sequence per step (0.14 µs against 0.73 frozen; issue 26); never mutated
+# Not frozen: built per sequence per step (0.14 µs against 0.73 frozen; docs/design/request-path.md); never mutated.
+@dataclass(slots=True)
 class ScheduledChunk:
     """The tokens one sequence contributes to this step's flat batch.
 
@@ -217,7 +218,7 @@ class ScheduledChunk:
         sample: whether to sample the token that follows ``token_ids[-1]``
             (False for a prefill chunk that is not the prompt's last).
         num_spec_tokens: how many of the last ``token_ids`` are proposed tokens to
-            verify (speculative decoding; docs/design.md); 0 for an ordinary chunk.
+            verify (docs/design/scheduling.md, "Speculative decoding"); 0 for an ordinary chunk.
             Only with ``sample=True`` and fewer than ``len(token_ids)``.
         num_draft_tokens: ``--speculative-method draft``: the workers' draft model
             proposes this many tokens after ``token_ids``, verified in the same step

@@ -50,7 +50,8 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         trimmed_block_tables=[pb.TrimmedBlockTable(seq_id=seq_id, num_blocks=num_blocks)
                               for seq_id, num_blocks in plan.trimmed_block_tables],
     )
-    # One chunk per running sequence per step: the hot part (issue 26, per-token cost). The
+    # One chunk per running sequence per step: the hot part (docs/design/request-path.md, "Where a streamed token's
+    # coordinator CPU goes"). The
     # leading plain decodes go as columns (worker.proto), the rest as chunk messages.
     scheduled = plan.scheduled
     num_decodes = _num_leading_decodes(scheduled)

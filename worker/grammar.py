@@ -14,7 +14,8 @@ of allowed next tokens; disallowed logits become ``-inf`` before anything else
 
 The tokens that end the sequence (``SamplingParams.grammar_stop_ids``: the model's eos
 ids, as the coordinator stops on them) are allowed exactly where the grammar accepts
-(issue 20, fault 5): llguidance knows one eos, and an extra eos id of
+(docs/design/sampling.md, "A grammar request ends only where its grammar does"): llguidance knows one eos, and an
+extra eos id of
 ``generation_config.json`` that is also ordinary text ("i") would otherwise end a JSON
 string half-way, reported as a complete stop.
 

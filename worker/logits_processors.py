@@ -4,7 +4,7 @@
 grammar's mask, then the processors that can change the argmax (logit_bias, min_tokens),
 then the penalties; greedy rows take their argmax there; then the temperature
 (worker/sampler.py), then the processors that keep the argmax (``after_temperature``:
-min_p), then top-k / top-p (worker/sampler.py). On a row of float32 logits ``l``:
+min_p, typical_p), then top-k / top-p (worker/sampler.py). On a row of float32 logits ``l``:
 
 * :class:`GrammarMask`: tokens the grammar (worker/grammar.py) disallows get ``-inf``;
 * :class:`LogitBias`: ``l[v] += bias[v]``;
@@ -16,7 +16,10 @@ min_p), then top-k / top-p (worker/sampler.py). On a row of float32 logits ``l``
   ``l -= frequency_penalty * count_output(v) + presence_penalty * (count_output(v) > 0)``
   (OpenAI's definition);
 * :class:`MinP`: after the temperature, tokens whose probability is below
-  ``min_p * max probability`` get ``-inf`` (Nguyen et al. 2024, arXiv:2407.01082).
+  ``min_p * max probability`` get ``-inf`` (Nguyen et al. 2024, arXiv:2407.01082);
+* :class:`TypicalP`: after the temperature, the tokens whose surprisal is closest to the
+  distribution's entropy are kept until their probability reaches ``typical_p``, the rest
+  get ``-inf`` (Meister et al. 2022, arXiv:2202.00666).
 
 Each processor reads its own fields of :class:`~tpserve.step.SamplingParams` (declared in
 tpserve/sampling_fields.py), packs its own per-row tensors with :meth:`LogitsProcessor.build`

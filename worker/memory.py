@@ -1,6 +1,6 @@
 """How many KV blocks one rank can hold: sized from the device's memory unless the user says.
 
-Order of precedence (docs/design.md, "KV cache sizing"):
+Order of precedence (docs/design/scheduling.md, "KV cache sizing"):
 
 1. ``--num-gpu-blocks-override N``: exactly ``N`` blocks, no measurement (vLLM's flag).
 2. ``--kv-cache-memory-bytes B``: as many blocks as fit in ``B`` bytes.

@@ -1,6 +1,6 @@
 """NCCL's failure handling and diagnostics, set in each rank process before its process group exists.
 
-Policy (docs/design.md, "NCCL failures"): NCCL collectives run asynchronously on
+Policy (docs/design/gpu.md, "NCCL failures"): NCCL collectives run asynchronously on
 a CUDA stream, so a lost or hung peer is not seen by the Python call that issued
 the collective; PyTorch's watchdog thread sees it when the collective exceeds
 the group's timeout (``--distributed-timeout-seconds``) or NCCL reports an error,

@@ -17,7 +17,7 @@ within each host and gloo between one leader per host
 and for tensors too large for the shared slots. Every collective runs under the
 group's timeout, so a lost rank fails the step with an error instead of hanging it.
 
-Names (docs/design.md, "Parallel sizes: one name, one meaning"): ``tp_size``/``tp_rank`` are the tensor-parallel
+Names (docs/design/cluster.md, "Parallel sizes: one name, one meaning"): ``tp_size``/``tp_rank`` are the tensor-parallel
 degree and this rank's place in its stage's group; ``pp_size``/``pp_rank`` the pipeline
 stages and this rank's stage; ``world_size`` is only ever ``tp_size * pp_size``, every rank
 of the group, and ``global_rank`` a rank's index in it. With ``pp_size`` > 1 the ranks are

@@ -1,4 +1,5 @@
-"""The torch.distributed rendezvous store, listening on one address only (issue 11, fault 9).
+"""The torch.distributed rendezvous store, listening on one address only (docs/design/security.md, "Nothing of a
+group listens beyond its link").
 
 ``init_process_group(init_method="tcp://HOST:PORT")`` has rank 0 host a TCPStore that
 listens on every IPv4 and IPv6 address of the machine, whatever HOST is: anyone who

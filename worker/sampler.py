@@ -30,11 +30,11 @@ tensor-parallel degree (rank 0 samples from the gathered full-vocabulary
 logits), and after a preemption (recompute reaches the same positions). Integer
 arithmetic wraps identically everywhere, so the noise itself is bit-identical
 on the CPU and on CUDA; whether the *tokens* are depends on the logits (see
-docs/design.md, "Precision and reproducibility").
+docs/design/sampling.md, "Precision and reproducibility").
 
 Before all this, rows that ask for them get vLLM's other controls, each a logits
 processor (grammar, logit_bias, min_tokens, penalties before the greedy argmax;
-min_p after the temperature; :mod:`worker.logits_processors`, whose ``ORDER`` is the
+min_p and typical_p after the temperature; :mod:`worker.logits_processors`, whose ``ORDER`` is the
 one place the order is declared); a batch where no row uses one skips them. Greedy-only
 batches are one argmax; in a mixed batch the filters, softmax and noise run on the
 sampled rows only.
@@ -393,7 +393,7 @@ def sample_tensors(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         scaled = logits / temperature[:, None]  # (N, V)
     for processor in sampling.processors:
         if processor.after_temperature:
-            scaled = processor.apply(scaled)  # (N, V) min_p
+            scaled = processor.apply(scaled)  # (N, V) min_p, typical_p
     top_k, top_p, seeds, positions = sampling.top_k, sampling.top_p, sampling.seeds, sampling.positions
     if rows is not None:  # greedy and sampled rows: the rest is the sampled rows' (S of them)
         scaled, top_k, top_p = scaled[rows], top_k[rows], top_p[rows]  # (S, V), (S,), (S,)

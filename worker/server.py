@@ -218,7 +218,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def PrepareGrammar(self, request: pb.PrepareGrammarRequest,
                        context: grpc.ServicerContext) -> pb.PrepareGrammarResponse:
         """Builds a grammar's matcher on this gRPC pool thread (llguidance releases the GIL), so
-        that the step that first samples the request finds it built (issue 20, fault 3)."""
+        that the step that first samples the request finds it built (docs/design/sampling.md, "Grammars compile in
+        child processes")."""
         if not self._ready.is_set():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the shard is not loaded yet")
         try:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server and convert the 95M benchmark model to a float32 GGUF, for
-# benchmarks/peer_comparison.py's llama.cpp peer (issue 26).
+# benchmarks/peer_comparison.py's llama.cpp peer.
 #
 # llama.cpp comes from the llama-cpp-python source distribution on the package index (its
 # vendor/llama.cpp, with the converter and its gguf-py), so no other network source is needed.

@@ -1,4 +1,4 @@
-"""llama.cpp's ``llama-server`` as a peer for benchmarks/peer_comparison.py (issue 26).
+"""llama.cpp's ``llama-server`` as a peer for benchmarks/peer_comparison.py.
 
 The binary and the float32 GGUF of the benchmark model come from benchmarks/llama_cpp/build.sh.
 The server runs with its defaults except for what the comparison fixes: the thread count

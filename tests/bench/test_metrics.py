@@ -129,8 +129,9 @@ def test_json_record_has_derived_metrics(records) -> None:
 
 
 def test_itl_is_per_token_when_messages_carry_several() -> None:
-    """Speculative decoding: 4 tokens per message every 24 ms is an ITL of 6 ms, equal to the TPOT (issue 20,
-    item 11: reported 24 ms as "Inter-token Latency" beside a TPOT of 6 ms). A message without tokens
+    """Speculative decoding: 4 tokens per message every 24 ms is an ITL of 6 ms, equal to the TPOT
+    (docs/design/observability.md, "Measurements say what they are"; it once reported 24 ms as "Inter-token Latency"
+    beside a TPOT of 6 ms). A message without tokens
     (text held back, or the final usage) is no sample and its time goes to the next token."""
     record = make(0, [(0.100, 1), (0.124, 4), (0.148, 4), (0.160, 0), (0.172, 4), (0.180, 0)], 10, 13)
     assert record.itl_s == pytest.approx([0.006] * 12)

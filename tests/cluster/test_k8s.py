@@ -80,7 +80,8 @@ def test_the_leader_worker_set_validates_against_its_crd(rendered) -> None:
     assert error is None, f"{error.message} at {'/'.join(map(str, error.absolute_path))}"  # not the whole schema
     with pytest.raises(jsonschema.ValidationError):  # the strict schema does refuse a misplaced field
         lws_validator().validate({**lws, "spec": {**lws["spec"], "restartPolicy": "None"}})
-    # A worker pod's restart must not recreate the leader (issue 22): the leader pauses the group instead.
+    # A worker pod's restart must not recreate the leader (docs/design/cluster.md, "A lost node is a paused group"):
+    # the leader pauses the group instead.
     assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "None"
 
 
@@ -132,7 +133,7 @@ def test_api_pods_have_grpc_probes_metrics_annotations_and_a_drain_grace(rendere
         if role == "worker":
             continue
         # The probes reach the health port, which answers while the public port is at its
-        # connection cap (issue 41, fault 4), and which the container runs with.
+        # connection cap (docs/design/faults.md, "Silent connections"), and which the container runs with.
         health_port = config.server.health_port
         assert health_port == 50052 and {"name": "health", "containerPort": 50052} in container["ports"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

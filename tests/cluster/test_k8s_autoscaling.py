@@ -1,4 +1,5 @@
-"""The autoscaling overlays (k8s/overlays/gpu-llama-8b-hpa and -keda, issue 48): they render,
+"""The autoscaling overlays (k8s/overlays/gpu-llama-8b-hpa and -keda; docs/design/observability.md, "Manifests"):
+they render,
 validate offline, scale the tpserve Deployment, and name only gauges the server exports.
 
 The HorizontalPodAutoscaler and the adapter's ConfigMap are core kinds (``kubernetes-validate``,

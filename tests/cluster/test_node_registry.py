@@ -141,7 +141,7 @@ def test_a_node_with_another_quantization_is_refused() -> None:
 
 def test_every_node_must_have_the_same_max_model_len() -> None:
     """A node with another --max-model-len would size its ranks' KV pools differently; the group's pool is the
-    smallest rank's, so it silently shrank (issue 20, item 11). Refused, naming both values."""
+    smallest rank's, so it silently shrank. Refused, naming both values."""
     leader = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, max_model_len=2048)
     assert leader.mismatch(join(max_model_len=2048).join) is None
     assert leader.mismatch(join(max_model_len=1024).join) == \

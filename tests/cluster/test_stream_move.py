@@ -1,4 +1,5 @@
-"""Streams that move to another replica, token for token (issue 22, part 2), on stories260k.
+"""Streams that move to another replica, token for token (docs/design/cluster.md, "A broken stream moves to another
+replica"), on stories260k.
 
 Two replicas (separate ``tpserve serve`` processes, each in a process group of its own)
 stand behind one ``ipv4:`` target. First, on the replica that is never faulted: a
@@ -127,7 +128,8 @@ def test_a_continuation_from_k_tokens_is_the_tail_of_the_uninterrupted_request(r
         assert _tokens(rest) == tokens[k:], k
         assert delivered_text + "".join(m.text for m in rest) == text, k
         assert rest[-1].finish_reason == full[-1].finish_reason, k
-        # The server computed the k given tokens as prompt: usage counts them there (issue 41, item 8).
+        # The server computed the k given tokens as prompt: usage counts them there (docs/design/cluster.md, "A
+        # continuation is checked like output").
         assert (rest[-1].usage.prompt_tokens, rest[-1].usage.completion_tokens) == \
             (full[-1].usage.prompt_tokens + k, full[-1].usage.completion_tokens - k), k
         # The continuation's first k tokens are prefilled (a GEMM over many rows) where the reference decoded
@@ -140,7 +142,7 @@ def test_a_continuation_from_k_tokens_is_the_tail_of_the_uninterrupted_request(r
 
 def test_a_continuation_its_format_refuses_is_invalid_argument(replicas, references) -> None:
     # Tokens the JSON grammar cannot have produced are refused, naming the first one the grammar
-    # rejects (before issue 41, item 8: OK, finish STOP, no token: the server vouched for a document
+    # rejects (before continuations were checked: OK, finish STOP, no token: the server vouched for a document
     # it had not produced); a valid cut of the JSON stream passes (the test above), and the replica
     # serves the next request exactly.
     stub = generate_pb2_grpc.GenerationStub(replicas[1].client.channel)

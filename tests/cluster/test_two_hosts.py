@@ -253,7 +253,8 @@ def _streams_during(group: Group, requests: list[tuple[str, dict]], fault: Calla
 
 
 class TestHostLoss:
-    """issue 22, part 1: a lost headless host pauses the group; it resumes when the host is back."""
+    """docs/design/cluster.md, "A lost node is a paused group": a lost headless host pauses the group; it resumes
+    when the host is back."""
 
     HEADLESS_FIRST = False
     LEADER_FLAGS = ("--worker-recovery-timeout-seconds", str(RECOVERY_S), "--metrics-port", str(METRICS_PORT))

@@ -1,5 +1,5 @@
 """Abort lands wherever a request is, bulk Aborts are bounded and cheap, ``n`` is admitted whole
-(issue 41, items 5, 6 and 9).
+(docs/design/request-path.md, "Abort").
 
 An in-process gRPC server with the real interceptor and both servicers (``tpserve.v1`` and
 the engine protocol a gateway speaks) over a real :class:`Engine` and scheduler, whose

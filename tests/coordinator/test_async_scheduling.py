@@ -1,4 +1,5 @@
-"""Async scheduling (``--async-scheduling``, issue 26): step t+1 is planned and sent before step t's result.
+"""Async scheduling (``--async-scheduling``; docs/design/scheduling.md, "Async scheduling"): step t+1 is planned and
+sent before step t's result.
 
 The worker group here is a simulation of the ranks' bookkeeping, not a stand-in that
 returns canned tokens: it runs plans strictly in order, keeps a paged "KV cache" of token

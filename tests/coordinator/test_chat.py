@@ -5,7 +5,7 @@ The checkpoint is the embedded model's tokenizer with a real chat template added
 ``bos_token`` and ``eos_token`` itself, and a ChatML one, which writes none and uses
 ``add_generation_prompt``). The reference is ``transformers.AutoTokenizer`` on the
 same directory. A user who writes ``</s>`` or ``<s>`` gets characters, not control tokens,
-and a role is a role name (issue 20, fault 2).
+and a role is a role name (docs/design/request-path.md, "Chat").
 """
 
 from __future__ import annotations

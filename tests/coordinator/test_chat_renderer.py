@@ -1,4 +1,5 @@
-"""Chat templates rendered in bounded, killable processes (issue 20, fault 3).
+"""Chat templates rendered in bounded, killable processes (docs/design/request-path.md, "Chat templates render in
+killable processes").
 
 A checkpoint's template may never end (nested loops of ``range(100000)``) or ask for
 gigabytes: the render is killed after its time limit or refused at its memory limit,

@@ -1,5 +1,5 @@
 """A continuation (``generated_token_ids``) is checked like output and counted as prompt
-(issue 41, item 8).
+(docs/design/cluster.md, "A continuation is checked like output").
 
 Forged tokens that break the request's grammar (regex, choices, JSON schema) are refused
 with INVALID_ARGUMENT naming ``generated_token_ids`` and the first rejected token's

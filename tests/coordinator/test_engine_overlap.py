@@ -1,4 +1,5 @@
-"""The overlapped engine loop (issue 26) and its step metrics, with stand-in worker groups (no processes).
+"""The overlapped engine loop (docs/design/scheduling.md, "The engine loop") and its step metrics, with stand-in
+worker groups (no processes).
 
 Step t+1 is dispatched before step t's tokens are detokenized and streamed; a sequence
 that a stop string or an abort ends meanwhile gets no token from t+1, is named to the

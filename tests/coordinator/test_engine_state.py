@@ -1,4 +1,5 @@
-"""The engine's life cycle as one enum (issue 24): the allowed moves, and what each state refuses."""
+"""The engine's life cycle as one enum (docs/design/scheduling.md, "The engine's states are one enum"): the allowed
+moves, and what each state refuses."""
 
 from __future__ import annotations
 

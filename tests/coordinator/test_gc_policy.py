@@ -1,4 +1,4 @@
-"""The serving coordinator's garbage-collector thresholds (coordinator/gc_policy.py, issue 26)."""
+"""The serving coordinator's garbage-collector thresholds (coordinator/gc_policy.py; docs/design/request-path.md)."""
 
 from __future__ import annotations
 

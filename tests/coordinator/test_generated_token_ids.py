@@ -1,5 +1,5 @@
 """A continued request (``generated_token_ids``): validated like every field, and entering the
-engine in the state a sequence resumed by recompute has (issue 22, part 2).
+engine in the state a sequence resumed by recompute has (docs/design/faults.md, "Recovery").
 
 Stand-in worker groups record the plans, so the test sees what the workers would be sent.
 Token-for-token equality with an uninterrupted request on a real model is in
@@ -85,7 +85,8 @@ def test_the_continuation_is_recomputed_as_output_and_counts_towards_max_tokens(
     assert [new.num_prompt_tokens for new in first.new_seqs] == [len(PROMPT)]
     assert first.scheduled[0].token_ids == (*PROMPT, 30, 40) and first.scheduled[0].start_position == 0
     # Only the new tokens come back; max_tokens counts the earlier two, and usage counts them as
-    # prompt tokens: this server computed, and did not generate, them (issue 41, item 8).
+    # prompt tokens: this server computed, and did not generate, them (docs/design/cluster.md, "A continuation is
+    # checked like output").
     assert [t for out in outputs for t in out.token_ids] == [7, 7, 7, 7]
     assert outputs[-1].finish_reason.value == "length"
     assert (outputs[-1].num_prompt_tokens, outputs[-1].num_completion_tokens) == (len(PROMPT) + 2, 4)

@@ -1,5 +1,5 @@
 """The scaling signals' definitions (coordinator/load_gauges.py) and their export under
-tpserve's and vLLM's names from one :meth:`Metrics.set_load` (issue 48)."""
+tpserve's and vLLM's names from one :meth:`Metrics.set_load` (docs/design/observability.md, "Scaling signals")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Bytes that are not a request get INVALID_ARGUMENT and one log line, not UNKNOWN and a traceback (issue 11, fault 6).
+"""Bytes that are not a request get INVALID_ARGUMENT and one log line, not UNKNOWN and a traceback
+(docs/design/faults.md, "Requests decode in the interceptor").
 
 An in-process gRPC server with the real interceptor and servicer (no engine: a
 well-formed request gets UNAVAILABLE, "loading"); the live-server cases are in

@@ -1,4 +1,5 @@
-"""GetModelInfo while the model loads answers UNAVAILABLE, as Generate does (issue 11, fault 8).
+"""GetModelInfo while the model loads answers UNAVAILABLE, as Generate does (docs/design/faults.md, "GetModelInfo is
+UNAVAILABLE while loading").
 
 Before the ranks report ready, the KV pool size and the resolved dtype are unknown;
 answering OK with ``num_kv_blocks=0`` and an empty dtype would look like facts.

@@ -1,6 +1,6 @@
 """A request's outputs between the engine loop and its handler (coordinator/output_collector.py):
 outputs a slow handler has not taken yet are merged into one, with nothing lost or reordered, and
-a request's deadline is one timer (issue 26, per-token cost).
+a request's deadline is one timer (the per-token cost: docs/design/request-path.md).
 
 Stand-in worker groups sample known tokens; the text is checked against a full decode by the
 model's own tokenizer.

@@ -1,5 +1,5 @@
-"""The coordinator's per-token fast paths give exactly what the general paths give (issue 26,
-per-token cost): the plan's chunks as ``plan_to_pb`` now sends them (leading decodes as
+"""The coordinator's per-token fast paths give exactly what the general paths give (the
+per-token cost: docs/design/request-path.md): the plan's chunks as ``plan_to_pb`` now sends them (leading decodes as
 columns, the rest as messages), and the detokenizer's
 memoized two-token decode.
 

@@ -1,7 +1,7 @@
 """Preemptions are visible: ``tpserve:num_preemptions_total`` and one INFO line each, without request content.
 
 An engine over a stand-in worker group and a KV pool too small for its requests at once
-(issue 20, item 11: preemptions were counted by the scheduler but neither exported nor logged).
+(preemptions were counted by the scheduler but neither exported nor logged).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fair priority (issue 41, item 7): waiting ages a request's priority, and a resumed sequence
+"""Fair priority (docs/design/scheduling.md, "Priority ages"): waiting ages a request's priority, and a resumed sequence
 is not preempted before its next token. Pure Python with a simulated clock; the
 scheduler's invariants are checked after every step."""
 

@@ -1,4 +1,5 @@
-"""Per-request timings on the last message (issue 48, part 1): queue, prefill, decode, time to
+"""Per-request timings on the last message (docs/design/observability.md, "Request timings and tracing"): queue,
+prefill, decode, time to
 first token, preemptions, cached prompt tokens and the replica, adding up to the wall time.
 
 An in-process gRPC server over a real :class:`Engine` and scheduler whose worker group is a

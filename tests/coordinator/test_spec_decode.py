@@ -165,7 +165,7 @@ def test_a_stop_token_among_accepted_tokens_ends_the_sequence_there() -> None:
     # The second step proposed 7 5 6 7 5 ... after 6 and the target agreed: 7 was an accepted proposal.
     assert scheduler.spec.num_drafts == 1 and scheduler.spec.num_accepted_tokens >= 1
     # Only 7 was kept: the proposals the target also accepted after it were thrown away at the stop, so
-    # they count as drafted, not accepted (issue 20, item 11: they were counted as accepted).
+    # they count as drafted, not accepted (they were once counted as accepted).
     assert scheduler.spec.num_draft_tokens > 1 and scheduler.spec.num_accepted_tokens == 1
     assert scheduler.spec.accepted_tokens_per_pos == [1] + [0] * (len(scheduler.spec.accepted_tokens_per_pos) - 1)
     assert scheduler.allocator.num_free_blocks == 16

@@ -1,4 +1,5 @@
-"""Structured output at the coordinator: bounded compiles and stop conditions (issue 20, faults 3, 5, 6).
+"""Structured output at the coordinator: bounded compiles and stop conditions (docs/design/sampling.md, "Structured
+output").
 
 Real requests through ``validate_request`` with the embedded model's tokenizer; the
 compile-time limit runs a real :class:`GrammarCompiler` (child processes) on a schema

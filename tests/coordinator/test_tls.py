@@ -1,4 +1,5 @@
-"""Certificates and API keys in operation (issue 20, item 10), without a server: start-up checks of the
+"""Certificates and API keys in operation (docs/design/security.md, "Keys and certificates are renewable"), without a
+server: start-up checks of the
 certificate files, their renewal on reload, and the bearer scheme in any case.
 
 Certificates are made here with ``cryptography``; the clock is passed in, so dates are exact."""

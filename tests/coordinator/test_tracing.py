@@ -1,4 +1,5 @@
-"""OpenTelemetry traces of requests (issue 48, part 2): one trace per request under the caller's
+"""OpenTelemetry traces of requests (docs/design/observability.md, "Request timings and tracing"): one trace per
+request under the caller's
 ``traceparent``, children in order, sampled step events, preemptions, a moved stream in one trace, and the refusal
 of ``--otlp-traces-endpoint`` without the tracing extra.
 

@@ -1,4 +1,5 @@
-"""WorkerGroup acts on the first rank that fails a step, not after every rank answers (issue 11, fault 3).
+"""WorkerGroup acts on the first rank that fails a step, not after every rank answers (docs/design/faults.md, "The
+first rank error fails the step").
 
 The ranks' Step streams are replaced by in-process fakes: rank 1 answers with an
 error at once while rank 0 never answers (as a rank blocked in a collective waits
@@ -169,7 +170,8 @@ class _CancellableStream(_FakeStream):
 
 def test_a_step_interrupted_by_close_fails_instead_of_cancelling_the_caller() -> None:
     # The group is declared lost (a node's registry link dropped) while a step waits in a collective:
-    # the restart closes the group, and the engine loop must see a failed step, not die (issue 22).
+    # the restart closes the group, and the engine loop must see a failed step, not die (docs/design/faults.md,
+    # "Recovery").
     async def main():
         group = WorkerGroup(["unix:///nonexistent/rank0.sock", "unix:///nonexistent/rank1.sock"], 60.0)
         group._attach([_CancellableStream(), _CancellableStream()])

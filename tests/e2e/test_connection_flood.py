@@ -1,4 +1,4 @@
-"""Silent connections lock no client out (issue 41, fault 4).
+"""Silent connections lock no client out (docs/design/faults.md, "Silent connections").
 
 Idle TCP connections that never send a byte were held for gRPC's 120 s handshake timeout;
 with the open-file limit reached the server could accept nobody: every fresh request timed

@@ -1,4 +1,4 @@
-"""Random GenerateRequests against a live server at tp 2 (issue 11, "Fuzzing").
+"""Random GenerateRequests against a live server at tp 2 (docs/design/faults.md, "Fuzzing").
 
 Every field of GenerateRequest and SamplingParams is drawn from its protobuf type,
 read from the descriptors (so fields added later are fuzzed too): extreme and

@@ -183,7 +183,8 @@ def _multi_turn(fleet: Fleet, gateway: RunningGateway, seed: int, concurrency: i
     Each turn is a chat request, whose template starts it with the BOS on the gateway's side too:
     smg's event-driven ``cache_aware`` matches the blocks of our KV events against its own token
     ids, and for a completions prompt those lack the BOS the replica puts in front
-    (coordinator/vllm_engine_params.py), so they would never match (docs/design.md).
+    (coordinator/vllm_engine_params.py), so they would never match (docs/design/request-path.md, "The engine protocol
+    a gateway routes").
 
     Returns:
         The prefix-cache hits (tokens) the replicas' metrics counted, the prompt tokens each

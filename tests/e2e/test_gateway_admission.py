@@ -1,4 +1,4 @@
-"""The gateway admits healthy replicas at once (issue 47, item 1).
+"""The gateway admits healthy replicas at once (docs/design/request-path.md, "KV event stream answers at once").
 
 smg 1.13 subscribes to every worker's KV events when it registers it and vetoes a worker whose
 subscription has not answered within 2 s, or whose stream then goes quiet: before

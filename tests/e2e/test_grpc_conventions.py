@@ -1,4 +1,5 @@
-"""gRPC's conventions on a live ``tpserve serve`` (issue 48): reflection v1 as grpcurl, Postman and
+"""gRPC's conventions on a live ``tpserve serve`` (docs/design/request-path.md, "gRPC conventions"): reflection v1 as
+grpcurl, Postman and
 evans ask for it; a replica killed under a call that gRPC's retry policy (tpserve/service_config.py)
 moves to another; a full queue's RESOURCE_EXHAUSTED with server pushback (coordinator/pushback.py).
 """

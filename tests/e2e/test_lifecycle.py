@@ -1,6 +1,6 @@
 """Start-up refusal, clean shutdown, and a lost rank: no crash, no hang, no process left.
 
-What a lost rank does, per backend (docs/design.md, "NCCL failures"):
+What a lost rank does, per backend (docs/design/gpu.md, "NCCL failures"):
 
 * gloo (CPU, these tests): a collective whose peer died fails at once (its TCP
   connection closes) or at the group's timeout (a hung peer); the step's error

@@ -1,4 +1,5 @@
-"""The scaling gauges under a real load (issue 48): one sequence slot (``--max-num-seqs 1``)
+"""The scaling gauges under a real load (docs/design/observability.md, "Scaling signals"): one sequence slot
+(``--max-num-seqs 1``)
 and three concurrent requests, so two wait while one runs; then idle again.
 
 Autoscalers and the Gateway API Inference Extension's endpoint picker read these; vLLM's

@@ -1,4 +1,4 @@
-"""Faults found by trying public bug classes against a live server (issue 11), at tp 2.
+"""Faults found by trying public bug classes against a live server (docs/design/faults.md), at tp 2.
 
 One server (the embedded model, tensor_parallel_size 2, tests/e2e/conftest.py) serves every test here;
 each test states the fault it covers. Faults that stop or break the server

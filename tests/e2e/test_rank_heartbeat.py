@@ -1,4 +1,5 @@
-"""A rank that is alive but stuck is found by a liveness check, not the step timeout (issue 11, fault 2).
+"""A rank that is alive but stuck is found by a liveness check, not the step timeout (docs/design/faults.md, "A
+liveness check independent of the step").
 
 SIGSTOP of rank 1 mid-stream stands for a hung kernel or a host gone without a
 FIN: the process exists, its sockets stay open, it answers nothing. Before, health

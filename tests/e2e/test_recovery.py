@@ -6,7 +6,8 @@ stream complete and token for token equal to its solo run; the same again for th
 other rank (each rank in turn, two restarts in a row). A group that cannot come
 back (its checkpoint vanished) fails the held requests with UNAVAILABLE naming
 the reason, and the server exits 1. A replacement rank killed while the group restarts
-(issue 41, fault 11) makes the leader try again at once, or, after the last attempt, exit
+(docs/design/faults.md, "A second failure during a restart") makes the leader try again at once, or, after the last
+attempt, exit
 within seconds naming the rank, the host and the cause.
 """
 

@@ -1,4 +1,5 @@
-"""Ctrl-C or SIGTERM to the whole process group drains like SIGTERM to the coordinator (issue 11, fault 4).
+"""Ctrl-C or SIGTERM to the whole process group drains like SIGTERM to the coordinator (docs/design/faults.md, "Ranks
+leave shutdown to the coordinator").
 
 A terminal's Ctrl-C, a container runtime and ``kill -- -PGID`` signal every process
 of the group. The ranks run in a session of their own, so only the coordinator

@@ -1,7 +1,8 @@
 """End to end through ``tpserve serve`` on the real stories260k model, at degrees 1 and 2.
 
 Every test runs on four servers: degrees 1 and 2, each without and with
-``--async-scheduling`` (step t+1 planned before step t's result, issue 26); the goldens
+``--async-scheduling`` (step t+1 planned before step t's result; docs/design/scheduling.md, "Async scheduling"); the
+goldens
 also at degree 4 with async scheduling.
 
 The references are the shared goldens (made with Hugging Face ``transformers``) and
@@ -189,7 +190,8 @@ def test_cli_generate_json_prints_the_golden(cluster) -> None:
         [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
          "--max-tokens", "64", "--json", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
     printed = json.loads(out.stdout)
-    timings = printed.pop("timings")  # where the request's time went (issue 48)
+    timings = printed.pop("timings")  # where the request's time went (docs/design/observability.md, "Request timings
+    # and tracing")
     assert printed == {"text": golden["text"], "token_ids": golden["completion_token_ids"], "finish_reason": "length",
                        "usage": {"prompt_tokens": 5, "completion_tokens": 64}}
     assert timings["decode_time_s"] > 0 and timings["prefill_time_s"] > 0 and timings["num_preemptions"] == 0

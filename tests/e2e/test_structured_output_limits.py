@@ -1,4 +1,4 @@
-"""Hostile structured-output requests against a live server (issue 20, faults 3, 5, 6), at tp 2.
+"""Hostile structured-output requests against a live server (docs/design/sampling.md, "Structured output"), at tp 2.
 
 Served by the shared embedded-model server (tests/e2e/conftest.py ``default_tp2``): no
 start-up of its own. While one greedy stream runs and health is polled, hostile formats

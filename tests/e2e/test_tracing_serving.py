@@ -1,4 +1,5 @@
-"""``tpserve serve --otlp-traces-endpoint`` end to end (issue 48): a real server exports each
+"""``tpserve serve --otlp-traces-endpoint`` end to end (docs/design/observability.md, "Request timings and tracing"):
+a real server exports each
 request's trace over OTLP/gRPC to a local receiver, under the caller's span (the client sends
 its ``traceparent``), and the stream's last message carries the timings and the replica.
 """

@@ -371,7 +371,8 @@ def test_kv_events_answer_at_once_and_keep_a_quiet_stream_alive(server: RunningC
 
 
 def test_tokenized_input_gets_the_bos_a_text_prompt_gets(server: RunningCluster, engine) -> None:
-    """smg encodes a completions prompt without the BOS (issue 41, item 12): the replica puts it back, so the
+    """smg encodes a completions prompt without the BOS (docs/design/request-path.md, "One tokenization for both
+    paths"): the replica puts it back, so the
     engine protocol and Generate give the same tokens for the same text."""
     ids = _prompt_ids(server)
     assert ids[0] == 1

@@ -1,6 +1,7 @@
 """One model family against ``transformers`` at several tensor-parallel degrees (parent side of its tests).
 
-The scenario of issue 19, for a tiny seeded checkpoint whose sliding window (if any)
+The scenario of docs/design/models.md ("Model families: the registry"), for a tiny seeded checkpoint whose sliding
+window (if any)
 is a few blocks long, so that blocks fall out of it:
 
 * **alone**: 8 prompts of 3 to 40 tokens, one sequence at a time, 32 greedy tokens each;

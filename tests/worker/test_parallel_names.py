@@ -1,4 +1,5 @@
-"""One name, one meaning (issue 42): ``tp_size``/``tp_rank``, ``pp_size``/``pp_rank``, and ``world_size``
+"""One name, one meaning (docs/design/cluster.md, "Parallel sizes"): ``tp_size``/``tp_rank``,
+``pp_size``/``pp_rank``, and ``world_size``
 only ever ``tp_size * pp_size``.
 
 The first tests check a tp 2 x pp 2 group's contexts, built by the code ``init_distributed`` builds

@@ -1,4 +1,5 @@
-"""The rendezvous store listens on its own address only (issue 11, fault 9).
+"""The rendezvous store listens on its own address only (docs/design/security.md, "Nothing of a group listens beyond
+its link").
 
 torch's ``init_method="tcp://127.0.0.1:P"`` store listens on every interface; a
 connection to the port from another address of this machine got in. Here a

@@ -1,4 +1,5 @@
-"""The sampler never returns a garbage token when ``logits / temperature`` overflows (issue 11, fault 1).
+"""The sampler never returns a garbage token when ``logits / temperature`` overflows (docs/design/sampling.md, "Tiny
+temperatures are greedy").
 
 A positive float32 temperature small enough (2e-38 down to 1e-45) turns the
 scaled logits into inf, softmax into NaN and the exponential race's argmax into

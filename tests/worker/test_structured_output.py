@@ -6,7 +6,7 @@ the llguidance grammar, the real scheduler and model runner run the batch in one
 50 completions under a JSON schema all parse and validate with ``jsonschema``; a regex and
 a choice list likewise. A schema llguidance rejects is INVALID_ARGUMENT. An extra eos id
 in ``generation_config.json`` that is also ordinary text ends a grammar request only where
-the grammar is complete (issue 20, fault 5).
+the grammar is complete (docs/design/sampling.md, "A grammar request ends only where its grammar does").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.
 They run the very kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
 submodules) calls, in the same order, so the hidden states are bit-identical to it;
 what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
-(30 layers), the bare batch-1 step: docs/design.md, "Compiled CPU kernels".
+(30 layers), the bare batch-1 step: docs/design/kernels.md, "Compiled CPU kernels".
 
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
 Llama's or Qwen3's (soft-capping, MoE) keep the module path.

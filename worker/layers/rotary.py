@@ -28,7 +28,7 @@ The inverse frequencies follow Hugging Face ``transformers`` exactly
   ``L = max(prompt length, p + 1)`` of its own sequence (``AttentionMetadata.rope_seq_lens``),
   which is that, token for token, for every sequence of a batch; a batched
   ``transformers`` forward instead uses the batch's longest length for all its rows
-  (docs/design.md, "RoPE scaling").
+  (docs/design/models.md, "RoPE scaling").
 
 The rotation is the "rotate half" (GPT-NeoX) layout Llama checkpoints use:
 ``x * cos + rotate_half(x) * sin`` with ``cos, sin`` of ``cat(freqs, freqs)``,
