@@ -13,9 +13,8 @@ then a rank of the headless stage is killed, and the group fails its requests
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
