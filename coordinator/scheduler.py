@@ -239,7 +239,7 @@ class Scheduler:
     def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> StepPlan:
         """Builds the next step's plan; see the module docstring for the policy.
 
-        Pipeline micro-batches (coordinator/micro_batches.py): ``busy`` are the ids of running
+        Pipeline micro-batches (coordinator/engine/step_loop.py): ``busy`` are the ids of running
         sequences in a step still in flight: they are neither scheduled nor preempted (that
         step still writes their blocks) until its result is applied; ``max_seqs`` caps the
         sequences of this plan (None: ``max_num_seqs``), so the batches share them out.

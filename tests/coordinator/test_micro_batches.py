@@ -1,4 +1,4 @@
-"""The engine with pipeline micro-batches (coordinator/micro_batches.py), on a stand-in worker group.
+"""The engine with pipeline micro-batches (coordinator/engine/step_loop.py), on a stand-in worker group.
 
 The stand-in holds every step for a while and answers each sampled chunk with the
 next token of a fixed completion, so it checks what the loop may send: up to P steps
