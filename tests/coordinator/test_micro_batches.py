@@ -111,6 +111,15 @@ def test_two_micro_batches_of_disjoint_sequences_stay_in_flight() -> None:
     assert engine.scheduler.allocator.num_free_blocks == 128
 
 
+def test_pipelined_steps_are_counted_in_the_step_metrics() -> None:
+    """One step loop for every mode (issue 42): each micro-batch applied is one observed step, as without pipelining."""
+    group = PipelinedGroup()
+    engine = _engine(group, depth=3)
+    assert _run(engine, [6, 4, 6, 5]) == [[10 + k for k in range(n)] for n in (6, 4, 6, 5)]
+    count = engine.metrics.registry.get_sample_value("tpserve:step_duration_seconds_count")
+    assert count == group.steps and group.steps >= 6 and group.max_in_flight == 3
+
+
 def test_depth_one_keeps_one_step_in_flight() -> None:
     group = PipelinedGroup()
     results = _run(_engine(group, depth=1), [6, 6, 6])
