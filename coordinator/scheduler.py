@@ -69,27 +69,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.priority import DEFAULT_PRIORITY_AGING_S, PriorityPolicy
 from coordinator.spec_decode import SpecDecodeStats
+from coordinator.spec_scheduling import TokenOutput, apply_verified, propose, tokens_per_sample
 from coordinator.scheduler_invariants import cached_blocks_written, check_invariants
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus
-from tpserve.step import PLACEHOLDER_TOKEN_ID, NewSequence, SampleLogprobs, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import PLACEHOLDER_TOKEN_ID, NewSequence, ScheduledChunk, StepPlan, StepResult
 
-
-@dataclass(slots=True)  # not frozen: a frozen slots dataclass's __init__ costs 4x (one per token; issue 26)
-class TokenOutput:
-    """One sampled token for one sequence, why the sequence stopped (if it did), its logprobs (if asked);
-    not changed once made."""
-
-    seq: Sequence
-    token_id: int
-    finish_reason: FinishReason | None
-    logprobs: SampleLogprobs | None = None
+__all__ = ["Scheduler", "TokenOutput"]
 
 
 class Scheduler:
@@ -239,18 +230,32 @@ class Scheduler:
     def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> StepPlan:
         """Builds the next step's plan; see the module docstring for the policy.
 
-        Pipeline micro-batches (coordinator/micro_batches.py): ``busy`` are the ids of running
+        Pipeline micro-batches (coordinator/engine/step_loop.py): ``busy`` are the ids of running
         sequences in a step still in flight: they are neither scheduled nor preempted (that
         step still writes their blocks) until its result is applied; ``max_seqs`` caps the
         sequences of this plan (None: ``max_num_seqs``), so the batches share them out.
         """
         cap = self.max_num_seqs if max_seqs is None else max_seqs
-        budget = self.max_num_batched_tokens
         new_seqs: list[NewSequence] = []
         scheduled: list[ScheduledChunk] = []
-        preempted = False  # or a sequence waits for blocks: no admission in this step
-
         self._preempt_for_priority(busy)
+        budget, preempted = self._schedule_running(busy, cap, scheduled)
+        if not preempted:  # a preemption, or a sequence waiting for blocks: no admission in this step
+            self._schedule_waiting(budget, cap, scheduled, new_seqs)
+        if self.check_writes:
+            self._bad_writes = cached_blocks_written(scheduled, self.running, self.allocator)
+        plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop),
+                        tuple(self._trims.items()))
+        self._next_step_id += 1
+        self._to_drop = []
+        self._trims = {}
+        return plan
+
+    def _schedule_running(self, busy: frozenset[int], cap: int, scheduled: list[ScheduledChunk]) -> tuple[int, bool]:
+        """The running pass (module docstring, 1): appends their chunks to ``scheduled``;
+        returns the token budget left and whether a sequence was preempted or waits for blocks."""
+        budget = self.max_num_batched_tokens
+        preempted = False
         speculate = self.proposer is not None and (self.disable_speculation_above is None
                                                    or len(self.running) <= self.disable_speculation_above)
         index = 0
@@ -261,7 +266,7 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             # Speculation spends budget only where every later running sequence keeps a token.
-            proposal, num_draft = self._propose(seq, budget - num_new - (len(self.running) - index - 1)) \
+            proposal, num_draft = propose(self.proposer, seq, budget - num_new - (len(self.running) - index - 1)) \
                 if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1 else ((), 0)
             num_spec = len(proposal) + num_draft
             new_block_ids = self.kv_cache.grow(seq, num_new + num_spec) if num_spec else None
@@ -287,9 +292,13 @@ class Scheduler:
             index += 1
             if self.async_scheduling:
                 self._count_planned(seq, scheduled[-1])
+        return budget, preempted
 
-        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and len(scheduled) < cap):
+    def _schedule_waiting(self, budget: int, cap: int, scheduled: list[ScheduledChunk],
+                          new_seqs: list[NewSequence]) -> None:
+        """The waiting pass (module docstring, 2): admits waiting sequences in order while
+        ``budget`` tokens, a slot and their blocks last; appends their chunks and descriptions."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(scheduled) < cap:
             seq = self.waiting[0]
             cached = self.kv_cache.cached_prefix(seq)
             if not self.allocator.can_allocate(self.kv_cache.num_blocks_to_admit(seq, cached)):
@@ -312,15 +321,6 @@ class Scheduler:
             budget -= num_new
             if self.async_scheduling:
                 self._count_planned(seq, scheduled[-1])
-
-        if self.check_writes:
-            self._bad_writes = cached_blocks_written(scheduled, self.running, self.allocator)
-        plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop),
-                        tuple(self._trims.items()))
-        self._next_step_id += 1
-        self._to_drop = []
-        self._trims = {}
-        return plan
 
     def _pending_is_last(self, seq: Sequence) -> bool:
         """Async scheduling: whether the tokens steps in flight sample for ``seq`` end it by length."""
@@ -351,7 +351,7 @@ class Scheduler:
             ValueError: the result does not carry one token per sampling chunk (plus
                 the accepted proposals), or accepts more proposals than a chunk had.
         """
-        counts = self._tokens_per_sample(plan, result)
+        counts = tokens_per_sample(plan, result)
         seqs = {seq.seq_id: seq for seq in self.running}
         for scored in result.prompt_logprobs:  # before the first token: the engine reports them with it
             seq = seqs.get(scored.seq_id)
@@ -389,55 +389,13 @@ class Scheduler:
             outputs.append(TokenOutput(seq, token_id, reason, logprobs.get(sample_index)))
         return outputs
 
-    # -- speculative decoding --------------------------------------------------------
-
-    def _propose(self, seq: Sequence, room: int) -> tuple[tuple[int, ...], int]:
-        """``(proposed tokens, tokens the draft model will propose)`` after ``seq``'s last one, at most
-        ``room`` in all (none when it may not speculate)."""
-        if self.proposer is None or room <= 0 or not seq.sampling.allows_speculation \
-                or not seq.speculation.allowed(seq.num_output_tokens):
-            return (), 0
-        # Every accepted token and the one sampled after them must fit max_tokens and max_model_len.
-        room = min(room, seq.stop.max_tokens - seq.num_output_tokens - 1, seq.max_model_len - seq.num_tokens - 1)
-        if room <= 0:
-            return (), 0
-        if self.proposer.on_workers:
-            return (), self.proposer.num_to_propose(room)
-        return self.proposer.propose(seq.token_ids(0, seq.num_tokens), room), 0
-
-    def _tokens_per_sample(self, plan: StepPlan, result: StepResult) -> list[int]:
-        """How many tokens each sample of ``plan`` gave in ``result``; validates the result first."""
-        accepted = result.num_accepted_tokens
-        samples = [chunk for chunk in plan.scheduled if chunk.sample]
-        if accepted and len(accepted) != len(samples) or (not accepted and plan.num_spec_tokens):
-            raise ValueError(f"step {plan.step_id}: {len(accepted)} acceptance counts for {len(samples)} samples")
-        counts = [1 + (accepted[i] if accepted else 0) for i in range(len(samples))]
-        if any(count - 1 > chunk.num_spec_tokens + chunk.num_draft_tokens for count, chunk in zip(counts, samples)):
-            raise ValueError(f"step {plan.step_id}: more proposals accepted than proposed")
-        if len(result.sampled_token_ids) != sum(counts):
-            raise ValueError(f"step {plan.step_id}: {len(result.sampled_token_ids)} tokens for "
-                             f"{plan.num_samples} samples ({sum(counts)} with the accepted proposals)")
-        return counts
+    # -- speculative decoding (coordinator/spec_scheduling.py) ------------------------
 
     def _apply_verified(self, seq: Sequence, chunk: ScheduledChunk, token_ids: tuple[int, ...]) -> list[TokenOutput]:
-        """Appends a verified chunk's tokens up to a stop; rolls back the rejected positions."""
-        num_proposed, num_accepted = chunk.num_spec_tokens + chunk.num_draft_tokens, len(token_ids) - 1
-        outputs: list[TokenOutput] = []
-        reason = None
-        for token_id in token_ids:
-            reason = seq.append_token(token_id)
-            outputs.append(TokenOutput(seq, token_id, reason))
-            if reason is not None:
-                break  # nothing past a stop
-        # Valid K/V: the fed token and the accepted proposals; the rest is overwritten later.
-        num_computed = chunk.start_position + 1 + min(len(outputs), num_accepted)
-        self.kv_cache.cache_full_blocks(seq, num_computed)  # only verified positions: no rejected token is cached
-        seq.num_computed_tokens = num_computed
-        # Counted: accepted proposals kept; those past a stop are thrown away (vLLM counts the same).
-        self.spec.record(num_proposed, min(len(outputs), num_accepted))
-        seq.speculation.record(num_proposed, num_accepted, seq.num_output_tokens)
-        if reason is not None:
-            self.finish(seq, reason)
+        """Appends a verified chunk's tokens up to a stop; frees the blocks of rejected positions."""
+        outputs = apply_verified(seq, chunk, token_ids, self.kv_cache, self.spec)
+        if outputs[-1].finish_reason is not None:
+            self.finish(seq, outputs[-1].finish_reason)
             return outputs
         keep = num_blocks_for(seq.num_tokens, self.block_size)
         if len(seq.block_ids) > keep:  # blocks reserved for rejected proposals go back to the pool

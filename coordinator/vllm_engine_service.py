@@ -236,7 +236,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine = self.generation.engine
         if engine is None:
             return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
-        problem = engine.dead or engine.recovering or ("draining" if engine.draining else "")
+        problem = engine.lifecycle.dead or engine.lifecycle.recovering or ("draining" if engine.lifecycle.draining else "")
         return vpb.HealthCheckResponse(healthy=not problem, message=problem or "serving")
 
     async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
@@ -263,7 +263,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine = self._engine()
         info = self.generation.model_info
         response = vpb.GetServerInfoResponse(
-            is_paused=engine.draining, server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype="auto",
+            is_paused=engine.lifecycle.draining, server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype="auto",
             block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=engine.scheduler.max_num_seqs)
         if self.generation.is_operator(context):
             response.active_requests = engine.num_requests

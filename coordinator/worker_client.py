@@ -93,7 +93,7 @@ class WorkerGroup:
                  sampling_rank: int = 0) -> None:
         self.addresses = list(addresses)
         self.sampling_rank = sampling_rank
-        # Several steps may be in flight (pipeline micro-batches, coordinator/micro_batches.py):
+        # Several steps may be in flight (pipeline micro-batches, coordinator/engine/step_loop.py):
         # plans are written in call order and each step's answers read after the previous step's.
         self._writing = asyncio.Lock()
         self._last_read: asyncio.Future | None = None
@@ -226,7 +226,7 @@ class WorkerGroup:
         future of the sampling rank's result, so the caller works while the ranks compute (the
         engine's overlap: docs/design/scheduling.md, "The engine loop"). The step timeout covers both halves.
 
-        Several steps may be in flight (pipeline micro-batches, coordinator/micro_batches.py):
+        Several steps may be in flight (pipeline micro-batches, coordinator/engine/step_loop.py):
         plans are written in call order and each step's answers are read after the previous step's.
 
         Raises:

@@ -101,14 +101,14 @@ class Recovery:
             self._recovery = asyncio.create_task(self._recover(reason, resumed))
             return True
         log.error("worker group lost", reason=reason)
-        if self.engine is not None and not self.engine.dead:
+        if self.engine is not None and not self.engine.lifecycle.dead:
             self.engine.fail_all(reason, error)
         self.shutdown.stop(1)
         return False
 
     def _can_recover(self) -> bool:
         return (self.config.server.worker_recovery_timeout_seconds > 0
-                and self.engine is not None and not self.engine.dead and not self.shutdown.stopping)
+                and self.engine is not None and not self.engine.lifecycle.dead and not self.shutdown.stopping)
 
     async def _recover(self, reason: str, resumed: int) -> None:
         """Restarts every rank and resumes the (suspended) requests by recompute, or fails

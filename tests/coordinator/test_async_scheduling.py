@@ -283,7 +283,7 @@ def test_a_group_failure_with_two_steps_in_flight_restarts_and_every_request_is_
         asyncio.get_running_loop().call_later(0.01, engine.resume, new)
         return True
 
-    engine._on_group_failure = on_failure
+    engine.loop.on_group_failure = on_failure
     requests = [(0.0, _params(f"r{i}", [1, 5 + i, 6], 10 + i)) for i in range(4)]
     results = _run(engine, requests)
     for (_, params), outputs in zip(requests, results):

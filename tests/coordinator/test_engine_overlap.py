@@ -25,13 +25,13 @@ from tpserve.step import StepPlan, StepResult
 
 def test_the_next_step_is_dispatched_before_the_previous_one_is_streamed() -> None:
     engine, group, _ = _engine()
-    original = engine._process
+    original = engine.active.outputs.process
 
     def process(outputs) -> None:
         group.events.append(("process", group.plans[-1].step_id))  # while this plan runs on the ranks
         original(outputs)
 
-    engine._process = process
+    engine.active.outputs.process = process
     (outputs,) = _run(engine, _params("r0", 4))
     assert [t for out in outputs for t in out.token_ids] == SCRIPT[:4]
     # Step t's tokens are processed while step t+1 is in flight; the last step has no successor.
@@ -105,7 +105,7 @@ def test_a_step_of_a_replaced_group_that_fails_late_does_not_fail_the_restarted_
             raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
 
     lost = Lost(scheduler=engine.scheduler)
-    engine.workers = lost
+    engine.loop.workers = lost
 
     def restart(plan: StepPlan) -> None:
         if plan.step_id == 2:

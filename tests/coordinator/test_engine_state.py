@@ -33,14 +33,14 @@ def test_suspend_resume_drain_and_fail_move_the_state_and_refuse_requests() -> N
             return str(info.value)
 
         engine.suspend("rank 1 is gone")
-        seen.append((engine.state, engine.recovering, await refused()))
+        seen.append((engine.state, engine.lifecycle.recovering, await refused()))
         engine.drain()  # a no-op while restarting
         engine.resume(group)
-        seen.append((engine.state, engine.recovering, None))
+        seen.append((engine.state, engine.lifecycle.recovering, None))
         engine.drain()
-        seen.append((engine.state, engine.draining, await refused()))
+        seen.append((engine.state, engine.lifecycle.draining, await refused()))
         engine.fail_all("it broke")
-        seen.append((engine.state, engine.dead, await refused()))
+        seen.append((engine.state, engine.lifecycle.dead, await refused()))
         return seen
 
     recovering, resumed, draining, dead = asyncio.run(run())

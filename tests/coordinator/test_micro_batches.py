@@ -1,4 +1,4 @@
-"""The engine with pipeline micro-batches (coordinator/micro_batches.py), on a stand-in worker group.
+"""The engine with pipeline micro-batches (coordinator/engine/step_loop.py), on a stand-in worker group.
 
 The stand-in holds every step for a while and answers each sampled chunk with the
 next token of a fixed completion, so it checks what the loop may send: up to P steps
@@ -65,6 +65,15 @@ def test_two_micro_batches_of_disjoint_sequences_stay_in_flight() -> None:
     assert group.max_in_flight == 2  # the pipeline was kept full...
     assert group.overlaps == []  # ...and never with one sequence in two steps
     assert engine.scheduler.allocator.num_free_blocks == 128
+
+
+def test_pipelined_steps_are_counted_in_the_step_metrics() -> None:
+    """One step loop for every mode (issue 42): each micro-batch applied is one observed step, as without pipelining."""
+    group = PipelinedGroup()
+    engine = _engine(group, depth=3)
+    assert _run(engine, [6, 4, 6, 5]) == [[10 + k for k in range(n)] for n in (6, 4, 6, 5)]
+    count = engine.metrics.registry.get_sample_value("tpserve:step_duration_seconds_count")
+    assert count == group.steps and group.steps >= 6 and group.max_in_flight == 3
 
 
 def test_depth_one_keeps_one_step_in_flight() -> None:

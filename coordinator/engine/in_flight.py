@@ -1,4 +1,4 @@
-"""A step sent to the ranks whose result the engine loop has not taken yet.
+"""A step sent to the ranks whose result the step loop (coordinator/engine/step_loop.py) has not taken yet.
 
 The engine overlaps its per-request work with the ranks (docs/design.md, "The engine
 loop"): as soon as step t's result is in, it updates the scheduler, plans step t+1 and
@@ -37,6 +37,8 @@ class InFlightStep:
         follows_step: dispatched right after the previous step's result (no idle wait
             between them), so the ranks' wait before it measures the loop, not a lull.
         answer: resolves to rank 0's result, or raises WorkerGroupError.
+        seq_ids: with pipeline micro-batches, the sequences it schedules (no other step in
+            flight may hold them); empty otherwise.
     """
 
     workers: StepSubmitter
@@ -44,6 +46,7 @@ class InFlightStep:
     dispatched_at: float
     follows_step: bool
     answer: asyncio.Future[StepResult]
+    seq_ids: frozenset[int] = frozenset()
 
     @classmethod
     async def dispatch(cls, workers: StepSubmitter, plan: StepPlan, follows_step: bool) -> InFlightStep:
