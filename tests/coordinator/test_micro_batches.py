@@ -68,8 +68,8 @@ def test_two_micro_batches_of_disjoint_sequences_stay_in_flight() -> None:
 
 
 def test_pipelined_steps_are_counted_in_the_step_metrics() -> None:
-    """One step loop for every mode (issue 42): each micro-batch applied is one observed step, as without pipelining."""
-    group = PipelinedGroup()
+    """One step loop for every mode (docs/design/scheduling.md, "The engine loop"): each micro-batch applied is one observed step, as without pipelining."""
+    group = pipelined_group()
     engine = _engine(group, depth=3)
     assert _run(engine, [6, 4, 6, 5]) == [[10 + k for k in range(n)] for n in (6, 4, 6, 5)]
     count = engine.metrics.registry.get_sample_value("tpserve:step_duration_seconds_count")
