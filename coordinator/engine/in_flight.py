@@ -1,6 +1,6 @@
 """A step sent to the ranks whose result the step loop (coordinator/engine/step_loop.py) has not taken yet.
 
-The engine overlaps its per-request work with the ranks (docs/design.md, "The engine
+The engine overlaps its per-request work with the ranks (docs/design/scheduling.md, "The engine
 loop"): as soon as step t's result is in, it updates the scheduler, plans step t+1 and
 dispatches it, and only then detokenizes and streams step t while the ranks compute
 t+1. This object is the "t+1" of that loop: the plan, when it left, and the future of
