@@ -76,7 +76,7 @@ def test_a_lost_rank_fails_requests_and_stops_the_cluster() -> None:
 def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loaded() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tpserve.client import Client
+    from tpserve.client import Client, RetryPolicy
     from tpserve.stream_move import MovePolicy
 
     port = free_port()
@@ -84,7 +84,8 @@ def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loa
                                 "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port)])
     statuses, early_errors = [], []
     try:
-        with Client(f"127.0.0.1:{port}", move_policy=MovePolicy(max_moves=0)) as client:  # the loading status itself
+        with Client(f"127.0.0.1:{port}", move_policy=MovePolicy(max_moves=0),
+                    retry_policy=RetryPolicy(max_attempts=1)) as client:  # the loading status itself, not retried
             health = health_pb2_grpc.HealthStub(client.channel)
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
