@@ -53,7 +53,11 @@ class GroupSettings:
             (``--speculative-method draft``), or "" without one.
         max_model_len: --max-model-len as resolved (the model's limit when unset); it
             sizes each rank's KV pool, so a node that differs would shrink the group's.
-        pipeline_parallel_size: stages; ``layout.world_size`` is tensor x pipeline parallel size.
+        tp_size: the tensor-parallel degree (--tensor-parallel-size).
+        pp_size: pipeline stages (--pipeline-parallel-size); ``layout.world_size`` is ``tp_size * pp_size``.
+
+    Raises:
+        ValueError: ``tp_size * pp_size`` is not ``layout.world_size``.
     """
 
     layout: GroupLayout
@@ -63,7 +67,13 @@ class GroupSettings:
     quantization: str = ""
     draft_model_config_sha256: str = ""
     max_model_len: int = 0
-    pipeline_parallel_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size * self.pp_size != self.layout.world_size:
+            raise ValueError(f"tp_size={self.tp_size} x pp_size={self.pp_size} is not the group's "
+                             f"world_size={self.layout.world_size}")
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -72,8 +82,8 @@ class GroupSettings:
             return f"node_rank={join.node_rank} is outside [1, nnodes={layout.nnodes})"
         for name, theirs, ours in (
             ("nnodes", join.nnodes, layout.nnodes),
-            ("tensor_parallel_size", join.tensor_parallel_size, layout.world_size // self.pipeline_parallel_size),
-            ("pipeline_parallel_size", join.pipeline_parallel_size or 1, self.pipeline_parallel_size),
+            ("tensor_parallel_size", join.tensor_parallel_size, self.tp_size),
+            ("pipeline_parallel_size", join.pipeline_parallel_size or 1, self.pp_size),
             ("model config.json sha256", join.model_config_sha256, self.model_config_sha256),
             ("dtype", join.dtype, self.dtype),
             ("block_size", join.block_size, self.block_size),

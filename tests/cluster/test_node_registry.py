@@ -48,7 +48,7 @@ def test_a_valid_multi_host_configuration() -> None:
     assert (config.master_port, config.nnodes) == (29500, 2)
 
 
-SETTINGS = GroupSettings(GroupLayout(4, 2, 0), model_config_sha256="abc", dtype="auto", block_size=16)
+SETTINGS = GroupSettings(GroupLayout(4, 2, 0), model_config_sha256="abc", dtype="auto", block_size=16, tp_size=4)
 
 
 def join(node_rank: int = 1, **changes) -> pb.NodeMessage:
@@ -99,7 +99,7 @@ async def _registry_scenario() -> dict:
 
 
 def test_every_node_must_run_the_same_draft_model() -> None:
-    with_draft = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, draft_model_config_sha256="d1")
+    with_draft = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, draft_model_config_sha256="d1", tp_size=4)
     assert with_draft.mismatch(join(draft_model_config_sha256="d1").join) is None
     assert with_draft.mismatch(join().join) == \
         "node 1 has draft model config.json sha256=, the leader draft model config.json sha256=d1"
@@ -134,7 +134,7 @@ def test_a_node_with_another_quantization_is_refused() -> None:
     refused = SETTINGS.mismatch(join(quantization="int8").join)
     assert refused == "node 1 has quantization=int8, the leader quantization=none"
     int8 = GroupSettings(GroupLayout(4, 2, 0), model_config_sha256="abc", dtype="auto", block_size=16,
-                         quantization="int8")
+                         quantization="int8", tp_size=4)
     assert int8.mismatch(join().join) == "node 1 has quantization=none, the leader quantization=int8"
     assert int8.mismatch(join(quantization="int8").join) is None
 
@@ -142,13 +142,14 @@ def test_a_node_with_another_quantization_is_refused() -> None:
 def test_every_node_must_have_the_same_max_model_len() -> None:
     """A node with another --max-model-len would size its ranks' KV pools differently; the group's pool is the
     smallest rank's, so it silently shrank. Refused, naming both values."""
-    leader = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, max_model_len=2048)
+    leader = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, max_model_len=2048, tp_size=4)
     assert leader.mismatch(join(max_model_len=2048).join) is None
     assert leader.mismatch(join(max_model_len=1024).join) == \
         "node 1 has --max-model-len=1024, the leader --max-model-len=2048"
 
 
-THREE_NODES = GroupSettings(GroupLayout(6, 3, 0), model_config_sha256="abc", dtype="auto", block_size=16)
+THREE_NODES = GroupSettings(GroupLayout(6, 3, 0), model_config_sha256="abc", dtype="auto", block_size=16,
+                            tp_size=6)
 
 
 def join3(node_rank: int) -> pb.NodeMessage:
@@ -212,3 +213,13 @@ def test_a_reopened_registry_stops_the_survivors_and_takes_every_node_again() ->
     assert seen["accepted"] == ["tcp://10.0.0.1:29501"] * 2
     assert len(seen["lost_before_second_loss"]) == 1
     assert len(seen["lost"]) == 2 and seen["lost"][1].startswith("node 2 (")  # a sealed group reports a loss again
+
+
+def test_the_group_settings_hold_tp_and_pp_as_given_and_refuse_a_product_that_is_not_the_world() -> None:
+    """The leader's tensor-parallel degree is the flag itself, not the world size divided again."""
+    two_stages = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, tp_size=2, pp_size=2)
+    assert two_stages.mismatch(join(tensor_parallel_size=2, pipeline_parallel_size=2).join) is None
+    assert two_stages.mismatch(join(tensor_parallel_size=4).join) == \
+        "node 1 has tensor_parallel_size=4, the leader tensor_parallel_size=2"
+    with pytest.raises(ValueError, match="tp_size=4 x pp_size=2 is not the group's world_size=4"):
+        GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, tp_size=4, pp_size=2)

@@ -16,7 +16,7 @@ from coordinator.tokenizer import Tokenizer
 from coordinator.validation import GenerateParams
 from coordinator.worker_client import WorkerGroupError
 from tpserve.embedded_model import default_model_dir
-from tpserve.step import SampleLogprobs, SamplingParams, StepPlan, StepResult
+from tpserve.step import PLACEHOLDER_TOKEN_ID, SampleLogprobs, SamplingParams, StepPlan, StepResult
 
 # " the cat sat on the mat and ran away" in the embedded model's vocabulary (no eos among them).
 SCRIPT = [315, 322, 344, 365, 973, 619, 322, 357, 365, 352, 844, 318, 994]
@@ -34,6 +34,62 @@ def constant(token: int) -> Callable[[int, int], int]:
     return lambda k, step: token
 
 
+class PagedCacheModel:
+    """A simulated model over a simulated paged KV cache, for :class:`FakeRankGroup` (``model=``).
+
+    It keeps the ranks' bookkeeping, not canned tokens: a paged "KV cache" of token ids (block id
+    -> slot -> the token written there) and per-sequence block tables from the plans; it resolves
+    ``PLACEHOLDER_TOKEN_ID`` to the token it sampled for the sequence in the step before (as
+    worker/placeholders.py does), and samples each sequence's next token as ``next_token`` of *every
+    token its block table holds* at positions ``0 .. p``. A token fed at the wrong position, a
+    placeholder resolved to the wrong token, a block reused while a step in flight still wrote it,
+    or a stale prefix-cache hit all change the tokens that follow; the reference is ``next_token``
+    applied to the prompt alone, with no engine, scheduler or blocks.
+
+    Records: ``tables`` (seq id -> block table), ``samples`` (seq id -> tokens sampled, wasted ones
+    included), ``num_placeholders`` fed.
+    """
+
+    def __init__(self, block_size: int, next_token: Callable[[list[int]], int]) -> None:
+        self.block_size, self.next_token = block_size, next_token
+        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id written there
+        self.tables: dict[int, list[int]] = {}  # seq id -> block table
+        self.last_token: dict[int, int] = {}  # seq id -> token sampled last
+        self.samples: dict[int, int] = {}  # seq id -> tokens sampled for it (wasted ones included)
+        self.num_placeholders = 0
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        """Apply ``plan`` to the cache as the ranks would; the tokens its sampling chunks sample, in order."""
+        for seq_id in plan.finished_seq_ids:
+            self.tables.pop(seq_id, None)
+            self.last_token.pop(seq_id, None)
+        for seq_id, num_blocks in plan.trimmed_block_tables:
+            del self.tables[seq_id][num_blocks:]
+        for new in plan.new_seqs:
+            self.tables[new.seq_id] = []
+        tokens = []
+        for chunk in plan.scheduled:
+            table = self.tables[chunk.seq_id]
+            table.extend(chunk.new_block_ids)
+            fed = list(chunk.token_ids)
+            if fed == [PLACEHOLDER_TOKEN_ID]:
+                fed = [self.last_token[chunk.seq_id]]
+                self.num_placeholders += 1
+            assert PLACEHOLDER_TOKEN_ID not in fed, f"step {plan.step_id}: a placeholder inside {chunk}"
+            for offset, token in enumerate(fed):
+                self.slots[self._slot(table, chunk.start_position + offset)] = token
+            if chunk.sample:
+                end = chunk.start_position + len(fed)
+                token = self.next_token([self.slots[self._slot(table, p)] for p in range(end)])
+                self.last_token[chunk.seq_id] = token
+                self.samples[chunk.seq_id] = self.samples.get(chunk.seq_id, 0) + 1
+                tokens.append(token)
+        return tokens
+
+    def _slot(self, table: list[int], position: int) -> tuple[int, int]:
+        return table[position // self.block_size], position % self.block_size
+
+
 class FakeRankGroup:
     """A stand-in for coordinator/worker_client.py's WorkerGroup: no processes, the steps run as tasks.
 
@@ -48,6 +104,8 @@ class FakeRankGroup:
     - ``fail_at``: step numbers (from 1) that raise WorkerGroupError(``"step N: rank {fail_rank} is gone"``)
       after their ``step_s``.
     - ``scheduler``: whose invariants are checked as each plan is submitted (no step in flight then).
+    - ``model``: a :class:`PagedCacheModel` that samples instead of ``sample``; the steps then run strictly
+      in the order they were sent, as the ranks run them, and each one's end is an event ("done", step id).
 
     Records: ``plans`` and ``events`` ("submit", step id) as submitted; ``steps`` run; ``sampled`` (seq id ->
     tokens sampled); ``seen`` sequences; ``in_flight`` (step id -> its seq ids), ``max_in_flight`` and
@@ -58,7 +116,8 @@ class FakeRankGroup:
     def __init__(self, *, sample: Callable[[int, int], int] | None = None, step_s: float = 0.0,
                  first_step_s: float | None = None, grammar_s: float = 0.0, model_execute_s: float = 0.0,
                  wait_s: float = 0.0, logprobs: bool = False, fail_at: Collection[int] = frozenset(),
-                 fail_rank: int = 1, scheduler: Scheduler | None = None) -> None:
+                 fail_rank: int = 1, scheduler: Scheduler | None = None,
+                 model: PagedCacheModel | None = None) -> None:
         self.sample = sample or scripted()
         self.step_s, self.grammar_s = step_s, grammar_s
         self.first_step_s = step_s if first_step_s is None else first_step_s
@@ -74,6 +133,8 @@ class FakeRankGroup:
         self.overlaps: list[tuple[int, int]] = []
         self.last_step = -1
         self.on_submit: Callable[[StepPlan], None] = lambda plan: None
+        self.model = model
+        self._previous: asyncio.Future[None] | None = None  # the step sent last (in-order runs only)
 
     async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
         """The engine's dispatch (WorkerGroup.submit): the step runs in the background."""
@@ -84,13 +145,35 @@ class FakeRankGroup:
         self.plans.append(plan)
         self.events.append(("submit", plan.step_id))
         self.on_submit(plan)
-        return asyncio.ensure_future(self._run(plan))
+        if self.model is None:
+            return asyncio.ensure_future(self._run(plan))
+        previous, self._previous = self._previous, asyncio.get_running_loop().create_future()
+        return asyncio.ensure_future(self._run_in_order(plan, previous, self._previous))
+
+    async def _run_in_order(self, plan: StepPlan, previous: asyncio.Future[None] | None,
+                            done: asyncio.Future[None]) -> StepResult:
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)  # the ranks run plans in the order they were sent
+            return await self._run(plan)
+        finally:
+            done.set_result(None)
 
     async def execute(self, plan: StepPlan) -> StepResult:
         return await (await self.submit(plan))
 
     async def prepare_grammar(self, grammar: str) -> None:
         await asyncio.sleep(self.grammar_s)
+
+    def _scripted(self, plan: StepPlan, step: int) -> list[int]:
+        """The tokens ``sample`` gives the plan's sampling chunks, in order."""
+        tokens = []
+        for chunk in plan.scheduled:
+            if chunk.sample:
+                index = self.sampled.get(chunk.seq_id, 0)
+                self.sampled[chunk.seq_id] = index + 1
+                tokens.append(self.sample(index, step))
+        return tokens
 
     async def _run(self, plan: StepPlan) -> StepResult:
         self.steps += 1
@@ -103,13 +186,12 @@ class FakeRankGroup:
             await asyncio.sleep(self.step_s if self.seen else self.first_step_s)
             if step in self.fail_at:
                 raise WorkerGroupError(f"step {plan.step_id}: rank {self.fail_rank} is gone")
-            tokens = []
-            for chunk in plan.scheduled:
-                self.seen.add(chunk.seq_id)
-                if chunk.sample:
-                    index = self.sampled.get(chunk.seq_id, 0)
-                    self.sampled[chunk.seq_id] = index + 1
-                    tokens.append(self.sample(index, step))
+            if self.model is not None:
+                tokens = self.model.execute(plan)
+                self.events.append(("done", plan.step_id))
+            else:
+                tokens = self._scripted(plan, step)
+            self.seen.update(c.seq_id for c in plan.scheduled)
         finally:
             del self.in_flight[plan.step_id]
         logprobs = tuple(SampleLogprobs(i, -0.25, (t,), (-0.25,)) for i, t in enumerate(tokens)) \

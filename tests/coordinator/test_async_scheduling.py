@@ -1,16 +1,14 @@
 """Async scheduling (``--async-scheduling``; docs/design/scheduling.md, "Async scheduling"): step t+1 is planned and
 sent before step t's result.
 
-The worker group here is a simulation of the ranks' bookkeeping, not a stand-in that
-returns canned tokens: it runs plans strictly in order, keeps a paged "KV cache" of token
-ids (block id -> slot -> the token written there) and per-sequence block tables from the
-plans, resolves ``PLACEHOLDER_TOKEN_ID`` to the token it sampled for the sequence in the
-step before (as worker/placeholders.py does), and samples each sequence's next token as a
-function of *every token its block table holds* at positions ``0 .. p``. A token fed at the
-wrong position, a placeholder resolved to the wrong token, a block reused while a step
-in flight still wrote it, or a stale prefix-cache hit all change the tokens that follow.
-The reference is that same function applied to the prompt alone (:func:`reference`),
-with no engine, scheduler or blocks.
+The worker group here is the one fake (tests/coordinator/fakes.py ``FakeRankGroup``) running a
+:class:`~tests.coordinator.fakes.PagedCacheModel`: a simulation of the ranks' bookkeeping, not
+canned tokens. It runs plans strictly in order, keeps a paged "KV cache" of token ids and the
+block tables from the plans, resolves placeholders, and samples each sequence's next token as
+:func:`next_token` of every token its block table holds. A token fed at the wrong position, a
+placeholder resolved to the wrong token, a block reused while a step in flight still wrote it,
+or a stale prefix-cache hit all change the tokens that follow. The reference is that same
+function applied to the prompt alone (:func:`reference`), with no engine, scheduler or blocks.
 """
 
 from __future__ import annotations
@@ -24,13 +22,13 @@ from coordinator.block_allocator import BlockAllocator
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.engine import Engine
 from coordinator.engine_state import EngineState
-from coordinator.metrics import Metrics
 from coordinator.ngram_proposer import NgramProposer
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, StopParams
 from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroupError
 from coordinator.validation import GenerateParams
+from tests.coordinator.fakes import FakeRankGroup, PagedCacheModel, make_engine
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import PLACEHOLDER_TOKEN_ID, SamplingParams, StepPlan, StepResult
 
@@ -38,7 +36,7 @@ BLOCK_SIZE = 4
 VOCAB = [315, 322, 344, 365, 973, 619, 357, 352, 844, 318, 994, 401, 512, 777, 2]  # 2 is eos
 
 
-def next_token(tokens: list[int] | tuple[int, ...]) -> int:
+def next_token(tokens: list[int]) -> int:
     """The simulated model: the next token is a fixed function of the whole context."""
     return VOCAB[hash(tuple(tokens)) % len(VOCAB)]
 
@@ -55,77 +53,16 @@ def reference(prompt: list[int], max_tokens: int, stop_ids: frozenset[int] = fro
     return out
 
 
-class SimulatedRanks:
-    """Plans run in order on a simulated paged KV cache; see the module docstring."""
-
-    def __init__(self, scheduler: Scheduler, step_s: float = 0.002) -> None:
-        self.scheduler, self.step_s = scheduler, step_s
-        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id written there
-        self.tables: dict[int, list[int]] = {}  # seq id -> block table
-        self.last_token: dict[int, int] = {}  # seq id -> token sampled last
-        self.samples: dict[int, int] = {}  # seq id -> tokens sampled for it (wasted ones included)
-        self.events: list[tuple[str, int]] = []
-        self.num_placeholders = 0
-        self.on_submit = lambda plan: None
-        self._previous: asyncio.Future | None = None
-
-    async def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
-        self.scheduler.check_invariants()
-        self.events.append(("submit", plan.step_id))
-        self.on_submit(plan)
-        previous, self._previous = self._previous, asyncio.get_running_loop().create_future()
-        return asyncio.ensure_future(self._run(plan, previous, self._previous))
-
-    async def _run(self, plan: StepPlan, previous: asyncio.Future | None, done: asyncio.Future) -> StepResult:
-        try:
-            if previous is not None:
-                await asyncio.shield(previous)  # the ranks run plans in the order they were sent
-            await asyncio.sleep(self.step_s)
-            return self._execute(plan)
-        finally:
-            done.set_result(None)
-
-    def _execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in plan.finished_seq_ids:
-            self.tables.pop(seq_id, None)
-            self.last_token.pop(seq_id, None)
-        for seq_id, num_blocks in plan.trimmed_block_tables:
-            del self.tables[seq_id][num_blocks:]
-        for new in plan.new_seqs:
-            self.tables[new.seq_id] = []
-        tokens = []
-        for chunk in plan.scheduled:
-            table = self.tables[chunk.seq_id]
-            table.extend(chunk.new_block_ids)
-            fed = list(chunk.token_ids)
-            if fed == [PLACEHOLDER_TOKEN_ID]:
-                fed = [self.last_token[chunk.seq_id]]
-                self.num_placeholders += 1
-            assert PLACEHOLDER_TOKEN_ID not in fed, f"step {plan.step_id}: a placeholder inside {chunk}"
-            for offset, token in enumerate(fed):
-                position = chunk.start_position + offset
-                self.slots[(table[position // BLOCK_SIZE], position % BLOCK_SIZE)] = token
-            if chunk.sample:
-                end = chunk.start_position + len(fed)
-                context = [self.slots[(table[p // BLOCK_SIZE], p % BLOCK_SIZE)] for p in range(end)]
-                token = next_token(context)
-                self.last_token[chunk.seq_id] = token
-                self.samples[chunk.seq_id] = self.samples.get(chunk.seq_id, 0) + 1
-                tokens.append(token)
-        self.events.append(("done", plan.step_id))
-        return StepResult(plan.step_id, tuple(tokens))
-
-    async def execute(self, plan: StepPlan) -> StepResult:
-        return await (await self.submit(plan))
+def _ranks(scheduler: Scheduler, step_s: float = 0.002) -> FakeRankGroup:
+    return FakeRankGroup(scheduler=scheduler, step_s=step_s, model=PagedCacheModel(BLOCK_SIZE, next_token))
 
 
-def _engine(async_scheduling: bool, num_blocks: int = 64, budget: int = 64, prefix_caching: bool = True,
-            step_s: float = 0.002) -> tuple[Engine, SimulatedRanks]:
+def _engine(*, async_scheduling: bool, num_blocks: int = 64, budget: int = 64, prefix_caching: bool = True,
+            step_s: float = 0.002) -> tuple[Engine, FakeRankGroup]:
     scheduler = Scheduler(BlockAllocator(num_blocks, BLOCK_SIZE), max_num_seqs=8, max_num_batched_tokens=budget,
                           enable_prefix_caching=prefix_caching, check_writes=True, async_scheduling=async_scheduling)
-    ranks = SimulatedRanks(scheduler, step_s)
-    engine = Engine(scheduler, ranks, Tokenizer.from_pretrained(default_model_dir()), 256, 64, Metrics())
-    return engine, ranks
+    ranks = _ranks(scheduler, step_s)
+    return make_engine(group=ranks, scheduler=scheduler, max_model_len=256, max_queue_len=64), ranks
 
 
 def _params(request_id: str, prompt: list[int], max_tokens: int, stop: tuple[str, ...] = (),
@@ -176,9 +113,9 @@ def test_every_sequence_matches_the_reference_with_two_steps_in_flight() -> None
         assert _tokens(outputs) == reference(params.prompt_token_ids, params.max_tokens), params.request_id
         assert outputs[-1].finish_reason is FinishReason.LENGTH
         assert outputs[-1].num_completion_tokens == params.max_tokens
-    assert ranks.num_placeholders > 100  # the decodes really fed the ranks' own tokens
+    assert ranks.model.num_placeholders > 100  # the decodes really fed the ranks' own tokens
     # A sequence finished by length is never planned past its last token: nothing sampled is wasted.
-    assert sorted(ranks.samples.values()) == sorted(p.max_tokens for _, p in requests)
+    assert sorted(ranks.model.samples.values()) == sorted(p.max_tokens for _, p in requests)
     assert engine.scheduler.allocator.num_free_blocks == 64
 
 
@@ -205,7 +142,7 @@ def test_a_stop_token_ends_a_sequence_whose_next_two_steps_are_in_flight() -> No
         expected = reference(params.prompt_token_ids, 20, params.stop_token_ids)
         assert _tokens(outputs) == expected and outputs[-1].finish_reason is FinishReason.STOP
     # The step already planned after the stop sampled a token that nobody received.
-    assert any(ranks.samples[seq_id] > len(reference(p, 20, s)) + 1
+    assert any(ranks.model.samples[seq_id] > len(reference(p, 20, s)) + 1
                for seq_id, (p, s) in enumerate(zip(prompts, stops)))
     assert engine.scheduler.allocator.num_free_blocks == 64
 
@@ -234,7 +171,7 @@ def test_a_stop_string_and_an_abort_with_steps_in_flight_leak_nothing_and_later_
     assert _tokens(full) == reference([2, 3], 12)
     for (_, params), outputs in zip(second, later):
         assert _tokens(outputs) == reference(params.prompt_token_ids, params.max_tokens)
-    assert not {0, 1, 2} & set(ranks.tables)
+    assert not {0, 1, 2} & set(ranks.model.tables)
     assert engine.scheduler.allocator.num_free_blocks == 64
 
 
@@ -262,21 +199,21 @@ def test_the_ranks_find_the_next_plan_sent_before_the_previous_result_is_taken()
         ranks.events.append(("taken", plan.step_id)), original(plan, result))[1]
     _run(engine, [(0.0, _params("r0", [1, 5, 6, 8], 8))])
     assert ranks.events.index(("submit", 1)) > ranks.events.index(("taken", 0))
-    assert ranks.num_placeholders == 0
+    assert ranks.model.num_placeholders == 0
 
 
 def test_a_group_failure_with_two_steps_in_flight_restarts_and_every_request_is_exact() -> None:
     engine, lost = _engine(async_scheduling=True)
     scheduler = engine.scheduler
-    new = SimulatedRanks(scheduler)
-    original = lost._execute
+    new = _ranks(scheduler)
+    original = lost.model.execute
 
-    def failing(plan: StepPlan) -> StepResult:
+    def failing(plan: StepPlan) -> list[int]:
         if plan.step_id >= 6:  # this step and every later one of the lost group (WorkerGroup.failed)
             raise WorkerGroupError(f"step {plan.step_id}: rank 1 is gone")
         return original(plan)
 
-    lost._execute = failing
+    lost.model.execute = failing  # type: ignore[method-assign]
 
     def on_failure(reason: str) -> bool:  # as launch/recovery.py: suspend at once, resume once restarted
         engine.suspend(reason)
@@ -289,7 +226,7 @@ def test_a_group_failure_with_two_steps_in_flight_restarts_and_every_request_is_
     for (_, params), outputs in zip(requests, results):
         assert _tokens(outputs) == reference(params.prompt_token_ids, params.max_tokens)
     assert engine.state is EngineState.SERVING and scheduler.allocator.num_free_blocks == 64
-    assert new.num_placeholders > 0
+    assert new.model.num_placeholders > 0
 
 
 def test_without_async_scheduling_no_plan_has_a_placeholder_and_the_tokens_are_the_same() -> None:
@@ -298,7 +235,7 @@ def test_without_async_scheduling_no_plan_has_a_placeholder_and_the_tokens_are_t
     results = _run(engine, requests, timeout_s=60)
     for (_, params), outputs in zip(requests, results):
         assert _tokens(outputs) == reference(params.prompt_token_ids, params.max_tokens)
-    assert ranks.num_placeholders == 0
+    assert ranks.model.num_placeholders == 0
 
 
 def _sequence(seq_id: int, prompt: list[int], max_tokens: int, max_model_len: int = 256) -> Sequence:
@@ -364,7 +301,7 @@ def test_an_abort_that_leaves_the_plan_ahead_empty_still_reaches_the_workers() -
     only, aborted, later = _run(engine, first, second)
     assert _tokens(only) == reference([1, 5, 6], 1) and aborted[-1].finish_reason is FinishReason.ABORT
     assert _tokens(later) == reference([2, 3], 3)
-    assert set(ranks.tables) == {2}  # r0 and r1 dropped; s0's drop goes with a plan yet to come
+    assert set(ranks.model.tables) == {2}  # r0 and r1 dropped; s0's drop goes with a plan yet to come
 
 
 def test_blocks_filled_by_steps_applied_late_still_enter_the_prefix_cache() -> None:
