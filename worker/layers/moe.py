@@ -179,7 +179,7 @@ class FusedMoE(nn.Module):
         if bias:
             self.gate_up_proj_bias = new_parameter((num_experts, 2 * local), dtype, ctx.device, self.weight_loader)
             self.down_proj_bias = new_parameter((num_experts, hidden_size), dtype, ctx.device, self.weight_loader)
-            self.gate_up_proj_bias.shard_ids = self.down_proj_bias.shard_ids = (None,)  # type: ignore[attr-defined]
+            self.gate_up_proj_bias.shard_ids = self.down_proj_bias.shard_ids = (None,)
         #: Tokens routed to each expert since the last :meth:`take_routed_counts`, ``(E,)`` int64;
         #: counted on rank 0 only, padding rows of a replayed CUDA graph included (the runner
         #: subtracts those: worker/model_runner.py).
