@@ -104,3 +104,12 @@ def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
     with pytest.raises(ValueError, match="load.quantization"):
         ClusterConfig.load_from(None, {"load": {"quantization": "gptq"}})
     assert ModelConfig.from_pretrained(default_model_dir()).quantization is None
+
+
+def test_an_mxfp4_checkpoint_is_refused_in_one_line_naming_the_format() -> None:
+    """gpt-oss's release format (4-bit experts) is not served: one line, saying what to serve instead."""
+    with pytest.raises(ValueError) as info:
+        checkpoint_quantization({"quantization_config": {"quant_method": "mxfp4",
+                                                         "modules_to_not_convert": ["model.layers.*.self_attn"]}})
+    message = str(info.value)
+    assert "quant_method='mxfp4'" in message and "float (bfloat16) checkpoint" in message and "\n" not in message

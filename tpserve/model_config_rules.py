@@ -92,6 +92,9 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "Qwen3MoeForCausalLM": _QWEN_MOE,
     "Gemma2ForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": {**_GEMMA, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": POSITIVE_INT},
+    # gpt-oss: the experts' clamped SwiGLU (a limit <= 0 would clamp every gate to <= 0).
+    "GptOssForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
+                          "swiglu_limit": POSITIVE, "swiglu_alpha": POSITIVE},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.

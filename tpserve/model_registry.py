@@ -19,6 +19,7 @@ from collections.abc import Sequence
 MODEL_REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
+    "GptOssForCausalLM": "worker.models.gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",

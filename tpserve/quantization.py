@@ -52,6 +52,9 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
     if not isinstance(qc, dict):
         raise _refuse(f"quantization_config is a {type(qc).__name__}, not a mapping")
     method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's release format: its experts as 4-bit blocks with shared scales
+        raise ValueError("unsupported quantized checkpoint: quantization_config quant_method='mxfp4' (gpt-oss's "
+                         "4-bit experts) is not served yet; serve a float (bfloat16) checkpoint of the model")
     if method != "compressed-tensors":
         raise _refuse(f"quantization_config quant_method={method!r}")
     fmt = qc.get("format")

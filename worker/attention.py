@@ -36,8 +36,16 @@ at construction, so one step's metadata serves every layer):
   group still gathers the whole table (one copy, as before) and masks it.
 * ``logit_softcap = c``: scores become ``c * tanh(score / c)`` before the mask and
   softmax (Gemma 2's ``attn_logit_softcapping``). SDPA cannot do that, so there the
-  torch path spells the attention out (:func:`_softcapped_attention`); the kernels
+  torch path spells the attention out (:func:`_explicit_attention`); the kernels
   take it as an argument.
+* ``sinks``: one learned logit per query head that joins every softmax's denominator
+  and has no value (gpt-oss's attention sinks; ``transformers``' ``modeling_gpt_oss.py``):
+  ``out = sum_t exp(s_t) v_t / (exp(sink) + sum_t exp(s_t))``. It takes probability mass
+  from the keys, so a head may attend to "nothing". SDPA cannot add it either (it returns
+  no log-sum-exp), so the torch path spells the attention out with the sink as one more
+  column of the logits (:func:`_explicit_attention`); the compiled and Triton kernels take
+  the ``(H,)`` float32 tensor. The sinks are a parameter of this module (``attn.sinks``),
+  this rank's heads' slice, so every path reads the same values.
 
 Why not one padded call for everything: a decode batch padded to the longest
 prefill chunk does ``num_seqs x chunk_len x context`` work for one useful row per
@@ -184,14 +192,20 @@ class PagedAttention(nn.Module):
         sliding_window: None, or ``W >= 1``: each query attends only the keys at its own and
             the ``W - 1`` previous positions (see the module docstring).
         logit_softcap: None, or ``c > 0``: scores soft-capped to ``c * tanh(score / c)``.
+        sinks: None, or a ``(num_heads,)`` float32 parameter, this rank's heads' attention-sink
+            logits (filled by the loader; see the module docstring); it becomes ``self.sinks``.
 
     Raises:
-        ValueError: ``sliding_window < 1`` or ``logit_softcap <= 0``.
+        ValueError: ``sliding_window < 1``, ``logit_softcap <= 0``, or ``sinks`` not ``(num_heads,)`` float32.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, *,
-                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 sinks: nn.Parameter | None = None) -> None:
         super().__init__()
+        if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
+            raise ValueError(f"sinks {tuple(sinks.shape)} {sinks.dtype} must be ({num_heads},) float32, "
+                             "one logit per query head")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None: no window)")
         if logit_softcap is not None and logit_softcap <= 0:
@@ -202,6 +216,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        self.sinks = sinks
         self.enable_gqa = num_kv_heads != num_heads
 
     def forward(
@@ -241,12 +256,12 @@ class PagedAttention(nn.Module):
         if meta.decode_query_start_loc is not None:  # step_inputs checked the kernel takes this step
             return torch.ops.tpserve_cpu.paged_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_start_loc,
-                meta.decode_context_lens, self.scale, window, softcap,
+                meta.decode_context_lens, self.scale, window, softcap, self.sinks,
             )  # (D, H, d), read in place through the block tables
         if meta.triton_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                           self.scale, sliding_window=window,
-                                          logit_softcap=softcap)  # (D, H, d), likewise on the GPU
+                                          logit_softcap=softcap, sinks=self.sinks)  # (D, H, d), likewise on the GPU
         block_ids = meta.decode_block_tables.view(-1)  # (D * B,)
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)
         values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")
@@ -259,10 +274,10 @@ class PagedAttention(nn.Module):
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``q (B, H, n, d)`` over ``k, v (B, KVH, C, d)`` under ``mask`` (broadcast to ``(B, H, n, C)``,
         True = attend; None: causal, ``n == C``) -> ``(B, H, n, d)``."""
-        if self.logit_softcap is not None:
+        if self.logit_softcap is not None or self.sinks is not None:
             if mask is None:
                 mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()  # (n, C)
-            return _softcapped_attention(q, k, v, mask, self.scale, self.logit_softcap)
+            return _explicit_attention(q, k, v, mask, self.scale, self.logit_softcap, self.sinks)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                               enable_gqa=self.enable_gqa)
 
@@ -301,19 +316,27 @@ def _window_mask(first_pos: int, num_queries: int, key_start: int, key_end: int,
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                          softcap: float) -> torch.Tensor:
-    """``softmax(c * tanh(q k^T * scale / c) masked) v`` for ``q (B, H, n, d)``, ``k, v (B, KVH, C, d)``.
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                        softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(c * tanh(q k^T * scale / c) masked [, sink]) v`` for ``q (B, H, n, d)``, ``k, v (B, KVH, C, d)``.
 
-    Gemma 2's attention (``transformers``' ``eager_attention_forward`` with ``softcap``):
-    the cap is applied to the scaled scores, then the mask (``(n, C)`` or broadcastable to
-    ``(B, H, n, C)``, True = attend) and a float32 softmax. Returns ``(B, H, n, d)`` in ``q``'s dtype.
+    What SDPA cannot do, spelled out. Gemma 2's soft-cap (``transformers``' ``eager_attention_forward``
+    with ``softcap``; None: no cap) is applied to the scaled scores, then the mask (``(n, C)`` or
+    broadcastable to ``(B, H, n, C)``, True = attend) and a float32 softmax. gpt-oss's ``sinks``
+    (``(H,)``; None: none) are one more logit column per head, dropped after the softmax
+    (``modeling_gpt_oss.py``'s ``eager_attention_forward``). Returns ``(B, H, n, d)`` in ``q``'s dtype.
     """
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # GQA: each KV head serves ``groups`` consecutive query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, C, d)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, n, C)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, n, C)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, n, C)
+    else:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H, n, 1)
+        with_sink = torch.cat([scores, sink], dim=-1)  # (B, H, n, C + 1)
+        probs = torch.softmax(with_sink, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)  # (B, H, n, C)
     return torch.matmul(probs, v)  # (B, H, n, d)

@@ -1,7 +1,7 @@
 """``tpserve serve --model <tiny checkpoint>`` prints ``transformers``' greedy text, for every family.
 
 Issue 19's acceptance: each registered family that a tiny seeded random checkpoint stands for
-(dense, sliding-window, RoPE-scaled, mixture-of-experts) served at tensor-parallel degree 1 by
+(dense, sliding-window, RoPE-scaled, mixture-of-experts, attention sinks) served at tensor-parallel degree 1 by
 the real server, then ``tpserve generate --json`` on a text prompt, 40 greedy tokens past any
 window. The checkpoints are the ones the worker-level family tests check at tp 1, 2 and 4
 (tests/worker/test_*), at stories260k's 512-token vocabulary with its tokenizer. The prompt's
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, requires_stories]
 MAX_TOKENS = 40
 PROMPT = "Once upon a time"
 FAMILIES = ("qwen3_qk_norm", "phi3_fused", "mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3",
-            "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe")
+            "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
 
 
 def _specs() -> dict[str, TinyModelSpec]:
@@ -39,7 +39,8 @@ def _specs() -> dict[str, TinyModelSpec]:
     from tests.worker import family_check
 
     specs = {spec.name: spec for spec in TINY_MODELS}
-    for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models"):
+    for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models",
+                   "test_gpt_oss"):
         importlib.import_module(f"tests.worker.{module}")  # each registers its checkpoints
     specs.update({name: spec for name, (spec, _window) in family_check._REGISTERED.items()})
     for module in ("test_mixtral", "test_qwen3_moe", "test_qwen2_moe"):

@@ -99,6 +99,13 @@ BAD_VALUES = [
     ("gemma2-attn-softcap-0", "Gemma2ForCausalLM", {"attn_logit_softcapping": 0}, "attn_logit_softcapping=0 must be"),
     ("gemma3-local-base-0", "Gemma3ForCausalLM", {"rope_local_base_freq": 0}, "rope_local_base_freq=0 must be"),
     ("gemma3-window-pattern-0", "Gemma3ForCausalLM", {"sliding_window_pattern": 0}, "sliding_window_pattern=0 must be"),
+    ("gpt-oss-swiglu-limit-0", "GptOssForCausalLM", {"swiglu_limit": 0}, "swiglu_limit=0 must be a finite number > 0"),
+    ("gpt-oss-swiglu-limit-negative", "GptOssForCausalLM", {"swiglu_limit": -7.0}, "swiglu_limit=-7.0 must be"),
+    ("gpt-oss-swiglu-alpha-nan", "GptOssForCausalLM", {"swiglu_alpha": NAN}, "swiglu_alpha=NaN must be"),
+    ("gpt-oss-sliding-window-0", "GptOssForCausalLM", {"sliding_window": 0}, "sliding_window=0 must be a positive integer"),
+    ("gpt-oss-experts-0", "GptOssForCausalLM", {"num_local_experts": 0}, "num_local_experts=0 must be a positive integer"),
+    ("gpt-oss-more-per-token-than-experts", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 5},
+     "num_experts_per_tok must be at most num_local_experts"),
 ]
 
 

@@ -8,19 +8,22 @@ import triton.language as tl
 
 
 def paged_decode_kernel(
-    out_ptr, partial_max_ptr, partial_sum_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
     context_lens_ptr, scale, blocks_per_split, sliding_window, logit_softcap,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     # Program (seq, kv_head, split) attends over blocks [split * blocks_per_split, +blocks_per_split)
     # of the context. SPLIT: out is (S, H, num_splits, d) float32, the unnormalised partial output,
     # with its running max and sum in partial_max / partial_sum (S, H, num_splits), combined after.
     # Only positions >= context_len - sliding_window are attended (the query sits at context_len - 1;
     # the wrapper passes 2**30 for no window); blocks wholly before that are never loaded. SOFTCAP: scores pass through
-    # logit_softcap * tanh(score / logit_softcap) before the softmax (Gemma 2).
+    # logit_softcap * tanh(score / logit_softcap) before the softmax (Gemma 2). SINKS: one more
+    # logit per query head, sinks[head], joins the softmax's denominator with no value (gpt-oss); a
+    # SPLIT program leaves it to the wrapper's combination, which must count it once.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,6 +67,12 @@ def paged_decode_kernel(
         tl.store(partial_sum_ptr + stat, running_sum, mask=g_ok)
         tl.store(out_ptr + stat[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
     else:
+        if SINKS:  # rescale to the larger of the running max and the sink, so neither exponential overflows
+            sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)  # (G,)
+            top = tl.maximum(running_max, sink)
+            rescale = tl.exp(running_max - top)  # (G,)
+            acc = acc * rescale[:, None]
+            running_sum = running_sum * rescale + tl.exp(sink - top)
         out = acc / running_sum[:, None]  # (G, D)
         tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

@@ -13,6 +13,13 @@
 // attention-logit soft-capping), and, with sliding_window = W > 0, t also runs only over the W
 // positions t > p - W of a row at position p (Hugging Face's sliding_window: Mistral, Qwen2,
 // Gemma 2/3). Positions before the first row's window are never read: their blocks are skipped.
+// With sinks (gpt-oss's attention sinks, one learned logit per query head), the softmax's
+// denominator also holds exp(sinks[h]): the sink takes probability mass but adds no value,
+//
+//     out[row, h] = sum_t exp(x_t) v[t, j] / (exp(sinks[h]) + sum_t exp(x_t)),   x_t = cap(scale * q . k[t, j])
+//
+// (transformers' modeling_gpt_oss.py eager_attention_forward: the sink is a last column of the
+// logits, dropped after the softmax). Without sinks nothing of this runs: one pointer test per row.
 //
 // Why a kernel: without one, attention gathers each sequence's whole K and V through its block
 // table into a dense buffer (a copy of the context per layer per step) and runs a general SDPA
@@ -126,7 +133,8 @@ struct HeadView {
 // latency-bound with one head and d = 16).
 template <int D8, int G>
 void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int64_t* off, int64_t context,
-            float scale, float softcap, float* out, int64_t out_head_stride, std::vector<float>& scores) {
+            float scale, float softcap, const float* sink, float* out, int64_t out_head_stride,
+            std::vector<float>& scores) {
   const int64_t stride = context + 8;  // per head: dot4's 3 spare, the softmax's last vector 7
   scores.resize(static_cast<size_t>(G * stride));
   float* s = scores.data();
@@ -155,6 +163,7 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
     for (; t + 8 <= context; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + t));
     float m = hmax(vmax);
     for (; t < context; ++t) m = std::max(m, sg[t]);
+    if (sink) m = std::max(m, sink[g]);  // the sink is one more logit: the max covers it (no overflow)
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (t = 0; t + 8 <= context; t += 8) {
@@ -169,7 +178,8 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
       _mm256_storeu_ps(sg + t, e);  // within the head's stride
       vsum = _mm256_add_ps(vsum, e);
     }
-    inv_sum[g] = 1.0f / hsum(vsum);
+    const float sink_mass = sink ? std::exp(sink[g] - m) : 0.0f;  // in the denominator only: it has no value
+    inv_sum[g] = 1.0f / (hsum(vsum) + sink_mass);
   }
   // Pass 2: the probability-weighted sum of values, accumulated in registers; with few
   // accumulators, two positions at a time into two sets (more chains in flight), added at the end.
@@ -212,42 +222,45 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, const HeadView&, const int64_t*, int64_t, float, float, float*,
-                          int64_t, std::vector<float>&);
+using AttendFn = void (*)(const float*, int64_t, const HeadView&, const int64_t*, int64_t, float, float,
+                          const float*, float*, int64_t, std::vector<float>&);
 
 // All `groups` query heads of one KV head, G at a time (G: as many as keep the queries and the
 // value accumulators within the 16 ymm registers).
 template <int D8>
 void attend_group(AttendFn one, AttendFn two, AttendFn four, int64_t groups, const float* q, int64_t q_head_stride,
-                  const HeadView& h, const int64_t* off, int64_t context, float scale, float softcap, float* out,
-                  int64_t out_head_stride, std::vector<float>& scores) {
+                  const HeadView& h, const int64_t* off, int64_t context, float scale, float softcap,
+                  const float* sink, float* out, int64_t out_head_stride, std::vector<float>& scores) {
   int64_t g = 0;
   for (; four && g + 4 <= groups; g += 4) {
-    four(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, out + g * out_head_stride,
+    four(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, sink ? sink + g : nullptr,
+         out + g * out_head_stride,
          out_head_stride, scores);
   }
   for (; two && g + 2 <= groups; g += 2) {
-    two(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, out + g * out_head_stride,
+    two(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, sink ? sink + g : nullptr,
+         out + g * out_head_stride,
         out_head_stride, scores);
   }
   for (; g < groups; ++g) {
-    one(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, out + g * out_head_stride,
+    one(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, sink ? sink + g : nullptr,
+         out + g * out_head_stride,
         out_head_stride, scores);
   }
 }
 
 using GroupFn = void (*)(int64_t, const float*, int64_t, const HeadView&, const int64_t*, int64_t, float, float,
-                         float*, int64_t, std::vector<float>&);
+                         const float*, float*, int64_t, std::vector<float>&);
 
 template <int D8>
 void attend_heads(int64_t groups, const float* q, int64_t q_head_stride, const HeadView& h, const int64_t* off,
-                  int64_t context, float scale, float softcap, float* out, int64_t out_head_stride,
-                  std::vector<float>& scores) {
+                  int64_t context, float scale, float softcap, const float* sink, float* out,
+                  int64_t out_head_stride, std::vector<float>& scores) {
   // Head sizes up to 32 (D8 <= 4) take 2 heads at a time, 16 (D8 = 2) 4; wider heads one.
   constexpr bool two = D8 <= 4, four = D8 <= 2;
   attend_group<D8>(&attend<D8, 1>, two ? &attend<D8, two ? 2 : 1> : nullptr,
                    four ? &attend<D8, four ? 4 : 1> : nullptr, groups, q, q_head_stride, h, off, context, scale,
-                   softcap, out, out_head_stride, scores);
+                   softcap, sink, out, out_head_stride, scores);
 }
 
 GroupFn attend_for(int64_t d) {
@@ -265,7 +278,7 @@ GroupFn attend_for(int64_t d) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale, int64_t sliding_window,
-                           double logit_softcap) {
+                           double logit_softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "tpserve paged_attention: q (R, H, d), caches (num_blocks, block_size, KVH, d)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -286,6 +299,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "tpserve paged_attention: shapes disagree");
   TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0.0,
               "tpserve paged_attention: sliding_window and logit_softcap must be >= 0 (0: none)");
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == H,
+                "tpserve paged_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
+  }
+  const float* sink_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
@@ -339,8 +358,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t row = first + i, p = L - n + i;  // the row's position
         const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
         attend_fn(groups, qp + row * qs0 + j * groups * qs1, qs1, h, off.data() + (start - lo), p + 1 - start,
-                  static_cast<float>(scale), static_cast<float>(logit_softcap), op + (row * H + j * groups) * d, d,
-                  scores);
+                  static_cast<float>(scale), static_cast<float>(logit_softcap),
+                  sink_p ? sink_p + j * groups : nullptr, op + (row * H + j * groups) * d, d, scores);
       }
     }
   });
@@ -351,7 +370,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0) -> Tensor");
+        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

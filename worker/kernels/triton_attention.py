@@ -92,7 +92,7 @@ def _kernel():
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, *, sliding_window: int = 0,
-                           logit_softcap: float = 0.0) -> torch.Tensor:
+                           logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context: ``softmax(cap(q K^T * scale)) V``.
 
     Args:
@@ -110,6 +110,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             loaded; 0: the whole context.
         logit_softcap: ``c > 0``: scores become ``c * tanh(score / c)`` before the softmax
             (``cap``; Gemma 2's ``attn_logit_softcapping``); 0: none.
+        sinks: ``(H,)`` float32, one learned logit per query head that joins the softmax's
+            denominator with no value (gpt-oss's attention sinks: ``exp(sinks[h])`` added to
+            ``sum_t exp(score_t)``; ``transformers``' ``modeling_gpt_oss.py``); None: none
+            (the kernel is compiled without that code).
 
     Returns:
         ``(S, H, d)`` in ``q``'s dtype; the arithmetic is float32.
@@ -117,7 +121,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Raises:
         ValueError: mismatched shapes, ``H`` not a multiple of ``KVH``, a block size
             that is not a power of two, an ``out`` unlike ``q``, CPU tensors outside Triton's interpreter,
-            a negative ``sliding_window`` or ``logit_softcap``.
+            a negative ``sliding_window`` or ``logit_softcap``, ``sinks`` not ``(H,)`` float32 on ``q``'s device.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -138,18 +142,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)} {q.dtype}, last dim contiguous")
     if sliding_window < 0 or logit_softcap < 0:
         raise ValueError(f"sliding_window={sliding_window} and logit_softcap={logit_softcap} must be >= 0 (0: none)")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32
+                              or sinks.device != q.device or not sinks.is_contiguous()):
+        raise ValueError(f"sinks {tuple(sinks.shape)} {sinks.dtype} must be a contiguous ({num_heads},) float32 "
+                         f"tensor on {q.device}")
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     num_splits, blocks_per_split = split_plan(num_seqs, num_kv_heads, block_tables.shape[1], block_size)
     constants = dict(GROUP=group, GROUP_PAD=max(2, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
                      HEAD_DIM=head_dim, HEAD_PAD=max(16, 1 << (head_dim - 1).bit_length()),
-                     SOFTCAP=logit_softcap > 0)
+                     SOFTCAP=logit_softcap > 0, SINKS=sinks is not None)
     window = (sliding_window or _NO_WINDOW, float(logit_softcap))
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_splits == 1:
         _kernel()[(num_seqs, num_kv_heads, 1)](
-            out, out, out, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split, *window,
+            out, out, out, out if sinks is None else sinks, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split, *window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, SPLIT=False, **constants)
         return out
     # Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"; vLLM's
@@ -158,9 +166,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     _kernel()[(num_seqs, num_kv_heads, num_splits)](
-        partial, partial_max, partial_sum, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
+        partial, partial_max, partial_sum, partial_max, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
         *window,
         q.stride(0), q.stride(1), 0, 0, *strides, SPLIT=True, **constants)
-    weights = torch.exp(partial_max - partial_max.amax(dim=-1, keepdim=True))  # (S, H, splits); 0 where empty
-    combined = (partial * weights.unsqueeze(-1)).sum(dim=2) / (partial_sum * weights).sum(dim=-1, keepdim=True)
+    top = partial_max.amax(dim=-1, keepdim=True)  # (S, H, 1)
+    if sinks is not None:  # the sink joins the denominator once, in the combination (the splits leave it out)
+        top = torch.maximum(top, sinks.view(1, -1, 1))
+    weights = torch.exp(partial_max - top)  # (S, H, splits); 0 where empty
+    denominator = (partial_sum * weights).sum(dim=-1, keepdim=True)  # (S, H, 1)
+    if sinks is not None:
+        denominator = denominator + torch.exp(sinks.view(1, -1, 1) - top)
+    combined = (partial * weights.unsqueeze(-1)).sum(dim=2) / denominator
     return out.copy_(combined)  # (S, H, d) in q's dtype

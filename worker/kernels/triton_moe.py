@@ -25,6 +25,7 @@ import functools
 import os
 
 import torch
+from torch import nn
 
 from worker.layers.moe_combine import combine, expert_act
 
@@ -119,13 +120,23 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tenso
 
 
 def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                           weights: torch.Tensor) -> torch.Tensor:
-    """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``."""
+                           weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                           down_bias: torch.Tensor | None = None, act: nn.Module = expert_act) -> torch.Tensor:
+    """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``.
+
+    The biases (gpt-oss) are added to the GEMMs' outputs by each routed row's expert
+    (``bias[ids]``: a gather, no host read, so a decode step stays capturable).
+    """
     num_tokens, top_k = ids.shape
     num_rows = num_tokens * top_k
     block_m = block_rows(num_rows, gate_up.shape[0])
     sorted_rows, block_expert = align_rows(ids, gate_up.shape[0], block_m)
     h = grouped_gemm(x, gate_up, sorted_rows, block_expert, num_rows, top_k, block_m)  # (T * k, 2 * I)
-    h = expert_act(h)  # (T * k, I)
+    row_expert = ids.reshape(-1)  # (T * k,) expert of routed row t * k + j
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[row_expert]  # (T * k, 2 * I)
+    h = act(h)  # (T * k, I)
     out = grouped_gemm(h, down, sorted_rows, block_expert, num_rows, 1, block_m)  # (T * k, H)
+    if down_bias is not None:
+        out = out + down_bias[row_expert]  # (T * k, H)
     return combine(out.view(num_tokens, top_k, -1), weights)  # (T, H)

@@ -45,6 +45,7 @@ from torch import nn
 from tpserve.quantization import Quantization
 from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker.layers.linear import divide as _divide
+from worker.layers.moe_combine import expert_act
 from worker.layers.moe_experts import grouped_experts
 from worker.layers.norm import SiluAndMul
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
@@ -57,13 +58,14 @@ MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x (T, H) @ weight (E, H).T`` -> ``(T, E)`` in ``x.dtype``, the same for a row alone or in any batch.
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x (T, H) @ weight (E, H).T [+ bias (E,)]`` -> ``(T, E)`` in ``x.dtype``, the same for a row alone or in any batch.
 
     Accumulated in float64 and rounded once to ``x.dtype``: the value ``transformers``'
-    router GEMM approximates in ``x.dtype``, minus its blocking-dependent last bits.
+    router GEMM approximates in ``x.dtype``, minus its blocking-dependent last bits
+    (gpt-oss's router has a bias).
     """
-    return F.linear(x.double(), weight.double()).to(x.dtype)  # (T, E)
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).to(x.dtype)  # (T, E)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +143,11 @@ class FusedMoE(nn.Module):
         ctx: the tensor-parallel group.
         dtype: parameter and activation dtype.
         quantization: must be None: ``--quantization int8`` is refused for expert weights.
+        bias: the experts carry biases (gpt-oss): ``gate_up_proj_bias (E, 2 * I / tp)`` and
+            ``down_proj_bias (E, H)`` (the latter added by one rank only: the outputs are partials
+            of a sum over ranks); a subclass with a checkpoint layout that stores them loads them
+            (worker/layers/moe_stacked.py).
+        activation: ``[gate | up] (rows, 2 * I) -> (rows, I)``; None: ``silu(gate) * up``.
 
     Shapes: ``forward(x (T, H), ids (T, k) int64, weights (T, k))`` -> this rank's
     partial ``(T, H)`` in ``x.dtype`` (the caller all-reduces).
@@ -150,7 +157,8 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
-                 dtype: torch.dtype, quantization: Quantization | None = None) -> None:
+                 dtype: torch.dtype, quantization: Quantization | None = None, bias: bool = False,
+                 activation: nn.Module | None = None) -> None:
         super().__init__()
         if quantization is not None:
             raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models "
@@ -165,6 +173,13 @@ class FusedMoE(nn.Module):
         self.down_proj = new_parameter((num_experts, hidden_size, local), dtype, ctx.device, self.weight_loader)
         self.gate_up_proj.shard_ids = tuple((e, k) for e in range(num_experts) for k in ("gate", "up"))
         self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
+        self.act = activation if activation is not None else expert_act
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = new_parameter((num_experts, 2 * local), dtype, ctx.device, self.weight_loader)
+            self.down_proj_bias = new_parameter((num_experts, hidden_size), dtype, ctx.device, self.weight_loader)
+            self.gate_up_proj_bias.shard_ids = self.down_proj_bias.shard_ids = (None,)
         #: Tokens routed to each expert since the last :meth:`take_routed_counts`, ``(E,)`` int64;
         #: counted on rank 0 only, padding rows of a replayed CUDA graph included (the runner
         #: subtracts those: worker/model_runner.py).
@@ -188,7 +203,8 @@ class FusedMoE(nn.Module):
         if self.ctx.is_rank0:  # the rank that reports them (StepResult.expert_token_counts)
             flat = ids.reshape(-1)  # (T * k,)
             self.routed_counts.index_add_(0, flat, torch.ones_like(flat))  # (E,); no host sync, graph-safe
-        return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights)  # (T, H), partial
+        return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights, gate_up_bias=self.gate_up_proj_bias,
+                               down_bias=self.down_proj_bias, act=self.act)  # (T, H), partial
 
     def take_routed_counts(self) -> torch.Tensor:
         """The ``(E,)`` int64 counts since the last call (on the layer's device), and reset them."""
@@ -214,12 +230,20 @@ class SharedExpertMLP(nn.Module):
 
 
 class ReplicatedGate(nn.Module):
-    """A bias-free linear map held whole on every rank: the router ``(E, H)`` or the shared-expert gate ``(1, H)``."""
+    """A linear map held whole on every rank: the router ``(E, H)`` or the shared-expert gate ``(1, H)``.
 
-    def __init__(self, hidden_size: int, output_size: int, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    ``bias``: with a bias ``(output_size,)`` (gpt-oss's router); else ``self.bias`` is None.
+    """
+
+    def __init__(self, hidden_size: int, output_size: int, ctx: ParallelContext, dtype: torch.dtype, *,
+                 bias: bool = False) -> None:
         super().__init__()
         self.weight = new_parameter((output_size, hidden_size), dtype, ctx.device)
         self.weight.shard_ids = (None,)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = new_parameter((output_size,), dtype, ctx.device)
+            self.bias.shard_ids = (None,)
 
 
 class SparseMoeBlock(nn.Module):
@@ -238,6 +262,9 @@ class SparseMoeBlock(nn.Module):
             experts' outputs (Qwen's routers do, Mixtral's keeps them in float32).
         shared_expert_intermediate_size: width of Qwen2-MoE's shared expert; 0 for none.
         quantization: must be None for the experts (see :class:`FusedMoE`).
+        router_bias: the router carries a bias (gpt-oss's ``router.bias``).
+        experts: the experts module, when a family builds its own (biases, an activation, a
+            checkpoint layout: :class:`FusedMoE`'s options); None: a plain :class:`FusedMoE`.
 
     Shapes: ``x (T, H) -> (T, H)``, ``x.dtype``, all-reduced over ranks.
 
@@ -247,7 +274,8 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  ctx: ParallelContext, dtype: torch.dtype, *, renormalize: bool, weights_in_dtype: bool,
-                 shared_expert_intermediate_size: int = 0, quantization: Quantization | None = None) -> None:
+                 shared_expert_intermediate_size: int = 0, quantization: Quantization | None = None,
+                 router_bias: bool = False, experts: FusedMoE | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
@@ -255,9 +283,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_dtype = weights_in_dtype
-        self.gate = ReplicatedGate(hidden_size, num_experts, ctx, dtype)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, ctx, dtype=dtype,
-                                quantization=quantization)
+        self.gate = ReplicatedGate(hidden_size, num_experts, ctx, dtype, bias=router_bias)
+        self.experts = experts if experts is not None else FusedMoE(num_experts, hidden_size, intermediate_size, ctx,
+                                                                    dtype=dtype, quantization=quantization)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, ctx, dtype,
@@ -265,7 +293,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedGate(hidden_size, 1, ctx, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits(x, self.gate.weight), self.top_k, self.renormalize)  # (T, k)
+        logits = router_logits(x, self.gate.weight, self.gate.bias)  # (T, E)
+        weights, ids = select_experts(logits, self.top_k, self.renormalize)  # (T, k)
         if self.weights_in_dtype:
             weights = weights.to(x.dtype)  # (T, k), as transformers' Qwen routers return them
         y = self.experts(x, ids, weights)  # (T, H), this rank's partial

@@ -10,6 +10,10 @@ by expert (one stable sort), so each expert's rows are contiguous:
   layer (gate/up, then down with the routing weight); its shapes depend on ``T`` only
   and nothing is read on the host, so a decode step stays capturable in a CUDA graph.
 
+Options (gpt-oss): per-expert biases on the gate/up and down outputs, and another
+activation than ``silu(gate) * up`` (worker/layers/clamped_swiglu.py); without them the
+paths run exactly as before.
+
 Both return, per token, ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` summed over
 ``j`` in routing order (most probable first), a partial of the tensor-parallel sum.
 ``TPSERVE_TRITON_MOE=0`` keeps CUDA on the torch path, for A/B measurements.
@@ -20,13 +24,15 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from worker.layers.matmul import linear
 from worker.layers.moe_combine import combine, expert_act
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor) -> torch.Tensor:
+                    weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, act: nn.Module = expert_act) -> torch.Tensor:
     """Apply each token's ``k`` experts and sum them by their routing weights.
 
     Args:
@@ -35,6 +41,9 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         down: ``(E, H, I)`` stacked down weights.
         ids: ``(T, k)`` int64 expert of each choice.
         weights: ``(T, k)`` routing weights (float32, or ``x.dtype`` to round as the family does).
+        gate_up_bias: ``(E, 2 * I)`` added to each expert's gate/up output, or None.
+        down_bias: ``(E, H)`` added to each expert's down output (before its routing weight), or None.
+        act: ``(rows, 2 * I) [gate | up] -> (rows, I)``, the experts' activation.
 
     Returns:
         ``(T, H)`` in ``x.dtype``.
@@ -42,8 +51,10 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     if x.device.type == "cuda" and _triton_moe_enabled():
         from worker.kernels.triton_moe import grouped_experts_triton
 
-        return grouped_experts_triton(x, gate_up, down, ids, weights)
-    return grouped_experts_torch(x, gate_up, down, ids, weights)
+        return grouped_experts_triton(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias,
+                                      down_bias=down_bias, act=act)
+    return grouped_experts_torch(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                 act=act)
 
 
 def _triton_moe_enabled() -> bool:
@@ -51,7 +62,8 @@ def _triton_moe_enabled() -> bool:
 
 
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                          weights: torch.Tensor) -> torch.Tensor:
+                          weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                          down_bias: torch.Tensor | None = None, act: nn.Module = expert_act) -> torch.Tensor:
     """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host)."""
     num_tokens, top_k = ids.shape
     flat = ids.reshape(-1)  # (T * k,) routed rows
@@ -63,8 +75,9 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            h = expert_act(linear(xs[rows], gate_up[expert]))  # (count, I)
-            out_sorted[rows] = linear(h, down[expert])  # (count, H)
+            h = act(linear(xs[rows], gate_up[expert],
+                           None if gate_up_bias is None else gate_up_bias[expert]))  # (count, I)
+            out_sorted[rows] = linear(h, down[expert], None if down_bias is None else down_bias[expert])  # (count, H)
             start += count
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted  # (T * k, H) back in row order t * k + j
