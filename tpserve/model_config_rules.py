@@ -135,7 +135,9 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
                                 "moe_intermediate_size": POSITIVE_INT, "moe_num_shared_experts": NON_NEGATIVE_INT,
                                 "moe_layer_start_index": NON_NEGATIVE_INT, "moe_layer_interval": POSITIVE_INT,
                                 "moe_layer_end_index": Check(lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
-                                "moe_norm_min": POSITIVE},
+                                "moe_norm_min": POSITIVE,
+                                "use_bias": Check(lambda v: v is False, "false (biased Ernie 4.5 projections and LM "
+                                                  "head are not supported; the released checkpoints have none)")},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.

@@ -49,6 +49,7 @@ BAD = [
     ("ernie-moe_k", ERNIE, {"moe_num_experts": 4, "moe_k": 6}, "moe_k=6, moe_num_experts=4: moe_k must be at most"),
     ("ernie-interval-0", ERNIE, {"moe_layer_interval": 0}, "moe_layer_interval=0 must be a positive integer"),
     ("ernie-norm-min-0", ERNIE, {"moe_norm_min": 0}, "moe_norm_min=0 must be a finite number > 0"),
+    ("ernie-use_bias", ERNIE, {"use_bias": True}, "use_bias=true must be false (biased Ernie 4.5 projections"),
 ]
 
 

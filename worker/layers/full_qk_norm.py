@@ -68,8 +68,9 @@ def full_width_qk_norm(qkv: torch.Tensor, q_size: int, kv_size: int, q_norm: Hea
     q32, k32 = q.float(), k.float()  # (T, q_size), (T, kv_size)
     sums = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1)  # (T, 2) this rank's sums of squares
     sums = ctx.all_reduce(sums)  # (T, 2) over every rank's heads (a no-op at tp 1)
-    widths = torch.tensor([q_size * ctx.tp_size, kv_size * ctx.tp_size], dtype=torch.float32, device=qkv.device)
-    inv = torch.rsqrt(sums / widths + eps)  # (T, 2)
-    q = q_norm.weight * (q32 * inv[:, :1]).to(qkv.dtype)  # (T, q_size)
-    k = k_norm.weight * (k32 * inv[:, 1:]).to(qkv.dtype)  # (T, kv_size)
+    # Python-scalar widths: no host-to-device copy, so a decode step stays capturable in a CUDA graph.
+    inv_q = torch.rsqrt(sums[:, :1] / (q_size * ctx.tp_size) + eps)  # (T, 1)
+    inv_k = torch.rsqrt(sums[:, 1:] / (kv_size * ctx.tp_size) + eps)  # (T, 1)
+    q = q_norm.weight * (q32 * inv_q).to(qkv.dtype)  # (T, q_size)
+    k = k_norm.weight * (k32 * inv_k).to(qkv.dtype)  # (T, kv_size)
     return torch.cat([q, k, v], dim=-1)  # (T, q_size + 2 * kv_size)
