@@ -14,17 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import TinyModelSpec
 from tests.worker.moe_family_check import FamilyCase, build_case, check_family
+from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE
 from tpserve.model_config import ModelConfig
 from worker.loader import load_model
 from worker.models.ernie4_5_moe import is_ernie_moe_layer
 from worker.parallel_state import ParallelContext
 
-SPEC = TinyModelSpec("ernie4_5_moe", "ernie4_5_moe", {
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 190,
-    "moe_num_experts": 8, "moe_k": 3, "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
-    "moe_layer_start_index": 1, "moe_layer_interval": 2, "use_bias": False}, seed=47)
+SPEC = ERNIE4_5_MOE  # tests/worker/sigmoid_moe_specs.py
 
 
 @pytest.fixture(scope="module")

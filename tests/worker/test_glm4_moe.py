@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import TinyModelSpec
 from tests.worker.moe_family_check import FamilyCase, at_once_job, build_case, check_family, check_job
+from tests.worker.sigmoid_moe_specs import GLM4_MOE
 from tests.worker.tp_harness import run_jobs
 from tpserve.model_config import ModelConfig
 from worker.kernels.triton_moe import grouped_experts_triton
@@ -26,11 +26,7 @@ from worker.layers import moe
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
 
-SPEC = TinyModelSpec("glm4_moe", "glm4_moe", {
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 190,
-    "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
-    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "norm_topk_prob": True,
-    "use_qk_norm": True, "attention_bias": True, "tie_word_embeddings": False}, seed=41)
+SPEC = GLM4_MOE  # tests/worker/sigmoid_moe_specs.py
 
 
 @pytest.fixture(scope="module")
