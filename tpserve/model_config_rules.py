@@ -13,7 +13,8 @@ missing required key is :func:`tpserve.model_config._required`'s error):
 - :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's scalars);
 - :data:`ROPE_RULES`: the keys of a ``rope_scaling`` / ``rope_parameters`` dict (each
   layer type's too); ``longrope`` and other types are refused by the parser, not here;
-- :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token).
+- :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token);
+  :data:`FAMILY_RELATIONS`: one architecture's (expert groups, ``rotary_dim`` by ``head_dim``).
 
 Values must be JSON numbers: a string (``"nan"``) or a boolean is refused, and so are NaN
 and infinities. Integers are required where ``transformers`` uses the value as a count.
@@ -38,6 +39,15 @@ class Check:
     expect: str
 
 
+@dataclass(frozen=True)
+class Relation:
+    """A rule between fields, checked once each field has passed its own: ``test(*values)``."""
+
+    fields: tuple[str, ...]
+    test: Callable[..., bool]
+    expect: str
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -53,6 +63,7 @@ NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
 POSITIVE = Check(lambda v: _is_finite(v) and v > 0, "a finite number > 0")
 FINITE = Check(_is_finite, "a finite number")
 AT_LEAST_ONE = Check(lambda v: _is_finite(v) and v >= 1, "a finite number >= 1")
+FRACTION = Check(lambda v: _is_finite(v) and 0 < v <= 1, "a number in (0, 1]")
 EVEN_INT = Check(lambda v: _is_int(v) and v >= 2 and v % 2 == 0, "a positive even integer (RoPE rotates pairs)")
 
 #: Top-level keys every family reads.
@@ -70,6 +81,7 @@ MODEL_RULES: dict[str, Check] = {
     "rope_theta": POSITIVE,
     "sliding_window": POSITIVE_INT,
     "max_window_layers": NON_NEGATIVE_INT,
+    "partial_rotary_factor": FRACTION,
 }
 
 _QWEN_MOE: dict[str, Check] = {
@@ -79,6 +91,30 @@ _QWEN_MOE: dict[str, Check] = {
     "moe_intermediate_size": POSITIVE_INT,
     "decoder_sparse_step": POSITIVE_INT,
 }
+#: DeepSeek-V3-style sigmoid routing (worker/layers/moe_routing.py): DeepSeek V3, Kimi K2, GLM-4.5.
+DEEPSEEK_MOE_RULES: dict[str, Check] = {
+    "n_routed_experts": POSITIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "n_shared_experts": NON_NEGATIVE_INT,
+    "n_group": POSITIVE_INT,
+    "topk_group": POSITIVE_INT,
+    "routed_scaling_factor": POSITIVE,
+    "first_k_dense_replace": NON_NEGATIVE_INT,
+}
+#: Between the keys of :data:`DEEPSEEK_MOE_RULES` (``transformers``' router would fail or mis-route otherwise).
+DEEPSEEK_MOE_RELATIONS: tuple[Relation, ...] = (
+    Relation(("topk_group", "n_group"), lambda k, n: k <= n, "topk_group must be at most n_group"),
+    Relation(("num_experts_per_tok", "n_routed_experts"), lambda k, n: k <= n,
+             "num_experts_per_tok must be at most n_routed_experts"),
+    Relation(("n_routed_experts", "n_group"), lambda e, n: e % n == 0,
+             "n_routed_experts must be divisible by n_group (experts are grouped evenly)"),
+    Relation(("n_routed_experts", "n_group"), lambda e, n: n == 1 or e // n >= 2,
+             "n_routed_experts / n_group must be >= 2 (a group is scored by its two best experts)"),
+    Relation(("num_experts_per_tok", "topk_group", "n_routed_experts", "n_group"),
+             lambda k, g, e, n: k <= g * (e // n),
+             "num_experts_per_tok must be at most topk_group * n_routed_experts / n_group (the kept groups' experts)"),
+)
 _GEMMA: dict[str, Check] = {
     "query_pre_attn_scalar": POSITIVE,
     "attn_logit_softcapping": POSITIVE,
@@ -95,6 +131,16 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     # gpt-oss: the experts' clamped SwiGLU (a limit <= 0 would clamp every gate to <= 0).
     "GptOssForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
                           "swiglu_limit": POSITIVE, "swiglu_alpha": POSITIVE},
+    "Glm4MoeForCausalLM": DEEPSEEK_MOE_RULES,
+    "MiniMaxM2ForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
+                             "rotary_dim": EVEN_INT},
+    "Ernie4_5_MoeForCausalLM": {"moe_num_experts": POSITIVE_INT, "moe_k": POSITIVE_INT,
+                                "moe_intermediate_size": POSITIVE_INT, "moe_num_shared_experts": NON_NEGATIVE_INT,
+                                "moe_layer_start_index": NON_NEGATIVE_INT, "moe_layer_interval": POSITIVE_INT,
+                                "moe_layer_end_index": Check(lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
+                                "moe_norm_min": POSITIVE,
+                                "use_bias": Check(lambda v: v is False, "false (biased Ernie 4.5 projections and LM "
+                                                  "head are not supported; the released checkpoints have none)")},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.
@@ -110,21 +156,13 @@ ROPE_RULES: dict[str, Check] = {
     "attention_factor": POSITIVE,
     "mscale": FINITE,
     "mscale_all_dim": FINITE,
+    "partial_rotary_factor": FRACTION,
 }
 
 #: Per ``rope_type``, rules that replace :data:`ROPE_RULES`' for the same key: a dynamic factor below 1 would
 #: shorten the model's context below ``max_position_embeddings`` (to 0 at factor 0, where every
 #: request is refused as too long).
 ROPE_TYPE_RULES: dict[str, dict[str, Check]] = {"dynamic": {"factor": AT_LEAST_ONE}}
-
-
-@dataclass(frozen=True)
-class Relation:
-    """A rule between fields, checked once each field has passed its own: ``test(*values)``."""
-
-    fields: tuple[str, ...]
-    test: Callable[..., bool]
-    expect: str
 
 
 #: Rules between top-level keys; a relation whose fields are not all present is skipped.
@@ -136,6 +174,14 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("num_experts_per_tok", "num_experts"), lambda k, n: n == 0 or k <= n,
              "num_experts_per_tok must be at most num_experts"),
 )
+#: Rules between one architecture's keys, as :data:`FAMILY_RULES`.
+FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
+    "Glm4MoeForCausalLM": DEEPSEEK_MOE_RELATIONS,
+    "MiniMaxM2ForCausalLM": (Relation(("rotary_dim", "head_dim"), lambda r, d: r <= d,
+                                      "rotary_dim must be at most head_dim (the rotated part of a head)"),),
+    "Ernie4_5_MoeForCausalLM": (Relation(("moe_k", "moe_num_experts"), lambda k, n: k <= n,
+                                         "moe_k must be at most moe_num_experts"),),
+}
 #: Rules between keys of one RoPE dict.
 ROPE_RELATIONS: tuple[Relation, ...] = (
     Relation(("low_freq_factor", "high_freq_factor"), lambda low, high: high > low,
@@ -189,7 +235,7 @@ def check_config(raw: Mapping[str, Any], architecture: str) -> None:
     if raw.get("use_sliding_window") is False:  # the window is not read (transformers writes 0 or null there)
         rules.pop("sliding_window")
     check_fields(raw, rules)
-    check_relations(raw, RELATIONS)
+    check_relations(raw, (*RELATIONS, *FAMILY_RELATIONS.get(architecture, ())))
     for where, rope in _rope_dicts(raw):
         check_rope(rope, where)
 
