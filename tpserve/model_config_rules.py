@@ -10,7 +10,8 @@ The tables, each ``field -> Check``, a field checked only where present (not nul
 missing required key is :func:`tpserve.model_config._required`'s error):
 
 - :data:`MODEL_RULES`: the keys every family reads (sizes, heads, positions, epsilon, base);
-- :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's scalars);
+- :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's and Granite's scalars,
+  the LayerNorm epsilons of Cohere and StarCoder2);
 - :data:`ROPE_RULES`: the keys of a ``rope_scaling`` / ``rope_parameters`` dict (each
   layer type's too); ``longrope`` and other types are refused by the parser, not here;
 - :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token).
@@ -92,6 +93,12 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "Qwen3MoeForCausalLM": _QWEN_MOE,
     "Gemma2ForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": {**_GEMMA, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": POSITIVE_INT},
+    # Granite's four multipliers: a zero or negative one zeroes or flips the embedding, the residual
+    # branches, the attention scores or the logits.
+    "GraniteForCausalLM": {"embedding_multiplier": POSITIVE, "residual_multiplier": POSITIVE,
+                           "attention_multiplier": POSITIVE, "logits_scaling": POSITIVE},
+    "CohereForCausalLM": {"layer_norm_eps": POSITIVE, "logit_scale": POSITIVE},
+    "Starcoder2ForCausalLM": {"norm_epsilon": POSITIVE},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.

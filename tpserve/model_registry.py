@@ -17,8 +17,10 @@ from collections.abc import Sequence
 
 #: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
 MODEL_REGISTRY: dict[str, str] = {
+    "CohereForCausalLM": "worker.models.cohere:CohereForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
+    "GraniteForCausalLM": "worker.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
@@ -27,11 +29,12 @@ MODEL_REGISTRY: dict[str, str] = {
     "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Starcoder2ForCausalLM": "worker.models.starcoder2:Starcoder2ForCausalLM",
 }
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
-#: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.
-TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+#: (Gemma2Config, Gemma3TextConfig, CohereConfig, Starcoder2Config); every other family's defaults to False.
+TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM", "CohereForCausalLM", "Starcoder2ForCausalLM"})
 
 
 def ties_word_embeddings_by_default(architecture: str) -> bool:

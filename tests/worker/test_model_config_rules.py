@@ -99,6 +99,16 @@ BAD_VALUES = [
     ("gemma2-attn-softcap-0", "Gemma2ForCausalLM", {"attn_logit_softcapping": 0}, "attn_logit_softcapping=0 must be"),
     ("gemma3-local-base-0", "Gemma3ForCausalLM", {"rope_local_base_freq": 0}, "rope_local_base_freq=0 must be"),
     ("gemma3-window-pattern-0", "Gemma3ForCausalLM", {"sliding_window_pattern": 0}, "sliding_window_pattern=0 must be"),
+    ("granite-logits-scaling-0", "GraniteForCausalLM", {"logits_scaling": 0}, "logits_scaling=0 must be a finite number > 0"),
+    ("granite-logits-scaling-negative", "GraniteForCausalLM", {"logits_scaling": -8.0}, "logits_scaling=-8.0 must be"),
+    ("granite-embedding-multiplier-nan", "GraniteForCausalLM", {"embedding_multiplier": NAN},
+     "embedding_multiplier=NaN must be"),
+    ("granite-residual-multiplier-0", "GraniteForCausalLM", {"residual_multiplier": 0}, "residual_multiplier=0 must be"),
+    ("granite-attention-multiplier-string", "GraniteForCausalLM", {"attention_multiplier": "0.0078125"},
+     'attention_multiplier="0.0078125" must be'),
+    ("cohere-logit-scale-0", "CohereForCausalLM", {"logit_scale": 0}, "logit_scale=0 must be a finite number > 0"),
+    ("cohere-layer-norm-eps-negative", "CohereForCausalLM", {"layer_norm_eps": -1e-5}, "layer_norm_eps=-1e-05 must be"),
+    ("starcoder2-norm-epsilon-0", "Starcoder2ForCausalLM", {"norm_epsilon": 0}, "norm_epsilon=0 must be"),
 ]
 
 
@@ -136,5 +146,8 @@ def test_tie_word_embeddings_defaults_to_the_familys() -> None:
     """Absent from config.json: Gemma ties (its transformers config's default), the others do not."""
     assert ModelConfig.from_dict(_config("Gemma2ForCausalLM")).tie_word_embeddings is True
     assert ModelConfig.from_dict(_config("Gemma3ForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("CohereForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("Starcoder2ForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("GraniteForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("LlamaForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("Gemma2ForCausalLM", tie_word_embeddings=False)).tie_word_embeddings is False
