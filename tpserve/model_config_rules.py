@@ -99,6 +99,10 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
                            "attention_multiplier": POSITIVE, "logits_scaling": POSITIVE},
     "CohereForCausalLM": {"layer_norm_eps": POSITIVE, "logit_scale": POSITIVE},
     "Starcoder2ForCausalLM": {"norm_epsilon": POSITIVE},
+    "Llama4ForCausalLM": {"attention_chunk_size": POSITIVE_INT, "num_local_experts": POSITIVE_INT,
+                          "num_experts_per_tok": POSITIVE_INT, "intermediate_size_mlp": POSITIVE_INT,
+                          "interleave_moe_layer_step": POSITIVE_INT, "no_rope_layer_interval": POSITIVE_INT,
+                          "floor_scale": POSITIVE, "attn_scale": FINITE},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.

@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "GraniteForCausalLM": "worker.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
+    "Llama4ForCausalLM": "worker.models.llama4:Llama4ForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
