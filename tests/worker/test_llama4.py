@@ -15,6 +15,9 @@ CPU kernel while the chunked layers take theirs through the chunked path.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from tests.tiny_models import TinyModelSpec
@@ -56,3 +59,56 @@ def test_llama4_layers() -> None:
     assert [a.qk_norm_eps is not None for a in attention] == [True, True, True, False]
     assert [a.temperature_tuning for a in attention] == [False, False, False, True]
     assert [isinstance(layer.feed_forward, Llama4MoE) for layer in model.model.layers] == [False, True, False, True]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (the graphs' kernel)")
+def test_llama4_decode_graphs_match_transformers() -> None:
+    """The CUDA-graph decode path (captured on a GPU; elsewhere its static-buffer forward run eagerly with
+    the Triton kernel in its interpreter): padded batches, decodes crossing attention-chunk edges."""
+    import random
+
+    import torch
+
+    from tests.tiny_models import load_hf_model
+    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+    from worker.model_runner import ModelRunner
+    from worker.parallel_state import ParallelContext
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    model_dir = case(LLAMA4).jobs[0].model_dir
+    hf = load_hf_model(Path(model_dir))
+    rng = random.Random(5)
+    texts = {s: [rng.randrange(3, 190) for _ in range(n)] for s, n in enumerate((5, 7, 10))}
+    prompt_lens = {s: len(t) for s, t in texts.items()}
+    for text in texts.values():  # 14 greedy tokens of transformers': positions past 8, 16 and 24
+        for _ in range(14):
+            with torch.no_grad():
+                text.append(int(hf(torch.tensor([text])).logits[0, -1].argmax()))
+    runner = ModelRunner(model_dir, ParallelContext.single(device), torch.float32, block_size=4)
+    runner.init_kv_cache(48, cuda_graph_sizes=(1, 2, 4), max_model_len=64, capture=device.type == "cuda")
+    free = list(range(48))
+    random.Random(6).shuffle(free)
+    tables: dict[int, list[int]] = {s: [] for s in texts}
+
+    def chunk(seq: int, start: int, end: int) -> ScheduledChunk:
+        new = [free.pop() for _ in range(-(-end // 4) - len(tables[seq]))]
+        tables[seq] += new
+        return ScheduledChunk(seq, tuple(texts[seq][start:end]), start, tuple(new))
+
+    greedy = SamplingParams(temperature=0.0)
+    runner.execute(StepPlan(0, tuple(NewSequence(s, greedy) for s in texts),
+                            tuple(chunk(s, 0, n) for s, n in prompt_lens.items())))
+    fed, checked = dict(prompt_lens), 0
+    with torch.no_grad():
+        expected = {s: hf(torch.tensor([t])).logits[0].float() for s, t in texts.items()}  # (L, V) each
+    for step in range(1, 14):
+        seqs = (0, 1, 2) if step < 8 else (2, 0)  # padded to 4, then to 2 (sequence 1 finished)
+        finished = (1,) if step == 8 else ()
+        result = runner.execute(StepPlan(step, scheduled=tuple(chunk(s, fed[s], fed[s] + 1) for s in seqs),
+                                         finished_seq_ids=finished))
+        for seq, token, logits in zip(seqs, result.sampled_token_ids, runner.last_logits, strict=True):
+            torch.testing.assert_close(logits.cpu(), expected[seq][fed[seq]], atol=2e-4, rtol=1e-4)
+            assert token == texts[seq][fed[seq] + 1]
+            fed[seq] += 1
+            checked += 1
+    assert runner._graphs.num_replays == 13 and checked == 3 * 7 + 2 * 6
