@@ -10,7 +10,9 @@ experts' input, a shared expert), dense SwiGLU (``intermediate_size_mlp``) on 0 
 llama3 RoPE scaling on interleaved pairs. The scenario of tests/worker/family_check.py
 (prefill chunks of 8 tokens: boundaries on the attention chunks' edges; prefix-cache hits,
 preemption, prompt logprobs); head size 32, so the NoPE layer's decodes take the compiled
-CPU kernel while the chunked layers take theirs through the chunked path.
+CPU kernel while the chunked layers take theirs through the chunked path. The MoE check of
+tests/worker/moe_family_check.py (expert counts, batch invariance) and the CUDA-graph decode
+path run on the same checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tests.worker.family_check import case, check, register
 pytestmark = pytest.mark.xdist_group("families")
 
 CHUNK = 8
-LLAMA4 = register(TinyModelSpec("llama4", "llama4_text", {
+SPEC = TinyModelSpec("llama4", "llama4_text", {
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 190,
     "intermediate_size": 64, "intermediate_size_mlp": 128, "num_local_experts": 4, "num_experts_per_tok": 1,
     "interleave_moe_layer_step": 2, "attention_chunk_size": CHUNK, "use_qk_norm": True,
@@ -35,12 +37,29 @@ LLAMA4 = register(TinyModelSpec("llama4", "llama4_text", {
     "tie_word_embeddings": False, "pad_token_id": 0,
     "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-}, seed=44), CHUNK)
+}, seed=44)
+LLAMA4 = register(SPEC, CHUNK)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_llama4_matches_transformers(tp: int) -> None:
     check(LLAMA4, tp)
+
+
+@pytest.fixture(scope="module")
+def moe_case(tmp_path_factory: pytest.TempPathFactory):
+    from tests.worker.moe_family_check import build_case
+
+    return build_case(SPEC, tmp_path_factory.mktemp("llama4_moe"), moe_layers={1, 3}, top_k=1)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_llama4_moe_counts_and_batch_invariance(moe_case, tp: int) -> None:
+    """tests/worker/moe_family_check.py: 16 prompts alone and at once, logits within 1e-5 of each other, and
+    each MoE layer's expert counts summing to its tokens (top-1), none from the dense layers 0 and 2."""
+    from tests.worker.moe_family_check import check_family
+
+    check_family(moe_case, tp)
 
 
 def test_llama4_layers() -> None:
