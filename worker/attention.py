@@ -39,10 +39,11 @@ at construction, so one step's metadata serves every layer):
   ``masking_utils.chunked_overlay``). Prefill chunks take it as a mask (and skip the blocks
   before the first row's chunk); the decode group takes it in every mode (the compiled CPU
   kernel's, Triton's and SDPA's steps alike, CUDA graphs included) through
-  :meth:`PagedAttention._chunked_decode`: SDPA over the at most ``ceil(C / block_size) + 1``
-  blocks a row's chunk can span, gathered by a fixed-shape index (no host sync), so the
-  kernels themselves never see a chunked layer (vLLM likewise reshapes chunked layers into
-  "virtual" local batches rather than teaching its kernels the pattern).
+  :meth:`PagedAttention._chunked_decode`: on Triton's steps each row becomes a "virtual"
+  sequence (its table shifted to its chunk's first block, its context the chunk so far;
+  vLLM's ``make_local_attention_virtual_batches``) for the unchanged kernel; elsewhere SDPA
+  over the at most ``ceil((C - 1) / block_size) + 1`` blocks a row's chunk can span, gathered
+  by a fixed-shape index (no host sync).
 * ``logit_softcap = c``: scores become ``c * tanh(score / c)`` before the mask and
   softmax (Gemma 2's ``attn_logit_softcapping``). SDPA cannot do that, so there the
   torch path spells the attention out (:func:`_softcapped_attention`); the kernels
@@ -279,16 +280,27 @@ class PagedAttention(nn.Module):
         """``q (D, H, d)`` -> ``(D, H, d)``: each decode-group row over its own chunk's keys, ``p - p % C .. p``.
 
         Serves every decode mode: one row per sequence (SDPA, Triton) or several
-        (the compiled CPU kernel's groups, ``decode_query_start_loc``). Per row, the
-        ``span`` blocks from the one holding its chunk's first position are gathered
-        (indices past the table clamped; their positions lie past the row's and are
-        masked), so every shape is fixed by the step's sizes: no host sync, graph-safe.
+        (the compiled CPU kernel's groups, ``decode_query_start_loc``). On the Triton
+        kernel's steps (CUDA graphs included) with chunks a whole number of blocks, each
+        row goes to the kernel as a virtual sequence: its table shifted to its chunk's first
+        block, its context ``p % C + 1``. Otherwise, per row, the ``span`` blocks from the one
+        holding its chunk's first position are gathered (indices past the table clamped;
+        their positions lie past the row's and are masked) for SDPA. Every shape is fixed by
+        the step's sizes: no host sync, graph-safe.
         """
         rows, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
         chunk, block_size = self.attention_chunk_size, k_cache.shape[1]
         assert chunk is not None and meta.decode_block_tables is not None
         positions = meta.positions[:rows]  # (D,) int64
         tables = meta.decode_block_tables  # (S, B)
+        if meta.triton_decode and chunk % block_size == 0:
+            # Chunks start on block edges: each row is a "virtual" sequence whose table starts at its chunk's
+            # first block and whose context is its chunk so far; the Triton kernel reads only those blocks.
+            width = tables.shape[1]
+            first_block = (positions - positions % chunk) // block_size  # (D,)
+            index = (first_block[:, None] + torch.arange(width, device=q.device)).clamp(max=width - 1)  # (D, B)
+            return paged_decode_attention(q, k_cache, v_cache, tables.gather(1, index), positions % chunk + 1,
+                                          self.scale, logit_softcap=self.logit_softcap or 0.0)  # (D, H, d)
         if meta.decode_query_start_loc is not None:  # a sequence may own several consecutive rows
             rows_index = torch.arange(rows, device=q.device)
             seq = torch.searchsorted(meta.decode_query_start_loc[1:], rows_index, right=True)  # (D,)
