@@ -44,3 +44,21 @@ def test_starcoder2_layers_slide_and_carry_biases() -> None:
     assert layer.input_layernorm.bias is not None and model.model.norm.bias is not None
     assert layer.mlp.c_fc.bias is not None and layer.self_attn.o_proj.bias is not None
     assert layer.mlp.approximate == "tanh"
+
+
+def test_starcoder2_without_hidden_act_is_tanh_gelu() -> None:
+    """A config.json without ``hidden_act`` means Starcoder2Config's default (tanh GELU), not Llama's SiLU."""
+    import torch
+
+    from tpserve.model_config import ModelConfig
+    from worker.models.starcoder2 import Starcoder2ForCausalLM
+    from worker.parallel_state import ParallelContext
+
+    raw = {**ModelConfig.from_pretrained(case(STARCODER2).jobs[0].model_dir).hf_config}
+    del raw["hidden_act"]
+    model = Starcoder2ForCausalLM(ModelConfig.from_dict(raw), ParallelContext.single("meta"), torch.float32,
+                                  tie_word_embeddings=True)
+    assert model.model.layers[0].mlp.approximate == "tanh"
+    with pytest.raises(ValueError, match="hidden_act='silu' is not supported by Starcoder2ForCausalLM"):
+        Starcoder2ForCausalLM(ModelConfig.from_dict({**raw, "hidden_act": "silu"}), ParallelContext.single("meta"),
+                              torch.float32, tie_word_embeddings=True)

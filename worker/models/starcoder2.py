@@ -19,6 +19,8 @@ whose ``c_fc`` and ``c_proj`` keep their checkpoint names.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,6 +84,12 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     """
 
     hidden_acts = tuple(GELU_APPROXIMATIONS)
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool,
+                 quantization: Quantization | None = None) -> None:
+        if "hidden_act" not in config.hf_config:  # ModelConfig's default is Llama's; Starcoder2Config's is this
+            config = dataclasses.replace(config, hidden_act="gelu_pytorch_tanh")
+        super().__init__(config, ctx, dtype, tie_word_embeddings=tie_word_embeddings, quantization=quantization)
 
     @classmethod
     def biases(cls, config: ModelConfig) -> Biases:
