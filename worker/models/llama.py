@@ -151,8 +151,8 @@ class LlamaModel(nn.Module):
     With pipeline stages (worker/pipeline.py) ``layers`` are this stage's; ``embedding``
     False leaves out the embedding (a stage after the first), ``head`` False the final
     norm (a stage before the last). ``norm``: the final norm (default Llama's RMSNorm);
-    ``interleaved_rope``: the step's ``(cos, sin)`` in the interleaved layout (Cohere's,
-    worker/layers/rotary.py) instead of rotate-half's.
+    ``interleaved_rope``: the step's ``(cos, sin)`` in the interleaved layout (Cohere's and
+    Llama 4's, worker/layers/rotary.py) instead of rotate-half's.
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, layers: list[nn.Module], *,
@@ -208,7 +208,7 @@ class LlamaForCausalLM(CausalLM):
     supports_pipeline = True
     #: The ``hidden_act`` values the family's MLP computes.
     hidden_acts: tuple[str, ...] = ("silu",)
-    #: Whether the family rotates interleaved pairs (Cohere) rather than the halves of each head.
+    #: Whether the family rotates interleaved pairs (Cohere, Llama 4) rather than the halves of each head.
     interleaved_rope = False
 
     def __init__(
