@@ -4,7 +4,9 @@ A tiny seeded ``cohere`` checkpoint with what sets it apart from Llama: one Laye
 per layer feeding attention and MLP in parallel, interleaved RoPE, ``logit_scale`` (0.25),
 tied embeddings, and the per-head q/k LayerNorms of ``use_qk_norm`` (Command R+), whose
 ``(heads, head_dim)`` weights are split by head (degree 4 replicates the 2 KV heads'
-rows); biases on q/k/v/o (``attention_bias``). The scenario of tests/worker/family_check.py.
+rows); biases on q/k/v/o (``attention_bias``). A second checkpoint is Command R as released:
+no QK norm, no bias, the default ``logit_scale``, one KV head. The scenario of
+tests/worker/family_check.py.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ COHERE = register(TinyModelSpec("cohere", "cohere", {
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 190, "pad_token_id": 0,
     "use_qk_norm": True, "attention_bias": True, "logit_scale": 0.25, "layer_norm_eps": 1e-5,
 }, seed=42), None)
+# Command R (v01) as released: no QK norm, no bias, the default logit_scale (1/16); one KV head (MQA), replicated.
+COMMAND_R = register(TinyModelSpec("cohere_command_r", "cohere", {
+    "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 170, "pad_token_id": 0,
+}, seed=45), None)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_cohere_matches_transformers(tp: int) -> None:
-    check(COHERE, tp)
+@pytest.mark.parametrize("name", [COHERE, COMMAND_R])
+def test_cohere_matches_transformers(name: str, tp: int) -> None:
+    check(name, tp)
 
 
 def test_interleaved_rope_is_cohere_s() -> None:
