@@ -32,6 +32,10 @@ from tpserve.model_registry import PARTIAL_ROTARY_DEFAULTS, resolve_architecture
 from tpserve.quantization import Quantization, checkpoint_quantization
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Llama 4's chunked local attention (``attention_chunk_size``): a layer type only the families
+#: that read it accept; anywhere else it would be served as full attention, so it is refused.
+CHUNKED_ATTENTION = "chunked_attention"
+CHUNKED_ATTENTION_ARCHITECTURES = frozenset({"Llama4ForCausalLM"})
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
@@ -151,7 +155,8 @@ class ModelConfig:
             rope_theta, rope_scaling = layer_rope.get("full_attention") or next(iter(layer_rope.values()))
         else:
             rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
-        sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings)
+        sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings,
+                                                               chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES)
         eos = raw.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         return cls(
@@ -296,9 +301,11 @@ def _required(raw: dict[str, Any], key: str) -> Any:
 
 
 def _parse_attention_windows(
-    raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int
+    raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int, *, chunked: bool = False
 ) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
+
+    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too.
 
     Raises:
         ValueError: a malformed ``layer_types`` or ``sliding_window``.
@@ -316,9 +323,10 @@ def _parse_attention_windows(
         layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
         raise ValueError(f"config.json layer_types must list one type per layer ({num_hidden_layers})")
-    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ())
+    unknown = sorted({t for t in layer_types if t not in known})
     if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported; expected {LAYER_TYPES}")
+        raise ValueError(f"layer_types {unknown} are not supported; expected {known}")
     return window, tuple(layer_types)
 
 

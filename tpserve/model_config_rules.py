@@ -10,7 +10,8 @@ The tables, each ``field -> Check``, a field checked only where present (not nul
 missing required key is :func:`tpserve.model_config._required`'s error):
 
 - :data:`MODEL_RULES`: the keys every family reads (sizes, heads, positions, epsilon, base);
-- :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's scalars);
+- :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's and Granite's scalars,
+  the LayerNorm epsilons of Cohere and StarCoder2);
 - :data:`ROPE_RULES`: the keys of a ``rope_scaling`` / ``rope_parameters`` dict (each
   layer type's too); ``longrope`` and other types are refused by the parser, not here;
 - :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token);
@@ -141,6 +142,16 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
                                 "moe_norm_min": POSITIVE,
                                 "use_bias": Check(lambda v: v is False, "false (biased Ernie 4.5 projections and LM "
                                                   "head are not supported; the released checkpoints have none)")},
+    # Granite's four multipliers: a zero or negative one zeroes or flips the embedding, the residual
+    # branches, the attention scores or the logits.
+    "GraniteForCausalLM": {"embedding_multiplier": POSITIVE, "residual_multiplier": POSITIVE,
+                           "attention_multiplier": POSITIVE, "logits_scaling": POSITIVE},
+    "CohereForCausalLM": {"layer_norm_eps": POSITIVE, "logit_scale": POSITIVE},
+    "Starcoder2ForCausalLM": {"norm_epsilon": POSITIVE},
+    "Llama4ForCausalLM": {"attention_chunk_size": POSITIVE_INT, "num_local_experts": POSITIVE_INT,
+                          "num_experts_per_tok": POSITIVE_INT, "intermediate_size_mlp": POSITIVE_INT,
+                          "interleave_moe_layer_step": POSITIVE_INT, "no_rope_layer_interval": POSITIVE_INT,
+                          "floor_scale": POSITIVE, "attn_scale": FINITE},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.

@@ -17,13 +17,16 @@ from collections.abc import Sequence
 
 #: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
 MODEL_REGISTRY: dict[str, str] = {
+    "CohereForCausalLM": "worker.models.cohere:CohereForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "GptOssForCausalLM": "worker.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "worker.models.glm4_moe:Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "worker.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "worker.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
+    "GraniteForCausalLM": "worker.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
+    "Llama4ForCausalLM": "worker.models.llama4:Llama4ForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
@@ -31,19 +34,20 @@ MODEL_REGISTRY: dict[str, str] = {
     "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Starcoder2ForCausalLM": "worker.models.starcoder2:Starcoder2ForCausalLM",
 }
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
 #: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.
-TIED_BY_DEFAULT = frozenset({"Ernie4_5_MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+TIED_BY_DEFAULT = frozenset({"CohereForCausalLM", "Ernie4_5_MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                             "Starcoder2ForCausalLM"})
 
 
 #: Architectures that rotate only the first ``rotary_dim`` dimensions of each head (partial RoPE,
 #: worker/layers/partial_rotary.py), with their ``transformers`` default ``partial_rotary_factor``;
 #: every other family refuses a factor below 1 at start-up.
 PARTIAL_ROTARY_DEFAULTS: dict[str, float] = {"Glm4MoeForCausalLM": 0.5, "MiniMaxM2ForCausalLM": 1.0}
-
-
+#: (Gemma2Config, Gemma3TextConfig, CohereConfig, Starcoder2Config); every other family's defaults to False.
 def ties_word_embeddings_by_default(architecture: str) -> bool:
     """Whether ``architecture``'s LM head shares the embedding when config.json does not say."""
     return architecture in TIED_BY_DEFAULT

@@ -34,6 +34,16 @@ at construction, so one step's metadata serves every layer):
   The compiled and Triton kernels skip the blocks before the window; a later prefill
   chunk reads its history from the first block its window touches; the SDPA decode
   group still gathers the whole table (one copy, as before) and masks it.
+* ``attention_chunk_size = C`` (Llama 4's chunked local attention): a query at position ``p``
+  attends only keys of its own chunk, positions ``p - p % C .. p`` (``transformers``'
+  ``masking_utils.chunked_overlay``). Prefill chunks take it as a mask (and skip the blocks
+  before the first row's chunk); the decode group takes it in every mode (the compiled CPU
+  kernel's, Triton's and SDPA's steps alike, CUDA graphs included) through
+  :meth:`PagedAttention._chunked_decode`: on Triton's steps each row becomes a "virtual"
+  sequence (its table shifted to its chunk's first block, its context the chunk so far;
+  vLLM's ``make_local_attention_virtual_batches``) for the unchanged kernel; elsewhere SDPA
+  over the at most ``ceil((C - 1) / block_size) + 1`` blocks a row's chunk can span, gathered
+  by a fixed-shape index (no host sync).
 * ``logit_softcap = c``: scores become ``c * tanh(score / c)`` before the mask and
   softmax (Gemma 2's ``attn_logit_softcapping``). SDPA cannot do that, so there the
   torch path spells the attention out (:func:`_explicit_attention`); the kernels
@@ -194,14 +204,17 @@ class PagedAttention(nn.Module):
         logit_softcap: None, or ``c > 0``: scores soft-capped to ``c * tanh(score / c)``.
         sinks: None, or a ``(num_heads,)`` float32 parameter, this rank's heads' attention-sink
             logits (filled by the loader; see the module docstring); it becomes ``self.sinks``.
+        attention_chunk_size: None, or ``C >= 1``: each query attends only the keys of its own
+            ``C``-token chunk (see the module docstring); not with ``sliding_window``.
 
     Raises:
-        ValueError: ``sliding_window < 1``, ``logit_softcap <= 0``, or ``sinks`` not ``(num_heads,)`` float32.
+        ValueError: ``sliding_window < 1``, ``logit_softcap <= 0``, ``sinks`` not ``(num_heads,)`` float32,
+            ``attention_chunk_size < 1``, or both a window and a chunk size.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, *,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
-                 sinks: nn.Parameter | None = None) -> None:
+                 sinks: nn.Parameter | None = None, attention_chunk_size: int | None = None) -> None:
         super().__init__()
         if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
             raise ValueError(f"sinks {tuple(sinks.shape)} {sinks.dtype} must be ({num_heads},) float32, "
@@ -210,6 +223,9 @@ class PagedAttention(nn.Module):
             raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None: no window)")
         if logit_softcap is not None and logit_softcap <= 0:
             raise ValueError(f"logit_softcap={logit_softcap} must be > 0 (or None: no soft-capping)")
+        if attention_chunk_size is not None and (attention_chunk_size < 1 or sliding_window is not None):
+            raise ValueError(f"attention_chunk_size={attention_chunk_size} must be >= 1 and without a sliding_window")
+        self.attention_chunk_size = attention_chunk_size
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -251,6 +267,8 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``q (D, H, d)`` -> ``(D, H, d)``: the decode group's rows over their paged contexts."""
+        if self.attention_chunk_size is not None:
+            return self._chunked_decode(q, k_cache, v_cache, meta)  # (D, H, d), whatever the step's mode
         num_seqs, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
         window, softcap = self.sliding_window or 0, self.logit_softcap or 0.0  # the kernels' "none" is 0
         if meta.decode_query_start_loc is not None:  # step_inputs checked the kernel takes this step
@@ -271,6 +289,51 @@ class PagedAttention(nn.Module):
         o = self._attention(q.unsqueeze(2), keys, values, mask)  # (D, H, 1, d)
         return o.squeeze(2)  # (D, H, d)
 
+    def _chunked_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """``q (D, H, d)`` -> ``(D, H, d)``: each decode-group row over its own chunk's keys, ``p - p % C .. p``.
+
+        Serves every decode mode: one row per sequence (SDPA, Triton) or several
+        (the compiled CPU kernel's groups, ``decode_query_start_loc``). On the Triton
+        kernel's steps (CUDA graphs included) with chunks a whole number of blocks, each
+        row goes to the kernel as a virtual sequence: its table shifted to its chunk's first
+        block, its context ``p % C + 1``. Otherwise, per row, the ``span`` blocks from the one
+        holding its chunk's first position are gathered (indices past the table clamped;
+        their positions lie past the row's and are masked) for SDPA. Every shape is fixed by
+        the step's sizes: no host sync, graph-safe.
+        """
+        rows, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
+        chunk, block_size = self.attention_chunk_size, k_cache.shape[1]
+        assert chunk is not None and meta.decode_block_tables is not None
+        positions = meta.positions[:rows]  # (D,) int64
+        tables = meta.decode_block_tables  # (S, B)
+        if meta.triton_decode and chunk % block_size == 0:
+            # Chunks start on block edges: each row is a "virtual" sequence whose table starts at its chunk's
+            # first block and whose context is its chunk so far; the Triton kernel reads only those blocks.
+            width = tables.shape[1]
+            first_block = (positions - positions % chunk) // block_size  # (D,)
+            index = (first_block[:, None] + torch.arange(width, device=q.device)).clamp(max=width - 1)  # (D, B)
+            return paged_decode_attention(q, k_cache, v_cache, tables.gather(1, index), positions % chunk + 1,
+                                          self.scale, logit_softcap=self.logit_softcap or 0.0,
+                                          sinks=self.sinks)  # (D, H, d)
+        if meta.decode_query_start_loc is not None:  # a sequence may own several consecutive rows
+            rows_index = torch.arange(rows, device=q.device)
+            seq = torch.searchsorted(meta.decode_query_start_loc[1:], rows_index, right=True)  # (D,)
+            tables = tables.index_select(0, seq)  # (D, B)
+        span = min((chunk + block_size - 2) // block_size + 1, tables.shape[1])  # blocks one chunk can touch
+        first_key = positions - positions % chunk  # (D,) the row's chunk start
+        first_block = first_key // block_size  # (D,)
+        index = (first_block[:, None] + torch.arange(span, device=q.device)).clamp(max=tables.shape[1] - 1)
+        block_ids = tables.gather(1, index).reshape(-1)  # (D * span,)
+        keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * span, bs, KVH, d)
+        values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")
+        keys = keys.view(rows, -1, kvh, d).transpose(1, 2)  # (D, KVH, span * bs, d)
+        values = values.view(rows, -1, kvh, d).transpose(1, 2)
+        key_pos = first_block[:, None] * block_size + torch.arange(span * block_size, device=q.device)  # (D, K)
+        mask = (key_pos >= first_key[:, None]) & (key_pos <= positions[:, None])  # (D, K), the row itself included
+        o = self._attention(q.unsqueeze(2), keys, values, mask[:, None, None, :])  # (D, H, 1, d)
+        return o.squeeze(2)  # (D, H, d)
+
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``q (B, H, n, d)`` over ``k, v (B, KVH, C, d)`` under ``mask`` (broadcast to ``(B, H, n, C)``,
         True = attend; None: causal, ``n == C``) -> ``(B, H, n, d)``."""
@@ -284,7 +347,7 @@ class PagedAttention(nn.Module):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         """One chunk's rows of ``q (T, H, d)`` -> ``(n, H, d)``."""
-        kvh, d, window = self.num_kv_heads, self.head_size, self.sliding_window
+        kvh, d, window, local = self.num_kv_heads, self.head_size, self.sliding_window, self.attention_chunk_size
         n = chunk.end - chunk.start
         first_pos = chunk.context_len - n  # the chunk's first position
         qs = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
@@ -292,10 +355,14 @@ class PagedAttention(nn.Module):
             ks = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
             vs = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             mask = None if window is None or n <= window else _window_mask(0, n, 0, n, window, q.device)
+            if local is not None and n > local:  # positions 0 .. n - 1 span more than one attention chunk
+                mask = _local_chunk_mask(0, n, 0, n, local, q.device)
         else:  # a later chunk: the history through the block table, causal with offset
-            skip = 0  # whole blocks before the first row's window: never read
+            skip = 0  # whole blocks before the first row's window (or attention chunk): never read
             if window is not None:
                 skip = max(0, first_pos - window + 1) // k_cache.shape[1]
+            if local is not None:
+                skip = (first_pos - first_pos % local) // k_cache.shape[1]
             table = chunk.block_table[skip:]
             key_start = skip * k_cache.shape[1]  # position of the first key read
             ks = k_cache.index_select(0, table).view(-1, kvh, d)[: chunk.context_len - key_start]  # (C, KVH, d)
@@ -303,6 +370,8 @@ class PagedAttention(nn.Module):
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, C, d)
             mask = chunk.mask if window is None else _window_mask(first_pos, n, key_start, chunk.context_len,
                                                                   window, q.device)
+            if local is not None:
+                mask = _local_chunk_mask(first_pos, n, key_start, chunk.context_len, local, q.device)
         o = self._attention(qs, ks, vs, mask)  # (1, H, n, d)
         return o[0].transpose(0, 1)  # (n, H, d)
 
@@ -314,6 +383,15 @@ def _window_mask(first_pos: int, num_queries: int, key_start: int, key_end: int,
     query_pos = torch.arange(first_pos, first_pos + num_queries, device=device)[:, None]  # (n, 1)
     key_pos = torch.arange(key_start, key_end, device=device)[None, :]  # (1, C)
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def _local_chunk_mask(first_pos: int, num_queries: int, key_start: int, key_end: int, chunk: int,
+                      device: torch.device) -> torch.Tensor:
+    """``(num_queries, key_end - key_start) bool``: queries at ``first_pos ..`` over keys at ``key_start ..``,
+    True where the key is causal and in the query's attention chunk (``p - p % chunk <= key position <= p``)."""
+    query_pos = torch.arange(first_pos, first_pos + num_queries, device=device)[:, None]  # (n, 1)
+    key_pos = torch.arange(key_start, key_end, device=device)[None, :]  # (1, C)
+    return (key_pos <= query_pos) & (key_pos >= query_pos - query_pos % chunk)
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

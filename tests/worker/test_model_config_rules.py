@@ -106,6 +106,24 @@ BAD_VALUES = [
     ("gpt-oss-experts-0", "GptOssForCausalLM", {"num_local_experts": 0}, "num_local_experts=0 must be a positive integer"),
     ("gpt-oss-more-per-token-than-experts", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 5},
      "num_experts_per_tok must be at most num_local_experts"),
+    ("granite-logits-scaling-0", "GraniteForCausalLM", {"logits_scaling": 0}, "logits_scaling=0 must be a finite number > 0"),
+    ("granite-logits-scaling-negative", "GraniteForCausalLM", {"logits_scaling": -8.0}, "logits_scaling=-8.0 must be"),
+    ("granite-embedding-multiplier-nan", "GraniteForCausalLM", {"embedding_multiplier": NAN},
+     "embedding_multiplier=NaN must be"),
+    ("granite-residual-multiplier-0", "GraniteForCausalLM", {"residual_multiplier": 0}, "residual_multiplier=0 must be"),
+    ("granite-attention-multiplier-string", "GraniteForCausalLM", {"attention_multiplier": "0.0078125"},
+     'attention_multiplier="0.0078125" must be'),
+    ("cohere-logit-scale-0", "CohereForCausalLM", {"logit_scale": 0}, "logit_scale=0 must be a finite number > 0"),
+    ("cohere-layer-norm-eps-negative", "CohereForCausalLM", {"layer_norm_eps": -1e-5}, "layer_norm_eps=-1e-05 must be"),
+    ("starcoder2-norm-epsilon-0", "Starcoder2ForCausalLM", {"norm_epsilon": 0}, "norm_epsilon=0 must be"),
+    ("llama4-chunk-size-0", "Llama4ForCausalLM", {"attention_chunk_size": 0},
+     "attention_chunk_size=0 must be a positive integer"),
+    ("llama4-chunk-size-negative", "Llama4ForCausalLM", {"attention_chunk_size": -8192}, "attention_chunk_size=-8192 must be"),
+    ("llama4-experts-per-token-0", "Llama4ForCausalLM", {"num_experts_per_tok": 0}, "num_experts_per_tok=0 must be"),
+    ("llama4-more-per-token-than-experts", "Llama4ForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 3},
+     "num_experts_per_tok must be at most num_local_experts"),
+    ("llama4-moe-step-0", "Llama4ForCausalLM", {"interleave_moe_layer_step": 0}, "interleave_moe_layer_step=0 must be"),
+    ("llama4-floor-scale-0", "Llama4ForCausalLM", {"floor_scale": 0}, "floor_scale=0 must be"),
 ]
 
 
@@ -131,6 +149,14 @@ def test_edge_values_that_make_sense_are_served(architecture: str, overrides: di
     ModelConfig.from_dict(_config(architecture, **overrides))
 
 
+def test_chunked_attention_layers_are_refused_where_the_family_does_not_chunk() -> None:
+    """Llama 4 reads ``chunked_attention`` layer types; Llama would serve them as full attention, so it refuses."""
+    chunked = {"layer_types": ["chunked_attention"] * 3 + ["full_attention"], "attention_chunk_size": 8192}
+    assert ModelConfig.from_dict(_config("Llama4ForCausalLM", **chunked)).layer_types[0] == "chunked_attention"
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        ModelConfig.from_dict(_config("LlamaForCausalLM", **chunked))
+
+
 def test_rope_theta_zero_is_not_replaced_by_the_default() -> None:
     """``rope_theta: 0`` used to become 10000 silently (an ``or`` chain); absent still means 10000."""
     assert ModelConfig.from_dict(_config(rope_theta=None)).rope_theta == 10000.0
@@ -143,5 +169,8 @@ def test_tie_word_embeddings_defaults_to_the_familys() -> None:
     """Absent from config.json: Gemma ties (its transformers config's default), the others do not."""
     assert ModelConfig.from_dict(_config("Gemma2ForCausalLM")).tie_word_embeddings is True
     assert ModelConfig.from_dict(_config("Gemma3ForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("CohereForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("Starcoder2ForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("GraniteForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("LlamaForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("Gemma2ForCausalLM", tie_word_embeddings=False)).tie_word_embeddings is False

@@ -1,9 +1,10 @@
 """ModelRunner with pipeline stages, (tp, pp) = (1, 2), (2, 2), (1, 4), against Hugging Face ``transformers``.
 
-Two tiny checkpoints with more layers than the shared tiny set (stages need a layer
+Tiny checkpoints with more layers than the shared tiny set (stages need a layer
 each): a tied-embedding GQA Llama of 5 layers (uneven: 3 + 2 at pp 2, 1 + 1 + 2 + 1 at
-pp 4; with tied embeddings the last stage holds the embedding matrix for its head)
-and an untied Qwen2 (q/k/v bias) of 4 layers. Each runs tests/worker/scenarios.py's
+pp 4; with tied embeddings the last stage holds the embedding matrix for its head),
+an untied Qwen2 (q/k/v bias), a tied Granite (multipliers on the first and last
+stages) and a Llama 4 (layers built by global index), each of 4 layers. Each runs tests/worker/scenarios.py's
 standard scenario (prefills of several lengths, a prompt prefilled in two chunks,
 new prefills beside running decodes, a seeded sampled sequence preempted and
 re-sent, freed blocks reused): every sampled row's logits equal ``transformers``'
@@ -50,6 +51,18 @@ PP_MODELS = (
                   {**_DIMS, "num_hidden_layers": 5, "vocab_size": 130, "tie_word_embeddings": True}, seed=11),
     TinyModelSpec("pp_qwen2_untied_4_layers", "qwen2",
                   {**_DIMS, "num_hidden_layers": 4, "vocab_size": 200, "tie_word_embeddings": False}, seed=12),
+    # Granite scales the first stage's embedding and the last stage's logits; tied, so the last
+    # stage holds the embedding matrix for its head without applying the multiplier there.
+    TinyModelSpec("pp_granite_tied_4_layers", "granite",
+                  {**_DIMS, "num_hidden_layers": 4, "vocab_size": 150, "tie_word_embeddings": True,
+                   "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+                   "logits_scaling": 2.5}, seed=13),
+    # Llama 4: a stage builds its layers by their global index (chunked RoPE layers 0-2, NoPE 3; MoE 1, 3).
+    TinyModelSpec("pp_llama4_4_layers", "llama4_text",
+                  {**_DIMS, "num_hidden_layers": 4, "vocab_size": 160, "intermediate_size": 64,
+                   "intermediate_size_mlp": 128, "num_local_experts": 4, "interleave_moe_layer_step": 2,
+                   "attention_chunk_size": 8, "floor_scale": 4, "attn_scale": 0.5, "tie_word_embeddings": False},
+                  seed=14),
 )
 GREEDY_MODEL = PP_MODELS[0].name
 GOLDEN_JOB = "stories260k_goldens"

@@ -1,4 +1,4 @@
-"""RMSNorm and the SwiGLU activation, replicated on every rank (no communication)."""
+"""RMSNorm, LayerNorm and the SwiGLU activation, replicated on every rank (no communication)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,29 @@ class RMSNorm(nn.Module):
             return torch.ops.tpserve_cpu.add_rms_norm(residual, x, self.weight, self.eps)
         h = residual + x
         return h, self(h)
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation (Ba et al. 2016, arXiv:1607.06450): ``(x - mean) / sqrt(var + eps) * w (+ b)``.
+
+    The statistics and the affine in float32, the result cast back: ``transformers``'
+    ``CohereLayerNorm`` (no bias, ``bias=False``) and, in float32, ``torch.nn.LayerNorm``
+    (StarCoder2, with a bias). Shapes: ``x (..., hidden_size) -> (..., hidden_size)``, ``x.dtype``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((hidden_size,), dtype, device)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+        self.bias = new_parameter((hidden_size,), dtype, device) if bias else None
+        if self.bias is not None:
+            self.bias.shard_ids = (None,)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)  # (..., hidden_size)
+        return y.to(x.dtype)
 
 
 class SiluAndMul(nn.Module):

@@ -33,6 +33,10 @@ The inverse frequencies follow Hugging Face ``transformers`` exactly
 The rotation is the "rotate half" (GPT-NeoX) layout Llama checkpoints use:
 ``x * cos + rotate_half(x) * sin`` with ``cos, sin`` of ``cat(freqs, freqs)``,
 computed in float32 and cast to the activations' dtype, as ``transformers`` does.
+Cohere rotates interleaved pairs ``(x[2i], x[2i+1])`` instead (``modeling_cohere.py``'s
+``rotate_half`` and ``repeat_interleave`` of the angles; GPT-J's layout, vLLM's
+``is_neox_style=False``): :class:`RotaryEmbedding` with ``interleaved=True`` and
+:func:`apply_rotary_interleaved`.
 """
 
 from __future__ import annotations
@@ -157,14 +161,17 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: ``None`` or the dict of :class:`tpserve.model_config.ModelConfig`.
         device: where ``inv_freq`` (and the tables) live.
         max_position: positions the tables cover (the model's longest context); None: no tables.
+        interleaved: ``cos, sin`` laid out ``[f0, f0, f1, f1, ...]`` for :func:`apply_rotary_interleaved`
+            (Cohere) instead of ``[f0, f1, ..., f0, f1, ...]``.
     """
 
     #: Largest pair of cos/sin tables kept (bytes, float32): 32K positions of 128 dimensions.
     MAX_TABLE_BYTES = 32 << 20
 
     def __init__(self, head_size: int, theta: float, rope_scaling: dict[str, Any] | None, device: torch.device,
-                 max_position: int | None = None) -> None:
+                 max_position: int | None = None, *, interleaved: bool = False) -> None:
         super().__init__()
+        self.interleaved = interleaved
         inv_freq = rope_inv_freq(head_size, theta, rope_scaling).to(device)  # (d/2,) float32
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.head_size, self.theta, self.rope_scaling = head_size, theta, rope_scaling
@@ -204,7 +211,10 @@ class RotaryEmbedding(nn.Module):
             freqs = positions[:, None].float() * inv_freq  # (T, d/2) radians
         else:
             freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, d/2) radians
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)  # (T, d): each angle on its pair (2i, 2i + 1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
@@ -214,6 +224,14 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x (T, num_heads, d)`` by the step's ``cos, sin (T, 1, d)``: ``x cos + rotate_half(x) sin``."""
     return x * cos + _rotate_half(x) * sin  # (T, num_heads, d)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the interleaved pairs of ``x (T, num_heads, d)`` by ``cos, sin (T, 1, d)`` of an interleaved
+    :class:`RotaryEmbedding`: ``y[2i] = x[2i] cos - x[2i+1] sin``, ``y[2i+1] = x[2i+1] cos + x[2i] sin``
+    (``transformers``' ``modeling_cohere.py``)."""
+    rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)  # (T, num_heads, d)
+    return x * cos + rotated * sin  # (T, num_heads, d)
 
 
 def rotate_and_cache(

@@ -150,19 +150,25 @@ class LlamaModel(nn.Module):
 
     With pipeline stages (worker/pipeline.py) ``layers`` are this stage's; ``embedding``
     False leaves out the embedding (a stage after the first), ``head`` False the final
-    norm (a stage before the last).
+    norm (a stage before the last). ``norm``: the final norm (default Llama's RMSNorm);
+    ``interleaved_rope``: the step's ``(cos, sin)`` in the interleaved layout (Cohere's and
+    Llama 4's, worker/layers/rotary.py) instead of rotate-half's.
     """
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, layers: list[nn.Module], *,
-                 embedding: bool = True, head: bool = True) -> None:
+                 embedding: bool = True, head: bool = True, norm: nn.Module | None = None,
+                 interleaved_rope: bool = False) -> None:
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
                              if embedding else None)
         # Partial RoPE (config.rotary_dim: GLM-4.5, MiniMax-M2) rotates the leading dims of a head only.
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.rope_theta, config.rope_scaling,
-                                          ctx.device, max_position=config.max_model_len)  # a cos/sin table when small
+                                          ctx.device, max_position=config.max_model_len,  # a cos/sin table when small
+                                          interleaved=interleaved_rope)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device) if head else None
+        if head and norm is None:
+            norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device)
+        self.norm = norm if head else None
         # One rank of Llama's own layers on a float32 CPU: a decode step runs the whole stack as one
         # compiled call (the same kernels as the modules, without the Python between them).
         self.decode_stack = (DecodeStack(self.layers) if ctx.tp_size == 1 and layers
@@ -196,20 +202,24 @@ class LlamaForCausalLM(CausalLM):
     (docs/design/models.md, "Weight-only int8").
 
     Raises:
-        ValueError: ``hidden_act`` is not ``"silu"``, or a bias key is not a boolean.
+        ValueError: ``hidden_act`` is not one of ``hidden_acts`` (Llama: ``"silu"``), or a bias key is not a boolean.
     """
 
     stacked_params_mapping = LLAMA_STACKED_PARAMS
     supports_pipeline = True
+    #: The ``hidden_act`` values the family's MLP computes.
+    hidden_acts: tuple[str, ...] = ("silu",)
+    #: Whether the family rotates interleaved pairs (Cohere, Llama 4) rather than the halves of each head.
+    interleaved_rope = False
 
     def __init__(
         self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool,
         quantization: Quantization | None = None,
     ) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
+        if config.hidden_act not in self.hidden_acts:
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported by {config.architecture}; "
-                             "expected 'silu'")
+                             f"expected {' or '.join(repr(a) for a in self.hidden_acts)}")
         self.config = config
         self.quantization = quantization
         # Pipeline stages: this stage's layer range; the first embeds, the last holds the norm and the LM head
@@ -219,7 +229,9 @@ class LlamaForCausalLM(CausalLM):
         self.has_head = stage.is_last
         self.has_embedding = stage.is_first or (stage.is_last and tie_word_embeddings)
         layers = [self.decoder_layer(config, ctx, dtype, quantization, i) for i in range(*self.layer_range)]
-        self.model = LlamaModel(config, ctx, dtype, layers, embedding=self.has_embedding, head=self.has_head)
+        self.model = LlamaModel(config, ctx, dtype, layers, embedding=self.has_embedding, head=self.has_head,
+                                norm=self.final_norm(config, ctx, dtype) if self.has_head else None,
+                                interleaved_rope=self.interleaved_rope)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype) if self.has_head else None
         self.tie_word_embeddings = tie_word_embeddings
         if tie_word_embeddings and self.has_head:
@@ -230,6 +242,10 @@ class LlamaForCausalLM(CausalLM):
         """Llama: ``attention_bias`` on q/k/v and o_proj, ``mlp_bias`` on the MLP (both default False)."""
         attention_bias = config.hf_value("attention_bias", False)
         return Biases(qkv=attention_bias, o_proj=attention_bias, mlp=config.hf_value("mlp_bias", False))
+
+    def final_norm(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> nn.Module:
+        """The norm after the last layer: Llama's RMSNorm (``rms_norm_eps``); a related family swaps it."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device)
 
     def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                       quantization: Quantization | None, layer_index: int) -> nn.Module:
