@@ -73,9 +73,9 @@ def _checkpoint(block: torch.nn.Module, names: tuple[str, str, str]) -> dict[str
 
 
 def _our_block(family: str, norm_topk_prob: bool, rank: int, tp: int, checkpoint: dict[str, torch.Tensor],
-               names: tuple[str, str, str]) -> SparseMoeBlock:
+               names: tuple[str, str, str], expert_parallel: bool = False) -> SparseMoeBlock:
     """Rank ``rank``'s block, loaded from ``checkpoint`` through the mapping and every parameter's loader."""
-    ctx = ShardOnlyContext(tp_rank=rank, tp_size=tp, device=torch.device("cpu"))
+    ctx = ShardOnlyContext(tp_rank=rank, tp_size=tp, device=torch.device("cpu"), enable_expert_parallel=expert_parallel)
     block = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, ctx, torch.float32,
                            renormalize=family == "mixtral" or norm_topk_prob, weights_in_dtype=family != "mixtral",
                            shared_expert_intermediate_size=SHARED_INTER if family == "qwen2_moe" else 0)

@@ -12,6 +12,8 @@ by expert (one stable sort), so each expert's rows are contiguous:
 
 Both return, per token, ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` summed over
 ``j`` in routing order (most probable first), a partial of the tensor-parallel sum.
+With expert parallelism (worker/layers/moe.py) an id equal to ``E`` (one past this
+rank's stack) is a row of another rank's expert: it is not computed and adds zero.
 ``TPSERVE_TRITON_MOE=0`` keeps CUDA on the torch path, for A/B measurements.
 """
 
@@ -26,15 +28,18 @@ from worker.layers.moe_combine import combine, expert_act
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor) -> torch.Tensor:
+                    weights: torch.Tensor, *, has_remote: bool = False) -> torch.Tensor:
     """Apply each token's ``k`` experts and sum them by their routing weights.
 
     Args:
         x: ``(T, H)`` activations.
-        gate_up: ``(E, 2 * I, H)`` stacked ``[gate | up]`` weights (``I``: this rank's slice).
+        gate_up: ``(E, 2 * I, H)`` stacked ``[gate | up]`` weights (``I``: this rank's slice;
+            ``E``: the experts this rank holds).
         down: ``(E, H, I)`` stacked down weights.
-        ids: ``(T, k)`` int64 expert of each choice.
+        ids: ``(T, k)`` int64 expert of each choice, in ``[0, E]`` (``E``: another rank's expert,
+            only with ``has_remote``).
         weights: ``(T, k)`` routing weights (float32, or ``x.dtype`` to round as the family does).
+        has_remote: ``ids`` may hold ``E`` (expert parallelism); those rows contribute zero.
 
     Returns:
         ``(T, H)`` in ``x.dtype``.
@@ -42,7 +47,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     if x.device.type == "cuda" and _triton_moe_enabled():
         from worker.kernels.triton_moe import grouped_experts_triton
 
-        return grouped_experts_triton(x, gate_up, down, ids, weights)
+        return grouped_experts_triton(x, gate_up, down, ids, weights, has_remote=has_remote)
     return grouped_experts_torch(x, gate_up, down, ids, weights)
 
 
@@ -52,20 +57,26 @@ def _triton_moe_enabled() -> bool:
 
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:
-    """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host)."""
+    """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host).
+
+    Rows of id ``E`` (another rank's expert) sort last and are left zero.
+    """
     num_tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)  # (T * k,) routed rows
     order = torch.argsort(flat, stable=True)  # (T * k,) rows grouped by expert, in token order within one
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # rows per expert, on the host
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # rows per expert (+ remote rows), on the host
     xs = x[order // top_k]  # (T * k, H) each row's token
     out_sorted = torch.empty(xs.shape[0], down.shape[1], dtype=x.dtype, device=x.device)  # (T * k, H)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):
         if count:
             rows = slice(start, start + count)
             h = expert_act(linear(xs[rows], gate_up[expert]))  # (count, I)
             out_sorted[rows] = linear(h, down[expert])  # (count, H)
             start += count
+    if start < out_sorted.shape[0]:
+        out_sorted[start:] = 0  # rows of other ranks' experts (expert parallelism)
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted  # (T * k, H) back in row order t * k + j
     return combine(out.view(num_tokens, top_k, -1), weights)
