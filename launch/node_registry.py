@@ -54,6 +54,8 @@ class GroupSettings:
         max_model_len: --max-model-len as resolved (the model's limit when unset); it
             sizes each rank's KV pool, so a node that differs would shrink the group's.
         pipeline_parallel_size: stages; ``layout.world_size`` is tensor x pipeline parallel size.
+        enable_expert_parallel: --enable-expert-parallel (ranks that split the experts
+            differently would sum partials of different experts, silently).
     """
 
     layout: GroupLayout
@@ -64,6 +66,7 @@ class GroupSettings:
     draft_model_config_sha256: str = ""
     max_model_len: int = 0
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -80,6 +83,7 @@ class GroupSettings:
             ("quantization", join.quantization or "none", self.quantization or "none"),
             ("draft model config.json sha256", join.draft_model_config_sha256, self.draft_model_config_sha256),
             ("--max-model-len", join.max_model_len, self.max_model_len),
+            ("--enable-expert-parallel", join.enable_expert_parallel, self.enable_expert_parallel),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"

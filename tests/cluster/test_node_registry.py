@@ -212,3 +212,11 @@ def test_a_reopened_registry_stops_the_survivors_and_takes_every_node_again() ->
     assert seen["accepted"] == ["tcp://10.0.0.1:29501"] * 2
     assert len(seen["lost_before_second_loss"]) == 1
     assert len(seen["lost"]) == 2 and seen["lost"][1].startswith("node 2 (")  # a sealed group reports a loss again
+
+
+def test_every_node_must_split_the_experts_alike() -> None:
+    """Ranks with and without --enable-expert-parallel would all-reduce partials of different experts."""
+    leader = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, enable_expert_parallel=True)
+    assert leader.mismatch(join(enable_expert_parallel=True).join) is None
+    assert leader.mismatch(join().join) == \
+        "node 1 has --enable-expert-parallel=False, the leader --enable-expert-parallel=True"

@@ -9,6 +9,7 @@ This module imports no ``transformers``: spawned ranks import only the worker.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import socket
 import tempfile
@@ -39,6 +40,7 @@ class Job:
     quantization: str | None = None
     cuda_graph_sizes: tuple[int, ...] = ()  # decode graphs (worker/cuda_graphs.py); off CUDA run uncaptured
     max_model_len: int | None = None
+    enable_expert_parallel: bool = False  # whole experts per rank (worker/layers/moe.py)
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
     """Run every job on this rank; returns the records (meaningful on rank 0)."""
     results: dict[str, list[StepRecord]] = {}
     for job in jobs:
-        runner = ModelRunner(job.model_dir, ctx, job.dtype, job.block_size, quantization=job.quantization)
+        job_ctx = dataclasses.replace(ctx, enable_expert_parallel=job.enable_expert_parallel)
+        runner = ModelRunner(job.model_dir, job_ctx, job.dtype, job.block_size, quantization=job.quantization)
         runner.init_kv_cache(job.num_blocks, cuda_graph_sizes=job.cuda_graph_sizes, max_model_len=job.max_model_len,
                              capture=ctx.device.type == "cuda")
         records = []

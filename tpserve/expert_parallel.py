@@ -1,0 +1,55 @@
+"""Start-up checks of ``--enable-expert-parallel`` (vLLM's flag) against a checkpoint's config.
+
+With the flag, each rank of the tensor-parallel group holds ``num_experts / tp`` whole
+experts of every mixture-of-experts layer (worker/layers/moe.py). These checks run in
+the launcher before any rank starts, so that a combination the ranks cannot serve is
+refused with one line naming the fields, as every other start-up refusal is.
+"""
+
+from __future__ import annotations
+
+from tpserve.model_config import ModelConfig
+
+#: The config keys families name their routed-expert count by, in the order the families
+#: read them (Qwen: ``num_experts``, falling back to ``num_local_experts`` as
+#: ``transformers`` 5 saves it; Mixtral: ``num_local_experts``; DeepSeek: ``n_routed_experts``).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def routed_experts(config: ModelConfig) -> tuple[str, int] | None:
+    """``(key, count)`` of the model's routed experts, or None for a model without any (a dense model,
+    or a MoE family's config with 0 experts: every layer dense)."""
+    for key in EXPERT_COUNT_KEYS:
+        count = config.hf_value(key, None, int)
+        if count is not None:
+            return (key, count) if count > 0 else None
+    return None
+
+
+def check_expert_parallel(config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
+                          *, require_experts: bool = True) -> None:
+    """Refuse ``--enable-expert-parallel`` where it cannot be served.
+
+    Args:
+        config: the checkpoint's config.
+        tensor_parallel_size: the expert-parallel size (the experts are split over the tp group).
+        pipeline_parallel_size: stages; expert parallelism is refused with more than one.
+        require_experts: refuse a model without experts (False for a draft model, which may be dense).
+
+    Raises:
+        ValueError: one line naming the fields: no experts, ``num_experts`` not divisible by
+            ``tensor_parallel_size``, or pipeline stages.
+    """
+    experts = routed_experts(config)
+    if experts is None:
+        if require_experts:
+            raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {config.architecture} "
+                             f"has no routed experts ({' / '.join(EXPERT_COUNT_KEYS)} absent or 0)")
+        return
+    key, count = experts
+    if count % tensor_parallel_size:
+        raise ValueError(f"{key}={count} is not divisible by tensor_parallel_size={tensor_parallel_size}, "
+                         "the expert-parallel size of --enable-expert-parallel")
+    if pipeline_parallel_size > 1:
+        raise ValueError(f"--enable-expert-parallel with pipeline_parallel_size={pipeline_parallel_size} is not "
+                         "supported (expert parallelism runs within one stage's tensor-parallel group)")
