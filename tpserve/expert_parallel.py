@@ -48,8 +48,8 @@ def check_expert_parallel(config: ModelConfig, tensor_parallel_size: int, pipeli
         return
     key, count = experts
     if count % tensor_parallel_size:
-        raise ValueError(f"{key}={count} is not divisible by tensor_parallel_size={tensor_parallel_size}, "
-                         "the expert-parallel size of --enable-expert-parallel")
+        raise ValueError(f"{key}={count} is not divisible by tensor_parallel_size={tensor_parallel_size} "
+                         "(each rank holds num_experts / tensor_parallel_size whole experts)")
     if pipeline_parallel_size > 1:
         raise ValueError(f"--enable-expert-parallel with pipeline_parallel_size={pipeline_parallel_size} is not "
                          "supported (expert parallelism runs within one stage's tensor-parallel group)")
