@@ -2,7 +2,7 @@
 
 Qwen2-MoE's tiny checkpoint (experts and a tensor-parallel shared expert, one dense and one
 MoE layer; tests/worker/test_qwen2_moe.py) at stories260k's vocabulary and tokenizer
-(tests/e2e/test_every_family_serving.py's servable copy), served by the real server at
+(tests/tiny_models.py's servable copy), served by the real server at
 tensor-parallel degree 2 with the flag: four prompts at once give ``transformers``' 40
 greedy tokens each, both ranks log that they hold whole experts, and GetModelInfo reports
 the flag. The refusals a user meets (a dense model, experts that do not divide, pipeline
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import free_port, serve
-from tests.e2e.test_every_family_serving import _servable, _specs
-from tests.paths import REPO_ROOT, requires_stories
-from tests.tiny_models import load_hf_model
+from tests.paths import REPO_ROOT, STORIES_DIR, requires_stories
+from tests.tiny_models import load_hf_model, save_servable_model
+from tests.worker.moe_specs import QWEN2_MOE_SPEC
 from tpserve.embedded_model import default_model_dir
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -33,7 +33,7 @@ PROMPTS = ("Once upon a time", "The little dog", "She went to the park and", "To
 
 @pytest.fixture(scope="module")
 def qwen2_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _servable(_specs()["qwen2_moe"], tmp_path_factory.mktemp("ep") / "qwen2_moe")
+    return save_servable_model(QWEN2_MOE_SPEC, tmp_path_factory.mktemp("ep") / "qwen2_moe", STORIES_DIR)
 
 
 def _greedy(model_dir: Path, prompt_ids: list[int]) -> list[int]:

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.worker import test_mixtral, test_qwen2_moe, test_qwen3_moe
 from tests.worker.moe_family_check import FamilyCase, build_case, check_records, expert_parallel_jobs
+from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC, QWEN3_MOE_SPEC
 from tests.worker.tp_harness import run_jobs
 from tpserve.model_config import ModelConfig
 from worker.layers.moe import FusedMoE
@@ -27,8 +27,8 @@ from worker.loader import load_model
 from worker.memory import weight_bytes
 from worker.parallel_state import ParallelContext
 
-FAMILIES = {"mixtral": (test_mixtral.SPEC, {0, 1}, 2), "qwen3_moe": (test_qwen3_moe.SPEC, {0}, 2),
-            "qwen2_moe": (test_qwen2_moe.SPEC, {1}, 4)}
+FAMILIES = {"mixtral": (MIXTRAL_SPEC, {0, 1}, 2), "qwen3_moe": (QWEN3_MOE_SPEC, {0}, 2),
+            "qwen2_moe": (QWEN2_MOE_SPEC, {1}, 4)}
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 With ``enable_expert_parallel`` rank ``r`` of a ``tp``-way group holds experts
 ``[r * E / tp, (r + 1) * E / tp)`` whole. Here each rank's block is loaded from a
-``transformers`` block's tensors (tests/worker/test_moe_layer.py's helpers) in a group
+``transformers`` block's tensors (tests/worker/moe_blocks.py) in a group
 whose all-reduce does nothing: the ranks' partials must sum to ``transformers``'
 output, each rank's expert stacks must be exactly its experts' checkpoint tensors,
 and its loader must read no other expert's bytes. The Triton kernel's handling of
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.worker.shard_fakes import RecordingSource, ShardOnlyContext
-from tests.worker.test_moe_layer import EXPERTS, HIDDEN, INTER, SHARED_INTER, _checkpoint, _hf_block, _our_block
+from tests.worker.moe_blocks import EXPERTS, HIDDEN, INTER, SHARED_INTER, checkpoint_tensors, hf_block, our_block
 from worker.layers.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, FusedMoE, expert_weight_map
 from worker.layers.moe_experts import grouped_experts_torch
 
@@ -25,11 +25,11 @@ from worker.layers.moe_experts import grouped_experts_torch
 @pytest.mark.parametrize(("family", "norm_topk_prob"), [("mixtral", True), ("qwen3_moe", False), ("qwen2_moe", True)])
 def test_expert_parallel_block_matches_transformers(family: str, norm_topk_prob: bool, tp: int) -> None:
     """Sum of the ranks' partials = ``transformers``' block (Qwen2-MoE's shared expert stays split by tp)."""
-    hf = _hf_block(family, norm_topk_prob)
+    hf = hf_block(family, norm_topk_prob)
     names = MIXTRAL_EXPERT_NAMES if family == "mixtral" else QWEN_EXPERT_NAMES
-    checkpoint = _checkpoint(hf, names)
+    checkpoint = checkpoint_tensors(hf, names)
     x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(1))
-    blocks = [_our_block(family, norm_topk_prob, r, tp, checkpoint, names, expert_parallel=True) for r in range(tp)]
+    blocks = [our_block(family, norm_topk_prob, r, tp, checkpoint, names, expert_parallel=True) for r in range(tp)]
     with torch.no_grad():
         expected = hf(x.unsqueeze(0)).squeeze(0)  # (24, H)
         got = sum(block(x) for block in blocks)
@@ -51,8 +51,8 @@ def test_expert_parallel_block_matches_transformers(family: str, norm_topk_prob:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_rank_reads_only_its_experts(tp: int) -> None:
     """Every expert tensor is offered to every rank (the loader's completeness check); only the owner reads it."""
-    hf = _hf_block("mixtral")
-    checkpoint = _checkpoint(hf, MIXTRAL_EXPERT_NAMES)
+    hf = hf_block("mixtral")
+    checkpoint = checkpoint_tensors(hf, MIXTRAL_EXPERT_NAMES)
     for rank in range(tp):
         moe = FusedMoE(EXPERTS, HIDDEN, INTER, ShardOnlyContext(tp_rank=rank, tp_size=tp, device=torch.device("cpu"),
                                                                 enable_expert_parallel=True), dtype=torch.float32)
