@@ -12,13 +12,21 @@ A separate test loads each rank's shard and reads its parameters: only its exper
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from tests.worker.moe_family_check import FamilyCase, build_case, check_records, expert_parallel_jobs
+from tests.worker.moe_family_check import (
+    FamilyCase,
+    at_once_job,
+    build_case,
+    check_job,
+    check_records,
+    expert_parallel_jobs,
+)
 from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC, QWEN3_MOE_SPEC
 from tests.worker.tp_harness import run_jobs
 from tpserve.model_config import ModelConfig
@@ -43,6 +51,23 @@ def test_expert_parallel_matches_transformers(cases: dict[str, FamilyCase], tp: 
     records = run_jobs([job for pair in jobs.values() for job in pair], tp_size=tp)
     for name, case in cases.items():
         check_records(case, jobs[name], records)
+
+
+def test_expert_parallel_triton_experts_and_decode_graphs(cases: dict[str, FamilyCase]) -> None:
+    """At tp 2 with whole experts per rank: the CUDA path's grouped Triton experts (Triton's interpreter
+    here) inside Mixtral and Qwen2-MoE, skipping other ranks' rows; and Mixtral's decode graphs' static
+    buffers (3 sequences in graphs of 4 rows: the padding row routes, to some rank's expert, and is not
+    counted). Same tokens and logits as ``transformers``."""
+    jobs = []
+    for name in ("mixtral", "qwen2_moe"):
+        job = at_once_job(cases[name], num_prompts=3, num_steps=4)
+        jobs.append((name, dataclasses.replace(job, name=f"{name}_triton", enable_expert_parallel=True,
+                                               triton_experts=True)))
+    graphs = at_once_job(cases["mixtral"], num_prompts=3, num_steps=5, graph_size=4)
+    jobs.append(("mixtral", dataclasses.replace(graphs, name="mixtral_graphs", enable_expert_parallel=True)))
+    records = run_jobs([job for _, job in jobs], tp_size=2)
+    for name, job in jobs:
+        check_job(cases[name], job, records[job.name])
 
 
 def _expert_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
