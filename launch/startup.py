@@ -78,7 +78,7 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         raise StartupError(f"cannot serve {model_dir} at --pipeline-parallel-size {pipeline_parallel_size}: {exc}") from exc
     if enable_expert_parallel:
         try:
-            check_expert_parallel(config, tensor_parallel_size, pipeline_parallel_size, require_experts=not draft)
+            check_expert_parallel(config, tensor_parallel_size, require_experts=not draft)
         except ValueError as exc:
             raise StartupError(f"cannot serve {model_dir} with --enable-expert-parallel: {exc}") from exc
     return config

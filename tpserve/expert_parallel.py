@@ -26,19 +26,20 @@ def routed_experts(config: ModelConfig) -> tuple[str, int] | None:
     return None
 
 
-def check_expert_parallel(config: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
-                          *, require_experts: bool = True) -> None:
+def check_expert_parallel(config: ModelConfig, tensor_parallel_size: int, *, require_experts: bool = True) -> None:
     """Refuse ``--enable-expert-parallel`` where it cannot be served.
+
+    With pipeline stages each stage splits its own layers' experts over its tensor-parallel
+    group, so only ``tensor_parallel_size`` matters.
 
     Args:
         config: the checkpoint's config.
         tensor_parallel_size: the expert-parallel size (the experts are split over the tp group).
-        pipeline_parallel_size: stages; expert parallelism is refused with more than one.
         require_experts: refuse a model without experts (False for a draft model, which may be dense).
 
     Raises:
-        ValueError: one line naming the fields: no experts, ``num_experts`` not divisible by
-            ``tensor_parallel_size``, or pipeline stages.
+        ValueError: one line naming the fields: no experts, or ``num_experts`` not divisible by
+            ``tensor_parallel_size``.
     """
     experts = routed_experts(config)
     if experts is None:
@@ -50,6 +51,3 @@ def check_expert_parallel(config: ModelConfig, tensor_parallel_size: int, pipeli
     if count % tensor_parallel_size:
         raise ValueError(f"{key}={count} is not divisible by tensor_parallel_size={tensor_parallel_size} "
                          "(each rank holds num_experts / tensor_parallel_size whole experts)")
-    if pipeline_parallel_size > 1:
-        raise ValueError(f"--enable-expert-parallel with pipeline_parallel_size={pipeline_parallel_size} is not "
-                         "supported (expert parallelism runs within one stage's tensor-parallel group)")

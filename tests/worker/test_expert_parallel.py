@@ -7,7 +7,9 @@ per rank the same greedy tokens as ``transformers`` (which the tensor-parallel s
 also gives), logits and prompt logprobs within 1e-4, alone and 16 at once; a prompt's
 logits alone and in the batch of 16 within 1e-5; every MoE layer's expert counts sum to
 its tokens times top-k. The three families' jobs share one process group per degree.
-A separate test loads each rank's shard and reads its parameters: only its experts.
+Also at tp 2: the Triton experts (Triton's interpreter) and the decode graphs' buffers; at
+tp 2 x pp 2 with pipeline stages. A separate test loads each rank's shard and reads its
+parameters: only its experts.
 """
 
 from __future__ import annotations
@@ -115,3 +117,14 @@ def test_each_rank_holds_only_its_experts(cases: dict[str, FamilyCase], name: st
             if ".experts." not in f".{key}":
                 assert torch.equal(value, tp_params[key]), key
         assert weight_bytes(ep) == weight_bytes(tp_split)  # the same bytes per rank: 1 / tp of the experts
+
+
+def test_expert_parallel_within_pipeline_stages(cases: dict[str, FamilyCase]) -> None:
+    """tp 2 x pp 2: each stage's experts split whole over that stage's tensor-parallel group (Mixtral's
+    two MoE layers, one per stage; Qwen2-MoE's dense layer 0 on stage 0, its MoE layer 1 on stage 1)."""
+    from tests.worker.pp_harness import run_pipeline_layouts
+
+    jobs = {name: expert_parallel_jobs(cases[name]) for name in ("mixtral", "qwen2_moe")}
+    records = run_pipeline_layouts({(2, 2): [job for pair in jobs.values() for job in pair]})[(2, 2)]
+    for name, pair in jobs.items():
+        check_records(cases[name], pair, records, check_counts=False)  # the sampling rank counts its stage only
