@@ -59,24 +59,25 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
                           weights: torch.Tensor) -> torch.Tensor:
     """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host).
 
-    Rows of id ``E`` (another rank's expert) sort last and are left zero.
+    Rows of id ``E`` (another rank's expert) sort last: they are neither gathered nor computed, and stay zero.
     """
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)  # (T * k,) routed rows
     order = torch.argsort(flat, stable=True)  # (T * k,) rows grouped by expert, in token order within one
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # rows per expert (+ remote rows), on the host
-    xs = x[order // top_k]  # (T * k, H) each row's token
-    out_sorted = torch.empty(xs.shape[0], down.shape[1], dtype=x.dtype, device=x.device)  # (T * k, H)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]  # rows per held expert, on the host
+    held = sum(counts)
+    every_row = held == flat.shape[0]  # always without expert parallelism
+    order_held = order if every_row else order[:held]  # (held,)
+    xs = x[order_held // top_k]  # (held, H) each row's token
+    out_sorted = torch.empty(held, down.shape[1], dtype=x.dtype, device=x.device)  # (held, H)
     start = 0
-    for expert, count in enumerate(counts[:num_experts]):
+    for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
             h = expert_act(linear(xs[rows], gate_up[expert]))  # (count, I)
             out_sorted[rows] = linear(h, down[expert])  # (count, H)
             start += count
-    if start < out_sorted.shape[0]:
-        out_sorted[start:] = 0  # rows of other ranks' experts (expert parallelism)
-    out = torch.empty_like(out_sorted)
-    out[order] = out_sorted  # (T * k, H) back in row order t * k + j
+    out = (torch.empty if every_row else torch.zeros)(flat.shape[0], down.shape[1], dtype=x.dtype, device=x.device)
+    out[order_held] = out_sorted  # (T * k, H) back in row order t * k + j; other ranks' rows zero
     return combine(out.view(num_tokens, top_k, -1), weights)
