@@ -77,7 +77,7 @@ def _expert_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_each_rank_holds_only_its_experts(cases: dict[str, FamilyCase], name: str, tp: int) -> None:
     """Rank ``r``'s stacks are exactly experts ``[r * E / tp, (r + 1) * E / tp)`` of the checkpoint, whole;
     its expert bytes are 1 / tp of the checkpoint's, and the dense and shared weights equal the tensor-parallel shard's."""
