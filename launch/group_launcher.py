@@ -163,7 +163,8 @@ class GroupLauncher:
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
                                  self.config.cache.block_size, self.config.load.quantization or "",
                                  draft_config_sha256(self.config), self.max_model_len,
-                                 tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size)
+                                 tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
+                                 enable_expert_parallel=par.enable_expert_parallel)
         self.registry = NodeRegistry(settings, init_method, on_lost=self.on_lost)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()

@@ -53,8 +53,8 @@ class HeadlessNode:
         self.config = config
         self.layout = GroupLayout(par.world_size, par.nnodes, par.node_rank)
         self.model_dir = model_dir_of(config)
-        model_len = read_model_config(self.model_dir, par.tensor_parallel_size,
-                                      par.pipeline_parallel_size).max_position_embeddings
+        model_len = read_model_config(self.model_dir, par.tensor_parallel_size, par.pipeline_parallel_size,
+                                      par.enable_expert_parallel).max_position_embeddings
         #: Resolved like the leader's (launch/leader.py); the leader refuses a node whose value differs.
         self.max_model_len = config.scheduler.max_model_len or model_len
         self.ranks = LocalRanks(config, self.model_dir, self.layout, log_format)
@@ -104,7 +104,7 @@ class HeadlessNode:
         addresses = [host_port(local_ip, rank_port(par.master_port, r)) for r in range(self.layout.ranks_per_node)]
         await call.write(pb.NodeMessage(join=pb.JoinRequest(
             node_rank=par.node_rank, nnodes=par.nnodes, tensor_parallel_size=par.tensor_parallel_size,
-            pipeline_parallel_size=par.pipeline_parallel_size,
+            pipeline_parallel_size=par.pipeline_parallel_size, enable_expert_parallel=par.enable_expert_parallel,
             model_config_sha256=config_sha256(self.model_dir), dtype=self.config.load.dtype,
             block_size=self.config.cache.block_size, rank_addresses=addresses,
             quantization=self.config.load.quantization or "",

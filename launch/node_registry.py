@@ -55,6 +55,8 @@ class GroupSettings:
             sizes each rank's KV pool, so a node that differs would shrink the group's.
         tp_size: the tensor-parallel degree (--tensor-parallel-size).
         pp_size: pipeline stages (--pipeline-parallel-size); ``layout.world_size`` is ``tp_size * pp_size``.
+        enable_expert_parallel: --enable-expert-parallel (ranks that split the experts
+            differently would sum partials of different experts, silently).
 
     Raises:
         ValueError: ``tp_size * pp_size`` is not ``layout.world_size``.
@@ -69,6 +71,7 @@ class GroupSettings:
     max_model_len: int = 0
     tp_size: int = 1
     pp_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size * self.pp_size != self.layout.world_size:
@@ -90,6 +93,7 @@ class GroupSettings:
             ("quantization", join.quantization or "none", self.quantization or "none"),
             ("draft model config.json sha256", join.draft_model_config_sha256, self.draft_model_config_sha256),
             ("--max-model-len", join.max_model_len, self.max_model_len),
+            ("--enable-expert-parallel", join.enable_expert_parallel, self.enable_expert_parallel),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"

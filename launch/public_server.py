@@ -223,6 +223,7 @@ class PublicServer:
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
             server_version=__version__,
             async_scheduling=engine is not None and engine.scheduler.async_scheduling,
+            enable_expert_parallel=cfg.parallel.enable_expert_parallel,
         )
 
     def serving_fields(self, nnodes: int) -> dict[str, object]:
@@ -235,7 +236,8 @@ class PublicServer:
         return dict(
             model=str(self.model_dir), served_model_name=info.model_name, dtype=info.dtype,
             quantization=info.quantization or "none", tensor_parallel_size=cfg.parallel.tensor_parallel_size,
-            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size, nnodes=nnodes, num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
+            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
+            enable_expert_parallel=cfg.parallel.enable_expert_parallel, nnodes=nnodes, num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
             speculative_method=spec.speculative_method or "off",
             num_speculative_tokens=spec.num_speculative_tokens or 0,

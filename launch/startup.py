@@ -16,6 +16,7 @@ from tpserve.checkpoint import check_head_weights, checkpoint_files
 from tpserve.cluster_secret import read_secret
 from tpserve.config import ClusterConfig
 from tpserve.embedded_model import default_model_dir
+from tpserve.expert_parallel import check_expert_parallel
 from tpserve.model_config import ModelConfig
 from tpserve.pipeline_split import stage_layer_counts
 
@@ -44,8 +45,12 @@ def read_group_secret(config: ClusterConfig) -> str | None:
         raise StartupError(f"--cluster-secret-file: {exc}") from exc
 
 
-def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> ModelConfig:
+def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
+                      enable_expert_parallel: bool = False, *, draft: bool = False) -> ModelConfig:
     """The checkpoint's config, checked to split at ``tensor_parallel_size`` and into ``pipeline_parallel_size`` stages.
+
+    With ``enable_expert_parallel`` also checked to split its experts whole over the
+    tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model may be dense.
 
     Raises:
         StartupError: not a checkpoint directory, an unsupported architecture or
@@ -71,6 +76,11 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         stage_layer_counts(config.num_hidden_layers, pipeline_parallel_size)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir} at --pipeline-parallel-size {pipeline_parallel_size}: {exc}") from exc
+    if enable_expert_parallel:
+        try:
+            check_expert_parallel(config, tensor_parallel_size, require_experts=not draft)
+        except ValueError as exc:
+            raise StartupError(f"cannot serve {model_dir} with --enable-expert-parallel: {exc}") from exc
     return config
 
 

@@ -65,6 +65,9 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                               "the next ports (docs/cluster.md)")),
         ("--cluster-secret-file", dict(help="secret shared by every host of the group: internal calls must carry it")),
         ("--headless", dict(action="store_true", help="run only this host's ranks, no public API (node-rank > 0)")),
+        ("--enable-expert-parallel", dict(action="store_true", help="mixture-of-experts models: each rank holds "
+                                                                    "num_experts / tensor-parallel-size whole experts "
+                                                                    "instead of a slice of every expert (default off)")),
     ],
     "cache": [
         ("--block-size", dict(type=int, help="tokens per KV cache block")),

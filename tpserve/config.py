@@ -100,6 +100,10 @@ class ParallelConfig(_Frozen):
         cluster_secret_file: a file holding a secret shared by every host of the
             group; the node registry and the ranks refuse internal calls without it
             (:mod:`tpserve.cluster_secret`). Recommended whenever ``nnodes > 1``.
+        enable_expert_parallel: mixture-of-experts layers hold ``num_experts /
+            tensor_parallel_size`` whole experts per rank instead of a slice of every
+            expert (vLLM's ``--enable-expert-parallel``; worker/layers/moe.py); the
+            expert-parallel group is the tensor-parallel group.
     """
 
     tensor_parallel_size: int = Field(1, ge=1, le=64)
@@ -111,6 +115,7 @@ class ParallelConfig(_Frozen):
     master_port: int = Field(29500, ge=1, le=65535 - 2 - 64)
     headless: bool = False
     cluster_secret_file: str | None = None
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

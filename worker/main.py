@@ -82,6 +82,7 @@ def worker_options(config: RankConfig) -> WorkerOptions:
         tensor_parallel_size=cluster.parallel.tensor_parallel_size,
         local_rank=config.local_rank, local_world_size=config.local_world_size, node_rank=config.node_rank,
         pipeline_parallel_size=cluster.parallel.pipeline_parallel_size,
+        enable_expert_parallel=cluster.parallel.enable_expert_parallel,
         device=load.device, dtype=load.dtype, block_size=cache.block_size, quantization=load.quantization,
         distributed_timeout_seconds=cluster.parallel.distributed_timeout_seconds,
         cache=CacheSizing(cache.gpu_memory_utilization, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,

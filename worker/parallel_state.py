@@ -67,6 +67,9 @@ class ParallelContext:
         two_level: the all-reduce of CPU ranks spread over hosts, two or more
             of them on one host (shared memory within hosts, gloo between them); None otherwise.
         pp: this rank's pipeline stage (one stage by default).
+        enable_expert_parallel: ``--enable-expert-parallel``: the mixture-of-experts layers hold
+            ``num_experts / tp_size`` whole experts per rank instead of a slice of every expert
+            (worker/layers/moe.py); every other layer is split as without it.
     """
 
     tp_rank: int
@@ -76,6 +79,7 @@ class ParallelContext:
     shm: SharedMemoryComm | None = None
     two_level: TwoLevelAllReduce | None = None
     pp: PipelineStage = dataclasses.field(default_factory=PipelineStage)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -196,6 +200,7 @@ def init_distributed(
     *,
     shared_memory: bool = True,
     pp_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> ParallelContext:
     """Join the group of ``world_size = tp_size * pp_size`` ranks and return this rank's context
     (its stage's tensor-parallel group).
@@ -212,6 +217,7 @@ def init_distributed(
             all-reduce (one stage only: with pipeline stages, a stage over hosts uses gloo).
         pp_size: ``pipeline_parallel_size``, the stages; global rank ``r`` is tensor-parallel rank
             ``r % tp_size`` of stage ``r // tp_size`` (worker/pipeline.py).
+        enable_expert_parallel: whole experts per rank (:attr:`ParallelContext.enable_expert_parallel`).
 
     Returns:
         The context. With ``world_size == 1`` no process group is created and
@@ -228,7 +234,7 @@ def init_distributed(
         raise ValueError("init_distributed needs an indexed CUDA device (cuda:<local rank>), got 'cuda'")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    ctx = rank_context(rank, tp_size, pp_size, device)
+    ctx = dataclasses.replace(rank_context(rank, tp_size, pp_size, device), enable_expert_parallel=enable_expert_parallel)
     stage, world_size = ctx.pp, ctx.world_size
     if device.type == "cuda":
         torch.cuda.set_device(device)

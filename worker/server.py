@@ -54,6 +54,7 @@ class WorkerOptions:
             for ``cache.max_num_seqs`` (worker/cuda_graphs.py).
         cpu_omp_threads_bind: a CPU rank's cores (``--cpu-omp-threads-bind``; tpserve/cpu_binding.py).
         pipeline_parallel_size: stages (worker/pipeline.py).
+        enable_expert_parallel: whole experts per rank (``--enable-expert-parallel``; worker/layers/moe.py).
     """
 
     model_dir: str
@@ -74,6 +75,7 @@ class WorkerOptions:
     cuda_graph_sizes: tuple[int, ...] | None = None
     cpu_omp_threads_bind: str = "auto"
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -123,7 +125,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             # Shared-memory collectives wherever ranks of the stage share a host: init_distributed
             # finds which do (one host: shared memory; several: two levels; a rank per host: gloo).
             ctx = init_distributed(opts.rank, opts.tensor_parallel_size, opts.init_method, device,
-                                   opts.distributed_timeout_seconds, pp_size=opts.pipeline_parallel_size)
+                                   opts.distributed_timeout_seconds, pp_size=opts.pipeline_parallel_size,
+                                   enable_expert_parallel=opts.enable_expert_parallel)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization,
                                        draft_model_dir=opts.draft_model_dir)
@@ -131,7 +134,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
             self._num_blocks_available = num_kv_blocks(self._runner, cache)
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, tp_rank=ctx.tp_rank,
-                     tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, dtype=str(dtype),
+                     tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
+                     enable_expert_parallel=ctx.enable_expert_parallel, dtype=str(dtype),
                      quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
                      all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores)

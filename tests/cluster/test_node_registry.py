@@ -223,3 +223,11 @@ def test_the_group_settings_hold_tp_and_pp_as_given_and_refuse_a_product_that_is
         "node 1 has tensor_parallel_size=4, the leader tensor_parallel_size=2"
     with pytest.raises(ValueError, match="tp_size=4 x pp_size=2 is not the group's world_size=4"):
         GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, tp_size=4, pp_size=2)
+
+
+def test_every_node_must_split_the_experts_alike() -> None:
+    """Ranks with and without --enable-expert-parallel would all-reduce partials of different experts."""
+    leader = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, tp_size=4, enable_expert_parallel=True)
+    assert leader.mismatch(join(enable_expert_parallel=True).join) is None
+    assert leader.mismatch(join().join) == \
+        "node 1 has --enable-expert-parallel=False, the leader --enable-expert-parallel=True"

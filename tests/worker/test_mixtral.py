@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import TinyModelSpec
+from tests.worker.moe_specs import MIXTRAL_SPEC as SPEC
 from tests.worker.moe_family_check import FamilyCase, at_once_job, build_case, check_family, check_job
 from tests.worker.tp_harness import run_jobs
 from tpserve.model_config import ModelConfig
@@ -23,10 +23,6 @@ from worker.kernels.triton_moe import grouped_experts_triton
 from worker.layers import moe
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
-
-SPEC = TinyModelSpec("mixtral", "mixtral", {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 150,
-                                            "intermediate_size": 64, "num_local_experts": 8,
-                                            "num_experts_per_tok": 2, "tie_word_embeddings": False}, seed=21)
 
 
 @pytest.fixture(scope="module")

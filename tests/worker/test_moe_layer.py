@@ -19,90 +19,13 @@ from worker.layers.moe import (
     MIXTRAL_EXPERT_NAMES,
     QWEN_EXPERT_NAMES,
     FusedMoE,
-    SparseMoeBlock,
     expert_checkpoint_name,
     expert_weight_map,
     is_sparse_layer,
     select_experts,
 )
 from worker.layers.moe_experts import grouped_experts_torch
-
-HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 32, 8, 2, 48, 64
-
-
-def _hf_block(family: str, norm_topk_prob: bool = True) -> torch.nn.Module:
-    """A ``transformers`` sparse MoE block with seeded random weights, float32."""
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    if family == "mixtral":
-        block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER,
-                                                    num_local_experts=EXPERTS, num_experts_per_tok=TOP_K))
-    elif family == "qwen3_moe":
-        block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER,
-                                                      num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                                                      norm_topk_prob=norm_topk_prob))
-    else:
-        block = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER,
-                                                      shared_expert_intermediate_size=SHARED_INTER,
-                                                      num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                                                      norm_topk_prob=norm_topk_prob))
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for param in block.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
-    return block.float().eval()
-
-
-def _checkpoint(block: torch.nn.Module, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
-    """The block's tensors as a checkpoint names them: one gate/up/down per expert."""
-    tensors = {}
-    for name, value in block.state_dict().items():
-        if name == "experts.gate_up_proj":
-            for e in range(EXPERTS):
-                tensors[f"experts.{e}.{names[0]}.weight"] = value[e, :INTER]
-                tensors[f"experts.{e}.{names[1]}.weight"] = value[e, INTER:]
-        elif name == "experts.down_proj":
-            for e in range(EXPERTS):
-                tensors[f"experts.{e}.{names[2]}.weight"] = value[e]
-        else:
-            tensors[name] = value
-    return tensors
-
-
-def _our_block(family: str, norm_topk_prob: bool, rank: int, tp: int, checkpoint: dict[str, torch.Tensor],
-               names: tuple[str, str, str]) -> SparseMoeBlock:
-    """Rank ``rank``'s block, loaded from ``checkpoint`` through the mapping and every parameter's loader."""
-    ctx = ShardOnlyContext(tp_rank=rank, tp_size=tp, device=torch.device("cpu"))
-    block = SparseMoeBlock(HIDDEN, EXPERTS, TOP_K, INTER, ctx, torch.float32,
-                           renormalize=family == "mixtral" or norm_topk_prob, weights_in_dtype=family != "mixtral",
-                           shared_expert_intermediate_size=SHARED_INTER if family == "qwen2_moe" else 0)
-    params = dict(block.named_parameters())
-    loaded = set()
-    for name, tensor in checkpoint.items():
-        param_name, shard_id = _parameter_for(name, names)
-        param = params[param_name]
-        assert shard_id in param.shard_ids
-        param.weight_loader(param, tensor, shard_id)
-        loaded.add((param_name, shard_id))
-    assert loaded == {(n, s) for n, p in params.items() for s in p.shard_ids}  # every shard, once
-    return block
-
-
-def _parameter_for(name: str, names: tuple[str, str, str]) -> tuple[str, object]:
-    """The experts' mapping, then the shared expert's fused gate/up (as the model files map them)."""
-    mapped = expert_weight_map(name, names)
-    if mapped is not None:
-        return mapped
-    parts = name.split(".")
-    for checkpoint_module, shard in (("gate_proj", 0), ("up_proj", 1)):
-        if checkpoint_module in parts:
-            parts[parts.index(checkpoint_module)] = "gate_up_proj"
-            return ".".join(parts), shard
-    return name, None
-
+from tests.worker.moe_blocks import EXPERTS, HIDDEN, INTER, TOP_K, checkpoint_tensors, hf_block, our_block
 
 CASES = [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", False), ("qwen2_moe", True)]
 
@@ -110,20 +33,20 @@ CASES = [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_m
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize(("family", "norm_topk_prob"), CASES)
 def test_block_matches_transformers(family: str, norm_topk_prob: bool, tp: int) -> None:
-    hf = _hf_block(family, norm_topk_prob)
+    hf = hf_block(family, norm_topk_prob)
     names = MIXTRAL_EXPERT_NAMES if family == "mixtral" else QWEN_EXPERT_NAMES
-    checkpoint = _checkpoint(hf, names)
+    checkpoint = checkpoint_tensors(hf, names)
     x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(x.unsqueeze(0)).squeeze(0)  # (24, H)
-        got = sum(_our_block(family, norm_topk_prob, r, tp, checkpoint, names)(x) for r in range(tp))
+        got = sum(our_block(family, norm_topk_prob, r, tp, checkpoint, names)(x) for r in range(tp))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_routing_matches_transformers_router() -> None:
     """Same experts, same weights as Mixtral's and Qwen3's routers, for 64 random tokens."""
     for family, norm in (("mixtral", True), ("qwen3_moe", False)):
-        hf = _hf_block(family, norm)
+        hf = hf_block(family, norm)
         x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             logits, hf_weights, hf_ids = hf.gate(x)
@@ -149,7 +72,7 @@ def test_token_alone_equals_token_in_a_batch_of_16(family: str) -> None:
     may differ in the last bits only because the experts' GEMMs see groups of another size.
     """
     names = MIXTRAL_EXPERT_NAMES if family == "mixtral" else QWEN_EXPERT_NAMES
-    block = _our_block(family, False, 0, 1, _checkpoint(_hf_block(family, False), names), names)
+    block = our_block(family, False, 0, 1, checkpoint_tensors(hf_block(family, False), names), names)
     x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         batch = block(x)
@@ -167,7 +90,7 @@ def test_token_alone_equals_token_in_a_batch_of_16(family: str) -> None:
 
 
 def test_routed_counts_sum_to_tokens_times_top_k() -> None:
-    block = _our_block("mixtral", True, 0, 1, _checkpoint(_hf_block("mixtral"), MIXTRAL_EXPERT_NAMES),
+    block = our_block("mixtral", True, 0, 1, checkpoint_tensors(hf_block("mixtral"), MIXTRAL_EXPERT_NAMES),
                        MIXTRAL_EXPERT_NAMES)
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

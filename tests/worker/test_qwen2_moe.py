@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import TinyModelSpec
+from tests.worker.moe_specs import QWEN2_MOE_SPEC as SPEC
 from tests.worker.moe_family_check import FamilyCase, build_case, check_family
-
-SPEC = TinyModelSpec("qwen2_moe", "qwen2_moe", {"num_attention_heads": 4,
-                                                "num_key_value_heads": 2, "vocab_size": 170,
-                                                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
-                                                "num_experts": 8, "num_experts_per_tok": 4, "norm_topk_prob": False,
-                                                "decoder_sparse_step": 2, "tie_word_embeddings": False}, seed=23)
 
 
 @pytest.fixture(scope="module")

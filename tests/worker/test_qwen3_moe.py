@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import TinyModelSpec
+from tests.worker.moe_specs import QWEN3_MOE_SPEC as SPEC
 from tests.worker.moe_family_check import FamilyCase, build_case, check_family
-
-SPEC = TinyModelSpec("qwen3_moe", "qwen3_moe", {"num_attention_heads": 4,
-                                                "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 180,
-                                                "moe_intermediate_size": 32, "num_experts": 8,
-                                                "num_experts_per_tok": 2, "norm_topk_prob": True,
-                                                "mlp_only_layers": [1], "tie_word_embeddings": False}, seed=22)
 
 
 @pytest.fixture(scope="module")

@@ -46,3 +46,33 @@ def test_triton_experts_equal_the_grouped_torch_path(num_tokens: int, num_expert
     expected = grouped_experts_torch(x, gate_up, down, ids, weights)
     got = grouped_experts_triton(*(t.to(DEVICE) for t in (x, gate_up, down, ids, weights)))
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("num_tokens", "tp", "rank"), [(1, 2, 1), (19, 2, 0), (40, 4, 3), (140, 4, 1)])
+def test_triton_experts_skip_other_ranks_experts(num_tokens: int, tp: int, rank: int) -> None:
+    """Expert parallelism: a rank's stack holds ``E / tp`` experts and ids equal to ``E / tp`` are other ranks'.
+
+    The kernel's output equals the torch path's over the same local ids, and the sum over
+    ranks equals the whole layer's (one process, every rank's stack in turn).
+    """
+    num_experts, top_k, hidden, inter = 8, 2, 48, 40
+    g = torch.Generator().manual_seed(num_tokens)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    x = torch.randn(num_tokens, hidden, generator=g)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, True)
+    per_rank = num_experts // tp
+
+    def partial(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        local = ids - r * per_rank
+        local = torch.where((local >= 0) & (local < per_rank), local, per_rank)
+        stack = slice(r * per_rank, (r + 1) * per_rank)
+        args = (x, gate_up[stack].contiguous(), down[stack].contiguous(), local, weights)
+        got = grouped_experts_triton(*(t.to(DEVICE) for t in args), has_remote=True).cpu()
+        return got, grouped_experts_torch(*args)
+
+    got, expected = partial(rank)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all()
+    whole = grouped_experts_torch(x, gate_up, down, ids, weights)
+    torch.testing.assert_close(sum(partial(r)[0] for r in range(tp)), whole, rtol=1e-5, atol=1e-5)

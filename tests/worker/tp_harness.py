@@ -9,6 +9,7 @@ This module imports no ``transformers``: spawned ranks import only the worker.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import socket
 import tempfile
@@ -39,6 +40,8 @@ class Job:
     quantization: str | None = None
     cuda_graph_sizes: tuple[int, ...] = ()  # decode graphs (worker/cuda_graphs.py); off CUDA run uncaptured
     max_model_len: int | None = None
+    enable_expert_parallel: bool = False  # whole experts per rank (worker/layers/moe.py)
+    triton_experts: bool = False  # the CUDA path's grouped Triton experts (off CUDA: Triton's interpreter)
 
 
 @dataclass(frozen=True)
@@ -53,20 +56,36 @@ class StepRecord:
 
 def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRecord]]:
     """Run every job on this rank; returns the records (meaningful on rank 0)."""
+    from worker.layers import moe
+
     results: dict[str, list[StepRecord]] = {}
+    torch_experts = moe.grouped_experts
     for job in jobs:
-        runner = ModelRunner(job.model_dir, ctx, job.dtype, job.block_size, quantization=job.quantization)
-        runner.init_kv_cache(job.num_blocks, cuda_graph_sizes=job.cuda_graph_sizes, max_model_len=job.max_model_len,
-                             capture=ctx.device.type == "cuda")
-        records = []
-        for plan in job.plans:
-            result = runner.execute(plan)
-            assert result.step_id == plan.step_id
-            logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
-            records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs,
-                                      result.expert_token_counts))
-        results[job.name] = records
+        if job.triton_experts:
+            from worker.kernels.triton_moe import grouped_experts_triton
+
+            moe.grouped_experts = grouped_experts_triton  # type: ignore[assignment]
+        try:
+            results[job.name] = _execute_job(ctx, job)
+        finally:
+            moe.grouped_experts = torch_experts
     return results
+
+
+def _execute_job(ctx: ParallelContext, job: Job) -> list[StepRecord]:
+    """One job's plans through a fresh runner; each step's record."""
+    job_ctx = dataclasses.replace(ctx, enable_expert_parallel=job.enable_expert_parallel)
+    runner = ModelRunner(job.model_dir, job_ctx, job.dtype, job.block_size, quantization=job.quantization)
+    runner.init_kv_cache(job.num_blocks, cuda_graph_sizes=job.cuda_graph_sizes, max_model_len=job.max_model_len,
+                         capture=ctx.device.type == "cuda")
+    records = []
+    for plan in job.plans:
+        result = runner.execute(plan)
+        assert result.step_id == plan.step_id
+        logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
+        records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs,
+                                  result.expert_token_counts))
+    return records
 
 
 def _rank_main(rank: int, tp_size: int, init_method: str, jobs: list[Job], out_path: str,

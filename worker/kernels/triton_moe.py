@@ -14,6 +14,10 @@ Two launches per layer: ``gate_up`` (rows read their token's activations), then,
 after ``silu(gate) * up``, ``down`` (rows read their own activations). A token's ``k``
 outputs are scaled by their routing weights and summed after, as on the CPU path.
 
+Expert parallelism (worker/layers/moe.py): rows of another rank's expert carry id ``E``;
+they form one more group whose blocks are marked unused (``-1``), so no program
+computes them, and the down output starts zeroed so that they add nothing.
+
 Float32 weights multiply in IEEE float32 (no TF32), so the CPU interpreter
 (``TRITON_INTERPRET=1``, tests/worker/conftest.py) and the GPU agree with a float32
 reference; bfloat16/float16 accumulate in float32.
@@ -86,7 +90,7 @@ def align_rows(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
 
 
 def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tensor, block_expert: torch.Tensor,
-                 num_rows: int, a_row_divisor: int, block_m: int) -> torch.Tensor:
+                 num_rows: int, a_row_divisor: int, block_m: int, *, zeroed: bool = False) -> torch.Tensor:
     """``out[r] = a[r // a_row_divisor] @ weight[e(r)].T`` for every routed row ``r < num_rows``.
 
     Args:
@@ -95,6 +99,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tenso
         sorted_rows, block_expert: from :func:`align_rows` with ``block_m``.
         num_rows: ``T * k``.
         a_row_divisor: ``k`` when rows read their token's activations, 1 when their own.
+        zeroed: start from zeros, so that rows in no used block read as zero (else undefined).
 
     Returns:
         ``(num_rows, N)`` in ``a.dtype``.
@@ -107,7 +112,7 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tenso
     if a.shape[1] != weight.shape[2] or a.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError(f"a {tuple(a.shape)} and weight {tuple(weight.shape)} do not fit, or are not contiguous")
     num_experts, n_out, k_in = weight.shape
-    out = torch.empty(num_rows, n_out, dtype=a.dtype, device=a.device)
+    out = (torch.zeros if zeroed else torch.empty)(num_rows, n_out, dtype=a.dtype, device=a.device)
     if num_rows == 0:
         return out
     grid = (block_expert.shape[0], -(-n_out // BLOCK_N))
@@ -121,22 +126,33 @@ def grouped_gemm(a: torch.Tensor, weight: torch.Tensor, sorted_rows: torch.Tenso
 
 def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                            weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
-                           down_bias: torch.Tensor | None = None, act: nn.Module = expert_act) -> torch.Tensor:
+                           down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
+                           has_remote: bool = False) -> torch.Tensor:
     """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``.
 
     The biases (gpt-oss) are added to the GEMMs' outputs by each routed row's expert
-    (``bias[ids]``: a gather, no host read, so a decode step stays capturable).
+    (``bias[ids]``: a gather, no host read, so a decode step stays capturable). With
+    ``has_remote``, ids equal to ``E = gate_up.shape[0]`` (another rank's expert) add zero.
     """
     num_tokens, top_k = ids.shape
     num_rows = num_tokens * top_k
-    block_m = block_rows(num_rows, gate_up.shape[0])
-    sorted_rows, block_expert = align_rows(ids, gate_up.shape[0], block_m)
+    num_experts = gate_up.shape[0]
+    block_m = block_rows(num_rows, num_experts)
+    sorted_rows, block_expert = align_rows(ids, num_experts + has_remote, block_m)
+    if has_remote:  # the group of id E: other ranks' rows, computed by no program
+        block_expert = torch.where(block_expert == num_experts, -1, block_expert)
     h = grouped_gemm(x, gate_up, sorted_rows, block_expert, num_rows, top_k, block_m)  # (T * k, 2 * I)
     row_expert = ids.reshape(-1)  # (T * k,) expert of routed row t * k + j
+    remote = None
+    if has_remote and (gate_up_bias is not None or down_bias is not None):
+        remote = row_expert == num_experts  # (T * k,) rows of another rank's expert
+        row_expert = row_expert.clamp(max=num_experts - 1)  # any valid row for the gather; zeroed below
     if gate_up_bias is not None:
         h = h + gate_up_bias[row_expert]  # (T * k, 2 * I)
-    h = act(h)  # (T * k, I)
-    out = grouped_gemm(h, down, sorted_rows, block_expert, num_rows, 1, block_m)  # (T * k, H)
+    h = act(h)  # (T * k, I); other ranks' rows undefined, never read
+    out = grouped_gemm(h, down, sorted_rows, block_expert, num_rows, 1, block_m, zeroed=has_remote)  # (T * k, H)
     if down_bias is not None:
         out = out + down_bias[row_expert]  # (T * k, H)
+        if remote is not None:
+            out = out.masked_fill(remote[:, None], 0.0)  # another rank's expert adds nothing, bias included
     return combine(out.view(num_tokens, top_k, -1), weights)  # (T, H)

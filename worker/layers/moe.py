@@ -19,6 +19,16 @@ shared expert included (its gate is a per-token scalar, so scaling the partials
 before the sum is the same as after). The router is replicated: every rank picks
 the same experts.
 
+Expert parallelism (``--enable-expert-parallel``, vLLM's flag; the layout of vLLM,
+SGLang and GShard, Lepikhin et al. 2020, arXiv:2006.16668): rank ``r`` of the
+tensor-parallel group holds ``E / tp`` WHOLE experts, ``[r * E / tp, (r + 1) * E / tp)``,
+and computes only the routed rows of those experts; a row of another rank's expert
+contributes zero here. Activations are replicated across the group, so every rank
+already has every token and no all-to-all dispatch is needed: the sum of the
+ranks' partials, the same single all-reduce, is ``y``. The shared expert and the
+dense MLPs stay tensor-parallel. Each expert's GEMMs run at full width ``I``
+(not ``I / tp``), and a rank reads only its experts' tensors from the checkpoint.
+
 Stacked parameters of :class:`FusedMoE` (the names ``transformers`` 5 uses):
 ``gate_up_proj (E, 2 * I / tp, H)`` laid out ``[gate | up]`` per expert, and
 ``down_proj (E, H, I / tp)``. Checkpoints store one tensor per expert
@@ -62,6 +72,18 @@ EXPERT_PROJECTIONS = ("gate", "up", "down")
 #: Checkpoint module names of (gate, up, down) per family.
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_parallel_share(num_experts: int, tp_size: int) -> int:
+    """Whole experts per rank with ``--enable-expert-parallel``: ``num_experts / tp_size``.
+
+    Raises:
+        ValueError: ``num_experts`` not divisible by ``tp_size`` (one line naming both fields).
+    """
+    if num_experts % tp_size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size "
+                         f"(tensor_parallel_size={tp_size}) of --enable-expert-parallel")
+    return num_experts // tp_size
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,13 +162,19 @@ def expert_checkpoint_name(param_name: str, shard_id: object, names: tuple[str, 
 
 
 class FusedMoE(nn.Module):
-    """Every expert's SwiGLU MLP, this rank's slice of each, applied to the tokens routed to it.
+    """The experts' SwiGLU MLPs this rank holds, applied to the tokens routed to them.
+
+    Tensor-parallel (default): a slice of every expert, ``gate_up_proj (E, 2 * I / tp, H)``,
+    ``down_proj (E, H, I / tp)``. Expert-parallel (``ctx.enable_expert_parallel``): whole
+    experts ``[first_expert, first_expert + num_local_experts)``, ``gate_up_proj
+    (E / tp, 2 * I, H)``, ``down_proj (E / tp, H, I)`` (see the module docstring).
 
     Args:
         num_experts: ``E``.
         hidden_size: ``H``.
-        intermediate_size: ``I``, one expert's full intermediate width; must divide by ``tp_size``.
-        ctx: the tensor-parallel group.
+        intermediate_size: ``I``, one expert's full intermediate width; must divide by ``tp_size``
+            (tensor-parallel only).
+        ctx: the tensor-parallel group (and whether experts are split by expert).
         dtype: parameter and activation dtype.
         quantization: must be None: ``--quantization int8`` is refused for expert weights.
         bias: the experts carry biases (gpt-oss): ``gate_up_proj_bias (E, 2 * I / tp)`` and
@@ -156,10 +184,11 @@ class FusedMoE(nn.Module):
         activation: ``[gate | up] (rows, 2 * I) -> (rows, I)``; None: ``silu(gate) * up``.
 
     Shapes: ``forward(x (T, H), ids (T, k) int64, weights (T, k))`` -> this rank's
-    partial ``(T, H)`` in ``x.dtype`` (the caller all-reduces).
+    partial ``(T, H)`` in ``x.dtype`` (the caller all-reduces); ``ids`` are global expert ids.
 
     Raises:
-        ValueError: ``intermediate_size`` not divisible, or a quantization asked for.
+        ValueError: ``intermediate_size`` (tensor-parallel) or ``num_experts`` (expert-parallel)
+            not divisible by ``tp_size``, or a quantization asked for.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
@@ -169,14 +198,29 @@ class FusedMoE(nn.Module):
         if quantization is not None:
             raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models "
                              "(expert weights); serve them unquantized")
+        if bias and ctx.enable_expert_parallel:  # the biases are laid out for the tensor-parallel split
+            raise ValueError("--enable-expert-parallel is not supported for experts with biases (gpt-oss); "
+                             "serve them tensor-parallel")
         self.ctx = ctx
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.intermediate_size_per_partition = _divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
-        local = self.intermediate_size_per_partition
-        self.gate_up_proj = new_parameter((num_experts, 2 * local, hidden_size), dtype, ctx.device, self.weight_loader)
-        self.down_proj = new_parameter((num_experts, hidden_size, local), dtype, ctx.device, self.weight_loader)
+        self.expert_parallel = ctx.enable_expert_parallel
+        if self.expert_parallel:
+            self.num_local_experts = expert_parallel_share(num_experts, ctx.tp_size)
+            self.intermediate_size_per_partition = intermediate_size  # whole experts
+        else:
+            self.num_local_experts = num_experts
+            self.intermediate_size_per_partition = _divide(intermediate_size, ctx.tp_size, "moe_intermediate_size")
+        #: This rank's first expert (global id); its experts are the next ``num_local_experts``.
+        self.first_expert = ctx.tp_rank * self.num_local_experts if self.expert_parallel else 0
+        #: Whether some routed rows name another rank's expert (expert-parallel over more than one rank).
+        self.has_remote_experts = self.num_local_experts < num_experts
+        local, held = self.intermediate_size_per_partition, self.num_local_experts
+        self.gate_up_proj = new_parameter((held, 2 * local, hidden_size), dtype, ctx.device, self.weight_loader)
+        self.down_proj = new_parameter((held, hidden_size, local), dtype, ctx.device, self.weight_loader)
+        # Every expert's tensors are expected (the loader checks the checkpoint has them all);
+        # weight_loader reads only this rank's.
         self.gate_up_proj.shard_ids = tuple((e, k) for e in range(num_experts) for k in ("gate", "up"))
         self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
         self.act = activation if activation is not None else expert_act
@@ -193,24 +237,42 @@ class FusedMoE(nn.Module):
                              persistent=False)
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
-        """Copy this rank's slice of expert ``e``'s gate/up rows or down columns; ``shard_id = (e, kind)``."""
+        """Copy this rank's part of expert ``e``'s gate/up rows or down columns; ``shard_id = (e, kind)``.
+
+        Tensor-parallel: a slice of every expert. Expert-parallel: the whole tensor of a
+        held expert; another rank's expert is only shape-checked, never read.
+        """
         local, full = self.intermediate_size_per_partition, self.intermediate_size
-        start = self.ctx.tp_rank * local
+        start = 0 if self.expert_parallel else self.ctx.tp_rank * local
         expert, kind = shard_id  # type: ignore[misc]
+        check_shape(source, (self.hidden_size, full) if kind == "down" else (full, self.hidden_size))
+        slot = expert - self.first_expert  # index in this rank's stack
+        if not 0 <= slot < self.num_local_experts:
+            return  # another rank's expert
         if kind == "down":
-            check_shape(source, (self.hidden_size, full))
-            copy_into(param.data[expert], read_narrow(source, 1, start, local))
+            copy_into(param.data[slot], read_narrow(source, 1, start, local))
         else:
-            check_shape(source, (full, self.hidden_size))
             offset = 0 if kind == "gate" else local
-            copy_into(param.data[expert, offset:offset + local], read_narrow(source, 0, start, local))
+            copy_into(param.data[slot, offset:offset + local], read_narrow(source, 0, start, local))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.ctx.is_rank0:  # the rank that reports them (StepResult.expert_token_counts)
             flat = ids.reshape(-1)  # (T * k,)
             self.routed_counts.index_add_(0, flat, torch.ones_like(flat))  # (E,); no host sync, graph-safe
+        if self.has_remote_experts:
+            ids = self.local_ids(ids)
         return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights, gate_up_bias=self.gate_up_proj_bias,
-                               down_bias=self.down_proj_bias, act=self.act)  # (T, H), partial
+                               down_bias=self.down_proj_bias, act=self.act,
+                               has_remote=self.has_remote_experts)  # (T, H), partial
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids ``(T, k)`` -> this rank's stack index, ``num_local_experts`` for another rank's expert.
+
+        That one id past the stack marks a routed row the experts path skips (its output is zero).
+        """
+        local = ids - self.first_expert  # (T, k)
+        held = (local >= 0) & (local < self.num_local_experts)
+        return torch.where(held, local, self.num_local_experts)  # (T, k) int64
 
     def take_routed_counts(self) -> torch.Tensor:
         """The ``(E,)`` int64 counts since the last call (on the layer's device), and reset them."""

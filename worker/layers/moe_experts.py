@@ -16,6 +16,8 @@ paths run exactly as before.
 
 Both return, per token, ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` summed over
 ``j`` in routing order (most probable first), a partial of the tensor-parallel sum.
+With expert parallelism (worker/layers/moe.py) an id equal to ``E`` (one past this
+rank's stack) is a row of another rank's expert: it is not computed and adds zero.
 ``TPSERVE_TRITON_MOE=0`` keeps CUDA on the torch path, for A/B measurements.
 """
 
@@ -32,18 +34,22 @@ from worker.layers.moe_combine import combine, expert_act
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
-                    down_bias: torch.Tensor | None = None, act: nn.Module = expert_act) -> torch.Tensor:
+                    down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
+                    has_remote: bool = False) -> torch.Tensor:
     """Apply each token's ``k`` experts and sum them by their routing weights.
 
     Args:
         x: ``(T, H)`` activations.
-        gate_up: ``(E, 2 * I, H)`` stacked ``[gate | up]`` weights (``I``: this rank's slice).
+        gate_up: ``(E, 2 * I, H)`` stacked ``[gate | up]`` weights (``I``: this rank's slice;
+            ``E``: the experts this rank holds).
         down: ``(E, H, I)`` stacked down weights.
-        ids: ``(T, k)`` int64 expert of each choice.
+        ids: ``(T, k)`` int64 expert of each choice, in ``[0, E]`` (``E``: another rank's expert,
+            only with ``has_remote``).
         weights: ``(T, k)`` routing weights (float32, or ``x.dtype`` to round as the family does).
         gate_up_bias: ``(E, 2 * I)`` added to each expert's gate/up output, or None.
         down_bias: ``(E, H)`` added to each expert's down output (before its routing weight), or None.
         act: ``(rows, 2 * I) [gate | up] -> (rows, I)``, the experts' activation.
+        has_remote: ``ids`` may hold ``E`` (expert parallelism); those rows contribute zero.
 
     Returns:
         ``(T, H)`` in ``x.dtype``.
@@ -52,7 +58,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         from worker.kernels.triton_moe import grouped_experts_triton
 
         return grouped_experts_triton(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias,
-                                      down_bias=down_bias, act=act)
+                                      down_bias=down_bias, act=act, has_remote=has_remote)
     return grouped_experts_torch(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
                                  act=act)
 
@@ -64,13 +70,20 @@ def _triton_moe_enabled() -> bool:
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                           down_bias: torch.Tensor | None = None, act: nn.Module = expert_act) -> torch.Tensor:
-    """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host)."""
+    """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host).
+
+    Rows of id ``E`` (another rank's expert) sort last: they are neither gathered nor computed, and stay zero.
+    """
     num_tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)  # (T * k,) routed rows
     order = torch.argsort(flat, stable=True)  # (T * k,) rows grouped by expert, in token order within one
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # rows per expert, on the host
-    xs = x[order // top_k]  # (T * k, H) each row's token
-    out_sorted = torch.empty(xs.shape[0], down.shape[1], dtype=x.dtype, device=x.device)  # (T * k, H)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]  # rows per held expert, on the host
+    held = sum(counts)
+    every_row = held == flat.shape[0]  # always without expert parallelism
+    order_held = order if every_row else order[:held]  # (held,)
+    xs = x[order_held // top_k]  # (held, H) each row's token
+    out_sorted = torch.empty(held, down.shape[1], dtype=x.dtype, device=x.device)  # (held, H)
     start = 0
     for expert, count in enumerate(counts):
         if count:
@@ -79,6 +92,6 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
                            None if gate_up_bias is None else gate_up_bias[expert]))  # (count, I)
             out_sorted[rows] = linear(h, down[expert], None if down_bias is None else down_bias[expert])  # (count, H)
             start += count
-    out = torch.empty_like(out_sorted)
-    out[order] = out_sorted  # (T * k, H) back in row order t * k + j
+    out = (torch.empty if every_row else torch.zeros)(flat.shape[0], down.shape[1], dtype=x.dtype, device=x.device)
+    out[order_held] = out_sorted  # (T * k, H) back in row order t * k + j; other ranks' rows zero
     return combine(out.view(num_tokens, top_k, -1), weights)
