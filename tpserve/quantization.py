@@ -62,8 +62,11 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
         return None
     if not isinstance(qc, dict):
         raise _refuse(f"quantization_config is a {type(qc).__name__}, not a mapping")
-    if weight_format(raw_config) is not None:
-        return None  # dequantized to float while loading
+    try:
+        if weight_format(raw_config) is not None:
+            return None  # dequantized to float while loading
+    except ValueError as error:
+        raise ValueError(f"{error}; tpserve serves {SUPPORTED}") from None
     method = qc.get("quant_method")
     if method != "compressed-tensors":
         raise _refuse(f"quantization_config quant_method={method!r}")

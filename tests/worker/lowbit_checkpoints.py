@@ -25,10 +25,20 @@ from pathlib import Path
 
 import torch
 
+from tests.tiny_models import TinyModelSpec
 from tests.worker.int8_checkpoints import LINEAR_WEIGHT
 from tests.worker.int8_checkpoints import read_tensors as _tensors
 from tests.worker.int8_checkpoints import write_checkpoint as _write
 
+#: The tiny MoE models of the FP8 and MXFP4 tests.
+QWEN3_MOE = TinyModelSpec("qwen3_moe_fp8", "qwen3_moe", {
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 180,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "mlp_only_layers": [1], "tie_word_embeddings": False}, seed=41)
+GPT_OSS = TinyModelSpec("gpt_oss_mxfp4", "gpt_oss", {
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 190,
+    "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "pad_token_id": 0}, seed=42)
 E4M3_MAX = 448.0
 #: e2m1's eight magnitudes (OCP MX spec v1.0): code c in 0..7, sign in bit 3.
 E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

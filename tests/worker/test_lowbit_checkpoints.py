@@ -34,22 +34,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
-from tests.worker.lowbit_checkpoints import save_compressed_tensors_fp8, save_fp8_block, save_mxfp4
+from tests.tiny_models import load_hf_model, save_tiny_model
+from tests.worker.lowbit_checkpoints import GPT_OSS, QWEN3_MOE, save_compressed_tensors_fp8, save_fp8_block, save_mxfp4
 from tests.worker.scenarios import build_plans, hf_reference, standard_specs
 from tests.worker.tp_harness import Job, StepRecord, run_jobs
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 LOGITS_TOLERANCE = 1e-4
-QWEN3_MOE = TinyModelSpec("qwen3_moe_fp8", "qwen3_moe", {
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 180,
-    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
-    "mlp_only_layers": [1], "tie_word_embeddings": False}, seed=41)
-GPT_OSS = TinyModelSpec("gpt_oss_mxfp4", "gpt_oss", {
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 190,
-    "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8,
-    "swiglu_limit": 7.0, "tie_word_embeddings": False, "pad_token_id": 0}, seed=42)
 #: Qwen3-MoE's linear weights: attention, the dense MLP and every expert (the router stays float).
 QWEN3_MOE_LINEAR = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
