@@ -107,15 +107,15 @@ def _plan_mxfp4(files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, Pack
     return virtual, packed
 
 
-def source(packed: Packed, fmt: WeightFormat) -> Fp8Source | Mxfp4Source:
-    """The float32 view of one packed tensor, indexed like a safetensors slice.
+def source(packed: Packed, fmt: WeightFormat, files: OpenFiles) -> Fp8Source | Mxfp4Source:
+    """The float32 view of one packed tensor, indexed like a safetensors slice, read through ``files``.
 
     Raises:
         ValueError: the stored shapes or dtypes do not fit the format (names the tensor).
     """
     if fmt.kind == "mxfp4":
-        return Mxfp4Source(packed)
-    return Fp8Source(packed, fmt)
+        return Mxfp4Source(packed, files)
+    return Fp8Source(packed, fmt, files)
 
 
 def check_not_fp8(name: str, dtype: str, fmt: WeightFormat) -> None:
@@ -137,15 +137,33 @@ def _slices(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
-def _read(path: Path, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-    with safe_open(path, framework="pt", device="cpu") as f:
-        return f.get_slice(name)[index]
+class OpenFiles:
+    """The checkpoint files opened on the CPU for reading packed tensors, each opened once per load.
 
+    A DeepSeek V3 checkpoint holds tens of thousands of expert tensors, each read with its
+    scale, often from another file; opening (parsing the header of) a file per read would
+    cost more than the reads. The handles are memory maps: closing drops them.
+    """
 
-def _stored(path: Path, name: str) -> tuple[tuple[int, ...], str]:
-    with safe_open(path, framework="pt", device="cpu") as f:
-        part = f.get_slice(name)
+    def __init__(self) -> None:
+        self._handles: dict[Path, Any] = {}
+
+    def open_slice(self, path: Path, name: str) -> Any:
+        """The safetensors slice of ``name`` in ``path`` (shape, dtype, and indexing that reads only the index)."""
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt", device="cpu")
+        return self._handles[path].get_slice(name)
+
+    def read(self, path: Path, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.open_slice(path, name)[index]
+
+    def stored(self, path: Path, name: str) -> tuple[tuple[int, ...], str]:
+        """``(shape, safetensors dtype name)`` of a stored tensor, from the header."""
+        part = self.open_slice(path, name)
         return tuple(part.get_shape()), part.get_dtype()
+
+    def close(self) -> None:
+        self._handles.clear()
 
 
 class Fp8Source:
@@ -155,16 +173,16 @@ class Fp8Source:
     construction: it is at most ``N * K / (bn * bk)`` floats.
     """
 
-    def __init__(self, packed: Packed, fmt: WeightFormat) -> None:
-        self.packed = packed
-        shape, dtype = _stored(packed.values_file, packed.values)
+    def __init__(self, packed: Packed, fmt: WeightFormat, files: OpenFiles) -> None:
+        self.packed, self.files = packed, files
+        shape, dtype = files.stored(packed.values_file, packed.values)
         if dtype != _SAFETENSORS_E4M3:
             raise ValueError(f"tensor {packed.values!r} is {dtype}, expected {_SAFETENSORS_E4M3} (fp8 e4m3)")
         if len(shape) != 2:
             raise ValueError(f"fp8 tensor {packed.values!r} has shape {list(shape)}: only 2-D weights are served")
         self.shape: tuple[int, int] = (shape[0], shape[1])
         self.block = fmt.block
-        scale = _read(packed.scale_file, packed.scale, ()).float()
+        scale = files.read(packed.scale_file, packed.scale, ()).float()
         self.scale = self._checked(scale)
 
     def _checked(self, scale: torch.Tensor) -> torch.Tensor:
@@ -195,7 +213,7 @@ class Fp8Source:
     def __getitem__(self, index: Any) -> torch.Tensor:
         """Float32 ``w[rows, columns]`` for step-1 slices ``index``."""
         (r0, r1), (c0, c1) = _slices(index, self.shape)
-        w = _read(self.packed.values_file, self.packed.values, (slice(r0, r1), slice(c0, c1))).float()
+        w = self.files.read(self.packed.values_file, self.packed.values, (slice(r0, r1), slice(c0, c1))).float()
         if self.block is None:
             scale = self.scale if self.scale.shape[0] == 1 else self.scale[r0:r1]  # (1 | rows, 1)
             return w * scale
@@ -209,10 +227,10 @@ class Fp8Source:
 class Mxfp4Source:
     """MXFP4 ``<name>_blocks`` ``(E, B, G, 16)`` + ``<name>_scales`` ``(E, B, G)`` as float32 ``(E, G * 32, B)``."""
 
-    def __init__(self, packed: Packed) -> None:
-        self.packed = packed
-        blocks, blocks_dtype = _stored(packed.values_file, packed.values)
-        scales, scales_dtype = _stored(packed.scale_file, packed.scale)
+    def __init__(self, packed: Packed, files: OpenFiles) -> None:
+        self.packed, self.files = packed, files
+        blocks, blocks_dtype = files.stored(packed.values_file, packed.values)
+        scales, scales_dtype = files.stored(packed.scale_file, packed.scale)
         if len(blocks) != 4 or blocks[-1] != MXFP4_GROUP_BYTES:
             raise ValueError(f"mxfp4 tensor {packed.values!r} has shape {list(blocks)}, expected "
                              f"[experts, rows, groups, {MXFP4_GROUP_BYTES}]")
@@ -233,8 +251,8 @@ class Mxfp4Source:
         (e0, e1), (a0, a1), (b0, b1) = _slices(index, self.shape)
         g0, g1 = a0 // MXFP4_GROUP, math.ceil(a1 / MXFP4_GROUP)  # the groups covering [a0, a1)
         stored = (slice(e0, e1), slice(b0, b1), slice(g0, g1))
-        blocks = _read(self.packed.values_file, self.packed.values, stored)  # (e, b, g, 16) uint8
-        scales = _read(self.packed.scale_file, self.packed.scale, stored)  # (e, b, g) uint8
+        blocks = self.files.read(self.packed.values_file, self.packed.values, stored)  # (e, b, g, 16) uint8
+        scales = self.files.read(self.packed.scale_file, self.packed.scale, stored)  # (e, b, g) uint8
         if bool((scales == E8M0_NAN).any()):
             raise ValueError(f"mxfp4 scales {self.packed.scale!r} hold {int((scales == E8M0_NAN).sum())} NaN "
                              "(e8m0 255) values: a corrupt checkpoint")

@@ -148,6 +148,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         by_file[files[name]].append(name)
     progress = ShardProgress(by_file)  # one log line per file: bytes and time
     read_on = read_device(device or torch.device("cpu"))
+    packed_files = dequantize.OpenFiles()  # FP8 / MXFP4 values and scales, read on the CPU
     for path, names in by_file.items():
         with progress.shard(path), safe_open(path, framework="pt", device=read_on) as f:
             for name in names:
@@ -156,7 +157,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                 source: Any
                 try:
                     if stored[name] in packed:
-                        source = dequantize.source(packed[stored[name]], fmt)  # type: ignore[arg-type]
+                        source = dequantize.source(packed[stored[name]], fmt, packed_files)  # type: ignore[arg-type]
                     else:
                         source = f.get_slice(stored[name])
                         if fmt is not None:
@@ -166,6 +167,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                     raise ValueError(f"weight {name!r}: {error}") from error
                 shards = param.shard_ids if shard_id is None else (shard_id,)  # type: ignore[attr-defined]
                 loaded |= {(param_name, shard) for shard in shards}
+    packed_files.close()
     _check_zero_points({stored[n]: files[n] for n in zero_points}, [stored[n] for n in zero_points])
 
     # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.

@@ -23,7 +23,7 @@ from tests.worker.lowbit_checkpoints import GPT_OSS, pack_mxfp4, quantize_fp8_bl
 from tests.tiny_models import save_tiny_model
 from tpserve.model_config import ModelConfig
 from tpserve.weight_formats import WeightFormat
-from worker.dequantize import Fp8Source, Mxfp4Source, Packed
+from worker.dequantize import Fp8Source, Mxfp4Source, OpenFiles, Packed
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
 
@@ -39,7 +39,7 @@ def test_fp8_block_source_slices_equal_transformers_dequantization(tmp_path: Pat
     save_file({"w.weight": q, "w.weight_scale_inv": scale}, tmp_path / "t.safetensors")
     path = tmp_path / "t.safetensors"
     fmt = WeightFormat("fp8_block", "_scale_inv", (128, 128), "")
-    source = Fp8Source(Packed("w.weight", path, "w.weight_scale_inv", path), fmt)
+    source = Fp8Source(Packed("w.weight", path, "w.weight_scale_inv", path), fmt, OpenFiles())
     reference = _dequantize_fp8_weight(q, scale, [128, 128], torch.float32)
     assert source.get_shape() == (256, 384)
     for rows, columns in ((slice(None), slice(None)), (slice(37, 200), slice(100, 383)), (slice(128, 130), slice(0, 1))):
@@ -54,7 +54,7 @@ def test_mxfp4_source_slices_equal_transformers_dequantization(tmp_path: Path) -
     blocks, scales = pack_mxfp4(w)
     path = tmp_path / "t.safetensors"
     save_file({"x_blocks": blocks, "x_scales": scales}, path)
-    source = Mxfp4Source(Packed("x_blocks", path, "x_scales", path))
+    source = Mxfp4Source(Packed("x_blocks", path, "x_scales", path), OpenFiles())
     reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, A, B)
     assert source.get_shape() == (3, 96, 40) == tuple(reference.shape)
     for index in ((slice(None), slice(None), slice(None)), (slice(1, 2), slice(16, 80), slice(5, 33)),
