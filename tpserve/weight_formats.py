@@ -5,7 +5,7 @@ them before any rank starts; worker/dequantize.py does the arithmetic):
 
 * **block-scaled FP8** (``quant_method: "fp8"``; DeepSeek V3 / R1, Kimi K2, Qwen3-FP8;
   transformers' ``FineGrainedFP8Config``): a quantized linear layer stores ``weight`` as
-  ``float8_e4m3fn`` ``(N, K)`` and ``weight_scale_inv`` float32 ``(N / bn, K / bk)`` for
+  ``float8_e4m3fn`` ``(N, K)`` and ``weight_scale_inv`` float32 ``(ceil(N / bn), ceil(K / bk))`` for
   ``weight_block_size: [bn, bk]`` (``[128, 128]`` as published); ``w[n, k] = weight[n, k] *
   weight_scale_inv[n // bn, k // bk]``. ``activation_scheme`` must be ``dynamic`` (activations
   are not quantized by a stored scale; tpserve keeps them in the model dtype).

@@ -14,7 +14,8 @@ tensor. Its layer then casts the float32 to the model dtype, or quantizes it to 
 Arithmetic (the references: transformers' ``integrations/finegrained_fp8.py``
 ``_dequantize_fp8_weight`` and ``integrations/mxfp4.py`` ``convert_moe_packed_tensors``):
 
-* FP8: ``w[n, k] = float(weight[n, k]) * scale[n // bn, k // bk]`` (block), ``scale[n]``
+* FP8: ``w[n, k] = float(weight[n, k]) * scale[n // bn, k // bk]`` (block, ``scale`` of shape
+  ``(ceil(N / bn), ceil(K / bk))``), ``scale[n]``
   (channel) or ``scale`` (tensor);
 * MXFP4: byte ``j`` of group ``g`` holds values ``2j`` (low nibble) and ``2j + 1`` (high
   nibble) of the group's 32, each an e2m1 code (:data:`E2M1_VALUES`), times ``2 ** (s - 127)``
@@ -23,7 +24,9 @@ Arithmetic (the references: transformers' ``integrations/finegrained_fp8.py``
 
 A corrupt checkpoint is refused while loading (``ValueError`` naming the tensor): a scale
 missing, of the wrong shape, NaN, infinite, zero or negative (FP8), an e8m0 NaN (byte
-255, MXFP4), a block size that does not divide the weight, an FP8 dtype other than e4m3.
+255, MXFP4), a scale grid that does not fit the weight and ``weight_block_size`` (the last
+block row and column may be partial: ``ceil(N / bn)`` rows of scales), an FP8 dtype other
+than e4m3.
 """
 
 from __future__ import annotations
@@ -186,15 +189,17 @@ class Fp8Source:
         self.scale = self._checked(scale)
 
     def _checked(self, scale: torch.Tensor) -> torch.Tensor:
-        """The scale as ``(N / bn, K / bk)`` (block), ``(N, 1)`` (channel) or ``(1, 1)`` (tensor)."""
+        """The scale as ``(ceil(N / bn), ceil(K / bk))`` (block), ``(N, 1)`` (channel) or ``(1, 1)`` (tensor).
+
+        A block size that does not divide the weight leaves partial blocks on the last block
+        row and column, each with its own scale (DeepSeek V3's 576-row ``kv_a_proj_with_mqa`` at
+        128; transformers' ``_dequantize_fp8_weight`` and vLLM read them so).
+        """
         rows, columns = self.shape
         name = self.packed.scale
         if self.block is not None:
             bn, bk = self.block
-            if rows % bn or columns % bk:
-                raise ValueError(f"weight_block_size [{bn}, {bk}] does not divide {self.packed.values!r} of shape "
-                                 f"[{rows}, {columns}]")
-            expected: tuple[tuple[int, ...], ...] = ((rows // bn, columns // bk),)
+            expected: tuple[tuple[int, ...], ...] = ((math.ceil(rows / bn), math.ceil(columns / bk)),)
         else:
             expected = ((), (1,), (1, 1), (rows,), (rows, 1))
         if tuple(scale.shape) not in expected:

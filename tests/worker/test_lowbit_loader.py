@@ -47,6 +47,24 @@ def test_fp8_block_source_slices_equal_transformers_dequantization(tmp_path: Pat
     assert float((reference - w).abs().max()) <= float(w.abs().max()) / 8  # e4m3: 3 mantissa bits
 
 
+def test_fp8_partial_blocks_at_the_edges_equal_transformers_dequantization(tmp_path: Path) -> None:
+    """A weight that 128 does not divide (DeepSeek V3's 576-row kv_a_proj_with_mqa): ceil(N / 128) block rows."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(2))
+    padded = torch.nn.functional.pad(w, (0, 84, 0, 56))  # (256, 384): whole blocks, the padding zeros
+    q, scale = quantize_fp8_blocks(padded, (128, 128))
+    q = q[:200, :300].contiguous()
+    path = tmp_path / "t.safetensors"
+    save_file({"w.weight": q, "w.weight_scale_inv": scale}, path)
+    fmt = WeightFormat("fp8_block", "_scale_inv", (128, 128), "")
+    source = Fp8Source(Packed("w.weight", path, "w.weight_scale_inv", path), fmt, OpenFiles())
+    reference = _dequantize_fp8_weight(q, scale, [128, 128], torch.float32)
+    assert source.get_shape() == (200, 300) and tuple(scale.shape) == (2, 3)
+    for rows, columns in ((slice(None), slice(None)), (slice(100, 200), slice(150, 300)), (slice(199, 200), slice(255, 257))):
+        assert torch.equal(source[rows, columns], reference[rows, columns]), (rows, columns)
+
+
 def test_mxfp4_source_slices_equal_transformers_dequantization(tmp_path: Path) -> None:
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -116,8 +134,9 @@ def _poke(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
     (_set(Q_PROJ + "_scale_inv", _poke(0.0)), Q_PROJ + "_scale_inv", "non-finite or non-positive"),
     (_set(Q_PROJ + "_scale_inv", lambda t: t[:, :0]), Q_PROJ + "_scale_inv", "has shape [2, 0], expected [2, 1]"),
     (lambda tensors, config: tensors.pop(Q_PROJ + "_scale_inv"), Q_PROJ, "has no scale"),
+    # 64-row q_proj has 2 block rows at 32 and at 48 (one partial); 128-row gate_proj 4 at 32, 3 at 48.
     (lambda tensors, config: config["quantization_config"].update(weight_block_size=[48, 64]),
-     "model.layers.0.", "weight_block_size [48, 64] does not divide"),  # the first tensor read is named
+     "model.layers.0.mlp.gate_proj.weight_scale_inv", "has shape [4, 1], expected [3, 1]"),
     (_set(Q_PROJ, lambda t: t.float().to(torch.float8_e5m2)), Q_PROJ, "F8_E5M2"),
 ])
 def test_a_corrupt_fp8_checkpoint_is_refused_naming_the_tensor(fp8_llama: tuple[Path, Path], tmp_path: Path,
