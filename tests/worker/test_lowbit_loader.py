@@ -98,8 +98,14 @@ def _load(model_dir: Path, quantization: str | None = None) -> torch.nn.Module:
 
 
 def test_int8_flag_requantizes_fp8_weights_as_it_quantizes_their_float_values(fp8_llama: tuple[Path, Path]) -> None:
+    from structlog.testing import capture_logs
+
     fp8, dequantized = fp8_llama
-    served = dict(_load(fp8, "int8").named_parameters())
+    with capture_logs() as logs:
+        served = dict(_load(fp8, "int8").named_parameters())
+    said = [entry["event"] for entry in logs if "dequantized at load" in entry["event"]]
+    assert said == ["fp8 e4m3 block-scaled (32x64) weights dequantized at load to int8 per-channel "
+                    "(--quantization int8)"]
     want = dict(_load(dequantized, "int8").named_parameters())
     assert served["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.int8
     assert served.keys() == want.keys()
