@@ -223,10 +223,16 @@ class Fp8Source:
             scale = self.scale if self.scale.shape[0] == 1 else self.scale[r0:r1]  # (1 | rows, 1)
             return w * scale
         bn, bk = self.block
-        # The blocks covering the slice, expanded to elements, then cut to the slice.
-        blocks = self.scale[r0 // bn:math.ceil(r1 / bn), c0 // bk:math.ceil(c1 / bk)]
-        expanded = blocks.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
-        return w * expanded[r0 % bn:r0 % bn + (r1 - r0), c0 % bk:c0 % bk + (c1 - c0)]
+        # The scale blocks covering the slice, expanded over rows only (rows x column blocks: small),
+        # then applied one block column at a time, so no second weight-sized tensor is made.
+        first_column_block = c0 // bk
+        blocks = self.scale[r0 // bn:math.ceil(r1 / bn), first_column_block:math.ceil(c1 / bk)]
+        per_row = blocks.repeat_interleave(bn, dim=0)[r0 % bn:r0 % bn + (r1 - r0)]  # (rows, column blocks)
+        for j in range(per_row.shape[1]):
+            start = max(c0, (first_column_block + j) * bk) - c0
+            stop = min(c1, (first_column_block + j + 1) * bk) - c0
+            w[:, start:stop] *= per_row[:, j:j + 1]
+        return w
 
 
 class Mxfp4Source:
@@ -272,7 +278,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     Formula in the module docstring (value ``2j`` is byte ``j``'s low nibble).
     """
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # (..., G, 16, 2): low nibble first
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).int()  # (..., G, 16, 2): low nibble first
     values = table[codes].flatten(-2)  # (..., G, 32)
     exponents = scales.to(torch.int32) - E8M0_BIAS  # (..., G)
     return torch.ldexp(values, exponents[..., None].float()).flatten(-2)
