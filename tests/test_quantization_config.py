@@ -21,6 +21,7 @@ from tpserve.config import ClusterConfig, RankConfig
 from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import checkpoint_quantization
+from tpserve.weight_formats import weight_format
 
 #: The quantization_config of a compressed-tensors W8A16 checkpoint as llm-compressor writes it.
 W8A16 = {
@@ -56,10 +57,10 @@ def test_compressed_tensors_int8_weight_only_is_int8_and_float_is_none() -> None
 @pytest.mark.parametrize("quantization_config, named", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "quant_method='gptq'"),
     ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "quant_method='awq'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method='fp8'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size=None"),
     ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quant_method='bitsandbytes'"),
     (_edited(lambda c: c.update(format="pack-quantized")), "format='pack-quantized'"),
-    (_edited(lambda c: c.update(format="float-quantized")), "format='float-quantized'"),
+    (_edited(lambda c: c.update(format="float-quantized")), "weights.type='int'"),
     (_edited(_weights(num_bits=4)), "weights.num_bits=4"),
     (_edited(_weights(type="float")), "weights.type='float'"),
     (_edited(_weights(symmetric=False)), "weights.symmetric=False"),
@@ -106,10 +107,56 @@ def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
     assert ModelConfig.from_pretrained(default_model_dir()).quantization is None
 
 
-def test_an_mxfp4_checkpoint_is_refused_in_one_line_naming_the_format() -> None:
-    """gpt-oss's release format (4-bit experts) is not served: one line, saying what to serve instead."""
+#: Block-scaled FP8 as DeepSeek V3 and Qwen3-FP8 publish it, and compressed-tensors FP8_DYNAMIC.
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_DYNAMIC = _edited(lambda c: (c.update(format="float-quantized"), c["config_groups"]["group_0"].update(
+    input_activations={"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}),
+    _weights(type="float")(c)))
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+
+
+def _with(config: dict, **changes) -> dict:
+    return {**copy.deepcopy(config), **changes}
+
+
+def test_fp8_and_mxfp4_checkpoints_are_served_dequantized_at_load() -> None:
+    """Their layers are float (the ranks dequantize while loading), so the quantization is None; the format is read."""
+    for qc, kind, block in ((FP8_BLOCK, "fp8_block", (128, 128)), (FP8_DYNAMIC, "fp8_compressed_tensors", None),
+                            (_with(FP8_BLOCK, scale_fmt="ue8m0", modules_to_not_convert=None), "fp8_block",
+                             (128, 128)), (MXFP4, "mxfp4", None)):
+        assert checkpoint_quantization({"quantization_config": qc}) is None
+        fmt = weight_format({"quantization_config": qc})
+        assert fmt is not None and (fmt.kind, fmt.block) == (kind, block)
+    block = _edited(lambda c: (c.update(format="float-quantized"),
+                               _weights(type="float", strategy="block", block_structure=[64, 128])(c)))
+    fmt = weight_format({"quantization_config": block})
+    assert fmt is not None and fmt.block == (64, 128) and fmt.scale_suffix == "_scale"
+    assert weight_format({"quantization_config": W8A16}) is None
+
+
+@pytest.mark.parametrize("quantization_config, named", [
+    (_with(FP8_BLOCK, activation_scheme="static"), "activation_scheme='static'"),
+    (_with(FP8_BLOCK, fmt="e5m2"), "fmt='e5m2'"),
+    (_with(FP8_BLOCK, weight_block_size=[128]), "weight_block_size=[128]"),
+    (_with(FP8_BLOCK, weight_block_size=[0, 128]), "weight_block_size=[0, 128]"),
+    (_with(FP8_BLOCK, scale_fmt="fp32x4"), "scale_fmt='fp32x4'"),
+    (_with(FP8_BLOCK, modules_to_not_convert="lm_head"), "modules_to_not_convert='lm_head'"),
+    (_with(MXFP4, modules_to_not_convert=[3]), "modules_to_not_convert=[3]"),
+    (_edited(lambda c: (c.update(format="float-quantized"), _weights(type="float", num_bits=4)(c))),
+     "weights.num_bits=4"),
+    (_edited(lambda c: (c.update(format="float-quantized"), _weights(type="float", strategy="group")(c))),
+     "weights.strategy='group'"),
+    (_edited(lambda c: (c.update(format="float-quantized"), _weights(type="float")(c),
+                        c["config_groups"]["group_0"].update(input_activations={
+                            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}))),
+     "input_activations.dynamic=False"),
+    (_edited(lambda c: (c.update(format="float-quantized", kv_cache_scheme={"num_bits": 8}),
+                        _weights(type="float")(c))), "kv_cache_scheme="),
+])
+def test_unsupported_fp8_and_mxfp4_variants_are_refused_naming_the_field(quantization_config: dict,
+                                                                         named: str) -> None:
     with pytest.raises(ValueError) as info:
-        checkpoint_quantization({"quantization_config": {"quant_method": "mxfp4",
-                                                         "modules_to_not_convert": ["model.layers.*.self_attn"]}})
+        checkpoint_quantization({"quantization_config": quantization_config})
     message = str(info.value)
-    assert "quant_method='mxfp4'" in message and "float (bfloat16) checkpoint" in message and "\n" not in message
+    assert named in message and "\n" not in message
+    assert message.startswith("unsupported quantized checkpoint: quantization_config") and "mxfp4 (gpt-oss)" in message

@@ -13,7 +13,12 @@ from two places:
   ``weight_scale`` as ``(N, 1)`` float (``dequantized = weight * weight_scale``; the
   library's ``NaiveQuantizationCompressor``), symmetric, so no zero point is stored.
 
-Every other ``quantization_config`` (GPTQ, AWQ, fp8, bitsandbytes, int4,
+Published FP8 and MXFP4 checkpoints (``quant_method`` ``"fp8"`` block-scaled,
+compressed-tensors ``"float-quantized"``, ``"mxfp4"``: tpserve/weight_formats.py) are
+dequantized by the ranks while loading; their layers are float (or int8 with
+``--quantization int8``), so :func:`checkpoint_quantization` returns None for them.
+
+Every other ``quantization_config`` (GPTQ, AWQ, bitsandbytes, int4,
 group-wise or asymmetric compressed-tensors, activation or KV-cache quantization,
 a quantized LM head) is refused at start-up, by the coordinator, before any rank
 starts: :func:`checkpoint_quantization` raises ``ValueError`` naming what it found
@@ -25,6 +30,8 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from tpserve.weight_formats import weight_format
+
 #: The one scheme: int8 weights, per output channel, symmetric; activations in the model dtype.
 Quantization = Literal["int8"]
 QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8",)
@@ -32,11 +39,15 @@ QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8",)
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")
 SUPPORTED = ("compressed-tensors int8 weight-only checkpoints (format int-quantized or naive-quantized: "
              "8-bit int weights, symmetric, strategy channel, no activation or KV-cache quantization, "
-             "lm_head ignored), or a float checkpoint with --quantization int8")
+             "lm_head ignored), block-scaled fp8 (quant_method fp8), compressed-tensors float-quantized fp8, "
+             "mxfp4 (gpt-oss), or a float checkpoint with --quantization int8")
 
 
 def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
-    """The quantization a checkpoint's weights are stored in: None (float) or ``"int8"``.
+    """The quantization a checkpoint's layers are served in: None (float) or ``"int8"``.
+
+    None also for the FP8 / MXFP4 formats the ranks dequantize at load (their variant
+    is checked here, by :func:`tpserve.weight_formats.weight_format`).
 
     Args:
         raw_config: the checkpoint's ``config.json`` as a dict.
@@ -51,10 +62,12 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
         return None
     if not isinstance(qc, dict):
         raise _refuse(f"quantization_config is a {type(qc).__name__}, not a mapping")
+    try:
+        if weight_format(raw_config) is not None:
+            return None  # dequantized to float while loading
+    except ValueError as error:
+        raise ValueError(f"{error}; tpserve serves {SUPPORTED}") from None
     method = qc.get("quant_method")
-    if method == "mxfp4":  # gpt-oss's release format: its experts as 4-bit blocks with shared scales
-        raise ValueError("unsupported quantized checkpoint: quantization_config quant_method='mxfp4' (gpt-oss's "
-                         "4-bit experts) is not served yet; serve a float (bfloat16) checkpoint of the model")
     if method != "compressed-tensors":
         raise _refuse(f"quantization_config quant_method={method!r}")
     fmt = qc.get("format")

@@ -26,25 +26,36 @@ checkpoint fills both (``<layer>.weight`` and ``<layer>.weight_scale``, fused li
 weights; a symmetric checkpoint's ``weight_zero_point``, if stored, must be zero); a
 float checkpoint's weights are quantized while they are read, one tensor at a time
 (worker/layers/int8_weights.py), so no rank holds more than one float tensor.
+
+FP8 and MXFP4 checkpoints (tpserve/weight_formats.py) are dequantized while read: each
+quantized tensor and its scale are one float32 source under the float checkpoint's name
+(worker/dequantize.py), of which a rank decodes only its slice; the layers are float
+(cast to ``dtype``) or, with ``--quantization int8``, requantized to int8 per channel.
+One log line at start-up says which.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
+import structlog
 import torch
 from safetensors import safe_open
 
 from tpserve.checkpoint import LM_HEAD, check_head_weights, checkpoint_files
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
+from tpserve.weight_formats import WeightFormat, weight_format
+from worker import dequantize
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
 from worker.load_progress import ShardProgress
 
 ZERO_POINT_SUFFIX = ".weight_zero_point"
+log = structlog.get_logger(__name__)
 
 
 def load_model(
@@ -71,9 +82,13 @@ def load_model(
     tied = config.tie_word_embeddings
     # Parameters are allocated uninitialised (torch.empty) on ctx.device: nothing
     # is randomly initialised, and each is written once, by its weight_loader.
-    model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied,
-                                             quantization=config.quantization or quantization)
-    load_weights(model, files, ctx.device)
+    quantization = config.quantization or quantization
+    model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied, quantization=quantization)
+    fmt = weight_format(config.hf_config)
+    load_weights(model, files, ctx.device, fmt)
+    if fmt is not None:
+        served = "int8 per-channel (--quantization int8)" if quantization == "int8" else str(dtype).removeprefix("torch.")
+        (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} dequantized at load to {served}")
     return model.eval()
 
 
@@ -82,7 +97,8 @@ def read_device(device: torch.device) -> str:
     return str(device) if device.type == "cuda" else "cpu"
 
 
-def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None) -> None:
+def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None,
+                 fmt: WeightFormat | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint tensors in ``files``.
 
     Args:
@@ -90,10 +106,15 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             places each checkpoint tensor.
         files: tensor name -> file.
         device: the parameters' device; CUDA slices are read straight onto it.
+        fmt: the FP8 / MXFP4 format the checkpoint stores, dequantized while read; None: float or int8.
 
     Raises:
-        ValueError: unexpected, missing or mis-shaped weights, named.
+        ValueError: unexpected, missing or mis-shaped weights, named; a corrupt quantized
+            tensor or scale (worker/dequantize.py), named.
     """
+    packed: dict[str, dequantize.Packed] = {}
+    if fmt is not None:
+        files, packed = dequantize.plan(files, fmt)  # the float checkpoint's names
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     targets: dict[str, tuple[str, ShardId]] = {}
@@ -127,17 +148,26 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         by_file[files[name]].append(name)
     progress = ShardProgress(by_file)  # one log line per file: bytes and time
     read_on = read_device(device or torch.device("cpu"))
+    packed_files = dequantize.OpenFiles()  # FP8 / MXFP4 values and scales, read on the CPU
     for path, names in by_file.items():
         with progress.shard(path), safe_open(path, framework="pt", device=read_on) as f:
             for name in names:
                 param_name, shard_id = targets[name]
                 param = params[param_name]
+                source: Any
                 try:
-                    param.weight_loader(param, f.get_slice(stored[name]), shard_id)  # type: ignore[attr-defined]
+                    if stored[name] in packed:
+                        source = dequantize.source(packed[stored[name]], fmt, packed_files)  # type: ignore[arg-type]
+                    else:
+                        source = f.get_slice(stored[name])
+                        if fmt is not None:
+                            dequantize.check_not_fp8(stored[name], source.get_dtype(), fmt)
+                    param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from error
                 shards = param.shard_ids if shard_id is None else (shard_id,)  # type: ignore[attr-defined]
                 loaded |= {(param_name, shard) for shard in shards}
+    packed_files.close()
     _check_zero_points({stored[n]: files[n] for n in zero_points}, [stored[n] for n in zero_points])
 
     # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.

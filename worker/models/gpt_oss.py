@@ -27,8 +27,9 @@ Config keys read here (and checked in tpserve/model_config_rules.py): ``num_loca
 ``num_experts_per_tok``, ``intermediate_size`` (one expert's width), ``swiglu_alpha``,
 ``swiglu_limit``, ``attention_bias``; ``sliding_window``, ``layer_types`` and the YaRN
 ``rope_parameters`` are read by tpserve/model_config.py. An MXFP4 checkpoint
-(``quantization_config.quant_method: "mxfp4"``, the experts as 4-bit blocks) is refused at
-start-up (tpserve/quantization.py).
+(``quantization_config.quant_method: "mxfp4"``, the experts as 4-bit blocks) loads its
+experts dequantized to the model dtype (worker/dequantize.py, through the loader: this
+file sees only float tensors).
 """
 
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""Published FP8 and MXFP4 checkpoints through ``ModelRunner`` at tensor-parallel degrees 1 and 2 (gloo).
+
+Four tiny checkpoints, each written in its format's on-disk layout by
+tests/worker/lowbit_checkpoints.py, against ``transformers`` running the dequantized
+float32 model (the values the format's reference dequantization gives):
+
+* ``fp8_block_llama``: ``quant_method: fp8``, e4m3 weights with ``weight_scale_inv`` per
+  32x64 block of every decoder linear layer (not square, so a transposed block grid
+  fails; at tp 2 the KV projections' 16-row shards and o_proj's 32-column shards start
+  inside a block);
+* ``fp8_block_qwen3_moe``: the same format on Qwen3-MoE, every expert (and the dense MLP
+  and attention) quantized in 16x32 blocks;
+* ``ct_fp8_llama``: compressed-tensors ``float-quantized``, attention per tensor and the
+  MLP per output channel with dynamic input activations (FP8_DYNAMIC), written by the
+  compressed-tensors library;
+* ``mxfp4_gpt_oss``: gpt-oss with its stacked experts as MXFP4 ``_blocks`` / ``_scales``
+  (at tp 2 each rank's down_proj shard starts inside a 32-value scale group).
+
+Stated bound, the same for every format: the loader computes each weight as the
+reference does, in float32 (``e4m3 * scale`` and ``e2m1 * 2**e`` are exact there), so
+the served model IS the dequantized model and the logits agree within atol = rtol =
+1e-4 (float32 activations: summation order only, as for float checkpoints), and every
+greedy token is the reference's.
+
+Each degree runs every job in one process group (one spawn per degree).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import load_hf_model, save_tiny_model
+from tests.worker.lowbit_checkpoints import GPT_OSS, QWEN3_MOE, save_compressed_tensors_fp8, save_fp8_block, save_mxfp4
+from tests.worker.scenarios import build_plans, hf_reference, standard_specs
+from tests.worker.tp_harness import Job, StepRecord, run_jobs
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+LOGITS_TOLERANCE = 1e-4
+#: Qwen3-MoE's linear weights: attention, the dense MLP and every expert (the router stays float).
+QWEN3_MOE_LINEAR = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class Case:
+    job: Job
+    expected: list[list[tuple[int, int]]]  # per step: (seq_id, completion index) per sample
+    completions: dict[int, list[int]]
+    logits: dict[int, torch.Tensor]
+
+
+def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> Case:
+    model = load_hf_model(reference_dir)
+    specs = standard_specs(model.config.vocab_size, seed=seed)
+    completions, logits = hf_reference(model, specs)
+    plans, expected = build_plans(specs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
+    return Case(Job(name, str(checkpoint), tuple(plans), NUM_BLOCKS, BLOCK_SIZE), expected, completions, logits)
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("lowbit")
+    qwen3_moe = save_tiny_model(QWEN3_MOE, root / "qwen3_moe")
+    gpt_oss = save_tiny_model(GPT_OSS, root / "gpt_oss")
+    written = {
+        "fp8_block_llama": save_fp8_block(tiny_checkpoints["gqa_tied"], root / "fp8_llama",
+                                          root / "fp8_llama_dequantized", block=(32, 64)),
+        "fp8_block_qwen3_moe": save_fp8_block(qwen3_moe, root / "fp8_moe", root / "fp8_moe_dequantized",
+                                              block=(16, 32), pattern=QWEN3_MOE_LINEAR),
+        "ct_fp8_llama": save_compressed_tensors_fp8(tiny_checkpoints["mqa_untied_bias"], root / "ct_fp8",
+                                                    root / "ct_fp8_dequantized"),
+        "mxfp4_gpt_oss": save_mxfp4(gpt_oss, root / "mxfp4", root / "mxfp4_dequantized"),
+    }
+    return {name: _case(name, checkpoint, reference, seed=i)
+            for i, (name, (checkpoint, reference)) in enumerate(written.items())}
+
+
+@pytest.fixture(scope="module")
+def records_at(cases: dict[str, Case]):
+    cache: dict[int, dict[str, list[StepRecord]]] = {}
+
+    def run(tp: int) -> dict[str, list[StepRecord]]:
+        if tp not in cache:
+            cache[tp] = run_jobs([case.job for case in cases.values()], tp_size=tp)
+        return cache[tp]
+
+    return run
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", ["fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama", "mxfp4_gpt_oss"])
+def test_lowbit_checkpoint_matches_transformers_on_its_dequantized_weights(tp: int, name: str, records_at,
+                                                                            cases: dict[str, Case]) -> None:
+    case, records = cases[name], records_at(tp)[name]
+    assert len(records) == len(case.expected)
+    worst = 0.0
+    for step, (record, samples) in enumerate(zip(records, case.expected, strict=True)):
+        assert record.sampled_token_ids == tuple(case.completions[s][i] for s, i in samples), f"step {step}"
+        if samples:
+            want = torch.stack([case.logits[s][i] for s, i in samples])  # (N, V)
+            worst = max(worst, float((record.logits - want).abs().max()))
+            torch.testing.assert_close(record.logits, want, atol=LOGITS_TOLERANCE, rtol=LOGITS_TOLERANCE,
+                                       msg=lambda m: f"step {step}: {m}")
+    print(f"{name} tp={tp}: largest logit difference {worst:.2e}")

@@ -1,0 +1,167 @@
+"""The FP8 / MXFP4 sources (worker/dequantize.py) and what the loader refuses, on one rank.
+
+* any slice of a 128x128-block FP8 weight (the published block) and of an MXFP4 expert
+  stack equals the same slice of transformers' own dequantization, exactly (float32);
+* ``--quantization int8`` on an FP8 checkpoint gives the int8 weights and scales of the
+  dequantized float checkpoint quantized at load, exactly;
+* a corrupt checkpoint is refused at load, the error naming the tensor: NaN, zero or
+  missing FP8 scales, a scale grid of the wrong shape, a block size that does not divide
+  the weight, e5m2 values, an e8m0 NaN, MXFP4 scales missing or blocks of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.worker.lowbit_checkpoints import GPT_OSS, pack_mxfp4, quantize_fp8_blocks, save_fp8_block, save_mxfp4
+from tests.tiny_models import save_tiny_model
+from tpserve.model_config import ModelConfig
+from tpserve.weight_formats import WeightFormat
+from worker.dequantize import Fp8Source, Mxfp4Source, OpenFiles, Packed
+from worker.loader import load_model
+from worker.parallel_state import ParallelContext
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
+
+
+def test_fp8_block_source_slices_equal_transformers_dequantization(tmp_path: Path) -> None:
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 384)
+    q, scale = quantize_fp8_blocks(w, (128, 128))
+    save_file({"w.weight": q, "w.weight_scale_inv": scale}, tmp_path / "t.safetensors")
+    path = tmp_path / "t.safetensors"
+    fmt = WeightFormat("fp8_block", "_scale_inv", (128, 128), "")
+    source = Fp8Source(Packed("w.weight", path, "w.weight_scale_inv", path), fmt, OpenFiles())
+    reference = _dequantize_fp8_weight(q, scale, [128, 128], torch.float32)
+    assert source.get_shape() == (256, 384)
+    for rows, columns in ((slice(None), slice(None)), (slice(37, 200), slice(100, 383)), (slice(128, 130), slice(0, 1))):
+        assert torch.equal(source[rows, columns], reference[rows, columns]), (rows, columns)
+    assert float((reference - w).abs().max()) <= float(w.abs().max()) / 8  # e4m3: 3 mantissa bits
+
+
+def test_fp8_partial_blocks_at_the_edges_equal_transformers_dequantization(tmp_path: Path) -> None:
+    """A weight that 128 does not divide (DeepSeek V3's 576-row kv_a_proj_with_mqa): ceil(N / 128) block rows."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(2))
+    padded = torch.nn.functional.pad(w, (0, 84, 0, 56))  # (256, 384): whole blocks, the padding zeros
+    q, scale = quantize_fp8_blocks(padded, (128, 128))
+    q = q[:200, :300].contiguous()
+    path = tmp_path / "t.safetensors"
+    save_file({"w.weight": q, "w.weight_scale_inv": scale}, path)
+    fmt = WeightFormat("fp8_block", "_scale_inv", (128, 128), "")
+    source = Fp8Source(Packed("w.weight", path, "w.weight_scale_inv", path), fmt, OpenFiles())
+    reference = _dequantize_fp8_weight(q, scale, [128, 128], torch.float32)
+    assert source.get_shape() == (200, 300) and tuple(scale.shape) == (2, 3)
+    for rows, columns in ((slice(None), slice(None)), (slice(100, 200), slice(150, 300)), (slice(199, 200), slice(255, 257))):
+        assert torch.equal(source[rows, columns], reference[rows, columns]), (rows, columns)
+
+
+def test_mxfp4_source_slices_equal_transformers_dequantization(tmp_path: Path) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = torch.randn(3, 96, 40, generator=torch.Generator().manual_seed(1))  # (E, A, B): A in 3 groups of 32
+    blocks, scales = pack_mxfp4(w)
+    path = tmp_path / "t.safetensors"
+    save_file({"x_blocks": blocks, "x_scales": scales}, path)
+    source = Mxfp4Source(Packed("x_blocks", path, "x_scales", path), OpenFiles())
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, A, B)
+    assert source.get_shape() == (3, 96, 40) == tuple(reference.shape)
+    for index in ((slice(None), slice(None), slice(None)), (slice(1, 2), slice(16, 80), slice(5, 33)),
+                  (slice(0, 3), slice(33, 34), slice(0, 40))):
+        assert torch.equal(source[index], reference[index]), index
+
+
+@pytest.fixture(scope="module")
+def fp8_llama(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("fp8_loader")
+    return save_fp8_block(tiny_checkpoints["gqa_tied"], root / "fp8", root / "dequantized", block=(32, 64))
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mxfp4_loader")
+    return save_mxfp4(save_tiny_model(GPT_OSS, root / "float"), root / "mxfp4", root / "dequantized")[0]
+
+
+def _load(model_dir: Path, quantization: str | None = None) -> torch.nn.Module:
+    config = ModelConfig.from_pretrained(model_dir)
+    return load_model(model_dir, config, ParallelContext.single(), torch.float32, quantization=quantization)
+
+
+def test_int8_flag_requantizes_fp8_weights_as_it_quantizes_their_float_values(fp8_llama: tuple[Path, Path]) -> None:
+    from structlog.testing import capture_logs
+
+    fp8, dequantized = fp8_llama
+    with capture_logs() as logs:
+        served = dict(_load(fp8, "int8").named_parameters())
+    said = [entry["event"] for entry in logs if "dequantized at load" in entry["event"]]
+    assert said == ["fp8 e4m3 block-scaled (32x64) weights dequantized at load to int8 per-channel "
+                    "(--quantization int8)"]
+    want = dict(_load(dequantized, "int8").named_parameters())
+    assert served["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.int8
+    assert served.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(served[name], value), name
+
+
+def _corrupted(source: Path, target: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> Path:
+    target.mkdir()
+    tensors = load_file(source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    edit(tensors, config)
+    save_file(tensors, target / "model.safetensors")
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def _set(name: str, value: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict, dict], None]:
+    return lambda tensors, config: tensors.update({name: value(tensors[name])})
+
+
+def _poke(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[1] = value
+        return t
+    return edit
+
+
+@pytest.mark.parametrize("edit, named, says", [
+    (_set(Q_PROJ + "_scale_inv", _poke(float("nan"))), Q_PROJ + "_scale_inv", "non-finite or non-positive"),
+    (_set(Q_PROJ + "_scale_inv", _poke(0.0)), Q_PROJ + "_scale_inv", "non-finite or non-positive"),
+    (_set(Q_PROJ + "_scale_inv", lambda t: t[:, :0]), Q_PROJ + "_scale_inv", "has shape [2, 0], expected [2, 1]"),
+    (lambda tensors, config: tensors.pop(Q_PROJ + "_scale_inv"), Q_PROJ, "has no scale"),
+    # 64-row q_proj has 2 block rows at 32 and at 48 (one partial); 128-row gate_proj 4 at 32, 3 at 48.
+    (lambda tensors, config: config["quantization_config"].update(weight_block_size=[48, 64]),
+     "model.layers.0.mlp.gate_proj.weight_scale_inv", "has shape [4, 1], expected [3, 1]"),
+    (_set(Q_PROJ, lambda t: t.float().to(torch.float8_e5m2)), Q_PROJ, "F8_E5M2"),
+])
+def test_a_corrupt_fp8_checkpoint_is_refused_naming_the_tensor(fp8_llama: tuple[Path, Path], tmp_path: Path,
+                                                               edit, named: str, says: str) -> None:
+    model_dir = _corrupted(fp8_llama[0], tmp_path / "corrupt", edit)
+    with pytest.raises(ValueError) as info:
+        _load(model_dir)
+    assert named in str(info.value) and says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("edit, named, says", [
+    (_set(GATE_UP + "_scales", lambda t: t.clone().fill_(255)), GATE_UP + "_scales", "NaN (e8m0 255)"),
+    (lambda tensors, config: tensors.pop(GATE_UP + "_scales"), GATE_UP + "_blocks", "has no scales"),
+    (_set(GATE_UP + "_blocks", lambda t: t[..., :8].contiguous()), GATE_UP + "_blocks", "expected [experts, rows"),
+    (_set(GATE_UP + "_scales", lambda t: t[:, :, :1].contiguous()), GATE_UP + "_scales", "one per 32 values"),
+])
+def test_a_corrupt_mxfp4_checkpoint_is_refused_naming_the_tensor(mxfp4_gpt_oss: Path, tmp_path: Path,
+                                                                 edit, named: str, says: str) -> None:
+    model_dir = _corrupted(mxfp4_gpt_oss, tmp_path / "corrupt", edit)
+    with pytest.raises(ValueError) as info:
+        _load(model_dir)
+    assert named in str(info.value) and says in str(info.value), str(info.value)
