@@ -17,21 +17,25 @@ from collections.abc import Sequence
 
 #: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
 MODEL_REGISTRY: dict[str, str] = {
+    "Exaone4ForCausalLM": "worker.models.exaone4:Exaone4ForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
+    "Olmo2ForCausalLM": "worker.models.olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "worker.models.olmo3:Olmo3ForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "worker.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "SmolLM3ForCausalLM": "worker.models.smollm3:SmolLM3ForCausalLM",
 }
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
-#: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.
-TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+#: (Gemma2Config, Gemma3TextConfig, SmolLM3Config); every other family's defaults to False.
+TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM"})
 
 
 def ties_word_embeddings_by_default(architecture: str) -> bool:
