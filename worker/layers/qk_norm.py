@@ -67,8 +67,9 @@ def full_width_qk_norm(qkv: torch.Tensor, q_norm: FullWidthRMSNorm, k_norm: Full
     q32, k32 = q.float(), k.float()  # (T, q_size), (T, kv_size)
     sums = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1)  # (T, 2) float32
     sums = ctx.all_reduce(sums)  # every rank's heads: the sums over the full widths (replicas counted each)
-    widths = torch.tensor([q_size * ctx.tp_size, kv_size * ctx.tp_size], dtype=torch.float32, device=qkv.device)
-    inv_rms = torch.rsqrt(sums / widths + torch.tensor([q_norm.eps, k_norm.eps], device=qkv.device))  # (T, 2)
-    q = (q_norm.weight.float() * (q32 * inv_rms[:, :1])).to(qkv.dtype)  # (T, q_size)
-    k = (k_norm.weight.float() * (k32 * inv_rms[:, 1:])).to(qkv.dtype)  # (T, kv_size)
+    # Python scalars, not tensors built here: no host-to-device copy inside a captured CUDA graph.
+    q_inv_rms = torch.rsqrt(sums[:, :1] / (q_size * ctx.tp_size) + q_norm.eps)  # (T, 1)
+    k_inv_rms = torch.rsqrt(sums[:, 1:] / (kv_size * ctx.tp_size) + k_norm.eps)  # (T, 1)
+    q = (q_norm.weight.float() * (q32 * q_inv_rms)).to(qkv.dtype)  # (T, q_size)
+    k = (k_norm.weight.float() * (k32 * k_inv_rms)).to(qkv.dtype)  # (T, kv_size)
     return torch.cat([q, k, v], dim=-1)  # (T, q_size + 2 * kv_size)
