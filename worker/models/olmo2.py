@@ -95,7 +95,7 @@ class OlmoModel(LlamaModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         # (T, hidden): embedded and all-reduced over ranks, or the previous pipeline stage's output.
-        h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
+        h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # type: ignore[misc]
         ropes = [emb(positions, torch.float32, attn_metadata.rope_seq_lens)  # (T, 1, d) float32 pairs
                  for emb in self.rotary_embs]
         for layer, rope, kv_cache in zip(self.layers, self.rope_of_layer, kv_caches, strict=True):
