@@ -18,7 +18,7 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from tests.tiny_models import load_hf_model
+from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.cuda_graphs import DecodeGraphs, default_capture_sizes
 from worker.kernels.triton_attention import split_plan
@@ -206,15 +206,32 @@ def _teacher_forced_plans(texts: dict[int, list[int]], prompt_lens: dict[int, in
     return plans, rows
 
 
+#: Families whose graphs hold more than Llama's: OLMo 3 (the full-width QK norm's all-reduce, float32 RoPE per
+#: layer type, 6-token windows) and EXAONE 4 (a global NoPE layer beside windowed local ones).
+GRAPH_FAMILIES = {
+    "olmo3": TinyModelSpec("graphs_olmo3", "olmo3", {"num_hidden_layers": 4, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 150,
+                                                     "sliding_window": 6}, seed=21),
+    "exaone4": TinyModelSpec("graphs_exaone4", "exaone4", {"num_hidden_layers": 4, "num_attention_heads": 4,
+                                                           "num_key_value_heads": 2, "head_dim": 32,
+                                                           "vocab_size": 150, "sliding_window": 6}, seed=22),
+}
+
+
 @needs_triton
 @pytest.mark.parametrize("tp", [2])
-def test_decode_graphs_under_tensor_parallelism_match_transformers(tp: int, tiny_checkpoints: dict[str, Path]) -> None:
+@pytest.mark.parametrize("name", ["gqa_tied", *GRAPH_FAMILIES])
+def test_decode_graphs_under_tensor_parallelism_match_transformers(tp: int, name: str, tmp_path: Path,
+                                                                   tiny_checkpoints: dict[str, Path]) -> None:
     """Every rank replays its graph (the all-reduces inside it: NCCL on GPUs, the CPU's collective here)."""
     from tests.worker.tp_harness import Job, run_jobs
 
     if DEVICE.type == "cuda" and torch.cuda.device_count() < tp:
         pytest.skip(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
-    model_dir = tiny_checkpoints["gqa_tied"]
+    if name in GRAPH_FAMILIES:
+        model_dir = save_tiny_model(GRAPH_FAMILIES[name], tmp_path / name)
+    else:
+        model_dir = tiny_checkpoints[name]
     hf = load_hf_model(model_dir)
     rng = random.Random(3)
     prompt_lens = {s: 2 + 3 * s for s in range(3)}
