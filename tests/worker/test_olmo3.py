@@ -32,7 +32,8 @@ def test_olmo3_matches_transformers(tp: int) -> None:
 
 
 def test_olmo3_layers_and_ropes() -> None:
-    """Guards the test and the defaults: 3 sliding : 1 full with two RoPEs; the same without ``layer_types``."""
+    """Guards the test and the defaults: 3 sliding : 1 full with two RoPEs; a flat ``rope_scaling`` on the full
+    layers only; every fourth layer full without ``layer_types``."""
     import torch
 
     from tpserve.model_config import ModelConfig
@@ -45,6 +46,11 @@ def test_olmo3_layers_and_ropes() -> None:
     assert model.model.rope_of_layer[:3] == [model.model.rope_of_layer[0]] * 3
     full = model.model.rotary_embs[model.model.rope_of_layer[3]]
     assert (full.theta, full.rope_scaling) == (500000.0, {"rope_type": "linear", "factor": 2.0})
+    # transformers 4's flat keys: Olmo3Config puts rope_scaling on the full-attention layers only.
+    flat = ModelConfig.from_dict({**config.hf_config, "rope_parameters": None, "rope_theta": 500000.0,
+                                  "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert model.ropes(flat) == {"full_attention": (500000.0, {"rope_type": "linear", "factor": 2.0}),
+                                 "sliding_attention": (500000.0, None)}
     older = ModelConfig.from_dict({**config.hf_config, "layer_types": None, "num_hidden_layers": 8})
     assert olmo3_layer_types(older) == ("sliding_attention",) * 3 + ("full_attention",) + \
         ("sliding_attention",) * 3 + ("full_attention",)
