@@ -16,6 +16,8 @@ missing required key is :func:`tpserve.model_config._required`'s error):
   layer type's too); ``longrope`` and other types are refused by the parser, not here;
 - :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token);
   :data:`FAMILY_RELATIONS`: one architecture's (expert groups, ``rotary_dim`` by ``head_dim``).
+- :data:`PER_LAYER_RULES`: lists with one entry per layer that one architecture reads
+  (SmolLM3's ``no_rope_layers``): ``num_hidden_layers`` long, each entry checked.
 
 Values must be JSON numbers: a string (``"nan"``) or a boolean is refused, and so are NaN
 and infinities. Integers are required where ``transformers`` uses the value as a count.
@@ -122,6 +124,9 @@ _GEMMA: dict[str, Check] = {
     "final_logit_softcapping": POSITIVE,
 }
 
+_EXAONE4_PATTERN = Check(lambda v: (_is_int(v) and v >= 1) or (isinstance(v, str) and v != "" and set(v) <= {"L", "G"}),
+                         "a positive integer (every n-th layer global) or a string of 'L' (local) and 'G' (global)")
+
 #: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
 FAMILY_RULES: dict[str, dict[str, Check]] = {
     "MixtralForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT},
@@ -152,6 +157,14 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
                           "num_experts_per_tok": POSITIVE_INT, "intermediate_size_mlp": POSITIVE_INT,
                           "interleave_moe_layer_step": POSITIVE_INT, "no_rope_layer_interval": POSITIVE_INT,
                           "floor_scale": POSITIVE, "attn_scale": FINITE},
+    "SmolLM3ForCausalLM": {"no_rope_layer_interval": POSITIVE_INT},
+    "Exaone4ForCausalLM": {"sliding_window_pattern": _EXAONE4_PATTERN},
+}
+
+#: Per architecture, the keys that list one value per layer, and what each value must be.
+PER_LAYER_RULES: dict[str, dict[str, Check]] = {
+    "SmolLM3ForCausalLM": {"no_rope_layers": Check(lambda v: v in (0, 1) and not isinstance(v, float),
+                                                   "0 (no RoPE) or 1 (RoPE)")},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.
@@ -247,8 +260,27 @@ def check_config(raw: Mapping[str, Any], architecture: str) -> None:
         rules.pop("sliding_window")
     check_fields(raw, rules)
     check_relations(raw, (*RELATIONS, *FAMILY_RELATIONS.get(architecture, ())))
+    check_relations(raw, RELATIONS)
+    check_per_layer(raw, PER_LAYER_RULES.get(architecture, {}))
     for where, rope in _rope_dicts(raw):
         check_rope(rope, where)
+
+
+def check_per_layer(raw: Mapping[str, Any], rules: Mapping[str, Check]) -> None:
+    """Check each per-layer list of ``rules`` present in ``raw``: a list of ``num_hidden_layers`` values,
+    each passing its :class:`Check` (``num_hidden_layers`` itself already checked).
+
+    Raises:
+        ValueError: one line naming the field, its value and what it must be.
+    """
+    layers = raw.get("num_hidden_layers")
+    for key, check in rules.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) != layers or not all(check.test(v) for v in value):
+            raise ValueError(f"config.json {key}={_show(value)} must list one value per layer "
+                             f"(num_hidden_layers={_show(layers)}), each {check.expect}")
 
 
 def check_rope(rope: Mapping[str, Any], where: str) -> None:

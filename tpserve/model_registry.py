@@ -18,6 +18,7 @@ from collections.abc import Sequence
 #: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
 MODEL_REGISTRY: dict[str, str] = {
     "CohereForCausalLM": "worker.models.cohere:CohereForCausalLM",
+    "Exaone4ForCausalLM": "worker.models.exaone4:Exaone4ForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "GptOssForCausalLM": "worker.models.gpt_oss:GptOssForCausalLM",
@@ -29,18 +30,22 @@ MODEL_REGISTRY: dict[str, str] = {
     "Llama4ForCausalLM": "worker.models.llama4:Llama4ForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
+    "Olmo2ForCausalLM": "worker.models.olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "worker.models.olmo3:Olmo3ForCausalLM",
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "worker.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "SmolLM3ForCausalLM": "worker.models.smollm3:SmolLM3ForCausalLM",
     "Starcoder2ForCausalLM": "worker.models.starcoder2:Starcoder2ForCausalLM",
 }
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
-#: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.
+#: (Gemma2Config, Gemma3TextConfig, CohereConfig, Ernie4_5_MoeConfig, SmolLM3Config, Starcoder2Config);
+#: every other family's defaults to False.
 TIED_BY_DEFAULT = frozenset({"CohereForCausalLM", "Ernie4_5_MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                             "Starcoder2ForCausalLM"})
+                             "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"})
 
 
 #: Architectures that rotate only the first ``rotary_dim`` dimensions of each head (partial RoPE,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny_models import TINY_MODELS, load_hf_model
+from tests.tiny_models import TINY_MODELS, TinyModelSpec, load_hf_model
 from tests.worker.scenarios import build_plans, hf_reference, standard_specs
 from tests.worker.tp_harness import Job, StepRecord
 
@@ -49,10 +49,12 @@ class Bf16Case:
     logits_fp32: dict[int, torch.Tensor]
 
 
-def bf16_cases(checkpoints: dict[str, Path], names: tuple[str, ...], device: str = "cpu") -> dict[str, Bf16Case]:
-    """The cases of the checkpoints ``names``; the bfloat16 reference runs on ``device``."""
+def bf16_cases(checkpoints: dict[str, Path], names: tuple[str, ...], device: str = "cpu",
+               extra: tuple[TinyModelSpec, ...] = ()) -> dict[str, Bf16Case]:
+    """The cases of the checkpoints ``names`` (of tests/tiny_models.py's set, or of ``extra``); the bfloat16
+    reference runs on ``device``."""
     cases = {}
-    for i, spec in enumerate(TINY_MODELS):
+    for i, spec in enumerate((*TINY_MODELS, *extra)):
         if spec.name not in names:
             continue
         model_dir = checkpoints[spec.name]

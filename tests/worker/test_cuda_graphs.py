@@ -18,7 +18,8 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from tests.tiny_models import load_hf_model
+from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
+from tests.worker.tp_harness import Job
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.cuda_graphs import DecodeGraphs, default_capture_sizes
 from worker.kernels.triton_attention import split_plan
@@ -206,15 +207,20 @@ def _teacher_forced_plans(texts: dict[int, list[int]], prompt_lens: dict[int, in
     return plans, rows
 
 
-@needs_triton
-@pytest.mark.parametrize("tp", [2])
-def test_decode_graphs_under_tensor_parallelism_match_transformers(tp: int, tiny_checkpoints: dict[str, Path]) -> None:
-    """Every rank replays its graph (the all-reduces inside it: NCCL on GPUs, the CPU's collective here)."""
-    from tests.worker.tp_harness import Job, run_jobs
+#: Families whose graphs hold more than Llama's: OLMo 3 (the full-width QK norm's all-reduce, float32 RoPE per
+#: layer type, 6-token windows) and EXAONE 4 (a global NoPE layer beside windowed local ones).
+GRAPH_FAMILIES = {
+    "olmo3": TinyModelSpec("graphs_olmo3", "olmo3", {"num_hidden_layers": 4, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 150,
+                                                     "sliding_window": 6}, seed=21),
+    "exaone4": TinyModelSpec("graphs_exaone4", "exaone4", {"num_hidden_layers": 4, "num_attention_heads": 4,
+                                                           "num_key_value_heads": 2, "head_dim": 32,
+                                                           "vocab_size": 150, "sliding_window": 6}, seed=22),
+}
 
-    if DEVICE.type == "cuda" and torch.cuda.device_count() < tp:
-        pytest.skip(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
-    model_dir = tiny_checkpoints["gqa_tied"]
+
+def _graph_case(model_dir: Path) -> tuple[Job, list, dict[int, torch.Tensor], dict[int, list[int]]]:
+    """A teacher-forced decode job on ``model_dir``: ``(job, rows, expected logits, texts)``."""
     hf = load_hf_model(model_dir)
     rng = random.Random(3)
     prompt_lens = {s: 2 + 3 * s for s in range(3)}
@@ -226,12 +232,30 @@ def test_decode_graphs_under_tensor_parallelism_match_transformers(tp: int, tiny
                 texts[s].append(int(hf(torch.tensor([texts[s]])).logits[0, -1].argmax()))
     schedule = [(0, 1, 2)] * 3 + [(2, 0)] * 2 + [(0,)] * 2  # padded to 4, to 2, batch 1
     plans, rows = _teacher_forced_plans(texts, prompt_lens, schedule)
-    job = Job("graphs", str(model_dir), tuple(plans), NUM_BLOCKS, BLOCK_SIZE, cuda_graph_sizes=(1, 2, 4),
+    job = Job(model_dir.name, str(model_dir), tuple(plans), NUM_BLOCKS, BLOCK_SIZE, cuda_graph_sizes=(1, 2, 4),
               max_model_len=32)
-    records = run_jobs([job], tp_size=tp, device=DEVICE.type)["graphs"]
     with torch.no_grad():
         expected = {s: hf(torch.tensor([t])).logits[0].float() for s, t in texts.items()}  # (L, V) each
-    for record, step_rows in zip(records, rows, strict=True):
-        for logits, (seq, position) in zip(record.logits, step_rows, strict=True):
-            torch.testing.assert_close(logits, expected[seq][position], atol=2e-4, rtol=1e-4)
-            assert int(logits.argmax()) == texts[seq][position + 1]  # the greedy text, token for token
+    return job, rows, expected, texts
+
+
+@needs_triton
+@pytest.mark.parametrize("tp", [2])
+def test_decode_graphs_under_tensor_parallelism_match_transformers(tp: int, tmp_path: Path,
+                                                                   tiny_checkpoints: dict[str, Path]) -> None:
+    """Every rank replays its graph (the all-reduces inside it: NCCL on GPUs, the CPU's collective here), for
+    Llama and :data:`GRAPH_FAMILIES`, in one process group."""
+    from tests.worker.tp_harness import run_jobs
+
+    if DEVICE.type == "cuda" and torch.cuda.device_count() < tp:
+        pytest.skip(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    model_dirs = [tiny_checkpoints["gqa_tied"]]
+    model_dirs += [save_tiny_model(spec, tmp_path / name) for name, spec in GRAPH_FAMILIES.items()]
+    cases = {model_dir.name: _graph_case(model_dir) for model_dir in model_dirs}
+    records = run_jobs([case[0] for case in cases.values()], tp_size=tp, device=DEVICE.type)
+    for name, (_job, rows, expected, texts) in cases.items():
+        for record, step_rows in zip(records[name], rows, strict=True):
+            for logits, (seq, position) in zip(record.logits, step_rows, strict=True):
+                torch.testing.assert_close(logits, expected[seq][position], atol=2e-4, rtol=1e-4,
+                                           msg=lambda m, name=name: f"{name}: {m}")
+                assert int(logits.argmax()) == texts[seq][position + 1]  # the greedy text, token for token

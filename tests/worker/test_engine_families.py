@@ -1,7 +1,7 @@
 """The newer families under the real scheduler and model runner (one process): n-gram speculative
 decoding gives ``transformers``' greedy tokens, and structured output follows its format.
 
-Each family of ``FAMILIES`` (a spec of tests/tiny_models.py) is rebuilt with stories260k's
+Each family of ``FAMILIES`` (a spec of tests/tiny_models.py, or one given there) is rebuilt with stories260k's
 tokenizer and its 512-token vocabulary (seeded random weights). Speculation: 6 prompts
 generate 48 greedy tokens each, all batched together, with ``NgramProposer`` proposing
 from each sequence's own text; every completion must equal ``generate(do_sample=False)``,
@@ -23,7 +23,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.sequence import Sequence, StopParams
 from coordinator.spec_decode import AdaptiveSpeculation
 from tests.paths import requires_stories
-from tests.tiny_models import load_hf_model, save_servable_model
+from tests.tiny_models import TinyModelSpec, load_hf_model, save_servable_model
 from tests.worker.structured import SCHEMA, complete
 from tpserve.step import SamplingParams
 from tpserve.v1 import generate_pb2 as pb
@@ -32,8 +32,11 @@ from worker.parallel_state import ParallelContext
 
 pytestmark = requires_stories
 
-#: tests/tiny_models.py specs run here.
-FAMILIES = ("qwen3_qk_norm",)
+#: tests/tiny_models.py specs run here, and EXAONE 4's (speculative chunks through windowed RoPE layers
+#: and a global NoPE layer, post-norms); its window (6) is shorter than the prompts and generations.
+FAMILIES = ("qwen3_qk_norm", TinyModelSpec("exaone4_engine", "exaone4", {
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "sliding_window": 6, "sliding_window_pattern": 4}, seed=23))
 NUM_NEW_TOKENS = 48
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
@@ -41,9 +44,10 @@ PROMPTS = [[1, 403, 407, 261], [1, 9, 30, 77, 101, 5], [1, 250], [1, 33, 44, 55,
            [1, 7, 7, 7, 7]]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES, ids=lambda family: getattr(family, "name", family))
 def family_model(request: pytest.FixtureRequest, stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_servable_model(request.param, tmp_path_factory.mktemp(request.param) / request.param, stories_dir)
+    name = getattr(request.param, "name", request.param)
+    return save_servable_model(request.param, tmp_path_factory.mktemp(name) / name, stories_dir)
 
 
 def test_ngram_speculation_gives_transformers_greedy_tokens(family_model: Path) -> None:

@@ -1,8 +1,8 @@
 """Weight-only int8 through ``ModelRunner`` at tensor-parallel degrees 1 and 2 (gloo).
 
-* ``--quantization int8`` on a float checkpoint: the logits of two tiny checkpoints
+* ``--quantization int8`` on a float checkpoint: the logits of three tiny checkpoints
   (GQA with tied embeddings; MQA, its one KV head replicated at tp 2, with an untied
-  head and biases) equal those of ``transformers`` run on the DEQUANTIZED weights
+  head and biases; OLMo 2, post-norms and a full-width QK norm sharded in float) equal those of ``transformers`` run on the DEQUANTIZED weights
   (``q * scale`` written by tests/worker/int8_checkpoints.py from the definition),
   within atol = rtol = 1e-4 (float32 activations: the same arithmetic up to
   summation order, as for the float model), and every token is the reference's;
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import load_hf_model
+from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
 from tests.worker.int8_checkpoints import save_compressed_tensors, save_dequantized
 from tests.worker.int8_goldens import GOLDEN_MIN_FULL_LINES, GOLDEN_MIN_PREFIX
 from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_specs
@@ -37,6 +37,9 @@ from worker.models.llama import LlamaForCausalLM
 from worker.parallel_state import ParallelContext
 
 MODELS = ("gqa_tied", "mqa_untied_bias")
+#: A post-norm family: its linears int8 beside the full-width QK norm's sharded weights (float).
+OLMO2 = TinyModelSpec("olmo2_int8", "olmo2", {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 150,
+                                             "attention_bias": True}, seed=8)
 COMPRESSED_MODEL = "mqa_untied_bias"
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -68,10 +71,11 @@ def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> Case:
 @pytest.fixture(scope="module")
 def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     root = tmp_path_factory.mktemp("int8")
+    checkpoints = {**tiny_checkpoints, OLMO2.name: save_tiny_model(OLMO2, root / OLMO2.name)}
     out = {}
-    for i, name in enumerate(MODELS):
-        reference = save_dequantized(tiny_checkpoints[name], root / f"{name}_dequantized")
-        out[name] = _case(name, tiny_checkpoints[name], reference, seed=i)
+    for i, name in enumerate((*MODELS, OLMO2.name)):
+        reference = save_dequantized(checkpoints[name], root / f"{name}_dequantized")
+        out[name] = _case(name, checkpoints[name], reference, seed=i)
     compressed, reference = save_compressed_tensors(tiny_checkpoints[COMPRESSED_MODEL], root / "compressed",
                                                     root / "compressed_dequantized")
     # The flag unset: a compressed-tensors checkpoint is int8 by its config.json alone.
@@ -103,7 +107,7 @@ def records_at(cases: dict[str, Case], golden_case):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", [*MODELS, "compressed_tensors"])
+@pytest.mark.parametrize("name", [*MODELS, OLMO2.name, "compressed_tensors"])
 def test_int8_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
                                                                cases: dict[str, Case]) -> None:
     case, records = cases[name], records_at(tp)[name]

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import worker.model_runner as model_runner
+from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
@@ -55,11 +56,26 @@ class DeviceGuard(TorchDispatchMode):
         return out
 
 
-@pytest.fixture(params=[None, "int8"], ids=["float", "int8"])
-def guarded_runner(tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+#: Families whose layers go beyond Llama's: the full-width QK norm and float32 RoPE per layer type (OLMo 3), NoPE
+#: layers (SmolLM3; EXAONE 4's global one), post-norms; each with a 6-token window on some layers.
+_DIMS = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 150,
+         "sliding_window": 6}
+META_FAMILIES = {
+    "olmo3": TinyModelSpec("meta_olmo3", "olmo3", _DIMS),
+    "smollm3": TinyModelSpec("meta_smollm3", "smollm3", {**_DIMS, "use_sliding_window": True, "pad_token_id": 0}),
+    "exaone4": TinyModelSpec("meta_exaone4", "exaone4", _DIMS),
+}
+
+
+@pytest.fixture(params=[("mqa_untied_bias", None), ("mqa_untied_bias", "int8"), *((f, None) for f in META_FAMILIES)],
+                ids=["float", "int8", *META_FAMILIES])
+def guarded_runner(tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+                   tmp_path: Path):
     """A meta runner (float, or weight-only int8) whose model forward, LM head and sampler run under one DeviceGuard."""
-    runner = ModelRunner(tiny_checkpoints["mqa_untied_bias"], ParallelContext.single("meta"), torch.bfloat16, 4,
-                         quantization=request.param)
+    name, quantization = request.param
+    model_dir = (save_tiny_model(META_FAMILIES[name], tmp_path / name) if name in META_FAMILIES
+                 else tiny_checkpoints[name])
+    runner = ModelRunner(model_dir, ParallelContext.single("meta"), torch.bfloat16, 4, quantization=quantization)
     guard = DeviceGuard()
     sampled: list[tuple[torch.Tensor, torch.Tensor]] = []
     model = runner.model

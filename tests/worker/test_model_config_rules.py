@@ -124,6 +124,23 @@ BAD_VALUES = [
      "num_experts_per_tok must be at most num_local_experts"),
     ("llama4-moe-step-0", "Llama4ForCausalLM", {"interleave_moe_layer_step": 0}, "interleave_moe_layer_step=0 must be"),
     ("llama4-floor-scale-0", "Llama4ForCausalLM", {"floor_scale": 0}, "floor_scale=0 must be"),
+    ("smollm3-no-rope-layers-short", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 1, 0]},
+     "no_rope_layers=[1, 1, 0] must list one value per layer (num_hidden_layers=4), each 0 (no RoPE) or 1 (RoPE)"),
+    ("smollm3-no-rope-layers-value", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 1, 2, 0]},
+     "no_rope_layers=[1, 1, 2, 0] must list one value per layer"),
+    ("smollm3-no-rope-layers-not-a-list", "SmolLM3ForCausalLM", {"no_rope_layers": 4}, "no_rope_layers=4 must list"),
+    ("smollm3-no-rope-interval-0", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 0},
+     "no_rope_layer_interval=0 must be a positive integer"),
+    ("smollm3-window-0", "SmolLM3ForCausalLM", {"use_sliding_window": True, "sliding_window": 0},
+     "sliding_window=0 must be a positive integer"),
+    ("olmo3-window-0", "Olmo3ForCausalLM", {"sliding_window": 0}, "sliding_window=0 must be a positive integer"),
+    ("olmo3-window-negative", "Olmo3ForCausalLM", {"sliding_window": -4096}, "sliding_window=-4096 must be"),
+    ("olmo2-eps-0", "Olmo2ForCausalLM", {"rms_norm_eps": 0}, "rms_norm_eps=0 must be"),
+    ("exaone4-window-0", "Exaone4ForCausalLM", {"sliding_window": 0}, "sliding_window=0 must be a positive integer"),
+    ("exaone4-pattern-0", "Exaone4ForCausalLM", {"sliding_window_pattern": 0},
+     "sliding_window_pattern=0 must be a positive integer (every n-th layer global) or a string of 'L' (local)"),
+    ("exaone4-pattern-letters", "Exaone4ForCausalLM", {"sliding_window_pattern": "LLLX"},
+     'sliding_window_pattern="LLLX" must be'),
 ]
 
 
@@ -144,6 +161,10 @@ def test_nonsense_is_refused_naming_the_field_and_value(architecture: str, overr
     ("Gemma2ForCausalLM", {"final_logit_softcapping": None}),  # null: no soft-capping
     ("Qwen2MoeForCausalLM", {"use_sliding_window": False, "sliding_window": 0}),  # switched off: not read
     ("LlamaForCausalLM", {"num_experts_per_tok": "x"}),  # a key Llama does not read is not checked
+    ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 1, 1, 0]}),
+    ("SmolLM3ForCausalLM", {"no_rope_layers": [True, True, True, False]}),  # booleans are 1 and 0 to transformers
+    ("Exaone4ForCausalLM", {"sliding_window": 128, "sliding_window_pattern": "LLLG"}),
+    ("Exaone4ForCausalLM", {"sliding_window": 128, "sliding_window_pattern": 4}),
 ])
 def test_edge_values_that_make_sense_are_served(architecture: str, overrides: dict) -> None:
     ModelConfig.from_dict(_config(architecture, **overrides))
@@ -172,5 +193,7 @@ def test_tie_word_embeddings_defaults_to_the_familys() -> None:
     assert ModelConfig.from_dict(_config("CohereForCausalLM")).tie_word_embeddings is True
     assert ModelConfig.from_dict(_config("Starcoder2ForCausalLM")).tie_word_embeddings is True
     assert ModelConfig.from_dict(_config("GraniteForCausalLM")).tie_word_embeddings is False
+    assert ModelConfig.from_dict(_config("SmolLM3ForCausalLM")).tie_word_embeddings is True
+    assert ModelConfig.from_dict(_config("Olmo3ForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("LlamaForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("Gemma2ForCausalLM", tie_word_embeddings=False)).tie_word_embeddings is False

@@ -4,7 +4,8 @@ Tiny checkpoints with more layers than the shared tiny set (stages need a layer
 each): a tied-embedding GQA Llama of 5 layers (uneven: 3 + 2 at pp 2, 1 + 1 + 2 + 1 at
 pp 4; with tied embeddings the last stage holds the embedding matrix for its head),
 an untied Qwen2 (q/k/v bias), a tied Granite (multipliers on the first and last
-stages) and a Llama 4 (layers built by global index), each of 4 layers. Each runs tests/worker/scenarios.py's
+stages), a Llama 4 (layers built by global index), an OLMo 3 and an EXAONE 4 (windows, RoPE per layer type,
+a NoPE layer, post-norms: each stage's layers as the model's), each of 4 layers. Each runs tests/worker/scenarios.py's
 standard scenario (prefills of several lengths, a prompt prefilled in two chunks,
 new prefills beside running decodes, a seeded sampled sequence preempted and
 re-sent, freed blocks reused): every sampled row's logits equal ``transformers``'
@@ -63,6 +64,17 @@ PP_MODELS = (
                    "intermediate_size_mlp": 128, "num_local_experts": 4, "interleave_moe_layer_step": 2,
                    "attention_chunk_size": 8, "floor_scale": 4, "attn_scale": 0.5, "tie_word_embeddings": False},
                   seed=14),
+    # Post-norms and the full-width QK norm (an all-reduce within each stage), 3 sliding : 1 full layers with
+    # a RoPE per layer type: each stage's layers take their own types' windows and RoPEs.
+    TinyModelSpec("pp_olmo3_4_layers", "olmo3",
+                  {**_DIMS, "num_hidden_layers": 4, "vocab_size": 190, "sliding_window": 6,
+                   "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 500000.0}}}, seed=13),
+    # EXAONE 4: local layers with RoPE and a window, the last layer global without RoPE (NoPE).
+    TinyModelSpec("pp_exaone4_4_layers", "exaone4",
+                  {**_DIMS, "num_hidden_layers": 4, "vocab_size": 190, "sliding_window": 6,
+                   "sliding_window_pattern": 4}, seed=14),
 )
 GREEDY_MODEL = PP_MODELS[0].name
 GOLDEN_JOB = "stories260k_goldens"

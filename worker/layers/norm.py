@@ -76,6 +76,29 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
+class Float32ScaledRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiplies before the cast back (``transformers``' ``Olmo2RMSNorm``):
+    ``(w * (x / sqrt(mean(x**2) + eps))).to(x.dtype)``, all in float32.
+
+    In float32 it is :class:`RMSNorm` (the same numbers, the compiled path); in bfloat16 it
+    rounds once instead of twice. Shapes as :class:`RMSNorm`.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)  # (T, hidden_size)
+        x32 = x.to(torch.float32)  # (T, hidden_size)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)  # (T, hidden_size)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, norm(residual + x))``: the fused pass in float32, else unfused."""
+        if x.dtype == torch.float32:
+            return super().add_and_norm(residual, x)
+        h = residual + x
+        return h, self(h)
+
+
 class SiluAndMul(nn.Module):
     """SwiGLU gate (Shazeer 2020, arXiv:2002.05202): ``silu(gate) * up``.
 

@@ -250,7 +250,8 @@ def rotate_and_cache(
     Args:
         qkv: ``(T, (num_heads + 2 * num_kv_heads) * d)``, the fused projection's output
             (queries, keys, values); rotated in place on the compiled path.
-        cos, sin: the step's ``(T, 1, d)`` from :class:`RotaryEmbedding`.
+        cos, sin: the step's ``(T, 1, d)`` from :class:`RotaryEmbedding`, in ``qkv``'s dtype or float32
+            (then the rotation runs in float32 and is cast back, as ``transformers``' OLMo 2/3 do).
         k_cache, v_cache: one layer's ``(num_blocks, block_size, num_kv_heads, d)``.
         slot_mapping: ``(T,) int64`` cache slot of each row.
         qk_norm: ``(q_norm, k_norm)``, RMSNorms of size ``d`` applied to every query and
@@ -285,6 +286,8 @@ def rotate_and_cache(
         qk = torch.cat([q_norm(q), k_norm(k)], dim=1)  # (T, num_heads + num_kv_heads, d), each head normalised
     # q and k heads rotated together: one set of elementwise ops instead of two.
     qk = apply_rotary(qk, cos, sin)  # (T, num_heads + num_kv_heads, d)
+    if qk.dtype != qkv.dtype:  # float32 cos/sin on bfloat16 heads (OLMo 2/3): rotated in float32, rounded once
+        qk = qk.to(qkv.dtype)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     v = qkv[:, qk_size:].view(num_tokens, num_kv_heads, d)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -229,13 +229,19 @@ class LlamaForCausalLM(CausalLM):
         self.has_head = stage.is_last
         self.has_embedding = stage.is_first or (stage.is_last and tie_word_embeddings)
         layers = [self.decoder_layer(config, ctx, dtype, quantization, i) for i in range(*self.layer_range)]
-        self.model = LlamaModel(config, ctx, dtype, layers, embedding=self.has_embedding, head=self.has_head,
-                                norm=self.final_norm(config, ctx, dtype) if self.has_head else None,
-                                interleaved_rope=self.interleaved_rope)
+        self.model = self.build_model(config, ctx, dtype, layers)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype) if self.has_head else None
         self.tie_word_embeddings = tie_word_embeddings
         if tie_word_embeddings and self.has_head:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def build_model(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
+                    layers: list[nn.Module]) -> LlamaModel:
+        """The decoder stack around ``layers`` (this stage's): where a family with RoPE per layer type
+        (worker/models/olmo3.py) swaps in its own."""
+        return LlamaModel(config, ctx, dtype, layers, embedding=self.has_embedding, head=self.has_head,
+                          norm=self.final_norm(config, ctx, dtype) if self.has_head else None,
+                          interleaved_rope=self.interleaved_rope)
 
     @classmethod
     def biases(cls, config: ModelConfig) -> Biases:
