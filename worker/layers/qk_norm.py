@@ -1,4 +1,4 @@
-"""Full-width QK norm: one RMSNorm over all query heads together, one over all key heads (OLMo 2 and 3).
+"""Full-width QK norm: one RMSNorm over all query heads together, one over all key heads (OLMo 2/3, MiniMax-M2).
 
 Qwen3 and Gemma 3 normalise each head on its own (an RMSNorm of size ``head_dim``,
 fused into the RoPE pass: worker/layers/rotary.py). OLMo 2 (OLMo et al. 2024,
@@ -17,8 +17,10 @@ collective per layer, so the all-reduce is the cheaper. Key/value heads replicat
 ranks (``tp_size > num_key_value_heads``) are counted once per replica in the sum; the
 divisor counts them as often (``tp_size * local width``), so the mean is the model's.
 
-Rounding as ``Olmo2RMSNorm``: statistics in float32, the weight multiplied in float32,
-then the cast back.
+Rounding: statistics in float32; the weight multiplied in float32, then the cast back
+(``Olmo2RMSNorm``), or ``cast_before_weight`` as ``LlamaRMSNorm`` (MiniMax-M2:
+``modeling_minimax_m2.py``'s ``MiniMaxM2RMSNorm`` casts, then multiplies). In float32 the two are
+the same numbers.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ class FullWidthRMSNorm(nn.Module):
     """
 
     def __init__(self, total_size: int, start: int, size: int, eps: float, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, cast_before_weight: bool = False) -> None:
         super().__init__()
         self.total_size, self.start, self.size, self.eps = total_size, start, size, eps
+        self.cast_before_weight = cast_before_weight
         self.weight = new_parameter((size,), dtype, device, loader=self.load_weight)
         self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
 
@@ -70,6 +73,12 @@ def full_width_qk_norm(qkv: torch.Tensor, q_norm: FullWidthRMSNorm, k_norm: Full
     # Python scalars, not tensors built here: no host-to-device copy inside a captured CUDA graph.
     q_inv_rms = torch.rsqrt(sums[:, :1] / (q_size * ctx.tp_size) + q_norm.eps)  # (T, 1)
     k_inv_rms = torch.rsqrt(sums[:, 1:] / (kv_size * ctx.tp_size) + k_norm.eps)  # (T, 1)
-    q = (q_norm.weight.float() * (q32 * q_inv_rms)).to(qkv.dtype)  # (T, q_size)
-    k = (k_norm.weight.float() * (k32 * k_inv_rms)).to(qkv.dtype)  # (T, kv_size)
+    q, k = _scaled(q_norm, q32 * q_inv_rms, qkv.dtype), _scaled(k_norm, k32 * k_inv_rms, qkv.dtype)
     return torch.cat([q, k, v], dim=-1)  # (T, q_size + 2 * kv_size)
+
+
+def _scaled(norm: FullWidthRMSNorm, normalized: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``normalized (T, size)`` float32 times the weight, in ``dtype``, rounded as the family's norm rounds."""
+    if norm.cast_before_weight:
+        return norm.weight * normalized.to(dtype)  # LlamaRMSNorm: cast, then weight
+    return (norm.weight.float() * normalized).to(dtype)  # Olmo2RMSNorm: weight in float32, then cast

@@ -20,8 +20,9 @@ Maverick). For a flat batch of ``T`` tokens on one rank, per layer ``i``:
         the others: down(silu(gate(x)) * up(x)), intermediate_size_mlp wide
     logits = lm_head(rms_norm(h))
 
-NoPE here is self-contained (a layer flag, no shared mechanism), so it can be merged with a
-shared NoPE layer later. Chunked attention is :class:`worker.attention.PagedAttention`'s
+NoPE here is a branch of the attention's forward, not worker/layers/nope.py (SmolLM3, EXAONE 4):
+Llama 4 rotates interleaved pairs and L2-normalises q and k after the rotation, where that layer
+normalises per head before a rotate-half rotation. Chunked attention is :class:`worker.attention.PagedAttention`'s
 ``attention_chunk_size`` (every attention path). The experts are stored fused in the
 checkpoint, ``experts.gate_up_proj (E, H, 2I)`` (``[gate | up]`` along the last axis) and
 ``experts.down_proj (E, I, H)``; :class:`Llama4Experts` reads this rank's slice of ``I``

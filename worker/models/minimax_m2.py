@@ -6,7 +6,7 @@ Reference: ``transformers``' ``modeling_minimax_m2.py``. For a flat batch of ``T
     for each layer:
         q, k, v = qkv_proj(rms_norm(h))                     no bias anywhere
         q, k = q_norm(q), k_norm(k)                         RMSNorm over ALL heads' q (k) together:
-                                                            worker/layers/full_qk_norm.py (one all-reduce at tp > 1)
+                                                            worker/layers/qk_norm.py (one all-reduce at tp > 1)
         q, k = rope(q[..., :r]) ++ q[..., r:], ...          partial RoPE, r = ``rotary_dim`` of ``head_dim``
         h = h + o_proj(attention(q, k, v))
         h = h + moe(rms_norm(h))                            one all-reduce
@@ -32,7 +32,7 @@ from torch import nn
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata
-from worker.layers.full_qk_norm import HeadShardedNormWeight, full_width_qk_norm
+from worker.layers.qk_norm import FullWidthRMSNorm, full_width_qk_norm
 from worker.layers.moe import MIXTRAL_EXPERT_NAMES, SparseMoeBlock, expert_checkpoint_name, expert_weight_map
 from worker.layers.moe_routing import BiasedRouting, BiasedTopKRouter
 from worker.layers.partial_rotary import rotate_partial_and_cache
@@ -53,14 +53,15 @@ class MiniMaxM2Attention(LlamaAttention):
         super().__init__(config, ctx, dtype, quantization, Biases(), sliding_window=sliding_window)
         d = config.head_dim
         self.ctx, self.eps, self.rotary_dim = ctx, config.rms_norm_eps, config.rotary_dim
-        self.q_norm = HeadShardedNormWeight(config.total_num_heads, ctx.tp_rank * self.num_heads, self.num_heads, d,
-                                            ctx, dtype)
-        self.k_norm = HeadShardedNormWeight(config.total_num_kv_heads, self.qkv_proj.kv_head_start,
-                                            self.num_kv_heads, d, ctx, dtype)
+        eps = config.rms_norm_eps
+        self.q_norm = FullWidthRMSNorm(config.total_num_heads * d, ctx.tp_rank * self.q_size, self.q_size, eps,
+                                       dtype=dtype, device=ctx.device, cast_before_weight=True)
+        self.k_norm = FullWidthRMSNorm(config.total_num_kv_heads * d, self.qkv_proj.kv_head_start * d, self.kv_size,
+                                       eps, dtype=dtype, device=ctx.device, cast_before_weight=True)
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
-        qkv = full_width_qk_norm(qkv, self.q_size, self.kv_size, self.q_norm, self.k_norm, self.eps, self.ctx)
+        qkv = full_width_qk_norm(qkv, self.q_norm, self.k_norm, self.ctx)
         if self.rotary_dim is None:
             q, k, v = rotate_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
                                        self.num_kv_heads)
