@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from tpserve.weight_formats import weight_format
+from tpserve.weight_formats import compressed_tensors_groups, weight_format
 
 #: The one scheme: int8 weights, per output channel, symmetric; activations in the model dtype.
 Quantization = Literal["int8"]
@@ -73,15 +73,7 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
     fmt = qc.get("format")
     if fmt not in COMPRESSED_TENSORS_FORMATS:
         raise _refuse(f"compressed-tensors format={fmt!r}")
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise _refuse(f"compressed-tensors quantization_status={status!r} (the weights are not stored as int8)")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise _refuse(f"compressed-tensors {key}={qc[key]!r}")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise _refuse("compressed-tensors without config_groups")
+    groups = compressed_tensors_groups(qc, "int8", _refuse)
     ignore = list(qc.get("ignore") or [])
     for name, group in groups.items():
         _check_group(name, group, ignore)

@@ -28,6 +28,7 @@ dequantized whatever its name; a quantized tensor without its scale is refused a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 #: How the ranks treat a tensor: fp8 with a per-block inverse scale, fp8 with a compressed-tensors scale, mxfp4.
@@ -81,6 +82,31 @@ def weight_format(raw_config: dict[str, Any]) -> WeightFormat | None:
     return None
 
 
+def compressed_tensors_groups(qc: dict[str, Any], stored_as: str,
+                              refuse: Callable[[str], ValueError]) -> dict[str, Any]:
+    """A compressed-tensors config's ``config_groups``, after the checks every scheme we serve shares.
+
+    Args:
+        qc: ``quantization_config``.
+        stored_as: what the weights must be stored as (``"fp8"``, ``"int8"``), for the message.
+        refuse: builds the caller's one-line error from what was found.
+
+    Raises:
+        ValueError: (from ``refuse``) weights not stored compressed, a KV-cache, sparsity or
+            transform scheme, or no ``config_groups``.
+    """
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise refuse(f"compressed-tensors quantization_status={status!r} (the weights are not stored as {stored_as})")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise refuse(f"compressed-tensors {key}={qc[key]!r}")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("compressed-tensors without config_groups")
+    return groups
+
+
 def _refuse(found: str) -> ValueError:
     return ValueError(f"unsupported quantized checkpoint: quantization_config {found}")
 
@@ -120,15 +146,7 @@ def _block_fp8(qc: dict[str, Any]) -> WeightFormat:
 
 def _compressed_tensors_fp8(qc: dict[str, Any]) -> WeightFormat:
     """llm-compressor's FP8 schemes: 8-bit float weights, one scale per tensor, channel or block."""
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise _refuse(f"compressed-tensors quantization_status={status!r} (the weights are not stored as fp8)")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise _refuse(f"compressed-tensors {key}={qc[key]!r}")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise _refuse("compressed-tensors without config_groups")
+    groups = compressed_tensors_groups(qc, "fp8", _refuse)
     _check_module_list(qc, "ignore")
     strategies, blocks = set(), set()
     for name, group in groups.items():
