@@ -83,6 +83,7 @@ def worker_options(config: RankConfig) -> WorkerOptions:
         local_rank=config.local_rank, local_world_size=config.local_world_size, node_rank=config.node_rank,
         pipeline_parallel_size=cluster.parallel.pipeline_parallel_size,
         device=load.device, dtype=load.dtype, block_size=cache.block_size, quantization=load.quantization,
+        kv_cache_dtype=cache.kv_cache_dtype,
         distributed_timeout_seconds=cluster.parallel.distributed_timeout_seconds,
         cache=CacheSizing(cache.gpu_memory_utilization, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
                           scheduler.max_model_len, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,

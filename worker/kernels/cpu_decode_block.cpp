@@ -78,7 +78,8 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, double, int64_t, double, const OptTensor&)>();
+                            const at::Tensor&, const at::Tensor&, double, int64_t, double, const OptTensor&,
+                            const OptTensor&, const OptTensor&)>();
   const int64_t T = h.size(0), d = k_cache.size(3);
   at::Tensor x = rms_norm_op.call(h, norm_weight, eps);            // (T, hidden)
   at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);    // (T, (H + 2 KVH) d)
@@ -90,7 +91,8 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
   }  // q, k rotated; k, v cached
   at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});  // (T, H, d), rows strided
   at::Tensor o = attention_op.call(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                                   sliding_window, 0.0, std::nullopt);  // (T, H, d)
+                                   sliding_window, 0.0, std::nullopt, std::nullopt,
+                                   std::nullopt);  // (T, H, d), a float32 cache
   return project(o.view({T, num_heads * d}), o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
 }
 

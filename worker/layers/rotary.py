@@ -226,6 +226,7 @@ def rotate_and_cache(
     num_heads: int,
     num_kv_heads: int,
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate the query and key heads of ``qkv`` and write this step's keys and values into the cache.
 
@@ -237,6 +238,8 @@ def rotate_and_cache(
         slot_mapping: ``(T,) int64`` cache slot of each row.
         qk_norm: ``(q_norm, k_norm)``, RMSNorms of size ``d`` applied to every query and
             key head before the rotation (QK-norm, as Qwen3 and Gemma 3 do); None: none.
+        kv_scales: the layer's ``(k_scale, v_scale)`` (``PagedAttention.kv_scales``), which an
+            8-bit cache's write needs (worker/kv_quant.py); unused with a float cache.
 
     Returns:
         ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` rotated, and ``v (T, num_kv_heads, d)``.
@@ -269,5 +272,5 @@ def rotate_and_cache(
     qk = apply_rotary(qk, cos, sin)  # (T, num_heads + num_kv_heads, d)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     v = qkv[:, qk_size:].view(num_tokens, num_kv_heads, d)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q, k, v
