@@ -181,7 +181,7 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, kv_scales: tuple[float, float] | None = None) -> None:
+                   slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``k, v (T, num_kv_heads, d)`` into the caches at ``slot_mapping (T,) int64``, in place.
 
     An 8-bit cache stores ``quantize(k / k_scale)``, ``quantize(v / v_scale)`` with ``kv_scales``

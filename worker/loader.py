@@ -39,6 +39,7 @@ from safetensors import safe_open
 from tpserve.checkpoint import LM_HEAD, check_head_weights, checkpoint_files
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
+from worker.kv_quant import kv_scale_kind
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
@@ -106,6 +107,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     for name in files:
         if tied and name == LM_HEAD:
             continue  # shared with the embedding
+        if kv_scale_kind(name) is not None:
+            continue  # an 8-bit KV cache's scales: worker/kv_quant.py reads them (unused with a float cache)
         if name.endswith(ZERO_POINT_SUFFIX):
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue

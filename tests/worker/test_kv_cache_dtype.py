@@ -178,3 +178,46 @@ def test_prefix_hits_chunks_and_recomputation_read_what_a_miss_wrote(kv_cache_dt
     for other in (hit, chunked, recomputed):
         torch.testing.assert_close(other, miss, atol=1e-4, rtol=0)
         assert other.argmax() == miss.argmax()
+
+
+def _with_kv_scales(source: Path, directory: Path, scales: dict[int, tuple[float, float]]) -> Path:
+    """A copy of ``source`` whose safetensors also hold ``model.layers.{i}.self_attn.{k,v}_scale`` scalars."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(directory / "model.safetensors")
+    for layer, (k, v) in scales.items():
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_checkpoint_scales_are_used_as_published(tmp_path: Path) -> None:
+    """vLLM's / llm-compressor's per-tensor ``k_scale``, ``v_scale`` tensors: every channel gets the layer's
+    scale, no calibration runs; with ``auto`` they are skipped; a layer without them is refused."""
+    scales = {layer: (0.05 * (layer + 1), 0.01 * (layer + 1)) for layer in range(4)}
+    model_dir = _with_kv_scales(default_model_dir(), tmp_path / "scaled", scales)
+    runner = _runner(model_dir, "fp8")
+    for layer, (k_scale, v_scale) in enumerate(runner.kv_scales):
+        assert torch.equal(k_scale, torch.full((4, 16), scales[layer][0]))
+        assert torch.equal(v_scale, torch.full((4, 16), scales[layer][1]))
+    ModelRunner(model_dir, ParallelContext.single(), torch.float32, 16)  # auto: loads, scales unused
+    partial = _with_kv_scales(default_model_dir(), tmp_path / "partial", {0: (0.1, 0.1)})
+    with pytest.raises(ValueError, match="KV cache scales for layers \\[0\\] but not layer 1"):
+        ModelRunner(partial, ParallelContext.single(), torch.float32, 16, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_triton_decode_and_graph_inputs_agree_with_the_float_cache(kv_cache_dtype: str) -> None:
+    """The CUDA path on the CPU: the decode graphs' static-buffer forward run eagerly (``capture=False``)
+    with the Triton kernel in its interpreter reading the 8-bit codes (scales set before the graphs)."""
+    prompts = [[1, 9, 33, 7, 120], [1, 400, 12]]
+    want = _teacher_forced(_runner(default_model_dir(), "auto"), prompts, None, 12)
+    runner = ModelRunner(default_model_dir(), ParallelContext.single(), torch.float32, block_size=16,
+                         kv_cache_dtype=kv_cache_dtype)
+    runner.init_kv_cache(16, cuda_graph_sizes=(1, 2), capture=False)
+    assert runner.cuda_graph_sizes == (1, 2)
+    assert _agreement(_teacher_forced(runner, prompts, want), want) >= MIN_AGREEMENT

@@ -44,9 +44,9 @@ def disable_decode_blocks(model: nn.Module) -> None:
     layer's fused RoPE-and-cache write stores float32 only)."""
     for module in model.modules():
         if getattr(module, "decode_block", False):
-            module.decode_block = False
+            setattr(module, "decode_block", False)  # noqa: B010 - a plain attribute, not a submodule
         if getattr(module, "decode_stack", None) is not None:
-            module.decode_stack = None
+            setattr(module, "decode_stack", None)  # noqa: B010
 
 
 def step_takes_decode_block(h: torch.Tensor, meta: AttentionMetadata) -> bool:

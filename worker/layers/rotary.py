@@ -226,7 +226,7 @@ def rotate_and_cache(
     num_heads: int,
     num_kv_heads: int,
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate the query and key heads of ``qkv`` and write this step's keys and values into the cache.
 
