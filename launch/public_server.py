@@ -221,6 +221,7 @@ class PublicServer:
             speculative_method=cfg.speculative.speculative_method or "",
             num_speculative_tokens=cfg.speculative.num_speculative_tokens or 0,
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
+            kv_cache_dtype=cfg.cache.kv_cache_dtype,
             server_version=__version__,
             async_scheduling=engine is not None and engine.scheduler.async_scheduling,
         )
@@ -236,6 +237,7 @@ class PublicServer:
             model=str(self.model_dir), served_model_name=info.model_name, dtype=info.dtype,
             quantization=info.quantization or "none", tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             pipeline_parallel_size=cfg.parallel.pipeline_parallel_size, nnodes=nnodes, num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
+            kv_cache_dtype=info.kv_cache_dtype,
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
             speculative_method=spec.speculative_method or "off",
             num_speculative_tokens=spec.num_speculative_tokens or 0,
