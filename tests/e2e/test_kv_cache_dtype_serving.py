@@ -1,0 +1,55 @@
+"""``tpserve serve --kv-cache-dtype int8|fp8`` at tp 2 on stories260k: the flag reaches every rank (the
+pool is 1 byte per element: 4x the blocks of the float32 cache in the same bytes), GetModelInfo reports
+it, and the served tokens are the 8-bit cache's: the same as a one-process tp 1 runner with that cache
+(each rank's per-head-channel scales do not depend on the split), and a prefix-cache hit's tokens
+are exactly a miss's. Agreement with the float goldens is measured in tests/worker/test_kv_cache_dtype.py.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import serve
+from tests.e2e.stories import wait_all_blocks_free
+from tests.paths import STORIES_DIR, load_goldens, requires_stories
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+#: A rank's 8-bit block at tp 2: K and V x 5 layers x 16 positions x 2 KV heads x 8 channels x 1 byte.
+BLOCK_BYTES = 2 * 5 * 16 * 2 * 8
+BUDGET_BLOCKS = 600
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_8_bit_kv_cache_serving_at_tp2(kv_cache_dtype: str, tmp_path: Path) -> None:
+    import torch
+
+    from tests.worker.test_kv_cache_dtype import _runner, _teacher_forced
+
+    goldens = load_goldens()
+    prompts = [g["prompt_token_ids"] for g in goldens]
+    want = _teacher_forced(_runner(STORIES_DIR, kv_cache_dtype), prompts, None, 24)  # tp 1, one process
+    log_path = tmp_path / "server.log"
+    with serve(STORIES_DIR, 2, "--kv-cache-dtype", kv_cache_dtype, "--log-format", "json",
+               "--kv-cache-memory-bytes", str(BUDGET_BLOCKS * BLOCK_BYTES), log_path=log_path) as cluster:
+        info = cluster.client.model_info()
+        assert info.kv_cache_dtype == kv_cache_dtype and info.num_kv_blocks == BUDGET_BLOCKS  # float32: 150
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=24, temperature=0,
+                                                                     ignore_eos=True), prompts))
+        long = [1] + list(range(100, 144))  # 45 tokens, unseen: 2 full blocks to share
+        miss, hit = (cluster.client.generate(long, max_tokens=16, temperature=0, ignore_eos=True) for _ in range(2))
+        wait_all_blocks_free(cluster)
+    assert [list(r.token_ids) for r in results] == want
+    assert (miss.usage.cached_prompt_tokens, hit.usage.cached_prompt_tokens) == (0, 32)
+    assert list(hit.token_ids) == list(miss.token_ids)
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    loaded = [e for e in lines if e.get("event") == "shard loaded"]
+    storage = str(dict(int8=torch.int8, fp8=torch.float8_e4m3fn)[kv_cache_dtype]).removeprefix("torch.")
+    assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["kv_cache_dtype"] for e in loaded} == {storage}
+    assert {e["num_kv_blocks_available"] for e in loaded} == {BUDGET_BLOCKS}
+    assert sum(e.get("event") == "kv cache scales calibrated" for e in lines) == 2  # once per rank
