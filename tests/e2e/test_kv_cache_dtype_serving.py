@@ -1,4 +1,4 @@
-"""``tpserve serve --kv-cache-dtype int8|fp8`` at tp 2 on stories260k: the flag reaches every rank (the
+"""``tpserve serve --kv-cache-dtype int8`` at tp 2 and ``fp8`` at tp 4 on stories260k: the flag reaches every rank (the
 pool is 1 byte per element: 4x the blocks of the float32 cache in the same bytes), GetModelInfo reports
 it, and the served tokens are the 8-bit cache's: the same as a one-process tp 1 runner with that cache
 (each rank's per-head-channel scales do not depend on the split), and a prefix-cache hit's tokens
@@ -19,25 +19,25 @@ from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
-#: A rank's 8-bit block at tp 2: K and V x 5 layers x 16 positions x 2 KV heads x 8 channels x 1 byte.
-BLOCK_BYTES = 2 * 5 * 16 * 2 * 8
 BUDGET_BLOCKS = 600
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_8_bit_kv_cache_serving_at_tp2(kv_cache_dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype, tp", [("int8", 2), ("fp8", 4)])
+def test_8_bit_kv_cache_serving(kv_cache_dtype: str, tp: int, tmp_path: Path) -> None:
     import torch
 
-    from tests.worker.test_kv_cache_dtype import _runner, _teacher_forced
+    from tests.worker.kv8_helpers import eight_bit_runner, teacher_forced
 
     goldens = load_goldens()
     prompts = [g["prompt_token_ids"] for g in goldens]
-    want = _teacher_forced(_runner(STORIES_DIR, kv_cache_dtype), prompts, None, 24)  # tp 1, one process
+    want = teacher_forced(eight_bit_runner(STORIES_DIR, kv_cache_dtype), prompts, None, 24)  # tp 1, one process
     log_path = tmp_path / "server.log"
-    with serve(STORIES_DIR, 2, "--kv-cache-dtype", kv_cache_dtype, "--log-format", "json",
-               "--kv-cache-memory-bytes", str(BUDGET_BLOCKS * BLOCK_BYTES), log_path=log_path) as cluster:
+    block_bytes = 2 * 5 * 16 * (4 // tp) * 8  # a rank's block: K and V x 5 layers x 16 positions x its heads x 8 x 1 byte
+    with serve(STORIES_DIR, tp, "--kv-cache-dtype", kv_cache_dtype, "--log-format", "json",
+               "--kv-cache-memory-bytes", str(BUDGET_BLOCKS * block_bytes), log_path=log_path) as cluster:
         info = cluster.client.model_info()
         assert info.kv_cache_dtype == kv_cache_dtype and info.num_kv_blocks == BUDGET_BLOCKS  # float32: 150
+        assert info.tensor_parallel_size == tp
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=24, temperature=0,
                                                                      ignore_eos=True), prompts))
@@ -50,6 +50,6 @@ def test_8_bit_kv_cache_serving_at_tp2(kv_cache_dtype: str, tmp_path: Path) -> N
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     loaded = [e for e in lines if e.get("event") == "shard loaded"]
     storage = str(dict(int8=torch.int8, fp8=torch.float8_e4m3fn)[kv_cache_dtype]).removeprefix("torch.")
-    assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["kv_cache_dtype"] for e in loaded} == {storage}
+    assert sorted(e["rank"] for e in loaded) == list(range(tp)) and {e["kv_cache_dtype"] for e in loaded} == {storage}
     assert {e["num_kv_blocks_available"] for e in loaded} == {BUDGET_BLOCKS}
-    assert sum(e.get("event") == "kv cache scales calibrated" for e in lines) == 2  # once per rank
+    assert sum(e.get("event") == "kv cache scales calibrated" for e in lines) == tp  # once per rank

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from tests.paths import requires_stories
+from tests.worker.kv8_helpers import GREEDY, agreement, eight_bit_runner, teacher_forced
 from tpserve.embedded_model import default_model_dir
-from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from tpserve.step import NewSequence, ScheduledChunk, StepPlan
 from worker.kernels import cpu_kernels_available
 from worker.kernels.triton_attention import paged_decode_attention
 from worker.kv_cache import KVCacheLayout
@@ -26,42 +27,9 @@ from worker.kv_quant import dequantize, quantize
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 
-GREEDY = SamplingParams(temperature=0.0)
 EIGHT_BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 #: The bound the issue sets on agreement with the float cache.
 MIN_AGREEMENT = 0.95
-
-
-def _runner(model_dir: Path, kv_cache_dtype: str, num_blocks: int = 48, block_size: int = 16) -> ModelRunner:
-    runner = ModelRunner(model_dir, ParallelContext.single(), torch.float32, block_size=block_size,
-                         kv_cache_dtype=kv_cache_dtype)
-    runner.init_kv_cache(num_blocks)
-    return runner
-
-
-def _teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]] | None,
-                    num_tokens: int = 0) -> list[list[int]]:
-    """Per prompt, the greedy token after the prompt and after each prefix of ``forced`` (all prompts in one
-    batch); ``forced`` None: free-running greedy, ``num_tokens`` each."""
-    forced = forced or [[0] * num_tokens for _ in prompts]
-    bs, blocks, new, chunks = runner.block_size, 0, [], []
-    for i, (prompt, tokens) in enumerate(zip(prompts, forced)):
-        need = -(-(len(prompt) + len(tokens)) // bs)
-        new.append(NewSequence(i, GREEDY))
-        chunks.append(ScheduledChunk(i, tuple(prompt), 0, tuple(range(blocks, blocks + need))))
-        blocks += need
-    out = [[t] for t in runner.execute(StepPlan(0, tuple(new), tuple(chunks))).sampled_token_ids]
-    for k in range(1, len(forced[0])):
-        step = [ScheduledChunk(i, (forced[i][k - 1] if num_tokens == 0 else out[i][-1],), len(prompts[i]) + k - 1)
-                for i in range(len(prompts))]
-        for i, t in enumerate(runner.execute(StepPlan(k, (), tuple(step))).sampled_token_ids):
-            out[i].append(t)
-    runner.execute(StepPlan(len(forced[0]), finished_seq_ids=tuple(range(len(prompts)))))
-    return out
-
-
-def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
-    return sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(map(len, want))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -140,17 +108,17 @@ def test_stories260k_goldens_agree_with_an_8_bit_cache(kv_cache_dtype: str, stor
     """stories260k's heads (d = 8) take the torch path: gathered blocks dequantized, prefill rounded alike."""
     prompts = [g["prompt_token_ids"] for g in golden_lines]
     want = [g["completion_token_ids"] for g in golden_lines]
-    got = _teacher_forced(_runner(stories_dir, kv_cache_dtype), prompts, want)
-    assert _agreement(got, want) >= MIN_AGREEMENT  # int8 0.991, fp8 0.975 measured
+    got = teacher_forced(eight_bit_runner(stories_dir, kv_cache_dtype), prompts, want)
+    assert agreement(got, want) >= MIN_AGREEMENT  # int8 0.991, fp8 0.975 measured
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_embedded_model_agrees_with_its_float_cache(kv_cache_dtype: str) -> None:
     """The embedded model's heads (d = 16) take the compiled paged kernel: the codes converted in registers."""
     prompts = [[1, 9, 33, 7, 120], [1, 400, 12], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 77]]
-    want = _teacher_forced(_runner(default_model_dir(), "auto"), prompts, None, 32)  # the float cache's greedy tokens
-    got = _teacher_forced(_runner(default_model_dir(), kv_cache_dtype), prompts, want)
-    assert _agreement(got, want) >= MIN_AGREEMENT
+    want = teacher_forced(eight_bit_runner(default_model_dir(), "auto"), prompts, None, 32)  # the float cache's greedy tokens
+    got = teacher_forced(eight_bit_runner(default_model_dir(), kv_cache_dtype), prompts, want)
+    assert agreement(got, want) >= MIN_AGREEMENT
 
 
 def _prompt_logits(runner: ModelRunner, seq: int, chunks: list[tuple[tuple[int, ...], int, tuple[int, ...]]],
@@ -168,7 +136,7 @@ def test_prefix_hits_chunks_and_recomputation_read_what_a_miss_wrote(kv_cache_dt
     """With the same 8-bit cache, a prefix-cache hit (the shared blocks written by another sequence), a
     chunked prompt and a preempted-and-recomputed sequence give a miss's logits: every read sees the
     values the cache holds, and a first chunk attends over its own keys rounded as the cache rounds them."""
-    runner = _runner(default_model_dir(), kv_cache_dtype)
+    runner = eight_bit_runner(default_model_dir(), kv_cache_dtype)
     prompt = tuple(range(3, 43))  # 40 tokens: blocks of 16, 16 and 8
     miss = _prompt_logits(runner, 0, [(prompt, 0, (0, 1, 2))], 0)
     hit = _prompt_logits(runner, 1, [(prompt[32:], 32, (0, 1, 3))], 1)  # blocks 0, 1 shared with sequence 0
@@ -200,7 +168,7 @@ def test_checkpoint_scales_are_used_as_published(tmp_path: Path) -> None:
     scale, no calibration runs; with ``auto`` they are skipped; a layer without them is refused."""
     scales = {layer: (0.05 * (layer + 1), 0.01 * (layer + 1)) for layer in range(4)}
     model_dir = _with_kv_scales(default_model_dir(), tmp_path / "scaled", scales)
-    runner = _runner(model_dir, "fp8")
+    runner = eight_bit_runner(model_dir, "fp8")
     for layer, (k_scale, v_scale) in enumerate(runner.kv_scales):
         assert torch.equal(k_scale, torch.full((4, 16), scales[layer][0]))
         assert torch.equal(v_scale, torch.full((4, 16), scales[layer][1]))
@@ -215,9 +183,9 @@ def test_triton_decode_and_graph_inputs_agree_with_the_float_cache(kv_cache_dtyp
     """The CUDA path on the CPU: the decode graphs' static-buffer forward run eagerly (``capture=False``)
     with the Triton kernel in its interpreter reading the 8-bit codes (scales set before the graphs)."""
     prompts = [[1, 9, 33, 7, 120], [1, 400, 12]]
-    want = _teacher_forced(_runner(default_model_dir(), "auto"), prompts, None, 12)
+    want = teacher_forced(eight_bit_runner(default_model_dir(), "auto"), prompts, None, 12)
     runner = ModelRunner(default_model_dir(), ParallelContext.single(), torch.float32, block_size=16,
                          kv_cache_dtype=kv_cache_dtype)
     runner.init_kv_cache(16, cuda_graph_sizes=(1, 2), capture=False)
     assert runner.cuda_graph_sizes == (1, 2)
-    assert _agreement(_teacher_forced(runner, prompts, want), want) >= MIN_AGREEMENT
+    assert agreement(teacher_forced(runner, prompts, want), want) >= MIN_AGREEMENT
