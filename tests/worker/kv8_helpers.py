@@ -23,9 +23,10 @@ def eight_bit_runner(model_dir: Path, kv_cache_dtype: str, num_blocks: int = 48,
 
 
 def teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]] | None,
-                   num_tokens: int = 0) -> list[list[int]]:
+                   num_tokens: int = 0, logits: list[torch.Tensor] | None = None) -> list[list[int]]:
     """Per prompt, the greedy token after the prompt and after each prefix of ``forced`` (all prompts in one
-    batch); ``forced`` None: free-running greedy, ``num_tokens`` each."""
+    batch); ``forced`` None: free-running greedy, ``num_tokens`` each. ``logits``: each step's
+    ``(num_prompts, vocab)`` logits are appended to it."""
     forced = forced or [[0] * num_tokens for _ in prompts]
     bs, blocks, new, chunks = runner.block_size, 0, [], []
     for i, (prompt, tokens) in enumerate(zip(prompts, forced)):
@@ -34,11 +35,15 @@ def teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[l
         chunks.append(ScheduledChunk(i, tuple(prompt), 0, tuple(range(blocks, blocks + need))))
         blocks += need
     out = [[t] for t in runner.execute(StepPlan(0, tuple(new), tuple(chunks))).sampled_token_ids]
+    if logits is not None:
+        logits.append(runner.last_logits.clone())
     for k in range(1, len(forced[0])):
         step = [ScheduledChunk(i, (forced[i][k - 1] if num_tokens == 0 else out[i][-1],), len(prompts[i]) + k - 1)
                 for i in range(len(prompts))]
         for i, t in enumerate(runner.execute(StepPlan(k, (), tuple(step))).sampled_token_ids):
             out[i].append(t)
+        if logits is not None:
+            logits.append(runner.last_logits.clone())
     runner.execute(StepPlan(len(forced[0]), finished_seq_ids=tuple(range(len(prompts)))))
     return out
 
