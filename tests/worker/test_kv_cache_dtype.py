@@ -228,3 +228,36 @@ def test_families_logits_with_an_8_bit_cache_stay_near_the_float_cache(spec: Tin
     worst = max(float((g - w).abs().max()) for g, w in zip(got_logits, want_logits, strict=True))
     spread = float(torch.stack(want_logits).std())
     assert 0 < worst < FAMILY_LOGIT_BOUND * spread, (worst, spread)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels need AVX2 and a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_the_compiled_rope_and_cache_write_stores_torchs_codes(dtype: torch.dtype, qk_norm: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused RoPE-and-cache op (cpu_elementwise.cpp) writes the codes ``quantize`` makes, bit for bit, so
+    that a first chunk's rounded keys (torch) and what a later step reads back (the op's) agree."""
+    from worker.layers import rotary
+    from worker.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    T, H, KVH, d = 6, 4, 2, 16
+    qkv = torch.randn(T, (H + 2 * KVH) * d, generator=g) * 3
+    angles = torch.rand(T, 1, d, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    scales = (torch.rand(KVH, d, generator=g) * 0.05 + 0.01, torch.rand(KVH, d, generator=g) * 0.02 + 0.005)
+    slots = torch.tensor([3, 9, 17, 30, 0, 21])
+    norms = None
+    if qk_norm:
+        norms = (RMSNorm(d, 1e-6, dtype=torch.float32, device=torch.device("cpu")),
+                 RMSNorm(d, 1e-6, dtype=torch.float32, device=torch.device("cpu")))
+        for norm in norms:
+            norm.weight.data.copy_(torch.rand(d, generator=g) + 0.5)
+    caches = []
+    for compiled in (True, False):
+        monkeypatch.setattr(rotary, "cpu_kernels_available", lambda compiled=compiled: compiled)
+        k_cache, v_cache = torch.zeros(8, 4, KVH, d, dtype=dtype), torch.zeros(8, 4, KVH, d, dtype=dtype)
+        rotary.rotate_and_cache(qkv.clone(), cos, sin, k_cache, v_cache, slots, H, KVH, norms, kv_scales=scales)
+        caches.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8)))
+    (k1, v1), (k2, v2) = caches
+    assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.count_nonzero() > T * KVH * d // 2

@@ -245,20 +245,25 @@ def rotate_and_cache(
         ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` rotated, and ``v (T, num_kv_heads, d)``.
 
     On a float32 CPU step with the compiled kernels this is one pass over the rows
-    (worker/kernels/cpu_elementwise.cpp, the same roundings as :func:`apply_rotary`);
+    (worker/kernels/cpu_elementwise.cpp, the same roundings as :func:`apply_rotary`; into an
+    8-bit cache the same codes as :func:`worker.kv_quant.quantize`);
     elsewhere the norms, :func:`apply_rotary` on the q and k heads together and
     :func:`worker.attention.write_kv_cache`.
     """
     num_tokens, d = qkv.shape[0], k_cache.shape[-1]
-    if (qkv.device.type == "cpu" and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
+    if (qkv.device.type == "cpu" and qkv.dtype == cos.dtype == torch.float32
+            and (k_cache.dtype == torch.float32 or kv_scales is not None)
             and qkv.is_contiguous() and cpu_kernels_available()):
+        # An 8-bit cache: the op stores the codes (kv_scales is None for a float cache: no scales passed).
+        scales: tuple[torch.Tensor, ...] = () if k_cache.dtype == torch.float32 or kv_scales is None else kv_scales
         if qk_norm is None:
             torch.ops.tpserve_cpu.rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
-                                                   num_kv_heads)
+                                                   num_kv_heads, *scales)
         else:
             q_norm, k_norm = qk_norm
             torch.ops.tpserve_cpu.qk_norm_rotary_and_cache(qkv, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin,
-                                                           k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+                                                           k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                                                           *scales)
         # split_with_sizes: the C method (Tensor.split is a Python wrapper around it, a few us a layer).
         q, k, v = qkv.view(num_tokens, -1, d).split_with_sizes([num_heads, num_kv_heads, num_kv_heads], dim=1)
         return q, k, v
