@@ -149,6 +149,17 @@ def test_prefix_hits_chunks_and_recomputation_read_what_a_miss_wrote(kv_cache_dt
     for other in (hit, chunked, recomputed):
         torch.testing.assert_close(other, miss, atol=1e-4, rtol=0)
         assert other.argmax() == miss.argmax()
+    # Preempted after decoding 6 tokens (read from the cache by the compiled kernel), then recomputed
+    # as one prefill of prompt and output (SDPA over the rounded keys): the next token's logits agree.
+    tokens = [int(miss.argmax())]
+    for k in range(6):
+        runner.execute(StepPlan(6 + k, (), (ScheduledChunk(0, (tokens[-1],), 40 + k, (10,) if k == 0 else ()),)))
+        tokens.append(int(runner.last_logits[0].argmax()))
+    decoded = runner.last_logits[0].clone()
+    runner.execute(StepPlan(12, finished_seq_ids=(0,)))
+    resumed = _prompt_logits(runner, 0, [(prompt + tuple(tokens[:-1]), 0, (11, 12, 13))], 13)
+    torch.testing.assert_close(resumed, decoded, atol=1e-4, rtol=0)
+    assert resumed.argmax() == decoded.argmax()
 
 
 def _with_kv_scales(source: Path, directory: Path, scales: dict[int, tuple[float, float]]) -> Path:
