@@ -53,3 +53,19 @@ def test_8_bit_kv_cache_serving(kv_cache_dtype: str, tp: int, tmp_path: Path) ->
     assert sorted(e["rank"] for e in loaded) == list(range(tp)) and {e["kv_cache_dtype"] for e in loaded} == {storage}
     assert {e["num_kv_blocks_available"] for e in loaded} == {BUDGET_BLOCKS}
     assert sum(e.get("event") == "kv cache scales calibrated" for e in lines) == tp  # once per rank
+
+
+def test_an_8_bit_cache_with_a_draft_model_is_refused_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    from tests.e2e.cluster import free_port
+    from tests.paths import REPO_ROOT
+
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--port", str(free_port()), "--kv-cache-dtype",
+                          "fp8", "--speculative-method", "draft", "--speculative-model", str(STORIES_DIR),
+                          "--num-speculative-tokens", "2"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--kv-cache-dtype fp8 does not combine with --speculative-method draft" in lines[0], \
+        out.stderr
