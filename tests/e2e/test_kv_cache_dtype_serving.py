@@ -69,3 +69,16 @@ def test_an_8_bit_cache_with_a_draft_model_is_refused_in_one_line() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "--kv-cache-dtype fp8 does not combine with --speculative-method draft" in lines[0], \
         out.stderr
+
+
+def test_8_bit_kv_cache_serving_with_pipeline_stages() -> None:
+    """Two pipeline stages: each calibrates its own layers (the calibration prompt flows through both
+    stages as any step does); the tokens are tp 1's with the same cache."""
+    from tests.worker.kv8_helpers import eight_bit_runner, teacher_forced
+
+    prompts = [g["prompt_token_ids"] for g in load_goldens()]
+    want = teacher_forced(eight_bit_runner(STORIES_DIR, "int8"), prompts, None, 24)
+    with serve(STORIES_DIR, 1, "--pipeline-parallel-size", "2", "--kv-cache-dtype", "int8") as cluster:
+        got = [list(cluster.client.generate(p, max_tokens=24, temperature=0, ignore_eos=True).token_ids)
+               for p in prompts]
+    assert got == want
