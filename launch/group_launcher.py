@@ -163,7 +163,7 @@ class GroupLauncher:
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
                                  self.config.cache.block_size, self.config.load.quantization or "",
                                  draft_config_sha256(self.config), self.max_model_len,
-                                 self.config.parallel.pipeline_parallel_size)
+                                 self.config.parallel.pipeline_parallel_size, self.config.cache.kv_cache_dtype)
         self.registry = NodeRegistry(settings, init_method, on_lost=self.on_lost)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()

@@ -54,6 +54,8 @@ class GroupSettings:
         max_model_len: --max-model-len as resolved (the model's limit when unset); it
             sizes each rank's KV pool, so a node that differs would shrink the group's.
         pipeline_parallel_size: stages; ``layout.world_size`` is tensor x pipeline parallel size.
+        kv_cache_dtype: --kv-cache-dtype; it sets a rank's bytes per KV block, so a node that
+            differs would hold another number of blocks in the same memory.
     """
 
     layout: GroupLayout
@@ -64,6 +66,7 @@ class GroupSettings:
     draft_model_config_sha256: str = ""
     max_model_len: int = 0
     pipeline_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def mismatch(self, join: pb.JoinRequest) -> str | None:
         """Why ``join`` cannot be part of this group, or None."""
@@ -80,6 +83,7 @@ class GroupSettings:
             ("quantization", join.quantization or "none", self.quantization or "none"),
             ("draft model config.json sha256", join.draft_model_config_sha256, self.draft_model_config_sha256),
             ("--max-model-len", join.max_model_len, self.max_model_len),
+            ("--kv-cache-dtype", join.kv_cache_dtype or "auto", self.kv_cache_dtype),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"
