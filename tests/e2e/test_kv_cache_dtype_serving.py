@@ -1,8 +1,9 @@
 """``tpserve serve --kv-cache-dtype int8`` at tp 2 and ``fp8`` at tp 4 on stories260k: the flag reaches every rank (the
 pool is 1 byte per element: 4x the blocks of the float32 cache in the same bytes), GetModelInfo reports
 it, and the served tokens are the 8-bit cache's: the same as a one-process tp 1 runner with that cache
-(each rank's per-head-channel scales do not depend on the split), and a prefix-cache hit's tokens
-are exactly a miss's. Agreement with the float goldens is measured in tests/worker/test_kv_cache_dtype.py.
+(each rank's per-head-channel scales do not depend on the split), also with two pipeline stages; a
+prefix-cache hit's tokens are exactly a miss's, and a moved stream continues token for token. With a
+draft model the flag is refused in one line. Agreement with the float goldens is measured in tests/worker/test_kv_cache_dtype.py.
 """
 
 from __future__ import annotations
@@ -82,3 +83,26 @@ def test_8_bit_kv_cache_serving_with_pipeline_stages() -> None:
         got = [list(cluster.client.generate(p, max_tokens=24, temperature=0, ignore_eos=True).token_ids)
                for p in prompts]
     assert got == want
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_moved_stream_continues_token_for_token(kv_cache_dtype: str) -> None:
+    """A stream moved to another replica is re-sent with the tokens already delivered
+    (``generated_token_ids``; docs/design/cluster.md): the replica prefills them into its 8-bit cache,
+    rounded as decoding wrote them, and continues with the uninterrupted request's tokens."""
+    from tpserve.client import build_request
+    from tpserve.v1 import generate_pb2_grpc
+
+    prompt = "Once upon a time, there was a little"
+    with serve(STORIES_DIR, 1, "--kv-cache-dtype", kv_cache_dtype) as cluster:
+        stub = generate_pb2_grpc.GenerationStub(cluster.client.channel)
+
+        def stream(given: list[int]) -> list[int]:
+            request = build_request(prompt, max_tokens=40, temperature=0, ignore_eos=True)
+            request.generated_token_ids.extend(given)
+            return [t for m in stub.GenerateStream(request, timeout=60) for t in m.token_ids]
+
+        full = stream([])
+        assert len(full) == 40
+        for k in (1, 13, 27, 39):
+            assert stream(full[:k]) == full[k:], k
