@@ -337,12 +337,11 @@ class PagedAttention(nn.Module):
         first_pos = chunk.context_len - n  # the chunk's first position
         qs = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
         if chunk.block_table is None:  # a prompt's first chunk: its own keys, causal
-            ks = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
-            vs = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            ks, vs = k[chunk.start : chunk.end], v[chunk.start : chunk.end]  # (n, KVH, d)
             if is_quantized(k_cache) and self.kv_absmax is None:  # as the cache holds them (not while calibrating):
                 # a later read of these positions (a prefix hit, a preempted sequence) sees the same values
-                ks = _as_cached(k[chunk.start : chunk.end], self.k_scale, k_cache.dtype).transpose(0, 1).unsqueeze(0)
-                vs = _as_cached(v[chunk.start : chunk.end], self.v_scale, v_cache.dtype).transpose(0, 1).unsqueeze(0)
+                ks, vs = _as_cached(ks, self.k_scale, k_cache.dtype), _as_cached(vs, self.v_scale, v_cache.dtype)
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
             mask = None if window is None or n <= window else _window_mask(0, n, 0, n, window, q.device)
         else:  # a later chunk: the history through the block table, causal with offset
             skip = 0  # whole blocks before the first row's window: never read

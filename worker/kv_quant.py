@@ -39,7 +39,6 @@ the blocks it already gathers into a copy.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -138,12 +137,6 @@ def kv_scale_kind(name: str) -> str | None:
         if name.endswith(f".self_attn.{kind}"):
             return kind
     return None
-
-
-def has_kv_cache_scheme(model_dir: str | Path) -> bool:
-    """Whether ``config.json``'s ``quantization_config`` declares a ``kv_cache_scheme``."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
 
 
 def calibration_token_ids(vocab_size: int, num_tokens: int) -> tuple[int, ...]:
