@@ -8,8 +8,9 @@ codes alone (twice the blocks of a 16-bit cache, exactly) and a reader converts 
 Liu et al. 2024, arXiv:2402.02750, quantizes keys per channel for that reason), and one scale for
 all of them leaves the small channels a few int8 steps; on stories260k's goldens, free-running
 greedy, a calibrated int8 scale per tensor kept 28 % of the tokens, per channel 85 % (99 %
-teacher-forced; docs/design/kernels.md, "8-bit KV cache"). A per-channel scale costs the kernels nothing: the key's folds into the query
-(``q . (c * s) = (q * s) . c``), the value's into the output.
+teacher-forced; docs/design/kernels.md, "8-bit KV cache"). A per-channel scale costs the
+kernels nothing: the key's folds into the query (``q . (c * s) = (q * s) . c``), the value's
+into the output.
 
 * ``fp8``: float8 e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, finite max
   448), ``q = fp8(clamp(x / s, -448, 448))``, round-to-nearest-even. Relative error <= 2^-4
