@@ -164,7 +164,8 @@ class GroupLauncher:
                                  self.config.cache.block_size, self.config.load.quantization or "",
                                  draft_config_sha256(self.config), self.max_model_len,
                                  tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
-                                 enable_expert_parallel=par.enable_expert_parallel)
+                                 enable_expert_parallel=par.enable_expert_parallel,
+                                 kv_cache_dtype=self.config.cache.kv_cache_dtype)
         self.registry = NodeRegistry(settings, init_method, on_lost=self.on_lost)
         cluster_pb2_grpc.add_NodeRegistryServicer_to_server(self.registry, server)
         await server.start()

@@ -108,7 +108,8 @@ class HeadlessNode:
             model_config_sha256=config_sha256(self.model_dir), dtype=self.config.load.dtype,
             block_size=self.config.cache.block_size, rank_addresses=addresses,
             quantization=self.config.load.quantization or "",
-            draft_model_config_sha256=draft_config_sha256(self.config), max_model_len=self.max_model_len)))
+            draft_model_config_sha256=draft_config_sha256(self.config), max_model_len=self.max_model_len,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype)))
         log.info("joined; waiting for every node", leader=self.leader, node_rank=par.node_rank, ranks=addresses)
         started = time.monotonic()
         try:

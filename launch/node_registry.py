@@ -57,6 +57,8 @@ class GroupSettings:
         pp_size: pipeline stages (--pipeline-parallel-size); ``layout.world_size`` is ``tp_size * pp_size``.
         enable_expert_parallel: --enable-expert-parallel (ranks that split the experts
             differently would sum partials of different experts, silently).
+        kv_cache_dtype: --kv-cache-dtype; it sets a rank's bytes per KV block, so a node that
+            differs would hold another number of blocks in the same memory.
 
     Raises:
         ValueError: ``tp_size * pp_size`` is not ``layout.world_size``.
@@ -72,6 +74,7 @@ class GroupSettings:
     tp_size: int = 1
     pp_size: int = 1
     enable_expert_parallel: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tp_size * self.pp_size != self.layout.world_size:
@@ -94,6 +97,7 @@ class GroupSettings:
             ("draft model config.json sha256", join.draft_model_config_sha256, self.draft_model_config_sha256),
             ("--max-model-len", join.max_model_len, self.max_model_len),
             ("--enable-expert-parallel", join.enable_expert_parallel, self.enable_expert_parallel),
+            ("--kv-cache-dtype", join.kv_cache_dtype or "auto", self.kv_cache_dtype),
         ):
             if theirs != ours:
                 return f"node {join.node_rank} has {name}={theirs}, the leader {name}={ours}"

@@ -155,3 +155,24 @@ def test_the_rank_gets_the_tensor_parallel_size_as_itself() -> None:
     with pytest.raises(ValidationError, match="world_size=2 must be tensor_parallel_size=2 x pipeline_parallel_size=2 = 4"):
         RankConfig(cluster=config, model_dir="/m", rank=0, world_size=2, local_rank=0, local_world_size=1,
                    address="unix:///x", init_method="file:///y")
+
+
+def test_kv_cache_dtype_choices_and_the_draft_model_refusal() -> None:
+    """``--kv-cache-dtype`` (vLLM's choices) reaches the rank; an 8-bit cache with a draft model is refused in one line."""
+    from launch.local_ranks import LocalRanks
+    from launch.topology import GroupLayout
+    from tpserve.cli import serve_config
+    from tpserve.config import RankConfig
+    from tpserve.embedded_model import default_model_dir
+    from worker.main import worker_options
+
+    assert ClusterConfig().cache.kv_cache_dtype == "auto"
+    config = serve_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"]))
+    sent = LocalRanks(config, default_model_dir(), GroupLayout(1, 1, 0), "json").rank_config(0, "unix:///x", "file:///y")
+    assert worker_options(RankConfig.from_json(sent.to_json())).kv_cache_dtype == "fp8"
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        ClusterConfig.load_from(None, {"cache": {"kv_cache_dtype": "fp16"}})
+    with pytest.raises(ValidationError, match="--kv-cache-dtype int8 does not combine with --speculative-method draft"):
+        ClusterConfig.load_from(None, {"cache": {"kv_cache_dtype": "int8"},
+                                       "speculative": {"speculative_method": "draft", "speculative_model": "d",
+                                                       "num_speculative_tokens": 2}})

@@ -155,6 +155,10 @@ class CacheConfig(_Frozen):
         num_gpu_blocks_override: use exactly this many blocks (tests, capacity planning).
         enable_prefix_caching: share the KV blocks of common prompt prefixes between
             requests (vLLM's automatic prefix caching; coordinator/block_allocator.py).
+        kv_cache_dtype: the cache's element type (vLLM's ``--kv-cache-dtype``): "auto" is
+            the activations' dtype; "fp8" (float8 e4m3) and "int8" store 1 byte per element
+            with a per-layer scale for K and for V (worker/kv_quant.py), so the same memory
+            holds twice the blocks of a 16-bit cache.
     """
 
     block_size: int = Field(16, ge=1, le=1024)
@@ -162,6 +166,7 @@ class CacheConfig(_Frozen):
     kv_cache_memory_bytes: int | None = Field(None, gt=0, le=2**63 - 1)
     num_gpu_blocks_override: int | None = Field(None, ge=1, le=INT32_MAX)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"
 
 
 class SchedulerConfig(_Frozen):
@@ -347,6 +352,13 @@ class ClusterConfig(_Frozen):
         if self.scheduler.async_scheduling is True and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("--async-scheduling needs --pipeline-parallel-size 1 (micro-batches already keep "
                              "every stage busy)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kv_cache_dtype(self) -> ClusterConfig:
+        if self.cache.kv_cache_dtype != "auto" and self.speculative.speculative_method == "draft":
+            raise ValueError(f"--kv-cache-dtype {self.cache.kv_cache_dtype} does not combine with "
+                             "--speculative-method draft (the draft's cache is not 8-bit); use ngram or auto")
         return self
 
     @model_validator(mode="after")

@@ -57,6 +57,13 @@ at construction, so one step's metadata serves every layer):
   the ``(H,)`` float32 tensor. The sinks are a parameter of this module (``attn.sinks``),
   this rank's heads' slice, so every path reads the same values.
 
+With an 8-bit cache (``--kv-cache-dtype fp8|int8``, worker/kv_quant.py) the caches hold codes
+and each layer's ``k_scale``, ``v_scale``: :func:`write_kv_cache` quantizes, the compiled and
+Triton kernels convert in registers (the scales folded into the query and the output), the
+torch path dequantizes the blocks it gathers, and a prompt's first chunk attends over its own
+keys and values rounded as the cache holds them, so that every path, and a prefix-cache hit
+against a miss, reads the same values.
+
 Why not one padded call for everything: a decode batch padded to the longest
 prefill chunk does ``num_seqs x chunk_len x context`` work for one useful row per
 decode, and a padded prefill grid wastes up to half of a mixed batch; the
@@ -75,6 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels import cpu_kernels_available
+from worker.kv_quant import dequantize, is_quantized, quantize
 from worker.kernels.triton_attention import paged_decode_attention
 
 #: Head sizes the compiled paged kernel is instantiated for (worker/kernels/cpu_attention.cpp).
@@ -183,9 +191,23 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write ``k, v (T, num_kv_heads, d)`` into the caches at ``slot_mapping (T,) int64``, in place."""
+                   slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Write ``k, v (T, num_kv_heads, d)`` into the caches at ``slot_mapping (T,) int64``, in place.
+
+    An 8-bit cache stores ``quantize(k / k_scale)``, ``quantize(v / v_scale)`` with ``kv_scales``
+    (the layer's :attr:`PagedAttention.kv_scales`; worker/kv_quant.py).
+
+    Raises:
+        ValueError: an 8-bit cache without ``kv_scales``.
+    """
     num_kv_heads, d = k.shape[1], k.shape[2]
+    if is_quantized(k_cache):
+        if kv_scales is None:
+            raise ValueError(f"a {k_cache.dtype} KV cache needs the layer's kv_scales to be written")
+        k, v = quantize(k, kv_scales[0], k_cache.dtype), quantize(v, kv_scales[1], v_cache.dtype)
+        # As bytes: index_copy_ has no float8 kernel (the copy moves bytes either way).
+        k, v, k_cache, v_cache = k.view(torch.uint8), v.view(torch.uint8), k_cache.view(torch.uint8), \
+            v_cache.view(torch.uint8)
     k_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, v)
 
@@ -234,6 +256,26 @@ class PagedAttention(nn.Module):
         self.logit_softcap = logit_softcap
         self.sinks = sinks
         self.enable_gqa = num_kv_heads != num_heads
+        # An 8-bit cache's scales, (KVH, d) float32 each (worker/kv_quant.py; None with a float cache), and
+        # the calibration's running maxima of |k|, |v| per head and channel while it runs (None otherwise).
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_absmax: list[torch.Tensor] | None = None
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Set an 8-bit cache's scales, ``(num_kv_heads, head_size)`` float32 each, on the cache's device;
+        every path reads them (and a CUDA graph captures their addresses: set them before capturing).
+
+        Raises:
+            ValueError: a scale of another shape, or not positive and finite.
+        """
+        shape = (self.num_kv_heads, self.head_size)
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if tuple(t.shape) != shape or not bool(torch.isfinite(t).all() and (t > 0).all()):
+                raise ValueError(f"{name} {tuple(t.shape)} must be {shape}, positive and finite")
+        self.k_scale, self.v_scale = (t.to(torch.float32).contiguous() for t in (k_scale, v_scale))
+        self.kv_scales = (self.k_scale, self.v_scale)
 
     def forward(
         self,
@@ -251,6 +293,9 @@ class PagedAttention(nn.Module):
         """
         num_tokens, d = k.shape[0], k.shape[2]
         meta = attn_metadata
+        if self.kv_absmax is not None:  # start-up calibration of an 8-bit cache's scales (worker/kv_quant.py)
+            self.kv_absmax = [torch.maximum(m, x.abs().amax(0).float())
+                              for m, x in zip(self.kv_absmax, (k, v))]  # (KVH, d) each
         num_decodes = meta.num_decodes
         decoded = None
         if num_decodes == num_tokens and num_decodes:  # a pure decode step: every row, no slice, no scatter
@@ -274,15 +319,18 @@ class PagedAttention(nn.Module):
         if meta.decode_query_start_loc is not None:  # step_inputs checked the kernel takes this step
             return torch.ops.tpserve_cpu.paged_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_start_loc,
-                meta.decode_context_lens, self.scale, window, softcap, self.sinks,
-            )  # (D, H, d), read in place through the block tables
+                meta.decode_context_lens, self.scale, window, softcap, self.sinks, self.k_scale, self.v_scale,
+            )  # (D, H, d), read in place through the block tables (8-bit codes converted in registers)
         if meta.triton_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                           self.scale, sliding_window=window,
-                                          logit_softcap=softcap, sinks=self.sinks)  # (D, H, d), likewise on the GPU
+                                          logit_softcap=softcap, sinks=self.sinks,
+                                          kv_scales=self.kv_scales)  # (D, H, d), likewise on the GPU
         block_ids = meta.decode_block_tables.view(-1)  # (D * B,)
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)
         values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")
+        if is_quantized(k_cache):  # the gathered copy of 8-bit codes, converted (the cache stays 8-bit)
+            keys, values = dequantize(keys, self.k_scale, q.dtype), dequantize(values, self.v_scale, q.dtype)
         keys = keys.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
         values = values.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
         mask = meta.decode_mask if self.sliding_window is None else meta.decode_window_mask(self.sliding_window)
@@ -352,8 +400,11 @@ class PagedAttention(nn.Module):
         first_pos = chunk.context_len - n  # the chunk's first position
         qs = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
         if chunk.block_table is None:  # a prompt's first chunk: its own keys, causal
-            ks = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
-            vs = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            ks, vs = k[chunk.start : chunk.end], v[chunk.start : chunk.end]  # (n, KVH, d)
+            if is_quantized(k_cache) and self.kv_absmax is None:  # as the cache holds them (not while calibrating):
+                # a later read of these positions (a prefix hit, a preempted sequence) sees the same values
+                ks, vs = _as_cached(ks, self.k_scale, k_cache.dtype), _as_cached(vs, self.v_scale, v_cache.dtype)
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
             mask = None if window is None or n <= window else _window_mask(0, n, 0, n, window, q.device)
             if local is not None and n > local:  # positions 0 .. n - 1 span more than one attention chunk
                 mask = _local_chunk_mask(0, n, 0, n, local, q.device)
@@ -367,6 +418,8 @@ class PagedAttention(nn.Module):
             key_start = skip * k_cache.shape[1]  # position of the first key read
             ks = k_cache.index_select(0, table).view(-1, kvh, d)[: chunk.context_len - key_start]  # (C, KVH, d)
             vs = v_cache.index_select(0, table).view(-1, kvh, d)[: chunk.context_len - key_start]
+            if is_quantized(k_cache):
+                ks, vs = dequantize(ks, self.k_scale, q.dtype), dequantize(vs, self.v_scale, q.dtype)
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, C, d)
             mask = chunk.mask if window is None else _window_mask(first_pos, n, key_start, chunk.context_len,
                                                                   window, q.device)
@@ -374,6 +427,11 @@ class PagedAttention(nn.Module):
                 mask = _local_chunk_mask(first_pos, n, key_start, chunk.context_len, local, q.device)
         o = self._attention(qs, ks, vs, mask)  # (1, H, n, d)
         return o[0].transpose(0, 1)  # (n, H, d)
+
+
+def _as_cached(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x (n, KVH, d)`` as an 8-bit cache of ``cache_dtype`` with ``scale (KVH, d)`` holds it, in ``x``'s dtype."""
+    return dequantize(quantize(x, scale, cache_dtype), scale, x.dtype)
 
 
 def _window_mask(first_pos: int, num_queries: int, key_start: int, key_end: int, window: int,

@@ -24,7 +24,9 @@ class KVCacheLayout:
         block_size: tokens per block.
         num_kv_heads: key/value heads on this rank.
         head_dim: size of one head.
-        dtype: element dtype.
+        dtype: element dtype as stored: the activations' dtype, or ``int8`` / ``float8_e4m3fn``
+            with ``--kv-cache-dtype int8|fp8`` (1 byte per element: twice the blocks of a 16-bit
+            cache in the same memory; worker/kv_quant.py).
     """
 
     num_layers: int

@@ -49,6 +49,7 @@ from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from tpserve.weight_formats import WeightFormat, weight_format
 from worker import dequantize
+from worker.kv_quant import kv_scale_kind
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
@@ -127,6 +128,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     for name in files:
         if tied and name == LM_HEAD:
             continue  # shared with the embedding
+        if kv_scale_kind(name) is not None:
+            continue  # an 8-bit KV cache's scales: worker/kv_quant.py reads them (unused with a float cache)
         if name.endswith(ZERO_POINT_SUFFIX):
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue

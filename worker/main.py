@@ -84,6 +84,7 @@ def worker_options(config: RankConfig) -> WorkerOptions:
         pipeline_parallel_size=cluster.parallel.pipeline_parallel_size,
         enable_expert_parallel=cluster.parallel.enable_expert_parallel,
         device=load.device, dtype=load.dtype, block_size=cache.block_size, quantization=load.quantization,
+        kv_cache_dtype=cache.kv_cache_dtype,
         distributed_timeout_seconds=cluster.parallel.distributed_timeout_seconds,
         cache=CacheSizing(cache.gpu_memory_utilization, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
                           scheduler.max_model_len, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,

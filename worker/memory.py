@@ -27,6 +27,11 @@ and ``empty_cache`` returns them, before the peak is reset), plus the matmul's
 temporaries; on the CPU ``MemAvailable`` is read after the load, so the bytes the
 int8 weights did not take are available to the cache. :func:`weight_bytes` is what
 the rank reports as its weights' size.
+
+An 8-bit KV cache (``--kv-cache-dtype fp8|int8``) needs none either: the layout's
+``bytes_per_block`` counts 1 byte per element (its per-layer scales are Python floats, not
+cache memory), so every rule above turns the same budget into twice the blocks of a 16-bit
+cache and four times those of a float32 one.
 """
 
 from __future__ import annotations

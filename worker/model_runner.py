@@ -39,16 +39,20 @@ from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from pathlib import Path
 
+import structlog
 import torch
 
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
-from tpserve.step import SamplingParams, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
 from worker.attention import paged_kernel_available
 from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
+from worker.kv_quant import (CALIBRATION_TOKENS, attention_layers, cache_dtype, calibrate, calibration_token_ids,
+                             checkpoint_kv_scales, set_checkpoint_scales)
+from worker.layers.decode_block import disable_decode_blocks
 from worker.layers.moe import count_triples, expert_layers, take_routed_counts
 from worker.grammar import GrammarCache, GrammarState
 from worker.input_batch import InputBatch
@@ -63,6 +67,8 @@ from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
 from worker.step_inputs import StepInputs, build_step_inputs
 from worker.step_output import StepOutput
+
+log = structlog.get_logger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -107,17 +113,25 @@ class ModelRunner:
         draft_model_dir: ``--speculative-model``: a draft model of the same vocabulary,
             run on the same ranks with its own cache (worker/draft_model.py); None: none.
             ``kv_layout`` then sizes both caches together.
+        kv_cache_dtype: ``--kv-cache-dtype``: "auto" (the cache in ``dtype``), "fp8" or "int8"
+            (1 byte per element, per-layer scales from the checkpoint or calibrated by the first
+            ``init_kv_cache``; worker/kv_quant.py).
 
     Raises:
         ValueError: the model cannot be split ``ctx.tp_size`` ways (the message
             names the dimension), an unsupported dtype or architecture, or a
-            checkpoint with missing/unexpected weights.
+            checkpoint with missing/unexpected weights; an 8-bit KV cache with a draft model.
     """
 
     def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
-                 quantization: Quantization | None = None, draft_model_dir: str | Path | None = None) -> None:
+                 quantization: Quantization | None = None, draft_model_dir: str | Path | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
+        self.kv_cache_dtype = cache_dtype(kv_cache_dtype, dtype)
+        if self.kv_cache_dtype != dtype and draft_model_dir is not None:
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported with a draft model "
+                             "(--speculative-model); use --kv-cache-dtype auto or ngram speculation")
         self.config = ModelConfig.from_pretrained(model_dir)
         self.config.check_tensor_parallel(ctx.tp_size)
         check_pipeline(self.config, ctx.pp, draft_model_dir)
@@ -126,9 +140,18 @@ class ModelRunner:
         self.block_size = block_size
         # Each pipeline stage sizes the cache of its own layers (the pool is the minimum over ranks).
         start, end = ctx.pp.layer_range(self.config.num_hidden_layers)
-        self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, dtype),
-                                      num_layers=end - start)
+        self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.tp_size, block_size,
+                                                              self.kv_cache_dtype), num_layers=end - start)
         self.model = load_model(model_dir, self.config, ctx, dtype, quantization)
+        # An 8-bit cache: the layers' scales from the checkpoint, else calibrated by the first init_kv_cache.
+        self._kv_layers = attention_layers(self.model) if self.kv_cache_dtype != dtype else []
+        self._kv_uncalibrated = bool(self._kv_layers)
+        if self._kv_layers:
+            disable_decode_blocks(self.model)  # the compiled decode layer reads float32 caches only
+            scales = checkpoint_kv_scales(model_dir)
+            if scales:
+                set_checkpoint_scales(self._kv_layers, scales, start, ctx.device)
+                self._kv_uncalibrated = False
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
                                                                      self.config.vocab_size)
         self.kv_layout = self._target_layout if self.draft is None else \
@@ -182,6 +205,8 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if self._kv_uncalibrated:  # before any graph captures the scales
+            self._calibrate_kv_scales()
         if graphs:
             # The graphs' attention, for the eager steps too (capture=False on the CPU: Triton's interpreter).
             self._triton_decode, self._paged_kernel = True, False
@@ -196,6 +221,26 @@ class ModelRunner:
             # attending over itself): each such row routes alike, and a replay's padding rows
             # are subtracted from the step's counts (worker/cuda_graphs.py).
             self._padding_counts = counts // sum(self._graphs.sizes)  # (L, E)
+
+    def _calibrate_kv_scales(self) -> None:
+        """Calibrate the 8-bit cache's per-layer scales on one fixed prompt (worker/kv_quant.py)."""
+        num_tokens = min(CALIBRATION_TOKENS, self.num_blocks * self.block_size, self._max_model_len)
+        blocks = tuple(range(-(-num_tokens // self.block_size)))
+        chunk = ScheduledChunk(0, calibration_token_ids(self.config.vocab_size, num_tokens), 0, blocks, sample=False)
+        plans = (StepPlan(0, (NewSequence(0, SamplingParams()),), (chunk,)), StepPlan(1, finished_seq_ids=(0,)))
+        calibrate(self._kv_layers, lambda: [self.execute(plan) for plan in plans], self.kv_cache_dtype,
+                  self.ctx.device)
+        self._kv_uncalibrated = False
+        k_scales = torch.stack([a.k_scale for a in self._kv_layers])  # (L, KVH, d)
+        v_scales = torch.stack([a.v_scale for a in self._kv_layers])
+        log.info("kv cache scales calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                 tokens=num_tokens, k_scale_min=float(k_scales.min()), k_scale_max=float(k_scales.max()),
+                 v_scale_min=float(v_scales.min()), v_scale_max=float(v_scales.max()))
+
+    @property
+    def kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's ``(k_scale, v_scale)``, ``(KVH, d)`` float32, of an 8-bit cache (empty for a float cache)."""
+        return [a.kv_scales for a in self._kv_layers]
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:

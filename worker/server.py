@@ -48,6 +48,7 @@ class WorkerOptions:
         cache: how to size the KV cache (worker/memory.py); its ``num_local_ranks``
             is replaced by ``local_world_size``.
         quantization: "int8" (``--quantization``) or None (tpserve/quantization.py).
+        kv_cache_dtype: ``--kv-cache-dtype``: "auto", "fp8" or "int8" (worker/kv_quant.py).
         draft_model_dir: ``--speculative-model``, or None.
         enforce_eager: no CUDA graphs (``--enforce-eager``).
         cuda_graph_sizes: the decode batch sizes to capture on CUDA; None: the default
@@ -70,6 +71,7 @@ class WorkerOptions:
     node_rank: int = 0
     cache: CacheSizing = field(default_factory=CacheSizing)
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     draft_model_dir: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
@@ -129,7 +131,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                    enable_expert_parallel=opts.enable_expert_parallel)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization,
-                                       draft_model_dir=opts.draft_model_dir)
+                                       draft_model_dir=opts.draft_model_dir, kv_cache_dtype=opts.kv_cache_dtype)
             self._dtype = str(dtype).removeprefix("torch.")
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
             self._num_blocks_available = num_kv_blocks(self._runner, cache)
@@ -138,6 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                      enable_expert_parallel=ctx.enable_expert_parallel, dtype=str(dtype),
                      quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
+                     kv_cache_dtype=str(self._runner.kv_cache_dtype).removeprefix("torch."),
                      all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores)
             self._ready.set()
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, then fatal

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tpserve/v1/cluster.proto\x12\ntpserve.v1\"j\n\x0bNodeMessage\x12\'\n\x04join\x18\x01 \x01(\x0b\x32\x17.tpserve.v1.JoinRequestH\x00\x12*\n\x07\x66\x61ilure\x18\x02 \x01(\x0b\x32\x17.tpserve.v1.NodeFailureH\x00\x42\x06\n\x04kind\"\xb6\x02\n\x0bJoinRequest\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x0e\n\x06nnodes\x18\x02 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x1b\n\x13model_config_sha256\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0erank_addresses\x18\x07 \x03(\t\x12\x14\n\x0cquantization\x18\x08 \x01(\t\x12!\n\x19\x64raft_model_config_sha256\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x0b \x01(\r\x12\x1e\n\x16\x65nable_expert_parallel\x18\x0c \x01(\x08\"\x1d\n\x0bNodeFailure\x12\x0e\n\x06reason\x18\x01 \x01(\t\"t\n\rLeaderMessage\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x18.tpserve.v1.JoinAcceptedH\x00\x12-\n\x08shutdown\x18\x02 \x01(\x0b\x32\x19.tpserve.v1.GroupShutdownH\x00\x42\x06\n\x04kind\"#\n\x0cJoinAccepted\x12\x13\n\x0binit_method\x18\x01 \x01(\t\"/\n\rGroupShutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x08\x32S\n\x0cNodeRegistry\x12\x43\n\tJoinGroup\x12\x17.tpserve.v1.NodeMessage\x1a\x19.tpserve.v1.LeaderMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tpserve/v1/cluster.proto\x12\ntpserve.v1\"j\n\x0bNodeMessage\x12\'\n\x04join\x18\x01 \x01(\x0b\x32\x17.tpserve.v1.JoinRequestH\x00\x12*\n\x07\x66\x61ilure\x18\x02 \x01(\x0b\x32\x17.tpserve.v1.NodeFailureH\x00\x42\x06\n\x04kind\"\xce\x02\n\x0bJoinRequest\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x0e\n\x06nnodes\x18\x02 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x1b\n\x13model_config_sha256\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0erank_addresses\x18\x07 \x03(\t\x12\x14\n\x0cquantization\x18\x08 \x01(\t\x12!\n\x19\x64raft_model_config_sha256\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x0b \x01(\r\x12\x1e\n\x16\x65nable_expert_parallel\x18\x0c \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\r \x01(\t\"\x1d\n\x0bNodeFailure\x12\x0e\n\x06reason\x18\x01 \x01(\t\"t\n\rLeaderMessage\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x18.tpserve.v1.JoinAcceptedH\x00\x12-\n\x08shutdown\x18\x02 \x01(\x0b\x32\x19.tpserve.v1.GroupShutdownH\x00\x42\x06\n\x04kind\"#\n\x0cJoinAccepted\x12\x13\n\x0binit_method\x18\x01 \x01(\t\"/\n\rGroupShutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x08\x32S\n\x0cNodeRegistry\x12\x43\n\tJoinGroup\x12\x17.tpserve.v1.NodeMessage\x1a\x19.tpserve.v1.LeaderMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEMESSAGE']._serialized_start=40
   _globals['_NODEMESSAGE']._serialized_end=146
   _globals['_JOINREQUEST']._serialized_start=149
-  _globals['_JOINREQUEST']._serialized_end=459
-  _globals['_NODEFAILURE']._serialized_start=461
-  _globals['_NODEFAILURE']._serialized_end=490
-  _globals['_LEADERMESSAGE']._serialized_start=492
-  _globals['_LEADERMESSAGE']._serialized_end=608
-  _globals['_JOINACCEPTED']._serialized_start=610
-  _globals['_JOINACCEPTED']._serialized_end=645
-  _globals['_GROUPSHUTDOWN']._serialized_start=647
-  _globals['_GROUPSHUTDOWN']._serialized_end=694
-  _globals['_NODEREGISTRY']._serialized_start=696
-  _globals['_NODEREGISTRY']._serialized_end=779
+  _globals['_JOINREQUEST']._serialized_end=483
+  _globals['_NODEFAILURE']._serialized_start=485
+  _globals['_NODEFAILURE']._serialized_end=514
+  _globals['_LEADERMESSAGE']._serialized_start=516
+  _globals['_LEADERMESSAGE']._serialized_end=632
+  _globals['_JOINACCEPTED']._serialized_start=634
+  _globals['_JOINACCEPTED']._serialized_end=669
+  _globals['_GROUPSHUTDOWN']._serialized_start=671
+  _globals['_GROUPSHUTDOWN']._serialized_end=718
+  _globals['_NODEREGISTRY']._serialized_start=720
+  _globals['_NODEREGISTRY']._serialized_end=803
 # @@protoc_insertion_point(module_scope)

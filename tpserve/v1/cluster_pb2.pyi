@@ -15,7 +15,7 @@ class NodeMessage(_message.Message):
     def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., failure: _Optional[_Union[NodeFailure, _Mapping]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_rank", "nnodes", "tensor_parallel_size", "model_config_sha256", "dtype", "block_size", "rank_addresses", "quantization", "draft_model_config_sha256", "max_model_len", "pipeline_parallel_size", "enable_expert_parallel")
+    __slots__ = ("node_rank", "nnodes", "tensor_parallel_size", "model_config_sha256", "dtype", "block_size", "rank_addresses", "quantization", "draft_model_config_sha256", "max_model_len", "pipeline_parallel_size", "enable_expert_parallel", "kv_cache_dtype")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NNODES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class JoinRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENABLE_EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     nnodes: int
     tensor_parallel_size: int
@@ -40,7 +41,8 @@ class JoinRequest(_message.Message):
     max_model_len: int
     pipeline_parallel_size: int
     enable_expert_parallel: bool
-    def __init__(self, node_rank: _Optional[int] = ..., nnodes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., model_config_sha256: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., draft_model_config_sha256: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., enable_expert_parallel: _Optional[bool] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, node_rank: _Optional[int] = ..., nnodes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., model_config_sha256: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ..., draft_model_config_sha256: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., enable_expert_parallel: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class NodeFailure(_message.Message):
     __slots__ = ("reason",)

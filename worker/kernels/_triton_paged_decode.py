@@ -4,17 +4,31 @@ Kept apart, undecorated, so that importing the wrapper costs no Triton import, a
 the same function can be jitted for the GPU or for Triton's CPU interpreter.
 """
 
+import triton
 import triton.language as tl
+
+
+@triton.jit  # a device function the kernel calls (the kernel itself is jitted by its wrapper)
+def load_cache(ptr, offsets, mask, FP8: tl.constexpr):
+    """Cache elements as float32: as stored (a float or int8 cache), or float8 e4m3 codes read as uint8
+    and decoded bit by bit (sign, exponent, mantissa moved into a float32's, times 2^120 for the
+    exponent bias; subnormals alike), which needs no fp8 support from the GPU or the interpreter."""
+    if FP8:
+        x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32)
+        bits = ((x & 0x7F) << 20) | ((x & 0x80) << 24)
+        return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2 ** 120
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
 
 
 def paged_decode_kernel(
     out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    context_lens_ptr, scale, blocks_per_split, sliding_window, logit_softcap,
+    context_lens_ptr, k_scale_ptr, v_scale_ptr, scale, blocks_per_split, sliding_window, logit_softcap,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
 ):
     # Program (seq, kv_head, split) attends over blocks [split * blocks_per_split, +blocks_per_split)
     # of the context. SPLIT: out is (S, H, num_splits, d) float32, the unnormalised partial output,
@@ -23,7 +37,10 @@ def paged_decode_kernel(
     # the wrapper passes 2**30 for no window); blocks wholly before that are never loaded. SOFTCAP: scores pass through
     # logit_softcap * tanh(score / logit_softcap) before the softmax (Gemma 2). SINKS: one more
     # logit per query head, sinks[head], joins the softmax's denominator with no value (gpt-oss); a
-    # SPLIT program leaves it to the wrapper's combination, which must count it once.
+    # SPLIT program leaves it to the wrapper's combination, which must count it once. SCALED: an 8-bit
+    # cache (worker/kv_quant.py) of codes, keys k_scale[kv_head, i] * code and values
+    # v_scale[kv_head, i] * code, (KVH, HEAD_DIM) float32: the key scales fold into the query
+    # (q . (s * c) = (q * s) . c), the value scales into the output; FP8: float8 e4m3 codes, as uint8.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -36,6 +53,8 @@ def paged_decode_kernel(
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G, D)
+    if SCALED:
+        q = q * tl.load(k_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # (G,)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)  # (G,)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)  # (G, D) unnormalised output
@@ -48,7 +67,7 @@ def paged_decode_kernel(
         offsets = (block * stride_cache_block + t[:, None] * stride_cache_token
                    + kv_head * stride_cache_head + d[None, :])  # (BS, D)
         kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # (BS, D)
+        k = load_cache(k_cache_ptr, offsets, kv_ok, FP8)  # (BS, D)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, BS)
         if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which overflows to the right limits
             scores = logit_softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / logit_softcap) + 1.0))
@@ -57,9 +76,11 @@ def paged_decode_kernel(
         correction = tl.exp(running_max - new_max)  # (G,), 0 on the first block
         p = tl.exp(scores - new_max[:, None])  # (G, BS)
         running_sum = running_sum * correction + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_ok, other=0.0).to(tl.float32)  # (BS, D)
+        v = load_cache(v_cache_ptr, offsets, kv_ok, FP8)  # (BS, D)
         acc = acc * correction[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G, D)
         running_max = new_max
+    if SCALED:
+        acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
     if SPLIT:  # a split past the context keeps max -inf and sum 0: it weighs nothing when combined
         num_splits = tl.num_programs(2)
         stat = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # (G,) into (S, H, splits)

@@ -21,6 +21,15 @@
 // (transformers' modeling_gpt_oss.py eager_attention_forward: the sink is a last column of the
 // logits, dropped after the softmax). Without sinks nothing of this runs: one pointer test per row.
 //
+// An 8-bit cache (--kv-cache-dtype int8 or fp8; worker/kv_quant.py) holds codes c with
+// k[t, j, i] = c * k_scale[j, i], v[t, j, i] = c * v_scale[j, i] (static per head-channel scales).
+// The kernel reads the bytes where they lie and converts 8 at a time in registers (load8 below:
+// int8 sign-extended to int32 then to float; float8 e4m3 by moving its sign, exponent and mantissa
+// bits into a float32's and multiplying by 2^120, the exponent-bias difference, which handles
+// e4m3's subnormals too), and applies the scales where they cost nothing: q . (c * k_scale[j]) =
+// (q * k_scale[j]) . c, so k_scale multiplies the query once, and v_scale the output once. A
+// position's row is a quarter of a float32 cache's bytes: the same cache lines hold 4x the positions.
+//
 // Why a kernel: without one, attention gathers each sequence's whole K and V through its block
 // table into a dense buffer (a copy of the context per layer per step) and runs a general SDPA
 // over the padded batch. Here each (sequence, KV head) pair reads its keys and values where they
@@ -54,20 +63,49 @@
 
 namespace {
 
+// Cache element types: float32, int8 codes, float8 e4m3 codes (their bits, as uint8).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// 8 consecutive cache elements as floats (codes unscaled; the callers fold the scales in).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const Fp8E4M3* p) {
+  // e4m3 bits s eeee mmm -> float32 bits s 0000eeee mmm 0...: the value times 2^(7 - 127) for normal
+  // and subnormal codes alike (a subnormal code becomes a float32 subnormal of the same mantissa).
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
+}
+
+// One KV head's scales of an 8-bit cache: d floats each; nullptr for a float32 cache.
+struct ScaleRows {
+  const float* k;
+  const float* v;
+};
+
+// Cache elements per 64-byte line.
+template <typename T>
+constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(T));
+
 using tpserve::exp256;
 using tpserve::hmax;
 using tpserve::hsum;
 
 // Four dot products of 8*D8 floats at once: q (in registers) against keys k0..k3; independent FMA
 // chains, then one horizontal reduction for the four.
-template <int D8>
-inline __m128 dot4(const __m256 (&q)[D8], const float* k0, const float* k1, const float* k2, const float* k3) {
+template <int D8, typename T>
+inline __m128 dot4(const __m256 (&q)[D8], const T* k0, const T* k1, const T* k2, const T* k3) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int i = 0; i < D8; ++i) {
-    a0 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k0 + 8 * i), a0);
-    a1 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k1 + 8 * i), a1);
-    a2 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k2 + 8 * i), a2);
-    a3 = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(k3 + 8 * i), a3);
+    a0 = _mm256_fmadd_ps(q[i], load8(k0 + 8 * i), a0);
+    a1 = _mm256_fmadd_ps(q[i], load8(k1 + 8 * i), a1);
+    a2 = _mm256_fmadd_ps(q[i], load8(k2 + 8 * i), a2);
+    a3 = _mm256_fmadd_ps(q[i], load8(k3 + 8 * i), a3);
   }
   // hadd twice leaves [a0 a1 a2 a3] partial sums in each 128-bit half; add the halves.
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -87,10 +125,11 @@ constexpr int64_t kAhead = 16;
 constexpr int64_t kWholeRowLines = 8;
 
 // Prefetch `lines` cache lines at each of 4 consecutive positions (the offset array is padded past the end).
-inline void prefetch_rows(const float* base, const int64_t* off, int64_t lines) {
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* off, int64_t lines) {
   for (int r = 0; r < 4; ++r) {
     for (int64_t line = 0; line < lines; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(base + off[r] + 16 * line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(base + off[r] + kPerLine<T> * line), _MM_HINT_T0);
     }
   }
 }
@@ -117,11 +156,12 @@ inline int64_t first_position(int64_t L, int64_t n, int64_t sliding_window) {
 }
 
 // The kernel's per-call constants for one KV head of one sequence.
+template <typename T>
 struct HeadView {
-  const float* keys;    // k_cache + j * d: key of position t at keys + off[t]
-  const float* values;  // likewise in v_cache
-  const float* kpf;     // what to prefetch (nullptr: nothing): kpf + off[t], pf_lines lines
-  const float* vpf;
+  const T* keys;    // k_cache + j * d: key of position t at keys + off[t]
+  const T* values;  // likewise in v_cache
+  const T* kpf;     // what to prefetch (nullptr: nothing): kpf + off[t], pf_lines lines
+  const T* vpf;
   int64_t pf_lines;
   const int64_t* next_off = nullptr;  // the next sequence's offsets, prefetched (whole rows) as these are read
   int64_t next_len = 0;               // its positions
@@ -131,9 +171,10 @@ struct HeadView {
 // the first `context` positions of `off`. The G heads share every key and value load, and their
 // accumulators are independent chains (the value pass, a chain of FMAs per position, is
 // latency-bound with one head and d = 16).
-template <int D8, int G>
-void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int64_t* off, int64_t context,
-            float scale, float softcap, const float* sink, float* out, int64_t out_head_stride,
+// `sc`: an 8-bit cache's scales for this KV head (k folded into the queries, v into the output).
+template <int D8, int G, typename T>
+void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const int64_t* off, int64_t context,
+            float scale, ScaleRows sc, float softcap, const float* sink, float* out, int64_t out_head_stride,
             std::vector<float>& scores) {
   const int64_t stride = context + 8;  // per head: dot4's 3 spare, the softmax's last vector 7
   scores.resize(static_cast<size_t>(G * stride));
@@ -143,12 +184,15 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
     for (int i = 0; i < D8; ++i) qv[g][i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), vscale);
+    if (sc.k) {
+      for (int i = 0; i < D8; ++i) qv[g][i] = _mm256_mul_ps(qv[g][i], _mm256_loadu_ps(sc.k + 8 * i));
+    }
   }
   for (int64_t t = 0; t < context; t += 4) {
     if (h.kpf) prefetch_rows(h.kpf, off + t + kAhead, h.pf_lines);
     if (h.next_off && t < h.next_len) prefetch_rows(h.kpf, h.next_off + t, h.pf_lines);
-    const float *k0 = h.keys + off[t], *k1 = h.keys + off[t + 1], *k2 = h.keys + off[t + 2], *k3 = h.keys + off[t + 3];
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t, dot4<D8>(qv[g], k0, k1, k2, k3));
+    const T *k0 = h.keys + off[t], *k1 = h.keys + off[t + 1], *k2 = h.keys + off[t + 2], *k3 = h.keys + off[t + 3];
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t, dot4<D8, T>(qv[g], k0, k1, k2, k3));
   }
   // Softmax per head, exact: subtract the max, exponentiate, normalise at the end.
   const __m256 kLane = _mm256_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f);
@@ -197,17 +241,17 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
       if (h.next_off && t < h.next_len) prefetch_rows(h.vpf, h.next_off + (t & ~int64_t{3}), h.pf_lines);
     }
     for (int u = 0; u < kSets; ++u) {
-      const float* v = h.values + off[t + u];
+      const T* v = h.values + off[t + u];
       for (int i = 0; i < D8; ++i) {
-        const __m256 vv = _mm256_loadu_ps(v + 8 * i);
+        const __m256 vv = load8(v + 8 * i);
         for (int g = 0; g < G; ++g) o[u][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * stride + t + u]), vv, o[u][g][i]);
       }
     }
   }
   for (; t < context; ++t) {  // kSets = 2 and an odd context: the last position
-    const float* v = h.values + off[t];
+    const T* v = h.values + off[t];
     for (int i = 0; i < D8; ++i) {
-      const __m256 vv = _mm256_loadu_ps(v + 8 * i);
+      const __m256 vv = load8(v + 8 * i);
       for (int g = 0; g < G; ++g) o[0][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * stride + t]), vv, o[0][g][i]);
     }
   }
@@ -217,73 +261,94 @@ void attend(const float* q, int64_t q_head_stride, const HeadView& h, const int6
     for (int i = 0; i < D8; ++i) {
       __m256 acc = o[0][g][i];
       for (int u = 1; u < kSets; ++u) acc = _mm256_add_ps(acc, o[u][g][i]);
-      _mm256_storeu_ps(og + 8 * i, _mm256_mul_ps(acc, inv));
+      acc = _mm256_mul_ps(acc, inv);
+      if (sc.v) acc = _mm256_mul_ps(acc, _mm256_loadu_ps(sc.v + 8 * i));
+      _mm256_storeu_ps(og + 8 * i, acc);
     }
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, const HeadView&, const int64_t*, int64_t, float, float,
+template <typename T>
+using AttendFn = void (*)(const float*, int64_t, const HeadView<T>&, const int64_t*, int64_t, float, ScaleRows, float,
                           const float*, float*, int64_t, std::vector<float>&);
 
 // All `groups` query heads of one KV head, G at a time (G: as many as keep the queries and the
 // value accumulators within the 16 ymm registers).
-template <int D8>
-void attend_group(AttendFn one, AttendFn two, AttendFn four, int64_t groups, const float* q, int64_t q_head_stride,
-                  const HeadView& h, const int64_t* off, int64_t context, float scale, float softcap,
-                  const float* sink, float* out, int64_t out_head_stride, std::vector<float>& scores) {
+template <int D8, typename T>
+void attend_group(AttendFn<T> one, AttendFn<T> two, AttendFn<T> four, int64_t groups, const float* q,
+                  int64_t q_head_stride, const HeadView<T>& h, const int64_t* off, int64_t context, float scale,
+                  ScaleRows sc, float softcap, const float* sink, float* out, int64_t out_head_stride,
+                  std::vector<float>& scores) {
   int64_t g = 0;
   for (; four && g + 4 <= groups; g += 4) {
-    four(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, sink ? sink + g : nullptr,
+    four(q + g * q_head_stride, q_head_stride, h, off, context, scale, sc, softcap, sink ? sink + g : nullptr,
          out + g * out_head_stride,
          out_head_stride, scores);
   }
   for (; two && g + 2 <= groups; g += 2) {
-    two(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, sink ? sink + g : nullptr,
+    two(q + g * q_head_stride, q_head_stride, h, off, context, scale, sc, softcap, sink ? sink + g : nullptr,
          out + g * out_head_stride,
         out_head_stride, scores);
   }
   for (; g < groups; ++g) {
-    one(q + g * q_head_stride, q_head_stride, h, off, context, scale, softcap, sink ? sink + g : nullptr,
+    one(q + g * q_head_stride, q_head_stride, h, off, context, scale, sc, softcap, sink ? sink + g : nullptr,
          out + g * out_head_stride,
         out_head_stride, scores);
   }
 }
 
-using GroupFn = void (*)(int64_t, const float*, int64_t, const HeadView&, const int64_t*, int64_t, float, float,
-                         const float*, float*, int64_t, std::vector<float>&);
+template <typename T>
+using GroupFn = void (*)(int64_t, const float*, int64_t, const HeadView<T>&, const int64_t*, int64_t, float,
+                         ScaleRows, float, const float*, float*, int64_t, std::vector<float>&);
 
-template <int D8>
-void attend_heads(int64_t groups, const float* q, int64_t q_head_stride, const HeadView& h, const int64_t* off,
-                  int64_t context, float scale, float softcap, const float* sink, float* out,
+template <int D8, typename T>
+void attend_heads(int64_t groups, const float* q, int64_t q_head_stride, const HeadView<T>& h, const int64_t* off,
+                  int64_t context, float scale, ScaleRows sc, float softcap, const float* sink, float* out,
                   int64_t out_head_stride, std::vector<float>& scores) {
   // Head sizes up to 32 (D8 <= 4) take 2 heads at a time, 16 (D8 = 2) 4; wider heads one.
   constexpr bool two = D8 <= 4, four = D8 <= 2;
-  attend_group<D8>(&attend<D8, 1>, two ? &attend<D8, two ? 2 : 1> : nullptr,
-                   four ? &attend<D8, four ? 4 : 1> : nullptr, groups, q, q_head_stride, h, off, context, scale,
-                   softcap, sink, out, out_head_stride, scores);
+  attend_group<D8, T>(&attend<D8, 1, T>, two ? &attend<D8, two ? 2 : 1, T> : nullptr,
+                      four ? &attend<D8, four ? 4 : 1, T> : nullptr, groups, q, q_head_stride, h, off, context,
+                      scale, sc, softcap, sink, out, out_head_stride, scores);
 }
 
-GroupFn attend_for(int64_t d) {
+template <typename T>
+GroupFn<T> attend_for(int64_t d) {
   switch (d) {
-    case 16: return &attend_heads<2>;
-    case 32: return &attend_heads<4>;
-    case 64: return &attend_heads<8>;
-    case 80: return &attend_heads<10>;
-    case 96: return &attend_heads<12>;
-    case 128: return &attend_heads<16>;
+    case 16: return &attend_heads<2, T>;
+    case 32: return &attend_heads<4, T>;
+    case 64: return &attend_heads<8, T>;
+    case 80: return &attend_heads<10, T>;
+    case 96: return &attend_heads<12, T>;
+    case 128: return &attend_heads<16, T>;
     default: return nullptr;
   }
 }
 
+template <typename T>
+void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, int64_t KVH,
+                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                          const at::Tensor& context_lens, float scale, const float* k_scale, const float* v_scale,
+                          int64_t sliding_window, float logit_softcap, const float* sink_p, at::Tensor& out);
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale, int64_t sliding_window,
-                           double logit_softcap, const std::optional<at::Tensor>& sinks) {
+                           double logit_softcap, const std::optional<at::Tensor>& sinks,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "tpserve paged_attention: q (R, H, d), caches (num_blocks, block_size, KVH, d)");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "tpserve paged_attention: float32 only");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn),
+              "tpserve paged_attention: float32 queries; float32, int8 or float8_e4m3fn caches");
+  TORCH_CHECK((cache_type == at::kFloat) == (!k_scale.has_value() && !v_scale.has_value()),
+              "tpserve paged_attention: an 8-bit cache takes k_scale and v_scale, a float32 cache neither");
+  for (const std::optional<at::Tensor>* t : {&k_scale, &v_scale}) {
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->dim() == 2 &&
+                                    (*t)->size(0) == k_cache.size(2) && (*t)->size(1) == k_cache.size(3)),
+                "tpserve paged_attention: k_scale and v_scale must be contiguous float32 (KVH, d)");
+  }
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1,
               "tpserve paged_attention: contiguous caches and head vectors");
   for (const at::Tensor* t : {&block_tables, &query_start_loc, &context_lens}) {
@@ -292,8 +357,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   const int64_t R = q.size(0), H = q.size(1), d = q.size(2), S = context_lens.numel();
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
-  const GroupFn attend_fn = attend_for(d);
-  TORCH_CHECK(k_cache.size(3) == d && attend_fn != nullptr, "tpserve paged_attention: head_dim ", d,
+  TORCH_CHECK(k_cache.size(3) == d && attend_for<float>(d) != nullptr, "tpserve paged_attention: head_dim ", d,
               " must match the cache and be one of 16, 32, 64, 80, 96, 128");
   TORCH_CHECK(H % KVH == 0 && block_tables.dim() == 2 && block_tables.size(0) == S && query_start_loc.numel() == S + 1,
               "tpserve paged_attention: shapes disagree");
@@ -305,7 +369,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                 "tpserve paged_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head");
   }
   const float* sink_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   TORCH_CHECK(starts[0] == 0 && starts[S] == R, "tpserve paged_attention: query_start_loc must run from 0 to ", R);
@@ -316,13 +380,42 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                 max_blocks * block_size, ")");
   }
   at::Tensor out = at::empty({R, H, d}, q.options());
+  const float qk_scale = static_cast<float>(scale), cap = static_cast<float>(logit_softcap);
+  const float* ks = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+  if (cache_type == at::kFloat) {
+    paged_attention_impl<float>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size, KVH,
+                                block_tables, query_start_loc, context_lens, qk_scale, ks, vs, sliding_window, cap,
+                                sink_p, out);
+  } else if (cache_type == at::kChar) {
+    paged_attention_impl<int8_t>(q, static_cast<const int8_t*>(k_cache.data_ptr()),
+                                 static_cast<const int8_t*>(v_cache.data_ptr()), block_size, KVH, block_tables,
+                                 query_start_loc, context_lens, qk_scale, ks, vs, sliding_window, cap, sink_p, out);
+  } else {
+    paged_attention_impl<Fp8E4M3>(q, static_cast<const Fp8E4M3*>(k_cache.data_ptr()),
+                                  static_cast<const Fp8E4M3*>(v_cache.data_ptr()), block_size, KVH, block_tables,
+                                  query_start_loc, context_lens, qk_scale, ks, vs, sliding_window, cap, sink_p, out);
+  }
+  return out;
+}
+
+template <typename T>
+void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, int64_t KVH,
+                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                          const at::Tensor& context_lens, float scale, const float* k_scale, const float* v_scale,
+                          int64_t sliding_window, float logit_softcap, const float* sink_p, at::Tensor& out) {
+  const int64_t H = q.size(1), d = q.size(2);
+  const GroupFn<T> attend_fn = attend_for<T>(d);
+  const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t S = context_lens.numel();
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), token_stride = KVH * d;
-  const int64_t row_lines = (token_stride + 15) / 16, head_lines = (d + 15) / 16;
+  const int64_t row_lines = (token_stride + kPerLine<T> - 1) / kPerLine<T>;
+  const int64_t head_lines = (d + kPerLine<T> - 1) / kPerLine<T>;
   const bool whole_rows = row_lines <= kWholeRowLines;
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -341,7 +434,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         }
         offsets_of = s;
       }
-      HeadView h{kp + j * d, vp + j * d, nullptr, nullptr, head_lines};
+      HeadView<T> h{kp + j * d, vp + j * d, nullptr, nullptr, head_lines};
       if (lead && whole_rows) {  // whole token rows, for this and the sequence's other heads
         h.kpf = kp, h.vpf = vp, h.pf_lines = row_lines;
         if (s < last) {  // and the next sequence's, while this one is read (its first head then finds them)
@@ -358,19 +451,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t row = first + i, p = L - n + i;  // the row's position
         const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
         attend_fn(groups, qp + row * qs0 + j * groups * qs1, qs1, h, off.data() + (start - lo), p + 1 - start,
-                  static_cast<float>(scale), static_cast<float>(logit_softcap),
+                  scale, ScaleRows{k_scale ? k_scale + j * d : nullptr, v_scale ? v_scale + j * d : nullptr},
+                  logit_softcap,
                   sink_p ? sink_p + j * groups : nullptr, op + (row * H + j * groups) * d, d, scores);
       }
     }
   });
-  return out;
 }
+
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None) -> Tensor");
+        "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -11,13 +11,17 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 
 #include "vec_math.h"
 
@@ -127,10 +131,25 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // each key head by k_weight (d) (QK-norm: Qwen3, Gemma 3; null weights: none), then rotate the H query
 // and KVH key heads by (cos, sin) (T, d), the "rotate half" layout: out[i] = x[i] cos[i] - x[i + d/2] sin[i]
 // for i < d/2 and x[i] cos[i] + x[i - d/2] sin[i] above; then write the rotated keys and the values into
-// the caches (num_blocks, block_size, KVH, d) at slot_mapping[t].
+// the caches (num_blocks, block_size, KVH, d) at slot_mapping[t]. An 8-bit cache (int8 or float8_e4m3fn,
+// worker/kv_quant.py) gets the codes of x / scale[head, channel] with k_scale, v_scale (KVH, d): the same
+// float division, saturation and rounding (to nearest even; c10's e4m3 conversion) as torch's quantize.
+template <typename T>
+inline void store_codes(T* dst, const float* x, const float* scale, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = x[i] / scale[i];
+    if constexpr (std::is_same_v<T, int8_t>) {
+      dst[i] = static_cast<int8_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, y))));
+    } else {
+      dst[i] = static_cast<T>(std::min(448.0f, std::max(-448.0f, y)));
+    }
+  }
+}
+
 void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* k_weight, float eps,
                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_rows(qkv, "rotary_and_cache");
   const int64_t T = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && d % 2 == 0,
@@ -138,9 +157,19 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat && cos.numel() == T * d && sin.numel() == T * d,
               "tpserve rotary_and_cache: cos and sin must be contiguous float32 (T, d)");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn) &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == num_kv_heads,
-              "tpserve rotary_and_cache: caches must be contiguous float32 (num_blocks, block_size, KVH, d)");
+              "tpserve rotary_and_cache: caches must be contiguous float32, int8 or float8_e4m3fn "
+              "(num_blocks, block_size, KVH, d)");
+  TORCH_CHECK((cache_type == at::kFloat) == (!k_scale.has_value() && !v_scale.has_value()),
+              "tpserve rotary_and_cache: an 8-bit cache takes k_scale and v_scale, a float32 cache neither");
+  for (const std::optional<at::Tensor>* sc : {&k_scale, &v_scale}) {
+    TORCH_CHECK(!sc->has_value() || ((*sc)->scalar_type() == at::kFloat && (*sc)->is_contiguous() &&
+                                     (*sc)->numel() == num_kv_heads * d),
+                "tpserve rotary_and_cache: k_scale and v_scale must be contiguous float32 (KVH, d)");
+  }
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
               "tpserve rotary_and_cache: slot_mapping must be int64 (T,)");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), half = d / 2, width = qkv.size(1);
@@ -151,20 +180,24 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t kv_floats = num_kv_heads * d;
+  const bool codes = cache_type != at::kFloat;
+  char* kc = static_cast<char*>(k_cache.data_ptr());  // byte addresses: element size 4 or 1
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t element = codes ? 1 : static_cast<int64_t>(sizeof(float));
+  const float* ks = codes ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = codes ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t kv_floats = num_kv_heads * d, row_bytes = kv_floats * element;
   // A small row's cache lines (the embedded model: 4 a row) are asked for a few rows ahead, for
   // writing: the slots of a decode step lie all over the cache, mostly out of cache, and the copies
   // below would otherwise wait on each line in turn (one layer's call, 64 rows, torch.profiler: 23 -> 19 us).
-  const int64_t ahead_lines = kv_floats <= 128 ? (kv_floats + 15) / 16 : 0;
+  const int64_t ahead_lines = row_bytes <= 512 ? (row_bytes + 63) / 64 : 0;
   constexpr int64_t kAheadRows = 4;
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (t + kAheadRows < t1) {
         for (int64_t line = 0; line < ahead_lines; ++line) {
-          __builtin_prefetch(kc + slots[t + kAheadRows] * kv_floats + 16 * line, 1, 3);
-          __builtin_prefetch(vc + slots[t + kAheadRows] * kv_floats + 16 * line, 1, 3);
+          __builtin_prefetch(kc + slots[t + kAheadRows] * row_bytes + 64 * line, 1, 3);
+          __builtin_prefetch(vc + slots[t + kAheadRows] * row_bytes + 64 * line, 1, 3);
         }
       }
       float* row = qp + t * width;
@@ -190,31 +223,44 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
           x[half + i] = x2 * c[half + i] + x1 * s[half + i];
         }
       }
-      const int64_t kv_bytes = num_kv_heads * d * static_cast<int64_t>(sizeof(float));
-      std::memcpy(kc + slots[t] * num_kv_heads * d, row + num_heads * d, kv_bytes);
-      std::memcpy(vc + slots[t] * num_kv_heads * d, row + (num_heads + num_kv_heads) * d, kv_bytes);
+      const float* keys = row + num_heads * d;
+      const float* values = row + (num_heads + num_kv_heads) * d;
+      char* kdst = kc + slots[t] * row_bytes;
+      char* vdst = vc + slots[t] * row_bytes;
+      if (cache_type == at::kFloat) {
+        std::memcpy(kdst, keys, row_bytes);
+        std::memcpy(vdst, values, row_bytes);
+      } else if (cache_type == at::kChar) {
+        store_codes(reinterpret_cast<int8_t*>(kdst), keys, ks, kv_floats);
+        store_codes(reinterpret_cast<int8_t*>(vdst), values, vs, kv_floats);
+      } else {
+        store_codes(reinterpret_cast<c10::Float8_e4m3fn*>(kdst), keys, ks, kv_floats);
+        store_codes(reinterpret_cast<c10::Float8_e4m3fn*>(vdst), values, vs, kv_floats);
+      }
     }
   });
 }
 
 void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                      at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                      at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   norm_rotary_and_cache(qkv, nullptr, nullptr, 0.0f, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
-                        num_kv_heads);
+                        num_kv_heads, k_scale, v_scale);
 }
 
 // rotary_and_cache with each query head RMS-normalised by q_weight (d,) and each key head by k_weight (d,)
 // first, as transformers' Qwen3Attention does (q_norm, k_norm before apply_rotary_pos_emb).
 void qk_norm_rotary_and_cache(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                              const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                              const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const int64_t d = k_cache.size(3);
   for (const at::Tensor* w : {&q_weight, &k_weight}) {
     TORCH_CHECK(w->is_contiguous() && w->scalar_type() == at::kFloat && w->numel() == d,
                 "tpserve qk_norm_rotary_and_cache: q_weight and k_weight must be contiguous float32 (d,)");
   }
   norm_rotary_and_cache(qkv, q_weight.data_ptr<float>(), k_weight.data_ptr<float>(), static_cast<float>(eps), cos,
-                        sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
+                        sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, k_scale, v_scale);
 }
 
 }  // namespace
@@ -224,10 +270,10 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+        "Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("qk_norm_rotary_and_cache(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, "
         "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, "
-        "int num_kv_heads) -> ()");
+        "int num_kv_heads, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {

@@ -92,13 +92,16 @@ def _kernel():
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, *, sliding_window: int = 0,
-                           logit_softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           logit_softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                           kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context: ``softmax(cap(q K^T * scale)) V``.
 
     Args:
         q: ``(S, H, d)`` float16 / bfloat16 / float32, the last dim contiguous.
         k_cache, v_cache: ``(num_blocks, block_size, KVH, d)``, same dtype, contiguous;
-            ``H`` a multiple of ``KVH``, ``block_size`` a power of two.
+            ``H`` a multiple of ``KVH``, ``block_size`` a power of two. Either ``q``'s dtype or
+            an 8-bit cache's codes (``int8`` or ``float8_e4m3fn``; worker/kv_quant.py), converted
+            in the kernel.
         block_tables: ``(S, B) int32 / int64``: sequence ``s``'s positions ``p`` lie in
             block ``block_tables[s, p // block_size]``; entries past its context are never read.
         context_lens: ``(S,) int32 / int64``, each ``>= 1``: keys at positions
@@ -114,6 +117,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             denominator with no value (gpt-oss's attention sinks: ``exp(sinks[h])`` added to
             ``sum_t exp(score_t)``; ``transformers``' ``modeling_gpt_oss.py``); None: none
             (the kernel is compiled without that code).
+        kv_scales: an 8-bit cache's ``(k_scale, v_scale)``, ``(KVH, d)`` float32 each on ``q``'s
+            device: keys are ``k_scale[head, channel] * code``, values likewise; None for a float cache.
 
     Returns:
         ``(S, H, d)`` in ``q``'s dtype; the arithmetic is float32.
@@ -152,13 +157,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits, blocks_per_split = split_plan(num_seqs, num_kv_heads, block_tables.shape[1], block_size)
     constants = dict(GROUP=group, GROUP_PAD=max(2, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
                      HEAD_DIM=head_dim, HEAD_PAD=max(16, 1 << (head_dim - 1).bit_length()),
-                     SOFTCAP=logit_softcap > 0, SINKS=sinks is not None)
+                     SOFTCAP=logit_softcap > 0, SINKS=sinks is not None, SCALED=kv_scales is not None,
+                     FP8=k_cache.dtype == torch.float8_e4m3fn)
     window = (sliding_window or _NO_WINDOW, float(logit_softcap))
+    k_scale, v_scale = (out, out) if kv_scales is None else kv_scales  # unread without SCALED
+    if constants["FP8"]:  # the kernel decodes e4m3 bits itself (no fp8 arithmetic needed from the GPU)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_splits == 1:
         _kernel()[(num_seqs, num_kv_heads, 1)](
-            out, out, out, out if sinks is None else sinks, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split, *window,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, SPLIT=False, **constants)
+            out, out, out, out if sinks is None else sinks, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, scale,
+            blocks_per_split, *window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, SPLIT=False, **constants)
         return out
     # Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"; vLLM's
     # paged_attention_v2): each split's partial output, max and sum, then one weighted combination.
@@ -166,7 +175,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     _kernel()[(num_seqs, num_kv_heads, num_splits)](
-        partial, partial_max, partial_sum, partial_max, q, k_cache, v_cache, block_tables, context_lens, scale, blocks_per_split,
+        partial, partial_max, partial_sum, partial_max, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, scale,
+        blocks_per_split,
         *window,
         q.stride(0), q.stride(1), 0, 0, *strides, SPLIT=True, **constants)
     top = partial_max.amax(dim=-1, keepdim=True)  # (S, H, 1)

@@ -38,6 +38,17 @@ def decode_block_supported(attention: nn.Module, device: torch.device, dtype: to
             and attn.head_size in KERNEL_HEAD_SIZES and cpu_kernels_available())
 
 
+def disable_decode_blocks(model: nn.Module) -> None:
+    """Send every decode step of ``model`` through the module path: its layers' caches are not float32
+    (an 8-bit KV cache, worker/kv_quant.py, which the module path's paged kernel reads; the compiled
+    layer's fused RoPE-and-cache write stores float32 only)."""
+    for module in model.modules():
+        if getattr(module, "decode_block", False):
+            setattr(module, "decode_block", False)  # noqa: B010 - a plain attribute, not a submodule
+        if getattr(module, "decode_stack", None) is not None:
+            setattr(module, "decode_stack", None)  # noqa: B010
+
+
 def step_takes_decode_block(h: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether this step's ``h (T, hidden)`` is all decode rows read by the compiled paged kernel, few
     enough that the module path's linears take the compiled kernel too (worker/layers/matmul.py)."""

@@ -244,6 +244,7 @@ def rotate_and_cache(
     num_heads: int,
     num_kv_heads: int,
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate the query and key heads of ``qkv`` and write this step's keys and values into the cache.
 
@@ -256,25 +257,32 @@ def rotate_and_cache(
         slot_mapping: ``(T,) int64`` cache slot of each row.
         qk_norm: ``(q_norm, k_norm)``, RMSNorms of size ``d`` applied to every query and
             key head before the rotation (QK-norm, as Qwen3 and Gemma 3 do); None: none.
+        kv_scales: the layer's ``(k_scale, v_scale)`` (``PagedAttention.kv_scales``), which an
+            8-bit cache's write needs (worker/kv_quant.py); unused with a float cache.
 
     Returns:
         ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` rotated, and ``v (T, num_kv_heads, d)``.
 
     On a float32 CPU step with the compiled kernels this is one pass over the rows
-    (worker/kernels/cpu_elementwise.cpp, the same roundings as :func:`apply_rotary`);
+    (worker/kernels/cpu_elementwise.cpp, the same roundings as :func:`apply_rotary`; into an
+    8-bit cache the same codes as :func:`worker.kv_quant.quantize`);
     elsewhere the norms, :func:`apply_rotary` on the q and k heads together and
     :func:`worker.attention.write_kv_cache`.
     """
     num_tokens, d = qkv.shape[0], k_cache.shape[-1]
-    if (qkv.device.type == "cpu" and qkv.dtype == cos.dtype == k_cache.dtype == torch.float32
+    if (qkv.device.type == "cpu" and qkv.dtype == cos.dtype == torch.float32
+            and (k_cache.dtype == torch.float32 or kv_scales is not None)
             and qkv.is_contiguous() and cpu_kernels_available()):
+        # An 8-bit cache: the op stores the codes (kv_scales is None for a float cache: no scales passed).
+        scales: tuple[torch.Tensor, ...] = () if k_cache.dtype == torch.float32 or kv_scales is None else kv_scales
         if qk_norm is None:
             torch.ops.tpserve_cpu.rotary_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
-                                                   num_kv_heads)
+                                                   num_kv_heads, *scales)
         else:
             q_norm, k_norm = qk_norm
             torch.ops.tpserve_cpu.qk_norm_rotary_and_cache(qkv, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin,
-                                                           k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+                                                           k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                                                           *scales)
         # split_with_sizes: the C method (Tensor.split is a Python wrapper around it, a few us a layer).
         q, k, v = qkv.view(num_tokens, -1, d).split_with_sizes([num_heads, num_kv_heads, num_kv_heads], dim=1)
         return q, k, v
@@ -290,5 +298,5 @@ def rotate_and_cache(
         qk = qk.to(qkv.dtype)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     v = qkv[:, qk_size:].view(num_tokens, num_kv_heads, d)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q, k, v

@@ -1,0 +1,108 @@
+"""``tpserve serve --kv-cache-dtype int8`` at tp 2 and ``fp8`` at tp 4 on stories260k: the flag reaches every rank (the
+pool is 1 byte per element: 4x the blocks of the float32 cache in the same bytes), GetModelInfo reports
+it, and the served tokens are the 8-bit cache's: the same as a one-process tp 1 runner with that cache
+(each rank's per-head-channel scales do not depend on the split), also with two pipeline stages; a
+prefix-cache hit's tokens are exactly a miss's, and a moved stream continues token for token. With a
+draft model the flag is refused in one line. Agreement with the float goldens is measured in tests/worker/test_kv_cache_dtype.py.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import serve
+from tests.e2e.stories import wait_all_blocks_free
+from tests.paths import STORIES_DIR, load_goldens, requires_stories
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+BUDGET_BLOCKS = 600
+
+
+@pytest.mark.parametrize("kv_cache_dtype, tp", [("int8", 2), ("fp8", 4)])
+def test_8_bit_kv_cache_serving(kv_cache_dtype: str, tp: int, tmp_path: Path) -> None:
+    import torch
+
+    from tests.worker.kv8_helpers import eight_bit_runner, teacher_forced
+
+    goldens = load_goldens()
+    prompts = [g["prompt_token_ids"] for g in goldens]
+    want = teacher_forced(eight_bit_runner(STORIES_DIR, kv_cache_dtype), prompts, None, 24)  # tp 1, one process
+    log_path = tmp_path / "server.log"
+    block_bytes = 2 * 5 * 16 * (4 // tp) * 8  # a rank's block: K and V x 5 layers x 16 positions x its heads x 8 x 1 byte
+    with serve(STORIES_DIR, tp, "--kv-cache-dtype", kv_cache_dtype, "--log-format", "json",
+               "--kv-cache-memory-bytes", str(BUDGET_BLOCKS * block_bytes), log_path=log_path) as cluster:
+        info = cluster.client.model_info()
+        assert info.kv_cache_dtype == kv_cache_dtype and info.num_kv_blocks == BUDGET_BLOCKS  # float32: 150
+        assert info.tensor_parallel_size == tp
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=24, temperature=0,
+                                                                     ignore_eos=True), prompts))
+        long = [1] + list(range(100, 144))  # 45 tokens, unseen: 2 full blocks to share
+        miss, hit = (cluster.client.generate(long, max_tokens=16, temperature=0, ignore_eos=True) for _ in range(2))
+        wait_all_blocks_free(cluster)
+    assert [list(r.token_ids) for r in results] == want
+    assert (miss.usage.cached_prompt_tokens, hit.usage.cached_prompt_tokens) == (0, 32)
+    assert list(hit.token_ids) == list(miss.token_ids)
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    loaded = [e for e in lines if e.get("event") == "shard loaded"]
+    storage = str(dict(int8=torch.int8, fp8=torch.float8_e4m3fn)[kv_cache_dtype]).removeprefix("torch.")
+    assert sorted(e["rank"] for e in loaded) == list(range(tp)) and {e["kv_cache_dtype"] for e in loaded} == {storage}
+    assert {e["num_kv_blocks_available"] for e in loaded} == {BUDGET_BLOCKS}
+    assert sum(e.get("event") == "kv cache scales calibrated" for e in lines) == tp  # once per rank
+
+
+def test_an_8_bit_cache_with_a_draft_model_is_refused_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    from tests.e2e.cluster import free_port
+    from tests.paths import REPO_ROOT
+
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--port", str(free_port()), "--kv-cache-dtype",
+                          "fp8", "--speculative-method", "draft", "--speculative-model", str(STORIES_DIR),
+                          "--num-speculative-tokens", "2"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--kv-cache-dtype fp8 does not combine with --speculative-method draft" in lines[0], \
+        out.stderr
+
+
+def test_8_bit_kv_cache_serving_with_pipeline_stages() -> None:
+    """Two pipeline stages: each calibrates its own layers (the calibration prompt flows through both
+    stages as any step does); the tokens are tp 1's with the same cache."""
+    from tests.worker.kv8_helpers import eight_bit_runner, teacher_forced
+
+    prompts = [g["prompt_token_ids"] for g in load_goldens()]
+    want = teacher_forced(eight_bit_runner(STORIES_DIR, "int8"), prompts, None, 24)
+    with serve(STORIES_DIR, 1, "--pipeline-parallel-size", "2", "--kv-cache-dtype", "int8") as cluster:
+        got = [list(cluster.client.generate(p, max_tokens=24, temperature=0, ignore_eos=True).token_ids)
+               for p in prompts]
+    assert got == want
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_moved_stream_continues_token_for_token(kv_cache_dtype: str) -> None:
+    """A stream moved to another replica is re-sent with the tokens already delivered
+    (``generated_token_ids``; docs/design/cluster.md): the replica prefills them into its 8-bit cache,
+    rounded as decoding wrote them, and continues with the uninterrupted request's tokens."""
+    from tpserve.client import build_request
+    from tpserve.v1 import generate_pb2_grpc
+
+    prompt = "Once upon a time, there was a little"
+    with serve(STORIES_DIR, 1, "--kv-cache-dtype", kv_cache_dtype) as cluster:
+        stub = generate_pb2_grpc.GenerationStub(cluster.client.channel)
+
+        def stream(given: list[int]) -> list[int]:
+            request = build_request(prompt, max_tokens=40, temperature=0, ignore_eos=True)
+            request.generated_token_ids.extend(given)
+            return [t for m in stub.GenerateStream(request, timeout=60) for t in m.token_ids]
+
+        full = stream([])
+        assert len(full) == 40
+        for k in (1, 13, 27, 39):
+            assert stream(full[:k]) == full[k:], k
