@@ -141,7 +141,7 @@ def test_a_node_with_another_quantization_is_refused() -> None:
 
 def test_every_node_must_have_the_same_kv_cache_dtype() -> None:
     """An 8-bit node's ranks hold twice a 16-bit node's blocks in the same memory: refused, naming both."""
-    leader = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, kv_cache_dtype="int8")
+    leader = GroupSettings(GroupLayout(4, 2, 0), "abc", "auto", 16, tp_size=4, kv_cache_dtype="int8")
     assert leader.mismatch(join(kv_cache_dtype="int8").join) is None
     assert leader.mismatch(join().join) == "node 1 has --kv-cache-dtype=auto, the leader --kv-cache-dtype=int8"
     assert SETTINGS.mismatch(join(kv_cache_dtype="fp8").join) == \
