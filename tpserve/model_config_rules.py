@@ -13,7 +13,9 @@ missing required key is :func:`tpserve.model_config._required`'s error):
 - :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's scalars);
 - :data:`ROPE_RULES`: the keys of a ``rope_scaling`` / ``rope_parameters`` dict (each
   layer type's too); ``longrope`` and other types are refused by the parser, not here;
-- :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token).
+- :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token), and
+  :data:`FAMILY_RELATIONS` one architecture's (DeepSeek V3's expert groups);
+- :data:`FAMILY_IGNORED`: top-level keys an architecture does not read, left unchecked.
 
 Values must be JSON numbers: a string (``"nan"``) or a boolean is refused, and so are NaN
 and infinities. Integers are required where ``transformers`` uses the value as a count.
@@ -85,12 +87,30 @@ _GEMMA: dict[str, Check] = {
     "final_logit_softcapping": POSITIVE,
 }
 
+#: Multi-head latent attention (DeepSeek V2/V3, Kimi K2; worker/layers/mla.py) and DeepSeek V3's MoE.
+_DEEPSEEK_V3: dict[str, Check] = {
+    "kv_lora_rank": POSITIVE_INT,
+    "q_lora_rank": POSITIVE_INT,  # null: a full-rank q_proj
+    "qk_rope_head_dim": EVEN_INT,
+    "qk_nope_head_dim": POSITIVE_INT,
+    "v_head_dim": POSITIVE_INT,
+    "first_k_dense_replace": NON_NEGATIVE_INT,
+    "n_routed_experts": POSITIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "n_group": POSITIVE_INT,
+    "topk_group": POSITIVE_INT,
+    "n_shared_experts": NON_NEGATIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "routed_scaling_factor": POSITIVE,
+}
+
 #: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
 FAMILY_RULES: dict[str, dict[str, Check]] = {
     "MixtralForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT},
     "Qwen2MoeForCausalLM": {**_QWEN_MOE, "shared_expert_intermediate_size": POSITIVE_INT},
     "Qwen3MoeForCausalLM": _QWEN_MOE,
     "Gemma2ForCausalLM": _GEMMA,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
     "Gemma3ForCausalLM": {**_GEMMA, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": POSITIVE_INT},
 }
 
@@ -133,6 +153,19 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("num_experts_per_tok", "num_experts"), lambda k, n: n == 0 or k <= n,
              "num_experts_per_tok must be at most num_experts"),
 )
+#: Rules between one architecture's keys, after :data:`RELATIONS`.
+FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
+    "DeepseekV3ForCausalLM": (
+        Relation(("topk_group", "n_group"), lambda k, n: k <= n, "topk_group must be at most n_group"),
+        Relation(("n_routed_experts", "n_group"), lambda e, n: e % n == 0,
+                 "n_routed_experts must be divisible by n_group (experts are split into equal groups)"),
+        Relation(("num_experts_per_tok", "n_routed_experts"), lambda k, n: k <= n,
+                 "num_experts_per_tok must be at most n_routed_experts"),
+    ),
+}
+#: Top-level keys an architecture never reads, so not checked: latent attention has no key/value heads
+#: (DeepseekV3Config writes its default of 128 whatever the query heads).
+FAMILY_IGNORED: dict[str, tuple[str, ...]] = {"DeepseekV3ForCausalLM": ("num_key_value_heads",)}
 #: Rules between keys of one RoPE dict.
 ROPE_RELATIONS: tuple[Relation, ...] = (
     Relation(("low_freq_factor", "high_freq_factor"), lambda low, high: high > low,
@@ -185,8 +218,10 @@ def check_config(raw: Mapping[str, Any], architecture: str) -> None:
     rules = {**MODEL_RULES, **FAMILY_RULES.get(architecture, {})}
     if raw.get("use_sliding_window") is False:  # the window is not read (transformers writes 0 or null there)
         rules.pop("sliding_window")
+    ignored = FAMILY_IGNORED.get(architecture, ())
+    raw = {key: value for key, value in raw.items() if key not in ignored}
     check_fields(raw, rules)
-    check_relations(raw, RELATIONS)
+    check_relations(raw, RELATIONS + FAMILY_RELATIONS.get(architecture, ()))
     for where, rope in _rope_dicts(raw):
         check_rope(rope, where)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 #: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
 MODEL_REGISTRY: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "worker.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
@@ -28,6 +29,11 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
+
+#: Architectures whose attention is multi-head latent attention (DeepSeek-V2 paper, arXiv:2405.04434): their
+#: KV cache holds one compressed latent and one shared RoPE key per token, not per-head keys and values
+#: (:meth:`tpserve.model_config.ModelConfig.kv_cache_spec`). Kimi K2 checkpoints name DeepseekV3ForCausalLM.
+LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
 #: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.

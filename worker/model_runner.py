@@ -144,7 +144,9 @@ class ModelRunner:
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
         self._sampling_cache = SamplingCache()  # a steady decode batch's sampling tensors, kept between steps
         # The draft runs on the target's step inputs, so both must take the same attention path.
+        # The compiled paged kernel reads per-head caches; latent attention reads its own (worker/layers/mla_attention.py).
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
+                              and not self.config.latent_attention
                               and (self.draft is None or self.draft.paged_kernel))
         self._triton_decode = triton_attention_available(ctx.device, block_size)
         self._builder = select_metadata_builder(paged_kernel=self._paged_kernel, triton_decode=self._triton_decode)

@@ -1,0 +1,48 @@
+"""DeepSeek V3 (multi-head latent attention) at tensor-parallel degrees 1, 2 and 4 against ``transformers``.
+
+Tiny seeded ``deepseek_v3`` checkpoints, every layer dense (``first_k_dense_replace`` =
+layers), 4 heads, latent rank 32, decoupled RoPE of 8 dimensions:
+
+* ``dsv3_q_lora``: a low-rank query (``q_lora_rank`` 24: ``q_a_proj``, ``q_a_layernorm``,
+  ``q_b_proj``), interleaved RoPE (``rope_interleave``, DeepseekV3Config's default);
+* ``dsv3_q_proj``: a full-rank ``q_proj``, ``rope_interleave`` off, ``attention_bias``;
+* ``dsv3_yarn``: YaRN (factor 4 over 24 positions) with ``mscale`` 0.7 and ``mscale_all_dim``
+  1.0: ``cos, sin`` scaled by their ratio and the softmax scale by ``mscale_all_dim``'s square.
+
+Each runs the scenario of tests/worker/family_check.py: greedy tokens and logits within 1e-4,
+alone and 16 at once, prompt logprobs, chunked prefill split inside a block (chunks of 6
+tokens, blocks of 4), prefix-cache hits (whole cached latent blocks, the rest prefilled) and
+preemption with recompute. Prefill runs the expanded form, decode the absorbed one
+(worker/layers/mla_attention.py), so the same tokens from both is part of the check.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import TinyModelSpec
+from tests.worker.family_check import check, register
+
+# Every registered family runs in one process group per degree (family_check.py): one test process for all.
+pytestmark = pytest.mark.xdist_group("families")
+
+_MLA = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "first_k_dense_replace": 2}
+#: Chunks of 6 tokens over blocks of 4: every other chunk boundary falls inside a block.
+CHUNK = 6
+Q_LORA = register(TinyModelSpec("dsv3_q_lora", "deepseek_v3", {**_MLA, "q_lora_rank": 24, "vocab_size": 190},
+                                seed=41), CHUNK)
+Q_PROJ = register(TinyModelSpec("dsv3_q_proj", "deepseek_v3", {
+    **_MLA, "q_lora_rank": None, "rope_interleave": False, "attention_bias": True, "vocab_size": 170,
+    "rope_theta": 1000.0}, seed=42), CHUNK)
+YARN = register(TinyModelSpec("dsv3_yarn", "deepseek_v3", {
+    **_MLA, "q_lora_rank": 24, "vocab_size": 180,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 24, "mscale": 0.7, "mscale_all_dim": 1.0}}, seed=43),
+    CHUNK)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", [Q_LORA, Q_PROJ, YARN])
+def test_deepseek_v3_matches_transformers(name: str, tp: int) -> None:
+    check(name, tp)
