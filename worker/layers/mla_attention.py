@@ -93,7 +93,7 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.
     """
     seqs, n, num_heads, d_n = q_nope.shape
     q_lat = absorb_query(q_nope.reshape(seqs * n, num_heads, d_n), kv_b_weight, d_n)  # (S * n, H, r)
-    q_lat = q_lat.view(seqs, n * num_heads, -1)  # (S, n * H, r)
+    q_lat = q_lat.reshape(seqs, n * num_heads, -1)  # (S, n * H, r)
     scores = torch.bmm(q_lat, latents.transpose(1, 2))  # (S, n * H, C)
     scores = scores + torch.bmm(q_pe.reshape(seqs, n * num_heads, -1), k_pe.transpose(1, 2))
     scores = (scores * scale).view(seqs, n, num_heads, -1)  # (S, n, H, C)
@@ -101,7 +101,7 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latents.dtype)  # (S, n, H, C)
     o_lat = torch.bmm(probs.view(seqs, n * num_heads, -1), latents)  # (S, n * H, r)
     o = absorb_output(o_lat.view(seqs * n, num_heads, -1), kv_b_weight, d_n)  # (S * n, H, d_v)
-    return o.view(seqs, n, num_heads, -1)  # (S, n, H, d_v)
+    return o.reshape(seqs, n, num_heads, -1)  # (S, n, H, d_v)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict[str, torch.Tensor],
