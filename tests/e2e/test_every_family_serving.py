@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, requires_stories]
 MAX_TOKENS = 40
 PROMPT = "Once upon a time"
 FAMILIES = ("qwen3_qk_norm", "phi3_fused", "mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3",
-            "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe")
+            "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe", "dsv3_q_lora", "dsv3_yarn")
 
 
 def _specs() -> dict[str, TinyModelSpec]:
@@ -39,7 +39,8 @@ def _specs() -> dict[str, TinyModelSpec]:
     from tests.worker import family_check
 
     specs = {spec.name: spec for spec in TINY_MODELS}
-    for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models"):
+    for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models",
+                   "test_deepseek_v3"):
         importlib.import_module(f"tests.worker.{module}")  # each registers its checkpoints
     specs.update({name: spec for name, (spec, _window) in family_check._REGISTERED.items()})
     for module in ("test_mixtral", "test_qwen3_moe", "test_qwen2_moe"):
