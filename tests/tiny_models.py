@@ -102,6 +102,9 @@ def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
                 param.copy_(0.5 * noise)
             else:
                 param.copy_(noise / param.shape[-1] ** 0.5)  # unit-variance activations
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer (DeepSeek V3, GLM-4.5, MiniMax-M2): 0 by default
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     return model
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tpserve.model_config_rules import check_config
-from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, resolve_architecture,
+from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_DEFAULTS, resolve_architecture,
                                     ties_word_embeddings_by_default)
 from tpserve.quantization import Quantization, checkpoint_quantization
 
@@ -84,6 +84,10 @@ class ModelConfig:
         total_num_heads: query heads of the whole model (``num_attention_heads``).
         total_num_kv_heads: key/value heads of the whole model (``num_key_value_heads``).
         head_dim: size of one attention head (explicit ``head_dim`` or hidden/heads).
+        rotary_dim: None when RoPE rotates whole heads; else (the partial-RoPE families of
+            :data:`tpserve.model_registry.PARTIAL_ROTARY_DEFAULTS`) how many leading dimensions
+            of each query and key head it rotates, ``int(head_dim * partial_rotary_factor)``
+            (or MiniMax-M2's ``rotary_dim``), even and below ``head_dim``.
         hidden_act: the MLP's activation name (``hidden_act``; each family checks it).
         rms_norm_eps: epsilon inside RMSNorm's square root.
         rope_theta: RoPE base wavelength (Su et al. 2021, arXiv:2104.09864).
@@ -143,6 +147,7 @@ class ModelConfig:
     torch_dtype: str | None
     quantization: Quantization | None = None
     layer_rope_parameters: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)
+    rotary_dim: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -207,6 +212,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=checkpoint_quantization(raw),
             layer_rope_parameters=layer_rope,
+            rotary_dim=_parse_rotary_dim(raw, architecture, head_dim),
             hf_config=raw,
         )
 
@@ -379,6 +385,40 @@ def _parse_layer_rope(raw: dict[str, Any],
             for layer_type, nested in params.items() if isinstance(nested, dict)}
 
 
+def _parse_rotary_dim(raw: dict[str, Any], architecture: str, head_dim: int) -> int | None:
+    """How many leading dimensions of a head RoPE rotates, as ``transformers`` computes it.
+
+    ``partial_rotary_factor`` from the RoPE dict, else the top level (Phi style), else
+    MiniMax-M2's ``rotary_dim / head_dim``, else the family's default; the dimension is
+    ``int(head_dim * factor)``, as ``transformers``' default RoPE initialisation takes it;
+    None when that is the whole head.
+
+    Raises:
+        ValueError: a factor below 1 for a family without partial RoPE, or an odd dimension.
+    """
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    nested = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
+    if any(p.get("partial_rotary_factor", 1.0) != 1.0 for p in nested):
+        raise ValueError("partial_rotary_factor per layer type is not supported")
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = raw.get("partial_rotary_factor")
+    if factor is None and raw.get("rotary_dim") is not None and architecture in PARTIAL_ROTARY_DEFAULTS:
+        factor = raw["rotary_dim"] / head_dim
+    if factor is None:
+        factor = PARTIAL_ROTARY_DEFAULTS.get(architecture, 1.0)
+    if factor != 1.0 and architecture not in PARTIAL_ROTARY_DEFAULTS:
+        raise ValueError(f"partial_rotary_factor={factor} is not supported by {architecture} "
+                         f"(partial RoPE: {', '.join(sorted(PARTIAL_ROTARY_DEFAULTS))})")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim == head_dim:
+        return None
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor} gives rotary_dim={rotary_dim} of head_dim={head_dim}; "
+                         "RoPE rotates pairs, so it must be a positive even number")
+    return rotary_dim
+
+
 def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, dict[str, Any] | None]:
     """Return ``(rope_theta, rope_scaling)`` from either config layout.
 
@@ -397,9 +437,6 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         raise ValueError(
             f"rope_scaling rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
         )
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))  # Phi-style top level too
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported")
     if rope_type == "default":
         return rope_theta, None
     if rope_type == "yarn" and params.get("factor") is None:  # transformers: the ratio of the two lengths

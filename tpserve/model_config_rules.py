@@ -13,8 +13,8 @@ missing required key is :func:`tpserve.model_config._required`'s error):
 - :data:`FAMILY_RULES`: the keys one architecture reads (experts, Gemma's scalars);
 - :data:`ROPE_RULES`: the keys of a ``rope_scaling`` / ``rope_parameters`` dict (each
   layer type's too); ``longrope`` and other types are refused by the parser, not here;
-- :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token), and
-  :data:`FAMILY_RELATIONS` one architecture's (DeepSeek V3's expert groups);
+- :data:`RELATIONS`: rules between fields (heads by key/value heads, experts per token);
+  :data:`FAMILY_RELATIONS`: one architecture's (expert groups, ``rotary_dim`` by ``head_dim``);
 - :data:`FAMILY_IGNORED`: top-level keys an architecture does not read, left unchecked.
 
 Values must be JSON numbers: a string (``"nan"``) or a boolean is refused, and so are NaN
@@ -40,6 +40,15 @@ class Check:
     expect: str
 
 
+@dataclass(frozen=True)
+class Relation:
+    """A rule between fields, checked once each field has passed its own: ``test(*values)``."""
+
+    fields: tuple[str, ...]
+    test: Callable[..., bool]
+    expect: str
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -55,6 +64,7 @@ NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
 POSITIVE = Check(lambda v: _is_finite(v) and v > 0, "a finite number > 0")
 FINITE = Check(_is_finite, "a finite number")
 AT_LEAST_ONE = Check(lambda v: _is_finite(v) and v >= 1, "a finite number >= 1")
+FRACTION = Check(lambda v: _is_finite(v) and 0 < v <= 1, "a number in (0, 1]")
 EVEN_INT = Check(lambda v: _is_int(v) and v >= 2 and v % 2 == 0, "a positive even integer (RoPE rotates pairs)")
 
 #: Top-level keys every family reads.
@@ -72,6 +82,7 @@ MODEL_RULES: dict[str, Check] = {
     "rope_theta": POSITIVE,
     "sliding_window": POSITIVE_INT,
     "max_window_layers": NON_NEGATIVE_INT,
+    "partial_rotary_factor": FRACTION,
 }
 
 _QWEN_MOE: dict[str, Check] = {
@@ -81,27 +92,44 @@ _QWEN_MOE: dict[str, Check] = {
     "moe_intermediate_size": POSITIVE_INT,
     "decoder_sparse_step": POSITIVE_INT,
 }
+#: DeepSeek-V3-style sigmoid routing (worker/layers/moe_routing.py): DeepSeek V3, Kimi K2, GLM-4.5.
+DEEPSEEK_MOE_RULES: dict[str, Check] = {
+    "n_routed_experts": POSITIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "n_shared_experts": NON_NEGATIVE_INT,
+    "n_group": POSITIVE_INT,
+    "topk_group": POSITIVE_INT,
+    "routed_scaling_factor": POSITIVE,
+    "first_k_dense_replace": NON_NEGATIVE_INT,
+}
+#: Between the keys of :data:`DEEPSEEK_MOE_RULES` (``transformers``' router would fail or mis-route otherwise).
+DEEPSEEK_MOE_RELATIONS: tuple[Relation, ...] = (
+    Relation(("topk_group", "n_group"), lambda k, n: k <= n, "topk_group must be at most n_group"),
+    Relation(("num_experts_per_tok", "n_routed_experts"), lambda k, n: k <= n,
+             "num_experts_per_tok must be at most n_routed_experts"),
+    Relation(("n_routed_experts", "n_group"), lambda e, n: e % n == 0,
+             "n_routed_experts must be divisible by n_group (experts are grouped evenly)"),
+    Relation(("n_routed_experts", "n_group"), lambda e, n: n == 1 or e // n >= 2,
+             "n_routed_experts / n_group must be >= 2 (a group is scored by its two best experts)"),
+    Relation(("num_experts_per_tok", "topk_group", "n_routed_experts", "n_group"),
+             lambda k, g, e, n: k <= g * (e // n),
+             "num_experts_per_tok must be at most topk_group * n_routed_experts / n_group (the kept groups' experts)"),
+)
 _GEMMA: dict[str, Check] = {
     "query_pre_attn_scalar": POSITIVE,
     "attn_logit_softcapping": POSITIVE,
     "final_logit_softcapping": POSITIVE,
 }
 
-#: Multi-head latent attention (DeepSeek V2/V3, Kimi K2; worker/layers/mla.py) and DeepSeek V3's MoE.
+#: Multi-head latent attention (DeepSeek V2/V3, Kimi K2; worker/layers/mla.py), with DeepSeek V3's MoE keys.
 _DEEPSEEK_V3: dict[str, Check] = {
     "kv_lora_rank": POSITIVE_INT,
     "q_lora_rank": POSITIVE_INT,  # null: a full-rank q_proj
     "qk_rope_head_dim": EVEN_INT,
     "qk_nope_head_dim": POSITIVE_INT,
     "v_head_dim": POSITIVE_INT,
-    "first_k_dense_replace": NON_NEGATIVE_INT,
-    "n_routed_experts": POSITIVE_INT,
-    "num_experts_per_tok": POSITIVE_INT,
-    "n_group": POSITIVE_INT,
-    "topk_group": POSITIVE_INT,
-    "n_shared_experts": NON_NEGATIVE_INT,
-    "moe_intermediate_size": POSITIVE_INT,
-    "routed_scaling_factor": POSITIVE,
+    **DEEPSEEK_MOE_RULES,
 }
 
 #: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
@@ -112,6 +140,16 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "Gemma2ForCausalLM": _GEMMA,
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
     "Gemma3ForCausalLM": {**_GEMMA, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": POSITIVE_INT},
+    "Glm4MoeForCausalLM": DEEPSEEK_MOE_RULES,
+    "MiniMaxM2ForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
+                             "rotary_dim": EVEN_INT},
+    "Ernie4_5_MoeForCausalLM": {"moe_num_experts": POSITIVE_INT, "moe_k": POSITIVE_INT,
+                                "moe_intermediate_size": POSITIVE_INT, "moe_num_shared_experts": NON_NEGATIVE_INT,
+                                "moe_layer_start_index": NON_NEGATIVE_INT, "moe_layer_interval": POSITIVE_INT,
+                                "moe_layer_end_index": Check(lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
+                                "moe_norm_min": POSITIVE,
+                                "use_bias": Check(lambda v: v is False, "false (biased Ernie 4.5 projections and LM "
+                                                  "head are not supported; the released checkpoints have none)")},
 }
 
 #: Keys of a RoPE dict (``rope_scaling``, ``rope_parameters`` or one layer type's), as written.
@@ -127,21 +165,13 @@ ROPE_RULES: dict[str, Check] = {
     "attention_factor": POSITIVE,
     "mscale": FINITE,
     "mscale_all_dim": FINITE,
+    "partial_rotary_factor": FRACTION,
 }
 
 #: Per ``rope_type``, rules that replace :data:`ROPE_RULES`' for the same key: a dynamic factor below 1 would
 #: shorten the model's context below ``max_position_embeddings`` (to 0 at factor 0, where every
 #: request is refused as too long).
 ROPE_TYPE_RULES: dict[str, dict[str, Check]] = {"dynamic": {"factor": AT_LEAST_ONE}}
-
-
-@dataclass(frozen=True)
-class Relation:
-    """A rule between fields, checked once each field has passed its own: ``test(*values)``."""
-
-    fields: tuple[str, ...]
-    test: Callable[..., bool]
-    expect: str
 
 
 #: Rules between top-level keys; a relation whose fields are not all present is skipped.
@@ -153,15 +183,14 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("num_experts_per_tok", "num_experts"), lambda k, n: n == 0 or k <= n,
              "num_experts_per_tok must be at most num_experts"),
 )
-#: Rules between one architecture's keys, after :data:`RELATIONS`.
+#: Rules between one architecture's keys, as :data:`FAMILY_RULES`.
 FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
-    "DeepseekV3ForCausalLM": (
-        Relation(("topk_group", "n_group"), lambda k, n: k <= n, "topk_group must be at most n_group"),
-        Relation(("n_routed_experts", "n_group"), lambda e, n: e % n == 0,
-                 "n_routed_experts must be divisible by n_group (experts are split into equal groups)"),
-        Relation(("num_experts_per_tok", "n_routed_experts"), lambda k, n: k <= n,
-                 "num_experts_per_tok must be at most n_routed_experts"),
-    ),
+    "Glm4MoeForCausalLM": DEEPSEEK_MOE_RELATIONS,
+    "DeepseekV3ForCausalLM": DEEPSEEK_MOE_RELATIONS,
+    "MiniMaxM2ForCausalLM": (Relation(("rotary_dim", "head_dim"), lambda r, d: r <= d,
+                                      "rotary_dim must be at most head_dim (the rotated part of a head)"),),
+    "Ernie4_5_MoeForCausalLM": (Relation(("moe_k", "moe_num_experts"), lambda k, n: k <= n,
+                                         "moe_k must be at most moe_num_experts"),),
 }
 #: Top-level keys an architecture never reads, so not checked: latent attention has no key/value heads
 #: (DeepseekV3Config writes its default of 128 whatever the query heads).
@@ -221,7 +250,7 @@ def check_config(raw: Mapping[str, Any], architecture: str) -> None:
     ignored = FAMILY_IGNORED.get(architecture, ())
     raw = {key: value for key, value in raw.items() if key not in ignored}
     check_fields(raw, rules)
-    check_relations(raw, RELATIONS + FAMILY_RELATIONS.get(architecture, ()))
+    check_relations(raw, (*RELATIONS, *FAMILY_RELATIONS.get(architecture, ())))
     for where, rope in _rope_dicts(raw):
         check_rope(rope, where)
 

@@ -20,6 +20,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "DeepseekV3ForCausalLM": "worker.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
+    "Glm4MoeForCausalLM": "worker.models.glm4_moe:Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM": "worker.models.minimax_m2:MiniMaxM2ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "worker.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "LlamaForCausalLM": "worker.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "worker.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "worker.models.mixtral:MixtralForCausalLM",
@@ -37,7 +40,13 @@ LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
 #: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.
-TIED_BY_DEFAULT = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+TIED_BY_DEFAULT = frozenset({"Ernie4_5_MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
+
+#: Architectures that rotate only the first ``rotary_dim`` dimensions of each head (partial RoPE,
+#: worker/layers/partial_rotary.py), with their ``transformers`` default ``partial_rotary_factor``;
+#: every other family refuses a factor below 1 at start-up.
+PARTIAL_ROTARY_DEFAULTS: dict[str, float] = {"Glm4MoeForCausalLM": 0.5, "MiniMaxM2ForCausalLM": 1.0}
 
 
 def ties_word_embeddings_by_default(architecture: str) -> bool:

@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.e2e, requires_stories]
 MAX_TOKENS = 40
 PROMPT = "Once upon a time"
 FAMILIES = ("qwen3_qk_norm", "phi3_fused", "mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3",
-            "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe", "dsv3_q_lora", "dsv3_yarn")
+            "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
+            "dsv3_q_lora", "dsv3_yarn", "dsv3_moe")
 
 
 def _specs() -> dict[str, TinyModelSpec]:
@@ -43,7 +44,8 @@ def _specs() -> dict[str, TinyModelSpec]:
                    "test_deepseek_v3"):
         importlib.import_module(f"tests.worker.{module}")  # each registers its checkpoints
     specs.update({name: spec for name, (spec, _window) in family_check._REGISTERED.items()})
-    for module in ("test_mixtral", "test_qwen3_moe", "test_qwen2_moe"):
+    for module in ("test_mixtral", "test_qwen3_moe", "test_qwen2_moe", "test_glm4_moe", "test_minimax_m2",
+                   "test_ernie4_5_moe"):
         spec = importlib.import_module(f"tests.worker.{module}").SPEC
         specs[spec.name] = spec
     return specs

@@ -1,13 +1,15 @@
 """DeepSeek V3 (multi-head latent attention) at tensor-parallel degrees 1, 2 and 4 against ``transformers``.
 
-Tiny seeded ``deepseek_v3`` checkpoints, every layer dense (``first_k_dense_replace`` =
-layers), 4 heads, latent rank 32, decoupled RoPE of 8 dimensions:
+Tiny seeded ``deepseek_v3`` checkpoints of 2 layers, 4 heads, latent rank 32, decoupled RoPE of
+8 dimensions; the first three dense (``first_k_dense_replace`` = layers):
 
 * ``dsv3_q_lora``: a low-rank query (``q_lora_rank`` 24: ``q_a_proj``, ``q_a_layernorm``,
   ``q_b_proj``), interleaved RoPE (``rope_interleave``, DeepseekV3Config's default);
 * ``dsv3_q_proj``: a full-rank ``q_proj``, ``rope_interleave`` off, ``attention_bias``;
 * ``dsv3_yarn``: YaRN (factor 4 over 24 positions) with ``mscale`` 0.7 and ``mscale_all_dim``
-  1.0: ``cos, sin`` scaled by their ratio and the softmax scale by ``mscale_all_dim``'s square.
+  1.0: ``cos, sin`` scaled by their ratio and the softmax scale by ``mscale_all_dim``'s square;
+* ``dsv3_moe``: layer 1 a DeepSeek MoE block (sigmoid routing with a correction bias, expert
+  groups, a shared expert; worker/layers/moe_routing.py) after a dense layer 0.
 
 Each runs the scenario of tests/worker/family_check.py: greedy tokens and logits within 1e-4,
 alone and 16 at once, prompt logprobs, chunked prefill split inside a block (chunks of 6
@@ -40,9 +42,15 @@ YARN = register(TinyModelSpec("dsv3_yarn", "deepseek_v3", {
     "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                         "original_max_position_embeddings": 24, "mscale": 0.7, "mscale_all_dim": 1.0}}, seed=43),
     CHUNK)
+#: Layer 0 dense, layer 1 DeepSeek MoE: 8 routed experts in 4 groups of which 2 are kept, top-3 with the
+#: seeded correction bias (drawn like every parameter), routed_scaling_factor 2.5, one shared expert.
+MOE_CONFIG = {**_MLA, "q_lora_rank": 24, "vocab_size": 160, "first_k_dense_replace": 1, "n_routed_experts": 8,
+              "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+              "moe_intermediate_size": 32, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
+MOE = register(TinyModelSpec("dsv3_moe", "deepseek_v3", MOE_CONFIG, seed=45), CHUNK)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("name", [Q_LORA, Q_PROJ, YARN])
+@pytest.mark.parametrize("name", [Q_LORA, Q_PROJ, YARN, MOE])
 def test_deepseek_v3_matches_transformers(name: str, tp: int) -> None:
     check(name, tp)

@@ -5,7 +5,7 @@
   on every tensor-parallel rank: the pool's bytes per token read from the allocated tensors;
 * the decode path of the CUDA-graph metadata (context lengths, no mask; a null block for the
   padding rows) gives ``transformers``' logits, run eagerly here (``capture=False``);
-* what is not served is refused with one line: ``--quantization``, routed-experts layers;
+* ``--quantization`` is refused with one line; layers from ``first_k_dense_replace`` on are MoE;
   the multi-token-prediction layers' tensors of a DeepSeek V3 checkpoint are skipped.
 """
 
@@ -131,20 +131,27 @@ def test_graph_decode_path_matches_transformers(checkpoint: Path) -> None:
             torch.testing.assert_close(row, expected[len(prompt) - 1 + i], atol=1e-4, rtol=1e-4)
 
 
-def test_what_is_not_served_is_refused_in_one_line(checkpoint: Path, tmp_path: Path) -> None:
-    ctx = ParallelContext.single("cpu")
+def test_quantization_is_refused_in_one_line(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match=r"^--quantization int8 is not supported for DeepseekV3ForCausalLM") as e:
-        ModelRunner(checkpoint, ctx, torch.float32, block_size=BLOCK_SIZE, quantization="int8")
+        ModelRunner(checkpoint, ParallelContext.single("cpu"), torch.float32, block_size=BLOCK_SIZE,
+                    quantization="int8")
     assert "\n" not in str(e.value)
-    moe = json.loads((checkpoint / "config.json").read_text())
-    moe_dir = tmp_path / "moe"
-    moe_dir.mkdir()
-    (moe_dir / "config.json").write_text(json.dumps({**moe, "first_k_dense_replace": 1}))
-    from worker.models.deepseek_v3 import DeepseekV3ForCausalLM
 
-    config = ModelConfig.from_pretrained(moe_dir)
-    with pytest.raises(ValueError, match=r"layers 1\.\.2 are routed-experts layers \(first_k_dense_replace=1\)"):
-        DeepseekV3ForCausalLM(config, ParallelContext.single("meta"), torch.float32, tie_word_embeddings=False)
+
+def test_layers_from_first_k_dense_replace_on_are_moe(checkpoint: Path) -> None:
+    from worker.layers.moe import SparseMoeBlock
+    from worker.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from worker.models.llama import LlamaMLP
+
+    raw = json.loads((checkpoint / "config.json").read_text())
+    config = ModelConfig.from_dict({**raw, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_group": 2,
+                                    "topk_group": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 16})
+    model = DeepseekV3ForCausalLM(config, ParallelContext.single("meta"), torch.float32, tie_word_embeddings=False)
+    assert [type(layer.mlp) for layer in model.model.layers] == [LlamaMLP, SparseMoeBlock, SparseMoeBlock]
+    assert model.weight_map("model.layers.1.mlp.experts.5.down_proj.weight") == (
+        "model.layers.1.mlp.experts.down_proj", (5, "down"))
+    assert model.weight_map("model.layers.1.mlp.shared_experts.up_proj.weight") == (
+        "model.layers.1.mlp.shared_experts.gate_up_proj.weight", 1)
 
 
 def test_multi_token_prediction_layers_are_not_read(checkpoint: Path) -> None:

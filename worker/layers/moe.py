@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward layer with tensor-parallel experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Mixture-of-experts feed-forward layer with tensor-parallel experts (Mixtral, Qwen-MoE, DeepSeek-style).
 
 A sparse MoE block (Shazeer et al. 2017, arXiv:1701.06538; Mixtral: Jiang et al.
 2024, arXiv:2401.04088) replaces the dense SwiGLU MLP of a decoder layer:
@@ -7,6 +7,10 @@ A sparse MoE block (Shazeer et al. 2017, arXiv:1701.06538; Mixtral: Jiang et al.
     ids, w  = top_k(softmax(logits))                          (T, k) each; renormalised when asked
     y       = sum_j w[:, j] * down_e(silu(gate_e(x)) * up_e(x)),  e = ids[:, j]
     y      += sigmoid(x @ w_shared_gate) * shared_expert(x)   Qwen2-MoE only
+    y      += shared_experts(x)                               DeepSeek V3, GLM-4.5, Ernie 4.5 (ungated)
+
+Families that choose experts with a bias correction and expert groups (DeepSeek V3's
+sigmoid routing) pass their router to :class:`SparseMoeBlock`: worker/layers/moe_routing.py.
 
 Tensor parallelism: every rank holds a slice of *every* expert's intermediate
 dimension, like the dense MLP (gate/up split by rows, down by columns), so each
@@ -37,6 +41,8 @@ Triton kernel on CUDA.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -198,7 +204,8 @@ class FusedMoE(nn.Module):
 
 
 class SharedExpertMLP(nn.Module):
-    """Qwen2-MoE's always-on expert: a SwiGLU MLP whose down projection is left unreduced (a partial sum)."""
+    """An always-on expert (Qwen2-MoE's gated one, DeepSeek's shared experts): a SwiGLU MLP whose down
+    projection is left unreduced (a partial sum)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, ctx: ParallelContext, dtype: torch.dtype,
                  quantization: Quantization | None = None) -> None:
@@ -236,18 +243,28 @@ class SparseMoeBlock(nn.Module):
         renormalize: renormalise the top-k probabilities (Mixtral: always; Qwen: ``norm_topk_prob``).
         weights_in_dtype: round the routing weights to ``dtype`` before scaling the
             experts' outputs (Qwen's routers do, Mixtral's keeps them in float32).
-        shared_expert_intermediate_size: width of Qwen2-MoE's shared expert; 0 for none.
+        shared_expert_intermediate_size: width of Qwen2-MoE's gated shared expert; 0 for none.
         quantization: must be None for the experts (see :class:`FusedMoE`).
+        router: a router module (``forward(x) -> (weights (T, k), ids (T, k))``, parameters
+            ``weight`` and more) replacing the softmax router, e.g. the biased sigmoid router of
+            DeepSeek V3 (:class:`worker.layers.moe_routing.BiasedTopKRouter`); then ``top_k``,
+            ``renormalize`` and ``weights_in_dtype`` are the router's business.
+        shared_experts_intermediate_size: width of DeepSeek's always-on, ungated shared experts
+            (``n_shared_experts * moe_intermediate_size``); 0 for none. Its partial joins the
+            experts' before the block's one all-reduce.
 
     Shapes: ``x (T, H) -> (T, H)``, ``x.dtype``, all-reduced over ranks.
 
-    Checkpoint names under the block: ``gate.weight``; ``experts.{e}.<gate|up|down>.weight``;
-    with a shared expert ``shared_expert.{gate,up,down}_proj.weight`` and ``shared_expert_gate.weight``.
+    Checkpoint names under the block: ``gate.weight`` (and a router's own, e.g.
+    ``gate.e_score_correction_bias``); ``experts.{e}.<gate|up|down>.weight``; with a gated shared
+    expert ``shared_expert.{gate,up,down}_proj.weight`` and ``shared_expert_gate.weight``; with
+    ungated shared experts ``shared_experts.{gate,up,down}_proj.weight``.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  ctx: ParallelContext, dtype: torch.dtype, *, renormalize: bool, weights_in_dtype: bool,
-                 shared_expert_intermediate_size: int = 0, quantization: Quantization | None = None) -> None:
+                 shared_expert_intermediate_size: int = 0, quantization: Quantization | None = None,
+                 router: nn.Module | None = None, shared_experts_intermediate_size: int = 0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
@@ -255,7 +272,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_dtype = weights_in_dtype
-        self.gate = ReplicatedGate(hidden_size, num_experts, ctx, dtype)
+        self.softmax_router = router is None
+        self.gate = ReplicatedGate(hidden_size, num_experts, ctx, dtype) if router is None else router
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, ctx, dtype=dtype,
                                 quantization=quantization)
         self.shared_expert = self.shared_expert_gate = None
@@ -263,15 +281,25 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, ctx, dtype,
                                                  quantization)
             self.shared_expert_gate = ReplicatedGate(hidden_size, 1, ctx, dtype)
+        self.shared_experts = None
+        if shared_experts_intermediate_size:
+            self.shared_experts = SharedExpertMLP(hidden_size, shared_experts_intermediate_size, ctx, dtype,
+                                                  quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits(x, self.gate.weight), self.top_k, self.renormalize)  # (T, k)
-        if self.weights_in_dtype:
-            weights = weights.to(x.dtype)  # (T, k), as transformers' Qwen routers return them
+        if self.softmax_router:
+            logits = router_logits(x, cast(ReplicatedGate, self.gate).weight)  # (T, E)
+            weights, ids = select_experts(logits, self.top_k, self.renormalize)  # (T, k) each
+            if self.weights_in_dtype:
+                weights = weights.to(x.dtype)  # (T, k), as transformers' Qwen routers return them
+        else:
+            weights, ids = self.gate(x)  # (T, k) each
         y = self.experts(x, ids, weights)  # (T, H), this rank's partial
         if self.shared_expert is not None:
             scale = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))  # (T, 1), replicated
             y = y + scale * self.shared_expert(x)  # (T, H), still a partial: the scale is per token
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)  # (T, H), a partial of the same sum
         return self.ctx.all_reduce(y)  # (T, H), summed over ranks
 
 

@@ -158,8 +158,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
                              if embedding else None)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, ctx.device,
-                                          max_position=config.max_model_len)  # a cos/sin table when it is small
+        # Partial RoPE (config.rotary_dim: GLM-4.5, MiniMax-M2) rotates the leading dims of a head only.
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.rope_theta, config.rope_scaling,
+                                          ctx.device, max_position=config.max_model_len)  # a cos/sin table when small
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=ctx.device) if head else None
         # One rank of Llama's own layers on a float32 CPU: a decode step runs the whole stack as one
