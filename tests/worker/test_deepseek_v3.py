@@ -20,10 +20,13 @@ preemption with recompute. Prefill runs the expanded form, decode the absorbed o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.tiny_models import TinyModelSpec
 from tests.worker.family_check import check, register
+from tests.worker.moe_family_check import build_case, check_family
 
 # Every registered family runs in one process group per degree (family_check.py): one test process for all.
 pytestmark = pytest.mark.xdist_group("families")
@@ -54,3 +57,11 @@ MOE = register(TinyModelSpec("dsv3_moe", "deepseek_v3", MOE_CONFIG, seed=45), CH
 @pytest.mark.parametrize("name", [Q_LORA, Q_PROJ, YARN, MOE])
 def test_deepseek_v3_matches_transformers(name: str, tp: int) -> None:
     check(name, tp)
+
+
+def test_deepseek_v3_moe_routes_alike_alone_and_in_a_batch(tmp_path: Path) -> None:
+    """tests/worker/moe_family_check.py on ``dsv3_moe`` (tp 1): tokens and logits as ``transformers``', a prompt's
+    logits alone and among 16 within 1e-5, and layer 1's expert counts = its tokens x 3 (none from layer 0)."""
+    case = build_case(TinyModelSpec("dsv3_moe_counts", "deepseek_v3", MOE_CONFIG, seed=46), tmp_path, moe_layers={1},
+                      top_k=3)
+    check_family(case, 1)

@@ -158,6 +158,7 @@ class LatentPagedAttention:
                 latent_cache: torch.Tensor, rope_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The decode group (one row per sequence), absorbed: ``(D, H, d_v)``."""
         tables = meta.decode_block_tables  # (D, B)
+        assert tables is not None and meta.decode_context_lens is not None  # num_decodes > 0
         seqs = tables.shape[0]
         block_ids = tables.reshape(-1)  # (D * B,)
         latents = _gather(latent_cache, block_ids, meta.workspace, "latents").view(seqs, -1, latent_cache.shape[-1])
