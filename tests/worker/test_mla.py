@@ -164,3 +164,30 @@ def test_multi_token_prediction_layers_are_not_read(checkpoint: Path) -> None:
     assert model.weight_map("model.layers.1.self_attn.q_a_proj.weight") == ("model.layers.1.self_attn.q_a_proj.weight",
                                                                            None)
     assert model.weight_map("model.layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", 1)
+
+
+def test_mla_forward_on_meta_stays_on_the_device_without_host_sync(checkpoint: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLA model's prefill, later chunk and decode rows on ``meta`` in bfloat16 (tests/worker/test_meta_forward.py):
+    no host sync and no tensor off the device, so a CUDA decode step stays capturable."""
+    import worker.model_runner as model_runner
+    from tests.worker.test_meta_forward import DeviceGuard
+
+    runner = ModelRunner(checkpoint, ParallelContext.single("meta"), torch.bfloat16, BLOCK_SIZE)
+    guard = DeviceGuard()
+    forward = runner.model.forward
+
+    def guarded(*args, **kwargs):
+        with guard:
+            return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", guarded)
+    monkeypatch.setattr(model_runner, "sample_tensors", lambda logits, tensors: torch.zeros(logits.shape[0],
+                                                                                           dtype=torch.int64))
+    runner.init_kv_cache(num_blocks=16)
+    greedy = SamplingParams(temperature=0.0)
+    runner.execute(StepPlan(0, (NewSequence(0, greedy), NewSequence(1, greedy)), (
+        ScheduledChunk(0, (5, 6, 7, 8, 9), 0, (3, 1)), ScheduledChunk(1, (10, 11, 12), 0, (2,), sample=False))))
+    runner.execute(StepPlan(1, scheduled=(ScheduledChunk(0, (42,), 5), ScheduledChunk(1, (15, 16, 17), 3, (4,)))))
+    assert guard.violations == []
+    assert guard.num_ops > 100
