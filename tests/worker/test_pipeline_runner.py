@@ -3,7 +3,8 @@
 Two tiny checkpoints with more layers than the shared tiny set (stages need a layer
 each): a tied-embedding GQA Llama of 5 layers (uneven: 3 + 2 at pp 2, 1 + 1 + 2 + 1 at
 pp 4; with tied embeddings the last stage holds the embedding matrix for its head)
-and an untied Qwen2 (q/k/v bias) of 4 layers. Each runs tests/worker/scenarios.py's
+an untied Qwen2 (q/k/v bias) of 4 layers and a DeepSeek V3 of 4 (multi-head latent attention, each
+stage caching its layers' latents; two MoE layers). Each runs tests/worker/scenarios.py's
 standard scenario (prefills of several lengths, a prompt prefilled in two chunks,
 new prefills beside running decodes, a seeded sampled sequence preempted and
 re-sent, freed blocks reused): every sampled row's logits equal ``transformers``'
@@ -50,6 +51,12 @@ PP_MODELS = (
                   {**_DIMS, "num_hidden_layers": 5, "vocab_size": 130, "tie_word_embeddings": True}, seed=11),
     TinyModelSpec("pp_qwen2_untied_4_layers", "qwen2",
                   {**_DIMS, "num_hidden_layers": 4, "vocab_size": 200, "tie_word_embeddings": False}, seed=12),
+    # Multi-head latent attention: each stage caches its layers' latents; layers 2-3 a DeepSeek MoE.
+    TinyModelSpec("pp_deepseek_v3_4_layers", "deepseek_v3",
+                  {**_DIMS, "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 170, "q_lora_rank": 24,
+                   "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
+                   "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                   "topk_group": 1, "moe_intermediate_size": 32}, seed=13),
 )
 GREEDY_MODEL = PP_MODELS[0].name
 GOLDEN_JOB = "stories260k_goldens"
