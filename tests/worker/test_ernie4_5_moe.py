@@ -8,16 +8,20 @@ expert, interleaved RoPE, and the LM head tied to the embedding (Ernie's default
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import TinyModelSpec
 from tests.worker.moe_family_check import FamilyCase, build_case, check_family
+from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE
+from tpserve.model_config import ModelConfig
+from worker.loader import load_model
 from worker.models.ernie4_5_moe import is_ernie_moe_layer
+from worker.parallel_state import ParallelContext
 
-SPEC = TinyModelSpec("ernie4_5_moe", "ernie4_5_moe", {
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 190,
-    "moe_num_experts": 8, "moe_k": 3, "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
-    "moe_layer_start_index": 1, "moe_layer_interval": 2, "use_bias": False}, seed=47)
+SPEC = ERNIE4_5_MOE  # tests/worker/sigmoid_moe_specs.py
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +39,14 @@ def test_sparse_layers_follow_start_interval_and_end() -> None:
     assert [is_ernie_moe_layer(i, 6, 1, -1, 1) for i in range(6)] == [False, True, True, True, True, True]
     assert [is_ernie_moe_layer(i, 6, 0, -1, 2) for i in range(6)] == [False, True, False, True, False, True]
     assert [is_ernie_moe_layer(i, 6, 1, 3, 1) for i in range(6)] == [False, True, True, True, False, False]
+
+
+def test_the_multi_token_prediction_weights_are_not_read(case: FamilyCase, tmp_path: Path) -> None:
+    """Ernie 4.5 checkpoints carry ``mtp_*`` modules (transformers ignores them): skipped, not refused."""
+    tensors = load_file(f"{case.model_dir}/model.safetensors")
+    tensors["model.mtp_linear_proj.0.weight"] = torch.zeros(64, 128)
+    tensors["model.mtp_block.0.mlp.gate.weight"] = torch.zeros(8, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((Path(case.model_dir) / "config.json").read_text())
+    model = load_model(tmp_path, ModelConfig.from_pretrained(tmp_path), ParallelContext.single(), torch.float32)
+    assert len(model.model.layers) == 3

@@ -11,19 +11,22 @@ Triton's interpreter) with the sigmoid router's scaled float32 weights.
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from tests.tiny_models import TinyModelSpec
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
 from tests.worker.moe_family_check import FamilyCase, at_once_job, build_case, check_family, check_job
+from tests.worker.sigmoid_moe_specs import GLM4_MOE
 from tests.worker.tp_harness import run_jobs
+from tpserve.model_config import ModelConfig
 from worker.kernels.triton_moe import grouped_experts_triton
 from worker.layers import moe
+from worker.loader import load_model
+from worker.parallel_state import ParallelContext
 
-SPEC = TinyModelSpec("glm4_moe", "glm4_moe", {
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 190,
-    "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
-    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "norm_topk_prob": True,
-    "use_qk_norm": True, "attention_bias": True, "tie_word_embeddings": False}, seed=41)
+SPEC = GLM4_MOE  # tests/worker/sigmoid_moe_specs.py
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +50,14 @@ def test_the_triton_experts_serve_the_model(case: FamilyCase, monkeypatch: pytes
     monkeypatch.setattr(moe, "grouped_experts", grouped_experts_triton)
     job = at_once_job(case, num_prompts=3, num_steps=4)
     check_job(case, job, run_jobs([job], tp_size=1)[job.name])
+
+
+def test_the_multi_token_prediction_layer_is_not_read(case: FamilyCase, tmp_path: Path) -> None:
+    """GLM-4.5 checkpoints append an MTP layer (``model.layers.{num_hidden_layers}.``): skipped, not refused."""
+    tensors = load_file(f"{case.model_dir}/model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.mlp.experts.0.gate_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((Path(case.model_dir) / "config.json").read_text())
+    model = load_model(tmp_path, ModelConfig.from_pretrained(tmp_path), ParallelContext.single(), torch.float32)
+    assert len(model.model.layers) == 2

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import TinyModelSpec
 from tests.worker.moe_family_check import FamilyCase, at_once_job, build_case, check_family, check_job
+from tests.worker.sigmoid_moe_specs import MINIMAX_M2
 from tests.worker.tp_harness import run_jobs
 
-SPEC = TinyModelSpec("minimax_m2", "minimax_m2", {
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rotary_dim": 16, "vocab_size": 190,
-    "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "tie_word_embeddings": False},
-    seed=43)
+SPEC = MINIMAX_M2  # tests/worker/sigmoid_moe_specs.py
 
 
 @pytest.fixture(scope="module")

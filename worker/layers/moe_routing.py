@@ -63,8 +63,9 @@ class BiasedRouting:
         norm_min: the sum is clamped below at this value first (Ernie's ``moe_norm_min``; 0: no clamp).
         norm_eps: added to the (clamped) sum (DeepSeek/GLM add 1e-20; MiniMax adds nothing).
         routed_scaling_factor: multiplies the final weights.
-        logits_in_float32: the logits stay float32 (DeepSeek, GLM, Ernie); False rounds them to the
-            activation dtype before scoring, as MiniMax-M2's router computes them in the weight dtype.
+        logits_in_float32: the router weight, its bias and the logits are float32 (DeepSeek, GLM, Ernie);
+            False holds the weight and bias in the model dtype and rounds the logits to it before
+            scoring, as MiniMax-M2's router (no float32 modules there) computes them.
         weights_in_dtype: round the final weights to the activation dtype (Ernie); else float32.
     """
 
@@ -103,7 +104,7 @@ def select_experts_biased(logits: torch.Tensor, correction_bias: torch.Tensor,
 
     Args:
         logits: ``(T, E)`` router logits in float32 (or any float dtype; scored in float32).
-        correction_bias: ``(E,)`` float32 ``e_score_correction_bias``.
+        correction_bias: ``(E,)`` ``e_score_correction_bias`` (float32, or the model dtype; added in float32).
         routing: the family's settings (:class:`BiasedRouting`).
 
     Returns:
@@ -135,8 +136,8 @@ class BiasedTopKRouter(nn.Module):
         num_experts: ``E``.
         routing: the family's settings; checked against ``E`` here.
         ctx: the tensor-parallel group (for the device).
-        dtype: the activation dtype; the weight is held in float32 when ``routing.logits_in_float32``
-            (``transformers`` keeps these routers in float32), else in ``dtype``. The bias is float32.
+        dtype: the activation dtype; the weight and the bias are held in float32 when
+            ``routing.logits_in_float32`` (``transformers`` keeps these routers in float32), else in ``dtype``.
 
     Shapes: ``forward(x (T, H))`` -> ``(weights (T, k), ids (T, k) int64)``; weights float32, or
     ``x.dtype`` when ``routing.weights_in_dtype``.
@@ -153,7 +154,9 @@ class BiasedTopKRouter(nn.Module):
         self.weight = new_parameter((num_experts, hidden_size),
                                     torch.float32 if routing.logits_in_float32 else dtype, ctx.device)
         self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
-        self.e_score_correction_bias = new_parameter((num_experts,), torch.float32, ctx.device,
+        # As transformers keeps them: float32 where the router is (DeepSeek, GLM, Ernie list both in
+        # _keep_in_fp32_modules_strict), else the model dtype (MiniMax-M2 rounds its bias to it).
+        self.e_score_correction_bias = new_parameter((num_experts,), self.weight.dtype, ctx.device,
                                                      _load_correction_bias)
         self.e_score_correction_bias.shard_ids = (None,)  # type: ignore[attr-defined]
 
