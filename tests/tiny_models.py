@@ -123,8 +123,9 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
 
 
-def save_servable_model(name: str, directory: Path, tokenizer_dir: Path) -> Path:
-    """The tiny checkpoint ``name`` at ``tokenizer_dir``'s vocabulary (512: stories260k's), with its tokenizer.
+def save_servable_model(name: str | TinyModelSpec, directory: Path, tokenizer_dir: Path) -> Path:
+    """The tiny checkpoint ``name`` (of :data:`TINY_MODELS`, or a spec) at ``tokenizer_dir``'s vocabulary
+    (512: stories260k's), with its tokenizer.
 
     Servable end to end (``tpserve serve`` needs ``tokenizer.json``); 256 positions. The LM
     head's rows of the byte-fallback tokens (``<0x..>``) are zeroed, so greedy text is made of
@@ -136,7 +137,7 @@ def save_servable_model(name: str, directory: Path, tokenizer_dir: Path) -> Path
 
     from tokenizers import Tokenizer
 
-    spec = next(s for s in TINY_MODELS if s.name == name)
+    spec = name if isinstance(name, TinyModelSpec) else next(s for s in TINY_MODELS if s.name == name)
     spec = dataclasses.replace(spec, config={**spec.config, "vocab_size": 512, "max_position_embeddings": 256})
     model = build_hf_model(spec)
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab()

@@ -40,14 +40,17 @@ def _specs() -> dict[str, TinyModelSpec]:
     from tests.worker import family_check
 
     specs = {spec.name: spec for spec in TINY_MODELS}
-    for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models",
-                   "test_deepseek_v3"):
+    for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models"):
         importlib.import_module(f"tests.worker.{module}")  # each registers its checkpoints
     specs.update({name: spec for name, (spec, _window) in family_check._REGISTERED.items()})
     for module in ("test_mixtral", "test_qwen3_moe", "test_qwen2_moe", "test_glm4_moe", "test_minimax_m2",
                    "test_ernie4_5_moe"):
         spec = importlib.import_module(f"tests.worker.{module}").SPEC
         specs[spec.name] = spec
+    from tests.worker import deepseek_v3_specs
+
+    specs.update({spec.name: spec for spec in (deepseek_v3_specs.Q_LORA, deepseek_v3_specs.YARN,
+                                               deepseek_v3_specs.MOE)})
     return specs
 
 

@@ -1,6 +1,6 @@
 """``tpserve serve`` of a DeepSeek V3 checkpoint (multi-head latent attention) at tp 2, every feature on.
 
-The tiny seeded ``dsv3_moe`` checkpoint of tests/worker/test_deepseek_v3.py (MLA with a low-rank
+The tiny seeded ``dsv3_moe`` checkpoint of tests/worker/deepseek_v3_specs.py (MLA with a low-rank
 query, a dense layer then a sigmoid-routed MoE layer), at stories260k's vocabulary with its
 tokenizer, served with ``--kv-cache-memory-bytes``, ngram speculative decoding and prefix caching:
 
@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import serve
-from tests.e2e.test_every_family_serving import MAX_TOKENS, _servable, _specs
-from tests.paths import requires_stories
-from tests.tiny_models import load_hf_model
+from tests.paths import STORIES_DIR, requires_stories
+from tests.tiny_models import load_hf_model, save_servable_model
+from tests.worker.deepseek_v3_specs import MOE
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
+MAX_TOKENS = 40
 BLOCK_SIZE = 16
 #: Room for 50 blocks of the tiny model's latent cache: 2 layers x (32 + 8) float32 numbers per token.
 BYTES_PER_BLOCK = BLOCK_SIZE * 2 * (32 + 8) * 4
@@ -36,7 +37,7 @@ def test_mla_serves_with_a_latent_pool_speculation_and_prefix_hits(tmp_path: Pat
     import torch
     from transformers import PreTrainedTokenizerFast
 
-    model_dir = _servable(_specs()["dsv3_moe"], tmp_path / "dsv3_moe")
+    model_dir = save_servable_model(MOE, tmp_path / "dsv3_moe", STORIES_DIR)
     model = load_hf_model(model_dir)
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
     prompt_ids = tokenizer(PROMPT)["input_ids"]

@@ -168,10 +168,10 @@ def test_multi_token_prediction_layers_are_not_read(checkpoint: Path) -> None:
 
 def test_mla_forward_on_meta_stays_on_the_device_without_host_sync(checkpoint: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The MLA model's prefill, later chunk and decode rows on ``meta`` in bfloat16 (tests/worker/test_meta_forward.py):
+    """The MLA model's prefill, later chunk and decode rows on ``meta`` in bfloat16 (tests/worker/device_guard.py):
     no host sync and no tensor off the device, so a CUDA decode step stays capturable."""
     import worker.model_runner as model_runner
-    from tests.worker.test_meta_forward import DeviceGuard
+    from tests.worker.device_guard import DeviceGuard
 
     runner = ModelRunner(checkpoint, ParallelContext.single("meta"), torch.bfloat16, BLOCK_SIZE)
     guard = DeviceGuard()
