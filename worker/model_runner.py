@@ -170,14 +170,16 @@ class ModelRunner:
         Args:
             num_blocks: the KV blocks the coordinator allocates from.
             cuda_graph_sizes: decode batch sizes to capture (worker/cuda_graphs.py); empty,
-                or a rank without the Triton decode path (off CUDA) or with a draft model:
-                every step runs eagerly. With graphs the cache holds one more block, the
-                padding rows' null block.
+                or a rank without the Triton decode path (off CUDA), with a draft model, dynamic
+                RoPE or multi-head latent attention: every step runs eagerly. With graphs the cache
+                holds one more block, the padding rows' null block.
             max_model_len: the longest context a graph takes (default: the model's).
             capture: False checks the graphs' static-buffer path eagerly (tests on the CPU).
         """
+        # Latent attention's decode reads its latents with torch ops through the block tables: in a graph that
+        # is the static tables' full max_model_len width for every row, every step, so it runs eagerly.
         graphs = (bool(cuda_graph_sizes) and self.draft is None and not self._dynamic_rope
-                  and (self._triton_decode or not capture))
+                  and not self.config.latent_attention and (self._triton_decode or not capture))
         take_routed_counts(self._expert_layers)  # drop what earlier (profiling) passes routed
         self._graphs = None
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
