@@ -142,6 +142,9 @@ class LatentPagedAttention:
         ``latents (T, r)`` and ``k_pe (T, d_r)`` are this step's, already written at the
         step's slots (:func:`write_latent_cache`).
         """
+        if meta.decode_query_start_loc is not None:  # the compiled kernel's group (chunks of several rows)
+            raise RuntimeError("multi-head latent attention does not take the compiled paged kernel's step "
+                               "metadata (worker/model_runner.py does not select it for a latent cache)")
         num_tokens, num_heads = q_nope.shape[0], q_nope.shape[1]
         d_v = kv_b_weight.shape[0] // num_heads - self.d_n
         num_decodes = meta.num_decodes
