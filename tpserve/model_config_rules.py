@@ -139,6 +139,7 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "Qwen3MoeForCausalLM": _QWEN_MOE,
     "Gemma2ForCausalLM": _GEMMA,
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
+    "Glm4MoeLiteForCausalLM": _DEEPSEEK_V3,
     "Gemma3ForCausalLM": {**_GEMMA, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": POSITIVE_INT},
     "Glm4MoeForCausalLM": DEEPSEEK_MOE_RULES,
     "MiniMaxM2ForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
@@ -187,6 +188,7 @@ RELATIONS: tuple[Relation, ...] = (
 FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
     "Glm4MoeForCausalLM": DEEPSEEK_MOE_RELATIONS,
     "DeepseekV3ForCausalLM": DEEPSEEK_MOE_RELATIONS,
+    "Glm4MoeLiteForCausalLM": DEEPSEEK_MOE_RELATIONS,
     "MiniMaxM2ForCausalLM": (Relation(("rotary_dim", "head_dim"), lambda r, d: r <= d,
                                       "rotary_dim must be at most head_dim (the rotated part of a head)"),),
     "Ernie4_5_MoeForCausalLM": (Relation(("moe_k", "moe_num_experts"), lambda k, n: k <= n,
@@ -194,7 +196,8 @@ FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
 }
 #: Top-level keys an architecture never reads, so not checked: latent attention has no key/value heads
 #: (DeepseekV3Config writes its default of 128 whatever the query heads).
-FAMILY_IGNORED: dict[str, tuple[str, ...]] = {"DeepseekV3ForCausalLM": ("num_key_value_heads",)}
+FAMILY_IGNORED: dict[str, tuple[str, ...]] = {"DeepseekV3ForCausalLM": ("num_key_value_heads",),
+                                              "Glm4MoeLiteForCausalLM": ("num_key_value_heads",)}
 #: Rules between keys of one RoPE dict.
 ROPE_RELATIONS: tuple[Relation, ...] = (
     Relation(("low_freq_factor", "high_freq_factor"), lambda low, high: high > low,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 MODEL_REGISTRY: dict[str, str] = {
     "DeepseekV3ForCausalLM": "worker.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "worker.models.glm4_moe_lite:Glm4MoeLiteForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "Glm4MoeForCausalLM": "worker.models.glm4_moe:Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM": "worker.models.minimax_m2:MiniMaxM2ForCausalLM",
@@ -35,8 +36,9 @@ MODEL_REGISTRY: dict[str, str] = {
 
 #: Architectures whose attention is multi-head latent attention (DeepSeek-V2 paper, arXiv:2405.04434): their
 #: KV cache holds one compressed latent and one shared RoPE key per token, not per-head keys and values
-#: (:meth:`tpserve.model_config.ModelConfig.kv_cache_spec`). Kimi K2 checkpoints name DeepseekV3ForCausalLM.
-LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
+#: (:meth:`tpserve.model_config.ModelConfig.kv_cache_spec`). Kimi K2 checkpoints name DeepseekV3ForCausalLM;
+#: GLM-4.7-Flash's Glm4MoeLiteForCausalLM is DeepSeek V3's attention with GLM's MoE layer pattern.
+LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
 #: (Gemma2Config, Gemma3TextConfig); every other family's defaults to False.

@@ -9,7 +9,9 @@
 * ``dsv3_yarn``: YaRN (factor 4 over 24 positions) with ``mscale`` 0.7 and ``mscale_all_dim``
   1.0: ``cos, sin`` scaled by their ratio and the softmax scale by ``mscale_all_dim``'s square; dense;
 * ``dsv3_moe``: layer 0 dense, layer 1 a DeepSeek MoE block: 8 routed experts in 4 groups of which
-  2 are kept, top-3 with the seeded correction bias, ``routed_scaling_factor`` 2.5, one shared expert.
+  2 are kept, top-3 with the seeded correction bias, ``routed_scaling_factor`` 2.5, one shared expert;
+* ``glm4_moe_lite`` (GLM-4.7-Flash, ``Glm4MoeLiteForCausalLM``: the same attention): 3 layers of
+  ``mlp_layer_types`` sparse, dense, sparse; 8 experts in 2 groups of which 1 is kept, top-2.
 """
 
 from __future__ import annotations
@@ -30,3 +32,7 @@ MOE_CONFIG = {**MLA, "q_lora_rank": 24, "vocab_size": 160, "first_k_dense_replac
               "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
               "moe_intermediate_size": 32, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
 MOE = TinyModelSpec("dsv3_moe", "deepseek_v3", MOE_CONFIG, seed=45)
+GLM4_MOE_LITE = TinyModelSpec("glm4_moe_lite", "glm4_moe_lite", {
+    **MLA, "num_hidden_layers": 3, "q_lora_rank": 24, "vocab_size": 150, "mlp_layer_types": ["sparse", "dense", "sparse"],
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+    "moe_intermediate_size": 32}, seed=47)

@@ -1,7 +1,8 @@
 """DeepSeek V3 (multi-head latent attention) at tensor-parallel degrees 1, 2 and 4 against ``transformers``.
 
 The tiny checkpoints of tests/worker/deepseek_v3_specs.py (a low-rank or full-rank query,
-interleaved RoPE or not, YaRN with its ``mscale`` correction, a DeepSeek MoE layer), each through
+interleaved RoPE or not, YaRN with its ``mscale`` correction, a DeepSeek MoE layer; GLM-4.7-Flash's
+``Glm4MoeLiteForCausalLM``, the same attention with GLM's MoE layer pattern), each through
 the scenario of tests/worker/family_check.py: greedy tokens and logits within 1e-4, alone and 16
 at once, prompt logprobs, chunked prefill split inside a block (chunks of 6 tokens, blocks of 4),
 prefix-cache hits (whole cached latent blocks, the rest prefilled) and preemption with recompute.
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.xdist_group("families")
 
 #: Chunks of 6 tokens over blocks of 4: every other chunk boundary falls inside a block.
 CHUNK = 6
-NAMES = [register(spec, CHUNK) for spec in (specs.Q_LORA, specs.Q_PROJ, specs.YARN, specs.MOE)]
+NAMES = [register(spec, CHUNK) for spec in (specs.Q_LORA, specs.Q_PROJ, specs.YARN, specs.MOE, specs.GLM4_MOE_LITE)]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

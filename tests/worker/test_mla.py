@@ -196,3 +196,25 @@ def test_mla_forward_on_meta_stays_on_the_device_without_host_sync(checkpoint: P
     runner.execute(StepPlan(1, scheduled=(ScheduledChunk(0, (42,), 5), ScheduledChunk(1, (15, 16, 17), 3, (4,)))))
     assert guard.violations == []
     assert guard.num_ops > 100
+
+
+def test_glm4_moe_lite_reads_its_layer_pattern(checkpoint: Path) -> None:
+    """GLM-4.7-Flash: ``mlp_layer_types`` picks the MoE layers (default: all but the first); a bad one is named."""
+    from worker.layers.moe import SparseMoeBlock
+    from worker.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
+    from worker.models.llama import LlamaMLP
+
+    raw = {**json.loads((checkpoint / "config.json").read_text()), "architectures": ["Glm4MoeLiteForCausalLM"],
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 1, "topk_group": 1}
+    raw.pop("first_k_dense_replace")
+    ctx = ParallelContext.single("meta")
+    for types, expected in ((None, [LlamaMLP, SparseMoeBlock, SparseMoeBlock]),
+                            (["sparse", "dense", "dense"], [SparseMoeBlock, LlamaMLP, LlamaMLP])):
+        config = ModelConfig.from_dict({**raw, "mlp_layer_types": types})
+        assert config.kv_cache_spec(2).kind == "latent"
+        model = Glm4MoeLiteForCausalLM(config, ctx, torch.float32, tie_word_embeddings=False)
+        assert [type(layer.mlp) for layer in model.model.layers] == expected
+    with pytest.raises(ValueError, match=r"^config.json mlp_layer_types=\['dense', 'moe'\] must list 'dense' or "
+                                         r"'sparse' for each of the 3 layers$"):
+        Glm4MoeLiteForCausalLM(ModelConfig.from_dict({**raw, "mlp_layer_types": ["dense", "moe"]}), ctx,
+                               torch.float32, tie_word_embeddings=False)
