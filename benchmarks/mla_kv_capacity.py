@@ -47,6 +47,10 @@ MODELS = {
     "DeepSeek-V2-Lite": {**_MLA_BASE, "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
                          "q_lora_rank": None, "intermediate_size": 10944, "n_routed_experts": 64, "n_group": 1,
                          "topk_group": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 1408},
+    "GLM-4.7-Flash": {**_MLA_BASE, "architectures": ["Glm4MoeLiteForCausalLM"], "hidden_size": 2048,
+                      "num_hidden_layers": 47, "num_attention_heads": 20, "q_lora_rank": 768, "qk_nope_head_dim": 192,
+                      "v_head_dim": 256, "intermediate_size": 10240, "n_routed_experts": 64, "n_group": 1,
+                      "topk_group": 1, "num_experts_per_tok": 4, "moe_intermediate_size": 1536},
 }
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -80,7 +84,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "mla_kv_capacity.json")
     args = parser.parse_args()
     budget = int(args.budget_gib * (1 << 30))
-    results = {name: [capacity(raw, tp, budget) for tp in (1, 8)] for name, raw in MODELS.items()}
+    results = {name: [capacity(raw, tp, budget) for tp in (1, 4 if raw["num_attention_heads"] % 8 else 8)]
+               for name, raw in MODELS.items()}
     report = {"budget_bytes_per_rank": budget, "block_size": BLOCK_SIZE, "dtype": "bfloat16", "models": results}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, rows in results.items():
