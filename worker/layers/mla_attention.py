@@ -23,11 +23,12 @@ Two ways to compute the same ``o``:
 :class:`LatentPagedAttention` runs a step's flat batch like worker/attention.py's
 ``PagedAttention`` (decodes first, then prefill chunks): the decode group absorbed, over
 the latents gathered through its block tables (the SDPA metadata's ``decode_mask``, or the
-``decode_context_lens`` of the Triton/CUDA-graph metadata: a mask built here), each prefill
-chunk expanded, over its own latents (a prompt's first chunk) or its history read through
-its block table. Everything is torch ops, on every device: the compiled CPU paged kernel and
-the Triton kernel read per-head caches, and the worker does not select them for MLA
-(worker/model_runner.py).
+``decode_context_lens`` of a CUDA rank's Triton-builder metadata: a mask built here on the
+device), each prefill chunk expanded, over its own latents (a prompt's first chunk) or its
+history read through its block table. Everything is torch ops, on every device: the compiled
+CPU paged kernel and the Triton kernel read per-head caches, and the worker does not select
+the compiled kernel, nor capture decode graphs, for MLA (worker/model_runner.py: a graph's
+static block tables are ``max_model_len`` wide, which this gather would read in full).
 
 Cache per layer and rank: ``latent_cache (num_blocks, block_size, 1, r)`` and
 ``rope_cache (num_blocks, block_size, 1, d_r)`` (worker/kv_cache.py's latent layout).
@@ -168,7 +169,7 @@ class LatentPagedAttention:
         k_pe = _gather(rope_cache, block_ids, meta.workspace, "rope_keys").view(seqs, -1, rope_cache.shape[-1])
         if meta.decode_mask is not None:
             mask = meta.decode_mask.view(seqs, 1, -1)  # (D, 1, B * bs)
-        else:  # the Triton / CUDA-graph metadata: context lengths only (the mask is built in the graph too)
+        else:  # a CUDA rank's Triton-builder metadata: context lengths only
             key_pos = torch.arange(latents.shape[1], device=latents.device)  # (B * bs,)
             mask = (key_pos[None, :] < meta.decode_context_lens[:, None]).unsqueeze(1)  # (D, 1, B * bs)
         o = absorbed_attention(q_nope.unsqueeze(1), q_pe.unsqueeze(1), latents, k_pe, kv_b_weight, mask,
