@@ -54,7 +54,8 @@ class HeadlessNode:
         self.layout = GroupLayout(par.world_size, par.nnodes, par.node_rank)
         self.model_dir = model_dir_of(config)
         model_len = read_model_config(self.model_dir, par.tensor_parallel_size, par.pipeline_parallel_size,
-                                      par.enable_expert_parallel).max_position_embeddings
+                                      par.enable_expert_parallel,
+                                      kv_cache_dtype=config.cache.kv_cache_dtype).max_position_embeddings
         #: Resolved like the leader's (launch/leader.py); the leader refuses a node whose value differs.
         self.max_model_len = config.scheduler.max_model_len or model_len
         self.ranks = LocalRanks(config, self.model_dir, self.layout, log_format)

@@ -68,7 +68,8 @@ class Leader:
         self.model_dir = model_dir_of(config)
         self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size,
                                               config.parallel.pipeline_parallel_size,
-                                              config.parallel.enable_expert_parallel)
+                                              config.parallel.enable_expert_parallel,
+                                              kv_cache_dtype=config.cache.kv_cache_dtype)
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model),
                                       config.parallel.tensor_parallel_size,

@@ -240,7 +240,7 @@ class PublicServer:
             pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
             enable_expert_parallel=cfg.parallel.enable_expert_parallel, nnodes=nnodes,
             num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
-            kv_cache_dtype=info.kv_cache_dtype,
+            kv_cache_dtype=info.kv_cache_dtype, kv_cache_layout=self.kv_cache_layout(),
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
             speculative_method=spec.speculative_method or "off",
             num_speculative_tokens=spec.num_speculative_tokens or 0,
@@ -252,6 +252,15 @@ class PublicServer:
                          else "off"),
             version=__version__,
         )
+
+    def kv_cache_layout(self) -> str:
+        """What one token's cache holds in one layer on one rank, e.g. ``"latent:576"`` (DeepSeek V3: the
+        latent and the RoPE key) or ``"per_head:2x8x128"`` (K and V of 8 heads of 128): the layout the
+        ranks sized ``kv_cache_tokens`` from (tpserve/model_config.py's ``kv_cache_spec``)."""
+        spec = self.model_config.kv_cache_spec(self.config.parallel.tensor_parallel_size)
+        if spec.kind == "latent":
+            return f"latent:{spec.elements_per_token}"
+        return f"per_head:2x{spec.first[0]}x{spec.first[1]}"
 
     def reload(self) -> None:
         """SIGHUP: read the API keys and the TLS files again (rotation without a restart).

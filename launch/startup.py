@@ -46,11 +46,14 @@ def read_group_secret(config: ClusterConfig) -> str | None:
 
 
 def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
-                      enable_expert_parallel: bool = False, *, draft: bool = False) -> ModelConfig:
+                      enable_expert_parallel: bool = False, *, draft: bool = False,
+                      kv_cache_dtype: str = "auto") -> ModelConfig:
     """The checkpoint's config, checked to split at ``tensor_parallel_size`` and into ``pipeline_parallel_size`` stages.
 
     With ``enable_expert_parallel`` also checked to split its experts whole over the
-    tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model may be dense.
+    tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model may be dense. An 8-bit
+    ``kv_cache_dtype`` is refused for multi-head latent attention: its scales are per KV head and
+    channel (worker/kv_quant.py), and a latent cache has neither.
 
     Raises:
         StartupError: not a checkpoint directory, an unsupported architecture or
@@ -81,6 +84,9 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
             check_expert_parallel(config, tensor_parallel_size, require_experts=not draft)
         except ValueError as exc:
             raise StartupError(f"cannot serve {model_dir} with --enable-expert-parallel: {exc}") from exc
+    if kv_cache_dtype != "auto" and config.latent_attention:
+        raise StartupError(f"cannot serve {model_dir} with --kv-cache-dtype {kv_cache_dtype}: multi-head latent "
+                           "attention caches its latent in the model's dtype only (use --kv-cache-dtype auto)")
     return config
 
 

@@ -18,6 +18,11 @@ holding ``rope_theta``) or the older one (top-level ``rope_theta`` plus
 window (:meth:`ModelConfig.layer_sliding_window`); RoPE parameters nested by layer
 type (Gemma 3's local and global bases) are kept per type
 (:meth:`ModelConfig.layer_rope`).
+
+What one token's KV cache holds is a property of the config (:meth:`ModelConfig.kv_cache_spec`):
+per-head keys and values for grouped-query attention, or one latent and one shared RoPE key
+for multi-head latent attention (DeepSeek V2/V3, Kimi K2); the coordinator's block budget,
+every rank's cache and ``GetModelInfo``'s KV-token count are sized from it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tpserve.model_config_rules import check_config
-from tpserve.model_registry import PARTIAL_ROTARY_DEFAULTS, resolve_architecture, ties_word_embeddings_by_default
+from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_DEFAULTS, resolve_architecture,
+                                    ties_word_embeddings_by_default)
 from tpserve.quantization import Quantization, checkpoint_quantization
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -41,6 +47,29 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one decoder layer's paged cache holds per token on one rank: two tensors, each ``(heads, width)``.
+
+    Attributes:
+        kind: ``"per_head"``: keys and values of this rank's KV heads, ``first = second =
+            (num_kv_heads_per_rank, head_dim)``; ``"latent"`` (multi-head latent attention):
+            ``first = (1, kv_lora_rank)`` the normalised compressed latent, ``second = (1,
+            qk_rope_head_dim)`` the rotated key shared by every head, not split by tensor
+            parallelism (every rank holds the whole of both).
+        first, second: ``(heads, width)`` of the layer's two cache tensors, elements.
+    """
+
+    kind: str
+    first: tuple[int, int]
+    second: tuple[int, int]
+
+    @property
+    def elements_per_token(self) -> int:
+        """Cache elements one token takes in one layer: ``2 * heads * head_dim``, or ``kv_lora_rank + rope dim``."""
+        return self.first[0] * self.first[1] + self.second[0] * self.second[1]
 
 
 @dataclass(frozen=True)
@@ -149,6 +178,8 @@ class ModelConfig:
         total_num_heads = _required(raw, "num_attention_heads")
         num_hidden_layers = _required(raw, "num_hidden_layers")
         head_dim = _get(raw, "head_dim", hidden_size // total_num_heads)
+        if architecture in LATENT_ATTENTION_ARCHITECTURES:  # RoPE turns the decoupled key only (Hub configs lack head_dim)
+            head_dim = _get(raw, "qk_rope_head_dim", 64)
         max_position_embeddings = _required(raw, "max_position_embeddings")
         layer_rope = _parse_layer_rope(raw, max_position_embeddings)
         if layer_rope:
@@ -168,7 +199,10 @@ class ModelConfig:
             intermediate_size=_required(raw, "intermediate_size"),
             num_hidden_layers=num_hidden_layers,
             total_num_heads=total_num_heads,
-            total_num_kv_heads=_get(raw, "num_key_value_heads", total_num_heads),
+            # Latent attention has no key/value heads of its own (DeepseekV3Config writes 128 whatever the
+            # query heads): every query head reads the shared latent, so the count is the query heads'.
+            total_num_kv_heads=(total_num_heads if architecture in LATENT_ATTENTION_ARCHITECTURES
+                                else _get(raw, "num_key_value_heads", total_num_heads)),
             head_dim=head_dim,
             hidden_act=str(raw.get("hidden_act", "silu")),
             rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
@@ -276,16 +310,35 @@ class ModelConfig:
         """``vocab_size`` rounded up to a multiple of ``tp`` (rows of the sharded embedding)."""
         return -(-self.vocab_size // tp) * tp
 
-    def kv_cache_bytes_per_token(self, tp: int, dtype_size: int) -> int:
-        """Bytes of KV cache one token takes on one rank, all layers, K and V.
+    @property
+    def latent_attention(self) -> bool:
+        """Whether the model's attention is multi-head latent attention (its cache holds latents)."""
+        return self.architecture in LATENT_ATTENTION_ARCHITECTURES
 
-        ``2 * num_hidden_layers * num_kv_heads_per_rank(tp) * head_dim * dtype_size``.
+    def kv_cache_spec(self, tp: int) -> KVCacheSpec:
+        """One layer's cache per token on one rank of a ``tp``-way group (see :class:`KVCacheSpec`).
+
+        Multi-head latent attention: ``kv_lora_rank + qk_rope_head_dim`` elements (576 for
+        DeepSeek V3), at every ``tp``; else ``2 * num_kv_heads_per_rank(tp) * head_dim``.
+        """
+        if self.latent_attention:
+            return KVCacheSpec("latent", (1, int(self.hf_config["kv_lora_rank"])),
+                               (1, int(self.hf_config["qk_rope_head_dim"])))
+        heads = (self.num_kv_heads_per_rank(tp), self.head_dim)
+        return KVCacheSpec("per_head", heads, heads)
+
+    def kv_cache_bytes_per_token(self, tp: int, dtype_size: int) -> int:
+        """Bytes of KV cache one token takes on one rank, all layers.
+
+        ``num_hidden_layers * kv_cache_spec(tp).elements_per_token * dtype_size``: with per-head
+        caching ``2 * num_hidden_layers * num_kv_heads_per_rank(tp) * head_dim * dtype_size`` (K and V),
+        with latent attention ``num_hidden_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_size``.
 
         Args:
             tp: tensor-parallel degree.
             dtype_size: bytes per cache element (4 for float32, 2 for bfloat16/float16).
         """
-        return 2 * self.num_hidden_layers * self.num_kv_heads_per_rank(tp) * self.head_dim * dtype_size
+        return self.num_hidden_layers * self.kv_cache_spec(tp).elements_per_token * dtype_size
 
 
 def _get(raw: dict[str, Any], key: str, default: Any) -> Any:

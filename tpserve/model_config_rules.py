@@ -18,6 +18,8 @@ missing required key is :func:`tpserve.model_config._required`'s error):
   :data:`FAMILY_RELATIONS`: one architecture's (expert groups, ``rotary_dim`` by ``head_dim``).
 - :data:`PER_LAYER_RULES`: lists with one entry per layer that one architecture reads
   (SmolLM3's ``no_rope_layers``): ``num_hidden_layers`` long, each entry checked.
+  :data:`FAMILY_RELATIONS`: one architecture's (expert groups, ``rotary_dim`` by ``head_dim``);
+- :data:`FAMILY_IGNORED`: top-level keys an architecture does not read, left unchecked.
 
 Values must be JSON numbers: a string (``"nan"``) or a boolean is refused, and so are NaN
 and infinities. Integers are required where ``transformers`` uses the value as a count.
@@ -126,6 +128,15 @@ _GEMMA: dict[str, Check] = {
 
 _EXAONE4_PATTERN = Check(lambda v: (_is_int(v) and v >= 1) or (isinstance(v, str) and v != "" and set(v) <= {"L", "G"}),
                          "a positive integer (every n-th layer global) or a string of 'L' (local) and 'G' (global)")
+#: Multi-head latent attention (DeepSeek V2/V3, Kimi K2; worker/layers/mla.py), with DeepSeek V3's MoE keys.
+_DEEPSEEK_V3: dict[str, Check] = {
+    "kv_lora_rank": POSITIVE_INT,
+    "q_lora_rank": POSITIVE_INT,  # null: a full-rank q_proj
+    "qk_rope_head_dim": EVEN_INT,
+    "qk_nope_head_dim": POSITIVE_INT,
+    "v_head_dim": POSITIVE_INT,
+    **DEEPSEEK_MOE_RULES,
+}
 
 #: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
 FAMILY_RULES: dict[str, dict[str, Check]] = {
@@ -133,6 +144,8 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "Qwen2MoeForCausalLM": {**_QWEN_MOE, "shared_expert_intermediate_size": POSITIVE_INT},
     "Qwen3MoeForCausalLM": _QWEN_MOE,
     "Gemma2ForCausalLM": _GEMMA,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
+    "Glm4MoeLiteForCausalLM": _DEEPSEEK_V3,
     "Gemma3ForCausalLM": {**_GEMMA, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": POSITIVE_INT},
     # gpt-oss: the experts' clamped SwiGLU (a limit <= 0 would clamp every gate to <= 0).
     "GptOssForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
@@ -201,11 +214,17 @@ RELATIONS: tuple[Relation, ...] = (
 #: Rules between one architecture's keys, as :data:`FAMILY_RULES`.
 FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
     "Glm4MoeForCausalLM": DEEPSEEK_MOE_RELATIONS,
+    "DeepseekV3ForCausalLM": DEEPSEEK_MOE_RELATIONS,
+    "Glm4MoeLiteForCausalLM": DEEPSEEK_MOE_RELATIONS,
     "MiniMaxM2ForCausalLM": (Relation(("rotary_dim", "head_dim"), lambda r, d: r <= d,
                                       "rotary_dim must be at most head_dim (the rotated part of a head)"),),
     "Ernie4_5_MoeForCausalLM": (Relation(("moe_k", "moe_num_experts"), lambda k, n: k <= n,
                                          "moe_k must be at most moe_num_experts"),),
 }
+#: Top-level keys an architecture never reads, so not checked: latent attention has no key/value heads
+#: (DeepseekV3Config writes its default of 128 whatever the query heads).
+FAMILY_IGNORED: dict[str, tuple[str, ...]] = {"DeepseekV3ForCausalLM": ("num_key_value_heads",),
+                                              "Glm4MoeLiteForCausalLM": ("num_key_value_heads",)}
 #: Rules between keys of one RoPE dict.
 ROPE_RELATIONS: tuple[Relation, ...] = (
     Relation(("low_freq_factor", "high_freq_factor"), lambda low, high: high > low,
@@ -258,6 +277,8 @@ def check_config(raw: Mapping[str, Any], architecture: str) -> None:
     rules = {**MODEL_RULES, **FAMILY_RULES.get(architecture, {})}
     if raw.get("use_sliding_window") is False:  # the window is not read (transformers writes 0 or null there)
         rules.pop("sliding_window")
+    ignored = FAMILY_IGNORED.get(architecture, ())
+    raw = {key: value for key, value in raw.items() if key not in ignored}
     check_fields(raw, rules)
     check_relations(raw, (*RELATIONS, *FAMILY_RELATIONS.get(architecture, ())))
     check_relations(raw, RELATIONS)

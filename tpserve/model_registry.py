@@ -18,8 +18,10 @@ from collections.abc import Sequence
 #: ``architectures`` name in config.json -> ``"module:Class"`` of the worker's model.
 MODEL_REGISTRY: dict[str, str] = {
     "CohereForCausalLM": "worker.models.cohere:CohereForCausalLM",
+    "DeepseekV3ForCausalLM": "worker.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Exaone4ForCausalLM": "worker.models.exaone4:Exaone4ForCausalLM",
     "Gemma2ForCausalLM": "worker.models.gemma2:Gemma2ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "worker.models.glm4_moe_lite:Glm4MoeLiteForCausalLM",
     "Gemma3ForCausalLM": "worker.models.gemma3:Gemma3ForCausalLM",
     "GptOssForCausalLM": "worker.models.gpt_oss:GptOssForCausalLM",
     "Glm4MoeForCausalLM": "worker.models.glm4_moe:Glm4MoeForCausalLM",
@@ -40,6 +42,12 @@ MODEL_REGISTRY: dict[str, str] = {
     "SmolLM3ForCausalLM": "worker.models.smollm3:SmolLM3ForCausalLM",
     "Starcoder2ForCausalLM": "worker.models.starcoder2:Starcoder2ForCausalLM",
 }
+
+#: Architectures whose attention is multi-head latent attention (DeepSeek-V2 paper, arXiv:2405.04434): their
+#: KV cache holds one compressed latent and one shared RoPE key per token, not per-head keys and values
+#: (:meth:`tpserve.model_config.ModelConfig.kv_cache_spec`). Kimi K2 checkpoints name DeepseekV3ForCausalLM;
+#: GLM-4.7-Flash's Glm4MoeLiteForCausalLM is DeepSeek V3's attention with GLM's MoE layer pattern.
+LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
 #: (Gemma2Config, Gemma3TextConfig, CohereConfig, Ernie4_5_MoeConfig, SmolLM3Config, Starcoder2Config);

@@ -70,7 +70,8 @@ class DraftModel:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._workspace: dict[str, torch.Tensor] = {}
         #: Whether the compiled paged attention takes the draft's steps (its head size may differ).
-        self.paged_kernel = paged_kernel_available(ctx.device, dtype, self.config.head_dim)
+        self.paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
+                             and not self.config.latent_attention)
         self.triton_decode = triton_attention_available(ctx.device, block_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:

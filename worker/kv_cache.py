@@ -1,9 +1,15 @@
 """Sizing and allocating one rank's paged KV cache.
 
-Per layer: ``k_cache`` and ``v_cache`` of shape ``(num_blocks, block_size,
-num_kv_heads, head_dim)``, ``num_kv_heads`` being this rank's share (one
-replicated head when ``tensor_parallel_size > total_num_kv_heads``). The same
-block id means the same token positions on every rank; each rank stores its heads.
+Per layer two tensors, each ``(num_blocks, block_size, heads, width)``, whose shapes are the
+model's cache spec (:meth:`tpserve.model_config.ModelConfig.kv_cache_spec`):
+
+* per-head (grouped-query attention): ``k_cache`` and ``v_cache``, ``heads`` this rank's KV
+  heads (one replicated head when ``tensor_parallel_size > total_num_kv_heads``), ``width = head_dim``;
+* latent (multi-head latent attention, worker/layers/mla.py): the compressed latent
+  ``(.., 1, kv_lora_rank)`` and the shared RoPE key ``(.., 1, qk_rope_head_dim)``, the same
+  on every rank (not split by heads).
+
+The same block id means the same token positions on every rank.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.model_config import ModelConfig
+from tpserve.model_config import KVCacheSpec, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -20,19 +26,17 @@ class KVCacheLayout:
     """Shape of one rank's cache.
 
     Attributes:
-        num_layers: decoder layers (one K and one V tensor each).
+        num_layers: decoder layers (two cache tensors each).
         block_size: tokens per block.
-        num_kv_heads: key/value heads on this rank.
-        head_dim: size of one head.
+        spec: per token and layer, the two tensors' ``(heads, width)`` (:class:`KVCacheSpec`).
         dtype: element dtype as stored: the activations' dtype, or ``int8`` / ``float8_e4m3fn``
             with ``--kv-cache-dtype int8|fp8`` (1 byte per element: twice the blocks of a 16-bit
-            cache in the same memory; worker/kv_quant.py).
+            cache in the same memory; worker/kv_quant.py; per-head layouts only).
     """
 
     num_layers: int
     block_size: int
-    num_kv_heads: int
-    head_dim: int
+    spec: KVCacheSpec
     dtype: torch.dtype
 
     @classmethod
@@ -40,31 +44,32 @@ class KVCacheLayout:
         """The layout of a rank of a ``tp``-way group serving ``config``."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        return cls(config.num_hidden_layers, block_size, config.num_kv_heads_per_rank(tp), config.head_dim, dtype)
+        return cls(config.num_hidden_layers, block_size, config.kv_cache_spec(tp), dtype)
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes on this rank: K and V, all layers."""
+        """Bytes one block takes on this rank: both tensors, all layers."""
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        return self.num_layers * self.block_size * self.spec.elements_per_token * element_size
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         """How many blocks fit in ``budget_bytes`` of memory (rounded down, >= 0)."""
         return max(0, budget_bytes // self.bytes_per_block)
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed ``(k_cache, v_cache)`` per layer, each ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+        """Zeroed cache tensors per layer, each ``(num_blocks, block_size, heads, width)`` of the spec.
 
         Raises:
             ValueError: ``num_blocks < 1``.
         """
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        first = (num_blocks, self.block_size, *self.spec.first)
+        second = (num_blocks, self.block_size, *self.spec.second)
         # Zeroed, not empty: padded block-table entries point at block 0, and
         # masked-out garbage must not be NaN/inf (0 * inf would poison the output).
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+            (torch.zeros(first, dtype=self.dtype, device=device), torch.zeros(second, dtype=self.dtype, device=device))
             for _ in range(self.num_layers)
         ]
 

@@ -167,7 +167,9 @@ class ModelRunner:
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
         self._sampling_cache = SamplingCache()  # a steady decode batch's sampling tensors, kept between steps
         # The draft runs on the target's step inputs, so both must take the same attention path.
+        # The compiled paged kernel reads per-head caches; latent attention reads its own (worker/layers/mla_attention.py).
         self._paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
+                              and not self.config.latent_attention
                               and (self.draft is None or self.draft.paged_kernel))
         self._triton_decode = triton_attention_available(ctx.device, block_size)
         self._builder = select_metadata_builder(paged_kernel=self._paged_kernel, triton_decode=self._triton_decode)
@@ -191,14 +193,16 @@ class ModelRunner:
         Args:
             num_blocks: the KV blocks the coordinator allocates from.
             cuda_graph_sizes: decode batch sizes to capture (worker/cuda_graphs.py); empty,
-                or a rank without the Triton decode path (off CUDA) or with a draft model:
-                every step runs eagerly. With graphs the cache holds one more block, the
-                padding rows' null block.
+                or a rank without the Triton decode path (off CUDA), with a draft model, dynamic
+                RoPE or multi-head latent attention: every step runs eagerly. With graphs the cache
+                holds one more block, the padding rows' null block.
             max_model_len: the longest context a graph takes (default: the model's).
             capture: False checks the graphs' static-buffer path eagerly (tests on the CPU).
         """
+        # Latent attention's decode reads its latents with torch ops through the block tables: in a graph that
+        # is the static tables' full max_model_len width for every row, every step, so it runs eagerly.
         graphs = (bool(cuda_graph_sizes) and self.draft is None and not self._dynamic_rope
-                  and (self._triton_decode or not capture))
+                  and not self.config.latent_attention and (self._triton_decode or not capture))
         take_routed_counts(self._expert_layers)  # drop what earlier (profiling) passes routed
         self._graphs = None
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)

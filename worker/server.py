@@ -220,7 +220,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log.info("decode graphs captured", rank=opts.rank, sizes=list(self._runner.cuda_graph_sizes),
                      seconds=round(time.monotonic() - started, 2))
         elif sizes:
-            log.info("decode graphs off: no Triton decode kernel or a draft model", rank=opts.rank)
+            log.info("decode graphs off: no Triton decode kernel, a draft model, dynamic RoPE or latent attention",
+                     rank=opts.rank)
 
     def PrepareGrammar(self, request: pb.PrepareGrammarRequest,
                        context: grpc.ServicerContext) -> pb.PrepareGrammarResponse:

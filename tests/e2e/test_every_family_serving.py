@@ -30,7 +30,8 @@ MAX_TOKENS = 40
 PROMPT = "Once upon a time"
 FAMILIES = ("qwen3_qk_norm", "phi3_fused", "mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3",
             "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "glm4_moe", "minimax_m2",
-            "ernie4_5_moe", "granite", "cohere", "starcoder2", "llama4", "olmo2", "olmo3", "smollm3", "exaone4")
+            "ernie4_5_moe", "granite", "cohere", "starcoder2", "llama4", "olmo2", "olmo3", "smollm3", "exaone4",
+            "dsv3_q_lora", "dsv3_yarn", "dsv3_moe", "glm4_moe_lite")
 
 
 def _specs() -> dict[str, TinyModelSpec]:
@@ -49,6 +50,10 @@ def _specs() -> dict[str, TinyModelSpec]:
                    "test_ernie4_5_moe"):
         spec = importlib.import_module(f"tests.worker.{module}").SPEC
         specs[spec.name] = spec
+    from tests.worker import deepseek_v3_specs
+
+    specs.update({spec.name: spec for spec in (deepseek_v3_specs.Q_LORA, deepseek_v3_specs.YARN,
+                                               deepseek_v3_specs.MOE, deepseek_v3_specs.GLM4_MOE_LITE)})
     return specs
 
 

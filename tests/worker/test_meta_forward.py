@@ -23,37 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
 import worker.model_runner as model_runner
 from tests.tiny_models import TinyModelSpec, save_tiny_model
+from tests.worker.device_guard import DeviceGuard
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 from worker.sampler import sample_tensors
-
-
-class DeviceGuard(TorchDispatchMode):
-    """Records every aten op whose tensor inputs or outputs are off ``device`` (0-dim scalars aside)."""
-
-    def __init__(self, device: str = "meta") -> None:
-        super().__init__()
-        self.device = device
-        self.violations: list[str] = []
-        self.num_ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.num_ops += 1
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.violations.append(f"{func}: host sync")
-        out = func(*args, **kwargs)
-        for where, tensors in (("input", (args, kwargs)), ("output", out)):
-            for t in tree_leaves(tensors):
-                if isinstance(t, torch.Tensor) and t.device.type != self.device and t.dim() > 0:
-                    self.violations.append(f"{func}: {where} on {t.device}, shape {tuple(t.shape)}")
-        return out
 
 
 #: Families whose layers go beyond Llama's: the full-width QK norm and float32 RoPE per layer type (OLMo 3), NoPE

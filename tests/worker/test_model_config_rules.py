@@ -141,6 +141,24 @@ BAD_VALUES = [
      "sliding_window_pattern=0 must be a positive integer (every n-th layer global) or a string of 'L' (local)"),
     ("exaone4-pattern-letters", "Exaone4ForCausalLM", {"sliding_window_pattern": "LLLX"},
      'sliding_window_pattern="LLLX" must be'),
+    # multi-head latent attention and DeepSeek V3's expert groups
+    ("mla-kv-lora-rank-0", "DeepseekV3ForCausalLM", {"kv_lora_rank": 0}, "kv_lora_rank=0 must be a positive integer"),
+    ("mla-kv-lora-rank-negative", "DeepseekV3ForCausalLM", {"kv_lora_rank": -512}, "kv_lora_rank=-512 must be"),
+    ("mla-q-lora-rank-0", "DeepseekV3ForCausalLM", {"q_lora_rank": 0}, "q_lora_rank=0 must be a positive integer"),
+    ("mla-rope-dim-odd", "DeepseekV3ForCausalLM", {"qk_rope_head_dim": 7},
+     "qk_rope_head_dim=7 must be a positive even integer (RoPE rotates pairs)"),
+    ("mla-nope-dim-0", "DeepseekV3ForCausalLM", {"qk_nope_head_dim": 0}, "qk_nope_head_dim=0 must be a positive integer"),
+    ("mla-v-head-dim-float", "DeepseekV3ForCausalLM", {"v_head_dim": 128.0}, "v_head_dim=128.0 must be a positive"),
+    ("dsv3-first-dense-negative", "DeepseekV3ForCausalLM", {"first_k_dense_replace": -1},
+     "first_k_dense_replace=-1 must be an integer >= 0"),
+    ("dsv3-topk-group-over-n-group", "DeepseekV3ForCausalLM", {"n_group": 4, "topk_group": 5, "n_routed_experts": 8},
+     "n_group=4: topk_group must be at most n_group"),
+    ("dsv3-experts-not-in-groups", "DeepseekV3ForCausalLM", {"n_group": 3, "topk_group": 1, "n_routed_experts": 8},
+     "n_routed_experts=8, n_group=3: n_routed_experts must be divisible by n_group"),
+    ("dsv3-top-k-over-experts", "DeepseekV3ForCausalLM",
+     {"n_group": 1, "topk_group": 1, "n_routed_experts": 8, "num_experts_per_tok": 9},
+     "num_experts_per_tok=9, n_routed_experts=8: num_experts_per_tok must be at most n_routed_experts"),
+    ("dsv3-routed-scaling-0", "DeepseekV3ForCausalLM", {"routed_scaling_factor": 0}, "routed_scaling_factor=0 must be"),
 ]
 
 
@@ -165,6 +183,8 @@ def test_nonsense_is_refused_naming_the_field_and_value(architecture: str, overr
     ("SmolLM3ForCausalLM", {"no_rope_layers": [True, True, True, False]}),  # booleans are 1 and 0 to transformers
     ("Exaone4ForCausalLM", {"sliding_window": 128, "sliding_window_pattern": "LLLG"}),
     ("Exaone4ForCausalLM", {"sliding_window": 128, "sliding_window_pattern": 4}),
+    # Latent attention has no key/value heads: DeepseekV3Config's default 128 is not a group of 8 query heads.
+    ("DeepseekV3ForCausalLM", {"num_key_value_heads": 128, "q_lora_rank": None}),
 ])
 def test_edge_values_that_make_sense_are_served(architecture: str, overrides: dict) -> None:
     ModelConfig.from_dict(_config(architecture, **overrides))

@@ -5,7 +5,8 @@ each): a tied-embedding GQA Llama of 5 layers (uneven: 3 + 2 at pp 2, 1 + 1 + 2 
 pp 4; with tied embeddings the last stage holds the embedding matrix for its head),
 an untied Qwen2 (q/k/v bias), a tied Granite (multipliers on the first and last
 stages), a Llama 4 (layers built by global index), an OLMo 3 and an EXAONE 4 (windows, RoPE per layer type,
-a NoPE layer, post-norms: each stage's layers as the model's), each of 4 layers. Each runs tests/worker/scenarios.py's
+a NoPE layer, post-norms: each stage's layers as the model's) and a DeepSeek V3 (multi-head latent attention,
+each stage caching its layers' latents; two MoE layers), each of 4 layers. Each runs tests/worker/scenarios.py's
 standard scenario (prefills of several lengths, a prompt prefilled in two chunks,
 new prefills beside running decodes, a seeded sampled sequence preempted and
 re-sent, freed blocks reused): every sampled row's logits equal ``transformers``'
@@ -75,6 +76,12 @@ PP_MODELS = (
     TinyModelSpec("pp_exaone4_4_layers", "exaone4",
                   {**_DIMS, "num_hidden_layers": 4, "vocab_size": 190, "sliding_window": 6,
                    "sliding_window_pattern": 4}, seed=14),
+    # Multi-head latent attention: each stage caches its layers' latents; layers 2-3 a DeepSeek MoE.
+    TinyModelSpec("pp_deepseek_v3_4_layers", "deepseek_v3",
+                  {**_DIMS, "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 170, "q_lora_rank": 24,
+                   "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
+                   "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                   "topk_group": 1, "moe_intermediate_size": 32}, seed=13),
 )
 GREEDY_MODEL = PP_MODELS[0].name
 GOLDEN_JOB = "stories260k_goldens"

@@ -34,7 +34,7 @@ from tpserve.quantization import Quantization
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.int8_weights import load_columns, load_rows, new_int8_weights
 from worker.layers.matmul import linear
-from worker.layers.weights import CheckpointSource, load_fused, new_parameter
+from worker.layers.weights import CheckpointSource, load_fused, load_replicated, new_parameter
 from worker.parallel_state import ParallelContext
 
 
@@ -205,6 +205,35 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         load_rows(self, param, source, total * self.head_size, start, size, offset, shard_id)
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x @ W.T + b`` with the whole ``W`` on every rank (no split, no communication).
+
+    For the small projections every rank needs whole: multi-head latent attention's
+    down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``; worker/layers/mla.py), whose
+    outputs are normalised over their full width before the per-head up-projections.
+
+    Args:
+        input_size, output_size: ``W``'s ``(output_size, input_size)``.
+        ctx: the tensor-parallel group (for the device).
+        bias: whether the layer has a bias.
+        dtype: parameter and activation dtype (float weights only).
+
+    Shapes: ``x (T, input_size) -> (T, output_size)``, ``x.dtype``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight_scale = None
+        self.weight = new_parameter((output_size, input_size), dtype, ctx.device, load_replicated)
+        self.bias = new_parameter((output_size,), dtype, ctx.device, load_replicated) if bias else None
+        _set_shard_ids(self, (None,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _matmul(self, x, self.bias)  # (T, output_size)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,0 +1,61 @@
+"""``tpserve serve`` of a DeepSeek V3 checkpoint (multi-head latent attention) at tp 2, every feature on.
+
+The tiny seeded ``dsv3_moe`` checkpoint of tests/worker/deepseek_v3_specs.py (MLA with a low-rank
+query, a dense layer then a sigmoid-routed MoE layer), at stories260k's vocabulary with its
+tokenizer, served with ``--kv-cache-memory-bytes``, ngram speculative decoding and prefix caching:
+
+* the pool is sized from the latent layout: ``GetModelInfo``'s ``num_kv_blocks`` is the budget
+  over ``block_size x layers x (kv_lora_rank + qk_rope_head_dim) x 4`` bytes, and the ``serving``
+  line says ``kv_cache_layout=latent:40``;
+* greedy text equals ``transformers``' (40 tokens), twice (the second a prefix-cache hit), with
+  the proposals verified through the latent cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import serve
+from tests.paths import STORIES_DIR, requires_stories
+from tests.tiny_models import load_hf_model, save_servable_model
+from tests.worker.deepseek_v3_specs import MOE
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+MAX_TOKENS = 40
+BLOCK_SIZE = 16
+#: Room for 50 blocks of the tiny model's latent cache: 2 layers x (32 + 8) float32 numbers per token.
+BYTES_PER_BLOCK = BLOCK_SIZE * 2 * (32 + 8) * 4
+BUDGET = 50 * BYTES_PER_BLOCK + 100
+#: More than one block of tokens, so that the second request hits the first's cached latents.
+PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
+
+
+def test_mla_serves_with_a_latent_pool_speculation_and_prefix_hits(tmp_path: Path) -> None:
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = save_servable_model(MOE, tmp_path / "dsv3_moe", STORIES_DIR)
+    model = load_hf_model(model_dir)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                             min_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0)
+    want = out[0, len(prompt_ids):].tolist()
+    log = tmp_path / "serve.log"
+    with serve(model_dir, 2, "--kv-cache-memory-bytes", str(BUDGET), "--block-size", str(BLOCK_SIZE),
+               "--speculative-method", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-max", "3",
+               "--prompt-lookup-min", "1", log_path=log) as cluster:
+        info = cluster.client.model_info()
+        assert (info.num_kv_blocks, info.block_size) == (50, BLOCK_SIZE)
+        cached = []
+        for _ in range(2):
+            result = cluster.client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            assert result.token_ids == want
+            cached.append(result.usage.cached_prompt_tokens)
+        assert len(prompt_ids) > BLOCK_SIZE and cached == [0, (len(prompt_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE]
+    lines = [line for line in log.read_text(errors="replace").splitlines() if " serving " in line]
+    assert len(lines) == 1 and "kv_cache_layout=latent:40" in lines[0] and "kv_cache_tokens=800" in lines[0], lines
