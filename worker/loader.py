@@ -26,6 +26,14 @@ checkpoint fills both (``<layer>.weight`` and ``<layer>.weight_scale``, fused li
 weights; a symmetric checkpoint's ``weight_zero_point``, if stored, must be zero); a
 float checkpoint's weights are quantized while they are read, one tensor at a time
 (worker/layers/int8_weights.py), so no rank holds more than one float tensor.
+
+Weight-only int4 (``quantization="int4"``): a float checkpoint's linear weights are
+quantized as they are read (``--quantization int4``); a 4-bit checkpoint's packed tensors
+(GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``, AWQ's, compressed-tensors'
+``weight_packed``/``weight_scale``/``weight_zero_point``/``weight_shape``) are renamed to
+their layer's ``weight`` and handed over as :class:`~worker.layers.int4_weights.PackedPart` s
+(which part, which format, the stored name); the layer repacks them once all have arrived
+(worker/layers/int4_weights.py), and a layer left incomplete is refused, named.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ from safetensors import safe_open
 from tpserve.checkpoint import LM_HEAD, check_head_weights, checkpoint_files
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
+from tpserve.quantization_int4 import Int4Format, int4_format
+from worker.layers.int4_formats import PARTS
+from worker.layers.int4_weights import PackedPart, finish_int4_layer
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
@@ -73,7 +84,9 @@ def load_model(
     # is randomly initialised, and each is written once, by its weight_loader.
     model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied,
                                              quantization=config.quantization or quantization)
-    load_weights(model, files, ctx.device)
+    qc = config.hf_config.get("quantization_config")
+    fmt = int4_format(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
+    load_weights(model, files, ctx.device, fmt)
     return model.eval()
 
 
@@ -82,7 +95,17 @@ def read_device(device: torch.device) -> str:
     return str(device) if device.type == "cuda" else "cpu"
 
 
-def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None) -> None:
+def _int4_part(name: str, fmt: Int4Format | None) -> tuple[str, str] | None:
+    """``(the layer's weight name, part)`` of a 4-bit checkpoint's packed tensor, else None."""
+    if fmt is None:
+        return None
+    stem, _, suffix = name.rpartition(".")
+    part = PARTS[fmt.method].get(suffix)
+    return None if part is None else (f"{stem}.weight", part)
+
+
+def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None,
+                 int4: Int4Format | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint tensors in ``files``.
 
     Args:
@@ -90,6 +113,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             places each checkpoint tensor.
         files: tensor name -> file.
         device: the parameters' device; CUDA slices are read straight onto it.
+        int4: the checkpoint's 4-bit format (tpserve/quantization_int4.py), or None.
 
     Raises:
         ValueError: unexpected, missing or mis-shaped weights, named.
@@ -97,6 +121,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     targets: dict[str, tuple[str, ShardId]] = {}
+    parts: dict[str, str] = {}  # 4-bit checkpoint tensor -> its part (int4_formats.PARTS)
     unexpected = []
     zero_points = []
     # Pipeline stages: only this stage's tensors, its layers renumbered from 0; ``stored`` is
@@ -106,10 +131,15 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     for name in files:
         if tied and name == LM_HEAD:
             continue  # shared with the embedding
-        if name.endswith(ZERO_POINT_SUFFIX):
+        if int4 is None and name.endswith(ZERO_POINT_SUFFIX):
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue
-        target = model.weight_map(name)
+        if int4 is not None and int4.method == "gptq" and not int4.desc_act and name.endswith(".g_idx"):
+            continue  # GPTQ writes k // group_size when not act-order: nothing to read
+        packed = _int4_part(name, int4)
+        if packed is not None:
+            parts[name] = packed[1]
+        target = model.weight_map(packed[0] if packed is not None else name)
         if target is None:
             continue  # not a weight (a recomputed buffer)
         param_name, shard_id = target
@@ -132,13 +162,18 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             for name in names:
                 param_name, shard_id = targets[name]
                 param = params[param_name]
+                source = f.get_slice(stored[name])
+                if name in parts:
+                    assert int4 is not None
+                    source = PackedPart(source, parts[name], int4, name)
                 try:
-                    param.weight_loader(param, f.get_slice(stored[name]), shard_id)  # type: ignore[attr-defined]
+                    param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from error
                 shards = param.shard_ids if shard_id is None else (shard_id,)  # type: ignore[attr-defined]
                 loaded |= {(param_name, shard) for shard in shards}
     _check_zero_points({stored[n]: files[n] for n in zero_points}, [stored[n] for n in zero_points])
+    _finish_int4(model)
 
     # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.
     loaded |= {(name, shard) for name, p in params.items() for shard in getattr(p, "computed_shard_ids", ())}
@@ -146,6 +181,22 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing}")
+
+
+def _finish_int4(model: CausalLM) -> None:
+    """Refuse incomplete 4-bit layers; switch the compiled decode layer off where a layer gathers its input
+    (act-order GPTQ: the compiled layer has no column gather)."""
+    permuted = False
+    for module in model.modules():
+        if getattr(module, "int4_pending", None) is not None:
+            finish_int4_layer(module)
+            permuted |= module.input_perm is not None
+    if permuted:
+        for module in model.modules():
+            if hasattr(module, "decode_block"):
+                module.decode_block = False
+            if hasattr(module, "decode_stack"):
+                module.decode_stack = None
 
 
 def _check_zero_points(files: dict[str, Path], names: list[str]) -> None:
