@@ -17,7 +17,8 @@ quantization's own definition ``s * (q - z)``:
   ``[0, 2, 4, 6, 1, 3, 5, 7]``, ``qzeros``, ``scales (groups, N)`` float16. Reference: AutoAWQ's
   ``dequantize_gemm`` (unpack, reverse order ``[0, 4, 1, 5, 2, 6, 3, 7]``, ``(w - z) * s``).
 * :func:`save_compressed_tensors_w4a16`: quantized and packed by the ``compressed-tensors`` library
-  (``pack-quantized``, its min-max observer); reference: the library's own ``dequantize``.
+  (``pack-quantized``, its min-max observer); reference: the library's own decompression
+  (unpack and ``dequantize``).
 
 Asymmetric quantization here: ``s = (max - min) / 15`` per group, ``z = clamp(round(-min / s), 0, 15)``,
 ``q = clamp(round(w / s) + z, 0, 15)``.
@@ -181,7 +182,6 @@ def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target
     """``source`` as a compressed-tensors ``pack-quantized`` W4A16 checkpoint written by the library."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
@@ -202,8 +202,7 @@ def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target
         prefix = name.removesuffix(".weight")
         for key, value in module.items():
             out[f"{prefix}.{key}"] = value
-        decompressed = PackedQuantizationCompressor.decompress(dict(module), scheme)
-        dq = dequantize(decompressed["weight"], scale, zero_point, args=args, dtype=torch.float32)
-        dequantized[name] = dq
+        # The library's decompression unpacks and dequantizes (its ``dequantize``): the reference.
+        dequantized[name] = PackedQuantizationCompressor.decompress(dict(module), scheme)["weight"].float()
     return (_write(source, target, out, lambda c: c.update(quantization_config=config)),
             _write(source, dequantized_target, dequantized, lambda c: None))
