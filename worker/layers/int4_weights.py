@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from tpserve.quantization_int4 import RTN_GROUP_SIZE, RTN_SMALL_GROUP_SIZE, Int4Format
-from worker.layers.int4_formats import Int4Tensor, required_parts, unpack_layer
+from worker.layers.int4_formats import PARTS, Int4Tensor, required_parts, unpack_layer
 from worker.layers.int4_matmul import BLOCK, pack_codes
 from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow, source_shape
 
@@ -161,6 +161,7 @@ def load_int4_columns(layer: nn.Module, source: CheckpointSource, full_shape: tu
 
 def _unpacked(layer: nn.Module, source: PackedPart, shape: tuple[int, int], shard_id: object) -> Int4Tensor | None:
     """The weight part of ``source`` in common form, or None while the part's other tensors are unread."""
+    layer.int4_format = source.fmt
     pending = layer.int4_pending.setdefault(shard_id, {})
     if source.part in pending:
         raise ValueError(f"{source.name} read twice")
@@ -184,7 +185,12 @@ def finish_int4_layer(layer: nn.Module) -> None:
     """
     for shard_id, pending in list(layer.int4_pending.items()):
         names = sorted(name for _, name in pending.values())
-        raise ValueError(f"4-bit layer tensors {names} are incomplete (shard {shard_id!r}): a corrupt checkpoint")
+        stem = names[0].rpartition(".")[0]
+        fmt = layer.int4_format
+        suffixes = {part: suffix for suffix, part in PARTS[fmt.method].items()}
+        missing = sorted(f"{stem}.{suffixes[part]}" for part in required_parts(fmt) - set(pending))
+        raise ValueError(f"checkpoint is missing {missing} ({fmt.method}{' desc_act' if fmt.desc_act else ''}; "
+                         f"read {names}): a corrupt checkpoint")
 
 
 def _write(layer: nn.Module, t: Int4Tensor, offset: int, shard_id: object) -> None:
