@@ -22,7 +22,7 @@ from worker.layers.int4_matmul import dequantize, int4_linear, pack_codes, unpac
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels are unavailable")
 SHAPES = [(40, 64, 32), (37, 128, 64), (40, 256, 128), (64, 512, 256), (24, 384, 384)]
-ROWS = (1, 2, 3, 4, 5, 8, 9, 17, 70)
+ROWS = (1, 2, 3, 4, 5, 8, 9, 17, 70)  # VNNI: up to 4; the float paths: 8 a pass; dequantize: over 64
 
 
 def _weights(n: int, k: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -447,7 +447,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
     }
   }
   const bool wide = use_wide();
-  if (wide && allow_vnni.load(std::memory_order_relaxed) && cpu_has_vnni() && G % kChunk == 0) {
+  // VNNI up to kMaxRowsVnni rows: beyond, the float path's widening, shared by 8 rows of x a pass,
+  // costs less per row than three dot products a plane (measured at 16 rows: see kernels.md, "int4").
+  if (wide && M <= kMaxRowsVnni && allow_vnni.load(std::memory_order_relaxed) && cpu_has_vnni() &&
+      G % kChunk == 0) {
     std::vector<int8_t> planes;
     std::vector<float> units;
     make_planes(xp, M, K, planes, units);
