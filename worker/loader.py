@@ -194,9 +194,9 @@ def _finish_int4(model: CausalLM) -> None:
     if permuted:
         for module in model.modules():
             if hasattr(module, "decode_block"):
-                module.decode_block = False
+                setattr(module, "decode_block", False)  # noqa: B010 - an attribute of some modules only
             if hasattr(module, "decode_stack"):
-                module.decode_stack = None
+                setattr(module, "decode_stack", None)  # noqa: B010
 
 
 def _check_zero_points(files: dict[str, Path], names: list[str]) -> None:

@@ -30,7 +30,14 @@ from pathlib import Path
 
 import torch
 
+from tests.tiny_models import TinyModelSpec
 from tests.worker.int8_checkpoints import LINEAR_WEIGHT, _tensors, _write
+
+#: The int4 tests' tiny Llama: GQA, untied head, hidden 64 and intermediate 256 (the down projection's
+#: input divides by 128, the others' by 32; at tp 2 every rank's input by 32).
+SPEC = TinyModelSpec("int4_gqa", "llama", {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, "vocab_size": 190,
+                                           "tie_word_embeddings": False}, seed=5)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)

@@ -30,15 +30,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
-from tests.worker.int4_checkpoints import (save_awq, save_compressed_tensors_w4a16, save_gptq,
+from tests.tiny_models import load_hf_model, save_tiny_model
+from tests.worker.int4_checkpoints import (SPEC, save_awq, save_compressed_tensors_w4a16, save_gptq,
                                            save_rtn_dequantized)
 from tests.worker.scenarios import build_plans, hf_reference, standard_specs
 from tests.worker.tp_harness import Job, StepRecord, run_jobs
 
-SPEC = TinyModelSpec("int4_gqa", "llama", {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4,
-                                           "num_key_value_heads": 2, "vocab_size": 190,
-                                           "tie_word_embeddings": False}, seed=5)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 TP1_ONLY = {"gptq_act_order"}

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from tests.tiny_models import save_tiny_model
-from tests.worker.int4_checkpoints import save_compressed_tensors_w4a16, save_gptq
+from tests.worker.int4_checkpoints import SPEC, save_compressed_tensors_w4a16, save_gptq
 from tests.worker.loader_helpers import _load, _rewrite
-from tests.worker.test_int4 import SPEC
 from tpserve.quantization_int4 import Int4Format
 from worker.layers.int4_weights import PackedPart
 from worker.layers.linear import RowParallelLinear

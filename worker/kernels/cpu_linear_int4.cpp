@@ -13,22 +13,12 @@
 //   scale_offset (N, K / G, 2) float32: per row and group, (s, o) with w = s * q + o (o = -s * z for
 //     a zero point z: symmetric RTN stores z = 8). G is a multiple of 32 dividing K.
 //
-// Three paths, picked at run time:
-// * AVX-512 VNNI, for groups of a multiple of 128 columns (the usual 128, and channel-wise): the codes
-//   stay bytes and meet x, cut into three int8 planes per 128 columns (24-bit fixed point), in vpdpbusd;
-//   see dots_vnni for the layout and the bound on the error (6e-8 of a chunk's largest activation).
-//   Against the float path below, the 95M model's 30 layers of projections at one row of x on one
-//   core of the 2-core Xeon host: 3.8-10 against 11.6-14 ms, and int8's 23-24 ms (a loaded host: the
-//   fastest of 15 rounds; benchmarks/results/quantization_int4.json has the whole decode step).
-// * AVX-512 (F, VL, BW) float: each code widened to float32 in registers (mask, widen, convert) and
-//   multiplied in float32; the sum per group, scaled once (below). Also groups of 32 or 64.
-// * AVX2 + FMA: the same in 8-float vectors.
+// Three paths, picked at run time: AVX-512 VNNI for up to 4 rows of x and groups of a multiple of 128
+// columns (the codes stay bytes and meet x, cut into three int8 planes, in vpdpbusd: dots_vnni);
+// AVX-512 (F, VL, BW) float (each code widened to float32 in registers and multiplied in float32); AVX2.
 //
-// The float paths' dot product of one row with x, group by group: sum_g [ s_g * sum_{k in g} q_k x_k +
-// o_g * xsum_g ], xsum_g = sum_{k in g} x_k computed once per call. The inner sum accumulates q_k * x_k
-// in a vector per (row, row of x); at the end of a group that vector is multiplied by s_g into the
-// row's total (one FMA per 16 lanes per group, not a dequantization FMA per weight), and o_g * xsum_g is
-// a scalar term (all paths).
+// The float paths: sum_g [ s_g * sum_{k in g} q_k x_k + o_g * xsum_g ], xsum_g = sum_{k in g} x_k once per
+// call; q_k x_k summed in a vector per (row, row of x), scaled by s_g once a group (not an FMA a weight).
 //
 // Rows of x: up to kMaxRows512 / kMaxRowsVnni (AVX-512) or kMaxRows256 (AVX2) at once, each thread
 // owning a range of W's rows and reading S of them side by side (several sequential streams in flight,
@@ -44,6 +34,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -131,21 +123,14 @@ TPSERVE_INT4_AVX512 inline void dots512(const int64_t rows[S], const Args& a) {
   }
 }
 
-
 // ---- AVX-512 VNNI: the codes times x carried as 24-bit fixed point, in integer dot products ----------
-// Widening each code to float costs 3 vector instructions per 16 weights (mask, widen, convert), which
-// on the L3-resident 95M model makes int4 no faster than int8 (each is compute-bound there). Here the
-// codes stay bytes and meet x in vpdpbusd (64 byte products an instruction): x is cut per chunk of 128
-// columns into three int8 planes, x ~= u * (65536 xh + 256 xm + xl) with u = max|x_chunk| / (127 *
-// 65536), x / u rounded to an integer and split into balanced base-256 digits, so |x - approx| <= u / 2
-// = max|x_chunk| / 1.7e7 (float32's own rounding is 6e-8 of |x|). Two planes (16 bits)
-// were tried first: 3.1e-5 of the chunk's largest activation moved a tiny model's logits by up to
-// 3e-3 against the float model's; with three, its logits are as close as the float path's (3e-5). Per chunk and row of x: sum q (256 xh + xm) in int32 (|.| < 2^26) and
-// sum q xl, converted and multiplied by 256 u and u into the group's float accumulator. The planes are
-// laid out to meet the codes' bytes: a 64-byte load of codes is 4 blocks; its low nibbles are columns
-// 32b + j, its high ones 32b + 16 + j (b = byte / 16, j = byte % 16), and the planes of a chunk are
-// [xh low | xh high | xm low | xm high | xl low | xl high], 64 bytes each. Groups must be whole chunks
-// (G % 128 == 0); otherwise, and on CPUs without AVX512-VNNI, the float path above.
+// The codes stay bytes and meet x in vpdpbusd (64 byte products an instruction; widening to float costs 3
+// instructions per 16 weights). x is cut per chunk of 128 columns into three int8 planes, x ~= u (65536 xh
+// + 256 xm + xl), u = max|x_chunk| / (127 * 65536): |x - approx| <= max|x_chunk| / 1.7e7 (docs/design/
+// kernels.md, "int4": why three planes). Per chunk and row of x: sum q (256 xh + xm) (|.| < 2^26) and sum
+// q xl in int32, scaled by 256 u and u into the group's float sum. A 64-byte load of codes is 4 blocks (low
+// nibbles: columns 32b + j, high: 32b + 16 + j), so a chunk's planes are [xh low | xh high | xm low |
+// xm high | xl low | xl high], 64 bytes each. Groups must be whole chunks (G % 128 == 0).
 #define TPSERVE_INT4_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 constexpr int64_t kChunk = 128;       // columns per plane chunk (one 64-byte load of codes)
 constexpr int64_t kMaxRowsVnni = 4;   // rows of x per pass
@@ -233,44 +218,51 @@ void run_vnni(int64_t n_begin, int64_t n_end, const Args& a, const Planes& pl) {
   }
 }
 
-// The planes and units of rows [0, M) of x (K % 128 == 0), laid out as dots_vnni reads them.
-void make_planes(const float* x, int64_t M, int64_t K, std::vector<int8_t>& planes, std::vector<float>& units) {
+// The planes and units of rows [0, M) of x (K % 128 == 0), laid out as dots_vnni reads them, 16 columns
+// at a time (a scalar loop took ~10 ns a column: 0.9 ms of the 95M model's 3 ms step). x / u is rounded
+// to an integer v (|v| <= 127 * 65536 < 2^24, exact in float32) and split into balanced base-256
+// digits, each in [-128, 127]: v = 65536 xh + 256 xm + xl exactly.
+TPSERVE_INT4_VNNI void make_planes(const float* x, int64_t M, int64_t K, std::vector<int8_t>& planes,
+                                   std::vector<float>& units) {
   const int64_t chunks = K / kChunk;
   planes.assign(static_cast<size_t>(M * chunks * kPlaneBytes), 0);
   units.assign(static_cast<size_t>(M * chunks), 0.0f);
+  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t c = 0; c < chunks; ++c) {
       const float* xc = x + m * K + c * kChunk;
-      float amax = 0.0f;
-      for (int64_t k = 0; k < kChunk; ++k) amax = std::max(amax, std::fabs(xc[k]));
-      if (amax == 0.0f) continue;  // planes and unit stay zero
-      // In double: the remainders are then exact, and each plane's rounding is the only error.
-      const double unit = static_cast<double>(amax) / (127.0 * 65536.0);
-      units[m * chunks + c] = static_cast<float>(unit);
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < kChunk; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xc + k)));
+      const float top = _mm512_reduce_max_ps(amax);
+      if (top == 0.0f) continue;  // planes and unit stay zero
+      const float unit = top / (127.0f * 65536.0f);
+      units[m * chunks + c] = unit;
+      const __m512 u = _mm512_set1_ps(unit);
       int8_t* out = planes.data() + (m * chunks + c) * kPlaneBytes;
-      for (int64_t k = 0; k < kChunk; ++k) {
-        const int64_t b = k / 32, j = k % 32;  // block and column within it
-        const int64_t byte = b * 16 + (j & 15) + (j < 16 ? 0 : 64);  // low nibbles' plane, then high's
-        // x / u rounded to an integer V (|V| <= 127 * 65536), then split into balanced base-256 digits
-        // (each in [-128, 127]): V = 65536 xh + 256 xm + xl exactly.
-        const int64_t v = static_cast<int64_t>(std::nearbyint(xc[k] / unit));
-        const int64_t xl = ((v + 128) & 255) - 128;
-        const int64_t v1 = (v - xl) / 256;
-        const int64_t xm = ((v1 + 128) & 255) - 128;
-        const int64_t xh = (v1 - xm) / 256;
-        out[byte] = static_cast<int8_t>(xh);
-        out[byte + 128] = static_cast<int8_t>(xm);
-        out[byte + 256] = static_cast<int8_t>(xl);
+      for (int64_t i = 0; i < kChunk / 16; ++i) {  // columns 16i .. 16i + 15: one half of block i / 2
+        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xc + 16 * i), u));
+        const __m512i xl = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half);
+        const __m512i v1 = _mm512_srai_epi32(_mm512_sub_epi32(v, xl), 8);
+        const __m512i xm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v1, half), byte), half);
+        const __m512i xh = _mm512_srai_epi32(_mm512_sub_epi32(v1, xm), 8);
+        int8_t* dst = out + (i / 2) * 16 + (i % 2) * 64;  // low nibbles' plane, then high's
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(xh));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(xm));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 256), _mm512_cvtepi32_epi8(xl));
       }
     }
   }
 }
 
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// xsum[m * groups + g] = sum of row m of x over group g's G columns (G % 32 == 0).
+TPSERVE_INT4_AVX512 void group_sums512(const float* x, int64_t M, int64_t K, int64_t G, float* xsum) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + m * K + k));
+      xsum[m * (K / G) + g] = _mm512_reduce_add_ps(acc);
+    }
+  }
 }
 
 template <int R, int S>
@@ -322,7 +314,7 @@ inline void dots256(const int64_t rows[S], const Args& a) {
   }
   for (int s = 0; s < S; ++s) {
     const int64_t n = rows[s];
-    for (int r = 0; r < R; ++r) a.y[r * a.N + n] = hsum256(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
+    for (int r = 0; r < R; ++r) a.y[r * a.N + n] = tpserve::hsum(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
   }
 }
 
@@ -355,25 +347,18 @@ bool cpu_has_avx512bw() {
                           __builtin_cpu_supports("avx512bw");
   return has;
 }
-
-// Cleared by use_avx512_int4(False): tests and A/B runs take the AVX2 path on AVX-512 machines.
-std::atomic<bool> allow_wide{true};
-
+std::atomic<bool> allow_wide{true};  // use_avx512_int4(False): the AVX2 path (tests, A/B runs)
 bool use_avx512_int4(bool enabled) {
   allow_wide.store(enabled);
   return enabled && cpu_has_avx512bw();
 }
 
 bool use_wide() { return allow_wide.load(std::memory_order_relaxed) && cpu_has_avx512bw(); }
-
 bool cpu_has_vnni() {
   static const bool has = cpu_has_avx512bw() && __builtin_cpu_supports("avx512vnni");
   return has;
 }
-
-// Cleared by use_vnni_int4(False): the float AVX-512 path on VNNI machines (tests, A/B runs).
-std::atomic<bool> allow_vnni{true};
-
+std::atomic<bool> allow_vnni{true};  // use_vnni_int4(False): the float AVX-512 path (tests, A/B runs)
 bool use_vnni_int4(bool enabled) {
   allow_vnni.store(enabled);
   return enabled && cpu_has_vnni();
@@ -439,14 +424,18 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   const float* xp = x.data_ptr<float>();
   // Per row of x and group: the sum of x over the group's columns (the offsets' factor).
   std::vector<float> xsum(static_cast<size_t>(M * groups));
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.0f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xp[m * K + k];
-      xsum[m * groups + g] = sum;
+  const bool wide = use_wide();
+  if (wide) {
+    group_sums512(xp, M, K, G, xsum.data());
+  } else {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.0f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xp[m * K + k];
+        xsum[m * groups + g] = sum;
+      }
     }
   }
-  const bool wide = use_wide();
   // VNNI up to kMaxRowsVnni rows: beyond, the float path's widening, shared by 8 rows of x a pass,
   // costs less per row than three dot products a plane (measured at 16 rows: see kernels.md, "int4").
   if (wide && M <= kMaxRowsVnni && allow_vnni.load(std::memory_order_relaxed) && cpu_has_vnni() &&

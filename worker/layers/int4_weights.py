@@ -1,5 +1,8 @@
 """Weight-only int4 parameters of the parallel linear layers, and how they are filled.
 
+(``layer`` is typed ``Any`` here: the functions set and read the attributes they add to an
+``nn.Module``, which mypy sees only as ``Tensor | Module``.)
+
 An int4 layer holds ``weight`` ``(N_local, K_local / 2)`` uint8 (packed codes) and
 ``weight_scale`` ``(N_local, K_local / G, 2)`` float32 (scale and offset per group of ``G``
 columns): the kernel's layout, worker/layers/int4_matmul.py. ``G`` is known when the first
@@ -35,8 +38,9 @@ dequantize-requantize.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
 from tpserve.quantization_int4 import RTN_GROUP_SIZE, RTN_SMALL_GROUP_SIZE, Int4Format
 from worker.layers.int4_formats import PARTS, Int4Tensor, required_parts, unpack_layer
@@ -78,7 +82,7 @@ def quantize_rtn(w: torch.Tensor, group: int) -> Int4Tensor:
     return Int4Tensor(codes, scales, torch.full_like(scales, 8.0), torch.arange(k) // group)
 
 
-def new_int4_weights(layer: nn.Module, shape: tuple[int, int], device: torch.device) -> None:
+def new_int4_weights(layer: Any, shape: tuple[int, int], device: torch.device) -> None:
     """Give ``layer`` a packed ``weight`` for a ``shape (N, K)`` float weight and an empty ``weight_scale``.
 
     Raises:
@@ -89,12 +93,12 @@ def new_int4_weights(layer: nn.Module, shape: tuple[int, int], device: torch.dev
         raise ValueError(f"int4 needs each rank's input size to be a multiple of {BLOCK}, got {k}")
     layer.weight = new_parameter((n, k // 2), torch.uint8, device, layer.weight_loader)
     layer.weight_scale = new_parameter((n, 0, 2), torch.float32, device, layer.weight_loader)
-    layer.weight_scale.computed_shard_ids = set()  # type: ignore[attr-defined]
+    layer.weight_scale.computed_shard_ids = set()
     layer.int4_pending = {}  # shard id -> {part: (tensor, name)} until the part's tensors are all read
     layer.input_perm = None  # act-order: (K_local,) int64, x's columns in the packed order
 
 
-def load_int4_rows(layer: nn.Module, source: CheckpointSource, total_rows: int, start: int, size: int,
+def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start: int, size: int,
                    offset: int, shard_id: object) -> None:
     """Column-parallel: rows ``[start, start + size)`` of a (part's) weight into rows ``[offset, ...)``.
 
@@ -120,7 +124,7 @@ def load_int4_rows(layer: nn.Module, source: CheckpointSource, total_rows: int, 
     _write(layer, t, offset, shard_id)
 
 
-def load_int4_columns(layer: nn.Module, source: CheckpointSource, full_shape: tuple[int, int],
+def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[int, int],
                       start: int, size: int) -> None:
     """Row-parallel: input columns ``[start, start + size)`` of the weight into the layer.
 
@@ -159,7 +163,7 @@ def load_int4_columns(layer: nn.Module, source: CheckpointSource, full_shape: tu
     _write(layer, t, 0, None)
 
 
-def _unpacked(layer: nn.Module, source: PackedPart, shape: tuple[int, int], shard_id: object) -> Int4Tensor | None:
+def _unpacked(layer: Any, source: PackedPart, shape: tuple[int, int], shard_id: object) -> Int4Tensor | None:
     """The weight part of ``source`` in common form, or None while the part's other tensors are unread."""
     layer.int4_format = source.fmt
     pending = layer.int4_pending.setdefault(shard_id, {})
@@ -177,13 +181,13 @@ def _unpacked(layer: nn.Module, source: PackedPart, shape: tuple[int, int], shar
         raise ValueError(f"{names['qweight']}: {error}") from error
 
 
-def finish_int4_layer(layer: nn.Module) -> None:
+def finish_int4_layer(layer: Any) -> None:
     """After every checkpoint tensor was read: refuse a layer part whose tensors are incomplete.
 
     Raises:
         ValueError: names the part's tensors that were read (the others are missing).
     """
-    for shard_id, pending in list(layer.int4_pending.items()):
+    for pending in list(layer.int4_pending.values()):
         names = sorted(name for _, name in pending.values())
         stem = names[0].rpartition(".")[0]
         fmt = layer.int4_format
@@ -193,7 +197,7 @@ def finish_int4_layer(layer: nn.Module) -> None:
                          f"read {names}): a corrupt checkpoint")
 
 
-def _write(layer: nn.Module, t: Int4Tensor, offset: int, shard_id: object) -> None:
+def _write(layer: Any, t: Int4Tensor, offset: int, shard_id: object) -> None:
     """Pack ``t`` (this rank's rows, its input columns in packed order) into rows ``[offset, ...)``."""
     size, k = t.codes.shape
     groups = t.scales.shape[1]

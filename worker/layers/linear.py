@@ -34,6 +34,8 @@ checkpoint is act-order GPTQ (``input_perm``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -66,7 +68,7 @@ def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
             param.shard_ids = shard_ids
 
 
-def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _matmul(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for a float, int8 or int4 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
     if layer.weight_scale is None:
         return linear(x, layer.weight, bias)
@@ -77,7 +79,7 @@ def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
 
-def _new_weights(layer: nn.Module, shape: tuple[int, int], num_scales: int, dtype: torch.dtype,
+def _new_weights(layer: Any, shape: tuple[int, int], num_scales: int, dtype: torch.dtype,
                  quantization: Quantization | None) -> None:
     """The layer's ``weight`` (and ``weight_scale``, None for a float layer) for a ``shape (N, K)`` weight."""
     layer.weight_scale = None
