@@ -128,9 +128,9 @@ TPSERVE_INT4_AVX512 inline void dots512(const int64_t rows[S], const Args& a) {
 // instructions per 16 weights). x is cut per chunk of 128 columns into three int8 planes, x ~= u (65536 xh
 // + 256 xm + xl), u = max|x_chunk| / (127 * 65536): |x - approx| <= max|x_chunk| / 1.7e7 (docs/design/
 // kernels.md, "int4": why three planes). Per chunk and row of x: sum q (256 xh + xm) (|.| < 2^26) and sum
-// q xl in int32, scaled by 256 u and u into the group's float sum. A 64-byte load of codes is 4 blocks (low
-// nibbles: columns 32b + j, high: 32b + 16 + j), so a chunk's planes are [xh low | xh high | xm low |
-// xm high | xl low | xl high], 64 bytes each. Groups must be whole chunks (G % 128 == 0).
+// q xl in int32, combined in float32, scaled by u and the group's scale into the row's total. A 64-byte
+// load of codes is 4 blocks (low nibbles: columns 32b + j, high: 32b + 16 + j), so a chunk's planes are
+// [xh low | xh high | xm low | xm high | xl low | xl high], 64 bytes each. Groups: whole chunks (G % 128 == 0).
 #define TPSERVE_INT4_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 constexpr int64_t kChunk = 128;       // columns per plane chunk (one 64-byte load of codes)
 constexpr int64_t kMaxRowsVnni = 4;   // rows of x per pass
@@ -158,40 +158,34 @@ TPSERVE_INT4_VNNI inline void dots_vnni(const int64_t rows[S], const Args& a, co
       offset[s][r] = 0.0f;
     }
   }
+  for (int64_t g = 0; g < a.groups; ++g) {  // the offsets' terms, o_g * xsum_g
+    for (int s = 0; s < S; ++s) {
+      for (int r = 0; r < R; ++r) offset[s][r] += sr[s][2 * g + 1] * a.xsum[r * a.groups + g];
+    }
+  }
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    __m512 gacc[S][R];
+  const __m512 radix = _mm512_set1_ps(256.0f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t g = c / per_group;
     for (int s = 0; s < S; ++s) {
-      for (int r = 0; r < R; ++r) gacc[s][r] = _mm512_setzero_ps();
-    }
-    for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
-      for (int s = 0; s < S; ++s) {
-        const uint8_t* p = wr[s] + c * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-        const __m512i bytes = _mm512_loadu_si512(p);
-        const __m512i lo = _mm512_and_si512(bytes, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xp = pl.x + (r * chunks + c) * kPlaneBytes;
-          __m512i ah = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp));
-          ah = _mm512_dpbusd_epi32(ah, hi, _mm512_loadu_si512(xp + 64));
-          __m512i am = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp + 128));
-          am = _mm512_dpbusd_epi32(am, hi, _mm512_loadu_si512(xp + 192));
-          __m512i al = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp + 256));
-          al = _mm512_dpbusd_epi32(al, hi, _mm512_loadu_si512(xp + 320));
-          const float unit = pl.unit[r * chunks + c];
-          const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), am));
-          gacc[s][r] = _mm512_fmadd_ps(upper, _mm512_set1_ps(256.0f * unit), gacc[s][r]);
-          gacc[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al), _mm512_set1_ps(unit), gacc[s][r]);
-        }
-      }
-    }
-    for (int s = 0; s < S; ++s) {
-      const __m512 scale = _mm512_set1_ps(sr[s][2 * g]);
-      const float off = sr[s][2 * g + 1];
+      const uint8_t* p = wr[s] + c * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(p);
+      const __m512i lo = _mm512_and_si512(bytes, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      const float scale = sr[s][2 * g];
       for (int r = 0; r < R; ++r) {
-        total[s][r] = _mm512_fmadd_ps(gacc[s][r], scale, total[s][r]);
-        offset[s][r] += off * a.xsum[r * a.groups + g];
+        const int8_t* xp = pl.x + (r * chunks + c) * kPlaneBytes;
+        __m512i ah = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp));
+        ah = _mm512_dpbusd_epi32(ah, hi, _mm512_loadu_si512(xp + 64));
+        __m512i am = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp + 128));
+        am = _mm512_dpbusd_epi32(am, hi, _mm512_loadu_si512(xp + 192));
+        __m512i al = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp + 256));
+        al = _mm512_dpbusd_epi32(al, hi, _mm512_loadu_si512(xp + 320));
+        // sum q x / u = 256 (256 ah + am) + al, then times u and the group's scale into the row's total.
+        const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), am));
+        const __m512 sum = _mm512_fmadd_ps(upper, radix, _mm512_cvtepi32_ps(al));
+        total[s][r] = _mm512_fmadd_ps(sum, _mm512_set1_ps(pl.unit[r * chunks + c] * scale), total[s][r]);
       }
     }
   }
