@@ -96,7 +96,8 @@ TPSERVE_INT4_AVX512 inline void dots512(const int64_t rows[S], const Args& a) {
       }
       for (int s = 0; s < S; ++s) {
         const uint8_t* p = wr[s] + k / 2;
-        if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);  // a line a 128 columns
+        // One prefetch a 64-byte line (128 columns).
+        if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         const __m512 wlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
         const __m512 whi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
@@ -308,7 +309,9 @@ inline void dots256(const int64_t rows[S], const Args& a) {
   }
   for (int s = 0; s < S; ++s) {
     const int64_t n = rows[s];
-    for (int r = 0; r < R; ++r) a.y[r * a.N + n] = tpserve::hsum(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
+    for (int r = 0; r < R; ++r) {
+      a.y[r * a.N + n] = tpserve::hsum(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
+    }
   }
 }
 
