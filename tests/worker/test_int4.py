@@ -7,7 +7,7 @@ divides by 128, the others' by 32) served as:
 * GPTQ: symmetric, no act-order, group 32 (``checkpoint_format: gptq``, zero points minus one);
 * GPTQ: asymmetric with act-order (``desc_act``, a random ``g_idx``), group 32: tp 1 only,
   since act-order groups spread over the row-parallel ranks' columns are refused at tp 2
-  (``test_act_order_gptq_at_tp2_is_refused``);
+  (test_int4_loader.py::test_act_order_groups_spread_over_row_parallel_ranks_are_refused);
 * AWQ GEMM, group 32;
 * compressed-tensors ``pack-quantized`` W4A16 written by the library: symmetric group 32,
   and asymmetric channel-wise.
@@ -100,7 +100,7 @@ def records_at(cases: dict[str, Case]):
 def test_int4_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
                                                                           cases: dict[str, Case]) -> None:
     if tp > 1 and name in TP1_ONLY:
-        pytest.skip("act-order GPTQ is refused at tp 2 (test_act_order_gptq_at_tp2_is_refused)")
+        pytest.skip("act-order GPTQ is refused at tp 2 (test_int4_loader.py::test_act_order_groups_spread_over_row_parallel_ranks_are_refused)")
     case, records = cases[name], records_at(tp)[name]
     assert len(records) == len(case.expected)
     worst = 0.0
