@@ -47,6 +47,7 @@ from benchmarks.report import save_report  # noqa: E402
 CONFIGS: dict[str, tuple[str, str | None]] = {
     "float32": ("float32", None),
     "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
     "bfloat16": ("bfloat16", None),
     "int8_bfloat16": ("bfloat16", "int8"),
 }

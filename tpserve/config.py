@@ -45,7 +45,8 @@ class LoadConfig(_Frozen):
             CUDA, the checkpoint's half-precision ``torch_dtype`` (bfloat16 for a
             float32 checkpoint).
         device: "auto" is CUDA when available, else the CPU.
-        quantization: "int8": weight-only int8 (per-output-channel symmetric scales,
+        quantization: "int4": weight-only 4-bit (group-wise, tpserve/quantization_int4.py), or
+            "int8": weight-only int8 (per-output-channel symmetric scales,
             activations in ``dtype``) for every decoder linear layer, quantized from
             a float checkpoint at load time (vLLM's flag name). None: the weights as
             stored; a compressed-tensors int8 checkpoint is int8 either way

@@ -122,8 +122,9 @@ class ModelConfig:
         bos_token_id: beginning-of-sequence id, or None.
         eos_token_ids: end-of-sequence ids (may be empty).
         torch_dtype: the checkpoint's dtype name (``"float32"``, ``"bfloat16"``...), or None.
-        quantization: how the checkpoint's linear weights are stored: None (float) or
-            ``"int8"`` (compressed-tensors int8 weight-only; :mod:`tpserve.quantization`).
+        quantization: how the checkpoint's linear weights are stored: None (float),
+            ``"int8"`` (compressed-tensors int8 weight-only) or ``"int4"`` (GPTQ, AWQ,
+            compressed-tensors W4A16; :mod:`tpserve.quantization`).
         hf_config: the whole ``config.json`` dict, for family-specific keys
             (read them with :meth:`hf_value`). Not to be mutated.
     """

@@ -18,8 +18,14 @@ compressed-tensors ``"float-quantized"``, ``"mxfp4"``: tpserve/weight_formats.py
 dequantized by the ranks while loading; their layers are float (or int8 with
 ``--quantization int8``), so :func:`checkpoint_quantization` returns None for them.
 
-Every other ``quantization_config`` (GPTQ, AWQ, bitsandbytes, int4,
-group-wise or asymmetric compressed-tensors, activation or KV-cache quantization,
+And **int4 weight-only** (W4A16): 4-bit codes with a float scale and zero point per
+group of input columns, from ``--quantization int4`` on a float checkpoint
+(round-to-nearest, symmetric, groups of 128) or from a published 4-bit checkpoint
+(:mod:`tpserve.quantization_int4` reads GPTQ, AWQ and compressed-tensors
+``pack-quantized`` configs into an :class:`~tpserve.quantization_int4.Int4Format`).
+
+Every other ``quantization_config`` (bitsandbytes, 8-bit GPTQ,
+group-wise or asymmetric int8 compressed-tensors, activation or KV-cache quantization,
 a quantized LM head) is refused at start-up, by the coordinator, before any rank
 starts: :func:`checkpoint_quantization` raises ``ValueError`` naming what it found
 and what is supported. No torch here: the coordinator reads this too.
@@ -30,21 +36,24 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from tpserve.quantization_int4 import int4_format
 from tpserve.weight_formats import compressed_tensors_groups, weight_format
 
-#: The one scheme: int8 weights, per output channel, symmetric; activations in the model dtype.
-Quantization = Literal["int8"]
-QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8",)
+#: int8: weights per output channel, symmetric; int4: group-wise codes (tpserve/quantization_int4.py).
+#: Activations stay in the model dtype.
+Quantization = Literal["int8", "int4"]
+QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8", "int4")
 #: compressed-tensors formats that store ``weight`` as plain int8 plus ``weight_scale``.
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")
 SUPPORTED = ("compressed-tensors int8 weight-only checkpoints (format int-quantized or naive-quantized: "
              "8-bit int weights, symmetric, strategy channel, no activation or KV-cache quantization, "
-             "lm_head ignored), block-scaled fp8 (quant_method fp8), compressed-tensors float-quantized fp8, "
-             "mxfp4 (gpt-oss), or a float checkpoint with --quantization int8")
+             "lm_head ignored), 4-bit GPTQ, AWQ (GEMM) or compressed-tensors pack-quantized checkpoints, "
+             "block-scaled fp8 (quant_method fp8), compressed-tensors float-quantized fp8, mxfp4 (gpt-oss), "
+             "or a float checkpoint with --quantization int8 or int4")
 
 
 def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
-    """The quantization a checkpoint's layers are served in: None (float) or ``"int8"``.
+    """The quantization a checkpoint's layers are served in: None (float), ``"int8"`` or ``"int4"``.
 
     None also for the FP8 / MXFP4 formats the ranks dequantize at load (their variant
     is checked here, by :func:`tpserve.weight_formats.weight_format`).
@@ -68,6 +77,9 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
     except ValueError as error:
         raise ValueError(f"{error}; tpserve serves {SUPPORTED}") from None
     method = qc.get("quant_method")
+    if method in ("gptq", "awq") or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"):
+        int4_format(qc)  # raises on a variant tpserve does not serve
+        return "int4"
     if method != "compressed-tensors":
         raise _refuse(f"quantization_config quant_method={method!r}")
     fmt = qc.get("format")

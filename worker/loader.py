@@ -32,6 +32,14 @@ quantized tensor and its scale are one float32 source under the float checkpoint
 (worker/dequantize.py), of which a rank decodes only its slice; the layers are float
 (cast to ``dtype``) or, with ``--quantization int8``, requantized to int8 per channel.
 One log line at start-up says which.
+
+Weight-only int4 (``quantization="int4"``): a float checkpoint's linear weights are
+quantized as they are read (``--quantization int4``); a 4-bit checkpoint's packed tensors
+(GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``, AWQ's, compressed-tensors'
+``weight_packed``/``weight_scale``/``weight_zero_point``/``weight_shape``) are renamed to
+their layer's ``weight`` and handed over as :class:`~worker.layers.int4_weights.PackedPart` s
+(which part, which format, the stored name); the layer repacks them once all have arrived
+(worker/layers/int4_weights.py), and a layer left incomplete is refused, named.
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ from tpserve.quantization import Quantization
 from tpserve.weight_formats import WeightFormat, weight_format
 from worker import dequantize
 from worker.kv_quant import kv_scale_kind
+from tpserve.quantization_int4 import Int4Format, int4_format
+from worker.layers.int4_formats import PARTS
+from worker.layers.int4_weights import PackedPart, finish_int4_layer
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
@@ -86,7 +97,9 @@ def load_model(
     quantization = config.quantization or quantization
     model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied, quantization=quantization)
     fmt = weight_format(config.hf_config)
-    load_weights(model, files, ctx.device, fmt)
+    qc = config.hf_config.get("quantization_config")
+    int4 = int4_format(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
+    load_weights(model, files, ctx.device, fmt, int4)
     if fmt is not None:
         served = "int8 per-channel (--quantization int8)" if quantization == "int8" else str(dtype).removeprefix("torch.")
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} dequantized at load to {served}")
@@ -98,8 +111,17 @@ def read_device(device: torch.device) -> str:
     return str(device) if device.type == "cuda" else "cpu"
 
 
+def _int4_part(name: str, fmt: Int4Format | None) -> tuple[str, str] | None:
+    """``(the layer's weight name, part)`` of a 4-bit checkpoint's packed tensor, else None."""
+    if fmt is None:
+        return None
+    stem, _, suffix = name.rpartition(".")
+    part = PARTS[fmt.method].get(suffix)
+    return None if part is None else (f"{stem}.weight", part)
+
+
 def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None,
-                 fmt: WeightFormat | None = None) -> None:
+                 fmt: WeightFormat | None = None, int4: Int4Format | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint tensors in ``files``.
 
     Args:
@@ -108,6 +130,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         files: tensor name -> file.
         device: the parameters' device; CUDA slices are read straight onto it.
         fmt: the FP8 / MXFP4 format the checkpoint stores, dequantized while read; None: float or int8.
+        int4: the checkpoint's 4-bit format (tpserve/quantization_int4.py), or None.
 
     Raises:
         ValueError: unexpected, missing or mis-shaped weights, named; a corrupt quantized
@@ -119,6 +142,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     targets: dict[str, tuple[str, ShardId]] = {}
+    parts: dict[str, str] = {}  # 4-bit checkpoint tensor -> its part (int4_formats.PARTS)
     unexpected = []
     zero_points = []
     # Pipeline stages: only this stage's tensors, its layers renumbered from 0; ``stored`` is
@@ -130,10 +154,15 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             continue  # shared with the embedding
         if kv_scale_kind(name) is not None:
             continue  # an 8-bit KV cache's scales: worker/kv_quant.py reads them (unused with a float cache)
-        if name.endswith(ZERO_POINT_SUFFIX):
+        if int4 is None and name.endswith(ZERO_POINT_SUFFIX):
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue
-        target = model.weight_map(name)
+        if int4 is not None and int4.method == "gptq" and not int4.desc_act and name.endswith(".g_idx"):
+            continue  # GPTQ writes k // group_size when not act-order: nothing to read
+        int4_part = _int4_part(name, int4)
+        if int4_part is not None:
+            parts[name] = int4_part[1]
+        target = model.weight_map(int4_part[0] if int4_part is not None else name)
         if target is None:
             continue  # not a weight (a recomputed buffer)
         param_name, shard_id = target
@@ -165,6 +194,9 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                         source = f.get_slice(stored[name])
                         if fmt is not None:
                             dequantize.check_not_fp8(stored[name], source.get_dtype(), fmt)
+                    if name in parts:
+                        assert int4 is not None
+                        source = PackedPart(source, parts[name], int4, name)
                     param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from error
@@ -172,6 +204,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                 loaded |= {(param_name, shard) for shard in shards}
     packed_files.close()
     _check_zero_points({stored[n]: files[n] for n in zero_points}, [stored[n] for n in zero_points])
+    _finish_int4(model)
 
     # Scales computed from a float weight while it was quantized (int8_weights.py) are not in the checkpoint.
     loaded |= {(name, shard) for name, p in params.items() for shard in getattr(p, "computed_shard_ids", ())}
@@ -179,6 +212,22 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing}")
+
+
+def _finish_int4(model: CausalLM) -> None:
+    """Refuse incomplete 4-bit layers; switch the compiled decode layer off where a layer gathers its input
+    (act-order GPTQ: the compiled layer has no column gather)."""
+    permuted = False
+    for module in model.modules():
+        if getattr(module, "int4_pending", None) is not None:
+            finish_int4_layer(module)
+            permuted |= module.input_perm is not None
+    if permuted:
+        for module in model.modules():
+            if hasattr(module, "decode_block"):
+                setattr(module, "decode_block", False)  # noqa: B010 - an attribute of some modules only
+            if hasattr(module, "decode_stack"):
+                setattr(module, "decode_stack", None)  # noqa: B010
 
 
 def _check_zero_points(files: dict[str, Path], names: list[str]) -> None:

@@ -108,8 +108,8 @@ class ModelRunner:
         ctx: this rank's tensor-parallel group.
         dtype: weights, activations and KV cache dtype (float32, bfloat16, float16).
         block_size: tokens per KV block (the coordinator's ``--block-size``).
-        quantization: ``--quantization`` ("int8" or None); a compressed-tensors int8
-            checkpoint is int8 either way (worker/loader.py).
+        quantization: ``--quantization`` ("int8", "int4" or None); a quantized checkpoint
+            (compressed-tensors int8, GPTQ / AWQ / W4A16 int4) is loaded as stored (worker/loader.py).
         draft_model_dir: ``--speculative-model``: a draft model of the same vocabulary,
             run on the same ranks with its own cache (worker/draft_model.py); None: none.
             ``kv_layout`` then sizes both caches together.

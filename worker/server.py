@@ -47,7 +47,7 @@ class WorkerOptions:
             Local rank ``r`` computes on ``cuda:r`` (worker/device.py).
         cache: how to size the KV cache (worker/memory.py); its ``num_local_ranks``
             is replaced by ``local_world_size``.
-        quantization: "int8" (``--quantization``) or None (tpserve/quantization.py).
+        quantization: "int8" or "int4" (``--quantization``) or None (tpserve/quantization.py).
         kv_cache_dtype: ``--kv-cache-dtype``: "auto", "fp8" or "int8" (worker/kv_quant.py).
         draft_model_dir: ``--speculative-model``, or None.
         enforce_eager: no CUDA graphs (``--enforce-eager``).

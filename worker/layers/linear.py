@@ -23,18 +23,29 @@ A fused layer also takes ``shard_id=None``: the checkpoint stores it fused too
 output channel (worker/layers/int8_weights.py: column-parallel layers hold their
 rows' scales, row-parallel ones the full ``(output_size,)`` scales), and the matmul
 is :func:`~worker.layers.int8_matmul.int8_linear`; activations stay in ``dtype``.
+
+``quantization="int4"``: ``weight`` is packed 4-bit codes (uint8) with a float32
+``weight_scale`` of (scale, offset) per row and group of input columns
+(worker/layers/int4_weights.py: quantized at load from a float checkpoint, or repacked
+from a GPTQ / AWQ / compressed-tensors checkpoint), and the matmul is
+:func:`~worker.layers.int4_matmul.int4_linear`, after gathering ``x``'s columns when the
+checkpoint is act-order GPTQ (``input_perm``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from tpserve.quantization import Quantization
+from worker.layers.int4_matmul import int4_linear
+from worker.layers.int4_weights import PackedPart, load_int4_columns, load_int4_rows, new_int4_weights
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.int8_weights import load_columns, load_rows, new_int8_weights
 from worker.layers.matmul import linear
-from worker.layers.weights import CheckpointSource, load_fused, load_replicated, new_parameter
+from worker.layers.weights import CheckpointSource, RowRange, load_fused, load_replicated, new_parameter
 from worker.parallel_state import ParallelContext
 
 
@@ -57,11 +68,38 @@ def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
             param.shard_ids = shard_ids
 
 
-def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for a float or an int8 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
+def _matmul(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a float, int8 or int4 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
     if layer.weight_scale is None:
         return linear(x, layer.weight, bias)
+    if layer.weight.dtype == torch.uint8:
+        if layer.input_perm is not None:
+            x = x[:, layer.input_perm]  # (T, K) in the packed column order (act-order GPTQ)
+        return int4_linear(x, layer.weight, layer.weight_scale, bias)
     return int8_linear(x, layer.weight, layer.weight_scale, bias)
+
+
+def _new_weights(layer: Any, shape: tuple[int, int], num_scales: int, dtype: torch.dtype,
+                 quantization: Quantization | None) -> None:
+    """The layer's ``weight`` (and ``weight_scale``, None for a float layer) for a ``shape (N, K)`` weight."""
+    layer.weight_scale = None
+    if quantization == "int8":
+        new_int8_weights(layer, shape, num_scales, layer.ctx.device)
+    elif quantization == "int4":
+        new_int4_weights(layer, shape, layer.ctx.device)
+    else:
+        layer.weight = new_parameter(shape, dtype, layer.ctx.device, layer.weight_loader)
+
+
+def _load_rows(layer: nn.Module, param: nn.Parameter, source: CheckpointSource, total_rows: int, start: int,
+               size: int, offset: int = 0, shard_id: object = None) -> None:
+    """Column-parallel rows of ``source`` into ``param``: int4 weights by int4_weights.py, the rest by int8_weights.py."""
+    if isinstance(source, RowRange) and isinstance(source.source, PackedPart):
+        raise ValueError(f"{source.source.name}: a fused 4-bit tensor (several layers' rows in one) is not served")
+    if getattr(layer, "int4_pending", None) is not None and param is layer.weight:
+        load_int4_rows(layer, source, total_rows, start, size, offset, shard_id)
+        return
+    load_rows(layer, param, source, total_rows, start, size, offset, shard_id)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -89,18 +127,14 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_partition = _divide(output_size, ctx.tp_size, "output_size")
         shape = (self.output_size_per_partition, input_size)
-        self.weight_scale = None
-        if quantization == "int8":
-            new_int8_weights(self, shape, shape[0], ctx.device)  # the scales split with the rows
-        else:
-            self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
+        _new_weights(self, shape, shape[0], dtype, quantization)  # int8: the scales split with the rows
         self.bias = new_parameter(shape[:1], dtype, ctx.device, self.weight_loader) if bias else None
         _set_shard_ids(self, (None,))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy rows ``[rank * out/tp, (rank + 1) * out/tp)`` of the full weight, bias or scale."""
         size = self.output_size_per_partition
-        load_rows(self, param, source, self.output_size, self.ctx.tp_rank * size, size, shard_id=shard_id)
+        _load_rows(self, param, source, self.output_size, self.ctx.tp_rank * size, size, shard_id=shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _matmul(self, x, self.bias)  # (T, output_size / tp)
@@ -134,7 +168,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.ctx.tp_size
         size = self.output_sizes[shard_id] // tp
         offset = sum(self.output_sizes[:shard_id]) // tp
-        load_rows(self, param, source, self.output_sizes[shard_id], self.ctx.tp_rank * size, size, offset, shard_id)
+        _load_rows(self, param, source, self.output_sizes[shard_id], self.ctx.tp_rank * size, size, offset, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -204,7 +238,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        load_rows(self, param, source, total * self.head_size, start, size, offset, shard_id)
+        _load_rows(self, param, source, total * self.head_size, start, size, offset, shard_id)
 
 
 class ReplicatedLinear(nn.Module):
@@ -264,17 +298,16 @@ class RowParallelLinear(nn.Module):
         self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, ctx.tp_size, "input_size")
         shape = (output_size, self.input_size_per_partition)
-        self.weight_scale = None
-        if quantization == "int8":
-            new_int8_weights(self, shape, output_size, ctx.device)
-        else:
-            self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
+        _new_weights(self, shape, output_size, dtype, quantization)
         self.bias = new_parameter((output_size,), dtype, ctx.device) if bias else None
         _set_shard_ids(self, (None,))
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy columns ``[rank * in/tp, (rank + 1) * in/tp)`` of the full weight, or the whole scale."""
         size = self.input_size_per_partition
+        if getattr(self, "int4_pending", None) is not None and param is self.weight:
+            load_int4_columns(self, source, (self.output_size, self.input_size), self.ctx.tp_rank * size, size)
+            return
         load_columns(self, param, source, (self.output_size, self.input_size), self.ctx.tp_rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

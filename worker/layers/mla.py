@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import math
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -134,6 +136,6 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin).squeeze(1)  # (T, d_r)
         latent_cache, rope_cache = kv_cache
         write_latent_cache(latent, k_pe, latent_cache, rope_cache, attn_metadata.slot_mapping)
-        o = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, latent_cache, rope_cache,
-                      attn_metadata)  # (T, H * d_v)
+        kv_b = cast(torch.Tensor, self.kv_b_proj.weight)  # float: MLA refuses --quantization (its absorbed form)
+        o = self.attn(q_nope, q_pe, latent, k_pe, kv_b, latent_cache, rope_cache, attn_metadata)  # (T, H * d_v)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks

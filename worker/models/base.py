@@ -51,7 +51,7 @@ class CausalLM(nn.Module):
     * ``dtype``: parameter and activation dtype;
     * ``tie_word_embeddings``: the LM head shares the input embedding (decided by the
       loader: what the config says, or the family's default; an untied model needs ``lm_head.weight``);
-    * ``quantization``: None or ``"int8"`` (decoder linear layers only).
+    * ``quantization``: None, ``"int8"`` or ``"int4"`` (decoder linear layers only).
 
     Parameters are allocated uninitialised on ``ctx.device``; the loader fills them.
     """

@@ -198,8 +198,9 @@ class LlamaForCausalLM(CausalLM):
 
     Args: those of :class:`~worker.models.base.CausalLM`. ``quantization="int8"``:
     every decoder linear layer (qkv, o, gate_up, down) holds int8 weights and
-    per-channel scales; the embedding, the LM head and the norms stay in ``dtype``
-    (docs/design/models.md, "Weight-only int8").
+    per-channel scales (``"int4"``: packed 4-bit codes with group-wise scales and offsets);
+    the embedding, the LM head and the norms stay in ``dtype`` (docs/design/models.md,
+    "Weight-only int8", "Weight-only int4").
 
     Raises:
         ValueError: ``hidden_act`` is not one of ``hidden_acts`` (Llama: ``"silu"``), or a bias key is not a boolean.

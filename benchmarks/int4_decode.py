@@ -1,0 +1,138 @@
+"""Weight-only int4 against int8 (and float32): decode speed on the 95M shape, in one run, ratios included.
+
+On the 94.9M-parameter random Llama of benchmarks/peer_comparison.py (float32 checkpoint, quantized
+at load by ``--quantization int4`` / ``int8``), tp 1, one process:
+
+* the bare worker step (``ModelRunner.execute`` of a decode step alone; the compiled decode stack
+  where it applies): seconds at batch 1 and 16, the fastest of ``--rounds`` rounds, each round
+  the median of 20 steps, the configurations interleaved round by round so that a busy host slows
+  them alike;
+* the projections alone: the 30 layers' four linear layers at one row of x, on one thread, through
+  ``linear_int4`` (its AVX512-VNNI path, then its float path) and ``linear_int8``.
+
+Reported: each figure, and int8 / int4 and float32 / int4 (> 1: int4 is faster). The weights'
+bytes per parameter of the linear layers are reported too (int4: 4.5 bits at groups of 128).
+
+    python benchmarks/int4_decode.py --out benchmarks/results      # the recorded run
+    python benchmarks/int4_decode.py --tiny                        # a quick check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, bare_steps, build_model  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
+
+CONFIGS = {"float32": None, "int8": "int8", "int4": "int4"}
+TINY_CONFIG = {**MODEL_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _linear_bytes_per_weight(model: torch.nn.Module) -> float:
+    """Bytes of the decoder's linear layers (weights and scales) per weight."""
+    params = dict(model.named_parameters())
+    weights = [n for n in params if n.endswith("_proj.weight")]
+    nbytes = sum(params[n].numel() * params[n].element_size() for n in params
+                 if n.endswith(("_proj.weight", "_proj.weight_scale")))
+    elements = sum(params[n].numel() * (2 if params[n].dtype == torch.uint8 else 1) for n in weights)
+    return nbytes / elements
+
+
+def projections(shape: dict, rounds: int) -> dict[str, float]:
+    """Seconds of the model's projections at one row of x, one thread: int4 (VNNI, float path) and int8."""
+    from worker.kernels import cpu_kernels_available
+    from worker.layers.int4_matmul import pack_codes
+
+    if not cpu_kernels_available():
+        return {}
+    ops = torch.ops.tpserve_cpu
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    dims = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)] * shape["num_hidden_layers"]
+    w4 = [(pack_codes(torch.randint(0, 16, (n, k))), torch.rand(n, k // 128, 2), torch.randn(1, k)) for n, k in dims]
+    w8 = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n), torch.randn(1, k)) for n, k in dims]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def int4() -> None:
+        for w, s, x in w4:
+            ops.linear_int4(x, w, s, None)
+
+    def int4_float_path() -> None:
+        ops.use_vnni_int4(False)
+        try:
+            int4()
+        finally:
+            ops.use_vnni_int4(True)
+
+    def int8() -> None:
+        for w, s, x in w8:
+            ops.linear_int8(x, w, s, None)
+
+    best: dict[str, float] = {}
+    for _ in range(rounds * 5):
+        for name, run in (("int4", int4), ("int4_float_path", int4_float_path), ("int8", int8)):
+            start = time.perf_counter()
+            run()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="directory for quantization_int4.json")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: checks the script")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--context", type=int, default=32, help="positions before the measured decode steps")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)  # what a tp-1 rank takes
+    shape = TINY_CONFIG if args.tiny else MODEL_CONFIG
+    report: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
+                    "load_average_at_start": os.getloadavg(), "torch": torch.__version__, "seed": args.seed,
+                    "model": {**shape, "checkpoint_dtype": "float32"}, "context": args.context,
+                    "rounds": args.rounds, "configs": {}}
+    with tempfile.TemporaryDirectory(prefix="tpserve-int4-") as tmp:
+        model_dir = build_model(Path(tmp), args.seed, shape)
+        runners = {name: bare_runner(model_dir, quantization=q) for name, q in CONFIGS.items()}
+        best: dict[str, dict[int, float]] = {name: {} for name in CONFIGS}
+        for _ in range(args.rounds):
+            for name, runner in runners.items():
+                for batch, seconds in bare_steps(runner, [1, 16], context=args.context).items():
+                    best[name][batch] = min(best[name].get(batch, float("inf")), seconds)
+            print({n: {b: round(s * 1e3, 2) for b, s in d.items()} for n, d in best.items()}, flush=True)
+        for name, runner in runners.items():
+            report["configs"][name] = {"bare_decode_ms_batch1": best[name][1] * 1e3,
+                                       "bare_output_tokens_per_s_batch16": 16 / best[name][16],
+                                       "linear_bytes_per_weight": _linear_bytes_per_weight(runner.model)}
+    proj = projections(shape, args.rounds)
+    report["projections_one_thread_ms"] = {name: seconds * 1e3 for name, seconds in proj.items()}
+    int4 = report["configs"]["int4"]
+    report["int4_speedup"] = {
+        base: {"decode_batch1": report["configs"][base]["bare_decode_ms_batch1"] / int4["bare_decode_ms_batch1"],
+               "throughput_batch16": int4["bare_output_tokens_per_s_batch16"]
+               / report["configs"][base]["bare_output_tokens_per_s_batch16"]}
+        for base in ("int8", "float32")}
+    if proj:
+        report["int4_speedup"]["projections_vs_int8"] = proj["int8"] / proj["int4"]
+        report["int4_speedup"]["projections_vnni_vs_float_path"] = proj["int4_float_path"] / proj["int4"]
+    print(report["int4_speedup"])
+    if args.out:
+        save_report(args.out, "quantization_int4.json", report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""``tpserve serve`` on a 4-bit checkpoint at tp 2: a compressed-tensors ``pack-quantized`` W4A16 checkpoint
+(asymmetric, group 32, written by the ``compressed-tensors`` library from a servable tiny Llama) is int4 by its
+``config.json`` alone, and its greedy tokens, four prompts at once, are ``transformers``' on the library's
+dequantization of it; a corrupt one (a NaN scale) makes the server exit 1 at start-up naming the tensor.
+(tests/worker/test_int4.py checks every format's tokens and logits at tp 1 and 2 through ``ModelRunner``.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.e2e.cluster import serve
+from tests.paths import STORIES_DIR, requires_stories
+from tests.tiny_models import load_hf_model, save_servable_model
+from tests.worker.int4_checkpoints import save_compressed_tensors_w4a16
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+PROMPTS = [[1, 306, 443, 278], [1, 90, 250, 263, 93], [1, 450, 112], [1, 365, 235, 322, 67, 170]]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("int4_serving")
+    source = save_servable_model("gqa_tied", root / "float", STORIES_DIR)
+    return save_compressed_tensors_w4a16(source, root / "w4a16", root / "w4a16_dequantized", strategy="group",
+                                         symmetric=False, group=32)
+
+
+def test_a_w4a16_checkpoint_served_at_tp2_gives_transformers_tokens(w4a16: tuple[Path, Path]) -> None:
+    checkpoint, dequantized = w4a16
+    model = load_hf_model(dequantized)
+    model.generation_config.eos_token_id = None
+    want = []
+    for prompt in PROMPTS:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        want.append(out[0, len(prompt):].tolist())
+    with serve(checkpoint, 2) as cluster:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
+                                                                     ignore_eos=True), PROMPTS))
+    assert [list(r.token_ids) for r in results] == want
+
+
+def test_a_corrupt_int4_checkpoint_is_refused_at_start_up(w4a16: tuple[Path, Path], tmp_path: Path) -> None:
+    import shutil
+
+    checkpoint = Path(shutil.copytree(w4a16[0], tmp_path / "corrupt"))
+    tensors = load_file(checkpoint / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight_scale"][3, 1] = float("nan")
+    save_file(tensors, checkpoint / "model.safetensors")
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--model", str(checkpoint), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    (failed,) = [line for line in done.stderr.splitlines() if "start-up failed" in line]
+    assert "model.layers.1.mlp.down_proj.weight_scale holds 1 zero or non-finite scales" in failed, failed
+    assert "Traceback" not in done.stderr

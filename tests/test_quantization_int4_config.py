@@ -1,0 +1,65 @@
+"""4-bit ``quantization_config`` s: what tpserve serves, and each refusal names the field and value.
+
+Read by the coordinator before any rank starts (tpserve/quantization_int4.py, no torch).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tpserve.quantization import checkpoint_quantization
+from tpserve.quantization_int4 import Int4Format, int4_format
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+         "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
+
+
+def _w4a16(**weights) -> dict:
+    config = {**W4A16, "config_groups": {"group_0": {"targets": ["Linear"],
+                                                     "weights": {**W4A16["config_groups"]["group_0"]["weights"]}}}}
+    config["config_groups"]["group_0"]["weights"].update(weights)
+    return config
+
+
+@pytest.mark.parametrize("qc, expected", [
+    (GPTQ, Int4Format("gptq", 128, True, False, zero_plus_one=True)),
+    ({**GPTQ, "desc_act": True, "sym": False, "group_size": -1, "checkpoint_format": "gptq_v2"},
+     Int4Format("gptq", -1, False, True, zero_plus_one=False)),
+    (AWQ, Int4Format("awq", 128, False)),
+    ({"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True, "version": "GEMM"},
+     Int4Format("awq", 64, False)),
+    (W4A16, Int4Format("compressed-tensors", 128, True)),
+    (_w4a16(strategy="channel", group_size=None, symmetric=False), Int4Format("compressed-tensors", -1, False)),
+])
+def test_served_4_bit_configs(qc: dict, expected: Int4Format) -> None:
+    assert int4_format(qc) == expected
+    assert checkpoint_quantization({"quantization_config": qc}) == "int4"
+
+
+@pytest.mark.parametrize("qc, named", [
+    ({**GPTQ, "bits": 8}, "gptq bits=8"),
+    ({**GPTQ, "bits": 3}, "gptq bits=3"),
+    ({**GPTQ, "lm_head": True}, "gptq lm_head=True"),
+    ({**GPTQ, "checkpoint_format": "marlin"}, "gptq checkpoint_format='marlin'"),
+    ({**GPTQ, "group_size": 0}, "gptq group_size=0"),
+    ({**GPTQ, "dynamic": {"-:.*down_proj": {}}}, "gptq dynamic="),
+    ({**AWQ, "version": "gemv"}, "awq version='gemv'"),
+    ({**AWQ, "version": "exllama"}, "awq version='exllama'"),
+    ({**AWQ, "zero_point": False}, "awq zero_point=False"),
+    ({**AWQ, "bits": 8}, "awq bits=8"),
+    ({**AWQ, "modules_to_not_convert": ["visual"]}, "awq modules_to_not_convert=['visual']"),
+    (_w4a16(num_bits=8), "weights.num_bits=8"),
+    (_w4a16(actorder="group"), "weights.actorder='group'"),
+    (_w4a16(strategy="tensor"), "weights.strategy='tensor'"),
+    (_w4a16(type="float"), "weights.type='float'"),
+    ({**W4A16, "ignore": []}, "quantizes lm_head"),
+    ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme="),
+])
+def test_unserved_4_bit_variants_are_refused_naming_the_field(qc: dict, named: str) -> None:
+    with pytest.raises(ValueError) as info:
+        checkpoint_quantization({"quantization_config": qc})
+    assert named in str(info.value) and "unsupported quantized checkpoint" in str(info.value)

@@ -1,0 +1,110 @@
+"""Loading 4-bit checkpoints: a corrupt one is refused at load naming the tensor, never served.
+
+The checkpoints are the tiny Llama of tests/worker/test_int4.py written by tests/worker/int4_checkpoints.py,
+then broken one tensor (or one config value) at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_model
+from tests.worker.int4_checkpoints import SPEC, save_compressed_tensors_w4a16, save_gptq
+from tests.worker.loader_helpers import _load, _rewrite
+from tpserve.quantization_int4 import Int4Format
+from worker.layers.int4_weights import PackedPart
+from worker.layers.linear import RowParallelLinear
+
+LAYER = "model.layers.1.self_attn.k_proj"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("int4_loader")
+    source = save_tiny_model(SPEC, root / "float")
+    return {"gptq": save_gptq(source, root / "gptq", root / "gptq_dq", group=32, sym=False, desc_act=True)[0],
+            "ct": save_compressed_tensors_w4a16(source, root / "ct", root / "ct_dq", strategy="group",
+                                                symmetric=False, group=32)[0]}
+
+
+def _broken(source: Path, target: Path, edit=None, config_edit=None) -> Path:
+    path = _rewrite(source, target, edit or (lambda tensors: None))
+    if config_edit is not None:
+        config = json.loads((path / "config.json").read_text())
+        config_edit(config["quantization_config"])
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_sound_checkpoint_loads_packed(checkpoints: dict[str, Path]) -> None:
+    qkv = _load(checkpoints["gptq"]).model.layers[1].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.uint8 and qkv.weight.shape == (128, 32)  # (q 64 + k 32 + v 32, 64 / 2)
+    assert qkv.weight_scale.shape == (128, 2, 2) and qkv.input_perm is not None  # act-order: columns gathered
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0, float("inf")])
+def test_a_nan_zero_or_infinite_scale_is_refused_naming_the_tensor(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                    value: float) -> None:
+    def corrupt(tensors: dict) -> None:
+        tensors[f"{LAYER}.scales"][1, 3] = value
+
+    with pytest.raises(ValueError, match=rf"{LAYER}.scales holds 1 zero or non-finite scales"):
+        _load(_broken(checkpoints["gptq"], tmp_path / "m", corrupt))
+
+
+def test_a_wrongly_shaped_packed_weight_is_refused_naming_it(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    def truncate(tensors: dict) -> None:
+        tensors[f"{LAYER}.qweight"] = tensors[f"{LAYER}.qweight"][:-1].contiguous()
+
+    with pytest.raises(ValueError, match=rf"{LAYER}.qweight has shape \[7, 32\], expected \[8, 32\]"):
+        _load(_broken(checkpoints["gptq"], tmp_path / "m", truncate))
+
+
+def test_a_missing_g_idx_with_desc_act_is_refused_naming_it(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=rf"missing \['{LAYER}.g_idx'\] \(gptq desc_act"):
+        _load(_broken(checkpoints["gptq"], tmp_path / "m", lambda t: t.pop(f"{LAYER}.g_idx")))
+
+
+def test_a_group_size_that_does_not_divide_k_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    broken = _broken(checkpoints["gptq"], tmp_path / "m", config_edit=lambda qc: qc.update(group_size=48))
+    with pytest.raises(ValueError, match=r"group_size=48 does not divide the input size \d+ of model.*qweight"):
+        _load(broken)
+
+
+def test_a_g_idx_out_of_range_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    def corrupt(tensors: dict) -> None:
+        tensors[f"{LAYER}.g_idx"][0] = 9
+
+    with pytest.raises(ValueError, match=rf"{LAYER}.g_idx holds groups outside \[0, 2\)"):
+        _load(_broken(checkpoints["gptq"], tmp_path / "m", corrupt))
+
+
+def test_compressed_tensors_missing_zero_point_and_bad_shape_are_named(checkpoints: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=rf"missing \['{LAYER}.weight_zero_point'\]"):
+        _load(_broken(checkpoints["ct"], tmp_path / "a", lambda t: t.pop(f"{LAYER}.weight_zero_point")))
+
+    def wrong_shape(tensors: dict) -> None:
+        tensors[f"{LAYER}.weight_shape"] = torch.tensor([32, 128])
+
+    with pytest.raises(ValueError, match=rf"{LAYER}.weight_shape is \[32, 128\], expected \[32, 64\]"):
+        _load(_broken(checkpoints["ct"], tmp_path / "b", wrong_shape))
+
+
+def test_act_order_groups_spread_over_row_parallel_ranks_are_refused() -> None:
+    """At tp 2 a row-parallel rank holds half the input columns; a random act order puts parts of most
+    groups on each rank, which the kernel's contiguous groups cannot express: refused, naming the tensor."""
+    ctx = SimpleNamespace(tp_size=2, tp_rank=0, device=torch.device("cpu"))
+    layer = RowParallelLinear(128, 16, ctx, bias=False, dtype=torch.float32, quantization="int4")
+    fmt = Int4Format("gptq", 32, False, desc_act=True)
+    g_idx = torch.randperm(128, generator=torch.Generator().manual_seed(0)) // 32
+    parts = {"qweight": torch.zeros(16, 16, dtype=torch.int32), "qzeros": torch.zeros(4, 2, dtype=torch.int32),
+             "scales": torch.ones(4, 16, dtype=torch.float16), "g_idx": g_idx.to(torch.int32)}
+    with pytest.raises(ValueError, match=r"o_proj.g_idx: act-order g_idx spreads groups over the ranks"):
+        for part, tensor in parts.items():
+            layer.weight_loader(layer.weight, PackedPart(tensor, part, fmt, f"o_proj.{part}"))

@@ -1,0 +1,177 @@
+"""Which 4-bit weight-only format a checkpoint is in, read from ``config.json``'s ``quantization_config``.
+
+Every format here stores, per linear layer, 4-bit codes ``q`` in ``[0, 15]``, a float scale
+``s`` and an integer zero point ``z`` per output row and group of ``group_size`` input
+columns, with ``w = s * (q - z)``; they differ in how the tensors are packed and named,
+which worker/layers/int4_formats.py reads. Accepted:
+
+* **GPTQ** (``quant_method: gptq``; AutoGPTQ / GPTQModel / optimum): ``bits`` 4,
+  ``group_size`` (-1: one group per row), ``sym`` true or false, ``desc_act`` with the
+  checkpoint's ``g_idx`` (act-order), ``checkpoint_format`` ``gptq`` (zero points stored
+  minus one, AutoGPTQ's historical layout) or ``gptq_v2``; no ``lm_head`` quantization,
+  no per-module ``dynamic`` overrides.
+* **AWQ** (``quant_method: awq``; AutoAWQ): ``version`` ``gemm`` only (the packed layout
+  transformers and vLLM read), ``bits`` / ``w_bit`` 4, ``group_size`` /
+  ``q_group_size``, ``zero_point`` true (the asymmetric AWQ every AutoAWQ GEMM checkpoint is).
+* **compressed-tensors** ``pack-quantized`` (llm-compressor's W4A16): weights
+  ``num_bits`` 4, ``type`` int, ``strategy`` ``group`` or ``channel``, symmetric or not,
+  no ``actorder``, no activation or KV-cache quantization, ``lm_head`` ignored.
+
+Anything else raises ``ValueError`` naming the field and its value. No torch here (the
+coordinator reads this before any rank starts).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+#: The group size of ``--quantization int4`` (round-to-nearest from a float checkpoint): the
+#: published formats' usual one (GPTQ, AWQ and llm-compressor's W4A16 default), 4.5 bits a
+#: weight with a float32 scale and offset per group. A rank whose input size does not divide by
+#: it uses :data:`RTN_SMALL_GROUP_SIZE`.
+RTN_GROUP_SIZE = 128
+RTN_SMALL_GROUP_SIZE = 32
+SUPPORTED_INT4 = ("GPTQ (bits 4, any group_size, sym or not, desc_act with g_idx), AWQ (version gemm, bits 4), "
+                  "compressed-tensors pack-quantized (num_bits 4, int, strategy group or channel)")
+
+
+@dataclass(frozen=True)
+class Int4Format:
+    """A 4-bit checkpoint format as the loaders need it.
+
+    Attributes:
+        method: ``"gptq"``, ``"awq"`` or ``"compressed-tensors"``.
+        group_size: input columns per (scale, zero point); -1 for one group per output row.
+        symmetric: no zero points are stored (the format's implied one is used: 8).
+        desc_act: GPTQ act-order: the checkpoint's ``g_idx`` says which group each input column is in.
+        zero_plus_one: GPTQ ``checkpoint_format: gptq``: a stored zero point is ``z - 1``.
+    """
+
+    method: str
+    group_size: int
+    symmetric: bool
+    desc_act: bool = False
+    zero_plus_one: bool = False
+
+
+def _refuse(found: str) -> ValueError:
+    return ValueError(f"unsupported quantized checkpoint: {found}; tpserve serves 4-bit {SUPPORTED_INT4}")
+
+
+def _group_size(value: Any, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not (value == -1 or value > 0):
+        raise _refuse(f"{field}={value!r} (expected a positive int, or -1 for one group per row)")
+    return value
+
+
+def int4_format(qc: dict[str, Any]) -> Int4Format:
+    """The :class:`Int4Format` of a GPTQ, AWQ or compressed-tensors ``pack-quantized`` ``quantization_config``.
+
+    Raises:
+        ValueError: a variant not served, naming the field and value.
+    """
+    method = qc.get("quant_method")
+    if method == "gptq":
+        return _gptq(qc)
+    if method == "awq":
+        return _awq(qc)
+    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+        return _compressed_tensors(qc)
+    raise _refuse(f"quantization_config quant_method={method!r} format={qc.get('format')!r}")
+
+
+def _gptq(qc: dict[str, Any]) -> Int4Format:
+    if qc.get("bits") != 4:
+        raise _refuse(f"gptq bits={qc.get('bits')!r} (only 4-bit GPTQ is served)")
+    if qc.get("lm_head"):
+        raise _refuse(f"gptq lm_head={qc['lm_head']!r} (the LM head stays in the model dtype)")
+    if qc.get("dynamic"):
+        raise _refuse(f"gptq dynamic={qc['dynamic']!r} (per-module overrides)")
+    checkpoint_format = qc.get("checkpoint_format", "gptq")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise _refuse(f"gptq checkpoint_format={checkpoint_format!r}")
+    sym = qc.get("sym", True)
+    if not isinstance(sym, bool):
+        raise _refuse(f"gptq sym={sym!r}")
+    desc_act = qc.get("desc_act", False)
+    if not isinstance(desc_act, bool):
+        raise _refuse(f"gptq desc_act={desc_act!r}")
+    return Int4Format("gptq", _group_size(qc.get("group_size", 128), "gptq group_size"), sym, desc_act,
+                      zero_plus_one=checkpoint_format == "gptq")
+
+
+def _awq(qc: dict[str, Any]) -> Int4Format:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse(f"awq version={qc.get('version')!r} (only the GEMM layout is served)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise _refuse(f"awq bits={bits!r}")
+    if qc.get("modules_to_not_convert"):
+        raise _refuse(f"awq modules_to_not_convert={qc['modules_to_not_convert']!r}")
+    if qc.get("zero_point", True) is not True:
+        raise _refuse(f"awq zero_point={qc.get('zero_point')!r} (only AWQ with zero points is served)")
+    group = _group_size(qc.get("group_size", qc.get("q_group_size", 128)), "awq group_size")
+    return Int4Format("awq", group, symmetric=False)
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> Int4Format:
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse(f"compressed-tensors quantization_status={status!r}")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise _refuse(f"compressed-tensors {key}={qc[key]!r}")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _refuse("compressed-tensors without config_groups")
+    ignore = list(qc.get("ignore") or [])
+    formats = {_ct_group(name, group, ignore) for name, group in groups.items()}
+    if len(formats) != 1:
+        raise _refuse(f"compressed-tensors config_groups with different weight schemes {sorted(map(str, formats))}")
+    return formats.pop()
+
+
+def _ct_group(name: str, group: Any, ignore: list[str]) -> Int4Format:
+    if not isinstance(group, dict):
+        raise _refuse(f"config_groups.{name} is not a mapping")
+    if group.get("format") not in (None, "pack-quantized"):
+        raise _refuse(f"config_groups.{name}.format={group['format']!r}")
+    for key in ("input_activations", "output_activations"):
+        if group.get(key):
+            raise _refuse(f"config_groups.{name}.{key}={group[key]!r} (activation quantization)")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise _refuse(f"config_groups.{name}.weights={weights!r}")
+    for key, value in {"num_bits": 4, "type": "int"}.items():
+        if weights.get(key) != value:
+            raise _refuse(f"config_groups.{name}.weights.{key}={weights.get(key)!r} (expected {value!r})")
+    for key in ("block_structure", "actorder", "dynamic"):
+        if weights.get(key):
+            raise _refuse(f"config_groups.{name}.weights.{key}={weights[key]!r}")
+    strategy = weights.get("strategy")
+    if strategy == "group":
+        group_size = _group_size(weights.get("group_size"), f"config_groups.{name}.weights.group_size")
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        raise _refuse(f"config_groups.{name}.weights.strategy={strategy!r} (expected 'group' or 'channel')")
+    symmetric = weights.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise _refuse(f"config_groups.{name}.weights.symmetric={symmetric!r}")
+    targets = list(group.get("targets") or [])
+    if _matches(targets, "lm_head", "Linear") and not _matches(ignore, "lm_head", None):
+        raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
+    return Int4Format("compressed-tensors", group_size, symmetric)
+
+
+def _matches(patterns: list[str], module: str, module_class: str | None) -> bool:
+    """compressed-tensors' target rule: a class name, an exact module name, or ``re:<regex>`` on the name."""
+    for pattern in patterns:
+        if pattern == module or (module_class is not None and pattern == module_class):
+            return True
+        if pattern.startswith("re:") and re.match(pattern[3:], module):
+            return True
+    return False

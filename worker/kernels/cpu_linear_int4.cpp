@@ -1,0 +1,497 @@
+// Weight-only int4 linear layers on AVX2 and AVX-512 CPUs: y (M, N) = x (M, K) @ W (N, K)^T [+ bias (N,)],
+// W stored as packed 4-bit codes with a float32 scale and offset per group of G input columns.
+//
+// Why: a decode step streams every weight matrix from memory once, so its time is the bytes read;
+// 4-bit codes with one (scale, offset) pair of float32 per group of 128 are 4.5 bits a weight
+// against int8's 8.25, and the codes are widened to float32 in registers, never written back.
+//
+// Layout (worker/layers/int4_weights.py packs it; the Python fallback reads the same):
+//   qweight (N, K / 2) uint8: the codes q in [0, 15] of each row, in blocks of 32 columns; block b
+//     (columns 32b .. 32b + 31) is bytes 16b .. 16b + 15, byte j holding column 32b + j in its low
+//     nibble and column 32b + 16 + j in its high one. So one 16-byte load and two masks give 32
+//     codes as two runs of 16 consecutive columns (one zmm each, or four ymm), no shuffles.
+//   scale_offset (N, K / G, 2) float32: per row and group, (s, o) with w = s * q + o (o = -s * z for
+//     a zero point z: symmetric RTN stores z = 8). G is a multiple of 32 dividing K.
+//
+// Three paths, picked at run time: AVX-512 VNNI for up to 4 rows of x and groups of a multiple of 128
+// columns (the codes stay bytes and meet x, cut into three int8 planes, in vpdpbusd: dots_vnni);
+// AVX-512 (F, VL, BW) float (each code widened to float32 in registers and multiplied in float32); AVX2.
+//
+// The float paths: sum_g [ s_g * sum_{k in g} q_k x_k + o_g * xsum_g ], xsum_g = sum_{k in g} x_k once per
+// call; q_k x_k summed in a vector per (row, row of x), scaled by s_g once a group (not an FMA a weight).
+//
+// Rows of x: up to kMaxRows512 / kMaxRowsVnni (AVX-512) or kMaxRows256 (AVX2) at once, each thread
+// owning a range of W's rows and reading S of them side by side (several sequential streams in flight,
+// as the int8 kernel's streamed GEMV in cpu_linear.cpp; S by the register budget). More rows of x are
+// taken in chunks of that many (W re-read per chunk, 4 bits a weight each time) up to kChunkedMaxRows;
+// beyond, a prefill-sized product, W is dequantized once to float32 and multiplied by at::matmul (its
+// cost is then the multiplication, not the reading).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "vec_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+namespace tpserve_int4 {
+
+constexpr int64_t kBlock = 32;           // columns per 16-byte block of codes
+constexpr int64_t kMaxRows512 = 8;       // rows of x per pass, AVX-512
+constexpr int64_t kMaxRows256 = 4;       // rows of x per pass, AVX2
+constexpr int64_t kChunkedMaxRows = 64;  // beyond: dequantize W once and at::matmul
+constexpr int64_t kAhead = 2048;         // bytes prefetched ahead in each stream (4096 columns)
+
+#define TPSERVE_INT4_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw")))
+
+// Streams of W rows per thread for R rows of x: (accumulator + total) * S * R + 2 R x vectors + 2 weight
+// vectors within 32 zmm registers (16 ymm for AVX2).
+constexpr int streams512(int R) { return R <= 2 ? 4 : (R <= 4 ? 2 : 1); }
+constexpr int streams256(int R) { return R <= 1 ? 2 : 1; }
+
+struct Args {
+  int64_t K, N, G, groups;
+  const float* x;        // (R, K), row stride K
+  const float* xsum;     // (R, groups)
+  const uint8_t* w;      // (N, K / 2)
+  const float* so;       // (N, groups, 2)
+  const float* bias;     // (N,) or nullptr
+  float* y;              // (R, N), row stride N
+};
+
+template <int R, int S>
+TPSERVE_INT4_AVX512 inline void dots512(const int64_t rows[S], const Args& a) {
+  const uint8_t* wr[S];
+  const float* sr[S];
+  __m512 total[S][R];
+  float offset[S][R];
+  for (int s = 0; s < S; ++s) {
+    wr[s] = a.w + rows[s] * (a.K / 2);
+    sr[s] = a.so + rows[s] * a.groups * 2;
+    for (int r = 0; r < R; ++r) {
+      total[s][r] = _mm512_setzero_ps();
+      offset[s][r] = 0.0f;
+    }
+  }
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512 acc[S][R];
+    for (int s = 0; s < S; ++s) {
+      for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+    }
+    for (int64_t k = g * a.G; k < (g + 1) * a.G; k += kBlock) {
+      __m512 xlo[R], xhi[R];
+      for (int r = 0; r < R; ++r) {
+        xlo[r] = _mm512_loadu_ps(a.x + r * a.K + k);
+        xhi[r] = _mm512_loadu_ps(a.x + r * a.K + k + 16);
+      }
+      for (int s = 0; s < S; ++s) {
+        const uint8_t* p = wr[s] + k / 2;
+        // One prefetch a 64-byte line (128 columns).
+        if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m512 wlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
+        const __m512 whi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+        for (int r = 0; r < R; ++r) {
+          acc[s][r] = _mm512_fmadd_ps(wlo, xlo[r], acc[s][r]);
+          acc[s][r] = _mm512_fmadd_ps(whi, xhi[r], acc[s][r]);
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const __m512 scale = _mm512_set1_ps(sr[s][2 * g]);
+      const float off = sr[s][2 * g + 1];
+      for (int r = 0; r < R; ++r) {
+        total[s][r] = _mm512_fmadd_ps(acc[s][r], scale, total[s][r]);
+        offset[s][r] += off * a.xsum[r * a.groups + g];
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const int64_t n = rows[s];
+    for (int r = 0; r < R; ++r) {
+      a.y[r * a.N + n] = _mm512_reduce_add_ps(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
+    }
+  }
+}
+
+// ---- AVX-512 VNNI: the codes times x carried as 24-bit fixed point, in integer dot products ----------
+// The codes stay bytes and meet x in vpdpbusd (64 byte products an instruction; widening to float costs 3
+// instructions per 16 weights). x is cut per chunk of 128 columns into three int8 planes, x ~= u (65536 xh
+// + 256 xm + xl), u = max|x_chunk| / (127 * 65536): |x - approx| <= max|x_chunk| / 1.7e7 (docs/design/
+// kernels.md, "int4": why three planes). Per chunk and row of x: sum q (256 xh + xm) (|.| < 2^26) and sum
+// q xl in int32, combined in float32, scaled by u and the group's scale into the row's total. A 64-byte
+// load of codes is 4 blocks (low nibbles: columns 32b + j, high: 32b + 16 + j), so a chunk's planes are
+// [xh low | xh high | xm low | xm high | xl low | xl high], 64 bytes each. Groups: whole chunks (G % 128 == 0).
+#define TPSERVE_INT4_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+constexpr int64_t kChunk = 128;       // columns per plane chunk (one 64-byte load of codes)
+constexpr int64_t kMaxRowsVnni = 4;   // rows of x per pass
+constexpr int streams_vnni(int R) { return R == 1 ? 4 : (R <= 3 ? 2 : 1); }
+
+constexpr int64_t kPlaneBytes = 384;  // per chunk: six 64-byte planes
+
+struct Planes {
+  const int8_t* x;   // (R, K / 128, 384): per row and chunk, the six 64-byte planes
+  const float* unit; // (R, K / 128): u of each chunk
+};
+
+template <int R, int S>
+TPSERVE_INT4_VNNI inline void dots_vnni(const int64_t rows[S], const Args& a, const Planes& pl) {
+  const int64_t chunks = a.K / kChunk, per_group = a.G / kChunk;
+  const uint8_t* wr[S];
+  const float* sr[S];
+  __m512 total[S][R];
+  float offset[S][R];
+  for (int s = 0; s < S; ++s) {
+    wr[s] = a.w + rows[s] * (a.K / 2);
+    sr[s] = a.so + rows[s] * a.groups * 2;
+    for (int r = 0; r < R; ++r) {
+      total[s][r] = _mm512_setzero_ps();
+      offset[s][r] = 0.0f;
+    }
+  }
+  for (int64_t g = 0; g < a.groups; ++g) {  // the offsets' terms, o_g * xsum_g
+    for (int s = 0; s < S; ++s) {
+      for (int r = 0; r < R; ++r) offset[s][r] += sr[s][2 * g + 1] * a.xsum[r * a.groups + g];
+    }
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 radix = _mm512_set1_ps(256.0f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t g = c / per_group;
+    for (int s = 0; s < S; ++s) {
+      const uint8_t* p = wr[s] + c * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(p);
+      const __m512i lo = _mm512_and_si512(bytes, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      const float scale = sr[s][2 * g];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xp = pl.x + (r * chunks + c) * kPlaneBytes;
+        __m512i ah = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp));
+        ah = _mm512_dpbusd_epi32(ah, hi, _mm512_loadu_si512(xp + 64));
+        __m512i am = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp + 128));
+        am = _mm512_dpbusd_epi32(am, hi, _mm512_loadu_si512(xp + 192));
+        __m512i al = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xp + 256));
+        al = _mm512_dpbusd_epi32(al, hi, _mm512_loadu_si512(xp + 320));
+        // sum q x / u = 256 (256 ah + am) + al, then times u and the group's scale into the row's total.
+        const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), am));
+        const __m512 sum = _mm512_fmadd_ps(upper, radix, _mm512_cvtepi32_ps(al));
+        total[s][r] = _mm512_fmadd_ps(sum, _mm512_set1_ps(pl.unit[r * chunks + c] * scale), total[s][r]);
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const int64_t n = rows[s];
+    for (int r = 0; r < R; ++r) {
+      a.y[r * a.N + n] = _mm512_reduce_add_ps(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
+    }
+  }
+}
+
+template <int R>
+void run_vnni(int64_t n_begin, int64_t n_end, const Args& a, const Planes& pl) {
+  constexpr int S = streams_vnni(R);
+  const int64_t part = (n_end - n_begin) / S;
+  for (int64_t i = 0; i < part; ++i) {
+    int64_t rows[S];
+    for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
+    dots_vnni<R, S>(rows, a, pl);
+  }
+  for (int64_t n = n_begin + S * part; n < n_end; ++n) {
+    const int64_t rows[1] = {n};
+    dots_vnni<R, 1>(rows, a, pl);
+  }
+}
+
+// The planes and units of rows [0, M) of x (K % 128 == 0), laid out as dots_vnni reads them, 16 columns
+// at a time (a scalar loop took ~10 ns a column: 0.9 ms of the 95M model's 3 ms step). x / u is rounded
+// to an integer v (|v| <= 127 * 65536 < 2^24, exact in float32) and split into balanced base-256
+// digits, each in [-128, 127]: v = 65536 xh + 256 xm + xl exactly.
+TPSERVE_INT4_VNNI void make_planes(const float* x, int64_t M, int64_t K, std::vector<int8_t>& planes,
+                                   std::vector<float>& units) {
+  const int64_t chunks = K / kChunk;
+  planes.assign(static_cast<size_t>(M * chunks * kPlaneBytes), 0);
+  units.assign(static_cast<size_t>(M * chunks), 0.0f);
+  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* xc = x + m * K + c * kChunk;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < kChunk; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xc + k)));
+      const float top = _mm512_reduce_max_ps(amax);
+      if (top == 0.0f) continue;  // planes and unit stay zero
+      const float unit = top / (127.0f * 65536.0f);
+      units[m * chunks + c] = unit;
+      const __m512 u = _mm512_set1_ps(unit);
+      int8_t* out = planes.data() + (m * chunks + c) * kPlaneBytes;
+      for (int64_t i = 0; i < kChunk / 16; ++i) {  // columns 16i .. 16i + 15: one half of block i / 2
+        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xc + 16 * i), u));
+        const __m512i xl = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half);
+        const __m512i v1 = _mm512_srai_epi32(_mm512_sub_epi32(v, xl), 8);
+        const __m512i xm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v1, half), byte), half);
+        const __m512i xh = _mm512_srai_epi32(_mm512_sub_epi32(v1, xm), 8);
+        int8_t* dst = out + (i / 2) * 16 + (i % 2) * 64;  // low nibbles' plane, then high's
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(xh));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(xm));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 256), _mm512_cvtepi32_epi8(xl));
+      }
+    }
+  }
+}
+
+// xsum[m * groups + g] = sum of row m of x over group g's G columns (G % 32 == 0).
+TPSERVE_INT4_AVX512 void group_sums512(const float* x, int64_t M, int64_t K, int64_t G, float* xsum) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + m * K + k));
+      xsum[m * (K / G) + g] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <int R, int S>
+inline void dots256(const int64_t rows[S], const Args& a) {
+  const uint8_t* wr[S];
+  const float* sr[S];
+  __m256 total[S][R];
+  float offset[S][R];
+  for (int s = 0; s < S; ++s) {
+    wr[s] = a.w + rows[s] * (a.K / 2);
+    sr[s] = a.so + rows[s] * a.groups * 2;
+    for (int r = 0; r < R; ++r) {
+      total[s][r] = _mm256_setzero_ps();
+      offset[s][r] = 0.0f;
+    }
+  }
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256 acc[S][R];
+    for (int s = 0; s < S; ++s) {
+      for (int r = 0; r < R; ++r) acc[s][r] = _mm256_setzero_ps();
+    }
+    for (int64_t k = g * a.G; k < (g + 1) * a.G; k += kBlock) {
+      for (int s = 0; s < S; ++s) {
+        const uint8_t* p = wr[s] + k / 2;
+        if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m128i lo = _mm_and_si128(bytes, low);                       // columns k .. k + 15
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);   // columns k + 16 .. k + 31
+        const __m256 wv[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+        for (int r = 0; r < R; ++r) {
+          for (int v = 0; v < 4; ++v) {
+            acc[s][r] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(a.x + r * a.K + k + 8 * v), acc[s][r]);
+          }
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const __m256 scale = _mm256_set1_ps(sr[s][2 * g]);
+      const float off = sr[s][2 * g + 1];
+      for (int r = 0; r < R; ++r) {
+        total[s][r] = _mm256_fmadd_ps(acc[s][r], scale, total[s][r]);
+        offset[s][r] += off * a.xsum[r * a.groups + g];
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const int64_t n = rows[s];
+    for (int r = 0; r < R; ++r) {
+      a.y[r * a.N + n] = tpserve::hsum(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
+    }
+  }
+}
+
+// W's rows [n_begin, n_end) cut into S contiguous parts read side by side; the remainder one by one.
+template <int R, int S, bool Wide>
+void run(int64_t n_begin, int64_t n_end, const Args& a) {
+  const int64_t part = (n_end - n_begin) / S;
+  for (int64_t i = 0; i < part; ++i) {
+    int64_t rows[S];
+    for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
+    if constexpr (Wide) dots512<R, S>(rows, a); else dots256<R, S>(rows, a);
+  }
+  for (int64_t n = n_begin + S * part; n < n_end; ++n) {
+    const int64_t rows[1] = {n};
+    if constexpr (Wide) dots512<R, 1>(rows, a); else dots256<R, 1>(rows, a);
+  }
+}
+
+template <int R>
+void run_rows(int64_t n0, int64_t n1, const Args& a, bool wide) {
+  if (wide) {
+    run<R, streams512(R), true>(n0, n1, a);
+  } else if constexpr (R <= kMaxRows256) {
+    run<R, streams256(R), false>(n0, n1, a);
+  }
+}
+
+bool cpu_has_avx512bw() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512bw");
+  return has;
+}
+std::atomic<bool> allow_wide{true};  // use_avx512_int4(False): the AVX2 path (tests, A/B runs)
+bool use_avx512_int4(bool enabled) {
+  allow_wide.store(enabled);
+  return enabled && cpu_has_avx512bw();
+}
+
+bool use_wide() { return allow_wide.load(std::memory_order_relaxed) && cpu_has_avx512bw(); }
+bool cpu_has_vnni() {
+  static const bool has = cpu_has_avx512bw() && __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+std::atomic<bool> allow_vnni{true};  // use_vnni_int4(False): the float AVX-512 path (tests, A/B runs)
+bool use_vnni_int4(bool enabled) {
+  allow_vnni.store(enabled);
+  return enabled && cpu_has_vnni();
+}
+
+void check(const at::Tensor& qweight, const at::Tensor& scale_offset, int64_t K) {
+  TORCH_CHECK(qweight.device().is_cpu() && scale_offset.device().is_cpu(), "tpserve int4: tensors must be on the CPU");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "tpserve int4: qweight must be a contiguous uint8 (N, K / 2) tensor");
+  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.dim() == 3 && scale_offset.size(2) == 2 &&
+                  scale_offset.is_contiguous() && scale_offset.size(0) == qweight.size(0),
+              "tpserve int4: scale_offset must be a contiguous float32 (N, K / G, 2) tensor");
+  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) * 2 == K, "tpserve int4: K=", K,
+              " must be a multiple of 32 and qweight must have K / 2 columns, got ", qweight.size(1));
+  const int64_t groups = scale_offset.size(1);
+  TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % kBlock == 0, "tpserve int4: ", groups,
+              " groups do not split K=", K, " into multiples of 32 columns");
+}
+
+// W as float32 (N, K): w = s * q + o, rows split between the threads.
+at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scale_offset) {
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
+  check(qweight, scale_offset, K);
+  const int64_t groups = scale_offset.size(1), G = K / groups;
+  at::Tensor w = at::empty({N, K}, scale_offset.options());
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const float* sp = scale_offset.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* q = qp + n * (K / 2);
+      float* out = wp + n * K;
+      for (int64_t k0 = 0; k0 < K; k0 += kBlock) {  // a block lies within one group (G % 32 == 0)
+        const float* so = sp + (n * groups + k0 / G) * 2;
+        const float scale = so[0], offset = so[1];
+        const uint8_t* bytes = q + k0 / 2;
+        for (int64_t j = 0; j < 16; ++j) {
+          out[k0 + j] = scale * static_cast<float>(bytes[j] & 0x0F) + offset;
+          out[k0 + 16 + j] = scale * static_cast<float>(bytes[j] >> 4) + offset;
+        }
+      }
+    }
+  });
+  return w;
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_offset,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "tpserve linear_int4: x must be a contiguous float32 (M, K) CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  check(qweight, scale_offset, K);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "tpserve linear_int4: bias must be a contiguous float32 (N,) tensor");
+  }
+  if (M > kChunkedMaxRows) {  // prefill-sized: compute-bound, so dequantize once and multiply
+    at::Tensor y = at::matmul(x, dequantize_int4(qweight, scale_offset).t());
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
+  const int64_t groups = scale_offset.size(1), G = K / groups;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  // Per row of x and group: the sum of x over the group's columns (the offsets' factor).
+  std::vector<float> xsum(static_cast<size_t>(M * groups));
+  const bool wide = use_wide();
+  if (wide) {
+    group_sums512(xp, M, K, G, xsum.data());
+  } else {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.0f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xp[m * K + k];
+        xsum[m * groups + g] = sum;
+      }
+    }
+  }
+  // VNNI up to kMaxRowsVnni rows: beyond, the float path's widening, shared by 8 rows of x a pass,
+  // costs less per row than three dot products a plane (measured at 16 rows: see kernels.md, "int4").
+  if (wide && M <= kMaxRowsVnni && allow_vnni.load(std::memory_order_relaxed) && cpu_has_vnni() &&
+      G % kChunk == 0) {
+    std::vector<int8_t> planes;
+    std::vector<float> units;
+    make_planes(xp, M, K, planes, units);
+    const int64_t chunks = K / kChunk;
+    const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsVnni) {
+      const int64_t rows = std::min(kMaxRowsVnni, M - m0);
+      const Args a{K, N, G, groups, xp + m0 * K, xsum.data() + m0 * groups, qweight.data_ptr<uint8_t>(),
+                   scale_offset.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                   y.data_ptr<float>() + m0 * N};
+      const Planes pl{planes.data() + m0 * chunks * kPlaneBytes, units.data() + m0 * chunks};
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        switch (rows) {
+          case 1: run_vnni<1>(n0, n1, a, pl); break;
+          case 2: run_vnni<2>(n0, n1, a, pl); break;
+          case 3: run_vnni<3>(n0, n1, a, pl); break;
+          default: run_vnni<4>(n0, n1, a, pl); break;
+        }
+      });
+    }
+    return y;
+  }
+  const int64_t step = wide ? kMaxRows512 : kMaxRows256;
+  const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
+    const int64_t rows = std::min(step, M - m0);
+    const Args a{K, N, G, groups, xp + m0 * K, xsum.data() + m0 * groups, qweight.data_ptr<uint8_t>(),
+                 scale_offset.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                 y.data_ptr<float>() + m0 * N};
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      switch (rows) {
+        case 1: run_rows<1>(n0, n1, a, wide); break;
+        case 2: run_rows<2>(n0, n1, a, wide); break;
+        case 3: run_rows<3>(n0, n1, a, wide); break;
+        case 4: run_rows<4>(n0, n1, a, wide); break;
+        case 5: run_rows<5>(n0, n1, a, wide); break;
+        case 6: run_rows<6>(n0, n1, a, wide); break;
+        case 7: run_rows<7>(n0, n1, a, wide); break;
+        default: run_rows<8>(n0, n1, a, wide); break;
+      }
+    });
+  }
+  return y;
+}
+
+}  // namespace tpserve_int4
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("linear_int4(Tensor x, Tensor qweight, Tensor scale_offset, Tensor? bias) -> Tensor");
+  m.def("dequantize_int4(Tensor qweight, Tensor scale_offset) -> Tensor");
+  m.def("use_avx512_int4(bool enabled) -> bool", &tpserve_int4::use_avx512_int4);
+  m.def("use_vnni_int4(bool enabled) -> bool", &tpserve_int4::use_vnni_int4);
+}
+
+TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
+  m.impl("linear_int4", &tpserve_int4::linear_int4);
+  m.impl("dequantize_int4", &tpserve_int4::dequantize_int4);
+}

@@ -1,0 +1,215 @@
+"""Weight-only int4 parameters of the parallel linear layers, and how they are filled.
+
+(``layer`` is typed ``Any`` here: the functions set and read the attributes they add to an
+``nn.Module``, which mypy sees only as ``Tensor | Module``.)
+
+An int4 layer holds ``weight`` ``(N_local, K_local / 2)`` uint8 (packed codes) and
+``weight_scale`` ``(N_local, K_local / G, 2)`` float32 (scale and offset per group of ``G``
+columns): the kernel's layout, worker/layers/int4_matmul.py. ``G`` is known when the first
+weight arrives (a checkpoint's ``group_size``, or the rule below), so ``weight_scale`` is
+allocated then. Every source is brought to an :class:`~worker.layers.int4_formats.Int4Tensor`
+(codes, scales, zero points, ``g_idx``) and packed from it, with ``offset = -scale * zero``:
+the zero points are kept exactly (asymmetric GPTQ / AWQ / compressed-tensors), no
+dequantize-requantize.
+
+* **From a float weight** (``--quantization int4``): round-to-nearest, symmetric, per
+  output row and group of ``G`` input columns (``G`` = 128 where the full input size
+  divides by 128, else 32; :data:`~tpserve.quantization_int4.RTN_GROUP_SIZE`), in float32:
+
+      s = max_{k in group} |w[n, k]| / 7     q = clamp(round(w / s), -7, 7) + 8     w ~= s * (q - 8)
+
+  (Frantar et al.'s RTN baseline, arXiv:2210.17323, table 1; a group of zeros gets s = 0).
+  The error of a weight is at most ``s / 2``. Groups never cross a rank's input columns, so
+  quantizing then splitting equals splitting then quantizing (a row-parallel rank whose
+  input columns do not divide by ``G`` is refused).
+* **From a 4-bit checkpoint**: the loader hands each packed tensor wrapped in a
+  :class:`PackedPart`; a layer part's tensors are kept until all have arrived, then unpacked
+  and checked (worker/layers/int4_formats.py) and this rank's rows (column-parallel) or
+  columns (row-parallel) packed. Each rank reads whole packed tensors (4 bits a weight).
+  A row-parallel rank's groups are its slice of the checkpoint's: ``min(G, K_local)``
+  columns each (a group spanning ranks, channel-wise, keeps its scale on each).
+* **Act-order GPTQ** (``desc_act``, a ``g_idx`` other than ``k // G``): the input columns
+  are reordered by group (stable sort of ``g_idx``), so every group is contiguous again,
+  and the layer keeps the permutation (``input_perm``) to gather ``x``'s columns before
+  the matmul; exact. Fused parts (q/k/v, gate/up) must share their ``g_idx`` (GPTQ
+  computes it from the shared input); a row-parallel rank needs whole groups among its
+  input columns, else the layer is refused at load naming the tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tpserve.quantization_int4 import RTN_GROUP_SIZE, RTN_SMALL_GROUP_SIZE, Int4Format
+from worker.layers.int4_formats import PARTS, Int4Tensor, required_parts, unpack_layer
+from worker.layers.int4_matmul import BLOCK, pack_codes
+from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow, source_shape
+
+RTN_MAX = 7
+
+
+class PackedPart:
+    """A checkpoint tensor of a 4-bit layer: its ``source``, which ``part`` it is, the format and its name."""
+
+    def __init__(self, source: CheckpointSource, part: str, fmt: Int4Format, name: str) -> None:
+        self.source, self.part, self.fmt, self.name = source, part, fmt, name
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor."""
+        return self.source[tuple(slice(None) for _ in source_shape(self.source))]
+
+
+def rtn_group_size(input_size: int) -> int:
+    """``--quantization int4``'s group size for a layer of ``input_size`` (full) input columns."""
+    return RTN_GROUP_SIZE if input_size % RTN_GROUP_SIZE == 0 else RTN_SMALL_GROUP_SIZE
+
+
+def quantize_rtn(w: torch.Tensor, group: int) -> Int4Tensor:
+    """Round-to-nearest symmetric int4 of ``w (N, K)`` (formula in the module docstring).
+
+    Raises:
+        ValueError: ``group`` does not divide ``K``.
+    """
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 group size {group} does not divide the input size {k}")
+    wg = w.float().reshape(n, k // group, group)
+    scales = wg.abs().amax(dim=2) / RTN_MAX  # (N, groups)
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = (torch.round(wg / divisor[:, :, None]).clamp_(-RTN_MAX, RTN_MAX) + 8).to(torch.uint8).reshape(n, k)
+    return Int4Tensor(codes, scales, torch.full_like(scales, 8.0), torch.arange(k) // group)
+
+
+def new_int4_weights(layer: Any, shape: tuple[int, int], device: torch.device) -> None:
+    """Give ``layer`` a packed ``weight`` for a ``shape (N, K)`` float weight and an empty ``weight_scale``.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of 32 (the kernel's block).
+    """
+    n, k = shape
+    if k % BLOCK:
+        raise ValueError(f"int4 needs each rank's input size to be a multiple of {BLOCK}, got {k}")
+    layer.weight = new_parameter((n, k // 2), torch.uint8, device, layer.weight_loader)
+    layer.weight_scale = new_parameter((n, 0, 2), torch.float32, device, layer.weight_loader)
+    layer.weight_scale.computed_shard_ids = set()
+    layer.int4_pending = {}  # shard id -> {part: (tensor, name)} until the part's tensors are all read
+    layer.input_perm = None  # act-order: (K_local,) int64, x's columns in the packed order
+
+
+def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start: int, size: int,
+                   offset: int, shard_id: object) -> None:
+    """Column-parallel: rows ``[start, start + size)`` of a (part's) weight into rows ``[offset, ...)``.
+
+    A float source (``--quantization int4``) is read for those rows only and quantized (RTN).
+    """
+    k = layer.weight.shape[1] * 2
+    if not isinstance(source, PackedPart):
+        check_shape(source, (total_rows, k))
+        _write(layer, quantize_rtn(read_narrow(source, 0, start, size), rtn_group_size(k)), offset, shard_id)
+        return
+    full = _unpacked(layer, source, (total_rows, k), shard_id)
+    if full is None:
+        return
+    t = Int4Tensor(full.codes[start:start + size], full.scales[start:start + size],
+                   full.zeros[start:start + size], full.g_idx)
+    if t.act_order():
+        perm = torch.argsort(t.g_idx, stable=True)
+        t = Int4Tensor(t.codes[:, perm], t.scales, t.zeros, t.g_idx[perm])
+        if layer.input_perm is not None and not torch.equal(layer.input_perm, perm):
+            raise ValueError(f"{source.name}: g_idx differs between the parts of a fused layer (q/k/v or "
+                             "gate/up): not served")
+        layer.input_perm = perm
+    _write(layer, t, offset, shard_id)
+
+
+def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[int, int],
+                      start: int, size: int) -> None:
+    """Row-parallel: input columns ``[start, start + size)`` of the weight into the layer.
+
+    A float source is read for those columns only and quantized (RTN) with the groups of the
+    whole rows (they never cross ranks: refused otherwise).
+    """
+    if not isinstance(source, PackedPart):
+        check_shape(source, full_shape)
+        group = rtn_group_size(full_shape[1])
+        if size % group:
+            raise ValueError(f"--quantization int4 groups of {group} columns do not split this rank's {size} "
+                             "input columns: use a smaller tensor_parallel_size")
+        _write(layer, quantize_rtn(read_narrow(source, 1, start, size), group), 0, None)
+        return
+    full = _unpacked(layer, source, full_shape, None)
+    if full is None:
+        return
+    g_idx = full.g_idx[start:start + size]
+    if full.act_order():
+        perm = torch.argsort(g_idx, stable=True)
+        present, counts = torch.unique(g_idx, return_counts=True)
+        if not bool((counts == full.group_size).all()):
+            raise ValueError(f"{source.name}: act-order g_idx spreads groups over the ranks' input columns at "
+                             f"tensor_parallel_size={full_shape[1] // size}: serve it at tp 1")
+        layer.input_perm = perm
+        t = Int4Tensor(full.codes[:, start:start + size][:, perm].contiguous(), full.scales[:, present],
+                       full.zeros[:, present], torch.arange(size) // full.group_size)
+    else:
+        group = full.group_size
+        local = min(group, size)
+        if (group % size if group > size else size % group) or start % local:
+            raise ValueError(f"{source.name}: group_size={group} does not split this rank's {size} input columns")
+        first = torch.arange(start, start + size, local) // group  # each local group's checkpoint group
+        t = Int4Tensor(full.codes[:, start:start + size].contiguous(), full.scales[:, first],
+                       full.zeros[:, first], torch.arange(size) // local)
+    _write(layer, t, 0, None)
+
+
+def _unpacked(layer: Any, source: PackedPart, shape: tuple[int, int], shard_id: object) -> Int4Tensor | None:
+    """The weight part of ``source`` in common form, or None while the part's other tensors are unread."""
+    layer.int4_format = source.fmt
+    pending = layer.int4_pending.setdefault(shard_id, {})
+    if source.part in pending:
+        raise ValueError(f"{source.name} read twice")
+    pending[source.part] = (source.read(), source.name)
+    if not required_parts(source.fmt) <= set(pending):
+        return None
+    del layer.int4_pending[shard_id]
+    parts = {part: tensor for part, (tensor, _) in pending.items()}
+    names = {part: name for part, (_, name) in pending.items()}
+    try:
+        return unpack_layer(source.fmt, parts, names, shape)
+    except ValueError as error:
+        raise ValueError(f"{names['qweight']}: {error}") from error
+
+
+def finish_int4_layer(layer: Any) -> None:
+    """After every checkpoint tensor was read: refuse a layer part whose tensors are incomplete.
+
+    Raises:
+        ValueError: names the part's tensors that were read (the others are missing).
+    """
+    for pending in list(layer.int4_pending.values()):
+        names = sorted(name for _, name in pending.values())
+        stem = names[0].rpartition(".")[0]
+        fmt = layer.int4_format
+        suffixes = {part: suffix for suffix, part in PARTS[fmt.method].items()}
+        missing = sorted(f"{stem}.{suffixes[part]}" for part in required_parts(fmt) - set(pending))
+        raise ValueError(f"checkpoint is missing {missing} ({fmt.method}{' desc_act' if fmt.desc_act else ''}; "
+                         f"read {names}): a corrupt checkpoint")
+
+
+def _write(layer: Any, t: Int4Tensor, offset: int, shard_id: object) -> None:
+    """Pack ``t`` (this rank's rows, its input columns in packed order) into rows ``[offset, ...)``."""
+    size, k = t.codes.shape
+    groups = t.scales.shape[1]
+    if t.group_size % BLOCK:
+        raise ValueError(f"int4 groups of {t.group_size} columns are not a multiple of {BLOCK} (the kernel's block)")
+    scale = layer.weight_scale
+    if scale.shape[1] == 0:
+        scale.data = torch.empty((scale.shape[0], groups, 2), dtype=torch.float32, device=scale.device)
+    elif scale.shape[1] != groups:
+        raise ValueError(f"int4 parts of one layer have different group sizes ({k // scale.shape[1]} and "
+                         f"{t.group_size})")
+    scale_offset = torch.stack([t.scales, -t.scales * t.zeros], dim=2)  # (size, groups, 2)
+    layer.weight.data[offset:offset + size].copy_(pack_codes(t.codes))
+    scale.data[offset:offset + size].copy_(scale_offset)
+    scale.computed_shard_ids.add(shard_id)
