@@ -5,8 +5,9 @@ each): a tied-embedding GQA Llama of 5 layers (uneven: 3 + 2 at pp 2, 1 + 1 + 2 
 pp 4; with tied embeddings the last stage holds the embedding matrix for its head),
 an untied Qwen2 (q/k/v bias), a tied Granite (multipliers on the first and last
 stages), a Llama 4 (layers built by global index), an OLMo 3 and an EXAONE 4 (windows, RoPE per layer type,
-a NoPE layer, post-norms: each stage's layers as the model's) and a DeepSeek V3 (multi-head latent attention,
-each stage caching its layers' latents; two MoE layers), each of 4 layers. Each runs tests/worker/scenarios.py's
+a NoPE layer, post-norms: each stage's layers as the model's), a DeepSeek V3 (multi-head latent attention,
+each stage caching its layers' latents; two MoE layers), and gpt-oss, GLM-4.5, MiniMax-M2, ERNIE 4.5,
+Command R, StarCoder2, SmolLM3 and OLMo 2, each of 4 layers. Each runs tests/worker/scenarios.py's
 standard scenario (prefills of several lengths, a prompt prefilled in two chunks,
 new prefills beside running decodes, a seeded sampled sequence preempted and
 re-sent, freed blocks reused): every sampled row's logits equal ``transformers``'
@@ -30,6 +31,7 @@ import pytest
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 from tests.tiny_models import TINY_MAX_POSITIONS, TinyModelSpec, load_hf_model, save_tiny_model
 from tests.worker.pp_harness import run_pipeline_layouts
+from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
 from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_specs
 from tests.worker.tp_goldens import (
     BLOCK_SIZE,
@@ -82,6 +84,25 @@ PP_MODELS = (
                    "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
                    "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
                    "topk_group": 1, "moe_intermediate_size": 32}, seed=13),
+    # The other 2025-26 families, 4 layers each: a stage holds its layers' sinks and stacked experts
+    # (gpt-oss), sigmoid routing with dense first layers and shared experts (GLM-4.5, ERNIE 4.5), the
+    # full-width QK norm (MiniMax-M2, OLMo 2), a parallel residual with interleaved RoPE (Command R),
+    # LayerNorm with biases (StarCoder2), NoPE layers (SmolLM3).
+    TinyModelSpec("pp_gpt_oss_4_layers", "gpt_oss",
+                  {**_DIMS, "num_hidden_layers": 4, "head_dim": 16, "vocab_size": 190, "intermediate_size": 32,
+                   "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6, "swiglu_limit": 1.0,
+                   "tie_word_embeddings": False, "pad_token_id": 0}, seed=15),
+    *(TinyModelSpec(f"pp_{spec.name}_4_layers", spec.model_type, {**spec.config, "num_hidden_layers": 4}, seed=16)
+      for spec in (GLM4_MOE, MINIMAX_M2, ERNIE4_5_MOE)),
+    TinyModelSpec("pp_cohere_4_layers", "cohere",
+                  {**_DIMS, "num_hidden_layers": 4, "vocab_size": 190, "pad_token_id": 0, "use_qk_norm": True,
+                   "logit_scale": 0.25}, seed=17),
+    TinyModelSpec("pp_starcoder2_4_layers", "starcoder2",
+                  {**_DIMS, "num_hidden_layers": 4, "vocab_size": 190, "sliding_window": 6,
+                   "hidden_act": "gelu_pytorch_tanh"}, seed=18),
+    TinyModelSpec("pp_smollm3_4_layers", "smollm3",
+                  {**_DIMS, "num_hidden_layers": 4, "vocab_size": 190, "pad_token_id": 0}, seed=19),
+    TinyModelSpec("pp_olmo2_4_layers", "olmo2", {**_DIMS, "num_hidden_layers": 4, "vocab_size": 190}, seed=20),
 )
 GREEDY_MODEL = PP_MODELS[0].name
 GOLDEN_JOB = "stories260k_goldens"
