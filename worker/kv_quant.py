@@ -146,13 +146,6 @@ def calibration_token_ids(vocab_size: int, num_tokens: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist())
 
 
-def attention_layers(model: torch.nn.Module) -> list:
-    """The model's :class:`~worker.attention.PagedAttention` modules, in layer order (this stage's layers)."""
-    from worker.attention import PagedAttention
-
-    return [m for m in model.modules() if isinstance(m, PagedAttention)]
-
-
 def set_checkpoint_scales(layers: list, scales: dict[int, tuple[float, float]], first_layer: int,
                           device: torch.device) -> None:
     """Give each of ``layers`` (this stage's, the first being model layer ``first_layer``) its checkpoint

@@ -38,6 +38,7 @@ from itertools import compress
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from pathlib import Path
+from typing import cast
 
 import structlog
 import torch
@@ -45,12 +46,12 @@ import torch
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
-from worker.attention import paged_kernel_available
+from worker.attention import PagedAttention, paged_kernel_available
 from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
-from worker.kv_quant import (CALIBRATION_TOKENS, attention_layers, cache_dtype, calibrate, calibration_token_ids,
+from worker.kv_quant import (CALIBRATION_TOKENS, cache_dtype, calibrate, calibration_token_ids,
                              checkpoint_kv_scales, set_checkpoint_scales)
 from worker.layers.decode_block import disable_decode_blocks
 from worker.layers.moe import count_triples, expert_layers, take_routed_counts
@@ -144,7 +145,9 @@ class ModelRunner:
                                                               self.kv_cache_dtype), num_layers=end - start)
         self.model = load_model(model_dir, self.config, ctx, dtype, quantization)
         # An 8-bit cache: the layers' scales from the checkpoint, else calibrated by the first init_kv_cache.
-        self._kv_layers = attention_layers(self.model) if self.kv_cache_dtype != dtype else []
+        # Their PagedAttention modules hold the scales (worker/kv_quant.py), in layer order.
+        self._kv_layers = ([m for m in self.model.modules() if isinstance(m, PagedAttention)]
+                           if self.kv_cache_dtype != dtype else [])
         self._kv_uncalibrated = bool(self._kv_layers)
         if self._kv_layers:
             disable_decode_blocks(self.model)  # the compiled decode layer reads float32 caches only
@@ -235,8 +238,8 @@ class ModelRunner:
         calibrate(self._kv_layers, lambda: [self.execute(plan) for plan in plans], self.kv_cache_dtype,
                   self.ctx.device)
         self._kv_uncalibrated = False
-        k_scales = torch.stack([a.k_scale for a in self._kv_layers])  # (L, KVH, d)
-        v_scales = torch.stack([a.v_scale for a in self._kv_layers])
+        k_scales = torch.stack([cast(torch.Tensor, a.k_scale) for a in self._kv_layers])  # (L, KVH, d), set now
+        v_scales = torch.stack([cast(torch.Tensor, a.v_scale) for a in self._kv_layers])
         log.info("kv cache scales calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
                  tokens=num_tokens, k_scale_min=float(k_scales.min()), k_scale_max=float(k_scales.max()),
                  v_scale_min=float(v_scales.min()), v_scale_max=float(v_scales.max()))
@@ -244,7 +247,7 @@ class ModelRunner:
     @property
     def kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's ``(k_scale, v_scale)``, ``(KVH, d)`` float32, of an 8-bit cache (empty for a float cache)."""
-        return [a.kv_scales for a in self._kv_layers]
+        return [cast(tuple[torch.Tensor, torch.Tensor], a.kv_scales) for a in self._kv_layers]  # set at init
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:
