@@ -79,8 +79,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                                                       "the memory budget holds)")),
         ("--kv-cache-dtype", dict(choices=("auto", "fp8", "int8"),
                                   help="KV cache element type: auto is --dtype; fp8 (e4m3) and int8 store 1 byte "
-                                       "per element with per-layer K and V scales (the checkpoint's k_scale/v_scale, "
-                                       "else calibrated at start-up): twice the blocks of a 16-bit cache")),
+                                       "per element with K and V scales per layer, KV head and channel (the checkpoint's "
+                                       "k_scale/v_scale, else calibrated at start-up): twice the blocks of a 16-bit cache")),
         ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction,
                                          help="reuse the KV blocks of shared prompt prefixes (default on)")),
     ],
