@@ -131,6 +131,8 @@ class Llama4Experts(FusedMoE):
     of ``I``, transposed into ``(E, H, I/tp)``.
     """
 
+    loads_int8 = False  # the fused layout is filled into float stacks only
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
                  dtype: torch.dtype, quantization: Quantization | None = None) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, ctx, dtype=dtype, quantization=quantization)
