@@ -8,7 +8,9 @@ Both ranks log ``quantization: int8``, each holding less than 0.3 of the float32
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +18,33 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import serve
-from tests.e2e.test_every_family_serving import MAX_TOKENS, PROMPT, _servable
-from tests.paths import requires_stories
-from tests.tiny_models import load_hf_model
+from tests.paths import STORIES_DIR, requires_stories
+from tests.tiny_models import build_hf_model, load_hf_model
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT, save_dequantized
 from tests.worker.moe_specs import MIXTRAL_SPEC
 
 pytestmark = [pytest.mark.e2e, requires_stories]
+
+MAX_TOKENS = 40
+PROMPT = "Once upon a time"
+
+
+def _servable(directory: Path) -> Path:
+    """The tiny Mixtral at stories260k's 512-token vocabulary with its tokenizer, the LM head's byte-fallback
+    rows zeroed so that greedy text is whole tokens (as tests/e2e/test_every_family_serving.py serves it)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    spec = dataclasses.replace(MIXTRAL_SPEC, config={**MIXTRAL_SPEC.config, "vocab_size": 512,
+                                                     "max_position_embeddings": 256})
+    model = build_hf_model(spec)
+    vocab = Tokenizer.from_file(str(STORIES_DIR / "tokenizer.json")).get_vocab()
+    with torch.no_grad():
+        model.get_output_embeddings().weight[[i for t, i in vocab.items() if t.startswith("<0x")]] = 0.0
+    model.save_pretrained(directory, safe_serialization=True)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES_DIR / file, directory / file)
+    return directory
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp_experts", "expert_parallel"])
@@ -30,7 +52,7 @@ def test_int8_moe_serving_at_tp2_prints_transformers_greedy_text(expert_parallel
     import torch
     from transformers import PreTrainedTokenizerFast
 
-    model_dir = _servable(MIXTRAL_SPEC, tmp_path / "mixtral")
+    model_dir = _servable(tmp_path / "mixtral")
     reference = load_hf_model(save_dequantized(model_dir, tmp_path / "dequantized", MOE_LINEAR_WEIGHT))
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
     prompt_ids = tokenizer(PROMPT)["input_ids"]
