@@ -12,6 +12,8 @@ and the expert counts.
   sparse one) at tp 1 and 2, and with ``--enable-expert-parallel`` at tp 2;
 * Mixtral with expert parallelism through the Triton experts at tp 2 (Triton's interpreter off
   CUDA: the int8 stack dequantized for the kernel);
+* Qwen2-MoE (a gated shared expert), and the sigmoid-routed GLM-4.5, MiniMax-M2 and ERNIE 4.5
+  (ungated shared experts, a router bias) at tp 1: the same ``FusedMoE``, other routers;
 * an FP8 block-scaled Qwen3-MoE checkpoint (worker/dequantize.py) requantized to int8 at tp 2,
   against ``transformers`` on the int8 round trip of its FP8-dequantized weights;
 * the loaded experts' parameters are int8 with float32 scales, and their bytes <= 0.3x float32;
@@ -21,6 +23,7 @@ and the expert counts.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +33,8 @@ from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT, save_dequantized
 from tests.worker.lowbit_checkpoints import QWEN3_MOE as QWEN3_MOE_FP8_SPEC
 from tests.worker.lowbit_checkpoints import save_fp8_block
 from tests.worker.moe_family_check import FamilyCase, check_job, check_records, reference_case
-from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN3_MOE_SPEC
+from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC, QWEN3_MOE_SPEC
+from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
 from tests.worker.tp_harness import Job, run_jobs
 from tpserve.model_config import ModelConfig
 from worker.layers.moe import FusedMoE
@@ -42,6 +46,9 @@ from worker.parallel_state import ParallelContext
 
 FAMILIES = {"mixtral": (MIXTRAL_SPEC, {0, 1}, 2), "qwen3_moe": (QWEN3_MOE_SPEC, {0}, 2)}
 FP8 = "qwen3_moe_fp8"
+#: The other families whose routed experts are :class:`FusedMoE` (checked at tp 1 only: CI time).
+OTHER_FAMILIES = {"qwen2_moe": (QWEN2_MOE_SPEC, {1}, 4), "glm4_moe": (GLM4_MOE, {1}, 3),
+                  "minimax_m2": (MINIMAX_M2, {0, 1}, 2), "ernie4_5_moe": (ERNIE4_5_MOE, {1}, 3)}
 
 
 def _int8_jobs(case: FamilyCase, name: str) -> tuple[Job, Job]:
@@ -50,16 +57,20 @@ def _int8_jobs(case: FamilyCase, name: str) -> tuple[Job, Job]:
                                      quantization="int8") for job in case.jobs)  # type: ignore[return-value]
 
 
+def _int8_case(spec, layers: set[int], top_k: int, root: Path, name: str) -> tuple[FamilyCase, tuple[Job, Job]]:
+    source = save_tiny_model(spec, root / name)
+    reference = save_dequantized(source, root / f"{name}_dequantized", MOE_LINEAR_WEIGHT)
+    case = dataclasses.replace(reference_case(spec, reference, layers, top_k), model_dir=str(source))
+    return case, _int8_jobs(case, name)
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[FamilyCase, tuple[Job, Job]]]:
     """name -> (the reference case on the dequantized checkpoint, model_dir the float one; its int8 jobs)."""
     root = tmp_path_factory.mktemp("moe_int8")
     out = {}
     for name, (spec, layers, top_k) in FAMILIES.items():
-        source = save_tiny_model(spec, root / name)
-        reference = save_dequantized(source, root / f"{name}_dequantized", MOE_LINEAR_WEIGHT)
-        case = dataclasses.replace(reference_case(spec, reference, layers, top_k), model_dir=str(source))
-        out[name] = (case, _int8_jobs(case, name))
+        out[name] = _int8_case(spec, layers, top_k, root, name)
     source = save_tiny_model(QWEN3_MOE_FP8_SPEC, root / "qwen3_moe_for_fp8")
     fp8, fp8_dequantized = save_fp8_block(source, root / "fp8", root / "fp8_dequantized", block=(16, 32),
                                           pattern=MOE_LINEAR_WEIGHT)
@@ -108,6 +119,14 @@ def test_int8_experts_match_transformers_on_dequantized_weights(tp: int, name: s
 def test_int8_experts_with_expert_parallelism_at_tp2(name: str, cases, records_at) -> None:
     case, jobs = cases[name]
     check_records(case, _expert_parallel(jobs), records_at(2))
+
+
+def test_other_fused_moe_families_int8_at_tp1(tmp_path_factory: pytest.TempPathFactory) -> None:
+    root = tmp_path_factory.mktemp("moe_int8_others")
+    cases = {name: _int8_case(spec, layers, top_k, root, name) for name, (spec, layers, top_k) in OTHER_FAMILIES.items()}
+    records = run_jobs([job for _, jobs in cases.values() for job in jobs], tp_size=1)
+    for case, jobs in cases.values():
+        check_records(case, jobs, records)
 
 
 def test_int8_experts_through_the_triton_kernel_at_tp2(cases, records_at) -> None:
