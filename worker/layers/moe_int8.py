@@ -31,6 +31,8 @@ transient of ``E * 3 * I * H`` elements in the activation dtype, one layer at a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -38,7 +40,7 @@ from worker.layers.int8_weights import quantize_rows, row_scales
 from worker.layers.weights import CheckpointSource, copy_into, new_parameter, read_narrow
 
 
-def new_int8_experts(moe: nn.Module, held: int, local: int, hidden: int, device: torch.device) -> None:
+def new_int8_experts(moe: Any, held: int, local: int, hidden: int, device: torch.device) -> None:
     """Give ``moe`` int8 ``gate_up_proj`` / ``down_proj`` and their float32 scales (shapes in the module docstring).
 
     ``moe`` supplies ``weight_loader``, ``num_experts`` and ``first_expert`` (a
@@ -51,7 +53,7 @@ def new_int8_experts(moe: nn.Module, held: int, local: int, hidden: int, device:
     moe.down_proj_scale = new_parameter((held, hidden), torch.float32, device, moe.weight_loader)
 
 
-def set_scale_shards(moe: nn.Module, num_local_experts: int) -> None:
+def set_scale_shards(moe: Any, num_local_experts: int) -> None:
     """The scales' shard ids are the weights'; all of them are computed here (none is read from the checkpoint).
 
     Another rank's experts (expert parallelism) are never quantized on this rank, so their
@@ -63,7 +65,7 @@ def set_scale_shards(moe: nn.Module, num_local_experts: int) -> None:
         scale.computed_shard_ids = {s for s in weight.shard_ids if s[0] not in held}
 
 
-def load_int8_expert(moe: nn.Module, param: nn.Parameter, source: CheckpointSource, shard_id: tuple[int, str],
+def load_int8_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, shard_id: tuple[int, str],
                      slot: int, start: int, local: int) -> None:
     """Quantize expert ``shard_id = (e, kind)``'s float tensor into slot ``slot`` of ``param`` (and its scales).
 

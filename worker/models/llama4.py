@@ -208,7 +208,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     Raises:
         ValueError: ``hidden_act`` is not ``"silu"``, ``no_rope_layers`` of the wrong length,
             ``num_experts_per_tok`` out of range, a family key of the wrong type, or
-            ``--quantization`` (the experts are not quantized).
+            ``--quantization`` (the fused experts are float only).
     """
 
     interleaved_rope = True
