@@ -28,6 +28,9 @@ from worker.loader import checkpoint_files
 
 #: Checkpoint names of the decoder's linear weights (quantized); the embedding and LM head are not.
 LINEAR_WEIGHT = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+#: The same with Mixtral's expert names (``experts.{e}.w1/w2/w3``): every routed expert, not the router.
+MOE_LINEAR_WEIGHT = re.compile(
+    r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts\.\d+\.w[123])\.weight$")
 
 
 def quantize_definition(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,11 +59,12 @@ def _write(source: Path, target: Path, tensors: dict[str, torch.Tensor], edit_co
     return target
 
 
-def save_dequantized(source: Path, target: Path) -> Path:
-    """``source`` with each linear weight replaced by ``q * scale`` of :func:`quantize_definition`."""
+def save_dequantized(source: Path, target: Path, pattern: re.Pattern[str] = LINEAR_WEIGHT) -> Path:
+    """``source`` with each linear weight (names matching ``pattern``) replaced by ``q * scale`` of
+    :func:`quantize_definition`."""
     tensors = _tensors(source)
     for name, w in tensors.items():
-        if LINEAR_WEIGHT.match(name):
+        if pattern.match(name):
             q, scale = quantize_definition(w)
             tensors[name] = (q.float() * scale[:, None]).to(w.dtype)
     return _write(source, target, tensors, lambda config: None)

@@ -54,6 +54,12 @@ class FamilyCase:
 def build_case(spec: TinyModelSpec, directory: Path, moe_layers: set[int], top_k: int) -> FamilyCase:
     """Save ``spec``'s checkpoint in ``directory`` and compute ``transformers``' reference."""
     save_tiny_model(spec, directory)
+    return reference_case(spec, directory, moe_layers, top_k)
+
+
+@torch.no_grad()
+def reference_case(spec: TinyModelSpec, directory: Path, moe_layers: set[int], top_k: int) -> FamilyCase:
+    """:func:`build_case` on a checkpoint already in ``directory`` (e.g. an int8 reference's dequantized weights)."""
     model = load_hf_model(directory)
     model.generation_config.eos_token_id = None  # exactly NUM_NEW_TOKENS
     rng = random.Random(spec.seed)

@@ -2,7 +2,7 @@
 
 See tests/worker/moe_family_check.py for what is checked. The tiny model has 8
 experts, top-2, every layer sparse; 4 attention heads over 2 KV heads. Also here, as
-the family every path shares: a missing expert tensor's name, the int8 refusal, the
+the family every path shares: a missing expert tensor's name, the
 decode graphs' padding rows in the expert counts, and the CUDA path's Triton experts
 (in Triton's interpreter) inside the model.
 """
@@ -42,12 +42,6 @@ def test_a_missing_expert_tensor_is_named_as_the_checkpoint_names_it(case: Famil
     (tmp_path / "config.json").write_text((Path(case.model_dir) / "config.json").read_text())
     with pytest.raises(ValueError, match=r"missing weights: \['model.layers.1.block_sparse_moe.experts.3.w2.weight'\]"):
         load_model(tmp_path, ModelConfig.from_pretrained(tmp_path), ParallelContext.single(), torch.float32)
-
-
-def test_int8_is_refused_for_the_experts(case: FamilyCase) -> None:
-    with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models"):
-        load_model(case.model_dir, ModelConfig.from_pretrained(case.model_dir), ParallelContext.single(),
-                   torch.float32, quantization="int8")
 
 
 def test_decode_graph_padding_rows_are_not_counted(case: FamilyCase) -> None:

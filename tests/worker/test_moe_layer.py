@@ -127,7 +127,7 @@ def test_expert_names_round_trip() -> None:
     assert expert_weight_map("model.layers.3.mlp.shared_expert.gate_proj.weight", QWEN_EXPERT_NAMES) is None
 
 
-def test_bad_shapes_and_int8_are_refused() -> None:
+def test_bad_shapes_int4_and_stored_int8_are_refused() -> None:
     ctx = ShardOnlyContext(tp_rank=0, tp_size=2, device=torch.device("cpu"))
     moe = FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"expected \[48, 32\]"):
@@ -135,8 +135,14 @@ def test_bad_shapes_and_int8_are_refused() -> None:
     with pytest.raises(ValueError, match="moe_intermediate_size=48 is not divisible by tensor_parallel_size=5"):
         FusedMoE(EXPERTS, HIDDEN, INTER, ShardOnlyContext(tp_rank=0, tp_size=5, device=torch.device("cpu")),
                  dtype=torch.float32)
-    with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts"):
-        FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8")
+    with pytest.raises(ValueError, match="--quantization int4 is not supported for mixture-of-experts"):
+        FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int4")
+    with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models whose "
+                                         "experts are FusedMoE"):  # gpt-oss's biased experts
+        FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8", bias=True)
+    int8 = FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8")
+    with pytest.raises(ValueError, match="int8 expert weights stored in the checkpoint are not supported"):
+        int8.weight_loader(int8.gate_up_proj, torch.zeros(INTER, HIDDEN, dtype=torch.int8), (0, "gate"))
 
 
 def test_qwen_sparse_layers_follow_step_and_exceptions() -> None:

@@ -63,6 +63,7 @@ from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker.layers.linear import divide as _divide
 from worker.layers.moe_combine import expert_act
 from worker.layers.moe_experts import grouped_experts
+from worker.layers.moe_int8 import check_loadable, load_int8_expert, new_int8_experts, set_scale_shards
 from worker.layers.norm import SiluAndMul
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
 from worker.parallel_state import ParallelContext
@@ -176,7 +177,10 @@ class FusedMoE(nn.Module):
             (tensor-parallel only).
         ctx: the tensor-parallel group (and whether experts are split by expert).
         dtype: parameter and activation dtype.
-        quantization: must be None: ``--quantization int8`` is refused for expert weights.
+        quantization: None (float experts) or ``"int8"``: int8 expert weights with
+            ``gate_up_proj_scale (E, 2 * I / tp)`` and ``down_proj_scale (E, H)`` float32
+            (worker/layers/moe_int8.py); ``"int4"`` is refused, and int8 for a subclass whose
+            loader fills float stacks only (``loads_int8`` False).
         bias: the experts carry biases (gpt-oss): ``gate_up_proj_bias (E, 2 * I / tp)`` and
             ``down_proj_bias (E, H)`` (the latter added by one rank only: the outputs are partials
             of a sum over ranks); a subclass with a checkpoint layout that stores them loads them
@@ -188,16 +192,21 @@ class FusedMoE(nn.Module):
 
     Raises:
         ValueError: ``intermediate_size`` (tensor-parallel) or ``num_experts`` (expert-parallel)
-            not divisible by ``tp_size``, or a quantization asked for.
+            not divisible by ``tp_size``, or a quantization these experts cannot hold.
     """
+
+    #: Whether :meth:`weight_loader` fills int8 experts (subclasses with their own layout set False).
+    loads_int8 = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
                  dtype: torch.dtype, quantization: Quantization | None = None, bias: bool = False,
                  activation: nn.Module | None = None) -> None:
         super().__init__()
-        if quantization is not None:
+        if quantization not in (None, "int8"):
             raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models "
-                             "(expert weights); serve them unquantized")
+                             "(expert weights); serve them unquantized or with --quantization int8")
+        if quantization == "int8":
+            check_loadable(self, bias)
         if bias and ctx.enable_expert_parallel:  # the biases are laid out for the tensor-parallel split
             raise ValueError("--enable-expert-parallel is not supported for experts with biases (gpt-oss); "
                              "serve them tensor-parallel")
@@ -217,12 +226,21 @@ class FusedMoE(nn.Module):
         #: Whether some routed rows name another rank's expert (expert-parallel over more than one rank).
         self.has_remote_experts = self.num_local_experts < num_experts
         local, held = self.intermediate_size_per_partition, self.num_local_experts
-        self.gate_up_proj = new_parameter((held, 2 * local, hidden_size), dtype, ctx.device, self.weight_loader)
-        self.down_proj = new_parameter((held, hidden_size, local), dtype, ctx.device, self.weight_loader)
+        #: ``quantization="int8"``: int8 weights with per-output-channel float32 scales (worker/layers/moe_int8.py).
+        self.int8 = quantization == "int8"
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
+        if self.int8:
+            new_int8_experts(self, held, local, hidden_size, ctx.device)
+        else:
+            self.gate_up_proj = new_parameter((held, 2 * local, hidden_size), dtype, ctx.device, self.weight_loader)
+            self.down_proj = new_parameter((held, hidden_size, local), dtype, ctx.device, self.weight_loader)
         # Every expert's tensors are expected (the loader checks the checkpoint has them all);
         # weight_loader reads only this rank's.
         self.gate_up_proj.shard_ids = tuple((e, k) for e in range(num_experts) for k in ("gate", "up"))
         self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
+        if self.int8:
+            set_scale_shards(self, held)
         self.act = activation if activation is not None else expert_act
         self.gate_up_proj_bias: nn.Parameter | None = None
         self.down_proj_bias: nn.Parameter | None = None
@@ -249,6 +267,9 @@ class FusedMoE(nn.Module):
         slot = expert - self.first_expert  # index in this rank's stack
         if not 0 <= slot < self.num_local_experts:
             return  # another rank's expert
+        if self.int8:
+            load_int8_expert(self, param, source, shard_id, slot, start, local)  # type: ignore[arg-type]
+            return
         if kind == "down":
             copy_into(param.data[slot], read_narrow(source, 1, start, local))
         else:
@@ -262,8 +283,9 @@ class FusedMoE(nn.Module):
         if self.has_remote_experts:
             ids = self.local_ids(ids)
         return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights, gate_up_bias=self.gate_up_proj_bias,
-                               down_bias=self.down_proj_bias, act=self.act,
-                               has_remote=self.has_remote_experts)  # (T, H), partial
+                               down_bias=self.down_proj_bias, act=self.act, has_remote=self.has_remote_experts,
+                               gate_up_scale=self.gate_up_proj_scale,
+                               down_scale=self.down_proj_scale)  # (T, H), partial
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids ``(T, k)`` -> this rank's stack index, ``num_local_experts`` for another rank's expert.
@@ -330,7 +352,8 @@ class SparseMoeBlock(nn.Module):
         weights_in_dtype: round the routing weights to ``dtype`` before scaling the
             experts' outputs (Qwen's routers do, Mixtral's keeps them in float32).
         shared_expert_intermediate_size: width of Qwen2-MoE's gated shared expert; 0 for none.
-        quantization: must be None for the experts (see :class:`FusedMoE`).
+        quantization: the experts' and shared experts' (None or ``"int8"``: :class:`FusedMoE`); the
+            router and the shared-expert gate stay in ``dtype``.
         router_bias: the router carries a bias (gpt-oss's ``router.bias``).
         experts: the experts module, when a family builds its own (biases, an activation, a
             checkpoint layout: :class:`FusedMoE`'s options); None: a plain :class:`FusedMoE`.

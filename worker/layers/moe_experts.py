@@ -18,6 +18,8 @@ Both return, per token, ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` summe
 ``j`` in routing order (most probable first), a partial of the tensor-parallel sum.
 With expert parallelism (worker/layers/moe.py) an id equal to ``E`` (one past this
 rank's stack) is a row of another rank's expert: it is not computed and adds zero.
+Int8 experts (``--quantization int8``, worker/layers/moe_int8.py): the torch path runs the int8
+matmul per expert; the Triton kernel dequantizes the layer's stack for its call.
 ``TPSERVE_TRITON_MOE=0`` keeps CUDA on the torch path, for A/B measurements.
 """
 
@@ -28,6 +30,7 @@ import os
 import torch
 from torch import nn
 
+from worker.layers.int8_matmul import int8_linear
 from worker.layers.matmul import linear
 from worker.layers.moe_combine import combine, expert_act
 
@@ -35,7 +38,8 @@ from worker.layers.moe_combine import combine, expert_act
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
-                    has_remote: bool = False) -> torch.Tensor:
+                    has_remote: bool = False, gate_up_scale: torch.Tensor | None = None,
+                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Apply each token's ``k`` experts and sum them by their routing weights.
 
     Args:
@@ -50,6 +54,9 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         down_bias: ``(E, H)`` added to each expert's down output (before its routing weight), or None.
         act: ``(rows, 2 * I) [gate | up] -> (rows, I)``, the experts' activation.
         has_remote: ``ids`` may hold ``E`` (expert parallelism); those rows contribute zero.
+        gate_up_scale: with int8 ``gate_up``: its ``(E, 2 * I)`` float32 per-output-channel scales
+            (worker/layers/moe_int8.py); None for float weights.
+        down_scale: with int8 ``down``: its ``(E, H)`` float32 scales; None for float weights.
 
     Returns:
         ``(T, H)`` in ``x.dtype``.
@@ -58,9 +65,10 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         from worker.kernels.triton_moe import grouped_experts_triton
 
         return grouped_experts_triton(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias,
-                                      down_bias=down_bias, act=act, has_remote=has_remote)
+                                      down_bias=down_bias, act=act, has_remote=has_remote,
+                                      gate_up_scale=gate_up_scale, down_scale=down_scale)
     return grouped_experts_torch(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                                 act=act)
+                                 act=act, gate_up_scale=gate_up_scale, down_scale=down_scale)
 
 
 def _triton_moe_enabled() -> bool:
@@ -69,8 +77,13 @@ def _triton_moe_enabled() -> bool:
 
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
-                          down_bias: torch.Tensor | None = None, act: nn.Module = expert_act) -> torch.Tensor:
+                          down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
+                          gate_up_scale: torch.Tensor | None = None,
+                          down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host).
+
+    Int8 experts (scales given): each GEMM is :func:`~worker.layers.int8_matmul.int8_linear` on the
+    expert's int8 rows and scales, as a dense int8 layer's.
 
     Rows of id ``E`` (another rank's expert) sort last: they are neither gathered nor computed, and stay zero.
     """
@@ -88,9 +101,14 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            h = act(linear(xs[rows], gate_up[expert],
-                           None if gate_up_bias is None else gate_up_bias[expert]))  # (count, I)
-            out_sorted[rows] = linear(h, down[expert], None if down_bias is None else down_bias[expert])  # (count, H)
+            gu_bias = None if gate_up_bias is None else gate_up_bias[expert]
+            d_bias = None if down_bias is None else down_bias[expert]
+            if gate_up_scale is None or down_scale is None:
+                h = act(linear(xs[rows], gate_up[expert], gu_bias))  # (count, I)
+                out_sorted[rows] = linear(h, down[expert], d_bias)  # (count, H)
+            else:
+                h = act(int8_linear(xs[rows], gate_up[expert], gate_up_scale[expert], gu_bias))  # (count, I)
+                out_sorted[rows] = int8_linear(h, down[expert], down_scale[expert], d_bias)  # (count, H)
             start += count
     out = (torch.empty if every_row else torch.zeros)(flat.shape[0], down.shape[1], dtype=x.dtype, device=x.device)
     out[order_held] = out_sorted  # (T * k, H) back in row order t * k + j; other ranks' rows zero

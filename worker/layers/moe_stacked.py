@@ -38,6 +38,8 @@ class StackedFusedMoE(FusedMoE):
         ValueError: from the loader, a checkpoint tensor of another shape (named by the loader).
     """
 
+    loads_int8 = False  # the fused layout is filled into float stacks only
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
                  dtype: torch.dtype, quantization: Quantization | None = None,
                  activation: nn.Module | None = None) -> None:

@@ -83,8 +83,8 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     """GLM-4.5 MoE: :class:`PartialRotaryAttention`, then a dense MLP (first layers) or the sigmoid-routed MoE block.
 
     Raises:
-        ValueError: a bad routing key (named), ``hidden_act`` not silu, or ``--quantization``
-            (the experts are not quantized).
+        ValueError: a bad routing key (named), ``hidden_act`` not silu, or ``--quantization int4``
+            (the experts are float or int8).
     """
 
     @classmethod

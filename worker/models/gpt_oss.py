@@ -83,7 +83,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     Args: those of :class:`~worker.models.base.CausalLM`.
 
     Raises:
-        ValueError: ``--quantization`` (the experts are not quantized), a bad MoE value (named).
+        ValueError: ``--quantization`` (the stacked experts are float only), a bad MoE value (named).
     """
 
     def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,

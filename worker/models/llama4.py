@@ -131,6 +131,8 @@ class Llama4Experts(FusedMoE):
     of ``I``, transposed into ``(E, H, I/tp)``.
     """
 
+    loads_int8 = False  # the fused layout is filled into float stacks only
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
                  dtype: torch.dtype, quantization: Quantization | None = None) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, ctx, dtype=dtype, quantization=quantization)
@@ -206,7 +208,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     Raises:
         ValueError: ``hidden_act`` is not ``"silu"``, ``no_rope_layers`` of the wrong length,
             ``num_experts_per_tok`` out of range, a family key of the wrong type, or
-            ``--quantization`` (the experts are not quantized).
+            ``--quantization`` (the fused experts are float only).
     """
 
     interleaved_rope = True

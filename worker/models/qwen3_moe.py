@@ -38,7 +38,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE: Qwen3 attention, and per layer a :class:`SparseMoeBlock` or a dense MLP.
 
     Raises:
-        ValueError: a bad MoE config value (named), or ``--quantization`` (the experts are not quantized).
+        ValueError: a bad MoE config value (named), or ``--quantization int4`` (the experts are float or int8).
     """
 
     def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
