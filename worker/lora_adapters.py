@@ -30,29 +30,13 @@ from torch import nn
 
 from worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.lora import LoRAStep, LoRAWeights
+from worker.lora_settings import LoRASettings
 from worker.parallel_state import ParallelContext
 
 #: The modules an adapter may target, by the model's (fused) layer name.
 TARGET_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _PEFT_PREFIX = "base_model.model."
 _QKV_PARTS = {"q": 0, "k": 1, "v": 2}
-
-
-@dataclass(frozen=True)
-class LoRASettings:
-    """``--max-loras``, ``--max-lora-rank`` and the adapters loaded at start-up, in slot order (slot ``i + 1``)."""
-
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    adapter_paths: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_loras < 1:
-            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
-        if len(self.adapter_paths) > self.max_loras:
-            raise ValueError(f"{len(self.adapter_paths)} --lora-modules do not fit --max-loras {self.max_loras}")
 
 
 @dataclass(frozen=True)

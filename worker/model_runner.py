@@ -59,7 +59,8 @@ from worker.grammar import GrammarCache, GrammarState
 from worker.input_batch import InputBatch
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
-from worker.lora_adapters import LoRAAdapters, LoRASettings
+from worker.lora_adapters import LoRAAdapters
+from worker.lora_settings import LoRASettings
 from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext

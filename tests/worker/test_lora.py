@@ -27,7 +27,8 @@ from tests.tiny_models import TINY_MODELS, load_hf_model, save_tiny_model
 from tests.worker.lora_checkpoints import ALL_TARGETS, AdapterSpec, save_adapter
 from tests.worker.scenarios import SeqSpec, build_plans, hf_reference
 from tests.worker.tp_harness import Job, run_jobs
-from worker.lora_adapters import LoRASettings, read_adapter_config
+from worker.lora_adapters import read_adapter_config
+from worker.lora_settings import LoRASettings
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 256

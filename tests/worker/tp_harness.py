@@ -20,7 +20,7 @@ import torch
 
 from tests.worker.rank_processes import spawn_ranks
 from tpserve.step import PromptLogprobs, StepPlan
-from worker.lora_adapters import LoRASettings
+from worker.lora_settings import LoRASettings
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext, destroy_distributed, init_distributed
 
