@@ -47,6 +47,22 @@ class AdapterConfig:
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora (peft's LoraLayer.update_layer)
 
 
+def check_lora_supported(device_type: str, draft_model: bool, pp_size: int) -> None:
+    """Refuse, in one line, what ``--enable-lora`` does not combine with yet.
+
+    Raises:
+        ValueError: CUDA ranks (the low-rank paths have no Triton kernel, and CUDA graphs would
+            not see the step's adapter rows), a draft model (its proposals would not be verified
+            under the request's adapter), or pipeline stages.
+    """
+    if device_type == "cuda":
+        raise ValueError("--enable-lora is not supported on CUDA yet (no Triton LoRA kernel); serve on CPU ranks")
+    if draft_model:
+        raise ValueError("--enable-lora is not supported with speculative decoding (--speculative-model)")
+    if pp_size > 1:
+        raise ValueError("--enable-lora is not supported with --pipeline-parallel-size > 1")
+
+
 def read_adapter_config(directory: str | Path, max_rank: int) -> AdapterConfig:
     """Parse and check ``directory/adapter_config.json``.
 

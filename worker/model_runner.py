@@ -59,7 +59,7 @@ from worker.grammar import GrammarCache, GrammarState
 from worker.input_batch import InputBatch
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
-from worker.lora_adapters import LoRAAdapters
+from worker.lora_adapters import LoRAAdapters, check_lora_supported
 from worker.lora_settings import LoRASettings
 from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
@@ -194,12 +194,7 @@ class ModelRunner:
 
     def _attach_lora(self, settings: LoRASettings, draft_model_dir: str | Path | None) -> LoRAAdapters:
         """The adapter slots on the model's projections; the combinations not served refused in one line."""
-        if self.ctx.device.type == "cuda":
-            raise ValueError("--enable-lora is not supported on CUDA yet (no Triton LoRA kernel); serve on CPU")
-        if draft_model_dir is not None:
-            raise ValueError("--enable-lora is not supported with speculative decoding (--speculative-model)")
-        if self.ctx.pp.pp_size > 1:
-            raise ValueError("--enable-lora is not supported with --pipeline-parallel-size > 1")
+        check_lora_supported(self.ctx.device.type, draft_model_dir is not None, self.ctx.pp.pp_size)
         disable_decode_blocks(self.model)  # the compiled decode layer has no low-rank path
         return LoRAAdapters(self.model, settings, self.ctx, self.dtype)
 
