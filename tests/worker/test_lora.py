@@ -156,3 +156,17 @@ def test_pool_refusals() -> None:
         LoRASettings(1, 8, ("a", "b"))
     with pytest.raises(ValueError, match="--max-lora-rank must be >= 1"):
         LoRASettings(1, 0)
+
+
+def test_step_groups_rows_by_adapter() -> None:
+    """Rows of each adapter, wherever the flat batch puts its chunks; none at all for a base-only step."""
+    from worker.layers.lora import LoRAStep
+
+    step = LoRAStep(torch.device("cpu"))
+    step.set_rows([0, 0], [3, 1], [3, 0])  # the base model only: no LoRA work this step
+    assert step.groups == []
+    # Plan order: a 3-token prefill (slot 2) at rows 2..4, decodes at rows 0 (slot 1) and 1 (none), a 2-token chunk (slot 1).
+    step.set_rows([2, 1, 0, 1], [3, 1, 1, 2], [4, 0, 1, 6])
+    assert [(index, rows.tolist()) for index, rows in step.groups] == [(0, [0, 5, 6]), (1, [2, 3, 4])]
+    with pytest.raises(ValueError, match="lora slot -1 is negative"):
+        step.set_rows([-1], [1], [0])
