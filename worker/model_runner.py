@@ -139,6 +139,8 @@ class ModelRunner:
         if self.kv_cache_dtype != dtype and draft_model_dir is not None:
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported with a draft model "
                              "(--speculative-model); use --kv-cache-dtype auto or ngram speculation")
+        if lora is not None:  # before the weights load: a refused combination costs nothing
+            check_lora_supported(ctx.device.type, draft_model_dir is not None, ctx.pp.pp_size)
         self.config = ModelConfig.from_pretrained(model_dir)
         self.config.check_tensor_parallel(ctx.tp_size)
         check_pipeline(self.config, ctx.pp, draft_model_dir)
@@ -161,7 +163,7 @@ class ModelRunner:
             if scales:
                 set_checkpoint_scales(self._kv_layers, scales, start, ctx.device)
                 self._kv_uncalibrated = False
-        self.lora = None if lora is None else self._attach_lora(lora, draft_model_dir)
+        self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
                                                                      self.config.vocab_size)
         self.kv_layout = self._target_layout if self.draft is None else \
@@ -192,9 +194,8 @@ class ModelRunner:
         self._expert_layers = expert_layers(self.model) if ctx.is_sampler else []
         self._padding_counts: torch.Tensor | None = None  # (L, E): what one graph padding row routes
 
-    def _attach_lora(self, settings: LoRASettings, draft_model_dir: str | Path | None) -> LoRAAdapters:
-        """The adapter slots on the model's projections; the combinations not served refused in one line."""
-        check_lora_supported(self.ctx.device.type, draft_model_dir is not None, self.ctx.pp.pp_size)
+    def _attach_lora(self, settings: LoRASettings) -> LoRAAdapters:
+        """The adapter slots on the model's projections (the combinations not served were refused already)."""
         disable_decode_blocks(self.model)  # the compiled decode layer has no low-rank path
         return LoRAAdapters(self.model, settings, self.ctx, self.dtype)
 

@@ -170,3 +170,15 @@ def test_step_groups_rows_by_adapter() -> None:
     assert [(index, rows.tolist()) for index, rows in step.groups] == [(0, [0, 5, 6]), (1, [2, 3, 4])]
     with pytest.raises(ValueError, match="lora slot -1 is negative"):
         step.set_rows([-1], [1], [0])
+
+
+def test_cuda_ranks_refuse_lora_before_loading() -> None:
+    """No Triton LoRA kernel yet: a CUDA rank refuses ``--enable-lora`` in one line, before reading a weight."""
+    from worker.model_runner import ModelRunner
+    from worker.parallel_state import ParallelContext
+
+    _case("gqa_tied")
+    with pytest.raises(ValueError, match="^--enable-lora is not supported on CUDA yet") as error:
+        ModelRunner(_root() / "gqa_tied", ParallelContext.single("cuda:0"), torch.float32, BLOCK_SIZE,
+                    lora=LoRASettings())
+    assert "\n" not in str(error.value)
