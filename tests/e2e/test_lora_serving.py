@@ -5,7 +5,7 @@ A tiny Llama at stories260k's vocabulary and two seeded adapters built with ``pe
 sent at once, each get ``transformers``' greedy tokens of their model (``peft``'s merged
 model for an adapter); the prefix cache keeps adapters apart (a prompt computed under
 ``a`` is no hit for ``b`` or the base model, and is one for ``a``); an unknown adapter is
-NOT_FOUND naming it.
+NOT_FOUND naming it. At tp 1 and 2 (the adapters split across the ranks like their layers).
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ def _greedy(model: torch.nn.Module) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
-def test_requests_generate_with_their_adapter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
+def test_requests_generate_with_their_adapter(tmp_path: Path, tp: int) -> None:
     base_dir = save_servable_model("gqa_tied", tmp_path / "base", STORIES_DIR)
     want = {"": _greedy(load_hf_model(base_dir))}
     for spec in ADAPTERS:
         want[spec.name] = _greedy(save_adapter(base_dir, spec, tmp_path / spec.name))
     assert want["a"] != want[""] and want["b"] != want[""]  # the adapters change the tokens
     modules = [f"{spec.name}={tmp_path / spec.name}" for spec in ADAPTERS]
-    with serve(base_dir, 1, "--enable-lora", "--lora-modules", *modules, "--max-loras", "2", "--max-lora-rank", "8",
+    with serve(base_dir, tp, "--enable-lora", "--lora-modules", *modules, "--max-loras", "2", "--max-lora-rank", "8",
                "--block-size", str(BLOCK_SIZE)) as cluster:
         client = cluster.client
 
