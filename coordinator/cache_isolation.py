@@ -59,14 +59,18 @@ def tenant_id(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
     return ""
 
 
-def prefix_cache_namespace(tenant: str, cache_salt: str) -> bytes:
-    """The 32-byte namespace block 0 chains from, or ``b""`` for the anonymous, unsalted one.
+def prefix_cache_namespace(tenant: str, cache_salt: str, lora_name: str = "") -> bytes:
+    """The 32-byte namespace block 0 chains from, or ``b""`` for the anonymous, unsalted base model.
 
     Args:
         tenant: :func:`tenant_id` of the caller, ``""`` when API keys are off.
         cache_salt: the request's ``cache_salt``, ``""`` when unset.
+        lora_name: the request's LoRA adapter (``lora_name``), ``""`` for the base model: the
+            adapter changes every layer's keys and values, so a block computed under one adapter
+            must never be a hit for another or for the base model.
     """
-    if not tenant and not cache_salt:
+    if not tenant and not cache_salt and not lora_name:
         return b""
-    # JSON keeps ("ab", "c") and ("a", "bc") apart.
-    return hashlib.sha256(_NAMESPACE_PREFIX + json.dumps([tenant, cache_salt]).encode()).digest()
+    # JSON keeps ("ab", "c") and ("a", "bc") apart; without an adapter the digest is the one it always was.
+    key = [tenant, cache_salt, lora_name] if lora_name else [tenant, cache_salt]
+    return hashlib.sha256(_NAMESPACE_PREFIX + json.dumps(key).encode()).digest()

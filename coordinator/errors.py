@@ -40,6 +40,12 @@ class PermissionDeniedError(TpserveError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class NotFoundError(TpserveError):
+    """The request names something the server does not serve (a LoRA adapter); the message names it."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class ResourceExhaustedError(TpserveError):
     """The queue is full, or the request can never fit in the KV cache.
 

@@ -314,7 +314,7 @@ class Scheduler:
             # Penalties need every earlier token on the sampling rank; a cached prefix is never sent in a chunk.
             history = seq.token_ids(0, seq.num_computed_tokens) if seq.sampling.uses_token_history else ()
             prompt = tuple(seq.prompt_token_ids) if seq.sampling.prompt_logprobs is not None else ()
-            new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history, prompt))
+            new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history, prompt, seq.lora_slot))
             seq.on_workers = True
             seq.admitted_step = self._next_step_id
             scheduled.append(self._chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table

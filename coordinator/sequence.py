@@ -68,6 +68,8 @@ class Sequence:
         cache_namespace: the prefix-cache namespace block 0's hash chains from
             (:func:`coordinator.cache_isolation.prefix_cache_namespace`: the caller's tenant
             and ``cache_salt``); ``b""`` for the anonymous, unsalted one.
+        lora_slot: its LoRA adapter's resident slot on the workers (``--lora-modules`` order, from 1);
+            0: the base model.
         priority: the queue's order: lower values are admitted first, and preempted
             last (vLLM's convention); equal priorities keep arrival order. Default 0.
         num_pending_tokens: async scheduling: tokens that steps in flight sample for it,
@@ -108,6 +110,7 @@ class Sequence:
     prompt_logprobs: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
     speculation: AdaptiveSpeculation = field(default_factory=AdaptiveSpeculation)
     cache_namespace: bytes = b""
+    lora_slot: int = 0
     priority: int = 0
     num_pending_tokens: int = 0
     admitted_step: int = -1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 import grpc
 
@@ -54,17 +55,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             limit; None compiles them on the validation thread, unbounded (tests).
         keys: the API-key check, which knows each key's role (coordinator/auth.py); None:
             every caller is an operator (one trust domain).
+        lora_slots: ``--lora-modules``' adapter names and their worker slots (a request's ``lora_name``).
     """
 
     def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo,
                  api_keys: bool = False, grammars: GrammarCompiler | None = None,
-                 keys: ApiKeyInterceptor | None = None) -> None:
+                 keys: ApiKeyInterceptor | None = None, lora_slots: Mapping[str, int] | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.api_keys = api_keys
         self.keys = keys
         self.grammars = grammars
+        self.lora_slots = dict(lora_slots or {})
         self.chat_renderer = ChatRenderPool()
         self.replica = replica_name(model_info.model_name)  # in every response's timings
 
@@ -80,7 +83,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             chat = (prompt, await self.chat_renderer.render(self.tokenizer.chat_template, prompt.messages,
                                                             self.tokenizer.special_tokens_map))
         params = await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
-                                         self.model_info.max_model_len, entry.tenant, chat, self.grammars)
+                                         self.model_info.max_model_len, entry.tenant, chat, self.grammars,
+                                         self.lora_slots)
         entry.validated_s = time.monotonic()  # the trace's validate span ends here
         return params
 

@@ -8,11 +8,12 @@ nothing past this point sees protobuf or unchecked input. No torch.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from coordinator.cache_isolation import prefix_cache_namespace
 from coordinator.chat import ChatPrompt, encode_chat, tokenize_chat
-from coordinator.errors import InvalidArgumentError
+from coordinator.errors import InvalidArgumentError, NotFoundError
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sampling_controls import field_value, validate_sampling_controls
 from coordinator.structured_output import check_continuation
@@ -56,6 +57,7 @@ class GenerateParams:
         generated_token_ids: a continued request's earlier output (the request's
             ``generated_token_ids``): fewer than ``max_tokens``, no stop token among them,
             allowed by the request's grammar if it has one (usage counts them as prompt tokens).
+        lora_slot: the resident slot of the request's ``lora_name`` (``--lora-modules`` order, from 1); 0: none.
     """
 
     request_id: str
@@ -70,11 +72,13 @@ class GenerateParams:
     priority: int = 0
     tenant: str = ""
     generated_token_ids: tuple[int, ...] = ()
+    lora_slot: int = 0
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                      tenant: str = "", chat: tuple[ChatPrompt, str] | None = None,
-                     grammars: GrammarCompiler | None = None) -> GenerateParams:
+                     grammars: GrammarCompiler | None = None,
+                     lora_slots: Mapping[str, int] | None = None) -> GenerateParams:
     """Checks a request and tokenizes its prompt (blocking: about 1 s for a 1 MiB prompt; the
     server runs it off its event loop).
 
@@ -90,9 +94,13 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         grammars: compiles a response_format in child processes under a time limit
             (the server's); None compiles on this thread (tests, tools).
 
+        lora_slots: ``--enable-lora``'s adapter names and their slots; None or empty: no adapters.
+
     Raises:
         InvalidArgumentError: a field is missing or out of range; the message names it.
+        NotFoundError: ``lora_name`` names no adapter the server was started with.
     """
+    lora_slot = _lora_slot(request, lora_slots or {})
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgumentError(f"request_id is {len(request.request_id)} characters; the limit is {MAX_REQUEST_ID_LEN}")
     if request.HasField("cache_salt") and not 1 <= len(request.cache_salt) <= MAX_CACHE_SALT_LEN:
@@ -139,11 +147,23 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         stop_token_ids=frozenset(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
-        cache_namespace=prefix_cache_namespace(tenant, request.cache_salt),
+        cache_namespace=prefix_cache_namespace(tenant, request.cache_salt, request.lora_name),
+        lora_slot=lora_slot,
         priority=request.priority,
         tenant=tenant,
         generated_token_ids=generated,
     )
+
+
+def _lora_slot(request: pb.GenerateRequest, lora_slots: Mapping[str, int]) -> int:
+    """The slot of the request's ``lora_name``; 0 when unset or empty (the base model)."""
+    if not request.lora_name:
+        return 0
+    slot = lora_slots.get(request.lora_name)
+    if slot is None:
+        served = ", ".join(sorted(lora_slots)) or "none (start the server with --enable-lora --lora-modules)"
+        raise NotFoundError(f"lora_name {request.lora_name!r} is not a served adapter; served: {served}")
+    return slot
 
 
 def _generated_token_ids(request: pb.GenerateRequest, vocab_size: int, max_tokens: int,

@@ -179,7 +179,8 @@ class PublicServer:
         # compile in child processes").
         grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
         self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0),
-                                           api_keys=self.api_keys is not None, grammars=grammars, keys=self.api_keys)
+                                           api_keys=self.api_keys is not None, grammars=grammars, keys=self.api_keys,
+                                           lora_slots=self.config.lora.slot_of())
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         # The engine protocol a gateway (smg) routes, on the same port and engine.
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(

@@ -99,6 +99,14 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                                            "no request waits forever behind more urgent ones; "
                                                            "0: strict priority (default 10)")),
     ],
+    "lora": [
+        ("--enable-lora", dict(action="store_true", help="serve LoRA adapters beside the base model (a request "
+                                                         "names one by lora_name; CPU ranks only for now)")),
+        ("--lora-modules", dict(nargs="+", metavar="NAME=PATH", help="the adapters served: a PEFT directory per "
+                                                                      "name, each resident in a slot from start-up")),
+        ("--max-loras", dict(type=int, help="adapter slots resident at once (default 1)")),
+        ("--max-lora-rank", dict(type=int, help="largest adapter rank r the slots hold (default 16)")),
+    ],
     "speculative": [
         ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "
                                                                         "lookup, draft a small model (default: off)")),
@@ -193,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", help="with --chat: a system message before it")
     gen.add_argument("--cache-salt", help="reuse only prefix-cache entries of requests with this salt (and "
                      "the same API key); keeps prompts apart from other callers'")
+    gen.add_argument("--lora", help="generate with this LoRA adapter (a name of the server's --lora-modules)")
     gen.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     _add_credential_flags(gen)
 

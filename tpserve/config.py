@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpserve.cpu_binding import parse_bind
+from tpserve.lora_config import LoRAConfig
 from tpserve.quantization import Quantization
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -344,6 +345,14 @@ class ClusterConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
+    lora: LoRAConfig = LoRAConfig()
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> ClusterConfig:
+        if self.lora.enable_lora and self.speculative.speculative_method is not None:
+            raise ValueError("--enable-lora does not combine with --speculative-method (proposals are not "
+                             "verified under the request's adapter yet)")
+        return self
 
     @model_validator(mode="after")
     def _check_async_scheduling(self) -> ClusterConfig:

@@ -162,7 +162,7 @@ def generate(args: argparse.Namespace) -> int:
     check_generate_flags(args)
     sampling = {spec.name: getattr(args, spec.name) for spec in FIELDS if spec.cli}
     sampling.update(logit_bias=_logit_bias(args.logit_bias), regex=args.regex, choices=args.choices,
-                    cache_salt=args.cache_salt, json_schema=_json_schema(args.json_schema))
+                    cache_salt=args.cache_salt, json_schema=_json_schema(args.json_schema), lora_name=args.lora)
     reporter = MoveReporter(args.target)
     try:
         result = run_generate(args, sampling, reporter)

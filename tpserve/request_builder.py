@@ -34,6 +34,7 @@ _REQUEST_KEYWORDS = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY
     for name, annotation, default in (
         ("json_schema", str | Mapping | None, None), ("regex", str | None, None),
         ("choices", Sequence[str] | None, None), ("cache_salt", str | None, None), ("priority", int, 0),
+        ("lora_name", str | None, None),
         ("request_id", str, ""))]
 _PROMPT = inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Prompt)
 _KEYWORD_DOCS = "\n".join(f"    {spec.name}: {spec.help}" for spec in FIELDS)
@@ -61,7 +62,8 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
     ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
     model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
-    from those of requests without the same salt. The fields' meanings and ranges:
+    from those of requests without the same salt. ``lora_name`` generates with that LoRA
+    adapter of the server's ``--lora-modules`` (None: the base model). The fields' meanings and ranges:
     proto/tpserve/v1/generate.proto.
 
     Raises:
@@ -98,6 +100,8 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=values["request_id"], sampling_params=params, priority=values["priority"])
     if values["cache_salt"] is not None:
         request.cache_salt = values["cache_salt"]
+    if values["lora_name"] is not None:
+        request.lora_name = values["lora_name"]
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):

@@ -190,6 +190,8 @@ class NewSequence:
             are not sent otherwise (a cached prefix); empty otherwise.
         prompt_token_ids: only with ``sampling.prompt_logprobs``: the whole prompt
             (a chunk's last row scores the next chunk's first token).
+        lora_slot: ``--enable-lora``: the resident slot of the sequence's adapter
+            (``1 .. --max-loras``, worker/lora_adapters.py); 0, the default: the base model.
     """
 
     seq_id: int
@@ -197,6 +199,7 @@ class NewSequence:
     num_prompt_tokens: int = 0
     history_token_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
+    lora_slot: int = 0
 
 
 # Not frozen: built per sequence per step (0.14 µs against 0.73 frozen; docs/design/request-path.md); never mutated.

@@ -43,6 +43,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
                 num_prompt_tokens=seq.num_prompt_tokens,
                 history_token_ids=seq.history_token_ids,
                 prompt_token_ids=seq.prompt_token_ids,
+                lora_slot=seq.lora_slot,
             )
             for seq in plan.new_seqs
         ],
@@ -93,6 +94,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
                 num_prompt_tokens=seq.num_prompt_tokens,
                 history_token_ids=tuple(seq.history_token_ids),
                 prompt_token_ids=tuple(seq.prompt_token_ids),
+                lora_slot=seq.lora_slot,
             )
             for seq in msg.new_seqs
         ),

@@ -39,6 +39,7 @@ from tpserve.log import configure_logging
 from tpserve.sched_policy import policy_name, set_policy
 from tpserve.step_socket import socket_path
 from tpserve.v1 import worker_pb2_grpc
+from worker.lora_settings import LoRASettings
 from worker.memory import CacheSizing
 from worker.server import WorkerOptions, WorkerServicer
 from worker.step_socket_server import StepSocketServer
@@ -94,6 +95,8 @@ def worker_options(config: RankConfig) -> WorkerOptions:
         enforce_eager=load.enforce_eager,
         cuda_graph_sizes=load.cuda_graph_sizes,
         cpu_omp_threads_bind=load.cpu_omp_threads_bind,
+        lora=LoRASettings(cluster.lora.max_loras, cluster.lora.max_lora_rank,
+                          tuple(path for _, path in cluster.lora.adapters)) if cluster.lora.enable_lora else None,
     )
 
 

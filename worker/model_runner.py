@@ -59,6 +59,8 @@ from worker.grammar import GrammarCache, GrammarState
 from worker.input_batch import InputBatch
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
+from worker.lora_adapters import LoRAAdapters, check_lora_supported
+from worker.lora_settings import LoRASettings
 from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
@@ -86,6 +88,7 @@ class _SequenceState:
     reports_logprobs: bool = False  # sampling.logprobs or prompt_logprobs: worker/logprobs.py has work
     tracks_history: bool = False  # history is not None
     last_token: int | None = None  # the sampling rank: the token sampled last (async scheduling's placeholder)
+    lora_slot: int = 0  # its adapter's slot (worker/lora_adapters.py); 0: the base model
 
     def __post_init__(self) -> None:
         self.uses_logits_controls = self.sampling.uses_logits_controls
@@ -117,22 +120,27 @@ class ModelRunner:
         kv_cache_dtype: ``--kv-cache-dtype``: "auto" (the cache in ``dtype``), "fp8" or "int8"
             (1 byte per element, per-layer scales from the checkpoint or calibrated by the first
             ``init_kv_cache``; worker/kv_quant.py).
+        lora: ``--enable-lora``: the adapter slots' pool and the adapters to load into it
+            (worker/lora_adapters.py); None: no LoRA (the linear layers' one branch stays false).
 
     Raises:
         ValueError: the model cannot be split ``ctx.tp_size`` ways (the message
             names the dimension), an unsupported dtype or architecture, or a
-            checkpoint with missing/unexpected weights; an 8-bit KV cache with a draft model.
+            checkpoint with missing/unexpected weights; an 8-bit KV cache with a draft model;
+            ``lora`` on CUDA, with a draft model or pipeline stages, or a refused adapter.
     """
 
     def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
                  quantization: Quantization | None = None, draft_model_dir: str | Path | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", lora: LoRASettings | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
         self.kv_cache_dtype = cache_dtype(kv_cache_dtype, dtype)
         if self.kv_cache_dtype != dtype and draft_model_dir is not None:
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported with a draft model "
                              "(--speculative-model); use --kv-cache-dtype auto or ngram speculation")
+        if lora is not None:  # before the weights load: a refused combination costs nothing
+            check_lora_supported(ctx.device.type, draft_model_dir is not None, ctx.pp.pp_size)
         self.config = ModelConfig.from_pretrained(model_dir)
         self.config.check_tensor_parallel(ctx.tp_size)
         check_pipeline(self.config, ctx.pp, draft_model_dir)
@@ -155,6 +163,7 @@ class ModelRunner:
             if scales:
                 set_checkpoint_scales(self._kv_layers, scales, start, ctx.device)
                 self._kv_uncalibrated = False
+        self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
                                                                      self.config.vocab_size)
         self.kv_layout = self._target_layout if self.draft is None else \
@@ -184,6 +193,11 @@ class ModelRunner:
         # Mixture-of-experts layers, whose routed-token counts rank 0 reports every step.
         self._expert_layers = expert_layers(self.model) if ctx.is_sampler else []
         self._padding_counts: torch.Tensor | None = None  # (L, E): what one graph padding row routes
+
+    def _attach_lora(self, settings: LoRASettings) -> LoRAAdapters:
+        """The adapter slots on the model's projections (the combinations not served were refused already)."""
+        disable_decode_blocks(self.model)  # the compiled decode layer has no low-rank path
+        return LoRAAdapters(self.model, settings, self.ctx, self.dtype)
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:
         """KV blocks that fit in ``kv_cache_memory_bytes`` bytes on this rank (same on every rank)."""
@@ -303,7 +317,8 @@ class ModelRunner:
         for new in plan.new_seqs:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_sampler else None
             seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
-                                              history=history, prompt_token_ids=new.prompt_token_ids)
+                                              history=history, prompt_token_ids=new.prompt_token_ids,
+                                              lora_slot=self._lora_slot(new.lora_slot))
             batch.add(new.seq_id)
             if new.sampling.grammar and self.ctx.is_sampler:  # built while the forward pass runs
                 self._grammars.prefetch(new.sampling.grammar)
@@ -331,6 +346,13 @@ class ModelRunner:
         return StepResult(step_id=plan.step_id, sampled_token_ids=out.sampled_token_ids, logprobs=out.logprobs,
                           prompt_logprobs=out.prompt_logprobs, num_accepted_tokens=out.num_accepted_tokens,
                           expert_token_counts=expert_token_counts)
+
+    def _lora_slot(self, slot: int) -> int:
+        """A new sequence's adapter slot, checked: 0 (the base model) or a slot of the pool."""
+        if slot and (self.lora is None or not 0 < slot <= self.lora.settings.max_loras):
+            raise ValueError(f"lora_slot={slot} but " + ("LoRA is not enabled" if self.lora is None else
+                                                         f"the pool has slots 1..{self.lora.settings.max_loras}"))
+        return slot
 
     def _expert_token_counts(self, num_padding_rows: int) -> tuple[int, ...]:
         """This step's routed tokens per (MoE layer, expert), less a replayed graph's padding rows."""
@@ -387,6 +409,9 @@ class ModelRunner:
         """Forward the flat batch and sample (``states``: the chunks' sequences); inside ``inference_mode``."""
         chunks = plan.scheduled
         inputs = self._inputs(chunks, states)
+        if self.lora is not None:  # the step's rows grouped by adapter, for every adapted layer
+            self.lora.step.set_rows([s.lora_slot for s in states], [len(c.token_ids) for c in chunks],
+                                    inputs.chunk_last_rows)
         if self.draft is not None:  # it runs on every step's tokens: its cache follows the target's
             proposals = self.draft.propose(chunks, [s.block_table for s in states], inputs)
             if any(proposals):  # the target verifies them in its one pass

@@ -23,6 +23,7 @@ import structlog
 from tpserve.step_pb import ERRORS_ONLY, STEP_PROTOCOL, plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
+from worker.lora_settings import LoRASettings
 from worker.memory import CacheSizing, weight_bytes
 
 log = structlog.get_logger(__name__)
@@ -56,6 +57,7 @@ class WorkerOptions:
         cpu_omp_threads_bind: a CPU rank's cores (``--cpu-omp-threads-bind``; tpserve/cpu_binding.py).
         pipeline_parallel_size: stages (worker/pipeline.py).
         enable_expert_parallel: whole experts per rank (``--enable-expert-parallel``; worker/layers/moe.py).
+        lora: ``--enable-lora``'s slot pool and adapters (worker/lora_adapters.py), or None.
     """
 
     model_dir: str
@@ -78,6 +80,7 @@ class WorkerOptions:
     cpu_omp_threads_bind: str = "auto"
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    lora: LoRASettings | None = None
 
     @property
     def world_size(self) -> int:
@@ -131,7 +134,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                    enable_expert_parallel=opts.enable_expert_parallel)
             dtype = _resolve_dtype(opts.dtype, opts.model_dir, device)
             self._runner = ModelRunner(opts.model_dir, ctx, dtype, opts.block_size, quantization=opts.quantization,
-                                       draft_model_dir=opts.draft_model_dir, kv_cache_dtype=opts.kv_cache_dtype)
+                                       draft_model_dir=opts.draft_model_dir, kv_cache_dtype=opts.kv_cache_dtype,
+                                       lora=opts.lora)
             self._dtype = str(dtype).removeprefix("torch.")
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
             self._num_blocks_available = num_kv_blocks(self._runner, cache)

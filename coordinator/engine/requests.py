@@ -89,6 +89,7 @@ class ActiveRequests:
             stop=StopParams(params.max_tokens, self.tokenizer.eos_token_ids, params.stop_token_ids, params.ignore_eos),
             max_model_len=self.max_model_len,
             cache_namespace=params.cache_namespace,
+            lora_slot=params.lora_slot,
             priority=params.priority,
             # A continued request (another replica's earlier output) starts where a sequence
             # resumed by recompute does: its output kept, nothing computed (scheduler.reset_workers).

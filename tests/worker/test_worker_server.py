@@ -37,7 +37,8 @@ class FakeRunner:
     """Records, per call, the thread and its current CUDA device; computes nothing."""
 
     def __init__(self, cuda: FakeCuda, model_dir: str, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
-                 quantization: str | None = None, draft_model_dir: str | None = None, kv_cache_dtype: str = "auto"):
+                 quantization: str | None = None, draft_model_dir: str | None = None, kv_cache_dtype: str = "auto",
+                 lora: object = None):
         self.cuda = cuda
         self.kv_cache_dtype = dtype
         self.model = torch.nn.Module()  # no weights: what the rank logs about them (weight_bytes) is 0

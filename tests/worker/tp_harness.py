@@ -20,6 +20,7 @@ import torch
 
 from tests.worker.rank_processes import spawn_ranks
 from tpserve.step import PromptLogprobs, StepPlan
+from worker.lora_settings import LoRASettings
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext, destroy_distributed, init_distributed
 
@@ -42,6 +43,7 @@ class Job:
     max_model_len: int | None = None
     enable_expert_parallel: bool = False  # whole experts per rank (worker/layers/moe.py)
     triton_experts: bool = False  # the CUDA path's grouped Triton experts (off CUDA: Triton's interpreter)
+    lora: LoRASettings | None = None  # --enable-lora's slots and adapters (worker/lora_adapters.py)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRe
 def _execute_job(ctx: ParallelContext, job: Job) -> list[StepRecord]:
     """One job's plans through a fresh runner; each step's record."""
     job_ctx = dataclasses.replace(ctx, enable_expert_parallel=job.enable_expert_parallel)
-    runner = ModelRunner(job.model_dir, job_ctx, job.dtype, job.block_size, quantization=job.quantization)
+    runner = ModelRunner(job.model_dir, job_ctx, job.dtype, job.block_size, quantization=job.quantization,
+                         lora=job.lora)
     runner.init_kv_cache(job.num_blocks, cuda_graph_sizes=job.cuda_graph_sizes, max_model_len=job.max_model_len,
                          capture=ctx.device.type == "cuda")
     records = []

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tpserve/v1/generate.proto\x12\ntpserve.v1\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\xc2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.tpserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x06 \x01(\x0b\x32\x18.tpserve.v1.ChatMessagesH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.tpserve.v1.SamplingParams\x12\x1c\n\x14parse_special_tokens\x18\x05 \x01(\x08\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x1b\n\x13generated_token_ids\x18\t \x03(\x05\x42\x08\n\x06promptB\r\n\x0b_cache_salt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.tpserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd2\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).tpserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x11 \x01(\x05H\n\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x12 \x01(\x0b\x32\x1a.tpserve.v1.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x14 \x01(\x05H\x0c\x88\x01\x01\x12\x16\n\ttypical_p\x18\x15 \x01(\x02H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x0c\n\n_typical_p\"j\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x07\x63hoices\x18\x03 \x01(\x0b\x32\x13.tpserve.v1.ChoicesH\x00\x42\x08\n\x06\x66ormat\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tpserve.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xbc\x01\n\x0eRequestTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\x12\x15\n\rdecode_time_s\x18\x03 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x0f\n\x07replica\x18\x07 \x01(\t\"\xa6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.tpserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.tpserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.tpserve.v1.RequestTimings\"\xbb\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.tpserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.tpserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12+\n\x07timings\x18\t \x01(\x0b\x32\x1a.tpserve.v1.RequestTimings\"\x15\n\x13GetModelInfoRequest\"\xb4\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x1a\n\x12speculative_method\x18\n \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x0b \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x0e \x01(\r\x12\x18\n\x10\x61sync_scheduling\x18\x0f \x01(\x08\x12\x1e\n\x16\x65nable_expert_parallel\x18\x10 \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.tpserve.v1.GenerateRequest\x1a\x1c.tpserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.tpserve.v1.GenerateRequest\x1a\".tpserve.v1.GenerateStreamResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.tpserve.v1.GetModelInfoRequest\x1a\x15.tpserve.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.tpserve.v1.AbortRequest\x1a\x19.tpserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tpserve/v1/generate.proto\x12\ntpserve.v1\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\xe8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.tpserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x06 \x01(\x0b\x32\x18.tpserve.v1.ChatMessagesH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.tpserve.v1.SamplingParams\x12\x1c\n\x14parse_special_tokens\x18\x05 \x01(\x08\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x1b\n\x13generated_token_ids\x18\t \x03(\x05\x12\x16\n\tlora_name\x18\n \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_saltB\x0c\n\n_lora_name\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.tpserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd2\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).tpserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x11 \x01(\x05H\n\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x12 \x01(\x0b\x32\x1a.tpserve.v1.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x14 \x01(\x05H\x0c\x88\x01\x01\x12\x16\n\ttypical_p\x18\x15 \x01(\x02H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x0c\n\n_typical_p\"j\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x07\x63hoices\x18\x03 \x01(\x0b\x32\x13.tpserve.v1.ChoicesH\x00\x42\x08\n\x06\x66ormat\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tpserve.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xbc\x01\n\x0eRequestTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\x12\x15\n\rdecode_time_s\x18\x03 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\x0f\n\x07replica\x18\x07 \x01(\t\"\xa6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.tpserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.tpserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.tpserve.v1.RequestTimings\"\xbb\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.tpserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.tpserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tpserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12+\n\x07timings\x18\t \x01(\x0b\x32\x1a.tpserve.v1.RequestTimings\"\x15\n\x13GetModelInfoRequest\"\xb4\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x1a\n\x12speculative_method\x18\n \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x0b \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x0e \x01(\r\x12\x18\n\x10\x61sync_scheduling\x18\x0f \x01(\x08\x12\x1e\n\x16\x65nable_expert_parallel\x18\x10 \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.tpserve.v1.GenerateRequest\x1a\x1c.tpserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.tpserve.v1.GenerateRequest\x1a\".tpserve.v1.GenerateStreamResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.tpserve.v1.GetModelInfoRequest\x1a\x15.tpserve.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.tpserve.v1.AbortRequest\x1a\x19.tpserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,44 +33,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3091
-  _globals['_FINISHREASON']._serialized_end=3211
+  _globals['_FINISHREASON']._serialized_start=3129
+  _globals['_FINISHREASON']._serialized_end=3249
   _globals['_ABORTREQUEST']._serialized_start=41
   _globals['_ABORTREQUEST']._serialized_end=76
   _globals['_ABORTRESPONSE']._serialized_start=78
   _globals['_ABORTRESPONSE']._serialized_end=114
   _globals['_GENERATEREQUEST']._serialized_start=117
-  _globals['_GENERATEREQUEST']._serialized_end=439
-  _globals['_TOKENIDS']._serialized_start=441
-  _globals['_TOKENIDS']._serialized_end=464
-  _globals['_CHATMESSAGES']._serialized_start=466
-  _globals['_CHATMESSAGES']._serialized_end=523
-  _globals['_CHATMESSAGE']._serialized_start=525
-  _globals['_CHATMESSAGE']._serialized_end=569
-  _globals['_SAMPLINGPARAMS']._serialized_start=572
-  _globals['_SAMPLINGPARAMS']._serialized_end=1422
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1166
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1214
-  _globals['_RESPONSEFORMAT']._serialized_start=1424
-  _globals['_RESPONSEFORMAT']._serialized_end=1530
-  _globals['_CHOICES']._serialized_start=1532
-  _globals['_CHOICES']._serialized_end=1558
-  _globals['_TOKENLOGPROB']._serialized_start=1560
-  _globals['_TOKENLOGPROB']._serialized_end=1669
-  _globals['_TOPLOGPROB']._serialized_start=1671
-  _globals['_TOPLOGPROB']._serialized_end=1732
-  _globals['_USAGE']._serialized_start=1734
-  _globals['_USAGE']._serialized_end=1821
-  _globals['_REQUESTTIMINGS']._serialized_start=1824
-  _globals['_REQUESTTIMINGS']._serialized_end=2012
-  _globals['_GENERATERESPONSE']._serialized_start=2015
-  _globals['_GENERATERESPONSE']._serialized_end=2309
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2312
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2627
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2629
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2650
-  _globals['_MODELINFO']._serialized_start=2653
-  _globals['_MODELINFO']._serialized_end=3089
-  _globals['_GENERATION']._serialized_start=3214
-  _globals['_GENERATION']._serialized_end=3516
+  _globals['_GENERATEREQUEST']._serialized_end=477
+  _globals['_TOKENIDS']._serialized_start=479
+  _globals['_TOKENIDS']._serialized_end=502
+  _globals['_CHATMESSAGES']._serialized_start=504
+  _globals['_CHATMESSAGES']._serialized_end=561
+  _globals['_CHATMESSAGE']._serialized_start=563
+  _globals['_CHATMESSAGE']._serialized_end=607
+  _globals['_SAMPLINGPARAMS']._serialized_start=610
+  _globals['_SAMPLINGPARAMS']._serialized_end=1460
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1204
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1252
+  _globals['_RESPONSEFORMAT']._serialized_start=1462
+  _globals['_RESPONSEFORMAT']._serialized_end=1568
+  _globals['_CHOICES']._serialized_start=1570
+  _globals['_CHOICES']._serialized_end=1596
+  _globals['_TOKENLOGPROB']._serialized_start=1598
+  _globals['_TOKENLOGPROB']._serialized_end=1707
+  _globals['_TOPLOGPROB']._serialized_start=1709
+  _globals['_TOPLOGPROB']._serialized_end=1770
+  _globals['_USAGE']._serialized_start=1772
+  _globals['_USAGE']._serialized_end=1859
+  _globals['_REQUESTTIMINGS']._serialized_start=1862
+  _globals['_REQUESTTIMINGS']._serialized_end=2050
+  _globals['_GENERATERESPONSE']._serialized_start=2053
+  _globals['_GENERATERESPONSE']._serialized_end=2347
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2350
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2665
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2667
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2688
+  _globals['_MODELINFO']._serialized_start=2691
+  _globals['_MODELINFO']._serialized_end=3127
+  _globals['_GENERATION']._serialized_start=3252
+  _globals['_GENERATION']._serialized_end=3554
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,7 @@ from worker.layers.int4_matmul import int4_linear
 from worker.layers.int4_weights import PackedPart, load_int4_columns, load_int4_rows, new_int4_weights
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.int8_weights import load_columns, load_rows, new_int8_weights
+from worker.layers.lora import LoRAWeights
 from worker.layers.matmul import linear
 from worker.layers.weights import CheckpointSource, RowRange, load_fused, load_replicated, new_parameter
 from worker.parallel_state import ParallelContext
@@ -114,7 +115,11 @@ class ColumnParallelLinear(nn.Module):
         quantization: None, or "int8" (int8 weight, float32 scale per output row).
 
     Shapes: ``x (T, input_size) -> (T, output_size / tp_size)``, ``x.dtype``.
+
+    ``lora``: the layer's adapter slots (worker/layers/lora.py) when ``--enable-lora`` targets it, else None.
     """
+
+    lora: LoRAWeights | None = None
 
     def __init__(
         self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype,
@@ -137,7 +142,10 @@ class ColumnParallelLinear(nn.Module):
         _load_rows(self, param, source, self.output_size, self.ctx.tp_rank * size, size, shard_id=shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(self, x, self.bias)  # (T, output_size / tp)
+        y = _matmul(self, x, self.bias)  # (T, output_size / tp)
+        if self.lora is not None and self.lora.step.groups:  # rows under an adapter (worker/layers/lora.py)
+            y = self.lora.add(x, y)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -285,7 +293,11 @@ class RowParallelLinear(nn.Module):
             sums this partial with others first (a MoE block's shared expert).
 
     Shapes: ``x (T, input_size / tp_size) -> (T, output_size)``, ``x.dtype``.
+
+    ``lora``: as :class:`ColumnParallelLinear`'s (``A`` split by columns, added to the partial sum).
     """
+
+    lora: LoRAWeights | None = None
 
     def __init__(
         self, input_size: int, output_size: int, ctx: ParallelContext, *, bias: bool, dtype: torch.dtype,
@@ -312,6 +324,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _matmul(self, x, None)  # (T, output_size), this rank's partial sum
+        if self.lora is not None and self.lora.step.groups:  # partial too: A split by columns, no extra reduce
+            y = self.lora.add(x, y)
         if not self.reduce_results:
             return y
         return self.reduce(y)  # (T, output_size)
