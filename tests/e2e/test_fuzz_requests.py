@@ -98,7 +98,10 @@ def _fuzz_requests(cluster: RunningCluster, request: pb.GenerateRequest, stream:
         code, details = _code(lambda: list(stub.GenerateStream(request, timeout=60)))
     else:
         code, details = _code(lambda: stub.Generate(request, timeout=60))
-    assert code in ALLOWED, (request, code, details)
+    # The one other answer: a request naming an adapter this server does not serve (issue 46) is NOT_FOUND.
+    unknown_adapter = bool(request.lora_name) and code == grpc.StatusCode.NOT_FOUND and \
+        details.startswith(f"lora_name {request.lora_name!r} is not a served adapter")
+    assert code in ALLOWED or unknown_adapter, (request, code, details)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
@@ -107,7 +110,10 @@ def _fuzz_bytes(cluster: RunningCluster, raw: bytes) -> None:
     call = cluster.client.channel.unary_unary("/tpserve.v1.Generation/Generate", request_serializer=None,
                                               response_deserializer=None)
     code, details = _code(lambda: call(raw, timeout=60))
-    assert code in ALLOWED, (raw, code, details)
+    # Bytes that parse as a request naming an unknown adapter: NOT_FOUND, as for a built request.
+    unknown_adapter = code == grpc.StatusCode.NOT_FOUND and details.startswith("lora_name ") and \
+        "is not a served adapter" in details
+    assert code in ALLOWED or unknown_adapter, (raw, code, details)
 
 
 def test_random_requests_get_ok_or_invalid_argument_and_leave_nothing_behind(default_tp2: RunningCluster) -> None:
