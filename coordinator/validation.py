@@ -58,6 +58,7 @@ class GenerateParams:
             ``generated_token_ids``): fewer than ``max_tokens``, no stop token among them,
             allowed by the request's grammar if it has one (usage counts them as prompt tokens).
         lora_slot: the resident slot of the request's ``lora_name`` (``--lora-modules`` order, from 1); 0: none.
+        lora_name: the request's adapter, ``""`` for the base model (the metrics' ``lora_name`` label).
     """
 
     request_id: str
@@ -73,6 +74,7 @@ class GenerateParams:
     tenant: str = ""
     generated_token_ids: tuple[int, ...] = ()
     lora_slot: int = 0
+    lora_name: str = ""
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
@@ -150,6 +152,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         include_stop_str_in_output=params.include_stop_str_in_output,
         cache_namespace=prefix_cache_namespace(tenant, request.cache_salt, lora_key or request.lora_name),
         lora_slot=lora_slot,
+        lora_name=request.lora_name if lora_slot else "",
         priority=request.priority,
         tenant=tenant,
         generated_token_ids=generated,

@@ -9,6 +9,8 @@ second adapter (RESOURCE_EXHAUSTED: one slot) and the unload of an adapter a str
 (FAILED_PRECONDITION); unloads it (a request naming it is then NOT_FOUND); reloads it, and
 the prompt computed before is no prefix-cache hit for the reloaded adapter (its blocks are
 never served again) while a second request is one. A tenant's load is PERMISSION_DENIED.
+``tpserve:lora_requests_total`` and ``tpserve:lora_generation_tokens_total`` count the
+adapter's requests and tokens under ``lora_name="a"``, none of the base model's.
 Every stream's largest inter-token gap over the calls stays under 200 ms, or, on a loaded
 host, three times the streams' own largest gap before the calls (the host's noise; as
 tests/e2e/test_structured_output_limits.py): the adapter is read off the step loop.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,13 @@ def _corrupt_copy(adapter_dir: Path, directory: Path) -> str:
     tensors[name] = tensors[name][:, :-1].contiguous()
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     return name
+
+
+def _lora_metrics(metrics_port: int) -> dict[str, float]:
+    """The ``/metrics`` samples of the per-adapter counters, by ``name{labels}``."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in body.splitlines())
+            if name.startswith(("tpserve:lora_requests_total", "tpserve:lora_generation_tokens_total"))}
 
 
 def _outcome(call: Callable[[], Any]) -> Any:
@@ -140,8 +150,9 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
                                     "tenant_list": _outcome(tenant.list_lora_adapters),
                                     "second": _outcome(lambda: operator.load_lora_adapter("b", str(tmp_path / "b"))),
                                     "first": generate(tenant)}
+            seen["metrics_first"] = _lora_metrics(cluster.metrics_port)
             busy = operator.generate_stream(PROMPT, max_tokens=200, temperature=0, ignore_eos=True, lora_name="a")
-            next(iter(busy))  # running under a
+            seen["busy_tokens"] = len(next(iter(busy)).token_ids)  # running under a
             seen["busy_unload"] = _outcome(lambda: operator.unload_lora_adapter("a"))
             busy.cancel()
             deadline = time.monotonic() + 30
@@ -152,6 +163,7 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
             seen["empty"] = operator.list_lora_adapters()
             seen["reload"] = operator.load_lora_adapter("a", str(tmp_path / "a"))
             seen["reloaded"], seen["again"] = generate(), generate()
+            seen["metrics_end"] = _lora_metrics(cluster.metrics_port)
             return seen
 
         seen, gaps, lead_in_gap = _while_streaming(operator, calls)
@@ -174,6 +186,12 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
     assert seen["reloaded"].token_ids == want
     assert seen["reloaded"].usage.cached_prompt_tokens == 0  # the unloaded adapter's blocks are never served
     assert seen["again"].token_ids == want and seen["again"].usage.cached_prompt_tokens == 2 * BLOCK_SIZE
+    # Per-adapter metrics: the 16 base-model streams are not counted under any adapter.
+    requests, tokens = 'tpserve:lora_requests_total{lora_name="a"}', 'tpserve:lora_generation_tokens_total{lora_name="a"}'
+    assert seen["metrics_first"] == {requests: 1.0, tokens: MAX_TOKENS}
+    assert seen["metrics_end"].keys() == {requests, tokens}  # one series: the name, across its reload
+    assert seen["metrics_end"][requests] == 4.0  # first, the cancelled stream, reloaded, again
+    assert seen["metrics_end"][tokens] >= 3 * MAX_TOKENS + seen["busy_tokens"]
     bound = max(QUIET_GAP_S, 3 * lead_in_gap)
     assert max(gaps) < bound, (f"inter-token gap up to {max(gaps) * 1000:.0f} ms while adapters were loaded "
                                f"(bound {bound * 1000:.0f} ms; {lead_in_gap * 1000:.0f} ms before)")
