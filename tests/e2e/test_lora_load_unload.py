@@ -10,7 +10,9 @@ second adapter (RESOURCE_EXHAUSTED: one slot) and the unload of an adapter a str
 the prompt computed before is no prefix-cache hit for the reloaded adapter (its blocks are
 never served again) while a second request is one. A tenant's load is PERMISSION_DENIED.
 ``tpserve:lora_requests_total`` and ``tpserve:lora_generation_tokens_total`` count the
-adapter's requests and tokens under ``lora_name="a"``, none of the base model's.
+adapter's requests and tokens under ``lora_name="a"``, none of the base model's. Last, rank 1
+is killed: the restarted group (``--worker-recovery-timeout-seconds``) reads the adapter again,
+and its tokens are still ``peft``'s.
 Every stream's largest inter-token gap over the calls stays under 200 ms, or, on a loaded
 host, three times the streams' own largest gap before the calls (the host's noise; as
 tests/e2e/test_structured_output_limits.py): the adapter is read off the step loop.
@@ -18,6 +20,8 @@ tests/e2e/test_structured_output_limits.py): the adapter is read off the step lo
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -30,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.cluster import serve
+from tests.e2e.cluster import rank_pids, serve
 from tests.paths import STORIES_DIR, requires_stories
 from tests.tiny_models import save_servable_model
 from tests.worker.lora_checkpoints import ALL_TARGETS, AdapterSpec, save_adapter
@@ -135,6 +139,7 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
     save_adapter(base_dir, AdapterSpec("b", 2, 4.0, ("q_proj",), seed=32), tmp_path / "b")
     with serve(base_dir, 2, "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
                "--block-size", str(BLOCK_SIZE), "--api-key", TENANT_KEY, "--operator-api-key", OPERATOR_KEY,
+               "--worker-recovery-timeout-seconds", "60",
                credentials=Credentials(api_key=OPERATOR_KEY)) as cluster:
         operator = cluster.client
         tenant = Client(cluster.target, credentials=Credentials(api_key=TENANT_KEY))
@@ -168,6 +173,14 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
 
         seen, gaps, lead_in_gap = _while_streaming(operator, calls)
         tenant.close()
+        # A restarted group reads the adapters loaded while serving again (launch/recovery.py).
+        os.kill(rank_pids(cluster.process.pid)[1], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while cluster.metric("tpserve:worker_restarts_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        operator.wait_ready(60)
+        seen["after_restart"] = operator.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                                  lora_name="a", timeout_s=60)
 
     assert seen["tenant_load"][0] == grpc.StatusCode.PERMISSION_DENIED, seen["tenant_load"]
     assert seen["tenant_list"][0] == grpc.StatusCode.PERMISSION_DENIED, seen["tenant_list"]
@@ -185,6 +198,7 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
     assert seen["reload"] == 1
     assert seen["reloaded"].token_ids == want
     assert seen["reloaded"].usage.cached_prompt_tokens == 0  # the unloaded adapter's blocks are never served
+    assert seen["after_restart"].token_ids == want  # not the base model's: the slot was read again
     assert seen["again"].token_ids == want and seen["again"].usage.cached_prompt_tokens == 2 * BLOCK_SIZE
     # Per-adapter metrics: the 16 base-model streams are not counted under any adapter.
     requests, tokens = 'tpserve:lora_requests_total{lora_name="a"}', 'tpserve:lora_generation_tokens_total{lora_name="a"}'
