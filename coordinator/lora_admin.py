@@ -13,7 +13,9 @@ import grpc
 import structlog
 
 from coordinator.engine import Engine
+from coordinator.errors import UnavailableError
 from coordinator.lora_registry import LoRARegistry
+from coordinator.worker_client import WorkerGroupError
 from tpserve.v1 import generate_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -32,7 +34,17 @@ class LoRAAdminMethods:
         """Reads ``request.path`` into a free slot on every rank, then serves it as ``request.name``
         (errors: :meth:`LoRARegistry.load`)."""
         engine = self._check_loaded()
-        adapter = await self.loras.load(request.name, request.path, engine.loop.workers.load_lora)
+        why = engine.lifecycle.recovering or engine.lifecycle.dead
+        if why:  # the group's ranks are not there to read it (a restart reads the served ones again)
+            raise UnavailableError(f"the worker group is down ({why}); retry once the server is SERVING")
+
+        async def read(slot: int, path: str) -> None:
+            try:
+                await engine.loop.workers.load_lora(slot, path)
+            except WorkerGroupError as exc:  # the group was lost meanwhile: the slot stays free
+                raise UnavailableError(f"the worker group failed while it read the adapter: {exc}") from None
+
+        adapter = await self.loras.load(request.name, request.path, read)
         log.info("lora adapter loaded", name=adapter.name, path=adapter.path, slot=adapter.slot)
         return pb.LoadLoRAAdapterResponse(slot=adapter.slot)
 
