@@ -61,6 +61,11 @@ class LoRARegistry:
         """The adapters served now, by slot."""
         return sorted(self._adapters.values(), key=lambda a: a.slot)
 
+    def in_use(self) -> list[str]:
+        """The names of the adapters with requests in flight. Safe from another thread (the metrics
+        scrape): ``list()`` of a dict's values is one call under the GIL."""
+        return [a.name for a in list(self._adapters.values()) if a.requests]
+
     def acquire(self, name: str) -> LoadedAdapter:
         """The adapter a request names, counted in flight until :meth:`release`.
 

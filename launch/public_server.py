@@ -179,10 +179,11 @@ class PublicServer:
         # Structured output grammars compile in child processes, bounded in time (docs/design/sampling.md, "Grammars
         # compile in child processes").
         grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
+        loras = LoRARegistry(self.config.lora.max_loras if self.config.lora.enable_lora else 0, self.config.lora.adapters)
+        self.metrics.load.configure_lora(loras.max_loras, loras.in_use)  # vllm:lora_requests_info
         self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0),
                                            api_keys=self.api_keys is not None, grammars=grammars, keys=self.api_keys,
-                                           loras=LoRARegistry(self.config.lora.max_loras if self.config.lora.enable_lora else 0,
-                                                              self.config.lora.adapters))
+                                           loras=loras)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         # The engine protocol a gateway (smg) routes, on the same port and engine.
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(

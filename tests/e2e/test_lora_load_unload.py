@@ -10,7 +10,8 @@ second adapter (RESOURCE_EXHAUSTED: one slot) and the unload of an adapter a str
 the prompt computed before is no prefix-cache hit for the reloaded adapter (its blocks are
 never served again) while a second request is one. A tenant's load is PERMISSION_DENIED.
 ``tpserve:lora_requests_total`` and ``tpserve:lora_generation_tokens_total`` count the
-adapter's requests and tokens under ``lora_name="a"``, none of the base model's. Last, rank 1
+adapter's requests and tokens under ``lora_name="a"``, none of the base model's, and
+``vllm:lora_requests_info`` lists ``a`` while a stream uses it. Last, rank 1
 is killed: the restarted group (``--worker-recovery-timeout-seconds``) reads the adapter again,
 and its tokens are still ``peft``'s.
 Every stream's largest inter-token gap over the calls stays under 200 ms, or, on a loaded
@@ -75,7 +76,8 @@ def _lora_metrics(metrics_port: int) -> dict[str, float]:
     """The ``/metrics`` samples of the per-adapter counters, by ``name{labels}``."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     return {name: float(value) for name, _, value in (line.rpartition(" ") for line in body.splitlines())
-            if name.startswith(("tpserve:lora_requests_total", "tpserve:lora_generation_tokens_total"))}
+            if name.startswith(("tpserve:lora_requests_total", "tpserve:lora_generation_tokens_total",
+                                "vllm:lora_requests_info"))}
 
 
 def _outcome(call: Callable[[], Any]) -> Any:
@@ -158,6 +160,7 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
             seen["metrics_first"] = _lora_metrics(cluster.metrics_port)
             busy = operator.generate_stream(PROMPT, max_tokens=200, temperature=0, ignore_eos=True, lora_name="a")
             seen["busy_tokens"] = len(next(iter(busy)).token_ids)  # running under a
+            seen["metrics_busy"] = _lora_metrics(cluster.metrics_port)
             seen["busy_unload"] = _outcome(lambda: operator.unload_lora_adapter("a"))
             busy.cancel()
             deadline = time.monotonic() + 30
@@ -202,8 +205,12 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
     assert seen["again"].token_ids == want and seen["again"].usage.cached_prompt_tokens == 2 * BLOCK_SIZE
     # Per-adapter metrics: the 16 base-model streams are not counted under any adapter.
     requests, tokens = 'tpserve:lora_requests_total{lora_name="a"}', 'tpserve:lora_generation_tokens_total{lora_name="a"}'
-    assert seen["metrics_first"] == {requests: 1.0, tokens: MAX_TOKENS}
-    assert seen["metrics_end"].keys() == {requests, tokens}  # one series: the name, across its reload
+    info = 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="%s",waiting_lora_adapters=""}'
+    assert {k: v for k, v in seen["metrics_first"].items() if not k.startswith("vllm")} == \
+        {requests: 1.0, tokens: MAX_TOKENS}
+    assert [k for k in seen["metrics_first"] if k.startswith("vllm")] == [info % ""]  # no adapter in use
+    assert [k for k in seen["metrics_busy"] if k.startswith("vllm")] == [info % "a"]  # the router's LoRA affinity
+    assert seen["metrics_end"].keys() == {requests, tokens, info % ""}  # one series per name, across its reload
     assert seen["metrics_end"][requests] == 4.0  # first, the cancelled stream, reloaded, again
     assert seen["metrics_end"][tokens] >= 3 * MAX_TOKENS + seen["busy_tokens"]
     bound = max(QUIET_GAP_S, 3 * lead_in_gap)
