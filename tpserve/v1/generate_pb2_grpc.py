@@ -114,7 +114,9 @@ class GenerationServicer:
         otherwise). Load reads and checks the PEFT directory on every rank, off the step loop,
         then serves it under `name` from a free slot: RESOURCE_EXHAUSTED when --max-loras
         slots are taken, INVALID_ARGUMENT naming the field or tensor for a bad adapter,
-        ALREADY_EXISTS for a served name, FAILED_PRECONDITION without --enable-lora.
+        ALREADY_EXISTS for a served name, FAILED_PRECONDITION without --enable-lora,
+        UNAVAILABLE while the worker group is down (a restarted group reads the served
+        adapters again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
