@@ -50,7 +50,9 @@ _ENGINE = "/vllm.grpc.engine.VllmEngine/"
 #: What only an operator may call: they act on, or show, every tenant's state (the prefix
 #: cache's contents and events, the queue and cache hit rate) or the server itself.
 OPERATOR_METHODS = frozenset(_ENGINE + name for name in (
-    "FlushCache", "SubscribeKvEvents", "GetLoads", "StartProfile", "StopProfile"))
+    "FlushCache", "SubscribeKvEvents", "GetLoads", "StartProfile", "StopProfile")) | frozenset(
+    # LoRA adapters: which are served changes every tenant's server (coordinator/lora_admin.py).
+    "/tpserve.v1.Generation/" + name for name in ("LoadLoRAAdapter", "UnloadLoRAAdapter", "ListLoRAAdapters"))
 
 
 class Role(Enum):

@@ -46,6 +46,18 @@ class NotFoundError(TpserveError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExistsError(TpserveError):
+    """The request would create something that exists already (a LoRA adapter's name)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPreconditionError(TpserveError):
+    """The server is not in a state that allows the call (an adapter still in use, LoRA off)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhaustedError(TpserveError):
     """The queue is full, or the request can never fit in the KV cache.
 

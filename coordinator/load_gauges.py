@@ -15,7 +15,7 @@ tpserve:num_requests_waiting   vllm:num_requests_waiting           sequences que
 tpserve:num_requests_running   vllm:num_requests_running           sequences holding KV blocks
 tpserve:kv_cache_usage_perc    vllm:kv_cache_usage_perc            1 - free / total blocks, 0-1
 tpserve:saturation             (none)                              0-1, see :func:`saturation`
-(no LoRA adapters)             vllm:lora_requests_info             max_lora="0", no adapters
+(LoRA adapters)                vllm:lora_requests_info             max_lora, adapters in use
 kv_cache_total_blocks, block   vllm:cache_config_info              block_size, num_gpu_blocks
 =============================  ==================================  ==========================
 
@@ -27,7 +27,7 @@ Prometheus scrapes. No per-token work, and next to none per step.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -74,7 +74,14 @@ class LoadGauges(Collector):
         self._pool = (0, 0, 0)  # (blocks in the pool, tokens per block, max_num_seqs)
         self._load = (0, 0, 0)  # (running, waiting, free blocks)
         self._started = time.time()  # vllm:lora_requests_info's value, a timestamp as vLLM's
+        self._max_loras = 0
+        self._lora_in_use: Callable[[], list[str]] = list
         registry.register(self)
+
+    def configure_lora(self, max_loras: int, in_use: Callable[[], list[str]]) -> None:
+        """``--max-loras`` and the adapters in use (names with requests in flight; called at each scrape,
+        on the metrics thread: it must only copy), for ``vllm:lora_requests_info``; at start-up."""
+        self._max_loras, self._lora_in_use = max_loras, in_use
 
     def configure(self, num_total_blocks: int, block_size: int, max_num_seqs: int) -> None:
         """The pool (``num_total_blocks`` blocks of ``block_size`` tokens) and the sequence slots; at start-up."""
@@ -103,11 +110,12 @@ class LoadGauges(Collector):
                                 "inference routers).", value=running)
         yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "= tpserve:kv_cache_usage_perc, 0-1 (vLLM's name, for "
                                 "inference routers).", value=usage)
-        # The endpoint picker's LoRA affinity reads this; tpserve serves no adapters and says so
-        # (max_lora 0) rather than leave the router to log a missing series.
-        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting (tpserve serves none).",
+        # The endpoint picker's LoRA affinity reads this (max_lora 0 without --enable-lora, rather than
+        # leave the router to log a missing series). The adapters with requests in flight, queued ones
+        # included, are listed as running: the coordinator counts them per adapter, not per state.
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters with requests in flight (as running).",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        lora.add_metric(["0", "", ""], self._started)
+        lora.add_metric([str(self._max_loras), ",".join(sorted(self._lora_in_use())), ""], self._started)
         yield lora
         cache = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (value 1; vLLM's name).",
                                   labels=["block_size", "num_gpu_blocks"])

@@ -57,6 +57,13 @@ class Metrics:
             ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)  # exported at 0 from the start
+        # Per LoRA adapter (requests naming one; the base model's are the totals' rest). A label per
+        # adapter name ever loaded: operators choose the names, and a series outlives its unload.
+        self.lora_requests = Counter(
+            "tpserve:lora_requests", "Finished requests under a LoRA adapter, by adapter.", ["lora_name"], registry=r)
+        self.lora_generation_tokens = Counter(
+            "tpserve:lora_generation_tokens", "Tokens generated under a LoRA adapter by finished requests, by adapter.",
+            ["lora_name"], registry=r)
         self.worker_restarts = Counter(
             "tpserve:worker_restarts", "Times the worker group was restarted after losing a rank.", registry=r)
         self.requests_resumed = Counter(
@@ -144,6 +151,11 @@ class Metrics:
             self._busy_window = None
         else:
             self._busy_window = (start, busy_in_window)
+
+    def add_lora_request(self, lora_name: str, num_generated: int) -> None:
+        """A finished request under adapter ``lora_name`` that generated ``num_generated`` tokens."""
+        self.lora_requests.labels(lora_name=lora_name).inc()
+        self.lora_generation_tokens.labels(lora_name=lora_name).inc(num_generated)
 
     def set_pool(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
         """The KV pool (``num_blocks`` blocks of ``block_size`` tokens, all free) and the sequence slots."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 
 import grpc
 
@@ -20,6 +19,8 @@ from coordinator.cache_isolation import tenant_id
 from coordinator.chat import prepare_chat
 from coordinator.chat_renderer import ChatRenderPool
 from coordinator.engine import Engine, RequestOutput
+from coordinator.lora_admin import LoRAAdminMethods
+from coordinator.lora_registry import LoadedAdapter, LoRARegistry
 from coordinator.request_output import aborted_output
 from coordinator.request_table import RequestAborted, RequestEntry, check_abort_ids
 from coordinator.request_timeline import RequestTimings, replica_name, stamp_timings
@@ -42,7 +43,7 @@ _FINISH_REASON_TO_PB = {
 }
 
 
-class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+class GenerationServicer(LoRAAdminMethods, generate_pb2_grpc.GenerationServicer):
     """Serves the public API of one worker group.
 
     Args:
@@ -55,23 +56,25 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             limit; None compiles them on the validation thread, unbounded (tests).
         keys: the API-key check, which knows each key's role (coordinator/auth.py); None:
             every caller is an operator (one trust domain).
-        lora_slots: ``--lora-modules``' adapter names and their worker slots (a request's ``lora_name``).
+        loras: the LoRA adapters served and their worker slots (a request's ``lora_name``;
+            coordinator/lora_admin.py loads and unloads them); None: LoRA is off.
     """
 
     def __init__(self, engine: Engine | None, tokenizer: Tokenizer, model_info: pb.ModelInfo,
                  api_keys: bool = False, grammars: GrammarCompiler | None = None,
-                 keys: ApiKeyInterceptor | None = None, lora_slots: Mapping[str, int] | None = None) -> None:
+                 keys: ApiKeyInterceptor | None = None, loras: LoRARegistry | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.api_keys = api_keys
         self.keys = keys
         self.grammars = grammars
-        self.lora_slots = dict(lora_slots or {})
+        self.loras = loras or LoRARegistry(0)
         self.chat_renderer = ChatRenderPool()
         self.replica = replica_name(model_info.model_name)  # in every response's timings
 
-    async def _validate(self, request: pb.GenerateRequest, entry: RequestEntry) -> GenerateParams:
+    async def _validate(self, request: pb.GenerateRequest, entry: RequestEntry,
+                        lora: LoadedAdapter | None) -> GenerateParams:
         """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
         tokenize, which on the event loop would freeze every stream and health check; a
         grammar compiles in a child process, the thread waiting at most its time limit.
@@ -84,7 +87,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                                             self.tokenizer.special_tokens_map))
         params = await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
                                          self.model_info.max_model_len, entry.tenant, chat, self.grammars,
-                                         self.lora_slots)
+                                         {lora.name: lora.slot} if lora else None, lora.cache_key if lora else None)
         entry.validated_s = time.monotonic()  # the trace's validate span ends here
         return params
 
@@ -102,21 +105,34 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return self.engine
 
     def _receive(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                 n: int) -> tuple[Engine, RequestEntry]:
+                 n: int) -> tuple[Engine, RequestEntry, LoadedAdapter | None]:
         """Registers a request as it arrives, before validation: an Abort of its id from now on
-        ends it (coordinator/request_table.py). The handler closes the entry when it ends."""
+        ends it (coordinator/request_table.py), and its LoRA adapter cannot be unloaded
+        (coordinator/lora_registry.py). The handler closes both when it ends (:meth:`_close`)."""
         engine = self._check_loaded()
         check_priority(request.priority, self.is_operator(context))  # before the table: refused whole
         tenant = tenant_id(context.invocation_metadata()) if self.api_keys else ""
-        entry = engine.requests.open(request.request_id, tenant, n)
+        lora = self.loras.acquire(request.lora_name) if request.lora_name else None  # NOT_FOUND: refused whole
+        try:
+            entry = engine.requests.open(request.request_id, tenant, n)
+        except BaseException:
+            if lora is not None:
+                self.loras.release(lora)
+            raise
         if tracing.enabled():  # once per request; off: nothing
             entry.trace_context = tracing.extract(context.invocation_metadata())
-        return engine, entry
+        return engine, entry, lora
+
+    def _close(self, engine: Engine, entry: RequestEntry, lora: LoadedAdapter | None) -> None:
+        """The request's handler ends: its table entry closes and its adapter may be unloaded."""
+        engine.requests.close(entry)
+        if lora is not None:
+            self.loras.release(lora)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         if num_samples(request.sampling_params) > 1:
             raise InvalidArgumentError("sampling_params.n > 1 needs GenerateStream (its messages carry the index)")
-        engine, entry = self._receive(request, context, 1)
+        engine, entry, lora = self._receive(request, context, 1)
         text: list[str] = []
         token_ids: list[int] = []
         last: RequestOutput | None = None
@@ -124,7 +140,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         prompt_logprobs: list[pb.TokenLogprob] = []
         try:
             try:
-                params = await entry.unless_aborted(self._validate(request, entry))
+                params = await entry.unless_aborted(self._validate(request, entry, lora))
             except RequestAborted:  # an Abort while it was validated
                 last = stamp_timings(aborted_output(entry.request_id, 0), entry, None)
             else:  # UNARY: the engine wakes this handler once, at the end, with every token merged.
@@ -135,7 +151,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     prompt_logprobs.extend(_logprobs(output, prompt=True))
                     last = output
         finally:
-            engine.requests.close(entry)
+            self._close(engine, entry, lora)
         assert last is not None  # the engine always ends with a finished output
         return pb.GenerateResponse(
             request_id=last.request_id, text="".join(text), token_ids=token_ids,
@@ -148,11 +164,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         error interceptor's) on its way out (docs/design/request-path.md, "Where a streamed token's coordinator CPU
         goes")."""
         n = num_samples(request.sampling_params)
-        engine, entry = self._receive(request, context, n)
+        engine, entry, lora = self._receive(request, context, n)
         write = context.write
         try:
             try:
-                params = await entry.unless_aborted(self._validate(request, entry))
+                params = await entry.unless_aborted(self._validate(request, entry, lora))
             except RequestAborted:  # an Abort while it was validated: every sample ends now
                 for index in range(n):
                     await write(_stream_response(stamp_timings(aborted_output(entry.request_id, 0), entry, None),
@@ -167,7 +183,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
                     await write(_stream_response(output, index, self.replica))  # else text held back and no token: nothing to send
         finally:
-            engine.requests.close(entry)
+            self._close(engine, entry, lora)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Ends the named requests wherever they are (coordinator/request_table.py).

@@ -58,6 +58,7 @@ class GenerateParams:
             ``generated_token_ids``): fewer than ``max_tokens``, no stop token among them,
             allowed by the request's grammar if it has one (usage counts them as prompt tokens).
         lora_slot: the resident slot of the request's ``lora_name`` (``--lora-modules`` order, from 1); 0: none.
+        lora_name: the request's adapter, ``""`` for the base model (the metrics' ``lora_name`` label).
     """
 
     request_id: str
@@ -73,12 +74,13 @@ class GenerateParams:
     tenant: str = ""
     generated_token_ids: tuple[int, ...] = ()
     lora_slot: int = 0
+    lora_name: str = ""
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                      tenant: str = "", chat: tuple[ChatPrompt, str] | None = None,
                      grammars: GrammarCompiler | None = None,
-                     lora_slots: Mapping[str, int] | None = None) -> GenerateParams:
+                     lora_slots: Mapping[str, int] | None = None, lora_key: str | None = None) -> GenerateParams:
     """Checks a request and tokenizes its prompt (blocking: about 1 s for a 1 MiB prompt; the
     server runs it off its event loop).
 
@@ -93,8 +95,9 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
             (:class:`coordinator.chat_renderer.ChatRenderPool`); None renders them here.
         grammars: compiles a response_format in child processes under a time limit
             (the server's); None compiles on this thread (tests, tools).
-
         lora_slots: ``--enable-lora``'s adapter names and their slots; None or empty: no adapters.
+        lora_key: the adapter's prefix-cache identity for this load (coordinator/lora_registry.py:
+            a reloaded adapter gets a new one); None: its name.
 
     Raises:
         InvalidArgumentError: a field is missing or out of range; the message names it.
@@ -147,8 +150,9 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
         stop_token_ids=frozenset(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
-        cache_namespace=prefix_cache_namespace(tenant, request.cache_salt, request.lora_name),
+        cache_namespace=prefix_cache_namespace(tenant, request.cache_salt, lora_key or request.lora_name),
         lora_slot=lora_slot,
+        lora_name=request.lora_name if lora_slot else "",
         priority=request.priority,
         tenant=tenant,
         generated_token_ids=generated,

@@ -352,6 +352,26 @@ class WorkerGroup:
         if response.error:
             raise ValueError(response.error)
 
+    async def load_lora(self, slot: int, path: str) -> None:
+        """Has every rank read and check the LoRA adapter at ``path`` into the free ``slot``, beside its steps.
+
+        Shares the grammar builds' one call at a time (each holds a thread of a rank's gRPC pool).
+
+        Raises:
+            WorkerGroupError: a call failed or took over the step timeout.
+            ValueError: a rank refused the adapter (the first refusal's line: the field or tensor).
+        """
+        async with self._preparing:
+            try:
+                responses = await asyncio.gather(*(
+                    stub.LoadLoRA(pb.LoadLoRARequest(slot=slot, path=path), timeout=self.step_timeout_s)
+                    for stub in self._stubs))
+            except grpc.aio.AioRpcError as exc:
+                raise WorkerGroupError(f"LoadLoRA: {exc.code().name}: {exc.details()}") from exc
+        errors = [r.error for r in responses if r.error]
+        if errors:
+            raise ValueError(errors[0])
+
     async def watch_liveness(self, interval_s: float = LIVENESS_INTERVAL_S,
                              timeout_s: float = LIVENESS_TIMEOUT_S) -> RankLoss:
         """Asks every rank for its status every ``interval_s``; returns why, once one fails to answer.

@@ -24,6 +24,7 @@ from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
 from coordinator.gc_policy import set_serving_gc_thresholds
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.metrics import Metrics
+from coordinator.lora_registry import LoRARegistry
 from coordinator.server import GenerationServicer
 from coordinator.tls import ServerCertificates
 from coordinator.tokenizer import Tokenizer
@@ -178,9 +179,11 @@ class PublicServer:
         # Structured output grammars compile in child processes, bounded in time (docs/design/sampling.md, "Grammars
         # compile in child processes").
         grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size)
+        loras = LoRARegistry(self.config.lora.max_loras if self.config.lora.enable_lora else 0, self.config.lora.adapters)
+        self.metrics.load.configure_lora(loras.max_loras, loras.in_use)  # vllm:lora_requests_info
         self.servicer = GenerationServicer(None, self.tokenizer, self.model_info(0),
                                            api_keys=self.api_keys is not None, grammars=grammars, keys=self.api_keys,
-                                           lora_slots=self.config.lora.slot_of())
+                                           loras=loras)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         # The engine protocol a gateway (smg) routes, on the same port and engine.
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(

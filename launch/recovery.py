@@ -143,6 +143,8 @@ class Recovery:
                     self._fail(reason, timeout_s, cause)
                     return
                 await asyncio.sleep(RESTART_BACKOFF_SECONDS)
+        if not await self._restore_lora_adapters(reason, timeout_s):
+            return
         self.watch_liveness()
         self.engine.resume(self.launcher.workers)
         self._recovery = None
@@ -191,6 +193,20 @@ class Recovery:
             await asyncio.wait_for(self.launcher.workers.start(num_blocks), max(deadline - time.monotonic(), 0.1))
         except asyncio.TimeoutError:
             raise WorkerGroupError("the restarted ranks did not allocate their KV cache by the deadline") from None
+
+    async def _restore_lora_adapters(self, reason: str, timeout_s: float) -> bool:
+        """Has the restarted ranks read every adapter served now into its slot again: they start with
+        ``--lora-modules``' only, and an adapter loaded while serving (coordinator/lora_admin.py) would
+        otherwise run as the base model. False (the group failed, :meth:`_fail`) when one cannot be."""
+        servicer = self.public.servicer
+        for adapter in servicer.loras.served() if servicer is not None else ():
+            try:
+                await self.launcher.workers.load_lora(adapter.slot, adapter.path)
+            except (ValueError, WorkerGroupError) as exc:
+                await self.launcher.stop_ranks()
+                self._fail(reason, timeout_s, f"LoRA adapter {adapter.name!r} could not be read again: {exc}")
+                return False
+        return True
 
     def _fail(self, reason: str, timeout_s: float, cause: str) -> None:
         """The restart failed: the held requests fail with UNAVAILABLE naming ``cause``, and the leader exits 1."""

@@ -20,7 +20,8 @@ from tpserve.stream_move import MovePolicy
 from tpserve.v1 import generate_pb2 as pb
 
 #: Every RPC of the Generation service, plus the health wait and close.
-RPC_METHODS = {"wait_ready", "model_info", "generate", "generate_stream", "abort", "close"}
+RPC_METHODS = {"wait_ready", "model_info", "generate", "generate_stream", "abort", "close", "load_lora_adapter",
+               "unload_lora_adapter", "list_lora_adapters"}
 
 
 def _public_methods(cls: type) -> dict[str, object]:
@@ -68,7 +69,8 @@ class FakeStub:
 
     def __init__(self, answers: list[object], asynchronous: bool) -> None:
         self.answers, self.calls = list(answers), []
-        for name in ("Generate", "GetModelInfo", "Abort", "Check"):
+        for name in ("Generate", "GetModelInfo", "Abort", "Check", "LoadLoRAAdapter", "UnloadLoRAAdapter",
+                     "ListLoRAAdapters"):
             setattr(self, name, self._method(name, asynchronous))
 
     def _method(self, name: str, asynchronous: bool):
@@ -141,3 +143,19 @@ def test_abort_and_model_info_send_the_same_request_from_both_drivers(ids: tuple
         assert calls == [("Abort", pb.AbortRequest(request_ids=ids), 10.0, (("authorization", "Bearer k"),))]
     for info, calls in _run_both(lambda c: c.model_info(10.0), [pb.ModelInfo(model_name="m", max_model_len=64)]):
         assert (info.model_name, info.max_model_len) == ("m", 64) and calls[0][0] == "GetModelInfo"
+
+
+def test_lora_adapter_calls_send_the_same_requests_from_both_drivers() -> None:
+    key = (("authorization", "Bearer k"),)
+    for slot, calls in _run_both(lambda c: c.load_lora_adapter("a", "/adapters/a", 60.0),
+                                 [pb.LoadLoRAAdapterResponse(slot=3)]):
+        assert slot == 3
+        assert calls == [("LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(name="a", path="/adapters/a"), 60.0, key)]
+    full = RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "every one of the --max-loras 1 adapter slots is taken")
+    for error, calls in _run_both(lambda c: c.load_lora_adapter("b", "/b", None), [full, pb.LoadLoRAAdapterResponse()]):
+        assert error is full and len(calls) == 1  # a load is not retried
+    for value, calls in _run_both(lambda c: c.unload_lora_adapter("a", 10.0), [pb.UnloadLoRAAdapterResponse()]):
+        assert value is None and calls == [("UnloadLoRAAdapter", pb.UnloadLoRAAdapterRequest(name="a"), 10.0, key)]
+    listed = pb.ListLoRAAdaptersResponse(adapters=[pb.LoRAAdapter(name="a", path="/a", slot=1)], max_loras=2)
+    for value, calls in _run_both(lambda c: c.list_lora_adapters(10.0), [listed]):
+        assert value == listed and calls[0][0] == "ListLoRAAdapters"

@@ -180,6 +180,18 @@ class Client(_ClientBase):
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
         return run_blocking(self._calls.abort(request_ids, timeout_s))
 
+    @_doc_of(Calls.load_lora_adapter)
+    def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:
+        return run_blocking(self._calls.load_lora_adapter(name, path, timeout_s))
+
+    @_doc_of(Calls.unload_lora_adapter)
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = 10.0) -> None:
+        run_blocking(self._calls.unload_lora_adapter(name, timeout_s))
+
+    @_doc_of(Calls.list_lora_adapters)
+    def list_lora_adapters(self, *, timeout_s: float | None = 10.0) -> pb.ListLoRAAdaptersResponse:
+        return run_blocking(self._calls.list_lora_adapters(timeout_s))
+
 
 class AsyncClient(_ClientBase):
     """asyncio client with :class:`Client`'s arguments and methods, as coroutines; streams are ``async for``
@@ -230,3 +242,15 @@ class AsyncClient(_ClientBase):
     @_doc_of(Calls.abort)
     async def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
         return await run_async(self._calls.abort(request_ids, timeout_s))
+
+    @_doc_of(Calls.load_lora_adapter)
+    async def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:
+        return await run_async(self._calls.load_lora_adapter(name, path, timeout_s))
+
+    @_doc_of(Calls.unload_lora_adapter)
+    async def unload_lora_adapter(self, name: str, *, timeout_s: float | None = 10.0) -> None:
+        await run_async(self._calls.unload_lora_adapter(name, timeout_s))
+
+    @_doc_of(Calls.list_lora_adapters)
+    async def list_lora_adapters(self, *, timeout_s: float | None = 10.0) -> pb.ListLoRAAdaptersResponse:
+        return await run_async(self._calls.list_lora_adapters(timeout_s))

@@ -215,3 +215,26 @@ class Calls:
         call); the number of samples that were in flight (0: none of the ids is running)."""
         request = pb.AbortRequest(request_ids=request_ids)
         return (yield Invoke(self.stub.Abort, request, timeout_s, self.metadata)).num_aborted
+
+    def load_lora_adapter(self, name: str, path: str, timeout_s: float | None) -> Plan[int]:
+        """LoadLoRAAdapter (operator-only with API key roles): serve the PEFT adapter directory ``path``
+        (read by the server's ranks) as ``name``; the worker slot it took. Not retried: a load is not idempotent.
+
+        Raises:
+            grpc.RpcError: RESOURCE_EXHAUSTED (no free slot), INVALID_ARGUMENT (a bad adapter, naming the
+                tensor or field), ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION (LoRA off).
+        """
+        request = pb.LoadLoRAAdapterRequest(name=name, path=path)
+        return (yield Invoke(self.stub.LoadLoRAAdapter, request, timeout_s, self.metadata)).slot
+
+    def unload_lora_adapter(self, name: str, timeout_s: float | None) -> Plan[None]:
+        """UnloadLoRAAdapter (operator-only with API key roles): stop serving ``name``.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND, FAILED_PRECONDITION (requests naming it in flight), PERMISSION_DENIED.
+        """
+        yield Invoke(self.stub.UnloadLoRAAdapter, pb.UnloadLoRAAdapterRequest(name=name), timeout_s, self.metadata)
+
+    def list_lora_adapters(self, timeout_s: float | None) -> Plan[pb.ListLoRAAdaptersResponse]:
+        """ListLoRAAdapters (operator-only with API key roles): the adapters served, by slot, and ``max_loras``."""
+        return (yield Invoke(self.stub.ListLoRAAdapters, pb.ListLoRAAdaptersRequest(), timeout_s, self.metadata))

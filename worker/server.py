@@ -240,6 +240,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return pb.PrepareGrammarResponse(error=str(exc))
         return pb.PrepareGrammarResponse()
 
+    def LoadLoRA(self, request: pb.LoadLoRARequest, context: grpc.ServicerContext) -> pb.LoadLoRAResponse:
+        """Reads and checks a LoRA adapter into ``request.slot`` on this gRPC pool thread, beside the steps.
+
+        Safe without a lock: the coordinator names a free slot, which no scheduled sequence uses
+        until every rank has answered, so no step reads the rows written here (docs/design/models.md,
+        "Adapters loaded while serving")."""
+        if not self._ready.is_set():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the shard is not loaded yet")
+        lora = self._runner.lora
+        if lora is None:
+            return pb.LoadLoRAResponse(error="LoRA is not enabled (--enable-lora)")
+        try:
+            lora.load(request.slot, request.path)
+        except ValueError as exc:
+            return pb.LoadLoRAResponse(error=str(exc))
+        log.info("lora adapter loaded", rank=self.options.rank, slot=request.slot, path=request.path)
+        return pb.LoadLoRAResponse()
+
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
         """Runs each plan and answers it; a stream opened with ``ERRORS_ONLY`` metadata (every rank
         but the sampling rank's, coordinator/worker_client.py) is answered only for a failed step.

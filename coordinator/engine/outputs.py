@@ -38,6 +38,7 @@ class RequestState:
     tenant: str = ""
     queue: RequestOutputCollector = field(default_factory=RequestOutputCollector)
     first_token_time: float | None = None
+    lora_name: str = ""  # its LoRA adapter, "" for the base model (the metrics' label)
 
 
 class OutputProcessor:
@@ -118,6 +119,8 @@ class OutputProcessor:
         seq = state.seq
         self.metrics.request_success.labels(finished_reason=reason.value).inc()
         self.metrics.generation_tokens.inc(num_generated := seq.num_usage_completion_tokens)  # not a continuation's
+        if state.lora_name:
+            self.metrics.add_lora_request(state.lora_name, num_generated)
         self.metrics.e2e_request_latency.observe(now - state.arrival_time)
         if num_generated > 1 and state.first_token_time is not None:
             self.metrics.time_per_output_token.observe((now - state.first_token_time) / (num_generated - 1))

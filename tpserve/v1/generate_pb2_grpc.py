@@ -54,6 +54,21 @@ class GenerationStub:
                 request_serializer=tpserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
                 response_deserializer=tpserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/tpserve.v1.Generation/LoadLoRAAdapter',
+                request_serializer=tpserve_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tpserve_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/tpserve.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=tpserve_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tpserve_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/tpserve.v1.Generation/ListLoRAAdapters',
+                request_serializer=tpserve_dot_v1_dot_generate__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=tpserve_dot_v1_dot_generate__pb2.ListLoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -93,6 +108,36 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters while serving (--enable-lora; vLLM's /v1/load_lora_adapter and
+        /v1/unload_lora_adapter). Operator-only when API keys have roles (PERMISSION_DENIED
+        otherwise). Load reads and checks the PEFT directory on every rank, off the step loop,
+        then serves it under `name` from a free slot: RESOURCE_EXHAUSTED when --max-loras
+        slots are taken, INVALID_ARGUMENT naming the field or tensor for a bad adapter,
+        ALREADY_EXISTS for a served name, FAILED_PRECONDITION without --enable-lora,
+        UNAVAILABLE while the worker group is down (a restarted group reads the served
+        adapters again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Stops serving `name` and frees its slot; its prefix-cache blocks are never a hit
+        again. NOT_FOUND for a name not served; FAILED_PRECONDITION while requests naming it
+        are in flight (retry once they end).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAAdapters(self, request, context):
+        """The adapters served now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +160,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=tpserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
                     response_serializer=tpserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=tpserve_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=tpserve_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=tpserve_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=tpserve_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=tpserve_dot_v1_dot_generate__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=tpserve_dot_v1_dot_generate__pb2.ListLoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +285,87 @@ class Generation:
             '/tpserve.v1.Generation/Abort',
             tpserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
             tpserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpserve.v1.Generation/LoadLoRAAdapter',
+            tpserve_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            tpserve_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpserve.v1.Generation/UnloadLoRAAdapter',
+            tpserve_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            tpserve_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpserve.v1.Generation/ListLoRAAdapters',
+            tpserve_dot_v1_dot_generate__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            tpserve_dot_v1_dot_generate__pb2.ListLoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

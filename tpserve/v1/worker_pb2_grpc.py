@@ -54,6 +54,11 @@ class WorkerServiceStub:
                 request_serializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
                 response_deserializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/tpserve.v1.WorkerService/LoadLoRA',
+                request_serializer=tpserve_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=tpserve_dot_v1_dot_worker__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -85,6 +90,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Reads a LoRA adapter into a free slot on this gRPC pool thread, beside the steps: the
+        coordinator names a slot no scheduled sequence uses, so no step reads what is written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +120,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.PrepareGrammar,
                     request_deserializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
                     response_serializer=tpserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=tpserve_dot_v1_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=tpserve_dot_v1_dot_worker__pb2.LoadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class WorkerService:
             '/tpserve.v1.WorkerService/PrepareGrammar',
             tpserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
             tpserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpserve.v1.WorkerService/LoadLoRA',
+            tpserve_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            tpserve_dot_v1_dot_worker__pb2.LoadLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,
