@@ -33,11 +33,10 @@ and what is supported. No torch here: the coordinator reads this too.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from tpserve.quantization_int4 import int4_format
-from tpserve.weight_formats import compressed_tensors_groups, weight_format
+from tpserve.weight_formats import compressed_tensors_groups, matches_target, weight_format
 
 #: int8: weights per output channel, symmetric; int4: group-wise codes (tpserve/quantization_int4.py).
 #: Activations stay in the model dtype.
@@ -113,19 +112,10 @@ def _check_group(name: str, group: Any, ignore: list[str]) -> None:
     if weights.get("dynamic"):
         raise _refuse(f"config_groups.{name}.weights.dynamic={weights['dynamic']!r}")
     targets = list(group.get("targets") or [])
-    if _matches(targets, "lm_head", "Linear") and not _matches(ignore, "lm_head", None):
+    if matches_target(targets, "lm_head", "Linear") and not matches_target(ignore, "lm_head", None):
         # The LM head stays in the model dtype (docs/design/models.md, "Weight-only int8").
         raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
 
-
-def _matches(patterns: list[str], module: str, module_class: str | None) -> bool:
-    """compressed-tensors' target rule: a class name, an exact module name, or ``re:<regex>`` on the name."""
-    for pattern in patterns:
-        if pattern == module or (module_class is not None and pattern == module_class):
-            return True
-        if pattern.startswith("re:") and re.match(pattern[3:], module):
-            return True
-    return False
 
 
 def _refuse(found: str) -> ValueError:

@@ -23,9 +23,10 @@ coordinator reads this before any rank starts).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from tpserve.weight_formats import compressed_tensors_groups, matches_target
 
 #: The group size of ``--quantization int4`` (round-to-nearest from a float checkpoint): the
 #: published formats' usual one (GPTQ, AWQ and llm-compressor's W4A16 default), 4.5 bits a
@@ -118,15 +119,7 @@ def _awq(qc: dict[str, Any]) -> Int4Format:
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> Int4Format:
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise _refuse(f"compressed-tensors quantization_status={status!r}")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise _refuse(f"compressed-tensors {key}={qc[key]!r}")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise _refuse("compressed-tensors without config_groups")
+    groups = compressed_tensors_groups(qc, "4-bit ints", _refuse)
     ignore = list(qc.get("ignore") or [])
     formats = {_ct_group(name, group, ignore) for name, group in groups.items()}
     if len(formats) != 1:
@@ -162,16 +155,7 @@ def _ct_group(name: str, group: Any, ignore: list[str]) -> Int4Format:
     if not isinstance(symmetric, bool):
         raise _refuse(f"config_groups.{name}.weights.symmetric={symmetric!r}")
     targets = list(group.get("targets") or [])
-    if _matches(targets, "lm_head", "Linear") and not _matches(ignore, "lm_head", None):
+    if matches_target(targets, "lm_head", "Linear") and not matches_target(ignore, "lm_head", None):
         raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
     return Int4Format("compressed-tensors", group_size, symmetric)
 
-
-def _matches(patterns: list[str], module: str, module_class: str | None) -> bool:
-    """compressed-tensors' target rule: a class name, an exact module name, or ``re:<regex>`` on the name."""
-    for pattern in patterns:
-        if pattern == module or (module_class is not None and pattern == module_class):
-            return True
-        if pattern.startswith("re:") and re.match(pattern[3:], module):
-            return True
-    return False

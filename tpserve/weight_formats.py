@@ -28,6 +28,7 @@ dequantized whatever its name; a quantized tensor without its scale is refused a
 from __future__ import annotations
 
 from dataclasses import dataclass
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -105,6 +106,16 @@ def compressed_tensors_groups(qc: dict[str, Any], stored_as: str,
     if not isinstance(groups, dict) or not groups:
         raise refuse("compressed-tensors without config_groups")
     return groups
+
+
+def matches_target(patterns: list[str], module: str, module_class: str | None) -> bool:
+    """compressed-tensors' target rule: a class name, an exact module name, or ``re:<regex>`` on the name."""
+    for pattern in patterns:
+        if pattern == module or (module_class is not None and pattern == module_class):
+            return True
+        if pattern.startswith("re:") and re.match(pattern[3:], module):
+            return True
+    return False
 
 
 def _refuse(found: str) -> ValueError:
