@@ -65,6 +65,9 @@ def _run(servicer: ScriptedGeneration, call, retry_policy: RetryPolicy = RetryPo
         server, target = await _serve(servicer)
         try:
             async with AsyncClient(target, move_policy=MovePolicy(max_moves=0), retry_policy=retry_policy) as client:
+                # Connected first: a call racing the first connect can end UNAVAILABLE from the transport
+                # (seen once in CI with NO_RETRIES), which is not the server's answer these tests read.
+                await asyncio.wait_for(client.channel.channel_ready(), 10)
                 return await call(client)
         finally:
             await server.stop(None)
