@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tpserve.hybrid_layers import HYBRID_LAYER_TYPES, hybrid_layer_types, hybrid_num_layers
 from tpserve.model_config_rules import check_config
 from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_DEFAULTS, resolve_architecture,
                                     ties_word_embeddings_by_default)
@@ -112,6 +113,8 @@ class ModelConfig:
             ``max_window_layers`` on slide when ``use_sliding_window``; else every
             layer alike). A family whose config class derives another default
             (Gemma's alternation) reads ``hf_config`` itself when the key is absent.
+            Hybrid families add ``"linear_attention"`` (a state layer: Mamba-2) and
+            Nemotron-H's ``"mlp"`` / ``"moe"`` (tpserve/hybrid_layers.py).
         layer_rope_parameters: ``{layer type: (rope_theta, rope_scaling)}`` when the config
             nests its RoPE parameters by layer type (``rope_parameters:
             {"full_attention": {...}, "sliding_attention": {...}}``), else empty;
@@ -177,7 +180,7 @@ class ModelConfig:
         check_config(raw, architecture)  # nonsense values refused before anything is computed from them
         hidden_size = _required(raw, "hidden_size")
         total_num_heads = _required(raw, "num_attention_heads")
-        num_hidden_layers = _required(raw, "num_hidden_layers")
+        num_hidden_layers = hybrid_num_layers(raw, architecture) or _required(raw, "num_hidden_layers")
         head_dim = _get(raw, "head_dim", hidden_size // total_num_heads)
         if architecture in LATENT_ATTENTION_ARCHITECTURES:  # RoPE turns the decoupled key only (Hub configs lack head_dim)
             head_dim = _get(raw, "qk_rope_head_dim", 64)
@@ -188,7 +191,8 @@ class ModelConfig:
         else:
             rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
         sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings,
-                                                               chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES)
+                                                               chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES,
+                                                               hybrid=architecture)
         eos = raw.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         return cls(
@@ -355,11 +359,14 @@ def _required(raw: dict[str, Any], key: str) -> Any:
 
 
 def _parse_attention_windows(
-    raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int, *, chunked: bool = False
+    raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int, *, chunked: bool = False,
+    hybrid: str = "",
 ) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
 
-    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too.
+    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too. ``hybrid``: the architecture,
+    whose own layer list (tpserve/hybrid_layers.py: Mamba-2, MLP-only, MoE-only layers) is read when it
+    is a hybrid family.
 
     Raises:
         ValueError: a malformed ``layer_types`` or ``sliding_window``.
@@ -369,7 +376,7 @@ def _parse_attention_windows(
         window = None  # Qwen2/Qwen3 switch the window off; a window covering every position is full attention
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"config.json sliding_window={window!r} must be a positive integer")
-    layer_types = raw.get("layer_types")
+    layer_types = hybrid_layer_types(raw, hybrid) or raw.get("layer_types")
     if layer_types is None and raw.get("use_sliding_window") and window is not None:
         first = raw.get("max_window_layers", num_hidden_layers)  # Qwen2Config's rule
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_hidden_layers)]
@@ -377,7 +384,7 @@ def _parse_attention_windows(
         layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
         raise ValueError(f"config.json layer_types must list one type per layer ({num_hidden_layers})")
-    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ())
+    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ()) + HYBRID_LAYER_TYPES.get(hybrid, ())
     unknown = sorted({t for t in layer_types if t not in known})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; expected {known}")

@@ -1,0 +1,79 @@
+"""Tiny seeded Granite 4 hybrid and Nemotron-H checkpoints, and the check of a run against ``transformers``.
+
+Each spec interleaves Mamba-2 layers (chunk size 8, so every test prompt spans several chunks)
+with attention (and MLP / MoE layers). :func:`save_hybrid_model` draws the weights as
+tests/tiny_models.py does, then gives the names that helper does not know (Nemotron-H's
+``embeddings`` and ``norm_f``) its spreads, and sets ``dt_bias`` near -2 so that the Mamba state
+decays slowly (about 0.88 per token) and a wrong carried state shows in later tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.tiny_models import TinyModelSpec, build_hf_model, load_hf_model
+
+_MAMBA_GRANITE = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+                  "mamba_chunk_size": 8}
+GRANITE_HYBRID_MOE = TinyModelSpec("granite4_hybrid_moe", "granitemoehybrid", {
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 190, "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "mamba"], **_MAMBA_GRANITE, "mamba_n_groups": 1,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
+    "position_embedding_type": "nope", "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+    "attention_multiplier": 0.2, "logits_scaling": 1.5, "tie_word_embeddings": False}, seed=41)
+GRANITE_HYBRID_DENSE = TinyModelSpec("granite4_hybrid_dense", "granitemoehybrid", {
+    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 190, "num_hidden_layers": 3,
+    "layer_types": ["attention", "mamba", "mamba"], **_MAMBA_GRANITE, "mamba_n_groups": 2,
+    "num_local_experts": 0, "shared_intermediate_size": 64, "position_embedding_type": "rope",
+    "mamba_conv_bias": False, "mamba_proj_bias": True, "tie_word_embeddings": True}, seed=42)
+NEMOTRON_H = TinyModelSpec("nemotron_h", "nemotron_h", {
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 190,
+    "hybrid_override_pattern": "M*-ME", "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+    "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8, "intermediate_size": 96,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 1.5, "tie_word_embeddings": False}, seed=43)
+
+#: Greedy tokens per sequence in the acceptance runs.
+MAX_TOKENS = 32
+
+
+def save_hybrid_model(spec: TinyModelSpec, directory: Path) -> Path:
+    """Write ``spec``'s seeded checkpoint into ``directory`` (see the module docstring); return it."""
+    model = build_hf_model(spec)
+    generator = torch.Generator().manual_seed(spec.seed + 1000)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm_f.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("embeddings.weight"):
+                param.copy_(0.5 * noise)
+            elif name.endswith("dt_bias"):
+                param.copy_(-2.0 + 0.5 * noise)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def prompts(count: int, seed: int, vocab_size: int = 190) -> tuple[tuple[int, ...], ...]:
+    """``count`` seeded prompts of 9 to 24 tokens (longer than one Mamba chunk of 8)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(9, 25, (count,), generator=generator).tolist()
+    return tuple(tuple(torch.randint(3, vocab_size, (n,), generator=generator).tolist()) for n in lengths)
+
+
+def check_against_transformers(model_dir: Path, prompt_list: tuple[tuple[int, ...], ...],
+                               results: list[tuple[list[int], torch.Tensor]], *, atol: float = 1e-4) -> None:
+    """Each run's greedy tokens are ``transformers``' and its logprobs (prompt rows and sampled rows)
+    within ``atol`` of the reference's, teacher-forced over the prompt and our tokens in one forward."""
+    reference = load_hf_model(model_dir)
+    for prompt, (tokens, logits) in zip(prompt_list, results, strict=True):
+        assert len(tokens) == MAX_TOKENS
+        full = torch.tensor([list(prompt) + tokens[:-1]], dtype=torch.int64)
+        with torch.no_grad():
+            want = reference(full).logits[0].float()  # (P + 31, vocab)
+        assert logits.shape == want.shape
+        ours, theirs = torch.log_softmax(logits, -1), torch.log_softmax(want, -1)
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+        assert tokens == want[len(prompt) - 1:].argmax(-1).tolist()  # transformers' greedy choice at every step
