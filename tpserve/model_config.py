@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tpserve.hybrid_layers import HYBRID_LAYER_TYPES, hybrid_layer_types, hybrid_num_layers
+from tpserve.hybrid_layers import (default_hybrid_layer_types, hybrid_layer_types, hybrid_num_layers,
+                                   state_layer_types, stateless_layer_types)
 from tpserve.model_config_rules import check_config
 from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_DEFAULTS, resolve_architecture,
                                     ties_word_embeddings_by_default)
@@ -108,13 +109,11 @@ class ModelConfig:
         sliding_window: tokens a sliding-window layer attends to (itself included), or
             None when no layer slides (absent, ``use_sliding_window: false``, or not
             shorter than ``max_position_embeddings``).
-        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"`` (or a hybrid's state kind, ``"conv"``...)
             (``layer_types`` of the config; else Qwen2's rule, layers from
             ``max_window_layers`` on slide when ``use_sliding_window``; else every
             layer alike). A family whose config class derives another default
             (Gemma's alternation) reads ``hf_config`` itself when the key is absent.
-            Hybrid families add ``"linear_attention"`` (a state layer: Mamba-2) and
-            Nemotron-H's ``"mlp"`` / ``"moe"`` (tpserve/hybrid_layers.py).
         layer_rope_parameters: ``{layer type: (rope_theta, rope_scaling)}`` when the config
             nests its RoPE parameters by layer type (``rope_parameters:
             {"full_attention": {...}, "sliding_attention": {...}}``), else empty;
@@ -192,7 +191,7 @@ class ModelConfig:
             rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
         sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings,
                                                                chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES,
-                                                               hybrid=architecture)
+                                                               architecture=architecture)
         eos = raw.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         return cls(
@@ -307,6 +306,17 @@ class ModelConfig:
                        int(scaling["original_max_position_embeddings"] * scaling["factor"]))
         return self.max_position_embeddings
 
+    @property
+    def state_layer_indices(self) -> tuple[int, ...]:
+        """The layers with a per-sequence state instead of a KV cache (hybrids; tpserve/hybrid_layers.py)."""
+        kinds = state_layer_types(self.architecture)
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in kinds)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache: every layer but the state layers."""
+        return self.num_hidden_layers - len(self.state_layer_indices)
+
     def num_kv_heads_per_rank(self, tp: int) -> int:
         """Key/value heads each rank stores: ``total_num_kv_heads / tp``, at least 1."""
         return max(1, self.total_num_kv_heads // tp)
@@ -335,7 +345,7 @@ class ModelConfig:
     def kv_cache_bytes_per_token(self, tp: int, dtype_size: int) -> int:
         """Bytes of KV cache one token takes on one rank, all layers.
 
-        ``num_hidden_layers * kv_cache_spec(tp).elements_per_token * dtype_size``: with per-head
+        ``num_attention_layers * kv_cache_spec(tp).elements_per_token * dtype_size``: with per-head
         caching ``2 * num_hidden_layers * num_kv_heads_per_rank(tp) * head_dim * dtype_size`` (K and V),
         with latent attention ``num_hidden_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_size``.
 
@@ -343,7 +353,7 @@ class ModelConfig:
             tp: tensor-parallel degree.
             dtype_size: bytes per cache element (4 for float32, 2 for bfloat16/float16).
         """
-        return self.num_hidden_layers * self.kv_cache_spec(tp).elements_per_token * dtype_size
+        return self.num_attention_layers * self.kv_cache_spec(tp).elements_per_token * dtype_size
 
 
 def _get(raw: dict[str, Any], key: str, default: Any) -> Any:
@@ -360,13 +370,12 @@ def _required(raw: dict[str, Any], key: str) -> Any:
 
 def _parse_attention_windows(
     raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int, *, chunked: bool = False,
-    hybrid: str = "",
+    architecture: str = "",
 ) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
 
-    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too. ``hybrid``: the architecture,
-    whose own layer list (tpserve/hybrid_layers.py: Mamba-2, MLP-only, MoE-only layers) is read when it
-    is a hybrid family.
+    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too; a hybrid ``architecture``
+    its state layer kinds (tpserve/hybrid_layers.py).
 
     Raises:
         ValueError: a malformed ``layer_types`` or ``sliding_window``.
@@ -376,7 +385,8 @@ def _parse_attention_windows(
         window = None  # Qwen2/Qwen3 switch the window off; a window covering every position is full attention
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"config.json sliding_window={window!r} must be a positive integer")
-    layer_types = hybrid_layer_types(raw, hybrid) or raw.get("layer_types")
+    layer_types = (hybrid_layer_types(raw, architecture) or raw.get("layer_types")
+                   or default_hybrid_layer_types(raw, architecture, num_hidden_layers))
     if layer_types is None and raw.get("use_sliding_window") and window is not None:
         first = raw.get("max_window_layers", num_hidden_layers)  # Qwen2Config's rule
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_hidden_layers)]
@@ -384,7 +394,8 @@ def _parse_attention_windows(
         layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
         raise ValueError(f"config.json layer_types must list one type per layer ({num_hidden_layers})")
-    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ()) + HYBRID_LAYER_TYPES.get(hybrid, ())
+    hybrid = state_layer_types(architecture) | stateless_layer_types(architecture)
+    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ()) + tuple(sorted(hybrid))
     unknown = sorted({t for t in layer_types if t not in known})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; expected {known}")

@@ -43,12 +43,20 @@ class StateMetadata:
         checkpoints: per sequence, ``(rows, slot)`` pairs in increasing ``rows``: after the
             sequence's first ``rows`` rows of this step, copy its state into checkpoint ``slot``
             (a prompt block boundary, for prefix caching). Empty tuples for most sequences.
+            A sequence with checkpoints is never in the decode group.
+        host_slots: ``slots`` as Python ints (``B``), so a layer indexes one sequence's slot
+            (``state[k][host_slots[i]]``, a view) without a device-to-host copy.
+
+    Built by worker/state_cache.py's :meth:`~worker.state_cache.StateCache.metadata` and
+    attached to :class:`worker.attention.AttentionMetadata` as ``state`` (None for
+    attention-only models).
     """
 
     slots: torch.Tensor
     query_start_loc: tuple[int, ...]
     num_decodes: int
     checkpoints: tuple[tuple[tuple[int, int], ...], ...] = ()
+    host_slots: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

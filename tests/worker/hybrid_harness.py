@@ -111,8 +111,8 @@ def _step(model, caches, chunks: list[tuple[_Seq, int]]) -> dict[int, torch.Tens
     positions_t = torch.tensor(positions, dtype=torch.int64)
     attn = SdpaMetadataBuilder().build(positions_t, torch.tensor(slots_of_rows, dtype=torch.int64), group, prefills,
                                        BLOCK_SIZE, {}, None)
-    state = StateMetadata(torch.tensor([seq.index for seq, _ in chunks], dtype=torch.int64), tuple(starts),
-                          num_decodes)
+    host_slots = tuple(seq.index for seq, _ in chunks)
+    state = StateMetadata(torch.tensor(host_slots, dtype=torch.int64), tuple(starts), num_decodes, (), host_slots)
     attn = dataclasses.replace(attn, state=state)
     with torch.no_grad():
         hidden = model(torch.tensor(ids, dtype=torch.int64), positions_t, caches, attn)  # (T, hidden)

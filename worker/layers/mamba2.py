@@ -201,7 +201,7 @@ class Mamba2Mixer(nn.Module):
             xbc_d = causal_conv1d_decode(xbc[:num_decodes], weight, bias, conv_states, slots, "silu")  # (S, conv_dim)
             x, B, C = self._split_xbc(xbc_d)
             y[:num_decodes] = ssd_recurrent_step(x, dt[:num_decodes], A, B, C, self.D, ssm_states, slots)
-        slot_ids = meta.slots.tolist()
+        slot_ids = meta.host_slots or tuple(meta.slots.tolist())  # Python ints: no device read when given
         for index in range(num_decodes, meta.num_seqs):
             slot = slot_ids[index]
             for start, end, save in meta.segments(index):
