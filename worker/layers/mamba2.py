@@ -27,6 +27,7 @@ x, B and C channels and the SSM state ``(heads, head_dim, d_state)``, both float
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,16 @@ class Mamba2Spec:
     def intermediate_size(self) -> int:
         """``I = num_heads * head_dim``."""
         return self.num_heads * self.head_dim
+
+
+def mamba2_time_step_limit(value: object) -> tuple[float, float]:
+    """``time_step_limit`` as config.json writes it: ``[min, max]`` numbers (``Infinity`` parsed by json),
+    or ``transformers`` 5's ``{"__float__": "Infinity"}`` tag for a non-finite entry; None: no limit."""
+    if value is None:
+        return 0.0, math.inf
+    tags = {"Infinity": math.inf, "-Infinity": -math.inf}
+    low, high = (tags[v["__float__"]] if isinstance(v, dict) else float(v) for v in value)  # type: ignore[union-attr]
+    return low, high
 
 
 def mamba2_group_share(n_groups: int, tp_size: int, groups_key: str) -> int:

@@ -30,15 +30,13 @@ Checkpoint names under ``model.layers.{i}.``: ``mamba.*`` (the mixer's), ``self_
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata
-from worker.layers.mamba2 import Mamba2Mixer, Mamba2Spec
+from worker.layers.mamba2 import Mamba2Mixer, Mamba2Spec, mamba2_time_step_limit
 from worker.layers.moe import FusedMoE, SharedExpertMLP, SparseMoeBlock
 from worker.layers.nope import position_and_cache
 from worker.layers.norm import RMSNorm
@@ -56,16 +54,6 @@ _RENAMES = (
     ("shared_mlp.input_linear.", "block_sparse_moe.shared_experts.gate_up_proj.", "shared_mlp.gate_up_proj."),
     ("shared_mlp.output_linear.", "block_sparse_moe.shared_experts.down_proj.", "shared_mlp.down_proj."),
 )
-
-
-def mamba2_time_step_limit(value: object) -> tuple[float, float]:
-    """``time_step_limit`` as config.json writes it: ``[min, max]`` numbers (``Infinity`` parsed by json),
-    or ``transformers`` 5's ``{"__float__": "Infinity"}`` tag for a non-finite entry; None: no limit."""
-    if value is None:
-        return 0.0, math.inf
-    tags = {"Infinity": math.inf, "-Infinity": -math.inf}
-    low, high = (tags[v["__float__"]] if isinstance(v, dict) else float(v) for v in value)  # type: ignore[union-attr]
-    return low, high
 
 
 def granite_mamba2_spec(config: ModelConfig) -> Mamba2Spec:
