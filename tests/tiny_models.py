@@ -96,9 +96,9 @@ def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_f.weight")):  # norm_f: Nemotron-H's final norm
                 param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight", "backbone.embeddings.weight")):
                 param.copy_(0.5 * noise)
             else:
                 param.copy_(noise / param.shape[-1] ** 0.5)  # unit-variance activations

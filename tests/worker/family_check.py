@@ -71,7 +71,7 @@ def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int 
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     prompts = [tuple(rng.randrange(3, vocab) for _ in range(n)) for n in PROMPT_LENGTHS]
-    if (model.config.rope_parameters or {}).get("rope_type") == "dynamic":
+    if (getattr(model.config, "rope_parameters", None) or {}).get("rope_type") == "dynamic":  # Nemotron-H: none
         completions, logits, log_softmax = _dynamic_rope_reference(model, prompts)
     else:
         completions, logits = hf_reference(model, [SeqSpec(i, p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)])

@@ -2,9 +2,10 @@
 
 Each spec interleaves Mamba-2 layers (chunk size 8, so every test prompt spans several chunks)
 with attention (and MLP / MoE layers). :func:`save_hybrid_model` draws the weights as
-tests/tiny_models.py does, then gives the names that helper does not know (Nemotron-H's
-``embeddings`` and ``norm_f``) its spreads, and sets ``dt_bias`` near -2 so that the Mamba state
-decays slowly (about 0.88 per token) and a wrong carried state shows in later tokens.
+tests/tiny_models.py does, then sets ``dt_bias`` near -2 so that the Mamba state decays slowly
+(about 0.88 per token) and a wrong carried state shows in later tokens. The same specs go through
+the runner in tests/worker/family_check.py (its own weights: tests/tiny_models.py's alone); every
+size splits over tp 1, 2 and 4, the degrees the family tests share one process group for.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ GRANITE_HYBRID_MOE = TinyModelSpec("granite4_hybrid_moe", "granitemoehybrid", {
     "attention_multiplier": 0.2, "logits_scaling": 1.5, "tie_word_embeddings": False}, seed=41)
 GRANITE_HYBRID_DENSE = TinyModelSpec("granite4_hybrid_dense", "granitemoehybrid", {
     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 190, "num_hidden_layers": 3,
-    "layer_types": ["attention", "mamba", "mamba"], **_MAMBA_GRANITE, "mamba_n_groups": 2,
+    "layer_types": ["attention", "mamba", "mamba"], **_MAMBA_GRANITE, "mamba_n_groups": 4,
     "num_local_experts": 0, "shared_intermediate_size": 64, "position_embedding_type": "rope",
     "mamba_conv_bias": False, "mamba_proj_bias": True, "tie_word_embeddings": True}, seed=42)
 NEMOTRON_H = TinyModelSpec("nemotron_h", "nemotron_h", {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 190,
-    "hybrid_override_pattern": "M*-ME", "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+    "hybrid_override_pattern": "M*-ME", "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 4,
     "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8, "intermediate_size": 96,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 1.5, "tie_word_embeddings": False}, seed=43)
@@ -45,13 +46,8 @@ def save_hybrid_model(spec: TinyModelSpec, directory: Path) -> Path:
     generator = torch.Generator().manual_seed(spec.seed + 1000)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm_f.weight"):
-                param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("embeddings.weight"):
-                param.copy_(0.5 * noise)
-            elif name.endswith("dt_bias"):
-                param.copy_(-2.0 + 0.5 * noise)
+            if name.endswith("dt_bias"):
+                param.copy_(-2.0 + 0.5 * torch.randn(param.shape, generator=generator))
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

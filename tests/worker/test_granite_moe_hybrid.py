@@ -2,21 +2,27 @@
 
 Tiny seeded checkpoints (tests/worker/hybrid_specs.py): Mamba-2 layers (chunk size 8, one B/C group,
 replicated at tp 2) beside a NoPE attention layer, MoE with a shared MLP, Granite's four multipliers
-away from 1; and a dense variant with RoPE, two groups (split at tp 2), projection biases and tied
+away from 1; and a dense variant with RoPE, four groups (split at tp 2), projection biases and tied
 embeddings. The harness (tests/worker/hybrid_harness.py) allocates the KV blocks and the state slots,
 builds each step's metadata and runs 32 greedy tokens per prompt (prompts of 9-24 tokens): each
 prompt alone, and 16 at once with every prompt prefilled in two chunks (state carried) beside the
 others' decodes. Every run gives ``transformers``' greedy tokens with logprobs within 1e-4 (float32).
+The MoE checkpoint also runs the runner's family scenario (tests/worker/family_check.py) at tp 1 and 2.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tests.worker.family_check import check, register
 from tests.worker.hybrid_harness import Schedule, generate
 from tests.worker.hybrid_specs import (GRANITE_HYBRID_DENSE, GRANITE_HYBRID_MOE, MAX_TOKENS, check_against_transformers,
                                        prompts, save_hybrid_model)
 from tpserve.model_config import ModelConfig
+
+pytestmark = pytest.mark.xdist_group("families")
+
+FAMILY = register(GRANITE_HYBRID_MOE, None)  # the runner's scenario (tests/worker/family_check.py)
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +59,10 @@ def test_dense_rope_variant(dense_dir, tp_size):
     batch = prompts(6, seed=3)
     check_against_transformers(dense_dir, batch, generate(dense_dir, Schedule(batch, MAX_TOKENS, first_chunk=11),
                                                           tp_size=tp_size))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_granite_moe_hybrid_through_the_runner(tp: int) -> None:
+    """tests/worker/family_check.py's scenario through ModelRunner and the state cache: alone and 16 at once,
+    chunked prefill, prefix hits restored from state checkpoints, preemption, prompt logprobs."""
+    check(FAMILY, tp)

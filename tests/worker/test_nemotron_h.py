@@ -1,11 +1,12 @@
 """Nemotron-H (worker/models/nemotron_h.py) against ``transformers``, without the runner.
 
 A tiny seeded checkpoint (tests/worker/hybrid_specs.py) with every block kind, ``M*-ME``: Mamba-2
-(chunk size 8, two B/C groups, split at tp 2), attention without positional encoding, a relu^2 MLP,
+(chunk size 8, four B/C groups, split at tp 2), attention without positional encoding, a relu^2 MLP,
 and a MoE block (biased sigmoid router, relu^2 experts and shared expert, ``routed_scaling_factor``
 1.5). Through tests/worker/hybrid_harness.py: 32 greedy tokens per prompt of 9-24 tokens, each prompt
 alone, and 16 at once with two-chunk prefills beside the others' decodes, at tp 1 and 2: ``transformers``'
-greedy tokens and logprobs within 1e-4 (float32).
+greedy tokens and logprobs within 1e-4 (float32). And the runner's family scenario
+(tests/worker/family_check.py) at tp 1 and 2.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ import json
 
 import pytest
 
+from tests.worker.family_check import check, register
 from tests.worker.hybrid_harness import Schedule, generate
 from tests.worker.hybrid_specs import MAX_TOKENS, NEMOTRON_H, check_against_transformers, prompts, save_hybrid_model
 from tpserve.model_config import ModelConfig
+
+pytestmark = pytest.mark.xdist_group("families")
+
+FAMILY = register(NEMOTRON_H, None)  # the runner's scenario (tests/worker/family_check.py)
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +54,10 @@ def test_sixteen_at_once_with_chunked_prefill(model_dir, tp_size):
     batch = prompts(16, seed=5)
     results = generate(model_dir, Schedule(batch, MAX_TOKENS, first_chunk=7), tp_size=tp_size)
     check_against_transformers(model_dir, batch, results)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_nemotron_h_through_the_runner(tp: int) -> None:
+    """tests/worker/family_check.py's scenario through ModelRunner and the state cache: alone and 16 at once,
+    chunked prefill, prefix hits restored from state checkpoints, preemption, prompt logprobs."""
+    check(FAMILY, tp)
