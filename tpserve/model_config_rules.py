@@ -138,6 +138,57 @@ _DEEPSEEK_V3: dict[str, Check] = {
     **DEEPSEEK_MOE_RULES,
 }
 
+def _time_step_limit(value: Any) -> bool:
+    """``[min, max]`` with ``0 <= min <= max`` (``max`` may be ``Infinity``, or ``transformers`` 5's
+    ``{"__float__": "Infinity"}`` tag)."""
+    if not isinstance(value, list) or len(value) != 2:
+        return False
+    bounds = [math.inf if isinstance(v, dict) and v.get("__float__") == "Infinity" else v for v in value]
+    numbers = all(_is_finite(v) or v == math.inf for v in bounds)
+    return numbers and 0 <= bounds[0] <= bounds[1] and bounds[0] != math.inf
+
+
+_BOOL = Check(lambda v: isinstance(v, bool), "true or false")
+_CONV_KERNEL = Check(lambda v: _is_int(v) and v >= 2, "an integer >= 2 (the conv state keeps kernel - 1 inputs)")
+_TIME_STEP_LIMIT = Check(_time_step_limit, "[min, max] with 0 <= min <= max (max may be Infinity)")
+#: Granite 4 hybrid (worker/models/granite_moe_hybrid.py): Mamba-2 sizes, MoE, Granite's multipliers.
+_GRANITE_MOE_HYBRID: dict[str, Check] = {
+    "mamba_n_heads": POSITIVE_INT, "mamba_n_groups": POSITIVE_INT, "mamba_d_state": POSITIVE_INT,
+    "mamba_d_conv": _CONV_KERNEL, "mamba_expand": POSITIVE_INT, "mamba_chunk_size": POSITIVE_INT,
+    "mamba_d_head": Check(lambda v: v == "auto" or (_is_int(v) and v >= 1), 'a positive integer or "auto"'),
+    "mamba_conv_bias": _BOOL, "mamba_proj_bias": _BOOL, "time_step_limit": _TIME_STEP_LIMIT,
+    "num_local_experts": NON_NEGATIVE_INT, "num_experts_per_tok": POSITIVE_INT, "shared_intermediate_size": POSITIVE_INT,
+    "position_embedding_type": Check(lambda v: v in ("rope", "nope"), '"rope" or "nope" (or null: no RoPE)'),
+    "embedding_multiplier": POSITIVE, "residual_multiplier": POSITIVE, "attention_multiplier": POSITIVE,
+    "logits_scaling": POSITIVE,
+}
+#: Nemotron-H (worker/models/nemotron_h.py): Mamba-2 sizes, the relu^2 MLPs, DeepSeek-style MoE routing.
+_NEMOTRON_H: dict[str, Check] = {
+    "mamba_num_heads": POSITIVE_INT, "mamba_head_dim": POSITIVE_INT, "n_groups": POSITIVE_INT,
+    "mamba_n_groups": POSITIVE_INT, "ssm_state_size": POSITIVE_INT, "conv_kernel": _CONV_KERNEL,
+    "mamba_d_conv": _CONV_KERNEL, "chunk_size": POSITIVE_INT, "mamba_chunk_size": POSITIVE_INT,
+    "use_conv_bias": _BOOL, "use_bias": _BOOL, "mlp_bias": _BOOL, "time_step_limit": _TIME_STEP_LIMIT,
+    "layer_norm_epsilon": POSITIVE, "moe_shared_expert_intermediate_size": POSITIVE_INT,
+    "mamba_hidden_act": Check(lambda v: v == "silu", '"silu" (the convolution\'s activation)'),
+    "mlp_hidden_act": Check(lambda v: v == "relu2", '"relu2" (the MLPs\' squared ReLU)'),
+    "moe_latent_size": Check(lambda v: False, "null (the latent MoE projection is not supported)"),
+    **DEEPSEEK_MOE_RULES,
+}
+#: Heads per B/C group, and (Granite) the heads' width against the inner width.
+_MAMBA2_RELATIONS: dict[str, tuple[Relation, ...]] = {
+    "GraniteMoeHybridForCausalLM": (
+        Relation(("mamba_n_heads", "mamba_n_groups"), lambda h, g: h % g == 0,
+                 "mamba_n_heads must be a multiple of mamba_n_groups (each B/C group serves whole heads)"),
+        Relation(("mamba_n_heads", "mamba_d_head", "mamba_expand", "hidden_size"), lambda h, d, e, w: h * d == e * w,
+                 "mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size (the Mamba inner width)"),
+    ),
+    "NemotronHForCausalLM": (
+        Relation(("mamba_num_heads", "n_groups"), lambda h, g: h % g == 0,
+                 "mamba_num_heads must be a multiple of n_groups (each B/C group serves whole heads)"),
+        *DEEPSEEK_MOE_RELATIONS,
+    ),
+}
+
 #: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
 FAMILY_RULES: dict[str, dict[str, Check]] = {
     "MixtralForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT},
@@ -172,6 +223,8 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
                           "floor_scale": POSITIVE, "attn_scale": FINITE},
     "SmolLM3ForCausalLM": {"no_rope_layer_interval": POSITIVE_INT},
     "Exaone4ForCausalLM": {"sliding_window_pattern": _EXAONE4_PATTERN},
+    "GraniteMoeHybridForCausalLM": _GRANITE_MOE_HYBRID,
+    "NemotronHForCausalLM": _NEMOTRON_H,
     # LFM2: the short convolution's kernel (its state keeps conv_L_cache - 1 inputs) and the MLP's width rule.
     "Lfm2ForCausalLM": {"norm_eps": POSITIVE, "conv_L_cache": Check(lambda v: _is_int(v) and v >= 2,
                                                                     "an integer >= 2"),
@@ -219,6 +272,7 @@ RELATIONS: tuple[Relation, ...] = (
 )
 #: Rules between one architecture's keys, as :data:`FAMILY_RULES`.
 FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
+    **_MAMBA2_RELATIONS,
     "Glm4MoeForCausalLM": DEEPSEEK_MOE_RELATIONS,
     "DeepseekV3ForCausalLM": DEEPSEEK_MOE_RELATIONS,
     "Glm4MoeLiteForCausalLM": DEEPSEEK_MOE_RELATIONS,
