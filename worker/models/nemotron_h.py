@@ -201,6 +201,7 @@ class NemotronHForCausalLM(CausalLM):
             raise ValueError(f"--quantization {quantization} is not supported for {config.architecture} "
                              "(Mamba-2 and expert weights); serve it unquantized")
         self.config = config
+        self.quantization = quantization
         self.backbone = NemotronHModel(config, ctx, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype=dtype)
         self.tie_word_embeddings = tie_word_embeddings
