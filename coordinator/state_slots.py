@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from tpserve.model_config import ModelConfig
+
 
 class StateSlots:
     """The state pool's live and checkpoint slots (module docstring).
@@ -148,3 +150,18 @@ class StateSlots:
         self._checkpoints.clear()
         self._pending.clear()
         self._free_checkpoints = list(range(self.num_slots - 1, self.num_live - 1, -1))
+
+
+def hybrid_state_slots(config: ModelConfig, max_num_seqs: int, num_state_slots: int) -> StateSlots | None:
+    """The state slots of a pool of ``num_state_slots`` (the ranks' :meth:`worker.memory.cache_split`):
+    ``max_num_seqs`` live slots, the rest checkpoints; None for an attention-only model.
+
+    Raises:
+        ValueError: a hybrid model whose ranks hold fewer than ``max_num_seqs`` slots.
+    """
+    if not config.state_layer_indices:
+        return None
+    if num_state_slots < max_num_seqs:
+        raise ValueError(f"the ranks hold {num_state_slots} state slots, fewer than --max-num-seqs {max_num_seqs} "
+                         "sequences' states; lower --max-num-seqs")
+    return StateSlots(max_num_seqs, num_state_slots - max_num_seqs)
