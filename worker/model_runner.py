@@ -178,7 +178,7 @@ class ModelRunner:
         self.kv_layout = self._target_layout if self.draft is None else \
             PairedKVCacheLayout(self._target_layout, self.draft.kv_layout)
         self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer; a hybrid's state layers: state tuples
         self.num_blocks = 0
         self.last_logits: torch.Tensor | None = None
         self.last_spec_logits: torch.Tensor | None = None
@@ -239,7 +239,8 @@ class ModelRunner:
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
         if self._state_layers:  # per layer a KV pair or a state tuple (worker/models/base.py)
             self._state = StateCache(self._state_layers, num_state_slots or DEFAULT_NUM_STATE_SLOTS, self.ctx.device)
-            self.kv_caches = self._state.layer_caches(self.kv_caches, self.config.num_hidden_layers)
+            self.kv_caches = cast(list[tuple[torch.Tensor, torch.Tensor]],  # state tuples at state layers (base.py)
+                                  self._state.layer_caches(self.kv_caches, self.config.num_hidden_layers))
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks

@@ -22,24 +22,32 @@ Attention-only models build none of this: the runner holds ``None`` and the step
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
 from tpserve.model_config import ModelConfig
 from tpserve.step import ScheduledChunk, StepPlan
-from worker.state_metadata import StateMetadata, copy_state_slots, zero_state_slots
+from worker.models.base import CausalLM
+from worker.state_metadata import StateLayer, StateMetadata, copy_state_slots, zero_state_slots
 
 #: State slots a runner allocates when its caller gives no count (tests; the server passes its
 #: sizing: ``--max-num-seqs`` live slots plus the checkpoint slots, worker/memory.py).
 DEFAULT_NUM_STATE_SLOTS = 256
 
 
+def _specs(layer: nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """A state layer's ``(per-slot shape, dtype)`` of each of its state tensors."""
+    state_layer = cast(StateLayer, layer)
+    return list(zip(state_layer.state_shapes(), state_layer.state_dtypes(), strict=True))
+
+
 def bytes_per_state_slot(layers: Mapping[int, nn.Module]) -> int:
     """Bytes one slot takes on this rank: every state layer's tensors, at their dtypes."""
     total = 0
     for layer in layers.values():
-        for shape, dtype in zip(layer.state_shapes(), layer.state_dtypes(), strict=True):
+        for shape, dtype in _specs(layer):
             numel = 1
             for size in shape:
                 numel *= size
@@ -47,7 +55,7 @@ def bytes_per_state_slot(layers: Mapping[int, nn.Module]) -> int:
     return total
 
 
-def check_state_layers(model: nn.Module, config: ModelConfig) -> dict[int, nn.Module]:
+def check_state_layers(model: CausalLM, config: ModelConfig) -> dict[int, nn.Module]:
     """The model's state layers (``CausalLM.state_layers()``), checked against the config's ``layer_types``.
 
     Raises:
@@ -80,8 +88,7 @@ class StateCache:
         self.layer_indices = tuple(sorted(layers))
         self.states: dict[int, tuple[torch.Tensor, ...]] = {
             index: tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=device)
-                         for shape, dtype in zip(layers[index].state_shapes(), layers[index].state_dtypes(),
-                                                 strict=True))
+                         for shape, dtype in _specs(layers[index]))
             for index in self.layer_indices
         }
         self.bytes_per_slot = bytes_per_state_slot(layers)

@@ -25,7 +25,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol")
+    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol", "num_state_slots_available")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class WorkerStatus(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     STEP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     ready: bool
@@ -44,13 +45,16 @@ class WorkerStatus(_message.Message):
     device: str
     num_threads: int
     step_protocol: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ...) -> None: ...
+    num_state_slots_available: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ..., num_state_slots_available: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_kv_blocks",)
+    __slots__ = ("num_kv_blocks", "num_state_slots")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_state_slots: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_state_slots: _Optional[int] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
     __slots__ = ()

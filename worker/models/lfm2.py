@@ -25,6 +25,7 @@ is this model's final ``model.norm``.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 from torch import nn
@@ -154,7 +155,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 
     def state_layers(self) -> dict[int, nn.Module]:
         """The short-convolution layers: ``{layer index: ShortConv}``."""
-        return {i: layer.conv for i, layer in enumerate(self.model.layers) if not layer.is_attention}
+        return {i: cast(nn.Module, layer.conv) for i, layer in enumerate(self.model.layers) if not layer.is_attention}
 
     def weight_map(self, checkpoint_name: str) -> tuple[str, ShardId] | None:
         """As the base's, with ``model.embedding_norm.`` read into ``model.norm.``."""
