@@ -314,8 +314,9 @@ class ModelConfig:
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers with a KV cache: every layer but the state layers."""
-        return self.num_hidden_layers - len(self.state_layer_indices)
+        """Layers with a KV cache: every layer but the state layers (and Nemotron-H's MLP / MoE blocks)."""
+        kinds = state_layer_types(self.architecture) | stateless_layer_types(self.architecture)
+        return sum(1 for kind in self.layer_types if kind not in kinds)
 
     def num_kv_heads_per_rank(self, tp: int) -> int:
         """Key/value heads each rank stores: ``total_num_kv_heads / tp``, at least 1."""

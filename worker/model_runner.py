@@ -68,7 +68,7 @@ from worker.pipeline_checks import check_pipeline
 from worker.placeholders import fill_placeholders, has_placeholders
 from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
-from worker.state_cache import DEFAULT_NUM_STATE_SLOTS, StateCache, bytes_per_state_slot, check_state_layers
+from worker.state_cache import DEFAULT_NUM_STATE_SLOTS, StateCache, bytes_per_state_slot, cacheless_layers, check_state_layers
 from worker.step_inputs import StepInputs, build_step_inputs
 from worker.step_output import StepOutput
 
@@ -153,7 +153,7 @@ class ModelRunner:
         start, end = ctx.pp.layer_range(self.config.num_hidden_layers)
         # Hybrids (one stage): KV for the attention layers only; the state layers' pool is worker/state_cache.py's.
         self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, self.kv_cache_dtype),
-                                      num_layers=end - start - len(self.config.state_layer_indices))
+                                      num_layers=end - start - len(cacheless_layers(self.config, state=True)))
         if self.config.state_layer_indices and draft_model_dir is not None:
             raise ValueError("speculative decoding is not supported for hybrid models (their state layers "
                              "cannot roll back rejected tokens); start without --speculative-model")
@@ -240,7 +240,7 @@ class ModelRunner:
         if self._state_layers:  # per layer a KV pair or a state tuple (worker/models/base.py)
             self._state = StateCache(self._state_layers, num_state_slots or DEFAULT_NUM_STATE_SLOTS, self.ctx.device)
             self.kv_caches = cast(list[tuple[torch.Tensor, torch.Tensor]],  # state tuples at state layers (base.py)
-                                  self._state.layer_caches(self.kv_caches, self.config.num_hidden_layers))
+                                  self._state.layer_caches(self.kv_caches, self.config))
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks

@@ -27,6 +27,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from tpserve.hybrid_layers import state_layer_types, stateless_layer_types
 from tpserve.model_config import ModelConfig
 from tpserve.step import ScheduledChunk, StepPlan
 from worker.models.base import CausalLM
@@ -53,6 +54,13 @@ def bytes_per_state_slot(layers: Mapping[int, nn.Module]) -> int:
                 numel *= size
             total += numel * torch.empty((), dtype=dtype).element_size()
     return total
+
+
+def cacheless_layers(config: ModelConfig, *, state: bool = False) -> frozenset[int]:
+    """The layers without KV blocks of their own: those with neither a KV cache nor a state (Nemotron-H's
+    MLP / MoE blocks; tpserve/hybrid_layers.py), and with ``state`` the state layers too."""
+    kinds = stateless_layer_types(config.architecture) | (state_layer_types(config.architecture) if state else set())
+    return frozenset(i for i, kind in enumerate(config.layer_types) if kind in kinds)
 
 
 def check_state_layers(model: CausalLM, config: ModelConfig) -> dict[int, nn.Module]:
@@ -93,13 +101,16 @@ class StateCache:
         }
         self.bytes_per_slot = bytes_per_state_slot(layers)
 
-    def layer_caches(self, kv_caches: Sequence[tuple[torch.Tensor, ...]], num_layers: int) -> list[tuple[torch.Tensor, ...]]:
-        """The model's per-layer cache list: state layers get their state tuple, the others, in order,
-        the attention layers' ``(k_cache, v_cache)`` of ``kv_caches`` (one per attention layer)."""
-        pairs = iter(kv_caches)
-        merged = [self.states[i] if i in self.states else next(pairs) for i in range(num_layers)]
+    def layer_caches(self, kv_caches: Sequence[tuple[torch.Tensor, ...]],
+                     config: ModelConfig) -> list[tuple[torch.Tensor, ...]]:
+        """The model's per-layer cache list: state layers get their state tuple, layers with no cache of
+        their own (Nemotron-H's MLP / MoE blocks, :func:`cacheless_layers`) an empty tuple, the others, in
+        order, the attention layers' ``(k_cache, v_cache)`` of ``kv_caches`` (one per attention layer)."""
+        pairs, cacheless = iter(kv_caches), cacheless_layers(config)
+        merged = [self.states[i] if i in self.states else () if i in cacheless else next(pairs)
+                  for i in range(config.num_hidden_layers)]
         if next(pairs, None) is not None:
-            raise ValueError(f"{len(kv_caches)} KV caches for {num_layers - len(self.states)} attention layers")
+            raise ValueError(f"{len(kv_caches)} KV caches for {config.num_attention_layers} attention layers")
         return merged
 
     def check_slots(self, step_id: int, slots: Sequence[int]) -> None:

@@ -36,7 +36,7 @@ def test_config_reads_the_block_pattern(model_dir):
     config = ModelConfig.from_dict(raw)
     kinds = ("linear_attention", "full_attention", "mlp", "linear_attention", "moe")
     assert config.num_hidden_layers == 5 and config.layer_types == kinds
-    assert config.state_layer_indices == (0, 3)
+    assert config.state_layer_indices == (0, 3) and config.num_attention_layers == 1  # MLP, MoE: no KV
     hub = {key: value for key, value in raw.items() if key != "layers_block_type"}
     hub.update(hybrid_override_pattern="M*-ME", num_hidden_layers=5)  # the Hub's spelling
     assert ModelConfig.from_dict(hub).layer_types == kinds
