@@ -75,7 +75,7 @@ def hybrid_layer_types(raw: Mapping[str, Any], architecture: str) -> list[str] |
         return None
     if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
         raise ValueError(f"config.json layer_types={listed!r} must be a list of layer type names")
-    return [_LEGACY_NAMES.get(t, t) for t in listed]
+    return [_LEGACY_NAMES.get(str(t), str(t)) for t in listed]
 
 
 def hybrid_num_layers(raw: Mapping[str, Any], architecture: str) -> int | None:

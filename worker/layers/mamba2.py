@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +81,13 @@ class Mamba2Spec:
         return self.num_heads * self.head_dim
 
 
-def mamba2_time_step_limit(value: object) -> tuple[float, float]:
+def mamba2_time_step_limit(value: Any) -> tuple[float, float]:
     """``time_step_limit`` as config.json writes it: ``[min, max]`` numbers (``Infinity`` parsed by json),
     or ``transformers`` 5's ``{"__float__": "Infinity"}`` tag for a non-finite entry; None: no limit."""
     if value is None:
         return 0.0, math.inf
     tags = {"Infinity": math.inf, "-Infinity": -math.inf}
-    low, high = (tags[v["__float__"]] if isinstance(v, dict) else float(v) for v in value)  # type: ignore[union-attr]
+    low, high = (tags[v["__float__"]] if isinstance(v, dict) else float(v) for v in value)
     return low, high
 
 
@@ -126,11 +127,11 @@ class _RowParts(nn.Module):
         super().__init__()
         self.total_rows, self.parts = total_rows, parts
         self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
-        self.weight.shard_ids = (None,)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = new_parameter(shape[:1], dtype, ctx.device, self.weight_loader)
-            self.bias.shard_ids = (None,)
+            self.bias.shard_ids = (None,)  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         load_row_parts(param, source, self.total_rows, self.parts)
@@ -240,7 +241,7 @@ def _head_parameter(num_local: int, total: int, parts: list[tuple[int, int]], ct
     """A per-head vector (``dt_bias``, ``A_log``, ``D``): this rank's heads' entries."""
     param = new_parameter((num_local,), dtype, ctx.device, lambda p, source, shard_id=None: load_row_parts(
         p, source, total, parts))
-    param.shard_ids = (None,)
+    param.shard_ids = (None,)  # type: ignore[attr-defined]
     return param
 
 
@@ -270,7 +271,7 @@ class GatedGroupRMSNorm(nn.Module):
         self.spans_ranks = local_size < group_size
         self.weight = new_parameter((local_size,), dtype, ctx.device, lambda p, source, shard_id=None: load_row_parts(
             p, source, total_size, [(ctx.tp_rank * local_size, local_size)]))
-        self.weight.shard_ids = (None,)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         rows, width = y.shape

@@ -30,6 +30,8 @@ Checkpoint names under ``model.layers.{i}.``: ``mamba.*`` (the mixer's), ``self_
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -154,9 +156,9 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             assert attn_metadata.state is not None, "a Mamba-2 layer needs the step's StateMetadata"
             a = self.mamba(x, cache, attn_metadata.state)  # (T, hidden); the layer's state updated
         else:
-            a = self.self_attn(rope, x, cache, attn_metadata)  # (T, hidden)
+            a = cast(GraniteHybridAttention, self.self_attn)(rope, x, cast(KVCache, cache), attn_metadata)
         h, x = self.post_attention_layernorm.add_and_norm(h, a * self.residual_multiplier)
-        ffn = self.block_sparse_moe if self.block_sparse_moe is not None else self.shared_mlp
+        ffn = cast(nn.Module, self.block_sparse_moe if self.block_sparse_moe is not None else self.shared_mlp)
         return h + ffn(x) * self.residual_multiplier  # (T, hidden)
 
 

@@ -26,6 +26,8 @@ too); the latent MoE projection (``moe_latent_size``) is refused at start-up
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,11 +103,11 @@ class NemotronHExperts(FusedMoE):
         super().__init__(num_experts, hidden_size, intermediate_size, ctx, dtype=dtype, activation=ReLUSquared())
         local = self.intermediate_size_per_partition
         self.gate_up_proj = new_parameter((num_experts, local, hidden_size), dtype, ctx.device, self.weight_loader)
-        self.gate_up_proj.shard_ids = tuple((e, "up") for e in range(num_experts))
+        self.gate_up_proj.shard_ids = tuple((e, "up") for e in range(num_experts))  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Expert ``e``'s ``up_proj`` rows (this rank's ``I / tp``), or its ``down_proj`` columns (FusedMoE's)."""
-        expert, kind = shard_id  # type: ignore[misc]
+        expert, kind = cast(tuple[int, str], shard_id)
         if kind != "up":
             super().weight_loader(param, source, shard_id)
             return
@@ -226,7 +228,7 @@ class NemotronHForCausalLM(CausalLM):
         if checkpoint_name.startswith("mtp."):
             return None  # multi-token prediction layers: not served (transformers skips them too)
         mapped = expert_weight_map(checkpoint_name, QWEN_EXPERT_NAMES)
-        return mapped if mapped is not None else super().weight_map(checkpoint_name)
+        return cast(tuple[str, ShardId], mapped) if mapped is not None else super().weight_map(checkpoint_name)
 
     def checkpoint_name(self, param_name: str, shard_id: ShardId) -> str:
         return expert_checkpoint_name(param_name, shard_id, QWEN_EXPERT_NAMES) or super().checkpoint_name(
