@@ -1,6 +1,6 @@
 """``tpserve serve`` of a hybrid model (LFM2: short-convolution state layers beside attention layers).
 
-One server of the tiny seeded ``lfm2`` checkpoint of tests/worker/test_lfm2.py (stories260k's
+One server of the tiny seeded ``lfm2`` checkpoint of tests/worker/hybrid_specs.py (stories260k's
 vocabulary and tokenizer), prompts prefilled in chunks of at most 24 tokens (``--max-num-batched-tokens``),
 block size 16, 4 sequences' states (``--max-num-seqs``):
 
@@ -28,8 +28,7 @@ import pytest
 from tests.e2e.cluster import free_port, serve
 from tests.paths import REPO_ROOT, STORIES_DIR, requires_stories
 from tests.tiny_models import load_hf_model, save_servable_model
-from tests.worker.test_lfm2 import LFM2
-from tests.worker.family_check import _REGISTERED
+from tests.worker.hybrid_specs import LFM2
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -39,8 +38,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec, _window = _REGISTERED[LFM2]
-    return save_servable_model(spec, tmp_path_factory.mktemp("lfm2"), STORIES_DIR)
+    return save_servable_model(LFM2, tmp_path_factory.mktemp("lfm2"), STORIES_DIR)
 
 
 def _greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
