@@ -208,3 +208,20 @@ def test_random_workload_with_evictions_keeps_every_state_exact() -> None:
             run_step(scheduler, checker, seqs)
     run_to_end(scheduler, checker, seqs)
     assert checker.num_restores >= 5 and not scheduler.state_slots.held_live
+
+
+def test_the_pool_splits_into_max_num_seqs_live_slots_and_checkpoints() -> None:
+    from coordinator.state_slots import hybrid_state_slots
+    from tpserve.model_config import ModelConfig
+
+    base = {"architectures": ["Lfm2ForCausalLM"], "vocab_size": 190, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 256}
+    hybrid = ModelConfig.from_dict({**base, "layer_types": ["conv", "full_attention", "conv"]})
+    slots = hybrid_state_slots(hybrid, 4, 30)
+    assert slots is not None and (slots.num_live, slots.num_checkpoints, slots.num_slots) == (4, 26, 30)
+    with pytest.raises(ValueError, match="3 state slots, fewer than --max-num-seqs 4"):
+        hybrid_state_slots(hybrid, 4, 3)
+    dense = ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]})
+    assert hybrid_state_slots(dense, 4, 0) is None and dense.num_attention_layers == 3
+    with pytest.raises(ValueError, match="layer_types"):  # a state kind only where the family has one
+        ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"], "layer_types": ["conv"] * 3})

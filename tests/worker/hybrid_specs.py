@@ -1,7 +1,14 @@
-"""Tiny seeded Granite 4 hybrid and Nemotron-H checkpoints, and the check of a run against ``transformers``.
+"""Tiny seeded hybrid checkpoints (state layers beside attention), shared by the worker and end-to-end tests.
 
-Each spec interleaves Mamba-2 layers (chunk size 8, so every test prompt spans several chunks)
-with attention (and MLP / MoE layers). :func:`save_hybrid_model` draws the weights as
+* :data:`LFM2`: four layers, conv / attention alternating (``layer_types``), biased convolutions
+  (``conv_bias``: in_proj, the taps and out_proj), kernel 3, GQA 4:2 with QK-norm, tied LM head;
+* :data:`LFM2_IDXS`: the older config form (``full_attn_idxs``), three layers of which one attends,
+  kernel 4, no bias, untied LM head.
+* :data:`GRANITE_HYBRID_MOE`, :data:`GRANITE_HYBRID_DENSE`, :data:`NEMOTRON_H`: Mamba-2 layers (chunk
+  size 8, so every test prompt spans several chunks) beside attention (and MLP / MoE layers).
+
+For the Mamba-2 hybrids' runner-free runs (tests/worker/hybrid_harness.py, checked against
+``transformers`` by :func:`check_against_transformers`), :func:`save_hybrid_model` draws the weights as
 tests/tiny_models.py does, then sets ``dt_bias`` near -2 so that the Mamba state decays slowly
 (about 0.88 per token) and a wrong carried state shows in later tokens. The same specs go through
 the runner in tests/worker/family_check.py (its own weights: tests/tiny_models.py's alone); every
@@ -15,6 +22,17 @@ from pathlib import Path
 import torch
 
 from tests.tiny_models import TinyModelSpec, build_hf_model, load_hf_model
+
+LFM2 = TinyModelSpec("lfm2", "lfm2", {
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 190,
+    "intermediate_size": 192, "block_multiple_of": 32, "conv_L_cache": 3, "conv_bias": True, "norm_eps": 1e-5,
+    "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+}, seed=71)
+LFM2_IDXS = TinyModelSpec("lfm2_idxs", "lfm2", {
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 190,
+    "intermediate_size": 96, "block_multiple_of": 16, "conv_L_cache": 4, "full_attn_idxs": [2],
+    "tie_word_embeddings": False,
+}, seed=72)
 
 _MAMBA_GRANITE = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
                   "mamba_chunk_size": 8}

@@ -3,34 +3,20 @@
 Two tiny seeded ``lfm2`` checkpoints through the scenario of tests/worker/family_check.py at
 tensor-parallel degrees 1, 2 and 4 (greedy tokens, logits within 1e-4 alone and 16 at once, chunked
 prefill carrying the convolution state across chunks, prefix hits resuming from state
-checkpoints, preemption by recompute, prompt logprobs):
-
-* ``lfm2``: four layers, conv / attention alternating (``layer_types``), biased convolutions
-  (``conv_bias``: in_proj, the taps and out_proj), kernel 3, GQA 4:2 with QK-norm;
-* ``lfm2_idxs``: the older config form (``full_attn_idxs``), three layers of which one attends,
-  kernel 4, no bias, untied LM head.
+checkpoints, preemption by recompute, prompt logprobs); the checkpoints are tests/worker/hybrid_specs.py's.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.tiny_models import TinyModelSpec
+from tests.worker import hybrid_specs
 from tests.worker.family_check import case, check, register
 
 pytestmark = pytest.mark.xdist_group("families")
 
-LFM2 = register(TinyModelSpec("lfm2", "lfm2", {
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 190,
-    "intermediate_size": 192, "block_multiple_of": 32, "conv_L_cache": 3, "conv_bias": True, "norm_eps": 1e-5,
-    "layer_types": ["conv", "full_attention", "conv", "full_attention"],
-}, seed=71), None)
-LFM2_IDXS = register(TinyModelSpec("lfm2_idxs", "lfm2", {
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 190,
-    "intermediate_size": 96, "block_multiple_of": 16, "conv_L_cache": 4, "full_attn_idxs": [2],
-    "tie_word_embeddings": False,
-}, seed=72), None)
+LFM2 = register(hybrid_specs.LFM2, None)
+LFM2_IDXS = register(hybrid_specs.LFM2_IDXS, None)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -56,4 +42,3 @@ def test_lfm2_layers_and_state_shapes() -> None:
     plans = case(LFM2).jobs[1].plans
     assert sum(len(p.restored_states) for p in plans) >= 3
     assert sum(len(p.state_checkpoints) for p in plans) >= 40
-    assert torch.float32  # float32 checkpoints: the 1e-4 tolerance of family_check

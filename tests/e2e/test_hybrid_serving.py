@@ -1,0 +1,113 @@
+"""``tpserve serve`` of a hybrid model (LFM2: short-convolution state layers beside attention layers).
+
+One server of the tiny seeded ``lfm2`` checkpoint of tests/worker/hybrid_specs.py (stories260k's
+vocabulary and tokenizer), prompts prefilled in chunks of at most 24 tokens (``--max-num-batched-tokens``),
+block size 16, 4 sequences' states (``--max-num-seqs``):
+
+* GetModelInfo reports the state slots: 4 sequences' states and some prefix checkpoints;
+* prompts of 1 to 8 blocks (plus 3 tokens), each sent twice, then a prompt sharing its first half:
+  every completion is ``transformers``' greedy one (so a hit's tokens are a miss's, and caching
+  off would give the same); the repeat hits the longest saved boundary below its length (16 per
+  block), the shared prefix its whole blocks; the per-kind metrics count the state hits;
+* logprobs (within 1e-4 of ``transformers``' log-softmax), a choice constraint, ``n`` = 2 (each
+  sample resumes from the prompt's saved state), and a stream moved to another replica mid-generation
+  (re-sent with its delivered tokens) continuing token for token.
+
+Speculative decoding is refused for a hybrid at start-up, in one line.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import free_port, serve
+from tests.paths import REPO_ROOT, STORIES_DIR, requires_stories
+from tests.tiny_models import load_hf_model, save_servable_model
+from tests.worker.hybrid_specs import LFM2
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+MAX_TOKENS = 12
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_servable_model(LFM2, tmp_path_factory.mktemp("lfm2"), STORIES_DIR)
+
+
+def _greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """``transformers``' greedy tokens and their log-probabilities."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                             min_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[t]) for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir: Path) -> None:
+    from tpserve.client import build_request
+    from tpserve.v1 import generate_pb2_grpc
+
+    model = load_hf_model(lfm2_dir)
+    rng = random.Random(44)
+    prompts = {n: [1] + [rng.randrange(3, 512) for _ in range(BLOCK_SIZE * n + 2)] for n in range(1, 9)}
+    shared = {n: prompts[n][:8 * n + 5] + [rng.randrange(3, 512) for _ in range(6)] for n in prompts}
+    want = {n: _greedy(model, p) for n, p in prompts.items()}
+    want_shared = {n: _greedy(model, p)[0] for n, p in shared.items()}
+    with serve(lfm2_dir, 1, "--max-num-seqs", "4", "--max-num-batched-tokens", "24") as cluster:
+        client = cluster.client
+        info = client.model_info()
+        assert info.num_state_slots == 4 and info.num_state_checkpoint_slots > 0 and info.num_kv_blocks > 0
+        for n, prompt in prompts.items():
+            miss, hit = (client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+                         for _ in range(2))
+            other = client.generate(shared[n], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            assert list(miss.token_ids) == list(hit.token_ids) == want[n][0], n
+            assert list(other.token_ids) == want_shared[n], n
+            assert (miss.usage.cached_prompt_tokens, hit.usage.cached_prompt_tokens) == (0, BLOCK_SIZE * n), n
+            assert other.usage.cached_prompt_tokens == (8 * n + 5) // BLOCK_SIZE * BLOCK_SIZE, n
+        state_hits = cluster.metric("tpserve:prefix_cache_state_hits_total")
+        assert state_hits >= 8 + sum(1 for n in prompts if 8 * n + 5 >= BLOCK_SIZE)
+        assert cluster.metric("tpserve:prefix_cache_state_queries_total") >= 24
+
+        scored = client.generate(prompts[3], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=True)
+        assert [lp.token_id for lp in scored.logprobs] == want[3][0]
+        assert max(abs(lp.logprob - ref) for lp, ref in zip(scored.logprobs, want[3][1])) < 1e-4
+        chosen = client.generate("Once upon a time", max_tokens=8, temperature=0, choices=["a dog", "the cat"])
+        assert chosen.text in ("a dog", "the cat")
+
+        samples: dict[int, list[int]] = {0: [], 1: []}
+        for chunk in client.generate_stream(prompts[5], n=2, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True):
+            samples[chunk.index] += list(chunk.token_ids)
+        assert samples == {0: want[5][0], 1: want[5][0]}
+
+        stub = generate_pb2_grpc.GenerationStub(client.channel)
+
+        def stream(given: list[int]) -> list[int]:
+            request = build_request(prompts[4], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            request.generated_token_ids.extend(given)
+            return [t for m in stub.GenerateStream(request, timeout=60) for t in m.token_ids]
+
+        full = stream([])
+        assert full == want[4][0]
+        for k in (1, 6, 11):
+            assert stream(full[:k]) == full[k:], k
+
+
+def test_speculative_decoding_is_refused_for_a_hybrid_in_one_line(lfm2_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--port", str(free_port()), "--model",
+                          str(lfm2_dir), "--speculative-method", "ngram", "--num-speculative-tokens", "2"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--speculative-method ngram" in lines[0] and "hybrid" in lines[0], out.stderr
