@@ -5,7 +5,8 @@ into ours through the parameters' weight loaders. Checked: a whole prompt in one
 reference's outputs; the same prompt in chunks (state carried) and then one row at a time (the
 recurrent step) gives the same outputs and states; sequences batched in one step (a decode group and
 prefills) give what each gives alone; a checkpoint slot receives the state at its row; tensor-parallel
-shards' partial outputs sum to the whole layer's; groups that cannot split are refused.
+shards' partial outputs sum to the whole layer's; groups that cannot split are refused; bfloat16
+activations keep float32 states.
 """
 
 from __future__ import annotations
@@ -152,3 +153,20 @@ def test_groups_that_cannot_split_are_refused():
     spec = Mamba2Spec(**{**SPEC.__dict__, "n_groups": 4, "groups_key": "mamba_n_groups"})
     with pytest.raises(ValueError, match="mamba_n_groups=4 is not divisible by tensor_parallel_size=8"):
         Mamba2Mixer(spec, ShardOnlyContext(tp_rank=0, tp_size=8, device=torch.device("cpu")), torch.float32)
+
+
+def test_bfloat16_activations_keep_float32_states(reference, prompt):
+    """``--dtype bfloat16``: weights and activations in bfloat16, states float32; the outputs stay within
+    bfloat16's rounding of the float32 reference, through chunks and recurrent steps."""
+    mixer = Mamba2Mixer(SPEC, ParallelContext.single(), torch.bfloat16)
+    checkpoint = dict(reference.named_parameters())
+    for name, param in mixer.named_parameters():
+        param.weight_loader(param, checkpoint[name].detach(), None)
+    state = _states(mixer)
+    assert [s.dtype for s in state] == [torch.float32, torch.float32]
+    u = prompt.bfloat16()
+    outs = [mixer(u[:13], state, _meta([2], [13], 0))]
+    outs += [mixer(u[t:t + 1], state, _meta([2], [1], 1)) for t in range(13, 21)]
+    out = torch.cat(outs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference_out(reference, prompt), atol=5e-2, rtol=5e-2)
