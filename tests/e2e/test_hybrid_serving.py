@@ -87,9 +87,13 @@ def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir:
         assert chosen.text in ("a dog", "the cat")
 
         samples: dict[int, list[int]] = {0: [], 1: []}
+        cached: dict[int, int] = {}
         for chunk in client.generate_stream(prompts[5], n=2, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True):
             samples[chunk.index] += list(chunk.token_ids)
+            if chunk.usage is not None:
+                cached[chunk.index] = chunk.usage.cached_prompt_tokens
         assert samples == {0: want[5][0], 1: want[5][0]}
+        assert cached == {0: 5 * BLOCK_SIZE, 1: 5 * BLOCK_SIZE}  # each sample resumed from the prompt's saved state
 
         stub = generate_pb2_grpc.GenerationStub(client.channel)
 
