@@ -428,7 +428,8 @@ class ModelRunner:
         chunks = plan.scheduled
         inputs = self._inputs(chunks, states)
         if self._state is not None:  # hybrid models: fresh or restored slots, then the step's StateMetadata
-            inputs = self._with_state(plan, states, inputs)
+            meta = self._state.begin_step(plan, [s.state_slot for s in states], inputs.chunk_last_rows)
+            inputs = replace(inputs, attn=replace(inputs.attn, state=meta))
         if self.lora is not None:  # the step's rows grouped by adapter, for every adapted layer
             self.lora.step.set_rows([s.lora_slot for s in states], [len(c.token_ids) for c in chunks],
                                     inputs.chunk_last_rows)
@@ -481,14 +482,6 @@ class ModelRunner:
         token_ids, num_accepted = accept_proposals([c for c in chunks if c.sample], both[:num_samples],
                                                    both[num_samples:])
         return StepOutput(token_ids, logprobs, scored, num_accepted, logits, spec_logits, num_padding_rows)
-
-    def _with_state(self, plan: StepPlan, states: list[_SequenceState], inputs: StepInputs) -> StepInputs:
-        """Zero or restore the chunks' live state slots; ``inputs`` with ``attn.state`` set (worker/state_cache.py)."""
-        cache, slots = cast(StateCache, self._state), [s.state_slot for s in states]
-        cache.check_slots(plan.step_id, slots)
-        cache.prepare(plan, slots)
-        meta = cache.metadata(plan, plan.scheduled, slots, inputs.chunk_last_rows)
-        return replace(inputs, attn=replace(inputs.attn, state=meta))
 
     def _inputs(self, chunks: Sequence[ScheduledChunk], states: list[_SequenceState]) -> StepInputs:
         """The step's inputs, block tables from the persistent batch."""

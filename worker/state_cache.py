@@ -108,6 +108,16 @@ class StateCache:
         if bad:
             raise ValueError(f"step {step_id}: state slots {bad} outside [0, {self.num_slots})")
 
+    def begin_step(self, plan: StepPlan, live_slots: Sequence[int], chunk_last_rows: Sequence[int]) -> StateMetadata:
+        """Check the plan's live slots, :meth:`prepare` them, and return the step's :meth:`metadata`.
+
+        Raises:
+            ValueError: a slot outside the pool (naming the step).
+        """
+        self.check_slots(plan.step_id, live_slots)
+        self.prepare(plan, live_slots)
+        return self.metadata(plan, plan.scheduled, live_slots, chunk_last_rows)
+
     def prepare(self, plan: StepPlan, live_slots: Sequence[int]) -> None:
         """Before the forward pass: zero the live slot of each chunk at position 0, then restore
         each ``plan.restored_states`` checkpoint into its sequence's live slot.
