@@ -170,7 +170,8 @@ class ModelRunner:
             disable_decode_blocks(self.model)  # the compiled decode layer reads float32 caches only
             scales = checkpoint_kv_scales(model_dir)
             if scales:
-                set_checkpoint_scales(self._kv_layers, scales, start, ctx.device)
+                attention_layers = [i for i in range(start, end) if i not in self.config.state_layer_indices]
+                set_checkpoint_scales(self._kv_layers, scales, attention_layers, ctx.device)
                 self._kv_uncalibrated = False
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
