@@ -36,7 +36,8 @@ from launch.group_launcher import GroupLauncher
 from launch.public_server import PublicServer
 from launch.recovery import Recovery
 from launch.shutdown import Shutdown
-from launch.startup import StartupError, model_dir_of, read_group_secret, read_model_config
+from launch.startup import (StartupError, check_hybrid_combinations, model_dir_of, read_group_secret,
+                            read_model_config)
 from launch.topology import GroupLayout
 from tpserve.config import ClusterConfig
 from tpserve.sched_policy import set_policy
@@ -71,10 +72,7 @@ class Leader:
                                               config.parallel.pipeline_parallel_size,
                                               config.parallel.enable_expert_parallel,
                                               kv_cache_dtype=config.cache.kv_cache_dtype)
-        if self.model_config.state_layer_indices and config.speculative.speculative_method is not None:
-            raise StartupError(f"cannot serve {self.model_dir} with --speculative-method "
-                               f"{config.speculative.speculative_method}: {self.model_config.architecture} is a hybrid "
-                               "model, whose state layers cannot roll back rejected tokens")
+        check_hybrid_combinations(self.model_dir, self.model_config, config)
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model),
                                       config.parallel.tensor_parallel_size,

@@ -300,7 +300,7 @@ def _profile(runner, sizing: CacheSizing) -> int:
     """Run :func:`profile_plans` on ``runner``; returns the temporary cache's bytes (freed again)."""
     num_blocks, plans = profile_plans(sizing.max_num_batched_tokens, sizing.max_num_seqs, sizing.max_model_len,
                                       runner.kv_layout.block_size, sizing.num_speculative_tokens)
-    runner.init_kv_cache(num_blocks)
+    runner.init_kv_cache(num_blocks, num_state_slots=1)  # a hybrid's profile plans use state slot 0 only
     try:
         for plan in plans:
             runner.execute(plan)

@@ -68,7 +68,8 @@ from worker.pipeline_checks import check_pipeline
 from worker.placeholders import fill_placeholders, has_placeholders
 from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
-from worker.state_cache import DEFAULT_NUM_STATE_SLOTS, StateCache, bytes_per_state_slot, cacheless_layers, check_state_layers
+from worker.state_cache import (DEFAULT_NUM_STATE_SLOTS, StateCache, bytes_per_state_slot, cacheless_layers,
+                                check_state_layers)
 from worker.step_inputs import StepInputs, build_step_inputs
 from worker.step_output import StepOutput
 
@@ -170,7 +171,8 @@ class ModelRunner:
             disable_decode_blocks(self.model)  # the compiled decode layer reads float32 caches only
             scales = checkpoint_kv_scales(model_dir)
             if scales:
-                set_checkpoint_scales(self._kv_layers, scales, start, ctx.device)
+                attention_layers = [i for i in range(start, end) if i not in self.config.state_layer_indices]
+                set_checkpoint_scales(self._kv_layers, scales, attention_layers, ctx.device)
                 self._kv_uncalibrated = False
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
@@ -239,8 +241,9 @@ class ModelRunner:
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
         if self._state_layers:  # per layer a KV pair or a state tuple (worker/models/base.py)
             self._state = StateCache(self._state_layers, num_state_slots or DEFAULT_NUM_STATE_SLOTS, self.ctx.device)
-            self.kv_caches = cast(list[tuple[torch.Tensor, torch.Tensor]],  # state tuples at state layers (base.py)
-                                  self._state.layer_caches(self.kv_caches, self.config))
+            merged = self._state.layer_caches(self.kv_caches, self.config.num_hidden_layers,
+                                              cacheless_layers(self.config))  # Nemotron-H's MLP / MoE blocks: ()
+            self.kv_caches = cast(list[tuple[torch.Tensor, torch.Tensor]], merged)  # state tuples at state layers
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -428,7 +431,8 @@ class ModelRunner:
         chunks = plan.scheduled
         inputs = self._inputs(chunks, states)
         if self._state is not None:  # hybrid models: fresh or restored slots, then the step's StateMetadata
-            inputs = self._with_state(plan, states, inputs)
+            meta = self._state.begin_step(plan, [s.state_slot for s in states], inputs.chunk_last_rows)
+            inputs = replace(inputs, attn=replace(inputs.attn, state=meta))
         if self.lora is not None:  # the step's rows grouped by adapter, for every adapted layer
             self.lora.step.set_rows([s.lora_slot for s in states], [len(c.token_ids) for c in chunks],
                                     inputs.chunk_last_rows)
@@ -481,14 +485,6 @@ class ModelRunner:
         token_ids, num_accepted = accept_proposals([c for c in chunks if c.sample], both[:num_samples],
                                                    both[num_samples:])
         return StepOutput(token_ids, logprobs, scored, num_accepted, logits, spec_logits, num_padding_rows)
-
-    def _with_state(self, plan: StepPlan, states: list[_SequenceState], inputs: StepInputs) -> StepInputs:
-        """Zero or restore the chunks' live state slots; ``inputs`` with ``attn.state`` set (worker/state_cache.py)."""
-        cache, slots = cast(StateCache, self._state), [s.state_slot for s in states]
-        cache.check_slots(plan.step_id, slots)
-        cache.prepare(plan, slots)
-        meta = cache.metadata(plan, plan.scheduled, slots, inputs.chunk_last_rows)
-        return replace(inputs, attn=replace(inputs.attn, state=meta))
 
     def _inputs(self, chunks: Sequence[ScheduledChunk], states: list[_SequenceState]) -> StepInputs:
         """The step's inputs, block tables from the persistent batch."""

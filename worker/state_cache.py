@@ -21,7 +21,7 @@ Attention-only models build none of this: the runner holds ``None`` and the step
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -101,16 +101,17 @@ class StateCache:
         }
         self.bytes_per_slot = bytes_per_state_slot(layers)
 
-    def layer_caches(self, kv_caches: Sequence[tuple[torch.Tensor, ...]],
-                     config: ModelConfig) -> list[tuple[torch.Tensor, ...]]:
-        """The model's per-layer cache list: state layers get their state tuple, layers with no cache of
-        their own (Nemotron-H's MLP / MoE blocks, :func:`cacheless_layers`) an empty tuple, the others, in
-        order, the attention layers' ``(k_cache, v_cache)`` of ``kv_caches`` (one per attention layer)."""
-        pairs, cacheless = iter(kv_caches), cacheless_layers(config)
+    def layer_caches(self, kv_caches: Sequence[tuple[torch.Tensor, ...]], num_layers: int,
+                     cacheless: Collection[int] = ()) -> list[tuple[torch.Tensor, ...]]:
+        """The model's per-layer cache list: state layers get their state tuple, ``cacheless`` layers
+        (Nemotron-H's MLP / MoE blocks, :func:`cacheless_layers`) an empty tuple, the others, in order,
+        the attention layers' ``(k_cache, v_cache)`` of ``kv_caches`` (one per attention layer)."""
+        pairs = iter(kv_caches)
         merged = [self.states[i] if i in self.states else () if i in cacheless else next(pairs)
-                  for i in range(config.num_hidden_layers)]
+                  for i in range(num_layers)]
         if next(pairs, None) is not None:
-            raise ValueError(f"{len(kv_caches)} KV caches for {config.num_attention_layers} attention layers")
+            raise ValueError(f"{len(kv_caches)} KV caches for "
+                             f"{num_layers - len(self.states) - len(cacheless)} attention layers")
         return merged
 
     def check_slots(self, step_id: int, slots: Sequence[int]) -> None:
@@ -118,6 +119,16 @@ class StateCache:
         bad = [s for s in slots if not 0 <= s < self.num_slots]
         if bad:
             raise ValueError(f"step {step_id}: state slots {bad} outside [0, {self.num_slots})")
+
+    def begin_step(self, plan: StepPlan, live_slots: Sequence[int], chunk_last_rows: Sequence[int]) -> StateMetadata:
+        """Check the plan's live slots, :meth:`prepare` them, and return the step's :meth:`metadata`.
+
+        Raises:
+            ValueError: a slot outside the pool (naming the step).
+        """
+        self.check_slots(plan.step_id, live_slots)
+        self.prepare(plan, live_slots)
+        return self.metadata(plan, plan.scheduled, live_slots, chunk_last_rows)
 
     def prepare(self, plan: StepPlan, live_slots: Sequence[int]) -> None:
         """Before the forward pass: zero the live slot of each chunk at position 0, then restore

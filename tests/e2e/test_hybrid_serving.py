@@ -13,7 +13,7 @@ block size 16, 4 sequences' states (``--max-num-seqs``):
   sample resumes from the prompt's saved state), and a stream moved to another replica mid-generation
   (re-sent with its delivered tokens) continuing token for token.
 
-Speculative decoding is refused for a hybrid at start-up, in one line.
+Speculative decoding, LoRA and pipeline stages are refused for a hybrid at start-up, in one line each.
 """
 
 from __future__ import annotations
@@ -87,9 +87,13 @@ def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir:
         assert chosen.text in ("a dog", "the cat")
 
         samples: dict[int, list[int]] = {0: [], 1: []}
+        cached: dict[int, int] = {}
         for chunk in client.generate_stream(prompts[5], n=2, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True):
             samples[chunk.index] += list(chunk.token_ids)
+            if chunk.usage is not None:
+                cached[chunk.index] = chunk.usage.cached_prompt_tokens
         assert samples == {0: want[5][0], 1: want[5][0]}
+        assert cached == {0: 5 * BLOCK_SIZE, 1: 5 * BLOCK_SIZE}  # each sample resumed from the prompt's saved state
 
         stub = generate_pb2_grpc.GenerationStub(client.channel)
 
@@ -104,10 +108,14 @@ def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir:
             assert stream(full[:k]) == full[k:], k
 
 
-def test_speculative_decoding_is_refused_for_a_hybrid_in_one_line(lfm2_dir: Path) -> None:
+@pytest.mark.parametrize("flags, refusal", [
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "--speculative-method ngram"),
+    (["--enable-lora"], "--enable-lora"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+])
+def test_what_a_hybrid_is_not_served_with_is_refused_in_one_line(lfm2_dir: Path, flags: list[str], refusal: str) -> None:
     out = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--port", str(free_port()), "--model",
-                          str(lfm2_dir), "--speculative-method", "ngram", "--num-speculative-tokens", "2"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+                          str(lfm2_dir), *flags], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--speculative-method ngram" in lines[0] and "hybrid" in lines[0], out.stderr
+    assert len(lines) == 1 and refusal in lines[0] and "Lfm2ForCausalLM is a hybrid model" in lines[0], out.stderr
