@@ -170,13 +170,15 @@ class Mamba2Mixer(nn.Module):
         self.inner_size = self.num_heads * spec.head_dim  # this rank's x / z channels
         self.bc_size = self.num_groups * spec.d_state  # this rank's B / C channels
         self.conv_dim = self.inner_size + 2 * self.bc_size
-        x_rows = (rank * self.inner_size, self.inner_size)
+        heads_first = rank * self.inner_size  # this rank's first channel of an I-wide block (z, x)
         bc_first = rank * self.bc_size if self.num_groups < spec.n_groups else 0  # replicated: all of them
-        # The checkpoint's in_proj rows: z (I), x (I), B (G N), C (G N), dt (H); the conv's: x, B, C.
-        in_parts = [x_rows, (inner + x_rows[0], self.inner_size), (2 * inner + bc_first, self.bc_size),
-                    (2 * inner + bc + bc_first, self.bc_size), (2 * inner + 2 * bc + rank * self.num_heads,
-                                                                 self.num_heads)]
-        conv_parts = [x_rows, (inner + bc_first, self.bc_size), (inner + bc + bc_first, self.bc_size)]
+        # (first row, rows) of the checkpoint's in_proj blocks z (I), x (I), B (G N), C (G N), dt (H)
+        # and of the conv's x, B, C that this rank holds, in that order.
+        in_parts = [(heads_first, self.inner_size), (inner + heads_first, self.inner_size),
+                    (2 * inner + bc_first, self.bc_size), (2 * inner + bc + bc_first, self.bc_size),
+                    (2 * inner + 2 * bc + rank * self.num_heads, self.num_heads)]
+        conv_parts = [(heads_first, self.inner_size), (inner + bc_first, self.bc_size),
+                      (inner + bc + bc_first, self.bc_size)]
         in_rows = 2 * self.inner_size + 2 * self.bc_size + self.num_heads
         self.in_proj = _RowParts((in_rows, spec.hidden_size), 2 * inner + 2 * bc + spec.num_heads, in_parts, ctx,
                                  dtype, bias=spec.proj_bias)
