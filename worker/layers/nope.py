@@ -34,6 +34,7 @@ def position_and_cache(
     num_heads: int,
     num_kv_heads: int,
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split ``qkv``, rotate q and k by ``rope`` (none when None), write k and v into the cache.
 
@@ -43,15 +44,18 @@ def position_and_cache(
         k_cache, v_cache: one layer's ``(num_blocks, block_size, num_kv_heads, d)``.
         slot_mapping: ``(T,) int64`` cache slot of each row.
         qk_norm: per-head ``(q_norm, k_norm)`` RMSNorms of size ``d`` (EXAONE 4, Qwen3), or None.
+        kv_scales: the layer's ``(k_scale, v_scale)`` for an 8-bit cache (``PagedAttention.kv_scales``),
+            or None (a cache in the activations' dtype; the callers that pass none keep that).
 
     Returns:
         ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` (rotated unless NoPE) and ``v (T, num_kv_heads, d)``.
     """
     if rope is not None:
-        return rotate_and_cache(qkv, *rope, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, qk_norm)
+        return rotate_and_cache(qkv, *rope, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, qk_norm,
+                                kv_scales=kv_scales)
     num_tokens, d = qkv.shape[0], k_cache.shape[-1]
     q, k, v = qkv.view(num_tokens, -1, d).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     if qk_norm is not None:
         q, k = qk_norm[0](q), qk_norm[1](k)  # (T, H, d), (T, KVH, d): each head normalised
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q, k, v

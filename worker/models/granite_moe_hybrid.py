@@ -118,7 +118,7 @@ class GraniteHybridAttention(GraniteAttention):
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
         q, k, v = position_and_cache(qkv, rope if self.rotate else None, *kv_cache, attn_metadata.slot_mapping,
-                                     self.num_heads, self.num_kv_heads)
+                                     self.num_heads, self.num_kv_heads, kv_scales=self.attn.kv_scales)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

@@ -40,11 +40,11 @@ from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.layers.mamba2 import Mamba2Mixer, Mamba2Spec, mamba2_time_step_limit
 from worker.layers.moe import QWEN_EXPERT_NAMES, FusedMoE, expert_checkpoint_name, expert_weight_map
 from worker.layers.moe_routing import BiasedRouting, BiasedTopKRouter, deepseek_routing
+from worker.layers.nope import position_and_cache
 from worker.layers.norm import RMSNorm
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
 from worker.models.base import LLAMA_STACKED_PARAMS, CausalLM, KVCache, ShardId
-from worker.models.llama import Biases
-from worker.models.smollm3 import NoPEAttention
+from worker.models.llama import Biases, LlamaAttention
 from worker.parallel_state import ParallelContext
 
 #: Only q/k/v are stacked (``up_proj`` is a whole MLP's here, not the gate/up pair's second half).
@@ -137,6 +137,18 @@ class NemotronHMoE(nn.Module):
         return self.ctx.all_reduce(y)  # (T, H)
 
 
+class NemotronHAttention(LlamaAttention):
+    """Attention without positional encoding (``transformers``' ``NemotronHAttention``): no biases, scale
+    ``head_dim ** -0.5``, keys cached as projected (in an 8-bit cache with the layer's scales)."""
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:  # type: ignore[override]
+        qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
+        q, k, v = position_and_cache(qkv, None, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
+                                     self.num_kv_heads, kv_scales=self.attn.kv_scales)  # k, v in the cache
+        o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
+        return self.o_proj(o)  # (T, hidden), all-reduced over ranks
+
+
 class NemotronHBlock(nn.Module):
     """``h + mixer(rms_norm(h))``, the mixer one of the four kinds (``config.layer_types[i]``)."""
 
@@ -150,7 +162,7 @@ class NemotronHBlock(nn.Module):
         if kind == "linear_attention":
             self.mixer = Mamba2Mixer(nemotron_h_mamba2_spec(config), ctx, dtype)
         elif kind == "full_attention":
-            self.mixer = NoPEAttention(config, ctx, dtype, None, Biases())
+            self.mixer = NemotronHAttention(config, ctx, dtype, None, Biases())
         elif kind == "mlp":
             self.mixer = NemotronHMLP(config.hidden_size, config.intermediate_size, ctx, dtype,
                                       bias=config.hf_value("mlp_bias", False))
@@ -163,7 +175,7 @@ class NemotronHBlock(nn.Module):
             assert attn_metadata.state is not None, "a Mamba-2 layer needs the step's StateMetadata"
             return h + self.mixer(x, cache, attn_metadata.state)
         if self.kind == "full_attention":
-            return h + self.mixer(None, x, cache, attn_metadata)
+            return h + self.mixer(x, cache, attn_metadata)
         return h + self.mixer(x)  # (T, hidden)
 
 
