@@ -88,10 +88,12 @@ def hybrid_num_layers(raw: Mapping[str, Any], architecture: str) -> int | None:
 
 
 def default_hybrid_layer_types(raw: Mapping[str, Any], architecture: str, num_hidden_layers: int) -> list[str] | None:
-    """``layer_types`` of a hybrid config that lists its attention layers by index instead.
+    """``layer_types`` of a hybrid config that says its layers' kinds another way (None: not such a config).
 
     LFM2 configs from before ``layer_types`` name the attention layers in ``full_attn_idxs``
-    (``transformers``' Lfm2Config: every other layer is ``"conv"``). None: not such a config.
+    (``transformers``' Lfm2Config: every other layer is ``"conv"``). A family whose config spells
+    its kinds otherwise (a pattern string, say) adds its rule here, so that ``ModelConfig.layer_types``
+    is always one kind per layer.
 
     Raises:
         ValueError: ``full_attn_idxs`` is not a list of layer indices.

@@ -1,8 +1,9 @@
 """``tpserve serve`` of a hybrid model (LFM2: short-convolution state layers beside attention layers).
 
-One server of the tiny seeded ``lfm2`` checkpoint of tests/worker/hybrid_specs.py (stories260k's
-vocabulary and tokenizer), prompts prefilled in chunks of at most 24 tokens (``--max-num-batched-tokens``),
-block size 16, 4 sequences' states (``--max-num-seqs``):
+A server (tp 1, then tp 2: each rank holds its channels' states) of the tiny seeded ``lfm2``
+checkpoint of tests/worker/hybrid_specs.py (stories260k's vocabulary and tokenizer), prompts
+prefilled in chunks of at most 24 tokens (``--max-num-batched-tokens``), block size 16, 4
+sequences' states (``--max-num-seqs``):
 
 * GetModelInfo reports the state slots: 4 sequences' states and some prefix checkpoints;
 * prompts of 1 to 8 blocks (plus 3 tokens), each sent twice, then a prompt sharing its first half:
@@ -54,7 +55,8 @@ def _greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
-def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir: Path, tp: int) -> None:
     from tpserve.client import build_request
     from tpserve.v1 import generate_pb2_grpc
 
@@ -64,7 +66,7 @@ def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir:
     shared = {n: prompts[n][:8 * n + 5] + [rng.randrange(3, 512) for _ in range(6)] for n in prompts}
     want = {n: _greedy(model, p) for n, p in prompts.items()}
     want_shared = {n: _greedy(model, p)[0] for n, p in shared.items()}
-    with serve(lfm2_dir, 1, "--max-num-seqs", "4", "--max-num-batched-tokens", "24") as cluster:
+    with serve(lfm2_dir, tp, "--max-num-seqs", "4", "--max-num-batched-tokens", "24") as cluster:
         client = cluster.client
         info = client.model_info()
         assert info.num_state_slots == 4 and info.num_state_checkpoint_slots > 0 and info.num_kv_blocks > 0

@@ -90,7 +90,8 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         """``x (T, hidden)`` -> ``(T, hidden)``, all-reduced; updates each sequence's window in ``state[0]``
-        (``(num_slots, hidden / tp, L - 1)``) and saves it into the checkpoint slots ``meta`` names."""
+        (``(num_slots, hidden / tp, L - 1)``) and saves the window after the rows ``meta.checkpoints`` name
+        into their checkpoint slots."""
         c = self.num_channels
         b, gate, u = self.in_proj(x).split(c, dim=1)  # each (T, hidden / tp)
         v = b * u  # (T, hidden / tp)
@@ -100,10 +101,16 @@ class ShortConv(nn.Module):
         w = torch.empty_like(v)
         if d:  # one row per sequence: the recurrent step over the slots at once
             w[:d] = causal_conv1d_decode(v[:d], weight, bias, windows, meta.slots[:d])
-        for i in range(d, meta.num_seqs):  # chunks: each sequence's rows in order, split at its checkpoints
+        keep = self.conv.kernel_size - 1
+        for i in range(d, meta.num_seqs):  # chunks: each sequence's rows in one convolution
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             window = windows[meta.host_slots[i]]  # (hidden / tp, L - 1), a view updated in place
-            for start, end, save in meta.segments(i):
-                w[start:end] = causal_conv1d_prefill(v[start:end], weight, bias, window)
-                if save is not None:
-                    windows[save].copy_(window)
+            marks = meta.checkpoints[i] if i < len(meta.checkpoints) else ()
+            # The state after r rows is the last L - 1 inputs up to them: columns [r, r + L - 1) of the
+            # window followed by the rows, so checkpoints need no split of the chunk.
+            if marks:
+                inputs = torch.cat([window, v[start:end].t().to(window.dtype)], dim=1)  # (hidden / tp, L - 1 + rows)
+                for rows, slot in marks:
+                    windows[slot].copy_(inputs[:, rows:rows + keep])
+            w[start:end] = causal_conv1d_prefill(v[start:end], weight, bias, window)
         return self.out_proj(gate * w)  # (T, hidden), all-reduced over ranks
