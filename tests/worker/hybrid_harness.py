@@ -158,9 +158,11 @@ def run_schedule(model, schedule: Schedule, ctx: ParallelContext | None = None,
             for s in seqs]
 
 
-def _rank_main(rank: int, model_dir: str, schedule: Schedule, init_method: str, out_path: str) -> None:
+def _rank_main(rank: int, model_dir: str, schedule: Schedule, init_method: str, out_path: str,
+               expert_parallel: bool = False) -> None:
     torch.set_num_threads(1)
     ctx = init_distributed(rank, 2, init_method, "cpu", 60.0)
+    ctx = dataclasses.replace(ctx, enable_expert_parallel=expert_parallel)
     try:
         config = ModelConfig.from_pretrained(model_dir)
         model = load_model(model_dir, config, ctx, torch.float32)
@@ -172,8 +174,10 @@ def _rank_main(rank: int, model_dir: str, schedule: Schedule, init_method: str, 
         destroy_distributed()
 
 
-def generate(model_dir: Path, schedule: Schedule, tp_size: int = 1) -> list[tuple[list[int], torch.Tensor]]:
-    """:func:`run_schedule` on the checkpoint at ``model_dir``, at tp 1 (here) or 2 (gloo ranks)."""
+def generate(model_dir: Path, schedule: Schedule, tp_size: int = 1,
+             expert_parallel: bool = False) -> list[tuple[list[int], torch.Tensor]]:
+    """:func:`run_schedule` on the checkpoint at ``model_dir``, at tp 1 (here) or 2 (gloo ranks; with
+    ``expert_parallel``, whole experts per rank)."""
     if tp_size == 1:
         config = ModelConfig.from_pretrained(model_dir)
         model = load_model(model_dir, config, ParallelContext.single("cpu"), torch.float32)
@@ -183,6 +187,7 @@ def generate(model_dir: Path, schedule: Schedule, tp_size: int = 1) -> list[tupl
         port = s.getsockname()[1]
         s.close()
         out_path = str(Path(tmp) / "rank0.pkl")
-        spawn_ranks(_rank_main, (str(model_dir), schedule, f"tcp://127.0.0.1:{port}", out_path), nprocs=tp_size)
+        spawn_ranks(_rank_main, (str(model_dir), schedule, f"tcp://127.0.0.1:{port}", out_path, expert_parallel),
+                    nprocs=tp_size)
         with open(out_path, "rb") as f:
             return pickle.load(f)

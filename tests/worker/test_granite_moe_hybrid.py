@@ -54,6 +54,24 @@ def test_sixteen_at_once_with_chunked_prefill(moe_dir, tp_size):
     check_against_transformers(moe_dir, batch, results)
 
 
+def test_expert_parallel_tp2(moe_dir):
+    """``--enable-expert-parallel``: each of the two ranks holds two whole experts; the same tokens."""
+    import torch
+
+    from worker.layers.moe import FusedMoE
+    from worker.loader import load_model
+    from worker.parallel_state import ParallelContext
+
+    config = ModelConfig.from_pretrained(moe_dir)
+    shard = load_model(moe_dir, config, ParallelContext(1, 2, torch.device("cpu"), enable_expert_parallel=True),
+                       torch.float32)
+    experts = [m for m in shard.modules() if isinstance(m, FusedMoE)]
+    assert len(experts) == 4 and all(m.gate_up_proj.shape == (2, 64, 64) and m.first_expert == 2 for m in experts)
+    batch = prompts(16, seed=6)
+    results = generate(moe_dir, Schedule(batch, MAX_TOKENS, first_chunk=5), tp_size=2, expert_parallel=True)
+    check_against_transformers(moe_dir, batch, results)
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_dense_rope_variant(dense_dir, tp_size):
     batch = prompts(6, seed=3)

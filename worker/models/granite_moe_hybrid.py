@@ -75,7 +75,8 @@ def granite_mamba2_spec(config: ModelConfig) -> Mamba2Spec:
 
 class GraniteMoeExperts(FusedMoE):
     """:class:`FusedMoE` filled from GraniteMoe's stacked tensors: ``input_linear (E, 2I, H)`` ``[gate | up]``
-    rows and ``output_linear (E, H, I)``; this rank reads its ``I / tp`` rows of each half and columns."""
+    rows and ``output_linear (E, H, I)``. Tensor-parallel: this rank reads its ``I / tp`` rows of each half
+    and columns of every expert; expert-parallel (``--enable-expert-parallel``): its experts, whole."""
 
     loads_int8 = False  # the stacked layout is filled into float stacks only
 
@@ -87,7 +88,8 @@ class GraniteMoeExperts(FusedMoE):
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy this rank's slice of every expert from a stacked ``(E, 2I, H)`` or ``(E, H, I)`` tensor."""
         local, full, hidden = self.intermediate_size_per_partition, self.intermediate_size, self.hidden_size
-        start, experts = self.ctx.tp_rank * local, slice(None)
+        start = 0 if self.expert_parallel else self.ctx.tp_rank * local
+        experts = slice(self.first_expert, self.first_expert + self.num_local_experts)  # all, unless expert-parallel
         if param is self.down_proj:
             check_shape(source, (self.num_experts, hidden, full))
             copy_into(param.data, source[experts, :, start:start + local])  # (E, H, I/tp)
