@@ -14,6 +14,7 @@ sequences' states (``--max-num-seqs``):
   sample resumes from the prompt's saved state), and a stream moved to another replica mid-generation
   (re-sent with its delivered tokens) continuing token for token.
 
+Under preemption (a 16-block pool for six long requests) every completion is still the greedy one.
 Speculative decoding, LoRA and pipeline stages are refused for a hybrid at start-up, in one line each.
 """
 
@@ -42,13 +43,13 @@ def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_servable_model(LFM2, tmp_path_factory.mktemp("lfm2"), STORIES_DIR)
 
 
-def _greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+def _greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
     """``transformers``' greedy tokens and their log-probabilities."""
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0, output_logits=True,
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0, output_logits=True,
                              return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[t]) for step, t in zip(out.logits, tokens)]
@@ -108,6 +109,28 @@ def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir:
         assert full == want[4][0]
         for k in (1, 6, 11):
             assert stream(full[:k]) == full[k:], k
+
+
+@pytest.mark.parametrize("caching", ["--enable-prefix-caching", "--no-enable-prefix-caching"])
+def test_preempted_hybrid_requests_recompute_their_state_and_give_the_greedy_tokens(lfm2_dir: Path,
+                                                                                     caching: str) -> None:
+    """A pool of 16 blocks (256 tokens) for six concurrent requests of 100-token prompts and 40 tokens:
+    requests are preempted and their states rebuilt (with caching, resumed from saved prefix states;
+    without, recomputed from zeroed slots that other sequences held), and every completion is still
+    ``transformers``' greedy one: the same with caching on and off."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = load_hf_model(lfm2_dir)
+    rng = random.Random(7)
+    stem = [1] + [rng.randrange(3, 512) for _ in range(63)]  # four shared blocks
+    prompts = [stem + [rng.randrange(3, 512) for _ in range(36)] for _ in range(6)]
+    want = [_greedy(model, p, 40)[0] for p in prompts]
+    with serve(lfm2_dir, 1, "--num-gpu-blocks-override", "16", "--max-num-seqs", "6", caching) as cluster:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=40, temperature=0, ignore_eos=True),
+                                prompts))
+        assert cluster.metric("tpserve:num_preemptions_total") >= 1
+    assert [list(r.token_ids) for r in got] == want
 
 
 @pytest.mark.parametrize("flags, refusal", [
