@@ -81,31 +81,32 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                                     .findSchemaOrThrow("tpserve_cpu::rotary_and_cache", "")
                                     .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                                 at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
-                                                const OptTensor&)>();
+                                                const OptTensor&, const OptTensor&)>();
   static const auto qk_norm_rotary_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::qk_norm_rotary_and_cache", "")
           .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&, const at::Tensor&,
                       at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
-                      const OptTensor&)>();
+                      const OptTensor&, const OptTensor&)>();
   static const auto attention_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, double, int64_t, double, const OptTensor&,
-                            const OptTensor&, const OptTensor&)>();
+                            const OptTensor&, const OptTensor&, const OptTensor&)>();
   const int64_t T = h.size(0), d = k_cache.size(3);
   at::Tensor x = rms_norm_op.call(h, norm_weight, eps);            // (T, hidden)
   at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);    // (T, (H + 2 KVH) d)
   if (q_norm_weight.has_value()) {  // QK-norm (Qwen3): each q and k head RMS-normalised before the rotation
     qk_norm_rotary_op.call(qkv, *q_norm_weight, *k_norm_weight, qk_norm_eps, cos, sin, k_cache, v_cache,
-                           slot_mapping, num_heads, num_kv_heads, std::nullopt, std::nullopt);
+                           slot_mapping, num_heads, num_kv_heads, std::nullopt, std::nullopt, std::nullopt);
   } else {
-    rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, std::nullopt, std::nullopt);
+    rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, std::nullopt, std::nullopt,
+                   std::nullopt);
   }  // q, k rotated; k, v cached
   at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});  // (T, H, d), rows strided
   at::Tensor o = attention_op.call(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                                   sliding_window, 0.0, std::nullopt, std::nullopt,
+                                   sliding_window, 0.0, std::nullopt, std::nullopt, std::nullopt,
                                    std::nullopt);  // (T, H, d), a float32 cache
   return project(o.view({T, num_heads * d}), o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
 }
