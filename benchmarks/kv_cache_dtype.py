@@ -12,7 +12,9 @@ tokens (4 prompts x 32), one-process tp 1 float32 runners (tests/worker/kv8_help
 
 Decode step: the embedded model (d = 16: the compiled paged kernel reads the codes), ``--batch``
 sequences of ``--context`` prompt tokens, then ``--steps`` decode steps, each runner's steps
-interleaved with the others' so that a busy machine slows all alike; the median ms per step.
+interleaved with the others' so that a busy machine slows all alike; the median ms per step, of the
+wall clock and of the process's CPU time (``--threads 1`` by default: on a shared host the CPU time
+of one thread is the steadier figure, since other processes' load stretches the wall clock alone).
 
 It runs against any source tree of tpserve with the same runner API (copy it into the tree to compare
 a commit before a change with one after it):
@@ -76,7 +78,7 @@ def agreement(kv_cache_dtypes: list[str]) -> dict:
 
 
 def decode_steps(kv_cache_dtypes: list[str], batch: int, context: int, steps: int) -> dict:
-    """Median ms of one decode step of ``batch`` sequences at ``context`` tokens, per cache dtype."""
+    """Median ms (wall, CPU) of one decode step of ``batch`` sequences at ``context`` tokens, per cache dtype."""
     block_size = 16
     blocks_per_seq = -(-(context + steps + 1) // block_size)
     runners = {}
@@ -88,14 +90,17 @@ def decode_steps(kv_cache_dtypes: list[str], batch: int, context: int, steps: in
             table = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
             runner.execute(StepPlan(s, (NewSequence(s, GREEDY),), (ScheduledChunk(s, prompt, 0, table),)))
         runners[kv_cache_dtype] = runner
-    times: dict[str, list[float]] = {k: [] for k in kv_cache_dtypes}
+    wall: dict[str, list[float]] = {k: [] for k in kv_cache_dtypes}
+    cpu: dict[str, list[float]] = {k: [] for k in kv_cache_dtypes}
     for k in range(steps):
         for kv_cache_dtype, runner in runners.items():
             plan = StepPlan(batch + k, (), tuple(ScheduledChunk(s, (7,), context + k) for s in range(batch)))
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             runner.execute(plan)
-            times[kv_cache_dtype].append((time.perf_counter() - start) * 1e3)
-    return {k: round(statistics.median(v), 3) for k, v in times.items()}
+            cpu[kv_cache_dtype].append((time.process_time() - start_cpu) * 1e3)
+            wall[kv_cache_dtype].append((time.perf_counter() - start) * 1e3)
+    return {"wall_ms": {k: round(statistics.median(v), 3) for k, v in wall.items()},
+            "cpu_ms": {k: round(statistics.median(v), 3) for k, v in cpu.items()}}
 
 
 def main() -> None:
@@ -104,10 +109,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     dtypes = ["int8", "fp8"]
+    torch.set_num_threads(args.threads)
     result = {"label": args.label, "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
               "torch": torch.__version__}
     if not args.skip_agreement:

@@ -262,17 +262,17 @@ class PagedAttention(nn.Module):
         self.kv_calibration: list | None = None
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-        """Attach an 8-bit cache's scale pools, ``(num_blocks, block_size, num_kv_heads)`` bfloat16 each, on
+        """Attach an 8-bit cache's scale pools, ``(num_blocks, num_kv_heads, block_size)`` bfloat16 each, on
         the cache's device (a new pool with each cache); the key offset ``(num_kv_heads, head_size)`` float32
         is made zero on the first call and kept (calibrated once, in place: a CUDA graph captures every address).
 
         Raises:
             ValueError: pools of another shape, or not contiguous.
         """
-        if k_scale.shape != v_scale.shape or k_scale.shape[-1:] != (self.num_kv_heads,) or k_scale.dim() != 3 \
+        if k_scale.shape != v_scale.shape or k_scale.dim() != 3 or k_scale.shape[1] != self.num_kv_heads \
                 or not (k_scale.is_contiguous() and v_scale.is_contiguous()):
             raise ValueError(f"k_scale {tuple(k_scale.shape)}, v_scale {tuple(v_scale.shape)} must be contiguous "
-                             f"(num_blocks, block_size, {self.num_kv_heads})")
+                             f"(num_blocks, {self.num_kv_heads}, block_size)")
         k_offset = self.kv_scales[2] if self.kv_scales is not None else \
             torch.zeros(self.num_kv_heads, self.head_size, dtype=torch.float32, device=k_scale.device)
         self.kv_scales = (k_scale, v_scale, k_offset)
@@ -395,10 +395,11 @@ class PagedAttention(nn.Module):
         times its scale (gathered alike, into ``workspace`` when given) and the keys plus the offset."""
         k_scale, v_scale, k_offset = cast(KVScales, self.kv_scales)
         if workspace is None:
-            ks, vs = k_scale.index_select(0, block_ids), v_scale.index_select(0, block_ids)  # (n, bs, KVH)
+            ks, vs = k_scale.index_select(0, block_ids), v_scale.index_select(0, block_ids)  # (n, KVH, bs)
         else:
             ks, vs = (_gather_blocks(k_scale, block_ids, workspace, "k_scales"),
                       _gather_blocks(v_scale, block_ids, workspace, "v_scales"))
+        ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # (n, bs, KVH): a scale per row of the codes
         return dequantize(keys, ks, dtype, k_offset), dequantize(values, vs, dtype)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

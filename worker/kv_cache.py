@@ -84,15 +84,16 @@ class KVCacheLayout:
         ]
 
     def allocate_scales(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """An 8-bit cache's zeroed ``(k_scale, v_scale)`` per layer, each ``(num_blocks, block_size, KVH)``
-        bfloat16 (a zero scale reads a never-written slot as 0, never NaN).
+        """An 8-bit cache's zeroed ``(k_scale, v_scale)`` per layer, each ``(num_blocks, KVH, block_size)``
+        bfloat16: a KV head's scales of a block contiguous, so that a kernel widens them 8 at a time (a zero
+        scale reads a never-written slot as 0, never NaN).
 
         Raises:
             ValueError: a cache that is not 8-bit, or ``num_blocks < 1``.
         """
         if not self.quantized or num_blocks < 1:
             raise ValueError(f"scales are for an 8-bit cache of >= 1 blocks, not {self.dtype} x {num_blocks}")
-        shape = (num_blocks, self.block_size, self.spec.first[0])
+        shape = (num_blocks, self.spec.first[0], self.block_size)
         return [(torch.zeros(shape, dtype=SCALE_DTYPE, device=device),
                  torch.zeros(shape, dtype=SCALE_DTYPE, device=device)) for _ in range(self.num_layers)]
 

@@ -3,8 +3,8 @@
 Each layer's K and V caches hold one byte per element, and beside them a scale per position and KV
 head (docs/design/kernels.md, "8-bit KV cache"):
 
-* ``k_scale``, ``v_scale``: ``(num_blocks, block_size, num_kv_heads)`` bfloat16, one per (token,
-  KV head) row of K and of V, set when the row is written: ``s = bf16(max(max_i |y_i|, SCALE_FLOOR) / qmax)``,
+* ``k_scale``, ``v_scale``: ``(num_blocks, num_kv_heads, block_size)`` bfloat16 (a head's scales of a
+  block contiguous), one per (token, KV head) row of K and of V, set when the row is written: ``s = bf16(max(max_i |y_i|, SCALE_FLOOR) / qmax)``,
   the row's absmax mapped onto the code range (dynamic, per token and head: TensorRT-LLM's and
   KIVI's granularity for values, arXiv:2402.02750). A row is written once and never rescaled, so a
   block's codes never change after its tokens are written (prefix caching shares them as they are).
@@ -19,7 +19,8 @@ head (docs/design/kernels.md, "8-bit KV cache"):
   a moved stream read exactly what a miss would have written. Any offset is exact (it is added back);
   a good one only leaves the codes more resolution.
 
-A reader converts back ``k ~= c * k_scale[slot, head] + k_offset[head]``, ``v ~= c * v_scale[slot, head]``:
+A reader converts back ``k ~= c * k_scale[block, head, offset] + k_offset[head]``, ``v ~= c * v_scale[..]``
+(``block, offset = divmod(slot, block_size)``):
 
 * ``fp8``: float8 e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, finite max
   448), ``c = fp8(clamp(y / s, -448, 448))``, round-to-nearest-even: relative error <= 2^-4.
@@ -52,7 +53,7 @@ SCALE_FLOOR = 2.0**-100
 CALIBRATION_TOKENS = 128
 CALIBRATION_SEED = 0
 
-#: One layer's 8-bit cache state: ``(k_scale, v_scale)`` ``(num_blocks, block_size, KVH)`` bfloat16 and
+#: One layer's 8-bit cache state: ``(k_scale, v_scale)`` ``(num_blocks, KVH, block_size)`` bfloat16 and
 #: ``k_offset`` ``(KVH, d)`` float32.
 KVScales = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -112,13 +113,15 @@ def write_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache:
                slot_mapping: torch.Tensor, kv_scales: KVScales) -> None:
     """Quantize ``k, v (T, KVH, d)`` and store codes and scales at ``slot_mapping (T,) int64``, in place."""
     k_scale, v_scale, k_offset = kv_scales
-    num_kv_heads, d = k.shape[1], k.shape[2]
+    num_kv_heads, d, block_size = k.shape[1], k.shape[2], k_scale.shape[2]
     (kc, ks), (vc, vs) = quantize(k, k_cache.dtype, k_offset), quantize(v, v_cache.dtype)
     # As bytes: index_copy_ has no float8 kernel (the copy moves bytes either way).
     k_cache.view(torch.uint8).view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, kc.view(torch.uint8))
     v_cache.view(torch.uint8).view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, vc.view(torch.uint8))
-    k_scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, ks)
-    v_scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, vs)
+    blocks, offsets = (slot_mapping // block_size)[:, None], (slot_mapping % block_size)[:, None]  # (T, 1)
+    heads = torch.arange(num_kv_heads, device=slot_mapping.device)[None, :]  # (1, KVH)
+    k_scale[blocks, heads, offsets] = ks  # (T, KVH) into (num_blocks, KVH, block_size)
+    v_scale[blocks, heads, offsets] = vs
 
 
 def calibration_token_ids(vocab_size: int, num_tokens: int) -> tuple[int, ...]:

@@ -156,8 +156,6 @@ class ModelRunner:
         self._kv_layers = ([m for m in self.model.modules() if isinstance(m, PagedAttention)]
                            if self.kv_cache_dtype != dtype else [])
         self._kv_uncalibrated = bool(self._kv_layers)
-        if self._kv_layers:
-            disable_decode_blocks(self.model)  # the compiled decode layer reads float32 caches only
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
                                                                      self.config.vocab_size)
@@ -257,7 +255,7 @@ class ModelRunner:
     @property
     def kv_scales(self) -> list[KVScales]:
         """Each layer's ``(k_scale, v_scale, k_offset)`` of an 8-bit cache (worker/kv_quant.py; empty for a float
-        cache): scale pools ``(num_blocks, block_size, KVH)`` bfloat16 and the key offset ``(KVH, d)`` float32."""
+        cache): scale pools ``(num_blocks, KVH, block_size)`` bfloat16 and the key offset ``(KVH, d)`` float32."""
         return [cast(KVScales, a.kv_scales) for a in self._kv_layers]  # set at init
 
     @property

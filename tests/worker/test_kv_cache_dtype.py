@@ -61,7 +61,7 @@ def test_the_pool_holds_2d_over_d_plus_2_times_the_blocks_of_a_16_bit_cache(kv_c
     # Per layer: bfloat16 scale pools beside the blocks, and a calibrated float32 key offset per head and channel.
     assert len(runner.kv_scales) == 4
     for k_scale, v_scale, k_offset in runner.kv_scales:
-        assert k_scale.shape == v_scale.shape == (8, 16, 4) and k_scale.dtype == v_scale.dtype == SCALE_DTYPE
+        assert k_scale.shape == v_scale.shape == (8, 4, 16) and k_scale.dtype == v_scale.dtype == SCALE_DTYPE
         assert k_offset.shape == (4, 16) and k_offset.dtype == torch.float32 and bool(k_offset.isfinite().all())
     assert all(bool(k_offset.abs().sum() > 0) for _, _, k_offset in runner.kv_scales)
     again = eight_bit_runner(default_model_dir(), kv_cache_dtype, num_blocks=48)
@@ -86,10 +86,11 @@ def _paged_case(dtype: torch.dtype, seed: int = 0):
     keys = torch.randn(nb, bs, kvh, d, generator=g) * torch.linspace(0.2, 6.0, d) + k_offset  # outlier channels
     values = torch.randn(nb, bs, kvh, d, generator=g) * torch.rand(nb, bs, kvh, 1, generator=g) * 3  # rows' ranges vary
     (k_codes, k_scale), (v_codes, v_scale) = quantize(keys, dtype, k_offset), quantize(values, dtype)
+    floats = dequantize(k_codes, k_scale, torch.float32, k_offset), dequantize(v_codes, v_scale, torch.float32)
+    k_scale, v_scale = k_scale.transpose(1, 2).contiguous(), v_scale.transpose(1, 2).contiguous()  # the pools' layout
     q = torch.randn(3, 8, d, generator=g)
     tables = torch.randperm(nb, generator=g)[:12].view(3, 4).contiguous()
     lens = torch.tensor([5, 40, 64])
-    floats = dequantize(k_codes, k_scale, torch.float32, k_offset), dequantize(v_codes, v_scale, torch.float32)
     return q, (k_codes, v_codes), (k_scale, v_scale, k_offset), tables, lens, floats
 
 
@@ -113,6 +114,9 @@ def test_cpu_kernel_reads_the_codes_as_their_dequantized_values(dtype: torch.dty
     with pytest.raises(RuntimeError, match="k_scale and v_scale must be contiguous bfloat16"):
         torch.ops.tpserve_cpu.paged_attention(q, *codes, tables, starts, lens, 0.25, 0, 0.0, None,
                                               scales[0].float(), scales[1].float(), scales[2])
+    with pytest.raises(RuntimeError, match=r"\(num_blocks, KVH, block_size\)"):
+        torch.ops.tpserve_cpu.paged_attention(q, *codes, tables, starts, lens, 0.25, 0, 0.0, None,
+                                              scales[0].transpose(1, 2).contiguous(), scales[1], scales[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
@@ -293,7 +297,7 @@ def test_the_compiled_rope_and_cache_write_stores_torchs_codes(dtype: torch.dtyp
     for compiled in (True, False):
         monkeypatch.setattr(rotary, "cpu_kernels_available", lambda compiled=compiled: compiled)
         k_cache, v_cache = torch.zeros(8, 4, KVH, d, dtype=dtype), torch.zeros(8, 4, KVH, d, dtype=dtype)
-        pools = torch.zeros(8, 4, KVH, dtype=SCALE_DTYPE), torch.zeros(8, 4, KVH, dtype=SCALE_DTYPE)
+        pools = torch.zeros(8, KVH, 4, dtype=SCALE_DTYPE), torch.zeros(8, KVH, 4, dtype=SCALE_DTYPE)
         rotary.rotate_and_cache(qkv.clone(), cos, sin, k_cache, v_cache, slots, H, KVH, norms,
                                 kv_scales=(*pools, k_offset))
         caches.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), *(p.view(torch.int16) for p in pools)))
@@ -302,3 +306,29 @@ def test_the_compiled_rope_and_cache_write_stores_torchs_codes(dtype: torch.dtyp
     k_codes, v_codes, k_scales, _ = caches[0]
     assert k_codes.count_nonzero() > T * KVH * d // 2 and v_codes.view(-1, KVH, d)[9].count_nonzero() == 0
     assert k_scales.count_nonzero() == T * KVH  # one scale per written (token, head), nothing else
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels need AVX2 and a C++ compiler")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_the_compiled_decode_stack_reads_an_8_bit_cache_as_the_module_path_does(kv_cache_dtype: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-call decode stack (cpu_decode_block.cpp) takes an 8-bit cache's decode steps, passing each layer's
+    scale pools and key offset to the same write and paged-attention ops as the module path: the same logits,
+    bit for bit."""
+    from worker.layers.decode_block import DecodeStack, disable_decode_blocks
+
+    calls: list[int] = []
+    stack_call = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *args: calls.append(1) or stack_call(self, *args))
+
+    prompts = [[1, 9, 33, 7, 120], [1, 400, 12], list(range(3, 40))]
+    stacked, modules = eight_bit_runner(default_model_dir(), kv_cache_dtype), \
+        eight_bit_runner(default_model_dir(), kv_cache_dtype)
+    assert stacked.model.model.decode_stack is not None
+    disable_decode_blocks(modules.model)
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    tokens = teacher_forced(stacked, prompts, None, 10, logits=got)
+    assert teacher_forced(modules, prompts, None, 10, logits=want) == tokens
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(calls) == 9  # every decode step of the stacked runner (none of the other's)

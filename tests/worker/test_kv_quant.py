@@ -72,6 +72,6 @@ def test_an_8_bit_block_is_2d_over_d_plus_2_of_a_16_bit_one(head_dim: int, ratio
     got = eight.num_blocks_for_budget(budget) / sixteen.num_blocks_for_budget(budget)
     assert got == pytest.approx(2 * head_dim / (head_dim + 2), abs=1e-3) and round(got, 2) == ratio
     pools = eight.allocate_scales(5, torch.device("cpu"))
-    assert len(pools) == 3 and all(p.shape == (5, 16, 4) and p.dtype == SCALE_DTYPE for pair in pools for p in pair)
+    assert len(pools) == 3 and all(p.shape == (5, 4, 16) and p.dtype == SCALE_DTYPE for pair in pools for p in pair)
     with pytest.raises(ValueError, match="scales are for an 8-bit cache"):
         sixteen.allocate_scales(5, torch.device("cpu"))

@@ -45,8 +45,8 @@ def paged_decode_kernel(
     # logit_softcap * tanh(score / logit_softcap) before the softmax (Gemma 2). SINKS: one more
     # logit per query head, sinks[head], joins the softmax's denominator with no value (gpt-oss); a
     # SPLIT program leaves it to the wrapper's combination, which must count it once. SCALED: an 8-bit
-    # cache (worker/kv_quant.py) of codes, keys k_scale[slot, kv_head] * code + k_offset[kv_head, i] and
-    # values v_scale[slot, kv_head] * code (scales (num_blocks, BLOCK_SIZE, KVH) bfloat16 passed as int16,
+    # cache (worker/kv_quant.py) of codes, keys k_scale[block, kv_head, t] * code + k_offset[kv_head, i] and
+    # values v_scale[block, kv_head, t] * code (scales (num_blocks, KVH, BLOCK_SIZE) bfloat16 passed as int16,
     # offset (KVH, HEAD_DIM) float32): a key's scale multiplies its score and q . k_offset is added to
     # every score (q . (s c + mu) = s (q . c) + q . mu), a value's scale its probability; FP8: float8
     # e4m3 codes, as uint8.
@@ -80,7 +80,7 @@ def paged_decode_kernel(
         k = load_cache(k_cache_ptr, offsets, kv_ok, FP8)  # (BS, D)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, BS)
         if SCALED:
-            scale_at = (block * BLOCK_SIZE + t) * num_kv_heads + kv_head  # (BS,) into the scale pools
+            scale_at = (block * num_kv_heads + kv_head) * BLOCK_SIZE + t  # (BS,) contiguous in the scale pools
             scores = scores * load_scales(k_scale_ptr, scale_at, t_ok)[None, :] + q_mu[:, None]
         scores = scores * scale
         if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which overflows to the right limits

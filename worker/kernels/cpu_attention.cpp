@@ -22,15 +22,18 @@
 // logits, dropped after the softmax). Without sinks nothing of this runs: one pointer test per row.
 //
 // An 8-bit cache (--kv-cache-dtype int8 or fp8; worker/kv_quant.py) holds codes c with
-// k[t, j, i] = c * k_scale[slot(t), j] + k_offset[j, i], v[t, j, i] = c * v_scale[slot(t), j]: a
-// bfloat16 scale per (position, KV head), a static float32 key offset per (KV head, channel).
+// k[t, j, i] = c * k_scale[block(t), j, t % block_size] + k_offset[j, i], v[t, j, i] = c * v_scale[..]: a
+// bfloat16 scale per (position, KV head), a KV head's scales of a block contiguous, and a static float32 key
+// offset per (KV head, channel).
 // The kernel reads the bytes where they lie and converts 8 at a time in registers (load8 below:
 // int8 sign-extended to int32 then to float; float8 e4m3 by moving its sign, exponent and mantissa
 // bits into a float32's and multiplying by 2^120, the exponent-bias difference, which handles
-// e4m3's subnormals too), and applies the scales where they cost least: q . k = k_scale[t] (q . c) +
-// q . k_offset, so a key's scale multiplies its score (4 positions per vector multiply) and q . k_offset
-// is one dot product per query row and head; a value's scale multiplies its probability. A position's
-// row is a quarter of a float32 cache's bytes plus 4 bytes of scales per KV head.
+// e4m3's subnormals too), and applies the scales where they cost least: each (sequence, KV head) first
+// widens its positions' scales to float32, 8 at a time a block (position_scales); then q . k =
+// k_scale[t] (q . c) + q . k_offset, so the key scales of 4 positions multiply their 4 scores in one FMA
+// that adds q . k_offset (one dot product per query row and head), and a value's scale multiplies its
+// probability in the softmax's pass (8 at a time), leaving the value pass as a float32 cache's. A
+// position's row is a quarter of a float32 cache's bytes plus 4 bytes of scales per KV head.
 //
 // Why a kernel: without one, attention gathers each sequence's whole K and V through its block
 // table into a dense buffer (a copy of the context per layer per step) and runs a general SDPA
@@ -86,12 +89,30 @@ inline __m256 load8(const Fp8E4M3* p) {
   return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
 }
 
-// One KV head's scales of an 8-bit cache: k, v the bfloat16 bits of k_scale, v_scale from this head
-// (the scale of the position at cache offset o is k[o / d]), offset its d key offsets; nullptrs for float32.
+// One KV head's scales of an 8-bit cache, as float32 per position (k[t], v[t] for the t-th position of
+// the row's `off`), and its d key offsets; nullptrs for float32.
 struct ScaleRows {
-  const uint16_t* k;
-  const uint16_t* v;
+  const float* k;
+  const float* v;
   const float* offset;
+};
+
+// Subnormal floats flushed to zero (MXCSR's FTZ and DAZ) while a thread reads an 8-bit cache, the previous
+// mode restored after: a far-from-max position's probability (exp(-86) ~ 1e-38) times its value's scale
+// (~1e-2) is subnormal, and every FMA on a subnormal takes a microcode assist (random-code rows with
+// scores spread over +-100: 2.2 ms a call instead of 0.1). What is flushed weighs < 1e-38 of the sum.
+// A float32 cache keeps the mode it has (its results stay bit for bit the module path's).
+class FlushSubnormals {
+ public:
+  explicit FlushSubnormals(bool on) : csr_(_mm_getcsr()) {
+    if (on) _mm_setcsr(csr_ | 0x8040);
+  }
+  ~FlushSubnormals() { _mm_setcsr(csr_); }
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+
+ private:
+  unsigned int csr_;
 };
 
 inline float bf16_to_float(uint16_t bits) {
@@ -99,6 +120,16 @@ inline float bf16_to_float(uint16_t bits) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// n bfloat16 values -> float32 (their bits become the top half of a float32's), 8 at a time.
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+  }
+  for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
 // Cache elements per 64-byte line.
@@ -162,6 +193,23 @@ void position_offsets(const int64_t* table, int64_t block_size, int64_t token_st
   for (int64_t t = L; t < L + 4 + kAhead; ++t) o[t] = o[L - 1];
 }
 
+// One KV head's scales of positions [lo, L) as float32: k[t - first], v[t - first] with first = lo rounded
+// down to its block (pools (num_blocks, KVH, block_size) bfloat16: a head's scales of a block are
+// contiguous), then 8 + 4 + kAhead zeros (the passes' vectors and look-ahead read past L).
+void position_scales(const int64_t* table, int64_t block_size, int64_t KVH, int64_t j, int64_t lo, int64_t L,
+                     const uint16_t* k_pool, const uint16_t* v_pool, std::vector<float>& k, std::vector<float>& v) {
+  const int64_t first = lo / block_size * block_size, n = L - first;
+  k.resize(static_cast<size_t>(n + 12 + kAhead));
+  v.resize(static_cast<size_t>(n + 12 + kAhead));
+  for (int64_t b = lo / block_size; b * block_size < L; ++b) {
+    const int64_t at = (table[b] * KVH + j) * block_size, m = std::min(block_size, L - b * block_size);
+    widen_bf16(k_pool + at, k.data() + (b * block_size - first), m);
+    widen_bf16(v_pool + at, v.data() + (b * block_size - first), m);
+  }
+  std::fill(k.begin() + n, k.end(), 0.0f);
+  std::fill(v.begin() + n, v.end(), 0.0f);
+}
+
 // The first position any of a sequence's n rows reads: 0, or with a sliding window the first row's
 // window start (earlier blocks are skipped).
 inline int64_t first_position(int64_t L, int64_t n, int64_t sliding_window) {
@@ -194,7 +242,6 @@ void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const i
   float* s = scores.data();
   // Pass 1: scores, keys of 4 positions at a time against the heads' queries held in registers.
   constexpr bool kCodes = !std::is_same_v<T, float>;
-  constexpr int64_t D = 8 * D8;
   __m256 qv[G][D8];
   __m128 qmu[G];  // an 8-bit cache: scale * q . k_offset, added to every score
   const __m256 vscale = _mm256_set1_ps(scale);
@@ -211,8 +258,7 @@ void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const i
     if (h.next_off && t < h.next_len) prefetch_rows(h.kpf, h.next_off + t, h.pf_lines);
     const T *k0 = h.keys + off[t], *k1 = h.keys + off[t + 1], *k2 = h.keys + off[t + 2], *k3 = h.keys + off[t + 3];
     if constexpr (kCodes) {  // each position's key scale multiplies its score
-      const __m128 ks = _mm_setr_ps(bf16_to_float(sc.k[off[t] / D]), bf16_to_float(sc.k[off[t + 1] / D]),
-                                    bf16_to_float(sc.k[off[t + 2] / D]), bf16_to_float(sc.k[off[t + 3] / D]));
+      const __m128 ks = _mm_loadu_ps(sc.k + t);
       for (int g = 0; g < G; ++g) {
         _mm_storeu_ps(s + g * stride + t, _mm_fmadd_ps(dot4<D8, T>(qv[g], k0, k1, k2, k3), ks, qmu[g]));
       }
@@ -236,16 +282,17 @@ void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const i
     if (sink) m = std::max(m, sink[g]);  // the sink is one more logit: the max covers it (no overflow)
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
+    // An 8-bit cache: each position's weight in the value pass is its probability times its value's scale.
     for (t = 0; t + 8 <= context; t += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm));
-      _mm256_storeu_ps(sg + t, e);
+      _mm256_storeu_ps(sg + t, kCodes ? _mm256_mul_ps(e, _mm256_loadu_ps(sc.v + t)) : e);
       vsum = _mm256_add_ps(vsum, e);
     }
     if (t < context) {  // the last 1..7 positions: one more vector, the lanes past the end zeroed
       const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(t)), kLane),
                                          _mm256_set1_ps(static_cast<float>(context)), _CMP_LT_OQ);
       const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm)), valid);
-      _mm256_storeu_ps(sg + t, e);  // within the head's stride
+      _mm256_storeu_ps(sg + t, kCodes ? _mm256_mul_ps(e, _mm256_loadu_ps(sc.v + t)) : e);  // within the stride
       vsum = _mm256_add_ps(vsum, e);
     }
     const float sink_mass = sink ? std::exp(sink[g] - m) : 0.0f;  // in the denominator only: it has no value
@@ -268,24 +315,17 @@ void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const i
     }
     for (int u = 0; u < kSets; ++u) {
       const T* v = h.values + off[t + u];
-      float w[G];  // the probabilities, times the value's scale for an 8-bit cache
-      const float vs = kCodes ? bf16_to_float(sc.v[off[t + u] / D]) : 1.0f;
-      for (int g = 0; g < G; ++g) w[g] = kCodes ? s[g * stride + t + u] * vs : s[g * stride + t + u];
       for (int i = 0; i < D8; ++i) {
         const __m256 vv = load8(v + 8 * i);
-        for (int g = 0; g < G; ++g) o[u][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(w[g]), vv, o[u][g][i]);
+        for (int g = 0; g < G; ++g) o[u][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * stride + t + u]), vv, o[u][g][i]);
       }
     }
   }
   for (; t < context; ++t) {  // kSets = 2 and an odd context: the last position
     const T* v = h.values + off[t];
-    const float vs = kCodes ? bf16_to_float(sc.v[off[t] / D]) : 1.0f;
     for (int i = 0; i < D8; ++i) {
       const __m256 vv = load8(v + 8 * i);
-      for (int g = 0; g < G; ++g) {
-        o[0][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(kCodes ? s[g * stride + t] * vs : s[g * stride + t]), vv,
-                                     o[0][g][i]);
-      }
+      for (int g = 0; g < G; ++g) o[0][g][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * stride + t]), vv, o[0][g][i]);
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -380,8 +420,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "tpserve paged_attention: an 8-bit cache takes k_scale, v_scale and k_offset, a float32 cache none");
   for (const std::optional<at::Tensor>* t : {&k_scale, &v_scale}) {
     TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() &&
-                                    (*t)->sizes() == k_cache.sizes().slice(0, 3)),
-                "tpserve paged_attention: k_scale and v_scale must be contiguous bfloat16 (num_blocks, block_size, KVH)");
+                                    (*t)->dim() == 3 && (*t)->size(0) == k_cache.size(0) &&
+                                    (*t)->size(1) == k_cache.size(2) && (*t)->size(2) == k_cache.size(1)),
+                "tpserve paged_attention: k_scale and v_scale must be contiguous bfloat16 (num_blocks, KVH, block_size)");
   }
   TORCH_CHECK(!k_offset.has_value() || (k_offset->scalar_type() == at::kFloat && k_offset->is_contiguous() &&
                                         k_offset->dim() == 2 && k_offset->size(0) == k_cache.size(2) &&
@@ -458,7 +499,8 @@ void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t
   const int64_t head_lines = (d + kPerLine<T> - 1) / kPerLine<T>;
   const bool whole_rows = row_lines <= kWholeRowLines;
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    const FlushSubnormals flush(!std::is_same_v<T, float>);
+    std::vector<float> scores, kscales, vscales;
     std::vector<int64_t> off, next;
     int64_t offsets_of = -1, next_of = -1;  // the sequences `off` and `next` hold
     const int64_t last = (end - 1) / KVH;  // this thread's last sequence
@@ -487,11 +529,15 @@ void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t
       } else if (!whole_rows) {  // wide rows: each head its own lines
         h.kpf = h.keys, h.vpf = h.values;
       }
+      const int64_t aligned = lo / block_size * block_size;  // where this head's scale arrays start
+      if (k_scale) position_scales(tables + s * max_blocks, block_size, KVH, j, lo, L, k_scale, v_scale, kscales,
+                                   vscales);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = first + i, p = L - n + i;  // the row's position
         const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
         attend_fn(groups, qp + row * qs0 + j * groups * qs1, qs1, h, off.data() + (start - lo), p + 1 - start,
-                  scale, ScaleRows{k_scale ? k_scale + j : nullptr, v_scale ? v_scale + j : nullptr,
+                  scale, ScaleRows{k_scale ? kscales.data() + (start - aligned) : nullptr,
+                                   k_scale ? vscales.data() + (start - aligned) : nullptr,
                                    k_offset ? k_offset + j * d : nullptr},
                   logit_softcap,
                   sink_p ? sink_p + j * groups : nullptr, op + (row * H + j * groups) * d, d, scores);

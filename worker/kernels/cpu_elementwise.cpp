@@ -134,22 +134,44 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // for i < d/2 and x[i] cos[i] + x[i - d/2] sin[i] above; then write the rotated keys and the values into
 // the caches (num_blocks, block_size, KVH, d) at slot_mapping[t]. An 8-bit cache (int8 or float8_e4m3fn,
 // worker/kv_quant.py) gets, per KV head, y = x - offset (keys: k_offset (KVH, d); values: none), the row's
-// scale s = bf16(max(absmax(y), 2^-100) / qmax) into k_scale / v_scale (num_blocks, block_size, KVH)
-// bfloat16, and the codes of y / s: the same float operations, saturation and roundings (to nearest even;
-// c10's bfloat16 and e4m3 conversions) as torch's kv_quant.quantize, so the same bits.
+// scale s = bf16(max(absmax(y), 2^-100) / qmax) into k_scale / v_scale (num_blocks, KVH, block_size)
+// bfloat16 (a head's scales of a block contiguous), and the codes of y / s: the same float operations,
+// saturation and roundings (to nearest even; c10's bfloat16 and e4m3 conversions) as torch's
+// kv_quant.quantize, so the same bits.
 template <typename T>
 inline void store_row(T* dst, c10::BFloat16* scale_dst, const float* x, const float* offset, int64_t d) {
   constexpr float qmax = std::is_same_v<T, int8_t> ? 127.0f : 448.0f;
-  float y[256];  // d <= 256 (checked)
-  float absmax = 0.0f;
-  for (int64_t i = 0; i < d; ++i) {
+  alignas(32) float y[256];  // d <= 256 (checked)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {  // y = x - offset and max |y|, 8 at a time (exact either way)
+    __m256 v = _mm256_loadu_ps(x + i);
+    if (offset) v = _mm256_sub_ps(v, _mm256_loadu_ps(offset + i));
+    _mm256_store_ps(y + i, v);
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+  }
+  float absmax = tpserve::hmax(vmax);
+  for (; i < d; ++i) {
     y[i] = offset ? x[i] - offset[i] : x[i];
     absmax = std::max(absmax, std::fabs(y[i]));
   }
   const c10::BFloat16 s(std::max(absmax, 0x1p-100f) / qmax);
   *scale_dst = s;
   const float sf = static_cast<float>(s);
-  for (int64_t i = 0; i < d; ++i) {
+  const __m256 vs = _mm256_set1_ps(sf), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+  for (i = 0; i + 8 <= d; i += 8) {  // the codes: y / s saturated (the same division as torch's)
+    const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_div_ps(_mm256_load_ps(y + i), vs)));
+    if constexpr (std::is_same_v<T, int8_t>) {  // rounded to nearest even, packed to 8 bytes
+      const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(w, w));
+    } else {
+      _mm256_store_ps(y + i, c);
+      for (int u = 0; u < 8; ++u) dst[i + u] = static_cast<T>(y[i + u]);  // c10's e4m3 rounding
+    }
+  }
+  for (; i < d; ++i) {
     const float c = std::min(qmax, std::max(-qmax, y[i] / sf));
     if constexpr (std::is_same_v<T, int8_t>) {
       dst[i] = static_cast<int8_t>(std::nearbyint(c));
@@ -159,12 +181,14 @@ inline void store_row(T* dst, c10::BFloat16* scale_dst, const float* x, const fl
   }
 }
 
+// One position's rows of every KV head; its scales at kscale[j * head_stride] (head_stride: the block size).
 template <typename T>
-inline void store_codes(T* kdst, T* vdst, c10::BFloat16* kscale, c10::BFloat16* vscale, const float* keys,
-                        const float* values, const float* k_offset, int64_t num_kv_heads, int64_t d) {
+inline void store_codes(T* kdst, T* vdst, c10::BFloat16* kscale, c10::BFloat16* vscale, int64_t head_stride,
+                        const float* keys, const float* values, const float* k_offset, int64_t num_kv_heads,
+                        int64_t d) {
   for (int64_t j = 0; j < num_kv_heads; ++j) {
-    store_row(kdst + j * d, kscale + j, keys + j * d, k_offset + j * d, d);
-    store_row(vdst + j * d, vscale + j, values + j * d, nullptr, d);
+    store_row(kdst + j * d, kscale + j * head_stride, keys + j * d, k_offset + j * d, d);
+    store_row(vdst + j * d, vscale + j * head_stride, values + j * d, nullptr, d);
   }
 }
 
@@ -191,7 +215,7 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
   for (const std::optional<at::Tensor>* sc : {&k_scale, &v_scale}) {
     TORCH_CHECK(!sc->has_value() || ((*sc)->scalar_type() == at::kBFloat16 && (*sc)->is_contiguous() &&
                                      (*sc)->numel() == k_cache.size(0) * k_cache.size(1) * num_kv_heads),
-                "tpserve rotary_and_cache: k_scale and v_scale must be contiguous bfloat16 (num_blocks, block_size, KVH)");
+                "tpserve rotary_and_cache: k_scale and v_scale must be contiguous bfloat16 (num_blocks, KVH, block_size)");
   }
   TORCH_CHECK(!k_offset.has_value() || (k_offset->scalar_type() == at::kFloat && k_offset->is_contiguous() &&
                                         k_offset->numel() == num_kv_heads * d && d <= 256),
@@ -199,6 +223,7 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
               "tpserve rotary_and_cache: slot_mapping must be int64 (T,)");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), half = d / 2, width = qkv.size(1);
+  const int64_t block_size = k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "tpserve rotary_and_cache: slot ", slots[t], " outside the cache");
@@ -257,12 +282,16 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
       if (cache_type == at::kFloat) {
         std::memcpy(kdst, keys, row_bytes);
         std::memcpy(vdst, values, row_bytes);
-      } else if (cache_type == at::kChar) {
-        store_codes(reinterpret_cast<int8_t*>(kdst), reinterpret_cast<int8_t*>(vdst), ks + slots[t] * num_kv_heads,
-                    vs + slots[t] * num_kv_heads, keys, values, ko, num_kv_heads, d);
       } else {
-        store_codes(reinterpret_cast<c10::Float8_e4m3fn*>(kdst), reinterpret_cast<c10::Float8_e4m3fn*>(vdst),
-                    ks + slots[t] * num_kv_heads, vs + slots[t] * num_kv_heads, keys, values, ko, num_kv_heads, d);
+        // The position's scale of head 0 in its block's (KVH, block_size) scales; head j's is block_size further.
+        const int64_t at = (slots[t] / block_size * num_kv_heads) * block_size + slots[t] % block_size;
+        if (cache_type == at::kChar) {
+          store_codes(reinterpret_cast<int8_t*>(kdst), reinterpret_cast<int8_t*>(vdst), ks + at, vs + at, block_size,
+                      keys, values, ko, num_kv_heads, d);
+        } else {
+          store_codes(reinterpret_cast<c10::Float8_e4m3fn*>(kdst), reinterpret_cast<c10::Float8_e4m3fn*>(vdst),
+                      ks + at, vs + at, block_size, keys, values, ko, num_kv_heads, d);
+        }
       }
     }
   });

@@ -118,9 +118,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ``sum_t exp(score_t)``; ``transformers``' ``modeling_gpt_oss.py``); None: none
             (the kernel is compiled without that code).
         kv_scales: an 8-bit cache's ``(k_scale, v_scale, k_offset)`` on ``q``'s device (worker/kv_quant.py):
-            scales ``(num_blocks, block_size, KVH)`` bfloat16, contiguous, and the key offset ``(KVH, d)``
-            float32; keys are ``k_scale[slot, head] * code + k_offset[head]``, values
-            ``v_scale[slot, head] * code``; None for a float cache.
+            scales ``(num_blocks, KVH, block_size)`` bfloat16, contiguous, and the key offset ``(KVH, d)``
+            float32; keys are ``k_scale[block, head, offset] * code + k_offset[head]``, values
+            ``v_scale[block, head, offset] * code``; None for a float cache.
 
     Returns:
         ``(S, H, d)`` in ``q``'s dtype; the arithmetic is float32.

@@ -39,9 +39,8 @@ def decode_block_supported(attention: nn.Module, device: torch.device, dtype: to
 
 
 def disable_decode_blocks(model: nn.Module) -> None:
-    """Send every decode step of ``model`` through the module path: its layers' caches are not float32
-    (an 8-bit KV cache, worker/kv_quant.py, which the module path's paged kernel reads; the compiled
-    layer's fused RoPE-and-cache write stores float32 only)."""
+    """Send every decode step of ``model`` through the module path (LoRA adapters: the compiled layer has no
+    low-rank path)."""
     for module in model.modules():
         if getattr(module, "decode_block", False):
             setattr(module, "decode_block", False)  # noqa: B010 - a plain attribute, not a submodule
@@ -92,8 +91,8 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
     if args is None:
         args = layer.__dict__["_decode_block_args"] = _layer_args(layer)
     attention_args, mlp_args, _ = args
-    o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta),
-                                              *attention_args)  # (T, hidden), this rank's part
+    o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta), *attention_args,
+                                              *(layer.self_attn.attn.kv_scales or ()))  # (T, hidden), this rank's part
     o = layer.self_attn.o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
     h, m = torch.ops.tpserve_cpu.mlp_block(h, o, *mlp_args)  # h + o; this rank's part of the MLP
     return h + layer.mlp.down_proj.reduce(m)  # (T, hidden)
@@ -124,5 +123,6 @@ class DecodeStack:
             for layer in self._layers:
                 attention_args, mlp_args, (o_bias, down_bias) = _layer_args(layer)
                 self._compiled.add_layer(*attention_args, o_bias, *mlp_args, down_bias)
+        kv_scales = [t for layer in self._layers for t in (layer.self_attn.attn.kv_scales or ())]  # 8-bit caches
         return self._compiled.forward(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                                      *_step_args(meta))  # (T, hidden)
+                                      *_step_args(meta), kv_scales)  # (T, hidden)
