@@ -248,7 +248,7 @@ class ModelRunner:
         plans = (StepPlan(0, (NewSequence(0, SamplingParams()),), (chunk,)), StepPlan(1, finished_seq_ids=(0,)))
         calibrate(self._kv_layers, lambda: [self.execute(plan) for plan in plans])
         self._kv_uncalibrated = False
-        offsets = torch.stack([a.k_offset for a in self._kv_layers])  # (L, KVH, d), set now
+        offsets = torch.stack([cast(torch.Tensor, a.k_offset) for a in self._kv_layers])  # (L, KVH, d), set now
         log.info("kv cache key offsets calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
                  tokens=num_tokens, k_offset_min=float(offsets.min()), k_offset_max=float(offsets.max()))
 

@@ -10,13 +10,16 @@ both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.
 They run the very kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
 submodules) calls, in the same order, so the hidden states are bit-identical to it;
 what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
-(30 layers), the bare batch-1 step: docs/design/kernels.md, "Compiled CPU kernels".
+(30 layers), the bare batch-1 step: docs/design/kernels.md, "Compiled CPU kernels". An 8-bit KV cache
+(worker/kv_quant.py) is read and written by the same ops, each layer's scale pools and key offset passed.
 
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
 Llama's or Qwen3's (soft-capping, MoE) keep the module path.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -91,8 +94,9 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
     if args is None:
         args = layer.__dict__["_decode_block_args"] = _layer_args(layer)
     attention_args, mlp_args, _ = args
+    kv_scales = cast(tuple, layer.self_attn.attn.kv_scales or ())  # an 8-bit cache's (k_scale, v_scale, k_offset)
     o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta), *attention_args,
-                                              *(layer.self_attn.attn.kv_scales or ()))  # (T, hidden), this rank's part
+                                              *kv_scales)  # (T, hidden), this rank's part
     o = layer.self_attn.o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
     h, m = torch.ops.tpserve_cpu.mlp_block(h, o, *mlp_args)  # h + o; this rank's part of the MLP
     return h + layer.mlp.down_proj.reduce(m)  # (T, hidden)
