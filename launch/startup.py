@@ -52,8 +52,8 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
 
     With ``enable_expert_parallel`` also checked to split its experts whole over the
     tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model may be dense. An 8-bit
-    ``kv_cache_dtype`` is refused for multi-head latent attention: its scales are per KV head and
-    channel (worker/kv_quant.py), and a latent cache has neither.
+    ``kv_cache_dtype`` is refused for multi-head latent attention: its scales are per (token, KV head) and
+    its key offset per head and channel (worker/kv_quant.py), and a latent cache has no heads.
 
     Raises:
         StartupError: not a checkpoint directory, an unsupported architecture or

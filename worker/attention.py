@@ -57,12 +57,13 @@ at construction, so one step's metadata serves every layer):
   the ``(H,)`` float32 tensor. The sinks are a parameter of this module (``attn.sinks``),
   this rank's heads' slice, so every path reads the same values.
 
-With an 8-bit cache (``--kv-cache-dtype fp8|int8``, worker/kv_quant.py) the caches hold codes
-and each layer's ``k_scale``, ``v_scale``: :func:`write_kv_cache` quantizes, the compiled and
-Triton kernels convert in registers (the scales folded into the query and the output), the
-torch path dequantizes the blocks it gathers, and a prompt's first chunk attends over its own
-keys and values rounded as the cache holds them, so that every path, and a prefix-cache hit
-against a miss, reads the same values.
+With an 8-bit cache (``--kv-cache-dtype fp8|int8``, worker/kv_quant.py) the caches hold codes,
+and each layer's ``kv_scales`` a scale per (slot, KV head) of K and V and a static key offset:
+:func:`write_kv_cache` quantizes each row, the compiled and Triton kernels convert in registers
+(each key's scale multiplies its score, each value's its probability; the offset's ``q . mu`` is
+added to every score), the torch path dequantizes the blocks it gathers with their scales, and a
+prompt's first chunk attends over its own keys and values rounded as the cache holds them, so that
+every path, and a prefix-cache hit against a miss, reads the same values.
 
 Why not one padded call for everything: a decode batch padded to the longest
 prefill chunk does ``num_seqs x chunk_len x context`` work for one useful row per
@@ -76,13 +77,14 @@ num_kv_heads, head_dim)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels import cpu_kernels_available
-from worker.kv_quant import dequantize, is_quantized, quantize
+from worker.kv_quant import KVScales, as_cached, dequantize, is_quantized, write_rows
 from worker.kernels.triton_attention import paged_decode_attention
 from worker.state_metadata import StateMetadata
 
@@ -195,11 +197,11 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, workspace: dict
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                   slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
     """Write ``k, v (T, num_kv_heads, d)`` into the caches at ``slot_mapping (T,) int64``, in place.
 
-    An 8-bit cache stores ``quantize(k / k_scale)``, ``quantize(v / v_scale)`` with ``kv_scales``
-    (the layer's :attr:`PagedAttention.kv_scales`; worker/kv_quant.py).
+    An 8-bit cache stores each row's codes and its scale in ``kv_scales`` (the layer's
+    :attr:`PagedAttention.kv_scales`; :func:`worker.kv_quant.write_rows`).
 
     Raises:
         ValueError: an 8-bit cache without ``kv_scales``.
@@ -208,10 +210,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if is_quantized(k_cache):
         if kv_scales is None:
             raise ValueError(f"a {k_cache.dtype} KV cache needs the layer's kv_scales to be written")
-        k, v = quantize(k, kv_scales[0], k_cache.dtype), quantize(v, kv_scales[1], v_cache.dtype)
-        # As bytes: index_copy_ has no float8 kernel (the copy moves bytes either way).
-        k, v, k_cache, v_cache = k.view(torch.uint8), v.view(torch.uint8), k_cache.view(torch.uint8), \
-            v_cache.view(torch.uint8)
+        write_rows(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        return
     k_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, v)
 
@@ -260,26 +260,31 @@ class PagedAttention(nn.Module):
         self.logit_softcap = logit_softcap
         self.sinks = sinks
         self.enable_gqa = num_kv_heads != num_heads
-        # An 8-bit cache's scales, (KVH, d) float32 each (worker/kv_quant.py; None with a float cache), and
-        # the calibration's running maxima of |k|, |v| per head and channel while it runs (None otherwise).
-        self.k_scale: torch.Tensor | None = None
-        self.v_scale: torch.Tensor | None = None
-        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.kv_absmax: list[torch.Tensor] | None = None
+        # An 8-bit cache's (k_scale, v_scale, k_offset) (worker/kv_quant.py; None with a float cache), and
+        # the calibration's running sum of keys per head and channel and its token count while it runs.
+        self.kv_scales: KVScales | None = None
+        self.kv_calibration: list | None = None
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-        """Set an 8-bit cache's scales, ``(num_kv_heads, head_size)`` float32 each, on the cache's device;
-        every path reads them (and a CUDA graph captures their addresses: set them before capturing).
+        """Attach an 8-bit cache's scale pools, ``(num_blocks, num_kv_heads, block_size)`` bfloat16 each, on
+        the cache's device (a new pool with each cache); the key offset ``(num_kv_heads, head_size)`` float32
+        is made zero on the first call and kept (calibrated once, in place: a CUDA graph captures every address).
 
         Raises:
-            ValueError: a scale of another shape, or not positive and finite.
+            ValueError: pools of another shape, or not contiguous.
         """
-        shape = (self.num_kv_heads, self.head_size)
-        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if tuple(t.shape) != shape or not bool(torch.isfinite(t).all() and (t > 0).all()):
-                raise ValueError(f"{name} {tuple(t.shape)} must be {shape}, positive and finite")
-        self.k_scale, self.v_scale = (t.to(torch.float32).contiguous() for t in (k_scale, v_scale))
-        self.kv_scales = (self.k_scale, self.v_scale)
+        if k_scale.shape != v_scale.shape or k_scale.dim() != 3 or k_scale.shape[1] != self.num_kv_heads \
+                or not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+            raise ValueError(f"k_scale {tuple(k_scale.shape)}, v_scale {tuple(v_scale.shape)} must be contiguous "
+                             f"(num_blocks, {self.num_kv_heads}, block_size)")
+        k_offset = self.kv_scales[2] if self.kv_scales is not None else \
+            torch.zeros(self.num_kv_heads, self.head_size, dtype=torch.float32, device=k_scale.device)
+        self.kv_scales = (k_scale, v_scale, k_offset)
+
+    @property
+    def k_offset(self) -> torch.Tensor | None:
+        """The 8-bit cache's static key offset ``(num_kv_heads, head_size)`` float32 (None: a float cache)."""
+        return None if self.kv_scales is None else self.kv_scales[2]
 
     def forward(
         self,
@@ -297,9 +302,9 @@ class PagedAttention(nn.Module):
         """
         num_tokens, d = k.shape[0], k.shape[2]
         meta = attn_metadata
-        if self.kv_absmax is not None:  # start-up calibration of an 8-bit cache's scales (worker/kv_quant.py)
-            self.kv_absmax = [torch.maximum(m, x.abs().amax(0).float())
-                              for m, x in zip(self.kv_absmax, (k, v))]  # (KVH, d) each
+        if self.kv_calibration is not None:  # start-up calibration of an 8-bit cache's key offset (worker/kv_quant.py)
+            self.kv_calibration[0] += k.float().sum(0)  # (KVH, d)
+            self.kv_calibration[1] += num_tokens
         num_decodes = meta.num_decodes
         decoded = None
         if num_decodes == num_tokens and num_decodes:  # a pure decode step: every row, no slice, no scatter
@@ -323,7 +328,7 @@ class PagedAttention(nn.Module):
         if meta.decode_query_start_loc is not None:  # step_inputs checked the kernel takes this step
             return torch.ops.tpserve_cpu.paged_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_start_loc,
-                meta.decode_context_lens, self.scale, window, softcap, self.sinks, self.k_scale, self.v_scale,
+                meta.decode_context_lens, self.scale, window, softcap, self.sinks, *(self.kv_scales or (None,) * 3),
             )  # (D, H, d), read in place through the block tables (8-bit codes converted in registers)
         if meta.triton_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -334,7 +339,7 @@ class PagedAttention(nn.Module):
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * B, bs, KVH, d)
         values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")
         if is_quantized(k_cache):  # the gathered copy of 8-bit codes, converted (the cache stays 8-bit)
-            keys, values = dequantize(keys, self.k_scale, q.dtype), dequantize(values, self.v_scale, q.dtype)
+            keys, values = self._dequantize_blocks(keys, values, block_ids, meta.workspace, q.dtype)
         keys = keys.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
         values = values.view(num_seqs, -1, kvh, d).transpose(1, 2)  # (D, KVH, B * bs, d)
         mask = meta.decode_mask if self.sliding_window is None else meta.decode_window_mask(self.sliding_window)
@@ -367,7 +372,7 @@ class PagedAttention(nn.Module):
             index = (first_block[:, None] + torch.arange(width, device=q.device)).clamp(max=width - 1)  # (D, B)
             return paged_decode_attention(q, k_cache, v_cache, tables.gather(1, index), positions % chunk + 1,
                                           self.scale, logit_softcap=self.logit_softcap or 0.0,
-                                          sinks=self.sinks)  # (D, H, d)
+                                          sinks=self.sinks, kv_scales=self.kv_scales)  # (D, H, d)
         if meta.decode_query_start_loc is not None:  # a sequence may own several consecutive rows
             rows_index = torch.arange(rows, device=q.device)
             seq = torch.searchsorted(meta.decode_query_start_loc[1:], rows_index, right=True)  # (D,)
@@ -379,12 +384,27 @@ class PagedAttention(nn.Module):
         block_ids = tables.gather(1, index).reshape(-1)  # (D * span,)
         keys = _gather_blocks(k_cache, block_ids, meta.workspace, "keys")  # (D * span, bs, KVH, d)
         values = _gather_blocks(v_cache, block_ids, meta.workspace, "values")
+        if is_quantized(k_cache):
+            keys, values = self._dequantize_blocks(keys, values, block_ids, meta.workspace, q.dtype)
         keys = keys.view(rows, -1, kvh, d).transpose(1, 2)  # (D, KVH, span * bs, d)
         values = values.view(rows, -1, kvh, d).transpose(1, 2)
         key_pos = first_block[:, None] * block_size + torch.arange(span * block_size, device=q.device)  # (D, K)
         mask = (key_pos >= first_key[:, None]) & (key_pos <= positions[:, None])  # (D, K), the row itself included
         o = self._attention(q.unsqueeze(2), keys, values, mask[:, None, None, :])  # (D, H, 1, d)
         return o.squeeze(2)  # (D, H, d)
+
+    def _dequantize_blocks(self, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor,
+                           workspace: dict[str, torch.Tensor] | None, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Codes ``(n, bs, KVH, d)`` of the blocks ``block_ids (n,)`` -> their values in ``dtype``, each row
+        times its scale (gathered alike, into ``workspace`` when given) and the keys plus the offset."""
+        k_scale, v_scale, k_offset = cast(KVScales, self.kv_scales)
+        if workspace is None:
+            ks, vs = k_scale.index_select(0, block_ids), v_scale.index_select(0, block_ids)  # (n, KVH, bs)
+        else:
+            ks, vs = (_gather_blocks(k_scale, block_ids, workspace, "k_scales"),
+                      _gather_blocks(v_scale, block_ids, workspace, "v_scales"))
+        ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # (n, bs, KVH): a scale per row of the codes
+        return dequantize(keys, ks, dtype, k_offset), dequantize(values, vs, dtype)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``q (B, H, n, d)`` over ``k, v (B, KVH, C, d)`` under ``mask`` (broadcast to ``(B, H, n, C)``,
@@ -405,9 +425,9 @@ class PagedAttention(nn.Module):
         qs = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # (1, H, n, d)
         if chunk.block_table is None:  # a prompt's first chunk: its own keys, causal
             ks, vs = k[chunk.start : chunk.end], v[chunk.start : chunk.end]  # (n, KVH, d)
-            if is_quantized(k_cache) and self.kv_absmax is None:  # as the cache holds them (not while calibrating):
-                # a later read of these positions (a prefix hit, a preempted sequence) sees the same values
-                ks, vs = _as_cached(ks, self.k_scale, k_cache.dtype), _as_cached(vs, self.v_scale, v_cache.dtype)
+            if is_quantized(k_cache) and self.kv_calibration is None:  # as the cache holds them (not while
+                # calibrating): a later read of these positions (a prefix hit, a preempted sequence) sees the same
+                ks, vs = as_cached(ks, k_cache.dtype, self.k_offset), as_cached(vs, v_cache.dtype)
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, n, d)
             mask = None if window is None or n <= window else _window_mask(0, n, 0, n, window, q.device)
             if local is not None and n > local:  # positions 0 .. n - 1 span more than one attention chunk
@@ -420,10 +440,11 @@ class PagedAttention(nn.Module):
                 skip = (first_pos - first_pos % local) // k_cache.shape[1]
             table = chunk.block_table[skip:]
             key_start = skip * k_cache.shape[1]  # position of the first key read
-            ks = k_cache.index_select(0, table).view(-1, kvh, d)[: chunk.context_len - key_start]  # (C, KVH, d)
-            vs = v_cache.index_select(0, table).view(-1, kvh, d)[: chunk.context_len - key_start]
+            ks, vs = k_cache.index_select(0, table), v_cache.index_select(0, table)  # (b, bs, KVH, d)
             if is_quantized(k_cache):
-                ks, vs = dequantize(ks, self.k_scale, q.dtype), dequantize(vs, self.v_scale, q.dtype)
+                ks, vs = self._dequantize_blocks(ks, vs, table, None, q.dtype)
+            ks = ks.view(-1, kvh, d)[: chunk.context_len - key_start]  # (C, KVH, d)
+            vs = vs.view(-1, kvh, d)[: chunk.context_len - key_start]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # (1, KVH, C, d)
             mask = chunk.mask if window is None else _window_mask(first_pos, n, key_start, chunk.context_len,
                                                                   window, q.device)
@@ -431,11 +452,6 @@ class PagedAttention(nn.Module):
                 mask = _local_chunk_mask(first_pos, n, key_start, chunk.context_len, local, q.device)
         o = self._attention(qs, ks, vs, mask)  # (1, H, n, d)
         return o[0].transpose(0, 1)  # (n, H, d)
-
-
-def _as_cached(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """``x (n, KVH, d)`` as an 8-bit cache of ``cache_dtype`` with ``scale (KVH, d)`` holds it, in ``x``'s dtype."""
-    return dequantize(quantize(x, scale, cache_dtype), scale, x.dtype)
 
 
 def _window_mask(first_pos: int, num_queries: int, key_start: int, key_end: int, window: int,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.model_config import KVCacheSpec, ModelConfig
+from worker.kv_quant import QMAX, SCALE_DTYPE
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ class KVCacheLayout:
         block_size: tokens per block.
         spec: per token and layer, the two tensors' ``(heads, width)`` (:class:`KVCacheSpec`).
         dtype: element dtype as stored: the activations' dtype, or ``int8`` / ``float8_e4m3fn``
-            with ``--kv-cache-dtype int8|fp8`` (1 byte per element: twice the blocks of a 16-bit
-            cache in the same memory; worker/kv_quant.py; per-head layouts only).
+            with ``--kv-cache-dtype int8|fp8`` (1 byte per element plus a 2-byte scale per token
+            and head: ``2d / (d + 2)`` times the blocks of a 16-bit cache in the same memory,
+            1.94x at d = 64; worker/kv_quant.py; per-head layouts only).
     """
 
     num_layers: int
@@ -49,9 +51,17 @@ class KVCacheLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes on this rank: both tensors, all layers."""
+        """Bytes one block takes on this rank: both tensors, all layers, and an 8-bit cache's scales."""
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * self.block_size * self.spec.elements_per_token * element_size
+        per_token = self.spec.elements_per_token * element_size
+        if self.quantized:  # one scale per (token, KV head) of K and of V
+            per_token += (self.spec.first[0] + self.spec.second[0]) * torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return self.num_layers * self.block_size * per_token
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache holds 8-bit codes with per-token scales (worker/kv_quant.py)."""
+        return self.dtype in QMAX
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         """How many blocks fit in ``budget_bytes`` of memory (rounded down, >= 0)."""
@@ -73,6 +83,20 @@ class KVCacheLayout:
             (torch.zeros(first, dtype=self.dtype, device=device), torch.zeros(second, dtype=self.dtype, device=device))
             for _ in range(self.num_layers)
         ]
+
+    def allocate_scales(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """An 8-bit cache's zeroed ``(k_scale, v_scale)`` per layer, each ``(num_blocks, KVH, block_size)``
+        bfloat16: a KV head's scales of a block contiguous, so that a kernel widens them 8 at a time (a zero
+        scale reads a never-written slot as 0, never NaN).
+
+        Raises:
+            ValueError: a cache that is not 8-bit, or ``num_blocks < 1``.
+        """
+        if not self.quantized or num_blocks < 1:
+            raise ValueError(f"scales are for an 8-bit cache of >= 1 blocks, not {self.dtype} x {num_blocks}")
+        shape = (num_blocks, self.spec.first[0], self.block_size)
+        return [(torch.zeros(shape, dtype=SCALE_DTYPE, device=device),
+                 torch.zeros(shape, dtype=SCALE_DTYPE, device=device)) for _ in range(self.num_layers)]
 
 
 @dataclass(frozen=True)

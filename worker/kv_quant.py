@@ -1,47 +1,43 @@
-"""The 8-bit KV cache (``--kv-cache-dtype fp8|int8``): storage types, per-layer scales, calibration.
+"""The 8-bit KV cache (``--kv-cache-dtype fp8|int8``): storage types, per-token scales, the key offset.
 
-Each layer's K and V caches hold one byte per element, ``q = quantize(x / s)``, with static
-scales ``s`` of shape ``(num_kv_heads, head_dim)`` float32 per layer for K and for V: one per
-channel of each of this rank's KV heads, the same for every position, so the cache holds the
-codes alone (twice the blocks of a 16-bit cache, exactly) and a reader converts back
-``x ~= q * s[head, channel]``. Per-channel, not per-tensor: keys have outlier channels (KIVI,
-Liu et al. 2024, arXiv:2402.02750, quantizes keys per channel for that reason), and one scale for
-all of them leaves the small channels a few int8 steps; on stories260k's goldens, free-running
-greedy, a calibrated int8 scale per tensor kept 28 % of the tokens, per channel 85 % (99 %
-teacher-forced; docs/design/kernels.md, "8-bit KV cache"). A per-channel scale costs the
-kernels nothing: the key's folds into the query (``q . (c * s) = (q * s) . c``), the value's
-into the output.
+Each layer's K and V caches hold one byte per element, and beside them a scale per position and KV
+head (docs/design/kernels.md, "8-bit KV cache"):
+
+* ``k_scale``, ``v_scale``: ``(num_blocks, num_kv_heads, block_size)`` bfloat16 (a head's scales of a
+  block contiguous), one per (token, KV head) row of K and of V, set when the row is written: ``s = bf16(max(max_i |y_i|, SCALE_FLOOR) / qmax)``,
+  the row's absmax mapped onto the code range (dynamic, per token and head: TensorRT-LLM's and
+  KIVI's granularity for values, arXiv:2402.02750). A row is written once and never rescaled, so a
+  block's codes never change after its tokens are written (prefix caching shares them as they are).
+* ``k_offset``: ``(num_kv_heads, d)`` float32 per layer, static: keys are stored as ``y = k - k_offset``.
+  Keys carry large per-channel offsets (stories260k: a channel's mean up to 8.6x its standard
+  deviation), which set a row's absmax while the information lies in the deviations; subtracting the
+  channel's mean first leaves the codes the deviations (KIVI's observation that keys are structured per
+  channel, taken as a static zero point). It costs the kernels one dot product per query and head:
+  ``q . (s * c + mu) = s * (q . c) + q . mu``. It is calibrated once at start-up: the mean key per
+  layer, head and channel over one fixed prompt (:data:`CALIBRATION_TOKENS` seeded token ids), so a
+  server always uses the same offset and a prefix-cache hit, a preempted and recomputed sequence and
+  a moved stream read exactly what a miss would have written. Any offset is exact (it is added back);
+  a good one only leaves the codes more resolution.
+
+A reader converts back ``k ~= c * k_scale[block, head, offset] + k_offset[head]``, ``v ~= c * v_scale[..]``
+(``block, offset = divmod(slot, block_size)``):
 
 * ``fp8``: float8 e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, finite max
-  448), ``q = fp8(clamp(x / s, -448, 448))``, round-to-nearest-even. Relative error <= 2^-4
-  for ``|x / s|`` in the normal range ``[2^-6, 448]``: its error is relative, whatever the scale.
-* ``int8``: ``q = clamp(round(x / s), -127, 127)``, absolute error <= ``s / 2``.
+  448), ``c = fp8(clamp(y / s, -448, 448))``, round-to-nearest-even: relative error <= 2^-4.
+* ``int8``: ``c = clamp(round(y / s), -127, 127)``, absolute error <= ``s / 2`` = the row's absmax / 254.
 
-Where the scales come from (docs/design/kernels.md, "8-bit KV cache"):
+The bfloat16 scale is rounded to nearest, so ``|y / s|`` may exceed qmax by a factor up to ``1 + 2^-8``:
+the clamp takes it (an int8 code rounds back to 127, an fp8 one loses < 0.4 % of one element).
+Per-token scales cost 2 bytes per (token, head) against ``d`` bytes of codes: the pool holds
+``2d / (d + 2)`` times a 16-bit cache's blocks (1.78x at d = 16, 1.94x at 64, 1.97x at 128).
+Checkpoint ``k_scale`` / ``v_scale`` tensors (vLLM's per-tensor fp8 scheme) are skipped: a per-token
+scale is finer than any static one.
 
-1. the checkpoint: ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` scalar tensors (vLLM's
-   and llm-compressor's names for a per-tensor ``kv_cache_scheme``), used as they are (every
-   channel the same scale);
-2. otherwise a start-up calibration (``ModelRunner``'s first ``init_kv_cache``): each rank runs
-   one fixed prompt (:data:`CALIBRATION_TOKENS` seeded token ids) and sets
-   ``s = CALIBRATION_MARGIN * max_t |x_t| / qmax`` per layer, head and channel from the keys and
-   values that prompt computed (no channel below ``1 / CHANNEL_FLOOR`` of its layer's largest
-   scale, so that a channel the prompt left near zero does not saturate on another prompt).
-   The same server therefore always uses the same scales, so a prefix-cache hit, a preempted and
-   recomputed sequence and a moved stream read exactly what a miss would have written. Values
-   beyond the calibrated range saturate (the margin leaves them room).
-
-The scales are attributes of each layer's :class:`~worker.attention.PagedAttention`
-(``k_scale``, ``v_scale``: tensors on the device, set before any CUDA graph is captured and
-never replaced). The compiled CPU kernel and the Triton kernel convert the bytes in registers
-and multiply the query by ``k_scale`` and the output by ``v_scale``; the torch path dequantizes
-the blocks it already gathers into a copy.
+The scale pools and the offset are attributes of each layer's :class:`~worker.attention.PagedAttention`
+(``kv_scales = (k_scale, v_scale, k_offset)``, set by the runner before any CUDA graph is captured).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -49,14 +45,17 @@ import torch
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 #: Largest magnitude each storage dtype holds (int8 kept symmetric: -128 unused).
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+#: The per-token scales' dtype: 2 bytes, float32's exponent range (no underflow), 8 bits of mantissa.
+SCALE_DTYPE = torch.bfloat16
+#: A row's absmax is floored here, so that an all-zero row gets a positive scale (and codes 0).
+SCALE_FLOOR = 2.0**-100
 #: The calibration prompt's length in tokens, and the seed of its ids.
 CALIBRATION_TOKENS = 128
 CALIBRATION_SEED = 0
-#: Headroom over the calibration prompt's largest value, so that other prompts' larger keys and
-#: values rarely saturate (int8 pays it in resolution: 1.5x coarser steps).
-CALIBRATION_MARGIN = 1.5
-#: No calibrated channel scale is below its layer's largest over this.
-CHANNEL_FLOOR = 32.0
+
+#: One layer's 8-bit cache state: ``(k_scale, v_scale)`` ``(num_blocks, KVH, block_size)`` bfloat16 and
+#: ``k_offset`` ``(KVH, d)`` float32.
+KVScales = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
@@ -75,70 +74,54 @@ def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in QMAX
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x (..., KVH, d)`` (any float dtype) -> ``dtype`` codes of ``x / scale``, saturated at ``+-QMAX[dtype]``.
+def quantize(x: torch.Tensor, dtype: torch.dtype, offset: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x (..., KVH, d)`` (any float dtype) -> ``(codes (..., KVH, d) dtype, scales (..., KVH) bfloat16)``.
 
-    ``scale``: ``(KVH, d)`` float32 (broadcast over the leading dimensions).
+    Each row ``y = x - offset`` (``offset (KVH, d)`` float32, None: 0) gets ``s = bf16(max(absmax(y),
+    SCALE_FLOOR) / QMAX[dtype])`` and codes ``clamp(y / s, +-QMAX)``, rounded to nearest even (the
+    compiled write, cpu_elementwise.cpp, computes the same bits).
     """
+    y = x.float()
+    if offset is not None:
+        y = y - offset
     qmax = QMAX[dtype]
-    y = (x.float() / scale).clamp_(-qmax, qmax)
+    scales = (y.abs().amax(-1).clamp_min_(SCALE_FLOOR) / qmax).to(SCALE_DTYPE)  # (..., KVH)
+    codes = (y / scales.float().unsqueeze(-1)).clamp_(-qmax, qmax)
     if dtype == torch.int8:
-        y = y.round_()
-    return y.to(dtype)
+        codes = codes.round_()
+    return codes.to(dtype), scales
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Codes ``q (..., KVH, d)`` -> ``dtype`` values ``q * scale`` (``scale (KVH, d)``; the inverse of
-    :func:`quantize`, up to its rounding)."""
-    return q.to(torch.float32).mul_(scale).to(dtype)
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+               offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes ``(..., KVH, d)`` with ``scales (..., KVH)`` -> ``dtype`` values ``codes * scale + offset``
+    (``offset (KVH, d)`` float32, None: 0; the inverse of :func:`quantize`, up to its rounding)."""
+    x = codes.to(torch.float32).mul_(scales.to(torch.float32).unsqueeze(-1))
+    if offset is not None:
+        x.add_(offset)
+    return x.to(dtype)
 
 
-def scale_for(absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Calibrated scales ``(KVH, d)`` float32 for values up to ``absmax (KVH, d)``:
-    ``CALIBRATION_MARGIN * absmax / QMAX``, floored at the largest over :data:`CHANNEL_FLOOR` (all 1.0 for zeros)."""
-    scale = CALIBRATION_MARGIN * absmax.float() / QMAX[dtype]
-    top = float(scale.max())
-    if top <= 0:
-        return torch.ones_like(scale)
-    return scale.clamp_min(top / CHANNEL_FLOOR)
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """``x (n, KVH, d)`` as an 8-bit cache of ``cache_dtype`` holds it, in ``x``'s dtype (what a later read sees)."""
+    codes, scales = quantize(x, cache_dtype, offset)
+    return dequantize(codes, scales, x.dtype, offset)
 
 
-def checkpoint_kv_scales(model_dir: str | Path) -> dict[int, tuple[float, float]]:
-    """The checkpoint's per-layer ``(k_scale, v_scale)`` by layer index; empty when it has none.
-
-    Read from the safetensors files' ``model.layers.{i}.self_attn.{k,v}_scale`` scalars (how vLLM
-    and llm-compressor store an fp8 ``kv_cache_scheme``).
-
-    Raises:
-        ValueError: a scale that is not a positive finite number, or a layer with only one of the two.
-    """
-    from safetensors import safe_open
-
-    found: dict[int, dict[str, float]] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                kind = kv_scale_kind(name)
-                if kind is None:
-                    continue
-                value = float(f.get_tensor(name).float().reshape(-1)[0])
-                if not (value > 0 and value < float("inf")):
-                    raise ValueError(f"checkpoint KV cache scale {name}={value} must be a positive finite number")
-                found.setdefault(int(name.split(".layers.")[1].split(".")[0]), {})[kind] = value
-    for layer, scales in found.items():
-        if len(scales) != 2:
-            raise ValueError(f"checkpoint has {sorted(scales)} but not both k_scale and v_scale for layer {layer}")
-    return {layer: (s["k_scale"], s["v_scale"]) for layer, s in found.items()}
-
-
-def kv_scale_kind(name: str) -> str | None:
-    """``"k_scale"`` / ``"v_scale"`` for a checkpoint tensor that is a layer's KV cache scale, else None."""
-    if ".layers." not in name:
-        return None
-    for kind in ("k_scale", "v_scale"):
-        if name.endswith(f".self_attn.{kind}"):
-            return kind
-    return None
+def write_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor, kv_scales: KVScales) -> None:
+    """Quantize ``k, v (T, KVH, d)`` and store codes and scales at ``slot_mapping (T,) int64``, in place."""
+    k_scale, v_scale, k_offset = kv_scales
+    num_kv_heads, d, block_size = k.shape[1], k.shape[2], k_scale.shape[2]
+    (kc, ks), (vc, vs) = quantize(k, k_cache.dtype, k_offset), quantize(v, v_cache.dtype)
+    # As bytes: index_copy_ has no float8 kernel (the copy moves bytes either way).
+    k_cache.view(torch.uint8).view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, kc.view(torch.uint8))
+    v_cache.view(torch.uint8).view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, vc.view(torch.uint8))
+    blocks, offsets = (slot_mapping // block_size)[:, None], (slot_mapping % block_size)[:, None]  # (T, 1)
+    heads = torch.arange(num_kv_heads, device=slot_mapping.device)[None, :]  # (1, KVH)
+    k_scale[blocks, heads, offsets] = ks  # (T, KVH) into (num_blocks, KVH, block_size)
+    v_scale[blocks, heads, offsets] = vs
 
 
 def calibration_token_ids(vocab_size: int, num_tokens: int) -> tuple[int, ...]:
@@ -147,39 +130,33 @@ def calibration_token_ids(vocab_size: int, num_tokens: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist())
 
 
-def set_checkpoint_scales(layers: list, scales: dict[int, tuple[float, float]], layer_indices: Sequence[int],
-                          device: torch.device) -> None:
-    """Give each of ``layers`` (this stage's attention layers, model layers ``layer_indices``: a hybrid's
-    state layers have none) its checkpoint scales, every channel the layer's one scale.
-
-    Raises:
-        ValueError: the checkpoint has scales for some layers but not one of ``layer_indices``.
-    """
-    for index, attn in zip(layer_indices, layers, strict=True):
-        if index not in scales:
-            raise ValueError(f"the checkpoint has KV cache scales for layers {sorted(scales)} but not layer {index}")
-        attn.set_kv_scales(*(torch.full((attn.num_kv_heads, attn.head_size), s, dtype=torch.float32, device=device)
-                             for s in scales[index]))
+def kv_scale_kind(name: str) -> str | None:
+    """``"k_scale"`` / ``"v_scale"`` for a checkpoint tensor that is a layer's (static) KV cache scale, else
+    None: the loader skips them (per-token scales replace them)."""
+    if ".layers." not in name:
+        return None
+    for kind in ("k_scale", "v_scale"):
+        if name.endswith(f".self_attn.{kind}"):
+            return kind
+    return None
 
 
-def calibrate(layers: list, run_prompt, dtype: torch.dtype, device: torch.device) -> None:
-    """Set each layer's ``k_scale``, ``v_scale`` from the keys and values of one calibration prompt.
+def calibrate(layers: list, run_prompt) -> None:
+    """Set each layer's ``k_offset`` to its mean key per head and channel over one calibration prompt.
 
     Args:
-        layers: the model's PagedAttention modules.
+        layers: the model's PagedAttention modules, their scale pools set (:meth:`set_kv_scales`), the
+            offset still zero (what the prompt's own writes use; they are never read back).
         run_prompt: runs the calibration prompt through the model (one prefill chunk from position 0,
-            which attends over its own keys and values, never over the not yet scaled cache).
-        dtype: the cache's storage dtype (int8 or float8_e4m3fn).
-        device: the cache's.
+            which attends over its own keys and values, never over the cache).
     """
     for attn in layers:
-        ones = torch.ones(attn.num_kv_heads, attn.head_size, device=device)
-        attn.set_kv_scales(ones, ones)  # what the prompt's own writes use (never read back)
-        attn.kv_absmax = [torch.zeros_like(ones)] * 2
+        attn.kv_calibration = [torch.zeros_like(attn.k_offset), 0]
     try:
         run_prompt()
         for attn in layers:
-            attn.set_kv_scales(*(scale_for(m, dtype) for m in attn.kv_absmax))
+            key_sum, count = attn.kv_calibration
+            attn.k_offset.copy_(key_sum / max(count, 1))  # in place: a captured graph reads this tensor
     finally:
         for attn in layers:
-            attn.kv_absmax = None
+            attn.kv_calibration = None

@@ -51,8 +51,7 @@ from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
-from worker.kv_quant import (CALIBRATION_TOKENS, cache_dtype, calibrate, calibration_token_ids,
-                             checkpoint_kv_scales, set_checkpoint_scales)
+from worker.kv_quant import CALIBRATION_TOKENS, KVScales, cache_dtype, calibrate, calibration_token_ids
 from worker.layers.decode_block import disable_decode_blocks
 from worker.layers.moe import count_triples, expert_layers, take_routed_counts
 from worker.grammar import GrammarCache, GrammarState
@@ -162,18 +161,11 @@ class ModelRunner:
         self._state_layers = check_state_layers(self.model, self.config)
         self.state_bytes_per_slot = bytes_per_state_slot(self._state_layers)  # 0: attention only
         self._state: StateCache | None = None
-        # An 8-bit cache: the layers' scales from the checkpoint, else calibrated by the first init_kv_cache.
-        # Their PagedAttention modules hold the scales (worker/kv_quant.py), in layer order.
+        # An 8-bit cache: its PagedAttention modules hold the scale pools (one per cache) and the key offset
+        # (calibrated by the first init_kv_cache; worker/kv_quant.py), in layer order.
         self._kv_layers = ([m for m in self.model.modules() if isinstance(m, PagedAttention)]
                            if self.kv_cache_dtype != dtype else [])
         self._kv_uncalibrated = bool(self._kv_layers)
-        if self._kv_layers:
-            disable_decode_blocks(self.model)  # the compiled decode layer reads float32 caches only
-            scales = checkpoint_kv_scales(model_dir)
-            if scales:
-                attention_layers = [i for i in range(start, end) if i not in self.config.state_layer_indices]
-                set_checkpoint_scales(self._kv_layers, scales, attention_layers, ctx.device)
-                self._kv_uncalibrated = False
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
                                                                      self.config.vocab_size)
@@ -244,11 +236,15 @@ class ModelRunner:
             merged = self._state.layer_caches(self.kv_caches, self.config.num_hidden_layers,
                                               cacheless_layers(self.config))  # Nemotron-H's MLP / MoE blocks: ()
             self.kv_caches = cast(list[tuple[torch.Tensor, torch.Tensor]], merged)  # state tuples at state layers
+        if self._kv_layers:  # an 8-bit cache: each layer's scale pools, beside its codes
+            pools = self._target_layout.allocate_scales(num_blocks + graphs, self.ctx.device)
+            for attn, (k_scale, v_scale) in zip(self._kv_layers, pools, strict=True):
+                attn.set_kv_scales(k_scale, v_scale)
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        if self._kv_uncalibrated:  # before any graph captures the scales
-            self._calibrate_kv_scales()
+        if self._kv_uncalibrated:  # before any graph captures the key offsets
+            self._calibrate_kv_offsets()
         if graphs:
             # The graphs' attention, for the eager steps too (capture=False on the CPU: Triton's interpreter).
             self._triton_decode, self._paged_kernel = True, False
@@ -264,25 +260,23 @@ class ModelRunner:
             # are subtracted from the step's counts (worker/cuda_graphs.py).
             self._padding_counts = counts // sum(self._graphs.sizes)  # (L, E)
 
-    def _calibrate_kv_scales(self) -> None:
-        """Calibrate the 8-bit cache's per-layer scales on one fixed prompt (worker/kv_quant.py)."""
+    def _calibrate_kv_offsets(self) -> None:
+        """Calibrate the 8-bit cache's per-layer key offsets on one fixed prompt (worker/kv_quant.py)."""
         num_tokens = min(CALIBRATION_TOKENS, self.num_blocks * self.block_size, self._max_model_len)
         blocks = tuple(range(-(-num_tokens // self.block_size)))
         chunk = ScheduledChunk(0, calibration_token_ids(self.config.vocab_size, num_tokens), 0, blocks, sample=False)
         plans = (StepPlan(0, (NewSequence(0, SamplingParams()),), (chunk,)), StepPlan(1, finished_seq_ids=(0,)))
-        calibrate(self._kv_layers, lambda: [self.execute(plan) for plan in plans], self.kv_cache_dtype,
-                  self.ctx.device)
+        calibrate(self._kv_layers, lambda: [self.execute(plan) for plan in plans])
         self._kv_uncalibrated = False
-        k_scales = torch.stack([cast(torch.Tensor, a.k_scale) for a in self._kv_layers])  # (L, KVH, d), set now
-        v_scales = torch.stack([cast(torch.Tensor, a.v_scale) for a in self._kv_layers])
-        log.info("kv cache scales calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                 tokens=num_tokens, k_scale_min=float(k_scales.min()), k_scale_max=float(k_scales.max()),
-                 v_scale_min=float(v_scales.min()), v_scale_max=float(v_scales.max()))
+        offsets = torch.stack([cast(torch.Tensor, a.k_offset) for a in self._kv_layers])  # (L, KVH, d), set now
+        log.info("kv cache key offsets calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                 tokens=num_tokens, k_offset_min=float(offsets.min()), k_offset_max=float(offsets.max()))
 
     @property
-    def kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's ``(k_scale, v_scale)``, ``(KVH, d)`` float32, of an 8-bit cache (empty for a float cache)."""
-        return [cast(tuple[torch.Tensor, torch.Tensor], a.kv_scales) for a in self._kv_layers]  # set at init
+    def kv_scales(self) -> list[KVScales]:
+        """Each layer's ``(k_scale, v_scale, k_offset)`` of an 8-bit cache (worker/kv_quant.py; empty for a float
+        cache): scale pools ``(num_blocks, KVH, block_size)`` bfloat16 and the key offset ``(KVH, d)`` float32."""
+        return [cast(KVScales, a.kv_scales) for a in self._kv_layers]  # set at init
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """``tpserve serve --kv-cache-dtype int8`` at tp 2 and ``fp8`` at tp 4 on stories260k: the flag reaches every rank (the
-pool is 1 byte per element: 4x the blocks of the float32 cache in the same bytes), GetModelInfo reports
-it, and the served tokens are the 8-bit cache's: the same as a one-process tp 1 runner with that cache
-(each rank's per-head-channel scales do not depend on the split), also with two pipeline stages; a
+pool is 1 byte per element and a 2-byte scale per token and KV head: 3.2x the blocks of the float32 cache at d = 8),
+GetModelInfo reports it, and the served tokens are the 8-bit cache's: the same as a one-process tp 1 runner with
+that cache (a head's per-token scales and key offset do not depend on the split), also with two pipeline stages; a
 prefix-cache hit's tokens are exactly a miss's, and a moved stream continues token for token. With a
 draft model the flag is refused in one line. Agreement with the float goldens is measured in tests/worker/test_kv_cache_dtype.py.
 """
@@ -33,11 +33,12 @@ def test_8_bit_kv_cache_serving(kv_cache_dtype: str, tp: int, tmp_path: Path) ->
     prompts = [g["prompt_token_ids"] for g in goldens]
     want = teacher_forced(eight_bit_runner(STORIES_DIR, kv_cache_dtype), prompts, None, 24)  # tp 1, one process
     log_path = tmp_path / "server.log"
-    block_bytes = 2 * 5 * 16 * (4 // tp) * 8  # a rank's block: K and V x 5 layers x 16 positions x its heads x 8 x 1 byte
+    block_bytes = 2 * 5 * 16 * (4 // tp) * (8 + 2)  # a rank's block: K and V x 5 layers x 16 positions x its heads
+    # x (8 codes of 1 byte + a 2-byte scale)
     with serve(STORIES_DIR, tp, "--kv-cache-dtype", kv_cache_dtype, "--log-format", "json",
                "--kv-cache-memory-bytes", str(BUDGET_BLOCKS * block_bytes), log_path=log_path) as cluster:
         info = cluster.client.model_info()
-        assert info.kv_cache_dtype == kv_cache_dtype and info.num_kv_blocks == BUDGET_BLOCKS  # float32: 150
+        assert info.kv_cache_dtype == kv_cache_dtype and info.num_kv_blocks == BUDGET_BLOCKS  # float32: 187
         assert info.tensor_parallel_size == tp
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=24, temperature=0,
@@ -53,7 +54,7 @@ def test_8_bit_kv_cache_serving(kv_cache_dtype: str, tp: int, tmp_path: Path) ->
     storage = str(dict(int8=torch.int8, fp8=torch.float8_e4m3fn)[kv_cache_dtype]).removeprefix("torch.")
     assert sorted(e["rank"] for e in loaded) == list(range(tp)) and {e["kv_cache_dtype"] for e in loaded} == {storage}
     assert {e["num_kv_blocks_available"] for e in loaded} == {BUDGET_BLOCKS}
-    assert sum(e.get("event") == "kv cache scales calibrated" for e in lines) == tp  # once per rank
+    assert sum(e.get("event") == "kv cache key offsets calibrated" for e in lines) == tp  # once per rank
 
 
 def test_an_8_bit_cache_with_a_draft_model_is_refused_in_one_line() -> None:

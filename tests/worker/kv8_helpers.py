@@ -51,3 +51,12 @@ def teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[l
 def agreement(got: list[list[int]], want: list[list[int]]) -> float:
     """The share of ``want``'s tokens that ``got`` has at the same position."""
     return sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(map(len, want))
+
+
+def prefix_agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """The share of ``want``'s tokens that ``got`` reproduces position by position up to each line's first
+    difference: a divergence costs the rest of its line (a later chance match does not count)."""
+    kept = 0
+    for g, w in zip(got, want, strict=True):
+        kept += next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+    return kept / sum(map(len, want))

@@ -1,12 +1,15 @@
 """``--kv-cache-dtype fp8|int8`` (worker/kv_quant.py): the pool's bytes and blocks, every attention path
-reading the 8-bit codes, agreement with the float cache, and identical tokens through prefix hits,
-chunked prefill and preemption.
+reading the 8-bit codes with their per-token scales and key offset, agreement with the float cache, and
+identical tokens through prefix hits, chunked prefill and preemption.
 
-Agreement (measured here, stories260k's 5 goldens x 64 tokens and the embedded model's float-cache
-greedy tokens, 4 prompts x 32): each golden position's greedy token given the golden prefix
-(teacher-forced, so that one early flip does not count as every later token lost) matches on
-int8 317/320 = 99.1 %, fp8 312/320 = 97.5 % for stories260k (free-running: 272 and 215 / 320,
-85 % and 67 %: a near-tie flipped early makes the rest of a line differ).
+Agreement (docs/design/kernels.md, "8-bit KV cache"): free-running greedy, each line's tokens generated
+with the 8-bit cache and compared with the float cache's (stories260k: its 5 goldens x 64 tokens; the
+embedded model: 4 prompts x 32 tokens of its float cache), the share of tokens reproduced position by
+position up to each line's first difference (a divergence costs the rest of the line: later chance
+matches do not count). Measured with per-token scales and the key offset: int8 320/320 and 128/128, fp8
+288/320 = 90.0 % (stories260k: line 4 diverges at token 32, where the float cache's top two logits are
+0.079 apart) and 128/128. With the static per-channel scales before: int8 85 % and 87 %, fp8 67 % and 85 %.
+Teacher-forced (each position's greedy token given the golden prefix): int8 100 %, fp8 99.7 % on stories260k.
 """
 
 from __future__ import annotations
@@ -18,40 +21,52 @@ import torch
 
 from tests.paths import requires_stories
 from tests.tiny_models import TinyModelSpec, save_tiny_model
-from tests.worker.kv8_helpers import GREEDY, agreement, eight_bit_runner, teacher_forced
+from tests.worker.kv8_helpers import GREEDY, agreement, eight_bit_runner, prefix_agreement, teacher_forced
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import NewSequence, ScheduledChunk, StepPlan
 from worker.kernels import cpu_kernels_available
 from worker.kernels.triton_attention import paged_decode_attention
 from worker.kv_cache import KVCacheLayout
-from worker.kv_quant import dequantize, quantize
+from worker.kv_quant import SCALE_DTYPE, dequantize, quantize
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 
 EIGHT_BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 #: The bound the issue sets on agreement with the float cache.
 MIN_AGREEMENT = 0.95
+#: Free-running agreement on stories260k's goldens, at least: the issue's bound, and fp8's measured 0.900 (e4m3's
+#: 3-bit mantissa errs by up to 2^-4 of each element whatever its scale: no finer scale closes that gap).
+MIN_FREE_RUNNING = {"int8": MIN_AGREEMENT, "fp8": 0.90}
 #: Largest logit difference to the float cache, in units of the logits' standard deviation.
 FAMILY_LOGIT_BOUND = 0.5
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_the_pool_holds_twice_the_blocks_of_a_16_bit_cache(kv_cache_dtype: str) -> None:
+def test_the_pool_holds_2d_over_d_plus_2_times_the_blocks_of_a_16_bit_cache(kv_cache_dtype: str) -> None:
+    """1 byte per element and a 2-byte scale per (token, KV head): ``2d / (d + 2)`` times a 16-bit cache's blocks
+    (the embedded model, d = 16: 1.78x; 4x a float32 cache's less the scales)."""
     runner = ModelRunner(default_model_dir(), ParallelContext.single(), torch.float32, block_size=16,
                          kv_cache_dtype=kv_cache_dtype)
     budget = 10 * 2**20
     half = KVCacheLayout.for_model(runner.config, 1, 16, torch.bfloat16)
-    full = KVCacheLayout.for_model(runner.config, 1, 16, torch.float32)
-    assert runner.num_blocks_for_memory(budget) == 2 * half.num_blocks_for_budget(budget) \
-        == 4 * full.num_blocks_for_budget(budget) == 1280  # 4 layers x K, V x 16 x 4 heads x 16: 8 KiB
-    runner.init_kv_cache(num_blocks=7)
+    assert runner.kv_layout.bytes_per_block == 4 * 16 * (2 * 4 * 16 + 2 * 4 * 2) == 9216  # 4 layers x 16 x (codes, scales)
+    assert half.bytes_per_block == 16384
+    assert runner.num_blocks_for_memory(budget) == 1137 and half.num_blocks_for_budget(budget) == 640  # 1.78x
+    runner.init_kv_cache(num_blocks=8)  # the calibration prompt's 128 tokens fit
     k_cache, v_cache = runner.kv_caches[0]
     assert k_cache.dtype == v_cache.dtype == EIGHT_BIT[kv_cache_dtype]
     pool_bytes = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
-    assert pool_bytes == 7 * runner.kv_layout.bytes_per_block == 7 * half.bytes_per_block // 2
-    # Calibrated at init: one positive scale per layer, head and channel.
-    assert len(runner.kv_scales) == 4 and all(s.shape == (4, 16) and bool((s > 0).all())
-                                              for pair in runner.kv_scales for s in pair)
+    scale_bytes = sum(t.numel() * t.element_size() for k, v, _ in runner.kv_scales for t in (k, v))
+    assert pool_bytes + scale_bytes == 8 * runner.kv_layout.bytes_per_block
+    # Per layer: bfloat16 scale pools beside the blocks, and a calibrated float32 key offset per head and channel.
+    assert len(runner.kv_scales) == 4
+    for k_scale, v_scale, k_offset in runner.kv_scales:
+        assert k_scale.shape == v_scale.shape == (8, 4, 16) and k_scale.dtype == v_scale.dtype == SCALE_DTYPE
+        assert k_offset.shape == (4, 16) and k_offset.dtype == torch.float32 and bool(k_offset.isfinite().all())
+    assert all(bool(k_offset.abs().sum() > 0) for _, _, k_offset in runner.kv_scales)
+    again = eight_bit_runner(default_model_dir(), kv_cache_dtype, num_blocks=48)
+    for (_, _, mine), (_, _, theirs) in zip(runner.kv_scales, again.kv_scales, strict=True):
+        assert torch.equal(mine, theirs)  # the same server, the same offsets: whatever the pool's size
 
 
 def test_an_unknown_kv_cache_dtype_and_a_draft_model_are_refused(tmp_path: Path) -> None:
@@ -63,65 +78,79 @@ def test_an_unknown_kv_cache_dtype_and_a_draft_model_are_refused(tmp_path: Path)
 
 
 def _paged_case(dtype: torch.dtype, seed: int = 0):
-    """A decode batch over an 8-bit cache: q (3, 8, 16), codes, scales, tables, lengths."""
+    """A decode batch over an 8-bit cache: q (3, 8, 16), codes, scale pools, key offset, tables, lengths, and
+    the float cache the codes stand for."""
     g = torch.Generator().manual_seed(seed)
     kvh, d, bs, nb = 4, 16, 16, 12
-    keys = torch.randn(nb, bs, kvh, d, generator=g) * torch.linspace(0.2, 6.0, d)  # outlier channels
-    values = torch.randn(nb, bs, kvh, d, generator=g)
-    k_scale = keys.abs().amax(dim=(0, 1)) / 100 + 1e-3  # (KVH, d)
-    v_scale = values.abs().amax(dim=(0, 1)) / 100 + 1e-3
-    k_codes, v_codes = quantize(keys, k_scale, dtype), quantize(values, v_scale, dtype)
+    k_offset = torch.randn(kvh, d, generator=g) * 4  # large per-channel key offsets
+    keys = torch.randn(nb, bs, kvh, d, generator=g) * torch.linspace(0.2, 6.0, d) + k_offset  # outlier channels
+    values = torch.randn(nb, bs, kvh, d, generator=g) * torch.rand(nb, bs, kvh, 1, generator=g) * 3  # rows' ranges vary
+    (k_codes, k_scale), (v_codes, v_scale) = quantize(keys, dtype, k_offset), quantize(values, dtype)
+    floats = dequantize(k_codes, k_scale, torch.float32, k_offset), dequantize(v_codes, v_scale, torch.float32)
+    k_scale, v_scale = k_scale.transpose(1, 2).contiguous(), v_scale.transpose(1, 2).contiguous()  # the pools' layout
     q = torch.randn(3, 8, d, generator=g)
     tables = torch.randperm(nb, generator=g)[:12].view(3, 4).contiguous()
     lens = torch.tensor([5, 40, 64])
-    return q, k_codes, v_codes, k_scale, v_scale, tables, lens
+    return q, (k_codes, v_codes), (k_scale, v_scale, k_offset), tables, lens, floats
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels need AVX2 and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window", [0, 20])
 def test_cpu_kernel_reads_the_codes_as_their_dequantized_values(dtype: torch.dtype, window: int) -> None:
-    q, k_codes, v_codes, k_scale, v_scale, tables, lens = _paged_case(dtype)
-    keys, values = dequantize(k_codes, k_scale, torch.float32), dequantize(v_codes, v_scale, torch.float32)
+    q, codes, scales, tables, lens, (keys, values) = _paged_case(dtype)
     sinks = torch.linspace(-1.0, 1.0, 8)
     starts = torch.arange(4)
     want = torch.ops.tpserve_cpu.paged_attention(q, keys, values, tables, starts, lens, 0.25, window, 0.0, sinks)
-    got = torch.ops.tpserve_cpu.paged_attention(q, k_codes, v_codes, tables, starts, lens, 0.25, window, 0.0, sinks,
-                                                k_scale, v_scale)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    assert (got - want).abs().max() > 0 or dtype == torch.int8  # really read through another path
-    with pytest.raises(RuntimeError, match="an 8-bit cache takes k_scale and v_scale"):
-        torch.ops.tpserve_cpu.paged_attention(q, k_codes, v_codes, tables, starts, lens, 0.25)
+    got = torch.ops.tpserve_cpu.paged_attention(q, *codes, tables, starts, lens, 0.25, window, 0.0, sinks, *scales)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert (got - want).abs().max() > 0  # really read through another path (scales and offset applied apart)
+    unscaled = torch.ops.tpserve_cpu.paged_attention(q, *codes, tables, starts, lens, 0.25, window, 0.0, sinks,
+                                                     torch.ones_like(scales[0]), torch.ones_like(scales[1]),
+                                                     torch.zeros_like(scales[2]))
+    assert (unscaled - want).abs().max() > 1  # the scales and offset matter: they are read
+    with pytest.raises(RuntimeError, match="an 8-bit cache takes k_scale, v_scale and k_offset"):
+        torch.ops.tpserve_cpu.paged_attention(q, *codes, tables, starts, lens, 0.25)
+    with pytest.raises(RuntimeError, match="k_scale and v_scale must be contiguous bfloat16"):
+        torch.ops.tpserve_cpu.paged_attention(q, *codes, tables, starts, lens, 0.25, 0, 0.0, None,
+                                              scales[0].float(), scales[1].float(), scales[2])
+    with pytest.raises(RuntimeError, match=r"\(num_blocks, KVH, block_size\)"):
+        torch.ops.tpserve_cpu.paged_attention(q, *codes, tables, starts, lens, 0.25, 0, 0.0, None,
+                                              scales[0].transpose(1, 2).contiguous(), scales[1], scales[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_triton_kernel_reads_the_codes_as_their_dequantized_values(dtype: torch.dtype) -> None:
-    q, k_codes, v_codes, k_scale, v_scale, tables, lens = _paged_case(dtype, seed=1)
-    keys, values = dequantize(k_codes, k_scale, torch.float32), dequantize(v_codes, v_scale, torch.float32)
+    q, codes, scales, tables, lens, (keys, values) = _paged_case(dtype, seed=1)
     sinks = torch.linspace(-1.0, 1.0, 8)
     want = paged_decode_attention(q, keys, values, tables, lens, 0.25, sinks=sinks)
-    got = paged_decode_attention(q, k_codes, v_codes, tables, lens, 0.25, sinks=sinks, kv_scales=(k_scale, v_scale))
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    got = paged_decode_attention(q, *codes, tables, lens, 0.25, sinks=sinks, kv_scales=scales)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 @requires_stories
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_stories260k_goldens_agree_with_an_8_bit_cache(kv_cache_dtype: str, stories_dir: Path,
                                                        golden_lines: list[dict]) -> None:
-    """stories260k's heads (d = 8) take the torch path: gathered blocks dequantized, prefill rounded alike."""
+    """stories260k's heads (d = 8) take the torch path: gathered blocks dequantized, prefill rounded alike.
+    Free-running: int8 1.000, fp8 0.900 measured (0.85 and 0.67 with static per-channel scales); teacher-forced
+    int8 1.000, fp8 0.997 (0.991, 0.975)."""
     prompts = [g["prompt_token_ids"] for g in golden_lines]
     want = [g["completion_token_ids"] for g in golden_lines]
-    got = teacher_forced(eight_bit_runner(stories_dir, kv_cache_dtype), prompts, want)
-    assert agreement(got, want) >= MIN_AGREEMENT  # int8 0.991, fp8 0.975 measured
+    runner = eight_bit_runner(stories_dir, kv_cache_dtype)
+    assert prefix_agreement(teacher_forced(runner, prompts, None, 64), want) >= MIN_FREE_RUNNING[kv_cache_dtype]
+    assert agreement(teacher_forced(runner, prompts, want), want) >= 0.99
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_embedded_model_agrees_with_its_float_cache(kv_cache_dtype: str) -> None:
-    """The embedded model's heads (d = 16) take the compiled paged kernel: the codes converted in registers."""
+    """The embedded model's heads (d = 16) take the compiled paged kernel: the codes converted in registers.
+    Free-running: int8 and fp8 1.000 measured (0.87 and 0.85 with static per-channel scales: line 1's top two
+    logits at token 13 are 0.0004 apart, which a bfloat16 cache flips too)."""
     prompts = [[1, 9, 33, 7, 120], [1, 400, 12], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 77]]
     want = teacher_forced(eight_bit_runner(default_model_dir(), "auto"), prompts, None, 32)  # the float cache's greedy tokens
-    got = teacher_forced(eight_bit_runner(default_model_dir(), kv_cache_dtype), prompts, want)
-    assert agreement(got, want) >= MIN_AGREEMENT
+    got = teacher_forced(eight_bit_runner(default_model_dir(), kv_cache_dtype), prompts, None, 32)
+    assert prefix_agreement(got, want) >= MIN_AGREEMENT
 
 
 def _prompt_logits(runner: ModelRunner, seq: int, chunks: list[tuple[tuple[int, ...], int, tuple[int, ...]]],
@@ -177,19 +206,17 @@ def _with_kv_scales(source: Path, directory: Path, scales: dict[int, tuple[float
     return directory
 
 
-def test_checkpoint_scales_are_used_as_published(tmp_path: Path) -> None:
-    """vLLM's / llm-compressor's per-tensor ``k_scale``, ``v_scale`` tensors: every channel gets the layer's
-    scale, no calibration runs; with ``auto`` they are skipped; a layer without them is refused."""
+def test_checkpoint_scales_are_skipped_for_per_token_scales(tmp_path: Path) -> None:
+    """vLLM's / llm-compressor's static per-tensor ``k_scale``, ``v_scale`` tensors load (they are not weights) and
+    change nothing: every row gets its own scale, so the tokens and logits are those of the checkpoint without them."""
     scales = {layer: (0.05 * (layer + 1), 0.01 * (layer + 1)) for layer in range(4)}
     model_dir = _with_kv_scales(default_model_dir(), tmp_path / "scaled", scales)
-    runner = eight_bit_runner(model_dir, "fp8")
-    for layer, (k_scale, v_scale) in enumerate(runner.kv_scales):
-        assert torch.equal(k_scale, torch.full((4, 16), scales[layer][0]))
-        assert torch.equal(v_scale, torch.full((4, 16), scales[layer][1]))
+    prompts = [[1, 9, 33, 7, 120], [1, 400, 12]]
+    with_scales, without = [], []
+    got = teacher_forced(eight_bit_runner(model_dir, "fp8"), prompts, None, 8, logits=with_scales)
+    want = teacher_forced(eight_bit_runner(default_model_dir(), "fp8"), prompts, None, 8, logits=without)
+    assert got == want and all(torch.equal(a, b) for a, b in zip(with_scales, without, strict=True))
     ModelRunner(model_dir, ParallelContext.single(), torch.float32, 16)  # auto: loads, scales unused
-    partial = _with_kv_scales(default_model_dir(), tmp_path / "partial", {0: (0.1, 0.1)})
-    with pytest.raises(ValueError, match="KV cache scales for layers \\[0\\] but not layer 1"):
-        ModelRunner(partial, ParallelContext.single(), torch.float32, 16, kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -246,17 +273,19 @@ def test_families_logits_with_an_8_bit_cache_stay_near_the_float_cache(spec: Tin
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_the_compiled_rope_and_cache_write_stores_torchs_codes(dtype: torch.dtype, qk_norm: bool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused RoPE-and-cache op (cpu_elementwise.cpp) writes the codes ``quantize`` makes, bit for bit, so
-    that a first chunk's rounded keys (torch) and what a later step reads back (the op's) agree."""
+    """The fused RoPE-and-cache op (cpu_elementwise.cpp) writes the codes and per-token scales ``quantize`` makes
+    (keys less the offset), bit for bit, so that a first chunk's rounded keys (torch) and what a later step reads
+    back (the op's) agree."""
     from worker.layers import rotary
     from worker.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(3)
     T, H, KVH, d = 6, 4, 2, 16
     qkv = torch.randn(T, (H + 2 * KVH) * d, generator=g) * 3
+    qkv[1, (H + KVH) * d:] = 0  # an all-zero value row: scale 2^-100 / qmax, codes 0
     angles = torch.rand(T, 1, d, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
-    scales = (torch.rand(KVH, d, generator=g) * 0.05 + 0.01, torch.rand(KVH, d, generator=g) * 0.02 + 0.005)
+    k_offset = torch.randn(KVH, d, generator=g)
     slots = torch.tensor([3, 9, 17, 30, 0, 21])
     norms = None
     if qk_norm:
@@ -268,7 +297,38 @@ def test_the_compiled_rope_and_cache_write_stores_torchs_codes(dtype: torch.dtyp
     for compiled in (True, False):
         monkeypatch.setattr(rotary, "cpu_kernels_available", lambda compiled=compiled: compiled)
         k_cache, v_cache = torch.zeros(8, 4, KVH, d, dtype=dtype), torch.zeros(8, 4, KVH, d, dtype=dtype)
-        rotary.rotate_and_cache(qkv.clone(), cos, sin, k_cache, v_cache, slots, H, KVH, norms, kv_scales=scales)
-        caches.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8)))
-    (k1, v1), (k2, v2) = caches
-    assert torch.equal(k1, k2) and torch.equal(v1, v2) and k1.count_nonzero() > T * KVH * d // 2
+        pools = torch.zeros(8, KVH, 4, dtype=SCALE_DTYPE), torch.zeros(8, KVH, 4, dtype=SCALE_DTYPE)
+        rotary.rotate_and_cache(qkv.clone(), cos, sin, k_cache, v_cache, slots, H, KVH, norms,
+                                kv_scales=(*pools, k_offset))
+        caches.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), *(p.view(torch.int16) for p in pools)))
+    for mine, torchs in zip(*caches, strict=True):
+        assert torch.equal(mine, torchs)
+    k_codes, v_codes, k_scales, _ = caches[0]
+    assert k_codes.count_nonzero() > T * KVH * d // 2 and v_codes.view(-1, KVH, d)[9].count_nonzero() == 0
+    assert k_scales.count_nonzero() == T * KVH  # one scale per written (token, head), nothing else
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels need AVX2 and a C++ compiler")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_the_compiled_decode_stack_reads_an_8_bit_cache_as_the_module_path_does(kv_cache_dtype: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-call decode stack (cpu_decode_block.cpp) takes an 8-bit cache's decode steps, passing each layer's
+    scale pools and key offset to the same write and paged-attention ops as the module path: the same logits,
+    bit for bit."""
+    from worker.layers.decode_block import DecodeStack, disable_decode_blocks
+
+    calls: list[int] = []
+    stack_call = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *args: calls.append(1) or stack_call(self, *args))
+
+    prompts = [[1, 9, 33, 7, 120], [1, 400, 12], list(range(3, 40))]
+    stacked, modules = eight_bit_runner(default_model_dir(), kv_cache_dtype), \
+        eight_bit_runner(default_model_dir(), kv_cache_dtype)
+    assert stacked.model.model.decode_stack is not None
+    disable_decode_blocks(modules.model)
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    tokens = teacher_forced(stacked, prompts, None, 10, logits=got)
+    assert teacher_forced(modules, prompts, None, 10, logits=want) == tokens
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(calls) == 9  # every decode step of the stacked runner (none of the other's)

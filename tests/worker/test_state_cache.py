@@ -98,17 +98,3 @@ def test_a_hybrid_budget_holds_the_live_states_then_checkpoints_then_kv_blocks()
         cache_split(_Runner(200_000), sizing)
     override = CacheSizing(max_num_seqs=8, max_model_len=64, num_gpu_blocks_override=100)
     assert cache_split(_Runner(2000), override) == (100, 8 + 5)  # states on top: 10 % of 100 blocks' bytes
-
-
-def test_a_hybrids_checkpoint_kv_scales_go_to_its_attention_layers_by_model_index() -> None:
-    """An 8-bit KV cache's checkpoint scales name model layers: a hybrid's attention layers are not
-    consecutive (LFM2: layers 1 and 3), so each PagedAttention takes its own layer's scales."""
-    from worker.attention import PagedAttention
-    from worker.kv_quant import set_checkpoint_scales
-
-    layers = [PagedAttention(4, 2, 16, 0.25), PagedAttention(4, 2, 16, 0.25)]
-    set_checkpoint_scales(layers, {1: (0.5, 0.25), 3: (2.0, 4.0)}, [1, 3], CPU)
-    assert [(float(a.k_scale.max()), float(a.v_scale.min())) for a in layers] == [(0.5, 0.25), (2.0, 4.0)]
-    assert layers[1].k_scale.shape == (2, 16)
-    with pytest.raises(ValueError, match="not layer 3"):
-        set_checkpoint_scales(layers, {1: (0.5, 0.25), 2: (1.0, 1.0)}, [1, 3], CPU)

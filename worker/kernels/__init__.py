@@ -11,9 +11,11 @@ The ops land in ``torch.ops.tpserve_cpu``:
   ``use_avx512_int4(enabled) -> bool`` switches its AVX-512 path (tests, A/B runs)
 * ``paged_attention(q (T, H, d) f32, k_cache, v_cache (num_blocks, block_size, KVH, d) f32,
   block_tables (S, B) int64, query_start_loc (S + 1,) int64, context_lens (S,) int64, scale,
-  sliding_window=0, logit_softcap=0.0) -> (T, H, d) f32``: each sequence's few query tokens
-  (causal; within the last ``sliding_window`` positions when > 0, blocks before them unread;
-  scores soft-capped when ``logit_softcap`` > 0) over its paged context (cpu_attention.cpp)
+  sliding_window=0, logit_softcap=0.0, sinks=None, k_scale=None, v_scale=None, k_offset=None)
+  -> (T, H, d) f32``: each sequence's few query tokens (causal; within the last ``sliding_window``
+  positions when > 0, blocks before them unread; scores soft-capped when ``logit_softcap`` > 0)
+  over its paged context (cpu_attention.cpp); an int8 / float8_e4m3fn cache with its bfloat16
+  ``(num_blocks, KVH, block_size)`` scales and float32 ``(KVH, d)`` key offset (worker/kv_quant.py)
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_and_cache`` (``qk_norm_rotary_and_cache``:
   after a per-head q/k RMSNorm): the decoder layer's elementwise work in one pass each (cpu_elementwise.cpp)
 * ``attention_block`` and ``mlp_block`` (a tensor-parallel rank's layer), and the class

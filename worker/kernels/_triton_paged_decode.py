@@ -20,10 +20,17 @@ def load_cache(ptr, offsets, mask, FP8: tl.constexpr):
     return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def load_scales(ptr, offsets, mask):
+    """bfloat16 scales read as int16 bits and widened to float32 (the bits become a float32's top half)."""
+    x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    return (x << 16).to(tl.float32, bitcast=True)
+
+
 
 def paged_decode_kernel(
     out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    context_lens_ptr, k_scale_ptr, v_scale_ptr, scale, blocks_per_split, sliding_window, logit_softcap,
+    context_lens_ptr, k_scale_ptr, v_scale_ptr, k_offset_ptr, scale, blocks_per_split, sliding_window, logit_softcap,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -38,9 +45,11 @@ def paged_decode_kernel(
     # logit_softcap * tanh(score / logit_softcap) before the softmax (Gemma 2). SINKS: one more
     # logit per query head, sinks[head], joins the softmax's denominator with no value (gpt-oss); a
     # SPLIT program leaves it to the wrapper's combination, which must count it once. SCALED: an 8-bit
-    # cache (worker/kv_quant.py) of codes, keys k_scale[kv_head, i] * code and values
-    # v_scale[kv_head, i] * code, (KVH, HEAD_DIM) float32: the key scales fold into the query
-    # (q . (s * c) = (q * s) . c), the value scales into the output; FP8: float8 e4m3 codes, as uint8.
+    # cache (worker/kv_quant.py) of codes, keys k_scale[block, kv_head, t] * code + k_offset[kv_head, i] and
+    # values v_scale[block, kv_head, t] * code (scales (num_blocks, KVH, BLOCK_SIZE) bfloat16 passed as int16,
+    # offset (KVH, HEAD_DIM) float32): a key's scale multiplies its score and q . k_offset is added to
+    # every score (q . (s c + mu) = s (q . c) + q . mu), a value's scale its probability; FP8: float8
+    # e4m3 codes, as uint8.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,8 +62,9 @@ def paged_decode_kernel(
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (G, D)
+    num_kv_heads = tl.num_programs(1)
     if SCALED:
-        q = q * tl.load(k_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
+        q_mu = tl.sum(q * tl.load(k_offset_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :], axis=1)
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # (G,)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)  # (G,)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)  # (G, D) unnormalised output
@@ -68,7 +78,11 @@ def paged_decode_kernel(
                    + kv_head * stride_cache_head + d[None, :])  # (BS, D)
         kv_ok = t_ok[:, None] & d_ok[None, :]
         k = load_cache(k_cache_ptr, offsets, kv_ok, FP8)  # (BS, D)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, BS)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, BS)
+        if SCALED:
+            scale_at = (block * num_kv_heads + kv_head) * BLOCK_SIZE + t  # (BS,) contiguous in the scale pools
+            scores = scores * load_scales(k_scale_ptr, scale_at, t_ok)[None, :] + q_mu[:, None]
+        scores = scores * scale
         if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which overflows to the right limits
             scores = logit_softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / logit_softcap) + 1.0))
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
@@ -77,10 +91,10 @@ def paged_decode_kernel(
         p = tl.exp(scores - new_max[:, None])  # (G, BS)
         running_sum = running_sum * correction + tl.sum(p, axis=1)
         v = load_cache(v_cache_ptr, offsets, kv_ok, FP8)  # (BS, D)
+        if SCALED:
+            p = p * load_scales(v_scale_ptr, scale_at, t_ok)[None, :]  # after the sum: it weighs the values only
         acc = acc * correction[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G, D)
         running_max = new_max
-    if SCALED:
-        acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
     if SPLIT:  # a split past the context keeps max -inf and sum 0: it weighs nothing when combined
         num_splits = tl.num_programs(2)
         stat = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # (G,) into (S, H, splits)

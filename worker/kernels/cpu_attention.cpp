@@ -21,14 +21,17 @@
 // (transformers' modeling_gpt_oss.py eager_attention_forward: the sink is a last column of the
 // logits, dropped after the softmax). Without sinks nothing of this runs: one pointer test per row.
 //
-// An 8-bit cache (--kv-cache-dtype int8 or fp8; worker/kv_quant.py) holds codes c with
-// k[t, j, i] = c * k_scale[j, i], v[t, j, i] = c * v_scale[j, i] (static per head-channel scales).
-// The kernel reads the bytes where they lie and converts 8 at a time in registers (load8 below:
-// int8 sign-extended to int32 then to float; float8 e4m3 by moving its sign, exponent and mantissa
-// bits into a float32's and multiplying by 2^120, the exponent-bias difference, which handles
-// e4m3's subnormals too), and applies the scales where they cost nothing: q . (c * k_scale[j]) =
-// (q * k_scale[j]) . c, so k_scale multiplies the query once, and v_scale the output once. A
-// position's row is a quarter of a float32 cache's bytes: the same cache lines hold 4x the positions.
+// An 8-bit cache (--kv-cache-dtype int8 or fp8; worker/kv_quant.py) holds codes c with k[t, j, i] =
+// c * k_scale[block(t), j, t % block_size] + k_offset[j, i], v[t, j, i] = c * v_scale[..] (bfloat16 scales,
+// a KV head's of a block contiguous; a float32 key offset per KV head and channel). The kernel reads the
+// bytes where they lie and converts 8 at a time in registers (kv_codes.h's load8: int8 sign-extended;
+// e4m3's sign, exponent and mantissa bits moved into a float32's, times 2^120, the exponent-bias
+// difference, subnormals too), and applies the scales where they cost least: each (sequence, KV head) first
+// widens its positions' scales to float32, 8 at a time a block (position_scales); then q . k =
+// k_scale[t] (q . c) + q . k_offset, so the key scales of 4 positions multiply their 4 scores in one FMA
+// that adds q . k_offset (one dot product per query row and head), and a value's scale multiplies its
+// probability in the softmax's pass (8 at a time), leaving the value pass as a float32 cache's. A
+// position's row is a quarter of a float32 cache's bytes plus 4 bytes of scales per KV head.
 //
 // Why a kernel: without one, attention gathers each sequence's whole K and V through its block
 // table into a dense buffer (a copy of the context per layer per step) and runs a general SDPA
@@ -53,40 +56,23 @@
 
 #include <immintrin.h>
 
+#include "kv_codes.h"
 #include "vec_math.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// Cache element types: float32, int8 codes, float8 e4m3 codes (their bits, as uint8).
-struct Fp8E4M3 {
-  uint8_t bits;
-};
-
-// 8 consecutive cache elements as floats (codes unscaled; the callers fold the scales in).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 load8(const Fp8E4M3* p) {
-  // e4m3 bits s eeee mmm -> float32 bits s 0000eeee mmm 0...: the value times 2^(7 - 127) for normal
-  // and subnormal codes alike (a subnormal code becomes a float32 subnormal of the same mantissa).
-  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
-}
-
-// One KV head's scales of an 8-bit cache: d floats each; nullptr for a float32 cache.
-struct ScaleRows {
-  const float* k;
-  const float* v;
-};
+using tpserve::Fp8E4M3;  // the 8-bit cache's helpers (kv_codes.h)
+using tpserve::FlushSubnormals;
+using tpserve::load8;
+using tpserve::ScaleRows;
+using tpserve::widen_bf16;
 
 // Cache elements per 64-byte line.
 template <typename T>
@@ -149,6 +135,23 @@ void position_offsets(const int64_t* table, int64_t block_size, int64_t token_st
   for (int64_t t = L; t < L + 4 + kAhead; ++t) o[t] = o[L - 1];
 }
 
+// One KV head's scales of positions [lo, L) as float32: k[t - first], v[t - first] with first = lo rounded
+// down to its block (pools (num_blocks, KVH, block_size) bfloat16: a head's scales of a block are
+// contiguous), then 8 + 4 + kAhead zeros (the passes' vectors and look-ahead read past L).
+void position_scales(const int64_t* table, int64_t block_size, int64_t KVH, int64_t j, int64_t lo, int64_t L,
+                     const uint16_t* k_pool, const uint16_t* v_pool, std::vector<float>& k, std::vector<float>& v) {
+  const int64_t first = lo / block_size * block_size, n = L - first;
+  k.resize(static_cast<size_t>(n + 12 + kAhead));
+  v.resize(static_cast<size_t>(n + 12 + kAhead));
+  for (int64_t b = lo / block_size; b * block_size < L; ++b) {
+    const int64_t at = (table[b] * KVH + j) * block_size, m = std::min(block_size, L - b * block_size);
+    widen_bf16(k_pool + at, k.data() + (b * block_size - first), m);
+    widen_bf16(v_pool + at, v.data() + (b * block_size - first), m);
+  }
+  std::fill(k.begin() + n, k.end(), 0.0f);
+  std::fill(v.begin() + n, v.end(), 0.0f);
+}
+
 // The first position any of a sequence's n rows reads: 0, or with a sliding window the first row's
 // window start (earlier blocks are skipped).
 inline int64_t first_position(int64_t L, int64_t n, int64_t sliding_window) {
@@ -180,19 +183,30 @@ void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const i
   scores.resize(static_cast<size_t>(G * stride));
   float* s = scores.data();
   // Pass 1: scores, keys of 4 positions at a time against the heads' queries held in registers.
+  constexpr bool kCodes = !std::is_same_v<T, float>;
   __m256 qv[G][D8];
+  __m128 qmu[G];  // an 8-bit cache: scale * q . k_offset, added to every score
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
     for (int i = 0; i < D8; ++i) qv[g][i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * q_head_stride + 8 * i), vscale);
-    if (sc.k) {
-      for (int i = 0; i < D8; ++i) qv[g][i] = _mm256_mul_ps(qv[g][i], _mm256_loadu_ps(sc.k + 8 * i));
+    if constexpr (kCodes) {
+      __m256 a = _mm256_setzero_ps();
+      for (int i = 0; i < D8; ++i) a = _mm256_fmadd_ps(qv[g][i], _mm256_loadu_ps(sc.offset + 8 * i), a);
+      qmu[g] = _mm_set1_ps(hsum(a));
     }
   }
   for (int64_t t = 0; t < context; t += 4) {
     if (h.kpf) prefetch_rows(h.kpf, off + t + kAhead, h.pf_lines);
     if (h.next_off && t < h.next_len) prefetch_rows(h.kpf, h.next_off + t, h.pf_lines);
     const T *k0 = h.keys + off[t], *k1 = h.keys + off[t + 1], *k2 = h.keys + off[t + 2], *k3 = h.keys + off[t + 3];
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t, dot4<D8, T>(qv[g], k0, k1, k2, k3));
+    if constexpr (kCodes) {  // each position's key scale multiplies its score
+      const __m128 ks = _mm_loadu_ps(sc.k + t);
+      for (int g = 0; g < G; ++g) {
+        _mm_storeu_ps(s + g * stride + t, _mm_fmadd_ps(dot4<D8, T>(qv[g], k0, k1, k2, k3), ks, qmu[g]));
+      }
+    } else {
+      for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t, dot4<D8, T>(qv[g], k0, k1, k2, k3));
+    }
   }
   // Softmax per head, exact: subtract the max, exponentiate, normalise at the end.
   const __m256 kLane = _mm256_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f);
@@ -210,16 +224,17 @@ void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const i
     if (sink) m = std::max(m, sink[g]);  // the sink is one more logit: the max covers it (no overflow)
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
+    // An 8-bit cache: each position's weight in the value pass is its probability times its value's scale.
     for (t = 0; t + 8 <= context; t += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm));
-      _mm256_storeu_ps(sg + t, e);
+      _mm256_storeu_ps(sg + t, kCodes ? _mm256_mul_ps(e, _mm256_loadu_ps(sc.v + t)) : e);
       vsum = _mm256_add_ps(vsum, e);
     }
     if (t < context) {  // the last 1..7 positions: one more vector, the lanes past the end zeroed
       const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(t)), kLane),
                                          _mm256_set1_ps(static_cast<float>(context)), _CMP_LT_OQ);
       const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm)), valid);
-      _mm256_storeu_ps(sg + t, e);  // within the head's stride
+      _mm256_storeu_ps(sg + t, kCodes ? _mm256_mul_ps(e, _mm256_loadu_ps(sc.v + t)) : e);  // within the stride
       vsum = _mm256_add_ps(vsum, e);
     }
     const float sink_mass = sink ? std::exp(sink[g] - m) : 0.0f;  // in the denominator only: it has no value
@@ -262,7 +277,6 @@ void attend(const float* q, int64_t q_head_stride, const HeadView<T>& h, const i
       __m256 acc = o[0][g][i];
       for (int u = 1; u < kSets; ++u) acc = _mm256_add_ps(acc, o[u][g][i]);
       acc = _mm256_mul_ps(acc, inv);
-      if (sc.v) acc = _mm256_mul_ps(acc, _mm256_loadu_ps(sc.v + 8 * i));
       _mm256_storeu_ps(og + 8 * i, acc);
     }
   }
@@ -328,27 +342,34 @@ GroupFn<T> attend_for(int64_t d) {
 template <typename T>
 void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, int64_t KVH,
                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                          const at::Tensor& context_lens, float scale, const float* k_scale, const float* v_scale,
-                          int64_t sliding_window, float logit_softcap, const float* sink_p, at::Tensor& out);
+                          const at::Tensor& context_lens, float scale, const uint16_t* k_scale,
+                          const uint16_t* v_scale, const float* k_offset, int64_t sliding_window, float logit_softcap,
+                          const float* sink_p, at::Tensor& out);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale, int64_t sliding_window,
                            double logit_softcap, const std::optional<at::Tensor>& sinks,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const std::optional<at::Tensor>& k_offset) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "tpserve paged_attention: q (R, H, d), caches (num_blocks, block_size, KVH, d)");
   const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == cache_type &&
                   (cache_type == at::kFloat || cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn),
               "tpserve paged_attention: float32 queries; float32, int8 or float8_e4m3fn caches");
-  TORCH_CHECK((cache_type == at::kFloat) == (!k_scale.has_value() && !v_scale.has_value()),
-              "tpserve paged_attention: an 8-bit cache takes k_scale and v_scale, a float32 cache neither");
+  TORCH_CHECK((cache_type == at::kFloat) == (!k_scale.has_value() && !v_scale.has_value() && !k_offset.has_value()),
+              "tpserve paged_attention: an 8-bit cache takes k_scale, v_scale and k_offset, a float32 cache none");
   for (const std::optional<at::Tensor>* t : {&k_scale, &v_scale}) {
-    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->dim() == 2 &&
-                                    (*t)->size(0) == k_cache.size(2) && (*t)->size(1) == k_cache.size(3)),
-                "tpserve paged_attention: k_scale and v_scale must be contiguous float32 (KVH, d)");
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() &&
+                                    (*t)->dim() == 3 && (*t)->size(0) == k_cache.size(0) &&
+                                    (*t)->size(1) == k_cache.size(2) && (*t)->size(2) == k_cache.size(1)),
+                "tpserve paged_attention: k_scale and v_scale must be contiguous bfloat16 (num_blocks, KVH, block_size)");
   }
+  TORCH_CHECK(!k_offset.has_value() || (k_offset->scalar_type() == at::kFloat && k_offset->is_contiguous() &&
+                                        k_offset->dim() == 2 && k_offset->size(0) == k_cache.size(2) &&
+                                        k_offset->size(1) == k_cache.size(3)),
+              "tpserve paged_attention: k_offset must be contiguous float32 (KVH, d)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1,
               "tpserve paged_attention: contiguous caches and head vectors");
   for (const at::Tensor* t : {&block_tables, &query_start_loc, &context_lens}) {
@@ -381,20 +402,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   at::Tensor out = at::empty({R, H, d}, q.options());
   const float qk_scale = static_cast<float>(scale), cap = static_cast<float>(logit_softcap);
-  const float* ks = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
-  const float* vs = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+  const auto* ks = k_scale.has_value() ? static_cast<const uint16_t*>(k_scale->data_ptr()) : nullptr;
+  const auto* vs = v_scale.has_value() ? static_cast<const uint16_t*>(v_scale->data_ptr()) : nullptr;
+  const float* ko = k_offset.has_value() ? k_offset->data_ptr<float>() : nullptr;
   if (cache_type == at::kFloat) {
     paged_attention_impl<float>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size, KVH,
-                                block_tables, query_start_loc, context_lens, qk_scale, ks, vs, sliding_window, cap,
+                                block_tables, query_start_loc, context_lens, qk_scale, ks, vs, ko, sliding_window, cap,
                                 sink_p, out);
   } else if (cache_type == at::kChar) {
     paged_attention_impl<int8_t>(q, static_cast<const int8_t*>(k_cache.data_ptr()),
                                  static_cast<const int8_t*>(v_cache.data_ptr()), block_size, KVH, block_tables,
-                                 query_start_loc, context_lens, qk_scale, ks, vs, sliding_window, cap, sink_p, out);
+                                 query_start_loc, context_lens, qk_scale, ks, vs, ko, sliding_window, cap, sink_p, out);
   } else {
     paged_attention_impl<Fp8E4M3>(q, static_cast<const Fp8E4M3*>(k_cache.data_ptr()),
                                   static_cast<const Fp8E4M3*>(v_cache.data_ptr()), block_size, KVH, block_tables,
-                                  query_start_loc, context_lens, qk_scale, ks, vs, sliding_window, cap, sink_p, out);
+                                  query_start_loc, context_lens, qk_scale, ks, vs, ko, sliding_window, cap, sink_p, out);
   }
   return out;
 }
@@ -402,8 +424,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 template <typename T>
 void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, int64_t KVH,
                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                          const at::Tensor& context_lens, float scale, const float* k_scale, const float* v_scale,
-                          int64_t sliding_window, float logit_softcap, const float* sink_p, at::Tensor& out) {
+                          const at::Tensor& context_lens, float scale, const uint16_t* k_scale,
+                          const uint16_t* v_scale, const float* k_offset, int64_t sliding_window, float logit_softcap,
+                          const float* sink_p, at::Tensor& out) {
   const int64_t H = q.size(1), d = q.size(2);
   const GroupFn<T> attend_fn = attend_for<T>(d);
   const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
@@ -418,7 +441,8 @@ void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t
   const int64_t head_lines = (d + kPerLine<T> - 1) / kPerLine<T>;
   const bool whole_rows = row_lines <= kWholeRowLines;
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    const FlushSubnormals flush(!std::is_same_v<T, float>);
+    std::vector<float> scores, kscales, vscales;
     std::vector<int64_t> off, next;
     int64_t offsets_of = -1, next_of = -1;  // the sequences `off` and `next` hold
     const int64_t last = (end - 1) / KVH;  // this thread's last sequence
@@ -447,11 +471,16 @@ void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t
       } else if (!whole_rows) {  // wide rows: each head its own lines
         h.kpf = h.keys, h.vpf = h.values;
       }
+      const int64_t aligned = lo / block_size * block_size;  // where this head's scale arrays start
+      if (k_scale) position_scales(tables + s * max_blocks, block_size, KVH, j, lo, L, k_scale, v_scale, kscales,
+                                   vscales);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t row = first + i, p = L - n + i;  // the row's position
         const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
         attend_fn(groups, qp + row * qs0 + j * groups * qs1, qs1, h, off.data() + (start - lo), p + 1 - start,
-                  scale, ScaleRows{k_scale ? k_scale + j * d : nullptr, v_scale ? v_scale + j * d : nullptr},
+                  scale, ScaleRows{k_scale ? kscales.data() + (start - aligned) : nullptr,
+                                   k_scale ? vscales.data() + (start - aligned) : nullptr,
+                                   k_offset ? k_offset + j * d : nullptr},
                   logit_softcap,
                   sink_p ? sink_p + j * groups : nullptr, op + (row * H + j * groups) * d, d, scores);
       }
@@ -465,7 +494,7 @@ void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor context_lens, float scale, int sliding_window=0, float logit_softcap=0.0, Tensor? sinks=None, "
-        "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+        "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? k_offset=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -73,7 +73,8 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                            const OptTensor& qkv_scale, const OptTensor& qkv_bias, int64_t num_heads,
                            int64_t num_kv_heads, double scale, int64_t sliding_window, const at::Tensor& o_weight,
                            const OptTensor& o_scale, const OptTensor& q_norm_weight, const OptTensor& k_norm_weight,
-                           double qk_norm_eps) {
+                           double qk_norm_eps, const OptTensor& k_scale, const OptTensor& v_scale,
+                           const OptTensor& k_offset) {
   static const auto rms_norm_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("tpserve_cpu::rms_norm", "")
                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -81,32 +82,32 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                                     .findSchemaOrThrow("tpserve_cpu::rotary_and_cache", "")
                                     .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                                 at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
-                                                const OptTensor&)>();
+                                                const OptTensor&, const OptTensor&)>();
   static const auto qk_norm_rotary_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::qk_norm_rotary_and_cache", "")
           .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&, const at::Tensor&,
                       at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
-                      const OptTensor&)>();
+                      const OptTensor&, const OptTensor&)>();
   static const auto attention_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, double, int64_t, double, const OptTensor&,
-                            const OptTensor&, const OptTensor&)>();
+                            const OptTensor&, const OptTensor&, const OptTensor&)>();
   const int64_t T = h.size(0), d = k_cache.size(3);
   at::Tensor x = rms_norm_op.call(h, norm_weight, eps);            // (T, hidden)
   at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);    // (T, (H + 2 KVH) d)
   if (q_norm_weight.has_value()) {  // QK-norm (Qwen3): each q and k head RMS-normalised before the rotation
     qk_norm_rotary_op.call(qkv, *q_norm_weight, *k_norm_weight, qk_norm_eps, cos, sin, k_cache, v_cache,
-                           slot_mapping, num_heads, num_kv_heads, std::nullopt, std::nullopt);
+                           slot_mapping, num_heads, num_kv_heads, k_scale, v_scale, k_offset);
   } else {
-    rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, std::nullopt, std::nullopt);
+    rotary_op.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, k_scale, v_scale, k_offset);
   }  // q, k rotated; k, v cached
   at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({T, num_heads, d});  // (T, H, d), rows strided
   at::Tensor o = attention_op.call(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                                   sliding_window, 0.0, std::nullopt, std::nullopt,
-                                   std::nullopt);  // (T, H, d), a float32 cache
+                                   sliding_window, 0.0, std::nullopt, k_scale, v_scale,
+                                   k_offset);  // (T, H, d); an 8-bit cache's codes read with their scales
   return project(o.view({T, num_heads * d}), o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
 }
 
@@ -153,11 +154,13 @@ struct LayerArgs {
 at::Tensor decoder_layer(const LayerArgs& L, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                         const at::Tensor& context_lens) {
+                         const at::Tensor& context_lens, const OptTensor& k_scale, const OptTensor& v_scale,
+                         const OptTensor& k_offset) {
   at::Tensor o = attention_block(h, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
                                  context_lens, L.norm1_weight, L.eps1, L.qkv_weight, L.qkv_scale, L.qkv_bias,
                                  L.num_heads, L.num_kv_heads, L.scale, L.sliding_window, L.o_weight,
-                                 L.o_scale, L.q_norm_weight, L.k_norm_weight, L.qk_norm_eps);  // (T, hidden)
+                                 L.o_scale, L.q_norm_weight, L.k_norm_weight, L.qk_norm_eps, k_scale, v_scale,
+                                 k_offset);  // (T, hidden)
   if (L.o_bias.has_value()) o = at::add(o, *L.o_bias);
   auto [h2, m] = mlp_block(h, o, L.norm2_weight, L.eps2, L.gate_up_weight, L.gate_up_scale, L.gate_up_bias,
                            L.down_weight, L.down_scale);
@@ -189,14 +192,22 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
   // h (T, hidden) through every layer -> (T, hidden); layer i's keys and values go to k_caches[i], v_caches[i].
+  // kv_scales: empty for float32 caches; for 8-bit ones layer i's k_scale, v_scale, k_offset at 3i .. 3i + 2
+  // (worker/kv_quant.py).
   at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
                      std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& query_start_loc, const at::Tensor& context_lens) {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "tpserve DecodeLayers: ",
-                layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(), " value caches");
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     std::vector<at::Tensor> kv_scales) {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size() &&
+                    (kv_scales.empty() || kv_scales.size() == 3 * layers_.size()),
+                "tpserve DecodeLayers: ", layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(),
+                " value caches, ", kv_scales.size(), " scale tensors");
     for (size_t i = 0; i < layers_.size(); ++i) {
+      const bool codes = !kv_scales.empty();
       h = decoder_layer(layers_[i], h, cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables,
-                        query_start_loc, context_lens);
+                        query_start_loc, context_lens, codes ? OptTensor(kv_scales[3 * i]) : std::nullopt,
+                        codes ? OptTensor(kv_scales[3 * i + 1]) : std::nullopt,
+                        codes ? OptTensor(kv_scales[3 * i + 2]) : std::nullopt);
     }
     return h;
   }
@@ -212,7 +223,8 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor norm_weight, "
         "float eps, Tensor qkv_weight, Tensor? qkv_scale, Tensor? qkv_bias, int num_heads, int num_kv_heads, "
         "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale, Tensor? q_norm_weight, "
-        "Tensor? k_norm_weight, float qk_norm_eps) -> Tensor");
+        "Tensor? k_norm_weight, float qk_norm_eps, Tensor? k_scale=None, Tensor? v_scale=None, "
+        "Tensor? k_offset=None) -> Tensor");
   m.def("mlp_block(Tensor h, Tensor o, Tensor norm_weight, float eps, Tensor gate_up_weight, "
         "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale) -> (Tensor, Tensor)");
   m.class_<tpserve::DecodeLayers>("DecodeLayers")

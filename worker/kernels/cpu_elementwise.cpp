@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
@@ -132,24 +133,70 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // and KVH key heads by (cos, sin) (T, d), the "rotate half" layout: out[i] = x[i] cos[i] - x[i + d/2] sin[i]
 // for i < d/2 and x[i] cos[i] + x[i - d/2] sin[i] above; then write the rotated keys and the values into
 // the caches (num_blocks, block_size, KVH, d) at slot_mapping[t]. An 8-bit cache (int8 or float8_e4m3fn,
-// worker/kv_quant.py) gets the codes of x / scale[head, channel] with k_scale, v_scale (KVH, d): the same
-// float division, saturation and rounding (to nearest even; c10's e4m3 conversion) as torch's quantize.
+// worker/kv_quant.py) gets, per KV head, y = x - offset (keys: k_offset (KVH, d); values: none), the row's
+// scale s = bf16(max(absmax(y), 2^-100) / qmax) into k_scale / v_scale (num_blocks, KVH, block_size)
+// bfloat16 (a head's scales of a block contiguous), and the codes of y / s: the same float operations,
+// saturation and roundings (to nearest even; c10's bfloat16 and e4m3 conversions) as torch's
+// kv_quant.quantize, so the same bits.
 template <typename T>
-inline void store_codes(T* dst, const float* x, const float* scale, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float y = x[i] / scale[i];
-    if constexpr (std::is_same_v<T, int8_t>) {
-      dst[i] = static_cast<int8_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, y))));
+inline void store_row(T* dst, c10::BFloat16* scale_dst, const float* x, const float* offset, int64_t d) {
+  constexpr float qmax = std::is_same_v<T, int8_t> ? 127.0f : 448.0f;
+  alignas(32) float y[256];  // d <= 256 (checked)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {  // y = x - offset and max |y|, 8 at a time (exact either way)
+    __m256 v = _mm256_loadu_ps(x + i);
+    if (offset) v = _mm256_sub_ps(v, _mm256_loadu_ps(offset + i));
+    _mm256_store_ps(y + i, v);
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+  }
+  float absmax = tpserve::hmax(vmax);
+  for (; i < d; ++i) {
+    y[i] = offset ? x[i] - offset[i] : x[i];
+    absmax = std::max(absmax, std::fabs(y[i]));
+  }
+  const c10::BFloat16 s(std::max(absmax, 0x1p-100f) / qmax);
+  *scale_dst = s;
+  const float sf = static_cast<float>(s);
+  const __m256 vs = _mm256_set1_ps(sf), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+  for (i = 0; i + 8 <= d; i += 8) {  // the codes: y / s saturated (the same division as torch's)
+    const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_div_ps(_mm256_load_ps(y + i), vs)));
+    if constexpr (std::is_same_v<T, int8_t>) {  // rounded to nearest even, packed to 8 bytes
+      const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(w, w));
     } else {
-      dst[i] = static_cast<T>(std::min(448.0f, std::max(-448.0f, y)));
+      _mm256_store_ps(y + i, c);
+      for (int u = 0; u < 8; ++u) dst[i + u] = static_cast<T>(y[i + u]);  // c10's e4m3 rounding
     }
+  }
+  for (; i < d; ++i) {
+    const float c = std::min(qmax, std::max(-qmax, y[i] / sf));
+    if constexpr (std::is_same_v<T, int8_t>) {
+      dst[i] = static_cast<int8_t>(std::nearbyint(c));
+    } else {
+      dst[i] = static_cast<T>(c);
+    }
+  }
+}
+
+// One position's rows of every KV head; its scales at kscale[j * head_stride] (head_stride: the block size).
+template <typename T>
+inline void store_codes(T* kdst, T* vdst, c10::BFloat16* kscale, c10::BFloat16* vscale, int64_t head_stride,
+                        const float* keys, const float* values, const float* k_offset, int64_t num_kv_heads,
+                        int64_t d) {
+  for (int64_t j = 0; j < num_kv_heads; ++j) {
+    store_row(kdst + j * d, kscale + j * head_stride, keys + j * d, k_offset + j * d, d);
+    store_row(vdst + j * d, vscale + j * head_stride, values + j * d, nullptr, d);
   }
 }
 
 void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* k_weight, float eps,
                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const std::optional<at::Tensor>& k_offset) {
   check_rows(qkv, "rotary_and_cache");
   const int64_t T = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d && d % 2 == 0,
@@ -163,16 +210,20 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == num_kv_heads,
               "tpserve rotary_and_cache: caches must be contiguous float32, int8 or float8_e4m3fn "
               "(num_blocks, block_size, KVH, d)");
-  TORCH_CHECK((cache_type == at::kFloat) == (!k_scale.has_value() && !v_scale.has_value()),
-              "tpserve rotary_and_cache: an 8-bit cache takes k_scale and v_scale, a float32 cache neither");
+  TORCH_CHECK((cache_type == at::kFloat) == (!k_scale.has_value() && !v_scale.has_value() && !k_offset.has_value()),
+              "tpserve rotary_and_cache: an 8-bit cache takes k_scale, v_scale and k_offset, a float32 cache none");
   for (const std::optional<at::Tensor>* sc : {&k_scale, &v_scale}) {
-    TORCH_CHECK(!sc->has_value() || ((*sc)->scalar_type() == at::kFloat && (*sc)->is_contiguous() &&
-                                     (*sc)->numel() == num_kv_heads * d),
-                "tpserve rotary_and_cache: k_scale and v_scale must be contiguous float32 (KVH, d)");
+    TORCH_CHECK(!sc->has_value() || ((*sc)->scalar_type() == at::kBFloat16 && (*sc)->is_contiguous() &&
+                                     (*sc)->numel() == k_cache.size(0) * k_cache.size(1) * num_kv_heads),
+                "tpserve rotary_and_cache: k_scale and v_scale must be contiguous bfloat16 (num_blocks, KVH, block_size)");
   }
+  TORCH_CHECK(!k_offset.has_value() || (k_offset->scalar_type() == at::kFloat && k_offset->is_contiguous() &&
+                                        k_offset->numel() == num_kv_heads * d && d <= 256),
+              "tpserve rotary_and_cache: k_offset must be contiguous float32 (KVH, d), d <= 256");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
               "tpserve rotary_and_cache: slot_mapping must be int64 (T,)");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), half = d / 2, width = qkv.size(1);
+  const int64_t block_size = k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "tpserve rotary_and_cache: slot ", slots[t], " outside the cache");
@@ -184,8 +235,9 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
   char* kc = static_cast<char*>(k_cache.data_ptr());  // byte addresses: element size 4 or 1
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t element = codes ? 1 : static_cast<int64_t>(sizeof(float));
-  const float* ks = codes ? k_scale->data_ptr<float>() : nullptr;
-  const float* vs = codes ? v_scale->data_ptr<float>() : nullptr;
+  c10::BFloat16* ks = codes ? k_scale->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* vs = codes ? v_scale->data_ptr<c10::BFloat16>() : nullptr;
+  const float* ko = codes ? k_offset->data_ptr<float>() : nullptr;
   const int64_t kv_floats = num_kv_heads * d, row_bytes = kv_floats * element;
   // A small row's cache lines (the embedded model: 4 a row) are asked for a few rows ahead, for
   // writing: the slots of a decode step lie all over the cache, mostly out of cache, and the copies
@@ -230,12 +282,16 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
       if (cache_type == at::kFloat) {
         std::memcpy(kdst, keys, row_bytes);
         std::memcpy(vdst, values, row_bytes);
-      } else if (cache_type == at::kChar) {
-        store_codes(reinterpret_cast<int8_t*>(kdst), keys, ks, kv_floats);
-        store_codes(reinterpret_cast<int8_t*>(vdst), values, vs, kv_floats);
       } else {
-        store_codes(reinterpret_cast<c10::Float8_e4m3fn*>(kdst), keys, ks, kv_floats);
-        store_codes(reinterpret_cast<c10::Float8_e4m3fn*>(vdst), values, vs, kv_floats);
+        // The position's scale of head 0 in its block's (KVH, block_size) scales; head j's is block_size further.
+        const int64_t at = (slots[t] / block_size * num_kv_heads) * block_size + slots[t] % block_size;
+        if (cache_type == at::kChar) {
+          store_codes(reinterpret_cast<int8_t*>(kdst), reinterpret_cast<int8_t*>(vdst), ks + at, vs + at, block_size,
+                      keys, values, ko, num_kv_heads, d);
+        } else {
+          store_codes(reinterpret_cast<c10::Float8_e4m3fn*>(kdst), reinterpret_cast<c10::Float8_e4m3fn*>(vdst),
+                      ks + at, vs + at, block_size, keys, values, ko, num_kv_heads, d);
+        }
       }
     }
   });
@@ -243,9 +299,10 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
 
 void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                      const std::optional<at::Tensor>& k_offset) {
   norm_rotary_and_cache(qkv, nullptr, nullptr, 0.0f, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
-                        num_kv_heads, k_scale, v_scale);
+                        num_kv_heads, k_scale, v_scale, k_offset);
 }
 
 // rotary_and_cache with each query head RMS-normalised by q_weight (d,) and each key head by k_weight (d,)
@@ -253,14 +310,16 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 void qk_norm_rotary_and_cache(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                               const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                              const std::optional<at::Tensor>& k_offset) {
   const int64_t d = k_cache.size(3);
   for (const at::Tensor* w : {&q_weight, &k_weight}) {
     TORCH_CHECK(w->is_contiguous() && w->scalar_type() == at::kFloat && w->numel() == d,
                 "tpserve qk_norm_rotary_and_cache: q_weight and k_weight must be contiguous float32 (d,)");
   }
   norm_rotary_and_cache(qkv, q_weight.data_ptr<float>(), k_weight.data_ptr<float>(), static_cast<float>(eps), cos,
-                        sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, k_scale, v_scale);
+                        sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, k_scale, v_scale,
+                        k_offset);
 }
 
 }  // namespace
@@ -270,10 +329,11 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+        "Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor? k_scale=None, Tensor? v_scale=None, "
+        "Tensor? k_offset=None) -> ()");
   m.def("qk_norm_rotary_and_cache(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, "
         "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, "
-        "int num_kv_heads, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+        "int num_kv_heads, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? k_offset=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {

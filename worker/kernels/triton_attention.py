@@ -93,7 +93,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, *, sliding_window: int = 0,
                            logit_softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                           kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           kv_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context: ``softmax(cap(q K^T * scale)) V``.
 
     Args:
@@ -117,8 +117,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             denominator with no value (gpt-oss's attention sinks: ``exp(sinks[h])`` added to
             ``sum_t exp(score_t)``; ``transformers``' ``modeling_gpt_oss.py``); None: none
             (the kernel is compiled without that code).
-        kv_scales: an 8-bit cache's ``(k_scale, v_scale)``, ``(KVH, d)`` float32 each on ``q``'s
-            device: keys are ``k_scale[head, channel] * code``, values likewise; None for a float cache.
+        kv_scales: an 8-bit cache's ``(k_scale, v_scale, k_offset)`` on ``q``'s device (worker/kv_quant.py):
+            scales ``(num_blocks, KVH, block_size)`` bfloat16, contiguous, and the key offset ``(KVH, d)``
+            float32; keys are ``k_scale[block, head, offset] * code + k_offset[head]``, values
+            ``v_scale[block, head, offset] * code``; None for a float cache.
 
     Returns:
         ``(S, H, d)`` in ``q``'s dtype; the arithmetic is float32.
@@ -160,13 +162,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      SOFTCAP=logit_softcap > 0, SINKS=sinks is not None, SCALED=kv_scales is not None,
                      FP8=k_cache.dtype == torch.float8_e4m3fn)
     window = (sliding_window or _NO_WINDOW, float(logit_softcap))
-    k_scale, v_scale = (out, out) if kv_scales is None else kv_scales  # unread without SCALED
+    k_scale, v_scale, k_offset = (out, out, out) if kv_scales is None else kv_scales  # unread without SCALED
+    if kv_scales is not None:  # bfloat16 bits, widened in the kernel (no bfloat16 loads needed)
+        k_scale, v_scale = k_scale.view(torch.int16), v_scale.view(torch.int16)
     if constants["FP8"]:  # the kernel decodes e4m3 bits itself (no fp8 arithmetic needed from the GPU)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_splits == 1:
         _kernel()[(num_seqs, num_kv_heads, 1)](
-            out, out, out, out if sinks is None else sinks, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, scale,
+            out, out, out, out if sinks is None else sinks, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, k_offset, scale,
             blocks_per_split, *window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, SPLIT=False, **constants)
         return out
     # Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"; vLLM's
@@ -175,7 +179,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     _kernel()[(num_seqs, num_kv_heads, num_splits)](
-        partial, partial_max, partial_sum, partial_max, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, scale,
+        partial, partial_max, partial_sum, partial_max, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, k_offset, scale,
         blocks_per_split,
         *window,
         q.stride(0), q.stride(1), 0, 0, *strides, SPLIT=True, **constants)

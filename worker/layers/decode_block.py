@@ -10,13 +10,16 @@ both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.
 They run the very kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
 submodules) calls, in the same order, so the hidden states are bit-identical to it;
 what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
-(30 layers), the bare batch-1 step: docs/design/kernels.md, "Compiled CPU kernels".
+(30 layers), the bare batch-1 step: docs/design/kernels.md, "Compiled CPU kernels". An 8-bit KV cache
+(worker/kv_quant.py) is read and written by the same ops, each layer's scale pools and key offset passed.
 
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
 Llama's or Qwen3's (soft-capping, MoE) keep the module path.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,9 +42,8 @@ def decode_block_supported(attention: nn.Module, device: torch.device, dtype: to
 
 
 def disable_decode_blocks(model: nn.Module) -> None:
-    """Send every decode step of ``model`` through the module path: its layers' caches are not float32
-    (an 8-bit KV cache, worker/kv_quant.py, which the module path's paged kernel reads; the compiled
-    layer's fused RoPE-and-cache write stores float32 only)."""
+    """Send every decode step of ``model`` through the module path (LoRA adapters: the compiled layer has no
+    low-rank path)."""
     for module in model.modules():
         if getattr(module, "decode_block", False):
             setattr(module, "decode_block", False)  # noqa: B010 - a plain attribute, not a submodule
@@ -92,8 +94,9 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
     if args is None:
         args = layer.__dict__["_decode_block_args"] = _layer_args(layer)
     attention_args, mlp_args, _ = args
-    o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta),
-                                              *attention_args)  # (T, hidden), this rank's part
+    kv_scales = cast(tuple, layer.self_attn.attn.kv_scales or ())  # an 8-bit cache's (k_scale, v_scale, k_offset)
+    o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta), *attention_args,
+                                              *kv_scales)  # (T, hidden), this rank's part
     o = layer.self_attn.o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
     h, m = torch.ops.tpserve_cpu.mlp_block(h, o, *mlp_args)  # h + o; this rank's part of the MLP
     return h + layer.mlp.down_proj.reduce(m)  # (T, hidden)
@@ -124,5 +127,6 @@ class DecodeStack:
             for layer in self._layers:
                 attention_args, mlp_args, (o_bias, down_bias) = _layer_args(layer)
                 self._compiled.add_layer(*attention_args, o_bias, *mlp_args, down_bias)
+        kv_scales = [t for layer in self._layers for t in (layer.self_attn.attn.kv_scales or ())]  # 8-bit caches
         return self._compiled.forward(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                                      *_step_args(meta))  # (T, hidden)
+                                      *_step_args(meta), kv_scales)  # (T, hidden)

@@ -244,7 +244,7 @@ def rotate_and_cache(
     num_heads: int,
     num_kv_heads: int,
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate the query and key heads of ``qkv`` and write this step's keys and values into the cache.
 
@@ -257,8 +257,9 @@ def rotate_and_cache(
         slot_mapping: ``(T,) int64`` cache slot of each row.
         qk_norm: ``(q_norm, k_norm)``, RMSNorms of size ``d`` applied to every query and
             key head before the rotation (QK-norm, as Qwen3 and Gemma 3 do); None: none.
-        kv_scales: the layer's ``(k_scale, v_scale)`` (``PagedAttention.kv_scales``), which an
-            8-bit cache's write needs (worker/kv_quant.py); unused with a float cache.
+        kv_scales: the layer's ``(k_scale, v_scale, k_offset)`` (``PagedAttention.kv_scales``): an
+            8-bit cache's scale pools, written with the codes, and key offset (worker/kv_quant.py);
+            unused with a float cache.
 
     Returns:
         ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` rotated, and ``v (T, num_kv_heads, d)``.
