@@ -93,12 +93,16 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: checks the script")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--context", type=int, default=32, help="positions before the measured decode steps")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="the step's threads (default: every core, what a tp-1 rank takes; 1 on a host whose "
+                             "cores other work shares, where a step's ~120 thread barriers each wait for a time slice)")
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)  # what a tp-1 rank takes
+    torch.set_num_threads(args.threads)
     shape = TINY_CONFIG if args.tiny else MODEL_CONFIG
     block = TINY_BLOCK if args.tiny else BLOCK
     report: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
                     "load_average_at_start": os.getloadavg(), "torch": torch.__version__, "seed": args.seed,
+                    "threads": args.threads,
                     "model": {**shape, "checkpoint": f"fp8 e4m3, {block[0]}x{block[1]} block scales"},
                     "context": args.context, "rounds": args.rounds, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="tpserve-fp8-") as tmp:
