@@ -10,7 +10,7 @@ tests/worker/lowbit_checkpoints.py), tp 1, one process:
   steps, the two interleaved round by round so that a busy host slows them alike;
 * the projections alone: the 30 layers' four linear layers at one row of x, one thread, ``linear_fp8``
   against ``linear_f32`` (the float32 kernel the dequantized model runs), the median of ``5 * --rounds``
-  interleaved rounds.
+  interleaved rounds, in CPU seconds of the thread (``time.thread_time``).
 
 Reported: each figure and float32 / fp8 (> 1: fp8 is faster), and the bytes per weight of the linear layers.
 
@@ -79,9 +79,9 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {}
     for _ in range(rounds * 5):
         for name, run in (("fp8", fp8), ("float32", float32)):
-            start = time.perf_counter()
+            start = time.thread_time()
             run()
-            times.setdefault(name, []).append(time.perf_counter() - start)
+            times.setdefault(name, []).append(time.thread_time() - start)
     torch.set_num_threads(threads)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -96,13 +96,17 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="the step's threads (default: every core, what a tp-1 rank takes; 1 on a host whose "
                              "cores other work shares, where a step's ~120 thread barriers each wait for a time slice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: each step's CPU seconds on the calling thread (with --threads 1 on a shared "
+                             "host: time spent waiting for a core left out)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     shape = TINY_CONFIG if args.tiny else MODEL_CONFIG
     block = TINY_BLOCK if args.tiny else BLOCK
     report: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
                     "load_average_at_start": os.getloadavg(), "torch": torch.__version__, "seed": args.seed,
-                    "threads": args.threads,
+                    "threads": args.threads, "clock": args.clock,
                     "model": {**shape, "checkpoint": f"fp8 e4m3, {block[0]}x{block[1]} block scales"},
                     "context": args.context, "rounds": args.rounds, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="tpserve-fp8-") as tmp:
@@ -112,7 +116,7 @@ def main() -> int:
         rounds: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in CONFIGS}
         for _ in range(args.rounds):
             for name, runner in runners.items():
-                for batch, seconds in bare_steps(runner, [1, 16], context=args.context).items():
+                for batch, seconds in bare_steps(runner, [1, 16], context=args.context, clock=clock).items():
                     rounds[name][batch].append(seconds)
             print({n: {b: round(s[-1] * 1e3, 2) for b, s in d.items()} for n, d in rounds.items()}, flush=True)
         report["rounds_ms"] = {name: {b: [round(x * 1e3, 3) for x in s] for b, s in d.items()}

@@ -10,7 +10,7 @@ at load by ``--quantization int4`` / ``int8``), tp 1, one process:
   the same weights with the AMX path switched off (``use_amx_int4(False)``: the kernel before it);
 * the projections alone: the 30 layers' four linear layers at one row of x, on one thread, through
   ``linear_int4`` (its AMX path, its AVX512-VNNI path, its float path) and ``linear_int8``, the
-  median of ``5 * --rounds`` interleaved rounds.
+  median of ``5 * --rounds`` interleaved rounds, in CPU seconds of the thread (``time.thread_time``).
 
 Reported: each figure, and int8 / int4 and float32 / int4 (> 1: int4 is faster). The weights'
 bytes per parameter of the linear layers are reported too (int4: 4.5 bits at groups of 128).
@@ -92,9 +92,9 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
     for _ in range(rounds * 5):
         for name, run in (("int4", int4), ("int4_vnni", int4_vnni), ("int4_float_path", int4_float_path),
                           ("int8", int8)):
-            start = time.perf_counter()
+            start = time.thread_time()
             run()
-            times.setdefault(name, []).append(time.perf_counter() - start)
+            times.setdefault(name, []).append(time.thread_time() - start)
     torch.set_num_threads(threads)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -125,12 +125,16 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="the step's threads (default: every core, what a tp-1 rank takes; 1 on a host whose "
                              "cores other work shares, where a step's ~120 thread barriers each wait for a time slice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: each step's CPU seconds on the calling thread (with --threads 1 on a shared "
+                             "host: time spent waiting for a core left out)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     shape = TINY_CONFIG if args.tiny else MODEL_CONFIG
     report: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
                     "load_average_at_start": os.getloadavg(), "torch": torch.__version__, "seed": args.seed,
-                    "threads": args.threads,
+                    "threads": args.threads, "clock": args.clock,
                     "model": {**shape, "checkpoint_dtype": "float32"}, "context": args.context,
                     "rounds": args.rounds, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="tpserve-int4-") as tmp:
@@ -140,7 +144,7 @@ def main() -> int:
         for _ in range(args.rounds):
             for name, runner in runners.items():
                 with _amx_off() if name == "int4_vnni" else contextlib.nullcontext():
-                    for batch, seconds in bare_steps(runner, [1, 16], context=args.context).items():
+                    for batch, seconds in bare_steps(runner, [1, 16], context=args.context, clock=clock).items():
                         rounds[name][batch].append(seconds)
             print({n: {b: round(s[-1] * 1e3, 2) for b, s in d.items()} for n, d in rounds.items()}, flush=True)
         best = {name: {b: statistics.median(s) for b, s in d.items()} for name, d in rounds.items()}

@@ -384,7 +384,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t groups = scale_offset.size(1), G = K / groups;
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  if (allow_amx.load(std::memory_order_relaxed) && use_wide() && N % 16 == 0 && G % kChunk == 0 &&
+  // AMX from 2 rows of x: at one row the VNNI path's 4 sequential streams of W read the last-level cache
+  // faster than a tile's 16 interleaved rows (kernels.md, "int4": AMX).
+  if (M >= 2 && allow_amx.load(std::memory_order_relaxed) && use_wide() && N % 16 == 0 && G % kChunk == 0 &&
       tpserve_int4_amx::amx_available()) {
     tpserve_int4_amx::linear(xp, M, K, N, G, qweight.data_ptr<uint8_t>(), scale_offset.data_ptr<float>(),
                              bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
