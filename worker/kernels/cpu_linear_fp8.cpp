@@ -9,14 +9,15 @@
 //   scale (N, K / G) float32: w[n, k] = e4m3(weight[n, k]) * scale[n, k / G] (a checkpoint's 128 x 128 block
 //     scales expanded over their rows; per channel: G = K). G % 16 == 0.
 //
-// The conversion (as the fp8 KV cache's, cpu_attention.cpp): a code's sign-extended byte shifted left by 20 and
-// masked with 0x87F00000 is the float32 whose sign, exponent and mantissa bits are the code's, i.e. the value
-// times 2^-120 (the exponent biases differ by 120); e4m3's subnormals become float32 subnormals of the same
-// mantissa, so every code converts exactly. 3 instructions per 16 weights, as the int8 kernel's widening. So
-// that no product x * w 2^-120 underflows, x is carried times 2^60 and each group's sum scaled by s 2^60
-// (powers of two: exact). NaN codes (0x7F, 0xFF) are not decoded as NaN: checkpoints hold none.
+// The conversion: a code sign-extended to 16 bits, shifted left by 7 and masked with 0xBF80 is the float16 whose
+// sign, exponent and mantissa bits are the code's, i.e. the value times 2^-8 (the exponent biases differ by 8);
+// e4m3's subnormals become float16 subnormals of the same mantissa, and vcvtph2ps widens all of them to normal
+// float32 exactly; each group's sum is scaled by s 2^8 (a power of two: exact). 4 instructions per 16 weights.
+// (The fp8 KV cache's move into a float32 directly, times 2^-120, is one fewer, but makes the subnormal codes
+// float32 subnormals: every FMA with one took a microcode assist, 9x the time on weights a quarter subnormal.)
+// NaN codes (0x7F, 0xFF) are not decoded as NaN: checkpoints hold none.
 //
-// Rows of x: up to kMaxRows a pass, each thread owning a range of W's rows and reading S of them side by side
+// Rows of x: up to kMaxRows a pass (each converted vector of W feeds up to 8 FMAs), each thread owning a range of W's rows and reading S of them side by side
 // (several sequential streams in flight, as the int8 streamed GEMV); more rows in passes of kMaxRows up to
 // kChunkedMaxRows; beyond (prefill-sized), or without AVX-512, W is dequantized once and multiplied by at::matmul.
 #include <ATen/Parallel.h>
@@ -30,22 +31,22 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace tpserve_fp8 {
 
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 8;
 constexpr int64_t kChunkedMaxRows = 64;
 constexpr int64_t kAhead = 1024;  // bytes prefetched ahead in each stream
-constexpr float kTwo60 = 1152921504606846976.0f;  // 2^60
+constexpr float kTwo8 = 256.0f;  // the float16's 2^-8, undone per group
 
 #define TPSERVE_FP8_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw")))
 
-constexpr int streams(int R) { return R <= 2 ? 4 : 2; }
+// Streams of W rows per thread for R rows of x: (accumulator + total) * S * R + R x vectors within 32 zmm.
+constexpr int streams(int R) { return R <= 2 ? 4 : (R <= 4 ? 2 : 1); }
 
 struct Args {
   int64_t K, N, G, groups;
-  const float* x;      // (R, K), times 2^60
+  const float* x;      // (R, K)
   const int8_t* w;     // (N, K) e4m3 codes
   const float* scale;  // (N, groups)
   const float* bias;   // (N,) or nullptr
@@ -60,7 +61,7 @@ TPSERVE_FP8_AVX512 inline void dots(const int64_t rows[S], const Args& a) {
     wr[s] = a.w + rows[s] * a.K;
     for (int r = 0; r < R; ++r) total[s][r] = _mm512_setzero_ps();
   }
-  const __m512i mask = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+  const __m256i mask = _mm256_set1_epi16(static_cast<short>(0xBF80));
   for (int64_t g = 0; g < a.groups; ++g) {
     __m512 acc[S][R];
     for (int s = 0; s < S; ++s) {
@@ -72,13 +73,13 @@ TPSERVE_FP8_AVX512 inline void dots(const int64_t rows[S], const Args& a) {
       for (int s = 0; s < S; ++s) {
         const int8_t* p = wr[s] + k;
         if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        const __m512 wv = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 20), mask));  // w 2^-120
+        const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m512 wv = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(v, 7), mask));  // w 2^-8
         for (int r = 0; r < R; ++r) acc[s][r] = _mm512_fmadd_ps(wv, xv[r], acc[s][r]);
       }
     }
     for (int s = 0; s < S; ++s) {
-      const __m512 sc = _mm512_set1_ps(a.scale[rows[s] * a.groups + g] * kTwo60);
+      const __m512 sc = _mm512_set1_ps(a.scale[rows[s] * a.groups + g] * kTwo8);
       for (int r = 0; r < R; ++r) total[s][r] = _mm512_fmadd_ps(acc[s][r], sc, total[s][r]);
     }
   }
@@ -142,14 +143,11 @@ at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& weight, const at::T
     return bias.has_value() ? y.add_(*bias) : y;
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  thread_local std::vector<float> scaled;
-  scaled.resize(static_cast<size_t>(M * K));
   const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; ++i) scaled[i] = xp[i] * kTwo60;
   const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, M - m0);
-    const Args a{K, N, G, groups, scaled.data() + m0 * K, reinterpret_cast<const int8_t*>(weight.data_ptr()),
+    const Args a{K, N, G, groups, xp + m0 * K, reinterpret_cast<const int8_t*>(weight.data_ptr()),
                  scale.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                  y.data_ptr<float>() + m0 * N};
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -157,7 +155,11 @@ at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& weight, const at::T
         case 1: run<1>(n0, n1, a); break;
         case 2: run<2>(n0, n1, a); break;
         case 3: run<3>(n0, n1, a); break;
-        default: run<4>(n0, n1, a); break;
+        case 4: run<4>(n0, n1, a); break;
+        case 5: run<5>(n0, n1, a); break;
+        case 6: run<6>(n0, n1, a); break;
+        case 7: run<7>(n0, n1, a); break;
+        default: run<8>(n0, n1, a); break;
       }
     });
   }
