@@ -75,7 +75,7 @@ def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
 
 
 def _matmul(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for a float, int8 or int4 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
+    """``x @ W.T + bias`` for a float, int8, int4 or fp8 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
     if layer.weight_scale is None:
         return linear(x, layer.weight, bias)
     if layer.weight.dtype == torch.float8_e4m3fn:
