@@ -4,11 +4,13 @@ On the 94.9M-parameter random Llama of benchmarks/peer_comparison.py (float32 ch
 at load by ``--quantization int4`` / ``int8``), tp 1, one process:
 
 * the bare worker step (``ModelRunner.execute`` of a decode step alone; the compiled decode stack
-  where it applies): seconds at batch 1 and 16, the fastest of ``--rounds`` rounds, each round
+  where it applies): seconds at batch 1 and 16, the median of ``--rounds`` rounds, each round
   the median of 20 steps, the configurations interleaved round by round so that a busy host slows
-  them alike;
+  them alike. ``int4`` takes the kernel's best path (AMX-INT8 where the CPU has it), ``int4_vnni``
+  the same weights with the AMX path switched off (``use_amx_int4(False)``: the kernel before it);
 * the projections alone: the 30 layers' four linear layers at one row of x, on one thread, through
-  ``linear_int4`` (its AVX512-VNNI path, then its float path) and ``linear_int8``.
+  ``linear_int4`` (its AMX path, its AVX512-VNNI path, its float path) and ``linear_int8``, the
+  median of ``5 * --rounds`` interleaved rounds, in CPU seconds of the thread (``time.thread_time``).
 
 Reported: each figure, and int8 / int4 and float32 / int4 (> 1: int4 is faster). The weights'
 bytes per parameter of the linear layers are reported too (int4: 4.5 bits at groups of 128).
@@ -20,9 +22,11 @@ bytes per parameter of the linear layers are reported too (int4: 4.5 bits at gro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +38,7 @@ import torch  # noqa: E402
 from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, bare_steps, build_model  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 
-CONFIGS = {"float32": None, "int8": "int8", "int4": "int4"}
+CONFIGS = {"float32": None, "int8": "int8", "int4": "int4", "int4_vnni": "int4"}
 TINY_CONFIG = {**MODEL_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -69,10 +73,14 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
         for w, s, x in w4:
             ops.linear_int4(x, w, s, None)
 
+    def int4_vnni() -> None:
+        with _amx_off():
+            int4()
+
     def int4_float_path() -> None:
         ops.use_vnni_int4(False)
         try:
-            int4()
+            int4_vnni()
         finally:
             ops.use_vnni_int4(True)
 
@@ -80,39 +88,68 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
         for w, s, x in w8:
             ops.linear_int8(x, w, s, None)
 
-    best: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     for _ in range(rounds * 5):
-        for name, run in (("int4", int4), ("int4_float_path", int4_float_path), ("int8", int8)):
-            start = time.perf_counter()
+        for name, run in (("int4", int4), ("int4_vnni", int4_vnni), ("int4_float_path", int4_float_path),
+                          ("int8", int8)):
+            start = time.thread_time()
             run()
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+            times.setdefault(name, []).append(time.thread_time() - start)
     torch.set_num_threads(threads)
-    return best
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@contextlib.contextmanager
+def _amx_off():
+    """The int4 kernel without its AMX path (its VNNI path where the CPU has one), for the same-run baseline."""
+    from worker.kernels import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        yield
+        return
+    torch.ops.tpserve_cpu.use_amx_int4(False)
+    try:
+        yield
+    finally:
+        torch.ops.tpserve_cpu.use_amx_int4(True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="directory for quantization_int4.json")
+    parser.add_argument("--out", type=Path, default=None, help="directory for the report")
+    parser.add_argument("--name", default="quantization_int4.json", help="the report's file name")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: checks the script")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--context", type=int, default=32, help="positions before the measured decode steps")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="the step's threads (default: every core, what a tp-1 rank takes; 1 on a host whose "
+                             "cores other work shares, where a step's ~120 thread barriers each wait for a time slice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: each step's CPU seconds on the calling thread (with --threads 1 on a shared "
+                             "host: time spent waiting for a core left out)")
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)  # what a tp-1 rank takes
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     shape = TINY_CONFIG if args.tiny else MODEL_CONFIG
     report: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
                     "load_average_at_start": os.getloadavg(), "torch": torch.__version__, "seed": args.seed,
+                    "threads": args.threads, "clock": args.clock,
                     "model": {**shape, "checkpoint_dtype": "float32"}, "context": args.context,
                     "rounds": args.rounds, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="tpserve-int4-") as tmp:
         model_dir = build_model(Path(tmp), args.seed, shape)
         runners = {name: bare_runner(model_dir, quantization=q) for name, q in CONFIGS.items()}
-        best: dict[str, dict[int, float]] = {name: {} for name in CONFIGS}
+        rounds: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in CONFIGS}
         for _ in range(args.rounds):
             for name, runner in runners.items():
-                for batch, seconds in bare_steps(runner, [1, 16], context=args.context).items():
-                    best[name][batch] = min(best[name].get(batch, float("inf")), seconds)
-            print({n: {b: round(s * 1e3, 2) for b, s in d.items()} for n, d in best.items()}, flush=True)
+                with _amx_off() if name == "int4_vnni" else contextlib.nullcontext():
+                    for batch, seconds in bare_steps(runner, [1, 16], context=args.context, clock=clock).items():
+                        rounds[name][batch].append(seconds)
+            print({n: {b: round(s[-1] * 1e3, 2) for b, s in d.items()} for n, d in rounds.items()}, flush=True)
+        best = {name: {b: statistics.median(s) for b, s in d.items()} for name, d in rounds.items()}
+        report["rounds_ms"] = {name: {b: [round(x * 1e3, 3) for x in s] for b, s in d.items()}
+                               for name, d in rounds.items()}
         for name, runner in runners.items():
             report["configs"][name] = {"bare_decode_ms_batch1": best[name][1] * 1e3,
                                        "bare_output_tokens_per_s_batch16": 16 / best[name][16],
@@ -124,13 +161,14 @@ def main() -> int:
         base: {"decode_batch1": report["configs"][base]["bare_decode_ms_batch1"] / int4["bare_decode_ms_batch1"],
                "throughput_batch16": int4["bare_output_tokens_per_s_batch16"]
                / report["configs"][base]["bare_output_tokens_per_s_batch16"]}
-        for base in ("int8", "float32")}
+        for base in ("int8", "float32", "int4_vnni")}
     if proj:
         report["int4_speedup"]["projections_vs_int8"] = proj["int8"] / proj["int4"]
-        report["int4_speedup"]["projections_vnni_vs_float_path"] = proj["int4_float_path"] / proj["int4"]
+        report["int4_speedup"]["projections_vs_vnni_path"] = proj["int4_vnni"] / proj["int4"]
+        report["int4_speedup"]["projections_vnni_vs_float_path"] = proj["int4_float_path"] / proj["int4_vnni"]
     print(report["int4_speedup"])
     if args.out:
-        save_report(args.out, "quantization_int4.json", report)
+        save_report(args.out, args.name, report)
     return 0
 
 

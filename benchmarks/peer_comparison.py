@@ -136,10 +136,10 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / best
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def bare_runner(model_dir: Path, dtype: torch.dtype = torch.float32, quantization: str | None = None):
@@ -151,9 +151,13 @@ def bare_runner(model_dir: Path, dtype: torch.dtype = torch.float32, quantizatio
 
 
 def bare_steps(model_dir: Path | object, batch_sizes: list[int], context: int, dtype: torch.dtype = torch.float32,
-               quantization: str | None = None, steps: int = 20, mean: bool = False) -> dict[int, float]:
+               quantization: str | None = None, steps: int = 20, mean: bool = False,
+               clock=time.perf_counter) -> dict[int, float]:
     """Seconds of one ``ModelRunner.execute`` decode step at each batch size, tp 1.
 
+    ``clock``: wall time by default; ``time.thread_time`` counts the step's CPU seconds on this
+    thread only (one-thread runs on a host whose cores other work shares: the time spent waiting
+    for a core is left out, a slower cache or memory is not).
     ``model_dir``: a checkpoint, or a runner from :func:`bare_runner` (reused between rounds).
     ``steps`` decode steps from ``context`` positions on, after 4 unmeasured ones; their median,
     or with ``mean`` their mean (the statistic of a client's TPOT: a request's decode time over
@@ -177,7 +181,7 @@ def bare_steps(model_dir: Path | object, batch_sizes: list[int], context: int, d
         for i in range(steps + 4):
             step_id += 1
             plan = StepPlan(step_id, (), tuple(ScheduledChunk(s, (5,), context + i) for s in seqs))
-            times.append(_timed(lambda: runner.execute(plan)))
+            times.append(_timed(lambda: runner.execute(plan), clock))
         step_id += 1
         runner.execute(StepPlan(step_id, finished_seq_ids=tuple(seqs)))
         out[batch] = (statistics.fmean if mean else statistics.median)(times[4:])

@@ -41,10 +41,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                          help="auto: float32 on the CPU; on CUDA the checkpoint's half dtype, bfloat16 for float32")),
         ("--device", dict(choices=("auto", "cpu", "cuda"),
                           help="where the ranks run; auto: CUDA where a GPU is visible")),
-        ("--quantization", dict(choices=("int8", "int4"),
+        ("--quantization", dict(choices=("int8", "int4", "fp8"),
                                 help="int8: weight-only int8 linear layers (per-channel scales); int4: weight-only "
                                      "4-bit (symmetric, groups of 128 input columns); activations in --dtype, "
-                                     "quantized at load time (default: none, or the checkpoint's quantization_config)")),
+                                     "quantized at load time (default: none, or the checkpoint's quantization_config); "
+                                     "fp8: an FP8 checkpoint's linear weights kept as e4m3 with their scales (default "
+                                     "for FP8 checkpoints: dequantized at load to --dtype)")),
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
         ("--cuda-graph-sizes", dict(type=int, nargs="+", help="CUDA: decode batch sizes to capture as graphs "
                                                               "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")),

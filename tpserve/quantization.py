@@ -17,6 +17,8 @@ Published FP8 and MXFP4 checkpoints (``quant_method`` ``"fp8"`` block-scaled,
 compressed-tensors ``"float-quantized"``, ``"mxfp4"``: tpserve/weight_formats.py) are
 dequantized by the ranks while loading; their layers are float (or int8 with
 ``--quantization int8``), so :func:`checkpoint_quantization` returns None for them.
+``--quantization fp8`` keeps an FP8 checkpoint's linear weights as e4m3 instead (1 byte a
+weight, converted in the matmul; its MoE experts are still dequantized at load).
 
 And **int4 weight-only** (W4A16): 4-bit codes with a float scale and zero point per
 group of input columns, from ``--quantization int4`` on a float checkpoint
@@ -38,10 +40,11 @@ from typing import Any, Literal
 from tpserve.quantization_int4 import int4_format
 from tpserve.weight_formats import compressed_tensors_groups, matches_target, weight_format
 
-#: int8: weights per output channel, symmetric; int4: group-wise codes (tpserve/quantization_int4.py).
-#: Activations stay in the model dtype.
-Quantization = Literal["int8", "int4"]
-QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8", "int4")
+#: int8: weights per output channel, symmetric; int4: group-wise codes (tpserve/quantization_int4.py);
+#: fp8: an FP8 checkpoint's e4m3 weights kept as stored (worker/layers/fp8_weights.py; only with an FP8
+#: checkpoint). Activations stay in the model dtype.
+Quantization = Literal["int8", "int4", "fp8"]
+QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8", "int4", "fp8")
 #: compressed-tensors formats that store ``weight`` as plain int8 plus ``weight_scale``.
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")
 SUPPORTED = ("compressed-tensors int8 weight-only checkpoints (format int-quantized or naive-quantized: "

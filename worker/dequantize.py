@@ -215,6 +215,24 @@ class Fp8Source:
     def get_shape(self) -> tuple[int, int]:
         return self.shape
 
+    def read_codes(self, rows: tuple[int, int], columns: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored e4m3 values of ``w[r0:r1, c0:c1]`` and their scales, for a layer that keeps them
+        (``--quantization fp8``, worker/layers/fp8_weights.py): ``(codes (r, c) float8_e4m3fn, scale (r, c / G)
+        float32)`` with ``w = codes * scale[:, k // G]``. ``G``: the whole slice for a scale per channel or
+        tensor; for block scales the largest size whose groups each lie in one checkpoint block,
+        ``gcd(bk, c0, c1 - c0)`` (a shard that starts inside a block gets smaller groups).
+        """
+        (r0, r1), (c0, c1) = rows, columns
+        codes = self.files.read(self.packed.values_file, self.packed.values, (slice(r0, r1), slice(c0, c1)))
+        if self.block is None:
+            scale = self.scale if self.scale.shape[0] == 1 else self.scale[r0:r1]  # (1 | rows, 1)
+            return codes, scale.expand(r1 - r0, 1).contiguous()
+        bn, bk = self.block
+        group = math.gcd(bk, c0, c1 - c0)
+        block_rows = torch.arange(r0, r1) // bn  # (r,)
+        block_columns = torch.arange(c0, c1, group) // bk  # (c / G,): each group's checkpoint block
+        return codes, self.scale[block_rows[:, None], block_columns[None, :]].contiguous()
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         """Float32 ``w[rows, columns]`` for step-1 slices ``index``."""
         (r0, r1), (c0, c1) = _slices(index, self.shape)

@@ -30,7 +30,9 @@ float checkpoint's weights are quantized while they are read, one tensor at a ti
 FP8 and MXFP4 checkpoints (tpserve/weight_formats.py) are dequantized while read: each
 quantized tensor and its scale are one float32 source under the float checkpoint's name
 (worker/dequantize.py), of which a rank decodes only its slice; the layers are float
-(cast to ``dtype``) or, with ``--quantization int8``, requantized to int8 per channel.
+(cast to ``dtype``) or, with ``--quantization int8``, requantized to int8 per channel;
+with ``--quantization fp8`` an FP8 checkpoint's linear layers keep its e4m3 values and scales
+(worker/layers/fp8_weights.py; the experts of an MoE are still dequantized).
 One log line at start-up says which.
 
 Weight-only int4 (``quantization="int4"``): a float checkpoint's linear weights are
@@ -99,8 +101,14 @@ def load_model(
     fmt = weight_format(config.hf_config)
     qc = config.hf_config.get("quantization_config")
     int4 = int4_format(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
+    if quantization == "fp8" and (fmt is None or fmt.kind == "mxfp4"):
+        raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
+                         "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
     load_weights(model, files, ctx.device, fmt, int4)
-    if fmt is not None:
+    if fmt is not None and quantization == "fp8":
+        (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} linear weights kept as fp8 "
+                                                      "(--quantization fp8); other tensors dequantized at load")
+    elif fmt is not None:
         served = "int8 per-channel (--quantization int8)" if quantization == "int8" else str(dtype).removeprefix("torch.")
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} dequantized at load to {served}")
     return model.eval()

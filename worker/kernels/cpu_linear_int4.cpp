@@ -35,6 +35,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_linear_int4.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -360,46 +361,10 @@ bool use_vnni_int4(bool enabled) {
   allow_vnni.store(enabled);
   return enabled && cpu_has_vnni();
 }
-
-void check(const at::Tensor& qweight, const at::Tensor& scale_offset, int64_t K) {
-  TORCH_CHECK(qweight.device().is_cpu() && scale_offset.device().is_cpu(), "tpserve int4: tensors must be on the CPU");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "tpserve int4: qweight must be a contiguous uint8 (N, K / 2) tensor");
-  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.dim() == 3 && scale_offset.size(2) == 2 &&
-                  scale_offset.is_contiguous() && scale_offset.size(0) == qweight.size(0),
-              "tpserve int4: scale_offset must be a contiguous float32 (N, K / G, 2) tensor");
-  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) * 2 == K, "tpserve int4: K=", K,
-              " must be a multiple of 32 and qweight must have K / 2 columns, got ", qweight.size(1));
-  const int64_t groups = scale_offset.size(1);
-  TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % kBlock == 0, "tpserve int4: ", groups,
-              " groups do not split K=", K, " into multiples of 32 columns");
-}
-
-// W as float32 (N, K): w = s * q + o, rows split between the threads.
-at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scale_offset) {
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
-  check(qweight, scale_offset, K);
-  const int64_t groups = scale_offset.size(1), G = K / groups;
-  at::Tensor w = at::empty({N, K}, scale_offset.options());
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const float* sp = scale_offset.data_ptr<float>();
-  float* wp = w.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* q = qp + n * (K / 2);
-      float* out = wp + n * K;
-      for (int64_t k0 = 0; k0 < K; k0 += kBlock) {  // a block lies within one group (G % 32 == 0)
-        const float* so = sp + (n * groups + k0 / G) * 2;
-        const float scale = so[0], offset = so[1];
-        const uint8_t* bytes = q + k0 / 2;
-        for (int64_t j = 0; j < 16; ++j) {
-          out[k0 + j] = scale * static_cast<float>(bytes[j] & 0x0F) + offset;
-          out[k0 + 16 + j] = scale * static_cast<float>(bytes[j] >> 4) + offset;
-        }
-      }
-    }
-  });
-  return w;
+std::atomic<bool> allow_amx{true};  // use_amx_int4(False): the VNNI and float paths (tests, A/B runs)
+bool use_amx_int4(bool enabled) {
+  allow_amx.store(enabled);
+  return enabled && tpserve_int4_amx::amx_available();
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_offset,
@@ -419,6 +384,14 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t groups = scale_offset.size(1), G = K / groups;
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
+  // AMX from 2 rows of x: at one row the VNNI path's 4 sequential streams of W read the last-level cache
+  // faster than a tile's 16 interleaved rows (kernels.md, "int4": AMX).
+  if (M >= 2 && allow_amx.load(std::memory_order_relaxed) && use_wide() && N % 16 == 0 && G % kChunk == 0 &&
+      tpserve_int4_amx::amx_available()) {
+    tpserve_int4_amx::linear(xp, M, K, N, G, qweight.data_ptr<uint8_t>(), scale_offset.data_ptr<float>(),
+                             bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+    return y;
+  }
   // Per row of x and group: the sum of x over the group's columns (the offsets' factor).
   std::vector<float> xsum(static_cast<size_t>(M * groups));
   const bool wide = use_wide();
@@ -489,6 +462,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("dequantize_int4(Tensor qweight, Tensor scale_offset) -> Tensor");
   m.def("use_avx512_int4(bool enabled) -> bool", &tpserve_int4::use_avx512_int4);
   m.def("use_vnni_int4(bool enabled) -> bool", &tpserve_int4::use_vnni_int4);
+  m.def("use_amx_int4(bool enabled) -> bool", &tpserve_int4::use_amx_int4);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {

@@ -30,6 +30,10 @@ is :func:`~worker.layers.int8_matmul.int8_linear`; activations stay in ``dtype``
 from a GPTQ / AWQ / compressed-tensors checkpoint), and the matmul is
 :func:`~worker.layers.int4_matmul.int4_linear`, after gathering ``x``'s columns when the
 checkpoint is act-order GPTQ (``input_perm``).
+
+``quantization="fp8"`` (an FP8 checkpoint): ``weight`` is the checkpoint's float8 e4m3 codes with a
+float32 ``weight_scale`` per row and group of input columns (worker/layers/fp8_weights.py), and the
+matmul is :func:`~worker.layers.fp8_weights.fp8_linear`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 from torch import nn
 
 from tpserve.quantization import Quantization
+from worker.layers.fp8_weights import fp8_linear, load_fp8_columns, load_fp8_rows, new_fp8_weights
 from worker.layers.int4_matmul import int4_linear
 from worker.layers.int4_weights import PackedPart, load_int4_columns, load_int4_rows, new_int4_weights
 from worker.layers.int8_matmul import int8_linear
@@ -70,9 +75,11 @@ def _set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
 
 
 def _matmul(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for a float, int8 or int4 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
+    """``x @ W.T + bias`` for a float, int8, int4 or fp8 layer: ``(T, K) -> (T, N)``, ``x.dtype``."""
     if layer.weight_scale is None:
         return linear(x, layer.weight, bias)
+    if layer.weight.dtype == torch.float8_e4m3fn:
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
     if layer.weight.dtype == torch.uint8:
         if layer.input_perm is not None:
             x = x[:, layer.input_perm]  # (T, K) in the packed column order (act-order GPTQ)
@@ -88,6 +95,8 @@ def _new_weights(layer: Any, shape: tuple[int, int], num_scales: int, dtype: tor
         new_int8_weights(layer, shape, num_scales, layer.ctx.device)
     elif quantization == "int4":
         new_int4_weights(layer, shape, layer.ctx.device)
+    elif quantization == "fp8":
+        new_fp8_weights(layer, shape, layer.ctx.device)
     else:
         layer.weight = new_parameter(shape, dtype, layer.ctx.device, layer.weight_loader)
 
@@ -99,6 +108,9 @@ def _load_rows(layer: nn.Module, param: nn.Parameter, source: CheckpointSource, 
         raise ValueError(f"{source.source.name}: a fused 4-bit tensor (several layers' rows in one) is not served")
     if getattr(layer, "int4_pending", None) is not None and param is layer.weight:
         load_int4_rows(layer, source, total_rows, start, size, offset, shard_id)
+        return
+    if getattr(layer, "fp8", False) and param is layer.weight:
+        load_fp8_rows(layer, source, total_rows, start, size, offset, shard_id)
         return
     load_rows(layer, param, source, total_rows, start, size, offset, shard_id)
 
@@ -319,6 +331,9 @@ class RowParallelLinear(nn.Module):
         size = self.input_size_per_partition
         if getattr(self, "int4_pending", None) is not None and param is self.weight:
             load_int4_columns(self, source, (self.output_size, self.input_size), self.ctx.tp_rank * size, size)
+            return
+        if getattr(self, "fp8", False) and param is self.weight:
+            load_fp8_columns(self, source, (self.output_size, self.input_size), self.ctx.tp_rank * size, size)
             return
         load_columns(self, param, source, (self.output_size, self.input_size), self.ctx.tp_rank * size, size)
 

@@ -202,6 +202,8 @@ class FusedMoE(nn.Module):
                  dtype: torch.dtype, quantization: Quantization | None = None, bias: bool = False,
                  activation: nn.Module | None = None) -> None:
         super().__init__()
+        if quantization == "fp8":
+            quantization = None  # an FP8 checkpoint's experts: dequantized at load (fp8 kept for linear layers only)
         if quantization not in (None, "int8"):
             raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models "
                              "(expert weights); serve them unquantized or with --quantization int8")
