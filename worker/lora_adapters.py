@@ -198,7 +198,7 @@ class LoRAAdapters:
                 return
             if a.shape[1] != layer.input_size:
                 raise ValueError(f"A has shape {list(a.shape)}, expected {[r, layer.input_size]}")
-            local_b = torch.zeros(lora.b.shape[1], r, dtype=lora.b.dtype)  # (out_local, r): zeros outside the part
+            local_b = torch.zeros(lora.b.shape[2], r, dtype=lora.b.dtype)  # (out_local, r): zeros outside the part
             name = name.replace(".lora_A.", ".lora_B.")  # B's shape is checked from here on
             layer.weight_loader(cast(nn.Parameter, local_b), b, shard)  # B split by rows, exactly like W
             part = _QKV_PARTS[shard] if isinstance(shard, str) else (shard or 0)

@@ -12,6 +12,12 @@ submodules) calls, in the same order, so the hidden states are bit-identical to 
 what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
 (30 layers), the bare batch-1 step: docs/design/kernels.md, "Compiled CPU kernels".
 
+With ``--enable-lora`` (worker/layers/lora.py) the decision is made once per step: a step
+with no adapter row (``LoRAStep.row_slots`` None) calls exactly the ops above, with no LoRA
+argument; a step with adapter rows passes the rows' slot indices and every projection's
+stacked slots, and each projection adds its adapter rows' low-rank sums in the same call
+(``lora_add_``, worker/kernels/cpu_lora.cpp).
+
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
 Llama's or Qwen3's (soft-capping, MoE) keep the module path.
 """
@@ -73,6 +79,24 @@ def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
             (o_proj.bias, down.bias))
 
 
+def _lora_args(layer: nn.Module) -> tuple[tuple, tuple] | None:
+    """The layer's adapter slots as the compiled ops take them: ``(qkv a, b, o a, b)`` and
+    ``(gate_up a, b, down a, b)`` (worker/layers/lora.py's pools, by reference); None without LoRA."""
+    attention, mlp = layer.self_attn, layer.mlp
+    loras = [attention.qkv_proj.lora, attention.o_proj.lora, mlp.gate_up_proj.lora, mlp.down_proj.lora]
+    if any(lora is None for lora in loras):
+        return None
+    qkv, o, gate_up, down = loras
+    return (qkv.a, qkv.b, o.a, o.b), (gate_up.a, gate_up.b, down.a, down.b)
+
+
+def lora_row_slots(layer: nn.Module) -> torch.Tensor | None:
+    """This step's rows' adapter slot indices (``(T,)`` int64, -1: none) when ``layer`` has adapter slots
+    and the step has an adapter row; None otherwise (the step runs the no-LoRA ops)."""
+    lora = layer.self_attn.qkv_proj.lora
+    return None if lora is None else lora.step.row_slots
+
+
 def _step_args(meta: AttentionMetadata) -> tuple:
     """The step's arguments that follow the caches (RoPE's ``cos, sin`` come before them)."""
     return (meta.slot_mapping, meta.decode_block_tables, meta.decode_query_start_loc, meta.decode_context_lens)
@@ -92,6 +116,13 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
     if args is None:
         args = layer.__dict__["_decode_block_args"] = _layer_args(layer)
     attention_args, mlp_args, _ = args
+    row_slots = lora_row_slots(layer)
+    if row_slots is not None:  # adapter rows this step: each projection adds their low-rank sums
+        lora = layer.__dict__.get("_decode_block_lora")
+        if lora is None:
+            lora = layer.__dict__["_decode_block_lora"] = _lora_args(layer)
+        attention_args = (*attention_args, row_slots, *lora[0])
+        mlp_args = (*mlp_args, row_slots, *lora[1])
     o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta),
                                               *attention_args)  # (T, hidden), this rank's part
     o = layer.self_attn.o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
@@ -104,7 +135,8 @@ class DecodeStack:
 
     ``torch.classes.tpserve_cpu.DecodeLayers`` keeps each layer's own arguments, gathered on the
     first call (the parameters are loaded in place and never replaced); each step passes only
-    its own: ``h``, RoPE, the caches, slots and block tables. The same kernels in the same order as
+    its own: ``h``, RoPE, the caches, slots and block tables, and, on a step with adapter rows,
+    their slot indices (the layers' adapter pools are given on the first such step). The same kernels in the same order as
     the modules, so bit-identical to them (tests/worker/test_decode_block.py).
 
     Args:
@@ -114,6 +146,7 @@ class DecodeStack:
     def __init__(self, layers: nn.ModuleList) -> None:
         self._layers = list(layers)  # a plain list: the modules stay registered once, in the model
         self._compiled = None
+        self._lora = False  # whether the layers' adapter slots were given to the compiled stack
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -124,5 +157,15 @@ class DecodeStack:
             for layer in self._layers:
                 attention_args, mlp_args, (o_bias, down_bias) = _layer_args(layer)
                 self._compiled.add_layer(*attention_args, o_bias, *mlp_args, down_bias)
-        return self._compiled.forward(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                                      *_step_args(meta))  # (T, hidden)
+        row_slots = lora_row_slots(self._layers[0])  # decided once for the whole step
+        if row_slots is None:  # no adapter row: the no-LoRA stack
+            return self._compiled.forward(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                          *_step_args(meta))  # (T, hidden)
+        if not self._lora:
+            for i, layer in enumerate(self._layers):
+                lora = _lora_args(layer)
+                assert lora is not None  # LoRAAdapters gives every target layer of the model its slots
+                self._compiled.add_lora(i, *lora[0], *lora[1])
+            self._lora = True
+        return self._compiled.forward_lora(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                           *_step_args(meta), row_slots)  # (T, hidden)
