@@ -9,11 +9,13 @@ checkpoint's module name (``model.layers.3.self_attn.q_proj``); the model's
 whose ``weight_loader`` splits ``B``'s rows for this rank exactly as it splits ``W``'s.
 
 Served: the attention and MLP projections of the Llama-layout families (``q/k/v/o_proj``,
-``gate/up/down_proj``, and checkpoints that store ``qkv_proj`` / ``gate_up_proj`` fused).
+``gate/up/down_proj``, and checkpoints that store ``qkv_proj`` / ``gate_up_proj`` fused), and
+of the mixture-of-experts families (Mixtral, Qwen3-MoE, ...) the attention projections and
+the dense MLPs' (and shared experts') projections.
 Refused at load with one line: ``modules_to_save``, a LoRA bias, DoRA, per-module rank or
-alpha patterns, a rank above ``--max-lora-rank``, a module the model lacks (MoE experts
-included), and a tensor whose shape does not match the base model (each naming the field
-or tensor).
+alpha patterns, ``target_parameters`` (peft's LoRA on the routed experts' fused weights),
+a rank above ``--max-lora-rank``, a module the model lacks (a routed expert's included),
+and a tensor whose shape does not match the base model (each naming the field or tensor).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ def read_adapter_config(directory: str | Path, max_rank: int) -> AdapterConfig:
     if config.get("modules_to_save"):
         raise ValueError(f"{path}: modules_to_save={config['modules_to_save']!r} is not supported "
                          "(full copies of modules per adapter); only low-rank target_modules are served")
+    if config.get("target_parameters"):
+        raise ValueError(f"{path}: target_parameters={config['target_parameters']!r} is not supported (LoRA on "
+                         "the routed MoE experts' fused weights); target the attention and dense MLP modules")
     for field_name, unsupported in (("bias", lambda v: v not in (None, "none")), ("use_dora", bool),
                                     ("rank_pattern", bool), ("alpha_pattern", bool)):
         if unsupported(config.get(field_name)):
@@ -119,15 +124,17 @@ class LoRAAdapters:
             if name.rpartition(".")[2] not in TARGET_LAYERS:
                 continue
             if isinstance(module, RowParallelLinear):
-                parts, in_features, out_features = 1, module.input_size_per_partition, module.output_size
+                widths, in_features, out_features = [module.output_size], module.input_size_per_partition, \
+                    module.output_size
             elif isinstance(module, ColumnParallelLinear):
-                parts = (3 if isinstance(module, QKVParallelLinear) else
-                         len(module.output_sizes) if isinstance(module, MergedColumnParallelLinear) else 1)
+                widths = ([module.q_size, module.kv_size, module.kv_size] if isinstance(module, QKVParallelLinear)
+                          else [size // ctx.tp_size for size in module.output_sizes]
+                          if isinstance(module, MergedColumnParallelLinear) else [module.output_size_per_partition])
                 in_features, out_features = module.input_size, module.output_size_per_partition
             else:
                 continue
-            module.lora = LoRAWeights(self.step, parts, settings.max_loras, settings.max_lora_rank,
-                                      in_features, out_features, dtype, ctx.device)
+            module.lora = LoRAWeights(self.step, len(widths), settings.max_loras, settings.max_lora_rank,
+                                      in_features, out_features, dtype, ctx.device, widths)
             self.layers[name] = module
         if not self.layers:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no layer LoRA adapters can target "
@@ -180,7 +187,9 @@ class LoRAAdapters:
         fused, shard = self._stacked.get(leaf, (leaf, None))
         layer = self.layers.get(f"{parent}.{fused}")
         if layer is None:
-            raise ValueError(f"adapter tensor {name}: the model has no LoRA-capable layer {module}")
+            routed = ".experts." in f"{module}." and ".shared_expert" not in module
+            raise ValueError(f"adapter tensor {name}: the model has no LoRA-capable layer {module}"
+                             + (" (LoRA on routed MoE experts is not supported)" if routed else ""))
         lora = layer.lora
         assert lora is not None
         r = config.r

@@ -42,15 +42,20 @@ ADAPTERS = (
 )
 
 
-def test_lora_add_equals_grouped_gemms() -> None:
-    """Rows of 3 slots and base rows, one slot padded (rank 2 of 6): ``y += (x @ A_s) @ B_s`` per row."""
+@pytest.mark.parametrize("parts", [[], [30, 21, 21]], ids=["one_part", "fused_qkv"])
+def test_lora_add_equals_grouped_gemms(parts: list[int]) -> None:
+    """Rows of 3 slots (up to 7 rows each: tiles of 4 and their remainders) and base rows, one slot padded
+    (rank 1 of 2 per part): ``y += (x @ A_s) @ B_s`` per row; a fused layer's ``B`` block diagonal."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    num_slots, k, width, n, t = 3, 40, 6, 72, 21
+    num_slots, k, width, n, t = 3, 40, 6, 72, 27
     a = torch.randn(num_slots, k, width, generator=generator)
     b = torch.randn(num_slots, width, n, generator=generator)
-    a[1, :, 2:] = 0  # slot 1 holds a rank-2 adapter: its padded columns of A are zero
-    b[1, 2:] = 0
+    if parts:  # part p's 2 rows of B reach only its columns
+        mask = torch.block_diag(*[torch.ones(2, w) for w in parts])  # (6, 72)
+        b *= mask
+    a[1, :, 1::2] = 0  # slot 1 holds a rank-1 adapter in each part: its padded columns of A are zero
+    b[1, 1::2] = 0
     x = torch.randn(t, k, generator=generator)
     y = torch.randn(t, n, generator=generator)
     row_slots = torch.tensor([i % 4 - 1 for i in range(t)], dtype=torch.int64)  # -1, 0, 1, 2, -1, ...
@@ -59,11 +64,11 @@ def test_lora_add_equals_grouped_gemms() -> None:
         rows = (row_slots == index).nonzero().flatten()
         want.index_add_(0, rows, (x[rows] @ a[index]) @ b[index])
     got = y.clone()
-    torch.ops.tpserve_cpu.lora_add_(got, x, a, b, row_slots)
+    torch.ops.tpserve_cpu.lora_add_(got, x, a, b, row_slots, parts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[row_slots == -1], y[row_slots == -1])  # base rows untouched
     with pytest.raises(RuntimeError, match="row 0 has slot index 3 outside"):
-        torch.ops.tpserve_cpu.lora_add_(got, x, a, b, torch.full((t,), 3, dtype=torch.int64))
+        torch.ops.tpserve_cpu.lora_add_(got, x, a, b, torch.full((t,), 3, dtype=torch.int64), [])
 
 
 class _Steps:

@@ -72,13 +72,14 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const OptTenso
 }
 
 // y (T, N) += each adapter row's (x @ A_s) @ B_s (row_slots (T,) int64, -1: no adapter), in place.
+// part_widths: a fused layer's parts' output widths (q, k, v; gate, up), empty for one part.
 void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-              const at::Tensor& row_slots) {
+              const at::Tensor& row_slots, at::IntArrayRef part_widths) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("tpserve_cpu::lora_add_", "")
                              .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&)>();
-  op.call(y, x, lora_a, lora_b, row_slots);
+                                         const at::Tensor&, at::IntArrayRef)>();
+  op.call(y, x, lora_a, lora_b, row_slots, part_widths);
 }
 
 // The optional LoRA arguments of a block: all four pools given, or none (checked once here).
@@ -98,7 +99,8 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                            int64_t num_kv_heads, double scale, int64_t sliding_window, const at::Tensor& o_weight,
                            const OptTensor& o_scale, const OptTensor& q_norm_weight, const OptTensor& k_norm_weight,
                            double qk_norm_eps, const OptTensor& lora_row_slots, const OptTensor& qkv_lora_a,
-                           const OptTensor& qkv_lora_b, const OptTensor& o_lora_a, const OptTensor& o_lora_b) {
+                           const OptTensor& qkv_lora_b, const OptTensor& o_lora_a, const OptTensor& o_lora_b,
+                           at::IntArrayRef qkv_lora_parts) {
   static const auto rms_norm_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("tpserve_cpu::rms_norm", "")
                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -123,7 +125,7 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
   const bool lora = lora_given(lora_row_slots, qkv_lora_a, qkv_lora_b, o_lora_a, o_lora_b);
   at::Tensor x = rms_norm_op.call(h, norm_weight, eps);            // (T, hidden)
   at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);    // (T, (H + 2 KVH) d)
-  if (lora) add_lora(qkv, x, *qkv_lora_a, *qkv_lora_b, *lora_row_slots);  // + the adapters' q, k, v
+  if (lora) add_lora(qkv, x, *qkv_lora_a, *qkv_lora_b, *lora_row_slots, qkv_lora_parts);  // + the adapters' q, k, v
   if (q_norm_weight.has_value()) {  // QK-norm (Qwen3): each q and k head RMS-normalised before the rotation
     qk_norm_rotary_op.call(qkv, *q_norm_weight, *k_norm_weight, qk_norm_eps, cos, sin, k_cache, v_cache,
                            slot_mapping, num_heads, num_kv_heads, std::nullopt, std::nullopt);
@@ -136,7 +138,7 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                                    std::nullopt);  // (T, H, d), a float32 cache
   at::Tensor heads = o.view({T, num_heads * d});
   at::Tensor out = project(heads, o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
-  if (lora) add_lora(out, heads, *o_lora_a, *o_lora_b, *lora_row_slots);  // A split by columns: partial too
+  if (lora) add_lora(out, heads, *o_lora_a, *o_lora_b, *lora_row_slots, {});  // A split by columns: partial too
   return out;
 }
 
@@ -146,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor& h, const at::Tens
                                              const at::Tensor& down_weight, const OptTensor& down_scale,
                                              const OptTensor& lora_row_slots, const OptTensor& gate_up_lora_a,
                                              const OptTensor& gate_up_lora_b, const OptTensor& down_lora_a,
-                                             const OptTensor& down_lora_b) {
+                                             const OptTensor& down_lora_b, at::IntArrayRef gate_up_lora_parts) {
   static const auto add_rms_norm_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::add_rms_norm", "")
@@ -157,10 +159,10 @@ std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor& h, const at::Tens
   const bool lora = lora_given(lora_row_slots, gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b);
   auto [h2, x] = add_rms_norm_op.call(h, o, norm_weight, eps);                     // h + o, and its norm: (T, hidden)
   at::Tensor gate_up = project(x, gate_up_weight, gate_up_scale, gate_up_bias);   // (T, 2 intermediate)
-  if (lora) add_lora(gate_up, x, *gate_up_lora_a, *gate_up_lora_b, *lora_row_slots);
+  if (lora) add_lora(gate_up, x, *gate_up_lora_a, *gate_up_lora_b, *lora_row_slots, gate_up_lora_parts);
   at::Tensor act = silu_and_mul_op.call(gate_up);                                 // (T, intermediate)
   at::Tensor m = project(act, down_weight, down_scale, std::nullopt);             // (T, hidden)
-  if (lora) add_lora(m, act, *down_lora_a, *down_lora_b, *lora_row_slots);       // partial over ranks too
+  if (lora) add_lora(m, act, *down_lora_a, *down_lora_b, *lora_row_slots, {});   // partial over ranks too
   return {h2, m};
 }
 
@@ -184,6 +186,7 @@ struct LayerArgs {
   at::Tensor down_weight;
   OptTensor down_scale, down_bias;
   OptTensor qkv_lora_a, qkv_lora_b, o_lora_a, o_lora_b, gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b;
+  std::vector<int64_t> qkv_lora_parts, gate_up_lora_parts;
 };
 
 // One rank holds the whole layer (no all-reduce): both halves and the residual adds. The row-parallel
@@ -196,11 +199,11 @@ at::Tensor decoder_layer(const LayerArgs& L, const at::Tensor& h, const at::Tens
                                  context_lens, L.norm1_weight, L.eps1, L.qkv_weight, L.qkv_scale, L.qkv_bias,
                                  L.num_heads, L.num_kv_heads, L.scale, L.sliding_window, L.o_weight,
                                  L.o_scale, L.q_norm_weight, L.k_norm_weight, L.qk_norm_eps, lora_row_slots,
-                                 L.qkv_lora_a, L.qkv_lora_b, L.o_lora_a, L.o_lora_b);  // (T, hidden)
+                                 L.qkv_lora_a, L.qkv_lora_b, L.o_lora_a, L.o_lora_b, L.qkv_lora_parts);  // (T, hidden)
   if (L.o_bias.has_value()) o = at::add(o, *L.o_bias);
   auto [h2, m] = mlp_block(h, o, L.norm2_weight, L.eps2, L.gate_up_weight, L.gate_up_scale, L.gate_up_bias,
                            L.down_weight, L.down_scale, lora_row_slots, L.gate_up_lora_a, L.gate_up_lora_b,
-                           L.down_lora_a, L.down_lora_b);
+                           L.down_lora_a, L.down_lora_b, L.gate_up_lora_parts);
   if (L.down_bias.has_value()) m = at::add(m, *L.down_bias);
   return at::add(h2, m);  // (T, hidden)
 }
@@ -230,10 +233,12 @@ class DecodeLayers : public torch::CustomClassHolder {
                        std::move(down_weight), std::move(down_scale), std::move(down_bias)});
   }
 
-  // Layer `layer`'s adapter slots (A (L, K, P*R), B (L, P*R, N) per projection, cpu_lora.cpp), kept by
+  // Layer `layer`'s adapter slots (A (L, K, P*R), B (L, P*R, N) per projection, cpu_lora.cpp; the fused
+  // qkv and gate_up layers' parts' widths), kept by
   // reference: an adapter loaded into the pools later is seen by the next step.
   void add_lora(int64_t layer, at::Tensor qkv_a, at::Tensor qkv_b, at::Tensor o_a, at::Tensor o_b,
-                at::Tensor gate_up_a, at::Tensor gate_up_b, at::Tensor down_a, at::Tensor down_b) {
+                at::Tensor gate_up_a, at::Tensor gate_up_b, at::Tensor down_a, at::Tensor down_b,
+                std::vector<int64_t> qkv_parts, std::vector<int64_t> gate_up_parts) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "tpserve DecodeLayers.add_lora: layer ",
                 layer, " of ", layers_.size());
     LayerArgs& L = layers_[layer];
@@ -241,6 +246,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     L.o_lora_a = std::move(o_a), L.o_lora_b = std::move(o_b);
     L.gate_up_lora_a = std::move(gate_up_a), L.gate_up_lora_b = std::move(gate_up_b);
     L.down_lora_a = std::move(down_a), L.down_lora_b = std::move(down_b);
+    L.qkv_lora_parts = std::move(qkv_parts), L.gate_up_lora_parts = std::move(gate_up_parts);
   }
 
   // h (T, hidden) through every layer -> (T, hidden); layer i's keys and values go to k_caches[i], v_caches[i].
@@ -287,11 +293,11 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
         "float eps, Tensor qkv_weight, Tensor? qkv_scale, Tensor? qkv_bias, int num_heads, int num_kv_heads, "
         "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale, Tensor? q_norm_weight, "
         "Tensor? k_norm_weight, float qk_norm_eps, Tensor? lora_row_slots=None, Tensor? qkv_lora_a=None, "
-        "Tensor? qkv_lora_b=None, Tensor? o_lora_a=None, Tensor? o_lora_b=None) -> Tensor");
+        "Tensor? qkv_lora_b=None, Tensor? o_lora_a=None, Tensor? o_lora_b=None, int[] qkv_lora_parts=[]) -> Tensor");
   m.def("mlp_block(Tensor h, Tensor o, Tensor norm_weight, float eps, Tensor gate_up_weight, "
         "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale, "
         "Tensor? lora_row_slots=None, Tensor? gate_up_lora_a=None, Tensor? gate_up_lora_b=None, "
-        "Tensor? down_lora_a=None, Tensor? down_lora_b=None) -> (Tensor, Tensor)");
+        "Tensor? down_lora_a=None, Tensor? down_lora_b=None, int[] gate_up_lora_parts=[]) -> (Tensor, Tensor)");
   m.class_<tpserve::DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_layer", &tpserve::DecodeLayers::add_layer)

@@ -80,14 +80,15 @@ def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
 
 
 def _lora_args(layer: nn.Module) -> tuple[tuple, tuple] | None:
-    """The layer's adapter slots as the compiled ops take them: ``(qkv a, b, o a, b)`` and
-    ``(gate_up a, b, down a, b)`` (worker/layers/lora.py's pools, by reference); None without LoRA."""
+    """The layer's adapter slots as the compiled ops take them: ``(qkv a, b, o a, b, parts)`` and
+    ``(gate_up a, b, down a, b, parts)`` (worker/layers/lora.py's pools, by reference, and the fused layer's
+    parts' widths); None without LoRA."""
     attention, mlp = layer.self_attn, layer.mlp
     loras = [attention.qkv_proj.lora, attention.o_proj.lora, mlp.gate_up_proj.lora, mlp.down_proj.lora]
     if any(lora is None for lora in loras):
         return None
     qkv, o, gate_up, down = loras
-    return (qkv.a, qkv.b, o.a, o.b), (gate_up.a, gate_up.b, down.a, down.b)
+    return (qkv.a, qkv.b, o.a, o.b, qkv.part_widths), (gate_up.a, gate_up.b, down.a, down.b, gate_up.part_widths)
 
 
 def lora_row_slots(layer: nn.Module) -> torch.Tensor | None:
@@ -165,7 +166,9 @@ class DecodeStack:
             for i, layer in enumerate(self._layers):
                 lora = _lora_args(layer)
                 assert lora is not None  # LoRAAdapters gives every target layer of the model its slots
-                self._compiled.add_lora(i, *lora[0], *lora[1])
+                (qkv_a, qkv_b, o_a, o_b, qkv_parts), (gate_up_a, gate_up_b, down_a, down_b, gate_up_parts) = lora
+                self._compiled.add_lora(i, qkv_a, qkv_b, o_a, o_b, gate_up_a, gate_up_b, down_a, down_b, qkv_parts,
+                                        gate_up_parts)
             self._lora = True
         return self._compiled.forward_lora(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
                                            *_step_args(meta), row_slots)  # (T, hidden)

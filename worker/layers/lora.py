@@ -107,12 +107,22 @@ class LoRAWeights:
         max_loras, max_rank: the pool's slots and ``R``.
         in_features, out_features: the layer's local ``x`` and ``y`` widths on this rank.
         dtype, device: the layer's activation dtype and device.
+        part_widths: a fused layer's parts' local output widths in order (q, k, v; gate, up), summing
+            to ``out_features``; empty for one part. Part ``p``'s rows of ``b`` reach only its columns.
+
+    Raises:
+        ValueError: ``part_widths`` that do not split ``out_features`` into ``num_parts``.
     """
 
     def __init__(self, step: LoRAStep, num_parts: int, max_loras: int, max_rank: int, in_features: int,
-                 out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+                 out_features: int, dtype: torch.dtype, device: torch.device,
+                 part_widths: Sequence[int] = ()) -> None:
         self.step = step
         self.num_parts = num_parts
+        self.part_widths = list(part_widths) if part_widths else [out_features]  # each part's columns of y
+        if len(self.part_widths) != num_parts or sum(self.part_widths) != out_features:
+            raise ValueError(f"part_widths {self.part_widths} do not split out_features={out_features} "
+                             f"into {num_parts} parts")
         self.max_rank = max_rank
         width = num_parts * max_rank
         self.a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
@@ -146,7 +156,7 @@ class LoRAWeights:
         if row_slots is None:
             return y
         if self.batched and y.is_contiguous():
-            torch.ops.tpserve_cpu.lora_add_(y, x, self.a, self.b, row_slots)  # every adapter row in one call
+            torch.ops.tpserve_cpu.lora_add_(y, x, self.a, self.b, row_slots, self.part_widths)  # every row, one call
             return y
         for index, rows in self.step.groups:
             xa = x.index_select(0, rows) @ self.a[index]  # (n, P * R)
