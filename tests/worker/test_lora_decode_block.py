@@ -45,16 +45,16 @@ ADAPTERS = (
 @pytest.mark.parametrize("parts", [[], [30, 21, 21]], ids=["one_part", "fused_qkv"])
 def test_lora_add_equals_grouped_gemms(parts: list[int]) -> None:
     """Rows of 3 slots (up to 7 rows each: tiles of 4 and their remainders) and base rows, one slot padded
-    (rank 1 of 2 per part): ``y += (x @ A_s) @ B_s`` per row; a fused layer's ``B`` block diagonal."""
+    (rank 1 of 2 per part): ``y += (x @ A_s^T) @ B_s`` per row; a fused layer's ``B`` block diagonal."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
     num_slots, k, width, n, t = 3, 40, 6, 72, 27
-    a = torch.randn(num_slots, k, width, generator=generator)
+    a = torch.randn(num_slots, width, k, generator=generator)
     b = torch.randn(num_slots, width, n, generator=generator)
     if parts:  # part p's 2 rows of B reach only its columns
         mask = torch.block_diag(*[torch.ones(2, w) for w in parts])  # (6, 72)
         b *= mask
-    a[1, :, 1::2] = 0  # slot 1 holds a rank-1 adapter in each part: its padded columns of A are zero
+    a[1, 1::2] = 0  # slot 1 holds a rank-1 adapter in each part: its padded rows of A are zero
     b[1, 1::2] = 0
     x = torch.randn(t, k, generator=generator)
     y = torch.randn(t, n, generator=generator)
@@ -62,7 +62,7 @@ def test_lora_add_equals_grouped_gemms(parts: list[int]) -> None:
     want = y.clone()
     for index in range(num_slots):
         rows = (row_slots == index).nonzero().flatten()
-        want.index_add_(0, rows, (x[rows] @ a[index]) @ b[index])
+        want.index_add_(0, rows, (x[rows] @ a[index].T) @ b[index])
     got = y.clone()
     torch.ops.tpserve_cpu.lora_add_(got, x, a, b, row_slots, parts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

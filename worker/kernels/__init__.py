@@ -21,9 +21,10 @@ The ops land in ``torch.ops.tpserve_cpu``:
   two calls a layer, or one call, of the kernels above, bit-identical to the module path
   (cpu_decode_block.cpp; worker/layers/decode_block.py); with LoRA adapter slots, each projection's
   low-rank sum for the step's adapter rows too
-* ``lora_add_(y (T, N) f32, x (T, K) f32, lora_a (L, K, P*R) f32, lora_b (L, P*R, N) f32, row_slots (T,) int64)``:
-  ``y[t] += (x[t] @ lora_a[s]) @ lora_b[s]`` in place for each row whose slot index ``s = row_slots[t]``
-  is not -1 (punica's BGMV; cpu_lora.cpp, worker/layers/lora.py)
+* ``lora_add_(y (T, N) f32, x (T, K) f32, lora_a (L, P*R, K) f32, lora_b (L, P*R, N) f32, row_slots (T,) int64,
+  part_widths)``: ``y[t] += (x[t] @ lora_a[s].T) @ lora_b[s]`` in place for each row whose slot index
+  ``s = row_slots[t]`` is not -1, a fused layer's ``lora_b`` block diagonal over ``part_widths``
+  (punica's SGMV/BGMV; cpu_lora.cpp, worker/layers/lora.py)
 * ``sampling_uniform(seeds (N,) int64, positions (N,) int64, vocab_size) -> (N, V) f32`` and
   ``exponential_race(probs (N, V) f32, log_u (N, V) f32) -> ((N,) int64, (N,) bool)``: the sampler's
   counter-based uniforms and the exponential race's argmax with the rows' finiteness (cpu_sampling.cpp;

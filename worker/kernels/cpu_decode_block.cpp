@@ -233,7 +233,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                        std::move(down_weight), std::move(down_scale), std::move(down_bias)});
   }
 
-  // Layer `layer`'s adapter slots (A (L, K, P*R), B (L, P*R, N) per projection, cpu_lora.cpp; the fused
+  // Layer `layer`'s adapter slots (A (L, P*R, K), B (L, P*R, N) per projection, cpu_lora.cpp; the fused
   // qkv and gate_up layers' parts' widths), kept by
   // reference: an adapter loaded into the pools later is seen by the next step.
   void add_lora(int64_t layer, at::Tensor qkv_a, at::Tensor qkv_b, at::Tensor o_a, at::Tensor o_b,

@@ -1,61 +1,104 @@
 // Batched LoRA for a step whose rows use different adapters: punica's BGMV (Chen et al. 2023,
 // arXiv:2310.18547) on the CPU, every row's shrink and expand in one call per projection.
 //
-//   y[t] += (x[t] @ A_s) @ B_s      for every row t whose adapter s = row_slots[t] >= 0
+//   y[t] += (x[t] @ A_s^T) @ B_s      for every row t whose adapter s = row_slots[t] >= 0
 //
-// with the layer's slot pool stacked as A (L, K, P*R) and B (L, P*R, N) (worker/layers/lora.py:
-// A and B transposed from peft's, the scaling already in B). Both halves run as axpy loops over
-// contiguous rows of A and B, which the compiler vectorises without reassociating a sum: the
-// shrink accumulates x[t, k] * A_s[k, :] into the row's (P*R,) intermediate, the expand
-// tmp[j] * B_s[j, :] into y[t, :]. The rows are grouped by adapter (a counting sort, once per call)
-// into tiles of up to 4 rows that share each read of A_s and B_s (punica's SGMV segments). A fused
+// with the layer's slot pool stacked as A (L, P*R, K) (peft's lora_A orientation) and B (L, P*R, N)
+// (lora_B transposed, the scaling already in it; worker/layers/lora.py). The rows are grouped by
+// adapter (a counting sort, once per call) into tiles of up to 4 rows (punica's SGMV segments), and
+// each tile reads its adapter's A and B once: the shrink keeps the 4 rows' dot products with a row
+// of A in registers, the expand keeps 4 rows' 8 outputs in registers across B's rows. A fused
 // layer's B is block diagonal (part p's R rows reach only its part_widths[p] columns: q, k, v or
-// gate, up), so the expand reads only each part's block. A zero intermediate (a rank padded to
-// --max-lora-rank, a part the adapter does not target) skips its row of B. Rows of no adapter (-1)
-// are untouched, so a step mixing base rows and 8 adapters costs one call per projection.
+// gate, up), so the expand reads only each part's block, and only the rows of B whose
+// intermediate is non-zero for the tile (a rank padded to --max-lora-rank, a part the adapter
+// does not target, add nothing). Rows of no adapter (-1) are untouched, so a step mixing base
+// rows and 8 adapters costs one call per projection.
 //
 // Why not torch ops: the module path's per-adapter index_select / mm / mm / index_add_ is four
 // dispatches per adapter per projection; at decode sizes (a few rows, r = 16) the dispatch is most
-// of the cost. Float32 only, like the decode block that calls it (cpu_decode_block.cpp).
+// of the cost. Float32 only, like the decode block that calls it (cpu_decode_block.cpp). AVX2 + FMA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t kRowsPerTile = 4;  // rows of one adapter that share each read of its A and B
 
-// Rows [0, m) of `rows` (all under one adapter): y[row] += (x[row] @ A) @ B, B's part p only in its columns.
-void lora_tile(const float* xs, const float* a, const float* b, float* ys, const int64_t* rows, int64_t m, int64_t K,
-               int64_t N, int64_t PR, const std::vector<int64_t>& part_widths, float* tmp) {
-  const int64_t R = PR / static_cast<int64_t>(part_widths.size());
-  for (int64_t i = 0; i < m * PR; ++i) tmp[i] = 0.0f;
-  for (int64_t k = 0; k < K; ++k) {  // shrink: tmp_i += x[row_i, k] * A[k, :], A's row read once for the tile
-    const float* __restrict ak = a + k * PR;
-    for (int64_t i = 0; i < m; ++i) {
-      const float xv = xs[rows[i] * K + k];
-      float* __restrict ti = tmp + i * PR;
-      for (int64_t j = 0; j < PR; ++j) ti[j] += xv * ak[j];
+// shrink for M rows of one adapter: tmp[i, j] = x[rows[i]] . A[j] (A (PR, K)), register accumulators over K.
+template <int M>
+void shrink_tile(const float* xs, const float* a, const int64_t* rows, int64_t K, int64_t PR, float* tmp) {
+  const float* xr[M];
+  for (int i = 0; i < M; ++i) xr[i] = xs + rows[i] * K;
+  for (int64_t j = 0; j < PR; ++j) {
+    const float* aj = a + j * K;
+    __m256 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 va = _mm256_loadu_ps(aj + k);
+      for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + k), va, acc[i]);
+    }
+    for (int i = 0; i < M; ++i) {
+      float sum = tpserve::hsum(acc[i]);
+      for (int64_t kk = k; kk < K; ++kk) sum += xr[i][kk] * aj[kk];
+      tmp[i * PR + j] = sum;
     }
   }
-  int64_t offset = 0;
-  for (size_t p = 0; p < part_widths.size(); ++p) {  // expand: part p's R rows of B reach only its columns
-    const int64_t width = part_widths[p];
-    for (int64_t j = static_cast<int64_t>(p) * R; j < static_cast<int64_t>(p + 1) * R; ++j) {
-      const float* __restrict bj = b + j * N + offset;
-      for (int64_t i = 0; i < m; ++i) {
-        const float tv = tmp[i * PR + j];
-        if (tv == 0.0f) continue;  // a rank padded to --max-lora-rank, or a part the adapter does not target
-        float* __restrict yi = ys + rows[i] * N + offset;
-        for (int64_t n = 0; n < width; ++n) yi[n] += tv * bj[n];
-      }
+}
+
+// expand for M rows: y[rows[i], cols] += sum over j in `js` of tmp[i, j] * B[j, cols], cols = [offset, offset +
+// width); register accumulators over j, each B row segment read once for the M rows.
+template <int M>
+void expand_tile(const float* b, float* ys, const int64_t* rows, int64_t N, int64_t PR, const float* tmp,
+                 const std::vector<int64_t>& js, int64_t offset, int64_t width) {
+  float* yr[M];
+  for (int i = 0; i < M; ++i) yr[i] = ys + rows[i] * N + offset;
+  int64_t n = 0;
+  for (; n + 8 <= width; n += 8) {
+    __m256 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_loadu_ps(yr[i] + n);
+    for (int64_t j : js) {
+      const __m256 vb = _mm256_loadu_ps(b + j * N + offset + n);
+      for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(tmp + i * PR + j), vb, acc[i]);
     }
-    offset += width;
+    for (int i = 0; i < M; ++i) _mm256_storeu_ps(yr[i] + n, acc[i]);
+  }
+  for (; n < width; ++n) {
+    for (int i = 0; i < M; ++i) {
+      float sum = yr[i][n];
+      for (int64_t j : js) sum += tmp[i * PR + j] * b[j * N + offset + n];
+      yr[i][n] = sum;
+    }
+  }
+}
+
+// Rows [0, M) of `rows` (all under one adapter): y[row] += (x[row] @ A^T) @ B, part p's rows of B only in its
+// columns, and only the rows of B whose intermediate is non-zero for some row of the tile.
+template <int M>
+void lora_tile(const float* xs, const float* a, const float* b, float* ys, const int64_t* rows, int64_t K,
+               int64_t N, int64_t PR, const std::vector<int64_t>& part_widths, float* tmp, std::vector<int64_t>& js) {
+  shrink_tile<M>(xs, a, rows, K, PR, tmp);
+  const int64_t R = PR / static_cast<int64_t>(part_widths.size());
+  int64_t offset = 0;
+  for (size_t p = 0; p < part_widths.size(); ++p) {
+    js.clear();
+    for (int64_t j = static_cast<int64_t>(p) * R; j < static_cast<int64_t>(p + 1) * R; ++j) {
+      bool any = false;  // a rank padded to --max-lora-rank, or a part the adapter does not target: all zero
+      for (int i = 0; i < M; ++i) any = any || tmp[i * PR + j] != 0.0f;
+      if (any) js.push_back(j);
+    }
+    if (!js.empty()) expand_tile<M>(b, ys, rows, N, PR, tmp, js, offset, part_widths[p]);
+    offset += part_widths[p];
   }
 }
 
@@ -68,9 +111,9 @@ void lora_add_(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lora_a, 
               "tpserve lora_add_: y must be a contiguous float32 (T, N) tensor with x's rows");
   TORCH_CHECK(lora_a.is_contiguous() && lora_b.is_contiguous() && lora_a.scalar_type() == at::kFloat &&
                   lora_b.scalar_type() == at::kFloat && lora_a.dim() == 3 && lora_b.dim() == 3,
-              "tpserve lora_add_: lora_a (L, K, PR) and lora_b (L, PR, N) must be contiguous float32");
-  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), L = lora_a.size(0), PR = lora_a.size(2);
-  TORCH_CHECK(lora_a.size(1) == K && lora_b.size(0) == L && lora_b.size(1) == PR && lora_b.size(2) == N,
+              "tpserve lora_add_: lora_a (L, PR, K) and lora_b (L, PR, N) must be contiguous float32");
+  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), L = lora_a.size(0), PR = lora_a.size(1);
+  TORCH_CHECK(lora_a.size(2) == K && lora_b.size(0) == L && lora_b.size(1) == PR && lora_b.size(2) == N,
               "tpserve lora_add_: lora_a ", lora_a.sizes(), " and lora_b ", lora_b.sizes(), " do not fit x ",
               x.sizes(), " and y ", y.sizes());
   std::vector<int64_t> part_widths(part_widths_in.begin(), part_widths_in.end());
@@ -106,11 +149,19 @@ void lora_add_(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lora_a, 
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kRowsPerTile * PR * (K + N)));
   at::parallel_for(0, num_tiles, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> tmp(kRowsPerTile * PR);
+    std::vector<int64_t> js;
+    js.reserve(PR);
     for (int64_t i = i0; i < i1; ++i) {
       const auto [s, first] = tiles[i];
-      const int64_t m = std::min(kRowsPerTile, count[s + 1] - first);
-      lora_tile(xs, as + s * K * PR, bs + s * PR * N, ys, order.data() + first, m, K, N, PR, part_widths,
-                tmp.data());
+      const float* a = as + s * PR * K;
+      const float* b = bs + s * PR * N;
+      const int64_t* rows = order.data() + first;
+      switch (std::min(kRowsPerTile, count[s + 1] - first)) {
+        case 4: lora_tile<4>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+        case 3: lora_tile<3>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+        case 2: lora_tile<2>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+        default: lora_tile<1>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+      }
     }
   });
 }

@@ -6,7 +6,7 @@ arXiv:2312.03732: ``lora_alpha / sqrt(r)``); peft's ``LoraLayer`` computes the s
 
 One step serves rows under different adapters and rows under none (Punica, Chen et al.
 2023, arXiv:2310.18547; S-LoRA, arXiv:2311.03285): the base GEMM runs once over every
-row, then every adapter row's low-rank path ``(x[t] @ A_s) @ B_s`` is added to ``y[t]``
+row, then every adapter row's low-rank path ``(x[t] @ A_s^T) @ B_s`` is added to ``y[t]``
 in one call per projection over the stacked slots (punica's BGMV: ``lora_add_``,
 worker/kernels/cpu_lora.cpp), each row reading its own slot's ``A`` and ``B``. Where the
 compiled kernels are not loaded (another dtype, a CPU without AVX2), the step's rows are
@@ -19,8 +19,8 @@ no-LoRA code.
 Slots: a fixed pool of ``max_loras`` resident adapters sized at start-up, each padded to
 ``max_lora_rank`` (zero rows of A and zero columns of B add nothing). Slot 0 is the base
 model; adapter slots are ``1 .. max_loras``, stored at index ``slot - 1``. The pools are
-stored transposed from peft's: ``A (max_loras, in_local, P * R)``, ``B (max_loras, P * R,
-out_local)``, so that both products read contiguous rows (``x @ A_s``, ``(x @ A_s) @ B_s``).
+stored as ``A (max_loras, P * R, in_local)`` (peft's ``lora_A`` orientation) and ``B (max_loras,
+P * R, out_local)`` (``lora_B`` transposed), so that both products read contiguous rows.
 
 Tensor parallelism (the Megatron split of the layer adapted, worker/layers/linear.py):
 
@@ -31,7 +31,7 @@ Tensor parallelism (the Megatron split of the layer adapted, worker/layers/linea
   before the layer's one all-reduce (``sum_r x_r A_r^T = x A^T``, linear in ``B``).
 
 No extra collective. A fused column-parallel layer holds its parts' adapters side by
-side: ``A`` stacks the parts' ``(in, R)`` matrices to ``(in, P * R)`` and ``B`` is block
+side: ``A`` stacks the parts' ``(R, in)`` matrices to ``(P * R, in)`` and ``B`` is block
 diagonal, ``(P * R, out_local)`` with part ``p``'s columns only in rows
 ``[p * R, (p + 1) * R)``, so one pair of products serves all of q, k and v (or gate and up).
 """
@@ -95,7 +95,7 @@ class LoRAStep:
 
 
 class LoRAWeights:
-    """One linear layer's adapter slots: ``a (max_loras, in_local, P * R)``, ``b (max_loras, P * R, out_local)``.
+    """One linear layer's adapter slots: ``a (max_loras, P * R, in_local)``, ``b (max_loras, P * R, out_local)``.
 
     ``scaling`` is folded into ``b`` at load. A plain object, not a module: the layer's
     ``lora`` attribute, invisible to the checkpoint loader's parameter walk. The pools are
@@ -125,7 +125,7 @@ class LoRAWeights:
                              f"into {num_parts} parts")
         self.max_rank = max_rank
         width = num_parts * max_rank
-        self.a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
+        self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
         # Punica's BGMV in one compiled call per projection (float32 CPU ranks), else a GEMM pair per adapter.
         self.batched = device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
@@ -144,7 +144,7 @@ class LoRAWeights:
         if r > self.max_rank:
             raise ValueError(f"adapter rank {r} exceeds --max-lora-rank {self.max_rank}")
         first = part * self.max_rank
-        self.a[index, :, first:first + r].copy_(a.T)
+        self.a[index, first:first + r].copy_(a)
         self.b[index, first:first + r].copy_(b.T)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -159,6 +159,6 @@ class LoRAWeights:
             torch.ops.tpserve_cpu.lora_add_(y, x, self.a, self.b, row_slots, self.part_widths)  # every row, one call
             return y
         for index, rows in self.step.groups:
-            xa = x.index_select(0, rows) @ self.a[index]  # (n, P * R)
+            xa = x.index_select(0, rows) @ self.a[index].T  # (n, P * R)
             y.index_add_(0, rows, xa @ self.b[index])  # (n, out_local) into the adapter's rows
         return y
