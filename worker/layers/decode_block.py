@@ -24,11 +24,14 @@ Llama's or Qwen3's (soft-capping, MoE) keep the module path.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from worker.attention import KERNEL_HEAD_SIZES, AttentionMetadata
 from worker.kernels import cpu_kernels_available
+from worker.layers.lora import LoRAWeights
 from worker.layers.matmul import MAX_KERNEL_ROWS, kernel_for_prefill
 
 
@@ -94,7 +97,7 @@ def _lora_args(layer: nn.Module) -> tuple[tuple, tuple] | None:
 def lora_row_slots(layer: nn.Module) -> torch.Tensor | None:
     """This step's rows' adapter slot indices (``(T,)`` int64, -1: none) when ``layer`` has adapter slots
     and the step has an adapter row; None otherwise (the step runs the no-LoRA ops)."""
-    lora = layer.self_attn.qkv_proj.lora
+    lora = cast("LoRAWeights | None", layer.self_attn.qkv_proj.lora)
     return None if lora is None else lora.step.row_slots
 
 
@@ -122,6 +125,8 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
         lora = layer.__dict__.get("_decode_block_lora")
         if lora is None:
             lora = layer.__dict__["_decode_block_lora"] = _lora_args(layer)
+        if lora is None:
+            raise ValueError("a step with adapter rows reached a decode block layer without adapter slots")
         attention_args = (*attention_args, row_slots, *lora[0])
         mlp_args = (*mlp_args, row_slots, *lora[1])
     o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta),
