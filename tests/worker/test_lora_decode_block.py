@@ -42,13 +42,14 @@ ADAPTERS = (
 )
 
 
-@pytest.mark.parametrize("parts", [[], [30, 21, 21]], ids=["one_part", "fused_qkv"])
-def test_lora_add_equals_grouped_gemms(parts: list[int]) -> None:
+@pytest.mark.parametrize(("parts", "width"), [([], 6), ([], 5), ([30, 21, 21], 6)],
+                         ids=["one_part", "odd_rank", "fused_qkv"])
+def test_lora_add_equals_grouped_gemms(parts: list[int], width: int) -> None:
     """Rows of 3 slots (up to 7 rows each: tiles of 4 and their remainders) and base rows, one slot padded
     (rank 1 of 2 per part): ``y += (x @ A_s^T) @ B_s`` per row; a fused layer's ``B`` block diagonal."""
     assert cpu_kernels_available()
     generator = torch.Generator().manual_seed(0)
-    num_slots, k, width, n, t = 3, 40, 6, 72, 27
+    num_slots, k, n, t = 3, 40, 72, 27
     a = torch.randn(num_slots, width, k, generator=generator)
     b = torch.randn(num_slots, width, n, generator=generator)
     if parts:  # part p's 2 rows of B reach only its columns

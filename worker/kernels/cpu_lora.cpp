@@ -34,41 +34,70 @@ namespace {
 
 constexpr int64_t kRowsPerTile = 4;  // rows of one adapter that share each read of its A and B
 
-// shrink for M rows of one adapter: tmp[i, j] = x[rows[i]] . A[j] (A (PR, K)), register accumulators over K.
+// shrink for M rows of one adapter: tmp[i, j] = x[rows[i]] . A[j] (A (PR, K)), register accumulators over K,
+// two rows of A at a time (each load of x serves both).
 template <int M>
 void shrink_tile(const float* xs, const float* a, const int64_t* rows, int64_t K, int64_t PR, float* tmp) {
   const float* xr[M];
   for (int i = 0; i < M; ++i) xr[i] = xs + rows[i] * K;
-  for (int64_t j = 0; j < PR; ++j) {
-    const float* aj = a + j * K;
-    __m256 acc[M];
-    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= PR; j += 2) {
+    const float* a0 = a + j * K;
+    const float* a1 = a0 + K;
+    __m256 acc0[M], acc1[M];
+    for (int i = 0; i < M; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-      const __m256 va = _mm256_loadu_ps(aj + k);
-      for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + k), va, acc[i]);
+      const __m256 va0 = _mm256_loadu_ps(a0 + k), va1 = _mm256_loadu_ps(a1 + k);
+      for (int i = 0; i < M; ++i) {
+        const __m256 vx = _mm256_loadu_ps(xr[i] + k);
+        acc0[i] = _mm256_fmadd_ps(vx, va0, acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(vx, va1, acc1[i]);
+      }
     }
     for (int i = 0; i < M; ++i) {
-      float sum = tpserve::hsum(acc[i]);
-      for (int64_t kk = k; kk < K; ++kk) sum += xr[i][kk] * aj[kk];
+      float sum0 = tpserve::hsum(acc0[i]), sum1 = tpserve::hsum(acc1[i]);
+      for (int64_t kk = k; kk < K; ++kk) sum0 += xr[i][kk] * a0[kk], sum1 += xr[i][kk] * a1[kk];
+      tmp[i * PR + j] = sum0;
+      tmp[i * PR + j + 1] = sum1;
+    }
+  }
+  for (; j < PR; ++j) {  // an odd P * R
+    for (int i = 0; i < M; ++i) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += xr[i][k] * a[j * K + k];
       tmp[i * PR + j] = sum;
     }
   }
 }
 
 // expand for M rows: y[rows[i], cols] += sum over j in `js` of tmp[i, j] * B[j, cols], cols = [offset, offset +
-// width); register accumulators over j, each B row segment read once for the M rows.
+// width); register accumulators over j (16 columns of M rows), each B row segment read once for the M rows.
 template <int M>
 void expand_tile(const float* b, float* ys, const int64_t* rows, int64_t N, int64_t PR, const float* tmp,
                  const std::vector<int64_t>& js, int64_t offset, int64_t width) {
   float* yr[M];
   for (int i = 0; i < M; ++i) yr[i] = ys + rows[i] * N + offset;
+  const float* bo = b + offset;
   int64_t n = 0;
+  for (; n + 16 <= width; n += 16) {
+    __m256 acc0[M], acc1[M];
+    for (int i = 0; i < M; ++i) acc0[i] = _mm256_loadu_ps(yr[i] + n), acc1[i] = _mm256_loadu_ps(yr[i] + n + 8);
+    for (int64_t j : js) {
+      const __m256 vb0 = _mm256_loadu_ps(bo + j * N + n), vb1 = _mm256_loadu_ps(bo + j * N + n + 8);
+      for (int i = 0; i < M; ++i) {
+        const __m256 vt = _mm256_broadcast_ss(tmp + i * PR + j);
+        acc0[i] = _mm256_fmadd_ps(vt, vb0, acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(vt, vb1, acc1[i]);
+      }
+    }
+    for (int i = 0; i < M; ++i) _mm256_storeu_ps(yr[i] + n, acc0[i]), _mm256_storeu_ps(yr[i] + n + 8, acc1[i]);
+  }
   for (; n + 8 <= width; n += 8) {
     __m256 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm256_loadu_ps(yr[i] + n);
     for (int64_t j : js) {
-      const __m256 vb = _mm256_loadu_ps(b + j * N + offset + n);
+      const __m256 vb = _mm256_loadu_ps(bo + j * N + n);
       for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(tmp + i * PR + j), vb, acc[i]);
     }
     for (int i = 0; i < M; ++i) _mm256_storeu_ps(yr[i] + n, acc[i]);
@@ -76,7 +105,7 @@ void expand_tile(const float* b, float* ys, const int64_t* rows, int64_t N, int6
   for (; n < width; ++n) {
     for (int i = 0; i < M; ++i) {
       float sum = yr[i][n];
-      for (int64_t j : js) sum += tmp[i * PR + j] * b[j * N + offset + n];
+      for (int64_t j : js) sum += tmp[i * PR + j] * bo[j * N + n];
       yr[i][n] = sum;
     }
   }
