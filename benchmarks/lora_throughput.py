@@ -9,14 +9,14 @@ output tok/s for
 
 * ``base_off``: the base model on the server without LoRA;
 * ``base_lora``: the base model (no ``lora_name``) on the LoRA server: no step has an adapter
-  row, so each adapted layer does one branch and nothing else (worker/layers/lora.py);
+  row, so each step runs the compiled decode step with no LoRA argument (worker/layers/decode_block.py);
 * ``mixed_lora``: the same requests spread round-robin over the 8 adapters: every step runs,
-  per layer, the base GEMM once and each adapter's low-rank path on its rows.
+  per projection, the base GEMM once and one ``lora_add_`` over every adapter row (worker/kernels/cpu_lora.cpp).
 
 Ratios: ``enable_lora_overhead`` = base_lora / base_off (1.0: free), ``mixed_vs_base`` =
 mixed_lora / base_lora. Not a timed test: a recorded run (benchmarks/results/lora_throughput_*.json).
 
-    python benchmarks/lora_throughput.py --out benchmarks/results            # the embedded model
+    python benchmarks/lora_throughput.py --repeats 20 --out benchmarks/results   # the embedded model
     python benchmarks/lora_throughput.py --repeats 1 --max-tokens 16          # runs?
 """
 
