@@ -42,9 +42,10 @@ ADAPTERS = (
 )
 
 
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512_where_present", "avx2"])
 @pytest.mark.parametrize(("parts", "width"), [([], 6), ([], 5), ([30, 21, 21], 6)],
                          ids=["one_part", "odd_rank", "fused_qkv"])
-def test_lora_add_equals_grouped_gemms(parts: list[int], width: int) -> None:
+def test_lora_add_equals_grouped_gemms(parts: list[int], width: int, avx512: bool) -> None:
     """Rows of 3 slots (up to 7 rows each: tiles of 4 and their remainders) and base rows, one slot padded
     (rank 1 of 2 per part): ``y += (x @ A_s^T) @ B_s`` per row; a fused layer's ``B`` block diagonal."""
     assert cpu_kernels_available()
@@ -65,7 +66,11 @@ def test_lora_add_equals_grouped_gemms(parts: list[int], width: int) -> None:
         rows = (row_slots == index).nonzero().flatten()
         want.index_add_(0, rows, (x[rows] @ a[index].T) @ b[index])
     got = y.clone()
-    torch.ops.tpserve_cpu.lora_add_(got, x, a, b, row_slots, parts)
+    torch.ops.tpserve_cpu.lora_use_avx512(avx512)
+    try:
+        torch.ops.tpserve_cpu.lora_add_(got, x, a, b, row_slots, parts)
+    finally:
+        torch.ops.tpserve_cpu.lora_use_avx512(True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[row_slots == -1], y[row_slots == -1])  # base rows untouched
     with pytest.raises(RuntimeError, match="row 0 has slot index 3 outside"):

@@ -24,7 +24,8 @@ The ops land in ``torch.ops.tpserve_cpu``:
 * ``lora_add_(y (T, N) f32, x (T, K) f32, lora_a (L, P*R, K) f32, lora_b (L, P*R, N) f32, row_slots (T,) int64,
   part_widths)``: ``y[t] += (x[t] @ lora_a[s].T) @ lora_b[s]`` in place for each row whose slot index
   ``s = row_slots[t]`` is not -1, a fused layer's ``lora_b`` block diagonal over ``part_widths``
-  (punica's SGMV/BGMV; cpu_lora.cpp, worker/layers/lora.py)
+  (punica's SGMV/BGMV; cpu_lora.cpp, worker/layers/lora.py); ``lora_use_avx512(enabled) -> bool`` switches
+  its AVX-512 expand (tests)
 * ``sampling_uniform(seeds (N,) int64, positions (N,) int64, vocab_size) -> (N, V) f32`` and
   ``exponential_race(probs (N, V) f32, log_u (N, V) f32) -> ((N,) int64, (N,) bool)``: the sampler's
   counter-based uniforms and the exponential race's argmax with the rows' finiteness (cpu_sampling.cpp;

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -114,9 +115,17 @@ void expand_tile(const float* b, float* ys, const int64_t* rows, int64_t N, int6
 
 #define TPSERVE_LORA_AVX512 __attribute__((target("avx512f")))
 
+// Cleared by lora_use_avx512(False): tests run the AVX2 expand on AVX-512 machines too.
+std::atomic<bool> lora_allow_avx512{true};
+
 bool lora_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+  return has && lora_allow_avx512.load(std::memory_order_relaxed);
+}
+
+bool lora_use_avx512(bool enabled) {
+  lora_allow_avx512.store(enabled);
+  return lora_avx512();
 }
 
 // expand_tile with 16-float registers (32 columns of M rows per pass) where the CPU has AVX-512; the
@@ -247,6 +256,7 @@ void lora_add_(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lora_a, 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
         "int[] part_widths) -> ()");
+  m.def("lora_use_avx512(bool enabled) -> bool", &lora_use_avx512);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("lora_add_", &lora_add_); }
