@@ -7,7 +7,8 @@
   a runner without LoRA: the base model's steps pay nothing.
 * With adapter rows in decode steps (three adapters and the base model, 4 sequences each), the
   compiled path runs ``forward_lora`` / the blocks with the rows' slots, and every step's hidden
-  states are within 1e-5 of the module path's (its linear layers' LoRA), with the same tokens.
+  states are within 1e-5 of the module path's (its linear layers' LoRA, by ``lora_add_`` and by
+  the grouped GEMMs of hosts without the compiled kernels), with the same tokens.
   The base rows of that batch match the base model's alone; every adapter row moves.
   (Both paths against peft's merged model: tests/worker/test_lora.py.)
 """
@@ -80,7 +81,7 @@ def test_lora_add_equals_grouped_gemms(parts: list[int], width: int, avx512: boo
 class _Steps:
     """A one-rank runner of ``checkpoint`` (with ``lora`` slots, or none) and its steps' final hidden states."""
 
-    def __init__(self, checkpoint: Path, lora: LoRASettings | None, path: str) -> None:
+    def __init__(self, checkpoint: Path, lora: LoRASettings | None, path: str, batched: bool = True) -> None:
         self.runner = ModelRunner(checkpoint, ParallelContext.single(), torch.float32, BLOCK_SIZE, lora=lora)
         self.runner.init_kv_cache(num_blocks=128)
         model = self.runner.model.model
@@ -90,6 +91,10 @@ class _Steps:
         if path == "modules":
             for layer in model.layers:
                 layer.decode_block = False
+        if not batched:  # the linears' LoRA without lora_add_: a GEMM pair per adapter (no compiled kernels)
+            assert self.runner.lora is not None
+            for layer in self.runner.lora.layers.values():
+                layer.lora.batched = False
         self.hidden: list[torch.Tensor] = []
         model.register_forward_hook(lambda module, args, out: self.hidden.append(out.clone()))
 
@@ -173,10 +178,11 @@ def test_adapter_decode_steps_take_the_compiled_path(name: str, path: str, check
     tokens = _run(compiled, slots)
     num_layers = 1 if path == "stack" else len(compiled.runner.model.model.layers)
     assert len(calls) >= num_layers * 8 and all(calls)  # every decode step: compiled, with the adapter rows' slots
-    modules = _Steps(base, settings, "modules")
-    assert _run(modules, slots) == tokens
-    for step, (a, b) in enumerate(zip(compiled.hidden, modules.hidden, strict=True)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
+    for batched in (True, False):  # the module path with lora_add_, and with grouped GEMMs
+        modules = _Steps(base, settings, "modules", batched)
+        assert _run(modules, slots) == tokens
+        for step, (a, b) in enumerate(zip(compiled.hidden, modules.hidden, strict=True)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
     without = _Steps(base, None, path)  # the base model alone: the adapters move their rows, not the others
     _run(without, [0] * len(slots))
     adapted = torch.tensor(slots) > 0
