@@ -9,14 +9,14 @@ output tok/s for
 
 * ``base_off``: the base model on the server without LoRA;
 * ``base_lora``: the base model (no ``lora_name``) on the LoRA server: no step has an adapter
-  row, so each adapted layer does one branch and nothing else (worker/layers/lora.py);
+  row, so each step runs the compiled decode step with no LoRA argument (worker/layers/decode_block.py);
 * ``mixed_lora``: the same requests spread round-robin over the 8 adapters: every step runs,
-  per layer, the base GEMM once and each adapter's low-rank path on its rows.
+  per projection, the base GEMM once and one ``lora_add_`` over every adapter row (worker/kernels/cpu_lora.cpp).
 
 Ratios: ``enable_lora_overhead`` = base_lora / base_off (1.0: free), ``mixed_vs_base`` =
 mixed_lora / base_lora. Not a timed test: a recorded run (benchmarks/results/lora_throughput_*.json).
 
-    python benchmarks/lora_throughput.py --out benchmarks/results            # the embedded model
+    python benchmarks/lora_throughput.py --repeats 20 --out benchmarks/results   # the embedded model
     python benchmarks/lora_throughput.py --repeats 1 --max-tokens 16          # runs?
 """
 
@@ -63,6 +63,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16, help="every adapter's r (and --max-lora-rank)")
     parser.add_argument("--repeats", type=int, default=4, help="passes of each workload; medians")
+    parser.add_argument("--omp-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of every rank (default: the rank's own, one per core); 1 keeps a "
+                             "loaded shared host from stalling the ranks' thread teams")
     parser.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     args = parser.parse_args()
     config = json.loads((args.model / "config.json").read_text())
@@ -81,13 +84,14 @@ def main() -> int:
     report: dict = {"benchmark": "lora_throughput", "model": args.model.name,
                     "tensor_parallel_size": args.tensor_parallel_size, "num_streams": args.num_streams,
                     "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "adapter_rank": args.rank,
-                    "num_adapters": NUM_ADAPTERS, "repeats": args.repeats,
+                    "num_adapters": NUM_ADAPTERS, "repeats": args.repeats, "omp_threads": args.omp_threads,
                     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average_at_start": os.getloadavg(),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     runs: dict[str, list[float]] = {"base_off": [], "base_lora": [], "mixed_lora": []}
     with contextlib.ExitStack() as stack:  # both servers up at once, measured in turn
-        off = stack.enter_context(serve(args.model, args.tensor_parallel_size, omp_threads=None))
-        lora = stack.enter_context(serve(args.model, args.tensor_parallel_size, *lora_flags, omp_threads=None))
+        off = stack.enter_context(serve(args.model, args.tensor_parallel_size, omp_threads=args.omp_threads))
+        lora = stack.enter_context(serve(args.model, args.tensor_parallel_size, *lora_flags,
+                                         omp_threads=args.omp_threads))
         passes = [("base_off", off.client, base), ("base_lora", lora.client, base), ("mixed_lora", lora.client, mixed)]
         for _, client, requests in passes:
             one_pass(client, requests[:2])  # warm-up

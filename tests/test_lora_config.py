@@ -18,6 +18,9 @@ def test_flags_give_names_their_slots_in_order() -> None:
     assert lora.slot_of() == {"sql": 1, "chat": 2}
     assert (lora.max_loras, lora.max_lora_rank) == (3, 32)
     assert serve_config(build_parser().parse_args(["serve"])).lora == LoRAConfig()  # off by default
+    assert lora.max_cpu_loras is None  # default: --max-loras adapters kept in host memory
+    args = build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "6"])
+    assert serve_config(args).lora.max_cpu_loras == 6
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -26,6 +29,7 @@ def test_flags_give_names_their_slots_in_order() -> None:
     ({"enable_lora": True, "lora_modules": ("a=/x", "b=/y")}, "lora_modules has 2 adapters; max_loras=1"),
     ({"enable_lora": True, "lora_modules": ("/x",)}, "lora_modules entry '/x' is not name=path"),
     ({"enable_lora": True, "max_lora_rank": 0}, "greater than or equal to 1"),
+    ({"enable_lora": True, "max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras=2 must be >= max_loras=4"),
 ])
 def test_bad_lora_flags_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

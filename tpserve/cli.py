@@ -109,6 +109,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                                                       "name, each resident in a slot from start-up")),
         ("--max-loras", dict(type=int, help="adapter slots resident at once (default 1)")),
         ("--max-lora-rank", dict(type=int, help="largest adapter rank r the slots hold (default 16)")),
+        ("--max-cpu-loras", dict(type=int, help="adapters kept in host memory after a read, so a reload is a "
+                                                 "copy (default: --max-loras)")),
     ],
     "speculative": [
         ("--speculative-method", dict(choices=("ngram", "draft"), help="speculative decoding: ngram is prompt "

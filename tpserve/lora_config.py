@@ -19,10 +19,13 @@ class LoRAConfig(BaseModel):
         max_loras: adapter slots resident at once (``--max-loras``, vLLM's default 1). Every
             adapter of ``lora_modules`` must fit: adapters are not swapped in from host memory.
         max_lora_rank: the largest adapter rank ``r`` the slots hold (``--max-lora-rank``, default 16).
+        max_cpu_loras: adapters each rank keeps in host memory after reading them (``--max-cpu-loras``,
+            vLLM's; None: ``max_loras``), least recently loaded evicted first: reloading one is a copy,
+            not a disk read (worker/lora_host_cache.py). At least ``max_loras``.
 
     Raises:
         ValueError: ``lora_modules`` without ``enable_lora``, an entry that is not ``name=path``,
-            a name given twice, or more adapters than ``max_loras``.
+            a name given twice, more adapters than ``max_loras``, or ``max_cpu_loras < max_loras``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -31,6 +34,7 @@ class LoRAConfig(BaseModel):
     lora_modules: tuple[str, ...] = ()
     max_loras: int = Field(1, ge=1, le=256)
     max_lora_rank: int = Field(16, ge=1, le=512)
+    max_cpu_loras: int | None = Field(None, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _check_modules(self) -> LoRAConfig:
@@ -40,6 +44,8 @@ class LoRAConfig(BaseModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"lora_modules names {duplicates[0]!r} twice")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
         if len(names) > self.max_loras:
             raise ValueError(f"lora_modules has {len(names)} adapters; max_loras={self.max_loras} holds them all "
                              "resident (no swapping from host memory yet): raise max_loras")

@@ -9,11 +9,13 @@ checkpoint's module name (``model.layers.3.self_attn.q_proj``); the model's
 whose ``weight_loader`` splits ``B``'s rows for this rank exactly as it splits ``W``'s.
 
 Served: the attention and MLP projections of the Llama-layout families (``q/k/v/o_proj``,
-``gate/up/down_proj``, and checkpoints that store ``qkv_proj`` / ``gate_up_proj`` fused).
+``gate/up/down_proj``, and checkpoints that store ``qkv_proj`` / ``gate_up_proj`` fused), and
+of the mixture-of-experts families (Mixtral, Qwen3-MoE, ...) the attention projections and
+the dense MLPs' (and shared experts') projections.
 Refused at load with one line: ``modules_to_save``, a LoRA bias, DoRA, per-module rank or
-alpha patterns, a rank above ``--max-lora-rank``, a module the model lacks (MoE experts
-included), and a tensor whose shape does not match the base model (each naming the field
-or tensor).
+alpha patterns, ``target_parameters`` (peft's LoRA on the routed experts' fused weights),
+a rank above ``--max-lora-rank``, a module the model lacks (a routed expert's included),
+and a tensor whose shape does not match the base model (each naming the field or tensor).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 from worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.lora import LoRAStep, LoRAWeights
+from worker.lora_host_cache import HostAdapter, HostAdapterCache, adapter_key
 from worker.lora_settings import LoRASettings
 from worker.parallel_state import ParallelContext
 
@@ -80,6 +83,9 @@ def read_adapter_config(directory: str | Path, max_rank: int) -> AdapterConfig:
     if config.get("modules_to_save"):
         raise ValueError(f"{path}: modules_to_save={config['modules_to_save']!r} is not supported "
                          "(full copies of modules per adapter); only low-rank target_modules are served")
+    if config.get("target_parameters"):
+        raise ValueError(f"{path}: target_parameters={config['target_parameters']!r} is not supported (LoRA on "
+                         "the routed MoE experts' fused weights); target the attention and dense MLP modules")
     for field_name, unsupported in (("bias", lambda v: v not in (None, "none")), ("use_dora", bool),
                                     ("rank_pattern", bool), ("alpha_pattern", bool)):
         if unsupported(config.get(field_name)):
@@ -114,20 +120,23 @@ class LoRAAdapters:
         self.settings = settings
         self.ctx = ctx
         self.step = LoRAStep(ctx.device)
+        self.host_cache = HostAdapterCache(settings.cpu_capacity)  # --max-cpu-loras (worker/lora_host_cache.py)
         self.layers: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
         for name, module in model.named_modules():
             if name.rpartition(".")[2] not in TARGET_LAYERS:
                 continue
             if isinstance(module, RowParallelLinear):
-                parts, in_features, out_features = 1, module.input_size_per_partition, module.output_size
+                widths, in_features, out_features = [module.output_size], module.input_size_per_partition, \
+                    module.output_size
             elif isinstance(module, ColumnParallelLinear):
-                parts = (3 if isinstance(module, QKVParallelLinear) else
-                         len(module.output_sizes) if isinstance(module, MergedColumnParallelLinear) else 1)
+                widths = ([module.q_size, module.kv_size, module.kv_size] if isinstance(module, QKVParallelLinear)
+                          else [size // ctx.tp_size for size in module.output_sizes]
+                          if isinstance(module, MergedColumnParallelLinear) else [module.output_size_per_partition])
                 in_features, out_features = module.input_size, module.output_size_per_partition
             else:
                 continue
-            module.lora = LoRAWeights(self.step, parts, settings.max_loras, settings.max_lora_rank,
-                                      in_features, out_features, dtype, ctx.device)
+            module.lora = LoRAWeights(self.step, len(widths), settings.max_loras, settings.max_lora_rank,
+                                      in_features, out_features, dtype, ctx.device, widths)
             self.layers[name] = module
         if not self.layers:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no layer LoRA adapters can target "
@@ -137,8 +146,12 @@ class LoRAAdapters:
         for slot, path in enumerate(settings.adapter_paths, start=1):
             self.load(slot, path)
 
-    def load(self, slot: int, directory: str | Path) -> None:
-        """Read the adapter at ``directory`` into ``slot`` (``1 .. max_loras``), replacing what it held.
+    def load(self, slot: int, directory: str | Path) -> bool:
+        """Put the adapter at ``directory`` into ``slot`` (``1 .. max_loras``), replacing what it held: a copy
+        from the host cache (``--max-cpu-loras``) when it holds these files, else a read from disk (then kept).
+
+        Returns:
+            Whether the adapter came from host memory.
 
         Raises:
             ValueError: a refused config field (:func:`read_adapter_config`), a tensor naming a module
@@ -147,7 +160,36 @@ class LoRAAdapters:
         """
         if not 1 <= slot <= self.settings.max_loras:
             raise ValueError(f"lora slot {slot} outside [1, {self.settings.max_loras}]")
+        try:
+            key: tuple | None = adapter_key(directory)
+        except OSError:
+            key = None  # a missing file: the disk read below names it
+        entry = None if key is None else self.host_cache.get(key)
+        if entry is not None:
+            self._copy_in(slot - 1, entry)
+            return True
+        touched = self._read(slot, directory)
+        if key is not None:
+            self.host_cache.put(key, {name: (self.layers[name].lora.a[slot - 1].clone(),  # type: ignore[union-attr]
+                                             self.layers[name].lora.b[slot - 1].clone())  # type: ignore[union-attr]
+                                      for name in touched})
+        return False
+
+    def _copy_in(self, index: int, entry: HostAdapter) -> None:
+        """Slot ``index`` from a host cache entry: its layers' ``a`` and ``b`` copied, every other layer's cleared."""
+        for name, layer in self.layers.items():
+            lora = layer.lora
+            assert lora is not None
+            if name in entry:
+                lora.a[index].copy_(entry[name][0])
+                lora.b[index].copy_(entry[name][1])
+            else:
+                lora.clear(index)
+
+    def _read(self, slot: int, directory: str | Path) -> set[str]:
+        """Read, check and split the adapter's files into ``slot``; returns the names of the layers it adapts."""
         config = read_adapter_config(directory, self.settings.max_lora_rank)
+        touched: set[str] = set()
         for layer in self.layers.values():
             layer.lora.clear(slot - 1)  # type: ignore[union-attr]
         path = Path(directory) / "adapter_model.safetensors"
@@ -160,7 +202,8 @@ class LoRAAdapters:
                         b_name = f"{module}.lora_B.weight"
                         if b_name not in names:
                             raise ValueError(f"{path}: {name} has no {b_name}")
-                        self._load_module(slot - 1, module, f.get_tensor(name), f.get_tensor(b_name), config, name)
+                        touched.add(self._load_module(slot - 1, module, f.get_tensor(name), f.get_tensor(b_name),
+                                                      config, name))
                     elif not name.endswith(".lora_B.weight"):
                         raise ValueError(f"{path}: tensor {name} is not a LoRA A or B matrix")
         except ValueError:
@@ -171,16 +214,21 @@ class LoRAAdapters:
             for layer in self.layers.values():
                 layer.lora.clear(slot - 1)  # type: ignore[union-attr]
             raise ValueError(f"{path}: cannot read the adapter ({error})") from None
+        return touched
 
     def _load_module(self, index: int, module: str, a: torch.Tensor, b: torch.Tensor, config: AdapterConfig,
-                     name: str) -> None:
-        """One checkpoint module's ``a (r, in)`` and ``b (out, r)`` into slot ``index`` of its layer, this rank's share."""
+                     name: str) -> str:
+        """One checkpoint module's ``a (r, in)`` and ``b (out, r)`` into slot ``index`` of its layer, this rank's
+        share; returns the layer's name."""
         module = module.removeprefix(_PEFT_PREFIX)
         parent, _, leaf = module.rpartition(".")
         fused, shard = self._stacked.get(leaf, (leaf, None))
-        layer = self.layers.get(f"{parent}.{fused}")
+        layer_name = f"{parent}.{fused}"
+        layer = self.layers.get(layer_name)
         if layer is None:
-            raise ValueError(f"adapter tensor {name}: the model has no LoRA-capable layer {module}")
+            routed = ".experts." in f"{module}." and ".shared_expert" not in module
+            raise ValueError(f"adapter tensor {name}: the model has no LoRA-capable layer {module}"
+                             + (" (LoRA on routed MoE experts is not supported)" if routed else ""))
         lora = layer.lora
         assert lora is not None
         r = config.r
@@ -195,13 +243,14 @@ class LoRAAdapters:
                 size = layer.input_size_per_partition
                 local_a = a[:, self.ctx.tp_rank * size:(self.ctx.tp_rank + 1) * size]  # A split by columns
                 lora.set_part(index, 0, local_a, b)
-                return
+                return layer_name
             if a.shape[1] != layer.input_size:
                 raise ValueError(f"A has shape {list(a.shape)}, expected {[r, layer.input_size]}")
-            local_b = torch.zeros(lora.b.shape[1], r, dtype=lora.b.dtype)  # (out_local, r): zeros outside the part
+            local_b = torch.zeros(lora.b.shape[2], r, dtype=lora.b.dtype)  # (out_local, r): zeros outside the part
             name = name.replace(".lora_A.", ".lora_B.")  # B's shape is checked from here on
             layer.weight_loader(cast(nn.Parameter, local_b), b, shard)  # B split by rows, exactly like W
             part = _QKV_PARTS[shard] if isinstance(shard, str) else (shard or 0)
             lora.set_part(index, part, a, local_b)
         except ValueError as error:
             raise ValueError(f"adapter tensor {name}: {error}") from None
+        return layer_name

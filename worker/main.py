@@ -96,7 +96,8 @@ def worker_options(config: RankConfig) -> WorkerOptions:
         cuda_graph_sizes=load.cuda_graph_sizes,
         cpu_omp_threads_bind=load.cpu_omp_threads_bind,
         lora=LoRASettings(cluster.lora.max_loras, cluster.lora.max_lora_rank,
-                          tuple(path for _, path in cluster.lora.adapters)) if cluster.lora.enable_lora else None,
+                          tuple(path for _, path in cluster.lora.adapters),
+                          cluster.lora.max_cpu_loras) if cluster.lora.enable_lora else None,
     )
 
 

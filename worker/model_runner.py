@@ -198,8 +198,10 @@ class ModelRunner:
         self._padding_counts: torch.Tensor | None = None  # (L, E): what one graph padding row routes
 
     def _attach_lora(self, settings: LoRASettings) -> LoRAAdapters:
-        """The adapter slots on the model's projections (the combinations not served were refused already)."""
-        disable_decode_blocks(self.model)  # the compiled decode layer has no low-rank path
+        """The adapter slots on the model's projections (the combinations not served were refused already).
+
+        The compiled decode layers stay on: a step without adapter rows runs them unchanged, one with
+        adapter rows adds the low-rank sums inside them (worker/layers/decode_block.py)."""
         return LoRAAdapters(self.model, settings, self.ctx, self.dtype)
 
     def num_blocks_for_memory(self, kv_cache_memory_bytes: int) -> int:

@@ -256,10 +256,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if lora is None:
             return pb.LoadLoRAResponse(error="LoRA is not enabled (--enable-lora)")
         try:
-            lora.load(request.slot, request.path)
+            from_host = lora.load(request.slot, request.path)
         except ValueError as exc:
             return pb.LoadLoRAResponse(error=str(exc))
-        log.info("lora adapter loaded", rank=self.options.rank, slot=request.slot, path=request.path)
+        log.info("lora adapter loaded", rank=self.options.rank, slot=request.slot, path=request.path,
+                 from_host_memory=from_host)
         return pb.LoadLoRAResponse()
 
     def Step(self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:

@@ -7,7 +7,7 @@ k/o/gate/up) are loaded into a pool of 4 slots (one left empty). 16 sequences ru
 (prefills of one adapter beside decodes of others), some prefilled in chunks. Every greedy
 token must equal ``transformers``' greedy ``generate`` on ``peft``'s merged model of the
 sequence's adapter (the base model for base rows), and every sampled row's logits
-(float32) that model's within 1e-4, at tp 1 and 2.
+(float32) that model's within 1e-4, at tp 1 and 2 (and tp 4 for the Llama).
 """
 
 from __future__ import annotations
@@ -82,10 +82,8 @@ def _case(base_name: str) -> tuple[Job, list, dict, dict]:
     return job, want, completions, logits
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_mixed_adapters_match_peft_merged_models(tp: int) -> None:
-    cases = {name: _case(name) for name in ("gqa_tied", "qwen3_qk_norm")}
-    records = run_jobs([job for job, *_ in cases.values()], tp)
+def _check(records: dict, cases: dict) -> None:
+    """Every step's greedy tokens equal the reference's, its logits within 1e-4 (float32)."""
     for job, want, completions, logits in cases.values():
         steps = records[job.name]
         assert len(steps) == len(want)
@@ -95,6 +93,19 @@ def test_mixed_adapters_match_peft_merged_models(tp: int) -> None:
             if samples:
                 expected = torch.stack([logits[seq_id][index] for seq_id, index in samples])
                 torch.testing.assert_close(record.logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mixed_adapters_match_peft_merged_models(tp: int) -> None:
+    cases = {name: _case(name) for name in ("gqa_tied", "qwen3_qk_norm")}
+    _check(run_jobs([job for job, *_ in cases.values()], tp), cases)
+
+
+def test_llama_mixed_adapters_match_peft_merged_models_at_tp4() -> None:
+    """tp 4 on the Llama (4 query heads, 2 KV heads: each KV head, and its adapters' k/v rows of B,
+    replicated on two ranks; A of o_proj and down_proj split four ways)."""
+    cases = {"gqa_tied": _case("gqa_tied")}
+    _check(run_jobs([cases["gqa_tied"][0]], 4), cases)
 
 
 def test_adapters_change_the_tokens() -> None:

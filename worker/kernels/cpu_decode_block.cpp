@@ -17,6 +17,11 @@
 // On one rank, DecodeLayers runs every layer of the step in one call: it keeps each layer's own
 // arguments (weights, sizes), given once, and takes only the step's (h, RoPE, caches, slots, block
 // tables) per call.
+//
+// With LoRA adapter slots (--enable-lora) each projection adds its adapters' low-rank sums for the
+// step's adapter rows (lora_add_, cpu_lora.cpp) right after its GEMM, where the module path's
+// linear layer adds them (worker/layers/linear.py). A step without adapter rows passes no
+// row_slots and runs exactly the code above.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -78,6 +83,26 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const OptTenso
   return linear_f32_op().call(x, weight, bias);
 }
 
+// y (T, N) += each adapter row's (x @ A_s) @ B_s (row_slots (T,) int64, -1: no adapter), in place.
+// part_widths: a fused layer's parts' output widths (q, k, v; gate, up), empty for one part.
+void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+              const at::Tensor& row_slots, at::IntArrayRef part_widths) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tpserve_cpu::lora_add_", "")
+                             .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, at::IntArrayRef)>();
+  op.call(y, x, lora_a, lora_b, row_slots, part_widths);
+}
+
+// The optional LoRA arguments of a block: all four pools given, or none (checked once here).
+bool lora_given(const OptTensor& row_slots, const OptTensor& a0, const OptTensor& b0, const OptTensor& a1,
+                const OptTensor& b1) {
+  if (!row_slots.has_value()) return false;
+  TORCH_CHECK(a0.has_value() && b0.has_value() && a1.has_value() && b1.has_value(),
+              "tpserve decode block: lora_row_slots needs both projections' lora_a and lora_b");
+  return true;
+}
+
 at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -86,7 +111,9 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                            int64_t num_kv_heads, double scale, int64_t sliding_window, const at::Tensor& o_weight,
                            const OptTensor& o_scale, const OptTensor& q_norm_weight, const OptTensor& k_norm_weight,
                            double qk_norm_eps, const OptTensor& k_scale, const OptTensor& v_scale,
-                           const OptTensor& k_offset) {
+                           const OptTensor& k_offset, const OptTensor& lora_row_slots, const OptTensor& qkv_lora_a,
+                           const OptTensor& qkv_lora_b, const OptTensor& o_lora_a, const OptTensor& o_lora_b,
+                           at::IntArrayRef qkv_lora_parts) {
   static const auto rms_norm_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("tpserve_cpu::rms_norm", "")
                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -108,8 +135,10 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
                             const at::Tensor&, const at::Tensor&, double, int64_t, double, const OptTensor&,
                             const OptTensor&, const OptTensor&, const OptTensor&)>();
   const int64_t T = h.size(0), d = k_cache.size(3);
+  const bool lora = lora_given(lora_row_slots, qkv_lora_a, qkv_lora_b, o_lora_a, o_lora_b);
   at::Tensor x = rms_norm_op.call(h, norm_weight, eps);            // (T, hidden)
   at::Tensor qkv = project(x, qkv_weight, qkv_scale, qkv_bias);    // (T, (H + 2 KVH) d)
+  if (lora) add_lora(qkv, x, *qkv_lora_a, *qkv_lora_b, *lora_row_slots, qkv_lora_parts);  // + the adapters' q, k, v
   if (q_norm_weight.has_value()) {  // QK-norm (Qwen3): each q and k head RMS-normalised before the rotation
     qk_norm_rotary_op.call(qkv, *q_norm_weight, *k_norm_weight, qk_norm_eps, cos, sin, k_cache, v_cache,
                            slot_mapping, num_heads, num_kv_heads, k_scale, v_scale, k_offset);
@@ -120,13 +149,19 @@ at::Tensor attention_block(const at::Tensor& h, const at::Tensor& cos, const at:
   at::Tensor o = attention_op.call(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
                                    sliding_window, 0.0, std::nullopt, k_scale, v_scale,
                                    k_offset);  // (T, H, d); an 8-bit cache's codes read with their scales
-  return project(o.view({T, num_heads * d}), o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
+  at::Tensor heads = o.view({T, num_heads * d});
+  at::Tensor out = project(heads, o_weight, o_scale, std::nullopt);  // (T, hidden), partial over ranks
+  if (lora) add_lora(out, heads, *o_lora_a, *o_lora_b, *lora_row_slots, {});  // A split by columns: partial too
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor& h, const at::Tensor& o, const at::Tensor& norm_weight,
                                              double eps, const at::Tensor& gate_up_weight,
                                              const OptTensor& gate_up_scale, const OptTensor& gate_up_bias,
-                                             const at::Tensor& down_weight, const OptTensor& down_scale) {
+                                             const at::Tensor& down_weight, const OptTensor& down_scale,
+                                             const OptTensor& lora_row_slots, const OptTensor& gate_up_lora_a,
+                                             const OptTensor& gate_up_lora_b, const OptTensor& down_lora_a,
+                                             const OptTensor& down_lora_b, at::IntArrayRef gate_up_lora_parts) {
   static const auto add_rms_norm_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("tpserve_cpu::add_rms_norm", "")
@@ -134,9 +169,13 @@ std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor& h, const at::Tens
   static const auto silu_and_mul_op = c10::Dispatcher::singleton()
                                           .findSchemaOrThrow("tpserve_cpu::silu_and_mul", "")
                                           .typed<at::Tensor(const at::Tensor&)>();
+  const bool lora = lora_given(lora_row_slots, gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b);
   auto [h2, x] = add_rms_norm_op.call(h, o, norm_weight, eps);                     // h + o, and its norm: (T, hidden)
   at::Tensor gate_up = project(x, gate_up_weight, gate_up_scale, gate_up_bias);   // (T, 2 intermediate)
-  at::Tensor m = project(silu_and_mul_op.call(gate_up), down_weight, down_scale, std::nullopt);  // (T, hidden)
+  if (lora) add_lora(gate_up, x, *gate_up_lora_a, *gate_up_lora_b, *lora_row_slots, gate_up_lora_parts);
+  at::Tensor act = silu_and_mul_op.call(gate_up);                                 // (T, intermediate)
+  at::Tensor m = project(act, down_weight, down_scale, std::nullopt);             // (T, hidden)
+  if (lora) add_lora(m, act, *down_lora_a, *down_lora_b, *lora_row_slots, {});   // partial over ranks too
   return {h2, m};
 }
 
@@ -159,6 +198,8 @@ struct LayerArgs {
   OptTensor gate_up_scale, gate_up_bias;
   at::Tensor down_weight;
   OptTensor down_scale, down_bias;
+  OptTensor qkv_lora_a, qkv_lora_b, o_lora_a, o_lora_b, gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b;
+  std::vector<int64_t> qkv_lora_parts, gate_up_lora_parts;
 };
 
 // One rank holds the whole layer (no all-reduce): both halves and the residual adds. The row-parallel
@@ -167,15 +208,17 @@ at::Tensor decoder_layer(const LayerArgs& L, const at::Tensor& h, const at::Tens
                          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                          const at::Tensor& context_lens, const OptTensor& k_scale, const OptTensor& v_scale,
-                         const OptTensor& k_offset) {
+                         const OptTensor& k_offset, const OptTensor& lora_row_slots) {
   at::Tensor o = attention_block(h, cos, sin, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
                                  context_lens, L.norm1_weight, L.eps1, L.qkv_weight, L.qkv_scale, L.qkv_bias,
                                  L.num_heads, L.num_kv_heads, L.scale, L.sliding_window, L.o_weight,
                                  L.o_scale, L.q_norm_weight, L.k_norm_weight, L.qk_norm_eps, k_scale, v_scale,
-                                 k_offset);  // (T, hidden)
+                                 k_offset, lora_row_slots, L.qkv_lora_a, L.qkv_lora_b, L.o_lora_a, L.o_lora_b,
+                                 L.qkv_lora_parts);  // (T, hidden)
   if (L.o_bias.has_value()) o = at::add(o, *L.o_bias);
   auto [h2, m] = mlp_block(h, o, L.norm2_weight, L.eps2, L.gate_up_weight, L.gate_up_scale, L.gate_up_bias,
-                           L.down_weight, L.down_scale);
+                           L.down_weight, L.down_scale, lora_row_slots, L.gate_up_lora_a, L.gate_up_lora_b,
+                           L.down_lora_a, L.down_lora_b, L.gate_up_lora_parts);
   if (L.down_bias.has_value()) m = at::add(m, *L.down_bias);
   return at::add(h2, m);  // (T, hidden)
 }
@@ -187,6 +230,8 @@ namespace tpserve {
 // Every layer of a one-rank stack (or pipeline stage), for a whole decode step in one call from
 // Python: the layers' own arguments are given once (add_layer, in layer order), each step brings
 // only its own (forward). Python: torch.classes.tpserve_cpu.DecodeLayers (worker/layers/decode_block.py).
+// With --enable-lora, add_lora gives a layer's adapter slots once and forward_lora runs a step that
+// has adapter rows.
 class DecodeLayers : public torch::CustomClassHolder {
  public:
   void add_layer(at::Tensor norm1_weight, double eps1, at::Tensor qkv_weight, OptTensor qkv_scale,
@@ -203,6 +248,22 @@ class DecodeLayers : public torch::CustomClassHolder {
                        std::move(down_weight), std::move(down_scale), std::move(down_bias)});
   }
 
+  // Layer `layer`'s adapter slots (A (L, P*R, K), B (L, P*R, N) per projection, cpu_lora.cpp; the fused
+  // qkv and gate_up layers' parts' widths), kept by
+  // reference: an adapter loaded into the pools later is seen by the next step.
+  void add_lora(int64_t layer, at::Tensor qkv_a, at::Tensor qkv_b, at::Tensor o_a, at::Tensor o_b,
+                at::Tensor gate_up_a, at::Tensor gate_up_b, at::Tensor down_a, at::Tensor down_b,
+                std::vector<int64_t> qkv_parts, std::vector<int64_t> gate_up_parts) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "tpserve DecodeLayers.add_lora: layer ",
+                layer, " of ", layers_.size());
+    LayerArgs& L = layers_[layer];
+    L.qkv_lora_a = std::move(qkv_a), L.qkv_lora_b = std::move(qkv_b);
+    L.o_lora_a = std::move(o_a), L.o_lora_b = std::move(o_b);
+    L.gate_up_lora_a = std::move(gate_up_a), L.gate_up_lora_b = std::move(gate_up_b);
+    L.down_lora_a = std::move(down_a), L.down_lora_b = std::move(down_b);
+    L.qkv_lora_parts = std::move(qkv_parts), L.gate_up_lora_parts = std::move(gate_up_parts);
+  }
+
   // h (T, hidden) through every layer -> (T, hidden); layer i's keys and values go to k_caches[i], v_caches[i].
   // kv_scales: empty for float32 caches; for 8-bit ones layer i's k_scale, v_scale, k_offset at 3i .. 3i + 2
   // (worker/kv_quant.py).
@@ -210,6 +271,28 @@ class DecodeLayers : public torch::CustomClassHolder {
                      std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                      std::vector<at::Tensor> kv_scales) {
+    return run(std::move(h), cos, sin, k_caches, v_caches, slot_mapping, block_tables, query_start_loc,
+               context_lens, kv_scales, std::nullopt);
+  }
+
+  // forward for a step with adapter rows: row_slots (T,) int64, each row's slot index (-1: the base model).
+  at::Tensor forward_lora(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
+                          std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                          const at::Tensor& context_lens, std::vector<at::Tensor> kv_scales,
+                          const at::Tensor& row_slots) {
+    for (const LayerArgs& L : layers_) {
+      TORCH_CHECK(L.qkv_lora_a.has_value(), "tpserve DecodeLayers.forward_lora: a layer has no add_lora");
+    }
+    return run(std::move(h), cos, sin, k_caches, v_caches, slot_mapping, block_tables, query_start_loc,
+               context_lens, kv_scales, row_slots);
+  }
+
+ private:
+  at::Tensor run(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor>& k_caches,
+                 std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                 const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                 const std::vector<at::Tensor>& kv_scales, const OptTensor& row_slots) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size() &&
                     (kv_scales.empty() || kv_scales.size() == 3 * layers_.size()),
                 "tpserve DecodeLayers: ", layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(),
@@ -219,12 +302,11 @@ class DecodeLayers : public torch::CustomClassHolder {
       h = decoder_layer(layers_[i], h, cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables,
                         query_start_loc, context_lens, codes ? OptTensor(kv_scales[3 * i]) : std::nullopt,
                         codes ? OptTensor(kv_scales[3 * i + 1]) : std::nullopt,
-                        codes ? OptTensor(kv_scales[3 * i + 2]) : std::nullopt);
+                        codes ? OptTensor(kv_scales[3 * i + 2]) : std::nullopt, row_slots);
     }
     return h;
   }
 
- private:
   std::vector<LayerArgs> layers_;
 };
 
@@ -236,13 +318,18 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
         "float eps, Tensor qkv_weight, Tensor? qkv_scale, Tensor? qkv_bias, int num_heads, int num_kv_heads, "
         "float scale, int sliding_window, Tensor o_weight, Tensor? o_scale, Tensor? q_norm_weight, "
         "Tensor? k_norm_weight, float qk_norm_eps, Tensor? k_scale=None, Tensor? v_scale=None, "
-        "Tensor? k_offset=None) -> Tensor");
+        "Tensor? k_offset=None, Tensor? lora_row_slots=None, Tensor? qkv_lora_a=None, Tensor? qkv_lora_b=None, "
+        "Tensor? o_lora_a=None, Tensor? o_lora_b=None, int[] qkv_lora_parts=[]) -> Tensor");
   m.def("mlp_block(Tensor h, Tensor o, Tensor norm_weight, float eps, Tensor gate_up_weight, "
-        "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale) -> (Tensor, Tensor)");
+        "Tensor? gate_up_scale, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scale, "
+        "Tensor? lora_row_slots=None, Tensor? gate_up_lora_a=None, Tensor? gate_up_lora_b=None, "
+        "Tensor? down_lora_a=None, Tensor? down_lora_b=None, int[] gate_up_lora_parts=[]) -> (Tensor, Tensor)");
   m.class_<tpserve::DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_layer", &tpserve::DecodeLayers::add_layer)
-      .def("forward", &tpserve::DecodeLayers::forward);
+      .def("add_lora", &tpserve::DecodeLayers::add_lora)
+      .def("forward", &tpserve::DecodeLayers::forward)
+      .def("forward_lora", &tpserve::DecodeLayers::forward_lora);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {

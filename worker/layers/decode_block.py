@@ -13,6 +13,12 @@ what goes is the Python between them, some twenty calls a layer. Measured on the
 (30 layers), the bare batch-1 step: docs/design/kernels.md, "Compiled CPU kernels". An 8-bit KV cache
 (worker/kv_quant.py) is read and written by the same ops, each layer's scale pools and key offset passed.
 
+With ``--enable-lora`` (worker/layers/lora.py) the decision is made once per step: a step
+with no adapter row (``LoRAStep.row_slots`` None) calls exactly the ops above, with no LoRA
+argument; a step with adapter rows passes the rows' slot indices and every projection's
+stacked slots, and each projection adds its adapter rows' low-rank sums in the same call
+(``lora_add_``, worker/kernels/cpu_lora.cpp).
+
 Prefill and mixed steps, other devices and dtypes, and layers that differ from
 Llama's or Qwen3's (soft-capping, MoE) keep the module path.
 """
@@ -26,6 +32,7 @@ from torch import nn
 
 from worker.attention import KERNEL_HEAD_SIZES, AttentionMetadata
 from worker.kernels import cpu_kernels_available
+from worker.layers.lora import LoRAWeights
 from worker.layers.matmul import MAX_KERNEL_ROWS, kernel_for_prefill
 
 
@@ -75,6 +82,25 @@ def _layer_args(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
             (o_proj.bias, down.bias))
 
 
+def _lora_args(layer: nn.Module) -> tuple[tuple, tuple] | None:
+    """The layer's adapter slots as the compiled ops take them: ``(qkv a, b, o a, b, parts)`` and
+    ``(gate_up a, b, down a, b, parts)`` (worker/layers/lora.py's pools, by reference, and the fused layer's
+    parts' widths); None without LoRA."""
+    attention, mlp = layer.self_attn, layer.mlp
+    loras = [attention.qkv_proj.lora, attention.o_proj.lora, mlp.gate_up_proj.lora, mlp.down_proj.lora]
+    if any(lora is None for lora in loras):
+        return None
+    qkv, o, gate_up, down = loras
+    return (qkv.a, qkv.b, o.a, o.b, qkv.part_widths), (gate_up.a, gate_up.b, down.a, down.b, gate_up.part_widths)
+
+
+def lora_row_slots(layer: nn.Module) -> torch.Tensor | None:
+    """This step's rows' adapter slot indices (``(T,)`` int64, -1: none) when ``layer`` has adapter slots
+    and the step has an adapter row; None otherwise (the step runs the no-LoRA ops)."""
+    lora = cast("LoRAWeights | None", layer.self_attn.qkv_proj.lora)
+    return None if lora is None else lora.step.row_slots
+
+
 def _step_args(meta: AttentionMetadata) -> tuple:
     """The step's arguments that follow the caches (RoPE's ``cos, sin`` come before them)."""
     return (meta.slot_mapping, meta.decode_block_tables, meta.decode_query_start_loc, meta.decode_context_lens)
@@ -95,6 +121,16 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
         args = layer.__dict__["_decode_block_args"] = _layer_args(layer)
     attention_args, mlp_args, _ = args
     kv_scales = cast(tuple, layer.self_attn.attn.kv_scales or ())  # an 8-bit cache's (k_scale, v_scale, k_offset)
+    row_slots = lora_row_slots(layer)
+    if row_slots is not None:  # adapter rows this step: each projection adds their low-rank sums
+        lora = layer.__dict__.get("_decode_block_lora")
+        if lora is None:
+            lora = layer.__dict__["_decode_block_lora"] = _lora_args(layer)
+        if lora is None:
+            raise ValueError("a step with adapter rows reached a decode block layer without adapter slots")
+        attention_args = (*attention_args, *(kv_scales or (None, None, None)), row_slots, *lora[0])
+        mlp_args = (*mlp_args, row_slots, *lora[1])
+        kv_scales = ()
     o = torch.ops.tpserve_cpu.attention_block(h, *rope, *kv_cache, *_step_args(meta), *attention_args,
                                               *kv_scales)  # (T, hidden), this rank's part
     o = layer.self_attn.o_proj.reduce(o)  # (T, hidden): summed over ranks, plus o_proj's bias
@@ -107,7 +143,8 @@ class DecodeStack:
 
     ``torch.classes.tpserve_cpu.DecodeLayers`` keeps each layer's own arguments, gathered on the
     first call (the parameters are loaded in place and never replaced); each step passes only
-    its own: ``h``, RoPE, the caches, slots and block tables. The same kernels in the same order as
+    its own: ``h``, RoPE, the caches, slots and block tables, and, on a step with adapter rows,
+    their slot indices (the layers' adapter pools are given on the first such step). The same kernels in the same order as
     the modules, so bit-identical to them (tests/worker/test_decode_block.py).
 
     Args:
@@ -117,6 +154,7 @@ class DecodeStack:
     def __init__(self, layers: nn.ModuleList) -> None:
         self._layers = list(layers)  # a plain list: the modules stay registered once, in the model
         self._compiled = None
+        self._lora = False  # whether the layers' adapter slots were given to the compiled stack
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -128,5 +166,17 @@ class DecodeStack:
                 attention_args, mlp_args, (o_bias, down_bias) = _layer_args(layer)
                 self._compiled.add_layer(*attention_args, o_bias, *mlp_args, down_bias)
         kv_scales = [t for layer in self._layers for t in (layer.self_attn.attn.kv_scales or ())]  # 8-bit caches
-        return self._compiled.forward(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                                      *_step_args(meta), kv_scales)  # (T, hidden)
+        row_slots = lora_row_slots(self._layers[0])  # decided once for the whole step
+        if row_slots is None:  # no adapter row: the no-LoRA stack
+            return self._compiled.forward(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                          *_step_args(meta), kv_scales)  # (T, hidden)
+        if not self._lora:
+            for i, layer in enumerate(self._layers):
+                lora = _lora_args(layer)
+                assert lora is not None  # LoRAAdapters gives every target layer of the model its slots
+                (qkv_a, qkv_b, o_a, o_b, qkv_parts), (gate_up_a, gate_up_b, down_a, down_b, gate_up_parts) = lora
+                self._compiled.add_lora(i, qkv_a, qkv_b, o_a, o_b, gate_up_a, gate_up_b, down_a, down_b, qkv_parts,
+                                        gate_up_parts)
+            self._lora = True
+        return self._compiled.forward_lora(h, *rope, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                           *_step_args(meta), kv_scales, row_slots)  # (T, hidden)

@@ -155,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _matmul(self, x, self.bias)  # (T, output_size / tp)
-        if self.lora is not None and self.lora.step.groups:  # rows under an adapter (worker/layers/lora.py)
+        if self.lora is not None and self.lora.step.row_slots is not None:  # adapter rows (worker/layers/lora.py)
             y = self.lora.add(x, y)
         return y
 
@@ -339,7 +339,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _matmul(self, x, None)  # (T, output_size), this rank's partial sum
-        if self.lora is not None and self.lora.step.groups:  # partial too: A split by columns, no extra reduce
+        if self.lora is not None and self.lora.step.row_slots is not None:  # partial: A split by columns
             y = self.lora.add(x, y)
         if not self.reduce_results:
             return y
