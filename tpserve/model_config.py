@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tpserve.model_config_rules import check_config
-from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_DEFAULTS, resolve_architecture,
-                                    ties_word_embeddings_by_default)
+from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_ARCHITECTURES,
+                                    PARTIAL_ROTARY_DEFAULTS, resolve_architecture, ties_word_embeddings_by_default)
 from tpserve.quantization import Quantization, checkpoint_quantization
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -42,6 +42,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 #: that read it accept; anywhere else it would be served as full attention, so it is refused.
 CHUNKED_ATTENTION = "chunked_attention"
 CHUNKED_ATTENTION_ARCHITECTURES = frozenset({"Llama4ForCausalLM"})
+#: Linear-attention layers (Gated DeltaNet: worker/layers/gated_delta_net.py), a per-sequence state instead of a
+#: KV cache: a layer type only the hybrid families accept (tpserve/model_registry.py).
+LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
@@ -188,7 +191,8 @@ class ModelConfig:
         else:
             rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
         sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings,
-                                                               chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES)
+                                                               chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES,
+                                                               linear=architecture in LINEAR_ATTENTION_ARCHITECTURES)
         eos = raw.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         return cls(
@@ -267,6 +271,10 @@ class ModelConfig:
         ):
             if size % tp:
                 raise ValueError(f"{name}={size} is not divisible by tensor_parallel_size={tp}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):  # Gated DeltaNet heads (hybrid families)
+            heads = self.hf_config.get(name) if self.architecture in LINEAR_ATTENTION_ARCHITECTURES else None
+            if isinstance(heads, int) and heads % tp:
+                raise ValueError(f"{name}={heads} is not divisible by tensor_parallel_size={tp}")
         kv = self.total_num_kv_heads
         if tp <= kv and kv % tp:
             raise ValueError(f"num_key_value_heads={kv} is not divisible by tensor_parallel_size={tp}")
@@ -355,11 +363,14 @@ def _required(raw: dict[str, Any], key: str) -> Any:
 
 
 def _parse_attention_windows(
-    raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int, *, chunked: bool = False
+    raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int, *, chunked: bool = False,
+    linear: bool = False,
 ) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
 
-    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too.
+    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too. ``linear``: the family accepts
+    :data:`LINEAR_ATTENTION` layers too, and without ``layer_types`` every ``full_attention_interval``-th
+    layer (default 4) is full attention, the others linear (``Qwen3NextConfig``'s rule).
 
     Raises:
         ValueError: a malformed ``layer_types`` or ``sliding_window``.
@@ -373,11 +384,14 @@ def _parse_attention_windows(
     if layer_types is None and raw.get("use_sliding_window") and window is not None:
         first = raw.get("max_window_layers", num_hidden_layers)  # Qwen2Config's rule
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_hidden_layers)]
+    if layer_types is None and linear:
+        interval = raw.get("full_attention_interval", 4)
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(num_hidden_layers)]
     if layer_types is None:
         layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
         raise ValueError(f"config.json layer_types must list one type per layer ({num_hidden_layers})")
-    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ())
+    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ()) + ((LINEAR_ATTENTION,) if linear else ())
     unknown = sorted({t for t in layer_types if t not in known})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; expected {known}")

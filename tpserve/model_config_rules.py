@@ -138,6 +138,21 @@ _DEEPSEEK_V3: dict[str, Check] = {
     **DEEPSEEK_MOE_RULES,
 }
 
+#: Gated DeltaNet's sizes (worker/layers/gated_delta_net.py): Qwen3-Next, Qwen3.5 and Qwen3.5-MoE.
+_GATED_DELTA_NET: dict[str, Check] = {
+    "linear_num_key_heads": POSITIVE_INT,
+    "linear_num_value_heads": POSITIVE_INT,
+    "linear_key_head_dim": POSITIVE_INT,
+    "linear_value_head_dim": POSITIVE_INT,
+    "linear_conv_kernel_dim": POSITIVE_INT,
+    "full_attention_interval": POSITIVE_INT,
+}
+_GATED_DELTA_NET_RELATIONS: tuple[Relation, ...] = (
+    Relation(("linear_num_value_heads", "linear_num_key_heads"), lambda v, k: v % k == 0,
+             "linear_num_value_heads must be a multiple of linear_num_key_heads (each key head serves a group)"),
+)
+_HYBRID_MOE: dict[str, Check] = {**_GATED_DELTA_NET, **_QWEN_MOE, "shared_expert_intermediate_size": POSITIVE_INT}
+
 #: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
 FAMILY_RULES: dict[str, dict[str, Check]] = {
     "MixtralForCausalLM": {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT},
@@ -172,6 +187,9 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
                           "floor_scale": POSITIVE, "attn_scale": FINITE},
     "SmolLM3ForCausalLM": {"no_rope_layer_interval": POSITIVE_INT},
     "Exaone4ForCausalLM": {"sliding_window_pattern": _EXAONE4_PATTERN},
+    "Qwen3NextForCausalLM": _HYBRID_MOE,
+    "Qwen3_5ForCausalLM": _GATED_DELTA_NET,
+    "Qwen3_5MoeForCausalLM": _HYBRID_MOE,
 }
 
 #: Per architecture, the keys that list one value per layer, and what each value must be.
@@ -220,6 +238,9 @@ FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
                                       "rotary_dim must be at most head_dim (the rotated part of a head)"),),
     "Ernie4_5_MoeForCausalLM": (Relation(("moe_k", "moe_num_experts"), lambda k, n: k <= n,
                                          "moe_k must be at most moe_num_experts"),),
+    "Qwen3NextForCausalLM": _GATED_DELTA_NET_RELATIONS,
+    "Qwen3_5ForCausalLM": _GATED_DELTA_NET_RELATIONS,
+    "Qwen3_5MoeForCausalLM": _GATED_DELTA_NET_RELATIONS,
 }
 #: Top-level keys an architecture never reads, so not checked: latent attention has no key/value heads
 #: (DeepseekV3Config writes its default of 128 whatever the query heads).

@@ -84,6 +84,7 @@ from torch import nn
 from worker.kernels import cpu_kernels_available
 from worker.kv_quant import dequantize, is_quantized, quantize
 from worker.kernels.triton_attention import paged_decode_attention
+from worker.state_metadata import StateMetadata
 
 #: Head sizes the compiled paged kernel is instantiated for (worker/kernels/cpu_attention.cpp).
 KERNEL_HEAD_SIZES = (16, 32, 64, 80, 96, 128)
@@ -146,6 +147,8 @@ class AttentionMetadata:
             computed for, ``max(prompt length, position + 1)``; None unless the model uses it.
         window_masks: the step's sliding-window masks by window, built on first use
             (:meth:`decode_window_mask`).
+        state: what the state layers of a hybrid model read (worker/state_metadata.py); None for a
+            model without them.
     """
 
     positions: torch.Tensor
@@ -160,6 +163,7 @@ class AttentionMetadata:
     triton_decode: bool = False
     rope_seq_lens: torch.Tensor | None = None
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    state: StateMetadata | None = None
 
     def decode_window_mask(self, window: int) -> torch.Tensor:
         """``decode_mask`` restricted to each row's last ``window`` positions, built once per step and window.
