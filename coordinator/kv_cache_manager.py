@@ -14,6 +14,13 @@ namespaces share no block. At admission a sequence takes references to the cache
 its tokens start with (:meth:`KVCacheManager.cached_prefix`, :meth:`~KVCacheManager.take_cached_prefix`);
 as steps compute its blocks, the full ones enter the cache (:meth:`~KVCacheManager.cache_full_blocks`).
 
+Hybrid models (with ``state_slots``, coordinator/state_slots.py): a prefix resumes only from a
+saved state, so a hit is the longest cached prefix whose last block's end has a state checkpoint
+(never the KV blocks alone); :meth:`~KVCacheManager.take_cached_prefix` returns the checkpoint slot
+the sequence's live slot is restored from. Prompt chunks save the state at every block boundary
+of the prompt they cross (:meth:`~KVCacheManager.state_checkpoints`), keyed by that block's hash:
+the same chain and namespace as the KV blocks.
+
 Pure Python, no torch.
 """
 
@@ -25,6 +32,7 @@ from array import array
 from typing import TYPE_CHECKING
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
+from coordinator.state_slots import StateSlots
 
 if TYPE_CHECKING:
     from coordinator.sequence import Sequence
@@ -59,14 +67,17 @@ class KVCacheManager:
         allocator: the worker group's block pool.
         enable_prefix_caching: share full blocks between sequences with the same tokens
             up to them (``--enable-prefix-caching``).
+        state_slots: a hybrid model's state slots (their checkpoints bound every hit); None otherwise.
 
     Attributes:
         prefix_cache_queries, prefix_cache_hits: tokens looked up in the prefix cache at
             admission, and how many of them were found (cumulative).
     """
 
-    def __init__(self, allocator: BlockAllocator, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, allocator: BlockAllocator, enable_prefix_caching: bool = False,
+                 state_slots: StateSlots | None = None) -> None:
         self.allocator = allocator
+        self.state = state_slots
         self.block_size = allocator.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0
@@ -82,25 +93,54 @@ class KVCacheManager:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq, self.block_size, num_full * self.block_size)
-        return self.allocator.lookup(hashes[:num_full])
+        cached = self.allocator.lookup(hashes[:num_full])
+        if self.state is not None and cached:  # as far as a saved state reaches
+            del cached[self.state.resumable_blocks(hashes, len(cached)):]
+        return cached
 
     def num_blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
         """Free blocks that admitting ``seq`` with the cached prefix ``cached`` uses up: its
         uncached blocks, plus the cached ones nobody holds (they count as free blocks)."""
         return num_blocks_for(seq.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
 
-    def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
-        """Makes ``cached`` the start of ``seq``'s (empty) block table, as computed tokens, and counts the look-up."""
+    def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> int | None:
+        """Makes ``cached`` the start of ``seq``'s (empty) block table, as computed tokens, and counts the look-up.
+
+        Returns:
+            Hybrid models: the checkpoint slot to restore ``seq``'s state from (None: no hit).
+        """
         num_cached_tokens = len(cached) * self.block_size
+        restore = None
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached_tokens
+            if self.state is not None:
+                self.state.num_checkpoint_queries += 1
+                restore = self.state.restore(seq.block_hashes[len(cached) - 1]) if cached else None
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
         seq.admitted_s.append(time.monotonic())  # once per admission, not per step: the request's timings
         self.allocator.acquire(cached)
         seq.block_ids = list(cached)
         seq.num_computed_tokens = num_cached_tokens
+        return restore
+
+    def state_checkpoints(self, seq: Sequence, start: int, num_new: int) -> list[tuple[int, int, int]]:
+        """Hybrid models: ``(seq_id, rows, slot)`` for each prompt block boundary in ``(start, start + num_new]``
+        whose state is not saved yet: after ``rows`` rows of the chunk, the workers save it into ``slot``.
+        Empty without prefix caching or state slots, and for chunks past the prompt."""
+        state, size = self.state, self.block_size
+        end = min(start + num_new, seq.num_prompt_tokens)
+        if state is None or not self.enable_prefix_caching or end < (start // size + 1) * size:
+            return []
+        hashes = extend_block_hashes(seq, size, end)
+        marks = []
+        # The last boundaries first: when the slots run short, the longest hits are the ones kept.
+        for boundary in reversed(range((start // size + 1) * size, end + 1, size)):
+            slot = state.reserve_checkpoint(hashes[boundary // size - 1])
+            if slot is not None:
+                marks.append((seq.seq_id, boundary - start, slot))
+        return marks[::-1]  # in increasing rows
 
     # -- growth and release ------------------------------------------------------------
 
@@ -130,6 +170,8 @@ class KVCacheManager:
         K/V that no longer exists); the KV-event listener is kept and told."""
         listener = self.allocator.listener
         self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
+        if self.state is not None:  # the new ranks' state pools are zeroed: no checkpoint survives
+            self.state.reset_checkpoints()
         self.allocator.listener = listener
         if listener is not None:
             listener.cleared()

@@ -39,6 +39,12 @@ tokens the workers' draft proposes (``num_draft_tokens``); the rest is the same.
 Which blocks a sequence gets, and prefix caching (block hashes, look-ups, hit counts), are
 the KV-cache manager's (:mod:`coordinator.kv_cache_manager`); the scheduler asks it for blocks.
 
+Hybrid models (``state_slots``, :mod:`coordinator.state_slots`): an admitted sequence also takes a
+live state slot (none free: it waits, like for blocks) and gives it back when it finishes, is
+aborted or preempted (a preempted one is recomputed from a zeroed slot); a prefix hit restores its
+state from the checkpoint at the hit's end (the plan's ``restored_states``), and prompt chunks
+save checkpoints at the block boundaries they cross (``state_checkpoints``).
+
 ``update`` records the blocks that the step filled in the prefix cache, appends the
 sampled tokens, applies the token-level stop rules and frees the blocks of sequences
 that finished. Text-level stops (stop strings) are decided
@@ -75,6 +81,7 @@ from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.priority import DEFAULT_PRIORITY_AGING_S, PriorityPolicy
 from coordinator.spec_decode import SpecDecodeStats
+from coordinator.state_slots import StateSlots
 from coordinator.spec_scheduling import TokenOutput, apply_verified, propose, tokens_per_sample
 from coordinator.scheduler_invariants import cached_blocks_written, check_invariants
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus
@@ -101,6 +108,7 @@ class Scheduler:
             (see the module docstring); not with a proposer.
         priority_aging_s: seconds of waiting worth one priority level (``--priority-aging-seconds``;
             0: strict priority); ``clock``: monotonic seconds (:mod:`coordinator.priority`).
+        state_slots: a hybrid model's state slots (:mod:`coordinator.state_slots`); None otherwise.
 
     Raises:
         ValueError: ``async_scheduling`` with a proposer (a proposal needs the tokens before it),
@@ -115,12 +123,18 @@ class Scheduler:
                  enable_prefix_caching: bool = False, check_writes: bool = False,
                  proposer: NgramProposer | DraftModelProposer | None = None,
                  disable_speculation_above: int | None = None, async_scheduling: bool = False,
-                 priority_aging_s: float = DEFAULT_PRIORITY_AGING_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 priority_aging_s: float = DEFAULT_PRIORITY_AGING_S, clock: Callable[[], float] = time.monotonic,
+                 state_slots: StateSlots | None = None) -> None:
         if async_scheduling and proposer is not None:
             raise ValueError("async scheduling does not combine with speculative decoding")
+        if state_slots is not None and proposer is not None:
+            raise ValueError("speculative decoding is not supported for hybrid models (no state rollback)")
         self.priority = PriorityPolicy(priority_aging_s, clock)
         self.async_scheduling = async_scheduling
-        self.kv_cache = KVCacheManager(allocator, enable_prefix_caching)
+        self.kv_cache = KVCacheManager(allocator, enable_prefix_caching, state_slots)
+        self.state_slots = state_slots
+        self._restores: list[tuple[int, int]] = []  # the next plan's restored_states
+        self._state_saves: list[tuple[int, int, int]] = []  # and its state_checkpoints
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -183,6 +197,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
+        if self.state_slots is not None and seq.state_slot >= 0:
+            self.state_slots.free_live(seq.state_slot)
+            seq.state_slot = -1
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0  # what steps in flight sample for it is dropped: it is recomputed
         self._trims.pop(seq.seq_id, None)  # the workers drop the whole table
@@ -245,7 +262,10 @@ class Scheduler:
         if self.check_writes:
             self._bad_writes = cached_blocks_written(scheduled, self.running, self.allocator)
         plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop),
-                        tuple(self._trims.items()))
+                        tuple(self._trims.items()), tuple(self._restores), tuple(self._state_saves))
+        if self.state_slots is not None:
+            self._restores, self._state_saves = [], []
+            self.state_slots.end_plan()
         self._next_step_id += 1
         self._to_drop = []
         self._trims = {}
@@ -288,6 +308,8 @@ class Scheduler:
                 index += seq.status is SequenceStatus.RUNNING  # waits: next; preempted: the next is at index
                 continue
             scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
+            if self.state_slots is not None:
+                self._state_saves += self.kv_cache.state_checkpoints(seq, scheduled[-1].start_position, num_new)
             budget -= num_new + num_spec
             index += 1
             if self.async_scheduling:
@@ -303,7 +325,9 @@ class Scheduler:
             cached = self.kv_cache.cached_prefix(seq)
             if not self.allocator.can_allocate(self.kv_cache.num_blocks_to_admit(seq, cached)):
                 break  # FCFS: do not let later, smaller requests overtake it
-            self.kv_cache.take_cached_prefix(seq, cached)
+            if self.state_slots is not None and not self.state_slots.num_free_live:
+                break  # a hybrid's sequence needs a live state slot too
+            restore = self.kv_cache.take_cached_prefix(seq, cached)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             new_block_ids = self.kv_cache.grow(seq, num_new)
             assert new_block_ids is not None  # checked just above
@@ -314,13 +338,26 @@ class Scheduler:
             # Penalties need every earlier token on the sampling rank; a cached prefix is never sent in a chunk.
             history = seq.token_ids(0, seq.num_computed_tokens) if seq.sampling.uses_token_history else ()
             prompt = tuple(seq.prompt_token_ids) if seq.sampling.prompt_logprobs is not None else ()
-            new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history, prompt, seq.lora_slot))
+            if self.state_slots is not None:
+                seq.state_slot = self._take_state_slot(seq, restore)
+            new_seqs.append(NewSequence(seq.seq_id, seq.sampling, seq.num_prompt_tokens, history, prompt, seq.lora_slot,
+                                        max(seq.state_slot, 0)))
             seq.on_workers = True
             seq.admitted_step = self._next_step_id
             scheduled.append(self._chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table
+            if self.state_slots is not None:
+                self._state_saves += self.kv_cache.state_checkpoints(seq, seq.num_computed_tokens, num_new)
             budget -= num_new
             if self.async_scheduling:
                 self._count_planned(seq, scheduled[-1])
+
+    def _take_state_slot(self, seq: Sequence, restore: int | None) -> int:
+        """A hybrid's admitted sequence: its live state slot, restored from checkpoint ``restore`` if any."""
+        slot = self.state_slots.take_live() if self.state_slots is not None else None
+        assert slot is not None  # checked before admission
+        if restore is not None:
+            self._restores.append((seq.seq_id, restore))
+        return slot
 
     def _pending_is_last(self, seq: Sequence) -> bool:
         """Async scheduling: whether the tokens steps in flight sample for ``seq`` end it by length."""
@@ -455,3 +492,7 @@ class Scheduler:
                 sequence in the wrong queue.
         """
         check_invariants(self.running, self.waiting, self.allocator, self._bad_writes)
+        if self.state_slots is not None:  # one live state slot per running sequence, none leaked
+            held = [seq.state_slot for seq in self.running]
+            assert len(set(held)) == len(held) and set(held) == self.state_slots.held_live, \
+                f"live state slots {sorted(self.state_slots.held_live)} held, running sequences hold {sorted(held)}"

@@ -70,6 +70,7 @@ class Sequence:
             and ``cache_salt``); ``b""`` for the anonymous, unsalted one.
         lora_slot: its LoRA adapter's resident slot on the workers (``--lora-modules`` order, from 1);
             0: the base model.
+        state_slot: hybrid models: its live state slot while admitted (coordinator/state_slots.py); -1 otherwise.
         priority: the queue's order: lower values are admitted first, and preempted
             last (vLLM's convention); equal priorities keep arrival order. Default 0.
         num_pending_tokens: async scheduling: tokens that steps in flight sample for it,
@@ -111,6 +112,7 @@ class Sequence:
     speculation: AdaptiveSpeculation = field(default_factory=AdaptiveSpeculation)
     cache_namespace: bytes = b""
     lora_slot: int = 0
+    state_slot: int = -1
     priority: int = 0
     num_pending_tokens: int = 0
     admitted_step: int = -1

@@ -106,6 +106,7 @@ class WorkerGroup:
         self._watchers: list[asyncio.Task] = []  # a task per rank that answers only failures
         self._lost: str | None = None  # what such a rank reported: the step in flight fails with it
         self.num_kv_blocks = 0
+        self.num_state_slots_available = 0  # hybrids: the state slots every rank can hold (0: none)
         self._closed = False  # close() was called: a step it interrupts failed, it was not cancelled
         self.dtype = ""  # as the ranks resolved it
         self.device = ""  # "cpu" or "cuda", as the ranks resolved it
@@ -129,6 +130,7 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout_s
         pending = set(range(self.world_size))
         available: dict[int, int] = {}
+        slots: dict[int, int] = {}
         while pending:
             for rank in sorted(pending):
                 try:
@@ -145,6 +147,7 @@ class WorkerGroup:
                         f"{STEP_PROTOCOL}: the group runs two tpserve versions; run one version on every host")
                 if status.ready:
                     available[rank] = status.num_kv_blocks_available
+                    slots[rank] = status.num_state_slots_available
                     self.dtype = status.dtype
                     self.device = status.device
                     self.num_threads[rank] = status.num_threads
@@ -153,14 +156,16 @@ class WorkerGroup:
                 if time.monotonic() > deadline:
                     raise WorkerGroupError(f"ranks {sorted(pending)} did not load within {timeout_s:.0f} s")
                 await asyncio.sleep(poll_s)
-        # vLLM's rule: the pool is what the tightest rank can hold.
+        # vLLM's rule: the pool is what the tightest rank can hold (a hybrid's state slots too).
+        self.num_state_slots_available = min(slots.values())
         return min(available.values())
 
-    async def start(self, num_kv_blocks: int) -> None:
-        """Allocates every rank's KV cache and opens the step streams: a plain socket to each rank of
+    async def start(self, num_kv_blocks: int, num_state_slots: int = 0) -> None:
+        """Allocates every rank's KV cache (and a hybrid's ``num_state_slots`` state slots) and opens the step streams: a plain socket to each rank of
         this host (tpserve/step_socket.py), the gRPC ``Step`` stream to each rank of another, and to a
         rank of this host whose step socket does not answer (it could not bind one)."""
-        await asyncio.gather(*(s.InitCache(pb.InitCacheRequest(num_kv_blocks=num_kv_blocks)) for s in self._stubs))
+        request = pb.InitCacheRequest(num_kv_blocks=num_kv_blocks, num_state_slots=num_state_slots)
+        await asyncio.gather(*(s.InitCache(request) for s in self._stubs))
         self.num_kv_blocks = num_kv_blocks
         streams: list = []
         for rank, (stub, address) in enumerate(zip(self._stubs, self.addresses, strict=True)):

@@ -29,13 +29,15 @@ from coordinator.errors import TpserveError
 from coordinator.metrics import Metrics
 from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
+from coordinator.state_slots import hybrid_state_slots
 from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroupError
 from launch.group_launcher import GroupLauncher
 from launch.public_server import PublicServer
 from launch.recovery import Recovery
 from launch.shutdown import Shutdown
-from launch.startup import StartupError, model_dir_of, read_group_secret, read_model_config
+from launch.startup import (StartupError, check_hybrid_combinations, model_dir_of, read_group_secret,
+                            read_model_config)
 from launch.topology import GroupLayout
 from tpserve.config import ClusterConfig
 from tpserve.sched_policy import set_policy
@@ -70,6 +72,7 @@ class Leader:
                                               config.parallel.pipeline_parallel_size,
                                               config.parallel.enable_expert_parallel,
                                               kv_cache_dtype=config.cache.kv_cache_dtype)
+        check_hybrid_combinations(self.model_dir, self.model_config, config)
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model),
                                       config.parallel.tensor_parallel_size,
@@ -143,19 +146,20 @@ class Leader:
         cfg = self.config
         deadline = time.monotonic() + cfg.server.worker_start_timeout_seconds
         available = await self.launcher.start(deadline)
+        num_state_slots = self.launcher.workers.num_state_slots_available  # hybrids: live + checkpoint slots
         num_blocks = cfg.cache.num_gpu_blocks_override or available
         if num_blocks > available:
             raise WorkerGroupError(f"--num-gpu-blocks-override {num_blocks} exceeds the {available} blocks a rank can hold")
         check_pool_holds_a_full_sequence(num_blocks, cfg.cache.block_size, self.max_model_len)
         workers = self.launcher.workers
-        await workers.start(num_blocks)
-        self.engine = self._build_engine(num_blocks)
+        await workers.start(num_blocks, num_state_slots)
+        self.engine = self._build_engine(num_blocks, num_state_slots)
         self.public.attach(self.engine, num_blocks, workers.dtype)
         self.recovery.engine = self.engine
         self.recovery.watch_liveness()
 
-    def _build_engine(self, num_blocks: int) -> Engine:
-        """The scheduler over a pool of ``num_blocks`` KV blocks, and the engine that runs it."""
+    def _build_engine(self, num_blocks: int, num_state_slots: int = 0) -> Engine:
+        """The scheduler over a pool of ``num_blocks`` KV blocks (and a hybrid's ``num_state_slots``), and its engine."""
         cfg = self.config
         workers = self.launcher.workers
         spare_core = workers.device == "cpu" and coordinator_has_a_core(workers.num_threads, self.layout.node_ranks())
@@ -164,13 +168,21 @@ class Leader:
         scaling = self.model_config.rope_scaling or {}
         share_prefixes = cfg.cache.enable_prefix_caching and not (
             scaling.get("rope_type") == "dynamic" and self.max_model_len > self.model_config.max_position_embeddings)
+        try:
+            state_slots = hybrid_state_slots(self.model_config, cfg.scheduler.max_num_seqs, num_state_slots)
+        except ValueError as exc:
+            raise WorkerGroupError(str(exc)) from None
+        if state_slots is not None:  # what fits: sequences' states, prefix checkpoints, KV tokens
+            log.info("state cache", num_live_state_slots=state_slots.num_live,
+                     num_checkpoint_state_slots=state_slots.num_checkpoints,
+                     kv_cache_tokens=num_blocks * cfg.cache.block_size)
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
                               enable_prefix_caching=share_prefixes,
                               proposer=make_proposer(cfg.speculative),
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size,
                               async_scheduling=cfg.async_scheduling_on(workers.device, spare_core),
-                              priority_aging_s=cfg.scheduler.priority_aging_seconds)
+                              priority_aging_s=cfg.scheduler.priority_aging_seconds, state_slots=state_slots)
         self.metrics.set_pool(num_blocks, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,
                       cfg.scheduler.max_queue_len, self.metrics, on_fatal=lambda reason: self.stop(1),

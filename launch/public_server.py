@@ -211,6 +211,7 @@ class PublicServer:
         """What GetModelInfo answers with a pool of ``num_kv_blocks`` (0 while the ranks load)."""
         servicer = getattr(self, "servicer", None)  # none yet for the first answer, built with it
         cfg, engine = self.config, None if servicer is None else servicer.engine
+        state_slots = None if engine is None else engine.scheduler.state_slots  # hybrids
         return pb.ModelInfo(
             model_name=cfg.load.served_model_name or (self.model_dir.name if cfg.load.model else DEFAULT_MODEL_NAME),
             max_model_len=self.max_model_len,
@@ -229,6 +230,8 @@ class PublicServer:
             server_version=__version__,
             async_scheduling=engine is not None and engine.scheduler.async_scheduling,
             enable_expert_parallel=cfg.parallel.enable_expert_parallel,
+            num_state_slots=state_slots.num_live if state_slots is not None else 0,
+            num_state_checkpoint_slots=state_slots.num_checkpoints if state_slots is not None else 0,
         )
 
     def serving_fields(self, nnodes: int) -> dict[str, object]:
@@ -244,6 +247,7 @@ class PublicServer:
             pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
             enable_expert_parallel=cfg.parallel.enable_expert_parallel, nnodes=nnodes,
             num_kv_blocks=info.num_kv_blocks, kv_cache_tokens=info.num_kv_blocks * info.block_size,
+            num_state_slots=info.num_state_slots, num_state_checkpoint_slots=info.num_state_checkpoint_slots,
             kv_cache_dtype=info.kv_cache_dtype, kv_cache_layout=self.kv_cache_layout(),
             max_model_len=self.max_model_len, enable_prefix_caching=cfg.cache.enable_prefix_caching,
             speculative_method=spec.speculative_method or "off",

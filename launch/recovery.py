@@ -190,7 +190,9 @@ class Recovery:
         if available < num_blocks:
             raise WorkerGroupError(f"the restarted ranks hold {available} KV blocks, the pool had {num_blocks}")
         try:
-            await asyncio.wait_for(self.launcher.workers.start(num_blocks), max(deadline - time.monotonic(), 0.1))
+            slots = self.engine.scheduler.state_slots  # a hybrid's state pool: the same size again
+            await asyncio.wait_for(self.launcher.workers.start(num_blocks, slots.num_slots if slots else 0),
+                                   max(deadline - time.monotonic(), 0.1))
         except asyncio.TimeoutError:
             raise WorkerGroupError("the restarted ranks did not allocate their KV cache by the deadline") from None
 

@@ -90,6 +90,29 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
     return config
 
 
+def check_hybrid_combinations(model_dir: Path, model: ModelConfig, config: ClusterConfig) -> None:
+    """Refuse, in one line each, what a hybrid model's state layers (tpserve/hybrid_layers.py) are not served with:
+    speculative decoding (a state cannot roll back rejected tokens), LoRA adapters (none targets a state layer's
+    projections yet) and pipeline stages (the state pool is not split by stage).
+
+    Raises:
+        StartupError: naming the flag.
+    """
+    if not model.state_layer_indices:
+        return
+    what = f"{model.architecture} is a hybrid model (state layers beside attention layers)"
+    spec = config.speculative.speculative_method
+    if spec is not None:
+        raise StartupError(f"cannot serve {model_dir} with --speculative-method {spec}: {what}, whose state layers "
+                           "cannot roll back rejected tokens")
+    if config.lora.enable_lora:
+        raise StartupError(f"cannot serve {model_dir} with --enable-lora: {what}, and adapters are not served on "
+                           "its state layers' projections")
+    if config.parallel.pipeline_parallel_size > 1:
+        raise StartupError(f"cannot serve {model_dir} with --pipeline-parallel-size "
+                           f"{config.parallel.pipeline_parallel_size}: {what}, served as one pipeline stage")
+
+
 def check_checkpoint(model_dir: Path, config: ModelConfig) -> None:
     """Refuse a checkpoint that lacks a weight the config implies (an untied model's ``lm_head.weight``),
     from the files' headers only, before any rank starts: each rank's loader would refuse it too, but

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tpserve.hybrid_layers import default_hybrid_layer_types, state_layer_types
 from tpserve.model_config_rules import check_config
 from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_ARCHITECTURES,
                                     PARTIAL_ROTARY_DEFAULTS, resolve_architecture, ties_word_embeddings_by_default)
@@ -42,9 +43,6 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 #: that read it accept; anywhere else it would be served as full attention, so it is refused.
 CHUNKED_ATTENTION = "chunked_attention"
 CHUNKED_ATTENTION_ARCHITECTURES = frozenset({"Llama4ForCausalLM"})
-#: Linear-attention layers (Gated DeltaNet: worker/layers/gated_delta_net.py), a per-sequence state instead of a
-#: KV cache: a layer type only the hybrid families accept (tpserve/model_registry.py).
-LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
@@ -110,7 +108,7 @@ class ModelConfig:
         sliding_window: tokens a sliding-window layer attends to (itself included), or
             None when no layer slides (absent, ``use_sliding_window: false``, or not
             shorter than ``max_position_embeddings``).
-        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"`` (or a hybrid's state kind, ``"conv"``...)
             (``layer_types`` of the config; else Qwen2's rule, layers from
             ``max_window_layers`` on slide when ``use_sliding_window``; else every
             layer alike). A family whose config class derives another default
@@ -192,7 +190,7 @@ class ModelConfig:
             rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
         sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings,
                                                                chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES,
-                                                               linear=architecture in LINEAR_ATTENTION_ARCHITECTURES)
+                                                               architecture=architecture)
         eos = raw.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
         return cls(
@@ -311,6 +309,17 @@ class ModelConfig:
                        int(scaling["original_max_position_embeddings"] * scaling["factor"]))
         return self.max_position_embeddings
 
+    @property
+    def state_layer_indices(self) -> tuple[int, ...]:
+        """The layers with a per-sequence state instead of a KV cache (hybrids; tpserve/hybrid_layers.py)."""
+        kinds = state_layer_types(self.architecture)
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in kinds)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache: every layer but the state layers."""
+        return self.num_hidden_layers - len(self.state_layer_indices)
+
     def num_kv_heads_per_rank(self, tp: int) -> int:
         """Key/value heads each rank stores: ``total_num_kv_heads / tp``, at least 1."""
         return max(1, self.total_num_kv_heads // tp)
@@ -339,7 +348,7 @@ class ModelConfig:
     def kv_cache_bytes_per_token(self, tp: int, dtype_size: int) -> int:
         """Bytes of KV cache one token takes on one rank, all layers.
 
-        ``num_hidden_layers * kv_cache_spec(tp).elements_per_token * dtype_size``: with per-head
+        ``num_attention_layers * kv_cache_spec(tp).elements_per_token * dtype_size``: with per-head
         caching ``2 * num_hidden_layers * num_kv_heads_per_rank(tp) * head_dim * dtype_size`` (K and V),
         with latent attention ``num_hidden_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_size``.
 
@@ -347,7 +356,7 @@ class ModelConfig:
             tp: tensor-parallel degree.
             dtype_size: bytes per cache element (4 for float32, 2 for bfloat16/float16).
         """
-        return self.num_hidden_layers * self.kv_cache_spec(tp).elements_per_token * dtype_size
+        return self.num_attention_layers * self.kv_cache_spec(tp).elements_per_token * dtype_size
 
 
 def _get(raw: dict[str, Any], key: str, default: Any) -> Any:
@@ -364,13 +373,12 @@ def _required(raw: dict[str, Any], key: str) -> Any:
 
 def _parse_attention_windows(
     raw: dict[str, Any], num_hidden_layers: int, max_position_embeddings: int, *, chunked: bool = False,
-    linear: bool = False,
+    architecture: str = "",
 ) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
 
-    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too. ``linear``: the family accepts
-    :data:`LINEAR_ATTENTION` layers too, and without ``layer_types`` every ``full_attention_interval``-th
-    layer (default 4) is full attention, the others linear (``Qwen3NextConfig``'s rule).
+    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too; a hybrid ``architecture``
+    its state layer kinds (tpserve/hybrid_layers.py).
 
     Raises:
         ValueError: a malformed ``layer_types`` or ``sliding_window``.
@@ -380,18 +388,15 @@ def _parse_attention_windows(
         window = None  # Qwen2/Qwen3 switch the window off; a window covering every position is full attention
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"config.json sliding_window={window!r} must be a positive integer")
-    layer_types = raw.get("layer_types")
+    layer_types = raw.get("layer_types") or default_hybrid_layer_types(raw, architecture, num_hidden_layers)
     if layer_types is None and raw.get("use_sliding_window") and window is not None:
         first = raw.get("max_window_layers", num_hidden_layers)  # Qwen2Config's rule
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_hidden_layers)]
-    if layer_types is None and linear:
-        interval = raw.get("full_attention_interval", 4)
-        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(num_hidden_layers)]
     if layer_types is None:
         layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
         raise ValueError(f"config.json layer_types must list one type per layer ({num_hidden_layers})")
-    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ()) + ((LINEAR_ATTENTION,) if linear else ())
+    known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ()) + tuple(sorted(state_layer_types(architecture)))
     unknown = sorted({t for t in layer_types if t not in known})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; expected {known}")

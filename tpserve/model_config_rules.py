@@ -190,6 +190,12 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "Qwen3NextForCausalLM": _HYBRID_MOE,
     "Qwen3_5ForCausalLM": _GATED_DELTA_NET,
     "Qwen3_5MoeForCausalLM": _HYBRID_MOE,
+    # LFM2: the short convolution's kernel (its state keeps conv_L_cache - 1 inputs) and the MLP's width rule.
+    "Lfm2ForCausalLM": {"norm_eps": POSITIVE, "conv_L_cache": Check(lambda v: _is_int(v) and v >= 2,
+                                                                    "an integer >= 2"),
+                        "conv_bias": Check(lambda v: isinstance(v, bool), "true or false"),
+                        "block_auto_adjust_ff_dim": Check(lambda v: isinstance(v, bool), "true or false"),
+                        "block_multiple_of": POSITIVE_INT, "block_ffn_dim_multiplier": POSITIVE},
 }
 
 #: Per architecture, the keys that list one value per layer, and what each value must be.

@@ -37,6 +37,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "worker.models.llama:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "worker.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Phi3ForCausalLM": "worker.models.phi3:Phi3ForCausalLM",
+    "Lfm2ForCausalLM": "worker.models.lfm2:Lfm2ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM": "worker.models.qwen3_next:Qwen3NextForCausalLM",
@@ -57,10 +58,10 @@ LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLit
 LINEAR_ATTENTION_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
-#: (Gemma2Config, Gemma3TextConfig, CohereConfig, Ernie4_5_MoeConfig, SmolLM3Config, Starcoder2Config);
+#: (Gemma2Config, Gemma3TextConfig, CohereConfig, Ernie4_5_MoeConfig, Lfm2Config, SmolLM3Config, Starcoder2Config);
 #: every other family's defaults to False.
 TIED_BY_DEFAULT = frozenset({"CohereForCausalLM", "Ernie4_5_MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                             "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"})
+                             "Lfm2ForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"})
 
 
 #: Architectures that rotate only the first ``rotary_dim`` dimensions of each head (partial RoPE,

@@ -16,12 +16,18 @@ Order of application on a worker, fixed so every rank agrees:
      to reuse from the next step on);
   2. register every ``NewSequence`` (a preempted sequence comes back this way,
      with ``start_position`` 0 and its whole block table in ``new_block_ids``);
+  2a. hybrid models (worker/state_metadata.py): give each new sequence the live state slot
+     ``NewSequence.state_slot``; copy each ``restored_states`` checkpoint slot into its
+     sequence's live slot (a prefix hit resumes from the state saved at that boundary);
+     a chunk with ``start_position`` 0 starts from a zeroed slot;
   2b. cut the block table of every sequence in ``trimmed_block_tables`` to its first
      ``num_blocks`` blocks (speculative decoding: blocks reserved for rejected
      proposals went back to the pool); unknown sequences are ignored;
   3. for each ``ScheduledChunk`` in order: append ``new_block_ids`` to the
      sequence's block table, then write the K/V of ``token_ids`` at positions
-     ``start_position ..`` and attend over positions ``0 .. start_position + len(token_ids) - 1``;
+     ``start_position ..`` and attend over positions ``0 .. start_position + len(token_ids) - 1``
+     (state layers carry the live slot's state through the tokens, copying it into the
+     ``state_checkpoints`` slots after the rows named there);
   4. for each chunk with ``sample=True``, in plan order, sample one token from the
      logits of its last position; a chunk whose last ``num_spec_tokens`` tokens are
      proposals (speculative decoding) is verified: the sampling rank samples at each
@@ -192,6 +198,8 @@ class NewSequence:
             (a chunk's last row scores the next chunk's first token).
         lora_slot: ``--enable-lora``: the resident slot of the sequence's adapter
             (``1 .. --max-loras``, worker/lora_adapters.py); 0, the default: the base model.
+        state_slot: hybrid models: the sequence's live state slot (``0 .. --max-num-seqs - 1``,
+            coordinator/state_slots.py), held until it finishes or is preempted; 0 otherwise.
     """
 
     seq_id: int
@@ -200,6 +208,7 @@ class NewSequence:
     history_token_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     lora_slot: int = 0
+    state_slot: int = 0
 
 
 # Not frozen: built per sequence per step (0.14 µs against 0.73 frozen; docs/design/request-path.md); never mutated.
@@ -253,6 +262,13 @@ class StepPlan:
     finished_seq_ids: tuple[int, ...] = ()
     #: ``(seq_id, num_blocks)``: keep only the first ``num_blocks`` of the sequence's table.
     trimmed_block_tables: tuple[tuple[int, int], ...] = ()
+    #: Hybrid models' prefix hits: ``(seq_id, checkpoint slot)``: copy the checkpoint into the
+    #: sequence's live state slot before the step (its first chunk starts at the checkpoint's boundary).
+    restored_states: tuple[tuple[int, int], ...] = ()
+    #: Hybrid models' prefix caching: ``(seq_id, num_rows, checkpoint slot)``: after the first
+    #: ``num_rows`` tokens of the sequence's chunk in this step, save its state into the slot (a
+    #: prompt block boundary). Per sequence in increasing ``num_rows``.
+    state_checkpoints: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

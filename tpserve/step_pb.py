@@ -22,8 +22,9 @@ from tpserve.v1 import worker_pb2 as pb
 #: and writes them), which every rank reports in GetStatus and the coordinator checks before the
 #: group's first step: protobuf skips fields it does not know, so a rank of another version would
 #: read a plan as a different batch, not fail. 0: no version (before 2); 2: the leading plain
-#: decodes as columns (``StepPlan.decode_*``).
-STEP_PROTOCOL = 2
+#: decodes as columns (``StepPlan.decode_*``); 3: hybrid models' state slots (``NewSequence.state_slot``,
+#: ``StepPlan.restored_states`` and ``state_checkpoints``).
+STEP_PROTOCOL = 3
 
 #: Step stream metadata (key, value) that asks a rank to answer a plan only when its step fails.
 #: The coordinator opens every rank's stream but the sampling rank's with it: their answers carry
@@ -44,6 +45,7 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
                 history_token_ids=seq.history_token_ids,
                 prompt_token_ids=seq.prompt_token_ids,
                 lora_slot=seq.lora_slot,
+                state_slot=seq.state_slot,
             )
             for seq in plan.new_seqs
         ],
@@ -51,6 +53,10 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         trimmed_block_tables=[pb.TrimmedBlockTable(seq_id=seq_id, num_blocks=num_blocks)
                               for seq_id, num_blocks in plan.trimmed_block_tables],
     )
+    if plan.restored_states or plan.state_checkpoints:  # hybrid models only
+        msg.restored_states.extend([pb.StateRestore(seq_id=seq_id, slot=slot) for seq_id, slot in plan.restored_states])
+        msg.state_checkpoints.extend([pb.StateCheckpoint(seq_id=seq_id, num_rows=rows, slot=slot)
+                                      for seq_id, rows, slot in plan.state_checkpoints])
     # One chunk per running sequence per step: the hot part (docs/design/request-path.md, "Where a streamed token's
     # coordinator CPU goes"). The
     # leading plain decodes go as columns (worker.proto), the rest as chunk messages.
@@ -95,6 +101,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
                 history_token_ids=tuple(seq.history_token_ids),
                 prompt_token_ids=tuple(seq.prompt_token_ids),
                 lora_slot=seq.lora_slot,
+                state_slot=seq.state_slot,
             )
             for seq in msg.new_seqs
         ),
@@ -107,6 +114,10 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         ]),
         finished_seq_ids=tuple(msg.finished_seq_ids),
         trimmed_block_tables=tuple((t.seq_id, t.num_blocks) for t in msg.trimmed_block_tables),
+        # Hybrid models only: attention-only plans pay a length check each.
+        restored_states=tuple((r.seq_id, r.slot) for r in msg.restored_states) if msg.restored_states else (),
+        state_checkpoints=(tuple((c.seq_id, c.num_rows, c.slot) for c in msg.state_checkpoints)
+                           if msg.state_checkpoints else ()),
     )
 
 

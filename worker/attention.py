@@ -147,8 +147,8 @@ class AttentionMetadata:
             computed for, ``max(prompt length, position + 1)``; None unless the model uses it.
         window_masks: the step's sliding-window masks by window, built on first use
             (:meth:`decode_window_mask`).
-        state: what the state layers of a hybrid model read (worker/state_metadata.py); None for a
-            model without them.
+        state: hybrid models: what the state layers need about the step (slots, row offsets,
+            checkpoints: worker/state_metadata.py); None for attention-only models.
     """
 
     positions: torch.Tensor

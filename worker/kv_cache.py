@@ -26,7 +26,8 @@ class KVCacheLayout:
     """Shape of one rank's cache.
 
     Attributes:
-        num_layers: decoder layers (two cache tensors each).
+        num_layers: decoder layers with a KV cache (two cache tensors each): every layer but a hybrid
+            model's state layers, whose states are worker/state_cache.py's.
         block_size: tokens per block.
         spec: per token and layer, the two tensors' ``(heads, width)`` (:class:`KVCacheSpec`).
         dtype: element dtype as stored: the activations' dtype, or ``int8`` / ``float8_e4m3fn``
@@ -44,7 +45,7 @@ class KVCacheLayout:
         """The layout of a rank of a ``tp``-way group serving ``config``."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        return cls(config.num_hidden_layers, block_size, config.kv_cache_spec(tp), dtype)
+        return cls(config.num_attention_layers, block_size, config.kv_cache_spec(tp), dtype)  # a hybrid's state layers: none
 
     @property
     def bytes_per_block(self) -> int:

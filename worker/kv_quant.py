@@ -40,6 +40,7 @@ the blocks it already gathers into a copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -146,20 +147,19 @@ def calibration_token_ids(vocab_size: int, num_tokens: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist())
 
 
-def set_checkpoint_scales(layers: list, scales: dict[int, tuple[float, float]], first_layer: int,
+def set_checkpoint_scales(layers: list, scales: dict[int, tuple[float, float]], layer_indices: Sequence[int],
                           device: torch.device) -> None:
-    """Give each of ``layers`` (this stage's, the first being model layer ``first_layer``) its checkpoint
-    scales, every channel the layer's one scale.
+    """Give each of ``layers`` (this stage's attention layers, model layers ``layer_indices``: a hybrid's
+    state layers have none) its checkpoint scales, every channel the layer's one scale.
 
     Raises:
-        ValueError: the checkpoint has scales for some layers but not this stage's ``first_layer + i``.
+        ValueError: the checkpoint has scales for some layers but not one of ``layer_indices``.
     """
-    for i, attn in enumerate(layers):
-        if first_layer + i not in scales:
-            raise ValueError(f"the checkpoint has KV cache scales for layers {sorted(scales)} but not layer "
-                             f"{first_layer + i}")
+    for index, attn in zip(layer_indices, layers, strict=True):
+        if index not in scales:
+            raise ValueError(f"the checkpoint has KV cache scales for layers {sorted(scales)} but not layer {index}")
         attn.set_kv_scales(*(torch.full((attn.num_kv_heads, attn.head_size), s, dtype=torch.float32, device=device)
-                             for s in scales[first_layer + i]))
+                             for s in scales[index]))
 
 
 def calibrate(layers: list, run_prompt, dtype: torch.dtype, device: torch.device) -> None:

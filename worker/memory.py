@@ -28,6 +28,12 @@ temporaries; on the CPU ``MemAvailable`` is read after the load, so the bytes th
 int8 weights did not take are available to the cache. :func:`weight_bytes` is what
 the rank reports as its weights' size.
 
+Hybrid models (worker/state_cache.py) split the budget the rules above give: first the live state
+slots, one per ``--max-num-seqs`` sequence; then ``STATE_CHECKPOINT_SHARE`` of what is left for
+checkpoint slots (prefix caching's saved states); the rest is KV blocks of the attention layers
+(:func:`cache_split`). With ``--num-gpu-blocks-override`` the blocks are as given and the states
+come on top, checkpoints sized as that share of the blocks' bytes.
+
 An 8-bit KV cache (``--kv-cache-dtype fp8|int8``) needs none either: the layout's
 ``bytes_per_block`` counts 1 byte per element (its per-layer scales are Python floats, not
 cache memory), so every rule above turns the same budget into twice the blocks of a 16-bit
@@ -47,6 +53,8 @@ from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 #: (before ``gpu_memory_utilization``): the rest is left to activations, the
 #: tokenizer, the coordinator and whatever else shares the host.
 CPU_MEMORY_FRACTION = 0.5
+#: Share of a hybrid model's cache budget, after its live states, given to state checkpoints (prefix caching).
+STATE_CHECKPOINT_SHARE = 0.1
 #: Profiling rows sample with top-p, so that the sampler's sort is part of the peak.
 _PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
 
@@ -264,11 +272,35 @@ def num_kv_blocks(runner, sizing: CacheSizing, read_available: Callable[[], int]
     return layout.num_blocks_for_budget(budget)
 
 
+def cache_split(runner, sizing: CacheSizing, read_available: Callable[[], int] = available_host_memory_bytes
+                ) -> tuple[int, int]:
+    """``(KV blocks, state slots)`` this rank can hold: :func:`num_kv_blocks`' budget, split for a hybrid model
+    as the module docstring says (``state slots`` 0 for an attention-only model).
+
+    Raises:
+        ValueError: as :func:`num_kv_blocks`; a hybrid's budget does not hold ``max_num_seqs`` states.
+    """
+    num_blocks = num_kv_blocks(runner, sizing, read_available)
+    slot_bytes = runner.state_bytes_per_slot
+    if not slot_bytes:
+        return num_blocks, 0
+    block_bytes = runner.kv_layout.bytes_per_block
+    if sizing.num_gpu_blocks_override is not None:
+        return num_blocks, sizing.max_num_seqs + int(STATE_CHECKPOINT_SHARE * num_blocks * block_bytes) // slot_bytes
+    left = num_blocks * block_bytes - sizing.max_num_seqs * slot_bytes  # after the live states
+    if left <= 0:
+        raise ValueError(f"the cache budget ({num_blocks * block_bytes / 2**20:.1f} MiB) does not hold "
+                         f"--max-num-seqs {sizing.max_num_seqs} sequences' states of {slot_bytes} bytes each; "
+                         "lower --max-num-seqs or give the cache more memory")
+    num_checkpoints = int(STATE_CHECKPOINT_SHARE * left) // slot_bytes
+    return (left - num_checkpoints * slot_bytes) // block_bytes, sizing.max_num_seqs + num_checkpoints
+
+
 def _profile(runner, sizing: CacheSizing) -> int:
     """Run :func:`profile_plans` on ``runner``; returns the temporary cache's bytes (freed again)."""
     num_blocks, plans = profile_plans(sizing.max_num_batched_tokens, sizing.max_num_seqs, sizing.max_model_len,
                                       runner.kv_layout.block_size, sizing.num_speculative_tokens)
-    runner.init_kv_cache(num_blocks)
+    runner.init_kv_cache(num_blocks, num_state_slots=1)  # a hybrid's profile plans use state slot 0 only
     try:
         for plan in plans:
             runner.execute(plan)

@@ -68,6 +68,7 @@ from worker.pipeline_checks import check_pipeline
 from worker.placeholders import fill_placeholders, has_placeholders
 from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
+from worker.state_cache import DEFAULT_NUM_STATE_SLOTS, StateCache, bytes_per_state_slot, check_state_layers
 from worker.step_inputs import StepInputs, build_step_inputs
 from worker.step_output import StepOutput
 
@@ -89,6 +90,7 @@ class _SequenceState:
     tracks_history: bool = False  # history is not None
     last_token: int | None = None  # the sampling rank: the token sampled last (async scheduling's placeholder)
     lora_slot: int = 0  # its adapter's slot (worker/lora_adapters.py); 0: the base model
+    state_slot: int = 0  # hybrid models: its live state slot (worker/state_cache.py)
 
     def __post_init__(self) -> None:
         self.uses_logits_controls = self.sampling.uses_logits_controls
@@ -149,9 +151,16 @@ class ModelRunner:
         self.block_size = block_size
         # Each pipeline stage sizes the cache of its own layers (the pool is the minimum over ranks).
         start, end = ctx.pp.layer_range(self.config.num_hidden_layers)
-        self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.tp_size, block_size,
-                                                              self.kv_cache_dtype), num_layers=end - start)
+        # Hybrids (one stage): KV for the attention layers only; the state layers' pool is worker/state_cache.py's.
+        self._target_layout = replace(KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, self.kv_cache_dtype),
+                                      num_layers=end - start - len(self.config.state_layer_indices))
+        if self.config.state_layer_indices and draft_model_dir is not None:
+            raise ValueError("speculative decoding is not supported for hybrid models (their state layers "
+                             "cannot roll back rejected tokens); start without --speculative-model")
         self.model = load_model(model_dir, self.config, ctx, dtype, quantization)
+        self._state_layers = check_state_layers(self.model, self.config)
+        self.state_bytes_per_slot = bytes_per_state_slot(self._state_layers)  # 0: attention only
+        self._state: StateCache | None = None
         # An 8-bit cache: the layers' scales from the checkpoint, else calibrated by the first init_kv_cache.
         # Their PagedAttention modules hold the scales (worker/kv_quant.py), in layer order.
         self._kv_layers = ([m for m in self.model.modules() if isinstance(m, PagedAttention)]
@@ -161,7 +170,8 @@ class ModelRunner:
             disable_decode_blocks(self.model)  # the compiled decode layer reads float32 caches only
             scales = checkpoint_kv_scales(model_dir)
             if scales:
-                set_checkpoint_scales(self._kv_layers, scales, start, ctx.device)
+                attention_layers = [i for i in range(start, end) if i not in self.config.state_layer_indices]
+                set_checkpoint_scales(self._kv_layers, scales, attention_layers, ctx.device)
                 self._kv_uncalibrated = False
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
@@ -169,7 +179,7 @@ class ModelRunner:
         self.kv_layout = self._target_layout if self.draft is None else \
             PairedKVCacheLayout(self._target_layout, self.draft.kv_layout)
         self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer; a hybrid's state layers: state tuples
         self.num_blocks = 0
         self.last_logits: torch.Tensor | None = None
         self.last_spec_logits: torch.Tensor | None = None
@@ -204,7 +214,7 @@ class ModelRunner:
         return self.kv_layout.num_blocks_for_budget(kv_cache_memory_bytes)
 
     def init_kv_cache(self, num_blocks: int, *, cuda_graph_sizes: Sequence[int] = (), max_model_len: int | None = None,
-                      capture: bool = True) -> None:
+                      capture: bool = True, num_state_slots: int | None = None) -> None:
         """Allocate ``num_blocks`` blocks per layer (block ids ``0 .. num_blocks - 1``) and capture decode graphs.
 
         Args:
@@ -215,14 +225,23 @@ class ModelRunner:
                 holds one more block, the padding rows' null block.
             max_model_len: the longest context a graph takes (default: the model's).
             capture: False checks the graphs' static-buffer path eagerly (tests on the CPU).
+            num_state_slots: hybrid models: the state pool's slots, live and checkpoint (worker/state_cache.py;
+                None: ``DEFAULT_NUM_STATE_SLOTS``); their steps run eagerly, without decode graphs.
         """
         # Latent attention's decode reads its latents with torch ops through the block tables: in a graph that
         # is the static tables' full max_model_len width for every row, every step, so it runs eagerly.
         graphs = (bool(cuda_graph_sizes) and self.draft is None and not self._dynamic_rope
-                  and not self.config.latent_attention and (self._triton_decode or not capture))
+                  and not self.config.latent_attention and (self._triton_decode or not capture)
+                  and not self._state_layers)  # a state layer's step reads per-step slots: eager
+        if cuda_graph_sizes and self._state_layers:
+            log.info("decode graphs off for a hybrid model: its state layers run eagerly")
         take_routed_counts(self._expert_layers)  # drop what earlier (profiling) passes routed
         self._graphs = None
         self.kv_caches = self._target_layout.allocate(num_blocks + graphs, self.ctx.device)
+        if self._state_layers:  # per layer a KV pair or a state tuple (worker/models/base.py)
+            self._state = StateCache(self._state_layers, num_state_slots or DEFAULT_NUM_STATE_SLOTS, self.ctx.device)
+            self.kv_caches = cast(list[tuple[torch.Tensor, torch.Tensor]],  # state tuples at state layers (base.py)
+                                  self._state.layer_caches(self.kv_caches, self.config.num_hidden_layers))
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -271,7 +290,7 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         """Drop the KV cache and every sequence (after the memory profile, before the real cache)."""
         self.kv_caches = []
-        self._graphs = None
+        self._graphs = self._state = None
         if self.draft is not None:
             self.draft.free_kv_cache()
         self.num_blocks = 0
@@ -318,7 +337,7 @@ class ModelRunner:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_sampler else None
             seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
                                               history=history, prompt_token_ids=new.prompt_token_ids,
-                                              lora_slot=self._lora_slot(new.lora_slot))
+                                              lora_slot=self._lora_slot(new.lora_slot), state_slot=new.state_slot)
             batch.add(new.seq_id)
             if new.sampling.grammar and self.ctx.is_sampler:  # built while the forward pass runs
                 self._grammars.prefetch(new.sampling.grammar)
@@ -409,6 +428,9 @@ class ModelRunner:
         """Forward the flat batch and sample (``states``: the chunks' sequences); inside ``inference_mode``."""
         chunks = plan.scheduled
         inputs = self._inputs(chunks, states)
+        if self._state is not None:  # hybrid models: fresh or restored slots, then the step's StateMetadata
+            meta = self._state.begin_step(plan, [s.state_slot for s in states], inputs.chunk_last_rows)
+            inputs = replace(inputs, attn=replace(inputs.attn, state=meta))
         if self.lora is not None:  # the step's rows grouped by adapter, for every adapted layer
             self.lora.step.set_rows([s.lora_slot for s in states], [len(c.token_ids) for c in chunks],
                                     inputs.chunk_last_rows)

@@ -96,6 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._on_fatal = on_fatal
         self._runner = None
         self._num_blocks_available = 0
+        self._num_state_slots = 0  # hybrid models: state slots this rank holds (worker/memory.py cache_split)
         self._error = ""
         self._dtype = ""
         self._device = None  # torch.device, once resolved by load()
@@ -110,7 +111,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             import torch
 
             from worker.device import bind_thread, resolve_device
-            from worker.memory import num_kv_blocks
+            from worker.memory import cache_split
             from worker.model_runner import ModelRunner
             from worker.nccl_env import configure_nccl_env
             from worker.parallel_state import init_distributed
@@ -138,12 +139,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                        lora=opts.lora)
             self._dtype = str(dtype).removeprefix("torch.")
             cache = replace(opts.cache, num_local_ranks=opts.local_world_size)
-            self._num_blocks_available = num_kv_blocks(self._runner, cache)
+            self._num_blocks_available, self._num_state_slots = cache_split(self._runner, cache)
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, tp_rank=ctx.tp_rank,
                      tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
                      enable_expert_parallel=ctx.enable_expert_parallel, dtype=str(dtype),
                      quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
+                     num_state_slots_available=self._num_state_slots,
                      kv_cache_dtype=str(self._runner.kv_cache_dtype).removeprefix("torch."),
                      all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores)
             self._ready.set()
@@ -192,6 +194,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             device="" if self._device is None else self._device.type,
             num_threads=self._num_threads,
             step_protocol=STEP_PROTOCOL,
+            num_state_slots_available=self._num_state_slots,
         )
 
     def InitCache(self, request: pb.InitCacheRequest, context: grpc.ServicerContext) -> pb.InitCacheResponse:
@@ -206,11 +209,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # on one and the Step stream on another, every one of a step's ~120 parallel regions would
         # pay a futex wake-up (the 95M model's rank step at one request: 24-27 ms against 12-14).
         with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"init-cache-rank{self.options.rank}") as once:
-            once.submit(self._init_cache, request.num_kv_blocks).result()
+            once.submit(self._init_cache, request.num_kv_blocks, request.num_state_slots).result()
         return pb.InitCacheResponse()
 
-    def _init_cache(self, num_kv_blocks: int) -> None:
-        """InitCache's work: the KV cache, and on CUDA the decode graphs."""
+    def _init_cache(self, num_kv_blocks: int, num_state_slots: int = 0) -> None:
+        """InitCache's work: the KV cache (and a hybrid's state pool), and on CUDA the decode graphs."""
         self.bind_step_thread()  # a thread of its own: its current CUDA device is cuda:0 until told
         opts = self.options
         sizes: tuple[int, ...] = ()
@@ -219,7 +222,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
             sizes = opts.cuda_graph_sizes or default_capture_sizes(opts.cache.max_num_seqs)
         started = time.monotonic()
-        self._runner.init_kv_cache(num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len)
+        self._runner.init_kv_cache(num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len,
+                                   num_state_slots=num_state_slots or None)
         if self._runner.cuda_graph_sizes:
             log.info("decode graphs captured", rank=opts.rank, sizes=list(self._runner.cuda_graph_sizes),
                      seconds=round(time.monotonic() - started, 2))

@@ -16,6 +16,14 @@ only reads and writes the slots it is told.
 
 The runner zeroes a live slot before the chunk that starts a sequence at position 0 (or copies a
 checkpoint into it on a prefix hit), so a layer always continues from the slot's state.
+
+Where the pieces are: a family lists its state layers with ``CausalLM.state_layers()``
+(worker/models/base.py); the runner's pool and each step's :class:`StateMetadata` are
+worker/state_cache.py's (``StateCache.begin_step``), attached as ``AttentionMetadata.state``
+(worker/attention.py; None for attention-only models); the model's ``kv_caches`` list holds, at
+each state layer's index, that layer's state tuple. The coordinator's slots and checkpoints:
+coordinator/state_slots.py; the plan's fields: ``NewSequence.state_slot``,
+``StepPlan.restored_states`` and ``StepPlan.state_checkpoints`` (tpserve/step.py).
 """
 
 from __future__ import annotations
@@ -43,12 +51,20 @@ class StateMetadata:
         checkpoints: per sequence, ``(rows, slot)`` pairs in increasing ``rows``: after the
             sequence's first ``rows`` rows of this step, copy its state into checkpoint ``slot``
             (a prompt block boundary, for prefix caching). Empty tuples for most sequences.
+            A sequence with checkpoints is never in the decode group.
+        host_slots: ``slots`` as Python ints (``B``), so a layer indexes one sequence's slot
+            (``state[k][host_slots[i]]``, a view) without a device-to-host copy.
+
+    Built by worker/state_cache.py's :meth:`~worker.state_cache.StateCache.metadata` and
+    attached to :class:`worker.attention.AttentionMetadata` as ``state`` (None for
+    attention-only models).
     """
 
     slots: torch.Tensor
     query_start_loc: tuple[int, ...]
     num_decodes: int
     checkpoints: tuple[tuple[tuple[int, int], ...], ...] = ()
+    host_slots: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -10,12 +10,13 @@ class GaugeUpdater:
     """Sets the load gauges and adds what the scheduler's cumulative counters gained since the last call
     (Prometheus counters only grow by increments)."""
 
-    __slots__ = ("scheduler", "metrics", "prefix_cache_counted", "spec_counted")
+    __slots__ = ("scheduler", "metrics", "prefix_cache_counted", "spec_counted", "state_counted")
 
     def __init__(self, scheduler: Scheduler, metrics: Metrics) -> None:
         self.scheduler, self.metrics = scheduler, metrics
         self.prefix_cache_counted = (0, 0)  # scheduler's queries and hits already added to the metrics
         self.spec_counted = scheduler.spec.snapshot()  # speculative decoding counters already added
+        self.state_counted = (0, 0)  # hybrids: the state slots' checkpoint queries and hits already added
 
     def update(self) -> None:
         """Called after every step and every abort."""
@@ -25,6 +26,11 @@ class GaugeUpdater:
         metrics.prefix_cache_queries.inc(queries - self.prefix_cache_counted[0])
         metrics.prefix_cache_hits.inc(hits - self.prefix_cache_counted[1])
         self.prefix_cache_counted = (queries, hits)
+        slots = scheduler.state_slots
+        if slots is not None and slots.num_checkpoint_queries != self.state_counted[0]:
+            metrics.prefix_cache_state_queries.inc(slots.num_checkpoint_queries - self.state_counted[0])
+            metrics.prefix_cache_state_hits.inc(slots.num_checkpoint_hits - self.state_counted[1])
+            self.state_counted = (slots.num_checkpoint_queries, slots.num_checkpoint_hits)
         if scheduler.spec.num_drafts != self.spec_counted.num_drafts:
             metrics.add_spec_decode(scheduler.spec, self.spec_counted)
             self.spec_counted = scheduler.spec.snapshot()

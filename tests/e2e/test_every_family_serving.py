@@ -1,7 +1,7 @@
 """``tpserve serve --model <tiny checkpoint>`` prints ``transformers``' greedy text, for every family.
 
 Issue 19's acceptance: each registered family that a tiny seeded random checkpoint stands for
-(dense, sliding-window, RoPE-scaled, mixture-of-experts, attention sinks) served at tensor-parallel degree 1 by
+(dense, sliding-window, RoPE-scaled, mixture-of-experts, attention sinks, hybrid state layers) served at tensor-parallel degree 1 by
 the real server, then ``tpserve generate --json`` on a text prompt, 40 greedy tokens past any
 window. The checkpoints are the ones the worker-level family tests check at tp 1, 2 and 4
 (tests/worker/test_*), at stories260k's 512-token vocabulary with its tokenizer. The prompt's
@@ -31,7 +31,7 @@ PROMPT = "Once upon a time"
 FAMILIES = ("qwen3_qk_norm", "phi3_fused", "mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3",
             "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "glm4_moe", "minimax_m2",
             "ernie4_5_moe", "granite", "cohere", "starcoder2", "llama4", "olmo2", "olmo3", "smollm3", "exaone4",
-            "dsv3_q_lora", "dsv3_yarn", "dsv3_moe", "glm4_moe_lite")
+            "dsv3_q_lora", "dsv3_yarn", "dsv3_moe", "glm4_moe_lite", "lfm2")
 
 
 def _specs() -> dict[str, TinyModelSpec]:
@@ -43,7 +43,7 @@ def _specs() -> dict[str, TinyModelSpec]:
     specs = {spec.name: spec for spec in TINY_MODELS}
     for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models",
                    "test_gpt_oss", "test_granite", "test_cohere", "test_starcoder2", "test_llama4", "test_olmo2",
-                   "test_olmo3", "test_smollm3", "test_exaone4"):
+                   "test_olmo3", "test_smollm3", "test_exaone4", "test_lfm2"):
         importlib.import_module(f"tests.worker.{module}")  # each registers its checkpoints
     specs.update({name: spec for name, (spec, _window) in family_check._REGISTERED.items()})
     for module in ("test_mixtral", "test_qwen3_moe", "test_qwen2_moe", "test_glm4_moe", "test_minimax_m2",

@@ -12,6 +12,11 @@ is a few blocks long, so that blocks fall out of it:
   prefilled); two copies are preempted after 12 tokens, past the window, and recomputed;
   the first two originals ask for their prompt logprobs.
 
+A hybrid model (state layers, worker/state_cache.py) runs the same plans with live state slots, a
+state checkpoint at every prompt block boundary, and each prefix hit resuming from the source's
+checkpoint at the shared boundary (tests/worker/scenarios.py): chunked prefill carries the state
+across chunks, a preempted sequence recomputes from a zeroed slot.
+
 Every sampled token must equal ``transformers``' greedy ``generate``, the logits of every
 sampled row (float32) ``transformers``' within 1e-4, and the prompt logprobs the
 log-softmax of ``transformers``' logits within 1e-4.
@@ -36,6 +41,7 @@ import torch
 from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
 from tests.worker.scenarios import GREEDY, SeqSpec, build_plans, hf_reference
 from tests.worker.tp_harness import Job, StepRecord, run_jobs
+from tpserve.model_config import ModelConfig
 from tpserve.step import SamplingParams
 
 BLOCK_SIZE = 4
@@ -60,6 +66,7 @@ class FamilyCase:
 def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int = 0) -> FamilyCase:
     """Save ``spec``'s checkpoint in ``directory``, compute ``transformers``' reference and the plans."""
     save_tiny_model(spec, directory)
+    hybrid = bool(ModelConfig.from_pretrained(directory).state_layer_indices)  # state slots and checkpoints
     model = load_hf_model(directory)
     rng = random.Random(seed)
     vocab = model.config.vocab_size
@@ -85,7 +92,7 @@ def prepare(spec: TinyModelSpec, directory: Path, window: int | None, seed: int 
         completions[n + i], logits[n + i] = completions[i], logits[i]
     jobs, expected = [], {}
     for name, seqs in (("alone", alone), ("together", together)):
-        plans, want = build_plans(seqs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
+        plans, want = build_plans(seqs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed, state_slots=hybrid)
         job_name = f"{spec.name}/{name}"
         jobs.append(Job(job_name, str(directory), tuple(plans), NUM_BLOCKS, BLOCK_SIZE))
         expected[job_name] = want

@@ -12,6 +12,12 @@ every step therefore reproduces the reference generation.
 :func:`hf_reference` makes that reference with ``transformers``: greedy rows with
 ``generate(do_sample=False)``, seeded sampled rows with our sampler applied to
 ``transformers``' logits, and the logits of every sampled position.
+
+Hybrid models (``state_slots=True``): each sequence also holds a live state slot from
+its arrival (or re-arrival after a preemption) to its end, each prefill chunk saves the
+state at every prompt block boundary it crosses into a fresh checkpoint slot (from
+``num_live`` up), and a prefix-cache hit restores the source's checkpoint at the shared
+boundary (``StepPlan.restored_states``) before prefilling the rest.
 """
 
 from __future__ import annotations
@@ -63,15 +69,48 @@ class _State:
     preempted: bool = False
 
 
-def _new_sequence(spec: SeqSpec) -> NewSequence:
+def _new_sequence(spec: SeqSpec, state_slot: int = 0) -> NewSequence:
     prompt = spec.prompt if spec.sampling.prompt_logprobs is not None else ()
-    return NewSequence(spec.seq_id, spec.sampling, len(spec.prompt), prompt_token_ids=prompt)
+    return NewSequence(spec.seq_id, spec.sampling, len(spec.prompt), prompt_token_ids=prompt, state_slot=state_slot)
+
+
+class _StateSlots:
+    """A hybrid scenario's state slots: live ones from a free list, checkpoints by (seq_id, boundary)."""
+
+    def __init__(self, num_live: int, num_slots: int) -> None:
+        self.free = list(range(num_live - 1, -1, -1))
+        self.live: dict[int, int] = {}
+        self.checkpoints: dict[tuple[int, int], int] = {}
+        self.next_checkpoint, self.num_slots = num_live, num_slots
+
+    def take(self, seq_id: int) -> int:
+        self.live[seq_id] = self.free.pop()
+        return self.live[seq_id]
+
+    def give_back(self, seq_id: int) -> None:
+        self.free.append(self.live.pop(seq_id))
+
+    def save(self, seq_id: int, start: int, end: int, prompt_len: int, block_size: int) -> list[tuple[int, int, int]]:
+        """``(seq_id, rows, slot)`` for each prompt block boundary in ``(start, end]``."""
+        marks = []
+        for boundary in range((start // block_size + 1) * block_size, min(end, prompt_len) + 1, block_size):
+            assert self.next_checkpoint < self.num_slots, "the scenario needs more state slots"
+            self.checkpoints[(seq_id, boundary)] = self.next_checkpoint
+            marks.append((seq_id, boundary - start, self.next_checkpoint))
+            self.next_checkpoint += 1
+        return marks
 
 
 def build_plans(
-    specs: list[SeqSpec], completions: dict[int, list[int]], block_size: int, num_blocks: int, seed: int = 0
+    specs: list[SeqSpec], completions: dict[int, list[int]], block_size: int, num_blocks: int, seed: int = 0,
+    state_slots: bool = False, num_live_slots: int = 32, num_state_slots: int = 256,
 ) -> tuple[list[StepPlan], list[list[tuple[int, int]]]]:
-    """Plans for ``specs`` and, per step, ``(seq_id, completion index)`` of each sample in plan order."""
+    """Plans for ``specs`` and, per step, ``(seq_id, completion index)`` of each sample in plan order.
+
+    ``state_slots``: a hybrid model's slots and checkpoints (module docstring), within a pool of
+    ``num_state_slots`` (the runner's, worker/state_cache.py) whose first ``num_live_slots`` are live.
+    """
+    slots = _StateSlots(num_live_slots, num_state_slots) if state_slots else None
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
     states: dict[int, _State] = {}
@@ -84,15 +123,18 @@ def build_plans(
 
     while step == 0 or states or finished_next or any(s.arrive_step >= step for s in specs):
         finished, new_seqs, scheduled, samples = list(finished_next), [], [], []
+        restored, checkpoints = [], []
         for seq_id in finished_next:
             release(states[seq_id].block_table, seq_id)
             del states[seq_id]
+            if slots is not None:
+                slots.give_back(seq_id)
         finished_next = []
         cached: dict[int, list[int]] = {}  # seq_id -> the blocks of a prefix-cache hit
         for spec in specs:
             if spec.arrive_step == step:
                 states[spec.seq_id] = _State(spec, block_table=[])
-                new_seqs.append(_new_sequence(spec))
+                new_seqs.append(_new_sequence(spec, slots.take(spec.seq_id) if slots is not None else 0))
                 source = states.get(spec.prefix_from) if spec.prefix_from is not None else None
                 if source is not None:
                     common = 0
@@ -100,6 +142,9 @@ def build_plans(
                            and spec.prompt[common] == source.spec.prompt[common]):
                         common += 1
                     shared = source.block_table[: common // block_size]
+                    if slots is not None and shared:  # resume from the source's state at the shared boundary
+                        restored.append((spec.seq_id, slots.checkpoints[(source.spec.seq_id,
+                                                                          len(shared) * block_size)]))
                     states[spec.seq_id].block_table = list(shared)
                     states[spec.seq_id].num_computed = len(shared) * block_size
                     cached[spec.seq_id] = list(shared)
@@ -111,7 +156,9 @@ def build_plans(
                 release(state.block_table, spec.seq_id)  # preempted: dropped, then re-sent whole
                 state.block_table, state.num_computed, state.preempted = [], 0, True
                 finished.append(spec.seq_id)
-                new_seqs.append(_new_sequence(spec))
+                if slots is not None:
+                    slots.give_back(spec.seq_id)
+                new_seqs.append(_new_sequence(spec, slots.take(spec.seq_id) if slots is not None else 0))
             known = list(spec.prompt) + completions[spec.seq_id][: state.num_sampled]
             limit = spec.prefill_chunk or len(known)
             tokens = known[state.num_computed : state.num_computed + limit]
@@ -121,6 +168,8 @@ def build_plans(
             state.block_table.extend(new_blocks)
             new_blocks = cached.pop(spec.seq_id, []) + new_blocks  # a hit's shared blocks come first
             chunk_samples = end == len(known)
+            if slots is not None:
+                checkpoints += slots.save(spec.seq_id, state.num_computed, end, len(spec.prompt), block_size)
             scheduled.append(ScheduledChunk(spec.seq_id, tuple(tokens), state.num_computed, tuple(new_blocks),
                                             sample=chunk_samples))
             state.num_computed = end
@@ -129,7 +178,8 @@ def build_plans(
                 state.num_sampled += 1
                 if state.num_sampled == spec.num_new_tokens:
                     finished_next.append(spec.seq_id)  # blocks freed when the next plan names it
-        plans.append(StepPlan(step, tuple(new_seqs), tuple(scheduled), tuple(finished)))
+        plans.append(StepPlan(step, tuple(new_seqs), tuple(scheduled), tuple(finished),
+                              restored_states=tuple(restored), state_checkpoints=tuple(checkpoints)))
         expected.append(samples)
         step += 1
     return plans, expected

@@ -24,7 +24,7 @@ import torch
 
 from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
 from tests.worker.hybrid_harness import Scenario, run_scenarios
-from tests.worker.hybrid_specs import HYBRID_SPECS
+from tests.worker.hybrid_specs import GATED_DELTA_NET_SPECS
 
 PROMPT_LENGTHS = (3, 9, 17, 30, 41, 66, 70, 83)
 NUM_NEW_TOKENS = 32
@@ -84,7 +84,7 @@ class Case:
             assert hits >= 3  # the even second copies of the longer prompts started from a checkpoint
 
 
-@pytest.fixture(scope="module", params=HYBRID_SPECS, ids=lambda s: s.name)
+@pytest.fixture(scope="module", params=GATED_DELTA_NET_SPECS, ids=lambda s: s.name)
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
     return Case(request.param, tmp_path_factory.mktemp(request.param.name))
 

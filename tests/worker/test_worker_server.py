@@ -46,13 +46,14 @@ class FakeRunner:
         self.config = ModelConfig.from_pretrained(model_dir)
         self.ctx = ctx
         self.kv_layout = KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, dtype)
+        self.state_bytes_per_slot = 0  # an attention-only model: no state pool
         self.calls: list[tuple[str, str, torch.device | None]] = []  # (method, thread name, current device)
 
     def _record(self, method: str) -> None:
         self.calls.append((method, threading.current_thread().name, self.cuda.current_device()))
 
     def init_kv_cache(self, num_blocks: int, cuda_graph_sizes: tuple[int, ...] = (),
-                      max_model_len: int | None = None) -> None:
+                      max_model_len: int | None = None, num_state_slots: int | None = None) -> None:
         self._record("init_kv_cache")
         self.cuda_graph_sizes = tuple(cuda_graph_sizes)  # captured as asked: no model, nothing to refuse
 
@@ -105,7 +106,7 @@ def test_load_binds_the_local_gpu_and_sizes_the_cache_from_free_memory(loaded) -
     expected_blocks = (int(0.9 * 80 * GIB) - used) // runner.kv_layout.bytes_per_block
     status = servicer.GetStatus(pb.GetStatusRequest(), None)
     assert status.ready and status.num_kv_blocks_available == expected_blocks > 0
-    assert status.step_protocol == STEP_PROTOCOL == 2  # what the coordinator checks before the first step
+    assert status.step_protocol == STEP_PROTOCOL == 3  # what the coordinator checks before the first step
 
 
 def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loaded, tmp_path: Path) -> None:

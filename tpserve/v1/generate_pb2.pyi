@@ -288,7 +288,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "tensor_parallel_size", "dtype", "eos_token_ids", "num_kv_blocks", "block_size", "quantization", "speculative_method", "num_speculative_tokens", "enable_prefix_caching", "server_version", "pipeline_parallel_size", "async_scheduling", "enable_expert_parallel", "kv_cache_dtype")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "tensor_parallel_size", "dtype", "eos_token_ids", "num_kv_blocks", "block_size", "quantization", "speculative_method", "num_speculative_tokens", "enable_prefix_caching", "server_version", "pipeline_parallel_size", "async_scheduling", "enable_expert_parallel", "kv_cache_dtype", "num_state_slots", "num_state_checkpoint_slots")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,8 @@ class ModelInfo(_message.Message):
     ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     ENABLE_EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -323,4 +325,6 @@ class ModelInfo(_message.Message):
     async_scheduling: bool
     enable_expert_parallel: bool
     kv_cache_dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., server_version: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., enable_expert_parallel: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    num_state_slots: int
+    num_state_checkpoint_slots: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., server_version: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., async_scheduling: _Optional[bool] = ..., enable_expert_parallel: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., num_state_slots: _Optional[int] = ..., num_state_checkpoint_slots: _Optional[int] = ...) -> None: ...

@@ -25,7 +25,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol")
+    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol", "num_state_slots_available")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class WorkerStatus(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     STEP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     ready: bool
@@ -44,13 +45,16 @@ class WorkerStatus(_message.Message):
     device: str
     num_threads: int
     step_protocol: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ...) -> None: ...
+    num_state_slots_available: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ..., num_state_slots_available: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_kv_blocks",)
+    __slots__ = ("num_kv_blocks", "num_state_slots")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_state_slots: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_state_slots: _Optional[int] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
     __slots__ = ()
@@ -114,20 +118,22 @@ class WorkerSamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., grammar_stop_ids: _Optional[_Iterable[int]] = ..., typical_p: _Optional[float] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "history_token_ids", "prompt_token_ids", "lora_slot")
+    __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "history_token_ids", "prompt_token_ids", "lora_slot", "state_slot")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     sampling: WorkerSamplingParams
     num_prompt_tokens: int
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lora_slot: int
-    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lora_slot: _Optional[int] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lora_slot: _Optional[int] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class ScheduledChunk(_message.Message):
     __slots__ = ("seq_id", "token_ids", "start_position", "new_block_ids", "sample", "num_spec_tokens", "num_draft_tokens")
@@ -148,7 +154,7 @@ class ScheduledChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_spec_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids")
+    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids", "restored_states", "state_checkpoints")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +165,8 @@ class StepPlan(_message.Message):
     DECODE_START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GROW_ROWS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GROW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STATES_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
@@ -169,7 +177,27 @@ class StepPlan(_message.Message):
     decode_start_positions: _containers.RepeatedScalarFieldContainer[int]
     decode_grow_rows: _containers.RepeatedScalarFieldContainer[int]
     decode_grow_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    restored_states: _containers.RepeatedCompositeFieldContainer[StateRestore]
+    state_checkpoints: _containers.RepeatedCompositeFieldContainer[StateCheckpoint]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ..., restored_states: _Optional[_Iterable[_Union[StateRestore, _Mapping]]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class StateRestore(_message.Message):
+    __slots__ = ("seq_id", "slot")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class StateCheckpoint(_message.Message):
+    __slots__ = ("seq_id", "num_rows", "slot")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_rows: int
+    slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_rows: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class TrimmedBlockTable(_message.Message):
     __slots__ = ("seq_id", "num_blocks")

@@ -7,6 +7,16 @@ of that parameter the tensor fills (:meth:`CausalLM.weight_map`); the
 parameter's ``weight_loader`` then reads this rank's slice. The runner calls
 ``forward`` and ``compute_logits``.
 
+Hybrid families (docs/design/models.md, "Hybrid models") also say which decoder layers keep a
+per-sequence state instead of a KV cache: :meth:`CausalLM.state_layers` maps each such layer's
+index to its :class:`~worker.state_metadata.StateLayer`, whose ``state_shapes()`` and
+``state_dtypes()`` size the runner's state pool (worker/state_cache.py). The runner then passes,
+in ``forward``'s ``kv_caches`` list at that layer's index, the layer's state tuple (each tensor
+``(num_state_slots, *per_slot_shape)``) where an attention layer gets its ``(k_cache, v_cache)``,
+and ``attn_metadata.state`` (a :class:`~worker.state_metadata.StateMetadata`) for the step.
+Attention-only families inherit an empty map: nothing changes for them (``attn_metadata.state``
+stays None).
+
 Checkpoint names map to parameter names one to one, except the tensors a family
 stacks into one fused parameter, declared in ``stacked_params_mapping`` as
 ``(parameter module, checkpoint module, shard_id)``: the Llama layout stacks
@@ -78,12 +88,31 @@ class CausalLM(nn.Module):
                 attn_metadata: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids, positions (T,) int64`` -> final hidden states ``(T, hidden_size)``.
 
-        Writes this step's keys and values into ``kv_caches`` (one per layer of this stage).
+        Writes this step's keys and values into ``kv_caches`` (one per layer of this stage: a
+        ``(k_cache, v_cache)`` pair, or a state layer's state tuple, see the module docstring).
         With pipeline stages: ``hidden_states (T, hidden_size)`` is the previous stage's
         output (None on the first stage, which embeds ``input_ids``), and a stage before
         the last returns its last layer's output, before the final norm.
         """
         raise NotImplementedError
+
+    def state_layers(self) -> dict[int, nn.Module]:
+        """The decoder layers with a per-sequence state: ``{layer index: its StateLayer module}``.
+
+        The default finds them in ``self.model.layers``: a layer that has ``state_shapes``
+        (worker/state_metadata.py's :class:`~worker.state_metadata.StateLayer` protocol), or its first
+        direct child that has. Empty for attention-only families (the runner then builds no state
+        pool and no :class:`~worker.state_metadata.StateMetadata`). Indices are this stage's
+        (hybrids serve one pipeline stage). Called once, at start-up.
+        """
+        layers = getattr(getattr(self, "model", None), "layers", None)
+        found: dict[int, nn.Module] = {}
+        for index, layer in enumerate(layers if layers is not None else ()):
+            candidates = [layer, *layer.children()]
+            owner = next((m for m in candidates if hasattr(m, "state_shapes")), None)
+            if owner is not None:
+                found[index] = owner
+        return found
 
     def stage_checkpoint_name(self, checkpoint_name: str) -> str | None:
         """A checkpoint tensor's name as this stage's modules number it, or None: not on this stage.

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpserve.model_config import LINEAR_ATTENTION, ModelConfig
+from tpserve.hybrid_layers import LINEAR_ATTENTION
+from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.layers.gated_delta_net import GatedDeltaNet, GatedDeltaNetSizes, GroupedProjectionGatedDeltaNet
@@ -152,6 +153,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             shared_expert_intermediate_size=config.hf_value("shared_expert_intermediate_size", 512),
             quantization=quantization,
         )
+
+    def state_layers(self) -> dict[int, nn.Module]:
+        """The Gated DeltaNet layers, by index: each one's state is ``(conv, recurrent)`` (its ``state_shapes()``)."""
+        return {i: layer.linear_attn for i, layer in enumerate(self.model.layers) if layer.linear_attn is not None}
 
     def stage_checkpoint_name(self, checkpoint_name: str) -> str | None:
         if checkpoint_name.startswith("mtp."):
