@@ -9,9 +9,9 @@ Run without the runner (tests/worker/hybrid_harness.py), tokens teacher-forced: 
   inside every prefill; checkpoints at every 8-token block boundary of a prompt; the even second copies start
   from their first copy's latest checkpoint (state copied, KV blocks shared), the odd ones from scratch.
 
-Every completion row's argmax must be ``transformers``' greedy token; every row's logits (float32) within 3e-4 of
-``transformers``' on the same path (the prompt rows its prefill's, the completion rows its decode steps'), and
-the prompt rows' log-softmax (prompt logprobs) within 3e-4 (why not 1e-4: ``ATOL``).
+Every completion row's argmax must be ``transformers``' greedy token; every row's logits (float32) within
+``5e-4 + 1e-4 * |logit|`` of ``transformers``' on the same path (the prompt rows its prefill's, the completion
+rows its decode steps'), and every prompt token's logprob within 5e-4 (why not 1e-4: ``ATOL``).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from tests.worker.hybrid_specs import GATED_DELTA_NET_SPECS
 
 PROMPT_LENGTHS = (3, 9, 17, 30, 41, 66, 70, 83)
 NUM_NEW_TOKENS = 32
-#: Logits and log-probabilities, absolute. Not 1e-4: the reference's own float32 forms disagree by more on these
-#: checkpoints (logits up to ~16), its decode steps against its prefill of the same tokens by up to 3.5e-4 and
-#: its float32 against its float64 by up to 2.6e-4 (the 64-row triangular solves of the chunked form); ours is
-#: within 2.2e-4 of its float32 (measured on the three checkpoints, tp 1).
-ATOL, RTOL = 3e-4, 0.0
+#: Logits within 5e-4 + 1e-4 * |logit| and prompt tokens' logprobs within 5e-4, not family_check.py's 1e-4:
+#: the reference's own float32 forms disagree by more on these checkpoints (logits up to ~16): its decode
+#: steps against its prefill of the same tokens by up to 4.2e-4, its float32 against its float64 by up to
+#: 2.6e-4 (tests/worker/test_qwen3_next.py says why). Measured here: up to 2.2e-4.
+ATOL, RTOL, LOGPROB_ATOL = 5e-4, 1e-4, 5e-4
 
 
 class Case:
@@ -77,9 +77,14 @@ class Case:
             torch.testing.assert_close(logits, reference, rtol=RTOL, atol=ATOL)
             greedy = logits[prompt_len - 1 - first:].argmax(-1).tolist()
             assert greedy == self.completions[i], f"sequence {seq_id}"
-            prompt_rows = slice(0, prompt_len - 1 - first)
-            torch.testing.assert_close(torch.log_softmax(logits[prompt_rows], -1),
-                                       torch.log_softmax(reference[prompt_rows], -1), rtol=RTOL, atol=ATOL)
+            # Prompt logprobs: row r predicts the token at position first + r + 1.
+            prompt = self.prompts[i]
+            rows = range(prompt_len - 1 - first)
+            ours = torch.log_softmax(logits[:len(rows)], -1)
+            ref = torch.log_softmax(reference[:len(rows)], -1)
+            for r in rows:
+                token = prompt[first + r + 1]
+                assert abs(float(ours[r, token]) - float(ref[r, token])) < LOGPROB_ATOL, f"{seq_id} row {r}"
         if num_seqs > len(self.prompts):
             assert hits >= 3  # the even second copies of the longer prompts started from a checkpoint
 
