@@ -97,8 +97,7 @@ class HybridHarness:
     def step(self, plan: list[tuple[int, int]]) -> None:
         """Run one step: ``(seq_id, num_tokens)`` per chunk; one-token chunks must come first (the decode group)."""
         lens = [n for _, n in plan]
-        num_decodes = sum(1 for n in lens if n == 1)
-        assert all(n == 1 for n in lens[:num_decodes]), "one-token chunks first"
+        assert sorted(lens, key=lambda n: n > 1) == lens, "one-token chunks first (the attention decode group)"
         chunks, checkpoints = [], []
         for seq_id, n in plan:
             seq = self.seqs[seq_id]
@@ -117,11 +116,13 @@ class HybridHarness:
         tables = [self.seqs[seq_id].table for seq_id, _ in plan]
         inputs = build_step_inputs(chunks, tables, [GREEDY] * len(plan), BLOCK_SIZE, self.ctx.device,
                                    with_sampling=False)
+        # The state layers' decode group: the leading one-row chunks without a checkpoint (the contract's).
+        num_decodes = next((i for i, (n, marks) in enumerate(zip(lens, checkpoints)) if n > 1 or marks), len(plan))
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        state = StateMetadata(torch.tensor([self.seqs[s].slot for s, _ in plan]), tuple(starts), num_decodes,
-                              tuple(checkpoints))
+        slots = tuple(self.seqs[s].slot for s, _ in plan)
+        state = StateMetadata(torch.tensor(slots), tuple(starts), num_decodes, tuple(checkpoints), slots)
         attn = dataclasses.replace(inputs.attn, state=state)
         with torch.no_grad():
             hidden = self.model(inputs.input_ids, attn.positions, self.caches, attn)  # (T, hidden)

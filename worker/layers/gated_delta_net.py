@@ -154,8 +154,7 @@ class GatedDeltaNet(nn.Module):
         weight, n = self.conv1d.weight, meta.num_decodes
         if n:
             out[:n] = causal_conv1d_decode(qkv[:n], weight, None, conv_states, meta.slots[:n], "silu")
-            _save_decode_checkpoints(conv_states, meta)
-        slots = meta.slots.tolist()
+        slots = meta.host_slots
         for i in range(n, meta.num_seqs):
             for start, end, save in meta.segments(i):
                 out[start:end] = causal_conv1d_prefill(qkv[start:end], weight, None, conv_states[slots[i]], "silu")
@@ -184,9 +183,8 @@ class GatedDeltaNet(nn.Module):
         if n:
             slots = meta.slots[:n]
             out[:n], new = recurrent_step(q[:n], k[:n], v[:n], g[:n], beta[:n], states.index_select(0, slots))
-            states.index_copy_(0, slots, new)
-            _save_decode_checkpoints(states, meta)
-        slot_ids = meta.slots.tolist()
+            states.index_copy_(0, slots, new)  # (a decode-group sequence has no checkpoint)
+        slot_ids = meta.host_slots
         for i in range(n, meta.num_seqs):
             live = states[slot_ids[i]]  # (Hv, d_k, d_v), a view into the pool
             for start, end, save in meta.segments(i):
@@ -196,13 +194,6 @@ class GatedDeltaNet(nn.Module):
                 if save is not None:
                     states[save].copy_(live)
         return out
-
-
-def _save_decode_checkpoints(states: torch.Tensor, meta: StateMetadata) -> None:
-    """A decode sequence's checkpoint (after its one row): its slot copied into the checkpoint slot."""
-    for i, marks in enumerate(meta.checkpoints[:meta.num_decodes]):
-        for _, save in marks:
-            states[save].copy_(states[int(meta.slots[i])])
 
 
 class HeadShardedConv1d(nn.Module):

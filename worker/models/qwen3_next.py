@@ -156,7 +156,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def state_layers(self) -> dict[int, nn.Module]:
         """The Gated DeltaNet layers, by index: each one's state is ``(conv, recurrent)`` (its ``state_shapes()``)."""
-        return {i: layer.linear_attn for i, layer in enumerate(self.model.layers) if layer.linear_attn is not None}
+        return {i: layer.linear_attn for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.linear_attn, GatedDeltaNet)}
 
     def stage_checkpoint_name(self, checkpoint_name: str) -> str | None:
         if checkpoint_name.startswith("mtp."):
