@@ -18,6 +18,7 @@ from tpserve.model_registry import LINEAR_ATTENTION_ARCHITECTURES
 
 #: Gated DeltaNet layers (linear attention; worker/layers/gated_delta_net.py): Qwen3-Next, Qwen3.5, Qwen3.5-MoE.
 LINEAR_ATTENTION = "linear_attention"
+
 #: Per hybrid architecture, the ``layer_types`` values that name a state layer. A family that adds
 #: a state layer kind adds its architecture here (and its kind's layer in worker/layers/).
 STATE_LAYER_TYPES: dict[str, frozenset[str]] = {

@@ -269,8 +269,9 @@ class ModelConfig:
         ):
             if size % tp:
                 raise ValueError(f"{name}={size} is not divisible by tensor_parallel_size={tp}")
-        for name in ("linear_num_key_heads", "linear_num_value_heads"):  # Gated DeltaNet heads (hybrid families)
-            heads = self.hf_config.get(name) if self.architecture in LINEAR_ATTENTION_ARCHITECTURES else None
+        # Gated DeltaNet heads (hybrid families), with transformers' defaults when absent.
+        for name, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
+            heads = self.hf_config.get(name, default) if self.architecture in LINEAR_ATTENTION_ARCHITECTURES else None
             if isinstance(heads, int) and heads % tp:
                 raise ValueError(f"{name}={heads} is not divisible by tensor_parallel_size={tp}")
         kv = self.total_num_kv_heads
