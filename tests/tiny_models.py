@@ -31,6 +31,9 @@ class TinyModelSpec:
         max_shard_size: when set, ``save_pretrained`` shards the checkpoint
             (``model.safetensors.index.json``).
         seed: seed of the weights.
+        zero_centred_norms: the family's RMSNorms scale by ``1 + w`` (Qwen3-Next, Qwen3.5): their weights are
+            drawn around 0, so that every norm scales by about 1 as the others do (a gated norm, ``w * x``,
+            stays around 1).
     """
 
     name: str
@@ -38,6 +41,7 @@ class TinyModelSpec:
     config: dict[str, Any] = field(default_factory=dict)
     max_shard_size: str | None = None
     seed: int = 0
+    zero_centred_norms: bool = False
 
 
 _BASE: dict[str, Any] = {
@@ -96,7 +100,10 @@ def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            if name.endswith(("norm.weight", "norm_f.weight")):  # norm_f: Nemotron-H's final norm
+            norm = name.endswith(("norm.weight", "norm_f.weight"))  # norm_f: Nemotron-H's final norm
+            if norm and spec.zero_centred_norms and not name.endswith("linear_attn.norm.weight"):
+                param.copy_(0.2 * noise)
+            elif norm:
                 param.copy_(1.0 + 0.2 * noise)
             elif name.endswith(("embed_tokens.weight", "lm_head.weight", "backbone.embeddings.weight")):
                 param.copy_(0.5 * noise)

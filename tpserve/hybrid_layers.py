@@ -27,12 +27,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tpserve.model_registry import LINEAR_ATTENTION_ARCHITECTURES
+
+#: Gated DeltaNet layers (linear attention; worker/layers/gated_delta_net.py): Qwen3-Next, Qwen3.5, Qwen3.5-MoE.
+LINEAR_ATTENTION = "linear_attention"
+
 #: Per hybrid architecture, the ``layer_types`` values that name a state layer. A family that adds
 #: a state layer kind adds its architecture here (and its kind's layer in worker/layers/).
 STATE_LAYER_TYPES: dict[str, frozenset[str]] = {
     "Lfm2ForCausalLM": frozenset({"conv"}),
     "GraniteMoeHybridForCausalLM": frozenset({"linear_attention"}),  # Mamba-2 (worker/layers/mamba2.py)
     "NemotronHForCausalLM": frozenset({"linear_attention"}),
+    **{architecture: frozenset({LINEAR_ATTENTION}) for architecture in LINEAR_ATTENTION_ARCHITECTURES},
 }
 #: Per architecture, the ``layer_types`` values of layers with neither a KV cache nor a state.
 STATELESS_LAYER_TYPES: dict[str, frozenset[str]] = {
@@ -91,13 +97,18 @@ def default_hybrid_layer_types(raw: Mapping[str, Any], architecture: str, num_hi
     """``layer_types`` of a hybrid config that says its layers' kinds another way (None: not such a config).
 
     LFM2 configs from before ``layer_types`` name the attention layers in ``full_attn_idxs``
-    (``transformers``' Lfm2Config: every other layer is ``"conv"``). A family whose config spells
+    (``transformers``' Lfm2Config: every other layer is ``"conv"``). Qwen3-Next / Qwen3.5 configs without
+    ``layer_types``: every ``full_attention_interval``-th layer (default 4) attends, the others are Gated
+    DeltaNet (``Qwen3NextConfig``'s rule). A family whose config spells
     its kinds otherwise (a pattern string, say) adds its rule here, so that ``ModelConfig.layer_types``
     is always one kind per layer.
 
     Raises:
         ValueError: ``full_attn_idxs`` is not a list of layer indices.
     """
+    if architecture in LINEAR_ATTENTION_ARCHITECTURES:
+        interval = raw.get("full_attention_interval", 4)  # a positive integer (tpserve/model_config_rules.py)
+        return [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(num_hidden_layers)]
     indices = raw.get("full_attn_idxs")
     if architecture != "Lfm2ForCausalLM" or indices is None:
         return None

@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 from tpserve.hybrid_layers import (default_hybrid_layer_types, hybrid_layer_types, hybrid_num_layers,
                                    state_layer_types, stateless_layer_types)
 from tpserve.model_config_rules import check_config
-from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_DEFAULTS, resolve_architecture,
-                                    ties_word_embeddings_by_default)
+from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_ARCHITECTURES,
+                                    PARTIAL_ROTARY_DEFAULTS, resolve_architecture, ties_word_embeddings_by_default)
 from tpserve.quantization import Quantization, checkpoint_quantization
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -270,6 +270,11 @@ class ModelConfig:
         ):
             if size % tp:
                 raise ValueError(f"{name}={size} is not divisible by tensor_parallel_size={tp}")
+        # Gated DeltaNet heads (hybrid families), with transformers' defaults when absent.
+        for name, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
+            heads = self.hf_config.get(name, default) if self.architecture in LINEAR_ATTENTION_ARCHITECTURES else None
+            if isinstance(heads, int) and heads % tp:
+                raise ValueError(f"{name}={heads} is not divisible by tensor_parallel_size={tp}")
         kv = self.total_num_kv_heads
         if tp <= kv and kv % tp:
             raise ValueError(f"num_key_value_heads={kv} is not divisible by tensor_parallel_size={tp}")

@@ -188,6 +188,20 @@ _MAMBA2_RELATIONS: dict[str, tuple[Relation, ...]] = {
         *DEEPSEEK_MOE_RELATIONS,
     ),
 }
+#: Gated DeltaNet's sizes (worker/layers/gated_delta_net.py): Qwen3-Next, Qwen3.5 and Qwen3.5-MoE.
+_GATED_DELTA_NET: dict[str, Check] = {
+    "linear_num_key_heads": POSITIVE_INT,
+    "linear_num_value_heads": POSITIVE_INT,
+    "linear_key_head_dim": POSITIVE_INT,
+    "linear_value_head_dim": POSITIVE_INT,
+    "linear_conv_kernel_dim": POSITIVE_INT,
+    "full_attention_interval": POSITIVE_INT,
+}
+_GATED_DELTA_NET_RELATIONS: tuple[Relation, ...] = (
+    Relation(("linear_num_value_heads", "linear_num_key_heads"), lambda v, k: v % k == 0,
+             "linear_num_value_heads must be a multiple of linear_num_key_heads (each key head serves a group)"),
+)
+_HYBRID_MOE: dict[str, Check] = {**_GATED_DELTA_NET, **_QWEN_MOE, "shared_expert_intermediate_size": POSITIVE_INT}
 
 #: Keys one architecture reads (worker/models/<family>.py's ``hf_value`` calls).
 FAMILY_RULES: dict[str, dict[str, Check]] = {
@@ -225,6 +239,9 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "Exaone4ForCausalLM": {"sliding_window_pattern": _EXAONE4_PATTERN},
     "GraniteMoeHybridForCausalLM": _GRANITE_MOE_HYBRID,
     "NemotronHForCausalLM": _NEMOTRON_H,
+    "Qwen3NextForCausalLM": _HYBRID_MOE,
+    "Qwen3_5ForCausalLM": _GATED_DELTA_NET,
+    "Qwen3_5MoeForCausalLM": _HYBRID_MOE,
     # LFM2: the short convolution's kernel (its state keeps conv_L_cache - 1 inputs) and the MLP's width rule.
     "Lfm2ForCausalLM": {"norm_eps": POSITIVE, "conv_L_cache": Check(lambda v: _is_int(v) and v >= 2,
                                                                     "an integer >= 2"),
@@ -280,6 +297,9 @@ FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
                                       "rotary_dim must be at most head_dim (the rotated part of a head)"),),
     "Ernie4_5_MoeForCausalLM": (Relation(("moe_k", "moe_num_experts"), lambda k, n: k <= n,
                                          "moe_k must be at most moe_num_experts"),),
+    "Qwen3NextForCausalLM": _GATED_DELTA_NET_RELATIONS,
+    "Qwen3_5ForCausalLM": _GATED_DELTA_NET_RELATIONS,
+    "Qwen3_5MoeForCausalLM": _GATED_DELTA_NET_RELATIONS,
 }
 #: Top-level keys an architecture never reads, so not checked: latent attention has no key/value heads
 #: (DeepseekV3Config writes its default of 128 whatever the query heads).

@@ -42,6 +42,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "Lfm2ForCausalLM": "worker.models.lfm2:Lfm2ForCausalLM",
     "Qwen3ForCausalLM": "worker.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "worker.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM": "worker.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "worker.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "worker.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "SmolLM3ForCausalLM": "worker.models.smollm3:SmolLM3ForCausalLM",
     "Starcoder2ForCausalLM": "worker.models.starcoder2:Starcoder2ForCausalLM",
 }
@@ -51,6 +54,10 @@ MODEL_REGISTRY: dict[str, str] = {
 #: (:meth:`tpserve.model_config.ModelConfig.kv_cache_spec`). Kimi K2 checkpoints name DeepseekV3ForCausalLM;
 #: GLM-4.7-Flash's Glm4MoeLiteForCausalLM is DeepSeek V3's attention with GLM's MoE layer pattern.
 LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})
+
+#: Hybrid architectures: Gated DeltaNet (linear attention, a per-sequence state; worker/layers/gated_delta_net.py)
+#: layers beside full-attention ones, as ``layer_types`` says (``"linear_attention"`` / ``"full_attention"``).
+LINEAR_ATTENTION_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
 
 #: Architectures whose ``transformers`` config class defaults ``tie_word_embeddings`` to True
 #: (Gemma2Config, Gemma3TextConfig, CohereConfig, Ernie4_5_MoeConfig, Lfm2Config, SmolLM3Config, Starcoder2Config);
@@ -62,7 +69,9 @@ TIED_BY_DEFAULT = frozenset({"CohereForCausalLM", "Ernie4_5_MoeForCausalLM", "Ge
 #: Architectures that rotate only the first ``rotary_dim`` dimensions of each head (partial RoPE,
 #: worker/layers/partial_rotary.py), with their ``transformers`` default ``partial_rotary_factor``;
 #: every other family refuses a factor below 1 at start-up.
-PARTIAL_ROTARY_DEFAULTS: dict[str, float] = {"Glm4MoeForCausalLM": 0.5, "MiniMaxM2ForCausalLM": 1.0}
+PARTIAL_ROTARY_DEFAULTS: dict[str, float] = {"Glm4MoeForCausalLM": 0.5, "MiniMaxM2ForCausalLM": 1.0,
+                                             "Qwen3NextForCausalLM": 0.25, "Qwen3_5ForCausalLM": 0.25,
+                                             "Qwen3_5MoeForCausalLM": 0.25}
 #: (Gemma2Config, Gemma3TextConfig, CohereConfig, Starcoder2Config); every other family's defaults to False.
 def ties_word_embeddings_by_default(architecture: str) -> bool:
     """Whether ``architecture``'s LM head shares the embedding when config.json does not say."""

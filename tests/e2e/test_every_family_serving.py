@@ -31,7 +31,8 @@ PROMPT = "Once upon a time"
 FAMILIES = ("qwen3_qk_norm", "phi3_fused", "mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3",
             "llama_yarn", "llama_dynamic", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "glm4_moe", "minimax_m2",
             "ernie4_5_moe", "granite", "cohere", "starcoder2", "llama4", "olmo2", "olmo3", "smollm3", "exaone4",
-            "dsv3_q_lora", "dsv3_yarn", "dsv3_moe", "glm4_moe_lite", "lfm2", "granite4_hybrid_moe", "nemotron_h")
+            "dsv3_q_lora", "dsv3_yarn", "dsv3_moe", "glm4_moe_lite", "lfm2", "granite4_hybrid_moe", "nemotron_h",
+            "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def _specs() -> dict[str, TinyModelSpec]:
@@ -44,7 +45,7 @@ def _specs() -> dict[str, TinyModelSpec]:
     for module in ("test_gemma2", "test_gemma3", "test_sliding_window_models", "test_rope_scaling_models",
                    "test_gpt_oss", "test_granite", "test_cohere", "test_starcoder2", "test_llama4", "test_olmo2",
                    "test_olmo3", "test_smollm3", "test_exaone4", "test_lfm2", "test_granite_moe_hybrid",
-                   "test_nemotron_h"):
+                   "test_nemotron_h", "test_qwen3_next"):
         importlib.import_module(f"tests.worker.{module}")  # each registers its checkpoints
     specs.update({name: spec for name, (spec, _window) in family_check._REGISTERED.items()})
     for module in ("test_mixtral", "test_qwen3_moe", "test_qwen2_moe", "test_glm4_moe", "test_minimax_m2",

@@ -3,7 +3,15 @@
 * :data:`LFM2`: four layers, conv / attention alternating (``layer_types``), biased convolutions
   (``conv_bias``: in_proj, the taps and out_proj), kernel 3, GQA 4:2 with QK-norm, tied LM head;
 * :data:`LFM2_IDXS`: the older config form (``full_attn_idxs``), three layers of which one attends,
-  kernel 4, no bias, untied LM head.
+  kernel 4, no bias, untied LM head;
+* :data:`QWEN3_NEXT_SPEC`, :data:`QWEN3_5_SPEC`, :data:`QWEN3_5_MOE_SPEC` (Gated DeltaNet + gated attention):
+  four layers, ``layer_types`` linear, linear, linear, full (``full_attention_interval`` 4, as the released
+  models). DeltaNet: 2 key heads of 16 serving 4 value heads of 8 (two per key head, so the grouped layout and
+  the head repeat both matter; one key head per rank at tp 2), kernel 4. Attention: 4 query heads over 2 KV
+  heads of 16, RoPE on a quarter of each head (the families' default). Qwen3-Next: 8 experts, top-2
+  renormalised, a shared expert, layer 2 dense (``mlp_only_layers``); Qwen3.5-MoE: every layer sparse. The
+  zero-centred norms' weights are drawn around 0 (each scales by about 1). 160 positions, so that prompts
+  span more than one 64-row DeltaNet chunk.
 * :data:`GRANITE_HYBRID_MOE`, :data:`GRANITE_HYBRID_DENSE`, :data:`NEMOTRON_H`: Mamba-2 layers (chunk
   size 8, so every test prompt spans several chunks) beside attention (and MLP / MoE layers).
 
@@ -91,3 +99,16 @@ def check_against_transformers(model_dir: Path, prompt_list: tuple[tuple[int, ..
         ours, theirs = torch.log_softmax(logits, -1), torch.log_softmax(want, -1)
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
         assert tokens == want[len(prompt) - 1:].argmax(-1).tolist()  # transformers' greedy choice at every step
+_HYBRID = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 190, "max_position_embeddings": 160, "linear_num_key_heads": 2,
+           "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+           "linear_conv_kernel_dim": 4, "tie_word_embeddings": False}
+_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+
+QWEN3_NEXT_SPEC = TinyModelSpec("qwen3_next", "qwen3_next", {**_HYBRID, **_MOE, "norm_topk_prob": True,
+                                                             "mlp_only_layers": [2]}, seed=44,
+                               zero_centred_norms=True)
+QWEN3_5_SPEC = TinyModelSpec("qwen3_5", "qwen3_5_text", _HYBRID, seed=45, zero_centred_norms=True)
+QWEN3_5_MOE_SPEC = TinyModelSpec("qwen3_5_moe", "qwen3_5_moe_text", {**_HYBRID, **_MOE}, seed=46,
+                                 zero_centred_norms=True)
+GATED_DELTA_NET_SPECS = (QWEN3_NEXT_SPEC, QWEN3_5_SPEC, QWEN3_5_MOE_SPEC)

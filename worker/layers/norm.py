@@ -53,6 +53,26 @@ class RMSNorm(nn.Module):
         return h, self(h)
 
 
+class ZeroCentredRMSNorm(nn.Module):
+    """RMSNorm with a zero-centred weight: ``x / sqrt(mean(x**2) + eps) * (1 + w)``, all in float32, then cast back.
+
+    The checkpoint stores ``w`` (0 means identity). ``transformers``' ``Gemma2RMSNorm``, ``Qwen3NextRMSNorm``
+    and ``Qwen3_5RMSNorm`` multiply before the cast (Llama's :class:`RMSNorm` casts first).
+    Shapes: ``x (..., size) -> (..., size)``, ``x.dtype``.
+    """
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((size,), dtype, device)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # (..., size)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)  # (..., size)
+
+
 class LayerNorm(nn.Module):
     """Layer normalisation (Ba et al. 2016, arXiv:1607.06450): ``(x - mean) / sqrt(var + eps) * w (+ b)``.
 
@@ -110,3 +130,25 @@ class SiluAndMul(nn.Module):
             return torch.ops.tpserve_cpu.silu_and_mul(gate_up)  # (T, n), one pass
         gate, up = gate_up.chunk(2, dim=-1)  # (T, n) each
         return F.silu(gate) * up  # (T, n)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, then a SiLU gate (Gated DeltaNet's output norm; ``transformers``'
+    ``Qwen3NextRMSNormGated``, flash-linear-attention's ``FusedRMSNormGated``).
+
+    ``y = (w * (x / sqrt(mean(x**2) + eps)).to(x.dtype)) * silu(z)``: the statistics in float32, the
+    normalised value cast back before the weight, the gate in float32, the result cast to ``x.dtype``.
+    Shapes: ``x, z (..., size) -> (..., size)``; ``w (size,)`` is replicated on every rank.
+    """
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((size,), dtype, device)
+        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)  # (..., size)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * x32.to(x.dtype)  # (..., size)
+        return (y * F.silu(z.to(torch.float32))).to(x.dtype)  # (..., size)

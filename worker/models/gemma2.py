@@ -33,8 +33,8 @@ from tpserve.quantization import Quantization
 from worker.attention import AttentionMetadata, PagedAttention
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.norm import ZeroCentredRMSNorm
 from worker.layers.rotary import RotaryEmbedding, rotate_and_cache
-from worker.layers.weights import new_parameter
 from worker.models.base import LLAMA_STACKED_PARAMS, CausalLM, KVCache
 from worker.parallel_state import ParallelContext
 
@@ -44,23 +44,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: ``x / sqrt(mean(x**2) + eps) * (1 + w)``, all in float32, then cast back.
-
-    The checkpoint stores ``w`` (zero-centred); ``transformers``' ``Gemma2RMSNorm`` multiplies
-    before the cast (Llama's casts first). Shapes: ``x (..., size) -> (..., size)``, ``x.dtype``.
-    """
-
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = new_parameter((size,), dtype, device)
-        self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # (..., size)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)  # (..., size)
+#: Gemma's RMSNorm is the zero-centred one (worker/layers/norm.py), shared with Qwen3-Next and Qwen3.5.
+GemmaRMSNorm = ZeroCentredRMSNorm
 
 
 def gemma_layer_types(config: ModelConfig, pattern: int) -> tuple[str, ...]:
