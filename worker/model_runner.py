@@ -52,7 +52,6 @@ from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
 from worker.kv_quant import CALIBRATION_TOKENS, KVScales, cache_dtype, calibrate, calibration_token_ids
-from worker.layers.decode_block import disable_decode_blocks
 from worker.layers.moe import count_triples, expert_layers, take_routed_counts
 from worker.grammar import GrammarCache, GrammarState
 from worker.input_batch import InputBatch
