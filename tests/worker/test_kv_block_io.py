@@ -1,0 +1,70 @@
+"""worker/kv_block_io.py: blocks read out of a paged cache and written back are bit-identical, for every
+cache layout (per-head, latent, 8-bit codes), and bad input is refused before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.model_config import KVCacheSpec
+from worker.kv_block_io import gather_blocks, scatter_blocks
+from worker.kv_cache import KVCacheLayout
+
+LAYOUTS = {
+    "per_head_f32": (KVCacheSpec("per_head", (2, 8), (2, 8)), torch.float32),
+    "per_head_bf16": (KVCacheSpec("per_head", (1, 16), (1, 16)), torch.bfloat16),
+    "latent": (KVCacheSpec("latent", (1, 12), (1, 4)), torch.float32),
+    "int8": (KVCacheSpec("per_head", (2, 8), (2, 8)), torch.int8),
+    "fp8": (KVCacheSpec("per_head", (2, 8), (2, 8)), torch.float8_e4m3fn),
+}
+
+
+def _filled(layout: KVCacheLayout, num_blocks: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    caches = layout.allocate(num_blocks, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    for pair in caches:
+        for cache in pair:
+            values = torch.randint(-100, 100, cache.shape, generator=gen, dtype=torch.int32)
+            cache.copy_(values.to(cache.dtype))
+    return caches
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_blocks_round_trip_bit_exact_into_other_block_ids(name: str) -> None:
+    spec, dtype = LAYOUTS[name]
+    layout = KVCacheLayout(num_layers=3, block_size=4, spec=spec, dtype=dtype)
+    source, target = _filled(layout, 10, seed=1), _filled(layout, 12, seed=2)
+    untouched = [(k.clone(), v.clone()) for k, v in target]
+    data = gather_blocks(source, [7, 2, 2 + 3])
+    assert len(data) == 3 and data[0][0].shape == (3, 4, *spec.first) and data[0][1].shape == (3, 4, *spec.second)
+    assert data[0][0].dtype == dtype
+    scatter_blocks(target, [0, 11, 4], data)
+    for (sk, sv), (tk, tv), (uk, uv) in zip(source, target, untouched):
+        for src, dst in ((sk, tk), (sv, tv)):  # compared as bytes: fp8 has no ==
+            assert torch.equal(dst[[0, 11, 4]].view(torch.uint8), src[[7, 2, 5]].view(torch.uint8))
+        others = [b for b in range(12) if b not in (0, 11, 4)]
+        assert torch.equal(tk[others].view(torch.uint8), uk[others].view(torch.uint8))
+        assert torch.equal(tv[others].view(torch.uint8), uv[others].view(torch.uint8))
+    # The copies are the gather's own: later writes to the source do not reach them.
+    source[0][0].zero_()
+    assert data[0][0].view(torch.uint8).any()
+
+
+def test_bad_input_is_refused_before_any_write() -> None:
+    layout = KVCacheLayout(num_layers=2, block_size=4, spec=KVCacheSpec("per_head", (2, 8), (2, 8)),
+                           dtype=torch.float32)
+    caches = _filled(layout, 6, seed=3)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    data = gather_blocks(caches, [1, 2])
+    with pytest.raises(ValueError, match=r"block ids \[6\] outside \[0, 6\)"):
+        gather_blocks(caches, [1, 6])
+    with pytest.raises(ValueError, match="repeated block ids"):
+        scatter_blocks(caches, [3, 3], data)
+    with pytest.raises(ValueError, match="1 layers of data for a cache of 2 layers"):
+        scatter_blocks(caches, [3, 4], data[:1])
+    with pytest.raises(ValueError, match=r"layer 1 data \(2, 4, 2, 8\) torch.float16"):
+        scatter_blocks(caches, [3, 4], [data[0], (data[1][0].half(), data[1][1])])
+    with pytest.raises(ValueError, match="takes"):
+        scatter_blocks(caches, [3], data)  # two rows for one block
+    for (k, v), (bk, bv) in zip(caches, before):
+        assert torch.equal(k, bk) and torch.equal(v, bv)
