@@ -216,8 +216,8 @@ class KVCacheManager:
         listener = self.allocator.listener
         self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
         self.allocator.listener = listener
-        if self.host_tier is not None:  # the new ranks' host slots are empty too
-            self.host_tier = HostTier(self.host_tier.num_slots, self.block_size)
+        if self.host_tier is not None:  # the new ranks' host slots are empty too (the listener hears cleared)
+            self.host_tier.clear(notify=False)
             self._attach_tier()
         if listener is not None:
             listener.cleared()

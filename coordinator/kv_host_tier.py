@@ -30,10 +30,48 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from coordinator.kv_events import KvEventLog
+
+
+GIB = 1 << 30
+#: Most host blocks (the worker protocol's uint32 block ids).
+MAX_HOST_BLOCKS = 2**31 - 1
+
+
+def num_host_slots(kv_offloading_size: float | None, num_cpu_blocks_override: int | None,
+                   bytes_per_block: Sequence[int]) -> int:
+    """Host-tier blocks per rank: the override, else ``kv_offloading_size`` GiB shared out over the ranks
+    (vLLM's ``--kv-offloading-size`` is the sum over the group), in blocks of the largest rank's size.
+
+    Args:
+        kv_offloading_size: ``--kv-offloading-size``, GiB; None: no tier (unless overridden).
+        num_cpu_blocks_override: ``--num-cpu-blocks-override``; None: from the size.
+        bytes_per_block: one KV block's bytes on each rank (WorkerStatus.kv_bytes_per_block).
+
+    Returns:
+        The block count, 0 when neither is set.
+
+    Raises:
+        ValueError: a size that holds no block per rank, or more than :data:`MAX_HOST_BLOCKS` blocks.
+    """
+    if num_cpu_blocks_override is not None:
+        num = num_cpu_blocks_override
+    elif kv_offloading_size is None:
+        return 0
+    else:
+        largest = max(bytes_per_block)
+        num = int(kv_offloading_size * GIB / len(bytes_per_block)) // largest
+        if num < 1:
+            raise ValueError(f"--kv-offloading-size {kv_offloading_size:g} GiB over {len(bytes_per_block)} ranks "
+                             f"holds no KV block of {largest} bytes: raise it")
+    if num > MAX_HOST_BLOCKS:
+        raise ValueError(f"the host tier would have {num} blocks, more than {MAX_HOST_BLOCKS}: lower "
+                         "--kv-offloading-size or --num-cpu-blocks-override")
+    return num
 
 
 class HostTier:
@@ -134,12 +172,14 @@ class HostTier:
         self._swap_in[:0] = swap_in
         self._read_now.update(slot for slot, _ in swap_in)
 
-    def clear(self) -> None:
-        """Forgets every slot's block (an operator's flush, between plans; nothing is copied)."""
-        if self.listener is not None:
+    def clear(self, notify: bool = True) -> None:
+        """Forgets every slot's block and any order not taken yet (an operator's flush, or ranks restarted with
+        empty slots; between plans); nothing is copied. The counters stay. ``notify``: tell the listener."""
+        if notify and self.listener is not None:
             for block_hash in self._slot_of_hash:
                 self.listener.removed(block_hash, medium="CPU")
         self._free = deque(range(self.num_slots))
+        self.take_orders()
         self._slot_of_hash.clear()
         self._hash_of_slot.clear()
         self._namespace_of_slot.clear()
