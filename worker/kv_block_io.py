@@ -19,27 +19,43 @@ A rank's cache is a list of per-layer pairs ``(first, second)``, each
 
 A block is copied with its whole ``block_size`` positions, written or not. Nothing here decides
 which blocks move: the coordinator does, the ranks copy.
+
+On the CPU the copies are numpy's fancy indexing over the tensors' bytes (shared memory, no
+copy to get there), not torch's ``index_select`` / ``index_copy_``: those open an OpenMP parallel
+region per tensor, which for a few blocks costs more than the copy, and on a loaded host far
+more (64 blocks of 4 layers on 2 threads: 2 ms single-threaded, 30-270 ms in parallel regions
+while other processes held the cores; docs/design/scheduling.md, "The host tier").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 #: Per layer, the ``(first, second)`` cache tensors of worker/kv_cache.py.
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _index(block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """``block_ids`` as an int64 index tensor on ``device``, checked against the pool's size."""
-    index = torch.as_tensor(block_ids, dtype=torch.int64)
-    if index.dim() != 1:
-        raise ValueError(f"block_ids must be one-dimensional, got shape {tuple(index.shape)}")
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= num_blocks):
-        bad = [int(b) for b in index.tolist() if not 0 <= b < num_blocks]
+def _index(block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device,
+           distinct: bool = False) -> torch.Tensor:
+    """``block_ids`` as an int64 index tensor on ``device``, checked against the pool's size (and for
+    repeats when ``distinct``). A plan's ids arrive as Python ints: checked as such, no tensor op."""
+    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+    if ids and not isinstance(ids[0], int):
+        raise ValueError(f"block_ids must be one-dimensional ints, got {block_ids!r:.80}")
+    if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+        bad = [b for b in ids if not 0 <= b < num_blocks]
         raise ValueError(f"block ids {bad} outside [0, {num_blocks})")
-    return index.to(device)
+    if distinct and len(set(ids)) != len(ids):
+        raise ValueError(f"scatter_blocks: repeated block ids in {ids}")
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a ``(rows, bytes per row)`` uint8 array (no copy)."""
+    return tensor.view(torch.uint8).numpy().reshape(tensor.shape[0], -1)
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,6 +84,13 @@ def gather_blocks(kv_caches: KVCaches, block_ids: Sequence[int] | torch.Tensor,
     first = kv_caches[0][0]
     index = _index(block_ids, first.shape[0], first.device)
     out = []
+    if first.device.type == "cpu" and (device is None or device.type == "cpu"):  # numpy: no parallel regions
+        rows = index.numpy()
+        for caches in kv_caches:
+            pair = [torch.from_numpy(_host_bytes(c)[rows]).view(c.dtype).view(len(rows), *c.shape[1:])
+                    for c in caches]
+            out.append((pair[0], pair[1]))
+        return out
     for k_cache, v_cache in kv_caches:
         k = _raw(k_cache).index_select(0, index).view(k_cache.dtype)  # (n, block_size, heads, width)
         v = _raw(v_cache).index_select(0, index).view(v_cache.dtype)
@@ -96,15 +119,53 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: Sequence[int] | torch.Tensor,
     if not kv_caches:
         return
     first = kv_caches[0][0]
-    index = _index(block_ids, first.shape[0], first.device)
-    if len(set(index.tolist())) != index.numel():
-        raise ValueError(f"scatter_blocks: repeated block ids in {index.tolist()}")
+    index = _index(block_ids, first.shape[0], first.device, distinct=True)
     for layer, (caches, rows) in enumerate(zip(kv_caches, data)):  # every check before any write
         for cache, row in zip(caches, rows):
             expected = (index.numel(), *cache.shape[1:])
             if tuple(row.shape) != expected or row.dtype != cache.dtype:
                 raise ValueError(f"scatter_blocks: layer {layer} data {tuple(row.shape)} {row.dtype}, the cache "
                                  f"takes {expected} {cache.dtype}")
+    if first.device.type == "cpu":  # numpy: no parallel regions (module docstring)
+        rows = index.numpy()
+        for caches, pair in zip(kv_caches, data):
+            for cache, row in zip(caches, pair):
+                _host_bytes(cache)[rows] = _host_bytes(row.to("cpu").contiguous())
+        return
     for (k_cache, v_cache), (k, v) in zip(kv_caches, data):
         _raw(k_cache).index_copy_(0, index, _raw(k.to(k_cache.device, non_blocking=True)))
         _raw(v_cache).index_copy_(0, index, _raw(v.to(v_cache.device, non_blocking=True)))
+
+
+def copy_blocks(src: KVCaches, src_ids: Sequence[int], dst: KVCaches, dst_ids: Sequence[int]) -> None:
+    """Copies block ``src_ids[i]`` of ``src`` into block ``dst_ids[i]`` of ``dst``, every layer, in place:
+    :func:`gather_blocks` then :func:`scatter_blocks` without the tensors in between (a tier's copies).
+
+    Args:
+        src, dst: two pools of the same layout (layers, shapes after the block dimension, dtypes),
+            on any devices, e.g. a rank's cache and its host tier.
+        src_ids, dst_ids: ``(n,)`` block ids each; ``dst_ids`` distinct.
+
+    Raises:
+        ValueError: pools of different layouts, id lists of different lengths, a repeated destination,
+            or an id outside its pool. Nothing is written then.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copy_blocks: {len(src_ids)} source blocks for {len(dst_ids)} destinations")
+    if len(src) != len(dst) or any(s.shape[1:] != d.shape[1:] or s.dtype != d.dtype
+                                   for sp, dp in zip(src, dst) for s, d in zip(sp, dp)):
+        raise ValueError("copy_blocks: the two pools differ in layers, block shape or dtype")
+    if not src or not src_ids:
+        return
+    src_index = _index(src_ids, src[0][0].shape[0], torch.device("cpu"))
+    dst_index = _index(dst_ids, dst[0][0].shape[0], torch.device("cpu"), distinct=True)
+    if src[0][0].device.type == "cpu" and dst[0][0].device.type == "cpu":  # numpy: no parallel regions
+        src_rows, dst_rows = src_index.numpy(), dst_index.numpy()
+        for src_pair, dst_pair in zip(src, dst):
+            for s, d in zip(src_pair, dst_pair):
+                _host_bytes(d)[dst_rows] = _host_bytes(s)[src_rows]
+        return
+    src_index, dst_index = src_index.to(src[0][0].device), dst_index.to(dst[0][0].device)
+    for src_pair, dst_pair in zip(src, dst):
+        for s, d in zip(src_pair, dst_pair):
+            _raw(d).index_copy_(0, dst_index, _raw(s).index_select(0, src_index).to(d.device, non_blocking=True))

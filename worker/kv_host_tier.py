@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.kv_block_io import KVCaches, gather_blocks, scatter_blocks
+from worker.kv_block_io import KVCaches, copy_blocks
 
 
 class HostKVTier:
@@ -62,7 +62,7 @@ class HostKVTier:
         """
         if swap_out:
             blocks, slots = zip(*swap_out)
-            scatter_blocks(self.slots, slots, gather_blocks(kv_caches, blocks, device=torch.device("cpu")))
+            copy_blocks(kv_caches, blocks, self.slots, slots)
         if swap_in:
             slots, blocks = zip(*swap_in)
-            scatter_blocks(kv_caches, blocks, gather_blocks(self.slots, slots))
+            copy_blocks(self.slots, slots, kv_caches, blocks)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tpserve.model_config import KVCacheSpec
-from worker.kv_block_io import gather_blocks, scatter_blocks
+from worker.kv_block_io import copy_blocks, gather_blocks, scatter_blocks
 from worker.kv_cache import KVCacheLayout
 
 LAYOUTS = {
@@ -67,4 +67,34 @@ def test_bad_input_is_refused_before_any_write() -> None:
     with pytest.raises(ValueError, match="takes"):
         scatter_blocks(caches, [3], data)  # two rows for one block
     for (k, v), (bk, bv) in zip(caches, before):
+        assert torch.equal(k, bk) and torch.equal(v, bv)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_copy_blocks_between_pools_equals_gather_then_scatter(name: str) -> None:
+    spec, dtype = LAYOUTS[name]
+    layout = KVCacheLayout(num_layers=2, block_size=4, spec=spec, dtype=dtype)
+    source, direct, staged = _filled(layout, 10, seed=4), _filled(layout, 30, seed=5), _filled(layout, 30, seed=5)
+    copy_blocks(source, (3, 9, 3), direct, (29, 0, 7))
+    scatter_blocks(staged, [29, 0, 7], gather_blocks(source, [3, 9, 3]))
+    for (dk, dv), (sk, sv) in zip(direct, staged):
+        assert torch.equal(dk.view(torch.uint8), sk.view(torch.uint8)) and torch.equal(dv.view(torch.uint8),
+                                                                                         sv.view(torch.uint8))
+    assert torch.equal(direct[1][0][29].view(torch.uint8), source[1][0][3].view(torch.uint8))
+
+
+def test_copy_blocks_refuses_mismatched_pools_and_ids() -> None:
+    small = KVCacheLayout(num_layers=2, block_size=4, spec=KVCacheSpec("per_head", (2, 8), (2, 8)), dtype=torch.float32)
+    other = KVCacheLayout(num_layers=2, block_size=4, spec=KVCacheSpec("per_head", (1, 8), (1, 8)), dtype=torch.float32)
+    source, target = _filled(small, 4, seed=6), _filled(small, 8, seed=7)
+    before = [(k.clone(), v.clone()) for k, v in target]
+    with pytest.raises(ValueError, match="differ in layers, block shape or dtype"):
+        copy_blocks(source, [0], _filled(other, 8, seed=8), [0])
+    with pytest.raises(ValueError, match="2 source blocks for 1 destinations"):
+        copy_blocks(source, [0, 1], target, [0])
+    with pytest.raises(ValueError, match="repeated block ids"):
+        copy_blocks(source, [0, 1], target, [5, 5])
+    with pytest.raises(ValueError, match=r"block ids \[8\] outside \[0, 8\)"):
+        copy_blocks(source, [0], target, [8])
+    for (k, v), (bk, bv) in zip(target, before):
         assert torch.equal(k, bk) and torch.equal(v, bv)
