@@ -150,3 +150,27 @@ def test_without_a_tier_events_carry_no_medium_and_a_restart_empties_the_tier() 
     tiered.reset()
     assert tiered.host_tier.num_used_slots == 0 and tiered.take_copy_orders() == ((), ())
     assert tiered.allocator.on_evict is not None  # the new pool still feeds the tier
+
+
+def test_the_tiers_size_is_vllms_gib_summed_over_the_ranks_or_the_override() -> None:
+    from coordinator.kv_host_tier import GIB, num_host_slots
+
+    assert num_host_slots(None, None, [32768, 32768]) == 0  # off
+    assert num_host_slots(1.0, None, [32768]) == GIB // 32768 == 32768
+    assert num_host_slots(1.0, None, [32768, 40000]) == (GIB // 2) // 40000  # half each, the larger block
+    assert num_host_slots(1.0, 7, [32768]) == 7  # the override wins
+    with pytest.raises(ValueError, match="holds no KV block of 65536 bytes"):
+        num_host_slots(1e-5, None, [65536])
+    with pytest.raises(ValueError, match="more than 2147483647"):
+        num_host_slots(None, 2**31, [1])
+
+
+def test_the_flags_need_prefix_caching() -> None:
+    from tpserve.config import CacheConfig
+
+    assert not CacheConfig().host_tier_on
+    assert CacheConfig(kv_offloading_size=2.5).host_tier_on and CacheConfig(num_cpu_blocks_override=8).host_tier_on
+    with pytest.raises(ValueError, match="need --enable-prefix-caching"):
+        CacheConfig(kv_offloading_size=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError):
+        CacheConfig(kv_offloading_size=0)
