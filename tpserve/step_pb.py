@@ -52,10 +52,10 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
                               for seq_id, num_blocks in plan.trimmed_block_tables],
     )
     if plan.kv_swap_out or plan.kv_swap_in:  # the host tier's copies (rare: evictions and tier hits)
-        msg.kv_swap_out_block_ids.extend([block for block, _ in plan.kv_swap_out])
-        msg.kv_swap_out_slots.extend([slot for _, slot in plan.kv_swap_out])
-        msg.kv_swap_in_slots.extend([slot for slot, _ in plan.kv_swap_in])
-        msg.kv_swap_in_block_ids.extend([block for _, block in plan.kv_swap_in])
+        msg.kv_copies.swap_out_block_ids.extend([block for block, _ in plan.kv_swap_out])
+        msg.kv_copies.swap_out_slots.extend([slot for _, slot in plan.kv_swap_out])
+        msg.kv_copies.swap_in_slots.extend([slot for slot, _ in plan.kv_swap_in])
+        msg.kv_copies.swap_in_block_ids.extend([block for _, block in plan.kv_swap_in])
     # One chunk per running sequence per step: the hot part (docs/design/request-path.md, "Where a streamed token's
     # coordinator CPU goes"). The
     # leading plain decodes go as columns (worker.proto), the rest as chunk messages.
@@ -112,20 +112,23 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         ]),
         finished_seq_ids=tuple(msg.finished_seq_ids),
         trimmed_block_tables=tuple((t.seq_id, t.num_blocks) for t in msg.trimmed_block_tables),
-        **_swaps_from_pb(msg),
+        **(_copies_from_pb(msg) if msg.HasField("kv_copies") else _NO_COPIES),
     )
 
 
-def _swaps_from_pb(msg: pb.StepPlan) -> dict[str, tuple[tuple[int, int], ...]]:
-    """The host tier's copy orders from their columns (worker.proto, ``kv_swap_*``); none: no keywords.
+#: A plan without host-tier copies (the tier off, or nothing moved this step).
+_NO_COPIES: dict[str, tuple[tuple[int, int], ...]] = {}
+
+
+def _copies_from_pb(msg: pb.StepPlan) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The host tier's copy orders from their columns (worker.proto, ``KvTierCopies``).
 
     Raises:
         ValueError: columns of different lengths.
     """
-    out_blocks, out_slots, in_slots, in_blocks = (msg.kv_swap_out_block_ids, msg.kv_swap_out_slots,
-                                                  msg.kv_swap_in_slots, msg.kv_swap_in_block_ids)
-    if not (out_blocks or out_slots or in_slots or in_blocks):
-        return {}
+    copies = msg.kv_copies
+    out_blocks, out_slots, in_slots, in_blocks = (copies.swap_out_block_ids, copies.swap_out_slots,
+                                                  copies.swap_in_slots, copies.swap_in_block_ids)
     if len(out_blocks) != len(out_slots) or len(in_slots) != len(in_blocks):
         raise ValueError(f"step {msg.step_id}: malformed host-tier copies: {len(out_blocks)} blocks for "
                          f"{len(out_slots)} slots out, {len(in_slots)} slots for {len(in_blocks)} blocks in")

@@ -119,11 +119,11 @@ def test_a_tier_needs_prefix_caching_and_the_pools_block_size() -> None:
 def test_the_plan_carries_the_copies_as_columns_and_a_plan_not_sent_hands_them_to_the_next() -> None:
     plan = StepPlan(3, kv_swap_out=((5, 0), (6, 9)), kv_swap_in=((9, 2),))
     msg = plan_to_pb(plan)
-    assert list(msg.kv_swap_out_block_ids) == [5, 6] and list(msg.kv_swap_out_slots) == [0, 9]
+    assert list(msg.kv_copies.swap_out_block_ids) == [5, 6] and list(msg.kv_copies.swap_out_slots) == [0, 9]
     assert plan_from_pb(pb.StepPlan.FromString(msg.SerializeToString())) == plan
-    assert not plan_to_pb(StepPlan(4)).kv_swap_out_slots  # nothing on the wire without the tier
+    assert not plan_to_pb(StepPlan(4)).HasField("kv_copies")  # nothing on the wire without copies
     with pytest.raises(ValueError, match="malformed host-tier copies"):
-        plan_from_pb(pb.StepPlan(step_id=1, kv_swap_out_block_ids=[1], kv_swap_out_slots=[]))
+        plan_from_pb(pb.StepPlan(step_id=1, kv_copies=pb.KvTierCopies(swap_out_block_ids=[1])))
     scheduler = Scheduler(BlockAllocator(8, BLOCK_SIZE), 4, 64, enable_prefix_caching=True,
                           host_tier=HostTier(16, BLOCK_SIZE))
     scheduler.take_back(plan)

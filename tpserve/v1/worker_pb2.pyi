@@ -152,7 +152,7 @@ class ScheduledChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_spec_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids", "kv_swap_out_block_ids", "kv_swap_out_slots", "kv_swap_in_slots", "kv_swap_in_block_ids")
+    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids", "kv_copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
@@ -163,10 +163,7 @@ class StepPlan(_message.Message):
     DECODE_START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GROW_ROWS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GROW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    KV_SWAP_OUT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    KV_SWAP_OUT_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    KV_SWAP_IN_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    KV_SWAP_IN_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
@@ -177,11 +174,20 @@ class StepPlan(_message.Message):
     decode_start_positions: _containers.RepeatedScalarFieldContainer[int]
     decode_grow_rows: _containers.RepeatedScalarFieldContainer[int]
     decode_grow_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    kv_swap_out_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    kv_swap_out_slots: _containers.RepeatedScalarFieldContainer[int]
-    kv_swap_in_slots: _containers.RepeatedScalarFieldContainer[int]
-    kv_swap_in_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ..., kv_swap_out_block_ids: _Optional[_Iterable[int]] = ..., kv_swap_out_slots: _Optional[_Iterable[int]] = ..., kv_swap_in_slots: _Optional[_Iterable[int]] = ..., kv_swap_in_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_copies: KvTierCopies
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ..., kv_copies: _Optional[_Union[KvTierCopies, _Mapping]] = ...) -> None: ...
+
+class KvTierCopies(_message.Message):
+    __slots__ = ("swap_out_block_ids", "swap_out_slots", "swap_in_slots", "swap_in_block_ids")
+    SWAP_OUT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    swap_out_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    swap_out_slots: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_slots: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, swap_out_block_ids: _Optional[_Iterable[int]] = ..., swap_out_slots: _Optional[_Iterable[int]] = ..., swap_in_slots: _Optional[_Iterable[int]] = ..., swap_in_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrimmedBlockTable(_message.Message):
     __slots__ = ("seq_id", "num_blocks")
