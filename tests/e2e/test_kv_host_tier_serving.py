@@ -4,16 +4,20 @@ A device pool of 32 blocks of 16 (one 512-token sequence) and a host tier of 320
 one at a time, twice. The working set (6 x 13 blocks) does not fit the pool but fits the tier, so the
 second round finds every prompt's 12 full blocks before its last token (192 tokens, the ideal) in the
 host tier, and its tokens equal those of a server with an unbounded pool and no tier. ``/metrics``
-counts the hits and the bytes moved; a request of another ``cache_salt`` finds nothing through the tier.
+counts the hits and the bytes moved; a request of another ``cache_salt`` finds nothing through the tier;
+the KV events (the engine protocol's SubscribeKvEvents) say which tier each block entered or left.
 """
 
 from __future__ import annotations
 
 import random
 import re
+import time
 import urllib.request
 
+import grpc
 import pytest
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
 from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR, requires_stories
@@ -47,8 +51,13 @@ def reference() -> list[list[int]]:
 
 @pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
 def test_a_working_set_beyond_the_pool_hits_in_the_host_tier(reference, tp: int) -> None:
-    with serve(STORIES_DIR, tp, *SMALL, "--num-cpu-blocks-override", "320") as cluster:
+    with serve(STORIES_DIR, tp, *SMALL, "--num-cpu-blocks-override", "320") as cluster, \
+            grpc.insecure_channel(cluster.target) as channel:
+        events = vllm_engine_pb2_grpc.VllmEngineStub(channel).SubscribeKvEvents(
+            common_pb2.SubscribeKvEventsRequest(), timeout=120)
+        time.sleep(0.2)  # subscribed
         results = _rounds(cluster.client)
+        _check_events(events)
         assert [r.token_ids for r in results] == reference
         assert [r.usage.cached_prompt_tokens for r in results] == [0] * 6 + [IDEAL] * 6
         assert cluster.metric("tpserve:kv_offload_hits_total") == 6 * IDEAL
@@ -60,6 +69,35 @@ def test_a_working_set_beyond_the_pool_hits_in_the_host_tier(reference, tp: int)
         assert to_device / (6 * 12) == to_host / stores > 0  # whole blocks, summed over the ranks
         other = cluster.client.generate(PROMPTS[0], max_tokens=8, temperature=0, ignore_eos=True, cache_salt="b")
         assert other.usage.cached_prompt_tokens == 0 and other.token_ids == reference[0]
+
+
+def _check_events(events) -> None:
+    """Every block stored in the host tier ("CPU") was stored on the device ("GPU") and evicted from it first;
+    the second round's hits come back to the device (stored "GPU" again)."""
+    seen: list[tuple[str, str, int]] = []  # (kind, medium, block hash) in order
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        batch = next(events)
+        for event in batch.events:
+            kind = event.WhichOneof("data")
+            if kind == "stored":
+                seen += [("stored", event.stored.medium, b.block_hash) for b in event.stored.blocks]
+                assert event.stored.tier == {"GPU": common_pb2.KV_CACHE_TIER_DEVICE,
+                                             "CPU": common_pb2.KV_CACHE_TIER_HOST}[event.stored.medium]
+            elif kind == "removed":
+                seen += [("removed", event.removed.medium, h) for h in event.removed.block_hashes]
+        if sum(1 for kind, medium, _ in seen if kind == "stored" and medium == "CPU") >= 6 * 12 and \
+                sum(1 for kind, medium, _ in seen if kind == "stored" and medium == "GPU") >= 2 * 6 * 12:
+            break
+    events.cancel()
+    to_host = [h for kind, medium, h in seen if kind == "stored" and medium == "CPU"]
+    assert len(to_host) >= 6 * 12, "too few host-tier stores announced"
+    for block_hash in to_host:
+        first_gpu = seen.index(("stored", "GPU", block_hash))
+        evicted = seen.index(("removed", "GPU", block_hash))
+        assert first_gpu < evicted < seen.index(("stored", "CPU", block_hash))
+    back = [h for h in to_host if sum(1 for e in seen if e == ("stored", "GPU", h)) >= 2]
+    assert len(back) >= 6 * 12  # each round-2 hit was announced on the device again
 
 
 def test_without_the_tier_the_same_pool_finds_nothing() -> None:
