@@ -15,7 +15,7 @@ from coordinator.kv_host_tier import HostTier
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, StopParams
 from smg_grpc_proto.generated import common_pb2
-from tests.coordinator.test_prefix_caching import EOS, KVChecker, make_seq, run_step
+from tests.coordinator.kv_checker import EOS, KVChecker, make_seq, run_step
 from tpserve.step import SamplingParams, StepPlan
 from tpserve.step_pb import plan_from_pb, plan_to_pb
 from tpserve.v1 import worker_pb2 as pb
