@@ -152,3 +152,27 @@ def test_latent_attention_blocks_come_back_from_the_tier(stories_dir: Path, tmp_
         if num_host_blocks:
             assert scheduler.kv_cache.host_tier is not None and scheduler.kv_cache.host_tier.num_hits >= 4 * 8
     assert outputs[TIER] == outputs[0]
+
+
+def test_a_draft_models_blocks_travel_with_the_targets(stories_dir: Path) -> None:
+    """The draft's cache (the same block ids) has host slots beside the target's: with stories260k drafting for
+    itself every proposal is right only if the draft's K/V came back from the tier too."""
+    from coordinator.ngram_proposer import DraftModelProposer
+
+    runs = {}
+    for num_blocks, num_host_blocks in ((UNBOUNDED, 0), (POOL, TIER)):
+        runner = ModelRunner(stories_dir, ParallelContext.single(), torch.float32, block_size=BLOCK_SIZE,
+                             draft_model_dir=stories_dir)
+        runner.init_kv_cache(num_blocks, num_host_blocks=num_host_blocks)
+        tier = HostTier(num_host_blocks, BLOCK_SIZE) if num_host_blocks else None
+        scheduler = Scheduler(BlockAllocator(num_blocks, BLOCK_SIZE), max_num_seqs=8, max_num_batched_tokens=256,
+                              enable_prefix_caching=True, check_writes=True, proposer=DraftModelProposer(3),
+                              host_tier=tier)
+        seqs = [_run(scheduler, runner, [p], first_id=10 * r + i, num_new=12)[0]
+                for r in range(2) for i, p in enumerate(WORKING_SET[:4])]
+        runs[num_host_blocks] = ([s.output_token_ids for s in seqs], [s.num_cached_prompt_tokens for s in seqs[4:]],
+                                 scheduler.spec.num_accepted_tokens)
+        if tier is not None:
+            assert tier.num_hits >= 4 * 8
+    assert runs[TIER] == runs[0]  # tokens, 36 cached tokens each, and every accepted proposal alike
+    assert runs[0][1] == [36] * 4 and runs[0][2] > 0
