@@ -5,7 +5,7 @@
   the same tokens as an unbounded pool; without the tier the same pool finds nothing;
 - preemption by swap gives the same tokens as preemption by recompute and as an unbounded pool;
 - a block in the tier is never served to another namespace;
-- the 8-bit cache and the latent (MLA) cache come back from the tier as they went.
+- the 8-bit cache, the latent (MLA) cache and a draft model's cache come back from the tier as they went.
 """
 
 from __future__ import annotations
