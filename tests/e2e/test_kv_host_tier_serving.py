@@ -1,4 +1,5 @@
-"""The prefix cache's host tier end to end on stories260k, at tp 1 and 2 (each rank copies its own KV slice).
+"""The prefix cache's host tier end to end on stories260k, at tp 1 and 2 (each rank copies its own KV slice),
+with two pipeline stages (each its own layers) and with async scheduling.
 
 A device pool of 32 blocks of 16 (one 512-token sequence) and a host tier of 320: six 200-token prompts,
 one at a time, twice. The working set (6 x 13 blocks) does not fit the pool but fits the tier, so the
@@ -49,9 +50,16 @@ def reference() -> list[list[int]]:
         return [r.token_ids for r in _rounds(cluster.client)]
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
-def test_a_working_set_beyond_the_pool_hits_in_the_host_tier(reference, tp: int) -> None:
-    with serve(STORIES_DIR, tp, *SMALL, "--num-cpu-blocks-override", "320") as cluster, \
+#: (tensor_parallel_size, more flags): tp 2 (each rank copies its own KV heads), two pipeline stages (each its
+#: own layers), and async scheduling forced on (plans made before the previous step's result).
+LAYOUTS = {"tp1": (1, ()), "tp2": (2, ()), "pp2": (1, ("--pipeline-parallel-size", "2")),
+           "tp1-async": (1, ("--async-scheduling",))}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_working_set_beyond_the_pool_hits_in_the_host_tier(reference, layout: str) -> None:
+    tp, flags = LAYOUTS[layout]
+    with serve(STORIES_DIR, tp, *SMALL, *flags, "--num-cpu-blocks-override", "320") as cluster, \
             grpc.insecure_channel(cluster.target) as channel:
         events = vllm_engine_pb2_grpc.VllmEngineStub(channel).SubscribeKvEvents(
             common_pb2.SubscribeKvEventsRequest(), timeout=120)
