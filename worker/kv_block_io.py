@@ -165,7 +165,13 @@ def copy_blocks(src: KVCaches, src_ids: Sequence[int], dst: KVCaches, dst_ids: S
             for s, d in zip(src_pair, dst_pair):
                 _host_bytes(d)[dst_rows] = _host_bytes(s)[src_rows]
         return
+    if dst[0][0].device.type == "cpu":  # device -> host: gathered on the device, one blocking copy, placed by numpy
+        src_index, dst_rows = src_index.to(src[0][0].device), dst_index.numpy()
+        for src_pair, dst_pair in zip(src, dst):
+            for s, d in zip(src_pair, dst_pair):
+                _host_bytes(d)[dst_rows] = _host_bytes(_raw(s).index_select(0, src_index).cpu())
+        return
     src_index, dst_index = src_index.to(src[0][0].device), dst_index.to(dst[0][0].device)
-    for src_pair, dst_pair in zip(src, dst):
+    for src_pair, dst_pair in zip(src, dst):  # -> the device: asynchronous on the step's stream
         for s, d in zip(src_pair, dst_pair):
             _raw(d).index_copy_(0, dst_index, _raw(s).index_select(0, src_index).to(d.device, non_blocking=True))
