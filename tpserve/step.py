@@ -12,6 +12,10 @@ blocks added to its block table. Workers keep a per-sequence block table and
 drop it when the sequence is named in ``finished_seq_ids``.
 
 Order of application on a worker, fixed so every rank agrees:
+  0. the host tier's copies (``--kv-offloading-size``; coordinator/kv_host_tier.py): every
+     ``kv_swap_out`` (device block -> host slot) first, then every ``kv_swap_in`` (host slot ->
+     device block), each in order, all before anything else of the step (a block evicted and
+     reused in this plan is read out before a copy-in or the forward writes it);
   1. drop every sequence in ``finished_seq_ids`` (its blocks are the coordinator's
      to reuse from the next step on);
   2. register every ``NewSequence`` (a preempted sequence comes back this way,
@@ -269,6 +273,9 @@ class StepPlan:
     #: ``num_rows`` tokens of the sequence's chunk in this step, save its state into the slot (a
     #: prompt block boundary). Per sequence in increasing ``num_rows``.
     state_checkpoints: tuple[tuple[int, int, int], ...] = ()
+    #: Host tier: ``(device block, host slot)`` copies out, then ``(host slot, device block)`` copies in.
+    kv_swap_out: tuple[tuple[int, int], ...] = ()
+    kv_swap_in: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

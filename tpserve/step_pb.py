@@ -23,8 +23,8 @@ from tpserve.v1 import worker_pb2 as pb
 #: group's first step: protobuf skips fields it does not know, so a rank of another version would
 #: read a plan as a different batch, not fail. 0: no version (before 2); 2: the leading plain
 #: decodes as columns (``StepPlan.decode_*``); 3: hybrid models' state slots (``NewSequence.state_slot``,
-#: ``StepPlan.restored_states`` and ``state_checkpoints``).
-STEP_PROTOCOL = 3
+#: ``StepPlan.restored_states`` and ``state_checkpoints``); 4: and the host tier's copies (``StepPlan.kv_copies``).
+STEP_PROTOCOL = 4
 
 #: Step stream metadata (key, value) that asks a rank to answer a plan only when its step fails.
 #: The coordinator opens every rank's stream but the sampling rank's with it: their answers carry
@@ -57,6 +57,11 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         msg.restored_states.extend([pb.StateRestore(seq_id=seq_id, slot=slot) for seq_id, slot in plan.restored_states])
         msg.state_checkpoints.extend([pb.StateCheckpoint(seq_id=seq_id, num_rows=rows, slot=slot)
                                       for seq_id, rows, slot in plan.state_checkpoints])
+    if plan.kv_swap_out or plan.kv_swap_in:  # the host tier's copies (rare: evictions and tier hits)
+        msg.kv_copies.swap_out_block_ids.extend([block for block, _ in plan.kv_swap_out])
+        msg.kv_copies.swap_out_slots.extend([slot for _, slot in plan.kv_swap_out])
+        msg.kv_copies.swap_in_slots.extend([slot for slot, _ in plan.kv_swap_in])
+        msg.kv_copies.swap_in_block_ids.extend([block for _, block in plan.kv_swap_in])
     # One chunk per running sequence per step: the hot part (docs/design/request-path.md, "Where a streamed token's
     # coordinator CPU goes"). The
     # leading plain decodes go as columns (worker.proto), the rest as chunk messages.
@@ -118,7 +123,27 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         restored_states=tuple((r.seq_id, r.slot) for r in msg.restored_states) if msg.restored_states else (),
         state_checkpoints=(tuple((c.seq_id, c.num_rows, c.slot) for c in msg.state_checkpoints)
                            if msg.state_checkpoints else ()),
+        **(_copies_from_pb(msg) if msg.HasField("kv_copies") else _NO_COPIES),
     )
+
+
+#: A plan without host-tier copies (the tier off, or nothing moved this step).
+_NO_COPIES: dict[str, tuple[tuple[int, int], ...]] = {}
+
+
+def _copies_from_pb(msg: pb.StepPlan) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The host tier's copy orders from their columns (worker.proto, ``KvTierCopies``).
+
+    Raises:
+        ValueError: columns of different lengths.
+    """
+    copies = msg.kv_copies
+    out_blocks, out_slots, in_slots, in_blocks = (copies.swap_out_block_ids, copies.swap_out_slots,
+                                                  copies.swap_in_slots, copies.swap_in_block_ids)
+    if len(out_blocks) != len(out_slots) or len(in_slots) != len(in_blocks):
+        raise ValueError(f"step {msg.step_id}: malformed host-tier copies: {len(out_blocks)} blocks for "
+                         f"{len(out_slots)} slots out, {len(in_slots)} slots for {len(in_blocks)} blocks in")
+    return {"kv_swap_out": tuple(zip(out_blocks, out_slots)), "kv_swap_in": tuple(zip(in_slots, in_blocks))}
 
 
 def _num_leading_decodes(scheduled: tuple[ScheduledChunk, ...]) -> int:

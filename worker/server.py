@@ -195,6 +195,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_threads=self._num_threads,
             step_protocol=STEP_PROTOCOL,
             num_state_slots_available=self._num_state_slots,
+            kv_bytes_per_block=0 if self._runner is None or not self._ready.is_set()
+            else self._runner.kv_layout.bytes_per_block,
         )
 
     def InitCache(self, request: pb.InitCacheRequest, context: grpc.ServicerContext) -> pb.InitCacheResponse:
@@ -209,11 +211,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # on one and the Step stream on another, every one of a step's ~120 parallel regions would
         # pay a futex wake-up (the 95M model's rank step at one request: 24-27 ms against 12-14).
         with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"init-cache-rank{self.options.rank}") as once:
-            once.submit(self._init_cache, request.num_kv_blocks, request.num_state_slots).result()
+            once.submit(self._init_cache, request.num_kv_blocks, request.num_state_slots,
+                        request.num_host_blocks).result()
         return pb.InitCacheResponse()
 
-    def _init_cache(self, num_kv_blocks: int, num_state_slots: int = 0) -> None:
-        """InitCache's work: the KV cache (and a hybrid's state pool), and on CUDA the decode graphs."""
+    def _init_cache(self, num_kv_blocks: int, num_state_slots: int = 0, num_host_blocks: int = 0) -> None:
+        """InitCache's work: the KV cache (a hybrid's state pool, the host tier's ``num_host_blocks``), and on
+        CUDA the decode graphs."""
         self.bind_step_thread()  # a thread of its own: its current CUDA device is cuda:0 until told
         opts = self.options
         sizes: tuple[int, ...] = ()
@@ -223,7 +227,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             sizes = opts.cuda_graph_sizes or default_capture_sizes(opts.cache.max_num_seqs)
         started = time.monotonic()
         self._runner.init_kv_cache(num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len,
-                                   num_state_slots=num_state_slots or None)
+                                   num_state_slots=num_state_slots or None, num_host_blocks=num_host_blocks)
+        if self._runner.host_tier is not None:
+            log.info("kv host tier allocated", rank=opts.rank, blocks=num_host_blocks,
+                     bytes=self._runner.host_tier.num_bytes)
         if self._runner.cuda_graph_sizes:
             log.info("decode graphs captured", rank=opts.rank, sizes=list(self._runner.cuda_graph_sizes),
                      seconds=round(time.monotonic() - started, 2))

@@ -31,6 +31,7 @@ class GaugeUpdater:
             metrics.prefix_cache_state_queries.inc(slots.num_checkpoint_queries - self.state_counted[0])
             metrics.prefix_cache_state_hits.inc(slots.num_checkpoint_hits - self.state_counted[1])
             self.state_counted = (slots.num_checkpoint_queries, slots.num_checkpoint_hits)
+        metrics.kv_offload.update(scheduler.kv_cache)
         if scheduler.spec.num_drafts != self.spec_counted.num_drafts:
             metrics.add_spec_decode(scheduler.spec, self.spec_counted)
             self.spec_counted = scheduler.spec.snapshot()

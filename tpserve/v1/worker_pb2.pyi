@@ -25,7 +25,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol", "num_state_slots_available")
+    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol", "num_state_slots_available", "kv_bytes_per_block")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class WorkerStatus(_message.Message):
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     STEP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     NUM_STATE_SLOTS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     ready: bool
@@ -46,15 +47,18 @@ class WorkerStatus(_message.Message):
     num_threads: int
     step_protocol: int
     num_state_slots_available: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ..., num_state_slots_available: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_block: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ..., num_state_slots_available: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_state_slots")
+    __slots__ = ("num_kv_blocks", "num_state_slots", "num_host_blocks")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     num_state_slots: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_state_slots: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
     __slots__ = ()
@@ -154,7 +158,7 @@ class ScheduledChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_spec_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids", "restored_states", "state_checkpoints")
+    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids", "restored_states", "state_checkpoints", "kv_copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +171,7 @@ class StepPlan(_message.Message):
     DECODE_GROW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STATES_FIELD_NUMBER: _ClassVar[int]
     STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    KV_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
@@ -179,7 +184,8 @@ class StepPlan(_message.Message):
     decode_grow_block_ids: _containers.RepeatedScalarFieldContainer[int]
     restored_states: _containers.RepeatedCompositeFieldContainer[StateRestore]
     state_checkpoints: _containers.RepeatedCompositeFieldContainer[StateCheckpoint]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ..., restored_states: _Optional[_Iterable[_Union[StateRestore, _Mapping]]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ...) -> None: ...
+    kv_copies: KvTierCopies
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ..., restored_states: _Optional[_Iterable[_Union[StateRestore, _Mapping]]] = ..., state_checkpoints: _Optional[_Iterable[_Union[StateCheckpoint, _Mapping]]] = ..., kv_copies: _Optional[_Union[KvTierCopies, _Mapping]] = ...) -> None: ...
 
 class StateRestore(_message.Message):
     __slots__ = ("seq_id", "slot")
@@ -198,6 +204,18 @@ class StateCheckpoint(_message.Message):
     num_rows: int
     slot: int
     def __init__(self, seq_id: _Optional[int] = ..., num_rows: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class KvTierCopies(_message.Message):
+    __slots__ = ("swap_out_block_ids", "swap_out_slots", "swap_in_slots", "swap_in_block_ids")
+    SWAP_OUT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    swap_out_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    swap_out_slots: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_slots: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, swap_out_block_ids: _Optional[_Iterable[int]] = ..., swap_out_slots: _Optional[_Iterable[int]] = ..., swap_in_slots: _Optional[_Iterable[int]] = ..., swap_in_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrimmedBlockTable(_message.Message):
     __slots__ = ("seq_id", "num_blocks")
