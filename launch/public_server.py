@@ -19,10 +19,13 @@ from prometheus_client import start_http_server
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from coordinator.auth import ApiKeyInterceptor, read_api_keys
+from coordinator.cache_isolation import share_tenant_key
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
 from coordinator.gc_policy import set_serving_gc_thresholds
 from coordinator.grammar_compiler import GrammarCompiler
+from coordinator.kv_transfer.connector import KVConnector
+from coordinator.kv_transfer.metrics import KVTransferMetrics
 from coordinator.metrics import Metrics
 from coordinator.lora_registry import LoRARegistry
 from coordinator.server import GenerationServicer
@@ -32,7 +35,7 @@ from coordinator.vllm_engine_service import VllmEngineServicer
 from launch.connection_limits import (ConnectionWatch, connection_options, raise_nofile_limit,
                                       resolve_max_connections)
 from launch.reflection import enable_server_reflection
-from launch.startup import StartupError, bind
+from launch.startup import StartupError, bind, read_group_secret
 from tpserve import __version__
 from tpserve.config import ClusterConfig
 from tpserve.embedded_model import DEFAULT_MODEL_NAME
@@ -187,11 +190,27 @@ class PublicServer:
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         # The engine protocol a gateway (smg) routes, on the same port and engine.
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
-            self.servicer, self.model_dir, cfg.max_kv_event_subscribers), server)
+            self.servicer, self.model_dir, cfg.max_kv_event_subscribers, self._kv_connector()), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # grpc.reflection.v1 and v1alpha (launch/reflection.py)
         enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME), server)
         return server
+
+    def _kv_connector(self) -> KVConnector | None:
+        """The prefill/decode hand-offs of ``--kv-transfer-config`` (coordinator/kv_transfer/), or None.
+        With a cluster secret, tenant ids come from it, so a tenant has one namespace on every replica.
+
+        Raises:
+            StartupError: the cluster secret file cannot be read.
+        """
+        kv = self.config.kv_transfer.kv_transfer_config
+        if kv is None:
+            return None
+        secret = read_group_secret(self.config)
+        if secret is not None:
+            share_tenant_key(secret)
+        return KVConnector(kv, self.config.parallel.tensor_parallel_size, self.config.cache.block_size, secret,
+                           KVTransferMetrics(self.metrics.registry))
 
     def attach(self, engine: Engine, num_kv_blocks: int, dtype: str) -> None:
         """Serves ``engine`` from now on; GetModelInfo reports the pool and the ranks' dtype."""
