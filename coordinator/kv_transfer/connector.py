@@ -130,9 +130,9 @@ class KVConnector:
         if scheduler.allocator is allocator:
             allocator.free(reversed(block_ids))
         self.metrics.holds.dec()
-        if all(a.get("confirmed") for a in answers):
+        if all(a.get("confirmed") for a in answers):  # blocks: each rank sent its slice of the same ones
             transport = self.config.transport
-            self.metrics.blocks.labels("sent", transport).inc(len(block_ids))
+            self.metrics.blocks.labels("sent", transport).inc(max(int(a.get("blocks", 0)) for a in answers))
             self.metrics.bytes.labels("sent", transport).inc(sum(int(a.get("bytes", 0)) for a in answers))
         else:
             log.info("kv hold ended unread: blocks freed", num_blocks=len(block_ids))
@@ -175,16 +175,18 @@ class KVConnector:
         allocator.acquire(cached)
         held = HeldBlocks(allocator, tuple(cached))
         first = len(cached)
-        if first == num_blocks:
-            return held
-        new = allocator.allocate(num_blocks - first)
+        new = allocator.allocate(num_blocks - first) if first < num_blocks else []
         if new is None:
-            return self._fallback("no_free_blocks", "too few free blocks to pull into", held)
+            new, first = [], num_blocks  # pull none: the read then only frees the prefill replica's hold
+            self._fallback("no_free_blocks", "too few free blocks to pull into", held)
         request = {"transfer_id": params.remote_request_id, "remote_host": params.remote_host,
                    "remote_port": params.remote_port, "first_block": first,
-                   "remote_block_ids": params.remote_block_ids[first:num_blocks], "local_block_ids": new,
-                   "block_hashes": [h.hex() for h in hashes[first:]], "namespace": namespace.hex(),
+                   "remote_block_ids": params.remote_block_ids[first:first + len(new)], "local_block_ids": new,
+                   "block_hashes": [h.hex() for h in hashes[first:first + len(new)]], "namespace": namespace.hex(),
                    "timeout_s": self.config.pull_timeout_s}
+        if not new:  # every block cached here already: only tell the prefill replica to free its hold
+            self._track(self._pull_ranks(request))
+            return held
         task = asyncio.ensure_future(self._pull_ranks(request))
         try:
             answers = await asyncio.shield(task)

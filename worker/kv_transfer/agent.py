@@ -10,7 +10,8 @@ serves each connection on a thread (tpserve/kv_wire.py for the frames and the au
   under the agent's lock, so none is in progress once the hold is gone.
 - ``read`` (the peer rank, decode side): the checks (a hold of that id, the same hashes,
   namespace, block ids, tensor-parallel degree and rank, cache layout), then the payload
-  (worker/kv_transfer/blocks.py); the reader's ``ack`` confirms the hold.
+  (worker/kv_transfer/blocks.py); the reader's ``ack`` confirms the hold. A read of no block
+  (the decode replica had them all cached) only confirms it.
 - ``pull`` (its coordinator, decode side): pull a transfer from the peer rank into local
   blocks with the transport (worker/kv_transfer/transport.py); answer ``pulled`` with ``ok``,
   the bytes and seconds, or the error.
@@ -47,6 +48,7 @@ class _Hold:
     block_hashes: list[str]
     namespace: str
     bytes_sent: int = 0
+    blocks_sent: int = 0
     confirmed: threading.Event = field(default_factory=threading.Event)
 
 
@@ -142,7 +144,8 @@ class KVAgent:
         finally:
             with self._lock:  # no read copies these blocks once this returns
                 self._holds.pop(transfer_id, None)
-        send_frame(conn, {"op": "done", "confirmed": hold.confirmed.is_set(), "bytes": hold.bytes_sent})
+        send_frame(conn, {"op": "done", "confirmed": hold.confirmed.is_set(), "bytes": hold.bytes_sent,
+                          "blocks": hold.blocks_sent})
 
     def _read(self, conn: socket.socket, header: dict[str, Any]) -> None:
         transfer_id = str(header.get("transfer_id"))
@@ -164,6 +167,7 @@ class KVAgent:
         answer, _ = recv_frame(conn)
         if answer.get("op") == "ack":
             hold.bytes_sent += len(payload)
+            hold.blocks_sent += chosen.stop - chosen.start
             hold.confirmed.set()
 
     def _read_problem(self, hold: _Hold | None, header: dict[str, Any], caches: KVCaches) -> str:
@@ -178,7 +182,7 @@ class KVAgent:
         hashes, first = header.get("block_hashes"), header.get("first_block")
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
             return "first_block must be an index into the hold"
-        if not isinstance(hashes, list) or not hashes or hashes != hold.block_hashes[first:first + len(hashes)]:
+        if not isinstance(hashes, list) or hashes != hold.block_hashes[first:first + len(hashes)]:
             return "the block hashes are not the held blocks'"
         if header.get("block_ids") != hold.block_ids[first:first + len(hashes)]:
             return "the block ids are not the held blocks'"

@@ -31,6 +31,8 @@ def bytes_per_block(caches: KVCaches) -> int:
 
 def gather_blocks(caches: KVCaches, block_ids: Sequence[int]) -> bytes:
     """The payload of ``block_ids`` (a copy: the blocks may be reused once this returns)."""
+    if not block_ids:
+        return b""
     index = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0][0].device)
     parts = [t.index_select(0, index).contiguous().view(torch.uint8).reshape(-1) for pair in caches for t in pair]
     return torch.cat(parts).cpu().numpy().tobytes()
@@ -45,6 +47,8 @@ def scatter_blocks(caches: KVCaches, block_ids: Sequence[int], payload: bytes | 
     expected = len(block_ids) * bytes_per_block(caches)
     if len(payload) != expected:
         raise ValueError(f"a payload of {len(payload)} bytes for {len(block_ids)} blocks of {expected} bytes")
+    if not block_ids:
+        return
     device = caches[0][0].device
     index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
     flat = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
