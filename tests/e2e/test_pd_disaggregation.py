@@ -15,7 +15,6 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import openai
