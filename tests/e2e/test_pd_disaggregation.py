@@ -59,11 +59,12 @@ def labelled(replica: RunningCluster, name: str, **labels: str) -> float:
     return 0.0
 
 
-def used_tokens(replica: RunningCluster) -> int:
+def used_tokens(replica: RunningCluster, operator_key: str = "") -> int:
     """GetLoads' tokens of the blocks held now (read from the allocator, not a gauge of the last step)."""
+    metadata = [("authorization", f"Bearer {operator_key}")] if operator_key else None
     with grpc.insecure_channel(replica.target) as channel:
-        return vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads(vpb.GetLoadsRequest(), timeout=5) \
-            .loads[0].num_used_tokens
+        return vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads(vpb.GetLoadsRequest(), timeout=5,
+                                                                     metadata=metadata).loads[0].num_used_tokens
 
 
 def computed_prompt_tokens(replica: RunningCluster) -> float:
