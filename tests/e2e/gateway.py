@@ -35,6 +35,13 @@ def model_with_chat_template(model_dir: Path, into: Path) -> Path:
     return into
 
 
+def as_gateway_decodes(text: str) -> str:
+    """The gateway decodes a completion's tokens on their own, where we decode them after the
+    prompt's: stories260k's SentencePiece decoder then drops the space that starts a first
+    token (" saw" decodes to "saw"). The token ids are the same."""
+    return text.removeprefix(" ")
+
+
 @dataclass
 class RunningGateway:
     process: subprocess.Popen

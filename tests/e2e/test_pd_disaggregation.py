@@ -11,30 +11,22 @@ goldens tests check against transformers. The last test of each fleet kills its 
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-import grpc
 import openai
 import pytest
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.tokenizer import Tokenizer
 from tests.e2e.cluster import RunningCluster
-from tests.e2e.gateway import RunningGateway, model_with_chat_template, run_pd_gateway
-from tests.e2e.pd import serve_role
-from tests.e2e.test_gateway import as_gateway_decodes
+from tests.e2e.gateway import RunningGateway, as_gateway_decodes, model_with_chat_template, run_pd_gateway
+from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, labelled, serve_role, used_tokens
 from tests.paths import STORIES_DIR, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
 BLOCK_SIZE = 16
-LONG_PROMPT = ("Once upon a time there was a little girl named Lily. She loved to play outside with her dog "
-               "Max. One day they went to the park and saw a big tree with red apples. Lily wanted an apple "
-               "but the tree was too tall. Max barked and ran around the tree. Then")
 PROMPTS = ["Once upon a time", LONG_PROMPT]
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat who found a red ball in the garden."}]
 
@@ -47,29 +39,6 @@ class PDFleet:
     client: openai.OpenAI
     tokenizer: Tokenizer
     model: str
-
-
-def labelled(replica: RunningCluster, name: str, **labels: str) -> float:
-    """One sample of ``name`` with exactly ``labels`` from the replica's /metrics (0 when absent)."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5).read().decode()
-    want = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
-    for line in body.splitlines():
-        if line.startswith(name + want + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def used_tokens(replica: RunningCluster, operator_key: str = "") -> int:
-    """GetLoads' tokens of the blocks held now (read from the allocator, not a gauge of the last step)."""
-    metadata = [("authorization", f"Bearer {operator_key}")] if operator_key else None
-    with grpc.insecure_channel(replica.target) as channel:
-        return vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads(vpb.GetLoadsRequest(), timeout=5,
-                                                                     metadata=metadata).loads[0].num_used_tokens
-
-
-def computed_prompt_tokens(replica: RunningCluster) -> float:
-    """Prompt tokens the replica computed: looked up at admission less found (pulled blocks are found)."""
-    return replica.metric("tpserve:prefix_cache_queries_total") - replica.metric("tpserve:prefix_cache_hits_total")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])

@@ -21,8 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.tokenizer import Tokenizer
 from tests.e2e.cluster import RunningCluster, free_port
-from tests.e2e.pd import serve_role
-from tests.e2e.test_pd_disaggregation import LONG_PROMPT, computed_prompt_tokens, labelled, used_tokens
+from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, labelled, serve_role, used_tokens
 from tests.paths import STORIES_DIR, requires_stories
 from tpserve.kv_wire import WireError, connect, recv_frame, send_frame
 
