@@ -15,7 +15,7 @@ Pure Python, no torch: unit-tested without a device.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -81,6 +81,10 @@ class BlockAllocator:
         self.num_evictions = 0
         #: Told of every block that enters or leaves the prefix cache (coordinator/kv_events.py).
         self.listener: KvEventLog | None = None
+        #: Called ``(block_id, block_hash, namespace)`` with each cached block evicted for reuse, before
+        #: anything can write it: the host tier keeps a copy (coordinator/kv_host_tier.py). None: off.
+        self.on_evict: Callable[[int, bytes, bytes], None] | None = None
+        self._namespace_of_block: dict[int, bytes] = {}  # cached blocks' namespaces, kept only for on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,6 +114,8 @@ class BlockAllocator:
                 self.num_evictions += 1
                 if self.listener is not None:
                     self.listener.removed(block_hash)
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block_hash, self._namespace_of_block.pop(block_id, b""))
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -143,6 +149,7 @@ class BlockAllocator:
         for block_id in self._evictable:
             block_hash = self._hash_of_block.pop(block_id)
             del self._block_of_hash[block_hash]
+            self._namespace_of_block.pop(block_id, None)
             self._free.append(block_id)
             if self.listener is not None:
                 self.listener.removed(block_hash)
@@ -190,7 +197,7 @@ class BlockAllocator:
         that hash (two sequences computed the same prefix at once), nothing changes: the
         block stays its sequence's own, uncached, and is freed as such. ``token_ids``,
         ``parent_hash`` (the block before it in its sequence) and ``namespace`` only go to
-        the ``listener``.
+        the ``listener`` (and ``namespace`` to ``on_evict``).
 
         Raises:
             ValueError: the block is free or already cached under another hash.
@@ -206,6 +213,8 @@ class BlockAllocator:
             return
         self._block_of_hash[block_hash] = block_id
         self._hash_of_block[block_id] = block_hash
+        if self.on_evict is not None and namespace:
+            self._namespace_of_block[block_id] = namespace
         if self.listener is not None:
             self.listener.stored(block_hash, token_ids, parent_hash, namespace)
 
@@ -244,3 +253,4 @@ class BlockAllocator:
         assert all(b in self._hash_of_block for b in range(self.num_blocks) if counts[b] > 1), \
             "a block shared by several sequences is not cached"
         assert {h: b for b, h in self._hash_of_block.items()} == self._block_of_hash, "hash maps disagree"
+        assert set(self._namespace_of_block) <= set(self._hash_of_block), "an uncached block keeps a namespace"

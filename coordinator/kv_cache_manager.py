@@ -14,6 +14,12 @@ namespaces share no block. At admission a sequence takes references to the cache
 its tokens start with (:meth:`KVCacheManager.cached_prefix`, :meth:`~KVCacheManager.take_cached_prefix`);
 as steps compute its blocks, the full ones enter the cache (:meth:`~KVCacheManager.cache_full_blocks`).
 
+With a host tier (coordinator/kv_host_tier.py) the cache has two tiers: a cached block the pool
+evicts is copied to a host slot, and admission continues the prefix past the device pool's
+blocks through the host tier, each hit copied back into a fresh block
+(:meth:`~KVCacheManager.take_cached_prefix`). A preempted sequence's full blocks stay cached
+and so go the same way: preemption by swap (docs/design/scheduling.md, "The host tier").
+
 Pure Python, no torch.
 """
 
@@ -25,8 +31,10 @@ from array import array
 from typing import TYPE_CHECKING
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
+from coordinator.kv_host_tier import HostTier
 
 if TYPE_CHECKING:
+    from coordinator.kv_events import KvEventLog
     from coordinator.sequence import Sequence
 
 
@@ -73,18 +81,48 @@ class KVCacheManager:
         allocator: the worker group's block pool.
         enable_prefix_caching: share full blocks between sequences with the same tokens
             up to them (``--enable-prefix-caching``).
+        host_tier: the prefix cache's second tier (``--kv-offloading-size``); None: none.
+
+    Raises:
+        ValueError: a host tier without prefix caching (it holds prefix-cache blocks), or of
+            another block size.
 
     Attributes:
         prefix_cache_queries, prefix_cache_hits: tokens looked up in the prefix cache at
-            admission, and how many of them were found (cumulative).
+            admission, and how many of them were found, in either tier (cumulative).
+        host_tier_hits: of ``prefix_cache_hits``, the tokens copied back from the host tier.
     """
 
-    def __init__(self, allocator: BlockAllocator, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, allocator: BlockAllocator, enable_prefix_caching: bool = False,
+                 host_tier: HostTier | None = None) -> None:
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError("the KV host tier (--kv-offloading-size) holds prefix-cache blocks: it needs "
+                             "--enable-prefix-caching")
+        if host_tier is not None and host_tier.block_size != allocator.block_size:
+            raise ValueError(f"host tier block_size {host_tier.block_size} != the pool's {allocator.block_size}")
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.host_tier = host_tier
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_tier_hits = 0
+        self._attach_tier()
+
+    def _attach_tier(self) -> None:
+        """Sends the pool's evictions to the host tier, and says so on the KV events."""
+        tier = self.host_tier
+        if tier is None:
+            return
+        self.allocator.on_evict = lambda block_id, block_hash, namespace: tier.store(block_id, block_hash, namespace)
+        tier.listener = self.allocator.listener
+        if tier.listener is not None:
+            tier.listener.device_medium = "GPU"
+
+    def attach_listener(self, listener: KvEventLog) -> None:
+        """Tells ``listener`` of every block entering or leaving either tier."""
+        self.allocator.listener = listener
+        self._attach_tier()
 
     # -- admission ---------------------------------------------------------------------
 
@@ -104,17 +142,64 @@ class KVCacheManager:
         return num_blocks_for(seq.num_tokens, self.block_size) - len(cached) + self.allocator.num_unheld(cached)
 
     def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
-        """Makes ``cached`` the start of ``seq``'s (empty) block table, as computed tokens, and counts the look-up."""
-        num_cached_tokens = len(cached) * self.block_size
+        """Makes ``cached`` the start of ``seq``'s (empty) block table, as computed tokens, and counts the look-up.
+
+        With a host tier the prefix goes on past ``cached``, block by block, while the next block is
+        in either tier: each host-tier hit gets a fresh block (ordered copied in before the plan's
+        forward) and is cached there at once. Each such block uses up at most one free block, as
+        :meth:`num_blocks_to_admit` counted it, so admission never takes more than it checked.
+        """
+        self.allocator.acquire(cached)
+        seq.block_ids = list(cached)
+        if self.host_tier is not None:
+            self._continue_from_tier(seq)
+        num_cached_tokens = len(seq.block_ids) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached_tokens
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
         seq.admitted_s.append(time.monotonic())  # once per admission, not per step: the request's timings
-        self.allocator.acquire(cached)
-        seq.block_ids = list(cached)
         seq.num_computed_tokens = num_cached_tokens
+
+    def _continue_from_tier(self, seq: Sequence) -> None:
+        """Extends ``seq``'s cached prefix (its block table) through either tier (take_cached_prefix)."""
+        tier, allocator, block_size = self.host_tier, self.allocator, self.block_size
+        assert tier is not None
+        if seq.sampling.prompt_logprobs is not None:
+            return
+        num_full = (seq.num_tokens - 1) // block_size
+        hashes = extend_block_hashes(seq, block_size, num_full * block_size)
+        namespace = seq.cache_namespace
+        while len(seq.block_ids) < num_full:
+            index = len(seq.block_ids)
+            block_hash = hashes[index]
+            on_device = allocator.lookup((block_hash,))
+            if on_device:  # after a block the pool had evicted: a later one it still holds
+                allocator.acquire(on_device)
+                seq.block_ids.append(on_device[0])
+                continue
+            slot = tier.lookup(block_hash, namespace)
+            fresh = allocator.allocate(1) if slot is not None else None
+            if slot is None or fresh is None:
+                return
+            tier.load(slot, fresh[0])
+            listener = allocator.listener
+            tokens = seq.token_ids(index * block_size, (index + 1) * block_size) if listener else ()
+            allocator.cache(fresh[0], block_hash, tokens, hashes[index - 1] if index else None, namespace)
+            seq.block_ids.append(fresh[0])
+            self.host_tier_hits += block_size
+
+    def take_copy_orders(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The host tier's copies for the plan being sent (:meth:`HostTier.take_orders`); none without a tier."""
+        return ((), ()) if self.host_tier is None else self.host_tier.take_orders()
+
+    def flush(self) -> int:
+        """Drops every cached block nobody holds from the device pool, and the whole host tier (an operator's
+        FlushCache). Returns how many device blocks were dropped."""
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        return self.allocator.evict_cached()
 
     # -- growth and release ------------------------------------------------------------
 
@@ -145,6 +230,9 @@ class KVCacheManager:
         listener = self.allocator.listener
         self.allocator = BlockAllocator(self.allocator.num_blocks, self.block_size)
         self.allocator.listener = listener
+        if self.host_tier is not None:  # the new ranks' host slots are empty too (the listener hears cleared)
+            self.host_tier.clear(notify=False)
+            self._attach_tier()
         if listener is not None:
             listener.cleared()
 

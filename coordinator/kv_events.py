@@ -15,6 +15,13 @@ gateway uses them as node identities and hashes the token ids itself. A block co
 under a tenant's or a salt's namespace carries it in ``cache_salt`` (hex), so that the
 gateway keeps it apart from unsalted prefixes.
 
+With the host tier on (``--kv-offloading-size``; coordinator/kv_host_tier.py) a block may be
+cached in two tiers at once, and every stored and removed event says which: ``medium`` "GPU"
+(``tier`` DEVICE: the device pool, whatever the device; vLLM's name) or "CPU" (``tier`` HOST:
+the host tier), as vLLM's offloading connector publishes them. Host-tier stores carry no token
+ids (the device event for the same hash did). Without the tier the events are as before (no
+medium: the device).
+
 Data flow (docs/design/request-path.md, "KV events: one shared ring"; per-subscriber work on the engine loop let
 1,000 subscribers
 that never read cut throughput 7x and grow the coordinator by 680 MB):
@@ -53,6 +60,8 @@ MAX_BUFFERED_EVENTS = 65_536
 #: Most events of one batch: a batch nobody reads is sealed by the engine at this size, so
 #: that the ring's bound holds even while every subscriber is stuck on a full connection.
 MAX_BATCH_EVENTS = 4_096
+#: ``medium`` -> the protocol's tier enum.
+_TIERS = {"GPU": common_pb2.KV_CACHE_TIER_DEVICE, "CPU": common_pb2.KV_CACHE_TIER_HOST}
 #: Default of ``--max-kv-event-subscribers``: a gateway replica subscribes once per worker,
 #: so a fleet needs a handful; each more costs a wake-up per batch.
 DEFAULT_MAX_SUBSCRIBERS = 16
@@ -83,6 +92,8 @@ class KvEventLog:
         self._recorded = asyncio.Event()  # set while the open batch has events
         self._next_subscriber = 0
         self._next_event_id = 1
+        #: The device pool's ``medium`` on its events: None (unsaid) unless a host tier is on.
+        self.device_medium: str | None = None
 
     @property
     def num_subscribers(self) -> int:
@@ -97,8 +108,9 @@ class KvEventLog:
     # -- the allocator's side (the engine loop: constant work per event) ----------------
 
     def stored(self, block_hash: bytes, token_ids: Sequence[int], parent_hash: bytes | None,
-               namespace: bytes = b"") -> None:
-        """Block ``block_hash`` (its ``block_size`` tokens ``token_ids``) entered the cache."""
+               namespace: bytes = b"", medium: str | None = None) -> None:
+        """Block ``block_hash`` (its ``block_size`` tokens ``token_ids``) entered the cache's tier ``medium``
+        ("GPU", "CPU"; None: the device pool)."""
         if not self._cursors:
             return
         stored = common_pb2.KvBlocksStored(blocks=[common_pb2.KvBlock(
@@ -107,13 +119,19 @@ class KvEventLog:
             stored.parent_block_hash = block_hash_int64(parent_hash)
         if namespace:
             stored.cache_salt = namespace.hex()
+        medium = medium or self.device_medium
+        if medium:
+            stored.medium, stored.tier = medium, _TIERS[medium]
         self._record(common_pb2.KvCacheEvent(stored=stored))
 
-    def removed(self, block_hash: bytes) -> None:
-        """Block ``block_hash`` left the cache (evicted or flushed)."""
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None:
+        """Block ``block_hash`` left the cache's tier ``medium`` (evicted or flushed; None: the device pool)."""
         if self._cursors:
-            self._record(common_pb2.KvCacheEvent(
-                removed=common_pb2.KvBlocksRemoved(block_hashes=[block_hash_int64(block_hash)])))
+            removed = common_pb2.KvBlocksRemoved(block_hashes=[block_hash_int64(block_hash)])
+            medium = medium or self.device_medium
+            if medium:
+                removed.medium, removed.tier = medium, _TIERS[medium]
+            self._record(common_pb2.KvCacheEvent(removed=removed))
 
     def cleared(self) -> None:
         """Every cached block is gone (a new pool)."""

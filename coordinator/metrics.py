@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from coordinator.kv_offload_metrics import KvOffloadMetrics
 from coordinator.load_gauges import LoadGauges
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class Metrics:
         # KV usage 0-1, saturation and vLLM's names of these gauges, for autoscalers
         # and routers (docs/design/observability.md, "Scaling signals").
         self.load = LoadGauges(r)
+        self.kv_offload = KvOffloadMetrics(r)  # the prefix cache's host tier (coordinator/kv_offload_metrics.py)
         # The public port's TCP connections against its cap (launch/connection_limits.py): at the cap,
         # new connections are closed at once; health still answers on --health-port.
         self.num_connections = Gauge(

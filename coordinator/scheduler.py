@@ -7,7 +7,9 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
    within ``max_num_batched_tokens``. When the KV blocks they need are not free,
    the least urgent, newest running sequence not yet scheduled in this step is
    preempted: its blocks are freed and it goes back to the queue, ahead of every later
-   request of its rank, to be recomputed later (recompute preemption).
+   request of its rank, to be recomputed later (recompute preemption). With the host tier
+   (``host_tier``) its full blocks, still cached, are copied out when the pool reuses them and
+   copied back at its readmission instead (swap preemption: coordinator/kv_host_tier.py).
    Before that, a waiting sequence that cannot be admitted (too few free blocks, no
    free slot) preempts less urgent running sequences to take their place.
    Urgency is priority aged by waiting, and an admitted sequence is not preempted
@@ -72,6 +74,7 @@ from collections.abc import Callable
 
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
 from coordinator.kv_cache_manager import KVCacheManager
+from coordinator.kv_host_tier import HostTier
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.priority import DEFAULT_PRIORITY_AGING_S, PriorityPolicy
 from coordinator.spec_decode import SpecDecodeStats
@@ -101,10 +104,12 @@ class Scheduler:
             (see the module docstring); not with a proposer.
         priority_aging_s: seconds of waiting worth one priority level (``--priority-aging-seconds``;
             0: strict priority); ``clock``: monotonic seconds (:mod:`coordinator.priority`).
+        host_tier: the prefix cache's host tier (``--kv-offloading-size``; coordinator/kv_host_tier.py);
+            None: one tier. Needs ``enable_prefix_caching``.
 
     Raises:
         ValueError: ``async_scheduling`` with a proposer (a proposal needs the tokens before it),
-            or a negative ``priority_aging_s``.
+            a negative ``priority_aging_s``, or a ``host_tier`` without prefix caching.
 
     Attributes:
         kv_cache: the block tables and the prefix cache (:mod:`coordinator.kv_cache_manager`).
@@ -115,12 +120,13 @@ class Scheduler:
                  enable_prefix_caching: bool = False, check_writes: bool = False,
                  proposer: NgramProposer | DraftModelProposer | None = None,
                  disable_speculation_above: int | None = None, async_scheduling: bool = False,
-                 priority_aging_s: float = DEFAULT_PRIORITY_AGING_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 priority_aging_s: float = DEFAULT_PRIORITY_AGING_S, clock: Callable[[], float] = time.monotonic,
+                 host_tier: HostTier | None = None) -> None:
         if async_scheduling and proposer is not None:
             raise ValueError("async scheduling does not combine with speculative decoding")
         self.priority = PriorityPolicy(priority_aging_s, clock)
         self.async_scheduling = async_scheduling
-        self.kv_cache = KVCacheManager(allocator, enable_prefix_caching)
+        self.kv_cache = KVCacheManager(allocator, enable_prefix_caching, host_tier)
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -245,7 +251,7 @@ class Scheduler:
         if self.check_writes:
             self._bad_writes = cached_blocks_written(scheduled, self.running, self.allocator)
         plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop),
-                        tuple(self._trims.items()))
+                        tuple(self._trims.items()), *self.kv_cache.take_copy_orders())  # host tier (kv_host_tier.py)
         self._next_step_id += 1
         self._to_drop = []
         self._trims = {}
@@ -339,6 +345,8 @@ class Scheduler:
         self._to_drop[:0] = plan.finished_seq_ids
         for seq_id, num_blocks in plan.trimmed_block_tables:
             self._trims.setdefault(seq_id, num_blocks)
+        if (plan.kv_swap_out or plan.kv_swap_in) and self.kv_cache.host_tier is not None:
+            self.kv_cache.host_tier.put_back_orders(plan.kv_swap_out, plan.kv_swap_in)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenOutput]:
         """Applies a step's sampled tokens; returns them with the sequences' finish reasons.

@@ -236,9 +236,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         (``EngineLoad``)."""
         scheduler = self._engine().scheduler
         allocator = scheduler.allocator
-        if allocator.listener is None:  # kept across a worker-group restart (Scheduler.reset_workers)
-            allocator.listener = KvEventLog(allocator.block_size, self.max_kv_event_subscribers)
         log = allocator.listener
+        if log is None:  # kept across a worker-group restart (Scheduler.reset_workers)
+            log = KvEventLog(allocator.block_size, self.max_kv_event_subscribers)
+            scheduler.kv_cache.attach_listener(log)  # both tiers' events
         subscriber = log.subscribe()  # RESOURCE_EXHAUSTED past --max-kv-event-subscribers
         try:
             await context.send_initial_metadata(())
@@ -342,7 +343,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         deadline = time.monotonic() + max(request.timeout_s, 0.0)
         while engine.num_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        num_dropped = engine.scheduler.allocator.evict_cached()
+        num_dropped = engine.scheduler.kv_cache.flush()
         busy = engine.num_requests
         message = f"dropped {num_dropped} cached blocks" + (
             f"; {busy} requests in flight keep theirs until they finish" if busy else "")

@@ -106,6 +106,8 @@ class WorkerGroup:
         self._watchers: list[asyncio.Task] = []  # a task per rank that answers only failures
         self._lost: str | None = None  # what such a rank reported: the step in flight fails with it
         self.num_kv_blocks = 0
+        self.num_host_blocks = 0  # the prefix cache's host tier, per rank (coordinator/kv_host_tier.py)
+        self.kv_bytes_per_block: dict[int, int] = {}  # rank -> bytes of one KV block there
         self._closed = False  # close() was called: a step it interrupts failed, it was not cancelled
         self.dtype = ""  # as the ranks resolved it
         self.device = ""  # "cpu" or "cuda", as the ranks resolved it
@@ -148,6 +150,7 @@ class WorkerGroup:
                     self.dtype = status.dtype
                     self.device = status.device
                     self.num_threads[rank] = status.num_threads
+                    self.kv_bytes_per_block[rank] = status.kv_bytes_per_block
                     pending.discard(rank)
             if pending:
                 if time.monotonic() > deadline:
@@ -156,12 +159,16 @@ class WorkerGroup:
         # vLLM's rule: the pool is what the tightest rank can hold.
         return min(available.values())
 
-    async def start(self, num_kv_blocks: int) -> None:
-        """Allocates every rank's KV cache and opens the step streams: a plain socket to each rank of
+    async def start(self, num_kv_blocks: int, num_host_blocks: int | None = None) -> None:
+        """Allocates every rank's KV cache (and ``num_host_blocks`` host-tier blocks; None: as many as the
+        last start, for a restart) and opens the step streams: a plain socket to each rank of
         this host (tpserve/step_socket.py), the gRPC ``Step`` stream to each rank of another, and to a
         rank of this host whose step socket does not answer (it could not bind one)."""
-        await asyncio.gather(*(s.InitCache(pb.InitCacheRequest(num_kv_blocks=num_kv_blocks)) for s in self._stubs))
-        self.num_kv_blocks = num_kv_blocks
+        num_host_blocks = self.num_host_blocks if num_host_blocks is None else num_host_blocks
+        await asyncio.gather(*(s.InitCache(pb.InitCacheRequest(num_kv_blocks=num_kv_blocks,
+                                                               num_host_blocks=num_host_blocks))
+                               for s in self._stubs))
+        self.num_kv_blocks, self.num_host_blocks = num_kv_blocks, num_host_blocks
         streams: list = []
         for rank, (stub, address) in enumerate(zip(self._stubs, self.addresses, strict=True)):
             errors_only = rank != self.sampling_rank

@@ -26,6 +26,7 @@ from coordinator.block_allocator import BlockAllocator, check_pool_holds_a_full_
 from coordinator import tracing
 from coordinator.engine import Engine
 from coordinator.errors import TpserveError
+from coordinator.kv_host_tier import HostTier, num_host_slots
 from coordinator.metrics import Metrics
 from coordinator.ngram_proposer import make_proposer
 from coordinator.scheduler import Scheduler
@@ -148,14 +149,17 @@ class Leader:
             raise WorkerGroupError(f"--num-gpu-blocks-override {num_blocks} exceeds the {available} blocks a rank can hold")
         check_pool_holds_a_full_sequence(num_blocks, cfg.cache.block_size, self.max_model_len)
         workers = self.launcher.workers
-        await workers.start(num_blocks)
-        self.engine = self._build_engine(num_blocks)
+        num_host_blocks = num_host_slots(cfg.cache.kv_offloading_size, cfg.cache.num_cpu_blocks_override,
+                                         list(workers.kv_bytes_per_block.values()))
+        await workers.start(num_blocks, num_host_blocks)
+        self.engine = self._build_engine(num_blocks, num_host_blocks)
         self.public.attach(self.engine, num_blocks, workers.dtype)
         self.recovery.engine = self.engine
         self.recovery.watch_liveness()
 
-    def _build_engine(self, num_blocks: int) -> Engine:
-        """The scheduler over a pool of ``num_blocks`` KV blocks, and the engine that runs it."""
+    def _build_engine(self, num_blocks: int, num_host_blocks: int = 0) -> Engine:
+        """The scheduler over a pool of ``num_blocks`` KV blocks (and a host tier of ``num_host_blocks``),
+        and the engine that runs it."""
         cfg = self.config
         workers = self.launcher.workers
         spare_core = workers.device == "cpu" and coordinator_has_a_core(workers.num_threads, self.layout.node_ranks())
@@ -164,14 +168,19 @@ class Leader:
         scaling = self.model_config.rope_scaling or {}
         share_prefixes = cfg.cache.enable_prefix_caching and not (
             scaling.get("rope_type") == "dynamic" and self.max_model_len > self.model_config.max_position_embeddings)
+        host_tier = HostTier(num_host_blocks, cfg.cache.block_size) if num_host_blocks and share_prefixes else None
+        if num_host_blocks and host_tier is None:
+            log.warning("kv host tier off: this model's dynamic RoPE shares no prefix", blocks=num_host_blocks)
         scheduler = Scheduler(BlockAllocator(num_blocks, cfg.cache.block_size),
                               cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
                               enable_prefix_caching=share_prefixes,
                               proposer=make_proposer(cfg.speculative),
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size,
                               async_scheduling=cfg.async_scheduling_on(workers.device, spare_core),
-                              priority_aging_s=cfg.scheduler.priority_aging_seconds)
+                              priority_aging_s=cfg.scheduler.priority_aging_seconds, host_tier=host_tier)
         self.metrics.set_pool(num_blocks, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
+        if host_tier is not None:
+            self.metrics.kv_offload.configure(num_host_blocks, sum(workers.kv_bytes_per_block.values()))
         return Engine(scheduler, self.launcher.workers, self.tokenizer, self.max_model_len,
                       cfg.scheduler.max_queue_len, self.metrics, on_fatal=lambda reason: self.stop(1),
                       on_group_failure=self._group_failed, micro_batches=cfg.parallel.pipeline_parallel_size,

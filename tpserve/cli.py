@@ -83,6 +83,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                        "k_scale/v_scale, else calibrated at start-up): twice the blocks of a 16-bit cache")),
         ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction,
                                          help="reuse the KV blocks of shared prompt prefixes (default on)")),
+        ("--kv-offloading-size", dict(type=float, help="GiB of host memory, summed over the ranks, for a second "
+                                                       "tier of the prefix cache: blocks evicted from the KV cache "
+                                                       "are kept there and copied back on a hit, and preempted "
+                                                       "requests swap through it (default: none)")),
+        ("--num-cpu-blocks-override", dict(type=int, help="use exactly this many host-tier blocks (instead of "
+                                                          "--kv-offloading-size)")),
     ],
     "scheduler": [
         ("--max-num-seqs", dict(type=int, help="most sequences per step")),

@@ -162,6 +162,12 @@ class CacheConfig(_Frozen):
             the activations' dtype; "fp8" (float8 e4m3) and "int8" store 1 byte per element
             with a per-layer scale for K and for V (worker/kv_quant.py), so the same memory
             holds twice the blocks of a 16-bit cache.
+        kv_offloading_size: GiB of host memory for the prefix cache's second tier, summed over
+            the group's ranks (vLLM's ``--kv-offloading-size``): blocks the device pool evicts
+            are kept there and copied back on a prefix hit, and preemption swaps through it
+            (coordinator/kv_host_tier.py); None: no tier.
+        num_cpu_blocks_override: exactly this many host-tier blocks (tests, capacity planning);
+            takes precedence over ``kv_offloading_size``.
     """
 
     block_size: int = Field(16, ge=1, le=1024)
@@ -170,6 +176,20 @@ class CacheConfig(_Frozen):
     num_gpu_blocks_override: int | None = Field(None, ge=1, le=INT32_MAX)
     enable_prefix_caching: bool = True
     kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"
+    kv_offloading_size: float | None = Field(None, gt=0, le=2**20)
+    num_cpu_blocks_override: int | None = Field(None, ge=1, le=INT32_MAX)
+
+    @property
+    def host_tier_on(self) -> bool:
+        """Whether the prefix cache has a host tier."""
+        return self.kv_offloading_size is not None or self.num_cpu_blocks_override is not None
+
+    @model_validator(mode="after")
+    def _check_host_tier(self) -> CacheConfig:
+        if self.host_tier_on and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size / --num-cpu-blocks-override keep prefix-cache blocks: they "
+                             "need --enable-prefix-caching")
+        return self
 
 
 class SchedulerConfig(_Frozen):

@@ -12,6 +12,10 @@ blocks added to its block table. Workers keep a per-sequence block table and
 drop it when the sequence is named in ``finished_seq_ids``.
 
 Order of application on a worker, fixed so every rank agrees:
+  0. the host tier's copies (``--kv-offloading-size``; coordinator/kv_host_tier.py): every
+     ``kv_swap_out`` (device block -> host slot) first, then every ``kv_swap_in`` (host slot ->
+     device block), each in order, all before anything else of the step (a block evicted and
+     reused in this plan is read out before a copy-in or the forward writes it);
   1. drop every sequence in ``finished_seq_ids`` (its blocks are the coordinator's
      to reuse from the next step on);
   2. register every ``NewSequence`` (a preempted sequence comes back this way,
@@ -253,6 +257,9 @@ class StepPlan:
     finished_seq_ids: tuple[int, ...] = ()
     #: ``(seq_id, num_blocks)``: keep only the first ``num_blocks`` of the sequence's table.
     trimmed_block_tables: tuple[tuple[int, int], ...] = ()
+    #: Host tier: ``(device block, host slot)`` copies out, then ``(host slot, device block)`` copies in.
+    kv_swap_out: tuple[tuple[int, int], ...] = ()
+    kv_swap_in: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -22,8 +22,8 @@ from tpserve.v1 import worker_pb2 as pb
 #: and writes them), which every rank reports in GetStatus and the coordinator checks before the
 #: group's first step: protobuf skips fields it does not know, so a rank of another version would
 #: read a plan as a different batch, not fail. 0: no version (before 2); 2: the leading plain
-#: decodes as columns (``StepPlan.decode_*``).
-STEP_PROTOCOL = 2
+#: decodes as columns (``StepPlan.decode_*``); 3: the host tier's copies (``StepPlan.kv_swap_*``).
+STEP_PROTOCOL = 3
 
 #: Step stream metadata (key, value) that asks a rank to answer a plan only when its step fails.
 #: The coordinator opens every rank's stream but the sampling rank's with it: their answers carry
@@ -51,6 +51,11 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         trimmed_block_tables=[pb.TrimmedBlockTable(seq_id=seq_id, num_blocks=num_blocks)
                               for seq_id, num_blocks in plan.trimmed_block_tables],
     )
+    if plan.kv_swap_out or plan.kv_swap_in:  # the host tier's copies (rare: evictions and tier hits)
+        msg.kv_swap_out_block_ids.extend([block for block, _ in plan.kv_swap_out])
+        msg.kv_swap_out_slots.extend([slot for _, slot in plan.kv_swap_out])
+        msg.kv_swap_in_slots.extend([slot for slot, _ in plan.kv_swap_in])
+        msg.kv_swap_in_block_ids.extend([block for _, block in plan.kv_swap_in])
     # One chunk per running sequence per step: the hot part (docs/design/request-path.md, "Where a streamed token's
     # coordinator CPU goes"). The
     # leading plain decodes go as columns (worker.proto), the rest as chunk messages.
@@ -107,7 +112,24 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         ]),
         finished_seq_ids=tuple(msg.finished_seq_ids),
         trimmed_block_tables=tuple((t.seq_id, t.num_blocks) for t in msg.trimmed_block_tables),
+        **_swaps_from_pb(msg),
     )
+
+
+def _swaps_from_pb(msg: pb.StepPlan) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The host tier's copy orders from their columns (worker.proto, ``kv_swap_*``); none: no keywords.
+
+    Raises:
+        ValueError: columns of different lengths.
+    """
+    out_blocks, out_slots, in_slots, in_blocks = (msg.kv_swap_out_block_ids, msg.kv_swap_out_slots,
+                                                  msg.kv_swap_in_slots, msg.kv_swap_in_block_ids)
+    if not (out_blocks or out_slots or in_slots or in_blocks):
+        return {}
+    if len(out_blocks) != len(out_slots) or len(in_slots) != len(in_blocks):
+        raise ValueError(f"step {msg.step_id}: malformed host-tier copies: {len(out_blocks)} blocks for "
+                         f"{len(out_slots)} slots out, {len(in_slots)} slots for {len(in_blocks)} blocks in")
+    return {"kv_swap_out": tuple(zip(out_blocks, out_slots)), "kv_swap_in": tuple(zip(in_slots, in_blocks))}
 
 
 def _num_leading_decodes(scheduled: tuple[ScheduledChunk, ...]) -> int:

@@ -51,6 +51,7 @@ from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
+from worker.kv_host_tier import HostKVTier
 from worker.kv_quant import (CALIBRATION_TOKENS, cache_dtype, calibrate, calibration_token_ids,
                              checkpoint_kv_scales, set_checkpoint_scales)
 from worker.layers.decode_block import disable_decode_blocks
@@ -171,6 +172,7 @@ class ModelRunner:
         self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.host_tier: HostKVTier | None = None  # the prefix cache's host slots (--kv-offloading-size)
         self.last_logits: torch.Tensor | None = None
         self.last_spec_logits: torch.Tensor | None = None
         self._seqs: dict[int, _SequenceState] = {}
@@ -204,7 +206,7 @@ class ModelRunner:
         return self.kv_layout.num_blocks_for_budget(kv_cache_memory_bytes)
 
     def init_kv_cache(self, num_blocks: int, *, cuda_graph_sizes: Sequence[int] = (), max_model_len: int | None = None,
-                      capture: bool = True) -> None:
+                      capture: bool = True, num_host_blocks: int = 0) -> None:
         """Allocate ``num_blocks`` blocks per layer (block ids ``0 .. num_blocks - 1``) and capture decode graphs.
 
         Args:
@@ -215,6 +217,7 @@ class ModelRunner:
                 holds one more block, the padding rows' null block.
             max_model_len: the longest context a graph takes (default: the model's).
             capture: False checks the graphs' static-buffer path eagerly (tests on the CPU).
+            num_host_blocks: slots of the prefix cache's host tier (worker/kv_host_tier.py); 0: none.
         """
         # Latent attention's decode reads its latents with torch ops through the block tables: in a graph that
         # is the static tables' full max_model_len width for every row, every step, so it runs eagerly.
@@ -226,6 +229,8 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        self.host_tier = None if not num_host_blocks else HostKVTier(
+            self.kv_caches + (self.draft.kv_caches if self.draft is not None else []), num_host_blocks)
         if self._kv_uncalibrated:  # before any graph captures the scales
             self._calibrate_kv_scales()
         if graphs:
@@ -272,6 +277,7 @@ class ModelRunner:
         """Drop the KV cache and every sequence (after the memory profile, before the real cache)."""
         self.kv_caches = []
         self._graphs = None
+        self.host_tier = None
         if self.draft is not None:
             self.draft.free_kv_cache()
         self.num_blocks = 0
@@ -298,7 +304,8 @@ class ModelRunner:
 
         Raises:
             RuntimeError: ``init_kv_cache`` was not called.
-            ValueError: the plan names an unknown sequence, schedules one twice,
+            ValueError: host-tier copies without a host tier or out of its range (nothing copied), or
+                the plan names an unknown sequence, schedules one twice,
                 uses a block id outside the cache, gives a sequence too few
                 blocks for its context, or reaches past the config's ``max_model_len``.
                 Finished and new sequences are applied before the check; no
@@ -306,6 +313,11 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache() must be called before execute()")
+        if plan.kv_swap_out or plan.kv_swap_in:  # the host tier's copies come first (tpserve/step.py)
+            if self.host_tier is None:
+                raise ValueError(f"step {plan.step_id}: host-tier copies but this rank has no host tier")
+            caches = self.kv_caches + (self.draft.kv_caches if self.draft is not None else [])
+            self.host_tier.copy(caches, plan.kv_swap_out, plan.kv_swap_in)
         seqs, batch = self._seqs, self._batch
         for seq_id in plan.finished_seq_ids:
             if seqs.pop(seq_id, None) is not None:

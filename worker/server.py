@@ -199,6 +199,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             device="" if self._device is None else self._device.type,
             num_threads=self._num_threads,
             step_protocol=STEP_PROTOCOL,
+            kv_bytes_per_block=0 if self._runner is None or not self._ready.is_set()
+            else self._runner.kv_layout.bytes_per_block,
         )
 
     def InitCache(self, request: pb.InitCacheRequest, context: grpc.ServicerContext) -> pb.InitCacheResponse:
@@ -213,11 +215,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # on one and the Step stream on another, every one of a step's ~120 parallel regions would
         # pay a futex wake-up (the 95M model's rank step at one request: 24-27 ms against 12-14).
         with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"init-cache-rank{self.options.rank}") as once:
-            once.submit(self._init_cache, request.num_kv_blocks).result()
+            once.submit(self._init_cache, request.num_kv_blocks, request.num_host_blocks).result()
         return pb.InitCacheResponse()
 
-    def _init_cache(self, num_kv_blocks: int) -> None:
-        """InitCache's work: the KV cache, and on CUDA the decode graphs."""
+    def _init_cache(self, num_kv_blocks: int, num_host_blocks: int = 0) -> None:
+        """InitCache's work: the KV cache (and its host tier, ``num_host_blocks`` > 0), and on CUDA the decode graphs."""
         self.bind_step_thread()  # a thread of its own: its current CUDA device is cuda:0 until told
         opts = self.options
         sizes: tuple[int, ...] = ()
@@ -226,7 +228,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
             sizes = opts.cuda_graph_sizes or default_capture_sizes(opts.cache.max_num_seqs)
         started = time.monotonic()
-        self._runner.init_kv_cache(num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len)
+        self._runner.init_kv_cache(num_kv_blocks, cuda_graph_sizes=sizes, max_model_len=opts.cache.max_model_len,
+                                   num_host_blocks=num_host_blocks)
+        if self._runner.host_tier is not None:
+            log.info("kv host tier allocated", rank=opts.rank, blocks=num_host_blocks,
+                     bytes=self._runner.host_tier.num_bytes)
         if self._runner.cuda_graph_sizes:
             log.info("decode graphs captured", rank=opts.rank, sizes=list(self._runner.cuda_graph_sizes),
                      seconds=round(time.monotonic() - started, 2))

@@ -25,6 +25,7 @@ class GaugeUpdater:
         metrics.prefix_cache_queries.inc(queries - self.prefix_cache_counted[0])
         metrics.prefix_cache_hits.inc(hits - self.prefix_cache_counted[1])
         self.prefix_cache_counted = (queries, hits)
+        metrics.kv_offload.update(scheduler.kv_cache)
         if scheduler.spec.num_drafts != self.spec_counted.num_drafts:
             metrics.add_spec_decode(scheduler.spec, self.spec_counted)
             self.spec_counted = scheduler.spec.snapshot()

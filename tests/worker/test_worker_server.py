@@ -105,7 +105,7 @@ def test_load_binds_the_local_gpu_and_sizes_the_cache_from_free_memory(loaded) -
     expected_blocks = (int(0.9 * 80 * GIB) - used) // runner.kv_layout.bytes_per_block
     status = servicer.GetStatus(pb.GetStatusRequest(), None)
     assert status.ready and status.num_kv_blocks_available == expected_blocks > 0
-    assert status.step_protocol == STEP_PROTOCOL == 2  # what the coordinator checks before the first step
+    assert status.step_protocol == STEP_PROTOCOL == 3  # what the coordinator checks before the first step
 
 
 def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loaded, tmp_path: Path) -> None:

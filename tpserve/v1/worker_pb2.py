@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tpserve/v1/worker.proto\x12\ntpserve.v1\"-\n\x0fLoadLoRARequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\"!\n\x10LoadLoRAResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\x12\n\x10GetStatusRequest\"\xba\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1f\n\x17num_kv_blocks_available\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x13\n\x0bnum_threads\x18\x08 \x01(\r\x12\x15\n\rstep_protocol\x18\t \x01(\r\")\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\"\x13\n\x11InitCacheResponse\"(\n\x15PrepareGrammarRequest\x12\x0f\n\x07grammar\x18\x01 \x01(\t\"\'\n\x16PrepareGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\xf7\x03\n\x14WorkerSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x43\n\nlogit_bias\x18\t \x03(\x0b\x32/.tpserve.v1.WorkerSamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0b \x03(\x05\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10grammar_stop_ids\x18\x10 \x03(\x05\x12\x11\n\ttypical_p\x18\x11 \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_prompt_logprobs\"\xb4\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .tpserve.v1.WorkerSamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11history_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x11\n\tlora_slot\x18\x06 \x01(\r\"\xa5\x01\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\x0fnum_spec_tokens\x18\x06 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\"\xd7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.NewSequence\x12-\n\tscheduled\x18\x03 \x03(\x0b\x32\x1a.tpserve.v1.ScheduledChunk\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12;\n\x14trimmed_block_tables\x18\x05 \x03(\x0b\x32\x1d.tpserve.v1.TrimmedBlockTable\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\x06 \x03(\x04\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x07 \x03(\x05\x12\x1e\n\x16\x64\x65\x63ode_start_positions\x18\x08 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_grow_rows\x18\t \x03(\r\x12\x1d\n\x15\x64\x65\x63ode_grow_block_ids\x18\n \x03(\r\"7\n\x11TrimmedBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x97\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.tpserve.v1.SampleLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.tpserve.v1.PromptLogprobs\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x03(\r\x12\x1b\n\x13\x65xpert_token_counts\x18\x07 \x03(\r\x12\x1c\n\x14model_execute_time_s\x18\x08 \x01(\x01\x12\x13\n\x0bwait_time_s\x18\t \x01(\x01\"n\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tpserve.v1.TopTokens\"0\n\tTopTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"d\n\x0eSampleLogprobs\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x32\xf8\x02\n\rWorkerService\x12\x43\n\tGetStatus\x12\x1c.tpserve.v1.GetStatusRequest\x1a\x18.tpserve.v1.WorkerStatus\x12H\n\tInitCache\x12\x1c.tpserve.v1.InitCacheRequest\x1a\x1d.tpserve.v1.InitCacheResponse\x12\x38\n\x04Step\x12\x14.tpserve.v1.StepPlan\x1a\x16.tpserve.v1.StepResult(\x01\x30\x01\x12W\n\x0ePrepareGrammar\x12!.tpserve.v1.PrepareGrammarRequest\x1a\".tpserve.v1.PrepareGrammarResponse\x12\x45\n\x08LoadLoRA\x12\x1b.tpserve.v1.LoadLoRARequest\x1a\x1c.tpserve.v1.LoadLoRAResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tpserve/v1/worker.proto\x12\ntpserve.v1\"-\n\x0fLoadLoRARequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\"!\n\x10LoadLoRAResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\x12\n\x10GetStatusRequest\"\xd6\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1f\n\x17num_kv_blocks_available\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x13\n\x0bnum_threads\x18\x08 \x01(\r\x12\x15\n\rstep_protocol\x18\t \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\n \x01(\x04\"B\n\x10InitCacheRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x02 \x01(\r\"\x13\n\x11InitCacheResponse\"(\n\x15PrepareGrammarRequest\x12\x0f\n\x07grammar\x18\x01 \x01(\t\"\'\n\x16PrepareGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\xf7\x03\n\x14WorkerSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x43\n\nlogit_bias\x18\t \x03(\x0b\x32/.tpserve.v1.WorkerSamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0b \x03(\x05\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10grammar_stop_ids\x18\x10 \x03(\x05\x12\x11\n\ttypical_p\x18\x11 \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_prompt_logprobs\"\xb4\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x08sampling\x18\x02 \x01(\x0b\x32 .tpserve.v1.WorkerSamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11history_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x11\n\tlora_slot\x18\x06 \x01(\r\"\xa5\x01\n\x0eScheduledChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\x0fnum_spec_tokens\x18\x06 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\r\"\xc9\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x17.tpserve.v1.NewSequence\x12-\n\tscheduled\x18\x03 \x03(\x0b\x32\x1a.tpserve.v1.ScheduledChunk\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12;\n\x14trimmed_block_tables\x18\x05 \x03(\x0b\x32\x1d.tpserve.v1.TrimmedBlockTable\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\x06 \x03(\x04\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x07 \x03(\x05\x12\x1e\n\x16\x64\x65\x63ode_start_positions\x18\x08 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_grow_rows\x18\t \x03(\r\x12\x1d\n\x15\x64\x65\x63ode_grow_block_ids\x18\n \x03(\r\x12\x1d\n\x15kv_swap_out_block_ids\x18\x0b \x03(\r\x12\x19\n\x11kv_swap_out_slots\x18\x0c \x03(\r\x12\x18\n\x10kv_swap_in_slots\x18\r \x03(\r\x12\x1c\n\x14kv_swap_in_block_ids\x18\x0e \x03(\r\"7\n\x11TrimmedBlockTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x97\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.tpserve.v1.SampleLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.tpserve.v1.PromptLogprobs\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x03(\r\x12\x1b\n\x13\x65xpert_token_counts\x18\x07 \x03(\r\x12\x1c\n\x14model_execute_time_s\x18\x08 \x01(\x01\x12\x13\n\x0bwait_time_s\x18\t \x01(\x01\"n\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tpserve.v1.TopTokens\"0\n\tTopTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"d\n\x0eSampleLogprobs\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x32\xf8\x02\n\rWorkerService\x12\x43\n\tGetStatus\x12\x1c.tpserve.v1.GetStatusRequest\x1a\x18.tpserve.v1.WorkerStatus\x12H\n\tInitCache\x12\x1c.tpserve.v1.InitCacheRequest\x1a\x1d.tpserve.v1.InitCacheResponse\x12\x38\n\x04Step\x12\x14.tpserve.v1.StepPlan\x1a\x16.tpserve.v1.StepResult(\x01\x30\x01\x12W\n\x0ePrepareGrammar\x12!.tpserve.v1.PrepareGrammarRequest\x1a\".tpserve.v1.PrepareGrammarResponse\x12\x45\n\x08LoadLoRA\x12\x1b.tpserve.v1.LoadLoRARequest\x1a\x1c.tpserve.v1.LoadLoRAResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=121
   _globals['_GETSTATUSREQUEST']._serialized_end=139
   _globals['_WORKERSTATUS']._serialized_start=142
-  _globals['_WORKERSTATUS']._serialized_end=328
-  _globals['_INITCACHEREQUEST']._serialized_start=330
-  _globals['_INITCACHEREQUEST']._serialized_end=371
-  _globals['_INITCACHERESPONSE']._serialized_start=373
-  _globals['_INITCACHERESPONSE']._serialized_end=392
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=394
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=434
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=436
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=475
-  _globals['_WORKERSAMPLINGPARAMS']._serialized_start=478
-  _globals['_WORKERSAMPLINGPARAMS']._serialized_end=981
-  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=913
-  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=961
-  _globals['_NEWSEQUENCE']._serialized_start=984
-  _globals['_NEWSEQUENCE']._serialized_end=1164
-  _globals['_SCHEDULEDCHUNK']._serialized_start=1167
-  _globals['_SCHEDULEDCHUNK']._serialized_end=1332
-  _globals['_STEPPLAN']._serialized_start=1335
-  _globals['_STEPPLAN']._serialized_end=1678
-  _globals['_TRIMMEDBLOCKTABLE']._serialized_start=1680
-  _globals['_TRIMMEDBLOCKTABLE']._serialized_end=1735
-  _globals['_STEPRESULT']._serialized_start=1738
-  _globals['_STEPRESULT']._serialized_end=2017
-  _globals['_PROMPTLOGPROBS']._serialized_start=2019
-  _globals['_PROMPTLOGPROBS']._serialized_end=2129
-  _globals['_TOPTOKENS']._serialized_start=2131
-  _globals['_TOPTOKENS']._serialized_end=2179
-  _globals['_SAMPLELOGPROBS']._serialized_start=2181
-  _globals['_SAMPLELOGPROBS']._serialized_end=2281
-  _globals['_WORKERSERVICE']._serialized_start=2284
-  _globals['_WORKERSERVICE']._serialized_end=2660
+  _globals['_WORKERSTATUS']._serialized_end=356
+  _globals['_INITCACHEREQUEST']._serialized_start=358
+  _globals['_INITCACHEREQUEST']._serialized_end=424
+  _globals['_INITCACHERESPONSE']._serialized_start=426
+  _globals['_INITCACHERESPONSE']._serialized_end=445
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=447
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=487
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=489
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=528
+  _globals['_WORKERSAMPLINGPARAMS']._serialized_start=531
+  _globals['_WORKERSAMPLINGPARAMS']._serialized_end=1034
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=966
+  _globals['_WORKERSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1014
+  _globals['_NEWSEQUENCE']._serialized_start=1037
+  _globals['_NEWSEQUENCE']._serialized_end=1217
+  _globals['_SCHEDULEDCHUNK']._serialized_start=1220
+  _globals['_SCHEDULEDCHUNK']._serialized_end=1385
+  _globals['_STEPPLAN']._serialized_start=1388
+  _globals['_STEPPLAN']._serialized_end=1845
+  _globals['_TRIMMEDBLOCKTABLE']._serialized_start=1847
+  _globals['_TRIMMEDBLOCKTABLE']._serialized_end=1902
+  _globals['_STEPRESULT']._serialized_start=1905
+  _globals['_STEPRESULT']._serialized_end=2184
+  _globals['_PROMPTLOGPROBS']._serialized_start=2186
+  _globals['_PROMPTLOGPROBS']._serialized_end=2296
+  _globals['_TOPTOKENS']._serialized_start=2298
+  _globals['_TOPTOKENS']._serialized_end=2346
+  _globals['_SAMPLELOGPROBS']._serialized_start=2348
+  _globals['_SAMPLELOGPROBS']._serialized_end=2448
+  _globals['_WORKERSERVICE']._serialized_start=2451
+  _globals['_WORKERSERVICE']._serialized_end=2827
 # @@protoc_insertion_point(module_scope)

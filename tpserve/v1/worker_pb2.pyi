@@ -25,7 +25,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol")
+    __slots__ = ("rank", "world_size", "ready", "num_kv_blocks_available", "error", "dtype", "device", "num_threads", "step_protocol", "kv_bytes_per_block")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class WorkerStatus(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     STEP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     ready: bool
@@ -44,13 +45,16 @@ class WorkerStatus(_message.Message):
     device: str
     num_threads: int
     step_protocol: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_block: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ready: _Optional[bool] = ..., num_kv_blocks_available: _Optional[int] = ..., error: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_threads: _Optional[int] = ..., step_protocol: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_kv_blocks",)
+    __slots__ = ("num_kv_blocks", "num_host_blocks")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class InitCacheResponse(_message.Message):
     __slots__ = ()
@@ -148,7 +152,7 @@ class ScheduledChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_spec_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids")
+    __slots__ = ("step_id", "new_seqs", "scheduled", "finished_seq_ids", "trimmed_block_tables", "decode_seq_ids", "decode_token_ids", "decode_start_positions", "decode_grow_rows", "decode_grow_block_ids", "kv_swap_out_block_ids", "kv_swap_out_slots", "kv_swap_in_slots", "kv_swap_in_block_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +163,10 @@ class StepPlan(_message.Message):
     DECODE_START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GROW_ROWS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GROW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_OUT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_OUT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_IN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAP_IN_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledChunk]
@@ -169,7 +177,11 @@ class StepPlan(_message.Message):
     decode_start_positions: _containers.RepeatedScalarFieldContainer[int]
     decode_grow_rows: _containers.RepeatedScalarFieldContainer[int]
     decode_grow_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_swap_out_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_swap_out_slots: _containers.RepeatedScalarFieldContainer[int]
+    kv_swap_in_slots: _containers.RepeatedScalarFieldContainer[int]
+    kv_swap_in_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledChunk, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., trimmed_block_tables: _Optional[_Iterable[_Union[TrimmedBlockTable, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[int]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_start_positions: _Optional[_Iterable[int]] = ..., decode_grow_rows: _Optional[_Iterable[int]] = ..., decode_grow_block_ids: _Optional[_Iterable[int]] = ..., kv_swap_out_block_ids: _Optional[_Iterable[int]] = ..., kv_swap_out_slots: _Optional[_Iterable[int]] = ..., kv_swap_in_slots: _Optional[_Iterable[int]] = ..., kv_swap_in_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrimmedBlockTable(_message.Message):
     __slots__ = ("seq_id", "num_blocks")
