@@ -1,7 +1,8 @@
-"""Blocks of a rank's paged KV cache as bytes, and back (the transfer's payload).
+"""Blocks of a rank's paged KV cache as one byte string, and back: the transfer's payload.
 
-The payload of blocks ``ids`` is, layer by layer, the first cache tensor's rows ``ids`` then the
-second's (K then V; the latent and its RoPE key for latent attention), each row
+The copying is worker/kv_block_io.py's (every cache layout); this module only lays the copies
+out for the wire. The payload of blocks ``ids`` is, layer by layer, the first cache tensor's rows
+``ids`` then the second's (K then V; the latent and its RoPE key for latent attention), each row
 ``(block_size, heads, width)`` in the cache's dtype, contiguous. Both ends check the layout
 (:func:`layout_signature`) before a byte moves: a receiver with other shapes or dtype refuses.
 """
@@ -12,11 +13,13 @@ from collections.abc import Sequence
 
 import torch
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+from worker.kv_block_io import KVCaches
+from worker.kv_block_io import gather_blocks as gather_tensors
+from worker.kv_block_io import scatter_blocks as scatter_tensors
 
 
 def layout_signature(caches: KVCaches) -> str:
-    """The layout a peer must share: layers, each tensor's row shape, dtype (e.g. ``2x[16,1,8];[16,1,8]:float32``)."""
+    """The layout a peer must share: layers, each tensor's row shape, dtype (e.g. ``2x[16, 1, 8];[16, 1, 8]:float32``)."""
     if not caches:
         return "empty"
     first, second = caches[0]
@@ -30,12 +33,11 @@ def bytes_per_block(caches: KVCaches) -> int:
 
 
 def gather_blocks(caches: KVCaches, block_ids: Sequence[int]) -> bytes:
-    """The payload of ``block_ids`` (a copy: the blocks may be reused once this returns)."""
+    """The payload of ``block_ids`` (a copy, in host memory: the blocks may be reused once this returns)."""
     if not block_ids:
         return b""
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0][0].device)
-    parts = [t.index_select(0, index).contiguous().view(torch.uint8).reshape(-1) for pair in caches for t in pair]
-    return torch.cat(parts).cpu().numpy().tobytes()
+    pairs = gather_tensors(caches, list(block_ids), torch.device("cpu"))
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for pair in pairs for t in pair)
 
 
 def scatter_blocks(caches: KVCaches, block_ids: Sequence[int], payload: bytes | bytearray) -> None:
@@ -49,13 +51,13 @@ def scatter_blocks(caches: KVCaches, block_ids: Sequence[int], payload: bytes | 
         raise ValueError(f"a payload of {len(payload)} bytes for {len(block_ids)} blocks of {expected} bytes")
     if not block_ids:
         return
-    device = caches[0][0].device
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    flat = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-    offset = 0
+    flat = torch.frombuffer(payload, dtype=torch.uint8)
+    data, offset, n = [], 0, len(block_ids)
     for pair in caches:
+        rows = []
         for t in pair:
-            size = len(block_ids) * t[0].numel() * t.element_size()
-            rows = flat[offset:offset + size].to(device).view(t.dtype).view(len(block_ids), *t.shape[1:])
-            t.index_copy_(0, index, rows)
+            size = n * t[0].numel() * t.element_size()
+            rows.append(flat[offset:offset + size].view(t.dtype).view(n, *t.shape[1:]))
             offset += size
+        data.append((rows[0], rows[1]))
+    scatter_tensors(caches, list(block_ids), data)
