@@ -154,7 +154,7 @@ class KVTransferSection(BaseModel):
             try:
                 value = json.loads(value)
             except ValueError as exc:
-                raise ValueError(f"kv_transfer_config is not JSON: {exc}") from None
+                raise ValueError(f"not JSON: {exc}") from None
             if not isinstance(value, dict):
-                raise ValueError("kv_transfer_config must be a JSON object")
+                raise ValueError("not a JSON object")
         return value
