@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpserve.cpu_binding import parse_bind
-from tpserve.kv_transfer_config import KVTransferSection
+from tpserve.kv_transfer_config import KVTransferSection, check_kv_transfer
 from tpserve.lora_config import LoRAConfig
 from tpserve.quantization import Quantization
 
@@ -371,16 +371,7 @@ class ClusterConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_kv_transfer(self) -> ClusterConfig:
-        if self.kv_transfer.kv_transfer_config is None:
-            return self
-        refused = [why for refuse, why in (
-            (self.parallel.pipeline_parallel_size > 1, "--pipeline-parallel-size 1"),
-            (self.cache.kv_cache_dtype != "auto", "--kv-cache-dtype auto"),
-            (self.cache.enable_prefix_caching is False, "--enable-prefix-caching"),
-            (self.speculative.speculative_method == "draft", "no --speculative-method draft")) if refuse]
-        if refused:
-            raise ValueError(f"--kv-transfer-config needs {', '.join(refused)} (the blocks handed over are the "
-                             "prefix cache's, of one stage, without a draft's cache)")
+        check_kv_transfer(self)  # tpserve/kv_transfer_config.py
         return self
 
     @model_validator(mode="after")
