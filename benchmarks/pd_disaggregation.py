@@ -11,8 +11,8 @@ prompts exist. Ranks run one thread each (``OMP_NUM_THREADS=1``).
    its first token when it recomputes the prompt (no kv_transfer_params) against when it pulls
    the blocks (the prefill replica's hand-off first, not timed), and the pull's own figures from
    its metrics: blocks, bytes, ``tpserve:kv_transfer_seconds``, per transport.
-2. ``tpot``: 16 greedy streams of 96 tokens (short prompts) while a 1,500-token prompt arrives every
-   0.5 s (8 tokens each), through ``smg`` over two co-located replicas (``round_robin``) against
+2. ``tpot``: 16 greedy streams of 384 tokens (short prompts) while a 1,500-token prompt arrives every
+   0.25 s (8 tokens each, sent whether the earlier ones finished or not), through ``smg`` over two co-located replicas (``round_robin``) against
    ``smg --pd-disaggregation`` over one prefill and one decode replica. TPOT is each stream's
    (last - first token) / (tokens - 1); ITL each gap. On a 2-core host every process shares the
    cores, so this records the mechanism, not a speed-up (benchmarks/gpu_check.sh runs it on a GPU).
@@ -51,7 +51,7 @@ WORDS = ("cat", "dog", "sun", "big", "red", "ran", "happy", "tree", "ball", "gir
          "play", "fish", "bird", "cake", "home", "rain", "moon", "star", "toy", "car", "hat", "box", "mom", "dad")
 MAX_MODEL_LEN = 2048
 LENGTHS = (128, 512, 1500)
-STREAMS, STREAM_TOKENS, LONG_TOKENS, LONG_EVERY_S = 16, 96, 1500, 0.5
+STREAMS, STREAM_TOKENS, LONG_TOKENS, LONG_EVERY_S = 16, 384, 1500, 0.25
 
 
 def long_context_model(into: Path) -> Path:
@@ -143,16 +143,20 @@ def decode_under_long_prompts(base_url: str, model: str, tokenizer: Tokenizer, r
                 times.append(time.perf_counter())
         return times
 
-    def long_prompts() -> int:
+    def long_prompt(i: int) -> None:
+        client.completions.create(model=model, prompt=longs[i % len(longs)], max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+
+    def long_prompts(pool: ThreadPoolExecutor) -> int:
+        """Arrivals every LONG_EVERY_S, whether the earlier ones finished or not."""
         sent = 0
         while not stop.wait(LONG_EVERY_S):
-            client.completions.create(model=model, prompt=longs[sent % len(longs)], max_tokens=8,
-                                      temperature=0, extra_body={"ignore_eos": True})
+            pool.submit(long_prompt, sent)
             sent += 1
         return sent
 
-    with ThreadPoolExecutor(STREAMS + 1) as pool:
-        arrivals = pool.submit(long_prompts)
+    with ThreadPoolExecutor(STREAMS + 1) as pool, ThreadPoolExecutor(8) as arrivals_pool:
+        arrivals = pool.submit(long_prompts, arrivals_pool)
         streams = list(pool.map(stream, range(STREAMS)))
         stop.set()
         num_long = arrivals.result()

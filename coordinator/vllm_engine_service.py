@@ -10,6 +10,11 @@ prefix cache and metrics (:mod:`coordinator.vllm_engine_params` translates at th
 edge). Errors are :mod:`coordinator.errors` exceptions, mapped to status codes by the
 one interceptor.
 
+With ``--kv-transfer-config`` a replica is a prefill or decode worker of ``smg --pd-disaggregation``:
+a Generate with ``do_remote_decode`` returns its held blocks' kv_transfer_params on its final
+message, one with ``do_remote_prefill`` pulls them before it is queued
+(:mod:`coordinator.kv_transfer.connector`).
+
 SubscribeKvEvents streams the prefix cache's stored and removed blocks
 (:mod:`coordinator.kv_events`), which the gateway's ``cache_aware`` policy routes on. Not
 served (UNIMPLEMENTED, with the reason): Embed (generation models only) and the profiler
