@@ -101,7 +101,7 @@ def in_process_cost(model: Path, prompts: list[list[int]], rounds: int, max_toke
     step_s: dict[str, list[float]] = {"off": [], "on": []}
     copies: list[float] = []
     num_stores = 0
-    for round_ in range(rounds):
+    for round_ in range(-1, rounds):  # round -1: a warm-up of each, not recorded
         for name in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
             host = HostTier(TIER_BLOCKS, BLOCK_SIZE) if name == "on" else None
             scheduler = Scheduler(BlockAllocator(POOL_BLOCKS, BLOCK_SIZE), concurrency, 2048,
@@ -117,6 +117,8 @@ def in_process_cost(model: Path, prompts: list[list[int]], rounds: int, max_toke
                     result = runners[name].execute(plan)
                     total += time.perf_counter() - start
                     scheduler.update(plan, result)
+            if round_ < 0:
+                continue
             step_s[name].append(total)
             if host is not None:
                 copies.append(copy_s[0])

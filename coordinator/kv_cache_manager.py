@@ -180,8 +180,11 @@ class KVCacheManager:
                 seq.block_ids.append(on_device[0])
                 continue
             slot = tier.lookup(block_hash, namespace)
-            fresh = allocator.allocate(1) if slot is not None else None
-            if slot is None or fresh is None:
+            if slot is None:
+                return
+            tier.pin(slot)  # the allocation may evict a device block into the tier: not into this slot
+            fresh = allocator.allocate(1)
+            if fresh is None:
                 return
             tier.load(slot, fresh[0])
             listener = allocator.listener

@@ -21,7 +21,8 @@ Policy (docs/design/scheduling.md, "The host tier"):
 - **write on eviction** (SGLang's write-back): a device block goes to the tier only when the
   device pool evicts it, so a working set that fits the device pool costs no copy at all;
 - **least recently used**: a slot is touched when stored or read; a full tier drops its least
-  recently used slot, except the ones the plan being built reads (their copy has not run yet);
+  recently used slot, except the ones the plan being built copies to or from (their copies have
+  not run yet, and one plan never names a slot twice as a destination);
 - a block read back stays in its slot too (it lives in both tiers until one evicts it).
 
 Pure Python, no torch.
@@ -102,7 +103,7 @@ class HostTier:
         self._namespace_of_slot: dict[int, bytes] = {}
         self._swap_out: list[tuple[int, int]] = []  # (device block, slot), in order
         self._swap_in: list[tuple[int, int]] = []  # (slot, device block), in order
-        self._read_now: set[int] = set()  # slots the plan being built reads: not evicted before its copy
+        self._busy: set[int] = set()  # slots the plan being built copies to or from: not reused within it
         self.num_hits = 0
         self.num_stores = 0
         self.num_evictions = 0
@@ -124,8 +125,8 @@ class HostTier:
         """Device block ``block_id``, about to be reused, holds ``block_hash``: orders its copy into a slot.
 
         A hash already here is only touched (its slot holds the same K/V). With no free slot the
-        least recently used one not read by the plan being built is dropped; when every slot is
-        being read (a tier smaller than one plan's reads), the block is not kept.
+        least recently used one the plan being built does not copy to or from is dropped; when
+        every slot is (a tier smaller than one plan's copies), the block is not kept.
         """
         slot = self._slot_of_hash.get(block_hash)
         if slot is not None:
@@ -138,9 +139,15 @@ class HostTier:
         self._hash_of_slot[slot] = block_hash
         self._namespace_of_slot[slot] = namespace
         self._swap_out.append((block_id, slot))
+        self._busy.add(slot)
         self.num_stores += 1
         if self.listener is not None:
             self.listener.stored(block_hash, (), None, namespace, medium="CPU")
+
+    def pin(self, slot: int) -> None:
+        """Keeps ``slot`` (a look-up's answer) for the plan being built: call before allocating the device
+        block it is loaded into, whose eviction may store another block in the tier."""
+        self._busy.add(slot)
 
     def load(self, slot: int, block_id: int) -> None:
         """Orders slot ``slot``'s copy into device block ``block_id`` (a hit); the slot keeps its block.
@@ -153,24 +160,25 @@ class HostTier:
             raise ValueError(f"host slot {slot} loaded but empty")
         self._slot_of_hash.move_to_end(block_hash)
         self._swap_in.append((slot, block_id))
-        self._read_now.add(slot)
+        self._busy.add(slot)
         self.num_hits += 1
 
     def take_orders(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         """The copies ordered since the last call, for the plan being sent: ``(swap_out, swap_in)``,
-        ``(device block, slot)`` and ``(slot, device block)`` pairs in order; the slots read are
-        then ordinary (later plans run after this one's copies)."""
+        ``(device block, slot)`` and ``(slot, device block)`` pairs in order; their slots are then
+        ordinary (later plans run after this one's copies)."""
         orders = tuple(self._swap_out), tuple(self._swap_in)
         self._swap_out.clear()
         self._swap_in.clear()
-        self._read_now.clear()
+        self._busy.clear()
         return orders
 
     def put_back_orders(self, swap_out: tuple[tuple[int, int], ...], swap_in: tuple[tuple[int, int], ...]) -> None:
         """Orders of a plan that will not be sent go ahead of those of the next one."""
         self._swap_out[:0] = swap_out
         self._swap_in[:0] = swap_in
-        self._read_now.update(slot for slot, _ in swap_in)
+        self._busy.update(slot for slot, _ in swap_in)
+        self._busy.update(slot for _, slot in swap_out)
 
     def clear(self, notify: bool = True) -> None:
         """Forgets every slot's block and any order not taken yet (an operator's flush, or ranks restarted with
@@ -188,7 +196,7 @@ class HostTier:
         if self._free:
             return self._free.popleft()
         # The least recently used slot not read by the plan being built.
-        block_hash = next((h for h, s in self._slot_of_hash.items() if s not in self._read_now), None)
+        block_hash = next((h for h, s in self._slot_of_hash.items() if s not in self._busy), None)
         if block_hash is None:
             return None
         slot = self._slot_of_hash.pop(block_hash)

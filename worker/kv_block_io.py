@@ -127,10 +127,10 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: Sequence[int] | torch.Tensor,
                 raise ValueError(f"scatter_blocks: layer {layer} data {tuple(row.shape)} {row.dtype}, the cache "
                                  f"takes {expected} {cache.dtype}")
     if first.device.type == "cpu":  # numpy: no parallel regions (module docstring)
-        rows = index.numpy()
+        targets = index.numpy()
         for caches, pair in zip(kv_caches, data):
-            for cache, row in zip(caches, pair):
-                _host_bytes(cache)[rows] = _host_bytes(row.to("cpu").contiguous())
+            for cache, values in zip(caches, pair):
+                _host_bytes(cache)[targets] = _host_bytes(values.to("cpu").contiguous())
         return
     for (k_cache, v_cache), (k, v) in zip(kv_caches, data):
         _raw(k_cache).index_copy_(0, index, _raw(k.to(k_cache.device, non_blocking=True)))

@@ -4,6 +4,8 @@ the plan's copy columns, KV events per medium, and a flush or a group restart th
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from coordinator.block_allocator import BlockAllocator
@@ -11,8 +13,9 @@ from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.kv_events import KvEventLog
 from coordinator.kv_host_tier import HostTier
 from coordinator.scheduler import Scheduler
-from coordinator.sequence import Sequence, StopParams
+from coordinator.sequence import FinishReason, Sequence, StopParams
 from smg_grpc_proto.generated import common_pb2
+from tests.coordinator.test_prefix_caching import EOS, KVChecker, make_seq, run_step
 from tpserve.step import SamplingParams, StepPlan
 from tpserve.step_pb import plan_from_pb, plan_to_pb
 from tpserve.v1 import worker_pb2 as pb
@@ -53,6 +56,21 @@ def test_slots_are_reused_least_recently_used_first_but_never_one_read_by_the_pl
         HostTier(2, BLOCK_SIZE).load(1, 0)
     with pytest.raises(ValueError, match="must be positive"):
         HostTier(0, BLOCK_SIZE)
+
+
+def test_one_plan_never_names_a_slot_twice_and_a_slot_found_is_kept_for_its_copy() -> None:
+    tier = HostTier(2, BLOCK_SIZE)
+    for block_id, block_hash in enumerate(H[:3]):  # a plan evicting more blocks than the tier holds
+        tier.store(block_id, block_hash, b"")
+    swap_out, _ = tier.take_orders()
+    assert swap_out == ((0, 0), (1, 1))  # the third is not kept: both slots are this plan's destinations
+    slot = tier.lookup(H[0], b"")  # least recently used, and about to be loaded:
+    tier.pin(slot)  # the block it goes into may evict a device block into the tier first
+    tier.store(7, H[5], b"")
+    assert tier.lookup(H[0], b"") == slot and tier.lookup(H[1], b"") is None and tier.lookup(H[5], b"") == 1
+    tier.load(slot, 3)
+    assert tier.take_orders() == (((7, 1),), ((0, 3),))
+    tier.check_invariants()
 
 
 def test_a_slot_answers_only_its_own_namespace() -> None:
@@ -150,3 +168,73 @@ def test_without_a_tier_events_carry_no_medium_and_a_restart_empties_the_tier() 
     tiered.reset()
     assert tiered.host_tier.num_used_slots == 0 and tiered.take_copy_orders() == ((), ())
     assert tiered.allocator.on_evict is not None  # the new pool still feeds the tier
+
+
+def test_the_tiers_size_is_vllms_gib_summed_over_the_ranks_or_the_override() -> None:
+    from coordinator.kv_host_tier import GIB, num_host_slots
+
+    assert num_host_slots(None, None, [32768, 32768]) == 0  # off
+    assert num_host_slots(1.0, None, [32768]) == GIB // 32768 == 32768
+    assert num_host_slots(1.0, None, [32768, 40000]) == (GIB // 2) // 40000  # half each, the larger block
+    assert num_host_slots(1.0, 7, [32768]) == 7  # the override wins
+    with pytest.raises(ValueError, match="holds no KV block of 65536 bytes"):
+        num_host_slots(1e-5, None, [65536])
+    with pytest.raises(ValueError, match="more than 2147483647"):
+        num_host_slots(None, 2**31, [1])
+
+
+def test_the_flags_need_prefix_caching() -> None:
+    from tpserve.config import CacheConfig
+
+    assert not CacheConfig().host_tier_on
+    assert CacheConfig(kv_offloading_size=2.5).host_tier_on and CacheConfig(num_cpu_blocks_override=8).host_tier_on
+    with pytest.raises(ValueError, match="need --enable-prefix-caching"):
+        CacheConfig(kv_offloading_size=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError):
+        CacheConfig(kv_offloading_size=0)
+
+
+class TieredKVChecker(KVChecker):
+    """The simulated KV cache of test_prefix_caching.py with host slots: each plan's copies out, then in,
+    before its chunks (tpserve/step.py's order); a chunk then reads what the copies brought."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.host: list[list | None] = [None] * num_slots
+
+    def apply(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
+        assert len({slot for _, slot in plan.kv_swap_out}) == len(plan.kv_swap_out), "a slot written twice"
+        for block_id, slot in plan.kv_swap_out:
+            self.host[slot] = list(self.slots[block_id])
+        for slot, block_id in plan.kv_swap_in:
+            assert self.host[slot] is not None, f"slot {slot} read before written"
+            self.slots[block_id] = list(self.host[slot])
+        super().apply(plan, seqs)
+
+
+@pytest.mark.parametrize("num_slots", [3, 200])
+def test_random_workload_through_the_tier_reads_only_its_own_kv(num_slots: int) -> None:
+    rng = random.Random(num_slots)
+    num_blocks, block_size = 24, 4
+    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs=6, max_num_batched_tokens=48,
+                          enable_prefix_caching=True, check_writes=True, host_tier=HostTier(num_slots, block_size))
+    checker = TieredKVChecker(num_blocks, block_size, num_slots)
+    prefixes = [[rng.randint(3, 50) for _ in range(rng.randint(4, 24))] for _ in range(8)]
+    seqs: dict[int, Sequence] = {}
+    for _ in range(600):
+        if rng.random() < 0.3:
+            prompt = rng.choice(prefixes) + [rng.randint(3, 50) for _ in range(rng.randint(0, 10))]
+            seq = make_seq(len(seqs), prompt, max_tokens=rng.randint(1, 30), max_model_len=64)
+            seqs[seq.seq_id] = seq
+            scheduler.add(seq)
+        if seqs and rng.random() < 0.05:
+            scheduler.finish(rng.choice(list(seqs.values())), FinishReason.ABORT)
+        if scheduler.has_work():
+            run_step(scheduler, checker, seqs, token=EOS if rng.random() < 0.03 else rng.choice([7, 8]))
+            scheduler.kv_cache.host_tier.check_invariants()
+    while scheduler.has_work():
+        run_step(scheduler, checker, seqs)
+    tier = scheduler.kv_cache.host_tier
+    assert all(seq.is_finished for seq in seqs.values()) and scheduler.allocator.num_free_blocks == num_blocks
+    assert scheduler.num_preemptions > 0 and tier.num_stores > 0 and tier.num_hits > 0
+    assert tier.num_evictions > 0  # full tiers (3 slots: within plans too) kept every copy consistent

@@ -98,3 +98,45 @@ def test_copy_blocks_refuses_mismatched_pools_and_ids() -> None:
         copy_blocks(source, [0], target, [8])
     for (k, v), (bk, bv) in zip(target, before):
         assert torch.equal(k, bk) and torch.equal(v, bv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the device pool to pinned host slots path")
+@pytest.mark.parametrize("name", ["per_head_bf16", "fp8", "latent"])
+def test_a_cuda_pool_round_trips_through_pinned_host_slots(name: str) -> None:
+    from worker.kv_host_tier import HostKVTier
+
+    spec, dtype = LAYOUTS[name]
+    layout = KVCacheLayout(num_layers=2, block_size=4, spec=spec, dtype=dtype)
+    host_filled = _filled(layout, 8, seed=9)
+    caches = [(k.cuda(), v.cuda()) for k, v in host_filled]
+    tier = HostKVTier(caches, 16)
+    assert tier.slots[0][0].is_pinned() and tier.num_bytes == 16 * layout.bytes_per_block
+    tier.copy(caches, [(5, 15), (2, 0)], ())
+    for k, v in caches:
+        k.zero_()
+        v.zero_()
+    tier.copy(caches, (), [(15, 1), (0, 6)])
+    torch.cuda.synchronize()
+    for (k, v), (hk, hv) in zip(caches, host_filled):
+        assert torch.equal(k[[1, 6]].cpu().view(torch.uint8), hk[[5, 2]].view(torch.uint8))
+        assert torch.equal(v[[1, 6]].cpu().view(torch.uint8), hv[[5, 2]].view(torch.uint8))
+        assert not k[[0, 2, 3, 4, 5, 7]].view(torch.uint8).any()
+
+
+def test_a_cpu_host_tier_holds_its_slots_and_runs_copies_out_before_copies_in() -> None:
+    from worker.kv_host_tier import HostKVTier
+
+    layout = KVCacheLayout(num_layers=2, block_size=4, spec=KVCacheSpec("per_head", (2, 8), (2, 8)),
+                           dtype=torch.float32)
+    caches = _filled(layout, 6, seed=10)
+    original = [(k.clone(), v.clone()) for k, v in caches]
+    tier = HostKVTier(caches, 12)
+    assert tier.num_bytes == 12 * layout.bytes_per_block and not tier.slots[0][0].is_pinned()
+    # Block 3 goes out to slot 11 and, in the same plan, slot 11's copy comes into block 4 and block 3
+    # is overwritten by slot 0 (empty): the copy out must have read block 3 first.
+    tier.copy(caches, [(3, 11)], [(11, 4), (0, 3)])
+    for (k, v), (ok, ov) in zip(caches, original):
+        assert torch.equal(k[4], ok[3]) and torch.equal(v[4], ov[3]) and not k[3].any()
+    with pytest.raises(ValueError, match="num_slots >= 1"):
+        HostKVTier(caches, 0)

@@ -52,9 +52,11 @@ class FakeRunner:
         self.calls.append((method, threading.current_thread().name, self.cuda.current_device()))
 
     def init_kv_cache(self, num_blocks: int, cuda_graph_sizes: tuple[int, ...] = (),
-                      max_model_len: int | None = None) -> None:
+                      max_model_len: int | None = None, num_host_blocks: int = 0) -> None:
         self._record("init_kv_cache")
         self.cuda_graph_sizes = tuple(cuda_graph_sizes)  # captured as asked: no model, nothing to refuse
+        self.num_host_blocks = num_host_blocks
+        self.host_tier = None  # the real runner's slots (worker/kv_host_tier.py); none here
 
     def free_kv_cache(self) -> None:
         self._record("free_kv_cache")
@@ -106,6 +108,7 @@ def test_load_binds_the_local_gpu_and_sizes_the_cache_from_free_memory(loaded) -
     status = servicer.GetStatus(pb.GetStatusRequest(), None)
     assert status.ready and status.num_kv_blocks_available == expected_blocks > 0
     assert status.step_protocol == STEP_PROTOCOL == 3  # what the coordinator checks before the first step
+    assert status.kv_bytes_per_block == runner.kv_layout.bytes_per_block > 0  # sizes the host tier
 
 
 def test_init_cache_and_step_bind_the_ranks_gpu_in_the_threads_that_run_them(loaded, tmp_path: Path) -> None:
@@ -176,7 +179,9 @@ def test_init_cache_captures_the_flags_graph_sizes_or_none_with_enforce_eager(lo
     for changes, expected in (({"cuda_graph_sizes": (1, 8)}, (1, 8)), ({"enforce_eager": True}, ())):
         servicer.options = replace(servicer.options, **changes)
         servicer.InitCache(pb.InitCacheRequest(num_kv_blocks=8), None)
-        assert runner.cuda_graph_sizes == expected
+        assert runner.cuda_graph_sizes == expected and runner.num_host_blocks == 0
+    servicer.InitCache(pb.InitCacheRequest(num_kv_blocks=8, num_host_blocks=80), None)  # --kv-offloading-size
+    assert runner.num_host_blocks == 80
 
 
 def test_step_reports_its_execute_time_and_the_wait_for_its_plan(loaded) -> None:
