@@ -7,7 +7,7 @@ serves each connection on a thread (tpserve/kv_wire.py for the frames and the au
   namespace under ``transfer_id``; answer ``held``, then ``done`` with ``confirmed`` once the
   peer rank acknowledged its read, or when ``timeout_s`` passed, or when the coordinator sent
   ``release`` or hung up. Only then may the coordinator free the blocks: a read copies them
-  under the agent's lock, so none is in progress once the hold is gone.
+  under the hold's lock, so none is in progress once the hold is gone.
 - ``read`` (the peer rank, decode side): the checks (a hold of that id, the same hashes,
   namespace, block ids, tensor-parallel degree and rank, cache layout), then the payload
   (worker/kv_transfer/blocks.py); the reader's ``ack`` confirms the hold. A read of no block
@@ -49,6 +49,8 @@ class _Hold:
     namespace: str
     bytes_sent: int = 0
     blocks_sent: int = 0
+    active: bool = True  # False once released: its blocks may be reused
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a read's copy against the release
     confirmed: threading.Event = field(default_factory=threading.Event)
 
 
@@ -142,8 +144,10 @@ class KVAgent:
                 if readable:  # "release", or the coordinator hung up: either way the hold ends
                     break
         finally:
-            with self._lock:  # no read copies these blocks once this returns
+            with self._lock:
                 self._holds.pop(transfer_id, None)
+            with hold.lock:  # waits for a read copying these blocks: none copies them once this returns
+                hold.active = False
         send_frame(conn, {"op": "done", "confirmed": hold.confirmed.is_set(), "bytes": hold.bytes_sent,
                           "blocks": hold.blocks_sent})
 
@@ -152,12 +156,16 @@ class KVAgent:
         chosen, payload = slice(0, 0), b""
         with self._lock:
             hold = self._holds.get(transfer_id)
-            caches = self.caches()
-            problem = self._read_problem(hold, header, caches)
-            if not problem and hold is not None:
-                first = int(header["first_block"])
-                chosen = slice(first, first + len(header["block_hashes"]))
-                payload = gather_blocks(caches, hold.block_ids[chosen])
+        caches = self.caches()
+        problem = self._read_problem(hold, header, caches)
+        if not problem and hold is not None:
+            with hold.lock:  # one hold's reads and its release in turn; other holds go on meanwhile
+                if hold.active:
+                    first = int(header["first_block"])
+                    chosen = slice(first, first + len(header["block_hashes"]))
+                    payload = gather_blocks(caches, hold.block_ids[chosen])
+                else:
+                    problem = "no such transfer held here (released, timed out, or never held)"
         if problem or hold is None:
             log.warning("kv read refused", transfer_id=transfer_id, reason=problem)
             send_frame(conn, {"ok": False, "error": problem})
