@@ -163,3 +163,21 @@ def test_the_side_channel_refuses_a_caller_without_the_cluster_secret(pair: Pair
         assert answer == {"ok": False, "error": "missing or wrong cluster secret"} and not payload
         with pytest.raises(WireError):  # and hung up
             recv_frame(sock)
+
+
+def test_a_prefill_replica_that_never_answers_times_out_into_a_local_prefill(pair: Pair) -> None:
+    """A side channel that accepts and then says nothing: the pull gives up after pull_timeout_s (2 s)."""
+    import socket
+
+    prompt = pair.prompt("Silent")
+    alone = pair.generate(pair.prefill, KEY_A, prompt)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        kv = {**pair.hand_over(KEY_A, prompt), "remote_port": silent.getsockname()[1]}
+        before = labelled(pair.decode, "tpserve:kv_transfer_fallbacks_total", reason="failed")
+        started = time.monotonic()
+        out = pair.generate(pair.decode, KEY_A, prompt, kv)
+        waited = time.monotonic() - started
+    assert list(out.output_ids) == list(alone.output_ids) and out.cached_tokens == 0
+    assert labelled(pair.decode, "tpserve:kv_transfer_fallbacks_total", reason="failed") == before + 1
+    assert 2.0 <= waited < 8.0  # the pull's timeout, then the local prefill
+    assert used_tokens(pair.decode, OPERATOR_KEY) == 0
