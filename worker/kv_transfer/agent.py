@@ -40,6 +40,10 @@ log = structlog.get_logger(__name__)
 
 #: Longest a connection may be silent before its first frame (a scanner holding a thread).
 FIRST_FRAME_TIMEOUT_S = 10.0
+#: Longest a command's own socket operation may wait (a reader's ack): no peer holds a thread for ever.
+COMMAND_TIMEOUT_S = 60.0
+#: Connections served at once; past it a new one is closed at once (a flood cannot take the rank's threads).
+MAX_CONNECTIONS = 256
 
 
 @dataclass
@@ -76,6 +80,7 @@ class KVAgent:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     @property
     def num_holds(self) -> int:
@@ -104,27 +109,38 @@ class KVAgent:
                 continue
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                log.warning("kv side channel full: a connection refused", max_connections=MAX_CONNECTIONS)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name=f"kv-conn-{self.tp_rank}", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.settimeout(FIRST_FRAME_TIMEOUT_S)
-                nonce = new_nonce()
-                send_frame(conn, {"nonce": nonce})
-                header, _ = recv_frame(conn)
-                if not check_auth(self.secret, nonce, header):
-                    send_frame(conn, {"ok": False, "error": "missing or wrong cluster secret"})
-                    return
-                conn.settimeout(None)
-                handler = {"hold": self._hold, "read": self._read, "pull": self._pull}.get(str(header.get("op")))
-                if handler is None:
-                    send_frame(conn, {"ok": False, "error": f"unknown op {header.get('op')!r}"})
-                    return
-                handler(conn, header)
-            except (OSError, WireError, ValueError, KeyError, TypeError) as exc:
-                log.warning("kv side channel connection failed", error=f"{type(exc).__name__}: {exc}")
+                self._handle(conn)
+            finally:
+                self._slots.release()
+
+    def _handle(self, conn: socket.socket) -> None:
+        """Authenticates the caller, then runs its one command (errors end the connection, logged)."""
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(FIRST_FRAME_TIMEOUT_S)
+            nonce = new_nonce()
+            send_frame(conn, {"nonce": nonce})
+            header, _ = recv_frame(conn)
+            if not check_auth(self.secret, nonce, header):
+                send_frame(conn, {"ok": False, "error": "missing or wrong cluster secret"})
+                return
+            conn.settimeout(COMMAND_TIMEOUT_S)
+            handler = {"hold": self._hold, "read": self._read, "pull": self._pull}.get(str(header.get("op")))
+            if handler is None:
+                send_frame(conn, {"ok": False, "error": f"unknown op {header.get('op')!r}"})
+                return
+            handler(conn, header)
+        except (OSError, WireError, ValueError, KeyError, TypeError) as exc:
+            log.warning("kv side channel connection failed", error=f"{type(exc).__name__}: {exc}")
 
     # -- producer side ---------------------------------------------------------------------------
 
