@@ -26,6 +26,7 @@ from coordinator.gc_policy import set_serving_gc_thresholds
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.kv_transfer.connector import KVConnector
 from coordinator.kv_transfer.metrics import KVTransferMetrics
+from coordinator.kv_transfer.stream_moves import StreamMoves
 from coordinator.metrics import Metrics
 from coordinator.lora_registry import LoRARegistry
 from coordinator.server import GenerationServicer
@@ -101,6 +102,7 @@ class PublicServer:
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # with --health-port
         self._watch: ConnectionWatch | None = None
+        self.kv_connector: KVConnector | None = None  # with --kv-transfer-config
 
     async def start(self, nnodes: int) -> None:
         """Builds the server, binds the public port (and /metrics), health NOT_SERVING, starts it.
@@ -189,12 +191,26 @@ class PublicServer:
                                            loras=loras)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         # The engine protocol a gateway (smg) routes, on the same port and engine.
+        self.kv_connector = self._kv_connector()
+        if self.kv_connector is not None:  # a moved tpserve.v1 stream carries its KV
+            self.servicer.moves = StreamMoves(self.kv_connector, max(cfg.shutdown_grace_seconds, 1.0))
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
-            self.servicer, self.model_dir, cfg.max_kv_event_subscribers, self._kv_connector()), server)
+            self.servicer, self.model_dir, cfg.max_kv_event_subscribers, self.kv_connector), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # grpc.reflection.v1 and v1alpha (launch/reflection.py)
         enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME), server)
         return server
+
+    async def move_streams_out(self) -> None:
+        """Draining with a KV connector: every ``tpserve.v1`` stream ends now with its blocks held for the
+        replica its client continues on (coordinator/kv_transfer/stream_moves.py)."""
+        if self.servicer is not None and self.servicer.moves is not None and self.servicer.engine is not None:
+            await self.servicer.moves.move_out(self.servicer.engine)
+
+    async def kv_holds_ended(self) -> None:
+        """Waits until every KV hold ended (pulled, or its ``hold_timeout_s``): the ranks must outlive them."""
+        if self.kv_connector is not None:
+            await self.kv_connector.holds_ended()
 
     def _kv_connector(self) -> KVConnector | None:
         """The prefill/decode hand-offs of ``--kv-transfer-config`` (coordinator/kv_transfer/), or None.

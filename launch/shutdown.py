@@ -66,7 +66,9 @@ class Shutdown:
         await public.set_serving(False)
         if engine is not None:
             engine.drain()
+            await public.move_streams_out()  # with --kv-transfer-config: streams move now, with their KV
         await public.stop(grace_s)
+        await public.kv_holds_ended()  # the ranks serve the holds' pulls until they end
         for task in tasks:
             if task is not None:
                 task.cancel()

@@ -83,16 +83,20 @@ class KVConnector:
 
     # -- prefill side ----------------------------------------------------------------------------
 
-    async def hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes) -> str:
-        """Holds a finished prefill's full prompt blocks for a pull; returns its kv_transfer_params_json.
+    async def hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
+                        hold_timeout_s: float | None = None) -> str:
+        """Holds the computed full blocks of ``token_ids`` for a pull; returns their kv_transfer_params_json.
 
-        Names no block (the decode replica then prefills itself) when none is cached, or a rank
-        cannot hold. Runs to its end even if the caller is cancelled (the hold's release with it).
+        Names no block (the other replica then computes them itself) when none is cached, or a rank
+        cannot hold. The hold lasts ``hold_timeout_s`` at most (None: the configuration's). Runs to its
+        end even if the caller is cancelled (the hold's release with it).
         """
-        task = asyncio.ensure_future(self._hand_over(scheduler, token_ids, namespace))
+        task = asyncio.ensure_future(self._hand_over(scheduler, token_ids, namespace,
+                                                     self.config.hold_timeout_s if hold_timeout_s is None else hold_timeout_s))
         return await asyncio.shield(task)
 
-    async def _hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes) -> str:
+    async def _hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
+                         hold_timeout_s: float) -> str:
         cfg = self.config
         hashes = prompt_block_hashes(token_ids, namespace, self.block_size, (len(token_ids) - 1) // self.block_size)
         allocator = scheduler.allocator
@@ -104,7 +108,7 @@ class KVConnector:
         hex_hashes = [h.hex() for h in hashes[:len(block_ids)]]
         holds = await asyncio.gather(*(rank_links.hold(
             cfg.side_channel_host, cfg.side_channel_port + rank, self.secret, transfer_id, block_ids, hex_hashes,
-            namespace.hex(), cfg.hold_timeout_s) for rank in range(self.tp_size)), return_exceptions=True)
+            namespace.hex(), hold_timeout_s) for rank in range(self.tp_size)), return_exceptions=True)
         failed = [h for h in holds if isinstance(h, BaseException)]
         ok = [h for h in holds if isinstance(h, rank_links.RankHold)]
         if failed:
@@ -116,7 +120,7 @@ class KVConnector:
             log.warning("kv hand-over failed: the decode replica will prefill", error=str(failed[0]))
             return self._handoff([], "")
         self.metrics.holds.inc()
-        self._track(self._await_done(scheduler, allocator, block_ids, ok))
+        self._track(self._await_done(scheduler, allocator, block_ids, ok, hold_timeout_s))
         return self._handoff(block_ids, transfer_id)
 
     def _handoff(self, block_ids: list[int], transfer_id: str) -> str:
@@ -125,8 +129,8 @@ class KVConnector:
                             transfer_id, self.tp_size, self.block_size)
 
     async def _await_done(self, scheduler: Scheduler, allocator: BlockAllocator, block_ids: list[int],
-                          holds: list[rank_links.RankHold]) -> None:
-        answers = await asyncio.gather(*(h.done(self.config.hold_timeout_s + DONE_GRACE_S) for h in holds))
+                          holds: list[rank_links.RankHold], hold_timeout_s: float) -> None:
+        answers = await asyncio.gather(*(h.done(hold_timeout_s + DONE_GRACE_S) for h in holds))
         if scheduler.allocator is allocator:
             allocator.free(reversed(block_ids))
         self.metrics.holds.dec()
@@ -136,6 +140,11 @@ class KVConnector:
             self.metrics.bytes.labels("sent", transport).inc(sum(int(a.get("bytes", 0)) for a in answers))
         else:
             log.info("kv hold ended unread: blocks freed", num_blocks=len(block_ids))
+
+    async def holds_ended(self) -> None:
+        """Returns once every hold and release read in flight has ended (each is bounded by its timeout)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
 
     def _track(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
