@@ -14,7 +14,12 @@
 #      kernel / SDPA backend ran; the embedded model and the 1B model served through the real gRPC
 #      path (`tpserve serve`): decode ms/token at batch 1, output tok/s at 64 at once, the KV cache
 #      the server sized, and the HBM roofline (weight bytes / 4.8 TB/s); and the TPOT / bare-step ratio at 64
-#      streams on the 1B model with CUDA graphs on (the step's fixed cost around the model).
+#      streams on the 1B model with CUDA graphs on (the step's fixed cost around the model);
+#   3. benchmarks/pd_disaggregation.py (issue 45): a KV transfer's cost against recomputing the prompt,
+#      and 16 decode streams' TPOT p50/p99 while 1,500-token prompts arrive, two co-located replicas
+#      behind smg against one prefill + one decode replica behind smg --pd-disaggregation, every
+#      replica on the one GPU at --gpu-memory-utilization 0.2. Needs smg and openai (carried wheels
+#      or the image's); without them the stage says so and is skipped (not a failure).
 # The summary is printed and written to $OUT/gpu_check.json (the device tool's $OUT) or
 # ./gpu_check.json; the tests' log to $OUT/gpu_tests.log.
 #
@@ -83,5 +88,15 @@ echo "[gpu_check] stage 2: serving (default model, random Llama)"
 timeout 300 "$PY" benchmarks/gpu_check.py "${CHECK_ARGS[@]}" --out "$OUT_DIR/gpu_check.json"
 check_status=$?
 [ "$check_status" = 0 ] || { echo "[gpu_check] stage 2 FAILED (exit $check_status)"; status=1; }
+echo "[gpu_check] stage 3: prefill/decode disaggregation (KV transfer, TPOT under long prompts)"
+if "$PY" -c "import smg, openai" 2>/dev/null; then
+  PD_ARGS=(--repeats 3 --out "$OUT_DIR")
+  [ "$DRY_RUN" = 1 ] || PD_ARGS+=(--gpu-memory-utilization 0.2)
+  timeout 420 "$PY" benchmarks/pd_disaggregation.py "${PD_ARGS[@]}"
+  pd_status=$?
+  [ "$pd_status" = 0 ] || { echo "[gpu_check] stage 3 FAILED (exit $pd_status)"; status=1; }
+else
+  echo "[gpu_check] stage 3 skipped: smg or openai is not installed for $PY (carry their wheels in .whl)"
+fi
 echo "[gpu_check] done in $((SECONDS - started)) s, status $status"
 exit $status

@@ -35,6 +35,15 @@ _TENANT_KEY = secrets.token_bytes(32)
 _NAMESPACE_PREFIX = b"tpserve prefix-cache namespace\x00"
 
 
+def share_tenant_key(secret: str) -> None:
+    """Derives the tenant-id key from the cluster ``secret`` instead of a per-process random one, so that
+    every replica sharing the secret gives a tenant the same id, hence the same namespace: a KV
+    transfer's blocks (coordinator/kv_transfer/) pass the receiver's namespace check only then.
+    Called once at start-up, before any request."""
+    global _TENANT_KEY
+    _TENANT_KEY = hmac.new(secret.encode(), b"tpserve tenant-id key", hashlib.sha256).digest()
+
+
 def tenant_id(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
     """The tenant of an authenticated call: a keyed hash (16 hex digits) of its bearer key.
 

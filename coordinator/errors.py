@@ -26,6 +26,8 @@ class TpserveError(Exception):
     """Base class: an error the client should see with ``code`` and this message."""
 
     code = grpc.StatusCode.INTERNAL
+    #: Sent with the status (a moved stream's KV hand-off: coordinator/kv_transfer/stream_moves.py).
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
 
 
 class InvalidArgumentError(TpserveError, ValueError):
@@ -201,7 +203,7 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, e
         pushback = NO_RETRY_PUSHBACK_MS if exc.retry_pushback_ms is None else exc.retry_pushback_ms
         await context.abort(exc.code, str(exc), (*(context.trailing_metadata() or ()), (PUSHBACK_KEY, str(pushback))))
     if isinstance(exc, TpserveError):
-        await context.abort(exc.code, str(exc))
+        await context.abort(exc.code, str(exc), exc.trailing_metadata)
     # context.abort raises an exception of grpc's own to end the call: let it through.
     if type(exc).__module__.startswith("grpc"):
         raise exc

@@ -62,8 +62,22 @@ def extend_block_hashes(seq: Sequence, block_size: int, num_tokens: int) -> list
     hashes = seq.block_hashes
     for index in range(len(hashes), num_tokens // block_size):
         tokens = seq.token_ids(index * block_size, (index + 1) * block_size)
-        parent = hashes[-1] if hashes else seq.cache_namespace
-        hashes.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
+        hashes.append(next_block_hash(hashes[-1] if hashes else seq.cache_namespace, tokens))
+    return hashes
+
+
+def next_block_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """The hash of a full block of ``tokens`` after the block hashed ``parent`` (the namespace for block 0)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def prompt_block_hashes(token_ids: list[int], namespace: bytes, block_size: int, num_blocks: int) -> list[bytes]:
+    """:func:`extend_block_hashes`' chain over the first ``num_blocks`` full blocks of ``token_ids``
+    (a request not yet a sequence: a KV transfer's blocks, coordinator/kv_transfer/)."""
+    hashes: list[bytes] = []
+    for index in range(min(num_blocks, len(token_ids) // block_size)):
+        hashes.append(next_block_hash(hashes[-1] if hashes else namespace,
+                                      token_ids[index * block_size:(index + 1) * block_size]))
     return hashes
 
 

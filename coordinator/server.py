@@ -30,6 +30,7 @@ from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.sequence import FinishReason
 from coordinator.tokenizer import Tokenizer
 from coordinator.errors import InvalidArgumentError, UnavailableError
+from coordinator.kv_transfer.stream_moves import StreamMoves
 from coordinator.parallel_sampling import generate_n, num_samples
 from coordinator.validation import GenerateParams, chat_messages, validate_request
 from tpserve.v1 import generate_pb2 as pb
@@ -72,6 +73,7 @@ class GenerationServicer(LoRAAdminMethods, generate_pb2_grpc.GenerationServicer)
         self.loras = loras or LoRARegistry(0)
         self.chat_renderer = ChatRenderPool()
         self.replica = replica_name(model_info.model_name)  # in every response's timings
+        self.moves: StreamMoves | None = None  # with --kv-transfer-config (launch/public_server.py)
 
     async def _validate(self, request: pb.GenerateRequest, entry: RequestEntry,
                         lora: LoadedAdapter | None) -> GenerateParams:
@@ -175,9 +177,18 @@ class GenerationServicer(LoRAAdminMethods, generate_pb2_grpc.GenerationServicer)
                                                  index, self.replica))
                 return
             if n == 1:  # the common case: no task of generate_n's in between
-                async for output in engine.generate(params, context.time_remaining(), None, entry):
-                    if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
-                        await write(_stream_response(output, 0, self.replica))
+                moves = self.moves  # --kv-transfer-config: a moved stream carries its KV (kv_transfer/stream_moves.py)
+                held = await moves.pull_moved_in(engine, params, context.invocation_metadata()) if moves else None
+                try:
+                    if moves is not None:
+                        moves.track(entry)
+                    async for output in engine.generate(params, context.time_remaining(), None, entry):
+                        if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:
+                            await write(_stream_response(output, 0, self.replica))
+                finally:
+                    if moves is not None and held is not None:
+                        moves.untrack(entry)
+                        held.release(engine.scheduler)
                 return
             async for index, output in generate_n(engine, params, n, context.time_remaining(), None, entry):
                 if output.text or output.token_ids or output.finish_reason is not None or output.prompt_logprobs:

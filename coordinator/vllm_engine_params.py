@@ -39,8 +39,12 @@ _INT32_MAX = 2**31 - 1
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
 
-def to_generate_request(request: vpb.GenerateRequest, bos_token_id: int | None = None) -> pb.GenerateRequest:
+def to_generate_request(request: vpb.GenerateRequest, bos_token_id: int | None = None,
+                        kv_transfer: bool = False) -> pb.GenerateRequest:
     """The public request an engine-protocol request means (not yet validated).
+
+    ``kv_transfer``: this server has a ``--kv-transfer-config``, so ``kv_transfer_params_json`` is
+    read (by the caller: coordinator/kv_transfer/params.py) rather than refused.
 
     ``bos_token_id``: the BOS this server's tokenizer starts a text prompt with (None: it adds none).
     The engine protocol's tokenized input is how a gateway sends text: smg tokenizes every prompt
@@ -60,9 +64,12 @@ def to_generate_request(request: vpb.GenerateRequest, bos_token_id: int | None =
             raise InvalidArgumentError(f"{name} is not supported: this server serves text-only models")
     if request.extra_mm_inputs:
         raise InvalidArgumentError("extra_mm_inputs is not supported: this server serves text-only models")
-    if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
+    if request.HasField("kv_transfer_params"):
+        raise InvalidArgumentError("kv_transfer_params (Mooncake's) is not supported: use kv_transfer_params_json "
+                                   "(the NIXL connector's fields)")
+    if request.HasField("kv_transfer_params_json") and not kv_transfer:
         raise InvalidArgumentError("kv_transfer_params is not supported: this server does no prefill/decode "
-                                   "disaggregation")
+                                   "disaggregation (start it with --kv-transfer-config)")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidArgumentError(f"data_parallel_rank is {request.data_parallel_rank}; this server has one "
                                    "data-parallel rank, 0")

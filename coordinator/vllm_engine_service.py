@@ -10,6 +10,11 @@ prefix cache and metrics (:mod:`coordinator.vllm_engine_params` translates at th
 edge). Errors are :mod:`coordinator.errors` exceptions, mapped to status codes by the
 one interceptor.
 
+With ``--kv-transfer-config`` a replica is a prefill or decode worker of ``smg --pd-disaggregation``:
+a Generate with ``do_remote_decode`` returns its held blocks' kv_transfer_params on its final
+message, one with ``do_remote_prefill`` pulls them before it is queued
+(:mod:`coordinator.kv_transfer.connector`).
+
 SubscribeKvEvents streams the prefix cache's stored and removed blocks
 (:mod:`coordinator.kv_events`), which the gateway's ``cache_aware`` policy routes on. Not
 served (UNIMPLEMENTED, with the reason): Embed (generation models only) and the profiler
@@ -42,7 +47,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from coordinator.cache_isolation import tenant_id
 from coordinator import tracing
 from coordinator.engine import Engine
-from coordinator.errors import UnavailableError
+from coordinator.errors import InvalidArgumentError, UnavailableError
+from coordinator.kv_transfer.connector import HeldBlocks, KVConnector
+from coordinator.kv_transfer.params import KVTransferParams, parse_params
 from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
 from coordinator.logprobs import TokenLogprob
 from coordinator.output_collector import UNARY
@@ -50,6 +57,7 @@ from coordinator.parallel_sampling import generate_n
 from coordinator.scheduler import Scheduler
 from coordinator.request_output import aborted_output
 from coordinator.request_table import RequestAborted, RequestEntry, check_abort_ids
+from coordinator.sequence import FinishReason
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
 from coordinator.vllm_engine_params import chunk, complete, to_generate_request
@@ -72,11 +80,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             model info and API-key setting are shared, never copied.
         model_dir: the served checkpoint directory (model facts, tokenizer files).
         max_kv_event_subscribers: most SubscribeKvEvents streams at once (``--max-kv-event-subscribers``).
+        kv_connector: the replica's prefill/decode hand-offs (``--kv-transfer-config``), or None:
+            ``kv_transfer_params_json`` is then refused, as without disaggregation.
     """
 
     def __init__(self, generation: GenerationServicer, model_dir: Path,
-                 max_kv_event_subscribers: int = DEFAULT_MAX_SUBSCRIBERS) -> None:
+                 max_kv_event_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
+                 kv_connector: KVConnector | None = None) -> None:
         self.generation = generation
+        self.kv_connector = kv_connector
         self.model_dir = Path(model_dir)
         self.max_kv_event_subscribers = max_kv_event_subscribers
         self.started = time.monotonic()
@@ -101,20 +113,24 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         gen = self.generation
         tenant = tenant_id(context.invocation_metadata()) if gen.api_keys else ""
         tokenizer = gen.tokenizer
-        public = to_generate_request(request, tokenizer.bos_token_id if tokenizer.add_bos_token else None)
+        public = to_generate_request(request, tokenizer.bos_token_id if tokenizer.add_bos_token else None,
+                                     kv_transfer=self.kv_connector is not None)
         n = max(request.sampling_params.n, 1)
+        kv = parse_params(request.kv_transfer_params_json) if request.HasField("kv_transfer_params_json") else None
+        if kv is not None and kv.do_remote_decode and n > 1:
+            raise InvalidArgumentError("kv_transfer_params_json.do_remote_decode needs sampling_params.n 1")
         # Registered before validation: a gateway's Abort lands wherever the request is (request_table.py).
         entry = engine.requests.open(request.request_id, tenant, n)
         if tracing.enabled():  # the gateway propagates the caller's traceparent
             entry.trace_context = tracing.extract(context.invocation_metadata())
         try:
-            async for response in self._generate(engine, entry, request, public, context):
+            async for response in self._generate(engine, entry, request, public, context, kv):
                 yield response
         finally:
             engine.requests.close(entry)
 
     async def _generate(self, engine: Engine, entry: RequestEntry, request: vpb.GenerateRequest,
-                        public, context: grpc.aio.ServicerContext):
+                        public, context: grpc.aio.ServicerContext, kv: KVTransferParams | None = None):
         gen, n = self.generation, entry.num_samples
         try:
             # The same bounded grammar compiler as tpserve.v1 (a hostile schema through the
@@ -127,6 +143,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for index in range(n):
                 yield complete(aborted_output(entry.request_id, 0), [], [], [], [], 0, 0, index)
             return
+        # Not streamed: each sample's handler is woken once, at its end (coordinator/output_collector.py).
+        interval = None if request.stream else UNARY
+        held = HeldBlocks()
+        connector = self.kv_connector
+        if connector is not None and kv is not None and kv.do_remote_prefill:
+            # Before it is queued: the pulled blocks are then a prefix-cache hit (coordinator/kv_transfer/connector.py).
+            held = await connector.pull(engine.scheduler, list(params.prompt_token_ids), params.cache_namespace, kv)
+        try:
+            async for response in self._outputs(engine, entry, request, params, n, interval, context, kv):
+                yield response
+        finally:
+            held.release(engine.scheduler)
+
+    async def _outputs(self, engine: Engine, entry: RequestEntry, request: vpb.GenerateRequest, params, n: int,
+                       interval, context: grpc.aio.ServicerContext, kv: KVTransferParams | None):
         sampling = request.sampling_params
         num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
         num_prompt_logprobs = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else 0
@@ -135,8 +166,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         prompt_logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         completes = {}
-        # Not streamed: each sample's handler is woken once, at its end (coordinator/output_collector.py).
-        interval = None if request.stream else UNARY
         async for index, output in generate_n(engine, params, n, context.time_remaining(), interval, entry):
             prompt_logprobs[index].extend(output.prompt_logprobs)
             finished = output.finish_reason is not None
@@ -144,16 +173,30 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if output.token_ids or output.prompt_logprobs:
                     yield chunk(output, prompt, num_logprobs, num_prompt_logprobs, index)
                 if finished:
-                    yield complete(output, output.token_ids, output.logprobs, prompt, prompt_logprobs[index],
-                                   num_logprobs, num_prompt_logprobs, index)
+                    yield await self._handed_over(engine, params, kv, output, complete(
+                        output, output.token_ids, output.logprobs, prompt, prompt_logprobs[index], num_logprobs,
+                        num_prompt_logprobs, index))
             else:
                 token_ids[index].extend(output.token_ids)
                 logprobs[index].extend(output.logprobs)
                 if finished:
-                    completes[index] = complete(output, token_ids[index], logprobs[index], prompt,
-                                                prompt_logprobs[index], num_logprobs, num_prompt_logprobs, index)
+                    completes[index] = await self._handed_over(engine, params, kv, output, complete(
+                        output, token_ids[index], logprobs[index], prompt, prompt_logprobs[index], num_logprobs,
+                        num_prompt_logprobs, index))
         for index in sorted(completes):  # not streamed: every sample at the end, in order (as vLLM's servicer)
             yield completes[index]
+
+    async def _handed_over(self, engine: Engine, params, kv: KVTransferParams | None, output,
+                           response: vpb.GenerateResponse) -> vpb.GenerateResponse:
+        """A prefill's (``do_remote_decode``) final message, with the kv_transfer_params of its held blocks."""
+        connector = self.kv_connector
+        if connector is None or kv is None or not kv.do_remote_decode or not connector.config.is_producer:
+            return response
+        if output.finish_reason == FinishReason.ABORT:
+            return response
+        response.complete.kv_transfer_params_json = await connector.hand_over(
+            engine.scheduler, list(params.prompt_token_ids), params.cache_namespace)
+        return response
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         """Ends the named requests wherever they are, validating, queued, running, or samples of
@@ -258,7 +301,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
-        """The server's configuration and whether it drains; to an operator also its traffic
+        """The server's configuration and whether it drains (with ``--kv-transfer-config``, the connector,
+        role and engine id, and a pairing protocol that keeps replicas of another transport or
+        tensor-parallel degree apart); to an operator also its traffic
         (requests in flight, the time of the last request, uptime), which shows other
         tenants' requests and so is left unset (0) for a tenant."""
         engine = self._engine()
@@ -266,6 +311,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         response = vpb.GetServerInfoResponse(
             is_paused=engine.lifecycle.draining, server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype="auto",
             block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=engine.scheduler.max_num_seqs)
+        if self.kv_connector is not None:  # what the gateway pairs a prefill and a decode replica on
+            kv = self.kv_connector.config
+            response.kv_connector, response.kv_role, response.kv_engine_id = kv.kv_connector, kv.kv_role, \
+                kv.resolved_engine_id
+            response.pairing_protocol = f"tpserve-kv/{kv.transport}/tp{self.kv_connector.tp_size}"
         if self.generation.is_operator(context):
             response.active_requests = engine.num_requests
             response.last_receive_timestamp = self.last_receive_timestamp

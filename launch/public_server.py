@@ -19,10 +19,14 @@ from prometheus_client import start_http_server
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from coordinator.auth import ApiKeyInterceptor, read_api_keys
+from coordinator.cache_isolation import share_tenant_key
 from coordinator.engine import Engine
 from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
 from coordinator.gc_policy import set_serving_gc_thresholds
 from coordinator.grammar_compiler import GrammarCompiler
+from coordinator.kv_transfer.connector import KVConnector
+from coordinator.kv_transfer.metrics import KVTransferMetrics
+from coordinator.kv_transfer.stream_moves import StreamMoves
 from coordinator.metrics import Metrics
 from coordinator.lora_registry import LoRARegistry
 from coordinator.server import GenerationServicer
@@ -32,7 +36,7 @@ from coordinator.vllm_engine_service import VllmEngineServicer
 from launch.connection_limits import (ConnectionWatch, connection_options, raise_nofile_limit,
                                       resolve_max_connections)
 from launch.reflection import enable_server_reflection
-from launch.startup import StartupError, bind
+from launch.startup import StartupError, bind, read_group_secret
 from tpserve import __version__
 from tpserve.config import ClusterConfig
 from tpserve.embedded_model import DEFAULT_MODEL_NAME
@@ -98,6 +102,7 @@ class PublicServer:
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # with --health-port
         self._watch: ConnectionWatch | None = None
+        self.kv_connector: KVConnector | None = None  # with --kv-transfer-config
 
     async def start(self, nnodes: int) -> None:
         """Builds the server, binds the public port (and /metrics), health NOT_SERVING, starts it.
@@ -186,12 +191,42 @@ class PublicServer:
                                            loras=loras)
         generate_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         # The engine protocol a gateway (smg) routes, on the same port and engine.
+        self.kv_connector = self._kv_connector()
+        if self.kv_connector is not None:  # a moved tpserve.v1 stream carries its KV
+            self.servicer.moves = StreamMoves(self.kv_connector, max(cfg.shutdown_grace_seconds, 1.0))
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
-            self.servicer, self.model_dir, cfg.max_kv_event_subscribers), server)
+            self.servicer, self.model_dir, cfg.max_kv_event_subscribers, self.kv_connector), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # grpc.reflection.v1 and v1alpha (launch/reflection.py)
         enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME), server)
         return server
+
+    async def move_streams_out(self) -> None:
+        """Draining with a KV connector: every ``tpserve.v1`` stream ends now with its blocks held for the
+        replica its client continues on (coordinator/kv_transfer/stream_moves.py)."""
+        if self.servicer is not None and self.servicer.moves is not None and self.servicer.engine is not None:
+            await self.servicer.moves.move_out(self.servicer.engine)
+
+    async def kv_holds_ended(self) -> None:
+        """Waits until every KV hold ended (pulled, or its ``hold_timeout_s``): the ranks must outlive them."""
+        if self.kv_connector is not None:
+            await self.kv_connector.holds_ended()
+
+    def _kv_connector(self) -> KVConnector | None:
+        """The prefill/decode hand-offs of ``--kv-transfer-config`` (coordinator/kv_transfer/), or None.
+        With a cluster secret, tenant ids come from it, so a tenant has one namespace on every replica.
+
+        Raises:
+            StartupError: the cluster secret file cannot be read.
+        """
+        kv = self.config.kv_transfer.kv_transfer_config
+        if kv is None:
+            return None
+        secret = read_group_secret(self.config)
+        if secret is not None:
+            share_tenant_key(secret)
+        return KVConnector(kv, self.config.parallel.tensor_parallel_size, self.config.cache.block_size, secret,
+                           KVTransferMetrics(self.metrics.registry))
 
     def attach(self, engine: Engine, num_kv_blocks: int, dtype: str) -> None:
         """Serves ``engine`` from now on; GetModelInfo reports the pool and the ranks' dtype."""

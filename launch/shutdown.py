@@ -4,7 +4,9 @@ The order matters: health NOT_SERVING first (load balancers stop sending), then 
 RPCs get ``--shutdown-grace-seconds`` to finish, then the other nodes are told (exit 0 for
 an orderly stop, 1 for a failure) and every local rank is stopped (SIGTERM, then SIGKILL
 after :data:`launch.local_ranks.WORKER_EXIT_SECONDS`); nothing is left behind. The process
-exits non-zero unless it was an orderly stop.
+exits non-zero unless it was an orderly stop. With ``--kv-transfer-config`` the ``tpserve.v1``
+streams move at once, their KV held for the replica they continue on, and the ranks stop only
+once those holds ended (coordinator/kv_transfer/stream_moves.py).
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class Shutdown:
         await public.set_serving(False)
         if engine is not None:
             engine.drain()
+            await public.move_streams_out()  # with --kv-transfer-config: streams move now, with their KV
         await public.stop(grace_s)
+        await public.kv_holds_ended()  # the ranks serve the holds' pulls until they end
         for task in tasks:
             if task is not None:
                 task.cancel()

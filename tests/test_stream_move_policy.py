@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tpserve.stream_move import MovePolicy, StreamMove, StreamMover, with_seed
+from tpserve.stream_move import KV_TRANSFER_PARAMS_KEY, MovePolicy, StreamMove, StreamMover, with_seed
 from tpserve.v1 import generate_pb2 as pb
 
 
@@ -117,3 +117,25 @@ def test_usage_after_a_move_is_the_usage_of_the_whole_completion() -> None:
     last = mover.delivered(pb.GenerateStreamResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH,
                                                      usage=pb.Usage(prompt_tokens=4, completion_tokens=1)))
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (4, 1)
+
+
+class _MovedOut(RpcError):
+    """A draining replica's UNAVAILABLE with its KV hand-off (coordinator/kv_transfer/stream_moves.py)."""
+
+    def __init__(self, handoff: str | None) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, "request r: this server is draining")
+        self._trailing = () if handoff is None else ((KV_TRANSFER_PARAMS_KEY, handoff),)
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+def test_a_hand_off_in_the_trailing_metadata_goes_with_the_next_attempt_only() -> None:
+    mover, _ = _mover()
+    mover.metadata = (("authorization", "Bearer k"),)
+    mover.next_request(_MovedOut('{"do_remote_prefill": true}'))
+    assert mover.metadata == (("authorization", "Bearer k"), (KV_TRANSFER_PARAMS_KEY, '{"do_remote_prefill": true}'))
+    mover.next_request(_MovedOut(None))  # the next break carries none: the old hand-off is not sent again
+    assert mover.metadata == (("authorization", "Bearer k"),)
+    mover.next_request(DROPPED)  # an error without trailing metadata at all
+    assert mover.metadata == (("authorization", "Bearer k"),)

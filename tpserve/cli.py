@@ -129,6 +129,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--speculative-disable-by-batch-size", dict(type=int, help="no proposals in a step of more sequences than "
                                                                     "this (default: always speculate)")),
     ],
+    "kv_transfer": [
+        ("--kv-transfer-config", dict(help="prefill/decode disaggregation, vLLM's JSON: {\"kv_connector\": "
+                                           "\"NixlConnector\", \"kv_role\": \"kv_producer|kv_consumer|kv_both\", "
+                                           "\"engine_id\": ..., \"kv_connector_extra_config\": {\"side_channel_host"
+                                           "\": ..., \"side_channel_port\": ...}} (docs/cluster.md; default: off)")),
+    ],
     "server": [
         ("--host", dict(help="address to bind (default 0.0.0.0)")),
         ("--port", dict(type=int, help="gRPC port (default 50051)")),

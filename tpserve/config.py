@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpserve.cpu_binding import parse_bind
+from tpserve.kv_transfer_config import KVTransferSection, check_kv_transfer
 from tpserve.lora_config import LoRAConfig
 from tpserve.quantization import Quantization
 
@@ -366,6 +367,12 @@ class ClusterConfig(_Frozen):
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
     lora: LoRAConfig = LoRAConfig()
+    kv_transfer: KVTransferSection = KVTransferSection()
+
+    @model_validator(mode="after")
+    def _check_kv_transfer(self) -> ClusterConfig:
+        check_kv_transfer(self)  # tpserve/kv_transfer_config.py
+        return self
 
     @model_validator(mode="after")
     def _check_lora(self) -> ClusterConfig:

@@ -38,6 +38,9 @@ from tpserve.v1 import generate_pb2 as pb
 log = logging.getLogger("tpserve.client")
 
 SEED_RANGE = 2**64  # SamplingParams.seed: any unsigned 64-bit value
+#: Trailing metadata of a stream a draining replica moved out with its KV (coordinator/kv_transfer/stream_moves.py),
+#: sent back as call metadata with the continuation, so that the next replica pulls the blocks.
+KV_TRANSFER_PARAMS_KEY = "x-tpserve-kv-transfer-params"
 
 #: INTERNAL details that mean the server lost its workers or the transport broke, not a bug in the request.
 _LOST_GROUP_MARKERS = ("worker group", "engine loop failed", "rst_stream", "stream removed")
@@ -153,6 +156,10 @@ class StreamMover:
                  move.request_id, move.attempt, move.num_delivered_tokens, move.code.name, move.details)
         if self.policy.on_move is not None:
             self.policy.on_move(move)
+        # The old replica's KV hand-off, when it moved the stream out with its blocks (the next replica pulls them).
+        trailing = getattr(exc, "trailing_metadata", None)
+        handoff = [(k, v) for k, v in ((trailing() if callable(trailing) else None) or ()) if k == KV_TRANSFER_PARAMS_KEY]
+        self.metadata = tuple(m for m in self.metadata if m[0] != KV_TRANSFER_PARAMS_KEY) + tuple(handoff)
         request = pb.GenerateRequest()
         request.CopyFrom(self.request)
         del request.generated_token_ids[:]

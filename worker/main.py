@@ -29,6 +29,7 @@ import sys
 import threading
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -43,6 +44,9 @@ from worker.lora_settings import LoRASettings
 from worker.memory import CacheSizing
 from worker.server import WorkerOptions, WorkerServicer
 from worker.step_socket_server import StepSocketServer
+
+if TYPE_CHECKING:
+    from worker.kv_transfer.agent import KVAgent
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +105,28 @@ def worker_options(config: RankConfig) -> WorkerOptions:
     )
 
 
+def start_kv_agent(config: RankConfig, servicer: WorkerServicer, secret: str | None) -> KVAgent | None:
+    """The rank's KV agent on ``side_channel_port + rank`` when ``--kv-transfer-config`` is set, else None
+    (worker/kv_transfer/agent.py).
+
+    Raises:
+        OSError: the port cannot be bound.
+        ValueError: the transport cannot be made (nixl without the package).
+    """
+    kv = config.cluster.kv_transfer.kv_transfer_config
+    if kv is None:
+        return None
+    # Here, not at module import: torch loads on the load thread while the rank already answers GetStatus.
+    from worker.kv_transfer.agent import KVAgent
+    from worker.kv_transfer.transport import make_transport
+
+    transport = make_transport(kv.transport, config.rank, config.world_size, secret)
+    agent = KVAgent(kv.side_channel_host, kv.side_channel_port + config.rank, config.rank, config.world_size, secret,
+                    lambda: servicer.kv_caches, transport)
+    agent.start()
+    return agent
+
+
 def main(argv: list[str] | None = None) -> int:
     if policy_name() == "batch":  # inherited from the coordinator: a rank's threads run under SCHED_OTHER
         set_policy("other")      # (tpserve/sched_policy.py), set before the rank starts any thread of its own
@@ -132,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # e.g. a path over the 108 bytes of a Unix socket name: gRPC's Step serves
             log.warning("no step socket: steps go over the gRPC stream", path=path, error=str(exc))
 
+    agent = start_kv_agent(config, servicer, secret)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     parent = os.getppid()
@@ -141,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             break
     if step_server is not None:
         step_server.close()
+    if agent is not None:
+        agent.close()
     server.stop(grace=0.5)
     # Exit without waiting for a collective a dead peer will never finish.
     sys.stdout.flush()

@@ -103,6 +103,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._num_threads = 0  # a CPU rank's intra-op threads, once load() has set them
         self._ready = threading.Event()
 
+    @property
+    def kv_caches(self) -> list:
+        """This rank's KV cache tensors, per layer (empty before InitCache): the KV agent's view
+        (worker/kv_transfer/agent.py)."""
+        runner = self._runner
+        return runner.kv_caches if runner is not None else []
+
     def load(self) -> None:
         """Joins the process group, loads this rank's shard and sizes its KV cache (background thread)."""
         try:

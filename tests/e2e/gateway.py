@@ -35,6 +35,13 @@ def model_with_chat_template(model_dir: Path, into: Path) -> Path:
     return into
 
 
+def as_gateway_decodes(text: str) -> str:
+    """The gateway decodes a completion's tokens on their own, where we decode them after the
+    prompt's: stories260k's SentencePiece decoder then drops the space that starts a first
+    token (" saw" decodes to "saw"). The token ids are the same."""
+    return text.removeprefix(" ")
+
+
 @dataclass
 class RunningGateway:
     process: subprocess.Popen
@@ -58,10 +65,36 @@ def run_gateway(worker_targets: list[str], log_path: Path, *extra: str) -> Itera
     Raises:
         RuntimeError: smg is not installed, exits, or does not register the workers in time.
     """
+    with _run_smg(["--worker-urls", *(f"grpc://{t}" for t in worker_targets), *extra], len(worker_targets),
+                  log_path) as gateway:
+        yield gateway
+
+
+@contextmanager
+def run_pd_gateway(prefill_targets: list[str], decode_targets: list[str], log_path: Path,
+                   *extra: str) -> Iterator[RunningGateway]:
+    """``smg launch --backend vllm --pd-disaggregation`` with these prefill and decode replicas
+    (``host:port``): each request goes to a prefill replica first, then to a decode replica with the
+    prefill's kv_transfer_params_json (docs/design/cluster.md, "Prefill/decode disaggregation").
+
+    Raises:
+        RuntimeError: as :func:`run_gateway`.
+    """
+    args = ["--pd-disaggregation"]
+    for target in prefill_targets:
+        args += ["--prefill", f"grpc://{target}"]
+    for target in decode_targets:
+        args += ["--decode", f"grpc://{target}"]
+    with _run_smg([*args, *extra], len(prefill_targets) + len(decode_targets), log_path) as gateway:
+        yield gateway
+
+
+@contextmanager
+def _run_smg(args: list[str], num_workers: int, log_path: Path) -> Iterator[RunningGateway]:
     smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
     port = free_port()
     cmd = [smg, "launch", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-port", str(free_port()), "--worker-urls", *(f"grpc://{t}" for t in worker_targets), *extra]
+           "--prometheus-port", str(free_port()), *args]
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed in finally
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     gateway = RunningGateway(process, port, log_path)
@@ -72,12 +105,13 @@ def run_gateway(worker_targets: list[str], log_path: Path, *extra: str) -> Itera
                 raise RuntimeError(f"smg exited with {process.returncode}; see {log_path}")
             try:
                 healthy = [w for w in gateway.workers() if w.get("is_healthy")]
-                if len(healthy) == len(worker_targets):
+                if len(healthy) == num_workers:
                     break
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"smg did not register {worker_targets} within {START_TIMEOUT_S} s; see {log_path}")
+                raise RuntimeError(f"smg did not register {num_workers} workers within {START_TIMEOUT_S} s; "
+                                   f"see {log_path}")
             time.sleep(0.2)
         yield gateway
     finally:

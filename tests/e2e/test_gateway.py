@@ -24,7 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.tokenizer import Tokenizer
 from tests.e2e.cluster import RunningCluster, serve
-from tests.e2e.gateway import RunningGateway, model_with_chat_template, run_gateway
+from tests.e2e.gateway import RunningGateway, as_gateway_decodes, model_with_chat_template, run_gateway
 from tests.paths import STORIES_DIR, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -57,13 +57,6 @@ class Fleet:
         smg encodes a completions prompt without special tokens and sends the text beside the ids;
         the engine service puts the BOS back (coordinator/vllm_engine_params.py)."""
         return self.tokenizer.encode(text)
-
-
-def as_gateway_decodes(text: str) -> str:
-    """The gateway decodes a completion's tokens on their own, where we decode them after the
-    prompt's: stories260k's SentencePiece decoder then drops the space that starts a first
-    token (" saw" decodes to "saw"). The token ids are the same."""
-    return text.removeprefix(" ")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,233 @@
+"""What a replica hands over (prefill side) and pulls (decode side): block ids, hashes, holds.
+
+Prefill (``do_remote_decode``): the request runs as any other (the gateway asks for one token);
+when it finishes, its prompt's full blocks are in the prefix cache. :meth:`KVConnector.hand_over`
+takes a reference to them, has every rank hold its slice under a fresh unguessable id, and
+returns the kv_transfer_params the decode replica needs. The blocks are freed when every rank
+says ``done``: the decode rank acknowledged its read, or ``hold_timeout_s`` passed.
+
+Decode (``do_remote_prefill``): before the request is queued, :meth:`KVConnector.pull` computes
+the prompt's block hashes in the request's own namespace, keeps the blocks it already has
+cached, allocates the rest, and has every rank pull its slice from the same rank of the prefill
+replica (worker/kv_transfer/agent.py). Pulled blocks enter the prefix cache under those hashes,
+so the scheduler admits the request as a prefix-cache hit and computes only what follows the
+last full block (at most one block). Any failure (unreachable, refused, a hash or namespace
+mismatch, another tensor-parallel degree, no free blocks, a timeout) frees the new blocks,
+counts a fallback and lets the request prefill locally: no request is lost.
+
+Everything here runs on the coordinator's event loop (the allocator has no lock); the bytes
+move on the ranks' agent threads. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from coordinator.block_allocator import BlockAllocator
+from coordinator.kv_cache_manager import prompt_block_hashes
+from coordinator.kv_transfer import rank_links
+from coordinator.kv_transfer.metrics import KVTransferMetrics
+from coordinator.kv_transfer.params import KVTransferParams, handoff_json
+from coordinator.scheduler import Scheduler
+from tpserve.kv_transfer_config import KVTransferConfig
+
+log = structlog.get_logger(__name__)
+
+#: Seconds past ``hold_timeout_s`` the coordinator waits for its ranks' ``done`` before it gives up on them.
+DONE_GRACE_S = 5.0
+
+
+@dataclass
+class HeldBlocks:
+    """Blocks a decode request holds until it ends (pulled, or already cached here).
+
+    Attributes:
+        allocator: the pool they belong to (a restarted group has a new one; then nothing is freed).
+        block_ids: the blocks, in prompt order.
+        num_pulled: how many of them were pulled from the prefill replica.
+    """
+
+    allocator: BlockAllocator | None = None
+    block_ids: tuple[int, ...] = ()
+    num_pulled: int = 0
+
+    def release(self, scheduler: Scheduler) -> None:
+        """Drops the hold (the blocks stay cached); a no-op after a group restart."""
+        if self.allocator is not None and scheduler.allocator is self.allocator:
+            self.allocator.free(reversed(self.block_ids))
+        self.allocator, self.block_ids = None, ()
+
+
+class KVConnector:
+    """One replica's hand-offs.
+
+    Args:
+        config: ``--kv-transfer-config``.
+        tp_size: the replica's tensor-parallel degree (its ranks ``0..tp_size-1`` each run an agent).
+        block_size: tokens per block.
+        secret: the cluster secret the agents require (None: none).
+        metrics: where transfers are counted.
+    """
+
+    def __init__(self, config: KVTransferConfig, tp_size: int, block_size: int, secret: str | None,
+                 metrics: KVTransferMetrics) -> None:
+        self.config, self.tp_size, self.block_size = config, tp_size, block_size
+        self.secret, self.metrics = secret, metrics
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- prefill side ----------------------------------------------------------------------------
+
+    async def hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
+                        hold_timeout_s: float | None = None) -> str:
+        """Holds the computed full blocks of ``token_ids`` for a pull; returns their kv_transfer_params_json.
+
+        Names no block (the other replica then computes them itself) when none is cached, or a rank
+        cannot hold. The hold lasts ``hold_timeout_s`` at most (None: the configuration's). Runs to its
+        end even if the caller is cancelled (the hold's release with it).
+        """
+        task = asyncio.ensure_future(self._hand_over(scheduler, token_ids, namespace,
+                                                     self.config.hold_timeout_s if hold_timeout_s is None else hold_timeout_s))
+        return await asyncio.shield(task)
+
+    async def _hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
+                         hold_timeout_s: float) -> str:
+        cfg = self.config
+        hashes = prompt_block_hashes(token_ids, namespace, self.block_size, (len(token_ids) - 1) // self.block_size)
+        allocator = scheduler.allocator
+        block_ids = allocator.lookup(hashes)  # the prefix still cached (all of it, unless evicted since)
+        transfer_id = secrets.token_hex(16)
+        if not block_ids:
+            return self._handoff([], "")
+        allocator.acquire(block_ids)
+        hex_hashes = [h.hex() for h in hashes[:len(block_ids)]]
+        holds = await asyncio.gather(*(rank_links.hold(
+            cfg.side_channel_host, cfg.side_channel_port + rank, self.secret, transfer_id, block_ids, hex_hashes,
+            namespace.hex(), hold_timeout_s) for rank in range(self.tp_size)), return_exceptions=True)
+        failed = [h for h in holds if isinstance(h, BaseException)]
+        ok = [h for h in holds if isinstance(h, rank_links.RankHold)]
+        if failed:
+            for h in ok:
+                await h.release()
+            await asyncio.gather(*(h.done(DONE_GRACE_S) for h in ok))
+            if scheduler.allocator is allocator:
+                allocator.free(reversed(block_ids))
+            log.warning("kv hand-over failed: the decode replica will prefill", error=str(failed[0]))
+            return self._handoff([], "")
+        self.metrics.holds.inc()
+        self._track(self._await_done(scheduler, allocator, block_ids, ok, hold_timeout_s))
+        return self._handoff(block_ids, transfer_id)
+
+    def _handoff(self, block_ids: list[int], transfer_id: str) -> str:
+        cfg = self.config
+        return handoff_json(cfg.resolved_engine_id, cfg.side_channel_host, cfg.side_channel_port, block_ids,
+                            transfer_id, self.tp_size, self.block_size)
+
+    async def _await_done(self, scheduler: Scheduler, allocator: BlockAllocator, block_ids: list[int],
+                          holds: list[rank_links.RankHold], hold_timeout_s: float) -> None:
+        answers = await asyncio.gather(*(h.done(hold_timeout_s + DONE_GRACE_S) for h in holds))
+        if scheduler.allocator is allocator:
+            allocator.free(reversed(block_ids))
+        self.metrics.holds.dec()
+        if all(a.get("confirmed") for a in answers):  # blocks: each rank sent its slice of the same ones
+            transport = self.config.transport
+            self.metrics.blocks.labels("sent", transport).inc(max(int(a.get("blocks", 0)) for a in answers))
+            self.metrics.bytes.labels("sent", transport).inc(sum(int(a.get("bytes", 0)) for a in answers))
+        else:
+            log.info("kv hold ended unread: blocks freed", num_blocks=len(block_ids))
+
+    async def holds_ended(self) -> None:
+        """Returns once every hold and release read in flight has ended (each is bounded by its timeout)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    def _track(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- decode side -----------------------------------------------------------------------------
+
+    def refusal(self, params: KVTransferParams) -> str:
+        """Why this replica cannot pull ``params``' blocks ("" when it can): one line, for the log."""
+        if not self.config.is_consumer:
+            return f"kv_role {self.config.kv_role} does not pull"
+        if params.tp_size and params.tp_size != self.tp_size:
+            return (f"the prefill replica's tensor-parallel degree {params.tp_size} is not this replica's "
+                    f"{self.tp_size}: equal degrees are required")
+        if params.block_size and params.block_size != self.block_size:
+            return f"the prefill replica's block size {params.block_size} is not this replica's {self.block_size}"
+        return ""
+
+    async def pull(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
+                   params: KVTransferParams) -> HeldBlocks:
+        """Pulls the prompt's full blocks named in ``params`` into this replica's prefix cache.
+
+        Returns the blocks held for the request (release them when it ends); on any failure
+        only the ones that were already cached here, the fallback counted and logged.
+        """
+        started = time.monotonic()
+        num_blocks = min((len(token_ids) - 1) // self.block_size, len(params.remote_block_ids))
+        if num_blocks <= 0:
+            return HeldBlocks()
+        reason = self.refusal(params)
+        if reason:
+            return self._fallback("refused", reason, HeldBlocks())
+        hashes = prompt_block_hashes(token_ids, namespace, self.block_size, num_blocks)
+        allocator = scheduler.allocator
+        cached = allocator.lookup(hashes)
+        allocator.acquire(cached)
+        held = HeldBlocks(allocator, tuple(cached))
+        first = len(cached)
+        new = allocator.allocate(num_blocks - first) if first < num_blocks else []
+        if new is None:
+            new, first = [], num_blocks  # pull none: the read then only frees the prefill replica's hold
+            self._fallback("no_free_blocks", "too few free blocks to pull into", held)
+        request = {"transfer_id": params.remote_request_id, "remote_host": params.remote_host,
+                   "remote_port": params.remote_port, "first_block": first,
+                   "remote_block_ids": params.remote_block_ids[first:first + len(new)], "local_block_ids": new,
+                   "block_hashes": [h.hex() for h in hashes[first:first + len(new)]], "namespace": namespace.hex(),
+                   "timeout_s": self.config.pull_timeout_s}
+        if not new:  # every block cached here already: only tell the prefill replica to free its hold
+            self._track(self._pull_ranks(request))
+            return held
+        task = asyncio.ensure_future(self._pull_ranks(request))
+        try:
+            answers = await asyncio.shield(task)
+        except asyncio.CancelledError:  # the request went away: free the blocks once no rank writes them
+            task.add_done_callback(lambda _: allocator.free(reversed(new)) if scheduler.allocator is allocator else None)
+            held.release(scheduler)
+            raise
+        problem = next((str(a.get("error", "no answer")) for a in answers if not a.get("ok")), "")
+        if problem or scheduler.allocator is not allocator:
+            if scheduler.allocator is allocator:
+                allocator.free(reversed(new))
+            return self._fallback("failed", problem or "the worker group restarted", held)
+        listener = allocator.listener
+        for index, block in enumerate(new, start=first):
+            tokens = token_ids[index * self.block_size:(index + 1) * self.block_size] if listener else ()
+            allocator.cache(block, hashes[index], tokens, hashes[index - 1] if index else None, namespace)
+        transport = self.config.transport
+        self.metrics.blocks.labels("received", transport).inc(len(new))
+        self.metrics.bytes.labels("received", transport).inc(sum(int(a.get("bytes", 0)) for a in answers))
+        self.metrics.seconds.labels(transport).observe(time.monotonic() - started)
+        return HeldBlocks(allocator, (*cached, *new), len(new))
+
+    async def _pull_ranks(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        cfg = self.config
+        answers = await asyncio.gather(*(rank_links.pull(cfg.side_channel_host, cfg.side_channel_port + rank,
+                                                         self.secret, request)
+                                         for rank in range(self.tp_size)), return_exceptions=True)
+        return [a if isinstance(a, dict) else {"ok": False, "error": f"{type(a).__name__}: {a}"}
+                for a in answers if not isinstance(a, asyncio.CancelledError)] or [{"ok": False}]
+
+    def _fallback(self, reason: str, detail: str, held: HeldBlocks) -> HeldBlocks:
+        self.metrics.fallbacks.labels(reason).inc()
+        log.warning("kv pull failed: prefilling locally", reason=reason, detail=detail)
+        return held
+

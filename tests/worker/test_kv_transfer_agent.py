@@ -1,0 +1,238 @@
+"""The KV transfer in one process: two "replicas" of two ranks each, every rank a real KVAgent
+(worker/kv_transfer/agent.py) over loopback TCP with its own cache tensors, driven by the real
+coordinator KVConnector (coordinator/kv_transfer/connector.py) over real BlockAllocators."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from coordinator.block_allocator import BlockAllocator
+from coordinator.cache_isolation import prefix_cache_namespace
+from coordinator.kv_cache_manager import prompt_block_hashes
+from coordinator.kv_transfer.connector import KVConnector
+from coordinator.kv_transfer.metrics import KVTransferMetrics
+from coordinator.kv_transfer.params import parse_params
+from tests.e2e.pd import free_port_range
+from tpserve.kv_transfer_config import KVTransferConfig
+from tpserve.kv_wire import connect, recv_frame, send_frame
+from worker.kv_transfer.agent import KVAgent
+from worker.kv_transfer.transport import TcpTransport, make_transport
+
+BLOCK_SIZE, NUM_BLOCKS, NUM_LAYERS, TP = 4, 32, 2, 2
+PROMPT = list(range(100, 119))  # 19 tokens: 4 full blocks, the 5th partial; (19 - 1) // 4 = 4 handed over
+SECRET = "test-secret-0123456789"
+
+
+@dataclass
+class Replica:
+    agents: list[KVAgent]
+    caches: list[list[tuple[torch.Tensor, torch.Tensor]]]  # per rank
+    scheduler: SimpleNamespace
+    connector: KVConnector
+    registry: CollectorRegistry
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+def _caches(seed: int, heads: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(NUM_BLOCKS, BLOCK_SIZE, heads, 8, generator=g),
+             torch.randn(NUM_BLOCKS, BLOCK_SIZE, heads, 8, generator=g)) for _ in range(NUM_LAYERS)]
+
+
+def _replica(role: str, seed: int, secret: str | None = SECRET, **extra: object) -> Replica:
+    port = free_port_range(TP)
+    config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, engine_id=role,
+                              kv_connector_extra_config={"side_channel_port": port, **extra})
+    caches = [_caches(seed * 10 + rank) for rank in range(TP)]
+    agents = []
+    for rank in range(TP):
+        agent = KVAgent("127.0.0.1", port + rank, rank, TP, secret, lambda c=caches[rank]: c,
+                        TcpTransport(rank, TP, secret))
+        agent.start()
+        agents.append(agent)
+    registry = CollectorRegistry()
+    scheduler = SimpleNamespace(allocator=BlockAllocator(NUM_BLOCKS, BLOCK_SIZE))
+    connector = KVConnector(config, TP, BLOCK_SIZE, secret, KVTransferMetrics(registry))
+    return Replica(agents, caches, scheduler, connector, registry)
+
+
+def _prefill(replica: Replica, namespace: bytes = b"") -> list[int]:
+    """As a finished prefill leaves it: the prompt's full blocks computed and cached, unheld."""
+    allocator = replica.scheduler.allocator
+    hashes = prompt_block_hashes(PROMPT, namespace, BLOCK_SIZE, len(PROMPT) // BLOCK_SIZE)
+    blocks = allocator.allocate(len(hashes))
+    for block, h in zip(blocks, hashes):
+        allocator.cache(block, h)
+    allocator.free(reversed(blocks))
+    return blocks
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Replica, Replica]]:
+    prefill, decode = _replica("kv_producer", 1, hold_timeout_s=2.0), _replica("kv_consumer", 2, pull_timeout_s=2.0)
+    yield prefill, decode
+    for agent in prefill.agents + decode.agents:
+        agent.close()
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    """Lets the event loop run (the connector's hold tasks live on it) until ``predicate()``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+
+def test_each_decode_rank_gets_its_prefill_ranks_blocks_and_the_prefill_frees_them(pair) -> None:
+    prefill, decode = pair
+
+    async def run():
+        blocks = _prefill(prefill)
+        kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
+        assert kv.remote_block_ids == blocks and kv.tp_size == TP and kv.block_size == BLOCK_SIZE
+        assert all(prefill.scheduler.allocator.ref_count(b) == 1 for b in blocks)  # held for the pull
+        held = await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
+        await _until(lambda: prefill.metric("tpserve:kv_transfer_holds") == 0)
+        return blocks, kv, held
+
+    blocks, kv, held = asyncio.run(run())
+    assert held.num_pulled == 4 and len(held.block_ids) == 4
+    for rank in range(TP):  # rank i's slice came from rank i, every layer, both tensors
+        for (pk, pv), (dk, dv) in zip(prefill.caches[rank], decode.caches[rank]):
+            assert torch.equal(dk[list(held.block_ids)], pk[blocks]) and torch.equal(dv[list(held.block_ids)], pv[blocks])
+    # The pulled blocks are the decode replica's prefix cache now, under its own hashes.
+    hashes = prompt_block_hashes(PROMPT, b"", BLOCK_SIZE, 4)
+    assert decode.scheduler.allocator.lookup(hashes) == list(held.block_ids)
+    held.release(decode.scheduler)
+    assert decode.scheduler.allocator.num_free_blocks == NUM_BLOCKS
+    assert prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS
+    bytes_per_rank = 4 * NUM_LAYERS * 2 * BLOCK_SIZE * 8 * 4
+    assert decode.metric("tpserve:kv_transfer_bytes_total", direction="received", transport="tcp") == TP * bytes_per_rank
+    assert prefill.metric("tpserve:kv_transfer_bytes_total", direction="sent", transport="tcp") == TP * bytes_per_rank
+    assert prefill.metric("tpserve:kv_transfer_blocks_total", direction="sent", transport="tcp") == 4
+    assert decode.metric("tpserve:kv_transfer_seconds_count", transport="tcp") == 1
+    assert kv.remote_block_ids == blocks
+
+
+def test_another_namespace_is_refused_before_a_byte_moves(pair) -> None:
+    prefill, decode = pair
+    tenant_a, tenant_b = prefix_cache_namespace("a", ""), prefix_cache_namespace("b", "")
+    before = [[(k.clone(), v.clone()) for k, v in rank] for rank in decode.caches]
+
+    async def run():
+        _prefill(prefill, tenant_a)
+        kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, tenant_a))
+        return await decode.connector.pull(decode.scheduler, PROMPT, tenant_b, kv)
+
+    held = asyncio.run(run())
+    assert held.num_pulled == 0 and held.block_ids == ()
+    assert decode.metric("tpserve:kv_transfer_fallbacks_total", reason="failed") == 1
+    assert decode.scheduler.allocator.num_free_blocks == NUM_BLOCKS  # the blocks allocated for it are free again
+    for rank in range(TP):
+        for (k, v), (k0, v0) in zip(decode.caches[rank], before[rank]):
+            assert torch.equal(k, k0) and torch.equal(v, v0)  # nothing written
+    assert prefill.metric("tpserve:kv_transfer_holds") == 1  # still there for its own tenant
+
+
+def test_an_unread_hold_ends_at_its_timeout_and_frees_the_blocks(pair) -> None:
+    prefill, _ = pair
+
+    async def run():
+        _prefill(prefill)
+        await prefill.connector.hand_over(prefill.scheduler, PROMPT, b"")
+        assert prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS - 4
+        assert all(agent.num_holds == 1 for agent in prefill.agents)
+        await asyncio.sleep(2.6)  # hold_timeout_s 2
+        return prefill.scheduler.allocator.num_free_blocks
+
+    assert asyncio.run(run()) == NUM_BLOCKS
+    assert all(agent.num_holds == 0 for agent in prefill.agents)
+    assert prefill.metric("tpserve:kv_transfer_holds") == 0
+
+
+def test_a_decode_replica_with_every_block_cached_pulls_none_and_frees_the_hold(pair) -> None:
+    prefill, decode = pair
+
+    async def run():
+        _prefill(prefill)
+        _prefill(decode)
+        kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
+        held = await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
+        await _until(lambda: prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS)
+        return held
+
+    held = asyncio.run(run())
+    assert held.num_pulled == 0 and len(held.block_ids) == 4
+    assert decode.metric("tpserve:kv_transfer_bytes_total", direction="received", transport="tcp") == 0
+
+
+def test_another_degree_is_refused_with_one_line_and_no_connection(pair) -> None:
+    _, decode = pair
+    kv = parse_params('{"do_remote_prefill": true, "remote_block_ids": [0], "remote_host": "127.0.0.1", '
+                      '"remote_port": 9, "remote_request_id": "x", "tp_size": 4}')
+    assert decode.connector.refusal(kv) == ("the prefill replica's tensor-parallel degree 4 is not this replica's 2: "
+                                            "equal degrees are required")
+    held = asyncio.run(decode.connector.pull(decode.scheduler, PROMPT, b"", kv))
+    assert held.block_ids == () and decode.metric("tpserve:kv_transfer_fallbacks_total", reason="refused") == 1
+
+
+def test_a_read_for_another_rank_or_layout_is_refused_by_the_sender(pair) -> None:
+    prefill, _ = pair
+
+    async def hold():
+        _prefill(prefill)
+        return parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
+
+    kv = asyncio.run(hold())
+    hashes = [h.hex() for h in prompt_block_hashes(PROMPT, b"", BLOCK_SIZE, 4)]
+    read = {"op": "read", "transfer_id": kv.remote_request_id, "block_hashes": hashes, "namespace": "",
+            "first_block": 0, "block_ids": kv.remote_block_ids, "tp_rank": 1, "tp_size": TP,
+            "layout": "2x[4, 1, 8];[4, 1, 8]:float32"}
+    for change, why in (({"tp_rank": 1}, "tensor-parallel rank 1 of 2 cannot read rank 0 of 2"),
+                        ({"tp_rank": 0, "layout": "2x[4, 2, 8];[4, 2, 8]:float32"}, "cache layout"),
+                        ({"tp_rank": 0, "block_hashes": hashes[::-1]}, "block hashes"),
+                        ({"tp_rank": 0, "block_ids": kv.remote_block_ids[::-1]}, "block ids"),
+                        ({"tp_rank": 0, "transfer_id": "guessed"}, "no such transfer")):
+        sock, auth = connect("127.0.0.1", kv.remote_port, SECRET, 5.0)
+        with sock:
+            send_frame(sock, {**read, **change, "auth": auth})
+            answer, payload = recv_frame(sock, max_payload_bytes=1 << 20)
+        assert answer["ok"] is False and why in answer["error"] and not payload
+
+
+def test_a_wrong_secret_is_refused_before_the_op_is_read(pair) -> None:
+    prefill, _ = pair
+    sock, auth = connect("127.0.0.1", prefill.agents[0].port, "another-secret-000000", 5.0)
+    with sock:
+        send_frame(sock, {"op": "hold", "auth": auth, "transfer_id": "t", "block_ids": [0], "block_hashes": ["00"],
+                          "namespace": "", "timeout_s": 60})
+        answer, _ = recv_frame(sock)
+    assert answer == {"ok": False, "error": "missing or wrong cluster secret"}
+    assert prefill.agents[0].num_holds == 0
+
+
+def test_nixl_is_refused_with_one_line_without_the_package() -> None:
+    with pytest.raises(ValueError, match="^transport nixl needs the nixl package, which is not installed"):
+        make_transport("nixl", 0, 1, None, find_spec=lambda _: None)
+    with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
+        make_transport("rdma", 0, 1, None)
+
+
+def test_an_agent_refuses_a_port_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        agent = KVAgent("127.0.0.1", taken.getsockname()[1], 0, 1, None, list, TcpTransport(0, 1, None))
+        with pytest.raises(OSError):
+            agent.start()
