@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from worker.attention import write_kv_cache
+from worker.kv_quant import KVScales
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import rotate_and_cache
 
@@ -34,7 +35,7 @@ def position_and_cache(
     num_heads: int,
     num_kv_heads: int,
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: KVScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split ``qkv``, rotate q and k by ``rope`` (none when None), write k and v into the cache.
 
@@ -44,7 +45,7 @@ def position_and_cache(
         k_cache, v_cache: one layer's ``(num_blocks, block_size, num_kv_heads, d)``.
         slot_mapping: ``(T,) int64`` cache slot of each row.
         qk_norm: per-head ``(q_norm, k_norm)`` RMSNorms of size ``d`` (EXAONE 4, Qwen3), or None.
-        kv_scales: the layer's ``(k_scale, v_scale)`` for an 8-bit cache (``PagedAttention.kv_scales``),
+        kv_scales: the layer's ``(k_scale, v_scale, k_offset)`` for an 8-bit cache (``PagedAttention.kv_scales``),
             or None (a cache in the activations' dtype; the callers that pass none keep that).
 
     Returns:
