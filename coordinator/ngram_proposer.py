@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tpserve.config import SpeculativeConfig
+    from tpserve.speculative_config import SpeculativeConfig
 
 _ITEM = array("i").itemsize  # 4 bytes per token id
 

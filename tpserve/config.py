@@ -15,29 +15,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from tpserve.config_base import INT32_MAX, FrozenSection
 from tpserve.cpu_binding import parse_bind
 from tpserve.kv_transfer_config import KVTransferSection, check_kv_transfer
 from tpserve.lora_config import LoRAConfig
 from tpserve.quantization import Quantization
+from tpserve.speculative_config import SpeculativeConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
-#: Largest count a request or step field carries on the wire (protobuf ``int32``): a token, sequence or
-#: block count above it would be refused by the first message that carries it, after start-up.
-INT32_MAX = 2**31 - 1
-
-
-class _Frozen(BaseModel):
-    # allow_inf_nan=False: ``--step-timeout-seconds inf`` would pass ``gt=0`` and fail later as a
-    # timedelta overflow (a traceback from a rank); every float of the configuration is finite.
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class LoadConfig(_Frozen):
+class LoadConfig(FrozenSection):
     """What to serve.
 
     Attributes:
@@ -81,7 +72,7 @@ class LoadConfig(_Frozen):
         return value
 
 
-class ParallelConfig(_Frozen):
+class ParallelConfig(FrozenSection):
     """How the model is split, and over how many hosts (vLLM's and SGLang's flag names).
 
     Attributes:
@@ -145,7 +136,7 @@ class ParallelConfig(_Frozen):
         return self
 
 
-class CacheConfig(_Frozen):
+class CacheConfig(FrozenSection):
     """The paged KV cache; each rank sizes it as worker/memory.py says.
 
     Attributes:
@@ -192,7 +183,7 @@ class CacheConfig(_Frozen):
         return self
 
 
-class SchedulerConfig(_Frozen):
+class SchedulerConfig(FrozenSection):
     """Continuous batching limits.
 
     Attributes:
@@ -224,63 +215,7 @@ class SchedulerConfig(_Frozen):
     priority_aging_seconds: float = Field(10.0, ge=0, allow_inf_nan=False)  # coordinator.priority.DEFAULT_PRIORITY_AGING_S
 
 
-class SpeculativeConfig(_Frozen):
-    """Speculative decoding (vLLM's ``speculative_config`` keys, as flags).
-
-    Attributes:
-        speculative_method: None (off); "ngram": prompt lookup decoding, which proposes
-            the tokens that followed the latest earlier occurrence of the sequence's last
-            n-gram (coordinator/ngram_proposer.py; docs/design/scheduling.md, "Speculative decoding");
-            "draft": a small model of the same tokenizer, run by the same ranks with its
-            own KV cache, proposes greedily (worker/draft_model.py).
-        speculative_model: with "draft", the draft model's checkpoint directory.
-        num_speculative_tokens: most tokens proposed per sequence per step (k); required
-            with a method.
-        prompt_lookup_max, prompt_lookup_min: the n-gram lengths tried, longest first.
-            vLLM's defaults: both 5 when neither is given, else the one given for both.
-        speculative_disable_by_batch_size: no proposals in a step that runs more than
-            this many sequences (vLLM's ``disable_by_batch_size``): a large batch is
-            already compute-bound, and verifying k + 1 rows per sequence costs more than
-            the accepted tokens gain; None: always speculate.
-
-    Raises:
-        ValueError: a method without ``num_speculative_tokens``, a lookup range that is
-            empty or below 1, or ``speculative_model`` without "draft" (or the reverse).
-    """
-
-    speculative_method: Literal["ngram", "draft"] | None = None
-    speculative_model: str | None = None
-    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
-    prompt_lookup_max: int | None = Field(None, ge=1, le=INT32_MAX)
-    prompt_lookup_min: int | None = Field(None, ge=1, le=INT32_MAX)
-    speculative_disable_by_batch_size: int | None = Field(None, ge=1, le=INT32_MAX)
-
-    @model_validator(mode="after")
-    def _check_lookup(self) -> SpeculativeConfig:
-        if self.speculative_method is None:
-            if self.num_speculative_tokens is not None or self.speculative_model is not None:
-                raise ValueError("num_speculative_tokens and speculative_model need speculative_method (ngram or draft)")
-            return self
-        if self.num_speculative_tokens is None:
-            raise ValueError(f"speculative_method={self.speculative_method} needs num_speculative_tokens (>= 1)")
-        if (self.speculative_method == "draft") != (self.speculative_model is not None):
-            raise ValueError("speculative_model (the draft's directory) goes with speculative_method=draft, "
-                             f"got speculative_method={self.speculative_method}, speculative_model={self.speculative_model}")
-        low, high = self.lookup_range
-        if low > high:
-            raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
-        return self
-
-    @property
-    def lookup_range(self) -> tuple[int, int]:
-        """``(prompt_lookup_min, prompt_lookup_max)`` with vLLM's defaults filled in."""
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None:
-            return (5, 5) if high is None else (high, high)
-        return low, (high if high is not None else low)
-
-
-class ServerConfig(_Frozen):
+class ServerConfig(FrozenSection):
     """The public gRPC endpoint and its neighbours.
 
     Attributes:
@@ -357,7 +292,7 @@ class ServerConfig(_Frozen):
         return self
 
 
-class ClusterConfig(_Frozen):
+class ClusterConfig(FrozenSection):
     """Everything ``tpserve serve`` needs, composed from the per-concern configs."""
 
     load: LoadConfig = LoadConfig()
@@ -446,7 +381,7 @@ class ClusterConfig(_Frozen):
         return cls.model_validate(data)
 
 
-class RankConfig(_Frozen):
+class RankConfig(FrozenSection):
     """What one worker rank runs with: the cluster's configuration and the rank's place in the group.
 
     The launcher (launch/local_ranks.py) writes it as JSON (:meth:`to_json`) and the rank reads
