@@ -87,8 +87,8 @@ from coordinator.spec_decode import SpecDecodeStats
 from coordinator.state_slots import StateSlots
 from coordinator.spec_scheduling import TokenOutput, apply_verified, propose, tokens_per_sample
 from coordinator.scheduler_invariants import cached_blocks_written, check_invariants
-from coordinator.sequence import FinishReason, Sequence, SequenceStatus
-from tpserve.step import PLACEHOLDER_TOKEN_ID, NewSequence, ScheduledChunk, StepPlan, StepResult
+from coordinator.sequence import FinishReason, Sequence, SequenceStatus, scheduled_chunk
+from tpserve.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 __all__ = ["Scheduler", "TokenOutput"]
 
@@ -313,7 +313,7 @@ class Scheduler:
             if new_block_ids is None:
                 index += seq.status is SequenceStatus.RUNNING  # waits: next; preempted: the next is at index
                 continue
-            scheduled.append(self._chunk(seq, num_new, new_block_ids, proposal, num_draft))
+            scheduled.append(scheduled_chunk(seq, num_new, new_block_ids, proposal, num_draft))
             if self.state_slots is not None:
                 self._state_saves += self.kv_cache.state_checkpoints(seq, scheduled[-1].start_position, num_new)
             budget -= num_new + num_spec
@@ -350,7 +350,7 @@ class Scheduler:
                                         max(seq.state_slot, 0)))
             seq.on_workers = True
             seq.admitted_step = self._next_step_id
-            scheduled.append(self._chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table
+            scheduled.append(scheduled_chunk(seq, num_new, list(seq.block_ids)))  # new: its whole table
             if self.state_slots is not None:
                 self._state_saves += self.kv_cache.state_checkpoints(seq, seq.num_computed_tokens, num_new)
             budget -= num_new
@@ -472,23 +472,6 @@ class Scheduler:
             self._preempt(victim)
 
     # -- helpers -----------------------------------------------------------------------
-
-    @staticmethod
-    def _chunk(seq: Sequence, num_new: int, new_block_ids: list[int], proposal: tuple[int, ...] = (),
-               num_draft: int = 0) -> ScheduledChunk:
-        start, num_known = seq.num_computed_tokens, seq.num_tokens
-        # A position past the known tokens holds a pending one (async scheduling): the workers have it.
-        tokens = seq.token_ids(start, start + num_new) if start + num_new <= num_known else \
-            seq.token_ids(start, num_known) + (PLACEHOLDER_TOKEN_ID,) * (start + num_new - max(start, num_known))
-        return ScheduledChunk(
-            seq_id=seq.seq_id,
-            token_ids=tokens + proposal,
-            start_position=start,
-            new_block_ids=tuple(new_block_ids),
-            sample=start + num_new == num_known + seq.num_pending_tokens,
-            num_spec_tokens=len(proposal),
-            num_draft_tokens=num_draft,
-        )
 
     def check_invariants(self) -> None:
         """Asserts the block pool's bookkeeping against the live sequences

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from coordinator.spec_decode import AdaptiveSpeculation
-from tpserve.step import SamplingParams
+from tpserve.step import PLACEHOLDER_TOKEN_ID, SamplingParams, ScheduledChunk
 
 
 class SequenceStatus(enum.Enum):
@@ -202,3 +202,23 @@ class Sequence:
             return False
         last = self.output_token_ids[-1]
         return last in self.stop.stop_token_ids or (not self.stop.ignore_eos and last in self.stop.eos_token_ids)
+
+
+def scheduled_chunk(seq: Sequence, num_new: int, new_block_ids: list[int], proposal: tuple[int, ...] = (),
+                    num_draft: int = 0) -> ScheduledChunk:
+    """``seq``'s next ``num_new`` tokens from its first uncomputed position as a plan's chunk (the scheduler's),
+    with ``new_block_ids`` appended to its table, ``proposal`` speculative tokens after them and ``num_draft``
+    of them from a draft model."""
+    start, num_known = seq.num_computed_tokens, seq.num_tokens
+    # A position past the known tokens holds a pending one (async scheduling): the workers have it.
+    tokens = seq.token_ids(start, start + num_new) if start + num_new <= num_known else \
+        seq.token_ids(start, num_known) + (PLACEHOLDER_TOKEN_ID,) * (start + num_new - max(start, num_known))
+    return ScheduledChunk(
+        seq_id=seq.seq_id,
+        token_ids=tokens + proposal,
+        start_position=start,
+        new_block_ids=tuple(new_block_ids),
+        sample=start + num_new == num_known + seq.num_pending_tokens,
+        num_spec_tokens=len(proposal),
+        num_draft_tokens=num_draft,
+    )

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from operator import attrgetter
 from pathlib import Path
 from typing import cast
@@ -54,7 +54,7 @@ from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
 from worker.kv_host_tier import HostKVTier
 from worker.kv_quant import CALIBRATION_TOKENS, KVScales, cache_dtype, calibrate, calibration_token_ids
 from worker.layers.moe import count_triples, expert_layers, take_routed_counts
-from worker.grammar import GrammarCache, GrammarState
+from worker.grammar import GrammarCache
 from worker.input_batch import InputBatch
 from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
@@ -69,33 +69,13 @@ from worker.sampler import SamplingCache, sample_tensors
 from worker.spec_verify import accept_proposals
 from worker.state_cache import (DEFAULT_NUM_STATE_SLOTS, StateCache, bytes_per_state_slot, cacheless_layers,
                                 check_state_layers)
+from worker.sequence_state import SequenceState
 from worker.step_inputs import StepInputs, build_step_inputs
 from worker.step_output import StepOutput
 
 log = structlog.get_logger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class _SequenceState:
-    sampling: SamplingParams
-    block_table: list[int] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    history: list[int] | None = None  # every token so far; rank 0, sequences with a penalty or grammar only
-    grammar_state: GrammarState | None = None  # rank 0, sequences with a grammar (worker/grammar.py)
-    prompt_token_ids: tuple[int, ...] = ()  # only with prompt_logprobs (worker/logprobs.py)
-    uses_logits_controls: bool = False  # sampling.uses_logits_controls, read once
-    reports_logprobs: bool = False  # sampling.logprobs or prompt_logprobs: worker/logprobs.py has work
-    tracks_history: bool = False  # history is not None
-    last_token: int | None = None  # the sampling rank: the token sampled last (async scheduling's placeholder)
-    lora_slot: int = 0  # its adapter's slot (worker/lora_adapters.py); 0: the base model
-    state_slot: int = 0  # hybrid models: its live state slot (worker/state_cache.py)
-
-    def __post_init__(self) -> None:
-        self.uses_logits_controls = self.sampling.uses_logits_controls
-        self.reports_logprobs = self.sampling.logprobs or self.sampling.prompt_logprobs is not None
-        self.tracks_history = self.history is not None
 
 
 # The per-step scans over a batch's chunks and states, as C-level attribute reads (``any(map(...))``).
@@ -177,7 +157,7 @@ class ModelRunner:
         self.host_tier: HostKVTier | None = None  # the prefix cache's host slots (--kv-offloading-size)
         self.last_logits: torch.Tensor | None = None
         self.last_spec_logits: torch.Tensor | None = None
-        self._seqs: dict[int, _SequenceState] = {}
+        self._seqs: dict[int, SequenceState] = {}
         self._batch = InputBatch(-(-self.config.max_model_len // block_size))  # block tables, kept between steps
         self._max_model_len = self.config.max_model_len
         self._workspace: dict[str, torch.Tensor] = {}  # attention's scratch, reused every step
@@ -349,7 +329,7 @@ class ModelRunner:
                 batch.trim(seq_id, num_blocks)
         for new in plan.new_seqs:
             history = list(new.history_token_ids) if new.sampling.uses_token_history and self.ctx.is_sampler else None
-            seqs[new.seq_id] = _SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
+            seqs[new.seq_id] = SequenceState(new.sampling, num_prompt_tokens=new.num_prompt_tokens,
                                               history=history, prompt_token_ids=new.prompt_token_ids,
                                               lora_slot=self._lora_slot(new.lora_slot), state_slot=new.state_slot)
             batch.add(new.seq_id)
@@ -394,9 +374,9 @@ class ModelRunner:
             counts -= num_padding_rows * self._padding_counts
         return count_triples(self._expert_layers, counts)
 
-    def _check_chunks(self, plan: StepPlan) -> list[_SequenceState]:
+    def _check_chunks(self, plan: StepPlan) -> list[SequenceState]:
         """Each scheduled chunk's sequence state, in plan order, after the checks ``execute`` documents."""
-        states: list[_SequenceState] = []
+        states: list[SequenceState] = []
         seen: set[int] = set()
         seqs, num_blocks, block_size, max_model_len = self._seqs, self.num_blocks, self.block_size, self._max_model_len
         for chunk in plan.scheduled:
@@ -438,7 +418,7 @@ class ModelRunner:
                 )
         return states
 
-    def _run(self, plan: StepPlan, states: list[_SequenceState]) -> StepOutput:
+    def _run(self, plan: StepPlan, states: list[SequenceState]) -> StepOutput:
         """Forward the flat batch and sample (``states``: the chunks' sequences); inside ``inference_mode``."""
         chunks = plan.scheduled
         inputs = self._inputs(chunks, states)
@@ -498,7 +478,7 @@ class ModelRunner:
                                                    both[num_samples:])
         return StepOutput(token_ids, logprobs, scored, num_accepted, logits, spec_logits, num_padding_rows)
 
-    def _inputs(self, chunks: Sequence[ScheduledChunk], states: list[_SequenceState]) -> StepInputs:
+    def _inputs(self, chunks: Sequence[ScheduledChunk], states: list[SequenceState]) -> StepInputs:
         """The step's inputs, block tables from the persistent batch."""
         return build_step_inputs(
             chunks, self._batch.tables(list(map(_seq_id, chunks))), list(map(_sampling, states)), self.block_size,
