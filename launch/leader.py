@@ -155,9 +155,6 @@ class Leader:
         workers = self.launcher.workers
         num_host_blocks = num_host_slots(cfg.cache.kv_offloading_size, cfg.cache.num_cpu_blocks_override,
                                          list(workers.kv_bytes_per_block.values()))
-        if num_state_slots and (num_host_blocks or cfg.kv_transfer.kv_transfer_config is not None):
-            raise WorkerGroupError("--kv-offloading-size and --kv-transfer-config are not supported for hybrid "
-                                   "models (their blocks are useless without the saved state); start without them")
         await workers.start(num_blocks, num_state_slots, num_host_blocks)
         self.engine = self._build_engine(num_blocks, num_state_slots, num_host_blocks)
         self.public.attach(self.engine, num_blocks, workers.dtype)

@@ -93,7 +93,8 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
 def check_hybrid_combinations(model_dir: Path, model: ModelConfig, config: ClusterConfig) -> None:
     """Refuse, in one line each, what a hybrid model's state layers (tpserve/hybrid_layers.py) are not served with:
     speculative decoding (a state cannot roll back rejected tokens), LoRA adapters (none targets a state layer's
-    projections yet) and pipeline stages (the state pool is not split by stage).
+    projections yet), pipeline stages (the state pool is not split by stage), and the host tier and KV transfers
+    (a prefix's KV blocks resume nothing without its saved state, which neither carries).
 
     Raises:
         StartupError: naming the flag.
@@ -111,6 +112,11 @@ def check_hybrid_combinations(model_dir: Path, model: ModelConfig, config: Clust
     if config.parallel.pipeline_parallel_size > 1:
         raise StartupError(f"cannot serve {model_dir} with --pipeline-parallel-size "
                            f"{config.parallel.pipeline_parallel_size}: {what}, served as one pipeline stage")
+    moves = [flag for flag, on in (("--kv-offloading-size / --num-cpu-blocks-override", config.cache.host_tier_on),
+                                   ("--kv-transfer-config", config.kv_transfer.kv_transfer_config is not None)) if on]
+    if moves:
+        raise StartupError(f"cannot serve {model_dir} with {moves[0]}: {what}, and its KV blocks resume nothing "
+                           "without the saved state, which the host tier and KV transfers do not carry")
 
 
 def check_checkpoint(model_dir: Path, config: ModelConfig) -> None:

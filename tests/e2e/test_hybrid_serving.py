@@ -15,7 +15,8 @@ sequences' states (``--max-num-seqs``):
   (re-sent with its delivered tokens) continuing token for token.
 
 Under preemption (a 16-block pool for six long requests) every completion is still the greedy one.
-Speculative decoding, LoRA and pipeline stages are refused for a hybrid at start-up, in one line each.
+Speculative decoding, LoRA, pipeline stages, the KV host tier and KV transfers are refused for a hybrid at start-up,
+in one line each.
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def test_preempted_hybrid_requests_recompute_their_state_and_give_the_greedy_tok
     (["--speculative-method", "ngram", "--num-speculative-tokens", "2"], "--speculative-method ngram"),
     (["--enable-lora"], "--enable-lora"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+    (["--num-cpu-blocks-override", "64"], "--kv-offloading-size / --num-cpu-blocks-override"),
+    (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'], "--kv-transfer-config"),
 ])
 def test_what_a_hybrid_is_not_served_with_is_refused_in_one_line(lfm2_dir: Path, flags: list[str], refusal: str) -> None:
     out = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--port", str(free_port()), "--model",
