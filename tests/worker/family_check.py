@@ -112,11 +112,13 @@ def _dynamic_rope_reference(model: torch.nn.Module, prompts: list[tuple[int, ...
     sequence would leak its scale into the next. Each prompt therefore starts from the
     rotary embedding's initial state, and the logits are ``generate``'s.
     """
-    rotary = model.model.rotary_emb
+    # NoPE hybrids (Granite 4 without RoPE, Nemotron-H's ``backbone``) have no rotary state to reset.
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
 
     def reset() -> None:
-        rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
-        rotary.max_seq_len_cached = rotary.original_max_seq_len
+        if rotary is not None:
+            rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
+            rotary.max_seq_len_cached = rotary.original_max_seq_len
 
     model.generation_config.eos_token_id = None
     completions, logits, log_softmax = {}, {}, {}
