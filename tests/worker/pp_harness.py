@@ -14,10 +14,8 @@ import pickle
 import tempfile
 from pathlib import Path
 
-import torch
-
 from tests.worker.rank_processes import spawn_ranks
-from tests.worker.tp_harness import COLLECTIVE_TIMEOUT_S, Job, StepRecord, _free_port, execute_jobs
+from tests.worker.tp_harness import COLLECTIVE_TIMEOUT_S, Job, StepRecord, _free_port, execute_jobs, share_cores
 from tpserve.pipeline_split import sampling_rank
 from worker.parallel_state import destroy_distributed, init_distributed
 
@@ -26,7 +24,7 @@ Layout = tuple[int, int]
 
 
 def _rank_main(rank: int, runs: list[tuple[Layout, list[Job], str]], out_dir: str) -> None:
-    torch.set_num_threads(1)  # ranks share the machine's cores
+    share_cores()  # one thread, no spinning: ranks share the machine's cores
     for (tp, pp), jobs, init_method in runs:
         if rank >= tp * pp:
             continue

@@ -91,9 +91,26 @@ def _execute_job(ctx: ParallelContext, job: Job) -> list[StepRecord]:
     return records
 
 
+def share_cores() -> None:
+    """A test rank's settings for a machine whose cores its peers (and other tests) share.
+
+    One torch thread per rank. And a shared-memory collective sleeps on a late peer's flag at
+    once instead of first spinning for it (worker/comm/shm_allreduce.py's ``_SPIN_S``, 200 us):
+    the spin pays off when each rank has a core of its own, as a server's ranks do, but the
+    tests run 2 to 4 ranks on 2 busy cores, where the peer is usually descheduled and every
+    spin burns CPU the others need (the families at tp 4: about 2x the ranks' CPU seconds).
+    The collective still polls its peers' flags before it sleeps (worker/kernels/cpu_shm.cpp),
+    so both of its paths (the peer already there, and the sleep and wake) still run.
+    """
+    from worker.comm import shm_allreduce
+
+    torch.set_num_threads(1)
+    shm_allreduce._SPIN_S = 0.0
+
+
 def _rank_main(rank: int, tp_size: int, init_method: str, jobs: list[Job], out_path: str,
                device: str = "cpu") -> None:
-    torch.set_num_threads(1)  # ranks share the machine's cores
+    share_cores()
     device = "cpu" if device == "cpu" else f"cuda:{rank}"  # one GPU per rank (NCCL), else gloo
     ctx = init_distributed(rank, tp_size, init_method, device, COLLECTIVE_TIMEOUT_S)
     try:
