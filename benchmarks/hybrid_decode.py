@@ -125,6 +125,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1,
                         help="OpenMP threads per rank (1: the 2-core host also runs the coordinator and the client)")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="serve both with TPSERVE_CPU_KERNELS=0: no compiled CPU kernels, so the dense model loses "
+                             "its one-call decode stack too (to attribute the hybrid's gap); writes hybrid_decode_no_kernels.json")
     parser.add_argument("--quick", action="store_true", help="one round, 2 streams, 32-token prompts, 8 outputs")
     parser.add_argument("--out", type=Path, default=None, help="directory for results/hybrid_decode.json")
     args = parser.parse_args()
@@ -142,6 +145,9 @@ def main() -> int:
               "load_average_at_start": os.getloadavg(), "omp_threads_per_rank": args.threads,
               "rounds": args.rounds, "max_tokens": args.max_tokens, "server_flags": list(flags),
               "dtype": "float32", "tensor_parallel_size": 1}
+    if args.no_kernels:
+        os.environ["TPSERVE_CPU_KERNELS"] = "0"  # the servers' ranks inherit it
+    report["tpserve_cpu_kernels"] = os.environ.get("TPSERVE_CPU_KERNELS", "1") != "0"
     with tempfile.TemporaryDirectory() as tmp:
         report["models"] = {name: hybrid_checkpoints.save(spec, Path(tmp) / name)
                             for name, spec in (("hybrid", hybrid_checkpoints.HYBRID),
@@ -187,7 +193,8 @@ def main() -> int:
     report.update(rounds=rounds, summary=summary, load_average_at_end=os.getloadavg())
     print(json.dumps(summary, indent=1))
     if args.out is not None:
-        print(save_report(args.out, "hybrid_decode.json" if not args.quick else "hybrid_decode_quick.json", report))
+        name = "hybrid_decode" + ("_quick" if args.quick else "") + ("_no_kernels" if args.no_kernels else "")
+        print(save_report(args.out, name + ".json", report))
     return 0
 
 
