@@ -130,6 +130,7 @@ def main() -> int:
                              "its one-call decode stack too (to attribute the hybrid's gap); writes hybrid_decode_no_kernels.json")
     parser.add_argument("--quick", action="store_true", help="one round, 2 streams, 32-token prompts, 8 outputs")
     parser.add_argument("--out", type=Path, default=None, help="directory for results/hybrid_decode.json")
+    parser.add_argument("--suffix", default="", help="appended to the JSON's name (a repeat run keeps the first)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.streams, args.prompt_lens, args.max_tokens = 1, [1, 2], [32], 8
@@ -193,7 +194,7 @@ def main() -> int:
     report.update(rounds=rounds, summary=summary, load_average_at_end=os.getloadavg())
     print(json.dumps(summary, indent=1))
     if args.out is not None:
-        name = "hybrid_decode" + ("_quick" if args.quick else "") + ("_no_kernels" if args.no_kernels else "")
+        name = "hybrid_decode" + ("_quick" if args.quick else "") + ("_no_kernels" if args.no_kernels else "") + args.suffix
         print(save_report(args.out, name + ".json", report))
     return 0
 
