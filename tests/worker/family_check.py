@@ -135,12 +135,17 @@ def _dynamic_rope_reference(model: torch.nn.Module, prompts: list[tuple[int, ...
 
 _REGISTERED: dict[str, tuple[TinyModelSpec, int | None]] = {}
 _TOLERANCES: dict[str, tuple[float, float]] = {}  # name -> (logits_atol, logprob_atol)
+_TP_SIZES: dict[str, tuple[int, ...]] = {}  # name -> the degrees its model splits over
 _CASES: dict[str, FamilyCase] = {}
 _RECORDS: dict[int, dict[str, list[StepRecord]]] = {}
 
 
-def register(spec: TinyModelSpec, window: int | None, logits_atol: float = 1e-4, logprob_atol: float = 1e-4) -> str:
+def register(spec: TinyModelSpec, window: int | None, logits_atol: float = 1e-4, logprob_atol: float = 1e-4,
+             tp_sizes: tuple[int, ...] = (1, 2, 4)) -> str:
     """Declare a checkpoint (at a test module's import); returns its name for :func:`case` and :func:`check`.
+
+    ``tp_sizes``: the degrees its model splits over and its tests check; the group run at a degree
+    (:func:`records_at`) holds only the checkpoints declared for it.
 
     ``logits_atol``: the sampled rows' absolute logit tolerance (besides ``1e-4 * |logit|``); ``logprob_atol``:
     the prompt tokens' logprobs'. A family whose reference disagrees with itself by more than 1e-4 (its own
@@ -148,6 +153,7 @@ def register(spec: TinyModelSpec, window: int | None, logits_atol: float = 1e-4,
     """
     _REGISTERED[spec.name] = (spec, window)
     _TOLERANCES[spec.name] = (logits_atol, logprob_atol)
+    _TP_SIZES[spec.name] = tp_sizes
     return spec.name
 
 
@@ -165,12 +171,15 @@ def records_at(tp: int) -> dict[str, list[StepRecord]]:
     """Rank 0's records of every registered checkpoint's jobs at degree ``tp``, run once in one group."""
     if tp not in _RECORDS:
         case(next(iter(_REGISTERED)))
-        _RECORDS[tp] = run_jobs([job for c in _CASES.values() for job in c.jobs], tp_size=tp)
+        _RECORDS[tp] = run_jobs([job for name, c in _CASES.items() if tp in _TP_SIZES[name] for job in c.jobs],
+                                tp_size=tp)
     return _RECORDS[tp]
 
 
 def check(name: str, tp: int) -> None:
     """Assert checkpoint ``name``'s tokens, logits and prompt logprobs at degree ``tp`` equal the reference's."""
+    if tp not in _TP_SIZES[name]:
+        raise ValueError(f"{name} is registered for tp {_TP_SIZES[name]}, not {tp}")
     family, records = case(name), records_at(tp)
     _check(family, records, *_TOLERANCES[name])
 

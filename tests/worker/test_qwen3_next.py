@@ -23,9 +23,9 @@ pytestmark = pytest.mark.xdist_group("families")
 #: outputs of rms ~1e-2, random weights, which turns float32 rounding into ~1e-4 on the logits). Measured here:
 #: up to 1.8e-4 (logits) and 2.4e-4 (a logprob of -17.9). Tokens are exact.
 ATOL = 5e-4
-QWEN3_NEXT = register(hybrid_specs.QWEN3_NEXT_SPEC, None, ATOL, ATOL)
-QWEN3_5 = register(hybrid_specs.QWEN3_5_SPEC, None, ATOL, ATOL)
-QWEN3_5_MOE = register(hybrid_specs.QWEN3_5_MOE_SPEC, None, ATOL, ATOL)
+QWEN3_NEXT = register(hybrid_specs.QWEN3_NEXT_SPEC, None, ATOL, ATOL, tp_sizes=(1, 2))  # 2 key heads: not over 4 ranks
+QWEN3_5 = register(hybrid_specs.QWEN3_5_SPEC, None, ATOL, ATOL, tp_sizes=(1, 2))  # 2 key heads: not over 4 ranks
+QWEN3_5_MOE = register(hybrid_specs.QWEN3_5_MOE_SPEC, None, ATOL, ATOL, tp_sizes=(1, 2))  # 2 key heads: not over 4 ranks
 
 
 @pytest.mark.parametrize("tp", [1, 2])
