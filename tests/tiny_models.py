@@ -34,6 +34,9 @@ class TinyModelSpec:
         zero_centred_norms: the family's RMSNorms scale by ``1 + w`` (Qwen3-Next, Qwen3.5): their weights are
             drawn around 0, so that every norm scales by about 1 as the others do (a gated norm, ``w * x``,
             stays around 1).
+        query_key_correlation: Gated DeltaNet families only (0: off): each DeltaNet layer's query projection rows
+            are redrawn as its key rows plus independent noise of this relative size, and the query channels'
+            conv taps copied from the key channels' (see :func:`_correlate_queries_with_keys`).
     """
 
     name: str
@@ -42,6 +45,7 @@ class TinyModelSpec:
     max_shard_size: str | None = None
     seed: int = 0
     zero_centred_norms: bool = False
+    query_key_correlation: float = 0.0
 
 
 _BASE: dict[str, Any] = {
@@ -112,7 +116,43 @@ def build_hf_model(spec: TinyModelSpec) -> torch.nn.Module:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a buffer (DeepSeek V3, GLM-4.5, MiniMax-M2): 0 by default
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+        if spec.query_key_correlation:
+            _correlate_queries_with_keys(model, spec.query_key_correlation,
+                                         torch.Generator().manual_seed(spec.seed + 3000))
     return model
+
+
+def _correlate_queries_with_keys(model: torch.nn.Module, noise: float, generator: torch.Generator) -> None:
+    """Make every Gated DeltaNet layer read back roughly what it wrote, as trained ones do (a conditioning fix).
+
+    With independent random query and key projections, ``q_t . k_j`` of the L2-normalised 16-wide heads is about
+    N(0, 1/16), so a head's output ``o_t = sum_j exp(G_t - G_j) (q_t . k_j) u_j`` is a sum of terms of random sign
+    that often nearly cancels: rows of rms 1e-5 beside terms of 1e-1. The per-head gated RMSNorm then scales that
+    row back to O(1), and float32's relative rounding of the sum with it (transformers' own float32 was up to
+    4.5e-4 off its float64 in the log-probabilities, its decode steps 5e-4 off its prefill). With the query rows
+    ``(k_row + noise * n) / sqrt(1 + noise^2)`` (n a fresh unit-variance row) and the query channels' conv taps
+    the key channels', ``q_t . k_t`` is about 0.95 and the current token's own write dominates the read: no
+    cancellation, and float32 stays within ~4e-5 of float64. The queries still differ from the keys (a swap of
+    the two, or of their conv channels, changes the output far beyond the tolerance).
+    """
+    for layer in model.model.layers:
+        mixer = getattr(layer, "linear_attn", None)
+        if mixer is None:
+            continue
+        head_dim, heads = mixer.head_k_dim, mixer.num_k_heads
+        key_dim = head_dim * heads
+        if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next: per key head [q, k, v (grouped), z] rows
+            weight = mixer.in_proj_qkvz.weight
+            per_head = weight.shape[0] // heads
+            q_rows = [h * per_head + i for h in range(heads) for i in range(head_dim)]
+            k_rows = [h * per_head + head_dim + i for h in range(heads) for i in range(head_dim)]
+        else:  # Qwen3.5: in_proj_qkv is [q (all heads), k, v]
+            weight = mixer.in_proj_qkv.weight
+            q_rows, k_rows = list(range(key_dim)), list(range(key_dim, 2 * key_dim))
+        fresh = torch.randn((key_dim, weight.shape[1]), generator=generator) / weight.shape[1] ** 0.5
+        weight[q_rows] = (weight[k_rows] + noise * fresh) / (1 + noise**2) ** 0.5
+        taps = mixer.conv1d.weight  # (q | k | v channels, 1, kernel): the conv's channels are q, k, v in order
+        taps[:key_dim] = taps[key_dim:2 * key_dim]
 
 
 def save_tiny_model(spec: TinyModelSpec, directory: Path) -> Path:

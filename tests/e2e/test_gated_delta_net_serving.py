@@ -6,8 +6,10 @@ prompts prefilled in chunks of at most 24 tokens (``--max-num-batched-tokens``),
 * prompts of 1 to 5 blocks plus 2 tokens, each sent twice: both completions are ``transformers``' greedy ones,
   the second resuming from the state saved at the prompt's last whole block (its cached prompt tokens say so);
 * 16 requests at once (every prompt again, and a copy sharing its first half): every completion the greedy one;
-* the logprobs of the sampled tokens within 5e-4 of ``transformers``' (tests/worker/test_qwen3_next.py says why
-  not 1e-4).
+* the logprobs of the sampled tokens within 5e-4 of ``transformers``'. The worker tests hold these checkpoints
+  to 1e-4 since their DeltaNet queries were correlated with their keys (tests/tiny_models.py's
+  ``_correlate_queries_with_keys``: measured up to 4.4e-5); this served run, at stories260k's vocabulary, has
+  not been measured at 1e-4 yet, so it keeps the bound it passed with.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@
   the head repeat both matter; one key head per rank at tp 2), kernel 4. Attention: 4 query heads over 2 KV
   heads of 16, RoPE on a quarter of each head (the families' default). Qwen3-Next: 8 experts, top-2
   renormalised, a shared expert, layer 2 dense (``mlp_only_layers``); Qwen3.5-MoE: every layer sparse. The
-  zero-centred norms' weights are drawn around 0 (each scales by about 1). 160 positions, so that prompts
-  span more than one 64-row DeltaNet chunk.
+  zero-centred norms' weights are drawn around 0 (each scales by about 1). Each DeltaNet query projection is
+  its key projection plus noise (``query_key_correlation``, tests/tiny_models.py), so that float32 stays within
+  1e-4 of float64 on these checkpoints. 160 positions, so that prompts span more than one 64-row DeltaNet chunk.
 * :data:`GRANITE_HYBRID_MOE`, :data:`GRANITE_HYBRID_DENSE`, :data:`NEMOTRON_H`: Mamba-2 layers (chunk
   size 8, so every test prompt spans several chunks) beside attention (and MLP / MoE layers).
 
@@ -103,12 +104,16 @@ _HYBRID = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_head
            "vocab_size": 190, "max_position_embeddings": 160, "linear_num_key_heads": 2,
            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
            "linear_conv_kernel_dim": 4, "tie_word_embeddings": False}
+#: The DeltaNet query rows are the key rows plus this much noise (tests/tiny_models.py's
+#: ``_correlate_queries_with_keys``: without it the tiny checkpoints' float32 rounding reaches ~5e-4).
+_QK_NOISE = 0.3
 _MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
 
 QWEN3_NEXT_SPEC = TinyModelSpec("qwen3_next", "qwen3_next", {**_HYBRID, **_MOE, "norm_topk_prob": True,
                                                              "mlp_only_layers": [2]}, seed=44,
-                               zero_centred_norms=True)
-QWEN3_5_SPEC = TinyModelSpec("qwen3_5", "qwen3_5_text", _HYBRID, seed=45, zero_centred_norms=True)
+                               zero_centred_norms=True, query_key_correlation=_QK_NOISE)
+QWEN3_5_SPEC = TinyModelSpec("qwen3_5", "qwen3_5_text", _HYBRID, seed=45, zero_centred_norms=True,
+                             query_key_correlation=_QK_NOISE)
 QWEN3_5_MOE_SPEC = TinyModelSpec("qwen3_5_moe", "qwen3_5_moe_text", {**_HYBRID, **_MOE}, seed=46,
-                                 zero_centred_norms=True)
+                                 zero_centred_norms=True, query_key_correlation=_QK_NOISE)
 GATED_DELTA_NET_SPECS = (QWEN3_NEXT_SPEC, QWEN3_5_SPEC, QWEN3_5_MOE_SPEC)
