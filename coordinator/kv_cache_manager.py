@@ -102,7 +102,7 @@ class KVCacheManager:
     """
 
     def __init__(self, allocator: BlockAllocator, enable_prefix_caching: bool = False,
-                 state_slots: StateSlots | None = None, host_tier: HostTier | None = None) -> None:
+                 *, state_slots: StateSlots | None = None, host_tier: HostTier | None = None) -> None:
         if host_tier is not None and not enable_prefix_caching:
             raise ValueError("the KV host tier (--kv-offloading-size) holds prefix-cache blocks: it needs "
                              "--enable-prefix-caching")

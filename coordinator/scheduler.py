@@ -136,7 +136,7 @@ class Scheduler:
             raise ValueError("speculative decoding is not supported for hybrid models (no state rollback)")
         self.priority = PriorityPolicy(priority_aging_s, clock)
         self.async_scheduling = async_scheduling
-        self.kv_cache = KVCacheManager(allocator, enable_prefix_caching, state_slots, host_tier)
+        self.kv_cache = KVCacheManager(allocator, enable_prefix_caching, state_slots=state_slots, host_tier=host_tier)
         self.state_slots = state_slots
         self._restores: list[tuple[int, int]] = []  # the next plan's restored_states
         self._state_saves: list[tuple[int, int, int]] = []  # and its state_checkpoints

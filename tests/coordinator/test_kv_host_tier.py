@@ -113,7 +113,7 @@ def test_a_tier_needs_prefix_caching_and_the_pools_block_size() -> None:
     with pytest.raises(ValueError, match="needs --enable-prefix-caching"):
         KVCacheManager(BlockAllocator(4, BLOCK_SIZE), host_tier=HostTier(8, BLOCK_SIZE))
     with pytest.raises(ValueError, match="block_size 8"):
-        KVCacheManager(BlockAllocator(4, BLOCK_SIZE), True, HostTier(8, 8))
+        KVCacheManager(BlockAllocator(4, BLOCK_SIZE), True, host_tier=HostTier(8, 8))
 
 
 def test_the_plan_carries_the_copies_as_columns_and_a_plan_not_sent_hands_them_to_the_next() -> None:
@@ -163,7 +163,7 @@ def test_without_a_tier_events_carry_no_medium_and_a_restart_empties_the_tier() 
     _computed(plain, _seq(0, list(range(5))))
     (event,) = events.read(subscriber).events
     assert not event.stored.HasField("medium") and not event.stored.HasField("tier")
-    tiered = KVCacheManager(BlockAllocator(2, BLOCK_SIZE), True, HostTier(4, BLOCK_SIZE))
+    tiered = KVCacheManager(BlockAllocator(2, BLOCK_SIZE), True, host_tier=HostTier(4, BLOCK_SIZE))
     tiered.host_tier.store(0, H[0], b"")
     tiered.reset()
     assert tiered.host_tier.num_used_slots == 0 and tiered.take_copy_orders() == ((), ())
