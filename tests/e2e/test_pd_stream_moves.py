@@ -73,10 +73,12 @@ def test_streams_moved_off_a_draining_replica_pull_their_kv_and_continue_token_f
     assert got == references
     assert len(moves) == len(fields) and all(m.num_delivered_tokens >= 20 for m in moves), moves
     assert all("continue on another replica with its KV" in m.details for m in moves)
-    # The kept replica pulled each stream's full blocks (prompt + delivered tokens) and computed
-    # only what followed the last one: under a block per stream.
+    # The kept replica pulled the streams' full blocks (prompt + delivered tokens) and computed only
+    # what followed the last one: under a block per stream. Every stream shares the prompt's blocks
+    # and the greedy ones their output's, so a block one stream pulled is a prefix hit for the
+    # others: at least one stream's worth was pulled, each stream's rest found there or pulled.
     pulled = labelled(kept, "tpserve:kv_transfer_blocks_total", direction="received", transport="tcp") - received_before
-    assert pulled >= len(fields) * ((len(LONG_PROMPT.split()) + 20) // BLOCK_SIZE)
+    assert pulled >= (len(LONG_PROMPT.split()) + 20) // BLOCK_SIZE
     assert computed_prompt_tokens(kept) - computed_before <= len(fields) * BLOCK_SIZE
     assert labelled(kept, "tpserve:kv_transfer_fallbacks_total", reason="failed") == 0
     assert doomed.process.wait(30) == 0  # drained in order once the holds were pulled
