@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tpserve.config_base import INT32_MAX, FrozenSection
 from tpserve.cpu_binding import parse_bind
-from tpserve.kv_transfer_config import KVTransferSection, check_kv_transfer
+from tpserve.kv_transfer_config import KVTransferSection
 from tpserve.lora_config import LoRAConfig
 from tpserve.quantization import Quantization
 from tpserve.speculative_config import SpeculativeConfig
@@ -306,7 +306,19 @@ class ClusterConfig(FrozenSection):
 
     @model_validator(mode="after")
     def _check_kv_transfer(self) -> ClusterConfig:
-        check_kv_transfer(self)  # tpserve/kv_transfer_config.py
+        """Refuses, in one line, what a KV transfer (tpserve/kv_transfer_config.py) cannot carry: pipeline stages
+        (a block is one stage's), an 8-bit cache (its scale pools are not sent), prefix caching off (the blocks
+        handed over are the prefix cache's) and a draft model (its cache would have to move too)."""
+        if self.kv_transfer.kv_transfer_config is None:
+            return self
+        refused = [why for refuse, why in (
+            (self.parallel.pipeline_parallel_size > 1, "--pipeline-parallel-size 1"),
+            (self.cache.kv_cache_dtype != "auto", "--kv-cache-dtype auto"),
+            (self.cache.enable_prefix_caching is False, "--enable-prefix-caching"),
+            (self.speculative.speculative_method == "draft", "no --speculative-method draft")) if refuse]
+        if refused:
+            raise ValueError(f"--kv-transfer-config needs {', '.join(refused)} (the blocks handed over are the "
+                             "prefix cache's, of one stage, without a draft's cache)")
         return self
 
     @model_validator(mode="after")

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-if TYPE_CHECKING:
-    from tpserve.config import ClusterConfig
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 Transport = Literal["tcp", "nixl"]
@@ -161,23 +159,3 @@ class KVTransferSection(BaseModel):
             if not isinstance(value, dict):
                 raise ValueError("not a JSON object")
         return value
-
-
-def check_kv_transfer(cluster: ClusterConfig) -> None:
-    """Refuses, in one line, what a transfer cannot carry: pipeline stages (a block is one stage's),
-    an 8-bit cache (calibrated scales may differ between replicas), prefix caching off (the blocks
-    handed over are the prefix cache's) and a draft model (its cache would have to move too).
-
-    Raises:
-        ValueError: naming the flags needed.
-    """
-    if cluster.kv_transfer.kv_transfer_config is None:
-        return
-    refused = [why for refuse, why in (
-        (cluster.parallel.pipeline_parallel_size > 1, "--pipeline-parallel-size 1"),
-        (cluster.cache.kv_cache_dtype != "auto", "--kv-cache-dtype auto"),
-        (cluster.cache.enable_prefix_caching is False, "--enable-prefix-caching"),
-        (cluster.speculative.speculative_method == "draft", "no --speculative-method draft")) if refuse]
-    if refused:
-        raise ValueError(f"--kv-transfer-config needs {', '.join(refused)} (the blocks handed over are the "
-                         "prefix cache's, of one stage, without a draft's cache)")
