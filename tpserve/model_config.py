@@ -38,14 +38,13 @@ from tpserve.model_config_rules import check_config
 from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_ARCHITECTURES,
                                     PARTIAL_ROTARY_DEFAULTS, resolve_architecture, ties_word_embeddings_by_default)
 from tpserve.quantization import Quantization, checkpoint_quantization
+from tpserve.rope_config import config_value, parse_layer_rope, parse_rope
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Llama 4's chunked local attention (``attention_chunk_size``): a layer type only the families
 #: that read it accept; anywhere else it would be served as full attention, so it is refused.
 CHUNKED_ATTENTION = "chunked_attention"
 CHUNKED_ATTENTION_ARCHITECTURES = frozenset({"Llama4ForCausalLM"})
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
 _T = TypeVar("_T")
@@ -180,15 +179,15 @@ class ModelConfig:
         hidden_size = _required(raw, "hidden_size")
         total_num_heads = _required(raw, "num_attention_heads")
         num_hidden_layers = hybrid_num_layers(raw, architecture) or _required(raw, "num_hidden_layers")
-        head_dim = _get(raw, "head_dim", hidden_size // total_num_heads)
+        head_dim = config_value(raw, "head_dim", hidden_size // total_num_heads)
         if architecture in LATENT_ATTENTION_ARCHITECTURES:  # RoPE turns the decoupled key only (Hub configs lack head_dim)
-            head_dim = _get(raw, "qk_rope_head_dim", 64)
+            head_dim = config_value(raw, "qk_rope_head_dim", 64)
         max_position_embeddings = _required(raw, "max_position_embeddings")
-        layer_rope = _parse_layer_rope(raw, max_position_embeddings)
+        layer_rope = parse_layer_rope(raw, max_position_embeddings, LAYER_TYPES)
         if layer_rope:
             rope_theta, rope_scaling = layer_rope.get("full_attention") or next(iter(layer_rope.values()))
         else:
-            rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
+            rope_theta, rope_scaling = parse_rope(raw, max_position_embeddings)
         sliding_window, layer_types = _parse_attention_windows(raw, num_hidden_layers, max_position_embeddings,
                                                                chunked=architecture in CHUNKED_ATTENTION_ARCHITECTURES,
                                                                architecture=architecture)
@@ -206,16 +205,16 @@ class ModelConfig:
             # Latent attention has no key/value heads of its own (DeepseekV3Config writes 128 whatever the
             # query heads): every query head reads the shared latent, so the count is the query heads'.
             total_num_kv_heads=(total_num_heads if architecture in LATENT_ATTENTION_ARCHITECTURES
-                                else _get(raw, "num_key_value_heads", total_num_heads)),
+                                else config_value(raw, "num_key_value_heads", total_num_heads)),
             head_dim=head_dim,
             hidden_act=str(raw.get("hidden_act", "silu")),
-            rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(config_value(raw, "rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position_embeddings,
             sliding_window=sliding_window,
             layer_types=layer_types,
-            tie_word_embeddings=bool(_get(raw, "tie_word_embeddings", ties_word_embeddings_by_default(architecture))),
+            tie_word_embeddings=bool(config_value(raw, "tie_word_embeddings", ties_word_embeddings_by_default(architecture))),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -362,12 +361,6 @@ class ModelConfig:
         return self.num_attention_layers * self.kv_cache_spec(tp).elements_per_token * dtype_size
 
 
-def _get(raw: dict[str, Any], key: str, default: Any) -> Any:
-    """``raw[key]``, or ``default`` when it is absent or null (never when it is 0: a 0 is refused, not replaced)."""
-    value = raw.get(key)
-    return default if value is None else value
-
-
 def _required(raw: dict[str, Any], key: str) -> Any:
     if raw.get(key) is None:
         raise ValueError(f"config.json has no {key!r}")
@@ -408,16 +401,6 @@ def _parse_attention_windows(
     return window, tuple(layer_types)
 
 
-def _parse_layer_rope(raw: dict[str, Any],
-                      max_position_embeddings: int) -> dict[str, tuple[float, dict[str, Any] | None]]:
-    """RoPE parameters nested by layer type (``transformers`` 5), each parsed as :func:`_parse_rope`; else {}."""
-    params = raw.get("rope_parameters")
-    if not isinstance(params, dict) or not params or not set(params) <= set(LAYER_TYPES):
-        return {}
-    return {layer_type: _parse_rope({**raw, "rope_parameters": nested, "rope_scaling": None}, max_position_embeddings)
-            for layer_type, nested in params.items() if isinstance(nested, dict)}
-
-
 def _parse_rotary_dim(raw: dict[str, Any], architecture: str, head_dim: int) -> int | None:
     """How many leading dimensions of a head RoPE rotates, as ``transformers`` computes it.
 
@@ -450,54 +433,3 @@ def _parse_rotary_dim(raw: dict[str, Any], architecture: str, head_dim: int) -> 
         raise ValueError(f"partial_rotary_factor={factor} gives rotary_dim={rotary_dim} of head_dim={head_dim}; "
                          "RoPE rotates pairs, so it must be a positive even number")
     return rotary_dim
-
-
-def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, dict[str, Any] | None]:
-    """Return ``(rope_theta, rope_scaling)`` from either config layout.
-
-    ``original_max_position_embeddings`` follows ``transformers``'
-    ``PreTrainedConfig.standardize_rope_params``: a top-level key wins, then the
-    RoPE dict's, then ``max_position_embeddings``.
-    """
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    # The RoPE dict's base, else the top-level one, else transformers' default; a 0 is refused
-    # (tpserve/model_config_rules.py), never replaced by the default.
-    rope_theta = float(_get(params, "rope_theta", _get(raw, "rope_theta", 10000.0)))
-    params.pop("rope_theta", None)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope_scaling rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
-        )
-    if rope_type == "default":
-        return rope_theta, None
-    if rope_type == "yarn" and params.get("factor") is None:  # transformers: the ratio of the two lengths
-        original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-        if original:
-            params["factor"] = max_position_embeddings / original
-    if params.get("factor") is None:
-        raise ValueError(f"rope_scaling rope_type={rope_type!r} needs a 'factor'")
-    scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(params["factor"])}
-    original_max = int(
-        raw.get("original_max_position_embeddings")
-        or params.get("original_max_position_embeddings")
-        or max_position_embeddings
-    )
-    if rope_type == "llama3":
-        missing = [key for key in _LLAMA3_ROPE_KEYS if key not in params]
-        if missing:
-            raise ValueError(f"rope_scaling rope_type='llama3' is missing {missing}")
-        scaling["low_freq_factor"] = float(params["low_freq_factor"])
-        scaling["high_freq_factor"] = float(params["high_freq_factor"])
-        scaling["original_max_position_embeddings"] = original_max
-    elif rope_type == "yarn":  # defaults as transformers' _compute_yarn_parameters
-        scaling["original_max_position_embeddings"] = original_max
-        scaling["beta_fast"] = float(_get(params, "beta_fast", 32))
-        scaling["beta_slow"] = float(_get(params, "beta_slow", 1))
-        scaling["truncate"] = bool(params.get("truncate", True))
-        for key in ("attention_factor", "mscale", "mscale_all_dim"):
-            scaling[key] = None if params.get(key) is None else float(params[key])
-    elif rope_type == "dynamic":  # transformers scales against max_position_embeddings itself
-        scaling["max_position_embeddings"] = max_position_embeddings
-    return rope_theta, scaling
