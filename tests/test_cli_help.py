@@ -41,7 +41,7 @@ def test_help_shows_defaults():
     for shown in ("number of worker ranks the model is split over (default: 1)", "gRPC port (default: 50051)",
                   "tokens per KV cache block (default: 16)", "address to bind (default: 0.0.0.0)", "(default: console)",
                   "reuse the KV blocks of shared prompt prefixes (default: on)",
-                  "0 runs the coordinator (default: 0)", "quantized at load time (default: none",
+                  "0 runs the coordinator (default: 0)", "(default: none, or the checkpoint's quantization_config)",
                   "use exactly this many KV blocks (default: as many as the memory budget holds)"):
         assert shown in serve, shown
     assert "(default: None)" not in serve and "(default: False)" not in serve

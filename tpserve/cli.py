@@ -43,10 +43,11 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                           help="where the ranks run; auto: CUDA where a GPU is visible")),
         ("--quantization", dict(choices=("int8", "int4", "fp8"),
                                 help="int8: weight-only int8 linear layers (per-channel scales); int4: weight-only "
-                                     "4-bit (symmetric, groups of 128 input columns); activations in --dtype, "
-                                     "quantized at load time (default: none, or the checkpoint's quantization_config); "
-                                     "fp8: an FP8 checkpoint's linear weights kept as e4m3 with their scales (default "
-                                     "for FP8 checkpoints: dequantized at load to --dtype)")),
+                                     "4-bit (symmetric, groups of 128 input columns), both quantized at load time, "
+                                     "activations in --dtype; fp8: an FP8 checkpoint's linear weights kept as e4m3 "
+                                     "with their scales, converted in registers (without the flag an FP8 checkpoint "
+                                     "is dequantized at load to --dtype) (default: none, or the checkpoint's "
+                                     "quantization_config)")),
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
         ("--cuda-graph-sizes", dict(type=int, nargs="+", help="CUDA: decode batch sizes to capture as graphs "
                                                               "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")),
@@ -89,9 +90,10 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--kv-offloading-size", dict(type=float, help="GiB of host memory, summed over the ranks, for a second "
                                                        "tier of the prefix cache: blocks evicted from the KV cache "
                                                        "are kept there and copied back on a hit, and preempted "
-                                                       "requests swap through it (default: none)")),
-        ("--num-cpu-blocks-override", dict(type=int, help="use exactly this many host-tier blocks (instead of "
-                                                          "--kv-offloading-size)")),
+                                                       "requests swap through it; needs prefix caching; not for "
+                                                       "hybrid models (default: none)")),
+        ("--num-cpu-blocks-override", dict(type=int, help="use exactly this many host-tier blocks per rank "
+                                                          "(instead of --kv-offloading-size)")),
     ],
     "scheduler": [
         ("--max-num-seqs", dict(type=int, help="most sequences per step")),
