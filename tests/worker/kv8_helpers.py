@@ -1,17 +1,27 @@
-"""Greedy runs of a one-process runner with an 8-bit KV cache (tests/worker/test_kv_cache_dtype.py and
-tests/e2e/test_kv_cache_dtype_serving.py)."""
+"""Greedy runs of a one-process runner with an 8-bit KV cache (tests/worker/test_kv_cache_dtype.py,
+tests/e2e/test_kv_cache_dtype_serving.py, benchmarks/kv_cache_dtype.py), and a float32 cache whose rows
+are rounded as another storage would round them: a 16-bit cache under the same float32 activations (the
+issue's reference), or a candidate 8-bit scheme (benchmarks/kv_cache_fp8_variants.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from worker.attention import PagedAttention
+from worker.layers.decode_block import disable_decode_blocks
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 
 GREEDY = SamplingParams(temperature=0.0)
+
+#: ``(k, v, layer, positions) -> (k, v)``: rows ``(T, KVH, d)`` float32 of layer ``layer`` (0-based) at
+#: ``positions (T,) int64`` (None: a whole block, :func:`rounded_cache_runner`'s ``when_full``), as a cache
+#: stores them (float32 values; ``k``, ``v`` themselves left unchanged).
+RoundRows = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 def eight_bit_runner(model_dir: Path, kv_cache_dtype: str, num_blocks: int = 48, block_size: int = 16) -> ModelRunner:
@@ -20,6 +30,55 @@ def eight_bit_runner(model_dir: Path, kv_cache_dtype: str, num_blocks: int = 48,
                          kv_cache_dtype=kv_cache_dtype)
     runner.init_kv_cache(num_blocks)
     return runner
+
+
+def sixteen_bit(dtype: torch.dtype) -> RoundRows:
+    """Rows rounded to ``dtype`` (bfloat16 or float16, to nearest even) and read back exactly: a 16-bit cache
+    under float32 activations and float32 attention math."""
+    return lambda k, v, layer, positions: (k.to(dtype).float(), v.to(dtype).float())
+
+
+def rounded_cache_runner(model_dir: Path, round_rows: RoundRows, *, when_full: bool = False, num_blocks: int = 48,
+                         block_size: int = 16) -> ModelRunner:
+    """A tp 1 float32 runner (``--kv-cache-dtype auto``) whose cache holds each row as ``round_rows`` rounds it.
+
+    Every layer's :class:`PagedAttention` gets the step's rows after the fused write has stored them: they
+    are rounded, stored again, and passed on rounded, so that every read (the compiled paged kernel, SDPA
+    over a gathered history, a first chunk over its own rows) sees what such a cache would hold. The
+    compiled one-call decode stack, which would write without the hook, is turned off (its logits are the
+    module path's bit for bit: test_kv_cache_dtype.py). ``when_full``: rows are stored as they come, and a
+    block's rows are rounded in place once its last slot is written (a cache that keeps the block being
+    written in full precision).
+    """
+    runner = eight_bit_runner(model_dir, "auto", num_blocks, block_size)
+    disable_decode_blocks(runner.model)
+    layers = [m for m in runner.model.modules() if isinstance(m, PagedAttention)]
+    for index, attn in enumerate(layers):
+        attn.forward = _rounding_forward(attn.forward, round_rows, index, when_full)  # type: ignore[method-assign]
+    return runner
+
+
+def _rounding_forward(forward, round_rows: RoundRows, layer: int, when_full: bool):
+    """``PagedAttention.forward`` with this step's rows rounded first (:func:`rounded_cache_runner`)."""
+    def rounded(q, k, v, k_cache, v_cache, meta):
+        num_kv_heads, d, block_size = k.shape[1], k.shape[2], k_cache.shape[1]
+        slots, positions = meta.slot_mapping, meta.positions[: k.shape[0]]
+        k_rows, v_rows = k_cache.view(-1, num_kv_heads, d), v_cache.view(-1, num_kv_heads, d)
+        if not when_full:
+            rk, rv = round_rows(k.float(), v.float(), layer, positions)
+            k.copy_(rk)  # in place: k, v may be views of the step's fused projection
+            v.copy_(rv)
+            k_rows.index_copy_(0, slots, k.contiguous())
+            v_rows.index_copy_(0, slots, v.contiguous())
+            return forward(q, k, v, k_cache, v_cache, meta)
+        filled = slots[slots % block_size == block_size - 1] // block_size  # blocks whose last slot is this step's
+        for block in filled.tolist():
+            k_cache[block], v_cache[block] = round_rows(k_cache[block], v_cache[block], layer, None)
+        done = torch.isin(slots // block_size, filled)
+        if bool(done.any()):  # this step's rows in those blocks are read rounded too (a first chunk's own rows)
+            k[done], v[done] = k_rows[slots[done]], v_rows[slots[done]]
+        return forward(q, k, v, k_cache, v_cache, meta)
+    return rounded
 
 
 def teacher_forced(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]] | None,
