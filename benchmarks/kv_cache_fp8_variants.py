@@ -1,0 +1,198 @@
+"""Candidate accuracy improvements to the fp8 KV cache, each simulated and measured against the float32 cache.
+
+The shipped fp8 cache (worker/kv_quant.py) stores each (token, KV head) row ``y`` (keys less a calibrated
+per-channel offset) as e4m3 codes of ``y / s`` with ``s = bf16(absmax(y) / 448)``. Each candidate below is
+a rounding of the rows, applied by a float32 cache that stores the rounded rows
+(tests/worker/kv8_helpers.py ``rounded_cache_runner``): every attention path then reads exactly what such
+a cache would hold, without writing its kernels first. The ``fp8`` row simulates the shipped scheme; it
+must give the served fp8 cache's figures (its tokens, and its logits up to the kernels' summation order:
+tests/worker/test_kv_cache_dtype.py checks it), which validates the method.
+
+Candidates (sources):
+
+* ``fp8_scale_float32``: the scale unrounded (float32: 2 more bytes per row);
+* ``fp8_scale_pow2``: ``s = 2^ceil(log2(absmax / 448))`` (exact scaling: MX formats' E8M0 scales, OCP MX v1.0);
+* ``fp8_scale_mse``: ``s = r * absmax / 448`` with the clipping ratio ``r`` in 1.0, 0.95, .., 0.6 that
+  minimises the row's squared error (the clipping search of AWQ's ``auto_clip`` and llm-compressor's MSE
+  observer, per token);
+* ``fp8_value_offset``: values less a calibrated per-channel mean too (as the keys), added back on reading;
+* ``fp8_hadamard``: rows (less the offset) times the normalised Hadamard matrix ``H_d`` before rounding,
+  rotated back after (QuaRot, arXiv:2404.00456; the query and the output would be rotated alike);
+* ``fp8_full_precision_tail``: the block being written kept in float32, rounded once its last slot is written
+  (KIVI's full-precision residual, arXiv:2402.02750);
+* ``fp8_first_block_full_precision``: positions 0 .. block_size - 1 kept in float32 (the attention-sink
+  tokens, StreamingLLM arXiv:2309.17453; IntactKV arXiv:2403.01241);
+* ``int8``, ``bfloat16`` for scale.
+
+Each on the samples of benchmarks/kv_cache_dtype.py (stories260k's goldens, the embedded model's 4 prompts,
+32 seeded prompts on each): free-running and teacher-forced agreement with the float32 cache's lines, and
+the teacher-forced logit error against the float32 cache's logits (RMS and max over their standard
+deviation: the steady measure).
+
+    python benchmarks/kv_cache_fp8_variants.py --out benchmarks/results/kv_cache_fp8_variants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.kv_cache_dtype import (  # noqa: E402
+    EMBEDDED_PROMPTS,
+    WIDE_SEED,
+    positional_share,
+    prefix_share,
+)
+from tests.paths import GOLDENS_PATH, STORIES_DIR  # noqa: E402
+from tests.worker.kv8_helpers import (  # noqa: E402
+    RoundRows,
+    eight_bit_runner,
+    rounded_cache_runner,
+    sixteen_bit,
+    teacher_forced,
+)
+from tpserve.embedded_model import default_model_dir  # noqa: E402
+from worker.kv_quant import as_cached, calibration_token_ids  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+#: The clipping ratios ``fp8_scale_mse`` tries, largest first (ties keep the larger).
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+
+
+def e4m3(y: torch.Tensor, scale: str) -> torch.Tensor:
+    """Rows ``y (..., d)`` float32 rounded through e4m3 codes with a per-row scale chosen by ``scale``:
+    ``bf16`` (the shipped rule), ``float32``, ``pow2`` or ``mse`` (module docstring)."""
+    base = y.abs().amax(-1, keepdim=True).clamp_min(2.0**-100) / 448  # (..., 1)
+
+    def through(s: torch.Tensor) -> torch.Tensor:
+        return (y / s).clamp(-448, 448).to(E4M3).float() * s
+
+    if scale == "float32":
+        return through(base)
+    if scale == "pow2":
+        return through(torch.exp2(torch.ceil(torch.log2(base))))
+    if scale == "bf16":
+        return through(base.to(torch.bfloat16).float())
+    best, best_error = None, None
+    for ratio in CLIP_RATIOS:
+        rounded = through((base * ratio).to(torch.bfloat16).float())
+        error = (rounded - y).pow(2).sum(-1, keepdim=True)
+        if best is None or best_error is None:
+            best, best_error = rounded, error
+        else:
+            better = error < best_error
+            best, best_error = torch.where(better, rounded, best), torch.where(better, error, best_error)
+    assert best is not None
+    return best
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix ``(d, d)`` float32 (``d`` a power of 2): orthogonal."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d**0.5
+
+
+def channel_means(model_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the mean key and value ``(KVH, d)`` over the calibration prompt (worker/kv_quant.py's)."""
+    means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(k: torch.Tensor, v: torch.Tensor, layer: int, positions: torch.Tensor | None):
+        means[layer] = (k.mean(0), v.mean(0))
+        return k, v
+
+    runner = rounded_cache_runner(model_dir, record)
+    teacher_forced(runner, [list(calibration_token_ids(runner.config.vocab_size, 128))], [[0]])
+    return [means[i] for i in sorted(means)]
+
+
+def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, bool]]:
+    """Name -> (row rounding, whether rows wait in full precision until their block is full)."""
+    k_offsets = [k_offset for _, _, k_offset in eight_bit_runner(model_dir, "fp8").kv_scales]  # the served offsets
+    v_means = [v for _, v in channel_means(model_dir)]
+
+    def fp8(scale: str = "bf16", value_offset: bool = False, rotate: bool = False) -> RoundRows:
+        def rows(k, v, layer, positions):
+            mu_k = k_offsets[layer]
+            mu_v = v_means[layer] if value_offset else torch.zeros_like(mu_k)
+            if not rotate:
+                return e4m3(k - mu_k, scale) + mu_k, e4m3(v - mu_v, scale) + mu_v
+            h = hadamard(k.shape[-1])
+            return e4m3((k - mu_k) @ h.T, scale) @ h + mu_k, e4m3((v - mu_v) @ h.T, scale) @ h + mu_v
+        return rows
+
+    def shipped(k, v, layer, positions):  # worker/kv_quant.py itself
+        return as_cached(k, E4M3, k_offsets[layer]), as_cached(v, E4M3)
+
+    def first_block_kept(k, v, layer, positions):
+        rk, rv = shipped(k, v, layer, positions)
+        keep = (positions < block_size)[:, None, None]
+        return torch.where(keep, k, rk), torch.where(keep, v, rv)
+
+    def int8(k, v, layer, positions):
+        return as_cached(k, torch.int8, k_offsets[layer]), as_cached(v, torch.int8)
+
+    return {"bfloat16": (sixteen_bit(torch.bfloat16), False), "int8": (int8, False), "fp8": (shipped, False),
+            "fp8_scale_float32": (fp8("float32"), False), "fp8_scale_pow2": (fp8("pow2"), False),
+            "fp8_scale_mse": (fp8("mse"), False), "fp8_value_offset": (fp8(value_offset=True), False),
+            "fp8_hadamard": (fp8(rotate=True), False), "fp8_full_precision_tail": (shipped, True),
+            "fp8_first_block_full_precision": (first_block_kept, False)}
+
+
+def study() -> dict:
+    """Per sample and candidate: agreement with the float32 cache's lines and the logit error (module docstring)."""
+    goldens = [json.loads(line) for line in GOLDENS_PATH.read_text().splitlines() if line.strip()]
+    generator = torch.Generator().manual_seed(WIDE_SEED)
+    wide = [[1, *torch.randint(3, 512, (7,), generator=generator).tolist()] for _ in range(32)]
+    samples = {"stories260k_goldens": (STORIES_DIR, [g["prompt_token_ids"] for g in goldens], 64, 48),
+               "embedded": (default_model_dir(), EMBEDDED_PROMPTS, 32, 48),
+               "stories260k_32_prompts": (STORIES_DIR, wide, 64, 200),
+               "embedded_32_prompts": (default_model_dir(), wide, 32, 200)}
+    out: dict = {}
+    for sample, (model_dir, prompts, num_tokens, num_blocks) in samples.items():
+        reference = eight_bit_runner(model_dir, "auto", num_blocks=num_blocks)
+        want = teacher_forced(reference, prompts, None, num_tokens)
+        want_logits: list[torch.Tensor] = []
+        teacher_forced(reference, prompts, want, logits=want_logits)
+        ref = torch.stack(want_logits)
+        out[sample] = {"tokens": len(prompts) * num_tokens}
+        for name, (rows, when_full) in candidates(model_dir, 16).items():
+            runner = rounded_cache_runner(model_dir, rows, when_full=when_full, num_blocks=num_blocks)
+            free = teacher_forced(runner, prompts, None, num_tokens)
+            logits: list[torch.Tensor] = []
+            forced = teacher_forced(runner, prompts, want, logits=logits)
+            diff = torch.stack(logits) - ref
+            out[sample][name] = {
+                "free_running": round(prefix_share(free, want), 4),
+                "free_running_positional": round(positional_share(free, want), 4),
+                "teacher_forced": round(positional_share(forced, want), 4),
+                "lines_diverging": sum(f != w for f, w in zip(free, want, strict=True)),
+                "logit_error_over_std": {"rms": round(float(diff.pow(2).mean().sqrt() / ref.std()), 5),
+                                         "max": round(float(diff.abs().max() / ref.std()), 4)},
+            }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
+              "study": study()}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
