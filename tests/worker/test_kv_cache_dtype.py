@@ -10,6 +10,11 @@ matches do not count). Measured with per-token scales and the key offset: int8 3
 288/320 = 90.0 % (stories260k: line 4 diverges at token 32, where the float cache's top two logits are
 0.079 apart) and 128/128. With the static per-channel scales before: int8 85 % and 87 %, fp8 67 % and 85 %.
 Teacher-forced (each position's greedy token given the golden prefix): int8 100 %, fp8 99.7 % on stories260k.
+Against a 16-bit cache (float32 activations, rows rounded to bfloat16 or float16 as written; the issue's
+reference): stories260k fp8 90.0 % of bfloat16's and float16's lines (the bfloat16 cache reproduces the
+goldens), the embedded model fp8 85.2 % of bfloat16's (the bfloat16 cache itself keeps 85.2 % of the float32
+cache's: it flips a 0.0004-logit near-tie) and 100 % of float16's. Teacher-forced logit error over the
+logits' standard deviation (RMS), stories260k: bfloat16 0.0026, int8 0.0072, fp8 0.0178.
 """
 
 from __future__ import annotations
@@ -21,13 +26,21 @@ import torch
 
 from tests.paths import requires_stories
 from tests.tiny_models import TinyModelSpec, save_tiny_model
-from tests.worker.kv8_helpers import GREEDY, agreement, eight_bit_runner, prefix_agreement, teacher_forced
+from tests.worker.kv8_helpers import (
+    GREEDY,
+    agreement,
+    eight_bit_runner,
+    prefix_agreement,
+    rounded_cache_runner,
+    sixteen_bit,
+    teacher_forced,
+)
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import NewSequence, ScheduledChunk, StepPlan
 from worker.kernels import cpu_kernels_available
 from worker.kernels.triton_attention import paged_decode_attention
 from worker.kv_cache import KVCacheLayout
-from worker.kv_quant import SCALE_DTYPE, dequantize, quantize
+from worker.kv_quant import SCALE_DTYPE, as_cached, dequantize, quantize
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 
@@ -35,7 +48,8 @@ EIGHT_BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 #: The bound the issue sets on agreement with the float cache.
 MIN_AGREEMENT = 0.95
 #: Free-running agreement on stories260k's goldens, at least: the issue's bound, and fp8's measured 0.900 (e4m3's
-#: 3-bit mantissa errs by up to 2^-4 of each element whatever its scale: no finer scale closes that gap).
+#: 3-bit mantissa errs by up to 2^-4 of each element whatever its scale: no scale rule closes that gap, measured
+#: in benchmarks/kv_cache_fp8_variants.py; only keeping some rows in full precision did).
 MIN_FREE_RUNNING = {"int8": MIN_AGREEMENT, "fp8": 0.90}
 #: Largest logit difference to the float cache, in units of the logits' standard deviation.
 FAMILY_LOGIT_BOUND = 0.5
@@ -151,6 +165,80 @@ def test_embedded_model_agrees_with_its_float_cache(kv_cache_dtype: str) -> None
     want = teacher_forced(eight_bit_runner(default_model_dir(), "auto"), prompts, None, 32)  # the float cache's greedy tokens
     got = teacher_forced(eight_bit_runner(default_model_dir(), kv_cache_dtype), prompts, None, 32)
     assert prefix_agreement(got, want) >= MIN_AGREEMENT
+
+
+def _logit_error(runner: ModelRunner, prompts: list[list[int]], want: list[list[int]],
+                 want_logits: list[torch.Tensor]) -> float:
+    """Teacher-forced on ``want``: the RMS of the logits' difference to ``want_logits``, over their standard deviation."""
+    logits: list[torch.Tensor] = []
+    teacher_forced(runner, prompts, want, logits=logits)
+    reference = torch.stack(want_logits)
+    return float((torch.stack(logits) - reference).pow(2).mean().sqrt() / reference.std())
+
+
+@requires_stories
+def test_stories260k_8_bit_caches_against_a_16_bit_cache(stories_dir: Path, golden_lines: list[dict]) -> None:
+    """The issue's reference, a 16-bit cache under the same float32 activations: a bfloat16 cache reproduces the
+    goldens (so fp8 keeps 90.0 % of its lines too, int8 and float16 100 %), and the teacher-forced logit error
+    orders the caches: measured RMS over the logits' standard deviation bfloat16 0.0026, int8 0.0072, fp8 0.0178
+    (about 7x a bfloat16 cache's: e4m3's 3 mantissa bits against bfloat16's 8)."""
+    prompts = [g["prompt_token_ids"] for g in golden_lines]
+    want = [g["completion_token_ids"] for g in golden_lines]
+    want_logits: list[torch.Tensor] = []
+    teacher_forced(eight_bit_runner(stories_dir, "auto"), prompts, want, logits=want_logits)
+    bf16 = rounded_cache_runner(stories_dir, sixteen_bit(torch.bfloat16))
+    bf16_lines = teacher_forced(bf16, prompts, None, 64)
+    assert bf16_lines == want
+    fp16_lines = teacher_forced(rounded_cache_runner(stories_dir, sixteen_bit(torch.float16)), prompts, None, 64)
+    assert fp16_lines == want
+    fp8, int8 = eight_bit_runner(stories_dir, "fp8"), eight_bit_runner(stories_dir, "int8")
+    assert prefix_agreement(teacher_forced(fp8, prompts, None, 64), bf16_lines) == pytest.approx(0.9)
+    assert prefix_agreement(teacher_forced(int8, prompts, None, 64), bf16_lines) == 1.0
+    errors = [_logit_error(runner, prompts, want, want_logits) for runner in (bf16, int8, fp8)]
+    assert 0 < errors[0] < 0.004 < errors[1] < 0.01 < errors[2] < 0.025, errors
+
+
+def test_embedded_model_against_a_16_bit_cache() -> None:
+    """A bfloat16 cache flips the embedded model's near-tie at line 1, token 13 (top two float32 logits 0.0004
+    apart): it keeps 109/128 = 85.2 % of the float32 cache's tokens, and the 8-bit caches (which keep 100 %) as
+    much of its lines; a float16 cache, and the 8-bit caches against it, 100 %."""
+    prompts = [[1, 9, 33, 7, 120], [1, 400, 12], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 77]]
+    model = default_model_dir()
+    want = teacher_forced(eight_bit_runner(model, "auto"), prompts, None, 32)
+    bf16 = teacher_forced(rounded_cache_runner(model, sixteen_bit(torch.bfloat16)), prompts, None, 32)
+    fp16 = teacher_forced(rounded_cache_runner(model, sixteen_bit(torch.float16)), prompts, None, 32)
+    assert prefix_agreement(bf16, want) == 109 / 128
+    assert [i for i, (b, w) in enumerate(zip(bf16, want)) if b != w] == [1] and bf16[1][:13] == want[1][:13]
+    assert fp16 == want
+    for kv_cache_dtype in ("int8", "fp8"):
+        got = teacher_forced(eight_bit_runner(model, kv_cache_dtype), prompts, None, 32)
+        assert got == fp16 and prefix_agreement(got, bf16) == 109 / 128
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_rounding_float_cache_simulates_the_8_bit_cache(kv_cache_dtype: str) -> None:
+    """benchmarks/kv_cache_fp8_variants.py measures candidate schemes as a float32 cache whose rows are rounded as
+    written; with the served rounding (kv_quant.as_cached) it gives the served 8-bit cache's tokens and logits (the
+    served cache's compiled kernel folds the scales into its sums: the same values, another summation order)."""
+    from worker.kv_quant import KV_CACHE_DTYPES
+
+    model = default_model_dir()
+    served = eight_bit_runner(model, kv_cache_dtype)
+    offsets = [k_offset for _, _, k_offset in served.kv_scales]
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    assert dtype is not None
+    simulated = rounded_cache_runner(model, lambda k, v, layer, positions: (as_cached(k, dtype, offsets[layer]),
+                                                                            as_cached(v, dtype)))
+    prompts = [[1, 9, 33, 7, 120], list(range(3, 40))]
+    want_logits: list[torch.Tensor] = []
+    got_logits: list[torch.Tensor] = []
+    want = teacher_forced(served, prompts, None, 12, logits=want_logits)
+    assert teacher_forced(simulated, prompts, None, 12, logits=got_logits) == want
+    worst = max(float((g - w).abs().max()) for g, w in zip(got_logits, want_logits, strict=True))
+    assert worst < 1e-4, worst
+    float_logits: list[torch.Tensor] = []
+    teacher_forced(eight_bit_runner(model, "auto"), prompts, want, logits=float_logits)
+    assert max(float((g - w).abs().max()) for g, w in zip(got_logits, float_logits, strict=True)) > 100 * worst
 
 
 def _prompt_logits(runner: ModelRunner, seq: int, chunks: list[tuple[tuple[int, ...], int, tuple[int, ...]]],
