@@ -103,8 +103,9 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
         if full is None:
             return  # the expert part's other tensors are still unread
         if full.act_order():
-            raise ValueError(f"{source.name}: act-order (desc_act) g_idx on a routed expert is not supported; "
-                             "serve a checkpoint quantized without desc_act")
+            stem = source.name.rpartition(".")[0]
+            raise ValueError(f"{stem}.g_idx: act-order (desc_act) routed experts are not supported; serve a "
+                             "checkpoint quantized without desc_act")
         if kind == "down":
             t = column_slice(full, start, local, source.name)
         else:
