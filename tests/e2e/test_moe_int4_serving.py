@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import serve
-from tests.e2e.test_moe_int8_serving import servable_mixtral
-from tests.paths import requires_stories
-from tests.tiny_models import load_hf_model
+from tests.paths import STORIES_DIR, requires_stories
+from tests.tiny_models import load_hf_model, save_servable_model
 from tests.worker.int4_checkpoints import save_gptq, save_rtn_dequantized
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
+from tests.worker.moe_specs import MIXTRAL_SPEC
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -40,7 +40,7 @@ def test_int4_moe_serving_at_tp2_prints_transformers_greedy_text(source: str, tm
     import torch
     from transformers import PreTrainedTokenizerFast
 
-    float_dir = servable_mixtral(tmp_path / "mixtral")
+    float_dir = save_servable_model(MIXTRAL_SPEC, tmp_path / "mixtral", STORIES_DIR)
     if source == "gptq":
         model_dir, reference_dir = save_gptq(float_dir, tmp_path / "gptq", tmp_path / "dequantized", group=32,
                                              sym=True, desc_act=False, pattern=MOE_LINEAR_WEIGHT)

@@ -29,7 +29,7 @@ MAX_TOKENS = 40
 PROMPT = "Once upon a time"
 
 
-def servable_mixtral(directory: Path) -> Path:
+def _servable(directory: Path) -> Path:
     """The tiny Mixtral at stories260k's 512-token vocabulary with its tokenizer, the LM head's byte-fallback
     rows zeroed so that greedy text is whole tokens (as tests/e2e/test_every_family_serving.py serves it)."""
     import torch
@@ -52,7 +52,7 @@ def test_int8_moe_serving_at_tp2_prints_transformers_greedy_text(expert_parallel
     import torch
     from transformers import PreTrainedTokenizerFast
 
-    model_dir = servable_mixtral(tmp_path / "mixtral")
+    model_dir = _servable(tmp_path / "mixtral")
     reference = load_hf_model(save_dequantized(model_dir, tmp_path / "dequantized", MOE_LINEAR_WEIGHT))
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
     prompt_ids = tokenizer(PROMPT)["input_ids"]
