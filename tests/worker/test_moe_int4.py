@@ -14,7 +14,9 @@ int4 layers as in the experts):
   and dense linear weights are replaced by their int4 round trip (tests/worker/int4_checkpoints.py,
   written from the definition); Mixtral and Qwen3-MoE at tp 1 and 2, with
   ``--enable-expert-parallel`` at tp 2, and Mixtral's through the Triton experts at tp 2
-  (Triton's interpreter off CUDA: the int4 stack dequantized for the kernel);
+  (Triton's interpreter off CUDA: the int4 stack dequantized for the kernel); the other families whose
+  routed experts are ``FusedMoE`` (Qwen2-MoE with its gated shared expert; GLM-4.5, MiniMax-M2 and
+  ERNIE 4.5: sigmoid routers, ungated shared experts) at tp 1;
 * 4-bit checkpoints with one module per expert, written in the formats' exact on-disk layouts
   (GPTQ and AWQ by the documented packing routines checked against AutoGPTQ's and AutoAWQ's
   reference dequantization, compressed-tensors ``pack-quantized`` by the library): GPTQ
@@ -38,7 +40,8 @@ from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.int4_checkpoints import save_awq, save_compressed_tensors_w4a16, save_gptq, save_rtn_dequantized
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
 from tests.worker.moe_family_check import FamilyCase, check_job, check_records, reference_case
-from tests.worker.moe_specs import MIXTRAL_SPEC
+from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC
+from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
 from tests.worker.tp_harness import Job, run_jobs
 from tpserve.model_config import ModelConfig
 from worker.layers.moe import FusedMoE
@@ -55,6 +58,9 @@ QWEN3_MOE_INT4 = TinyModelSpec("qwen3_moe_int4", "qwen3_moe", {
     "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
     "norm_topk_prob": True, "mlp_only_layers": [1], "tie_word_embeddings": False}, seed=24)
 FAMILIES = {"mixtral": (MIXTRAL_SPEC, {0, 1}, 2), "qwen3_moe": (QWEN3_MOE_INT4, {0}, 2)}
+#: The other families whose routed experts are :class:`FusedMoE` (checked at tp 1 only: CI time).
+OTHER_FAMILIES = {"qwen2_moe": (QWEN2_MOE_SPEC, {1}, 4), "glm4_moe": (GLM4_MOE, {1}, 3),
+                  "minimax_m2": (MINIMAX_M2, {0, 1}, 2), "ernie4_5_moe": (ERNIE4_5_MOE, {1}, 3)}
 #: 4-bit checkpoints: name -> (family, writer of (checkpoint, dequantized reference)).
 CHECKPOINTS = {
     "qwen3_moe_gptq": ("qwen3_moe", lambda src, t, d: save_gptq(src, t, d, group=32, sym=True, desc_act=False,
@@ -85,10 +91,7 @@ def cases(sources: dict[str, Path]) -> dict[str, tuple[FamilyCase, tuple[Job, Jo
     """name -> (the reference case on the dequantized checkpoint, model_dir the served one; its jobs)."""
     out = {}
     for family, (spec, layers, top_k) in FAMILIES.items():
-        source = sources[family]
-        reference = save_rtn_dequantized(source, source.parent / f"{family}_rtn_dequantized", MOE_LINEAR_WEIGHT)
-        case = dataclasses.replace(reference_case(spec, reference, layers, top_k), model_dir=str(source))
-        out[f"{family}_rtn"] = (case, _jobs(case, f"{family}_rtn", "int4"))
+        out[f"{family}_rtn"] = _rtn_case(spec, layers, top_k, sources[family], f"{family}_rtn")
     for name, (family, write) in CHECKPOINTS.items():
         spec, layers, top_k = FAMILIES[family]
         source = sources[family]
@@ -101,6 +104,14 @@ def cases(sources: dict[str, Path]) -> dict[str, tuple[FamilyCase, tuple[Job, Jo
 def _expert_parallel(jobs: tuple[Job, Job]) -> tuple[Job, Job]:
     return tuple(dataclasses.replace(job, name=f"{job.name}_ep", enable_expert_parallel=True)
                  for job in jobs)  # type: ignore[return-value]
+
+
+def _rtn_case(spec: TinyModelSpec, layers: set[int], top_k: int, source: Path, name: str
+              ) -> tuple[FamilyCase, tuple[Job, Job]]:
+    """``--quantization int4`` on the float checkpoint ``source``; the reference on its int4 round trip."""
+    reference = save_rtn_dequantized(source, source.parent / f"{name}_dequantized", MOE_LINEAR_WEIGHT)
+    case = dataclasses.replace(reference_case(spec, reference, layers, top_k), model_dir=str(source))
+    return case, _jobs(case, name, "int4")
 
 
 def _triton_job(at_once: Job) -> Job:
@@ -142,6 +153,15 @@ def test_int4_experts_through_the_triton_kernel_at_tp2(cases, records_at) -> Non
     case, jobs = cases["mixtral_rtn"]
     triton = _triton_job(jobs[1])
     check_job(case, triton, records_at(2)[triton.name])
+
+
+def test_other_fused_moe_families_int4_at_tp1(tmp_path_factory: pytest.TempPathFactory) -> None:
+    root = tmp_path_factory.mktemp("moe_int4_others")
+    cases = {name: _rtn_case(spec, layers, top_k, save_tiny_model(spec, root / name), name)
+             for name, (spec, layers, top_k) in OTHER_FAMILIES.items()}
+    records = run_jobs([job for _, jobs in cases.values() for job in jobs], tp_size=1)
+    for case, jobs in cases.values():
+        check_records(case, jobs, records, batch_bound=BATCH_BOUND)
 
 
 def _expert_bytes(model: torch.nn.Module) -> int:
