@@ -124,9 +124,12 @@ def save_rtn_dequantized(source: Path, target: Path, pattern: re.Pattern[str] = 
 
 
 def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: int, sym: bool,
-              desc_act: bool, seed: int = 0, pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
+              desc_act: bool, seed: int = 0, pattern: re.Pattern[str] = LINEAR_WEIGHT,
+              act_order: re.Pattern[str] | None = None) -> tuple[Path, Path]:
     """``source`` as a 4-bit GPTQ checkpoint (module docstring), and its dequantized float copy; the linear
-    weights named by ``pattern`` are quantized (a MoE's per-expert modules with tests' MOE_LINEAR_WEIGHT)."""
+    weights named by ``pattern`` are quantized (a MoE's per-expert modules with tests' MOE_LINEAR_WEIGHT).
+    With ``desc_act``, the weights named by ``act_order`` (None: all) get a random column order, the others
+    ``g_idx = k // G``; a layer's inputs shared by q/k/v, gate/up (Mixtral's w1/w3) share theirs."""
     tensors, out, dequantized = _tensors(source), {}, {}
     generator = torch.Generator().manual_seed(seed)
     perms: dict[str, torch.Tensor] = {}  # one act order per input: q/k/v share theirs, gate/up theirs (as GPTQ)
@@ -135,9 +138,11 @@ def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: in
             out[name] = dequantized[name] = w
             continue
         n, k = w.shape
-        key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        key = (name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+               .replace(".w3.", ".w1."))
         if key not in perms:
-            perms[key] = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
+            ordered = desc_act and (act_order is None or act_order.match(name) is not None)
+            perms[key] = torch.randperm(k, generator=generator) if ordered else torch.arange(k)
         perm = perms[key]
         g_idx = torch.empty(k, dtype=torch.long)
         g_idx[perm] = torch.arange(k) // group

@@ -21,16 +21,21 @@ int4 layers as in the experts):
   (GPTQ and AWQ by the documented packing routines checked against AutoGPTQ's and AutoAWQ's
   reference dequantization, compressed-tensors ``pack-quantized`` by the library): GPTQ
   symmetric group 32 and compressed-tensors asymmetric group 32 on Qwen3-MoE, AWQ group 32 on
-  Mixtral, at tp 1 and 2 (GPTQ also expert-parallel at tp 2); the reference is the format's
+  Mixtral, at tp 1 and 2 (GPTQ also expert-parallel at tp 2); act-order GPTQ experts (asymmetric,
+  a random column order per expert, shared by its w1 and w3) on Mixtral at tp 1 and expert-parallel
+  at tp 2 (whole experts; also through the Triton experts), refused tensor-parallel at tp 2 (the
+  random order spreads down's groups over the ranks' columns); the reference is the format's
   reference dequantization;
 * the experts are held packed: uint8 codes with float32 (scale, offset) pairs, their bytes
   1/8 of float32 plus 2 / G (0.1875 at G = 32); an expert-parallel rank holds tp 1's experts;
-* act-order GPTQ experts, gpt-oss's and Llama 4's fused layouts with int4 are refused in one line.
+* act-order experts whose gate and up orders differ, and gpt-oss's and Llama 4's fused layouts with
+  int4, are refused in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -39,6 +44,7 @@ import torch
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.int4_checkpoints import save_awq, save_compressed_tensors_w4a16, save_gptq, save_rtn_dequantized
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
+from tests.worker.loader_helpers import _rewrite
 from tests.worker.moe_family_check import FamilyCase, check_job, check_records, reference_case
 from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC
 from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
@@ -68,10 +74,21 @@ CHECKPOINTS = {
     "mixtral_awq": ("mixtral", lambda src, t, d: save_awq(src, t, d, group=32, pattern=MOE_LINEAR_WEIGHT)),
     "qwen3_moe_ct": ("qwen3_moe", lambda src, t, d: save_compressed_tensors_w4a16(
         src, t, d, strategy="group", symmetric=False, group=32, pattern=MOE_LINEAR_WEIGHT)),
+    "mixtral_gptq_act_order": ("mixtral", lambda src, t, d: save_act_order_gptq(src, t, d)),
 }
 RTN = [f"{name}_rtn" for name in FAMILIES]
-EXPERT_PARALLEL = [*RTN, "qwen3_moe_gptq"]
+#: Served at tp 1 and expert-parallel at tp 2 only (tensor-parallel at tp 2 is refused: see below).
+TP1_ONLY = {"mixtral_gptq_act_order"}
+EXPERT_PARALLEL = [*RTN, "qwen3_moe_gptq", "mixtral_gptq_act_order"]
+EXPERT_WEIGHT = re.compile(r".*\.experts\.\d+\.w[123]\.weight$")
 BATCH_BOUND = 5e-5
+
+
+def save_act_order_gptq(source: Path, target: Path, dequantized: Path) -> tuple[Path, Path]:
+    """Mixtral as GPTQ, asymmetric, group 32, ``desc_act``: the experts in a random column order each (w1 and w3
+    sharing theirs), the attention layers in order (so the tensor-parallel attention is servable at tp 2)."""
+    return save_gptq(source, target, dequantized, group=32, sym=False, desc_act=True, seed=3,
+                     pattern=MOE_LINEAR_WEIGHT, act_order=EXPERT_WEIGHT)
 
 
 def _jobs(case: FamilyCase, name: str, quantization: str | None) -> tuple[Job, Job]:
@@ -114,10 +131,13 @@ def _rtn_case(spec: TinyModelSpec, layers: set[int], top_k: int, source: Path, n
     return case, _jobs(case, name, "int4")
 
 
-def _triton_job(at_once: Job) -> Job:
+def _triton_job(at_once: Job, name: str) -> Job:
     """The first 4 steps of the at-once job, expert-parallel, through the Triton experts."""
-    return dataclasses.replace(at_once, name="triton_ep_int4", plans=at_once.plans[:4], enable_expert_parallel=True,
-                               triton_experts=True)
+    return dataclasses.replace(at_once, name=f"triton_ep_{name}", plans=at_once.plans[:4],
+                               enable_expert_parallel=True, triton_experts=True)
+
+
+TRITON = ["mixtral_rtn", "mixtral_gptq_act_order"]
 
 
 @pytest.fixture(scope="module")
@@ -126,18 +146,19 @@ def records_at(cases):
 
     def run(tp: int) -> dict:
         if tp not in cache:
-            jobs = [job for _, case_jobs in cases.values() for job in case_jobs]
+            jobs = [job for name, (_, case_jobs) in cases.items() for job in case_jobs
+                    if tp == 1 or name not in TP1_ONLY]
             if tp == 2:
                 jobs += [job for name in EXPERT_PARALLEL for job in _expert_parallel(cases[name][1])]
-                jobs.append(_triton_job(cases["mixtral_rtn"][1][1]))
+                jobs += [_triton_job(cases[name][1][1], name) for name in TRITON]
             cache[tp] = run_jobs(jobs, tp_size=tp)
         return cache[tp]
 
     return run
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", [*RTN, *CHECKPOINTS])
+@pytest.mark.parametrize(("name", "tp"), [(name, tp) for name in [*RTN, *CHECKPOINTS] for tp in (1, 2)
+                                         if tp == 1 or name not in TP1_ONLY])
 def test_int4_experts_match_transformers_on_dequantized_weights(tp: int, name: str, cases, records_at) -> None:
     case, jobs = cases[name]
     check_records(case, jobs, records_at(tp), batch_bound=BATCH_BOUND)
@@ -149,9 +170,10 @@ def test_int4_experts_with_expert_parallelism_at_tp2(name: str, cases, records_a
     check_records(case, _expert_parallel(jobs), records_at(2), batch_bound=BATCH_BOUND)
 
 
-def test_int4_experts_through_the_triton_kernel_at_tp2(cases, records_at) -> None:
-    case, jobs = cases["mixtral_rtn"]
-    triton = _triton_job(jobs[1])
+@pytest.mark.parametrize("name", TRITON)
+def test_int4_experts_through_the_triton_kernel_at_tp2(name: str, cases, records_at) -> None:
+    case, jobs = cases[name]
+    triton = _triton_job(jobs[1], name)
     check_job(case, triton, records_at(2)[triton.name])
 
 
@@ -216,13 +238,34 @@ def test_int4_expert_parallel_rank_holds_its_experts_packed(sources: dict[str, P
             assert torch.equal(getattr(ep_moe, name), getattr(full, name)[4:]), name
 
 
-def test_act_order_gptq_experts_are_refused_naming_the_tensor(sources: dict[str, Path], tmp_path: Path) -> None:
-    checkpoint, _ = save_gptq(sources["mixtral"], tmp_path / "act_order", tmp_path / "dq", group=32, sym=True,
-                              desc_act=True, seed=1, pattern=MOE_LINEAR_WEIGHT)
-    config = ModelConfig.from_pretrained(checkpoint)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.block_sparse_moe\.experts\.0\.w[123]\.g_idx: act-order "
-                                         r"\(desc_act\) routed experts are not supported"):
-        load_model(checkpoint, config, ParallelContext.single(), torch.float32)
+def test_act_order_experts_load_per_expert_orders(cases) -> None:
+    """tp 1: every expert's gate/up and down columns in its own packed order (a permutation; not the identity)."""
+    model_dir = cases["mixtral_gptq_act_order"][0].model_dir
+    model = load_model(model_dir, ModelConfig.from_pretrained(model_dir), ParallelContext.single(), torch.float32)
+    for moe in [m for m in model.modules() if isinstance(m, FusedMoE)]:
+        assert tuple(moe.gate_up_perm.shape) == (8, 64) and tuple(moe.down_perm.shape) == (8, 64)
+        for perm in (*moe.gate_up_perm, *moe.down_perm):
+            assert torch.equal(perm.sort().values, torch.arange(64)) and not torch.equal(perm, torch.arange(64))
+
+
+def test_act_order_experts_split_over_tensor_parallel_ranks_are_refused(cases) -> None:
+    model_dir = cases["mixtral_gptq_act_order"][0].model_dir
+    config = ModelConfig.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"experts\.\d+\.w2\.\w+: act-order g_idx spreads groups over the ranks' "
+                                         r"input columns at tensor_parallel_size=2"):
+        load_model(model_dir, config, ParallelContext(1, 2, torch.device("cpu")), torch.float32)
+
+
+def test_act_order_gate_and_up_in_different_orders_are_refused(cases, tmp_path: Path) -> None:
+    model_dir = Path(cases["mixtral_gptq_act_order"][0].model_dir)
+    w3 = "model.layers.1.block_sparse_moe.experts.5.w3.g_idx"
+
+    def reorder(tensors: dict) -> None:
+        tensors[w3] = tensors[w3].flip(0).contiguous()  # another valid order: the same groups, reversed columns
+
+    broken = _rewrite(model_dir, tmp_path / "broken", reorder)
+    with pytest.raises(ValueError, match=r"experts\.5\.w[13]\.\w+: g_idx differs between the expert's gate and up"):
+        load_model(broken, ModelConfig.from_pretrained(broken), ParallelContext.single(), torch.float32)
 
 
 def test_fused_expert_layouts_refuse_int4() -> None:

@@ -112,11 +112,9 @@ def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start:
     full = unpacked_part(layer, source, (total_rows, k), shard_id)
     if full is None:
         return
-    t = Int4Tensor(full.codes[start:start + size], full.scales[start:start + size],
-                   full.zeros[start:start + size], full.g_idx)
-    if t.act_order():
-        perm = torch.argsort(t.g_idx, stable=True)
-        t = Int4Tensor(t.codes[:, perm], t.scales, t.zeros, t.g_idx[perm])
+    t, perm = sort_by_group(Int4Tensor(full.codes[start:start + size], full.scales[start:start + size],
+                                       full.zeros[start:start + size], full.g_idx))
+    if perm is not None:
         if layer.input_perm is not None and not torch.equal(layer.input_perm, perm):
             raise ValueError(f"{source.name}: g_idx differs between the parts of a fused layer (q/k/v or "
                              "gate/up): not served")
@@ -142,37 +140,50 @@ def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[in
     full = unpacked_part(layer, source, full_shape, None)
     if full is None:
         return
-    g_idx = full.g_idx[start:start + size]
-    if full.act_order():
-        perm = torch.argsort(g_idx, stable=True)
-        present, counts = torch.unique(g_idx, return_counts=True)
-        if not bool((counts == full.group_size).all()):
-            raise ValueError(f"{source.name}: act-order g_idx spreads groups over the ranks' input columns at "
-                             f"tensor_parallel_size={full_shape[1] // size}: serve it at tp 1")
+    t, perm = column_slice(full, start, size, source.name)
+    if perm is not None:
         layer.input_perm = perm
-        t = Int4Tensor(full.codes[:, start:start + size][:, perm].contiguous(), full.scales[:, present],
-                       full.zeros[:, present], torch.arange(size) // full.group_size)
-    else:
-        t = column_slice(full, start, size, source.name)
     _write(layer, t, 0, None)
 
 
-def column_slice(full: Int4Tensor, start: int, size: int, name: str) -> Int4Tensor:
-    """Input columns ``[start, start + size)`` of a checkpoint weight (no act-order), with their groups.
+def sort_by_group(t: Int4Tensor) -> tuple[Int4Tensor, torch.Tensor | None]:
+    """Act-order (a ``g_idx`` other than ``k // G``): ``t`` with its input columns sorted by group (a stable
+    sort: every group contiguous again) and the permutation ``(K,)`` int64 (x's columns in the packed
+    order); else ``(t, None)``."""
+    if not t.act_order():
+        return t, None
+    perm = torch.argsort(t.g_idx, stable=True)
+    return Int4Tensor(t.codes[:, perm], t.scales, t.zeros, t.g_idx[perm]), perm
+
+
+def column_slice(full: Int4Tensor, start: int, size: int, name: str) -> tuple[Int4Tensor, torch.Tensor | None]:
+    """Input columns ``[start, start + size)`` of a checkpoint weight with their groups, and the act-order
+    permutation of those columns (None without act-order).
 
     A rank's groups are its part of the checkpoint's: ``min(G, size)`` columns each (a group
-    spanning ranks, channel-wise, keeps its scale on each).
+    spanning ranks, channel-wise, keeps its scale on each). Act-order: the columns sorted by
+    group, each group whole among them.
 
     Raises:
-        ValueError: the checkpoint's groups do not split the ``size`` columns (names ``name``).
+        ValueError: the checkpoint's groups do not split the ``size`` columns, or act-order groups
+            spread over other ranks' columns (names ``name``).
     """
+    if full.act_order():
+        g_idx = full.g_idx[start:start + size]
+        perm = torch.argsort(g_idx, stable=True)
+        present, counts = torch.unique(g_idx, return_counts=True)
+        if not bool((counts == full.group_size).all()):
+            raise ValueError(f"{name}: act-order g_idx spreads groups over the ranks' input columns at "
+                             f"tensor_parallel_size={full.codes.shape[1] // size}: serve it at tp 1")
+        return Int4Tensor(full.codes[:, start:start + size][:, perm].contiguous(), full.scales[:, present],
+                          full.zeros[:, present], torch.arange(size) // full.group_size), perm
     group = full.group_size
     local = min(group, size)
     if (group % size if group > size else size % group) or start % local:
         raise ValueError(f"{name}: group_size={group} does not split this rank's {size} input columns")
     first = torch.arange(start, start + size, local) // group  # each local group's checkpoint group
     return Int4Tensor(full.codes[:, start:start + size].contiguous(), full.scales[:, first],
-                      full.zeros[:, first], torch.arange(size) // local)
+                      full.zeros[:, first], torch.arange(size) // local), None
 
 
 def unpacked_part(layer: Any, source: PackedPart, shape: tuple[int, int], shard_id: object) -> Int4Tensor | None:

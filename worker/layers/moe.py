@@ -236,6 +236,9 @@ class FusedMoE(nn.Module):
         self.int4 = quantization == "int4"
         self.gate_up_proj_scale: nn.Parameter | None = None
         self.down_proj_scale: nn.Parameter | None = None
+        #: Act-order int4 experts: each expert's input columns in packed order, ``(E, H)`` / ``(E, I)`` int64.
+        self.gate_up_perm: torch.Tensor | None = None
+        self.down_perm: torch.Tensor | None = None
         if self.int8:
             new_int8_experts(self, held, local, hidden_size, ctx.device)
         elif self.int4:
@@ -297,8 +300,8 @@ class FusedMoE(nn.Module):
             ids = self.local_ids(ids)
         return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights, gate_up_bias=self.gate_up_proj_bias,
                                down_bias=self.down_proj_bias, act=self.act, has_remote=self.has_remote_experts,
-                               gate_up_scale=self.gate_up_proj_scale,
-                               down_scale=self.down_proj_scale)  # (T, H), partial
+                               gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale,
+                               gate_up_perm=self.gate_up_perm, down_perm=self.down_perm)  # (T, H), partial
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids ``(T, k)`` -> this rank's stack index, ``num_local_experts`` for another rank's expert.

@@ -41,7 +41,8 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
                     has_remote: bool = False, gate_up_scale: torch.Tensor | None = None,
-                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    down_scale: torch.Tensor | None = None, gate_up_perm: torch.Tensor | None = None,
+                    down_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Apply each token's ``k`` experts and sum them by their routing weights.
 
     Args:
@@ -62,6 +63,8 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
             float weights.
         down_scale: with int8 ``down``: its ``(E, H)`` float32 scales; with int4 ``down`` (``(E, H, I / 2)``
             uint8): ``(E, H, I / G, 2)``; None for float weights.
+        gate_up_perm, down_perm: act-order int4 experts (worker/layers/moe_int4.py): ``(E, H)`` / ``(E, I)``
+            int64, each expert's input columns in its packed order (gathered before its matmul); or None.
 
     Returns:
         ``(T, H)`` in ``x.dtype``.
@@ -71,9 +74,11 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
         return grouped_experts_triton(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias,
                                       down_bias=down_bias, act=act, has_remote=has_remote,
-                                      gate_up_scale=gate_up_scale, down_scale=down_scale)
+                                      gate_up_scale=gate_up_scale, down_scale=down_scale,
+                                      gate_up_perm=gate_up_perm, down_perm=down_perm)
     return grouped_experts_torch(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                                 act=act, gate_up_scale=gate_up_scale, down_scale=down_scale)
+                                 act=act, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                                 gate_up_perm=gate_up_perm, down_perm=down_perm)
 
 
 def _triton_moe_enabled() -> bool:
@@ -83,14 +88,15 @@ def _triton_moe_enabled() -> bool:
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                           down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
-                          gate_up_scale: torch.Tensor | None = None,
-                          down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                          gate_up_perm: torch.Tensor | None = None,
+                          down_perm: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host).
 
     Int8 experts (scales given): each GEMM is :func:`~worker.layers.int8_matmul.int8_linear` on the
     expert's int8 rows and scales, as a dense int8 layer's; int4 experts (uint8 codes):
     :func:`~worker.layers.int4_matmul.int4_linear` (a few rows: the kernel's GEMV paths; more than 64:
-    it dequantizes the expert once and multiplies).
+    it dequantizes the expert once and multiplies); act-order int4 experts gather their input columns first.
 
     Rows of id ``E`` (another rank's expert) sort last: they are neither gathered nor computed, and stay zero.
     """
@@ -115,7 +121,10 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
                 h = act(linear(xs[rows], gate_up[expert], gu_bias))  # (count, I)
                 out_sorted[rows] = linear(h, down[expert], d_bias)  # (count, H)
             else:
-                h = act(qlinear(xs[rows], gate_up[expert], gate_up_scale[expert], gu_bias))  # (count, I)
+                xe = xs[rows] if gate_up_perm is None else xs[rows][:, gate_up_perm[expert]]  # (count, H) packed order
+                h = act(qlinear(xe, gate_up[expert], gate_up_scale[expert], gu_bias))  # (count, I)
+                if down_perm is not None:
+                    h = h[:, down_perm[expert]]  # (count, I) in down's packed order
                 out_sorted[rows] = qlinear(h, down[expert], down_scale[expert], d_bias)  # (count, H)
             start += count
     out = (torch.empty if every_row else torch.zeros)(flat.shape[0], down.shape[1], dtype=x.dtype, device=x.device)

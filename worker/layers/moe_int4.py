@@ -30,9 +30,15 @@ Sources, one expert tensor at a time:
   :class:`~worker.layers.int4_weights.PackedPart` s; once an expert part has them all they are
   unpacked and checked (worker/layers/int4_formats.py, the format's reference dequantization,
   zero points kept exactly: ``o = -s * z``) and this rank's rows (gate/up) or columns (down,
-  :func:`~worker.layers.int4_weights.column_slice`) packed. Act-order GPTQ experts (a ``g_idx``
-  other than ``k // G``) are refused, naming the tensor: each expert would need its own input
-  gather (not built).
+  :func:`~worker.layers.int4_weights.column_slice`) packed.
+* **Act-order GPTQ experts** (``desc_act``: a ``g_idx`` other than ``k // G``): as for a dense
+  layer, an expert's input columns are sorted by group (every group contiguous again) and the
+  permutation kept, per expert: ``gate_up_perm (E, H)`` and ``down_perm (E, I)`` int64 (identity
+  rows for experts stored in order; None while no expert needs one), and the experts path gathers
+  each expert's input columns before its matmul: exact. An expert's gate and up share their
+  ``g_idx`` (GPTQ derives it from their common input; refused otherwise), and a tensor-parallel
+  rank must hold whole groups among its down columns (a random act order does not: refused,
+  naming the tensor; tp 1 or ``--enable-expert-parallel``, which holds whole experts, serve it).
 
 Expert parallelism holds whole experts: the same formulas at full width; another rank's experts
 are never read (their scales are marked computed so the loader does not ask for them).
@@ -55,7 +61,8 @@ from torch import nn
 
 from worker.layers.int4_formats import Int4Tensor
 from worker.layers.int4_matmul import BLOCK, dequantize, pack_codes
-from worker.layers.int4_weights import PackedPart, column_slice, quantize_rtn, rtn_group_size, unpacked_part
+from worker.layers.int4_weights import (PackedPart, column_slice, quantize_rtn, rtn_group_size, sort_by_group,
+                                        unpacked_part)
 from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow
 
 
@@ -76,7 +83,8 @@ def new_int4_experts(moe: Any, held: int, local: int, hidden: int, device: torch
     moe.gate_up_proj_scale = new_parameter((held, 2 * local, 0, 2), torch.float32, device, moe.weight_loader)
     moe.down_proj_scale = new_parameter((held, hidden, 0, 2), torch.float32, device, moe.weight_loader)
     moe.int4_pending = {}  # (e, kind) -> {part: (tensor, name)} until the expert part's tensors are all read
-    moe.input_perm = None  # act-order experts are refused: no layer-wide input gather
+    moe.input_perm = None  # no layer-wide input gather: act-order experts keep theirs in gate_up_perm / down_perm
+    moe.int4_gate_up_orders = {}  # slot -> the first of gate / up's act-order permutation (or None)
 
 
 def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, shard_id: tuple[int, str],
@@ -93,7 +101,8 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
 
     Raises:
         ValueError: a float tensor of another shape; RTN groups that do not split this rank's down
-            columns; a corrupt or act-order 4-bit expert (named).
+            columns; a corrupt 4-bit expert, or act-order gate and up with different ``g_idx`` or
+            groups spread over other ranks' down columns (named).
     """
     kind = shard_id[1]
     full_shape = (moe.hidden_size, moe.intermediate_size) if kind == "down" else (moe.intermediate_size,
@@ -102,15 +111,12 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
         full = unpacked_part(moe, source, full_shape, shard_id)
         if full is None:
             return  # the expert part's other tensors are still unread
-        if full.act_order():
-            stem = source.name.rpartition(".")[0]
-            raise ValueError(f"{stem}.g_idx: act-order (desc_act) routed experts are not supported; serve a "
-                             "checkpoint quantized without desc_act")
         if kind == "down":
-            t = column_slice(full, start, local, source.name)
+            t, perm = column_slice(full, start, local, source.name)
         else:
-            t = Int4Tensor(full.codes[start:start + local], full.scales[start:start + local],
-                           full.zeros[start:start + local], full.g_idx)
+            t, perm = sort_by_group(Int4Tensor(full.codes[start:start + local], full.scales[start:start + local],
+                                               full.zeros[start:start + local], full.g_idx))
+        _keep_order(moe, kind, slot, perm, source.name)
     else:
         check_shape(source, full_shape)
         if kind == "down":
@@ -125,6 +131,28 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
     offset = local if kind == "up" else 0
     _write(param, scale, t, slot, offset)
     scale.computed_shard_ids.add(shard_id)
+
+
+def _keep_order(moe: Any, kind: str, slot: int, perm: torch.Tensor | None, name: str) -> None:
+    """Record expert ``slot``'s act-order permutation of its gate/up or down input (see the module docstring).
+
+    Raises:
+        ValueError: gate and up of one expert in different column orders (names ``name``).
+    """
+    if kind != "down":
+        if slot not in moe.int4_gate_up_orders:
+            moe.int4_gate_up_orders[slot] = perm
+        else:
+            first = moe.int4_gate_up_orders.pop(slot)
+            if (first is None) != (perm is None) or (perm is not None and not torch.equal(first, perm)):
+                raise ValueError(f"{name}: g_idx differs between the expert's gate and up projections: not served")
+    if perm is None:
+        return
+    attr = "down_perm" if kind == "down" else "gate_up_perm"
+    if getattr(moe, attr) is None:  # identity rows for the experts stored in order
+        held = moe.num_local_experts
+        setattr(moe, attr, torch.arange(perm.numel(), device=moe.ctx.device).repeat(held, 1))  # (E, K) int64
+    getattr(moe, attr)[slot].copy_(perm)
 
 
 def _write(param: nn.Parameter, scale: nn.Parameter, t: Int4Tensor, slot: int, offset: int) -> None:
@@ -151,3 +179,13 @@ def dequantize_int4_experts(q: torch.Tensor, scale_offset: torch.Tensor, dtype: 
     experts, rows, half = q.shape
     w = dequantize(q.reshape(experts * rows, half), scale_offset.reshape(experts * rows, -1, 2))  # (E * N, K)
     return w.reshape(experts, rows, 2 * half).to(dtype)
+
+
+def unpermute_columns(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """``w (E, N, K)`` with each expert's input columns in its packed (act-order) order -> the checkpoint's order.
+
+    ``perm (E, K)``: packed column ``j`` of expert ``e`` is input column ``perm[e, j]``; None: ``w`` as it is.
+    """
+    if perm is None:
+        return w
+    return torch.empty_like(w).scatter_(2, perm[:, None, :].expand_as(w), w)  # (E, N, K)
