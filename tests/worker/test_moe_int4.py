@@ -47,6 +47,7 @@ from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
 from tests.worker.loader_helpers import _rewrite
 from tests.worker.moe_family_check import FamilyCase, check_job, check_records, reference_case
 from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC
+from tests.worker.shard_fakes import ShardOnlyContext
 from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
 from tests.worker.tp_harness import Job, run_jobs
 from tpserve.model_config import ModelConfig
@@ -266,6 +267,17 @@ def test_act_order_gate_and_up_in_different_orders_are_refused(cases, tmp_path: 
     broken = _rewrite(model_dir, tmp_path / "broken", reorder)
     with pytest.raises(ValueError, match=r"experts\.5\.w[13]\.\w+: g_idx differs between the expert's gate and up"):
         load_model(broken, ModelConfig.from_pretrained(broken), ParallelContext.single(), torch.float32)
+
+
+def test_rtn_groups_that_do_not_split_an_expert_slice_are_refused() -> None:
+    """Experts 256 wide (RTN groups of 128) at tp 4: a rank's 64 down columns hold half a group: refused in one line
+    pointing at expert parallelism (whole experts), as Qwen3-30B-A3B's 768-wide experts at tp 4 or 8 would be."""
+    moe = FusedMoE(2, 32, 256, ShardOnlyContext(tp_rank=1, tp_size=4, device=torch.device("cpu")),
+                   dtype=torch.float32, quantization="int4")
+    moe.weight_loader(moe.gate_up_proj, torch.zeros(256, 32), (0, "gate"))  # rows: any slice quantizes alone
+    with pytest.raises(ValueError, match="--quantization int4 groups of 128 columns do not split this rank's 64 "
+                                         r"expert columns: use --enable-expert-parallel \(whole experts per rank\)"):
+        moe.weight_loader(moe.down_proj, torch.zeros(32, 256), (0, "down"))
 
 
 def test_fused_expert_layouts_refuse_int4() -> None:

@@ -112,7 +112,10 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
         if full is None:
             return  # the expert part's other tensors are still unread
         if kind == "down":
-            t, perm = column_slice(full, start, local, source.name)
+            try:
+                t, perm = column_slice(full, start, local, source.name)
+            except ValueError as error:
+                raise ValueError(f"{error} (experts: --enable-expert-parallel holds whole ones)") from error
         else:
             t, perm = sort_by_group(Int4Tensor(full.codes[start:start + local], full.scales[start:start + local],
                                                full.zeros[start:start + local], full.g_idx))
@@ -123,7 +126,8 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
             group = rtn_group_size(moe.intermediate_size)
             if local % group:
                 raise ValueError(f"--quantization int4 groups of {group} columns do not split this rank's {local} "
-                                 "expert columns: use a smaller tensor_parallel_size")
+                                 "expert columns: use --enable-expert-parallel (whole experts per rank) or a "
+                                 "smaller tensor_parallel_size")
             t = quantize_rtn(read_narrow(source, 1, start, local), group)  # (H, local) codes
         else:
             t = quantize_rtn(read_narrow(source, 0, start, local), rtn_group_size(moe.hidden_size))  # (local, H)
