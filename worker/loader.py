@@ -229,7 +229,7 @@ def _finish_int4(model: CausalLM) -> None:
     for module in model.modules():
         if getattr(module, "int4_pending", None) is not None:
             finish_int4_layer(module)
-            permuted |= module.input_perm is not None
+            permuted |= getattr(module, "input_perm", None) is not None
     if permuted:
         for module in model.modules():
             if hasattr(module, "decode_block"):

@@ -26,6 +26,7 @@ Asymmetric quantization here: ``s = (max - min) / 15`` per group, ``z = clamp(ro
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -110,11 +111,12 @@ def awq_reference_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales
     return ((iweight.float() - izeros.float()) * s).t()
 
 
-def save_rtn_dequantized(source: Path, target: Path) -> Path:
-    """``source`` with each linear weight replaced by its ``--quantization int4`` round trip."""
+def save_rtn_dequantized(source: Path, target: Path, pattern: re.Pattern[str] = LINEAR_WEIGHT) -> Path:
+    """``source`` with each linear weight (names matching ``pattern``) replaced by its ``--quantization int4``
+    round trip."""
     tensors = _tensors(source)
     for name, w in tensors.items():
-        if LINEAR_WEIGHT.match(name):
+        if pattern.match(name):
             group = rtn_group(w.shape[1])
             q, s, z = quantize_groups(w, group, symmetric=True)
             tensors[name] = definition(q, s, z, torch.arange(w.shape[1]) // group)
@@ -122,19 +124,25 @@ def save_rtn_dequantized(source: Path, target: Path) -> Path:
 
 
 def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: int, sym: bool,
-              desc_act: bool, seed: int = 0) -> tuple[Path, Path]:
-    """``source`` as a 4-bit GPTQ checkpoint (module docstring), and its dequantized float copy."""
+              desc_act: bool, seed: int = 0, pattern: re.Pattern[str] = LINEAR_WEIGHT,
+              act_order: re.Pattern[str] | None = None) -> tuple[Path, Path]:
+    """``source`` as a 4-bit GPTQ checkpoint (module docstring), and its dequantized float copy; the linear
+    weights named by ``pattern`` are quantized (a MoE's per-expert modules with tests' MOE_LINEAR_WEIGHT).
+    With ``desc_act``, the weights named by ``act_order`` (None: all) get a random column order, the others
+    ``g_idx = k // G``; a layer's inputs shared by q/k/v, gate/up (Mixtral's w1/w3) share theirs."""
     tensors, out, dequantized = _tensors(source), {}, {}
     generator = torch.Generator().manual_seed(seed)
     perms: dict[str, torch.Tensor] = {}  # one act order per input: q/k/v share theirs, gate/up theirs (as GPTQ)
     for name, w in tensors.items():
-        if not LINEAR_WEIGHT.match(name):
+        if not pattern.match(name):
             out[name] = dequantized[name] = w
             continue
         n, k = w.shape
-        key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        key = (name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+               .replace(".w3.", ".w1."))
         if key not in perms:
-            perms[key] = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
+            ordered = desc_act and (act_order is None or act_order.match(name) is not None)
+            perms[key] = torch.randperm(k, generator=generator) if ordered else torch.arange(k)
         perm = perms[key]
         g_idx = torch.empty(k, dtype=torch.long)
         g_idx[perm] = torch.arange(k) // group
@@ -162,11 +170,12 @@ def _pack_along_rows(values: torch.Tensor) -> torch.Tensor:
     return _pack_int32(values.t().contiguous()).t().contiguous()
 
 
-def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int) -> tuple[Path, Path]:
+def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int,
+             pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
     """``source`` as an AutoAWQ GEMM checkpoint (module docstring), and its dequantized float copy."""
     tensors, out, dequantized = _tensors(source), {}, {}
     for name, w in tensors.items():
-        if not LINEAR_WEIGHT.match(name):
+        if not pattern.match(name):
             out[name] = dequantized[name] = w
             continue
         q, s, z = quantize_groups(w, group, symmetric=False, scale_dtype=torch.float16)
@@ -185,7 +194,8 @@ def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int
 
 
 def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target: Path, *, strategy: str,
-                                  symmetric: bool, group: int | None = None) -> tuple[Path, Path]:
+                                  symmetric: bool, group: int | None = None,
+                                  pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
     """``source`` as a compressed-tensors ``pack-quantized`` W4A16 checkpoint written by the library."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
@@ -197,7 +207,7 @@ def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target
                                 quantization_status="compressed").model_dump()
     tensors, out, dequantized = _tensors(source), {}, {}
     for name, w in tensors.items():
-        if not LINEAR_WEIGHT.match(name):
+        if not pattern.match(name):
             out[name] = dequantized[name] = w
             continue
         n, k = w.shape

@@ -135,8 +135,11 @@ def test_bad_shapes_int4_and_stored_int8_are_refused() -> None:
     with pytest.raises(ValueError, match="moe_intermediate_size=48 is not divisible by tensor_parallel_size=5"):
         FusedMoE(EXPERTS, HIDDEN, INTER, ShardOnlyContext(tp_rank=0, tp_size=5, device=torch.device("cpu")),
                  dtype=torch.float32)
-    with pytest.raises(ValueError, match="--quantization int4 is not supported for mixture-of-experts"):
+    with pytest.raises(ValueError, match="--quantization int4 experts need this rank's moe_intermediate_size to be "
+                                         "a multiple of 32, got 24"):  # 48 / tp 2: the int4 kernel's blocks of 32
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int4")
+    with pytest.raises(ValueError, match="--quantization fp4 is not supported for mixture-of-experts models"):
+        FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="fp4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models whose "
                                          "experts are FusedMoE"):  # gpt-oss's biased experts
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8", bias=True)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from worker.layers.moe_combine import combine, expert_act
+from worker.layers.moe_int4 import dequantize_int4_experts, unpermute_columns
 from worker.layers.moe_int8 import dequantize_experts
 
 #: Rows of one expert per program (tl.dot needs at least 16): 16 for decode-sized steps, where
@@ -129,20 +130,24 @@ def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
                            weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                            down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
                            has_remote: bool = False, gate_up_scale: torch.Tensor | None = None,
-                           down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           down_scale: torch.Tensor | None = None, gate_up_perm: torch.Tensor | None = None,
+                           down_perm: torch.Tensor | None = None) -> torch.Tensor:
     """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``.
 
-    Int8 experts (``gate_up_scale (E, 2 * I)`` and ``down_scale (E, H)`` float32 given): the kernel
-    takes float weights, so the layer's stack is dequantized for this call (worker/layers/moe_int8.py:
-    a transient in ``x.dtype``, one layer at a time; no host read, so still capturable).
+    Int8 experts (``gate_up_scale (E, 2 * I)`` and ``down_scale (E, H)`` float32 given) and int4 ones
+    (uint8 packed codes with ``(E, N, K / G, 2)`` scales and offsets): the kernel takes float weights,
+    so the layer's stack is dequantized for this call (worker/layers/moe_int8.py, moe_int4.py: a
+    transient in ``x.dtype``, one layer at a time; no host read, so still capturable); act-order int4
+    experts' columns (``gate_up_perm``, ``down_perm``) are put back in the checkpoint's order.
 
     The biases (gpt-oss) are added to the GEMMs' outputs by each routed row's expert
     (``bias[ids]``: a gather, no host read, so a decode step stays capturable). With
     ``has_remote``, ids equal to ``E = gate_up.shape[0]`` (another rank's expert) add zero.
     """
     if gate_up_scale is not None and down_scale is not None:
-        gate_up = dequantize_experts(gate_up, gate_up_scale, x.dtype)  # (E, 2 * I, H)
-        down = dequantize_experts(down, down_scale, x.dtype)  # (E, H, I)
+        widen = dequantize_int4_experts if gate_up.dtype == torch.uint8 else dequantize_experts
+        gate_up = unpermute_columns(widen(gate_up, gate_up_scale, x.dtype), gate_up_perm)  # (E, 2 * I, H)
+        down = unpermute_columns(widen(down, down_scale, x.dtype), down_perm)  # (E, H, I)
     num_tokens, top_k = ids.shape
     num_rows = num_tokens * top_k
     num_experts = gate_up.shape[0]

@@ -74,6 +74,10 @@ class Int4Tensor:
         plain = torch.arange(self.codes.shape[1]) // self.group_size
         return not torch.equal(self.g_idx, plain)
 
+    def scale_offset(self) -> torch.Tensor:
+        """``(N, groups, 2)`` float32 ``(s, o)`` pairs of the kernel's layout, ``o = -s * z`` (worker/layers/int4_matmul.py)."""
+        return torch.stack([self.scales, -self.scales * self.zeros], dim=2)
+
     def dequantize(self) -> torch.Tensor:
         """``(N, K)`` float32 weights (the formula of the module docstring)."""
         s = self.scales[:, self.g_idx]  # (N, K)

@@ -109,14 +109,12 @@ def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start:
         check_shape(source, (total_rows, k))
         _write(layer, quantize_rtn(read_narrow(source, 0, start, size), rtn_group_size(k)), offset, shard_id)
         return
-    full = _unpacked(layer, source, (total_rows, k), shard_id)
+    full = unpacked_part(layer, source, (total_rows, k), shard_id)
     if full is None:
         return
-    t = Int4Tensor(full.codes[start:start + size], full.scales[start:start + size],
-                   full.zeros[start:start + size], full.g_idx)
-    if t.act_order():
-        perm = torch.argsort(t.g_idx, stable=True)
-        t = Int4Tensor(t.codes[:, perm], t.scales, t.zeros, t.g_idx[perm])
+    t, perm = sort_by_group(Int4Tensor(full.codes[start:start + size], full.scales[start:start + size],
+                                       full.zeros[start:start + size], full.g_idx))
+    if perm is not None:
         if layer.input_perm is not None and not torch.equal(layer.input_perm, perm):
             raise ValueError(f"{source.name}: g_idx differs between the parts of a fused layer (q/k/v or "
                              "gate/up): not served")
@@ -139,32 +137,62 @@ def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[in
                              "input columns: use a smaller tensor_parallel_size")
         _write(layer, quantize_rtn(read_narrow(source, 1, start, size), group), 0, None)
         return
-    full = _unpacked(layer, source, full_shape, None)
+    full = unpacked_part(layer, source, full_shape, None)
     if full is None:
         return
-    g_idx = full.g_idx[start:start + size]
-    if full.act_order():
-        perm = torch.argsort(g_idx, stable=True)
-        present, counts = torch.unique(g_idx, return_counts=True)
-        if not bool((counts == full.group_size).all()):
-            raise ValueError(f"{source.name}: act-order g_idx spreads groups over the ranks' input columns at "
-                             f"tensor_parallel_size={full_shape[1] // size}: serve it at tp 1")
+    t, perm = column_slice(full, start, size, source.name)
+    if perm is not None:
         layer.input_perm = perm
-        t = Int4Tensor(full.codes[:, start:start + size][:, perm].contiguous(), full.scales[:, present],
-                       full.zeros[:, present], torch.arange(size) // full.group_size)
-    else:
-        group = full.group_size
-        local = min(group, size)
-        if (group % size if group > size else size % group) or start % local:
-            raise ValueError(f"{source.name}: group_size={group} does not split this rank's {size} input columns")
-        first = torch.arange(start, start + size, local) // group  # each local group's checkpoint group
-        t = Int4Tensor(full.codes[:, start:start + size].contiguous(), full.scales[:, first],
-                       full.zeros[:, first], torch.arange(size) // local)
     _write(layer, t, 0, None)
 
 
-def _unpacked(layer: Any, source: PackedPart, shape: tuple[int, int], shard_id: object) -> Int4Tensor | None:
-    """The weight part of ``source`` in common form, or None while the part's other tensors are unread."""
+def sort_by_group(t: Int4Tensor) -> tuple[Int4Tensor, torch.Tensor | None]:
+    """Act-order (a ``g_idx`` other than ``k // G``): ``t`` with its input columns sorted by group (a stable
+    sort: every group contiguous again) and the permutation ``(K,)`` int64 (x's columns in the packed
+    order); else ``(t, None)``."""
+    if not t.act_order():
+        return t, None
+    perm = torch.argsort(t.g_idx, stable=True)
+    return Int4Tensor(t.codes[:, perm], t.scales, t.zeros, t.g_idx[perm]), perm
+
+
+def column_slice(full: Int4Tensor, start: int, size: int, name: str) -> tuple[Int4Tensor, torch.Tensor | None]:
+    """Input columns ``[start, start + size)`` of a checkpoint weight with their groups, and the act-order
+    permutation of those columns (None without act-order).
+
+    A rank's groups are its part of the checkpoint's: ``min(G, size)`` columns each (a group
+    spanning ranks, channel-wise, keeps its scale on each). Act-order: the columns sorted by
+    group, each group whole among them.
+
+    Raises:
+        ValueError: the checkpoint's groups do not split the ``size`` columns, or act-order groups
+            spread over other ranks' columns (names ``name``).
+    """
+    if full.act_order():
+        g_idx = full.g_idx[start:start + size]
+        perm = torch.argsort(g_idx, stable=True)
+        present, counts = torch.unique(g_idx, return_counts=True)
+        if not bool((counts == full.group_size).all()):
+            raise ValueError(f"{name}: act-order g_idx spreads groups over the ranks' input columns at "
+                             f"tensor_parallel_size={full.codes.shape[1] // size}: serve it at tp 1")
+        return Int4Tensor(full.codes[:, start:start + size][:, perm].contiguous(), full.scales[:, present],
+                          full.zeros[:, present], torch.arange(size) // full.group_size), perm
+    group = full.group_size
+    local = min(group, size)
+    if (group % size if group > size else size % group) or start % local:
+        raise ValueError(f"{name}: group_size={group} does not split this rank's {size} input columns")
+    first = torch.arange(start, start + size, local) // group  # each local group's checkpoint group
+    return Int4Tensor(full.codes[:, start:start + size].contiguous(), full.scales[:, first],
+                      full.zeros[:, first], torch.arange(size) // local), None
+
+
+def unpacked_part(layer: Any, source: PackedPart, shape: tuple[int, int], shard_id: object) -> Int4Tensor | None:
+    """The weight part ``shard_id`` of ``source`` (its float shape ``(N, K)``) in common form, checked; None while
+    the part's other tensors are unread (kept in ``layer.int4_pending`` until then).
+
+    Raises:
+        ValueError: a tensor read twice, or a corrupt part (named: worker/layers/int4_formats.py).
+    """
     layer.int4_format = source.fmt
     pending = layer.int4_pending.setdefault(shard_id, {})
     if source.part in pending:
@@ -209,7 +237,6 @@ def _write(layer: Any, t: Int4Tensor, offset: int, shard_id: object) -> None:
     elif scale.shape[1] != groups:
         raise ValueError(f"int4 parts of one layer have different group sizes ({k // scale.shape[1]} and "
                          f"{t.group_size})")
-    scale_offset = torch.stack([t.scales, -t.scales * t.zeros], dim=2)  # (size, groups, 2)
     layer.weight.data[offset:offset + size].copy_(pack_codes(t.codes))
-    scale.data[offset:offset + size].copy_(scale_offset)
+    scale.data[offset:offset + size].copy_(t.scale_offset())
     scale.computed_shard_ids.add(shard_id)

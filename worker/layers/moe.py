@@ -63,6 +63,7 @@ from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker.layers.linear import divide as _divide
 from worker.layers.moe_combine import expert_act
 from worker.layers.moe_experts import grouped_experts
+from worker.layers.moe_int4 import load_int4_expert, new_int4_experts
 from worker.layers.moe_int8 import check_loadable, load_int8_expert, new_int8_experts, set_scale_shards
 from worker.layers.norm import SiluAndMul
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
@@ -177,9 +178,10 @@ class FusedMoE(nn.Module):
             (tensor-parallel only).
         ctx: the tensor-parallel group (and whether experts are split by expert).
         dtype: parameter and activation dtype.
-        quantization: None (float experts) or ``"int8"``: int8 expert weights with
+        quantization: None (float experts); ``"int8"``: int8 expert weights with
             ``gate_up_proj_scale (E, 2 * I / tp)`` and ``down_proj_scale (E, H)`` float32
-            (worker/layers/moe_int8.py); ``"int4"`` is refused, and int8 for a subclass whose
+            (worker/layers/moe_int8.py); ``"int4"``: packed 4-bit codes with a float32 scale and
+            offset per group (worker/layers/moe_int4.py). Both are refused for a subclass whose
             loader fills float stacks only (``loads_int8`` False).
         bias: the experts carry biases (gpt-oss): ``gate_up_proj_bias (E, 2 * I / tp)`` and
             ``down_proj_bias (E, H)`` (the latter added by one rank only: the outputs are partials
@@ -195,7 +197,7 @@ class FusedMoE(nn.Module):
             not divisible by ``tp_size``, or a quantization these experts cannot hold.
     """
 
-    #: Whether :meth:`weight_loader` fills int8 experts (subclasses with their own layout set False).
+    #: Whether :meth:`weight_loader` fills int8 and int4 experts (subclasses with their own layout set False).
     loads_int8 = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
@@ -204,11 +206,11 @@ class FusedMoE(nn.Module):
         super().__init__()
         if quantization == "fp8":
             quantization = None  # an FP8 checkpoint's experts: dequantized at load (fp8 kept for linear layers only)
-        if quantization not in (None, "int8"):
+        if quantization not in (None, "int8", "int4"):
             raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models "
-                             "(expert weights); serve them unquantized or with --quantization int8")
-        if quantization == "int8":
-            check_loadable(self, bias)
+                             "(expert weights); serve them unquantized or with --quantization int8 or int4")
+        if quantization is not None:
+            check_loadable(self, bias, quantization)
         if bias and ctx.enable_expert_parallel:  # the biases are laid out for the tensor-parallel split
             raise ValueError("--enable-expert-parallel is not supported for experts with biases (gpt-oss); "
                              "serve them tensor-parallel")
@@ -230,10 +232,17 @@ class FusedMoE(nn.Module):
         local, held = self.intermediate_size_per_partition, self.num_local_experts
         #: ``quantization="int8"``: int8 weights with per-output-channel float32 scales (worker/layers/moe_int8.py).
         self.int8 = quantization == "int8"
+        #: ``quantization="int4"``: packed codes with float32 (scale, offset) per group (worker/layers/moe_int4.py).
+        self.int4 = quantization == "int4"
         self.gate_up_proj_scale: nn.Parameter | None = None
         self.down_proj_scale: nn.Parameter | None = None
+        #: Act-order int4 experts: each expert's input columns in packed order, ``(E, H)`` / ``(E, I)`` int64.
+        self.gate_up_perm: torch.Tensor | None = None
+        self.down_perm: torch.Tensor | None = None
         if self.int8:
             new_int8_experts(self, held, local, hidden_size, ctx.device)
+        elif self.int4:
+            new_int4_experts(self, held, local, hidden_size, ctx.device)
         else:
             self.gate_up_proj = new_parameter((held, 2 * local, hidden_size), dtype, ctx.device, self.weight_loader)
             self.down_proj = new_parameter((held, hidden_size, local), dtype, ctx.device, self.weight_loader)
@@ -241,7 +250,7 @@ class FusedMoE(nn.Module):
         # weight_loader reads only this rank's.
         self.gate_up_proj.shard_ids = tuple((e, k) for e in range(num_experts) for k in ("gate", "up"))
         self.down_proj.shard_ids = tuple((e, "down") for e in range(num_experts))
-        if self.int8:
+        if self.int8 or self.int4:
             set_scale_shards(self, held)
         self.act = activation if activation is not None else expert_act
         self.gate_up_proj_bias: nn.Parameter | None = None
@@ -260,15 +269,20 @@ class FusedMoE(nn.Module):
         """Copy this rank's part of expert ``e``'s gate/up rows or down columns; ``shard_id = (e, kind)``.
 
         Tensor-parallel: a slice of every expert. Expert-parallel: the whole tensor of a
-        held expert; another rank's expert is only shape-checked, never read.
+        held expert; another rank's expert is only shape-checked, never read. A 4-bit
+        checkpoint's packed tensors (int4 experts) are checked when unpacked.
         """
         local, full = self.intermediate_size_per_partition, self.intermediate_size
         start = 0 if self.expert_parallel else self.ctx.tp_rank * local
         expert, kind = shard_id  # type: ignore[misc]
-        check_shape(source, (self.hidden_size, full) if kind == "down" else (full, self.hidden_size))
+        if not self.int4:
+            check_shape(source, (self.hidden_size, full) if kind == "down" else (full, self.hidden_size))
         slot = expert - self.first_expert  # index in this rank's stack
         if not 0 <= slot < self.num_local_experts:
             return  # another rank's expert
+        if self.int4:
+            load_int4_expert(self, param, source, shard_id, slot, start, local)  # type: ignore[arg-type]
+            return
         if self.int8:
             load_int8_expert(self, param, source, shard_id, slot, start, local)  # type: ignore[arg-type]
             return
@@ -286,8 +300,8 @@ class FusedMoE(nn.Module):
             ids = self.local_ids(ids)
         return grouped_experts(x, self.gate_up_proj, self.down_proj, ids, weights, gate_up_bias=self.gate_up_proj_bias,
                                down_bias=self.down_proj_bias, act=self.act, has_remote=self.has_remote_experts,
-                               gate_up_scale=self.gate_up_proj_scale,
-                               down_scale=self.down_proj_scale)  # (T, H), partial
+                               gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale,
+                               gate_up_perm=self.gate_up_perm, down_perm=self.down_perm)  # (T, H), partial
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids ``(T, k)`` -> this rank's stack index, ``num_local_experts`` for another rank's expert.
@@ -354,7 +368,7 @@ class SparseMoeBlock(nn.Module):
         weights_in_dtype: round the routing weights to ``dtype`` before scaling the
             experts' outputs (Qwen's routers do, Mixtral's keeps them in float32).
         shared_expert_intermediate_size: width of Qwen2-MoE's gated shared expert; 0 for none.
-        quantization: the experts' and shared experts' (None or ``"int8"``: :class:`FusedMoE`); the
+        quantization: the experts' and shared experts' (None, ``"int8"`` or ``"int4"``: :class:`FusedMoE`); the
             router and the shared-expert gate stay in ``dtype``.
         router_bias: the router carries a bias (gpt-oss's ``router.bias``).
         experts: the experts module, when a family builds its own (biases, an activation, a

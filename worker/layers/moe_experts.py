@@ -18,8 +18,9 @@ Both return, per token, ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` summe
 ``j`` in routing order (most probable first), a partial of the tensor-parallel sum.
 With expert parallelism (worker/layers/moe.py) an id equal to ``E`` (one past this
 rank's stack) is a row of another rank's expert: it is not computed and adds zero.
-Int8 experts (``--quantization int8``, worker/layers/moe_int8.py): the torch path runs the int8
-matmul per expert; the Triton kernel dequantizes the layer's stack for its call.
+Int8 and int4 experts (``--quantization int8`` / ``int4``, worker/layers/moe_int8.py, moe_int4.py):
+the torch path runs the int8 or int4 matmul per expert (picked once a call by the stack's dtype:
+int8, or uint8 packed codes); the Triton kernel dequantizes the layer's stack for its call.
 ``TPSERVE_TRITON_MOE=0`` keeps CUDA on the torch path, for A/B measurements.
 """
 
@@ -30,6 +31,7 @@ import os
 import torch
 from torch import nn
 
+from worker.layers.int4_matmul import int4_linear
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.matmul import linear
 from worker.layers.moe_combine import combine, expert_act
@@ -39,7 +41,8 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
                     has_remote: bool = False, gate_up_scale: torch.Tensor | None = None,
-                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    down_scale: torch.Tensor | None = None, gate_up_perm: torch.Tensor | None = None,
+                    down_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Apply each token's ``k`` experts and sum them by their routing weights.
 
     Args:
@@ -55,8 +58,13 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         act: ``(rows, 2 * I) [gate | up] -> (rows, I)``, the experts' activation.
         has_remote: ``ids`` may hold ``E`` (expert parallelism); those rows contribute zero.
         gate_up_scale: with int8 ``gate_up``: its ``(E, 2 * I)`` float32 per-output-channel scales
-            (worker/layers/moe_int8.py); None for float weights.
-        down_scale: with int8 ``down``: its ``(E, H)`` float32 scales; None for float weights.
+            (worker/layers/moe_int8.py); with int4 ``gate_up`` (uint8 ``(E, 2 * I, H / 2)`` packed codes):
+            its ``(E, 2 * I, H / G, 2)`` float32 scales and offsets (worker/layers/moe_int4.py); None for
+            float weights.
+        down_scale: with int8 ``down``: its ``(E, H)`` float32 scales; with int4 ``down`` (``(E, H, I / 2)``
+            uint8): ``(E, H, I / G, 2)``; None for float weights.
+        gate_up_perm, down_perm: act-order int4 experts (worker/layers/moe_int4.py): ``(E, H)`` / ``(E, I)``
+            int64, each expert's input columns in its packed order (gathered before its matmul); or None.
 
     Returns:
         ``(T, H)`` in ``x.dtype``.
@@ -66,9 +74,11 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
         return grouped_experts_triton(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias,
                                       down_bias=down_bias, act=act, has_remote=has_remote,
-                                      gate_up_scale=gate_up_scale, down_scale=down_scale)
+                                      gate_up_scale=gate_up_scale, down_scale=down_scale,
+                                      gate_up_perm=gate_up_perm, down_perm=down_perm)
     return grouped_experts_torch(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                                 act=act, gate_up_scale=gate_up_scale, down_scale=down_scale)
+                                 act=act, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                                 gate_up_perm=gate_up_perm, down_perm=down_perm)
 
 
 def _triton_moe_enabled() -> bool:
@@ -78,12 +88,15 @@ def _triton_moe_enabled() -> bool:
 def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                           down_bias: torch.Tensor | None = None, act: nn.Module = expert_act,
-                          gate_up_scale: torch.Tensor | None = None,
-                          down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                          gate_up_perm: torch.Tensor | None = None,
+                          down_perm: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`grouped_experts` with one GEMM pair per expert on its sorted group (reads group sizes on the host).
 
     Int8 experts (scales given): each GEMM is :func:`~worker.layers.int8_matmul.int8_linear` on the
-    expert's int8 rows and scales, as a dense int8 layer's.
+    expert's int8 rows and scales, as a dense int8 layer's; int4 experts (uint8 codes):
+    :func:`~worker.layers.int4_matmul.int4_linear` (a few rows: the kernel's GEMV paths; more than 64:
+    it dequantizes the expert once and multiplies); act-order int4 experts gather their input columns first.
 
     Rows of id ``E`` (another rank's expert) sort last: they are neither gathered nor computed, and stay zero.
     """
@@ -93,6 +106,7 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     order = torch.argsort(flat, stable=True)  # (T * k,) rows grouped by expert, in token order within one
     counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]  # rows per held expert, on the host
     held = sum(counts)
+    qlinear = int4_linear if gate_up.dtype == torch.uint8 else int8_linear  # used with scales only
     every_row = held == flat.shape[0]  # always without expert parallelism
     order_held = order if every_row else order[:held]  # (held,)
     xs = x[order_held // top_k]  # (held, H) each row's token
@@ -107,8 +121,11 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
                 h = act(linear(xs[rows], gate_up[expert], gu_bias))  # (count, I)
                 out_sorted[rows] = linear(h, down[expert], d_bias)  # (count, H)
             else:
-                h = act(int8_linear(xs[rows], gate_up[expert], gate_up_scale[expert], gu_bias))  # (count, I)
-                out_sorted[rows] = int8_linear(h, down[expert], down_scale[expert], d_bias)  # (count, H)
+                xe = xs[rows] if gate_up_perm is None else xs[rows][:, gate_up_perm[expert]]  # (count, H) packed order
+                h = act(qlinear(xe, gate_up[expert], gate_up_scale[expert], gu_bias))  # (count, I)
+                if down_perm is not None:
+                    h = h[:, down_perm[expert]]  # (count, I) in down's packed order
+                out_sorted[rows] = qlinear(h, down[expert], down_scale[expert], d_bias)  # (count, H)
             start += count
     out = (torch.empty if every_row else torch.zeros)(flat.shape[0], down.shape[1], dtype=x.dtype, device=x.device)
     out[order_held] = out_sorted  # (T * k, H) back in row order t * k + j; other ranks' rows zero

@@ -113,13 +113,14 @@ def dequantize_experts(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return (q.float() * scales[..., None]).to(dtype)  # (E, N, K)
 
 
-def check_loadable(moe: nn.Module, bias: bool) -> None:
-    """Refuse int8 experts where this module cannot fill them (one line each).
+def check_loadable(moe: nn.Module, bias: bool, quantization: str = "int8") -> None:
+    """Refuse quantized (int8 or int4) experts where this module cannot fill them (one line each).
 
     Raises:
         ValueError: experts with biases (gpt-oss's stacked layout) or a subclass with its own
             checkpoint layout (Llama 4): their loaders fill float parameters only.
     """
     if bias or not getattr(moe, "loads_int8", False):
-        raise ValueError(f"--quantization int8 is not supported for mixture-of-experts models whose experts are "
-                         f"{type(moe).__name__} (a fused checkpoint layout: gpt-oss, Llama 4); serve them unquantized")
+        raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models whose "
+                         f"experts are {type(moe).__name__} (a fused checkpoint layout: gpt-oss, Llama 4); serve "
+                         "them unquantized")

@@ -244,7 +244,7 @@ def deepseek_moe_block(config: ModelConfig, ctx: ParallelContext, dtype: torch.d
     ``shared_experts.{gate,up,down}_proj.weight``.
 
     Raises:
-        ValueError: a bad routing key (named), or ``--quantization int4`` (the experts are float or int8).
+        ValueError: a bad routing key (named). (The experts are float, int8 or int4: worker/layers/moe.py.)
     """
     num_experts = config.hf_value("n_routed_experts", defaults.num_experts)
     routing = deepseek_routing(config, num_experts, defaults.routing)

@@ -83,8 +83,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     """GLM-4.5 MoE: :class:`PartialRotaryAttention`, then a dense MLP (first layers) or the sigmoid-routed MoE block.
 
     Raises:
-        ValueError: a bad routing key (named), ``hidden_act`` not silu, or ``--quantization int4``
-            (the experts are float or int8).
+        ValueError: a bad routing key (named), ``hidden_act`` not silu. (The experts are float, int8 or int4.)
     """
 
     @classmethod

@@ -36,7 +36,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: :class:`LlamaForCausalLM`'s attention (no bias) and a :class:`SparseMoeBlock` in every layer.
 
     Raises:
-        ValueError: a bad expert count, or ``--quantization int4`` (the experts are float or int8).
+        ValueError: a bad expert count. (The experts are float, int8 or int4: worker/layers/moe.py.)
     """
 
     @classmethod

@@ -37,7 +37,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE: Qwen2 attention, and per layer a shared-expert :class:`SparseMoeBlock` or a dense MLP.
 
     Raises:
-        ValueError: a bad MoE config value (named), or ``--quantization int4`` (the experts are float or int8).
+        ValueError: a bad MoE config value (named). (The experts are float, int8 or int4.)
     """
 
     @classmethod

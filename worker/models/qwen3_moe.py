@@ -38,7 +38,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE: Qwen3 attention, and per layer a :class:`SparseMoeBlock` or a dense MLP.
 
     Raises:
-        ValueError: a bad MoE config value (named), or ``--quantization int4`` (the experts are float or int8).
+        ValueError: a bad MoE config value (named). (The experts are float, int8 or int4.)
     """
 
     def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
