@@ -63,6 +63,7 @@ from worker.kv_quant import kv_scale_kind
 from tpserve.quantization_int4 import Int4Format, int4_format
 from worker.layers.int4_formats import PARTS
 from worker.layers.int4_weights import PackedPart, finish_int4_layer
+from worker.layers.int8_planes import describe_8bit
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
@@ -105,6 +106,10 @@ def load_model(
         raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
                          "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
     load_weights(model, files, ctx.device, fmt, int4)
+    if int4 is not None and int4.bits == 8:
+        (log.info if ctx.tp_rank == 0 else log.debug)(f"8-bit {int4.method} weights (group_size {int4.group_size}, "
+                                                      f"{'symmetric' if int4.symmetric else 'zero points'}) served "
+                                                      f"as {describe_8bit(int4)}")
     if fmt is not None and quantization == "fp8":
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} linear weights kept as fp8 "
                                                       "(--quantization fp8); other tensors dequantized at load")
@@ -224,12 +229,13 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
 
 def _finish_int4(model: CausalLM) -> None:
     """Refuse incomplete 4-bit layers; switch the compiled decode layer off where a layer gathers its input
-    (act-order GPTQ: the compiled layer has no column gather)."""
+    (act-order GPTQ: the compiled layer has no column gather) or holds 8-bit codes as two planes (it has no
+    plane sum: worker/layers/int8_planes.py)."""
     permuted = False
     for module in model.modules():
         if getattr(module, "int4_pending", None) is not None:
             finish_int4_layer(module)
-            permuted |= module.input_perm is not None
+            permuted |= module.input_perm is not None or module.int8_planes
     if permuted:
         for module in model.modules():
             if hasattr(module, "decode_block"):
