@@ -209,7 +209,7 @@ def _write(layer: Any, t: Int4Tensor, offset: int, shard_id: object, name: str =
     """
     fmt = getattr(layer, "int4_format", None)
     if fmt is not None and fmt.bits == 8:
-        write_8bit(layer, t, offset, shard_id, fmt, name)
+        write_8bit(layer, t, offset, shard_id, fmt, name.rpartition(".")[0])
         return
     size, k = t.codes.shape
     groups = t.scales.shape[1]

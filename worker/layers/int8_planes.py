@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from worker.layers.int4_formats import Int4Tensor
+from worker.layers.int4_formats import PARTS, Int4Tensor
 from worker.layers.int4_matmul import BLOCK, int4_linear, pack_codes
 
 #: The implied zero of symmetric 8-bit codes (the signed value plus 128).
@@ -69,21 +69,24 @@ def split_planes(t: Int4Tensor) -> tuple[Int4Tensor, Int4Tensor]:
     return high, low
 
 
-def write_8bit(layer: Any, t: Int4Tensor, offset: int, shard_id: object, fmt: Any, name: str) -> None:
+def write_8bit(layer: Any, t: Int4Tensor, offset: int, shard_id: object, fmt: Any, stem: str) -> None:
     """This rank's rows of an 8-bit ``t`` (input columns in packed order) into the layer's rows ``[offset, ...)``.
 
     ``layer`` is an int4 layer (worker/layers/int4_weights.py: ``weight (N, K / 2)`` uint8 as
-    allocated); its parameters are re-laid out on the first write (module docstring).
+    allocated); its parameters are re-laid out on the first write (module docstring). ``stem`` is the
+    checkpoint layer's name (``model.layers.1.self_attn.k_proj``), for the messages.
 
     Raises:
-        ValueError: a group of a plane layer not a multiple of 32 columns, parts with different
-            group counts, or a symmetric per-channel zero point other than 128; ``name`` is the tensor.
+        ValueError: a plane layer's groups not a multiple of 32 columns, parts with different group
+            counts (names the scales tensor), or a symmetric per-channel zero point other than 128
+            (names the zero points' tensor).
     """
     size, k = t.codes.shape
+    tensor = {part: f"{stem}.{suffix}" for suffix, part in PARTS[fmt.method].items()}
     if int8_channel_layout(fmt):
-        _write_int8(layer, t, offset, size, k, name)
+        _write_int8(layer, t, offset, size, k, tensor["qzeros"])
     else:
-        _write_planes(layer, t, offset, size, k, name)
+        _write_planes(layer, t, offset, size, k, tensor["scales"])
     layer.weight_scale.computed_shard_ids.add(shard_id)
 
 
@@ -94,7 +97,7 @@ def _write_int8(layer: Any, t: Int4Tensor, offset: int, size: int, k: int, name:
         scale.data = torch.empty((weight.shape[0],), dtype=torch.float32, device=scale.device)
     if not bool((t.zeros == INT8_MIDPOINT).all()):
         bad = t.zeros[t.zeros != INT8_MIDPOINT]
-        raise ValueError(f"{name}: symmetric 8-bit zero points must be {INT8_MIDPOINT}, found {float(bad[0])}: "
+        raise ValueError(f"{name}: symmetric 8-bit zero points must be {INT8_MIDPOINT}, found {int(bad[0])}: "
                          "a corrupt checkpoint")
     weight.data[offset:offset + size].copy_((t.codes.to(torch.int16) - INT8_MIDPOINT).to(torch.int8))
     scale.data[offset:offset + size].copy_(t.scales[:, 0])
