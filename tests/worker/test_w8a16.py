@@ -21,21 +21,41 @@ summation order differs (float32; the int4 kernel's VNNI / AMX paths carry x as 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import load_hf_model, save_tiny_model
 from tests.worker.int4_checkpoints import SPEC
-from tests.worker.test_int4 import Case, _case
-from tests.worker.tp_harness import StepRecord, run_jobs
+from tests.worker.scenarios import build_plans, hf_reference, standard_specs
+from tests.worker.tp_harness import Job, StepRecord, run_jobs
 from tests.worker.w8a16_checkpoints import save_compressed_tensors_w8a16, save_gptq8
 
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
 TP1_ONLY = {"gptq8_act_order"}
 LOGIT_BOUND = 1e-4
 NAMES = ["gptq8_sym", "gptq8_act_order", "gptq8_channel_sym_v2", "gptq8_channel_asym_v2", "ct8_group_asym",
          "ct8_channel_sym"]
+
+
+@dataclass(frozen=True)
+class Case:
+    job: Job
+    expected: list[list[tuple[int, int]]]
+    completions: dict[int, list[int]]
+    logits: dict[int, torch.Tensor]
+
+
+def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> Case:
+    """The scenarios' plans for ``checkpoint`` and ``transformers``' tokens and logits on ``reference_dir``."""
+    model = load_hf_model(reference_dir)
+    specs = standard_specs(model.config.vocab_size, seed=seed)
+    completions, logits = hf_reference(model, specs)
+    plans, expected = build_plans(specs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
+    return Case(Job(name, str(checkpoint), tuple(plans), NUM_BLOCKS, BLOCK_SIZE), expected, completions, logits)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +77,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     out = {}
     for i, (name, write) in enumerate(writers.items()):
         checkpoint, reference = write(root / name, root / f"{name}_dequantized")
-        out[name] = _case(name, checkpoint, reference, 10 + i, None)  # 8-bit by its config.json alone
+        out[name] = _case(name, checkpoint, reference, 10 + i)  # 8-bit by its config.json alone
     return out
 
 
