@@ -20,7 +20,7 @@ from tests.worker.w8a16_checkpoints import (gptq8_reference_dequantize, pack_byt
                                             save_gptq8, unpack_bytes_loop)
 from worker.layers.int4_formats import Int4Tensor
 from worker.layers.int4_matmul import dequantize
-from worker.layers.int8_planes import int8_planes_linear, split_planes
+from worker.layers.int8_planes import DEQUANTIZE_ROWS, int8_planes_linear, split_planes
 
 LAYER = "model.layers.1.self_attn.k_proj"  # (N 32, K 64)
 
@@ -79,9 +79,10 @@ def test_8_bit_codes_split_exactly_into_two_4_bit_planes() -> None:
     scale_offset = torch.cat([torch.stack([p.scales, -p.scales * p.zeros], dim=2) for p in (high, low)])
     torch.testing.assert_close(dequantize(qweight[:n], scale_offset[:n]) + dequantize(qweight[n:], scale_offset[n:]),
                                t.dequantize(), atol=3.1e-5, rtol=0)  # float32's ulp at |w| < 256
-    x, bias = torch.randn(3, k, generator=generator), torch.randn(n, generator=generator)
-    torch.testing.assert_close(int8_planes_linear(x, qweight, scale_offset, bias), x @ t.dequantize().t() + bias,
-                               atol=1e-4, rtol=1e-5)
+    for rows in (3, DEQUANTIZE_ROWS + 16):  # the int4 kernel over both planes; a prefill: dequantized once
+        x, bias = torch.randn(rows, k, generator=generator), torch.randn(n, generator=generator)
+        torch.testing.assert_close(int8_planes_linear(x, qweight, scale_offset, bias), x @ t.dequantize().t() + bias,
+                                   atol=1e-4, rtol=1e-5)
 
 
 def test_sound_8_bit_checkpoints_load_as_planes_or_int8(checkpoints: dict[str, Path]) -> None:

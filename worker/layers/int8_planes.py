@@ -39,11 +39,17 @@ from typing import Any
 
 import torch
 
+from worker.kernels import cpu_kernels_available
 from worker.layers.int4_formats import PARTS, Int4Tensor
-from worker.layers.int4_matmul import BLOCK, int4_linear, pack_codes
+from worker.layers.int4_matmul import BLOCK, dequantize, int4_linear, pack_codes
+from worker.layers.matmul import linear
 
 #: The implied zero of symmetric 8-bit codes (the signed value plus 128).
 INT8_MIDPOINT = 128
+#: Rows of x above which the planes are dequantized once into one float32 ``(N, K)`` matrix and multiplied
+#: by it (the int4 kernel dequantizes its ``(2 N, K)`` past 64 rows anyway: one ``(N, K)`` product is half
+#: that work; measured, module docstring).
+DEQUANTIZE_ROWS = 64
 
 
 def int8_channel_layout(fmt: Any) -> bool:
@@ -134,10 +140,18 @@ def int8_planes_linear(x: torch.Tensor, qweight: torch.Tensor, scale_offset: tor
         bias: ``(N,)`` or None.
 
     Returns:
-        ``(T, N)`` in ``x.dtype``.
+        ``(T, N)`` in ``x.dtype``. Up to :data:`DEQUANTIZE_ROWS` rows: the int4 kernel over both planes
+        (codes widened in registers), halves added; more (a prefill): ``W = W_h + W_l`` as float32 once,
+        then one float product.
     """
-    y = int4_linear(x, qweight, scale_offset)  # (T, 2 N)
     n = qweight.shape[0] // 2
+    if x.shape[0] > DEQUANTIZE_ROWS:
+        if x.device.type == "cpu" and cpu_kernels_available():
+            w = torch.ops.tpserve_cpu.dequantize_int4(qweight, scale_offset)  # (2 N, K) float32
+        else:
+            w = dequantize(qweight, scale_offset)  # (2 N, K) float32
+        return linear(x, (w[:n] + w[n:]).to(x.dtype), bias)  # (T, N)
+    y = int4_linear(x, qweight, scale_offset)  # (T, 2 N)
     out = y[:, :n] + y[:, n:]  # (T, N)
     if bias is not None:
         out += bias
