@@ -27,7 +27,7 @@ group of input columns, from ``--quantization int4`` on a float checkpoint
 ``pack-quantized`` configs into an :class:`~tpserve.quantization_int4.Int4Format`).
 Published 8-bit GPTQ and compressed-tensors ``pack-quantized`` W8A16 checkpoints are read
 by the same code into the same layer kind (``"int4"``: packed codes, group-wise scales):
-worker/layers/int8_planes.py says how their 8-bit codes are computed with.
+worker/layers/int8_groups.py says how their 8-bit codes are computed with.
 
 Every other ``quantization_config`` (bitsandbytes, 3-bit GPTQ, 8-bit AWQ,
 group-wise or asymmetric int8 compressed-tensors, activation or KV-cache quantization,

@@ -4,8 +4,8 @@ Every format here stores, per linear layer, ``bits``-bit codes ``q`` in ``[0, 2*
 float scale ``s`` and an integer zero point ``z`` per output row and group of ``group_size``
 input columns, with ``w = s * (q - z)``; they differ in how the tensors are packed and named,
 which worker/layers/int4_formats.py reads. The layers of every one of them are the int4 layer
-kind (``Quantization`` ``"int4"``: packed codes read by the int4 kernel); 8-bit codes are held
-as two 4-bit planes or, per channel and symmetric, as int8 (worker/layers/int8_planes.py).
+kind (``Quantization`` ``"int4"``: packed codes, group-wise scales); 8-bit codes are held a byte
+each with group-wise scales or, per channel and symmetric, as int8 (worker/layers/int8_groups.py).
 Accepted:
 
 * **GPTQ** (``quant_method: gptq``; AutoGPTQ / GPTQModel / optimum): ``bits`` 4 or 8 (8: four

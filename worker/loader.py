@@ -63,7 +63,7 @@ from worker.kv_quant import kv_scale_kind
 from tpserve.quantization_int4 import Int4Format, int4_format
 from worker.layers.int4_formats import PARTS
 from worker.layers.int4_weights import PackedPart, finish_int4_layer
-from worker.layers.int8_planes import describe_8bit
+from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
@@ -229,13 +229,13 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
 
 def _finish_int4(model: CausalLM) -> None:
     """Refuse incomplete 4-bit layers; switch the compiled decode layer off where a layer gathers its input
-    (act-order GPTQ: the compiled layer has no column gather) or holds 8-bit codes as two planes (it has no
-    plane sum: worker/layers/int8_planes.py)."""
+    (act-order GPTQ: the compiled layer has no column gather) or holds grouped 8-bit codes (it would take
+    them for int4 codes: worker/layers/int8_groups.py)."""
     permuted = False
     for module in model.modules():
         if getattr(module, "int4_pending", None) is not None:
             finish_int4_layer(module)
-            permuted |= module.input_perm is not None or module.int8_planes
+            permuted |= module.input_perm is not None or module.int8_groups
     if permuted:
         for module in model.modules():
             if hasattr(module, "decode_block"):

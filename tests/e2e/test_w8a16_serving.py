@@ -1,5 +1,5 @@
 """``tpserve serve`` on published 8-bit weight-only checkpoints, at tp 1 and 2: GPTQ ``bits: 8`` (symmetric,
-group 32, ``checkpoint_format: gptq``: two 4-bit planes on the int4 kernel) and compressed-tensors
+group 32, ``checkpoint_format: gptq``: byte codes with group-wise scales on the w8 kernel) and compressed-tensors
 ``pack-quantized`` W8A16 (symmetric, channel-wise, written by the ``compressed-tensors`` library: int8 per
 channel on the int8 kernel), each served by its ``config.json`` alone, from a servable tiny Llama. Greedy
 tokens, four prompts at once, are ``transformers``' on the format's reference dequantization; a corrupt one

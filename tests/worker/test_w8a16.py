@@ -3,20 +3,20 @@
 The int4 tests' tiny Llama (GQA, untied head, hidden 64, intermediate 256) written as
 (tests/worker/w8a16_checkpoints.py):
 
-* GPTQ ``bits: 8``, symmetric, group 32, ``checkpoint_format: gptq`` (zero points minus one): two 4-bit planes;
-* GPTQ 8-bit, asymmetric, act-order (``desc_act``, a random ``g_idx``), group 32: planes with the column
+* GPTQ ``bits: 8``, symmetric, group 32, ``checkpoint_format: gptq`` (zero points minus one): grouped bytes
+  (the w8 kernel);
+* GPTQ 8-bit, asymmetric, act-order (``desc_act``, a random ``g_idx``), group 32: grouped, with the column
   gather; tp 1 only (act-order groups spread over the row-parallel ranks are refused at tp 2, as for 4-bit);
 * GPTQ 8-bit per channel (``group_size: -1``), symmetric, ``gptq_v2``: int8 per channel (the int8 kernel);
-* GPTQ 8-bit per channel, asymmetric, ``gptq_v2``: planes with one group a row;
-* compressed-tensors ``pack-quantized`` W8A16 written by the library: asymmetric group 32 (planes), and
+* GPTQ 8-bit per channel, asymmetric, ``gptq_v2``: grouped with one group a row;
+* compressed-tensors ``pack-quantized`` W8A16 written by the library: asymmetric group 32 (grouped), and
   symmetric channel-wise (int8).
 
 Each: every greedy token equals ``transformers``' on the DEQUANTIZED float checkpoint (the format's
 reference dequantization), and the logits agree within atol = rtol = ``LOGIT_BOUND`` = 1e-4. The
-weights are the same exactly (the planes' ``16 s`` and ``s * z`` are exact in float32); only the
-summation order differs (float32; the int4 kernel's VNNI / AMX paths carry x as 24-bit fixed point per
-128 columns, channel-wise planes of the 256-column down projection take them). Measured max |diff|:
-1.0e-5 (int8 per channel) to 2.4e-5 (channel-wise asymmetric planes), tp 1 and 2.
+weights are the checkpoint's up to the float32 rounding of ``s * z`` (grouped) or exactly (int8); the
+sums are float32 in another order. Measured max |diff|: 1.0e-5 (int8 per channel) to 3.2e-5
+(channel-wise asymmetric, grouped), tp 1 and 2.
 """
 
 from __future__ import annotations

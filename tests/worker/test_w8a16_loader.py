@@ -1,4 +1,4 @@
-"""Loading 8-bit weight-only checkpoints: the packing, the exact plane split, and corrupt checkpoints refused
+"""Loading 8-bit weight-only checkpoints: the packing, the grouped 8-bit kernel, and corrupt checkpoints refused
 at load naming the tensor, never served.
 
 The checkpoints are the int4 tests' tiny Llama written by tests/worker/w8a16_checkpoints.py, then broken one
@@ -18,9 +18,10 @@ from tests.worker.int4_checkpoints import SPEC
 from tests.worker.loader_helpers import _load, _rewrite
 from tests.worker.w8a16_checkpoints import (gptq8_reference_dequantize, pack_bytes, save_compressed_tensors_w8a16,
                                             save_gptq8, unpack_bytes_loop)
-from worker.layers.int4_formats import Int4Tensor
-from worker.layers.int4_matmul import dequantize
-from worker.layers.int8_planes import DEQUANTIZE_ROWS, int8_planes_linear, split_planes
+from worker.kernels import cpu_kernels_available
+from worker.layers.int8_groups import dequantize_groups, int8_groups_linear
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels are unavailable")
 
 LAYER = "model.layers.1.self_attn.k_proj"  # (N 32, K 64)
 
@@ -60,37 +61,47 @@ def test_the_gptq_8_bit_packer_is_its_independent_unpack_and_the_reference_dequa
     assert torch.equal(w, (s.t() * (q.t().float() - z.t().float())))
 
 
-def test_8_bit_codes_split_exactly_into_two_4_bit_planes() -> None:
-    generator = torch.Generator().manual_seed(2)
-    n, k, group = 8, 64, 32
-    t = Int4Tensor(torch.randint(0, 256, (n, k), generator=generator).to(torch.uint8),
-                   torch.rand(n, 2, generator=generator) + 0.01,
-                   torch.randint(0, 256, (n, 2), generator=generator).float(), torch.arange(k) // group)
-    high, low = split_planes(t)
-    assert int(high.codes.max()) <= 15 and int(low.codes.max()) <= 15
-    # The planes denote the weights exactly: in float64 (where every term is exact) the sums are equal.
-    def exact(p: Int4Tensor) -> torch.Tensor:
-        return p.scales.double()[:, p.g_idx] * (p.codes.double() - p.zeros.double()[:, p.g_idx])
+@pytest.mark.parametrize("wide", [True, False])
+@needs_kernels
+def test_the_w8_kernel_matches_float64_at_every_row_count(wide: bool) -> None:
+    """``linear_w8`` (AVX-512, and AVX2 with ``use_avx512_w8(False)``) against float64 on the dequantized
+    weights: 1 to 9 rows (one pass, several streams, several passes), 70 (dequantize once and at::matmul),
+    groups of 32, 64 and 128, row counts that leave remainders to the one-stream loop, with and without bias.
+    The dequantization is ``s * q + o`` in float32 as ``dequantize_groups`` computes it, bit for bit."""
+    generator = torch.Generator().manual_seed(4)
+    torch.ops.tpserve_cpu.use_avx512_w8(wide)
+    try:
+        for n, k, g in ((37, 96, 32), (64, 256, 128), (5, 64, 64)):
+            codes = torch.randint(0, 256, (n, k), generator=generator).to(torch.uint8)
+            scales = torch.rand(n, k // g, generator=generator) + 0.01
+            zeros = torch.randint(0, 256, (n, k // g), generator=generator).float()
+            scale_offset = torch.stack([scales, -scales * zeros], dim=2)  # (N, groups, 2)
+            w = dequantize_groups(codes, scale_offset)  # (N, K) float32
+            assert torch.equal(torch.ops.tpserve_cpu.dequantize_w8(codes, scale_offset), w)
+            for rows in (1, 2, 3, 4, 5, 8, 9, 70):
+                x = torch.randn(rows, k, generator=generator)
+                bias = torch.randn(n, generator=generator) if rows % 2 else None
+                want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+                got = int8_groups_linear(x, codes, scale_offset, bias)
+                bound = 2e-6 * float((x.double().abs() @ w.double().abs().t()).max())  # float32 sums
+                assert float((got.double() - want).abs().max()) <= bound, (n, k, g, rows)
+    finally:
+        torch.ops.tpserve_cpu.use_avx512_w8(True)
 
-    assert torch.equal(exact(high) + exact(low), exact(t))
-    from worker.layers.int4_matmul import pack_codes
 
-    qweight = torch.cat([pack_codes(high.codes), pack_codes(low.codes)])  # (2N, K / 2)
-    scale_offset = torch.cat([torch.stack([p.scales, -p.scales * p.zeros], dim=2) for p in (high, low)])
-    torch.testing.assert_close(dequantize(qweight[:n], scale_offset[:n]) + dequantize(qweight[n:], scale_offset[n:]),
-                               t.dequantize(), atol=3.1e-5, rtol=0)  # float32's ulp at |w| < 256
-    for rows in (3, DEQUANTIZE_ROWS + 16):  # the int4 kernel over both planes; a prefill: dequantized once
-        x, bias = torch.randn(rows, k, generator=generator), torch.randn(n, generator=generator)
-        torch.testing.assert_close(int8_planes_linear(x, qweight, scale_offset, bias), x @ t.dequantize().t() + bias,
-                                   atol=1e-4, rtol=1e-5)
+@needs_kernels
+def test_the_w8_kernel_refuses_groups_it_cannot_block() -> None:
+    with pytest.raises(RuntimeError, match="groups do not split K=64 into multiples of 32"):
+        torch.ops.tpserve_cpu.linear_w8(torch.zeros(1, 64), torch.zeros(4, 64, dtype=torch.uint8),
+                                        torch.ones(4, 4, 2), None)
 
 
-def test_sound_8_bit_checkpoints_load_as_planes_or_int8(checkpoints: dict[str, Path]) -> None:
+def test_sound_8_bit_checkpoints_load_grouped_or_as_int8(checkpoints: dict[str, Path]) -> None:
     qkv = _load(checkpoints["gptq"]).model.layers[1].self_attn.qkv_proj
-    assert qkv.int8_planes and qkv.weight.dtype == torch.uint8 and qkv.weight.shape == (256, 32)  # 2 x 128 rows
-    assert qkv.weight_scale.shape == (256, 2, 2) and qkv.input_perm is not None
+    assert qkv.int8_groups and qkv.weight.dtype == torch.uint8 and qkv.weight.shape == (128, 64)  # a byte a code
+    assert qkv.weight_scale.shape == (128, 2, 2) and qkv.input_perm is not None
     qkv = _load(checkpoints["gptq_channel"]).model.layers[1].self_attn.qkv_proj
-    assert not qkv.int8_planes and qkv.weight.dtype == torch.int8 and qkv.weight.shape == (128, 64)
+    assert not qkv.int8_groups and qkv.weight.dtype == torch.int8 and qkv.weight.shape == (128, 64)
     assert qkv.weight_scale.shape == (128,)
 
 
@@ -131,8 +142,8 @@ def test_a_group_size_that_does_not_divide_k_is_refused(checkpoints: dict[str, P
 
 def test_a_group_the_kernel_cannot_block_is_refused_naming_the_tensor(checkpoints: dict[str, Path],
                                                                        tmp_path: Path) -> None:
-    """Groups of 16 columns: the checkpoint's 2 scale rows become 4 (each split in two), which the planes'
-    int4 kernel (blocks of 32 columns) cannot take: refused at load, named, never served."""
+    """Groups of 16 columns: the checkpoint's 2 scale rows become 4 (each split in two), which the w8 kernel
+    (groups of a multiple of 32 columns) does not take: refused at load, named, never served."""
     def regroup(tensors: dict) -> None:
         for name in [n for n in tensors if n.endswith(".scales")]:
             tensors[name] = tensors[name].repeat_interleave(2, dim=0).contiguous()
