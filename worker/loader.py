@@ -229,13 +229,12 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
 
 def _finish_int4(model: CausalLM) -> None:
     """Refuse incomplete 4-bit layers; switch the compiled decode layer off where a layer gathers its input
-    (act-order GPTQ: the compiled layer has no column gather) or holds grouped 8-bit codes (it would take
-    them for int4 codes: worker/layers/int8_groups.py)."""
+    (act-order GPTQ: the compiled layer has no column gather)."""
     permuted = False
     for module in model.modules():
         if getattr(module, "int4_pending", None) is not None:
             finish_int4_layer(module)
-            permuted |= module.input_perm is not None or module.int8_groups
+            permuted |= module.input_perm is not None
     if permuted:
         for module in model.modules():
             if hasattr(module, "decode_block"):

@@ -24,10 +24,10 @@ form held each code as two 4-bit planes, ``q = 16 h + l``, on the int4 kernel (`
 halves added). At 1 row it took 116 us for a 2304x768 layer and 852 us for 4096x4096, where this
 kernel takes 74 and 577 (the int8 kernel on the same bytes, per channel: 61 and 548; float32: 226
 and 2123); at 4 rows 1302 against the planes' 1579 (4096x4096). From 5 rows on the planes' AMX path
-and this kernel are about even. The compiled decode layer (worker/layers/decode_block.py) takes its
-int4 op for a uint8 weight, so a model with grouped 8-bit layers decodes on the module path
-(worker/loader.py switches the decode layer off). Without the compiled kernels, or on CUDA, the
-weights are dequantized to ``x.dtype`` per call (a fallback, as for int4).
+and this kernel are about even. The compiled decode layer (worker/layers/decode_block.py) takes the
+same op for a uint8 weight of ``K`` columns (an int4 weight has ``K / 2``), bit-identical to the module
+path (tests/worker/test_decode_block.py). Without the compiled kernels, or on CUDA, the weights are
+dequantized to ``x.dtype`` per call (a fallback, as for int4).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def describe_8bit(fmt: Any) -> str:
     """The compute form of an 8-bit format, in words, for the start-up log line."""
     if int8_channel_layout(fmt):
         return "int8 per output channel (the int8 kernel)"
-    return "8-bit codes with a scale and offset per group (the w8 kernel; the compiled decode layer off)"
+    return "8-bit codes with a scale and offset per group (the w8 kernel)"
 
 
 def write_8bit(layer: Any, t: Int4Tensor, offset: int, shard_id: object, fmt: Any, stem: str) -> None:
