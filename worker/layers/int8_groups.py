@@ -19,14 +19,14 @@ columns, ``w = s * (q - z)``. It is held in one of two forms, both exact (no req
   ``G`` must be a multiple of 32 (the loaders refuse other groups, naming the scales tensor).
 
 Why a kernel of its own (measured on this project's 2-core AVX-512 host, one thread, best of 30,
-groups of 128; docs/design/models.md, "Published 8-bit weight-only checkpoints"): an exact first
-form held each code as two 4-bit planes, ``q = 16 h + l``, on the int4 kernel (``(2 N, K / 2)``,
-halves added). At 1 row it took 116 us for a 2304x768 layer and 852 us for 4096x4096, where this
-kernel takes 74 and 577 (the int8 kernel on the same bytes, per channel: 61 and 548; float32: 226
-and 2123); at 4 rows 1302 against the planes' 1579 (4096x4096). From 5 rows on the planes' AMX path
-and this kernel are about even. The compiled decode layer (worker/layers/decode_block.py) takes the
-same op for a uint8 weight of ``K`` columns (an int4 weight has ``K / 2``), bit-identical to the module
-path (tests/worker/test_decode_block.py). Without the compiled kernels, or on CUDA, the weights are
+groups of 128; the table in docs/design/models.md, "Published 8-bit weight-only checkpoints"): an
+exact first form held each code as two 4-bit planes, ``q = 16 h + l``, on the int4 kernel
+(``(2 N, K / 2)``, halves added). At 1 row it took 120 us for a 2304x768 layer and 852 us for
+4096x4096, where this kernel takes 74 and 577 (the int8 kernel on the same bytes, per channel: 61
+and 548; float32: 226 and 2123); at 4 rows 1302 against the planes' 1579 (4096x4096). From 5 rows on
+the planes' AMX path and this kernel are about even. The compiled decode layer
+(worker/layers/decode_block.py) takes the same op for a uint8 weight of ``K`` columns (an int4 weight
+has ``K / 2``), bit-identical to the module path (tests/worker/test_decode_block.py). Without the compiled kernels, or on CUDA, the weights are
 dequantized to ``x.dtype`` per call (a fallback, as for int4).
 """
 
