@@ -89,6 +89,19 @@ def test_the_w8_kernel_matches_float64_at_every_row_count(wide: bool) -> None:
         torch.ops.tpserve_cpu.use_avx512_w8(True)
 
 
+def test_the_grouped_8_bit_fallback_takes_half_precision_activations() -> None:
+    """bfloat16 activations (or no compiled kernels, or CUDA) take the fallback: W dequantized to x's dtype."""
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (16, 64), generator=generator).to(torch.uint8)
+    scales = torch.rand(16, 2, generator=generator) * 0.01 + 0.001
+    scale_offset = torch.stack([scales, -scales * 128], dim=2)
+    x = torch.randn(3, 64, generator=generator)
+    got = int8_groups_linear(x.bfloat16(), codes, scale_offset)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 16)
+    want = x.double() @ dequantize_groups(codes, scale_offset).double().t()
+    torch.testing.assert_close(got.double(), want, atol=0.02, rtol=0.02)  # bfloat16's 8 bits
+
+
 @needs_kernels
 def test_the_w8_kernel_refuses_groups_it_cannot_block() -> None:
     with pytest.raises(RuntimeError, match="groups do not split K=64 into multiples of 32"):
