@@ -1,4 +1,4 @@
-"""4-bit ``quantization_config`` s: what tpserve serves, and each refusal names the field and value.
+"""4- and 8-bit packed ``quantization_config`` s: what tpserve serves, and each refusal names the field and value.
 
 Read by the coordinator before any rank starts (tpserve/quantization_int4.py, no torch).
 """
@@ -34,15 +34,22 @@ def _w4a16(**weights) -> dict:
      Int4Format("awq", 64, False)),
     (W4A16, Int4Format("compressed-tensors", 128, True)),
     (_w4a16(strategy="channel", group_size=None, symmetric=False), Int4Format("compressed-tensors", -1, False)),
+    ({**GPTQ, "bits": 8}, Int4Format("gptq", 128, True, False, zero_plus_one=True, bits=8)),
+    ({**GPTQ, "bits": 8, "group_size": -1, "sym": False, "desc_act": True, "checkpoint_format": "gptq_v2"},
+     Int4Format("gptq", -1, False, True, zero_plus_one=False, bits=8)),
+    (_w4a16(num_bits=8), Int4Format("compressed-tensors", 128, True, bits=8)),
+    (_w4a16(num_bits=8, strategy="channel", group_size=None, symmetric=False),
+     Int4Format("compressed-tensors", -1, False, bits=8)),
 ])
-def test_served_4_bit_configs(qc: dict, expected: Int4Format) -> None:
+def test_served_4_and_8_bit_configs(qc: dict, expected: Int4Format) -> None:
     assert int4_format(qc) == expected
     assert checkpoint_quantization({"quantization_config": qc}) == "int4"
 
 
 @pytest.mark.parametrize("qc, named", [
-    ({**GPTQ, "bits": 8}, "gptq bits=8"),
     ({**GPTQ, "bits": 3}, "gptq bits=3"),
+    ({**GPTQ, "bits": 2}, "gptq bits=2"),
+    ({**GPTQ, "bits": True}, "gptq bits=True"),
     ({**GPTQ, "lm_head": True}, "gptq lm_head=True"),
     ({**GPTQ, "checkpoint_format": "marlin"}, "gptq checkpoint_format='marlin'"),
     ({**GPTQ, "group_size": 0}, "gptq group_size=0"),
@@ -52,7 +59,9 @@ def test_served_4_bit_configs(qc: dict, expected: Int4Format) -> None:
     ({**AWQ, "zero_point": False}, "awq zero_point=False"),
     ({**AWQ, "bits": 8}, "awq bits=8"),
     ({**AWQ, "modules_to_not_convert": ["visual"]}, "awq modules_to_not_convert=['visual']"),
-    (_w4a16(num_bits=8), "weights.num_bits=8"),
+    (_w4a16(num_bits=2), "weights.num_bits=2"),
+    (_w4a16(num_bits=8, actorder="group"), "weights.actorder='group'"),
+    (_w4a16(num_bits=8, type="float"), "weights.type='float'"),
     (_w4a16(actorder="group"), "weights.actorder='group'"),
     (_w4a16(strategy="tensor"), "weights.strategy='tensor'"),
     (_w4a16(type="float"), "weights.type='float'"),

@@ -25,8 +25,11 @@ group of input columns, from ``--quantization int4`` on a float checkpoint
 (round-to-nearest, symmetric, groups of 128) or from a published 4-bit checkpoint
 (:mod:`tpserve.quantization_int4` reads GPTQ, AWQ and compressed-tensors
 ``pack-quantized`` configs into an :class:`~tpserve.quantization_int4.Int4Format`).
+Published 8-bit GPTQ and compressed-tensors ``pack-quantized`` W8A16 checkpoints are read
+by the same code into the same layer kind (``"int4"``: packed codes, group-wise scales):
+worker/layers/int8_groups.py says how their 8-bit codes are computed with.
 
-Every other ``quantization_config`` (bitsandbytes, 8-bit GPTQ,
+Every other ``quantization_config`` (bitsandbytes, 3-bit GPTQ, 8-bit AWQ,
 group-wise or asymmetric int8 compressed-tensors, activation or KV-cache quantization,
 a quantized LM head) is refused at start-up, by the coordinator, before any rank
 starts: :func:`checkpoint_quantization` raises ``ValueError`` naming what it found
@@ -49,7 +52,8 @@ QUANTIZATION_METHODS: tuple[Quantization, ...] = ("int8", "int4", "fp8")
 COMPRESSED_TENSORS_FORMATS = ("int-quantized", "naive-quantized")
 SUPPORTED = ("compressed-tensors int8 weight-only checkpoints (format int-quantized or naive-quantized: "
              "8-bit int weights, symmetric, strategy channel, no activation or KV-cache quantization, "
-             "lm_head ignored), 4-bit GPTQ, AWQ (GEMM) or compressed-tensors pack-quantized checkpoints, "
+             "lm_head ignored), 4- or 8-bit GPTQ, 4-bit AWQ (GEMM) or 4- or 8-bit compressed-tensors pack-quantized "
+             "checkpoints, "
              "block-scaled fp8 (quant_method fp8), compressed-tensors float-quantized fp8, mxfp4 (gpt-oss), "
              "or a float checkpoint with --quantization int8 or int4")
 

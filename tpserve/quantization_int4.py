@@ -1,11 +1,15 @@
-"""Which 4-bit weight-only format a checkpoint is in, read from ``config.json``'s ``quantization_config``.
+"""Which packed 4- or 8-bit weight-only format a checkpoint is in, read from ``config.json``'s ``quantization_config``.
 
-Every format here stores, per linear layer, 4-bit codes ``q`` in ``[0, 15]``, a float scale
-``s`` and an integer zero point ``z`` per output row and group of ``group_size`` input
-columns, with ``w = s * (q - z)``; they differ in how the tensors are packed and named,
-which worker/layers/int4_formats.py reads. Accepted:
+Every format here stores, per linear layer, ``bits``-bit codes ``q`` in ``[0, 2**bits - 1]``, a
+float scale ``s`` and an integer zero point ``z`` per output row and group of ``group_size``
+input columns, with ``w = s * (q - z)``; they differ in how the tensors are packed and named,
+which worker/layers/int4_formats.py reads. The layers of every one of them are the int4 layer
+kind (``Quantization`` ``"int4"``: packed codes, group-wise scales); 8-bit codes are held a byte
+each with group-wise scales or, per channel and symmetric, as int8 (worker/layers/int8_groups.py).
+Accepted:
 
-* **GPTQ** (``quant_method: gptq``; AutoGPTQ / GPTQModel / optimum): ``bits`` 4,
+* **GPTQ** (``quant_method: gptq``; AutoGPTQ / GPTQModel / optimum): ``bits`` 4 or 8 (8: four
+  byte codes an int32, the same packing directions),
   ``group_size`` (-1: one group per row), ``sym`` true or false, ``desc_act`` with the
   checkpoint's ``g_idx`` (act-order), ``checkpoint_format`` ``gptq`` (zero points stored
   minus one, AutoGPTQ's historical layout) or ``gptq_v2``; no ``lm_head`` quantization,
@@ -13,8 +17,8 @@ which worker/layers/int4_formats.py reads. Accepted:
 * **AWQ** (``quant_method: awq``; AutoAWQ): ``version`` ``gemm`` only (the packed layout
   transformers and vLLM read), ``bits`` / ``w_bit`` 4, ``group_size`` /
   ``q_group_size``, ``zero_point`` true (the asymmetric AWQ every AutoAWQ GEMM checkpoint is).
-* **compressed-tensors** ``pack-quantized`` (llm-compressor's W4A16): weights
-  ``num_bits`` 4, ``type`` int, ``strategy`` ``group`` or ``channel``, symmetric or not,
+* **compressed-tensors** ``pack-quantized`` (llm-compressor's W4A16 and W8A16): weights
+  ``num_bits`` 4 or 8, ``type`` int, ``strategy`` ``group`` or ``channel``, symmetric or not,
   no ``actorder``, no activation or KV-cache quantization, ``lm_head`` ignored.
 
 Anything else raises ``ValueError`` naming the field and its value. No torch here (the
@@ -34,20 +38,24 @@ from tpserve.weight_formats import compressed_tensors_groups, matches_target
 #: it uses :data:`RTN_SMALL_GROUP_SIZE`.
 RTN_GROUP_SIZE = 128
 RTN_SMALL_GROUP_SIZE = 32
-SUPPORTED_INT4 = ("GPTQ (bits 4, any group_size, sym or not, desc_act with g_idx), AWQ (version gemm, bits 4), "
-                  "compressed-tensors pack-quantized (num_bits 4, int, strategy group or channel)")
+SUPPORTED_INT4 = ("GPTQ (bits 4 or 8, any group_size, sym or not, desc_act with g_idx), AWQ (version gemm, bits 4), "
+                  "compressed-tensors pack-quantized (num_bits 4 or 8, int, strategy group or channel)")
+#: Code widths of the packed formats: GPTQ and compressed-tensors store 4 or 8 bits a weight (AWQ 4 only).
+PACKED_BITS = (4, 8)
 
 
 @dataclass(frozen=True)
 class Int4Format:
-    """A 4-bit checkpoint format as the loaders need it.
+    """A packed 4- or 8-bit checkpoint format as the loaders need it.
 
     Attributes:
         method: ``"gptq"``, ``"awq"`` or ``"compressed-tensors"``.
         group_size: input columns per (scale, zero point); -1 for one group per output row.
-        symmetric: no zero points are stored (the format's implied one is used: 8).
+        symmetric: no zero points are stored (compressed-tensors: the format's implied one is
+            used, ``2 ** (bits - 1)``: 8 or 128).
         desc_act: GPTQ act-order: the checkpoint's ``g_idx`` says which group each input column is in.
         zero_plus_one: GPTQ ``checkpoint_format: gptq``: a stored zero point is ``z - 1``.
+        bits: bits a code, 4 or 8 (``32 / bits`` codes an int32).
     """
 
     method: str
@@ -55,6 +63,7 @@ class Int4Format:
     symmetric: bool
     desc_act: bool = False
     zero_plus_one: bool = False
+    bits: int = 4
 
 
 def _refuse(found: str) -> ValueError:
@@ -68,7 +77,7 @@ def _group_size(value: Any, field: str) -> int:
 
 
 def int4_format(qc: dict[str, Any]) -> Int4Format:
-    """The :class:`Int4Format` of a GPTQ, AWQ or compressed-tensors ``pack-quantized`` ``quantization_config``.
+    """The :class:`Int4Format` (4 or 8 bits) of a GPTQ, AWQ or compressed-tensors ``pack-quantized`` ``quantization_config``.
 
     Raises:
         ValueError: a variant not served, naming the field and value.
@@ -84,8 +93,9 @@ def int4_format(qc: dict[str, Any]) -> Int4Format:
 
 
 def _gptq(qc: dict[str, Any]) -> Int4Format:
-    if qc.get("bits") != 4:
-        raise _refuse(f"gptq bits={qc.get('bits')!r} (only 4-bit GPTQ is served)")
+    bits = qc.get("bits")
+    if bits not in PACKED_BITS or isinstance(bits, bool):
+        raise _refuse(f"gptq bits={bits!r} (4- and 8-bit GPTQ are served)")
     if qc.get("lm_head"):
         raise _refuse(f"gptq lm_head={qc['lm_head']!r} (the LM head stays in the model dtype)")
     if qc.get("dynamic"):
@@ -100,7 +110,7 @@ def _gptq(qc: dict[str, Any]) -> Int4Format:
     if not isinstance(desc_act, bool):
         raise _refuse(f"gptq desc_act={desc_act!r}")
     return Int4Format("gptq", _group_size(qc.get("group_size", 128), "gptq group_size"), sym, desc_act,
-                      zero_plus_one=checkpoint_format == "gptq")
+                      zero_plus_one=checkpoint_format == "gptq", bits=bits)
 
 
 def _awq(qc: dict[str, Any]) -> Int4Format:
@@ -119,7 +129,7 @@ def _awq(qc: dict[str, Any]) -> Int4Format:
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> Int4Format:
-    groups = compressed_tensors_groups(qc, "4-bit ints", _refuse)
+    groups = compressed_tensors_groups(qc, "4- or 8-bit ints", _refuse)
     ignore = list(qc.get("ignore") or [])
     formats = {_ct_group(name, group, ignore) for name, group in groups.items()}
     if len(formats) != 1:
@@ -138,9 +148,11 @@ def _ct_group(name: str, group: Any, ignore: list[str]) -> Int4Format:
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise _refuse(f"config_groups.{name}.weights={weights!r}")
-    for key, value in {"num_bits": 4, "type": "int"}.items():
-        if weights.get(key) != value:
-            raise _refuse(f"config_groups.{name}.weights.{key}={weights.get(key)!r} (expected {value!r})")
+    bits = weights.get("num_bits")
+    if bits not in PACKED_BITS or isinstance(bits, bool):
+        raise _refuse(f"config_groups.{name}.weights.num_bits={bits!r} (expected 4 or 8)")
+    if weights.get("type") != "int":
+        raise _refuse(f"config_groups.{name}.weights.type={weights.get('type')!r} (expected 'int')")
     for key in ("block_structure", "actorder", "dynamic"):
         if weights.get(key):
             raise _refuse(f"config_groups.{name}.weights.{key}={weights[key]!r}")
@@ -157,5 +169,5 @@ def _ct_group(name: str, group: Any, ignore: list[str]) -> Int4Format:
     targets = list(group.get("targets") or [])
     if matches_target(targets, "lm_head", "Linear") and not matches_target(ignore, "lm_head", None):
         raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
-    return Int4Format("compressed-tensors", group_size, symmetric)
+    return Int4Format("compressed-tensors", group_size, symmetric, bits=bits)
 

@@ -63,6 +63,7 @@ from worker.kv_quant import kv_scale_kind
 from tpserve.quantization_int4 import Int4Format, int4_format
 from worker.layers.int4_formats import PARTS
 from worker.layers.int4_weights import PackedPart, finish_int4_layer
+from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
 from worker.parallel_state import ParallelContext
@@ -105,6 +106,10 @@ def load_model(
         raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
                          "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
     load_weights(model, files, ctx.device, fmt, int4)
+    if int4 is not None and int4.bits == 8:
+        (log.info if ctx.tp_rank == 0 else log.debug)(f"8-bit {int4.method} weights (group_size {int4.group_size}, "
+                                                      f"{'symmetric' if int4.symmetric else 'zero points'}) served "
+                                                      f"as {describe_8bit(int4)}")
     if fmt is not None and quantization == "fp8":
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} linear weights kept as fp8 "
                                                       "(--quantization fp8); other tensors dequantized at load")

@@ -194,14 +194,15 @@ def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int
 
 
 def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target: Path, *, strategy: str,
-                                  symmetric: bool, group: int | None = None,
+                                  symmetric: bool, group: int | None = None, num_bits: int = 4,
                                   pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
-    """``source`` as a compressed-tensors ``pack-quantized`` W4A16 checkpoint written by the library."""
+    """``source`` as a compressed-tensors ``pack-quantized`` W4A16 (``num_bits`` 8: W8A16) checkpoint written by
+    the library."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
                                 quantization_status="compressed").model_dump()

@@ -9,7 +9,8 @@ a preempted sequence that leaves it. The final hidden states of every step, the 
 tokens and both KV caches at the end must be equal, not close: the two paths run the same
 kernels in the same order. The checkpoints cover every projection with a bias (Llama's
 o_proj and MLP biases, Qwen2's q/k/v), GQA and MQA, a head size of 32, Llama 3 RoPE,
-Phi-3's fused checkpoint, a window, Qwen3's QK-norm, and weight-only int8.
+Phi-3's fused checkpoint, a window, Qwen3's QK-norm, weight-only int8, and a group-wise 8-bit GPTQ
+checkpoint (its layers' uint8 codes of K columns take the w8 op, not int4's).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import worker.layers.decode_block as decode_block
 import worker.models.llama as llama
 from tests.tiny_models import TinyModelSpec, save_tiny_model
+from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2
 from worker.model_runner import ModelRunner
@@ -102,15 +104,20 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
 @pytest.mark.parametrize(("name", "quantization"), [
     ("gqa_tied", None), ("mqa_untied_bias", None), ("qwen2_qkv_bias", None), ("llama3_rope", None),
     ("phi3_fused", None), ("mistral_window", None), ("qwen3_qk_norm", None), ("gqa_tied", "int8"),
-    ("mqa_untied_bias", "int8"),
+    ("mqa_untied_bias", "int8"), ("gqa_tied_gptq8", None),
 ])
 def test_decode_block_equals_the_module_path(name: str, quantization: str | None, halves: bool,
                                              tiny_checkpoints: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``halves``: the tensor-parallel form, per layer (``attention_block``, the all-reduce, ``mlp_block``),
     here on one rank, where the all-reduce is the identity; else one rank's :class:`DecodeStack`."""
-    checkpoint = (save_tiny_model(MISTRAL_WINDOW, tmp_path / "mistral") if name == "mistral_window"
-                  else tiny_checkpoints[name])
+    if name == "mistral_window":
+        checkpoint = save_tiny_model(MISTRAL_WINDOW, tmp_path / "mistral")
+    elif name == "gqa_tied_gptq8":  # 8-bit GPTQ with zero points, group 32: grouped bytes, the w8 op
+        checkpoint = save_gptq8(tiny_checkpoints["gqa_tied"], tmp_path / "gptq8", tmp_path / "gptq8_dq", group=32,
+                                sym=False)[0]
+    else:
+        checkpoint = tiny_checkpoints[name]
     calls = []
     if halves:
         forward = llama.decode_block_forward

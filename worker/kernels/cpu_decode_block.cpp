@@ -73,11 +73,25 @@ linear_fp8_op() {
   return op;
 }
 
-// x (T, K) @ weight (N, K)^T [* scale] [+ bias] -> (T, N): the float32, int8, int4 or fp8 linear (scale given;
-// int4: a uint8 weight of packed codes with its (N, K / G, 2) scales and offsets, cpu_linear_int4.cpp; fp8:
-// float8_e4m3fn with (N, K / G) scales, cpu_linear_fp8.cpp).
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const OptTensor&)>&
+linear_w8_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tpserve_cpu::linear_w8", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+  return op;
+}
+
+// x (T, K) @ weight (N, K)^T [* scale] [+ bias] -> (T, N): the float32, int8, int4, grouped 8-bit or fp8 linear
+// (scale given; int4: a uint8 weight of packed codes, K / 2 columns, with its (N, K / G, 2) scales and offsets,
+// cpu_linear_int4.cpp; grouped 8-bit: a uint8 weight of K columns, a code a byte, the same scales and offsets,
+// cpu_linear_w8.cpp; fp8: float8_e4m3fn with (N, K / G) scales, cpu_linear_fp8.cpp).
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const OptTensor& scale, const OptTensor& bias) {
-  if (scale.has_value() && weight.scalar_type() == at::kByte) return linear_int4_op().call(x, weight, *scale, bias);
+  if (scale.has_value() && weight.scalar_type() == at::kByte) {
+    if (weight.size(1) == x.size(1)) return linear_w8_op().call(x, weight, *scale, bias);
+    return linear_int4_op().call(x, weight, *scale, bias);
+  }
   if (scale.has_value() && weight.scalar_type() == at::kFloat8_e4m3fn) return linear_fp8_op().call(x, weight, *scale, bias);
   if (scale.has_value()) return linear_int8_op().call(x, weight, *scale, bias);
   return linear_f32_op().call(x, weight, bias);

@@ -1,8 +1,8 @@
-"""Reading a published 4-bit checkpoint's tensors into one common form, checked.
+"""Reading a published 4- or 8-bit checkpoint's tensors into one common form, checked.
 
 Each format (tpserve/quantization_int4.py) stores a linear layer as packed int32 tensors;
 :func:`unpack_layer` turns one layer's (or one fused part's) tensors into an
-:class:`Int4Tensor`: ``codes (N, K)`` uint8 in ``[0, 15]``, ``scales (N, groups)`` and
+:class:`Int4Tensor`: ``codes (N, K)`` uint8 in ``[0, 2**bits - 1]``, ``scales (N, groups)`` and
 ``zeros (N, groups)`` float32, ``g_idx (K,)`` int64 (the group of each input column), with
 
     w[n, k] = scales[n, g_idx[k]] * (codes[n, k] - zeros[n, g_idx[k]])
@@ -21,6 +21,12 @@ the format's reference dequantization in every case:
   ``[n, c]`` the signed value of column ``8c + i`` plus 8 (the library's ``pack_to_int32``);
   ``weight_scale (N, groups)``; ``weight_zero_point (N / 8, groups)`` int32 packed along the
   rows the same way (asymmetric only; symmetric: zero 8, the offset); ``weight_shape = [N, K]``.
+
+8-bit GPTQ and compressed-tensors (``bits`` / ``num_bits`` 8) pack the same way with four byte
+codes an int32 instead of eight nibbles (byte ``i`` is bits ``8i .. 8i + 7``): GPTQ ``qweight
+(K / 4, N)``, ``qzeros (groups, N / 4)`` (minus one under ``checkpoint_format: gptq``);
+compressed-tensors ``weight_packed (N, K / 4)`` holding the signed value plus 128 (the library's
+``pack_to_int32`` at ``num_bits`` 8) and ``weight_zero_point (N / 4, groups)``, symmetric zero 128.
 
 A corrupt layer is refused with a ``ValueError`` naming the tensor: a wrong shape or dtype,
 a NaN, infinite or zero scale, a group size that does not divide ``K``, a missing ``g_idx``
@@ -60,7 +66,7 @@ def required_parts(fmt: Int4Format) -> set[str]:
 class Int4Tensor:
     """One linear weight ``(N, K)`` in common form (module docstring)."""
 
-    codes: torch.Tensor   # (N, K) uint8 in [0, 15]
+    codes: torch.Tensor   # (N, K) uint8 in [0, 15] (4-bit) or [0, 255] (8-bit)
     scales: torch.Tensor  # (N, groups) float32
     zeros: torch.Tensor   # (N, groups) float32
     g_idx: torch.Tensor   # (K,) int64
@@ -84,13 +90,14 @@ class Int4Tensor:
         return s * (self.codes.float() - self.zeros[:, self.g_idx])
 
 
-def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 ``packed`` -> uint8 codes with each int32's 8 nibbles (low first) spread along ``dim``."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)  # (8,)
+def _nibbles(packed: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
+    """int32 ``packed`` -> uint8 codes with each int32's ``32 / bits`` codes (low bits first) spread along ``dim``."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # (32 / bits,)
+    mask = (1 << bits) - 1
     if dim == 0:
-        codes = (packed.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # (R, 8, C)
+        codes = (packed.unsqueeze(1) >> shifts[None, :, None]) & mask  # (R, 32 / bits, C)
         return codes.reshape(-1, packed.shape[1]).to(torch.uint8)
-    codes = (packed.unsqueeze(2) >> shifts) & 0xF  # (R, C, 8)
+    codes = (packed.unsqueeze(2) >> shifts) & mask  # (R, C, 32 / bits)
     return codes.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
@@ -137,14 +144,16 @@ def unpack_layer(fmt: Int4Format, parts: dict[str, torch.Tensor], names: dict[st
         raise ValueError(f"group_size={fmt.group_size} does not divide the input size {k} of "
                          f"{names['qweight']}")
     groups = k // group
-    if k % 8 or n % 8:
-        raise ValueError(f"{names['qweight']}: sizes {n}x{k} are not multiples of 8 (a 4-bit int32 packing)")
+    per_word = 32 // fmt.bits  # codes an int32
+    if k % per_word or n % per_word:
+        raise ValueError(f"{names['qweight']}: sizes {n}x{k} are not multiples of {per_word} (a {fmt.bits}-bit "
+                         "int32 packing)")
     if fmt.method == "gptq":
-        _check(names["qweight"], parts["qweight"], (k // 8, n), _INT32)
+        _check(names["qweight"], parts["qweight"], (k // per_word, n), _INT32)
         _check(names["scales"], parts["scales"], (groups, n), _FLOATS)
-        _check(names["qzeros"], parts["qzeros"], (groups, n // 8), _INT32)
-        codes = _nibbles(parts["qweight"], 0).t()  # (N, K)
-        zeros = _nibbles(parts["qzeros"], 1).t().float() + (1.0 if fmt.zero_plus_one else 0.0)  # (N, groups)
+        _check(names["qzeros"], parts["qzeros"], (groups, n // per_word), _INT32)
+        codes = _nibbles(parts["qweight"], 0, fmt.bits).t()  # (N, K)
+        zeros = _nibbles(parts["qzeros"], 1, fmt.bits).t().float() + (1.0 if fmt.zero_plus_one else 0.0)  # (N, groups)
         scales = _check_scales(names["scales"], parts["scales"]).t()
         g_idx = _g_idx(parts.get("g_idx"), names.get("g_idx", "g_idx"), k, group, groups)
     elif fmt.method == "awq":
@@ -161,15 +170,15 @@ def unpack_layer(fmt: Int4Format, parts: dict[str, torch.Tensor], names: dict[st
         stored = parts["shape"].flatten().tolist()
         if stored != [n, k]:
             raise ValueError(f"{names['shape']} is {stored}, expected {[n, k]}")
-        _check(names["qweight"], parts["qweight"], (n, k // 8), _INT32)
+        _check(names["qweight"], parts["qweight"], (n, k // per_word), _INT32)
         _check(names["scales"], parts["scales"], (n, groups), _FLOATS)
-        codes = _nibbles(parts["qweight"], 1)
+        codes = _nibbles(parts["qweight"], 1, fmt.bits)
         scales = _check_scales(names["scales"], parts["scales"])
         if fmt.symmetric:
-            zeros = torch.full((n, groups), 8.0)
+            zeros = torch.full((n, groups), float(1 << (fmt.bits - 1)))  # the packing's offset: 8 or 128
         else:
-            _check(names["qzeros"], parts["qzeros"], (n // 8, groups), _INT32)
-            zeros = _nibbles(parts["qzeros"], 0).float()
+            _check(names["qzeros"], parts["qzeros"], (n // per_word, groups), _INT32)
+            zeros = _nibbles(parts["qzeros"], 0, fmt.bits).float()
         g_idx = torch.arange(k) // group
     return Int4Tensor(codes.contiguous(), scales.contiguous(), zeros.contiguous(), g_idx)
 

@@ -1,5 +1,8 @@
 """Weight-only int4 parameters of the parallel linear layers, and how they are filled.
 
+(Published 8-bit GPTQ / compressed-tensors checkpoints are read the same way, then laid out by
+worker/layers/int8_groups.py: as int8 per channel, or as byte codes with group-wise scales and offsets.)
+
 (``layer`` is typed ``Any`` here: the functions set and read the attributes they add to an
 ``nn.Module``, which mypy sees only as ``Tensor | Module``.)
 
@@ -45,6 +48,7 @@ import torch
 from tpserve.quantization_int4 import RTN_GROUP_SIZE, RTN_SMALL_GROUP_SIZE, Int4Format
 from worker.layers.int4_formats import PARTS, Int4Tensor, required_parts, unpack_layer
 from worker.layers.int4_matmul import BLOCK, pack_codes
+from worker.layers.int8_groups import write_8bit
 from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow, source_shape
 
 RTN_MAX = 7
@@ -96,6 +100,7 @@ def new_int4_weights(layer: Any, shape: tuple[int, int], device: torch.device) -
     layer.weight_scale.computed_shard_ids = set()
     layer.int4_pending = {}  # shard id -> {part: (tensor, name)} until the part's tensors are all read
     layer.input_perm = None  # act-order: (K_local,) int64, x's columns in the packed order
+    layer.int8_groups = False  # an 8-bit checkpoint's group-wise codes, a byte each (int8_groups.py)
 
 
 def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start: int, size: int,
@@ -104,7 +109,8 @@ def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start:
 
     A float source (``--quantization int4``) is read for those rows only and quantized (RTN).
     """
-    k = layer.weight.shape[1] * 2
+    bytes_per_code = layer.weight.dtype == torch.int8 or layer.int8_groups  # 8-bit layouts (int8_groups.py)
+    k = layer.weight.shape[1] * (1 if bytes_per_code else 2)
     if not isinstance(source, PackedPart):
         check_shape(source, (total_rows, k))
         _write(layer, quantize_rtn(read_narrow(source, 0, start, size), rtn_group_size(k)), offset, shard_id)
@@ -119,7 +125,7 @@ def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start:
             raise ValueError(f"{source.name}: g_idx differs between the parts of a fused layer (q/k/v or "
                              "gate/up): not served")
         layer.input_perm = perm
-    _write(layer, t, offset, shard_id)
+    _write(layer, t, offset, shard_id, source.name)
 
 
 def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[int, int],
@@ -143,7 +149,7 @@ def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[in
     t, perm = column_slice(full, start, size, source.name)
     if perm is not None:
         layer.input_perm = perm
-    _write(layer, t, 0, None)
+    _write(layer, t, 0, None, source.name)
 
 
 def sort_by_group(t: Int4Tensor) -> tuple[Int4Tensor, torch.Tensor | None]:
@@ -225,8 +231,15 @@ def finish_int4_layer(layer: Any) -> None:
                          f"read {names}): a corrupt checkpoint")
 
 
-def _write(layer: Any, t: Int4Tensor, offset: int, shard_id: object) -> None:
-    """Pack ``t`` (this rank's rows, its input columns in packed order) into rows ``[offset, ...)``."""
+def _write(layer: Any, t: Int4Tensor, offset: int, shard_id: object, name: str = "") -> None:
+    """Pack ``t`` (this rank's rows, its input columns in packed order) into rows ``[offset, ...)``.
+
+    8-bit checkpoints' codes go to worker/layers/int8_groups.py's layouts.
+    """
+    fmt = getattr(layer, "int4_format", None)
+    if fmt is not None and fmt.bits == 8:
+        write_8bit(layer, t, offset, shard_id, fmt, name.rpartition(".")[0])
+        return
     size, k = t.codes.shape
     groups = t.scales.shape[1]
     if t.group_size % BLOCK:

@@ -29,7 +29,9 @@ is :func:`~worker.layers.int8_matmul.int8_linear`; activations stay in ``dtype``
 (worker/layers/int4_weights.py: quantized at load from a float checkpoint, or repacked
 from a GPTQ / AWQ / compressed-tensors checkpoint), and the matmul is
 :func:`~worker.layers.int4_matmul.int4_linear`, after gathering ``x``'s columns when the
-checkpoint is act-order GPTQ (``input_perm``).
+checkpoint is act-order GPTQ (``input_perm``). An 8-bit GPTQ / compressed-tensors checkpoint's
+layers are int4 layers re-laid out at load (worker/layers/int8_groups.py): int8 per channel
+(then the int8 matmul), or byte codes with group-wise scales and offsets (``int8_groups``: the w8 matmul).
 
 ``quantization="fp8"`` (an FP8 checkpoint): ``weight`` is the checkpoint's float8 e4m3 codes with a
 float32 ``weight_scale`` per row and group of input columns (worker/layers/fp8_weights.py), and the
@@ -48,6 +50,7 @@ from worker.layers.fp8_weights import fp8_linear, load_fp8_columns, load_fp8_row
 from worker.layers.int4_matmul import int4_linear
 from worker.layers.int4_weights import PackedPart, load_int4_columns, load_int4_rows, new_int4_weights
 from worker.layers.int8_matmul import int8_linear
+from worker.layers.int8_groups import int8_groups_linear
 from worker.layers.int8_weights import load_columns, load_rows, new_int8_weights
 from worker.layers.lora import LoRAWeights
 from worker.layers.matmul import linear
@@ -83,6 +86,8 @@ def _matmul(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     if layer.weight.dtype == torch.uint8:
         if layer.input_perm is not None:
             x = x[:, layer.input_perm]  # (T, K) in the packed column order (act-order GPTQ)
+        if layer.int8_groups:
+            return int8_groups_linear(x, layer.weight, layer.weight_scale, bias)  # group-wise 8-bit codes
         return int4_linear(x, layer.weight, layer.weight_scale, bias)
     return int8_linear(x, layer.weight, layer.weight_scale, bias)
 

@@ -101,13 +101,15 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
 
     Raises:
         ValueError: a float tensor of another shape; RTN groups that do not split this rank's down
-            columns; a corrupt 4-bit expert, or act-order gate and up with different ``g_idx`` or
+            columns; an 8-bit expert; a corrupt 4-bit expert, or act-order gate and up with different ``g_idx`` or
             groups spread over other ranks' down columns (named).
     """
     kind = shard_id[1]
     full_shape = (moe.hidden_size, moe.intermediate_size) if kind == "down" else (moe.intermediate_size,
                                                                                   moe.hidden_size)
     if isinstance(source, PackedPart):
+        if source.fmt.bits != 4:  # the experts' stack holds nibbles; 8-bit experts have no kernel here yet
+            raise ValueError(f"{source.name}: {source.fmt.bits}-bit routed experts are not served (4-bit ones are)")
         full = unpacked_part(moe, source, full_shape, shard_id)
         if full is None:
             return  # the expert part's other tensors are still unread
