@@ -287,3 +287,13 @@ def test_fused_expert_layouts_refuse_int4() -> None:
         with pytest.raises(ValueError, match="--quantization int4 is not supported for mixture-of-experts models "
                                              f"whose experts are {experts.__name__} \\(a fused checkpoint layout"):
             experts(4, 32, 32, ctx, dtype=torch.float32, quantization="int4")
+
+
+def test_8_bit_routed_experts_are_refused_naming_the_tensor(sources: dict[str, Path], tmp_path: Path) -> None:
+    """A W8A16 checkpoint's per-expert modules (the experts' stack holds 4-bit codes only): refused at load in one
+    line naming the tensor, never packed as nibbles."""
+    checkpoint, _ = save_compressed_tensors_w4a16(sources["qwen3_moe"], tmp_path / "w8", tmp_path / "w8_dq",
+                                                  strategy="group", symmetric=False, group=32, num_bits=8,
+                                                  pattern=MOE_LINEAR_WEIGHT)
+    with pytest.raises(ValueError, match=r"experts\.\d+\.\w+_proj\.\w+: 8-bit routed experts are not served"):
+        load_model(checkpoint, ModelConfig.from_pretrained(checkpoint), ParallelContext.single(), torch.float32)
