@@ -109,7 +109,8 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
     for _ in range(rounds * 5):
         for name, run in (("int4", int4), ("int4_rowmajor", int4_rowmajor), ("int4_float_path", int4_float_path),
                           ("int8", int8), ("float32", float32)):
-            run()  # the weights warm, as a decode step finds them after the previous one
+            for _ in range(3):  # the weights warm, as a decode step finds them after the previous ones
+                run()
             start = time.thread_time()
             run()
             times.setdefault(name, []).append(time.thread_time() - start)

@@ -3,8 +3,8 @@
 * packing: row ``16t + j``'s column ``128c + 4r + i`` lands in the low nibble of byte ``64r + 4j + i`` of block
   ``(t, c)`` and column ``128c + 64 + 4r + i`` in its high nibble (checked on hand-made codes), the scales
   as ``(N / 16, groups, 2, 16)``; :func:`unpack_tiles` inverts it; shapes the layout cannot hold are refused;
-* ``torch.ops.tpserve_cpu.linear_int4`` on the tile layout at 1-9, 17 and 70 rows of x (one pass, passes of 5,
-  and the dequantize-and-matmul of prefill), groups of 128, 256 and the whole row, with a bias, against
+* ``torch.ops.tpserve_cpu.linear_int4`` on the tile layout at 1-9, 17, 70 and 130 rows of x (one pass, and
+  passes of 5: the tiles take prefill-sized x too), groups of 128, 256 and the whole row, with a bias, against
   ``x @ (s * q + o).T + b`` in float64: within 1e-5 of max |y| (x carried as 24-bit fixed point per 128
   columns, as the AMX and VNNI paths of the row-major layout: measured 7e-7 at most);
 * ``dequantize_int4`` and the Python :func:`dequantize` of the tile layout equal the float64 weights, and the
@@ -35,7 +35,7 @@ from worker.parallel_state import ParallelContext
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels are unavailable")
 SHAPES = [(16, 128, 128), (48, 256, 128), (64, 512, 256), (32, 384, 384), (1024, 512, 128)]
-ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 17, 70)  # one pass (up to 5), passes of 5, dequantize-and-matmul over 64
+ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 17, 70, 130)  # one pass (up to 5 rows), then passes of 5
 
 
 def _tiles_enabled() -> bool:

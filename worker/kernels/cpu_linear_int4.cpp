@@ -377,7 +377,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
                 "tpserve linear_int4: bias must be a contiguous float32 (N,) tensor");
   }
   if (scale_offset.dim() == 4) {  // the tile layout (cpu_linear_int4_tiles.cpp), repacked at load
-    return tpserve_int4_tiles::linear_op(x, qweight, scale_offset, bias, kChunkedMaxRows);
+    return tpserve_int4_tiles::linear_op(x, qweight, scale_offset, bias);
   }
   check(qweight, scale_offset, K);
   if (M > kChunkedMaxRows) {  // prefill-sized: compute-bound, so dequantize once and multiply
