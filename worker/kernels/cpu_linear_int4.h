@@ -33,7 +33,7 @@ namespace tpserve_int4_tiles {
 
 // y (M, N) = x (M, K) @ W^T + bias over the tile layout of cpu_linear_int4_tiles.cpp (qweight (N, K / 2) uint8
 // in 1,024-byte blocks of 16 rows x 128 columns, scale_offset (N / 16, K / G, 2, 16) float32), W read once per
-// 5 rows of x, at any M. Needs tpserve_int4_amx::amx_available(), N % 16 == 0, K % 128 == 0 and G % 128 == 0.
+// 10 rows of x, at any M. Needs tpserve_int4_amx::amx_available(), N % 16 == 0, K % 128 == 0 and G % 128 == 0.
 void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
             const float* scale_offset, const float* bias, float* y);
 

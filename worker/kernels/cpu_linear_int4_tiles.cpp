@@ -21,7 +21,8 @@
 //   scale_offset (N / 16, K / G, 2, 16) float32: per block of 16 rows and group, the 16 scales then the 16
 //     offsets (one vector each); w = s * q + o as in the row-major layout.
 //
-// Rows of x: 5 a pass (15 planes within A's 16 rows), W re-read per pass, at every M: there is no
+// Rows of x: 10 a pass (two A tiles of 5 rows' 15 planes, two C tiles, sharing each block's split and B
+// tiles), W re-read per pass, at every M: there is no
 // dequantize-and-matmul cut-over as in the row-major layout. Measured on one thread of the 2-core Xeon (8 of
 // the 95M model's projections, CPU seconds): 2.05 ms at 64 rows against the row-major layout's 4.94, and at
 // 65, 128, 512 and 2,048 rows 2.1, 4.4, 15.5 and 70 ms against its dequantize-and-matmul's 7.2, 10.9, 34.3
@@ -49,7 +50,8 @@ namespace tpserve_int4_tiles {
 constexpr int64_t kRows = 16;          // rows of W per block (B's 16 columns of int32)
 constexpr int64_t kChunk = 128;        // columns per block (two B tiles of 64)
 constexpr int64_t kBlockBytes = 1024;  // codes per block
-constexpr int64_t kMaxX = 5;           // rows of x per pass: 3 planes each within A's 16 rows
+constexpr int kGroupX = 5;             // rows of x per A tile: 3 planes each within its 16 rows
+constexpr int64_t kMaxX = 10;          // rows of x per pass: two A tiles (and two C) share B's
 constexpr int64_t kAhead = 2048;       // bytes of W prefetched ahead of the block being split (two blocks)
 constexpr int kLead = 2;               // blocks split ahead of the block multiplied (run_blocks)
 
@@ -116,8 +118,12 @@ TPSERVE_INT4_TILES void run_blocks(int64_t t0, int64_t t1, int64_t K, int64_t N,
   constexpr int P = 3 * R;
   const int64_t chunks = K / kChunk, groups = K / G, per_group = G / kChunk;
   TileConfig cfg;
-  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;   // B: low, high nibbles
-  for (int t : {2, 3, 4}) cfg.rows[t] = P, cfg.colsb[t] = 64;  // A: first, last 64 columns; C
+  constexpr int P0 = 3 * std::min(R, kGroupX), P1 = P - P0;  // planes of the first and second A tiles
+  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;    // B: low, high nibbles
+  for (int t : {2, 3, 4}) cfg.rows[t] = P0, cfg.colsb[t] = 64;  // A: first, last 64 columns; C
+  if constexpr (P1 > 0) {
+    for (int t : {5, 6, 7}) cfg.rows[t] = P1, cfg.colsb[t] = 64;  // rows 5.. of x: their A and C
+  }
   _tile_loadconfig(&cfg);
   alignas(64) uint8_t b[kLead + 1][2][kBlockBytes];
   alignas(64) int32_t c_out[2][P * 16];
@@ -144,6 +150,14 @@ TPSERVE_INT4_TILES void run_blocks(int64_t t0, int64_t t1, int64_t K, int64_t N,
       _tile_dpbsud(4, 2, 0);
       _tile_dpbsud(4, 3, 1);
       _tile_stored(4, c_out[i & 1], 64);
+      if constexpr (P1 > 0) {  // C's rows P0.. (planes of rows 5.. of x) from the same B tiles
+        _tile_loadd(5, ac + P0 * 64, 64);
+        _tile_loadd(6, ac + (P + P0) * 64, 64);
+        _tile_zero(7);
+        _tile_dpbsud(7, 5, 0);
+        _tile_dpbsud(7, 6, 1);
+        _tile_stored(7, c_out[i & 1] + P0 * 16, 64);
+      }
     }
     if (++c == chunks) c = 0, ++t;
     if (i == 0) continue;
@@ -208,7 +222,12 @@ void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const ui
         case 2: run_blocks<2>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
         case 3: run_blocks<3>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
         case 4: run_blocks<4>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        default: run_blocks<5>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 5: run_blocks<5>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 6: run_blocks<6>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 7: run_blocks<7>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 8: run_blocks<8>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 9: run_blocks<9>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        default: run_blocks<10>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
       }
     });
   }
