@@ -22,11 +22,11 @@
 //     offsets (one vector each); w = s * q + o as in the row-major layout.
 //
 // Rows of x: 10 a pass (two A tiles of 5 rows' 15 planes, two C tiles, sharing each block's split and B
-// tiles), W re-read per pass, at every M: there is no
-// dequantize-and-matmul cut-over as in the row-major layout. Measured on one thread of the 2-core Xeon (8 of
-// the 95M model's projections, CPU seconds): 2.05 ms at 64 rows against the row-major layout's 4.94, and at
-// 65, 128, 512 and 2,048 rows 2.1, 4.4, 15.5 and 70 ms against its dequantize-and-matmul's 7.2, 10.9, 34.3
-// and 133: int8 products on the tile unit, three planes and a pass per 5 rows included, outrun float32 FMAs.
+// tiles), W re-read per pass, at every M: there is no dequantize-and-matmul cut-over as in the row-major
+// layout. Measured on one thread of the 2-core Xeon (8 of the 95M model's projections, CPU seconds): 1.81 ms at
+// 64 rows against the row-major layout's 5.64, and at 128 and 512 rows 3.54 and 13.8 ms against its
+// dequantize-and-matmul's 10.1 and 32.6: int8 products on the tile unit, three planes and a pass per 10 rows
+// included, outrun float32 FMAs.
 //
 // x's planes: per 128 columns, x ~= u (65536 xh + 256 xm + xl), balanced base-256 digits of round(x / u),
 // u = max|x_chunk| / (127 * 65536), exactly as cpu_linear_int4.cpp's make_planes (|error| <= 6e-8 of the chunk's
