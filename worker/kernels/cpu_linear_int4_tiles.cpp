@@ -66,6 +66,7 @@ struct alignas(64) TileConfig {
 
 // x's planes in A's layout: per chunk c, half h (columns 128 c + 64 h ..), plane row 3 r + p (p: high, middle,
 // low digit), 64 bytes; and units[r * chunks + c] = u (0 for a chunk of zeros, whose planes stay zero).
+// Digits as cpu_linear_int4.cpp's make_planes.
 TPSERVE_INT4_TILES void make_a_planes(const float* x, int64_t R, int64_t K, int8_t* a, float* units) {
   const int64_t chunks = K / kChunk, P = 3 * R;
   const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
@@ -75,10 +76,10 @@ TPSERVE_INT4_TILES void make_a_planes(const float* x, int64_t R, int64_t K, int8
       const float* xc = x + r * K + c * kChunk;
       __m512 amax = _mm512_setzero_ps();
       for (int64_t k = 0; k < kChunk; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xc + k)));
-      const float top = _mm512_reduce_max_ps(amax);
-      units[r * chunks + c] = top == 0.0f ? 0.0f : top / (127.0f * 65536.0f);
-      if (top == 0.0f) continue;
-      const __m512 u = _mm512_set1_ps(units[r * chunks + c]);
+      const float unit = _mm512_reduce_max_ps(amax) / (127.0f * 65536.0f);
+      units[r * chunks + c] = unit;
+      if (unit == 0.0f) continue;  // zeros, or below 1e-31 (u underflows): the chunk's planes stay zero
+      const __m512 u = _mm512_set1_ps(unit);
       for (int64_t i = 0; i < kChunk / 16; ++i) {  // columns 16 i .. 16 i + 15 of the chunk
         const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xc + 16 * i), u));
         const __m512i xl = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half);
