@@ -5,12 +5,17 @@ at load by ``--quantization int4`` / ``int8``), tp 1, one process:
 
 * the bare worker step (``ModelRunner.execute`` of a decode step alone; the compiled decode stack
   where it applies): seconds at batch 1 and 16, the median of ``--rounds`` rounds, each round
-  the median of 20 steps, the configurations interleaved round by round so that a busy host slows
-  them alike. ``int4`` takes the kernel's best path (AMX-INT8 where the CPU has it), ``int4_vnni``
-  the same weights with the AMX path switched off (``use_amx_int4(False)``: the kernel before it);
+  the median of 20 steps (after 4 unmeasured ones), the configurations interleaved round by round so
+  that a busy host slows them alike. ``int4`` takes the kernel's best path (on an AMX-INT8 CPU the
+  tile layout the weights are repacked into at load: worker/kernels/cpu_linear_int4_tiles.cpp),
+  ``int4_rowmajor`` the same weights loaded with ``use_int4_tiles(False)``: the row-major layout and
+  its paths (AVX512-VNNI at one row, the row-major AMX path from two: the kernel before the tile layout);
 * the projections alone: the 30 layers' four linear layers at one row of x, on one thread, through
-  ``linear_int4`` (its AMX path, its AVX512-VNNI path, its float path) and ``linear_int8``, the
-  median of ``5 * --rounds`` interleaved rounds, in CPU seconds of the thread (``time.thread_time``).
+  ``linear_int4`` (the tile layout, the row-major layout's default path and its float path),
+  ``linear_int8`` and ``linear_f32``, the median of ``5 * --rounds`` interleaved rounds, in CPU seconds
+  of the thread (``time.thread_time``), each timed pass after one untimed pass over the same weights
+  (a decode step reads the weights the previous step read: warm in the last-level cache as far as
+  they fit, as in serving, not evicted by the other configurations' weights).
 
 Reported: each figure, and int8 / int4 and float32 / int4 (> 1: int4 is faster). The weights'
 bytes per parameter of the linear layers are reported too (int4: 4.5 bits at groups of 128).
@@ -38,7 +43,7 @@ import torch  # noqa: E402
 from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, bare_steps, build_model  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 
-CONFIGS = {"float32": None, "int8": "int8", "int4": "int4", "int4_vnni": "int4"}
+CONFIGS = {"float32": None, "int8": "int8", "int4": "int4", "int4_rowmajor": "int4"}
 TINY_CONFIG = {**MODEL_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -53,10 +58,15 @@ def _linear_bytes_per_weight(model: torch.nn.Module) -> float:
     return nbytes / elements
 
 
+def _tile_layout_layers(model: torch.nn.Module) -> int:
+    """How many of the model's int4 layers were repacked into the tile layout at load."""
+    return sum(1 for name, p in model.named_parameters() if name.endswith("weight_scale") and p.dim() == 4)
+
+
 def projections(shape: dict, rounds: int) -> dict[str, float]:
-    """Seconds of the model's projections at one row of x, one thread: int4 (VNNI, float path) and int8."""
+    """Seconds of the model's projections at one row of x, one thread, each layout and type (module docstring)."""
     from worker.kernels import cpu_kernels_available
-    from worker.layers.int4_matmul import pack_codes
+    from worker.layers.int4_matmul import pack_codes, pack_tiles, tile_layout_applies
 
     if not cpu_kernels_available():
         return {}
@@ -65,22 +75,25 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
     kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
     dims = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)] * shape["num_hidden_layers"]
     w4 = [(pack_codes(torch.randint(0, 16, (n, k))), torch.rand(n, k // 128, 2), torch.randn(1, k)) for n, k in dims]
+    w4t = [(*pack_tiles(w, s), x) if tile_layout_applies(w, s) else (w, s, x) for w, s, x in w4]
     w8 = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n), torch.randn(1, k)) for n, k in dims]
+    w32 = [(torch.randn(n, k), torch.randn(1, k)) for n, k in dims]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
     def int4() -> None:
-        for w, s, x in w4:
+        for w, s, x in w4t:
             ops.linear_int4(x, w, s, None)
 
-    def int4_vnni() -> None:
-        with _amx_off():
-            int4()
+    def int4_rowmajor() -> None:
+        for w, s, x in w4:
+            ops.linear_int4(x, w, s, None)
 
     def int4_float_path() -> None:
         ops.use_vnni_int4(False)
         try:
-            int4_vnni()
+            with _amx_off():
+                int4_rowmajor()
         finally:
             ops.use_vnni_int4(True)
 
@@ -88,10 +101,16 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
         for w, s, x in w8:
             ops.linear_int8(x, w, s, None)
 
+    def float32() -> None:
+        for w, x in w32:
+            ops.linear_f32(x, w, None)
+
     times: dict[str, list[float]] = {}
     for _ in range(rounds * 5):
-        for name, run in (("int4", int4), ("int4_vnni", int4_vnni), ("int4_float_path", int4_float_path),
-                          ("int8", int8)):
+        for name, run in (("int4", int4), ("int4_rowmajor", int4_rowmajor), ("int4_float_path", int4_float_path),
+                          ("int8", int8), ("float32", float32)):
+            for _ in range(3):  # the weights warm, as a decode step finds them after the previous ones
+                run()
             start = time.thread_time()
             run()
             times.setdefault(name, []).append(time.thread_time() - start)
@@ -101,7 +120,7 @@ def projections(shape: dict, rounds: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def _amx_off():
-    """The int4 kernel without its AMX path (its VNNI path where the CPU has one), for the same-run baseline."""
+    """The row-major int4 kernel without its AMX path (its VNNI path where the CPU has one)."""
     from worker.kernels import cpu_kernels_available
 
     if not cpu_kernels_available():
@@ -112,6 +131,21 @@ def _amx_off():
         yield
     finally:
         torch.ops.tpserve_cpu.use_amx_int4(True)
+
+
+@contextlib.contextmanager
+def _tiles_off():
+    """Layers loaded inside keep the row-major int4 layout (``use_int4_tiles(False)``): the kernel before it."""
+    from worker.kernels import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        yield
+        return
+    torch.ops.tpserve_cpu.use_int4_tiles(False)
+    try:
+        yield
+    finally:
+        torch.ops.tpserve_cpu.use_int4_tiles(True)
 
 
 def main() -> int:
@@ -139,13 +173,15 @@ def main() -> int:
                     "rounds": args.rounds, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="tpserve-int4-") as tmp:
         model_dir = build_model(Path(tmp), args.seed, shape)
-        runners = {name: bare_runner(model_dir, quantization=q) for name, q in CONFIGS.items()}
+        runners = {}
+        for name, q in CONFIGS.items():
+            with _tiles_off() if name == "int4_rowmajor" else contextlib.nullcontext():
+                runners[name] = bare_runner(model_dir, quantization=q)
         rounds: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in CONFIGS}
         for _ in range(args.rounds):
             for name, runner in runners.items():
-                with _amx_off() if name == "int4_vnni" else contextlib.nullcontext():
-                    for batch, seconds in bare_steps(runner, [1, 16], context=args.context, clock=clock).items():
-                        rounds[name][batch].append(seconds)
+                for batch, seconds in bare_steps(runner, [1, 16], context=args.context, clock=clock).items():
+                    rounds[name][batch].append(seconds)
             print({n: {b: round(s[-1] * 1e3, 2) for b, s in d.items()} for n, d in rounds.items()}, flush=True)
         best = {name: {b: statistics.median(s) for b, s in d.items()} for name, d in rounds.items()}
         report["rounds_ms"] = {name: {b: [round(x * 1e3, 3) for x in s] for b, s in d.items()}
@@ -153,7 +189,8 @@ def main() -> int:
         for name, runner in runners.items():
             report["configs"][name] = {"bare_decode_ms_batch1": best[name][1] * 1e3,
                                        "bare_output_tokens_per_s_batch16": 16 / best[name][16],
-                                       "linear_bytes_per_weight": _linear_bytes_per_weight(runner.model)}
+                                       "linear_bytes_per_weight": _linear_bytes_per_weight(runner.model),
+                                       "int4_tile_layout_layers": _tile_layout_layers(runner.model)}
     proj = projections(shape, args.rounds)
     report["projections_one_thread_ms"] = {name: seconds * 1e3 for name, seconds in proj.items()}
     int4 = report["configs"]["int4"]
@@ -161,11 +198,10 @@ def main() -> int:
         base: {"decode_batch1": report["configs"][base]["bare_decode_ms_batch1"] / int4["bare_decode_ms_batch1"],
                "throughput_batch16": int4["bare_output_tokens_per_s_batch16"]
                / report["configs"][base]["bare_output_tokens_per_s_batch16"]}
-        for base in ("int8", "float32", "int4_vnni")}
+        for base in ("int8", "float32", "int4_rowmajor")}
     if proj:
-        report["int4_speedup"]["projections_vs_int8"] = proj["int8"] / proj["int4"]
-        report["int4_speedup"]["projections_vs_vnni_path"] = proj["int4_vnni"] / proj["int4"]
-        report["int4_speedup"]["projections_vnni_vs_float_path"] = proj["int4_float_path"] / proj["int4_vnni"]
+        for base in ("int8", "float32", "int4_rowmajor", "int4_float_path"):
+            report["int4_speedup"][f"projections_vs_{base}"] = proj[base] / proj["int4"]
     print(report["int4_speedup"])
     if args.out:
         save_report(args.out, args.name, report)

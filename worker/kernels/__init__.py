@@ -9,7 +9,10 @@ The ops land in ``torch.ops.tpserve_cpu``:
   -> (M, N) f32``: packed 4-bit codes with a (scale, offset) per group of G columns, widened in registers
   (cpu_linear_int4.cpp: the layout); ``dequantize_int4(qweight, scale_offset) -> (N, K) f32``;
   ``use_avx512_int4(enabled) -> bool``, ``use_vnni_int4`` and ``use_amx_int4`` switch its AVX-512, VNNI
-  and AMX-INT8 paths (tests, A/B runs; cpu_linear_int4_amx.cpp: the tiles)
+  and AMX-INT8 paths (tests, A/B runs; cpu_linear_int4_amx.cpp: the tiles). A ``scale_offset`` of shape
+  ``(N / 16, K / G, 2, 16)`` marks the tile layout W is repacked into at load on AMX-INT8 CPUs
+  (cpu_linear_int4_tiles.cpp; worker/layers/int4_matmul.py, pack_tiles), which both ops read;
+  ``int4_tiles_enabled() -> bool`` says whether layers are repacked, ``use_int4_tiles(enabled)`` switches it
 * ``linear_w8(x (M, K) f32, qweight (N, K) uint8, scale_offset (N, K / G, 2) f32, bias | None) -> (M, N) f32``:
   8-bit codes with a (scale, offset) per group of G columns, widened in registers (cpu_linear_w8.cpp: group-wise
   or asymmetric 8-bit checkpoints); ``dequantize_w8(qweight, scale_offset) -> (N, K) f32``;
@@ -78,8 +81,8 @@ _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 #: two of them must not define the same internal name (cpu_elementwise and cpu_sampling both have a
 #: ``check_rows``). A source in no group is a unit of its own.
 _UNITS = (("cpu_attention.cpp", "cpu_decode_block.cpp", "cpu_elementwise.cpp", "cpu_lora.cpp", "cpu_shm.cpp"),
-          ("cpu_linear.cpp", "cpu_dequantize_int4.cpp", "cpu_linear_int4_amx.cpp", "cpu_linear_int4.cpp",
-           "cpu_linear_fp8.cpp", "cpu_linear_w8.cpp", "cpu_sampling.cpp"))
+          ("cpu_linear.cpp", "cpu_dequantize_int4.cpp", "cpu_linear_int4_amx.cpp", "cpu_linear_int4_tiles.cpp",
+           "cpu_linear_int4.cpp", "cpu_linear_fp8.cpp", "cpu_linear_w8.cpp", "cpu_sampling.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers. -ffp-contract=off: no multiply-add
 # is fused unless the source asks (the elementwise kernels keep torch's roundings).
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]

@@ -26,6 +26,7 @@ void check(const at::Tensor& qweight, const at::Tensor& scale_offset, int64_t K)
 
 // W as float32 (N, K): w = s * q + o, rows split between the threads.
 at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scale_offset) {
+  if (scale_offset.dim() == 4) return tpserve_int4_tiles::dequantize_op(qweight, scale_offset);  // tile layout
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
   check(qweight, scale_offset, K);
   const int64_t groups = scale_offset.size(1), G = K / groups;

@@ -372,11 +372,14 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "tpserve linear_int4: x must be a contiguous float32 (M, K) CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  check(qweight, scale_offset, K);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "tpserve linear_int4: bias must be a contiguous float32 (N,) tensor");
   }
+  if (scale_offset.dim() == 4) {  // the tile layout (cpu_linear_int4_tiles.cpp), repacked at load
+    return tpserve_int4_tiles::linear_op(x, qweight, scale_offset, bias);
+  }
+  check(qweight, scale_offset, K);
   if (M > kChunkedMaxRows) {  // prefill-sized: compute-bound, so dequantize once and multiply
     at::Tensor y = at::matmul(x, dequantize_int4(qweight, scale_offset).t());
     return bias.has_value() ? y.add_(*bias) : y;

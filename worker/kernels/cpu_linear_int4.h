@@ -2,6 +2,7 @@
 // (cpu_dequantize_int4.cpp) and the AMX path (cpu_linear_int4_amx.cpp). The layout: cpu_linear_int4.cpp.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 
@@ -27,3 +28,22 @@ void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const ui
             const float* scale_offset, const float* bias, float* y);
 
 }  // namespace tpserve_int4_amx
+
+namespace tpserve_int4_tiles {
+
+// y (M, N) = x (M, K) @ W^T + bias over the tile layout of cpu_linear_int4_tiles.cpp (qweight (N, K / 2) uint8
+// in 1,024-byte blocks of 16 rows x 128 columns, scale_offset (N / 16, K / G, 2, 16) float32), W read once per
+// 10 rows of x, at any M. Needs tpserve_int4_amx::amx_available(), N % 16 == 0, K % 128 == 0 and G % 128 == 0.
+void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+            const float* scale_offset, const float* bias, float* y);
+
+// W as float32 (N, K), row-major, from the tile layout.
+void dequantize(const uint8_t* qweight, const float* scale_offset, int64_t N, int64_t K, int64_t G, float* w);
+
+// The ops' bodies for the tile layout (scale_offset of 4 dimensions), shapes checked: linear_int4 (the tiles at
+// every row count: cpu_linear_int4_tiles.cpp, "Prefill") and dequantize_int4.
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_offset,
+                     const c10::optional<at::Tensor>& bias);
+at::Tensor dequantize_op(const at::Tensor& qweight, const at::Tensor& scale_offset);
+
+}  // namespace tpserve_int4_tiles

@@ -10,6 +10,17 @@ repacked into it at load, worker/layers/int4_weights.py):
   32 dividing ``K``), ``(s, o)`` with ``w = s * q + o``; a zero point ``z`` is ``o = -s * z``.
 
 So a weight costs 4 bits plus ``64 / G`` bits of scale and offset: 4.5 bits at ``G = 128``.
+
+The tile layout (worker/kernels/cpu_linear_int4_tiles.cpp; :func:`pack_tiles`, at load where
+:func:`tile_layout_applies`: an AMX-INT8 CPU, rows a multiple of 16, columns and groups of 128):
+the same bytes in the order AMX's B operand reads them, so a decode step streams W front to back.
+
+* ``qweight (N, K / 2)`` uint8 in blocks of 1,024 bytes, block ``(t, c)`` (rows ``16t ..
+  16t + 15``, columns ``128c .. 128c + 127``) at ``(t * K / 128 + c) * 1024``; its byte
+  ``64r + 4j + i`` holds row ``16t + j``'s column ``128c + 4r + i`` in the low nibble and column
+  ``128c + 64 + 4r + i`` in the high one;
+* ``scale_offset (N / 16, K / G, 2, 16)`` float32: per block of 16 rows and group, the 16 rows'
+  scales, then their offsets. A layer's layout is told by ``scale_offset.dim()`` (3 or 4).
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from worker.kernels import cpu_kernels_available
 
 #: Columns per 16-byte block of codes.
 BLOCK = 32
+#: The tile layout's block: rows of W (AMX B's 16 int32 columns) and columns (two B tiles of 64).
+TILE_ROWS, TILE_COLUMNS = 16, 128
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:
@@ -44,9 +57,61 @@ def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).reshape(n, half * 2)
 
 
+def pack_tiles(qweight: torch.Tensor, scale_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-major layout -> the tile layout (module docstring): same bytes, W's order for AMX tiles.
+
+    ``qweight (N, K / 2)`` uint8 -> ``(N, K / 2)`` uint8 in 1,024-byte blocks of 16 rows x 128 columns;
+    ``scale_offset (N, K / G, 2)`` -> ``(N / 16, K / G, 2, 16)`` float32.
+
+    Raises:
+        ValueError: ``N`` is not a multiple of 16, ``K`` of 128, or ``G`` of 128.
+    """
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    groups = scale_offset.shape[1]
+    if n % TILE_ROWS or k % TILE_COLUMNS or (k // groups) % TILE_COLUMNS:
+        raise ValueError(f"the int4 tile layout needs rows a multiple of {TILE_ROWS} and columns and groups of "
+                         f"{TILE_COLUMNS}, got N={n} K={k} G={k // groups}")
+    # codes[t, j, c, h, r, i]: row 16 t + j, column 128 c + 64 h + 4 r + i.
+    codes = unpack_codes(qweight).reshape(n // TILE_ROWS, TILE_ROWS, k // TILE_COLUMNS, 2, 16, 4)
+    blocks = codes.permute(0, 2, 4, 1, 5, 3)  # (t, c, r, j, i, h): byte 4 j + i of a block's row r
+    packed = (blocks[..., 0] | (blocks[..., 1] << 4)).reshape(n, k // 2).contiguous()
+    scales = scale_offset.reshape(n // TILE_ROWS, TILE_ROWS, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return packed, scales
+
+
+def unpack_tiles(qweight: torch.Tensor, scale_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_tiles`: the tile layout -> ``(N, K)`` uint8 codes and ``(N, K / G, 2)`` float32."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    blocks = qweight.reshape(n // TILE_ROWS, k // TILE_COLUMNS, 16, TILE_ROWS, 4)  # (t, c, r, j, i)
+    halves = torch.stack([blocks & 0x0F, blocks >> 4], dim=5)  # (t, c, r, j, i, h)
+    codes = halves.permute(0, 3, 1, 5, 2, 4).reshape(n, k)
+    return codes, scale_offset.permute(0, 3, 1, 2).reshape(n, scale_offset.shape[1], 2)
+
+
+def tile_layout_applies(qweight: torch.Tensor, scale_offset: torch.Tensor) -> bool:
+    """Whether a row-major layer should be repacked by :func:`pack_tiles` at load: a CPU layer whose rows
+    divide by 16 and columns and groups by 128, on a CPU whose kernel gives this process AMX-INT8 tiles
+    (``torch.ops.tpserve_cpu.int4_tiles_enabled``; ``use_int4_tiles(False)`` keeps the row-major layout)."""
+    if qweight.device.type != "cpu" or is_tile_layout(scale_offset) or not cpu_kernels_available():
+        return False
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    groups = scale_offset.shape[1]
+    fits = n % TILE_ROWS == 0 and k % TILE_COLUMNS == 0 and groups > 0 and (k // groups) % TILE_COLUMNS == 0
+    return fits and bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
+
+
+def is_tile_layout(scale_offset: torch.Tensor) -> bool:
+    """Whether a layer's ``scale_offset`` is the tile layout's ``(N / 16, K / G, 2, 16)`` (else ``(N, K / G, 2)``)."""
+    return scale_offset.dim() == 4
+
+
 def dequantize(qweight: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
-    """``w = s * q + o`` as float32 ``(N, K)`` (the reference the kernel is tested against)."""
-    q = unpack_codes(qweight).float()  # (N, K)
+    """``w = s * q + o`` as float32 ``(N, K)`` (the reference the kernel is tested against), either layout."""
+    if is_tile_layout(scale_offset):
+        codes, scale_offset = unpack_tiles(qweight, scale_offset)
+        q = codes.float()  # (N, K)
+    else:
+        q = unpack_codes(qweight).float()  # (N, K)
     n, k = q.shape
     groups = scale_offset.shape[1]
     q = q.reshape(n, groups, k // groups)

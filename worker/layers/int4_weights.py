@@ -8,7 +8,9 @@ worker/layers/int8_groups.py: as int8 per channel, or as byte codes with group-w
 
 An int4 layer holds ``weight`` ``(N_local, K_local / 2)`` uint8 (packed codes) and
 ``weight_scale`` ``(N_local, K_local / G, 2)`` float32 (scale and offset per group of ``G``
-columns): the kernel's layout, worker/layers/int4_matmul.py. ``G`` is known when the first
+columns): the kernel's layout, worker/layers/int4_matmul.py (repacked into its tile layout,
+``weight_scale`` then ``(N_local / 16, K_local / G, 2, 16)``, once the layer is loaded, where
+the AMX kernel takes it: :func:`finish_int4_layer`). ``G`` is known when the first
 weight arrives (a checkpoint's ``group_size``, or the rule below), so ``weight_scale`` is
 allocated then. Every source is brought to an :class:`~worker.layers.int4_formats.Int4Tensor`
 (codes, scales, zero points, ``g_idx``) and packed from it, with ``offset = -scale * zero``:
@@ -47,7 +49,7 @@ import torch
 
 from tpserve.quantization_int4 import RTN_GROUP_SIZE, RTN_SMALL_GROUP_SIZE, Int4Format
 from worker.layers.int4_formats import PARTS, Int4Tensor, required_parts, unpack_layer
-from worker.layers.int4_matmul import BLOCK, pack_codes
+from worker.layers.int4_matmul import BLOCK, pack_codes, pack_tiles, tile_layout_applies
 from worker.layers.int8_groups import write_8bit
 from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow, source_shape
 
@@ -216,7 +218,8 @@ def unpacked_part(layer: Any, source: PackedPart, shape: tuple[int, int], shard_
 
 
 def finish_int4_layer(layer: Any) -> None:
-    """After every checkpoint tensor was read: refuse a layer part whose tensors are incomplete.
+    """After every checkpoint tensor was read: refuse a layer part whose tensors are incomplete, then
+    repack the layer into the tile layout where the AMX kernel takes it (worker/layers/int4_matmul.py).
 
     Raises:
         ValueError: names the part's tensors that were read (the others are missing).
@@ -229,6 +232,13 @@ def finish_int4_layer(layer: Any) -> None:
         missing = sorted(f"{stem}.{suffixes[part]}" for part in required_parts(fmt) - set(pending))
         raise ValueError(f"checkpoint is missing {missing} ({fmt.method}{' desc_act' if fmt.desc_act else ''}; "
                          f"read {names}): a corrupt checkpoint")
+    # 8-bit checkpoints' layers (int8_groups.py: int8 per channel, or a byte a code) keep their layouts.
+    if layer.weight.dtype == torch.uint8 and not layer.int8_groups and tile_layout_applies(layer.weight,
+                                                                                        layer.weight_scale):
+        # The AMX kernel's order (worker/layers/int4_matmul.py, pack_tiles): same bytes, read in one stream.
+        packed, scales = pack_tiles(layer.weight.data, layer.weight_scale.data)
+        layer.weight.data.copy_(packed)
+        layer.weight_scale.data = scales  # (N / 16, K / G, 2, 16)
 
 
 def _write(layer: Any, t: Int4Tensor, offset: int, shard_id: object, name: str = "") -> None:

@@ -1,0 +1,310 @@
+// linear_int4 over the tile layout: W's codes repacked once at load into the byte order AMX's B operand reads,
+// so that a decode step streams W in one sequential pass and its vector work is one nibble split per byte.
+//
+// Why (docs/design/kernels.md, "int4": the tile layout): at one row of x the AVX512-VNNI path spends about 11
+// cycles per 128 weights on port 0 (six vpdpbusd for x's three planes, their combination, the nibble shift),
+// as many as int8's widening, so int4 decoded at 1.0-1.16x int8's speed with half the bytes. The AMX path of
+// cpu_linear_int4_amx.cpp moves the products to the tile unit but keeps the row-major codes: each tile reads
+// 16 rows of W 64 bytes at a time (16 interleaved streams) and folds 16 rows of C one at a time.
+// Here W is the B operand (16 rows of W side by side, 4 columns each), x's planes the A operand:
+//   C (3R x 16 int32) += A (3R planes x 64 columns, int8) . B (64 columns x 16 rows of W, codes as u8)
+// (tdpbsud). One C row holds one plane's dot products for 16 rows of W, so the per-chunk fold is 3 vector
+// conversions per row of x for 16 rows of W, and y is stored 16 rows at a time (no horizontal sums).
+//
+// Layout (made by worker/layers/int4_matmul.py, pack_tiles; same bytes as the row-major layout):
+//   qweight (N, K / 2) uint8, read as blocks (t, c) of 1,024 bytes, t = n / 16 (16 rows of W), c = k / 128 (one
+//     chunk), in the order t * (K / 128) + c: W streams front to back. Within a block, 64-byte row r (0..15)
+//     holds at byte 4 j + i (j: the row of W within the 16, i < 4) column 128 c + 4 r + i of row 16 t + j in
+//     its low nibble and column 128 c + 64 + 4 r + i in its high one: the low nibbles of the 16 rows are
+//     B's tile for the chunk's first 64 columns (AMX's "VNNI" layout: 4 consecutive columns of each row of W
+//     side by side), the high nibbles the tile for its last 64.
+//   scale_offset (N / 16, K / G, 2, 16) float32: per block of 16 rows and group, the 16 scales then the 16
+//     offsets (one vector each); w = s * q + o as in the row-major layout.
+//
+// Rows of x: 10 a pass (two A tiles of 5 rows' 15 planes, two C tiles, sharing each block's split and B
+// tiles), W re-read per pass, at every M: there is no dequantize-and-matmul cut-over as in the row-major
+// layout. Measured on one thread of the 2-core Xeon (8 of the 95M model's projections, CPU seconds): 1.81 ms at
+// 64 rows against the row-major layout's 5.64, and at 128 and 512 rows 3.54 and 13.8 ms against its
+// dequantize-and-matmul's 10.1 and 32.6: int8 products on the tile unit, three planes and a pass per 10 rows
+// included, outrun float32 FMAs.
+//
+// x's planes: per 128 columns, x ~= u (65536 xh + 256 xm + xl), balanced base-256 digits of round(x / u),
+// u = max|x_chunk| / (127 * 65536), exactly as cpu_linear_int4.cpp's make_planes (|error| <= 6e-8 of the chunk's
+// largest |x|). Per chunk and row of x: sum q x = u (256 (256 Ch + Cm) + Cl), 256 Ch + Cm exact in int32
+// (|.| < 2^26), then float32, times the group's scale; offsets: sum_g o_g * sum_{k in g} x_k once per block.
+#include "cpu_linear_int4.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+namespace tpserve_int4_tiles {
+
+constexpr int64_t kRows = 16;          // rows of W per block (B's 16 columns of int32)
+constexpr int64_t kChunk = 128;        // columns per block (two B tiles of 64)
+constexpr int64_t kBlockBytes = 1024;  // codes per block
+constexpr int kGroupX = 5;             // rows of x per A tile: 3 planes each within its 16 rows
+constexpr int64_t kMaxX = 10;          // rows of x per pass: two A tiles (and two C) share B's
+constexpr int64_t kAhead = 2048;       // bytes of W prefetched ahead of the block being split (two blocks)
+constexpr int kLead = 2;               // blocks split ahead of the block multiplied (run_blocks)
+
+#define TPSERVE_INT4_TILES __attribute__((target("avx512f,avx512vl,avx512bw,amx-tile,amx-int8")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x's planes in A's layout: per chunk c, half h (columns 128 c + 64 h ..), plane row 3 r + p (p: high, middle,
+// low digit), 64 bytes; and units[r * chunks + c] = u (0 for a chunk of zeros, whose planes stay zero).
+// Digits as cpu_linear_int4.cpp's make_planes.
+TPSERVE_INT4_TILES void make_a_planes(const float* x, int64_t R, int64_t K, int8_t* a, float* units) {
+  const int64_t chunks = K / kChunk, P = 3 * R;
+  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
+  std::memset(a, 0, static_cast<size_t>(chunks * 2 * P * 64));
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* xc = x + r * K + c * kChunk;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < kChunk; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xc + k)));
+      const float unit = _mm512_reduce_max_ps(amax) / (127.0f * 65536.0f);
+      units[r * chunks + c] = unit;
+      if (unit == 0.0f) continue;  // zeros, or below 1e-31 (u underflows): the chunk's planes stay zero
+      const __m512 u = _mm512_set1_ps(unit);
+      for (int64_t i = 0; i < kChunk / 16; ++i) {  // columns 16 i .. 16 i + 15 of the chunk
+        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xc + 16 * i), u));
+        const __m512i xl = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half);
+        const __m512i v1 = _mm512_srai_epi32(_mm512_sub_epi32(v, xl), 8);
+        const __m512i xm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v1, half), byte), half);
+        const __m512i xh = _mm512_srai_epi32(_mm512_sub_epi32(v1, xm), 8);
+        int8_t* dst = a + ((c * 2 + i / 4) * P + 3 * r) * 64 + (i % 4) * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(xh));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_cvtepi32_epi8(xm));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(xl));
+      }
+    }
+  }
+}
+
+// One block's codes (1,024 bytes) split into B's two tiles: low nibbles to lo, high ones to hi (L1 buffers).
+TPSERVE_INT4_TILES inline void split_block(const uint8_t* w, uint8_t* lo, uint8_t* hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < 16; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + 64 * r), _MM_HINT_T0);
+    const __m512i bytes = _mm512_loadu_si512(w + 64 * r);
+    _mm512_store_si512(lo + 64 * r, _mm512_and_si512(bytes, low));
+    _mm512_store_si512(hi + 64 * r, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
+  }
+}
+
+// Blocks of rows [t0, t1) against R rows of x, one block a step, as a software pipeline over a ring of
+// kLead + 1 B buffers: step i splits block i + kLead, runs block i's two tdpbsud and stores its C, then folds
+// step i - 1's C into the rows' totals. Why the distances (measured on the 2-core Xeon, W in L2, one row of
+// x): a tile load of lines still in the store buffer waits for them to drain, so splitting a block and
+// loading it as tiles in the same step took 42 ns a block where either alone took 13 and 17; reading a C
+// tile store back at once stalls the same way (cpu_linear_int4_amx.cpp), hence C's two buffers.
+template <int R>
+TPSERVE_INT4_TILES void run_blocks(int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+                                   const float* so, const int8_t* a, const float* units, const float* xsum,
+                                   const float* bias, float* y) {
+  constexpr int P = 3 * R;
+  const int64_t chunks = K / kChunk, groups = K / G, per_group = G / kChunk;
+  TileConfig cfg;
+  constexpr int P0 = 3 * std::min(R, kGroupX), P1 = P - P0;  // planes of the first and second A tiles
+  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;    // B: low, high nibbles
+  for (int t : {2, 3, 4}) cfg.rows[t] = P0, cfg.colsb[t] = 64;  // A: first, last 64 columns; C
+  if constexpr (P1 > 0) {
+    for (int t : {5, 6, 7}) cfg.rows[t] = P1, cfg.colsb[t] = 64;  // rows 5.. of x: their A and C
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) uint8_t b[kLead + 1][2][kBlockBytes];
+  alignas(64) int32_t c_out[2][P * 16];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t steps = (t1 - t0) * chunks;
+  const uint8_t* w = qweight + t0 * chunks * kBlockBytes;  // block i is w + i * kBlockBytes
+  for (int64_t i = 0; i < std::min<int64_t>(kLead, steps); ++i) split_block(w + i * kBlockBytes, b[i][0], b[i][1]);
+  int64_t t = t0, c = 0;  // step i's block
+  for (int64_t i = 0; i <= steps; ++i) {
+    const int64_t t_prev = c == 0 ? t - 1 : t, c_prev = c == 0 ? chunks - 1 : c - 1;
+    if (i + kLead < steps) {
+      uint8_t(*next)[kBlockBytes] = b[(i + kLead) % (kLead + 1)];
+      split_block(w + (i + kLead) * kBlockBytes, next[0], next[1]);
+    }
+    if (i < steps) {
+      uint8_t(*cur)[kBlockBytes] = b[i % (kLead + 1)];
+      const int8_t* ac = a + c * 2 * P * 64;
+      _tile_loadd(0, cur[0], 64);
+      _tile_loadd(1, cur[1], 64);
+      _tile_loadd(2, ac, 64);
+      _tile_loadd(3, ac + P * 64, 64);
+      _tile_zero(4);
+      _tile_dpbsud(4, 2, 0);
+      _tile_dpbsud(4, 3, 1);
+      _tile_stored(4, c_out[i & 1], 64);
+      if constexpr (P1 > 0) {  // C's rows P0.. (planes of rows 5.. of x) from the same B tiles
+        _tile_loadd(5, ac + P0 * 64, 64);
+        _tile_loadd(6, ac + (P + P0) * 64, 64);
+        _tile_zero(7);
+        _tile_dpbsud(7, 5, 0);
+        _tile_dpbsud(7, 6, 1);
+        _tile_stored(7, c_out[i & 1] + P0 * 16, 64);
+      }
+    }
+    if (++c == chunks) c = 0, ++t;
+    if (i == 0) continue;
+    const int32_t* cp = c_out[(i - 1) & 1];
+    const float* sg = so + ((t_prev * groups + c_prev / per_group) * 2) * 16;  // 16 scales, then 16 offsets
+    const __m512 scale = _mm512_loadu_ps(sg);
+    for (int r = 0; r < R; ++r) {
+      const __m512i ch = _mm512_load_si512(cp + 16 * (3 * r)), cm = _mm512_load_si512(cp + 16 * (3 * r + 1));
+      const __m512i cl = _mm512_load_si512(cp + 16 * (3 * r + 2));
+      const float u = units[r * chunks + c_prev];
+      const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ch, 8), cm));
+      const __m512 sum = _mm512_fmadd_ps(upper, _mm512_set1_ps(256.0f * u),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(cl), _mm512_set1_ps(u)));
+      acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+    }
+    if (c_prev != chunks - 1) continue;
+    const int64_t n0 = t_prev * kRows;
+    const __m512 b16 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 off = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        off = _mm512_fmadd_ps(_mm512_loadu_ps(so + ((t_prev * groups + g) * 2 + 1) * 16),
+                              _mm512_set1_ps(xsum[r * groups + g]), off);
+      }
+      _mm512_storeu_ps(y + r * N + n0, _mm512_add_ps(_mm512_add_ps(acc[r], off), b16));
+      acc[r] = _mm512_setzero_ps();
+    }
+  }
+  _tile_release();
+}
+
+TPSERVE_INT4_TILES void group_sums(const float* x, int64_t R, int64_t K, int64_t G, float* xsum) {
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(x + r * K + k));
+      xsum[r * (K / G) + g] = _mm512_reduce_add_ps(s);
+    }
+  }
+}
+
+void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+            const float* scale_offset, const float* bias, float* y) {
+  const int64_t chunks = K / kChunk, groups = K / G, blocks = N / kRows;
+  thread_local std::vector<int8_t> a;
+  thread_local std::vector<float> units, xsum;
+  const int64_t grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxX) {
+    const int64_t R = std::min(kMaxX, M - m0);
+    a.resize(static_cast<size_t>(chunks * 2 * 3 * R * 64));
+    units.resize(static_cast<size_t>(R * chunks));
+    xsum.resize(static_cast<size_t>(R * groups));
+    make_a_planes(x + m0 * K, R, K, a.data(), units.data());
+    group_sums(x + m0 * K, R, K, G, xsum.data());
+    const int8_t* ap = a.data();
+    const float* up = units.data();
+    const float* sp = xsum.data();
+    float* yp = y + m0 * N;
+    at::parallel_for(0, blocks, grain, [&](int64_t t0, int64_t t1) {
+      switch (R) {
+        case 1: run_blocks<1>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 2: run_blocks<2>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 3: run_blocks<3>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 4: run_blocks<4>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 5: run_blocks<5>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 6: run_blocks<6>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 7: run_blocks<7>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 8: run_blocks<8>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        case 9: run_blocks<9>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+        default: run_blocks<10>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
+      }
+    });
+  }
+}
+
+// W as float32 (N, K) from the tile layout (prefill-sized products, tests): w = s * q + o.
+void dequantize(const uint8_t* qweight, const float* scale_offset, int64_t N, int64_t K, int64_t G, float* w) {
+  const int64_t chunks = K / kChunk, groups = K / G;
+  at::parallel_for(0, N / kRows, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* block = qweight + (t * chunks + c) * kBlockBytes;
+        const float* sg = scale_offset + (t * groups + c * kChunk / G) * 2 * 16;
+        for (int64_t j = 0; j < kRows; ++j) {
+          float* out = w + (t * kRows + j) * K + c * kChunk;
+          const float s = sg[j], o = sg[16 + j];
+          for (int64_t r = 0; r < 16; ++r) {
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t byte = block[64 * r + 4 * j + i];
+              out[4 * r + i] = s * static_cast<float>(byte & 0x0F) + o;
+              out[64 + 4 * r + i] = s * static_cast<float>(byte >> 4) + o;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+
+void check(const at::Tensor& qweight, const at::Tensor& scale_offset) {
+  TORCH_CHECK(qweight.device().is_cpu() && scale_offset.device().is_cpu(), "tpserve int4: tensors must be on the CPU");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "tpserve int4: qweight must be a contiguous uint8 (N, K / 2) tensor");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
+  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.dim() == 4 && scale_offset.is_contiguous() &&
+                  scale_offset.size(0) * kRows == N && scale_offset.size(2) == 2 && scale_offset.size(3) == kRows,
+              "tpserve int4: the tile layout's scale_offset must be a contiguous float32 (N / 16, K / G, 2, 16) tensor");
+  const int64_t groups = scale_offset.size(1);
+  TORCH_CHECK(N % kRows == 0 && K % kChunk == 0 && groups > 0 && K % groups == 0 && (K / groups) % kChunk == 0,
+              "tpserve int4: the tile layout needs N % 16 == 0, K % 128 == 0 and groups of a multiple of 128 "
+              "columns, got N=", N, " K=", K, " groups=", groups);
+  TORCH_CHECK(tpserve_int4_amx::amx_available(), "tpserve int4: the tile layout needs AMX-INT8");
+}
+
+at::Tensor dequantize_op(const at::Tensor& qweight, const at::Tensor& scale_offset) {
+  check(qweight, scale_offset);
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2, G = K / scale_offset.size(1);
+  at::Tensor w = at::empty({N, K}, scale_offset.options());
+  dequantize(qweight.data_ptr<uint8_t>(), scale_offset.data_ptr<float>(), N, K, G, w.data_ptr<float>());
+  return w;
+}
+
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_offset,
+                     const c10::optional<at::Tensor>& bias) {
+  check(qweight, scale_offset);
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) * 2 == K, "tpserve linear_int4: x has ", K, " columns, W ", qweight.size(1) * 2);
+  at::Tensor y = at::empty({M, N}, x.options());
+  linear(x.data_ptr<float>(), M, K, N, K / scale_offset.size(1), qweight.data_ptr<uint8_t>(),
+         scale_offset.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y;
+}
+
+// Whether layers loaded from now on are repacked into the tile layout (worker/layers/int4_weights.py asks
+// int4_tiles_enabled); use_int4_tiles(False) keeps the row-major layout (tests, A/B runs).
+std::atomic<bool> allow_tiles{true};
+bool use_int4_tiles(bool enabled) {
+  allow_tiles.store(enabled);
+  return enabled && tpserve_int4_amx::amx_available();
+}
+bool int4_tiles_enabled() { return allow_tiles.load() && tpserve_int4_amx::amx_available(); }
+
+}  // namespace tpserve_int4_tiles
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("use_int4_tiles(bool enabled) -> bool", &tpserve_int4_tiles::use_int4_tiles);
+  m.def("int4_tiles_enabled() -> bool", &tpserve_int4_tiles::int4_tiles_enabled);
+}
