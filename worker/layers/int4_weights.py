@@ -232,9 +232,11 @@ def finish_int4_layer(layer: Any) -> None:
         missing = sorted(f"{stem}.{suffixes[part]}" for part in required_parts(fmt) - set(pending))
         raise ValueError(f"checkpoint is missing {missing} ({fmt.method}{' desc_act' if fmt.desc_act else ''}; "
                          f"read {names}): a corrupt checkpoint")
-    # 8-bit checkpoints' layers (int8_groups.py: int8 per channel, or a byte a code) keep their layouts.
-    if layer.weight.dtype == torch.uint8 and not layer.int8_groups and tile_layout_applies(layer.weight,
-                                                                                        layer.weight_scale):
+    # 8-bit checkpoints' layers (int8_groups.py: int8 per channel, or a byte a code) keep their layouts, and
+    # so do MoE expert stacks (worker/layers/moe_int4.py: no ``weight``; linear_int4 per expert, row-major).
+    weight = getattr(layer, "weight", None)
+    if weight is not None and weight.dtype == torch.uint8 and not layer.int8_groups and tile_layout_applies(
+            weight, layer.weight_scale):
         # The AMX kernel's order (worker/layers/int4_matmul.py, pack_tiles): same bytes, read in one stream.
         packed, scales = pack_tiles(layer.weight.data, layer.weight_scale.data)
         layer.weight.data.copy_(packed)
