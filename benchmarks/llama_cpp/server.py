@@ -39,6 +39,7 @@ class LlamaServer:
             logprobs by ~5e-4 and flipped a greedy token at 17 of 128; off: within 1.4e-6 of
             transformers), for the check against transformers.
         positions_per_slot: each slot's context (``-c`` is this times ``parallel``).
+        extra_args: more ``llama-server`` flags, e.g. ``("--no-repack",)``.
 
     Raises:
         RuntimeError: the server exits or is not healthy within ``start_timeout_s`` seconds
@@ -46,13 +47,15 @@ class LlamaServer:
     """
 
     def __init__(self, binary: Path, gguf: Path, *, threads: int = 2, parallel: int = 16, kv_f32: bool = False,
-                 positions_per_slot: int = 1024, start_timeout_s: float = 180.0) -> None:
+                 positions_per_slot: int = 1024, start_timeout_s: float = 180.0,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.args = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                      "-c", str(positions_per_slot * parallel)]
         if kv_f32:
             self.args += ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]
+        self.args += list(extra_args)
         self.parallel = parallel
         self.start_timeout_s = start_timeout_s
         self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
