@@ -29,6 +29,8 @@
 
 #include <immintrin.h>
 
+#include "row_streams.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -89,27 +91,15 @@ TPSERVE_FP8_AVX512 inline void dots(const int64_t rows[S], const Args& a) {
   }
 }
 
-// W's rows [n_begin, n_end) cut into S contiguous parts read side by side; the remainder one by one.
+// W's rows [n_begin, n_end) in streams(R) streams side by side (row_streams.h).
 template <int R>
 void run(int64_t n_begin, int64_t n_end, const Args& a) {
-  constexpr int S = streams(R);
-  const int64_t part = (n_end - n_begin) / S;
-  for (int64_t i = 0; i < part; ++i) {
-    int64_t rows[S];
-    for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
-    dots<R, S>(rows, a);
-  }
-  for (int64_t n = n_begin + S * part; n < n_end; ++n) {
-    const int64_t rows[1] = {n};
-    dots<R, 1>(rows, a);
-  }
+  tpserve::stream_rows<streams(R)>(n_begin, n_end, [&](const int64_t* rows, auto s) {
+    dots<R, decltype(s)::value>(rows, a);
+  });
 }
 
-bool cpu_has_avx512bw() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512bw");
-  return has;
-}
+using tpserve::cpu_has_avx512bw;
 
 void check(const at::Tensor& weight, const at::Tensor& scale) {
   TORCH_CHECK(weight.device().is_cpu() && scale.device().is_cpu(), "tpserve fp8: tensors must be on the CPU");

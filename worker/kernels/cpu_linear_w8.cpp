@@ -30,6 +30,7 @@
 
 #include <immintrin.h>
 
+#include "row_streams.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -157,19 +158,13 @@ inline void dots256(const int64_t rows[S], const Args& a) {
   }
 }
 
-// W's rows [n_begin, n_end) cut into S contiguous parts read side by side; the remainder one by one.
+// W's rows [n_begin, n_end) in S streams side by side (row_streams.h).
 template <int R, int S, bool Wide>
 void run(int64_t n_begin, int64_t n_end, const Args& a) {
-  const int64_t part = (n_end - n_begin) / S;
-  for (int64_t i = 0; i < part; ++i) {
-    int64_t rows[S];
-    for (int s = 0; s < S; ++s) rows[s] = n_begin + s * part + i;
-    if constexpr (Wide) dots512<R, S>(rows, a); else dots256<R, S>(rows, a);
-  }
-  for (int64_t n = n_begin + S * part; n < n_end; ++n) {
-    const int64_t rows[1] = {n};
-    if constexpr (Wide) dots512<R, 1>(rows, a); else dots256<R, 1>(rows, a);
-  }
+  tpserve::stream_rows<S>(n_begin, n_end, [&](const int64_t* rows, auto streams) {
+    if constexpr (Wide) dots512<R, decltype(streams)::value>(rows, a);
+    else dots256<R, decltype(streams)::value>(rows, a);
+  });
 }
 
 template <int R>
@@ -181,11 +176,7 @@ void run_rows(int64_t n0, int64_t n1, const Args& a, bool wide) {
   }
 }
 
-bool cpu_has_avx512bw() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512bw");
-  return has;
-}
+using tpserve::cpu_has_avx512bw;
 std::atomic<bool> allow_wide{true};  // use_avx512_w8(False): the AVX2 path (tests, A/B runs)
 bool use_avx512_w8(bool enabled) {
   allow_wide.store(enabled);
