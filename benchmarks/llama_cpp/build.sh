@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and convert the 95M benchmark model to a float32 GGUF, for
+# Build llama.cpp's llama-server and llama-quantize (benchmarks/quantized_peer_comparison.py makes Q4_0 and
+# Q8_0 files with it) and convert the 95M benchmark model to a float32 GGUF, for
 # benchmarks/peer_comparison.py's llama.cpp peer.
 #
 # llama.cpp comes from the llama-cpp-python source distribution on the package index (its
@@ -7,9 +8,11 @@
 # Nothing here is committed: the build, the model and the GGUF stay under the work directory.
 #
 # Usage: bash benchmarks/llama_cpp/build.sh [WORK_DIR]   (default: ~/.cache/tpserve/llama_cpp)
-# Prints the two paths to pass on:  --llama-server WORK_DIR/build/bin/llama-server --llama-gguf WORK_DIR/m95-f32.gguf
+# Prints the paths to pass on:  --llama-server WORK_DIR/build/bin/llama-server --llama-gguf WORK_DIR/m95-f32.gguf
+# (and --llama-quantize WORK_DIR/build/bin/llama-quantize for quantized_peer_comparison.py)
 # Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36, the version recorded in benchmarks/results),
-# JOBS (default 2). 63 minutes on the shared 2-core host at load average 4-20, nearly all of it the C++ build.
+# JOBS (default 2). 63 minutes on the shared 2-core host at load average 4-20, nearly all of it the C++ build
+# (25 minutes at nice 12 beside other sessions' tests on 2026-12-06).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -29,7 +32,7 @@ LLAMA="$SRC/vendor/llama.cpp"
 # The server alone (no tests, examples, curl); -march=native: the host's widest vectors (AVX-512 here).
 cmake -B "$WORK/build" "$LLAMA" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-cmake --build "$WORK/build" --target llama-server -j"${JOBS:-2}"
+cmake --build "$WORK/build" --target llama-server llama-quantize -j"${JOBS:-2}"
 
 # The converter imports sentencepiece; install it beside the build, not into the project's venv.
 if [ ! -d "$WORK/pydeps/sentencepiece" ]; then
@@ -45,4 +48,4 @@ fi
 PYTHONPATH="$LLAMA/gguf-py:$WORK/pydeps" "$PY" "$REPO/benchmarks/llama_cpp/convert.py" "$LLAMA/convert_hf_to_gguf.py" "$MODEL" --outtype f32 \
   --outfile "$WORK/m95-f32.gguf"
 
-echo "--llama-server $WORK/build/bin/llama-server --llama-gguf $WORK/m95-f32.gguf"
+echo "--llama-server $WORK/build/bin/llama-server --llama-gguf $WORK/m95-f32.gguf --llama-quantize $WORK/build/bin/llama-quantize"
