@@ -19,6 +19,8 @@
 //
 // The float paths: sum_g [ s_g * sum_{k in g} q_k x_k + o_g * xsum_g ], xsum_g = sum_{k in g} x_k once per
 // call; q_k x_k summed in a vector per (row, row of x), scaled by s_g once a group (not an FMA a weight).
+// They are group_dots.h's templates (shared with cpu_linear_w8.cpp) over this layout's Codes below; x's
+// planes for the VNNI path and the AMX paths are cut by int4_planes.h.
 //
 // Rows of x: up to kMaxRows512 / kMaxRowsVnni (AVX-512) or kMaxRows256 (AVX2) at once, each thread
 // owning a range of W's rows and reading S of them side by side (several sequential streams in flight,
@@ -29,15 +31,15 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/matmul.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
 #include "cpu_linear_int4.h"
+#include "group_dots.h"
+#include "int4_planes.h"
 #include "row_streams.h"
-#include "vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -48,83 +50,36 @@
 namespace tpserve_int4 {
 
 constexpr int64_t kBlock = 32;           // columns per 16-byte block of codes
-constexpr int64_t kMaxRows512 = 8;       // rows of x per pass, AVX-512
-constexpr int64_t kMaxRows256 = 4;       // rows of x per pass, AVX2
 constexpr int64_t kChunkedMaxRows = 64;  // beyond: dequantize W once and at::matmul
 constexpr int64_t kAhead = 2048;         // bytes prefetched ahead in each stream (4096 columns)
 
-#define TPSERVE_INT4_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw")))
+using Args = tpserve::GroupArgs;
 
-// Streams of W rows per thread for R rows of x: (accumulator + total) * S * R + 2 R x vectors + 2 weight
-// vectors within 32 zmm registers (16 ymm for AVX2).
-constexpr int streams512(int R) { return R <= 2 ? 4 : (R <= 4 ? 2 : 1); }
-constexpr int streams256(int R) { return R <= 1 ? 2 : 1; }
+// The codes for group_dots.h' float paths: a block (32 columns, 16 bytes) a step, one 16-byte load and two
+// masks giving two runs of 16 consecutive columns (one zmm each, or four ymm), no shuffles.
+struct Codes {
+  static constexpr int64_t kCodesPerByte = 2;
+  static constexpr int64_t kStep = kBlock;
+  static constexpr int64_t kMaxRows512 = 8;  // rows of x per pass, AVX-512
+  static constexpr int64_t kMaxRows256 = 4;  // rows of x per pass, AVX2
 
-struct Args {
-  int64_t K, N, G, groups;
-  const float* x;        // (R, K), row stride K
-  const float* xsum;     // (R, groups)
-  const uint8_t* w;      // (N, K / 2)
-  const float* so;       // (N, groups, 2)
-  const float* bias;     // (N,) or nullptr
-  float* y;              // (R, N), row stride N
+  TPSERVE_GROUP_AVX512 static inline void widen512(const uint8_t* p, __m512 w[2]) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+  }
+  static inline void widen256(const uint8_t* p, __m256 w[4]) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = _mm_and_si128(bytes, low);                      // columns k .. k + 15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);  // columns k + 16 .. k + 31
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
 };
-
-template <int R, int S>
-TPSERVE_INT4_AVX512 inline void dots512(const int64_t rows[S], const Args& a) {
-  const uint8_t* wr[S];
-  const float* sr[S];
-  __m512 total[S][R];
-  float offset[S][R];
-  for (int s = 0; s < S; ++s) {
-    wr[s] = a.w + rows[s] * (a.K / 2);
-    sr[s] = a.so + rows[s] * a.groups * 2;
-    for (int r = 0; r < R; ++r) {
-      total[s][r] = _mm512_setzero_ps();
-      offset[s][r] = 0.0f;
-    }
-  }
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    __m512 acc[S][R];
-    for (int s = 0; s < S; ++s) {
-      for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
-    }
-    for (int64_t k = g * a.G; k < (g + 1) * a.G; k += kBlock) {
-      __m512 xlo[R], xhi[R];
-      for (int r = 0; r < R; ++r) {
-        xlo[r] = _mm512_loadu_ps(a.x + r * a.K + k);
-        xhi[r] = _mm512_loadu_ps(a.x + r * a.K + k + 16);
-      }
-      for (int s = 0; s < S; ++s) {
-        const uint8_t* p = wr[s] + k / 2;
-        // One prefetch a 64-byte line (128 columns).
-        if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        const __m512 wlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
-        const __m512 whi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
-        for (int r = 0; r < R; ++r) {
-          acc[s][r] = _mm512_fmadd_ps(wlo, xlo[r], acc[s][r]);
-          acc[s][r] = _mm512_fmadd_ps(whi, xhi[r], acc[s][r]);
-        }
-      }
-    }
-    for (int s = 0; s < S; ++s) {
-      const __m512 scale = _mm512_set1_ps(sr[s][2 * g]);
-      const float off = sr[s][2 * g + 1];
-      for (int r = 0; r < R; ++r) {
-        total[s][r] = _mm512_fmadd_ps(acc[s][r], scale, total[s][r]);
-        offset[s][r] += off * a.xsum[r * a.groups + g];
-      }
-    }
-  }
-  for (int s = 0; s < S; ++s) {
-    const int64_t n = rows[s];
-    for (int r = 0; r < R; ++r) {
-      a.y[r * a.N + n] = _mm512_reduce_add_ps(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
-    }
-  }
-}
 
 // ---- AVX-512 VNNI: the codes times x carried as 24-bit fixed point, in integer dot products ----------
 // The codes stay bytes and meet x in vpdpbusd (64 byte products an instruction; widening to float costs 3
@@ -216,114 +171,24 @@ TPSERVE_INT4_VNNI void make_planes(const float* x, int64_t M, int64_t K, std::ve
   const int64_t chunks = K / kChunk;
   planes.assign(static_cast<size_t>(M * chunks * kPlaneBytes), 0);
   units.assign(static_cast<size_t>(M * chunks), 0.0f);
-  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t c = 0; c < chunks; ++c) {
       const float* xc = x + m * K + c * kChunk;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < kChunk; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xc + k)));
-      const float top = _mm512_reduce_max_ps(amax);
+      const float top = chunk_max_abs(xc);
       if (top == 0.0f) continue;  // planes and unit stay zero
       const float unit = top / (127.0f * 65536.0f);
       units[m * chunks + c] = unit;
       const __m512 u = _mm512_set1_ps(unit);
       int8_t* out = planes.data() + (m * chunks + c) * kPlaneBytes;
       for (int64_t i = 0; i < kChunk / 16; ++i) {  // columns 16i .. 16i + 15: one half of block i / 2
-        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xc + 16 * i), u));
-        const __m512i xl = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half);
-        const __m512i v1 = _mm512_srai_epi32(_mm512_sub_epi32(v, xl), 8);
-        const __m512i xm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v1, half), byte), half);
-        const __m512i xh = _mm512_srai_epi32(_mm512_sub_epi32(v1, xm), 8);
+        __m512i xh, xm, xl;
+        plane_digits(xc + 16 * i, u, xh, xm, xl);
         int8_t* dst = out + (i / 2) * 16 + (i % 2) * 64;  // low nibbles' plane, then high's
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(xh));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128), _mm512_cvtepi32_epi8(xm));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 256), _mm512_cvtepi32_epi8(xl));
       }
     }
-  }
-}
-
-// xsum[m * groups + g] = sum of row m of x over group g's G columns (G % 32 == 0).
-TPSERVE_INT4_AVX512 void group_sums512(const float* x, int64_t M, int64_t K, int64_t G, float* xsum) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < K / G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + m * K + k));
-      xsum[m * (K / G) + g] = _mm512_reduce_add_ps(acc);
-    }
-  }
-}
-
-template <int R, int S>
-inline void dots256(const int64_t rows[S], const Args& a) {
-  const uint8_t* wr[S];
-  const float* sr[S];
-  __m256 total[S][R];
-  float offset[S][R];
-  for (int s = 0; s < S; ++s) {
-    wr[s] = a.w + rows[s] * (a.K / 2);
-    sr[s] = a.so + rows[s] * a.groups * 2;
-    for (int r = 0; r < R; ++r) {
-      total[s][r] = _mm256_setzero_ps();
-      offset[s][r] = 0.0f;
-    }
-  }
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    __m256 acc[S][R];
-    for (int s = 0; s < S; ++s) {
-      for (int r = 0; r < R; ++r) acc[s][r] = _mm256_setzero_ps();
-    }
-    for (int64_t k = g * a.G; k < (g + 1) * a.G; k += kBlock) {
-      for (int s = 0; s < S; ++s) {
-        const uint8_t* p = wr[s] + k / 2;
-        if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        const __m128i lo = _mm_and_si128(bytes, low);                       // columns k .. k + 15
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);   // columns k + 16 .. k + 31
-        const __m256 wv[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
-                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
-                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
-        for (int r = 0; r < R; ++r) {
-          for (int v = 0; v < 4; ++v) {
-            acc[s][r] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(a.x + r * a.K + k + 8 * v), acc[s][r]);
-          }
-        }
-      }
-    }
-    for (int s = 0; s < S; ++s) {
-      const __m256 scale = _mm256_set1_ps(sr[s][2 * g]);
-      const float off = sr[s][2 * g + 1];
-      for (int r = 0; r < R; ++r) {
-        total[s][r] = _mm256_fmadd_ps(acc[s][r], scale, total[s][r]);
-        offset[s][r] += off * a.xsum[r * a.groups + g];
-      }
-    }
-  }
-  for (int s = 0; s < S; ++s) {
-    const int64_t n = rows[s];
-    for (int r = 0; r < R; ++r) {
-      a.y[r * a.N + n] = tpserve::hsum(total[s][r]) + offset[s][r] + (a.bias ? a.bias[n] : 0.0f);
-    }
-  }
-}
-
-// W's rows [n_begin, n_end) in S streams side by side (row_streams.h).
-template <int R, int S, bool Wide>
-void run(int64_t n_begin, int64_t n_end, const Args& a) {
-  tpserve::stream_rows<S>(n_begin, n_end, [&](const int64_t* rows, auto streams) {
-    if constexpr (Wide) dots512<R, decltype(streams)::value>(rows, a);
-    else dots256<R, decltype(streams)::value>(rows, a);
-  });
-}
-
-template <int R>
-void run_rows(int64_t n0, int64_t n1, const Args& a, bool wide) {
-  if (wide) {
-    run<R, streams512(R), true>(n0, n1, a);
-  } else if constexpr (R <= kMaxRows256) {
-    run<R, streams256(R), false>(n0, n1, a);
   }
 }
 
@@ -364,8 +229,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   }
   check(qweight, scale_offset, K);
   if (M > kChunkedMaxRows) {  // prefill-sized: compute-bound, so dequantize once and multiply
-    at::Tensor y = at::matmul(x, dequantize_int4(qweight, scale_offset).t());
-    return bias.has_value() ? y.add_(*bias) : y;
+    return tpserve::dequantized_matmul(x, dequantize_int4(qweight, scale_offset), bias);
   }
   const int64_t groups = scale_offset.size(1), G = K / groups;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -384,13 +248,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   if (wide) {
     group_sums512(xp, M, K, G, xsum.data());
   } else {
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.0f;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xp[m * K + k];
-        xsum[m * groups + g] = sum;
-      }
-    }
+    tpserve::group_sums(xp, M, K, G, xsum.data());
   }
   // VNNI up to kMaxRowsVnni rows: beyond, the float path's widening, shared by 8 rows of x a pass,
   // costs less per row than three dot products a plane (measured at 16 rows: see kernels.md, "int4").
@@ -418,26 +276,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
     }
     return y;
   }
-  const int64_t step = wide ? kMaxRows512 : kMaxRows256;
-  const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
-  for (int64_t m0 = 0; m0 < M; m0 += step) {
-    const int64_t rows = std::min(step, M - m0);
-    const Args a{K, N, G, groups, xp + m0 * K, xsum.data() + m0 * groups, qweight.data_ptr<uint8_t>(),
-                 scale_offset.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                 y.data_ptr<float>() + m0 * N};
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      switch (rows) {
-        case 1: run_rows<1>(n0, n1, a, wide); break;
-        case 2: run_rows<2>(n0, n1, a, wide); break;
-        case 3: run_rows<3>(n0, n1, a, wide); break;
-        case 4: run_rows<4>(n0, n1, a, wide); break;
-        case 5: run_rows<5>(n0, n1, a, wide); break;
-        case 6: run_rows<6>(n0, n1, a, wide); break;
-        case 7: run_rows<7>(n0, n1, a, wide); break;
-        default: run_rows<8>(n0, n1, a, wide); break;
-      }
-    });
-  }
+  tpserve::group_linear<Codes>(xp, M, K, N, G, xsum.data(), qweight.data_ptr<uint8_t>(),
+                               scale_offset.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                               y.data_ptr<float>(), wide);
   return y;
 }
 

@@ -17,6 +17,7 @@
 //   C (16 rows of W, 12 R bytes): C[n][m] = sum over the chunk of q * plane; per chunk and row of W,
 //     acc_n += (C_n * (u 65536, u 256, u)) * s_g in float32 (u: the chunk's unit, s_g: the group's scale).
 #include "cpu_linear_int4.h"
+#include "int4_planes.h"
 
 #include <ATen/Parallel.h>
 
@@ -39,12 +40,7 @@ constexpr int64_t kAheadRows = 16;  // prefetch distance in rows of W: the next 
 
 #define TPSERVE_INT4_AMX __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tpserve_int4::TileConfig;
 
 bool amx_available() {
   static const bool ok = [] {
@@ -63,26 +59,20 @@ bool amx_available() {
 TPSERVE_INT4_AMX void make_b_planes(const float* x, int64_t R, int64_t K, int8_t* b, float* weights) {
   const int64_t chunks = K / kChunk, stride = 12 * R, tile = 16 * stride;
   std::memset(weights, 0, sizeof(float) * 16 * chunks);
-  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11, 12, 13, 14, 15);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
       const float* xc = x + r * K + c * kChunk;
       int8_t* bc = b + c * 2 * tile + 12 * r;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < kChunk; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xc + k)));
-      const float top = _mm512_reduce_max_ps(amax);
+      const float top = tpserve_int4::chunk_max_abs(xc);
       const float unit = top == 0.0f ? 0.0f : top / (127.0f * 65536.0f);
       weights[c * 16 + 3 * r] = unit * 65536.0f;
       weights[c * 16 + 3 * r + 1] = unit * 256.0f;
       weights[c * 16 + 3 * r + 2] = unit;
       const __m512 u = _mm512_set1_ps(top == 0.0f ? 1.0f : unit);
       for (int64_t i = 0; i < kChunk / 16; ++i) {  // columns 16i..16i+15: block i / 2, low (even i) or high half
-        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xc + 16 * i), u));
-        const __m512i xl = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half);
-        const __m512i v1 = _mm512_srai_epi32(_mm512_sub_epi32(v, xl), 8);
-        const __m512i xm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v1, half), byte), half);
-        const __m512i xh = _mm512_srai_epi32(_mm512_sub_epi32(v1, xm), 8);
+        __m512i xh, xm, xl;
+        tpserve_int4::plane_digits(xc + 16 * i, u, xh, xm, xl);
         // dwords 0-3: xh's 16 digits, 4-7: xm's, 8-11: xl's; reordered so each tile row's 12 bytes lie together.
         __m512i all = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(xh));
         all = _mm512_inserti32x4(all, _mm512_cvtepi32_epi8(xm), 1);
@@ -105,8 +95,10 @@ TPSERVE_INT4_AMX void make_b_planes(const float* x, int64_t R, int64_t K, int8_t
 // W's tiles [t0, t1) against R rows of x (R <= 5), one chunk (16 rows x 128 columns) a step. A chunk's C is
 // read back one step later: vector loads of a tile store still in the store buffer (behind the next A's
 // 32 stores) stalled the core, 3.7x the time of either alone (measured, L2-resident W), so step i issues
-// its tiles, then folds step i - 1's C into the row totals, from the other of two buffers.
-TPSERVE_INT4_AMX void run_tiles(int64_t t0, int64_t t1, int64_t R, int64_t K, int64_t N, int64_t G,
+// its tiles, then folds step i - 1's C into the row totals, from the other of two buffers. Loops start on a
+// 64-byte line: the fold's loop (about 190 bytes of code) ran 6-8% slower at 4 rows of x where the function's
+// place in the library left it across 4 lines instead of 3 (measured, 2-core Xeon).
+TPSERVE_INT4_AMX __attribute__((optimize("align-loops=64"))) void run_tiles(int64_t t0, int64_t t1, int64_t R, int64_t K, int64_t N, int64_t G,
                                 const uint8_t* qweight, const float* so, const int8_t* b, const float* weights,
                                 const float* xsum, const float* bias, float* y) {
   const int64_t chunks = K / kChunk, groups = K / G, per_group = G / kChunk, stride = 12 * R;
@@ -172,16 +164,6 @@ TPSERVE_INT4_AMX void run_tiles(int64_t t0, int64_t t1, int64_t R, int64_t K, in
   _tile_release();
 }
 
-TPSERVE_INT4_AMX void group_sums(const float* x, int64_t R, int64_t K, int64_t G, float* xsum) {
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t g = 0; g < K / G; ++g) {
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(x + r * K + k));
-      xsum[r * (K / G) + g] = _mm512_reduce_add_ps(s);
-    }
-  }
-}
-
 void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
             const float* scale_offset, const float* bias, float* y) {
   const int64_t chunks = K / kChunk, groups = K / G, tiles = N / kTileRows;
@@ -194,7 +176,7 @@ void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const ui
     weights.resize(static_cast<size_t>(chunks * 16));
     xsum.resize(static_cast<size_t>(R * groups));
     make_b_planes(x + m0 * K, R, K, b.data(), weights.data());
-    group_sums(x + m0 * K, R, K, G, xsum.data());
+    tpserve_int4::group_sums512(x + m0 * K, R, K, G, xsum.data());
     const int8_t* bp = b.data();
     const float* wp = weights.data();
     const float* sp = xsum.data();

@@ -33,6 +33,7 @@
 // largest |x|). Per chunk and row of x: sum q x = u (256 (256 Ch + Cm) + Cl), 256 Ch + Cm exact in int32
 // (|.| < 2^26), then float32, times the group's scale; offsets: sum_g o_g * sum_{k in g} x_k once per block.
 #include "cpu_linear_int4.h"
+#include "int4_planes.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -57,35 +58,24 @@ constexpr int kLead = 2;               // blocks split ahead of the block multip
 
 #define TPSERVE_INT4_TILES __attribute__((target("avx512f,avx512vl,avx512bw,amx-tile,amx-int8")))
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tpserve_int4::TileConfig;
 
 // x's planes in A's layout: per chunk c, half h (columns 128 c + 64 h ..), plane row 3 r + p (p: high, middle,
 // low digit), 64 bytes; and units[r * chunks + c] = u (0 for a chunk of zeros, whose planes stay zero).
 // Digits as cpu_linear_int4.cpp's make_planes.
 TPSERVE_INT4_TILES void make_a_planes(const float* x, int64_t R, int64_t K, int8_t* a, float* units) {
   const int64_t chunks = K / kChunk, P = 3 * R;
-  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
   std::memset(a, 0, static_cast<size_t>(chunks * 2 * P * 64));
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
       const float* xc = x + r * K + c * kChunk;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < kChunk; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xc + k)));
-      const float unit = _mm512_reduce_max_ps(amax) / (127.0f * 65536.0f);
+      const float unit = tpserve_int4::chunk_max_abs(xc) / (127.0f * 65536.0f);
       units[r * chunks + c] = unit;
       if (unit == 0.0f) continue;  // zeros, or below 1e-31 (u underflows): the chunk's planes stay zero
       const __m512 u = _mm512_set1_ps(unit);
       for (int64_t i = 0; i < kChunk / 16; ++i) {  // columns 16 i .. 16 i + 15 of the chunk
-        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xc + 16 * i), u));
-        const __m512i xl = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half);
-        const __m512i v1 = _mm512_srai_epi32(_mm512_sub_epi32(v, xl), 8);
-        const __m512i xm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v1, half), byte), half);
-        const __m512i xh = _mm512_srai_epi32(_mm512_sub_epi32(v1, xm), 8);
+        __m512i xh, xm, xl;
+        tpserve_int4::plane_digits(xc + 16 * i, u, xh, xm, xl);
         int8_t* dst = a + ((c * 2 + i / 4) * P + 3 * r) * 64 + (i % 4) * 16;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(xh));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 64), _mm512_cvtepi32_epi8(xm));
@@ -190,16 +180,6 @@ TPSERVE_INT4_TILES void run_blocks(int64_t t0, int64_t t1, int64_t K, int64_t N,
   _tile_release();
 }
 
-TPSERVE_INT4_TILES void group_sums(const float* x, int64_t R, int64_t K, int64_t G, float* xsum) {
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t g = 0; g < K / G; ++g) {
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(x + r * K + k));
-      xsum[r * (K / G) + g] = _mm512_reduce_add_ps(s);
-    }
-  }
-}
-
 void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
             const float* scale_offset, const float* bias, float* y) {
   const int64_t chunks = K / kChunk, groups = K / G, blocks = N / kRows;
@@ -212,7 +192,7 @@ void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const ui
     units.resize(static_cast<size_t>(R * chunks));
     xsum.resize(static_cast<size_t>(R * groups));
     make_a_planes(x + m0 * K, R, K, a.data(), units.data());
-    group_sums(x + m0 * K, R, K, G, xsum.data());
+    tpserve_int4::group_sums512(x + m0 * K, R, K, G, xsum.data());
     const int8_t* ap = a.data();
     const float* up = units.data();
     const float* sp = xsum.data();
