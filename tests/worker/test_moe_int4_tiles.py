@@ -11,7 +11,8 @@
   (and the same bytes) as the row-major load (``use_int4_tiles(False)``), an expert-parallel rank holding
   tp 1's experts 4-7; greedy tokens, logits and prompt logprobs against ``transformers`` on the int4 round
   trip (tests/worker/moe_family_check.py, bounds as tests/worker/test_moe_int4.py) at tp 1 and expert-parallel
-  at tp 2 (tensor-parallel at tp 2 would split down's 128 columns below a group: refused, as documented).
+  at tp 2 (tensor-parallel at tp 2 would split down's 128 columns below a group: refused, as documented), and
+  through the Triton experts (Triton's interpreter at tp 1: the stacks widened from the tile layout).
 
 The tile kernel needs AMX-INT8: on another CPU the stacks stay row-major, and the tests that assert the
 layout are skipped with that reason (the model-level check still runs, on the row-major layout).
@@ -28,10 +29,12 @@ import torch
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.int4_checkpoints import save_rtn_dequantized
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
-from tests.worker.moe_family_check import FamilyCase, check_records, reference_case
+from tests.worker.moe_family_check import FamilyCase, at_once_job, check_job, check_records, reference_case
 from tests.worker.tp_harness import Job, run_jobs
 from tpserve.model_config import ModelConfig
 from worker.kernels import cpu_kernels_available
+from worker.kernels.triton_moe import grouped_experts_triton
+from worker.layers import moe
 from worker.layers.int4_matmul import pack_codes, repack_tile_stack
 from worker.layers.moe import FusedMoE
 from worker.layers.moe_experts import grouped_experts_torch
@@ -129,7 +132,7 @@ def _experts(model_dir: Path, ctx: ParallelContext) -> list[FusedMoE]:
 
 
 def _bytes(moes: list[FusedMoE]) -> int:
-    return sum(p.numel() * p.element_size() for moe in moes for p in moe.parameters())
+    return sum(p.numel() * p.element_size() for layer in moes for p in layer.parameters())
 
 
 @needs_amx
@@ -173,3 +176,13 @@ def test_tile_layout_experts_match_transformers_on_dequantized_weights(tp: int, 
     if tp == 2:
         jobs = tuple(dataclasses.replace(job, name=f"{job.name}_ep", enable_expert_parallel=True) for job in jobs)
     check_records(family_case, jobs, run_jobs(list(jobs), tp_size=tp), batch_bound=BATCH_BOUND)
+
+
+def test_the_triton_experts_read_the_tile_layout(case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's grouped kernel (Triton's interpreter here) on the same stacks: it widens them with
+    :func:`dequantize_int4_experts`, which reads the tile layout; 3 prompts, 4 steps, tokens and logits as above."""
+    monkeypatch.setattr(moe, "grouped_experts", grouped_experts_triton)
+    family_case, _ = case
+    job = dataclasses.replace(at_once_job(family_case, num_prompts=3, num_steps=4), name="tiles_triton",
+                              quantization="int4")
+    check_job(family_case, job, run_jobs([job], tp_size=1)[job.name])
