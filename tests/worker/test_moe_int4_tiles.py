@@ -5,7 +5,8 @@
   tile kernel) gives the row-major stacks' outputs within 1e-5 of max |y| at 1, 4 and 70 rows (70: more than
   the row-major kernel's 64-row cut-over to dequantize-and-matmul), and both within 1e-5 of max |y| of
   float64 on the dequantized weights; :func:`dequantize_int4_experts` reads both layouts to the same weights
-  (exactly); shapes the layout cannot hold are refused with the stack unchanged;
+  (exactly); act-order experts' column gathers give the same outputs on either layout; shapes the layout
+  cannot hold are refused with the stack unchanged;
 * model level: a Qwen3-MoE whose expert shapes qualify (hidden 256, experts 128 wide, RTN groups of 128),
   ``--quantization int4``: every expert stack loaded in the tile layout, holding the same codes and scales
   (and the same bytes) as the row-major load (``use_int4_tiles(False)``), an expert-parallel rank holding
@@ -38,7 +39,7 @@ from worker.layers import moe
 from worker.layers.int4_matmul import pack_codes, repack_tile_stack
 from worker.layers.moe import FusedMoE
 from worker.layers.moe_experts import grouped_experts_torch
-from worker.layers.moe_int4 import dequantize_int4_experts
+from worker.layers.moe_int4 import dequantize_int4_experts, unpermute_columns
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
 
@@ -94,6 +95,34 @@ def test_tile_stacks_give_the_row_major_stacks_outputs(rows: int) -> None:
     assert float((y_tiles - y_rows).abs().max()) <= bound
     assert float((y_tiles.double() - y64).abs().max()) <= bound
     assert float((y_rows.double() - y64).abs().max()) <= bound
+
+
+@needs_amx
+def test_act_order_gathers_are_the_same_on_tile_stacks() -> None:
+    """Act-order experts: each expert's input columns in a random packed order (``gate_up_perm (E, H)``,
+    ``down_perm (E, I)``): gathers of x, so the tile stacks give the row-major outputs, and both float64's on
+    the weights put back in the checkpoint's column order (:func:`unpermute_columns`), within 1e-5 of max |y|."""
+    gate_up, gate_up_so = _stack(2 * WIDTH, HIDDEN, seed=6)
+    down, down_so = _stack(HIDDEN, WIDTH, seed=7)
+    tile_gate_up, tile_down = gate_up.clone(), down.clone()
+    tile_gate_up_so, tile_down_so = repack_tile_stack(tile_gate_up, gate_up_so), repack_tile_stack(tile_down, down_so)
+    gen = torch.Generator().manual_seed(8)
+    gate_up_perm = torch.stack([torch.randperm(HIDDEN, generator=gen) for _ in range(EXPERTS)])  # (E, H)
+    down_perm = torch.stack([torch.randperm(WIDTH, generator=gen) for _ in range(EXPERTS)])  # (E, I)
+    x = torch.randn(4, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(4)])  # (4, 2)
+    weights = torch.rand(4, 2, generator=gen)
+    perms = {"gate_up_perm": gate_up_perm, "down_perm": down_perm}
+    y_rows = grouped_experts_torch(x, gate_up, down, ids, weights, gate_up_scale=gate_up_so, down_scale=down_so,
+                                   **perms)
+    y_tiles = grouped_experts_torch(x, tile_gate_up, tile_down, ids, weights, gate_up_scale=tile_gate_up_so,
+                                    down_scale=tile_down_so, **perms)
+    w_gate_up = unpermute_columns(dequantize_int4_experts(tile_gate_up, tile_gate_up_so, torch.float64), gate_up_perm)
+    w_down = unpermute_columns(dequantize_int4_experts(tile_down, tile_down_so, torch.float64), down_perm)
+    y64 = grouped_experts_torch(x.double(), w_gate_up, w_down, ids, weights.double())
+    bound = 1e-5 * float(y64.abs().max())
+    assert float((y_tiles - y_rows).abs().max()) <= bound
+    assert float((y_tiles.double() - y64).abs().max()) <= bound
 
 
 @needs_amx
