@@ -30,6 +30,9 @@ int4 layers as in the experts):
   1/8 of float32 plus 2 / G (0.1875 at G = 32); an expert-parallel rank holds tp 1's experts;
 * act-order experts whose gate and up orders differ, and gpt-oss's and Llama 4's fused layouts with
   int4, are refused in one line.
+
+The tiny models' experts (64 wide, groups of 32) stay row-major; the AMX tile layout of expert stacks whose
+shapes qualify is checked by tests/worker/test_moe_int4_tiles.py.
 """
 
 from __future__ import annotations

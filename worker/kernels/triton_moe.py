@@ -135,8 +135,8 @@ def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
     """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``.
 
     Int8 experts (``gate_up_scale (E, 2 * I)`` and ``down_scale (E, H)`` float32 given) and int4 ones
-    (uint8 packed codes with ``(E, N, K / G, 2)`` scales and offsets): the kernel takes float weights,
-    so the layer's stack is dequantized for this call (worker/layers/moe_int8.py, moe_int4.py: a
+    (uint8 packed codes with ``(E, N, K / G, 2)`` scales and offsets, or a CPU stack's tile layout): the
+    kernel takes float weights, so the layer's stack is dequantized for this call (worker/layers/moe_int8.py, moe_int4.py: a
     transient in ``x.dtype``, one layer at a time; no host read, so still capturable); act-order int4
     experts' columns (``gate_up_perm``, ``down_perm``) are put back in the checkpoint's order.
 

@@ -100,6 +100,33 @@ def tile_layout_applies(qweight: torch.Tensor, scale_offset: torch.Tensor) -> bo
     return fits and bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
 
 
+def repack_tile_stack(qweight: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_tiles` on each matrix of a stack (MoE experts), in place: every expert a tile-layout layer.
+
+    Args:
+        qweight: ``(E, N, K / 2)`` uint8, row-major; rewritten in place, each expert's bytes in the tile
+            order (one expert's copy at a time, never a second stack: load-time memory stays flat).
+        scale_offset: ``(E, N, K / G, 2)`` float32.
+
+    Returns:
+        ``(E, N / 16, K / G, 2, 16)`` float32, so expert ``e``'s ``qweight[e]`` / ``result[e]`` is a
+        tile-layout layer that ``linear_int4`` takes as it is.
+
+    Raises:
+        ValueError: ``N`` is not a multiple of 16, ``K`` of 128, or ``G`` of 128 (as :func:`pack_tiles`);
+            ``qweight`` is then unchanged.
+    """
+    experts, n = qweight.shape[:2]
+    groups = scale_offset.shape[2]
+    if n % TILE_ROWS:
+        raise ValueError(f"the int4 tile layout needs rows a multiple of {TILE_ROWS}, got N={n}")
+    scales = scale_offset.new_empty((experts, n // TILE_ROWS, groups, 2, TILE_ROWS))
+    for e in range(experts):
+        packed, scales[e] = pack_tiles(qweight[e], scale_offset[e])  # raises before the first write
+        qweight[e].copy_(packed)
+    return scales
+
+
 def is_tile_layout(scale_offset: torch.Tensor) -> bool:
     """Whether a layer's ``scale_offset`` is the tile layout's ``(N / 16, K / G, 2, 16)`` (else ``(N, K / G, 2)``)."""
     return scale_offset.dim() == 4

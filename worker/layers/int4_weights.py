@@ -49,7 +49,7 @@ import torch
 
 from tpserve.quantization_int4 import RTN_GROUP_SIZE, RTN_SMALL_GROUP_SIZE, Int4Format
 from worker.layers.int4_formats import PARTS, Int4Tensor, required_parts, unpack_layer
-from worker.layers.int4_matmul import BLOCK, pack_codes, pack_tiles, tile_layout_applies
+from worker.layers.int4_matmul import BLOCK, pack_codes, pack_tiles, repack_tile_stack, tile_layout_applies
 from worker.layers.int8_groups import write_8bit
 from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow, source_shape
 
@@ -232,8 +232,13 @@ def finish_int4_layer(layer: Any) -> None:
         missing = sorted(f"{stem}.{suffixes[part]}" for part in required_parts(fmt) - set(pending))
         raise ValueError(f"checkpoint is missing {missing} ({fmt.method}{' desc_act' if fmt.desc_act else ''}; "
                          f"read {names}): a corrupt checkpoint")
-    # 8-bit checkpoints' layers (int8_groups.py: int8 per channel, or a byte a code) keep their layouts, and
-    # so do MoE expert stacks (worker/layers/moe_int4.py: no ``weight``; linear_int4 per expert, row-major).
+    # 8-bit checkpoints' layers (int8_groups.py: int8 per channel, or a byte a code) keep their layouts.
+    # Stacked expert weights (worker/layers/moe_int4.py names them in ``int4_stacks``) are repacked expert by
+    # expert, so ``linear_int4`` on one expert's slices takes the tile kernel (repack_tile_stack).
+    for weight_name, scale_name in getattr(layer, "int4_stacks", ()):
+        stack, stack_scale = getattr(layer, weight_name), getattr(layer, scale_name)
+        if stack.shape[0] and tile_layout_applies(stack[0], stack_scale[0]):
+            stack_scale.data = repack_tile_stack(stack.data, stack_scale.data)  # (E, N / 16, K / G, 2, 16)
     weight = getattr(layer, "weight", None)
     if weight is not None and weight.dtype == torch.uint8 and not layer.int8_groups and tile_layout_applies(
             weight, layer.weight_scale):

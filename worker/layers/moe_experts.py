@@ -59,10 +59,11 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         has_remote: ``ids`` may hold ``E`` (expert parallelism); those rows contribute zero.
         gate_up_scale: with int8 ``gate_up``: its ``(E, 2 * I)`` float32 per-output-channel scales
             (worker/layers/moe_int8.py); with int4 ``gate_up`` (uint8 ``(E, 2 * I, H / 2)`` packed codes):
-            its ``(E, 2 * I, H / G, 2)`` float32 scales and offsets (worker/layers/moe_int4.py); None for
-            float weights.
+            its ``(E, 2 * I, H / G, 2)`` float32 scales and offsets, or ``(E, 2 * I / 16, H / G, 2, 16)`` for
+            a stack in the tile layout (worker/layers/moe_int4.py; ``linear_int4`` reads either per expert);
+            None for float weights.
         down_scale: with int8 ``down``: its ``(E, H)`` float32 scales; with int4 ``down`` (``(E, H, I / 2)``
-            uint8): ``(E, H, I / G, 2)``; None for float weights.
+            uint8): ``(E, H, I / G, 2)`` or the tile layout's ``(E, H / 16, I / G, 2, 16)``; None for float weights.
         gate_up_perm, down_perm: act-order int4 experts (worker/layers/moe_int4.py): ``(E, H)`` / ``(E, I)``
             int64, each expert's input columns in its packed order (gathered before its matmul); or None.
 

@@ -43,13 +43,24 @@ Sources, one expert tensor at a time:
 Expert parallelism holds whole experts: the same formulas at full width; another rank's experts
 are never read (their scales are marked computed so the loader does not ask for them).
 
+The tile layout: once loaded (:func:`~worker.layers.int4_weights.finish_int4_layer`, listed in
+``moe.int4_stacks``), a stack whose expert matrices qualify for a dense layer's tile layout
+(:func:`~worker.layers.int4_matmul.tile_layout_applies`: an AMX-INT8 CPU, rows a multiple of 16,
+columns and groups of 128) is repacked expert by expert
+(:func:`~worker.layers.int4_matmul.repack_tile_stack`): the codes keep their ``(E, N, K / 2)``
+shape with each expert's bytes in the tile order, the scales become ``(E, N / 16, K / G, 2, 16)``.
+gate_up and down are judged apart (down's groups may be 32 where gate_up's are 128). The
+act-order permutations gather input columns of x, so they are the same in either layout; an
+expert-parallel rank repacks the whole experts it holds.
+
 Compute (worker/layers/moe_experts.py): the torch path runs
 :func:`~worker.layers.int4_matmul.int4_linear` per expert on its rows, the compiled
-``linear_int4`` on the CPU: a decode step's few rows per expert take its GEMV paths (codes
-widened in registers, 4 bits a weight read), and more than 64 rows (prefill) dequantize the
-expert once and multiply with ``at::matmul`` (the kernel's own switch). The grouped Triton
-kernel on CUDA takes float weights: :func:`dequantize_int4_experts` widens one layer's stack
-for the call, as for int8.
+``linear_int4`` on the CPU, which picks its kernel by the expert slice's scales: the tile layout's
+4-D ones take the AMX tile kernel at every row count; row-major ones take the GEMV paths for a
+decode step's few rows (codes widened in registers, 4 bits a weight read), and more than 64 rows
+(prefill) dequantize the expert once and multiply with ``at::matmul`` (the kernel's own switch).
+The grouped Triton kernel on CUDA takes float weights: :func:`dequantize_int4_experts` widens one
+layer's stack for the call (either layout), as for int8.
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ import torch
 from torch import nn
 
 from worker.layers.int4_formats import Int4Tensor
-from worker.layers.int4_matmul import BLOCK, dequantize, pack_codes
+from worker.layers.int4_matmul import BLOCK, TILE_ROWS, dequantize, pack_codes
 from worker.layers.int4_weights import (PackedPart, column_slice, quantize_rtn, rtn_group_size, sort_by_group,
                                         unpacked_part)
 from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow
@@ -85,6 +96,8 @@ def new_int4_experts(moe: Any, held: int, local: int, hidden: int, device: torch
     moe.int4_pending = {}  # (e, kind) -> {part: (tensor, name)} until the expert part's tensors are all read
     moe.input_perm = None  # no layer-wide input gather: act-order experts keep theirs in gate_up_perm / down_perm
     moe.int4_gate_up_orders = {}  # slot -> the first of gate / up's act-order permutation (or None)
+    # Repacked expert by expert into the tile layout once loaded (finish_int4_layer), where the shapes allow.
+    moe.int4_stacks = (("gate_up_proj", "gate_up_proj_scale"), ("down_proj", "down_proj_scale"))
 
 
 def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, shard_id: tuple[int, str],
@@ -178,12 +191,19 @@ def _write(param: nn.Parameter, scale: nn.Parameter, t: Int4Tensor, slot: int, o
 
 
 def dequantize_int4_experts(q: torch.Tensor, scale_offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q (E, N, K / 2) uint8``, ``scale_offset (E, N, K / G, 2) float32`` -> ``(E, N, K)`` weights in ``dtype``.
+    """``q (E, N, K / 2) uint8`` -> ``(E, N, K)`` weights in ``dtype``, either layout of the stack.
 
-    ``w = s * q + o`` per group, computed in float32 and rounded once to ``dtype``.
+    ``scale_offset`` is ``(E, N, K / G, 2)`` float32 (row-major) or ``(E, N / 16, K / G, 2, 16)`` (the
+    tile layout, each expert repacked on its own: the flattened stack is one tile-layout matrix of
+    ``E * N`` rows, as every expert's rows are whole blocks of 16). ``w = s * q + o`` per group, computed
+    in float32 and rounded once to ``dtype``.
     """
     experts, rows, half = q.shape
-    w = dequantize(q.reshape(experts * rows, half), scale_offset.reshape(experts * rows, -1, 2))  # (E * N, K)
+    if scale_offset.dim() == 5:
+        flat_scale = scale_offset.reshape(experts * rows // TILE_ROWS, *scale_offset.shape[2:])  # (E N / 16, ., 2, 16)
+    else:
+        flat_scale = scale_offset.reshape(experts * rows, -1, 2)  # (E * N, K / G, 2)
+    w = dequantize(q.reshape(experts * rows, half), flat_scale)  # (E * N, K)
     return w.reshape(experts, rows, 2 * half).to(dtype)
 
 
