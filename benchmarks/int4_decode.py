@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, bare_steps, build_model  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
+from worker.layers.int4_matmul import tile_layout_layers  # noqa: E402
 
 CONFIGS = {"float32": None, "int8": "int8", "int4": "int4", "int4_rowmajor": "int4"}
 TINY_CONFIG = {**MODEL_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -56,11 +57,6 @@ def _linear_bytes_per_weight(model: torch.nn.Module) -> float:
                  if n.endswith(("_proj.weight", "_proj.weight_scale")))
     elements = sum(params[n].numel() * (2 if params[n].dtype == torch.uint8 else 1) for n in weights)
     return nbytes / elements
-
-
-def _tile_layout_layers(model: torch.nn.Module) -> int:
-    """How many of the model's int4 layers were repacked into the tile layout at load."""
-    return sum(1 for name, p in model.named_parameters() if name.endswith("weight_scale") and p.dim() == 4)
 
 
 def projections(shape: dict, rounds: int) -> dict[str, float]:
@@ -190,7 +186,7 @@ def main() -> int:
             report["configs"][name] = {"bare_decode_ms_batch1": best[name][1] * 1e3,
                                        "bare_output_tokens_per_s_batch16": 16 / best[name][16],
                                        "linear_bytes_per_weight": _linear_bytes_per_weight(runner.model),
-                                       "int4_tile_layout_layers": _tile_layout_layers(runner.model)}
+                                       "int4_tile_layout_layers": tile_layout_layers(runner.model)}
     proj = projections(shape, args.rounds)
     report["projections_one_thread_ms"] = {name: seconds * 1e3 for name, seconds in proj.items()}
     int4 = report["configs"]["int4"]

@@ -154,12 +154,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
                      num_state_slots_available=self._num_state_slots,
                      kv_cache_dtype=str(self._runner.kv_cache_dtype).removeprefix("torch."),
-                     all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores)
+                     all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores,
+                     **self._int4_layout())
             self._ready.set()
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, then fatal
             self._error = f"rank {self.options.rank}: {type(exc).__name__}: {exc}"
             log.error("loading failed", error=self._error)
             self._on_fatal(self._error)
+
+    def _int4_layout(self) -> dict[str, int]:
+        """For an int4 model, how many of its weights the CPU kernel's tile layout holds (repacked at load on
+        AMX-INT8 CPUs: worker/layers/int4_matmul.py), for the ``shard loaded`` line; else nothing."""
+        if self._runner is None or self._runner.model.quantization != "int4":
+            return {}
+        from worker.layers.int4_matmul import tile_layout_layers
+
+        return {"int4_tile_layout_layers": tile_layout_layers(self._runner.model)}
 
     def _place_on_cores(self, torch) -> str:
         """A CPU rank's threads and cores (tpserve/cpu_binding.py): its share of the cores this

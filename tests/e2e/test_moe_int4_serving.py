@@ -65,5 +65,6 @@ def test_int4_moe_serving_at_tp2_prints_transformers_greedy_text(source: str, tm
     assert json.loads(printed.stdout)["token_ids"] == want
     loaded = [json.loads(line) for line in log_path.read_text().splitlines() if '"shard loaded"' in line]
     assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["quantization"] for e in loaded} == {"int4"}
+    assert {e["int4_tile_layout_layers"] for e in loaded} == {0}  # 64-wide experts, hidden 64: no shape fits the tiles
     float32_bytes = sum(p.stat().st_size for p in float_dir.glob("*.safetensors"))
     assert all(e["weight_bytes"] < 0.2 * float32_bytes for e in loaded), (loaded, float32_bytes)

@@ -17,7 +17,7 @@ from tests.tiny_models import save_tiny_model
 from tests.worker.int4_checkpoints import SPEC, save_compressed_tensors_w4a16, save_gptq
 from tests.worker.loader_helpers import _load, _rewrite
 from tpserve.quantization_int4 import Int4Format
-from worker.layers.int4_weights import PackedPart
+from worker.layers.int4_weights import PackedPart, new_int4_weights
 from worker.layers.linear import RowParallelLinear
 
 LAYER = "model.layers.1.self_attn.k_proj"
@@ -108,3 +108,11 @@ def test_act_order_groups_spread_over_row_parallel_ranks_are_refused() -> None:
     with pytest.raises(ValueError, match=r"o_proj.g_idx: act-order g_idx spreads groups over the ranks"):
         for part, tensor in parts.items():
             layer.weight_loader(layer.weight, PackedPart(tensor, part, fmt, f"o_proj.{part}"))
+
+
+def test_an_input_width_the_kernel_cannot_block_is_refused_with_the_way_out() -> None:
+    """stories260k's MLP (intermediate 172) under --quantization int4: the message says the layer's shape and what
+    serves it instead, not only the number."""
+    with pytest.raises(ValueError, match=r"a linear layer of 64 outputs has 172 input columns on this rank .*"
+                                         r"serve the model with --quantization int8"):
+        new_int4_weights(SimpleNamespace(weight_loader=None), (64, 172), torch.device("cpu"))

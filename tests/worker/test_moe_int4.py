@@ -288,7 +288,7 @@ def test_fused_expert_layouts_refuse_int4() -> None:
     ctx = ParallelContext.single()
     for experts in (StackedFusedMoE, Llama4Experts):
         with pytest.raises(ValueError, match="--quantization int4 is not supported for mixture-of-experts models "
-                                             f"whose experts are {experts.__name__} \\(a fused checkpoint layout"):
+                                             f"whose experts are {experts.checkpoint_layout} \\(a checkpoint layout"):
             experts(4, 32, 32, ctx, dtype=torch.float32, quantization="int4")
 
 

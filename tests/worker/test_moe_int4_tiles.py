@@ -36,7 +36,7 @@ from tpserve.model_config import ModelConfig
 from worker.kernels import cpu_kernels_available
 from worker.kernels.triton_moe import grouped_experts_triton
 from worker.layers import moe
-from worker.layers.int4_matmul import pack_codes, repack_tile_stack
+from worker.layers.int4_matmul import pack_codes, repack_tile_stack, tile_layout_layers
 from worker.layers.moe import FusedMoE
 from worker.layers.moe_experts import grouped_experts_torch
 from worker.layers.moe_int4 import dequantize_int4_experts, unpermute_columns
@@ -187,6 +187,22 @@ def test_loaded_expert_stacks_take_the_tile_layout_with_the_same_weights(model_d
             assert torch.equal(getattr(ep, name), getattr(tile, name)[4:]), name  # whole experts 4-7
             assert torch.equal(getattr(ep, f"{name}_scale"), getattr(tile, f"{name}_scale")[4:]), name
     assert _bytes(tiles) == _bytes(row_major)  # same bytes: 4 bits a weight plus 64 / 128 of scale and offset
+
+
+@needs_amx
+def test_the_shard_loaded_line_counts_the_weights_in_the_tile_layout(model_dir: Path) -> None:
+    """``int4_tile_layout_layers`` (worker/server.py's ``shard loaded`` line): per layer qkv_proj (512 x 256), o_proj
+    (256 x 256) and the two expert stacks, 8 in all at tp 1; none when the layout is switched off before loading."""
+    def load() -> torch.nn.Module:
+        config = dataclasses.replace(ModelConfig.from_pretrained(model_dir), quantization="int4")
+        return load_model(model_dir, config, ParallelContext.single(), torch.float32)
+
+    assert tile_layout_layers(load()) == 8
+    torch.ops.tpserve_cpu.use_int4_tiles(False)
+    try:
+        assert tile_layout_layers(load()) == 0
+    finally:
+        torch.ops.tpserve_cpu.use_int4_tiles(True)
 
 
 @pytest.fixture(scope="module")

@@ -193,8 +193,8 @@ def test_fused_expert_layouts_refuse_int8() -> None:
     """gpt-oss's stacked experts (with biases) and Llama 4's fused tensors fill float stacks only: one line each."""
     ctx = ParallelContext.single()
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models whose "
-                                         r"experts are StackedFusedMoE \(a fused checkpoint layout"):
+                                         r"experts are gpt-oss's stacked experts with biases \(a checkpoint layout"):
         StackedFusedMoE(4, 16, 8, ctx, dtype=torch.float32, quantization="int8")
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models whose "
-                                         "experts are Llama4Experts"):
+                                         "experts are Llama 4's fused expert tensors"):
         Llama4Experts(4, 16, 8, ctx, dtype=torch.float32, quantization="int8")

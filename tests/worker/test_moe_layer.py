@@ -141,7 +141,7 @@ def test_bad_shapes_int4_and_stored_int8_are_refused() -> None:
     with pytest.raises(ValueError, match="--quantization fp4 is not supported for mixture-of-experts models"):
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="fp4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models whose "
-                                         "experts are FusedMoE"):  # gpt-oss's biased experts
+                                         "experts are experts with biases"):  # gpt-oss's biased experts
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8", bias=True)
     int8 = FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int8")
     with pytest.raises(ValueError, match="int8 expert weights stored in the checkpoint are not supported"):

@@ -127,6 +127,13 @@ def repack_tile_stack(qweight: torch.Tensor, scale_offset: torch.Tensor) -> torc
     return scales
 
 
+def tile_layout_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s int4 weights were repacked into the tile layout at load: dense layers
+    (``weight_scale`` of 4 dimensions) and MoE expert stacks (a scale of 5 dimensions, one per stack)."""
+    return sum(1 for name, p in model.named_parameters()
+               if (name.endswith("weight_scale") and p.dim() == 4) or (name.endswith("_proj_scale") and p.dim() == 5))
+
+
 def is_tile_layout(scale_offset: torch.Tensor) -> bool:
     """Whether a layer's ``scale_offset`` is the tile layout's ``(N / 16, K / G, 2, 16)`` (else ``(N, K / G, 2)``)."""
     return scale_offset.dim() == 4

@@ -96,7 +96,10 @@ def new_int4_weights(layer: Any, shape: tuple[int, int], device: torch.device) -
     """
     n, k = shape
     if k % BLOCK:
-        raise ValueError(f"int4 needs each rank's input size to be a multiple of {BLOCK}, got {k}")
+        raise ValueError(f"int4 needs each rank's input size to be a multiple of {BLOCK}: a linear layer of {n} "
+                         f"outputs has {k} input columns on this rank (its input width over the tensor-parallel "
+                         f"size); serve the model with --quantization int8, or at a tensor_parallel_size that "
+                         f"leaves multiples of {BLOCK}")
     layer.weight = new_parameter((n, k // 2), torch.uint8, device, layer.weight_loader)
     layer.weight_scale = new_parameter((n, 0, 2), torch.float32, device, layer.weight_loader)
     layer.weight_scale.computed_shard_ids = set()

@@ -121,6 +121,7 @@ def check_loadable(moe: nn.Module, bias: bool, quantization: str = "int8") -> No
             checkpoint layout (Llama 4): their loaders fill float parameters only.
     """
     if bias or not getattr(moe, "loads_int8", False):
+        layout = getattr(moe, "checkpoint_layout", "experts with biases")
         raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models whose "
-                         f"experts are {type(moe).__name__} (a fused checkpoint layout: gpt-oss, Llama 4); serve "
-                         "them unquantized")
+                         f"experts are {layout} (a checkpoint layout loaded into float stacks only); serve them "
+                         "unquantized")

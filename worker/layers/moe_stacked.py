@@ -39,6 +39,7 @@ class StackedFusedMoE(FusedMoE):
     """
 
     loads_int8 = False  # the fused layout is filled into float stacks only
+    checkpoint_layout = "gpt-oss's stacked experts with biases"  # what a refusal names
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
                  dtype: torch.dtype, quantization: Quantization | None = None,

@@ -132,6 +132,7 @@ class Llama4Experts(FusedMoE):
     """
 
     loads_int8 = False  # the fused layout is filled into float stacks only
+    checkpoint_layout = "Llama 4's fused expert tensors"  # what a refusal names
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ctx: ParallelContext, *,
                  dtype: torch.dtype, quantization: Quantization | None = None) -> None:
