@@ -255,7 +255,7 @@ class ModelRunner:
         self._kv_uncalibrated = False
         offsets = torch.stack([cast(torch.Tensor, a.k_offset) for a in self._kv_layers])  # (L, KVH, d), set now
         log.info("kv cache key offsets calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                 tokens=num_tokens, k_offset_min=float(offsets.min()), k_offset_max=float(offsets.max()))
+                 tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank, tokens=num_tokens, k_offset_min=float(offsets.min()), k_offset_max=float(offsets.max()))
 
     @property
     def kv_scales(self) -> list[KVScales]:
