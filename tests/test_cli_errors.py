@@ -108,6 +108,21 @@ def test_flag_errors_are_one_line_naming_flags(argv, expected, capsys, monkeypat
     assert "_" not in expected.split(": ", 1)[1].split(" ")[0], "a YAML key where a flag was meant"
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "--quantization", "foo"], "tpserve serve: argument --quantization: invalid choice: 'foo' (choose from "
+                                         "'int8', 'int4', 'fp8') (`tpserve serve --help` lists the flags)"),
+    (["serve", "--no-such-flag"], "tpserve: unrecognized arguments: --no-such-flag (`tpserve --help` lists the flags)"),
+    (["generate"], "tpserve generate: the following arguments are required: prompt "
+                   "(`tpserve generate --help` lists the flags)"),
+])
+def test_argparse_errors_are_one_line_without_the_usage(argv, expected, capsys):
+    """argparse's own errors: one line naming the flag and where the flags are listed, not 55 lines of usage."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert _one_line(capsys.readouterr().err) == expected
+
+
 @pytest.mark.parametrize("target, expected", [
     ("127.0.0.1", "127.0.0.1:50051"), ("localhost", "localhost:50051"), ("::1", "[::1]:50051"),
     ("[::1]", "[::1]:50051"), ("[::1]:7", "[::1]:7"), ("host:7", "host:7"),

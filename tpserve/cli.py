@@ -30,7 +30,7 @@ from tpserve.sampling_fields import FIELDS
 if TYPE_CHECKING:
     from tpserve.config import ClusterConfig
 from tpserve.bench import cli as bench_cli
-from tpserve.help_format import HelpFormatter
+from tpserve.help_format import ArgumentParser, HelpFormatter
 
 _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
     # section -> (flag, argparse kwargs); dest is the config field name.
@@ -187,7 +187,7 @@ class _ServeHelpFormatter(HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.",
+    parser = ArgumentParser(prog="tpserve", description="Tensor-parallel LLM inference over gRPC.",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tpserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -7,6 +7,18 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import NoReturn
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose own errors (an unknown flag, a value outside ``choices``, a missing
+    argument) are one line, as the commands' other flag errors are: the command, argparse's message and
+    where the flags are listed, exit status 2. argparse prints the whole usage first, about 55 lines for
+    ``tpserve serve``, which buries the one that matters. Sub-commands' parsers are of this class too
+    (``add_subparsers`` makes them of their parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (`{self.prog} --help` lists the flags)\n")
 
 
 class HelpFormatter(argparse.HelpFormatter):
