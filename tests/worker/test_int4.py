@@ -24,17 +24,14 @@ chunk's largest |x| (worker/kernels/cpu_linear_int4.cpp, cpu_linear_int4_amx.cpp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.tiny_models import load_hf_model, save_tiny_model
+from tests.tiny_models import save_tiny_model
 from tests.worker.int4_checkpoints import (SPEC, save_awq, save_compressed_tensors_w4a16, save_gptq,
                                            save_rtn_dequantized)
-from tests.worker.scenarios import build_plans, hf_reference, standard_specs
-from tests.worker.tp_harness import Job, StepRecord, run_jobs
+from tests.worker.quantized_cases import QuantizedCase, case_jobs, check_case, quantized_case, records_by_degree
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -42,21 +39,9 @@ TP1_ONLY = {"gptq_act_order"}
 LOGIT_BOUND = 1e-4
 
 
-@dataclass(frozen=True)
-class Case:
-    job: Job
-    expected: list[list[tuple[int, int]]]
-    completions: dict[int, list[int]]
-    logits: dict[int, torch.Tensor]
-
-
-def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int, quantization: str | None) -> Case:
-    model = load_hf_model(reference_dir)
-    specs = standard_specs(model.config.vocab_size, seed=seed)
-    completions, logits = hf_reference(model, specs)
-    plans, expected = build_plans(specs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
-    return Case(Job(name, str(checkpoint), tuple(plans), NUM_BLOCKS, BLOCK_SIZE, quantization=quantization),
-                expected, completions, logits)
+def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int, quantization: str | None) -> QuantizedCase:
+    return quantized_case(name, checkpoint, reference_dir, seed, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                          quantization=quantization)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +50,7 @@ def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cases(float_dir: Path) -> dict[str, Case]:
+def cases(float_dir: Path) -> dict[str, QuantizedCase]:
     root = float_dir.parent
     writers = {
         "gptq_sym": lambda t, d: save_gptq(float_dir, t, d, group=32, sym=True, desc_act=False),
@@ -84,30 +69,15 @@ def cases(float_dir: Path) -> dict[str, Case]:
 
 
 @pytest.fixture(scope="module")
-def records_at(cases: dict[str, Case]):
-    cache: dict[int, dict[str, list[StepRecord]]] = {}
-
-    def run(tp: int) -> dict[str, list[StepRecord]]:
-        if tp not in cache:
-            cache[tp] = run_jobs([c.job for n, c in cases.items() if tp == 1 or n not in TP1_ONLY], tp_size=tp)
-        return cache[tp]
-
-    return run
+def records_at(cases: dict[str, QuantizedCase]):
+    return records_by_degree(case_jobs(cases, TP1_ONLY))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["rtn", "gptq_sym", "gptq_act_order", "awq", "ct_group_sym", "ct_channel_asym"])
 def test_int4_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
-                                                                          cases: dict[str, Case]) -> None:
+                                                                          cases: dict[str, QuantizedCase]) -> None:
     if tp > 1 and name in TP1_ONLY:
         pytest.skip("act-order GPTQ is refused at tp 2 (test_int4_loader.py::test_act_order_groups_spread_over_row_parallel_ranks_are_refused)")
-    case, records = cases[name], records_at(tp)[name]
-    assert len(records) == len(case.expected)
-    worst = 0.0
-    for step, (record, samples) in enumerate(zip(records, case.expected, strict=True)):
-        assert record.sampled_token_ids == tuple(case.completions[s][i] for s, i in samples), f"step {step}"
-        if samples:
-            want = torch.stack([case.logits[s][i] for s, i in samples])  # (N, V)
-            worst = max(worst, float((record.logits - want).abs().max()))
-            torch.testing.assert_close(record.logits, want, atol=LOGIT_BOUND, rtol=LOGIT_BOUND, msg=lambda m: f"step {step}: {m}")
+    worst = check_case(cases[name], records_at(tp)[name], LOGIT_BOUND)
     print(f"{name} tp={tp}: max |logit diff| {worst:.2e}")

@@ -19,17 +19,17 @@ Each degree runs every job in one process group (one spawn per degree).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
+from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.int8_checkpoints import save_compressed_tensors, save_dequantized
 from tests.worker.int8_goldens import GOLDEN_MIN_FULL_LINES, GOLDEN_MIN_PREFIX
-from tests.worker.scenarios import SeqSpec, build_plans, hf_reference, standard_specs
-from tests.worker.tp_harness import Job, StepRecord, run_jobs
+from tests.worker.quantized_cases import QuantizedCase, check_case, quantized_case, records_by_degree
+from tests.worker.scenarios import SeqSpec, build_plans
+from tests.worker.tp_harness import Job
 from tpserve.model_config import ModelConfig
 from worker.memory import weight_bytes
 from worker.model_runner import ModelRunner
@@ -50,26 +50,14 @@ BENCHMARK_SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", h
                        tie_word_embeddings=False)
 
 
-@dataclass(frozen=True)
-class Case:
-    job: Job
-    expected: list[list[tuple[int, int]]]  # per step: (seq_id, completion index) per sample
-    completions: dict[int, list[int]]
-    logits: dict[int, torch.Tensor]
-
-
-def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> Case:
+def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> QuantizedCase:
     """The standard scenario on ``checkpoint`` (int8), its reference from ``transformers`` on ``reference_dir``."""
-    model = load_hf_model(reference_dir)
-    specs = standard_specs(model.config.vocab_size, seed=seed)
-    completions, logits = hf_reference(model, specs)
-    plans, expected = build_plans(specs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
-    job = Job(name, str(checkpoint), tuple(plans), NUM_BLOCKS, BLOCK_SIZE, quantization="int8")
-    return Case(job, expected, completions, logits)
+    return quantized_case(name, checkpoint, reference_dir, seed, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                          quantization="int8")
 
 
 @pytest.fixture(scope="module")
-def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, QuantizedCase]:
     root = tmp_path_factory.mktemp("int8")
     checkpoints = {**tiny_checkpoints, OLMO2.name: save_tiny_model(OLMO2, root / OLMO2.name)}
     out = {}
@@ -79,9 +67,8 @@ def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     compressed, reference = save_compressed_tensors(tiny_checkpoints[COMPRESSED_MODEL], root / "compressed",
                                                     root / "compressed_dequantized")
     # The flag unset: a compressed-tensors checkpoint is int8 by its config.json alone.
-    case = _case("compressed_tensors", compressed, reference, seed=7)
-    out["compressed_tensors"] = Case(Job(case.job.name, case.job.model_dir, case.job.plans, NUM_BLOCKS, BLOCK_SIZE),
-                                     case.expected, case.completions, case.logits)
+    out["compressed_tensors"] = quantized_case("compressed_tensors", compressed, reference, 7, block_size=BLOCK_SIZE,
+                                               num_blocks=NUM_BLOCKS)
     return out
 
 
@@ -95,28 +82,15 @@ def golden_case(stories_dir: Path, golden_lines: list[dict]) -> tuple[Job, list,
 
 
 @pytest.fixture(scope="module")
-def records_at(cases: dict[str, Case], golden_case):
-    cache: dict[int, dict[str, list[StepRecord]]] = {}
-
-    def run(tp: int) -> dict[str, list[StepRecord]]:
-        if tp not in cache:
-            cache[tp] = run_jobs([case.job for case in cases.values()] + [golden_case[0]], tp_size=tp)
-        return cache[tp]
-
-    return run
+def records_at(cases: dict[str, QuantizedCase], golden_case):
+    return records_by_degree(lambda tp: [case.job for case in cases.values()] + [golden_case[0]])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", [*MODELS, OLMO2.name, "compressed_tensors"])
 def test_int8_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
-                                                               cases: dict[str, Case]) -> None:
-    case, records = cases[name], records_at(tp)[name]
-    assert len(records) == len(case.expected)
-    for step, (record, samples) in enumerate(zip(records, case.expected, strict=True)):
-        assert record.sampled_token_ids == tuple(case.completions[s][i] for s, i in samples), f"step {step}"
-        if samples:
-            want = torch.stack([case.logits[s][i] for s, i in samples])  # (N, V)
-            torch.testing.assert_close(record.logits, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+                                                               cases: dict[str, QuantizedCase]) -> None:
+    check_case(cases[name], records_at(tp)[name], 1e-4)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -35,16 +35,14 @@ Each degree runs every job in one process group (one spawn per degree).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.tiny_models import load_hf_model, save_tiny_model
+from tests.tiny_models import save_tiny_model
 from tests.worker.lowbit_checkpoints import GPT_OSS, QWEN3_MOE, save_compressed_tensors_fp8, save_fp8_block, save_mxfp4
-from tests.worker.scenarios import build_plans, hf_reference, standard_specs
-from tests.worker.tp_harness import Job, StepRecord, run_jobs
+from tests.worker.quantized_cases import QuantizedCase, case_jobs, check_case, quantized_case, records_by_degree
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -55,24 +53,12 @@ FP8_KEPT = ("fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama")
 QWEN3_MOE_LINEAR = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
-@dataclass(frozen=True)
-class Case:
-    job: Job
-    expected: list[list[tuple[int, int]]]  # per step: (seq_id, completion index) per sample
-    completions: dict[int, list[int]]
-    logits: dict[int, torch.Tensor]
-
-
-def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> Case:
-    model = load_hf_model(reference_dir)
-    specs = standard_specs(model.config.vocab_size, seed=seed)
-    completions, logits = hf_reference(model, specs)
-    plans, expected = build_plans(specs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
-    return Case(Job(name, str(checkpoint), tuple(plans), NUM_BLOCKS, BLOCK_SIZE), expected, completions, logits)
+def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> QuantizedCase:
+    return quantized_case(name, checkpoint, reference_dir, seed, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
-def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, QuantizedCase]:
     root = tmp_path_factory.mktemp("lowbit")
     qwen3_moe = save_tiny_model(QWEN3_MOE, root / "qwen3_moe")
     gpt_oss = save_tiny_model(GPT_OSS, root / "gpt_oss")
@@ -93,30 +79,14 @@ def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="module")
-def records_at(cases: dict[str, Case]):
-    cache: dict[int, dict[str, list[StepRecord]]] = {}
-
-    def run(tp: int) -> dict[str, list[StepRecord]]:
-        if tp not in cache:
-            cache[tp] = run_jobs([case.job for case in cases.values()], tp_size=tp)
-        return cache[tp]
-
-    return run
+def records_at(cases: dict[str, QuantizedCase]):
+    return records_by_degree(case_jobs(cases))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama", "mxfp4_gpt_oss",
                                   *(f"{name}_kept" for name in FP8_KEPT)])
 def test_lowbit_checkpoint_matches_transformers_on_its_dequantized_weights(tp: int, name: str, records_at,
-                                                                            cases: dict[str, Case]) -> None:
-    case, records = cases[name], records_at(tp)[name]
-    assert len(records) == len(case.expected)
-    worst = 0.0
-    for step, (record, samples) in enumerate(zip(records, case.expected, strict=True)):
-        assert record.sampled_token_ids == tuple(case.completions[s][i] for s, i in samples), f"step {step}"
-        if samples:
-            want = torch.stack([case.logits[s][i] for s, i in samples])  # (N, V)
-            worst = max(worst, float((record.logits - want).abs().max()))
-            torch.testing.assert_close(record.logits, want, atol=LOGITS_TOLERANCE, rtol=LOGITS_TOLERANCE,
-                                       msg=lambda m: f"step {step}: {m}")
+                                                                            cases: dict[str, QuantizedCase]) -> None:
+    worst = check_case(cases[name], records_at(tp)[name], LOGITS_TOLERANCE)
     print(f"{name} tp={tp}: largest logit difference {worst:.2e}")

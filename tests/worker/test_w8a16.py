@@ -21,16 +21,13 @@ sums are float32 in another order. Measured max |diff|: 1.0e-5 (int8 per channel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.tiny_models import load_hf_model, save_tiny_model
+from tests.tiny_models import save_tiny_model
 from tests.worker.int4_checkpoints import SPEC
-from tests.worker.scenarios import build_plans, hf_reference, standard_specs
-from tests.worker.tp_harness import Job, StepRecord, run_jobs
+from tests.worker.quantized_cases import QuantizedCase, case_jobs, check_case, quantized_case, records_by_degree
 from tests.worker.w8a16_checkpoints import save_compressed_tensors_w8a16, save_gptq8
 
 BLOCK_SIZE = 4
@@ -41,25 +38,13 @@ NAMES = ["gptq8_sym", "gptq8_act_order", "gptq8_channel_sym_v2", "gptq8_channel_
          "ct8_channel_sym"]
 
 
-@dataclass(frozen=True)
-class Case:
-    job: Job
-    expected: list[list[tuple[int, int]]]
-    completions: dict[int, list[int]]
-    logits: dict[int, torch.Tensor]
-
-
-def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> Case:
+def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int) -> QuantizedCase:
     """The scenarios' plans for ``checkpoint`` and ``transformers``' tokens and logits on ``reference_dir``."""
-    model = load_hf_model(reference_dir)
-    specs = standard_specs(model.config.vocab_size, seed=seed)
-    completions, logits = hf_reference(model, specs)
-    plans, expected = build_plans(specs, completions, BLOCK_SIZE, NUM_BLOCKS, seed=seed)
-    return Case(Job(name, str(checkpoint), tuple(plans), NUM_BLOCKS, BLOCK_SIZE), expected, completions, logits)
+    return quantized_case(name, checkpoint, reference_dir, seed, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, QuantizedCase]:
     root = tmp_path_factory.mktemp("w8a16")
     float_dir = save_tiny_model(SPEC, root / "float")
     writers = {
@@ -82,32 +67,16 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
 
 
 @pytest.fixture(scope="module")
-def records_at(cases: dict[str, Case]):
-    cache: dict[int, dict[str, list[StepRecord]]] = {}
-
-    def run(tp: int) -> dict[str, list[StepRecord]]:
-        if tp not in cache:
-            cache[tp] = run_jobs([c.job for n, c in cases.items() if tp == 1 or n not in TP1_ONLY], tp_size=tp)
-        return cache[tp]
-
-    return run
+def records_at(cases: dict[str, QuantizedCase]):
+    return records_by_degree(case_jobs(cases, TP1_ONLY))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", NAMES)
 def test_w8a16_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
-                                                                           cases: dict[str, Case]) -> None:
+                                                                           cases: dict[str, QuantizedCase]) -> None:
     if tp > 1 and name in TP1_ONLY:
         pytest.skip("act-order GPTQ is refused at tp 2 (test_int4_loader.py::"
                     "test_act_order_groups_spread_over_row_parallel_ranks_are_refused)")
-    case, records = cases[name], records_at(tp)[name]
-    assert len(records) == len(case.expected)
-    worst = 0.0
-    for step, (record, samples) in enumerate(zip(records, case.expected, strict=True)):
-        assert record.sampled_token_ids == tuple(case.completions[s][i] for s, i in samples), f"step {step}"
-        if samples:
-            want = torch.stack([case.logits[s][i] for s, i in samples])  # (N, V)
-            worst = max(worst, float((record.logits - want).abs().max()))
-            torch.testing.assert_close(record.logits, want, atol=LOGIT_BOUND, rtol=LOGIT_BOUND,
-                                       msg=lambda m: f"step {step}: {m}")
+    worst = check_case(cases[name], records_at(tp)[name], LOGIT_BOUND)
     print(f"{name} tp={tp}: max |logit diff| {worst:.2e}")
