@@ -104,16 +104,23 @@ def figures(runner: ModelRunner, prompts: list[list[int]], references: dict[str,
     return out
 
 
+def agreement_samples() -> dict[str, tuple[Path, list[list[int]], int, int]]:
+    """Name -> (model directory, prompts, greedy tokens per prompt, KV blocks): stories260k's goldens, the embedded
+    model's prompts, and 32 seeded prompts on each (shared by benchmarks/kv_cache_fp8_variants.py)."""
+    goldens = [json.loads(line) for line in GOLDENS_PATH.read_text().splitlines() if line.strip()]
+    generator = torch.Generator().manual_seed(WIDE_SEED)
+    wide = [[1, *torch.randint(3, 512, (7,), generator=generator).tolist()] for _ in range(32)]
+    return {"stories260k_goldens": (STORIES_DIR, [g["prompt_token_ids"] for g in goldens], 64, 48),
+            "embedded": (default_model_dir(), EMBEDDED_PROMPTS, 32, 48),
+            "stories260k_32_prompts": (STORIES_DIR, wide, 64, 200),
+            "embedded_32_prompts": (default_model_dir(), wide, 32, 200)}
+
+
 def agreement(caches: list[str]) -> dict:
     """Per sample (stories260k's goldens, the embedded model's prompts, 32 seeded prompts on each) and cache:
     :func:`figures` against the float32, bfloat16 and float16 caches' greedy lines."""
     goldens = [json.loads(line) for line in GOLDENS_PATH.read_text().splitlines() if line.strip()]
-    generator = torch.Generator().manual_seed(WIDE_SEED)
-    wide = [[1, *torch.randint(3, 512, (7,), generator=generator).tolist()] for _ in range(32)]
-    samples = {"stories260k_goldens": (STORIES_DIR, [g["prompt_token_ids"] for g in goldens], 64, 48),
-               "embedded": (default_model_dir(), EMBEDDED_PROMPTS, 32, 48),
-               "stories260k_32_prompts": (STORIES_DIR, wide, 64, 200),
-               "embedded_32_prompts": (default_model_dir(), wide, 32, 200)}
+    samples = agreement_samples()
     out: dict = {}
     for sample, (model_dir, prompts, num_tokens, num_blocks) in samples.items():
         float_runner = eight_bit_runner(model_dir, "auto", num_blocks=num_blocks)

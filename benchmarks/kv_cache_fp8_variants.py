@@ -45,12 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.kv_cache_dtype import (  # noqa: E402
-    EMBEDDED_PROMPTS,
-    WIDE_SEED,
+    agreement_samples,
     positional_share,
     prefix_share,
 )
-from tests.paths import GOLDENS_PATH, STORIES_DIR  # noqa: E402
 from tests.worker.kv8_helpers import (  # noqa: E402
     RoundRows,
     eight_bit_runner,
@@ -58,7 +56,6 @@ from tests.worker.kv8_helpers import (  # noqa: E402
     sixteen_bit,
     teacher_forced,
 )
-from tpserve.embedded_model import default_model_dir  # noqa: E402
 from worker.kv_quant import as_cached, calibration_token_ids  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -149,13 +146,7 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
 
 def study() -> dict:
     """Per sample and candidate: agreement with the float32 cache's lines and the logit error (module docstring)."""
-    goldens = [json.loads(line) for line in GOLDENS_PATH.read_text().splitlines() if line.strip()]
-    generator = torch.Generator().manual_seed(WIDE_SEED)
-    wide = [[1, *torch.randint(3, 512, (7,), generator=generator).tolist()] for _ in range(32)]
-    samples = {"stories260k_goldens": (STORIES_DIR, [g["prompt_token_ids"] for g in goldens], 64, 48),
-               "embedded": (default_model_dir(), EMBEDDED_PROMPTS, 32, 48),
-               "stories260k_32_prompts": (STORIES_DIR, wide, 64, 200),
-               "embedded_32_prompts": (default_model_dir(), wide, 32, 200)}
+    samples = agreement_samples()
     out: dict = {}
     for sample, (model_dir, prompts, num_tokens, num_blocks) in samples.items():
         reference = eight_bit_runner(model_dir, "auto", num_blocks=num_blocks)
