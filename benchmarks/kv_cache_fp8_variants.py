@@ -22,12 +22,19 @@ Candidates (sources):
   (KIVI's full-precision residual, arXiv:2402.02750);
 * ``fp8_first_block_full_precision``: positions 0 .. block_size - 1 kept in float32 (the attention-sink
   tokens, StreamingLLM arXiv:2309.17453; IntactKV arXiv:2403.01241);
+* ``fp8_first_block_bfloat16``: the same block rounded to bfloat16 instead: what a second, 16-bit pool for
+  each sequence's first block (the design the float32 figure suggested) would hold;
+* ``fp8_first_position_full_precision``: position 0 alone (the BOS sink) kept in float32;
 * ``int8``, ``bfloat16`` for scale.
 
 Each on the samples of benchmarks/kv_cache_dtype.py (stories260k's goldens, the embedded model's 4 prompts,
 32 seeded prompts on each): free-running and teacher-forced agreement with the float32 cache's lines, and
 the teacher-forced logit error against the float32 cache's logits (RMS and max over their standard
 deviation: the steady measure).
+
+``sixteen_bit_activations``: the served 8-bit caches (int8, fp8) under ``--dtype bfloat16`` and ``float16``
+against that server's own 16-bit cache (``--kv-cache-dtype auto``), on the same samples: how much the
+free-running figure on 4 or 5 lines depends on which near-ties the activations' own rounding meets.
 
     python benchmarks/kv_cache_fp8_variants.py --out benchmarks/results/kv_cache_fp8_variants.json
 """
@@ -57,6 +64,8 @@ from tests.worker.kv8_helpers import (  # noqa: E402
     teacher_forced,
 )
 from worker.kv_quant import as_cached, calibration_token_ids  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
+from worker.parallel_state import ParallelContext  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 #: The clipping ratios ``fp8_scale_mse`` tries, largest first (ties keep the larger).
@@ -129,10 +138,12 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
     def shipped(k, v, layer, positions):  # worker/kv_quant.py itself
         return as_cached(k, E4M3, k_offsets[layer]), as_cached(v, E4M3)
 
-    def first_block_kept(k, v, layer, positions):
-        rk, rv = shipped(k, v, layer, positions)
-        keep = (positions < block_size)[:, None, None]
-        return torch.where(keep, k, rk), torch.where(keep, v, rv)
+    def kept(first: int, dtype: torch.dtype = torch.float32) -> RoundRows:
+        def rows(k, v, layer, positions):
+            rk, rv = shipped(k, v, layer, positions)
+            keep = (positions < first)[:, None, None]
+            return torch.where(keep, k.to(dtype).float(), rk), torch.where(keep, v.to(dtype).float(), rv)
+        return rows
 
     def int8(k, v, layer, positions):
         return as_cached(k, torch.int8, k_offsets[layer]), as_cached(v, torch.int8)
@@ -141,7 +152,9 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
             "fp8_scale_float32": (fp8("float32"), False), "fp8_scale_pow2": (fp8("pow2"), False),
             "fp8_scale_mse": (fp8("mse"), False), "fp8_value_offset": (fp8(value_offset=True), False),
             "fp8_hadamard": (fp8(rotate=True), False), "fp8_full_precision_tail": (shipped, True),
-            "fp8_first_block_full_precision": (first_block_kept, False)}
+            "fp8_first_block_full_precision": (kept(block_size), False),
+            "fp8_first_block_bfloat16": (kept(block_size, torch.bfloat16), False),
+            "fp8_first_position_full_precision": (kept(1), False)}
 
 
 def study() -> dict:
@@ -172,13 +185,37 @@ def study() -> dict:
     return out
 
 
+def sixteen_bit_activations() -> dict:
+    """Per activation dtype (``--dtype bfloat16`` / ``float16``), sample and 8-bit cache: agreement with that
+    server's own 16-bit cache (``--kv-cache-dtype auto``), free-running and teacher-forced (module docstring)."""
+    samples = agreement_samples()
+    out: dict = {}
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        out[name] = {}
+        for sample, (model_dir, prompts, num_tokens, num_blocks) in samples.items():
+            def runner(kv_cache_dtype: str) -> ModelRunner:
+                r = ModelRunner(model_dir, ParallelContext.single(), dtype, block_size=16,
+                                kv_cache_dtype=kv_cache_dtype)
+                r.init_kv_cache(num_blocks)
+                return r
+            want = teacher_forced(runner("auto"), prompts, None, num_tokens)
+            out[name][sample] = {"tokens": len(prompts) * num_tokens}
+            for cache in ("int8", "fp8"):
+                free = teacher_forced(runner(cache), prompts, None, num_tokens)
+                forced = teacher_forced(runner(cache), prompts, want)
+                out[name][sample][cache] = {"free_running": round(prefix_share(free, want), 4),
+                                            "teacher_forced": round(positional_share(forced, want), 4),
+                                            "lines_diverging": sum(f != w for f, w in zip(free, want, strict=True))}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
-              "study": study()}
+              "study": study(), "sixteen_bit_activations": sixteen_bit_activations()}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
