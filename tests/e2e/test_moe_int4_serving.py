@@ -1,4 +1,4 @@
-"""``tpserve serve`` with int4 routed experts on a tiny Mixtral at tp 2, through the real server.
+"""``tpserve serve`` with 4- and 8-bit routed experts on a tiny Mixtral at tp 2, through the real server.
 
 * ``--quantization int4 --enable-expert-parallel`` on the float checkpoint (whole experts per rank,
   quantized RTN while loading): the reference is ``transformers``' greedy text on the checkpoint with
@@ -6,11 +6,13 @@
 * a GPTQ checkpoint with one module per expert (``experts.{e}.w1.qweight`` ..., symmetric, group 32,
   written by the documented packing routine checked against AutoGPTQ's dequantization), int4 by its
   ``config.json`` alone, experts split across the ranks: the reference is ``transformers`` on the
-  format's reference dequantization.
+  format's reference dequantization;
+* the same as an 8-bit GPTQ checkpoint (symmetric, group 32: a byte a code, the w8 kernel per expert,
+  worker/layers/moe_w8.py), experts split across the ranks.
 
-Both ranks log ``quantization: int4``, each holding less than 0.2 of the float32 checkpoint's bytes
-(the embedding and LM head stay float32: 0.19 here; int8 holds 0.3). tests/worker/test_moe_int4.py checks
-tokens and logits at tp 1 and 2 through ``ModelRunner``.
+The ranks log ``quantization: int4``, each holding less than 0.2 of the float32 checkpoint's bytes
+(the embedding and LM head stay float32: 0.19 here; int8 holds 0.3), 8-bit ones less than 0.35.
+tests/worker/test_moe_int4.py and test_moe_w8.py check tokens and logits at tp 1 and 2 through ``ModelRunner``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tests.tiny_models import load_hf_model, save_servable_model
 from tests.worker.int4_checkpoints import save_gptq, save_rtn_dequantized
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
 from tests.worker.moe_specs import MIXTRAL_SPEC
+from tests.worker.w8a16_checkpoints import save_gptq8
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -35,8 +38,8 @@ MAX_TOKENS = 40
 PROMPT = "Once upon a time"
 
 
-@pytest.mark.parametrize("source", ["rtn_expert_parallel", "gptq"])
-def test_int4_moe_serving_at_tp2_prints_transformers_greedy_text(source: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["rtn_expert_parallel", "gptq", "gptq8"])
+def test_quantized_moe_serving_at_tp2_prints_transformers_greedy_text(source: str, tmp_path: Path) -> None:
     import torch
     from transformers import PreTrainedTokenizerFast
 
@@ -45,6 +48,10 @@ def test_int4_moe_serving_at_tp2_prints_transformers_greedy_text(source: str, tm
         model_dir, reference_dir = save_gptq(float_dir, tmp_path / "gptq", tmp_path / "dequantized", group=32,
                                              sym=True, desc_act=False, pattern=MOE_LINEAR_WEIGHT)
         extra: tuple[str, ...] = ()
+    elif source == "gptq8":
+        model_dir, reference_dir = save_gptq8(float_dir, tmp_path / "gptq8", tmp_path / "dequantized", group=32,
+                                              sym=True, pattern=MOE_LINEAR_WEIGHT)
+        extra = ()
     else:
         model_dir, reference_dir = float_dir, save_rtn_dequantized(float_dir, tmp_path / "dequantized",
                                                                    MOE_LINEAR_WEIGHT)
@@ -67,4 +74,5 @@ def test_int4_moe_serving_at_tp2_prints_transformers_greedy_text(source: str, tm
     assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["quantization"] for e in loaded} == {"int4"}
     assert {e["int4_tile_layout_layers"] for e in loaded} == {0}  # 64-wide experts, hidden 64: no shape fits the tiles
     float32_bytes = sum(p.stat().st_size for p in float_dir.glob("*.safetensors"))
-    assert all(e["weight_bytes"] < 0.2 * float32_bytes for e in loaded), (loaded, float32_bytes)
+    bound = 0.35 if source == "gptq8" else 0.2
+    assert all(e["weight_bytes"] < bound * float32_bytes for e in loaded), (loaded, float32_bytes)

@@ -123,6 +123,19 @@ def save_rtn_dequantized(source: Path, target: Path, pattern: re.Pattern[str] = 
     return _write(source, target, tensors, lambda config: None)
 
 
+def column_order(perms: dict[str, torch.Tensor], name: str, k: int, desc_act: bool,
+                 act_order: re.Pattern[str] | None, generator: torch.Generator) -> torch.Tensor:
+    """Weight ``name``'s GPTQ column order ``(k,)``: with ``desc_act`` (and ``name`` matching ``act_order``, None:
+    every weight) a random permutation, else the identity; weights reading one input (q/k/v, gate/up,
+    Mixtral's w1/w3) share theirs, as GPTQ derives it from the input (kept in ``perms``)."""
+    key = (name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+           .replace(".w3.", ".w1."))
+    if key not in perms:
+        ordered = desc_act and (act_order is None or act_order.match(name) is not None)
+        perms[key] = torch.randperm(k, generator=generator) if ordered else torch.arange(k)
+    return perms[key]
+
+
 def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: int, sym: bool,
               desc_act: bool, seed: int = 0, pattern: re.Pattern[str] = LINEAR_WEIGHT,
               act_order: re.Pattern[str] | None = None) -> tuple[Path, Path]:
@@ -138,12 +151,7 @@ def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: in
             out[name] = dequantized[name] = w
             continue
         n, k = w.shape
-        key = (name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-               .replace(".w3.", ".w1."))
-        if key not in perms:
-            ordered = desc_act and (act_order is None or act_order.match(name) is not None)
-            perms[key] = torch.randperm(k, generator=generator) if ordered else torch.arange(k)
-        perm = perms[key]
+        perm = column_order(perms, name, k, desc_act, act_order, generator)
         g_idx = torch.empty(k, dtype=torch.long)
         g_idx[perm] = torch.arange(k) // group
         q_perm, s, z = quantize_groups(w[:, perm], group, sym, torch.float16)  # groups over the act order

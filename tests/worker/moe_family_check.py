@@ -124,9 +124,27 @@ def check_family(case: FamilyCase, tp: int) -> None:
 
 def expert_parallel_jobs(case: FamilyCase) -> tuple[Job, Job]:
     """The case's two jobs with ``--enable-expert-parallel`` (whole experts per rank)."""
-    alone, at_once = case.jobs
-    return (dataclasses.replace(alone, name=f"{alone.name}_ep", enable_expert_parallel=True),
-            dataclasses.replace(at_once, name=f"{at_once.name}_ep", enable_expert_parallel=True))
+    return with_expert_parallel(case.jobs)
+
+
+def with_expert_parallel(jobs: tuple[Job, Job]) -> tuple[Job, Job]:
+    """``jobs`` with ``--enable-expert-parallel`` (whole experts per rank), named ``..._ep``."""
+    return tuple(dataclasses.replace(job, name=f"{job.name}_ep", enable_expert_parallel=True)
+                 for job in jobs)  # type: ignore[return-value]
+
+
+def served_jobs(case: FamilyCase, name: str, quantization: str | None) -> tuple[Job, Job]:
+    """The case's jobs on ``case.model_dir`` (a float or quantized checkpoint), named ``name_alone`` /
+    ``name_once``, served with ``--quantization quantization`` (None: the checkpoint's own config)."""
+    return tuple(dataclasses.replace(job, name=f"{name}_{job.name.rsplit('_', 1)[-1]}", model_dir=case.model_dir,
+                                     quantization=quantization) for job in case.jobs)  # type: ignore[return-value]
+
+
+def triton_job(at_once: Job, name: str) -> Job:
+    """The first 4 steps of the at-once job, expert-parallel, through the Triton experts (Triton's interpreter
+    off CUDA)."""
+    return dataclasses.replace(at_once, name=f"triton_ep_{name}", plans=at_once.plans[:4],
+                               enable_expert_parallel=True, triton_experts=True)
 
 
 def check_records(case: FamilyCase, jobs: tuple[Job, Job], records: dict[str, list[StepRecord]],

@@ -48,8 +48,9 @@ from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.int4_checkpoints import save_awq, save_compressed_tensors_w4a16, save_gptq, save_rtn_dequantized
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
 from tests.worker.loader_helpers import _rewrite
-from tests.worker.moe_family_check import FamilyCase, check_job, check_records, reference_case
-from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC
+from tests.worker.moe_family_check import (FamilyCase, check_job, check_records, reference_case, served_jobs,
+                                           triton_job, with_expert_parallel)
+from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC, QWEN3_MOE_INT4
 from tests.worker.shard_fakes import ShardOnlyContext
 from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
 from tests.worker.tp_harness import Job, run_jobs
@@ -61,12 +62,6 @@ from worker.model_runner import ModelRunner
 from worker.models.llama4 import Llama4Experts
 from worker.parallel_state import ParallelContext
 
-#: Qwen3-MoE sized for int4 at tp 2: every rank's input size a multiple of 32 and of its group (head_dim 16:
-#: o_proj's input 64; experts 64 wide; the dense layer 1's MLP 256 wide, group 128).
-QWEN3_MOE_INT4 = TinyModelSpec("qwen3_moe_int4", "qwen3_moe", {
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 180,
-    "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
-    "norm_topk_prob": True, "mlp_only_layers": [1], "tie_word_embeddings": False}, seed=24)
 FAMILIES = {"mixtral": (MIXTRAL_SPEC, {0, 1}, 2), "qwen3_moe": (QWEN3_MOE_INT4, {0}, 2)}
 #: The other families whose routed experts are :class:`FusedMoE` (checked at tp 1 only: CI time).
 OTHER_FAMILIES = {"qwen2_moe": (QWEN2_MOE_SPEC, {1}, 4), "glm4_moe": (GLM4_MOE, {1}, 3),
@@ -95,12 +90,6 @@ def save_act_order_gptq(source: Path, target: Path, dequantized: Path) -> tuple[
                      pattern=MOE_LINEAR_WEIGHT, act_order=EXPERT_WEIGHT)
 
 
-def _jobs(case: FamilyCase, name: str, quantization: str | None) -> tuple[Job, Job]:
-    """The case's jobs on ``case.model_dir`` (the float or 4-bit checkpoint)."""
-    return tuple(dataclasses.replace(job, name=f"{name}_{job.name.rsplit('_', 1)[-1]}", model_dir=case.model_dir,
-                                     quantization=quantization) for job in case.jobs)  # type: ignore[return-value]
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe_int4")
@@ -118,13 +107,8 @@ def cases(sources: dict[str, Path]) -> dict[str, tuple[FamilyCase, tuple[Job, Jo
         source = sources[family]
         checkpoint, reference = write(source, source.parent / name, source.parent / f"{name}_dequantized")
         case = dataclasses.replace(reference_case(spec, reference, layers, top_k), model_dir=str(checkpoint))
-        out[name] = (case, _jobs(case, name, None))  # int4 by its config.json alone
+        out[name] = (case, served_jobs(case, name, None))  # int4 by its config.json alone
     return out
-
-
-def _expert_parallel(jobs: tuple[Job, Job]) -> tuple[Job, Job]:
-    return tuple(dataclasses.replace(job, name=f"{job.name}_ep", enable_expert_parallel=True)
-                 for job in jobs)  # type: ignore[return-value]
 
 
 def _rtn_case(spec: TinyModelSpec, layers: set[int], top_k: int, source: Path, name: str
@@ -132,13 +116,7 @@ def _rtn_case(spec: TinyModelSpec, layers: set[int], top_k: int, source: Path, n
     """``--quantization int4`` on the float checkpoint ``source``; the reference on its int4 round trip."""
     reference = save_rtn_dequantized(source, source.parent / f"{name}_dequantized", MOE_LINEAR_WEIGHT)
     case = dataclasses.replace(reference_case(spec, reference, layers, top_k), model_dir=str(source))
-    return case, _jobs(case, name, "int4")
-
-
-def _triton_job(at_once: Job, name: str) -> Job:
-    """The first 4 steps of the at-once job, expert-parallel, through the Triton experts."""
-    return dataclasses.replace(at_once, name=f"triton_ep_{name}", plans=at_once.plans[:4],
-                               enable_expert_parallel=True, triton_experts=True)
+    return case, served_jobs(case, name, "int4")
 
 
 TRITON = ["mixtral_rtn", "mixtral_gptq_act_order"]
@@ -153,8 +131,8 @@ def records_at(cases):
             jobs = [job for name, (_, case_jobs) in cases.items() for job in case_jobs
                     if tp == 1 or name not in TP1_ONLY]
             if tp == 2:
-                jobs += [job for name in EXPERT_PARALLEL for job in _expert_parallel(cases[name][1])]
-                jobs += [_triton_job(cases[name][1][1], name) for name in TRITON]
+                jobs += [job for name in EXPERT_PARALLEL for job in with_expert_parallel(cases[name][1])]
+                jobs += [triton_job(cases[name][1][1], name) for name in TRITON]
             cache[tp] = run_jobs(jobs, tp_size=tp)
         return cache[tp]
 
@@ -171,13 +149,13 @@ def test_int4_experts_match_transformers_on_dequantized_weights(tp: int, name: s
 @pytest.mark.parametrize("name", EXPERT_PARALLEL)
 def test_int4_experts_with_expert_parallelism_at_tp2(name: str, cases, records_at) -> None:
     case, jobs = cases[name]
-    check_records(case, _expert_parallel(jobs), records_at(2), batch_bound=BATCH_BOUND)
+    check_records(case, with_expert_parallel(jobs), records_at(2), batch_bound=BATCH_BOUND)
 
 
 @pytest.mark.parametrize("name", TRITON)
 def test_int4_experts_through_the_triton_kernel_at_tp2(name: str, cases, records_at) -> None:
     case, jobs = cases[name]
-    triton = _triton_job(jobs[1], name)
+    triton = triton_job(jobs[1], name)
     check_job(case, triton, records_at(2)[triton.name])
 
 
@@ -290,13 +268,3 @@ def test_fused_expert_layouts_refuse_int4() -> None:
         with pytest.raises(ValueError, match="--quantization int4 is not supported for mixture-of-experts models "
                                              f"whose experts are {experts.checkpoint_layout} \\(a checkpoint layout"):
             experts(4, 32, 32, ctx, dtype=torch.float32, quantization="int4")
-
-
-def test_8_bit_routed_experts_are_refused_naming_the_tensor(sources: dict[str, Path], tmp_path: Path) -> None:
-    """A W8A16 checkpoint's per-expert modules (the experts' stack holds 4-bit codes only): refused at load in one
-    line naming the tensor, never packed as nibbles."""
-    checkpoint, _ = save_compressed_tensors_w4a16(sources["qwen3_moe"], tmp_path / "w8", tmp_path / "w8_dq",
-                                                  strategy="group", symmetric=False, group=32, num_bits=8,
-                                                  pattern=MOE_LINEAR_WEIGHT)
-    with pytest.raises(ValueError, match=r"experts\.\d+\.\w+_proj\.\w+: 8-bit routed experts are not served"):
-        load_model(checkpoint, ModelConfig.from_pretrained(checkpoint), ParallelContext.single(), torch.float32)

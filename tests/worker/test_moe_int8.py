@@ -32,7 +32,8 @@ from tests.tiny_models import save_tiny_model
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT, save_dequantized
 from tests.worker.lowbit_checkpoints import QWEN3_MOE as QWEN3_MOE_FP8_SPEC
 from tests.worker.lowbit_checkpoints import save_fp8_block
-from tests.worker.moe_family_check import FamilyCase, check_job, check_records, reference_case
+from tests.worker.moe_family_check import (FamilyCase, check_job, check_records, reference_case, triton_job,
+                                           with_expert_parallel)
 from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC, QWEN3_MOE_SPEC
 from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
 from tests.worker.tp_harness import Job, run_jobs
@@ -88,24 +89,13 @@ def records_at(cases):
         if tp not in cache:
             jobs = [job for name in FAMILIES for job in cases[name][1]]
             if tp == 2:
-                jobs += [job for name in FAMILIES for job in _expert_parallel(cases[name][1])]
-                jobs.append(_triton_job(cases["mixtral"][1][1]))
+                jobs += [job for name in FAMILIES for job in with_expert_parallel(cases[name][1])]
+                jobs.append(triton_job(cases["mixtral"][1][1], "int8"))
                 jobs += list(cases[FP8][1])
             cache[tp] = run_jobs(jobs, tp_size=tp)
         return cache[tp]
 
     return run
-
-
-def _expert_parallel(jobs: tuple[Job, Job]) -> tuple[Job, Job]:
-    return tuple(dataclasses.replace(job, name=f"{job.name}_ep", enable_expert_parallel=True)
-                 for job in jobs)  # type: ignore[return-value]
-
-
-def _triton_job(at_once: Job) -> Job:
-    """The first 4 steps of the at-once job, expert-parallel, through the Triton experts."""
-    return dataclasses.replace(at_once, name="triton_ep_int8", plans=at_once.plans[:4], enable_expert_parallel=True,
-                               triton_experts=True)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -118,7 +108,7 @@ def test_int8_experts_match_transformers_on_dequantized_weights(tp: int, name: s
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_int8_experts_with_expert_parallelism_at_tp2(name: str, cases, records_at) -> None:
     case, jobs = cases[name]
-    check_records(case, _expert_parallel(jobs), records_at(2))
+    check_records(case, with_expert_parallel(jobs), records_at(2))
 
 
 def test_other_fused_moe_families_int8_at_tp1(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -131,7 +121,7 @@ def test_other_fused_moe_families_int8_at_tp1(tmp_path_factory: pytest.TempPathF
 
 def test_int8_experts_through_the_triton_kernel_at_tp2(cases, records_at) -> None:
     case, jobs = cases["mixtral"]
-    triton = _triton_job(jobs[1])
+    triton = triton_job(jobs[1], "int8")
     check_job(case, triton, records_at(2)[triton.name])
 
 

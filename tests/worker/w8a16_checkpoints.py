@@ -27,11 +27,12 @@ asymmetric ``s = (max - min) / 255`` (the range widened to include 0), ``z = cla
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
-from tests.worker.int4_checkpoints import definition, save_compressed_tensors_w4a16
+from tests.worker.int4_checkpoints import column_order, definition, save_compressed_tensors_w4a16
 from tests.worker.int8_checkpoints import LINEAR_WEIGHT, _tensors, _write
 
 
@@ -87,22 +88,24 @@ def gptq8_reference_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scal
 
 
 def save_gptq8(source: Path, target: Path, dequantized_target: Path, *, group: int, sym: bool,
-               desc_act: bool = False, checkpoint_format: str = "gptq", seed: int = 0) -> tuple[Path, Path]:
-    """``source`` as an 8-bit GPTQ checkpoint (module docstring), and its dequantized float copy."""
+               desc_act: bool = False, checkpoint_format: str = "gptq", seed: int = 0,
+               pattern: re.Pattern[str] = LINEAR_WEIGHT, act_order: re.Pattern[str] | None = None
+               ) -> tuple[Path, Path]:
+    """``source`` as an 8-bit GPTQ checkpoint (module docstring), and its dequantized float copy; the linear
+    weights named by ``pattern`` are quantized (a MoE's per-expert modules with tests' MOE_LINEAR_WEIGHT).
+    With ``desc_act``, the weights named by ``act_order`` (None: all) get a random column order, the others
+    ``g_idx = k // G``; a layer's inputs shared by q/k/v, gate/up (Mixtral's w1/w3) share theirs."""
     tensors, out, dequantized = _tensors(source), {}, {}
     generator = torch.Generator().manual_seed(seed)
     perms: dict[str, torch.Tensor] = {}  # one act order per input: q/k/v share theirs, gate/up theirs
     v1 = checkpoint_format == "gptq"
     for name, w in tensors.items():
-        if not LINEAR_WEIGHT.match(name):
+        if not pattern.match(name):
             out[name] = dequantized[name] = w
             continue
         n, k = w.shape
         g = k if group == -1 else group
-        key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-        if key not in perms:
-            perms[key] = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
-        perm = perms[key]
+        perm = column_order(perms, name, k, desc_act, act_order, generator)
         g_idx = torch.empty(k, dtype=torch.long)
         g_idx[perm] = torch.arange(k) // g
         q_perm, s, z = quantize_groups8(w[:, perm], g, sym)
@@ -127,7 +130,9 @@ def save_gptq8(source: Path, target: Path, dequantized_target: Path, *, group: i
 
 
 def save_compressed_tensors_w8a16(source: Path, target: Path, dequantized_target: Path, *, strategy: str,
-                                  symmetric: bool, group: int | None = None) -> tuple[Path, Path]:
-    """``source`` as a compressed-tensors ``pack-quantized`` W8A16 checkpoint written by the library."""
+                                  symmetric: bool, group: int | None = None,
+                                  pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
+    """``source`` as a compressed-tensors ``pack-quantized`` W8A16 checkpoint written by the library (the weights
+    named by ``pattern``)."""
     return save_compressed_tensors_w4a16(source, target, dequantized_target, strategy=strategy,
-                                         symmetric=symmetric, group=group, num_bits=8)
+                                         symmetric=symmetric, group=group, num_bits=8, pattern=pattern)

@@ -34,6 +34,7 @@ from torch import nn
 from worker.layers.moe_combine import combine, expert_act
 from worker.layers.moe_int4 import dequantize_int4_experts, unpermute_columns
 from worker.layers.moe_int8 import dequantize_experts
+from worker.layers.moe_w8 import dequantize_w8_experts
 
 #: Rows of one expert per program (tl.dot needs at least 16): 16 for decode-sized steps, where
 #: an expert gets a few rows and padding to 64 would waste the work, 64 once the average group
@@ -134,9 +135,10 @@ def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
                            down_perm: torch.Tensor | None = None) -> torch.Tensor:
     """worker/layers/moe_experts.py's ``grouped_experts`` with the grouped kernel: ``(T, H)`` in ``x.dtype``.
 
-    Int8 experts (``gate_up_scale (E, 2 * I)`` and ``down_scale (E, H)`` float32 given) and int4 ones
-    (uint8 packed codes with ``(E, N, K / G, 2)`` scales and offsets, or a CPU stack's tile layout): the
-    kernel takes float weights, so the layer's stack is dequantized for this call (worker/layers/moe_int8.py, moe_int4.py: a
+    Int8 experts (``gate_up_scale (E, 2 * I)`` and ``down_scale (E, H)`` float32 given), int4 ones
+    (uint8 packed codes with ``(E, N, K / G, 2)`` scales and offsets, or a CPU stack's tile layout) and an
+    8-bit checkpoint's grouped ones (uint8 ``(E, N, K)``, a code a byte): the kernel takes float weights, so
+    the layer's stack is dequantized for this call (worker/layers/moe_int8.py, moe_int4.py, moe_w8.py: a
     transient in ``x.dtype``, one layer at a time; no host read, so still capturable); act-order int4
     experts' columns (``gate_up_perm``, ``down_perm``) are put back in the checkpoint's order.
 
@@ -145,7 +147,8 @@ def grouped_experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
     ``has_remote``, ids equal to ``E = gate_up.shape[0]`` (another rank's expert) add zero.
     """
     if gate_up_scale is not None and down_scale is not None:
-        widen = dequantize_int4_experts if gate_up.dtype == torch.uint8 else dequantize_experts
+        widen = (dequantize_experts if gate_up.dtype == torch.int8 else
+                 dequantize_w8_experts if gate_up.shape[-1] == x.shape[-1] else dequantize_int4_experts)
         gate_up = unpermute_columns(widen(gate_up, gate_up_scale, x.dtype), gate_up_perm)  # (E, 2 * I, H)
         down = unpermute_columns(widen(down, down_scale, x.dtype), down_perm)  # (E, H, I)
     num_tokens, top_k = ids.shape

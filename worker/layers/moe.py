@@ -63,8 +63,10 @@ from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker.layers.linear import divide as _divide
 from worker.layers.moe_combine import expert_act
 from worker.layers.moe_experts import grouped_experts
+from worker.layers.int4_weights import PackedPart
 from worker.layers.moe_int4 import load_int4_expert, new_int4_experts
 from worker.layers.moe_int8 import check_loadable, load_int8_expert, new_int8_experts, set_scale_shards
+from worker.layers.moe_w8 import load_8bit_expert
 from worker.layers.norm import SiluAndMul
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
 from worker.parallel_state import ParallelContext
@@ -181,7 +183,8 @@ class FusedMoE(nn.Module):
         quantization: None (float experts); ``"int8"``: int8 expert weights with
             ``gate_up_proj_scale (E, 2 * I / tp)`` and ``down_proj_scale (E, H)`` float32
             (worker/layers/moe_int8.py); ``"int4"``: packed 4-bit codes with a float32 scale and
-            offset per group (worker/layers/moe_int4.py). Both are refused for a subclass whose
+            offset per group (worker/layers/moe_int4.py), re-laid out at load for an 8-bit
+            checkpoint's experts (worker/layers/moe_w8.py). Both are refused for a subclass whose
             loader fills float stacks only (``loads_int8`` False).
         bias: the experts carry biases (gpt-oss): ``gate_up_proj_bias (E, 2 * I / tp)`` and
             ``down_proj_bias (E, H)`` (the latter added by one rank only: the outputs are partials
@@ -280,6 +283,9 @@ class FusedMoE(nn.Module):
         slot = expert - self.first_expert  # index in this rank's stack
         if not 0 <= slot < self.num_local_experts:
             return  # another rank's expert
+        if self.int4 and isinstance(source, PackedPart) and source.fmt.bits == 8:  # an 8-bit checkpoint's expert
+            load_8bit_expert(self, param, source, shard_id, slot, start, local)  # type: ignore[arg-type]
+            return
         if self.int4:
             load_int4_expert(self, param, source, shard_id, slot, start, local)  # type: ignore[arg-type]
             return

@@ -18,9 +18,10 @@ Both return, per token, ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` summe
 ``j`` in routing order (most probable first), a partial of the tensor-parallel sum.
 With expert parallelism (worker/layers/moe.py) an id equal to ``E`` (one past this
 rank's stack) is a row of another rank's expert: it is not computed and adds zero.
-Int8 and int4 experts (``--quantization int8`` / ``int4``, worker/layers/moe_int8.py, moe_int4.py):
-the torch path runs the int8 or int4 matmul per expert (picked once a call by the stack's dtype:
-int8, or uint8 packed codes); the Triton kernel dequantizes the layer's stack for its call.
+Int8 and int4 experts (``--quantization int8`` / ``int4``, worker/layers/moe_int8.py, moe_int4.py) and an
+8-bit checkpoint's grouped ones (worker/layers/moe_w8.py): the torch path runs the int8, int4 or w8 matmul per
+expert (picked once a call by the stack: int8 codes, or uint8 codes of ``H / 2`` or ``H`` columns); the Triton
+kernel dequantizes the layer's stack for its call.
 ``TPSERVE_TRITON_MOE=0`` keeps CUDA on the torch path, for A/B measurements.
 """
 
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from worker.layers.int4_matmul import int4_linear
+from worker.layers.int8_groups import int8_groups_linear
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.matmul import linear
 from worker.layers.moe_combine import combine, expert_act
@@ -64,6 +66,9 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
             None for float weights.
         down_scale: with int8 ``down``: its ``(E, H)`` float32 scales; with int4 ``down`` (``(E, H, I / 2)``
             uint8): ``(E, H, I / G, 2)`` or the tile layout's ``(E, H / 16, I / G, 2, 16)``; None for float weights.
+            An 8-bit checkpoint's grouped experts (worker/layers/moe_w8.py): uint8 ``gate_up (E, 2 * I, H)`` and
+            ``down (E, H, I)``, a code a byte, with ``(E, 2 * I, H / G, 2)`` and ``(E, H, I / G, 2)`` scales and
+            offsets.
         gate_up_perm, down_perm: act-order int4 experts (worker/layers/moe_int4.py): ``(E, H)`` / ``(E, I)``
             int64, each expert's input columns in its packed order (gathered before its matmul); or None.
 
@@ -80,6 +85,14 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     return grouped_experts_torch(x, gate_up, down, ids, weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
                                  act=act, gate_up_scale=gate_up_scale, down_scale=down_scale,
                                  gate_up_perm=gate_up_perm, down_perm=down_perm)
+
+
+def _quantized_linear(gate_up: torch.Tensor, hidden: int):
+    """The matmul of a quantized stack: int8 codes (``linear_int8``), a byte a code with group scales (an 8-bit
+    checkpoint's grouped experts, ``H`` columns: ``linear_w8``) or packed 4-bit codes (``H / 2``: ``linear_int4``)."""
+    if gate_up.dtype == torch.int8:
+        return int8_linear
+    return int8_groups_linear if gate_up.shape[-1] == hidden else int4_linear
 
 
 def _triton_moe_enabled() -> bool:
@@ -107,7 +120,7 @@ def grouped_experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     order = torch.argsort(flat, stable=True)  # (T * k,) rows grouped by expert, in token order within one
     counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]  # rows per held expert, on the host
     held = sum(counts)
-    qlinear = int4_linear if gate_up.dtype == torch.uint8 else int8_linear  # used with scales only
+    qlinear = _quantized_linear(gate_up, x.shape[-1])  # used with scales only
     every_row = held == flat.shape[0]  # always without expert parallelism
     order_held = order if every_row else order[:held]  # (held,)
     xs = x[order_held // top_k]  # (held, H) each row's token

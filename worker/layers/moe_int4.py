@@ -114,15 +114,13 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
 
     Raises:
         ValueError: a float tensor of another shape; RTN groups that do not split this rank's down
-            columns; an 8-bit expert; a corrupt 4-bit expert, or act-order gate and up with different ``g_idx`` or
+            columns; a corrupt 4-bit expert, or act-order gate and up with different ``g_idx`` or
             groups spread over other ranks' down columns (named).
     """
     kind = shard_id[1]
     full_shape = (moe.hidden_size, moe.intermediate_size) if kind == "down" else (moe.intermediate_size,
                                                                                   moe.hidden_size)
     if isinstance(source, PackedPart):
-        if source.fmt.bits != 4:  # the experts' stack holds nibbles; 8-bit experts have no kernel here yet
-            raise ValueError(f"{source.name}: {source.fmt.bits}-bit routed experts are not served (4-bit ones are)")
         full = unpacked_part(moe, source, full_shape, shard_id)
         if full is None:
             return  # the expert part's other tensors are still unread
@@ -134,7 +132,7 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
         else:
             t, perm = sort_by_group(Int4Tensor(full.codes[start:start + local], full.scales[start:start + local],
                                                full.zeros[start:start + local], full.g_idx))
-        _keep_order(moe, kind, slot, perm, source.name)
+        keep_expert_order(moe, kind, slot, perm, source.name)
     else:
         check_shape(source, full_shape)
         if kind == "down":
@@ -152,8 +150,9 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
     scale.computed_shard_ids.add(shard_id)
 
 
-def _keep_order(moe: Any, kind: str, slot: int, perm: torch.Tensor | None, name: str) -> None:
-    """Record expert ``slot``'s act-order permutation of its gate/up or down input (see the module docstring).
+def keep_expert_order(moe: Any, kind: str, slot: int, perm: torch.Tensor | None, name: str) -> None:
+    """Record expert ``slot``'s act-order permutation of its gate/up or down input (see the module docstring;
+    8-bit experts too, worker/layers/moe_w8.py).
 
     Raises:
         ValueError: gate and up of one expert in different column orders (names ``name``).
