@@ -40,6 +40,14 @@ def _w4a16(**weights) -> dict:
     (_w4a16(num_bits=8), Int4Format("compressed-tensors", 128, True, bits=8)),
     (_w4a16(num_bits=8, strategy="channel", group_size=None, symmetric=False),
      Int4Format("compressed-tensors", -1, False, bits=8)),
+    # actorder: "weight" / "static" order GPTQ's calibration only; "group" / "dynamic" (true) store weight_g_idx
+    (_w4a16(actorder="weight"), Int4Format("compressed-tensors", 128, True)),
+    (_w4a16(actorder="static"), Int4Format("compressed-tensors", 128, True)),
+    (_w4a16(actorder=False), Int4Format("compressed-tensors", 128, True)),
+    (_w4a16(actorder="group"), Int4Format("compressed-tensors", 128, True, desc_act=True)),
+    (_w4a16(actorder="dynamic", symmetric=False), Int4Format("compressed-tensors", 128, False, desc_act=True)),
+    (_w4a16(actorder=True, num_bits=8), Int4Format("compressed-tensors", 128, True, desc_act=True, bits=8)),
+    (_w4a16(actorder="weight", strategy="channel", group_size=None), Int4Format("compressed-tensors", -1, True)),
 ])
 def test_served_4_and_8_bit_configs(qc: dict, expected: Int4Format) -> None:
     assert int4_format(qc) == expected
@@ -60,9 +68,9 @@ def test_served_4_and_8_bit_configs(qc: dict, expected: Int4Format) -> None:
     ({**AWQ, "bits": 8}, "awq bits=8"),
     ({**AWQ, "modules_to_not_convert": ["visual"]}, "awq modules_to_not_convert=['visual']"),
     (_w4a16(num_bits=2), "weights.num_bits=2"),
-    (_w4a16(num_bits=8, actorder="group"), "weights.actorder='group'"),
+    (_w4a16(actorder="sorted"), "weights.actorder='sorted' (expected 'weight', 'static', 'group' or 'dynamic')"),
     (_w4a16(num_bits=8, type="float"), "weights.type='float'"),
-    (_w4a16(actorder="group"), "weights.actorder='group'"),
+    (_w4a16(actorder="group", strategy="channel", group_size=None), "weights.actorder='group' with strategy 'channel'"),
     (_w4a16(strategy="tensor"), "weights.strategy='tensor'"),
     (_w4a16(type="float"), "weights.type='float'"),
     ({**W4A16, "ignore": []}, "quantizes lm_head"),

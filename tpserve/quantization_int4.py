@@ -19,7 +19,10 @@ Accepted:
   ``q_group_size``, ``zero_point`` true (the asymmetric AWQ every AutoAWQ GEMM checkpoint is).
 * **compressed-tensors** ``pack-quantized`` (llm-compressor's W4A16 and W8A16): weights
   ``num_bits`` 4 or 8, ``type`` int, ``strategy`` ``group`` or ``channel``, symmetric or not,
-  no ``actorder``, no activation or KV-cache quantization, ``lm_head`` ignored.
+  ``actorder`` ``weight`` / ``static`` (an order of GPTQ's calibration only: the stored format is
+  unchanged) or ``group`` / ``dynamic`` (columns grouped in activation order, with the layer's
+  ``weight_g_idx``: served as GPTQ's act-order is; group strategy only), no activation or KV-cache
+  quantization, ``lm_head`` ignored.
 
 Anything else raises ``ValueError`` naming the field and its value. No torch here (the
 coordinator reads this before any rank starts).
@@ -39,7 +42,7 @@ from tpserve.weight_formats import compressed_tensors_groups, matches_target
 RTN_GROUP_SIZE = 128
 RTN_SMALL_GROUP_SIZE = 32
 SUPPORTED_INT4 = ("GPTQ (bits 4 or 8, any group_size, sym or not, desc_act with g_idx), AWQ (version gemm, bits 4), "
-                  "compressed-tensors pack-quantized (num_bits 4 or 8, int, strategy group or channel)")
+                  "compressed-tensors pack-quantized (num_bits 4 or 8, int, strategy group or channel, actorder)")
 #: Code widths of the packed formats: GPTQ and compressed-tensors store 4 or 8 bits a weight (AWQ 4 only).
 PACKED_BITS = (4, 8)
 
@@ -53,7 +56,8 @@ class Int4Format:
         group_size: input columns per (scale, zero point); -1 for one group per output row.
         symmetric: no zero points are stored (compressed-tensors: the format's implied one is
             used, ``2 ** (bits - 1)``: 8 or 128).
-        desc_act: GPTQ act-order: the checkpoint's ``g_idx`` says which group each input column is in.
+        desc_act: act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): the checkpoint's
+            ``g_idx`` / ``weight_g_idx`` says which group each input column is in.
         zero_plus_one: GPTQ ``checkpoint_format: gptq``: a stored zero point is ``z - 1``.
         bits: bits a code, 4 or 8 (``32 / bits`` codes an int32).
     """
@@ -153,7 +157,7 @@ def _ct_group(name: str, group: Any, ignore: list[str]) -> Int4Format:
         raise _refuse(f"config_groups.{name}.weights.num_bits={bits!r} (expected 4 or 8)")
     if weights.get("type") != "int":
         raise _refuse(f"config_groups.{name}.weights.type={weights.get('type')!r} (expected 'int')")
-    for key in ("block_structure", "actorder", "dynamic"):
+    for key in ("block_structure", "dynamic"):
         if weights.get(key):
             raise _refuse(f"config_groups.{name}.weights.{key}={weights[key]!r}")
     strategy = weights.get("strategy")
@@ -163,11 +167,36 @@ def _ct_group(name: str, group: Any, ignore: list[str]) -> Int4Format:
         group_size = -1
     else:
         raise _refuse(f"config_groups.{name}.weights.strategy={strategy!r} (expected 'group' or 'channel')")
+    desc_act = _ct_actorder(weights.get("actorder"), f"config_groups.{name}.weights.actorder", strategy)
     symmetric = weights.get("symmetric", True)
     if not isinstance(symmetric, bool):
         raise _refuse(f"config_groups.{name}.weights.symmetric={symmetric!r}")
     targets = list(group.get("targets") or [])
     if matches_target(targets, "lm_head", "Linear") and not matches_target(ignore, "lm_head", None):
         raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
-    return Int4Format("compressed-tensors", group_size, symmetric, bits=bits)
+    return Int4Format("compressed-tensors", group_size, symmetric, desc_act=desc_act, bits=bits)
+
+
+#: compressed-tensors ``actorder`` values (its ``ActivationOrdering`` and aliases) that order GPTQ's
+#: calibration only, and those whose groups follow the activation order (stored ``weight_g_idx``).
+CT_ACTORDER_CALIBRATION_ONLY = (None, False, "weight", "static")
+CT_ACTORDER_GROUPED = (True, "group", "dynamic")
+
+
+def _ct_actorder(value: Any, field: str, strategy: str) -> bool:
+    """Whether a compressed-tensors layer stores ``weight_g_idx`` (its groups in activation order).
+
+    ``weight`` / ``static``: the columns were visited in activation order while quantizing, each group
+    still contiguous: nothing changes at inference. ``group`` / ``dynamic`` (``true`` in older
+    configs): the groups are formed in activation order and ``weight_g_idx (K,)`` says each column's,
+    as GPTQ's ``desc_act`` (vLLM's compressed-tensors WNA16 scheme reads it the same way).
+    """
+    if isinstance(value, str):
+        value = value.lower()
+    if value in CT_ACTORDER_CALIBRATION_ONLY:
+        return False
+    if value in CT_ACTORDER_GROUPED and strategy == "group":
+        return True
+    raise _refuse(f"{field}={value!r}" + (" with strategy 'channel'" if value in CT_ACTORDER_GROUPED else
+                                          " (expected 'weight', 'static', 'group' or 'dynamic')"))
 

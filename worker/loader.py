@@ -170,9 +170,9 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         if int4 is None and name.endswith(ZERO_POINT_SUFFIX):
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue
-        if int4 is not None and int4.method == "gptq" and not int4.desc_act and name.endswith(".g_idx"):
-            continue  # GPTQ writes k // group_size when not act-order: nothing to read
         int4_part = _int4_part(name, int4)
+        if int4 is not None and not int4.desc_act and int4_part is not None and int4_part[1] == "g_idx":
+            continue  # GPTQ writes k // group_size when not act-order: nothing to read
         if int4_part is not None:
             parts[name] = int4_part[1]
         target = model.weight_map(int4_part[0] if int4_part is not None else name)

@@ -203,14 +203,17 @@ def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int
 
 def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target: Path, *, strategy: str,
                                   symmetric: bool, group: int | None = None, num_bits: int = 4,
-                                  pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
+                                  pattern: re.Pattern[str] = LINEAR_WEIGHT,
+                                  actorder: str | None = None) -> tuple[Path, Path]:
     """``source`` as a compressed-tensors ``pack-quantized`` W4A16 (``num_bits`` 8: W8A16) checkpoint written by
-    the library."""
+    the library; ``actorder`` (``weight`` / ``static``: a calibration order, the format unchanged) is written into
+    its config as the library writes it."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group,
+                            actorder=actorder)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
                                 quantization_status="compressed").model_dump()
@@ -230,5 +233,68 @@ def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target
             out[f"{prefix}.{key}"] = value
         # The library's decompression unpacks and dequantizes (its ``dequantize``): the reference.
         dequantized[name] = PackedQuantizationCompressor.decompress(dict(module), scheme)["weight"].float()
+    return (_write(source, target, out, lambda c: c.update(quantization_config=config)),
+            _write(source, dequantized_target, dequantized, lambda c: None))
+
+
+def save_compressed_tensors_group_actorder(source: Path, target: Path, dequantized_target: Path, *, group: int,
+                                           symmetric: bool, seed: int = 0,
+                                           act_order: re.Pattern[str] | None = None) -> tuple[Path, Path]:
+    """``source`` as a compressed-tensors W4A16 checkpoint with ``actorder: group`` (older llm-compressor GPTQ):
+    the columns of each weight named by ``act_order`` (None: all) grouped in a random order, stored in the
+    checkpoint's column order with ``weight_g_idx (K,)`` int32 (column ``k`` in group ``weight_g_idx[k]``).
+
+    The library no longer writes this variant (compressed-tensors 0.20 refuses ``actorder='group'``), so: the
+    weight's columns are permuted into group order, quantized and their scales and zero points computed by the
+    library (``calculate_qparams``, ``quantize``) as for a contiguous-group layer, the codes put back in the
+    checkpoint's column order and packed by the library's ``pack_to_int32`` (zero points along the rows, as its
+    compressor does). Reference: the format's dequantization with ``g_idx``, ``scale[:, g_idx] * (q -
+    zero_point[:, g_idx])`` (the library's ``dequantize(..., g_idx)`` before the variant's removal), asserted
+    equal to the library's own decompression of the permuted layer with its columns put back.
+    """
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+                                quantization_status="compressed").model_dump()
+    config["config_groups"]["group_0"]["weights"]["actorder"] = "group"  # as the library wrote it until 2026
+    tensors, out, dequantized = _tensors(source), {}, {}
+    generator = torch.Generator().manual_seed(seed)
+    perms: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if not LINEAR_WEIGHT.match(name):
+            out[name] = dequantized[name] = w
+            continue
+        n, k = w.shape
+        perm = column_order(perms, name, k, True, act_order, generator)  # group j: columns perm[jG:(j+1)G]
+        g_idx = torch.empty(k, dtype=torch.long)
+        g_idx[perm] = torch.arange(k) // group
+        wp = w[:, perm]  # (N, K) in group order
+        wg = wp.reshape(n, k // group, group)
+        scale, zero_point = calculate_qparams(wg.amin(dim=2), wg.amax(dim=2), args)  # (N, groups)
+        q_perm = quantize(x=wp, scale=scale, zero_point=zero_point, args=args, dtype=torch.int8)  # (N, K) signed
+        q = torch.empty_like(q_perm)
+        q[:, perm] = q_perm
+        prefix = name.removesuffix(".weight")
+        out[f"{prefix}.weight_packed"] = pack_to_int32(q, 4)
+        out[f"{prefix}.weight_scale"] = scale
+        out[f"{prefix}.weight_shape"] = torch.tensor([n, k])
+        out[f"{prefix}.weight_g_idx"] = g_idx.to(torch.int32)
+        if not symmetric:
+            out[f"{prefix}.weight_zero_point"] = pack_to_int32(zero_point.to(torch.int8), 4, packed_dim=0).contiguous()
+        exact = definition(q, scale.float(), zero_point.float(), g_idx)
+        library = PackedQuantizationCompressor.decompress(
+            dict(PackedQuantizationCompressor.compress({"weight": wp, "weight_scale": scale,
+                                                         "weight_zero_point": zero_point}, scheme)),
+            scheme)["weight"].float()  # (N, K) in group order
+        back = torch.empty_like(library)
+        back[:, perm] = library
+        assert torch.equal(back, exact), name
+        dequantized[name] = exact
     return (_write(source, target, out, lambda c: c.update(quantization_config=config)),
             _write(source, dequantized_target, dequantized, lambda c: None))

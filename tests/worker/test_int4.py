@@ -10,7 +10,12 @@ divides by 128, the others' by 32) served as:
   (test_int4_loader.py::test_act_order_groups_spread_over_row_parallel_ranks_are_refused);
 * AWQ GEMM, group 32;
 * compressed-tensors ``pack-quantized`` W4A16 written by the library: symmetric group 32,
-  and asymmetric channel-wise.
+  and asymmetric channel-wise; symmetric group 32 with ``actorder: weight`` (llm-compressor's
+  default GPTQ recipe: a calibration order, the stored format unchanged);
+* compressed-tensors W4A16 with ``actorder: group`` (older llm-compressor: ``weight_g_idx``),
+  asymmetric group 32, the column-parallel layers' groups in a random column order (the
+  row-parallel ones in order, so that tp 2 serves it: tests/worker/int4_checkpoints.py,
+  ``save_compressed_tensors_group_actorder``).
 
 Each: every greedy token equals ``transformers``' on the DEQUANTIZED float checkpoint
 (tests/worker/int4_checkpoints.py: the format's reference dequantization), and the logits
@@ -24,19 +29,22 @@ chunk's largest |x| (worker/kernels/cpu_linear_int4.cpp, cpu_linear_int4_amx.cpp
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from tests.tiny_models import save_tiny_model
-from tests.worker.int4_checkpoints import (SPEC, save_awq, save_compressed_tensors_w4a16, save_gptq,
-                                           save_rtn_dequantized)
+from tests.worker.int4_checkpoints import (SPEC, save_awq, save_compressed_tensors_group_actorder,
+                                           save_compressed_tensors_w4a16, save_gptq, save_rtn_dequantized)
 from tests.worker.quantized_cases import QuantizedCase, case_jobs, check_case, quantized_case, records_by_degree
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 TP1_ONLY = {"gptq_act_order"}
 LOGIT_BOUND = 1e-4
+#: The column-parallel layers' weights (their input columns are never split over ranks).
+COLUMN_PARALLEL = re.compile(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
 
 
 def _case(name: str, checkpoint: Path, reference_dir: Path, seed: int, quantization: str | None) -> QuantizedCase:
@@ -60,6 +68,10 @@ def cases(float_dir: Path) -> dict[str, QuantizedCase]:
                                                                    symmetric=True, group=32),
         "ct_channel_asym": lambda t, d: save_compressed_tensors_w4a16(float_dir, t, d, strategy="channel",
                                                                       symmetric=False),
+        "ct_actorder_weight": lambda t, d: save_compressed_tensors_w4a16(float_dir, t, d, strategy="group",
+                                                                         symmetric=True, group=32, actorder="weight"),
+        "ct_actorder_group": lambda t, d: save_compressed_tensors_group_actorder(
+            float_dir, t, d, group=32, symmetric=False, seed=5, act_order=COLUMN_PARALLEL),
     }
     out = {"rtn": _case("rtn", float_dir, save_rtn_dequantized(float_dir, root / "rtn_dequantized"), 0, "int4")}
     for i, (name, write) in enumerate(writers.items()):
@@ -74,7 +86,8 @@ def records_at(cases: dict[str, QuantizedCase]):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", ["rtn", "gptq_sym", "gptq_act_order", "awq", "ct_group_sym", "ct_channel_asym"])
+@pytest.mark.parametrize("name", ["rtn", "gptq_sym", "gptq_act_order", "awq", "ct_group_sym", "ct_channel_asym",
+                                  "ct_actorder_weight", "ct_actorder_group"])
 def test_int4_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
                                                                           cases: dict[str, QuantizedCase]) -> None:
     if tp > 1 and name in TP1_ONLY:

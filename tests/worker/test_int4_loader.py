@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.tiny_models import save_tiny_model
-from tests.worker.int4_checkpoints import SPEC, save_compressed_tensors_w4a16, save_gptq
+from tests.worker.int4_checkpoints import (SPEC, save_compressed_tensors_group_actorder,
+                                           save_compressed_tensors_w4a16, save_gptq)
 from tests.worker.loader_helpers import _load, _rewrite
 from tpserve.quantization_int4 import Int4Format
 from worker.layers.int4_weights import PackedPart, new_int4_weights
@@ -29,7 +30,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     source = save_tiny_model(SPEC, root / "float")
     return {"gptq": save_gptq(source, root / "gptq", root / "gptq_dq", group=32, sym=False, desc_act=True)[0],
             "ct": save_compressed_tensors_w4a16(source, root / "ct", root / "ct_dq", strategy="group",
-                                                symmetric=False, group=32)[0]}
+                                                symmetric=False, group=32)[0],
+            "ct_actorder": save_compressed_tensors_group_actorder(source, root / "cta", root / "cta_dq", group=32,
+                                                                  symmetric=True, seed=2)[0]}
 
 
 def _broken(source: Path, target: Path, edit=None, config_edit=None) -> Path:
@@ -94,6 +97,22 @@ def test_compressed_tensors_missing_zero_point_and_bad_shape_are_named(checkpoin
 
     with pytest.raises(ValueError, match=rf"{LAYER}.weight_shape is \[32, 128\], expected \[32, 64\]"):
         _load(_broken(checkpoints["ct"], tmp_path / "b", wrong_shape))
+
+
+def test_compressed_tensors_group_actorder_reads_weight_g_idx_and_refuses_it_missing_or_out_of_range(
+        checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """``actorder: group``: the layer's columns gathered by ``weight_g_idx`` (as GPTQ's act-order); without the
+    tensor, or with a group outside the layer's, refused naming it."""
+    qkv = _load(checkpoints["ct_actorder"]).model.layers[1].self_attn.qkv_proj
+    assert qkv.input_perm is not None and not torch.equal(qkv.input_perm, torch.arange(64))
+    with pytest.raises(ValueError, match=rf"missing \['{LAYER}.weight_g_idx'\] \(compressed-tensors desc_act"):
+        _load(_broken(checkpoints["ct_actorder"], tmp_path / "a", lambda t: t.pop(f"{LAYER}.weight_g_idx")))
+
+    def corrupt(tensors: dict) -> None:
+        tensors[f"{LAYER}.weight_g_idx"][5] = 2
+
+    with pytest.raises(ValueError, match=rf"{LAYER}.weight_g_idx holds groups outside \[0, 2\)"):
+        _load(_broken(checkpoints["ct_actorder"], tmp_path / "b", corrupt))
 
 
 def test_act_order_groups_spread_over_row_parallel_ranks_are_refused() -> None:

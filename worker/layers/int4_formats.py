@@ -20,7 +20,8 @@ the format's reference dequantization in every case:
 * compressed-tensors ``pack-quantized``: ``weight_packed (N, K / 8)`` int32, nibble ``i`` of
   ``[n, c]`` the signed value of column ``8c + i`` plus 8 (the library's ``pack_to_int32``);
   ``weight_scale (N, groups)``; ``weight_zero_point (N / 8, groups)`` int32 packed along the
-  rows the same way (asymmetric only; symmetric: zero 8, the offset); ``weight_shape = [N, K]``.
+  rows the same way (asymmetric only; symmetric: zero 8, the offset); ``weight_shape = [N, K]``;
+  with ``actorder: group`` (older llm-compressor GPTQ) ``weight_g_idx (K,)`` int32, as GPTQ's ``g_idx``.
 
 8-bit GPTQ and compressed-tensors (``bits`` / ``num_bits`` 8) pack the same way with four byte
 codes an int32 instead of eight nibbles (byte ``i`` is bits ``8i .. 8i + 7``): GPTQ ``qweight
@@ -49,7 +50,7 @@ PARTS = {
     "gptq": {"qweight": "qweight", "qzeros": "qzeros", "scales": "scales", "g_idx": "g_idx"},
     "awq": {"qweight": "qweight", "qzeros": "qzeros", "scales": "scales"},
     "compressed-tensors": {"weight_packed": "qweight", "weight_zero_point": "qzeros", "weight_scale": "scales",
-                           "weight_shape": "shape"},
+                           "weight_shape": "shape", "weight_g_idx": "g_idx"},
 }
 
 
@@ -59,7 +60,8 @@ def required_parts(fmt: Int4Format) -> set[str]:
         return {"qweight", "qzeros", "scales"} | ({"g_idx"} if fmt.desc_act else set())
     if fmt.method == "awq":
         return {"qweight", "qzeros", "scales"}
-    return {"qweight", "scales", "shape"} | (set() if fmt.symmetric else {"qzeros"})
+    return ({"qweight", "scales", "shape"} | (set() if fmt.symmetric else {"qzeros"})
+            | ({"g_idx"} if fmt.desc_act else set()))
 
 
 @dataclass
@@ -179,7 +181,7 @@ def unpack_layer(fmt: Int4Format, parts: dict[str, torch.Tensor], names: dict[st
         else:
             _check(names["qzeros"], parts["qzeros"], (n // per_word, groups), _INT32)
             zeros = _nibbles(parts["qzeros"], 0, fmt.bits).float()
-        g_idx = torch.arange(k) // group
+        g_idx = _g_idx(parts.get("g_idx"), names.get("g_idx", "weight_g_idx"), k, group, groups)
     return Int4Tensor(codes.contiguous(), scales.contiguous(), zeros.contiguous(), g_idx)
 
 
