@@ -16,7 +16,9 @@ Accepted:
   no per-module ``dynamic`` overrides.
 * **AWQ** (``quant_method: awq``; AutoAWQ): ``version`` ``gemm`` only (the packed layout
   transformers and vLLM read), ``bits`` / ``w_bit`` 4, ``group_size`` /
-  ``q_group_size``, ``zero_point`` true (the asymmetric AWQ every AutoAWQ GEMM checkpoint is).
+  ``q_group_size``, ``zero_point`` true (the asymmetric AWQ every AutoAWQ GEMM checkpoint is);
+  ``modules_to_not_convert`` (and compressed-tensors' ``ignore``, GPTQ's unquantized layers) need no
+  interpretation: a layer stored in float is served in float as stored (worker/loader.py).
 * **compressed-tensors** ``pack-quantized`` (llm-compressor's W4A16 and W8A16): weights
   ``num_bits`` 4 or 8, ``type`` int, ``strategy`` ``group`` or ``channel``, symmetric or not,
   ``actorder`` ``weight`` / ``static`` (an order of GPTQ's calibration only: the stored format is
@@ -124,8 +126,9 @@ def _awq(qc: dict[str, Any]) -> Int4Format:
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise _refuse(f"awq bits={bits!r}")
-    if qc.get("modules_to_not_convert"):
-        raise _refuse(f"awq modules_to_not_convert={qc['modules_to_not_convert']!r}")
+    skipped = qc.get("modules_to_not_convert")
+    if skipped is not None and not (isinstance(skipped, list) and all(isinstance(v, str) for v in skipped)):
+        raise _refuse(f"awq modules_to_not_convert={skipped!r} (expected a list of module names)")
     if qc.get("zero_point", True) is not True:
         raise _refuse(f"awq zero_point={qc.get('zero_point')!r} (only AWQ with zero points is served)")
     group = _group_size(qc.get("group_size", qc.get("q_group_size", 128)), "awq group_size")

@@ -62,7 +62,7 @@ from worker import dequantize
 from worker.kv_quant import kv_scale_kind
 from tpserve.quantization_int4 import Int4Format, int4_format
 from worker.layers.int4_formats import PARTS
-from worker.layers.int4_weights import PackedPart, finish_int4_layer
+from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
 from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
@@ -186,6 +186,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         targets[name] = (param_name, shard_id)
     if unexpected:
         raise ValueError(f"checkpoint has weights the model does not use: {sorted(unexpected)}")
+    if int4 is not None:
+        _hold_unquantized_layers(model, targets, parts)
 
     loaded: set[tuple[str, ShardId]] = set()
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -225,6 +227,34 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing}")
+
+
+def _hold_unquantized_layers(model: CausalLM, targets: dict[str, tuple[str, ShardId]], parts: dict[str, str]) -> None:
+    """A packed checkpoint's linear layers stored unquantized (left out by its ``ignore`` list or ``targets``):
+    held in float as stored (worker/layers/int4_weights.py, ``hold_unquantized``), never quantized at load.
+
+    Raises:
+        ValueError: a fused layer (q/k/v, gate/up) with some parts packed and others not, or routed experts
+            stored unquantized beside quantized ones (names the tensor).
+    """
+    packed = {targets[name][0] for name in parts}  # parameters that receive packed tensors
+    held: list[str] = []
+    for name, (param_name, _) in targets.items():
+        if name in parts or not name.endswith(".weight"):
+            continue
+        module = model.get_submodule(param_name.rpartition(".")[0])
+        if getattr(module, "int4", False):  # FusedMoE built for packed experts
+            raise ValueError(f"weight {name!r} is stored unquantized in a packed checkpoint whose other routed "
+                             "experts are packed: mixed-precision experts are not served")
+        if getattr(module, "int4_pending", None) is None or getattr(module, "weight", None) is None:
+            continue  # a float layer already (embedding, norms, router)
+        if param_name in packed:
+            raise ValueError(f"weight {name!r} is stored unquantized in a packed checkpoint beside packed parts of "
+                             "the same fused layer: not served")
+        hold_unquantized(module)
+        held.append(param_name.removesuffix(".weight"))
+    if held:
+        log.info("layers the checkpoint stores unquantized served in float", layers=len(held), names=held[:4])
 
 
 def _finish_int4(model: CausalLM) -> None:

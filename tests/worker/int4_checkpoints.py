@@ -179,8 +179,11 @@ def _pack_along_rows(values: torch.Tensor) -> torch.Tensor:
 
 
 def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int,
-             pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
-    """``source`` as an AutoAWQ GEMM checkpoint (module docstring), and its dequantized float copy."""
+             pattern: re.Pattern[str] = LINEAR_WEIGHT, modules_to_not_convert: tuple[str, ...] = ()
+             ) -> tuple[Path, Path]:
+    """``source`` as an AutoAWQ GEMM checkpoint (module docstring), and its dequantized float copy; the linear
+    weights ``pattern`` leaves out stay float, named in the config's ``modules_to_not_convert`` by
+    ``modules_to_not_convert`` (AutoAWQ's way of keeping a module unquantized)."""
     tensors, out, dequantized = _tensors(source), {}, {}
     for name, w in tensors.items():
         if not pattern.match(name):
@@ -196,7 +199,8 @@ def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int
         exact = definition(q, s, z, torch.arange(w.shape[1]) // group)
         assert torch.equal(reference, exact), name
         dequantized[name] = exact
-    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+              **({"modules_to_not_convert": list(modules_to_not_convert)} if modules_to_not_convert else {})}
     return (_write(source, target, out, lambda c: c.update(quantization_config=config)),
             _write(source, dequantized_target, dequantized, lambda c: None))
 
@@ -204,10 +208,11 @@ def save_awq(source: Path, target: Path, dequantized_target: Path, *, group: int
 def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target: Path, *, strategy: str,
                                   symmetric: bool, group: int | None = None, num_bits: int = 4,
                                   pattern: re.Pattern[str] = LINEAR_WEIGHT,
-                                  actorder: str | None = None) -> tuple[Path, Path]:
+                                  actorder: str | None = None, ignore: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """``source`` as a compressed-tensors ``pack-quantized`` W4A16 (``num_bits`` 8: W8A16) checkpoint written by
     the library; ``actorder`` (``weight`` / ``static``: a calibration order, the format unchanged) is written into
-    its config as the library writes it."""
+    its config as the library writes it. The linear weights ``pattern`` leaves out stay float, named in the
+    config's ``ignore`` by ``ignore`` (llm-compressor's way of keeping a layer unquantized)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -215,8 +220,8 @@ def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target
     args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group,
                             actorder=actorder)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
-                                quantization_status="compressed").model_dump()
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", *ignore],
+                                format="pack-quantized", quantization_status="compressed").model_dump()
     tensors, out, dequantized = _tensors(source), {}, {}
     for name, w in tensors.items():
         if not pattern.match(name):

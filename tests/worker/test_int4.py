@@ -12,6 +12,9 @@ divides by 128, the others' by 32) served as:
 * compressed-tensors ``pack-quantized`` W4A16 written by the library: symmetric group 32,
   and asymmetric channel-wise; symmetric group 32 with ``actorder: weight`` (llm-compressor's
   default GPTQ recipe: a calibration order, the stored format unchanged);
+* compressed-tensors W4A16 symmetric group 32 whose ``ignore`` list keeps layer 0's down projection and
+  layer 1's q/k/v unquantized (stored float: served in float as stored, not quantized at load), and AWQ
+  with the same layers in ``modules_to_not_convert``;
 * compressed-tensors W4A16 with ``actorder: group`` (older llm-compressor: ``weight_g_idx``),
   asymmetric group 32, the column-parallel layers' groups in a random column order (the
   row-parallel ones in order, so that tp 2 serves it: tests/worker/int4_checkpoints.py,
@@ -43,6 +46,12 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 TP1_ONLY = {"gptq_act_order"}
 LOGIT_BOUND = 1e-4
+#: Layers a compressed-tensors ``ignore`` list keeps unquantized, and the linear weights quantized beside them.
+IGNORED = ("model.layers.0.mlp.down_proj", "re:model[.]layers[.]1[.]self_attn[.][qkv]_proj")
+UNCONVERTED = ("layers.0.mlp.down_proj", "layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj",
+               "layers.1.self_attn.v_proj")
+QUANTIZED_BESIDE_IGNORED = re.compile(
+    r"^(?!model\.layers\.0\.mlp\.down_proj|model\.layers\.1\.self_attn\.[qkv]_proj).*_proj\.weight$")
 #: The column-parallel layers' weights (their input columns are never split over ranks).
 COLUMN_PARALLEL = re.compile(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
 
@@ -70,6 +79,11 @@ def cases(float_dir: Path) -> dict[str, QuantizedCase]:
                                                                       symmetric=False),
         "ct_actorder_weight": lambda t, d: save_compressed_tensors_w4a16(float_dir, t, d, strategy="group",
                                                                          symmetric=True, group=32, actorder="weight"),
+        "awq_unconverted_layers": lambda t, d: save_awq(float_dir, t, d, group=32, pattern=QUANTIZED_BESIDE_IGNORED,
+                                                        modules_to_not_convert=UNCONVERTED),
+        "ct_ignored_layers": lambda t, d: save_compressed_tensors_w4a16(
+            float_dir, t, d, strategy="group", symmetric=True, group=32, pattern=QUANTIZED_BESIDE_IGNORED,
+            ignore=IGNORED),
         "ct_actorder_group": lambda t, d: save_compressed_tensors_group_actorder(
             float_dir, t, d, group=32, symmetric=False, seed=5, act_order=COLUMN_PARALLEL),
     }
@@ -87,7 +101,8 @@ def records_at(cases: dict[str, QuantizedCase]):
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["rtn", "gptq_sym", "gptq_act_order", "awq", "ct_group_sym", "ct_channel_asym",
-                                  "ct_actorder_weight", "ct_actorder_group"])
+                                  "ct_actorder_weight", "ct_ignored_layers", "awq_unconverted_layers",
+                                  "ct_actorder_group"])
 def test_int4_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
                                                                           cases: dict[str, QuantizedCase]) -> None:
     if tp > 1 and name in TP1_ONLY:

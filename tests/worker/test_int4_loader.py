@@ -115,6 +115,20 @@ def test_compressed_tensors_group_actorder_reads_weight_g_idx_and_refuses_it_mis
         _load(_broken(checkpoints["ct_actorder"], tmp_path / "b", corrupt))
 
 
+def test_a_fused_layer_with_parts_stored_unquantized_beside_packed_ones_is_refused(checkpoints: dict[str, Path],
+                                                                                   tmp_path: Path) -> None:
+    """k_proj stored float while q_proj and v_proj are packed (one fused qkv layer): refused naming the tensor
+    (an unquantized layer as a whole is served in float: tests/worker/test_int4.py, ``ct_ignored_layers``)."""
+    def unquantize_k(tensors: dict) -> None:
+        for suffix in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+            tensors.pop(f"{LAYER}.{suffix}")
+        tensors[f"{LAYER}.weight"] = torch.randn(32, 64)
+
+    with pytest.raises(ValueError, match=rf"'{LAYER}.weight' is stored unquantized in a packed checkpoint beside "
+                                         "packed parts of the same fused layer"):
+        _load(_broken(checkpoints["ct"], tmp_path / "m", unquantize_k))
+
+
 def test_act_order_groups_spread_over_row_parallel_ranks_are_refused() -> None:
     """At tp 2 a row-parallel rank holds half the input columns; a random act order puts parts of most
     groups on each rank, which the kernel's contiguous groups cannot express: refused, naming the tensor."""

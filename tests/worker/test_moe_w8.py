@@ -185,3 +185,19 @@ def test_groups_not_a_multiple_of_32_are_refused_naming_the_tensor(tmp_path: Pat
     with pytest.raises(ValueError, match=r"experts\.\d+\.w[123]\.scales: 8-bit groups of 16 columns are not a "
                                          r"multiple of 32"):
         _load(checkpoint)
+
+
+def test_an_expert_stored_unquantized_beside_packed_ones_is_refused(cases, tmp_path: Path) -> None:
+    """One expert's down projection stored float in an 8-bit checkpoint: refused naming it, never quantized at load."""
+    model_dir = Path(cases["qwen3_moe_gptq8"][0].model_dir)
+    stem = "model.layers.0.mlp.experts.3.down_proj"
+
+    def unquantize(tensors: dict) -> None:
+        for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+            tensors.pop(f"{stem}.{suffix}", None)
+        tensors[f"{stem}.weight"] = torch.randn(64, 64)
+
+    broken = _rewrite(model_dir, tmp_path / "broken", unquantize)
+    with pytest.raises(ValueError, match=rf"'{re.escape(stem)}.weight' is stored unquantized in a packed checkpoint "
+                                         "whose other routed experts are packed"):
+        _load(broken)

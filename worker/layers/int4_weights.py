@@ -108,6 +108,22 @@ def new_int4_weights(layer: Any, shape: tuple[int, int], device: torch.device) -
     layer.int8_groups = False  # an 8-bit checkpoint's group-wise codes, a byte each (int8_groups.py)
 
 
+def hold_unquantized(layer: Any) -> None:
+    """Hold an int4 layer as a float one: a packed checkpoint stores this layer unquantized (its config's
+    ``ignore`` list or narrower ``targets`` leave it out), so it is served as stored, never quantized here.
+
+    ``weight`` becomes ``(N, K)`` in ``layer.float_dtype``, loaded by the float path; ``weight_scale`` is
+    dropped (marked computed, so the loader does not ask the checkpoint for it).
+    """
+    n, half = layer.weight.shape
+    layer.weight.data = torch.empty((n, 2 * half), dtype=layer.float_dtype, device=layer.weight.device)
+    scale = layer.weight_scale
+    scale.computed_shard_ids = set(scale.shard_ids)
+    layer.weight_scale = None
+    layer.int4_pending = None
+    layer.input_perm = None
+
+
 def load_int4_rows(layer: Any, source: CheckpointSource, total_rows: int, start: int, size: int,
                    offset: int, shard_id: object) -> None:
     """Column-parallel: rows ``[start, start + size)`` of a (part's) weight into rows ``[offset, ...)``.

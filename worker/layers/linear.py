@@ -100,6 +100,7 @@ def _new_weights(layer: Any, shape: tuple[int, int], num_scales: int, dtype: tor
         new_int8_weights(layer, shape, num_scales, layer.ctx.device)
     elif quantization == "int4":
         new_int4_weights(layer, shape, layer.ctx.device)
+        layer.float_dtype = dtype  # a packed checkpoint's unquantized layer is held in it (hold_unquantized)
     elif quantization == "fp8":
         new_fp8_weights(layer, shape, layer.ctx.device)
     else:
