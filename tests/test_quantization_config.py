@@ -49,6 +49,9 @@ def test_compressed_tensors_int8_weight_only_is_int8_and_float_is_none() -> None
     assert checkpoint_quantization({"quantization_config": W8A16}) == "int8"
     assert checkpoint_quantization({"quantization_config": _edited(lambda c: c.update(format="naive-quantized"))}) \
         == "int8"
+    # llm-compressor's static FP8 KV-cache scales: accepted, the scales not read (per-token scales replace them).
+    assert checkpoint_quantization({"quantization_config": _edited(lambda c: c.update(
+        kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}))}) == "int8"
     # Decoder layers left in ``ignore`` stay float in the file; the loader quantizes them.
     assert checkpoint_quantization({"quantization_config": _edited(lambda c: c.update(
         ignore=["lm_head", "re:.*layers.0.mlp.down_proj"]))}) == "int8"
@@ -65,7 +68,7 @@ def test_compressed_tensors_int8_weight_only_is_int8_and_float_is_none() -> None
     (_edited(lambda c: c["config_groups"]["group_0"].update(
         input_activations={"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"})),
      "input_activations="),
-    (_edited(lambda c: c.update(kv_cache_scheme={"num_bits": 8, "type": "float"})), "kv_cache_scheme="),
+    (_edited(lambda c: c.update(kv_cache_scheme="fp8")), "kv_cache_scheme='fp8' (expected a mapping)"),
     (_edited(lambda c: c.update(ignore=[])), "quantizes lm_head"),
     (_edited(lambda c: c.update(quantization_status="frozen")), "quantization_status='frozen'"),
 ])
@@ -120,6 +123,8 @@ def _with(config: dict, **changes) -> dict:
 def test_fp8_and_mxfp4_checkpoints_are_served_dequantized_at_load() -> None:
     """Their layers are float (the ranks dequantize while loading), so the quantization is None; the format is read."""
     for qc, kind, block in ((FP8_BLOCK, "fp8_block", (128, 128)), (FP8_DYNAMIC, "fp8_compressed_tensors", None),
+                            (_with(FP8_DYNAMIC, kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}),
+                             "fp8_compressed_tensors", None),
                             (_with(FP8_BLOCK, scale_fmt="ue8m0", modules_to_not_convert=None), "fp8_block",
                              (128, 128)), (MXFP4, "mxfp4", None)):
         assert checkpoint_quantization({"quantization_config": qc}) is None
@@ -148,8 +153,8 @@ def test_fp8_and_mxfp4_checkpoints_are_served_dequantized_at_load() -> None:
                         c["config_groups"]["group_0"].update(input_activations={
                             "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}))),
      "input_activations.dynamic=False"),
-    (_edited(lambda c: (c.update(format="float-quantized", kv_cache_scheme={"num_bits": 8}),
-                        _weights(type="float")(c))), "kv_cache_scheme="),
+    (_edited(lambda c: (c.update(format="float-quantized", kv_cache_scheme=[8]),
+                        _weights(type="float")(c))), "kv_cache_scheme=[8] (expected a mapping)"),
 ])
 def test_unsupported_fp8_and_mxfp4_variants_are_refused_naming_the_field(quantization_config: dict,
                                                                          named: str) -> None:

@@ -34,6 +34,8 @@ def _w4a16(**weights) -> dict:
     ({"quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True, "version": "GEMM"},
      Int4Format("awq", 64, False)),
     (W4A16, Int4Format("compressed-tensors", 128, True)),
+    ({**W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}},
+     Int4Format("compressed-tensors", 128, True)),  # static FP8 KV scales: accepted, not read
     (_w4a16(strategy="channel", group_size=None, symmetric=False), Int4Format("compressed-tensors", -1, False)),
     ({**GPTQ, "bits": 8}, Int4Format("gptq", 128, True, False, zero_plus_one=True, bits=8)),
     ({**GPTQ, "bits": 8, "group_size": -1, "sym": False, "desc_act": True, "checkpoint_format": "gptq_v2"},
@@ -75,7 +77,7 @@ def test_served_4_and_8_bit_configs(qc: dict, expected: Int4Format) -> None:
     (_w4a16(strategy="tensor"), "weights.strategy='tensor'"),
     (_w4a16(type="float"), "weights.type='float'"),
     ({**W4A16, "ignore": []}, "quantizes lm_head"),
-    ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme="),
+    ({**W4A16, "kv_cache_scheme": "fp8"}, "kv_cache_scheme='fp8' (expected a mapping)"),
 ])
 def test_unserved_4_bit_variants_are_refused_naming_the_field(qc: dict, named: str) -> None:
     with pytest.raises(ValueError) as info:

@@ -93,15 +93,20 @@ def compressed_tensors_groups(qc: dict[str, Any], stored_as: str,
         refuse: builds the caller's one-line error from what was found.
 
     Raises:
-        ValueError: (from ``refuse``) weights not stored compressed, a KV-cache, sparsity or
-            transform scheme, or no ``config_groups``.
+        ValueError: (from ``refuse``) weights not stored compressed, a sparsity or transform scheme, a
+            ``kv_cache_scheme`` that is not a mapping, or no ``config_groups``. A ``kv_cache_scheme``
+            (llm-compressor's static per-tensor FP8 KV scales) is accepted: the checkpoint's ``k_scale`` /
+            ``v_scale`` are not read, ``--kv-cache-dtype fp8|int8`` sets per-token scales itself.
     """
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise refuse(f"compressed-tensors quantization_status={status!r} (the weights are not stored as {stored_as})")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise refuse(f"compressed-tensors {key}={qc[key]!r}")
+    kv = qc.get("kv_cache_scheme")
+    if kv is not None and not isinstance(kv, dict):  # its static k_scale / v_scale are not read (worker/kv_quant.py)
+        raise refuse(f"compressed-tensors kv_cache_scheme={kv!r} (expected a mapping)")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise refuse("compressed-tensors without config_groups")

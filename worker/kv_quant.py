@@ -131,12 +131,14 @@ def calibration_token_ids(vocab_size: int, num_tokens: int) -> tuple[int, ...]:
 
 
 def kv_scale_kind(name: str) -> str | None:
-    """``"k_scale"`` / ``"v_scale"`` for a checkpoint tensor that is a layer's (static) KV cache scale, else
-    None: the loader skips them (per-token scales replace them)."""
+    """``"k_scale"`` / ``"v_scale"`` for a checkpoint tensor that is a layer's (static) KV cache scale
+    (``self_attn.k_scale``, or older compressed-tensors' ``self_attn.k_proj.output_scale``), else None: the
+    loader skips them (per-token scales replace them)."""
     if ".layers." not in name:
         return None
-    for kind in ("k_scale", "v_scale"):
-        if name.endswith(f".self_attn.{kind}"):
+    for kind, legacy in (("k_scale", "k_proj"), ("v_scale", "v_proj")):
+        # compressed-tensors wrote them as the projection's output_scale before naming them k_scale / v_scale
+        if name.endswith((f".self_attn.{kind}", f".self_attn.{legacy}.output_scale")):
             return kind
     return None
 

@@ -106,6 +106,10 @@ def load_model(
         raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
                          "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
     load_weights(model, files, ctx.device, fmt, int4)
+    if isinstance(qc, dict) and qc.get("kv_cache_scheme"):
+        (log.info if ctx.tp_rank == 0 else log.debug)(
+            "checkpoint kv_cache_scheme: its static k_scale / v_scale are not read (--kv-cache-dtype fp8 or int8 "
+            "sets a scale per token and KV head)", kv_cache_scheme=qc["kv_cache_scheme"])
     if int4 is not None and int4.bits == 8:
         (log.info if ctx.tp_rank == 0 else log.debug)(f"8-bit {int4.method} weights (group_size {int4.group_size}, "
                                                       f"{'symmetric' if int4.symmetric else 'zero points'}) served "

@@ -19,6 +19,8 @@ logits' standard deviation (RMS), stories260k: bfloat16 0.0026, int8 0.0072, fp8
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -279,17 +281,20 @@ def test_prefix_hits_chunks_and_recomputation_read_what_a_miss_wrote(kv_cache_dt
     assert resumed.argmax() == decoded.argmax()
 
 
-def _with_kv_scales(source: Path, directory: Path, scales: dict[int, tuple[float, float]]) -> Path:
-    """A copy of ``source`` whose safetensors also hold ``model.layers.{i}.self_attn.{k,v}_scale`` scalars."""
+def _with_kv_scales(source: Path, directory: Path, scales: dict[int, tuple[float, float]],
+                    legacy: bool = False) -> Path:
+    """A copy of ``source`` whose safetensors also hold ``model.layers.{i}.self_attn.{k,v}_scale`` scalars
+    (``legacy``: older compressed-tensors' ``self_attn.{k,v}_proj.output_scale``)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(source, directory)
     tensors = load_file(directory / "model.safetensors")
+    names = ("k_proj.output_scale", "v_proj.output_scale") if legacy else ("k_scale", "v_scale")
     for layer, (k, v) in scales.items():
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+        tensors[f"model.layers.{layer}.self_attn.{names[0]}"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.{names[1]}"] = torch.tensor(v)
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     return directory
 
@@ -305,6 +310,28 @@ def test_checkpoint_scales_are_skipped_for_per_token_scales(tmp_path: Path) -> N
     want = teacher_forced(eight_bit_runner(default_model_dir(), "fp8"), prompts, None, 8, logits=without)
     assert got == want and all(torch.equal(a, b) for a, b in zip(with_scales, without, strict=True))
     ModelRunner(model_dir, ParallelContext.single(), torch.float32, 16)  # auto: loads, scales unused
+
+
+def test_a_compressed_tensors_kv_cache_scheme_is_served_with_per_token_scales(tmp_path: Path) -> None:
+    """A W4A16 checkpoint as llm-compressor writes one with a static FP8 KV-cache scheme (``kv_cache_scheme`` in
+    its config, per-layer scales under the older ``k_proj.output_scale`` names): it loads, and with
+    ``--kv-cache-dtype fp8`` gives the tokens and logits of the same checkpoint without the scheme."""
+    from tests.tiny_models import save_tiny_model
+    from tests.worker.int4_checkpoints import SPEC, save_compressed_tensors_w4a16
+
+    source = save_tiny_model(SPEC, tmp_path / "float")
+    plain, _ = save_compressed_tensors_w4a16(source, tmp_path / "w4a16", tmp_path / "dq", strategy="group",
+                                             symmetric=True, group=32)
+    scheme = _with_kv_scales(plain, tmp_path / "with_scheme", {0: (0.02, 0.01), 1: (0.03, 0.02)}, legacy=True)
+    config = json.loads((scheme / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    (scheme / "config.json").write_text(json.dumps(config))
+    prompts = [[1, 9, 33, 7, 120], [1, 100, 12]]
+    with_scheme, without = [], []
+    got = teacher_forced(eight_bit_runner(scheme, "fp8"), prompts, None, 8, logits=with_scheme)
+    want = teacher_forced(eight_bit_runner(plain, "fp8"), prompts, None, 8, logits=without)
+    assert got == want and all(torch.equal(a, b) for a, b in zip(with_scheme, without, strict=True))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
