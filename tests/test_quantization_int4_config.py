@@ -27,6 +27,7 @@ def _w4a16(**weights) -> dict:
 
 @pytest.mark.parametrize("qc, expected", [
     (GPTQ, Int4Format("gptq", 128, True, False, zero_plus_one=True)),
+    ({**GPTQ, "dynamic": {"-:model.layers.0.mlp.*": {}}}, Int4Format("gptq", 128, True, False, zero_plus_one=True)),
     ({**GPTQ, "desc_act": True, "sym": False, "group_size": -1, "checkpoint_format": "gptq_v2"},
      Int4Format("gptq", -1, False, True, zero_plus_one=False)),
     (AWQ, Int4Format("awq", 128, False)),
@@ -64,7 +65,8 @@ def test_served_4_and_8_bit_configs(qc: dict, expected: Int4Format) -> None:
     ({**GPTQ, "lm_head": True}, "gptq lm_head=True"),
     ({**GPTQ, "checkpoint_format": "marlin"}, "gptq checkpoint_format='marlin'"),
     ({**GPTQ, "group_size": 0}, "gptq group_size=0"),
-    ({**GPTQ, "dynamic": {"-:.*down_proj": {}}}, "gptq dynamic="),
+    ({**GPTQ, "dynamic": {"+:.*down_proj": {"bits": 8}}}, "gptq dynamic={'+:.*down_proj': {'bits': 8}} (per-module"),
+    ({**GPTQ, "dynamic": {"-:.*gate": {}, ".*down_proj": {"group_size": 32}}}, "gptq dynamic={'.*down_proj'"),
     ({**AWQ, "version": "gemv"}, "awq version='gemv'"),
     ({**AWQ, "version": "exllama"}, "awq version='exllama'"),
     ({**AWQ, "zero_point": False}, "awq zero_point=False"),

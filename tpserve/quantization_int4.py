@@ -12,8 +12,9 @@ Accepted:
   byte codes an int32, the same packing directions),
   ``group_size`` (-1: one group per row), ``sym`` true or false, ``desc_act`` with the
   checkpoint's ``g_idx`` (act-order), ``checkpoint_format`` ``gptq`` (zero points stored
-  minus one, AutoGPTQ's historical layout) or ``gptq_v2``; no ``lm_head`` quantization,
-  no per-module ``dynamic`` overrides.
+  minus one, AutoGPTQ's historical layout) or ``gptq_v2``; no ``lm_head`` quantization;
+  GPTQModel's ``dynamic`` rules that skip modules (``"-:<regex>"``: those layers are stored float),
+  no per-module overrides.
 * **AWQ** (``quant_method: awq``; AutoAWQ): ``version`` ``gemm`` only (the packed layout
   transformers and vLLM read), ``bits`` / ``w_bit`` 4, ``group_size`` /
   ``q_group_size``, ``zero_point`` true (the asymmetric AWQ every AutoAWQ GEMM checkpoint is);
@@ -104,8 +105,7 @@ def _gptq(qc: dict[str, Any]) -> Int4Format:
         raise _refuse(f"gptq bits={bits!r} (4- and 8-bit GPTQ are served)")
     if qc.get("lm_head"):
         raise _refuse(f"gptq lm_head={qc['lm_head']!r} (the LM head stays in the model dtype)")
-    if qc.get("dynamic"):
-        raise _refuse(f"gptq dynamic={qc['dynamic']!r} (per-module overrides)")
+    _gptq_dynamic(qc.get("dynamic"))
     checkpoint_format = qc.get("checkpoint_format", "gptq")
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise _refuse(f"gptq checkpoint_format={checkpoint_format!r}")
@@ -117,6 +117,22 @@ def _gptq(qc: dict[str, Any]) -> Int4Format:
         raise _refuse(f"gptq desc_act={desc_act!r}")
     return Int4Format("gptq", _group_size(qc.get("group_size", 128), "gptq group_size"), sym, desc_act,
                       zero_plus_one=checkpoint_format == "gptq", bits=bits)
+
+
+def _gptq_dynamic(dynamic: Any) -> None:
+    """GPTQModel's per-module rules: ``"-:<regex>"`` keys skip modules (stored float: served in float as
+    stored, worker/loader.py); a ``"+:"`` or unprefixed key overrides bits, group size etc. per module.
+
+    Raises:
+        ValueError: any override rule (per-module formats are not served), or ``dynamic`` not a mapping.
+    """
+    if not dynamic:
+        return
+    if not isinstance(dynamic, dict):
+        raise _refuse(f"gptq dynamic={dynamic!r} (expected a mapping of module rules)")
+    overrides = {key: rule for key, rule in dynamic.items() if not str(key).startswith("-:")}
+    if overrides:
+        raise _refuse(f"gptq dynamic={overrides!r} (per-module overrides; '-:' rules, which skip modules, are served)")
 
 
 def _awq(qc: dict[str, Any]) -> Int4Format:

@@ -138,7 +138,7 @@ def column_order(perms: dict[str, torch.Tensor], name: str, k: int, desc_act: bo
 
 def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: int, sym: bool,
               desc_act: bool, seed: int = 0, pattern: re.Pattern[str] = LINEAR_WEIGHT,
-              act_order: re.Pattern[str] | None = None) -> tuple[Path, Path]:
+              act_order: re.Pattern[str] | None = None, dynamic: dict | None = None) -> tuple[Path, Path]:
     """``source`` as a 4-bit GPTQ checkpoint (module docstring), and its dequantized float copy; the linear
     weights named by ``pattern`` are quantized (a MoE's per-expert modules with tests' MOE_LINEAR_WEIGHT).
     With ``desc_act``, the weights named by ``act_order`` (None: all) get a random column order, the others
@@ -169,6 +169,8 @@ def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: in
         dequantized[name] = exact
     config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": sym,
               "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+    if dynamic is not None:  # GPTQModel's per-module rules (the weights pattern leaves out stay float)
+        config["dynamic"] = dynamic
     return (_write(source, target, out, lambda c: c.update(quantization_config=config)),
             _write(source, dequantized_target, dequantized, lambda c: None))
 

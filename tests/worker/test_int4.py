@@ -13,8 +13,8 @@ divides by 128, the others' by 32) served as:
   and asymmetric channel-wise; symmetric group 32 with ``actorder: weight`` (llm-compressor's
   default GPTQ recipe: a calibration order, the stored format unchanged);
 * compressed-tensors W4A16 symmetric group 32 whose ``ignore`` list keeps layer 0's down projection and
-  layer 1's q/k/v unquantized (stored float: served in float as stored, not quantized at load), and AWQ
-  with the same layers in ``modules_to_not_convert``;
+  layer 1's q/k/v unquantized (stored float: served in float as stored, not quantized at load), AWQ
+  with the same layers in ``modules_to_not_convert`` and GPTQ with GPTQModel's ``dynamic`` ``-:`` rules;
 * compressed-tensors W4A16 with ``actorder: group`` (older llm-compressor: ``weight_g_idx``),
   asymmetric group 32, the column-parallel layers' groups in a random column order (the
   row-parallel ones in order, so that tp 2 serves it: tests/worker/int4_checkpoints.py,
@@ -81,6 +81,10 @@ def cases(float_dir: Path) -> dict[str, QuantizedCase]:
                                                                          symmetric=True, group=32, actorder="weight"),
         "awq_unconverted_layers": lambda t, d: save_awq(float_dir, t, d, group=32, pattern=QUANTIZED_BESIDE_IGNORED,
                                                         modules_to_not_convert=UNCONVERTED),
+        "gptq_dynamic_skip": lambda t, d: save_gptq(float_dir, t, d, group=32, sym=True, desc_act=False,
+                                                    pattern=QUANTIZED_BESIDE_IGNORED,
+                                                    dynamic={r"-:model\.layers\.0\.mlp\.down_proj": {},
+                                                             r"-:model\.layers\.1\.self_attn\.[qkv]_proj": {}}),
         "ct_ignored_layers": lambda t, d: save_compressed_tensors_w4a16(
             float_dir, t, d, strategy="group", symmetric=True, group=32, pattern=QUANTIZED_BESIDE_IGNORED,
             ignore=IGNORED),
@@ -101,7 +105,7 @@ def records_at(cases: dict[str, QuantizedCase]):
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["rtn", "gptq_sym", "gptq_act_order", "awq", "ct_group_sym", "ct_channel_asym",
-                                  "ct_actorder_weight", "ct_ignored_layers", "awq_unconverted_layers",
+                                  "ct_actorder_weight", "ct_ignored_layers", "awq_unconverted_layers", "gptq_dynamic_skip",
                                   "ct_actorder_group"])
 def test_int4_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
                                                                           cases: dict[str, QuantizedCase]) -> None:
