@@ -46,6 +46,10 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 #: e8m0's NaN encoding; every other byte ``s`` is ``2 ** (s - 127)``.
 E8M0_NAN = 255
 E8M0_BIAS = 127
+#: The code of MXFP4's zero as an 8-bit code (``q = 2 v + 12``: worker/layers/moe_mxfp4.py).
+MXFP4_CODE_ZERO = 12
+#: e8m0 bytes from here on (2 ** 125 and above) overflow the codes' float32 products ``s * q`` (q up to 24).
+MXFP4_CODE_SCALE_LIMIT = 252
 _SAFETENSORS_E4M3 = "F8_E4M3"
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 _MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
@@ -288,6 +292,39 @@ class Mxfp4Source:
         values = dequantize_mxfp4(blocks, scales)  # (e, b, g * 32)
         first = a0 - g0 * MXFP4_GROUP
         return values[..., first:first + (a1 - a0)].transpose(1, 2)  # (e, a, b)
+
+
+    def read_w8(self, experts: tuple[int, int], rows: tuple[int, int], columns: tuple[int, int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The virtual tensor's ``w[experts, columns, rows]`` as exact 8-bit codes and group scale/offset pairs,
+        laid out ``(out, in)`` (rows ``B`` out, columns ``A`` in, as ``F.linear`` takes them):
+        ``q (e, b, a)`` uint8 and ``scale_offset (e, b, a / 32, 2)`` float32 with ``w = s * q + o``.
+
+        An e2m1 value is a multiple of 0.5 up to 6, so ``2 v`` is an integer in [-12, 12]: ``q = 2 v + 12`` in
+        [0, 24], ``s = 2 ** (e - 128)`` for the group's e8m0 byte ``e``, ``o = -12 s`` (exact in float32;
+        worker/layers/moe_mxfp4.py says why 12). ``columns`` must be whole groups of 32.
+
+        Raises:
+            ValueError: an e8m0 NaN scale (names the tensor), or columns not whole groups.
+        """
+        (e0, e1), (b0, b1), (a0, a1) = experts, rows, columns
+        if a0 % MXFP4_GROUP or a1 % MXFP4_GROUP:
+            raise ValueError(f"mxfp4 columns [{a0}, {a1}) of {self.packed.values!r} are not whole groups of "
+                             f"{MXFP4_GROUP}")
+        stored = (slice(e0, e1), slice(b0, b1), slice(a0 // MXFP4_GROUP, a1 // MXFP4_GROUP))
+        blocks = self.files.read(self.packed.values_file, self.packed.values, stored)  # (e, b, g, 16) uint8
+        scales = self.files.read(self.packed.scale_file, self.packed.scale, stored)  # (e, b, g) uint8
+        if bool((scales == E8M0_NAN).any()):
+            raise ValueError(f"mxfp4 scales {self.packed.scale!r} hold {int((scales == E8M0_NAN).sum())} NaN "
+                             "(e8m0 255) values: a corrupt checkpoint")
+        if bool((scales >= MXFP4_CODE_SCALE_LIMIT).any()):  # s * 24 overflows float32
+            raise ValueError(f"mxfp4 scales {self.packed.scale!r} hold e8m0 exponents of 2**125 and above, past "
+                             "float32's range: a corrupt checkpoint")
+        doubled = torch.tensor([2 * v for v in E2M1_VALUES], dtype=torch.int16)  # 2 v: integers in [-12, 12]
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # (e, b, g, 16, 2): low nibble first
+        q = (doubled[codes].flatten(-3) + MXFP4_CODE_ZERO).to(torch.uint8)  # (e, b, a) in [0, 24]
+        s = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - (E8M0_BIAS + 1))  # (e, b, g): 2 ** (e - 128)
+        return q, torch.stack([s, -MXFP4_CODE_ZERO * s], dim=-1)  # (e, b, a), (e, b, g, 2)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,9 @@ def load_model(
                                                       "(--quantization fp8); other tensors dequantized at load")
     elif fmt is not None:
         served = "int8 per-channel (--quantization int8)" if quantization == "int8" else str(dtype).removeprefix("torch.")
+        if any(getattr(m, "mxfp4_w8", False) for m in model.modules()):  # worker/layers/moe_mxfp4.py
+            served = (f"{served}, the routed experts held exactly as 8-bit codes with a scale per 32 (10 bits a "
+                      "weight, the w8 kernel)")
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} dequantized at load to {served}")
     return model.eval()
 

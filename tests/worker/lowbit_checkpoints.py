@@ -39,6 +39,9 @@ GPT_OSS = TinyModelSpec("gpt_oss_mxfp4", "gpt_oss", {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 190,
     "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8,
     "swiglu_limit": 7.0, "tie_word_embeddings": False, "pad_token_id": 0}, seed=42)
+#: gpt-oss with experts 64 wide: at tp 2 each rank's 32 units are whole MXFP4 groups, so a CPU rank holds its
+#: experts as 8-bit codes (worker/layers/moe_mxfp4.py) at tp 2 as well as at tp 1.
+GPT_OSS_WIDE = TinyModelSpec("gpt_oss_mxfp4_wide", "gpt_oss", {**GPT_OSS.config, "intermediate_size": 64}, seed=43)
 E4M3_MAX = 448.0
 #: e2m1's eight magnitudes (OCP MX spec v1.0): code c in 0..7, sign in bit 3.
 E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

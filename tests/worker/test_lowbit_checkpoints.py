@@ -14,7 +14,10 @@ float32 model (the values the format's reference dequantization gives):
   MLP per output channel with dynamic input activations (FP8_DYNAMIC), written by the
   compressed-tensors library;
 * ``mxfp4_gpt_oss``: gpt-oss with its stacked experts as MXFP4 ``_blocks`` / ``_scales``
-  (at tp 2 each rank's down_proj shard starts inside a 32-value scale group).
+  (at tp 2 each rank's down_proj shard starts inside a 32-value scale group: dequantized at load); at tp 1, and
+  ``mxfp4_gpt_oss_wide`` (experts 64 wide) at tp 1 and 2, a CPU rank holds the experts as exact 8-bit codes with
+  a scale and offset per 32 (worker/layers/moe_mxfp4.py, the w8 kernel: tests/worker/test_lowbit_loader.py
+  checks the layout).
 
 and the three FP8 checkpoints again with ``--quantization fp8`` (``*_kept``): the linear
 layers keep the e4m3 values and their scales (worker/layers/fp8_weights.py), multiplied by the
@@ -27,7 +30,8 @@ reference does, in float32 (``e4m3 * scale`` and ``e2m1 * 2**e`` are exact there
 keeps the values and scales the reference multiplies, so the served model IS the
 dequantized model and the logits agree within atol = rtol = 1e-4 (float32 activations:
 summation order only, as for float checkpoints), and every greedy token is the reference's.
-Measured: 8.6e-6 to 1.1e-5 kept, 8.6e-6 to 1.1e-5 dequantized at load.
+Measured: 8.6e-6 to 1.1e-5 kept, 8.6e-6 to 1.1e-5 dequantized at load, 2.6e-5 for MXFP4 experts as 8-bit codes
+(the w8 kernel sums per group of 32, then scales).
 
 Each degree runs every job in one process group (one spawn per degree).
 """
@@ -41,7 +45,8 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_models import save_tiny_model
-from tests.worker.lowbit_checkpoints import GPT_OSS, QWEN3_MOE, save_compressed_tensors_fp8, save_fp8_block, save_mxfp4
+from tests.worker.lowbit_checkpoints import (GPT_OSS, GPT_OSS_WIDE, QWEN3_MOE, save_compressed_tensors_fp8,
+                                            save_fp8_block, save_mxfp4)
 from tests.worker.quantized_cases import QuantizedCase, case_jobs, check_case, quantized_case, records_by_degree
 
 BLOCK_SIZE = 4
@@ -70,6 +75,8 @@ def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFa
         "ct_fp8_llama": save_compressed_tensors_fp8(tiny_checkpoints["mqa_untied_bias"], root / "ct_fp8",
                                                     root / "ct_fp8_dequantized"),
         "mxfp4_gpt_oss": save_mxfp4(gpt_oss, root / "mxfp4", root / "mxfp4_dequantized"),
+        "mxfp4_gpt_oss_wide": save_mxfp4(save_tiny_model(GPT_OSS_WIDE, root / "gpt_oss_wide"), root / "mxfp4_wide",
+                                         root / "mxfp4_wide_dequantized"),
     }
     out = {name: _case(name, checkpoint, reference, seed=i)
            for i, (name, (checkpoint, reference)) in enumerate(written.items())}
@@ -85,7 +92,7 @@ def records_at(cases: dict[str, QuantizedCase]):
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama", "mxfp4_gpt_oss",
-                                  *(f"{name}_kept" for name in FP8_KEPT)])
+                                  "mxfp4_gpt_oss_wide", *(f"{name}_kept" for name in FP8_KEPT)])
 def test_lowbit_checkpoint_matches_transformers_on_its_dequantized_weights(tp: int, name: str, records_at,
                                                                             cases: dict[str, QuantizedCase]) -> None:
     worst = check_case(cases[name], records_at(tp)[name], LOGITS_TOLERANCE)

@@ -80,6 +80,68 @@ def test_mxfp4_source_slices_equal_transformers_dequantization(tmp_path: Path) -
         assert torch.equal(source[index], reference[index]), index
 
 
+def test_mxfp4_as_8_bit_codes_equals_transformers_dequantization(tmp_path: Path) -> None:
+    """``Mxfp4Source.read_w8``: ``s * q + o`` per group of 32 equals transformers' dequantization bit for bit, on
+    every e2m1 code and e8m0 scales from 2^-127 to 2^124 (the codes in [0, 24], ``o = -12 s``); 2^125 and above
+    (``24 s`` past float32) refused naming the scales."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (2, 24, 4, 16), dtype=torch.uint8, generator=generator)  # (E, B, G, 16)
+    scales = torch.randint(0, 252, (2, 24, 4), dtype=torch.uint8, generator=generator)  # e8m0 0 .. 251
+    scales[0, 0, 0], scales[1, 3, 2] = 0, 251
+    path = tmp_path / "t.safetensors"
+    save_file({"x_blocks": blocks, "x_scales": scales}, path)
+    source = Mxfp4Source(Packed("x_blocks", path, "x_scales", path), OpenFiles())
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # (E, B, A)
+    q, so = source.read_w8((0, 2), (0, 24), (0, 128))
+    assert q.dtype == torch.uint8 and int(q.max()) <= 24 and tuple(so.shape) == (2, 24, 4, 2)
+    w = (q.float().reshape(2, 24, 4, 32) * so[..., :1] + so[..., 1:]).reshape(2, 24, 128)
+    assert torch.equal(w, reference)
+    q, so = source.read_w8((1, 2), (5, 9), (32, 96))  # a slice: whole groups only
+    assert torch.equal((q.float().reshape(1, 4, 2, 32) * so[..., :1] + so[..., 1:]).reshape(1, 4, 64),
+                       reference[1:2, 5:9, 32:96])
+    with pytest.raises(ValueError, match="are not whole groups of 32"):
+        source.read_w8((0, 1), (0, 4), (16, 48))
+    save_file({"x_blocks": blocks, "x_scales": torch.full_like(scales, 252)}, tmp_path / "big.safetensors")
+    big = Mxfp4Source(Packed("x_blocks", tmp_path / "big.safetensors", "x_scales", tmp_path / "big.safetensors"),
+                      OpenFiles())
+    with pytest.raises(ValueError, match="mxfp4 scales 'x_scales' hold e8m0 exponents of 2\\*\\*125 and above"):
+        big.read_w8((0, 1), (0, 4), (0, 32))
+
+
+def test_mxfp4_experts_are_held_as_8_bit_codes_on_the_cpu(tmp_path: Path) -> None:
+    """gpt-oss 64 wide: at tp 1 every expert stack is uint8 ``(E, 2I, H)`` / ``(E, H, I)`` with ``(E, N, K / 32, 2)``
+    scales, ``s * q + o`` equal to the float load of the same checkpoint exactly; at tp 2 rank 1 holds tp 1's gate
+    and up units 32-63 and down columns 32-63; 10 bits a weight against float32's 32."""
+    from tests.worker.lowbit_checkpoints import GPT_OSS_WIDE
+    from worker.layers.moe import FusedMoE
+    from worker.layers.moe_mxfp4 import MXFP4_GROUP
+
+    model_dir = save_mxfp4(save_tiny_model(GPT_OSS_WIDE, tmp_path / "float"), tmp_path / "mxfp4",
+                           tmp_path / "dequantized")[0]
+    config = ModelConfig.from_pretrained(model_dir)
+    whole = [m for m in _load(model_dir).modules() if isinstance(m, FusedMoE)]
+    floats = [m for m in _load(tmp_path / "dequantized").modules() if isinstance(m, FusedMoE)]
+    rank1 = [m for m in load_model(model_dir, config, ParallelContext(1, 2, torch.device("cpu")),
+                                   torch.float32).modules() if isinstance(m, FusedMoE)]
+    assert len(whole) == 2
+    for moe, ref, half in zip(whole, floats, rank1, strict=True):
+        for name, shape in (("gate_up_proj", (8, 128, 64)), ("down_proj", (8, 64, 64))):
+            q, so = getattr(moe, name), getattr(moe, f"{name}_scale")
+            assert q.dtype == torch.uint8 and tuple(q.shape) == shape
+            assert tuple(so.shape) == (*shape[:2], shape[2] // MXFP4_GROUP, 2)
+            w = (q.float().reshape(*shape[:2], -1, MXFP4_GROUP) * so[..., :1] + so[..., 1:]).reshape(shape)
+            assert torch.equal(w, getattr(ref, name)), name
+        assert torch.equal(half.gate_up_proj[:, :32], moe.gate_up_proj[:, 32:64])  # gate units 32-63
+        assert torch.equal(half.gate_up_proj[:, 32:], moe.gate_up_proj[:, 96:])  # up units 32-63
+        assert torch.equal(half.down_proj, moe.down_proj[:, :, 32:])
+        assert torch.equal(half.down_proj_scale, moe.down_proj_scale[:, :, 1:])
+        held = sum(p.numel() * p.element_size() for p in (moe.gate_up_proj, moe.down_proj, moe.gate_up_proj_scale,
+                                                          moe.down_proj_scale))
+        assert held / (4 * (moe.gate_up_proj.numel() + moe.down_proj.numel())) == pytest.approx(10 / 32)
+
+
 @pytest.fixture(scope="module")
 def fp8_llama(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("fp8_loader")

@@ -15,16 +15,22 @@ in four tensors, which its checkpoints store as they are:
 one expert at a time (no rank holds a whole layer's experts), splits even and odd columns
 into gate and up, and transposes. The down bias is added after the down projection, whose
 output is a partial of the sum over ranks: rank 0 holds it, the other ranks zeros, so
-the all-reduce adds it once (as vLLM's gpt-oss does).
+the all-reduce adds it once (as vLLM's gpt-oss does). MXFP4 experts on a CPU rank are held as exact 8-bit
+codes with a scale per 32 instead of float (worker/layers/moe_mxfp4.py).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
 
 from tpserve.quantization import Quantization
+from worker.dequantize import Mxfp4Source
 from worker.layers.moe import FusedMoE
+from worker.layers.moe_mxfp4 import load as load_mxfp4_codes
+from worker.layers.moe_mxfp4 import mxfp4_codes_apply
 from worker.layers.weights import CheckpointSource, check_shape, copy_into
 from worker.parallel_state import ParallelContext
 
@@ -54,7 +60,11 @@ class StackedFusedMoE(FusedMoE):
         num_experts, hidden, full = self.num_experts, self.hidden_size, self.intermediate_size
         local = self.intermediate_size_per_partition
         start = self.ctx.tp_rank * local
-        if param is self.gate_up_proj:
+        if (param is self.gate_up_proj or param is self.down_proj) and mxfp4_codes_apply(self, source):
+            check_shape(source, (num_experts, hidden, 2 * full) if param is self.gate_up_proj else
+                        (num_experts, full, hidden))
+            load_mxfp4_codes(self, param, cast(Mxfp4Source, source))  # exact 8-bit codes (moe_mxfp4.py)
+        elif param is self.gate_up_proj:
             check_shape(source, (num_experts, hidden, 2 * full))
             for e in range(num_experts):  # one expert at a time: (1, H, 2 * local) read
                 pairs = source[e:e + 1, :, 2 * start:2 * (start + local)][0]  # (H, 2 * local) interleaved
