@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tpserve.quantization import checkpoint_quantization
-from tpserve.quantization_int4 import Int4Format, int4_format
+from tpserve.quantization_int4 import Int4Format, int4_format, layer_formats
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
@@ -85,3 +85,37 @@ def test_unserved_4_bit_variants_are_refused_naming_the_field(qc: dict, named: s
     with pytest.raises(ValueError) as info:
         checkpoint_quantization({"quantization_config": qc})
     assert named in str(info.value) and "unsupported quantized checkpoint" in str(info.value)
+
+
+def test_compressed_tensors_config_groups_of_different_schemes_give_each_layer_its_own() -> None:
+    """Mixed precision (llm-compressor's ``config_groups``): a layer takes the group naming it exactly, else the one
+    whose ``re:`` pattern matches, else the one targeting every ``Linear``; two groups of different schemes at the
+    same precedence, or none, are refused naming the layer. ``int4_format`` (one format) still refuses the mix."""
+    mixed = {**W4A16, "config_groups": {
+        "w4": {"targets": ["Linear"], "weights": {**W4A16["config_groups"]["group_0"]["weights"]}},
+        "w8_attention": {"targets": ["re:.*self_attn\\..*"], "weights": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}},
+        "w8_one": {"targets": ["model.layers.3.mlp.down_proj"], "weights": {
+            "num_bits": 8, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}}}}
+    assert checkpoint_quantization({"quantization_config": mixed}) == "int4"
+    formats = layer_formats(mixed)
+    w4 = Int4Format("compressed-tensors", 128, True)
+    assert formats.for_layer("model.layers.0.mlp.gate_proj") == w4
+    assert formats.for_layer("model.layers.0.self_attn.k_proj") == Int4Format("compressed-tensors", -1, True, bits=8)
+    assert formats.for_layer("model.layers.3.mlp.down_proj") == Int4Format("compressed-tensors", 64, False, bits=8)
+    assert formats.formats == {w4, Int4Format("compressed-tensors", -1, True, bits=8),
+                               Int4Format("compressed-tensors", 64, False, bits=8)}
+    with pytest.raises(ValueError, match="config_groups with different weight schemes"):
+        int4_format(mixed)
+    clash = {**mixed, "config_groups": {**mixed["config_groups"], "w4_attention": {
+        "targets": ["re:.*self_attn\\.q_proj"], "weights": {**W4A16["config_groups"]["group_0"]["weights"]}}}}
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj: compressed-tensors config_groups target "
+                                         r"it with different schemes"):
+        layer_formats(clash).for_layer("model.layers.0.self_attn.q_proj")
+    narrow = {**mixed, "config_groups": {key: value for key, value in mixed["config_groups"].items() if key != "w4"}}
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj: stored packed, but no compressed-tensors "
+                                         "config_groups target it"):
+        layer_formats(narrow).for_layer("model.layers.0.mlp.up_proj")
+    same = {**W4A16, "config_groups": {"a": {"targets": ["re:.*mlp.*"], "weights": W4A16["config_groups"]["group_0"][
+        "weights"]}, "b": {"targets": ["re:.*attn.*"], "weights": W4A16["config_groups"]["group_0"]["weights"]}}}
+    assert int4_format(same) == w4 and layer_formats(same).for_layer("anything") == w4  # one scheme: every layer

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from tpserve.quantization_int4 import int4_format
+from tpserve.quantization_int4 import layer_formats
 from tpserve.weight_formats import compressed_tensors_groups, matches_target, weight_format
 
 #: int8: weights per output channel, symmetric; int4: group-wise codes (tpserve/quantization_int4.py);
@@ -84,7 +84,7 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
         raise ValueError(f"{error}; tpserve serves {SUPPORTED}") from None
     method = qc.get("quant_method")
     if method in ("gptq", "awq") or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"):
-        int4_format(qc)  # raises on a variant tpserve does not serve
+        layer_formats(qc)  # raises on a variant tpserve does not serve
         return "int4"
     if method != "compressed-tensors":
         raise _refuse(f"quantization_config quant_method={method!r}")

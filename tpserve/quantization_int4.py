@@ -33,6 +33,7 @@ coordinator reads this before any rank starts).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,16 +85,72 @@ def _group_size(value: Any, field: str) -> int:
 
 
 def int4_format(qc: dict[str, Any]) -> Int4Format:
-    """The :class:`Int4Format` (4 or 8 bits) of a GPTQ, AWQ or compressed-tensors ``pack-quantized`` ``quantization_config``.
+    """The :class:`Int4Format` (4 or 8 bits) of a GPTQ, AWQ or compressed-tensors ``pack-quantized``
+    ``quantization_config`` whose layers share one format.
+
+    Raises:
+        ValueError: a variant not served, naming the field and value; compressed-tensors ``config_groups`` of
+            different schemes (:func:`layer_formats` serves those).
+    """
+    formats = layer_formats(qc)
+    if len(formats.groups) != 1:
+        raise _refuse(f"compressed-tensors config_groups with different weight schemes "
+                      f"{sorted(str(fmt) for _, fmt in formats.groups)}")
+    return formats.groups[0][1]
+
+
+@dataclass(frozen=True)
+class LayerFormats:
+    """A packed checkpoint's format per linear layer: one for GPTQ and AWQ, one per compressed-tensors
+    ``config_groups`` entry (llm-compressor's mixed-precision recipes, say W4A16 MLPs beside W8A16 attention).
+
+    Attributes:
+        method: ``"gptq"``, ``"awq"`` or ``"compressed-tensors"`` (the tensors' naming: one per checkpoint).
+        groups: ``(targets, format)`` per group; ``targets`` as compressed-tensors writes them (a class name
+            such as ``Linear``, an exact module name, or ``re:<regex>``), ``("Linear",)`` for GPTQ and AWQ.
+    """
+
+    method: str
+    groups: tuple[tuple[tuple[str, ...], Int4Format], ...]
+
+    def for_layer(self, module: str) -> Int4Format:
+        """The format of checkpoint module ``module`` (``model.layers.0.self_attn.q_proj``): the group naming it
+        exactly, else the one whose ``re:`` pattern matches it, else the one targeting every ``Linear``
+        (compressed-tensors' precedence: the most specific target).
+
+        Raises:
+            ValueError: no group, or two groups at the same precedence, target the module (names both).
+        """
+        if len(self.groups) == 1:
+            return self.groups[0][1]
+        for rule in (lambda t: t == module, lambda t: t.startswith("re:") and re.match(t[3:], module) is not None,
+                     lambda t: t == "Linear"):
+            found = [fmt for targets, fmt in self.groups if any(rule(t) for t in targets)]
+            if len(found) > 1 and len(set(found)) > 1:
+                raise ValueError(f"{module}: compressed-tensors config_groups target it with different schemes "
+                                 f"{sorted(map(str, set(found)))}: not served")
+            if found:
+                return found[0]
+        raise ValueError(f"{module}: stored packed, but no compressed-tensors config_groups target it")
+
+    @property
+    def formats(self) -> set[Int4Format]:
+        """Every format of the checkpoint's layers."""
+        return {fmt for _, fmt in self.groups}
+
+
+def layer_formats(qc: dict[str, Any]) -> LayerFormats:
+    """The per-layer formats (:class:`LayerFormats`) of a GPTQ, AWQ or compressed-tensors ``pack-quantized``
+    ``quantization_config``.
 
     Raises:
         ValueError: a variant not served, naming the field and value.
     """
     method = qc.get("quant_method")
     if method == "gptq":
-        return _gptq(qc)
+        return LayerFormats("gptq", ((("Linear",), _gptq(qc)),))
     if method == "awq":
-        return _awq(qc)
+        return LayerFormats("awq", ((("Linear",), _awq(qc)),))
     if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
         return _compressed_tensors(qc)
     raise _refuse(f"quantization_config quant_method={method!r} format={qc.get('format')!r}")
@@ -151,13 +208,19 @@ def _awq(qc: dict[str, Any]) -> Int4Format:
     return Int4Format("awq", group, symmetric=False)
 
 
-def _compressed_tensors(qc: dict[str, Any]) -> Int4Format:
+def _compressed_tensors(qc: dict[str, Any]) -> LayerFormats:
     groups = compressed_tensors_groups(qc, "4- or 8-bit ints", _refuse)
     ignore = list(qc.get("ignore") or [])
-    formats = {_ct_group(name, group, ignore) for name, group in groups.items()}
-    if len(formats) != 1:
-        raise _refuse(f"compressed-tensors config_groups with different weight schemes {sorted(map(str, formats))}")
-    return formats.pop()
+    rules = []
+    for name, group in groups.items():
+        fmt = _ct_group(name, group, ignore)
+        targets = group.get("targets") or []
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+            raise _refuse(f"config_groups.{name}.targets={targets!r} (expected a list of module names or patterns)")
+        rules.append((tuple(targets), fmt))
+    if len({fmt for _, fmt in rules}) == 1:  # one scheme, whatever the targets: every packed layer has it
+        return LayerFormats("compressed-tensors", ((("Linear",), rules[0][1]),))
+    return LayerFormats("compressed-tensors", tuple(rules))
 
 
 def _ct_group(name: str, group: Any, ignore: list[str]) -> Int4Format:

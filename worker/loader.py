@@ -60,7 +60,7 @@ from tpserve.quantization import Quantization
 from tpserve.weight_formats import WeightFormat, weight_format
 from worker import dequantize
 from worker.kv_quant import kv_scale_kind
-from tpserve.quantization_int4 import Int4Format, int4_format
+from tpserve.quantization_int4 import LayerFormats, layer_formats
 from worker.layers.int4_formats import PARTS
 from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
 from worker.layers.int8_groups import describe_8bit
@@ -101,7 +101,7 @@ def load_model(
     model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied, quantization=quantization)
     fmt = weight_format(config.hf_config)
     qc = config.hf_config.get("quantization_config")
-    int4 = int4_format(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
+    int4 = layer_formats(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
     if quantization == "fp8" and (fmt is None or fmt.kind == "mxfp4"):
         raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
                          "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
@@ -110,10 +110,11 @@ def load_model(
         (log.info if ctx.tp_rank == 0 else log.debug)(
             "checkpoint kv_cache_scheme: its static k_scale / v_scale are not read (--kv-cache-dtype fp8 or int8 "
             "sets a scale per token and KV head)", kv_cache_scheme=qc["kv_cache_scheme"])
-    if int4 is not None and int4.bits == 8:
-        (log.info if ctx.tp_rank == 0 else log.debug)(f"8-bit {int4.method} weights (group_size {int4.group_size}, "
-                                                      f"{'symmetric' if int4.symmetric else 'zero points'}) served "
-                                                      f"as {describe_8bit(int4)}")
+    for layer_fmt in sorted(int4.formats if int4 is not None else (), key=str):
+        if layer_fmt.bits == 8:
+            (log.info if ctx.tp_rank == 0 else log.debug)(
+                f"8-bit {layer_fmt.method} weights (group_size {layer_fmt.group_size}, "
+                f"{'symmetric' if layer_fmt.symmetric else 'zero points'}) served as {describe_8bit(layer_fmt)}")
     if fmt is not None and quantization == "fp8":
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} linear weights kept as fp8 "
                                                       "(--quantization fp8); other tensors dequantized at load")
@@ -131,7 +132,7 @@ def read_device(device: torch.device) -> str:
     return str(device) if device.type == "cuda" else "cpu"
 
 
-def _int4_part(name: str, fmt: Int4Format | None) -> tuple[str, str] | None:
+def _int4_part(name: str, fmt: LayerFormats | None) -> tuple[str, str] | None:
     """``(the layer's weight name, part)`` of a 4-bit checkpoint's packed tensor, else None."""
     if fmt is None:
         return None
@@ -141,7 +142,7 @@ def _int4_part(name: str, fmt: Int4Format | None) -> tuple[str, str] | None:
 
 
 def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None,
-                 fmt: WeightFormat | None = None, int4: Int4Format | None = None) -> None:
+                 fmt: WeightFormat | None = None, int4: LayerFormats | None = None) -> None:
     """Fill every parameter of ``model`` from the checkpoint tensors in ``files``.
 
     Args:
@@ -150,7 +151,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         files: tensor name -> file.
         device: the parameters' device; CUDA slices are read straight onto it.
         fmt: the FP8 / MXFP4 format the checkpoint stores, dequantized while read; None: float or int8.
-        int4: the checkpoint's 4-bit format (tpserve/quantization_int4.py), or None.
+        int4: the checkpoint's packed (4- or 8-bit) formats per layer (tpserve/quantization_int4.py), or None.
 
     Raises:
         ValueError: unexpected, missing or mis-shaped weights, named; a corrupt quantized
@@ -178,7 +179,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue
         int4_part = _int4_part(name, int4)
-        if int4 is not None and not int4.desc_act and int4_part is not None and int4_part[1] == "g_idx":
+        if (int4 is not None and int4_part is not None and int4_part[1] == "g_idx"
+                and not int4.for_layer(stored[name].rpartition(".")[0]).desc_act):
             continue  # GPTQ writes k // group_size when not act-order: nothing to read
         if int4_part is not None:
             parts[name] = int4_part[1]
@@ -218,7 +220,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                             dequantize.check_not_fp8(stored[name], source.get_dtype(), fmt)
                     if name in parts:
                         assert int4 is not None
-                        source = PackedPart(source, parts[name], int4, name)
+                        layer_fmt = int4.for_layer(stored[name].rpartition(".")[0])  # the file's module name
+                        source = PackedPart(source, parts[name], layer_fmt, name)
                     param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from error

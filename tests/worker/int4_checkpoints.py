@@ -215,27 +215,46 @@ def save_compressed_tensors_w4a16(source: Path, target: Path, dequantized_target
     the library; ``actorder`` (``weight`` / ``static``: a calibration order, the format unchanged) is written into
     its config as the library writes it. The linear weights ``pattern`` leaves out stay float, named in the
     config's ``ignore`` by ``ignore`` (llm-compressor's way of keeping a layer unquantized)."""
+    scheme = {"num_bits": num_bits, "symmetric": symmetric, "strategy": strategy, "group_size": group,
+              "actorder": actorder}
+    return save_compressed_tensors_groups(source, target, dequantized_target, {"group_0": (["Linear"], scheme)},
+                                          pattern=pattern, ignore=ignore)
+
+
+def save_compressed_tensors_groups(source: Path, target: Path, dequantized_target: Path,
+                                   groups: dict[str, tuple[list[str], dict]], *,
+                                   pattern: re.Pattern[str] = LINEAR_WEIGHT,
+                                   ignore: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """``source`` as a compressed-tensors ``pack-quantized`` checkpoint written by the library, with one
+    ``config_groups`` entry per ``groups`` item, ``name -> (targets, weights scheme)`` (``QuantizationArgs``
+    fields: ``num_bits``, ``symmetric``, ``strategy``, ``group_size``, ``actorder``): each linear weight named by
+    ``pattern`` is quantized by the first group whose targets match its module (an exact name, ``re:<regex>``, or
+    ``Linear``: any), so groups of different schemes make a mixed-precision checkpoint (llm-compressor's W4A16 MLPs
+    beside W8A16 attention, say). The reference is the library's own decompression."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group,
-                            actorder=actorder)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", *ignore],
+    schemes = {name: QuantizationScheme(targets=targets, weights=QuantizationArgs(type="int", **weights))
+               for name, (targets, weights) in groups.items()}
+    config = QuantizationConfig(config_groups=schemes, ignore=["lm_head", *ignore],
                                 format="pack-quantized", quantization_status="compressed").model_dump()
     tensors, out, dequantized = _tensors(source), {}, {}
     for name, w in tensors.items():
         if not pattern.match(name):
             out[name] = dequantized[name] = w
             continue
+        prefix = name.removesuffix(".weight")
+        scheme = next(s for s in schemes.values() if any(
+            t == "Linear" or t == prefix or (t.startswith("re:") and re.match(t[3:], prefix)) for t in s.targets))
+        args = scheme.weights
+        assert args is not None
         n, k = w.shape
-        g = k if strategy == "channel" else group
+        g = k if args.strategy == "channel" else args.group_size
         wg = w.reshape(n, k // g, g)
         scale, zero_point = calculate_qparams(wg.amin(dim=2), wg.amax(dim=2), args)  # (N, groups)
         module = PackedQuantizationCompressor.compress(
             {"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
-        prefix = name.removesuffix(".weight")
         for key, value in module.items():
             out[f"{prefix}.{key}"] = value
         # The library's decompression unpacks and dequantizes (its ``dequantize``): the reference.

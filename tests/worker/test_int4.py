@@ -15,6 +15,9 @@ divides by 128, the others' by 32) served as:
 * compressed-tensors W4A16 symmetric group 32 whose ``ignore`` list keeps layer 0's down projection and
   layer 1's q/k/v unquantized (stored float: served in float as stored, not quantized at load), AWQ
   with the same layers in ``modules_to_not_convert`` and GPTQ with GPTQModel's ``dynamic`` ``-:`` rules;
+* compressed-tensors with two ``config_groups`` of different schemes (mixed precision): the MLPs W4A16
+  asymmetric group 32, the attention W8A16 symmetric per channel (held as int8), each layer by its group's
+  targets;
 * compressed-tensors W4A16 with ``actorder: group`` (older llm-compressor: ``weight_g_idx``),
   asymmetric group 32, the column-parallel layers' groups in a random column order (the
   row-parallel ones in order, so that tp 2 serves it: tests/worker/int4_checkpoints.py,
@@ -39,7 +42,8 @@ import pytest
 
 from tests.tiny_models import save_tiny_model
 from tests.worker.int4_checkpoints import (SPEC, save_awq, save_compressed_tensors_group_actorder,
-                                           save_compressed_tensors_w4a16, save_gptq, save_rtn_dequantized)
+                                           save_compressed_tensors_groups, save_compressed_tensors_w4a16, save_gptq,
+                                           save_rtn_dequantized)
 from tests.worker.quantized_cases import QuantizedCase, case_jobs, check_case, quantized_case, records_by_degree
 
 BLOCK_SIZE = 4
@@ -52,6 +56,9 @@ UNCONVERTED = ("layers.0.mlp.down_proj", "layers.1.self_attn.q_proj", "layers.1.
                "layers.1.self_attn.v_proj")
 QUANTIZED_BESIDE_IGNORED = re.compile(
     r"^(?!model\.layers\.0\.mlp\.down_proj|model\.layers\.1\.self_attn\.[qkv]_proj).*_proj\.weight$")
+#: A mixed-precision compressed-tensors checkpoint (llm-compressor's config_groups): W4A16 MLPs, W8A16 attention.
+MIXED_GROUPS = {"group_0": (["re:.*mlp.*"], {"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": 32}),
+                "group_1": (["re:.*self_attn.*"], {"num_bits": 8, "symmetric": True, "strategy": "channel"})}
 #: The column-parallel layers' weights (their input columns are never split over ranks).
 COLUMN_PARALLEL = re.compile(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
 
@@ -88,6 +95,7 @@ def cases(float_dir: Path) -> dict[str, QuantizedCase]:
         "ct_ignored_layers": lambda t, d: save_compressed_tensors_w4a16(
             float_dir, t, d, strategy="group", symmetric=True, group=32, pattern=QUANTIZED_BESIDE_IGNORED,
             ignore=IGNORED),
+        "ct_mixed_w4_w8": lambda t, d: save_compressed_tensors_groups(float_dir, t, d, MIXED_GROUPS),
         "ct_actorder_group": lambda t, d: save_compressed_tensors_group_actorder(
             float_dir, t, d, group=32, symmetric=False, seed=5, act_order=COLUMN_PARALLEL),
     }
@@ -106,6 +114,7 @@ def records_at(cases: dict[str, QuantizedCase]):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["rtn", "gptq_sym", "gptq_act_order", "awq", "ct_group_sym", "ct_channel_asym",
                                   "ct_actorder_weight", "ct_ignored_layers", "awq_unconverted_layers", "gptq_dynamic_skip",
+                                  "ct_mixed_w4_w8",
                                   "ct_actorder_group"])
 def test_int4_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
                                                                           cases: dict[str, QuantizedCase]) -> None:

@@ -218,8 +218,13 @@ def unpacked_part(layer: Any, source: PackedPart, shape: tuple[int, int], shard_
     the part's other tensors are unread (kept in ``layer.int4_pending`` until then).
 
     Raises:
-        ValueError: a tensor read twice, or a corrupt part (named: worker/layers/int4_formats.py).
+        ValueError: a tensor read twice, parts of one layer in different formats, or a corrupt part (named:
+            worker/layers/int4_formats.py).
     """
+    known = getattr(layer, "int4_format", None)
+    if known is not None and known != source.fmt:  # a fused layer's parts from config groups of other schemes
+        raise ValueError(f"{source.name}: the parts of one fused layer (q/k/v, gate/up, one layer's experts) are "
+                         f"stored in different formats ({known} and {source.fmt}): not served")
     layer.int4_format = source.fmt
     pending = layer.int4_pending.setdefault(shard_id, {})
     if source.part in pending:
