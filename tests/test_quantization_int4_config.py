@@ -27,6 +27,7 @@ def _w4a16(**weights) -> dict:
 
 @pytest.mark.parametrize("qc, expected", [
     (GPTQ, Int4Format("gptq", 128, True, False, zero_plus_one=True)),
+    ({**GPTQ, "lm_head": True}, Int4Format("gptq", 128, True, False, zero_plus_one=True)),  # dequantized at load
     ({**GPTQ, "dynamic": {"-:model.layers.0.mlp.*": {}}}, Int4Format("gptq", 128, True, False, zero_plus_one=True)),
     ({**GPTQ, "desc_act": True, "sym": False, "group_size": -1, "checkpoint_format": "gptq_v2"},
      Int4Format("gptq", -1, False, True, zero_plus_one=False)),
@@ -62,7 +63,7 @@ def test_served_4_and_8_bit_configs(qc: dict, expected: Int4Format) -> None:
     ({**GPTQ, "bits": 3}, "gptq bits=3"),
     ({**GPTQ, "bits": 2}, "gptq bits=2"),
     ({**GPTQ, "bits": True}, "gptq bits=True"),
-    ({**GPTQ, "lm_head": True}, "gptq lm_head=True"),
+    ({**GPTQ, "lm_head": "yes"}, "gptq lm_head='yes'"),
     ({**GPTQ, "checkpoint_format": "marlin"}, "gptq checkpoint_format='marlin'"),
     ({**GPTQ, "group_size": 0}, "gptq group_size=0"),
     ({**GPTQ, "dynamic": {"+:.*down_proj": {"bits": 8}}}, "gptq dynamic={'+:.*down_proj': {'bits': 8}} (per-module"),

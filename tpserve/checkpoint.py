@@ -49,11 +49,13 @@ def check_head_weights(config: ModelConfig, tensor_names: Collection[str]) -> No
 
     With ``tie_word_embeddings`` false the head is a weight of its own: serving the embedding in
     its place (what a missing ``lm_head.weight`` once meant) answers with another model's logits.
+    A GPTQ checkpoint with ``lm_head: true`` stores it packed (``lm_head.qweight`` ...).
 
     Raises:
         ValueError: ``config.json tie_word_embeddings=false but the checkpoint has no lm_head.weight ...``.
     """
-    if not config.tie_word_embeddings and LM_HEAD not in tensor_names:
+    packed_head = f"{LM_HEAD.removesuffix('.weight')}.qweight"  # GPTQ lm_head: true (dequantized at load)
+    if not config.tie_word_embeddings and LM_HEAD not in tensor_names and packed_head not in tensor_names:
         raise ValueError(f"config.json tie_word_embeddings=false but the checkpoint has no {LM_HEAD} "
                          "(an untied model needs its LM head; set tie_word_embeddings to true only if the head "
                          "is the embedding)")

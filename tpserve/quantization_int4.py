@@ -12,7 +12,8 @@ Accepted:
   byte codes an int32, the same packing directions),
   ``group_size`` (-1: one group per row), ``sym`` true or false, ``desc_act`` with the
   checkpoint's ``g_idx`` (act-order), ``checkpoint_format`` ``gptq`` (zero points stored
-  minus one, AutoGPTQ's historical layout) or ``gptq_v2``; no ``lm_head`` quantization;
+  minus one, AutoGPTQ's historical layout) or ``gptq_v2``; ``lm_head: true`` (GPTQModel: the
+  head stored packed too, dequantized at load: worker/layers/embedding.py);
   GPTQModel's ``dynamic`` rules that skip modules (``"-:<regex>"``: those layers are stored float),
   no per-module overrides.
 * **AWQ** (``quant_method: awq``; AutoAWQ): ``version`` ``gemm`` only (the packed layout
@@ -160,8 +161,8 @@ def _gptq(qc: dict[str, Any]) -> Int4Format:
     bits = qc.get("bits")
     if bits not in PACKED_BITS or isinstance(bits, bool):
         raise _refuse(f"gptq bits={bits!r} (4- and 8-bit GPTQ are served)")
-    if qc.get("lm_head"):
-        raise _refuse(f"gptq lm_head={qc['lm_head']!r} (the LM head stays in the model dtype)")
+    if not isinstance(qc.get("lm_head", False), bool):
+        raise _refuse(f"gptq lm_head={qc['lm_head']!r}")  # true: a packed head, dequantized at load
     _gptq_dynamic(qc.get("dynamic"))
     checkpoint_format = qc.get("checkpoint_format", "gptq")
     if checkpoint_format not in ("gptq", "gptq_v2"):

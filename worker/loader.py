@@ -110,6 +110,11 @@ def load_model(
         (log.info if ctx.tp_rank == 0 else log.debug)(
             "checkpoint kv_cache_scheme: its static k_scale / v_scale are not read (--kv-cache-dtype fp8 or int8 "
             "sets a scale per token and KV head)", kv_cache_scheme=qc["kv_cache_scheme"])
+    head_fmt = getattr(getattr(model, "lm_head", None), "dequantized_from", None)  # a packed GPTQ head
+    if head_fmt is not None:
+        (log.info if ctx.tp_rank == 0 else log.debug)(
+            f"the LM head is stored {head_fmt.bits}-bit ({head_fmt.method} lm_head): dequantized at load to "
+            f"{str(dtype).removeprefix('torch.')}")
     for layer_fmt in sorted(int4.formats if int4 is not None else (), key=str):
         if layer_fmt.bits == 8:
             (log.info if ctx.tp_rank == 0 else log.debug)(

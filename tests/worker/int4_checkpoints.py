@@ -40,6 +40,9 @@ SPEC = TinyModelSpec("int4_gqa", "llama", {"hidden_size": 64, "intermediate_size
                                            "num_key_value_heads": 2, "vocab_size": 190,
                                            "tie_word_embeddings": False}, seed=5)
 
+#: SPEC with a vocabulary of a multiple of 8, so that a packed LM head's zero points pack along it (GPTQ ``lm_head``).
+SPEC_V192 = TinyModelSpec("int4_gqa_v192", "llama", {**SPEC.config, "vocab_size": 192}, seed=6)
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -138,7 +141,8 @@ def column_order(perms: dict[str, torch.Tensor], name: str, k: int, desc_act: bo
 
 def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: int, sym: bool,
               desc_act: bool, seed: int = 0, pattern: re.Pattern[str] = LINEAR_WEIGHT,
-              act_order: re.Pattern[str] | None = None, dynamic: dict | None = None) -> tuple[Path, Path]:
+              act_order: re.Pattern[str] | None = None, dynamic: dict | None = None,
+              lm_head: bool = False) -> tuple[Path, Path]:
     """``source`` as a 4-bit GPTQ checkpoint (module docstring), and its dequantized float copy; the linear
     weights named by ``pattern`` are quantized (a MoE's per-expert modules with tests' MOE_LINEAR_WEIGHT).
     With ``desc_act``, the weights named by ``act_order`` (None: all) get a random column order, the others
@@ -171,6 +175,8 @@ def save_gptq(source: Path, target: Path, dequantized_target: Path, *, group: in
               "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
     if dynamic is not None:  # GPTQModel's per-module rules (the weights pattern leaves out stay float)
         config["dynamic"] = dynamic
+    if lm_head:  # GPTQModel's packed head (``pattern`` must name lm_head.weight too)
+        config["lm_head"] = True
     return (_write(source, target, out, lambda c: c.update(quantization_config=config)),
             _write(source, dequantized_target, dequantized, lambda c: None))
 

@@ -18,6 +18,7 @@ divides by 128, the others' by 32) served as:
 * compressed-tensors with two ``config_groups`` of different schemes (mixed precision): the MLPs W4A16
   asymmetric group 32, the attention W8A16 symmetric per channel (held as int8), each layer by its group's
   targets;
+* GPTQ with ``lm_head: true`` (GPTQModel): the head packed too, dequantized at load (vocabulary 192);
 * compressed-tensors W4A16 with ``actorder: group`` (older llm-compressor: ``weight_g_idx``),
   asymmetric group 32, the column-parallel layers' groups in a random column order (the
   row-parallel ones in order, so that tp 2 serves it: tests/worker/int4_checkpoints.py,
@@ -41,7 +42,7 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_models import save_tiny_model
-from tests.worker.int4_checkpoints import (SPEC, save_awq, save_compressed_tensors_group_actorder,
+from tests.worker.int4_checkpoints import (SPEC, SPEC_V192, save_awq, save_compressed_tensors_group_actorder,
                                            save_compressed_tensors_groups, save_compressed_tensors_w4a16, save_gptq,
                                            save_rtn_dequantized)
 from tests.worker.quantized_cases import QuantizedCase, case_jobs, check_case, quantized_case, records_by_degree
@@ -59,6 +60,8 @@ QUANTIZED_BESIDE_IGNORED = re.compile(
 #: A mixed-precision compressed-tensors checkpoint (llm-compressor's config_groups): W4A16 MLPs, W8A16 attention.
 MIXED_GROUPS = {"group_0": (["re:.*mlp.*"], {"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": 32}),
                 "group_1": (["re:.*self_attn.*"], {"num_bits": 8, "symmetric": True, "strategy": "channel"})}
+#: Every linear weight and the LM head (GPTQModel's ``lm_head: true``).
+WITH_HEAD = re.compile(r".*(_proj|lm_head)\.weight$")
 #: The column-parallel layers' weights (their input columns are never split over ranks).
 COLUMN_PARALLEL = re.compile(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
 
@@ -96,6 +99,8 @@ def cases(float_dir: Path) -> dict[str, QuantizedCase]:
             float_dir, t, d, strategy="group", symmetric=True, group=32, pattern=QUANTIZED_BESIDE_IGNORED,
             ignore=IGNORED),
         "ct_mixed_w4_w8": lambda t, d: save_compressed_tensors_groups(float_dir, t, d, MIXED_GROUPS),
+        "gptq_lm_head": lambda t, d: save_gptq(save_tiny_model(SPEC_V192, root / "float_v192"), t, d, group=32,
+                                               sym=False, desc_act=False, pattern=WITH_HEAD, lm_head=True),
         "ct_actorder_group": lambda t, d: save_compressed_tensors_group_actorder(
             float_dir, t, d, group=32, symmetric=False, seed=5, act_order=COLUMN_PARALLEL),
     }
@@ -114,7 +119,7 @@ def records_at(cases: dict[str, QuantizedCase]):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["rtn", "gptq_sym", "gptq_act_order", "awq", "ct_group_sym", "ct_channel_asym",
                                   "ct_actorder_weight", "ct_ignored_layers", "awq_unconverted_layers", "gptq_dynamic_skip",
-                                  "ct_mixed_w4_w8",
+                                  "ct_mixed_w4_w8", "gptq_lm_head",
                                   "ct_actorder_group"])
 def test_int4_tokens_and_logits_match_transformers_on_dequantized_weights(tp: int, name: str, records_at,
                                                                           cases: dict[str, QuantizedCase]) -> None:

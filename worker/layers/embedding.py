@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.int4_weights import PackedPart, unpacked_part
 from worker.layers.matmul import linear
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
 from worker.parallel_state import ParallelContext
@@ -113,6 +114,24 @@ class ParallelLMHead(VocabParallelEmbedding):
     ``forward(hidden (N, embedding_size)) -> (N, vocab_size)`` float32 on rank 0,
     None on the other ranks. Every rank must call it.
     """
+
+    def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
+        """:meth:`VocabParallelEmbedding.weight_loader`; a GPTQ checkpoint's packed head (``lm_head: true``,
+        GPTQModel) is unpacked once its tensors are read and dequantized at load (``s * (q - z)`` per group,
+        worker/layers/int4_formats.py, in float32): the head stays a float layer.
+
+        Raises:
+            ValueError: a corrupt packed head (names the tensor).
+        """
+        if isinstance(source, PackedPart):
+            if getattr(self, "int4_pending", None) is None:
+                self.int4_pending: dict = {}  # parts kept until the head's tensors are all read (unpacked_part)
+            full = unpacked_part(self, source, (self.vocab_size, self.embedding_size), shard_id)
+            if full is None:
+                return
+            self.dequantized_from = source.fmt  # for the loader's log line
+            source = full.dequantize()  # (vocab_size, embedding_size) float32
+        super().weight_loader(param, source, shard_id)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share ``embedding``'s weight (tied word embeddings); the two must match in shape."""
