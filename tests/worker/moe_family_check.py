@@ -18,6 +18,8 @@ tokens it ran times ``num_experts_per_tok``, with no count from a dense layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
 import dataclasses
 import random
 from collections import defaultdict
@@ -138,6 +140,26 @@ def served_jobs(case: FamilyCase, name: str, quantization: str | None) -> tuple[
     ``name_once``, served with ``--quantization quantization`` (None: the checkpoint's own config)."""
     return tuple(dataclasses.replace(job, name=f"{name}_{job.name.rsplit('_', 1)[-1]}", model_dir=case.model_dir,
                                      quantization=quantization) for job in case.jobs)  # type: ignore[return-value]
+
+
+def records_by_degree(cases: dict[str, tuple[FamilyCase, tuple[Job, Job]]], *, tp1_only: Collection[str] = (),
+                      expert_parallel: Collection[str] = (), triton: Collection[str] = ()) -> Callable[[int], dict]:
+    """``tp -> records`` of every case's jobs at that degree, run once per degree (one spawn) and kept: at tp 2 also
+    the ``expert_parallel`` cases' jobs expert-parallel and the ``triton`` ones' :func:`triton_job`; ``tp1_only``
+    cases are left out at tp > 1."""
+    cache: dict[int, dict] = {}
+
+    def run(tp: int) -> dict:
+        if tp not in cache:
+            jobs = [job for name, (_, case_jobs) in cases.items() for job in case_jobs
+                    if tp == 1 or name not in tp1_only]
+            if tp == 2:
+                jobs += [job for name in expert_parallel for job in with_expert_parallel(cases[name][1])]
+                jobs += [triton_job(cases[name][1][1], name) for name in triton]
+            cache[tp] = run_jobs(jobs, tp_size=tp)
+        return cache[tp]
+
+    return run
 
 
 def triton_job(at_once: Job, name: str) -> Job:

@@ -48,8 +48,8 @@ from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.int4_checkpoints import save_awq, save_compressed_tensors_w4a16, save_gptq, save_rtn_dequantized
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
 from tests.worker.loader_helpers import _rewrite
-from tests.worker.moe_family_check import (FamilyCase, check_job, check_records, reference_case, served_jobs,
-                                           triton_job, with_expert_parallel)
+from tests.worker.moe_family_check import (FamilyCase, check_job, check_records, records_by_degree,
+                                           reference_case, served_jobs, triton_job, with_expert_parallel)
 from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN2_MOE_SPEC, QWEN3_MOE_INT4
 from tests.worker.shard_fakes import ShardOnlyContext
 from tests.worker.sigmoid_moe_specs import ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2
@@ -124,19 +124,7 @@ TRITON = ["mixtral_rtn", "mixtral_gptq_act_order"]
 
 @pytest.fixture(scope="module")
 def records_at(cases):
-    cache: dict[int, dict] = {}
-
-    def run(tp: int) -> dict:
-        if tp not in cache:
-            jobs = [job for name, (_, case_jobs) in cases.items() for job in case_jobs
-                    if tp == 1 or name not in TP1_ONLY]
-            if tp == 2:
-                jobs += [job for name in EXPERT_PARALLEL for job in with_expert_parallel(cases[name][1])]
-                jobs += [triton_job(cases[name][1][1], name) for name in TRITON]
-            cache[tp] = run_jobs(jobs, tp_size=tp)
-        return cache[tp]
-
-    return run
+    return records_by_degree(cases, tp1_only=TP1_ONLY, expert_parallel=EXPERT_PARALLEL, triton=TRITON)
 
 
 @pytest.mark.parametrize(("name", "tp"), [(name, tp) for name in [*RTN, *CHECKPOINTS] for tp in (1, 2)

@@ -34,10 +34,10 @@ import torch
 from tests.tiny_models import save_tiny_model
 from tests.worker.int8_checkpoints import MOE_LINEAR_WEIGHT
 from tests.worker.loader_helpers import _rewrite
-from tests.worker.moe_family_check import (FamilyCase, check_job, check_records, reference_case, served_jobs,
-                                           triton_job, with_expert_parallel)
+from tests.worker.moe_family_check import (FamilyCase, check_job, check_records, records_by_degree,
+                                           reference_case, served_jobs, triton_job, with_expert_parallel)
 from tests.worker.moe_specs import MIXTRAL_SPEC, QWEN3_MOE_INT4
-from tests.worker.tp_harness import Job, run_jobs
+from tests.worker.tp_harness import Job
 from tests.worker.w8a16_checkpoints import save_compressed_tensors_w8a16, save_gptq8
 from tpserve.model_config import ModelConfig
 from worker.layers.moe import FusedMoE
@@ -80,19 +80,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[FamilyCas
 
 @pytest.fixture(scope="module")
 def records_at(cases):
-    cache: dict[int, dict] = {}
-
-    def run(tp: int) -> dict:
-        if tp not in cache:
-            jobs = [job for name, (_, case_jobs) in cases.items() for job in case_jobs
-                    if tp == 1 or name not in TP1_ONLY]
-            if tp == 2:
-                jobs += [job for name in EXPERT_PARALLEL for job in with_expert_parallel(cases[name][1])]
-                jobs += [triton_job(cases[name][1][1], name) for name in TRITON]
-            cache[tp] = run_jobs(jobs, tp_size=tp)
-        return cache[tp]
-
-    return run
+    return records_by_degree(cases, tp1_only=TP1_ONLY, expert_parallel=EXPERT_PARALLEL, triton=TRITON)
 
 
 @pytest.mark.parametrize(("name", "tp"), [(name, tp) for name in CHECKPOINTS for tp in (1, 2)

@@ -124,15 +124,7 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
         full = unpacked_part(moe, source, full_shape, shard_id)
         if full is None:
             return  # the expert part's other tensors are still unread
-        if kind == "down":
-            try:
-                t, perm = column_slice(full, start, local, source.name)
-            except ValueError as error:
-                raise ValueError(f"{error} (experts: --enable-expert-parallel holds whole ones)") from error
-        else:
-            t, perm = sort_by_group(Int4Tensor(full.codes[start:start + local], full.scales[start:start + local],
-                                               full.zeros[start:start + local], full.g_idx))
-        keep_expert_order(moe, kind, slot, perm, source.name)
+        t = rank_part(moe, full, kind, slot, start, local, source.name)
     else:
         check_shape(source, full_shape)
         if kind == "down":
@@ -148,6 +140,26 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
     offset = local if kind == "up" else 0
     _write(param, scale, t, slot, offset)
     scale.computed_shard_ids.add(shard_id)
+
+
+def rank_part(moe: Any, full: Int4Tensor, kind: str, slot: int, start: int, local: int, name: str) -> Int4Tensor:
+    """This rank's part of an unpacked expert tensor (gate/up rows or down columns ``[start, start + local)``),
+    its input columns in packed order, the act-order permutation recorded (:func:`keep_expert_order`).
+
+    Raises:
+        ValueError: act-order groups spread over the tensor-parallel ranks' down columns, or gate and up in
+            different orders (names ``name``).
+    """
+    if kind == "down":
+        try:
+            t, perm = column_slice(full, start, local, name)
+        except ValueError as error:
+            raise ValueError(f"{error} (experts: --enable-expert-parallel holds whole ones)") from error
+    else:
+        t, perm = sort_by_group(Int4Tensor(full.codes[start:start + local], full.scales[start:start + local],
+                                           full.zeros[start:start + local], full.g_idx))
+    keep_expert_order(moe, kind, slot, perm, name)
+    return t
 
 
 def keep_expert_order(moe: Any, kind: str, slot: int, perm: torch.Tensor | None, name: str) -> None:
@@ -176,17 +188,27 @@ def keep_expert_order(moe: Any, kind: str, slot: int, perm: torch.Tensor | None,
 def _write(param: nn.Parameter, scale: nn.Parameter, t: Int4Tensor, slot: int, offset: int) -> None:
     """Pack ``t`` into rows ``[offset, offset + N)`` of expert ``slot``; allocate the stack's scales at the first."""
     size = t.codes.shape[0]
-    groups = t.scales.shape[1]
+    ready_group_scales(scale, t, "int4")
+    param.data[slot, offset:offset + size].copy_(pack_codes(t.codes))
+    scale.data[slot, offset:offset + size].copy_(t.scale_offset())
+
+
+def ready_group_scales(scale: nn.Parameter, t: Int4Tensor, what: str) -> None:
+    """A stack's ``(E, N, groups, 2)`` scales allocated at its first expert part (zero groups until then).
+
+    Raises:
+        ValueError: ``t``'s groups not a multiple of 32 columns (the kernels' block), or another group size than
+            the layer's earlier parts (``what`` starts the message: ``"int4"``, or the tensor and ``8-bit``).
+    """
     if t.group_size % BLOCK:
-        raise ValueError(f"int4 groups of {t.group_size} columns are not a multiple of {BLOCK} (the kernel's block)")
+        raise ValueError(f"{what} groups of {t.group_size} columns are not a multiple of {BLOCK} (the kernel's block)")
+    groups = t.scales.shape[1]
     if scale.shape[2] == 0:
         held, rows = scale.shape[:2]
         scale.data = torch.zeros((held, rows, groups, 2), dtype=torch.float32, device=scale.device)
     elif scale.shape[2] != groups:
-        raise ValueError(f"int4 experts of one layer have different group sizes ({t.codes.shape[1] // scale.shape[2]} "
-                         f"and {t.group_size})")
-    param.data[slot, offset:offset + size].copy_(pack_codes(t.codes))
-    scale.data[slot, offset:offset + size].copy_(t.scale_offset())
+        raise ValueError(f"{what} experts of one layer have different group sizes "
+                         f"({t.codes.shape[1] // scale.shape[2]} and {t.group_size})")
 
 
 def dequantize_int4_experts(q: torch.Tensor, scale_offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

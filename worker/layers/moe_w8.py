@@ -18,7 +18,7 @@ worker/layers/int4_formats.py). They are held exactly, in the two forms of a den
   stack by the codes' width: ``K`` columns, not ``K / 2``). ``G`` must be a multiple of 32 (the kernel's).
 
 Act-order experts (``desc_act``) keep a column permutation per expert as 4-bit ones do
-(:func:`~worker.layers.moe_int4.keep_expert_order`), and a tensor-parallel rank's down columns must hold whole
+(:func:`~worker.layers.moe_int4.rank_part`), and a tensor-parallel rank's down columns must hold whole
 groups (:func:`~worker.layers.int4_weights.column_slice`; expert parallelism holds whole experts). Bytes per
 expert weight: 1 + 4 / K (per channel) or 1 + 8 / G (grouped), against 4 for float32.
 """
@@ -31,10 +31,9 @@ import torch
 from torch import nn
 
 from worker.layers.int4_formats import PARTS, Int4Tensor
-from worker.layers.int4_matmul import BLOCK
-from worker.layers.int4_weights import PackedPart, column_slice, sort_by_group, unpacked_part
+from worker.layers.int4_weights import PackedPart, unpacked_part
 from worker.layers.int8_groups import INT8_MIDPOINT, int8_channel_layout
-from worker.layers.moe_int4 import keep_expert_order
+from worker.layers.moe_int4 import rank_part, ready_group_scales
 
 
 def load_8bit_expert(moe: Any, param: nn.Parameter, source: PackedPart, shard_id: tuple[int, str], slot: int,
@@ -62,15 +61,7 @@ def load_8bit_expert(moe: Any, param: nn.Parameter, source: PackedPart, shard_id
     names = {part: f"{source.name.rpartition('.')[0]}.{suffix}" for suffix, part in PARTS[source.fmt.method].items()}
     channel = int8_channel_layout(source.fmt)
     _relayout(moe, channel, names["qweight"])
-    if kind == "down":
-        try:
-            t, perm = column_slice(full, start, local, source.name)
-        except ValueError as error:
-            raise ValueError(f"{error} (experts: --enable-expert-parallel holds whole ones)") from error
-    else:
-        t, perm = sort_by_group(Int4Tensor(full.codes[start:start + local], full.scales[start:start + local],
-                                           full.zeros[start:start + local], full.g_idx))
-    keep_expert_order(moe, kind, slot, perm, source.name)
+    t = rank_part(moe, full, kind, slot, start, local, source.name)
     scale = moe.down_proj_scale if kind == "down" else moe.gate_up_proj_scale
     rows = slice(local if kind == "up" else 0, (local if kind == "up" else 0) + t.codes.shape[0])
     if channel:
@@ -109,16 +100,7 @@ def _relayout(moe: Any, channel: bool, name: str) -> None:
 def _write_groups(param: nn.Parameter, scale: nn.Parameter, t: Int4Tensor, slot: int, rows: slice,
                   name: str) -> None:
     """Codes as stored and ``(s, -s * z)`` per row and group into expert ``slot``'s ``rows``."""
-    if t.group_size % BLOCK:
-        raise ValueError(f"{name}: 8-bit groups of {t.group_size} columns are not a multiple of {BLOCK} "
-                         "(the w8 kernel's)")
-    groups = t.scales.shape[1]
-    if scale.shape[2] == 0:
-        held, n = scale.shape[:2]
-        scale.data = torch.zeros((held, n, groups, 2), dtype=torch.float32, device=scale.device)
-    elif scale.shape[2] != groups:
-        raise ValueError(f"{name}: 8-bit experts of one layer have different group sizes "
-                         f"({t.codes.shape[1] // scale.shape[2]} and {t.group_size})")
+    ready_group_scales(scale, t, f"{name}: 8-bit")
     param.data[slot, rows].copy_(t.codes)
     scale.data[slot, rows].copy_(torch.stack([t.scales, -t.scales * t.zeros], dim=2))  # (rows, groups, 2)
 
