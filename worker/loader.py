@@ -47,6 +47,7 @@ their layer's ``weight`` and handed over as :class:`~worker.layers.int4_weights.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from worker import dequantize
 from worker.kv_quant import kv_scale_kind
 from tpserve.quantization_int4 import LayerFormats, layer_formats
 from worker.layers.int4_formats import PARTS
+from worker.layers.fp8_weights import hold_unquantized_fp8
 from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
 from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
@@ -202,6 +204,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         raise ValueError(f"checkpoint has weights the model does not use: {sorted(unexpected)}")
     if int4 is not None:
         _hold_unquantized_layers(model, targets, parts)
+    elif packed:  # FP8 / MXFP4: float-stored layers of a model whose layers keep fp8 (--quantization fp8)
+        _hold_unquantized_layers(model, targets, {name for name in targets if stored[name] in packed})
 
     loaded: set[tuple[str, ShardId]] = set()
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -244,29 +248,32 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         raise ValueError(f"checkpoint is missing weights: {missing}")
 
 
-def _hold_unquantized_layers(model: CausalLM, targets: dict[str, tuple[str, ShardId]], parts: dict[str, str]) -> None:
-    """A packed checkpoint's linear layers stored unquantized (left out by its ``ignore`` list or ``targets``):
-    held in float as stored (worker/layers/int4_weights.py, ``hold_unquantized``), never quantized at load.
+def _hold_unquantized_layers(model: CausalLM, targets: dict[str, tuple[str, ShardId]], quantized: Collection[str]
+                             ) -> None:
+    """A quantized checkpoint's linear layers stored unquantized (left out by its ``ignore`` list, ``targets``,
+    ``modules_to_not_convert``): held in float as stored, never quantized at load. ``quantized``: the checkpoint
+    tensors that are packed (4- or 8-bit parts) or FP8 values kept as fp8 (``--quantization fp8``).
 
     Raises:
-        ValueError: a fused layer (q/k/v, gate/up) with some parts packed and others not, or routed experts
-            stored unquantized beside quantized ones (names the tensor).
+        ValueError: a fused layer (q/k/v, gate/up) with some parts quantized and others not, or routed experts
+            stored unquantized beside packed ones (names the tensor).
     """
-    packed = {targets[name][0] for name in parts}  # parameters that receive packed tensors
+    receiving = {targets[name][0] for name in quantized}  # parameters that receive quantized tensors
     held: list[str] = []
     for name, (param_name, _) in targets.items():
-        if name in parts or not name.endswith(".weight"):
+        if name in quantized or not name.endswith(".weight"):
             continue
         module = model.get_submodule(param_name.rpartition(".")[0])
         if getattr(module, "int4", False):  # FusedMoE built for packed experts
             raise ValueError(f"weight {name!r} is stored unquantized in a packed checkpoint whose other routed "
                              "experts are packed: mixed-precision experts are not served")
-        if getattr(module, "int4_pending", None) is None or getattr(module, "weight", None) is None:
+        int4_layer = getattr(module, "int4_pending", None) is not None
+        if not (int4_layer or getattr(module, "fp8", False)) or getattr(module, "weight", None) is None:
             continue  # a float layer already (embedding, norms, router)
-        if param_name in packed:
-            raise ValueError(f"weight {name!r} is stored unquantized in a packed checkpoint beside packed parts of "
-                             "the same fused layer: not served")
-        hold_unquantized(module)
+        if param_name in receiving:
+            raise ValueError(f"weight {name!r} is stored unquantized in a quantized checkpoint beside quantized "
+                             "parts of the same fused layer: not served")
+        (hold_unquantized if int4_layer else hold_unquantized_fp8)(module)
         held.append(param_name.removesuffix(".weight"))
     if held:
         log.info("layers the checkpoint stores unquantized served in float", layers=len(held), names=held[:4])

@@ -65,8 +65,10 @@ def fp8_blocks_definition(q: torch.Tensor, scale: torch.Tensor, block: tuple[int
 
 
 def save_fp8_block(source: Path, target: Path, dequantized_target: Path, block: tuple[int, int],
-                   pattern: re.Pattern[str] = LINEAR_WEIGHT) -> tuple[Path, Path]:
-    """``source`` with every tensor matching ``pattern`` block-scaled FP8; and the dequantized twin."""
+                   pattern: re.Pattern[str] = LINEAR_WEIGHT, modules_to_not_convert: tuple[str, ...] = ()
+                   ) -> tuple[Path, Path]:
+    """``source`` with every tensor matching ``pattern`` block-scaled FP8; and the dequantized twin. The linear
+    weights ``pattern`` leaves out stay float, named in ``modules_to_not_convert`` by ``modules_to_not_convert``."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     tensors, quantized, dequantized = _tensors(source), {}, {}
@@ -80,7 +82,7 @@ def save_fp8_block(source: Path, target: Path, dequantized_target: Path, block: 
         quantized[name], quantized[name + "_scale_inv"] = q, scale
         dequantized[name] = reference
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+              "weight_block_size": list(block), "modules_to_not_convert": ["lm_head", *modules_to_not_convert]}
     return (_write(source, target, quantized, lambda c: c.update(quantization_config=config)),
             _write(source, dequantized_target, dequantized, lambda c: None))
 

@@ -124,8 +124,8 @@ def test_a_fused_layer_with_parts_stored_unquantized_beside_packed_ones_is_refus
             tensors.pop(f"{LAYER}.{suffix}")
         tensors[f"{LAYER}.weight"] = torch.randn(32, 64)
 
-    with pytest.raises(ValueError, match=rf"'{LAYER}.weight' is stored unquantized in a packed checkpoint beside "
-                                         "packed parts of the same fused layer"):
+    with pytest.raises(ValueError, match=rf"'{LAYER}.weight' is stored unquantized in a quantized checkpoint beside "
+                                         "quantized parts of the same fused layer"):
         _load(_broken(checkpoints["ct"], tmp_path / "m", unquantize_k))
 
 

@@ -19,7 +19,10 @@ float32 model (the values the format's reference dequantization gives):
   a scale and offset per 32 (worker/layers/moe_mxfp4.py, the w8 kernel: tests/worker/test_lowbit_loader.py
   checks the layout).
 
-and the three FP8 checkpoints again with ``--quantization fp8`` (``*_kept``): the linear
+* ``fp8_block_unconverted``: the Llama block-scaled with layer 0's down projection and layer 1's q/k/v in
+  ``modules_to_not_convert`` (stored float: served in float as stored, kept fp8 or not);
+
+and the four FP8 checkpoints again with ``--quantization fp8`` (``*_kept``): the linear
 layers keep the e4m3 values and their scales (worker/layers/fp8_weights.py), multiplied by the
 compiled kernel that converts them in registers (worker/kernels/cpu_linear_fp8.cpp; the one-call
 decode stack included); Qwen3-MoE's experts are still dequantized at load. At tp 2 the
@@ -54,7 +57,13 @@ NUM_BLOCKS = 64
 LOGITS_TOLERANCE = 1e-4
 #: Qwen3-MoE's linear weights: attention, the dense MLP and every expert (the router stays float).
 #: The FP8 checkpoints served again with ``--quantization fp8`` (as ``<name>_kept``).
-FP8_KEPT = ("fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama")
+FP8_KEPT = ("fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama", "fp8_block_unconverted")
+#: Linear weights quantized beside layers ``modules_to_not_convert`` keeps float (layer 0's down projection,
+#: layer 1's q/k/v): served in float as stored, with or without --quantization fp8.
+UNCONVERTED = ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+               "model.layers.1.self_attn.v_proj")
+CONVERTED = re.compile(
+    r"^(?!model\.layers\.0\.mlp\.down_proj|model\.layers\.1\.self_attn\.[qkv]_proj).*_proj\.weight$")
 QWEN3_MOE_LINEAR = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -74,6 +83,9 @@ def cases(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFa
                                               block=(16, 32), pattern=QWEN3_MOE_LINEAR),
         "ct_fp8_llama": save_compressed_tensors_fp8(tiny_checkpoints["mqa_untied_bias"], root / "ct_fp8",
                                                     root / "ct_fp8_dequantized"),
+        "fp8_block_unconverted": save_fp8_block(tiny_checkpoints["gqa_tied"], root / "fp8_unconverted",
+                                                root / "fp8_unconverted_dequantized", block=(32, 64),
+                                                pattern=CONVERTED, modules_to_not_convert=UNCONVERTED),
         "mxfp4_gpt_oss": save_mxfp4(gpt_oss, root / "mxfp4", root / "mxfp4_dequantized"),
         "mxfp4_gpt_oss_wide": save_mxfp4(save_tiny_model(GPT_OSS_WIDE, root / "gpt_oss_wide"), root / "mxfp4_wide",
                                          root / "mxfp4_wide_dequantized"),
@@ -91,7 +103,8 @@ def records_at(cases: dict[str, QuantizedCase]):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", ["fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama", "mxfp4_gpt_oss",
+@pytest.mark.parametrize("name", ["fp8_block_llama", "fp8_block_qwen3_moe", "ct_fp8_llama", "fp8_block_unconverted",
+                                  "mxfp4_gpt_oss",
                                   "mxfp4_gpt_oss_wide", *(f"{name}_kept" for name in FP8_KEPT)])
 def test_lowbit_checkpoint_matches_transformers_on_its_dequantized_weights(tp: int, name: str, records_at,
                                                                             cases: dict[str, QuantizedCase]) -> None:

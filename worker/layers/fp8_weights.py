@@ -38,6 +38,17 @@ def new_fp8_weights(layer: Any, shape: tuple[int, int], device: torch.device) ->
     layer.fp8 = True
 
 
+def hold_unquantized_fp8(layer: Any) -> None:
+    """Hold an fp8 layer (``--quantization fp8``) as a float one: the checkpoint stores this layer unquantized
+    (its ``ignore`` / ``modules_to_not_convert``), so it is served as stored. ``weight`` becomes ``(N, K)`` in
+    ``layer.float_dtype``, loaded by the float path; ``weight_scale`` is dropped (marked computed)."""
+    layer.weight.data = torch.empty(layer.weight.shape, dtype=layer.float_dtype, device=layer.weight.device)
+    scale = layer.weight_scale
+    scale.computed_shard_ids = set(scale.shard_ids)
+    layer.weight_scale = None
+    layer.fp8 = False
+
+
 def _fp8_source(source: CheckpointSource, what: str) -> Fp8Source:
     if not isinstance(source, Fp8Source):
         raise ValueError(f"--quantization fp8 keeps fp8 checkpoint weights, but this {what} is not stored in fp8 "

@@ -103,6 +103,7 @@ def _new_weights(layer: Any, shape: tuple[int, int], num_scales: int, dtype: tor
         layer.float_dtype = dtype  # a packed checkpoint's unquantized layer is held in it (hold_unquantized)
     elif quantization == "fp8":
         new_fp8_weights(layer, shape, layer.ctx.device)
+        layer.float_dtype = dtype  # a layer the checkpoint stores unquantized is held in it (hold_unquantized_fp8)
     else:
         layer.weight = new_parameter(shape, dtype, layer.ctx.device, layer.weight_loader)
 
