@@ -76,7 +76,7 @@ class Int4Format:
 
 
 def _refuse(found: str) -> ValueError:
-    return ValueError(f"unsupported quantized checkpoint: {found}; tpserve serves 4-bit {SUPPORTED_INT4}")
+    return ValueError(f"unsupported quantized checkpoint: {found}; tpserve serves packed (4- or 8-bit) {SUPPORTED_INT4}")
 
 
 def _group_size(value: Any, field: str) -> int:

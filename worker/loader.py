@@ -65,6 +65,7 @@ from tpserve.quantization_int4 import LayerFormats, layer_formats
 from worker.layers.int4_formats import PARTS
 from worker.layers.fp8_weights import hold_unquantized_fp8
 from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
+from worker.layers.moe_int4 import hold_unquantized_experts
 from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
@@ -86,11 +87,12 @@ def load_model(
         config: the parsed ``config.json``.
         ctx: this rank's tensor-parallel group (rank and degree pick the slices).
         dtype: dtype the weights are cast to (int8 weights stay int8).
-        quantization: ``--quantization``; a checkpoint stored in int8
-            (``config.quantization``) is loaded as int8 whatever this says.
+        quantization: ``--quantization``; a checkpoint stored quantized (``config.quantization``) is loaded as
+            stored (the flag may repeat its kind; another value is refused).
 
     Raises:
-        ValueError: the family refuses a config value, the checkpoint lacks weights the
+        ValueError: ``quantization`` other than a quantized checkpoint's own kind; the family refuses a config
+            value, the checkpoint lacks weights the
             model needs (``lm_head.weight`` of an untied model included), holds weights it does not know, or a tensor has the wrong shape
             (each error names them).
     """
@@ -99,6 +101,10 @@ def load_model(
     tied = config.tie_word_embeddings
     # Parameters are allocated uninitialised (torch.empty) on ctx.device: nothing
     # is randomly initialised, and each is written once, by its weight_loader.
+    if config.quantization is not None and quantization not in (None, config.quantization):
+        method = (config.hf_config.get("quantization_config") or {}).get("quant_method")
+        raise ValueError(f"--quantization {quantization} does not apply to this checkpoint: it is stored quantized "
+                         f"(quantization_config quant_method {method!r}) and served as stored; drop the flag")
     quantization = config.quantization or quantization
     model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied, quantization=quantization)
     fmt = weight_format(config.hf_config)
@@ -265,8 +271,12 @@ def _hold_unquantized_layers(model: CausalLM, targets: dict[str, tuple[str, Shar
             continue
         module = model.get_submodule(param_name.rpartition(".")[0])
         if getattr(module, "int4", False):  # FusedMoE built for packed experts
-            raise ValueError(f"weight {name!r} is stored unquantized in a packed checkpoint whose other routed "
-                             "experts are packed: mixed-precision experts are not served")
+            if {f"{param_name.rpartition('.')[0]}.{stack}" for stack in ("gate_up_proj", "down_proj")} & receiving:
+                raise ValueError(f"weight {name!r} is stored unquantized in a packed checkpoint beside packed experts "
+                                 "of the same layer: mixed-precision experts are not served")
+            hold_unquantized_experts(module)  # every expert of the layer stored float (ignore / "-:" rules)
+            held.append(name.rpartition(".experts.")[0] + ".experts")
+            continue
         int4_layer = getattr(module, "int4_pending", None) is not None
         if not (int4_layer or getattr(module, "fp8", False)) or getattr(module, "weight", None) is None:
             continue  # a float layer already (embedding, norms, router)
@@ -274,9 +284,10 @@ def _hold_unquantized_layers(model: CausalLM, targets: dict[str, tuple[str, Shar
             raise ValueError(f"weight {name!r} is stored unquantized in a quantized checkpoint beside quantized "
                              "parts of the same fused layer: not served")
         (hold_unquantized if int4_layer else hold_unquantized_fp8)(module)
-        held.append(param_name.removesuffix(".weight"))
+        held.append(name.removesuffix(".weight"))  # the checkpoint's name (q_proj, not the fused qkv_proj)
     if held:
-        log.info("layers the checkpoint stores unquantized served in float", layers=len(held), names=held[:4])
+        names = sorted(set(held))
+        log.info("layers the checkpoint stores unquantized served in float", layers=len(names), names=names[:6])
 
 
 def _finish_int4(model: CausalLM) -> None:

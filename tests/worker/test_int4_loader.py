@@ -149,3 +149,18 @@ def test_an_input_width_the_kernel_cannot_block_is_refused_with_the_way_out() ->
     with pytest.raises(ValueError, match=r"a linear layer of 64 outputs has 172 input columns on this rank .*"
                                          r"serve the model with --quantization int8"):
         new_int4_weights(SimpleNamespace(weight_loader=None), (64, 172), torch.device("cpu"))
+
+
+def test_another_quantization_flag_on_a_packed_checkpoint_is_refused(checkpoints: dict[str, Path]) -> None:
+    """``--quantization int8`` (or ``fp8``) on a GPTQ checkpoint: refused naming the flag and the checkpoint's method,
+    not silently served as stored while the ``serving`` line reports the flag; ``int4`` (its own kind) is accepted."""
+    from tpserve.model_config import ModelConfig
+    from worker.loader import load_model
+    from worker.parallel_state import ParallelContext
+
+    config = ModelConfig.from_pretrained(checkpoints["gptq"])
+    for flag in ("int8", "fp8"):
+        with pytest.raises(ValueError, match=rf"--quantization {flag} does not apply to this checkpoint: it is stored "
+                                             r"quantized \(quantization_config quant_method 'gptq'\)"):
+            load_model(checkpoints["gptq"], config, ParallelContext.single(), torch.float32, quantization=flag)
+    load_model(checkpoints["gptq"], config, ParallelContext.single(), torch.float32, quantization="int4")

@@ -26,6 +26,8 @@ int4 layers as in the experts):
   at tp 2 (whole experts; also through the Triton experts), refused tensor-parallel at tp 2 (the
   random order spreads down's groups over the ranks' columns); the reference is the format's
   reference dequantization;
+* a GPTQ Qwen3-MoE whose routed experts are stored float (GPTQModel's ``dynamic`` ``-:`` rule): the experts
+  are served in float as stored, the attention and dense MLP packed, tp 1 and 2 and expert-parallel;
 * the experts are held packed: uint8 codes with float32 (scale, offset) pairs, their bytes
   1/8 of float32 plus 2 / G (0.1875 at G = 32); an expert-parallel rank holds tp 1's experts;
 * act-order experts whose gate and up orders differ, and gpt-oss's and Llama 4's fused layouts with
@@ -74,12 +76,17 @@ CHECKPOINTS = {
     "qwen3_moe_ct": ("qwen3_moe", lambda src, t, d: save_compressed_tensors_w4a16(
         src, t, d, strategy="group", symmetric=False, group=32, pattern=MOE_LINEAR_WEIGHT)),
     "mixtral_gptq_act_order": ("mixtral", lambda src, t, d: save_act_order_gptq(src, t, d)),
+    "qwen3_moe_gptq_float_experts": ("qwen3_moe", lambda src, t, d: save_gptq(
+        src, t, d, group=32, sym=True, desc_act=False, pattern=NOT_EXPERTS,
+        dynamic={r"-:.*\.mlp\.experts\..*": {}})),
 }
 RTN = [f"{name}_rtn" for name in FAMILIES]
 #: Served at tp 1 and expert-parallel at tp 2 only (tensor-parallel at tp 2 is refused: see below).
 TP1_ONLY = {"mixtral_gptq_act_order"}
-EXPERT_PARALLEL = [*RTN, "qwen3_moe_gptq", "mixtral_gptq_act_order"]
+EXPERT_PARALLEL = [*RTN, "qwen3_moe_gptq", "mixtral_gptq_act_order", "qwen3_moe_gptq_float_experts"]
 EXPERT_WEIGHT = re.compile(r".*\.experts\.\d+\.w[123]\.weight$")
+#: Every linear weight but the routed experts' (a checkpoint whose experts GPTQModel's ``-:`` rule left float).
+NOT_EXPERTS = re.compile(r"^(?!.*\.experts\.).*_proj\.weight$")
 BATCH_BOUND = 5e-5
 
 

@@ -187,5 +187,5 @@ def test_an_expert_stored_unquantized_beside_packed_ones_is_refused(cases, tmp_p
 
     broken = _rewrite(model_dir, tmp_path / "broken", unquantize)
     with pytest.raises(ValueError, match=rf"'{re.escape(stem)}.weight' is stored unquantized in a packed checkpoint "
-                                         "whose other routed experts are packed"):
+                                         "beside packed experts of the same layer"):
         _load(broken)

@@ -237,6 +237,8 @@ class FusedMoE(nn.Module):
         self.int8 = quantization == "int8"
         #: ``quantization="int4"``: packed codes with float32 (scale, offset) per group (worker/layers/moe_int4.py).
         self.int4 = quantization == "int4"
+        #: The activation and float-weight dtype (experts a packed checkpoint stores float are held in it).
+        self.float_dtype = dtype
         self.gate_up_proj_scale: nn.Parameter | None = None
         self.down_proj_scale: nn.Parameter | None = None
         #: Act-order int4 experts: each expert's input columns in packed order, ``(E, H)`` / ``(E, I)`` int64.

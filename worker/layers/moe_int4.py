@@ -100,6 +100,24 @@ def new_int4_experts(moe: Any, held: int, local: int, hidden: int, device: torch
     moe.int4_stacks = (("gate_up_proj", "gate_up_proj_scale"), ("down_proj", "down_proj_scale"))
 
 
+def hold_unquantized_experts(moe: Any) -> None:
+    """Hold a MoE layer built for packed experts as float experts: the checkpoint stores every expert of this
+    layer unquantized (its ``ignore`` list, GPTQModel's ``-:`` rules), so they are served as stored.
+
+    The stacks become ``(E, 2 * I, H)`` and ``(E, H, I)`` in ``moe.float_dtype``, loaded by the float path; the
+    scales are dropped (marked computed, so the loader does not ask the checkpoint for them).
+    """
+    for weight_name in ("gate_up_proj", "down_proj"):
+        weight, scale = getattr(moe, weight_name), getattr(moe, f"{weight_name}_scale")
+        held, rows, half = weight.shape
+        weight.data = torch.empty((held, rows, 2 * half), dtype=moe.float_dtype, device=weight.device)
+        scale.computed_shard_ids = set(scale.shard_ids)
+        setattr(moe, f"{weight_name}_scale", None)
+    moe.int4 = False
+    moe.int4_pending = None
+    moe.int4_stacks = ()
+
+
 def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, shard_id: tuple[int, str],
                      slot: int, start: int, local: int) -> None:
     """Quantize (float) or repack (4-bit checkpoint) expert ``shard_id = (e, kind)`` into slot ``slot`` of ``param``.

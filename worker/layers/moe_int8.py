@@ -123,5 +123,5 @@ def check_loadable(moe: nn.Module, bias: bool, quantization: str = "int8") -> No
     if bias or not getattr(moe, "loads_int8", False):
         layout = getattr(moe, "checkpoint_layout", "experts with biases")
         raise ValueError(f"--quantization {quantization} is not supported for mixture-of-experts models whose "
-                         f"experts are {layout} (a checkpoint layout loaded into float stacks only); serve them "
-                         "unquantized")
+                         f"experts are {layout} (a checkpoint layout that --quantization does not requantize); serve "
+                         "them without the flag (gpt-oss's MXFP4 experts are then held as 8-bit codes on CPU ranks)")
