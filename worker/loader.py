@@ -136,6 +136,9 @@ def load_model(
         if any(getattr(m, "mxfp4_w8", False) for m in model.modules()):  # worker/layers/moe_mxfp4.py
             served = (f"{served}, the routed experts held exactly as 8-bit codes with a scale per 32 (10 bits a "
                       "weight, the w8 kernel)")
+        elif (why_not := next((m.mxfp4_w8_why_not for m in model.modules()
+                               if getattr(m, "mxfp4_w8_why_not", None)), None)) is not None:
+            served = f"{served} (the routed experts too, not as 8-bit codes: {why_not})"
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} dequantized at load to {served}")
     return model.eval()
 

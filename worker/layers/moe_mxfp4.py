@@ -41,9 +41,16 @@ def mxfp4_codes_apply(moe: Any, source: object) -> bool:
         return moe.mxfp4_w8
     if not isinstance(source, Mxfp4Source):
         return False
-    fits = moe.hidden_size % MXFP4_GROUP == 0 and moe.intermediate_size_per_partition % MXFP4_GROUP == 0
-    moe.mxfp4_w8 = bool(moe.ctx.device.type == "cpu" and cpu_kernels_available() and fits
-                        and moe.gate_up_proj.dtype == torch.float32)  # linear_w8 takes float32 activations
+    local = moe.intermediate_size_per_partition
+    why_not = ("not a CPU rank" if moe.ctx.device.type != "cpu" else
+               "no compiled CPU kernels" if not cpu_kernels_available() else
+               f"--dtype {str(moe.gate_up_proj.dtype).removeprefix('torch.')} (the w8 kernel takes float32)"
+               if moe.gate_up_proj.dtype != torch.float32 else
+               f"hidden_size {moe.hidden_size} or this rank's {local} expert units not a multiple of {MXFP4_GROUP}"
+               if moe.hidden_size % MXFP4_GROUP or local % MXFP4_GROUP else None)
+    moe.mxfp4_w8 = why_not is None
+    # the loader's log line says why a CPU rank dequantized the experts instead (CUDA always does: no reason given)
+    moe.mxfp4_w8_why_not = why_not if moe.ctx.device.type == "cpu" else None
     if moe.mxfp4_w8:
         _relayout(moe)
     return moe.mxfp4_w8
