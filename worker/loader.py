@@ -126,7 +126,8 @@ def load_model(
     for layer_fmt in sorted(int4.formats if int4 is not None else (), key=str):
         if layer_fmt.bits == 8:
             (log.info if ctx.tp_rank == 0 else log.debug)(
-                f"8-bit {layer_fmt.method} weights (group_size {layer_fmt.group_size}, "
+                f"8-bit {layer_fmt.method} weights ("
+                f"{'per output channel' if layer_fmt.group_size == -1 else f'groups of {layer_fmt.group_size}'}, "
                 f"{'symmetric' if layer_fmt.symmetric else 'zero points'}) served as {describe_8bit(layer_fmt)}")
     if fmt is not None and quantization == "fp8":
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} linear weights kept as fp8 "
