@@ -238,6 +238,8 @@ def unpacked_part(layer: Any, source: PackedPart, shape: tuple[int, int], shard_
     try:
         return unpack_layer(source.fmt, parts, names, shape)
     except ValueError as error:
+        if any(name in str(error) for name in names.values()):
+            raise  # it names the tensor already
         raise ValueError(f"{names['qweight']}: {error}") from error
 
 
