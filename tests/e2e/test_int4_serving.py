@@ -1,11 +1,15 @@
 """``tpserve serve`` on a 4-bit checkpoint at tp 2: a compressed-tensors ``pack-quantized`` W4A16 checkpoint
 (asymmetric, group 32, written by the ``compressed-tensors`` library from a servable tiny Llama) is int4 by its
 ``config.json`` alone, and its greedy tokens, four prompts at once, are ``transformers``' on the library's
-dequantization of it; a corrupt one (a NaN scale) makes the server exit 1 at start-up naming the tensor.
+dequantization of it; so are a mixed-precision one's (llm-compressor's ``config_groups``: W4A16 MLPs with
+``actorder: weight`` beside W8A16 attention, layer 0's down projection in ``ignore``, stored float and served
+in float, as the start-up log says); a corrupt one (a NaN scale) makes the server exit 1 at start-up naming the
+tensor.
 (tests/worker/test_int4.py checks every format's tokens and logits at tp 1 and 2 through ``ModelRunner``.)"""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +22,13 @@ from safetensors.torch import load_file, save_file
 from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR, requires_stories
 from tests.tiny_models import load_hf_model, save_servable_model
-from tests.worker.int4_checkpoints import save_compressed_tensors_w4a16
+from tests.worker.int4_checkpoints import save_compressed_tensors_groups, save_compressed_tensors_w4a16
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 PROMPTS = [[1, 306, 443, 278], [1, 90, 250, 263, 93], [1, 450, 112], [1, 365, 235, 322, 67, 170]]
 NEW_TOKENS = 12
+#: Every linear weight but layer 0's down projection (which the mixed checkpoint's ``ignore`` keeps float).
+BESIDE_IGNORED = re.compile(r"^(?!model\.layers\.0\.mlp\.down_proj).*_proj\.weight$")
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +39,38 @@ def w4a16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                                          symmetric=False, group=32)
 
 
-def test_a_w4a16_checkpoint_served_at_tp2_gives_transformers_tokens(w4a16: tuple[Path, Path]) -> None:
-    checkpoint, dequantized = w4a16
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("mixed_serving")
+    source = save_servable_model("gqa_tied", root / "float", STORIES_DIR)
+    groups = {"mlp": (["re:.*mlp.*"], {"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": 32,
+                                        "actorder": "weight"}),
+              "attention": (["re:.*self_attn.*"], {"num_bits": 8, "symmetric": True, "strategy": "channel"})}
+    return save_compressed_tensors_groups(source, root / "mixed", root / "mixed_dequantized", groups,
+                                          pattern=BESIDE_IGNORED, ignore=("model.layers.0.mlp.down_proj",))
+
+
+@pytest.mark.parametrize("fixture", ["w4a16", "mixed"])
+def test_a_w4a16_checkpoint_served_at_tp2_gives_transformers_tokens(fixture: str, request: pytest.FixtureRequest,
+                                                                    tmp_path: Path) -> None:
+    checkpoint, dequantized = request.getfixturevalue(fixture)
     model = load_hf_model(dequantized)
     model.generation_config.eos_token_id = None
     want = []
     for prompt in PROMPTS:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
         want.append(out[0, len(prompt):].tolist())
-    with serve(checkpoint, 2) as cluster:
+    log_path = tmp_path / "server.log"
+    with serve(checkpoint, 2, log_path=log_path) as cluster:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
                                                                      ignore_eos=True), PROMPTS))
     assert [list(r.token_ids) for r in results] == want
+    if fixture == "mixed":
+        log = log_path.read_text()
+        assert "layers the checkpoint stores unquantized served in float" in log
+        assert "model.layers.0.mlp.down_proj" in log
+        assert "8-bit compressed-tensors weights (per output channel, symmetric) served as int8" in log
 
 
 def test_a_corrupt_int4_checkpoint_is_refused_at_start_up(w4a16: tuple[Path, Path], tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 Three tiny checkpoints at stories260k's 512-token vocabulary with its tokenizer, written in
 their format's on-disk layout by tests/worker/lowbit_checkpoints.py: a Llama in
 block-scaled FP8 (32x64 blocks), the same Llama in compressed-tensors FP8, and gpt-oss
-with MXFP4 experts. Served by the real server at tensor-parallel degree 2 (each rank
+with MXFP4 experts (64 wide: each rank's 32 units whole groups, so the CPU ranks hold them as exact 8-bit codes,
+worker/layers/moe_mxfp4.py). Served by the real server at tensor-parallel degree 2 (each rank
 dequantizes its own shards); ``tpserve generate --json`` must print the 40 greedy tokens of
 ``transformers`` running the dequantized float model, and the server log must say once per
 start-up how the weights were loaded. A corrupt one (a NaN FP8 scale) exits 1 at start-up,
@@ -24,7 +25,7 @@ import pytest
 from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR, requires_stories
 from tests.tiny_models import TINY_MODELS, TinyModelSpec, load_hf_model, save_tiny_model
-from tests.worker.lowbit_checkpoints import GPT_OSS, save_compressed_tensors_fp8, save_fp8_block, save_mxfp4
+from tests.worker.lowbit_checkpoints import GPT_OSS_WIDE, save_compressed_tensors_fp8, save_fp8_block, save_mxfp4
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -37,7 +38,8 @@ WRITERS = {
     "compressed_tensors_fp8": (LLAMA, save_compressed_tensors_fp8,
                                "compressed-tensors fp8 e4m3 channel/tensor-scaled weights dequantized at load to "
                                "float32"),
-    "mxfp4": (GPT_OSS, save_mxfp4, "mxfp4 experts (e2m1 with e8m0 scales per 32) dequantized at load to float32"),
+    "mxfp4": (GPT_OSS_WIDE, save_mxfp4, "mxfp4 experts (e2m1 with e8m0 scales per 32) dequantized at load to "
+                                        "float32, the routed experts held exactly as 8-bit codes"),
 }
 
 
