@@ -12,21 +12,17 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.cluster import serve
+from tests.e2e.quantized_serving import reference_tokens, served_tokens
 from tests.paths import STORIES_DIR, requires_stories
-from tests.tiny_models import load_hf_model, save_servable_model
+from tests.tiny_models import save_servable_model
 from tests.worker.int4_checkpoints import save_compressed_tensors_groups, save_compressed_tensors_w4a16
 
 pytestmark = [pytest.mark.e2e, requires_stories]
-PROMPTS = [[1, 306, 443, 278], [1, 90, 250, 263, 93], [1, 450, 112], [1, 365, 235, 322, 67, 170]]
-NEW_TOKENS = 12
 #: Every linear weight but layer 0's down projection (which the mixed checkpoint's ``ignore`` keeps float).
 BESIDE_IGNORED = re.compile(r"^(?!model\.layers\.0\.mlp\.down_proj).*_proj\.weight$")
 
@@ -54,18 +50,8 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_a_w4a16_checkpoint_served_at_tp2_gives_transformers_tokens(fixture: str, request: pytest.FixtureRequest,
                                                                     tmp_path: Path) -> None:
     checkpoint, dequantized = request.getfixturevalue(fixture)
-    model = load_hf_model(dequantized)
-    model.generation_config.eos_token_id = None
-    want = []
-    for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        want.append(out[0, len(prompt):].tolist())
     log_path = tmp_path / "server.log"
-    with serve(checkpoint, 2, log_path=log_path) as cluster:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
-                                                                     ignore_eos=True), PROMPTS))
-    assert [list(r.token_ids) for r in results] == want
+    assert served_tokens(checkpoint, 2, log_path) == reference_tokens(dequantized)
     if fixture == "mixed":
         log = log_path.read_text()
         assert "layers the checkpoint stores unquantized served in float" in log

@@ -12,21 +12,17 @@ import json
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.cluster import serve
+from tests.e2e.quantized_serving import reference_tokens, served_tokens
 from tests.paths import STORIES_DIR, requires_stories
-from tests.tiny_models import load_hf_model, save_servable_model
+from tests.tiny_models import save_servable_model
 from tests.worker.w8a16_checkpoints import save_compressed_tensors_w8a16, save_gptq8
 
 pytestmark = [pytest.mark.e2e, requires_stories]
-PROMPTS = [[1, 306, 443, 278], [1, 90, 250, 263, 93], [1, 450, 112], [1, 365, 235, 322, 67, 170]]
-NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +39,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 def test_an_8_bit_checkpoint_served_gives_transformers_tokens(checkpoints: dict[str, tuple[Path, Path]], name: str,
                                                               tp: int) -> None:
     checkpoint, dequantized = checkpoints[name]
-    model = load_hf_model(dequantized)
-    model.generation_config.eos_token_id = None
-    want = []
-    for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        want.append(out[0, len(prompt):].tolist())
-    with serve(checkpoint, tp) as cluster:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
-                                                                     ignore_eos=True), PROMPTS))
-    assert [list(r.token_ids) for r in results] == want
+    assert served_tokens(checkpoint, tp) == reference_tokens(dequantized)
 
 
 def test_act_order_8_bit_gptq_without_g_idx_is_refused_at_start_up(checkpoints: dict[str, tuple[Path, Path]],
