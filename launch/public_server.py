@@ -42,6 +42,7 @@ from tpserve.config import ClusterConfig
 from tpserve.embedded_model import DEFAULT_MODEL_NAME
 from tpserve.event_loop import running_loop_name
 from tpserve.model_config import ModelConfig
+from tpserve.quantization import served_quantization
 from tpserve.sched_policy import policy_name
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
@@ -257,7 +258,7 @@ class PublicServer:
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
             num_kv_blocks=num_kv_blocks,
             block_size=cfg.cache.block_size,
-            quantization=cfg.load.quantization or self.model_config.quantization or "",
+            quantization=served_quantization(self.model_config.hf_config, cfg.load.quantization),
             speculative_method=cfg.speculative.speculative_method or "",
             num_speculative_tokens=cfg.speculative.num_speculative_tokens or 0,
             enable_prefix_caching=cfg.cache.enable_prefix_caching,

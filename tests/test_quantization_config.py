@@ -20,7 +20,7 @@ from tpserve.cli import build_parser, serve_config
 from tpserve.config import ClusterConfig, RankConfig
 from tpserve.embedded_model import default_model_dir
 from tpserve.model_config import ModelConfig
-from tpserve.quantization import checkpoint_quantization
+from tpserve.quantization import checkpoint_quantization, served_quantization
 from tpserve.weight_formats import weight_format
 
 #: The quantization_config of a compressed-tensors W8A16 checkpoint as llm-compressor writes it.
@@ -130,6 +130,9 @@ def test_fp8_and_mxfp4_checkpoints_are_served_dequantized_at_load() -> None:
         assert checkpoint_quantization({"quantization_config": qc}) is None
         fmt = weight_format({"quantization_config": qc})
         assert fmt is not None and (fmt.kind, fmt.block) == (kind, block)
+        # Reported: float weights, unless --quantization keeps them 8-bit.
+        assert served_quantization({"quantization_config": qc}, None) == ""
+        assert served_quantization({"quantization_config": qc}, "int8") == "int8"
     block = _edited(lambda c: (c.update(format="float-quantized"),
                                _weights(type="float", strategy="block", block_structure=[64, 128])(c)))
     fmt = weight_format({"quantization_config": block})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpserve.quantization import checkpoint_quantization
+from tpserve.quantization import checkpoint_quantization, served_quantization
 from tpserve.quantization_int4 import Int4Format, int4_format, layer_formats
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -120,3 +120,18 @@ def test_compressed_tensors_config_groups_of_different_schemes_give_each_layer_i
     same = {**W4A16, "config_groups": {"a": {"targets": ["re:.*mlp.*"], "weights": W4A16["config_groups"]["group_0"][
         "weights"]}, "b": {"targets": ["re:.*attn.*"], "weights": W4A16["config_groups"]["group_0"]["weights"]}}}
     assert int4_format(same) == w4 and layer_formats(same).for_layer("anything") == w4  # one scheme: every layer
+
+
+def test_what_is_reported_names_the_codes_width_not_the_loaders_layer_kind() -> None:
+    """``GetModelInfo.quantization`` and the start-up lines: an 8-bit GPTQ or compressed-tensors checkpoint is
+    ``int8`` although its layers are the packed kind ``"int4"``; a mixed-precision one names both widths."""
+    mixed = {**W4A16, "config_groups": {
+        "w4": {"targets": ["re:.*mlp.*"], "weights": {**W4A16["config_groups"]["group_0"]["weights"]}},
+        "w8": {"targets": ["re:.*self_attn.*"], "weights": {**W4A16["config_groups"]["group_0"]["weights"],
+                                                           "num_bits": 8, "strategy": "channel"}}}}
+    cases = [(GPTQ, None, "int4"), ({**GPTQ, "bits": 8}, None, "int8"), ({**GPTQ, "bits": 8}, "int4", "int8"),
+             (AWQ, None, "int4"), (_w4a16(num_bits=8), None, "int8"), (mixed, None, "int4+int8")]
+    for qc, flag, want in cases:
+        assert checkpoint_quantization({"quantization_config": qc}) == "int4"  # one layer kind for packed codes
+        assert served_quantization({"quantization_config": qc}, flag) == want, (qc, flag)
+    assert served_quantization({}, None) == "" and served_quantization({}, "int4") == "int4"

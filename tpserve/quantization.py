@@ -98,6 +98,29 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> Quantization | None:
     return "int8"
 
 
+def served_quantization(raw_config: dict[str, Any], flag: str | None) -> str:
+    """What ``ModelInfo.quantization`` and the start-up log lines report: the width of the decoder's
+    quantized linear weights as served.
+
+    ``""`` for float weights (a float checkpoint without ``flag``; an FP8 or MXFP4 checkpoint dequantized
+    at load); ``"int8"``, ``"int4"`` or ``"fp8"`` for ``--quantization`` (``flag``) on a float or FP8
+    checkpoint, for a compressed-tensors int8 checkpoint, and for a packed GPTQ / AWQ / compressed-tensors
+    checkpoint by its codes' width: ``"int4"``, ``"int8"``, or ``"int4+int8"`` for a mixed-precision
+    one (the loaders hold all of them as one layer kind, :data:`Quantization` ``"int4"``, so that kind
+    alone would call an 8-bit GPTQ checkpoint 4-bit).
+
+    Args:
+        raw_config: the checkpoint's ``config.json`` as a dict (already accepted by
+            :func:`checkpoint_quantization`).
+        flag: ``--quantization`` as given, or None.
+    """
+    stored = checkpoint_quantization(raw_config)
+    if stored != "int4":
+        return stored or flag or ""
+    bits = sorted({fmt.bits for fmt in layer_formats(raw_config["quantization_config"]).formats})
+    return "+".join(f"int{b}" for b in bits)
+
+
 def _check_group(name: str, group: Any, ignore: list[str]) -> None:
     if not isinstance(group, dict):
         raise _refuse(f"config_groups.{name} is not a mapping")

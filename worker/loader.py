@@ -113,7 +113,10 @@ def load_model(
     if quantization == "fp8" and (fmt is None or fmt.kind == "mxfp4"):
         raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
                          "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
-    load_weights(model, files, ctx.device, fmt, int4)
+    held = load_weights(model, files, ctx.device, fmt, int4)
+    if held:  # once per stage, as the lines below
+        (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",
+                                                      layers=len(held), names=held[:6])
     if isinstance(qc, dict) and qc.get("kv_cache_scheme"):
         (log.info if ctx.tp_rank == 0 else log.debug)(
             "checkpoint kv_cache_scheme: its static k_scale / v_scale are not read (--kv-cache-dtype fp8 or int8 "
@@ -159,8 +162,9 @@ def _int4_part(name: str, fmt: LayerFormats | None) -> tuple[str, str] | None:
 
 
 def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None,
-                 fmt: WeightFormat | None = None, int4: LayerFormats | None = None) -> None:
-    """Fill every parameter of ``model`` from the checkpoint tensors in ``files``.
+                 fmt: WeightFormat | None = None, int4: LayerFormats | None = None) -> list[str]:
+    """Fill every parameter of ``model`` from the checkpoint tensors in ``files``; returns the checkpoint's
+    linear layers that a quantized checkpoint stores unquantized, held in float (names as stored, sorted).
 
     Args:
         model: parameters carrying ``weight_loader`` and ``shard_ids``; its ``weight_map``
@@ -212,10 +216,11 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
         targets[name] = (param_name, shard_id)
     if unexpected:
         raise ValueError(f"checkpoint has weights the model does not use: {sorted(unexpected)}")
+    held: list[str] = []
     if int4 is not None:
-        _hold_unquantized_layers(model, targets, parts)
+        held = _hold_unquantized_layers(model, targets, parts)
     elif packed:  # FP8 / MXFP4: float-stored layers of a model whose layers keep fp8 (--quantization fp8)
-        _hold_unquantized_layers(model, targets, {name for name in targets if stored[name] in packed})
+        held = _hold_unquantized_layers(model, targets, {name for name in targets if stored[name] in packed})
 
     loaded: set[tuple[str, ShardId]] = set()
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -256,13 +261,15 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
     missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing}")
+    return held
 
 
 def _hold_unquantized_layers(model: CausalLM, targets: dict[str, tuple[str, ShardId]], quantized: Collection[str]
-                             ) -> None:
+                             ) -> list[str]:
     """A quantized checkpoint's linear layers stored unquantized (left out by its ``ignore`` list, ``targets``,
     ``modules_to_not_convert``): held in float as stored, never quantized at load. ``quantized``: the checkpoint
-    tensors that are packed (4- or 8-bit parts) or FP8 values kept as fp8 (``--quantization fp8``).
+    tensors that are packed (4- or 8-bit parts) or FP8 values kept as fp8 (``--quantization fp8``). Returns the
+    layers held (the checkpoint's names, sorted).
 
     Raises:
         ValueError: a fused layer (q/k/v, gate/up) with some parts quantized and others not, or routed experts
@@ -289,9 +296,7 @@ def _hold_unquantized_layers(model: CausalLM, targets: dict[str, tuple[str, Shar
                              "parts of the same fused layer: not served")
         (hold_unquantized if int4_layer else hold_unquantized_fp8)(module)
         held.append(name.removesuffix(".weight"))  # the checkpoint's name (q_proj, not the fused qkv_proj)
-    if held:
-        names = sorted(set(held))
-        log.info("layers the checkpoint stores unquantized served in float", layers=len(names), names=names[:6])
+    return sorted(set(held))
 
 
 def _finish_int4(model: CausalLM) -> None:

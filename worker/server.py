@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import structlog
 
+from tpserve.quantization import served_quantization
 from tpserve.step_pb import ERRORS_ONLY, STEP_PROTOCOL, plan_from_pb, result_to_pb
 from tpserve.v1 import worker_pb2 as pb
 from tpserve.v1 import worker_pb2_grpc
@@ -150,7 +151,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, tp_rank=ctx.tp_rank,
                      tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
                      enable_expert_parallel=ctx.enable_expert_parallel, dtype=str(dtype),
-                     quantization=self._runner.model.quantization, weight_bytes=weight_bytes(self._runner.model),
+                     quantization=served_quantization(self._runner.config.hf_config, opts.quantization) or None,
+                     weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
                      num_state_slots_available=self._num_state_slots,
                      kv_cache_dtype=str(self._runner.kv_cache_dtype).removeprefix("torch."),

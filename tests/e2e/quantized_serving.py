@@ -27,10 +27,12 @@ def reference_tokens(dequantized: Path) -> list[list[int]]:
     return want
 
 
-def served_tokens(checkpoint: Path, tp: int, log_path: Path | None = None) -> list[list[int]]:
-    """Every prompt of :data:`PROMPTS` at once through ``tpserve serve`` at degree ``tp``, greedy, ``ignore_eos``."""
+def served_tokens(checkpoint: Path, tp: int, log_path: Path | None = None) -> tuple[list[list[int]], str]:
+    """Every prompt of :data:`PROMPTS` at once through ``tpserve serve`` at degree ``tp``, greedy, ``ignore_eos``;
+    and what the server's ``GetModelInfo`` reports as its ``quantization``."""
     with serve(checkpoint, tp, log_path=log_path) as cluster:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=NEW_TOKENS, temperature=0,
                                                                      ignore_eos=True), PROMPTS))
-    return [list(r.token_ids) for r in results]
+        quantization = cluster.client.model_info().quantization
+    return [list(r.token_ids) for r in results], quantization

@@ -51,7 +51,8 @@ def test_a_w4a16_checkpoint_served_at_tp2_gives_transformers_tokens(fixture: str
                                                                     tmp_path: Path) -> None:
     checkpoint, dequantized = request.getfixturevalue(fixture)
     log_path = tmp_path / "server.log"
-    assert served_tokens(checkpoint, 2, log_path) == reference_tokens(dequantized)
+    want_quantization = "int4+int8" if fixture == "mixed" else "int4"  # GetModelInfo: the codes' widths
+    assert served_tokens(checkpoint, 2, log_path) == (reference_tokens(dequantized), want_quantization)
     if fixture == "mixed":
         log = log_path.read_text()
         assert "layers the checkpoint stores unquantized served in float" in log

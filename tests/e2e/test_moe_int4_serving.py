@@ -10,7 +10,7 @@
 * the same as an 8-bit GPTQ checkpoint (symmetric, group 32: a byte a code, the w8 kernel per expert,
   worker/layers/moe_w8.py), experts split across the ranks.
 
-The ranks log ``quantization: int4``, each holding less than 0.2 of the float32 checkpoint's bytes
+The ranks log ``quantization: int4`` (``int8`` for the 8-bit GPTQ checkpoint), each holding less than 0.2 of the float32 checkpoint's bytes
 (the embedding and LM head stay float32: 0.19 here; int8 holds 0.3), 8-bit ones less than 0.35.
 tests/worker/test_moe_int4.py and test_moe_w8.py check tokens and logits at tp 1 and 2 through ``ModelRunner``.
 """
@@ -71,7 +71,7 @@ def test_quantized_moe_serving_at_tp2_prints_transformers_greedy_text(source: st
             capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(printed.stdout)["token_ids"] == want
     loaded = [json.loads(line) for line in log_path.read_text().splitlines() if '"shard loaded"' in line]
-    assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["quantization"] for e in loaded} == {"int4"}
+    assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["quantization"] for e in loaded} == {"int8" if source == "gptq8" else "int4"}
     assert {e["int4_tile_layout_layers"] for e in loaded} == {0}  # 64-wide experts, hidden 64: no shape fits the tiles
     float32_bytes = sum(p.stat().st_size for p in float_dir.glob("*.safetensors"))
     bound = 0.35 if source == "gptq8" else 0.2
