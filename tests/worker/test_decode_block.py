@@ -44,9 +44,10 @@ MISTRAL_WINDOW = TinyModelSpec("mistral_window_block", "mistral", {
 class _Steps:
     """A runner, its steps' final hidden states, and its own block allocation (one table per sequence)."""
 
-    def __init__(self, checkpoint: Path, quantization: str | None, decode_block: bool) -> None:
+    def __init__(self, checkpoint: Path, quantization: str | None, decode_block: bool,
+                 kv_cache_dtype: str = "auto") -> None:
         self.runner = ModelRunner(checkpoint, ParallelContext.single(), torch.float32, BLOCK_SIZE,
-                                  quantization=quantization)
+                                  quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         self.runner.init_kv_cache(num_blocks=64)
         layers = self.runner.model.model.layers
         if not decode_block:
@@ -156,3 +157,30 @@ def test_moe_layers_keep_the_module_path(tmp_path: Path) -> None:
                          BLOCK_SIZE)
     assert [layer.decode_block for layer in runner.model.model.layers] == [False, True]
     assert runner.model.model.decode_stack is None
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_stack_follows_a_new_cache(kv_cache_dtype: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """As serving starts (a profile run, ``free_kv_cache``, the real ``init_kv_cache``): the stack keeps each step's
+    cache arguments between steps (worker/layers/decode_block.py), so after a new cache (and, 8-bit, new scale
+    pools) it must write and read the new one: the second run's tokens, hidden states and caches equal the module
+    path's, and the old cache is left as the first run wrote it."""
+    runs = {}
+    for blocked in (True, False):
+        steps = _Steps(tiny_checkpoints["gqa_tied"], None, decode_block=blocked, kv_cache_dtype=kv_cache_dtype)
+        first = _run(steps)
+        old = [(k.clone(), v.clone()) for k, v in steps.runner.kv_caches]
+        old_refs = list(steps.runner.kv_caches)
+        steps.runner.free_kv_cache()
+        steps.runner.init_kv_cache(num_blocks=64)
+        steps.hidden.clear()
+        runs[blocked] = (first, _run(steps), steps)
+        for (k, v), (k_old, v_old) in zip(old_refs, old, strict=True):  # the freed cache is not written again
+            assert torch.equal(k, k_old) and torch.equal(v, v_old)
+    (first_b, second_b, blocked_steps), (first_m, second_m, module_steps) = runs[True], runs[False]
+    assert first_b == first_m and second_b == second_m == first_m
+    for step, (a, b) in enumerate(zip(blocked_steps.hidden, module_steps.hidden, strict=True)):
+        assert torch.equal(a, b), f"step {step} after the new cache: max difference {(a - b).abs().max().item():.3g}"
+    for (k_a, v_a), (k_b, v_b) in zip(blocked_steps.runner.kv_caches, module_steps.runner.kv_caches, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+        assert k_a.abs().sum() > 0  # written
