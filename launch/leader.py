@@ -72,7 +72,8 @@ class Leader:
         self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size,
                                               config.parallel.pipeline_parallel_size,
                                               config.parallel.enable_expert_parallel,
-                                              kv_cache_dtype=config.cache.kv_cache_dtype)
+                                              kv_cache_dtype=config.cache.kv_cache_dtype,
+                                              quantization=config.load.quantization)
         check_hybrid_combinations(self.model_dir, self.model_config, config)
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model),

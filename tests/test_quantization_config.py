@@ -90,6 +90,27 @@ def test_a_3_bit_gptq_checkpoint_is_refused_at_start_up_before_any_rank(tmp_path
         Leader(ClusterConfig.load_from(None, {"load": {"model": str(model_dir)}}))
 
 
+@pytest.mark.parametrize(("quantization_config", "flag"), [
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True}, "int4"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}, "int8"),
+    (W8A16, "int4"),
+    (None, "fp8"),
+])
+def test_a_flag_that_does_not_apply_is_refused_before_any_rank(tmp_path: Path, quantization_config: dict | None,
+                                                              flag: str) -> None:
+    """``--quantization int4`` on an 8-bit GPTQ checkpoint (it would be served 8-bit while the flag said 4), ``int8``
+    on a 4-bit one, ``fp8`` on a float one: one line before any rank starts (exit code 2), not a rank's failure."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(default_model_dir(), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StartupError, match=rf"cannot serve {model_dir}: --quantization {flag} (does not apply to this "
+                                           r"checkpoint: it is stored quantized|keeps an FP8 checkpoint's weights)"):
+        Leader(ClusterConfig.load_from(None, {"load": {"model": str(model_dir), "quantization": flag}}))
+
+
 def test_the_flag_reaches_every_rank_and_only_int8_is_accepted() -> None:
     config = serve_config(build_parser().parse_args(["serve", "--quantization", "int8", "--tensor-parallel-size", "2"]))
     assert config.load.quantization == "int8" and ClusterConfig().load.quantization is None

@@ -5,9 +5,11 @@ Read by the coordinator before any rank starts (tpserve/quantization_int4.py, no
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tpserve.quantization import checkpoint_quantization, served_quantization
+from tpserve.quantization import check_quantization_flag, checkpoint_quantization, served_quantization
 from tpserve.quantization_int4 import Int4Format, int4_format, layer_formats
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -135,3 +137,26 @@ def test_what_is_reported_names_the_codes_width_not_the_loaders_layer_kind() -> 
         assert checkpoint_quantization({"quantization_config": qc}) == "int4"  # one layer kind for packed codes
         assert served_quantization({"quantization_config": qc}, flag) == want, (qc, flag)
     assert served_quantization({}, None) == "" and served_quantization({}, "int4") == "int4"
+
+
+def test_a_flag_applies_only_where_it_says_what_is_stored() -> None:
+    """``--quantization`` on a checkpoint stored quantized: accepted only when it names the stored width."""
+    mixed = {**W4A16, "config_groups": {
+        "w4": {"targets": ["re:.*mlp.*"], "weights": {**W4A16["config_groups"]["group_0"]["weights"]}},
+        "w8": {"targets": ["re:.*self_attn.*"], "weights": {**W4A16["config_groups"]["group_0"]["weights"],
+                                                           "num_bits": 8, "strategy": "channel"}}}}
+    gptq8 = {**GPTQ, "bits": 8}
+    for qc, accepted, refused in ((GPTQ, ("int4",), ("int8", "fp8")), (gptq8, ("int8",), ("int4", "fp8")),
+                                  (AWQ, ("int4",), ("int8",)), (mixed, (), ("int4", "int8"))):
+        check_quantization_flag({"quantization_config": qc}, None)
+        for flag in accepted:
+            check_quantization_flag({"quantization_config": qc}, flag)
+        for flag in refused:
+            stored = re.escape(served_quantization({"quantization_config": qc}, None))  # int4+int8: a "+"
+            with pytest.raises(ValueError, match=rf"--quantization {flag} does not apply to this checkpoint: it is "
+                                                 rf"stored quantized \({stored} weights"):
+                check_quantization_flag({"quantization_config": qc}, flag)
+    for flag in ("int8", "int4"):  # a float checkpoint is quantized at load
+        check_quantization_flag({}, flag)
+    with pytest.raises(ValueError, match="this checkpoint is not FP8"):
+        check_quantization_flag({}, "fp8")

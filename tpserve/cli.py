@@ -43,10 +43,12 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                           help="where the ranks run; auto: CUDA where a GPU is visible")),
         ("--quantization", dict(choices=("int8", "int4", "fp8"),
                                 help="int8: weight-only int8 linear layers (per-channel scales); int4: weight-only "
-                                     "4-bit (symmetric, groups of 128 input columns), both quantized at load time, "
-                                     "activations in --dtype; fp8: an FP8 checkpoint's linear weights kept as e4m3 "
-                                     "with their scales, converted in registers (without the flag an FP8 checkpoint "
-                                     "is dequantized at load to --dtype) (default: none, or the checkpoint's "
+                                     "4-bit (symmetric, groups of 128 input columns, 32 where 128 does not divide "
+                                     "them), both quantized at load time, activations in --dtype; fp8: an FP8 "
+                                     "checkpoint's linear weights kept as e4m3 with their scales, converted in "
+                                     "registers (without the flag an FP8 checkpoint is dequantized at load to "
+                                     "--dtype). GPTQ, AWQ, compressed-tensors, FP8 and MXFP4 checkpoints need no "
+                                     "flag: read from config.json (default: none, or the checkpoint's "
                                      "quantization_config)")),
         ("--enforce-eager", dict(action="store_true", help="CUDA: run every decode step eagerly, no CUDA graphs")),
         ("--cuda-graph-sizes", dict(type=int, nargs="+", help="CUDA: decode batch sizes to capture as graphs "

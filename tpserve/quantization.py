@@ -121,6 +121,35 @@ def served_quantization(raw_config: dict[str, Any], flag: str | None) -> str:
     return "+".join(f"int{b}" for b in bits)
 
 
+def check_quantization_flag(raw_config: dict[str, Any], flag: str | None) -> None:
+    """Refuse a ``--quantization`` value that does not apply to the checkpoint (the coordinator, before any
+    rank starts; the ranks' loader asks again).
+
+    A checkpoint stored quantized (compressed-tensors int8, GPTQ, AWQ, pack-quantized) is served as stored:
+    a flag is accepted only where it says what is stored (``int4`` on a 4-bit one, ``int8`` on an 8-bit one,
+    :func:`served_quantization`), so an 8-bit GPTQ checkpoint is not taken for the 4-bit one a flag asked for.
+    ``fp8`` keeps an FP8 checkpoint's e4m3 weights: refused on any other checkpoint (MXFP4 included).
+
+    Raises:
+        ValueError: naming the flag and what the checkpoint stores.
+    """
+    if flag is None:
+        return
+    qc = raw_config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if checkpoint_quantization(raw_config) is not None:
+        stored = served_quantization(raw_config, None)
+        if flag != stored:
+            raise ValueError(f"--quantization {flag} does not apply to this checkpoint: it is stored quantized "
+                             f"({stored} weights, quantization_config quant_method {method!r}) and served as "
+                             "stored; drop the flag")
+        return
+    fmt = weight_format(raw_config)
+    if flag == "fp8" and (fmt is None or fmt.kind == "mxfp4"):
+        raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
+                         "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
+
+
 def _check_group(name: str, group: Any, ignore: list[str]) -> None:
     if not isinstance(group, dict):
         raise _refuse(f"config_groups.{name} is not a mapping")

@@ -57,7 +57,7 @@ from safetensors import safe_open
 
 from tpserve.checkpoint import LM_HEAD, check_head_weights, checkpoint_files
 from tpserve.model_config import ModelConfig
-from tpserve.quantization import Quantization
+from tpserve.quantization import Quantization, check_quantization_flag
 from tpserve.weight_formats import WeightFormat, weight_format
 from worker import dequantize
 from worker.kv_quant import kv_scale_kind
@@ -101,18 +101,12 @@ def load_model(
     tied = config.tie_word_embeddings
     # Parameters are allocated uninitialised (torch.empty) on ctx.device: nothing
     # is randomly initialised, and each is written once, by its weight_loader.
-    if config.quantization is not None and quantization not in (None, config.quantization):
-        method = (config.hf_config.get("quantization_config") or {}).get("quant_method")
-        raise ValueError(f"--quantization {quantization} does not apply to this checkpoint: it is stored quantized "
-                         f"(quantization_config quant_method {method!r}) and served as stored; drop the flag")
+    check_quantization_flag(config.hf_config, quantization)  # as the coordinator did (launch/startup.py)
     quantization = config.quantization or quantization
     model = model_class(config.architecture)(config, ctx, dtype, tie_word_embeddings=tied, quantization=quantization)
     fmt = weight_format(config.hf_config)
     qc = config.hf_config.get("quantization_config")
     int4 = layer_formats(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
-    if quantization == "fp8" and (fmt is None or fmt.kind == "mxfp4"):
-        raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
-                         "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
     held = load_weights(model, files, ctx.device, fmt, int4)
     if held:  # once per stage, as the lines below
         (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",
@@ -133,17 +127,22 @@ def load_model(
                 f"{'per output channel' if layer_fmt.group_size == -1 else f'groups of {layer_fmt.group_size}'}, "
                 f"{'symmetric' if layer_fmt.symmetric else 'zero points'}) served as {describe_8bit(layer_fmt)}")
     if fmt is not None and quantization == "fp8":
-        (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} linear weights kept as fp8 "
+        (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description}: the linear layers keep them as fp8 "
                                                       "(--quantization fp8); other tensors dequantized at load")
     elif fmt is not None:
-        served = "int8 per-channel (--quantization int8)" if quantization == "int8" else str(dtype).removeprefix("torch.")
+        float_name = str(dtype).removeprefix("torch.")
+        served = {"int8": "int8 per-channel (--quantization int8)",
+                  "int4": "int4 groups (--quantization int4, round-to-nearest)"}.get(quantization or "", float_name)
         if any(getattr(m, "mxfp4_w8", False) for m in model.modules()):  # worker/layers/moe_mxfp4.py
-            served = (f"{served}, the routed experts held exactly as 8-bit codes with a scale per 32 (10 bits a "
-                      "weight, the w8 kernel)")
+            line = (f"{fmt.description}: the routed experts held exactly as 8-bit codes with a scale per 32 (10 bits "
+                    f"a weight, the w8 kernel); other tensors dequantized at load to {served}")
         elif (why_not := next((m.mxfp4_w8_why_not for m in model.modules()
                                if getattr(m, "mxfp4_w8_why_not", None)), None)) is not None:
-            served = f"{served} (the routed experts too, not as 8-bit codes: {why_not})"
-        (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description} dequantized at load to {served}")
+            line = f"{fmt.description} dequantized at load to {served} (the routed experts too, not as 8-bit codes: " \
+                   f"{why_not})"
+        else:
+            line = f"{fmt.description} dequantized at load to {served}"
+        (log.info if ctx.tp_rank == 0 else log.debug)(line)
     return model.eval()
 
 
@@ -248,6 +247,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                         source = PackedPart(source, parts[name], layer_fmt, name)
                     param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
+                    if stored[name].rpartition(".")[0] + "." in str(error):
+                        raise  # it names the layer's tensor at fault (a packed part's unpacker), not the last read
                     raise ValueError(f"weight {name!r}: {error}") from error
                 shards = param.shard_ids if shard_id is None else (shard_id,)  # type: ignore[attr-defined]
                 loaded |= {(param_name, shard) for shard in shards}

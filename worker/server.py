@@ -151,7 +151,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log.info("shard loaded", rank=opts.rank, world_size=opts.world_size, tp_rank=ctx.tp_rank,
                      tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
                      enable_expert_parallel=ctx.enable_expert_parallel, dtype=str(dtype),
-                     quantization=served_quantization(self._runner.config.hf_config, opts.quantization) or None,
+                     quantization=served_quantization(self._runner.config.hf_config, opts.quantization) or "none",
                      weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
                      num_state_slots_available=self._num_state_slots,

@@ -38,8 +38,9 @@ WRITERS = {
     "compressed_tensors_fp8": (LLAMA, save_compressed_tensors_fp8,
                                "compressed-tensors fp8 e4m3 channel/tensor-scaled weights dequantized at load to "
                                "float32"),
-    "mxfp4": (GPT_OSS_WIDE, save_mxfp4, "mxfp4 experts (e2m1 with e8m0 scales per 32) dequantized at load to "
-                                        "float32, the routed experts held exactly as 8-bit codes"),
+    "mxfp4": (GPT_OSS_WIDE, save_mxfp4, "mxfp4 experts (e2m1 with e8m0 scales per 32): the routed experts held "
+                                        "exactly as 8-bit codes with a scale per 32 (10 bits a weight, the w8 "
+                                        "kernel); other tensors dequantized at load to float32"),
 }
 
 

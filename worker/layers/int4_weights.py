@@ -97,9 +97,9 @@ def new_int4_weights(layer: Any, shape: tuple[int, int], device: torch.device) -
     n, k = shape
     if k % BLOCK:
         raise ValueError(f"int4 needs each rank's input size to be a multiple of {BLOCK}: a linear layer of {n} "
-                         f"outputs has {k} input columns on this rank (its input width over the tensor-parallel "
-                         f"size); serve the model with --quantization int8, or at a tensor_parallel_size that "
-                         f"leaves multiples of {BLOCK}")
+                         f"outputs has {k} input columns on this rank (its input width, over the tensor-parallel "
+                         f"size where the layer splits its input); serve the model with --quantization int8, "
+                         f"which takes any width")
     layer.weight = new_parameter((n, k // 2), torch.uint8, device, layer.weight_loader)
     layer.weight_scale = new_parameter((n, 0, 2), torch.float32, device, layer.weight_loader)
     layer.weight_scale.computed_shard_ids = set()
@@ -167,7 +167,7 @@ def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[in
     full = unpacked_part(layer, source, full_shape, None)
     if full is None:
         return
-    t, perm = column_slice(full, start, size, source.name)
+    t, perm = column_slice(full, start, size, source.name.rpartition(".")[0])  # the layer: the cause is its g_idx
     if perm is not None:
         layer.input_perm = perm
     _write(layer, t, 0, None, source.name)
@@ -200,8 +200,8 @@ def column_slice(full: Int4Tensor, start: int, size: int, name: str) -> tuple[In
         perm = torch.argsort(g_idx, stable=True)
         present, counts = torch.unique(g_idx, return_counts=True)
         if not bool((counts == full.group_size).all()):
-            raise ValueError(f"{name}: act-order g_idx spreads groups over the ranks' input columns at "
-                             f"tensor_parallel_size={full.codes.shape[1] // size}: serve it at tp 1")
+            raise ValueError(f"{name}: act-order (its g_idx, desc_act / actorder) spreads groups over the ranks' "
+                             f"input columns at tensor_parallel_size={full.codes.shape[1] // size}: serve it at tp 1")
         return Int4Tensor(full.codes[:, start:start + size][:, perm].contiguous(), full.scales[:, present],
                           full.zeros[:, present], torch.arange(size) // full.group_size), perm
     group = full.group_size

@@ -170,7 +170,7 @@ def rank_part(moe: Any, full: Int4Tensor, kind: str, slot: int, start: int, loca
     """
     if kind == "down":
         try:
-            t, perm = column_slice(full, start, local, name)
+            t, perm = column_slice(full, start, local, name.rpartition(".")[0])  # the expert: its g_idx is the cause
         except ValueError as error:
             raise ValueError(f"{error} (experts: --enable-expert-parallel holds whole ones)") from error
     else:
