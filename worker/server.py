@@ -167,8 +167,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _int4_layout(self) -> dict[str, int]:
         """For an int4 model, how many of its weights the CPU kernel's tile layout holds (repacked at load on
         AMX-INT8 CPUs: worker/layers/int4_matmul.py), for the ``shard loaded`` line; else nothing."""
-        if self._runner is None or self._runner.model.quantization != "int4":
-            return {}
+        if self._runner is None or self._runner.model.quantization != "int4" \
+                or "int4" not in served_quantization(self._runner.config.hf_config, self.options.quantization):
+            return {}  # no 4-bit layer (an 8-bit packed checkpoint is the same layer kind)
         from worker.layers.int4_matmul import tile_layout_layers
 
         return {"int4_tile_layout_layers": tile_layout_layers(self._runner.model)}

@@ -72,7 +72,8 @@ def test_quantized_moe_serving_at_tp2_prints_transformers_greedy_text(source: st
     assert json.loads(printed.stdout)["token_ids"] == want
     loaded = [json.loads(line) for line in log_path.read_text().splitlines() if '"shard loaded"' in line]
     assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["quantization"] for e in loaded} == {"int8" if source == "gptq8" else "int4"}
-    assert {e["int4_tile_layout_layers"] for e in loaded} == {0}  # 64-wide experts, hidden 64: no shape fits the tiles
+    # 64-wide experts, hidden 64: no shape fits the tiles; an 8-bit checkpoint has no 4-bit layer to count
+    assert [e.get("int4_tile_layout_layers") for e in loaded] == ([None, None] if source == "gptq8" else [0, 0])
     float32_bytes = sum(p.stat().st_size for p in float_dir.glob("*.safetensors"))
     bound = 0.35 if source == "gptq8" else 0.2
     assert all(e["weight_bytes"] < bound * float32_bytes for e in loaded), (loaded, float32_bytes)
