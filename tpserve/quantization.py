@@ -102,8 +102,9 @@ def served_quantization(raw_config: dict[str, Any], flag: str | None) -> str:
     """What ``ModelInfo.quantization`` and the start-up log lines report: the width of the decoder's
     quantized linear weights as served.
 
-    ``""`` for float weights (a float checkpoint without ``flag``; an FP8 or MXFP4 checkpoint dequantized
-    at load); ``"int8"``, ``"int4"`` or ``"fp8"`` for ``--quantization`` (``flag``) on a float or FP8
+    ``""`` for float linear layers (a float checkpoint without ``flag``; an FP8 checkpoint dequantized at
+    load; gpt-oss's MXFP4 checkpoint, whose routed experts, not linear layers, a CPU rank holds as 8-bit
+    codes, said in its start-up line); ``"int8"``, ``"int4"`` or ``"fp8"`` for ``--quantization`` (``flag``) on a float or FP8
     checkpoint, for a compressed-tensors int8 checkpoint, and for a packed GPTQ / AWQ / compressed-tensors
     checkpoint by its codes' width: ``"int4"``, ``"int8"``, or ``"int4+int8"`` for a mixed-precision
     one (the loaders hold all of them as one layer kind, :data:`Quantization` ``"int4"``, so that kind

@@ -46,6 +46,7 @@ their layer's ``weight`` and handed over as :class:`~worker.layers.int4_weights.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Collection
 from pathlib import Path
@@ -120,12 +121,13 @@ def load_model(
         (log.info if ctx.tp_rank == 0 else log.debug)(
             f"the LM head is stored {head_fmt.bits}-bit ({head_fmt.method} lm_head): dequantized at load to "
             f"{str(dtype).removeprefix('torch.')}")
-    for layer_fmt in sorted(int4.formats if int4 is not None else (), key=str):
-        if layer_fmt.bits == 8:
-            (log.info if ctx.tp_rank == 0 else log.debug)(
-                f"8-bit {layer_fmt.method} weights ("
-                f"{'per output channel' if layer_fmt.group_size == -1 else f'groups of {layer_fmt.group_size}'}, "
-                f"{'symmetric' if layer_fmt.symmetric else 'zero points'}) served as {describe_8bit(layer_fmt)}")
+    for layer_fmt in sorted(int4.formats if int4 is not None else (), key=str):  # a line per format, 4- and 8-bit
+        served_as = describe_8bit(layer_fmt) if layer_fmt.bits == 8 else "int4 codes as stored, group-wise"
+        (log.info if ctx.tp_rank == 0 else log.debug)(
+            f"{layer_fmt.bits}-bit {layer_fmt.method} weights ("
+            f"{'per output channel' if layer_fmt.group_size == -1 else f'groups of {layer_fmt.group_size}'}, "
+            f"{'symmetric' if layer_fmt.symmetric else 'zero points'}{', act-order' if layer_fmt.desc_act else ''}) "
+            f"served as {served_as}")
     if fmt is not None and quantization == "fp8":
         (log.info if ctx.tp_rank == 0 else log.debug)(f"{fmt.description}: the linear layers keep them as fp8 "
                                                       "(--quantization fp8); other tensors dequantized at load")
@@ -247,8 +249,8 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
                         source = PackedPart(source, parts[name], layer_fmt, name)
                     param.weight_loader(param, source, shard_id)  # type: ignore[attr-defined]
                 except ValueError as error:
-                    if stored[name].rpartition(".")[0] + "." in str(error):
-                        raise  # it names the layer's tensor at fault (a packed part's unpacker), not the last read
+                    if re.search(re.escape(stored[name].rpartition(".")[0]) + r"[.:]", str(error)):
+                        raise  # it names the layer or its tensor at fault (a packed part's unpacker), not the last read
                     raise ValueError(f"weight {name!r}: {error}") from error
                 shards = param.shard_ids if shard_id is None else (shard_id,)  # type: ignore[attr-defined]
                 loaded |= {(param_name, shard) for shard in shards}

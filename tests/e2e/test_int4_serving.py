@@ -58,6 +58,7 @@ def test_a_w4a16_checkpoint_served_at_tp2_gives_transformers_tokens(fixture: str
         assert "layers the checkpoint stores unquantized served in float" in log
         assert "model.layers.0.mlp.down_proj" in log
         assert "8-bit compressed-tensors weights (per output channel, symmetric) served as int8" in log
+        assert "4-bit compressed-tensors weights (groups of 32, zero points) served as int4 codes as stored" in log
 
 
 def test_a_corrupt_int4_checkpoint_is_refused_at_start_up(w4a16: tuple[Path, Path], tmp_path: Path) -> None:
