@@ -78,7 +78,8 @@ class Leader:
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model),
                                       config.parallel.tensor_parallel_size,
-                                      enable_expert_parallel=config.parallel.enable_expert_parallel, draft=True)
+                                      enable_expert_parallel=config.parallel.enable_expert_parallel, draft=True,
+                                      kv_cache_dtype=config.cache.kv_cache_dtype)  # the draft's cache is 8-bit too
             if draft.vocab_size != self.model_config.vocab_size:
                 raise StartupError(f"--speculative-model {config.speculative.speculative_model} has vocab_size="
                                    f"{draft.vocab_size}, the model {self.model_config.vocab_size}: a draft model "

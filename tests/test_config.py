@@ -157,8 +157,8 @@ def test_the_rank_gets_the_tensor_parallel_size_as_itself() -> None:
                    address="unix:///x", init_method="file:///y")
 
 
-def test_kv_cache_dtype_choices_and_the_draft_model_refusal() -> None:
-    """``--kv-cache-dtype`` (vLLM's choices) reaches the rank; an 8-bit cache with a draft model is refused in one line."""
+def test_kv_cache_dtype_choices() -> None:
+    """``--kv-cache-dtype`` (vLLM's choices) reaches the rank, with a draft model too; another value is refused."""
     from launch.local_ranks import LocalRanks
     from launch.topology import GroupLayout
     from tpserve.cli import serve_config
@@ -172,7 +172,7 @@ def test_kv_cache_dtype_choices_and_the_draft_model_refusal() -> None:
     assert worker_options(RankConfig.from_json(sent.to_json())).kv_cache_dtype == "fp8"
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         ClusterConfig.load_from(None, {"cache": {"kv_cache_dtype": "fp16"}})
-    with pytest.raises(ValidationError, match="--kv-cache-dtype int8 does not combine with --speculative-method draft"):
-        ClusterConfig.load_from(None, {"cache": {"kv_cache_dtype": "int8"},
-                                       "speculative": {"speculative_method": "draft", "speculative_model": "d",
-                                                       "num_speculative_tokens": 2}})
+    drafted = ClusterConfig.load_from(None, {"cache": {"kv_cache_dtype": "int8"},
+                                             "speculative": {"speculative_method": "draft", "speculative_model": "d",
+                                                             "num_speculative_tokens": 2}})
+    assert (drafted.cache.kv_cache_dtype, drafted.speculative.speculative_method) == ("int8", "draft")

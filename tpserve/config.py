@@ -339,13 +339,6 @@ class ClusterConfig(FrozenSection):
         return self
 
     @model_validator(mode="after")
-    def _check_kv_cache_dtype(self) -> ClusterConfig:
-        if self.cache.kv_cache_dtype != "auto" and self.speculative.speculative_method == "draft":
-            raise ValueError(f"--kv-cache-dtype {self.cache.kv_cache_dtype} does not combine with "
-                             "--speculative-method draft (the draft's cache is not 8-bit); use ngram or auto")
-        return self
-
-    @model_validator(mode="after")
     def _check_bind_lists(self) -> ClusterConfig:
         lists = parse_bind(self.load.cpu_omp_threads_bind)
         local_ranks = self.parallel.world_size // self.parallel.nnodes

@@ -3,7 +3,9 @@
 Sharded over the same tensor-parallel group as the target (worker/loader.py), with
 its own paged KV cache of the same number of blocks, indexed by the **same block
 tables**: a block id names the same token positions in both caches, so the
-coordinator's allocator, prefix cache and rollback cover the draft's K/V too.
+coordinator's allocator, prefix cache and rollback cover the draft's K/V too. With an 8-bit
+target cache (``--kv-cache-dtype fp8|int8``) the draft's is 8-bit too, with its own scale pools and
+key offsets (worker/kv_quant.py), so that the pair's blocks shrink alike.
 
 Per step (called by :class:`worker.model_runner.ModelRunner` before the target's pass):
 
@@ -34,7 +36,7 @@ from tpserve.step import SamplingParams, ScheduledChunk
 from worker.kv_cache import KVCacheLayout
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
-from worker.attention import paged_kernel_available
+from worker.attention import PagedAttention, paged_kernel_available
 from worker.kernels.triton_attention import triton_attention_available
 from worker.step_inputs import StepInputs, build_step_inputs
 
@@ -47,9 +49,12 @@ class DraftModel:
     Args:
         model_dir: the draft's Hugging Face checkpoint directory.
         ctx: the tensor-parallel group (the target's).
-        dtype: weights, activations and KV cache dtype.
+        dtype: weights and activations dtype.
         block_size: tokens per KV block (the target's).
         vocab_size: the target's vocabulary size; the draft's must equal it.
+        kv_cache_dtype: the cache's storage dtype, the target's (``--kv-cache-dtype``): ``dtype`` (None), or
+            ``int8`` / ``float8_e4m3fn`` codes with per-token scales and a calibrated key offset per layer
+            (worker/kv_quant.py), as the target's cache holds them, so that the pair's blocks shrink alike.
 
     Raises:
         ValueError: another vocabulary size, a draft that cannot be split
@@ -57,7 +62,7 @@ class DraftModel:
     """
 
     def __init__(self, model_dir: str | Path, ctx: ParallelContext, dtype: torch.dtype, block_size: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.config = ModelConfig.from_pretrained(model_dir)
         if self.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {model_dir} has vocab_size={self.config.vocab_size}; "
@@ -65,9 +70,13 @@ class DraftModel:
         self.config.check_tensor_parallel(ctx.tp_size)
         self.ctx = ctx
         self.block_size = block_size
-        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, dtype)
+        self.kv_layout = KVCacheLayout.for_model(self.config, ctx.tp_size, block_size, kv_cache_dtype or dtype)
         self.model = load_model(model_dir, self.config, ctx, dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: An 8-bit cache: the draft's PagedAttention modules, which hold its scale pools and key offsets (the
+        #: target's runner calibrates the offsets with its own, on the same prompt: ModelRunner.init_kv_cache).
+        self.kv_layers = ([m for m in self.model.modules() if isinstance(m, PagedAttention)]
+                          if self.kv_layout.quantized else [])
         self._workspace: dict[str, torch.Tensor] = {}
         #: Whether the compiled paged attention takes the draft's steps (its head size may differ).
         self.paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
@@ -75,8 +84,12 @@ class DraftModel:
         self.triton_decode = triton_attention_available(ctx.device, block_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` blocks per layer (the target's block ids)."""
+        """Allocate ``num_blocks`` blocks per layer (the target's block ids), and an 8-bit cache's scale pools."""
         self.kv_caches = self.kv_layout.allocate(num_blocks, self.ctx.device)
+        if self.kv_layers:
+            pools = self.kv_layout.allocate_scales(num_blocks, self.ctx.device)
+            for attn, (k_scale, v_scale) in zip(self.kv_layers, pools, strict=True):
+                attn.set_kv_scales(k_scale, v_scale)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []

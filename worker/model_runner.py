@@ -108,7 +108,7 @@ class ModelRunner:
     Raises:
         ValueError: the model cannot be split ``ctx.tp_size`` ways (the message
             names the dimension), an unsupported dtype or architecture, or a
-            checkpoint with missing/unexpected weights; an 8-bit KV cache with a draft model;
+            checkpoint with missing/unexpected weights;
             ``lora`` on CUDA, with a draft model or pipeline stages, or a refused adapter.
     """
 
@@ -118,9 +118,6 @@ class ModelRunner:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; expected one of {SUPPORTED_DTYPES}")
         self.kv_cache_dtype = cache_dtype(kv_cache_dtype, dtype)
-        if self.kv_cache_dtype != dtype and draft_model_dir is not None:
-            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported with a draft model "
-                             "(--speculative-model); use --kv-cache-dtype auto or ngram speculation")
         if lora is not None:  # before the weights load: a refused combination costs nothing
             check_lora_supported(ctx.device.type, draft_model_dir is not None, ctx.pp.pp_size)
         self.config = ModelConfig.from_pretrained(model_dir)
@@ -148,7 +145,7 @@ class ModelRunner:
         self._kv_uncalibrated = bool(self._kv_layers)
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
-                                                                     self.config.vocab_size)
+                                                                     self.config.vocab_size, self.kv_cache_dtype)
         self.kv_layout = self._target_layout if self.draft is None else \
             PairedKVCacheLayout(self._target_layout, self.draft.kv_layout)
         self._grammars = GrammarCache(model_dir, self.config.vocab_size)  # structured output, rank 0, lazily
@@ -251,11 +248,14 @@ class ModelRunner:
         blocks = tuple(range(-(-num_tokens // self.block_size)))
         chunk = ScheduledChunk(0, calibration_token_ids(self.config.vocab_size, num_tokens), 0, blocks, sample=False)
         plans = (StepPlan(0, (NewSequence(0, SamplingParams()),), (chunk,)), StepPlan(1, finished_seq_ids=(0,)))
-        calibrate(self._kv_layers, lambda: [self.execute(plan) for plan in plans])
+        # A draft model runs on every step's tokens (propose), so the same prompt calibrates its layers too.
+        layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
+        calibrate(layers, lambda: [self.execute(plan) for plan in plans])
         self._kv_uncalibrated = False
-        offsets = torch.stack([cast(torch.Tensor, a.k_offset) for a in self._kv_layers])  # (L, KVH, d), set now
+        offsets = torch.cat([cast(torch.Tensor, a.k_offset).flatten() for a in layers])  # every layer's, set now
         log.info("kv cache key offsets calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                 tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank, tokens=num_tokens, k_offset_min=float(offsets.min()), k_offset_max=float(offsets.max()))
+                 tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank, tokens=num_tokens, layers=len(layers),
+                 k_offset_min=float(offsets.min()), k_offset_max=float(offsets.max()))
 
     @property
     def kv_scales(self) -> list[KVScales]:
@@ -271,8 +271,9 @@ class ModelRunner:
     def _tier_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What a block is on this rank, as the host tier copies it: every layer's ``(k, v)`` cache, a draft
         model's after them, and an 8-bit cache's per-token scale pools ``(num_blocks, kv_heads, block_size)``
-        (worker/kv_quant.py: a block's codes mean nothing without them)."""
-        scales = [(attn.kv_scales[0], attn.kv_scales[1]) for attn in self._kv_layers if attn.kv_scales]
+        (worker/kv_quant.py: a block's codes mean nothing without them), the target's then the draft's."""
+        layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
+        scales = [(attn.kv_scales[0], attn.kv_scales[1]) for attn in layers if attn.kv_scales]
         return self.kv_caches + (self.draft.kv_caches if self.draft is not None else []) + scales
 
     def free_kv_cache(self) -> None:

@@ -85,12 +85,75 @@ def test_the_pool_holds_2d_over_d_plus_2_times_the_blocks_of_a_16_bit_cache(kv_c
         assert torch.equal(mine, theirs)  # the same server, the same offsets: whatever the pool's size
 
 
-def test_an_unknown_kv_cache_dtype_and_a_draft_model_are_refused(tmp_path: Path) -> None:
+def test_an_unknown_kv_cache_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16'"):
         ModelRunner(default_model_dir(), ParallelContext.single(), torch.float32, 16, kv_cache_dtype="fp16")
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8 is not supported with a draft model"):
-        ModelRunner(default_model_dir(), ParallelContext.single(), torch.float32, 16,
-                    draft_model_dir=default_model_dir(), kv_cache_dtype="int8")
+
+
+@requires_stories
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("draft", ["self", "random"])
+def test_a_draft_models_cache_is_8_bit_too(stories_dir: Path, tmp_path: Path, kv_cache_dtype: str, draft: str) -> None:
+    """``--speculative-method draft`` with an 8-bit cache: the draft's cache holds codes, per-token scales and its
+    own calibrated key offsets (the same block ids), sized with the target's, and the greedy tokens through the
+    real scheduler are those of the same 8-bit cache without speculation. Drafting for itself, stories260k's
+    proposals are all but always accepted only if the draft's 8-bit K/V are right (its offsets are then the
+    target's, bit for bit: the same layers on the same calibration prompt); a random draft's are nearly all
+    rejected (the rollback path)."""
+    from coordinator.block_allocator import BlockAllocator
+    from coordinator.ngram_proposer import DraftModelProposer
+    from coordinator.scheduler import Scheduler
+    from coordinator.sequence import Sequence, StopParams
+    from tests.paths import load_goldens
+
+    spec = TinyModelSpec("draft512", "llama", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                               "vocab_size": 512, "tie_word_embeddings": True}, seed=7)
+    draft_dir = stories_dir if draft == "self" else save_tiny_model(spec, tmp_path / spec.name)
+    num_blocks, block_size = 160, 8
+    runner = ModelRunner(stories_dir, ParallelContext.single(), torch.float32, block_size,
+                         draft_model_dir=draft_dir, kv_cache_dtype=kv_cache_dtype)
+    runner.init_kv_cache(num_blocks)
+    assert runner.draft is not None
+    codes = EIGHT_BIT[kv_cache_dtype]
+    assert {c.dtype for pair in runner.draft.kv_caches for c in pair} == {codes}
+    draft_scales = [a.kv_scales for a in runner.draft.kv_layers]
+    assert len(draft_scales) == runner.draft.config.num_hidden_layers
+    pool_bytes = sum(t.numel() * t.element_size() for pair in runner.kv_caches + runner.draft.kv_caches for t in pair)
+    scale_bytes = sum(t.numel() * t.element_size() for k, v, _ in runner.kv_scales + draft_scales for t in (k, v))
+    assert pool_bytes + scale_bytes == num_blocks * runner.kv_layout.bytes_per_block
+    float_pair = ModelRunner(stories_dir, ParallelContext.single(), torch.float32, block_size, draft_model_dir=draft_dir)
+    assert float_pair.draft is not None and runner.draft.kv_layout.quantized
+    for floats, eight in ((float_pair._target_layout, runner._target_layout),
+                          (float_pair.draft.kv_layout, runner.draft.kv_layout)):  # 4d / (d + 2) x float32's blocks each
+        d = eight.spec.first[1]  # stories260k 8 (3.2x), the random draft 16 (3.6x)
+        assert floats.bytes_per_block * (d + 2) == eight.bytes_per_block * 4 * d
+    for _, _, k_offset in draft_scales:
+        assert bool(k_offset.isfinite().all()) and bool(k_offset.abs().sum() > 0)  # calibrated
+    if draft == "self":
+        for (_, _, mine), (_, _, target) in zip(draft_scales, runner.kv_scales, strict=True):
+            assert torch.equal(mine, target)
+
+    goldens = load_goldens()
+    prompts = [list(g["prompt_token_ids"]) for g in goldens]
+    want = teacher_forced(eight_bit_runner(stories_dir, kv_cache_dtype, num_blocks=96), prompts, None, 24)
+    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs=16, max_num_batched_tokens=256,
+                          enable_prefix_caching=True, check_writes=True, proposer=DraftModelProposer(3))
+    seqs = [Sequence(i, p, GREEDY, StopParams(24, frozenset()), 512) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.execute(plan))
+        scheduler.check_invariants()
+    runner.execute(scheduler.schedule())  # the last drops
+    assert runner.num_sequences == 0 and scheduler.allocator.num_free_blocks == num_blocks
+    assert [seq.output_token_ids for seq in seqs] == want
+    stats = scheduler.spec
+    assert stats.num_drafts > 20
+    if draft == "self":
+        assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
+    else:
+        assert stats.num_accepted_tokens < 0.5 * stats.num_draft_tokens, stats
 
 
 def _paged_case(dtype: torch.dtype, seed: int = 0):

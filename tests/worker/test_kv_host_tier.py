@@ -5,7 +5,8 @@
   the same tokens as an unbounded pool; without the tier the same pool finds nothing;
 - preemption by swap gives the same tokens as preemption by recompute and as an unbounded pool;
 - a block in the tier is never served to another namespace;
-- the 8-bit cache, the latent (MLA) cache and a draft model's cache come back from the tier as they went.
+- the 8-bit cache, the latent (MLA) cache and a draft model's cache (float or 8-bit) come back from the tier
+  as they went.
 """
 
 from __future__ import annotations
@@ -154,15 +155,19 @@ def test_latent_attention_blocks_come_back_from_the_tier(stories_dir: Path, tmp_
     assert outputs[TIER] == outputs[0]
 
 
-def test_a_draft_models_blocks_travel_with_the_targets(stories_dir: Path) -> None:
-    """The draft's cache (the same block ids) has host slots beside the target's: with stories260k drafting for
-    itself every proposal is right only if the draft's K/V came back from the tier too."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_draft_models_blocks_travel_with_the_targets(stories_dir: Path, kv_cache_dtype: str) -> None:
+    """The draft's cache (the same block ids) has host slots beside the target's, an 8-bit cache's scale pools
+    too: with stories260k drafting for itself every proposal is right only if the draft's K/V came back from the
+    tier as well."""
     from coordinator.ngram_proposer import DraftModelProposer
 
     runs = {}
-    for num_blocks, num_host_blocks in ((UNBOUNDED, 0), (POOL, TIER)):
+    # An 8-bit pool of 32 blocks at least: the calibration prompt's 128 tokens, so both runs share their offsets.
+    pool = POOL if kv_cache_dtype == "auto" else 32
+    for num_blocks, num_host_blocks in ((UNBOUNDED, 0), (pool, TIER)):
         runner = ModelRunner(stories_dir, ParallelContext.single(), torch.float32, block_size=BLOCK_SIZE,
-                             draft_model_dir=stories_dir)
+                             draft_model_dir=stories_dir, kv_cache_dtype=kv_cache_dtype)
         runner.init_kv_cache(num_blocks, num_host_blocks=num_host_blocks)
         tier = HostTier(num_host_blocks, BLOCK_SIZE) if num_host_blocks else None
         scheduler = Scheduler(BlockAllocator(num_blocks, BLOCK_SIZE), max_num_seqs=8, max_num_batched_tokens=256,
