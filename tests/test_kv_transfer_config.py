@@ -64,9 +64,15 @@ def test_bad_values_are_refused_in_one_line_naming_the_flag(text: str, message: 
 
 @pytest.mark.parametrize(("flags", "needs"), [
     (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size 1"),
-    (("--kv-cache-dtype", "int8"), "--kv-cache-dtype auto"),
     (("--no-enable-prefix-caching",), "--enable-prefix-caching"),
 ])
 def test_what_a_transfer_cannot_carry_is_refused_at_start_up(flags: tuple[str, ...], needs: str) -> None:
     error = _error("--kv-transfer-config", '{"kv_connector": "NixlConnector"}', *flags)
     assert f"--kv-transfer-config needs {needs}" in error
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_an_8_bit_cache_is_carried(kv_cache_dtype: str) -> None:
+    """Its scale pools move with the codes (worker/kv_transfer/blocks.py); no start-up refusal."""
+    config = _config("--kv-transfer-config", '{"kv_connector": "NixlConnector"}', "--kv-cache-dtype", kv_cache_dtype)
+    assert config.cache.kv_cache_dtype == kv_cache_dtype and config.kv_transfer.kv_transfer_config is not None

@@ -307,13 +307,13 @@ class ClusterConfig(FrozenSection):
     @model_validator(mode="after")
     def _check_kv_transfer(self) -> ClusterConfig:
         """Refuses, in one line, what a KV transfer (tpserve/kv_transfer_config.py) cannot carry: pipeline stages
-        (a block is one stage's), an 8-bit cache (its scale pools are not sent), prefix caching off (the blocks
-        handed over are the prefix cache's) and a draft model (its cache would have to move too)."""
+        (a block is one stage's), prefix caching off (the blocks handed over are the prefix cache's) and a draft
+        model (its cache would have to move too). An 8-bit cache moves with its scale pools; replicas whose
+        caches differ (storage type, key offsets) refuse each other's blocks at the pull (a local prefill)."""
         if self.kv_transfer.kv_transfer_config is None:
             return self
         refused = [why for refuse, why in (
             (self.parallel.pipeline_parallel_size > 1, "--pipeline-parallel-size 1"),
-            (self.cache.kv_cache_dtype != "auto", "--kv-cache-dtype auto"),
             (self.cache.enable_prefix_caching is False, "--enable-prefix-caching"),
             (self.speculative.speculative_method == "draft", "no --speculative-method draft")) if refuse]
         if refused:

@@ -122,7 +122,7 @@ def start_kv_agent(config: RankConfig, servicer: WorkerServicer, secret: str | N
 
     transport = make_transport(kv.transport, config.rank, config.world_size, secret)
     agent = KVAgent(kv.side_channel_host, kv.side_channel_port + config.rank, config.rank, config.world_size, secret,
-                    lambda: servicer.kv_caches, transport)
+                    lambda: servicer.kv_caches, transport, lambda: servicer.kv_codec)
     agent.start()
     return agent
 

@@ -33,6 +33,7 @@ Observing logits (tests, debugging): after ``execute``, rank 0's
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from itertools import compress
 from dataclasses import replace
@@ -224,7 +225,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        self.host_tier = None if not num_host_blocks else HostKVTier(self._tier_caches(), num_host_blocks)
+        self.host_tier = None if not num_host_blocks else HostKVTier(self.block_tensors(), num_host_blocks)
         if self._kv_uncalibrated:  # before any graph captures the key offsets
             self._calibrate_kv_offsets()
         if graphs:
@@ -264,14 +265,29 @@ class ModelRunner:
         return [cast(KVScales, a.kv_scales) for a in self._kv_layers]  # set at init
 
     @property
+    def kv_codec(self) -> str:
+        """What this rank's cache codes mean beyond their bytes, which a peer's blocks must share to be read here
+        (a KV transfer's layout check, worker/kv_transfer/agent.py): "" for a float cache; for an 8-bit one its
+        storage type and a digest of every layer's key offset (codes are stored less it; worker/kv_quant.py),
+        so that two replicas whose calibrations differ in a bit refuse each other's blocks."""
+        layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
+        if not layers or self._kv_uncalibrated:
+            return ""
+        digest = hashlib.sha256()
+        for attn in layers:
+            digest.update(cast(torch.Tensor, attn.k_offset).detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return f"{str(self.kv_cache_dtype).removeprefix('torch.')}:k_offset={digest.hexdigest()[:16]}"
+
+    @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:
         """The decode batch sizes replayed from graphs (empty: every step eager)."""
         return () if self._graphs is None else self._graphs.sizes
 
-    def _tier_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """What a block is on this rank, as the host tier copies it: every layer's ``(k, v)`` cache, a draft
-        model's after them, and an 8-bit cache's per-token scale pools ``(num_blocks, kv_heads, block_size)``
-        (worker/kv_quant.py: a block's codes mean nothing without them), the target's then the draft's."""
+    def block_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What a block is on this rank, as the host tier and a KV transfer copy it: every layer's ``(k, v)``
+        cache, a draft model's after them, and an 8-bit cache's per-token scale pools ``(num_blocks, kv_heads,
+        block_size)`` (worker/kv_quant.py: a block's codes mean nothing without them), the target's then the
+        draft's. Empty before :meth:`init_kv_cache`."""
         layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
         scales = [(attn.kv_scales[0], attn.kv_scales[1]) for attn in layers if attn.kv_scales]
         return self.kv_caches + (self.draft.kv_caches if self.draft is not None else []) + scales
@@ -319,7 +335,7 @@ class ModelRunner:
         if plan.kv_swap_out or plan.kv_swap_in:  # the host tier's copies come first (tpserve/step.py)
             if self.host_tier is None:
                 raise ValueError(f"step {plan.step_id}: host-tier copies but this rank has no host tier")
-            self.host_tier.copy(self._tier_caches(), plan.kv_swap_out, plan.kv_swap_in)
+            self.host_tier.copy(self.block_tensors(), plan.kv_swap_out, plan.kv_swap_in)
         seqs, batch = self._seqs, self._batch
         for seq_id in plan.finished_seq_ids:
             if seqs.pop(seq_id, None) is not None:

@@ -106,10 +106,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @property
     def kv_caches(self) -> list:
-        """This rank's KV cache tensors, per layer (empty before InitCache): the KV agent's view
-        (worker/kv_transfer/agent.py)."""
+        """This rank's block tensors (empty before InitCache): every layer's KV cache, and an 8-bit cache's
+        scale pools (``ModelRunner.block_tensors``): the KV agent's view (worker/kv_transfer/agent.py)."""
         runner = self._runner
-        return runner.kv_caches if runner is not None else []
+        return runner.block_tensors() if runner is not None else []
+
+    @property
+    def kv_codec(self) -> str:
+        """What the cache's codes mean beyond their bytes (``ModelRunner.kv_codec``; "" before InitCache)."""
+        runner = self._runner
+        return runner.kv_codec if runner is not None and runner.num_blocks else ""
 
     def load(self) -> None:
         """Joins the process group, loads this rank's shard and sizes its KV cache (background thread)."""

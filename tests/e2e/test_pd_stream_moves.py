@@ -1,8 +1,8 @@
 """A moved stream carries its KV: two ``kv_both`` replicas of stories260k (tp 1); the one serving the
 streams is stopped with SIGTERM, hands each stream's blocks over and ends it with UNAVAILABLE; the
 client continues each on the other replica, which pulls the blocks of prompt + delivered tokens
-instead of recomputing them (coordinator/kv_transfer/stream_moves.py). Tokens are checked against
-the kept replica alone."""
+instead of recomputing them (coordinator/kv_transfer/stream_moves.py), with a float cache and with an
+8-bit one. Tokens are checked against the kept replica alone."""
 
 from __future__ import annotations
 
@@ -28,12 +28,15 @@ BLOCK_SIZE = 16
 SAMPLING = [dict(temperature=0.0), dict(temperature=0.9, seed=11), dict(temperature=0.0), dict(temperature=0.7, seed=3)]
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningCluster, RunningCluster]]:
-    tmp = tmp_path_factory.mktemp("pd-moves")
+@pytest.fixture(scope="module", params=["auto", "int8"], ids=lambda dtype: f"kv-{dtype}")
+def replicas(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningCluster, RunningCluster]]:
+    """Two kv_both replicas, with a float cache or an 8-bit one (its blocks move with their scale pools)."""
+    tmp = tmp_path_factory.mktemp(f"pd-moves-{request.param}")
+    flags = ("--kv-cache-dtype", request.param)
     with ExitStack() as stack:
-        doomed = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "a", tmp / "a.log"))
-        kept = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "b", tmp / "b.log"))
+        doomed = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "a", tmp / "a.log", *flags))
+        kept = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "b", tmp / "b.log", *flags))
         yield doomed, kept
 
 

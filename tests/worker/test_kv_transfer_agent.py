@@ -50,15 +50,27 @@ def _caches(seed: int, heads: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]
              torch.randn(NUM_BLOCKS, BLOCK_SIZE, heads, 8, generator=g)) for _ in range(NUM_LAYERS)]
 
 
-def _replica(role: str, seed: int, secret: str | None = SECRET, **extra: object) -> Replica:
+def _eight_bit_caches(seed: int, heads: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An 8-bit cache as a rank's block tensors list it (ModelRunner.block_tensors): per layer int8 codes
+    ``(NUM_BLOCKS, BLOCK_SIZE, heads, 8)``, then per layer the bfloat16 scale pools ``(NUM_BLOCKS, heads, BLOCK_SIZE)``."""
+    g = torch.Generator().manual_seed(seed)
+    codes = [tuple(torch.randint(-127, 128, (NUM_BLOCKS, BLOCK_SIZE, heads, 8), generator=g, dtype=torch.int8)
+                   for _ in range(2)) for _ in range(NUM_LAYERS)]
+    scales = [tuple(torch.rand(NUM_BLOCKS, heads, BLOCK_SIZE, generator=g).to(torch.bfloat16) for _ in range(2))
+              for _ in range(NUM_LAYERS)]
+    return codes + scales  # type: ignore[return-value]
+
+
+def _replica(role: str, seed: int, secret: str | None = SECRET, codec: str = "", **extra: object) -> Replica:
+    """Two ranks' agents with their caches: float32 ones, or with ``codec`` an 8-bit cache's (its codes' meaning)."""
     port = free_port_range(TP)
     config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, engine_id=role,
                               kv_connector_extra_config={"side_channel_port": port, **extra})
-    caches = [_caches(seed * 10 + rank) for rank in range(TP)]
+    caches = [(_eight_bit_caches if codec else _caches)(seed * 10 + rank) for rank in range(TP)]
     agents = []
     for rank in range(TP):
         agent = KVAgent("127.0.0.1", port + rank, rank, TP, secret, lambda c=caches[rank]: c,
-                        TcpTransport(rank, TP, secret))
+                        TcpTransport(rank, TP, secret), lambda: codec)
         agent.start()
         agents.append(agent)
     registry = CollectorRegistry()
@@ -123,6 +135,37 @@ def test_each_decode_rank_gets_its_prefill_ranks_blocks_and_the_prefill_frees_th
     assert prefill.metric("tpserve:kv_transfer_blocks_total", direction="sent", transport="tcp") == 4
     assert decode.metric("tpserve:kv_transfer_seconds_count", transport="tcp") == 1
     assert kv.remote_block_ids == blocks
+
+
+@pytest.mark.parametrize("decode_codec", ["int8:k_offset=00aa", "int8:k_offset=00ab"])
+def test_an_8_bit_cache_moves_with_its_scale_pools_between_replicas_of_one_codec(decode_codec: str) -> None:
+    """Codes and their per-token scale pools move block for block; a decode replica whose codes mean something
+    else (another storage type or key offset: ModelRunner.kv_codec) refuses them before a byte is written."""
+    prefill = _replica("kv_producer", 1, codec="int8:k_offset=00aa", hold_timeout_s=2.0)
+    decode = _replica("kv_consumer", 2, codec=decode_codec, pull_timeout_s=2.0)
+    before = [[(k.clone(), v.clone()) for k, v in rank] for rank in decode.caches]
+    try:
+        async def run():
+            blocks = _prefill(prefill)
+            kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
+            return blocks, await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
+
+        blocks, held = asyncio.run(run())
+    finally:
+        for agent in prefill.agents + decode.agents:
+            agent.close()
+    if decode_codec != "int8:k_offset=00aa":
+        assert held.num_pulled == 0 and decode.metric("tpserve:kv_transfer_fallbacks_total", reason="failed") == 1
+        for rank in range(TP):
+            for (k, v), (k0, v0) in zip(decode.caches[rank], before[rank]):
+                assert torch.equal(k, k0) and torch.equal(v, v0)  # nothing written
+        return
+    assert held.num_pulled == 4
+    for rank in range(TP):  # codes and scale pools alike: block i of each tensor
+        for (pk, pv), (dk, dv) in zip(prefill.caches[rank], decode.caches[rank]):
+            assert torch.equal(dk[list(held.block_ids)], pk[blocks]) and torch.equal(dv[list(held.block_ids)], pv[blocks])
+    per_block = NUM_LAYERS * 2 * (BLOCK_SIZE * 2 * 8 + 2 * BLOCK_SIZE * 2)  # codes (1 byte) + bfloat16 scales
+    assert decode.metric("tpserve:kv_transfer_bytes_total", direction="received", transport="tcp") == TP * 4 * per_block
 
 
 def test_another_namespace_is_refused_before_a_byte_moves(pair) -> None:

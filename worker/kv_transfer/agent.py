@@ -65,17 +65,22 @@ class KVAgent:
         host, port: where to listen (``port`` is this rank's: the replica's base port + rank).
         tp_rank, tp_size: this rank's place; a reader of another degree or rank is refused.
         secret: the cluster secret every caller must prove (None: none required).
-        caches: returns the rank's KV cache tensors now (empty before InitCache).
+        caches: returns the rank's KV cache tensors now (empty before InitCache): every tensor a block id
+            indexes (an 8-bit cache's scale pools too).
         transport: what ``pull`` uses.
+        codec: returns what the cache's codes mean beyond their bytes ("" for a float cache; an 8-bit
+            cache's storage type and key offsets, ``ModelRunner.kv_codec``): part of the layout a peer must share.
 
     Raises:
         OSError: the port cannot be bound (from :meth:`start`).
     """
 
     def __init__(self, host: str, port: int, tp_rank: int, tp_size: int, secret: str | None,
-                 caches: Callable[[], KVCaches], transport: KVTransport) -> None:
+                 caches: Callable[[], KVCaches], transport: KVTransport,
+                 codec: Callable[[], str] | None = None) -> None:
         self.host, self.port, self.tp_rank, self.tp_size = host, port, tp_rank, tp_size
         self.secret, self.caches, self.transport = secret, caches, transport
+        self.codec: Callable[[], str] = codec or (lambda: "")
         self._holds: dict[str, _Hold] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -187,7 +192,7 @@ class KVAgent:
             send_frame(conn, {"ok": False, "error": problem})
             return
         send_frame(conn, {"ok": True, "block_hashes": hold.block_hashes[chosen], "namespace": hold.namespace,
-                          "layout": layout_signature(caches)}, payload)
+                          "layout": self._layout(caches)}, payload)
         answer, _ = recv_frame(conn)
         if answer.get("op") == "ack":
             hold.bytes_sent += len(payload)
@@ -212,9 +217,13 @@ class KVAgent:
             return "the block ids are not the held blocks'"
         if not caches:
             return "this rank has no KV cache now"
-        if header.get("layout") != layout_signature(caches):
-            return f"cache layout {header.get('layout')} is not this rank's {layout_signature(caches)}"
+        if header.get("layout") != self._layout(caches):
+            return f"cache layout {header.get('layout')} is not this rank's {self._layout(caches)}"
         return ""
+
+    def _layout(self, caches: KVCaches) -> str:
+        """This rank's layout signature: the tensors' shapes and dtypes, and the codec."""
+        return layout_signature(caches, self.codec())
 
     # -- consumer side ---------------------------------------------------------------------------
 
@@ -231,7 +240,7 @@ class KVAgent:
             caches = self.caches()
             if not caches:
                 raise TransferRefused("this rank has no KV cache now")
-            num_bytes = self.transport.pull(request, caches)
+            num_bytes = self.transport.pull(request, caches, self._layout(caches))
         except (TransferRefused, OSError, WireError, ValueError) as exc:
             send_frame(conn, {"op": "pulled", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
             return

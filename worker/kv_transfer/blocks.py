@@ -1,10 +1,12 @@
 """Blocks of a rank's paged KV cache as one byte string, and back: the transfer's payload.
 
 The copying is worker/kv_block_io.py's (every cache layout); this module only lays the copies
-out for the wire. The payload of blocks ``ids`` is, layer by layer, the first cache tensor's rows
-``ids`` then the second's (K then V; the latent and its RoPE key for latent attention), each row
-``(block_size, heads, width)`` in the cache's dtype, contiguous. Both ends check the layout
-(:func:`layout_signature`) before a byte moves: a receiver with other shapes or dtype refuses.
+out for the wire. The payload of blocks ``ids`` is, tensor pair by pair, the first tensor's rows
+``ids`` then the second's (per layer K then V; the latent and its RoPE key for latent attention;
+an 8-bit cache's per-token scale pools after the layers, worker/kv_quant.py), each row
+``(block_size, heads, width)`` (a scale pool's ``(heads, block_size)``) in the tensor's dtype,
+contiguous. Both ends check the layout (:func:`layout_signature`) before a byte moves: a receiver
+with other shapes, dtypes or 8-bit codec refuses.
 """
 
 from __future__ import annotations
@@ -18,13 +20,27 @@ from worker.kv_block_io import gather_blocks as gather_tensors
 from worker.kv_block_io import scatter_blocks as scatter_tensors
 
 
-def layout_signature(caches: KVCaches) -> str:
-    """The layout a peer must share: layers, each tensor's row shape, dtype (e.g. ``2x[16, 1, 8];[16, 1, 8]:float32``)."""
+def layout_signature(caches: KVCaches, codec: str = "") -> str:
+    """The layout a peer must share: runs of tensor pairs with the same row shapes and dtype, and the codec.
+
+    E.g. ``2x[16, 1, 8];[16, 1, 8]:float32`` (two layers of a float cache) or
+    ``5x[16, 4, 8];[16, 4, 8]:int8+5x[4, 16];[4, 16]:bfloat16|int8:...`` (an 8-bit cache's codes, then its
+    scale pools, then ``codec``: what the codes mean beyond their bytes, the runner's
+    :attr:`~worker.model_runner.ModelRunner.kv_codec`; "" for a float cache).
+    """
     if not caches:
         return "empty"
-    first, second = caches[0]
-    return (f"{len(caches)}x{list(first.shape[1:])};{list(second.shape[1:])}:"
-            f"{str(first.dtype).removeprefix('torch.')}")
+    runs: list[list] = []  # [count, description]
+    for first, second in caches:
+        described = f"{list(first.shape[1:])};{list(second.shape[1:])}:{str(first.dtype).removeprefix('torch.')}"
+        if second.dtype != first.dtype:
+            described += f"/{str(second.dtype).removeprefix('torch.')}"
+        if runs and runs[-1][1] == described:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, described])
+    signature = "+".join(f"{count}x{described}" for count, described in runs)
+    return f"{signature}|{codec}" if codec else signature
 
 
 def bytes_per_block(caches: KVCaches) -> int:

@@ -60,8 +60,9 @@ class KVTransport(Protocol):
 
     name: str
 
-    def pull(self, request: PullRequest, caches: KVCaches) -> int:
-        """Pulls ``request`` into ``caches``; returns the bytes received.
+    def pull(self, request: PullRequest, caches: KVCaches, layout: str | None = None) -> int:
+        """Pulls ``request`` into ``caches``; returns the bytes received. ``layout``: the caches'
+        :func:`~worker.kv_transfer.blocks.layout_signature` with this rank's codec (None: without one).
 
         Raises:
             TransferRefused: a check failed (nothing was written).
@@ -78,10 +79,10 @@ class TcpTransport:
     def __init__(self, tp_rank: int, tp_size: int, secret: str | None) -> None:
         self.tp_rank, self.tp_size, self.secret = tp_rank, tp_size, secret
 
-    def pull(self, request: PullRequest, caches: KVCaches) -> int:
+    def pull(self, request: PullRequest, caches: KVCaches, layout: str | None = None) -> int:
         """See :meth:`KVTransport.pull`."""
         deadline = time.monotonic() + request.timeout_s
-        layout = layout_signature(caches)
+        layout = layout_signature(caches) if layout is None else layout
         sock, auth = connect(request.remote_host, request.remote_port, self.secret, request.timeout_s)
         with sock:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))

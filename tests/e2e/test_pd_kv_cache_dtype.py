@@ -1,0 +1,99 @@
+"""A KV transfer between replicas with an 8-bit cache (``--kv-cache-dtype int8``): the decode replica pulls the
+prompt's full blocks, codes and per-token scale pools (worker/kv_transfer/blocks.py), and completes with exactly
+the tokens of the prefill replica alone. A decode replica whose cache stores another type (fp8) refuses the
+blocks at the pull (the layout check: ``ModelRunner.kv_codec``), prefills locally and answers with its own
+cache's tokens. Three tp-1 replicas of stories260k, driven by the engine protocol as ``smg --pd-disaggregation``
+drives them (tests/e2e/test_pd_disaggregation.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+from coordinator.tokenizer import Tokenizer
+from tests.e2e.cluster import RunningCluster
+from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, labelled, serve_role, used_tokens
+from tests.paths import STORIES_DIR, requires_stories
+
+pytestmark = [pytest.mark.e2e, requires_stories]
+
+BLOCK_SIZE = 16
+HOLD_TIMEOUT_S = 3.0  # a refused transfer's hold lasts this long on the prefill replica
+
+
+def _generate(replica: RunningCluster, prompt: list[int], kv: dict | None = None, max_tokens: int = 24,
+              **sampling: object) -> vpb.GenerateComplete:
+    """One unstreamed engine-protocol Generate, greedy unless ``sampling`` says otherwise."""
+    request = vpb.GenerateRequest(
+        request_id=f"r{time.monotonic_ns()}", tokenized=vpb.TokenizedInput(input_ids=prompt),
+        sampling_params=vpb.SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}))
+    if kv is not None:
+        request.kv_transfer_params_json = json.dumps(kv)
+    with grpc.insecure_channel(replica.target) as channel:
+        return list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request, timeout=60))[-1].complete
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningCluster]]:
+    tmp = tmp_path_factory.mktemp("pd-kv8")
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(serve_role(STORIES_DIR, 1, role, name, tmp / f"{name}.log",
+                                                    "--kv-cache-dtype", dtype, **timeouts))
+               for name, role, dtype, timeouts in (
+                   ("prefill", "kv_producer", "int8", {"hold_timeout_s": HOLD_TIMEOUT_S}),
+                   ("decode", "kv_consumer", "int8", {}), ("decode-fp8", "kv_consumer", "fp8", {}))}
+
+
+def _hand_over(prefill: RunningCluster, prompt: list[int]) -> dict:
+    """The prefill replica's kv_transfer_params for ``prompt``, as the gateway asks for them."""
+    out = _generate(prefill, prompt, {"do_remote_decode": True, "do_remote_prefill": False}, max_tokens=1,
+                    ignore_eos=True)
+    return json.loads(out.kv_transfer_params_json)
+
+
+def test_an_8_bit_cache_moves_with_its_scales_and_gives_one_replicas_tokens(replicas) -> None:
+    prefill, decode = replicas["prefill"], replicas["decode"]
+    prompt = Tokenizer.from_pretrained(STORIES_DIR).encode(f"Codes. {LONG_PROMPT}")
+    full_blocks = (len(prompt) - 1) // BLOCK_SIZE
+    assert full_blocks >= 3
+    alone = _generate(prefill, prompt)  # the int8 cache on one replica: the reference
+    kv = _hand_over(prefill, prompt)
+    assert len(kv["remote_block_ids"]) == full_blocks
+    computed = computed_prompt_tokens(decode)
+    received = labelled(decode, "tpserve:kv_transfer_bytes_total", direction="received", transport="tcp")
+    out = _generate(decode, prompt, kv)
+    assert list(out.output_ids) == list(alone.output_ids)
+    assert out.cached_tokens == full_blocks * BLOCK_SIZE  # pulled, not computed
+    assert computed_prompt_tokens(decode) - computed == len(prompt) - full_blocks * BLOCK_SIZE
+    # Each block: 5 layers x K and V x 16 positions x 4 KV heads x (8 one-byte codes + a 2-byte scale).
+    block_bytes = 5 * 2 * 16 * 4 * (8 + 2)
+    assert labelled(decode, "tpserve:kv_transfer_bytes_total", direction="received", transport="tcp") - received \
+        == full_blocks * block_bytes
+    assert used_tokens(decode) == 0 and used_tokens(prefill) == 0
+
+
+def test_a_replica_of_another_8_bit_type_refuses_the_blocks_and_prefills_itself(replicas) -> None:
+    prefill, decode_fp8 = replicas["prefill"], replicas["decode-fp8"]
+    prompt = Tokenizer.from_pretrained(STORIES_DIR).encode(f"Types. {LONG_PROMPT}")
+    failed = labelled(decode_fp8, "tpserve:kv_transfer_fallbacks_total", reason="failed")
+    computed = computed_prompt_tokens(decode_fp8)
+    out = _generate(decode_fp8, prompt, _hand_over(prefill, prompt))
+    assert labelled(decode_fp8, "tpserve:kv_transfer_fallbacks_total", reason="failed") == failed + 1
+    assert out.cached_tokens == 0 and computed_prompt_tokens(decode_fp8) - computed == len(prompt)  # all computed
+    # Its own fp8 cache's tokens: the same request again, served from the blocks that prefill cached (a
+    # prefix hit gives a miss's tokens: test_kv_cache_dtype_serving.py), not the int8 replica's.
+    again = _generate(decode_fp8, prompt)
+    assert again.cached_tokens > 0 and list(out.output_ids) == list(again.output_ids)
+    assert used_tokens(decode_fp8) == 0
+    deadline = time.monotonic() + HOLD_TIMEOUT_S + 8  # the unread hold ends at its timeout, its blocks freed
+    while labelled(prefill, "tpserve:kv_transfer_holds") or used_tokens(prefill):
+        assert time.monotonic() < deadline, "a refused transfer's hold outlived its timeout"
+        time.sleep(0.1)
