@@ -55,7 +55,6 @@ class HeadlessNode:
         self.model_dir = model_dir_of(config)
         model_len = read_model_config(self.model_dir, par.tensor_parallel_size, par.pipeline_parallel_size,
                                       par.enable_expert_parallel,
-                                      kv_cache_dtype=config.cache.kv_cache_dtype,
                                       quantization=config.load.quantization).max_position_embeddings
         #: Resolved like the leader's (launch/leader.py); the leader refuses a node whose value differs.
         self.max_model_len = config.scheduler.max_model_len or model_len

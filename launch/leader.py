@@ -72,14 +72,12 @@ class Leader:
         self.model_config = read_model_config(self.model_dir, config.parallel.tensor_parallel_size,
                                               config.parallel.pipeline_parallel_size,
                                               config.parallel.enable_expert_parallel,
-                                              kv_cache_dtype=config.cache.kv_cache_dtype,
                                               quantization=config.load.quantization)
         check_hybrid_combinations(self.model_dir, self.model_config, config)
         if config.speculative.speculative_model is not None:
             draft = read_model_config(Path(config.speculative.speculative_model),
                                       config.parallel.tensor_parallel_size,
-                                      enable_expert_parallel=config.parallel.enable_expert_parallel, draft=True,
-                                      kv_cache_dtype=config.cache.kv_cache_dtype)  # the draft's cache is 8-bit too
+                                      enable_expert_parallel=config.parallel.enable_expert_parallel, draft=True)
             if draft.vocab_size != self.model_config.vocab_size:
                 raise StartupError(f"--speculative-model {config.speculative.speculative_model} has vocab_size="
                                    f"{draft.vocab_size}, the model {self.model_config.vocab_size}: a draft model "

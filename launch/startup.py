@@ -19,7 +19,7 @@ from tpserve.embedded_model import default_model_dir
 from tpserve.expert_parallel import check_expert_parallel
 from tpserve.model_config import ModelConfig
 from tpserve.pipeline_split import stage_layer_counts
-from tpserve.quantization import check_quantization_flag
+from tpserve.quantization import check_quantization_flag, served_quantization
 
 
 class StartupError(RuntimeError):
@@ -48,13 +48,11 @@ def read_group_secret(config: ClusterConfig) -> str | None:
 
 def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
                       enable_expert_parallel: bool = False, *, draft: bool = False,
-                      kv_cache_dtype: str = "auto", quantization: str | None = None) -> ModelConfig:
+                      quantization: str | None = None) -> ModelConfig:
     """The checkpoint's config, checked to split at ``tensor_parallel_size`` and into ``pipeline_parallel_size`` stages.
 
     With ``enable_expert_parallel`` also checked to split its experts whole over the
-    tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model may be dense. An 8-bit
-    ``kv_cache_dtype`` is refused for multi-head latent attention: its scales are per (token, KV head) and
-    its key offset per head and channel (worker/kv_quant.py), and a latent cache has no heads. A
+    tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model may be dense. A
     ``quantization`` (``--quantization``) that does not apply to the checkpoint is refused
     (:func:`tpserve.quantization.check_quantization_flag`).
 
@@ -91,9 +89,12 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         check_quantization_flag(config.hf_config, quantization)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir}: {exc}") from exc
-    if kv_cache_dtype != "auto" and config.latent_attention:
-        raise StartupError(f"cannot serve {model_dir} with --kv-cache-dtype {kv_cache_dtype}: multi-head latent "
-                           "attention caches its latent in the model's dtype only (use --kv-cache-dtype auto)")
+    served = served_quantization(config.hf_config, quantization)
+    if config.latent_attention and served:  # before any rank builds the model (worker/models/deepseek_v3.py)
+        how = f"--quantization {quantization}" if quantization else f"its {served} quantized linear layers"
+        raise StartupError(f"cannot serve {model_dir} with {how}: multi-head latent attention's models "
+                           f"({config.architecture}) serve float linear layers only (an FP8 checkpoint is "
+                           "dequantized at load without the flag)")
     return config
 
 

@@ -34,9 +34,10 @@ import torch
 from tpserve.model_config import ModelConfig
 from tpserve.step import SamplingParams, ScheduledChunk
 from worker.kv_cache import KVCacheLayout
+from worker.kv_layers import eight_bit_layers
 from worker.loader import load_model
 from worker.parallel_state import ParallelContext
-from worker.attention import PagedAttention, paged_kernel_available
+from worker.attention import paged_kernel_available
 from worker.kernels.triton_attention import triton_attention_available
 from worker.step_inputs import StepInputs, build_step_inputs
 
@@ -74,9 +75,9 @@ class DraftModel:
         self.model = load_model(model_dir, self.config, ctx, dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: An 8-bit cache: the draft's PagedAttention modules, which hold its scale pools and key offsets (the
-        #: target's runner calibrates the offsets with its own, on the same prompt: ModelRunner.init_kv_cache).
-        self.kv_layers = ([m for m in self.model.modules() if isinstance(m, PagedAttention)]
-                          if self.kv_layout.quantized else [])
+        #: target's runner calibrates the offsets with its own, on the same prompt: ModelRunner.init_kv_cache),
+        #: or its latent attention layers' scale pools (worker/kv_layers.py).
+        self.kv_layers, self.latent_layers = eight_bit_layers(self.model) if self.kv_layout.quantized else ([], [])
         self._workspace: dict[str, torch.Tensor] = {}
         #: Whether the compiled paged attention takes the draft's steps (its head size may differ).
         self.paged_kernel = (paged_kernel_available(ctx.device, dtype, self.config.head_dim)
@@ -86,10 +87,15 @@ class DraftModel:
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (the target's block ids), and an 8-bit cache's scale pools."""
         self.kv_caches = self.kv_layout.allocate(num_blocks, self.ctx.device)
-        if self.kv_layers:
+        if self.scaled_layers:
             pools = self.kv_layout.allocate_scales(num_blocks, self.ctx.device)
-            for attn, (k_scale, v_scale) in zip(self.kv_layers, pools, strict=True):
-                attn.set_kv_scales(k_scale, v_scale)
+            for attn, (first, second) in zip(self.scaled_layers, pools, strict=True):
+                attn.set_kv_scales(first, second)
+
+    @property
+    def scaled_layers(self) -> list:
+        """The layers that hold an 8-bit cache's scale pools, in layer order (empty with a float cache)."""
+        return [*self.kv_layers, *self.latent_layers]
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []

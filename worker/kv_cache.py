@@ -34,7 +34,8 @@ class KVCacheLayout:
         dtype: element dtype as stored: the activations' dtype, or ``int8`` / ``float8_e4m3fn``
             with ``--kv-cache-dtype int8|fp8`` (1 byte per element plus a 2-byte scale per token
             and head: ``2d / (d + 2)`` times the blocks of a 16-bit cache in the same memory,
-            1.94x at d = 64; worker/kv_quant.py; per-head layouts only).
+            1.94x at d = 64; worker/kv_quant.py; a latent cache's one "head" per tensor: a scale for
+            the latent and one for the rotated key, worker/layers/mla_attention.py).
     """
 
     num_layers: int

@@ -52,6 +52,7 @@ from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
 from worker.kv_cache import KVCacheLayout, PairedKVCacheLayout
+from worker.kv_layers import eight_bit_layers
 from worker.kv_host_tier import HostKVTier
 from worker.kv_quant import CALIBRATION_TOKENS, KVScales, cache_dtype, calibrate, calibration_token_ids
 from worker.layers.moe import count_triples, expert_layers, take_routed_counts
@@ -140,9 +141,10 @@ class ModelRunner:
         self.state_bytes_per_slot = bytes_per_state_slot(self._state_layers)  # 0: attention only
         self._state: StateCache | None = None
         # An 8-bit cache: its PagedAttention modules hold the scale pools (one per cache) and the key offset
-        # (calibrated by the first init_kv_cache; worker/kv_quant.py), in layer order.
-        self._kv_layers = ([m for m in self.model.modules() if isinstance(m, PagedAttention)]
-                           if self.kv_cache_dtype != dtype else [])
+        # (calibrated by the first init_kv_cache; worker/kv_quant.py), in layer order; latent attention's
+        # layers hold their latent and rope scale pools (worker/layers/mla_attention.py; no offset).
+        self._kv_layers, self._latent_layers = eight_bit_layers(self.model) if self.kv_cache_dtype != dtype \
+            else ([], [])
         self._kv_uncalibrated = bool(self._kv_layers)
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
@@ -218,10 +220,10 @@ class ModelRunner:
             merged = self._state.layer_caches(self.kv_caches, self.config.num_hidden_layers,
                                               cacheless_layers(self.config))  # Nemotron-H's MLP / MoE blocks: ()
             self.kv_caches = cast(list[tuple[torch.Tensor, torch.Tensor]], merged)  # state tuples at state layers
-        if self._kv_layers:  # an 8-bit cache: each layer's scale pools, beside its codes
+        if self._kv_layers or self._latent_layers:  # an 8-bit cache: each layer's scale pools, beside its codes
             pools = self._target_layout.allocate_scales(num_blocks + graphs, self.ctx.device)
-            for attn, (k_scale, v_scale) in zip(self._kv_layers, pools, strict=True):
-                attn.set_kv_scales(k_scale, v_scale)
+            for attn, (first, second) in zip(self._scaled_layers, pools, strict=True):
+                attn.set_kv_scales(first, second)
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -270,13 +272,21 @@ class ModelRunner:
         (a KV transfer's layout check, worker/kv_transfer/agent.py): "" for a float cache; for an 8-bit one its
         storage type and a digest of every layer's key offset (codes are stored less it; worker/kv_quant.py),
         so that two replicas whose calibrations differ in a bit refuse each other's blocks."""
-        layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
-        if not layers or self._kv_uncalibrated:
+        if not self._scaled_layers or self._kv_uncalibrated:
             return ""
+        name = str(self.kv_cache_dtype).removeprefix("torch.")
+        layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
+        if not layers:  # latent attention: per-token scales only, no offset
+            return name
         digest = hashlib.sha256()
         for attn in layers:
             digest.update(cast(torch.Tensor, attn.k_offset).detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        return f"{str(self.kv_cache_dtype).removeprefix('torch.')}:k_offset={digest.hexdigest()[:16]}"
+        return f"{name}:k_offset={digest.hexdigest()[:16]}"
+
+    @property
+    def _scaled_layers(self) -> list:
+        """The target's layers that hold an 8-bit cache's scale pools (worker/kv_layers.py), in layer order."""
+        return [*self._kv_layers, *self._latent_layers]
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -288,7 +298,7 @@ class ModelRunner:
         cache, a draft model's after them, and an 8-bit cache's per-token scale pools ``(num_blocks, kv_heads,
         block_size)`` (worker/kv_quant.py: a block's codes mean nothing without them), the target's then the
         draft's. Empty before :meth:`init_kv_cache`."""
-        layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
+        layers = self._scaled_layers + (self.draft.scaled_layers if self.draft is not None else [])
         scales = [(attn.kv_scales[0], attn.kv_scales[1]) for attn in layers if attn.kv_scales]
         return self.kv_caches + (self.draft.kv_caches if self.draft is not None else []) + scales
 

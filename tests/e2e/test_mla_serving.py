@@ -59,3 +59,29 @@ def test_mla_serves_with_a_latent_pool_speculation_and_prefix_hits(tmp_path: Pat
         assert len(prompt_ids) > BLOCK_SIZE and cached == [0, (len(prompt_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE]
     lines = [line for line in log.read_text(errors="replace").splitlines() if " serving " in line]
     assert len(lines) == 1 and "kv_cache_layout=latent:40" in lines[0] and "kv_cache_tokens=800" in lines[0], lines
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_mla_serves_with_an_8_bit_latent_cache(tmp_path: Path, kv_cache_dtype: str) -> None:
+    """``--kv-cache-dtype int8|fp8`` at tp 2: the same budget holds (32 + 8) x 4 / (32 + 8 + 4) = 3.6 times the
+    float32 blocks (codes and a per-token scale of the latent and of the rotated key:
+    worker/layers/mla_attention.py), and the greedy tokens are a one-process tp 1 runner's with the same cache
+    (the latent is replicated on every rank), also for the prefix-cache hit and under ngram speculation."""
+    from tests.worker.kv8_helpers import eight_bit_runner, teacher_forced
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = save_servable_model(MOE, tmp_path / "dsv3_moe", STORIES_DIR)
+    prompt_ids = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))(PROMPT)["input_ids"]
+    want = teacher_forced(eight_bit_runner(model_dir, kv_cache_dtype), [prompt_ids], None, MAX_TOKENS)[0]
+    with serve(model_dir, 2, "--kv-cache-memory-bytes", str(BUDGET), "--block-size", str(BLOCK_SIZE),
+               "--kv-cache-dtype", kv_cache_dtype, "--speculative-method", "ngram", "--num-speculative-tokens", "2",
+               "--prompt-lookup-max", "3", "--prompt-lookup-min", "1") as cluster:
+        info = cluster.client.model_info()
+        assert info.kv_cache_dtype == kv_cache_dtype
+        assert info.num_kv_blocks == BUDGET // (BLOCK_SIZE * 2 * (32 + 8 + 4)) == 181  # float32: 50
+        cached = []
+        for _ in range(2):
+            result = cluster.client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            assert list(result.token_ids) == want
+            cached.append(result.usage.cached_prompt_tokens)
+    assert cached == [0, (len(prompt_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE]

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.paths import STORIES_DIR, requires_stories
 from tests.tiny_models import TinyModelSpec, load_hf_model, save_tiny_model
 from tpserve.model_config import ModelConfig
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
@@ -219,31 +218,3 @@ def test_glm4_moe_lite_reads_its_layer_pattern(checkpoint: Path) -> None:
                                          r"'sparse' for each of the 3 layers$"):
         Glm4MoeLiteForCausalLM(ModelConfig.from_dict({**raw, "mlp_layer_types": ["dense", "moe"]}), ctx,
                                torch.float32, tie_word_embeddings=False)
-
-
-def test_an_8_bit_kv_cache_is_refused_at_start_up_in_one_line(checkpoint: Path) -> None:
-    """worker/kv_quant.py's scales are per KV head and channel; a latent cache has no heads to scale."""
-    from launch.startup import StartupError, read_model_config
-
-    assert read_model_config(checkpoint, 2).latent_attention  # the same checkpoint serves with a float cache
-    for kv_cache_dtype in ("int8", "fp8"):
-        with pytest.raises(StartupError) as error:
-            read_model_config(checkpoint, 2, kv_cache_dtype=kv_cache_dtype)
-        assert str(error.value) == (f"cannot serve {checkpoint} with --kv-cache-dtype {kv_cache_dtype}: multi-head "
-                                    "latent attention caches its latent in the model's dtype only (use "
-                                    "--kv-cache-dtype auto)")
-
-
-@requires_stories
-def test_an_8_bit_kv_cache_with_a_latent_draft_model_is_refused_at_start_up(checkpoint: Path) -> None:
-    """A draft model's cache takes the target's --kv-cache-dtype (worker/draft_model.py): a latent draft is refused
-    with an 8-bit cache as a latent target is, by the coordinator before any rank starts."""
-    from launch.leader import Leader
-    from launch.startup import StartupError
-    from tpserve.config import ClusterConfig
-
-    config = ClusterConfig.load_from(None, {"load": {"model": str(STORIES_DIR)}, "cache": {"kv_cache_dtype": "int8"},
-                                            "speculative": {"speculative_method": "draft", "num_speculative_tokens": 2,
-                                                            "speculative_model": str(checkpoint)}})
-    with pytest.raises(StartupError, match=f"^cannot serve {checkpoint} with --kv-cache-dtype int8: multi-head latent"):
-        Leader(config)

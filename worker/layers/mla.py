@@ -85,7 +85,8 @@ class MultiHeadLatentAttention(nn.Module):
     ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` when True).
 
     ``kv_cache``: ``(latent_cache (num_blocks, block_size, 1, r), rope_cache (num_blocks,
-    block_size, 1, d_r))``; ``rope``: the step's ``cos, sin (T, 1, d_r)``.
+    block_size, 1, d_r))``, 8-bit codes with ``attn.kv_scales`` under ``--kv-cache-dtype int8|fp8``
+    (worker/layers/mla_attention.py); ``rope``: the step's ``cos, sin (T, 1, d_r)``.
 
     Raises:
         ValueError: a config value of the wrong type (named); ``num_attention_heads`` not
@@ -135,7 +136,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe = apply_rotary(q_pe, cos, sin)  # (T, H, d_r)
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin).squeeze(1)  # (T, d_r)
         latent_cache, rope_cache = kv_cache
-        write_latent_cache(latent, k_pe, latent_cache, rope_cache, attn_metadata.slot_mapping)
+        write_latent_cache(latent, k_pe, latent_cache, rope_cache, attn_metadata.slot_mapping, self.attn.kv_scales)
         kv_b = cast(torch.Tensor, self.kv_b_proj.weight)  # float: MLA refuses --quantization (its absorbed form)
         o = self.attn(q_nope, q_pe, latent, k_pe, kv_b, latent_cache, rope_cache, attn_metadata)  # (T, H * d_v)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks

@@ -1,0 +1,158 @@
+"""``--kv-cache-dtype int8|fp8`` with multi-head latent attention (worker/layers/mla_attention.py): the latent and
+rotated-key caches hold 8-bit codes with a per-token scale each, sized as 1 byte an element and 4 bytes a token;
+the logits stay near the float cache's; a prefix hit, a chunked prompt and a recomputed sequence read exactly
+what a miss wrote; a latent model drafting for itself keeps its tokens with both caches 8-bit. Tiny DeepSeek-V3
+checkpoints (tests/worker/deepseek_v3_specs.py; the reference for the float cache is transformers, in
+tests/worker/test_deepseek_v3.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_model
+from tests.worker.deepseek_v3_specs import Q_LORA, YARN
+from tests.worker.kv8_helpers import GREEDY, eight_bit_runner, teacher_forced
+from tpserve.step import NewSequence, ScheduledChunk, StepPlan
+from worker.kv_cache import KVCacheLayout
+from worker.model_runner import ModelRunner
+
+EIGHT_BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+#: Largest logit difference to the float cache over 12 teacher-forced steps, in units of the logits' standard
+#: deviation (the per-head families' bound, tests/worker/test_kv_cache_dtype.py).
+LOGIT_BOUND = 0.5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(Q_LORA, tmp_path_factory.mktemp("mla_kv8") / Q_LORA.name)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_the_latent_pool_holds_codes_and_a_scale_per_token_of_each_tensor(model_dir: Path, kv_cache_dtype: str) -> None:
+    """Per token and layer r + d_r one-byte codes and two bfloat16 scales: (2 (r + d_r)) / (r + d_r + 4) times a
+    16-bit cache's blocks (r = 32, d_r = 8 here: 1.82x; DeepSeek-V3's 512 and 64: 1.99x)."""
+    runner = eight_bit_runner(model_dir, kv_cache_dtype, num_blocks=8)
+    half = KVCacheLayout.for_model(runner.config, 1, 16, torch.bfloat16)
+    assert runner.kv_layout.bytes_per_block == 2 * 16 * (32 + 8 + 2 * 2) and half.bytes_per_block == 2 * 16 * 2 * 40
+    assert {t.dtype for pair in runner.kv_caches for t in pair} == {EIGHT_BIT[kv_cache_dtype]}
+    scaled = runner._latent_layers
+    assert len(scaled) == 2 and runner.kv_scales == []  # no per-head layer, no key offset
+    for latent_scale, rope_scale in (attn.kv_scales for attn in scaled):
+        assert latent_scale.shape == rope_scale.shape == (8, 1, 16) and latent_scale.dtype == torch.bfloat16
+    tensors = runner.block_tensors()  # what the host tier and a KV transfer copy: codes, then the scale pools
+    assert len(tensors) == 4 and sum(t[0].numel() * t.element_size() for pair in tensors for t in pair) \
+        == runner.kv_layout.bytes_per_block
+    assert runner.kv_codec == str(EIGHT_BIT[kv_cache_dtype]).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("spec", [Q_LORA, YARN], ids=lambda s: s.name)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_logits_with_an_8_bit_latent_cache_stay_near_the_float_cache(spec, kv_cache_dtype: str, tmp_path: Path) -> None:
+    """A prompt's prefill (expanded attention over its own rows, as cached), then 12 decode steps (absorbed, over
+    the gathered codes) teacher-forced with the float cache's greedy tokens. Measured, largest difference over
+    the logits' standard deviation: int8 0.03, fp8 0.12 (dsv3_q_lora)."""
+    model_dir = save_tiny_model(spec, tmp_path / spec.name)
+    prompts = [list(range(3, 23)), [1, 7, 9, 11, 13]]
+    want_logits: list[torch.Tensor] = []
+    want = teacher_forced(eight_bit_runner(model_dir, "auto"), prompts, None, 12, logits=want_logits)
+    got_logits: list[torch.Tensor] = []
+    teacher_forced(eight_bit_runner(model_dir, kv_cache_dtype), prompts, want, logits=got_logits)
+    worst = max(float((g - w).abs().max()) for g, w in zip(got_logits, want_logits, strict=True))
+    spread = float(torch.stack(want_logits).std())
+    assert 0 < worst < LOGIT_BOUND * spread, (worst, spread)
+
+
+def _prompt_logits(runner: ModelRunner, seq: int, chunks: list[tuple[tuple[int, ...], int, tuple[int, ...]]],
+                   step: int) -> torch.Tensor:
+    """Run ``seq``'s prompt as ``chunks`` of (tokens, start, new blocks); the logits after its last token."""
+    for i, (tokens, start, blocks) in enumerate(chunks):
+        new = (NewSequence(seq, GREEDY),) if i == 0 else ()
+        runner.execute(StepPlan(step + i, new, (ScheduledChunk(seq, tokens, start, blocks,
+                                                               sample=i == len(chunks) - 1),)))
+    return runner.last_logits[0].clone()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_prefix_hits_chunks_and_recomputation_read_what_a_miss_wrote(model_dir: Path, kv_cache_dtype: str) -> None:
+    """The same 8-bit latent cache read four ways gives a miss's logits: a prefix hit (blocks another sequence
+    wrote), a chunked prompt (its history gathered through the block table), a recomputed prompt, and decode
+    steps (absorbed, over the codes) against one prefill of prompt and output (expanded, its own rows as cached)."""
+    runner = eight_bit_runner(model_dir, kv_cache_dtype)
+    prompt = tuple(range(3, 43))  # 40 tokens: blocks of 16, 16 and 8
+    miss = _prompt_logits(runner, 0, [(prompt, 0, (0, 1, 2))], 0)
+    hit = _prompt_logits(runner, 1, [(prompt[32:], 32, (0, 1, 3))], 1)  # blocks 0, 1 shared with sequence 0
+    chunked = _prompt_logits(runner, 2, [(prompt[:20], 0, (4, 5)), (prompt[20:], 20, (6,))], 2)
+    runner.execute(StepPlan(4, finished_seq_ids=(0, 1, 2)))
+    recomputed = _prompt_logits(runner, 0, [(prompt, 0, (7, 8, 9))], 5)
+    for other in (hit, chunked, recomputed):
+        torch.testing.assert_close(other, miss, atol=1e-4, rtol=0)
+        assert other.argmax() == miss.argmax()
+    tokens = [int(miss.argmax())]
+    for k in range(6):
+        runner.execute(StepPlan(6 + k, (), (ScheduledChunk(0, (tokens[-1],), 40 + k, (10,) if k == 0 else ()),)))
+        tokens.append(int(runner.last_logits[0].argmax()))
+    decoded = runner.last_logits[0].clone()
+    runner.execute(StepPlan(12, finished_seq_ids=(0,)))
+    resumed = _prompt_logits(runner, 0, [(prompt + tuple(tokens[:-1]), 0, (11, 12, 13))], 13)
+    torch.testing.assert_close(resumed, decoded, atol=1e-4, rtol=0)
+    assert resumed.argmax() == decoded.argmax()
+
+
+def test_a_latent_model_drafting_for_itself_keeps_its_tokens_with_8_bit_caches(model_dir: Path) -> None:
+    """``--speculative-method draft`` with both caches 8-bit (worker/draft_model.py): the scheduler's greedy
+    tokens are the same cache's without speculation, and a draft that reads its own codes right proposes what
+    the target accepts."""
+    from coordinator.block_allocator import BlockAllocator
+    from coordinator.ngram_proposer import DraftModelProposer
+    from coordinator.scheduler import Scheduler
+    from coordinator.sequence import Sequence, StopParams
+    from worker.parallel_state import ParallelContext
+
+    prompts = [list(range(3, 23)), [1, 7, 9, 11, 13], list(range(40, 77))]
+    want = teacher_forced(eight_bit_runner(model_dir, "int8"), prompts, None, 16)
+    runner = ModelRunner(model_dir, ParallelContext.single(), torch.float32, 16, draft_model_dir=model_dir,
+                         kv_cache_dtype="int8")
+    runner.init_kv_cache(48)
+    assert runner.draft is not None and len(runner.draft.latent_layers) == 2
+    scheduler = Scheduler(BlockAllocator(48, 16), max_num_seqs=8, max_num_batched_tokens=256,
+                          enable_prefix_caching=True, check_writes=True, proposer=DraftModelProposer(3))
+    seqs = [Sequence(i, p, GREEDY, StopParams(16, frozenset()), 190) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.execute(plan))
+    assert [seq.output_token_ids for seq in seqs] == want
+    assert scheduler.spec.num_drafts > 5
+    assert scheduler.spec.num_accepted_tokens > 0.9 * scheduler.spec.num_draft_tokens, scheduler.spec
+
+
+def test_an_fp8_deepseek_checkpoint_is_served_dequantized_and_quantization_flags_are_refused_at_start_up(
+        tmp_path: Path) -> None:
+    """DeepSeek's block-scaled FP8 release layout (every projection e4m3 with ``weight_scale_inv``, MLA's
+    ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``kv_b_proj`` included) is dequantized at load: the greedy tokens
+    are those of the checkpoint holding the format's dequantized weights (tests/worker/lowbit_checkpoints.py,
+    checked against transformers' dequantization). A ``--quantization`` flag is refused by the coordinator in
+    one line: latent attention's models serve float linear layers only."""
+    import re
+
+    from launch.startup import StartupError, read_model_config
+    from tests.worker.deepseek_v3_specs import MOE
+    from tests.worker.lowbit_checkpoints import save_fp8_block
+
+    source = save_tiny_model(MOE, tmp_path / "source")
+    every_projection = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
+    fp8, dequantized = save_fp8_block(source, tmp_path / "fp8", tmp_path / "dequantized", (8, 8), every_projection)
+    assert read_model_config(fp8, 1).latent_attention
+    prompts = [list(range(3, 23)), [1, 7, 9, 11, 13]]
+    want = teacher_forced(eight_bit_runner(dequantized, "auto"), prompts, None, 12)
+    assert teacher_forced(eight_bit_runner(fp8, "auto"), prompts, None, 12) == want
+    for checkpoint, flag in ((source, "int8"), (source, "int4"), (fp8, "fp8"), (fp8, "int8")):
+        with pytest.raises(StartupError) as error:
+            read_model_config(checkpoint, 1, quantization=flag)
+        assert str(error.value) == (f"cannot serve {checkpoint} with --quantization {flag}: multi-head latent "
+                                    "attention's models (DeepseekV3ForCausalLM) serve float linear layers only (an "
+                                    "FP8 checkpoint is dequantized at load without the flag)")
