@@ -19,7 +19,7 @@ from tpserve.embedded_model import default_model_dir
 from tpserve.expert_parallel import check_expert_parallel
 from tpserve.model_config import ModelConfig
 from tpserve.pipeline_split import stage_layer_counts
-from tpserve.quantization import check_quantization_flag, served_quantization
+from tpserve.quantization import check_quantization_flag, checkpoint_quantization, served_quantization
 
 
 class StartupError(RuntimeError):
@@ -89,12 +89,11 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         check_quantization_flag(config.hf_config, quantization)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir}: {exc}") from exc
-    served = served_quantization(config.hf_config, quantization)
-    if config.latent_attention and served:  # before any rank builds the model (worker/models/deepseek_v3.py)
-        how = f"--quantization {quantization}" if quantization else f"its {served} quantized linear layers"
-        raise StartupError(f"cannot serve {model_dir} with {how}: multi-head latent attention's models "
-                           f"({config.architecture}) serve float linear layers only (an FP8 checkpoint is "
-                           "dequantized at load without the flag)")
+    if config.latent_attention and checkpoint_quantization(config.hf_config):  # before any rank loads it
+        raise StartupError(
+            f"cannot serve {model_dir}: its linear layers are stored {served_quantization(config.hf_config, None)}, "
+            f"and multi-head latent attention's projections ({config.architecture}) load float only (a float or "
+            "FP8 checkpoint serves, with --quantization int8 or int4 for its MLP and experts)")
     return config
 
 

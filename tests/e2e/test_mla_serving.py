@@ -85,3 +85,29 @@ def test_mla_serves_with_an_8_bit_latent_cache(tmp_path: Path, kv_cache_dtype: s
             assert list(result.token_ids) == want
             cached.append(result.usage.cached_prompt_tokens)
     assert cached == [0, (len(prompt_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE]
+
+
+def test_mla_serves_int8_experts_at_tp_2(tmp_path: Path) -> None:
+    """``--quantization int8`` on DeepSeek V3: the dense MLP and the shared and routed experts int8 per output
+    channel, the attention float (worker/models/deepseek_v3.py); the greedy text equals ``transformers`` on the
+    checkpoint holding those weights' int8 round trip (tests/worker/int8_checkpoints.py, from the definition)."""
+    import re
+
+    import torch
+
+    from tests.worker.int8_checkpoints import save_dequantized
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = save_servable_model(MOE, tmp_path / "dsv3_moe", STORIES_DIR)
+    reference = save_dequantized(model_dir, tmp_path / "int8_round_trip",
+                                 re.compile(r"model\.layers\.\d+\.mlp\..*(gate_proj|up_proj|down_proj)\.weight$"))
+    model = load_hf_model(reference)
+    prompt_ids = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                             min_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0)
+    want = out[0, len(prompt_ids):].tolist()
+    with serve(model_dir, 2, "--quantization", "int8") as cluster:
+        assert cluster.client.model_info().quantization == "int8"
+        result = cluster.client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    assert list(result.token_ids) == want

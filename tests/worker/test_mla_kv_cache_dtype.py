@@ -129,30 +129,3 @@ def test_a_latent_model_drafting_for_itself_keeps_its_tokens_with_8_bit_caches(m
     assert scheduler.spec.num_drafts > 5
     assert scheduler.spec.num_accepted_tokens > 0.9 * scheduler.spec.num_draft_tokens, scheduler.spec
 
-
-def test_an_fp8_deepseek_checkpoint_is_served_dequantized_and_quantization_flags_are_refused_at_start_up(
-        tmp_path: Path) -> None:
-    """DeepSeek's block-scaled FP8 release layout (every projection e4m3 with ``weight_scale_inv``, MLA's
-    ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``kv_b_proj`` included) is dequantized at load: the greedy tokens
-    are those of the checkpoint holding the format's dequantized weights (tests/worker/lowbit_checkpoints.py,
-    checked against transformers' dequantization). A ``--quantization`` flag is refused by the coordinator in
-    one line: latent attention's models serve float linear layers only."""
-    import re
-
-    from launch.startup import StartupError, read_model_config
-    from tests.worker.deepseek_v3_specs import MOE
-    from tests.worker.lowbit_checkpoints import save_fp8_block
-
-    source = save_tiny_model(MOE, tmp_path / "source")
-    every_projection = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
-    fp8, dequantized = save_fp8_block(source, tmp_path / "fp8", tmp_path / "dequantized", (8, 8), every_projection)
-    assert read_model_config(fp8, 1).latent_attention
-    prompts = [list(range(3, 23)), [1, 7, 9, 11, 13]]
-    want = teacher_forced(eight_bit_runner(dequantized, "auto"), prompts, None, 12)
-    assert teacher_forced(eight_bit_runner(fp8, "auto"), prompts, None, 12) == want
-    for checkpoint, flag in ((source, "int8"), (source, "int4"), (fp8, "fp8"), (fp8, "int8")):
-        with pytest.raises(StartupError) as error:
-            read_model_config(checkpoint, 1, quantization=flag)
-        assert str(error.value) == (f"cannot serve {checkpoint} with --quantization {flag}: multi-head latent "
-                                    "attention's models (DeepseekV3ForCausalLM) serve float linear layers only (an "
-                                    "FP8 checkpoint is dequantized at load without the flag)")

@@ -47,25 +47,22 @@ from worker.parallel_state import ParallelContext
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek V3: :class:`MultiHeadLatentAttention` and per layer a dense MLP or a DeepSeek MoE block.
 
+    ``--quantization int8|int4`` (or ``fp8`` on an FP8 checkpoint) quantizes the dense MLPs and the shared and
+    routed experts (most of the weights); the attention stays float: the absorbed decode reads ``kv_b_proj``'s
+    weight itself (worker/layers/mla.py), and the down-projections are small. An FP8 checkpoint's attention
+    projections are dequantized at load.
+
     Raises:
-        ValueError: ``--quantization`` (MLA's projections and the experts are float only), or a bad
-            config value (named).
+        ValueError: a bad config value (named).
     """
 
     stacked_params_mapping = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, *, tie_word_embeddings: bool,
-                 quantization: Quantization | None = None) -> None:
-        if quantization is not None:
-            raise ValueError(f"--quantization {quantization} is not supported for {config.architecture} "
-                             "(multi-head latent attention's projections are float only)")
-        super().__init__(config, ctx, dtype, tie_word_embeddings=tie_word_embeddings)
-
     def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                       quantization: Quantization | None, layer_index: int) -> nn.Module:
-        attention = MultiHeadLatentAttention(config, ctx, dtype)
+        attention = MultiHeadLatentAttention(config, ctx, dtype)  # float: its absorbed form reads kv_b_proj's weight
         if not is_deepseek_moe_layer(config, layer_index, DEEPSEEK_V3_DEFAULTS):
-            return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype))
+            return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype, quantization))
         moe = deepseek_moe_block(config, ctx, dtype, quantization, DEEPSEEK_V3_DEFAULTS)
         return LlamaDecoderLayer(config, ctx, dtype, attention, moe)
 

@@ -48,13 +48,13 @@ class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.7-Flash: :class:`MultiHeadLatentAttention` and per layer a dense MLP or the DeepSeek MoE block.
 
     Raises:
-        ValueError: ``--quantization``, a bad ``mlp_layer_types`` or routing value (named).
+        ValueError: a bad ``mlp_layer_types`` or routing value (named). ``--quantization``: as DeepSeek V3's.
     """
 
     def decoder_layer(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype,
                       quantization: Quantization | None, layer_index: int) -> nn.Module:
         attention = MultiHeadLatentAttention(config, ctx, dtype)
         if mlp_layer_types(config)[layer_index] == "dense":
-            return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype))
+            return LlamaDecoderLayer(config, ctx, dtype, attention, LlamaMLP(config, ctx, dtype, quantization))
         moe = deepseek_moe_block(config, ctx, dtype, quantization, GLM4_MOE_LITE_DEFAULTS)
         return LlamaDecoderLayer(config, ctx, dtype, attention, moe)
