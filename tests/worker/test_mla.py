@@ -136,13 +136,6 @@ def test_cuda_decode_metadata_matches_transformers_and_graphs_stay_off(checkpoin
             torch.testing.assert_close(row, expected[len(prompt) - 1 + i], atol=1e-4, rtol=1e-4)
 
 
-def test_quantization_is_refused_in_one_line(checkpoint: Path) -> None:
-    with pytest.raises(ValueError, match=r"^--quantization int8 is not supported for DeepseekV3ForCausalLM") as e:
-        ModelRunner(checkpoint, ParallelContext.single("cpu"), torch.float32, block_size=BLOCK_SIZE,
-                    quantization="int8")
-    assert "\n" not in str(e.value)
-
-
 def test_layers_from_first_k_dense_replace_on_are_moe(checkpoint: Path) -> None:
     from worker.layers.moe import SparseMoeBlock
     from worker.models.deepseek_v3 import DeepseekV3ForCausalLM
