@@ -47,7 +47,7 @@ import torch
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
-from worker.attention import PagedAttention, paged_kernel_available
+from worker.attention import paged_kernel_available
 from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
 from worker.draft_model import DraftModel, with_proposals
