@@ -9,7 +9,9 @@ rank sizes from a fixed budget, through the code the ranks run (worker/kv_cache.
   layer, the same on every tensor-parallel rank;
 * **per-head** (the same model served as if it were multi-head attention, what an engine
   without MLA support caches): per head a key of ``qk_nope_head_dim + qk_rope_head_dim`` and a
-  value of ``v_head_dim``, the heads split over the ranks.
+  value of ``v_head_dim``, the heads split over the ranks;
+* **8-bit latent** (``--kv-cache-dtype int8|fp8``): the latent's codes, 1 byte a number, and a
+  2-byte scale per token of the latent and of the rope key (worker/layers/mla_attention.py).
 
 No weights are needed: the configs are the checkpoints' ``config.json`` fields that size the
 cache. bfloat16 cache, 16-token blocks, a 40 GiB budget per rank (what an 80 GB GPU has left
@@ -66,6 +68,9 @@ def capacity(raw: dict, tp: int, budget_bytes: int) -> dict:
     per_head = KVCacheLayout(config.num_hidden_layers, BLOCK_SIZE, per_head_spec, DTYPE)
     latent_tokens = latent.num_blocks_for_budget(budget_bytes) * BLOCK_SIZE
     per_head_tokens = per_head.num_blocks_for_budget(budget_bytes) * BLOCK_SIZE
+    # --kv-cache-dtype int8 / fp8: 1-byte codes and a 2-byte scale per token of the latent and of the rope key.
+    eight_bit = KVCacheLayout.for_model(config, tp, BLOCK_SIZE, torch.int8)
+    eight_bit_tokens = eight_bit.num_blocks_for_budget(budget_bytes) * BLOCK_SIZE
     return {
         "tp": tp,
         "latent_elements_per_token_per_layer": latent.spec.elements_per_token,
@@ -75,6 +80,9 @@ def capacity(raw: dict, tp: int, budget_bytes: int) -> dict:
         "latent_tokens": latent_tokens,
         "per_head_tokens": per_head_tokens,
         "ratio": round(latent_tokens / per_head_tokens, 2),
+        "latent_8_bit_bytes_per_token": eight_bit.bytes_per_block // BLOCK_SIZE,
+        "latent_8_bit_tokens": eight_bit_tokens,
+        "latent_8_bit_ratio": round(eight_bit_tokens / latent_tokens, 3),
     }
 
 
@@ -92,7 +100,8 @@ def main() -> None:
         for row in rows:
             print(f"{name:18} tp={row['tp']}: latent {row['latent_elements_per_token_per_layer']:>5} vs per-head "
                   f"{row['per_head_elements_per_token_per_layer']:>6} numbers/token/layer -> "
-                  f"{row['latent_tokens']:>10,} vs {row['per_head_tokens']:>9,} tokens ({row['ratio']}x)")
+                  f"{row['latent_tokens']:>10,} vs {row['per_head_tokens']:>9,} tokens ({row['ratio']}x); 8-bit latent "
+                  f"{row['latent_8_bit_tokens']:>10,} ({row['latent_8_bit_ratio']}x the bfloat16 latent's)")
 
 
 if __name__ == "__main__":

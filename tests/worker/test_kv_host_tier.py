@@ -142,11 +142,14 @@ def test_the_8bit_cache_comes_back_from_the_tier_as_it_went(stories_dir: Path, k
     assert runs[TIER][1] == [36] * 6
 
 
-def test_latent_attention_blocks_come_back_from_the_tier(stories_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_latent_attention_blocks_come_back_from_the_tier(stories_dir: Path, tmp_path: Path, kv_cache_dtype: str) -> None:
+    """The latent cache's blocks, and an 8-bit latent cache's scale pools with them."""
     model_dir = save_servable_model(Q_LORA, tmp_path / Q_LORA.name, stories_dir)
     outputs = {}
     for num_blocks, num_host_blocks in ((UNBOUNDED, 0), (POOL, TIER)):
-        scheduler, runner = _scheduler(num_blocks, num_host_blocks), _runner(model_dir, num_blocks, num_host_blocks)
+        scheduler = _scheduler(num_blocks, num_host_blocks)
+        runner = _runner(model_dir, num_blocks, num_host_blocks, kv_cache_dtype)
         seqs = [_run(scheduler, runner, [p], first_id=10 * r + i)[0]
                 for r in range(2) for i, p in enumerate(WORKING_SET[:4])]
         outputs[num_host_blocks] = [s.output_token_ids for s in seqs], [s.num_cached_prompt_tokens for s in seqs[4:]]
