@@ -302,20 +302,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
         """The server's configuration and whether it drains (with ``--kv-transfer-config``, the connector,
-        role and engine id, and a pairing protocol that keeps replicas of another transport or
-        tensor-parallel degree apart); to an operator also its traffic
+        role and engine id, and a pairing protocol that keeps replicas of another transport,
+        tensor-parallel degree or 8-bit KV cache type apart); to an operator also its traffic
         (requests in flight, the time of the last request, uptime), which shows other
         tenants' requests and so is left unset (0) for a tenant."""
         engine = self._engine()
         info = self.generation.model_info
         response = vpb.GetServerInfoResponse(
-            is_paused=engine.lifecycle.draining, server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype="auto",
+            is_paused=engine.lifecycle.draining, server_type=SERVER_TYPE, data_parallel_size=1,
+            kv_cache_dtype=info.kv_cache_dtype or "auto",
             block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=engine.scheduler.max_num_seqs)
         if self.kv_connector is not None:  # what the gateway pairs a prefill and a decode replica on
             kv = self.kv_connector.config
             response.kv_connector, response.kv_role, response.kv_engine_id = kv.kv_connector, kv.kv_role, \
                 kv.resolved_engine_id
             response.pairing_protocol = f"tpserve-kv/{kv.transport}/tp{self.kv_connector.tp_size}"
+            if self.kv_connector.kv_cache_dtype != "auto":  # an 8-bit cache's blocks pair only with its own kind
+                response.pairing_protocol += f"/kv-{self.kv_connector.kv_cache_dtype}"
         if self.generation.is_operator(context):
             response.active_requests = engine.num_requests
             response.last_receive_timestamp = self.last_receive_timestamp

@@ -227,7 +227,7 @@ class PublicServer:
         if secret is not None:
             share_tenant_key(secret)
         return KVConnector(kv, self.config.parallel.tensor_parallel_size, self.config.cache.block_size, secret,
-                           KVTransferMetrics(self.metrics.registry))
+                           KVTransferMetrics(self.metrics.registry), self.config.cache.kv_cache_dtype)
 
     def attach(self, engine: Engine, num_kv_blocks: int, dtype: str) -> None:
         """Serves ``engine`` from now on; GetModelInfo reports the pool and the ranks' dtype."""

@@ -258,6 +258,7 @@ class ModelRunner:
         offsets = torch.cat([cast(torch.Tensor, a.k_offset).flatten() for a in layers])  # every layer's, set now
         log.info("kv cache key offsets calibrated", dtype=str(self.kv_cache_dtype).removeprefix("torch."),
                  tp_rank=self.ctx.tp_rank, pp_rank=self.ctx.pp_rank, tokens=num_tokens, layers=len(layers),
+                 draft_layers=len(layers) - len(self._kv_layers),
                  k_offset_min=float(offsets.min()), k_offset_max=float(offsets.max()))
 
     @property

@@ -73,12 +73,14 @@ class KVConnector:
         block_size: tokens per block.
         secret: the cluster secret the agents require (None: none).
         metrics: where transfers are counted.
+        kv_cache_dtype: ``--kv-cache-dtype``; a hand-over between replicas of two values is refused (an 8-bit
+            cache's blocks are codes with per-token scales: worker/kv_quant.py).
     """
 
     def __init__(self, config: KVTransferConfig, tp_size: int, block_size: int, secret: str | None,
-                 metrics: KVTransferMetrics) -> None:
+                 metrics: KVTransferMetrics, kv_cache_dtype: str = "auto") -> None:
         self.config, self.tp_size, self.block_size = config, tp_size, block_size
-        self.secret, self.metrics = secret, metrics
+        self.secret, self.metrics, self.kv_cache_dtype = secret, metrics, kv_cache_dtype
         self._tasks: set[asyncio.Task] = set()
 
     # -- prefill side ----------------------------------------------------------------------------
@@ -126,7 +128,7 @@ class KVConnector:
     def _handoff(self, block_ids: list[int], transfer_id: str) -> str:
         cfg = self.config
         return handoff_json(cfg.resolved_engine_id, cfg.side_channel_host, cfg.side_channel_port, block_ids,
-                            transfer_id, self.tp_size, self.block_size)
+                            transfer_id, self.tp_size, self.block_size, self.kv_cache_dtype)
 
     async def _await_done(self, scheduler: Scheduler, allocator: BlockAllocator, block_ids: list[int],
                           holds: list[rank_links.RankHold], hold_timeout_s: float) -> None:
@@ -162,6 +164,9 @@ class KVConnector:
                     f"{self.tp_size}: equal degrees are required")
         if params.block_size and params.block_size != self.block_size:
             return f"the prefill replica's block size {params.block_size} is not this replica's {self.block_size}"
+        if params.kv_cache_dtype and params.kv_cache_dtype != self.kv_cache_dtype:
+            return (f"the prefill replica's KV cache is --kv-cache-dtype {params.kv_cache_dtype}, this replica's "
+                    f"{self.kv_cache_dtype}: both need the same --kv-cache-dtype")
         return ""
 
     async def pull(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
@@ -177,6 +182,10 @@ class KVConnector:
             return HeldBlocks()
         reason = self.refusal(params)
         if reason:
+            if params.kv_cache_dtype and params.kv_cache_dtype != self.kv_cache_dtype:  # the degrees are equal:
+                # a read of no block tells the prefill's ranks at once; they refuse it on the layout and end the
+                # hold (worker/kv_transfer/agent.py), so its blocks are not kept for hold_timeout_s
+                self._track(self._pull_ranks(self._release_request(params, namespace)))
             return self._fallback("refused", reason, HeldBlocks())
         hashes = prompt_block_hashes(token_ids, namespace, self.block_size, num_blocks)
         allocator = scheduler.allocator
@@ -217,6 +226,12 @@ class KVConnector:
         self.metrics.bytes.labels("received", transport).inc(sum(int(a.get("bytes", 0)) for a in answers))
         self.metrics.seconds.labels(transport).observe(time.monotonic() - started)
         return HeldBlocks(allocator, (*cached, *new), len(new))
+
+    def _release_request(self, params: KVTransferParams, namespace: bytes) -> dict[str, Any]:
+        """A pull of no block for the request's own hold: what only ends the prefill replica's hold."""
+        return {"transfer_id": params.remote_request_id, "remote_host": params.remote_host,
+                "remote_port": params.remote_port, "first_block": 0, "remote_block_ids": [], "local_block_ids": [],
+                "block_hashes": [], "namespace": namespace.hex(), "timeout_s": self.config.pull_timeout_s}
 
     async def _pull_ranks(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         cfg = self.config

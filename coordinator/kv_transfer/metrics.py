@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+#: Why a decode replica prefilled a prompt itself (the fallbacks counter's label values).
+FALLBACK_REASONS = ("refused", "failed", "no_free_blocks")
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -21,8 +23,10 @@ class KVTransferMetrics:
             (sent, received) and ``transport``.
         seconds: ``tpserve:kv_transfer_seconds``, a pull's wall time on the decode replica
             (every rank's pull, from the request's arrival at the coordinator to the last answer).
-        fallbacks: ``tpserve:kv_transfer_fallbacks_total`` by ``reason``: a decode replica
-            prefilled a prompt itself (unreachable, refused, timed out, no free blocks, mismatch).
+        fallbacks: ``tpserve:kv_transfer_fallbacks_total`` by ``reason`` (:data:`FALLBACK_REASONS`): a decode
+            replica prefilled a prompt itself: ``refused`` before any pull (another tensor-parallel degree,
+            block size or ``--kv-cache-dtype``), ``failed`` (unreachable, refused by the prefill's ranks, timed
+            out), ``no_free_blocks``.
         holds: ``tpserve:kv_transfer_holds``, prefill requests whose blocks wait for their pull now.
     """
 
@@ -36,5 +40,7 @@ class KVTransferMetrics:
                                  ("transport",), buckets=_TRANSFER_BUCKETS, registry=registry)
         self.fallbacks = Counter("tpserve:kv_transfer_fallbacks", "Decode requests prefilled locally instead.",
                                  ("reason",), registry=registry)
+        for reason in FALLBACK_REASONS:  # each series from 0, so that a dashboard's rate sees the first fallback
+            self.fallbacks.labels(reason)
         self.holds = Gauge("tpserve:kv_transfer_holds", "Prefill requests holding blocks for a pull.",
                            registry=registry)

@@ -9,7 +9,8 @@ docs/design/cluster.md, "Prefill/decode disaggregation"):
 - to the decode replica: the same request (its own sampling parameters, the same request id)
   with that JSON: ``do_remote_prefill`` true, ``remote_engine_id``, ``remote_block_ids``,
   ``remote_host``, ``remote_port`` (vLLM's names), plus ours: ``remote_request_id`` (the hold's
-  unguessable id), ``tp_size`` and ``block_size`` (both must equal the decode replica's).
+  unguessable id), ``tp_size``, ``block_size`` and ``kv_cache_dtype`` (each must equal the decode
+  replica's; ``kv_cache_dtype`` is ``--kv-cache-dtype``: an 8-bit cache's blocks are its codes and scales).
 
 No torch.
 """
@@ -38,6 +39,7 @@ class KVTransferParams:
         remote_block_ids: the prefill replica's blocks of the prompt's full blocks, in order.
         remote_request_id: the prefill replica's hold (what its ranks serve the blocks under).
         tp_size, block_size: the prefill replica's tensor-parallel degree and block size (0: not said).
+        kv_cache_dtype: the prefill replica's ``--kv-cache-dtype`` ("": not said, as before it was sent).
     """
 
     do_remote_decode: bool = False
@@ -49,6 +51,7 @@ class KVTransferParams:
     remote_request_id: str = ""
     tp_size: int = 0
     block_size: int = 0
+    kv_cache_dtype: str = ""
 
 
 def parse_params(text: str) -> KVTransferParams:
@@ -73,7 +76,8 @@ def parse_params(text: str) -> KVTransferParams:
         remote_block_ids=_get(data, "remote_block_ids", list, []),
         remote_request_id=_get(data, "remote_request_id", str, ""),
         tp_size=_get(data, "tp_size", int, 0),
-        block_size=_get(data, "block_size", int, 0))
+        block_size=_get(data, "block_size", int, 0),
+        kv_cache_dtype=_get(data, "kv_cache_dtype", str, ""))
     if params.do_remote_decode and params.do_remote_prefill:
         raise InvalidArgumentError(f"{FIELD}: do_remote_decode and do_remote_prefill cannot both be true")
     ids = params.remote_block_ids
@@ -98,8 +102,9 @@ def _get(data: dict[str, Any], name: str, kind: type, default: Any) -> Any:
 
 
 def handoff_json(engine_id: str, host: str, port: int, block_ids: list[int], transfer_id: str, tp_size: int,
-                 block_size: int) -> str:
+                 block_size: int, kv_cache_dtype: str = "auto") -> str:
     """The prefill's GenerateComplete ``kv_transfer_params_json`` the gateway forwards to the decode replica."""
     return json.dumps({"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
                        "remote_block_ids": block_ids, "remote_host": host, "remote_port": port,
-                       "remote_request_id": transfer_id, "tp_size": tp_size, "block_size": block_size})
+                       "remote_request_id": transfer_id, "tp_size": tp_size, "block_size": block_size,
+                       "kv_cache_dtype": kv_cache_dtype})

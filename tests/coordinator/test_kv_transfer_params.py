@@ -20,11 +20,15 @@ def test_what_the_gateway_sends_a_prefill_replica() -> None:
 
 
 def test_the_hand_off_round_trips() -> None:
-    text = handoff_json("p0", "10.0.0.7", 5600, [3, 9], "ab" * 16, 2, 16)
+    text = handoff_json("p0", "10.0.0.7", 5600, [3, 9], "ab" * 16, 2, 16, "int8")
     assert json.loads(text) == {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
                                 "remote_block_ids": [3, 9], "remote_host": "10.0.0.7", "remote_port": 5600,
-                                "remote_request_id": "ab" * 16, "tp_size": 2, "block_size": 16}
-    assert parse_params(text) == KVTransferParams(False, True, "p0", "10.0.0.7", 5600, [3, 9], "ab" * 16, 2, 16)
+                                "remote_request_id": "ab" * 16, "tp_size": 2, "block_size": 16,
+                                "kv_cache_dtype": "int8"}
+    assert parse_params(text) == KVTransferParams(False, True, "p0", "10.0.0.7", 5600, [3, 9], "ab" * 16, 2, 16,
+                                                  "int8")
+    # A hand-over from a replica that did not send its cache type (an earlier release) is read as "not said".
+    assert parse_params(json.dumps({**json.loads(text), "kv_cache_dtype": None})).kv_cache_dtype == ""
 
 
 @pytest.mark.parametrize(("text", "message"), [

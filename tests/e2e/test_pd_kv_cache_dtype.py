@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,7 +27,7 @@ from tests.paths import STORIES_DIR, requires_stories
 pytestmark = [pytest.mark.e2e, requires_stories]
 
 BLOCK_SIZE = 16
-HOLD_TIMEOUT_S = 3.0  # a refused transfer's hold lasts this long on the prefill replica
+HOLD_TIMEOUT_S = 60.0  # an unread hold's life on the prefill replica: a refused one must end long before
 
 
 def _generate(replica: RunningCluster, prompt: list[int], kv: dict | None = None, max_tokens: int = 24,
@@ -42,8 +43,14 @@ def _generate(replica: RunningCluster, prompt: list[int], kv: dict | None = None
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningCluster]]:
-    tmp = tmp_path_factory.mktemp("pd-kv8")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where each replica's log is written (``<name>.log``)."""
+    return tmp_path_factory.mktemp("pd-kv8")
+
+
+@pytest.fixture(scope="module")
+def replicas(logs: Path) -> Iterator[dict[str, RunningCluster]]:
+    tmp = logs
     with ExitStack() as stack:
         yield {name: stack.enter_context(serve_role(STORIES_DIR, 1, role, name, tmp / f"{name}.log",
                                                     "--kv-cache-dtype", dtype, **timeouts))
@@ -80,20 +87,40 @@ def test_an_8_bit_cache_moves_with_its_scales_and_gives_one_replicas_tokens(repl
     assert used_tokens(decode) == 0 and used_tokens(prefill) == 0
 
 
-def test_a_replica_of_another_8_bit_type_refuses_the_blocks_and_prefills_itself(replicas) -> None:
+def test_the_gateway_sees_each_replicas_cache_type(replicas) -> None:
+    """GetServerInfo's ``kv_cache_dtype``, and a ``pairing_protocol`` that keeps 8-bit replicas of two types apart
+    (``smg --pd-disaggregation`` pairs only replicas whose protocols match)."""
+    def server_info(replica: RunningCluster) -> vpb.GetServerInfoResponse:
+        with grpc.insecure_channel(replica.target) as channel:
+            return vllm_engine_pb2_grpc.VllmEngineStub(channel).GetServerInfo(vpb.GetServerInfoRequest(), timeout=5)
+
+    infos = {name: server_info(replica) for name, replica in replicas.items()}
+    assert [infos[n].kv_cache_dtype for n in ("prefill", "decode", "decode-fp8")] == ["int8", "int8", "fp8"]
+    assert infos["prefill"].pairing_protocol == infos["decode"].pairing_protocol == "tpserve-kv/tcp/tp1/kv-int8"
+    assert infos["decode-fp8"].pairing_protocol == "tpserve-kv/tcp/tp1/kv-fp8"
+
+
+def test_a_replica_of_another_8_bit_type_refuses_the_blocks_and_prefills_itself(replicas, logs: Path) -> None:
+    """Refused by the decode replica before any pull (the hand-over names the prefill's --kv-cache-dtype), in one
+    log line naming the flag; the prefill replica's hold ends at once, its blocks freed."""
     prefill, decode_fp8 = replicas["prefill"], replicas["decode-fp8"]
     prompt = Tokenizer.from_pretrained(STORIES_DIR).encode(f"Types. {LONG_PROMPT}")
-    failed = labelled(decode_fp8, "tpserve:kv_transfer_fallbacks_total", reason="failed")
+    refused = labelled(decode_fp8, "tpserve:kv_transfer_fallbacks_total", reason="refused")
     computed = computed_prompt_tokens(decode_fp8)
-    out = _generate(decode_fp8, prompt, _hand_over(prefill, prompt))
-    assert labelled(decode_fp8, "tpserve:kv_transfer_fallbacks_total", reason="failed") == failed + 1
+    kv = _hand_over(prefill, prompt)
+    assert kv["kv_cache_dtype"] == "int8"
+    out = _generate(decode_fp8, prompt, kv)
+    assert labelled(decode_fp8, "tpserve:kv_transfer_fallbacks_total", reason="refused") == refused + 1
     assert out.cached_tokens == 0 and computed_prompt_tokens(decode_fp8) - computed == len(prompt)  # all computed
+    lines = [line for line in (logs / "decode-fp8.log").read_text().splitlines() if "kv pull failed" in line]
+    assert "the prefill replica's KV cache is --kv-cache-dtype int8, this replica's fp8: both need the same " \
+           "--kv-cache-dtype" in lines[-1]
     # Its own fp8 cache's tokens: the same request again, served from the blocks that prefill cached (a
     # prefix hit gives a miss's tokens: test_kv_cache_dtype_serving.py), not the int8 replica's.
     again = _generate(decode_fp8, prompt)
     assert again.cached_tokens > 0 and list(out.output_ids) == list(again.output_ids)
     assert used_tokens(decode_fp8) == 0
-    deadline = time.monotonic() + HOLD_TIMEOUT_S + 8  # the unread hold ends at its timeout, its blocks freed
+    deadline = time.monotonic() + 5  # well before the hold's timeout (HOLD_TIMEOUT_S)
     while labelled(prefill, "tpserve:kv_transfer_holds") or used_tokens(prefill):
-        assert time.monotonic() < deadline, "a refused transfer's hold outlived its timeout"
+        assert time.monotonic() < deadline, "a refused transfer's hold was kept"
         time.sleep(0.1)

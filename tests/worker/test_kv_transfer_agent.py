@@ -141,14 +141,17 @@ def test_each_decode_rank_gets_its_prefill_ranks_blocks_and_the_prefill_frees_th
 def test_an_8_bit_cache_moves_with_its_scale_pools_between_replicas_of_one_codec(decode_codec: str) -> None:
     """Codes and their per-token scale pools move block for block; a decode replica whose codes mean something
     else (another storage type or key offset: ModelRunner.kv_codec) refuses them before a byte is written."""
-    prefill = _replica("kv_producer", 1, codec="int8:k_offset=00aa", hold_timeout_s=2.0)
+    prefill = _replica("kv_producer", 1, codec="int8:k_offset=00aa", hold_timeout_s=30.0)
     decode = _replica("kv_consumer", 2, codec=decode_codec, pull_timeout_s=2.0)
     before = [[(k.clone(), v.clone()) for k, v in rank] for rank in decode.caches]
     try:
         async def run():
             blocks = _prefill(prefill)
             kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
-            return blocks, await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
+            held = await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
+            # Read or refused, the hold ends now (not after its 30 s) and the prefill's coordinator frees it.
+            await _until(lambda: prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS, timeout_s=3.0)
+            return blocks, held
 
         blocks, held = asyncio.run(run())
     finally:
@@ -159,6 +162,7 @@ def test_an_8_bit_cache_moves_with_its_scale_pools_between_replicas_of_one_codec
         for rank in range(TP):
             for (k, v), (k0, v0) in zip(decode.caches[rank], before[rank]):
                 assert torch.equal(k, k0) and torch.equal(v, v0)  # nothing written
+        assert prefill.metric("tpserve:kv_transfer_holds") == 0  # the refused hold's own request: ended at once
         return
     assert held.num_pulled == 4
     for rank in range(TP):  # codes and scale pools alike: block i of each tensor
@@ -279,3 +283,20 @@ def test_an_agent_refuses_a_port_in_use() -> None:
         agent = KVAgent("127.0.0.1", taken.getsockname()[1], 0, 1, None, list, TcpTransport(0, 1, None))
         with pytest.raises(OSError):
             agent.start()
+
+
+def test_a_layout_mismatch_is_said_in_words() -> None:
+    from worker.kv_transfer.blocks import layout_mismatch, layout_signature
+
+    floats, codes = _caches(1), _eight_bit_caches(1)
+    int8 = layout_signature(codes, "int8:k_offset=00aa")
+    assert layout_mismatch(layout_signature(floats), int8) == (
+        "the reading (decode) replica's KV cache stores float32, this (prefill) replica's int8: both replicas need "
+        "the same --kv-cache-dtype")
+    assert layout_mismatch(int8.replace("int8:k_offset", "float8_e4m3fn:k_offset"), int8).startswith(
+        "the reading (decode) replica's KV cache stores float8_e4m3fn, this (prefill) replica's int8")
+    assert layout_mismatch(layout_signature(codes, "int8:k_offset=00ab"), int8) == (
+        "the replicas' 8-bit caches were calibrated differently (k_offset=00ab against k_offset=00aa: another "
+        "model or hardware computed other key offsets)")
+    assert layout_mismatch(layout_signature(_caches(1, heads=2)), layout_signature(floats)).startswith(
+        "cache layout 2x[4, 2, 8];[4, 2, 8]:float32 is not this rank's 2x[4, 1, 8]")

@@ -11,7 +11,9 @@ serves each connection on a thread (tpserve/kv_wire.py for the frames and the au
 - ``read`` (the peer rank, decode side): the checks (a hold of that id, the same hashes,
   namespace, block ids, tensor-parallel degree and rank, cache layout), then the payload
   (worker/kv_transfer/blocks.py); the reader's ``ack`` confirms the hold. A read of no block
-  (the decode replica had them all cached) only confirms it.
+  (the decode replica had them all cached) only confirms it. A read of the hold's own request whose
+  cache layout differs (another ``--kv-cache-dtype`` or calibration) ends the hold at once: no read
+  of it can succeed, so its blocks are not kept for the hold's timeout.
 - ``pull`` (its coordinator, decode side): pull a transfer from the peer rank into local
   blocks with the transport (worker/kv_transfer/transport.py); answer ``pulled`` with ``ok``,
   the bytes and seconds, or the error.
@@ -33,7 +35,7 @@ from typing import Any
 import structlog
 
 from tpserve.kv_wire import WireError, check_auth, new_nonce, recv_frame, send_frame
-from worker.kv_transfer.blocks import KVCaches, gather_blocks, layout_signature
+from worker.kv_transfer.blocks import KVCaches, gather_blocks, layout_mismatch, layout_signature
 from worker.kv_transfer.transport import KVTransport, PullRequest, TransferRefused
 
 log = structlog.get_logger(__name__)
@@ -56,6 +58,7 @@ class _Hold:
     active: bool = True  # False once released: its blocks may be reused
     lock: threading.Lock = field(default_factory=threading.Lock)  # a read's copy against the release
     confirmed: threading.Event = field(default_factory=threading.Event)
+    abandoned: threading.Event = field(default_factory=threading.Event)  # its reader's cache cannot take the blocks
 
 
 class KVAgent:
@@ -159,7 +162,7 @@ class KVAgent:
         try:
             send_frame(conn, {"op": "held", "ok": True})
             while not hold.confirmed.wait(0.05):
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or hold.abandoned.is_set():
                     break
                 readable, _, _ = select.select([conn], [], [], 0)
                 if readable:  # "release", or the coordinator hung up: either way the hold ends
@@ -179,6 +182,11 @@ class KVAgent:
             hold = self._holds.get(transfer_id)
         caches = self.caches()
         problem = self._read_problem(hold, header, caches)
+        if problem and hold is not None and header.get("namespace") == hold.namespace and caches \
+                and header.get("layout") != self._layout(caches):
+            # The hold's own request, read by a replica whose cache cannot take these blocks (another
+            # --kv-cache-dtype or calibration): no read of it will succeed, so it ends now, its blocks freed.
+            hold.abandoned.set()
         if not problem and hold is not None:
             with hold.lock:  # one hold's reads and its release in turn; other holds go on meanwhile
                 if hold.active:
@@ -218,7 +226,7 @@ class KVAgent:
         if not caches:
             return "this rank has no KV cache now"
         if header.get("layout") != self._layout(caches):
-            return f"cache layout {header.get('layout')} is not this rank's {self._layout(caches)}"
+            return layout_mismatch(str(header.get("layout")), self._layout(caches))
         return ""
 
     def _layout(self, caches: KVCaches) -> str:

@@ -43,6 +43,26 @@ def layout_signature(caches: KVCaches, codec: str = "") -> str:
     return f"{signature}|{codec}" if codec else signature
 
 
+def layout_mismatch(reader: str, holder: str) -> str:
+    """Why a reader's layout signature cannot take a holder's blocks, in words (one line): the cache types
+    when they differ (``--kv-cache-dtype``), the 8-bit key offsets' calibration, else both signatures."""
+    def codec(signature: str) -> tuple[str, str]:  # (storage type, the rest of the codec)
+        layers, _, rest = signature.partition("|")
+        if rest:
+            kind, _, detail = rest.partition(":")
+            return kind, detail
+        return layers.rpartition(":")[2].partition("+")[0] or "?", ""  # a float cache: its dtype
+
+    (reader_kind, reader_detail), (holder_kind, holder_detail) = codec(reader), codec(holder)
+    if reader_kind != holder_kind:
+        return (f"the reading (decode) replica's KV cache stores {reader_kind}, this (prefill) replica's "
+                f"{holder_kind}: both replicas need the same --kv-cache-dtype")
+    if reader_detail != holder_detail:
+        return (f"the replicas' 8-bit caches were calibrated differently ({reader_detail} against {holder_detail}: "
+                "another model or hardware computed other key offsets)")
+    return f"cache layout {reader} is not this rank's {holder}"
+
+
 def bytes_per_block(caches: KVCaches) -> int:
     """Bytes one block takes on this rank, every layer and both tensors."""
     return sum(t[0].numel() * t.element_size() for pair in caches for t in pair)
