@@ -88,7 +88,11 @@ def new_int4_experts(moe: Any, held: int, local: int, hidden: int, device: torch
     """
     for name, size in (("hidden_size", hidden), ("this rank's moe_intermediate_size", local)):
         if size % BLOCK:
-            raise ValueError(f"--quantization int4 experts need {name} to be a multiple of {BLOCK}, got {size}")
+            hint = "--quantization int8" if name == "hidden_size" else (
+                f"--quantization int8, or a tensor-parallel degree (or --enable-expert-parallel) that leaves each "
+                f"rank a multiple of {BLOCK}")
+            raise ValueError(f"--quantization int4 experts need {name} to be a multiple of {BLOCK}, got {size}; "
+                             f"serve them with {hint}")
     moe.gate_up_proj = new_parameter((held, 2 * local, hidden // 2), torch.uint8, device, moe.weight_loader)
     moe.down_proj = new_parameter((held, hidden, local // 2), torch.uint8, device, moe.weight_loader)
     moe.gate_up_proj_scale = new_parameter((held, 2 * local, 0, 2), torch.float32, device, moe.weight_loader)
