@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,3 +82,18 @@ def used_tokens(replica: RunningCluster, operator_key: str = "") -> int:
 def computed_prompt_tokens(replica: RunningCluster) -> float:
     """Prompt tokens the replica computed: looked up at admission less found (pulled blocks are found)."""
     return replica.metric("tpserve:prefix_cache_queries_total") - replica.metric("tpserve:prefix_cache_hits_total")
+
+
+def engine_generate(replica: RunningCluster, prompt: list[int], kv: dict | None = None, max_tokens: int = 16,
+                    key: str = "", **sampling: object) -> vpb.GenerateComplete:
+    """One unstreamed engine-protocol Generate (greedy unless ``sampling`` says otherwise), as the tenant of the API
+    ``key`` ("": none), with ``kv`` as its ``kv_transfer_params_json``; the GenerateComplete."""
+    request = vpb.GenerateRequest(
+        request_id=f"r{time.monotonic_ns()}", tokenized=vpb.TokenizedInput(input_ids=prompt),
+        sampling_params=vpb.SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}))
+    if kv is not None:
+        request.kv_transfer_params_json = json.dumps(kv)
+    metadata = [("authorization", f"Bearer {key}")] if key else None
+    with grpc.insecure_channel(replica.target) as channel:
+        return list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request, timeout=60,
+                                                                          metadata=metadata))[-1].complete

@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.tokenizer import Tokenizer
 from tests.e2e.cluster import RunningCluster
-from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, labelled, serve_role, used_tokens
+from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, engine_generate, labelled, serve_role, used_tokens
 from tests.paths import STORIES_DIR, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -32,14 +32,7 @@ HOLD_TIMEOUT_S = 60.0  # an unread hold's life on the prefill replica: a refused
 
 def _generate(replica: RunningCluster, prompt: list[int], kv: dict | None = None, max_tokens: int = 24,
               **sampling: object) -> vpb.GenerateComplete:
-    """One unstreamed engine-protocol Generate, greedy unless ``sampling`` says otherwise."""
-    request = vpb.GenerateRequest(
-        request_id=f"r{time.monotonic_ns()}", tokenized=vpb.TokenizedInput(input_ids=prompt),
-        sampling_params=vpb.SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}))
-    if kv is not None:
-        request.kv_transfer_params_json = json.dumps(kv)
-    with grpc.insecure_channel(replica.target) as channel:
-        return list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request, timeout=60))[-1].complete
+    return engine_generate(replica, prompt, kv, max_tokens, **sampling)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.tokenizer import Tokenizer
 from tests.e2e.cluster import RunningCluster, free_port
-from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, labelled, serve_role, used_tokens
+from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, engine_generate, labelled, serve_role, used_tokens
 from tests.paths import STORIES_DIR, requires_stories
 from tpserve.kv_wire import WireError, connect, recv_frame, send_frame
 
@@ -47,15 +47,7 @@ class Pair:
     def generate(self, replica: RunningCluster, key: str, prompt: list[int], kv: dict | None = None,
                  max_tokens: int = 16, **sampling) -> vpb.GenerateComplete:
         """One unstreamed engine-protocol Generate as the tenant of ``key``."""
-        request = vpb.GenerateRequest(
-            request_id=f"r{time.monotonic_ns()}", tokenized=vpb.TokenizedInput(input_ids=prompt),
-            sampling_params=vpb.SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}))
-        if kv is not None:
-            request.kv_transfer_params_json = json.dumps(kv)
-        with grpc.insecure_channel(replica.target) as channel:
-            responses = list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
-                request, timeout=60, metadata=[("authorization", f"Bearer {key}")]))
-        return responses[-1].complete
+        return engine_generate(replica, prompt, kv, max_tokens, key, **sampling)
 
     def hand_over(self, key: str, prompt: list[int]) -> dict:
         """The prefill replica's kv_transfer_params for ``prompt``, as the gateway asks for them."""

@@ -119,3 +119,61 @@ def prefix_agreement(got: list[list[int]], want: list[list[int]]) -> float:
     for g, w in zip(got, want, strict=True):
         kept += next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
     return kept / sum(map(len, want))
+
+
+def prompt_logits(runner: ModelRunner, seq: int, chunks: list[tuple[tuple[int, ...], int, tuple[int, ...]]],
+                  step: int) -> torch.Tensor:
+    """Run ``seq``'s prompt as ``chunks`` of (tokens, start, new blocks); the logits after its last token."""
+    for i, (tokens, start, blocks) in enumerate(chunks):
+        new = (NewSequence(seq, GREEDY),) if i == 0 else ()
+        runner.execute(StepPlan(step + i, new, (ScheduledChunk(seq, tokens, start, blocks,
+                                                               sample=i == len(chunks) - 1),)))
+    return runner.last_logits[0].clone()
+
+
+def check_reads_match_a_miss(runner: ModelRunner) -> None:
+    """With one 8-bit cache (a runner of block size 16, 14 blocks at least), a prefix-cache hit (blocks another
+    sequence wrote), a chunked prompt and a preempted-and-recomputed sequence give a miss's logits (to 1e-4, the
+    same greedy token), and 6 decode steps read from the cache give what one prefill of prompt and output gives:
+    every read sees the values the cache holds, and a first chunk its own rows rounded as the cache rounds them."""
+    prompt = tuple(range(3, 43))  # 40 tokens: blocks of 16, 16 and 8
+    miss = prompt_logits(runner, 0, [(prompt, 0, (0, 1, 2))], 0)
+    hit = prompt_logits(runner, 1, [(prompt[32:], 32, (0, 1, 3))], 1)  # blocks 0, 1 shared with sequence 0
+    chunked = prompt_logits(runner, 2, [(prompt[:20], 0, (4, 5)), (prompt[20:], 20, (6,))], 2)
+    runner.execute(StepPlan(4, finished_seq_ids=(0, 1, 2)))
+    recomputed = prompt_logits(runner, 0, [(prompt, 0, (7, 8, 9))], 5)  # preempted: its prompt again
+    for other in (hit, chunked, recomputed):
+        torch.testing.assert_close(other, miss, atol=1e-4, rtol=0)
+        assert other.argmax() == miss.argmax()
+    tokens = [int(miss.argmax())]
+    for k in range(6):
+        runner.execute(StepPlan(6 + k, (), (ScheduledChunk(0, (tokens[-1],), 40 + k, (10,) if k == 0 else ()),)))
+        tokens.append(int(runner.last_logits[0].argmax()))
+    decoded = runner.last_logits[0].clone()
+    runner.execute(StepPlan(12, finished_seq_ids=(0,)))
+    resumed = prompt_logits(runner, 0, [(prompt + tuple(tokens[:-1]), 0, (11, 12, 13))], 13)
+    torch.testing.assert_close(resumed, decoded, atol=1e-4, rtol=0)
+    assert resumed.argmax() == decoded.argmax()
+
+
+def greedy_through_scheduler(runner: ModelRunner, prompts: list[list[int]], num_tokens: int, num_blocks: int,
+                             vocab_size: int, proposer: object = None) -> tuple[list[list[int]], object]:
+    """``prompts`` added together to the real scheduler (prefix caching on, writes checked; ``proposer``: its
+    speculation) and stepped through ``runner`` until done: each prompt's ``num_tokens`` greedy tokens, and
+    the scheduler (its ``spec`` counts). Checks that every block and sequence is released at the end."""
+    from coordinator.block_allocator import BlockAllocator
+    from coordinator.scheduler import Scheduler
+    from coordinator.sequence import Sequence, StopParams
+
+    scheduler = Scheduler(BlockAllocator(num_blocks, runner.block_size), max_num_seqs=16, max_num_batched_tokens=256,
+                          enable_prefix_caching=True, check_writes=True, proposer=proposer)
+    seqs = [Sequence(i, list(p), GREEDY, StopParams(num_tokens, frozenset()), vocab_size) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.execute(plan))
+        scheduler.check_invariants()
+    runner.execute(scheduler.schedule())  # the last drops
+    assert runner.num_sequences == 0 and scheduler.allocator.num_free_blocks == num_blocks
+    return [seq.output_token_ids for seq in seqs], scheduler

@@ -29,16 +29,16 @@ import torch
 from tests.paths import requires_stories
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.kv8_helpers import (
-    GREEDY,
     agreement,
+    check_reads_match_a_miss,
     eight_bit_runner,
+    greedy_through_scheduler,
     prefix_agreement,
     rounded_cache_runner,
     sixteen_bit,
     teacher_forced,
 )
 from tpserve.embedded_model import default_model_dir
-from tpserve.step import NewSequence, ScheduledChunk, StepPlan
 from worker.kernels import cpu_kernels_available
 from worker.kernels.triton_attention import paged_decode_attention
 from worker.kv_cache import KVCacheLayout
@@ -100,10 +100,7 @@ def test_a_draft_models_cache_is_8_bit_too(stories_dir: Path, tmp_path: Path, kv
     proposals are all but always accepted only if the draft's 8-bit K/V are right (its offsets are then the
     target's, bit for bit: the same layers on the same calibration prompt); a random draft's are nearly all
     rejected (the rollback path)."""
-    from coordinator.block_allocator import BlockAllocator
     from coordinator.ngram_proposer import DraftModelProposer
-    from coordinator.scheduler import Scheduler
-    from coordinator.sequence import Sequence, StopParams
     from tests.paths import load_goldens
 
     spec = TinyModelSpec("draft512", "llama", {"num_attention_heads": 4, "num_key_value_heads": 2,
@@ -136,18 +133,8 @@ def test_a_draft_models_cache_is_8_bit_too(stories_dir: Path, tmp_path: Path, kv
     goldens = load_goldens()
     prompts = [list(g["prompt_token_ids"]) for g in goldens]
     want = teacher_forced(eight_bit_runner(stories_dir, kv_cache_dtype, num_blocks=96), prompts, None, 24)
-    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs=16, max_num_batched_tokens=256,
-                          enable_prefix_caching=True, check_writes=True, proposer=DraftModelProposer(3))
-    seqs = [Sequence(i, p, GREEDY, StopParams(24, frozenset()), 512) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.has_work():
-        plan = scheduler.schedule()
-        scheduler.update(plan, runner.execute(plan))
-        scheduler.check_invariants()
-    runner.execute(scheduler.schedule())  # the last drops
-    assert runner.num_sequences == 0 and scheduler.allocator.num_free_blocks == num_blocks
-    assert [seq.output_token_ids for seq in seqs] == want
+    outputs, scheduler = greedy_through_scheduler(runner, prompts, 24, num_blocks, 512, DraftModelProposer(3))
+    assert outputs == want
     stats = scheduler.spec
     assert stats.num_drafts > 20
     if draft == "self":
@@ -306,42 +293,12 @@ def test_a_rounding_float_cache_simulates_the_8_bit_cache(kv_cache_dtype: str) -
     assert max(float((g - w).abs().max()) for g, w in zip(got_logits, float_logits, strict=True)) > 100 * worst
 
 
-def _prompt_logits(runner: ModelRunner, seq: int, chunks: list[tuple[tuple[int, ...], int, tuple[int, ...]]],
-                   step: int) -> torch.Tensor:
-    """Run ``seq``'s prompt as ``chunks`` of (tokens, start, new blocks); the logits after its last token."""
-    for i, (tokens, start, blocks) in enumerate(chunks):
-        new = (NewSequence(seq, GREEDY),) if i == 0 else ()
-        runner.execute(StepPlan(step + i, new, (ScheduledChunk(seq, tokens, start, blocks,
-                                                               sample=i == len(chunks) - 1),)))
-    return runner.last_logits[0].clone()
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_prefix_hits_chunks_and_recomputation_read_what_a_miss_wrote(kv_cache_dtype: str) -> None:
-    """With the same 8-bit cache, a prefix-cache hit (the shared blocks written by another sequence), a
-    chunked prompt and a preempted-and-recomputed sequence give a miss's logits: every read sees the
-    values the cache holds, and a first chunk attends over its own keys rounded as the cache rounds them."""
-    runner = eight_bit_runner(default_model_dir(), kv_cache_dtype)
-    prompt = tuple(range(3, 43))  # 40 tokens: blocks of 16, 16 and 8
-    miss = _prompt_logits(runner, 0, [(prompt, 0, (0, 1, 2))], 0)
-    hit = _prompt_logits(runner, 1, [(prompt[32:], 32, (0, 1, 3))], 1)  # blocks 0, 1 shared with sequence 0
-    chunked = _prompt_logits(runner, 2, [(prompt[:20], 0, (4, 5)), (prompt[20:], 20, (6,))], 2)
-    runner.execute(StepPlan(4, finished_seq_ids=(0, 1, 2)))
-    recomputed = _prompt_logits(runner, 0, [(prompt, 0, (7, 8, 9))], 5)  # preempted: its prompt again
-    for other in (hit, chunked, recomputed):
-        torch.testing.assert_close(other, miss, atol=1e-4, rtol=0)
-        assert other.argmax() == miss.argmax()
-    # Preempted after decoding 6 tokens (read from the cache by the compiled kernel), then recomputed
-    # as one prefill of prompt and output (SDPA over the rounded keys): the next token's logits agree.
-    tokens = [int(miss.argmax())]
-    for k in range(6):
-        runner.execute(StepPlan(6 + k, (), (ScheduledChunk(0, (tokens[-1],), 40 + k, (10,) if k == 0 else ()),)))
-        tokens.append(int(runner.last_logits[0].argmax()))
-    decoded = runner.last_logits[0].clone()
-    runner.execute(StepPlan(12, finished_seq_ids=(0,)))
-    resumed = _prompt_logits(runner, 0, [(prompt + tuple(tokens[:-1]), 0, (11, 12, 13))], 13)
-    torch.testing.assert_close(resumed, decoded, atol=1e-4, rtol=0)
-    assert resumed.argmax() == decoded.argmax()
+    """With the same 8-bit cache, a prefix-cache hit, a chunked prompt and a preempted-and-recomputed sequence
+    give a miss's logits, and decode steps (the compiled kernel over the codes) what one prefill of prompt and
+    output (SDPA over the rounded keys) gives (tests/worker/kv8_helpers.py ``check_reads_match_a_miss``)."""
+    check_reads_match_a_miss(eight_bit_runner(default_model_dir(), kv_cache_dtype))
 
 
 def _with_kv_scales(source: Path, directory: Path, scales: dict[int, tuple[float, float]],

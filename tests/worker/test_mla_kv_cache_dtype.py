@@ -14,8 +14,7 @@ import torch
 
 from tests.tiny_models import save_tiny_model
 from tests.worker.deepseek_v3_specs import Q_LORA, YARN
-from tests.worker.kv8_helpers import GREEDY, eight_bit_runner, teacher_forced
-from tpserve.step import NewSequence, ScheduledChunk, StepPlan
+from tests.worker.kv8_helpers import check_reads_match_a_miss, eight_bit_runner, greedy_through_scheduler, teacher_forced
 from worker.kv_cache import KVCacheLayout
 from worker.model_runner import ModelRunner
 
@@ -65,50 +64,19 @@ def test_logits_with_an_8_bit_latent_cache_stay_near_the_float_cache(spec, kv_ca
     assert 0 < worst < LOGIT_BOUND * spread, (worst, spread)
 
 
-def _prompt_logits(runner: ModelRunner, seq: int, chunks: list[tuple[tuple[int, ...], int, tuple[int, ...]]],
-                   step: int) -> torch.Tensor:
-    """Run ``seq``'s prompt as ``chunks`` of (tokens, start, new blocks); the logits after its last token."""
-    for i, (tokens, start, blocks) in enumerate(chunks):
-        new = (NewSequence(seq, GREEDY),) if i == 0 else ()
-        runner.execute(StepPlan(step + i, new, (ScheduledChunk(seq, tokens, start, blocks,
-                                                               sample=i == len(chunks) - 1),)))
-    return runner.last_logits[0].clone()
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_prefix_hits_chunks_and_recomputation_read_what_a_miss_wrote(model_dir: Path, kv_cache_dtype: str) -> None:
-    """The same 8-bit latent cache read four ways gives a miss's logits: a prefix hit (blocks another sequence
-    wrote), a chunked prompt (its history gathered through the block table), a recomputed prompt, and decode
-    steps (absorbed, over the codes) against one prefill of prompt and output (expanded, its own rows as cached)."""
-    runner = eight_bit_runner(model_dir, kv_cache_dtype)
-    prompt = tuple(range(3, 43))  # 40 tokens: blocks of 16, 16 and 8
-    miss = _prompt_logits(runner, 0, [(prompt, 0, (0, 1, 2))], 0)
-    hit = _prompt_logits(runner, 1, [(prompt[32:], 32, (0, 1, 3))], 1)  # blocks 0, 1 shared with sequence 0
-    chunked = _prompt_logits(runner, 2, [(prompt[:20], 0, (4, 5)), (prompt[20:], 20, (6,))], 2)
-    runner.execute(StepPlan(4, finished_seq_ids=(0, 1, 2)))
-    recomputed = _prompt_logits(runner, 0, [(prompt, 0, (7, 8, 9))], 5)
-    for other in (hit, chunked, recomputed):
-        torch.testing.assert_close(other, miss, atol=1e-4, rtol=0)
-        assert other.argmax() == miss.argmax()
-    tokens = [int(miss.argmax())]
-    for k in range(6):
-        runner.execute(StepPlan(6 + k, (), (ScheduledChunk(0, (tokens[-1],), 40 + k, (10,) if k == 0 else ()),)))
-        tokens.append(int(runner.last_logits[0].argmax()))
-    decoded = runner.last_logits[0].clone()
-    runner.execute(StepPlan(12, finished_seq_ids=(0,)))
-    resumed = _prompt_logits(runner, 0, [(prompt + tuple(tokens[:-1]), 0, (11, 12, 13))], 13)
-    torch.testing.assert_close(resumed, decoded, atol=1e-4, rtol=0)
-    assert resumed.argmax() == decoded.argmax()
+    """The 8-bit latent cache read four ways gives a miss's logits: a prefix hit, a chunked prompt (its history
+    gathered through the block table), a recomputed prompt, and decode steps (absorbed, over the codes) against
+    one prefill of prompt and output (expanded, its own rows as cached): kv8_helpers' ``check_reads_match_a_miss``."""
+    check_reads_match_a_miss(eight_bit_runner(model_dir, kv_cache_dtype))
 
 
 def test_a_latent_model_drafting_for_itself_keeps_its_tokens_with_8_bit_caches(model_dir: Path) -> None:
     """``--speculative-method draft`` with both caches 8-bit (worker/draft_model.py): the scheduler's greedy
     tokens are the same cache's without speculation, and a draft that reads its own codes right proposes what
     the target accepts."""
-    from coordinator.block_allocator import BlockAllocator
     from coordinator.ngram_proposer import DraftModelProposer
-    from coordinator.scheduler import Scheduler
-    from coordinator.sequence import Sequence, StopParams
     from worker.parallel_state import ParallelContext
 
     prompts = [list(range(3, 23)), [1, 7, 9, 11, 13], list(range(40, 77))]
@@ -117,15 +85,8 @@ def test_a_latent_model_drafting_for_itself_keeps_its_tokens_with_8_bit_caches(m
                          kv_cache_dtype="int8")
     runner.init_kv_cache(48)
     assert runner.draft is not None and len(runner.draft.latent_layers) == 2
-    scheduler = Scheduler(BlockAllocator(48, 16), max_num_seqs=8, max_num_batched_tokens=256,
-                          enable_prefix_caching=True, check_writes=True, proposer=DraftModelProposer(3))
-    seqs = [Sequence(i, p, GREEDY, StopParams(16, frozenset()), 190) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.has_work():
-        plan = scheduler.schedule()
-        scheduler.update(plan, runner.execute(plan))
-    assert [seq.output_token_ids for seq in seqs] == want
+    outputs, scheduler = greedy_through_scheduler(runner, prompts, 16, 48, 190, DraftModelProposer(3))
+    assert outputs == want
     assert scheduler.spec.num_drafts > 5
     assert scheduler.spec.num_accepted_tokens > 0.9 * scheduler.spec.num_draft_tokens, scheduler.spec
 
