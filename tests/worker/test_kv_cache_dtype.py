@@ -28,6 +28,7 @@ import torch
 
 from tests.paths import requires_stories
 from tests.tiny_models import TinyModelSpec, save_tiny_model
+from tests.worker.deepseek_v3_specs import Q_LORA, YARN
 from tests.worker.kv8_helpers import (
     agreement,
     check_reads_match_a_miss,
@@ -368,10 +369,14 @@ def test_triton_decode_and_graph_inputs_agree_with_the_float_cache(kv_cache_dtyp
 
 
 #: Families whose attention differs from Llama's: QK-norm (Qwen3), soft-capping and alternating windows
-#: (Gemma 2: the explicit torch attention), sinks and windows (gpt-oss, d = 16: the compiled kernel). Tiny
-#: seeded checkpoints. gpt-oss with one expert: with several, a small change of the hidden state may flip a
-#: top-k routing choice, a jump of the order of the logits' spread that says nothing about the cache.
+#: (Gemma 2: the explicit torch attention), sinks and windows (gpt-oss, d = 16: the compiled kernel), and
+#: multi-head latent attention's 8-bit latent (DeepSeek V3 with a low-rank query, and with YaRN: the torch
+#: absorbed decode and expanded prefill, worker/layers/mla_attention.py). Tiny seeded checkpoints. gpt-oss
+#: with one expert: with several, a small change of the hidden state may flip a top-k routing choice, a jump
+#: of the order of the logits' spread that says nothing about the cache.
 FAMILY_SPECS = (
+    Q_LORA,
+    YARN,
     TinyModelSpec("qwen3_kv8", "qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                                          "vocab_size": 190, "tie_word_embeddings": False}, seed=41),
     TinyModelSpec("gemma2_kv8", "gemma2", {
@@ -391,7 +396,8 @@ def test_families_logits_with_an_8_bit_cache_stay_near_the_float_cache(spec: Tin
                                                                        tmp_path: Path) -> None:
     """Prefill past the windows, then 12 decode steps teacher-forced with the float cache's greedy tokens:
     each step's logits within a bound of the float cache's. Measured, largest difference over the logits'
-    standard deviation: int8 0.05 (Qwen3), 0.14 (Gemma 2), 0.07 (gpt-oss); fp8 0.16, 0.26, 0.17."""
+    standard deviation: int8 0.05 (Qwen3), 0.14 (Gemma 2), 0.07 (gpt-oss), 0.03 (DeepSeek V3); fp8 0.16, 0.26,
+    0.17, 0.12."""
     model_dir = save_tiny_model(spec, tmp_path / spec.name)
     prompts = [list(range(3, 23)), [1, 7, 9, 11, 13]]
     want_logits: list[torch.Tensor] = []
