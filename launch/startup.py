@@ -19,6 +19,7 @@ from tpserve.embedded_model import default_model_dir
 from tpserve.expert_parallel import check_expert_parallel
 from tpserve.model_config import ModelConfig
 from tpserve.pipeline_split import stage_layer_counts
+from tpserve.model_registry import FLOAT_ONLY_ARCHITECTURES
 from tpserve.quantization import check_quantization_flag, checkpoint_quantization, served_quantization
 
 
@@ -89,6 +90,11 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         check_quantization_flag(config.hf_config, quantization)
     except ValueError as exc:
         raise StartupError(f"cannot serve {model_dir}: {exc}") from exc
+    served = served_quantization(config.hf_config, quantization)
+    if config.architecture in FLOAT_ONLY_ARCHITECTURES and served:  # before any rank builds the model
+        how = f"--quantization {quantization}" if quantization else f"its {served} linear layers as stored"
+        raise StartupError(f"cannot serve {model_dir} with {how}: {config.architecture}'s Mamba-2 and expert "
+                           "weights load float only; serve a float checkpoint without --quantization")
     if config.latent_attention and checkpoint_quantization(config.hf_config):  # before any rank loads it
         raise StartupError(
             f"cannot serve {model_dir}: its linear layers are stored {served_quantization(config.hf_config, None)}, "

@@ -55,6 +55,11 @@ MODEL_REGISTRY: dict[str, str] = {
 #: GLM-4.7-Flash's Glm4MoeLiteForCausalLM is DeepSeek V3's attention with GLM's MoE layer pattern.
 LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})
 
+#: Architectures whose weights load float only (their Mamba-2 mixers and stacked experts have no quantized layer
+#: yet): ``--quantization`` and a checkpoint stored quantized are refused by the coordinator (launch/startup.py),
+#: before any rank builds the model (which refuses them too).
+FLOAT_ONLY_ARCHITECTURES = frozenset({"GraniteMoeHybridForCausalLM", "NemotronHForCausalLM"})
+
 #: Hybrid architectures: Gated DeltaNet (linear attention, a per-sequence state; worker/layers/gated_delta_net.py)
 #: layers beside full-attention ones, as ``layer_types`` says (``"linear_attention"`` / ``"full_attention"``).
 LINEAR_ATTENTION_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})

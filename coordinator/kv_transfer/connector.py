@@ -243,6 +243,9 @@ class KVConnector:
 
     def _fallback(self, reason: str, detail: str, held: HeldBlocks) -> HeldBlocks:
         self.metrics.fallbacks.labels(reason).inc()
-        log.warning("kv pull failed: prefilling locally", reason=reason, detail=detail)
+        # A refusal is the configuration's (the same for every request of the pair), a failure the network's or
+        # the peer's: two events, so that the warnings' rate limit (tpserve/log.py) keeps one of each.
+        event = "kv pull refused: prefilling locally" if reason == "refused" else "kv pull failed: prefilling locally"
+        log.warning(event, reason=reason, detail=detail)
         return held
 

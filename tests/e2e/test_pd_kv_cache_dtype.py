@@ -105,7 +105,7 @@ def test_a_replica_of_another_8_bit_type_refuses_the_blocks_and_prefills_itself(
     out = _generate(decode_fp8, prompt, kv)
     assert labelled(decode_fp8, "tpserve:kv_transfer_fallbacks_total", reason="refused") == refused + 1
     assert out.cached_tokens == 0 and computed_prompt_tokens(decode_fp8) - computed == len(prompt)  # all computed
-    lines = [line for line in (logs / "decode-fp8.log").read_text().splitlines() if "kv pull failed" in line]
+    lines = [line for line in (logs / "decode-fp8.log").read_text().splitlines() if "kv pull refused" in line]
     assert "the prefill replica's KV cache is --kv-cache-dtype int8, this replica's fp8: both need the same " \
            "--kv-cache-dtype" in lines[-1]
     # Its own fp8 cache's tokens: the same request again, served from the blocks that prefill cached (a

@@ -98,3 +98,22 @@ def test_hybrid_family_matches_transformers(case: Case, tp: int) -> None:
     alone, together = run_scenarios(case.model_dir, [case.alone, case.together], tp)
     case.check(alone, len(case.prompts))
     case.check(together, 2 * len(case.prompts))
+
+
+@pytest.mark.parametrize("flag", ["int8", "int4"])
+def test_a_float_only_hybrid_family_is_refused_quantization_at_start_up(tmp_path: Path, flag: str) -> None:
+    """Granite 4.0 H and Nemotron-H load their Mamba-2 and expert weights float only: the coordinator refuses
+    ``--quantization`` in one line before any rank starts (tpserve/model_registry.py FLOAT_ONLY_ARCHITECTURES),
+    not each rank after its start."""
+    from launch.startup import StartupError, read_model_config
+    from tests.worker.hybrid_specs import GRANITE_HYBRID_MOE, NEMOTRON_H
+
+    for spec, architecture in ((GRANITE_HYBRID_MOE, "GraniteMoeHybridForCausalLM"),
+                               (NEMOTRON_H, "NemotronHForCausalLM")):
+        model_dir = save_tiny_model(spec, tmp_path / spec.name)
+        assert read_model_config(model_dir, 1).architecture == architecture  # served without the flag
+        with pytest.raises(StartupError) as error:
+            read_model_config(model_dir, 1, quantization=flag)
+        assert str(error.value) == (f"cannot serve {model_dir} with --quantization {flag}: {architecture}'s Mamba-2 "
+                                    "and expert weights load float only; serve a float checkpoint without "
+                                    "--quantization")
