@@ -146,6 +146,7 @@ class ModelRunner:
         self._kv_layers, self._latent_layers = eight_bit_layers(self.model) if self.kv_cache_dtype != dtype \
             else ([], [])
         self._kv_uncalibrated = bool(self._kv_layers)
+        self._kv_codec: str | None = None  # kv_codec, computed once the offsets are calibrated
         self.lora = None if lora is None else self._attach_lora(lora)
         self.draft = None if draft_model_dir is None else DraftModel(draft_model_dir, ctx, dtype, block_size,
                                                                      self.config.vocab_size, self.kv_cache_dtype)
@@ -275,14 +276,16 @@ class ModelRunner:
         so that two replicas whose calibrations differ in a bit refuse each other's blocks."""
         if not self._scaled_layers or self._kv_uncalibrated:
             return ""
-        name = str(self.kv_cache_dtype).removeprefix("torch.")
-        layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
-        if not layers:  # latent attention: per-token scales only, no offset
-            return name
-        digest = hashlib.sha256()
-        for attn in layers:
-            digest.update(cast(torch.Tensor, attn.k_offset).detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        return f"{name}:k_offset={digest.hexdigest()[:16]}"
+        if self._kv_codec is None:  # once: the offsets are calibrated once and kept (a read asks per transfer)
+            name = str(self.kv_cache_dtype).removeprefix("torch.")
+            layers = self._kv_layers + (self.draft.kv_layers if self.draft is not None else [])
+            digest = hashlib.sha256()
+            for attn in layers:
+                offset = cast(torch.Tensor, attn.k_offset).detach().to("cpu", torch.float32).contiguous()
+                digest.update(offset.numpy().tobytes())
+            # latent attention: per-token scales only, no offset
+            self._kv_codec = f"{name}:k_offset={digest.hexdigest()[:16]}" if layers else name
+        return self._kv_codec
 
     @property
     def _scaled_layers(self) -> list:
