@@ -13,6 +13,7 @@ import structlog
 
 from coordinator.metrics import Metrics
 from launch.connection_limits import ConnectionWatch, count_tcp_connections, resolve_max_connections
+from tests.e2e.cluster import with_nofile
 
 
 def test_the_soft_open_file_limit_is_raised_to_the_hard_limit() -> None:
@@ -20,8 +21,8 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_limit() -> None:
             "print(raise_nofile_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))")
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     hard = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
-                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    out = subprocess.run(with_nofile([sys.executable, "-c", code], (256, hard)), capture_output=True, text=True,
+                         check=True, timeout=60)
     fields, limits = out.stdout.rsplit(" (", 1)
     assert eval(fields) == {"nofile_soft": hard, "nofile_hard": hard, "nofile_soft_before": 256}
     assert limits.strip() == f"{hard}, {hard})"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -26,6 +25,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def with_nofile(cmd: list[str], nofile: tuple[int, int]) -> list[str]:
+    """``cmd`` (a Python command line: ``[sys.executable, ...]``) run under the open-file limit
+    ``nofile`` (soft, hard), as a container's ulimit sets it.
+
+    The limit is set by a small interpreter that then execs ``cmd``, not by Popen's
+    ``preexec_fn``: that runs Python in the forked child of a process whose gRPC threads may
+    hold locks at the fork ("skipping fork() handlers"), and such a child can abort (SIGABRT)
+    before it execs.
+    """
+    assert cmd[0] == sys.executable, cmd
+    soft, hard = nofile
+    trampoline = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    return [sys.executable, "-c", trampoline, *cmd[1:]]
 
 
 def child_pids(pid: int) -> list[int]:
@@ -111,16 +126,19 @@ def serve(model: str | Path | None, tensor_parallel_size: int, *extra: str,
     else:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     log_file = None if log_path is None else open(log_path, "wb")  # noqa: SIM115 - closed in finally
-    preexec = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile))
+    if nofile is not None:
+        cmd = with_nofile(cmd, nofile)
     process = subprocess.Popen(cmd, env=env, start_new_session=new_session, stdout=log_file,
-                               stderr=None if log_file is None else subprocess.STDOUT, preexec_fn=preexec)
+                               stderr=None if log_file is None else subprocess.STDOUT)
     # The server's own statuses, as they come: a broken stream is not moved and sent again (tpserve.stream_move).
     client = Client(f"127.0.0.1:{port}", credentials=credentials or Credentials(), move_policy=MovePolicy(max_moves=0))
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"tpserve serve exited with {process.returncode} during start-up")
+                # The log's tail says why (a test that asked for one), so that a failure in CI explains itself.
+                tail = "" if log_path is None else "; its log ends:\n" + log_path.read_bytes()[-3000:].decode(errors="replace")
+                raise RuntimeError(f"tpserve serve exited with {process.returncode} during start-up{tail}")
             try:
                 client.wait_ready(timeout_s=1.0)
                 break
