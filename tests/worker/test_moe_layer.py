@@ -138,6 +138,9 @@ def test_bad_shapes_int4_and_stored_int8_are_refused() -> None:
     with pytest.raises(ValueError, match="--quantization int4 experts need this rank's moe_intermediate_size to be "
                                          "a multiple of 32, got 24"):  # 48 / tp 2: the int4 kernel's blocks of 32
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int4")
+    # The hint's --enable-expert-parallel says what it does not change: a shared expert still splits its width.
+    with pytest.raises(ValueError, match="--enable-expert-parallel \\(whole experts per rank; a shared expert's"):
+        FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="int4")
     with pytest.raises(ValueError, match="--quantization fp4 is not supported for mixture-of-experts models"):
         FusedMoE(EXPERTS, HIDDEN, INTER, ctx, dtype=torch.float32, quantization="fp4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models whose "

@@ -89,8 +89,9 @@ def new_int4_experts(moe: Any, held: int, local: int, hidden: int, device: torch
     for name, size in (("hidden_size", hidden), ("this rank's moe_intermediate_size", local)):
         if size % BLOCK:
             hint = "--quantization int8" if name == "hidden_size" else (
-                f"--quantization int8, or a tensor-parallel degree (or --enable-expert-parallel) that leaves each "
-                f"rank a multiple of {BLOCK}")
+                f"--quantization int8, or a tensor-parallel degree that leaves each rank a multiple of {BLOCK}, or "
+                f"--enable-expert-parallel (whole experts per rank; a shared expert's and the dense layers' widths "
+                f"still split over the ranks and need the same)")
             raise ValueError(f"--quantization int4 experts need {name} to be a multiple of {BLOCK}, got {size}; "
                              f"serve them with {hint}")
     moe.gate_up_proj = new_parameter((held, 2 * local, hidden // 2), torch.uint8, device, moe.weight_loader)
