@@ -158,5 +158,5 @@ def test_a_flag_applies_only_where_it_says_what_is_stored() -> None:
                 check_quantization_flag({"quantization_config": qc}, flag)
     for flag in ("int8", "int4"):  # a float checkpoint is quantized at load
         check_quantization_flag({}, flag)
-    with pytest.raises(ValueError, match="this checkpoint is not FP8"):
+    with pytest.raises(ValueError, match=r"this checkpoint is not FP8 .*: to quantize its weights at load use --quantization int8 or int4, or drop the flag"):
         check_quantization_flag({}, "fp8")

@@ -44,7 +44,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--quantization", dict(choices=("int8", "int4", "fp8"),
                                 help="int8: weight-only int8 linear layers (per-channel scales); int4: weight-only "
                                      "4-bit (symmetric, groups of 128 input columns, 32 where 128 does not divide "
-                                     "them), both quantized at load time, activations in --dtype; fp8: an FP8 "
+                                     "a layer's input width; each rank's share of a layer split by its input "
+                                     "columns must hold whole groups), both quantized at load time, activations in --dtype; fp8: an FP8 "
                                      "checkpoint's linear weights kept as e4m3 with their scales, converted in "
                                      "registers (without the flag an FP8 checkpoint is dequantized at load to "
                                      "--dtype). GPTQ, AWQ, compressed-tensors, FP8 and MXFP4 checkpoints need no "

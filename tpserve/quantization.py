@@ -148,7 +148,8 @@ def check_quantization_flag(raw_config: dict[str, Any], flag: str | None) -> Non
     fmt = weight_format(raw_config)
     if flag == "fp8" and (fmt is None or fmt.kind == "mxfp4"):
         raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
-                         "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized)")
+                         "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized): to "
+                         "quantize its weights at load use --quantization int8 or int4, or drop the flag")
 
 
 def _check_group(name: str, group: Any, ignore: list[str]) -> None:

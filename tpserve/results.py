@@ -90,7 +90,8 @@ class GenerateResult:
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": self.usage.prompt_tokens, "completion_tokens": self.usage.completion_tokens},
+            "usage": {"prompt_tokens": self.usage.prompt_tokens, "completion_tokens": self.usage.completion_tokens,
+                      "cached_prompt_tokens": self.usage.cached_prompt_tokens},
             **({"timings": self.timings.to_json_dict()} if self.timings is not None else {})}
 
 

@@ -51,9 +51,11 @@ class SpeculativeConfig(FrozenSection):
             return self
         if self.num_speculative_tokens is None:
             raise ValueError(f"speculative_method={self.speculative_method} needs num_speculative_tokens (>= 1)")
-        if (self.speculative_method == "draft") != (self.speculative_model is not None):
-            raise ValueError("speculative_model (the draft's directory) goes with speculative_method=draft, "
-                             f"got speculative_method={self.speculative_method}, speculative_model={self.speculative_model}")
+        if self.speculative_method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative_method=draft needs speculative_model (the draft model's directory or hub id)")
+        if self.speculative_method != "draft" and self.speculative_model is not None:
+            raise ValueError(f"speculative_model (a draft model) is used only with speculative_method=draft, got "
+                             f"speculative_method={self.speculative_method}: drop speculative_model, or draft with it")
         low, high = self.lookup_range
         if low > high:
             raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")

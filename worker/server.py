@@ -161,7 +161,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                      weight_bytes=weight_bytes(self._runner.model),
                      device=str(device), num_kv_blocks_available=self._num_blocks_available,
                      num_state_slots_available=self._num_state_slots,
-                     kv_cache_dtype=str(self._runner.kv_cache_dtype).removeprefix("torch."),
+                     kv_cache_dtype=opts.kv_cache_dtype,  # the flag, as the coordinator's `serving` line says it
+                     kv_cache_storage=str(self._runner.kv_cache_dtype).removeprefix("torch."),
                      all_reduce=ctx.all_reduce_path, threads=self._num_threads, cpu_cores=cpu_cores,
                      **self._int4_layout())
             self._ready.set()

@@ -67,9 +67,10 @@ def test_config_follows_vllm_defaults_and_names_the_field() -> None:
         SpeculativeConfig(speculative_method="eagle", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="need speculative_method"):
         SpeculativeConfig(num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="speculative_model .* goes with speculative_method=draft"):
+    with pytest.raises(ValueError, match=r"speculative_method=draft needs speculative_model \(the draft model's "):
         SpeculativeConfig(speculative_method="draft", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="goes with speculative_method=draft"):
+    with pytest.raises(ValueError, match="speculative_model .* is used only with speculative_method=draft, got "
+                                         "speculative_method=ngram"):
         SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=2, speculative_model="/m")
     draft = make_proposer(SpeculativeConfig(speculative_method="draft", num_speculative_tokens=3, speculative_model="/m"))
     assert isinstance(draft, DraftModelProposer) and draft.on_workers and draft.num_to_propose(2) == 2

@@ -52,7 +52,8 @@ def test_8_bit_kv_cache_serving(kv_cache_dtype: str, tp: int, tmp_path: Path) ->
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     loaded = [e for e in lines if e.get("event") == "shard loaded"]
     storage = str(dict(int8=torch.int8, fp8=torch.float8_e4m3fn)[kv_cache_dtype]).removeprefix("torch.")
-    assert sorted(e["rank"] for e in loaded) == list(range(tp)) and {e["kv_cache_dtype"] for e in loaded} == {storage}
+    assert sorted(e["rank"] for e in loaded) == list(range(tp))
+    assert {(e["kv_cache_dtype"], e["kv_cache_storage"]) for e in loaded} == {(kv_cache_dtype, storage)}  # the flag
     assert {e["num_kv_blocks_available"] for e in loaded} == {BUDGET_BLOCKS}
     calibrated = [e for e in lines if e.get("event") == "kv cache key offsets calibrated"]
     assert sorted(e["tp_rank"] for e in calibrated) == list(range(tp))  # once per rank, each naming itself

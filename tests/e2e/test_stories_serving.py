@@ -193,13 +193,25 @@ def test_cli_generate_json_prints_the_golden(cluster) -> None:
     timings = printed.pop("timings")  # where the request's time went (docs/design/observability.md, "Request timings
     # and tracing")
     assert printed == {"text": golden["text"], "token_ids": golden["completion_token_ids"], "finish_reason": "length",
-                       "usage": {"prompt_tokens": 5, "completion_tokens": 64}}
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 64, "cached_prompt_tokens": 0}}  # < a block
+    assert timings["cached_prompt_tokens"] == printed["usage"]["cached_prompt_tokens"]
     assert timings["decode_time_s"] > 0 and timings["prefill_time_s"] > 0 and timings["num_preemptions"] == 0
     assert timings["replica"].startswith("stories260k@")
     streamed = subprocess.run(
         [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
          "--max-tokens", "64", "--stream", golden["prompt"]], capture_output=True, text=True, timeout=60, check=True)
     assert streamed.stdout == golden["text"] + "\n"
+    # A prompt of more than a block, sent twice: the second finds its full blocks in the prefix cache, and --json's
+    # usage says how many of its tokens (README, --enable-prefix-caching).
+    long_prompt = f"{golden['prompt']} {golden['text']}"
+    usages = [json.loads(subprocess.run(
+        [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--temperature", "0",
+         "--max-tokens", "1", "--json", long_prompt], capture_output=True, text=True, timeout=60, check=True).stdout)
+        for _ in range(2)]
+    prompt_tokens = usages[1]["usage"]["prompt_tokens"]
+    assert prompt_tokens > 32
+    assert usages[1]["usage"]["cached_prompt_tokens"] == (prompt_tokens - 1) // 16 * 16  # every full block before the last token
+    assert usages[1]["timings"]["cached_prompt_tokens"] == usages[1]["usage"]["cached_prompt_tokens"]
     bad = subprocess.run(  # out of its own range: refused by the CLI, before any call (exit 2)
         [sys.executable, "-m", "launch.cli", "generate", "--target", cluster.target, "--top-p", "2", "Hi"],
         capture_output=True, text=True, timeout=60)

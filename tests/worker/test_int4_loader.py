@@ -17,6 +17,7 @@ from tests.tiny_models import save_tiny_model
 from tests.worker.int4_checkpoints import (SPEC, save_compressed_tensors_group_actorder,
                                            save_compressed_tensors_w4a16, save_gptq)
 from tests.worker.loader_helpers import _load, _rewrite
+from tests.worker.shard_fakes import ShardOnlyContext
 from tpserve.quantization_int4 import Int4Format
 from worker.layers.int4_weights import PackedPart, new_int4_weights
 from worker.layers.linear import RowParallelLinear
@@ -164,3 +165,20 @@ def test_another_quantization_flag_on_a_packed_checkpoint_is_refused(checkpoints
                                              r"quantized \(int4 weights, quantization_config quant_method 'gptq'\)"):
             load_model(checkpoints["gptq"], config, ParallelContext.single(), torch.float32, quantization=flag)
     load_model(checkpoints["gptq"], config, ParallelContext.single(), torch.float32, quantization="int4")
+
+
+def test_rtn_groups_a_rank_would_cut_are_refused_with_the_way_out() -> None:
+    """The embedded model's o_proj (128 input columns: RTN groups of 128) at tp 2: each rank would hold half a
+    group. The groups stay the whole rows' (the same weights at every degree), so the load is refused naming the
+    flags that serve it: a smaller --tensor-parallel-size, or --quantization int8."""
+    layer = RowParallelLinear(128, 32, ShardOnlyContext(tp_rank=1, tp_size=2, device=torch.device("cpu")),
+                              bias=False, dtype=torch.float32, quantization="int4")
+    with pytest.raises(ValueError, match=r"groups of 128 columns do not split this rank's 64 input columns \(the "
+                                         r"layer's 128 split over the ranks\): serve it at a smaller "
+                                         r"--tensor-parallel-size, or with --quantization int8"):
+        layer.weight_loader(layer.weight, torch.randn(32, 128))
+    # Groups of 32 (an input width 128 does not divide) split at any degree that leaves whole ones: served.
+    layer = RowParallelLinear(96, 32, ShardOnlyContext(tp_rank=1, tp_size=3, device=torch.device("cpu")),
+                              bias=False, dtype=torch.float32, quantization="int4")
+    layer.weight_loader(layer.weight, torch.randn(32, 96))
+    assert layer.weight.shape == (32, 16)  # 32 columns, two codes a byte

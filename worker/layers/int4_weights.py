@@ -159,9 +159,10 @@ def load_int4_columns(layer: Any, source: CheckpointSource, full_shape: tuple[in
     if not isinstance(source, PackedPart):
         check_shape(source, full_shape)
         group = rtn_group_size(full_shape[1])
-        if size % group:
+        if size % group:  # the groups are the whole rows' (the same weights at every degree): never cut by a rank
             raise ValueError(f"--quantization int4 groups of {group} columns do not split this rank's {size} "
-                             "input columns: use a smaller tensor_parallel_size")
+                             f"input columns (the layer's {full_shape[1]} split over the ranks): serve it at a "
+                             "smaller --tensor-parallel-size, or with --quantization int8, which takes any width")
         _write(layer, quantize_rtn(read_narrow(source, 1, start, size), group), 0, None)
         return
     full = unpacked_part(layer, source, full_shape, None)

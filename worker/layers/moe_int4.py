@@ -155,7 +155,7 @@ def load_int4_expert(moe: Any, param: nn.Parameter, source: CheckpointSource, sh
             if local % group:
                 raise ValueError(f"--quantization int4 groups of {group} columns do not split this rank's {local} "
                                  "expert columns: use --enable-expert-parallel (whole experts per rank) or a "
-                                 "smaller tensor_parallel_size")
+                                 "smaller --tensor-parallel-size")
             t = quantize_rtn(read_narrow(source, 1, start, local), group)  # (H, local) codes
         else:
             t = quantize_rtn(read_narrow(source, 0, start, local), rtn_group_size(moe.hidden_size))  # (local, H)
