@@ -26,7 +26,7 @@ import worker.models.llama as llama
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
-from worker.kernels import _cpu_supports_avx2
+from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext
 
@@ -34,6 +34,18 @@ pytestmark = pytest.mark.skipif(not (_cpu_supports_avx2() and shutil.which("c++"
                                 reason="the decode block is a compiled kernel: needs an AVX2 CPU and a C++ compiler")
 
 BLOCK_SIZE = 4
+#: Every projection of these takes the int4 tile layout (rows a multiple of 16, columns of 128; AMX-INT8 CPUs), so
+#: their one-rank decode steps run in one parallel region (worker/kernels/cpu_decode_region.cpp).
+INT4_TILES = TinyModelSpec("int4_tiles_block", "llama", {
+    "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 190, "tie_word_embeddings": False}, seed=23)
+QWEN2_INT4_TILES = TinyModelSpec("qwen2_int4_tiles_block", "qwen2", {
+    "hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "vocab_size": 170}, seed=24)  # q/k/v biases, MQA
+MISTRAL_WINDOW_INT4_TILES = TinyModelSpec("mistral_window_int4_block", "mistral", {
+    "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 32, "vocab_size": 150, "sliding_window": 6}, seed=25)
+INT4_SPECS = {spec.name: spec for spec in (INT4_TILES, QWEN2_INT4_TILES, MISTRAL_WINDOW_INT4_TILES)}
 GREEDY = SamplingParams(temperature=0.0)
 WINDOW = 6
 MISTRAL_WINDOW = TinyModelSpec("mistral_window_block", "mistral", {
@@ -105,7 +117,8 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
 @pytest.mark.parametrize(("name", "quantization"), [
     ("gqa_tied", None), ("mqa_untied_bias", None), ("qwen2_qkv_bias", None), ("llama3_rope", None),
     ("phi3_fused", None), ("mistral_window", None), ("qwen3_qk_norm", None), ("gqa_tied", "int8"),
-    ("mqa_untied_bias", "int8"), ("gqa_tied_gptq8", None),
+    ("mqa_untied_bias", "int8"), ("gqa_tied_gptq8", None), (INT4_TILES.name, "int4"),
+    (QWEN2_INT4_TILES.name, "int4"), (MISTRAL_WINDOW_INT4_TILES.name, "int4"),
 ])
 def test_decode_block_equals_the_module_path(name: str, quantization: str | None, halves: bool,
                                              tiny_checkpoints: dict[str, Path], tmp_path: Path,
@@ -117,6 +130,8 @@ def test_decode_block_equals_the_module_path(name: str, quantization: str | None
     elif name == "gqa_tied_gptq8":  # 8-bit GPTQ with zero points, group 32: grouped bytes, the w8 op
         checkpoint = save_gptq8(tiny_checkpoints["gqa_tied"], tmp_path / "gptq8", tmp_path / "gptq8_dq", group=32,
                                 sym=False)[0]
+    elif name in INT4_SPECS:
+        checkpoint = save_tiny_model(INT4_SPECS[name], tmp_path / name)
     else:
         checkpoint = tiny_checkpoints[name]
     calls = []
@@ -133,7 +148,18 @@ def test_decode_block_equals_the_module_path(name: str, quantization: str | None
     assert model.decode_stack is not None  # one rank
     if halves:
         model.decode_stack = None
+    region_steps = torch.ops.tpserve_cpu.decode_region_steps()
     tokens = _run(blocked)
+    region_steps = torch.ops.tpserve_cpu.decode_region_steps() - region_steps
+    # One rank's stack runs each decode step in the parallel region where every projection's op is one the region
+    # has (float32 and int8: the streamed GEMV of an AVX-512 CPU; int4: the tile layout of an AMX one), not the
+    # grouped 8-bit op; the tensor-parallel halves never do.
+    if quantization == "int4":
+        region_formats = bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
+    else:
+        region_formats = name != "gqa_tied_gptq8" and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    in_region = not halves and region_formats
+    assert region_steps == (len(tokens) - 1 if in_region else 0)
     per_step = 1 if not halves else len(model.layers)
     assert len(calls) == per_step * (len(tokens) - 1)  # every step but the first (a prefill) took it
     modules = _Steps(checkpoint, quantization, decode_block=False)
@@ -184,3 +210,50 @@ def test_the_stack_follows_a_new_cache(kv_cache_dtype: str, tiny_checkpoints: di
     for (k_a, v_a), (k_b, v_b) in zip(blocked_steps.runner.kv_caches, module_steps.runner.kv_caches, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
         assert k_a.abs().sum() > 0  # written
+
+
+@pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.int4_tiles_enabled()),
+                    reason="the decode region's int4 needs the tile layout: an AMX-INT8 CPU")
+@pytest.mark.parametrize("quantization", ["int4", "int8", None])
+def test_the_decode_region_equals_the_ops_at_many_rows(quantization: str | None, tmp_path: Path) -> None:
+    """13 sequences decode at once (int4: two passes of x's rows through the tiles, 10 and 3; 26 (sequence, KV
+    head) items split between the threads), then 11 after two finish: the hidden states, tokens and caches equal
+    the same stack's ops (``use_decode_region(False)``) bit for bit. int4 takes the region at every step: the
+    first too, whose prompts of 2 to 6 tokens the CPU paged kernel reads as the decode group's rows (several rows
+    a sequence: 49 rows in 5 passes). float32 and int8 never do: their ops' streamed GEMV takes up to 8 rows, and
+    beyond, the ops' tiles."""
+    checkpoint = save_tiny_model(INT4_TILES, tmp_path / INT4_TILES.name)
+    expected_steps = 9 if quantization == "int4" else 0
+    seqs = range(13)
+
+    def run(steps: _Steps) -> list[dict[int, int]]:
+        prompts = {s: [3 + (7 * s + i) % 180 for i in range(2 + s % 5)] for s in seqs}
+        positions = {s: len(prompts[s]) for s in seqs}
+        out = [steps.step(StepPlan(1, tuple(NewSequence(s, GREEDY) for s in seqs), tuple(
+            ScheduledChunk(s, tuple(prompts[s]), 0, tuple(range(4 * s, 4 * s + 4))) for s in seqs)))]
+        live, finished = list(seqs), ()
+        for plan_id in range(2, 10):
+            if plan_id == 6:
+                live, finished = [s for s in live if s not in (4, 9)], (4, 9)
+            out.append(steps.step(StepPlan(plan_id, (), tuple(ScheduledChunk(s, (out[-1][s],), positions[s])
+                                                               for s in live), finished)))
+            finished = ()
+            for s in live:
+                positions[s] += 1
+        return out
+
+    region = _Steps(checkpoint, quantization, decode_block=True)
+    before = torch.ops.tpserve_cpu.decode_region_steps()  # (the runner's start-up may run a decode step)
+    region_tokens = run(region)
+    assert torch.ops.tpserve_cpu.decode_region_steps() - before == expected_steps
+    torch.ops.tpserve_cpu.use_decode_region(False)
+    try:
+        ops = _Steps(checkpoint, quantization, decode_block=True)
+        assert run(ops) == region_tokens
+    finally:
+        torch.ops.tpserve_cpu.use_decode_region(True)
+    assert torch.ops.tpserve_cpu.decode_region_steps() - before == expected_steps  # the ops' run: none
+    for step, (a, b) in enumerate(zip(region.hidden, ops.hidden, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
+    for (k_a, v_a), (k_b, v_b) in zip(region.runner.kv_caches, ops.runner.kv_caches, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)

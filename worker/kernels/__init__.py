@@ -33,7 +33,10 @@ The ops land in ``torch.ops.tpserve_cpu``:
   ``torch.classes.tpserve_cpu.DecodeLayers`` (one rank's whole stack): a Llama-family decode step as
   two calls a layer, or one call, of the kernels above, bit-identical to the module path
   (cpu_decode_block.cpp; worker/layers/decode_block.py); with LoRA adapter slots, each projection's
-  low-rank sum for the step's adapter rows too
+  low-rank sum for the step's adapter rows too. A ``DecodeLayers`` step whose projections are float32, int8
+  (up to 8 rows, AVX-512) or int4 tiles, on a float32 cache without adapter rows, runs in one OpenMP
+  parallel region, bit-identical to the ops (cpu_decode_region.cpp); ``use_decode_region(enabled) -> bool``
+  switches it (tests, A/B runs), ``decode_region_steps() -> int`` counts the steps it ran
 * ``lora_add_(y (T, N) f32, x (T, K) f32, lora_a (L, P*R, K) f32, lora_b (L, P*R, N) f32, row_slots (T,) int64,
   part_widths)``: ``y[t] += (x[t] @ lora_a[s].T) @ lora_b[s]`` in place for each row whose slot index
   ``s = row_slots[t]`` is not -1, a fused layer's ``lora_b`` block diagonal over ``part_widths``
@@ -80,7 +83,8 @@ _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 #: (26 s on 2 cores) and these two take 17 (10 s). Files of one group share a unit's namespace, so
 #: two of them must not define the same internal name (cpu_elementwise and cpu_sampling both have a
 #: ``check_rows``). A source in no group is a unit of its own.
-_UNITS = (("cpu_attention.cpp", "cpu_decode_block.cpp", "cpu_elementwise.cpp", "cpu_lora.cpp", "cpu_shm.cpp"),
+_UNITS = (("cpu_attention.cpp", "cpu_decode_block.cpp", "cpu_decode_region.cpp", "cpu_elementwise.cpp", "cpu_lora.cpp",
+           "cpu_shm.cpp"),
           ("cpu_linear.cpp", "cpu_dequantize_int4.cpp", "cpu_linear_int4_amx.cpp", "cpu_linear_int4_tiles.cpp",
            "cpu_linear_int4.cpp", "cpu_linear_fp8.cpp", "cpu_linear_w8.cpp", "cpu_sampling.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers. -ffp-contract=off: no multiply-add

@@ -57,6 +57,7 @@
 #include <immintrin.h>
 
 #include "kv_codes.h"
+#include "paged_attention.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -421,73 +422,105 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+}  // namespace
+
+namespace tpserve {
+
+template <typename T>
+void paged_attention_items(const PagedCall<T>& c, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  const int64_t KVH = c.KVH, H = c.H, d = c.d, block_size = c.block_size, max_blocks = c.max_blocks;
+  const GroupFn<T> attend_fn = attend_for<T>(d);
+  const int64_t groups = H / KVH;
+  const int64_t* lens = c.context_lens;
+  const int64_t* starts = c.query_start_loc;
+  const int64_t* tables = c.block_tables;
+  const float* qp = c.q;
+  float* op = c.out;
+  const T* kp = c.k_cache;
+  const T* vp = c.v_cache;
+  const uint16_t* k_scale = c.k_scale;
+  const uint16_t* v_scale = c.v_scale;
+  const float* k_offset = c.k_offset;
+  const float* sink_p = c.sinks;
+  const int64_t sliding_window = c.sliding_window;
+  const float scale = c.scale, logit_softcap = c.logit_softcap;
+  const int64_t qs0 = c.q_row_stride, qs1 = c.q_head_stride, token_stride = KVH * d;
+  const int64_t row_lines = (token_stride + kPerLine<T> - 1) / kPerLine<T>;
+  const int64_t head_lines = (d + kPerLine<T> - 1) / kPerLine<T>;
+  const bool whole_rows = row_lines <= kWholeRowLines;
+  const FlushSubnormals flush(!std::is_same_v<T, float>);
+  // Kept per thread: a decode step calls this once a layer per thread (cpu_decode_region.cpp).
+  thread_local std::vector<float> scores, kscales, vscales;
+  thread_local std::vector<int64_t> off, next;
+  int64_t offsets_of = -1, next_of = -1;  // the sequences `off` and `next` hold
+  const int64_t last = (end - 1) / KVH;  // this thread's last sequence
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
+    const int64_t lo = first_position(L, n, sliding_window);
+    const bool lead = s != offsets_of;  // this thread's first KV head of the sequence
+    if (lead) {
+      if (next_of == s) {
+        off.swap(next);
+      } else {
+        position_offsets(tables + s * max_blocks, block_size, token_stride, lo, L, off);
+      }
+      offsets_of = s;
+    }
+    HeadView<T> h{kp + j * d, vp + j * d, nullptr, nullptr, head_lines};
+    if (lead && whole_rows) {  // whole token rows, for this and the sequence's other heads
+      h.kpf = kp, h.vpf = vp, h.pf_lines = row_lines;
+      if (s < last) {  // and the next sequence's, while this one is read (its first head then finds them)
+        const int64_t next_n = starts[s + 2] - starts[s + 1], next_lo = first_position(lens[s + 1], next_n,
+                                                                                       sliding_window);
+        position_offsets(tables + (s + 1) * max_blocks, block_size, token_stride, next_lo, lens[s + 1], next);
+        next_of = s + 1;
+        h.next_off = next.data(), h.next_len = lens[s + 1] - next_lo;
+      }
+    } else if (!whole_rows) {  // wide rows: each head its own lines
+      h.kpf = h.keys, h.vpf = h.values;
+    }
+    const int64_t aligned = lo / block_size * block_size;  // where this head's scale arrays start
+    if (k_scale) position_scales(tables + s * max_blocks, block_size, KVH, j, lo, L, k_scale, v_scale, kscales,
+                                 vscales);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = first + i, p = L - n + i;  // the row's position
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+      attend_fn(groups, qp + row * qs0 + j * groups * qs1, qs1, h, off.data() + (start - lo), p + 1 - start,
+                scale, ScaleRows{k_scale ? kscales.data() + (start - aligned) : nullptr,
+                                 k_scale ? vscales.data() + (start - aligned) : nullptr,
+                                 k_offset ? k_offset + j * d : nullptr},
+                logit_softcap,
+                sink_p ? sink_p + j * groups : nullptr, op + (row * H + j * groups) * d, d, scores);
+    }
+  }
+}
+
+template void paged_attention_items<float>(const PagedCall<float>&, int64_t, int64_t);
+template void paged_attention_items<int8_t>(const PagedCall<int8_t>&, int64_t, int64_t);
+template void paged_attention_items<Fp8E4M3>(const PagedCall<Fp8E4M3>&, int64_t, int64_t);
+
+bool paged_attention_head_size(int64_t d) { return attend_for<float>(d) != nullptr; }
+
+}  // namespace tpserve
+
+namespace {
+
 template <typename T>
 void paged_attention_impl(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, int64_t KVH,
                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                           const at::Tensor& context_lens, float scale, const uint16_t* k_scale,
                           const uint16_t* v_scale, const float* k_offset, int64_t sliding_window, float logit_softcap,
                           const float* sink_p, at::Tensor& out) {
-  const int64_t H = q.size(1), d = q.size(2);
-  const GroupFn<T> attend_fn = attend_for<T>(d);
-  const int64_t groups = H / KVH, max_blocks = block_tables.size(1);
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  const int64_t S = context_lens.numel();
-  const float* qp = q.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), token_stride = KVH * d;
-  const int64_t row_lines = (token_stride + kPerLine<T> - 1) / kPerLine<T>;
-  const int64_t head_lines = (d + kPerLine<T> - 1) / kPerLine<T>;
-  const bool whole_rows = row_lines <= kWholeRowLines;
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals flush(!std::is_same_v<T, float>);
-    std::vector<float> scores, kscales, vscales;
-    std::vector<int64_t> off, next;
-    int64_t offsets_of = -1, next_of = -1;  // the sequences `off` and `next` hold
-    const int64_t last = (end - 1) / KVH;  // this thread's last sequence
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, j = item % KVH, L = lens[s], first = starts[s], n = starts[s + 1] - first;
-      const int64_t lo = first_position(L, n, sliding_window);
-      const bool lead = s != offsets_of;  // this thread's first KV head of the sequence
-      if (lead) {
-        if (next_of == s) {
-          off.swap(next);
-        } else {
-          position_offsets(tables + s * max_blocks, block_size, token_stride, lo, L, off);
-        }
-        offsets_of = s;
-      }
-      HeadView<T> h{kp + j * d, vp + j * d, nullptr, nullptr, head_lines};
-      if (lead && whole_rows) {  // whole token rows, for this and the sequence's other heads
-        h.kpf = kp, h.vpf = vp, h.pf_lines = row_lines;
-        if (s < last) {  // and the next sequence's, while this one is read (its first head then finds them)
-          const int64_t next_n = starts[s + 2] - starts[s + 1], next_lo = first_position(lens[s + 1], next_n,
-                                                                                         sliding_window);
-          position_offsets(tables + (s + 1) * max_blocks, block_size, token_stride, next_lo, lens[s + 1], next);
-          next_of = s + 1;
-          h.next_off = next.data(), h.next_len = lens[s + 1] - next_lo;
-        }
-      } else if (!whole_rows) {  // wide rows: each head its own lines
-        h.kpf = h.keys, h.vpf = h.values;
-      }
-      const int64_t aligned = lo / block_size * block_size;  // where this head's scale arrays start
-      if (k_scale) position_scales(tables + s * max_blocks, block_size, KVH, j, lo, L, k_scale, v_scale, kscales,
-                                   vscales);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = first + i, p = L - n + i;  // the row's position
-        const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
-        attend_fn(groups, qp + row * qs0 + j * groups * qs1, qs1, h, off.data() + (start - lo), p + 1 - start,
-                  scale, ScaleRows{k_scale ? kscales.data() + (start - aligned) : nullptr,
-                                   k_scale ? vscales.data() + (start - aligned) : nullptr,
-                                   k_offset ? k_offset + j * d : nullptr},
-                  logit_softcap,
-                  sink_p ? sink_p + j * groups : nullptr, op + (row * H + j * groups) * d, d, scores);
-      }
-    }
+  const tpserve::PagedCall<T> call{q.data_ptr<float>(), q.stride(0), q.stride(1), kp, vp, block_size, KVH, q.size(1),
+                                   q.size(2), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                                   query_start_loc.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                                   context_lens.numel(), scale, k_scale, v_scale, k_offset, sliding_window,
+                                   logit_softcap, sink_p, out.data_ptr<float>()};
+  at::parallel_for(0, call.S * KVH, 1, [&](int64_t begin, int64_t end) {
+    tpserve::paged_attention_items(call, begin, end);
   });
 }
-
 
 }  // namespace
 

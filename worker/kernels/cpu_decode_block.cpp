@@ -18,6 +18,10 @@
 // arguments (weights, sizes), given once, and takes only the step's (h, RoPE, caches, slots, block
 // tables) per call.
 //
+// Where every layer's projections are float32, int8 (up to 8 rows of x) or int4 in the tile layout and the cache
+// is float32, DecodeLayers runs the step in one OpenMP parallel region instead (cpu_decode_region.cpp): the same
+// functions, so the same bits, without the dispatch, allocation and fork/join between the ops.
+//
 // With LoRA adapter slots (--enable-lora) each projection adds its adapters' low-rank sums for the
 // step's adapter rows (lora_add_, cpu_lora.cpp) right after its GEMM, where the module path's
 // linear layer adds them (worker/layers/linear.py). A step without adapter rows passes no
@@ -25,7 +29,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+
+#include "decode_region.h"
+#include "paged_attention.h"
 
 #include <optional>
 #include <tuple>
@@ -260,6 +268,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                        std::move(o_bias), std::move(norm2_weight), eps2,
                        std::move(gate_up_weight), std::move(gate_up_scale), std::move(gate_up_bias),
                        std::move(down_weight), std::move(down_scale), std::move(down_bias)});
+    add_region_layer(layers_.back());
   }
 
   // Layer `layer`'s adapter slots (A (L, P*R, K), B (L, P*R, N) per projection, cpu_lora.cpp; the fused
@@ -311,6 +320,21 @@ class DecodeLayers : public torch::CustomClassHolder {
                     (kv_scales.empty() || kv_scales.size() == 3 * layers_.size()),
                 "tpserve DecodeLayers: ", layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(),
                 " value caches, ", kv_scales.size(), " scale tensors");
+    if (!row_slots.has_value() && kv_scales.empty() && region_takes(h, cos, sin, k_caches, v_caches, slot_mapping,
+                                                                   block_tables, query_start_loc, context_lens)) {
+      at::Tensor out = at::empty_like(h);
+      tpserve::RegionStep step{h.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1), k_caches[0].size(3),
+                               cos.data_ptr<float>(), sin.data_ptr<float>(), {}, {}, k_caches[0].size(1),
+                               slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                               block_tables.size(1), query_start_loc.data_ptr<int64_t>(),
+                               context_lens.data_ptr<int64_t>(), context_lens.numel()};
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        step.k_caches.push_back(k_caches[i].data_ptr<float>());
+        step.v_caches.push_back(v_caches[i].data_ptr<float>());
+      }
+      tpserve::decode_region(region_, step);
+      return out;
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const bool codes = !kv_scales.empty();
       h = decoder_layer(layers_[i], h, cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables,
@@ -321,7 +345,114 @@ class DecodeLayers : public torch::CustomClassHolder {
     return h;
   }
 
+  // The layer in the region's terms (decode_region.h) where every projection is float32, int8 or int4 in the tile
+  // layout and its tensors are contiguous float32; else region_ok_ turns false for the stack.
+  void add_region_layer(const LayerArgs& L) {
+    using tpserve::RegionWeight;
+    auto weight = [](const at::Tensor& w, const OptTensor& scale, const OptTensor& bias) -> std::optional<RegionWeight> {
+      if (w.dim() != 2 || !w.is_contiguous() || (scale.has_value() && (scale->scalar_type() != at::kFloat ||
+                                                                       !scale->is_contiguous()))) {
+        return std::nullopt;
+      }
+      if (bias.has_value() && (bias->scalar_type() != at::kFloat || !bias->is_contiguous() ||
+                               bias->numel() != w.size(0))) {
+        return std::nullopt;
+      }
+      const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+      const int64_t N = w.size(0);
+      if (w.scalar_type() == at::kFloat && !scale.has_value()) {  // project(): linear_f32
+        return RegionWeight{RegionWeight::kFloat32, w.data_ptr<float>(), nullptr, b, N, w.size(1), 0};
+      }
+      if (w.scalar_type() == at::kChar && scale.has_value() && scale->numel() == N) {  // linear_int8
+        return RegionWeight{RegionWeight::kInt8, w.data_ptr<int8_t>(), scale->data_ptr<float>(), b, N, w.size(1), 0};
+      }
+      const int64_t K = w.size(1) * 2;  // linear_int4 over the tile layout
+      if (w.scalar_type() == at::kByte && scale.has_value() && scale->dim() == 4 && scale->size(0) * 16 == N &&
+          scale->size(1) >= 1 && K % scale->size(1) == 0) {
+        return RegionWeight{RegionWeight::kInt4Tiles, w.data_ptr<uint8_t>(), scale->data_ptr<float>(), b, N, K,
+                            K / scale->size(1)};
+      }
+      return std::nullopt;  // fp8, grouped 8-bit, row-major int4: their ops
+    };
+    auto floats = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); };
+    const auto qkv = weight(L.qkv_weight, L.qkv_scale, L.qkv_bias), o = weight(L.o_weight, L.o_scale, L.o_bias);
+    const auto gate_up = weight(L.gate_up_weight, L.gate_up_scale, L.gate_up_bias);
+    const auto down = weight(L.down_weight, L.down_scale, L.down_bias);
+    const int64_t hidden = L.norm1_weight.numel(), heads = L.num_heads + 2 * L.num_kv_heads;
+    const int64_t d = qkv ? qkv->N / heads : 0;
+    const bool qk_norm = L.q_norm_weight.has_value();
+    if (qk_norm && !(L.k_norm_weight.has_value() && floats(*L.q_norm_weight) && floats(*L.k_norm_weight) &&
+                     L.q_norm_weight->numel() == d && L.k_norm_weight->numel() == d)) {
+      region_ok_ = false;
+      return;
+    }
+    if (!region_ok_ || !qkv || !o || !gate_up || !down || !floats(L.norm1_weight) ||
+        !floats(L.norm2_weight) || L.num_heads % L.num_kv_heads != 0 || qkv->N % heads != 0 || qkv->K != hidden ||
+        o->N != hidden || o->K != L.num_heads * (qkv->N / heads) || gate_up->K != hidden || gate_up->N % 2 != 0 ||
+        down->K != gate_up->N / 2 || down->N != hidden ||
+        (!region_.empty() && (region_[0].num_kv_heads != L.num_kv_heads || region_[0].num_heads != L.num_heads ||
+                              region_[0].qkv.N != qkv->N))) {
+      region_ok_ = false;
+      return;
+    }
+    region_.push_back({L.norm1_weight.data_ptr<float>(), static_cast<float>(L.eps1), *qkv, *o,
+                       L.norm2_weight.data_ptr<float>(), static_cast<float>(L.eps2), *gate_up, *down, L.num_heads,
+                       L.num_kv_heads, qk_norm ? L.q_norm_weight->data_ptr<float>() : nullptr,
+                       qk_norm ? L.k_norm_weight->data_ptr<float>() : nullptr, static_cast<float>(L.qk_norm_eps),
+                       static_cast<float>(L.scale), L.sliding_window});
+  }
+
+  // Whether this step takes the region: every layer could at this many rows, it is switched on, and the step's
+  // tensors are the float32 cache's decode rows that the ops would accept (the same checks, made once for the stack).
+  bool region_takes(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                    const at::Tensor& context_lens) const {
+    if (!region_ok_ || region_.size() != layers_.size() || layers_.empty() || !tpserve::decode_region_enabled() ||
+        h.dim() != 2 || !tpserve::decode_region_takes_rows(region_, h.size(0))) {
+      return false;
+    }
+    const tpserve::RegionLayer& L = region_[0];
+    const int64_t T = h.size(0), d = L.qkv.N / (L.num_heads + 2 * L.num_kv_heads);
+    auto ints = [](const at::Tensor& t) { return t.scalar_type() == at::kLong && t.is_contiguous(); };
+    if (h.scalar_type() != at::kFloat || h.dim() != 2 || !h.is_contiguous() || h.size(1) != L.qkv.K || T < 1 ||
+        cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
+        !sin.is_contiguous() || cos.numel() != T * d || sin.numel() != T * d ||
+        !tpserve::paged_attention_head_size(d) || !ints(slot_mapping) || slot_mapping.numel() != T ||
+        !ints(block_tables) || block_tables.dim() != 2 || !ints(query_start_loc) || !ints(context_lens) ||
+        query_start_loc.numel() != context_lens.numel() + 1 || block_tables.size(0) != context_lens.numel()) {
+      return false;
+    }
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const at::Tensor &k = k_caches[i], &v = v_caches[i];
+      if (k.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat || !k.is_contiguous() || !v.is_contiguous() ||
+          k.dim() != 4 || k.sizes() != v.sizes() || k.size(2) != L.num_kv_heads || k.size(3) != d ||
+          k.size(1) != k_caches[0].size(1)) {
+        return false;
+      }
+    }
+    // What the ops check of the step (rotary_and_cache: slots; paged_attention: rows and context lengths).
+    const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1), S = context_lens.numel();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "tpserve rotary_and_cache: slot ", slots[t],
+                  " outside the cache");
+    }
+    const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+    const int64_t* lens = context_lens.data_ptr<int64_t>();
+    const int64_t capacity = block_tables.size(1) * k_caches[0].size(1);
+    TORCH_CHECK(starts[0] == 0 && starts[S] == T, "tpserve paged_attention: query_start_loc must run from 0 to ", T);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t n = starts[s + 1] - starts[s];
+      TORCH_CHECK(n >= 1 && lens[s] >= n && lens[s] <= capacity, "tpserve paged_attention: sequence ", s, " has ", n,
+                  " query rows and context length ", lens[s], " (its block table holds ", capacity, ")");
+    }
+    return true;
+  }
+
   std::vector<LayerArgs> layers_;
+  std::vector<tpserve::RegionLayer> region_;  // the layers in the region's terms, while region_ok_
+  bool region_ok_ = true;
 };
 
 }  // namespace tpserve

@@ -24,34 +24,19 @@
 #include <optional>
 #include <type_traits>
 
+#include "row_math.h"
 #include "vec_math.h"
 
 namespace {
 
-using tpserve::exp256;
-using tpserve::hsum;
+using tpserve::add_row;
+using tpserve::rms_norm_row;
+using tpserve::rotate_half_head;
+using tpserve::silu_mul_row;
 
 void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "tpserve ", what, ": expected a float32 (T, H) CPU tensor with contiguous rows");
-}
-
-// y = w * (x / sqrt(mean(x^2) + eps)) for one row of n floats.
-inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float sum = hsum(acc);
-  for (; i < n; ++i) sum += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (i = 0; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv)));
-  }
-  for (; i < n; ++i) y[i] = w[i] * (x[i] * inv);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -90,11 +75,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* s = sp + t * n;
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(rp + t * ldr + i), _mm256_loadu_ps(xp + t * ldx + i)));
-      }
-      for (; i < n; ++i) s[i] = rp[t * ldr + i] + xp[t * ldx + i];
+      add_row(rp + t * ldr, xp + t * ldx, n, s);
       rms_norm_row(s, wp, static_cast<float>(eps), n, yp + t * n);
     }
   });
@@ -111,19 +92,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   float* yp = y.data_ptr<float>();
   const int64_t ld = gate_up.stride(0);
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* g = gp + t * ld;
-      const float* u = g + n;
-      float* o = yp + t * n;
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-      }
-      for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t t = t0; t < t1; ++t) silu_mul_row(gp + t * ld, gp + t * ld + n, n, yp + t * n);
   });
   return y;
 }
@@ -222,7 +191,7 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
               "tpserve rotary_and_cache: k_offset must be contiguous float32 (KVH, d), d <= 256");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
               "tpserve rotary_and_cache: slot_mapping must be int64 (T,)");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), half = d / 2, width = qkv.size(1);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), width = qkv.size(1);
   const int64_t block_size = k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -258,22 +227,7 @@ void norm_rotary_and_cache(at::Tensor& qkv, const float* q_weight, const float* 
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         float* x = row + h * d;
         if (q_weight != nullptr) rms_norm_row(x, h < num_heads ? q_weight : k_weight, eps, d, x);  // in place
-        int64_t i = 0;
-        for (; i + 8 <= half; i += 8) {
-          const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
-          // Separate multiplies and adds (no FMA): the same roundings as x * cos + rotate_half(x) * sin.
-          const __m256 lo = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)),
-                                          _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s + i)));
-          const __m256 hi = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)),
-                                          _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i)));
-          _mm256_storeu_ps(x + i, lo);
-          _mm256_storeu_ps(x + half + i, hi);
-        }
-        for (; i < half; ++i) {
-          const float x1 = x[i], x2 = x[half + i];
-          x[i] = x1 * c[i] + (-x2) * s[i];
-          x[half + i] = x2 * c[half + i] + x1 * s[half + i];
-        }
+        rotate_half_head(x, c, s, d);
       }
       const float* keys = row + num_heads * d;
       const float* values = row + (num_heads + num_kv_heads) * d;

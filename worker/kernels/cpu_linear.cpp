@@ -26,6 +26,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_linear.h"
 #include "vec_math.h"
 
 #include <atomic>
@@ -480,7 +481,41 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   }, nullptr, qp);
 }
 
+// The streamed GEMV for R = M rows of x, W's rows [n0, n1).
+template <typename T>
+void seq512_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t N, const float* x, const float* scale,
+                 const float* bias, float* y, const T* w) {
+  switch (M) {
+    case 1: run_seq512<1>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 2: run_seq512<2>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 3: run_seq512<3>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 4: run_seq512<4>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 5: run_seq512<5>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 6: run_seq512<6>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 7: run_seq512<7>(n0, n1, K, N, x, scale, bias, y, w); break;
+    default: run_seq512<8>(n0, n1, K, N, x, scale, bias, y, w); break;
+  }
+}
+
 }  // namespace
+
+namespace tpserve {
+
+bool streamed_gemv_takes(int64_t M) {
+  return M >= 1 && M <= kSeqMaxRows && allow_avx512.load(std::memory_order_relaxed) && cpu_has_avx512();
+}
+
+void streamed_gemv_rows(const float* x, int64_t M, int64_t K, int64_t N, const float* w_f32, const int8_t* w_i8,
+                        const float* scale, const float* bias, float* y, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  if (w_i8 != nullptr) {
+    seq512_rows(M, n0, n1, K, N, x, scale, bias, y, w_i8);
+  } else {
+    seq512_rows(M, n0, n1, K, N, x, scale, bias, y, w_f32);
+  }
+}
+
+}  // namespace tpserve
 
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace tpserve_int4 {
@@ -36,6 +37,18 @@ namespace tpserve_int4_tiles {
 // 10 rows of x, at any M. Needs tpserve_int4_amx::amx_available(), N % 16 == 0, K % 128 == 0 and G % 128 == 0.
 void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
             const float* scale_offset, const float* bias, float* y);
+
+// The pieces of linear, for a caller that splits W's blocks among its own threads (cpu_decode_region.cpp):
+// prepare_rows cuts R <= 10 rows of x (R, K) into their planes a (plane_bytes(R, K) bytes), units (R, K / 128)
+// and group sums xsum (R, K / G); run_rows then writes y's columns [16 t0, 16 t1) of those R rows (row stride
+// N) from blocks of rows [t0, t1) of W. Each block's sums run in one fixed order, so any split gives the
+// same bits as linear.
+size_t plane_bytes(int64_t R, int64_t K);
+void prepare_rows(const float* x, int64_t R, int64_t K, int64_t G, int8_t* a, float* units, float* xsum);
+void run_rows(int64_t R, int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+              const float* scale_offset, const int8_t* a, const float* units, const float* xsum, const float* bias,
+              float* y);
+constexpr int64_t kMaxRowsPerPass = 10;  // R of prepare_rows and run_rows
 
 // W as float32 (N, K), row-major, from the tile layout.
 void dequantize(const uint8_t* qweight, const float* scale_offset, int64_t N, int64_t K, int64_t G, float* w);

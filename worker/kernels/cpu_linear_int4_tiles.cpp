@@ -53,6 +53,7 @@ constexpr int64_t kChunk = 128;        // columns per block (two B tiles of 64)
 constexpr int64_t kBlockBytes = 1024;  // codes per block
 constexpr int kGroupX = 5;             // rows of x per A tile: 3 planes each within its 16 rows
 constexpr int64_t kMaxX = 10;          // rows of x per pass: two A tiles (and two C) share B's
+static_assert(kMaxX == kMaxRowsPerPass);
 constexpr int64_t kAhead = 2048;       // bytes of W prefetched ahead of the block being split (two blocks)
 constexpr int kLead = 2;               // blocks split ahead of the block multiplied (run_blocks)
 
@@ -180,6 +181,31 @@ TPSERVE_INT4_TILES void run_blocks(int64_t t0, int64_t t1, int64_t K, int64_t N,
   _tile_release();
 }
 
+size_t plane_bytes(int64_t R, int64_t K) { return static_cast<size_t>(K / kChunk * 2 * 3 * R * 64); }
+
+void prepare_rows(const float* x, int64_t R, int64_t K, int64_t G, int8_t* a, float* units, float* xsum) {
+  make_a_planes(x, R, K, a, units);
+  tpserve_int4::group_sums512(x, R, K, G, xsum);
+}
+
+void run_rows(int64_t R, int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+              const float* scale_offset, const int8_t* a, const float* units, const float* xsum, const float* bias,
+              float* y) {
+  if (t0 >= t1) return;
+  switch (R) {
+    case 1: run_blocks<1>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 2: run_blocks<2>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 3: run_blocks<3>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 4: run_blocks<4>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 5: run_blocks<5>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 6: run_blocks<6>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 7: run_blocks<7>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 8: run_blocks<8>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    case 9: run_blocks<9>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    default: run_blocks<10>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+  }
+}
+
 void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
             const float* scale_offset, const float* bias, float* y) {
   const int64_t chunks = K / kChunk, groups = K / G, blocks = N / kRows;
@@ -188,28 +214,16 @@ void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const ui
   const int64_t grain = std::max<int64_t>(1, blocks / (4 * at::get_num_threads()));
   for (int64_t m0 = 0; m0 < M; m0 += kMaxX) {
     const int64_t R = std::min(kMaxX, M - m0);
-    a.resize(static_cast<size_t>(chunks * 2 * 3 * R * 64));
+    a.resize(plane_bytes(R, K));
     units.resize(static_cast<size_t>(R * chunks));
     xsum.resize(static_cast<size_t>(R * groups));
-    make_a_planes(x + m0 * K, R, K, a.data(), units.data());
-    tpserve_int4::group_sums512(x + m0 * K, R, K, G, xsum.data());
+    prepare_rows(x + m0 * K, R, K, G, a.data(), units.data(), xsum.data());
     const int8_t* ap = a.data();
     const float* up = units.data();
     const float* sp = xsum.data();
     float* yp = y + m0 * N;
     at::parallel_for(0, blocks, grain, [&](int64_t t0, int64_t t1) {
-      switch (R) {
-        case 1: run_blocks<1>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 2: run_blocks<2>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 3: run_blocks<3>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 4: run_blocks<4>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 5: run_blocks<5>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 6: run_blocks<6>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 7: run_blocks<7>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 8: run_blocks<8>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        case 9: run_blocks<9>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-        default: run_blocks<10>(t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp); break;
-      }
+      run_rows(R, t0, t1, K, N, G, qweight, scale_offset, ap, up, sp, bias, yp);
     });
   }
 }

@@ -1,0 +1,225 @@
+// A one-rank Llama decode step in one OpenMP parallel region, for float32, int8 and int4 (tile layout) stacks on a
+// float32 cache.
+//
+// Why: DecodeLayers' op path (cpu_decode_block.cpp) runs a layer as ten ops, each through the dispatcher,
+// each allocating its output, the projections and the attention each forking and joining the OpenMP team.
+// On the 95M benchmark model in int4 (30 layers, batch 1, 2 threads) the projections proper took about
+// 0.72 ms of a 1.45 ms stack: the second thread spun 44 % of the step (perf) while the first ran that
+// glue alone. Here the team is formed once a step and keeps every phase split between its threads, with
+// a barrier where a phase needs another's output (five a layer), so the glue either runs on every thread
+// at once (the norms, x's planes: cheap, and redundant copies need no barrier) or is gone (dispatch, fork,
+// join, allocation).
+//
+// Per layer, with h the residual stream (each thread its own identical copy):
+//   1. x = rms_norm(h) [int4: its planes];             qkv = x W_qkv^T   [W's rows split, 16 at a time]  | barrier
+//   2. per (sequence, KV head) item [items split]: [QK-norm and] RoPE on its query heads and key head, its
+//      key and value rows into the cache, then paged attention over its context                       | barrier
+//   3. [the heads' planes];                            o = heads W_o^T [+ b_o]                           | barrier
+//   4. h2 = h + o, x2 = rms_norm(h2) [its planes];     gate_up = x2 W_gu^T                               | barrier
+//   5. act = silu(gate) * up [its planes];             m = act W_down^T [+ b_down]                       | barrier
+//   6. h = h2 + m.
+// Every value is made by the same function as on the op path (row_math.h; cpu_linear_int4_tiles.cpp's run_rows
+// and cpu_linear.cpp's streamed GEMV, whose every output is one dot product in a fixed order; cpu_attention.cpp's
+// items), each by one thread, so the hidden states and caches equal the op path's bit for bit
+// (tests/worker/test_decode_block.py). float32 and int8 projections take the region where their op takes the
+// streamed GEMV (up to 8 rows of x, AVX-512); int4 tiles at any row count, 10 rows a pass.
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "cpu_linear.h"
+#include "cpu_linear_int4.h"
+#include "decode_region.h"
+#include "paged_attention.h"
+#include "row_math.h"
+
+namespace tpserve {
+
+namespace {
+
+std::atomic<bool> allow_region{true};
+std::atomic<int64_t> region_steps{0};  // steps run here since the library loaded (tests check the region ran)
+
+// [begin, end) of n items for thread tid of team: contiguous, sizes differing by at most one.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
+  return {n * tid / team, n * (tid + 1) / team};
+}
+
+// x (T, K) cut into its planes for an int4 projection, 10 rows a pass (cpu_linear_int4.h), in one thread's buffers.
+struct XPlanes {
+  std::vector<int8_t> a;
+  std::vector<float> units, xsum;
+  int64_t passes = 0, a_pass = 0, units_pass = 0, xsum_pass = 0;
+
+  void prepare(const float* x, int64_t T, int64_t K, int64_t G) {
+    constexpr int64_t P = tpserve_int4_tiles::kMaxRowsPerPass;
+    passes = (T + P - 1) / P;
+    a_pass = static_cast<int64_t>(tpserve_int4_tiles::plane_bytes(P, K));
+    units_pass = P * (K / 128), xsum_pass = P * (K / G);
+    a.resize(static_cast<size_t>(passes * a_pass));
+    units.resize(static_cast<size_t>(passes * units_pass));
+    xsum.resize(static_cast<size_t>(passes * xsum_pass));
+    for (int64_t p = 0; p < passes; ++p) {
+      const int64_t R = std::min(P, T - p * P);
+      tpserve_int4_tiles::prepare_rows(x + p * P * K, R, K, G, a.data() + p * a_pass, units.data() + p * units_pass,
+                                       xsum.data() + p * xsum_pass);
+    }
+  }
+
+  // y's columns of W's 16-row blocks [t0, t1), every row of x.
+  void project(const RegionWeight& w, int64_t T, int64_t t0, int64_t t1, float* y) const {
+    constexpr int64_t P = tpserve_int4_tiles::kMaxRowsPerPass;
+    for (int64_t p = 0; p < passes; ++p) {
+      const int64_t R = std::min(P, T - p * P);
+      tpserve_int4_tiles::run_rows(R, t0, t1, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale,
+                                   a.data() + p * a_pass, units.data() + p * units_pass, xsum.data() + p * xsum_pass,
+                                   w.bias, y + p * P * w.N);
+    }
+  }
+};
+
+// One thread's copies: the residual stream, the normed rows, the MLP's activations, x's planes.
+struct Local {
+  std::vector<float> h, h2, x, act;
+  XPlanes planes;
+};
+
+// y (T, N) = x (T, K) @ W^T [+ bias]: this thread's share of W's rows, 16 at a time (the int4 tiles' blocks), for
+// every row of x. int4: x's planes are cut here, by each thread for itself (cheaper than a barrier).
+void project_share(const RegionWeight& w, const float* x, int64_t T, XPlanes& planes, int tid, int team, float* y) {
+  const auto [b0, b1] = share((w.N + 15) / 16, tid, team);
+  const int64_t n0 = 16 * b0, n1 = std::min(w.N, 16 * b1);
+  if (w.kind == RegionWeight::kInt4Tiles) {
+    planes.prepare(x, T, w.K, w.G);
+    planes.project(w, T, b0, b1, y);
+  } else {
+    const bool int8 = w.kind == RegionWeight::kInt8;
+    streamed_gemv_rows(x, T, w.K, w.N, int8 ? nullptr : static_cast<const float*>(w.weight),
+                       int8 ? static_cast<const int8_t*>(w.weight) : nullptr, w.scale, w.bias, y, n0, n1);
+  }
+}
+
+bool takes(const RegionWeight& w, int64_t T) {
+  return w.kind == RegionWeight::kInt4Tiles || streamed_gemv_takes(T);
+}
+
+}  // namespace
+
+bool decode_region_enabled() { return allow_region.load(std::memory_order_relaxed); }
+
+bool use_decode_region(bool enabled) {
+  allow_region.store(enabled);
+  return enabled;
+}
+
+int64_t decode_region_steps() { return region_steps.load(); }
+
+bool decode_region_takes_rows(const std::vector<RegionLayer>& layers, int64_t T) {
+  for (const RegionLayer& L : layers) {
+    if (!takes(L.qkv, T) || !takes(L.o, T) || !takes(L.gate_up, T) || !takes(L.down, T)) return false;
+  }
+  return true;
+}
+
+void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& step) {
+  const int64_t T = step.T, hidden = step.hidden, d = step.d;
+  const RegionLayer& first = layers.front();
+  const int64_t KVH = first.num_kv_heads;
+  // The team's shared outputs: each phase writes them in disjoint parts, the next reads them whole.
+  int64_t qkv_width = 0, heads_width = 0, gu_width = 0;
+  for (const RegionLayer& L : layers) {
+    qkv_width = std::max(qkv_width, L.qkv.N);
+    heads_width = std::max(heads_width, L.num_heads * d);
+    gu_width = std::max(gu_width, L.gate_up.N);
+  }
+  std::vector<float> qkv(static_cast<size_t>(T * qkv_width)), heads(static_cast<size_t>(T * heads_width)),
+      o(static_cast<size_t>(T * hidden)), gate_up(static_cast<size_t>(T * gu_width)),
+      m(static_cast<size_t>(T * hidden));
+  const int64_t row_bytes = KVH * d * static_cast<int64_t>(sizeof(float));
+  region_steps.fetch_add(1, std::memory_order_relaxed);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int team = omp_get_num_threads(), tid = omp_get_thread_num();
+    thread_local Local local;
+    local.h.assign(step.h, step.h + T * hidden);
+    local.h2.resize(static_cast<size_t>(T * hidden));
+    local.x.resize(static_cast<size_t>(T * hidden));
+    for (size_t li = 0; li < layers.size(); ++li) {
+      const RegionLayer& L = layers[li];
+      const int64_t H = L.num_heads, groups = H / L.num_kv_heads, width = L.qkv.N;
+      // 1. qkv = rms_norm(h) W_qkv^T
+      for (int64_t t = 0; t < T; ++t) {
+        rms_norm_row(local.h.data() + t * hidden, L.norm1, L.eps1, hidden, local.x.data() + t * hidden);
+      }
+      project_share(L.qkv, local.x.data(), T, local.planes, tid, team, qkv.data());
+#pragma omp barrier
+      // 2. RoPE, the cache write and attention, per (sequence, KV head)
+      {
+        const auto [b, e] = share(step.S * KVH, tid, team);
+        float* kc = step.k_caches[li];
+        float* vc = step.v_caches[li];
+        for (int64_t item = b; item < e; ++item) {
+          const int64_t s = item / KVH, j = item % KVH;
+          for (int64_t r = step.query_start_loc[s]; r < step.query_start_loc[s + 1]; ++r) {
+            float* row = qkv.data() + r * width;
+            const float* c = step.cos + r * d;
+            const float* sn = step.sin + r * d;
+            for (int64_t g = 0; g < groups; ++g) {
+              float* q = row + (j * groups + g) * d;
+              if (L.q_norm) rms_norm_row(q, L.q_norm, L.qk_norm_eps, d, q);  // in place, as the op
+              rotate_half_head(q, c, sn, d);
+            }
+            float* key = row + (H + j) * d;
+            if (L.k_norm) rms_norm_row(key, L.k_norm, L.qk_norm_eps, d, key);
+            rotate_half_head(key, c, sn, d);
+            const int64_t at = step.slot_mapping[r] * row_bytes / static_cast<int64_t>(sizeof(float)) + j * d;
+            std::memcpy(kc + at, key, static_cast<size_t>(d) * sizeof(float));
+            std::memcpy(vc + at, row + (H + KVH + j) * d, static_cast<size_t>(d) * sizeof(float));
+          }
+        }
+        const PagedCall<float> call{qkv.data(), width, d, kc, vc, step.block_size, KVH, H, d, step.block_tables,
+                                    step.max_blocks, step.query_start_loc, step.context_lens, step.S, L.scale,
+                                    nullptr, nullptr, nullptr, L.sliding_window, 0.0f, nullptr, heads.data()};
+        paged_attention_items(call, b, e);
+      }
+#pragma omp barrier
+      // 3. o = heads W_o^T [+ b_o]
+      project_share(L.o, heads.data(), T, local.planes, tid, team, o.data());
+#pragma omp barrier
+      // 4. gate_up = rms_norm(h + o) W_gu^T
+      for (int64_t t = 0; t < T; ++t) {
+        float* h2 = local.h2.data() + t * hidden;
+        add_row(local.h.data() + t * hidden, o.data() + t * hidden, hidden, h2);
+        rms_norm_row(h2, L.norm2, L.eps2, hidden, local.x.data() + t * hidden);
+      }
+      project_share(L.gate_up, local.x.data(), T, local.planes, tid, team, gate_up.data());
+#pragma omp barrier
+      // 5. m = (silu(gate) * up) W_down^T [+ b_down]
+      const int64_t inter = L.gate_up.N / 2;
+      local.act.resize(static_cast<size_t>(T * inter));
+      for (int64_t t = 0; t < T; ++t) {
+        const float* g = gate_up.data() + t * L.gate_up.N;
+        silu_mul_row(g, g + inter, inter, local.act.data() + t * inter);
+      }
+      project_share(L.down, local.act.data(), T, local.planes, tid, team, m.data());
+#pragma omp barrier
+      // 6. h = h2 + m (m is rewritten only after the next layer's first barrier)
+      for (int64_t t = 0; t < T; ++t) {
+        add_row(local.h2.data() + t * hidden, m.data() + t * hidden, hidden, local.h.data() + t * hidden);
+      }
+    }
+    if (tid == 0) std::memcpy(step.out, local.h.data(), static_cast<size_t>(T * hidden) * sizeof(float));
+  }
+}
+
+}  // namespace tpserve
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("use_decode_region(bool enabled) -> bool", &tpserve::use_decode_region);
+  m.def("decode_region_steps() -> int", &tpserve::decode_region_steps);
+}

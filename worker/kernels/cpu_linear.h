@@ -1,0 +1,19 @@
+// What cpu_linear.cpp's float32 and int8 linear layers give callers that split W's rows among their own threads
+// (cpu_decode_region.cpp): the streamed GEMV of a decode step's few rows of x.
+#pragma once
+
+#include <cstdint>
+
+namespace tpserve {
+
+// Whether linear_f32 / linear_int8 take the streamed GEMV for M rows of x (AVX-512 allowed, M <= 8): then
+// streamed_gemv_rows computes exactly what they compute.
+bool streamed_gemv_takes(int64_t M);
+
+// y's columns [n0, n1) of y (M, N) = x (M, K) @ W^T [* scale] [+ bias] for M rows of x that streamed_gemv_takes:
+// W float32 (w_f32) or int8 (w_i8, with one float32 scale per row). Each of y's values is one dot product
+// summed in one fixed order, so any split of [0, N) gives the op's bits.
+void streamed_gemv_rows(const float* x, int64_t M, int64_t K, int64_t N, const float* w_f32, const int8_t* w_i8,
+                        const float* scale, const float* bias, float* y, int64_t n0, int64_t n1);
+
+}  // namespace tpserve

@@ -1,0 +1,72 @@
+// A one-rank Llama decode step in one OpenMP parallel region (cpu_decode_region.cpp), for stacks whose
+// projections are float32, int8 or int4 in the tile layout and whose KV cache is float32. DecodeLayers
+// (cpu_decode_block.cpp) gathers the pointers once a layer and calls decode_region where a step qualifies.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tpserve {
+
+// One projection, y (T, N) = x (T, K) @ W^T [+ bias], in one of the formats the region reads:
+//   kInt4Tiles: codes (N, K / 2) uint8 in the int4 tile layout (cpu_linear_int4_tiles.cpp), scale its
+//     scale_offset (N / 16, K / G, 2, 16) float32;
+//   kInt8: codes (N, K) int8, scale (N,) float32 (cpu_linear.cpp's weight-only int8);
+//   kFloat32: weight (N, K) float32, no scale.
+struct RegionWeight {
+  enum Kind { kInt4Tiles, kInt8, kFloat32 } kind;
+  const void* weight;
+  const float* scale;
+  const float* bias;  // (N,) float32 or null
+  int64_t N, K, G;    // G: kInt4Tiles' group size
+};
+
+// One decoder layer: pointers into tensors that its caller keeps alive.
+struct RegionLayer {
+  const float* norm1;  // (hidden,) input_layernorm
+  float eps1;
+  RegionWeight qkv;    // N = (H + 2 KVH) d, its bias q/k/v's (Qwen2) or null
+  RegionWeight o;      // bias: o_proj's, added as the op path adds it
+  const float* norm2;  // (hidden,) post_attention_layernorm
+  float eps2;
+  RegionWeight gate_up;  // N = 2 intermediate, [gate | up]
+  RegionWeight down;   // bias: down_proj's
+  int64_t num_heads, num_kv_heads;
+  const float* q_norm;      // (d,) QK-norm's weights (Qwen3), or null: none
+  const float* k_norm;
+  float qk_norm_eps;
+  float scale;              // the attention's q . k scale
+  int64_t sliding_window;   // 0: none
+};
+
+// One step: T decode rows (query rows of S sequences, query_start_loc (S + 1,)), float32 caches
+// (num_blocks, block_size, KVH, d) per layer.
+struct RegionStep {
+  const float* h;  // (T, hidden) in
+  float* out;      // (T, hidden) out
+  int64_t T, hidden, d;
+  const float* cos;  // (T, d)
+  const float* sin;
+  std::vector<float*> k_caches, v_caches;
+  int64_t block_size;
+  const int64_t* slot_mapping;  // (T,)
+  const int64_t* block_tables;  // (S, max_blocks)
+  int64_t max_blocks;
+  const int64_t* query_start_loc;
+  const int64_t* context_lens;
+  int64_t S;
+};
+
+// Whether the region computes T rows of x with these layers exactly as their ops do: int4 tiles at any T,
+// float32 and int8 where the ops take the streamed GEMV (tpserve::streamed_gemv_takes).
+bool decode_region_takes_rows(const std::vector<RegionLayer>& layers, int64_t T);
+
+// The step through every layer, with at::get_num_threads() threads: bit for bit what the op path
+// (attention_block, mlp_block, the residual adds) computes.
+void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& step);
+
+// Whether DecodeLayers takes the region where a step qualifies (default true; use_decode_region(False): the
+// ops, for tests and A/B runs).
+bool decode_region_enabled();
+
+}  // namespace tpserve
