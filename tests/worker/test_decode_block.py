@@ -15,7 +15,9 @@ checkpoint (its layers' uint8 codes of K columns take the w8 op, not int4's).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,17 @@ WINDOW = 6
 MISTRAL_WINDOW = TinyModelSpec("mistral_window_block", "mistral", {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 150,
     "sliding_window": WINDOW}, seed=21)
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside (the test process runs on one: tests/conftest.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Steps:
@@ -114,17 +127,26 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
 
 
 @pytest.mark.parametrize("halves", [False, True], ids=["stack", "two_halves"])
-@pytest.mark.parametrize(("name", "quantization"), [
-    ("gqa_tied", None), ("mqa_untied_bias", None), ("qwen2_qkv_bias", None), ("llama3_rope", None),
-    ("phi3_fused", None), ("mistral_window", None), ("qwen3_qk_norm", None), ("gqa_tied", "int8"),
-    ("mqa_untied_bias", "int8"), ("gqa_tied_gptq8", None), (INT4_TILES.name, "int4"),
-    (QWEN2_INT4_TILES.name, "int4"), (MISTRAL_WINDOW_INT4_TILES.name, "int4"),
+@pytest.mark.parametrize(("name", "quantization", "kv_cache_dtype"), [
+    ("gqa_tied", None, "auto"), ("mqa_untied_bias", None, "auto"), ("qwen2_qkv_bias", None, "auto"),
+    ("llama3_rope", None, "auto"), ("phi3_fused", None, "auto"), ("mistral_window", None, "auto"),
+    ("qwen3_qk_norm", None, "auto"), ("gqa_tied", "int8", "auto"), ("mqa_untied_bias", "int8", "auto"),
+    ("gqa_tied_gptq8", None, "auto"), (INT4_TILES.name, "int4", "auto"), (QWEN2_INT4_TILES.name, "int4", "auto"),
+    (MISTRAL_WINDOW_INT4_TILES.name, "int4", "auto"), ("gqa_tied", None, "int8"), ("qwen3_qk_norm", "int8", "fp8"),
+    (MISTRAL_WINDOW_INT4_TILES.name, "int4", "fp8"),
 ])
-def test_decode_block_equals_the_module_path(name: str, quantization: str | None, halves: bool,
+def test_decode_block_equals_the_module_path(name: str, quantization: str | None, kv_cache_dtype: str, halves: bool,
                                              tiny_checkpoints: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``halves``: the tensor-parallel form, per layer (``attention_block``, the all-reduce, ``mlp_block``),
-    here on one rank, where the all-reduce is the identity; else one rank's :class:`DecodeStack`."""
+    here on one rank, where the all-reduce is the identity; else one rank's :class:`DecodeStack`, on two threads
+    (the parallel region splits its work between them; the test process's default is one)."""
+    with _threads(1 if halves else 2):
+        _module_path_case(name, quantization, kv_cache_dtype, halves, tiny_checkpoints, tmp_path, monkeypatch)
+
+
+def _module_path_case(name: str, quantization: str | None, kv_cache_dtype: str, halves: bool,
+                      tiny_checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if name == "mistral_window":
         checkpoint = save_tiny_model(MISTRAL_WINDOW, tmp_path / "mistral")
     elif name == "gqa_tied_gptq8":  # 8-bit GPTQ with zero points, group 32: grouped bytes, the w8 op
@@ -142,7 +164,7 @@ def test_decode_block_equals_the_module_path(name: str, quantization: str | None
         stack_call = decode_block.DecodeStack.__call__
         monkeypatch.setattr(decode_block.DecodeStack, "__call__",
                             lambda self, *args: calls.append(1) or stack_call(self, *args))
-    blocked = _Steps(checkpoint, quantization, decode_block=True)
+    blocked = _Steps(checkpoint, quantization, decode_block=True, kv_cache_dtype=kv_cache_dtype)
     assert blocked.supported, "every layer of a Llama-family model on a float32 CPU takes the decode block"
     model = blocked.runner.model.model
     assert model.decode_stack is not None  # one rank
@@ -162,14 +184,24 @@ def test_decode_block_equals_the_module_path(name: str, quantization: str | None
     assert region_steps == (len(tokens) - 1 if in_region else 0)
     per_step = 1 if not halves else len(model.layers)
     assert len(calls) == per_step * (len(tokens) - 1)  # every step but the first (a prefill) took it
-    modules = _Steps(checkpoint, quantization, decode_block=False)
+    modules = _Steps(checkpoint, quantization, decode_block=False, kv_cache_dtype=kv_cache_dtype)
     assert _run(modules) == tokens
     assert len(calls) == per_step * (len(tokens) - 1)  # the module path never did
     assert len(blocked.hidden) == len(modules.hidden) == len(tokens)
     for step, (a, b) in enumerate(zip(blocked.hidden, modules.hidden, strict=True)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
-    for (k_a, v_a), (k_b, v_b) in zip(blocked.runner.kv_caches, modules.runner.kv_caches, strict=True):
+    _assert_same_caches(blocked, modules)
+
+
+def _assert_same_caches(a: _Steps, b: _Steps) -> None:
+    """Both runners' KV caches equal, and an 8-bit cache's scale pools and key offsets too."""
+    for (k_a, v_a), (k_b, v_b) in zip(a.runner.kv_caches, b.runner.kv_caches, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+    for layer_a, layer_b in zip(a.runner.model.model.layers, b.runner.model.model.layers, strict=True):
+        scales_a, scales_b = layer_a.self_attn.attn.kv_scales, layer_b.self_attn.attn.kv_scales
+        assert (scales_a is None) == (scales_b is None)
+        for x, y in zip(scales_a or (), scales_b or (), strict=True):
+            assert torch.equal(x, y)
 
 
 def test_moe_layers_keep_the_module_path(tmp_path: Path) -> None:
@@ -214,14 +246,31 @@ def test_the_stack_follows_a_new_cache(kv_cache_dtype: str, tiny_checkpoints: di
 
 @pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.int4_tiles_enabled()),
                     reason="the decode region's int4 needs the tile layout: an AMX-INT8 CPU")
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("quantization", ["int4", "int8", None])
-def test_the_decode_region_equals_the_ops_at_many_rows(quantization: str | None, tmp_path: Path) -> None:
+def test_the_decode_region_equals_the_ops_at_many_rows(quantization: str | None, threads: int, tmp_path: Path) -> None:
     """13 sequences decode at once (int4: two passes of x's rows through the tiles, 10 and 3; 26 (sequence, KV
     head) items split between the threads), then 11 after two finish: the hidden states, tokens and caches equal
     the same stack's ops (``use_decode_region(False)``) bit for bit. int4 takes the region at every step: the
     first too, whose prompts of 2 to 6 tokens the CPU paged kernel reads as the decode group's rows (several rows
     a sequence: 49 rows in 5 passes). float32 and int8 never do: their ops' streamed GEMV takes up to 8 rows, and
-    beyond, the ops' tiles."""
+    beyond, the ops' tiles. On 1, 2 and 3 threads: the region's shares of every phase change with the team."""
+    with _threads(threads):
+        _many_rows_case(quantization, tmp_path)
+
+
+@pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.int4_tiles_enabled()),
+                    reason="the decode region's int4 needs the tile layout: an AMX-INT8 CPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_the_decode_region_writes_and_reads_an_8_bit_cache(kv_cache_dtype: str, tmp_path: Path) -> None:
+    """The same 13 int4 sequences on an 8-bit cache, two threads: the region writes each key and value row's codes
+    and scale (the key less its offset) as rotary_and_cache does and reads them as paged_attention does, so the
+    codes, scale pools, hidden states and tokens equal the ops' bit for bit."""
+    with _threads(2):
+        _many_rows_case("int4", tmp_path, kv_cache_dtype)
+
+
+def _many_rows_case(quantization: str | None, tmp_path: Path, kv_cache_dtype: str = "auto") -> None:
     checkpoint = save_tiny_model(INT4_TILES, tmp_path / INT4_TILES.name)
     expected_steps = 9 if quantization == "int4" else 0
     seqs = range(13)
@@ -242,18 +291,17 @@ def test_the_decode_region_equals_the_ops_at_many_rows(quantization: str | None,
                 positions[s] += 1
         return out
 
-    region = _Steps(checkpoint, quantization, decode_block=True)
+    region = _Steps(checkpoint, quantization, decode_block=True, kv_cache_dtype=kv_cache_dtype)
     before = torch.ops.tpserve_cpu.decode_region_steps()  # (the runner's start-up may run a decode step)
     region_tokens = run(region)
     assert torch.ops.tpserve_cpu.decode_region_steps() - before == expected_steps
     torch.ops.tpserve_cpu.use_decode_region(False)
     try:
-        ops = _Steps(checkpoint, quantization, decode_block=True)
+        ops = _Steps(checkpoint, quantization, decode_block=True, kv_cache_dtype=kv_cache_dtype)
         assert run(ops) == region_tokens
     finally:
         torch.ops.tpserve_cpu.use_decode_region(True)
     assert torch.ops.tpserve_cpu.decode_region_steps() - before == expected_steps  # the ops' run: none
     for step, (a, b) in enumerate(zip(region.hidden, ops.hidden, strict=True)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
-    for (k_a, v_a), (k_b, v_b) in zip(region.runner.kv_caches, ops.runner.kv_caches, strict=True):
-        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+    _assert_same_caches(region, ops)

@@ -320,17 +320,26 @@ class DecodeLayers : public torch::CustomClassHolder {
                     (kv_scales.empty() || kv_scales.size() == 3 * layers_.size()),
                 "tpserve DecodeLayers: ", layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(),
                 " value caches, ", kv_scales.size(), " scale tensors");
-    if (!row_slots.has_value() && kv_scales.empty() && region_takes(h, cos, sin, k_caches, v_caches, slot_mapping,
-                                                                   block_tables, query_start_loc, context_lens)) {
+    if (!row_slots.has_value() && region_takes(h, cos, sin, k_caches, v_caches, kv_scales, slot_mapping, block_tables,
+                                               query_start_loc, context_lens)) {
       at::Tensor out = at::empty_like(h);
-      tpserve::RegionStep step{h.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1), k_caches[0].size(3),
-                               cos.data_ptr<float>(), sin.data_ptr<float>(), {}, {}, k_caches[0].size(1),
-                               slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+      const at::ScalarType cache_type = k_caches[0].scalar_type();
+      const auto kind = cache_type == at::kFloat  ? tpserve::RegionStep::kFloat32
+                        : cache_type == at::kChar ? tpserve::RegionStep::kInt8
+                                                  : tpserve::RegionStep::kFp8;
+      tpserve::RegionStep step{kind, h.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1),
+                               k_caches[0].size(3), cos.data_ptr<float>(), sin.data_ptr<float>(), {}, {}, {}, {}, {},
+                               k_caches[0].size(1), slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
                                block_tables.size(1), query_start_loc.data_ptr<int64_t>(),
                                context_lens.data_ptr<int64_t>(), context_lens.numel()};
       for (size_t i = 0; i < layers_.size(); ++i) {
-        step.k_caches.push_back(k_caches[i].data_ptr<float>());
-        step.v_caches.push_back(v_caches[i].data_ptr<float>());
+        step.k_caches.push_back(k_caches[i].data_ptr());
+        step.v_caches.push_back(v_caches[i].data_ptr());
+        if (!kv_scales.empty()) {
+          step.k_scales.push_back(kv_scales[3 * i].data_ptr());
+          step.v_scales.push_back(kv_scales[3 * i + 1].data_ptr());
+          step.k_offsets.push_back(kv_scales[3 * i + 2].data_ptr<float>());
+        }
       }
       tpserve::decode_region(region_, step);
       return out;
@@ -403,10 +412,11 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
   // Whether this step takes the region: every layer could at this many rows, it is switched on, and the step's
-  // tensors are the float32 cache's decode rows that the ops would accept (the same checks, made once for the stack).
+  // tensors are a float32 or 8-bit cache's decode rows that the ops would accept (the same checks, made once for
+  // the stack).
   bool region_takes(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                    const std::vector<at::Tensor>& kv_scales, const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                     const at::Tensor& context_lens) const {
     if (!region_ok_ || region_.size() != layers_.size() || layers_.empty() || !tpserve::decode_region_enabled() ||
         h.dim() != 2 || !tpserve::decode_region_takes_rows(region_, h.size(0))) {
@@ -423,11 +433,27 @@ class DecodeLayers : public torch::CustomClassHolder {
         query_start_loc.numel() != context_lens.numel() + 1 || block_tables.size(0) != context_lens.numel()) {
       return false;
     }
+    const at::ScalarType cache_type = k_caches[0].scalar_type();
+    const bool codes = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
+    if ((cache_type != at::kFloat && !codes) || kv_scales.size() != (codes ? 3 * layers_.size() : 0) || d > 256) {
+      return false;
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const at::Tensor &k = k_caches[i], &v = v_caches[i];
-      if (k.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat || !k.is_contiguous() || !v.is_contiguous() ||
+      if (k.scalar_type() != cache_type || v.scalar_type() != cache_type || !k.is_contiguous() || !v.is_contiguous() ||
           k.dim() != 4 || k.sizes() != v.sizes() || k.size(2) != L.num_kv_heads || k.size(3) != d ||
           k.size(1) != k_caches[0].size(1)) {
+        return false;
+      }
+      if (!codes) continue;
+      for (const at::Tensor& scale : {kv_scales[3 * i], kv_scales[3 * i + 1]}) {  // (num_blocks, KVH, block_size)
+        if (scale.scalar_type() != at::kBFloat16 || !scale.is_contiguous() || scale.dim() != 3 ||
+            scale.size(0) != k.size(0) || scale.size(1) != k.size(2) || scale.size(2) != k.size(1)) {
+          return false;
+        }
+      }
+      const at::Tensor& offset = kv_scales[3 * i + 2];  // (KVH, d)
+      if (offset.scalar_type() != at::kFloat || !offset.is_contiguous() || offset.numel() != L.num_kv_heads * d) {
         return false;
       }
     }

@@ -1,12 +1,12 @@
 // A one-rank Llama decode step in one OpenMP parallel region, for float32, int8 and int4 (tile layout) stacks on a
-// float32 cache.
+// float32 or 8-bit (int8, fp8) KV cache.
 //
 // Why: DecodeLayers' op path (cpu_decode_block.cpp) runs a layer as ten ops, each through the dispatcher,
 // each allocating its output, the projections and the attention each forking and joining the OpenMP team.
 // On the 95M benchmark model in int4 (30 layers, batch 1, 2 threads) the projections proper took about
 // 0.72 ms of a 1.45 ms stack: the second thread spun 44 % of the step (perf) while the first ran that
 // glue alone. Here the team is formed once a step and keeps every phase split between its threads, with
-// a barrier where a phase needs another's output (five a layer), so the glue either runs on every thread
+// a barrier where a phase needs another's output (six a layer), so the glue either runs on every thread
 // at once (the norms, x's planes: cheap, and redundant copies need no barrier) or is gone (dispatch, fork,
 // join, allocation).
 //
@@ -16,7 +16,8 @@
 //      key and value rows into the cache, then paged attention over its context                       | barrier
 //   3. [the heads' planes];                            o = heads W_o^T [+ b_o]                           | barrier
 //   4. h2 = h + o, x2 = rms_norm(h2) [its planes];     gate_up = x2 W_gu^T                               | barrier
-//   5. act = silu(gate) * up [its planes];             m = act W_down^T [+ b_down]                       | barrier
+//   5. act = silu(gate) * up [columns split]                                                          | barrier
+//      [act's planes];                                 m = act W_down^T [+ b_down]                       | barrier
 //   6. h = h2 + m.
 // Every value is made by the same function as on the op path (row_math.h; cpu_linear_int4_tiles.cpp's run_rows
 // and cpu_linear.cpp's streamed GEMV, whose every output is one dot product in a fixed order; cpu_attention.cpp's
@@ -30,9 +31,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_linear.h"
+#include "kv_codes.h"
+#include "kv_store.h"
 #include "cpu_linear_int4.h"
 #include "decode_region.h"
 #include "paged_attention.h"
@@ -83,9 +87,9 @@ struct XPlanes {
   }
 };
 
-// One thread's copies: the residual stream, the normed rows, the MLP's activations, x's planes.
+// One thread's copies: the residual stream, the normed rows, x's planes.
 struct Local {
-  std::vector<float> h, h2, x, act;
+  std::vector<float> h, h2, x;
   XPlanes planes;
 };
 
@@ -102,6 +106,56 @@ void project_share(const RegionWeight& w, const float* x, int64_t T, XPlanes& pl
     streamed_gemv_rows(x, T, w.K, w.N, int8 ? nullptr : static_cast<const float*>(w.weight),
                        int8 ? static_cast<const int8_t*>(w.weight) : nullptr, w.scale, w.bias, y, n0, n1);
   }
+}
+
+// Items [b, e) of phase 2 (sequence item / KVH, KV head item % KVH) for layer li: each row of the sequence gets
+// [QK-norm and] RoPE on the KV head's query heads and key head, in place in qkv, as rotary_and_cache does them;
+// the key and value rows go into the cache (float32: copied; 8-bit: kv_store.h's codes and scales, the key less
+// its offset); then the paged attention of the items writes their heads' rows of `heads`. Stored: the cache's
+// element type as written (c10's for e4m3), Read: as the attention kernel reads it (kv_codes.h).
+template <typename Stored, typename Read>
+void rope_cache_attend(const RegionLayer& L, const RegionStep& step, size_t li, float* qkv, float* heads, int64_t b,
+                       int64_t e) {
+  const int64_t d = step.d, KVH = L.num_kv_heads, H = L.num_heads, groups = H / KVH, width = L.qkv.N;
+  const int64_t bs = step.block_size;
+  auto* kc = static_cast<Stored*>(step.k_caches[li]);
+  auto* vc = static_cast<Stored*>(step.v_caches[li]);
+  constexpr bool codes = !std::is_same_v<Stored, float>;
+  auto* ks = static_cast<c10::BFloat16*>(codes ? step.k_scales[li] : nullptr);
+  auto* vs = static_cast<c10::BFloat16*>(codes ? step.v_scales[li] : nullptr);
+  const float* ko = codes ? step.k_offsets[li] : nullptr;
+  for (int64_t item = b; item < e; ++item) {
+    const int64_t s = item / KVH, j = item % KVH;
+    for (int64_t r = step.query_start_loc[s]; r < step.query_start_loc[s + 1]; ++r) {
+      float* row = qkv + r * width;
+      const float* c = step.cos + r * d;
+      const float* sn = step.sin + r * d;
+      for (int64_t g = 0; g < groups; ++g) {
+        float* q = row + (j * groups + g) * d;
+        if (L.q_norm) rms_norm_row(q, L.q_norm, L.qk_norm_eps, d, q);  // in place, as the op
+        rotate_half_head(q, c, sn, d);
+      }
+      float* key = row + (H + j) * d;
+      const float* value = row + (H + KVH + j) * d;
+      if (L.k_norm) rms_norm_row(key, L.k_norm, L.qk_norm_eps, d, key);
+      rotate_half_head(key, c, sn, d);
+      const int64_t slot = step.slot_mapping[r], at = (slot * KVH + j) * d;
+      if constexpr (codes) {
+        // The position's scale of head j in its block's (KVH, block_size) scales.
+        const int64_t scale_at = (slot / bs * KVH + j) * bs + slot % bs;
+        store_row(kc + at, ks + scale_at, key, ko + j * d, d);
+        store_row(vc + at, vs + scale_at, value, nullptr, d);
+      } else {
+        std::memcpy(kc + at, key, static_cast<size_t>(d) * sizeof(float));
+        std::memcpy(vc + at, value, static_cast<size_t>(d) * sizeof(float));
+      }
+    }
+  }
+  const PagedCall<Read> call{qkv, width, d, reinterpret_cast<const Read*>(kc), reinterpret_cast<const Read*>(vc), bs,
+                             KVH, H, d, step.block_tables, step.max_blocks, step.query_start_loc, step.context_lens,
+                             step.S, L.scale, reinterpret_cast<const uint16_t*>(ks),
+                             reinterpret_cast<const uint16_t*>(vs), ko, L.sliding_window, 0.0f, nullptr, heads};
+  paged_attention_items(call, b, e);
 }
 
 bool takes(const RegionWeight& w, int64_t T) {
@@ -139,8 +193,7 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
   }
   std::vector<float> qkv(static_cast<size_t>(T * qkv_width)), heads(static_cast<size_t>(T * heads_width)),
       o(static_cast<size_t>(T * hidden)), gate_up(static_cast<size_t>(T * gu_width)),
-      m(static_cast<size_t>(T * hidden));
-  const int64_t row_bytes = KVH * d * static_cast<int64_t>(sizeof(float));
+      act(static_cast<size_t>(T * gu_width / 2)), m(static_cast<size_t>(T * hidden));
   region_steps.fetch_add(1, std::memory_order_relaxed);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -161,31 +214,17 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
       // 2. RoPE, the cache write and attention, per (sequence, KV head)
       {
         const auto [b, e] = share(step.S * KVH, tid, team);
-        float* kc = step.k_caches[li];
-        float* vc = step.v_caches[li];
-        for (int64_t item = b; item < e; ++item) {
-          const int64_t s = item / KVH, j = item % KVH;
-          for (int64_t r = step.query_start_loc[s]; r < step.query_start_loc[s + 1]; ++r) {
-            float* row = qkv.data() + r * width;
-            const float* c = step.cos + r * d;
-            const float* sn = step.sin + r * d;
-            for (int64_t g = 0; g < groups; ++g) {
-              float* q = row + (j * groups + g) * d;
-              if (L.q_norm) rms_norm_row(q, L.q_norm, L.qk_norm_eps, d, q);  // in place, as the op
-              rotate_half_head(q, c, sn, d);
-            }
-            float* key = row + (H + j) * d;
-            if (L.k_norm) rms_norm_row(key, L.k_norm, L.qk_norm_eps, d, key);
-            rotate_half_head(key, c, sn, d);
-            const int64_t at = step.slot_mapping[r] * row_bytes / static_cast<int64_t>(sizeof(float)) + j * d;
-            std::memcpy(kc + at, key, static_cast<size_t>(d) * sizeof(float));
-            std::memcpy(vc + at, row + (H + KVH + j) * d, static_cast<size_t>(d) * sizeof(float));
-          }
+        switch (step.cache) {
+          case RegionStep::kFloat32:
+            rope_cache_attend<float, float>(L, step, li, qkv.data(), heads.data(), b, e);
+            break;
+          case RegionStep::kInt8:
+            rope_cache_attend<int8_t, int8_t>(L, step, li, qkv.data(), heads.data(), b, e);
+            break;
+          case RegionStep::kFp8:
+            rope_cache_attend<c10::Float8_e4m3fn, Fp8E4M3>(L, step, li, qkv.data(), heads.data(), b, e);
+            break;
         }
-        const PagedCall<float> call{qkv.data(), width, d, kc, vc, step.block_size, KVH, H, d, step.block_tables,
-                                    step.max_blocks, step.query_start_loc, step.context_lens, step.S, L.scale,
-                                    nullptr, nullptr, nullptr, L.sliding_window, 0.0f, nullptr, heads.data()};
-        paged_attention_items(call, b, e);
       }
 #pragma omp barrier
       // 3. o = heads W_o^T [+ b_o]
@@ -199,14 +238,19 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
       }
       project_share(L.gate_up, local.x.data(), T, local.planes, tid, team, gate_up.data());
 #pragma omp barrier
-      // 5. m = (silu(gate) * up) W_down^T [+ b_down]
-      const int64_t inter = L.gate_up.N / 2;
-      local.act.resize(static_cast<size_t>(T * inter));
-      for (int64_t t = 0; t < T; ++t) {
-        const float* g = gate_up.data() + t * L.gate_up.N;
-        silu_mul_row(g, g + inter, inter, local.act.data() + t * inter);
+      // 5. act = silu(gate) * up, split by columns, 16 at a time (its exponentials are the MLP's costliest
+      // elementwise work: 10 us a layer at 8 rows of 1,536 on one thread), then m = act W_down^T [+ b_down]
+      {
+        const int64_t inter = L.gate_up.N / 2;
+        const auto [b0, b1] = share((inter + 15) / 16, tid, team);
+        const int64_t c0 = 16 * b0, c1 = std::min(inter, 16 * b1);
+        for (int64_t t = 0; c0 < c1 && t < T; ++t) {  // the vector loop's grouping, and a row's tail as a whole row's
+          const float* g = gate_up.data() + t * L.gate_up.N;
+          silu_mul_row(g + c0, g + inter + c0, c1 - c0, act.data() + t * inter + c0);
+        }
       }
-      project_share(L.down, local.act.data(), T, local.planes, tid, team, m.data());
+#pragma omp barrier
+      project_share(L.down, act.data(), T, local.planes, tid, team, m.data());
 #pragma omp barrier
       // 6. h = h2 + m (m is rewritten only after the next layer's first barrier)
       for (int64_t t = 0; t < T; ++t) {

@@ -1,5 +1,5 @@
 // A one-rank Llama decode step in one OpenMP parallel region (cpu_decode_region.cpp), for stacks whose
-// projections are float32, int8 or int4 in the tile layout and whose KV cache is float32. DecodeLayers
+// projections are float32, int8 or int4 in the tile layout, on a float32 or 8-bit KV cache. DecodeLayers
 // (cpu_decode_block.cpp) gathers the pointers once a layer and calls decode_region where a step qualifies.
 #pragma once
 
@@ -39,15 +39,19 @@ struct RegionLayer {
   int64_t sliding_window;   // 0: none
 };
 
-// One step: T decode rows (query rows of S sequences, query_start_loc (S + 1,)), float32 caches
-// (num_blocks, block_size, KVH, d) per layer.
+// One step: T decode rows (query rows of S sequences, query_start_loc (S + 1,)), caches (num_blocks, block_size,
+// KVH, d) per layer: float32, or 8-bit codes with their bfloat16 scale pools (num_blocks, KVH, block_size) and
+// float32 key offset (KVH, d) (worker/kv_quant.py).
 struct RegionStep {
+  enum CacheKind { kFloat32, kInt8, kFp8 } cache;
   const float* h;  // (T, hidden) in
   float* out;      // (T, hidden) out
   int64_t T, hidden, d;
   const float* cos;  // (T, d)
   const float* sin;
-  std::vector<float*> k_caches, v_caches;
+  std::vector<void*> k_caches, v_caches;
+  std::vector<void*> k_scales, v_scales;     // 8-bit: per layer
+  std::vector<const float*> k_offsets;       // 8-bit: per layer
   int64_t block_size;
   const int64_t* slot_mapping;  // (T,)
   const int64_t* block_tables;  // (S, max_blocks)
