@@ -30,6 +30,7 @@ from tests.e2e.stories import (
     greedy,
     wait_all_blocks_free,
 )
+from tests.e2e.cluster import serve
 from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -222,3 +223,13 @@ def test_cli_generate_json_prints_the_golden(cluster) -> None:
          "--min-tokens", "5", "Hi"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("INVALID_ARGUMENT: ") and "min_tokens" in bad.stderr
+
+
+def test_goldens_with_two_threads_a_rank() -> None:
+    """tp 1 with the rank on two threads (the other tests' ranks take one): each decode step runs in the parallel
+    region with its work split between them (worker/kernels/cpu_decode_region.cpp), and every golden still comes
+    out token for token, alone and 16 at once."""
+    with serve(STORIES_DIR, 1, "--no-async-scheduling", omp_threads=2) as cluster:
+        for golden in load_goldens():
+            assert_matches_golden(greedy(cluster.client, golden), golden)
+        assert_goldens_sixteen_at_once(cluster.client)
