@@ -204,6 +204,40 @@ def _assert_same_caches(a: _Steps, b: _Steps) -> None:
             assert torch.equal(x, y)
 
 
+def _cpu_has_vnni() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return " avx512_vnni" in flags
+
+
+@pytest.mark.skipif(not (cpu_kernels_available() and _cpu_has_vnni()),
+                    reason="the row-major int4 layout's region path is linear_int4's AVX512-VNNI path")
+def test_the_decode_region_on_the_row_major_int4_layout(tmp_path: Path) -> None:
+    """int4 in the row-major layout and linear_int4 without its AMX paths (``use_int4_tiles(False)``,
+    ``use_amx_int4(False)``: what a CPU with AVX512-VNNI but no AMX-INT8 runs), two threads: the steps of up to 4
+    rows take the region through linear_int4's VNNI path (18 of the scenario's 19 decode steps; the one of 6 rows,
+    the ops), and the hidden states, tokens and caches equal the module path's."""
+    checkpoint = save_tiny_model(INT4_TILES, tmp_path / INT4_TILES.name)
+    ops = torch.ops.tpserve_cpu
+    ops.use_int4_tiles(False)
+    ops.use_amx_int4(False)
+    try:
+        with _threads(2):
+            blocked = _Steps(checkpoint, "int4", decode_block=True)
+            modules = _Steps(checkpoint, "int4", decode_block=False)
+            assert all(p.dim() == 3 for name, p in blocked.runner.model.named_parameters()
+                       if name.endswith("weight_scale"))
+            before = ops.decode_region_steps()
+            tokens = _run(blocked)
+            assert ops.decode_region_steps() - before == 18
+            assert _run(modules) == tokens
+    finally:
+        ops.use_int4_tiles(True)
+        ops.use_amx_int4(True)
+    for step, (a, b) in enumerate(zip(blocked.hidden, modules.hidden, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
+    _assert_same_caches(blocked, modules)
+
+
 def test_moe_layers_keep_the_module_path(tmp_path: Path) -> None:
     """A mixture-of-experts MLP is not the decode block's: Qwen3-MoE's sparse layer keeps the modules, its
     dense layer (``mlp_only_layers``) takes the block, and no stack covers a model that mixes them."""

@@ -18,9 +18,9 @@
 // arguments (weights, sizes), given once, and takes only the step's (h, RoPE, caches, slots, block
 // tables) per call.
 //
-// Where every layer's projections are float32, int8 (up to 8 rows of x) or int4 in the tile layout and the cache
-// is float32, DecodeLayers runs the step in one OpenMP parallel region instead (cpu_decode_region.cpp): the same
-// functions, so the same bits, without the dispatch, allocation and fork/join between the ops.
+// Where every layer's projections are float32, int8 (up to 8 rows of x) or int4 (tiles; row-major up to 4 rows),
+// DecodeLayers runs the step in one OpenMP parallel region instead (cpu_decode_region.cpp): the same functions,
+// so the same bits, without the dispatch, allocation and fork/join between the ops.
 //
 // With LoRA adapter slots (--enable-lora) each projection adds its adapters' low-rank sums for the
 // step's adapter rows (lora_add_, cpu_lora.cpp) right after its GEMM, where the module path's
@@ -354,11 +354,13 @@ class DecodeLayers : public torch::CustomClassHolder {
     return h;
   }
 
-  // The layer in the region's terms (decode_region.h) where every projection is float32, int8 or int4 in the tile
-  // layout and its tensors are contiguous float32; else region_ok_ turns false for the stack.
+  // The layer in the region's terms (decode_region.h) where every projection is float32, int8 or int4 and its
+  // tensors are contiguous float32; else region_ok_ turns false for the stack.
   void add_region_layer(const LayerArgs& L) {
     using tpserve::RegionWeight;
-    auto weight = [](const at::Tensor& w, const OptTensor& scale, const OptTensor& bias) -> std::optional<RegionWeight> {
+    // K: the projection's input width (x's columns), which tells int4's codes (K / 2 a row) from grouped 8-bit's.
+    auto weight = [](const at::Tensor& w, const OptTensor& scale, const OptTensor& bias,
+                     int64_t K) -> std::optional<RegionWeight> {
       if (w.dim() != 2 || !w.is_contiguous() || (scale.has_value() && (scale->scalar_type() != at::kFloat ||
                                                                        !scale->is_contiguous()))) {
         return std::nullopt;
@@ -375,19 +377,26 @@ class DecodeLayers : public torch::CustomClassHolder {
       if (w.scalar_type() == at::kChar && scale.has_value() && scale->numel() == N) {  // linear_int8
         return RegionWeight{RegionWeight::kInt8, w.data_ptr<int8_t>(), scale->data_ptr<float>(), b, N, w.size(1), 0};
       }
-      const int64_t K = w.size(1) * 2;  // linear_int4 over the tile layout
-      if (w.scalar_type() == at::kByte && scale.has_value() && scale->dim() == 4 && scale->size(0) * 16 == N &&
-          scale->size(1) >= 1 && K % scale->size(1) == 0) {
-        return RegionWeight{RegionWeight::kInt4Tiles, w.data_ptr<uint8_t>(), scale->data_ptr<float>(), b, N, K,
-                            K / scale->size(1)};
+      if (w.scalar_type() != at::kByte || !scale.has_value() || w.size(1) * 2 != K || scale->dim() < 3 ||
+          scale->size(1) < 1 || K % scale->size(1) != 0) {
+        return std::nullopt;  // fp8, grouped 8-bit (a byte a code): their ops
       }
-      return std::nullopt;  // fp8, grouped 8-bit, row-major int4: their ops
+      const int64_t G = K / scale->size(1);
+      if (scale->dim() == 4 && scale->size(0) * 16 == N) {  // linear_int4 over the tile layout
+        return RegionWeight{RegionWeight::kInt4Tiles, w.data_ptr<uint8_t>(), scale->data_ptr<float>(), b, N, K, G};
+      }
+      if (scale->dim() == 3 && scale->size(0) == N && scale->size(2) == 2) {  // the row-major layout
+        return RegionWeight{RegionWeight::kInt4Rows, w.data_ptr<uint8_t>(), scale->data_ptr<float>(), b, N, K, G};
+      }
+      return std::nullopt;
     };
     auto floats = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous(); };
-    const auto qkv = weight(L.qkv_weight, L.qkv_scale, L.qkv_bias), o = weight(L.o_weight, L.o_scale, L.o_bias);
-    const auto gate_up = weight(L.gate_up_weight, L.gate_up_scale, L.gate_up_bias);
-    const auto down = weight(L.down_weight, L.down_scale, L.down_bias);
     const int64_t hidden = L.norm1_weight.numel(), heads = L.num_heads + 2 * L.num_kv_heads;
+    const int64_t head_dim = L.qkv_weight.size(0) / heads;
+    const auto qkv = weight(L.qkv_weight, L.qkv_scale, L.qkv_bias, hidden);
+    const auto o = weight(L.o_weight, L.o_scale, L.o_bias, L.num_heads * head_dim);
+    const auto gate_up = weight(L.gate_up_weight, L.gate_up_scale, L.gate_up_bias, hidden);
+    const auto down = weight(L.down_weight, L.down_scale, L.down_bias, L.gate_up_weight.size(0) / 2);
     const int64_t d = qkv ? qkv->N / heads : 0;
     const bool qk_norm = L.q_norm_weight.has_value();
     if (qk_norm && !(L.k_norm_weight.has_value() && floats(*L.q_norm_weight) && floats(*L.k_norm_weight) &&

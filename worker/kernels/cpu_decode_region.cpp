@@ -87,20 +87,32 @@ struct XPlanes {
   }
 };
 
+// x (T <= 4, K) cut for the row-major int4 layout's VNNI path (cpu_linear_int4.h), in one thread's buffers.
+struct VnniPlanes {
+  std::vector<int8_t> planes;
+  std::vector<float> units, xsum;
+};
+
 // One thread's copies: the residual stream, the normed rows, x's planes.
 struct Local {
   std::vector<float> h, h2, x;
   XPlanes planes;
+  VnniPlanes vnni;
 };
 
 // y (T, N) = x (T, K) @ W^T [+ bias]: this thread's share of W's rows, 16 at a time (the int4 tiles' blocks), for
 // every row of x. int4: x's planes are cut here, by each thread for itself (cheaper than a barrier).
-void project_share(const RegionWeight& w, const float* x, int64_t T, XPlanes& planes, int tid, int team, float* y) {
+void project_share(const RegionWeight& w, const float* x, int64_t T, Local& local, int tid, int team, float* y) {
   const auto [b0, b1] = share((w.N + 15) / 16, tid, team);
   const int64_t n0 = 16 * b0, n1 = std::min(w.N, 16 * b1);
   if (w.kind == RegionWeight::kInt4Tiles) {
-    planes.prepare(x, T, w.K, w.G);
-    planes.project(w, T, b0, b1, y);
+    local.planes.prepare(x, T, w.K, w.G);
+    local.planes.project(w, T, b0, b1, y);
+  } else if (w.kind == RegionWeight::kInt4Rows) {
+    VnniPlanes& v = local.vnni;
+    tpserve_int4::vnni_prepare(x, T, w.K, w.G, v.planes, v.units, v.xsum);
+    tpserve_int4::vnni_rows(T, n0, n1, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale, v.planes.data(),
+                            v.units.data(), v.xsum.data(), w.bias, y);
   } else {
     const bool int8 = w.kind == RegionWeight::kInt8;
     streamed_gemv_rows(x, T, w.K, w.N, int8 ? nullptr : static_cast<const float*>(w.weight),
@@ -159,7 +171,11 @@ void rope_cache_attend(const RegionLayer& L, const RegionStep& step, size_t li, 
 }
 
 bool takes(const RegionWeight& w, int64_t T) {
-  return w.kind == RegionWeight::kInt4Tiles || streamed_gemv_takes(T);
+  switch (w.kind) {
+    case RegionWeight::kInt4Tiles: return true;
+    case RegionWeight::kInt4Rows: return tpserve_int4::vnni_rows_take(T, w.K, w.N, w.G);
+    default: return streamed_gemv_takes(T);
+  }
 }
 
 }  // namespace
@@ -209,7 +225,7 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
       for (int64_t t = 0; t < T; ++t) {
         rms_norm_row(local.h.data() + t * hidden, L.norm1, L.eps1, hidden, local.x.data() + t * hidden);
       }
-      project_share(L.qkv, local.x.data(), T, local.planes, tid, team, qkv.data());
+      project_share(L.qkv, local.x.data(), T, local, tid, team, qkv.data());
 #pragma omp barrier
       // 2. RoPE, the cache write and attention, per (sequence, KV head)
       {
@@ -228,7 +244,7 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
       }
 #pragma omp barrier
       // 3. o = heads W_o^T [+ b_o]
-      project_share(L.o, heads.data(), T, local.planes, tid, team, o.data());
+      project_share(L.o, heads.data(), T, local, tid, team, o.data());
 #pragma omp barrier
       // 4. gate_up = rms_norm(h + o) W_gu^T
       for (int64_t t = 0; t < T; ++t) {
@@ -236,7 +252,7 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
         add_row(local.h.data() + t * hidden, o.data() + t * hidden, hidden, h2);
         rms_norm_row(h2, L.norm2, L.eps2, hidden, local.x.data() + t * hidden);
       }
-      project_share(L.gate_up, local.x.data(), T, local.planes, tid, team, gate_up.data());
+      project_share(L.gate_up, local.x.data(), T, local, tid, team, gate_up.data());
 #pragma omp barrier
       // 5. act = silu(gate) * up, split by columns, 16 at a time (its exponentials are the MLP's costliest
       // elementwise work: 10 us a layer at 8 rows of 1,536 on one thread), then m = act W_down^T [+ b_down]
@@ -250,7 +266,7 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
         }
       }
 #pragma omp barrier
-      project_share(L.down, act.data(), T, local.planes, tid, team, m.data());
+      project_share(L.down, act.data(), T, local, tid, team, m.data());
 #pragma omp barrier
       // 6. h = h2 + m (m is rewritten only after the next layer's first barrier)
       for (int64_t t = 0; t < T; ++t) {

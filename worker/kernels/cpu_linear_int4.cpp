@@ -215,6 +215,35 @@ bool use_amx_int4(bool enabled) {
   return enabled && tpserve_int4_amx::amx_available();
 }
 
+bool vnni_rows_take(int64_t M, int64_t K, int64_t N, int64_t G) {
+  // linear_int4's choice at M rows of x over the row-major layout: not AMX (from 2 rows), the VNNI path.
+  const bool amx = M >= 2 && allow_amx.load(std::memory_order_relaxed) && use_wide() && N % 16 == 0 &&
+                   G % kChunk == 0 && tpserve_int4_amx::amx_available();
+  return !amx && M >= 1 && M <= kMaxRowsVnni && use_wide() && allow_vnni.load(std::memory_order_relaxed) &&
+         cpu_has_vnni() && G % kChunk == 0 && K % kChunk == 0;
+}
+
+void vnni_prepare(const float* x, int64_t M, int64_t K, int64_t G, std::vector<int8_t>& planes,
+                  std::vector<float>& units, std::vector<float>& xsum) {
+  xsum.resize(static_cast<size_t>(M * (K / G)));
+  group_sums512(x, M, K, G, xsum.data());
+  make_planes(x, M, K, planes, units);
+}
+
+void vnni_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+               const float* scale_offset, const int8_t* planes, const float* units, const float* xsum,
+               const float* bias, float* y) {
+  if (n0 >= n1) return;
+  const Args a{K, N, G, K / G, nullptr, xsum, qweight, scale_offset, bias, y};
+  const Planes pl{planes, units};
+  switch (M) {
+    case 1: run_vnni<1>(n0, n1, a, pl); break;
+    case 2: run_vnni<2>(n0, n1, a, pl); break;
+    case 3: run_vnni<3>(n0, n1, a, pl); break;
+    default: run_vnni<4>(n0, n1, a, pl); break;
+  }
+}
+
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_offset,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace tpserve_int4 {
 
@@ -14,6 +15,18 @@ void check(const at::Tensor& qweight, const at::Tensor& scale_offset, int64_t K)
 
 // W as float32 (N, K): w = s * q + o.
 at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scale_offset);
+
+// linear_int4's AVX512-VNNI path over the row-major layout, for a caller that splits W's rows among its own
+// threads (cpu_decode_region.cpp): vnni_rows_take says whether linear_int4 takes it for M rows of x (M <= 4, no
+// AMX path, groups of a multiple of 128); vnni_prepare cuts x (M, K) into its planes, units and group sums;
+// vnni_rows then writes y's columns [n0, n1) of the M rows (row stride N). Each of y's values is one row's
+// sums in a fixed order, so any split gives linear_int4's bits.
+bool vnni_rows_take(int64_t M, int64_t K, int64_t N, int64_t G);
+void vnni_prepare(const float* x, int64_t M, int64_t K, int64_t G, std::vector<int8_t>& planes,
+                  std::vector<float>& units, std::vector<float>& xsum);
+void vnni_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+               const float* scale_offset, const int8_t* planes, const float* units, const float* xsum,
+               const float* bias, float* y);
 
 }  // namespace tpserve_int4
 
