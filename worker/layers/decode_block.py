@@ -6,10 +6,11 @@ compiled paged kernel, a layer runs as ``torch.ops.tpserve_cpu.attention_block``
 ``mlp_block`` (residual add and norm, gate/up projection, SiLU-and-mul, down
 projection), with the tensor-parallel all-reduces between them
 (:func:`decode_block_forward`); on one rank, :class:`DecodeStack` runs every layer,
-both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.cpp). Where every projection is float32, int8 or int4 (and the step few
-enough rows for their kernels' decode paths), that call runs the whole step in one OpenMP parallel region instead
-of the ops
-(worker/kernels/cpu_decode_region.cpp: no dispatch, allocation or fork and join between them; the same bits).
+both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.cpp). Where every
+projection is float32, int8 or int4 (and the step few enough rows for their kernels' decode paths),
+that call runs the whole step in one OpenMP parallel region instead of the ops
+(worker/kernels/cpu_decode_region.cpp: no dispatch, allocation or fork and join between them; the
+same bits).
 They run the very kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
 submodules) calls, in the same order, so the hidden states are bit-identical to it;
 what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
