@@ -400,6 +400,22 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   }
 }
 
+// The streamed GEMV for R = M rows of x, W's rows [n0, n1).
+template <typename T>
+void seq512_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t N, const float* x, const float* scale,
+                 const float* bias, float* y, const T* w) {
+  switch (M) {
+    case 1: run_seq512<1>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 2: run_seq512<2>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 3: run_seq512<3>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 4: run_seq512<4>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 5: run_seq512<5>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 6: run_seq512<6>(n0, n1, K, N, x, scale, bias, y, w); break;
+    case 7: run_seq512<7>(n0, n1, K, N, x, scale, bias, y, w); break;
+    default: run_seq512<8>(n0, n1, K, N, x, scale, bias, y, w); break;
+  }
+}
+
 // Rows of x per block for a prefill-sized product (see linear): 96 rows of K = 1536 are 576 KB.
 constexpr int64_t kMBlock = 96;
 
@@ -426,16 +442,7 @@ at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10:
   at::parallel_for(0, (N + kRows - 1) / kRows, grain_tiles(N), [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kRows, n1 = std::min(N, t1 * kRows);
     if (seq && avx512) {
-      switch (M) {
-        case 1: run_seq512<1>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-        case 2: run_seq512<2>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-        case 3: run_seq512<3>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-        case 4: run_seq512<4>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-        case 5: run_seq512<5>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-        case 6: run_seq512<6>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-        case 7: run_seq512<7>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-        default: run_seq512<8>(n0, n1, K, N, xp, scale, bp, yp, streamed); break;
-      }
+      seq512_rows(M, n0, n1, K, N, xp, scale, bp, yp, streamed);
       return;
     }
     if (seq) {
@@ -479,22 +486,6 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tens
     widen_row(qp + n * K, K, buf);  // int8 row -> float32 in this thread's L1 buffer
     return static_cast<const float*>(buf);
   }, nullptr, qp);
-}
-
-// The streamed GEMV for R = M rows of x, W's rows [n0, n1).
-template <typename T>
-void seq512_rows(int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t N, const float* x, const float* scale,
-                 const float* bias, float* y, const T* w) {
-  switch (M) {
-    case 1: run_seq512<1>(n0, n1, K, N, x, scale, bias, y, w); break;
-    case 2: run_seq512<2>(n0, n1, K, N, x, scale, bias, y, w); break;
-    case 3: run_seq512<3>(n0, n1, K, N, x, scale, bias, y, w); break;
-    case 4: run_seq512<4>(n0, n1, K, N, x, scale, bias, y, w); break;
-    case 5: run_seq512<5>(n0, n1, K, N, x, scale, bias, y, w); break;
-    case 6: run_seq512<6>(n0, n1, K, N, x, scale, bias, y, w); break;
-    case 7: run_seq512<7>(n0, n1, K, N, x, scale, bias, y, w); break;
-    default: run_seq512<8>(n0, n1, K, N, x, scale, bias, y, w); break;
-  }
 }
 
 }  // namespace
