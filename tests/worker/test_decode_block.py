@@ -10,7 +10,8 @@ tokens and both KV caches at the end must be equal, not close: the two paths run
 kernels in the same order. The checkpoints cover every projection with a bias (Llama's
 o_proj and MLP biases, Qwen2's q/k/v), GQA and MQA, a head size of 32, Llama 3 RoPE,
 Phi-3's fused checkpoint, a window, Qwen3's QK-norm, weight-only int8, and a group-wise 8-bit GPTQ
-checkpoint (its layers' uint8 codes of K columns take the w8 op, not int4's).
+checkpoint (its layers' uint8 codes of K columns take the w8 op, not int4's), FP8 weights kept as e4m3, int4 in the
+tile layout, and 8-bit KV caches.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import worker.layers.decode_block as decode_block
 import worker.models.llama as llama
 from tests.tiny_models import TinyModelSpec, save_tiny_model
+from tests.worker.lowbit_checkpoints import save_fp8_block
 from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
@@ -133,7 +135,7 @@ def _run(steps: _Steps) -> list[dict[int, int]]:
     ("qwen3_qk_norm", None, "auto"), ("gqa_tied", "int8", "auto"), ("mqa_untied_bias", "int8", "auto"),
     ("gqa_tied_gptq8", None, "auto"), (INT4_TILES.name, "int4", "auto"), (QWEN2_INT4_TILES.name, "int4", "auto"),
     (MISTRAL_WINDOW_INT4_TILES.name, "int4", "auto"), ("gqa_tied", None, "int8"), ("qwen3_qk_norm", "int8", "fp8"),
-    (MISTRAL_WINDOW_INT4_TILES.name, "int4", "fp8"),
+    (MISTRAL_WINDOW_INT4_TILES.name, "int4", "fp8"), ("gqa_tied_fp8_weights", "fp8", "auto"),
 ])
 def test_decode_block_equals_the_module_path(name: str, quantization: str | None, kv_cache_dtype: str, halves: bool,
                                              tiny_checkpoints: dict[str, Path], tmp_path: Path,
@@ -152,6 +154,9 @@ def _module_path_case(name: str, quantization: str | None, kv_cache_dtype: str, 
     elif name == "gqa_tied_gptq8":  # 8-bit GPTQ with zero points, group 32: grouped bytes, the w8 op
         checkpoint = save_gptq8(tiny_checkpoints["gqa_tied"], tmp_path / "gptq8", tmp_path / "gptq8_dq", group=32,
                                 sym=False)[0]
+    elif name == "gqa_tied_fp8_weights":  # block-scaled FP8 kept as e4m3 (--quantization fp8): linear_fp8
+        checkpoint = save_fp8_block(tiny_checkpoints["gqa_tied"], tmp_path / "fp8", tmp_path / "fp8_dq",
+                                    block=(32, 64))[0]
     elif name in INT4_SPECS:
         checkpoint = save_tiny_model(INT4_SPECS[name], tmp_path / name)
     else:

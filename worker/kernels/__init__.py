@@ -33,7 +33,7 @@ The ops land in ``torch.ops.tpserve_cpu``:
   ``torch.classes.tpserve_cpu.DecodeLayers`` (one rank's whole stack): a Llama-family decode step as
   two calls a layer, or one call, of the kernels above, bit-identical to the module path
   (cpu_decode_block.cpp; worker/layers/decode_block.py); with LoRA adapter slots, each projection's
-  low-rank sum for the step's adapter rows too. A ``DecodeLayers`` step whose projections are float32, int8
+  low-rank sum for the step's adapter rows too. A ``DecodeLayers`` step whose projections are float32, int8, fp8
   (up to 8 rows, AVX-512) or int4 (tiles; row-major up to 4 rows, AVX512-VNNI), on a float32 or 8-bit cache
   without adapter rows, runs in one OpenMP parallel region, bit-identical to the ops (cpu_decode_region.cpp); ``use_decode_region(enabled) -> bool``
   switches it (tests, A/B runs), ``decode_region_steps() -> int`` counts the steps it ran

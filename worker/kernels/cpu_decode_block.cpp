@@ -18,7 +18,7 @@
 // arguments (weights, sizes), given once, and takes only the step's (h, RoPE, caches, slots, block
 // tables) per call.
 //
-// Where every layer's projections are float32, int8 (up to 8 rows of x) or int4 (tiles; row-major up to 4 rows),
+// Where every layer's projections are float32, int8, fp8 (up to 8 rows of x) or int4 (tiles; row-major up to 4 rows),
 // DecodeLayers runs the step in one OpenMP parallel region instead (cpu_decode_region.cpp): the same functions,
 // so the same bits, without the dispatch, allocation and fork/join between the ops.
 //
@@ -354,7 +354,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     return h;
   }
 
-  // The layer in the region's terms (decode_region.h) where every projection is float32, int8 or int4 and its
+  // The layer in the region's terms (decode_region.h) where every projection is float32, int8, fp8 or int4 and its
   // tensors are contiguous float32; else region_ok_ turns false for the stack.
   void add_region_layer(const LayerArgs& L) {
     using tpserve::RegionWeight;
@@ -377,9 +377,13 @@ class DecodeLayers : public torch::CustomClassHolder {
       if (w.scalar_type() == at::kChar && scale.has_value() && scale->numel() == N) {  // linear_int8
         return RegionWeight{RegionWeight::kInt8, w.data_ptr<int8_t>(), scale->data_ptr<float>(), b, N, w.size(1), 0};
       }
+      if (w.scalar_type() == at::kFloat8_e4m3fn && scale.has_value() && scale->dim() == 2 && scale->size(0) == N &&
+          w.size(1) == K && scale->size(1) >= 1 && K % scale->size(1) == 0) {  // linear_fp8
+        return RegionWeight{RegionWeight::kFp8, w.data_ptr(), scale->data_ptr<float>(), b, N, K, K / scale->size(1)};
+      }
       if (w.scalar_type() != at::kByte || !scale.has_value() || w.size(1) * 2 != K || scale->dim() < 3 ||
           scale->size(1) < 1 || K % scale->size(1) != 0) {
-        return std::nullopt;  // fp8, grouped 8-bit (a byte a code): their ops
+        return std::nullopt;  // grouped 8-bit (a byte a code): its op
       }
       const int64_t G = K / scale->size(1);
       if (scale->dim() == 4 && scale->size(0) * 16 == N) {  // linear_int4 over the tile layout

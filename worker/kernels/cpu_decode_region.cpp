@@ -1,5 +1,5 @@
-// A one-rank Llama decode step in one OpenMP parallel region, for float32, int8 and int4 (tile layout) stacks on a
-// float32 or 8-bit (int8, fp8) KV cache.
+// A one-rank Llama decode step in one OpenMP parallel region, for float32, int8, fp8 and int4 stacks on a float32 or
+// 8-bit (int8, fp8) KV cache.
 //
 // Why: DecodeLayers' op path (cpu_decode_block.cpp) runs a layer as ten ops, each through the dispatcher,
 // each allocating its output, the projections and the attention each forking and joining the OpenMP team.
@@ -113,6 +113,8 @@ void project_share(const RegionWeight& w, const float* x, int64_t T, Local& loca
     tpserve_int4::vnni_prepare(x, T, w.K, w.G, v.planes, v.units, v.xsum);
     tpserve_int4::vnni_rows(T, n0, n1, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale, v.planes.data(),
                             v.units.data(), v.xsum.data(), w.bias, y);
+  } else if (w.kind == RegionWeight::kFp8) {
+    fp8_rows(x, T, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale, w.bias, y, n0, n1);
   } else {
     const bool int8 = w.kind == RegionWeight::kInt8;
     streamed_gemv_rows(x, T, w.K, w.N, int8 ? nullptr : static_cast<const float*>(w.weight),
@@ -174,6 +176,7 @@ bool takes(const RegionWeight& w, int64_t T) {
   switch (w.kind) {
     case RegionWeight::kInt4Tiles: return true;
     case RegionWeight::kInt4Rows: return tpserve_int4::vnni_rows_take(T, w.K, w.N, w.G);
+    case RegionWeight::kFp8: return fp8_rows_take(T, w.G);
     default: return streamed_gemv_takes(T);
   }
 }

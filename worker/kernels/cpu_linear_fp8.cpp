@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_linear.h"
 #include "row_streams.h"
 
 #include <algorithm>
@@ -117,6 +118,20 @@ at::Tensor dequantize_fp8(const at::Tensor& weight, const at::Tensor& scale) {
   return weight.to(at::kFloat).view({N, groups, K / groups}).mul(scale.unsqueeze(2)).view({N, K});
 }
 
+// R rows of x (R <= kMaxRows), W's rows [n0, n1).
+void rows_pass(int64_t R, int64_t n0, int64_t n1, const Args& a) {
+  switch (R) {
+    case 1: run<1>(n0, n1, a); break;
+    case 2: run<2>(n0, n1, a); break;
+    case 3: run<3>(n0, n1, a); break;
+    case 4: run<4>(n0, n1, a); break;
+    case 5: run<5>(n0, n1, a); break;
+    case 6: run<6>(n0, n1, a); break;
+    case 7: run<7>(n0, n1, a); break;
+    default: run<8>(n0, n1, a); break;
+  }
+}
+
 at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -140,23 +155,27 @@ at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& weight, const at::T
     const Args a{K, N, G, groups, xp + m0 * K, reinterpret_cast<const int8_t*>(weight.data_ptr()),
                  scale.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                  y.data_ptr<float>() + m0 * N};
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      switch (rows) {
-        case 1: run<1>(n0, n1, a); break;
-        case 2: run<2>(n0, n1, a); break;
-        case 3: run<3>(n0, n1, a); break;
-        case 4: run<4>(n0, n1, a); break;
-        case 5: run<5>(n0, n1, a); break;
-        case 6: run<6>(n0, n1, a); break;
-        case 7: run<7>(n0, n1, a); break;
-        default: run<8>(n0, n1, a); break;
-      }
-    });
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_pass(rows, n0, n1, a); });
   }
   return y;
 }
 
 }  // namespace tpserve_fp8
+
+namespace tpserve {
+
+bool fp8_rows_take(int64_t M, int64_t G) {
+  return M >= 1 && M <= tpserve_fp8::kMaxRows && G % 16 == 0 && tpserve::cpu_has_avx512bw();
+}
+
+void fp8_rows(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* weight, const float* scale,
+              const float* bias, float* y, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  tpserve_fp8::rows_pass(M, n0, n1, tpserve_fp8::Args{K, N, G, K / G, x, reinterpret_cast<const int8_t*>(weight),
+                                                      scale, bias, y});
+}
+
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("linear_fp8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");

@@ -1,5 +1,5 @@
 // A one-rank Llama decode step in one OpenMP parallel region (cpu_decode_region.cpp), for stacks whose
-// projections are float32, int8 or int4, on a float32 or 8-bit KV cache. DecodeLayers
+// projections are float32, int8, fp8 or int4, on a float32 or 8-bit KV cache. DecodeLayers
 // (cpu_decode_block.cpp) gathers the pointers once a layer and calls decode_region where a step qualifies.
 #pragma once
 
@@ -14,13 +14,14 @@ namespace tpserve {
 //   kInt4Rows: codes (N, K / 2) uint8 in the row-major int4 layout (cpu_linear_int4.cpp), scale its scale_offset
 //     (N, K / G, 2) float32: CPUs without AMX-INT8, through linear_int4's AVX512-VNNI path (up to 4 rows of x);
 //   kInt8: codes (N, K) int8, scale (N,) float32 (cpu_linear.cpp's weight-only int8);
+//   kFp8: weight (N, K) e4m3 bytes, scale (N, K / G) float32 (cpu_linear_fp8.cpp; up to 8 rows of x);
 //   kFloat32: weight (N, K) float32, no scale.
 struct RegionWeight {
-  enum Kind { kInt4Tiles, kInt4Rows, kInt8, kFloat32 } kind;
+  enum Kind { kInt4Tiles, kInt4Rows, kInt8, kFp8, kFloat32 } kind;
   const void* weight;
   const float* scale;
   const float* bias;  // (N,) float32 or null
-  int64_t N, K, G;    // G: int4's group size
+  int64_t N, K, G;    // G: int4's and fp8's group size
 };
 
 // One decoder layer: pointers into tensors that its caller keeps alive.
@@ -64,8 +65,8 @@ struct RegionStep {
 };
 
 // Whether the region computes T rows of x with these layers exactly as their ops do: int4 tiles at any T,
-// row-major int4 where linear_int4 takes its VNNI path, float32 and int8 where the ops take the streamed GEMV
-// (tpserve::streamed_gemv_takes).
+// row-major int4 where linear_int4 takes its VNNI path, float32, int8 and fp8 where their ops take the streamed
+// GEMV in one pass (tpserve::streamed_gemv_takes, fp8_rows_take).
 bool decode_region_takes_rows(const std::vector<RegionLayer>& layers, int64_t T);
 
 // The step through every layer, with at::get_num_threads() threads: bit for bit what the op path
