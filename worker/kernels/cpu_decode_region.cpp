@@ -19,11 +19,12 @@
 //   5. act = silu(gate) * up [columns split]                                                          | barrier
 //      [act's planes];                                 m = act W_down^T [+ b_down]                       | barrier
 //   6. h = h2 + m.
-// Every value is made by the same function as on the op path (row_math.h; cpu_linear_int4_tiles.cpp's run_rows
-// and cpu_linear.cpp's streamed GEMV, whose every output is one dot product in a fixed order; cpu_attention.cpp's
-// items), each by one thread, so the hidden states and caches equal the op path's bit for bit
-// (tests/worker/test_decode_block.py). float32 and int8 projections take the region where their op takes the
-// streamed GEMV (up to 8 rows of x, AVX-512); int4 tiles at any row count, 10 rows a pass.
+// Every value is made by the same function as on the op path (row_math.h, kv_store.h; the int4 tiles' run_rows,
+// linear_int4's VNNI rows, cpu_linear.cpp's streamed GEMV and linear_fp8's pass, whose every output is one dot
+// product in a fixed order; cpu_attention.cpp's items), each by one thread, so the hidden states and caches equal
+// the op path's bit for bit (tests/worker/test_decode_block.py). float32, int8 and fp8 projections take the region
+// where their op takes its streamed path in one pass (up to 8 rows of x, AVX-512); int4 tiles at any row count,
+// 10 rows a pass; int4's row-major layout where linear_int4 takes its AVX512-VNNI path (up to 4 rows, no AMX).
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
