@@ -20,6 +20,7 @@ import torch
 
 from tests.worker.rank_processes import spawn_ranks
 from tpserve.step import PromptLogprobs, StepPlan
+from worker.kernels import cpu_kernels_available
 from worker.lora_settings import LoRASettings
 from worker.model_runner import ModelRunner
 from worker.parallel_state import ParallelContext, destroy_distributed, init_distributed
@@ -44,6 +45,8 @@ class Job:
     enable_expert_parallel: bool = False  # whole experts per rank (worker/layers/moe.py)
     triton_experts: bool = False  # the CUDA path's grouped Triton experts (off CUDA: Triton's interpreter)
     lora: LoRASettings | None = None  # --enable-lora's slots and adapters (worker/lora_adapters.py)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (worker/kv_quant.py)
+    decode_region: bool = True  # False: torch.ops.tpserve_cpu.use_decode_region(False) while the job runs
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class StepRecord:
     logits: torch.Tensor | None  # (num_samples, vocab_size) float32
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     expert_token_counts: tuple[int, ...] = ()  # (layer, expert, num_tokens) triples, MoE models
+    decode_region_steps: int = 0  # steps this rank ran in the CPU decode region (worker/kernels/cpu_decode_region.cpp)
 
 
 def execute_jobs(ctx: ParallelContext, jobs: list[Job]) -> dict[str, list[StepRecord]]:
@@ -78,16 +82,25 @@ def _execute_job(ctx: ParallelContext, job: Job) -> list[StepRecord]:
     """One job's plans through a fresh runner; each step's record."""
     job_ctx = dataclasses.replace(ctx, enable_expert_parallel=job.enable_expert_parallel)
     runner = ModelRunner(job.model_dir, job_ctx, job.dtype, job.block_size, quantization=job.quantization,
-                         lora=job.lora)
+                         lora=job.lora, kv_cache_dtype=job.kv_cache_dtype)
     runner.init_kv_cache(job.num_blocks, cuda_graph_sizes=job.cuda_graph_sizes, max_model_len=job.max_model_len,
                          capture=ctx.device.type == "cuda")
+    ops = torch.ops.tpserve_cpu if cpu_kernels_available() else None
+    if ops is not None:
+        ops.use_decode_region(job.decode_region)
     records = []
-    for plan in job.plans:
-        result = runner.execute(plan)
-        assert result.step_id == plan.step_id
-        logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
-        records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs,
-                                  result.expert_token_counts))
+    try:
+        for plan in job.plans:
+            region_steps = ops.decode_region_steps() if ops is not None else 0
+            result = runner.execute(plan)
+            assert result.step_id == plan.step_id
+            logits = None if runner.last_logits is None else runner.last_logits.cpu().clone()
+            region_steps = (ops.decode_region_steps() if ops is not None else 0) - region_steps
+            records.append(StepRecord(result.sampled_token_ids, logits, result.prompt_logprobs,
+                                      result.expert_token_counts, region_steps))
+    finally:
+        if ops is not None:
+            ops.use_decode_region(True)
     return records
 
 

@@ -167,6 +167,23 @@ class SharedMemoryComm:
         self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self._seq = 0
 
+    def compiled_group(self) -> tuple:
+        """The segment as a compiled caller takes it (``DecodeLayers.set_group``, worker/kernels/shm_collective.h):
+        ``(address, rank, num_ranks, max_bytes, spin_s, sleep_s, timeout_s, peer_pids)``. Such a caller runs
+        collectives :attr:`next_collective`, ``+ 1``, .. itself, then :meth:`skip` s them."""
+        return (self._base, self.rank, self.num_ranks, self.max_bytes, _SPIN_S, _SLEEP_S, self.timeout_s,
+                list(self.peer_pids or ()))
+
+    @property
+    def next_collective(self) -> int:
+        """The number the next collective takes (1, 2, ...: the protocol's ``seq``)."""
+        return self._seq + 1
+
+    def skip(self, n: int) -> None:
+        """Counts ``n`` collectives that a compiled caller ran itself (:meth:`compiled_group`). Every rank skips
+        the same ``n`` at the same point of its sequence, as it would have called :meth:`all_reduce` ``n`` times."""
+        self._seq += n
+
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` can go through shared memory (a CPU tensor of at most ``max_bytes``)."""
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.max_bytes

@@ -9,7 +9,8 @@
 // dispatch between them is gone. The kernels are called through the dispatcher (about a
 // microsecond each from C++), which keeps this file independent of the others' translation units.
 //
-// With tensor parallelism the all-reduces stay between the halves, in Python (worker/layers/decode_block.py):
+// With tensor parallelism the op path keeps the all-reduces between the halves, in Python
+// (worker/layers/decode_block.py):
 //   attention_block: o = o_proj(paged_attention(rope([qk_norm](qkv_proj(rms_norm(h))))))   this rank's partial o
 //   [all-reduce o; + o_proj's bias]
 //   mlp_block:       h2 = h + o;  m = down_proj(silu(gate) * up), gate|up = gate_up_proj(rms_norm(h2))
@@ -20,7 +21,9 @@
 //
 // Where every layer's projections are float32, int8, fp8 (up to 8 rows of x) or int4 (tiles; row-major up to 4 rows),
 // DecodeLayers runs the step in one OpenMP parallel region instead (cpu_decode_region.cpp): the same functions,
-// so the same bits, without the dispatch, allocation and fork/join between the ops.
+// so the same bits, without the dispatch, allocation and fork/join between the ops. On a tensor-parallel rank
+// (set_group: the host's shared-memory collectives) forward_tp does the same with the all-reduces inside the
+// region, and where the region does not take a step returns an empty tensor: Python then runs the halves.
 //
 // With LoRA adapter slots (--enable-lora) each projection adds its adapters' low-rank sums for the
 // step's adapter rows (lora_add_, cpu_lora.cpp) right after its GEMM, where the module path's
@@ -298,6 +301,41 @@ class DecodeLayers : public torch::CustomClassHolder {
                context_lens, kv_scales, std::nullopt);
   }
 
+  // Tensor parallelism on one host: the group's shared-memory segment as worker/comm/shm_allreduce.py maps it
+  // (its address in this process, this rank, the ranks, bytes per slot, its spin, sleep and timeout seconds,
+  // each rank's pid or none), given once; forward_tp then runs a step with the group.
+  void set_group(int64_t base, int64_t rank, int64_t world, int64_t max_bytes, double spin_s, double sleep_s,
+                 double timeout_s, std::vector<int64_t> peer_pids) {
+    TORCH_CHECK(world >= 2 && 0 <= rank && rank < world && max_bytes > 0 &&
+                    (peer_pids.empty() || static_cast<int64_t>(peer_pids.size()) == world),
+                "tpserve DecodeLayers.set_group: rank ", rank, " of ", world, ", ", peer_pids.size(), " pids");
+    group_ = tpserve::ShmGroup{base, rank, world, max_bytes, spin_s, sleep_s, timeout_s, std::move(peer_pids)};
+  }
+
+  // forward on a tensor-parallel rank (set_group): every layer in the parallel region, each half's partial
+  // product summed over the ranks by collectives first_seq, first_seq + 1, .. (two a layer); h (T, hidden) ->
+  // (T, hidden). Where the region does not take the step (its rows, formats or tensors), an empty tensor and no
+  // collective: the caller runs the layers' halves instead. Raises the collective's error (a peer exited, the
+  // timeout passed) as a RuntimeError.
+  at::Tensor forward_tp(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
+                        std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                        const at::Tensor& context_lens, std::vector<at::Tensor> kv_scales, int64_t first_seq) {
+    TORCH_CHECK(group_.has_value(), "tpserve DecodeLayers.forward_tp: set_group first");
+    check_sizes(k_caches, v_caches, kv_scales);
+    if (h.dim() != 2 || h.numel() * static_cast<int64_t>(sizeof(float)) > group_->max_bytes ||
+        !region_takes(h, cos, sin, k_caches, v_caches, kv_scales, slot_mapping, block_tables, query_start_loc,
+                      context_lens)) {
+      return at::empty({0}, h.options());
+    }
+    return run_region(h, cos, sin, k_caches, v_caches, slot_mapping, block_tables, query_start_loc, context_lens,
+                      kv_scales, &*group_, first_seq);
+  }
+
+  // Whether the stack's layers could run in the region at all (their formats and shapes): false keeps every
+  // step on the ops, which a tensor-parallel rank then runs as halves around its all-reduces.
+  bool region_ready() const { return region_ok_ && region_.size() == layers_.size() && !layers_.empty(); }
+
   // forward for a step with adapter rows: row_slots (T,) int64, each row's slot index (-1: the base model).
   at::Tensor forward_lora(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
                           std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping,
@@ -316,33 +354,11 @@ class DecodeLayers : public torch::CustomClassHolder {
                  std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                  const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                  const std::vector<at::Tensor>& kv_scales, const OptTensor& row_slots) {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size() &&
-                    (kv_scales.empty() || kv_scales.size() == 3 * layers_.size()),
-                "tpserve DecodeLayers: ", layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(),
-                " value caches, ", kv_scales.size(), " scale tensors");
+    check_sizes(k_caches, v_caches, kv_scales);
     if (!row_slots.has_value() && region_takes(h, cos, sin, k_caches, v_caches, kv_scales, slot_mapping, block_tables,
                                                query_start_loc, context_lens)) {
-      at::Tensor out = at::empty_like(h);
-      const at::ScalarType cache_type = k_caches[0].scalar_type();
-      const auto kind = cache_type == at::kFloat  ? tpserve::RegionStep::kFloat32
-                        : cache_type == at::kChar ? tpserve::RegionStep::kInt8
-                                                  : tpserve::RegionStep::kFp8;
-      tpserve::RegionStep step{kind, h.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1),
-                               k_caches[0].size(3), cos.data_ptr<float>(), sin.data_ptr<float>(), {}, {}, {}, {}, {},
-                               k_caches[0].size(1), slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
-                               block_tables.size(1), query_start_loc.data_ptr<int64_t>(),
-                               context_lens.data_ptr<int64_t>(), context_lens.numel()};
-      for (size_t i = 0; i < layers_.size(); ++i) {
-        step.k_caches.push_back(k_caches[i].data_ptr());
-        step.v_caches.push_back(v_caches[i].data_ptr());
-        if (!kv_scales.empty()) {
-          step.k_scales.push_back(kv_scales[3 * i].data_ptr());
-          step.v_scales.push_back(kv_scales[3 * i + 1].data_ptr());
-          step.k_offsets.push_back(kv_scales[3 * i + 2].data_ptr<float>());
-        }
-      }
-      tpserve::decode_region(region_, step);
-      return out;
+      return run_region(h, cos, sin, k_caches, v_caches, slot_mapping, block_tables, query_start_loc, context_lens,
+                        kv_scales, nullptr, 0);
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const bool codes = !kv_scales.empty();
@@ -352,6 +368,44 @@ class DecodeLayers : public torch::CustomClassHolder {
                         codes ? OptTensor(kv_scales[3 * i + 2]) : std::nullopt, row_slots);
     }
     return h;
+  }
+
+  void check_sizes(const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                   const std::vector<at::Tensor>& kv_scales) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size() &&
+                    (kv_scales.empty() || kv_scales.size() == 3 * layers_.size()),
+                "tpserve DecodeLayers: ", layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(),
+                " value caches, ", kv_scales.size(), " scale tensors");
+  }
+
+  // The step in the parallel region (region_takes said yes); group: null at one rank.
+  at::Tensor run_region(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                        const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                        const std::vector<at::Tensor>& kv_scales, const tpserve::ShmGroup* group, int64_t first_seq) {
+    at::Tensor out = at::empty_like(h);
+    const at::ScalarType cache_type = k_caches[0].scalar_type();
+    const auto kind = cache_type == at::kFloat  ? tpserve::RegionStep::kFloat32
+                      : cache_type == at::kChar ? tpserve::RegionStep::kInt8
+                                                : tpserve::RegionStep::kFp8;
+    tpserve::RegionStep step{kind, h.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1),
+                             k_caches[0].size(3), cos.data_ptr<float>(), sin.data_ptr<float>(), {}, {}, {}, {}, {},
+                             k_caches[0].size(1), slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                             block_tables.size(1), query_start_loc.data_ptr<int64_t>(),
+                             context_lens.data_ptr<int64_t>(), context_lens.numel(), group, first_seq};
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      step.k_caches.push_back(k_caches[i].data_ptr());
+      step.v_caches.push_back(v_caches[i].data_ptr());
+      if (!kv_scales.empty()) {
+        step.k_scales.push_back(kv_scales[3 * i].data_ptr());
+        step.v_scales.push_back(kv_scales[3 * i + 1].data_ptr());
+        step.k_offsets.push_back(kv_scales[3 * i + 2].data_ptr<float>());
+      }
+    }
+    const std::string error = tpserve::decode_region(region_, step);
+    TORCH_CHECK(error.empty(), error);
+    return out;
   }
 
   // The layer in the region's terms (decode_region.h) where every projection is float32, int8, fp8 or int4 and its
@@ -492,6 +546,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   std::vector<LayerArgs> layers_;
   std::vector<tpserve::RegionLayer> region_;  // the layers in the region's terms, while region_ok_
   bool region_ok_ = true;
+  std::optional<tpserve::ShmGroup> group_;  // set_group: a tensor-parallel rank's
 };
 
 }  // namespace tpserve
@@ -513,7 +568,10 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
       .def("add_layer", &tpserve::DecodeLayers::add_layer)
       .def("add_lora", &tpserve::DecodeLayers::add_lora)
       .def("forward", &tpserve::DecodeLayers::forward)
-      .def("forward_lora", &tpserve::DecodeLayers::forward_lora);
+      .def("forward_lora", &tpserve::DecodeLayers::forward_lora)
+      .def("set_group", &tpserve::DecodeLayers::set_group)
+      .def("forward_tp", &tpserve::DecodeLayers::forward_tp)
+      .def("region_ready", &tpserve::DecodeLayers::region_ready);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {

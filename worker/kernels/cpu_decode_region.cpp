@@ -1,5 +1,5 @@
-// A one-rank Llama decode step in one OpenMP parallel region, for float32, int8, fp8 and int4 stacks on a float32 or
-// 8-bit (int8, fp8) KV cache.
+// A Llama decode step in one OpenMP parallel region, for float32, int8, fp8 and int4 stacks on a float32 or 8-bit
+// (int8, fp8) KV cache: one rank's whole stack, or a tensor-parallel rank's, its all-reduces included.
 //
 // Why: DecodeLayers' op path (cpu_decode_block.cpp) runs a layer as ten ops, each through the dispatcher,
 // each allocating its output, the projections and the attention each forking and joining the OpenMP team.
@@ -19,6 +19,11 @@
 //   5. act = silu(gate) * up [columns split]                                                          | barrier
 //      [act's planes];                                 m = act W_down^T [+ b_down]                       | barrier
 //   6. h = h2 + m.
+// Tensor parallelism (one host, the compiled shared-memory collectives: worker/comm/shm_allreduce.py): o and m are
+// this rank's partial products (its heads, its slice of the MLP); after each, a barrier, thread 0 sums them over the
+// ranks (shm_all_reduce, cpu_shm.cpp: rank order, the bits of SharedMemoryComm.all_reduce) and adds the row-parallel
+// bias, and a second barrier: the layer's halves and ctx.all_reduce of the op path, without the four Python calls
+// and two op dispatches a layer between them. A lost peer fails the step with SharedMemoryComm's error.
 // Every value is made by the same function as on the op path (row_math.h, kv_store.h; the int4 tiles' run_rows,
 // linear_int4's VNNI rows, cpu_linear.cpp's streamed GEMV and linear_fp8's pass, whose every output is one dot
 // product in a fixed order; cpu_attention.cpp's items), each by one thread, so the hidden states and caches equal
@@ -29,10 +34,15 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <new>
+#include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -50,6 +60,38 @@ namespace {
 
 std::atomic<bool> allow_region{true};
 std::atomic<int64_t> region_steps{0};  // steps run here since the library loaded (tests check the region ran)
+
+// The team's barrier between phases: arrivals counted on one cache line, the phase flipped on another by the last
+// arrival; the others spin on it with pause (about 20 us), then yield their core (a thread of the team
+// descheduled, more threads than cores), then sleep 50 us at a time (a tensor-parallel peer that is late, or lost
+// until the collective's timeout: the waiting threads give their cores up). Why not `omp barrier`: libgomp's
+// barrier spins only as long as GOMP_SPINCOUNT says and then sleeps in the kernel, so under OMP_WAIT_POLICY=passive
+// (common advice for shared hosts) each of the region's six barriers a layer paid a futex wake-up: the 95M
+// model's int4 stack took 1.74 ms instead of 1.10 (benchmarks/README.md, "decode_region_tp.py"). acq_rel on the
+// arrival and release/acquire on the phase make every write before the barrier visible after it, as omp
+// barrier's flush does.
+struct SpinBarrier {
+  alignas(64) std::atomic<int> arrived{0};
+  alignas(64) std::atomic<unsigned> phase{0};
+
+  void wait(int team) {
+    const unsigned ph = phase.load(std::memory_order_relaxed);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(ph + 1, std::memory_order_release);
+      return;
+    }
+    for (int polls = 0; phase.load(std::memory_order_acquire) == ph; ++polls) {
+      if (polls < 2048) {
+        _mm_pause();
+      } else if (polls < 2048 + 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+};
 
 // [begin, end) of n items for thread tid of team: contiguous, sizes differing by at most one.
 inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
@@ -219,7 +261,7 @@ bool decode_region_takes_rows(const std::vector<RegionLayer>& layers, int64_t T)
   return true;
 }
 
-void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& step) {
+std::string decode_region(const std::vector<RegionLayer>& layers, const RegionStep& step) {
   const int64_t T = step.T, hidden = step.hidden, d = step.d;
   const RegionLayer& first = layers.front();
   const int64_t KVH = first.num_kv_heads;
@@ -234,6 +276,21 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
       o(static_cast<size_t>(T * hidden)), gate_up(static_cast<size_t>(T * gu_width)),
       act(static_cast<size_t>(T * gu_width / 2)), m(static_cast<size_t>(T * hidden));
   region_steps.fetch_add(1, std::memory_order_relaxed);
+  SpinBarrier barrier;
+  // Tensor parallelism: thread 0 sums the team's partial o (and m) over the ranks between two barriers, then adds
+  // the row-parallel bias, which the projections therefore leave out (RegionWeight copies without it).
+  std::string error;  // thread 0's collective's, read by the team after the barrier that follows it
+  int64_t seq = step.first_seq;
+  auto all_reduce = [&](float* y, const float* bias, int team) {
+    barrier.wait(team);
+    if (omp_get_thread_num() == 0 && error.empty()) {
+      const int64_t n = step.T * step.hidden;
+      error = shm_all_reduce(y, n, *step.group, seq++);
+      if (error.empty() && bias != nullptr) {
+        for (int64_t t = 0; t < step.T; ++t) add_row(y + t * step.hidden, bias, step.hidden, y + t * step.hidden);
+      }
+    }
+  };
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int team = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -244,12 +301,14 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
     for (size_t li = 0; li < layers.size(); ++li) {
       const RegionLayer& L = layers[li];
       const int64_t H = L.num_heads, groups = H / L.num_kv_heads, width = L.qkv.N;
+      RegionWeight o_w = L.o, down_w = L.down;
+      if (step.group != nullptr) o_w.bias = down_w.bias = nullptr;  // added after the all-reduce
       // 1. qkv = rms_norm(h) W_qkv^T
       for (int64_t t = 0; t < T; ++t) {
         rms_norm_row(local.h.data() + t * hidden, L.norm1, L.eps1, hidden, local.x.data() + t * hidden);
       }
       project_share(L.qkv, local.x.data(), T, local, tid, team, qkv.data());
-#pragma omp barrier
+      barrier.wait(team);
       // 2. RoPE, the cache write and attention, per (sequence, KV head)
       {
         const auto [b, e] = share(step.S * KVH, tid, team);
@@ -265,10 +324,12 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
             break;
         }
       }
-#pragma omp barrier
+      barrier.wait(team);
       // 3. o = heads W_o^T [+ b_o]
-      project_share(L.o, heads.data(), T, local, tid, team, o.data());
-#pragma omp barrier
+      project_share(o_w, heads.data(), T, local, tid, team, o.data());
+      if (step.group != nullptr) all_reduce(o.data(), L.o.bias, team);
+      barrier.wait(team);
+      if (!error.empty()) break;  // every thread leaves at the same point
       // 4. gate_up = rms_norm(h + o) W_gu^T
       for (int64_t t = 0; t < T; ++t) {
         float* h2 = local.h2.data() + t * hidden;
@@ -276,7 +337,7 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
         rms_norm_row(h2, L.norm2, L.eps2, hidden, local.x.data() + t * hidden);
       }
       project_share(L.gate_up, local.x.data(), T, local, tid, team, gate_up.data());
-#pragma omp barrier
+      barrier.wait(team);
       // 5. act = silu(gate) * up, split by columns, 16 at a time (its exponentials are the MLP's costliest
       // elementwise work: 10 us a layer at 8 rows of 1,536 on one thread), then m = act W_down^T [+ b_down]
       {
@@ -288,16 +349,19 @@ void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& ste
           silu_mul_row(g + c0, g + inter + c0, c1 - c0, act.data() + t * inter + c0);
         }
       }
-#pragma omp barrier
-      project_share(L.down, act.data(), T, local, tid, team, m.data());
-#pragma omp barrier
+      barrier.wait(team);
+      project_share(down_w, act.data(), T, local, tid, team, m.data());
+      if (step.group != nullptr) all_reduce(m.data(), L.down.bias, team);
+      barrier.wait(team);
+      if (!error.empty()) break;
       // 6. h = h2 + m (m is rewritten only after the next layer's first barrier)
       for (int64_t t = 0; t < T; ++t) {
         add_row(local.h2.data() + t * hidden, m.data() + t * hidden, hidden, local.h.data() + t * hidden);
       }
     }
-    if (tid == 0) std::memcpy(step.out, local.h.data(), static_cast<size_t>(T * hidden) * sizeof(float));
+    if (tid == 0 && error.empty()) std::memcpy(step.out, local.h.data(), static_cast<size_t>(T * hidden) * sizeof(float));
   }
+  return error;
 }
 
 }  // namespace tpserve

@@ -30,8 +30,16 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <string>
+#include <vector>
+
+#include <signal.h>
+
+#include "shm_collective.h"
 
 namespace {
 
@@ -74,26 +82,63 @@ bool wait_for(int64_t base, int64_t r, int64_t seq, Clock::time_point spin_until
   }
 }
 
-// x = slot 0 + slot 1 + ... in rank order, so every rank gets the same bits.
+// out (n floats) = slot 0 + slot 1 + ... in rank order, so every rank gets the same bits.
+void reduce_floats(float* out, int64_t n, int64_t base, int64_t world, int64_t max_bytes, int64_t seq) {
+  const float* s0 = reinterpret_cast<const float*>(slot_of(base, world, max_bytes, seq, 0));
+  const float* s1 = reinterpret_cast<const float*>(slot_of(base, world, max_bytes, seq, 1));
+  for (int64_t i = 0; i < n; ++i) out[i] = s0[i] + s1[i];
+  for (int64_t r = 2; r < world; ++r) {
+    const float* s = reinterpret_cast<const float*>(slot_of(base, world, max_bytes, seq, r));
+    for (int64_t i = 0; i < n; ++i) out[i] += s[i];
+  }
+}
+
+// x = slot 0 + slot 1 + ... in rank order (float32: reduce_floats; other dtypes: torch's add over views).
 void reduce_into(const at::Tensor& x, int64_t base, int64_t world, int64_t max_bytes, int64_t seq) {
-  const int64_t n = x.numel();
   if (x.scalar_type() == at::kFloat) {
-    float* out = x.data_ptr<float>();
-    const float* s0 = reinterpret_cast<const float*>(slot_of(base, world, max_bytes, seq, 0));
-    const float* s1 = reinterpret_cast<const float*>(slot_of(base, world, max_bytes, seq, 1));
-    for (int64_t i = 0; i < n; ++i) out[i] = s0[i] + s1[i];
-    for (int64_t r = 2; r < world; ++r) {
-      const float* s = reinterpret_cast<const float*>(slot_of(base, world, max_bytes, seq, r));
-      for (int64_t i = 0; i < n; ++i) out[i] += s[i];
-    }
+    reduce_floats(x.data_ptr<float>(), x.numel(), base, world, max_bytes, seq);
     return;
   }
-  // Other dtypes: torch's own add over views of the slots (the same order).
   auto slot = [&](int64_t r) {
     return at::from_blob(slot_of(base, world, max_bytes, seq, r), x.sizes(), x.options());
   };
   x.copy_(slot(0));
   for (int64_t r = 1; r < world; ++r) x.add_(slot(r));
+}
+
+// Publish `nbytes` of data as this rank's part of collective `seq` (publish: false when resuming a wait), then wait
+// up to wait_s seconds for every peer, spinning for the first spin_s. Returns whether every peer arrived.
+bool publish_and_wait(const void* data, int64_t nbytes, int64_t base, int64_t rank, int64_t world, int64_t max_bytes,
+                      int64_t seq, bool publish, double spin_s, double wait_s) {
+  if (publish) {
+    std::memcpy(slot_of(base, world, max_bytes, seq, rank), data, nbytes);
+    __atomic_store_n(flag_of(base, rank), seq, __ATOMIC_SEQ_CST);  // after the data
+    if (__atomic_load_n(sleepers_of(base, rank), __ATOMIC_SEQ_CST) > 0) {
+      futex(flag_of(base, rank), FUTEX_WAKE, 0x7FFFFFFF, nullptr);
+    }
+  }
+  const auto start = Clock::now();
+  const auto spin_until = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(spin_s));
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wait_s));
+  for (int64_t r = 0; r < world; ++r) {
+    if (r != rank && !wait_for(base, r, seq, spin_until, deadline)) return false;
+  }
+  return true;
+}
+
+// Whether process pid runs (an exited process not yet reaped is a zombie: dead), as shm_allreduce.py's _alive.
+bool alive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "rb");
+  if (f == nullptr) return errno != ENOENT;
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* paren = std::strrchr(buf, ')');
+  return paren == nullptr || paren[1] == 0 || paren[2] != 'Z';
 }
 
 // One collective (number `seq`) for this rank. publish: copy x into this rank's slot and publish
@@ -107,24 +152,47 @@ bool shm_collective(const at::Tensor& x, int64_t base, int64_t rank, int64_t wor
   TORCH_CHECK(0 <= rank && rank < world && world >= 2, "tpserve shm_collective: bad rank ", rank, " of ", world);
   const int64_t nbytes = x.numel() * x.element_size();
   TORCH_CHECK(nbytes <= max_bytes, "tpserve shm_collective: ", nbytes, " bytes exceed the slot's ", max_bytes);
-  if (publish) {
-    std::memcpy(slot_of(base, world, max_bytes, seq, rank), x.data_ptr(), nbytes);
-    __atomic_store_n(flag_of(base, rank), seq, __ATOMIC_SEQ_CST);  // after the data
-    if (__atomic_load_n(sleepers_of(base, rank), __ATOMIC_SEQ_CST) > 0) {
-      futex(flag_of(base, rank), FUTEX_WAKE, 0x7FFFFFFF, nullptr);
-    }
-  }
-  const auto start = Clock::now();
-  const auto spin_until = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(spin_s));
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wait_s));
-  for (int64_t r = 0; r < world; ++r) {
-    if (r != rank && !wait_for(base, r, seq, spin_until, deadline)) return false;
-  }
+  if (!publish_and_wait(x.data_ptr(), nbytes, base, rank, world, max_bytes, seq, publish, spin_s, wait_s)) return false;
   if (reduce) reduce_into(x, base, world, max_bytes, seq);
   return true;
 }
 
 }  // namespace
+
+namespace tpserve {
+
+std::string shm_all_reduce(float* x, int64_t n, const ShmGroup& g, int64_t seq) {
+  const int64_t nbytes = n * static_cast<int64_t>(sizeof(float));
+  if (nbytes > g.max_bytes) {
+    return "tpserve shm all-reduce: " + std::to_string(nbytes) + " bytes exceed the slot's " +
+           std::to_string(g.max_bytes);
+  }
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(g.timeout_s));
+  bool publish = true;
+  // Each call waits at most sleep_s, so the liveness and timeout checks run between calls (shm_allreduce.py).
+  while (!publish_and_wait(x, nbytes, g.base, g.rank, g.world, g.max_bytes, seq, publish, g.spin_s, g.sleep_s)) {
+    publish = false;
+    std::string late, exited;
+    for (int64_t r = 0; r < g.world; ++r) {
+      if (__atomic_load_n(flag_of(g.base, r), __ATOMIC_ACQUIRE) >= seq) continue;
+      late += (late.empty() ? "" : ", ") + std::to_string(r);
+      if (!g.peer_pids.empty() && !alive(g.peer_pids[r])) exited += (exited.empty() ? "" : ", ") + std::to_string(r);
+    }
+    const std::string where = " shared-memory collective " + std::to_string(seq) + " (rank " + std::to_string(g.rank) +
+                              ")";
+    if (!exited.empty()) return "ranks [" + exited + "] exited during" + where;
+    if (!late.empty() && Clock::now() > deadline) {
+      char timeout[32];
+      std::snprintf(timeout, sizeof timeout, "%.1f", g.timeout_s);
+      return std::string("Timed out after ") + timeout + " s waiting for ranks [" + late + "] in" + where;
+    }
+  }
+  reduce_floats(x, n, g.base, g.world, g.max_bytes, seq);
+  return "";
+}
+
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("shm_collective(Tensor(a!) x, int base, int rank, int world_size, int max_bytes, int seq, bool publish, "

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "shm_collective.h"
 
 namespace tpserve {
 
@@ -62,6 +65,11 @@ struct RegionStep {
   const int64_t* query_start_loc;
   const int64_t* context_lens;
   int64_t S;
+  // Tensor parallelism (one host): the group whose shared-memory all-reduce sums o's and the MLP's partial
+  // products, each followed by its row-parallel bias (added once, after the sum, as the module path does), and the
+  // number of the step's first collective (2 a layer: o, then the MLP's). Null at one rank.
+  const ShmGroup* group = nullptr;
+  int64_t first_seq = 0;
 };
 
 // Whether the region computes T rows of x with these layers exactly as their ops do: int4 tiles at any T,
@@ -70,8 +78,9 @@ struct RegionStep {
 bool decode_region_takes_rows(const std::vector<RegionLayer>& layers, int64_t T);
 
 // The step through every layer, with at::get_num_threads() threads: bit for bit what the op path
-// (attention_block, mlp_block, the residual adds) computes.
-void decode_region(const std::vector<RegionLayer>& layers, const RegionStep& step);
+// (attention_block, mlp_block, the residual adds; with a group, each half's all-reduce and bias between them)
+// computes. Returns "" or, with a group, the collective's error (the step's results are then undefined).
+std::string decode_region(const std::vector<RegionLayer>& layers, const RegionStep& step);
 
 // Whether DecodeLayers takes the region where a step qualifies (default true; use_decode_region(False): the
 // ops, for tests and A/B runs).

@@ -10,7 +10,9 @@ both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.
 projection is float32, int8, fp8 or int4 (and the step few enough rows for their kernels' decode paths),
 that call runs the whole step in one OpenMP parallel region instead of the ops
 (worker/kernels/cpu_decode_region.cpp: no dispatch, allocation or fork and join between them; the
-same bits).
+same bits). On a tensor-parallel rank whose group shares memory on one host (the compiled collectives of
+worker/comm/shm_allreduce.py), :class:`DecodeStack` runs the region too, its all-reduces inside it; a step the
+region does not take (more rows than its formats' decode paths, adapter rows) runs the halves.
 They run the very kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
 submodules) calls, in the same order, so the hidden states are bit-identical to it;
 what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from worker.attention import KERNEL_HEAD_SIZES, AttentionMetadata
+from worker.comm.shm_allreduce import SharedMemoryComm
 from worker.kernels import cpu_kernels_available
 from worker.layers.lora import LoRAWeights
 from worker.layers.matmul import MAX_KERNEL_ROWS, kernel_for_prefill
@@ -143,7 +146,9 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
 
 
 class DecodeStack:
-    """Every layer of a one-rank Llama stack (or pipeline stage) in one compiled call per decode step.
+    """Every layer of a one-rank Llama stack (or pipeline stage) in one compiled call per decode step; on a
+    tensor-parallel rank whose group shares memory on one host, every layer in the parallel region, the
+    all-reduces included, where the region takes the step.
 
     ``torch.classes.tpserve_cpu.DecodeLayers`` keeps each layer's own arguments, gathered on the
     first call (the parameters are loaded in place and never replaced); each step passes only
@@ -151,12 +156,21 @@ class DecodeStack:
     their slot indices (the layers' adapter pools are given on the first such step). The same kernels in the same order as
     the modules, so bit-identical to them (tests/worker/test_decode_block.py).
 
+    Tensor parallelism (``shm``): the region sums each layer's two partial products over the ranks through the
+    group's shared-memory collectives, on its thread 0 between two barriers, then adds the row-parallel bias: the
+    same bits as the layers' halves around ``ctx.all_reduce`` (tests/worker/test_decode_region_tp.py). A step it
+    does not take (more rows than its kernels' decode paths, adapter rows, a tensor larger than a slot) returns
+    None, and the caller runs the halves.
+
     Args:
         layers: the stack's ``LlamaDecoderLayer`` s, each with ``decode_block`` True.
+        shm: the tensor-parallel group's compiled shared-memory collectives (``SharedMemoryComm.compiled``), or
+            None at one rank.
     """
 
-    def __init__(self, layers: nn.ModuleList) -> None:
+    def __init__(self, layers: nn.ModuleList, shm: SharedMemoryComm | None = None) -> None:
         self._layers = list(layers)  # a plain list: the modules stay registered once, in the model
+        self._shm = shm
         self._compiled = None
         self._lora = False  # whether the layers' adapter slots were given to the compiled stack
         # The step's cache arguments, kept between steps: gathering them walks every layer's modules (some
@@ -167,16 +181,29 @@ class DecodeStack:
         self._caches: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor | None:
         """``h (T, hidden)`` float32 through every layer -> ``(T, hidden)``, for a step
-        :func:`step_takes_decode_block` accepts; writes each layer's keys and values into its cache."""
+        :func:`step_takes_decode_block` accepts; writes each layer's keys and values into its cache. None: a
+        tensor-parallel step the region does not take, nothing computed (the caller runs the layers)."""
         if self._compiled is None:
             self._compiled = torch.classes.tpserve_cpu.DecodeLayers()
             for layer in self._layers:
                 attention_args, mlp_args, (o_bias, down_bias) = _layer_args(layer)
                 self._compiled.add_layer(*attention_args, o_bias, *mlp_args, down_bias)
+            if self._shm is not None:
+                self._compiled.set_group(*self._shm.compiled_group())
         k_caches, v_caches, kv_scales = self._step_caches(kv_caches)
         row_slots = lora_row_slots(self._layers[0])  # decided once for the whole step
+        if self._shm is not None:
+            if row_slots is not None or not self._compiled.region_ready():
+                return None
+            shm = self._shm
+            out = self._compiled.forward_tp(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales,
+                                            shm.next_collective)  # (T, hidden), or empty: not taken
+            if out.numel() == 0:
+                return None
+            shm.skip(2 * len(self._layers))  # o's and the MLP's all-reduce, each layer
+            return out
         if row_slots is None:  # no adapter row: the no-LoRA stack
             return self._compiled.forward(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales)  # (T, hidden)
         if not self._lora:

@@ -171,7 +171,10 @@ class LlamaModel(nn.Module):
         self.norm = norm if head else None
         # One rank of Llama's own layers on a float32 CPU: a decode step runs the whole stack as one
         # compiled call (the same kernels as the modules, without the Python between them).
-        self.decode_stack = (DecodeStack(self.layers) if ctx.tp_size == 1 and layers
+        # A tensor-parallel rank whose group shares memory on one host, with the compiled collectives: the
+        # same, its all-reduces inside the call (worker/layers/decode_block.py).
+        shm = ctx.shm if ctx.tp_size > 1 and ctx.shm is not None and ctx.shm.compiled else None
+        self.decode_stack = (DecodeStack(self.layers, shm) if (ctx.tp_size == 1 or shm is not None) and layers
                              and all(getattr(layer, "decode_block", False) for layer in layers) else None)
 
     def forward(
@@ -185,8 +188,11 @@ class LlamaModel(nn.Module):
         # (T, hidden): embedded and all-reduced over ranks, or the previous pipeline stage's output.
         h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
         rope = self.rotary_emb(positions, h.dtype, attn_metadata.rope_seq_lens)  # cos, sin: (T, 1, head_dim) each
+        stacked = None
         if self.decode_stack is not None and step_takes_decode_block(h, attn_metadata):
-            h = self.decode_stack(rope, h, kv_caches, attn_metadata)  # (T, hidden), bit-identical
+            stacked = self.decode_stack(rope, h, kv_caches, attn_metadata)  # (T, hidden), bit-identical, or None
+        if stacked is not None:
+            h = stacked
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 h = layer(rope, h, kv_cache, attn_metadata)  # (T, hidden)
