@@ -12,9 +12,10 @@ The plans: a prefill of three prompts (the module path in both runs), decodes of
 (past a sliding window where the model has one), a 3-token prompt that joins the decode rows, a finished
 sequence that leaves them, six 2-token prompts that join three decodes (15 rows) and a decode step of 9
 sequences (those two: more rows than the float32 and 8-bit GEMVs' decode path, so the halves in both runs;
-int4 tiles take any). The checkpoints cover
-o_proj and MLP biases (added once, after the sum), q/k/v biases, GQA and MQA, a window, QK-norm, weight-only
-int8, int4 tiles (AMX-INT8 CPUs) and 8-bit KV caches; the degrees 2 and 4 (1 KV head per rank at 4).
+int4 tiles take any). The checkpoints cover o_proj and MLP biases (added once, after the sum), q/k/v biases,
+GQA and MQA, a window, QK-norm, weight-only int8, int4 tiles (AMX-INT8 CPUs) and 8-bit KV caches; the degrees
+2 and 4 (1 KV head per rank at 4). And a peer lost inside the region fails the step, as a lost peer fails
+``SharedMemoryComm``'s collective.
 """
 
 from __future__ import annotations

@@ -44,7 +44,11 @@ Compiled path: where tpserve's CPU kernels are built on every rank
 publishes, spins on the flags with ``pause`` and sums with vector instructions;
 it wakes sleepers only when a peer announced that it sleeps, so the usual
 collective makes no system call. That costs a few microseconds instead of the
-Python version's 15-30; the group picks one version for all its ranks.
+Python version's 15-30; the group picks one version for all its ranks. A compiled caller may run a group's
+collectives itself: the CPU decode region on tensor-parallel ranks sums each layer's partial products inside
+its parallel region (worker/kernels/shm_collective.h, :meth:`SharedMemoryComm.compiled_group`), numbering them
+from :attr:`SharedMemoryComm.next_collective` and checking the peers as :meth:`SharedMemoryComm._check_peers`
+does; Python then :meth:`SharedMemoryComm.skip` s past them.
 
 A peer that stops publishing makes the wait fail after ``timeout_s`` with a
 ``RuntimeError`` ("Timed out ..."), the same failure as gloo's collective

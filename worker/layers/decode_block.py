@@ -197,6 +197,8 @@ class DecodeStack:
         if self._shm is not None:
             if row_slots is not None or not self._compiled.region_ready():
                 return None
+            # Every rank decides alike (the same rows, formats, flags and slot size), so the ranks take the
+            # region's collectives, or the halves', together.
             shm = self._shm
             out = self._compiled.forward_tp(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales,
                                             shm.next_collective)  # (T, hidden), or empty: not taken
