@@ -28,6 +28,7 @@ import worker.layers.decode_block as decode_block
 import worker.models.llama as llama
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.lowbit_checkpoints import save_fp8_block
+from tests.worker.region_specs import INT4_SPECS, INT4_TILES, MISTRAL_WINDOW_INT4_TILES, QWEN2_INT4_TILES
 from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
@@ -38,18 +39,6 @@ pytestmark = pytest.mark.skipif(not (_cpu_supports_avx2() and shutil.which("c++"
                                 reason="the decode block is a compiled kernel: needs an AVX2 CPU and a C++ compiler")
 
 BLOCK_SIZE = 4
-#: Every projection of these takes the int4 tile layout (rows a multiple of 16, columns of 128; AMX-INT8 CPUs), so
-#: their one-rank decode steps run in one parallel region (worker/kernels/cpu_decode_region.cpp).
-INT4_TILES = TinyModelSpec("int4_tiles_block", "llama", {
-    "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "vocab_size": 190, "tie_word_embeddings": False}, seed=23)
-QWEN2_INT4_TILES = TinyModelSpec("qwen2_int4_tiles_block", "qwen2", {
-    "hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 1,
-    "vocab_size": 170}, seed=24)  # q/k/v biases, MQA
-MISTRAL_WINDOW_INT4_TILES = TinyModelSpec("mistral_window_int4_block", "mistral", {
-    "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
-    "head_dim": 32, "vocab_size": 150, "sliding_window": 6}, seed=25)
-INT4_SPECS = {spec.name: spec for spec in (INT4_TILES, QWEN2_INT4_TILES, MISTRAL_WINDOW_INT4_TILES)}
 GREEDY = SamplingParams(temperature=0.0)
 WINDOW = 6
 MISTRAL_WINDOW = TinyModelSpec("mistral_window_block", "mistral", {

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.tiny_models import save_tiny_model
-from tests.worker.test_decode_block import INT4_TILES, MISTRAL_WINDOW_INT4_TILES
+from tests.worker.region_specs import INT4_TILES, MISTRAL_WINDOW_INT4_TILES
 from tests.worker.tp_harness import Job, run_jobs
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
