@@ -2,7 +2,8 @@
 
 On the 94.9M-parameter random Llama of benchmarks/peer_comparison.py (float32 checkpoint; int8 and int4
 quantized at load; fp8: the same weights written as a block-scaled FP8 checkpoint, 128 x 128 blocks, by the
-tests' writer, served with ``--quantization fp8``: e4m3 kept; int4_rowmajor: int4 loaded with
+tests' writer, served with ``--quantization fp8``: e4m3 kept; w8: the same weights written as an 8-bit GPTQ
+checkpoint, groups of 128 with zero points, by the tests' writer: group-wise 8-bit codes; int4_rowmajor: int4 loaded with
 ``use_int4_tiles(False)`` and run with ``use_amx_int4(False)``, what a CPU with AVX512-VNNI but no AMX-INT8
 runs), tp 1, one process, one runner per format: the bare worker step (``ModelRunner.execute``
 of a decode step alone, benchmarks/peer_comparison.py's ``bare_steps``) at batch 1, 8 and 16, with the
@@ -10,7 +11,7 @@ compiled stack's steps run in one OpenMP parallel region (worker/kernels/cpu_dec
 and as its ten ops a layer (``torch.ops.tpserve_cpu.use_decode_region(False)``), the two interleaved round by
 round so that a busy host slows them alike; the median of ``--rounds`` rounds, each the median of 20 steps.
 The region takes float32, int8 and fp8 stacks where their ops take the streamed GEMV (up to 8 rows of x on
-AVX-512: batch 1 and 8), int4 tile-layout stacks (AMX-INT8 CPUs) at every batch and the row-major int4 layout
+AVX-512: batch 1 and 8), w8 up to 64 rows (every batch here), int4 tile-layout stacks (AMX-INT8 CPUs) at every batch and the row-major int4 layout
 up to 4 rows (batch 1); elsewhere both columns run the ops (a ratio of about 1, the noise of the run).
 
 Reported: each figure, ops / region (> 1: the region is faster), and the int8 / int4 ratio each way.
@@ -36,8 +37,10 @@ import torch  # noqa: E402
 from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, bare_steps, build_model  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 from tests.worker.lowbit_checkpoints import save_fp8_block  # noqa: E402  (the tests' FP8 writer)
+from tests.worker.w8a16_checkpoints import save_gptq8  # noqa: E402  (the tests' 8-bit GPTQ writer)
 
-FORMATS = {"float32": None, "int8": "int8", "fp8": "fp8", "int4": "int4", "int4_rowmajor": "int4"}
+FORMATS = {"float32": None, "int8": "int8", "w8": None, "fp8": "fp8", "int4": "int4", "int4_rowmajor": "int4"}
+W8_GROUP = 128
 FP8_BLOCK = (128, 128)
 BATCHES = [1, 8, 16]
 TINY_CONFIG = {**MODEL_CONFIG, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -75,10 +78,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tpserve-region-") as tmp:
         model_dir = build_model(Path(tmp) / "float", args.seed, shape)
         fp8_dir, _ = save_fp8_block(model_dir, Path(tmp) / "fp8", Path(tmp) / "fp8_dequantized", block=FP8_BLOCK)
+        w8_dir, _ = save_gptq8(model_dir, Path(tmp) / "w8", Path(tmp) / "w8_dequantized", group=W8_GROUP, sym=False)
+        checkpoints = {"fp8": fp8_dir, "w8": w8_dir}
         runners = {}
         for name, q in FORMATS.items():
             ops.use_int4_tiles(name != "int4_rowmajor")
-            runners[name] = bare_runner(fp8_dir if name == "fp8" else model_dir, quantization=q)
+            runners[name] = bare_runner(checkpoints.get(name, model_dir), quantization=q)
         ops.use_int4_tiles(True)
         try:
             for i in range(args.rounds):

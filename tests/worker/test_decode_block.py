@@ -10,8 +10,8 @@ tokens and both KV caches at the end must be equal, not close: the two paths run
 kernels in the same order. The checkpoints cover every projection with a bias (Llama's
 o_proj and MLP biases, Qwen2's q/k/v), GQA and MQA, a head size of 32, Llama 3 RoPE,
 Phi-3's fused checkpoint, a window, Qwen3's QK-norm, weight-only int8, and a group-wise 8-bit GPTQ
-checkpoint (its layers' uint8 codes of K columns take the w8 op, not int4's), FP8 weights kept as e4m3, int4 in the
-tile layout, and 8-bit KV caches.
+checkpoint (its layers' uint8 codes of K columns take the w8 op, not int4's, and the region's w8 rows), FP8
+weights kept as e4m3, int4 in the tile layout, and 8-bit KV caches.
 """
 
 from __future__ import annotations
@@ -168,12 +168,12 @@ def _module_path_case(name: str, quantization: str | None, kv_cache_dtype: str, 
     tokens = _run(blocked)
     region_steps = torch.ops.tpserve_cpu.decode_region_steps() - region_steps
     # One rank's stack runs each decode step in the parallel region where every projection's op is one the region
-    # has (float32 and int8: the streamed GEMV of an AVX-512 CPU; int4: the tile layout of an AMX one), not the
-    # grouped 8-bit op; the tensor-parallel halves never do.
+    # has (float32, int8, fp8 and grouped 8-bit: their decode paths on an AVX-512 CPU; int4: the tile layout of an
+    # AMX one); the tensor-parallel halves (here: the stack switched off) never do.
     if quantization == "int4":
         region_formats = bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
     else:
-        region_formats = name != "gqa_tied_gptq8" and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        region_formats = torch.backends.cpu.get_cpu_capability() == "AVX512"
     in_region = not halves and region_formats
     assert region_steps == (len(tokens) - 1 if in_region else 0)
     per_step = 1 if not halves else len(model.layers)
@@ -275,13 +275,14 @@ def test_the_stack_follows_a_new_cache(kv_cache_dtype: str, tiny_checkpoints: di
 @pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.int4_tiles_enabled()),
                     reason="the decode region's int4 needs the tile layout: an AMX-INT8 CPU")
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("quantization", ["int4", "int8", None])
+@pytest.mark.parametrize("quantization", ["int4", "gptq8", "int8", None])
 def test_the_decode_region_equals_the_ops_at_many_rows(quantization: str | None, threads: int, tmp_path: Path) -> None:
     """13 sequences decode at once (int4: two passes of x's rows through the tiles, 10 and 3; 26 (sequence, KV
     head) items split between the threads), then 11 after two finish: the hidden states, tokens and caches equal
     the same stack's ops (``use_decode_region(False)``) bit for bit. int4 takes the region at every step: the
     first too, whose prompts of 2 to 6 tokens the CPU paged kernel reads as the decode group's rows (several rows
-    a sequence: 49 rows in 5 passes). float32 and int8 never do: their ops' streamed GEMV takes up to 8 rows, and
+    a sequence: 49 rows in 5 passes). So does group-wise 8-bit (an 8-bit GPTQ checkpoint, group 32: passes of 4
+    rows up to 64, as its op). float32 and int8 never do: their ops' streamed GEMV takes up to 8 rows, and
     beyond, the ops' tiles. On 1, 2 and 3 threads: the region's shares of every phase change with the team."""
     with _threads(threads):
         _many_rows_case(quantization, tmp_path)
@@ -300,7 +301,12 @@ def test_the_decode_region_writes_and_reads_an_8_bit_cache(kv_cache_dtype: str, 
 
 def _many_rows_case(quantization: str | None, tmp_path: Path, kv_cache_dtype: str = "auto") -> None:
     checkpoint = save_tiny_model(INT4_TILES, tmp_path / INT4_TILES.name)
-    expected_steps = 9 if quantization == "int4" else 0
+    if quantization == "gptq8":  # its quantization_config says GPTQ: loaded as group-wise 8-bit, the w8 op
+        checkpoint = save_gptq8(checkpoint, tmp_path / "gptq8", tmp_path / "gptq8_dq", group=32, sym=False)[0]
+        quantization = None
+        expected_steps = 9
+    else:
+        expected_steps = 9 if quantization == "int4" else 0
     seqs = range(13)
 
     def run(steps: _Steps) -> list[dict[int, int]]:

@@ -13,7 +13,8 @@ The plans: a prefill of three prompts (the module path in both runs), decodes of
 sequence that leaves them, six 2-token prompts that join three decodes (15 rows) and a decode step of 9
 sequences (those two: more rows than the float32 and 8-bit GEMVs' decode path, so the halves in both runs;
 int4 tiles take any). The checkpoints cover o_proj and MLP biases (added once, after the sum), q/k/v biases,
-GQA and MQA, a window, QK-norm, weight-only int8, int4 tiles (AMX-INT8 CPUs) and 8-bit KV caches; the degrees
+GQA and MQA, a window, QK-norm, weight-only int8, group-wise 8-bit (8-bit GPTQ), int4 tiles (AMX-INT8 CPUs) and
+8-bit KV caches; the degrees
 2 and 4 (1 KV head per rank at 4). And a peer lost inside the region fails the step, as a lost peer fails
 ``SharedMemoryComm``'s collective.
 """
@@ -29,6 +30,7 @@ import torch
 from tests.tiny_models import save_tiny_model
 from tests.worker.region_specs import INT4_TILES, MISTRAL_WINDOW_INT4_TILES
 from tests.worker.tp_harness import Job, run_jobs
+from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
 
@@ -73,6 +75,9 @@ def _plans() -> tuple[StepPlan, ...]:
 
 def _case_checkpoint(name: str, tiny_checkpoints: dict[str, Path], tmp_path: Path) -> Path:
     specs = {spec.name: spec for spec in (INT4_TILES, MISTRAL_WINDOW_INT4_TILES)}
+    if name == "gqa_tied_gptq8":  # 8-bit GPTQ with zero points, group 32: group-wise 8-bit codes (the w8 op)
+        return save_gptq8(tiny_checkpoints["gqa_tied"], tmp_path / "gptq8", tmp_path / "gptq8_dq", group=32,
+                          sym=False)[0]
     return save_tiny_model(specs[name], tmp_path / name) if name in specs else tiny_checkpoints[name]
 
 
@@ -80,6 +85,7 @@ CASES = {  # name -> (checkpoint, --quantization, --kv-cache-dtype)
     "gqa_tied": ("gqa_tied", None, "auto"),
     "mqa_untied_bias": ("mqa_untied_bias", None, "auto"),
     "qwen2_qkv_bias_int8": ("qwen2_qkv_bias", "int8", "auto"),
+    "gqa_tied_gptq8": ("gqa_tied_gptq8", None, "auto"),
     "qwen3_qk_norm_fp8_cache": ("qwen3_qk_norm", "int8", "fp8"),
     "int4_tiles": (INT4_TILES.name, "int4", "auto"),
     "mistral_window_int4_int8_cache": (MISTRAL_WINDOW_INT4_TILES.name, "int4", "int8"),
@@ -112,6 +118,8 @@ def test_the_region_equals_the_halves_on_tensor_parallel_ranks(tp: int, tiny_che
         rows = [sum(chunk.num_tokens for chunk in plan.scheduled) for plan in plans[1:]]
         if quantization == "int4":
             expected = len(rows) if int4_tiles else 0
+        elif case == "gqa_tied_gptq8":  # group-wise 8-bit: up to 64 rows
+            expected = len(rows) if avx512 else 0
         else:
             expected = sum(n <= 8 for n in rows) if avx512 else 0
         assert sum(r.decode_region_steps for r in on) == expected, case

@@ -408,8 +408,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     return out;
   }
 
-  // The layer in the region's terms (decode_region.h) where every projection is float32, int8, fp8 or int4 and its
-  // tensors are contiguous float32; else region_ok_ turns false for the stack.
+  // The layer in the region's terms (decode_region.h) where every projection is float32, int8, fp8, group-wise 8-bit
+  // or int4 and its tensors are contiguous float32; else region_ok_ turns false for the stack.
   void add_region_layer(const LayerArgs& L) {
     using tpserve::RegionWeight;
     // K: the projection's input width (x's columns), which tells int4's codes (K / 2 a row) from grouped 8-bit's.
@@ -435,9 +435,14 @@ class DecodeLayers : public torch::CustomClassHolder {
           w.size(1) == K && scale->size(1) >= 1 && K % scale->size(1) == 0) {  // linear_fp8
         return RegionWeight{RegionWeight::kFp8, w.data_ptr(), scale->data_ptr<float>(), b, N, K, K / scale->size(1)};
       }
+      if (w.scalar_type() == at::kByte && scale.has_value() && w.size(1) == K && scale->dim() == 3 &&
+          scale->size(0) == N && scale->size(2) == 2 && scale->size(1) >= 1 && K % scale->size(1) == 0) {
+        return RegionWeight{RegionWeight::kW8, w.data_ptr<uint8_t>(), scale->data_ptr<float>(), b, N, K,
+                            K / scale->size(1)};  // linear_w8: group-wise 8-bit, a byte a code
+      }
       if (w.scalar_type() != at::kByte || !scale.has_value() || w.size(1) * 2 != K || scale->dim() < 3 ||
           scale->size(1) < 1 || K % scale->size(1) != 0) {
-        return std::nullopt;  // grouped 8-bit (a byte a code): its op
+        return std::nullopt;
       }
       const int64_t G = K / scale->size(1);
       if (scale->dim() == 4 && scale->size(0) * 16 == N) {  // linear_int4 over the tile layout

@@ -50,6 +50,7 @@
 #include "kv_codes.h"
 #include "kv_store.h"
 #include "cpu_linear_int4.h"
+#include "cpu_linear_w8.h"
 #include "decode_region.h"
 #include "paged_attention.h"
 #include "row_math.h"
@@ -177,6 +178,8 @@ void project_share(const RegionWeight& w, const float* x, int64_t T, Local& loca
                             v.units.data(), v.xsum.data(), w.bias, y);
   } else if (w.kind == RegionWeight::kFp8) {
     fp8_rows(x, T, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale, w.bias, y, n0, n1);
+  } else if (w.kind == RegionWeight::kW8) {
+    tpserve_w8::region_rows(x, T, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale, w.bias, y, n0, n1);
   } else {
     const bool int8 = w.kind == RegionWeight::kInt8;
     streamed_gemv_rows(x, T, w.K, w.N, int8 ? nullptr : static_cast<const float*>(w.weight),
@@ -239,6 +242,7 @@ bool takes(const RegionWeight& w, int64_t T) {
     case RegionWeight::kInt4Tiles: return true;
     case RegionWeight::kInt4Rows: return tpserve_int4::vnni_rows_take(T, w.K, w.N, w.G);
     case RegionWeight::kFp8: return fp8_rows_take(T, w.G);
+    case RegionWeight::kW8: return tpserve_w8::region_takes(T);
     default: return streamed_gemv_takes(T);
   }
 }

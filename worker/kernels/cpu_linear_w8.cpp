@@ -30,6 +30,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_linear_w8.h"
 #include "group_dots.h"
 #include "row_streams.h"
 
@@ -95,6 +96,31 @@ at::Tensor dequantize_w8(const at::Tensor& qweight, const at::Tensor& scale_offs
     }
   });
   return w;
+}
+
+bool region_takes(int64_t M) {
+  return M >= 1 && M <= kChunkedMaxRows && allow_wide.load(std::memory_order_relaxed) && cpu_has_avx512bw();
+}
+
+void region_rows(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
+                 const float* scale_offset, const float* bias, float* y, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  const int64_t groups = K / G;
+  thread_local std::vector<float> xsum;
+  xsum.resize(static_cast<size_t>(M * groups));
+  tpserve::group_sums(x, M, K, G, xsum.data());
+  // group_linear's passes (AVX-512: Codes::kMaxRows512 rows of x each), on W's rows [n0, n1) only.
+  for (int64_t m0 = 0; m0 < M; m0 += Codes::kMaxRows512) {
+    const int64_t rows = std::min(Codes::kMaxRows512, M - m0);
+    const tpserve::GroupArgs a{K, N, G, groups, x + m0 * K, xsum.data() + m0 * groups, qweight, scale_offset, bias,
+                               y + m0 * N};
+    switch (rows) {
+      case 1: tpserve::group_run_rows<Codes, 1>(n0, n1, a, true); break;
+      case 2: tpserve::group_run_rows<Codes, 2>(n0, n1, a, true); break;
+      case 3: tpserve::group_run_rows<Codes, 3>(n0, n1, a, true); break;
+      default: tpserve::group_run_rows<Codes, 4>(n0, n1, a, true); break;
+    }
+  }
 }
 
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_offset,

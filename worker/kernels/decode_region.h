@@ -18,13 +18,15 @@ namespace tpserve {
 //     (N, K / G, 2) float32: CPUs without AMX-INT8, through linear_int4's AVX512-VNNI path (up to 4 rows of x);
 //   kInt8: codes (N, K) int8, scale (N,) float32 (cpu_linear.cpp's weight-only int8);
 //   kFp8: weight (N, K) e4m3 bytes, scale (N, K / G) float32 (cpu_linear_fp8.cpp; up to 8 rows of x);
+//   kW8: codes (N, K) uint8, scale its scale_offset (N, K / G, 2) float32 (cpu_linear_w8.cpp: group-wise 8-bit
+//     GPTQ and W8A16 checkpoints; up to 64 rows of x, AVX-512);
 //   kFloat32: weight (N, K) float32, no scale.
 struct RegionWeight {
-  enum Kind { kInt4Tiles, kInt4Rows, kInt8, kFp8, kFloat32 } kind;
+  enum Kind { kInt4Tiles, kInt4Rows, kInt8, kFp8, kW8, kFloat32 } kind;
   const void* weight;
   const float* scale;
   const float* bias;  // (N,) float32 or null
-  int64_t N, K, G;    // G: int4's and fp8's group size
+  int64_t N, K, G;    // G: int4's, fp8's and w8's group size
 };
 
 // One decoder layer: pointers into tensors that its caller keeps alive.
