@@ -19,8 +19,9 @@
 // arguments (weights, sizes), given once, and takes only the step's (h, RoPE, caches, slots, block
 // tables) per call.
 //
-// Where every layer's projections are float32, int8, fp8 (up to 8 rows of x) or int4 (tiles; row-major up to 4 rows),
-// DecodeLayers runs the step in one OpenMP parallel region instead (cpu_decode_region.cpp): the same functions,
+// Where every layer's projections are float32, int8, fp8 (up to 8 rows of x), group-wise 8-bit (up to 64) or int4
+// (tiles; row-major up to 4 rows), DecodeLayers runs the step in one OpenMP parallel region instead
+// (cpu_decode_region.cpp): the same functions,
 // so the same bits, without the dispatch, allocation and fork/join between the ops. On a tensor-parallel rank
 // (set_group: the host's shared-memory collectives) forward_tp does the same with the all-reduces inside the
 // region, and where the region does not take a step returns an empty tensor: Python then runs the halves.

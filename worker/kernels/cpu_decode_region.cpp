@@ -1,5 +1,6 @@
-// A Llama decode step in one OpenMP parallel region, for float32, int8, fp8 and int4 stacks on a float32 or 8-bit
-// (int8, fp8) KV cache: one rank's whole stack, or a tensor-parallel rank's, its all-reduces included.
+// A Llama decode step in one OpenMP parallel region, for float32, int8, fp8, group-wise 8-bit and int4 stacks on a
+// float32 or 8-bit (int8, fp8) KV cache: one rank's whole stack, or a tensor-parallel rank's, its all-reduces
+// included.
 //
 // Why: DecodeLayers' op path (cpu_decode_block.cpp) runs a layer as ten ops, each through the dispatcher,
 // each allocating its output, the projections and the attention each forking and joining the OpenMP team.
@@ -29,7 +30,8 @@
 // product in a fixed order; cpu_attention.cpp's items), each by one thread, so the hidden states and caches equal
 // the op path's bit for bit (tests/worker/test_decode_block.py). float32, int8 and fp8 projections take the region
 // where their op takes its streamed path in one pass (up to 8 rows of x, AVX-512); int4 tiles at any row count,
-// 10 rows a pass; int4's row-major layout where linear_int4 takes its AVX512-VNNI path (up to 4 rows, no AMX).
+// 10 rows a pass; int4's row-major layout where linear_int4 takes its AVX512-VNNI path (up to 4 rows, no AMX);
+// group-wise 8-bit where linear_w8 takes its AVX-512 decode passes (up to 64 rows).
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>

@@ -7,8 +7,8 @@ compiled paged kernel, a layer runs as ``torch.ops.tpserve_cpu.attention_block``
 projection), with the tensor-parallel all-reduces between them
 (:func:`decode_block_forward`); on one rank, :class:`DecodeStack` runs every layer,
 both halves and the residual adds, in one call (worker/kernels/cpu_decode_block.cpp). Where every
-projection is float32, int8, fp8 or int4 (and the step few enough rows for their kernels' decode paths),
-that call runs the whole step in one OpenMP parallel region instead of the ops
+projection is float32, int8, fp8, group-wise 8-bit or int4 (and the step few enough rows for their kernels'
+decode paths), that call runs the whole step in one OpenMP parallel region instead of the ops
 (worker/kernels/cpu_decode_region.cpp: no dispatch, allocation or fork and join between them; the
 same bits). On a tensor-parallel rank whose group shares memory on one host (the compiled collectives of
 worker/comm/shm_allreduce.py), :class:`DecodeStack` runs the region too, its all-reduces inside it; a step the
