@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from launch.cli import main
+from tests.e2e.cluster import free_port
 from tpserve.client import describe_rpc_error, with_default_port
 
 TPSERVE = [sys.executable, "-m", "launch.cli"]
@@ -42,9 +43,7 @@ def taken_port():
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()  # outside the ephemeral range (tests/e2e/cluster.py)
 
 
 def test_taken_metrics_port_is_one_line_naming_the_flag(taken_port):

@@ -9,11 +9,11 @@ processes (tests/test_config.py covers the configuration's own rules).
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
 from launch.cli import main
+from tests.e2e.cluster import free_port
 from tpserve.cli import build_parser, serve_config
 from tpserve.client import build_request
 
@@ -22,9 +22,7 @@ UINT64_MAX = 2**64 - 1
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()  # outside the ephemeral range (tests/e2e/cluster.py)
 
 
 def _one_line(stderr: str) -> str:

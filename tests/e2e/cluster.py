@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,25 @@ from tpserve.stream_move import MovePolicy
 START_TIMEOUT_S = 180.0
 
 
+#: Ports free_port draws from: below Linux's default ephemeral range (32768-60999, ip_local_port_range), from which
+#: the kernel takes the source ports of outgoing connections. A port the kernel handed out as "free" (bind to 0)
+#: came from that very range, and a test's client connection could take it as its source port before the server
+#: bound it ("--metrics-port N: cannot bind it (Address already in use)", seen once in CI).
+_PORTS = (20000, 32767)
+_port_random = random.Random(int.from_bytes(os.urandom(8), "little"))  # not the tests' seeded random: per process
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A localhost TCP port nothing listens on, outside the ephemeral range (:data:`_PORTS`)."""
+    for _ in range(200):
+        port = _port_random.randint(*_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: draw again
+            return port
+    raise RuntimeError(f"no free port in {_PORTS[0]}-{_PORTS[1]} after 200 draws")
 
 
 def with_nofile(cmd: list[str], nofile: tuple[int, int]) -> list[str]:

@@ -14,7 +14,7 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from tests.e2e.cluster import RunningCluster, serve
+from tests.e2e.cluster import RunningCluster, free_port, serve
 
 LONG_PROMPT = ("Once upon a time there was a little girl named Lily. She loved to play outside with her dog "
                "Max. One day they went to the park and saw a big tree with red apples. Lily wanted an apple "
@@ -24,10 +24,8 @@ LONG_PROMPT = ("Once upon a time there was a little girl named Lily. She loved t
 def free_port_range(count: int) -> int:
     """A port ``p`` with ``p .. p + count - 1`` all free now (a replica's ranks listen on consecutive ports)."""
     for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65000:
+        base = free_port()  # outside the ephemeral range (tests/e2e/cluster.py)
+        if base + count > 32767:
             continue
         socks = []
         try:

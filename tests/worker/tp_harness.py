@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tests.e2e.cluster import free_port
 from tests.worker.rank_processes import spawn_ranks
 from tpserve.step import PromptLogprobs, StepPlan
 from worker.kernels import cpu_kernels_available
@@ -140,9 +140,7 @@ def _rank_main(rank: int, tp_size: int, init_method: str, jobs: list[Job], out_p
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # outside the ephemeral range (tests/e2e/cluster.py)
 
 
 def run_jobs(jobs: list[Job], tp_size: int, device: str = "cpu") -> dict[str, list[StepRecord]]:
