@@ -25,9 +25,10 @@ START_TIMEOUT_S = 180.0
 #: Ports free_port draws from: below Linux's default ephemeral range (32768-60999, ip_local_port_range), from which
 #: the kernel takes the source ports of outgoing connections. A port the kernel handed out as "free" (bind to 0)
 #: came from that very range, and a test's client connection could take it as its source port before the server
-#: bound it ("--metrics-port N: cannot bind it (Address already in use)", seen once in CI).
-_PORTS = (20000, 32767)
-_port_random = random.Random(int.from_bytes(os.urandom(8), "little"))  # not the tests' seeded random: per process
+#: bound it ("--metrics-port N: cannot bind it (Address already in use)", seen once in CI). A port is free only
+#: when drawn: bind it soon (tests/worker/pp_harness.py draws each layout's as the layout starts).
+_PORTS = (10000, 32767)
+_port_random = random.SystemRandom()  # os.urandom's: no state a fork server's children would share
 
 
 def free_port() -> int:
