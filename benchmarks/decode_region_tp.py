@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.peer_comparison import _load, build_model, workloads  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
-from tests.e2e.cluster import free_port  # noqa: E402
+from benchmarks.step_overhead import serve  # noqa: E402  (a tree's server)
 
 FORMATS = ("int4", "int8")
 #: Run in a fresh process of a tree: the median time of its compiled stack's batch-1 decode step (ms).
@@ -71,46 +71,17 @@ print(statistics.median(times) * 1e3)
 """
 
 
-@contextmanager
-def serve(tree: Path, model_dir: Path, quantization: str):
-    """``tpserve serve`` of ``tree``'s code at tp 2; yields its gRPC target."""
-    from tpserve.client import Client
-
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    env.pop("OMP_NUM_THREADS", None)  # the server's own rule: the host's cores split among the ranks
-    cmd = [sys.executable, "-m", "launch.cli", "serve", "--model", str(model_dir), "--tensor-parallel-size", "2",
-           "--quantization", quantization, "--host", "127.0.0.1", "--port", str(port),
-           "--metrics-port", str(free_port())]
-    process = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = Client(f"127.0.0.1:{port}")
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"tpserve serve of {tree} exited with {process.returncode} during start-up")
-            try:
-                client.wait_ready(timeout_s=1.0)
-                break
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-        yield f"127.0.0.1:{port}"
-    finally:
-        client.close()
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
 def served(trees: dict[str, Path], model_dir: Path, rounds: int) -> dict:
     """Per format and tree: the median single-stream TPOT (ms) and batch16 throughput (tokens/s), with rounds."""
     out: dict = {}
     with ExitStack() as stack:
-        targets = {(fmt, name): stack.enter_context(serve(tree, model_dir, fmt))
-                   for fmt in FORMATS for name, tree in trees.items()}
+        targets = {}
+        for fmt in FORMATS:
+            for name, tree in trees.items():
+                # The server's own thread rule (None): one a rank on 2 cores.
+                _, port, _ = stack.enter_context(serve(tree, 2, 64, None, ("--model", str(model_dir),
+                                                                            "--quantization", fmt)))
+                targets[(fmt, name)] = f"127.0.0.1:{port}"
         for target in targets.values():  # warm-up: kernels, caches, the first prefill
             asyncio.run(_load(target, workloads(0, 99)["batch16"][:4]))
         tpot: dict = {key: [] for key in targets}

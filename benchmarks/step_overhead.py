@@ -87,14 +87,16 @@ def scrape(metrics_port: int, name: str) -> float | None:
 
 
 @contextmanager
-def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int, extra: tuple[str, ...] = ()):
-    """``tpserve serve`` of ``tree``'s code (cwd and PYTHONPATH), ``threads`` torch threads per rank,
-    ``extra`` flags: yields (pid, port, metrics port)."""
+def serve(tree: Path, tensor_parallel_size: int, max_num_seqs: int, threads: int | None, extra: tuple[str, ...] = ()):
+    """``tpserve serve`` of ``tree``'s code (cwd and PYTHONPATH), ``threads`` torch threads per rank (None: the
+    server's own rule, the host's cores split among the ranks), ``extra`` flags: yields (pid, port, metrics port)."""
     from tpserve.client import Client
 
     port, metrics_port = free_port(), free_port()
     # As many threads per rank as the bare step has: the ratio compares like with like.
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
+    if threads is None:
+        env.pop("OMP_NUM_THREADS")
     cli = "launch.cli" if (tree / "launch" / "cli.py").is_file() else "tpserve.cli"  # older trees: tpserve.cli
     cmd = [sys.executable, "-m", cli, "serve", "--tensor-parallel-size", str(tensor_parallel_size),
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
