@@ -15,8 +15,9 @@ sequences (those two: more rows than the float32 and 8-bit GEMVs' decode path, s
 int4 tiles take any). The checkpoints cover o_proj and MLP biases (added once, after the sum), q/k/v biases,
 GQA and MQA, a window, QK-norm, weight-only int8, group-wise 8-bit (8-bit GPTQ), int4 tiles (AMX-INT8 CPUs) and
 8-bit KV caches; the degrees
-2 and 4 (1 KV head per rank at 4). And a peer lost inside the region fails the step, as a lost peer fails
-``SharedMemoryComm``'s collective.
+2 and 4 (1 KV head per rank at 4), and LoRA adapter rows (three adapters and the base model, on the biased
+model: the adapters' sums before the all-reduce and the bias). And a peer lost inside the region fails the step,
+as a lost peer fails ``SharedMemoryComm``'s collective.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import pytest
 import torch
 
 from tests.tiny_models import save_tiny_model
+from tests.worker.lora_checkpoints import ALL_TARGETS, AdapterSpec, save_adapter
 from tests.worker.region_specs import INT4_TILES, MISTRAL_WINDOW_INT4_TILES
 from tests.worker.tp_harness import Job, run_jobs
 from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
+from worker.lora_settings import LoRASettings
 
 pytestmark = pytest.mark.skipif(not (_cpu_supports_avx2() and shutil.which("c++")),
                                 reason="the decode region is a compiled kernel: needs an AVX2 CPU and a C++ compiler")
@@ -42,8 +45,8 @@ BLOCKS_PER_SEQ = 16
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _plans() -> tuple[StepPlan, ...]:
-    """The module docstring's plans."""
+def _plans(lora: bool = False) -> tuple[StepPlan, ...]:
+    """The module docstring's plans; ``lora``: sequence ``s`` under adapter slot ``s % 4`` (0: the base model)."""
     prompts = {0: list(range(3, 8)), 1: list(range(20, 31)), 2: list(range(40, 60)), 3: [9, 8, 7]}
     for seq in range(4, 10):
         prompts[seq] = [11 + seq, 12 + seq]
@@ -56,7 +59,8 @@ def _plans() -> tuple[StepPlan, ...]:
         chunks += [ScheduledChunk(s, tuple(prompts[s]), 0, blocks[s]) for s in new]
         for chunk in chunks:
             positions[chunk.seq_id] = chunk.start_position + len(chunk.token_ids)
-        plans.append(StepPlan(len(plans) + 1, tuple(NewSequence(s, GREEDY) for s in new), tuple(chunks), finished))
+        plans.append(StepPlan(len(plans) + 1, tuple(NewSequence(s, GREEDY, lora_slot=s % 4 if lora else 0)
+                                                     for s in new), tuple(chunks), finished))
 
     step((0, 1, 2), ())
     for _ in range(10):
@@ -81,30 +85,47 @@ def _case_checkpoint(name: str, tiny_checkpoints: dict[str, Path], tmp_path: Pat
     return save_tiny_model(specs[name], tmp_path / name) if name in specs else tiny_checkpoints[name]
 
 
+ADAPTERS = (
+    AdapterSpec("all_r4", 4, 8.0, ALL_TARGETS, seed=31),
+    AdapterSpec("qv_down_r8_rslora", 8, 16.0, ("q_proj", "v_proj", "down_proj"), use_rslora=True, seed=32),
+    AdapterSpec("k_o_mlp_r2", 2, 4.0, ("k_proj", "o_proj", "gate_proj", "up_proj"), seed=33),
+)
+
+
+def _lora_settings(checkpoint: Path, tmp_path: Path) -> LoRASettings:
+    """Three adapters of ``checkpoint`` (every target; q, v, down with rsLoRA; k, o and the MLP) in 4 slots."""
+    paths = []
+    for adapter in ADAPTERS:
+        save_adapter(checkpoint, adapter, tmp_path / f"{checkpoint.name}-{adapter.name}")
+        paths.append(str(tmp_path / f"{checkpoint.name}-{adapter.name}"))
+    return LoRASettings(max_loras=4, max_lora_rank=8, adapter_paths=tuple(paths))
+
+
 CASES = {  # name -> (checkpoint, --quantization, --kv-cache-dtype)
     "gqa_tied": ("gqa_tied", None, "auto"),
     "mqa_untied_bias": ("mqa_untied_bias", None, "auto"),
+    "mqa_untied_bias_lora": ("mqa_untied_bias", None, "auto"),  # three adapters and the base model
     "qwen2_qkv_bias_int8": ("qwen2_qkv_bias", "int8", "auto"),
     "gqa_tied_gptq8": ("gqa_tied_gptq8", None, "auto"),
     "qwen3_qk_norm_fp8_cache": ("qwen3_qk_norm", "int8", "fp8"),
     "int4_tiles": (INT4_TILES.name, "int4", "auto"),
     "mistral_window_int4_int8_cache": (MISTRAL_WINDOW_INT4_TILES.name, "int4", "int8"),
 }
-DEGREES = {2: tuple(CASES), 4: ("gqa_tied", "mqa_untied_bias")}
+DEGREES = {2: tuple(CASES), 4: ("gqa_tied", "mqa_untied_bias", "mqa_untied_bias_lora")}
 
 
 @pytest.mark.parametrize("tp", sorted(DEGREES))
 def test_the_region_equals_the_halves_on_tensor_parallel_ranks(tp: int, tiny_checkpoints: dict[str, Path],
                                                                 tmp_path: Path) -> None:
-    plans = _plans()
     jobs = []
     for case in DEGREES[tp]:
         checkpoint, quantization, kv_cache_dtype = CASES[case]
-        model_dir = str(_case_checkpoint(checkpoint, tiny_checkpoints, tmp_path))
+        model_dir = _case_checkpoint(checkpoint, tiny_checkpoints, tmp_path)
+        lora = _lora_settings(model_dir, tmp_path) if case.endswith("_lora") else None
         for region in (True, False):
-            jobs.append(Job(f"{case}/{region}", model_dir, plans, num_blocks=BLOCKS_PER_SEQ * 10,
-                            block_size=BLOCK_SIZE, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                            decode_region=region))
+            jobs.append(Job(f"{case}/{region}", str(model_dir), _plans(lora is not None),
+                            num_blocks=BLOCKS_PER_SEQ * 10, block_size=BLOCK_SIZE, quantization=quantization,
+                            kv_cache_dtype=kv_cache_dtype, decode_region=region, lora=lora))
     records = run_jobs(jobs, tp)
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
     int4_tiles = cpu_kernels_available() and bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
@@ -115,7 +136,7 @@ def test_the_region_equals_the_halves_on_tensor_parallel_ranks(tp: int, tiny_che
         # Every step but the first (its prompts are prefill chunks) takes the decode block: short prompts join the
         # decode rows. The region's formats: float32 and int8 where their GEMV takes its AVX-512 decode path (up
         # to 8 rows), int4 in the tile layout at any row count.
-        rows = [sum(chunk.num_tokens for chunk in plan.scheduled) for plan in plans[1:]]
+        rows = [sum(chunk.num_tokens for chunk in plan.scheduled) for plan in _plans()[1:]]
         if quantization == "int4":
             expected = len(rows) if int4_tiles else 0
         elif case == "gqa_tied_gptq8":  # group-wise 8-bit: up to 64 rows

@@ -11,6 +11,8 @@
   the grouped GEMMs of hosts without the compiled kernels), with the same tokens.
   The base rows of that batch match the base model's alone; every adapter row moves.
   (Both paths against peft's merged model: tests/worker/test_lora.py.)
+* With 8 such rows on an AVX-512 CPU the step runs in the parallel region (worker/kernels/cpu_decode_region.cpp),
+  bit-identical to ``forward_lora``'s ops, o's and down's biases included.
 """
 
 from __future__ import annotations
@@ -117,11 +119,12 @@ def _run(steps: _Steps, slots: list[int]) -> list[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, LoRASettings]]:
-    """Llama (GQA, tied) and Qwen3 (QK-norm) with the three adapters in a pool of 4 slots."""
+    """Llama (GQA, tied; MQA with o_proj and MLP biases) and Qwen3 (QK-norm) with the three adapters in a pool of 4
+    slots."""
     root = tmp_path_factory.mktemp("lora_decode_block")
     out = {}
     for spec in TINY_MODELS:
-        if spec.name in ("gqa_tied", "qwen3_qk_norm"):
+        if spec.name in ("gqa_tied", "qwen3_qk_norm", "mqa_untied_bias"):
             base = save_tiny_model(spec, root / spec.name)
             paths = []
             for adapter in ADAPTERS:
@@ -188,3 +191,35 @@ def test_adapter_decode_steps_take_the_compiled_path(name: str, path: str, check
     adapted = torch.tensor(slots) > 0
     torch.testing.assert_close(compiled.hidden[-1][~adapted], without.hidden[-1][~adapted], atol=1e-6, rtol=1e-6)
     assert (compiled.hidden[-1][adapted] - without.hidden[-1][adapted]).abs().amax(dim=1).min() > 1e-3
+
+
+@pytest.mark.skipif(not (cpu_kernels_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"),
+                    reason="the float32 decode region is the streamed GEMV of an AVX-512 CPU")
+@pytest.mark.parametrize("name", ["gqa_tied", "qwen3_qk_norm", "mqa_untied_bias"])
+def test_adapter_decode_steps_in_the_region_equal_the_ops(name: str, checkpoints: dict) -> None:
+    """8 sequences (the base model and the three adapters, two each) decode in the parallel region
+    (worker/kernels/cpu_decode_region.cpp: each projection's adapter tiles split between the two threads, then o's
+    and down's bias after their sums, as the op path adds them) and as ``forward_lora``'s ops
+    (``use_decode_region(False)``): every step's hidden states, the tokens and the caches equal, bit for bit."""
+    base, settings = checkpoints[name]
+    slots = [i % 4 for i in range(8)]
+    ops = torch.ops.tpserve_cpu
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        region = _Steps(base, settings, "stack")
+        steps = ops.decode_region_steps()
+        tokens = _run(region, slots)
+        assert ops.decode_region_steps() - steps == 8  # every decode step; the prefill's 8 prompts are 40 rows
+        ops.use_decode_region(False)
+        try:
+            op_path = _Steps(base, settings, "stack")
+            assert _run(op_path, slots) == tokens
+        finally:
+            ops.use_decode_region(True)
+    finally:
+        torch.set_num_threads(before)
+    for step, (a, b) in enumerate(zip(region.hidden, op_path.hidden, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item():.3g}"
+    for (k_a, v_a), (k_b, v_b) in zip(region.runner.kv_caches, op_path.runner.kv_caches, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)

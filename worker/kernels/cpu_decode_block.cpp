@@ -24,7 +24,8 @@
 // (cpu_decode_region.cpp): the same functions,
 // so the same bits, without the dispatch, allocation and fork/join between the ops. On a tensor-parallel rank
 // (set_group: the host's shared-memory collectives) forward_tp does the same with the all-reduces inside the
-// region, and where the region does not take a step returns an empty tensor: Python then runs the halves.
+// region, and where the region does not take a step returns an empty tensor: Python then runs the halves. Steps with
+// adapter rows (forward_lora, forward_tp's row_slots) take the region where every layer's slots were given.
 //
 // With LoRA adapter slots (--enable-lora) each projection adds its adapters' low-rank sums for the
 // step's adapter rows (lora_add_, cpu_lora.cpp) right after its GEMM, where the module path's
@@ -289,6 +290,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     L.gate_up_lora_a = std::move(gate_up_a), L.gate_up_lora_b = std::move(gate_up_b);
     L.down_lora_a = std::move(down_a), L.down_lora_b = std::move(down_b);
     L.qkv_lora_parts = std::move(qkv_parts), L.gate_up_lora_parts = std::move(gate_up_parts);
+    add_region_lora(layer);
   }
 
   // h (T, hidden) through every layer -> (T, hidden); layer i's keys and values go to k_caches[i], v_caches[i].
@@ -321,16 +323,18 @@ class DecodeLayers : public torch::CustomClassHolder {
   at::Tensor forward_tp(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
                         std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping,
                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                        const at::Tensor& context_lens, std::vector<at::Tensor> kv_scales, int64_t first_seq) {
+                        const at::Tensor& context_lens, std::vector<at::Tensor> kv_scales, int64_t first_seq,
+                        const OptTensor& row_slots) {
     TORCH_CHECK(group_.has_value(), "tpserve DecodeLayers.forward_tp: set_group first");
     check_sizes(k_caches, v_caches, kv_scales);
     if (h.dim() != 2 || h.numel() * static_cast<int64_t>(sizeof(float)) > group_->max_bytes ||
+        !region_lora_takes(h, row_slots) ||
         !region_takes(h, cos, sin, k_caches, v_caches, kv_scales, slot_mapping, block_tables, query_start_loc,
                       context_lens)) {
       return at::empty({0}, h.options());
     }
     return run_region(h, cos, sin, k_caches, v_caches, slot_mapping, block_tables, query_start_loc, context_lens,
-                      kv_scales, &*group_, first_seq);
+                      kv_scales, &*group_, first_seq, row_slots);
   }
 
   // Whether the stack's layers could run in the region at all (their formats and shapes): false keeps every
@@ -356,10 +360,10 @@ class DecodeLayers : public torch::CustomClassHolder {
                  const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                  const std::vector<at::Tensor>& kv_scales, const OptTensor& row_slots) {
     check_sizes(k_caches, v_caches, kv_scales);
-    if (!row_slots.has_value() && region_takes(h, cos, sin, k_caches, v_caches, kv_scales, slot_mapping, block_tables,
-                                               query_start_loc, context_lens)) {
+    if (region_lora_takes(h, row_slots) && region_takes(h, cos, sin, k_caches, v_caches, kv_scales, slot_mapping,
+                                                         block_tables, query_start_loc, context_lens)) {
       return run_region(h, cos, sin, k_caches, v_caches, slot_mapping, block_tables, query_start_loc, context_lens,
-                        kv_scales, nullptr, 0);
+                        kv_scales, nullptr, 0, row_slots);
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const bool codes = !kv_scales.empty();
@@ -384,7 +388,8 @@ class DecodeLayers : public torch::CustomClassHolder {
                         const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                        const std::vector<at::Tensor>& kv_scales, const tpserve::ShmGroup* group, int64_t first_seq) {
+                        const std::vector<at::Tensor>& kv_scales, const tpserve::ShmGroup* group, int64_t first_seq,
+                        const OptTensor& row_slots) {
     at::Tensor out = at::empty_like(h);
     const at::ScalarType cache_type = k_caches[0].scalar_type();
     const auto kind = cache_type == at::kFloat  ? tpserve::RegionStep::kFloat32
@@ -394,7 +399,8 @@ class DecodeLayers : public torch::CustomClassHolder {
                              k_caches[0].size(3), cos.data_ptr<float>(), sin.data_ptr<float>(), {}, {}, {}, {}, {},
                              k_caches[0].size(1), slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
                              block_tables.size(1), query_start_loc.data_ptr<int64_t>(),
-                             context_lens.data_ptr<int64_t>(), context_lens.numel(), group, first_seq};
+                             context_lens.data_ptr<int64_t>(), context_lens.numel(), group, first_seq,
+                             row_slots.has_value() ? row_slots->data_ptr<int64_t>() : nullptr};
     for (size_t i = 0; i < layers_.size(); ++i) {
       step.k_caches.push_back(k_caches[i].data_ptr());
       step.v_caches.push_back(v_caches[i].data_ptr());
@@ -407,6 +413,53 @@ class DecodeLayers : public torch::CustomClassHolder {
     const std::string error = tpserve::decode_region(region_, step);
     TORCH_CHECK(error.empty(), error);
     return out;
+  }
+
+  // Whether the region can take this step's adapter rows: none, or every layer's slots given (add_lora) and the
+  // rows' slot indices an int64 (T,) tensor within the pools (lora_add_'s check, made once for the step).
+  bool region_lora_takes(const at::Tensor& h, const OptTensor& row_slots) const {
+    if (!row_slots.has_value()) return true;
+    if (region_.size() != layers_.size() || region_.empty() || h.dim() != 2 ||
+        row_slots->scalar_type() != at::kLong || !row_slots->is_contiguous() || row_slots->numel() != h.size(0)) {
+      return false;
+    }
+    for (const tpserve::RegionLayer& L : region_) {
+      if (!L.lora) return false;
+    }
+    const int64_t* slots = row_slots->data_ptr<int64_t>();
+    const int64_t num_slots = region_[0].qkv_lora.L;
+    for (int64_t t = 0; t < h.size(0); ++t) {
+      TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "tpserve lora_add_: row ", t, " has slot index ", slots[t],
+                  " outside [-1, ", num_slots, ")");
+    }
+    return true;
+  }
+
+  // Layer `layer`'s adapter slots in the region's terms, where its pools are what lora_add_ takes (contiguous
+  // float32, one pool size for the four projections); else the layer's steps with adapter rows keep the ops.
+  void add_region_lora(int64_t layer) {
+    if (!region_ok_ || layer >= static_cast<int64_t>(region_.size())) return;
+    const LayerArgs& L = layers_[layer];
+    tpserve::RegionLayer& R = region_[layer];
+    auto slots = [](const OptTensor& a, const OptTensor& b, int64_t K, int64_t N,
+                    const std::vector<int64_t>& parts) -> std::optional<tpserve::LoraSlots> {
+      if (!a.has_value() || !b.has_value() || a->scalar_type() != at::kFloat || b->scalar_type() != at::kFloat ||
+          !a->is_contiguous() || !b->is_contiguous() || a->dim() != 3 || b->dim() != 3 || a->size(2) != K ||
+          b->size(2) != N || a->size(0) != b->size(0) || a->size(1) != b->size(1)) {
+        return std::nullopt;
+      }
+      std::vector<int64_t> widths = parts.empty() ? std::vector<int64_t>{N} : parts;
+      int64_t sum = 0;
+      for (int64_t w : widths) sum += w;
+      if (sum != N || a->size(1) % static_cast<int64_t>(widths.size()) != 0) return std::nullopt;
+      return tpserve::LoraSlots{a->data_ptr<float>(), b->data_ptr<float>(), a->size(0), a->size(1), widths};
+    };
+    const auto qkv = slots(L.qkv_lora_a, L.qkv_lora_b, R.qkv.K, R.qkv.N, L.qkv_lora_parts);
+    const auto o = slots(L.o_lora_a, L.o_lora_b, R.o.K, R.o.N, {});
+    const auto gate_up = slots(L.gate_up_lora_a, L.gate_up_lora_b, R.gate_up.K, R.gate_up.N, L.gate_up_lora_parts);
+    const auto down = slots(L.down_lora_a, L.down_lora_b, R.down.K, R.down.N, {});
+    R.lora = qkv && o && gate_up && down && qkv->L == o->L && qkv->L == gate_up->L && qkv->L == down->L;
+    if (R.lora) R.qkv_lora = *qkv, R.o_lora = *o, R.gate_up_lora = *gate_up, R.down_lora = *down;
   }
 
   // The layer in the region's terms (decode_region.h) where every projection is float32, int8, fp8, group-wise 8-bit

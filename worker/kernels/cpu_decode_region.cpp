@@ -25,6 +25,8 @@
 // ranks (shm_all_reduce, cpu_shm.cpp: rank order, the bits of SharedMemoryComm.all_reduce) and adds the row-parallel
 // bias, and a second barrier: the layer's halves and ctx.all_reduce of the op path, without the four Python calls
 // and two op dispatches a layer between them. A lost peer fails the step with SharedMemoryComm's error.
+// LoRA (a step with adapter rows): after each projection a barrier and lora_add_'s tiles split between the threads
+// (lora_share.h), then a barrier; o's and down's row-parallel bias after the adapters' sums, as the op path adds it.
 // Every value is made by the same function as on the op path (row_math.h, kv_store.h; the int4 tiles' run_rows,
 // linear_int4's VNNI rows, cpu_linear.cpp's streamed GEMV and linear_fp8's pass, whose every output is one dot
 // product in a fixed order; cpu_attention.cpp's items), each by one thread, so the hidden states and caches equal
@@ -287,6 +289,14 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
   // the row-parallel bias, which the projections therefore leave out (RegionWeight copies without it).
   std::string error;  // thread 0's collective's, read by the team after the barrier that follows it
   int64_t seq = step.first_seq;
+  // One rank, a step with adapter rows: y's rows + the row-parallel bias after the adapters' sums, each thread its
+  // rows (after a barrier: the sums are in).
+  auto add_bias = [&](float* y, const float* bias, int team) {
+    if (bias == nullptr) return;
+    barrier.wait(team);
+    const auto [t0, t1] = share(step.T, omp_get_thread_num(), team);
+    for (int64_t t = t0; t < t1; ++t) add_row(y + t * step.hidden, bias, step.hidden, y + t * step.hidden);
+  };
   auto all_reduce = [&](float* y, const float* bias, int team) {
     barrier.wait(team);
     if (omp_get_thread_num() == 0 && error.empty()) {
@@ -308,13 +318,20 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
       const RegionLayer& L = layers[li];
       const int64_t H = L.num_heads, groups = H / L.num_kv_heads, width = L.qkv.N;
       RegionWeight o_w = L.o, down_w = L.down;
-      if (step.group != nullptr) o_w.bias = down_w.bias = nullptr;  // added after the all-reduce
+      // Row-parallel biases after the all-reduce, and after the adapters' sums (the op path's order).
+      const bool lora = step.lora_row_slots != nullptr;
+      const bool bias_after = step.group != nullptr || lora;
+      if (bias_after) o_w.bias = down_w.bias = nullptr;
       // 1. qkv = rms_norm(h) W_qkv^T
       for (int64_t t = 0; t < T; ++t) {
         rms_norm_row(local.h.data() + t * hidden, L.norm1, L.eps1, hidden, local.x.data() + t * hidden);
       }
       project_share(L.qkv, local.x.data(), T, local, tid, team, qkv.data());
       barrier.wait(team);
+      if (lora) {  // + the adapters' q, k, v: each thread its tiles of rows
+        lora_add_share(local.x.data(), T, L.qkv.K, qkv.data(), L.qkv.N, L.qkv_lora, step.lora_row_slots, tid, team);
+        barrier.wait(team);
+      }
       // 2. RoPE, the cache write and attention, per (sequence, KV head)
       {
         const auto [b, e] = share(step.S * KVH, tid, team);
@@ -333,7 +350,15 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
       barrier.wait(team);
       // 3. o = heads W_o^T [+ b_o]
       project_share(o_w, heads.data(), T, local, tid, team, o.data());
-      if (step.group != nullptr) all_reduce(o.data(), L.o.bias, team);
+      if (lora) {
+        barrier.wait(team);
+        lora_add_share(heads.data(), T, L.o.K, o.data(), hidden, L.o_lora, step.lora_row_slots, tid, team);
+      }
+      if (step.group != nullptr) {
+        all_reduce(o.data(), L.o.bias, team);
+      } else if (bias_after) {
+        add_bias(o.data(), L.o.bias, team);
+      }
       barrier.wait(team);
       if (!error.empty()) break;  // every thread leaves at the same point
       // 4. gate_up = rms_norm(h + o) W_gu^T
@@ -344,6 +369,11 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
       }
       project_share(L.gate_up, local.x.data(), T, local, tid, team, gate_up.data());
       barrier.wait(team);
+      if (lora) {
+        lora_add_share(local.x.data(), T, hidden, gate_up.data(), L.gate_up.N, L.gate_up_lora, step.lora_row_slots,
+                       tid, team);
+        barrier.wait(team);
+      }
       // 5. act = silu(gate) * up, split by columns, 16 at a time (its exponentials are the MLP's costliest
       // elementwise work: 10 us a layer at 8 rows of 1,536 on one thread), then m = act W_down^T [+ b_down]
       {
@@ -357,7 +387,15 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
       }
       barrier.wait(team);
       project_share(down_w, act.data(), T, local, tid, team, m.data());
-      if (step.group != nullptr) all_reduce(m.data(), L.down.bias, team);
+      if (lora) {
+        barrier.wait(team);
+        lora_add_share(act.data(), T, L.down.K, m.data(), hidden, L.down_lora, step.lora_row_slots, tid, team);
+      }
+      if (step.group != nullptr) {
+        all_reduce(m.data(), L.down.bias, team);
+      } else if (bias_after) {
+        add_bias(m.data(), L.down.bias, team);
+      }
       barrier.wait(team);
       if (!error.empty()) break;
       // 6. h = h2 + m (m is rewritten only after the next layer's first barrier)

@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "lora_share.h"
 #include "vec_math.h"
 
 namespace {
@@ -187,6 +188,51 @@ void lora_tile(const float* xs, const float* a, const float* b, float* ys, const
   }
 }
 
+// A step's rows grouped by adapter (a counting sort), then tiles of up to kRowsPerTile rows of one adapter: what
+// lora_add_ runs, and the decode region's share of it (every slot in [-1, L): checked by the caller).
+struct LoraTiles {
+  std::vector<int64_t> count, order;               // count[s] .. count[s + 1]: slot s's rows in order
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (slot, first index into order)
+};
+
+LoraTiles lora_tiles(const int64_t* slots, int64_t T, int64_t L) {
+  LoraTiles out;
+  out.count.assign(L + 1, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] >= 0) ++out.count[slots[t] + 1];
+  }
+  for (int64_t s = 0; s < L; ++s) out.count[s + 1] += out.count[s];
+  out.order.resize(out.count[L]);
+  std::vector<int64_t> next(out.count.begin(), out.count.end() - 1);
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] >= 0) out.order[next[slots[t]]++] = t;
+  }
+  for (int64_t s = 0; s < L; ++s) {
+    for (int64_t i = out.count[s]; i < out.count[s + 1]; i += kRowsPerTile) out.tiles.emplace_back(s, i);
+  }
+  return out;
+}
+
+// Tiles [i0, i1): each its rows' y += (x @ A_s^T) @ B_s; a tile writes only its own rows of y.
+void run_tiles(const LoraTiles& t, int64_t i0, int64_t i1, const float* xs, const float* as, const float* bs,
+               float* ys, int64_t K, int64_t N, int64_t PR, const std::vector<int64_t>& part_widths) {
+  std::vector<float> tmp(kRowsPerTile * PR);
+  std::vector<int64_t> js;
+  js.reserve(PR);
+  for (int64_t i = i0; i < i1; ++i) {
+    const auto [s, first] = t.tiles[i];
+    const float* a = as + s * PR * K;
+    const float* b = bs + s * PR * N;
+    const int64_t* rows = t.order.data() + first;
+    switch (std::min(kRowsPerTile, t.count[s + 1] - first)) {
+      case 4: lora_tile<4>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+      case 3: lora_tile<3>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+      case 2: lora_tile<2>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+      default: lora_tile<1>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
+    }
+  }
+}
+
 void lora_add_(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lora_a, const at::Tensor& lora_b,
                const at::Tensor& row_slots, at::IntArrayRef part_widths_in) {
   const at::Tensor x = x_in.contiguous();
@@ -210,48 +256,36 @@ void lora_add_(at::Tensor& y, const at::Tensor& x_in, const at::Tensor& lora_a, 
   TORCH_CHECK(row_slots.scalar_type() == at::kLong && row_slots.is_contiguous() && row_slots.numel() == T,
               "tpserve lora_add_: row_slots must be a contiguous int64 (T,) tensor");
   const int64_t* slots = row_slots.data_ptr<int64_t>();
-  // The rows grouped by adapter (a counting sort), then tiles of up to kRowsPerTile rows of one adapter.
-  std::vector<int64_t> count(L + 1, 0);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slots[t] >= -1 && slots[t] < L, "tpserve lora_add_: row ", t, " has slot index ", slots[t],
                 " outside [-1, ", L, ")");
-    if (slots[t] >= 0) ++count[slots[t] + 1];
   }
-  for (int64_t s = 0; s < L; ++s) count[s + 1] += count[s];
-  std::vector<int64_t> order(count[L]), next(count.begin(), count.end() - 1);
-  for (int64_t t = 0; t < T; ++t) {
-    if (slots[t] >= 0) order[next[slots[t]]++] = t;
-  }
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (slot, first index into order)
-  for (int64_t s = 0; s < L; ++s) {
-    for (int64_t i = count[s]; i < count[s + 1]; i += kRowsPerTile) tiles.emplace_back(s, i);
-  }
+  const LoraTiles tiles = lora_tiles(slots, T, L);
   const float* xs = x.data_ptr<float>();
   const float* as = lora_a.data_ptr<float>();
   const float* bs = lora_b.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const int64_t num_tiles = static_cast<int64_t>(tiles.tiles.size());
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kRowsPerTile * PR * (K + N)));
   at::parallel_for(0, num_tiles, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> tmp(kRowsPerTile * PR);
-    std::vector<int64_t> js;
-    js.reserve(PR);
-    for (int64_t i = i0; i < i1; ++i) {
-      const auto [s, first] = tiles[i];
-      const float* a = as + s * PR * K;
-      const float* b = bs + s * PR * N;
-      const int64_t* rows = order.data() + first;
-      switch (std::min(kRowsPerTile, count[s + 1] - first)) {
-        case 4: lora_tile<4>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
-        case 3: lora_tile<3>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
-        case 2: lora_tile<2>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
-        default: lora_tile<1>(xs, a, b, ys, rows, K, N, PR, part_widths, tmp.data(), js); break;
-      }
-    }
+    run_tiles(tiles, i0, i1, xs, as, bs, ys, K, N, PR, part_widths);
   });
 }
 
 }  // namespace
+
+namespace tpserve {
+
+void lora_add_share(const float* x, int64_t T, int64_t K, float* y, int64_t N, const LoraSlots& w,
+                    const int64_t* row_slots, int64_t tid, int64_t team) {
+  const LoraTiles tiles = lora_tiles(row_slots, T, w.L);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.tiles.size());
+  const int64_t per = num_tiles / team, extra = num_tiles % team;
+  const int64_t i0 = tid * per + std::min(tid, extra), i1 = i0 + per + (tid < extra ? 1 : 0);
+  if (i0 < i1) run_tiles(tiles, i0, i1, x, w.a, w.b, y, K, N, w.PR, w.part_widths);
+}
+
+}  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "

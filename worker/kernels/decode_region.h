@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "lora_share.h"
 #include "shm_collective.h"
 
 namespace tpserve {
@@ -45,6 +46,10 @@ struct RegionLayer {
   float qk_norm_eps;
   float scale;              // the attention's q . k scale
   int64_t sliding_window;   // 0: none
+  // --enable-lora: each projection's adapter slots (DecodeLayers.add_lora), added after its GEMM on a step with
+  // adapter rows; o's and down's row-parallel bias then after them, as the op path adds it.
+  bool lora = false;
+  LoraSlots qkv_lora, o_lora, gate_up_lora, down_lora;
 };
 
 // One step: T decode rows (query rows of S sequences, query_start_loc (S + 1,)), caches (num_blocks, block_size,
@@ -72,6 +77,8 @@ struct RegionStep {
   // number of the step's first collective (2 a layer: o, then the MLP's). Null at one rank.
   const ShmGroup* group = nullptr;
   int64_t first_seq = 0;
+  // A step with adapter rows: each row's slot index, (T,) int64 in [-1, L) (-1: the base model); null: none.
+  const int64_t* lora_row_slots = nullptr;
 };
 
 // Whether the region computes T rows of x with these layers exactly as their ops do: int4 tiles at any T,

@@ -12,7 +12,8 @@ decode paths), that call runs the whole step in one OpenMP parallel region inste
 (worker/kernels/cpu_decode_region.cpp: no dispatch, allocation or fork and join between them; the
 same bits). On a tensor-parallel rank whose group shares memory on one host (the compiled collectives of
 worker/comm/shm_allreduce.py), :class:`DecodeStack` runs the region too, its all-reduces inside it; a step the
-region does not take (more rows than its formats' decode paths, adapter rows) runs the halves.
+region does not take (more rows than its formats' decode paths) runs the halves. Steps with LoRA adapter rows
+take the region as well, each projection's adapter tiles split between its threads.
 They run the very kernels the module path (:class:`~worker.models.llama.LlamaDecoderLayer`'s
 submodules) calls, in the same order, so the hidden states are bit-identical to it;
 what goes is the Python between them, some twenty calls a layer. Measured on the 95M benchmark model
@@ -159,8 +160,8 @@ class DecodeStack:
     Tensor parallelism (``shm``): the region sums each layer's two partial products over the ranks through the
     group's shared-memory collectives, on its thread 0 between two barriers, then adds the row-parallel bias: the
     same bits as the layers' halves around ``ctx.all_reduce`` (tests/worker/test_decode_region_tp.py). A step it
-    does not take (more rows than its kernels' decode paths, adapter rows, a tensor larger than a slot) returns
-    None, and the caller runs the halves.
+    does not take (more rows than its kernels' decode paths, a tensor larger than a slot) returns None, and the
+    caller runs the halves.
 
     Args:
         layers: the stack's ``LlamaDecoderLayer`` s, each with ``decode_block`` True.
@@ -194,21 +195,7 @@ class DecodeStack:
                 self._compiled.set_group(*self._shm.compiled_group())
         k_caches, v_caches, kv_scales = self._step_caches(kv_caches)
         row_slots = lora_row_slots(self._layers[0])  # decided once for the whole step
-        if self._shm is not None:
-            if row_slots is not None or not self._compiled.region_ready():
-                return None
-            # Every rank decides alike (the same rows, formats, flags and slot size), so the ranks take the
-            # region's collectives, or the halves', together.
-            shm = self._shm
-            out = self._compiled.forward_tp(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales,
-                                            shm.next_collective)  # (T, hidden), or empty: not taken
-            if out.numel() == 0:
-                return None
-            shm.skip(2 * len(self._layers))  # o's and the MLP's all-reduce, each layer
-            return out
-        if row_slots is None:  # no adapter row: the no-LoRA stack
-            return self._compiled.forward(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales)  # (T, hidden)
-        if not self._lora:
+        if row_slots is not None and not self._lora:  # the layers' adapter pools, given once
             for i, layer in enumerate(self._layers):
                 lora = _lora_args(layer)
                 assert lora is not None  # LoRAAdapters gives every target layer of the model its slots
@@ -216,6 +203,20 @@ class DecodeStack:
                 self._compiled.add_lora(i, qkv_a, qkv_b, o_a, o_b, gate_up_a, gate_up_b, down_a, down_b, qkv_parts,
                                         gate_up_parts)
             self._lora = True
+        if self._shm is not None:
+            if not self._compiled.region_ready():
+                return None
+            # Every rank decides alike (the same rows, formats, flags and slot size), so the ranks take the
+            # region's collectives, or the halves', together.
+            shm = self._shm
+            out = self._compiled.forward_tp(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales,
+                                            shm.next_collective, row_slots)  # (T, hidden), or empty: not taken
+            if out.numel() == 0:
+                return None
+            shm.skip(2 * len(self._layers))  # o's and the MLP's all-reduce, each layer
+            return out
+        if row_slots is None:  # no adapter row: the no-LoRA stack
+            return self._compiled.forward(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales)  # (T, hidden)
         return self._compiled.forward_lora(h, *rope, k_caches, v_caches, *_step_args(meta), kv_scales,
                                            row_slots)  # (T, hidden)
 
