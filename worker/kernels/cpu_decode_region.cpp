@@ -72,7 +72,7 @@ std::atomic<int64_t> region_steps{0};  // steps run here since the library loade
 // until the collective's timeout: the waiting threads give their cores up). Why not `omp barrier`: libgomp's
 // barrier spins only as long as GOMP_SPINCOUNT says and then sleeps in the kernel, so under OMP_WAIT_POLICY=passive
 // (common advice for shared hosts) each of the region's six barriers a layer paid a futex wake-up: the 95M
-// model's int4 stack took 1.74 ms instead of 1.10 (benchmarks/README.md, "decode_region_tp.py"). acq_rel on the
+// model's int4 stack took 1.86 ms instead of 1.19 (benchmarks/README.md, "decode_region_tp.py"). acq_rel on the
 // arrival and release/acquire on the phase make every write before the barrier visible after it, as omp
 // barrier's flush does.
 struct SpinBarrier {
