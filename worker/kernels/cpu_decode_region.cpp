@@ -307,6 +307,21 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
       }
     }
   };
+  // After a row-parallel projection (o, down) y = x W^T: [+ the adapters' sums] [summed over the ranks] [+ its bias,
+  // where the GEMV left it out], then the barrier after which the team reads y (and thread 0's error, if any).
+  auto row_parallel_tail = [&](const float* x, const RegionWeight& w, const LoraSlots& adapters, bool bias_after,
+                               float* y, int team) {
+    if (step.lora_row_slots != nullptr) {
+      barrier.wait(team);
+      lora_add_share(x, step.T, w.K, y, step.hidden, adapters, step.lora_row_slots, omp_get_thread_num(), team);
+    }
+    if (step.group != nullptr) {
+      all_reduce(y, w.bias, team);
+    } else if (bias_after) {
+      add_bias(y, w.bias, team);
+    }
+    barrier.wait(team);
+  };
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int team = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -350,16 +365,7 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
       barrier.wait(team);
       // 3. o = heads W_o^T [+ b_o]
       project_share(o_w, heads.data(), T, local, tid, team, o.data());
-      if (lora) {
-        barrier.wait(team);
-        lora_add_share(heads.data(), T, L.o.K, o.data(), hidden, L.o_lora, step.lora_row_slots, tid, team);
-      }
-      if (step.group != nullptr) {
-        all_reduce(o.data(), L.o.bias, team);
-      } else if (bias_after) {
-        add_bias(o.data(), L.o.bias, team);
-      }
-      barrier.wait(team);
+      row_parallel_tail(heads.data(), L.o, L.o_lora, bias_after, o.data(), team);
       if (!error.empty()) break;  // every thread leaves at the same point
       // 4. gate_up = rms_norm(h + o) W_gu^T
       for (int64_t t = 0; t < T; ++t) {
@@ -387,16 +393,7 @@ std::string decode_region(const std::vector<RegionLayer>& layers, const RegionSt
       }
       barrier.wait(team);
       project_share(down_w, act.data(), T, local, tid, team, m.data());
-      if (lora) {
-        barrier.wait(team);
-        lora_add_share(act.data(), T, L.down.K, m.data(), hidden, L.down_lora, step.lora_row_slots, tid, team);
-      }
-      if (step.group != nullptr) {
-        all_reduce(m.data(), L.down.bias, team);
-      } else if (bias_after) {
-        add_bias(m.data(), L.down.bias, team);
-      }
-      barrier.wait(team);
+      row_parallel_tail(act.data(), L.down, L.down_lora, bias_after, m.data(), team);
       if (!error.empty()) break;
       // 6. h = h2 + m (m is rewritten only after the next layer's first barrier)
       for (int64_t t = 0; t < T; ++t) {
