@@ -254,11 +254,11 @@ at::Tensor decoder_layer(const LayerArgs& L, const at::Tensor& h, const at::Tens
 
 namespace tpserve {
 
-// Every layer of a one-rank stack (or pipeline stage), for a whole decode step in one call from
-// Python: the layers' own arguments are given once (add_layer, in layer order), each step brings
-// only its own (forward). Python: torch.classes.tpserve_cpu.DecodeLayers (worker/layers/decode_block.py).
-// With --enable-lora, add_lora gives a layer's adapter slots once and forward_lora runs a step that
-// has adapter rows.
+// Every layer of a stack (one rank's, a pipeline stage's, or with set_group a tensor-parallel rank's), for a whole
+// decode step in one call from Python: the layers' own arguments are given once (add_layer, in layer order), each
+// step brings only its own (forward; forward_tp). Python: torch.classes.tpserve_cpu.DecodeLayers
+// (worker/layers/decode_block.py). With --enable-lora, add_lora gives a layer's adapter slots once and
+// forward_lora (or forward_tp's row_slots) runs a step that has adapter rows.
 class DecodeLayers : public torch::CustomClassHolder {
  public:
   void add_layer(at::Tensor norm1_weight, double eps1, at::Tensor qkv_weight, OptTensor qkv_scale,

@@ -1,6 +1,7 @@
-// A one-rank Llama decode step in one OpenMP parallel region (cpu_decode_region.cpp), for stacks whose
-// projections are float32, int8, fp8 or int4, on a float32 or 8-bit KV cache. DecodeLayers
-// (cpu_decode_block.cpp) gathers the pointers once a layer and calls decode_region where a step qualifies.
+// A Llama decode step in one OpenMP parallel region (cpu_decode_region.cpp), one rank's or a tensor-parallel rank's
+// (its all-reduces inside), for stacks whose projections are float32, int8, fp8, group-wise 8-bit or int4, on a
+// float32 or 8-bit KV cache, with or without LoRA adapter rows. DecodeLayers (cpu_decode_block.cpp) gathers the
+// pointers once a layer and calls decode_region where a step qualifies.
 #pragma once
 
 #include <cstdint>

@@ -121,8 +121,8 @@ def decode_block_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tenso
 
     Two calls, each followed by the module path's all-reduce (and the row-parallel layer's bias): a
     collective. The layer's own arguments are gathered on its first decode step and kept (the
-    parameters are loaded in place and never replaced). On one rank :class:`DecodeStack` takes the
-    whole step instead.
+    parameters are loaded in place and never replaced). :class:`DecodeStack` takes the whole step instead on one
+    rank, and on a rank of a one-host group with the compiled collectives where its region takes the step.
     """
     args = layer.__dict__.get("_decode_block_args")
     if args is None:
