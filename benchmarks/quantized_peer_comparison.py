@@ -5,9 +5,11 @@ serves it with ``--quantization int4`` (RTN, groups of 128: 4.5 bits a weight) a
 ``--quantization int8`` (per output channel), one rank (tp 1, the rank's threads by the
 server's own rule: every core); llama.cpp's ``llama-server`` serves the same model converted
 to GGUF by benchmarks/llama_cpp/build.sh and quantized by its ``llama-quantize`` to Q4_0
-(blocks of 32: 4.5 bits a weight) and Q8_0 (blocks of 32: 8.5 bits), 2 threads, 16 slots. The
-embedding and the LM head stay float32 in tpserve; ``llama-quantize`` picks its own types for
-them (Q4_0's output tensor is Q6_K by its default), so llama.cpp reads fewer bytes per token.
+(blocks of 32: 4.5 bits a weight) and Q8_0 (blocks of 32: 8.5 bits), 2 threads, 16 slots. tpserve
+holds the LM head int8 per row (worker/lm_head_int8.py) and the untied embedding float32;
+``llama-quantize`` picks its own types for them (Q4_0's output tensor is Q6_K by its default).
+``--shape vocab32k``: benchmarks/lm_head_int8.py's 0.16B model with a 32,000-token vocabulary
+instead (its head a fifth of the parameters; the GGUF from ``VOCAB32K=1 bash benchmarks/llama_cpp/build.sh``).
 
 Every system gets the same requests (peer_comparison's workloads: token ids, greedy,
 ``ignore_eos``): ``single`` (32 prompt tokens, 128 out: the client's decode ms/token),
@@ -42,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.llama_cpp.server import LlamaServer  # noqa: E402
+from benchmarks.lm_head_int8 import build_real_vocab_model  # noqa: E402
 from benchmarks.peer_comparison import _load, build_model, machine_description, workloads  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 from tests.e2e.cluster import serve  # noqa: E402
@@ -68,7 +71,7 @@ def speed_ratio(r: dict, a: str, b: str, figure: str) -> float:
 
 def quantize(llama_quantize: Path, gguf: Path, kind: str, out_dir: Path) -> Path:
     """``llama-quantize gguf out kind``; returns the new file (raises CalledProcessError on failure)."""
-    out = out_dir / f"m95-{kind}.gguf"
+    out = out_dir / f"{gguf.stem.removesuffix('-f32')}-{kind}.gguf"
     subprocess.run([str(llama_quantize), str(gguf), str(out), kind], check=True, capture_output=True)
     return out
 
@@ -78,6 +81,9 @@ def main() -> int:
     parser.add_argument("--llama-server", type=Path, required=True)
     parser.add_argument("--llama-quantize", type=Path, required=True)
     parser.add_argument("--llama-gguf", type=Path, required=True, help="the float32 GGUF of the benchmark model")
+    parser.add_argument("--shape", choices=("m95", "vocab32k"), default="m95",
+                        help="m95: the 95M model (vocabulary 512); vocab32k: benchmarks/lm_head_int8.py's 0.16B model "
+                             "with a 32,000-token vocabulary (--llama-gguf: build.sh's v32k-f32.gguf)")
     parser.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. \"--no-repack\"")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -87,11 +93,12 @@ def main() -> int:
     args = parser.parse_args()
     threads = os.cpu_count() or 1
     loads = workloads(args.seed)
-    report: dict = {"machine": machine_description(), "threads": threads, "seed": args.seed,
+    report: dict = {"machine": machine_description(), "threads": threads, "seed": args.seed, "shape": args.shape,
                     "llama_args": args.llama_args.split(), "rounds": []}
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tpserve-qpeer-")))
-        model_dir = build_model(work / "model", args.seed)
+        model_dir = (build_model(work / "model", args.seed) if args.shape == "m95"
+                     else build_real_vocab_model(work / "model", args.seed))
         systems: dict[str, object] = {}
         for q in ("int4", "int8"):
             systems[q] = stack.enter_context(serve(model_dir, 1, "--quantization", q, omp_threads=None)).target

@@ -67,6 +67,7 @@ from worker.layers.int4_formats import PARTS
 from worker.layers.fp8_weights import hold_unquantized_fp8
 from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
 from worker.layers.moe_int4 import hold_unquantized_experts
+from worker.lm_head_int8 import hold_lm_head_int8, takes_int8_head
 from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
@@ -109,6 +110,12 @@ def load_model(
     qc = config.hf_config.get("quantization_config")
     int4 = layer_formats(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
     held = load_weights(model, files, ctx.device, fmt, int4)
+    if takes_int8_head(quantization, config.quantization, ctx.device, dtype):
+        released = hold_lm_head_int8(model, tied)
+        if released:
+            (log.info if ctx.tp_rank == 0 else log.debug)(
+                f"LM head held as int8 per vocabulary row (--quantization {quantization}, worker/lm_head_int8.py)"
+                + ("; the tied embedding gathers the same rows" if tied else ""), float_bytes_released=released)
     if held:  # once per stage, as the lines below
         (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",
                                                       layers=len(held), names=held[:6])

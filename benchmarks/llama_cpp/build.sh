@@ -10,7 +10,8 @@
 # Usage: bash benchmarks/llama_cpp/build.sh [WORK_DIR]   (default: ~/.cache/tpserve/llama_cpp)
 # Prints the paths to pass on:  --llama-server WORK_DIR/build/bin/llama-server --llama-gguf WORK_DIR/m95-f32.gguf
 # (and --llama-quantize WORK_DIR/build/bin/llama-quantize for quantized_peer_comparison.py)
-# Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36, the version recorded in benchmarks/results),
+# Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36, the version recorded in benchmarks/results), VOCAB32K
+# (1: the 32,000-token model too, below),
 # JOBS (default 2). 63 minutes on the shared 2-core host at load average 4-20, nearly all of it the C++ build
 # (25 minutes at nice 12 beside other sessions' tests on 2026-12-06).
 set -euo pipefail
@@ -47,5 +48,17 @@ from benchmarks.peer_comparison import build_model; p = Path('$MODEL'); p.mkdir(
 fi
 PYTHONPATH="$LLAMA/gguf-py:$WORK/pydeps" "$PY" "$REPO/benchmarks/llama_cpp/convert.py" "$LLAMA/convert_hf_to_gguf.py" "$MODEL" --outtype f32 \
   --outfile "$WORK/m95-f32.gguf"
+
+# With VOCAB32K=1, also benchmarks/lm_head_int8.py's 0.16B model with a 32,000-token vocabulary
+# (quantized_peer_comparison.py --shape vocab32k --llama-gguf WORK_DIR/v32k-f32.gguf).
+if [ "${VOCAB32K:-0}" = 1 ]; then
+  if [ ! -f "$WORK/v32k/model.safetensors" ]; then
+    "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, '$REPO'); \
+from benchmarks.lm_head_int8 import build_real_vocab_model; p = Path('$WORK/v32k'); p.mkdir(parents=True, exist_ok=True); \
+build_real_vocab_model(p, 0)"
+  fi
+  PYTHONPATH="$LLAMA/gguf-py:$WORK/pydeps" "$PY" "$REPO/benchmarks/llama_cpp/convert.py" "$LLAMA/convert_hf_to_gguf.py" \
+    "$WORK/v32k" --outtype f32 --outfile "$WORK/v32k-f32.gguf"
+fi
 
 echo "--llama-server $WORK/build/bin/llama-server --llama-gguf $WORK/m95-f32.gguf --llama-quantize $WORK/build/bin/llama-quantize"

@@ -1,6 +1,6 @@
 """``tpserve serve --quantization int8`` at tp 2 on stories260k: the flag reaches every rank, and the output
 is the int8 model's (tests/worker/test_int8.py states its agreement with the float goldens, measured there:
-lines 1-4 all 64 tokens, line 5 its first 18), 16 requests at once, and every KV block is free afterwards."""
+lines 2-5 all 64 tokens, line 1 its first 57), 16 requests at once, and every KV block is free afterwards."""
 
 from __future__ import annotations
 

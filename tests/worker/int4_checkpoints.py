@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from tests.tiny_models import TinyModelSpec
-from tests.worker.int8_checkpoints import LINEAR_WEIGHT, _tensors, _write
+from tests.worker.int8_checkpoints import LINEAR_WEIGHT, _tensors, _write, round_head
 
 #: The int4 tests' tiny Llama: GQA, untied head, hidden 64 and intermediate 256 (the down projection's
 #: input divides by 128, the others' by 32; at tp 2 every rank's input by 32).
@@ -116,13 +116,14 @@ def awq_reference_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales
 
 def save_rtn_dequantized(source: Path, target: Path, pattern: re.Pattern[str] = LINEAR_WEIGHT) -> Path:
     """``source`` with each linear weight (names matching ``pattern``) replaced by its ``--quantization int4``
-    round trip."""
+    round trip, and its LM head by the int8 one (:func:`~tests.worker.int8_checkpoints.round_head`)."""
     tensors = _tensors(source)
     for name, w in tensors.items():
         if pattern.match(name):
             group = rtn_group(w.shape[1])
             q, s, z = quantize_groups(w, group, symmetric=True)
             tensors[name] = definition(q, s, z, torch.arange(w.shape[1]) // group)
+    round_head(source, tensors)  # int8 per vocabulary row (worker/lm_head_int8.py)
     return _write(source, target, tensors, lambda config: None)
 
 

@@ -1,8 +1,9 @@
 """Checkpoints for the int8 tests, written from a float tiny checkpoint (parent-process side).
 
 * :func:`save_dequantized`: the float checkpoint with every decoder linear weight
-  replaced by its int8 round trip ``q * scale`` (float32), for ``transformers`` to
-  run as the reference of ``--quantization int8``. The quantization is written out
+  replaced by its int8 round trip ``q * scale`` (float32), and the LM head too (the
+  tied embedding matrix of a tied model: :func:`round_head`, worker/lm_head_int8.py), for
+  ``transformers`` to run as the reference of ``--quantization int8``. The quantization is written out
   here from its definition (``scale = max|w_row| / 127``, ``q = clamp(round(w /
   scale), -127, 127)``), independently of worker/layers/int8_weights.py.
 * :func:`save_compressed_tensors`: the same model as a compressed-tensors int8
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tpserve.model_config import ModelConfig
 from worker.loader import checkpoint_files
 
 #: Checkpoint names of the decoder's linear weights (quantized); the embedding and LM head are not.
@@ -61,13 +63,26 @@ def _write(source: Path, target: Path, tensors: dict[str, torch.Tensor], edit_co
 
 def save_dequantized(source: Path, target: Path, pattern: re.Pattern[str] = LINEAR_WEIGHT) -> Path:
     """``source`` with each linear weight (names matching ``pattern``) replaced by ``q * scale`` of
-    :func:`quantize_definition`."""
+    :func:`quantize_definition`, and its LM head rounded (:func:`round_head`)."""
     tensors = _tensors(source)
     for name, w in tensors.items():
         if pattern.match(name):
             q, scale = quantize_definition(w)
             tensors[name] = (q.float() * scale[:, None]).to(w.dtype)
+    round_head(source, tensors)
     return _write(source, target, tensors, lambda config: None)
+
+
+def round_head(source: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """The LM head of ``--quantization int8|int4`` on a CPU (worker/lm_head_int8.py) in ``tensors``, in place:
+    int8 per vocabulary row (:func:`quantize_definition`), ``q * scale`` in float32. A tied model's head is its
+    embedding matrix, rounded once for both; an untied model's ``lm_head.weight``. Returns the tensor's name."""
+    tied = ModelConfig.from_pretrained(source).tie_word_embeddings
+    name = next(n for n in tensors if n.endswith(("embed_tokens.weight", "embeddings.weight"))) if tied else \
+        "lm_head.weight"
+    q, scale = quantize_definition(tensors[name])
+    tensors[name] = (q.float() * scale[:, None]).to(tensors[name].dtype)
+    return name
 
 
 def save_compressed_tensors(source: Path, target: Path, dequantized_target: Path) -> tuple[Path, Path]:

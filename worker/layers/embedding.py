@@ -11,6 +11,11 @@ and rank ``r`` holds rows ``[r * V_p, (r + 1) * V_p)`` of the embedding matrix
   float32 (:func:`logits_float32`: the sampler's inputs are not rounded to the
   weights' half precision); they are gathered on rank 0 and the padding columns
   dropped. With tied word embeddings the head shares the embedding's weight parameter.
+
+Int8 head (:meth:`ParallelLMHead.hold_int8`, worker/lm_head_int8.py says when): the head's
+rows as int8 codes with one float32 scale per vocabulary row (``w ~= q * s``, the int8 linear
+layers' per-channel scheme, worker/layers/int8_weights.py), multiplied by the compiled int8
+kernel in float32; a tied embedding gathers the same codes and scales its rows (no float copy).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.int4_weights import PackedPart, unpacked_part
+from worker.layers.int8_matmul import int8_linear
 from worker.layers.matmul import linear
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
 from worker.parallel_state import ParallelContext
@@ -77,6 +83,9 @@ class VocabParallelEmbedding(nn.Module):
     Shapes: ``input_ids (T,) int64 -> (T, embedding_size)`` in ``dtype``.
     """
 
+    qweight: torch.Tensor  # (V_p, embedding_size) int8, after hold_int8 (a buffer)
+    weight_scale: torch.Tensor  # (V_p,) float32, after hold_int8 (a buffer)
+
     def __init__(self, vocab_size: int, embedding_size: int, ctx: ParallelContext, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.ctx = ctx
@@ -89,6 +98,31 @@ class VocabParallelEmbedding(nn.Module):
         shape = (self.vocab_size_per_partition, embedding_size)
         self.weight = new_parameter(shape, dtype, ctx.device, self.weight_loader)
         self.weight.shard_ids = (None,)  # type: ignore[attr-defined]
+        self.dtype = dtype
+        self.int8 = False  # hold_int8: the rows are ``qweight * weight_scale[:, None]``
+
+    def hold_int8(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        """Replace the float rows by int8 codes ``qweight (V_p, E)`` and float32 ``scales (V_p,)``
+        (``w[v] = qweight[v] * scales[v]``); the float parameter is released.
+
+        Raises:
+            ValueError: shapes other than this rank's ``(vocab_size_per_partition, embedding_size)``.
+        """
+        rows = (self.vocab_size_per_partition, self.embedding_size)
+        if tuple(qweight.shape) != rows or qweight.dtype != torch.int8 or tuple(scales.shape) != rows[:1]:
+            raise ValueError(f"int8 rows must be {list(rows)} int8 with ({rows[0]},) scales, got "
+                             f"{list(qweight.shape)} {qweight.dtype} and {list(scales.shape)}")
+        del self.weight
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", scales)
+        self.int8 = True
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids (T,) int64`` local row indices -> ``(T, embedding_size)`` in ``dtype``."""
+        if not self.int8:
+            return F.embedding(ids, self.weight)  # (T, embedding_size)
+        # Dequantized in float32 and then cast, as the int8 layers' reference (q * s) is written.
+        return (F.embedding(ids, self.qweight).float() * self.weight_scale[ids].unsqueeze(-1)).to(self.dtype)
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
         """Copy rows ``[vocab_start, min(vocab_end, vocab_size))``; zero the padding rows."""
@@ -100,10 +134,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
-            return F.embedding(input_ids, self.weight)  # (T, embedding_size)
+            return self._rows(input_ids)  # (T, embedding_size)
         in_slice = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # (T,) bool
         local_ids = torch.where(in_slice, input_ids - self.vocab_start, 0)  # (T,) int64, valid row indices
-        x = F.embedding(local_ids, self.weight)  # (T, embedding_size)
+        x = self._rows(local_ids)  # (T, embedding_size)
         x = x * in_slice.unsqueeze(-1).to(x.dtype)  # (T, embedding_size), zero where another rank owns the id
         return self.ctx.all_reduce(x)  # (T, embedding_size), the full embedding
 
@@ -112,7 +146,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits ``hidden @ E.T`` with ``E`` split by vocabulary rows, gathered on rank 0.
 
     ``forward(hidden (N, embedding_size)) -> (N, vocab_size)`` float32 on rank 0,
-    None on the other ranks. Every rank must call it.
+    None on the other ranks. Every rank must call it. Held as int8 (:meth:`hold_int8`), the
+    logits are ``hidden @ (q * s).T`` from the compiled int8 kernel (float32 accumulation: each
+    logit one row's dot product, so every tensor-parallel degree gives tp 1's bits).
     """
 
     def weight_loader(self, param: nn.Parameter, source: CheckpointSource, shard_id: object = None) -> None:
@@ -142,7 +178,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        local_logits = logits_float32(hidden, self.weight)  # (N, vocab_size_per_partition) float32
+        if self.int8:  # float32 activations on a CPU with the kernels (worker/lm_head_int8.py)
+            local_logits = int8_linear(hidden, self.qweight, self.weight_scale)  # (N, vocab_size_per_partition)
+        else:
+            local_logits = logits_float32(hidden, self.weight)  # (N, vocab_size_per_partition) float32
         logits = self.ctx.gather_to_rank0(local_logits, dim=-1)  # (N, padded_vocab_size) on rank 0
         if logits is None:
             return None

@@ -1,0 +1,175 @@
+"""The int8 LM head of ``--quantization int8|int4`` (worker/lm_head_int8.py) against the float32 head it replaced, in one run.
+
+A seeded random Llama with a real vocabulary (32,000 tokens, Llama 2's and TinyLlama's) and a
+small decoder (hidden 1,024, 8 layers: 0.16B parameters, a fifth of them the head, as in
+Llama 3.2 1B or Qwen2.5 0.5B), float32, tp 1 in this process: for each of int4 and int8 one
+``ModelRunner`` with the int8 head (the default) and one with the head left float32 (the
+baseline: ``takes_int8_head`` patched to False while it loads). Each round times the bare
+decode step (``ModelRunner.execute``, benchmarks/peer_comparison.py ``bare_steps``) of every
+runner at batch 1 and 16, the runners in turn; the medians over rounds and the ratios within
+each round's pair are reported, with the bytes each holds and what the head's rounding does to the
+logits (16 random prompts' last-position logits, int8 head against float32 head on the same layers:
+error over the logits' standard deviation, and how many greedy tokens agree).
+
+    .venv/bin/python benchmarks/lm_head_int8.py --rounds 5 --out benchmarks/results
+
+With ``--baseline-repo PATH`` (a checkout from before the int8 head, say ``git worktree add /tmp/base
+8f88bea``) the same model is then served through ``tpserve serve`` by both trees, int4 and int8 each
+(four servers up at once, every rank on both cores), and each round streams peer_comparison's ``single``
+request (32 tokens in, 128 out) to each: the client's decode ms/token, the trees' ratio within a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.peer_comparison import bare_runner, bare_steps, build_model, machine_description  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
+from worker.memory import weight_bytes  # noqa: E402
+
+SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def build_real_vocab_model(directory: Path, seed: int) -> Path:
+    """:data:`SHAPE`'s seeded random model (peer_comparison's ``build_model``), its tokenizer widened to the
+    vocabulary: the embedded model's 1,024-token BPE vocabulary plus ``<extra_i>`` entries up to 32,000, so that
+    every id the model can sample decodes (tpserve's detokenizer) and llama.cpp's converter lists as many
+    tokens as the embedding has rows (benchmarks/llama_cpp/build.sh ``vocab32k``)."""
+    build_model(directory, seed, SHAPE)
+    path = directory / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab.update({f"<extra_{i}>": i for i in range(len(vocab), SHAPE["vocab_size"])})
+    path.write_text(json.dumps(tokenizer))
+    return directory
+
+
+def _runner(model_dir: Path, quantization: str | None, int8_head: bool):
+    if int8_head:
+        return bare_runner(model_dir, quantization=quantization)
+    with mock.patch("worker.loader.takes_int8_head", return_value=False):
+        return bare_runner(model_dir, quantization=quantization)
+
+
+def _last_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
+    """``(P, vocab)`` float32: each prompt's last-position logits (one prefill each; the runner's blocks from 0)."""
+    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+
+    blocks = tuple(range(max(map(len, prompts)) // runner.block_size + 1))
+    if runner.num_blocks < len(blocks):
+        runner.init_kv_cache(len(blocks))
+    rows = []
+    for i, prompt in enumerate(prompts):
+        runner.execute(StepPlan(10_000 + 2 * i, (NewSequence(99, SamplingParams(temperature=0)),),
+                                (ScheduledChunk(99, tuple(prompt), 0, blocks),)))
+        rows.append(runner.last_logits[0].clone())
+        runner.execute(StepPlan(10_001 + 2 * i, (), (), finished_seq_ids=(99,)))
+    return torch.stack(rows)
+
+
+def _served(model_dir: Path, baseline: Path, rounds: int) -> dict:
+    """Client decode ms/token of ``single`` through ``tpserve serve``: this tree and ``baseline``, int4 and int8."""
+    from benchmarks.peer_comparison import _load, workloads
+    from tests.e2e.cluster import serve
+
+    here = os.getcwd()
+    with contextlib.ExitStack() as stack:
+        targets = {}
+        for q in ("int4", "int8"):
+            for tree, path in (("float32_head", baseline), ("int8_head", REPO)):
+                os.chdir(path)  # ``serve`` runs ``python -m launch.cli`` from the working directory
+                try:
+                    targets[f"{q}_{tree}"] = stack.enter_context(
+                        serve(model_dir, 1, "--quantization", q, omp_threads=None)).target
+                finally:
+                    os.chdir(here)
+        for target in targets.values():  # warm-up: another draw of the same shapes
+            asyncio.run(_load(target, workloads(0, rounds + 1)["batch16"][:4]))
+        tpot: dict[str, list[float]] = {name: [] for name in targets}
+        for rnd in range(rounds):
+            order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
+            for name in order:
+                tpot[name].append(asyncio.run(_load(targets[name], workloads(0, rnd + 1)["single"]))["tpot_median_ms"])
+            print(f"served round {rnd}: " + ", ".join(f"{n} {tpot[n][-1]:.2f}" for n in targets), flush=True)
+    return {"baseline": str(baseline), "decode_ms_per_token": {n: round(statistics.median(v), 3) for n, v in tpot.items()},
+            "speedup_int8_head": {q: {"median": round(statistics.median(
+                f / i for f, i in zip(tpot[f"{q}_float32_head"], tpot[f"{q}_int8_head"])), 3),
+                "rounds": [round(f / i, 3) for f, i in zip(tpot[f"{q}_float32_head"], tpot[f"{q}_int8_head"])]}
+                for q in ("int4", "int8")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--context", type=int, default=64, help="positions before the timed steps")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default="lm_head_int8.json")
+    parser.add_argument("--baseline-repo", type=Path, default=None,
+                        help="a checkout whose LM head is float32: serve both trees too (module docstring)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_real_vocab_model(Path(tmp) / "model", 0)
+        runners = {f"{q}_{head}": _runner(model_dir, q, head == "int8_head")
+                   for q in ("int4", "int8") for head in ("int8_head", "float32_head")}
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, SHAPE["vocab_size"], (32,), generator=generator).tolist() for _ in range(16)]
+        logits = {name: _last_logits(r, prompts) for name, r in runners.items()}
+        held = {name: weight_bytes(r.model) for name, r in runners.items()}
+        times: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in runners}
+        for rnd in range(args.rounds):
+            order = list(runners) if rnd % 2 == 0 else list(reversed(runners))
+            for name in order:
+                step = bare_steps(runners[name], [1, 16], args.context, steps=args.steps)
+                for batch, seconds in step.items():
+                    times[name][batch].append(seconds * 1e3)
+            print(f"round {rnd}: " + ", ".join(f"{n} {times[n][1][-1]:.2f}/{times[n][16][-1]:.2f} ms"
+                                                 for n in runners), flush=True)
+        del runners  # the servers' ranks below need the memory
+        served = None if args.baseline_repo is None else _served(model_dir, args.baseline_repo.resolve(), args.rounds)
+    report: dict = {
+        "what": __doc__.split("\n\n")[0], "machine": machine_description(), "torch": torch.__version__,
+        "shape": SHAPE, "rounds": args.rounds, "context": args.context, "steps": args.steps,
+        "weight_bytes": held,
+        "head_rounding_logit_error": {},
+        "decode_step_ms": {n: {b: round(statistics.median(v), 3) for b, v in t.items()} for n, t in times.items()},
+        "speedup_int8_head": {},
+    }
+    for q in ("int4", "int8"):
+        ours, base = logits[f"{q}_int8_head"], logits[f"{q}_float32_head"]
+        std = base.std(dim=-1, keepdim=True)  # (P, 1)
+        report["head_rounding_logit_error"][q] = {
+            "rms_over_std": round(((ours - base) / std).pow(2).mean().sqrt().item(), 5),
+            "max_over_std": round(((ours - base).abs() / std).max().item(), 5),
+            "argmax_equal": f"{int((ours.argmax(-1) == base.argmax(-1)).sum())}/{len(prompts)}"}
+        for batch in (1, 16):
+            ratios = [f / i for f, i in zip(times[f"{q}_float32_head"][batch], times[f"{q}_int8_head"][batch])]
+            report["speedup_int8_head"][f"{q}_batch{batch}"] = {"median": round(statistics.median(ratios), 3),
+                                                                "rounds": [round(r, 3) for r in ratios]}
+    if served is not None:
+        report["served"] = served
+    for key, value in report.items():
+        if key not in ("what", "shape"):
+            print(f"{key}: {value}")
+    if args.out is not None:
+        print(f"saved {save_report(args.out, args.name, report)}")
+
+
+if __name__ == "__main__":
+    main()
