@@ -174,7 +174,8 @@ def _check_group(name: str, group: Any, ignore: list[str]) -> None:
         raise _refuse(f"config_groups.{name}.weights.dynamic={weights['dynamic']!r}")
     targets = list(group.get("targets") or [])
     if matches_target(targets, "lm_head", "Linear") and not matches_target(ignore, "lm_head", None):
-        # The LM head stays in the model dtype (docs/design/models.md, "Weight-only int8").
+        # A checkpoint's own quantized head is not read: tpserve's head is as stored, or int8 rounded from a float
+        # one by the ranks (docs/design/models.md, "The LM head in int8").
         raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
 
 
