@@ -174,8 +174,8 @@ def _check_group(name: str, group: Any, ignore: list[str]) -> None:
         raise _refuse(f"config_groups.{name}.weights.dynamic={weights['dynamic']!r}")
     targets = list(group.get("targets") or [])
     if matches_target(targets, "lm_head", "Linear") and not matches_target(ignore, "lm_head", None):
-        # A checkpoint's own quantized head is not read: tpserve's head is as stored, or int8 rounded from a float
-        # one by the ranks (docs/design/models.md, "The LM head in int8").
+        # A quantized lm_head is refused here; the head of an accepted checkpoint is served as stored, float
+        # (docs/design/models.md, "The LM head in int8": only the ranks' own quantization rounds a head).
         raise _refuse(f"config_groups.{name} quantizes lm_head (targets={targets}, ignore={ignore})")
 
 

@@ -10,11 +10,12 @@ Q4_0 layers, Q8_0 beside Q8_0); here it is int8 with one scale per vocabulary ro
 layers' per-channel scheme (worker/layers/int8_weights.py), whatever the layers' width: 8 bits
 keep the logits, which every token's probability comes from, closer than 4 would.
 
-When: ``--quantization int8`` or ``int4`` on a checkpoint whose layers load as float (a float one,
-or FP8 / MXFP4 dequantized at load), float32 activations on a CPU with the compiled kernels
-(``torch.ops.tpserve_cpu.linear_int8`` multiplies it, accumulating in float32: the logits stay
-float32). A published quantized checkpoint (GPTQ, AWQ, compressed-tensors) keeps the head it
-publishes; CUDA keeps a float head (int8_linear there would dequantize the whole head per call).
+When: ``--quantization int8`` or ``int4`` on a checkpoint whose layers load as float (a float one, or FP8
+dequantized at load), float32 activations on a CPU with the compiled kernels
+(``torch.ops.tpserve_cpu.linear_int8`` multiplies it, accumulating in float32: the logits stay float32). A
+published quantized checkpoint (GPTQ, AWQ, compressed-tensors) keeps its float head as published (on a CPU in
+its 16 bits: worker/lm_head_w16.py); CUDA and half-precision activations keep a float head (int8_linear there
+would dequantize the whole head per call).
 
 Tied word embeddings: the head and the embedding are one matrix, so the embedding gathers the same
 int8 rows and scales them (``q[v] * s[v]`` in float32, then ``dtype``): the model served is the

@@ -68,6 +68,7 @@ from worker.layers.fp8_weights import hold_unquantized_fp8
 from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
 from worker.layers.moe_int4 import hold_unquantized_experts
 from worker.lm_head_int8 import hold_lm_head_int8, takes_int8_head
+from worker.lm_head_w16 import keep_lm_head_16bit, takes_w16_head
 from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
 from worker.models.base import CausalLM, ShardId
@@ -116,6 +117,13 @@ def load_model(
             (log.info if ctx.tp_rank == 0 else log.debug)(
                 f"LM head held as int8 per vocabulary row (--quantization {quantization}, worker/lm_head_int8.py)"
                 + ("; the tied embedding gathers the same rows" if tied else ""), float_bytes_released=released)
+    elif takes_w16_head(ctx.device, dtype):
+        kept, released = keep_lm_head_16bit(model)
+        if kept is not None:
+            (log.info if ctx.tp_rank == 0 else log.debug)(
+                f"LM head kept in {str(kept).removeprefix('torch.')}, as its checkpoint stores it, and widened as "
+                "it is read: the float32 head's logits at half its bytes (worker/lm_head_w16.py)",
+                float_bytes_released=released)
     if held:  # once per stage, as the lines below
         (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",
                                                       layers=len(held), names=held[:6])

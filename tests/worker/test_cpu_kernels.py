@@ -74,6 +74,24 @@ def test_linear_int8_matches_the_dequantized_product(m: int, k: int, n: int, isa
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_linear_w16_gives_the_bits_of_linear_f32_on_the_widened_weight(m: int, k: int, n: int, dtype: torch.dtype,
+                                                                       isa: str) -> None:
+    """16-bit weights are widened exactly as they are read, on the same paths in the same order as float32
+    (the streamed GEMV, the tiles, the scalar tails): every output equals linear_f32's on ``w.float()``."""
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(m * 31 + k + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
+    for bias in (b, None):
+        y = torch.ops.tpserve_cpu.linear_w16(x, w, bias)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert torch.equal(y, torch.ops.tpserve_cpu.linear_f32(x, w.float(), bias))
+    tol = 1e-6 * k**0.5 * 4
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), rtol=tol, atol=tol)
+
+
+@needs_kernels
 def test_bad_inputs_are_refused_with_the_reason() -> None:
     assert cpu_kernels_available()
     x, w = torch.randn(2, 8), torch.randn(4, 8)
@@ -87,6 +105,8 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
         torch.ops.tpserve_cpu.linear_int8(x, w, torch.ones(4), None)
     with pytest.raises(RuntimeError, match="scale"):
         torch.ops.tpserve_cpu.linear_int8(x, w.to(torch.int8), torch.ones(3), None)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        torch.ops.tpserve_cpu.linear_w16(x, w, None)
 
 
 @needs_kernels

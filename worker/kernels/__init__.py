@@ -5,6 +5,8 @@ The ops land in ``torch.ops.tpserve_cpu``:
 * ``linear_f32(x (M, K) f32, weight (N, K) f32, bias (N,) f32 | None) -> (M, N) f32``
 * ``linear_int8(x (M, K) f32, qweight (N, K) int8, scale (N,) f32, bias (N,) f32 | None) -> (M, N) f32``,
   ``y = (x @ qweight.T) * scale + bias``
+* ``linear_w16(x (M, K) f32, weight (N, K) bf16 | f16, bias (N,) f32 | None) -> (M, N) f32``: the weight
+  widened exactly as it is read, so ``linear_f32``'s bits on ``weight.float()`` at half its bytes
 * ``linear_int4(x (M, K) f32, qweight (N, K / 2) uint8, scale_offset (N, K / G, 2) f32, bias | None)
   -> (M, N) f32``: packed 4-bit codes with a (scale, offset) per group of G columns, widened in registers
   (cpu_linear_int4.cpp: the layout); ``dequantize_int4(qweight, scale_offset) -> (N, K) f32``;
@@ -89,7 +91,7 @@ _UNITS = (("cpu_attention.cpp", "cpu_decode_block.cpp", "cpu_decode_region.cpp",
            "cpu_linear_int4.cpp", "cpu_linear_fp8.cpp", "cpu_linear_w8.cpp", "cpu_sampling.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers. -ffp-contract=off: no multiply-add
 # is fused unless the source asks (the elementwise kernels keep torch's roundings).
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]  # F16C: every AVX2 CPU has it
 _log = logging.getLogger(__name__)
 
 
@@ -129,8 +131,8 @@ def _build(directory: Path, library: Path) -> None:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    # A first build takes 10-30 s on 2 cores: say so, or a quiet rank looks hung.
-    _log.warning("compiling the tpserve CPU kernels (first use of these sources, 10-30 s; cached in %s)",
+    # A first build takes 10-35 s on 2 cores: say so, or a quiet rank looks hung.
+    _log.warning("compiling the tpserve CPU kernels (first use of these sources, 10-35 s; cached in %s)",
                  directory)
     private = Path(tempfile.mkdtemp(prefix="build-", dir=directory))
     try:

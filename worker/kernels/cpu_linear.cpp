@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
@@ -84,6 +86,33 @@ inline void tile(const float* const w[kRows], const float* x, int64_t ldx, int64
 // past K), and the 4 sums of one x row are reduced together into one 128-bit store.
 #define TPSERVE_AVX512 __attribute__((target("avx512f,avx512vl")))
 
+// 16 weights from k on as float32: loaded, or (int8) widened (vpmovsxbd + vcvtdq2ps), or (bfloat16,
+// float16) widened exactly: a bfloat16 is a float32's upper half (vpmovzxwd + vpslld 16), a float16
+// converts with vcvtph2ps. So a 16-bit weight gives the bits of its float32 copy.
+TPSERVE_AVX512 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+TPSERVE_AVX512 inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+TPSERVE_AVX512 inline __m512 load16(const c10::BFloat16* w) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+TPSERVE_AVX512 inline __m512 load16(const c10::Half* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+// The last `count` (< 16) weights of a row, zeros past them: float32 by a masked load; a 16-bit type through
+// a zeroed copy (the same values, and zeros where the masked load has them).
+TPSERVE_AVX512 inline __m512 load16_tail(const float* w, int64_t, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, w);
+}
+template <typename T>
+TPSERVE_AVX512 inline __m512 load16_tail(const T* w, int64_t count, __mmask16) {
+  T tail[16] = {};
+  for (int64_t i = 0; i < count; ++i) tail[i] = w[i];
+  return load16(tail);
+}
+
+
 TPSERVE_AVX512 inline __m256 fold512(__m512 v) {  // lanes i + (i + 8): 16 -> 8 partial sums
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
   return _mm256_add_ps(_mm512_castps512_ps256(v), hi);
@@ -100,9 +129,10 @@ TPSERVE_AVX512 inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // `phase` of `groups`: the groups of x rows that meet one W tile share the next tile's prefetches,
 // this one issuing those of the 16-float steps s with s % groups == phase, so that the memory stream
 // runs while every group computes, not only the first (M = 16 on one Zen 5 core: see linear()).
-template <int R>
-TPSERVE_AVX512 inline void tile512(const float* const w[kRows], const float* x, int64_t ldx, int64_t K,
-                                   __m128 out[R], const float* const* next, int phase, int groups) {
+// W float32, or bfloat16 / float16 widened in registers by load16 (the same values, so the same bits).
+template <int R, typename T>
+TPSERVE_AVX512 inline void tile512(const T* const w[kRows], const float* x, int64_t ldx, int64_t K,
+                                   __m128 out[R], const T* const* next, int phase, int groups) {
   __m512 acc[R][kRows];
   for (int r = 0; r < R; ++r) {
     for (int n = 0; n < kRows; ++n) acc[r][n] = _mm512_setzero_ps();
@@ -111,7 +141,7 @@ TPSERVE_AVX512 inline void tile512(const float* const w[kRows], const float* x, 
   int slot = (groups - phase) % groups;  // 0 on this group's steps
   for (; k + 16 <= K; k += 16) {
     __m512 wv[kRows];
-    for (int n = 0; n < kRows; ++n) wv[n] = _mm512_loadu_ps(w[n] + k);
+    for (int n = 0; n < kRows; ++n) wv[n] = load16(w[n] + k);
     if (next && slot == 0) {  // fetch the next tile's line at the same offset while this one computes
       for (int n = 0; n < kRows; ++n) _mm_prefetch(reinterpret_cast<const char*>(next[n] + k), _MM_HINT_T0);
     }
@@ -124,7 +154,7 @@ TPSERVE_AVX512 inline void tile512(const float* const w[kRows], const float* x, 
   if (k < K) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 wv[kRows];
-    for (int n = 0; n < kRows; ++n) wv[n] = _mm512_maskz_loadu_ps(mask, w[n] + k);
+    for (int n = 0; n < kRows; ++n) wv[n] = load16_tail(w[n] + k, K - k, mask);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);
       for (int n = 0; n < kRows; ++n) acc[r][n] = _mm512_fmadd_ps(wv[n], xv, acc[r][n]);
@@ -133,12 +163,12 @@ TPSERVE_AVX512 inline void tile512(const float* const w[kRows], const float* x, 
   for (int r = 0; r < R; ++r) out[r] = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-template <int R>
-TPSERVE_AVX512 inline void tile_rows512(const float* const w[kRows], int64_t rows, int64_t n0, int64_t m, int64_t K,
+template <int R, typename T>
+TPSERVE_AVX512 inline void tile_rows512(const T* const w[kRows], int64_t rows, int64_t n0, int64_t m, int64_t K,
                                         int64_t N, const float* x, const float* scale, const float* bias, float* y,
-                                        const float* const* next, int phase, int groups) {
+                                        const T* const* next, int phase, int groups) {
   __m128 out[R];
-  tile512<R>(w, x + m * K, K, K, out, next, phase, groups);
+  tile512<R, T>(w, x + m * K, K, K, out, next, phase, groups);
   const __mmask8 mask = static_cast<__mmask8>((1u << rows) - 1);
   const __m128 s = scale ? _mm_maskz_loadu_ps(mask, scale + n0) : _mm_set1_ps(1.0f);
   const __m128 b = bias ? _mm_maskz_loadu_ps(mask, bias + n0) : _mm_setzero_ps();
@@ -147,18 +177,20 @@ TPSERVE_AVX512 inline void tile_rows512(const float* const w[kRows], int64_t row
   }
 }
 
-template <typename RowFn>
+// `row(n, buffer)`: W's row n as a `const T*` (T float32, or a 16-bit float read as it is); `prefetch`: W
+// itself where its rows are read in place (the next tile's lines are prefetched), else nullptr.
+template <typename T, typename RowFn>
 TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, const float* x,
-                                const float* scale, const float* bias, float* y, RowFn row, const float* prefetch) {
+                                const float* scale, const float* bias, float* y, RowFn row, const T* prefetch) {
   std::vector<float> buffer(static_cast<size_t>(kRows * K));
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, n_end - n0);
-    const float* w[kRows];
+    const T* w[kRows];
     for (int r = 0; r < kRows; ++r) w[r] = row(n0 + std::min<int64_t>(r, rows - 1), buffer.data() + r * K);
     // The next tile's rows (float32 weights only: int8 rows are widened from elsewhere), prefetched
     // during the first group of x rows so that memory streams while the FMAs run.
-    const float* next_rows[kRows];
-    const float* const* next = nullptr;
+    const T* next_rows[kRows];
+    const T* const* next = nullptr;
     if (prefetch && n0 + kRows < n_end) {
       for (int r = 0; r < kRows; ++r) next_rows[r] = prefetch + std::min<int64_t>(n0 + kRows + r, n_end - 1) * K;
       next = next_rows;
@@ -166,13 +198,13 @@ TPSERVE_AVX512 void run_rows512(int64_t n_begin, int64_t n_end, int64_t M, int64
     const int groups = static_cast<int>((M + 5) / 6);
     int64_t m = 0;
     int g = 0;
-    for (; m + 6 <= M; m += 6, ++g) tile_rows512<6>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups);
+    for (; m + 6 <= M; m += 6, ++g) tile_rows512<6, T>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups);
     switch (M - m) {
-      case 5: tile_rows512<5>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
-      case 4: tile_rows512<4>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
-      case 3: tile_rows512<3>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
-      case 2: tile_rows512<2>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
-      case 1: tile_rows512<1>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
+      case 5: tile_rows512<5, T>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
+      case 4: tile_rows512<4, T>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
+      case 3: tile_rows512<3, T>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
+      case 2: tile_rows512<2, T>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
+      case 1: tile_rows512<1, T>(w, rows, n0, m, K, N, x, scale, bias, y, next, g, groups); break;
       default: break;
     }
   }
@@ -198,12 +230,6 @@ constexpr int64_t kSeqAhead = 1024;  // floats: 4 KB ahead of the line being rea
 constexpr int64_t kSeqMaxRows = 8;  // rows of x up to which the streamed GEMV is used (AVX-512)
 // Streams of W rows per thread for R rows of x (the register budget above).
 constexpr int seq_streams(int R) { return R <= 4 ? 4 : 2; }
-
-// 16 weights from k on as float32: loaded, or (int8) widened (vpmovsxbd + vcvtdq2ps).
-TPSERVE_AVX512 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
-TPSERVE_AVX512 inline __m512 load16(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
 
 // y[r * N + n] = (scale[n] *) x[r] . W[n] (+ bias[n]) for the S rows n = rows[s] and R rows of x, one
 // pass over the rows side by side. W is float32, or int8 with one float32 scale per row (applied to
@@ -287,6 +313,17 @@ inline void tile_rows(const float* const w[kRows], int64_t rows, int64_t n0, int
   }
 }
 
+// 8 weights from k on as float32 (AVX2 + F16C): loaded or widened as load16 above.
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+inline __m256 load8(const c10::BFloat16* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* w) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+
 // int8 -> float32, 8 at a time (vpmovsxbd + vcvtdq2ps).
 inline void widen_row(const int8_t* q, int64_t K, float* dst) {
   int64_t k = 0;
@@ -295,6 +332,14 @@ inline void widen_row(const int8_t* q, int64_t K, float* dst) {
     _mm256_storeu_ps(dst + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
   }
   for (; k < K; ++k) dst[k] = static_cast<float>(q[k]);
+}
+
+// bfloat16 / float16 -> float32, exactly, 8 at a time (load8).
+template <typename T>
+inline void widen_row16(const T* w, int64_t K, float* dst) {
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8(w + k));
+  for (; k < K; ++k) dst[k] = static_cast<float>(w[k]);
 }
 
 // y rows [0, M) x columns [n_begin, n_end), tile by tile. `row(n, buffer)` returns a pointer to
@@ -336,10 +381,6 @@ void run_rows(int64_t n_begin, int64_t n_end, int64_t M, int64_t K, int64_t N, c
 constexpr int64_t kSeqMaxRows2 = 4;
 constexpr int seq_streams2(int R) { return R <= 2 ? 4 : 2; }
 
-inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 load8(const int8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
 
 template <int R, int S, typename T>
 inline void seq_dots256(const int64_t rows[S], int64_t K, int64_t N, const float* x, const float* scale,
@@ -423,12 +464,13 @@ constexpr int64_t kMBlock = 96;
 int64_t grain_tiles(int64_t N) { return std::max<int64_t>(1, (N / kRows) / (4 * at::get_num_threads())); }
 
 // y (M, N) = x @ W^T [* scale] [+ bias], W's rows split between the threads by whole tiles;
-// `row(n, buffer)` gives W's row n as float32 (see run_rows). `streamed`: W itself (float32 or int8,
-// with `scale` for int8), for the streamed GEMV of up to kSeqMaxRows (AVX-512) or kSeqMaxRows2 (AVX2)
-// rows of x; nullptr: the tiles at every row count.
-template <typename T, typename RowFn>
+// `row(n, buffer)` gives W's row n as float32 (see run_rows). `streamed`: W itself (float32, int8 with
+// `scale`, or a 16-bit float), for the streamed GEMV of up to kSeqMaxRows (AVX-512) or kSeqMaxRows2 (AVX2)
+// rows of x; nullptr: the tiles at every row count. `row512` / `prefetch512`: the AVX-512 tiles' rows and
+// prefetch base, of element type W512 (float32, or a 16-bit float the tiles widen in registers).
+template <typename T, typename RowFn, typename W512, typename RowFn512>
 at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10::optional<at::Tensor>& bias,
-                  RowFn row, const float* prefetch, const T* streamed) {
+                  RowFn row, const float* prefetch, const T* streamed, RowFn512 row512, const W512* prefetch512) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -457,13 +499,20 @@ at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10:
     for (int64_t m0 = 0; m0 < M; m0 += m_block) {
       const int64_t rows = std::min(m_block, M - m0);
       if (avx512) {
-        run_rows512(n0, n1, rows, K, N, xp + m0 * K, scale, bp, yp + m0 * N, row, prefetch);
+        run_rows512(n0, n1, rows, K, N, xp + m0 * K, scale, bp, yp + m0 * N, row512, prefetch512);
       } else {
         run_rows(n0, n1, rows, K, N, xp + m0 * K, scale, bp, yp + m0 * N, row, prefetch);
       }
     }
   });
   return y;
+}
+
+// Float32 or int8 W: the AVX-512 tiles read the AVX2 tiles' float32 rows.
+template <typename T, typename RowFn>
+at::Tensor linear(const at::Tensor& x, int64_t N, const float* scale, const c10::optional<at::Tensor>& bias,
+                  RowFn row, const float* prefetch, const T* streamed) {
+  return linear(x, N, scale, bias, row, prefetch, streamed, row, prefetch);
 }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -486,6 +535,27 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tens
     widen_row(qp + n * K, K, buf);  // int8 row -> float32 in this thread's L1 buffer
     return static_cast<const float*>(buf);
   }, nullptr, qp);
+}
+
+// W bfloat16 or float16 (N, K), widened exactly as it is read: linear_f32's bits on W's float32 copy, at
+// half its bytes (a checkpoint's 16-bit LM head served with float32 activations: worker/layers/embedding.py).
+template <typename T>
+at::Tensor linear_w16_as(const at::Tensor& x, const T* wp, int64_t N, int64_t K,
+                         const c10::optional<at::Tensor>& bias) {
+  const auto widened = [=](int64_t n, float* buf) {  // the AVX2 tiles' rows: widened into L1
+    widen_row16(wp + n * K, K, buf);
+    return static_cast<const float*>(buf);
+  };
+  const auto in_place = [=](int64_t n, float*) { return wp + n * K; };  // the AVX-512 tiles widen in registers
+  return linear(x, N, nullptr, bias, widened, nullptr, wp, in_place, wp);
+}
+
+at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_inputs(x, w, bias);
+  if (w.scalar_type() == at::kBFloat16) return linear_w16_as(x, w.data_ptr<c10::BFloat16>(), w.size(0), w.size(1), bias);
+  TORCH_CHECK(w.scalar_type() == at::kHalf, "tpserve linear_w16: weight must be bfloat16 or float16, got ",
+              w.scalar_type());
+  return linear_w16_as(x, w.data_ptr<c10::Half>(), w.size(0), w.size(1), bias);
 }
 
 }  // namespace
@@ -511,10 +581,12 @@ void streamed_gemv_rows(const float* x, int64_t M, int64_t K, int64_t N, const f
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("linear_w16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("use_avx512(bool enabled) -> bool", &use_avx512);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_int8", &linear_int8);
+  m.impl("linear_w16", &linear_w16);
 }

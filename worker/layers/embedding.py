@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.int4_weights import PackedPart, unpacked_part
+from worker.kernels import cpu_kernels_available
 from worker.layers.int8_matmul import int8_linear
 from worker.layers.matmul import linear
 from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow
@@ -62,10 +63,16 @@ def logits_float32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         float32), so logits are not rounded to 8 (bf16) or 11 (fp16) bits of mantissa
         and no float32 copy of the weight is made. Where that GEMM is missing (the
         CPU), both operands are upcast: exact, at the cost of a float32 copy of the
-        weight per call (half precision on a CPU is a test configuration).
+        weight per call (half precision on a CPU is a test configuration); with float32
+        ``hidden`` and the compiled kernels, ``linear_w16`` widens the weight as it reads it
+        instead: the bits of the float32 weight's product, at half its bytes (a checkpoint's
+        16-bit head kept as stored, worker/lm_head_w16.py).
     """
     if weight.dtype == torch.float32:
         return linear(hidden, weight)  # (N, V): on the CPU the compiled kernel, as the decoder's projections
+    if (hidden.dtype == torch.float32 and hidden.device.type == "cpu" and hidden.dim() == 2
+            and cpu_kernels_available()):  # a 16-bit head kept as stored (worker/lm_head_w16.py)
+        return torch.ops.tpserve_cpu.linear_w16(hidden.contiguous(), weight, None)  # (N, V): linear's bits
     if _has_mm_float32_out(weight.device):
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # (N, V)
     return F.linear(hidden.float(), weight.float())  # (N, V)
@@ -119,8 +126,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids (T,) int64`` local row indices -> ``(T, embedding_size)`` in ``dtype``."""
-        if not self.int8:
-            return F.embedding(ids, self.weight)  # (T, embedding_size)
+        if not self.int8:  # a 16-bit head's tied matrix (worker/lm_head_w16.py) widens exactly to ``dtype``
+            return F.embedding(ids, self.weight).to(self.dtype)  # (T, embedding_size)
         # Dequantized in float32 and then cast, as the int8 layers' reference (q * s) is written.
         return (F.embedding(ids, self.qweight).float() * self.weight_scale[ids].unsqueeze(-1)).to(self.dtype)
 

@@ -1,0 +1,118 @@
+"""A 16-bit checkpoint's LM head kept in its 16 bits on a CPU (worker/lm_head_w16.py) against its float32 copy, in one run.
+
+benchmarks/lm_head_int8.py's 0.16B model with a 32,000-token vocabulary (a fifth of its parameters the head),
+stored two ways, as checkpoints are published: in bfloat16 (a float model, served with float32 activations),
+and as a 4-bit GPTQ checkpoint (groups of 128, symmetric; written by tests/worker/int4_checkpoints.py's
+``save_gptq`` from the model in float16, so its head is float16, as GPTQ releases store it). For each, one
+``ModelRunner`` (tp 1, this process) keeps the head 16-bit (the default) and one widens it to float32 at load
+(the baseline: ``takes_w16_head`` patched to False). First the two runners' logits over a prefill and decodes
+are compared (they must be equal, bit for bit); then each round times every runner's bare decode step at batch
+1 and 16 (benchmarks/peer_comparison.py ``bare_steps``), the runners in turn; medians and the within-round
+ratios are reported.
+
+    .venv/bin/python benchmarks/lm_head_w16.py --rounds 5 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lm_head_int8 import SHAPE, build_real_vocab_model  # noqa: E402
+from benchmarks.peer_comparison import bare_runner, bare_steps, machine_description  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
+from worker.memory import weight_bytes  # noqa: E402
+
+
+def _cast(source: Path, target: Path, dtype: torch.dtype) -> Path:
+    """``source`` (a float32 checkpoint) with every float tensor in ``dtype``."""
+    from safetensors.torch import load_file
+
+    from tests.worker.int8_checkpoints import _write
+
+    tensors = {k: v.to(dtype) for k, v in load_file(source / "model.safetensors").items()}
+    return _write(source, target, tensors, lambda c: c.update(torch_dtype=str(dtype).removeprefix("torch.")))
+
+
+def _runner(model_dir: Path, keep: bool):
+    with contextlib.nullcontext() if keep else mock.patch("worker.loader.takes_w16_head", return_value=False):
+        return bare_runner(model_dir)
+
+
+def _logits(runner) -> list[torch.Tensor]:
+    """Each step's logits over a 32-token prefill and 8 greedy decodes (one sequence)."""
+    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+
+    runner.init_kv_cache(8)
+    out = runner.execute(StepPlan(1, (NewSequence(0, SamplingParams(temperature=0)),),
+                                  (ScheduledChunk(0, tuple(range(3, 35)), 0, tuple(range(8))),)))
+    rows, token = [runner.last_logits.clone()], out.sampled_token_ids[0]
+    for i in range(8):
+        out = runner.execute(StepPlan(2 + i, (), (ScheduledChunk(0, (token,), 32 + i),)))
+        rows.append(runner.last_logits.clone())
+        token = out.sampled_token_ids[0]
+    runner.execute(StepPlan(100, (), (), finished_seq_ids=(0,)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--context", type=int, default=64, help="positions before the timed steps")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--name", default="lm_head_w16.json")
+    args = parser.parse_args()
+    from tests.worker.int4_checkpoints import save_gptq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        source = build_real_vocab_model(root / "float32", 0)
+        models = {"bf16": _cast(source, root / "bf16", torch.bfloat16)}
+        models["gptq_int4"], _ = save_gptq(_cast(source, root / "fp16", torch.float16), root / "gptq", root / "gptq_ref",
+                                          group=128, sym=True, desc_act=False)
+        runners = {f"{m}_{head}": _runner(models[m], head == "16bit_head")
+                   for m in models for head in ("16bit_head", "float32_head")}
+        equal = {m: all(torch.equal(a, b) for a, b in zip(_logits(runners[f"{m}_16bit_head"]),
+                                                            _logits(runners[f"{m}_float32_head"]), strict=True))
+                 for m in models}
+        held = {name: weight_bytes(r.model) for name, r in runners.items()}
+        head_dtype = {name: str(r.model.lm_head.weight.dtype) for name, r in runners.items()}
+        times: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in runners}
+        for rnd in range(args.rounds):
+            order = list(runners) if rnd % 2 == 0 else list(reversed(runners))
+            for name in order:
+                for batch, seconds in bare_steps(runners[name], [1, 16], args.context, steps=args.steps).items():
+                    times[name][batch].append(seconds * 1e3)
+            print(f"round {rnd}: " + ", ".join(f"{n} {times[n][1][-1]:.2f}/{times[n][16][-1]:.2f} ms"
+                                                 for n in runners), flush=True)
+    report: dict = {
+        "what": __doc__.split("\n\n")[0], "machine": machine_description(), "torch": torch.__version__,
+        "shape": SHAPE, "rounds": args.rounds, "context": args.context, "steps": args.steps,
+        "logits_bit_identical": equal, "lm_head_dtype": head_dtype, "weight_bytes": held,
+        "decode_step_ms": {n: {b: round(statistics.median(v), 3) for b, v in t.items()} for n, t in times.items()},
+        "speedup_16bit_head": {},
+    }
+    for m in models:
+        for batch in (1, 16):
+            ratios = [f / k for f, k in zip(times[f"{m}_float32_head"][batch], times[f"{m}_16bit_head"][batch])]
+            report["speedup_16bit_head"][f"{m}_batch{batch}"] = {"median": round(statistics.median(ratios), 3),
+                                                                 "rounds": [round(r, 3) for r in ratios]}
+    for key, value in report.items():
+        if key not in ("what", "shape"):
+            print(f"{key}: {value}")
+    if args.out is not None:
+        print(f"saved {save_report(args.out, args.name, report)}")
+
+
+if __name__ == "__main__":
+    main()
