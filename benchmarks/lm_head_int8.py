@@ -83,6 +83,35 @@ def _last_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def bare_rounds(runners: dict, rounds: int, context: int, steps: int) -> dict[str, dict[int, list[float]]]:
+    """Each runner's bare decode step in ms at batch 1 and 16, one value a round (``bare_steps``: ``steps`` steps
+    from ``context`` positions on), the runners in turn, in reverse order every other round."""
+    times: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in runners}
+    for rnd in range(rounds):
+        order = list(runners) if rnd % 2 == 0 else list(reversed(runners))
+        for name in order:
+            for batch, seconds in bare_steps(runners[name], [1, 16], context, steps=steps).items():
+                times[name][batch].append(seconds * 1e3)
+        print(f"round {rnd}: " + ", ".join(f"{n} {times[n][1][-1]:.2f}/{times[n][16][-1]:.2f} ms" for n in runners),
+              flush=True)
+    return times
+
+
+def speedup(baseline: list[float], candidate: list[float]) -> dict:
+    """The within-round ratios ``baseline / candidate`` (times) and their median."""
+    ratios = [b / c for b, c in zip(baseline, candidate, strict=True)]
+    return {"median": round(statistics.median(ratios), 3), "rounds": [round(r, 3) for r in ratios]}
+
+
+def finish(report: dict, out: Path | None, name: str) -> None:
+    """Print the report's figures and save it under ``out`` (benchmarks/report.py) when given."""
+    for key, value in report.items():
+        if key not in ("what", "shape"):
+            print(f"{key}: {value}")
+    if out is not None:
+        print(f"saved {save_report(out, name, report)}")
+
+
 def _served(model_dir: Path, baseline: Path, rounds: int) -> dict:
     """Client decode ms/token of ``single`` through ``tpserve serve``: this tree and ``baseline``, int4 and int8."""
     from benchmarks.peer_comparison import _load, workloads
@@ -108,19 +137,22 @@ def _served(model_dir: Path, baseline: Path, rounds: int) -> dict:
                 tpot[name].append(asyncio.run(_load(targets[name], workloads(0, rnd + 1)["single"]))["tpot_median_ms"])
             print(f"served round {rnd}: " + ", ".join(f"{n} {tpot[n][-1]:.2f}" for n in targets), flush=True)
     return {"baseline": str(baseline), "decode_ms_per_token": {n: round(statistics.median(v), 3) for n, v in tpot.items()},
-            "speedup_int8_head": {q: {"median": round(statistics.median(
-                f / i for f, i in zip(tpot[f"{q}_float32_head"], tpot[f"{q}_int8_head"])), 3),
-                "rounds": [round(f / i, 3) for f, i in zip(tpot[f"{q}_float32_head"], tpot[f"{q}_int8_head"])]}
-                for q in ("int4", "int8")}}
+            "speedup_int8_head": {q: speedup(tpot[f"{q}_float32_head"], tpot[f"{q}_int8_head"]) for q in ("int4", "int8")}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bare_step_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The flags of a bare-step A/B: ``--rounds``, ``--context``, ``--steps``, ``--out``, ``--name`` (default ``name``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--context", type=int, default=64, help="positions before the timed steps")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--name", default="lm_head_int8.json")
+    parser.add_argument("--name", default=name)
+    return parser
+
+
+def main() -> None:
+    parser = bare_step_parser(__doc__, "lm_head_int8.json")
     parser.add_argument("--baseline-repo", type=Path, default=None,
                         help="a checkout whose LM head is float32: serve both trees too (module docstring)")
     args = parser.parse_args()
@@ -132,15 +164,7 @@ def main() -> None:
         prompts = [torch.randint(3, SHAPE["vocab_size"], (32,), generator=generator).tolist() for _ in range(16)]
         logits = {name: _last_logits(r, prompts) for name, r in runners.items()}
         held = {name: weight_bytes(r.model) for name, r in runners.items()}
-        times: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in runners}
-        for rnd in range(args.rounds):
-            order = list(runners) if rnd % 2 == 0 else list(reversed(runners))
-            for name in order:
-                step = bare_steps(runners[name], [1, 16], args.context, steps=args.steps)
-                for batch, seconds in step.items():
-                    times[name][batch].append(seconds * 1e3)
-            print(f"round {rnd}: " + ", ".join(f"{n} {times[n][1][-1]:.2f}/{times[n][16][-1]:.2f} ms"
-                                                 for n in runners), flush=True)
+        times = bare_rounds(runners, args.rounds, args.context, args.steps)
         del runners  # the servers' ranks below need the memory
         served = None if args.baseline_repo is None else _served(model_dir, args.baseline_repo.resolve(), args.rounds)
     report: dict = {
@@ -159,16 +183,11 @@ def main() -> None:
             "max_over_std": round(((ours - base).abs() / std).max().item(), 5),
             "argmax_equal": f"{int((ours.argmax(-1) == base.argmax(-1)).sum())}/{len(prompts)}"}
         for batch in (1, 16):
-            ratios = [f / i for f, i in zip(times[f"{q}_float32_head"][batch], times[f"{q}_int8_head"][batch])]
-            report["speedup_int8_head"][f"{q}_batch{batch}"] = {"median": round(statistics.median(ratios), 3),
-                                                                "rounds": [round(r, 3) for r in ratios]}
+            report["speedup_int8_head"][f"{q}_batch{batch}"] = speedup(times[f"{q}_float32_head"][batch],
+                                                                       times[f"{q}_int8_head"][batch])
     if served is not None:
         report["served"] = served
-    for key, value in report.items():
-        if key not in ("what", "shape"):
-            print(f"{key}: {value}")
-    if args.out is not None:
-        print(f"saved {save_report(args.out, args.name, report)}")
+    finish(report, args.out, args.name)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ ratios are reported.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -27,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lm_head_int8 import SHAPE, build_real_vocab_model  # noqa: E402
-from benchmarks.peer_comparison import bare_runner, bare_steps, machine_description  # noqa: E402
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.lm_head_int8 import (  # noqa: E402
+    SHAPE, bare_rounds, bare_step_parser, build_real_vocab_model, finish, speedup)
+from benchmarks.peer_comparison import bare_runner, machine_description  # noqa: E402
 from worker.memory import weight_bytes  # noqa: E402
 
 
@@ -65,13 +64,7 @@ def _logits(runner) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--context", type=int, default=64, help="positions before the timed steps")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--name", default="lm_head_w16.json")
-    args = parser.parse_args()
+    args = bare_step_parser(__doc__, "lm_head_w16.json").parse_args()
     from tests.worker.int4_checkpoints import save_gptq
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,14 +80,7 @@ def main() -> None:
                  for m in models}
         held = {name: weight_bytes(r.model) for name, r in runners.items()}
         head_dtype = {name: str(r.model.lm_head.weight.dtype) for name, r in runners.items()}
-        times: dict[str, dict[int, list[float]]] = {name: {1: [], 16: []} for name in runners}
-        for rnd in range(args.rounds):
-            order = list(runners) if rnd % 2 == 0 else list(reversed(runners))
-            for name in order:
-                for batch, seconds in bare_steps(runners[name], [1, 16], args.context, steps=args.steps).items():
-                    times[name][batch].append(seconds * 1e3)
-            print(f"round {rnd}: " + ", ".join(f"{n} {times[n][1][-1]:.2f}/{times[n][16][-1]:.2f} ms"
-                                                 for n in runners), flush=True)
+        times = bare_rounds(runners, args.rounds, args.context, args.steps)
     report: dict = {
         "what": __doc__.split("\n\n")[0], "machine": machine_description(), "torch": torch.__version__,
         "shape": SHAPE, "rounds": args.rounds, "context": args.context, "steps": args.steps,
@@ -104,14 +90,9 @@ def main() -> None:
     }
     for m in models:
         for batch in (1, 16):
-            ratios = [f / k for f, k in zip(times[f"{m}_float32_head"][batch], times[f"{m}_16bit_head"][batch])]
-            report["speedup_16bit_head"][f"{m}_batch{batch}"] = {"median": round(statistics.median(ratios), 3),
-                                                                 "rounds": [round(r, 3) for r in ratios]}
-    for key, value in report.items():
-        if key not in ("what", "shape"):
-            print(f"{key}: {value}")
-    if args.out is not None:
-        print(f"saved {save_report(args.out, args.name, report)}")
+            report["speedup_16bit_head"][f"{m}_batch{batch}"] = speedup(times[f"{m}_float32_head"][batch],
+                                                                        times[f"{m}_16bit_head"][batch])
+    finish(report, args.out, args.name)
 
 
 if __name__ == "__main__":
