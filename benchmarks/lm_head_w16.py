@@ -32,16 +32,6 @@ from benchmarks.peer_comparison import bare_runner, machine_description  # noqa:
 from worker.memory import weight_bytes  # noqa: E402
 
 
-def _cast(source: Path, target: Path, dtype: torch.dtype) -> Path:
-    """``source`` (a float32 checkpoint) with every float tensor in ``dtype``."""
-    from safetensors.torch import load_file
-
-    from tests.worker.int8_checkpoints import _write
-
-    tensors = {k: v.to(dtype) for k, v in load_file(source / "model.safetensors").items()}
-    return _write(source, target, tensors, lambda c: c.update(torch_dtype=str(dtype).removeprefix("torch.")))
-
-
 def _runner(model_dir: Path, keep: bool):
     with contextlib.nullcontext() if keep else mock.patch("worker.loader.takes_w16_head", return_value=False):
         return bare_runner(model_dir)
@@ -66,12 +56,13 @@ def _logits(runner) -> list[torch.Tensor]:
 def main() -> None:
     args = bare_step_parser(__doc__, "lm_head_w16.json").parse_args()
     from tests.worker.int4_checkpoints import save_gptq
+    from tests.worker.int8_checkpoints import save_cast
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         source = build_real_vocab_model(root / "float32", 0)
-        models = {"bf16": _cast(source, root / "bf16", torch.bfloat16)}
-        models["gptq_int4"], _ = save_gptq(_cast(source, root / "fp16", torch.float16), root / "gptq", root / "gptq_ref",
+        models = {"bf16": save_cast(source, root / "bf16", torch.bfloat16)}
+        models["gptq_int4"], _ = save_gptq(save_cast(source, root / "fp16", torch.float16), root / "gptq", root / "gptq_ref",
                                           group=128, sym=True, desc_act=False)
         runners = {f"{m}_{head}": _runner(models[m], head == "16bit_head")
                    for m in models for head in ("16bit_head", "float32_head")}

@@ -61,6 +61,13 @@ def _write(source: Path, target: Path, tensors: dict[str, torch.Tensor], edit_co
     return target
 
 
+def save_cast(source: Path, target: Path, dtype: torch.dtype) -> Path:
+    """``source`` with every floating-point tensor in ``dtype`` and ``config.json``'s ``torch_dtype`` saying so (a
+    float32 tiny checkpoint as releases store theirs: bfloat16 or float16)."""
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _tensors(source).items()}
+    return _write(source, target, tensors, lambda config: config.update(torch_dtype=str(dtype).removeprefix("torch.")))
+
+
 def save_dequantized(source: Path, target: Path, pattern: re.Pattern[str] = LINEAR_WEIGHT) -> Path:
     """``source`` with each linear weight (names matching ``pattern``) replaced by ``q * scale`` of
     :func:`quantize_definition`, and its LM head rounded (:func:`round_head`)."""

@@ -10,9 +10,8 @@ from unittest import mock
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.worker.int8_checkpoints import _write
+from tests.worker.int8_checkpoints import save_cast
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import cpu_kernels_available
 from worker.lm_head_w16 import sixteen_bit_dtype
@@ -36,11 +35,6 @@ def test_the_values_decide_the_type_never_the_config() -> None:
         assert sixteen_bit_dtype(w2) is None
 
 
-def _as(source: Path, target: Path, dtype: torch.dtype) -> Path:
-    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(source / "model.safetensors").items()}
-    return _write(source, target, tensors, lambda config: config.update(torch_dtype=str(dtype).removeprefix("torch.")))
-
-
 def _logits(model_dir: Path, keep: bool) -> tuple[list[torch.Tensor], ModelRunner]:
     """Greedy prefill of 9 tokens then 5 decodes: each step's sampled row's logits ``(vocab,)`` float32."""
     with mock.patch("worker.loader.takes_w16_head", return_value=False) if not keep else contextlib.nullcontext():
@@ -61,7 +55,7 @@ def _logits(model_dir: Path, keep: bool) -> tuple[list[torch.Tensor], ModelRunne
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_checkpoints_head_stays_16_bit_with_the_float32_heads_logits(
         tiny_checkpoints: dict[str, Path], tmp_path: Path, name: str, dtype: torch.dtype) -> None:
-    model_dir = _as(tiny_checkpoints[name], tmp_path / name, dtype)
+    model_dir = save_cast(tiny_checkpoints[name], tmp_path / name, dtype)
     kept, runner = _logits(model_dir, keep=True)
     widened, baseline = _logits(model_dir, keep=False)
     head = runner.model.lm_head
