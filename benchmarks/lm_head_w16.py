@@ -8,7 +8,7 @@ and as a 4-bit GPTQ checkpoint (groups of 128, symmetric; written by tests/worke
 (the baseline: ``takes_w16_head`` patched to False). First the two runners' logits over a prefill and decodes
 are compared (they must be equal, bit for bit); then each round times every runner's bare decode step at batch
 1 and 16 (benchmarks/peer_comparison.py ``bare_steps``), the runners in turn; medians and the within-round
-ratios are reported.
+ratios are reported; last, the head's product alone (``linear_w16`` against ``linear_f32``) at 1-64 rows of x.
 
     .venv/bin/python benchmarks/lm_head_w16.py --rounds 5 --out benchmarks/results
 """
@@ -53,6 +53,33 @@ def _logits(runner) -> list[torch.Tensor]:
     return rows
 
 
+def head_alone(rows: tuple[int, ...] = (1, 8, 9, 16, 32, 48, 64), repeats: int = 20) -> dict:
+    """The head's product alone, :data:`SHAPE`'s ``(vocab, hidden)`` matrix: ``linear_w16`` on bfloat16 and float16
+    copies against ``linear_f32`` on the float32 one (this process's threads), median ms over ``repeats`` calls
+    each, the three interleaved, at each row count of x."""
+    import time
+
+    ops = torch.ops.tpserve_cpu
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(SHAPE["vocab_size"], SHAPE["hidden_size"], generator=g)
+    weights = {"float32": w, "bfloat16": w.to(torch.bfloat16), "float16": w.to(torch.float16)}
+    out: dict = {}
+    for m in rows:
+        x = torch.randn(m, SHAPE["hidden_size"], generator=g)
+        calls = {"float32": lambda: ops.linear_f32(x, weights["float32"], None),
+                 "bfloat16": lambda: ops.linear_w16(x, weights["bfloat16"], None),
+                 "float16": lambda: ops.linear_w16(x, weights["float16"], None)}
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        out[m] = {name: round(statistics.median(v), 3) for name, v in times.items()}
+        print(f"head alone, {m} rows: {out[m]}", flush=True)
+    return out
+
+
 def main() -> None:
     args = bare_step_parser(__doc__, "lm_head_w16.json").parse_args()
     from tests.worker.int4_checkpoints import save_gptq
@@ -78,6 +105,7 @@ def main() -> None:
         "logits_bit_identical": equal, "lm_head_dtype": head_dtype, "weight_bytes": held,
         "decode_step_ms": {n: {b: round(statistics.median(v), 3) for b, v in t.items()} for n, t in times.items()},
         "speedup_16bit_head": {},
+        "head_alone_ms": head_alone(),
     }
     for m in models:
         for batch in (1, 16):

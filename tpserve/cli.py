@@ -46,7 +46,7 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                      "4-bit (symmetric, groups of 128 input columns, 32 where 128 does not divide "
                                      "a layer's input width; each rank's share of a layer split by its input "
                                      "columns must hold whole groups), both quantized at load time, activations in --dtype, and on a CPU "
-                                     "with float32 activations the LM head int8 per row; fp8: an FP8 "
+                                     "with float32 activations and the compiled kernels the LM head int8 per row; fp8: an FP8 "
                                      "checkpoint's linear weights kept as e4m3 with their scales, converted in "
                                      "registers (without the flag an FP8 checkpoint is dequantized at load to "
                                      "--dtype). GPTQ, AWQ, compressed-tensors, FP8 and MXFP4 checkpoints need no "

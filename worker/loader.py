@@ -113,17 +113,20 @@ def load_model(
     held = load_weights(model, files, ctx.device, fmt, int4)
     if takes_int8_head(quantization, config.quantization, ctx.device, dtype):
         released = hold_lm_head_int8(model, tied)
-        if released:
+        if released:  # a pipeline stage may hold the tied embedding without the head
+            what = "LM head" if model.has_head else "tied embedding (the LM head's matrix, on the last stage)"
             (log.info if ctx.tp_rank == 0 else log.debug)(
-                f"LM head held as int8 per vocabulary row (--quantization {quantization}, worker/lm_head_int8.py)"
-                + ("; the tied embedding gathers the same rows" if tied else ""), float_bytes_released=released)
+                f"{what} held as int8 per vocabulary row (--quantization {quantization}, worker/lm_head_int8.py)"
+                + ("; the tied embedding gathers the same rows" if tied and model.has_head else ""),
+                rank_float_bytes_released=released)
     elif takes_w16_head(ctx.device, dtype):
         kept, released = keep_lm_head_16bit(model)
         if kept is not None:
+            name = str(kept).removeprefix("torch.")
             (log.info if ctx.tp_rank == 0 else log.debug)(
-                f"LM head kept in {str(kept).removeprefix('torch.')}, as its checkpoint stores it, and widened as "
-                "it is read: the float32 head's logits at half its bytes (worker/lm_head_w16.py)",
-                float_bytes_released=released)
+                f"LM head kept in {name}: its values on this rank are all {name} values, so it is widened as it "
+                "is read, the float32 head's logits at half its bytes (worker/lm_head_w16.py)",
+                rank_float_bytes_released=released)
     if held:  # once per stage, as the lines below
         (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",
                                                       layers=len(held), names=held[:6])

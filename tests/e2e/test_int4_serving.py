@@ -73,7 +73,7 @@ def test_a_w4a16_checkpoint_served_at_tp2_gives_transformers_tokens(fixture: str
         assert "8-bit compressed-tensors weights (per output channel, symmetric) served as int8" in log
         assert "4-bit compressed-tensors weights (groups of 32, zero points) served as int4 codes as stored" in log
     if fixture == "w4a16_bf16":  # the head kept as stored, widened as it is read (worker/lm_head_w16.py)
-        assert "LM head kept in bfloat16, as its checkpoint stores it" in log_path.read_text()
+        assert "LM head kept in bfloat16: its values on this rank are all bfloat16 values" in log_path.read_text()
 
 
 def test_a_corrupt_int4_checkpoint_is_refused_at_start_up(w4a16: tuple[Path, Path], tmp_path: Path) -> None:
