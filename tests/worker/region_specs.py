@@ -3,10 +3,14 @@
 Rows a multiple of 16 and columns of 128 (on AMX-INT8 CPUs, ``--quantization int4`` repacks such layers at load:
 worker/layers/int4_weights.py), so that their decode steps run in one parallel region
 (worker/kernels/cpu_decode_region.cpp): at one rank (tests/worker/test_decode_block.py) and on two tensor-parallel
-ranks, where each rank's slices keep those shapes (tests/worker/test_decode_region_tp.py).
+ranks, where each rank's slices keep those shapes (tests/worker/test_decode_region_tp.py). On a CPU without AMX-INT8
+the layers stay row-major, and the region takes them where ``linear_int4`` takes its AVX512-VNNI path (groups of
+128, up to 4 rows of x: :func:`int4_vnni`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from tests.tiny_models import TinyModelSpec
 
@@ -20,3 +24,9 @@ MISTRAL_WINDOW_INT4_TILES = TinyModelSpec("mistral_window_int4_block", "mistral"
     "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
     "head_dim": 32, "vocab_size": 150, "sliding_window": 6}, seed=25)
 INT4_SPECS = {spec.name: spec for spec in (INT4_TILES, QWEN2_INT4_TILES, MISTRAL_WINDOW_INT4_TILES)}
+
+
+def int4_vnni() -> bool:
+    """Whether ``linear_int4``'s AVX512-VNNI path is on (an AVX512-VNNI CPU; it is on by default, and this leaves it
+    on): then the decode region takes the row-major int4 layout's steps of up to 4 rows."""
+    return bool(torch.ops.tpserve_cpu.use_vnni_int4(True))

@@ -28,7 +28,7 @@ import worker.layers.decode_block as decode_block
 import worker.models.llama as llama
 from tests.tiny_models import TinyModelSpec, save_tiny_model
 from tests.worker.lowbit_checkpoints import save_fp8_block
-from tests.worker.region_specs import INT4_SPECS, INT4_TILES, MISTRAL_WINDOW_INT4_TILES, QWEN2_INT4_TILES
+from tests.worker.region_specs import INT4_SPECS, INT4_TILES, MISTRAL_WINDOW_INT4_TILES, QWEN2_INT4_TILES, int4_vnni
 from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
@@ -169,13 +169,17 @@ def _module_path_case(name: str, quantization: str | None, kv_cache_dtype: str, 
     region_steps = torch.ops.tpserve_cpu.decode_region_steps() - region_steps
     # One rank's stack runs each decode step in the parallel region where every projection's op is one the region
     # has (float32, int8, fp8 and grouped 8-bit: their decode paths on an AVX-512 CPU; int4: the tile layout of an
-    # AMX one); the tensor-parallel halves (here: the stack switched off) never do.
-    if quantization == "int4":
-        region_formats = bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
+    # AMX one, or the row-major layout's AVX512-VNNI path); the tensor-parallel halves (here: the stack switched
+    # off) never do.
+    decode_steps = len(tokens) - 1
+    if quantization == "int4" and not torch.ops.tpserve_cpu.int4_tiles_enabled():
+        # Row-major int4 (no AMX): the VNNI path takes up to 4 rows, every step but the one of 6 (three
+        # decodes and a 3-token prompt).
+        region_formats, expected = int4_vnni(), decode_steps - 1
     else:
-        region_formats = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    in_region = not halves and region_formats
-    assert region_steps == (len(tokens) - 1 if in_region else 0)
+        region_formats = quantization == "int4" or torch.backends.cpu.get_cpu_capability() == "AVX512"
+        expected = decode_steps
+    assert region_steps == (expected if not halves and region_formats else 0)
     per_step = 1 if not halves else len(model.layers)
     assert len(calls) == per_step * (len(tokens) - 1)  # every step but the first (a prefill) took it
     modules = _Steps(checkpoint, quantization, decode_block=False, kv_cache_dtype=kv_cache_dtype)

@@ -30,7 +30,7 @@ import torch
 
 from tests.tiny_models import save_tiny_model
 from tests.worker.lora_checkpoints import ALL_TARGETS, AdapterSpec, save_adapter
-from tests.worker.region_specs import INT4_TILES, MISTRAL_WINDOW_INT4_TILES
+from tests.worker.region_specs import INT4_TILES, MISTRAL_WINDOW_INT4_TILES, int4_vnni
 from tests.worker.tp_harness import Job, run_jobs
 from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
@@ -129,16 +129,18 @@ def test_the_region_equals_the_halves_on_tensor_parallel_ranks(tp: int, tiny_che
     records = run_jobs(jobs, tp)
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
     int4_tiles = cpu_kernels_available() and bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
+    vnni = cpu_kernels_available() and int4_vnni()
     for case in DEGREES[tp]:
         quantization = CASES[case][1]
         on, off = records[f"{case}/True"], records[f"{case}/False"]
         assert sum(r.decode_region_steps for r in off) == 0
         # Every step but the first (its prompts are prefill chunks) takes the decode block: short prompts join the
         # decode rows. The region's formats: float32 and int8 where their GEMV takes its AVX-512 decode path (up
-        # to 8 rows), int4 in the tile layout at any row count.
+        # to 8 rows), int4 in the tile layout at any row count, or (no AMX) the row-major layout's AVX512-VNNI
+        # path up to 4 rows.
         rows = [sum(chunk.num_tokens for chunk in plan.scheduled) for plan in _plans()[1:]]
         if quantization == "int4":
-            expected = len(rows) if int4_tiles else 0
+            expected = len(rows) if int4_tiles else (sum(n <= 4 for n in rows) if vnni else 0)
         elif case == "gqa_tied_gptq8":  # group-wise 8-bit: up to 64 rows
             expected = len(rows) if avx512 else 0
         else:
