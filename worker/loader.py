@@ -68,6 +68,7 @@ from worker.layers.fp8_weights import hold_unquantized_fp8
 from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
 from worker.layers.moe_int4 import hold_unquantized_experts
 from worker.lm_head_int8 import hold_lm_head_int8, takes_int8_head
+from worker.layers_w16 import keep_layers_16bit, takes_w16_layers
 from worker.lm_head_w16 import keep_lm_head_16bit, takes_w16_head
 from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
@@ -127,6 +128,14 @@ def load_model(
                 f"LM head kept in {name}: its values on this rank are all {name} values, so it is widened as it "
                 "is read, the float32 head's logits at half its bytes (worker/lm_head_w16.py)",
                 rank_float_bytes_released=released)
+    if takes_w16_layers(ctx.device, dtype):
+        kept_layers, released = keep_layers_16bit(model)
+        for kind, count in sorted(kept_layers.items(), key=str):
+            name = str(kind).removeprefix("torch.")
+            (log.info if ctx.tp_rank == 0 else log.debug)(
+                f"decoder projections kept in {name}: their values on this rank are all {name} values, so each is "
+                "widened as it is read, the float32 layers' outputs at half their bytes (worker/layers_w16.py)",
+                layers=count, rank_float_bytes_released=released)
     if held:  # once per stage, as the lines below
         (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",
                                                       layers=len(held), names=held[:6])

@@ -13,8 +13,8 @@ The plans: a prefill of three prompts (the module path in both runs), decodes of
 sequence that leaves them, six 2-token prompts that join three decodes (15 rows) and a decode step of 9
 sequences (those two: more rows than the float32 and 8-bit GEMVs' decode path, so the halves in both runs;
 int4 tiles take any). The checkpoints cover o_proj and MLP biases (added once, after the sum), q/k/v biases,
-GQA and MQA, a window, QK-norm, weight-only int8, group-wise 8-bit (8-bit GPTQ), int4 tiles (AMX-INT8 CPUs) and
-8-bit KV caches; the degrees
+GQA and MQA, a window, QK-norm, float16 projections kept 16-bit, weight-only int8, group-wise 8-bit (8-bit GPTQ),
+int4 tiles (AMX-INT8 CPUs; the row-major VNNI path elsewhere) and 8-bit KV caches; the degrees
 2 and 4 (1 KV head per rank at 4), and LoRA adapter rows (three adapters and the base model, on the biased
 model: the adapters' sums before the all-reduce and the bias). And a peer lost inside the region fails the step,
 as a lost peer fails ``SharedMemoryComm``'s collective.
@@ -32,6 +32,7 @@ from tests.tiny_models import save_tiny_model
 from tests.worker.lora_checkpoints import ALL_TARGETS, AdapterSpec, save_adapter
 from tests.worker.region_specs import INT4_TILES, MISTRAL_WINDOW_INT4_TILES, int4_vnni
 from tests.worker.tp_harness import Job, run_jobs
+from tests.worker.int8_checkpoints import save_cast
 from tests.worker.w8a16_checkpoints import save_gptq8
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import _cpu_supports_avx2, cpu_kernels_available
@@ -82,6 +83,8 @@ def _case_checkpoint(name: str, tiny_checkpoints: dict[str, Path], tmp_path: Pat
     if name == "gqa_tied_gptq8":  # 8-bit GPTQ with zero points, group 32: group-wise 8-bit codes (the w8 op)
         return save_gptq8(tiny_checkpoints["gqa_tied"], tmp_path / "gptq8", tmp_path / "gptq8_dq", group=32,
                           sym=False)[0]
+    if name == "mqa_untied_bias_fp16":  # float16 projections kept 16-bit (worker/layers_w16.py): linear_w16's GEMV
+        return save_cast(tiny_checkpoints["mqa_untied_bias"], tmp_path / "fp16", torch.float16)
     return save_tiny_model(specs[name], tmp_path / name) if name in specs else tiny_checkpoints[name]
 
 
@@ -105,6 +108,7 @@ CASES = {  # name -> (checkpoint, --quantization, --kv-cache-dtype)
     "gqa_tied": ("gqa_tied", None, "auto"),
     "mqa_untied_bias": ("mqa_untied_bias", None, "auto"),
     "mqa_untied_bias_lora": ("mqa_untied_bias", None, "auto"),  # three adapters and the base model
+    "mqa_untied_bias_fp16": ("mqa_untied_bias_fp16", None, "auto"),
     "qwen2_qkv_bias_int8": ("qwen2_qkv_bias", "int8", "auto"),
     "gqa_tied_gptq8": ("gqa_tied_gptq8", None, "auto"),
     "qwen3_qk_norm_fp8_cache": ("qwen3_qk_norm", "int8", "fp8"),

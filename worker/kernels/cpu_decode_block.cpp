@@ -56,6 +56,13 @@ const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, 
   return op;
 }
 
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>& linear_w16_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tpserve_cpu::linear_w16", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+  return op;
+}
+
 const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           const OptTensor&)>&
 linear_int8_op() {
@@ -96,8 +103,8 @@ linear_w8_op() {
   return op;
 }
 
-// x (T, K) @ weight (N, K)^T [* scale] [+ bias] -> (T, N): the float32, int8, int4, grouped 8-bit or fp8 linear
-// (scale given; int4: a uint8 weight of packed codes, K / 2 columns, with its (N, K / G, 2) scales and offsets,
+// x (T, K) @ weight (N, K)^T [* scale] [+ bias] -> (T, N): the float32 or 16-bit float linear (no scale; bfloat16
+// and float16 widened as read, linear_w16), or the int8, int4, grouped 8-bit or fp8 one (scale given; int4: a uint8 weight of packed codes, K / 2 columns, with its (N, K / G, 2) scales and offsets,
 // cpu_linear_int4.cpp; grouped 8-bit: a uint8 weight of K columns, a code a byte, the same scales and offsets,
 // cpu_linear_w8.cpp; fp8: float8_e4m3fn with (N, K / G) scales, cpu_linear_fp8.cpp).
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const OptTensor& scale, const OptTensor& bias) {
@@ -107,6 +114,9 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const OptTenso
   }
   if (scale.has_value() && weight.scalar_type() == at::kFloat8_e4m3fn) return linear_fp8_op().call(x, weight, *scale, bias);
   if (scale.has_value()) return linear_int8_op().call(x, weight, *scale, bias);
+  if (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf) {
+    return linear_w16_op().call(x, weight, bias);  // a 16-bit layer widened as read: linear_f32's bits
+  }
   return linear_f32_op().call(x, weight, bias);
 }
 
@@ -462,8 +472,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     if (R.lora) R.qkv_lora = *qkv, R.o_lora = *o, R.gate_up_lora = *gate_up, R.down_lora = *down;
   }
 
-  // The layer in the region's terms (decode_region.h) where every projection is float32, int8, fp8, group-wise 8-bit
-  // or int4 and its tensors are contiguous float32; else region_ok_ turns false for the stack.
+  // The layer in the region's terms (decode_region.h) where every projection is float32, 16-bit float, int8, fp8,
+  // group-wise 8-bit or int4 and its other tensors are contiguous float32; else region_ok_ turns false for the stack.
   void add_region_layer(const LayerArgs& L) {
     using tpserve::RegionWeight;
     // K: the projection's input width (x's columns), which tells int4's codes (K / 2 a row) from grouped 8-bit's.
@@ -481,6 +491,10 @@ class DecodeLayers : public torch::CustomClassHolder {
       const int64_t N = w.size(0);
       if (w.scalar_type() == at::kFloat && !scale.has_value()) {  // project(): linear_f32
         return RegionWeight{RegionWeight::kFloat32, w.data_ptr<float>(), nullptr, b, N, w.size(1), 0};
+      }
+      if ((w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf) && !scale.has_value()) {  // linear_w16
+        const auto kind = w.scalar_type() == at::kBFloat16 ? RegionWeight::kBf16 : RegionWeight::kF16;
+        return RegionWeight{kind, w.data_ptr(), nullptr, b, N, w.size(1), 0};
       }
       if (w.scalar_type() == at::kChar && scale.has_value() && scale->numel() == N) {  // linear_int8
         return RegionWeight{RegionWeight::kInt8, w.data_ptr<int8_t>(), scale->data_ptr<float>(), b, N, w.size(1), 0};

@@ -1,4 +1,5 @@
-// A Llama decode step in one OpenMP parallel region, for float32, int8, fp8, group-wise 8-bit and int4 stacks on a
+// A Llama decode step in one OpenMP parallel region, for float32, 16-bit float (bfloat16, float16 widened as read),
+// int8, fp8, group-wise 8-bit and int4 stacks on a
 // float32 or 8-bit (int8, fp8) KV cache: one rank's whole stack, or a tensor-parallel rank's, its all-reduces
 // included.
 //
@@ -30,7 +31,7 @@
 // Every value is made by the same function as on the op path (row_math.h, kv_store.h; the int4 tiles' run_rows,
 // linear_int4's VNNI rows, cpu_linear.cpp's streamed GEMV and linear_fp8's pass, whose every output is one dot
 // product in a fixed order; cpu_attention.cpp's items), each by one thread, so the hidden states and caches equal
-// the op path's bit for bit (tests/worker/test_decode_block.py). float32, int8 and fp8 projections take the region
+// the op path's bit for bit (tests/worker/test_decode_block.py). float32, 16-bit, int8 and fp8 projections take the region
 // where their op takes its streamed path in one pass (up to 8 rows of x, AVX-512); int4 tiles at any row count,
 // 10 rows a pass; int4's row-major layout where linear_int4 takes its AVX512-VNNI path (up to 4 rows, no AMX);
 // group-wise 8-bit where linear_w8 takes its AVX-512 decode passes (up to 64 rows).
@@ -184,6 +185,8 @@ void project_share(const RegionWeight& w, const float* x, int64_t T, Local& loca
     fp8_rows(x, T, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale, w.bias, y, n0, n1);
   } else if (w.kind == RegionWeight::kW8) {
     tpserve_w8::region_rows(x, T, w.K, w.N, w.G, static_cast<const uint8_t*>(w.weight), w.scale, w.bias, y, n0, n1);
+  } else if (w.kind == RegionWeight::kBf16 || w.kind == RegionWeight::kF16) {
+    streamed_gemv_rows16(x, T, w.K, w.N, w.weight, w.kind == RegionWeight::kBf16, w.bias, y, n0, n1);
   } else {
     const bool int8 = w.kind == RegionWeight::kInt8;
     streamed_gemv_rows(x, T, w.K, w.N, int8 ? nullptr : static_cast<const float*>(w.weight),

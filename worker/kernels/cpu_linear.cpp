@@ -576,6 +576,16 @@ void streamed_gemv_rows(const float* x, int64_t M, int64_t K, int64_t N, const f
   }
 }
 
+void streamed_gemv_rows16(const float* x, int64_t M, int64_t K, int64_t N, const void* w, bool bfloat16,
+                          const float* bias, float* y, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  if (bfloat16) {
+    seq512_rows(M, n0, n1, K, N, x, nullptr, bias, y, static_cast<const c10::BFloat16*>(w));
+  } else {
+    seq512_rows(M, n0, n1, K, N, x, nullptr, bias, y, static_cast<const c10::Half*>(w));
+  }
+}
+
 }  // namespace tpserve
 
 TORCH_LIBRARY(tpserve_cpu, m) {

@@ -1,4 +1,4 @@
-// What the float32, int8 (cpu_linear.cpp) and fp8 (cpu_linear_fp8.cpp) linear layers give callers that split W's
+// What the float32, int8, 16-bit float (cpu_linear.cpp) and fp8 (cpu_linear_fp8.cpp) linear layers give callers that split W's
 // rows among their own threads (cpu_decode_region.cpp): the streamed GEMV of a decode step's few rows of x.
 #pragma once
 
@@ -15,6 +15,11 @@ bool streamed_gemv_takes(int64_t M);
 // summed in one fixed order, so any split of [0, N) gives the op's bits.
 void streamed_gemv_rows(const float* x, int64_t M, int64_t K, int64_t N, const float* w_f32, const int8_t* w_i8,
                         const float* scale, const float* bias, float* y, int64_t n0, int64_t n1);
+
+// The same for a bfloat16 (bfloat16 true) or float16 W (N, K), widened as it is read: linear_w16's bits, which are
+// linear_f32's on W's float32 copy.
+void streamed_gemv_rows16(const float* x, int64_t M, int64_t K, int64_t N, const void* w, bool bfloat16,
+                          const float* bias, float* y, int64_t n0, int64_t n1);
 
 // cpu_linear_fp8.cpp's linear_fp8 likewise: whether it takes its streamed path in one pass for M rows of x with
 // groups of G columns (M <= 8, G % 16 == 0, AVX-512), and y's columns [n0, n1) of it (weight (N, K) e4m3 bytes,

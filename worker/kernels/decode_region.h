@@ -1,6 +1,6 @@
 // A Llama decode step in one OpenMP parallel region (cpu_decode_region.cpp), one rank's or a tensor-parallel rank's
-// (its all-reduces inside), for stacks whose projections are float32, int8, fp8, group-wise 8-bit or int4, on a
-// float32 or 8-bit KV cache, with or without LoRA adapter rows. DecodeLayers (cpu_decode_block.cpp) gathers the
+// (its all-reduces inside), for stacks whose projections are float32, 16-bit float, int8, fp8, group-wise 8-bit or
+// int4, on a float32 or 8-bit KV cache, with or without LoRA adapter rows. DecodeLayers (cpu_decode_block.cpp) gathers the
 // pointers once a layer and calls decode_region where a step qualifies.
 #pragma once
 
@@ -22,9 +22,11 @@ namespace tpserve {
 //   kFp8: weight (N, K) e4m3 bytes, scale (N, K / G) float32 (cpu_linear_fp8.cpp; up to 8 rows of x);
 //   kW8: codes (N, K) uint8, scale its scale_offset (N, K / G, 2) float32 (cpu_linear_w8.cpp: group-wise 8-bit
 //     GPTQ and W8A16 checkpoints; up to 64 rows of x, AVX-512);
-//   kFloat32: weight (N, K) float32, no scale.
+//   kFloat32: weight (N, K) float32, no scale;
+//   kBf16, kF16: weight (N, K) bfloat16 or float16, no scale, widened as it is read (cpu_linear.cpp's linear_w16:
+//     a checkpoint's 16-bit layers served with float32 activations, worker/layers_w16.py).
 struct RegionWeight {
-  enum Kind { kInt4Tiles, kInt4Rows, kInt8, kFp8, kW8, kFloat32 } kind;
+  enum Kind { kInt4Tiles, kInt4Rows, kInt8, kFp8, kW8, kFloat32, kBf16, kF16 } kind;
   const void* weight;
   const float* scale;
   const float* bias;  // (N,) float32 or null

@@ -24,6 +24,9 @@ AVX-512 path is faster at every row count. Measured on a Zen 5 core, one thread,
 the 95M model's projection shapes: MKL 73-90 GFLOP/s at 128-2048 rows, the kernel
 112-153 (worker/kernels/cpu_linear.cpp blocks x's rows for it).
 
+A layer held in its checkpoint's 16 bits (worker/layers_w16.py) takes ``linear_w16`` where a float32 one takes
+``linear_f32``, and a widened copy where a float32 one goes to MKL: the same products.
+
 CUDA keeps ``F.linear`` (cuBLAS picks its own split, and the transposes would
 cost a kernel each).
 """
@@ -63,10 +66,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Numerically a GEMM like ``F.linear``'s (float32 accumulation), with a
     different blocking, so results may differ from ``F.linear`` in the last bits.
-    ``weight`` must be contiguous (the layers' parameters are).
+    ``weight`` must be contiguous (the layers' parameters are). A bfloat16 or float16 ``weight`` with float32
+    ``x`` (a layer held 16-bit on a CPU: worker/layers_w16.py) gives the bits of ``linear(x, weight.float(),
+    bias)``: the compiled ``linear_w16`` widens it as it reads it.
     """
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
+    if x.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):  # worker/layers_w16.py
+        if x.shape[0] <= MAX_KERNEL_ROWS or kernel_for_prefill():
+            return torch.ops.tpserve_cpu.linear_w16(x.contiguous(), weight, bias)  # linear_f32's bits, widened as read
+        return linear(x, weight.float(), bias)  # prefill-sized: the float32 layer's own product, on a widened copy
     if ((x.shape[0] <= MAX_KERNEL_ROWS or kernel_for_prefill()) and x.dtype == weight.dtype == torch.float32
             and cpu_kernels_available() and (bias is None or bias.dtype == torch.float32)):
         return torch.ops.tpserve_cpu.linear_f32(x.contiguous(), weight, bias)  # (T, N)

@@ -1,0 +1,100 @@
+"""A 16-bit checkpoint's decoder projections kept in their 16 bits on a CPU (worker/layers_w16.py) against their
+float32 copies, in one run.
+
+The 94.9M-parameter Llama of benchmarks/peer_comparison.py (float32, seed 0: 30 layers, hidden 512) stored as
+checkpoints are published, in bfloat16 and in float16, served with float32 activations (``--dtype float32``,
+the CPU default). For each, one ``ModelRunner`` (tp 1, this process, every core) keeps the projections 16-bit
+(the default) and one widens them to float32 at load (the baseline: ``takes_w16_layers`` patched to False; the
+LM head, 512 x 512, is kept 16-bit in both). First the two runners' logits over a 32-token prefill and 8 decodes
+are compared (they must be equal, bit for bit); then each round times every runner's bare decode step at batch 1
+and 16 (benchmarks/peer_comparison.py ``bare_steps``) and a 512-token prefill (one sequence, one chunk: the
+projections then multiply a float32 copy widened for the call), the runners in turn; medians and the
+within-round ratios are reported, with the bytes each runner holds.
+
+    .venv/bin/python benchmarks/layers_w16.py --rounds 5 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lm_head_int8 import bare_rounds, bare_step_parser, finish, speedup  # noqa: E402
+from benchmarks.lm_head_w16 import _logits  # noqa: E402
+from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, build_model, machine_description  # noqa: E402
+from worker.memory import weight_bytes  # noqa: E402
+
+PREFILL_TOKENS = 512
+
+
+def _runner(model_dir: Path, keep: bool):
+    with contextlib.nullcontext() if keep else mock.patch("worker.loader.takes_w16_layers", return_value=False):
+        return bare_runner(model_dir)
+
+
+def prefill_ms(runner, tokens: int = PREFILL_TOKENS) -> float:
+    """Wall ms of one ``tokens``-token prompt prefilled in one step (a fresh sequence, then finished)."""
+    from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+
+    blocks = -(-tokens // runner.block_size)
+    runner.init_kv_cache(blocks + 1)
+    plan = StepPlan(1, (NewSequence(0, SamplingParams(temperature=0)),),
+                    (ScheduledChunk(0, tuple(3 + i % 500 for i in range(tokens)), 0, tuple(range(blocks))),))
+    start = time.perf_counter()
+    runner.execute(plan)
+    elapsed = time.perf_counter() - start
+    runner.execute(StepPlan(2, (), (), finished_seq_ids=(0,)))
+    return elapsed * 1e3
+
+
+def main() -> None:
+    args = bare_step_parser(__doc__, "layers_w16.json").parse_args()
+    from tests.worker.int8_checkpoints import save_cast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        source = build_model(root / "float32", 0)
+        models = {"bf16": save_cast(source, root / "bf16", torch.bfloat16),
+                  "fp16": save_cast(source, root / "fp16", torch.float16)}
+        runners = {f"{m}_{layers}": _runner(models[m], layers == "16bit_layers")
+                   for m in models for layers in ("16bit_layers", "float32_layers")}
+        equal = {m: all(torch.equal(a, b) for a, b in zip(_logits(runners[f"{m}_16bit_layers"]),
+                                                            _logits(runners[f"{m}_float32_layers"]), strict=True))
+                 for m in models}
+        held = {name: weight_bytes(r.model) for name, r in runners.items()}
+        times = bare_rounds(runners, args.rounds, args.context, args.steps)
+        prefill: dict[str, list[float]] = {name: [] for name in runners}
+        for rnd in range(args.rounds):
+            for name in (list(runners) if rnd % 2 == 0 else list(reversed(runners))):
+                prefill_ms(runners[name])  # warm: the first prefill of a fresh cache pays its page faults
+                prefill[name].append(prefill_ms(runners[name]))
+            print(f"prefill round {rnd}: " + ", ".join(f"{n} {prefill[n][-1]:.1f} ms" for n in runners), flush=True)
+    report: dict = {
+        "what": __doc__.split("\n\n")[0], "machine": machine_description(), "torch": torch.__version__,
+        "shape": MODEL_CONFIG, "rounds": args.rounds, "context": args.context, "steps": args.steps,
+        "logits_bit_identical": equal, "weight_bytes": held,
+        "decode_step_ms": {n: {b: round(statistics.median(v), 3) for b, v in t.items()} for n, t in times.items()},
+        "prefill_ms": {n: round(statistics.median(v), 2) for n, v in prefill.items()},
+        "prefill_tokens": PREFILL_TOKENS,
+        "speedup_16bit_layers": {},
+    }
+    for m in models:
+        for batch in (1, 16):
+            report["speedup_16bit_layers"][f"{m}_batch{batch}"] = speedup(times[f"{m}_float32_layers"][batch],
+                                                                          times[f"{m}_16bit_layers"][batch])
+        report["speedup_16bit_layers"][f"{m}_prefill"] = speedup(prefill[f"{m}_float32_layers"],
+                                                                 prefill[f"{m}_16bit_layers"])
+    finish(report, args.out, args.name)
+
+
+if __name__ == "__main__":
+    main()
