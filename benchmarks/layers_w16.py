@@ -9,7 +9,9 @@ LM head, 512 x 512, is kept 16-bit in both). First the two runners' logits over 
 are compared (they must be equal, bit for bit); then each round times every runner's bare decode step at batch 1
 and 16 (benchmarks/peer_comparison.py ``bare_steps``) and a 512-token prefill (one sequence, one chunk: the
 projections then multiply a float32 copy widened for the call), the runners in turn; medians and the
-within-round ratios are reported, with the bytes each runner holds.
+within-round ratios are reported, with the bytes each runner holds. And the peak memory of loading each model in
+a fresh process (``load_peak_rss_mb``, :data:`LOADS`): widened, loaded in float32 and then held 16-bit, and
+allocated 16-bit before loading (the default).
 
     .venv/bin/python benchmarks/layers_w16.py --rounds 5 --out benchmarks/results
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +59,40 @@ def prefill_ms(runner, tokens: int = PREFILL_TOKENS) -> float:
     return elapsed * 1e3
 
 
+#: The loads whose peak memory is measured: the projections widened to float32 (the baseline), loaded in float32
+#: and held 16-bit afterwards by their values (``allocate_16bit_projections`` off), allocated 16-bit before loading.
+LOADS = {"float32_layers": "mock.patch('worker.loader.takes_w16_layers', return_value=False)",
+         "kept_after_float32_load": "mock.patch('worker.loader.allocate_16bit_projections')",
+         "allocated_16bit": "contextlib.nullcontext()"}
+
+
+def load_peak_rss_mb(model_dir: Path, load: str) -> float:
+    """Peak resident MB of a fresh process while it loads ``model_dir`` into a tp-1 ``ModelRunner`` (no KV cache),
+    by ``load`` (:data:`LOADS`), less its resident MB before (Python, torch and the kernels): Linux's ``VmHWM``,
+    reset first (``/proc/self/clear_refs``), so only the load's peak counts."""
+    code = f"""
+import contextlib, sys
+from pathlib import Path
+from unittest import mock
+import torch
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+import worker.kernels
+from worker.model_runner import ModelRunner
+from worker.parallel_state import ParallelContext
+worker.kernels.cpu_kernels_available()
+def status(key):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident size
+before = status("VmRSS")
+with {LOADS[load]}:
+    ModelRunner({str(model_dir)!r}, ParallelContext.single(), torch.float32, 16)
+print(status("VmHWM") - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     args = bare_step_parser(__doc__, "layers_w16.json").parse_args()
     from tests.worker.int8_checkpoints import save_cast
@@ -71,6 +108,7 @@ def main() -> None:
                                                             _logits(runners[f"{m}_float32_layers"]), strict=True))
                  for m in models}
         held = {name: weight_bytes(r.model) for name, r in runners.items()}
+        peak = {m: {load: round(load_peak_rss_mb(models[m], load), 1) for load in LOADS} for m in models}
         times = bare_rounds(runners, args.rounds, args.context, args.steps)
         prefill: dict[str, list[float]] = {name: [] for name in runners}
         for rnd in range(args.rounds):
@@ -81,7 +119,7 @@ def main() -> None:
     report: dict = {
         "what": __doc__.split("\n\n")[0], "machine": machine_description(), "torch": torch.__version__,
         "shape": MODEL_CONFIG, "rounds": args.rounds, "context": args.context, "steps": args.steps,
-        "logits_bit_identical": equal, "weight_bytes": held,
+        "logits_bit_identical": equal, "weight_bytes": held, "load_peak_rss_mb": peak,
         "decode_step_ms": {n: {b: round(statistics.median(v), 3) for b, v in t.items()} for n, t in times.items()},
         "prefill_ms": {n: round(statistics.median(v), 2) for n, v in prefill.items()},
         "prefill_tokens": PREFILL_TOKENS,

@@ -61,8 +61,26 @@ def check_head_weights(config: ModelConfig, tensor_names: Collection[str]) -> No
                          "is the embedding)")
 
 
+def tensor_dtypes(files: dict[str, Path]) -> dict[str, str]:
+    """Each tensor's stored dtype as its file's header names it (``"BF16"``, ``"F16"``, ``"F32"``, ``"F8_E4M3"``,
+    ...), for the names in ``files`` (name -> file, :func:`checkpoint_files`); each file's header read once, no data.
+
+    Raises:
+        ValueError: a file's header is not what the format says.
+    """
+    dtypes: dict[str, str] = {}
+    for path in sorted(set(files.values())):
+        dtypes.update((name, entry["dtype"]) for name, entry in _header(path).items() if name != "__metadata__")
+    return {name: dtypes[name] for name in files if name in dtypes}
+
+
 def _tensor_names(path: Path) -> list[str]:
     """The tensor names in one ``.safetensors`` file's header (its ``__metadata__`` left out)."""
+    return [name for name in _header(path) if name != "__metadata__"]
+
+
+def _header(path: Path) -> dict:
+    """One ``.safetensors`` file's header: tensor name -> ``{"dtype", "shape", "data_offsets"}``, and ``__metadata__``."""
     with path.open("rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -70,5 +88,4 @@ def _tensor_names(path: Path) -> list[str]:
         (size,) = struct.unpack("<Q", prefix)
         if size > MAX_HEADER_BYTES:
             raise ValueError(f"{path} is not a safetensors file (header length {size})")
-        header = json.loads(f.read(size))
-    return [name for name in header if name != "__metadata__"]
+        return json.loads(f.read(size))

@@ -56,7 +56,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from tpserve.checkpoint import LM_HEAD, check_head_weights, checkpoint_files
+from tpserve.checkpoint import LM_HEAD, check_head_weights, checkpoint_files, tensor_dtypes
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization, check_quantization_flag
 from tpserve.weight_formats import WeightFormat, weight_format
@@ -68,7 +68,7 @@ from worker.layers.fp8_weights import hold_unquantized_fp8
 from worker.layers.int4_weights import PackedPart, finish_int4_layer, hold_unquantized
 from worker.layers.moe_int4 import hold_unquantized_experts
 from worker.lm_head_int8 import hold_lm_head_int8, takes_int8_head
-from worker.layers_w16 import keep_layers_16bit, takes_w16_layers
+from worker.layers_w16 import allocate_16bit_projections, keep_layers_16bit, takes_w16_layers
 from worker.lm_head_w16 import keep_lm_head_16bit, takes_w16_head
 from worker.layers.int8_groups import describe_8bit
 from worker.models import model_class
@@ -111,6 +111,9 @@ def load_model(
     fmt = weight_format(config.hf_config)
     qc = config.hf_config.get("quantization_config")
     int4 = layer_formats(qc) if config.quantization == "int4" and isinstance(qc, dict) else None
+    w16 = takes_w16_layers(ctx.device, dtype)
+    if w16:  # a 16-bit checkpoint's projections allocated in its type: the float32 copy never exists
+        allocate_16bit_projections(model, _stored_dtypes(model, files))
     held = load_weights(model, files, ctx.device, fmt, int4)
     if takes_int8_head(quantization, config.quantization, ctx.device, dtype):
         released = hold_lm_head_int8(model, tied)
@@ -128,14 +131,15 @@ def load_model(
                 f"LM head kept in {name}: its values on this rank are all {name} values, so it is widened as it "
                 "is read, the float32 head's logits at half its bytes (worker/lm_head_w16.py)",
                 rank_float_bytes_released=released)
-    if takes_w16_layers(ctx.device, dtype):
+    if w16:
         kept_layers, released = keep_layers_16bit(model)
         for kind, count in sorted(kept_layers.items(), key=str):
             name = str(kind).removeprefix("torch.")
             (log.info if ctx.tp_rank == 0 else log.debug)(
-                f"decoder projections kept in {name}: their values on this rank are all {name} values, so each is "
-                "widened as it is read, the float32 layers' outputs at half their bytes (worker/layers_w16.py)",
-                layers=count, rank_float_bytes_released=released)
+                f"weights kept in {name} (decoder projections, an untied input embedding): their values on this rank "
+                f"are all {name} values, so each is widened as it is read, the float32 model's outputs at half their "
+                "bytes (worker/layers_w16.py)",
+                matrices=count, rank_float_bytes_released=released)
     if held:  # once per stage, as the lines below
         (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",
                                                       layers=len(held), names=held[:6])
@@ -187,6 +191,18 @@ def _int4_part(name: str, fmt: LayerFormats | None) -> tuple[str, str] | None:
     stem, _, suffix = name.rpartition(".")
     part = PARTS[fmt.method].get(suffix)
     return None if part is None else (f"{stem}.weight", part)
+
+
+def _stored_dtypes(model: CausalLM, files: dict[str, Path]) -> dict[str, set[str]]:
+    """Per parameter of this stage's ``model``: the safetensors dtypes (``"BF16"``, ...) of the checkpoint tensors
+    it receives, from the files' headers (no data read)."""
+    stored: dict[str, set[str]] = defaultdict(set)
+    for name, kind in tensor_dtypes(files).items():
+        local = model.stage_checkpoint_name(name) if name.endswith(".weight") else None
+        target = model.weight_map(local) if local is not None else None
+        if target is not None:
+            stored[target[0]].add(kind)
+    return stored
 
 
 def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device | None = None,

@@ -27,5 +27,5 @@ def test_a_bfloat16_checkpoint_served_at_tp2_keeps_its_layers_16_bit_with_transf
     log_path = tmp_path / "server.log"
     assert served_tokens(checkpoint, 2, log_path) == (reference_tokens(checkpoint), "")  # GetModelInfo: not quantized
     log = log_path.read_text()
-    assert "decoder projections kept in bfloat16: their values on this rank are all bfloat16 values" in log
+    assert "weights kept in bfloat16 (decoder projections, an untied input embedding): their values on this rank" in log
     assert "LM head kept in bfloat16" in log

@@ -17,6 +17,7 @@ from tests.worker.int8_checkpoints import save_cast
 from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from worker.kernels import cpu_kernels_available
 from worker.layers.decode_block import disable_decode_blocks
+import worker.layers.linear as linear_module
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.layers_w16 import PROJECTIONS, keep_layers_16bit
 from worker.memory import weight_bytes
@@ -74,7 +75,7 @@ def _region(enabled: bool) -> Iterator[None]:
 
 @needs_kernels
 @pytest.mark.parametrize("path", ["region", "ops", "modules"])
-@pytest.mark.parametrize("name", ["gqa_tied", "qwen2_qkv_bias", "qwen3_qk_norm"])
+@pytest.mark.parametrize("name", ["gqa_tied", "mqa_untied_bias", "qwen2_qkv_bias", "qwen3_qk_norm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_projections_give_the_float32_layers_logits_bit_for_bit(
         tiny_checkpoints: dict[str, Path], tmp_path: Path, name: str, dtype: torch.dtype, path: str) -> None:
@@ -85,6 +86,9 @@ def test_16_bit_projections_give_the_float32_layers_logits_bit_for_bit(
     assert len(layers) == 4 * runner.config.num_hidden_layers
     assert all(m.weight.dtype == dtype for m in layers)
     assert all(m.weight.dtype == torch.float32 for m in float_layers)
+    assert runner.model.model.embed_tokens.weight.dtype == dtype  # tied: the head's matrix; untied: its own rule
+    if not runner.model.tie_word_embeddings:
+        assert baseline.model.model.embed_tokens.weight.dtype == torch.float32
     for a, b in zip(layers, float_layers, strict=True):
         assert torch.equal(a.weight.float(), b.weight)
     assert weight_bytes(baseline.model) - weight_bytes(runner.model) >= sum(m.weight.numel() * 2 for m in layers)
@@ -109,3 +113,31 @@ def test_a_float32_checkpoints_layers_stay_float32_and_one_off_grid_layer_alone(
     assert released == sum(m.weight.numel() * 2 for m in layers if m is not o_proj)
     assert o_proj.weight.dtype == torch.float32
     assert all(m.weight.dtype == torch.bfloat16 for m in layers if m is not o_proj)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_checkpoints_projections_are_allocated_16_bit_before_loading(
+        tiny_checkpoints: dict[str, Path], tmp_path: Path, dtype: torch.dtype) -> None:
+    """The float32 copy never exists: each projection receives the stored values into a 16-bit weight (the values
+    rule after loading, switched off here, is not what makes them 16-bit), and the logits are still the
+    float32-widened model's (the values copied exactly)."""
+    model_dir = save_cast(tiny_checkpoints["phi3_fused"], tmp_path / "phi3", dtype)  # q/k/v and gate/up stored fused
+    received: list[torch.dtype] = []
+    load_rows = linear_module._load_rows
+
+    def recording(layer, param, *args, **kwargs):
+        if param is layer.weight:
+            received.append(param.dtype)
+        return load_rows(layer, param, *args, **kwargs)
+
+    with mock.patch("worker.layers_w16.sixteen_bit_dtype", return_value=None), \
+            mock.patch.object(linear_module, "_load_rows", recording):
+        runner = ModelRunner(model_dir, ParallelContext.single(), torch.float32, 4)
+    layers = _projections(runner)
+    assert all(m.weight.dtype == dtype for m in layers)
+    assert received and set(received) == {dtype}  # column-parallel weights (qkv, gate_up) received into 16 bits
+    with mock.patch("worker.loader.takes_w16_layers", return_value=False):
+        widened = ModelRunner(model_dir, ParallelContext.single(), torch.float32, 4)
+    for a, b in zip(layers, _projections(widened), strict=True):
+        assert b.weight.dtype == torch.float32 and torch.equal(a.weight.float(), b.weight)

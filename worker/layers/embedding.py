@@ -126,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids (T,) int64`` local row indices -> ``(T, embedding_size)`` in ``dtype``."""
-        if not self.int8:  # a 16-bit head's tied matrix (worker/lm_head_w16.py) widens exactly to ``dtype``
+        if not self.int8:  # 16-bit rows (worker/lm_head_w16.py, worker/layers_w16.py) widen exactly to ``dtype``
             return F.embedding(ids, self.weight).to(self.dtype)  # (T, embedding_size)
         # Dequantized in float32 and then cast, as the int8 layers' reference (q * s) is written.
         return (F.embedding(ids, self.qweight).float() * self.weight_scale[ids].unsqueeze(-1)).to(self.dtype)
