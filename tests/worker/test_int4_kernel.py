@@ -2,8 +2,9 @@
 
 * packing: :func:`pack_codes` puts column ``32b + j`` in the low nibble of byte ``16b + j`` and column
   ``32b + 16 + j`` in its high nibble (checked on hand-made codes), and :func:`unpack_codes` inverts it;
-* ``torch.ops.tpserve_cpu.linear_int4`` on each path the CPU has (AMX-INT8, AVX-512 VNNI, AVX-512 float, AVX2),
-  at 1-9, 17 and 70 rows of x (streamed, chunked, and the dequantize-and-matmul of prefill), group
+* ``torch.ops.tpserve_cpu.linear_int4`` on each path the CPU has (AMX-INT8, AVX-512 VNNI, AVX-512 float, AVX2,
+  and without AMX the dequantized rows' tiles from 9 rows of x), at 1-9, 17 and 70 rows of x (streamed, chunked,
+  and the dequantize-and-matmul of prefill), group
   sizes 32, 64, 128, 256 and the whole row, with a bias: against ``x @ (s * q + o).T + b`` in float64.
   Bound, relative to max |y|: 1e-5 on every path (float32 accumulation; the AMX and VNNI paths carry
   x as 24-bit fixed point per 128 columns, exact to 6e-8 of a chunk's largest |x|: measured 5e-7 on
@@ -22,7 +23,8 @@ from worker.layers.int4_matmul import dequantize, int4_linear, pack_codes, unpac
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels are unavailable")
 SHAPES = [(40, 64, 32), (37, 128, 64), (40, 256, 128), (64, 512, 256), (24, 384, 384), (48, 256, 128), (32, 384, 384)]
-ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 17, 70)  # AMX: 5 a pass; VNNI: up to 4; the float paths: 8 a pass; dequantize: over 64
+ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 17, 70)  # AMX: 5 a pass; VNNI: up to 4; the float paths: 8 a pass; row tiles: 9-64;
+# dequantize: over 64
 
 
 def _weights(n: int, k: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,14 +49,16 @@ def test_packing_puts_columns_in_the_documented_nibbles() -> None:
         pack_codes(torch.zeros(2, 48, dtype=torch.long))
 
 
-def _paths() -> list[tuple[str, bool, bool, bool]]:
-    return [("amx", True, True, True), ("vnni", True, True, False), ("avx512", True, False, False),
-            ("avx2", False, False, False)]
+def _paths() -> list[tuple[str, bool, bool, bool, bool]]:
+    """(name, AVX-512, VNNI, AMX, the dequantized rows' tiles from 9 rows of x)."""
+    return [("amx", True, True, True, True), ("vnni", True, True, False, False),
+            ("row_tiles", True, True, False, True), ("avx512", True, False, False, False),
+            ("avx2", False, False, False, False)]
 
 
 @needs_kernels
-@pytest.mark.parametrize("path,wide,vnni,amx", _paths())
-def test_linear_int4_matches_float64(path: str, wide: bool, vnni: bool, amx: bool) -> None:
+@pytest.mark.parametrize("path,wide,vnni,amx,tiles", _paths())
+def test_linear_int4_matches_float64(path: str, wide: bool, vnni: bool, amx: bool, tiles: bool) -> None:
     ops = torch.ops.tpserve_cpu
     if wide and not ops.use_avx512_int4(True):
         pytest.skip("this CPU has no AVX-512 (F, VL, BW)")
@@ -65,6 +69,7 @@ def test_linear_int4_matches_float64(path: str, wide: bool, vnni: bool, amx: boo
     ops.use_avx512_int4(wide)
     ops.use_vnni_int4(vnni)
     ops.use_amx_int4(amx)
+    ops.use_int4_row_tiles(tiles)
     try:
         worst = 0.0
         for i, (n, k, g) in enumerate(SHAPES):
@@ -82,6 +87,7 @@ def test_linear_int4_matches_float64(path: str, wide: bool, vnni: bool, amx: boo
         ops.use_avx512_int4(True)
         ops.use_vnni_int4(True)
         ops.use_amx_int4(True)
+        ops.use_int4_row_tiles(True)
 
 
 @needs_kernels

@@ -576,6 +576,11 @@ void streamed_gemv_rows(const float* x, int64_t M, int64_t K, int64_t N, const f
   }
 }
 
+at::Tensor tiles_from_rows(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias,
+                           const std::function<const float*(int64_t, float*)>& row) {
+  return linear(x, N, nullptr, bias, row, nullptr, static_cast<const float*>(nullptr));
+}
+
 void streamed_gemv_rows16(const float* x, int64_t M, int64_t K, int64_t N, const void* w, bool bfloat16,
                           const float* bias, float* y, int64_t n0, int64_t n1) {
   if (n0 >= n1) return;

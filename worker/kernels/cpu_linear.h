@@ -2,7 +2,11 @@
 // rows among their own threads (cpu_decode_region.cpp): the streamed GEMV of a decode step's few rows of x.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
 #include <cstdint>
+#include <functional>
 
 namespace tpserve {
 
@@ -27,5 +31,13 @@ void streamed_gemv_rows16(const float* x, int64_t M, int64_t K, int64_t N, const
 bool fp8_rows_take(int64_t M, int64_t G);
 void fp8_rows(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* weight, const float* scale,
               const float* bias, float* y, int64_t n0, int64_t n1);
+
+// y (M, N) = x (M, K) @ W^T [+ bias (N,)] through linear_f32's tiles (4 rows of W against 6 rows of x at a time),
+// W's row n given as float32 by row(n, buffer), buffer K floats of the calling thread's own (a row widened or
+// dequantized there stays in L1 while every row of x meets it): another format's rows at float32 arithmetic, for a
+// product of more rows than its own decode paths take (cpu_linear_int4.cpp on a CPU without AMX-INT8). x contiguous
+// float32 (M, K), bias contiguous float32 or none.
+at::Tensor tiles_from_rows(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias,
+                           const std::function<const float*(int64_t, float*)>& row);
 
 }  // namespace tpserve

@@ -36,6 +36,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_linear.h"
 #include "cpu_linear_int4.h"
 #include "group_dots.h"
 #include "int4_planes.h"
@@ -192,6 +193,28 @@ TPSERVE_INT4_VNNI void make_planes(const float* x, int64_t M, int64_t K, std::ve
   }
 }
 
+// Row n of W as float32, w = s * q + o with one rounding (an FMA), 32 columns (one block of codes) at a time: the
+// row the dequantized tiles below multiply (G a multiple of 32, so a block lies in one group).
+TPSERVE_GROUP_AVX512 void dequantize_row512(const uint8_t* q, const float* so, int64_t K, int64_t G, float* out) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const float* g = so + (k0 / G) * 2;
+    const __m512 s = _mm512_set1_ps(g[0]), o = _mm512_set1_ps(g[1]);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k0 / 2));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+    _mm512_storeu_ps(out + k0, _mm512_fmadd_ps(s, lo, o));
+    _mm512_storeu_ps(out + k0 + 16, _mm512_fmadd_ps(s, hi, o));
+  }
+}
+
+constexpr int64_t kRowTilesFrom = 9;  // rows of x from which the dequantized rows' tiles beat the float path
+std::atomic<bool> allow_row_tiles{true};  // use_int4_row_tiles(False): the float path (tests, A/B runs)
+bool use_int4_row_tiles(bool enabled) {
+  allow_row_tiles.store(enabled);
+  return enabled;
+}
+
 using tpserve::cpu_has_avx512bw;
 std::atomic<bool> allow_wide{true};  // use_avx512_int4(False): the AVX2 path (tests, A/B runs)
 bool use_avx512_int4(bool enabled) {
@@ -271,9 +294,21 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
                              bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
     return y;
   }
+  const bool wide = use_wide();
+  // From kRowTilesFrom rows of x on AVX-512 (a CPU without AMX-INT8, whose paths take those above): each row of W
+  // dequantized once into L1 and multiplied by linear_f32's tiles, 4 rows of W against 6 of x. The float path
+  // below re-widens every code once per 8 rows of x and loads x once per row of W; the tiles share each load
+  // (kernels.md, "int4": without AMX).
+  if (wide && M >= kRowTilesFrom && allow_row_tiles.load(std::memory_order_relaxed)) {
+    const uint8_t* qp = qweight.data_ptr<uint8_t>();
+    const float* sp = scale_offset.data_ptr<float>();
+    return tpserve::tiles_from_rows(x, N, bias, [=](int64_t n, float* buffer) {
+      dequantize_row512(qp + n * (K / 2), sp + n * groups * 2, K, G, buffer);
+      return static_cast<const float*>(buffer);
+    });
+  }
   // Per row of x and group: the sum of x over the group's columns (the offsets' factor).
   std::vector<float> xsum(static_cast<size_t>(M * groups));
-  const bool wide = use_wide();
   if (wide) {
     group_sums512(xp, M, K, G, xsum.data());
   } else {
@@ -319,6 +354,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("use_avx512_int4(bool enabled) -> bool", &tpserve_int4::use_avx512_int4);
   m.def("use_vnni_int4(bool enabled) -> bool", &tpserve_int4::use_vnni_int4);
   m.def("use_amx_int4(bool enabled) -> bool", &tpserve_int4::use_amx_int4);
+  m.def("use_int4_row_tiles(bool enabled) -> bool", &tpserve_int4::use_int4_row_tiles);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
