@@ -31,12 +31,18 @@ SAMPLING = [dict(temperature=0.0), dict(temperature=0.9, seed=11), dict(temperat
 @pytest.fixture(scope="module", params=["auto", "int8"], ids=lambda dtype: f"kv-{dtype}")
 def replicas(request: pytest.FixtureRequest,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningCluster, RunningCluster]]:
-    """Two kv_both replicas, with a float cache or an 8-bit one (its blocks move with their scale pools)."""
+    """Two kv_both replicas, with a float cache or an 8-bit one (its blocks move with their scale pools).
+
+    A moved stream's blocks wait for their pull for the drain's grace, and the pull for ``pull_timeout_s``: both
+    30 s here, not the defaults' 5 and 10, so that a host busy with other tests (CI runs mypy and a plain install
+    beside them) does not turn a slow pull into a recompute (the assertion on ``kv_transfer_fallbacks_total``)."""
     tmp = tmp_path_factory.mktemp(f"pd-moves-{request.param}")
-    flags = ("--kv-cache-dtype", request.param)
+    flags = ("--kv-cache-dtype", request.param, "--shutdown-grace-seconds", "30")
     with ExitStack() as stack:
-        doomed = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "a", tmp / "a.log", *flags))
-        kept = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "b", tmp / "b.log", *flags))
+        doomed = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "a", tmp / "a.log", *flags,
+                                                pull_timeout_s=30))
+        kept = stack.enter_context(serve_role(STORIES_DIR, 1, "kv_both", "b", tmp / "b.log", *flags,
+                                              pull_timeout_s=30))
         yield doomed, kept
 
 
