@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.lm_head_int8 import bare_rounds, bare_step_parser, finish, speedup  # noqa: E402
-from benchmarks.lm_head_w16 import _logits  # noqa: E402
+from benchmarks.lm_head_w16 import paired_runners  # noqa: E402
 from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, build_model, machine_description  # noqa: E402
 from worker.memory import weight_bytes  # noqa: E402
 
@@ -102,11 +102,7 @@ def main() -> None:
         source = build_model(root / "float32", 0)
         models = {"bf16": save_cast(source, root / "bf16", torch.bfloat16),
                   "fp16": save_cast(source, root / "fp16", torch.float16)}
-        runners = {f"{m}_{layers}": _runner(models[m], layers == "16bit_layers")
-                   for m in models for layers in ("16bit_layers", "float32_layers")}
-        equal = {m: all(torch.equal(a, b) for a, b in zip(_logits(runners[f"{m}_16bit_layers"]),
-                                                            _logits(runners[f"{m}_float32_layers"]), strict=True))
-                 for m in models}
+        runners, equal = paired_runners(models, _runner, "16bit_layers", "float32_layers")
         held = {name: weight_bytes(r.model) for name, r in runners.items()}
         peak = {m: {load: round(load_peak_rss_mb(models[m], load), 1) for load in LOADS} for m in models}
         times = bare_rounds(runners, args.rounds, args.context, args.steps)

@@ -53,6 +53,17 @@ def _logits(runner) -> list[torch.Tensor]:
     return rows
 
 
+def paired_runners(models: dict[str, Path], runner, kept: str, widened: str) -> tuple[dict, dict[str, bool]]:
+    """Per model of ``models`` (name -> checkpoint) a runner ``runner(dir, True)`` named ``{model}_{kept}`` and
+    ``runner(dir, False)`` named ``{model}_{widened}``; and per model whether the two give the same logits, bit for
+    bit, over :func:`_logits`' steps."""
+    runners = {f"{m}_{variant}": runner(models[m], variant == kept) for m in models for variant in (kept, widened)}
+    equal = {m: all(torch.equal(a, b) for a, b in zip(_logits(runners[f"{m}_{kept}"]),
+                                                        _logits(runners[f"{m}_{widened}"]), strict=True))
+             for m in models}
+    return runners, equal
+
+
 def head_alone(rows: tuple[int, ...] = (1, 8, 9, 16, 32, 48, 64), repeats: int = 20) -> dict:
     """The head's product alone, :data:`SHAPE`'s ``(vocab, hidden)`` matrix: ``linear_w16`` on bfloat16 and float16
     copies against ``linear_f32`` on the float32 one (this process's threads), median ms over ``repeats`` calls
@@ -91,11 +102,7 @@ def main() -> None:
         models = {"bf16": save_cast(source, root / "bf16", torch.bfloat16)}
         models["gptq_int4"], _ = save_gptq(save_cast(source, root / "fp16", torch.float16), root / "gptq", root / "gptq_ref",
                                           group=128, sym=True, desc_act=False)
-        runners = {f"{m}_{head}": _runner(models[m], head == "16bit_head")
-                   for m in models for head in ("16bit_head", "float32_head")}
-        equal = {m: all(torch.equal(a, b) for a, b in zip(_logits(runners[f"{m}_16bit_head"]),
-                                                            _logits(runners[f"{m}_float32_head"]), strict=True))
-                 for m in models}
+        runners, equal = paired_runners(models, _runner, "16bit_head", "float32_head")
         held = {name: weight_bytes(r.model) for name, r in runners.items()}
         head_dtype = {name: str(r.model.lm_head.weight.dtype) for name, r in runners.items()}
         times = bare_rounds(runners, args.rounds, args.context, args.steps)
