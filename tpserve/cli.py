@@ -38,9 +38,10 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--model", dict(help="Hugging Face checkpoint directory (default: the embedded model)")),
         ("--served-model-name", dict(help="name GetModelInfo reports (default: the directory's name)")),
         ("--dtype", dict(choices=("auto", "float32", "bfloat16", "float16"),
-                         help="auto: float32 on the CPU (a bfloat16 or float16 checkpoint's projections and LM head are "
-                              "then kept in their 16 bits and widened as read, with the same logits); on CUDA the "
-                              "checkpoint's half dtype, bfloat16 for float32")),
+                         help="auto: float32 on the CPU (with the compiled kernels, a bfloat16 or float16 checkpoint's "
+                              "projections, untied embedding and LM head are then kept in their 16 bits and widened "
+                              "as read, with the same logits); on CUDA the checkpoint's half dtype, bfloat16 for "
+                              "float32")),
         ("--device", dict(choices=("auto", "cpu", "cuda"),
                           help="where the ranks run; auto: CUDA where a GPU is visible")),
         ("--quantization", dict(choices=("int8", "int4", "fp8"),

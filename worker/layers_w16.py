@@ -86,14 +86,15 @@ def allocate_16bit_projections(model: nn.Module, stored: dict[str, set[str]]) ->
             weight.data = torch.empty(weight.shape, dtype=_STORED[kind], device=weight.device)
 
 
-def keep_layers_16bit(model: nn.Module) -> tuple[dict[torch.dtype, int], int]:
+def keep_layers_16bit(model: nn.Module) -> tuple[dict[torch.dtype, int], int, bool]:
     """After loading: hold each float32 projection of ``model`` whose values are all bfloat16 (else float16) values
     in that type, in place (exact: nothing is rounded; a float32 checkpoint exported from bfloat16, say). Returns
-    the projections held 16-bit per type, these and those :func:`allocate_16bit_projections` allocated, and the
-    bytes they hold less than float32 would on this rank."""
+    the weights held 16-bit per type, these and those :func:`allocate_16bit_projections` allocated, the bytes they
+    hold less than float32 would on this rank, and whether an untied input embedding is among them."""
     kept: dict[torch.dtype, int] = {}
     released = 0
-    for weight in weights(model).values():
+    embedding = False
+    for name, weight in weights(model).items():
         if weight.dtype == torch.float32:
             dtype = sixteen_bit_dtype(weight.detach())
             if dtype is None:
@@ -102,4 +103,5 @@ def keep_layers_16bit(model: nn.Module) -> tuple[dict[torch.dtype, int], int]:
         if weight.dtype in (torch.bfloat16, torch.float16):
             kept[weight.dtype] = kept.get(weight.dtype, 0) + 1
             released += weight.numel() * 2
-    return kept, released
+            embedding = embedding or not name.endswith("_proj.weight")
+    return kept, released, embedding

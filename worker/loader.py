@@ -132,13 +132,13 @@ def load_model(
                 "is read, the float32 head's logits at half its bytes (worker/lm_head_w16.py)",
                 rank_float_bytes_released=released)
     if w16:
-        kept_layers, released = keep_layers_16bit(model)
+        kept_layers, released, embedding = keep_layers_16bit(model)
+        what = "decoder projections" + (" and the untied input embedding" if embedding else "")
         for kind, count in sorted(kept_layers.items(), key=str):
             name = str(kind).removeprefix("torch.")
             (log.info if ctx.tp_rank == 0 else log.debug)(
-                f"weights kept in {name} (decoder projections, an untied input embedding): their values on this rank "
-                f"are all {name} values, so each is widened as it is read, the float32 model's outputs at half their "
-                "bytes (worker/layers_w16.py)",
+                f"weights kept in {name} ({what}): their values on this rank are all {name} values, so each is "
+                "widened as it is read, the float32 model's outputs at half their bytes (worker/layers_w16.py)",
                 matrices=count, rank_float_bytes_released=released)
     if held:  # once per stage, as the lines below
         (log.info if ctx.tp_rank == 0 else log.debug)("layers the checkpoint stores unquantized served in float",

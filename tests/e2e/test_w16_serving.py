@@ -1,5 +1,6 @@
 """``tpserve serve`` on a bfloat16 checkpoint at tp 2 with float32 activations (the CPU default): each rank keeps
-its shards of the decoder projections and the LM head in bfloat16 (worker/layers_w16.py, worker/lm_head_w16.py;
+its shards of the decoder projections, the (untied) input embedding and the LM head in bfloat16 (worker/layers_w16.py,
+worker/lm_head_w16.py;
 the start-up log says so), and four prompts at once give ``transformers``' greedy tokens on the same checkpoint
 run in float32. (tests/worker/test_layers_w16.py checks the logits against the float32-widened layers, bit for
 bit, on every path.)"""
@@ -27,5 +28,5 @@ def test_a_bfloat16_checkpoint_served_at_tp2_keeps_its_layers_16_bit_with_transf
     log_path = tmp_path / "server.log"
     assert served_tokens(checkpoint, 2, log_path) == (reference_tokens(checkpoint), "")  # GetModelInfo: not quantized
     log = log_path.read_text()
-    assert "weights kept in bfloat16 (decoder projections, an untied input embedding): their values on this rank" in log
+    assert "weights kept in bfloat16 (decoder projections and the untied input embedding): their values on this rank" in log
     assert "LM head kept in bfloat16" in log

@@ -107,7 +107,8 @@ def test_a_float32_checkpoints_layers_stay_float32_and_one_off_grid_layer_alone(
         widened = ModelRunner(model_dir, ParallelContext.single(), torch.float32, 4)
     o_proj = widened.model.model.layers[0].self_attn.o_proj
     o_proj.weight.data[1, 2] += 1e-4  # off bfloat16's and float16's grids: that layer stays float32
-    kept, released = keep_layers_16bit(widened.model)
+    kept, released, embedding = keep_layers_16bit(widened.model)
+    assert not embedding  # tied: the head's matrix, worker/lm_head_w16.py's
     layers = _projections(widened)
     assert kept == {torch.bfloat16: len(layers) - 1}
     assert released == sum(m.weight.numel() * 2 for m in layers if m is not o_proj)

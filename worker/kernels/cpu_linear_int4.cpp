@@ -13,21 +13,24 @@
 //   scale_offset (N, K / G, 2) float32: per row and group, (s, o) with w = s * q + o (o = -s * z for
 //     a zero point z: symmetric RTN stores z = 8). G is a multiple of 32 dividing K.
 //
-// Three paths, picked at run time: AVX-512 VNNI for up to 4 rows of x and groups of a multiple of 128
-// columns (the codes stay bytes and meet x, cut into three int8 planes, in vpdpbusd: dots_vnni);
-// AVX-512 (F, VL, BW) float (each code widened to float32 in registers and multiplied in float32); AVX2.
+// The paths, picked at run time in this order: a prefill-sized product (more than kChunkedMaxRows rows of x)
+// dequantizes W once to float32 and multiplies by at::matmul (its cost is then the multiplication); the tile layout
+// (a 4-dimensional scale_offset, repacked at load on AMX-INT8 CPUs: cpu_linear_int4_tiles.cpp) at every row count;
+// AMX-INT8 over this layout from 2 rows (cpu_linear_int4_amx.cpp); without AMX, on AVX-512, from kRowTilesFrom (9)
+// rows each row of W dequantized once into L1 and multiplied by linear_f32's tiles (tpserve::tiles_from_rows);
+// AVX-512 VNNI for up to 4 rows of x and groups of a multiple of 128 columns (the codes stay bytes and meet x, cut
+// into three int8 planes, in vpdpbusd: dots_vnni); the float paths, AVX-512 (F, VL, BW; each code widened to
+// float32 in registers and multiplied in float32: 5-8 rows there) and AVX2.
 //
 // The float paths: sum_g [ s_g * sum_{k in g} q_k x_k + o_g * xsum_g ], xsum_g = sum_{k in g} x_k once per
 // call; q_k x_k summed in a vector per (row, row of x), scaled by s_g once a group (not an FMA a weight).
 // They are group_dots.h's templates (shared with cpu_linear_w8.cpp) over this layout's Codes below; x's
 // planes for the VNNI path and the AMX paths are cut by int4_planes.h.
 //
-// Rows of x: up to kMaxRows512 / kMaxRowsVnni (AVX-512) or kMaxRows256 (AVX2) at once, each thread
-// owning a range of W's rows and reading S of them side by side (several sequential streams in flight,
-// as the int8 kernel's streamed GEMV in cpu_linear.cpp; S by the register budget). More rows of x are
-// taken in chunks of that many (W re-read per chunk, 4 bits a weight each time) up to kChunkedMaxRows;
-// beyond, a prefill-sized product, W is dequantized once to float32 and multiplied by at::matmul (its
-// cost is then the multiplication, not the reading).
+// Rows of x on the VNNI and float paths: up to kMaxRowsVnni / kMaxRows512 (AVX-512) or kMaxRows256 (AVX2) at
+// once, each thread owning a range of W's rows and reading S of them side by side (several sequential streams in
+// flight, as the int8 kernel's streamed GEMV in cpu_linear.cpp; S by the register budget). More rows of x are
+// taken in chunks of that many (W re-read per chunk, 4 bits a weight each time) up to kChunkedMaxRows.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -208,7 +211,9 @@ TPSERVE_GROUP_AVX512 void dequantize_row512(const uint8_t* q, const float* so, i
   }
 }
 
-constexpr int64_t kRowTilesFrom = 9;  // rows of x from which the dequantized rows' tiles beat the float path
+// Rows of x from which the dequantized rows' tiles run: 1.13-1.85x the float path at 9-64 rows (benchmarks/
+// int4_row_tiles.py); at 8 an unrecorded run found them no faster (32.2 against 32.3 ms).
+constexpr int64_t kRowTilesFrom = 9;
 std::atomic<bool> allow_row_tiles{true};  // use_int4_row_tiles(False): the float path (tests, A/B runs)
 bool use_int4_row_tiles(bool enabled) {
   allow_row_tiles.store(enabled);
@@ -314,8 +319,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   } else {
     tpserve::group_sums(xp, M, K, G, xsum.data());
   }
-  // VNNI up to kMaxRowsVnni rows: beyond, the float path's widening, shared by 8 rows of x a pass,
-  // costs less per row than three dot products a plane (measured at 16 rows: see kernels.md, "int4").
+  // VNNI up to kMaxRowsVnni rows: beyond (5-8 rows here; from 9 the tiles above), the float path's widening,
+  // shared by up to 8 rows of x a pass, costs less per row than three dot products a plane (kernels.md, "int4").
   if (wide && M <= kMaxRowsVnni && allow_vnni.load(std::memory_order_relaxed) && cpu_has_vnni() &&
       G % kChunk == 0) {
     std::vector<int8_t> planes;
