@@ -131,8 +131,8 @@ def _build(directory: Path, library: Path) -> None:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    # A first build takes 10-35 s on 2 cores: say so, or a quiet rank looks hung.
-    _log.warning("compiling the tpserve CPU kernels (first use of these sources, 10-35 s; cached in %s)",
+    # A first build takes 10-35 s on 2 cores (up to 80 s on a busy one): say so, or a quiet rank looks hung.
+    _log.warning("compiling the tpserve CPU kernels (first use of these sources, 10-80 s; cached in %s)",
                  directory)
     private = Path(tempfile.mkdtemp(prefix="build-", dir=directory))
     try:
