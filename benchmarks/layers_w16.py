@@ -11,7 +11,9 @@ and 16 (benchmarks/peer_comparison.py ``bare_steps``) and a 512-token prefill (o
 projections then multiply a float32 copy widened for the call), the runners in turn; medians and the
 within-round ratios are reported, with the bytes each runner holds. And the peak memory of loading each model in
 a fresh process (``load_peak_rss_mb``, :data:`LOADS`): widened, loaded in float32 and then held 16-bit, and
-allocated 16-bit before loading (the default).
+allocated 16-bit before loading (the default). With ``--baseline-repo`` (a checkout from before, which widens the
+layers), the bfloat16 model is also served from both trees (tp 1), one request at a time: client ms/token of
+peer_comparison's ``single``, ``--rounds`` interleaved rounds.
 
     .venv/bin/python benchmarks/layers_w16.py --rounds 5 --out benchmarks/results
 """
@@ -31,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lm_head_int8 import bare_rounds, bare_step_parser, finish, speedup  # noqa: E402
+from benchmarks.lm_head_int8 import REPO, bare_rounds, bare_step_parser, finish, served_ab, speedup  # noqa: E402
 from benchmarks.lm_head_w16 import paired_runners  # noqa: E402
 from benchmarks.peer_comparison import MODEL_CONFIG, bare_runner, build_model, machine_description  # noqa: E402
 from worker.memory import weight_bytes  # noqa: E402
@@ -94,7 +96,10 @@ print(status("VmHWM") - before)
 
 
 def main() -> None:
-    args = bare_step_parser(__doc__, "layers_w16.json").parse_args()
+    parser = bare_step_parser(__doc__, "layers_w16.json")
+    parser.add_argument("--baseline-repo", type=Path, default=None,
+                        help="a checkout that widens 16-bit layers to float32: serve the bfloat16 model from both trees")
+    args = parser.parse_args()
     from tests.worker.int8_checkpoints import save_cast
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,6 +117,14 @@ def main() -> None:
                 prefill_ms(runners[name])  # warm: the first prefill of a fresh cache pays its page faults
                 prefill[name].append(prefill_ms(runners[name]))
             print(f"prefill round {rnd}: " + ", ".join(f"{n} {prefill[n][-1]:.1f} ms" for n in runners), flush=True)
+        del runners  # the servers' ranks below need the memory
+        served = None
+        if args.baseline_repo is not None:
+            tpot = served_ab(models["bf16"], {"float32_layers": args.baseline_repo.resolve(), "16bit_layers": REPO},
+                             {"bf16": ()}, args.rounds)
+            served = {"baseline": str(args.baseline_repo.resolve()),
+                      "decode_ms_per_token": {n: round(statistics.median(v), 3) for n, v in tpot.items()},
+                      "speedup_16bit_layers": speedup(tpot["bf16_float32_layers"], tpot["bf16_16bit_layers"])}
     report: dict = {
         "what": __doc__.split("\n\n")[0], "machine": machine_description(), "torch": torch.__version__,
         "shape": MODEL_CONFIG, "rounds": args.rounds, "context": args.context, "steps": args.steps,
@@ -127,6 +140,8 @@ def main() -> None:
                                                                           times[f"{m}_16bit_layers"][batch])
         report["speedup_16bit_layers"][f"{m}_prefill"] = speedup(prefill[f"{m}_float32_layers"],
                                                                  prefill[f"{m}_16bit_layers"])
+    if served is not None:
+        report["served"] = served
     finish(report, args.out, args.name)
 
 

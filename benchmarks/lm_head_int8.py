@@ -112,20 +112,23 @@ def finish(report: dict, out: Path | None, name: str) -> None:
         print(f"saved {save_report(out, name, report)}")
 
 
-def _served(model_dir: Path, baseline: Path, rounds: int) -> dict:
-    """Client decode ms/token of ``single`` through ``tpserve serve``: this tree and ``baseline``, int4 and int8."""
+def served_ab(model_dir: Path, trees: dict[str, Path], flags: dict[str, tuple[str, ...]], rounds: int
+              ) -> dict[str, list[float]]:
+    """Client decode ms/token of peer_comparison's ``single`` through ``tpserve serve`` (tp 1, the rank's threads by
+    the server's rule), one value a round per ``{flags name}_{tree name}``: a server of each tree (a checkout, run
+    from its directory) with each set of flags, all up at once, warmed up, then ``rounds`` interleaved rounds (the
+    order reversed every other round)."""
     from benchmarks.peer_comparison import _load, workloads
     from tests.e2e.cluster import serve
 
     here = os.getcwd()
     with contextlib.ExitStack() as stack:
         targets = {}
-        for q in ("int4", "int8"):
-            for tree, path in (("float32_head", baseline), ("int8_head", REPO)):
+        for name, extra in flags.items():
+            for tree, path in trees.items():
                 os.chdir(path)  # ``serve`` runs ``python -m launch.cli`` from the working directory
                 try:
-                    targets[f"{q}_{tree}"] = stack.enter_context(
-                        serve(model_dir, 1, "--quantization", q, omp_threads=None)).target
+                    targets[f"{name}_{tree}"] = stack.enter_context(serve(model_dir, 1, *extra, omp_threads=None)).target
                 finally:
                     os.chdir(here)
         for target in targets.values():  # warm-up: another draw of the same shapes
@@ -136,6 +139,13 @@ def _served(model_dir: Path, baseline: Path, rounds: int) -> dict:
             for name in order:
                 tpot[name].append(asyncio.run(_load(targets[name], workloads(0, rnd + 1)["single"]))["tpot_median_ms"])
             print(f"served round {rnd}: " + ", ".join(f"{n} {tpot[n][-1]:.2f}" for n in targets), flush=True)
+    return tpot
+
+
+def _served(model_dir: Path, baseline: Path, rounds: int) -> dict:
+    """Client decode ms/token of ``single`` through ``tpserve serve``: this tree and ``baseline``, int4 and int8."""
+    tpot = served_ab(model_dir, {"float32_head": baseline, "int8_head": REPO},
+                     {q: ("--quantization", q) for q in ("int4", "int8")}, rounds)
     return {"baseline": str(baseline), "decode_ms_per_token": {n: round(statistics.median(v), 3) for n, v in tpot.items()},
             "speedup_int8_head": {q: speedup(tpot[f"{q}_float32_head"], tpot[f"{q}_int8_head"]) for q in ("int4", "int8")}}
 
