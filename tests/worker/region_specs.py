@@ -1,10 +1,11 @@
 """Tiny checkpoints whose every projection takes the int4 tile layout, for the CPU decode region's tests.
 
-Rows a multiple of 16 and columns of 128 (on AMX-INT8 CPUs, ``--quantization int4`` repacks such layers at load:
-worker/layers/int4_weights.py), so that their decode steps run in one parallel region
+Rows a multiple of 16 and columns of 128 (on AMX-INT8 and AVX512-VNNI CPUs, ``--quantization int4`` repacks such
+layers at load: worker/layers/int4_weights.py), so that their decode steps run in one parallel region
 (worker/kernels/cpu_decode_region.cpp): at one rank (tests/worker/test_decode_block.py) and on two tensor-parallel
-ranks, where each rank's slices keep those shapes (tests/worker/test_decode_region_tp.py). On a CPU without AMX-INT8
-the layers stay row-major, and the region takes them where ``linear_int4`` takes its AVX512-VNNI path (groups of
+ranks, where each rank's slices keep those shapes (tests/worker/test_decode_region_tp.py); with AVX512-VNNI alone,
+steps of up to 16 rows (``torch.ops.tpserve_cpu.int4_tiles_take_rows``). With the row-major layout
+(``use_int4_tiles(False)``) the region takes them where ``linear_int4`` takes its AVX512-VNNI path (groups of
 128, up to 4 rows of x: :func:`int4_vnni`).
 """
 

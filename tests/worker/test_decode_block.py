@@ -169,11 +169,11 @@ def _module_path_case(name: str, quantization: str | None, kv_cache_dtype: str, 
     region_steps = torch.ops.tpserve_cpu.decode_region_steps() - region_steps
     # One rank's stack runs each decode step in the parallel region where every projection's op is one the region
     # has (float32, int8, fp8 and grouped 8-bit: their decode paths on an AVX-512 CPU; int4: the tile layout of an
-    # AMX one, or the row-major layout's AVX512-VNNI path); the tensor-parallel halves (here: the stack switched
-    # off) never do.
+    # AMX-INT8 or AVX512-VNNI one, or the row-major layout's AVX512-VNNI path); the tensor-parallel halves (here:
+    # the stack switched off) never do.
     decode_steps = len(tokens) - 1
     if quantization == "int4" and not torch.ops.tpserve_cpu.int4_tiles_enabled():
-        # Row-major int4 (no AMX): the VNNI path takes up to 4 rows, every step but the one of 6 (three
+        # Row-major int4 (no tiles): the VNNI path takes up to 4 rows, every step but the one of 6 (three
         # decodes and a 3-token prompt).
         region_formats, expected = int4_vnni(), decode_steps - 1
     else:
@@ -277,15 +277,15 @@ def test_the_stack_follows_a_new_cache(kv_cache_dtype: str, tiny_checkpoints: di
 
 
 @pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.int4_tiles_enabled()),
-                    reason="the decode region's int4 needs the tile layout: an AMX-INT8 CPU")
+                    reason="the decode region's int4 needs the tile layout: an AMX-INT8 or AVX512-VNNI CPU")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("quantization", ["int4", "gptq8", "int8", None])
 def test_the_decode_region_equals_the_ops_at_many_rows(quantization: str | None, threads: int, tmp_path: Path) -> None:
     """13 sequences decode at once (int4: two passes of x's rows through the tiles, 10 and 3; 26 (sequence, KV
     head) items split between the threads), then 11 after two finish: the hidden states, tokens and caches equal
-    the same stack's ops (``use_decode_region(False)``) bit for bit. int4 takes the region at every step: the
-    first too, whose prompts of 2 to 6 tokens the CPU paged kernel reads as the decode group's rows (several rows
-    a sequence: 49 rows in 5 passes). So does group-wise 8-bit (an 8-bit GPTQ checkpoint, group 32: passes of 4
+    the same stack's ops (``use_decode_region(False)``) bit for bit. int4 takes the region at every step (on AMX:
+    the first too, whose prompts of 2 to 6 tokens the CPU paged kernel reads as the decode group's rows, several
+    rows a sequence: 49 rows in 5 passes; on AVX512-VNNI alone the tiles take up to 16 rows, as the op). So does group-wise 8-bit (an 8-bit GPTQ checkpoint, group 32: passes of 4
     rows up to 64, as its op). float32 and int8 never do: their ops' streamed GEMV takes up to 8 rows, and
     beyond, the ops' tiles. On 1, 2 and 3 threads: the region's shares of every phase change with the team."""
     with _threads(threads):
@@ -293,7 +293,7 @@ def test_the_decode_region_equals_the_ops_at_many_rows(quantization: str | None,
 
 
 @pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.int4_tiles_enabled()),
-                    reason="the decode region's int4 needs the tile layout: an AMX-INT8 CPU")
+                    reason="the decode region's int4 needs the tile layout: an AMX-INT8 or AVX512-VNNI CPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_the_decode_region_writes_and_reads_an_8_bit_cache(kv_cache_dtype: str, tmp_path: Path) -> None:
     """The same 13 int4 sequences on an 8-bit cache, two threads: the region writes each key and value row's codes
@@ -309,8 +309,10 @@ def _many_rows_case(quantization: str | None, tmp_path: Path, kv_cache_dtype: st
         checkpoint = save_gptq8(checkpoint, tmp_path / "gptq8", tmp_path / "gptq8_dq", group=32, sym=False)[0]
         quantization = None
         expected_steps = 9
+    elif quantization == "int4":  # without AMX the first step's 49 rows take the op's float32 tiles (as the op)
+        expected_steps = 9 if torch.ops.tpserve_cpu.int4_tiles_take_rows(49) else 8
     else:
-        expected_steps = 9 if quantization == "int4" else 0
+        expected_steps = 0
     seqs = range(13)
 
     def run(steps: _Steps) -> list[dict[int, int]]:

@@ -140,11 +140,12 @@ def test_the_region_equals_the_halves_on_tensor_parallel_ranks(tp: int, tiny_che
         assert sum(r.decode_region_steps for r in off) == 0
         # Every step but the first (its prompts are prefill chunks) takes the decode block: short prompts join the
         # decode rows. The region's formats: float32 and int8 where their GEMV takes its AVX-512 decode path (up
-        # to 8 rows), int4 in the tile layout at any row count, or (no AMX) the row-major layout's AVX512-VNNI
+        # to 8 rows), int4 in the tile layout at any row count (AVX512-VNNI alone: up to 16), or (no tiles) the row-major layout's AVX512-VNNI
         # path up to 4 rows.
         rows = [sum(chunk.num_tokens for chunk in plan.scheduled) for plan in _plans()[1:]]
         if quantization == "int4":
-            expected = len(rows) if int4_tiles else (sum(n <= 4 for n in rows) if vnni else 0)
+            expected = (sum(bool(torch.ops.tpserve_cpu.int4_tiles_take_rows(n)) for n in rows) if int4_tiles
+                        else (sum(n <= 4 for n in rows) if vnni else 0))
         elif case == "gqa_tied_gptq8":  # group-wise 8-bit: up to 64 rows
             expected = len(rows) if avx512 else 0
         else:

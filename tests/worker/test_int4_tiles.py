@@ -3,12 +3,14 @@
 * packing: row ``16t + j``'s column ``128c + 4r + i`` lands in the low nibble of byte ``64r + 4j + i`` of block
   ``(t, c)`` and column ``128c + 64 + 4r + i`` in its high nibble (checked on hand-made codes), the scales
   as ``(N / 16, groups, 2, 16)``; :func:`unpack_tiles` inverts it; shapes the layout cannot hold are refused;
-* ``torch.ops.tpserve_cpu.linear_int4`` on the tile layout at 1-9, 17, 70 and 130 rows of x (one pass, and
-  passes of 5: the tiles take prefill-sized x too), groups of 128, 256 and the whole row, with a bias, against
+* ``torch.ops.tpserve_cpu.linear_int4`` on the tile layout at 1-9, 11, 16, 17, 40, 70 and 130 rows of x (AMX:
+  passes of 10 rows at every count; without AMX the VNNI kernel up to 16 rows, dequantized rows and float32
+  tiles to 64, then dequantize-and-matmul), groups of 128, 256 and the whole row, with a bias, against
   ``x @ (s * q + o).T + b`` in float64: within 1e-5 of max |y| (x carried as 24-bit fixed point per 128
   columns, as the AMX and VNNI paths of the row-major layout: measured 7e-7 at most);
-* ``dequantize_int4`` and the Python :func:`dequantize` of the tile layout equal the float64 weights, and the
-  Python fallback (bfloat16 x) reads it;
+* on a CPU with AMX-INT8, the VNNI kernel (``use_amx_int4(False)``) gives the AMX kernel's bits at 1-10 rows;
+* ``dequantize_int4`` and the Python :func:`dequantize` of the tile layout equal the float64 weights, the
+  compiled one the row-major layout's floats bit for bit, and the Python fallback (bfloat16 x) reads it;
 * a loaded layer is repacked exactly where :func:`tile_layout_applies` (``use_int4_tiles(False)``: never),
   and a malformed tile-layout scale tensor is refused by the op.
 
@@ -35,14 +37,17 @@ from worker.parallel_state import ParallelContext
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels are unavailable")
 SHAPES = [(16, 128, 128), (48, 256, 128), (64, 512, 256), (32, 384, 384), (1024, 512, 128)]
-ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 17, 70, 130)  # one pass (up to 5 rows), then passes of 5
+ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 11, 16, 17, 40, 70, 130)  # each path of the kernel (module docstring)
 
 
 def _tiles_enabled() -> bool:
     return cpu_kernels_available() and bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
 
 
-needs_amx = pytest.mark.skipif(not _tiles_enabled(), reason="this CPU (or its kernel) gives no AMX-INT8 tiles")
+needs_tiles = pytest.mark.skipif(not _tiles_enabled(),
+                                 reason="this CPU has neither AMX-INT8 (given to this process) nor AVX512-VNNI")
+needs_amx = pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.use_amx_int4(True)),
+                               reason="this CPU (or its kernel) gives this process no AMX-INT8 tiles to compare with")
 
 
 def _weights(n: int, k: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,7 +80,7 @@ def test_pack_tiles_puts_codes_in_the_documented_nibbles() -> None:
 
 
 @needs_kernels
-@needs_amx
+@needs_tiles
 def test_linear_int4_on_the_tile_layout_matches_float64() -> None:
     ops = torch.ops.tpserve_cpu
     worst = 0.0
@@ -95,6 +100,23 @@ def test_linear_int4_on_the_tile_layout_matches_float64() -> None:
 
 @needs_kernels
 @needs_amx
+def test_the_vnni_kernel_gives_the_amx_kernels_bits() -> None:
+    ops = torch.ops.tpserve_cpu
+    _, packed, so, _ = _weights(64, 512, 128, seed=3)
+    tq, ts = pack_tiles(packed, so)
+    for m in range(1, 11):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        amx = ops.linear_int4(x, tq, ts, None)
+        ops.use_amx_int4(False)
+        try:
+            vnni = ops.linear_int4(x, tq, ts, None)
+        finally:
+            ops.use_amx_int4(True)
+        assert torch.equal(amx, vnni), m
+
+
+@needs_kernels
+@needs_tiles
 def test_a_chunk_of_zeros_and_a_large_outlier_stay_exact() -> None:
     """x's unit is per 128 columns: a zero chunk contributes nothing, an outlier chunk does not blur the others."""
     _, packed, so, w64 = _weights(32, 384, 128, seed=5)
@@ -108,12 +130,13 @@ def test_a_chunk_of_zeros_and_a_large_outlier_stay_exact() -> None:
 
 
 @needs_kernels
-@needs_amx
+@needs_tiles
 def test_dequantizing_the_tile_layout_gives_the_weights() -> None:
     _, packed, so, w64 = _weights(48, 256, 128, seed=9)
     tq, ts = pack_tiles(packed, so)
     torch.testing.assert_close(torch.ops.tpserve_cpu.dequantize_int4(tq, ts).double(), w64, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(dequantize(tq, ts).double(), w64, atol=1e-6, rtol=1e-6)
+    assert torch.equal(torch.ops.tpserve_cpu.dequantize_int4(tq, ts), torch.ops.tpserve_cpu.dequantize_int4(packed, so))
     x = torch.randn(3, 256)
     y16 = int4_linear(x.bfloat16(), tq, ts)  # not float32: the Python fallback dequantizes the tile layout
     ref = x.double() @ w64.T
@@ -121,7 +144,7 @@ def test_dequantizing_the_tile_layout_gives_the_weights() -> None:
 
 
 @needs_kernels
-@needs_amx
+@needs_tiles
 def test_a_malformed_tile_layout_is_refused_by_the_op() -> None:
     _, packed, so, _ = _weights(32, 256, 128, seed=1)
     tq, ts = pack_tiles(packed, so)
@@ -152,7 +175,7 @@ def test_which_layers_take_the_tile_layout() -> None:
 
 
 @needs_kernels
-@needs_amx
+@needs_tiles
 def test_a_loaded_layer_is_repacked_where_the_tile_layout_applies(tmp_path: Path) -> None:
     """The tiny Llama of tests/worker/test_int4.py under ``--quantization int4``: the down projection (64 rows,
     256 columns, RTN groups of 128) takes the tile layout with the same codes and scales as the row-major

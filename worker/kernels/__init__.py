@@ -12,7 +12,7 @@ The ops land in ``torch.ops.tpserve_cpu``:
   (cpu_linear_int4.cpp: the layout); ``dequantize_int4(qweight, scale_offset) -> (N, K) f32``;
   ``use_avx512_int4(enabled) -> bool``, ``use_vnni_int4`` and ``use_amx_int4`` switch its AVX-512, VNNI
   and AMX-INT8 paths (tests, A/B runs; cpu_linear_int4_amx.cpp: the tiles). A ``scale_offset`` of shape
-  ``(N / 16, K / G, 2, 16)`` marks the tile layout W is repacked into at load on AMX-INT8 CPUs
+  ``(N / 16, K / G, 2, 16)`` marks the tile layout W is repacked into at load on AMX-INT8 and AVX512-VNNI CPUs
   (cpu_linear_int4_tiles.cpp; worker/layers/int4_matmul.py, pack_tiles), which both ops read;
   ``int4_tiles_enabled() -> bool`` says whether layers are repacked, ``use_int4_tiles(enabled)`` switches it
 * ``linear_w8(x (M, K) f32, qweight (N, K) uint8, scale_offset (N, K / G, 2) f32, bias | None) -> (M, N) f32``:

@@ -32,7 +32,8 @@
 // linear_int4's VNNI rows, cpu_linear.cpp's streamed GEMV and linear_fp8's pass, whose every output is one dot
 // product in a fixed order; cpu_attention.cpp's items), each by one thread, so the hidden states and caches equal
 // the op path's bit for bit (tests/worker/test_decode_block.py). float32, 16-bit, int8 and fp8 projections take the region
-// where their op takes its streamed path in one pass (up to 8 rows of x, AVX-512); int4 tiles at any row count,
+// where their op takes its streamed path in one pass (up to 8 rows of x, AVX-512); int4 tiles at any row count on
+// AMX (up to 16 rows on AVX512-VNNI alone, as linear_int4),
 // 10 rows a pass; int4's row-major layout where linear_int4 takes its AVX512-VNNI path (up to 4 rows, no AMX);
 // group-wise 8-bit where linear_w8 takes its AVX-512 decode passes (up to 64 rows).
 #include <ATen/Parallel.h>
@@ -246,7 +247,7 @@ void rope_cache_attend(const RegionLayer& L, const RegionStep& step, size_t li, 
 
 bool takes(const RegionWeight& w, int64_t T) {
   switch (w.kind) {
-    case RegionWeight::kInt4Tiles: return true;
+    case RegionWeight::kInt4Tiles: return tpserve_int4_tiles::run_rows_take(T);
     case RegionWeight::kInt4Rows: return tpserve_int4::vnni_rows_take(T, w.K, w.N, w.G);
     case RegionWeight::kFp8: return fp8_rows_take(T, w.G);
     case RegionWeight::kW8: return tpserve_w8::region_takes(T);

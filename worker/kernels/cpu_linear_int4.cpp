@@ -243,6 +243,8 @@ bool use_amx_int4(bool enabled) {
   return enabled && tpserve_int4_amx::amx_available();
 }
 
+bool amx_allowed() { return allow_amx.load(std::memory_order_relaxed); }
+
 bool vnni_rows_take(int64_t M, int64_t K, int64_t N, int64_t G) {
   // linear_int4's choice at M rows of x over the row-major layout: not AMX (from 2 rows), the VNNI path.
   const bool amx = M >= 2 && allow_amx.load(std::memory_order_relaxed) && use_wide() && N % 16 == 0 &&

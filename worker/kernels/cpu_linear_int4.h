@@ -21,6 +21,11 @@ at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scale_of
 // AMX path, groups of a multiple of 128); vnni_prepare cuts x (M, K) into its planes, units and group sums;
 // vnni_rows then writes y's columns [n0, n1) of the M rows (row stride N). Each of y's values is one row's
 // sums in a fixed order, so any split gives linear_int4's bits.
+// Whether this CPU has AVX512-VNNI (with AVX512-BW); whether use_amx_int4 left the AMX paths on (they also need
+// tpserve_int4_amx::amx_available()).
+bool cpu_has_vnni();
+bool amx_allowed();
+
 bool vnni_rows_take(int64_t M, int64_t K, int64_t N, int64_t G);
 void vnni_prepare(const float* x, int64_t M, int64_t K, int64_t G, std::vector<int8_t>& planes,
                   std::vector<float>& units, std::vector<float>& xsum);
@@ -47,9 +52,13 @@ namespace tpserve_int4_tiles {
 
 // y (M, N) = x (M, K) @ W^T + bias over the tile layout of cpu_linear_int4_tiles.cpp (qweight (N, K / 2) uint8
 // in 1,024-byte blocks of 16 rows x 128 columns, scale_offset (N / 16, K / G, 2, 16) float32), W read once per
-// 10 rows of x, at any M. Needs tpserve_int4_amx::amx_available(), N % 16 == 0, K % 128 == 0 and G % 128 == 0.
+// 10 rows of x, at any M: on AMX's tile unit, else (no AMX, or use_amx_int4(False)) in AVX512-VNNI instructions,
+// the same bits. Needs supported(), N % 16 == 0, K % 128 == 0 and G % 128 == 0.
 void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
             const float* scale_offset, const float* bias, float* y);
+
+// Whether this CPU runs the tile layout: AMX-INT8 or AVX512-VNNI.
+bool supported();
 
 // The pieces of linear, for a caller that splits W's blocks among its own threads (cpu_decode_region.cpp):
 // prepare_rows cuts R <= 10 rows of x (R, K) into their planes a (plane_bytes(R, K) bytes), units (R, K / 128)
@@ -62,6 +71,9 @@ void run_rows(int64_t R, int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G
               const float* scale_offset, const int8_t* a, const float* units, const float* xsum, const float* bias,
               float* y);
 constexpr int64_t kMaxRowsPerPass = 10;  // R of prepare_rows and run_rows
+// Whether linear computes M rows of x by prepare_rows and run_rows (AMX: at any M; VNNI: up to 16 rows, beyond
+// which it multiplies dequantized rows in float32), so that a caller's split gives its bits.
+bool run_rows_take(int64_t M);
 
 // W as float32 (N, K), row-major, from the tile layout.
 void dequantize(const uint8_t* qweight, const float* scale_offset, int64_t N, int64_t K, int64_t G, float* w);

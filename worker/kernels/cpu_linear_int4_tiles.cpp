@@ -32,7 +32,9 @@
 // u = max|x_chunk| / (127 * 65536), exactly as cpu_linear_int4.cpp's make_planes (|error| <= 6e-8 of the chunk's
 // largest |x|). Per chunk and row of x: sum q x = u (256 (256 Ch + Cm) + Cl), 256 Ch + Cm exact in int32
 // (|.| < 2^26), then float32, times the group's scale; offsets: sum_g o_g * sum_{k in g} x_k once per block.
+#include "cpu_linear.h"
 #include "cpu_linear_int4.h"
+#include "group_dots.h"
 #include "int4_planes.h"
 
 #include <ATen/Parallel.h>
@@ -181,6 +183,101 @@ TPSERVE_INT4_TILES void run_blocks(int64_t t0, int64_t t1, int64_t K, int64_t N,
   _tile_release();
 }
 
+// ---- The same products on AVX512-VNNI (a CPU without AMX-INT8) -----------------------------------------
+// The tile layout suits vpdpbusd as it is: each 64-byte row r of a block holds 4 consecutive columns of each of
+// the 16 rows of W side by side, so one instruction multiplies 16 rows of W (one int32 lane each) by x's 4
+// columns 4 r .. 4 r + 3 of one plane, broadcast from memory: a lane is one row of W, and the chunk's sums come
+// out as AMX's C (the same integers, exact), folded by the same float32 arithmetic: the two kernels' y are the
+// same bits. Against the row-major layout's VNNI path (cpu_linear_int4.cpp), whose lanes are 64 columns of one
+// row of W, the fold (combine three int32 sums, two conversions, two FMAs) is paid once per 16 rows of W, not
+// per row: port 0 does 6 vpdpbusd, 1 shift and ~0.2 of a fold per 128 weights against about 10.5
+// (kernels.md, "int4": the tile layout without AMX). Rows of x 4 at a time against a block (6 int32
+// accumulators each, the low and high nibbles' apart so that each chain is 16 long, under vpdpbusd's latency
+// times the 6 accumulators' throughput); a block's codes are split once per 4 rows of x, from L1.
+#define TPSERVE_INT4_TILES_VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+
+constexpr int kVnniRows = 4;  // rows of x per pass over a block's codes (24 accumulators of 32 registers)
+constexpr int64_t kVnniMaxRows = 16;  // rows of x up to which linear_op takes the VNNI kernel
+constexpr int64_t kRowsMaxRows = 64;  // beyond kVnniMaxRows up to here, dequantized rows and float32 tiles
+
+// The tile unit where the CPU has one and use_amx_int4 leaves it on; else the VNNI kernels below.
+bool use_amx() { return tpserve_int4::amx_allowed() && tpserve_int4_amx::amx_available(); }
+bool supported() { return tpserve_int4_amx::amx_available() || tpserve_int4::cpu_has_vnni(); }
+bool run_rows_take(int64_t M) { return use_amx() || M <= kVnniMaxRows; }
+
+// x's 4 bytes of one plane at p as 16 equal int32 lanes (vpbroadcastd from memory, a load-port operation).
+TPSERVE_INT4_TILES_VNNI inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows m0 .. m0 + RR - 1 of x against one block (codes w, 1,024 bytes; x's planes of its chunk at ac, in A's
+// layout): each row's three plane sums for the block's 16 rows of W, folded into acc[m] as run_blocks folds C.
+template <int RR>
+TPSERVE_INT4_TILES_VNNI inline void fold_block_vnni(const uint8_t* w, const int8_t* ac, int P, int m0, __m512 scale,
+                                                    const float* units_c, int64_t chunks, __m512* acc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i sum[RR][2][3];  // [row of x][low, high nibbles][plane]
+  for (int m = 0; m < RR; ++m)
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < 3; ++p) sum[m][h][p] = _mm512_setzero_si512();
+  for (int r = 0; r < 16; ++r) {
+    const __m512i bytes = _mm512_loadu_si512(w + 64 * r);
+    const __m512i lo = _mm512_and_si512(bytes, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+    for (int m = 0; m < RR; ++m) {
+      for (int p = 0; p < 3; ++p) {
+        const int8_t* row = ac + (3 * (m0 + m) + p) * 64 + 4 * r;  // half 0: the chunk's first 64 columns
+        sum[m][0][p] = _mm512_dpbusd_epi32(sum[m][0][p], lo, broadcast4(row));
+        sum[m][1][p] = _mm512_dpbusd_epi32(sum[m][1][p], hi, broadcast4(row + P * 64));
+      }
+    }
+  }
+  for (int m = 0; m < RR; ++m) {
+    const __m512i ch = _mm512_add_epi32(sum[m][0][0], sum[m][1][0]);
+    const __m512i cm = _mm512_add_epi32(sum[m][0][1], sum[m][1][1]);
+    const __m512i cl = _mm512_add_epi32(sum[m][0][2], sum[m][1][2]);
+    const float u = units_c[(m0 + m) * chunks];
+    const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ch, 8), cm));
+    const __m512 total = _mm512_fmadd_ps(upper, _mm512_set1_ps(256.0f * u),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(cl), _mm512_set1_ps(u)));
+    acc[m0 + m] = _mm512_fmadd_ps(total, scale, acc[m0 + m]);
+  }
+}
+
+// run_blocks on VNNI: blocks of rows [t0, t1) against R rows of x, y's 16 columns of each block row stored as
+// run_blocks stores them (offsets' sums and bias added in the same order).
+template <int R>
+TPSERVE_INT4_TILES_VNNI void run_blocks_vnni(int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G,
+                                             const uint8_t* qweight, const float* so, const int8_t* a,
+                                             const float* units, const float* xsum, const float* bias, float* y) {
+  constexpr int P = 3 * R, full = R / kVnniRows, rest = R % kVnniRows;
+  const int64_t chunks = K / kChunk, groups = K / G, per_group = G / kChunk;
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint8_t* w = qweight + (t * chunks + c) * kBlockBytes;
+      for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + 64 * r), _MM_HINT_T0);
+      const int8_t* ac = a + c * 2 * P * 64;
+      const __m512 scale = _mm512_loadu_ps(so + ((t * groups + c / per_group) * 2) * 16);
+      for (int g = 0; g < full; ++g) fold_block_vnni<kVnniRows>(w, ac, P, g * kVnniRows, scale, units + c, chunks, acc);
+      if constexpr (rest > 0) fold_block_vnni<rest>(w, ac, P, full * kVnniRows, scale, units + c, chunks, acc);
+    }
+    const int64_t n0 = t * kRows;
+    const __m512 b16 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 off = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        off = _mm512_fmadd_ps(_mm512_loadu_ps(so + ((t * groups + g) * 2 + 1) * 16),
+                              _mm512_set1_ps(xsum[r * groups + g]), off);
+      }
+      _mm512_storeu_ps(y + r * N + n0, _mm512_add_ps(_mm512_add_ps(acc[r], off), b16));
+    }
+  }
+}
+
 size_t plane_bytes(int64_t R, int64_t K) { return static_cast<size_t>(K / kChunk * 2 * 3 * R * 64); }
 
 void prepare_rows(const float* x, int64_t R, int64_t K, int64_t G, int8_t* a, float* units, float* xsum) {
@@ -192,6 +289,21 @@ void run_rows(int64_t R, int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G
               const float* scale_offset, const int8_t* a, const float* units, const float* xsum, const float* bias,
               float* y) {
   if (t0 >= t1) return;
+  if (!use_amx()) {
+    switch (R) {
+      case 1: run_blocks_vnni<1>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 2: run_blocks_vnni<2>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 3: run_blocks_vnni<3>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 4: run_blocks_vnni<4>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 5: run_blocks_vnni<5>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 6: run_blocks_vnni<6>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 7: run_blocks_vnni<7>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 8: run_blocks_vnni<8>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      case 9: run_blocks_vnni<9>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+      default: run_blocks_vnni<10>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+    }
+    return;
+  }
   switch (R) {
     case 1: run_blocks<1>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
     case 2: run_blocks<2>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
@@ -228,30 +340,60 @@ void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const ui
   }
 }
 
-// W as float32 (N, K) from the tile layout (prefill-sized products, tests): w = s * q + o.
+// W as float32 (N, K) from the tile layout (prefill-sized products without AMX, tests): w = s * q + o, a product
+// then a sum (two roundings), as the row-major layout's dequantize_int4: the two layouts give the same floats. A block's 64-byte row r holds 4 columns of each of
+// its 16 rows of W: its low nibbles widen to 4 vectors of 4 rows x 4 columns (4 r .. 4 r + 3), stored 16 bytes
+// a row, its high nibbles likewise at columns 64 + 4 r.
+TPSERVE_INT4_TILES_VNNI void dequantize_band(const uint8_t* band, const float* so_band, int64_t K, int64_t G,
+                                             float* w) {
+  const int64_t chunks = K / kChunk;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  // lane l of a vector of 4 rows q .. holds row 4 q + l / 4: the scales' and offsets' permutation of each q
+  __m512i spread[4];
+  for (int q = 0; q < 4; ++q) {
+    alignas(64) int32_t idx[16];
+    for (int l = 0; l < 16; ++l) idx[l] = 4 * q + l / 4;
+    spread[q] = _mm512_load_si512(idx);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* block = band + c * kBlockBytes;
+    const float* sg = so_band + (c * kChunk / G) * 2 * 16;
+    const __m512 s16 = _mm512_loadu_ps(sg), o16 = _mm512_loadu_ps(sg + 16);
+    __m512 s4[4], o4[4];
+    for (int q = 0; q < 4; ++q) {
+      s4[q] = _mm512_permutexvar_ps(spread[q], s16);
+      o4[q] = _mm512_permutexvar_ps(spread[q], o16);
+    }
+    for (int64_t r = 0; r < 16; ++r) {
+      for (int q = 0; q < 4; ++q) {  // bytes 16 q .. 16 q + 15: rows 4 q .. 4 q + 3
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 * r + 16 * q));
+        const __m512 lo = _mm512_add_ps(
+            _mm512_mul_ps(s4[q], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)))), o4[q]);
+        const __m512 hi = _mm512_add_ps(
+            _mm512_mul_ps(s4[q], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)))),
+            o4[q]);
+        float* row = w + (4 * q) * K + c * kChunk + 4 * r;
+        _mm_storeu_ps(row, _mm512_extractf32x4_ps(lo, 0));
+        _mm_storeu_ps(row + K, _mm512_extractf32x4_ps(lo, 1));
+        _mm_storeu_ps(row + 2 * K, _mm512_extractf32x4_ps(lo, 2));
+        _mm_storeu_ps(row + 3 * K, _mm512_extractf32x4_ps(lo, 3));
+        _mm_storeu_ps(row + 64, _mm512_extractf32x4_ps(hi, 0));
+        _mm_storeu_ps(row + K + 64, _mm512_extractf32x4_ps(hi, 1));
+        _mm_storeu_ps(row + 2 * K + 64, _mm512_extractf32x4_ps(hi, 2));
+        _mm_storeu_ps(row + 3 * K + 64, _mm512_extractf32x4_ps(hi, 3));
+      }
+    }
+  }
+}
+
 void dequantize(const uint8_t* qweight, const float* scale_offset, int64_t N, int64_t K, int64_t G, float* w) {
   const int64_t chunks = K / kChunk, groups = K / G;
   at::parallel_for(0, N / kRows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        const uint8_t* block = qweight + (t * chunks + c) * kBlockBytes;
-        const float* sg = scale_offset + (t * groups + c * kChunk / G) * 2 * 16;
-        for (int64_t j = 0; j < kRows; ++j) {
-          float* out = w + (t * kRows + j) * K + c * kChunk;
-          const float s = sg[j], o = sg[16 + j];
-          for (int64_t r = 0; r < 16; ++r) {
-            for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t byte = block[64 * r + 4 * j + i];
-              out[4 * r + i] = s * static_cast<float>(byte & 0x0F) + o;
-              out[64 + 4 * r + i] = s * static_cast<float>(byte >> 4) + o;
-            }
-          }
-        }
-      }
+      dequantize_band(qweight + t * chunks * kBlockBytes, scale_offset + t * groups * 2 * 16, K, G, w + t * kRows * K);
     }
   });
 }
-
 
 void check(const at::Tensor& qweight, const at::Tensor& scale_offset) {
   TORCH_CHECK(qweight.device().is_cpu() && scale_offset.device().is_cpu(), "tpserve int4: tensors must be on the CPU");
@@ -265,7 +407,7 @@ void check(const at::Tensor& qweight, const at::Tensor& scale_offset) {
   TORCH_CHECK(N % kRows == 0 && K % kChunk == 0 && groups > 0 && K % groups == 0 && (K / groups) % kChunk == 0,
               "tpserve int4: the tile layout needs N % 16 == 0, K % 128 == 0 and groups of a multiple of 128 "
               "columns, got N=", N, " K=", K, " groups=", groups);
-  TORCH_CHECK(tpserve_int4_amx::amx_available(), "tpserve int4: the tile layout needs AMX-INT8");
+  TORCH_CHECK(supported(), "tpserve int4: the tile layout needs AMX-INT8 or AVX512-VNNI");
 }
 
 at::Tensor dequantize_op(const at::Tensor& qweight, const at::Tensor& scale_offset) {
@@ -276,11 +418,52 @@ at::Tensor dequantize_op(const at::Tensor& qweight, const at::Tensor& scale_offs
   return w;
 }
 
+// Row n of W as float32 from the tile layout, w = s * q + o as dequantize_band: per chunk, row j's 4 bytes of
+// each of the block's 16 rows r (stride 64) gathered into one vector, whose bytes are then the chunk's columns
+// in order (low nibbles: 0 .. 63, high: 64 .. 127).
+TPSERVE_INT4_TILES_VNNI void dequantize_row(const uint8_t* qweight, const float* scale_offset, int64_t n, int64_t K,
+                                            int64_t G, float* out) {
+  const int64_t chunks = K / kChunk, groups = K / G, t = n / kRows, j = n % kRows;
+  const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                                                             4, 3, 2, 1, 0),
+                                                            _mm512_set1_epi32(64)),
+                                         _mm512_set1_epi32(static_cast<int>(4 * j)));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* block = qweight + (t * chunks + c) * kBlockBytes;
+    const float* sg = scale_offset + ((t * groups + c * kChunk / G) * 2) * 16;
+    const __m512 s = _mm512_set1_ps(sg[j]), o = _mm512_set1_ps(sg[16 + j]);
+    const __m512i bytes = _mm512_i32gather_epi32(index, block, 1);
+    alignas(64) uint8_t codes[128];
+    _mm512_store_si512(codes, _mm512_and_si512(bytes, low));
+    _mm512_store_si512(codes + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
+    for (int i = 0; i < 8; ++i) {
+      const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+      _mm512_storeu_ps(out + c * kChunk + 16 * i,
+                       _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))), o));
+    }
+  }
+}
+
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_offset,
                      const c10::optional<at::Tensor>& bias) {
   check(qweight, scale_offset);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(qweight.size(1) * 2 == K, "tpserve linear_int4: x has ", K, " columns, W ", qweight.size(1) * 2);
+  if (!use_amx() && M > kVnniMaxRows) {
+    // Without AMX, past kVnniMaxRows rows of x the VNNI kernel's three planes a row cost more than float32
+    // FMAs on dequantized rows (kernels.md, "int4": the tile layout without AMX): up to kRowsMaxRows, each row
+    // of W dequantized once into L1 and multiplied by linear_f32's tiles, as the row-major layout does; beyond,
+    // W dequantized once and at::matmul.
+    const uint8_t* qp = qweight.data_ptr<uint8_t>();
+    const float* sp = scale_offset.data_ptr<float>();
+    const int64_t G = K / scale_offset.size(1);
+    if (M > kRowsMaxRows) return tpserve::dequantized_matmul(x, dequantize_op(qweight, scale_offset), bias);
+    return tpserve::tiles_from_rows(x, N, bias, [=](int64_t n, float* buffer) {
+      dequantize_row(qp, sp, n, K, G, buffer);
+      return static_cast<const float*>(buffer);
+    });
+  }
   at::Tensor y = at::empty({M, N}, x.options());
   linear(x.data_ptr<float>(), M, K, N, K / scale_offset.size(1), qweight.data_ptr<uint8_t>(),
          scale_offset.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
@@ -292,13 +475,14 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::T
 std::atomic<bool> allow_tiles{true};
 bool use_int4_tiles(bool enabled) {
   allow_tiles.store(enabled);
-  return enabled && tpserve_int4_amx::amx_available();
+  return enabled && supported();
 }
-bool int4_tiles_enabled() { return allow_tiles.load() && tpserve_int4_amx::amx_available(); }
+bool int4_tiles_enabled() { return allow_tiles.load() && supported(); }
 
 }  // namespace tpserve_int4_tiles
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("use_int4_tiles(bool enabled) -> bool", &tpserve_int4_tiles::use_int4_tiles);
   m.def("int4_tiles_enabled() -> bool", &tpserve_int4_tiles::int4_tiles_enabled);
+  m.def("int4_tiles_take_rows(int rows) -> bool", &tpserve_int4_tiles::run_rows_take);
 }

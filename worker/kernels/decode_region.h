@@ -84,7 +84,8 @@ struct RegionStep {
   const int64_t* lora_row_slots = nullptr;
 };
 
-// Whether the region computes T rows of x with these layers exactly as their ops do: int4 tiles at any T,
+// Whether the region computes T rows of x with these layers exactly as their ops do: int4 tiles at any T on AMX
+// (up to 16 rows on VNNI alone: tpserve_int4_tiles::run_rows_take),
 // row-major int4 where linear_int4 takes its VNNI path, float32, int8 and fp8 where their ops take the streamed
 // GEMV in one pass (tpserve::streamed_gemv_takes, fp8_rows_take).
 bool decode_region_takes_rows(const std::vector<RegionLayer>& layers, int64_t T);

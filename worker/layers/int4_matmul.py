@@ -12,8 +12,9 @@ repacked into it at load, worker/layers/int4_weights.py):
 So a weight costs 4 bits plus ``64 / G`` bits of scale and offset: 4.5 bits at ``G = 128``.
 
 The tile layout (worker/kernels/cpu_linear_int4_tiles.cpp; :func:`pack_tiles`, at load where
-:func:`tile_layout_applies`: an AMX-INT8 CPU, rows a multiple of 16, columns and groups of 128):
-the same bytes in the order AMX's B operand reads them, so a decode step streams W front to back.
+:func:`tile_layout_applies`: an AMX-INT8 or AVX512-VNNI CPU, rows a multiple of 16, columns and groups of
+128): the same bytes in the order AMX's B operand reads them, so a decode step streams W front to back (the
+VNNI kernel reads the same blocks, a row of W an int32 lane).
 
 * ``qweight (N, K / 2)`` uint8 in blocks of 1,024 bytes, block ``(t, c)`` (rows ``16t ..
   16t + 15``, columns ``128c .. 128c + 127``) at ``(t * K / 128 + c) * 1024``; its byte
@@ -90,8 +91,9 @@ def unpack_tiles(qweight: torch.Tensor, scale_offset: torch.Tensor) -> tuple[tor
 
 def tile_layout_applies(qweight: torch.Tensor, scale_offset: torch.Tensor) -> bool:
     """Whether a row-major layer should be repacked by :func:`pack_tiles` at load: a CPU layer whose rows
-    divide by 16 and columns and groups by 128, on a CPU whose kernel gives this process AMX-INT8 tiles
-    (``torch.ops.tpserve_cpu.int4_tiles_enabled``; ``use_int4_tiles(False)`` keeps the row-major layout)."""
+    divide by 16 and columns and groups by 128, on a CPU with AMX-INT8 (whose kernel gives this process the tiles)
+    or AVX512-VNNI (``torch.ops.tpserve_cpu.int4_tiles_enabled``; ``use_int4_tiles(False)`` keeps the row-major
+    layout)."""
     if qweight.device.type != "cpu" or is_tile_layout(scale_offset) or not cpu_kernels_available():
         return False
     n, k = qweight.shape[0], qweight.shape[1] * 2
