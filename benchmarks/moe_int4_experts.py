@@ -87,14 +87,16 @@ def _time(stack: tuple[torch.Tensor, ...], x: torch.Tensor, ids: torch.Tensor, w
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=None, help="directory for moe_int4_experts.json")
+    parser.add_argument("--out", type=Path, default=None, help="directory for the report")
+    parser.add_argument("--name", default="moe_int4_experts.json", help="the report's file name")
     args = parser.parse_args()
     if not cpu_kernels_available() or not torch.ops.tpserve_cpu.int4_tiles_enabled():
-        raise SystemExit("needs the compiled CPU kernels on an AMX-INT8 CPU (the tile layout)")
+        raise SystemExit("needs the compiled CPU kernels on an AMX-INT8 or AVX512-VNNI CPU (the tile layout)")
     torch.set_num_threads(1)
     stacks = _stacks()
     report: dict = {"shape": {"experts": EXPERTS, "hidden": HIDDEN, "width": WIDTH, "top_k": TOP_K, "group": GROUP},
                     "rounds": args.rounds, "threads": 1, "clock": "thread_time",
+                    "int4_tiles_on": "AMX-INT8" if torch.ops.tpserve_cpu.use_amx_int4(True) else "AVX512-VNNI",
                     "host": {"cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg()},
                     "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": {}}
     for case, tokens in TOKENS.items():
@@ -111,7 +113,7 @@ def main() -> None:
         print(case, {k: (round(v["median_ms"], 3), round(v["min_ms"], 3)) if isinstance(v, dict) else round(v, 2)
                      for k, v in result.items()}, flush=True)
     if args.out is not None:
-        print(save_report(args.out, "moe_int4_experts.json", report))
+        print(save_report(args.out, args.name, report))
 
 
 if __name__ == "__main__":

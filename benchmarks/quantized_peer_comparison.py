@@ -22,6 +22,8 @@ the end.
 
 Goals (issue 49): tpserve int4 >= 1.3x llama.cpp Q4_0's decode speed at one request, >= 1.5x
 its tokens/s at 16 at once and on ``mixed``; tpserve int4 >= 1.5x tpserve int8 at one request.
+Without the three ``--llama-*`` paths (a host where llama.cpp is not built: its build takes 25-60
+minutes on 2 cores) only tpserve's two servers run, and only the goal between them is reported.
 
     python benchmarks/quantized_peer_comparison.py \\
         --llama-server ~/.cache/tpserve/llama_cpp/build/bin/llama-server \\
@@ -78,9 +80,9 @@ def quantize(llama_quantize: Path, gguf: Path, kind: str, out_dir: Path) -> Path
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-server", type=Path, required=True)
-    parser.add_argument("--llama-quantize", type=Path, required=True)
-    parser.add_argument("--llama-gguf", type=Path, required=True, help="the float32 GGUF of the benchmark model")
+    parser.add_argument("--llama-server", type=Path, help="omit the three --llama-* paths: tpserve int4 and int8 only")
+    parser.add_argument("--llama-quantize", type=Path)
+    parser.add_argument("--llama-gguf", type=Path, help="the float32 GGUF of the benchmark model")
     parser.add_argument("--shape", choices=("m95", "vocab32k"), default="m95",
                         help="m95: the 95M model (vocabulary 512); vocab32k: benchmarks/lm_head_int8.py's 0.16B model "
                              "with a 32,000-token vocabulary (--llama-gguf: build.sh's v32k-f32.gguf)")
@@ -91,6 +93,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default="quantized_peer_comparison.json")
     args = parser.parse_args()
+    llama = [args.llama_server, args.llama_quantize, args.llama_gguf]
+    if any(llama) and not all(llama):
+        parser.error("--llama-server, --llama-quantize and --llama-gguf go together (or none: tpserve only)")
     threads = os.cpu_count() or 1
     loads = workloads(args.seed)
     report: dict = {"machine": machine_description(), "threads": threads, "seed": args.seed, "shape": args.shape,
@@ -102,7 +107,7 @@ def main() -> int:
         systems: dict[str, object] = {}
         for q in ("int4", "int8"):
             systems[q] = stack.enter_context(serve(model_dir, 1, "--quantization", q, omp_threads=None)).target
-        for kind in ("Q4_0", "Q8_0"):
+        for kind in ("Q4_0", "Q8_0") if all(llama) else ():
             gguf = quantize(args.llama_quantize, args.llama_gguf, kind, work)
             report.setdefault("gguf_bytes", {})[kind] = gguf.stat().st_size
             systems[kind] = stack.enter_context(LlamaServer(args.llama_server, gguf, threads=threads,
@@ -125,17 +130,22 @@ def main() -> int:
                     r[name][figure] = run(name, round_loads[figure])
             report["rounds"].append(r)
             print(f"round {i + 1}: " + "; ".join(f"{what} {speed_ratio(r, a, b, fig):.2f}"
-                                                 for what, a, b, fig, _, _ in GOALS), flush=True)
+                                                 for what, a, b, fig, _, _ in GOALS if {a, b} <= set(names)),
+                  flush=True)
         if not args.skip_mixed:
             report["mixed"] = {name: run(name, loads["mixed"]) for name in names}
     rows = []
     for what, a, b, figure, op, goal in GOALS:
+        if not {a, b} <= set(systems):
+            continue
         values = [speed_ratio(r, a, b, figure) for r in report["rounds"]]
         x = statistics.median(values)
         rows.append({"what": what, "ratio": round(x, 3), "rounds": [round(v, 3) for v in values],
                      **({"goal": f"{op} {goal}", "met": x >= goal} if goal else {})})
     if "mixed" in report:
         for what, a, b, op, goal in MIXED_GOALS:
+            if not {a, b} <= set(systems):
+                continue
             x = report["mixed"][a]["output_tokens_per_s"] / report["mixed"][b]["output_tokens_per_s"]
             rows.append({"what": what, "ratio": round(x, 3), **({"goal": f"{op} {goal}", "met": x >= goal}
                                                                if goal else {})})

@@ -355,6 +355,7 @@ TPSERVE_INT4_TILES_VNNI void dequantize_band(const uint8_t* band, const float* s
     for (int l = 0; l < 16; ++l) idx[l] = 4 * q + l / 4;
     spread[q] = _mm512_load_si512(idx);
   }
+  alignas(64) float tile[kRows][kChunk];  // one block's floats, written in L1 then copied out a row at a time
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* block = band + c * kBlockBytes;
     const float* sg = so_band + (c * kChunk / G) * 2 * 16;
@@ -372,16 +373,15 @@ TPSERVE_INT4_TILES_VNNI void dequantize_band(const uint8_t* band, const float* s
         const __m512 hi = _mm512_add_ps(
             _mm512_mul_ps(s4[q], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)))),
             o4[q]);
-        float* row = w + (4 * q) * K + c * kChunk + 4 * r;
-        _mm_storeu_ps(row, _mm512_extractf32x4_ps(lo, 0));
-        _mm_storeu_ps(row + K, _mm512_extractf32x4_ps(lo, 1));
-        _mm_storeu_ps(row + 2 * K, _mm512_extractf32x4_ps(lo, 2));
-        _mm_storeu_ps(row + 3 * K, _mm512_extractf32x4_ps(lo, 3));
-        _mm_storeu_ps(row + 64, _mm512_extractf32x4_ps(hi, 0));
-        _mm_storeu_ps(row + K + 64, _mm512_extractf32x4_ps(hi, 1));
-        _mm_storeu_ps(row + 2 * K + 64, _mm512_extractf32x4_ps(hi, 2));
-        _mm_storeu_ps(row + 3 * K + 64, _mm512_extractf32x4_ps(hi, 3));
+        for (int l = 0; l < 4; ++l) {
+          float* row = &tile[4 * q + l][4 * r];
+          _mm_store_ps(row, _mm512_extractf32x4_ps(lo, l));
+          _mm_store_ps(row + 64, _mm512_extractf32x4_ps(hi, l));
+        }
       }
+    }
+    for (int64_t j = 0; j < kRows; ++j) {
+      for (int64_t k = 0; k < kChunk; k += 16) _mm512_storeu_ps(w + j * K + c * kChunk + k, _mm512_load_ps(&tile[j][k]));
     }
   }
 }
