@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace tpserve_int4_tiles {
@@ -285,37 +286,36 @@ void prepare_rows(const float* x, int64_t R, int64_t K, int64_t G, int8_t* a, fl
   tpserve_int4::group_sums512(x, R, K, G, xsum);
 }
 
+// f(std::integral_constant<int, R>) for R in 1 .. kMaxX (a pass's rows of x as a template argument).
+template <typename F>
+void with_rows(int64_t R, F&& f) {
+  switch (R) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 9: f(std::integral_constant<int, 9>{}); break;
+    default: f(std::integral_constant<int, 10>{}); break;
+  }
+}
+
 void run_rows(int64_t R, int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
               const float* scale_offset, const int8_t* a, const float* units, const float* xsum, const float* bias,
               float* y) {
   if (t0 >= t1) return;
-  if (!use_amx()) {
-    switch (R) {
-      case 1: run_blocks_vnni<1>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 2: run_blocks_vnni<2>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 3: run_blocks_vnni<3>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 4: run_blocks_vnni<4>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 5: run_blocks_vnni<5>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 6: run_blocks_vnni<6>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 7: run_blocks_vnni<7>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 8: run_blocks_vnni<8>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      case 9: run_blocks_vnni<9>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-      default: run_blocks_vnni<10>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
+  const bool amx = use_amx();
+  with_rows(R, [&](auto rows) {
+    constexpr int RR = decltype(rows)::value;
+    if (amx) {
+      run_blocks<RR>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y);
+    } else {
+      run_blocks_vnni<RR>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y);
     }
-    return;
-  }
-  switch (R) {
-    case 1: run_blocks<1>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 2: run_blocks<2>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 3: run_blocks<3>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 4: run_blocks<4>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 5: run_blocks<5>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 6: run_blocks<6>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 7: run_blocks<7>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 8: run_blocks<8>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    case 9: run_blocks<9>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-    default: run_blocks<10>(t0, t1, K, N, G, qweight, scale_offset, a, units, xsum, bias, y); break;
-  }
+  });
 }
 
 void linear(const float* x, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* qweight,
