@@ -14,7 +14,7 @@ sequence that leaves them, six 2-token prompts that join three decodes (15 rows)
 sequences (those two: more rows than the float32 and 8-bit GEMVs' decode path, so the halves in both runs;
 int4 tiles take any). The checkpoints cover o_proj and MLP biases (added once, after the sum), q/k/v biases,
 GQA and MQA, a window, QK-norm, float16 projections kept 16-bit, weight-only int8, group-wise 8-bit (8-bit GPTQ),
-int4 tiles (AMX-INT8 CPUs; the row-major VNNI path elsewhere) and 8-bit KV caches; the degrees
+int4 tiles (AMX-INT8 and AVX512-VNNI CPUs; the row-major VNNI path with use_int4_tiles(False)) and 8-bit KV caches; the degrees
 2 and 4 (1 KV head per rank at 4), and LoRA adapter rows (three adapters and the base model, on the biased
 model: the adapters' sums before the all-reduce and the bias). And a peer lost inside the region fails the step,
 as a lost peer fails ``SharedMemoryComm``'s collective.

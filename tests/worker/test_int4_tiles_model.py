@@ -36,7 +36,8 @@ from worker.loader import load_model
 from worker.parallel_state import ParallelContext
 
 pytestmark = pytest.mark.skipif(not (cpu_kernels_available() and torch.ops.tpserve_cpu.int4_tiles_enabled()),
-                                reason="this CPU (or its kernel) gives no AMX-INT8 tiles: no layer takes the tile layout")
+                                reason="this CPU has neither AMX-INT8 (given to this process) nor AVX512-VNNI: "
+                                       "no layer takes the tile layout")
 
 SPEC = TinyModelSpec("int4_tiles", "llama", {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
                                              "num_key_value_heads": 2, "vocab_size": 190,

@@ -1,8 +1,8 @@
 """Int4 routed experts in the tile layout (worker/layers/moe_int4.py; int4_matmul.py, repack_tile_stack).
 
 * layer level: random expert stacks (8 experts, hidden 256, width 128, groups of 128) repacked expert by
-  expert; :func:`grouped_experts_torch` on the tile stacks (``linear_int4`` per expert on 4-D scales: the AMX
-  tile kernel) gives the row-major stacks' outputs within 1e-5 of max |y| at 1, 4 and 70 rows (70: more than
+  expert; :func:`grouped_experts_torch` on the tile stacks (``linear_int4`` per expert on 4-D scales: the
+  tile kernel, AMX or VNNI) gives the row-major stacks' outputs within 1e-5 of max |y| at 1, 4 and 70 rows (70: more than
   the row-major kernel's 64-row cut-over to dequantize-and-matmul), and both within 1e-5 of max |y| of
   float64 on the dequantized weights; :func:`dequantize_int4_experts` reads both layouts to the same weights
   (exactly); act-order experts' column gathers give the same outputs on either layout; shapes the layout
@@ -15,8 +15,8 @@
   at tp 2 (tensor-parallel at tp 2 would split down's 128 columns below a group: refused, as documented), and
   through the Triton experts (Triton's interpreter at tp 1: the stacks widened from the tile layout).
 
-The tile kernel needs AMX-INT8: on another CPU the stacks stay row-major, and the tests that assert the
-layout are skipped with that reason (the model-level check still runs, on the row-major layout).
+The tile kernel needs AMX-INT8 or AVX512-VNNI: on another CPU the stacks stay row-major, and the tests that assert
+the layout are skipped with that reason (the model-level check still runs, on the row-major layout).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def _tiles_enabled() -> bool:
     return cpu_kernels_available() and bool(torch.ops.tpserve_cpu.int4_tiles_enabled())
 
 
-needs_amx = pytest.mark.skipif(not _tiles_enabled(), reason="this CPU (or its kernel) gives no AMX-INT8 tiles")
+needs_tiles = pytest.mark.skipif(not _tiles_enabled(),
+                                 reason="this CPU has neither AMX-INT8 (given to this process) nor AVX512-VNNI")
 
 
 def _stack(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +70,7 @@ def _stack(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return pack_codes(q).reshape(EXPERTS, rows, cols // 2), torch.stack([scale, offset], 3)
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("rows", [1, 4, 70])
 def test_tile_stacks_give_the_row_major_stacks_outputs(rows: int) -> None:
     gate_up, gate_up_so = _stack(2 * WIDTH, HIDDEN, seed=1)
@@ -97,7 +98,7 @@ def test_tile_stacks_give_the_row_major_stacks_outputs(rows: int) -> None:
     assert float((y_rows.double() - y64).abs().max()) <= bound
 
 
-@needs_amx
+@needs_tiles
 def test_act_order_gathers_are_the_same_on_tile_stacks() -> None:
     """Act-order experts: each expert's input columns in a random packed order (``gate_up_perm (E, H)``,
     ``down_perm (E, I)``): gathers of x, so the tile stacks give the row-major outputs, and both float64's on
@@ -125,7 +126,7 @@ def test_act_order_gathers_are_the_same_on_tile_stacks() -> None:
     assert float((y_tiles.double() - y64).abs().max()) <= bound
 
 
-@needs_amx
+@needs_tiles
 def test_dequantizing_either_layout_of_a_stack_gives_the_same_weights() -> None:
     down, down_so = _stack(HIDDEN, WIDTH, seed=3)
     tiles = down.clone()
@@ -164,7 +165,7 @@ def _bytes(moes: list[FusedMoE]) -> int:
     return sum(p.numel() * p.element_size() for layer in moes for p in layer.parameters())
 
 
-@needs_amx
+@needs_tiles
 def test_loaded_expert_stacks_take_the_tile_layout_with_the_same_weights(model_dir: Path) -> None:
     tiles = _experts(model_dir, ParallelContext.single())
     torch.ops.tpserve_cpu.use_int4_tiles(False)
@@ -189,7 +190,7 @@ def test_loaded_expert_stacks_take_the_tile_layout_with_the_same_weights(model_d
     assert _bytes(tiles) == _bytes(row_major)  # same bytes: 4 bits a weight plus 64 / 128 of scale and offset
 
 
-@needs_amx
+@needs_tiles
 def test_the_shard_loaded_line_counts_the_weights_in_the_tile_layout(model_dir: Path) -> None:
     """``int4_tile_layout_layers`` (worker/server.py's ``shard loaded`` line): per layer qkv_proj (512 x 256), o_proj
     (256 x 256) and the two expert stacks, 8 in all at tp 1; none when the layout is switched off before loading."""

@@ -59,7 +59,8 @@ def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_tiles(qweight: torch.Tensor, scale_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The row-major layout -> the tile layout (module docstring): same bytes, W's order for AMX tiles.
+    """The row-major layout -> the tile layout (module docstring): same bytes, W's order for AMX tiles (which the
+    AVX512-VNNI kernel reads as they are).
 
     ``qweight (N, K / 2)`` uint8 -> ``(N, K / 2)`` uint8 in 1,024-byte blocks of 16 rows x 128 columns;
     ``scale_offset (N, K / G, 2)`` -> ``(N / 16, K / G, 2, 16)`` float32.

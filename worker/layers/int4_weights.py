@@ -10,7 +10,7 @@ An int4 layer holds ``weight`` ``(N_local, K_local / 2)`` uint8 (packed codes) a
 ``weight_scale`` ``(N_local, K_local / G, 2)`` float32 (scale and offset per group of ``G``
 columns): the kernel's layout, worker/layers/int4_matmul.py (repacked into its tile layout,
 ``weight_scale`` then ``(N_local / 16, K_local / G, 2, 16)``, once the layer is loaded, where
-the AMX kernel takes it: :func:`finish_int4_layer`). ``G`` is known when the first
+the CPU's tile kernel takes it, AMX-INT8 or AVX512-VNNI: :func:`finish_int4_layer`). ``G`` is known when the first
 weight arrives (a checkpoint's ``group_size``, or the rule below), so ``weight_scale`` is
 allocated then. Every source is brought to an :class:`~worker.layers.int4_formats.Int4Tensor`
 (codes, scales, zero points, ``g_idx``) and packed from it, with ``offset = -scale * zero``:
@@ -246,7 +246,8 @@ def unpacked_part(layer: Any, source: PackedPart, shape: tuple[int, int], shard_
 
 def finish_int4_layer(layer: Any) -> None:
     """After every checkpoint tensor was read: refuse a layer part whose tensors are incomplete, then
-    repack the layer into the tile layout where the AMX kernel takes it (worker/layers/int4_matmul.py).
+    repack the layer into the tile layout where the tile kernel (AMX-INT8 or AVX512-VNNI) takes it
+    (worker/layers/int4_matmul.py).
 
     Raises:
         ValueError: names the part's tensors that were read (the others are missing).
@@ -269,7 +270,7 @@ def finish_int4_layer(layer: Any) -> None:
     weight = getattr(layer, "weight", None)
     if weight is not None and weight.dtype == torch.uint8 and not layer.int8_groups and tile_layout_applies(
             weight, layer.weight_scale):
-        # The AMX kernel's order (worker/layers/int4_matmul.py, pack_tiles): same bytes, read in one stream.
+        # The tile kernel's order (worker/layers/int4_matmul.py, pack_tiles): same bytes, read in one stream.
         packed, scales = pack_tiles(layer.weight.data, layer.weight_scale.data)
         layer.weight.data.copy_(packed)
         layer.weight_scale.data = scales  # (N / 16, K / G, 2, 16)

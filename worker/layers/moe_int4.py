@@ -45,7 +45,7 @@ are never read (their scales are marked computed so the loader does not ask for 
 
 The tile layout: once loaded (:func:`~worker.layers.int4_weights.finish_int4_layer`, listed in
 ``moe.int4_stacks``), a stack whose expert matrices qualify for a dense layer's tile layout
-(:func:`~worker.layers.int4_matmul.tile_layout_applies`: an AMX-INT8 CPU, rows a multiple of 16,
+(:func:`~worker.layers.int4_matmul.tile_layout_applies`: an AMX-INT8 or AVX512-VNNI CPU, rows a multiple of 16,
 columns and groups of 128) is repacked expert by expert
 (:func:`~worker.layers.int4_matmul.repack_tile_stack`): the codes keep their ``(E, N, K / 2)``
 shape with each expert's bytes in the tile order, the scales become ``(E, N / 16, K / G, 2, 16)``.
@@ -56,7 +56,8 @@ expert-parallel rank repacks the whole experts it holds.
 Compute (worker/layers/moe_experts.py): the torch path runs
 :func:`~worker.layers.int4_matmul.int4_linear` per expert on its rows, the compiled
 ``linear_int4`` on the CPU, which picks its kernel by the expert slice's scales: the tile layout's
-4-D ones take the AMX tile kernel at every row count; row-major ones take the GEMV paths for a
+4-D ones take the tile kernel (AMX at every row count; VNNI up to 16 rows, then dequantized rows or
+the dequantized expert); row-major ones take the GEMV paths for a
 decode step's few rows (codes widened in registers, 4 bits a weight read), and more than 64 rows
 (prefill) dequantize the expert once and multiply with ``at::matmul`` (the kernel's own switch).
 The grouped Triton kernel on CUDA takes float weights: :func:`dequantize_int4_experts` widens one
