@@ -6,10 +6,12 @@ at load by ``--quantization int4`` / ``int8``), tp 1, one process:
 * the bare worker step (``ModelRunner.execute`` of a decode step alone; the compiled decode stack
   where it applies): seconds at batch 1 and 16, the median of ``--rounds`` rounds, each round
   the median of 20 steps (after 4 unmeasured ones), the configurations interleaved round by round so
-  that a busy host slows them alike. ``int4`` takes the kernel's best path (on an AMX-INT8 CPU the
-  tile layout the weights are repacked into at load: worker/kernels/cpu_linear_int4_tiles.cpp),
-  ``int4_rowmajor`` the same weights loaded with ``use_int4_tiles(False)``: the row-major layout and
-  its paths (AVX512-VNNI at one row, the row-major AMX path from two: the kernel before the tile layout);
+  that a busy host slows them alike. ``int4`` takes the kernel's best path (on an AMX-INT8 or
+  AVX512-VNNI CPU the tile layout the weights are repacked into at load:
+  worker/kernels/cpu_linear_int4_tiles.cpp), ``int4_rowmajor`` the same weights loaded with
+  ``use_int4_tiles(False)``: the row-major layout and its paths (on AMX: AVX512-VNNI at one row, the
+  row-major AMX path from two; without: VNNI at 1-4 rows, the float path at 5-8, the dequantized rows'
+  tiles from 9: the kernels before the tile layout);
 * the projections alone: the 30 layers' four linear layers at one row of x, on one thread, through
   ``linear_int4`` (the tile layout, the row-major layout's default path and its float path),
   ``linear_int8`` and ``linear_f32``, the median of ``5 * --rounds`` interleaved rounds, in CPU seconds

@@ -5,10 +5,12 @@ top-4, int4 groups of 128 (RTN's at these sizes). Random codes and scales (speed
 the values); :func:`~worker.layers.moe_experts.grouped_experts_torch` on
 
 * ``int4``: the stacks repacked expert by expert into the tile layout
-  (:func:`~worker.layers.int4_matmul.repack_tile_stack`, what loading does on an AMX-INT8 CPU):
-  ``linear_int4`` per expert takes the tile kernel at every row count;
+  (:func:`~worker.layers.int4_matmul.repack_tile_stack`, what loading does on an AMX-INT8 or AVX512-VNNI
+  CPU): ``linear_int4`` per expert takes the tile kernel (AMX at every row count; VNNI up to 16 rows, then
+  dequantized rows, and dequantize-and-matmul beyond 64);
 * ``int4_rowmajor``: the same codes in the row-major layout (what ``use_int4_tiles(False)`` before
-  loading keeps): the VNNI / row-major AMX GEMV paths, and dequantize-and-matmul beyond 64 rows;
+  loading keeps): the VNNI / row-major AMX GEMV paths (without AMX: VNNI, float, dequantized rows' tiles),
+  and dequantize-and-matmul beyond 64 rows;
 * ``int8``: int8 stacks with per-row scales (``--quantization int8``).
 
 One thread, CPU seconds of the thread (``time.thread_time``), configurations interleaved call by call

@@ -1,4 +1,4 @@
-"""tpserve's 4- and 8-bit weights against llama.cpp's Q4_0 and Q8_0 files, in one run.
+"""tpserve's 4- and 8-bit weights against llama.cpp's Q4_0 and Q8_0 files (or tpserve's alone), in one run.
 
 The 94.9M-parameter random Llama of benchmarks/peer_comparison.py (float32, seed 0): tpserve
 serves it with ``--quantization int4`` (RTN, groups of 128: 4.5 bits a weight) and

@@ -36,7 +36,8 @@ The ops land in ``torch.ops.tpserve_cpu``:
   two calls a layer, or one call, of the kernels above, bit-identical to the module path
   (cpu_decode_block.cpp; worker/layers/decode_block.py); with LoRA adapter slots, each projection's
   low-rank sum for the step's adapter rows too. A ``DecodeLayers`` step whose projections are float32, int8, fp8
-  (up to 8 rows, AVX-512) or int4 (tiles; row-major up to 4 rows, AVX512-VNNI), on a float32 or 8-bit cache
+  (up to 8 rows, AVX-512) or int4 (tiles: any rows with AMX-INT8, up to 16 with AVX512-VNNI alone; row-major
+  up to 4 rows, AVX512-VNNI), on a float32 or 8-bit cache
   without adapter rows, runs in one OpenMP parallel region, bit-identical to the ops (cpu_decode_region.cpp); ``use_decode_region(enabled) -> bool``
   switches it (tests, A/B runs), ``decode_region_steps() -> int`` counts the steps it ran
 * ``lora_add_(y (T, N) f32, x (T, K) f32, lora_a (L, P*R, K) f32, lora_b (L, P*R, N) f32, row_slots (T,) int64,
