@@ -89,6 +89,31 @@ TPSERVE_INT4_TILES void make_a_planes(const float* x, int64_t R, int64_t K, int8
   }
 }
 
+// What the AMX and VNNI kernels share, so that they give the same bits: one chunk's three plane sums for 16 rows of
+// W (ch, cm, cl: C's rows, exact int32) folded into a row of x's totals, and a block row's 16 outputs stored.
+#define TPSERVE_INT4_FOLD __attribute__((target("avx512f")))
+
+// acc += (256 (256 ch + cm) + cl) u s_g: 256 ch + cm exact in int32 (|.| < 2^26), then float32.
+TPSERVE_INT4_FOLD inline __m512 fold_chunk(__m512i ch, __m512i cm, __m512i cl, float u, __m512 scale, __m512 acc) {
+  const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ch, 8), cm));
+  const __m512 sum = _mm512_fmadd_ps(upper, _mm512_set1_ps(256.0f * u),
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(cl), _mm512_set1_ps(u)));
+  return _mm512_fmadd_ps(sum, scale, acc);
+}
+
+// y's columns 16 t .. 16 t + 15 of row r of x: acc + sum_g o_g xsum_g (+ bias), the offsets summed group by group.
+TPSERVE_INT4_FOLD inline void store_block_row(__m512 acc, int64_t r, int64_t t, int64_t groups, const float* so,
+                                              const float* xsum, const float* bias, int64_t N, float* y) {
+  const int64_t n0 = t * kRows;
+  __m512 off = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    off = _mm512_fmadd_ps(_mm512_loadu_ps(so + ((t * groups + g) * 2 + 1) * 16), _mm512_set1_ps(xsum[r * groups + g]),
+                          off);
+  }
+  const __m512 b16 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  _mm512_storeu_ps(y + r * N + n0, _mm512_add_ps(_mm512_add_ps(acc, off), b16));
+}
+
 // One block's codes (1,024 bytes) split into B's two tiles: low nibbles to lo, high ones to hi (L1 buffers).
 TPSERVE_INT4_TILES inline void split_block(const uint8_t* w, uint8_t* lo, uint8_t* hi) {
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -162,22 +187,11 @@ TPSERVE_INT4_TILES void run_blocks(int64_t t0, int64_t t1, int64_t K, int64_t N,
     for (int r = 0; r < R; ++r) {
       const __m512i ch = _mm512_load_si512(cp + 16 * (3 * r)), cm = _mm512_load_si512(cp + 16 * (3 * r + 1));
       const __m512i cl = _mm512_load_si512(cp + 16 * (3 * r + 2));
-      const float u = units[r * chunks + c_prev];
-      const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ch, 8), cm));
-      const __m512 sum = _mm512_fmadd_ps(upper, _mm512_set1_ps(256.0f * u),
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(cl), _mm512_set1_ps(u)));
-      acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+      acc[r] = fold_chunk(ch, cm, cl, units[r * chunks + c_prev], scale, acc[r]);
     }
     if (c_prev != chunks - 1) continue;
-    const int64_t n0 = t_prev * kRows;
-    const __m512 b16 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      __m512 off = _mm512_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        off = _mm512_fmadd_ps(_mm512_loadu_ps(so + ((t_prev * groups + g) * 2 + 1) * 16),
-                              _mm512_set1_ps(xsum[r * groups + g]), off);
-      }
-      _mm512_storeu_ps(y + r * N + n0, _mm512_add_ps(_mm512_add_ps(acc[r], off), b16));
+      store_block_row(acc[r], r, t_prev, groups, so, xsum, bias, N, y);
       acc[r] = _mm512_setzero_ps();
     }
   }
@@ -214,7 +228,8 @@ TPSERVE_INT4_TILES_VNNI inline __m512i broadcast4(const int8_t* p) {
 }
 
 // Rows m0 .. m0 + RR - 1 of x against one block (codes w, 1,024 bytes; x's planes of its chunk at ac, in A's
-// layout): each row's three plane sums for the block's 16 rows of W, folded into acc[m] as run_blocks folds C.
+// layout): each row's three plane sums for the block's 16 rows of W, folded into acc[m] as run_blocks folds C
+// (fold_chunk).
 template <int RR>
 TPSERVE_INT4_TILES_VNNI inline void fold_block_vnni(const uint8_t* w, const int8_t* ac, int P, int m0, __m512 scale,
                                                     const float* units_c, int64_t chunks, __m512* acc) {
@@ -239,16 +254,11 @@ TPSERVE_INT4_TILES_VNNI inline void fold_block_vnni(const uint8_t* w, const int8
     const __m512i ch = _mm512_add_epi32(sum[m][0][0], sum[m][1][0]);
     const __m512i cm = _mm512_add_epi32(sum[m][0][1], sum[m][1][1]);
     const __m512i cl = _mm512_add_epi32(sum[m][0][2], sum[m][1][2]);
-    const float u = units_c[(m0 + m) * chunks];
-    const __m512 upper = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ch, 8), cm));
-    const __m512 total = _mm512_fmadd_ps(upper, _mm512_set1_ps(256.0f * u),
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(cl), _mm512_set1_ps(u)));
-    acc[m0 + m] = _mm512_fmadd_ps(total, scale, acc[m0 + m]);
+    acc[m0 + m] = fold_chunk(ch, cm, cl, units_c[(m0 + m) * chunks], scale, acc[m0 + m]);
   }
 }
 
-// run_blocks on VNNI: blocks of rows [t0, t1) against R rows of x, y's 16 columns of each block row stored as
-// run_blocks stores them (offsets' sums and bias added in the same order).
+// run_blocks on VNNI: blocks of rows [t0, t1) against R rows of x, folded and stored by the same functions.
 template <int R>
 TPSERVE_INT4_TILES_VNNI void run_blocks_vnni(int64_t t0, int64_t t1, int64_t K, int64_t N, int64_t G,
                                              const uint8_t* qweight, const float* so, const int8_t* a,
@@ -266,16 +276,7 @@ TPSERVE_INT4_TILES_VNNI void run_blocks_vnni(int64_t t0, int64_t t1, int64_t K, 
       for (int g = 0; g < full; ++g) fold_block_vnni<kVnniRows>(w, ac, P, g * kVnniRows, scale, units + c, chunks, acc);
       if constexpr (rest > 0) fold_block_vnni<rest>(w, ac, P, full * kVnniRows, scale, units + c, chunks, acc);
     }
-    const int64_t n0 = t * kRows;
-    const __m512 b16 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __m512 off = _mm512_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        off = _mm512_fmadd_ps(_mm512_loadu_ps(so + ((t * groups + g) * 2 + 1) * 16),
-                              _mm512_set1_ps(xsum[r * groups + g]), off);
-      }
-      _mm512_storeu_ps(y + r * N + n0, _mm512_add_ps(_mm512_add_ps(acc[r], off), b16));
-    }
+    for (int r = 0; r < R; ++r) store_block_row(acc[r], r, t, groups, so, xsum, bias, N, y);
   }
 }
 
