@@ -19,7 +19,7 @@ from tpserve.embedded_model import default_model_dir
 from tpserve.expert_parallel import check_expert_parallel
 from tpserve.model_config import ModelConfig
 from tpserve.pipeline_split import stage_layer_counts
-from tpserve.model_registry import FLOAT_ONLY_ARCHITECTURES
+from tpserve.model_registry import FLOAT_EXPERTS_ARCHITECTURES, FLOAT_ONLY_ARCHITECTURES
 from tpserve.quantization import check_quantization_flag, checkpoint_quantization, served_quantization
 
 
@@ -95,6 +95,12 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
         how = f"--quantization {quantization}" if quantization else f"its {served} linear layers as stored"
         raise StartupError(f"cannot serve {model_dir} with {how}: {config.architecture}'s Mamba-2 and expert "
                            "weights load float only; serve a float checkpoint without --quantization")
+    layout = FLOAT_EXPERTS_ARCHITECTURES.get(config.architecture)
+    if layout is not None and served not in ("", "fp8"):  # the experts' own refusal, before any rank starts
+        how = f"--quantization {quantization}" if quantization else f"its {served} linear layers as stored"
+        raise StartupError(f"cannot serve {model_dir} with {how}: its experts are {layout}, which load float only "
+                           "(a checkpoint layout that int8 and int4 weights do not fill); serve its float (or "
+                           "gpt-oss's MXFP4) checkpoint without --quantization")
     if config.latent_attention and checkpoint_quantization(config.hf_config):  # before any rank loads it
         raise StartupError(
             f"cannot serve {model_dir}: its linear layers are stored {served_quantization(config.hf_config, None)}, "

@@ -68,6 +68,11 @@ def test_served_4_and_8_bit_configs(qc: dict, expected: Int4Format) -> None:
     ({**GPTQ, "lm_head": "yes"}, "gptq lm_head='yes'"),
     ({**GPTQ, "checkpoint_format": "marlin"}, "gptq checkpoint_format='marlin'"),
     ({**GPTQ, "group_size": 0}, "gptq group_size=0"),
+    ({**GPTQ, "group_size": 16}, "gptq group_size=16 (groups must be a multiple of 32 input columns"),
+    ({**GPTQ, "bits": 8, "group_size": 48}, "gptq group_size=48 (groups must be a multiple of 32"),
+    ({"quant_method": "awq", "w_bit": 4, "q_group_size": 16, "zero_point": True, "version": "gemm"},
+     "awq group_size=16 (groups must be a multiple of 32"),
+    (_w4a16(group_size=24), "weights.group_size=24 (groups must be a multiple of 32"),
     ({**GPTQ, "dynamic": {"+:.*down_proj": {"bits": 8}}}, "gptq dynamic={'+:.*down_proj': {'bits': 8}} (per-module"),
     ({**GPTQ, "dynamic": {"-:.*gate": {}, ".*down_proj": {"group_size": 32}}}, "gptq dynamic={'.*down_proj'"),
     ({**AWQ, "version": "gemv"}, "awq version='gemv'"),
@@ -160,3 +165,7 @@ def test_a_flag_applies_only_where_it_says_what_is_stored() -> None:
         check_quantization_flag({}, flag)
     with pytest.raises(ValueError, match=r"this checkpoint is not FP8 .*: to quantize its weights at load use --quantization int8 or int4, or drop the flag"):
         check_quantization_flag({}, "fp8")
+    mxfp4 = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+    with pytest.raises(ValueError, match=r"this checkpoint is MXFP4 \(quantization_config quant_method mxfp4\): drop "
+                                         r"the flag \(its experts are held as 8-bit codes on CPU ranks\)$"):
+        check_quantization_flag(mxfp4, "fp8")

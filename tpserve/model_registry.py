@@ -60,6 +60,14 @@ LATENT_ATTENTION_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLit
 #: before any rank builds the model (which refuses them too).
 FLOAT_ONLY_ARCHITECTURES = frozenset({"GraniteMoeHybridForCausalLM", "NemotronHForCausalLM"})
 
+#: Architectures whose routed experts int8 and int4 weights cannot fill, with the checkpoint layout a refusal names:
+#: their experts load into float stacks only (gpt-oss's MXFP4 experts as 8-bit codes on CPU ranks, without
+#: ``--quantization``). ``--quantization int8`` / ``int4`` and a packed 4- or 8-bit checkpoint of them are refused by
+#: the coordinator (launch/startup.py) before any rank starts, as each rank's experts refuse them
+#: (worker/layers/moe_int8.py ``check_loadable``, from the classes' ``checkpoint_layout``).
+FLOAT_EXPERTS_ARCHITECTURES: dict[str, str] = {"GptOssForCausalLM": "gpt-oss's stacked experts with biases",
+                                               "Llama4ForCausalLM": "Llama 4's fused expert tensors"}
+
 #: Hybrid architectures: Gated DeltaNet (linear attention, a per-sequence state; worker/layers/gated_delta_net.py)
 #: layers beside full-attention ones, as ``layer_types`` says (``"linear_attention"`` / ``"full_attention"``).
 LINEAR_ATTENTION_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})

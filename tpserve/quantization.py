@@ -146,7 +146,11 @@ def check_quantization_flag(raw_config: dict[str, Any], flag: str | None) -> Non
                              "stored; drop the flag")
         return
     fmt = weight_format(raw_config)
-    if flag == "fp8" and (fmt is None or fmt.kind == "mxfp4"):
+    if flag == "fp8" and fmt is not None and fmt.kind == "mxfp4":
+        raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is MXFP4 "
+                         "(quantization_config quant_method mxfp4): drop the flag (its experts are held as 8-bit "
+                         "codes on CPU ranks)")
+    if flag == "fp8" and fmt is None:
         raise ValueError("--quantization fp8 keeps an FP8 checkpoint's weights as stored; this checkpoint is not "
                          "FP8 (quantization_config quant_method fp8 or compressed-tensors float-quantized): to "
                          "quantize its weights at load use --quantization int8 or int4, or drop the flag")

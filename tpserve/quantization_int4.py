@@ -46,8 +46,13 @@ from tpserve.weight_formats import compressed_tensors_groups, matches_target
 #: it uses :data:`RTN_SMALL_GROUP_SIZE`.
 RTN_GROUP_SIZE = 128
 RTN_SMALL_GROUP_SIZE = 32
-SUPPORTED_INT4 = ("GPTQ (bits 4 or 8, any group_size, sym or not, desc_act with g_idx), AWQ (version gemm, bits 4), "
-                  "compressed-tensors pack-quantized (num_bits 4 or 8, int, strategy group or channel, actorder)")
+SUPPORTED_INT4 = ("GPTQ (bits 4 or 8, group_size a multiple of 32 or -1, sym or not, desc_act with g_idx), AWQ "
+                  "(version gemm, bits 4), compressed-tensors pack-quantized (num_bits 4 or 8, int, strategy group "
+                  "or channel, actorder)")
+#: Input columns a group's size must be a multiple of: the CPU kernels' block (worker/layers/int4_matmul.py
+#: ``BLOCK``, worker/layers/int8_groups.py), checked here so that the coordinator refuses such a checkpoint
+#: before any rank starts.
+GROUP_MULTIPLE = 32
 #: Code widths of the packed formats: GPTQ and compressed-tensors store 4 or 8 bits a weight (AWQ 4 only).
 PACKED_BITS = (4, 8)
 
@@ -82,6 +87,9 @@ def _refuse(found: str) -> ValueError:
 def _group_size(value: Any, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not (value == -1 or value > 0):
         raise _refuse(f"{field}={value!r} (expected a positive int, or -1 for one group per row)")
+    if value != -1 and value % GROUP_MULTIPLE:
+        raise _refuse(f"{field}={value!r} (groups must be a multiple of {GROUP_MULTIPLE} input columns, the "
+                      "kernels' block, or -1 for one group per row)")
     return value
 
 

@@ -227,7 +227,8 @@ class Fp8Source:
         ``gcd(bk, c0, c1 - c0)`` (a shard that starts inside a block gets smaller groups).
         """
         (r0, r1), (c0, c1) = rows, columns
-        codes = self.files.read(self.packed.values_file, self.packed.values, (slice(r0, r1), slice(c0, c1)))
+        codes = _check_e4m3(self.files.read(self.packed.values_file, self.packed.values, (slice(r0, r1), slice(c0, c1))),
+                            self.packed.values)
         if self.block is None:
             scale = self.scale if self.scale.shape[0] == 1 else self.scale[r0:r1]  # (1 | rows, 1)
             return codes, scale.expand(r1 - r0, 1).contiguous()
@@ -240,7 +241,8 @@ class Fp8Source:
     def __getitem__(self, index: Any) -> torch.Tensor:
         """Float32 ``w[rows, columns]`` for step-1 slices ``index``."""
         (r0, r1), (c0, c1) = _slices(index, self.shape)
-        w = self.files.read(self.packed.values_file, self.packed.values, (slice(r0, r1), slice(c0, c1))).float()
+        w = _check_e4m3(self.files.read(self.packed.values_file, self.packed.values, (slice(r0, r1), slice(c0, c1))),
+                        self.packed.values).float()
         if self.block is None:
             scale = self.scale if self.scale.shape[0] == 1 else self.scale[r0:r1]  # (1 | rows, 1)
             return w * scale
@@ -255,6 +257,24 @@ class Fp8Source:
             stop = min(c1, (first_column_block + j + 1) * bk) - c0
             w[:, start:stop] *= per_row[:, j:j + 1]
         return w
+
+
+def _check_e4m3(codes: torch.Tensor, name: str) -> torch.Tensor:
+    """``codes`` (any shape, float8_e4m3fn) as read, once none is NaN.
+
+    e4m3fn has no infinities and one NaN pattern per sign, ``S.1111.111`` (0x7F, 0xFF: the OCP 8-bit floating
+    point specification, the format FP8 checkpoints store); a NaN weight would make every logit NaN (dequantized)
+    or be read as a finite value by the kernel that keeps the codes, so a checkpoint holding one is refused.
+
+    Raises:
+        ValueError: naming the tensor and how many NaN codes its slice holds.
+    """
+    nan = (codes.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        count = int(nan.sum())
+        raise ValueError(f"fp8 tensor {name!r} holds {count} NaN {'value' if count == 1 else 'values'} (e4m3 code "
+                         "0x7F or 0xFF): a corrupt checkpoint")
+    return codes
 
 
 class Mxfp4Source:

@@ -50,6 +50,9 @@ def hold_lm_head_int8(model: torch.nn.Module, tied: bool) -> int:
 
     Each rank quantizes its own vocabulary rows (a row's scale is its own): every tensor-parallel
     degree serves the same codes. Returns the float bytes released (0: no head nor tied embedding here).
+
+    Raises:
+        ValueError: a NaN or an infinity in the head's weights (a corrupt checkpoint).
     """
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     embeddings = [m for m in model.modules() if type(m) is VocabParallelEmbedding] if tied else []
@@ -58,7 +61,11 @@ def hold_lm_head_int8(model: torch.nn.Module, tied: bool) -> int:
     for module in (*heads, *embeddings):
         weight = module.weight  # (V_p, E), shared by a tied head and embedding
         if id(weight) not in done:
-            done[id(weight)] = quantize_rows(weight.detach())  # (V_p, E) int8, (V_p,) float32
+            try:
+                done[id(weight)] = quantize_rows(weight.detach())  # (V_p, E) int8, (V_p,) float32
+            except ValueError as error:  # non-finite weights: name the tensor, as the loader does
+                name = "the embedding the LM head ties" if tied else "the LM head's"
+                raise ValueError(f"{name} weights (int8 per vocabulary row): {error}") from error
             released += weight.numel() * weight.element_size()
         module.hold_int8(*done[id(weight)])
     return released

@@ -75,8 +75,8 @@ def test_a_missing_g_idx_with_desc_act_is_refused_naming_it(checkpoints: dict[st
 
 
 def test_a_group_size_that_does_not_divide_k_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    broken = _broken(checkpoints["gptq"], tmp_path / "m", config_edit=lambda qc: qc.update(group_size=48))
-    with pytest.raises(ValueError, match=r"group_size=48 does not divide the input size \d+ of model.*qweight"):
+    broken = _broken(checkpoints["gptq"], tmp_path / "m", config_edit=lambda qc: qc.update(group_size=96))
+    with pytest.raises(ValueError, match=r"group_size=96 does not divide the input size \d+ of model.*qweight"):
         _load(broken)
 
 

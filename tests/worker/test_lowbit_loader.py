@@ -227,3 +227,30 @@ def test_a_corrupt_mxfp4_checkpoint_is_refused_naming_the_tensor(mxfp4_gpt_oss: 
     with pytest.raises(ValueError) as info:
         _load(model_dir)
     assert named in str(info.value) and says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "int8", "int4"])
+def test_a_nan_fp8_weight_is_refused_naming_the_tensor(fp8_llama: tuple[Path, Path], tmp_path: Path,
+                                                        quantization: str | None) -> None:
+    """One e4m3 code of q_proj set to NaN (0x7F): refused at load, however the weights are held. Before, dequantized
+    it made every logit NaN (token 0 for every request), and ``--quantization fp8``'s kernel read it as a finite
+    value."""
+    model_dir = _corrupted(fp8_llama[0], tmp_path / "corrupt", _set(Q_PROJ, _poke(float("nan"))))
+    assert int(load_file(model_dir / "model.safetensors")[Q_PROJ].view(torch.uint8).view(-1)[1]) == 0x7F
+    with pytest.raises(ValueError) as info:
+        _load(model_dir, quantization)
+    assert (f"fp8 tensor {Q_PROJ!r} holds 1 NaN value (e4m3 code 0x7F or 0xFF): a corrupt checkpoint"
+            in str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_float_weight_is_refused_when_quantized_at_load(fp8_llama: tuple[Path, Path], tmp_path: Path,
+                                                                     quantization: str, value: float) -> None:
+    """A float checkpoint with one NaN or infinite weight, quantized at load: its row's (int8) or group's (int4) scale
+    would be non-finite and every request's logits NaN; refused naming the weight."""
+    model_dir = _corrupted(fp8_llama[1], tmp_path / "corrupt", _set(Q_PROJ, _poke(value)))
+    with pytest.raises(ValueError) as info:
+        _load(model_dir, quantization)
+    assert str(info.value).startswith(f"weight {Q_PROJ!r}: 1 of its "), str(info.value)
+    assert "quantization rows or groups hold NaN or infinite weights: a corrupt checkpoint" in str(info.value)

@@ -188,3 +188,29 @@ def test_fused_expert_layouts_refuse_int8() -> None:
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts models whose "
                                          "experts are Llama 4's fused expert tensors"):
         Llama4Experts(4, 16, 8, ctx, dtype=torch.float32, quantization="int8")
+
+
+@pytest.mark.parametrize("flag", ["int8", "int4"])
+def test_fused_expert_families_are_refused_quantization_before_any_rank_starts(tmp_path: Path, flag: str) -> None:
+    """The coordinator refuses ``--quantization int8|int4`` for gpt-oss and Llama 4 in one line at start-up
+    (tpserve/model_registry.py FLOAT_EXPERTS_ARCHITECTURES), naming the experts' layout as the ranks' refusal
+    above does; before, the ranks started and then failed (exit 1 instead of the flag checks' exit 2)."""
+    from transformers import GptOssConfig, Llama4TextConfig
+
+    from launch.startup import StartupError, read_model_config
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_local_experts=4)
+    for config, experts in ((GptOssConfig(**shape, num_experts_per_tok=2, architectures=["GptOssForCausalLM"]),
+                             StackedFusedMoE),
+                            (Llama4TextConfig(**shape, intermediate_size_mlp=128, architectures=["Llama4ForCausalLM"]),
+                             Llama4Experts)):
+        model_dir = tmp_path / config.architectures[0]
+        config.save_pretrained(model_dir)
+        assert read_model_config(model_dir, 1).architecture == config.architectures[0]  # served without the flag
+        with pytest.raises(StartupError) as error:
+            read_model_config(model_dir, 1, quantization=flag)
+        assert str(error.value) == (f"cannot serve {model_dir} with --quantization {flag}: its experts are "
+                                    f"{experts.checkpoint_layout}, which load float only (a checkpoint layout that "
+                                    "int8 and int4 weights do not fill); serve its float (or gpt-oss's MXFP4) "
+                                    "checkpoint without --quantization")

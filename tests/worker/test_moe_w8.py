@@ -19,7 +19,7 @@ and 16 at once, the expert counts; a prompt alone and in the batch within ``BATC
 
 Also: the stacks' layouts and bytes (int8 ``(E, N, K)`` with per-row scales: 1 + 4 / K bytes a weight; grouped
 uint8 with ``(E, N, K / G, 2)`` pairs: 1 + 8 / G), and corrupt checkpoints refused at load naming the tensor
-(a symmetric zero point of 129, groups of 16 columns).
+(a symmetric zero point of 129); groups of 16 columns refused by the config's ``group_size``.
 """
 
 from __future__ import annotations
@@ -168,12 +168,13 @@ def test_a_symmetric_zero_point_other_than_128_is_refused_naming_the_tensor(case
         _load(broken)
 
 
-def test_groups_not_a_multiple_of_32_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+def test_groups_not_a_multiple_of_32_are_refused_naming_group_size(tmp_path: Path) -> None:
+    """An 8-bit checkpoint of groups of 16 columns: refused by its config's ``group_size`` (the coordinator's check,
+    before any rank starts), never served."""
     source = save_tiny_model(MIXTRAL_SPEC, tmp_path / "mixtral")
     checkpoint, _ = save_gptq8(source, tmp_path / "g16", tmp_path / "g16_dq", group=16, sym=True,
                                pattern=MOE_LINEAR_WEIGHT)
-    with pytest.raises(ValueError, match=r"experts\.\d+\.w[123]\.scales: 8-bit groups of 16 columns are not a "
-                                         r"multiple of 32"):
+    with pytest.raises(ValueError, match=r"gptq group_size=16 \(groups must be a multiple of 32 input columns"):
         _load(checkpoint)
 
 

@@ -148,15 +148,16 @@ def test_a_missing_g_idx_with_desc_act_is_refused_naming_it(checkpoints: dict[st
 
 
 def test_a_group_size_that_does_not_divide_k_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    broken = _broken(checkpoints["gptq"], tmp_path / "m", config_edit=lambda qc: qc.update(group_size=48))
-    with pytest.raises(ValueError, match=r"group_size=48 does not divide the input size \d+ of model.*qweight"):
+    broken = _broken(checkpoints["gptq"], tmp_path / "m", config_edit=lambda qc: qc.update(group_size=96))
+    with pytest.raises(ValueError, match=r"group_size=96 does not divide the input size \d+ of model.*qweight"):
         _load(broken)
 
 
-def test_a_group_the_kernel_cannot_block_is_refused_naming_the_tensor(checkpoints: dict[str, Path],
-                                                                       tmp_path: Path) -> None:
-    """Groups of 16 columns: the checkpoint's 2 scale rows become 4 (each split in two), which the w8 kernel
-    (groups of a multiple of 32 columns) does not take: refused at load, named, never served."""
+def test_a_group_the_kernel_cannot_block_is_refused_naming_group_size(checkpoints: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    """Groups of 16 columns (the checkpoint's 2 scale rows become 4, each split in two), which the w8 kernel
+    (groups of a multiple of 32 columns) does not take: refused by the config's ``group_size`` (the coordinator's
+    check, before any rank starts), never served."""
     def regroup(tensors: dict) -> None:
         for name in [n for n in tensors if n.endswith(".scales")]:
             tensors[name] = tensors[name].repeat_interleave(2, dim=0).contiguous()
@@ -167,8 +168,7 @@ def test_a_group_the_kernel_cannot_block_is_refused_naming_the_tensor(checkpoint
 
     broken = _broken(checkpoints["gptq"], tmp_path / "m", regroup,
                      config_edit=lambda qc: qc.update(group_size=16, desc_act=False))
-    with pytest.raises(ValueError, match=r"model\.layers\.\d+\.\S+\.scales: 8-bit groups of 16 columns are not a "
-                                         r"multiple of 32"):
+    with pytest.raises(ValueError, match=r"gptq group_size=16 \(groups must be a multiple of 32 input columns"):
         _load(broken)
 
 

@@ -51,7 +51,7 @@ from tpserve.quantization_int4 import RTN_GROUP_SIZE, RTN_SMALL_GROUP_SIZE, Int4
 from worker.layers.int4_formats import PARTS, Int4Tensor, required_parts, unpack_layer
 from worker.layers.int4_matmul import BLOCK, pack_codes, pack_tiles, repack_tile_stack, tile_layout_applies
 from worker.layers.int8_groups import write_8bit
-from worker.layers.weights import CheckpointSource, check_shape, new_parameter, read_narrow, source_shape
+from worker.layers.weights import CheckpointSource, check_finite_scales, check_shape, new_parameter, read_narrow, source_shape
 
 RTN_MAX = 7
 
@@ -76,13 +76,13 @@ def quantize_rtn(w: torch.Tensor, group: int) -> Int4Tensor:
     """Round-to-nearest symmetric int4 of ``w (N, K)`` (formula in the module docstring).
 
     Raises:
-        ValueError: ``group`` does not divide ``K``.
+        ValueError: ``group`` does not divide ``K``; a NaN or an infinity in ``w`` (:func:`check_finite_scales`).
     """
     n, k = w.shape
     if k % group:
         raise ValueError(f"int4 group size {group} does not divide the input size {k}")
     wg = w.float().reshape(n, k // group, group)
-    scales = wg.abs().amax(dim=2) / RTN_MAX  # (N, groups)
+    scales = check_finite_scales(wg.abs().amax(dim=2) / RTN_MAX)  # (N, groups)
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = (torch.round(wg / divisor[:, :, None]).clamp_(-RTN_MAX, RTN_MAX) + 8).to(torch.uint8).reshape(n, k)
     return Int4Tensor(codes, scales, torch.full_like(scales, 8.0), torch.arange(k) // group)

@@ -43,7 +43,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers.weights import CheckpointSource, check_shape, copy_into, new_parameter, read_narrow, source_shape
+from worker.layers.weights import (CheckpointSource, check_finite_scales, check_shape, copy_into, new_parameter,
+                                  read_narrow, source_shape)
 
 INT8_MAX = 127
 #: Elements read at once by :func:`row_scales` (64 MiB of float32).
@@ -60,10 +61,13 @@ def quantize_rows(w: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[
 
     Returns:
         ``(q (N, K) int8, scales (N,) float32)``.
+
+    Raises:
+        ValueError: a row of ``w`` holds a NaN or an infinity (its scale would be non-finite).
     """
     w32 = w.float()  # (N, K)
     if scales is None:
-        scales = w32.abs().amax(dim=1) / INT8_MAX  # (N,)
+        scales = check_finite_scales(w32.abs().amax(dim=1) / INT8_MAX)  # (N,)
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # (N,); zero rows stay zero
     q = torch.round(w32 / divisor[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)  # (N, K)
     return q, scales.float()
@@ -79,7 +83,8 @@ def row_scales(source: CheckpointSource) -> torch.Tensor:
     step = max(1, _ROW_SCALES_CHUNK_ELEMENTS // max(1, num_cols))
     parts = [read_narrow(source, 0, start, min(step, num_rows - start)).float().abs().amax(dim=1)
              for start in range(0, num_rows, step)]
-    return torch.cat(parts) / INT8_MAX  # (N,)
+    return check_finite_scales(torch.cat(parts) / INT8_MAX)  # (N,)
+
 
 
 def new_int8_weights(layer: nn.Module, shape: tuple[int, int], num_scales: int, device: torch.device) -> None:

@@ -113,3 +113,20 @@ def new_parameter(
     param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+def check_finite_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` computed at load from float weights (any shape), once every one is finite.
+
+    A NaN or an infinity in the checkpoint's weights makes its row's (or group's) absmax scale non-finite, and
+    the quantized layer would then give NaN logits for every request: refused at start-up instead (the loader
+    adds the weight's name).
+
+    Raises:
+        ValueError: how many scales (rows or groups of weights) are non-finite.
+    """
+    bad = ~torch.isfinite(scales)
+    if bool(bad.any()):
+        raise ValueError(f"{int(bad.sum())} of its {scales.numel()} quantization rows or groups hold NaN or infinite "
+                         "weights: a corrupt checkpoint")
+    return scales
