@@ -96,6 +96,7 @@ class PublicServer:
         self.health = health.aio.HealthServicer()
         self.servicer: GenerationServicer | None = None
         self.port: int | None = None
+        self.metrics_port: int | None = None  # /metrics' bound port (--metrics-port 0: the one the system chose)
         self.certificates: ServerCertificates | None = None  # with --ssl-certfile
         self.api_keys: ApiKeyInterceptor | None = None  # with --api-key / --api-key-file
         self.dtype = ""  # resolved by the ranks
@@ -132,7 +133,8 @@ class PublicServer:
         # /metrics is bound before anything starts: a taken port stops the start-up with one line
         if cfg.metrics_port is not None:
             try:
-                start_http_server(cfg.metrics_port, registry=self.metrics.registry)
+                httpd, _ = start_http_server(cfg.metrics_port, registry=self.metrics.registry)
+                self.metrics_port = httpd.server_port
             except OSError as exc:
                 await server.stop(None)
                 raise StartupError(f"--metrics-port {cfg.metrics_port}: cannot bind it ({exc.strerror}); stop "
@@ -292,7 +294,7 @@ class PublicServer:
             event_loop=running_loop_name(), sched_policy=policy_name(),
             address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
             operator_api_key="on" if server.operator_api_key or server.operator_api_key_file else "off",
-            metrics_url=(f"http://localhost:{server.metrics_port}/metrics" if server.metrics_port is not None
+            metrics_url=(f"http://localhost:{self.metrics_port}/metrics" if self.metrics_port is not None
                          else "off"),
             version=__version__,
         )

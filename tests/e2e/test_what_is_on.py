@@ -87,3 +87,18 @@ def test_the_coordinator_runs_under_sched_batch_and_its_ranks_do_not(int8_ngram)
     assert len(ranks) == 1, ranks
     assert _thread_policies(cluster.process.pid) == {os.SCHED_BATCH}
     assert _thread_policies(ranks[0]) == {os.SCHED_OTHER}
+
+
+def test_metrics_port_0_reports_the_port_it_bound(tmp_path):
+    """``--metrics-port 0`` binds a port the system chooses: the ``serving`` line names that port (it said
+    ``localhost:0``), and /metrics answers there."""
+    import re
+    import urllib.request
+
+    log = tmp_path / "serve.log"
+    with serve(None, 1, "--metrics-port", "0", log_path=log):  # the last --metrics-port given wins
+        line = next(line for line in log.read_text(errors="replace").splitlines() if " serving " in line)
+        port = int(re.search(r"metrics_url=http://localhost:(\d+)/metrics", line).group(1))
+        assert port != 0
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "tpserve:num_requests_running" in body

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from worker.attention import write_kv_cache
+from worker.kv_quant import KVScales
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import apply_rotary
 
@@ -44,6 +45,7 @@ def rotate_partial_and_cache(
     rotary_dim: int,
     qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
     interleaved: bool = False,
+    kv_scales: KVScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`worker.layers.rotary.rotate_and_cache` rotating the first ``rotary_dim`` dims of each head only,
     in the half layout or (``interleaved``) the pair layout.
@@ -56,6 +58,8 @@ def rotate_partial_and_cache(
         rotary_dim: ``r``, even, ``<= d``.
         qk_norm: per-head RMSNorms of size ``d`` applied to q and k before the rotation, or None.
         interleaved: rotate pairs ``(2i, 2i + 1)`` (see the module docstring).
+        kv_scales: the layer's ``(k_scale, v_scale, k_offset)`` for an 8-bit cache (``PagedAttention.kv_scales``),
+            or None for a cache in the activations' dtype.
 
     Returns:
         ``q (T, num_heads, d)``, ``k (T, num_kv_heads, d)`` (leading ``r`` dims rotated) and
@@ -72,7 +76,7 @@ def rotate_partial_and_cache(
     qk = torch.cat([rotated, qk[..., rotary_dim:]], dim=-1) if rotary_dim < d else rotated  # (T, H + KVH, d)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     v = qkv[:, qk_size:].view(num_tokens, num_kv_heads, d)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q, k, v
 
 

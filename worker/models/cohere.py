@@ -100,7 +100,7 @@ class CohereAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_interleaved(q, *rope), apply_rotary_interleaved(k, *rope)
-        write_kv_cache(k, v, *kv_cache, attn_metadata.slot_mapping)
+        write_kv_cache(k, v, *kv_cache, attn_metadata.slot_mapping, self.attn.kv_scales)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

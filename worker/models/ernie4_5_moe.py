@@ -48,7 +48,8 @@ class InterleavedRopeAttention(LlamaAttention):
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
         q, k, v = rotate_partial_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
-                                           self.num_kv_heads, kv_cache[0].shape[-1], interleaved=True)
+                                           self.num_kv_heads, kv_cache[0].shape[-1], interleaved=True,
+                                           kv_scales=self.attn.kv_scales)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

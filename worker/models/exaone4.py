@@ -49,7 +49,7 @@ class Exaone4Attention(Qwen3Attention):
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
         q, k, v = position_and_cache(qkv, rope if self.use_rope else None, *kv_cache, attn_metadata.slot_mapping,
                                      self.num_heads, self.num_kv_heads,
-                                     qk_norm=(self.q_norm, self.k_norm))  # normed, rotated (local), cached
+                                     qk_norm=(self.q_norm, self.k_norm), kv_scales=self.attn.kv_scales)  # normed, rotated (local), cached
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

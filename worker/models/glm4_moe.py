@@ -71,10 +71,11 @@ class PartialRotaryAttention(LlamaAttention):
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
         if self.rotary_dim is None:  # partial_rotary_factor 1: whole heads, the fused path
             q, k, v = rotate_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
-                                       self.num_kv_heads, qk_norm=self.qk_norm)
+                                       self.num_kv_heads, qk_norm=self.qk_norm, kv_scales=self.attn.kv_scales)
         else:
             q, k, v = rotate_partial_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
-                                               self.num_kv_heads, self.rotary_dim, qk_norm=self.qk_norm)
+                                               self.num_kv_heads, self.rotary_dim, qk_norm=self.qk_norm,
+                                               kv_scales=self.attn.kv_scales)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

@@ -118,7 +118,7 @@ class Llama4Attention(nn.Module):
             positions = attn_metadata.positions.float()  # (T,)
             scales = torch.log1p(torch.floor((positions + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
             q = (q * scales.view(-1, 1, 1)).to(q.dtype)  # (T, num_heads, d)
-        write_kv_cache(k, v, *kv_cache, attn_metadata.slot_mapping)
+        write_kv_cache(k, v, *kv_cache, attn_metadata.slot_mapping, self.attn.kv_scales)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

@@ -64,10 +64,10 @@ class MiniMaxM2Attention(LlamaAttention):
         qkv = full_width_qk_norm(qkv, self.q_norm, self.k_norm, self.ctx)
         if self.rotary_dim is None:
             q, k, v = rotate_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
-                                       self.num_kv_heads)
+                                       self.num_kv_heads, kv_scales=self.attn.kv_scales)
         else:
             q, k, v = rotate_partial_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
-                                               self.num_kv_heads, self.rotary_dim)
+                                               self.num_kv_heads, self.rotary_dim, kv_scales=self.attn.kv_scales)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

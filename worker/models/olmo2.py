@@ -65,7 +65,7 @@ class Olmo2Attention(LlamaAttention):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = full_width_qk_norm(self.qkv_proj(x), self.q_norm, self.k_norm, self.ctx)  # (T, (H + 2 KVH) d)
         q, k, v = position_and_cache(qkv, rope, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
-                                     self.num_kv_heads)  # q, k rotated; k, v now in the cache
+                                     self.num_kv_heads, kv_scales=self.attn.kv_scales)  # q, k rotated; k, v now in the cache
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 

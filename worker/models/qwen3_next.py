@@ -78,7 +78,7 @@ class GatedAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k.view(t, kvh, d))  # each head normalised
         qkv = torch.cat([q.reshape(t, h * d), k.reshape(t, kvh * d), v], dim=1)  # (T, (h + 2 kvh) * d)
         q, k, v = rotate_partial_and_cache(qkv, *rope, *kv_cache, attn_metadata.slot_mapping, h, kvh,
-                                           self.rotary_dim)  # leading rotary_dim dims rotated; k, v cached
+                                           self.rotary_dim, kv_scales=self.attn.kv_scales)  # leading rotary_dim dims rotated; k, v cached
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, h * d)
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, h * d)))  # (T, hidden), all-reduced over ranks
 

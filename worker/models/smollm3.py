@@ -39,7 +39,7 @@ class NoPEAttention(LlamaAttention):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, (num_heads + 2 * num_kv_heads) * d)
         q, k, v = position_and_cache(qkv, None, *kv_cache, attn_metadata.slot_mapping, self.num_heads,
-                                     self.num_kv_heads)  # k, v now in the cache, unrotated
+                                     self.num_kv_heads, kv_scales=self.attn.kv_scales)  # k, v now in the cache, unrotated
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (T, num_heads * d)
         return self.o_proj(o)  # (T, hidden), all-reduced over ranks
 
