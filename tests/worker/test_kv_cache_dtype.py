@@ -399,14 +399,20 @@ def test_families_logits_with_an_8_bit_cache_stay_near_the_float_cache(spec: Tin
     standard deviation: int8 0.05 (Qwen3), 0.14 (Gemma 2), 0.07 (gpt-oss), 0.03 (DeepSeek V3); fp8 0.16, 0.26,
     0.17, 0.12."""
     model_dir = save_tiny_model(spec, tmp_path / spec.name)
-    prompts = [list(range(3, 23)), [1, 7, 9, 11, 13]]
+    worst, spread = _logit_error(model_dir, kv_cache_dtype, [list(range(3, 23)), [1, 7, 9, 11, 13]], 12)
+    assert 0 < worst < FAMILY_LOGIT_BOUND * spread, (worst, spread)
+
+
+def _logit_error(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """``(worst, spread)``: the largest difference between the logits of ``steps`` decode steps with a
+    ``kv_cache_dtype`` cache and with the float cache (teacher-forced with the float cache's greedy tokens), and
+    the float cache's logits' standard deviation."""
     want_logits: list[torch.Tensor] = []
-    want = teacher_forced(eight_bit_runner(model_dir, "auto"), prompts, None, 12, logits=want_logits)
+    want = teacher_forced(eight_bit_runner(model_dir, "auto"), prompts, None, steps, logits=want_logits)
     got_logits: list[torch.Tensor] = []
     teacher_forced(eight_bit_runner(model_dir, kv_cache_dtype), prompts, want, logits=got_logits)
     worst = max(float((g - w).abs().max()) for g, w in zip(got_logits, want_logits, strict=True))
-    spread = float(torch.stack(want_logits).std())
-    assert 0 < worst < FAMILY_LOGIT_BOUND * spread, (worst, spread)
+    return worst, float(torch.stack(want_logits).std())
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -421,15 +427,9 @@ def test_every_family_writes_and_reads_an_8_bit_cache(kv_cache_dtype: str, tmp_p
     from tests.family_specs import FAMILIES, family_specs
 
     specs = family_specs()
-    prompts = [list(range(3, 23))]
     for name in FAMILIES:
-        model_dir = save_tiny_model(specs[name], tmp_path / name)
-        want_logits: list[torch.Tensor] = []
-        want = teacher_forced(eight_bit_runner(model_dir, "auto"), prompts, None, 4, logits=want_logits)
-        got_logits: list[torch.Tensor] = []
-        teacher_forced(eight_bit_runner(model_dir, kv_cache_dtype), prompts, want, logits=got_logits)
-        worst = max(float((g - w).abs().max()) for g, w in zip(got_logits, want_logits, strict=True))
-        spread = float(torch.stack(want_logits).std())
+        worst, spread = _logit_error(save_tiny_model(specs[name], tmp_path / name), kv_cache_dtype,
+                                     [list(range(3, 23))], 4)
         assert 0 < worst < FAMILY_LOGIT_BOUND * spread, (name, worst, spread)
 
 
