@@ -399,11 +399,12 @@ def test_families_logits_with_an_8_bit_cache_stay_near_the_float_cache(spec: Tin
     standard deviation: int8 0.05 (Qwen3), 0.14 (Gemma 2), 0.07 (gpt-oss), 0.03 (DeepSeek V3); fp8 0.16, 0.26,
     0.17, 0.12."""
     model_dir = save_tiny_model(spec, tmp_path / spec.name)
-    worst, spread = _logit_error(model_dir, kv_cache_dtype, [list(range(3, 23)), [1, 7, 9, 11, 13]], 12)
+    worst, spread = _family_logit_error(model_dir, kv_cache_dtype, [list(range(3, 23)), [1, 7, 9, 11, 13]], 12)
     assert 0 < worst < FAMILY_LOGIT_BOUND * spread, (worst, spread)
 
 
-def _logit_error(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+def _family_logit_error(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]],
+                        steps: int) -> tuple[float, float]:
     """``(worst, spread)``: the largest difference between the logits of ``steps`` decode steps with a
     ``kv_cache_dtype`` cache and with the float cache (teacher-forced with the float cache's greedy tokens), and
     the float cache's logits' standard deviation."""
@@ -428,8 +429,8 @@ def test_every_family_writes_and_reads_an_8_bit_cache(kv_cache_dtype: str, tmp_p
 
     specs = family_specs()
     for name in FAMILIES:
-        worst, spread = _logit_error(save_tiny_model(specs[name], tmp_path / name), kv_cache_dtype,
-                                     [list(range(3, 23))], 4)
+        worst, spread = _family_logit_error(save_tiny_model(specs[name], tmp_path / name), kv_cache_dtype,
+                                            [list(range(3, 23))], 4)
         assert 0 < worst < FAMILY_LOGIT_BOUND * spread, (name, worst, spread)
 
 

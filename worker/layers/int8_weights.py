@@ -86,7 +86,6 @@ def row_scales(source: CheckpointSource) -> torch.Tensor:
     return check_finite_scales(torch.cat(parts) / INT8_MAX)  # (N,)
 
 
-
 def new_int8_weights(layer: nn.Module, shape: tuple[int, int], num_scales: int, device: torch.device) -> None:
     """Give ``layer`` an int8 ``weight`` of ``shape`` and a float32 ``weight_scale`` of ``(num_scales,)``.
 
