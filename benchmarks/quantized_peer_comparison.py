@@ -87,6 +87,8 @@ def main() -> int:
                         help="m95: the 95M model (vocabulary 512); vocab32k: benchmarks/lm_head_int8.py's 0.16B model "
                              "with a 32,000-token vocabulary (--llama-gguf: build.sh's v32k-f32.gguf)")
     parser.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. \"--no-repack\"")
+    parser.add_argument("--tpserve-args", default="", help="extra flags for both tpserve servers, e.g. "
+                                                           "\"--num-scheduler-steps 8\"")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-mixed", action="store_true", help="rounds only (a quick check)")
@@ -99,14 +101,15 @@ def main() -> int:
     threads = os.cpu_count() or 1
     loads = workloads(args.seed)
     report: dict = {"machine": machine_description(), "threads": threads, "seed": args.seed, "shape": args.shape,
-                    "llama_args": args.llama_args.split(), "rounds": []}
+                    "llama_args": args.llama_args.split(), "tpserve_args": args.tpserve_args.split(), "rounds": []}
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tpserve-qpeer-")))
         model_dir = (build_model(work / "model", args.seed) if args.shape == "m95"
                      else build_real_vocab_model(work / "model", args.seed))
         systems: dict[str, object] = {}
         for q in ("int4", "int8"):
-            systems[q] = stack.enter_context(serve(model_dir, 1, "--quantization", q, omp_threads=None)).target
+            systems[q] = stack.enter_context(serve(model_dir, 1, "--quantization", q, *args.tpserve_args.split(),
+                                                   omp_threads=None)).target
         for kind in ("Q4_0", "Q8_0") if all(llama) else ():
             gguf = quantize(args.llama_quantize, args.llama_gguf, kind, work)
             report.setdefault("gguf_bytes", {})[kind] = gguf.stat().st_size

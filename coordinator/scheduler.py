@@ -52,20 +52,16 @@ sampled tokens, applies the token-level stop rules and frees the blocks of seque
 that finished. Text-level stops (stop strings) are decided
 by the caller, which calls ``finish``.
 
-Async scheduling (``async_scheduling=True``; vLLM's ``--async-scheduling``): the engine
-plans step t+1 while step t runs, before its result. ``schedule`` then counts a plan's
-work as done when it plans it: each chunk's tokens as computed, and each sample as a
-*pending* token of its sequence (``Sequence.num_pending_tokens``). A sequence with a
-pending token decodes it in the next plan as ``PLACEHOLDER_TOKEN_ID`` (the workers feed
-the token they sampled), unless that token is its last by length (``max_tokens``,
-``max_model_len``), which is known without its value. ``update`` puts the sampled
-token in the pending one's place and applies the stop rules; a sequence a token stops
-is in the step already planned after it, whose token for it is dropped (it is no longer
-running) and whose blocks it wrote were freed before any later plan could reuse them
-(the workers run plans in order). Nothing is speculated about text: stop strings end a
-sequence when its step is processed, as without async scheduling. A preempted sequence
-drops its pending tokens (it is recomputed from the tokens known), and a result for an
-earlier admission of a sequence is ignored (``Sequence.admitted_step``).
+Async scheduling (``async_scheduling=True``; vLLM's ``--async-scheduling``): the engine plans
+step t+1 while step t runs. ``schedule`` then counts a plan's chunks as computed and its samples
+as *pending* tokens (``Sequence.num_pending_tokens``), which the next plan decodes as
+``PLACEHOLDER_TOKEN_ID`` unless the pending token ends the sequence by length; ``update`` puts
+the sampled token in its place under the stop rules. A preempted sequence drops its pending
+tokens, and a result for an earlier admission of a sequence is ignored
+(``Sequence.admitted_step``). docs/design/scheduling.md, "The engine loop", has the whole story.
+
+Multi-step scheduling (``num_scheduler_steps`` k > 1; vLLM's name): while every running sequence
+decodes and none waits, a plan runs up to k decode steps (:mod:`coordinator.multi_step`).
 
 Pure Python, no torch: the invariants (every block free or held, ref counts equal
 holders, nothing leaked after finish, abort or preempt, no cached block written) are
@@ -81,6 +77,7 @@ from collections.abc import Callable
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.kv_host_tier import HostTier
+from coordinator.multi_step import apply_steps, check_num_steps, multi_step_chunks
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.priority import DEFAULT_PRIORITY_AGING_S, PriorityPolicy
 from coordinator.spec_decode import SpecDecodeStats
@@ -114,10 +111,11 @@ class Scheduler:
         state_slots: a hybrid model's state slots (:mod:`coordinator.state_slots`); None otherwise.
         host_tier: the prefix cache's host tier (``--kv-offloading-size``; coordinator/kv_host_tier.py);
             None: one tier. Needs ``enable_prefix_caching``.
+        num_scheduler_steps: most decode steps a plan runs (``--num-scheduler-steps``); >1: not with either above.
 
     Raises:
-        ValueError: ``async_scheduling`` with a proposer (a proposal needs the tokens before it),
-            a negative ``priority_aging_s``, or a ``host_tier`` without prefix caching.
+        ValueError: ``async_scheduling`` with a proposer (a proposal needs the tokens before it), a bad
+            ``num_scheduler_steps``, a negative ``priority_aging_s``, or a ``host_tier`` without prefix caching.
 
     Attributes:
         kv_cache: the block tables and the prefix cache (:mod:`coordinator.kv_cache_manager`).
@@ -129,9 +127,11 @@ class Scheduler:
                  proposer: NgramProposer | DraftModelProposer | None = None,
                  disable_speculation_above: int | None = None, async_scheduling: bool = False,
                  priority_aging_s: float = DEFAULT_PRIORITY_AGING_S, clock: Callable[[], float] = time.monotonic,
-                 state_slots: StateSlots | None = None, host_tier: HostTier | None = None) -> None:
+                 state_slots: StateSlots | None = None, host_tier: HostTier | None = None,
+                 num_scheduler_steps: int = 1) -> None:
         if async_scheduling and proposer is not None:
             raise ValueError("async scheduling does not combine with speculative decoding")
+        self.num_scheduler_steps = check_num_steps(num_scheduler_steps, async_scheduling or proposer is not None)
         if state_slots is not None and proposer is not None:
             raise ValueError("speculative decoding is not supported for hybrid models (no state rollback)")
         self.priority = PriorityPolicy(priority_aging_s, clock)
@@ -260,15 +260,19 @@ class Scheduler:
         cap = self.max_num_seqs if max_seqs is None else max_seqs
         new_seqs: list[NewSequence] = []
         scheduled: list[ScheduledChunk] = []
-        self._preempt_for_priority(busy)
-        budget, preempted = self._schedule_running(busy, cap, scheduled)
-        if not preempted:  # a preemption, or a sequence waiting for blocks: no admission in this step
-            self._schedule_waiting(budget, cap, scheduled, new_seqs)
+        multi_step = self.num_scheduler_steps > 1 and not (self.waiting or busy)  # coordinator/multi_step.py
+        num_steps = multi_step_chunks(self.running, min(cap, self.max_num_batched_tokens), self.num_scheduler_steps,
+                                      self.kv_cache, scheduled) if multi_step else 1
+        if num_steps == 1:
+            self._preempt_for_priority(busy)
+            budget, preempted = self._schedule_running(busy, cap, scheduled)
+            if not preempted:  # a preemption, or a sequence waiting for blocks: no admission in this step
+                self._schedule_waiting(budget, cap, scheduled, new_seqs)
         if self.check_writes:
             self._bad_writes = cached_blocks_written(scheduled, self.running, self.allocator)
         plan = StepPlan(self._next_step_id, tuple(new_seqs), tuple(scheduled), tuple(self._to_drop),
                         tuple(self._trims.items()), tuple(self._restores), tuple(self._state_saves),
-                        *self.kv_cache.take_copy_orders())  # host tier (kv_host_tier.py)
+                        *self.kv_cache.take_copy_orders(), num_steps)  # host tier (kv_host_tier.py)
         if self.state_slots is not None:
             self._restores, self._state_saves = [], []
             self.state_slots.end_plan()
@@ -416,6 +420,12 @@ class Scheduler:
             seq = seqs.get(chunk.seq_id)
             if seq is None or seq.admitted_step > plan.step_id:
                 continue  # finished, aborted or preempted after the plan was made
+            if plan.num_steps > 1:
+                outputs += apply_steps(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset],
+                                       self.kv_cache, logprobs, sample_index * plan.num_steps)
+                if outputs[-1].finish_reason is not None:
+                    self.finish(seq, outputs[-1].finish_reason)
+                continue
             if chunk.num_spec_tokens or chunk.num_draft_tokens:
                 outputs += self._apply_verified(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset])
                 continue

@@ -43,7 +43,8 @@ def propose(proposer: NgramProposer | DraftModelProposer | None, seq: Sequence, 
 
 
 def tokens_per_sample(plan: StepPlan, result: StepResult) -> list[int]:
-    """How many tokens each sample of ``plan`` gave in ``result`` (1 plus its accepted proposals).
+    """How many tokens each sample of ``plan`` gave in ``result`` (1 plus its accepted proposals;
+    ``plan.num_steps`` for a multi-step plan).
 
     Raises:
         ValueError: the result does not carry one token per sample plus the accepted
@@ -53,8 +54,9 @@ def tokens_per_sample(plan: StepPlan, result: StepResult) -> list[int]:
     samples = [chunk for chunk in plan.scheduled if chunk.sample]
     if accepted and len(accepted) != len(samples) or (not accepted and plan.num_spec_tokens):
         raise ValueError(f"step {plan.step_id}: {len(accepted)} acceptance counts for {len(samples)} samples")
-    counts = [1 + (accepted[i] if accepted else 0) for i in range(len(samples))]
-    if any(count - 1 > chunk.num_spec_tokens + chunk.num_draft_tokens for count, chunk in zip(counts, samples)):
+    counts = [plan.num_steps + (accepted[i] if accepted else 0) for i in range(len(samples))]
+    if any(count - plan.num_steps > chunk.num_spec_tokens + chunk.num_draft_tokens
+           for count, chunk in zip(counts, samples)):
         raise ValueError(f"step {plan.step_id}: more proposals accepted than proposed")
     if len(result.sampled_token_ids) != sum(counts):
         raise ValueError(f"step {plan.step_id}: {len(result.sampled_token_ids)} tokens for "

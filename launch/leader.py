@@ -190,7 +190,7 @@ class Leader:
                               disable_speculation_above=cfg.speculative.speculative_disable_by_batch_size,
                               async_scheduling=cfg.async_scheduling_on(workers.device, spare_core),
                               priority_aging_s=cfg.scheduler.priority_aging_seconds, state_slots=state_slots,
-                              host_tier=host_tier)
+                              host_tier=host_tier, num_scheduler_steps=cfg.scheduler.num_scheduler_steps)
         self.metrics.set_pool(num_blocks, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
         if host_tier is not None:
             self.metrics.kv_offload.configure(num_host_blocks, sum(workers.kv_bytes_per_block.values()))

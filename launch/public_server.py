@@ -291,6 +291,7 @@ class PublicServer:
             speculative_method=spec.speculative_method or "off",
             num_speculative_tokens=spec.num_speculative_tokens or 0,
             async_scheduling="on" if engine is not None and engine.scheduler.async_scheduling else "off",
+            num_scheduler_steps=engine.scheduler.num_scheduler_steps if engine is not None else 1,
             event_loop=running_loop_name(), sched_policy=policy_name(),
             address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
             operator_api_key="on" if server.operator_api_key or server.operator_api_key_file else "off",

@@ -53,6 +53,10 @@ def test_serve_flags_follow_vllm_names() -> None:
     assert serve_config(build_parser().parse_args(["serve", "--async-scheduling"])).async_scheduling_on("cpu")
     off = serve_config(build_parser().parse_args(["serve", "--no-async-scheduling"]))
     assert not off.async_scheduling_on("cuda") and not off.async_scheduling_on("cpu", spare_core=True)
+    # Multi-step scheduling turns the default's async scheduling off (a plan of several steps is one of each).
+    steps = serve_config(build_parser().parse_args(["serve", "--num-scheduler-steps", "8"]))
+    assert steps.scheduler.num_scheduler_steps == 8 and plain.scheduler.num_scheduler_steps == 1
+    assert not steps.async_scheduling_on("cuda") and not steps.async_scheduling_on("cpu", spare_core=True)
 
 
 def test_the_coordinator_has_a_core_when_its_hosts_ranks_leave_one() -> None:
@@ -80,7 +84,19 @@ def test_serve_names_a_bad_flag_in_one_line() -> None:
                            "tokens before it)"),
                           (["--async-scheduling", "--pipeline-parallel-size", "2"],
                            "--async-scheduling needs --pipeline-parallel-size 1 (micro-batches already keep every "
-                           "stage busy)")):
+                           "stage busy)"),
+                          (["--num-scheduler-steps", "0"],
+                           "--num-scheduler-steps: Input should be greater than or equal to 1"),
+                          (["--num-scheduler-steps", "4", "--pipeline-parallel-size", "2"],
+                           "--num-scheduler-steps 4 does not combine with --pipeline-parallel-size > 1 (a plan of "
+                           "several steps feeds each rank's own samples on one stage, without proposals)"),
+                          (["--num-scheduler-steps", "4", "--async-scheduling"],
+                           "--num-scheduler-steps 4 does not combine with --async-scheduling (a plan of several steps "
+                           "feeds each rank's own samples on one stage, without proposals)"),
+                          (["--num-scheduler-steps", "2", "--speculative-method", "ngram",
+                            "--num-speculative-tokens", "2"],
+                           "--num-scheduler-steps 2 does not combine with --speculative-method (a plan of several "
+                           "steps feeds each rank's own samples on one stage, without proposals)")):
         with pytest.raises(ValueError) as info:
             serve_config(build_parser().parse_args(["serve", *argv]))
         assert config_error(info.value) == message

@@ -201,6 +201,12 @@ class SchedulerConfig(FrozenSection):
             every core (the default thread split), where the coordinator's work during a
             step takes a core from a rank's threads (benchmarks/README.md, step_overhead).
             True with speculative decoding or pipeline stages is refused.
+        num_scheduler_steps: most decode steps one plan runs (vLLM's ``--num-scheduler-steps``):
+            while every running sequence decodes and none waits, the ranks run up to this many
+            steps per plan, feeding their own samples, so the coordinator's work and round trip
+            come once per that many tokens (coordinator/multi_step.py); an arriving request
+            waits for the plan's end. 1 (the default): a plan per step. More than 1 not with
+            speculative decoding, pipeline stages or ``async_scheduling`` (then off by default).
         priority_aging_seconds: seconds of waiting worth one priority level: a request's
             effective priority is ``priority - waited_s / priority_aging_seconds``, so no
             request waits forever behind a stream of more urgent ones; 0: strict priority
@@ -212,6 +218,7 @@ class SchedulerConfig(FrozenSection):
     max_model_len: int | None = Field(None, ge=2, le=INT32_MAX)
     max_queue_len: int = Field(1024, ge=1, le=INT32_MAX)
     async_scheduling: bool | None = None
+    num_scheduler_steps: int = Field(1, ge=1, le=1024)
     priority_aging_seconds: float = Field(10.0, ge=0, allow_inf_nan=False)  # coordinator.priority.DEFAULT_PRIORITY_AGING_S
 
 
@@ -339,6 +346,19 @@ class ClusterConfig(FrozenSection):
         return self
 
     @model_validator(mode="after")
+    def _check_multi_step(self) -> ClusterConfig:
+        steps = self.scheduler.num_scheduler_steps
+        if steps == 1:
+            return self
+        refused = [flag for flag, on in (("--speculative-method", self.speculative.speculative_method is not None),
+                                         ("--pipeline-parallel-size > 1", self.parallel.pipeline_parallel_size > 1),
+                                         ("--async-scheduling", self.scheduler.async_scheduling is True)) if on]
+        if refused:
+            raise ValueError(f"--num-scheduler-steps {steps} does not combine with {', '.join(refused)} (a plan of "
+                             "several steps feeds each rank's own samples on one stage, without proposals)")
+        return self
+
+    @model_validator(mode="after")
     def _check_bind_lists(self) -> ClusterConfig:
         lists = parse_bind(self.load.cpu_omp_threads_bind)
         local_ranks = self.parallel.world_size // self.parallel.nnodes
@@ -359,7 +379,7 @@ class ClusterConfig(FrozenSection):
         if self.scheduler.async_scheduling is not None:
             return self.scheduler.async_scheduling
         return (device == "cuda" or (device == "cpu" and spare_core)) and self.speculative.speculative_method is None \
-            and self.parallel.pipeline_parallel_size == 1
+            and self.parallel.pipeline_parallel_size == 1 and self.scheduler.num_scheduler_steps == 1
 
     @classmethod
     def load_from(cls, yaml_path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> ClusterConfig:

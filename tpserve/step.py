@@ -46,6 +46,13 @@ result is back: a decode chunk of a sequence that step t samples carries
 sampled for it in the step before (the sampling rank keeps it and, with tensor
 parallelism, sends it to the others before anything else of the step: worker/placeholders.py).
 
+Multi-step scheduling (``--num-scheduler-steps``; vLLM's name) runs one plan several times:
+a plan with ``num_steps`` k > 1 holds only one-token decodes that sample (no new sequence), and
+their blocks for k tokens each. The workers run it as above, then k - 1 times more as if each
+chunk fed the token it sampled the time before at the next position (the placeholders of async
+scheduling, filled the same way): the coordinator's round trip, and its work, come once per k
+tokens. The result carries k consecutive tokens per chunk, as a verified chunk does.
+
 This module imports no torch: the coordinator uses it too.
 """
 
@@ -276,6 +283,8 @@ class StepPlan:
     #: Host tier: ``(device block, host slot)`` copies out, then ``(host slot, device block)`` copies in.
     kv_swap_out: tuple[tuple[int, int], ...] = ()
     kv_swap_in: tuple[tuple[int, int], ...] = ()
+    #: Multi-step scheduling: the workers run the plan's decodes this many times (module docstring).
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -337,13 +346,15 @@ class StepResult:
         step_id: the plan's ``step_id``.
         sampled_token_ids: one token per chunk with ``sample=True``, in plan order;
             a chunk with proposals gives ``1 + num_accepted_tokens[i]`` consecutive
-            tokens (the accepted proposals, then one sampled token). Empty on ranks
+            tokens (the accepted proposals, then one sampled token), a chunk of a
+            multi-step plan ``plan.num_steps`` (one per step). Empty on ranks
             other than 0.
         num_accepted_tokens: when the plan has proposals, one count per chunk with
             ``sample=True``, in plan order (0 for a chunk without proposals); empty
             otherwise (every sample then gave one token).
         logprobs: for the samples whose sequence asked (``SamplingParams.logprobs``)
-            only, in sample order; empty otherwise.
+            only, in sample order; empty otherwise. A multi-step plan's sample
+            ``i * num_steps + j`` is chunk i's token of step j.
         prompt_logprobs: for the chunks whose sequence asked for prompt logprobs.
         expert_token_counts: mixture-of-experts models only: the tokens each expert
             received this step, as flat ``(layer, expert, num_tokens)`` triples of the

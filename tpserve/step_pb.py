@@ -23,8 +23,9 @@ from tpserve.v1 import worker_pb2 as pb
 #: group's first step: protobuf skips fields it does not know, so a rank of another version would
 #: read a plan as a different batch, not fail. 0: no version (before 2); 2: the leading plain
 #: decodes as columns (``StepPlan.decode_*``); 3: hybrid models' state slots (``NewSequence.state_slot``,
-#: ``StepPlan.restored_states`` and ``state_checkpoints``); 4: and the host tier's copies (``StepPlan.kv_copies``).
-STEP_PROTOCOL = 4
+#: ``StepPlan.restored_states`` and ``state_checkpoints``); 4: and the host tier's copies (``StepPlan.kv_copies``);
+#: 5: multi-step plans (``StepPlan.num_steps``).
+STEP_PROTOCOL = 5
 
 #: Step stream metadata (key, value) that asks a rank to answer a plan only when its step fails.
 #: The coordinator opens every rank's stream but the sampling rank's with it: their answers carry
@@ -62,6 +63,8 @@ def plan_to_pb(plan: StepPlan) -> pb.StepPlan:
         msg.kv_copies.swap_out_slots.extend([slot for _, slot in plan.kv_swap_out])
         msg.kv_copies.swap_in_slots.extend([slot for slot, _ in plan.kv_swap_in])
         msg.kv_copies.swap_in_block_ids.extend([block for _, block in plan.kv_swap_in])
+    if plan.num_steps > 1:
+        msg.num_steps = plan.num_steps
     # One chunk per running sequence per step: the hot part (docs/design/request-path.md, "Where a streamed token's
     # coordinator CPU goes"). The
     # leading plain decodes go as columns (worker.proto), the rest as chunk messages.
@@ -124,6 +127,7 @@ def plan_from_pb(msg: pb.StepPlan) -> StepPlan:
         state_checkpoints=(tuple((c.seq_id, c.num_rows, c.slot) for c in msg.state_checkpoints)
                            if msg.state_checkpoints else ()),
         **(_copies_from_pb(msg) if msg.HasField("kv_copies") else _NO_COPIES),
+        num_steps=max(msg.num_steps, 1),
     )
 
 

@@ -62,6 +62,7 @@ from worker.kernels.triton_attention import triton_attention_available
 from worker.loader import load_model
 from worker.lora_adapters import LoRAAdapters, check_lora_supported
 from worker.lora_settings import LoRASettings
+from worker.multi_step import run_steps
 from worker.logits_processors import extend_history, with_processors
 from worker.logprobs import prompt_logprobs, sample_logprobs
 from worker.parallel_state import ParallelContext
@@ -335,6 +336,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply ``plan`` and return the sampled tokens (rank 0) or none (other ranks).
 
+        A multi-step plan (``plan.num_steps > 1``) runs its decodes that many times
+        (worker/multi_step.py) and answers ``num_steps`` tokens per chunk.
+
         Raises:
             RuntimeError: ``init_kv_cache`` was not called.
             ValueError: host-tier copies without a host tier or out of its range (nothing copied), or
@@ -342,8 +346,15 @@ class ModelRunner:
                 uses a block id outside the cache, gives a sequence too few
                 blocks for its context, or reaches past the config's ``max_model_len``.
                 Finished and new sequences are applied before the check; no
-                forward pass runs.
+                forward pass runs. A multi-step plan with a new sequence, or a chunk
+                that is not a one-token decode that samples (nothing applied).
         """
+        if plan.num_steps > 1:
+            return run_steps(plan, self._execute_once)
+        return self._execute_once(plan)
+
+    def _execute_once(self, plan: StepPlan) -> StepResult:
+        """One step of :meth:`execute`."""
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache() must be called before execute()")
         if plan.kv_swap_out or plan.kv_swap_in:  # the host tier's copies come first (tpserve/step.py)

@@ -17,6 +17,7 @@ from coordinator.validation import GenerateParams
 from coordinator.worker_client import WorkerGroupError
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import PLACEHOLDER_TOKEN_ID, SampleLogprobs, SamplingParams, StepPlan, StepResult
+from worker.multi_step import run_steps  # the ranks' expansion of a multi-step plan (no torch)
 
 # " the cat sat on the mat and ran away" in the embedded model's vocabulary (no eos among them).
 SCRIPT = [315, 322, 344, 365, 973, 619, 322, 357, 365, 352, 844, 318, 994]
@@ -47,7 +48,7 @@ class PagedCacheModel:
     applied to the prompt alone, with no engine, scheduler or blocks.
 
     Records: ``tables`` (seq id -> block table), ``samples`` (seq id -> tokens sampled, wasted ones
-    included), ``num_placeholders`` fed.
+    included), ``num_placeholders`` fed, ``num_multi_step_plans`` run.
     """
 
     def __init__(self, block_size: int, next_token: Callable[[list[int]], int]) -> None:
@@ -57,9 +58,18 @@ class PagedCacheModel:
         self.last_token: dict[int, int] = {}  # seq id -> token sampled last
         self.samples: dict[int, int] = {}  # seq id -> tokens sampled for it (wasted ones included)
         self.num_placeholders = 0
+        self.num_multi_step_plans = 0
 
     def execute(self, plan: StepPlan) -> list[int]:
-        """Apply ``plan`` to the cache as the ranks would; the tokens its sampling chunks sample, in order."""
+        """Apply ``plan`` to the cache as the ranks would; the tokens its sampling chunks sample, in order
+        (a multi-step plan's: each chunk's ``num_steps`` in a row, run as the ranks' worker/multi_step.py does)."""
+        if plan.num_steps > 1:
+            self.num_multi_step_plans += 1
+            return list(run_steps(plan, lambda step: StepResult(step.step_id, tuple(self._execute(step))))
+                        .sampled_token_ids)
+        return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> list[int]:
         for seq_id in plan.finished_seq_ids:
             self.tables.pop(seq_id, None)
             self.last_token.pop(seq_id, None)

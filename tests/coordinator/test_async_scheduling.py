@@ -14,7 +14,6 @@ function applied to the prompt alone (:func:`reference`), with no engine, schedu
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
@@ -27,30 +26,12 @@ from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, StopParams
 from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroupError
-from coordinator.validation import GenerateParams
 from tests.coordinator.fakes import FakeRankGroup, PagedCacheModel, make_engine
 from tpserve.embedded_model import default_model_dir
 from tpserve.step import PLACEHOLDER_TOKEN_ID, SamplingParams, StepPlan, StepResult
 
-BLOCK_SIZE = 4
-VOCAB = [315, 322, 344, 365, 973, 619, 357, 352, 844, 318, 994, 401, 512, 777, 2]  # 2 is eos
-
-
-def next_token(tokens: list[int]) -> int:
-    """The simulated model: the next token is a fixed function of the whole context."""
-    return VOCAB[hash(tuple(tokens)) % len(VOCAB)]
-
-
-def reference(prompt: list[int], max_tokens: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
-    """Greedy continuation under ``next_token``; a stop token ends it (and is not returned)."""
-    tokens, out = list(prompt), []
-    for _ in range(max_tokens):
-        token = next_token(tokens)
-        if token in stop_ids:
-            break
-        out.append(token)
-        tokens.append(token)
-    return out
+from tests.coordinator.paged_workload import BLOCK_SIZE, next_token, reference
+from tests.coordinator.paged_workload import params as _params, run as _run, tokens_of as _tokens, workload as _workload
 
 
 def _ranks(scheduler: Scheduler, step_s: float = 0.002) -> FakeRankGroup:
@@ -63,46 +44,6 @@ def _engine(*, async_scheduling: bool, num_blocks: int = 64, budget: int = 64, p
                           enable_prefix_caching=prefix_caching, check_writes=True, async_scheduling=async_scheduling)
     ranks = _ranks(scheduler, step_s)
     return make_engine(group=ranks, scheduler=scheduler, max_model_len=256, max_queue_len=64), ranks
-
-
-def _params(request_id: str, prompt: list[int], max_tokens: int, stop: tuple[str, ...] = (),
-            stop_ids: frozenset[int] = frozenset(), priority: int = 0) -> GenerateParams:
-    return GenerateParams(request_id, prompt, max_tokens, SamplingParams(temperature=0.0), stop, stop_ids,
-                          True, priority=priority)
-
-
-def _run(engine: Engine, *waves: list[tuple[float, GenerateParams]], timeout_s: float = 20) -> list[list]:
-    """Each wave of requests after the one before has finished, each request sent after its
-    delay (seconds); every request's outputs, in order."""
-    async def one(delay: float, params: GenerateParams) -> list:
-        await asyncio.sleep(delay)
-        return [out async for out in engine.generate(params)]
-
-    async def go() -> list[list]:
-        loop = asyncio.create_task(engine.run())
-        try:
-            results = []
-            for wave in waves:
-                results += await asyncio.wait_for(asyncio.gather(*(one(d, p) for d, p in wave)), timeout_s)
-            return results
-        finally:
-            loop.cancel()
-
-    return asyncio.run(go())
-
-
-def _tokens(outputs: list) -> list[int]:
-    return [t for out in outputs for t in out.token_ids]
-
-
-def _workload(seed: int, num: int) -> list[tuple[float, GenerateParams]]:
-    rng = random.Random(seed)
-    shared = [1, 5, 6, 8, 9, 10, 11]  # a prefix several prompts share (prefix caching)
-    requests = []
-    for i in range(num):
-        prompt = (shared if i % 2 else []) + [rng.randrange(3, 900) for _ in range(rng.randrange(1, 14))]
-        requests.append((rng.random() * 0.02, _params(f"r{i}", prompt, rng.randrange(1, 24))))
-    return requests
 
 
 def test_every_sequence_matches_the_reference_with_two_steps_in_flight() -> None:

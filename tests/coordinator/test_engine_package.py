@@ -45,7 +45,7 @@ def test_the_facade_has_at_most_12_methods_and_keeps_the_old_imports() -> None:
 
 def test_no_engine_or_scheduler_file_is_over_500_lines() -> None:
     files = [*sorted((COORDINATOR / "engine").glob("*.py")), COORDINATOR / "scheduler.py",
-             COORDINATOR / "spec_scheduling.py"]
+             COORDINATOR / "spec_scheduling.py", COORDINATOR / "multi_step.py"]
     sizes = {path.name: len(path.read_text().splitlines()) for path in files}
     assert len(sizes) >= 8 and max(sizes.values()) < 500, sizes
 

@@ -33,10 +33,11 @@ def assert_goldens_sixteen_at_once(client) -> None:
         assert_matches_golden(result, golden)
 
 
-def assert_streams_match_the_goldens(client, min_chunks: int = 1) -> None:
+def assert_streams_match_the_goldens(client, min_chunks: int = 1, max_chunks: int | None = None) -> None:
     """Each golden streamed: the deltas join to its text and tokens; finish_reason and usage only at the end.
 
-    ``min_chunks``: each stream has more deltas than this (it really streamed).
+    ``min_chunks``: each stream has more deltas than this (it really streamed); ``max_chunks``: and at most
+    this many (tokens that reach the coordinator together go out together).
     """
     for golden in load_goldens():
         chunks = list(client.generate_stream(golden["prompt"], max_tokens=golden["max_tokens"], temperature=0))
@@ -45,6 +46,7 @@ def assert_streams_match_the_goldens(client, min_chunks: int = 1) -> None:
         assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
         assert chunks[-1].usage.completion_tokens == len(golden["completion_token_ids"])
         assert len(chunks) > min_chunks
+        assert max_chunks is None or len(chunks) <= max_chunks, len(chunks)
 
 
 def wait_all_blocks_free(cluster, timeout_s: float = 10.0) -> None:

@@ -1,4 +1,5 @@
-"""Random GenerateRequests against a live server at tp 2 (docs/design/faults.md, "Fuzzing").
+"""Random GenerateRequests against a live server at tp 2, with and without multi-step scheduling
+(docs/design/faults.md, "Fuzzing").
 
 Every field of GenerateRequest and SamplingParams is drawn from its protobuf type,
 read from the descriptors (so fields added later are fuzzed too): extreme and
@@ -116,8 +117,12 @@ def _fuzz_bytes(cluster: RunningCluster, raw: bytes) -> None:
     assert code in ALLOWED or unknown_adapter, (raw, code, details)
 
 
-def test_random_requests_get_ok_or_invalid_argument_and_leave_nothing_behind(default_tp2: RunningCluster) -> None:
-    cluster = default_tp2
+@pytest.mark.parametrize("extra", [(), ("--num-scheduler-steps", "4")], ids=["one-step", "multi-step"])
+def test_random_requests_get_ok_or_invalid_argument_and_leave_nothing_behind(shared_servers,
+                                                                             extra: tuple[str, ...]) -> None:
+    """The shared tp 2 server of the embedded model (tests/e2e/conftest.py ``default_tp2``), and one that runs plans
+    of 4 decode steps (every random request's controls through them: n, logprobs, stops, grammars, penalties)."""
+    cluster = shared_servers.get(None, 2, *extra)
     total = cluster.metric("tpserve:kv_cache_total_blocks")
     _fuzz_requests(cluster)
     _fuzz_bytes(cluster)

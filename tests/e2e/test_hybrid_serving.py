@@ -57,8 +57,11 @@ def _greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[lis
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir: Path, tp: int) -> None:
+# With multi-step scheduling each of a plan's 4 decode steps carries the sequences' live states on.
+@pytest.mark.parametrize("tp, extra", [(1, ()), (2, ()), (2, ("--num-scheduler-steps", "4"))],
+                         ids=["tp1", "tp2", "tp2-steps4"])
+def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir: Path, tp: int,
+                                                                       extra: tuple[str, ...]) -> None:
     from tpserve.client import build_request
     from tpserve.v1 import generate_pb2_grpc
 
@@ -68,7 +71,7 @@ def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir:
     shared = {n: prompts[n][:8 * n + 5] + [rng.randrange(3, 512) for _ in range(6)] for n in prompts}
     want = {n: _greedy(model, p) for n, p in prompts.items()}
     want_shared = {n: _greedy(model, p)[0] for n, p in shared.items()}
-    with serve(lfm2_dir, tp, "--max-num-seqs", "4", "--max-num-batched-tokens", "24") as cluster:
+    with serve(lfm2_dir, tp, "--max-num-seqs", "4", "--max-num-batched-tokens", "24", *extra) as cluster:
         client = cluster.client
         info = client.model_info()
         assert info.num_state_slots == 4 and info.num_state_checkpoint_slots > 0 and info.num_kv_blocks > 0

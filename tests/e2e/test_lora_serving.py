@@ -37,8 +37,10 @@ def _greedy(model: torch.nn.Module) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=lambda tp: f"tp{tp}")
-def test_requests_generate_with_their_adapter(tmp_path: Path, tp: int) -> None:
+# tp 2 with plans of 4 decode steps too: each step of a plan groups its rows by adapter again.
+@pytest.mark.parametrize("tp, extra", [(1, ()), (2, ()), (2, ("--num-scheduler-steps", "4"))],
+                         ids=["tp1", "tp2", "tp2-steps4"])
+def test_requests_generate_with_their_adapter(tmp_path: Path, tp: int, extra: tuple[str, ...]) -> None:
     base_dir = save_servable_model("gqa_tied", tmp_path / "base", STORIES_DIR)
     want = {"": _greedy(load_hf_model(base_dir))}
     for spec in ADAPTERS:
@@ -46,7 +48,7 @@ def test_requests_generate_with_their_adapter(tmp_path: Path, tp: int) -> None:
     assert want["a"] != want[""] and want["b"] != want[""]  # the adapters change the tokens
     modules = [f"{spec.name}={tmp_path / spec.name}" for spec in ADAPTERS]
     with serve(base_dir, tp, "--enable-lora", "--lora-modules", *modules, "--max-loras", "2", "--max-lora-rank", "8",
-               "--block-size", str(BLOCK_SIZE)) as cluster:
+               "--block-size", str(BLOCK_SIZE), *extra) as cluster:
         client = cluster.client
 
         def generate(name: str):

@@ -20,7 +20,10 @@ from tests.paths import STORIES_DIR, load_goldens, requires_stories
 pytestmark = [pytest.mark.e2e, requires_stories]
 
 
-@pytest.mark.parametrize("extra", [(), ("--async-scheduling",)], ids=["sync", "async"])
+# Multi-step: each of a plan's 4 steps counts the tokens sampled in the steps before it (penalties, min_tokens),
+# and every token keeps its own logprobs.
+@pytest.mark.parametrize("extra", [(), ("--async-scheduling",), ("--num-scheduler-steps", "4")],
+                         ids=["sync", "async", "multi-step"])
 def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers(extra: tuple[str, ...]) -> None:
     golden = load_goldens()[0]
     prefix = golden["prompt_token_ids"] + golden["completion_token_ids"][:35]  # 40 tokens: 2 full blocks of 16

@@ -1,8 +1,8 @@
 """End to end through ``tpserve serve`` on the real stories260k model, at degrees 1 and 2.
 
-Every test runs on four servers: degrees 1 and 2, each without and with
-``--async-scheduling`` (step t+1 planned before step t's result; docs/design/scheduling.md, "Async scheduling"); the
-goldens
+Every test runs on six servers: degrees 1 and 2, each without and with
+``--async-scheduling`` (step t+1 planned before step t's result; docs/design/scheduling.md, "Async scheduling") and
+with ``--num-scheduler-steps`` (8 and 4 decode steps a plan; "Multi-step scheduling"); the goldens
 also at degree 4 with async scheduling.
 
 The references are the shared goldens (made with Hugging Face ``transformers``) and
@@ -40,8 +40,10 @@ pytestmark = [pytest.mark.e2e, requires_stories]
 # core, as one thread on these tests' 2-core machines does). tp 2's default is off here (two ranks of
 # one thread each take both cores).
 @pytest.fixture(scope="module", params=[(1, ("--no-async-scheduling",)), (2, ()), (1, ("--async-scheduling",)),
-                                        (2, ("--async-scheduling",))],
-                ids=lambda p: f"tp{p[0]}" + ("-async" if "--async-scheduling" in p[1] else ""))
+                                        (2, ("--async-scheduling",)), (1, ("--num-scheduler-steps", "8")),
+                                        (2, ("--num-scheduler-steps", "4"))],
+                ids=lambda p: f"tp{p[0]}" + ("-async" if "--async-scheduling" in p[1] else "")
+                + (f"-steps{p[1][1]}" if "--num-scheduler-steps" in p[1] else ""))
 def cluster(request, shared_servers):
     tensor_parallel_size, extra = request.param
     return shared_servers.get(STORIES_DIR, tensor_parallel_size, *extra)
@@ -63,6 +65,26 @@ def test_goldens_at_tp4_with_async_scheduling(shared_servers) -> None:
     for golden in load_goldens():
         assert_matches_golden(greedy(cluster.client, golden), golden)
     assert_goldens_sixteen_at_once(cluster.client)
+
+
+def test_goldens_at_tp4_with_multi_step_scheduling(shared_servers) -> None:
+    """Four ranks run plans of 4 decode steps, feeding rank 0's samples (one all-reduce per step): every golden,
+    alone and 16 at once."""
+    cluster = shared_servers.get(STORIES_DIR, 4, "--num-scheduler-steps", "4")
+    for golden in load_goldens():
+        assert_matches_golden(greedy(cluster.client, golden), golden)
+    assert_goldens_sixteen_at_once(cluster.client)
+
+
+def test_multi_step_with_preemption_and_chunked_prefill_gives_the_goldens(shared_servers) -> None:
+    """The pool and budget of the test below at tp 2 with plans of 8 steps: a plan that lacks the blocks of 8 steps
+    runs one (which preempts), and all 16 goldens at once still come out token for token."""
+    cluster = shared_servers.get(STORIES_DIR, 2, "--num-scheduler-steps", "8", "--num-gpu-blocks-override", "16",
+                                 "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--max-model-len", "128")
+    before = cluster.metric("tpserve:num_preemptions_total")
+    assert_goldens_sixteen_at_once(cluster.client)
+    assert cluster.metric("tpserve:num_preemptions_total") > before
+    assert cluster.metric("tpserve:kv_cache_free_blocks") == 16
 
 
 def test_async_scheduling_with_preemption_and_chunked_prefill_gives_the_goldens(shared_servers) -> None:
@@ -97,8 +119,13 @@ def test_prompt_as_token_ids_gives_the_golden(cluster) -> None:
     assert_matches_golden(result, golden)
 
 
-def test_stream_deltas_concatenate_to_the_unary_text(cluster) -> None:
-    assert_streams_match_the_goldens(cluster.client, min_chunks=10)
+def test_stream_deltas_concatenate_to_the_unary_text(cluster, request) -> None:
+    extra = request.node.callspec.params["cluster"][1]
+    steps = int(extra[1]) if "--num-scheduler-steps" in extra else 1
+    # A multi-step plan's tokens reach the client together, one delta per plan: the first token (the prefill's),
+    # then 63 in plans of `steps` (the last plan cut to the tokens left).
+    assert_streams_match_the_goldens(cluster.client, min_chunks=10 if steps == 1 else 63 // steps,
+                                     max_chunks=None if steps == 1 else 1 + -(-63 // steps))
 
 
 def test_stop_string_inside_tokens_is_cut_from_the_text(cluster) -> None:
