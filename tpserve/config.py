@@ -207,6 +207,7 @@ class SchedulerConfig(FrozenSection):
             come once per that many tokens (coordinator/multi_step.py); an arriving request
             waits for the plan's end. 1 (the default): a plan per step. More than 1 not with
             speculative decoding, pipeline stages or ``async_scheduling`` (then off by default).
+            ``ServerConfig.step_timeout_seconds`` bounds a whole plan.
         priority_aging_seconds: seconds of waiting worth one priority level: a request's
             effective priority is ``priority - waited_s / priority_aging_seconds``, so no
             request waits forever behind a stream of more urgent ones; 0: strict priority

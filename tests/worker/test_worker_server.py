@@ -109,7 +109,7 @@ def test_load_binds_the_local_gpu_and_sizes_the_cache_from_free_memory(loaded) -
     expected_blocks = (int(0.9 * 80 * GIB) - used) // runner.kv_layout.bytes_per_block
     status = servicer.GetStatus(pb.GetStatusRequest(), None)
     assert status.ready and status.num_kv_blocks_available == expected_blocks > 0
-    assert status.step_protocol == STEP_PROTOCOL == 4  # what the coordinator checks before the first step
+    assert status.step_protocol == STEP_PROTOCOL == 5  # what the coordinator checks before the first step
     assert status.kv_bytes_per_block == runner.kv_layout.bytes_per_block > 0  # sizes the host tier
 
 
