@@ -161,6 +161,12 @@ class Metrics:
         else:
             self._busy_window = (start, busy_in_window)
 
+    def observe_follow_on_steps(self, num_tokens: int, num_steps: int) -> None:
+        """A multi-step plan's steps after its first (``--num-scheduler-steps``; ``observe_step`` recorded the plan
+        as one): ``num_tokens`` tokens each in ``tpserve:iteration_tokens_total``, so its sum stays the tokens run."""
+        for _ in range(num_steps):
+            self.iteration_tokens.observe(num_tokens)
+
     def add_lora_request(self, lora_name: str, num_generated: int) -> None:
         """A finished request under adapter ``lora_name`` that generated ``num_generated`` tokens."""
         self.lora_requests.labels(lora_name=lora_name).inc()

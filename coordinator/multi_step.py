@@ -7,8 +7,10 @@ its round trip) is most of a millisecond on the same cores (benchmarks/README.md
 run its decodes k times in a row, each feeding the token they sampled the time before
 (worker/multi_step.py): that work then comes once per k tokens.
 
-A plan is multi-step only when nothing else could use the steps: no request is waiting (an
-arrival waits at most k - 1 steps for its prefill, vLLM's trade as well), every running
+A plan is multi-step only when nothing else could use the steps: no request could be admitted
+(none waits, or every sequence slot is taken and the first waiting request outranks no running
+one; an arrival, or a request whose slot a stop frees inside a plan, waits at most k - 1 steps
+for its prefill, vLLM's trade as well), every running
 sequence decodes one token with no sample pending, none follows a grammar (its matcher would
 run past a stop), and every sequence has room for k more tokens under ``max_tokens`` and
 ``max_model_len`` (k is cut to the smallest room) and the pool has their blocks (else one
@@ -21,10 +23,11 @@ No torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from coordinator.block_allocator import num_blocks_for
 from coordinator.kv_cache_manager import KVCacheManager
+from coordinator.priority import PriorityPolicy
 from coordinator.sequence import Sequence
 from coordinator.spec_scheduling import TokenOutput
 from tpserve.step import SampleLogprobs, ScheduledChunk
@@ -40,6 +43,16 @@ def check_num_steps(num_scheduler_steps: int, one_step_only: bool) -> int:
         raise ValueError(f"num_scheduler_steps={num_scheduler_steps}: needs at least 1, and 1 with async "
                          "scheduling or speculative decoding")
     return num_scheduler_steps
+
+
+def admission_blocked(waiting: Collection[Sequence], running: Collection[Sequence], max_num_seqs: int,
+                      policy: PriorityPolicy) -> bool:
+    """Whether the next plan could admit no waiting sequence: none waits, or all ``max_num_seqs`` slots
+    are taken and the first waiting one outranks no running one (no priority preemption would free one)."""
+    if not waiting:
+        return True
+    head = next(iter(waiting))
+    return len(running) >= max_num_seqs and not any(policy.outranks(head, seq) for seq in running)
 
 
 def num_steps_for(running: Iterable[Sequence], max_steps: int, num_free_blocks: int, block_size: int) -> int:

@@ -60,8 +60,7 @@ the sampled token in its place under the stop rules. A preempted sequence drops 
 tokens, and a result for an earlier admission of a sequence is ignored
 (``Sequence.admitted_step``). docs/design/scheduling.md, "The engine loop", has the whole story.
 
-Multi-step scheduling (``num_scheduler_steps`` k > 1; vLLM's name): while every running sequence
-decodes and none waits, a plan runs up to k decode steps (:mod:`coordinator.multi_step`).
+Multi-step scheduling (``num_scheduler_steps`` > 1, several decode steps a plan): :mod:`coordinator.multi_step`.
 
 Pure Python, no torch: the invariants (every block free or held, ref counts equal
 holders, nothing leaked after finish, abort or preempt, no cached block written) are
@@ -77,7 +76,7 @@ from collections.abc import Callable
 from coordinator.block_allocator import BlockAllocator, num_blocks_for
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.kv_host_tier import HostTier
-from coordinator.multi_step import apply_steps, check_num_steps, multi_step_chunks
+from coordinator.multi_step import admission_blocked, apply_steps, check_num_steps, multi_step_chunks
 from coordinator.ngram_proposer import DraftModelProposer, NgramProposer
 from coordinator.priority import DEFAULT_PRIORITY_AGING_S, PriorityPolicy
 from coordinator.spec_decode import SpecDecodeStats
@@ -260,7 +259,8 @@ class Scheduler:
         cap = self.max_num_seqs if max_seqs is None else max_seqs
         new_seqs: list[NewSequence] = []
         scheduled: list[ScheduledChunk] = []
-        multi_step = self.num_scheduler_steps > 1 and not (self.waiting or busy)  # coordinator/multi_step.py
+        multi_step = self.num_scheduler_steps > 1 and not busy and admission_blocked(  # coordinator/multi_step.py
+            self.waiting, self.running, self.max_num_seqs, self.priority)
         num_steps = multi_step_chunks(self.running, min(cap, self.max_num_batched_tokens), self.num_scheduler_steps,
                                       self.kv_cache, scheduled) if multi_step else 1
         if num_steps == 1:

@@ -83,7 +83,8 @@ class WorkerGroup:
 
     Args:
         addresses: each rank's gRPC address, rank order.
-        step_timeout_s: seconds to wait for every rank to answer one step.
+        step_timeout_s: seconds to wait for every rank to answer one step (a multi-step plan of k
+            steps: k times as long).
         secret: the group's cluster secret, sent with every call (see tpserve/cluster_secret.py).
         sampling_rank: the rank whose answers carry the tokens and that builds grammars
             (rank 0 of the last pipeline stage; 0 without stages).
@@ -247,7 +248,8 @@ class WorkerGroup:
         if self.failed:
             raise WorkerGroupError(self.failed)
         msg = plan_to_pb(plan)
-        deadline = asyncio.get_running_loop().time() + self.step_timeout_s  # the loop's clock: time.monotonic()
+        # The loop's clock (time.monotonic()); a multi-step plan's answer comes after its num_steps steps.
+        deadline = asyncio.get_running_loop().time() + self.step_timeout_s * plan.num_steps
         async with self._writing:
             try:
                 await asyncio.wait_for(asyncio.gather(*(stream.write(msg) for stream in self._streams)),
@@ -316,7 +318,7 @@ class WorkerGroup:
             # stream under this step (its read, or a plan being written): that report is the cause.
             self.failed = f"step {plan.step_id} failed: {self._lost}"
         elif isinstance(exc, asyncio.TimeoutError):
-            self.failed = f"step {plan.step_id} timed out after {self.step_timeout_s:.0f} s"
+            self.failed = f"step {plan.step_id} timed out after {self.step_timeout_s * plan.num_steps:g} s"
         elif isinstance(exc, _StreamBroke):
             self.failed = f"step {plan.step_id} failed: rank {exc.rank}'s step stream broke ({exc.reason})"
         elif isinstance(exc, (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError)):

@@ -155,7 +155,8 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
         ("--port", dict(type=int, help="gRPC port (default 50051)")),
         ("--metrics-port", dict(type=int, help="Prometheus /metrics port (default: off)")),
         ("--worker-start-timeout-seconds", dict(type=float, help="how long every rank may take to load its shard")),
-        ("--step-timeout-seconds", dict(type=float, help="a step that takes longer fails as a lost rank")),
+        ("--step-timeout-seconds", dict(type=float, help="a step that takes longer fails as a lost rank (a plan of "
+                                                         "k steps, --num-scheduler-steps: k times this)")),
         ("--shutdown-grace-seconds", dict(type=float, help="on SIGTERM/SIGINT, time in-flight requests get to finish")),
         ("--worker-recovery-timeout-seconds", dict(
             type=float, help="restart a lost group (waiting for lost nodes to rejoin) and resume its requests "

@@ -202,12 +202,12 @@ class SchedulerConfig(FrozenSection):
             step takes a core from a rank's threads (benchmarks/README.md, step_overhead).
             True with speculative decoding or pipeline stages is refused.
         num_scheduler_steps: most decode steps one plan runs (vLLM's ``--num-scheduler-steps``):
-            while every running sequence decodes and none waits, the ranks run up to this many
-            steps per plan, feeding their own samples, so the coordinator's work and round trip
-            come once per that many tokens (coordinator/multi_step.py); an arriving request
-            waits for the plan's end. 1 (the default): a plan per step. More than 1 not with
+            while every running sequence decodes and no waiting one could be admitted (none waits,
+            or every slot is taken), the ranks run up to this many steps per plan, feeding their
+            own samples, so the coordinator's work and round trip come once per that many tokens
+            (coordinator/multi_step.py); an arriving request waits for the plan's end. 1 (the default): a plan per step. More than 1 not with
             speculative decoding, pipeline stages or ``async_scheduling`` (then off by default).
-            ``ServerConfig.step_timeout_seconds`` bounds a whole plan.
+            Such a plan's timeout is k times ``ServerConfig.step_timeout_seconds``.
         priority_aging_seconds: seconds of waiting worth one priority level: a request's
             effective priority is ``priority - waited_s / priority_aging_seconds``, so no
             request waits forever behind a stream of more urgent ones; 0: strict priority

@@ -169,6 +169,8 @@ class StepLoop:
         if result.expert_token_counts:
             self.metrics.add_expert_tokens(result.expert_token_counts)
         self.gauges.update()
+        if step.plan.num_steps > 1:
+            self.metrics.observe_follow_on_steps(step.plan.num_tokens, step.plan.num_steps - 1)
         self.metrics.observe_step(step.plan.num_tokens, received - step.dispatched_at, result.model_execute_time_s,
                                   result.wait_time_s if step.follows_step else None, received, time.perf_counter())
 

@@ -16,7 +16,7 @@ from coordinator.block_allocator import BlockAllocator
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.engine import Engine
 from coordinator.scheduler import Scheduler
-from coordinator.sequence import FinishReason, Sequence, StopParams
+from coordinator.sequence import FinishReason, Sequence, SequenceStatus, StopParams
 from coordinator.tokenizer import Tokenizer
 from tests.coordinator.fakes import FakeRankGroup, PagedCacheModel, make_engine
 from tests.coordinator.paged_workload import BLOCK_SIZE, next_token, reference
@@ -49,6 +49,9 @@ def test_every_sequence_matches_the_reference(steps: int) -> None:
         assert outputs[-1].finish_reason is FinishReason.LENGTH
         assert outputs[-1].num_completion_tokens == params.max_tokens
     assert ranks.model.num_multi_step_plans >= 3  # the decodes really ran several steps a plan
+    # The step metrics count each of a plan's steps: the histogram's sum is the tokens the ranks ran.
+    samples = {s.name: s.value for s in engine.metrics.iteration_tokens.collect()[0].samples}
+    assert samples["tpserve:iteration_tokens_total_sum"] == sum(p.num_tokens * p.num_steps for p in ranks.plans)
     assert all(plan.num_steps <= steps for plan in ranks.plans)
     # k is cut to the smallest room under max_tokens: nothing is sampled past a sequence's last token.
     assert sorted(ranks.model.samples.values()) == sorted(p.max_tokens for _, p in requests)
@@ -148,6 +151,26 @@ def test_a_plan_is_multi_step_only_when_every_running_sequence_decodes_and_none_
     scheduler.update(plan, StepResult(plan.step_id, (12, 13)))
     plan = scheduler.schedule()
     assert plan.num_steps == 4 and [c.start_position for c in plan.scheduled] == [8, 2]
+    scheduler.check_invariants()
+
+
+def test_with_every_slot_taken_a_waiting_request_stops_multi_step_only_if_it_outranks_a_running_one() -> None:
+    clock = [0.0]
+    scheduler = Scheduler(BlockAllocator(16, BLOCK_SIZE), 1, 64, num_scheduler_steps=4, clock=lambda: clock[0])
+    a = _sequence(0, [1, 5, 6], 20)
+    scheduler.add(a)
+    plan = scheduler.schedule()
+    scheduler.update(plan, StepResult(plan.step_id, (7,)))
+    clock[0] = 1.0
+    scheduler.add(_sequence(1, [4, 4], 10))  # as urgent as a, later: it waits for a's slot either way
+    plan = scheduler.schedule()
+    assert plan.num_steps == 4 and [c.seq_id for c in plan.scheduled] == [0]
+    scheduler.update(plan, StepResult(plan.step_id, (8, 9, 10, 11)))
+    urgent = _sequence(2, [3, 3], 10)
+    urgent.priority = -5  # more urgent than a: it preempts a in the next plan, which is one step
+    scheduler.add(urgent)
+    plan = scheduler.schedule()
+    assert plan.num_steps == 1 and [c.seq_id for c in plan.scheduled] == [2] and a.status is SequenceStatus.WAITING
     scheduler.check_invariants()
 
 

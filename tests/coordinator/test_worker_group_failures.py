@@ -53,13 +53,13 @@ class _FakeStream:
             self._reading.cancel()
 
 
-def _run(streams: list[_FakeStream], step_timeout_s: float = 60.0):
+def _run(streams: list[_FakeStream], step_timeout_s: float = 60.0, num_steps: int = 1):
     async def main():
         group = WorkerGroup([f"unix:///nonexistent/rank{r}.sock" for r in range(len(streams))], step_timeout_s)
         group._attach(streams)
         start = time.monotonic()
         try:
-            return await group.execute(StepPlan(step_id=7)), time.monotonic() - start
+            return await group.execute(StepPlan(step_id=7, num_steps=num_steps)), time.monotonic() - start
         except WorkerGroupError as exc:
             return exc, time.monotonic() - start
         finally:
@@ -145,6 +145,17 @@ def test_a_silent_group_still_times_out(step_timeout_s: float, num_ranks: int) -
     outcome, elapsed = _run([_FakeStream(None, None) for _ in range(num_ranks)], step_timeout_s)
     assert isinstance(outcome, WorkerGroupError) and "timed out after" in str(outcome)
     assert step_timeout_s <= elapsed < step_timeout_s + 1.0
+
+
+def test_a_multi_step_plan_has_the_step_timeout_once_per_step() -> None:
+    """A plan of 4 steps (--num-scheduler-steps) answered after 0.5 s is no timeout at 0.2 s a step; a silent one
+    times out after 0.8 s, and the error says so."""
+    answer = pb.StepResult(step_id=7, sampled_token_ids=[5, 6, 7, 8])
+    outcome, elapsed = _run([_FakeStream(answer, 0.5)], 0.2, num_steps=4)
+    assert not isinstance(outcome, WorkerGroupError), outcome
+    outcome, elapsed = _run([_FakeStream(None, None)], 0.2, num_steps=4)
+    assert isinstance(outcome, WorkerGroupError) and str(outcome) == "step 7 timed out after 0.8 s"
+    assert 0.8 <= elapsed < 1.8
 
 
 def test_a_single_rank_answers_and_its_broken_stream_is_named() -> None:
