@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from benchmarks.peer_comparison import _load, _stream, build_model, machine_description, workloads  # noqa: E402
+from benchmarks.peer_comparison import (  # noqa: E402
+    _load, _stream, build_model, interleaved_round, machine_description, workloads)
 from benchmarks.report import save_report  # noqa: E402
 from tests.e2e.cluster import serve  # noqa: E402
 from tpserve.v1 import generate_pb2_grpc  # noqa: E402
@@ -69,12 +70,8 @@ def main() -> int:
         report["same_tokens"] = True
         names = list(systems)
         for i in range(args.rounds):
-            loads = workloads(args.seed, variant=i + 1)
-            order = names[i % len(names):] + names[:i % len(names)]
-            r: dict = {name: {} for name in names}
-            for figure in ("single", "batch16"):
-                for name in order:
-                    r[name][figure] = asyncio.run(_load(systems[name], loads[figure]))
+            r = interleaved_round(names, i, workloads(args.seed, variant=i + 1),
+                                  lambda name, reqs: asyncio.run(_load(systems[name], reqs)))
             report["rounds"].append(r)
             print(f"round {i + 1}: " + ", ".join(f"{name} {r[name]['single']['tpot_median_ms']:.2f} ms "
                                                  f"{r[name]['batch16']['output_tokens_per_s']:.0f} tok/s"

@@ -58,6 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -126,6 +127,20 @@ def workloads(seed: int, variant: int = 0) -> dict[str, list[tuple[list[int], in
 
 
 # -- baselines -----------------------------------------------------------------------------
+
+
+def interleaved_round(names: list[str], index: int, loads: dict[str, list[tuple[list[int], int]]],
+                      run: Callable[[str, list[tuple[list[int], int]]], dict],
+                      figures: tuple[str, ...] = ("single", "batch16")) -> dict[str, dict[str, dict]]:
+    """Round ``index`` of an interleaved comparison: each of ``figures`` (a workload of ``loads``) on every system of
+    ``names`` back to back, the order rotated by ``index`` so that no system always runs first (a host whose speed
+    drifts slows every system of a round alike); ``run(name, requests)`` -> that system's figures."""
+    order = names[index % len(names):] + names[:index % len(names)]
+    result: dict[str, dict[str, dict]] = {name: {} for name in names}
+    for figure in figures:
+        for name in order:
+            result[name][figure] = run(name, loads[figure])
+    return result
 
 
 def copy_bandwidth() -> float:

@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.llama_cpp.server import LlamaServer  # noqa: E402
 from benchmarks.lm_head_int8 import build_real_vocab_model  # noqa: E402
-from benchmarks.peer_comparison import _load, build_model, machine_description, workloads  # noqa: E402
+from benchmarks.peer_comparison import (  # noqa: E402
+    _load, build_model, interleaved_round, machine_description, workloads)
 from benchmarks.report import save_report  # noqa: E402
 from tests.e2e.cluster import serve  # noqa: E402
 
@@ -125,12 +126,7 @@ def main() -> int:
             run(name, warm_up)
         names = list(systems)
         for i in range(args.rounds):
-            round_loads = workloads(args.seed, variant=i + 1)
-            order = names[i % len(names):] + names[:i % len(names)]
-            r: dict = {name: {} for name in names}
-            for figure in ("single", "batch16"):
-                for name in order:
-                    r[name][figure] = run(name, round_loads[figure])
+            r = interleaved_round(names, i, workloads(args.seed, variant=i + 1), run)
             report["rounds"].append(r)
             print(f"round {i + 1}: " + "; ".join(f"{what} {speed_ratio(r, a, b, fig):.2f}"
                                                  for what, a, b, fig, _, _ in GOALS if {a, b} <= set(names)),

@@ -18,19 +18,16 @@ import asyncio
 import pytest
 
 from coordinator.block_allocator import BlockAllocator
-from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.engine import Engine
 from coordinator.engine_state import EngineState
 from coordinator.ngram_proposer import NgramProposer
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, StopParams
-from coordinator.tokenizer import Tokenizer
 from coordinator.worker_client import WorkerGroupError
 from tests.coordinator.fakes import FakeRankGroup, PagedCacheModel, make_engine
-from tpserve.embedded_model import default_model_dir
 from tpserve.step import PLACEHOLDER_TOKEN_ID, SamplingParams, StepPlan, StepResult
 
-from tests.coordinator.paged_workload import BLOCK_SIZE, next_token, reference
+from tests.coordinator.paged_workload import BLOCK_SIZE, check_stop_string_and_abort, next_token, reference
 from tests.coordinator.paged_workload import params as _params, run as _run, tokens_of as _tokens, workload as _workload
 
 
@@ -89,31 +86,8 @@ def test_a_stop_token_ends_a_sequence_whose_next_two_steps_are_in_flight() -> No
 
 
 def test_a_stop_string_and_an_abort_with_steps_in_flight_leak_nothing_and_later_requests_are_exact() -> None:
-    prompt = [1, 5, 6, 8]
-    detokenizer = IncrementalDetokenizer(Tokenizer.from_pretrained(default_model_dir()), prompt)
-    text = "".join(detokenizer.step(token) for token in reference(prompt, 6))
-    stop = text[len(text) // 2:len(text) // 2 + 3]  # a stop string in the middle of the 6th token's text or before
     engine, ranks = _engine(async_scheduling=True)
-
-    def abort_r1(plan: StepPlan) -> None:
-        if plan.step_id == 5 and engine.scheduler.running:
-            assert engine.abort_request("r1") == 1
-
-    ranks.on_submit = abort_r1
-    first = [(0.0, _params("r0", prompt, 20, stop=(stop,))), (0.0, _params("r1", [1, 9, 9], 30)),
-             (0.0, _params("r2", [2, 3], 12))]
-    # A second wave: the workers are told to drop every sequence of the first (no plan's drops were lost).
-    second = [(0.0, _params("s0", [1, 5, 6, 8], 5)), (0.0, _params("s1", [4, 4], 7))]
-    stopped, aborted, full, *later = _run(engine, first, second)
-    assert "".join(o.text for o in stopped) == text[:text.index(stop)] and stopped[-1].finish_reason is FinishReason.STOP
-    assert _tokens(stopped) == reference(prompt, len(_tokens(stopped)))
-    assert aborted[-1].finish_reason is FinishReason.ABORT
-    assert _tokens(aborted) == reference([1, 9, 9], len(_tokens(aborted))) and len(_tokens(aborted)) < 30
-    assert _tokens(full) == reference([2, 3], 12)
-    for (_, params), outputs in zip(second, later):
-        assert _tokens(outputs) == reference(params.prompt_token_ids, params.max_tokens)
-    assert not {0, 1, 2} & set(ranks.model.tables)
-    assert engine.scheduler.allocator.num_free_blocks == 64
+    check_stop_string_and_abort(engine, ranks, abort_at_step=5)
 
 
 def test_the_ranks_find_the_next_plan_sent_before_the_previous_result_is_taken() -> None:

@@ -13,16 +13,13 @@ from __future__ import annotations
 import pytest
 
 from coordinator.block_allocator import BlockAllocator
-from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.engine import Engine
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus, StopParams
-from coordinator.tokenizer import Tokenizer
 from tests.coordinator.fakes import FakeRankGroup, PagedCacheModel, make_engine
-from tests.coordinator.paged_workload import BLOCK_SIZE, next_token, reference
+from tests.coordinator.paged_workload import BLOCK_SIZE, check_stop_string_and_abort, next_token, reference
 from tests.coordinator.paged_workload import params as _params, run as _run, tokens_of as _tokens, workload as _workload
-from tpserve.embedded_model import default_model_dir
-from tpserve.step import SamplingParams, StepPlan, StepResult
+from tpserve.step import SamplingParams, StepResult
 
 
 def _engine(steps: int, *, num_blocks: int = 64, budget: int = 64, step_s: float = 0.002,
@@ -90,31 +87,8 @@ def test_a_stop_token_inside_a_plan_keeps_only_the_tokens_before_it() -> None:
 
 
 def test_a_stop_string_and_an_abort_inside_a_plan_leak_nothing_and_later_requests_are_exact() -> None:
-    prompt = [1, 5, 6, 8]
-    detokenizer = IncrementalDetokenizer(Tokenizer.from_pretrained(default_model_dir()), prompt)
-    text = "".join(detokenizer.step(token) for token in reference(prompt, 6))
-    stop = text[len(text) // 2:len(text) // 2 + 3]
     engine, ranks = _engine(4)
-
-    def abort_r1(plan: StepPlan) -> None:
-        if plan.step_id == 3 and engine.scheduler.running:
-            assert engine.abort_request("r1") == 1
-
-    ranks.on_submit = abort_r1
-    first = [(0.0, _params("r0", prompt, 20, stop=(stop,))), (0.0, _params("r1", [1, 9, 9], 30)),
-             (0.0, _params("r2", [2, 3], 12))]
-    second = [(0.0, _params("s0", [1, 5, 6, 8], 5)), (0.0, _params("s1", [4, 4], 7))]
-    stopped, aborted, full, *later = _run(engine, first, second)
-    assert "".join(o.text for o in stopped) == text[:text.index(stop)] and stopped[-1].finish_reason is FinishReason.STOP
-    # Usage counts the tokens returned, not those the plan's later steps sampled after the stop string.
-    assert stopped[-1].num_completion_tokens == len(_tokens(stopped)) <= 6
-    assert aborted[-1].finish_reason is FinishReason.ABORT
-    assert _tokens(aborted) == reference([1, 9, 9], len(_tokens(aborted))) and len(_tokens(aborted)) < 30
-    assert _tokens(full) == reference([2, 3], 12)
-    for (_, params), outputs in zip(second, later):
-        assert _tokens(outputs) == reference(params.prompt_token_ids, params.max_tokens)
-    assert not {0, 1, 2} & set(ranks.model.tables)
-    assert engine.scheduler.allocator.num_free_blocks == 64
+    check_stop_string_and_abort(engine, ranks, abort_at_step=3)
 
 
 def test_each_token_of_a_plan_carries_its_own_logprobs() -> None:
