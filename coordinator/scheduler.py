@@ -411,7 +411,7 @@ class Scheduler:
         outputs: list[TokenOutput] = []
         offset = 0
         logprobs = {lp.sample_index: lp for lp in result.logprobs}
-        sample_index = -1
+        sample_index, num_steps = -1, plan.num_steps  # (a local: read per chunk)
         for chunk in plan.scheduled:
             token_id = result.sampled_token_ids[offset] if chunk.sample else None
             sample_index += chunk.sample
@@ -420,9 +420,9 @@ class Scheduler:
             seq = seqs.get(chunk.seq_id)
             if seq is None or seq.admitted_step > plan.step_id:
                 continue  # finished, aborted or preempted after the plan was made
-            if plan.num_steps > 1:
+            if num_steps > 1:
                 outputs += apply_steps(seq, chunk, result.sampled_token_ids[offset - num_sampled:offset],
-                                       self.kv_cache, logprobs, sample_index * plan.num_steps)
+                                       self.kv_cache, logprobs, sample_index * num_steps)
                 if outputs[-1].finish_reason is not None:
                     self.finish(seq, outputs[-1].finish_reason)
                 continue
