@@ -25,6 +25,11 @@ Candidates (sources):
 * ``fp8_first_block_bfloat16``: the same block rounded to bfloat16 instead: what a second, 16-bit pool for
   each sequence's first block (the design the float32 figure suggested) would hold;
 * ``fp8_first_position_full_precision``: position 0 alone (the BOS sink) kept in float32;
+* ``fp8_static_channel``: no per-row scale (a block then takes exactly half a 16-bit block's bytes): a static
+  scale per layer, KV head and channel, twice the channel's absmax over the calibration prompt (of the keys
+  less their offset, and of the values) over 448 (e4m3 is a float format: the headroom costs only the
+  subnormal range at the bottom); ``fp8_static_tensor``: the same with one scale per layer for keys and one
+  for values (the largest channel's: vLLM's calibrated ``k_scale`` / ``v_scale``);
 * ``int8``, ``bfloat16`` for scale.
 
 Each on the samples of benchmarks/kv_cache_dtype.py (stories260k's goldens, the embedded model's 4 prompts,
@@ -120,6 +125,19 @@ def channel_means(model_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [means[i] for i in sorted(means)]
 
 
+def channel_absmax(model_dir: Path, k_offsets: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the absmax of the keys less ``k_offsets`` and of the values ``(KVH, d)`` over the calibration prompt."""
+    amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(k: torch.Tensor, v: torch.Tensor, layer: int, positions: torch.Tensor | None):
+        amax[layer] = ((k - k_offsets[layer]).abs().amax(0), v.abs().amax(0))
+        return k, v
+
+    runner = rounded_cache_runner(model_dir, record)
+    teacher_forced(runner, [list(calibration_token_ids(runner.config.vocab_size, 128))], [[0]])
+    return [amax[i] for i in sorted(amax)]
+
+
 def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, bool]]:
     """Name -> (row rounding, whether rows wait in full precision until their block is full)."""
     k_offsets = [k_offset for _, _, k_offset in eight_bit_runner(model_dir, "fp8").kv_scales]  # the served offsets
@@ -148,13 +166,26 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
     def int8(k, v, layer, positions):
         return as_cached(k, torch.int8, k_offsets[layer]), as_cached(v, torch.int8)
 
+    amax = channel_absmax(model_dir, k_offsets)
+
+    def static(per_tensor: bool) -> RoundRows:
+        def through(y: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+            scale = (a.amax() if per_tensor else a).clamp_min(2.0**-100) * 2 / 448  # (KVH, d) or ()
+            return (y / scale).clamp(-448, 448).to(E4M3).float() * scale
+
+        def rows(k, v, layer, positions):
+            (ak, av), mu_k = amax[layer], k_offsets[layer]
+            return through(k - mu_k, ak) + mu_k, through(v, av)
+        return rows
+
     return {"bfloat16": (sixteen_bit(torch.bfloat16), False), "int8": (int8, False), "fp8": (shipped, False),
             "fp8_scale_float32": (fp8("float32"), False), "fp8_scale_pow2": (fp8("pow2"), False),
             "fp8_scale_mse": (fp8("mse"), False), "fp8_value_offset": (fp8(value_offset=True), False),
             "fp8_hadamard": (fp8(rotate=True), False), "fp8_full_precision_tail": (shipped, True),
             "fp8_first_block_full_precision": (kept(block_size), False),
             "fp8_first_block_bfloat16": (kept(block_size, torch.bfloat16), False),
-            "fp8_first_position_full_precision": (kept(1), False)}
+            "fp8_first_position_full_precision": (kept(1), False),
+            "fp8_static_channel": (static(False), False), "fp8_static_tensor": (static(True), False)}
 
 
 def study() -> dict:
