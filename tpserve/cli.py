@@ -114,11 +114,13 @@ _SERVE_FLAGS: dict[str, list[tuple[str, dict]]] = {
                                          "CPU ranks whose threads leave the coordinator a core of its own; off "
                                          "for CPU ranks that take every core, the default thread split)")),
         ("--num-scheduler-steps", dict(type=int, help="most decode steps one plan runs: while every running "
-                                                      "request decodes and none waits, the ranks run this many "
-                                                      "steps in a row on their own samples, so the coordinator's "
-                                                      "work comes once per that many tokens; a new request waits "
-                                                      "for the plan's end (default 1; not with speculative "
-                                                      "decoding, pipeline stages or --async-scheduling)")),
+                                                      "request decodes and no waiting one could start (none "
+                                                      "waits, or every --max-num-seqs slot is taken), the ranks "
+                                                      "run this many steps in a row on their own samples, so the "
+                                                      "coordinator's work comes once per that many tokens; a new "
+                                                      "request waits for the plan's end (default 1; not with "
+                                                      "speculative decoding, pipeline stages or "
+                                                      "--async-scheduling)")),
         ("--priority-aging-seconds", dict(type=float, help="seconds of waiting worth one priority level, so that "
                                                            "no request waits forever behind more urgent ones; "
                                                            "0: strict priority (default 10)")),
