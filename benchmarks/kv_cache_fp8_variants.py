@@ -30,6 +30,12 @@ Candidates (sources):
   less their offset, and of the values) over 448 (e4m3 is a float format: the headroom costs only the
   subnormal range at the bottom); ``fp8_static_tensor``: the same with one scale per layer for keys and one
   for values (the largest channel's: vLLM's calibrated ``k_scale`` / ``v_scale``);
+* ``int8_static_channel``: int8 codes with a static scale per layer, KV head and channel and no per-row
+  scale (exactly 2x the blocks), calibrated on the model's own greedy continuation of BOS
+  (:data:`GENERATED_CALIBRATION_TOKENS` tokens: in the model's distribution, where the seeded random ids
+  of the fp8 static rows give atypical activations), ``1.25 x`` that text's absmax per channel over 127
+  (``int8_static_channel_no_headroom``: ``1.0 x``); keys less their offset, values as they are (the static
+  per-channel int8 of SmoothQuant-style calibration, KIVI's per-channel keys);
 * ``int8``, ``bfloat16`` for scale.
 
 Each on the samples of benchmarks/kv_cache_dtype.py (stories260k's goldens, the embedded model's 4 prompts,
@@ -75,6 +81,10 @@ from worker.parallel_state import ParallelContext  # noqa: E402
 E4M3 = torch.float8_e4m3fn
 #: The clipping ratios ``fp8_scale_mse`` tries, largest first (ties keep the larger).
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+#: Length of ``int8_static_channel``'s calibration text (the model's own greedy tokens), and its scales'
+#: headroom over that text's absmax per channel (values beyond are clipped).
+GENERATED_CALIBRATION_TOKENS = 256
+INT8_STATIC_HEADROOMS = {"int8_static_channel": 1.25, "int8_static_channel_no_headroom": 1.0}
 
 
 def e4m3(y: torch.Tensor, scale: str) -> torch.Tensor:
@@ -125,17 +135,28 @@ def channel_means(model_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [means[i] for i in sorted(means)]
 
 
-def channel_absmax(model_dir: Path, k_offsets: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the absmax of the keys less ``k_offsets`` and of the values ``(KVH, d)`` over the calibration prompt."""
+def channel_absmax(model_dir: Path, k_offsets: list[torch.Tensor], prompt: list[int] | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the absmax of the keys less ``k_offsets`` and of the values ``(KVH, d)`` over ``prompt``
+    (token ids; None: the calibration prompt, 128 seeded ids)."""
     amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def record(k: torch.Tensor, v: torch.Tensor, layer: int, positions: torch.Tensor | None):
         amax[layer] = ((k - k_offsets[layer]).abs().amax(0), v.abs().amax(0))
         return k, v
 
-    runner = rounded_cache_runner(model_dir, record)
-    teacher_forced(runner, [list(calibration_token_ids(runner.config.vocab_size, 128))], [[0]])
+    runner = rounded_cache_runner(model_dir, record, num_blocks=64)
+    tokens = list(calibration_token_ids(runner.config.vocab_size, 128)) if prompt is None else prompt
+    teacher_forced(runner, [tokens], [[0]])
     return [amax[i] for i in sorted(amax)]
+
+
+def generated_text(model_dir: Path, num_tokens: int = GENERATED_CALIBRATION_TOKENS) -> list[int]:
+    """The model's own greedy continuation of its BOS token (id 1), ``1 + num_tokens`` ids: a calibration text
+    in the model's distribution without a dataset (random ids give atypical activations: a static scale set
+    on them clips real prompts' values)."""
+    runner = eight_bit_runner(model_dir, "auto", num_blocks=64)
+    return [1, *teacher_forced(runner, [[1]], None, num_tokens)[0]]
 
 
 def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, bool]]:
@@ -178,6 +199,18 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
             return through(k - mu_k, ak) + mu_k, through(v, av)
         return rows
 
+    generated = channel_absmax(model_dir, k_offsets, generated_text(model_dir))
+
+    def int8_static(headroom: float) -> RoundRows:
+        def through(y: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+            scale = a.clamp_min(2.0**-100) * headroom / 127  # (KVH, d)
+            return (y / scale).round().clamp(-127, 127) * scale
+
+        def rows(k, v, layer, positions):
+            (ak, av), mu_k = generated[layer], k_offsets[layer]
+            return through(k - mu_k, ak) + mu_k, through(v, av)
+        return rows
+
     return {"bfloat16": (sixteen_bit(torch.bfloat16), False), "int8": (int8, False), "fp8": (shipped, False),
             "fp8_scale_float32": (fp8("float32"), False), "fp8_scale_pow2": (fp8("pow2"), False),
             "fp8_scale_mse": (fp8("mse"), False), "fp8_value_offset": (fp8(value_offset=True), False),
@@ -185,7 +218,8 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
             "fp8_first_block_full_precision": (kept(block_size), False),
             "fp8_first_block_bfloat16": (kept(block_size, torch.bfloat16), False),
             "fp8_first_position_full_precision": (kept(1), False),
-            "fp8_static_channel": (static(False), False), "fp8_static_tensor": (static(True), False)}
+            "fp8_static_channel": (static(False), False), "fp8_static_tensor": (static(True), False),
+            **{name: (int8_static(headroom), False) for name, headroom in INT8_STATIC_HEADROOMS.items()}}
 
 
 def study() -> dict:
