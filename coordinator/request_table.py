@@ -97,6 +97,10 @@ class RequestEntry:
             RequestAborted: the request was aborted before or while it waited.
         """
         task = asyncio.ensure_future(awaitable)
+        # The task may fail in the loop iteration in which this wait is cancelled (gRPC cancels the handler
+        # at the client's deadline): nothing would then read its exception, and asyncio would log it with
+        # a traceback as never retrieved. The callback reads it; the normal path still raises it below.
+        task.add_done_callback(_retrieve_exception)
         if self.aborted:
             task.cancel()
             raise RequestAborted(self.request_id)
@@ -116,6 +120,12 @@ class RequestEntry:
         self.aborted = True
         if self._abort_waiter is not None and not self._abort_waiter.done():
             self._abort_waiter.set_result(None)
+
+
+def _retrieve_exception(task: asyncio.Future) -> None:
+    """Marks a finished task's exception retrieved (see :meth:`RequestEntry.unless_aborted`)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class RequestTable:
