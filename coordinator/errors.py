@@ -136,7 +136,7 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any], method: str) -> Call
 
 async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str, request: _Undecodable) -> None:
     log.warning("malformed request", method=method, error=request.reason)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+    await _end_call(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -160,6 +160,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, _Undecodable):
                     await _refuse_undecodable(context, method, request)
+                    return  # the abort ended the call (gRPC ends it on the abort even if its status could not go out)
                 try:
                     return await inner(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
@@ -173,6 +174,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
                 if isinstance(request, _Undecodable):
                     await _refuse_undecodable(context, method, request)
+                    return  # the abort ended the call (gRPC ends it on the abort even if its status could not go out)
                 try:
                     await inner_writer(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
@@ -187,6 +189,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Undecodable):
                     await _refuse_undecodable(context, method, request)
+                    return  # the abort ended the call (gRPC ends it on the abort even if its status could not go out)
                 try:
                     async for response in inner_stream(request, context):
                         yield response
@@ -199,14 +202,44 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, exc: Exception) -> None:
-    if isinstance(exc, ResourceExhaustedError):  # server pushback, read by the client's retry policy
-        pushback = NO_RETRY_PUSHBACK_MS if exc.retry_pushback_ms is None else exc.retry_pushback_ms
-        await context.abort(exc.code, str(exc), (*(context.trailing_metadata() or ()), (PUSHBACK_KEY, str(pushback))))
-    if isinstance(exc, TpserveError):
-        await context.abort(exc.code, str(exc), exc.trailing_metadata)
+    """Ends the call with ``exc``'s status (ARCHITECTURE.md's table); INTERNAL, logged, for anything unmapped."""
+    if isinstance(exc, grpc.aio.InternalError):
+        # A write or an abort failed: the call had ended under the handler (its deadline passed in gRPC's
+        # core, or the client left). Record an abort, so that gRPC ends the call quietly (_end_call).
+        ended = grpc.StatusCode.DEADLINE_EXCEEDED if (context.time_remaining() or 1.0) <= 0 else grpc.StatusCode.CANCELLED
+        try:
+            await _end_call(context, ended, "the call ended before its response was sent")
+        except grpc.aio.UsageError:
+            pass  # the handler's own abort failed; gRPC ends the call on that one
+        return
     # context.abort raises an exception of grpc's own to end the call: let it through.
     if type(exc).__module__.startswith("grpc"):
         raise exc
-    request_id = getattr(request, "request_id", "") or f"unnamed-{uuid.uuid4().hex[:8]}"
-    log.exception("internal error", method=method, request_id=request_id)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in request {request_id}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, ResourceExhaustedError):  # server pushback, read by the client's retry policy
+        pushback = NO_RETRY_PUSHBACK_MS if exc.retry_pushback_ms is None else exc.retry_pushback_ms
+        await _end_call(context, exc.code, str(exc),
+                        (*(context.trailing_metadata() or ()), (PUSHBACK_KEY, str(pushback))))
+    elif isinstance(exc, TpserveError):
+        await _end_call(context, exc.code, str(exc), exc.trailing_metadata)
+    else:
+        request_id = getattr(request, "request_id", "") or f"unnamed-{uuid.uuid4().hex[:8]}"
+        log.exception("internal error", method=method, request_id=request_id)
+        await _end_call(context, grpc.StatusCode.INTERNAL,
+                        f"internal error in request {request_id}: {type(exc).__name__}: {exc}")
+
+
+async def _end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str,
+                    trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    """``context.abort(code, details, trailing_metadata)``, which raises gRPC's AbortError to end the handler.
+
+    A handler may finish in the instant its call ends under it: the client's deadline passes in gRPC's core
+    as the engine's own deadline timer fires (both are the same deadline), or the client leaves. The status
+    can then not be sent: abort raises ExecuteBatchError (a ``grpc.aio.InternalError``), which gRPC logs as an
+    error with a traceback unless it has already seen the client close. abort records itself before it
+    sends, and gRPC ends the call on that record when the handler returns (the server's
+    ``raise_for_termination``), so that failure is only logged at debug level here and the handler returns.
+    """
+    try:
+        await context.abort(code, details, trailing_metadata)
+    except grpc.aio.InternalError as exc:
+        log.debug("status not sent: the call had ended", code=code.name, details=details, error=str(exc))
