@@ -209,11 +209,16 @@ class RequestTable:
 
         Raises:
             ResourceExhaustedError: the queue is full, or too full for all of them; it carries the
-                server pushback of the queue's state (coordinator/pushback.py).
+                server pushback of the queue's state (coordinator/pushback.py), none (do not retry) where
+                ``num_samples`` exceeds ``max_queue_len``.
         """
         num_waiting = len(waiting)
         if num_waiting + self.num_reserved + num_samples <= max_queue_len:
             return
+        if num_samples > max_queue_len:  # no wait cures it: no pushback (the client's retry would fail alike)
+            raise ResourceExhaustedError(
+                f"the request's n={num_samples} samples can never all wait: the queue holds at most {max_queue_len} "
+                "(--max-queue-len); none was started")
         pushback_ms = queue_full_pushback_ms(waiting)
         if num_samples == 1:
             raise ResourceExhaustedError(f"the queue is full ({max_queue_len} requests waiting)", pushback_ms)

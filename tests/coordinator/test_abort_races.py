@@ -340,23 +340,34 @@ def test_a_bulk_abort_does_not_stall_a_running_stream(api: str) -> None:
 
 
 def test_n_over_a_bounded_queue_is_refused_whole_before_any_sample_streams() -> None:
-    async def go() -> tuple[list, grpc.StatusCode, str, set]:
-        engine, group = _engine(max_num_seqs=1, max_queue_len=8)
+    async def go(n: int, queued_first: int) -> tuple[list, grpc.StatusCode, str, dict, set]:
+        engine, group = _engine(max_num_seqs=1, max_queue_len=8, first_step_s=0.5)
         async with _serving(engine) as channel:
             native = generate_pb2_grpc.GenerationStub(channel)
+            earlier = [asyncio.ensure_future(native.Generate(_request(f"early{i}", 2))) for i in range(queued_first)]
+            await _wait_until(lambda: len(engine.scheduler.running) + len(engine.scheduler.waiting) == queued_first)
             messages = []
             try:
-                async for message in native.GenerateStream(_request("sixteen", 8, n=16)):
+                async for message in native.GenerateStream(_request("many", 8, n=n)):
                     messages.append(message)
-                code, details = grpc.StatusCode.OK, ""
+                code, details, trailing = grpc.StatusCode.OK, "", {}
             except grpc.aio.AioRpcError as exc:
-                code, details = exc.code(), exc.details()
-            return messages, code, details, set(group.seen)
+                code, details, trailing = exc.code(), exc.details(), dict(exc.trailing_metadata() or ())
+            await asyncio.gather(*earlier)
+            return messages, code, details, trailing, set(group.seen)
 
-    messages, code, details, seen = asyncio.run(go())
-    # Before: sample 0 streamed its tokens, then the stream failed RESOURCE_EXHAUSTED.
+    # More samples than the queue ever holds: refused whole, and no pushback (a retry cannot succeed).
+    # Before: sample 0 streamed its tokens, then the stream failed RESOURCE_EXHAUSTED; later, a retryable pushback.
+    messages, code, details, trailing, seen = asyncio.run(go(16, 0))
     assert (len(messages), code, seen) == (0, grpc.StatusCode.RESOURCE_EXHAUSTED, set())
-    assert details == "the request's n=16 samples do not fit in the queue (0 of 8 places taken); none was started"
+    assert details == ("the request's n=16 samples can never all wait: the queue holds at most 8 (--max-queue-len); "
+                       "none was started")
+    assert trailing["grpc-retry-pushback-ms"] == "-1"
+    # Samples that fit the queue but not its free places now: refused whole, with a pushback to retry after.
+    messages, code, details, trailing, seen = asyncio.run(go(7, 3))
+    assert (len(messages), code, len(seen)) == (0, grpc.StatusCode.RESOURCE_EXHAUSTED, 3)  # the 3 earlier requests
+    assert details == "the request's n=7 samples do not fit in the queue (2 of 8 places taken); none was started"
+    assert int(trailing["grpc-retry-pushback-ms"]) >= 0
 
 
 def test_an_admitted_n_request_keeps_its_queue_places_until_its_samples_start() -> None:
