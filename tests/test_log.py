@@ -132,7 +132,8 @@ def test_every_record_is_one_whole_line_in_one_write() -> None:
     assert done.stdout.strip() == "2 [1, 1]", done.stdout + done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 2 and "step done" in lines[0] and "rank=3" in lines[0] and "x" * 3000 in lines[0]
-    assert lines[1] == "from the standard library"
+    # The standard library's records (grpc's, asyncio's) through the same processors: stamped, levelled, named.
+    assert "[warning  ] from the standard library" in lines[1] and lines[1].endswith(" [grpc] rank=3"), lines[1]
 
 
 def test_grpc_core_lines_are_silenced_in_the_server_processes() -> None:
@@ -147,3 +148,43 @@ def test_grpc_core_lines_are_silenced_in_the_server_processes() -> None:
     env = {key: value for key, value in __import__("os").environ.items() if key != "GRPC_VERBOSITY"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.stdout.strip() == "NONE" and "add_port" not in done.stderr, done.stderr
+
+
+_STDLIB_SCRIPT = """
+import asyncio, gc, logging
+from tpserve.log import configure_logging
+
+configure_logging("json", rank=1)
+try:
+    raise RuntimeError("a batch failed\\n  File forged")
+except RuntimeError:
+    logging.getLogger("grpc._cython.cygrpc").exception("ExecuteBatchError raised in core by servicer method [%s]",
+                                                       "/tpserve.v1.Generation/Generate")
+
+
+async def fails():
+    raise ValueError("never read")
+
+
+async def main():
+    asyncio.ensure_future(fails())
+    await asyncio.sleep(0.01)
+
+asyncio.run(main())
+gc.collect()
+"""
+
+
+def test_the_standard_library_s_records_are_json_lines_too() -> None:
+    """grpc's and asyncio's records, tracebacks included, are one JSON object per line under ``--log-format json``
+    (before: their messages and tracebacks came out as plain lines between the JSON ones)."""
+    done = subprocess.run([sys.executable, "-c", _STDLIB_SCRIPT], capture_output=True, text=True, timeout=60,
+                          check=True)
+    entries = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [(e["logger"], e["level"], e["rank"]) for e in entries] == [("grpc._cython.cygrpc", "error", 1),
+                                                                       ("asyncio", "error", 1)], done.stderr
+    assert entries[0]["event"] == "ExecuteBatchError raised in core by servicer method [/tpserve.v1.Generation/Generate]"
+    assert [(x["exc_type"], x["exc_value"]) for x in entries[0]["exception"]] == [
+        ("RuntimeError", "a batch failed\n  File forged")]
+    assert entries[1]["event"].startswith("Task exception was never retrieved")
+    assert entries[1]["exception"][0]["exc_value"] == "never read"

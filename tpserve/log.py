@@ -183,13 +183,23 @@ class LineWriter:
 
 
 def configure_logging(fmt: Literal["console", "json"] = "console", level: str = "INFO", rank: int | None = None) -> None:
-    """Configures structlog and the standard library's logging (used by grpc) once per process."""
+    """Configures structlog and the standard library's logging (grpc's, asyncio's) once per process.
+
+    The standard library's records go through the same processors as structlog's (structlog's
+    ``ProcessorFormatter``): one JSON object per line under ``json``, and under ``console`` the same
+    timestamp, level and escaping, with the logger's name; their exceptions are rendered as structlog's are.
+    """
     writer = LineWriter()
-    logging.basicConfig(stream=writer, level=level, format="%(message)s")
+    chain = processors(fmt)
+    handler = logging.StreamHandler(writer)  # type: ignore[arg-type]
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *chain[:-1]],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, chain[-1]]))
+    logging.basicConfig(handlers=[handler], level=level)
     if rank is not None:
         structlog.contextvars.bind_contextvars(rank=rank)
     structlog.configure(
-        processors=processors(fmt),
+        processors=chain,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.WriteLoggerFactory(file=writer),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
