@@ -191,7 +191,7 @@ def configure_logging(fmt: Literal["console", "json"] = "console", level: str = 
     """
     writer = LineWriter()
     chain = processors(fmt)
-    handler = logging.StreamHandler(writer)  # type: ignore[arg-type]
+    handler = logging.StreamHandler(writer)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *chain[:-1]],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, chain[-1]]))
