@@ -69,3 +69,25 @@ def test_the_last_line_says_the_stream_stopped(capsys, monkeypatch):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and f"retrying on 127.0.0.1:{port}" in lines[0]
     assert lines[1].startswith("UNAVAILABLE: Socket closed -- ") and lines[1].endswith("(gave up after 1 tries to continue the stream)")
+
+
+def test_a_failed_stream_s_error_starts_a_line_of_its_own(capsys, monkeypatch):
+    """A stream that fails mid-line (its deadline passed): the error is not glued to the streamed text."""
+    class Late(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self):
+            return "Deadline Exceeded"
+
+    def run_generate(args, sampling, reporter):
+        reporter.printed("Once upon a time, he wr")
+        raise Late()
+
+    monkeypatch.setattr(generate_command, "run_generate", run_generate)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    args = cli.build_parser().parse_args(["generate", "--target", "127.0.0.1:7", "--stream", "Hi"])
+    assert cli.run_client_command(args) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("\nDEADLINE_EXCEEDED: Deadline Exceeded"), err  # before: "...he wrDEADLINE_EXCEEDED"

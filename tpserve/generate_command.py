@@ -167,12 +167,13 @@ def generate(args: argparse.Namespace) -> int:
     try:
         result = run_generate(args, sampling, reporter)
     except grpc.RpcError as exc:
+        if reporter.open_line and sys.stdout.isatty() and sys.stderr.isatty():
+            print(file=sys.stderr)  # the streamed text's line is open: the error goes on a line of its own
         if not reporter.moves:
-            raise
+            raise  # tpserve.cli reports it
         from tpserve.client import describe_rpc_error
 
-        glued = reporter.open_line and sys.stdout.isatty() and sys.stderr.isatty()
-        print(f"{chr(10) if glued else ''}{describe_rpc_error(exc, reporter.target, tls=credentials(args).tls)} "
+        print(f"{describe_rpc_error(exc, reporter.target, tls=credentials(args).tls)} "
               f"(gave up after {reporter.moves} tries to continue the stream)", file=sys.stderr)
         return 1
     print_result(args, result)
