@@ -50,6 +50,7 @@ class LoRARegistry:
         self._serial = 0
         self._adapters: dict[str, LoadedAdapter] = {}
         self._reserved: dict[int, str] = {}  # slot -> the name being loaded into it
+        self._dropped: dict[int, LoadedAdapter] = {}  # slot -> a dropped adapter whose requests have not all ended
         for slot, (name, path) in enumerate(adapters, start=1):
             self._adapters[name] = LoadedAdapter(name, path, slot, self._next_key(name))
 
@@ -83,6 +84,21 @@ class LoRARegistry:
     def release(self, adapter: LoadedAdapter) -> None:
         """A request that :meth:`acquire` d ``adapter`` has ended."""
         adapter.requests -= 1
+        if not adapter.requests and self._dropped.get(adapter.slot) is adapter:
+            del self._dropped[adapter.slot]  # its last request ended: the slot may take another adapter
+
+    def drop(self, name: str) -> LoadedAdapter:
+        """Stops serving ``name`` whatever is in flight (a restarted group could not read it again:
+        launch/recovery.py fails its requests); its slot takes no other adapter until they have ended,
+        so that none of them can run on another adapter's weights.
+
+        Raises:
+            KeyError: ``name`` is not served.
+        """
+        adapter = self._adapters.pop(name)
+        if adapter.requests:
+            self._dropped[adapter.slot] = adapter
+        return adapter
 
     async def load(self, name: str, path: str, read: Callable[[int, str], Awaitable[None]]) -> LoadedAdapter:
         """Reserves a free slot, awaits ``read(slot, path)`` (every rank reads the adapter into it), then
@@ -102,7 +118,7 @@ class LoRARegistry:
             raise InvalidArgumentError("path is empty")
         if name in self._adapters or name in self._reserved.values():
             raise AlreadyExistsError(f"lora adapter {name!r} is already served; unload it first")
-        taken = {a.slot for a in self._adapters.values()} | set(self._reserved)
+        taken = {a.slot for a in self._adapters.values()} | set(self._reserved) | set(self._dropped)
         free = [slot for slot in range(1, self.max_loras + 1) if slot not in taken]
         if not free:
             raise ResourceExhaustedError(f"every one of the --max-loras {self.max_loras} adapter slots is taken; "

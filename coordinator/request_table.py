@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from coordinator.errors import InvalidArgumentError, ResourceExhaustedError
+from coordinator.errors import InvalidArgumentError, ResourceExhaustedError, TpserveError
 from coordinator.pushback import queue_full_pushback_ms
 from coordinator.sequence import Sequence
 
@@ -74,12 +74,17 @@ class RequestEntry:
         validated_s: when its validation ended (tokenization, chat template, the coordinator's
             grammar compilation); None before.
         grammar_s: when rank 0 began and ended building its grammar; None without one.
+        lora_slot: its LoRA adapter's worker slot (0: the base model).
+        error: why the server ended it (:meth:`fail`; an adapter lost in a restart), None otherwise;
+            with ``aborted`` set, so that every wait ends, but its samples end with this error, not ABORT.
     """
 
     request_id: str
     tenant: str
     num_samples: int = 1
     aborted: bool = False
+    lora_slot: int = 0
+    error: TpserveError | None = None
     samples: list = field(default_factory=list)
     num_reserved: int = 0
     received_s: float = field(default_factory=time.monotonic)
@@ -95,6 +100,7 @@ class RequestEntry:
 
         Raises:
             RequestAborted: the request was aborted before or while it waited.
+            TpserveError: :attr:`error`, the server ended it (:meth:`fail`).
         """
         task = asyncio.ensure_future(awaitable)
         # The task may fail in the loop iteration in which this wait is cancelled (gRPC cancels the handler
@@ -103,6 +109,7 @@ class RequestEntry:
         task.add_done_callback(_retrieve_exception)
         if self.aborted:
             task.cancel()
+            self.raise_if_failed()
             raise RequestAborted(self.request_id)
         if self._abort_waiter is None:
             self._abort_waiter = asyncio.get_running_loop().create_future()
@@ -112,6 +119,7 @@ class RequestEntry:
             if not task.done():
                 task.cancel()  # aborted, or the handler itself was cancelled
         if not task.done() or task.cancelled():
+            self.raise_if_failed()
             raise RequestAborted(self.request_id)
         return task.result()
 
@@ -120,6 +128,17 @@ class RequestEntry:
         self.aborted = True
         if self._abort_waiter is not None and not self._abort_waiter.done():
             self._abort_waiter.set_result(None)
+
+    def fail(self, error: TpserveError) -> None:
+        """Ends the request with ``error`` wherever it waits (validation, its grammar, a sample not yet queued):
+        as :meth:`abort`, but each wait raises a copy of ``error``, not RequestAborted."""
+        self.error = error
+        self.abort()
+
+    def raise_if_failed(self) -> None:
+        """Raises a copy of :attr:`error` (one per sample: a raised exception collects its traceback) if set."""
+        if self.error is not None:
+            raise type(self.error)(str(self.error))
 
 
 def _retrieve_exception(task: asyncio.Future) -> None:
@@ -188,6 +207,17 @@ class RequestTable:
                     self._release(entry)
                     aborted.append(entry)
         return aborted
+
+    def fail_lora(self, lora_slot: int, error: TpserveError) -> list[RequestEntry]:
+        """Ends every request using the adapter in ``lora_slot`` with ``error`` (:meth:`RequestEntry.fail`) and
+        gives back their queue places; returns them. Touches every request in flight: for the rare adapter
+        lost in a worker group's restart, never on the hot path."""
+        failed = [entry for entries in self._by_id.values() for entry in entries
+                  if entry.lora_slot == lora_slot and not entry.aborted]
+        for entry in failed:
+            entry.fail(error)
+            self._release(entry)
+        return failed
 
     def reserve(self, entry: RequestEntry, waiting: Collection[Sequence], max_queue_len: int) -> None:
         """Takes the queue places of all ``entry.num_samples`` samples at once.

@@ -199,12 +199,22 @@ class Recovery:
     async def _restore_lora_adapters(self, reason: str, timeout_s: float) -> bool:
         """Has the restarted ranks read every adapter served now into its slot again: they start with
         ``--lora-modules``' only, and an adapter loaded while serving (coordinator/lora_admin.py) would
-        otherwise run as the base model. False (the group failed, :meth:`_fail`) when one cannot be."""
+        otherwise run as the base model. An adapter whose files can no longer be read (moved, deleted,
+        rewritten invalid since it was loaded) is dropped: its requests fail with UNAVAILABLE naming it, a
+        request naming it later gets NOT_FOUND, and the base model and every other adapter serve on. False
+        (the group failed, :meth:`_fail`) when the ranks themselves fail while they read one."""
         servicer = self.public.servicer
         for adapter in servicer.loras.served() if servicer is not None else ():
             try:
                 await self.launcher.workers.load_lora(adapter.slot, adapter.path)
-            except (ValueError, WorkerGroupError) as exc:
+            except ValueError as exc:
+                servicer.loras.drop(adapter.name)
+                cause = (f"LoRA adapter {adapter.name!r} could not be read again after the worker group restarted "
+                         f"and is no longer served: {exc}")
+                failed = self.engine.fail_lora_requests(adapter.slot, cause)
+                log.error("lora adapter dropped", name=adapter.name, slot=adapter.slot, path=adapter.path,
+                          error=str(exc), requests_failed=failed)
+            except WorkerGroupError as exc:
                 await self.launcher.stop_ranks()
                 self._fail(reason, timeout_s, f"LoRA adapter {adapter.name!r} could not be read again: {exc}")
                 return False

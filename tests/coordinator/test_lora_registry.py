@@ -79,3 +79,20 @@ def test_lora_off_refuses_loads() -> None:
         _load(LoRARegistry(0), "a", "/a")
     with pytest.raises(NotFoundError, match="served: none \\(start the server with --enable-lora\\)"):
         LoRARegistry(0).acquire("a")
+
+
+def test_a_dropped_adapter_holds_its_slot_until_its_requests_end() -> None:
+    """An adapter a restarted group could not read again (launch/recovery.py) stops being served at once, but
+    its slot takes no other adapter while a request of it is in flight: none may run on another's weights."""
+    registry = LoRARegistry(1, [("a", "/a")])
+    first, second = registry.acquire("a"), registry.acquire("a")
+    assert registry.drop("a") is first and registry.served() == []
+    with pytest.raises(NotFoundError, match="lora_name 'a' is not a served adapter"):
+        registry.acquire("a")
+    registry.release(first)
+    with pytest.raises(ResourceExhaustedError, match="every one of the --max-loras 1 adapter slots is taken"):
+        _load(registry, "b", "/b")
+    registry.release(second)
+    assert _load(registry, "b", "/b") == 1
+    registry.drop("b")  # nothing in flight: the slot is free at once
+    assert _load(registry, "c", "/c") == 1

@@ -13,7 +13,9 @@ never served again) while a second request is one. A tenant's load is PERMISSION
 adapter's requests and tokens under ``lora_name="a"``, none of the base model's, and
 ``vllm:lora_requests_info`` lists ``a`` while a stream uses it. Last, rank 1
 is killed: the restarted group (``--worker-recovery-timeout-seconds``) reads the adapter again,
-and its tokens are still ``peft``'s.
+and its tokens are still ``peft``'s. Then its directory is deleted under a stream using it and rank 1
+is killed again: the adapter is dropped (the stream fails UNAVAILABLE naming it, a new request gets
+NOT_FOUND), the base model serves on, and the adapter loads again from a copy into its freed slot.
 Every stream's largest inter-token gap over the calls stays under 200 ms, or, on a loaded
 host, three times the streams' own largest gap before the calls (the host's noise; as
 tests/e2e/test_structured_output_limits.py): the adapter is read off the step loop.
@@ -22,6 +24,7 @@ tests/e2e/test_structured_output_limits.py): the adapter is read off the step lo
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -34,6 +37,7 @@ import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from tests.e2e.cluster import rank_pids, serve
 from tests.paths import STORIES_DIR, requires_stories
@@ -184,6 +188,21 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
         operator.wait_ready(60)
         seen["after_restart"] = operator.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
                                                   lora_name="a", timeout_s=60)
+        # An adapter whose files are gone when the group restarts is dropped: its stream fails UNAVAILABLE naming
+        # it, and the base model serves on (before: the restart failed, and the server exited).
+        shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
+        lost = operator.generate_stream(PROMPT, max_tokens=200, temperature=0, ignore_eos=True, lora_name="a")
+        lost_chunks = iter(lost)
+        next(lost_chunks)  # running under a
+        shutil.rmtree(tmp_path / "a")
+        os.kill(rank_pids(cluster.process.pid)[1], signal.SIGKILL)
+        seen["lost_stream"] = _outcome(lambda: list(lost_chunks))
+        operator.wait_ready(60)
+        seen["restarts"] = cluster.metric("tpserve:worker_restarts_total")
+        seen["dropped"] = _outcome(generate)
+        seen["base_after_drop"] = operator.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        seen["reload_after_drop"] = operator.load_lora_adapter("a", str(tmp_path / "a_copy"))  # its slot is free
+        seen["reloaded_after_drop"] = generate()
 
     assert seen["tenant_load"][0] == grpc.StatusCode.PERMISSION_DENIED, seen["tenant_load"]
     assert seen["tenant_list"][0] == grpc.StatusCode.PERMISSION_DENIED, seen["tenant_list"]
@@ -202,6 +221,12 @@ def test_adapters_load_and_unload_while_streams_decode(tmp_path: Path) -> None:
     assert seen["reloaded"].token_ids == want
     assert seen["reloaded"].usage.cached_prompt_tokens == 0  # the unloaded adapter's blocks are never served
     assert seen["after_restart"].token_ids == want  # not the base model's: the slot was read again
+    code, details = seen["lost_stream"]
+    assert code == grpc.StatusCode.UNAVAILABLE and "LoRA adapter 'a' could not be read again" in details, details
+    assert seen["restarts"] == 2
+    assert seen["dropped"][0] == grpc.StatusCode.NOT_FOUND, seen["dropped"]
+    assert seen["base_after_drop"].token_ids == _greedy(AutoModelForCausalLM.from_pretrained(base_dir))
+    assert seen["reload_after_drop"] == 1 and seen["reloaded_after_drop"].token_ids == want
     assert seen["again"].token_ids == want and seen["again"].usage.cached_prompt_tokens == 2 * BLOCK_SIZE
     # Per-adapter metrics: the 16 base-model streams are not counted under any adapter.
     requests, tokens = 'tpserve:lora_requests_total{lora_name="a"}', 'tpserve:lora_generation_tokens_total{lora_name="a"}'
