@@ -19,8 +19,12 @@ Usage after a move: the server that continues a stream counts the tokens it was 
 prompt tokens (it computed them as a prompt; it did not generate them) and only its own
 tokens as completion tokens. The mover gives the caller the usage of the completion it
 received instead: those tokens move back from ``prompt_tokens`` to ``completion_tokens``,
-so a moved stream reports what the same stream unmoved would (the servers' own counts, in
-their metrics, are what each computed).
+so a moved stream reports the prompt and completion counts the same stream unmoved would (the
+servers' own counts, in their metrics, are what each computed). ``cached_prompt_tokens`` is the
+continuing server's: how many of the original prompt's tokens it did not compute (its prefix cache
+hits, or the KV moved with the stream), at most the prompt's length. The first server's count is not
+known to the mover (usage comes with a stream's last message only), so it may differ from an unmoved
+stream's.
 """
 
 from __future__ import annotations
