@@ -86,6 +86,11 @@ def read_adapter_config(directory: str | Path, max_rank: int) -> AdapterConfig:
     if config.get("target_parameters"):
         raise ValueError(f"{path}: target_parameters={config['target_parameters']!r} is not supported (LoRA on "
                          "the routed MoE experts' fused weights); target the attention and dense MLP modules")
+    targets = config.get("target_modules") or ()
+    for head in ("lm_head", "embed_tokens"):  # peft saves a full copy of such a base weight beside the A and B
+        if head in (targets if isinstance(targets, list) else str(targets)):
+            raise ValueError(f"{path}: target_modules includes {head!r}: LoRA on the embedding and the output head "
+                             "is not served; target the attention and MLP projections")
     for field_name, unsupported in (("bias", lambda v: v not in (None, "none")), ("use_dora", bool),
                                     ("rank_pattern", bool), ("alpha_pattern", bool)):
         if unsupported(config.get(field_name)):

@@ -133,6 +133,9 @@ def test_adapter_config_scaling(tmp_path: Path) -> None:
     ({"use_dora": True}, "use_dora=True is not supported"),
     ({"bias": "all"}, "bias='all' is not supported"),
     ({"peft_type": "IA3"}, "only LORA adapters are served"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "target_modules includes 'lm_head': LoRA on the embedding and "
+                                                "the output head is not served"),
+    ({"target_modules": ".*(embed_tokens|q_proj)"}, "target_modules includes 'embed_tokens'"),
 ])
 def test_adapter_config_refusals(tmp_path: Path, fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")) as error:
