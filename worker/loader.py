@@ -193,6 +193,23 @@ def _int4_part(name: str, fmt: LayerFormats | None) -> tuple[str, str] | None:
     return None if part is None else (f"{stem}.weight", part)
 
 
+def _check_plain_g_idx(name: str, path: Path, group_size: int) -> None:
+    """A GPTQ layer without ``desc_act``: its stored ``g_idx (K,)`` must be the plain ``k // group_size`` (it is not
+    read). AutoGPTQ's dequantization applies any ``g_idx``; one in act order under a config whose ``desc_act`` is
+    false or unset would be served wrong (as vLLM serves it), so it is refused.
+
+    Raises:
+        ValueError: ``g_idx`` is not ``k // group_size`` (names the tensor).
+    """
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        g_idx = f.get_tensor(name)
+    k = g_idx.numel()
+    plain = torch.arange(k) // (k if group_size == -1 else group_size)
+    if g_idx.dim() != 1 or g_idx.dtype.is_floating_point or not torch.equal(g_idx.long(), plain):
+        raise ValueError(f"{name} is not k // group_size (group_size={group_size}) but quantization_config's desc_act "
+                         "is false or unset: an act-order checkpoint (set desc_act: true) or a corrupt g_idx")
+
+
 def _stored_dtypes(model: CausalLM, files: dict[str, Path]) -> dict[str, set[str]]:
     """Per parameter of this stage's ``model``: the safetensors dtypes (``"BF16"``, ...) of the checkpoint tensors
     it receives, from the files' headers (no data read)."""
@@ -244,9 +261,12 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             zero_points.append(name)  # symmetric int8: checked to be zero, nothing to load
             continue
         int4_part = _int4_part(name, int4)
-        if (int4 is not None and int4_part is not None and int4_part[1] == "g_idx"
-                and not int4.for_layer(stored[name].rpartition(".")[0]).desc_act):
-            continue  # GPTQ writes k // group_size when not act-order: nothing to read
+        if int4 is not None and int4_part is not None and int4_part[1] == "g_idx":
+            layer_fmt = int4.for_layer(stored[name].rpartition(".")[0])
+            if not layer_fmt.desc_act:
+                if layer_fmt.method == "gptq":
+                    _check_plain_g_idx(stored[name], files[name], layer_fmt.group_size)
+                continue  # k // group_size when not act-order: nothing to read
         if int4_part is not None:
             parts[name] = int4_part[1]
         target = model.weight_map(int4_part[0] if int4_part is not None else name)

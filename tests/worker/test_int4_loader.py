@@ -74,6 +74,16 @@ def test_a_missing_g_idx_with_desc_act_is_refused_naming_it(checkpoints: dict[st
         _load(_broken(checkpoints["gptq"], tmp_path / "m", lambda t: t.pop(f"{LAYER}.g_idx")))
 
 
+@pytest.mark.parametrize("config_edit", [lambda qc: qc.update(desc_act=False), lambda qc: qc.pop("desc_act")],
+                         ids=["desc_act-false", "desc_act-unset"])
+def test_an_act_order_g_idx_under_a_config_without_desc_act_is_refused(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                      config_edit) -> None:
+    """Not read, it would be served wrong (before: every token differed from AutoGPTQ's dequantization)."""
+    with pytest.raises(ValueError, match=r"^model\.layers\.\d\.\S+\.g_idx is not k // group_size \(group_size=32\) "
+                                         r"but quantization_config's desc_act is false or unset"):
+        _load(_broken(checkpoints["gptq"], tmp_path / "m", config_edit=config_edit))
+
+
 def test_a_group_size_that_does_not_divide_k_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     broken = _broken(checkpoints["gptq"], tmp_path / "m", config_edit=lambda qc: qc.update(group_size=96))
     with pytest.raises(ValueError, match=r"group_size=96 does not divide the input size \d+ of model.*qweight"):
