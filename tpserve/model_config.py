@@ -73,6 +73,32 @@ class KVCacheSpec:
         return self.first[0] * self.first[1] + self.second[0] * self.second[1]
 
 
+#: Files older quantizers wrote beside ``config.json`` instead of its ``quantization_config``, and the
+#: ``quant_method`` each implies where the file does not say (vLLM reads the same files).
+LEGACY_QUANTIZATION_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def legacy_quantization_config(model_dir: Path) -> dict[str, Any] | None:
+    """The quantization settings an older AutoGPTQ (``quantize_config.json``) or AutoAWQ (``quant_config.json``)
+    checkpoint keeps in a file of their own, as a ``quantization_config`` (its ``quant_method`` filled in where
+    absent); None when there is neither.
+
+    Raises:
+        ValueError: the file is not a JSON object (names it).
+    """
+    for name, method in LEGACY_QUANTIZATION_FILES:
+        path = model_dir / name
+        if path.is_file():
+            try:
+                settings = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{path}: cannot read the quantization settings ({exc})") from None
+            if not isinstance(settings, dict):
+                raise ValueError(f"{path}: the quantization settings are a {type(settings).__name__}, not an object")
+            return {"quant_method": method, **settings}
+    return None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters every served family shares, and the raw config.
@@ -168,7 +194,12 @@ class ModelConfig:
         """
         path = Path(model_dir) / "config.json"
         with path.open(encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+            raw = json.load(f)
+        if isinstance(raw, dict) and "quantization_config" not in raw:
+            legacy = legacy_quantization_config(Path(model_dir))
+            if legacy is not None:
+                raw["quantization_config"] = legacy
+        return cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

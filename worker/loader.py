@@ -193,6 +193,24 @@ def _int4_part(name: str, fmt: LayerFormats | None) -> tuple[str, str] | None:
     return None if part is None else (f"{stem}.weight", part)
 
 
+#: Names of unused checkpoint tensors a refusal lists (a 32-layer GPTQ checkpoint read as float has ~900).
+MAX_NAMES_LISTED = 8
+#: Suffixes of packed quantized tensors (GPTQ, AWQ, compressed-tensors), which a float model does not use.
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".weight_packed", ".g_idx")
+
+
+def unused_weights_message(names: list[str], packed: bool) -> str:
+    """The refusal of checkpoint tensors the model does not use: the first :data:`MAX_NAMES_LISTED` and the count,
+    and, where they are packed quantized tensors but the config declares no quantization (``packed`` False), why."""
+    listed = names[:MAX_NAMES_LISTED] + ([f"... and {len(names) - MAX_NAMES_LISTED} more"]
+                                         if len(names) > MAX_NAMES_LISTED else [])
+    message = f"checkpoint has {len(names)} weights the model does not use: {listed}"
+    if not packed and any(name.endswith(PACKED_SUFFIXES) for name in names):
+        message += ("; they are packed quantized tensors (GPTQ / AWQ / compressed-tensors), but config.json has no "
+                    "quantization_config (nor is there a quantize_config.json or quant_config.json beside it)")
+    return message
+
+
 def _check_plain_g_idx(name: str, path: Path, group_size: int) -> None:
     """A GPTQ layer without ``desc_act``: its stored ``g_idx (K,)`` must be the plain ``k // group_size`` (it is not
     read). AutoGPTQ's dequantization applies any ``g_idx``; one in act order under a config whose ``desc_act`` is
@@ -279,7 +297,7 @@ def load_weights(model: CausalLM, files: dict[str, Path], device: torch.device |
             unexpected.append(name)
         targets[name] = (param_name, shard_id)
     if unexpected:
-        raise ValueError(f"checkpoint has weights the model does not use: {sorted(unexpected)}")
+        raise ValueError(unused_weights_message(sorted(unexpected), packed=int4 is not None or fmt is not None))
     held: list[str] = []
     if int4 is not None:
         held = _hold_unquantized_layers(model, targets, parts)

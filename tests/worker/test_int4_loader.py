@@ -192,3 +192,29 @@ def test_rtn_groups_a_rank_would_cut_are_refused_with_the_way_out() -> None:
                               bias=False, dtype=torch.float32, quantization="int4")
     layer.weight_loader(layer.weight, torch.randn(32, 96))
     assert layer.weight.shape == (32, 16)  # 32 columns, two codes a byte
+
+
+def test_an_autogptq_quantize_config_json_is_read_as_its_quantization_config(checkpoints: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    """Older AutoGPTQ checkpoints keep their settings in quantize_config.json, not config.json (vLLM reads it too):
+    the same tensors load the same; with neither, the refusal says why, listing a few of the packed tensors."""
+    def legacy(directory: Path, keep_file: bool) -> Path:
+        path = _broken(checkpoints["gptq"], directory)
+        config = json.loads((path / "config.json").read_text())
+        settings = config.pop("quantization_config")
+        settings.pop("quant_method")  # AutoGPTQ's file does not say it
+        (path / "config.json").write_text(json.dumps(config))
+        if keep_file:
+            (path / "quantize_config.json").write_text(json.dumps(settings))
+        return path
+
+    want = _load(checkpoints["gptq"]).model.layers[1].self_attn.qkv_proj
+    got = _load(legacy(tmp_path / "legacy", True)).model.layers[1].self_attn.qkv_proj
+    assert torch.equal(got.weight, want.weight) and torch.equal(got.weight_scale, want.weight_scale)
+    with pytest.raises(ValueError) as error:
+        _load(legacy(tmp_path / "none", False))
+    message = str(error.value)
+    assert message.startswith("checkpoint has ") and "... and " in message and len(message) < 1000, message
+    assert message.endswith("they are packed quantized tensors (GPTQ / AWQ / compressed-tensors), but config.json "
+                            "has no quantization_config (nor is there a quantize_config.json or quant_config.json "
+                            "beside it)")
