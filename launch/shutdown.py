@@ -33,6 +33,9 @@ SHUTDOWN_GRACE_SECONDS = ServerConfig.model_fields["shutdown_grace_seconds"].def
 #: Longest shutdown with the default grace: the RPC grace, the nodes' goodbye, then the ranks' SIGTERM grace.
 #: Kubernetes' terminationGracePeriodSeconds must exceed it (tests/cluster/test_k8s.py).
 DRAIN_SECONDS = SHUTDOWN_GRACE_SECONDS + NODES_GOODBYE_SECONDS + WORKER_EXIT_SECONDS
+#: The last share of the grace in which the requests still running are failed with UNAVAILABLE saying why,
+#: so that their statuses go out before gRPC cancels what is left at the grace's end.
+GRACE_CUT_SHARE = 0.05
 
 
 class Shutdown:
@@ -66,10 +69,19 @@ class Shutdown:
                     tasks: list[asyncio.Task | None], launcher: GroupLauncher) -> None:
         """Stops everything in order (see the module docstring); ``tasks``: background tasks to cancel."""
         await public.set_serving(False)
+        cut = None
         if engine is not None:
             engine.drain()
             await public.move_streams_out()  # with --kv-transfer-config: streams move now, with their KV
+            # The requests still running when the grace ends get a status that says why, just before gRPC
+            # cancels every call left with its own "Cancelling all calls".
+            cut = asyncio.get_running_loop().call_later(
+                grace_s * (1 - GRACE_CUT_SHARE), engine.fail_in_flight,
+                f"the server shut down: its --shutdown-grace-seconds ({grace_s:g} s) ended before the request did; "
+                "retry it on another replica")
         await public.stop(grace_s)
+        if cut is not None:
+            cut.cancel()
         await public.kv_holds_ended()  # the ranks serve the holds' pulls until they end
         for task in tasks:
             if task is not None:

@@ -242,6 +242,11 @@ class Engine:
             state.queue.put_nowait(UnavailableError(f"request {state.request_id}: {reason}"))
         return len(failed)
 
+    def fail_in_flight(self, reason: str) -> None:
+        """Fails every request in flight with UNAVAILABLE naming ``reason`` (a shutdown's grace ending); the
+        engine itself stays as it is."""
+        self.active.fail(reason, UnavailableError)
+
     def fail_all(self, reason: str, error: type[TpserveError] = TpserveError) -> None:
         """Marks the engine dead and fails every request in flight: with INTERNAL (a failed
         step, TpserveError's code) or, for a rank that stopped answering, UnavailableError."""
