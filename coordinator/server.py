@@ -122,7 +122,7 @@ class GenerationServicer(LoRAAdminMethods, generate_pb2_grpc.GenerationServicer)
                 self.loras.release(lora)
             raise
         if lora is not None:
-            entry.lora_slot = lora.slot  # a restart that loses the adapter fails it (Engine.fail_lora_requests)
+            entry.lora_slot = lora.slot  # a restart that loses the adapter fails it (launch/recovery.py)
         if tracing.enabled():  # once per request; off: nothing
             entry.trace_context = tracing.extract(context.invocation_metadata())
         return engine, entry, lora

@@ -211,7 +211,7 @@ class Recovery:
                 servicer.loras.drop(adapter.name)
                 cause = (f"LoRA adapter {adapter.name!r} could not be read again after the worker group restarted "
                          f"and is no longer served: {exc}")
-                failed = self.engine.fail_lora_requests(adapter.slot, cause)
+                failed = self.engine.active.fail(cause, UnavailableError, lora_slot=adapter.slot)
                 log.error("lora adapter dropped", name=adapter.name, slot=adapter.slot, path=adapter.path,
                           error=str(exc), requests_failed=failed)
             except WorkerGroupError as exc:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from coordinator.errors import UnavailableError
 from launch.group_launcher import NODES_GOODBYE_SECONDS, GroupLauncher
 from launch.local_ranks import WORKER_EXIT_SECONDS
 from tpserve.config import ServerConfig
@@ -76,9 +77,9 @@ class Shutdown:
             # The requests still running when the grace ends get a status that says why, just before gRPC
             # cancels every call left with its own "Cancelling all calls".
             cut = asyncio.get_running_loop().call_later(
-                grace_s * (1 - GRACE_CUT_SHARE), engine.fail_in_flight,
+                grace_s * (1 - GRACE_CUT_SHARE), engine.active.fail,
                 f"the server shut down: its --shutdown-grace-seconds ({grace_s:g} s) ended before the request did; "
-                "retry it on another replica")
+                "retry it on another replica", UnavailableError)
         await public.stop(grace_s)
         if cut is not None:
             cut.cancel()

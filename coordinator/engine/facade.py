@@ -36,7 +36,7 @@ from coordinator.engine.lifecycle import Lifecycle
 from coordinator.engine.requests import ActiveRequests
 from coordinator.engine.step_loop import StepLoop
 from coordinator.engine_state import EngineState
-from coordinator.errors import DeadlineExceededError, TpserveError, UnavailableError
+from coordinator.errors import DeadlineExceededError, TpserveError
 from coordinator.metrics import Metrics
 from coordinator.request_output import RequestOutput, aborted_output
 from coordinator.request_table import RequestAborted, RequestEntry
@@ -229,23 +229,6 @@ class Engine:
         """Continue on the restarted group ``workers`` (caches allocated, streams open)."""
         self.loop.workers = workers
         self.lifecycle.enter(EngineState.RESUMED)  # until a step succeeds on it
-
-    def fail_lora_requests(self, lora_slot: int, reason: str) -> int:
-        """Fails every request using the adapter in worker slot ``lora_slot`` with UNAVAILABLE naming ``reason``,
-        wherever it is (validating, queued, running, a sample not yet started); the other requests go on. For an
-        adapter a restarted group could not read again (launch/recovery.py). Returns the samples failed in flight.
-        """
-        self.requests.fail_lora(lora_slot, UnavailableError(reason))
-        failed = [state for state in self.active.states.values()
-                  if state.seq.lora_slot == lora_slot and not state.seq.is_finished]
-        for state in failed:  # each handler raises it and forgets its sample, whose blocks are freed
-            state.queue.put_nowait(UnavailableError(f"request {state.request_id}: {reason}"))
-        return len(failed)
-
-    def fail_in_flight(self, reason: str) -> None:
-        """Fails every request in flight with UNAVAILABLE naming ``reason`` (a shutdown's grace ending); the
-        engine itself stays as it is."""
-        self.active.fail(reason, UnavailableError)
 
     def fail_all(self, reason: str, error: type[TpserveError] = TpserveError) -> None:
         """Marks the engine dead and fails every request in flight: with INTERNAL (a failed

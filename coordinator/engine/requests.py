@@ -156,7 +156,19 @@ class ActiveRequests:
             self.gauges.update()
         return num_aborted
 
-    def fail(self, reason: str, error: type[TpserveError]) -> None:
-        """Gives every sample in flight ``error`` (its handler raises it)."""
-        for state in list(self.states.values()):
+    def fail(self, reason: str, error: type[TpserveError], lora_slot: int | None = None) -> int:
+        """Gives every sample in flight ``error`` naming ``reason`` (its handler raises it and forgets the
+        sample, whose blocks are freed); returns how many.
+
+        Args:
+            lora_slot: only the requests using the adapter in this worker slot, wherever they are: validating,
+                queued, running, or a sample not yet started (a restarted group could not read the adapter again:
+                launch/recovery.py); None: every sample in flight (a failed engine, a shutdown's grace ending).
+        """
+        if lora_slot is not None:
+            self.table.fail_lora(lora_slot, error(reason))
+        failed = [state for state in self.states.values()
+                  if lora_slot is None or (state.seq.lora_slot == lora_slot and not state.seq.is_finished)]
+        for state in failed:
             state.queue.put_nowait(error(f"request {state.request_id}: {reason}"))
+        return len(failed)
