@@ -7,8 +7,8 @@ kind froze every stream for half a minute when compiled inside a step), an ``all
 of ``anyOf``s that takes llguidance seconds to build (compiled in a child process,
 killed at the time limit), and choices over the size limit. Each is refused with
 INVALID_ARGUMENT naming its field and limit, the stream's inter-token gap stays under
-200 ms (on a loaded host: three times the stream's own largest gap before the calls) and
-health stays SERVING.
+200 ms (on a loaded host: three times the stream's own largest gap before the calls; a run over
+the bound is measured once more, as a compile on the loop would stall both) and health stays SERVING.
 """
 
 from __future__ import annotations
@@ -42,6 +42,23 @@ def _gap_bound(lead_in_gap: float) -> float:
     """Seconds: the quiet bound, or three times the stream's largest gap before the calls where the host is
     loaded. A compile inside a step stalls the stream for the compile's time, which a loaded host stretches too."""
     return max(QUIET_GAP_S, 3 * lead_in_gap)
+
+
+def _measured(run) -> tuple[list, list[float], list[int], float]:
+    """``run(attempt)`` (:func:`_while_streaming` of a test's calls), run once more if its largest gap passes
+    :func:`_gap_bound`: a grammar built on the event loop or inside a step stalls every run for the build's time,
+    while a loaded host's noise (two test processes and the CI's plain install on 2 cores: a 219 ms gap once,
+    with 8 ms before the calls) seldom strikes twice. Each attempt's schemas must differ (:func:`_fresh`): the
+    compiler caches grammars and refusals, and a cached one would not be built again."""
+    measured = run(0)
+    if max(measured[1]) >= _gap_bound(measured[3]):
+        measured = run(1)
+    return measured
+
+
+def _fresh(schema: dict, attempt: int) -> dict:
+    """``schema`` with a description naming ``attempt``: the same grammar to build, not a cache hit."""
+    return {"description": f"attempt {attempt}", **schema}
 
 
 def _refusal(call) -> tuple[grpc.StatusCode, str]:
@@ -116,10 +133,10 @@ def _while_streaming(client, calls) -> tuple[list, list[float], list[int], float
 
 def test_hostile_schemas_are_refused_while_other_streams_flow(cluster: RunningCluster) -> None:
     client = cluster.client
-    (deep, slow, many), gaps, statuses, lead_in_gap = _while_streaming(client, [
+    (deep, slow, many), gaps, statuses, lead_in_gap = _measured(lambda attempt: _while_streaming(client, [
         lambda: client.generate("Hi", max_tokens=8, json_schema=deep_any_of(200), timeout_s=5),
-        lambda: client.generate("Hi", max_tokens=8, json_schema=multiplying_all_of(11), timeout_s=5),
-        lambda: client.generate("Hi", max_tokens=8, choices=["x" * 300] * 256, timeout_s=5)])
+        lambda: client.generate("Hi", max_tokens=8, json_schema=_fresh(multiplying_all_of(11), attempt), timeout_s=5),
+        lambda: client.generate("Hi", max_tokens=8, choices=["x" * 300] * 256, timeout_s=5)]))
     assert deep == (grpc.StatusCode.INVALID_ARGUMENT,
                     "sampling_params.response_format.json_schema nests 801 levels deep; the limit is 64")
     # Refused at the compile-time limit (1 s) or by llguidance's own limits, whichever comes first here.
@@ -146,8 +163,9 @@ def test_an_accepted_heavy_schema_is_built_before_its_request_is_scheduled(clust
     schema = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"}},
                                     "required": [f"p{i}_{j}"]} for j in range(4)]} for i in range(5)]}
     client = cluster.client
-    (result,), gaps, statuses, lead_in_gap = _while_streaming(client, [
-        lambda: client.generate("Hi", max_tokens=100, temperature=0, json_schema=schema, timeout_s=30)])
+    (result,), gaps, statuses, lead_in_gap = _measured(lambda attempt: _while_streaming(client, [
+        lambda: client.generate("Hi", max_tokens=100, temperature=0, json_schema=_fresh(schema, attempt),
+                                timeout_s=30)]))
     if isinstance(result, tuple):  # refused: only for the host-dependent time limit
         assert result[0] == grpc.StatusCode.INVALID_ARGUMENT and "compile-time limit" in result[1], result
     else:
