@@ -140,10 +140,10 @@ class Recovery:
                                 seconds_left=round(deadline - time.monotonic(), 1))
                 await self.launcher.stop_ranks()
                 if not retry:
-                    self._fail(reason, timeout_s, cause)
+                    self._fail(reason, timeout_s, started, cause)
                     return
                 await asyncio.sleep(RESTART_BACKOFF_SECONDS)
-        if not await self._restore_lora_adapters(reason, timeout_s):
+        if not await self._restore_lora_adapters(reason, timeout_s, started):
             return
         self.watch_liveness()
         self.engine.resume(self.launcher.workers)
@@ -196,7 +196,7 @@ class Recovery:
         except asyncio.TimeoutError:
             raise WorkerGroupError("the restarted ranks did not allocate their KV cache by the deadline") from None
 
-    async def _restore_lora_adapters(self, reason: str, timeout_s: float) -> bool:
+    async def _restore_lora_adapters(self, reason: str, timeout_s: float, started: float) -> bool:
         """Has the restarted ranks read every adapter served now into its slot again: they start with
         ``--lora-modules``' only, and an adapter loaded while serving (coordinator/lora_admin.py) would
         otherwise run as the base model. An adapter whose files can no longer be read (moved, deleted,
@@ -216,13 +216,18 @@ class Recovery:
                           error=str(exc), requests_failed=failed)
             except WorkerGroupError as exc:
                 await self.launcher.stop_ranks()
-                self._fail(reason, timeout_s, f"LoRA adapter {adapter.name!r} could not be read again: {exc}")
+                self._fail(reason, timeout_s, started, f"LoRA adapter {adapter.name!r} could not be read again: {exc}")
                 return False
         return True
 
-    def _fail(self, reason: str, timeout_s: float, cause: str) -> None:
-        """The restart failed: the held requests fail with UNAVAILABLE naming ``cause``, and the leader exits 1."""
-        message = f"the worker group was lost ({reason}) and could not be restarted within {timeout_s:g} s: {cause}"
+    def _fail(self, reason: str, timeout_s: float, started: float, cause: str) -> None:
+        """The restart failed: the held requests fail with UNAVAILABLE naming ``cause``, and the leader exits 1.
+
+        The message gives the seconds the recovery took (since ``started``, ``time.monotonic()``) beside the
+        timeout: a load error ends it in seconds, long before ``timeout_s``, and "within 120 s" would point
+        an operator at the timeout instead of the cause."""
+        message = (f"the worker group was lost ({reason}) and could not be restarted (gave up after "
+                   f"{time.monotonic() - started:.1f} s; --worker-recovery-timeout-seconds {timeout_s:g}): {cause}")
         log.error("worker group recovery failed", error=message)
         self._recovery = None
         self.engine.fail_all(message, UnavailableError)

@@ -289,6 +289,7 @@ class TestHostLoss:
         for result in results:
             assert isinstance(result, grpc.RpcError), result
             assert result.code() == grpc.StatusCode.UNAVAILABLE, result.details()
-            assert f"could not be restarted within {RECOVERY_S} s" in result.details()
+            assert f"; --worker-recovery-timeout-seconds {RECOVERY_S})" in result.details()
+            assert float(result.details().split("gave up after ")[1].split(" s;")[0]) >= RECOVERY_S - 1  # the join waited to the end
             assert "nodes [1] (ranks [2, 3]) did not join" in result.details()
         assert group.leader.wait(30) == 1
