@@ -65,14 +65,31 @@ def llg_tokenizer(model_dir: str | Path, vocab_size: int):
 
 
 def build_matcher(tokenizer, grammar: str):
-    """An ``llguidance.LLMatcher`` of ``grammar`` under :data:`PARSER_LIMITS` (the GIL is released while it builds).
+    """An ``llguidance.LLMatcher`` of ``grammar`` under :data:`PARSER_LIMITS`, its first mask computed (the
+    GIL is released while it builds).
+
+    The first mask is part of the build: llguidance builds its lexer lazily, and the first mask of a
+    pathological regex (``(d{1000}){1000}``: 0.8-1.8 s) is where that work happens. Done here, it
+    happens in the coordinator's compile child, under its time limit, and on rank 0 off the step
+    thread (``PrepareGrammar``); the sequences' matchers are copies that share the built lexer.
 
     Raises:
-        ValueError: llguidance rejects the grammar or a limit is hit; the message is llguidance's.
+        ValueError: llguidance rejects the grammar or a limit is hit (the message is llguidance's), or no
+            token of the vocabulary can start an output the grammar accepts (a regex that matches
+            nothing, text only a special token spells, a schema that only recurses).
     """
     import llguidance
 
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    if not matcher.is_error():
+        mask = bytearray(matcher.compute_bitmask())  # bit i (little-endian): token i allowed
+        for eos in tokenizer.eos_tokens:  # llguidance's eos: an end, allowed only where it accepts
+            mask[eos // 8] &= ~(1 << eos % 8) & 0xFF
+        if not matcher.is_error() and not matcher.is_accepting() and mask.count(0) == len(mask):
+            raise ValueError("no token of the model's vocabulary can start text that the output format accepts")
     if matcher.is_error():
-        raise ValueError(matcher.get_error().strip()[:500])
+        error = matcher.get_error().replace("<non-verbose/>", "").strip()[:500]
+        if error == "NoExtensionBias":  # llguidance's name for a lexer that matches nothing
+            error = f"it accepts no text at all (llguidance: {error})"
+        raise ValueError(error)
     return matcher

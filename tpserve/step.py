@@ -71,6 +71,9 @@ MAX_TOP_LOGPROBS = sampling_fields.MAX_TOP_LOGPROBS
 
 #: A decode chunk's token under async scheduling: "the token this sequence was sampled in the step before".
 PLACEHOLDER_TOKEN_ID = -1
+#: A sampled token in :class:`StepResult`: the sequence's grammar allowed no token at all (a dead end, or
+#: llguidance hit a parser limit: worker/grammar.py); the coordinator fails the request (INVALID_ARGUMENT).
+GRAMMAR_DEAD_END_TOKEN_ID = -2
 
 #: The worker's fields: the table's (``stage != "coordinator"``), then what the coordinator fills in.
 #: ``(name, annotation, default)``; the first four are also positional (temperature, top_k, top_p, seed).

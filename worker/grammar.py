@@ -118,6 +118,12 @@ class GrammarCache:
                 self._pristine[grammar] = pristine
         return pristine.deep_copy()
 
+    def forget(self, grammar: str) -> None:
+        """Drops ``grammar``'s compiled matcher: its copies share the lexer llguidance builds lazily, and one
+        that hit a parser limit leaves it failed for every later copy; the next sequence builds afresh."""
+        with self._lock:
+            self._pristine.pop(grammar, None)
+
 
 class GrammarState:
     """A sequence's matcher and how many of its output tokens it has consumed."""
@@ -130,21 +136,28 @@ class GrammarState:
         """``(V,) bool`` tokens allowed after ``output_tokens`` (all the sequence's outputs so far).
 
         ``stop_ids`` (ids in [0, V)) are allowed if and only if the grammar accepts here;
-        without any (an old coordinator), the checkpoint's eos ids stand in.
+        without any (an old coordinator), the checkpoint's eos ids stand in. No token at all (a dead
+        end: the grammar has no continuation in this vocabulary, or llguidance hit a parser limit,
+        :attr:`error`) is the caller's to report: sampling under an empty mask would pick token 0.
         """
         vocab_size = cache.vocab_size
         stop_ids = list(stop_ids) or cache.eos_token_ids
         for token in output_tokens[self.num_consumed:]:
             self.matcher.consume_token(token)
         self.num_consumed = len(output_tokens)
-        if self.matcher.is_error():  # cannot happen for tokens drawn under the mask; end the sequence
-            mask = np.zeros(vocab_size, dtype=bool)
-            mask[stop_ids] = True
-            return mask
+        if self.matcher.is_error():  # a parser limit hit on the way (the mask allowed the token): a dead end
+            return np.zeros(vocab_size, dtype=bool)
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+        if self.matcher.is_error():  # the mask itself hit a limit: llguidance's mask is then its eos alone
+            return np.zeros(vocab_size, dtype=bool)
         if stop_ids:
             if self.matcher.is_stopped():  # complete: only an end, and only ours (not llguidance's eos)
                 mask[:] = False
             mask[stop_ids] = self.matcher.is_accepting()
         return mask
+
+    @property
+    def error(self) -> str:
+        """llguidance's error once the matcher failed (a parser limit), else ``""``."""
+        return self.matcher.get_error().strip()[:500] if self.matcher.is_error() else ""

@@ -41,10 +41,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import numpy as np
+import structlog
 import torch
 
 from tpserve.step import SamplingParams, ScheduledChunk
 from worker.grammar import GrammarCache, GrammarState
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +339,7 @@ def with_processors(sampling, chunks: Sequence[ScheduledChunk], states: Sequence
     pairs = [(chunk, state) for chunk, state in zip(chunks, states, strict=True) if chunk.sample]
     if not any(state.sampling.uses_logits_controls for _, state in pairs):
         return sampling
-    rows = []
+    rows, dead_ends = [], []
     for chunk, state in pairs:
         allowed = None
         if state.sampling.grammar:
@@ -344,9 +347,22 @@ def with_processors(sampling, chunks: Sequence[ScheduledChunk], states: Sequence
                 state.grammar_state = GrammarState(grammars.matcher(state.sampling.grammar))
             outputs = state.history[state.num_prompt_tokens:chunk.start_position + chunk.num_tokens]
             allowed = state.grammar_state.allowed(outputs, grammars, state.sampling.grammar_stop_ids)
+            if not allowed.any():  # sampled unmasked (an all -inf row would make NaN), reported as a dead end
+                dead_ends.append(len(rows))
+                _dead_end(chunk.seq_id, len(outputs), state.grammar_state, state.sampling.grammar, grammars)
+                allowed = None
         rows.append(SampledRow(state.sampling, state.num_prompt_tokens, chunk.start_position + chunk.num_tokens,
                                state.history, allowed))
-    return dataclasses.replace(sampling, processors=build_processors(rows, device))
+    return dataclasses.replace(sampling, processors=build_processors(rows, device), dead_end_rows=tuple(dead_ends))
+
+
+def _dead_end(seq_id: int, num_outputs: int, grammar_state: GrammarState, grammar: str, grammars: GrammarCache) -> None:
+    """Logs a grammar's dead end (the coordinator fails the request); a failed matcher's grammar is rebuilt
+    for the next sequence (:meth:`GrammarCache.forget`). Neither tokens nor the grammar reach the log."""
+    error = grammar_state.error
+    if error:
+        grammars.forget(grammar)
+    log.warning("grammar allows no token", seq_id=seq_id, num_output_tokens=num_outputs, error=error or None)
 
 
 def extend_history(history: list[int], chunk: ScheduledChunk) -> None:

@@ -46,7 +46,7 @@ import torch
 
 from tpserve.model_config import ModelConfig
 from tpserve.quantization import Quantization
-from tpserve.step import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import GRAMMAR_DEAD_END_TOKEN_ID, NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
 from worker.attention import paged_kernel_available
 from worker.attention_builders import select_metadata_builder
 from worker.cuda_graphs import DecodeGraphs
@@ -397,7 +397,8 @@ class ModelRunner:
         self.last_logits, self.last_spec_logits = out.logits, out.spec_logits
         if out.sampled_token_ids and not out.num_accepted_tokens:  # one token per sampling chunk, in order
             for state, token in zip(compress(states, map(_sample, plan.scheduled)), out.sampled_token_ids):
-                state.last_token = token
+                # A dead end's sequence ends; a step already planned for it (async) must still embed a token.
+                state.last_token = token if token != GRAMMAR_DEAD_END_TOKEN_ID else 0
         return StepResult(step_id=plan.step_id, sampled_token_ids=out.sampled_token_ids, logprobs=out.logprobs,
                           prompt_logprobs=out.prompt_logprobs, num_accepted_tokens=out.num_accepted_tokens,
                           expert_token_counts=expert_token_counts)
@@ -511,11 +512,11 @@ class ModelRunner:
         logprobs = sample_logprobs(logits, tokens, [s.sampling for c, s in zip(chunks, states) if c.sample]) \
             if reporting else ()
         if inputs.spec_rows is None:
-            return StepOutput(tuple(tokens.tolist()), logprobs, scored, (), logits,  # the step's one host copy
-                              num_padding_rows=num_padding_rows)  # (two with logprobs)
+            return StepOutput(_mark_dead_ends(tokens.tolist(), sampling), logprobs, scored, (),  # the step's one
+                              logits, num_padding_rows=num_padding_rows)  # host copy (two with logprobs)
         # Sequences with proposals use no logits control (SamplingParams.allows_speculation).
         spec_tokens = sample_tensors(spec_logits, inputs.spec_sampling)  # (S,)
-        both = torch.cat([tokens, spec_tokens]).tolist()  # one copy for both
+        both = _mark_dead_ends(torch.cat([tokens, spec_tokens]).tolist(), sampling)  # one copy for both
         token_ids, num_accepted = accept_proposals([c for c in chunks if c.sample], both[:num_samples],
                                                    both[num_samples:])
         return StepOutput(token_ids, logprobs, scored, num_accepted, logits, spec_logits, num_padding_rows)
@@ -528,3 +529,11 @@ class ModelRunner:
             num_prompt_tokens=[s.num_prompt_tokens for s in states] if self._dynamic_rope else None,
             sampling_cache=self._sampling_cache,
         )
+
+
+def _mark_dead_ends(token_ids: list[int], sampling) -> tuple[int, ...]:
+    """``token_ids`` with the rows whose grammar allowed no token (``sampling.dead_end_rows``) set to
+    ``GRAMMAR_DEAD_END_TOKEN_ID``: their sampled token means nothing (worker/logits_processors.py)."""
+    for row in sampling.dead_end_rows if sampling is not None else ():
+        token_ids[row] = GRAMMAR_DEAD_END_TOKEN_ID
+    return tuple(token_ids)

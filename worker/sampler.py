@@ -255,6 +255,8 @@ class SamplingTensors:
         any_top_p: host-side hint: some sampled row has ``top_p < 1``.
         unit_temperature: host-side hint: every sampled row has ``temperature == 1`` (the
             division, ``x / 1 == x`` exactly, is skipped).
+        dead_end_rows: the rows whose grammar allows no token (worker/grammar.py): their sampled
+            token means nothing and the step reports ``GRAMMAR_DEAD_END_TOKEN_ID`` instead.
     """
 
     temperature: torch.Tensor
@@ -269,6 +271,7 @@ class SamplingTensors:
     k_max: int | None = None
     any_top_p: bool = True
     unit_temperature: bool = False
+    dead_end_rows: tuple[int, ...] = ()
 
     @classmethod
     def from_params(

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.errors import InvalidArgumentError
 from coordinator.logprobs import TokenLogprob, prompt_token_logprobs, token_logprob
 from coordinator.metrics import Metrics
 from coordinator.output_collector import RequestOutputCollector
@@ -19,6 +20,7 @@ from coordinator.scheduler import Scheduler, TokenOutput
 from coordinator.sequence import FinishReason, Sequence
 from coordinator.stop_strings import StopStringMatcher
 from coordinator.tokenizer import Tokenizer
+from tpserve.step import GRAMMAR_DEAD_END_TOKEN_ID
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +68,13 @@ class OutputProcessor:
         seq = outs[0].seq
         state = self.states.get(seq.seq_id)
         if state is None:
+            return
+        if outs[-1].token_id == GRAMMAR_DEAD_END_TOKEN_ID:  # only a grammar's step, one token: nothing to return
+            self.observe_finished(state, now, FinishReason.ABORT)
+            state.queue.put_nowait(InvalidArgumentError(
+                f"request {state.request_id}: response_format allows no token after {seq.num_output_tokens} generated "
+                f"token{'' if seq.num_output_tokens == 1 else 's'}: this model's vocabulary cannot continue the text it accepts there, or the format is too "
+                "complex to follow (llguidance's parser limits)"))
             return
         prompt_logprobs: tuple[TokenLogprob, ...] = ()
         if state.first_token_time is None:

@@ -112,6 +112,22 @@ def test_the_child_refuses_what_llguidance_refuses_naming_the_field(tokenizer: T
     assert message.startswith("sampling_params.response_format.json_schema is not supported:")
 
 
+@pytest.mark.parametrize(("response_format", "field", "reason"), [
+    (pb.ResponseFormat(regex=r"[^\s\S]"), "regex", "it accepts no text at all"),
+    (pb.ResponseFormat(json_schema='{"$ref": "#"}'), "json_schema", "it accepts no text at all"),  # only recursion
+    # "</s>" is the eos token's text: no ordinary token spells it (the probe's outputs were token 0, <unk>)
+    (pb.ResponseFormat(regex="</s>"), "regex", "no token of the model's vocabulary can start text"),
+    (pb.ResponseFormat(choices=pb.Choices(choices=["</s>"])), "choices", "no token of the model's vocabulary"),
+], ids=["empty-regex", "recursive-schema", "special-token-text", "special-token-choice"])
+def test_a_format_no_token_can_start_is_refused_naming_the_field(
+        tokenizer: Tokenizer, compiler: GrammarCompiler, response_format: pb.ResponseFormat, field: str,
+        reason: str) -> None:
+    """These used to be accepted, and the sampler's argmax over an all ``-inf`` mask returned token 0 as a
+    complete (``stop``) output. The compile child now computes the first mask too (tpserve/llguidance_setup.py)."""
+    message = refusal(tokenizer, request(response_format), grammars=compiler)
+    assert message.startswith(f"sampling_params.response_format.{field} is not supported: {reason}"), message
+
+
 # -- faults 5 and 6: a grammar ends only where it is complete --------------------------------
 
 

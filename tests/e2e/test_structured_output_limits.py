@@ -188,3 +188,21 @@ def test_structured_output_still_works_and_refuses_stop_conditions(cluster: Runn
                             (dict(ignore_eos=True), "sampling_params.ignore_eos")]:
         code, details = _refusal(lambda: cluster.client.generate("Hi", max_tokens=8, choices=["yes", "no"], **sampling))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"{field} cannot be combined"), details
+
+
+def test_a_format_that_dead_ends_fails_with_invalid_argument_and_frees_its_blocks(cluster: RunningCluster) -> None:
+    """A JSON array of 100,000 ``1``s compiles and starts (``[``), then hits llguidance's parser limits: the
+    request used to end ``stop`` with ``[`` as if complete. It now fails with INVALID_ARGUMENT naming
+    response_format, streamed or not, n = 2 too; its blocks come back and the next request is served."""
+    from tests.e2e.stories import wait_all_blocks_free
+
+    huge_array = {"type": "array", "items": {"const": 1}, "minItems": 100000}
+    for call in (lambda: cluster.client.generate("Once upon a time", max_tokens=12, temperature=0, json_schema=huge_array),
+                 lambda: list(cluster.client.generate_stream("Once upon a time", max_tokens=12, temperature=1.0, n=2,
+                                                             seed=3, json_schema=huge_array))):
+        code, details = _refusal(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "response_format allows no token after 1 generated token: " in details, details
+    wait_all_blocks_free(cluster)
+    result = cluster.client.generate("Once upon a time", max_tokens=8, temperature=0, choices=["yes", "no"])
+    assert result.text in ("yes", "no") and result.finish_reason == "stop"

@@ -116,3 +116,47 @@ def test_a_grammar_built_in_the_background_masks_as_one_built_in_the_step(random
     prefetched.prefetch(bad)
     with pytest.raises(ValueError, match="grammar rejected"):
         prefetched.matcher(bad)
+
+
+def test_a_grammar_at_a_dead_end_fails_its_sequence_alone(random_model: Path) -> None:
+    """A format that compiles and starts, then allows no token: a JSON array of 100,000 ``1``s hits llguidance's
+    parser limits after ``[`` (a regex like ``(a{1000}){1000}`` does after its first token). Rank 0 reports
+    ``GRAMMAR_DEAD_END_TOKEN_ID`` for it (not token 0 under an all ``-inf`` mask, which the coordinator took as
+    a complete ``stop``), the scheduler ends it (ABORT: the engine fails the request with INVALID_ARGUMENT)
+    and frees its blocks, a regex request in the same batch completes, and a second request with the dead
+    end's grammar meets the same end (its failed matcher was dropped, not copied)."""
+    from coordinator.block_allocator import BlockAllocator
+    from coordinator.scheduler import Scheduler
+    from coordinator.sequence import FinishReason, Sequence, StopParams
+    from tpserve.step import GRAMMAR_DEAD_END_TOKEN_ID
+    from worker.model_runner import ModelRunner
+    from worker.parallel_state import ParallelContext
+
+    tokenizer = Tokenizer.from_pretrained(random_model)
+    runner = ModelRunner(random_model, ParallelContext.single(), torch.float32, block_size=16)
+    runner.init_kv_cache(num_blocks=64)
+    scheduler = Scheduler(BlockAllocator(64, 16), max_num_seqs=8, max_num_batched_tokens=4096)
+    huge_array = pb.ResponseFormat(json_schema='{"type": "array", "items": {"const": 1}, "minItems": 100000}')
+    seqs = []
+    for seq_id, (response_format, temperature) in enumerate([(huge_array, 0.0), (pb.ResponseFormat(regex=REGEX), 1.0),
+                                                             (huge_array, 1.0)]):
+        params = validate_request(pb.GenerateRequest(text="Once upon a time", sampling_params=pb.SamplingParams(
+            temperature=temperature, seed=seq_id, max_tokens=40, response_format=response_format)), tokenizer, 512, 256)
+        seqs.append(Sequence(seq_id, params.prompt_token_ids, params.sampling,
+                             StopParams(params.max_tokens, tokenizer.eos_token_ids), 256))
+    scheduler.add(seqs[0])
+    scheduler.add(seqs[1])
+    dead_ends = []
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        result = runner.execute(plan)
+        dead_ends += [token for token in result.sampled_token_ids if token == GRAMMAR_DEAD_END_TOKEN_ID]
+        scheduler.update(plan, result)
+        if seqs[0].is_finished and seqs[2].seq_id not in {s.seq_id for s in scheduler.running} \
+                and not seqs[2].is_finished and seqs[2] not in scheduler.waiting:
+            scheduler.add(seqs[2])  # after the first dead end: the grammar cache's entry was dropped
+    assert dead_ends == [GRAMMAR_DEAD_END_TOKEN_ID] * 2
+    assert [seq.finish_reason for seq in seqs] == [FinishReason.ABORT, FinishReason.STOP, FinishReason.ABORT]
+    assert [tokenizer.decode(seqs[i].output_token_ids) for i in (0, 2)] == ["[", "["]  # the dead end's token not kept
+    assert re.fullmatch(REGEX, tokenizer.decode(seqs[1].output_token_ids[:-1]))
+    assert scheduler.allocator.num_free_blocks == 64
