@@ -84,7 +84,7 @@ from coordinator.state_slots import StateSlots
 from coordinator.spec_scheduling import TokenOutput, apply_verified, propose, tokens_per_sample
 from coordinator.scheduler_invariants import cached_blocks_written, check_invariants
 from coordinator.sequence import FinishReason, Sequence, SequenceStatus, scheduled_chunk
-from tpserve.step import GRAMMAR_DEAD_END_TOKEN_ID, NewSequence, ScheduledChunk, StepPlan, StepResult
+from tpserve.step import NewSequence, ScheduledChunk, StepPlan, StepResult
 
 __all__ = ["Scheduler", "TokenOutput"]
 
@@ -438,10 +438,6 @@ class Scheduler:
                 continue
             if seq.num_pending_tokens:
                 seq.num_pending_tokens -= 1
-            if token_id == GRAMMAR_DEAD_END_TOKEN_ID:  # its grammar allowed no token: the request fails
-                self.finish(seq, FinishReason.ABORT)
-                outputs.append(TokenOutput(seq, token_id, FinishReason.ABORT))
-                continue
             reason = seq.append_token(token_id)
             if reason is not None:
                 self.finish(seq, reason)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from coordinator.spec_decode import AdaptiveSpeculation
-from tpserve.step import PLACEHOLDER_TOKEN_ID, SamplingParams, ScheduledChunk
+from tpserve.step import GRAMMAR_DEAD_END_TOKEN_ID, PLACEHOLDER_TOKEN_ID, SamplingParams, ScheduledChunk
 
 
 class SequenceStatus(enum.Enum):
@@ -163,7 +163,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> FinishReason | None:
-        """Appends a sampled token and returns why the sequence stops, if it does."""
+        """Appends a sampled token and returns why the sequence stops, if it does: ABORT, appending nothing, for
+        rank 0's ``GRAMMAR_DEAD_END_TOKEN_ID`` (its grammar allowed no token; the engine fails the request)."""
+        if token_id == GRAMMAR_DEAD_END_TOKEN_ID:
+            return FinishReason.ABORT
         self.output_token_ids.append(token_id)
         if token_id in self.stop.stop_token_ids or (not self.stop.ignore_eos and token_id in self.stop.eos_token_ids):
             return FinishReason.STOP
