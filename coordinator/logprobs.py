@@ -1,10 +1,11 @@
 """Logprobs as the public API returns them: each token with its text, and the top alternatives.
 
 The worker computes the numbers (worker/logprobs.py: the model's raw distribution,
-before temperature, penalties and filters); the coordinator adds each token's text,
-decoded alone with special tokens kept (``"</s>"``), so a client can show the
-alternatives. A token that is part of a multi-byte character decodes to U+FFFD
-alone. No torch.
+before temperature, penalties and filters); the coordinator adds each token's text as it
+reads after other text, its leading space kept (``" there"``) and special tokens as their
+text (``"</s>"``): :meth:`Tokenizer.token_text`, so a client can show the alternatives and
+the texts of a completion's tokens join into its text. A token that is part of a
+multi-byte character reads U+FFFD. No torch.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class TokenLogprob:
 def token_logprob(tokenizer: Tokenizer, token_id: int, sample: SampleLogprobs) -> TokenLogprob:
     """The public form of one sampled token's logprobs."""
     def text(tid: int) -> str:
-        return tokenizer.decode_token(tid, skip_special_tokens=False)
+        return tokenizer.token_text(tid)
 
     top = tuple(TopLogprob(tid, lp, text(tid)) for tid, lp in zip(sample.top_token_ids, sample.top_logprobs, strict=True))
     return TokenLogprob(token_id, sample.logprob, text(token_id), top)
@@ -45,7 +46,7 @@ def prompt_token_logprobs(tokenizer: Tokenizer, prompt_token_ids: list[int],
                           scored: dict[int, tuple[float, tuple[int, ...], tuple[float, ...]]]) -> tuple[TokenLogprob, ...]:
     """The public form of a sequence's prompt logprobs: one per prompt token from the second on."""
     def text(tid: int) -> str:
-        return tokenizer.decode_token(tid, skip_special_tokens=False)
+        return tokenizer.token_text(tid)
 
     out = []
     for position in range(1, len(prompt_token_ids)):

@@ -64,6 +64,8 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}  # decode_token's memo
         self._pair_texts: dict[tuple[int, int], str] = {}  # decode_pair's memo
+        self._context_texts: dict[int, str] = {}  # token_text's memo
+        self._anchor: tuple[int, str] | None | bool = False  # token_text's anchor; False: not looked up yet
         self._post_processor_first, self._post_processor_last = post_processor_tokens(backend)
         self._post_processor_adds_bos = bos_token_id is not None and self._post_processor_first == bos_token_id
         if add_bos_token is None:
@@ -190,6 +192,34 @@ class Tokenizer:
         if text is None:
             text = cache[token_id] = self._backend.decode([token_id], skip_special_tokens=skip_special_tokens)
         return text
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token as it reads after other text, special tokens kept (``"</s>"``): a logprob's text.
+
+        ``decode([id])`` drops a leading space that SentencePiece's decoder strips from the first token
+        (``"there"`` for ``"▁there"``), so two tokens could read alike and a sequence's token texts would not
+        join into its text. Here the token follows an anchor, an ordinary token that reads as ``"a"``:
+        ``decode([anchor, id])[len(decode([anchor])):]`` gives ``" there"``, as OpenAI's and vLLM's logprobs
+        do. A byte of a multi-byte character reads U+FFFD, as alone. Memoized: one entry per id."""
+        text = self._context_texts.get(token_id)
+        if text is None:
+            anchor = self._text_anchor()
+            text = self.decode_token(token_id, skip_special_tokens=False)
+            if anchor is not None:
+                anchor_id, anchor_text = anchor
+                both = self._backend.decode([anchor_id, token_id], skip_special_tokens=False)
+                if both.startswith(anchor_text):  # else the two merged (never seen): the token alone
+                    text = both[len(anchor_text):]
+            self._context_texts[token_id] = text
+        return text
+
+    def _text_anchor(self) -> tuple[int, str] | None:
+        """``(id, text)`` of the token ``"a"`` encodes to, when it is one token with that text; else None."""
+        if self._anchor is False:
+            ids = self._literal.encode("a", add_special_tokens=False).ids
+            text = self.decode_token(ids[0], skip_special_tokens=False) if len(ids) == 1 else ""
+            self._anchor = (ids[0], text) if text == "a" else None
+        return self._anchor
 
     def decode_pair(self, first: int, second: int) -> str:
         """Text of two tokens, as ``decode([first, second])`` (special tokens dropped); memoized.

@@ -44,6 +44,7 @@ def test_penalties_bias_and_min_tokens_after_a_cached_prefix_match_transformers(
     # Logprobs at tp 2: log_softmax of transformers' raw logits, whatever the temperature and penalty.
     raw = torch.log_softmax(logits_of(prompt + sampled.token_ids)[len(prompt) - 1:-1], dim=-1)  # (8, V)
     assert len(sampled.logprobs) == len(sampled.token_ids) == 8
+    assert "".join(lp.text for lp in sampled.logprobs) == sampled.text  # each text as it reads in the text
     for row, (token, lp) in enumerate(zip(sampled.token_ids, sampled.logprobs, strict=True)):
         assert lp.token_id == token and lp.logprob == pytest.approx(float(raw[row, token]), abs=1e-4)
         top = raw[row].topk(4)
