@@ -145,6 +145,46 @@ def test_abort_and_model_info_send_the_same_request_from_both_drivers(ids: tuple
         assert (info.model_name, info.max_model_len) == ("m", 64) and calls[0][0] == "GetModelInfo"
 
 
+def _abort_on_replicas(answers: list[object]) -> list[tuple[object, list[list]]]:
+    """``Calls.abort(["r"], 10.0, replicas)`` over one fake replica per answer, blocking then asyncio: the
+    outcome (the count or the exception) and each replica's calls."""
+    outcomes = []
+    for asynchronous in (False, True):
+        main = FakeStub([], asynchronous)  # the round-robin channel: never used when the replicas are known
+        replicas = [FakeStub([answer], asynchronous) for answer in answers]
+        calls = Calls(main, main, Credentials(api_key="k").metadata, MovePolicy())
+        plan = calls.abort(["r"], 10.0, replicas)
+        try:
+            value = asyncio.run(run_async(plan)) if asynchronous else run_blocking(plan)
+        except grpc.RpcError as exc:
+            value = exc
+        assert main.calls == []
+        outcomes.append((value, [replica.calls for replica in replicas]))
+    return outcomes
+
+
+def test_abort_reaches_every_replica_and_sums_their_counts_on_both_drivers() -> None:
+    # The request runs on the second replica: round-robin would have sent the abort to the first one alone.
+    for num_aborted, calls in _abort_on_replicas([pb.AbortResponse(num_aborted=0), pb.AbortResponse(num_aborted=2),
+                                                  pb.AbortResponse(num_aborted=1)]):
+        assert num_aborted == 3
+        assert calls == [[("Abort", pb.AbortRequest(request_ids=["r"]), 10.0, (("authorization", "Bearer k"),))]] * 3
+
+
+def test_abort_leaves_out_an_unavailable_replica_but_not_a_refusal() -> None:
+    down = RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    for num_aborted, _ in _abort_on_replicas([down, pb.AbortResponse(num_aborted=1)]):
+        assert num_aborted == 1
+    for error, _ in _abort_on_replicas([down, down]):  # no replica answered: the caller must know
+        assert error is down
+    too_many = RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at most 4096")
+    late = RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    for answers, refusal in (([pb.AbortResponse(num_aborted=1), too_many], too_many),
+                             ([late, pb.AbortResponse(num_aborted=1), down], late)):
+        for error, calls in _abort_on_replicas(answers):
+            assert error is refusal and all(len(replica) == 1 for replica in calls)
+
+
 def test_lora_adapter_calls_send_the_same_requests_from_both_drivers() -> None:
     key = (("authorization", "Bearer k"),)
     for slot, calls in _run_both(lambda c: c.load_lora_adapter("a", "/adapters/a", 60.0),

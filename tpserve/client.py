@@ -27,6 +27,7 @@ turns them off). So that it can, a request without a seed gets one from the clie
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from grpc_health.v1 import health_pb2_grpc
 from tpserve.client_calls import Calls, run_async, run_blocking
 from tpserve.client_streams import AsyncGenerateStream, GenerateStream
 from tpserve.credentials import Credentials
+from tpserve.replica_targets import ReplicaStubs, replica_addresses
 from tpserve.request_builder import Prompt, build_request, request_keywords
 from tpserve.results import FINISH_REASON_NAMES, GenerateResult, StreamChunk, Timings, Usage, chunk_of
 from tpserve.service_config import LoadBalancingPolicy, RetryPolicy, channel_options
@@ -104,8 +106,11 @@ def _doc_of(plan: Callable[..., Any]) -> Callable[[F], F]:
 class _ClientBase:
     """The channel, stubs and :class:`Calls` of a client; ``channel`` is blocking or asyncio."""
 
-    def __init__(self, channel: Any, credentials: Credentials, move_policy: MovePolicy) -> None:
+    def __init__(self, channel: Any, target: str, credentials: Credentials, move_policy: MovePolicy,
+                 asynchronous: bool) -> None:
         self.channel = channel
+        self.target = target
+        self._replicas = ReplicaStubs(credentials, asynchronous)  # abort's way to every replica
         self._metadata = credentials.metadata
         self.stub = generate_pb2_grpc.GenerationStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
@@ -145,7 +150,7 @@ class Client(_ClientBase):
         target = with_default_port(target)
         super().__init__(grpc.secure_channel(target, credentials.channel_credentials(), options=options)
                          if credentials.tls else grpc.insecure_channel(target, options=options),
-                         credentials, move_policy)
+                         target, credentials, move_policy, asynchronous=False)
 
     def __enter__(self) -> Client:
         return self
@@ -154,7 +159,8 @@ class Client(_ClientBase):
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls in flight end with CANCELLED."""
+        """Closes the channel (and abort's, one per replica); calls in flight end with CANCELLED."""
+        self._replicas.close()
         self.channel.close()
 
     @_doc_of(Calls.wait_ready)
@@ -178,7 +184,9 @@ class Client(_ClientBase):
 
     @_doc_of(Calls.abort)
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
-        return run_blocking(self._calls.abort(request_ids, timeout_s))
+        addresses = replica_addresses(self.target)
+        replicas = self._replicas.stubs(addresses) if addresses is not None else []
+        return run_blocking(self._calls.abort(request_ids, timeout_s, replicas))
 
     @_doc_of(Calls.load_lora_adapter)
     def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:
@@ -207,7 +215,7 @@ class AsyncClient(_ClientBase):
         target = with_default_port(target)
         super().__init__(grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
                          if credentials.tls else grpc.aio.insecure_channel(target, options=options),
-                         credentials, move_policy)
+                         target, credentials, move_policy, asynchronous=True)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -216,7 +224,9 @@ class AsyncClient(_ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel; calls in flight end with CANCELLED."""
+        """Closes the channel (and abort's, one per replica); calls in flight end with CANCELLED."""
+        for closing in self._replicas.close():
+            await closing
         await self.channel.close()
 
     @_doc_of(Calls.wait_ready)
@@ -241,7 +251,10 @@ class AsyncClient(_ClientBase):
 
     @_doc_of(Calls.abort)
     async def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
-        return await run_async(self._calls.abort(request_ids, timeout_s))
+        # A host name's look-up blocks: off the event loop. The channels are made on the loop (grpc.aio's rule).
+        addresses = await asyncio.to_thread(replica_addresses, self.target)
+        replicas = self._replicas.stubs(addresses) if addresses is not None else []
+        return await run_async(self._calls.abort(request_ids, timeout_s, replicas))
 
     @_doc_of(Calls.load_lora_adapter)
     async def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:

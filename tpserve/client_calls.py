@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -45,13 +46,21 @@ class Invoke:
 
 
 @dataclass(frozen=True, slots=True)
+class InvokeAll:
+    """A step of a plan: make every call of ``invokes`` at once and send the plan the list of their
+    responses, in order, each a response or the call's ``grpc.RpcError`` (never thrown into the plan)."""
+
+    invokes: tuple[Invoke, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Sleep:
     """A step of a plan: wait ``seconds`` (a backoff, a poll interval)."""
 
     seconds: float
 
 
-Plan = Generator[Invoke | Sleep, Any, T]
+Plan = Generator[Invoke | InvokeAll | Sleep, Any, T]
 
 
 def deadline_of(timeout_s: float | None) -> float | None:
@@ -80,6 +89,11 @@ def run_blocking(plan: Plan[T]) -> T:
             if isinstance(step, Sleep):
                 time.sleep(step.seconds)
                 continue
+            if isinstance(step, InvokeAll):
+                # One thread a call: a replica that does not answer costs its deadline once, not once per replica.
+                with ThreadPoolExecutor(max_workers=len(step.invokes)) as pool:
+                    sent = list(pool.map(_call_blocking, step.invokes))
+                continue
             try:
                 sent = step.method(step.request, timeout=step.timeout, metadata=step.metadata)
             except grpc.RpcError as exc:  # the plan decides: move, retry, or let it out
@@ -103,12 +117,31 @@ async def run_async(plan: Plan[T]) -> T:
             if isinstance(step, Sleep):
                 await asyncio.sleep(step.seconds)
                 continue
+            if isinstance(step, InvokeAll):
+                sent = list(await asyncio.gather(*map(_call_async, step.invokes)))
+                continue
             try:
                 sent = await step.method(step.request, timeout=step.timeout, metadata=step.metadata)
             except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
                 error = exc
     finally:
         plan.close()
+
+
+def _call_blocking(step: Invoke) -> Any:
+    """``step``'s response, or its ``grpc.RpcError`` returned (an :class:`InvokeAll` call)."""
+    try:
+        return step.method(step.request, timeout=step.timeout, metadata=step.metadata)
+    except grpc.RpcError as exc:
+        return exc
+
+
+async def _call_async(step: Invoke) -> Any:
+    """:func:`_call_blocking`, awaited."""
+    try:
+        return await step.method(step.request, timeout=step.timeout, metadata=step.metadata)
+    except grpc.RpcError as exc:
+        return exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,11 +243,29 @@ class Calls:
 
         return StreamStart(start(request, timeout_s), mover, start, deadline)
 
-    def abort(self, request_ids: Sequence[str], timeout_s: float | None) -> Plan[int]:
-        """Abort: ends the caller's requests with these ids now, wherever they are (at most 4096 ids a
-        call); the number of samples that were in flight (0: none of the ids is running)."""
+    def abort(self, request_ids: Sequence[str], timeout_s: float | None, replicas: Sequence[Any] = ()) -> Plan[int]:
+        """Abort: ends the caller's requests with these ids now, on every replica of the target (at most
+        4096 ids a call); the number of samples that were in flight, summed over the replicas (0: none of
+        the ids is running). The call goes to every address the target resolves to at once, each with
+        ``timeout_s`` (seconds; None: no deadline): round-robin would send it to one replica, rarely the
+        one running the request (tpserve/replica_targets.py).
+
+        Raises:
+            grpc.RpcError: a replica refused the call for a reason the others share (INVALID_ARGUMENT: more
+                than 4096 ids; UNAUTHENTICATED; DEADLINE_EXCEEDED: a replica did not answer in time, so it
+                may still run the request), or no replica answered (UNAVAILABLE). A replica that is
+                UNAVAILABLE (down, loading, draining) while another answered is left out: no stream of
+                this client runs there.
+        """
         request = pb.AbortRequest(request_ids=request_ids)
-        return (yield Invoke(self.stub.Abort, request, timeout_s, self.metadata)).num_aborted
+        if len(replicas) <= 1:  # one address: the client's own channel reaches it
+            return (yield Invoke(self.stub.Abort, request, timeout_s, self.metadata)).num_aborted
+        answers = yield InvokeAll(tuple(Invoke(stub.Abort, request, timeout_s, self.metadata) for stub in replicas))
+        errors = [answer for answer in answers if isinstance(answer, grpc.RpcError)]
+        refused = [error for error in errors if error.code() != grpc.StatusCode.UNAVAILABLE]
+        if refused or len(errors) == len(answers):
+            raise (refused or errors)[0]
+        return sum(answer.num_aborted for answer in answers if not isinstance(answer, grpc.RpcError))
 
     def load_lora_adapter(self, name: str, path: str, timeout_s: float | None) -> Plan[int]:
         """LoadLoRAAdapter (operator-only with API key roles): serve the PEFT adapter directory ``path``

@@ -1,6 +1,7 @@
 """``abort`` on both clients against a real server (tests/e2e/cluster.py ``serve``, through the shared
 servers): running streams end with finish reason "abort" long before ``max_tokens``, the call counts
-the samples it ended, and an unknown id counts 0. The two clients' parity without a server:
+the samples it ended, and an unknown id counts 0; over two replicas behind one ``ipv4:`` target, the abort
+reaches the replica that runs the stream, whichever that is. The two clients' parity without a server:
 tests/test_client_parity.py.
 """
 
@@ -54,3 +55,32 @@ def test_async_client_abort_ends_several_streams_in_one_call(shared_servers: Sha
     ends = asyncio.run(run())
     assert [reason for reason, _ in ends] == ["abort", "abort"]
     assert all(0 < completion_tokens < MAX_TOKENS for _, completion_tokens in ends)
+
+
+def test_abort_over_two_replicas_ends_the_stream_on_whichever_runs_it(shared_servers: SharedServers) -> None:
+    # Two shared servers that differ only in a flag these streams do not feel (one stream each at a time).
+    first, second = shared_servers.get(None, 1), shared_servers.get(None, 1, "--max-num-seqs", "1")
+    target = f"ipv4:{first.target},{second.target}"
+    with Client(target, move_policy=MovePolicy(max_moves=0)) as client:
+        client.wait_ready(timeout_s=60)
+        # round_robin alternates the calls over the two replicas: a stream, then its abort, would land on
+        # different replicas every time if the abort went over the balanced channel.
+        for trial in range(3):
+            stream = client.generate_stream("Once upon a time", request_id=f"abort-two-{trial}", **STREAM)
+            next(stream)  # running on one of the two
+            assert client.abort(f"abort-two-{trial}") == 1, trial
+            last = list(stream)[-1]
+            assert last.finish_reason == "abort" and 0 < last.usage.completion_tokens < MAX_TOKENS
+
+    async def run() -> list[int]:
+        counts = []
+        async with AsyncClient(target, move_policy=MovePolicy(max_moves=0)) as client:
+            for trial in range(2):
+                stream = client.generate_stream("Once upon a time", request_id=f"abort-two-async-{trial}",
+                                                **STREAM).__aiter__()
+                await stream.__anext__()
+                counts.append(await client.abort(f"abort-two-async-{trial}"))
+                assert [chunk async for chunk in stream][-1].finish_reason == "abort"
+        return counts
+
+    assert asyncio.run(run()) == [1, 1]
