@@ -3,7 +3,8 @@
 Prometheus' /metrics beside it.
 
 It is bound before any rank starts, with the health service NOT_SERVING, so that probes and
-clients get a clear UNAVAILABLE while the model loads; :meth:`PublicServer.attach` hands it the
+clients get a clear UNAVAILABLE while the model loads (the ``liveness`` service answers SERVING all
+along: the process is alive, :data:`LIVENESS_SERVICE`); :meth:`PublicServer.attach` hands it the
 engine once the group is up. SIGHUP re-reads the API keys and the TLS files (:meth:`reload`).
 """
 
@@ -68,6 +69,13 @@ PUBLIC_KEEPALIVE_OPTIONS = [("grpc.keepalive_permit_without_calls", 1), ("grpc.h
 _PUBLIC_SERVER_OPTIONS = [("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000),
                           ("grpc.so_reuseport", 0), *PUBLIC_KEEPALIVE_OPTIONS,
                           ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+#: The health service name that answers "alive" (Kubernetes' liveness probe: ``grpc: {port, service: liveness}``):
+#: SERVING from the moment the port is bound until the process stops, through loading, a worker group's
+#: restart and a drain, because only a process that cannot answer at all (its event loop wedged, which
+#: the probe's timeout sees) is one a restart would help. A restart while the group recovers would throw
+#: away the requests the leader holds for it. Readiness is the service "" (and Generation's name), NOT_SERVING
+#: whenever the group cannot serve (:meth:`PublicServer.set_serving`).
+LIVENESS_SERVICE = "liveness"
 #: Connections the health port (--health-port) accepts at a time: probes and a gateway's checks
 #: need a few; a flood there cannot take the descriptors the public port needs.
 HEALTH_MAX_CONNECTIONS = 64
@@ -142,6 +150,7 @@ class PublicServer:
         if cfg.health_port is not None:
             self._health_server = await self._start_health_port(cfg.host, cfg.health_port, server)
         await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server = server
         self._watch = ConnectionWatch(self.port, self.max_connections, self.metrics)
@@ -240,7 +249,8 @@ class PublicServer:
         set_serving_gc_thresholds()  # young collections every 50,000 allocations (coordinator/gc_policy.py)
 
     async def set_serving(self, serving: bool) -> None:
-        """The health service's answer, for the whole server and for Generation."""
+        """The health service's answer, for the whole server ("") and for Generation: readiness. The
+        liveness service (:data:`LIVENESS_SERVICE`) is not changed: it stays SERVING."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", GENERATION_SERVICE):
             await self.health.set(service, status)

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from launch.local_ranks import WORKER_EXIT_SECONDS
+from launch.public_server import GENERATION_SERVICE, LIVENESS_SERVICE
 from launch.shutdown import NODES_GOODBYE_SECONDS
 from tests.cluster.k8s import (
     LAYOUTS,
@@ -37,6 +38,9 @@ LWS_CRD = SHARED_DIR / "k8s-schemas" / "leaderworkerset.x-k8s.io_leaderworkerset
 #: ScaledObject is a CRD's kind, validated by test_k8s_autoscaling.py.
 AUTOSCALED = {"gpu-llama-8b-hpa": ("gpu-llama-8b", {"HorizontalPodAutoscaler", "ConfigMap"}),
               "gpu-llama-8b-keda": ("gpu-llama-8b", set())}
+
+#: --worker-start-timeout-seconds' default.
+DEFAULT_START_TIMEOUT_S = ClusterConfig().server.worker_start_timeout_seconds
 
 requires_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 
@@ -136,11 +140,20 @@ def test_api_pods_have_grpc_probes_metrics_annotations_and_a_drain_grace(rendere
         # connection cap (docs/design/faults.md, "Silent connections"), and which the container runs with.
         health_port = config.server.health_port
         assert health_port == 50052 and {"name": "health", "containerPort": 50052} in container["ports"]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "readinessProbe"):  # the service "": SERVING once every rank has loaded
             assert container[probe]["grpc"] == {"port": health_port}, probe
+        # Liveness never asks the readiness service: that one is NOT_SERVING while the group restarts (a lost
+        # worker pod, a rank), and the kubelet would restart the leader and drop the requests it holds.
+        liveness = container["livenessProbe"]["grpc"]
+        assert liveness == {"port": health_port, "service": LIVENESS_SERVICE}
+        assert liveness.get("service", "") not in ("", GENERATION_SERVICE)
         startup = container["startupProbe"]
         # Ranks may take --worker-start-timeout-seconds to load: the startup probe must wait at least as long.
         assert startup["periodSeconds"] * startup["failureThreshold"] >= config.server.worker_start_timeout_seconds
+        # A restart of the group loads every rank again: where loading was given longer than the default,
+        # the leader holds its requests that long too.
+        if config.server.worker_start_timeout_seconds > DEFAULT_START_TIMEOUT_S:
+            assert config.server.worker_recovery_timeout_seconds >= config.server.worker_start_timeout_seconds
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "9400"
         assert template["metadata"]["labels"]["tpserve.io/role"] == "api"

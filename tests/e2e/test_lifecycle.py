@@ -82,7 +82,7 @@ def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loa
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "launch.cli", "serve", "--model", str(STORIES_DIR),
                                 "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port)])
-    statuses, early_errors = [], []
+    statuses, early_errors, liveness = [], [], []
     try:
         with Client(f"127.0.0.1:{port}", move_policy=MovePolicy(max_moves=0),
                     retry_policy=RetryPolicy(max_attempts=1)) as client:  # the loading status itself, not retried
@@ -101,10 +101,13 @@ def test_health_is_not_serving_and_requests_unavailable_until_every_rank_has_loa
                     with pytest.raises(grpc.RpcError) as info:
                         client.generate("Hi", max_tokens=2)
                     early_errors.append(info.value)
+                    # Loading is alive: the liveness probe's service answers SERVING from the first answer on.
+                    liveness.append(health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2).status)
                 time.sleep(0.05)
             assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING  # ranks take seconds to load
             assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING
             assert early_errors[0].code() == grpc.StatusCode.UNAVAILABLE and "loading" in early_errors[0].details()
+            assert liveness == [health_pb2.HealthCheckResponse.SERVING]
             assert client.generate("Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
     finally:
         process.send_signal(signal.SIGTERM)

@@ -8,7 +8,9 @@ back (its checkpoint vanished) fails the held requests with UNAVAILABLE naming
 the reason, and the server exits 1. A replacement rank killed while the group restarts
 (docs/design/faults.md, "A second failure during a restart") makes the leader try again at once, or, after the last
 attempt, exit
-within seconds naming the rank, the host and the cause.
+within seconds naming the rank, the host and the cause. While the group restarts, the health port answers
+readiness ("") NOT_SERVING and liveness ("liveness", the manifests' liveness probe) SERVING: a kubelet
+must not restart a leader that holds requests for its group.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.cluster import serve
+from launch.public_server import LIVENESS_SERVICE
+from tests.e2e.cluster import free_port, serve
 from tests.e2e.recovery import MAX_TOKENS, _kill_during_load, _rank_pid, _requests
 from tpserve.embedded_model import default_model_dir
 
@@ -143,3 +147,57 @@ def test_a_restart_that_keeps_failing_exits_within_seconds_naming_rank_host_and_
         assert f"rank 1 on host {socket.gethostname()} was killed by SIGKILL (exit code -9)" in details
         assert "while the group restarted" in details and "restart attempt 3 of 3" in details
         assert exit_s < 15.0
+
+
+def _stop_replacement(server_pid: int, rank: int, killed_pid: int, timeout_s: float = 60.0) -> int:
+    """SIGSTOPs the process of ``rank`` that a restart starts after ``killed_pid``, as soon as it appears: the
+    group then stays in its restart until the test sends SIGCONT. Returns its pid.
+
+    Raises:
+        AssertionError: no replacement appeared within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid = _rank_pid(server_pid, rank)
+        except (LookupError, OSError, ValueError):  # between two launches, or a process just gone
+            pid = None
+        if pid is not None and pid != killed_pid:
+            os.kill(pid, signal.SIGSTOP)
+            return pid
+        time.sleep(0.02)
+    raise AssertionError(f"no replacement of rank {rank} appeared within {timeout_s} s")
+
+
+def test_liveness_stays_serving_while_the_group_restarts_and_readiness_does_not() -> None:
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    health_port = free_port()
+    with serve(None, 2, *RECOVERY, "--health-port", str(health_port)) as cluster, \
+            grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def probe() -> tuple[int, int]:
+            """What the kubelet's readiness and liveness probes see (1 s: their default timeoutSeconds)."""
+            return tuple(health.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status
+                         for service in ("", LIVENESS_SERVICE))
+
+        assert probe() == (serving, serving)
+        stream = cluster.client.generate_stream("Once upon a time", max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                temperature=0)
+        tokens = list(next(stream).token_ids)
+        killed = _rank_pid(cluster.process.pid, 1)
+        os.kill(killed, signal.SIGKILL)
+        replacement = _stop_replacement(cluster.process.pid, 1, killed)
+        try:
+            seen = []
+            for _ in range(5):  # the group is held in its restart meanwhile
+                seen.append(probe())
+                time.sleep(0.5)
+        finally:
+            os.kill(replacement, signal.SIGCONT)
+        assert seen == [(not_serving, serving)] * 5
+        tokens += [token for chunk in stream for token in chunk.token_ids]
+        assert len(tokens) == MAX_TOKENS  # the held request resumed once the group was back
+        cluster.client.wait_ready(timeout_s=30)
+        assert probe() == (serving, serving)
+        assert cluster.metric("tpserve:worker_restarts_total") == 1
