@@ -36,7 +36,7 @@ from tpserve.config import ClusterConfig
 LWS_CRD = SHARED_DIR / "k8s-schemas" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 #: Overlays that add an autoscaler to another: (that overlay, the core kinds they add). KEDA's
 #: ScaledObject is a CRD's kind, validated by test_k8s_autoscaling.py.
-AUTOSCALED = {"gpu-llama-8b-hpa": ("gpu-llama-8b", {"HorizontalPodAutoscaler", "ConfigMap"}),
+AUTOSCALED = {"gpu-llama-8b-hpa": ("gpu-llama-8b", {"HorizontalPodAutoscaler"}),
               "gpu-llama-8b-keda": ("gpu-llama-8b", set())}
 
 #: --worker-start-timeout-seconds' default.
@@ -171,3 +171,10 @@ def test_services_select_only_api_pods_and_a_budget_covers_every_pod(rendered) -
     assert budget["spec"]["selector"]["matchLabels"] == {"app": "tpserve"} and budget["spec"]["maxUnavailable"] == 1
     for _, template, _ in pod_templates(docs):
         assert template["metadata"]["labels"]["app"] == "tpserve"
+
+
+def test_no_object_names_a_namespace(rendered) -> None:
+    # docs/kubernetes.md: `kubectl apply -n NAMESPACE -k OVERLAY` puts everything in NAMESPACE; kubectl refuses
+    # an object whose metadata.namespace differs ("the namespace from the provided object ... does not match").
+    _, docs = rendered
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs if "namespace" in d["metadata"]] == []

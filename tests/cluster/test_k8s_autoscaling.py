@@ -39,8 +39,14 @@ def tpserve_deployment(docs: tuple[dict, ...]) -> dict:
     return deployment
 
 
+@functools.cache
+def adapter_config() -> tuple[dict, ...]:
+    """k8s/prometheus-adapter: the adapter's rule, applied in the adapter's namespace, apart from the overlays."""
+    return tuple(render("k8s/prometheus-adapter"))
+
+
 def adapter_rule() -> dict:
-    (config_map,) = [d for d in by_kind(list(rendered("hpa")), "ConfigMap")
+    (config_map,) = [d for d in by_kind(list(adapter_config()), "ConfigMap")
                      if d["metadata"]["name"] == "tpserve-prometheus-adapter"]
     (rule,) = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
     return rule
@@ -84,7 +90,9 @@ def test_the_hpa_and_the_adapter_config_validate_against_the_kubernetes_schemas(
     assert {d["kind"] for d in docs} == {"Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role",
                                          "RoleBinding", "PersistentVolumeClaim", "Job", "ConfigMap",
                                          "HorizontalPodAutoscaler"}
-    for doc in docs:
+    # The overlay's ConfigMap is the model's (model-pvc); the adapter's rule is not applied with it.
+    assert [d["metadata"]["name"] for d in by_kind(list(docs), "ConfigMap")] == ["tpserve-model"]
+    for doc in docs + adapter_config():
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
     (hpa,) = by_kind(list(docs), "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
@@ -147,3 +155,11 @@ def test_each_keda_trigger_queries_a_gauge_the_server_exports_over_the_deploymen
             assert not re.fullmatch(pods, other), other
     # The HPA's targets, so the two components scale alike.
     assert thresholds == {"tpserve:saturation": 0.8, "tpserve:num_requests_waiting": 4.0}
+
+
+def test_the_adapter_rule_names_no_namespace_so_it_applies_in_the_adapters() -> None:
+    # `kubectl apply -n monitoring -k k8s/prometheus-adapter` refuses an object that names another namespace,
+    # as `kubectl apply -n NAMESPACE -k` of an overlay would refuse one naming monitoring.
+    (config_map,) = adapter_config()
+    assert config_map["kind"] == "ConfigMap" and "namespace" not in config_map["metadata"]
+    assert config_map["metadata"]["name"] == "tpserve-prometheus-adapter"  # the helm install's rules.existing
