@@ -39,6 +39,8 @@ LWS_CRD = SHARED_DIR / "k8s-schemas" / "leaderworkerset.x-k8s.io_leaderworkerset
 AUTOSCALED = {"gpu-llama-8b-hpa": ("gpu-llama-8b", {"HorizontalPodAutoscaler"}),
               "gpu-llama-8b-keda": ("gpu-llama-8b", set())}
 
+#: Where the multi-host pods mount the Secret tpserve-cluster-secret.
+SECRET_DIR = "/etc/tpserve/cluster-secret"
 #: --worker-start-timeout-seconds' default.
 DEFAULT_START_TIMEOUT_S = ClusterConfig().server.worker_start_timeout_seconds
 
@@ -52,8 +54,9 @@ def test_core_kinds_validate_against_the_kubernetes_schemas(rendered) -> None:
     core = [doc for doc in docs if doc["kind"] not in ("LeaderWorkerSet", "ScaledObject")]
     base, autoscaler = AUTOSCALED.get(overlay, (overlay, set()))
     model_pvc = {"PersistentVolumeClaim", "Job", "ConfigMap"} if base in MODEL_PVC_OVERLAYS else set()
+    multi_host = {"NetworkPolicy"} if LAYOUTS[overlay][1] is not None else set()
     assert {doc["kind"] for doc in core} == {"Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role",
-                                             "RoleBinding"} | model_pvc | autoscaler  # + the gateway's
+                                             "RoleBinding"} | model_pvc | autoscaler | multi_host  # + the gateway's
     for doc in core:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
@@ -178,3 +181,42 @@ def test_no_object_names_a_namespace(rendered) -> None:
     # an object whose metadata.namespace differs ("the namespace from the provided object ... does not match").
     _, docs = rendered
     assert [(d["kind"], d["metadata"]["name"]) for d in docs if "namespace" in d["metadata"]] == []
+
+
+def test_multi_host_pods_share_a_cluster_secret_and_only_the_set_reaches_their_group_ports(rendered) -> None:
+    overlay, docs = rendered
+    if LAYOUTS[overlay][1] is None:
+        assert not by_kind(docs, "NetworkPolicy")
+        return
+    # Every pod of a group, leader and workers, reads the same Secret (docs/cluster.md, "Give the group a secret").
+    for role, template, lws_env in pod_templates(docs):
+        if role == "single-host":
+            continue
+        spec = template["spec"]
+        (container,) = spec["containers"]
+        path = parse_container(container, lws_env).parallel.cluster_secret_file
+        assert path == f"{SECRET_DIR}/secret", role
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == SECRET_DIR]
+        assert mount.get("readOnly") is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"] == {"secretName": "tpserve-cluster-secret", "defaultMode": 0o400}
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    (lws,) = by_kind(docs, "LeaderWorkerSet")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    group_labels = policy["spec"]["podSelector"]["matchLabels"]
+    for pod in (template["leaderTemplate"], template["workerTemplate"]):  # it covers every pod of the set
+        assert group_labels.items() <= pod["metadata"]["labels"].items()
+    for _, pod, _ in pod_templates(docs):  # and no single-host pod
+        if pod["metadata"]["labels"].get("tpserve.io/group") == "single-host":
+            assert not group_labels.items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peers, public = policy["spec"]["ingress"]
+    # The set's own pods: every port (the TCPStore and gloo/NCCL's ephemeral ports take no credentials).
+    assert peers == {"from": [{"podSelector": {"matchLabels": group_labels}}]}
+    # Anyone else: the leader's API, health and /metrics ports alone, never the registry, store or rank ports.
+    leader = parse_container(template["leaderTemplate"]["spec"]["containers"][0],
+                             {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0", "LWS_LEADER_ADDRESS": "x"})
+    assert "from" not in public
+    assert {p["port"] for p in public["ports"]} == {leader.server.port, leader.server.health_port,
+                                                     leader.server.metrics_port} == {50051, 50052, 9400}
+    assert leader.parallel.master_port == 29500  # the registry; 29501 the store; 29502+ the ranks: peers only
