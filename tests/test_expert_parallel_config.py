@@ -56,6 +56,10 @@ def test_divisible_expert_counts_are_accepted() -> None:
      "tensor-parallel only"),
     (_config("Llama4ForCausalLM", "llama4_text", num_local_experts=4, num_experts_per_tok=1), 2,
      "--enable-expert-parallel is not supported for Llama4ForCausalLM"),
+    # Refused before any rank starts (a rank's refusal came once per rank, after loading, exit code 1)
+    (_config("NemotronHForCausalLM", "nemotron_h", n_routed_experts=8, num_experts_per_tok=2,
+             hybrid_override_pattern="*E"), 2,
+     "--enable-expert-parallel is not supported for NemotronHForCausalLM: its squared-ReLU experts"),
 ])
 def test_unservable_combinations_are_refused_in_one_line(config: ModelConfig, tp: int, message: str) -> None:
     with pytest.raises(ValueError) as error:

@@ -21,6 +21,7 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "mo
 NOT_EXPERT_PARALLEL = {
     "GptOssForCausalLM": "its stacked, biased experts are split tensor-parallel only",
     "Llama4ForCausalLM": "its fused expert tensors are split tensor-parallel only",
+    "NemotronHForCausalLM": "its squared-ReLU experts are split tensor-parallel only",
 }
 
 

@@ -35,8 +35,9 @@ from typing import Any, TypeVar
 from tpserve.hybrid_layers import (default_hybrid_layer_types, hybrid_layer_types, hybrid_num_layers,
                                    state_layer_types, stateless_layer_types)
 from tpserve.model_config_rules import check_config
-from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_ARCHITECTURES,
-                                    PARTIAL_ROTARY_DEFAULTS, resolve_architecture, ties_word_embeddings_by_default)
+from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_ARCHITECTURES, NEVER_TIED,
+                                    PARTIAL_ROTARY_DEFAULTS, SLIDING_WINDOW_RULES, resolve_architecture,
+                                    ties_word_embeddings_by_default)
 from tpserve.quantization import Quantization, checkpoint_quantization
 from tpserve.rope_config import config_value, parse_layer_rope, parse_rope
 
@@ -245,7 +246,8 @@ class ModelConfig:
             max_position_embeddings=max_position_embeddings,
             sliding_window=sliding_window,
             layer_types=layer_types,
-            tie_word_embeddings=bool(config_value(raw, "tie_word_embeddings", ties_word_embeddings_by_default(architecture))),
+            tie_word_embeddings=architecture not in NEVER_TIED and bool(
+                config_value(raw, "tie_word_embeddings", ties_word_embeddings_by_default(architecture))),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -404,32 +406,65 @@ def _parse_attention_windows(
 ) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` from the standard keys; see :class:`ModelConfig`.
 
-    ``chunked``: the family accepts :data:`CHUNKED_ATTENTION` layers too; a hybrid ``architecture``
-    its state layer kinds (tpserve/hybrid_layers.py).
+    The window is read only by the families of :data:`~tpserve.model_registry.SLIDING_WINDOW_RULES`, and on the
+    layers their rule names, as ``transformers`` does: a ``sliding_window`` key in another family's config
+    (DeepSeek V3, GLM-4.5, MiniMax-M2 ...) is ignored, as their attention ignores it. ``chunked``: the family
+    accepts :data:`CHUNKED_ATTENTION` layers too; a hybrid ``architecture`` its state layer kinds
+    (tpserve/hybrid_layers.py).
 
     Raises:
-        ValueError: a malformed ``layer_types`` or ``sliding_window``.
+        ValueError: a malformed ``layer_types``, ``sliding_window`` or ``no_rope_layers``.
     """
-    window = raw.get("sliding_window")
-    if raw.get("use_sliding_window") is False or (window is not None and window >= max_position_embeddings):
-        window = None  # Qwen2/Qwen3 switch the window off; a window covering every position is full attention
+    rule, default_window = SLIDING_WINDOW_RULES.get(architecture, (None, None))
+    window = raw.get("sliding_window", default_window)
+    gated = rule in ("qwen2", "qwen2_moe", "qwen3_moe", "smollm3")  # the window needs use_sliding_window
+    if rule is None or (gated and not raw.get("use_sliding_window")) \
+            or (window is not None and window >= max_position_embeddings):
+        window = None  # none read, switched off, or covering every position: full attention
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"config.json sliding_window={window!r} must be a positive integer")
-    layer_types = (hybrid_layer_types(raw, architecture) or raw.get("layer_types")
-                   or default_hybrid_layer_types(raw, architecture, num_hidden_layers))
-    if layer_types is None and raw.get("use_sliding_window") and window is not None:
-        first = raw.get("max_window_layers", num_hidden_layers)  # Qwen2Config's rule
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_hidden_layers)]
+    layer_types = hybrid_layer_types(raw, architecture) or (
+        raw.get("layer_types") if rule not in ("all", "qwen3_moe") else None) or _window_layer_types(
+        raw, rule, window, num_hidden_layers) or default_hybrid_layer_types(raw, architecture, num_hidden_layers)
     if layer_types is None:
         layer_types = ["sliding_attention" if window is not None else "full_attention"] * num_hidden_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_hidden_layers:
-        raise ValueError(f"config.json layer_types must list one type per layer ({num_hidden_layers})")
+        named = next((key for key in ("layer_types", "layers_block_type", "hybrid_override_pattern") if key in raw),
+                     "layer_types")
+        raise ValueError(f"config.json {named} must give one type per layer (num_hidden_layers={num_hidden_layers}), "
+                         f"got {len(layer_types) if isinstance(layer_types, (list, str)) else repr(layer_types)}")
+    if window is None:  # a sliding layer without a window attends to everything (transformers' sliding_window None)
+        layer_types = ["full_attention" if t == "sliding_attention" else t for t in layer_types]
     hybrid = state_layer_types(architecture) | stateless_layer_types(architecture)
     known = LAYER_TYPES + ((CHUNKED_ATTENTION,) if chunked else ()) + tuple(sorted(hybrid))
     unknown = sorted({t for t in layer_types if t not in known})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; expected {known}")
     return window, tuple(layer_types)
+
+
+def _window_layer_types(raw: dict[str, Any], rule: str | None, window: int | None,
+                        num_hidden_layers: int) -> list[str] | None:
+    """The sliding layers of a Qwen or SmolLM3 rule (:data:`~tpserve.model_registry.SLIDING_WINDOW_RULES`), as
+    their ``transformers`` configs derive ``layer_types``; None for the other rules or without a window.
+
+    Raises:
+        ValueError: SmolLM3's ``no_rope_layers`` is not one 0 or 1 per layer.
+    """
+    if window is None or rule not in ("qwen2", "qwen2_moe", "smollm3"):
+        return None
+    first = raw.get("max_window_layers", 28)  # Qwen2Config's default
+    if rule == "qwen2":
+        slides = [i >= first for i in range(num_hidden_layers)]
+    elif rule == "qwen2_moe":
+        slides = [(i + 1) % 2 == 1 and i < first for i in range(num_hidden_layers)]
+    else:
+        interval = raw.get("no_rope_layer_interval", 4)
+        no_rope = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_hidden_layers)]
+        if not isinstance(no_rope, list) or len(no_rope) != num_hidden_layers:
+            raise ValueError(f"config.json no_rope_layers must give one 0 or 1 per layer ({num_hidden_layers})")
+        slides = [not uses_rope for uses_rope in no_rope]
+    return ["sliding_attention" if slide else "full_attention" for slide in slides]
 
 
 def _parse_rotary_dim(raw: dict[str, Any], architecture: str, head_dim: int) -> int | None:

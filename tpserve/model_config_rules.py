@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tpserve.model_registry import SLIDING_WINDOW_RULES
+
 
 @dataclass(frozen=True)
 class Check:
@@ -130,6 +132,11 @@ _EXAONE4_PATTERN = Check(lambda v: (_is_int(v) and v >= 1) or (isinstance(v, str
                          "a positive integer (every n-th layer global) or a string of 'L' (local) and 'G' (global)")
 #: Multi-head latent attention (DeepSeek V2/V3, Kimi K2; worker/layers/mla.py), with DeepSeek V3's MoE keys.
 _DEEPSEEK_V3: dict[str, Check] = {
+    # V3's router (sigmoid scores, bias-corrected group top-k); transformers ignores both keys and routes so
+    # whatever they say: a checkpoint naming V2's softmax or greedy routing would be served another router.
+    "scoring_func": Check(lambda v: v == "sigmoid", '"sigmoid" (DeepSeek V3\'s routing; V2\'s softmax is not served)'),
+    "topk_method": Check(lambda v: v == "noaux_tc",
+                         '"noaux_tc" (DeepSeek V3\'s bias-corrected group routing; V2\'s greedy methods are not served)'),
     "kv_lora_rank": POSITIVE_INT,
     "q_lora_rank": POSITIVE_INT,  # null: a full-rank q_proj
     "qk_rope_head_dim": EVEN_INT,
@@ -355,8 +362,8 @@ def check_config(raw: Mapping[str, Any], architecture: str) -> None:
         ValueError: one line naming the first bad field and its value.
     """
     rules = {**MODEL_RULES, **FAMILY_RULES.get(architecture, {})}
-    if raw.get("use_sliding_window") is False:  # the window is not read (transformers writes 0 or null there)
-        rules.pop("sliding_window")
+    if raw.get("use_sliding_window") is False or architecture not in SLIDING_WINDOW_RULES:
+        rules.pop("sliding_window")  # the window is not read (transformers writes 0 or null there, or ignores it)
     ignored = FAMILY_IGNORED.get(architecture, ())
     raw = {key: value for key, value in raw.items() if key not in ignored}
     check_fields(raw, rules)

@@ -79,6 +79,35 @@ TIED_BY_DEFAULT = frozenset({"CohereForCausalLM", "Ernie4_5_MoeForCausalLM", "Ge
                              "Lfm2ForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"})
 
 
+#: Architectures whose ``transformers`` model never ties its LM head to the embedding, whatever
+#: ``tie_word_embeddings`` says (NemotronHForCausalLM's ``_tied_weights_keys`` is empty): the head is the
+#: checkpoint's ``lm_head.weight``.
+NEVER_TIED = frozenset({"NemotronHForCausalLM"})
+
+#: How each architecture that reads ``sliding_window`` applies it, as its ``transformers`` config and model do,
+#: and the window its config class assumes where config.json has no ``sliding_window`` key (an explicit null
+#: is no window); every other family ignores the key (DeepSeek V3, GLM-4.5, MiniMax-M2, ERNIE 4.5, Llama,
+#: Nemotron-H, ...: their configs may carry it, their attention never reads it), and so do we. Rules:
+#:
+#: - ``"all"``: every layer slides;
+#: - ``"qwen2"``: only with ``use_sliding_window`` (default false), layers from ``max_window_layers`` (default 28) on;
+#: - ``"qwen2_moe"``: only with ``use_sliding_window``, even-numbered layers (0, 2, ..) below ``max_window_layers``;
+#: - ``"qwen3_moe"``: only with ``use_sliding_window``, every layer (Qwen3MoeConfig has no ``max_window_layers``);
+#: - ``"smollm3"``: only with ``use_sliding_window``, the layers without RoPE (``no_rope_layers[i] == 0``);
+#: - ``"layer_types"``: the layers ``layer_types`` (or the family's default pattern, its model file) names.
+#:
+#: An explicit ``layer_types`` in config.json is followed by every rule but ``"all"`` and ``"qwen3_moe"``.
+SLIDING_WINDOW_RULES: dict[str, tuple[str, int | None]] = {
+    "MistralForCausalLM": ("all", 4096), "MixtralForCausalLM": ("all", None), "Phi3ForCausalLM": ("all", None),
+    "Starcoder2ForCausalLM": ("all", None),
+    "Qwen2ForCausalLM": ("qwen2", 4096), "Qwen3ForCausalLM": ("qwen2", 4096), "Qwen2MoeForCausalLM": ("qwen2_moe", 4096),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", 4096), "SmolLM3ForCausalLM": ("smollm3", None),
+    "Gemma2ForCausalLM": ("layer_types", 4096), "Gemma3ForCausalLM": ("layer_types", 4096),
+    "GptOssForCausalLM": ("layer_types", 128), "Olmo3ForCausalLM": ("layer_types", 4096),
+    "Exaone4ForCausalLM": ("layer_types", 4096),
+}
+
+
 #: Architectures that rotate only the first ``rotary_dim`` dimensions of each head (partial RoPE,
 #: worker/layers/partial_rotary.py), with their ``transformers`` default ``partial_rotary_factor``;
 #: every other family refuses a factor below 1 at start-up.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tpserve.model_config import ModelConfig
+from tpserve.model_config import ModelConfig, _parse_attention_windows
 
 
 def _llama(**overrides: object) -> dict:
@@ -98,8 +98,8 @@ def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
         ({"rope_scaling": {"rope_type": "dynamic"}}, ["dynamic", "factor"]),
         ({"partial_rotary_factor": 0.75}, ["partial_rotary_factor=0.75"]),  # Phi-4-mini's place for it
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["llama3", "low_freq_factor"]),
-        ({"sliding_window": 0}, ["sliding_window=0"]),
-        ({"layer_types": ["full_attention"] * 4}, ["layer_types", "(5)"]),
+        ({"sliding_window": 0, "architectures": ["MistralForCausalLM"]}, ["sliding_window=0"]),
+        ({"layer_types": ["full_attention"] * 4}, ["layer_types", "num_hidden_layers=5", "got 4"]),
         ({"layer_types": ["linear_attention"] * 5}, ["'linear_attention'"]),
         ({"vocab_size": None}, ["vocab_size"]),
     ],
@@ -124,9 +124,44 @@ def test_sliding_windows_per_layer_follow_transformers_defaults() -> None:
     qwen = ModelConfig.from_dict(_llama(model_type="qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=8,
                                         use_sliding_window=True, max_window_layers=3))
     assert [qwen.layer_sliding_window(i) for i in range(5)] == [None, None, None, 8, 8]
-    listed = ModelConfig.from_dict(_llama(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2
-                                          + ["sliding_attention"]))
+    listed = ModelConfig.from_dict(_llama(architectures=["Qwen2ForCausalLM"], sliding_window=8, use_sliding_window=True,
+                                          layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]))
     assert [listed.layer_sliding_window(i) for i in range(5)] == [8, None, 8, None, 8]
+
+
+@pytest.mark.parametrize(("architecture", "extra", "want"), [
+    # Qwen3-MoE: every layer once switched on; max_window_layers is Qwen2's and Qwen3's key, not its own
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True, max_window_layers=1), [8] * 5),
+    ("Qwen3MoeForCausalLM", {}, [None] * 5),  # use_sliding_window absent: Qwen3MoeConfig's default is off
+    ("Qwen2ForCausalLM", {}, [None] * 5),
+    ("Qwen2MoeForCausalLM", dict(use_sliding_window=True, max_window_layers=4), [8, None, 8, None, None]),
+    ("SmolLM3ForCausalLM", dict(use_sliding_window=True, no_rope_layers=[1, 1, 0, 1, 0]), [None, None, 8, None, 8]),
+    ("SmolLM3ForCausalLM", dict(no_rope_layers=[1, 1, 0, 1, 0]), [None] * 5),
+    # Families whose attention never reads the key: a converted config that carries it changes nothing
+    ("DeepseekV3ForCausalLM", {}, [None] * 5), ("Glm4MoeForCausalLM", {}, [None] * 5),
+    ("MiniMaxM2ForCausalLM", {}, [None] * 5), ("Ernie4_5_MoeForCausalLM", {}, [None] * 5),
+    ("LlamaForCausalLM", dict(layer_types=["sliding_attention"] * 5), [None] * 5),
+    ("Phi3ForCausalLM", {}, [8] * 5), ("MistralForCausalLM", {}, [8] * 5),
+])
+def test_a_sliding_window_applies_where_transformers_applies_it(architecture: str, extra: dict, want: list) -> None:
+    """The probe's faults: Qwen3-MoE windowed by Qwen2's max_window_layers rule, or with use_sliding_window absent,
+    and families with no sliding window (DeepSeek V3, GLM-4.5, MiniMax-M2, ERNIE 4.5) windowing every layer when
+    their config carried the key: tokens differed from transformers' from the first one. The rules are
+    transformers' config classes' (tpserve/model_registry.py SLIDING_WINDOW_RULES)."""
+    assert _windows(architecture, {**_llama(), "sliding_window": 8, **extra}) == want
+
+
+def test_a_family_window_default_applies_where_config_json_has_no_key() -> None:
+    """MistralConfig's 4096 (as transformers loads a config without the key); an explicit null is no window."""
+    assert _windows("MistralForCausalLM", _llama(max_position_embeddings=8192)) == [4096] * 5
+    assert _windows("MistralForCausalLM", {**_llama(max_position_embeddings=8192), "sliding_window": None}) == [None] * 5
+
+
+def _windows(architecture: str, raw: dict) -> list[int | None]:
+    """Each layer's window as ``architecture`` reads ``raw`` (the parser alone: the families' other keys aside)."""
+    window, layer_types = _parse_attention_windows(raw, raw["num_hidden_layers"], raw["max_position_embeddings"],
+                                                   architecture=architecture)
+    return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
 
 
 def test_rope_nested_by_layer_type_is_kept_per_type() -> None:

@@ -159,6 +159,10 @@ BAD_VALUES = [
      {"n_group": 1, "topk_group": 1, "n_routed_experts": 8, "num_experts_per_tok": 9},
      "num_experts_per_tok=9, n_routed_experts=8: num_experts_per_tok must be at most n_routed_experts"),
     ("dsv3-routed-scaling-0", "DeepseekV3ForCausalLM", {"routed_scaling_factor": 0}, "routed_scaling_factor=0 must be"),
+    # DeepSeek V2's routers under V3's architecture name: served as V3's sigmoid router before (as transformers does)
+    ("dsv3-softmax-scores", "DeepseekV3ForCausalLM", {"scoring_func": "softmax"},
+     'scoring_func="softmax" must be "sigmoid"'),
+    ("dsv3-greedy-top-k", "DeepseekV3ForCausalLM", {"topk_method": "greedy"}, 'topk_method="greedy" must be "noaux_tc"'),
 ]
 
 
@@ -178,6 +182,8 @@ def test_nonsense_is_refused_naming_the_field_and_value(architecture: str, overr
     ("Qwen2MoeForCausalLM", {"num_experts": 0, "num_experts_per_tok": 4}),  # 0 experts: every layer dense
     ("Gemma2ForCausalLM", {"final_logit_softcapping": None}),  # null: no soft-capping
     ("Qwen2MoeForCausalLM", {"use_sliding_window": False, "sliding_window": 0}),  # switched off: not read
+    ("Glm4MoeForCausalLM", {"sliding_window": 0}),  # a family that never reads the key (transformers ignores it)
+    ("DeepseekV3ForCausalLM", {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}),  # V3's, as published
     ("LlamaForCausalLM", {"num_experts_per_tok": "x"}),  # a key Llama does not read is not checked
     ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 1, 1, 0]}),
     ("SmolLM3ForCausalLM", {"no_rope_layers": [True, True, True, False]}),  # booleans are 1 and 0 to transformers
