@@ -223,3 +223,8 @@ def test_tie_word_embeddings_defaults_to_the_familys() -> None:
     assert ModelConfig.from_dict(_config("Olmo3ForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("LlamaForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_dict(_config("Gemma2ForCausalLM", tie_word_embeddings=False)).tie_word_embeddings is False
+    # Nemotron-H's model never ties (transformers' NemotronHForCausalLM: empty _tied_weights_keys), whatever the key
+    # says: a config with true and its own lm_head.weight was served from the embedding, tokens off from the first.
+    nemotron = _config("NemotronHForCausalLM", tie_word_embeddings=True, hybrid_override_pattern="M*M-",
+                       hidden_act=None, mlp_hidden_act="relu2")
+    assert ModelConfig.from_dict(nemotron).tie_word_embeddings is False
