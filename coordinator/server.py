@@ -180,7 +180,9 @@ class GenerationServicer(LoRAAdminMethods, generate_pb2_grpc.GenerationServicer)
                 return
             if n == 1:  # the common case: no task of generate_n's in between
                 moves = self.moves  # --kv-transfer-config: a moved stream carries its KV (kv_transfer/stream_moves.py)
-                held = await moves.pull_moved_in(engine, params, context.invocation_metadata()) if moves else None
+                held = None
+                if moves is not None:
+                    held, params = await moves.pull_moved_in(engine, params, context.invocation_metadata())
                 try:
                     if moves is not None:
                         moves.track(entry)

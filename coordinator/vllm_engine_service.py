@@ -31,6 +31,7 @@ No torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import io
 import json
@@ -148,8 +149,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         held = HeldBlocks()
         connector = self.kv_connector
         if connector is not None and kv is not None and kv.do_remote_prefill:
-            # Before it is queued: the pulled blocks are then a prefix-cache hit (coordinator/kv_transfer/connector.py).
+            # Before it is queued: the pulled blocks are then a prefix-cache hit (coordinator/kv_transfer/connector.py),
+            # in the namespace the pull says (the request's own, or its own alone without a cluster secret).
             held = await connector.pull(engine.scheduler, list(params.prompt_token_ids), params.cache_namespace, kv)
+            if held.namespace is not None:
+                params = dataclasses.replace(params, cache_namespace=held.namespace)
         try:
             async for response in self._outputs(engine, entry, request, params, n, interval, context, kv):
                 yield response

@@ -54,6 +54,7 @@ class GroupLauncher:
         max_model_len: the resolved longest sequence, which every node must share.
         log_format: the ranks' log format.
         on_lost: called with the reason when a local rank exits or a node leaves a sealed group.
+        kv_control_key: the group's KV control key, handed to the local ranks (``--kv-transfer-config``).
 
     Attributes:
         workers: the coordinator's client of every rank, once launched.
@@ -61,14 +62,15 @@ class GroupLauncher:
     """
 
     def __init__(self, config: ClusterConfig, model_dir: Path, layout: GroupLayout, secret: str | None,
-                 max_model_len: int, log_format: str, on_lost: Callable[[str], object]) -> None:
+                 max_model_len: int, log_format: str, on_lost: Callable[[str], object],
+                 kv_control_key: str | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.layout = layout
         self.secret = secret
         self.max_model_len = max_model_len
         self.on_lost = on_lost
-        self.ranks = LocalRanks(config, model_dir, layout, log_format)
+        self.ranks = LocalRanks(config, model_dir, layout, log_format, kv_control_key)
         self.registry: NodeRegistry | None = None
         self.workers: WorkerGroup | None = None
         self._registry_server: grpc.aio.Server | None = None

@@ -41,6 +41,7 @@ from launch.startup import (StartupError, check_hybrid_combinations, model_dir_o
                             read_model_config)
 from launch.topology import GroupLayout
 from tpserve.config import ClusterConfig
+from tpserve.kv_wire import new_control_key
 from tpserve.sched_policy import set_policy
 
 log = structlog.get_logger(__name__)
@@ -101,8 +102,13 @@ class Leader:
         self.shutdown = Shutdown()
         self.public = PublicServer(config, self.model_dir, self.model_config, self.max_model_len, self.tokenizer,
                                    self.metrics)
+        # Hold, release and pull come only from this coordinator: its ranks' KV agents require a key made here,
+        # for this launch, that nothing else has (tpserve/kv_wire.py), whatever the cluster secret.
+        kv_control_key = new_control_key() if config.kv_transfer.kv_transfer_config is not None else None
+        self.public.kv_control_key = kv_control_key
         self.launcher = GroupLauncher(config, self.model_dir, self.layout, read_group_secret(config),
-                                      self.max_model_len, log_format, on_lost=self._group_failed)
+                                      self.max_model_len, log_format, on_lost=self._group_failed,
+                                      kv_control_key=kv_control_key)
         self.recovery = Recovery(config, self.launcher, self.public, self.metrics, self.shutdown)
         self.engine: Engine | None = None
 

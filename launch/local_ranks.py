@@ -26,6 +26,7 @@ import structlog
 
 from launch.topology import GroupLayout
 from tpserve.cluster_secret import ENV_VAR, read_secret
+from tpserve.kv_wire import KV_CONTROL_KEY_ENV
 from tpserve.config import ClusterConfig, RankConfig
 
 log = structlog.get_logger(__name__)
@@ -57,9 +58,13 @@ class LocalRanks:
         model_dir: the checkpoint directory.
         layout: the group's placement; this node is ``layout.node_rank``.
         log_format: "console" or "json", passed to the ranks.
+        kv_control_key: the group's KV control key (``--kv-transfer-config``), which the ranks' KV agents
+            require of every hold and pull: only this launcher's coordinator has it (None: none).
     """
 
-    def __init__(self, config: ClusterConfig, model_dir: Path, layout: GroupLayout, log_format: str) -> None:
+    def __init__(self, config: ClusterConfig, model_dir: Path, layout: GroupLayout, log_format: str,
+                 kv_control_key: str | None = None) -> None:
+        self.kv_control_key = kv_control_key
         self.config = config
         self.model_dir = model_dir
         self.layout = layout
@@ -82,6 +87,8 @@ class LocalRanks:
         if self.config.parallel.cluster_secret_file:
             # In the environment, not on the command line (which any user of the host can read).
             env[ENV_VAR] = read_secret(self.config.parallel.cluster_secret_file)
+        if self.kv_control_key:  # the same way: environments are the owner's to read, command lines anyone's
+            env[KV_CONTROL_KEY_ENV] = self.kv_control_key
         if interface is not None:
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
             env.setdefault("NCCL_SOCKET_IFNAME", interface)

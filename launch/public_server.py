@@ -113,6 +113,7 @@ class PublicServer:
         self._health_server: grpc.aio.Server | None = None  # with --health-port
         self._watch: ConnectionWatch | None = None
         self.kv_connector: KVConnector | None = None  # with --kv-transfer-config
+        self.kv_control_key: str | None = None  # the group's, which its ranks' KV agents require (launch/leader.py)
 
     async def start(self, nnodes: int) -> None:
         """Builds the server, binds the public port (and /metrics), health NOT_SERVING, starts it.
@@ -238,7 +239,8 @@ class PublicServer:
         if secret is not None:
             share_tenant_key(secret)
         return KVConnector(kv, self.config.parallel.tensor_parallel_size, self.config.cache.block_size, secret,
-                           KVTransferMetrics(self.metrics.registry), self.config.cache.kv_cache_dtype)
+                           KVTransferMetrics(self.metrics.registry), self.config.cache.kv_cache_dtype,
+                           self.kv_control_key)
 
     def attach(self, engine: Engine, num_kv_blocks: int, dtype: str) -> None:
         """Serves ``engine`` from now on; GetModelInfo reports the pool and the ranks' dtype."""

@@ -34,7 +34,7 @@ def test_the_side_channel_and_timeouts_come_from_kv_connector_extra_config() -> 
     text = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "p0",
                        "kv_connector_extra_config": {"side_channel_host": "10.0.0.7", "side_channel_port": 6000,
                                                      "hold_timeout_s": 30, "pull_timeout_s": 2.5}})
-    config = _config("--kv-transfer-config", text, "--tensor-parallel-size", "2")
+    config = _config("--kv-transfer-config", text, "--tensor-parallel-size", "2", "--cluster-secret-file", "/s")
     kv = config.kv_transfer.kv_transfer_config
     assert (kv.side_channel_host, kv.side_channel_port, kv.hold_timeout_s, kv.pull_timeout_s, kv.resolved_engine_id) \
         == ("10.0.0.7", 6000, 30.0, 2.5, "p0")
@@ -69,6 +69,19 @@ def test_bad_values_are_refused_in_one_line_naming_the_flag(text: str, message: 
 def test_what_a_transfer_cannot_carry_is_refused_at_start_up(flags: tuple[str, ...], needs: str) -> None:
     error = _error("--kv-transfer-config", '{"kv_connector": "NixlConnector"}', *flags)
     assert f"--kv-transfer-config needs {needs}" in error
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.7", "::", "pd-prefill.svc"])
+def test_a_side_channel_beyond_loopback_needs_the_cluster_secret(host: str) -> None:
+    """F2: without the secret nothing authenticates a peer's reads or the K/V it serves; refused, naming both."""
+    text = json.dumps({"kv_connector": "NixlConnector", "kv_connector_extra_config": {"side_channel_host": host}})
+    error = _error("--kv-transfer-config", text)
+    assert error.startswith("--kv-transfer-config") and "\n" not in error
+    assert f"side_channel_host {host} listens beyond loopback: give --cluster-secret-file" in error
+    assert _config("--kv-transfer-config", text, "--cluster-secret-file", "/s").kv_transfer.kv_transfer_config
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        assert _config("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_connector_extra_config":
+                                                           {"side_channel_host": loopback}}))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

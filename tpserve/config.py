@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from tpserve.config_base import INT32_MAX, FrozenSection
 from tpserve.cpu_binding import parse_bind
 from tpserve.kv_transfer_config import KVTransferSection
+from tpserve.kv_wire import is_loopback
 from tpserve.lora_config import LoRAConfig
 from tpserve.quantization import Quantization
 from tpserve.speculative_config import SpeculativeConfig
@@ -327,6 +328,13 @@ class ClusterConfig(FrozenSection):
         if refused:
             raise ValueError(f"--kv-transfer-config needs {', '.join(refused)} (the blocks handed over are the "
                              "prefix cache's, of one stage, without a draft's cache)")
+        kv = self.kv_transfer.kv_transfer_config
+        if self.parallel.cluster_secret_file is None and not is_loopback(kv.side_channel_host):
+            # Without the secret nothing authenticates a peer's reads (every tenant's K/V) or the K/V a peer
+            # serves (a poisoned prefix cache): docs/design/security.md, "The KV side channel".
+            raise ValueError(f"--kv-transfer-config's kv_connector_extra_config.side_channel_host "
+                             f"{kv.side_channel_host} listens beyond loopback: give --cluster-secret-file (the same "
+                             "secret on every replica of the pair), or side_channel_host 127.0.0.1")
         return self
 
     @model_validator(mode="after")

@@ -22,6 +22,10 @@ on ``side_channel_port + global rank`` of ``side_channel_host`` (docs/design/clu
 - ``pull_timeout_s`` (default 10): how long a decode replica waits for a pull before it prefills
   the prompt itself.
 
+The side channel listens beyond loopback only with ``--cluster-secret-file`` (tpserve/config.py refuses
+it otherwise): without the secret nothing authenticates a peer's reads or the K/V it serves
+(docs/design/security.md, "The KV side channel").
+
 No torch: the coordinator reads this too.
 """
 
@@ -86,6 +90,9 @@ class KVTransferConfig(BaseModel):
             value = extra.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 86400:
                 raise ValueError(f"kv_connector_extra_config.{key} must be seconds in (0, 86400), got {value!r}")
+        host = extra.get("side_channel_host", "127.0.0.1")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"kv_connector_extra_config.side_channel_host must be an address, got {host!r}")
         if self.transport not in ("tcp", "nixl"):
             raise ValueError(f"kv_connector_extra_config.transport must be tcp or nixl, got {self.transport!r}")
         if self.transport == "nixl" and importlib.util.find_spec("nixl") is None:
@@ -159,3 +166,4 @@ class KVTransferSection(BaseModel):
             if not isinstance(value, dict):
                 raise ValueError("not a JSON object")
         return value
+

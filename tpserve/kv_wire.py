@@ -1,23 +1,41 @@
-"""The KV side channel's framing: what a rank's KV agent and its callers say to each other over TCP.
+"""The KV side channel's framing and authentication: what a rank's KV agent and its callers say over TCP.
 
 A message is a frame: a 4-byte big-endian length, that many bytes of a JSON object (the header),
-then, when the header names ``payload_bytes`` = N, N raw bytes (a transfer's K/V). On accept the
-agent sends ``{"nonce": <hex>}``; the caller's first frame carries ``"auth"``, the hex HMAC-SHA256 of
-the nonce under the group's cluster secret (``--cluster-secret-file``; ``""`` without one), which
-the agent checks in constant time before it reads anything else. Commands (``op``):
+then, when the header names ``payload_bytes`` = N, N raw bytes (a transfer's K/V), then, when the
+header says ``"mac": true``, a 32-byte tag (below). Commands (``op``):
 
 =========  =====================================  ==================================================
 op         from                                   meaning
 =========  =====================================  ==================================================
 ``hold``   the rank's own coordinator (producer)  keep blocks for a pull; answered twice: ``held``
                                                   at once, then ``done`` once the peer confirmed or
-                                                  the hold timed out
+                                                  the hold timed out (``release`` ends it sooner)
 ``pull``   the rank's own coordinator (consumer)  read a transfer from the peer rank into local blocks
 ``read``   a peer rank's agent                    send a held transfer (after the checks), then wait
                                                   for the reader's ``ack``
 =========  =====================================  ==================================================
 
-Blocking helpers for the ranks' threads and asyncio ones for the coordinator. No torch.
+**Authentication** (docs/design/security.md, "The KV side channel"). On accept the agent sends
+``{"nonce": Na}``; the caller's first frame carries the command and its own fresh ``nonce`` Nc. Both
+sides derive a session key from a long-term key and both nonces (:func:`session_key`), and every
+frame after the greeting, in both directions, carries a tag: keyed BLAKE2b under the session key
+over the direction, a per-direction sequence number, the header's bytes and the payload
+(:class:`FrameMac`). The caller's first tag proves the key on the agent's fresh nonce, the agent's
+first answer proves it on the caller's, so each side authenticates the other, and a relay in
+between can neither replay, reorder, inject nor alter a frame (it can still read them: nothing is
+encrypted). Two long-term keys, never mixed (the purpose is part of the derivation):
+
+- ``control`` (``hold``, ``pull``): the *group's control key*, random per launch, which the
+  launcher hands to its ranks and its coordinator only (launch/local_ranks.py, ``KV_CONTROL_KEY_ENV``):
+  no one else can make a rank hold, release or pull, whatever the cluster secret;
+- ``read`` (``read``): the cluster secret (``--cluster-secret-file``), shared by the replicas of a
+  fleet. Without one, reads are not authenticated: the configuration then keeps the side channel
+  on loopback (tpserve/kv_transfer_config.py) and a decode replica caches what it pulled only for
+  the request that pulled it (coordinator/kv_transfer/connector.py).
+
+A refusal (``{"ok": false, "error": ...}``) may come untagged (before a session exists); a caller
+only ever treats it as a refusal. Blocking helpers for the ranks' threads and asyncio ones for the
+coordinator. No torch.
 """
 
 from __future__ import annotations
@@ -25,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import socket
@@ -33,23 +52,22 @@ from typing import Any
 
 #: Largest header accepted (a pull names at most a sequence's blocks and hashes).
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+#: Bytes of a frame's tag (keyed BLAKE2b-256).
+TAG_BYTES = 32
+#: The derivation's label: another protocol version derives other keys.
+PROTOCOL = b"tpserve-kv/2"
+#: Where a rank finds the group's control key (launch/local_ranks.py sets it, worker/main.py takes it).
+KV_CONTROL_KEY_ENV = "TPSERVE_KV_CONTROL_KEY"
+#: The ops each long-term key authenticates.
+CONTROL_OPS = frozenset({"hold", "pull"})
+PEER_OPS = frozenset({"read"})
 _LENGTH = struct.Struct(">I")
+_SEQ = struct.Struct(">Q")
+_NONCE_HEX = 32
 
 
 class WireError(Exception):
-    """A frame that is malformed, too large, cut short, or refused by the peer's authentication."""
-
-
-def auth_digest(secret: str | None, nonce: str) -> str:
-    """The ``auth`` field answering ``nonce``: HMAC-SHA256 under ``secret`` in hex, ``""`` without one."""
-    if not secret:
-        return ""
-    return hmac.new(secret.encode(), nonce.encode(), hashlib.sha256).hexdigest()
-
-
-def check_auth(secret: str | None, nonce: str, header: dict[str, Any]) -> bool:
-    """Whether ``header``'s ``auth`` answers ``nonce`` under ``secret`` (constant-time)."""
-    return hmac.compare_digest(str(header.get("auth", "")), auth_digest(secret, nonce))
+    """A frame that is malformed, too large, cut short, or that fails its authentication."""
 
 
 def new_nonce() -> str:
@@ -57,12 +75,128 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
-def encode_frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
-    """The pieces of one frame (``payload_bytes`` is set from ``payload``)."""
+def new_control_key() -> str:
+    """A group's control key: 256 random bits in hex, made by the launcher once per launch."""
+    return secrets.token_hex(32)
+
+
+def purpose_of(op: str) -> str:
+    """``control`` for the coordinator's ops, ``read`` for a peer's (the key that authenticates ``op``).
+
+    Raises:
+        WireError: an unknown op.
+    """
+    if op in CONTROL_OPS:
+        return "control"
+    if op in PEER_OPS:
+        return "read"
+    raise WireError(f"unknown op {op!r}")
+
+
+def session_key(key: str | bytes | None, purpose: str, agent_nonce: str, caller_nonce: str) -> bytes | None:
+    """The session key of one connection: HMAC-SHA256 of the purpose and both nonces under ``key``
+    (None without a key: frames then carry no tag).
+
+    Raises:
+        WireError: a nonce that is not 128 bits of hex (a fresh nonce is what makes a session unique).
+    """
+    if not key:
+        return None
+    for nonce in (agent_nonce, caller_nonce):
+        if not isinstance(nonce, str) or len(nonce) != _NONCE_HEX or not all(c in "0123456789abcdef" for c in nonce):
+            raise WireError("a nonce must be 32 lowercase hex digits")
+    raw = key.encode() if isinstance(key, str) else key
+    return hmac.new(raw, b"|".join((PROTOCOL, purpose.encode(), agent_nonce.encode(), caller_nonce.encode())),
+                    hashlib.sha256).digest()
+
+
+class FrameMac:
+    """One side's tags of one connection's frames: sequence numbers per direction, so a frame cannot be
+    replayed, dropped or reordered unnoticed, and the direction in the tag, so none can be reflected.
+
+    Args:
+        key: the session key (:func:`session_key`); None: frames carry no tag (no key configured).
+        agent: True on the agent's side (it sends ``A`` frames and receives ``C`` ones).
+    """
+
+    __slots__ = ("key", "_send", "_recv", "_sent", "_received")
+
+    def __init__(self, key: bytes | None, agent: bool) -> None:
+        self.key = key
+        self._send, self._recv = (b"A", b"C") if agent else (b"C", b"A")
+        self._sent = self._received = 0
+
+    @property
+    def keyed(self) -> bool:
+        """Whether frames carry tags."""
+        return self.key is not None
+
+    def _tag(self, direction: bytes, seq: int, body: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+        digest = hashlib.blake2b(direction + _SEQ.pack(seq) + _LENGTH.pack(len(body)) + body, key=self.key,
+                                 digest_size=TAG_BYTES)
+        if payload:
+            digest.update(payload)  # releases the GIL over large buffers: the K/V costs one pass
+        return digest.digest()
+
+    def seal(self, body: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+        """The tag of the next frame sent (b"" without a key)."""
+        if self.key is None:
+            return b""
+        tag = self._tag(self._send, self._sent, body, payload)
+        self._sent += 1
+        return tag
+
+    def check(self, header: dict[str, Any], body: bytes, payload: bytes | bytearray, tag: bytes | None) -> None:
+        """Checks the next frame received (constant-time).
+
+        Raises:
+            WireError: a keyed session's frame without a valid tag (an untagged refusal excepted: it
+                is returned to the caller, who only ever takes it as a refusal), or a tag where none
+                was agreed.
+        """
+        if self.key is None:
+            if tag is not None:
+                raise WireError("the peer authenticates its frames with a secret this side does not have "
+                                "(give both replicas the same --cluster-secret-file)")
+            return
+        if tag is None:
+            if header.get("ok") is False and not payload:
+                return
+            raise WireError("an unauthenticated frame on an authenticated connection")
+        expected = self._tag(self._recv, self._received, body, payload)
+        if not hmac.compare_digest(tag, expected):
+            raise WireError("a frame failed its authentication (wrong key, or altered, replayed or reordered "
+                            "on the way)")
+        self._received += 1
+
+
+def encode_frame(header: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
+                 mac: FrameMac | None = None) -> list[bytes | bytearray | memoryview]:
+    """The pieces of one frame (``payload_bytes`` is set from ``payload``; ``mac`` set and its tag
+    appended when ``mac`` is keyed)."""
     if payload:
         header = {**header, "payload_bytes": len(payload)}
+    keyed = mac is not None and mac.keyed
+    if keyed:
+        header = {**header, "mac": True}
     body = json.dumps(header, separators=(",", ":")).encode()
-    return [_LENGTH.pack(len(body)) + body, payload] if payload else [_LENGTH.pack(len(body)) + body]
+    pieces: list[bytes | bytearray | memoryview] = [_LENGTH.pack(len(body)) + body]
+    if payload:
+        pieces.append(payload)
+    if keyed:
+        pieces.append(mac.seal(body, payload))  # type: ignore[union-attr]
+    return pieces
+
+
+def caller_session(key: str | bytes | None, op: str, agent_nonce: str) -> tuple[str, FrameMac]:
+    """The caller's side of a new connection: its own fresh nonce (sent in its first frame) and the
+    tags of the session keyed by ``key`` for ``op``'s purpose.
+
+    Raises:
+        WireError: the agent's greeting named no valid nonce.
+    """
+    nonce = new_nonce()
+    return nonce, FrameMac(session_key(key, purpose_of(op), agent_nonce, nonce), agent=False)
 
 
 def _decode_header(body: bytes) -> dict[str, Any]:
@@ -80,6 +214,32 @@ def _header_length(prefix: bytes) -> int:
     if length > MAX_HEADER_BYTES:
         raise WireError(f"a frame header of {length} bytes is over the {MAX_HEADER_BYTES} accepted")
     return length
+
+
+def _payload_size(header: dict[str, Any], max_payload_bytes: int) -> int:
+    size = header.get("payload_bytes", 0)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > max_payload_bytes:
+        raise WireError(f"a payload of {size!r} bytes where at most {max_payload_bytes} were expected")
+    return size
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (``localhost``, 127.0.0.0/8, ::1): no other host reaches it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def unauthenticated_peer_refusal(host: str) -> str:
+    """Why a holder at ``host`` may not be read without a cluster secret ("" when it may): off loopback its
+    answer proves nothing, and the address came with the request (anyone's to choose)."""
+    if is_loopback(host):
+        return ""
+    return (f"remote_host {host} is not loopback, and without --cluster-secret-file its K/V cannot be "
+            "authenticated: give both replicas the same --cluster-secret-file")
 
 
 # -- blocking (the ranks' agent threads) ---------------------------------------------------------
@@ -100,27 +260,43 @@ def recv_exact(sock: socket.socket, num_bytes: int, into: bytearray | None = Non
     return buffer
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-    """Sends one frame on a blocking socket."""
-    for piece in encode_frame(header, payload):
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
+               mac: FrameMac | None = None) -> None:
+    """Sends one frame on a blocking socket (tagged when ``mac`` is keyed)."""
+    for piece in encode_frame(header, payload, mac):
         sock.sendall(piece)
 
 
-def recv_frame(sock: socket.socket, max_payload_bytes: int = 0) -> tuple[dict[str, Any], bytearray]:
-    """One frame from a blocking socket: its header and payload (empty when it has none).
+def recv_raw(sock: socket.socket, max_payload_bytes: int = 0) -> tuple[dict[str, Any], bytes, bytearray, bytes | None]:
+    """One frame as it came: header, the header's bytes, payload, tag (None when the header says none).
+    Unauthenticated: for the agent's first frame, whose op says which key checks it.
 
     Raises:
         WireError: malformed, cut short, or a payload over ``max_payload_bytes``.
     """
-    header = _decode_header(bytes(recv_exact(sock, _header_length(bytes(recv_exact(sock, 4))))))
-    size = header.get("payload_bytes", 0)
-    if not isinstance(size, int) or size < 0 or size > max_payload_bytes:
-        raise WireError(f"a payload of {size!r} bytes where at most {max_payload_bytes} were expected")
-    return header, recv_exact(sock, size) if size else bytearray()
+    body = bytes(recv_exact(sock, _header_length(bytes(recv_exact(sock, 4)))))
+    header = _decode_header(body)
+    size = _payload_size(header, max_payload_bytes)
+    payload = recv_exact(sock, size) if size else bytearray()
+    tag = bytes(recv_exact(sock, TAG_BYTES)) if header.get("mac") is True else None
+    return header, body, payload, tag
 
 
-def connect(host: str, port: int, secret: str | None, timeout_s: float) -> tuple[socket.socket, str]:
-    """A blocking connection to an agent and the ``auth`` value its first frame must carry.
+def recv_frame(sock: socket.socket, max_payload_bytes: int = 0,
+               mac: FrameMac | None = None) -> tuple[dict[str, Any], bytearray]:
+    """One frame from a blocking socket, checked against ``mac``: its header and payload (empty when none).
+
+    Raises:
+        WireError: malformed, cut short, a payload over ``max_payload_bytes``, or failing :meth:`FrameMac.check`
+            (without ``mac``: any tagged frame).
+    """
+    header, body, payload, tag = recv_raw(sock, max_payload_bytes)
+    (mac or FrameMac(None, agent=False)).check(header, body, payload, tag)
+    return header, payload
+
+
+def connect(host: str, port: int, timeout_s: float) -> tuple[socket.socket, str]:
+    """A blocking connection to an agent and the nonce of its greeting.
 
     Raises:
         OSError: cannot connect within ``timeout_s`` seconds.
@@ -133,14 +309,13 @@ def connect(host: str, port: int, secret: str | None, timeout_s: float) -> tuple
     except BaseException:
         sock.close()
         raise
-    return sock, auth_digest(secret, str(hello.get("nonce", "")))
+    return sock, str(hello.get("nonce", ""))
 
 
 # -- asyncio (the coordinator) -------------------------------------------------------------------
 
-async def open_async(host: str, port: int, secret: str | None,
-                     timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
-    """An asyncio connection to an agent: reader, writer and the ``auth`` value for the first frame.
+async def open_async(host: str, port: int, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+    """An asyncio connection to an agent: reader, writer and the nonce of its greeting.
 
     Raises:
         OSError, asyncio.TimeoutError: cannot connect within ``timeout_s`` seconds.
@@ -152,27 +327,29 @@ async def open_async(host: str, port: int, secret: str | None,
     except BaseException:
         writer.close()
         raise
-    return reader, writer, auth_digest(secret, str(hello.get("nonce", "")))
+    return reader, writer, str(hello.get("nonce", ""))
 
 
-async def read_async(reader: asyncio.StreamReader) -> dict[str, Any]:
-    """One header-only frame from an asyncio stream.
+async def read_async(reader: asyncio.StreamReader, mac: FrameMac | None = None) -> dict[str, Any]:
+    """One header-only frame from an asyncio stream, checked against ``mac``.
 
     Raises:
-        WireError: malformed, cut short, or carrying a payload.
+        WireError: malformed, cut short, carrying a payload, or failing :meth:`FrameMac.check`.
     """
     try:
-        length = _header_length(await reader.readexactly(4))
-        header = _decode_header(await reader.readexactly(length))
+        body = await reader.readexactly(_header_length(await reader.readexactly(4)))
+        header = _decode_header(body)
+        if header.get("payload_bytes"):
+            raise WireError("an unexpected payload on a control connection")
+        tag = await reader.readexactly(TAG_BYTES) if header.get("mac") is True else None
     except asyncio.IncompleteReadError as exc:
         raise WireError("the agent closed the connection") from exc
-    if header.get("payload_bytes"):
-        raise WireError("an unexpected payload on a control connection")
+    (mac or FrameMac(None, agent=False)).check(header, body, b"", tag)
     return header
 
 
-async def write_async(writer: asyncio.StreamWriter, header: dict[str, Any]) -> None:
-    """Sends one header-only frame on an asyncio stream."""
-    for piece in encode_frame(header):
+async def write_async(writer: asyncio.StreamWriter, header: dict[str, Any], mac: FrameMac | None = None) -> None:
+    """Sends one header-only frame on an asyncio stream (tagged when ``mac`` is keyed)."""
+    for piece in encode_frame(header, b"", mac):
         writer.write(piece)
     await writer.drain()

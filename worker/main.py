@@ -36,6 +36,7 @@ import structlog
 
 from tpserve.cluster_secret import ENV_VAR, SecretServerInterceptor
 from tpserve.config import RankConfig
+from tpserve.kv_wire import KV_CONTROL_KEY_ENV
 from tpserve.log import configure_logging
 from tpserve.sched_policy import policy_name, set_policy
 from tpserve.step_socket import socket_path
@@ -105,9 +106,10 @@ def worker_options(config: RankConfig) -> WorkerOptions:
     )
 
 
-def start_kv_agent(config: RankConfig, servicer: WorkerServicer, secret: str | None) -> KVAgent | None:
+def start_kv_agent(config: RankConfig, servicer: WorkerServicer, secret: str | None,
+                   control_key: str | None = None) -> KVAgent | None:
     """The rank's KV agent on ``side_channel_port + rank`` when ``--kv-transfer-config`` is set, else None
-    (worker/kv_transfer/agent.py).
+    (worker/kv_transfer/agent.py). ``control_key``: the group's, which its coordinator's holds and pulls prove.
 
     Raises:
         OSError: the port cannot be bound.
@@ -122,7 +124,7 @@ def start_kv_agent(config: RankConfig, servicer: WorkerServicer, secret: str | N
 
     transport = make_transport(kv.transport, config.rank, config.world_size, secret)
     agent = KVAgent(kv.side_channel_host, kv.side_channel_port + config.rank, config.rank, config.world_size, secret,
-                    lambda: servicer.kv_caches, transport, lambda: servicer.kv_codec)
+                    lambda: servicer.kv_caches, transport, lambda: servicer.kv_codec, control_key)
     agent.start()
     return agent
 
@@ -158,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # e.g. a path over the 108 bytes of a Unix socket name: gRPC's Step serves
             log.warning("no step socket: steps go over the gRPC stream", path=path, error=str(exc))
 
-    agent = start_kv_agent(config, servicer, secret)
+    control_key = os.environ.pop(KV_CONTROL_KEY_ENV, None)  # the launcher's, for this launch only
+    agent = start_kv_agent(config, servicer, secret, control_key)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

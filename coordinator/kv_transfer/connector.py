@@ -15,6 +15,12 @@ last full block (at most one block). Any failure (unreachable, refused, a hash o
 mismatch, another tensor-parallel degree, no free blocks, a timeout) frees the new blocks,
 counts a fallback and lets the request prefill locally: no request is lost.
 
+Every call to the ranks proves the group's control key (rank_links.py): no one but this
+coordinator can make its ranks hold, release or pull. Without a cluster secret, a peer's K/V
+proves nothing about where it came from, so a decode replica reads only a loopback peer and
+caches what it pulled under a namespace of that request alone (``HeldBlocks.namespace``):
+K/V of an impostor could at worst spoil the request that named it, never another's prefix cache.
+
 Everything here runs on the coordinator's event loop (the allocator has no lock); the bytes
 move on the ranks' agent threads. No torch.
 """
@@ -22,6 +28,7 @@ move on the ranks' agent threads. No torch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass
@@ -36,6 +43,7 @@ from coordinator.kv_transfer.metrics import KVTransferMetrics
 from coordinator.kv_transfer.params import KVTransferParams, handoff_json
 from coordinator.scheduler import Scheduler
 from tpserve.kv_transfer_config import KVTransferConfig
+from tpserve.kv_wire import unauthenticated_peer_refusal
 
 log = structlog.get_logger(__name__)
 
@@ -51,11 +59,14 @@ class HeldBlocks:
         allocator: the pool they belong to (a restarted group has a new one; then nothing is freed).
         block_ids: the blocks, in prompt order.
         num_pulled: how many of them were pulled from the prefill replica.
+        namespace: the prefix-cache namespace the request must run under to find them (a namespace of its own
+            when they came from a peer that proved no cluster secret); None: its own.
     """
 
     allocator: BlockAllocator | None = None
     block_ids: tuple[int, ...] = ()
     num_pulled: int = 0
+    namespace: bytes | None = None
 
     def release(self, scheduler: Scheduler) -> None:
         """Drops the hold (the blocks stay cached); a no-op after a group restart."""
@@ -71,16 +82,20 @@ class KVConnector:
         config: ``--kv-transfer-config``.
         tp_size: the replica's tensor-parallel degree (its ranks ``0..tp_size-1`` each run an agent).
         block_size: tokens per block.
-        secret: the cluster secret the agents require (None: none).
+        secret: the cluster secret the replicas' reads prove (None: none; then only loopback peers are read,
+            and what is pulled is cached for its own request alone).
         metrics: where transfers are counted.
         kv_cache_dtype: ``--kv-cache-dtype``; a hand-over between replicas of two values is refused (an 8-bit
             cache's blocks are codes with per-token scales: worker/kv_quant.py).
+        control_key: the group's control key, which the ranks' agents require of hold and pull (the launcher's,
+            launch/local_ranks.py; None: the ranks refuse every hold and pull).
     """
 
     def __init__(self, config: KVTransferConfig, tp_size: int, block_size: int, secret: str | None,
-                 metrics: KVTransferMetrics, kv_cache_dtype: str = "auto") -> None:
+                 metrics: KVTransferMetrics, kv_cache_dtype: str = "auto", control_key: str | None = None) -> None:
         self.config, self.tp_size, self.block_size = config, tp_size, block_size
         self.secret, self.metrics, self.kv_cache_dtype = secret, metrics, kv_cache_dtype
+        self.control_key = control_key
         self._tasks: set[asyncio.Task] = set()
 
     # -- prefill side ----------------------------------------------------------------------------
@@ -109,7 +124,7 @@ class KVConnector:
         allocator.acquire(block_ids)
         hex_hashes = [h.hex() for h in hashes[:len(block_ids)]]
         holds = await asyncio.gather(*(rank_links.hold(
-            cfg.side_channel_host, cfg.side_channel_port + rank, self.secret, transfer_id, block_ids, hex_hashes,
+            cfg.side_channel_host, cfg.side_channel_port + rank, self.control_key, transfer_id, block_ids, hex_hashes,
             namespace.hex(), hold_timeout_s) for rank in range(self.tp_size)), return_exceptions=True)
         failed = [h for h in holds if isinstance(h, BaseException)]
         ok = [h for h in holds if isinstance(h, rank_links.RankHold)]
@@ -155,10 +170,24 @@ class KVConnector:
 
     # -- decode side -----------------------------------------------------------------------------
 
+    def _private_namespace(self, namespace: bytes, params: KVTransferParams) -> bytes | None:
+        """Where pulled blocks are cached without a cluster secret: a namespace of this request alone (its hold's
+        id chained to its namespace), so K/V from a peer that proved nothing is never another request's
+        prefix-cache hit. None with a secret (the peer proved it: its blocks may serve the namespace's later
+        requests)."""
+        if self.secret:
+            return None
+        return hashlib.sha256(b"tpserve-kv-unauthenticated-pull|" + namespace + b"|"
+                              + params.remote_request_id.encode()).digest()
+
     def refusal(self, params: KVTransferParams) -> str:
         """Why this replica cannot pull ``params``' blocks ("" when it can): one line, for the log."""
         if not self.config.is_consumer:
             return f"kv_role {self.config.kv_role} does not pull"
+        if not self.secret:
+            refused = unauthenticated_peer_refusal(params.remote_host)
+            if refused:
+                return refused
         if params.tp_size and params.tp_size != self.tp_size:
             return (f"the prefill replica's tensor-parallel degree {params.tp_size} is not this replica's "
                     f"{self.tp_size}: equal degrees are required")
@@ -171,7 +200,10 @@ class KVConnector:
 
     async def pull(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
                    params: KVTransferParams) -> HeldBlocks:
-        """Pulls the prompt's full blocks named in ``params`` into this replica's prefix cache.
+        """Pulls the prompt's full blocks named in ``params`` into this replica's prefix cache; the peer is
+        asked for, and checked against, the hashes of ``namespace``, the request's own. Without a cluster
+        secret they are cached under a namespace of the request alone, which the result's ``namespace``
+        names: run the request under it (else they would not be found).
 
         Returns the blocks held for the request (release them when it ends); on any failure
         only the ones that were already cached here, the fallback counted and logged.
@@ -188,10 +220,13 @@ class KVConnector:
                 self._track(self._pull_ranks(self._release_request(params, namespace)))
             return self._fallback("refused", reason, HeldBlocks())
         hashes = prompt_block_hashes(token_ids, namespace, self.block_size, num_blocks)
+        private = self._private_namespace(namespace, params)
+        cache_hashes = hashes if private is None else prompt_block_hashes(token_ids, private, self.block_size,
+                                                                          num_blocks)
         allocator = scheduler.allocator
-        cached = allocator.lookup(hashes)
+        cached = allocator.lookup(cache_hashes)  # without a secret: only a pull of this very hold's, earlier
         allocator.acquire(cached)
-        held = HeldBlocks(allocator, tuple(cached))
+        held = HeldBlocks(allocator, tuple(cached), namespace=private if cached else None)
         first = len(cached)
         new = allocator.allocate(num_blocks - first) if first < num_blocks else []
         if new is None:
@@ -209,23 +244,28 @@ class KVConnector:
         try:
             answers = await asyncio.shield(task)
         except asyncio.CancelledError:  # the request went away: free the blocks once no rank writes them
-            task.add_done_callback(lambda _: allocator.free(reversed(new)) if scheduler.allocator is allocator else None)
+            task.add_done_callback(lambda _: self._free(scheduler, allocator, new))
             held.release(scheduler)
             raise
         problem = next((str(a.get("error", "no answer")) for a in answers if not a.get("ok")), "")
         if problem or scheduler.allocator is not allocator:
-            if scheduler.allocator is allocator:
-                allocator.free(reversed(new))
+            self._free(scheduler, allocator, new)
             return self._fallback("failed", problem or "the worker group restarted", held)
         listener = allocator.listener
         for index, block in enumerate(new, start=first):
             tokens = token_ids[index * self.block_size:(index + 1) * self.block_size] if listener else ()
-            allocator.cache(block, hashes[index], tokens, hashes[index - 1] if index else None, namespace)
+            allocator.cache(block, cache_hashes[index], tokens, cache_hashes[index - 1] if index else None,
+                            namespace if private is None else private)
         transport = self.config.transport
         self.metrics.blocks.labels("received", transport).inc(len(new))
         self.metrics.bytes.labels("received", transport).inc(sum(int(a.get("bytes", 0)) for a in answers))
         self.metrics.seconds.labels(transport).observe(time.monotonic() - started)
-        return HeldBlocks(allocator, (*cached, *new), len(new))
+        return HeldBlocks(allocator, (*cached, *new), len(new), private)
+
+    def _free(self, scheduler: Scheduler, allocator: BlockAllocator, blocks: list[int]) -> None:
+        """Frees blocks allocated for a pull that did not fill them (nothing after a group restart)."""
+        if scheduler.allocator is allocator and blocks:
+            allocator.free(reversed(blocks))
 
     def _release_request(self, params: KVTransferParams, namespace: bytes) -> dict[str, Any]:
         """A pull of no block for the request's own hold: what only ends the prefill replica's hold."""
@@ -236,7 +276,7 @@ class KVConnector:
     async def _pull_ranks(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         cfg = self.config
         answers = await asyncio.gather(*(rank_links.pull(cfg.side_channel_host, cfg.side_channel_port + rank,
-                                                         self.secret, request)
+                                                         self.control_key, request)
                                          for rank in range(self.tp_size)), return_exceptions=True)
         return [a if isinstance(a, dict) else {"ok": False, "error": f"{type(a).__name__}: {a}"}
                 for a in answers if not isinstance(a, asyncio.CancelledError)] or [{"ok": False}]

@@ -18,6 +18,7 @@ No torch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -66,21 +67,26 @@ class StreamMoves:
         self._entries.discard(entry)
 
     async def pull_moved_in(self, engine: Engine, params: GenerateParams,
-                            metadata: Sequence[tuple[str, Any]] | None) -> HeldBlocks:
+                            metadata: Sequence[tuple[str, Any]] | None) -> tuple[HeldBlocks, GenerateParams]:
         """For a continuation that names its old replica's hand-off: pulls the blocks of its prompt and
-        ``generated_token_ids``. Nothing (an empty hold) without one, or without the consumer role.
+        ``generated_token_ids``. Nothing (an empty hold) without one, or without the consumer role. Returns
+        the hold and the parameters to run the continuation with (their prefix-cache namespace the pull's:
+        ``HeldBlocks.namespace``).
 
         Raises:
             InvalidArgumentError: the metadata's hand-off is malformed (it names the field).
         """
         text = next((str(value) for key, value in metadata or () if key == KV_TRANSFER_PARAMS_KEY), None)
         if text is None or not params.generated_token_ids or not self.connector.config.is_consumer:
-            return HeldBlocks()
+            return HeldBlocks(), params
         kv = parse_params(text)
         if not kv.do_remote_prefill:
-            return HeldBlocks()
+            return HeldBlocks(), params
         tokens = [*params.prompt_token_ids, *params.generated_token_ids]
-        return await self.connector.pull(engine.scheduler, tokens, params.cache_namespace, kv)
+        held = await self.connector.pull(engine.scheduler, tokens, params.cache_namespace, kv)
+        if held.namespace is not None:  # pulled from a peer that proved no secret: found under its own namespace
+            params = dataclasses.replace(params, cache_namespace=held.namespace)
+        return held, params
 
     async def move_out(self, engine: Engine) -> int:
         """Ends every tracked stream with :class:`StreamMovedError` after holding its blocks; returns how

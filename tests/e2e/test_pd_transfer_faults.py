@@ -23,7 +23,7 @@ from coordinator.tokenizer import Tokenizer
 from tests.e2e.cluster import RunningCluster, free_port
 from tests.e2e.pd import LONG_PROMPT, computed_prompt_tokens, engine_generate, labelled, serve_role, used_tokens
 from tests.paths import STORIES_DIR, requires_stories
-from tpserve.kv_wire import WireError, connect, recv_frame, send_frame
+from tpserve.kv_wire import WireError, caller_session, connect, recv_frame, recv_raw, send_frame
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -148,10 +148,11 @@ def test_bad_kv_transfer_params_are_invalid_argument(pair: Pair, kv: str, named:
 
 def test_the_side_channel_refuses_a_caller_without_the_cluster_secret(pair: Pair) -> None:
     kv = pair.hand_over(KEY_A, pair.prompt("Secret"))
-    sock, _ = connect("127.0.0.1", kv["remote_port"], "not-the-secret-at-all", 5.0)
+    sock, agent_nonce = connect("127.0.0.1", kv["remote_port"], 5.0)
     with sock:
-        send_frame(sock, {"op": "read", "auth": "0" * 64, "transfer_id": kv["remote_request_id"]})
-        answer, payload = recv_frame(sock)
+        nonce, mac = caller_session("not-the-secret-at-all", "read", agent_nonce)
+        send_frame(sock, {"op": "read", "nonce": nonce, "transfer_id": kv["remote_request_id"]}, mac=mac)
+        answer, payload = recv_frame(sock, mac=mac)
         assert answer == {"ok": False, "error": "missing or wrong cluster secret"} and not payload
         with pytest.raises(WireError):  # and hung up
             recv_frame(sock)
@@ -173,3 +174,56 @@ def test_a_prefill_replica_that_never_answers_times_out_into_a_local_prefill(pai
     assert labelled(pair.decode, "tpserve:kv_transfer_fallbacks_total", reason="failed") == before + 1
     assert 2.0 <= waited < 8.0  # the pull's timeout, then the local prefill
     assert used_tokens(pair.decode, OPERATOR_KEY) == 0
+
+
+def test_a_fake_prefill_agent_cannot_poison_the_decode_replicas_prefix_cache(pair: Pair) -> None:
+    """F1: a caller of the decode replica names its own address as the prefill's side channel and answers the
+    read with K/V of its own (echoing what was asked, as repro/kv_side_channel_attack.py did). The answer is
+    not authenticated under the cluster secret: nothing is cached, the request prefills itself, and a later,
+    innocent request of the same prompt gets the tokens of one replica alone."""
+    import socket
+    import threading
+
+    prompt = pair.prompt("Poison")
+    alone = pair.generate(pair.prefill, KEY_A, prompt)
+    dialled = []
+
+    def fake(server: socket.socket) -> None:
+        conn, _ = server.accept()
+        with conn:
+            send_frame(conn, {"nonce": "0" * 32})
+            header, _, _, _ = recv_raw(conn)
+            dialled.append(header["op"])
+            send_frame(conn, {"ok": True, "block_hashes": header["block_hashes"], "namespace": header["namespace"],
+                              "layout": header["layout"]}, b"\x7f" * (len(header["block_ids"]) * _block_bytes(header["layout"])))
+            conn.recv(1)
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        thread = threading.Thread(target=fake, args=(server,), daemon=True)
+        thread.start()
+        kv = {"do_remote_prefill": True, "remote_block_ids": list(range((len(prompt) - 1) // BLOCK_SIZE)),
+              "remote_host": "127.0.0.1", "remote_port": server.getsockname()[1], "remote_request_id": "f" * 32,
+              "tp_size": 1, "block_size": BLOCK_SIZE}
+        before = labelled(pair.decode, "tpserve:kv_transfer_fallbacks_total", reason="failed")
+        attacked = pair.generate(pair.decode, KEY_A, prompt, kv)
+        thread.join(10)
+    assert dialled == ["read"]
+    assert labelled(pair.decode, "tpserve:kv_transfer_fallbacks_total", reason="failed") == before + 1
+    assert attacked.cached_tokens == 0 and list(attacked.output_ids) == list(alone.output_ids)
+    innocent = pair.generate(pair.decode, KEY_A, prompt)
+    assert list(innocent.output_ids) == list(alone.output_ids)
+
+
+def _block_bytes(layout: str) -> int:
+    """Bytes of one block of a float cache's layout signature (worker/kv_transfer/blocks.py), e.g.
+    ``5x[16, 4, 8];[16, 4, 8]:float32``: what a payload of the right size takes."""
+    total = 0
+    for run in layout.split("|")[0].split("+"):
+        count, _, rest = run.partition("x")
+        shapes, _, dtype = rest.rpartition(":")
+        for shape in shapes.split(";"):
+            elements = 1
+            for dim in json.loads(shape):
+                elements *= dim
+            total += int(count) * elements * {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return total

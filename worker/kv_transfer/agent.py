@@ -1,7 +1,10 @@
 """A rank's KV agent: its side-channel server, on threads of its own, never on the step thread.
 
 Listens on ``side_channel_host:side_channel_port + rank`` (tpserve/kv_transfer_config.py) and
-serves each connection on a thread (tpserve/kv_wire.py for the frames and the authentication):
+serves each connection on a thread (tpserve/kv_wire.py for the frames and the authentication:
+``hold`` and ``pull`` only from a caller that proves the group's control key, which only this
+rank's coordinator has; ``read`` from a caller that proves the cluster secret, when there is one;
+every frame after the greeting tagged under the connection's session key):
 
 - ``hold`` (its coordinator, prefill side): keep blocks ``block_ids`` with their hashes and
   namespace under ``transfer_id``; answer ``held``, then ``done`` with ``confirmed`` once the
@@ -34,7 +37,8 @@ from typing import Any
 
 import structlog
 
-from tpserve.kv_wire import WireError, check_auth, new_nonce, recv_frame, send_frame
+from tpserve.kv_wire import (CONTROL_OPS, FrameMac, WireError, new_nonce, purpose_of, recv_frame, recv_raw, send_frame,
+                             session_key)
 from worker.kv_transfer.blocks import KVCaches, gather_blocks, layout_mismatch, layout_signature
 from worker.kv_transfer.transport import KVTransport, PullRequest, TransferRefused
 
@@ -67,7 +71,8 @@ class KVAgent:
     Args:
         host, port: where to listen (``port`` is this rank's: the replica's base port + rank).
         tp_rank, tp_size: this rank's place; a reader of another degree or rank is refused.
-        secret: the cluster secret every caller must prove (None: none required).
+        secret: the cluster secret a peer's ``read`` must prove (None: reads are not authenticated; the
+            configuration then keeps the side channel on loopback).
         caches: returns the rank's KV cache tensors now (empty before InitCache): every tensor a block id
             indexes (an 8-bit cache's scale pools too).
         transport: what ``pull`` uses.
@@ -80,8 +85,9 @@ class KVAgent:
 
     def __init__(self, host: str, port: int, tp_rank: int, tp_size: int, secret: str | None,
                  caches: Callable[[], KVCaches], transport: KVTransport,
-                 codec: Callable[[], str] | None = None) -> None:
+                 codec: Callable[[], str] | None = None, control_key: str | None = None) -> None:
         self.host, self.port, self.tp_rank, self.tp_size = host, port, tp_rank, tp_size
+        self.control_key = control_key
         self.secret, self.caches, self.transport = secret, caches, transport
         self.codec: Callable[[], str] = codec or (lambda: "")
         self._holds: dict[str, _Hold] = {}
@@ -131,28 +137,52 @@ class KVAgent:
                 self._slots.release()
 
     def _handle(self, conn: socket.socket) -> None:
-        """Authenticates the caller, then runs its one command (errors end the connection, logged)."""
+        """Authenticates the caller (its first frame's op says which key), then runs its one command
+        (errors end the connection, logged)."""
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(FIRST_FRAME_TIMEOUT_S)
             nonce = new_nonce()
             send_frame(conn, {"nonce": nonce})
-            header, _ = recv_frame(conn)
-            if not check_auth(self.secret, nonce, header):
-                send_frame(conn, {"ok": False, "error": "missing or wrong cluster secret"})
+            header, body, payload, tag = recv_raw(conn)
+            op = str(header.get("op"))
+            handler = {"hold": self._hold, "read": self._read, "pull": self._pull}.get(op)
+            if handler is None:
+                send_frame(conn, {"ok": False, "error": f"unknown op {op!r}"})
+                return
+            refusal = self._authenticate(op, nonce, header, body, payload, tag)
+            if isinstance(refusal, str):
+                log.warning("kv side channel caller refused", op=op, reason=refusal)
+                send_frame(conn, {"ok": False, "error": refusal})
                 return
             conn.settimeout(COMMAND_TIMEOUT_S)
-            handler = {"hold": self._hold, "read": self._read, "pull": self._pull}.get(str(header.get("op")))
-            if handler is None:
-                send_frame(conn, {"ok": False, "error": f"unknown op {header.get('op')!r}"})
-                return
-            handler(conn, header)
+            handler(conn, header, refusal)
         except (OSError, WireError, ValueError, KeyError, TypeError) as exc:
             log.warning("kv side channel connection failed", error=f"{type(exc).__name__}: {exc}")
 
+    def _authenticate(self, op: str, nonce: str, header: dict[str, Any], body: bytes, payload: bytearray,
+                      tag: bytes | None) -> FrameMac | str:
+        """The connection's tags once the first frame proved its op's key, or why it did not (a str).
+
+        ``hold``/``pull`` need the control key (only this rank's coordinator has it: never the cluster
+        secret, which every replica of the fleet shares); ``read`` the cluster secret, if any."""
+        control = op in CONTROL_OPS
+        key = self.control_key if control else self.secret
+        if control and not key:
+            return "this rank has no control key: hold and pull come only from its own coordinator"
+        try:
+            mac = FrameMac(session_key(key, purpose_of(op), nonce, str(header.get("nonce", ""))), agent=True)
+            if tag is None and key:  # an untagged refusal passes FrameMac.check; a command must be tagged
+                raise WireError("untagged")
+            mac.check(header, body, payload, tag)
+        except WireError:
+            return ("hold and pull come only from this rank's own coordinator" if control
+                    else "missing or wrong cluster secret")
+        return mac
+
     # -- producer side ---------------------------------------------------------------------------
 
-    def _hold(self, conn: socket.socket, header: dict[str, Any]) -> None:
+    def _hold(self, conn: socket.socket, header: dict[str, Any], mac: FrameMac) -> None:
         transfer_id = str(header["transfer_id"])
         hold = _Hold([int(b) for b in header["block_ids"]], [str(h) for h in header["block_hashes"]],
                      str(header["namespace"]))
@@ -160,12 +190,13 @@ class KVAgent:
         with self._lock:
             self._holds[transfer_id] = hold
         try:
-            send_frame(conn, {"op": "held", "ok": True})
+            send_frame(conn, {"op": "held", "ok": True}, mac=mac)
             while not hold.confirmed.wait(0.05):
                 if time.monotonic() > deadline or hold.abandoned.is_set():
                     break
                 readable, _, _ = select.select([conn], [], [], 0)
-                if readable:  # "release", or the coordinator hung up: either way the hold ends
+                if readable:  # "release", or the coordinator hung up: either way the hold ends (ending a
+                    # hold early is the safe direction, so the frame itself need not be read)
                     break
         finally:
             with self._lock:
@@ -173,9 +204,9 @@ class KVAgent:
             with hold.lock:  # waits for a read copying these blocks: none copies them once this returns
                 hold.active = False
         send_frame(conn, {"op": "done", "confirmed": hold.confirmed.is_set(), "bytes": hold.bytes_sent,
-                          "blocks": hold.blocks_sent})
+                          "blocks": hold.blocks_sent}, mac=mac)
 
-    def _read(self, conn: socket.socket, header: dict[str, Any]) -> None:
+    def _read(self, conn: socket.socket, header: dict[str, Any], mac: FrameMac) -> None:
         transfer_id = str(header.get("transfer_id"))
         chosen, payload = slice(0, 0), b""
         with self._lock:
@@ -197,11 +228,11 @@ class KVAgent:
                     problem = "no such transfer held here (released, timed out, or never held)"
         if problem or hold is None:
             log.warning("kv read refused", transfer_id=transfer_id, reason=problem)
-            send_frame(conn, {"ok": False, "error": problem})
+            send_frame(conn, {"ok": False, "error": problem}, mac=mac)
             return
         send_frame(conn, {"ok": True, "block_hashes": hold.block_hashes[chosen], "namespace": hold.namespace,
-                          "layout": self._layout(caches)}, payload)
-        answer, _ = recv_frame(conn)
+                          "layout": self._layout(caches)}, payload, mac=mac)
+        answer, _ = recv_frame(conn, mac=mac)
         if answer.get("op") == "ack":
             hold.bytes_sent += len(payload)
             hold.blocks_sent += chosen.stop - chosen.start
@@ -235,7 +266,7 @@ class KVAgent:
 
     # -- consumer side ---------------------------------------------------------------------------
 
-    def _pull(self, conn: socket.socket, header: dict[str, Any]) -> None:
+    def _pull(self, conn: socket.socket, header: dict[str, Any], mac: FrameMac) -> None:
         request = PullRequest(
             transfer_id=str(header["transfer_id"]), remote_host=str(header["remote_host"]),
             remote_port=int(header["remote_port"]) + self.tp_rank, first_block=int(header["first_block"]),
@@ -250,7 +281,7 @@ class KVAgent:
                 raise TransferRefused("this rank has no KV cache now")
             num_bytes = self.transport.pull(request, caches, self._layout(caches))
         except (TransferRefused, OSError, WireError, ValueError) as exc:
-            send_frame(conn, {"op": "pulled", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            send_frame(conn, {"op": "pulled", "ok": False, "error": f"{type(exc).__name__}: {exc}"}, mac=mac)
             return
         send_frame(conn, {"op": "pulled", "ok": True, "bytes": num_bytes,
-                          "seconds": time.monotonic() - started})
+                          "seconds": time.monotonic() - started}, mac=mac)

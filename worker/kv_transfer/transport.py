@@ -10,7 +10,10 @@ One interface (:class:`KVTransport`), two transports:
   here with one line (:func:`make_transport`); tpserve/kv_transfer_config.py refuses it first.
 
 A pull is checked before its bytes are written: the holder's block hashes and namespace must be
-the ones the receiving coordinator computed for its own request, and the cache layouts equal.
+the ones the receiving coordinator computed for its own request, and the cache layouts equal. With
+a cluster secret the holder must also prove it (every frame of its answer, the K/V included, is
+tagged under the connection's session key: tpserve/kv_wire.py), so an address a request names
+cannot feed this rank K/V of its own making; without one, only a loopback holder is read.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tpserve.kv_wire import connect, recv_frame, send_frame
+from tpserve.kv_wire import caller_session, connect, recv_frame, send_frame, unauthenticated_peer_refusal
 from worker.kv_transfer.blocks import KVCaches, bytes_per_block, layout_signature, scatter_blocks
 
 
@@ -80,24 +83,30 @@ class TcpTransport:
         self.tp_rank, self.tp_size, self.secret = tp_rank, tp_size, secret
 
     def pull(self, request: PullRequest, caches: KVCaches, layout: str | None = None) -> int:
-        """See :meth:`KVTransport.pull`."""
+        """See :meth:`KVTransport.pull`. Without a cluster secret a holder off loopback is refused before
+        any connection (:func:`unauthenticated_peer_refusal`)."""
         deadline = time.monotonic() + request.timeout_s
         layout = layout_signature(caches) if layout is None else layout
-        sock, auth = connect(request.remote_host, request.remote_port, self.secret, request.timeout_s)
+        if not self.secret:
+            refusal = unauthenticated_peer_refusal(request.remote_host)
+            if refusal:
+                raise TransferRefused(refusal)
+        sock, agent_nonce = connect(request.remote_host, request.remote_port, request.timeout_s)
         with sock:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            send_frame(sock, {"op": "read", "auth": auth, "transfer_id": request.transfer_id,
+            nonce, mac = caller_session(self.secret, "read", agent_nonce)
+            send_frame(sock, {"op": "read", "nonce": nonce, "transfer_id": request.transfer_id,
                               "block_hashes": request.block_hashes, "namespace": request.namespace,
                               "first_block": request.first_block,
                               "block_ids": request.remote_block_ids, "tp_rank": self.tp_rank,
-                              "tp_size": self.tp_size, "layout": layout})
+                              "tp_size": self.tp_size, "layout": layout}, mac=mac)
             expected = len(request.local_block_ids) * bytes_per_block(caches)
-            header, payload = recv_frame(sock, max_payload_bytes=expected)
+            header, payload = recv_frame(sock, max_payload_bytes=expected, mac=mac)  # K/V checked before use
             problem = _check_answer(header, request, layout, len(payload), expected)
             if problem:
                 raise TransferRefused(problem)
             scatter_blocks(caches, request.local_block_ids, payload)
-            send_frame(sock, {"op": "ack"})
+            send_frame(sock, {"op": "ack"}, mac=mac)
             return len(payload)
 
 
