@@ -50,6 +50,7 @@ from coordinator import tracing
 from coordinator.engine import Engine
 from coordinator.errors import InvalidArgumentError, UnavailableError
 from coordinator.kv_transfer.connector import HeldBlocks, KVConnector
+from coordinator.kv_transfer.hold_budget import HoldReservation
 from coordinator.kv_transfer.params import KVTransferParams, parse_params
 from coordinator.kv_events import DEFAULT_MAX_SUBSCRIBERS, KvEventLog
 from coordinator.logprobs import TokenLogprob
@@ -146,8 +147,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return
         # Not streamed: each sample's handler is woken once, at its end (coordinator/output_collector.py).
         interval = None if request.stream else UNARY
-        held = HeldBlocks()
+        held, reservation = HeldBlocks(), None
         connector = self.kv_connector
+        if connector is not None and kv is not None and kv.do_remote_decode and connector.config.is_producer:
+            # Before it is queued: a hand-off past the holds' share of the pool is refused now, not after its
+            # prefill (coordinator/kv_transfer/hold_budget.py).
+            reservation = connector.reserve(engine.scheduler, entry.tenant, len(params.prompt_token_ids))
         if connector is not None and kv is not None and kv.do_remote_prefill:
             # Before it is queued: the pulled blocks are then a prefix-cache hit (coordinator/kv_transfer/connector.py),
             # in the namespace the pull says (the request's own, or its own alone without a cluster secret).
@@ -155,13 +160,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if held.namespace is not None:
                 params = dataclasses.replace(params, cache_namespace=held.namespace)
         try:
-            async for response in self._outputs(engine, entry, request, params, n, interval, context, kv):
+            async for response in self._outputs(engine, entry, request, params, n, interval, context, kv,
+                                                reservation):
                 yield response
         finally:
             held.release(engine.scheduler)
+            if reservation is not None:
+                reservation.release()  # a no-op once a hold took it over
 
     async def _outputs(self, engine: Engine, entry: RequestEntry, request: vpb.GenerateRequest, params, n: int,
-                       interval, context: grpc.aio.ServicerContext, kv: KVTransferParams | None):
+                       interval, context: grpc.aio.ServicerContext, kv: KVTransferParams | None,
+                       reservation: HoldReservation | None = None):
         sampling = request.sampling_params
         num_logprobs = sampling.logprobs if sampling.HasField("logprobs") else 0
         num_prompt_logprobs = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else 0
@@ -177,21 +186,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if output.token_ids or output.prompt_logprobs:
                     yield chunk(output, prompt, num_logprobs, num_prompt_logprobs, index)
                 if finished:
-                    yield await self._handed_over(engine, params, kv, output, complete(
+                    yield await self._handed_over(engine, params, kv, output, reservation, complete(
                         output, output.token_ids, output.logprobs, prompt, prompt_logprobs[index], num_logprobs,
                         num_prompt_logprobs, index))
             else:
                 token_ids[index].extend(output.token_ids)
                 logprobs[index].extend(output.logprobs)
                 if finished:
-                    completes[index] = await self._handed_over(engine, params, kv, output, complete(
+                    completes[index] = await self._handed_over(engine, params, kv, output, reservation, complete(
                         output, token_ids[index], logprobs[index], prompt, prompt_logprobs[index], num_logprobs,
                         num_prompt_logprobs, index))
         for index in sorted(completes):  # not streamed: every sample at the end, in order (as vLLM's servicer)
             yield completes[index]
 
     async def _handed_over(self, engine: Engine, params, kv: KVTransferParams | None, output,
-                           response: vpb.GenerateResponse) -> vpb.GenerateResponse:
+                           reservation: HoldReservation | None, response: vpb.GenerateResponse) -> vpb.GenerateResponse:
         """A prefill's (``do_remote_decode``) final message, with the kv_transfer_params of its held blocks."""
         connector = self.kv_connector
         if connector is None or kv is None or not kv.do_remote_decode or not connector.config.is_producer:
@@ -199,7 +208,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if output.finish_reason == FinishReason.ABORT:
             return response
         response.complete.kv_transfer_params_json = await connector.hand_over(
-            engine.scheduler, list(params.prompt_token_ids), params.cache_namespace)
+            engine.scheduler, list(params.prompt_token_ids), params.cache_namespace, reservation=reservation)
         return response
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:

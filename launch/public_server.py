@@ -246,6 +246,11 @@ class PublicServer:
         """Serves ``engine`` from now on; GetModelInfo reports the pool and the ranks' dtype."""
         self.dtype = dtype
         self.servicer.engine = engine
+        if self.kv_connector is not None:
+            def blocks_freed() -> None:  # a hold that ends frees blocks between steps, when no step may follow:
+                engine.gauges.update()  # the usage and saturation gauges show it now,
+                engine.lifecycle.wakeup.set()  # and a request waiting for those blocks starts now
+            self.kv_connector.on_blocks_freed = blocks_freed
         self.servicer.model_info = self.model_info(num_kv_blocks)
         freeze_startup_heap()
         set_serving_gc_thresholds()  # young collections every 50,000 allocations (coordinator/gc_policy.py)

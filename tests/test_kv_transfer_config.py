@@ -26,19 +26,21 @@ def test_vllms_json_with_its_defaults() -> None:
     assert kv is not None
     assert (kv.kv_role, kv.is_consumer, kv.is_producer) == ("kv_consumer", True, False)
     assert (kv.side_channel_host, kv.side_channel_port, kv.transport) == ("127.0.0.1", 5600, "tcp")
-    assert (kv.hold_timeout_s, kv.pull_timeout_s, kv.resolved_engine_id) == (120.0, 10.0, "tpserve-127.0.0.1-5600")
+    assert (kv.hold_timeout_s, kv.pull_timeout_s, kv.resolved_engine_id) == (30.0, 10.0, "tpserve-127.0.0.1-5600")
+    assert (kv.max_hold_fraction, kv.max_hold_fraction_per_tenant) == (0.5, 0.25)
     assert _config().kv_transfer.kv_transfer_config is None  # off by default
 
 
 def test_the_side_channel_and_timeouts_come_from_kv_connector_extra_config() -> None:
     text = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "p0",
                        "kv_connector_extra_config": {"side_channel_host": "10.0.0.7", "side_channel_port": 6000,
-                                                     "hold_timeout_s": 30, "pull_timeout_s": 2.5}})
+                                                     "hold_timeout_s": 30, "pull_timeout_s": 2.5,
+                                                     "max_hold_fraction": 0.75, "max_hold_fraction_per_tenant": 0.1}})
     config = _config("--kv-transfer-config", text, "--tensor-parallel-size", "2", "--cluster-secret-file", "/s")
     kv = config.kv_transfer.kv_transfer_config
     assert (kv.side_channel_host, kv.side_channel_port, kv.hold_timeout_s, kv.pull_timeout_s, kv.resolved_engine_id) \
         == ("10.0.0.7", 6000, 30.0, 2.5, "p0")
-    assert kv.is_producer and kv.is_consumer
+    assert kv.is_producer and kv.is_consumer and (kv.max_hold_fraction, kv.max_hold_fraction_per_tenant) == (0.75, 0.1)
     rank = RankConfig(cluster=config, model_dir="m", rank=1, world_size=2, local_rank=1, local_world_size=2,
                       address="unix:///x", init_method="file:///y")
     assert RankConfig.from_json(rank.to_json()).cluster.kv_transfer.kv_transfer_config == kv  # reaches the ranks
@@ -54,6 +56,10 @@ def test_the_side_channel_and_timeouts_come_from_kv_connector_extra_config() -> 
      "side_channel_port must be a port in [1, 65471], got 0"),
     ('{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"pull_timeout_s": -1}}',
      "pull_timeout_s must be seconds in (0, 86400), got -1"),
+    ('{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"max_hold_fraction": 0}}',
+     "max_hold_fraction must be a share of the KV pool in (0, 1], got 0"),
+    ('{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"max_hold_fraction_per_tenant": 1.5}}',
+     "max_hold_fraction_per_tenant must be a share of the KV pool in (0, 1], got 1.5"),
     ('{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"transport": "nixl"}}',
      "transport nixl needs the nixl package, which is not installed (pip install nixl), or use transport tcp"),
 ])

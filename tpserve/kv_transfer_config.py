@@ -17,8 +17,13 @@ on ``side_channel_port + global rank`` of ``side_channel_host`` (docs/design/clu
   ranks' KV agents listen and what a prefill replica advertises as ``remote_host``/``remote_port``;
 - ``transport``: ``tcp`` (every device; the default) or ``nixl`` (the nixl package, CUDA ranks):
   refused with one line when the package is not installed;
-- ``hold_timeout_s`` (default 120): how long a prefill replica keeps a finished request's blocks
-  for its decode replica to pull before it frees them;
+- ``hold_timeout_s`` (default 30): how long a prefill replica keeps a finished request's blocks
+  for its decode replica to pull before it frees them (a gateway sends the decode request as soon
+  as the prefill answers, and the decode replica pulls before it queues it: a pull comes within
+  milliseconds to seconds; 120 let unpulled hand-offs pin the pool for two minutes);
+- ``max_hold_fraction`` (default 0.5) and ``max_hold_fraction_per_tenant`` (default 0.25): the share of
+  the KV pool a producer's hand-offs may hold, in all and for one API-key tenant; past either a
+  ``do_remote_decode`` is refused with RESOURCE_EXHAUSTED and pushback (coordinator/kv_transfer/hold_budget.py);
 - ``pull_timeout_s`` (default 10): how long a decode replica waits for a pull before it prefills
   the prompt itself.
 
@@ -44,6 +49,8 @@ Transport = Literal["tcp", "nixl"]
 #: the gateway runs its NIXL hand-off for a worker that reports it.
 CONNECTORS = ("NixlConnector",)
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+#: Seconds a hand-off's blocks wait for their pull by default (the module docstring says why not longer).
+DEFAULT_HOLD_TIMEOUT_S = 30.0
 
 
 class KVTransferConfig(BaseModel):
@@ -59,7 +66,7 @@ class KVTransferConfig(BaseModel):
 
     Raises:
         ValueError: an unknown connector, role or extra key, a port out of range, a timeout
-            not above 0, or ``transport: nixl`` without the nixl package.
+            not above 0, a hold share outside (0, 1], or ``transport: nixl`` without the nixl package.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -80,7 +87,7 @@ class KVTransferConfig(BaseModel):
     def _check_extra(self) -> KVTransferConfig:
         extra = self.kv_connector_extra_config
         unknown = sorted(set(extra) - {"side_channel_host", "side_channel_port", "transport", "hold_timeout_s",
-                                       "pull_timeout_s"})
+                                       "pull_timeout_s", "max_hold_fraction", "max_hold_fraction_per_tenant"})
         if unknown:
             raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}")
         port = extra.get("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT)
@@ -90,6 +97,11 @@ class KVTransferConfig(BaseModel):
             value = extra.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 86400:
                 raise ValueError(f"kv_connector_extra_config.{key} must be seconds in (0, 86400), got {value!r}")
+        for key in ("max_hold_fraction", "max_hold_fraction_per_tenant"):
+            value = extra.get(key, 0.5)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"kv_connector_extra_config.{key} must be a share of the KV pool in (0, 1], "
+                                 f"got {value!r}")
         host = extra.get("side_channel_host", "127.0.0.1")
         if not isinstance(host, str) or not host:
             raise ValueError(f"kv_connector_extra_config.side_channel_host must be an address, got {host!r}")
@@ -118,7 +130,17 @@ class KVTransferConfig(BaseModel):
     @property
     def hold_timeout_s(self) -> float:
         """Seconds a prefill replica holds a handed-over request's blocks at most."""
-        return float(self.kv_connector_extra_config.get("hold_timeout_s", 120.0))
+        return float(self.kv_connector_extra_config.get("hold_timeout_s", DEFAULT_HOLD_TIMEOUT_S))
+
+    @property
+    def max_hold_fraction(self) -> float:
+        """The share of the KV pool every hand-off's hold together may take, in (0, 1]."""
+        return float(self.kv_connector_extra_config.get("max_hold_fraction", 0.5))
+
+    @property
+    def max_hold_fraction_per_tenant(self) -> float:
+        """The share of the KV pool one API-key tenant's hand-offs may hold, in (0, 1]."""
+        return float(self.kv_connector_extra_config.get("max_hold_fraction_per_tenant", 0.25))
 
     @property
     def pull_timeout_s(self) -> float:

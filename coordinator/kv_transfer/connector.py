@@ -20,6 +20,7 @@ coordinator can make its ranks hold, release or pull. Without a cluster secret, 
 proves nothing about where it came from, so a decode replica reads only a loopback peer and
 caches what it pulled under a namespace of that request alone (``HeldBlocks.namespace``):
 K/V of an impostor could at worst spoil the request that named it, never another's prefix cache.
+A producer's holds take at most a share of its pool, in all and per tenant (hold_budget.py).
 
 Everything here runs on the coordinator's event loop (the allocator has no lock); the bytes
 move on the ranks' agent threads. No torch.
@@ -31,7 +32,8 @@ import asyncio
 import hashlib
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -39,6 +41,7 @@ import structlog
 from coordinator.block_allocator import BlockAllocator
 from coordinator.kv_cache_manager import prompt_block_hashes
 from coordinator.kv_transfer import rank_links
+from coordinator.kv_transfer.hold_budget import HoldBudget, HoldReservation
 from coordinator.kv_transfer.metrics import KVTransferMetrics
 from coordinator.kv_transfer.params import KVTransferParams, handoff_json
 from coordinator.scheduler import Scheduler
@@ -59,6 +62,7 @@ class HeldBlocks:
         allocator: the pool they belong to (a restarted group has a new one; then nothing is freed).
         block_ids: the blocks, in prompt order.
         num_pulled: how many of them were pulled from the prefill replica.
+        on_freed: called once :meth:`release` freed blocks (the load gauges).
         namespace: the prefix-cache namespace the request must run under to find them (a namespace of its own
             when they came from a peer that proved no cluster secret); None: its own.
     """
@@ -66,12 +70,15 @@ class HeldBlocks:
     allocator: BlockAllocator | None = None
     block_ids: tuple[int, ...] = ()
     num_pulled: int = 0
+    on_freed: Callable[[], None] | None = field(default=None, repr=False)
     namespace: bytes | None = None
 
     def release(self, scheduler: Scheduler) -> None:
         """Drops the hold (the blocks stay cached); a no-op after a group restart."""
         if self.allocator is not None and scheduler.allocator is self.allocator:
             self.allocator.free(reversed(self.block_ids))
+            if self.on_freed is not None and self.block_ids:
+                self.on_freed()
         self.allocator, self.block_ids = None, ()
 
 
@@ -89,6 +96,10 @@ class KVConnector:
             cache's blocks are codes with per-token scales: worker/kv_quant.py).
         control_key: the group's control key, which the ranks' agents require of hold and pull (the launcher's,
             launch/local_ranks.py; None: the ranks refuse every hold and pull).
+
+    Attributes:
+        on_blocks_freed: called after a hold or a pull frees blocks outside a step (the load gauges then
+            show it: launch/public_server.py sets the engine's gauge update).
     """
 
     def __init__(self, config: KVTransferConfig, tp_size: int, block_size: int, secret: str | None,
@@ -96,30 +107,46 @@ class KVConnector:
         self.config, self.tp_size, self.block_size = config, tp_size, block_size
         self.secret, self.metrics, self.kv_cache_dtype = secret, metrics, kv_cache_dtype
         self.control_key = control_key
+        self.budget = HoldBudget(config.max_hold_fraction, config.max_hold_fraction_per_tenant)
+        self.on_blocks_freed: Callable[[], None] = lambda: None
         self._tasks: set[asyncio.Task] = set()
 
     # -- prefill side ----------------------------------------------------------------------------
 
+    def reserve(self, scheduler: Scheduler, tenant: str, num_tokens: int) -> HoldReservation:
+        """Reserves the hold of a hand-off of ``num_tokens`` tokens for ``tenant`` ("" anonymous), before the
+        request is queued; pass it to :meth:`hand_over`, and release it if the request ends without one.
+
+        Raises:
+            ResourceExhaustedError: the hand-offs' share of the pool would be passed (hold_budget.py).
+        """
+        num_blocks = max((num_tokens - 1) // self.block_size, 0)
+        return self.budget.reserve(tenant, num_blocks, scheduler.allocator.num_blocks)
+
     async def hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
-                        hold_timeout_s: float | None = None) -> str:
+                        hold_timeout_s: float | None = None, reservation: HoldReservation | None = None) -> str:
         """Holds the computed full blocks of ``token_ids`` for a pull; returns their kv_transfer_params_json.
 
         Names no block (the other replica then computes them itself) when none is cached, or a rank
-        cannot hold. The hold lasts ``hold_timeout_s`` at most (None: the configuration's). Runs to its
-        end even if the caller is cancelled (the hold's release with it).
+        cannot hold. The hold lasts ``hold_timeout_s`` seconds at most (None: the configuration's);
+        ``reservation`` (:meth:`reserve`) becomes the hold's (the caller's is left empty) and is released when
+        the hold ends. Runs to its end even if the caller
+        is cancelled (the hold's release with it).
         """
         task = asyncio.ensure_future(self._hand_over(scheduler, token_ids, namespace,
-                                                     self.config.hold_timeout_s if hold_timeout_s is None else hold_timeout_s))
+                                                     self.config.hold_timeout_s if hold_timeout_s is None else hold_timeout_s,
+                                                     reservation.take() if reservation else HoldReservation("", 0)))
         return await asyncio.shield(task)
 
     async def _hand_over(self, scheduler: Scheduler, token_ids: list[int], namespace: bytes,
-                         hold_timeout_s: float) -> str:
+                         hold_timeout_s: float, reservation: HoldReservation) -> str:
         cfg = self.config
         hashes = prompt_block_hashes(token_ids, namespace, self.block_size, (len(token_ids) - 1) // self.block_size)
         allocator = scheduler.allocator
         block_ids = allocator.lookup(hashes)  # the prefix still cached (all of it, unless evicted since)
         transfer_id = secrets.token_hex(16)
         if not block_ids:
+            reservation.release()
             return self._handoff([], "")
         allocator.acquire(block_ids)
         hex_hashes = [h.hex() for h in hashes[:len(block_ids)]]
@@ -134,10 +161,12 @@ class KVConnector:
             await asyncio.gather(*(h.done(DONE_GRACE_S) for h in ok))
             if scheduler.allocator is allocator:
                 allocator.free(reversed(block_ids))
+                self.on_blocks_freed()
+            reservation.release()
             log.warning("kv hand-over failed: the decode replica will prefill", error=str(failed[0]))
             return self._handoff([], "")
         self.metrics.holds.inc()
-        self._track(self._await_done(scheduler, allocator, block_ids, ok, hold_timeout_s))
+        self._track(self._await_done(scheduler, allocator, block_ids, ok, hold_timeout_s, reservation))
         return self._handoff(block_ids, transfer_id)
 
     def _handoff(self, block_ids: list[int], transfer_id: str) -> str:
@@ -146,10 +175,12 @@ class KVConnector:
                             transfer_id, self.tp_size, self.block_size, self.kv_cache_dtype)
 
     async def _await_done(self, scheduler: Scheduler, allocator: BlockAllocator, block_ids: list[int],
-                          holds: list[rank_links.RankHold], hold_timeout_s: float) -> None:
+                          holds: list[rank_links.RankHold], hold_timeout_s: float, reservation: HoldReservation) -> None:
         answers = await asyncio.gather(*(h.done(hold_timeout_s + DONE_GRACE_S) for h in holds))
         if scheduler.allocator is allocator:
             allocator.free(reversed(block_ids))
+            self.on_blocks_freed()  # the usage and saturation gauges, which else wait for the next step
+        reservation.release()
         self.metrics.holds.dec()
         if all(a.get("confirmed") for a in answers):  # blocks: each rank sent its slice of the same ones
             transport = self.config.transport
@@ -226,7 +257,8 @@ class KVConnector:
         allocator = scheduler.allocator
         cached = allocator.lookup(cache_hashes)  # without a secret: only a pull of this very hold's, earlier
         allocator.acquire(cached)
-        held = HeldBlocks(allocator, tuple(cached), namespace=private if cached else None)
+        held = HeldBlocks(allocator, tuple(cached), on_freed=self.on_blocks_freed,
+                          namespace=private if cached else None)
         first = len(cached)
         new = allocator.allocate(num_blocks - first) if first < num_blocks else []
         if new is None:
@@ -260,12 +292,13 @@ class KVConnector:
         self.metrics.blocks.labels("received", transport).inc(len(new))
         self.metrics.bytes.labels("received", transport).inc(sum(int(a.get("bytes", 0)) for a in answers))
         self.metrics.seconds.labels(transport).observe(time.monotonic() - started)
-        return HeldBlocks(allocator, (*cached, *new), len(new), private)
+        return HeldBlocks(allocator, (*cached, *new), len(new), self.on_blocks_freed, private)
 
     def _free(self, scheduler: Scheduler, allocator: BlockAllocator, blocks: list[int]) -> None:
         """Frees blocks allocated for a pull that did not fill them (nothing after a group restart)."""
         if scheduler.allocator is allocator and blocks:
             allocator.free(reversed(blocks))
+            self.on_blocks_freed()
 
     def _release_request(self, params: KVTransferParams, namespace: bytes) -> dict[str, Any]:
         """A pull of no block for the request's own hold: what only ends the prefill replica's hold."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from coordinator.errors import ResourceExhaustedError
 from coordinator.kv_cache_manager import prompt_block_hashes
 from coordinator.kv_transfer.params import parse_params
 from tests.e2e.pd import free_port_range
@@ -305,6 +306,53 @@ def test_without_a_cluster_secret_a_peer_off_loopback_is_not_dialled() -> None:
     finally:
         _close(decode)
     assert held.block_ids == () and decode.metric("tpserve:kv_transfer_fallbacks_total", reason="refused") == 1
+
+
+def test_hand_offs_hold_at_most_their_share_of_the_pool_in_all_and_per_tenant() -> None:
+    """F3: 32 blocks, a quarter for every hold (8), an eighth for one tenant (4); a prompt hands 4 over."""
+    prefill = _replica("kv_producer", 1, hold_timeout_s=5.0, max_hold_fraction=0.25,
+                       max_hold_fraction_per_tenant=0.125)
+    try:
+        connector, scheduler = prefill.connector, prefill.scheduler
+        first = connector.reserve(scheduler, "tenant-a", len(PROMPT))
+        with pytest.raises(ResourceExhaustedError, match="this tenant's hand-offs hold 4 of this replica's 32 KV "
+                                                         "blocks.*max_hold_fraction_per_tenant") as info:
+            connector.reserve(scheduler, "tenant-a", len(PROMPT))
+        assert info.value.retry_pushback_ms == 1000
+        connector.reserve(scheduler, "tenant-b", len(PROMPT))  # another tenant is not starved by the first
+        with pytest.raises(ResourceExhaustedError, match="every tenant's hand-offs hold 8.*max_hold_fraction "):
+            connector.reserve(scheduler, "", len(PROMPT))
+        with pytest.raises(ResourceExhaustedError, match="this prompt's need 9") as info:  # never fits: no retry
+            connector.reserve(scheduler, "tenant-c", 9 * BLOCK_SIZE + 1)
+        assert info.value.retry_pushback_ms is None
+
+        async def hold_and_expire():  # the reservation becomes the hold's and ends with it
+            _prefill(prefill)
+            await connector.hand_over(scheduler, PROMPT, b"", hold_timeout_s=0.3, reservation=first)
+            first.release()  # the request's own release as it ends: the hold owns the blocks now
+            assert connector.budget.total == 8
+            await _until(lambda: connector.budget.total == 4)
+
+        asyncio.run(hold_and_expire())
+        connector.reserve(scheduler, "tenant-a", len(PROMPT))
+    finally:
+        _close(prefill)
+
+
+def test_a_hold_that_ends_refreshes_the_load_gauges(pair) -> None:
+    """F4: the blocks a hold frees between steps reach the usage gauge at once, not at the next request."""
+    prefill, _ = pair
+    refreshed: list[int] = []
+    prefill.connector.on_blocks_freed = lambda: refreshed.append(prefill.scheduler.allocator.num_free_blocks)
+
+    async def run():
+        _prefill(prefill)
+        await prefill.connector.hand_over(prefill.scheduler, PROMPT, b"", hold_timeout_s=0.3)
+        assert refreshed == []
+        await _until(lambda: refreshed)
+
+    asyncio.run(run())
+    assert refreshed == [NUM_BLOCKS]
 
 
 def test_a_control_key_is_never_the_cluster_secret() -> None:
