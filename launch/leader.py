@@ -37,7 +37,7 @@ from launch.group_launcher import GroupLauncher
 from launch.public_server import PublicServer
 from launch.recovery import Recovery
 from launch.shutdown import Shutdown
-from launch.startup import (StartupError, check_hybrid_combinations, model_dir_of, read_group_secret,
+from launch.startup import (StartupError, check_hybrid_combinations, check_kv_side_channel, model_dir_of, read_group_secret,
                             read_model_config)
 from launch.topology import GroupLayout
 from tpserve.config import ClusterConfig
@@ -127,6 +127,7 @@ class Leader:
         set_policy("batch")
         self.shutdown.install_signal_handlers(reload=self.public.reload)
         await self.public.start(self.layout.nnodes)
+        check_kv_side_channel(self.config, self.layout.node_ranks())  # after --port is bound: it may be the same
         engine_task = None
         try:
             ready = asyncio.create_task(self._start_group())

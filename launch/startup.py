@@ -8,6 +8,8 @@ No coordinator and no torch here: a headless node imports this module.
 from __future__ import annotations
 
 import hashlib
+import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -15,6 +17,7 @@ import grpc
 from tpserve.checkpoint import check_head_weights, checkpoint_files
 from tpserve.cluster_secret import read_secret
 from tpserve.config import ClusterConfig
+from tpserve.kv_transfer_config import side_channel_bind_error
 from tpserve.embedded_model import default_model_dir
 from tpserve.expert_parallel import check_expert_parallel
 from tpserve.model_config import ModelConfig
@@ -173,3 +176,25 @@ def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredenti
         return server.add_insecure_port(address)
     except RuntimeError:
         return 0
+
+
+def check_kv_side_channel(config: ClusterConfig, ranks: Iterable[int]) -> None:
+    """Refuses, in one line naming the field and the address, a KV side channel (``--kv-transfer-config``)
+    that this host's ``ranks`` could not bind: an address not on this machine, or a port in use (another
+    process, or this server's own ``--port``). Checked before the ranks start, so that the failure is not a
+    rank's traceback followed by "worker group lost"; a port taken in between still fails the rank
+    (worker/main.py says so in one line too).
+
+    Raises:
+        StartupError: naming ``kv_connector_extra_config.side_channel_host`` or ``side_channel_port``.
+    """
+    kv = config.kv_transfer.kv_transfer_config
+    if kv is None:
+        return
+    for rank in ranks:
+        address = (kv.side_channel_host, kv.side_channel_port + rank)
+        try:
+            socket.create_server(address, reuse_port=False).close()
+        except OSError as exc:
+            raise StartupError(side_channel_bind_error(kv.side_channel_host, kv.side_channel_port, rank, exc)) from None
+

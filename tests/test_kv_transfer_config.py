@@ -90,6 +90,12 @@ def test_a_side_channel_beyond_loopback_needs_the_cluster_secret(host: str) -> N
                                                            {"side_channel_host": loopback}}))
 
 
+def test_a_group_over_several_hosts_is_refused() -> None:
+    error = _error("--kv-transfer-config", '{"kv_connector": "NixlConnector"}', "--nnodes", "2",
+                   "--master-addr", "10.0.0.1", "--tensor-parallel-size", "2", "--cluster-secret-file", "/s")
+    assert "--kv-transfer-config needs --nnodes 1" in error
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_an_8_bit_cache_is_carried(kv_cache_dtype: str) -> None:
     """Its scale pools move with the codes (worker/kv_transfer/blocks.py); no start-up refusal."""

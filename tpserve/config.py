@@ -329,6 +329,9 @@ class ClusterConfig(FrozenSection):
             raise ValueError(f"--kv-transfer-config needs {', '.join(refused)} (the blocks handed over are the "
                              "prefix cache's, of one stage, without a draft's cache)")
         kv = self.kv_transfer.kv_transfer_config
+        if self.parallel.nnodes > 1:  # the coordinator reaches every rank's agent at side_channel_host
+            raise ValueError("--kv-transfer-config needs --nnodes 1 (every rank's KV agent listens on "
+                             "kv_connector_extra_config.side_channel_host, one host's address)")
         if self.parallel.cluster_secret_file is None and not is_loopback(kv.side_channel_host):
             # Without the secret nothing authenticates a peer's reads (every tenant's K/V) or the K/V a peer
             # serves (a poisoned prefix cache): docs/design/security.md, "The KV side channel".

@@ -36,6 +36,7 @@ No torch: the coordinator reads this too.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 from typing import Any, Literal
@@ -189,3 +190,14 @@ class KVTransferSection(BaseModel):
                 raise ValueError("not a JSON object")
         return value
 
+
+def side_channel_bind_error(host: str, port: int, rank: int, exc: OSError) -> str:
+    """One line for a side channel that cannot be bound: which field, which address, why."""
+    where = f"{host}:{port + rank} (rank {rank}'s: side_channel_port {port} + {rank})"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"--kv-transfer-config: kv_connector_extra_config.side_channel_port: {where} is in use (by another "
+                "process, or this server's --port / --metrics-port); choose another side_channel_port")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"--kv-transfer-config: kv_connector_extra_config.side_channel_host {host} is not an address of "
+                f"this machine: cannot listen on {where}")
+    return f"--kv-transfer-config: cannot listen on the KV side channel {where}: {exc.strerror or exc}"

@@ -36,6 +36,7 @@ import structlog
 
 from tpserve.cluster_secret import ENV_VAR, SecretServerInterceptor
 from tpserve.config import RankConfig
+from tpserve.kv_transfer_config import side_channel_bind_error
 from tpserve.kv_wire import KV_CONTROL_KEY_ENV
 from tpserve.log import configure_logging
 from tpserve.sched_policy import policy_name, set_policy
@@ -161,7 +162,18 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("no step socket: steps go over the gRPC stream", path=path, error=str(exc))
 
     control_key = os.environ.pop(KV_CONTROL_KEY_ENV, None)  # the launcher's, for this launch only
-    agent = start_kv_agent(config, servicer, secret, control_key)
+    try:
+        agent = start_kv_agent(config, servicer, secret, control_key)
+    except OSError as exc:  # the launcher checked the address first (launch/startup.py): taken since
+        kv = config.cluster.kv_transfer.kv_transfer_config
+        log.error("kv side channel cannot listen", error=side_channel_bind_error(
+            kv.side_channel_host, kv.side_channel_port, config.rank, exc))
+        server.stop(grace=0)
+        if step_server is not None:
+            step_server.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

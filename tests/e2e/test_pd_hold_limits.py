@@ -1,5 +1,5 @@
-"""A producer replica's hand-offs at the edges: holds capped per tenant and in all (F3),
-and the load gauges and queued requests once holds end (F4).
+"""A producer replica's hand-offs and side channel at the edges: holds capped per tenant and in all (F3),
+the load gauges once holds end (F4), and the side channel's start-up refusals in one line (F7).
 
 One tp-1 ``kv_producer`` replica of stories260k with a 64-block pool, two API-key tenants, and hand-offs
 that nobody pulls (no decode replica): what ``repro/hold_exhaustion.py`` and ``stale_usage_gauge.sh`` did.
@@ -8,6 +8,8 @@ that nobody pulls (no decode replica): what ``repro/hold_exhaustion.py`` and ``s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -15,8 +17,8 @@ import grpc
 import pytest
 
 from coordinator.tokenizer import Tokenizer
-from tests.e2e.cluster import RunningCluster
-from tests.e2e.pd import LONG_PROMPT, engine_generate, labelled, serve_role
+from tests.e2e.cluster import RunningCluster, free_port
+from tests.e2e.pd import LONG_PROMPT, engine_generate, free_port_range, kv_transfer_config, labelled, serve_role
 from tests.paths import STORIES_DIR, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
@@ -68,6 +70,39 @@ def test_unpulled_hand_offs_are_capped_per_tenant_and_the_gauges_follow_their_en
         assert time.monotonic() < deadline, f"usage {_usage(replica)} after every hold ended"
         time.sleep(0.2)
     assert labelled(replica, "tpserve:saturation") < 0.05
+
+
+def _serve_fails(*flags: str) -> tuple[int, str]:
+    """``tpserve serve`` that must refuse to start: its exit code and stderr."""
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "serve", "--model", str(STORIES_DIR), *flags],
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stderr
+
+
+def test_a_side_channel_port_in_use_is_one_line_naming_the_field() -> None:
+    """F7: the API port as the side channel's (as the probe did) fails in one line, no rank traceback."""
+    port = free_port()
+    code, err = _serve_fails("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port()),
+                             "--kv-transfer-config", kv_transfer_config("kv_both", port, "x"))
+    assert code == 1 and "Traceback" not in err and "worker group lost" not in err
+    assert (f"tpserve serve: --kv-transfer-config: kv_connector_extra_config.side_channel_port: 127.0.0.1:{port} "
+            "(rank 0's: side_channel_port") in err and "is in use" in err
+
+
+def test_a_side_channel_host_not_on_this_machine_is_one_line_naming_the_field(tmp_path) -> None:
+    (tmp_path / "secret").write_text("a-cluster-secret-of-enough-length")
+    config = json.dumps({"kv_connector": "NixlConnector", "kv_connector_extra_config": {
+        "side_channel_host": "192.0.2.7", "side_channel_port": free_port_range(1)}})
+    code, err = _serve_fails("--host", "127.0.0.1", "--port", str(free_port()), "--metrics-port", str(free_port()),
+                             "--cluster-secret-file", str(tmp_path / "secret"), "--kv-transfer-config", config)
+    assert code == 1 and "Traceback" not in err
+    assert "kv_connector_extra_config.side_channel_host 192.0.2.7 is not an address of this machine" in err
+
+
+def test_a_side_channel_beyond_loopback_without_a_secret_does_not_start() -> None:
+    config = json.dumps({"kv_connector": "NixlConnector", "kv_connector_extra_config": {"side_channel_host": "0.0.0.0"}})
+    code, err = _serve_fails("--port", str(free_port()), "--kv-transfer-config", config)
+    assert code == 2 and "side_channel_host 0.0.0.0 listens beyond loopback: give --cluster-secret-file" in err
 
 
 def test_a_request_waiting_for_held_blocks_starts_when_the_holds_end(tmp_path) -> None:
