@@ -54,6 +54,9 @@ from typing import Any
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 #: Bytes of a frame's tag (keyed BLAKE2b-256).
 TAG_BYTES = 32
+#: A tagged payload is sent and received in pieces of this size, each hashed as it goes: the sender's and the
+#: receiver's hashing overlap each other and the transfer instead of adding two whole passes to it.
+CHUNK_BYTES = 1 << 20
 #: The derivation's label: another protocol version derives other keys.
 PROTOCOL = b"tpserve-kv/2"
 #: Where a rank finds the group's control key (launch/local_ranks.py sets it, worker/main.py takes it).
@@ -131,20 +134,42 @@ class FrameMac:
         """Whether frames carry tags."""
         return self.key is not None
 
-    def _tag(self, direction: bytes, seq: int, body: bytes, payload: bytes | bytearray | memoryview) -> bytes:
-        digest = hashlib.blake2b(direction + _SEQ.pack(seq) + _LENGTH.pack(len(body)) + body, key=self.key,
-                                 digest_size=TAG_BYTES)
-        if payload:
-            digest.update(payload)  # releases the GIL over large buffers: the K/V costs one pass
-        return digest.digest()
+    def _digest(self, direction: bytes, seq: int, body: bytes) -> Any:
+        return hashlib.blake2b(direction + _SEQ.pack(seq) + _LENGTH.pack(len(body)) + body, key=self.key,
+                               digest_size=TAG_BYTES)
+
+    def start_seal(self, body: bytes) -> Any:
+        """The running tag of the next frame sent, its header's bytes taken in: ``update`` it with the
+        payload as it goes out (the K/V then costs one pass, overlapped with the sending), then send its
+        ``digest()``. Only with a key."""
+        digest = self._digest(self._send, self._sent, body)
+        self._sent += 1
+        return digest
 
     def seal(self, body: bytes, payload: bytes | bytearray | memoryview) -> bytes:
         """The tag of the next frame sent (b"" without a key)."""
         if self.key is None:
             return b""
-        tag = self._tag(self._send, self._sent, body, payload)
-        self._sent += 1
-        return tag
+        digest = self.start_seal(body)
+        if payload:
+            digest.update(payload)  # releases the GIL over large buffers
+        return digest.digest()
+
+    def start_check(self, body: bytes) -> Any:
+        """The running tag of the next frame received, its header's bytes taken in: ``update`` it with the
+        payload as it arrives, then :meth:`finish_check` it. Only with a key."""
+        return self._digest(self._recv, self._received, body)
+
+    def finish_check(self, digest: Any, tag: bytes) -> None:
+        """Compares :meth:`start_check`'s tag, updated with the whole payload, to the frame's (constant-time).
+
+        Raises:
+            WireError: they differ.
+        """
+        if not hmac.compare_digest(tag, digest.digest()):
+            raise WireError("a frame failed its authentication (wrong key, or altered, replayed or reordered "
+                            "on the way)")
+        self._received += 1
 
     def check(self, header: dict[str, Any], body: bytes, payload: bytes | bytearray, tag: bytes | None) -> None:
         """Checks the next frame received (constant-time).
@@ -163,11 +188,10 @@ class FrameMac:
             if header.get("ok") is False and not payload:
                 return
             raise WireError("an unauthenticated frame on an authenticated connection")
-        expected = self._tag(self._recv, self._received, body, payload)
-        if not hmac.compare_digest(tag, expected):
-            raise WireError("a frame failed its authentication (wrong key, or altered, replayed or reordered "
-                            "on the way)")
-        self._received += 1
+        digest = self.start_check(body)
+        if payload:
+            digest.update(payload)
+        self.finish_check(digest, tag)
 
 
 def encode_frame(header: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
@@ -244,7 +268,7 @@ def unauthenticated_peer_refusal(host: str) -> str:
 
 # -- blocking (the ranks' agent threads) ---------------------------------------------------------
 
-def recv_exact(sock: socket.socket, num_bytes: int, into: bytearray | None = None) -> bytearray:
+def recv_exact(sock: socket.socket, num_bytes: int, into: bytearray | memoryview | None = None) -> bytearray | memoryview:
     """Exactly ``num_bytes`` from ``sock`` (into ``into`` when given).
 
     Raises:
@@ -262,9 +286,21 @@ def recv_exact(sock: socket.socket, num_bytes: int, into: bytearray | None = Non
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
                mac: FrameMac | None = None) -> None:
-    """Sends one frame on a blocking socket (tagged when ``mac`` is keyed)."""
-    for piece in encode_frame(header, payload, mac):
+    """Sends one frame on a blocking socket (tagged when ``mac`` is keyed; a large payload hashed piece by
+    piece as it is sent)."""
+    if mac is None or not mac.keyed or len(payload) <= CHUNK_BYTES:
+        for piece in encode_frame(header, payload, mac):
+            sock.sendall(piece)
+        return
+    body = json.dumps({**header, "payload_bytes": len(payload), "mac": True}, separators=(",", ":")).encode()
+    digest = mac.start_seal(body)
+    sock.sendall(_LENGTH.pack(len(body)) + body)
+    view = memoryview(payload)
+    for start in range(0, len(view), CHUNK_BYTES):
+        piece = view[start:start + CHUNK_BYTES]
+        digest.update(piece)
         sock.sendall(piece)
+    sock.sendall(digest.digest())
 
 
 def recv_raw(sock: socket.socket, max_payload_bytes: int = 0) -> tuple[dict[str, Any], bytes, bytearray, bytes | None]:
@@ -290,8 +326,23 @@ def recv_frame(sock: socket.socket, max_payload_bytes: int = 0,
         WireError: malformed, cut short, a payload over ``max_payload_bytes``, or failing :meth:`FrameMac.check`
             (without ``mac``: any tagged frame).
     """
-    header, body, payload, tag = recv_raw(sock, max_payload_bytes)
-    (mac or FrameMac(None, agent=False)).check(header, body, payload, tag)
+    mac = mac or FrameMac(None, agent=False)
+    body = bytes(recv_exact(sock, _header_length(bytes(recv_exact(sock, 4)))))
+    header = _decode_header(body)
+    size = _payload_size(header, max_payload_bytes)
+    if not (mac.keyed and header.get("mac") is True and size):
+        payload = recv_exact(sock, size) if size else bytearray()
+        tag = bytes(recv_exact(sock, TAG_BYTES)) if header.get("mac") is True else None
+        mac.check(header, body, payload, tag)
+        return header, payload
+    digest = mac.start_check(body)  # hashed as it arrives, overlapping the sender's hashing and the transfer
+    payload = bytearray(size)
+    view = memoryview(payload)
+    for start in range(0, size, CHUNK_BYTES):
+        piece = view[start:min(start + CHUNK_BYTES, size)]
+        recv_exact(sock, len(piece), piece)
+        digest.update(piece)
+    mac.finish_check(digest, bytes(recv_exact(sock, TAG_BYTES)))
     return header, payload
 
 
