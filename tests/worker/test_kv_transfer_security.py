@@ -362,3 +362,33 @@ def test_a_control_key_is_never_the_cluster_secret() -> None:
                                                                                      caller_nonce)
     with pytest.raises(WireError, match="32 lowercase hex"):
         session_key(SECRET, "read", agent_nonce, "")
+
+
+def test_a_large_payload_is_tagged_piece_by_piece_and_checked_whole() -> None:
+    """Payloads over 1 MiB are hashed as they are sent and received (kv_wire.CHUNK_BYTES): the tag is the same
+    as a whole-payload one, and a byte altered in any piece fails the check."""
+    agent_nonce, caller_nonce = new_nonce(), new_nonce()
+    key = session_key(SECRET, "read", agent_nonce, caller_nonce)
+    payload = torch.randint(0, 256, (3 * 1024 * 1024 + 5,), dtype=torch.uint8).numpy().tobytes()
+    sender, receiver = FrameMac(key, agent=True), FrameMac(key, agent=False)
+    left, right = socket.socketpair()
+    with left, right:
+        done = threading.Thread(target=send_frame, args=(left, {"ok": True}, payload, sender))
+        done.start()
+        header, got = recv_frame(right, max_payload_bytes=len(payload), mac=receiver)
+        done.join()
+        assert header["ok"] is True and bytes(got) == payload
+        whole = encode_frame({"ok": True}, payload, FrameMac(key, agent=True))  # the same tag, in one pass
+        altered = bytearray(payload)
+        altered[2 * 1024 * 1024 + 7] ^= 1  # in the third piece
+        for data, intact in ((whole[0] + bytes(altered) + bytes(whole[2]), False),
+                             (whole[0] + payload + bytes(whole[2]), True)):
+            sending = threading.Thread(target=left.sendall, args=(data,))  # more than the socket buffers
+            sending.start()
+            if intact:
+                assert bytes(recv_frame(right, max_payload_bytes=len(payload), mac=FrameMac(key, agent=False))[1]) \
+                    == payload
+            else:
+                with pytest.raises(WireError, match="failed its authentication"):
+                    recv_frame(right, max_payload_bytes=len(payload), mac=FrameMac(key, agent=False))
+            sending.join()
