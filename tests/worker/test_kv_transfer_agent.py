@@ -1,123 +1,44 @@
-"""The KV transfer in one process: two "replicas" of two ranks each, every rank a real KVAgent
-(worker/kv_transfer/agent.py) over loopback TCP with its own cache tensors, driven by the real
-coordinator KVConnector (coordinator/kv_transfer/connector.py) over real BlockAllocators."""
+"""The KV transfer in one process: two "replicas" of two ranks each (tests/worker/kv_replicas.py), every rank a
+real KVAgent over loopback TCP with its own cache tensors, driven by the real coordinator KVConnector."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
-from coordinator.block_allocator import BlockAllocator
 from coordinator.cache_isolation import prefix_cache_namespace
 from coordinator.kv_cache_manager import prompt_block_hashes
-from coordinator.kv_transfer.connector import KVConnector
-from coordinator.kv_transfer.metrics import KVTransferMetrics
 from coordinator.kv_transfer.params import parse_params
-from tests.e2e.pd import free_port_range
-from tpserve.kv_transfer_config import KVTransferConfig
+from tests.worker.kv_replicas import (BLOCK_SIZE, NUM_BLOCKS, NUM_LAYERS, PROMPT, SECRET, TP, Replica, float_caches,
+                                      eight_bit_caches, make_replica, prefill_blocks, until)
 from tpserve.kv_wire import caller_session, connect, recv_frame, send_frame
 from worker.kv_transfer.agent import KVAgent
 from worker.kv_transfer.transport import TcpTransport, make_transport
 
-BLOCK_SIZE, NUM_BLOCKS, NUM_LAYERS, TP = 4, 32, 2, 2
-PROMPT = list(range(100, 119))  # 19 tokens: 4 full blocks, the 5th partial; (19 - 1) // 4 = 4 handed over
-SECRET = "test-secret-0123456789"
-CONTROL = "c0ntrol" * 8  # the group's control key (the launcher's, launch/local_ranks.py)
-
-
-@dataclass
-class Replica:
-    agents: list[KVAgent]
-    caches: list[list[tuple[torch.Tensor, torch.Tensor]]]  # per rank
-    scheduler: SimpleNamespace
-    connector: KVConnector
-    registry: CollectorRegistry
-
-    def metric(self, name: str, **labels: str) -> float:
-        return self.registry.get_sample_value(name, labels) or 0.0
-
-
-def _caches(seed: int, heads: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(NUM_BLOCKS, BLOCK_SIZE, heads, 8, generator=g),
-             torch.randn(NUM_BLOCKS, BLOCK_SIZE, heads, 8, generator=g)) for _ in range(NUM_LAYERS)]
-
-
-def _eight_bit_caches(seed: int, heads: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """An 8-bit cache as a rank's block tensors list it (ModelRunner.block_tensors): per layer int8 codes
-    ``(NUM_BLOCKS, BLOCK_SIZE, heads, 8)``, then per layer the bfloat16 scale pools ``(NUM_BLOCKS, heads, BLOCK_SIZE)``."""
-    g = torch.Generator().manual_seed(seed)
-    codes = [tuple(torch.randint(-127, 128, (NUM_BLOCKS, BLOCK_SIZE, heads, 8), generator=g, dtype=torch.int8)
-                   for _ in range(2)) for _ in range(NUM_LAYERS)]
-    scales = [tuple(torch.rand(NUM_BLOCKS, heads, BLOCK_SIZE, generator=g).to(torch.bfloat16) for _ in range(2))
-              for _ in range(NUM_LAYERS)]
-    return codes + scales  # type: ignore[return-value]
-
-
-def _replica(role: str, seed: int, secret: str | None = SECRET, codec: str = "", control: str = CONTROL,
-             **extra: object) -> Replica:
-    """Two ranks' agents with their caches: float32 ones, or with ``codec`` an 8-bit cache's (its codes' meaning)."""
-    port = free_port_range(TP)
-    config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, engine_id=role,
-                              kv_connector_extra_config={"side_channel_port": port, **extra})
-    caches = [(_eight_bit_caches if codec else _caches)(seed * 10 + rank) for rank in range(TP)]
-    agents = []
-    for rank in range(TP):
-        agent = KVAgent("127.0.0.1", port + rank, rank, TP, secret, lambda c=caches[rank]: c,
-                        TcpTransport(rank, TP, secret), lambda: codec, control_key=control)
-        agent.start()
-        agents.append(agent)
-    registry = CollectorRegistry()
-    scheduler = SimpleNamespace(allocator=BlockAllocator(NUM_BLOCKS, BLOCK_SIZE))
-    connector = KVConnector(config, TP, BLOCK_SIZE, secret, KVTransferMetrics(registry), control_key=control)
-    return Replica(agents, caches, scheduler, connector, registry)
-
-
-def _prefill(replica: Replica, namespace: bytes = b"") -> list[int]:
-    """As a finished prefill leaves it: the prompt's full blocks computed and cached, unheld."""
-    allocator = replica.scheduler.allocator
-    hashes = prompt_block_hashes(PROMPT, namespace, BLOCK_SIZE, len(PROMPT) // BLOCK_SIZE)
-    blocks = allocator.allocate(len(hashes))
-    for block, h in zip(blocks, hashes):
-        allocator.cache(block, h)
-    allocator.free(reversed(blocks))
-    return blocks
-
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Replica, Replica]]:
-    prefill, decode = _replica("kv_producer", 1, hold_timeout_s=2.0), _replica("kv_consumer", 2, pull_timeout_s=2.0)
+    prefill = make_replica("kv_producer", 1, hold_timeout_s=2.0)
+    decode = make_replica("kv_consumer", 2, pull_timeout_s=2.0)
     yield prefill, decode
     for agent in prefill.agents + decode.agents:
         agent.close()
-
-
-async def _until(predicate, timeout_s: float = 5.0) -> None:
-    """Lets the event loop run (the connector's hold tasks live on it) until ``predicate()``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
 
 
 def test_each_decode_rank_gets_its_prefill_ranks_blocks_and_the_prefill_frees_them(pair) -> None:
     prefill, decode = pair
 
     async def run():
-        blocks = _prefill(prefill)
+        blocks = prefill_blocks(prefill)
         kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
         assert kv.remote_block_ids == blocks and kv.tp_size == TP and kv.block_size == BLOCK_SIZE
         assert all(prefill.scheduler.allocator.ref_count(b) == 1 for b in blocks)  # held for the pull
         held = await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
-        await _until(lambda: prefill.metric("tpserve:kv_transfer_holds") == 0)
+        await until(lambda: prefill.metric("tpserve:kv_transfer_holds") == 0)
         return blocks, kv, held
 
     blocks, kv, held = asyncio.run(run())
@@ -143,16 +64,16 @@ def test_each_decode_rank_gets_its_prefill_ranks_blocks_and_the_prefill_frees_th
 def test_an_8_bit_cache_moves_with_its_scale_pools_between_replicas_of_one_codec(decode_codec: str) -> None:
     """Codes and their per-token scale pools move block for block; a decode replica whose codes mean something
     else (another storage type or key offset: ModelRunner.kv_codec) refuses them before a byte is written."""
-    prefill = _replica("kv_producer", 1, codec="int8:k_offset=00aa", hold_timeout_s=30.0)
-    decode = _replica("kv_consumer", 2, codec=decode_codec, pull_timeout_s=2.0)
+    prefill = make_replica("kv_producer", 1, codec="int8:k_offset=00aa", hold_timeout_s=30.0)
+    decode = make_replica("kv_consumer", 2, codec=decode_codec, pull_timeout_s=2.0)
     before = [[(k.clone(), v.clone()) for k, v in rank] for rank in decode.caches]
     try:
         async def run():
-            blocks = _prefill(prefill)
+            blocks = prefill_blocks(prefill)
             kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
             held = await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
             # Read or refused, the hold ends now (not after its 30 s) and the prefill's coordinator frees it.
-            await _until(lambda: prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS, timeout_s=3.0)
+            await until(lambda: prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS, timeout_s=3.0)
             return blocks, held
 
         blocks, held = asyncio.run(run())
@@ -180,7 +101,7 @@ def test_another_namespace_is_refused_before_a_byte_moves(pair) -> None:
     before = [[(k.clone(), v.clone()) for k, v in rank] for rank in decode.caches]
 
     async def run():
-        _prefill(prefill, tenant_a)
+        prefill_blocks(prefill, tenant_a)
         kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, tenant_a))
         return await decode.connector.pull(decode.scheduler, PROMPT, tenant_b, kv)
 
@@ -198,7 +119,7 @@ def test_an_unread_hold_ends_at_its_timeout_and_frees_the_blocks(pair) -> None:
     prefill, _ = pair
 
     async def run():
-        _prefill(prefill)
+        prefill_blocks(prefill)
         await prefill.connector.hand_over(prefill.scheduler, PROMPT, b"")
         assert prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS - 4
         assert all(agent.num_holds == 1 for agent in prefill.agents)
@@ -214,11 +135,11 @@ def test_a_decode_replica_with_every_block_cached_pulls_none_and_frees_the_hold(
     prefill, decode = pair
 
     async def run():
-        _prefill(prefill)
-        _prefill(decode)
+        prefill_blocks(prefill)
+        prefill_blocks(decode)
         kv = parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
         held = await decode.connector.pull(decode.scheduler, PROMPT, b"", kv)
-        await _until(lambda: prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS)
+        await until(lambda: prefill.scheduler.allocator.num_free_blocks == NUM_BLOCKS)
         return held
 
     held = asyncio.run(run())
@@ -240,7 +161,7 @@ def test_a_read_for_another_rank_or_layout_is_refused_by_the_sender(pair) -> Non
     prefill, _ = pair
 
     async def hold():
-        _prefill(prefill)
+        prefill_blocks(prefill)
         return parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, b""))
 
     kv = asyncio.run(hold())
@@ -291,7 +212,7 @@ def test_an_agent_refuses_a_port_in_use() -> None:
 def test_a_layout_mismatch_is_said_in_words() -> None:
     from worker.kv_transfer.blocks import layout_mismatch, layout_signature
 
-    floats, codes = _caches(1), _eight_bit_caches(1)
+    floats, codes = float_caches(1), eight_bit_caches(1)
     int8 = layout_signature(codes, "int8:k_offset=00aa")
     assert layout_mismatch(layout_signature(floats), int8) == (
         "the reading (decode) replica's KV cache stores float32, this (prefill) replica's int8: both replicas need "
@@ -301,5 +222,5 @@ def test_a_layout_mismatch_is_said_in_words() -> None:
     assert layout_mismatch(layout_signature(codes, "int8:k_offset=00ab"), int8) == (
         "the replicas' 8-bit caches were calibrated differently (k_offset=00ab against k_offset=00aa: another "
         "model or hardware computed other key offsets)")
-    assert layout_mismatch(layout_signature(_caches(1, heads=2)), layout_signature(floats)).startswith(
+    assert layout_mismatch(layout_signature(float_caches(1, heads=2)), layout_signature(floats)).startswith(
         "cache layout 2x[4, 2, 8];[4, 2, 8]:float32 is not this rank's 2x[4, 1, 8]")

@@ -1,5 +1,5 @@
 """The KV side channel under attack, at the wire: real KVAgents and the real KVConnector over loopback
-(tests/worker/test_kv_transfer_agent.py's replicas), against a fake agent and a relay in between.
+(tests/worker/kv_replicas.py), against a fake agent and a relay in between.
 
 What a probe found on the side channel of a tp-2 pair with a cluster secret (docs/design/security.md,
 "The KV side channel"): a decode rank dialled whatever ``remote_host``/``remote_port`` a request named
@@ -24,8 +24,8 @@ from coordinator.errors import ResourceExhaustedError
 from coordinator.kv_cache_manager import prompt_block_hashes
 from coordinator.kv_transfer.params import parse_params
 from tests.e2e.pd import free_port_range
-from tests.worker.test_kv_transfer_agent import (BLOCK_SIZE, CONTROL, NUM_BLOCKS, PROMPT, SECRET, TP, Replica,
-                                                 _prefill, _replica, _until)
+from tests.worker.kv_replicas import (BLOCK_SIZE, CONTROL, NUM_BLOCKS, PROMPT, SECRET, TP, Replica, make_replica,
+                                      prefill_blocks, until)
 from tpserve.kv_wire import (TAG_BYTES, FrameMac, WireError, caller_session, connect, encode_frame, new_nonce,
                              recv_frame, recv_raw, send_frame, session_key)
 
@@ -38,7 +38,7 @@ def _close(*replicas: Replica) -> None:
 
 def _hand_over(prefill: Replica, namespace: bytes = b""):
     async def run():
-        _prefill(prefill, namespace)
+        prefill_blocks(prefill, namespace)
         return parse_params(await prefill.connector.hand_over(prefill.scheduler, PROMPT, namespace))
     return asyncio.run(run())
 
@@ -85,7 +85,7 @@ def _raw_frame(header: dict, tag: bytes | None = None, payload: bytes = b"") -> 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Replica, Replica]]:
-    prefill, decode = _replica("kv_producer", 1, hold_timeout_s=5.0), _replica("kv_consumer", 2, pull_timeout_s=2.0)
+    prefill, decode = make_replica("kv_producer", 1, hold_timeout_s=5.0), make_replica("kv_consumer", 2, pull_timeout_s=2.0)
     yield prefill, decode
     _close(prefill, decode)
 
@@ -246,8 +246,8 @@ def test_hold_and_pull_come_only_from_the_ranks_own_coordinator(pair, key) -> No
 def test_without_a_cluster_secret_no_one_but_the_coordinator_holds_and_reads_need_the_transfer_id() -> None:
     """F2: the probe's attack without a secret (``hold`` arbitrary blocks, ``read`` them) fails at the hold; a
     guessed transfer id reads nothing; the replicas' own hand-off still works."""
-    prefill = _replica("kv_producer", 1, secret=None, hold_timeout_s=5.0)
-    decode = _replica("kv_consumer", 2, secret=None, pull_timeout_s=2.0)
+    prefill = make_replica("kv_producer", 1, secret=None, hold_timeout_s=5.0)
+    decode = make_replica("kv_consumer", 2, secret=None, pull_timeout_s=2.0)
     try:
         sock, agent_nonce = connect("127.0.0.1", prefill.agents[0].port, 5.0)
         with sock:
@@ -273,8 +273,8 @@ def test_without_a_cluster_secret_no_one_but_the_coordinator_holds_and_reads_nee
 def test_without_a_cluster_secret_pulled_blocks_serve_only_the_request_that_pulled_them() -> None:
     """F1 without a secret: what a peer that proved nothing served is cached under a namespace of the request
     alone, so another request of the same prompt (another tenant's, or an innocent one) never hits it."""
-    prefill = _replica("kv_producer", 1, secret=None, hold_timeout_s=5.0)
-    decode = _replica("kv_consumer", 2, secret=None, pull_timeout_s=2.0)
+    prefill = make_replica("kv_producer", 1, secret=None, hold_timeout_s=5.0)
+    decode = make_replica("kv_consumer", 2, secret=None, pull_timeout_s=2.0)
     try:
         kv = _hand_over(prefill)
         held = asyncio.run(decode.connector.pull(decode.scheduler, PROMPT, b"", kv))
@@ -296,7 +296,7 @@ def test_with_a_cluster_secret_pulled_blocks_serve_their_namespace(pair) -> None
 
 
 def test_without_a_cluster_secret_a_peer_off_loopback_is_not_dialled() -> None:
-    decode = _replica("kv_consumer", 2, secret=None, pull_timeout_s=2.0)
+    decode = make_replica("kv_consumer", 2, secret=None, pull_timeout_s=2.0)
     try:
         kv = parse_params(json.dumps({"do_remote_prefill": True, "remote_block_ids": [0, 1, 2, 3],
                                       "remote_host": "192.0.2.7", "remote_port": 5600,
@@ -310,7 +310,7 @@ def test_without_a_cluster_secret_a_peer_off_loopback_is_not_dialled() -> None:
 
 def test_hand_offs_hold_at_most_their_share_of_the_pool_in_all_and_per_tenant() -> None:
     """F3: 32 blocks, a quarter for every hold (8), an eighth for one tenant (4); a prompt hands 4 over."""
-    prefill = _replica("kv_producer", 1, hold_timeout_s=5.0, max_hold_fraction=0.25,
+    prefill = make_replica("kv_producer", 1, hold_timeout_s=5.0, max_hold_fraction=0.25,
                        max_hold_fraction_per_tenant=0.125)
     try:
         connector, scheduler = prefill.connector, prefill.scheduler
@@ -327,11 +327,11 @@ def test_hand_offs_hold_at_most_their_share_of_the_pool_in_all_and_per_tenant() 
         assert info.value.retry_pushback_ms is None
 
         async def hold_and_expire():  # the reservation becomes the hold's and ends with it
-            _prefill(prefill)
+            prefill_blocks(prefill)
             await connector.hand_over(scheduler, PROMPT, b"", hold_timeout_s=0.3, reservation=first)
             first.release()  # the request's own release as it ends: the hold owns the blocks now
             assert connector.budget.total == 8
-            await _until(lambda: connector.budget.total == 4)
+            await until(lambda: connector.budget.total == 4)
 
         asyncio.run(hold_and_expire())
         connector.reserve(scheduler, "tenant-a", len(PROMPT))
@@ -346,10 +346,10 @@ def test_a_hold_that_ends_refreshes_the_load_gauges(pair) -> None:
     prefill.connector.on_blocks_freed = lambda: refreshed.append(prefill.scheduler.allocator.num_free_blocks)
 
     async def run():
-        _prefill(prefill)
+        prefill_blocks(prefill)
         await prefill.connector.hand_over(prefill.scheduler, PROMPT, b"", hold_timeout_s=0.3)
         assert refreshed == []
-        await _until(lambda: refreshed)
+        await until(lambda: refreshed)
 
     asyncio.run(run())
     assert refreshed == [NUM_BLOCKS]
