@@ -65,7 +65,8 @@ class Tokenizer:
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}  # decode_token's memo
         self._pair_texts: dict[tuple[int, int], str] = {}  # decode_pair's memo
         self._context_texts: dict[int, str] = {}  # token_text's memo
-        self._anchor: tuple[int, str] | None | bool = False  # token_text's anchor; False: not looked up yet
+        self._anchor: tuple[int, str] | None = None  # token_text's anchor (:meth:`_text_anchor`)
+        self._anchor_looked_up = False
         self._post_processor_first, self._post_processor_last = post_processor_tokens(backend)
         self._post_processor_adds_bos = bos_token_id is not None and self._post_processor_first == bos_token_id
         if add_bos_token is None:
@@ -215,10 +216,11 @@ class Tokenizer:
 
     def _text_anchor(self) -> tuple[int, str] | None:
         """``(id, text)`` of the token ``"a"`` encodes to, when it is one token with that text; else None."""
-        if self._anchor is False:
+        if not self._anchor_looked_up:
             ids = self._literal.encode("a", add_special_tokens=False).ids
             text = self.decode_token(ids[0], skip_special_tokens=False) if len(ids) == 1 else ""
             self._anchor = (ids[0], text) if text == "a" else None
+            self._anchor_looked_up = True
         return self._anchor
 
     def decode_pair(self, first: int, second: int) -> str:

@@ -135,6 +135,7 @@ class FrameMac:
         return self.key is not None
 
     def _digest(self, direction: bytes, seq: int, body: bytes) -> Any:
+        assert self.key is not None  # only a keyed session tags frames (:attr:`keyed`)
         return hashlib.blake2b(direction + _SEQ.pack(seq) + _LENGTH.pack(len(body)) + body, key=self.key,
                                digest_size=TAG_BYTES)
 
@@ -171,7 +172,8 @@ class FrameMac:
                             "on the way)")
         self._received += 1
 
-    def check(self, header: dict[str, Any], body: bytes, payload: bytes | bytearray, tag: bytes | None) -> None:
+    def check(self, header: dict[str, Any], body: bytes, payload: bytes | bytearray | memoryview,
+              tag: bytes | None) -> None:
         """Checks the next frame received (constant-time).
 
         Raises:
@@ -303,7 +305,8 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | byt
     sock.sendall(digest.digest())
 
 
-def recv_raw(sock: socket.socket, max_payload_bytes: int = 0) -> tuple[dict[str, Any], bytes, bytearray, bytes | None]:
+def recv_raw(sock: socket.socket, max_payload_bytes: int = 0
+             ) -> tuple[dict[str, Any], bytes, bytearray | memoryview, bytes | None]:
     """One frame as it came: header, the header's bytes, payload, tag (None when the header says none).
     Unauthenticated: for the agent's first frame, whose op says which key checks it.
 
@@ -319,7 +322,7 @@ def recv_raw(sock: socket.socket, max_payload_bytes: int = 0) -> tuple[dict[str,
 
 
 def recv_frame(sock: socket.socket, max_payload_bytes: int = 0,
-               mac: FrameMac | None = None) -> tuple[dict[str, Any], bytearray]:
+               mac: FrameMac | None = None) -> tuple[dict[str, Any], bytearray | memoryview]:
     """One frame from a blocking socket, checked against ``mac``: its header and payload (empty when none).
 
     Raises:

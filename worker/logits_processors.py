@@ -339,7 +339,8 @@ def with_processors(sampling, chunks: Sequence[ScheduledChunk], states: Sequence
     pairs = [(chunk, state) for chunk, state in zip(chunks, states, strict=True) if chunk.sample]
     if not any(state.sampling.uses_logits_controls for _, state in pairs):
         return sampling
-    rows, dead_ends = [], []
+    rows: list[SampledRow] = []
+    dead_ends: list[int] = []
     for chunk, state in pairs:
         allowed = None
         if state.sampling.grammar:

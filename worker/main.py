@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         agent = start_kv_agent(config, servicer, secret, control_key)
     except OSError as exc:  # the launcher checked the address first (launch/startup.py): taken since
         kv = config.cluster.kv_transfer.kv_transfer_config
+        assert kv is not None  # an agent is started only with a KV transfer config
         log.error("kv side channel cannot listen", error=side_channel_bind_error(
             kv.side_channel_host, kv.side_channel_port, config.rank, exc))
         server.stop(grace=0)

@@ -151,7 +151,7 @@ class KVConnector:
         allocator.acquire(block_ids)
         hex_hashes = [h.hex() for h in hashes[:len(block_ids)]]
         holds = await asyncio.gather(*(rank_links.hold(
-            cfg.side_channel_host, cfg.side_channel_port + rank, self.control_key, transfer_id, block_ids, hex_hashes,
+            cfg.side_channel_host, cfg.side_channel_port + rank, self.control_key or "", transfer_id, block_ids, hex_hashes,
             namespace.hex(), hold_timeout_s) for rank in range(self.tp_size)), return_exceptions=True)
         failed = [h for h in holds if isinstance(h, BaseException)]
         ok = [h for h in holds if isinstance(h, rank_links.RankHold)]
@@ -309,7 +309,7 @@ class KVConnector:
     async def _pull_ranks(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         cfg = self.config
         answers = await asyncio.gather(*(rank_links.pull(cfg.side_channel_host, cfg.side_channel_port + rank,
-                                                         self.control_key, request)
+                                                         self.control_key or "", request)
                                          for rank in range(self.tp_size)), return_exceptions=True)
         return [a if isinstance(a, dict) else {"ok": False, "error": f"{type(a).__name__}: {a}"}
                 for a in answers if not isinstance(a, asyncio.CancelledError)] or [{"ok": False}]

@@ -160,7 +160,7 @@ class KVAgent:
         except (OSError, WireError, ValueError, KeyError, TypeError) as exc:
             log.warning("kv side channel connection failed", error=f"{type(exc).__name__}: {exc}")
 
-    def _authenticate(self, op: str, nonce: str, header: dict[str, Any], body: bytes, payload: bytearray,
+    def _authenticate(self, op: str, nonce: str, header: dict[str, Any], body: bytes, payload: bytearray | memoryview,
                       tag: bytes | None) -> FrameMac | str:
         """The connection's tags once the first frame proved its op's key, or why it did not (a str).
 

@@ -76,7 +76,7 @@ def gather_blocks(caches: KVCaches, block_ids: Sequence[int]) -> bytes:
     return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for pair in pairs for t in pair)
 
 
-def scatter_blocks(caches: KVCaches, block_ids: Sequence[int], payload: bytes | bytearray) -> None:
+def scatter_blocks(caches: KVCaches, block_ids: Sequence[int], payload: bytes | bytearray | memoryview) -> None:
     """Writes :func:`gather_blocks`' ``payload`` into blocks ``block_ids`` of this rank's cache.
 
     Raises:
