@@ -43,6 +43,20 @@ def _hand_over(prefill: Replica, namespace: bytes = b""):
     return asyncio.run(run())
 
 
+def _pull_via(decode, handle: Callable[[socket.socket, int], None], remote_block_ids, remote_request_id: str):
+    """The decode replica's pull of ``PROMPT`` from ``remote_block_ids``, its ranks dialling ``handle`` (a fake
+    agent or a relay, :func:`_serve`) where the params name the prefill's agents."""
+    port = free_port_range(TP)
+    stop = _serve(port, handle)
+    try:
+        return asyncio.run(decode.connector.pull(decode.scheduler, PROMPT, b"", parse_params(json.dumps(
+            {"do_remote_prefill": True, "remote_block_ids": list(remote_block_ids), "remote_host": "127.0.0.1",
+             "remote_port": port, "remote_request_id": remote_request_id, "tp_size": TP,
+             "block_size": BLOCK_SIZE}))))
+    finally:
+        stop()
+
+
 def _serve(port_base: int, handle: Callable[[socket.socket, int], None]) -> Callable[[], None]:
     """Listens on ``port_base + rank`` for every rank, each connection to ``handle(conn, rank)`` on a thread;
     returns what stops it."""
@@ -115,15 +129,7 @@ def test_a_fake_agent_cannot_feed_a_decode_rank_kv_of_its_own(pair) -> None:
         conn.sendall(_raw_frame(answer, tag, torch.randn(size // 4).numpy().tobytes()))
         conn.recv(1)
 
-    port = free_port_range(TP)
-    stop = _serve(port, fake)
-    try:
-        kv = parse_params(json.dumps({"do_remote_prefill": True, "remote_block_ids": [0, 1, 2, 3],
-                                      "remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "f" * 32,
-                                      "tp_size": TP, "block_size": BLOCK_SIZE}))
-        held = asyncio.run(decode.connector.pull(decode.scheduler, PROMPT, b"", kv))
-    finally:
-        stop()
+    held = _pull_via(decode, fake, [0, 1, 2, 3], "f" * 32)
     assert sorted(served) == list(range(TP)), "the fake agent was not dialled by every rank"
     assert held.num_pulled == 0 and held.block_ids == ()
     assert decode.metric("tpserve:kv_transfer_fallbacks_total", reason="failed") == 1
@@ -181,15 +187,7 @@ def test_a_relay_cannot_turn_the_decode_ranks_proof_into_its_own_commands(pair) 
             answer, _ = recv_frame(upstream, max_payload_bytes=1 << 20)
             answers.append(answer)
 
-    port = free_port_range(TP)
-    stop = _serve(port, relay)
-    try:
-        held = asyncio.run(decode.connector.pull(decode.scheduler, PROMPT, b"", parse_params(json.dumps(
-            {"do_remote_prefill": True, "remote_block_ids": kv.remote_block_ids, "remote_host": "127.0.0.1",
-             "remote_port": port, "remote_request_id": kv.remote_request_id, "tp_size": TP,
-             "block_size": BLOCK_SIZE}))))
-    finally:
-        stop()
+    held = _pull_via(decode, relay, kv.remote_block_ids, kv.remote_request_id)
     assert len(answers) == TP and all(a["ok"] is False for a in answers)
     assert {a["error"] for a in answers} == {"hold and pull come only from this rank's own coordinator",
                                              "missing or wrong cluster secret"}
@@ -214,15 +212,7 @@ def test_a_relay_that_alters_the_kv_in_flight_is_caught(pair) -> None:
             conn.sendall(struct.pack(">I", len(body)) + body + bytes(payload) + (tag or b""))
             conn.recv(1)
 
-    port = free_port_range(TP)
-    stop = _serve(port, relay)
-    try:
-        held = asyncio.run(decode.connector.pull(decode.scheduler, PROMPT, b"", parse_params(json.dumps(
-            {"do_remote_prefill": True, "remote_block_ids": kv.remote_block_ids, "remote_host": "127.0.0.1",
-             "remote_port": port, "remote_request_id": kv.remote_request_id, "tp_size": TP,
-             "block_size": BLOCK_SIZE}))))
-    finally:
-        stop()
+    held = _pull_via(decode, relay, kv.remote_block_ids, kv.remote_request_id)
     assert held.num_pulled == 0 and _decode_blocks_unchanged(decode, before)
     assert decode.metric("tpserve:kv_transfer_fallbacks_total", reason="failed") == 1
 
