@@ -34,9 +34,13 @@ def read_secret(path: str | Path) -> str:
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: it holds fewer than 16 characters.
+        ValueError: it is not UTF-8 text, or holds fewer than 16 characters.
     """
-    secret = Path(path).read_text().strip()
+    try:
+        secret = Path(path).read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:  # raw random bytes: the secret travels in gRPC metadata and HMAC keys as text
+        raise ValueError(f"the cluster secret in {path} is not UTF-8 text; write one as text, e.g. "
+                         "`openssl rand -hex 32 > FILE`") from None
     if len(secret) < 16:
         raise ValueError(f"the cluster secret in {path} is {len(secret)} characters; use at least 16")
     return secret

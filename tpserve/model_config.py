@@ -445,16 +445,18 @@ def _parse_attention_windows(
 
 def _window_layer_types(raw: dict[str, Any], rule: str | None, window: int | None,
                         num_hidden_layers: int) -> list[str] | None:
-    """The sliding layers of a Qwen or SmolLM3 rule (:data:`~tpserve.model_registry.SLIDING_WINDOW_RULES`), as
-    their ``transformers`` configs derive ``layer_types``; None for the other rules or without a window.
+    """The sliding layers of a Qwen, SmolLM3 or alternating rule (:data:`~tpserve.model_registry.SLIDING_WINDOW_RULES`),
+    as their ``transformers`` configs derive ``layer_types``; None for the other rules or without a window.
 
     Raises:
         ValueError: SmolLM3's ``no_rope_layers`` is not one 0 or 1 per layer.
     """
-    if window is None or rule not in ("qwen2", "qwen2_moe", "smollm3"):
+    if window is None or rule not in ("qwen2", "qwen2_moe", "smollm3", "alternate"):
         return None
     first = raw.get("max_window_layers", 28)  # Qwen2Config's default
-    if rule == "qwen2":
+    if rule == "alternate":
+        slides = [i % 2 == 0 for i in range(num_hidden_layers)]
+    elif rule == "qwen2":
         slides = [i >= first for i in range(num_hidden_layers)]
     elif rule == "qwen2_moe":
         slides = [(i + 1) % 2 == 1 and i < first for i in range(num_hidden_layers)]

@@ -94,6 +94,7 @@ NEVER_TIED = frozenset({"NemotronHForCausalLM"})
 #: - ``"qwen2_moe"``: only with ``use_sliding_window``, even-numbered layers (0, 2, ..) below ``max_window_layers``;
 #: - ``"qwen3_moe"``: only with ``use_sliding_window``, every layer (Qwen3MoeConfig has no ``max_window_layers``);
 #: - ``"smollm3"``: only with ``use_sliding_window``, the layers without RoPE (``no_rope_layers[i] == 0``);
+#: - ``"alternate"``: ``layer_types``, else even-numbered layers (0, 2, ..) slide (GptOssConfig's, Gemma2Config's default);
 #: - ``"layer_types"``: the layers ``layer_types`` (or the family's default pattern, its model file) names.
 #:
 #: An explicit ``layer_types`` in config.json is followed by every rule but ``"all"`` and ``"qwen3_moe"``.
@@ -102,8 +103,8 @@ SLIDING_WINDOW_RULES: dict[str, tuple[str, int | None]] = {
     "Starcoder2ForCausalLM": ("all", None),
     "Qwen2ForCausalLM": ("qwen2", 4096), "Qwen3ForCausalLM": ("qwen2", 4096), "Qwen2MoeForCausalLM": ("qwen2_moe", 4096),
     "Qwen3MoeForCausalLM": ("qwen3_moe", 4096), "SmolLM3ForCausalLM": ("smollm3", None),
-    "Gemma2ForCausalLM": ("layer_types", 4096), "Gemma3ForCausalLM": ("layer_types", 4096),
-    "GptOssForCausalLM": ("layer_types", 128), "Olmo3ForCausalLM": ("layer_types", 4096),
+    "Gemma2ForCausalLM": ("alternate", 4096), "Gemma3ForCausalLM": ("layer_types", 4096),
+    "GptOssForCausalLM": ("alternate", 128), "Olmo3ForCausalLM": ("layer_types", 4096),
     "Exaone4ForCausalLM": ("layer_types", 4096),
 }
 

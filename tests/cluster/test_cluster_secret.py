@@ -70,6 +70,9 @@ def test_short_or_missing_secrets_are_refused(tmp_path: Path) -> None:
         read_secret(tmp_path / "short")
     (tmp_path / "ok").write_text(f"  {SECRET}\n")
     assert read_secret(tmp_path / "ok") == SECRET
+    (tmp_path / "binary").write_bytes(bytes(range(0x80, 0xA0)))  # `head -c 32 /dev/urandom`: a codec error before
+    with pytest.raises(ValueError, match=r"is not UTF-8 text; write one as text, e.g. `openssl rand -hex 32"):
+        read_secret(tmp_path / "binary")
 
 
 @pytest.mark.e2e

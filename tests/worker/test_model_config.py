@@ -142,6 +142,10 @@ def test_sliding_windows_per_layer_follow_transformers_defaults() -> None:
     ("MiniMaxM2ForCausalLM", {}, [None] * 5), ("Ernie4_5_MoeForCausalLM", {}, [None] * 5),
     ("LlamaForCausalLM", dict(layer_types=["sliding_attention"] * 5), [None] * 5),
     ("Phi3ForCausalLM", {}, [8] * 5), ("MistralForCausalLM", {}, [8] * 5),
+    # gpt-oss and Gemma 2 without layer_types: GptOssConfig's / Gemma2Config's alternation, local first (a fresh
+    # user's check: gpt-oss slid every layer); an explicit layer_types is followed
+    ("GptOssForCausalLM", {}, [8, None, 8, None, 8]), ("Gemma2ForCausalLM", {}, [8, None, 8, None, 8]),
+    ("GptOssForCausalLM", dict(layer_types=["full_attention"] * 4 + ["sliding_attention"]), [None] * 4 + [8]),
 ])
 def test_a_sliding_window_applies_where_transformers_applies_it(architecture: str, extra: dict, want: list) -> None:
     """The probe's faults: Qwen3-MoE windowed by Qwen2's max_window_layers rule, or with use_sliding_window absent,
