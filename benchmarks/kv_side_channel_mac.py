@@ -2,10 +2,12 @@
 transfer over loopback with a cluster secret (every frame, the K/V included, tagged with keyed BLAKE2b)
 against the same pull without one (no tags), and the tag alone over the same bytes.
 
-    PYTHONPATH=. python benchmarks/kv_side_channel_mac.py [--blocks 32] [--layers 32] [--repeats 5]
+    PYTHONPATH=. python benchmarks/kv_side_channel_mac.py --blocks 8 32 --repeats 7 \
+        --out benchmarks/results/kv_side_channel_mac.json
 
 A block here is a tp-1 rank's of a Llama-8B-like cache: 16 tokens x 8 KV heads x 128 x float16 x K and V
-x ``--layers`` (2 MiB at 32 layers). Prints one JSON object; medians of ``--repeats`` pulls.
+x ``--layers`` (2 MiB at 32 layers). Prints one JSON object per transfer size (``--blocks``, one or more);
+medians of ``--repeats`` pulls; ``--out`` writes them with the host, date and load.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import asyncio
 import hashlib
 import json
 import os
+import platform
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -84,23 +88,36 @@ def pull_ms(secret: str | None, blocks: int, layers: int, repeats: int) -> float
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--blocks", type=int, default=32)
+    parser.add_argument("--blocks", type=int, nargs="+", default=[32], help="transfer sizes in blocks (one run each)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="write the runs there as JSON (e.g. benchmarks/results/kv_side_channel_mac.json)")
     args = parser.parse_args()
-    num_bytes = args.blocks * args.layers * 2 * BLOCK_SIZE * 8 * 128 * 2
+    runs = [_run(blocks, args.layers, args.repeats) for blocks in args.blocks]
+    for run in runs:
+        print(json.dumps(run))
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.platform(),
+            "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+            "layers": args.layers, "repeats": args.repeats, "runs": runs}, indent=1) + "\n")
+
+
+def _run(blocks: int, layers: int, repeats: int) -> dict:
+    """One transfer size: the pull without and with a cluster secret (median ms) and one keyed BLAKE2b pass."""
+    num_bytes = blocks * layers * 2 * BLOCK_SIZE * 8 * 128 * 2
     data, key = os.urandom(num_bytes), os.urandom(32)
     tag_times = []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         started = time.perf_counter()
         hashlib.blake2b(data, key=key, digest_size=32).digest()
         tag_times.append(time.perf_counter() - started)
     tag_ms = statistics.median(tag_times) * 1e3
-    plain, tagged = (pull_ms(None, args.blocks, args.layers, args.repeats),
-                     pull_ms("a-cluster-secret-of-enough-length", args.blocks, args.layers, args.repeats))
-    print(json.dumps({"bytes": num_bytes, "pull_ms_without_secret": round(plain, 1),
-                      "pull_ms_with_secret": round(tagged, 1), "overhead_pct": round(100 * (tagged / plain - 1), 1),
-                      "blake2b_tag_ms": round(tag_ms, 1), "blake2b_gib_per_s": round(num_bytes / 2**30 / (tag_ms / 1e3), 2)}))
+    plain, tagged = (pull_ms(None, blocks, layers, repeats),
+                     pull_ms("a-cluster-secret-of-enough-length", blocks, layers, repeats))
+    return {"blocks": blocks, "bytes": num_bytes, "pull_ms_without_secret": round(plain, 1),
+            "pull_ms_with_secret": round(tagged, 1), "overhead_pct": round(100 * (tagged / plain - 1), 1),
+            "blake2b_tag_ms": round(tag_ms, 1), "blake2b_gib_per_s": round(num_bytes / 2**30 / (tag_ms / 1e3), 2)}
 
 
 if __name__ == "__main__":
