@@ -36,6 +36,12 @@ Candidates (sources):
   of the fp8 static rows give atypical activations), ``1.25 x`` that text's absmax per channel over 127
   (``int8_static_channel_no_headroom``: ``1.0 x``); keys less their offset, values as they are (the static
   per-channel int8 of SmoothQuant-style calibration, KIVI's per-channel keys);
+* ``int7_packed_e8m0``, ``int7_packed_e5m3``, ``int7_packed_bf16``: a per-row scale kept *inside* an exact 2x
+  pool: 7-bit codes (+-63) in each byte's high bits and the row's scale spread over the ``d`` low bits (a row
+  of ``d >= 8`` bytes has 8 spare bits: a power-of-two E8M0 scale, OCP MX v1.0, or an unsigned 8-bit float
+  with 3 mantissa bits rounded up, NVFP4's E4M3 scale idea with the exponent range of a float32's; from
+  ``d >= 16``, a bfloat16 scale), keys less the offset; the bfloat16 row at ``d = 8`` is the bound such a
+  packing could reach there;
 * ``int8``, ``bfloat16`` for scale.
 
 Each on the samples of benchmarks/kv_cache_dtype.py (stories260k's goldens, the embedded model's 4 prompts,
@@ -112,6 +118,21 @@ def e4m3(y: torch.Tensor, scale: str) -> torch.Tensor:
             best, best_error = torch.where(better, rounded, best), torch.where(better, error, best_error)
     assert best is not None
     return best
+
+
+def int7_packed(y: torch.Tensor, scale: str) -> torch.Tensor:
+    """Rows ``y (..., d)`` float32 rounded through 7-bit codes (+-63) with a per-row scale chosen by ``scale``
+    (``e8m0``, ``e5m3`` or ``bf16``: the scale the codes' spare low bits can hold; module docstring), rounded
+    up so that no code saturates."""
+    base = y.abs().amax(-1, keepdim=True).clamp_min(2.0**-100) / 63  # (..., 1)
+    exponent = torch.floor(torch.log2(base))
+    if scale == "e8m0":
+        s = torch.exp2(torch.ceil(torch.log2(base)))
+    elif scale == "e5m3":
+        s = torch.ceil(base / torch.exp2(exponent) * 8) / 8 * torch.exp2(exponent)
+    else:
+        s = base.to(torch.bfloat16).float()
+    return (y / s).round().clamp(-63, 63) * s
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -211,6 +232,12 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
             return through(k - mu_k, ak) + mu_k, through(v, av)
         return rows
 
+    def packed(scale: str) -> RoundRows:
+        def rows(k, v, layer, positions):
+            mu_k = k_offsets[layer]
+            return int7_packed(k - mu_k, scale) + mu_k, int7_packed(v, scale)
+        return rows
+
     return {"bfloat16": (sixteen_bit(torch.bfloat16), False), "int8": (int8, False), "fp8": (shipped, False),
             "fp8_scale_float32": (fp8("float32"), False), "fp8_scale_pow2": (fp8("pow2"), False),
             "fp8_scale_mse": (fp8("mse"), False), "fp8_value_offset": (fp8(value_offset=True), False),
@@ -219,7 +246,8 @@ def candidates(model_dir: Path, block_size: int) -> dict[str, tuple[RoundRows, b
             "fp8_first_block_bfloat16": (kept(block_size, torch.bfloat16), False),
             "fp8_first_position_full_precision": (kept(1), False),
             "fp8_static_channel": (static(False), False), "fp8_static_tensor": (static(True), False),
-            **{name: (int8_static(headroom), False) for name, headroom in INT8_STATIC_HEADROOMS.items()}}
+            **{name: (int8_static(headroom), False) for name, headroom in INT8_STATIC_HEADROOMS.items()},
+            **{f"int7_packed_{scale}": (packed(scale), False) for scale in ("e8m0", "e5m3", "bf16")}}
 
 
 def study() -> dict:
