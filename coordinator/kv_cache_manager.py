@@ -178,7 +178,8 @@ class KVCacheManager:
                 self.state.num_checkpoint_queries += 1
                 restore = self.state.restore(seq.block_hashes[len(cached) - 1]) if cached else None
         if seq.num_cached_prompt_tokens is None:
-            seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+            # a continuation's given tokens count as prompt (usage): a hit may cover them too
+            seq.num_cached_prompt_tokens = min(num_cached_tokens, seq.num_usage_prompt_tokens)
         seq.admitted_s.append(time.monotonic())  # once per admission, not per step: the request's timings
         seq.num_computed_tokens = num_cached_tokens
         return restore

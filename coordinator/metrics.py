@@ -35,13 +35,15 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
-            "tpserve:time_to_first_token_seconds", "Time from arrival to the first sampled token (TTFT).",
+            "tpserve:time_to_first_token_seconds",
+            "Time from receipt (before validation and tokenization) to the first sampled token (TTFT).",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.time_per_output_token = Histogram(
             "tpserve:time_per_output_token_seconds", "Mean time per output token after the first (TPOT), per request.",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e_request_latency = Histogram(
-            "tpserve:e2e_request_latency_seconds", "Time from arrival to the last token (or the abort).",
+            "tpserve:e2e_request_latency_seconds",
+            "Time from receipt (before validation and tokenization) to the last token (or the abort).",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter(
             "tpserve:prompt_tokens", "Prompt tokens received (a continuation's given tokens included).", registry=r)

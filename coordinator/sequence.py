@@ -60,8 +60,8 @@ class Sequence:
         block_hashes: chained hashes of the sequence's full blocks so far
             (:func:`coordinator.kv_cache_manager.extend_block_hashes`); they depend only on the tokens, so they
             stay valid across preemptions.
-        num_cached_prompt_tokens: prompt tokens found in the prefix cache at the
-            sequence's first admission (reported as usage); None before it.
+        num_cached_prompt_tokens: prompt tokens (a continuation's given tokens included) found in the
+            prefix cache at the sequence's first admission (reported as usage); None before it.
         prompt_logprobs: with ``sampling.prompt_logprobs``: position -> the worker's
             logprobs of that prompt token (filled once, whatever recomputes it).
         speculation: whether speculative decoding is paused for it (poor acceptance).

@@ -9,7 +9,6 @@ aborts the request in the engine (its blocks are freed). No torch.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -33,6 +32,7 @@ from coordinator.errors import InvalidArgumentError, UnavailableError
 from coordinator.kv_transfer.stream_moves import StreamMoves
 from coordinator.parallel_sampling import generate_n, num_samples
 from coordinator.validation import GenerateParams, chat_messages, validate_request
+from coordinator.validation_lanes import run_in_lane
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -77,9 +77,10 @@ class GenerationServicer(LoRAAdminMethods, generate_pb2_grpc.GenerationServicer)
 
     async def _validate(self, request: pb.GenerateRequest, entry: RequestEntry,
                         lora: LoadedAdapter | None) -> GenerateParams:
-        """Validates and tokenizes on a thread: a 1 MiB prompt takes about a second to
-        tokenize, which on the event loop would freeze every stream and health check; a
-        grammar compiles in a child process, the thread waiting at most its time limit.
+        """Validates and tokenizes on a thread of the request's lane (coordinator/validation_lanes.py): a 1 MiB
+        prompt takes about a second to tokenize, which on the event loop would freeze every stream and health
+        check, and on a shared pool would hold up short requests; a grammar compiles in a child process, the
+        thread waiting at most its time limit.
         A chat template renders first, in the bounded renderer pool (never on a thread:
         one that never ends could not be stopped)."""
         chat = None
@@ -87,9 +88,9 @@ class GenerationServicer(LoRAAdminMethods, generate_pb2_grpc.GenerationServicer)
             prompt = prepare_chat(self.tokenizer, chat_messages(request))
             chat = (prompt, await self.chat_renderer.render(self.tokenizer.chat_template, prompt.messages,
                                                             self.tokenizer.special_tokens_map))
-        params = await asyncio.to_thread(validate_request, request, self.tokenizer, self.model_info.vocab_size,
-                                         self.model_info.max_model_len, entry.tenant, chat, self.grammars,
-                                         {lora.name: lora.slot} if lora else None, lora.cache_key if lora else None)
+        params = await run_in_lane(request, validate_request, request, self.tokenizer, self.model_info.vocab_size,
+                                   self.model_info.max_model_len, entry.tenant, chat, self.grammars,
+                                   {lora.name: lora.slot} if lora else None, lora.cache_key if lora else None)
         entry.validated_s = time.monotonic()  # the trace's validate span ends here
         return params
 

@@ -118,6 +118,11 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
     room = max_model_len - len(prompt_token_ids)
     max_tokens = field_value(params, "max_tokens")  # ranges: tpserve/sampling_fields.py
     max_tokens = room if max_tokens is None else min(max_tokens, room)
+    min_tokens = params.min_tokens  # its range: validate_sampling_controls, below
+    if min_tokens > room:  # the context's room bounds it, not a max_tokens never sent
+        raise InvalidArgumentError(
+            f"sampling_params.min_tokens={min_tokens} exceeds the prompt's room in the context: max_model_len="
+            f"{max_model_len} less the prompt's {len(prompt_token_ids)} tokens leaves {room}")
     temperature = field_value(params, "temperature")
     if temperature < MIN_SAMPLING_TEMPERATURE:
         temperature = 0.0  # greedy: the same tokens as temperature 0, never an overflowed softmax

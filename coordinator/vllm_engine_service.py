@@ -62,6 +62,7 @@ from coordinator.request_table import RequestAborted, RequestEntry, check_abort_
 from coordinator.sequence import FinishReason
 from coordinator.server import GenerationServicer
 from coordinator.validation import validate_request
+from coordinator.validation_lanes import run_in_lane
 from coordinator.vllm_engine_params import chunk, complete, to_generate_request
 
 #: What GetTokenizer ships: the files a Hugging Face tokenizer and its chat template load from.
@@ -137,9 +138,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             # The same bounded grammar compiler as tpserve.v1 (a hostile schema through the
             # gateway must not stall the server either); a gateway renders chat itself.
-            params = await entry.unless_aborted(asyncio.to_thread(
-                validate_request, public, gen.tokenizer, gen.model_info.vocab_size, gen.model_info.max_model_len,
-                entry.tenant, None, gen.grammars))
+            params = await entry.unless_aborted(run_in_lane(  # coordinator/validation_lanes.py
+                public, validate_request, public, gen.tokenizer, gen.model_info.vocab_size,
+                gen.model_info.max_model_len, entry.tenant, None, gen.grammars))
             entry.validated_s = time.monotonic()  # the trace's validate span ends here
         except RequestAborted:  # an Abort while it was validated: every sample ends now, with no token
             for index in range(n):

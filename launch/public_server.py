@@ -139,10 +139,12 @@ class PublicServer:
             await server.stop(None)  # an unstarted server left to the collector fails after the loop closed
             raise StartupError(f"--port {cfg.port}: cannot bind {address}, another process listens there; "
                                "stop it or choose another --port")
-        # /metrics is bound before anything starts: a taken port stops the start-up with one line
+        # /metrics is bound before anything starts: a taken port stops the start-up with one line. It
+        # listens where the gRPC port does (--host): it shows the queue and the prefix cache's hit rate
+        # of every tenant, which tenants are refused over gRPC (GetLoads is the operator's).
         if cfg.metrics_port is not None:
             try:
-                httpd, _ = start_http_server(cfg.metrics_port, registry=self.metrics.registry)
+                httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
                 self.metrics_port = httpd.server_port
             except OSError as exc:
                 await server.stop(None)

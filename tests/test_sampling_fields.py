@@ -124,6 +124,19 @@ def test_the_client_takes_every_field_as_a_typed_keyword() -> None:
         build_request("Hi", typo_p=0.5)
 
 
+
+def test_a_string_for_a_list_of_strings_is_one_entry_not_its_characters() -> None:
+    """``stop="girl named"`` (OpenAI's ``stop`` takes a string or a list) is one stop string: extending the
+    repeated field with the string itself would send each character as a stop string, silently."""
+    string_lists = [spec.name for spec in FIELDS if spec.type is list and spec.items is str]
+    assert "stop" in string_lists
+    for name in string_lists:
+        assert list(getattr(build_request("Hi", **{name: "girl named"}).sampling_params, name)) == ["girl named"]
+        assert list(getattr(build_request("Hi", **{name: ["a", "bc"]}).sampling_params, name)) == ["a", "bc"]
+    assert list(build_request("Hi", choices="yes").sampling_params.response_format.choices.choices) == ["yes"]
+    assert list(build_request("Hi", choices=("yes", "no")).sampling_params.response_format.choices.choices) == \
+        ["yes", "no"]
+
 def test_tpserve_generate_has_a_flag_per_field() -> None:
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]
     flags = {flag: action for action in generate._actions for flag in action.option_strings}

@@ -17,10 +17,17 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 def _annotation(spec: SamplingField) -> object:
     """The client keyword's type: an unset scalar is None (the server's default)."""
     if spec.type is list:
-        return Sequence[spec.items]
+        return str | Sequence[str] if spec.items is str else Sequence[spec.items]
     if spec.type is dict:
         return Mapping[spec.items[0], spec.items[1]] | None
     return bool if spec.type is bool else spec.type | None
+
+
+def _entries(value: object) -> Sequence:
+    """A list keyword's entries: a ``str`` is one entry (``stop="###"``), None none."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else value  # type: ignore[return-value]
 
 
 def _client_default(spec: SamplingField) -> object:
@@ -33,7 +40,7 @@ _REQUEST_KEYWORDS = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY
     inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
     for name, annotation, default in (
         ("json_schema", str | Mapping | None, None), ("regex", str | None, None),
-        ("choices", Sequence[str] | None, None), ("cache_salt", str | None, None), ("priority", int, 0),
+        ("choices", str | Sequence[str] | None, None), ("cache_salt", str | None, None), ("priority", int, 0),
         ("lora_name", str | None, None),
         ("request_id", str, ""))]
 _PROMPT = inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Prompt)
@@ -59,7 +66,8 @@ def request_keywords(function):
 def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     """A GenerateRequest from Python values; None leaves a field unset (the server's default).
 
-    A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
+    A ``str`` given for a list of strings (``stop``, ``choices``) is one entry, as OpenAI's ``stop``
+    takes it (not its characters). A ``str`` prompt is sent as text, a sequence of ints as token ids, a sequence of
     ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
     model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
     from those of requests without the same salt. ``lora_name`` generates with that LoRA
@@ -78,7 +86,7 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
         value = values[spec.name]
         try:
             if spec.type is list:
-                getattr(params, spec.name).extend(value or ())  # None leaves it unset, as for the others
+                getattr(params, spec.name).extend(_entries(value))  # None leaves it unset, as for the others
             elif spec.type is dict:
                 getattr(params, spec.name).update(dict(value or {}))
             elif value is not None:
@@ -96,7 +104,7 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     elif regex is not None:
         params.response_format.regex = regex
     elif choices is not None:
-        params.response_format.choices.choices.extend(choices)
+        params.response_format.choices.choices.extend(_entries(choices))
     request = pb.GenerateRequest(request_id=values["request_id"], sampling_params=params, priority=values["priority"])
     if values["cache_salt"] is not None:
         request.cache_salt = values["cache_salt"]

@@ -28,7 +28,8 @@ class RequestState:
     """One sample in flight: its sequence, text state and collector.
 
     Attributes:
-        arrival_time: ``time.monotonic()`` seconds when it was queued.
+        arrival_time: ``time.monotonic()`` seconds when its request was received (before validation,
+            tokenization and grammar compilation: where the response's timings start too).
         first_token_time: ``time.monotonic()`` seconds of its first output; None before.
     """
 

@@ -96,7 +96,7 @@ class ActiveRequests:
             output_token_ids=list(params.generated_token_ids),  # usage counts them as prompt tokens
         )
         state = RequestState(entry.request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
-                             StopStringMatcher(params.stop, params.include_stop_str_in_output), time.monotonic(),
+                             StopStringMatcher(params.stop, params.include_stop_str_in_output), entry.received_s,
                              params.tenant, RequestOutputCollector(stream_interval), lora_name=params.lora_name)
         for token_id in params.generated_token_ids:  # text the caller has: replayed, so stop strings span the seam
             if state.stop_matcher.push(state.detokenizer.step(token_id))[1]:

@@ -51,6 +51,19 @@ def test_a_second_sequence_takes_the_cached_blocks_but_computes_its_last_token()
     manager.allocator.check_invariants([first.block_ids, same.block_ids])
 
 
+
+def test_a_continuation_counts_its_given_tokens_hit_as_cached_prompt_tokens() -> None:
+    """A continued request (another replica's output given as ``generated_token_ids``) is prompt for usage:
+    a prefix hit over its given tokens counts whole blocks of them, not only of its prompt (which was 7
+    of a 47-token usage prompt whose 32-token hit the metrics counted)."""
+    manager = KVCacheManager(BlockAllocator(16, BLOCK_SIZE), enable_prefix_caching=True)
+    _computed(manager, _seq(0, list(range(14))))
+    continued = Sequence(1, list(range(3)), SamplingParams(), StopParams(max_tokens=8), max_model_len=64,
+                         output_token_ids=list(range(3, 14)))  # 3 prompt tokens, 11 given
+    manager.take_cached_prefix(continued, manager.cached_prefix(continued))
+    assert continued.num_usage_prompt_tokens == 14
+    assert (continued.num_computed_tokens, continued.num_cached_prompt_tokens) == (12, 12)
+
 def test_namespaces_and_prompt_logprobs_find_nothing() -> None:
     manager = KVCacheManager(BlockAllocator(16, BLOCK_SIZE), enable_prefix_caching=True)
     _computed(manager, _seq(0, list(range(12))))

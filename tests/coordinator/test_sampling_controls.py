@@ -142,3 +142,16 @@ def test_a_text_prompt_the_model_cannot_embed_is_refused_not_sent_to_the_ranks(t
     ok = validate_request(pb.GenerateRequest(text="Once upon a time", sampling_params=pb.SamplingParams(max_tokens=4)),
                           tokenizer, 1024, 256)
     assert list(ok.prompt_token_ids) == ids
+
+
+
+@pytest.mark.parametrize("max_tokens", [400, None])
+def test_min_tokens_beyond_the_context_room_names_the_room(tokenizer: Tokenizer, max_tokens: int | None) -> None:
+    """A min_tokens that only the context's room refuses says so: a message naming ``max_tokens=<room>``
+    would name a value the caller never sent (it sent 400, or none)."""
+    fields = dict(min_tokens=300) if max_tokens is None else dict(min_tokens=300, max_tokens=max_tokens)
+    msg = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 300), sampling_params=pb.SamplingParams(**fields))
+    with pytest.raises(InvalidArgumentError) as err:
+        validate_request(msg, tokenizer, VOCAB_SIZE, MAX_MODEL_LEN)
+    assert str(err.value) == ("sampling_params.min_tokens=300 exceeds the prompt's room in the context: "
+                              "max_model_len=512 less the prompt's 300 tokens leaves 212")

@@ -104,17 +104,29 @@ def test_big_prompts_do_not_stall_health_checks(cluster: RunningCluster) -> None
             time.sleep(0.02)
 
     prompt = "Once upon a time there was a dog. " * 30_000  # 1,020,000 bytes, under the 1 MiB cap
+    refused_s: list[float] = []
+
+    def long_prompt(_) -> tuple[grpc.StatusCode, str]:
+        code = _code(lambda: cluster.client.generate(prompt, max_tokens=1, timeout_s=60))
+        refused_s.append(time.monotonic())
+        return code
+
     poller = threading.Thread(target=poll)
     poller.start()
     try:
         with ThreadPoolExecutor(3) as pool:
-            codes = list(pool.map(lambda _: _code(lambda: cluster.client.generate(prompt, max_tokens=1, timeout_s=60)),
-                                  range(3)))
+            codes = pool.map(long_prompt, range(3))
+            time.sleep(0.3)  # the long prompts are being tokenized (about a second each, one at a time)
+            short = cluster.client.generate("Once upon a time", max_tokens=1, ignore_eos=True, timeout_s=60)
+            short_s = time.monotonic()
+            codes = list(codes)
     finally:
         stop.set()
         poller.join()
     assert all(code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in details for code, details in codes)
     assert max(latencies) < 0.5, f"health checks took up to {max(latencies):.2f} s"
+    # Fault 14: the short request takes its own lane (coordinator/validation_lanes.py), not a place behind them.
+    assert len(short.token_ids) == 1 and short_s < min(refused_s), (short_s, refused_s)
 
 
 # -- fault 11: client keepalive -------------------------------------------------------------
@@ -210,3 +222,26 @@ def test_no_rank_listens_beyond_loopback(cluster: RunningCluster) -> None:
     assert len(ranks) == 2
     exposed = {pid: [a for a in _listening_addresses(pid) if not _is_loopback(a)] for pid in ranks}
     assert not any(exposed.values()), f"rank sockets listening beyond loopback: {exposed}"
+
+
+
+# -- fault 14: /metrics listens where the gRPC port does; TTFT counts from receipt ---------------
+
+
+def test_the_coordinator_listens_only_on_the_host_it_was_given(cluster: RunningCluster) -> None:
+    """Started with ``--host 127.0.0.1``: /metrics (every tenant's queue and hit rate) bound 0.0.0.0 before."""
+    addresses = _listening_addresses(cluster.process.pid)
+    assert len(addresses) >= 2  # the gRPC port and /metrics at least
+    assert all(_is_loopback(address) for address in addresses), addresses
+
+
+def test_the_ttft_histogram_counts_from_receipt_as_the_response_timings_do(cluster: RunningCluster) -> None:
+    """Validation (here a grammar compile of a schema no other test sends) is part of the time to first token:
+    the histogram measured from the queue and missed it (3 against 12 ms; 0.036 against 12.9 s behind long
+    prompts)."""
+    before = cluster.metric("tpserve:time_to_first_token_seconds_sum")
+    schema = {"type": "object", "properties": {f"fault_14_{time.monotonic_ns()}": {"type": "integer"}}}
+    result = cluster.client.generate("Once upon a time", max_tokens=1, json_schema=schema, timeout_s=60)
+    observed = cluster.metric("tpserve:time_to_first_token_seconds_sum") - before
+    assert result.timings.queue_time_s > 0 and result.timings.time_to_first_token_s > 0
+    assert observed == pytest.approx(result.timings.time_to_first_token_s, abs=1e-4)
