@@ -62,6 +62,10 @@ NEMOTRON_H = TinyModelSpec("nemotron_h", "nemotron_h", {
     "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8, "intermediate_size": 96,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 1.5, "tie_word_embeddings": False}, seed=43)
+#: The same blocks with ``mlp_bias``: the MLPs', the experts' and the shared expert's biases (the shared
+#: expert's ``down_proj`` leaves its all-reduce, and so its bias, to the MoE block: it was dropped).
+NEMOTRON_H_MLP_BIAS = TinyModelSpec("nemotron_h_mlp_bias", "nemotron_h", {**NEMOTRON_H.config, "mlp_bias": True},
+                                    seed=44)
 
 #: Greedy tokens per sequence in the acceptance runs.
 MAX_TOKENS = 32

@@ -133,8 +133,9 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k) float32, (T, k) int64
-        y = self.experts(x, ids, weights) + self.shared_experts(x)  # (T, H), this rank's partial
-        return self.ctx.all_reduce(y)  # (T, H)
+        y = self.ctx.all_reduce(self.experts(x, ids, weights) + self.shared_experts(x))  # (T, H): partials summed
+        bias = self.shared_experts.down_proj.bias  # (H,) or None: reduce=False left it to the caller, added once
+        return y if bias is None else y + bias
 
 
 class NemotronHAttention(LlamaAttention):
