@@ -39,7 +39,7 @@ from tpserve.model_registry import (LATENT_ATTENTION_ARCHITECTURES, LINEAR_ATTEN
                                     PARTIAL_ROTARY_DEFAULTS, SLIDING_WINDOW_RULES, resolve_architecture,
                                     ties_word_embeddings_by_default)
 from tpserve.quantization import Quantization, checkpoint_quantization
-from tpserve.rope_config import config_value, parse_layer_rope, parse_rope
+from tpserve.rope_config import config_value, parse_layer_rope, parse_rope, rope_dict
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Llama 4's chunked local attention (``attention_chunk_size``): a layer type only the families
@@ -480,7 +480,7 @@ def _parse_rotary_dim(raw: dict[str, Any], architecture: str, head_dim: int) -> 
     Raises:
         ValueError: a factor below 1 for a family without partial RoPE, or an odd dimension.
     """
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    params = rope_dict(raw) or {}
     nested = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
     if any(p.get("partial_rotary_factor", 1.0) != 1.0 for p in nested):
         raise ValueError("partial_rotary_factor per layer type is not supported")

@@ -20,10 +20,22 @@ def config_value(raw: dict[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def rope_dict(raw: dict[str, Any]) -> Any:
+    """The RoPE dict ``transformers`` reads from a config.json: ``rope_scaling`` (its 4.x key) where it is set
+    and not empty, else ``rope_parameters`` (5.x); None without either.
+
+    Where both are set, ``rope_scaling`` wins whole (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``:
+    ``rope_scaling or rope_parameters``, transformers 5.25): its ``rope_theta`` or the top-level one applies, not
+    ``rope_parameters``'. Model cards enable YaRN by adding ``rope_scaling`` to a config that has
+    ``rope_parameters`` (Qwen3's); reading ``rope_parameters`` first served such a model with plain RoPE.
+    """
+    return raw.get("rope_scaling") or raw.get("rope_parameters")
+
+
 def parse_layer_rope(raw: dict[str, Any], max_position_embeddings: int,
                      layer_types: tuple[str, ...]) -> dict[str, tuple[float, dict[str, Any] | None]]:
     """RoPE parameters nested by layer type (``transformers`` 5), each parsed as :func:`parse_rope`; else {}."""
-    params = raw.get("rope_parameters")
+    params = rope_dict(raw)  # a flat rope_scaling wins over nested rope_parameters, as in transformers
     if not isinstance(params, dict) or not params or not set(params) <= set(layer_types):
         return {}
     return {layer_type: parse_rope({**raw, "rope_parameters": nested, "rope_scaling": None}, max_position_embeddings)
@@ -37,7 +49,7 @@ def parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float
     ``PreTrainedConfig.standardize_rope_params``: a top-level key wins, then the
     RoPE dict's, then ``max_position_embeddings``.
     """
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params = dict(rope_dict(raw) or {})
     # The RoPE dict's base, else the top-level one, else transformers' default; a 0 is refused
     # (tpserve/model_config_rules.py), never replaced by the default.
     rope_theta = float(config_value(params, "rope_theta", config_value(raw, "rope_theta", 10000.0)))

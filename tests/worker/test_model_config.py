@@ -178,6 +178,35 @@ def test_rope_nested_by_layer_type_is_kept_per_type() -> None:
     assert (config.rope_theta, config.rope_scaling) == config.layer_rope("full_attention")
 
 
+
+@pytest.mark.parametrize(("model_type", "architecture"), [("llama", "LlamaForCausalLM"),
+                                                          ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                                          ("deepseek_v3", "DeepseekV3ForCausalLM")])
+def test_rope_scaling_added_beside_rope_parameters_is_read_as_transformers_reads_it(
+        tmp_path: Path, model_type: str, architecture: str) -> None:
+    """A transformers-5 config (``rope_parameters``) with ``rope_scaling`` added, as Qwen's model cards enable
+    YaRN: transformers reads ``rope_scaling`` whole (its base too: the top-level one, else 10000); reading
+    ``rope_parameters`` first served plain RoPE, and let a ``longrope`` there through."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                         max_position_embeddings=128, architectures=[architecture]).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for extra in ({}, {"rope_theta": 5e5}):
+        edited = {**raw, **extra, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 32}}
+        (tmp_path / "config.json").write_text(json.dumps(edited))
+        reference = AutoConfig.from_pretrained(tmp_path).rope_parameters
+        config = ModelConfig.from_pretrained(tmp_path)
+        assert reference["rope_type"] == "yarn" and config.rope_theta == reference["rope_theta"]
+        assert config.rope_theta == extra.get("rope_theta", 10000.0)
+        assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "yarn"
+        assert (config.rope_scaling["factor"], config.rope_scaling["original_max_position_embeddings"]) == (4.0, 32)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "rope_scaling": {"rope_type": "longrope",
+                                                                                "factor": 4.0}}))
+    with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
+        ModelConfig.from_pretrained(tmp_path)
+
 def test_a_window_switched_off_is_full_attention() -> None:
     """Qwen2.5 checkpoints store a window with ``use_sliding_window: false``: not a sliding model."""
     config = ModelConfig.from_dict(_llama(model_type="qwen2", architectures=["Qwen2ForCausalLM"],

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from tpserve.model_config import ModelConfig
+from tpserve.rope_config import rope_dict
 from worker.attention import AttentionMetadata
 from worker.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from worker.layers.mla_attention import LatentPagedAttention, write_latent_cache
@@ -117,7 +118,7 @@ class MultiHeadLatentAttention(nn.Module):
                                               dtype=dtype)
         self.o_proj = RowParallelLinear(heads * self.d_v, hidden, ctx, bias=bias, dtype=dtype)
         self.num_heads = heads // ctx.tp_size  # this rank's (the column-parallel layers checked the split)
-        raw_rope = config.hf_config.get("rope_parameters") or config.hf_config.get("rope_scaling")
+        raw_rope = rope_dict(config.hf_config)
         self.attn = LatentPagedAttention(self.d_n, mla_softmax_scale(qk_head_dim, raw_rope))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
