@@ -69,3 +69,20 @@ def test_delta_net_heads_must_split_across_ranks(overrides: dict, tp: int, messa
         config.check_tensor_parallel(tp)
     assert str(error.value) == message
     config.check_tensor_parallel(2)  # 2 key heads, 4 value heads: one key head a rank
+
+
+@pytest.mark.parametrize(("architecture", "overrides", "named"), [
+    ("Qwen3NextForCausalLM", {"layer_types": ["linear_attention"] * 8}, "layer_types"),
+    ("NemotronHForCausalLM", {"hybrid_override_pattern": "M-ME", "num_hidden_layers": 4}, "hybrid_override_pattern"),
+    ("GraniteMoeHybridForCausalLM", {"layer_types": ["mamba"] * 8}, "layer_types"),  # transformers' default config
+])
+def test_a_model_without_attention_layers_is_refused_naming_the_key(architecture: str, overrides: dict,
+                                                                     named: str) -> None:
+    """The cache is sized in KV bytes per block, none without attention: such a model failed in its ranks with a
+    bare ZeroDivisionError (Granite 4's default config, a Nemotron-H pattern without '*')."""
+    with pytest.raises(ValueError, match=f"config.json {named} has no attention layer"):
+        ModelConfig.from_dict(_config(architecture, **overrides))
+    mixed = {"layer_types": ["mamba"] * 7 + ["attention"]} if architecture.startswith("Granite") else \
+        {"hybrid_override_pattern": "M*ME", "num_hidden_layers": 4} if architecture.startswith("Nemotron") else \
+        {"layer_types": ["linear_attention"] * 7 + ["full_attention"]}
+    assert ModelConfig.from_dict(_config(architecture, **mixed)).num_attention_layers == 1

@@ -440,6 +440,12 @@ def _parse_attention_windows(
     unknown = sorted({t for t in layer_types if t not in known})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; expected {known}")
+    if hybrid and all(t in hybrid for t in layer_types):  # sized by KV bytes per block: none without attention
+        named = next((key for key in ("hybrid_override_pattern", "layers_block_type", "layer_types") if key in raw),
+                     "layer_types")
+        raise ValueError(f"config.json {named} has no attention layer ({len(layer_types)} layers, of "
+                         f"{', '.join(sorted(set(layer_types)))}): a model without attention layers is not "
+                         "supported; tpserve serves hybrids with at least one")
     return window, tuple(layer_types)
 
 
