@@ -314,8 +314,8 @@ class PublicServer:
             event_loop=running_loop_name(), sched_policy=policy_name(),
             address=f"{server.host}:{self.port}", tls=tls, api_key="on" if self.api_keys is not None else "off",
             operator_api_key="on" if server.operator_api_key or server.operator_api_key_file else "off",
-            metrics_url=(f"http://localhost:{self.metrics_port}/metrics" if self.metrics_port is not None
-                         else "off"),
+            metrics_url=(f"http://{_url_host(server.host)}:{self.metrics_port}/metrics"
+                         if self.metrics_port is not None else "off"),
             version=__version__,
         )
 
@@ -384,3 +384,11 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def _url_host(host: str) -> str:
+    """Where a client on this machine reaches a port bound to ``host`` (``--host``): ``localhost`` for every
+    interface, else the address itself (an IPv6 one in brackets)."""
+    if host in ("", "0.0.0.0", "::"):
+        return "localhost"
+    return f"[{host}]" if ":" in host else host

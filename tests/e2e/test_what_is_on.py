@@ -54,7 +54,7 @@ def test_one_serving_line_lists_the_configuration(int8_ngram):
                   "speculative_method=ngram", "num_speculative_tokens=2", "async_scheduling=off", "event_loop=uvloop", "sched_policy=batch", "tls=off",
                   "api_key=off",
                   f"address=127.0.0.1:{cluster.port}",
-                  f"metrics_url=http://localhost:{cluster.metrics_port}/metrics", f"version={__version__}",
+                  f"metrics_url=http://127.0.0.1:{cluster.metrics_port}/metrics", f"version={__version__}",
                   "served_model_name=tpserve-tiny-stories"):
         assert field in line, (field, line)
 
@@ -91,14 +91,14 @@ def test_the_coordinator_runs_under_sched_batch_and_its_ranks_do_not(int8_ngram)
 
 def test_metrics_port_0_reports_the_port_it_bound(tmp_path):
     """``--metrics-port 0`` binds a port the system chooses: the ``serving`` line names that port (it said
-    ``localhost:0``), and /metrics answers there."""
+    ``localhost:0``), on ``--host``'s address (127.0.0.1 here), and /metrics answers there."""
     import re
     import urllib.request
 
     log = tmp_path / "serve.log"
     with serve(None, 1, "--metrics-port", "0", log_path=log):  # the last --metrics-port given wins
         line = next(line for line in log.read_text(errors="replace").splitlines() if " serving " in line)
-        port = int(re.search(r"metrics_url=http://localhost:(\d+)/metrics", line).group(1))
+        port = int(re.search(r"metrics_url=http://127\.0\.0\.1:(\d+)/metrics", line).group(1))
         assert port != 0
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "tpserve:num_requests_running" in body
