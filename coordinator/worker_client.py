@@ -164,12 +164,12 @@ class WorkerGroup:
         self.num_state_slots_available = min(slots.values())
         return min(available.values())
 
-    async def start(self, num_kv_blocks: int, num_state_slots: int = 0, num_host_blocks: int | None = None) -> None:
+    async def start(self, num_kv_blocks: int, num_state_slots: int = 0, num_host_blocks: int = 0) -> None:
         """Allocates every rank's KV cache (a hybrid's ``num_state_slots`` state slots, and ``num_host_blocks``
-        host-tier blocks; None: as many as the last start, for a restart) and opens the step streams: a plain
-        socket to each rank of this host (tpserve/step_socket.py), the gRPC ``Step`` stream to each rank of
-        another, and to a rank of this host whose step socket does not answer (it could not bind one)."""
-        num_host_blocks = self.num_host_blocks if num_host_blocks is None else num_host_blocks
+        host-tier blocks per rank, 0: none; a restart names them again: its ranks, and this object, are new)
+        and opens the step streams: a plain socket to each rank of this host (tpserve/step_socket.py), the gRPC
+        ``Step`` stream to each rank of another, and to a rank of this host whose step socket does not answer
+        (it could not bind one)."""
         request = pb.InitCacheRequest(num_kv_blocks=num_kv_blocks, num_state_slots=num_state_slots,
                                       num_host_blocks=num_host_blocks)
         await asyncio.gather(*(s.InitCache(request) for s in self._stubs))

@@ -60,6 +60,8 @@ class Recovery:
 
     Attributes:
         engine: the engine whose requests are held and resumed, once started.
+        num_host_blocks: the host tier's blocks per rank the group started with (0: none); a restart
+            allocates them again, since the replacement ranks start with none.
     """
 
     def __init__(self, config: ClusterConfig, launcher: GroupLauncher, public: PublicServer, metrics: Metrics,
@@ -70,6 +72,7 @@ class Recovery:
         self.metrics = metrics
         self.shutdown = shutdown
         self.engine: Engine | None = None
+        self.num_host_blocks = 0
         self._liveness_task: asyncio.Task | None = None
         self._recovery: asyncio.Task | None = None
         self._attempt_lost: asyncio.Future[str] | None = None  # a restart attempt's loss, while one runs
@@ -184,14 +187,21 @@ class Recovery:
                 await asyncio.gather(attempt, return_exceptions=True)
 
     async def _start_group(self, reason: str, deadline: float, timeout_s: float) -> None:
-        """Starts every rank again and allocates the pool the engine had."""
+        """Starts every rank again and allocates the pool the engine had, and its host tier (:attr:`num_host_blocks`).
+
+        The replacement ranks' host slots are empty: the engine's suspend already forgot the blocks its
+        tier named (:meth:`coordinator.scheduler.Scheduler.reset_workers`), so no look-up finds one.
+        """
         available = await self.launcher.restart(reason, deadline, timeout_s)
         num_blocks = self.engine.scheduler.allocator.num_blocks
         if available < num_blocks:
             raise WorkerGroupError(f"the restarted ranks hold {available} KV blocks, the pool had {num_blocks}")
         try:
             slots = self.engine.scheduler.state_slots  # a hybrid's state pool: the same size again
-            await asyncio.wait_for(self.launcher.workers.start(num_blocks, slots.num_slots if slots else 0),
+            # The host tier too: the coordinator still plans copies to and from it, and a rank without one
+            # fails every such step (and each failure restarted the group again).
+            await asyncio.wait_for(self.launcher.workers.start(num_blocks, slots.num_slots if slots else 0,
+                                                               self.num_host_blocks),
                                    max(deadline - time.monotonic(), 0.1))
         except asyncio.TimeoutError:
             raise WorkerGroupError("the restarted ranks did not allocate their KV cache by the deadline") from None

@@ -7,12 +7,18 @@ second round finds every prompt's 12 full blocks before its last token (192 toke
 host tier, and its tokens equal those of a server with an unbounded pool and no tier. ``/metrics``
 counts the hits and the bytes moved; a request of another ``cache_salt`` finds nothing through the tier;
 the KV events (the engine protocol's SubscribeKvEvents) say which tier each block entered or left.
+
+A rank killed (SIGKILL) restarts the group once: the replacement ranks allocate the tier again (with a draft
+model's layers, and sized by ``--kv-offloading-size``), the coordinator forgets the blocks it named (the new
+slots are empty, so nothing stale is served), and the tier hits again, token for token.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
 import time
 import urllib.request
 
@@ -21,7 +27,9 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
 from tests.e2e.cluster import serve
-from tests.paths import STORIES_DIR, requires_stories
+from tests.e2e.recovery import _rank_pid
+from tests.e2e.stories import assert_matches_golden, greedy
+from tests.paths import STORIES_DIR, load_goldens, requires_stories
 
 pytestmark = [pytest.mark.e2e, requires_stories]
 
@@ -113,3 +121,38 @@ def test_without_the_tier_the_same_pool_finds_nothing() -> None:
         results = _rounds(cluster.client)
         assert [r.usage.cached_prompt_tokens for r in results] == [0] * 12
         assert cluster.metric("tpserve:kv_offload_total_blocks") == 0
+
+
+#: (tensor_parallel_size, the rank killed, more flags): the tier sized in blocks, at tp 1 and 2, and in GiB
+#: (--kv-offloading-size: 8 MiB, far more than 6 x 13 blocks) with a draft model, whose layers the slots hold too.
+RESTARTS = {"tp1": (1, 0, ("--num-cpu-blocks-override", "320")),
+            "tp2": (2, 1, ("--num-cpu-blocks-override", "320")),
+            "tp1-draft-size": (1, 0, ("--kv-offloading-size", "0.0078125", "--speculative-method", "draft",
+                                      "--speculative-model", str(STORIES_DIR), "--num-speculative-tokens", "3"))}
+
+
+@pytest.mark.parametrize("layout", sorted(RESTARTS))
+def test_a_restarted_group_has_its_host_tier_again(reference, tmp_path, layout: str) -> None:
+    tp, rank, flags = RESTARTS[layout]
+    log_path = tmp_path / "server.log"
+    with serve(STORIES_DIR, tp, *SMALL, *flags, "--worker-recovery-timeout-seconds", "90",
+               log_path=log_path) as cluster:
+        assert [r.token_ids for r in _rounds(cluster.client)] == reference
+        assert cluster.metric("tpserve:kv_offload_hits_total") == 6 * IDEAL
+        os.kill(_rank_pid(cluster.process.pid, rank), signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while cluster.metric("tpserve:worker_restarts_total") < 1:
+            assert time.monotonic() < deadline, "the group did not restart"
+            time.sleep(0.2)
+        cluster.client.wait_ready(timeout_s=30)
+        results = _rounds(cluster.client)
+        assert [r.token_ids for r in results] == reference
+        # The new slots are empty: the first round finds nothing there (no stale hit), the second all it stored.
+        assert [r.usage.cached_prompt_tokens for r in results] == [0] * 6 + [IDEAL] * 6
+        assert cluster.metric("tpserve:kv_offload_hits_total") == 2 * 6 * IDEAL
+        for golden in load_goldens():
+            assert_matches_golden(greedy(cluster.client, golden), golden)
+        assert cluster.metric("tpserve:worker_restarts_total") == 1  # a step with host-tier copies failed none
+    log = log_path.read_text(errors="replace")
+    assert log.count("kv host tier allocated") == 2 * tp, "the replacement ranks did not allocate the tier"
+    assert "has no host tier" not in log
