@@ -27,12 +27,17 @@ class AdaptiveSpeculation:
         resume_at: the output length at which speculation resumes (0: not paused).
         pause: the next pause's length in output tokens.
         min_acceptance: the average below which it pauses (0: never).
+        counted_from, num_counted: the output position (tokens) where its last verified proposal's
+            tokens begin, and how many of them :class:`SpecDecodeStats` counted accepted: a stop string
+            found among them later takes back those past it (:meth:`SpecDecodeStats.take_back`).
     """
 
     ewma: float = 1.0
     resume_at: int = 0
     pause: int = 16
     min_acceptance: float = 0.2
+    counted_from: int = 0
+    num_counted: int = 0
 
     WEIGHT = 0.3  # of the newest proposal in the average: about the last 3 to 5 count
     MAX_PAUSE = 512
@@ -90,3 +95,14 @@ class SpecDecodeStats:
         for pos in range(num_proposed):
             self.draft_tokens_per_pos[pos] += 1
             self.accepted_tokens_per_pos[pos] += pos < num_accepted
+
+    def take_back(self, speculation: AdaptiveSpeculation, num_output_tokens: int) -> None:
+        """A stop string cut a sequence's output to its first ``num_output_tokens`` tokens: its last verified
+        proposal's accepted tokens past that (``speculation.counted_from``, ``.num_counted``) were thrown away,
+        so they now count as proposed only. The scheduler counts a proposal when it applies it, before the
+        text (and so a stop string) is known; an older proposal, wholly before the cut, loses nothing."""
+        first_dropped = max(num_output_tokens - speculation.counted_from, 0)  # position in that proposal
+        for pos in range(first_dropped, speculation.num_counted):
+            self.accepted_tokens_per_pos[pos] -= 1
+            self.num_accepted_tokens -= 1
+        speculation.num_counted = min(speculation.num_counted, first_dropped)

@@ -71,6 +71,7 @@ def apply_verified(seq: Sequence, chunk: ScheduledChunk, token_ids: tuple[int, .
     blocks reserved for rejected proposals)."""
     num_proposed, num_accepted = chunk.num_spec_tokens + chunk.num_draft_tokens, len(token_ids) - 1
     outputs: list[TokenOutput] = []
+    first_output = seq.num_output_tokens
     for token_id in token_ids:
         reason = seq.append_token(token_id)
         outputs.append(TokenOutput(seq, token_id, reason))
@@ -80,7 +81,10 @@ def apply_verified(seq: Sequence, chunk: ScheduledChunk, token_ids: tuple[int, .
     num_computed = chunk.start_position + 1 + min(len(outputs), num_accepted)
     kv_cache.cache_full_blocks(seq, num_computed)  # only verified positions: no rejected token is cached
     seq.num_computed_tokens = num_computed
-    # Counted: accepted proposals kept; those past a stop are thrown away (vLLM counts the same).
-    stats.record(num_proposed, min(len(outputs), num_accepted))
+    # Counted: accepted proposals kept; those past a stop are thrown away (vLLM counts the same). A stop
+    # string is found later, in the text (coordinator/engine/outputs.py), which takes back those past it.
+    num_kept = min(len(outputs), num_accepted)
+    stats.record(num_proposed, num_kept)
+    seq.speculation.counted_from, seq.speculation.num_counted = first_output, num_kept
     seq.speculation.record(num_proposed, num_accepted, seq.num_output_tokens)
     return outputs

@@ -18,8 +18,12 @@ class GaugeUpdater:
         self.spec_counted = scheduler.spec.snapshot()  # speculative decoding counters already added
         self.state_counted = (0, 0)  # hybrids: the state slots' checkpoint queries and hits already added
 
-    def update(self) -> None:
-        """Called after every step and every abort."""
+    def update(self, step_streamed: bool = False) -> None:
+        """Called after every step (``step_streamed``: its tokens went out to their requests) and every abort.
+
+        The speculative decoding counters are added only after a step's tokens went out: a stop string found
+        in them takes back the accepted proposals past it (SpecDecodeStats.take_back), and one added before
+        (an abort while the step loop awaits) would stay too high, a Prometheus counter never falling."""
         scheduler, metrics = self.scheduler, self.metrics
         metrics.set_load(len(scheduler.running), len(scheduler.waiting), scheduler.allocator.num_free_blocks)
         queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
@@ -32,6 +36,8 @@ class GaugeUpdater:
             metrics.prefix_cache_state_hits.inc(slots.num_checkpoint_hits - self.state_counted[1])
             self.state_counted = (slots.num_checkpoint_queries, slots.num_checkpoint_hits)
         metrics.kv_offload.update(scheduler.kv_cache)
-        if scheduler.spec.num_drafts != self.spec_counted.num_drafts:
+        spec, counted = scheduler.spec, self.spec_counted
+        if step_streamed and (spec.num_drafts, spec.num_accepted_tokens) != (counted.num_drafts,
+                                                                               counted.num_accepted_tokens):
             metrics.add_spec_decode(scheduler.spec, self.spec_counted)
             self.spec_counted = scheduler.spec.snapshot()

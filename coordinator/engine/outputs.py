@@ -110,6 +110,7 @@ class OutputProcessor:
                     self.scheduler.finish(seq, FinishReason.STOP)
                     # Tokens after the stop string's (a multi-token step) were never returned: usage omits them.
                     seq.truncate_output(seq.num_output_tokens - (len(outs) - 1 - index))
+                    self.scheduler.spec.take_back(seq.speculation, seq.num_output_tokens)  # nor accepted
                     finish = FinishReason.STOP
             if finish is not None and not matched:
                 tail, matched = state.stop_matcher.push(state.detokenizer.flush())

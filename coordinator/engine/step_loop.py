@@ -168,7 +168,7 @@ class StepLoop:
             active.outputs.process(outputs)
         if result.expert_token_counts:
             self.metrics.add_expert_tokens(result.expert_token_counts)
-        self.gauges.update()
+        self.gauges.update(step_streamed=True)
         if step.plan.num_steps > 1:
             self.metrics.observe_follow_on_steps(step.plan.num_tokens, step.plan.num_steps - 1)
         self.metrics.observe_step(step.plan.num_tokens, received - step.dispatched_at, result.model_execute_time_s,
