@@ -56,7 +56,8 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
     """The checkpoint's config, checked to split at ``tensor_parallel_size`` and into ``pipeline_parallel_size`` stages.
 
     With ``enable_expert_parallel`` also checked to split its experts whole over the
-    tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model may be dense. A
+    tensor-parallel group (tpserve/expert_parallel.py); a ``draft`` model (``--speculative-model``, which
+    the messages then name instead of ``--model``) may be dense. A
     ``quantization`` (``--quantization``) that does not apply to the checkpoint is refused
     (:func:`tpserve.quantization.check_quantization_flag`).
 
@@ -65,12 +66,13 @@ def read_model_config(model_dir: Path, tensor_parallel_size: int, pipeline_paral
             quantization_config, a config value out of its range, an untied model without
             ``lm_head.weight``, or the model cannot be split.
     """
+    flag = "--speculative-model" if draft else "--model"  # the flag that named the directory, for the user to fix
     if not model_dir.exists():
-        raise StartupError(f"--model {model_dir}: no such directory (give a Hugging Face checkpoint directory)")
+        raise StartupError(f"{flag} {model_dir}: no such directory (give a Hugging Face checkpoint directory)")
     if not model_dir.is_dir():
-        raise StartupError(f"--model {model_dir}: not a directory (give a Hugging Face checkpoint directory)")
+        raise StartupError(f"{flag} {model_dir}: not a directory (give a Hugging Face checkpoint directory)")
     if not (model_dir / "config.json").is_file():
-        raise StartupError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
+        raise StartupError(f"{flag} {model_dir}: not a Hugging Face checkpoint directory (no config.json)")
     try:
         config = ModelConfig.from_pretrained(model_dir)  # also refuses an unsupported quantization_config
         check_checkpoint(model_dir, config)

@@ -18,6 +18,7 @@ import pytest
 from launch.cli import main
 from tests.e2e.cluster import free_port
 from tpserve.client import describe_rpc_error, with_default_port
+from tpserve.embedded_model import default_model_dir
 
 TPSERVE = [sys.executable, "-m", "launch.cli"]
 
@@ -71,6 +72,20 @@ def test_missing_json_schema_file(tmp_path):
                                      "after @, or the schema itself")
 
 
+@pytest.mark.parametrize("draft, expected", [
+    ("nope", "{draft}: no such directory (give a Hugging Face checkpoint directory)"),
+    ("empty", "{draft}: not a Hugging Face checkpoint directory (no config.json)"),
+])
+def test_a_bad_draft_model_directory_names_speculative_model(tmp_path, draft, expected):
+    """The draft's directory is named by its own flag: the message named --model, which was fine."""
+    (tmp_path / "empty").mkdir()
+    path = tmp_path / draft
+    run = _run(["serve", "--port", str(_free_port()), "--model", str(default_model_dir()), "--speculative-method",
+                "draft", "--speculative-model", str(path), "--num-speculative-tokens", "2"])
+    assert run.returncode == 2
+    assert _one_line(run.stderr) == "tpserve serve: --speculative-model " + expected.format(draft=path)
+
+
 def test_no_server_says_what_to_check():
     port = _free_port()
     run = _run(["generate", "--target", f"127.0.0.1:{port}", "Hi"])
@@ -90,6 +105,10 @@ def test_no_server_says_what_to_check():
     (["serve", "--port", "99999"], "tpserve serve: --port: Input should be less than or equal to 65535"),
     (["serve", "--config", "/nonexistent/tpserve.yaml"],
      "tpserve serve: --config /nonexistent/tpserve.yaml: No such file or directory"),
+    (["serve", "--num-scheduler-steps", "4", "--async-scheduling"],
+     "tpserve serve: --num-scheduler-steps 4 does not combine with --async-scheduling (both run the ranks ahead of "
+     "the coordinator: a plan of several steps on the ranks, async scheduling by planning a step before the last "
+     "one's result; the scheduler does one or the other)"),
     (["generate", "--logprobs", "Hi"], "tpserve generate: --logprobs is printed only in the JSON object: add --json"),
     (["generate", "--json", "--top-logprobs", "2", "Hi"],
      "tpserve generate: --top-logprobs goes with --logprobs: add --logprobs"),

@@ -89,14 +89,16 @@ def test_serve_names_a_bad_flag_in_one_line() -> None:
                            "--num-scheduler-steps: Input should be greater than or equal to 1"),
                           (["--num-scheduler-steps", "4", "--pipeline-parallel-size", "2"],
                            "--num-scheduler-steps 4 does not combine with --pipeline-parallel-size > 1 (a plan of "
-                           "several steps feeds each rank's own samples on one stage, without proposals)"),
+                           "several steps feeds each rank's own samples on one stage, and the last stage samples "
+                           "what the first one needs)"),
                           (["--num-scheduler-steps", "4", "--async-scheduling"],
-                           "--num-scheduler-steps 4 does not combine with --async-scheduling (a plan of several steps "
-                           "feeds each rank's own samples on one stage, without proposals)"),
+                           "--num-scheduler-steps 4 does not combine with --async-scheduling (both run the ranks "
+                           "ahead of the coordinator: a plan of several steps on the ranks, async scheduling by "
+                           "planning a step before the last one's result; the scheduler does one or the other)"),
                           (["--num-scheduler-steps", "2", "--speculative-method", "ngram",
                             "--num-speculative-tokens", "2"],
                            "--num-scheduler-steps 2 does not combine with --speculative-method (a plan of several "
-                           "steps feeds each rank's own samples on one stage, without proposals)")):
+                           "steps feeds each step the one token sampled before it, without proposals)")):
         with pytest.raises(ValueError) as info:
             serve_config(build_parser().parse_args(["serve", *argv]))
         assert config_error(info.value) == message

@@ -362,12 +362,18 @@ class ClusterConfig(FrozenSection):
         steps = self.scheduler.num_scheduler_steps
         if steps == 1:
             return self
-        refused = [flag for flag, on in (("--speculative-method", self.speculative.speculative_method is not None),
-                                         ("--pipeline-parallel-size > 1", self.parallel.pipeline_parallel_size > 1),
-                                         ("--async-scheduling", self.scheduler.async_scheduling is True)) if on]
+        # Each flag with its own reason (one shared reason named proposals where none were involved).
+        refused = [f"{flag} ({reason})" for flag, on, reason in (
+            ("--speculative-method", self.speculative.speculative_method is not None,
+             "a plan of several steps feeds each step the one token sampled before it, without proposals"),
+            ("--pipeline-parallel-size > 1", self.parallel.pipeline_parallel_size > 1,
+             "a plan of several steps feeds each rank's own samples on one stage, and the last stage samples "
+             "what the first one needs"),
+            ("--async-scheduling", self.scheduler.async_scheduling is True,
+             "both run the ranks ahead of the coordinator: a plan of several steps on the ranks, async scheduling "
+             "by planning a step before the last one's result; the scheduler does one or the other")) if on]
         if refused:
-            raise ValueError(f"--num-scheduler-steps {steps} does not combine with {', '.join(refused)} (a plan of "
-                             "several steps feeds each rank's own samples on one stage, without proposals)")
+            raise ValueError(f"--num-scheduler-steps {steps} does not combine with {'; '.join(refused)}")
         return self
 
     @model_validator(mode="after")
