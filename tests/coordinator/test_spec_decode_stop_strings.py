@@ -48,13 +48,20 @@ class VerifyingRankGroup(FakeRankGroup):
         return StepResult(plan.step_id, tuple(tokens), num_accepted_tokens=tuple(accepted) if plan.num_spec_tokens else ())
 
 
-def _serve(stop: tuple[str, ...]) -> tuple[list, Scheduler, Metrics]:
+def _serve(stop: tuple[str, ...], abort_r1_at: int | None = None) -> tuple[list, Scheduler, Metrics]:
+    """Runs request r0 (with ``stop``) and, with ``abort_r1_at``, r1 beside it (no stop), aborted as plan
+    ``abort_r1_at`` is sent: the previous step's tokens are applied then, not yet streamed. Returns r0's
+    outputs, the scheduler and the metrics."""
     scheduler = Scheduler(BlockAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=64,
                           proposer=NgramProposer(K, 1, 3))
     metrics = Metrics()
-    engine = make_engine(group=VerifyingRankGroup(scheduler=scheduler), scheduler=scheduler, metrics=metrics)
-    (outputs,) = _run(engine, make_params(request_id="r0", prompt=PROMPT, max_tokens=40, stop=stop))
-    return outputs, scheduler, metrics
+    group = VerifyingRankGroup(scheduler=scheduler)
+    engine = make_engine(group=group, scheduler=scheduler, metrics=metrics)
+    params = [make_params(request_id="r0", prompt=PROMPT, max_tokens=40, stop=stop)]
+    if abort_r1_at is not None:
+        params.append(make_params(request_id="r1", prompt=PROMPT, max_tokens=40))
+        group.on_submit = lambda plan: plan.step_id == abort_r1_at and engine.abort_request("r1")
+    return _run(engine, *params)[0], scheduler, metrics
 
 
 def _counted(metrics: Metrics) -> tuple[float | None, ...]:
@@ -84,3 +91,13 @@ def test_without_a_stop_string_every_accepted_proposal_counts() -> None:
     assert [t for out in outputs for t in out.token_ids] == [CYCLE[i % 5] for i in range(40)]
     assert (scheduler.spec.num_draft_tokens, scheduler.spec.num_accepted_tokens) == (7 * K + 3, 7 * K + 3)
     assert _counted(metrics) == (31, 31, 8, 8, 8, 7)
+
+
+def test_an_abort_before_the_stop_string_is_seen_adds_no_count_taken_back_later() -> None:
+    # Plan 3 is sent after step 2's tokens are applied (r0's second proposal counted 4 accepted) and before
+    # they are streamed (where "on the cat" takes 2 back): r1's abort then updates the gauges, and the counters
+    # must not reach /metrics yet (a counter added there could not fall again). r1 kept its 2 proposals whole.
+    outputs, scheduler, metrics = _serve(("on the cat",), abort_r1_at=3)
+    assert [t for out in outputs for t in out.token_ids] == [CYCLE[0], *CYCLE[1:], CYCLE[0], CYCLE[1], CYCLE[2]]
+    assert (scheduler.spec.num_draft_tokens, scheduler.spec.num_accepted_tokens) == (4 * K, 6 + 2 * K)
+    assert _counted(metrics) == (16, 14, 4, 4, 3, 3)
