@@ -18,7 +18,7 @@ import pytest
 from coordinator.errors import ErrorInterceptor, ResourceExhaustedError, UnavailableError
 from coordinator.pushback import MAX_PUSHBACK_MS, MIN_PUSHBACK_MS, PUSHBACK_KEY, queue_full_pushback_ms
 from tpserve.client import AsyncClient
-from tpserve.service_config import RetryPolicy, channel_options, service_config
+from tpserve.service_config import Keepalive, RetryPolicy, channel_options, service_config
 from tpserve.stream_move import MovePolicy
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
@@ -193,3 +193,23 @@ def test_retry_throttling_stops_retrying_a_target_that_keeps_failing() -> None:
         return per_call
 
     assert _run(servicer, two_calls) == [5, 1]
+
+
+def test_channels_ping_a_silent_server() -> None:
+    """Keepalive (tpserve/service_config.py): a ping after 10 s without a frame, 10 s for any ping's answer
+    (the BDP ping a call's data sends included), pings with no call open and with no data sent."""
+    options = dict(channel_options())
+    assert options["grpc.keepalive_time_ms"] == 10_000
+    assert options["grpc.keepalive_timeout_ms"] == 10_000
+    assert options["grpc.http2.ping_timeout_ms"] == 10_000
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+    assert options["grpc.http2.max_pings_without_data"] == 0
+    fast = dict(channel_options("pick_first", NO_RETRIES, Keepalive(time_s=1.5, timeout_s=0.25)))
+    assert (fast["grpc.keepalive_time_ms"], fast["grpc.keepalive_timeout_ms"], fast["grpc.http2.ping_timeout_ms"]) \
+        == (1500, 250, 250)
+    assert not any("keepalive" in name or "ping" in name
+                   for name, _ in channel_options(keepalive=Keepalive(enabled=False)))
+    with pytest.raises(ValueError, match="at least 1 s"):
+        channel_options(keepalive=Keepalive(time_s=0.5))
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        channel_options(keepalive=Keepalive(timeout_s=0))

@@ -23,6 +23,9 @@ A stream whose replica is lost mid-way (``UNAVAILABLE``, a dropped connection, `
 from a lost worker group) continues on another address of the target, token for token
 (:mod:`tpserve.stream_move`; ``move_policy`` bounds the moves, ``MovePolicy(max_moves=0)``
 turns them off). So that it can, a request without a seed gets one from the client.
+A replica that goes silent without closing its connections (a frozen process, a host or link
+gone) is noticed by HTTP/2 keepalive pings: its calls fail with ``UNAVAILABLE`` within about
+20 s of its last frame and move the same way (``keepalive``; tpserve/service_config.py).
 """
 
 from __future__ import annotations
@@ -40,14 +43,14 @@ from tpserve.credentials import Credentials
 from tpserve.replica_targets import ReplicaStubs, replica_addresses
 from tpserve.request_builder import Prompt, build_request, request_keywords
 from tpserve.results import FINISH_REASON_NAMES, GenerateResult, StreamChunk, Timings, Usage, chunk_of
-from tpserve.service_config import LoadBalancingPolicy, RetryPolicy, channel_options
+from tpserve.service_config import Keepalive, LoadBalancingPolicy, RetryPolicy, channel_options
 from tpserve.stream_move import MovePolicy, StreamMove
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
 # What callers import from here, wherever it is defined.
 __all__ = ["DEFAULT_PORT", "FINISH_REASON_NAMES", "AsyncClient", "AsyncGenerateStream", "Client", "Credentials",
-           "GenerateResult", "GenerateStream", "MovePolicy", "Prompt", "RetryPolicy", "StreamChunk", "StreamMove",
+           "GenerateResult", "GenerateStream", "Keepalive", "MovePolicy", "Prompt", "RetryPolicy", "StreamChunk", "StreamMove",
            "Timings", "Usage", "build_request", "describe_rpc_error", "request_keywords", "with_default_port"]
 
 _chunk = chunk_of  # the name tests/test_client_chunks.py and older callers know
@@ -138,15 +141,19 @@ class Client(_ClientBase):
             (:class:`tpserve.stream_move.MovePolicy`; ``MovePolicy(max_moves=0)``: never).
         retry_policy: gRPC's own retries of UNAVAILABLE and RESOURCE_EXHAUSTED, with server pushback
             (:class:`tpserve.service_config.RetryPolicy`; ``RetryPolicy(max_attempts=1)``: none).
+        keepalive: HTTP/2 pings that notice a replica gone silent (frozen, cut off): a ping after 10 s
+            without a frame from it, and its calls fail with ``UNAVAILABLE`` (then move) when the ping
+            goes unanswered for 10 s more (:class:`tpserve.service_config.Keepalive`).
 
     Raises:
         OSError: a TLS file cannot be read.
+        ValueError: ``retry_policy`` or ``keepalive`` out of range (``keepalive.time_s`` below 1 s).
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy(),
-                 retry_policy: RetryPolicy = RetryPolicy()) -> None:
-        options = channel_options(load_balancing_policy, retry_policy)
+                 retry_policy: RetryPolicy = RetryPolicy(), keepalive: Keepalive = Keepalive()) -> None:
+        options = channel_options(load_balancing_policy, retry_policy, keepalive)
         target = with_default_port(target)
         super().__init__(grpc.secure_channel(target, credentials.channel_credentials(), options=options)
                          if credentials.tls else grpc.insecure_channel(target, options=options),
@@ -210,8 +217,8 @@ class AsyncClient(_ClientBase):
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy(),
-                 retry_policy: RetryPolicy = RetryPolicy()) -> None:
-        options = channel_options(load_balancing_policy, retry_policy)
+                 retry_policy: RetryPolicy = RetryPolicy(), keepalive: Keepalive = Keepalive()) -> None:
+        options = channel_options(load_balancing_policy, retry_policy, keepalive)
         target = with_default_port(target)
         super().__init__(grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
                          if credentials.tls else grpc.aio.insecure_channel(target, options=options),

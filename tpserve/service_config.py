@@ -27,6 +27,15 @@ The stream mover (tpserve/stream_move.py) handles what gRPC cannot: a stream tha
 messages arrived (committed, so gRPC never retries it) continues on another replica from the
 tokens delivered, and ``INTERNAL`` from a lost worker group. The two nest, never race: each move
 is a new call with its own gRPC attempts, and no attempt gRPC retries has delivered a message.
+
+Keepalive (:class:`Keepalive`): a replica that goes silent without closing its connection (its
+process frozen, its host or link gone) sends no FIN or RST, so without pings a call on it waits
+forever and the stream mover never hears of the loss. The client's channels ping after
+``time_s`` (10 s) without a frame from the server and close the connection when a ping goes
+unanswered for ``timeout_s`` (10 s): calls on it fail with ``UNAVAILABLE`` within about
+``time_s + timeout_s`` (20 s) of the server's last frame, and the stream mover takes over. The
+tpserve server accepts pings at any rate down to one a second, with or without calls
+(docs/design/faults.md, "Public keepalive").
 """
 
 from __future__ import annotations
@@ -61,6 +70,50 @@ class RetryPolicy:
     throttle_token_ratio: float = 0.1
 
 
+@dataclass(frozen=True)
+class Keepalive:
+    """HTTP/2 keepalive pings of a client's channels (see the module docstring).
+
+    Attributes:
+        time_s: seconds without a frame from the server before the client pings it
+            (``grpc.keepalive_time_ms``); at least 1 (the tpserve server refuses faster pings).
+        timeout_s: seconds a ping may go unanswered before the connection is closed and its calls
+            fail with ``UNAVAILABLE`` (``grpc.keepalive_timeout_ms``); a silent server is noticed within
+            about ``time_s + timeout_s`` seconds of its last frame.
+        enabled: False sends no pings (a silent server then holds a call until its deadline).
+    """
+
+    time_s: float = 10.0
+    timeout_s: float = 10.0
+    enabled: bool = True
+
+
+def keepalive_options(keepalive: Keepalive = Keepalive()) -> list[tuple[str, object]]:
+    """gRPC channel options for ``keepalive``: none when it is off.
+
+    Raises:
+        ValueError: ``time_s`` below 1 or ``timeout_s`` not positive.
+    """
+    if not keepalive.enabled:
+        return []
+    if keepalive.time_s < 1:
+        # The server's grpc.http2.min_ping_interval_without_data_ms is 1 s: faster pings would earn GOAWAY.
+        raise ValueError(f"Keepalive.time_s must be at least 1 s, got {keepalive.time_s}")
+    if keepalive.timeout_s <= 0:
+        raise ValueError(f"Keepalive.timeout_s must be positive, got {keepalive.timeout_s}")
+    return [("grpc.keepalive_time_ms", round(keepalive.time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", round(keepalive.timeout_s * 1000)),
+            # Every ping gets the same time to be answered: gRPC sends a BDP ping with a call's first data and
+            # allows one ping in flight, so a server frozen after that ping was answered by no keepalive ping,
+            # only by the BDP ping's own timeout (60 s by default; grpcio 1.85).
+            ("grpc.http2.ping_timeout_ms", round(keepalive.timeout_s * 1000)),
+            # A connection with no call open is pinged too, so that the next call does not land on a dead one.
+            ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC's client stops pinging after 2 pings without sending data; a server stream sends the
+            # server's data only, so without 0 (no limit) a frozen server would go unnoticed after 2 pings.
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
 def service_config(load_balancing_policy: LoadBalancingPolicy = "round_robin",
                    retry_policy: RetryPolicy = RetryPolicy()) -> dict:
     """The service config (gRPC's JSON form, as a dict) of a client channel.
@@ -89,12 +142,14 @@ def service_config(load_balancing_policy: LoadBalancingPolicy = "round_robin",
 
 
 def channel_options(load_balancing_policy: LoadBalancingPolicy = "round_robin",
-                    retry_policy: RetryPolicy = RetryPolicy()) -> list[tuple[str, object]]:
-    """gRPC channel options: the service config above, and retries on (``grpc.enable_retries``,
-    gRPC's default since 1.40, set so that an environment cannot turn them off unseen).
+                    retry_policy: RetryPolicy = RetryPolicy(),
+                    keepalive: Keepalive = Keepalive()) -> list[tuple[str, object]]:
+    """gRPC channel options: the service config above, retries on (``grpc.enable_retries``,
+    gRPC's default since 1.40, set so that an environment cannot turn them off unseen), and
+    :func:`keepalive_options`.
 
     Raises:
-        ValueError: as :func:`service_config`.
+        ValueError: as :func:`service_config` and :func:`keepalive_options`.
     """
     return [("grpc.service_config", json.dumps(service_config(load_balancing_policy, retry_policy))),
-            ("grpc.enable_retries", 1)]
+            ("grpc.enable_retries", 1), *keepalive_options(keepalive)]
