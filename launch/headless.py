@@ -132,12 +132,22 @@ class HeadlessNode:
     async def _watch(self, call) -> int:
         """Runs until the leader stops the group, a local rank exits, or a signal; returns the exit code."""
         from_leader = asyncio.ensure_future(call.read())
+        try:
+            return await self._watch_until(call, from_leader)
+        finally:
+            # Cancelled only once the failure reason is delivered: grpc.aio cancels the whole call when a pending
+            # read is cancelled, and the reason written after it was then lost (the leader reported "node 1 ...
+            # lost its connection to the leader" instead of the rank and its signal).
+            from_leader.cancel()
+
+    async def _watch_until(self, call, from_leader: asyncio.Future) -> int:
+        """:meth:`_watch` with the read of the leader's next message (``from_leader``) already pending."""
         rank_exit = asyncio.ensure_future(self.ranks.wait_first_exit())
         stopped = asyncio.ensure_future(self._stop.wait())
         try:
             done, _ = await asyncio.wait({from_leader, rank_exit, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (from_leader, rank_exit, stopped):
+            for task in (rank_exit, stopped):
                 task.cancel()
         node = self.config.parallel.node_rank
         if rank_exit in done:
