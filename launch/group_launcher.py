@@ -25,7 +25,7 @@ import structlog
 
 from coordinator.worker_client import WorkerGroup, WorkerGroupError
 from launch.local_ranks import LocalRanks, describe_exit
-from launch.netutil import PeerTimeout, host_port, interface_of, resolve
+from launch.netutil import PeerTimeout, host_port, interface_of, port_taken, resolve
 from launch.node_registry import SERVER_KEEPALIVE_OPTIONS, GroupSettings, NodeRegistry
 from launch.startup import StartupError, bind, config_sha256, draft_config_sha256
 from launch.topology import GroupLayout, store_port
@@ -161,6 +161,14 @@ class GroupLauncher:
             bound = None
             if bind(server, f"0.0.0.0:{par.master_port}") == 0:
                 raise StartupError(f"cannot bind the node registry on port {par.master_port} (--master-port)")
+        # Rank 0 binds the store's port only after every node has joined and its shard has loaded, and its
+        # failure then read "rank 0: OSError: [Errno 98] Address already in use", naming neither port nor flag.
+        taken = port_taken(bound or "0.0.0.0", store_port(par.master_port))
+        if taken is not None:
+            await server.stop(None)
+            raise StartupError(f"--master-port {par.master_port}: the group's rendezvous store uses the next port, "
+                               f"{store_port(par.master_port)}, and cannot bind it ({taken.strerror}); stop the "
+                               "process that listens there or choose another --master-port")
         init_method = f"tcp://{host_port(bound or par.master_addr, store_port(par.master_port))}"
         settings = GroupSettings(self.layout, config_sha256(self.model_dir), self.config.load.dtype,
                                  self.config.cache.block_size, self.config.load.quantization or "",

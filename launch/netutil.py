@@ -119,3 +119,18 @@ def interface_of(ip: str) -> str | None:
 def host_port(host: str, port: int) -> str:
     """``host:port`` for a gRPC target or bind address (IPv6 addresses in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def port_taken(host: str, port: int) -> OSError | None:
+    """Whether another socket holds TCP ``host:port`` (``host`` an address of this machine, ``0.0.0.0``: every
+    IPv4 one): the bind error, or None when a listener could bind it now. Binds with ``SO_REUSEADDR``, as the
+    rendezvous store does (worker/rendezvous.py), so a port whose old connections linger in TIME_WAIT counts as
+    free; the socket is closed at once (what the port is used for binds it moments later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None

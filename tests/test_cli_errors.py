@@ -63,6 +63,29 @@ def test_taken_port_is_one_line_naming_the_flag(taken_port):
     assert line.startswith(f"tpserve serve: --port {taken_port}: ") and "choose another --port" in line
 
 
+def test_taken_store_port_names_it_and_the_master_port_flag():
+    """A multi-host leader's rendezvous store port, --master-port + 1, taken: refused at start-up naming both ports and
+    the flag (it was "rank 0: OSError: [Errno 98] Address already in use", after every node had joined and loaded)."""
+    with socket.socket() as sock:
+        for _ in range(20):
+            master_port = _free_port()
+            try:
+                sock.bind(("0.0.0.0", master_port + 1))
+                break
+            except OSError:
+                continue  # the next port is taken already: draw again
+        sock.listen()
+        run = _run(["serve", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "0",
+                    "--master-addr", "127.0.0.1", "--master-port", str(master_port), "--port", str(_free_port()),
+                    "--worker-start-timeout-seconds", "20"], timeout=60)
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr and "waiting for nodes" not in run.stderr  # refused before any node joined
+    (failed,) = [line for line in run.stderr.splitlines() if "start-up failed" in line]
+    assert (f"--master-port {master_port}: the group's rendezvous store uses the next port, {master_port + 1}, and "
+            "cannot bind it (Address already in use); stop the process that listens there or choose another "
+            "--master-port") in failed
+
+
 def test_missing_json_schema_file(tmp_path):
     run = _run(["generate", "--target", f"127.0.0.1:{_free_port()}", "--json-schema", f"@{tmp_path}/nope.json",
                 "Hi"])

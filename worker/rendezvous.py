@@ -11,6 +11,7 @@ uses a ``file://`` store instead (no listener at all; launch/group_launcher.py).
 
 from __future__ import annotations
 
+import errno
 import socket
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -29,7 +30,7 @@ def tcp_store(init_method: str, rank: int, world_size: int, timeout_s: float) ->
     name that resolves to a NAT or load-balancer address).
 
     Raises:
-        OSError: the port is taken.
+        OSError: the port is taken (the message names it and ``--master-port``).
         DistStoreError: the store did not come up within ``timeout_s``.
     """
     parts = urlsplit(init_method)
@@ -63,6 +64,10 @@ def _listen(host: str, port: int) -> socket.socket | None:
         sock.close()
         if exc.errno == 99:  # EADDRNOTAVAIL: not an address of this host
             return None
+        if exc.errno == errno.EADDRINUSE:
+            # The leader checked the port at start-up (launch/group_launcher.py); something took it since.
+            raise OSError(exc.errno, f"the rendezvous store cannot bind {host}:{port} (--master-port + 1): "
+                                     f"{exc.strerror}; choose another --master-port") from None
         raise
     sock.listen(128)
     return sock
