@@ -1,7 +1,9 @@
 """How a leader stops: SIGINT, SIGTERM, a fatal engine error, a lost group or a lost node.
 
-The order matters: health NOT_SERVING first (load balancers stop sending), then in-flight
-RPCs get ``--shutdown-grace-seconds`` to finish, then the other nodes are told (exit 0 for
+The order matters: health NOT_SERVING first, then the public port stops (gRPC's ``stop(grace)``: it takes no
+new call from then on, on new or open connections, health checks on it included, which get UNAVAILABLE) and
+in-flight RPCs get ``--shutdown-grace-seconds`` to finish; only ``--health-port``, a server of its own, answers
+NOT_SERVING during the grace (load balancers and probes stop sending); then the other nodes are told (exit 0 for
 an orderly stop, 1 for a failure) and every local rank is stopped (SIGTERM, then SIGKILL
 after :data:`launch.local_ranks.WORKER_EXIT_SECONDS`); nothing is left behind. The process
 exits non-zero unless it was an orderly stop. With ``--kv-transfer-config`` the ``tpserve.v1``
