@@ -5,7 +5,7 @@ string or a list of named templates whose ``default`` is used, or a
 ``chat_template.jinja`` file beside it), rendered as ``transformers``'
 ``apply_chat_template`` renders it: a sandboxed Jinja environment
 (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
-``loopcontrols`` extension, a ``tojson`` filter, ``raise_exception`` and
+``loopcontrols`` extension and the ``{% generation %}`` tag, a ``tojson`` filter, ``raise_exception`` and
 ``strftime_now``), with ``messages``, ``add_generation_prompt=True`` and the special
 tokens' strings (``bos_token``, ``eos_token``, ...). The server renders in a separate,
 killable process with a time and memory limit (:mod:`coordinator.chat_renderer`).
@@ -78,6 +78,8 @@ def read_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str
 def _compile(source: str):
     """The template compiled in transformers' sandboxed environment (cached per source)."""
     import jinja2
+    import jinja2.ext
+    import jinja2.nodes
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -88,7 +90,22 @@ def _compile(source: str):
                sort_keys: bool = False) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: renders its body (transformers' ``AssistantTracker``
+        marks where the assistant's tokens are, for training masks; serving needs the text alone)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, GenerationTag])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -179,8 +196,8 @@ def tokenize_chat(tokenizer, prompt: ChatPrompt, text: str) -> list[int]:
         prompt: from :func:`prepare_chat`.
         text: ``prompt.messages`` rendered with the chat template.
     """
-    if not prompt.escaped:
-        return tokenizer.encode(text, parse_special_tokens=True)
+    if not prompt.escaped:  # the template writes the special tokens: no post-processor's (an appended eos)
+        return tokenizer.encode_pieces([(text, True)])
     sentinels = re.compile(re.escape(_OPEN + prompt.nonce + _MID) + r"(\d+)" + re.escape(_CLOSE))
     specials = prompt.specials
 

@@ -208,6 +208,8 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_s
             raise InvalidArgumentError(f"prompt text is {len(request.text.encode())} bytes of UTF-8; "
                                        f"the limit is {MAX_PROMPT_TEXT_BYTES}")
         ids = tokenizer.encode(request.text, parse_special_tokens=request.parse_special_tokens)
+        if not ids:  # a normalizer may remove every character, and a tokenizer may add no bos
+            raise InvalidArgumentError("prompt text encodes to no tokens; it must have at least 1")
         _check_encoded("prompt text", ids, vocab_size)
         return ids
     if kind == "token_ids":
@@ -224,6 +226,9 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_s
             ids = encode_chat(tokenizer, chat_messages(request))
         else:
             ids = tokenize_chat(tokenizer, *chat)
+        if not ids:  # a template may render nothing for these messages: a 0-token prompt would fail the ranks
+            raise InvalidArgumentError("messages render to an empty prompt (the chat template wrote no text for "
+                                       "them, and the tokenizer adds no bos); send a message the template renders")
         _check_encoded("messages", ids, vocab_size)
         return ids
     raise InvalidArgumentError("prompt is missing: set text, token_ids or messages")

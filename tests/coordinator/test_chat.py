@@ -135,3 +135,55 @@ def test_a_role_that_is_not_a_role_name_is_refused_naming_it(tmp_path: Path, rol
         encode(model_dir, [{"role": "system", "content": "a"}, {"role": role, "content": "b"}])
     names = [{"role": "system", "content": "a"}, {"role": "tool", "content": "b"}, {"role": "ipython", "content": "c"}]
     assert encode(model_dir, names) == [1] + transformers_ids(model_dir, names)
+
+
+def _tokenizer_files(model_dir: Path, post_processor: dict | None, add_bos_token: bool) -> None:
+    """Rewrites ``model_dir``'s tokenizer: its post-processor and ``add_bos_token``."""
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = post_processor
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos_token}))
+
+
+def test_a_post_processors_eos_never_ends_a_chat_prompt(tmp_path: Path) -> None:
+    """A tokenizer whose post-processor appends eos (``<s> $A </s>``, a checkpoint saved with ``add_eos_token``):
+    the template writes a chat prompt's special tokens, so, as ``apply_chat_template``, no eos follows the
+    generation prompt (it did on the unescaped path, and a request ended at once)."""
+    model_dir = checkpoint(tmp_path, CHATML_TEMPLATE)
+    ends_with_eos = {"type": "TemplateProcessing",
+                     "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                                {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                     "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                     "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
+                                        "</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]}}}
+    _tokenizer_files(model_dir, ends_with_eos, add_bos_token=True)
+    assert encode(model_dir, CONVERSATION[:2]) == [1, *transformers_ids(model_dir, CONVERSATION[:2])]  # one bos
+    escaped = encode(model_dir, [{"role": "user", "content": "a </s> b"}])  # the other path: spellings stay text
+    assert escaped[-3:] == encode(model_dir, CONVERSATION[:2])[-3:] and 2 not in escaped
+    assert Tokenizer.from_pretrained(model_dir).encode("Hi")[-1] == 2  # a text prompt: the tokenizer's own rule
+
+
+def test_the_generation_tag_renders_its_body(tmp_path: Path) -> None:
+    """``{% generation %}`` (transformers' assistant-mask tag, in training-oriented templates) renders as
+    ``apply_chat_template`` renders it; it refused every conversation with ``unknown tag 'generation'``."""
+    template = CHATML_TEMPLATE.replace(
+        "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}",
+        "{% if message['role'] == 'assistant' %}{% generation %}{{'<|im_start|>assistant\\n' + message['content'] + "
+        "'<|im_end|>\\n'}}{% endgeneration %}{% else %}{{'<|im_start|>' + message['role'] + '\\n' + "
+        "message['content'] + '<|im_end|>' + '\\n'}}{% endif %}")
+    assert "generation" in template
+    model_dir = checkpoint(tmp_path, template)
+    assert encode(model_dir, CONVERSATION) == [1, *transformers_ids(model_dir, CONVERSATION)]  # one bos added
+    assert encode(model_dir, CONVERSATION) == encode(checkpoint(tmp_path / "plain", CHATML_TEMPLATE), CONVERSATION)
+
+
+def test_messages_that_render_to_no_token_are_invalid_argument(tmp_path: Path) -> None:
+    """A template that writes users' contents only, a tokenizer that adds no bos, a system message alone: a
+    0-token prompt, which failed the ranks' step, restarted the group on it, and stopped the server."""
+    model_dir = checkpoint(tmp_path, "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}"
+                                     "{% endif %}{% endfor %}")
+    _tokenizer_files(model_dir, None, add_bos_token=False)
+    assert encode(model_dir, [{"role": "user", "content": "Hi"}])  # renders text: served
+    with pytest.raises(InvalidArgumentError, match="messages render to an empty prompt"):
+        encode(model_dir, [{"role": "system", "content": "You tell short stories."}])
