@@ -11,9 +11,11 @@ keeps what the new tokens added:
            + held   (tokens whose text is not yet emitted)
     delta  = decode(window)[len(decode(anchor)):]
 
-While ``decode(window)`` ends with U+FFFD, a byte-fallback character is incomplete:
-the held tokens wait for its next bytes. Once the delta is emitted, the held tokens
-become the next anchor. Both decodes start at the same token, so a leading space the
+While ``decode(window)`` ends with U+FFFD, a character is incomplete: the held tokens
+wait for its next bytes, and only the complete characters before it go out (a byte-level
+token may end inside one character after completing another, token after token: with
+emoji-straddling vocabulary entries, a dozen in a row). Once the window decodes whole, the
+rest of its delta is emitted and the held tokens become the next anchor. Both decodes start at the same token, so a leading space the
 decoder strips (``Strip``, ``Metaspace``) is stripped from both and the delta keeps
 its space. Special tokens (bos, eos, unk) are dropped on entry: a decode that skips
 them gives the same text, and a window anchored on text keeps the stripping right.
@@ -42,8 +44,9 @@ _PROMPT_ANCHOR_TOKENS = 5
 # How far the first anchor may reach further back so that it does not start inside a
 # character (a UTF-8 character is at most 4 bytes, so at most 4 byte tokens).
 _MAX_ANCHOR_BACKTRACK = 4
-# A UTF-8 character is at most 4 bytes: more held tokens still ending in U+FFFD means
-# an invalid byte run (or a token that is U+FFFD), which waiting cannot fix.
+# A UTF-8 character is at most 4 bytes: more tokens in a row that complete no character
+# while the text still ends in U+FFFD means an invalid byte run (or a token that is U+FFFD),
+# which waiting cannot fix.
 _MAX_HELD_TOKENS = 8
 
 _REPLACEMENT = "\ufffd"
@@ -73,6 +76,8 @@ class IncrementalDetokenizer:
         self._window: list[int] = prompt[start:]  # anchor + held token ids
         self._num_anchor = len(self._window)
         self._anchor_text = tokenizer.decode(self._window)
+        self._sent = ""  # the held tokens' complete characters, already emitted
+        self._num_stalled = 0  # held tokens since the last complete character
 
     @property
     def num_held_tokens(self) -> int:
@@ -90,9 +95,17 @@ class IncrementalDetokenizer:
         window.append(token_id)
         # The steady state, one anchor token and the new one: a memoized decode.
         text = self._tokenizer.decode_pair(*window) if len(window) == 2 else self._tokenizer.decode(window)
-        if text.endswith(_REPLACEMENT) and self.num_held_tokens < _MAX_HELD_TOKENS:
-            return ""
-        return self._emit(text)
+        if not text.endswith(_REPLACEMENT):
+            return self._emit(text)
+        sent = self._anchor_text + self._sent
+        complete = text.rstrip(_REPLACEMENT)
+        if text.startswith(sent) and len(complete) > len(sent):  # characters completed before the one held
+            self._num_stalled = 0
+            delta = complete[len(sent):]
+            self._sent += delta
+            return delta
+        self._num_stalled += 1
+        return "" if self._num_stalled < _MAX_HELD_TOKENS else self._emit(text)
 
     def flush(self) -> str:
         """Releases held text at the end of the sequence; invalid bytes become U+FFFD."""
@@ -111,7 +124,10 @@ class IncrementalDetokenizer:
             # A byte run spanning anchor and held tokens went invalid, so ByteFallback
             # rewrote the anchor's (already sent) text: the held tokens' text alone.
             delta = held_text
+        # Characters of the held tokens already sent stay sent (even where a run went invalid since).
+        delta = delta[len(self._sent):]
         self._window = held
         self._num_anchor = len(held)
         self._anchor_text = held_text
+        self._sent, self._num_stalled = "", 0
         return delta

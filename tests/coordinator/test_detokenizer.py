@@ -205,3 +205,42 @@ def test_a_memoized_token_text_is_the_token_decoded_alone(stories_tokenizer: Tok
         for _ in range(2):
             assert [stories_tokenizer.decode_token(i, skip_special_tokens) for i in range(stories_tokenizer.vocab_size)] == \
                 [stories_tokenizer.decode([i], skip_special_tokens) for i in range(stories_tokenizer.vocab_size)]
+
+
+def _byte_level_tokenizer(directory, entries: list[bytes]) -> Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2's byte-to-character map, ``ByteLevel`` decoder): the 256 bytes, then
+    ``entries`` (ids 256 ...), then ``</s>``. No merges: it is decoded here, never trained or used to encode."""
+    import json
+
+    import tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    to_char = {b: chr(b if b in printable else next(extra)) for b in range(256)}  # GPT-2's bytes_to_unicode
+    vocab = {to_char[b]: b for b in range(256)}
+    for i, entry in enumerate(entries):
+        vocab["".join(to_char[b] for b in entry)] = 256 + i
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, []))
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.add_special_tokens([tokenizers.AddedToken("</s>", special=True)])
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": None}))
+    return Tokenizer.from_pretrained(directory)
+
+
+def test_tokens_that_each_complete_one_character_and_start_the_next_stream_every_character(tmp_path) -> None:
+    """A byte-level vocabulary can hold tokens that straddle characters (byte 4 of one emoji, bytes 1-3 of the
+    next): twelve in a row leave every window ending inside a character. Each character goes out as it
+    completes; the whole text is the full decode's (it went out as U+FFFD after 8 held tokens)."""
+    emoji = [chr(0x1F600 + i).encode() for i in range(12)]
+    entries = [emoji[0][:3], *(emoji[i - 1][3:] + emoji[i][:3] for i in range(1, 12)), emoji[11][3:] + b"!"]
+    tokenizer = _byte_level_tokenizer(tmp_path, entries)
+    ids = [256 + i for i in range(len(entries))]
+    assert tokenizer.decode(ids) == "".join(e.decode() for e in emoji) + "!"
+    detok = IncrementalDetokenizer(tokenizer, [ord("a")])
+    deltas = [detok.step(t) for t in ids]
+    assert deltas == ["", *(e.decode() for e in emoji[:-1]), emoji[-1].decode() + "!"] and detok.flush() == ""
+    # An invalid run still goes out after the bounded wait: stray continuation bytes complete nothing.
+    stray = IncrementalDetokenizer(tokenizer, [ord("a")])
+    out = [stray.step(0x80) for _ in range(detok_module._MAX_HELD_TOKENS + 1)]
+    assert out == [""] * (detok_module._MAX_HELD_TOKENS - 1) + ["\ufffd" * detok_module._MAX_HELD_TOKENS, ""]
