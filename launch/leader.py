@@ -166,7 +166,6 @@ class Leader:
         self.engine = self._build_engine(num_blocks, num_state_slots, num_host_blocks)
         self.public.attach(self.engine, num_blocks, workers.dtype)
         self.recovery.engine = self.engine
-        self.recovery.num_host_blocks = num_host_blocks  # a restart's ranks allocate the same tier again
         self.recovery.watch_liveness()
 
     def _build_engine(self, num_blocks: int, num_state_slots: int = 0, num_host_blocks: int = 0) -> Engine:

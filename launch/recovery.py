@@ -60,8 +60,6 @@ class Recovery:
 
     Attributes:
         engine: the engine whose requests are held and resumed, once started.
-        num_host_blocks: the host tier's blocks per rank the group started with (0: none); a restart
-            allocates them again, since the replacement ranks start with none.
     """
 
     def __init__(self, config: ClusterConfig, launcher: GroupLauncher, public: PublicServer, metrics: Metrics,
@@ -72,7 +70,6 @@ class Recovery:
         self.metrics = metrics
         self.shutdown = shutdown
         self.engine: Engine | None = None
-        self.num_host_blocks = 0
         self._liveness_task: asyncio.Task | None = None
         self._recovery: asyncio.Task | None = None
         self._attempt_lost: asyncio.Future[str] | None = None  # a restart attempt's loss, while one runs
@@ -187,7 +184,7 @@ class Recovery:
                 await asyncio.gather(attempt, return_exceptions=True)
 
     async def _start_group(self, reason: str, deadline: float, timeout_s: float) -> None:
-        """Starts every rank again and allocates the pool the engine had, and its host tier (:attr:`num_host_blocks`).
+        """Starts every rank again and allocates the pool the engine had, and its host tier.
 
         The replacement ranks' host slots are empty: the engine's suspend already forgot the blocks its
         tier named (:meth:`coordinator.scheduler.Scheduler.reset_workers`), so no look-up finds one.
@@ -200,8 +197,9 @@ class Recovery:
             slots = self.engine.scheduler.state_slots  # a hybrid's state pool: the same size again
             # The host tier too: the coordinator still plans copies to and from it, and a rank without one
             # fails every such step (and each failure restarted the group again).
+            tier = self.engine.scheduler.kv_cache.host_tier
             await asyncio.wait_for(self.launcher.workers.start(num_blocks, slots.num_slots if slots else 0,
-                                                               self.num_host_blocks),
+                                                               tier.num_slots if tier else 0),
                                    max(deadline - time.monotonic(), 0.1))
         except asyncio.TimeoutError:
             raise WorkerGroupError("the restarted ranks did not allocate their KV cache by the deadline") from None
