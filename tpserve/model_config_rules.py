@@ -72,6 +72,11 @@ FINITE = Check(_is_finite, "a finite number")
 AT_LEAST_ONE = Check(lambda v: _is_finite(v) and v >= 1, "a finite number >= 1")
 FRACTION = Check(lambda v: _is_finite(v) and 0 < v <= 1, "a number in (0, 1]")
 EVEN_INT = Check(lambda v: _is_int(v) and v >= 2 and v % 2 == 0, "a positive even integer (RoPE rotates pairs)")
+#: The gated MLP's SiLU (SwiGLU), the one activation of every family but the GELU ones below; another name would be
+#: refused by each rank as it builds the model (worker/models/llama.py ``hidden_acts``), after the start-up cost.
+SILU = Check(lambda v: v == "silu", '"silu" (the gated MLP\'s activation)')
+#: The GELUs the GELU families compute (worker/models/gemma2.py ``GELU_APPROXIMATIONS``): tanh-approximated or exact.
+GELU = Check(lambda v: v in ("gelu_pytorch_tanh", "gelu"), '"gelu_pytorch_tanh" or "gelu"')
 
 #: Top-level keys every family reads.
 MODEL_RULES: dict[str, Check] = {
@@ -89,6 +94,7 @@ MODEL_RULES: dict[str, Check] = {
     "sliding_window": POSITIVE_INT,
     "max_window_layers": NON_NEGATIVE_INT,
     "partial_rotary_factor": FRACTION,
+    "hidden_act": SILU,
 }
 
 _QWEN_MOE: dict[str, Check] = {
@@ -123,6 +129,7 @@ DEEPSEEK_MOE_RELATIONS: tuple[Relation, ...] = (
              "num_experts_per_tok must be at most topk_group * n_routed_experts / n_group (the kept groups' experts)"),
 )
 _GEMMA: dict[str, Check] = {
+    "hidden_activation": GELU,  # Gemma's MLP reads this key; ``hidden_act`` is ignored (FAMILY_IGNORED)
     "query_pre_attn_scalar": POSITIVE,
     "attn_logit_softcapping": POSITIVE,
     "final_logit_softcapping": POSITIVE,
@@ -237,7 +244,7 @@ FAMILY_RULES: dict[str, dict[str, Check]] = {
     "GraniteForCausalLM": {"embedding_multiplier": POSITIVE, "residual_multiplier": POSITIVE,
                            "attention_multiplier": POSITIVE, "logits_scaling": POSITIVE},
     "CohereForCausalLM": {"layer_norm_eps": POSITIVE, "logit_scale": POSITIVE},
-    "Starcoder2ForCausalLM": {"norm_epsilon": POSITIVE},
+    "Starcoder2ForCausalLM": {"norm_epsilon": POSITIVE, "hidden_act": GELU},
     "Llama4ForCausalLM": {"attention_chunk_size": POSITIVE_INT, "num_local_experts": POSITIVE_INT,
                           "num_experts_per_tok": POSITIVE_INT, "intermediate_size_mlp": POSITIVE_INT,
                           "interleave_moe_layer_step": POSITIVE_INT, "no_rope_layer_interval": POSITIVE_INT,
@@ -309,9 +316,13 @@ FAMILY_RELATIONS: dict[str, tuple[Relation, ...]] = {
     "Qwen3_5MoeForCausalLM": _GATED_DELTA_NET_RELATIONS,
 }
 #: Top-level keys an architecture never reads, so not checked: latent attention has no key/value heads
-#: (DeepseekV3Config writes its default of 128 whatever the query heads).
+#: (DeepseekV3Config writes its default of 128 whatever the query heads); Gemma's MLP reads ``hidden_activation``,
+#: Nemotron-H's ``mlp_hidden_act`` and ``mamba_hidden_act``, not ``hidden_act``.
 FAMILY_IGNORED: dict[str, tuple[str, ...]] = {"DeepseekV3ForCausalLM": ("num_key_value_heads",),
-                                              "Glm4MoeLiteForCausalLM": ("num_key_value_heads",)}
+                                              "Glm4MoeLiteForCausalLM": ("num_key_value_heads",),
+                                              "Gemma2ForCausalLM": ("hidden_act",),
+                                              "Gemma3ForCausalLM": ("hidden_act",),
+                                              "NemotronHForCausalLM": ("hidden_act",)}
 #: Rules between keys of one RoPE dict.
 ROPE_RELATIONS: tuple[Relation, ...] = (
     Relation(("low_freq_factor", "high_freq_factor"), lambda low, high: high > low,

@@ -17,7 +17,8 @@ def _config(architecture: str = "LlamaForCausalLM", **overrides: object) -> dict
     raw = {
         "architectures": [architecture], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 172,
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "hidden_act": "gelu_pytorch_tanh" if architecture == "Starcoder2ForCausalLM" else "silu",
     }
     raw.update(overrides)
     return {k: v for k, v in raw.items() if v is not None}
@@ -163,6 +164,12 @@ BAD_VALUES = [
     ("dsv3-softmax-scores", "DeepseekV3ForCausalLM", {"scoring_func": "softmax"},
      'scoring_func="softmax" must be "sigmoid"'),
     ("dsv3-greedy-top-k", "DeepseekV3ForCausalLM", {"topk_method": "greedy"}, 'topk_method="greedy" must be "noaux_tc"'),
+    # the MLP's activation: refused by each rank as it built the model, after the ranks had started
+    ("llama-gelu", "LlamaForCausalLM", {"hidden_act": "gelu"}, 'hidden_act="gelu" must be "silu"'),
+    ("qwen3-moe-relu", "Qwen3MoeForCausalLM", {"hidden_act": "relu"}, 'hidden_act="relu" must be "silu"'),
+    ("starcoder2-silu", "Starcoder2ForCausalLM", {"hidden_act": "silu"},
+     'hidden_act="silu" must be "gelu_pytorch_tanh" or "gelu"'),
+    ("gemma2-relu", "Gemma2ForCausalLM", {"hidden_activation": "relu"}, 'hidden_activation="relu" must be'),
 ]
 
 
@@ -191,6 +198,9 @@ def test_nonsense_is_refused_naming_the_field_and_value(architecture: str, overr
     ("Exaone4ForCausalLM", {"sliding_window": 128, "sliding_window_pattern": 4}),
     # Latent attention has no key/value heads: DeepseekV3Config's default 128 is not a group of 8 query heads.
     ("DeepseekV3ForCausalLM", {"num_key_value_heads": 128, "q_lora_rank": None}),
+    # Gemma's MLP reads hidden_activation; a hidden_act beside it (older GemmaConfig wrote one) is not read.
+    ("Gemma2ForCausalLM", {"hidden_act": "gelu_new", "hidden_activation": "gelu_pytorch_tanh"}),
+    ("Starcoder2ForCausalLM", {"hidden_act": "gelu"}),  # exact GELU
 ])
 def test_edge_values_that_make_sense_are_served(architecture: str, overrides: dict) -> None:
     ModelConfig.from_dict(_config(architecture, **overrides))

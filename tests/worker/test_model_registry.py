@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import subprocess
 import sys
@@ -50,7 +52,8 @@ def test_each_llama_family_states_its_biases() -> None:
 
 
 def test_the_family_refuses_its_unsupported_activation_before_any_weight() -> None:
-    config = _config(hidden_act="gelu")
+    """The rank's own check, behind the coordinator's (tests/worker/test_model_config_rules.py ``llama-gelu``)."""
+    config = dataclasses.replace(_config(), hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported by LlamaForCausalLM"):
         LlamaForCausalLM(config, ParallelContext.single("meta"), torch.float32, tie_word_embeddings=True)
 
