@@ -15,9 +15,9 @@ are one enum").
 - DRAINING: steps run until the requests in flight finish; new ones are refused.
 - RECOVERING: the worker group was lost and is being restarted; every sequence waits
   for recompute, new requests are refused, the loop waits for ``resume``.
-- RESUMED: on the restarted group, before its first step succeeds: a step that fails
-  here would fail every time (a bad plan, a broken checkpoint), so it fails the requests
-  instead of restarting again.
+- RESUMED: on the restarted group, before its first step succeeds. A step that fails here
+  restarts the group again, its suspect failed alone (coordinator/engine/probation.py), or,
+  the third failure without a step succeeding between them, fails every request.
 - DEAD: the group failed for good; every request got its error. Final.
 
 No torch.

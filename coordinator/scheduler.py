@@ -14,57 +14,48 @@ Policy (vLLM v1 style: a token budget, no prefill/decode modes). Each step:
    free slot) preempts less urgent running sequences to take their place.
    Urgency is priority aged by waiting, and an admitted sequence is not preempted
    before its next token unless nothing else could run (:mod:`coordinator.priority`).
-2. If nothing was preempted, waiting sequences are admitted in that order
-   (first come, first served within a rank), while the step has token budget, a sequence slot (``max_num_seqs``)
-   and free blocks for the whole remaining prompt: a request is admitted only
-   when its blocks fit. A long prompt may be split into chunks over several steps.
-   With prefix caching, an admitted sequence first takes references to the cached
-   blocks its tokens start with (at most all but its last token, whose logits it
-   needs) and starts computing after them: its first chunk has ``start_position > 0``
-   and carries its whole block table.
+2. If nothing was preempted, waiting sequences are admitted in that order (first come, first served within a rank),
+   while the step has token budget, a sequence slot (``max_num_seqs``) and free blocks for the whole remaining prompt:
+   a request is admitted only when its blocks fit. A long prompt may be split into chunks over several steps. With
+   prefix caching, an admitted sequence first takes references to the cached blocks its tokens start with (at most all
+   but its last token, whose logits it needs) and starts computing after them: its first chunk has
+   ``start_position > 0`` and carries its whole block table.
 3. Sequences finished or aborted since the last plan are named in it, so the
    workers drop their state.
 
-Speculative decoding (with a ``proposer``): a running sequence in decode whose
-sampling allows it (``SamplingParams.allows_speculation``) gets up to k proposed
-tokens after its last one, within the step's token budget (leaving one token for
-each later running sequence), ``max_tokens`` and ``max_model_len``, and the KV
-blocks they need: when those are not free it decodes without proposals (never
-preempting for a guess). ``update`` appends the accepted tokens one at a time
-under the stop rules, counts only the verified positions as computed (so the
-prefix cache never registers a block holding a rejected token, whose slot is
-simply overwritten later), and frees the blocks reserved beyond the sequence's
-new length; the next plan tells the workers to cut their block tables to match.
-With a draft model (``--speculative-method draft``) the chunk only names how many
-tokens the workers' draft proposes (``num_draft_tokens``); the rest is the same.
+Speculative decoding (with a ``proposer``): a running sequence in decode whose sampling allows it
+(``SamplingParams.allows_speculation``) gets up to k proposed tokens after its last one, within the step's token
+budget (leaving one token for each later running sequence), ``max_tokens`` and ``max_model_len``, and the KV blocks
+they need: when those are not free it decodes without proposals (never preempting for a guess). ``update`` appends the
+accepted tokens one at a time under the stop rules, counts only the verified positions as computed (so the prefix
+cache never registers a block holding a rejected token, whose slot is simply overwritten later), and frees the blocks
+reserved beyond the sequence's new length; the next plan tells the workers to cut their block tables to match. With a
+draft model (``--speculative-method draft``) the chunk only names how many tokens the workers' draft proposes
+(``num_draft_tokens``); the rest is the same.
 
 Which blocks a sequence gets, and prefix caching (block hashes, look-ups, hit counts), are
 the KV-cache manager's (:mod:`coordinator.kv_cache_manager`); the scheduler asks it for blocks.
 
-Hybrid models (``state_slots``, :mod:`coordinator.state_slots`): an admitted sequence also takes a
-live state slot (none free: it waits, like for blocks) and gives it back when it finishes, is
-aborted or preempted (a preempted one is recomputed from a zeroed slot); a prefix hit restores its
-state from the checkpoint at the hit's end (the plan's ``restored_states``), and prompt chunks
-save checkpoints at the block boundaries they cross (``state_checkpoints``).
+Hybrid models (``state_slots``, :mod:`coordinator.state_slots`): an admitted sequence also takes a live state slot
+(none free: it waits, like for blocks) and gives it back when it finishes, is aborted or preempted (a preempted one is
+recomputed from a zeroed slot); a prefix hit restores its state from the checkpoint at the hit's end (the plan's
+``restored_states``), and prompt chunks save checkpoints at the block boundaries they cross (``state_checkpoints``).
 
-``update`` records the blocks that the step filled in the prefix cache, appends the
-sampled tokens, applies the token-level stop rules and frees the blocks of sequences
-that finished. Text-level stops (stop strings) are decided
+``update`` records the blocks that the step filled in the prefix cache, appends the sampled tokens, applies the
+token-level stop rules and frees the blocks of sequences that finished. Text-level stops (stop strings) are decided
 by the caller, which calls ``finish``.
 
-Async scheduling (``async_scheduling=True``; vLLM's ``--async-scheduling``): the engine plans
-step t+1 while step t runs. ``schedule`` then counts a plan's chunks as computed and its samples
-as *pending* tokens (``Sequence.num_pending_tokens``), which the next plan decodes as
-``PLACEHOLDER_TOKEN_ID`` unless the pending token ends the sequence by length; ``update`` puts
-the sampled token in its place under the stop rules. A preempted sequence drops its pending
-tokens, and a result for an earlier admission of a sequence is ignored
-(``Sequence.admitted_step``). docs/design/scheduling.md, "The engine loop", has the whole story.
+Async scheduling (``async_scheduling=True``; vLLM's ``--async-scheduling``): the engine plans step t+1 while step t
+runs. ``schedule`` then counts a plan's chunks as computed and its samples as *pending* tokens
+(``Sequence.num_pending_tokens``), which the next plan decodes as ``PLACEHOLDER_TOKEN_ID`` unless the pending token
+ends the sequence by length; ``update`` puts the sampled token in its place under the stop rules. A preempted sequence
+drops its pending tokens, and a result for an earlier admission of a sequence is ignored (``Sequence.admitted_step``).
+docs/design/scheduling.md, "The engine loop", has the whole story.
 
 Multi-step scheduling (``num_scheduler_steps`` > 1, several decode steps a plan): :mod:`coordinator.multi_step`.
 
-Pure Python, no torch: the invariants (every block free or held, ref counts equal
-holders, nothing leaked after finish, abort or preempt, no cached block written) are
-checkable after any step with ``check_invariants``.
+Pure Python, no torch: the invariants (every block free or held, ref counts equal holders, nothing leaked after
+finish, abort or preempt, no cached block written) are checkable after any step with ``check_invariants``.
 """
 
 from __future__ import annotations
@@ -241,6 +232,14 @@ class Scheduler:
             seq.on_workers = False
         self.kv_cache.reset()
         return len(running)
+
+    def schedule_alone(self, seq: Sequence) -> StepPlan:
+        """A plan of ``seq`` alone, first in the queue if it waits; every other running sequence is
+        left as if busy (a suspect after a failed step: coordinator/engine/probation.py)."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            self.waiting.appendleft(seq)
+        return self.schedule(busy=frozenset(s.seq_id for s in self.running if s is not seq), max_seqs=1)
 
     # -- the two verbs -----------------------------------------------------------------
 

@@ -39,6 +39,8 @@ class InFlightStep:
         answer: resolves to rank 0's result, or raises WorkerGroupError.
         seq_ids: with pipeline micro-batches, the sequences it schedules (no other step in
             flight may hold them); empty otherwise.
+        suspect: the one sequence it runs, alone, after a failed step (coordinator/engine/probation.py);
+            None for every other step.
     """
 
     workers: StepSubmitter
@@ -47,6 +49,7 @@ class InFlightStep:
     follows_step: bool
     answer: asyncio.Future[StepResult]
     seq_ids: frozenset[int] = frozenset()
+    suspect: int | None = None
 
     @classmethod
     async def dispatch(cls, workers: StepSubmitter, plan: StepPlan, follows_step: bool) -> InFlightStep:

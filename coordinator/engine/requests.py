@@ -156,6 +156,16 @@ class ActiveRequests:
             self.gauges.update()
         return num_aborted
 
+    def fail_one(self, seq_id: int, reason: str) -> None:
+        """Fails one sample with INTERNAL naming ``reason``: its request broke the worker group
+        (coordinator/engine/probation.py). Its blocks are freed now, so a restart does not resume it."""
+        state = self.states.get(seq_id)
+        if state is None or state.seq.is_finished:
+            return
+        self.scheduler.finish(state.seq, FinishReason.ABORT)
+        log.error("request failed: it broke the worker group twice", request_id=state.request_id, seq_id=seq_id)
+        state.queue.put_nowait(TpserveError(f"request {state.request_id}: {reason}"))
+
     def fail(self, reason: str, error: type[TpserveError], lora_slot: int | None = None) -> int:
         """Gives every sample in flight ``error`` naming ``reason`` (its handler raises it and forgets the
         sample, whose blocks are freed); returns how many.

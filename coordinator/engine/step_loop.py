@@ -23,7 +23,9 @@
   request may start a micro-batch before the oldest step's result is in.
 
 A failed step voids every step in flight; the group is restarted (every sequence is
-re-queued and recomputed) or every request fails. No torch.
+re-queued and recomputed) or every request fails. After a restart the failed step's
+sequences run one at a time, alone, so that a request that breaks the group fails by
+itself (coordinator/engine/probation.py). No torch.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from coordinator.engine.gauges import GaugeUpdater
 from coordinator.engine.in_flight import InFlightStep
 from coordinator.engine.lifecycle import Lifecycle
+from coordinator.engine.probation import Probation
 from coordinator.engine.requests import ActiveRequests
 from coordinator.engine_state import EngineState
 from coordinator.metrics import Metrics
@@ -67,6 +70,8 @@ class StepLoop:
         self.on_group_failure, self.fail_all = on_group_failure, fail_all
         self.in_flight: deque[InFlightStep] = deque()  # dispatched, results not taken yet, oldest first
         self.busy: frozenset[int] = frozenset()  # pipelined: the sequences of the steps in flight
+        self.probation = Probation()
+        self._alone: int | None = None  # the suspect the last plan runs alone
 
     async def run(self) -> None:
         """Steps while there is work, sleeps while there is none; returns when the engine is DEAD."""
@@ -76,7 +81,7 @@ class StepLoop:
                 if not in_flight or not lifecycle.state.runs_steps:
                     self.drop()  # steps of a group declared lost are void: a restart re-queued their work
                     if lifecycle.state is EngineState.DEAD:
-                        return  # the restart failed, or a step failed twice: every request has its error
+                        return  # the restart failed, or the group failed whatever it ran: every request has its error
                     if not lifecycle.state.runs_steps:
                         await lifecycle.wait_changed()  # RECOVERING: until resume() or fail_all()
                         continue
@@ -96,9 +101,15 @@ class StepLoop:
         """The next step's plan; None when there is nothing to run or nothing fits (until a
         running request finishes or a new one arrives: admission guarantees one will fit)."""
         scheduler = self.scheduler
+        self._alone = None
         if not (scheduler.running or scheduler.waiting):
             return None
-        if self.pipelined:  # an even share of the sequences per micro-batch, so that the batches rotate
+        if self.probation and (suspect := self.probation.next(self.active.states)) is not None:
+            if self.in_flight:
+                return None  # a suspect's step is the only one in flight
+            plan = scheduler.schedule_alone(suspect)
+            self._alone = suspect.seq_id
+        elif self.pipelined:  # an even share of the sequences per micro-batch, so that the batches rotate
             active = min(len(scheduler.running) + len(scheduler.waiting), scheduler.max_num_seqs)
             plan = scheduler.schedule(busy=self.busy, max_seqs=max(1, -(-active // self.depth)))
         else:
@@ -118,6 +129,7 @@ class StepLoop:
             if plan is None:
                 return
             step = await InFlightStep.dispatch(self.workers, plan, follows_step)
+            step.suspect = self._alone
             if self.pipelined:
                 step.seq_ids = frozenset(chunk.seq_id for chunk in plan.scheduled)
                 assert not step.seq_ids & self.busy, f"sequences {sorted(step.seq_ids & self.busy)} are in flight"
@@ -148,11 +160,9 @@ class StepLoop:
             self.drop()  # later steps of a failed group are void
             if step.workers is not self.workers:
                 return  # a step of the lost group, which was replaced meanwhile: nothing to report
-            # A step that fails again on a freshly restarted group would fail every
-            # time (a bad plan, a broken checkpoint): give up rather than loop.
-            if self.lifecycle.state is EngineState.RESUMED or not self.on_group_failure(str(exc)):
-                self.fail_all(f"the worker group failed: {exc}")
-            return  # or a restart re-queued every sequence: the plan's work is redone
+            self._failed(step, str(exc))
+            return
+        self.probation.step_succeeded()
         received = time.perf_counter()
         lifecycle = self.lifecycle
         if not lifecycle.state.runs_steps or step.workers is not self.workers:
@@ -173,6 +183,24 @@ class StepLoop:
             self.metrics.observe_follow_on_steps(step.plan.num_tokens, step.plan.num_steps - 1)
         self.metrics.observe_step(step.plan.num_tokens, received - step.dispatched_at, result.model_execute_time_s,
                                   result.wait_time_s if step.follows_step else None, received, time.perf_counter())
+
+    def _failed(self, step: InFlightStep, reason: str) -> None:
+        """A step failed: its sequences become suspects and the group restarts; a suspect that failed
+        a step alone fails by itself; a group that fails whatever it runs fails every request."""
+        probation = self.probation
+        if probation.step_failed():  # (a bad checkpoint, a broken device: give up rather than loop)
+            self.fail_all(f"the worker group failed: {reason}")
+            return
+        if step.suspect is not None:
+            probation.convict(step.suspect)
+            self.active.fail_one(step.suspect, "the worker group failed twice on steps holding this request, the "
+                                 f"second time running it alone; the request was failed, not retried: {reason}")
+        else:
+            states = self.active.states
+            probation.suspect(states[chunk.seq_id].seq for chunk in step.plan.scheduled if chunk.seq_id in states)
+        if not self.on_group_failure(reason):
+            self.fail_all(f"the worker group failed: {reason}")
+        # or a restart re-queued every sequence: the plan's work is redone
 
     def drop(self) -> None:
         """Gives up on every step in flight (their group failed or was replaced, or the loop stops)."""

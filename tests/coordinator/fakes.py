@@ -113,6 +113,8 @@ class FakeRankGroup:
     - ``logprobs``: each sample's logprob is -0.25 (its token the only candidate).
     - ``fail_at``: step numbers (from 1) that raise WorkerGroupError(``"step N: rank {fail_rank} is gone"``)
       after their ``step_s``.
+    - ``poison_token``: a step scheduling a sequence that was ever fed this token fails as ``fail_at``'s do
+      (a request that breaks the group whatever it is batched with).
     - ``scheduler``: whose invariants are checked as each plan is submitted (no step in flight then).
     - ``model``: a :class:`PagedCacheModel` that samples instead of ``sample``; the steps then run strictly
       in the order they were sent, as the ranks run them, and each one's end is an event ("done", step id).
@@ -126,13 +128,14 @@ class FakeRankGroup:
     def __init__(self, *, sample: Callable[[int, int], int] | None = None, step_s: float = 0.0,
                  first_step_s: float | None = None, grammar_s: float = 0.0, model_execute_s: float = 0.0,
                  wait_s: float = 0.0, logprobs: bool = False, fail_at: Collection[int] = frozenset(),
-                 fail_rank: int = 1, scheduler: Scheduler | None = None,
+                 fail_rank: int = 1, poison_token: int | None = None, scheduler: Scheduler | None = None,
                  model: PagedCacheModel | None = None) -> None:
         self.sample = sample or scripted()
         self.step_s, self.grammar_s = step_s, grammar_s
         self.first_step_s = step_s if first_step_s is None else first_step_s
         self.model_execute_s, self.wait_s, self.logprobs = model_execute_s, wait_s, logprobs
         self.fail_at, self.fail_rank, self.scheduler = set(fail_at), fail_rank, scheduler
+        self.poison_token, self.poisoned = poison_token, set[int]()  # the sequences fed it
         self.plans: list[StepPlan] = []
         self.events: list[tuple[str, int]] = []
         self.steps = 0
@@ -194,7 +197,8 @@ class FakeRankGroup:
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         try:
             await asyncio.sleep(self.step_s if self.seen else self.first_step_s)
-            if step in self.fail_at:
+            self.poisoned.update(c.seq_id for c in plan.scheduled if self.poison_token in c.token_ids)
+            if step in self.fail_at or ids & self.poisoned:
                 raise WorkerGroupError(f"step {plan.step_id}: rank {self.fail_rank} is gone")
             if self.model is not None:
                 tokens = self.model.execute(plan)
