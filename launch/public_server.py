@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from coordinator.auth import ApiKeyInterceptor, read_api_keys
@@ -36,6 +35,7 @@ from coordinator.tokenizer import Tokenizer
 from coordinator.vllm_engine_service import VllmEngineServicer
 from launch.connection_limits import (ConnectionWatch, connection_options, raise_nofile_limit,
                                       resolve_max_connections)
+from launch.metrics_endpoint import start_metrics_server
 from launch.reflection import enable_server_reflection
 from launch.startup import StartupError, bind, read_group_secret
 from tpserve import __version__
@@ -144,8 +144,7 @@ class PublicServer:
         # of every tenant, which tenants are refused over gRPC (GetLoads is the operator's).
         if cfg.metrics_port is not None:
             try:
-                httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
-                self.metrics_port = httpd.server_port
+                self.metrics_port = start_metrics_server(cfg.metrics_port, cfg.host, self.metrics.registry)
             except OSError as exc:
                 await server.stop(None)
                 raise StartupError(f"--metrics-port {cfg.metrics_port}: cannot bind it ({exc.strerror}); stop "

@@ -11,12 +11,17 @@ import subprocess
 import sys
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.cluster import child_pids, serve
 from tpserve import __version__
 from tpserve.client import GenerateStream, StreamChunk, Usage
 
 pytestmark = pytest.mark.e2e
+
+#: What a Prometheus 2.x server sends by default (scrape_protocols: OpenMetrics 1.0.0 first).
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +107,12 @@ def test_metrics_port_0_reports_the_port_it_bound(tmp_path):
         assert port != 0
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "tpserve:num_requests_running" in body
+        # Prometheus 2.x's Accept header: prometheus_client >= 0.23 wrote its samples as tpserve_saturation
+        # (client_python#1177), not the names the autoscaling rules query; the text format keeps the colons.
+        scrape = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
+        with urllib.request.urlopen(scrape, timeout=5) as answer:
+            assert answer.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            body = answer.read().decode()
+        samples = {s.name for family in text_string_to_metric_families(body) for s in family.samples}
+        assert {"tpserve:saturation", "tpserve:num_requests_waiting", "vllm:num_requests_waiting"} <= samples
+        assert not any(name.startswith(("tpserve_", "vllm_")) for name in samples), sorted(samples)[:5]
