@@ -35,6 +35,7 @@ from coordinator.tokenizer import Tokenizer
 from coordinator.vllm_engine_service import VllmEngineServicer
 from launch.connection_limits import (ConnectionWatch, connection_options, raise_nofile_limit,
                                       resolve_max_connections)
+from launch.health_watch import PublicHealth
 from launch.metrics_endpoint import start_metrics_server
 from launch.reflection import enable_server_reflection
 from launch.startup import StartupError, bind, read_group_secret
@@ -111,6 +112,7 @@ class PublicServer:
         self.max_connections = 0  # the public port's connection cap, once started
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # with --health-port
+        self.public_health = PublicHealth(self.health)  # the public port's: its watches end with the drain
         self._watch: ConnectionWatch | None = None
         self.kv_connector: KVConnector | None = None  # with --kv-transfer-config
         self.kv_control_key: str | None = None  # the group's, which its ranks' KV agents require (launch/leader.py)
@@ -210,7 +212,7 @@ class PublicServer:
             self.servicer.moves = StreamMoves(self.kv_connector, max(cfg.shutdown_grace_seconds, 1.0))
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
             self.servicer, self.model_dir, cfg.max_kv_event_subscribers, self.kv_connector), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.public_health, server)
         # grpc.reflection.v1 and v1alpha (launch/reflection.py)
         enable_server_reflection((GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME), server)
         return server
@@ -358,6 +360,7 @@ class PublicServer:
         if self._watch is not None:
             self._watch.stop()
         if self._server is not None:
+            self.public_health.close()  # a health Watch would hold the stop for the whole grace
             await self._server.stop(grace_s)
         if self._health_server is not None:
             await self._health_server.stop(None)

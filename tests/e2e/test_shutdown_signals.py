@@ -78,3 +78,25 @@ def test_the_grace_is_the_flag() -> None:
         assert "the server shut down: its --shutdown-grace-seconds (0.1 s) ended before the request did" in \
             info.value.details(), info.value.details()
         assert cluster.process.wait(30) == 0
+
+
+def test_a_health_watch_on_the_public_port_does_not_hold_the_drain() -> None:
+    """A Watch never ends by itself and gRPC's graceful stop waits for every call: one watcher on the public
+    port held an idle server's SIGTERM for the whole grace (10.1 s of 10). It now ends with UNAVAILABLE, after
+    the readiness NOT_SERVING the drain sets first, and the server exits at once."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with serve(None, 1, "--shutdown-grace-seconds", "20") as cluster:
+        stub = health_pb2_grpc.HealthStub(cluster.client.channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        started = time.monotonic()
+        cluster.process.send_signal(signal.SIGTERM)
+        statuses = []
+        with pytest.raises(grpc.RpcError) as ended:
+            for answer in watch:
+                statuses.append(answer.status)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING]
+        assert cluster.process.wait(30) == 0
+        assert time.monotonic() - started < 5, "the drain waited for the health Watch"
