@@ -194,3 +194,23 @@ def test_kv_cache_dtype_choices() -> None:
                                              "speculative": {"speculative_method": "draft", "speculative_model": "d",
                                                              "num_speculative_tokens": 2}})
     assert (drafted.cache.kv_cache_dtype, drafted.speculative.speculative_method) == ("int8", "draft")
+
+
+def test_the_ranks_config_file_holds_no_api_key() -> None:
+    """The ranks never check tenants' or operators' keys, and their JSON file outlives a coordinator killed
+    with SIGKILL: the keys stay out of it (the key files' paths may stay: a path is no secret)."""
+    from launch.local_ranks import LocalRanks
+    from launch.topology import GroupLayout
+    from tpserve.cli import serve_config
+    from tpserve.config import RankConfig
+    from tpserve.embedded_model import default_model_dir
+
+    config = serve_config(build_parser().parse_args(["serve", "--api-key", "TENANT-SECRET-1",
+                                                     "--operator-api-key", "OPERATOR-SECRET-2"]))
+    assert config.server.api_key == "TENANT-SECRET-1" and config.server.operator_api_key == "OPERATOR-SECRET-2"
+    text = LocalRanks(config, default_model_dir(), GroupLayout(1), "json").rank_config(0, "unix:///x",
+                                                                                     "file:///y").to_json()
+    assert "SECRET" not in text
+    sent = RankConfig.from_json(text)  # still valid for the rank
+    assert sent.cluster.server.api_key is None and sent.cluster.server.operator_api_key is None
+    assert sent.cluster.server.port == config.server.port

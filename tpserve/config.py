@@ -474,8 +474,10 @@ class RankConfig(FrozenSection):
         return self
 
     def to_json(self) -> str:
-        """The JSON text a rank reads back with :meth:`from_json`."""
-        return self.model_dump_json(indent=1)
+        """The JSON text a rank reads back with :meth:`from_json`, without the tenants' and operators' API
+        keys: the coordinator checks them, the ranks never do, and the file outlives a coordinator killed
+        with SIGKILL (it is in a 0700 temporary directory that only a clean stop removes)."""
+        return self.model_dump_json(indent=1, exclude={"cluster": {"server": {"api_key", "operator_api_key"}}})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RankConfig:
