@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from coordinator.bucket_histogram import BucketHistogram
 from coordinator.kv_offload_metrics import KvOffloadMetrics
 from coordinator.load_gauges import LoadGauges
 
@@ -38,9 +39,17 @@ class Metrics:
             "tpserve:time_to_first_token_seconds",
             "Time from receipt (before validation and tokenization) to the first sampled token (TTFT).",
             buckets=_LATENCY_BUCKETS, registry=r)
-        self.time_per_output_token = Histogram(
-            "tpserve:time_per_output_token_seconds", "Mean time per output token after the first (TPOT), per request.",
+        # vLLM's pair: the per-request mean (request_time_per_output_token) and, per token, the time since
+        # the request's previous output (inter_token_latency; vLLM's deprecated time_per_output_token_seconds
+        # carries the same samples). Once per request per step: observed without a lock (bucket_histogram.py).
+        self.request_time_per_output_token = Histogram(
+            "tpserve:request_time_per_output_token_seconds",
+            "Mean time per output token after the first (TPOT), one sample per finished request.",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = BucketHistogram(
+            "tpserve:inter_token_latency_seconds",
+            "Time from a request's output to its next (several tokens with speculative decoding): one sample "
+            "per request per step after its first token.", _LATENCY_BUCKETS, r)
         self.e2e_request_latency = Histogram(
             "tpserve:e2e_request_latency_seconds",
             "Time from receipt (before validation and tokenization) to the last token (or the abort).",

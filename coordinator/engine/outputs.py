@@ -31,6 +31,7 @@ class RequestState:
         arrival_time: ``time.monotonic()`` seconds when its request was received (before validation,
             tokenization and grammar compilation: where the response's timings start too).
         first_token_time: ``time.monotonic()`` seconds of its first output; None before.
+        last_token_time: ``time.monotonic()`` seconds of its latest output (the inter-token latency's start).
     """
 
     request_id: str
@@ -41,6 +42,7 @@ class RequestState:
     tenant: str = ""
     queue: RequestOutputCollector = field(default_factory=RequestOutputCollector)
     first_token_time: float | None = None
+    last_token_time: float = 0.0
     lora_name: str = ""  # its LoRA adapter, "" for the base model (the metrics' label)
 
 
@@ -83,6 +85,9 @@ class OutputProcessor:
             self.metrics.time_to_first_token.observe(now - state.arrival_time)
             if seq.sampling.prompt_logprobs is not None:
                 prompt_logprobs = prompt_token_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
+        else:
+            self.metrics.inter_token_latency.observe(now - state.last_token_time)
+        state.last_token_time = now
         if len(outs) == 1 and outs[0].finish_reason is None and outs[0].logprobs is None:
             # The common case, one token mid-sequence without logprobs (request-path.md, per-token
             # cost): what the loop below does for it, without the loop.
@@ -134,4 +139,4 @@ class OutputProcessor:
             self.metrics.add_lora_request(state.lora_name, num_generated)
         self.metrics.e2e_request_latency.observe(now - state.arrival_time)
         if num_generated > 1 and state.first_token_time is not None:
-            self.metrics.time_per_output_token.observe((now - state.first_token_time) / (num_generated - 1))
+            self.metrics.request_time_per_output_token.observe((now - state.first_token_time) / (num_generated - 1))
