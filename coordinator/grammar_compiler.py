@@ -6,10 +6,15 @@ while it works, but a compile cannot be interrupted: a hostile schema (deep ``an
 ``allOf`` of many ``anyOf``, which multiply out) could keep a thread, and a CPU core,
 busy for tens of seconds after its client gave up. So compiles run in a small pool of
 child processes (``python -m coordinator.grammar_compiler``, as the ranks are started;
-``nice`` 10: serving keeps most of the CPUs, yet a compile on a saturated host still gets
-about a tenth of a core within its limit). The validation thread sends ``(kind, source)``
-down a pipe and waits at most ``timeout_s``; a child that takes longer is killed (a fresh
-one is started in its place) and the request is refused. Children start on the first
+``nice`` 10: serving keeps most of the CPUs). The validation thread sends ``(kind, source)``
+down a pipe and waits. The limit, ``timeout_s``, is CPU time, the child's own (Linux's
+``/proc/<pid>/stat``): a grammar that needs more than that is refused (INVALID_ARGUMENT)
+whatever the load, its child killed (a fresh one started in its place). Wall time was
+the limit before: a regex compiling in 0.5 s alone was refused as invalid under a load of 48
+streams, and accepted again alone, a permanent error code for a passing condition. A compile
+that a busy host starves (less than the limit in CPU time after :data:`WALL_SECONDS_PER_LIMIT`
+limits of wall time) is ended with RESOURCE_EXHAUSTED and a pushback: retryable. Where no
+process CPU time can be read, the limit is wall time, as before. Children start on the first
 grammar (a server that never sees one runs none); their start-up (about a second) is not
 part of the limit.
 
@@ -30,6 +35,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,6 +52,10 @@ _START_TIMEOUT_S = 60.0
 _CACHE_SIZE = 256
 #: Seconds beyond two limits a compile may wait for a free child before RESOURCE_EXHAUSTED.
 _QUEUE_SLACK_S = 2.0
+#: Wall time a compile may take, in limits of CPU time, before a starved one is ended as the host's fault: a
+#: child at ``nice`` 10 on a saturated host gets about a tenth of a core, so ten limits still fit a whole one.
+WALL_SECONDS_PER_LIMIT = 10.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: Time a token check may take per token, beyond the compile limit (llguidance advances a
 #: grammar by a token in microseconds; its parser limits bound the worst case).
 CHECK_SECONDS_PER_TOKEN = 1e-3
@@ -154,6 +164,15 @@ class _Child:
             raise UnavailableError(f"the grammar compiler exited (code {self.process.poll()})") from None
         self.ready = True
 
+    def cpu_seconds(self) -> float | None:
+        """User and system CPU seconds the child has used, from ``/proc`` (None where there is none)."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: fields 14 and 15 of proc(5)
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(5)
@@ -167,19 +186,21 @@ class GrammarCompiler:
     Args:
         model_dir: the checkpoint (its ``tokenizer.json``), as the ranks load it.
         vocab_size: rows of the model's logits.
-        timeout_s: most seconds one compile may take (> 0).
+        timeout_s: most seconds of CPU time one compile may take (> 0).
         num_processes: children (compiles in parallel).
+        wall_factor: most wall time a compile may take, in ``timeout_s`` (>= 1).
 
     Thread-safe: :meth:`compile` blocks its thread (the server validates requests on
     worker threads, never on the event loop).
     """
 
     def __init__(self, model_dir: str | Path, vocab_size: int, timeout_s: float = MAX_COMPILE_SECONDS,
-                 num_processes: int = 2) -> None:
-        if not timeout_s > 0 or num_processes < 1:
-            raise ValueError(f"timeout_s must be > 0 and num_processes >= 1, got {timeout_s}, {num_processes}")
+                 num_processes: int = 2, wall_factor: float = WALL_SECONDS_PER_LIMIT) -> None:
+        if not timeout_s > 0 or num_processes < 1 or not wall_factor >= 1:
+            raise ValueError(f"timeout_s must be > 0, num_processes >= 1 and wall_factor >= 1, got {timeout_s}, "
+                             f"{num_processes}, {wall_factor}")
         self.model_dir, self.vocab_size = str(model_dir), vocab_size
-        self.timeout_s = timeout_s
+        self.timeout_s, self.wall_factor = timeout_s, wall_factor
         self._idle: queue.Queue[_Child] = queue.Queue()
         self._num_processes = num_processes
         self._num_started = 0  # children are started on demand: a server without grammars has none
@@ -192,8 +213,9 @@ class GrammarCompiler:
 
         Raises:
             ValueError: llguidance refuses it; the message is llguidance's.
-            GrammarCompileTimeout: it took longer than ``timeout_s`` seconds.
-            ResourceExhaustedError: no child came free within two limits (a flood of compiles).
+            GrammarCompileTimeout: it took more than ``timeout_s`` seconds of CPU time.
+            ResourceExhaustedError: no child came free within two limits (a flood of compiles), or a busy host
+                gave the compile less than the limit in ``wall_factor`` limits of wall time.
             UnavailableError: the compiler is closed or a child could not start.
         """
         key = (kind, source)
@@ -203,7 +225,7 @@ class GrammarCompiler:
                 status, value = self._cache[key]
                 return _result(status, value, self.timeout_s)
         status, value = self._ask(key, self.timeout_s)
-        if status != "timeout":  # a time depends on the host's load: a retry may pass
+        if status not in ("timeout", "busy"):  # a time may differ on the next try (a busy host, a limit's edge)
             with self._lock:
                 self._cache[key] = (status, value)
                 if len(self._cache) > _CACHE_SIZE:
@@ -232,12 +254,10 @@ class GrammarCompiler:
         try:
             child.wait_ready()
             child.send(message)
-            if child.conn.poll(timeout_s):
-                status, value = child.conn.recv()
-            else:
+            status, value = self._wait(child, timeout_s, self.wall_factor)
+            if status != "ok" and status != "error":
                 child.kill()  # the work cannot be interrupted: end its process
                 child = _Child(self.model_dir, self.vocab_size)
-                status, value = "timeout", ""
         except (EOFError, OSError, UnavailableError):
             child.kill()
             child = _Child(self.model_dir, self.vocab_size)
@@ -245,6 +265,22 @@ class GrammarCompiler:
         finally:
             child.kill() if self._closed else self._idle.put(child)
         return status, value
+
+    @staticmethod
+    def _wait(child: _Child, limit_s: float, wall_factor: float) -> tuple[str, Any]:
+        """``child``'s answer; ``("timeout", "")`` once it has used ``limit_s`` seconds of CPU time (of wall time
+        where that cannot be read), ``("busy", "")`` once the wall time reaches ``wall_factor`` limits first."""
+        started_cpu, wall_deadline = child.cpu_seconds(), time.monotonic() + wall_factor * limit_s
+        used = 0.0
+        while not child.conn.poll(max(limit_s - used, 0.01)):  # it cannot use its CPU left in less wall time
+            if started_cpu is None or (now_cpu := child.cpu_seconds()) is None:
+                return "timeout", ""
+            used = now_cpu - started_cpu
+            if used >= limit_s:
+                return "timeout", ""
+            if time.monotonic() >= wall_deadline:
+                return "busy", ""
+        return child.conn.recv()
 
     def _take_child(self) -> _Child:
         """An idle child, a new one while fewer than ``num_processes`` run, else the next to be free."""
@@ -277,6 +313,9 @@ def _result(status: str, value: Any, timeout_s: float) -> Any:
         return value
     if status == "timeout":
         raise GrammarCompileTimeout(f"{timeout_s:g} s")
+    if status == "busy":
+        raise ResourceExhaustedError(f"the host was too busy to build the grammar (its limit: {timeout_s:g} s of CPU "
+                                     "time); retry", MIN_PUSHBACK_MS)
     raise ValueError(value)
 
 

@@ -77,7 +77,7 @@ def grammar_for(response_format: pb.ResponseFormat, compiler: GrammarCompiler | 
     try:
         return compiler.compile(compile_kind, source) if compiler is not None else _compile(compile_kind, source)
     except GrammarCompileTimeout as exc:
-        raise InvalidArgumentError(f"{field} took over the compile-time limit of {exc} to compile") from None
+        raise InvalidArgumentError(f"{field} took over the compile-time limit of {exc} of CPU time to compile") from None
     except ValueError as exc:
         raise InvalidArgumentError(f"{field} is not supported: {str(exc).strip()[:500]}") from None
 
@@ -112,7 +112,7 @@ def check_continuation(response_format: pb.ResponseFormat, grammar: str, token_i
             num_accepted = count_accepted_tokens(grammar, list(token_ids), _llg_tokenizer(tokenizer, vocab_size))
     except GrammarCompileTimeout as exc:
         raise InvalidArgumentError(f"generated_token_ids: checking its {len(token_ids)} tokens against {field} took "
-                                   f"over the limit of {exc}") from None
+                                   f"over the limit of {exc} of CPU time") from None
     if num_accepted < len(token_ids):
         raise InvalidArgumentError(
             f"generated_token_ids[{num_accepted}] (token {token_ids[num_accepted]}) breaks {field}: the grammar "
