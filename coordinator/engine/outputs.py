@@ -92,7 +92,7 @@ class OutputProcessor:
             # The common case, one token mid-sequence without logprobs (request-path.md, per-token
             # cost): what the loop below does for it, without the loop.
             token_id = outs[0].token_id
-            text, matched = state.stop_matcher.push(state.detokenizer.step(token_id))
+            text, matched = state.stop_matcher.push(state.detokenizer.step(token_id), seq.num_output_tokens)
             finish = None
             if matched:
                 self.scheduler.finish(seq, FinishReason.STOP)
@@ -109,7 +109,8 @@ class OutputProcessor:
                 token_ids.append(out.token_id)
                 if out.logprobs is not None:
                     logprobs.append(token_logprob(self.tokenizer, out.token_id, out.logprobs))
-                delta, matched = state.stop_matcher.push(state.detokenizer.step(out.token_id))
+                delta, matched = state.stop_matcher.push(state.detokenizer.step(out.token_id),
+                                                         seq.num_output_tokens - (len(outs) - 1 - index))
                 text += delta
                 if matched:
                     self.scheduler.finish(seq, FinishReason.STOP)
@@ -118,7 +119,7 @@ class OutputProcessor:
                     self.scheduler.spec.take_back(seq.speculation, seq.num_output_tokens)  # nor accepted
                     finish = FinishReason.STOP
             if finish is not None and not matched:
-                tail, matched = state.stop_matcher.push(state.detokenizer.flush())
+                tail, matched = state.stop_matcher.push(state.detokenizer.flush(), seq.num_output_tokens)
                 text += tail if matched else tail + state.stop_matcher.flush()
                 if matched:
                     finish = FinishReason.STOP

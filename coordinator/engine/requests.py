@@ -96,10 +96,11 @@ class ActiveRequests:
             output_token_ids=list(params.generated_token_ids),  # usage counts them as prompt tokens
         )
         state = RequestState(entry.request_id, seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids),
-                             StopStringMatcher(params.stop, params.include_stop_str_in_output), entry.received_s,
+                             StopStringMatcher(params.stop, params.include_stop_str_in_output,
+                                               params.sampling.min_tokens), entry.received_s,
                              params.tenant, RequestOutputCollector(stream_interval), lora_name=params.lora_name)
-        for token_id in params.generated_token_ids:  # text the caller has: replayed, so stop strings span the seam
-            if state.stop_matcher.push(state.detokenizer.step(token_id))[1]:
+        for num_tokens, token_id in enumerate(params.generated_token_ids, 1):  # replayed: stop strings span the seam
+            if state.stop_matcher.push(state.detokenizer.step(token_id), num_tokens)[1]:
                 raise InvalidArgumentError(f"request {entry.request_id}: the text of generated_token_ids contains a "
                                            "stop string; that completion had ended")
         self.states[seq.seq_id] = state

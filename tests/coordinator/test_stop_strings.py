@@ -133,3 +133,59 @@ def test_random_splits_match_the_oracle() -> None:
         assert matched == any(s in text for s in stop)
         num_matched += matched
     assert 300 < num_matched < 2700  # both outcomes are well exercised
+
+
+# -- min_tokens: vLLM's rule (v1's detokenizer checks stop strings only once len(output_token_ids) > min_tokens) --
+
+
+def test_no_stop_string_ends_in_the_first_min_tokens_tokens() -> None:
+    """The probe's case: min_tokens 20 and stop "." gave 11 tokens; vLLM gives at least 20, then the next "."."""
+    tokens = ["Lily", ".", " She", " was", " happy", ".", " The"]
+    matcher = StopStringMatcher(["."], min_tokens=3)
+    emitted = []
+    for num_tokens, delta in enumerate(tokens, 1):
+        text, matched = matcher.push(delta, num_tokens)
+        emitted.append(text)
+        if matched:
+            break
+    assert "".join(emitted) == "Lily. She was happy" and matched and num_tokens == 6
+
+
+def test_a_stop_string_that_starts_before_the_boundary_and_ends_after_it_matches() -> None:
+    for min_tokens, expected in [(2, ("xa", True)), (3, ("xabcd", False))]:
+        matcher = StopStringMatcher(["bcd"], min_tokens=min_tokens)
+        pushed = [matcher.push(delta, n) for n, delta in enumerate(["xab", "c", "d"], 1)]
+        text, matched = "".join(t for t, _ in pushed), pushed[-1][1]
+        assert (text + ("" if matched else matcher.flush()), matched) == expected, min_tokens
+
+
+def test_random_token_streams_with_min_tokens_match_the_oracle() -> None:
+    """A match must end in the text of a token after the first ``min_tokens`` (earliest end first, longest on a tie)."""
+    rng = random.Random(99)
+    alphabet = "ab.é "
+    num_matched = num_skipped = 0
+    for _ in range(3000):
+        tokens = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 10))]
+        text = "".join(tokens)
+        stop = [random_stop(rng, text, alphabet) for _ in range(rng.randint(1, 3))]
+        min_tokens = rng.randint(0, len(tokens))
+        boundary = len("".join(tokens[:min_tokens]))
+        expected, found = text, False
+        for end in range(boundary + 1, len(text) + 1):
+            ending = [s for s in stop if text[:end].endswith(s)]
+            if ending:
+                expected, found = text[:end - max(map(len, ending))], True
+                break
+        matcher = StopStringMatcher(stop, min_tokens=min_tokens)
+        emitted, matched = [], False
+        for num_tokens, delta in enumerate(tokens, 1):
+            out, matched = matcher.push(delta, num_tokens)
+            emitted.append(out)
+            if matched:
+                break
+        if not matched:
+            emitted.append(matcher.flush())
+        assert ("".join(emitted), matched) == (expected, found), (tokens, stop, min_tokens)
+        num_matched += matched
+        num_skipped += not found and any(s in text for s in stop)
+    assert num_matched > 300 and num_skipped > 300  # both the rule and plain matching are exercised

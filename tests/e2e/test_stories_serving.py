@@ -137,6 +137,11 @@ def test_stop_string_inside_tokens_is_cut_from_the_text(cluster) -> None:
     streamed = "".join(c.text for c in cluster.client.generate_stream(
         golden["prompt"], max_tokens=64, temperature=0, stop=["Lily. S", "zzz"]))
     assert streamed == golden["text"][: golden["text"].index("Lily. S")]
+    # vLLM's min_tokens: no stop string ends in the first min_tokens tokens' text (the first "." is the 11th token's).
+    text = golden["text"]
+    held = greedy(cluster.client, golden, stop=["."], min_tokens=12)
+    assert held.text == text[:text.index(".", text.index(".") + 1)] and held.finish_reason == "stop"
+    assert held.text.endswith("in the park") and len(held.token_ids) > 12
 
 
 def test_stop_token_id_and_max_tokens(cluster) -> None:
