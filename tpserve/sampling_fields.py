@@ -146,7 +146,7 @@ FIELDS: tuple[SamplingField, ...] = (
                   "processor", low=-2, high=2, history=True),
     SamplingField("logit_bias", dict, (), "add BIAS in [-100, 100] to the token's logit (repeatable)", "processor",
                   items=(int, float)),
-    SamplingField("min_tokens", int, 0, "no end-of-sequence or stop token id before this many tokens",
+    SamplingField("min_tokens", int, 0, "no end-of-sequence, stop token id or stop string before this many tokens",
                   "processor", low=0, high_name="max_tokens", needs="min_tokens_stop_ids"),
     SamplingField("include_stop_str_in_output", bool, False, "keep a matched stop string in the text", "coordinator"),
     SamplingField("logprobs", bool, False, "each token's log-probability (raw distribution)", "output"),
