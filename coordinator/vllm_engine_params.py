@@ -40,7 +40,7 @@ FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", Fini
 
 
 def to_generate_request(request: vpb.GenerateRequest, bos_token_id: int | None = None,
-                        kv_transfer: bool = False) -> pb.GenerateRequest:
+                        kv_transfer: bool = False, max_model_len: int | None = None) -> pb.GenerateRequest:
     """The public request an engine-protocol request means (not yet validated).
 
     ``kv_transfer``: this server has a ``--kv-transfer-config``, so ``kv_transfer_params_json`` is
@@ -54,10 +54,13 @@ def to_generate_request(request: vpb.GenerateRequest, bos_token_id: int | None =
     it in front, as our chat path gives a rendered template that lacks it one, before any
     ``truncate_prompt_tokens`` (vLLM truncates after encoding): the same text gives the same tokens
     on both paths. Ids that start with it (a chat template's ``{{ bos_token }}``) are taken as sent.
+    ``max_model_len``: a prompt that the BOS makes too long is refused here, naming the BOS (the
+    validation's message would count a token the caller never sent); GetModelInfo's
+    ``max_req_input_len`` leaves room for it.
 
     Raises:
-        InvalidArgumentError: a field this server does not support is set; the message
-            names it.
+        InvalidArgumentError: a field this server does not support is set (the message
+            names it), or the BOS put first makes the prompt reach ``max_model_len``.
     """
     for name in ("mm_inputs", "media_refs"):
         if request.HasField(name):
@@ -80,10 +83,16 @@ def to_generate_request(request: vpb.GenerateRequest, bos_token_id: int | None =
         ids = list(request.tokenized.input_ids)
         if not ids:
             raise InvalidArgumentError("tokenized.input_ids is empty; it must have at least 1 token")
-        if bos_token_id is not None and ids[0] != bos_token_id:
+        sent, inserted = len(ids), bos_token_id is not None and ids[0] != bos_token_id
+        if inserted:
             ids.insert(0, bos_token_id)
         if params.HasField("truncate_prompt_tokens"):
             ids = _truncate(ids, params.truncate_prompt_tokens)
+        if inserted and max_model_len is not None and len(ids) >= max_model_len:
+            raise InvalidArgumentError(
+                f"tokenized.input_ids has {sent} tokens, and with the BOS this server puts first (as its own "
+                f"encoding of text starts) {len(ids)}; a prompt must be shorter than max_model_len={max_model_len} "
+                f"(GetModelInfo's max_req_input_len: {max_model_len - 2})")
         if max(ids) > _INT32_MAX:
             raise InvalidArgumentError(f"tokenized.input_ids contains {max(ids)}, outside the vocabulary")
         out.token_ids.ids.extend(ids)

@@ -117,7 +117,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         tenant = tenant_id(context.invocation_metadata()) if gen.api_keys else ""
         tokenizer = gen.tokenizer
         public = to_generate_request(request, tokenizer.bos_token_id if tokenizer.add_bos_token else None,
-                                     kv_transfer=self.kv_connector is not None)
+                                     kv_transfer=self.kv_connector is not None,
+                                     max_model_len=gen.model_info.max_model_len)
         n = max(request.sampling_params.n, 1)
         kv = parse_params(request.kv_transfer_params_json) if request.HasField("kv_transfer_params_json") else None
         if kv is not None and kv.do_remote_decode and n > 1:
@@ -311,7 +312,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             architectures=config.get("architectures", []), eos_token_ids=list(info.eos_token_ids),
             pad_token_id=_int_or(config.get("pad_token_id"), -1),
             bos_token_id=-1 if tokenizer.bos_token_id is None else tokenizer.bos_token_id,
-            max_req_input_len=info.max_model_len - 1)  # a prompt must leave room for one token
+            # A prompt leaves room for one token, and token ids get the BOS put first where they lack it.
+            max_req_input_len=info.max_model_len - 1 - (tokenizer.add_bos_token and tokenizer.bos_token_id is not None))
 
     async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:

@@ -381,3 +381,22 @@ def test_tokenized_input_gets_the_bos_a_text_prompt_gets(server: RunningCluster,
         (done,) = engine.Generate(_request(sent, temperature=0.0, max_tokens=8), timeout=30)
         assert list(done.complete.output_ids) == list(native.token_ids)
         assert done.complete.prompt_tokens == len(ids) == native.usage.prompt_tokens
+
+
+def test_max_req_input_len_leaves_room_for_the_bos_and_one_over_it_is_refused_naming_it(server: RunningCluster,
+                                                                                       engine) -> None:
+    """GetModelInfo said max_model_len - 1, yet that many ids without the BOS were refused as one token longer than
+    sent (the replica puts the BOS first): the advertised limit now holds for any ids, and the refusal counts both."""
+    info = engine.GetModelInfo(vpb.GetModelInfoRequest(), timeout=5)
+    limit = info.max_req_input_len
+    assert limit == info.max_context_length - 2
+    body = [400 + i % 30 for i in range(limit + 1)]  # no BOS first
+    (done,) = engine.Generate(_request(body[:limit], temperature=0.0, max_tokens=1), timeout=60)
+    assert done.complete.prompt_tokens == limit + 1 and len(done.complete.output_ids) == 1
+    with pytest.raises(grpc.RpcError) as refused:
+        list(engine.Generate(_request(body, temperature=0.0, max_tokens=1), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == (
+        f"tokenized.input_ids has {limit + 1} tokens, and with the BOS this server puts first (as its own encoding "
+        f"of text starts) {limit + 2}; a prompt must be shorter than max_model_len={info.max_context_length} "
+        f"(GetModelInfo's max_req_input_len: {limit})")
