@@ -68,17 +68,44 @@ class GenerateStream(_MovingStream):
 
 
 class AsyncGenerateStream(_MovingStream):
-    """:class:`GenerateStream` for :class:`AsyncClient`: ``async for chunk in stream``."""
+    """:class:`GenerateStream` for :class:`AsyncClient`: ``async for chunk in stream``.
+
+    As with the blocking stream, leaving the loop early (``break``, an exception in its body) cancels
+    the RPC, and the server frees the request's blocks: grpc.aio keeps a call running while the
+    stream object lives, so an abandoned request ran to ``max_tokens`` (a slot and its KV blocks held)
+    until the client closed. ``cancel()`` makes the reading loop raise ``grpc.RpcError`` (CANCELLED),
+    as the blocking stream's does, not grpc.aio's ``asyncio.CancelledError``, which ``except
+    grpc.RpcError`` misses and asyncio reads as the task's own cancellation.
+    """
+
+    _cancelled_by_caller = False
+
+    def cancel(self) -> bool:
+        """Cancels the RPC (the server frees the request's KV blocks); the reading loop raises ``grpc.RpcError``."""
+        self._cancelled_by_caller = True
+        return self._call.cancel()
 
     async def _chunks(self) -> AsyncIterator[StreamChunk]:
-        while True:
-            try:
-                async for response in self._call:
-                    yield chunk_of(self._mover.delivered(response) if self._mover else response)
-                return
-            except grpc.RpcError as exc:
-                await asyncio.sleep(self._move(exc))
-                self._restart()
+        finished = False
+        try:
+            while True:
+                try:
+                    async for response in self._call:
+                        yield chunk_of(self._mover.delivered(response) if self._mover else response)
+                    finished = True
+                    return
+                except grpc.RpcError as exc:
+                    await asyncio.sleep(self._move(exc))
+                    self._restart()
+                except asyncio.CancelledError:
+                    if not self._cancelled_by_caller:
+                        raise  # the task's own cancellation (a timeout, a shutdown): asyncio's to handle
+                    finished = True
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               "Locally cancelled by application!") from None
+        finally:
+            if not finished:  # the loop was left early (break, an exception): end the request on the server
+                self._call.cancel()
 
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self._chunks()

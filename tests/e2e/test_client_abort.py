@@ -84,3 +84,37 @@ def test_abort_over_two_replicas_ends_the_stream_on_whichever_runs_it(shared_ser
         return counts
 
     assert asyncio.run(run()) == [1, 1]
+
+
+def test_leaving_an_async_stream_early_ends_the_request_and_cancel_raises_rpc_error(
+        shared_servers: SharedServers) -> None:
+    """``break`` out of ``async for`` ended nothing: grpc.aio keeps a call running while its stream object lives, so
+    the request ran to max_tokens (its slot and KV blocks held) until the client closed; the blocking stream ends
+    it at once. And ``stream.cancel()`` made the loop raise ``asyncio.CancelledError``, not ``grpc.RpcError``."""
+    import grpc
+
+    cluster = shared_servers.get(None, 1)
+
+    async def run() -> tuple[list[float], grpc.StatusCode]:
+        async with AsyncClient(cluster.target, move_policy=MovePolicy(max_moves=0)) as client:
+            stream = client.generate_stream("Once upon a time", **STREAM)  # the object outlives the loop
+            async for _ in stream:
+                break
+            running = []
+            for _ in range(50):  # the server sees the cancel within a step or two
+                await asyncio.sleep(0.1)
+                running.append(cluster.metric("tpserve:num_requests_running"))
+                if running[-1] == 0:
+                    break
+            cancelled = client.generate_stream("Once upon a time", **STREAM)
+            asyncio.get_running_loop().call_later(0.3, cancelled.cancel)
+            try:
+                async for _ in cancelled:
+                    pass
+            except grpc.RpcError as exc:
+                return running, exc.code()
+            raise AssertionError("the cancelled stream ended without an error")
+
+    running, code = asyncio.run(run())
+    assert running[-1] == 0, running
+    assert code == grpc.StatusCode.CANCELLED
