@@ -134,9 +134,34 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any], method: str) -> Call
     return wrapped
 
 
-async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str, request: _Undecodable) -> None:
+async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str, request: _Undecodable,
+                              errors: ErrorCount | None) -> None:
     log.warning("malformed request", method=method, error=request.reason)
+    if errors is not None:
+        errors.count(method, grpc.StatusCode.INVALID_ARGUMENT)
     await _end_call(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+
+class ErrorCount:
+    """Counts the RPCs of our services that end with a status other than OK (``tpserve:rpc_errors_total{method,
+    code}``), and logs each one but a cancel (a warning per status code, rate-limited as every warning is:
+    tpserve/log.py), with the request id and, but for INVALID_ARGUMENT (whose text may quote a request's
+    content), the status's text. A shedding replica's refusals (RESOURCE_EXHAUSTED) and bad requests showed
+    in no metric and no log line.
+
+    Args:
+        counter: the labelled counter (coordinator/metrics.py ``rpc_errors``).
+    """
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+
+    def count(self, method: str, code: grpc.StatusCode, request_id: str = "", details: str = "") -> None:
+        self.counter.labels(method=method, code=code.name).inc()
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
+            return  # a client's own cancel; an internal error has its own line, with its traceback
+        fields = {} if code is grpc.StatusCode.INVALID_ARGUMENT else {"details": details[:300]}
+        log.warning(f"request refused: {code.name}", method=method, request_id=request_id, **fields)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -144,7 +169,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     Also decodes requests itself: bytes that are not the method's request message, or
     more than MAX_REQUEST_BYTES of them, get INVALID_ARGUMENT (docs/design/faults.md, "Size caps, chosen together").
+    ``errors``: where each status but OK is counted and logged (None: nowhere).
     """
+
+    def __init__(self, errors: ErrorCount | None = None) -> None:
+        self.errors = errors
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -159,12 +188,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, _Undecodable):
-                    await _refuse_undecodable(context, method, request)
+                    await _refuse_undecodable(context, method, request, self.errors)
                     return  # the abort ended the call (gRPC ends it on the abort even if its status could not go out)
                 try:
                     return await inner(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
-                    await _abort(context, method, request, exc)
+                    await _abort(context, method, request, exc, self.errors)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, _safe_deserializer(handler.request_deserializer, method), handler.response_serializer)
@@ -173,12 +202,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
                 if isinstance(request, _Undecodable):
-                    await _refuse_undecodable(context, method, request)
+                    await _refuse_undecodable(context, method, request, self.errors)
                     return  # the abort ended the call (gRPC ends it on the abort even if its status could not go out)
                 try:
                     await inner_writer(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
-                    await _abort(context, method, request, exc)
+                    await _abort(context, method, request, exc, self.errors)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream_writer, _safe_deserializer(handler.request_deserializer, method),
@@ -188,25 +217,29 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Undecodable):
-                    await _refuse_undecodable(context, method, request)
+                    await _refuse_undecodable(context, method, request, self.errors)
                     return  # the abort ended the call (gRPC ends it on the abort even if its status could not go out)
                 try:
                     async for response in inner_stream(request, context):
                         yield response
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
-                    await _abort(context, method, request, exc)
+                    await _abort(context, method, request, exc, self.errors)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, _safe_deserializer(handler.request_deserializer, method), handler.response_serializer)
         return handler
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, exc: Exception) -> None:
+async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, exc: Exception,
+                 errors: ErrorCount | None = None) -> None:
     """Ends the call with ``exc``'s status (ARCHITECTURE.md's table); INTERNAL, logged, for anything unmapped."""
+    request_id = getattr(request, "request_id", "")
     if isinstance(exc, grpc.aio.InternalError):
         # A write or an abort failed: the call had ended under the handler (its deadline passed in gRPC's
         # core, or the client left). Record an abort, so that gRPC ends the call quietly (_end_call).
         ended = grpc.StatusCode.DEADLINE_EXCEEDED if (context.time_remaining() or 1.0) <= 0 else grpc.StatusCode.CANCELLED
+        if errors is not None:
+            errors.count(method, ended, request_id, "the call ended before its response was sent")
         try:
             await _end_call(context, ended, "the call ended before its response was sent")
         except grpc.aio.UsageError:
@@ -215,6 +248,9 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, e
     # context.abort raises an exception of grpc's own to end the call: let it through.
     if type(exc).__module__.startswith("grpc"):
         raise exc
+    if errors is not None:
+        errors.count(method, exc.code if isinstance(exc, TpserveError) else grpc.StatusCode.INTERNAL, request_id,
+                     str(exc))
     if isinstance(exc, ResourceExhaustedError):  # server pushback, read by the client's retry policy
         pushback = NO_RETRY_PUSHBACK_MS if exc.retry_pushback_ms is None else exc.retry_pushback_ms
         await _end_call(context, exc.code, str(exc),
@@ -222,7 +258,7 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, e
     elif isinstance(exc, TpserveError):
         await _end_call(context, exc.code, str(exc), exc.trailing_metadata)
     else:
-        request_id = getattr(request, "request_id", "") or f"unnamed-{uuid.uuid4().hex[:8]}"
+        request_id = request_id or f"unnamed-{uuid.uuid4().hex[:8]}"
         log.exception("internal error", method=method, request_id=request_id)
         await _end_call(context, grpc.StatusCode.INTERNAL,
                         f"internal error in request {request_id}: {type(exc).__name__}: {exc}")

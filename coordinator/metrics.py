@@ -83,6 +83,12 @@ class Metrics:
         self.lora_generation_tokens = Counter(
             "tpserve:lora_generation_tokens", "Tokens generated under a LoRA adapter by finished requests, by adapter.",
             ["lora_name"], registry=r)
+        # Every status but OK that an RPC of our services ends with (coordinator/errors.py ErrorCount): methods and
+        # codes are few, so the label sets are bounded.
+        self.rpc_errors = Counter(
+            "tpserve:rpc_errors", "RPCs of tpserve's services that ended with a status other than OK, by method and "
+            "status code (refusals included: RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...).", ["method", "code"],
+            registry=r)
         self.worker_restarts = Counter(
             "tpserve:worker_restarts", "Times the worker group was restarted after losing a rank.", registry=r)
         self.requests_resumed = Counter(

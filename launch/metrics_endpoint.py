@@ -45,6 +45,6 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> i
 
     family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server_class = type("MetricsServer", (_Server,), {"address_family": family})
-    httpd = make_server(host, port, text_format, server_class, handler_class=_QuietHandler)
+    httpd: WSGIServer = make_server(host, port, text_format, server_class, handler_class=_QuietHandler)
     threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return httpd.server_port

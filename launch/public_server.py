@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from coordinator.auth import ApiKeyInterceptor, read_api_keys
 from coordinator.cache_isolation import share_tenant_key
 from coordinator.engine import Engine
-from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorInterceptor
+from coordinator.errors import MAX_RECEIVE_MESSAGE_BYTES, ErrorCount, ErrorInterceptor
 from coordinator.gc_policy import set_serving_gc_thresholds
 from coordinator.grammar_compiler import GrammarCompiler
 from coordinator.kv_transfer.connector import KVConnector
@@ -194,7 +194,8 @@ class PublicServer:
             raise StartupError(f"cannot read the API keys: {exc}") from exc
         # The key check runs first: an unauthenticated call never reaches validation.
         self.api_keys = ApiKeyInterceptor(keys, operator_keys) if keys or operator_keys else None
-        interceptors = ([self.api_keys] if self.api_keys else []) + [ErrorInterceptor()]
+        errors = ErrorInterceptor(ErrorCount(self.metrics.rpc_errors))  # every status but OK: counted and logged
+        interceptors = ([self.api_keys] if self.api_keys else []) + [errors]
         options = [*_PUBLIC_SERVER_OPTIONS, *connection_options(cfg.handshake_timeout_seconds, self.max_connections)]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         # Structured output grammars compile in child processes, bounded in time (docs/design/sampling.md, "Grammars
