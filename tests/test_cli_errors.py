@@ -149,6 +149,23 @@ def test_flag_errors_are_one_line_naming_flags(argv, expected, capsys, monkeypat
     assert "_" not in expected.split(": ", 1)[1].split(" ")[0], "a YAML key where a flag was meant"
 
 
+@pytest.mark.parametrize("text, expected", [
+    (b"server: {port: 53060\n", "line 2, column 1: expected ',' or '}', but got '<stream end>'"),
+    (b"server:\n  port: 1\n bad: 2\n", "line 3, column 2: expected <block end>, but found '<block mapping start>'"),
+    (b"server:\n  host: \xc3(\n", "position 16: unacceptable character #x00c3: invalid continuation byte"),
+    (b"- server\n", "expected a mapping of sections, got list"),
+    (b"server: 5\n", "section server: expected a mapping of fields, got int"),
+])
+def test_a_malformed_config_file_is_one_line_naming_it(text, expected, tmp_path, capsys, monkeypatch):
+    """A --config file PyYAML cannot parse: one line naming the file and where parsing stopped, exit status 2 (it was
+    a 56-line traceback naming "<unicode string>", exit status 1)."""
+    monkeypatch.setattr("tpserve.log.configure_logging", lambda *args, **kwargs: None)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_bytes(text)
+    assert main(["serve", "--config", "bad.yaml"]) == 2
+    assert _one_line(capsys.readouterr().err) == f"tpserve serve: --config bad.yaml: {expected}"
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["serve", "--quantization", "foo"], "tpserve serve: argument --quantization: invalid choice: 'foo' (choose from "
                                          "'int8', 'int4', 'fp8') (`tpserve serve --help` lists the flags)"),

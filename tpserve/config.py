@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 
 from tpserve.config_base import INT32_MAX, FrozenSection
+from tpserve.config_file import read_config_file
 from tpserve.cpu_binding import parse_bind
 from tpserve.kv_transfer_config import KVTransferSection
 from tpserve.kv_wire import is_loopback
@@ -410,15 +410,11 @@ class ClusterConfig(FrozenSection):
                 mean "not given" and are ignored.
 
         Raises:
-            ValueError: unknown section or field, or a value out of range.
+            ValueError: not YAML or not a mapping of sections (one line naming the file and, for a
+                syntax error, the line and column), an unknown section or field, or a value out of range.
             OSError: the YAML file cannot be read.
         """
-        data: dict[str, dict[str, Any]] = {}
-        if yaml_path is not None:
-            loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{yaml_path}: expected a mapping of sections, got {type(loaded).__name__}")
-            data = {section: dict(values or {}) for section, values in loaded.items()}
+        data = read_config_file(yaml_path) if yaml_path is not None else {}
         for section, values in (overrides or {}).items():
             data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
         return cls.model_validate(data)
