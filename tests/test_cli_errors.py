@@ -11,6 +11,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -18,7 +20,10 @@ import pytest
 from launch.cli import main
 from tests.e2e.cluster import free_port
 from tpserve.client import describe_rpc_error, with_default_port
+from tpserve.cli import EXIT_STDOUT_CLOSED
 from tpserve.embedded_model import default_model_dir
+from tpserve.v1 import generate_pb2 as pb
+from tpserve.v1 import generate_pb2_grpc
 
 TPSERVE = [sys.executable, "-m", "launch.cli"]
 
@@ -116,6 +121,55 @@ def test_no_server_says_what_to_check():
     line = _one_line(run.stderr)
     assert line.startswith("UNAVAILABLE: ") and f"no tpserve server answers at 127.0.0.1:{port}" in line
     assert "start one (tpserve serve) or check --target" in line
+
+
+class _ChattyServer(generate_pb2_grpc.GenerationServicer):
+    """A stream whose first word comes at once and the rest once ``rest`` is set; model info at once."""
+
+    def __init__(self) -> None:
+        self.rest = threading.Event()
+
+    def GetModelInfo(self, request, context):
+        return pb.ModelInfo(model_name="chatty", max_model_len=512)
+
+    def GenerateStream(self, request, context):
+        yield pb.GenerateStreamResponse(request_id="r", text="Once upon", token_ids=[1])
+        self.rest.wait(30)
+        for i in range(200):
+            yield pb.GenerateStreamResponse(request_id="r", text=" a time", token_ids=[2 + i])
+        yield pb.GenerateStreamResponse(request_id="r", text=".", token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+@pytest.fixture
+def chatty():
+    servicer = _ChattyServer()
+    server = grpc.server(ThreadPoolExecutor(4))
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        servicer.rest.set()
+        server.stop(None)
+
+
+def test_a_reader_that_closes_early_ends_the_command_quietly(chatty):
+    """`tpserve generate --stream ... | head -c 5`, `tpserve info | head -1`: the reader gone, the command stops
+    without a word and exits 128 + SIGPIPE, as a tool SIGPIPE ends (it printed "None: Broken pipe", exit status 2,
+    documented as bad flags)."""
+    servicer, target = chatty
+    stream = subprocess.Popen(TPSERVE + ["generate", "--target", target, "--stream", "Once"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert stream.stdout.read(5) == b"Once "  # head -c 5
+    stream.stdout.close()
+    servicer.rest.set()  # the rest of the stream is printed to a pipe nobody reads
+    info = subprocess.Popen(TPSERVE + ["info", "--target", target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    info.stdout.close()  # gone before the first line
+    for process in (stream, info):
+        assert process.wait(timeout=60) == EXIT_STDOUT_CLOSED == 141
+        assert process.stderr.read() == b""
+        process.stderr.close()
 
 
 @pytest.mark.parametrize("argv, expected", [

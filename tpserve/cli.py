@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -249,10 +251,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
-    """Runs ``generate``, ``info`` or ``bench`` (parsed by :func:`build_parser`); returns the exit code.
+    """Runs ``generate``, ``info`` or ``bench`` (parsed by :func:`build_parser`); returns the exit code,
+    :data:`EXIT_STDOUT_CLOSED` without a word where the reader of stdout went away (``| head``).
     ``serve`` starts processes and runs in the launch package (launch/cli.py, the ``tpserve`` command)."""
-    if args.command == "bench":
-        return bench_cli.main(args)
+    try:
+        code = bench_cli.main(args) if args.command == "bench" else _run_call(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone by now raises below, not in the interpreter's flush
+    except BrokenPipeError:
+        return _stdout_closed()
+    return code
+
+
+#: What a client command exits with when its stdout's reader went away: 128 + SIGPIPE, as the shell reports
+#: a tool SIGPIPE ended (``yes | head -1``), so ``set -o pipefail`` still sees that the output was cut.
+EXIT_STDOUT_CLOSED = 128 + int(signal.SIGPIPE)
+
+
+def _stdout_closed() -> int:
+    """Python's recipe (the signal module's "Note on SIGPIPE"): stdout now writes to /dev/null, so that
+    the interpreter's flush at exit raises no second BrokenPipeError ("Exception ignored ..."). Its
+    ``sys.exit(1)`` would read as a failed call here (README: exit status 1); SIGPIPE itself stays
+    ignored, as Python sets it: its default action would also kill the process on a gRPC socket a
+    server closed."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_STDOUT_CLOSED
+
+
+def _run_call(args: argparse.Namespace) -> int:
+    """``generate`` or ``info``: the exit code, a failure reported in one line (2: bad flags or files, 1: the
+    call failed)."""
     try:
         return generate_command.generate(args) if args.command == "generate" else _info(args)
     except generate_command.UsageError as exc:
@@ -264,6 +293,8 @@ def run_client_command(args: argparse.Namespace) -> int:
         print(describe_rpc_error(exc, with_default_port(args.target), tls=generate_command.credentials(args).tls),
               file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # stdout's reader is gone, not a file of ours: run_client_command ends quietly
     except OSError as exc:  # a credentials file
         print(f"tpserve {args.command}: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
