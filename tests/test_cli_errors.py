@@ -180,6 +180,14 @@ def test_a_reader_that_closes_early_ends_the_command_quietly(chatty):
     (["serve", "--nnodes", "2"], "tpserve serve: --tensor-parallel-size=1 is not divisible by --nnodes=2"),
     (["serve", "--max-num-seqs", "0"], "tpserve serve: --max-num-seqs: Input should be greater than or equal to 1"),
     (["serve", "--port", "99999"], "tpserve serve: --port: Input should be less than or equal to 65535"),
+    (["serve", "--otlp-traces-endpoint", "http://127.0.0.1:99999"],
+     "tpserve serve: --otlp-traces-endpoint: http://127.0.0.1:99999 needs a port in 1-65535"),
+    (["serve", "--otlp-traces-endpoint", "ftp://x:1"],
+     "tpserve serve: --otlp-traces-endpoint: ftp://x:1 is not OTLP over gRPC (scheme ftp): give http://HOST:PORT, "
+     "https://HOST:PORT (TLS), grpc://HOST:PORT or HOST:PORT"),
+    (["serve", "--otlp-traces-endpoint", "notaurl"],
+     "tpserve serve: --otlp-traces-endpoint: notaurl is not a collector's address: give http://HOST:PORT, "
+     "https://HOST:PORT (TLS), grpc://HOST:PORT or HOST:PORT"),
     (["serve", "--config", "/nonexistent/tpserve.yaml"],
      "tpserve serve: --config /nonexistent/tpserve.yaml: No such file or directory"),
     (["serve", "--num-scheduler-steps", "4", "--async-scheduling"],

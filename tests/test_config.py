@@ -27,6 +27,27 @@ def test_invalid_values_name_the_field(tmp_path: Path) -> None:
         ClusterConfig.load_from(None, {"scheduler": {"max_num_sequences": 3}})
 
 
+@pytest.mark.parametrize("endpoint", ["http://otel-collector:4317", "https://otel.example.com:443", "grpc://localhost:4317",
+                                      "localhost:4317", "HTTP://10.0.0.7:4317/", "[::1]:4317", "http://[::1]:4317", ""])
+def test_otlp_traces_endpoint_takes_what_the_exporter_dials(endpoint: str) -> None:
+    server = ClusterConfig.load_from(None, {"server": {"otlp_traces_endpoint": endpoint}}).server
+    assert server.otlp_traces_endpoint == endpoint
+
+
+@pytest.mark.parametrize("endpoint, refused", [
+    ("http://127.0.0.1:99999", "needs a port in 1-65535"), ("http://x:0", "needs a port in 1-65535"),
+    ("x:port", "needs a port in 1-65535"), ("ftp://x:1", "is not OTLP over gRPC (scheme ftp)"),
+    ("unix:///tmp/otel.sock", "is not OTLP over gRPC (scheme unix)"), ("notaurl", "is not a collector's address"),
+    ("http://otel-collector", "is not a collector's address"), ("http://:4317", "is not a collector's address"),
+    ("http://user:secret@x:4317", "is not a collector's address"), ("x:4317/v1/traces", "is not a collector's address"),
+])
+def test_otlp_traces_endpoint_refuses_what_the_exporter_cannot_dial(endpoint: str, refused: str) -> None:
+    """Each of these started a server whose exporter failed only after the first request, in its retry warnings."""
+    with pytest.raises(ValidationError, match="otlp_traces_endpoint") as info:
+        ClusterConfig.load_from(None, {"server": {"otlp_traces_endpoint": endpoint}})
+    assert f"{endpoint} {refused}" in str(info.value)
+
+
 def test_serve_flags_follow_vllm_names() -> None:
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--max-num-seqs", "8",
                                       "--max-num-batched-tokens", "512", "--block-size", "8", "--max-model-len", "256",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tpserve.config_base import INT32_MAX, FrozenSection
 from tpserve.config_file import read_config_file
@@ -22,6 +22,7 @@ from tpserve.cpu_binding import parse_bind
 from tpserve.kv_transfer_config import KVTransferSection
 from tpserve.kv_wire import is_loopback
 from tpserve.lora_config import LoRAConfig
+from tpserve.otlp_endpoint import check_otlp_endpoint
 from tpserve.quantization import Quantization
 from tpserve.speculative_config import SpeculativeConfig
 
@@ -267,8 +268,9 @@ class ServerConfig(FrozenSection):
             step's tokens; more: fewer messages, less coordinator CPU per token
             (coordinator/output_collector.py).
         otlp_traces_endpoint: OTLP/gRPC collector to send each request's trace spans to
-            (vLLM's ``--otlp-traces-endpoint``; coordinator/tracing.py); None: no tracing, at
-            no cost. Needs the ``tracing`` extra.
+            (vLLM's ``--otlp-traces-endpoint``; coordinator/tracing.py): ``http://HOST:PORT``,
+            ``https://HOST:PORT``, ``grpc://HOST:PORT`` or ``HOST:PORT`` (tpserve/otlp_endpoint.py);
+            None: no tracing, at no cost. Needs the ``tracing`` extra.
     """
 
     host: str = "0.0.0.0"
@@ -290,7 +292,7 @@ class ServerConfig(FrozenSection):
     handshake_timeout_seconds: float = Field(10.0, gt=0)
     max_connections: int | None = Field(None, ge=1, le=INT32_MAX)
     health_port: int | None = Field(None, ge=0, le=65535)
-    otlp_traces_endpoint: str | None = None
+    otlp_traces_endpoint: Annotated[str, AfterValidator(check_otlp_endpoint)] | None = None
 
     @model_validator(mode="after")
     def _check_tls(self) -> ServerConfig:
