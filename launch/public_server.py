@@ -295,7 +295,7 @@ class PublicServer:
 
     def serving_fields(self, nnodes: int) -> dict[str, object]:
         """What is on, for the one ``serving`` log line: the model and how it is run, the KV cache, the
-        features, the security of the public port and where the metrics are."""
+        features, the security of the public port and where the metrics and the traces go."""
         cfg, info, engine = self.config, self.servicer.model_info, self.servicer.engine
         spec = cfg.speculative
         server = cfg.server
@@ -318,6 +318,7 @@ class PublicServer:
             operator_api_key="on" if server.operator_api_key or server.operator_api_key_file else "off",
             metrics_url=(f"http://{_url_host(server.host)}:{self.metrics_port}/metrics"
                          if self.metrics_port is not None else "off"),
+            otlp_traces_endpoint=server.otlp_traces_endpoint or "off",
             version=__version__,
         )
 

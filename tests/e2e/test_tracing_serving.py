@@ -34,7 +34,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def test_serve_exports_each_request_as_a_trace_under_the_callers_span(monkeypatch) -> None:
+def test_serve_exports_each_request_as_a_trace_under_the_callers_span(monkeypatch, tmp_path) -> None:
     receiver = Receiver()
     collector = grpc.server(ThreadPoolExecutor(2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, collector)
@@ -43,7 +43,8 @@ def test_serve_exports_each_request_as_a_trace_under_the_callers_span(monkeypatc
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the batch processor's export interval, ms
     monkeypatch.setenv("POD_NAME", "tpserve-e2e-0")
     try:
-        with serve(None, 1, "--otlp-traces-endpoint", f"http://127.0.0.1:{collector_port}") as cluster:
+        log = tmp_path / "serve.log"
+        with serve(None, 1, "--otlp-traces-endpoint", f"http://127.0.0.1:{collector_port}", log_path=log) as cluster:
             with TracerProvider().get_tracer("caller").start_as_current_span("caller") as caller:
                 chunks = list(cluster.client.generate_stream("Once upon a time", max_tokens=8, temperature=0,
                                                              ignore_eos=True))
@@ -53,6 +54,9 @@ def test_serve_exports_each_request_as_a_trace_under_the_callers_span(monkeypatc
                 time.sleep(0.05)
     finally:
         collector.stop(None)
+    # The one line that says what is on says where the spans go.
+    (serving,) = [line for line in log.read_text(errors="replace").splitlines() if " serving " in line]
+    assert f"otlp_traces_endpoint=http://127.0.0.1:{collector_port}" in serving, serving
     timings = chunks[-1].timings
     assert timings is not None and timings.replica.endswith("@tpserve-e2e-0")
     assert timings.decode_time_s > 0 and timings.prefill_time_s > 0

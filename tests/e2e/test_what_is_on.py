@@ -57,7 +57,7 @@ def test_one_serving_line_lists_the_configuration(int8_ngram):
     for field in ("dtype=float32", "quantization=int8", "tensor_parallel_size=1", "nnodes=1", "num_kv_blocks=64",
                   "kv_cache_tokens=1024", "kv_cache_layout=per_head:2x4x16", "max_model_len=512", "enable_prefix_caching=True",
                   "speculative_method=ngram", "num_speculative_tokens=2", "async_scheduling=off", "event_loop=uvloop", "sched_policy=batch", "tls=off",
-                  "api_key=off",
+                  "api_key=off", "otlp_traces_endpoint=off",
                   f"address=127.0.0.1:{cluster.port}",
                   f"metrics_url=http://127.0.0.1:{cluster.metrics_port}/metrics", f"version={__version__}",
                   "served_model_name=tpserve-tiny-stories"):
