@@ -127,7 +127,7 @@ class Leader:
         set_policy("batch")
         self.shutdown.install_signal_handlers(reload=self.public.reload)
         await self.public.start(self.layout.nnodes)
-        check_kv_side_channel(self.config, self.layout.node_ranks())  # after --port is bound: it may be the same
+        check_kv_side_channel(self.config, self.layout.node_ranks())
         engine_task = None
         try:
             ready = asyncio.create_task(self._start_group())

@@ -182,10 +182,10 @@ def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredenti
 
 def check_kv_side_channel(config: ClusterConfig, ranks: Iterable[int]) -> None:
     """Refuses, in one line naming the field and the address, a KV side channel (``--kv-transfer-config``)
-    that this host's ``ranks`` could not bind: an address not on this machine, or a port in use (another
-    process, or this server's own ``--port``). Checked before the ranks start, so that the failure is not a
-    rank's traceback followed by "worker group lost"; a port taken in between still fails the rank
-    (worker/main.py says so in one line too).
+    that this host's ``ranks`` could not bind: an address not on this machine, or a port another process
+    holds (one of this server's own ports is refused with the configuration: tpserve/leader_ports.py).
+    Checked before the ranks start, so that the failure is not a rank's traceback followed by "worker
+    group lost"; a port taken in between still fails the rank (worker/main.py says so in one line too).
 
     Raises:
         StartupError: naming ``kv_connector_extra_config.side_channel_host`` or ``side_channel_port``.

@@ -68,6 +68,15 @@ def test_taken_port_is_one_line_naming_the_flag(taken_port):
     assert line.startswith(f"tpserve serve: --port {taken_port}: ") and "choose another --port" in line
 
 
+def test_two_of_its_own_ports_on_one_number_are_a_flag_error():
+    """`--port P --metrics-port P`: refused before any bind, naming both flags, exit status 2 (the second bind said
+    another process listened there, exit status 1)."""
+    port = _free_port()
+    run = _run(["serve", "--port", str(port), "--metrics-port", str(port)])
+    assert run.returncode == 2
+    assert _one_line(run.stderr) == f"tpserve serve: --metrics-port {port} is also --port; choose another --metrics-port"
+
+
 def test_taken_store_port_names_it_and_the_master_port_flag():
     """A multi-host leader's rendezvous store port, --master-port + 1, taken: refused at start-up naming both ports and
     the flag (it was "rank 0: OSError: [Errno 98] Address already in use", after every node had joined and loaded)."""

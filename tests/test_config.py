@@ -48,6 +48,43 @@ def test_otlp_traces_endpoint_refuses_what_the_exporter_cannot_dial(endpoint: st
     assert f"{endpoint} {refused}" in str(info.value)
 
 
+TWO_HOSTS = ["--nnodes", "2", "--tensor-parallel-size", "2", "--master-addr", "10.0.0.7", "--master-port", "29500"]
+KV = ["--tensor-parallel-size", "2", "--kv-transfer-config", '{"kv_connector": "NixlConnector"}']  # ports 5600, 5601
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "53060", "--metrics-port", "53060"], "--metrics-port 53060 is also --port; choose another --metrics-port"),
+    (["--port", "53060", "--health-port", "53061", "--metrics-port", "53061"],
+     "--metrics-port 53061 is also --health-port; choose another --metrics-port"),
+    (["--health-port", "50051"], "--health-port 50051 is also --port; choose another --health-port"),
+    (["--port", "29500", *TWO_HOSTS], "--master-port 29500 is also --port; choose another --master-port"),
+    (["--metrics-port", "29501", *TWO_HOSTS],
+     "--master-port 29500 + 1 (the rendezvous store) is also --metrics-port; choose another --master-port"),
+    (["--port", "5601", *KV], "--kv-transfer-config's side_channel_port 5600 + 1 (rank 1's KV side channel) is also "
+                              "--port; choose another side_channel_port"),
+])
+def test_two_of_the_leaders_ports_on_one_number_name_both_flags(argv: list[str], message: str) -> None:
+    """Refused with the configuration, before anything binds: the second bind blamed "another process"."""
+    from tpserve.cli import config_error, serve_config
+
+    with pytest.raises(ValueError) as info:
+        serve_config(build_parser().parse_args(["serve", *argv]))
+    assert config_error(info.value) == message
+
+
+@pytest.mark.parametrize("argv", [
+    ["--port", "0", "--metrics-port", "0", "--health-port", "0"],  # each a port the system chooses
+    ["--port", "29500", "--metrics-port", "29501"],  # one host: no registry, no store (a rendezvous file)
+    ["--port", "29502", *TWO_HOSTS],  # the ranks' ports, master + 2 + r, are the headless nodes'
+    ["--port", "29501", "--nnodes", "2", "--tensor-parallel-size", "2", "--node-rank", "1", "--headless",
+     "--master-addr", "10.0.0.7"],  # a headless node binds neither --port nor the store
+])
+def test_ports_that_do_not_clash(argv: list[str]) -> None:
+    from tpserve.cli import serve_config
+
+    serve_config(build_parser().parse_args(["serve", *argv]))
+
+
 def test_serve_flags_follow_vllm_names() -> None:
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--max-num-seqs", "8",
                                       "--max-num-batched-tokens", "512", "--block-size", "8", "--max-model-len", "256",

@@ -21,6 +21,7 @@ from tpserve.config_file import read_config_file
 from tpserve.cpu_binding import parse_bind
 from tpserve.kv_transfer_config import KVTransferSection
 from tpserve.kv_wire import is_loopback
+from tpserve.leader_ports import check_port_clashes
 from tpserve.lora_config import LoRAConfig
 from tpserve.otlp_endpoint import check_otlp_endpoint
 from tpserve.quantization import Quantization
@@ -385,6 +386,11 @@ class ClusterConfig(FrozenSection):
         if isinstance(lists, tuple) and len(lists) != local_ranks:
             raise ValueError(f"cpu_omp_threads_bind={self.load.cpu_omp_threads_bind!r} names {len(lists)} core "
                              f"lists for {local_ranks} ranks per host: give one per rank, '|'-separated")
+        return self
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> ClusterConfig:
+        check_port_clashes(self)  # two of the leader's ports on one number, named (tpserve/leader_ports.py)
         return self
 
     def async_scheduling_on(self, device: str, spare_core: bool = False) -> bool:

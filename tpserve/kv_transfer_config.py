@@ -195,8 +195,8 @@ def side_channel_bind_error(host: str, port: int, rank: int, exc: OSError) -> st
     """One line for a side channel that cannot be bound: which field, which address, why."""
     where = f"{host}:{port + rank} (rank {rank}'s: side_channel_port {port} + {rank})"
     if exc.errno == errno.EADDRINUSE:
-        return (f"--kv-transfer-config: kv_connector_extra_config.side_channel_port: {where} is in use (by another "
-                "process, or this server's --port / --metrics-port); choose another side_channel_port")
+        return (f"--kv-transfer-config: kv_connector_extra_config.side_channel_port: {where} is in use by another "
+                "process; choose another side_channel_port")  # this server's own ports: tpserve/leader_ports.py
     if exc.errno == errno.EADDRNOTAVAIL:
         return (f"--kv-transfer-config: kv_connector_extra_config.side_channel_host {host} is not an address of "
                 f"this machine: cannot listen on {where}")

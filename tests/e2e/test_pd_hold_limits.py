@@ -8,6 +8,7 @@ that nobody pulls (no decode replica): what ``repro/hold_exhaustion.py`` and ``s
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -80,13 +81,17 @@ def _serve_fails(*flags: str) -> tuple[int, str]:
 
 
 def test_a_side_channel_port_in_use_is_one_line_naming_the_field() -> None:
-    """F7: the API port as the side channel's (as the probe did) fails in one line, no rank traceback."""
-    port = free_port()
-    code, err = _serve_fails("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port()),
-                             "--kv-transfer-config", kv_transfer_config("kv_both", port, "x"))
+    """F7: a side channel port another process listens on fails in one line, no rank traceback (the server's own
+    --port there, as the probe did, is refused with the configuration: tests/test_config.py)."""
+    with socket.socket() as other:
+        port = free_port()
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        code, err = _serve_fails("--host", "127.0.0.1", "--port", str(free_port()), "--metrics-port", str(free_port()),
+                                 "--kv-transfer-config", kv_transfer_config("kv_both", port, "x"))
     assert code == 1 and "Traceback" not in err and "worker group lost" not in err
     assert (f"tpserve serve: --kv-transfer-config: kv_connector_extra_config.side_channel_port: 127.0.0.1:{port} "
-            "(rank 0's: side_channel_port") in err and "is in use" in err
+            "(rank 0's: side_channel_port") in err and "is in use by another process" in err
 
 
 def test_a_side_channel_host_not_on_this_machine_is_one_line_naming_the_field(tmp_path) -> None:
