@@ -199,3 +199,14 @@ def test_lora_adapter_calls_send_the_same_requests_from_both_drivers() -> None:
     listed = pb.ListLoRAAdaptersResponse(adapters=[pb.LoRAAdapter(name="a", path="/a", slot=1)], max_loras=2)
     for value, calls in _run_both(lambda c: c.list_lora_adapters(10.0), [listed]):
         assert value == listed and calls[0][0] == "ListLoRAAdapters"
+
+
+def test_an_async_client_made_outside_an_event_loop_says_so_at_once() -> None:
+    """grpc.aio binds a channel to the loop it is made on: one made outside failed only at its first call, with
+    grpc's "Task ... got Future ... attached to a different loop"."""
+    import pytest
+
+    from tpserve.client import AsyncClient
+
+    with pytest.raises(RuntimeError, match="AsyncClient must be created inside a running event loop"):
+        AsyncClient("127.0.0.1:1")

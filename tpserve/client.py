@@ -213,11 +213,20 @@ class AsyncClient(_ClientBase):
     iterables (``generate_stream`` itself is not awaited).
 
     Create it inside a running event loop (``async with AsyncClient(target) as client``).
+
+    Raises:
+        RuntimeError: no event loop is running (grpc.aio binds the channel to the loop it is made on; one made
+            outside failed only at its first call, with grpc's "attached to a different loop").
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
                  credentials: Credentials = Credentials(), move_policy: MovePolicy = MovePolicy(),
                  retry_policy: RetryPolicy = RetryPolicy(), keepalive: Keepalive = Keepalive()) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("AsyncClient must be created inside a running event loop (in a coroutine: "
+                               "async with AsyncClient(target) as client); use Client outside one") from None
         options = channel_options(load_balancing_policy, retry_policy, keepalive)
         target = with_default_port(target)
         super().__init__(grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
