@@ -123,6 +123,29 @@ def test_a_bad_draft_model_directory_names_speculative_model(tmp_path, draft, ex
     assert _one_line(run.stderr) == "tpserve serve: --speculative-model " + expected.format(draft=path)
 
 
+@pytest.mark.parametrize("command", ["generate", "info", "bench"])
+@pytest.mark.parametrize("given, missing", [("--ssl-certfile", "--ssl-keyfile"), ("--ssl-keyfile", "--ssl-certfile")])
+def test_a_client_certificate_without_its_key_is_a_flag_error(tmp_path, command, given, missing):
+    """grpc's C core aborted the process on the first call (SIGABRT, exit 134) for a certificate without its key."""
+    pem = tmp_path / "half.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n")
+    args = [command, "--target", f"127.0.0.1:{_free_port()}", given, str(pem)] + (["Hi"] if command == "generate"
+                                                                                  else [])
+    run = _run(args)
+    assert run.returncode == 2, run.stderr
+    assert _one_line(run.stderr) == (f"tpserve {command}: {given} needs {missing}: mutual TLS takes the client "
+                                     "certificate and its key together")
+
+
+def test_the_client_library_refuses_half_a_key_pair_before_any_call():
+    from tpserve.client import Client, Credentials
+
+    with pytest.raises(ValueError, match="ssl_certfile needs ssl_keyfile"):
+        Client("127.0.0.1:1", credentials=Credentials(ssl_certfile="client.pem"))
+    with pytest.raises(ValueError, match="ssl_keyfile needs ssl_certfile"):
+        Credentials(ssl_ca_certs="ca.pem", ssl_keyfile="client.key")
+
+
 def test_no_server_says_what_to_check():
     port = _free_port()
     run = _run(["generate", "--target", f"127.0.0.1:{port}", "Hi"])

@@ -18,14 +18,23 @@ class Credentials:
     Attributes:
         ssl_ca_certs: PEM CA bundle that signed the server's certificate; setting any
             ``ssl_*`` field makes the channel TLS (None here: the system's roots).
-        ssl_certfile, ssl_keyfile: PEM client certificate and key (mutual TLS).
+        ssl_certfile, ssl_keyfile: PEM client certificate and key (mutual TLS): both or neither.
         api_key: sent as ``authorization: Bearer <api_key>`` on every Generation call.
+
+    Raises:
+        ValueError: a client certificate without its key or a key without its certificate (grpc's C core
+            aborted the whole process on the first call: SIGABRT, which no ``except`` catches).
     """
 
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            given, missing = ("ssl_certfile", "ssl_keyfile") if self.ssl_certfile else ("ssl_keyfile", "ssl_certfile")
+            raise ValueError(f"{given} needs {missing}: mutual TLS takes the client certificate and its key together")
 
     @property
     def tls(self) -> bool:
@@ -70,6 +79,14 @@ class Credentials:
 
     @classmethod
     def from_flags(cls, args) -> Credentials:
-        """From the attributes :meth:`add_flags` defines on an argparse namespace."""
+        """From the attributes :meth:`add_flags` defines on an argparse namespace.
+
+        Raises:
+            ValueError: ``--ssl-certfile`` without ``--ssl-keyfile`` or the other way round, naming the flags.
+        """
+        if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+            given, missing = ("--ssl-certfile", "--ssl-keyfile") if args.ssl_certfile else \
+                ("--ssl-keyfile", "--ssl-certfile")
+            raise ValueError(f"{given} needs {missing}: mutual TLS takes the client certificate and its key together")
         return cls(ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                    api_key=args.api_key)

@@ -20,7 +20,10 @@ def credentials(args: argparse.Namespace):
     """The TLS and API-key credentials the flags give (``tpserve.client.Credentials``)."""
     from tpserve.client import Credentials
 
-    return Credentials.from_flags(args)
+    try:
+        return Credentials.from_flags(args)
+    except ValueError as exc:  # a certificate without its key
+        raise UsageError(str(exc)) from None
 
 
 class UsageError(Exception):
