@@ -112,6 +112,17 @@ def test_usage_after_a_move_is_the_usage_of_the_whole_completion() -> None:
         request_id="req-1", token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH,
         usage=pb.Usage(prompt_tokens=4 + 3, completion_tokens=2, cached_prompt_tokens=4)))
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_prompt_tokens) == (4, 5, 4)
+    # A cached prefix that reaches into the continued tokens (a 16-token block of prompt + continuation) counts
+    # the original prompt's tokens only: cached_prompt_tokens was 16 against prompt_tokens 5 (a 320 % hit rate).
+    mover, _ = _mover()
+    mover.delivered(pb.GenerateStreamResponse(request_id="req-1", token_ids=list(range(20, 41))))
+    mover.next_request(DROPPED)
+    last = mover.delivered(pb.GenerateStreamResponse(
+        request_id="req-1", token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH,
+        usage=pb.Usage(prompt_tokens=4 + 21, completion_tokens=1, cached_prompt_tokens=16),
+        timings=pb.RequestTimings(cached_prompt_tokens=16)))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_prompt_tokens) == (4, 22, 4)
+    assert last.timings.cached_prompt_tokens == 4
     # An unmoved stream's usage is the server's, as it is.
     mover, _ = _mover()
     last = mover.delivered(pb.GenerateStreamResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH,

@@ -139,6 +139,11 @@ class StreamMover:
             moved = min(self._num_continued, message.usage.prompt_tokens)  # never below 0 (uint32)
             message.usage.prompt_tokens -= moved
             message.usage.completion_tokens += moved
+            # The server's cached prefix may reach into the continued tokens: of the original prompt's, at most all.
+            message.usage.cached_prompt_tokens = min(message.usage.cached_prompt_tokens, message.usage.prompt_tokens)
+            if message.HasField("timings"):
+                message.timings.cached_prompt_tokens = min(message.timings.cached_prompt_tokens,
+                                                           message.usage.prompt_tokens)
         return message
 
     def next_request(self, exc: grpc.RpcError) -> tuple[pb.GenerateRequest, float]:
