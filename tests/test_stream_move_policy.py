@@ -150,3 +150,69 @@ def test_a_hand_off_in_the_trailing_metadata_goes_with_the_next_attempt_only() -
     assert mover.metadata == (("authorization", "Bearer k"),)
     mover.next_request(DROPPED)  # an error without trailing metadata at all
     assert mover.metadata == (("authorization", "Bearer k"),)
+
+
+class _BrokenCall:
+    """A call that delivers one message, then breaks as a replica that went away."""
+
+    def __init__(self) -> None:
+        self.sent = [pb.GenerateStreamResponse(request_id="req-1", text="Once", token_ids=[5])]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.sent:
+            return self.sent.pop()
+        raise DROPPED
+
+    async def _messages(self):
+        while self.sent:
+            yield self.sent.pop()
+        raise DROPPED
+
+    def __aiter__(self):
+        return self._messages()
+
+    def cancel(self) -> bool:
+        return False  # it has ended
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_cancel_during_the_backoff_of_a_move_ends_the_stream_and_starts_no_continuation(asynchronous: bool) -> None:
+    """``cancel()`` went to the attempt that had failed (False, nothing cancelled) and the continuation started after
+    the backoff all the same, running to its end on the next replica."""
+    import asyncio
+    import threading
+
+    from tpserve.client_streams import AsyncGenerateStream, GenerateStream
+
+    started: list[pb.GenerateRequest] = []
+    moves: list[StreamMove] = []
+    request = with_seed(pb.GenerateRequest(text="Once", sampling_params=pb.SamplingParams(max_tokens=9)))
+    mover = StreamMover(request, MovePolicy(initial_backoff_s=0.5, max_backoff_s=0.5, on_move=moves.append))
+    kind = AsyncGenerateStream if asynchronous else GenerateStream
+    stream = kind(_BrokenCall(), mover, lambda request, timeout: started.append(request))
+    cancelled: list[bool] = []
+
+    def cancel_in_the_backoff() -> None:
+        while not moves:  # the move is decided: the backoff has begun
+            threading.Event().wait(0.01)
+        cancelled.append(stream.cancel())
+
+    canceller = threading.Thread(target=cancel_in_the_backoff)
+    canceller.start()
+    with pytest.raises(grpc.RpcError) as ended:
+        if asynchronous:
+            async def read() -> None:
+                async for _ in stream:
+                    pass
+
+            asyncio.run(read())
+        else:
+            for _ in stream:
+                pass
+    canceller.join(5)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+    assert "cancelled while the stream was moving to another replica" in ended.value.details()
+    assert cancelled == [True] and not started

@@ -36,12 +36,28 @@ class _MovingStream:
         if self._mover is None:
             raise exc
         self._moved_request, backoff_s = self._mover.next_request(exc)
+        self._between_attempts = True
         return backoff_s
 
     def _restart(self) -> None:
-        """Starts the moved request's attempt, with what is left of the deadline."""
+        """Starts the moved request's attempt, with what is left of the deadline; a stream its caller cancelled
+        meanwhile (during the backoff, when no call runs to cancel) ends instead, with CANCELLED."""
         assert self._start is not None and self._moved_request is not None  # set by _move
+        if self._cancelled_by_caller:
+            raise _cancelled("cancelled while the stream was moving to another replica")
         self._call = self._start(self._moved_request, remaining_s(self._deadline))
+        self._between_attempts = False
+
+    _cancelled_by_caller = False
+    _between_attempts = False  # a failed attempt's backoff: no call runs, the next starts after it
+
+    def cancel(self) -> bool:
+        """Cancels the RPC (the server frees the request's KV blocks); the reading loop raises ``grpc.RpcError``
+        CANCELLED. Between two attempts of a moving stream it keeps the next from starting (the lost
+        window: the continuation started after the cancel and ran to its end). Returns whether anything
+        was cancelled (False: the stream had ended)."""
+        self._cancelled_by_caller = True
+        return self._call.cancel() or self._between_attempts
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._call, name)
@@ -67,6 +83,11 @@ class GenerateStream(_MovingStream):
             return chunk_of(self._mover.delivered(message) if self._mover else message)
 
 
+def _cancelled(details: str) -> grpc.RpcError:
+    """The error a cancelled stream's reader gets, as grpc's own for a call cancelled locally."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class AsyncGenerateStream(_MovingStream):
     """:class:`GenerateStream` for :class:`AsyncClient`: ``async for chunk in stream``.
 
@@ -77,13 +98,6 @@ class AsyncGenerateStream(_MovingStream):
     as the blocking stream's does, not grpc.aio's ``asyncio.CancelledError``, which ``except
     grpc.RpcError`` misses and asyncio reads as the task's own cancellation.
     """
-
-    _cancelled_by_caller = False
-
-    def cancel(self) -> bool:
-        """Cancels the RPC (the server frees the request's KV blocks); the reading loop raises ``grpc.RpcError``."""
-        self._cancelled_by_caller = True
-        return self._call.cancel()
 
     async def _chunks(self) -> AsyncIterator[StreamChunk]:
         finished = False
@@ -101,8 +115,7 @@ class AsyncGenerateStream(_MovingStream):
                     if not self._cancelled_by_caller:
                         raise  # the task's own cancellation (a timeout, a shutdown): asyncio's to handle
                     finished = True
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               "Locally cancelled by application!") from None
+                    raise _cancelled("Locally cancelled by application!") from None
         finally:
             if not finished:  # the loop was left early (break, an exception): end the request on the server
                 self._call.cancel()
