@@ -126,7 +126,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: Tokenizer, vocab_si
     temperature = field_value(params, "temperature")
     if temperature < MIN_SAMPLING_TEMPERATURE:
         temperature = 0.0  # greedy: the same tokens as temperature 0, never an overflowed softmax
-    top_k, top_p = field_value(params, "top_k"), field_value(params, "top_p")
+    top_k, top_p = max(field_value(params, "top_k"), 0), field_value(params, "top_p")  # -1: vLLM's "all", as 0
     seed = field_value(params, "seed")
     seed = random.randrange(SEED_MODULUS) if seed is None else seed
 

@@ -34,7 +34,7 @@ def _one_line(stderr: str) -> str:
 
 # flag -> (lowest valid, highest valid); one past either end is refused
 GENERATE_LIMITS = {
-    "--max-tokens": (1, INT32_MAX), "--top-k": (0, INT32_MAX), "--seed": (0, UINT64_MAX),
+    "--max-tokens": (1, INT32_MAX), "--top-k": (-1, INT32_MAX), "--seed": (0, UINT64_MAX),
     "--min-tokens": (0, INT32_MAX), "--top-logprobs": (0, 20), "--prompt-logprobs": (0, 20),
     "--stop-token-id": (-(2**31), INT32_MAX),
 }

@@ -124,7 +124,8 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("max_tokens", int, None, "most tokens to generate (default: as many as fit in the context)",
                   "coordinator", low=1),
     SamplingField("temperature", float, 1.0, "softmax temperature; 0 is greedy (default 1.0)", "sampler", low=0),
-    SamplingField("top_k", int, 0, "sample among the K most likely tokens; 0 keeps all (default 0)", "sampler", low=0),
+    SamplingField("top_k", int, 0, "sample among the K most likely tokens; 0 or -1 (vLLM's) keeps all (default 0)",
+                  "sampler", low=-1),
     SamplingField("top_p", float, 1.0, "nucleus sampling: the most likely tokens whose probabilities add up to P "
                   "(default 1.0: all)", "sampler", low=0, high=1, low_open=True),
     SamplingField("seed", int, None, "seeds the sampling: the same seed and prompt give the same text "

@@ -180,7 +180,7 @@ BAD_REQUESTS = [
     ("Hi", {"temperature": -0.5}, "temperature must be a finite number >= 0"),
     ("Hi", {"top_p": 0.0}, "top_p must be in (0, 1]"),
     ("Hi", {"top_p": 1.5}, "top_p must be in (0, 1]"),
-    ("Hi", {"top_k": -1}, "top_k must be >= 0"),
+    ("Hi", {"top_k": -2}, "top_k must be >= -1"),  # -1 is vLLM's "all", as 0
     ([1, 403, 512], {}, "token ids must be in [0, 512)"),
     ([1, -4], {}, "token ids must be in [0, 512)"),
     ("Hi", {"stop_token_ids": [600]}, "stop_token_ids contains 600"),
@@ -265,3 +265,11 @@ def test_goldens_with_two_threads_a_rank() -> None:
         for golden in load_goldens():
             assert_matches_golden(greedy(cluster.client, golden), golden)
         assert_goldens_sixteen_at_once(cluster.client)
+
+
+def test_top_k_minus_one_keeps_every_token_as_vllm_does(cluster) -> None:
+    """vLLM's top_k=-1 (its long-standing default) was refused as out of range; it means 0, no filter."""
+    golden = load_goldens()[0]
+    sampled = [cluster.client.generate(golden["prompt"], max_tokens=24, temperature=1.0, seed=11, top_k=top_k).token_ids
+               for top_k in (-1, 0)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 24
