@@ -193,7 +193,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     return await inner(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
-                    await _abort(context, method, request, exc, self.errors)
+                    request_id = getattr(request, "request_id", "")
+                    del request  # this frame outlives the call in a cycle (_abort's docstring): not the request
+                    await _abort(context, method, request_id, exc, self.errors)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, _safe_deserializer(handler.request_deserializer, method), handler.response_serializer)
@@ -207,7 +209,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     await inner_writer(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
-                    await _abort(context, method, request, exc, self.errors)
+                    request_id = getattr(request, "request_id", "")
+                    del request  # this frame outlives the call in a cycle (_abort's docstring): not the request
+                    await _abort(context, method, request_id, exc, self.errors)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream_writer, _safe_deserializer(handler.request_deserializer, method),
@@ -223,23 +227,34 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     async for response in inner_stream(request, context):
                         yield response
                 except Exception as exc:  # noqa: BLE001 - mapped to a status here, once
-                    await _abort(context, method, request, exc, self.errors)
+                    request_id = getattr(request, "request_id", "")
+                    del request  # this frame outlives the call in a cycle (_abort's docstring): not the request
+                    await _abort(context, method, request_id, exc, self.errors)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, _safe_deserializer(handler.request_deserializer, method), handler.response_serializer)
         return handler
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, exc: Exception,
+async def _abort(context: grpc.aio.ServicerContext, method: str, request_id: str, exc: Exception,
                  errors: ErrorCount | None = None) -> None:
-    """Ends the call with ``exc``'s status (ARCHITECTURE.md's table); INTERNAL, logged, for anything unmapped."""
-    request_id = getattr(request, "request_id", "")
+    """Ends the call with ``exc``'s status (ARCHITECTURE.md's table); INTERNAL, logged, for anything unmapped.
+
+    gRPC's ``context.abort`` raises an AbortError, here inside the handler's ``except``: its context is
+    ``exc``, its traceback holds these frames and the handler's (whose ``context`` holds the call's state,
+    which holds the AbortError): a reference cycle, freed only by the cyclic collector, which the
+    server runs every 50,000 allocations (coordinator/gc_policy.py) while a refused request makes about
+    80. So ``exc`` loses its traceback here (after it is logged), and the frames in the cycle hold no
+    request: the frames of the code that raised it held the request's prompt (a 100,000-token prompt
+    refused as too long kept its ids list, about 3 MB, until a collection: 4.7 MB per refusal, without bound).
+    """
     if isinstance(exc, grpc.aio.InternalError):
         # A write or an abort failed: the call had ended under the handler (its deadline passed in gRPC's
         # core, or the client left). Record an abort, so that gRPC ends the call quietly (_end_call).
         ended = grpc.StatusCode.DEADLINE_EXCEEDED if (context.time_remaining() or 1.0) <= 0 else grpc.StatusCode.CANCELLED
         if errors is not None:
             errors.count(method, ended, request_id, "the call ended before its response was sent")
+        exc.__traceback__ = None
         try:
             await _end_call(context, ended, "the call ended before its response was sent")
         except grpc.aio.UsageError:
@@ -251,6 +266,8 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, e
     if errors is not None:
         errors.count(method, exc.code if isinstance(exc, TpserveError) else grpc.StatusCode.INTERNAL, request_id,
                      str(exc))
+    if isinstance(exc, TpserveError):
+        exc.__traceback__ = None  # its frames held the request (the docstring); an unmapped one is logged first
     if isinstance(exc, ResourceExhaustedError):  # server pushback, read by the client's retry policy
         pushback = NO_RETRY_PUSHBACK_MS if exc.retry_pushback_ms is None else exc.retry_pushback_ms
         await _end_call(context, exc.code, str(exc),
@@ -260,6 +277,7 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, request: Any, e
     else:
         request_id = request_id or f"unnamed-{uuid.uuid4().hex[:8]}"
         log.exception("internal error", method=method, request_id=request_id)
+        exc.__traceback__ = None
         await _end_call(context, grpc.StatusCode.INTERNAL,
                         f"internal error in request {request_id}: {type(exc).__name__}: {exc}")
 
