@@ -194,8 +194,10 @@ class GroupLauncher:
             if remaining <= 0:
                 raise WorkerGroupError(f"nodes {registry.missing_nodes()} (ranks {registry.missing_ranks()}) did not "
                                        f"join within {timeout_s:g} s")
-            log.warning("waiting for nodes", missing_nodes=registry.missing_nodes(),
-                        missing_ranks=registry.missing_ranks())
+            # INFO, the start-up's progress: a warning repeated within a minute is dropped (tpserve/log.py), and
+            # five of every six of these lines were.
+            log.info("waiting for nodes", missing_nodes=registry.missing_nodes(), missing_ranks=registry.missing_ranks(),
+                     seconds_left=round(remaining))
             try:
                 await asyncio.wait_for(registry.complete.wait(), min(remaining, WAITING_LOG_SECONDS))
             except asyncio.TimeoutError:
