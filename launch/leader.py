@@ -187,6 +187,9 @@ class Leader:
             log.info("state cache", num_live_state_slots=state_slots.num_live,
                      num_checkpoint_state_slots=state_slots.num_checkpoints,
                      kv_cache_tokens=num_blocks * cfg.cache.block_size)
+            if share_prefixes and not state_slots.num_checkpoints:  # a hit resumes from a saved state: none fits
+                log.warning("prefix caching finds no hit: the cache holds no state checkpoint for this hybrid "
+                            "model; give the cache more memory (a small --num-gpu-blocks-override sizes them too)")
         host_tier = HostTier(num_host_blocks, cfg.cache.block_size) if num_host_blocks and share_prefixes else None
         if num_host_blocks and host_tier is None:
             log.warning("kv host tier off: this model's dynamic RoPE shares no prefix", blocks=num_host_blocks)

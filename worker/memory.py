@@ -15,7 +15,8 @@ Order of precedence (docs/design/scheduling.md, "KV cache sizing"):
    its usage in a container, read after the weights are loaded),
    split evenly between the host's ranks, and never more than ``max_num_seqs``
    sequences of ``max_model_len`` tokens (more blocks could never be used, and a
-   CPU cache is zeroed in RAM at start-up).
+   CPU cache is zeroed in RAM at start-up); a hybrid's states come on top of that cap
+   (:func:`cpu_kv_cache_bytes`).
 
 The coordinator takes the smallest count over the ranks and refuses to start when
 one ``max_model_len`` sequence does not fit (launch/leader.py).
@@ -30,9 +31,12 @@ the rank reports as its weights' size.
 
 Hybrid models (worker/state_cache.py) split the budget the rules above give: first the live state
 slots, one per ``--max-num-seqs`` sequence; then ``STATE_CHECKPOINT_SHARE`` of what is left for
-checkpoint slots (prefix caching's saved states); the rest is KV blocks of the attention layers
-(:func:`cache_split`). With ``--num-gpu-blocks-override`` the blocks are as given and the states
-come on top, checkpoints sized as that share of the blocks' bytes.
+checkpoint slots (prefix caching's saved states; none without prefix caching); the rest is KV blocks
+of the attention layers (:func:`cache_split`). With ``--num-gpu-blocks-override`` the blocks are as
+given and the states come on top, checkpoints sized as that share of the blocks' bytes. On the CPU
+the cap of rule 4 counts the states too: it was the KV cache's alone, and the states taken out of it
+left a hybrid fewer than ``max_num_seqs`` full sequences (at ``--max-num-seqs 1`` fewer than one: every
+hybrid refused to start with its default sizing, "raise --gpu-memory-utilization" no help).
 
 An 8-bit KV cache (``--kv-cache-dtype fp8|int8``) needs none either: the layout's
 ``bytes_per_block`` counts 1 byte per element (its per-layer scales are Python floats, not
@@ -42,6 +46,7 @@ cache and four times those of a float32 one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -76,7 +81,13 @@ class CacheSizing:
         num_gpu_blocks_override: explicit block count, or None.
         num_speculative_tokens: proposals per sequence per step (speculative decoding;
             0: off): a verification step computes logits on up to k + 1 rows per sequence.
+        enable_prefix_caching: a hybrid model keeps state checkpoints for prefix hits (False: none).
     """
+
+    @property
+    def checkpoint_share(self) -> float:
+        """The share of a hybrid's budget, after its live states, that state checkpoints take."""
+        return STATE_CHECKPOINT_SHARE if self.enable_prefix_caching else 0.0
 
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
@@ -86,6 +97,7 @@ class CacheSizing:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -147,11 +159,18 @@ def cgroup_room_bytes(cgroup: Path) -> int | None:
     return None
 
 
-def cpu_kv_cache_bytes(sizing: CacheSizing, available_bytes: int, bytes_per_block: int, block_size: int) -> int:
-    """The CPU rule (item 4 of the module docstring), in bytes."""
+def cpu_kv_cache_bytes(sizing: CacheSizing, available_bytes: int, bytes_per_block: int, block_size: int,
+                       state_bytes_per_slot: int = 0) -> int:
+    """The CPU rule (item 4 of the module docstring), in bytes. ``state_bytes_per_slot``: a hybrid model's state
+    per sequence (0: attention only); the cap then holds ``max_num_seqs`` live states and their sequences' KV
+    blocks after :func:`cache_split` sets the checkpoints' share aside."""
     share = int(sizing.gpu_memory_utilization * CPU_MEMORY_FRACTION * available_bytes) // sizing.num_local_ranks
     blocks_per_seq = -(-sizing.max_model_len // block_size)
-    return min(share, sizing.max_num_seqs * blocks_per_seq * bytes_per_block)
+    kv_cap = sizing.max_num_seqs * blocks_per_seq * bytes_per_block
+    if state_bytes_per_slot:  # live states first; the checkpoints take their share of the rest
+        kv_cap = sizing.max_num_seqs * state_bytes_per_slot + math.ceil(kv_cap / (1 - sizing.checkpoint_share)) + \
+            bytes_per_block  # a block's slack for the rounding down in cache_split
+    return min(share, kv_cap)
 
 
 def cuda_kv_cache_bytes(device: torch.device, utilization: float, profile: Callable[[], int]) -> int:
@@ -268,7 +287,8 @@ def num_kv_blocks(runner, sizing: CacheSizing, read_available: Callable[[], int]
     elif runner.ctx.device.type == "cuda":
         budget = cuda_kv_cache_bytes(runner.ctx.device, sizing.gpu_memory_utilization, lambda: _profile(runner, sizing))
     else:
-        budget = cpu_kv_cache_bytes(sizing, read_available(), layout.bytes_per_block, layout.block_size)
+        budget = cpu_kv_cache_bytes(sizing, read_available(), layout.bytes_per_block, layout.block_size,
+                                    runner.state_bytes_per_slot)
     return layout.num_blocks_for_budget(budget)
 
 
@@ -286,13 +306,13 @@ def cache_split(runner, sizing: CacheSizing, read_available: Callable[[], int] =
         return num_blocks, 0
     block_bytes = runner.kv_layout.bytes_per_block
     if sizing.num_gpu_blocks_override is not None:
-        return num_blocks, sizing.max_num_seqs + int(STATE_CHECKPOINT_SHARE * num_blocks * block_bytes) // slot_bytes
+        return num_blocks, sizing.max_num_seqs + int(sizing.checkpoint_share * num_blocks * block_bytes) // slot_bytes
     left = num_blocks * block_bytes - sizing.max_num_seqs * slot_bytes  # after the live states
     if left <= 0:
         raise ValueError(f"the cache budget ({num_blocks * block_bytes / 2**20:.1f} MiB) does not hold "
                          f"--max-num-seqs {sizing.max_num_seqs} sequences' states of {slot_bytes} bytes each; "
                          "lower --max-num-seqs or give the cache more memory")
-    num_checkpoints = int(STATE_CHECKPOINT_SHARE * left) // slot_bytes
+    num_checkpoints = int(sizing.checkpoint_share * left) // slot_bytes
     return (left - num_checkpoints * slot_bytes) // block_bytes, sizing.max_num_seqs + num_checkpoints
 
 

@@ -115,6 +115,23 @@ def test_lfm2_serving_with_prefix_states_logprobs_n_and_a_moved_stream(lfm2_dir:
             assert stream(full[:k]) == full[k:], k
 
 
+def test_a_hybrid_serves_one_sequence_with_the_default_cpu_sizing(lfm2_dir: Path) -> None:
+    """Every hybrid refused --max-num-seqs 1 on the CPU's default sizing ("the KV cache holds 544 tokens ... less
+    than one sequence of max_model_len=640"): the cap of max_num_seqs whole sequences was the KV cache's alone and
+    the states came out of it. Without prefix caching no state checkpoint is set aside either."""
+    model = load_hf_model(lfm2_dir)
+    prompt = [1] + [random.Random(5).randrange(3, 512) for _ in range(40)]
+    want = _greedy(model, prompt)[0]
+    for caching in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        with serve(lfm2_dir, 1, "--max-num-seqs", "1", caching) as cluster:
+            info = cluster.client.model_info()
+            assert info.num_kv_blocks >= -(-info.max_model_len // info.block_size), info
+            assert info.num_state_slots >= 1
+            assert (info.num_state_checkpoint_slots > 0) == (caching == "--enable-prefix-caching"), info
+            result = cluster.client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            assert list(result.token_ids) == want
+
+
 @pytest.mark.parametrize("caching", ["--enable-prefix-caching", "--no-enable-prefix-caching"])
 def test_preempted_hybrid_requests_recompute_their_state_and_give_the_greedy_tokens(lfm2_dir: Path,
                                                                                      caching: str) -> None:

@@ -29,7 +29,7 @@ def _fake_runner(device: str, bytes_per_block: int = 1 << 20, block_size: int = 
     layout = SimpleNamespace(bytes_per_block=bytes_per_block, block_size=block_size,
                              num_blocks_for_budget=lambda budget: max(0, budget // bytes_per_block))
     return SimpleNamespace(kv_layout=layout, ctx=SimpleNamespace(device=torch.device(device)),
-                           config=SimpleNamespace(max_position_embeddings=4096))
+                           config=SimpleNamespace(max_position_embeddings=4096), state_bytes_per_slot=0)
 
 
 def test_explicit_blocks_then_explicit_bytes_win_over_measuring() -> None:

@@ -79,10 +79,13 @@ def test_prepare_zeroes_fresh_slots_then_restores_checkpoints() -> None:
 
 
 class _Runner:
-    """What cache_split reads of a runner: the layout's bytes per block, the bytes per state slot."""
+    """What cache_split reads of a runner: the layout's bytes per block, the bytes per state slot (and for the CPU
+    rule, its device and the model's positions)."""
 
     def __init__(self, slot_bytes: int) -> None:
         self.state_bytes_per_slot = slot_bytes
+        self.ctx = type("Ctx", (), {"device": torch.device("cpu")})()
+        self.config = type("Config", (), {"max_position_embeddings": 640})()
         self.kv_layout = type("Layout", (), {"bytes_per_block": 1000, "block_size": 16,
                                              "num_blocks_for_budget": lambda self, b: b // 1000})()
 
@@ -98,3 +101,17 @@ def test_a_hybrid_budget_holds_the_live_states_then_checkpoints_then_kv_blocks()
         cache_split(_Runner(200_000), sizing)
     override = CacheSizing(max_num_seqs=8, max_model_len=64, num_gpu_blocks_override=100)
     assert cache_split(_Runner(2000), override) == (100, 8 + 5)  # states on top: 10 % of 100 blocks' bytes
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_the_cpu_cap_leaves_a_hybrid_max_num_seqs_whole_sequences(max_num_seqs: int,
+                                                                  enable_prefix_caching: bool) -> None:
+    """The CPU rule's cap (``max_num_seqs`` sequences of ``max_model_len``) was the KV cache's alone, and the states
+    came out of it: at --max-num-seqs 1 a hybrid held 34 blocks of the 40 one 640-token sequence needs, so every
+    hybrid refused to start with its default sizing. Without prefix caching no checkpoint slot is set aside."""
+    sizing = CacheSizing(max_num_seqs=max_num_seqs, max_model_len=640, enable_prefix_caching=enable_prefix_caching)
+    num_blocks, num_slots = cache_split(_Runner(2000), sizing, read_available=lambda: 64 << 30)  # RAM to spare
+    assert max_num_seqs * 40 <= num_blocks <= max_num_seqs * 40 + 2  # the cap still binds (a rounding block or two)
+    checkpoints = num_slots - max_num_seqs
+    assert (checkpoints > 0) == enable_prefix_caching
