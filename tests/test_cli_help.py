@@ -47,7 +47,7 @@ def test_help_shows_defaults():
     assert "(default: None)" not in serve and "(default: False)" not in serve
     generate = " ".join(commands["generate"].format_help().split())
     assert "(port 50051 if none) (default: 127.0.0.1:50051)" in generate
-    assert "0 keeps all (default: 0)" in generate
+    assert "0 or -1 (vLLM's) keeps all (default: 0)" in generate
     bench = " ".join(commands["bench"].format_help().split())
     assert "requests per load (default: 200)" in bench and "(default: None)" not in bench
 
