@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 
 import grpc
@@ -17,7 +18,8 @@ import pytest
 
 from coordinator.errors import ErrorInterceptor, ResourceExhaustedError, UnavailableError
 from coordinator.pushback import MAX_PUSHBACK_MS, MIN_PUSHBACK_MS, PUSHBACK_KEY, queue_full_pushback_ms
-from tpserve.client import AsyncClient
+from tests.e2e.cluster import free_port
+from tpserve.client import AsyncClient, Client
 from tpserve.service_config import Keepalive, RetryPolicy, channel_options, service_config
 from tpserve.stream_move import MovePolicy
 from tpserve.v1 import generate_pb2 as pb
@@ -213,3 +215,35 @@ def test_channels_ping_a_silent_server() -> None:
         channel_options(keepalive=Keepalive(time_s=0.5))
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         channel_options(keepalive=Keepalive(timeout_s=0))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_attempts", 0), ("max_attempts", 2.5), ("initial_backoff_s", -1), ("initial_backoff_s", 0.0005),
+    ("max_backoff_s", 0), ("max_backoff_s", 0.01), ("backoff_multiplier", 0), ("backoff_multiplier", math.inf),
+    ("retryable_status_codes", ("BOGUS",)), ("retryable_status_codes", ()), ("retryable_status_codes", "UNAVAILABLE"),
+    ("throttle_max_tokens", 0), ("throttle_max_tokens", 2**32), ("throttle_token_ratio", 0),
+    ("throttle_token_ratio", 0.0005),
+])
+def test_a_retry_policy_grpc_would_refuse_is_refused_when_made_naming_the_field(field: str, value: object) -> None:
+    """gRPC took these and failed every call of the channel with INVALID_ARGUMENT ("errors validating service
+    config"), which read as the server refusing the request."""
+    with pytest.raises(ValueError, match=rf"^RetryPolicy\.{field} must be "):
+        RetryPolicy(**{field: value})
+
+
+def test_an_unknown_load_balancing_policy_is_refused_when_the_client_is_made() -> None:
+    with pytest.raises(ValueError, match="load_balancing_policy must be one of round_robin, pick_first, got 'weird'"):
+        Client("127.0.0.1:1", load_balancing_policy="weird")  # type: ignore[arg-type]
+
+
+def test_the_edges_of_the_retry_policy_ranges_are_what_grpc_takes() -> None:
+    """The least (and largest) values RetryPolicy takes make a channel gRPC accepts: its call fails for want
+    of a server (UNAVAILABLE, or its deadline while gRPC waits to reconnect), not with INVALID_ARGUMENT from the
+    service config parser."""
+    edges = RetryPolicy(initial_backoff_s=0.001, max_backoff_s=0.001, backoff_multiplier=1e-9,
+                        retryable_status_codes=("UNAVAILABLE",), throttle_max_tokens=2**32 - 1,
+                        throttle_token_ratio=0.001)
+    with Client(f"127.0.0.1:{free_port()}", retry_policy=edges, move_policy=MovePolicy(max_moves=0)) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate([1], max_tokens=1, timeout_s=2)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err.value.details()

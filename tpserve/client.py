@@ -147,7 +147,9 @@ class Client(_ClientBase):
 
     Raises:
         OSError: a TLS file cannot be read.
-        ValueError: ``retry_policy`` or ``keepalive`` out of range (``keepalive.time_s`` below 1 s).
+        ValueError: ``load_balancing_policy`` neither ``round_robin`` nor ``pick_first``, or ``keepalive`` out of
+            range (``keepalive.time_s`` below 1 s); a ``RetryPolicy`` out of gRPC's range is refused when it is
+            made.
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",

@@ -41,12 +41,23 @@ tpserve server accepts pings at any rate down to one a second, with or without c
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+import grpc
 
 LoadBalancingPolicy = Literal["round_robin", "pick_first"]
 #: The service whose methods the retry policy covers (proto/tpserve/v1/generate.proto).
 GENERATION_SERVICE = "tpserve.v1.Generation"
+
+
+#: gRPC's range of a retry backoff, seconds: whole milliseconds (0.0005 s is "must be greater than 0"), up to
+#: protobuf's longest Duration.
+MIN_BACKOFF_S, MAX_BACKOFF_S = 0.001, 315_576_000_000.0
+#: The least retry token ratio: gRPC keeps thousandths of a token (0.0005 is "must be greater than 0").
+MIN_TOKEN_RATIO = 0.001
+_STATUS_NAMES = tuple(code.name for code in grpc.StatusCode)
 
 
 @dataclass(frozen=True)
@@ -56,9 +67,17 @@ class RetryPolicy:
     Attributes:
         max_attempts: attempts per call, the first included (1: no retries; gRPC caps it at 5).
         initial_backoff_s, max_backoff_s, backoff_multiplier: the wait before attempt n+1 is about
-            ``min(initial_backoff_s * backoff_multiplier**(n-1), max_backoff_s)`` seconds.
-        retryable_status_codes: the statuses retried (gRPC's names).
-        throttle_max_tokens, throttle_token_ratio: the channel's retry token bucket.
+            ``min(initial_backoff_s * backoff_multiplier**(n-1), max_backoff_s)`` seconds. Backoffs are in
+            [0.001, 315576000000] s (gRPC counts whole milliseconds), ``max_backoff_s`` at least
+            ``initial_backoff_s``; the multiplier is > 0.
+        retryable_status_codes: the statuses retried, at least one (``grpc.StatusCode`` names).
+        throttle_max_tokens, throttle_token_ratio: the channel's retry token bucket: a whole number of tokens
+            in [1, 2**32 - 1], and a ratio of at least 0.001 (gRPC keeps thousandths of a token).
+
+    Raises:
+        ValueError: a field outside gRPC's range (gRFC A6's service config), naming it and the range. gRPC
+            itself takes such a channel and fails each of its calls with INVALID_ARGUMENT, as if the server
+            had refused the request.
     """
 
     max_attempts: int = 5
@@ -68,6 +87,39 @@ class RetryPolicy:
     retryable_status_codes: tuple[str, ...] = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
     throttle_max_tokens: int = 10
     throttle_token_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_number("max_attempts", self.max_attempts, 1, math.inf, integer=True)
+        _check_number("initial_backoff_s", self.initial_backoff_s, MIN_BACKOFF_S, MAX_BACKOFF_S)
+        _check_number("max_backoff_s", self.max_backoff_s, MIN_BACKOFF_S, MAX_BACKOFF_S)
+        if self.max_backoff_s < self.initial_backoff_s:  # gRPC takes it, and waits max_backoff_s every time
+            raise ValueError(f"RetryPolicy.max_backoff_s must be >= initial_backoff_s ({self.initial_backoff_s!r}), "
+                             f"got {self.max_backoff_s!r}")
+        _check_number("backoff_multiplier", self.backoff_multiplier, 0, math.inf, open_low=True)
+        _check_number("throttle_max_tokens", self.throttle_max_tokens, 1, 2**32 - 1, integer=True)
+        _check_number("throttle_token_ratio", self.throttle_token_ratio, MIN_TOKEN_RATIO, math.inf)
+        codes = self.retryable_status_codes
+        if isinstance(codes, str) or not codes or any(code not in _STATUS_NAMES for code in codes):
+            raise ValueError(f"RetryPolicy.retryable_status_codes must be a non-empty tuple of grpc.StatusCode "
+                             f"names ({', '.join(_STATUS_NAMES)}), got {codes!r}")
+
+
+def _check_number(name: str, value: object, low: float, high: float, *, integer: bool = False,
+                  open_low: bool = False) -> None:
+    """Checks ``RetryPolicy.<name>``: a number (an ``int`` where ``integer``) in [low, high] ((low, high] where
+    ``open_low``; inf and NaN are never in range: gRPC's JSON has no such number).
+
+    Raises:
+        ValueError: naming the field, the range and the value.
+    """
+    if isinstance(value, int if integer else (int, float)) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and (low < number if open_low else low <= number) and number <= high:
+            return
+    kind = "an integer" if integer else "a number"
+    bound = f"> {low:.15g}" if open_low else f">= {low:.15g}"
+    upper = f" and <= {high:.15g}" if math.isfinite(high) else ""
+    raise ValueError(f"RetryPolicy.{name} must be {kind} {bound}{upper}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -116,13 +168,15 @@ def keepalive_options(keepalive: Keepalive = Keepalive()) -> list[tuple[str, obj
 
 def service_config(load_balancing_policy: LoadBalancingPolicy = "round_robin",
                    retry_policy: RetryPolicy = RetryPolicy()) -> dict:
-    """The service config (gRPC's JSON form, as a dict) of a client channel.
+    """The service config (gRPC's JSON form, as a dict) of a client channel (``retry_policy`` was checked
+    when it was made).
 
     Raises:
-        ValueError: ``retry_policy.max_attempts`` below 1.
+        ValueError: ``load_balancing_policy`` is not one of :data:`LoadBalancingPolicy`'s.
     """
-    if retry_policy.max_attempts < 1:
-        raise ValueError(f"max_attempts must be at least 1, got {retry_policy.max_attempts}")
+    if load_balancing_policy not in get_args(LoadBalancingPolicy):
+        raise ValueError(f"load_balancing_policy must be one of {', '.join(get_args(LoadBalancingPolicy))}, "
+                         f"got {load_balancing_policy!r}")
     config: dict = {"loadBalancingConfig": [{load_balancing_policy: {}}]}
     if retry_policy.max_attempts == 1:
         return config  # gRPC refuses a retryPolicy of fewer than 2 attempts: no policy is none
@@ -130,8 +184,8 @@ def service_config(load_balancing_policy: LoadBalancingPolicy = "round_robin",
         "name": [{"service": GENERATION_SERVICE}],
         "retryPolicy": {
             "maxAttempts": retry_policy.max_attempts,
-            "initialBackoff": f"{retry_policy.initial_backoff_s}s",
-            "maxBackoff": f"{retry_policy.max_backoff_s}s",
+            "initialBackoff": _duration(retry_policy.initial_backoff_s),
+            "maxBackoff": _duration(retry_policy.max_backoff_s),
             "backoffMultiplier": retry_policy.backoff_multiplier,
             "retryableStatusCodes": list(retry_policy.retryable_status_codes),
         },
@@ -139,6 +193,12 @@ def service_config(load_balancing_policy: LoadBalancingPolicy = "round_robin",
     config["retryThrottling"] = {"maxTokens": retry_policy.throttle_max_tokens,
                                  "tokenRatio": retry_policy.throttle_token_ratio}
     return config
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as protobuf's JSON Duration, which gRPC parses: at most 9 decimals and no exponent
+    (``str(1e-05)`` would be "1e-05")."""
+    return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
 
 
 def channel_options(load_balancing_policy: LoadBalancingPolicy = "round_robin",
