@@ -210,3 +210,50 @@ def test_an_async_client_made_outside_an_event_loop_says_so_at_once() -> None:
 
     with pytest.raises(RuntimeError, match="AsyncClient must be created inside a running event loop"):
         AsyncClient("127.0.0.1:1")
+
+
+@pytest.mark.parametrize("prompt, fields, message", [
+    ("Once", {"priority": "1"}, "priority must be an int, got str"),
+    ("Once", {"request_id": 7}, "request_id must be a str, got int"),
+    ("Once", {"cache_salt": 1.5}, "cache_salt must be a str, got float"),
+    ("Once", {"priority": 2**40}, "priority: Value out of range"),
+    ([{"role": "user"}], {}, 'prompt[0]: a chat message is a mapping with "role" and "content"'),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": 3}], {}, "prompt[1].content must be a str, got int"),
+    ([1, -(2**40)], {}, "prompt: token ids must be int32 values"),
+    (7, {}, "prompt must be text, token ids or chat messages, got int"),
+])
+def test_an_argument_the_request_cannot_hold_is_a_value_error_naming_it_on_both_clients(prompt, fields, message) -> None:
+    """priority="1" was a bare TypeError naming no field, a message without "content" a KeyError."""
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError) as sync_error:
+        client.generate(prompt, **fields)
+
+    async def asynchronous() -> None:
+        async with AsyncClient("127.0.0.1:1") as client:
+            await client.generate(prompt, **fields)
+
+    with pytest.raises(ValueError) as async_error:
+        asyncio.run(asynchronous())
+    assert str(sync_error.value) == str(async_error.value) and str(sync_error.value).startswith(message)
+
+
+def test_a_call_on_a_closed_client_is_the_same_value_error_on_both_clients() -> None:
+    """grpc's own: ValueError "Cannot invoke RPC on closed channel!" from the blocking client,
+    grpc.aio.UsageError "Channel is closed." from the asyncio one."""
+    client = Client("127.0.0.1:1")
+    client.close()
+    for call in (lambda: client.generate("Once"), lambda: client.generate_stream("Once"), lambda: client.abort("r"),
+                 lambda: client.model_info(), lambda: client.wait_ready(1)):
+        with pytest.raises(ValueError, match=r"^the client of 127\.0\.0\.1:1 is closed$"):
+            call()
+
+    async def asynchronous() -> None:
+        async with AsyncClient("127.0.0.1:1") as client:
+            pass
+        with pytest.raises(ValueError, match=r"^the client of 127\.0\.0\.1:1 is closed$"):
+            await client.generate("Once")
+        with pytest.raises(ValueError, match=r"^the client of 127\.0\.0\.1:1 is closed$"):
+            client.generate_stream("Once")
+        with pytest.raises(ValueError, match=r"^the client of 127\.0\.0\.1:1 is closed$"):
+            await client.abort("r")
+
+    asyncio.run(asynchronous())

@@ -17,7 +17,9 @@ Requests are spread over all the target's addresses, one request at a time, by
 gRPC's own ``round_robin`` policy: gRPC keeps one HTTP/2 connection per address,
 so without it every request of a client would go to the first replica
 (``pick_first``). Errors surface as ``grpc.RpcError`` (``grpc.aio.AioRpcError``)
-with the server's status code and message.
+with the server's status code and message; an argument the request cannot hold is a
+``ValueError`` naming it before any call (``TypeError`` for an unknown keyword), and so is
+a call on a closed client, from both clients.
 
 A stream whose replica is lost mid-way (``UNAVAILABLE``, a dropped connection, ``INTERNAL``
 from a lost worker group) continues on another address of the target, token for token
@@ -117,16 +119,29 @@ class _ClientBase:
         self._metadata = credentials.metadata
         self.stub = generate_pb2_grpc.GenerationStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
-        self._calls = Calls(self.stub, self.health, self._metadata, move_policy)
+        self._channel_calls = Calls(self.stub, self.health, self._metadata, move_policy)
+        self._closed = False
+
+    @property
+    def _calls(self) -> Calls:
+        """The calls on the client's channel.
+
+        Raises:
+            ValueError: the client is closed; the same error from both clients, as a closed file's (grpc's own
+                differ: ValueError from a blocking channel, ``grpc.aio.UsageError`` from an asyncio one).
+        """
+        if self._closed:
+            raise ValueError(f"the client of {self.target} is closed")
+        return self._channel_calls
 
     @property
     def move_policy(self) -> MovePolicy:
         """How streams (and unary calls) broken by a lost replica move to another address; settable."""
-        return self._calls.move_policy
+        return self._channel_calls.move_policy
 
     @move_policy.setter
     def move_policy(self, policy: MovePolicy) -> None:
-        self._calls.move_policy = policy
+        self._channel_calls.move_policy = policy
 
 
 class Client(_ClientBase):
@@ -144,6 +159,8 @@ class Client(_ClientBase):
         keepalive: HTTP/2 pings that notice a replica gone silent (frozen, cut off): a ping after 10 s
             without a frame from it, and its calls fail with ``UNAVAILABLE`` (then move) when the ping
             goes unanswered for 10 s more (:class:`tpserve.service_config.Keepalive`).
+
+    After :meth:`close` (the ``with`` block's end) every call raises ValueError, as a closed file's methods do.
 
     Raises:
         OSError: a TLS file cannot be read.
@@ -168,7 +185,9 @@ class Client(_ClientBase):
         self.close()
 
     def close(self) -> None:
-        """Closes the channel (and abort's, one per replica); calls in flight end with CANCELLED."""
+        """Closes the channel (and abort's, one per replica); calls in flight end with CANCELLED, and calls
+        made after it raise ValueError."""
+        self._closed = True
         self._replicas.close()
         self.channel.close()
 
@@ -193,9 +212,10 @@ class Client(_ClientBase):
 
     @_doc_of(Calls.abort)
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
+        calls = self._calls  # a closed client opens no channel to the replicas
         addresses = replica_addresses(self.target)
         replicas = self._replicas.stubs(addresses) if addresses is not None else []
-        return run_blocking(self._calls.abort(request_ids, timeout_s, replicas))
+        return run_blocking(calls.abort(request_ids, timeout_s, replicas))
 
     @_doc_of(Calls.load_lora_adapter)
     def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:
@@ -242,7 +262,9 @@ class AsyncClient(_ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel (and abort's, one per replica); calls in flight end with CANCELLED."""
+        """Closes the channel (and abort's, one per replica); calls in flight end with CANCELLED, and calls
+        made after it raise ValueError."""
+        self._closed = True
         for closing in self._replicas.close():
             await closing
         await self.channel.close()
@@ -269,10 +291,11 @@ class AsyncClient(_ClientBase):
 
     @_doc_of(Calls.abort)
     async def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
+        calls = self._calls  # a closed client opens no channel to the replicas
         # A host name's look-up blocks: off the event loop. The channels are made on the loop (grpc.aio's rule).
         addresses = await asyncio.to_thread(replica_addresses, self.target)
         replicas = self._replicas.stubs(addresses) if addresses is not None else []
-        return await run_async(self._calls.abort(request_ids, timeout_s, replicas))
+        return await run_async(calls.abort(request_ids, timeout_s, replicas))
 
     @_doc_of(Calls.load_lora_adapter)
     async def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:

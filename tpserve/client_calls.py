@@ -206,7 +206,10 @@ class Calls:
 
         Raises:
             grpc.RpcError: the server's status (INVALID_ARGUMENT naming the field, ...).
-            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+            ValueError: a keyword or the prompt the request cannot hold (a wrong type, out of range, a chat
+                message without "content"), naming it; more than one of ``json_schema``, ``regex`` and
+                ``choices``; the client is closed.
+            TypeError: an unknown keyword.
         """
         request = with_seed(build_request(prompt, **fields))
         mover, deadline = StreamMover(request, self.move_policy, self.metadata), deadline_of(timeout_s)
@@ -233,7 +236,8 @@ class Calls:
 
         Raises:
             grpc.RpcError: (iterating) the server's status (INVALID_ARGUMENT naming the field, ...).
-            ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+            ValueError: as ``generate``'s (a keyword or the prompt the request cannot hold, naming it, ...).
+            TypeError: an unknown keyword.
         """
         request = with_seed(build_request(prompt, **fields))
         mover, deadline = StreamMover(request, self.move_policy, self.metadata), deadline_of(timeout_s)

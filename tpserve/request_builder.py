@@ -7,6 +7,9 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
 
 from tpserve.sampling_fields import FIELDS, SamplingField
 from tpserve.v1 import generate_pb2 as pb
@@ -75,7 +78,8 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     proto/tpserve/v1/generate.proto.
 
     Raises:
-        ValueError: more than one of ``json_schema``, ``regex`` and ``choices``.
+        ValueError: more than one of ``json_schema``, ``regex`` and ``choices``; a keyword or the prompt that
+            protobuf cannot hold (a wrong type, out of range, a chat message without "content"), naming it.
         TypeError: an unknown keyword.
     """
     bound = build_request.__signature__.bind(prompt, **fields)
@@ -105,17 +109,67 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
         params.response_format.regex = regex
     elif choices is not None:
         params.response_format.choices.choices.extend(_entries(choices))
-    request = pb.GenerateRequest(request_id=values["request_id"], sampling_params=params, priority=values["priority"])
-    if values["cache_salt"] is not None:
-        request.cache_salt = values["cache_salt"]
-    if values["lora_name"] is not None:
-        request.lora_name = values["lora_name"]
+    request = pb.GenerateRequest(sampling_params=params)
+    for name in ("request_id", "priority", "cache_salt", "lora_name"):
+        if values[name] is not None:  # None: unset, as for the sampling fields
+            _set_field(request, name, values[name])
+    _set_prompt(request, prompt)
+    return request
+
+
+def _set_field(message: Any, name: str, value: object) -> None:
+    """``message.<name> = value``.
+
+    Raises:
+        ValueError: protobuf cannot hold ``value`` there (a wrong type, out of range), naming the keyword:
+            protobuf's own ``'str' object cannot be interpreted as an integer`` names none.
+    """
+    try:
+        setattr(message, name, value)
+    except TypeError:  # protobuf says "bad argument type for built-in operation"
+        expected = "a str" if message.DESCRIPTOR.fields_by_name[name].type == FieldDescriptor.TYPE_STRING else "an int"
+        raise ValueError(f"{name} must be {expected}, got {type(value).__name__}") from None
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _set_prompt(request: pb.GenerateRequest, prompt: Prompt) -> None:
+    """Sets the request's text, chat messages or token ids from ``prompt``.
+
+    Raises:
+        ValueError: ``prompt`` is none of the three, or holds what protobuf cannot (a message without
+            "content", a token id that is not an int32), naming the prompt and the message's index.
+    """
     if isinstance(prompt, str):
         request.text = prompt
-    elif prompt and isinstance(prompt[0], Mapping):
-        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
-    else:
-        request.token_ids.SetInParent()  # an empty list is still a (bad) token-id prompt
-        request.token_ids.ids.extend(prompt)
-    return request
+        return
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise ValueError(f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}") from None
+    if items and isinstance(items[0], Mapping):
+        request.messages.messages.extend(_chat_message(index, item) for index, item in enumerate(items))
+        return
+    request.token_ids.SetInParent()  # an empty list is still a (bad) token-id prompt
+    try:
+        request.token_ids.ids.extend(items)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"prompt: token ids must be int32 values ({exc})") from None
+
+
+def _chat_message(index: int, message: object) -> pb.ChatMessage:
+    """``prompt[index]`` as a ChatMessage.
+
+    Raises:
+        ValueError: not a mapping with a "role" and a "content" string, naming ``prompt[index]`` (or the key).
+    """
+    if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+        raise ValueError(f'prompt[{index}]: a chat message is a mapping with "role" and "content", got {message!r:.80}')
+    chat_message = pb.ChatMessage()
+    try:
+        for name in ("role", "content"):
+            _set_field(chat_message, name, message[name])
+    except ValueError as exc:  # "content must be a str, ...": which message's
+        raise ValueError(f"prompt[{index}].{exc}") from None
+    return chat_message
 
