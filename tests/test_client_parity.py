@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
+import time
 
 import grpc
 import pytest
@@ -93,7 +95,7 @@ def _run_both(make_plan, answers: list[object]) -> list[tuple[object, list]]:
     outcomes = []
     for asynchronous in (False, True):
         stub = FakeStub(answers, asynchronous)
-        calls = Calls(stub, stub, Credentials(api_key="k").metadata, MovePolicy(initial_backoff_s=0.01))
+        calls = Calls(stub, stub, Credentials(api_key="k").metadata, MovePolicy(initial_backoff_s=0.01), TARGET)
         plan = make_plan(calls)
         try:
             value = asyncio.run(run_async(plan)) if asynchronous else run_blocking(plan)
@@ -103,6 +105,7 @@ def _run_both(make_plan, answers: list[object]) -> list[tuple[object, list]]:
     return outcomes
 
 
+TARGET = "127.0.0.1:50051"
 DROPPED = RpcError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
 DONE = pb.GenerateResponse(request_id="r-1", text=" done", token_ids=[4, 5], finish_reason=pb.FINISH_REASON_LENGTH,
                            usage=pb.Usage(prompt_tokens=3, completion_tokens=2))
@@ -133,6 +136,36 @@ def test_wait_ready_polls_until_serving_on_both_drivers() -> None:
         assert {timeout for _, _, timeout, _ in calls} == {2.0}
     for error, calls in _run_both(lambda c: c.wait_ready(0.0, 0.001), [status(status=status.NOT_SERVING)] * 2):
         assert isinstance(error, TimeoutError) and len(calls) == 1
+
+
+def test_wait_ready_waits_no_longer_than_its_timeout_and_says_why_it_gave_up_on_both_drivers() -> None:
+    """Each poll had a 2 s deadline whatever the timeout (wait_ready(0.5) took 2 s), the message said "after 0 s",
+    and the calls' errors were dropped: "connection refused" or a TLS mismatch read as "not SERVING"."""
+    refused = RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: "
+                       "ipv4:127.0.0.1:50051: Failed to connect to remote host: Connection refused")
+    for error, calls in _run_both(lambda c: c.wait_ready(0.05, 0.01), [refused] * 100):
+        assert isinstance(error, TimeoutError) and error.__cause__ is refused
+        assert str(error).startswith("server not SERVING after 0.05 s; the last health check: UNAVAILABLE: ")
+        assert f"no tpserve server answers at {TARGET}" in str(error)
+        assert all(timeout <= 0.05 for _, _, timeout, _ in calls)
+    status = health_pb2.HealthCheckResponse
+    for error, _ in _run_both(lambda c: c.wait_ready(0.0, 0.001), [status(status=status.NOT_SERVING)]):
+        assert str(error) == "server not SERVING after 0 s; the last health check: it reports NOT_SERVING"
+
+
+def test_wait_ready_on_a_listener_that_never_answers_ends_at_its_timeout() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        with Client(target) as client:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError) as error:
+                client.wait_ready(timeout_s=0.5)
+            elapsed_s = time.monotonic() - started
+    assert 0.5 <= elapsed_s < 1.5
+    assert str(error.value).startswith("server not SERVING after 0.5 s; the last health check: DEADLINE_EXCEEDED: ")
+    assert f"nothing at {target} answered the health check" in str(error.value)
 
 
 @pytest.mark.parametrize("ids", [("a",), ("a", "b", "c")])

@@ -45,6 +45,7 @@ from tpserve.credentials import Credentials
 from tpserve.replica_targets import ReplicaStubs, replica_addresses
 from tpserve.request_builder import Prompt, build_request, request_keywords
 from tpserve.results import FINISH_REASON_NAMES, GenerateResult, StreamChunk, Timings, Usage, chunk_of
+from tpserve.rpc_errors import describe_rpc_error
 from tpserve.service_config import Keepalive, LoadBalancingPolicy, RetryPolicy, channel_options
 from tpserve.stream_move import MovePolicy, StreamMove
 from tpserve.v1 import generate_pb2 as pb
@@ -73,30 +74,6 @@ def with_default_port(target: str) -> str:
     return target if ":" in target else f"{target}:{DEFAULT_PORT}"
 
 
-def describe_rpc_error(exc: grpc.RpcError, target: str, tls: bool = False) -> str:
-    """One line for a failed call: the status code, the server's message and, where the cause is likely on
-    the caller's side (no server there, TLS on one side only, no API key), what to check."""
-    code, details = exc.code(), exc.details() or ""
-    line = f"{code.name}: {details}"
-    lower = details.lower()
-    if code == grpc.StatusCode.UNAVAILABLE:
-        if "connection refused" in lower or ("failed to connect" in lower and "ssl" not in lower):
-            return (f"{line} -- no tpserve server answers at {target}: start one (tpserve serve) or check "
-                    "--target HOST[:PORT]")
-        if not tls and ("socket closed" in lower or "connection reset" in lower or "end of file" in lower):
-            return (f"{line} -- the server at {target} closed the connection: if it was started with "
-                    "--ssl-certfile, connect with TLS (--ssl-ca-certs CA.pem)")
-        if tls and ("ssl" in lower or "handshake" in lower or "tls" in lower):
-            return (f"{line} -- the TLS handshake with {target} failed: check --ssl-ca-certs (the CA that signed "
-                    "the server's certificate), the client certificate if the server requires one, and that the "
-                    "server serves TLS at all")
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return f"{line} -- give the server's API key with --api-key or $TPSERVE_API_KEY"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"{line} -- the call took longer than its deadline (--timeout)"
-    return line
-
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -119,7 +96,7 @@ class _ClientBase:
         self._metadata = credentials.metadata
         self.stub = generate_pb2_grpc.GenerationStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
-        self._channel_calls = Calls(self.stub, self.health, self._metadata, move_policy)
+        self._channel_calls = Calls(self.stub, self.health, self._metadata, move_policy, target, credentials.tls)
         self._closed = False
 
     @property

@@ -27,11 +27,14 @@ from grpc_health.v1 import health_pb2
 
 from tpserve.request_builder import Prompt, build_request
 from tpserve.results import GenerateResult, result_of
+from tpserve.rpc_errors import describe_rpc_error
 from tpserve.stream_move import MovePolicy, StreamMover, with_seed
 from tpserve.v1 import generate_pb2 as pb
 
 T = TypeVar("T")
 Metadata = tuple[tuple[str, str], ...]
+#: The longest a wait_ready poll waits for the health service's answer, seconds (less when less of the wait is left).
+HEALTH_POLL_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,32 +166,50 @@ class Calls:
         health: a ``HealthStub`` on the same channel.
         metadata: sent with every Generation call (the API key's bearer header, or nothing).
         move_policy: how a request broken by a lost replica moves to another address.
+        target, tls: the channel's target and whether it is TLS, for what ``wait_ready`` says when it gives up.
     """
 
-    def __init__(self, stub: Any, health: Any, metadata: Metadata, move_policy: MovePolicy) -> None:
+    def __init__(self, stub: Any, health: Any, metadata: Metadata, move_policy: MovePolicy, target: str = "",
+                 tls: bool = False) -> None:
         self.stub = stub
         self.health = health
         self.metadata = metadata
         self.move_policy = move_policy
+        self.target = target
+        self.tls = tls
 
     def wait_ready(self, timeout_s: float, poll_s: float) -> Plan[None]:
         """Until the health service reports SERVING (on the address the call lands on), polling every
-        ``poll_s`` seconds.
+        ``poll_s`` seconds; a poll waits at most 2 s for its answer, and never past ``timeout_s``.
 
         Raises:
-            TimeoutError: not SERVING after ``timeout_s`` seconds.
+            TimeoutError: not SERVING after ``timeout_s`` seconds. The message says what the last poll got (the
+                status the server reported, or the call's error and what to check: no server at the target,
+                TLS on one side only, ...); the call's ``grpc.RpcError`` is its ``__cause__``.
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            poll_timeout_s = min(HEALTH_POLL_TIMEOUT_S, deadline - time.monotonic())
+            error: grpc.RpcError | None = None
             try:
-                response = yield Invoke(self.health.Check, health_pb2.HealthCheckRequest(service=""), 2.0)
+                response = yield Invoke(self.health.Check, health_pb2.HealthCheckRequest(service=""),
+                                        max(poll_timeout_s, 1e-3))
                 if response.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.RpcError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not SERVING after {timeout_s:.0f} s")
-            yield Sleep(poll_s)
+                got = f"it reports {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
+            except grpc.RpcError as exc:  # not listening yet, or never will: said if it stays so
+                error, got = exc, self._poll_error(exc, poll_timeout_s)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"server not SERVING after {timeout_s:g} s; the last health check: {got}") \
+                    from error
+            yield Sleep(max(min(poll_s, deadline - time.monotonic()), 0.0))
+
+    def _poll_error(self, exc: grpc.RpcError, poll_timeout_s: float) -> str:
+        """A failed health check in words: its deadline is the poll's, not the caller's --timeout."""
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return (f"DEADLINE_EXCEEDED: no answer within {max(poll_timeout_s, 1e-3):.2g} s -- nothing at {self.target} "
+                    "answered the health check: check --target HOST[:PORT]")
+        return describe_rpc_error(exc, self.target, self.tls)
 
     def model_info(self, timeout_s: float | None) -> Plan[pb.ModelInfo]:
         """The served model's ``ModelInfo`` (name, context length, ...)."""

@@ -97,6 +97,9 @@ def test_bad_arguments_exit_2_before_connecting(capsys, argv: list[str], message
     assert message in capsys.readouterr().err
 
 
-def test_unreachable_server_exits_1(capsys) -> None:
+def test_unreachable_server_exits_1_saying_why(capsys) -> None:
+    """The reason was dropped: a wrong port or a TLS mismatch read "server not SERVING after 0 s"."""
     assert main(["bench", "--target", "127.0.0.1:1", "--ready-check-timeout-sec", "0.2"]) == 1
-    assert "not SERVING" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("tpserve bench: 127.0.0.1:1: server not SERVING after 0.2 s; the last health check: ")
+    assert "no tpserve server answers at 127.0.0.1:1" in err
