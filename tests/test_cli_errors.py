@@ -8,6 +8,7 @@ traceback printed while the process exits is only visible there); the flag combi
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -153,6 +154,45 @@ def test_no_server_says_what_to_check():
     line = _one_line(run.stderr)
     assert line.startswith("UNAVAILABLE: ") and f"no tpserve server answers at 127.0.0.1:{port}" in line
     assert "start one (tpserve serve) or check --target" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "info", "bench"])
+@pytest.mark.parametrize("target, problem", [
+    ("127.0.0.1:abc", "the port 'abc' is not a number in 1-65535"),
+    ("127.0.0.1:99999", "the port '99999' is not a number in 1-65535"),
+    ("localhost:", "the port '' is not a number in 1-65535"),
+    (":50051", "no host name before the port: give HOST:PORT"),
+    ("http://127.0.0.1:50051", "is a URL; give HOST:PORT (a gRPC target has no http:// or grpc:// scheme)"),
+])
+def test_a_target_grpc_cannot_dial_is_a_flag_error_before_any_call(command, target, problem, capsys):
+    """`--target 127.0.0.1:abc` was sent, failed UNAVAILABLE "errors resolving", and a unary generate retried it
+    four times as a stream to continue; 99999 dialled port 34463 (99999 mod 65536)."""
+    argv = [command, "--target", target] + (["Hi"] if command == "generate" else [])
+    assert main(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"tpserve {command}: --target {target}") and line.endswith(problem)
+
+
+def test_the_client_library_refuses_a_target_grpc_cannot_dial():
+    from tpserve.client import AsyncClient, Client
+
+    with pytest.raises(ValueError, match=r"^127\.0\.0\.1:abc: the port 'abc' is not a number in 1-65535$"):
+        Client("127.0.0.1:abc")
+
+    async def make() -> None:
+        AsyncClient("dns:///tpserve.svc:0")
+
+    with pytest.raises(ValueError, match=r"^dns:///tpserve\.svc:0: the port '0' is not a number in 1-65535$"):
+        asyncio.run(make())
+
+
+def test_a_name_that_does_not_resolve_fails_at_once_naming_it():
+    """It was retried four times, each line about continuing "the stream ... after 0 tokens"."""
+    run = _run(["generate", "--target", "no-such-host.invalid:57051", "Hi"])
+    assert run.returncode == 1
+    line = _one_line(run.stderr)
+    assert line.startswith("UNAVAILABLE: ") and "retrying" not in line
+    assert line.endswith("-- the name no-such-host.invalid does not resolve: check --target HOST[:PORT]")
 
 
 class _ChattyServer(generate_pb2_grpc.GenerationServicer):

@@ -26,7 +26,7 @@ def test_addresses_of_a_target(target, count):
 
 
 def test_one_address_is_retried_on_a_line_of_its_own(capsys, monkeypatch):
-    reporter = generate_command.MoveReporter("127.0.0.1:7")
+    reporter = generate_command.MoveReporter("127.0.0.1:7", stream=True)
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
     monkeypatch.setattr("sys.stderr.isatty", lambda: True)
     reporter.printed("Once upon a time, there was")  # the streamed text so far: no newline
@@ -41,14 +41,17 @@ def test_one_address_is_retried_on_a_line_of_its_own(capsys, monkeypatch):
 
 
 def test_several_addresses_continue_on_another_replica(capsys):
-    reporter = generate_command.MoveReporter("ipv4:127.0.0.1:7,127.0.0.2:7")
+    reporter = generate_command.MoveReporter("ipv4:127.0.0.1:7,127.0.0.2:7", stream=True)
     reporter.printed("text")
     reporter(_move(1))  # stdout is not a terminal here: nothing is glued, no newline is added
     assert capsys.readouterr().err.startswith("tpserve generate: UNAVAILABLE (Socket closed); continuing on another "
                                               "replica after 496 tokens (attempt 1")
 
 
-def test_the_last_line_says_the_stream_stopped(capsys, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_last_line_says_the_request_stopped(capsys, monkeypatch, stream):
+    """A unary call's lines say nothing of a stream or of tokens delivered: the whole request is sent again (they
+    spoke of continuing "the stream ... after 0 tokens")."""
     class Lost(grpc.RpcError):
         def code(self):
             return grpc.StatusCode.UNAVAILABLE
@@ -57,18 +60,24 @@ def test_the_last_line_says_the_stream_stopped(capsys, monkeypatch):
             return "Socket closed"
 
     def run_generate(args, sampling, reporter):
-        reporter(_move(1))
+        reporter(_move(1) if stream else StreamMove("req-1", 1, 0, grpc.StatusCode.UNAVAILABLE, "Socket closed", 0.15))
         raise Lost()
 
     monkeypatch.setattr(generate_command, "run_generate", run_generate)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = cli.build_parser().parse_args(["generate", "--target", f"127.0.0.1:{port}", "Hi"])
+    args = cli.build_parser().parse_args(["generate", "--target", f"127.0.0.1:{port}", "Hi"] + ["--stream"] * stream)
     assert cli.run_client_command(args) == 1
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 and f"retrying on 127.0.0.1:{port}" in lines[0]
-    assert lines[1].startswith("UNAVAILABLE: Socket closed -- ") and lines[1].endswith("(gave up after 1 tries to continue the stream)")
+    assert len(lines) == 2 and lines[1].startswith("UNAVAILABLE: Socket closed -- ")
+    if stream:
+        assert f"retrying on 127.0.0.1:{port} after 496 tokens (attempt 1" in lines[0]
+        assert lines[1].endswith("(gave up after 1 tries to continue the stream)")
+    else:
+        assert lines[0] == (f"tpserve generate: UNAVAILABLE (Socket closed); retrying on 127.0.0.1:{port} "
+                            "(attempt 1, in 0.1 s)")
+        assert lines[1].endswith("(gave up after 1 retry)")
 
 
 def test_a_failed_stream_s_error_starts_a_line_of_its_own(capsys, monkeypatch):

@@ -283,6 +283,7 @@ def _run_call(args: argparse.Namespace) -> int:
     """``generate`` or ``info``: the exit code, a failure reported in one line (2: bad flags or files, 1: the
     call failed)."""
     try:
+        generate_command.checked_target(args.target)
         return generate_command.generate(args) if args.command == "generate" else _info(args)
     except generate_command.UsageError as exc:
         print(f"tpserve {args.command}: {exc}", file=sys.stderr)

@@ -54,7 +54,7 @@ from tpserve.v1 import generate_pb2_grpc
 # What callers import from here, wherever it is defined.
 __all__ = ["DEFAULT_PORT", "FINISH_REASON_NAMES", "AsyncClient", "AsyncGenerateStream", "Client", "Credentials",
            "GenerateResult", "GenerateStream", "Keepalive", "MovePolicy", "Prompt", "RetryPolicy", "StreamChunk", "StreamMove",
-           "Timings", "Usage", "build_request", "describe_rpc_error", "request_keywords", "with_default_port"]
+           "Timings", "Usage", "build_request", "check_target", "describe_rpc_error", "request_keywords", "with_default_port"]
 
 _chunk = chunk_of  # the name tests/test_client_chunks.py and older callers know
 
@@ -72,6 +72,41 @@ def with_default_port(target: str) -> str:
     if target.count(":") > 1:  # a bare IPv6 address
         return f"[{target}]:{DEFAULT_PORT}"
     return target if ":" in target else f"{target}:{DEFAULT_PORT}"
+
+
+#: Schemes of targets gRPC parses itself (an address list, a socket path): checked by gRPC, not here.
+_GRPC_ADDRESS_SCHEMES = ("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
+
+
+def check_target(target: str) -> None:
+    """Refuses a ``HOST:PORT`` target (bare, or after ``dns:``) that gRPC cannot dial, before any call: a port
+    that is not a number in 1-65535 (gRPC fails each call with UNAVAILABLE "errors resolving", as if no server
+    answered, or dials port 443 for ``host:``, or 99999 mod 65536), no host, or a URL. Address lists, socket
+    paths and other resolvers' targets are left to gRPC.
+
+    Raises:
+        ValueError: what is wrong with the target.
+    """
+    if target.startswith(("http://", "https://", "grpc://", "grpcs://")):
+        raise ValueError(f"{target} is a URL; give HOST:PORT (a gRPC target has no http:// or grpc:// scheme)")
+    if target.startswith(_GRPC_ADDRESS_SCHEMES) or ("/" in target and not target.startswith("dns:")):
+        return
+    host_port = target.removeprefix("dns:")
+    host_port = host_port[2:].partition("/")[2] if host_port.startswith("//") else host_port  # dns://server/name
+    if host_port.startswith("["):
+        host, closed, rest = host_port[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(f"{target}: an IPv6 address goes in brackets before the port: [ADDRESS]:PORT")
+        port = rest[1:] if rest else None
+    elif host_port.count(":") > 1:
+        return  # a bare IPv6 address (after dns:): gRPC's to parse
+    else:
+        host, colon, port_text = host_port.partition(":")
+        port = port_text if colon else None
+    if not host.strip() or host != host.strip():
+        raise ValueError(f"{target}: no host name before the port: give HOST:PORT")
+    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{target}: the port {port!r} is not a number in 1-65535")
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -141,9 +176,10 @@ class Client(_ClientBase):
 
     Raises:
         OSError: a TLS file cannot be read.
-        ValueError: ``load_balancing_policy`` neither ``round_robin`` nor ``pick_first``, or ``keepalive`` out of
-            range (``keepalive.time_s`` below 1 s); a ``RetryPolicy`` out of gRPC's range is refused when it is
-            made.
+        ValueError: a ``target`` gRPC cannot dial (:func:`check_target`: a port that is not a number in
+            1-65535, ...), ``load_balancing_policy`` neither ``round_robin`` nor ``pick_first``, or ``keepalive``
+            out of range (``keepalive.time_s`` below 1 s); a ``RetryPolicy`` out of gRPC's range is refused when
+            it is made.
     """
 
     def __init__(self, target: str, *, load_balancing_policy: LoadBalancingPolicy = "round_robin",
@@ -151,6 +187,7 @@ class Client(_ClientBase):
                  retry_policy: RetryPolicy = RetryPolicy(), keepalive: Keepalive = Keepalive()) -> None:
         options = channel_options(load_balancing_policy, retry_policy, keepalive)
         target = with_default_port(target)
+        check_target(target)
         super().__init__(grpc.secure_channel(target, credentials.channel_credentials(), options=options)
                          if credentials.tls else grpc.insecure_channel(target, options=options),
                          target, credentials, move_policy, asynchronous=False)
@@ -228,6 +265,7 @@ class AsyncClient(_ClientBase):
                                "async with AsyncClient(target) as client); use Client outside one") from None
         options = channel_options(load_balancing_policy, retry_policy, keepalive)
         target = with_default_port(target)
+        check_target(target)
         super().__init__(grpc.aio.secure_channel(target, credentials.channel_credentials(), options=options)
                          if credentials.tls else grpc.aio.insecure_channel(target, options=options),
                          target, credentials, move_policy, asynchronous=True)

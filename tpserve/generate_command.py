@@ -111,18 +111,37 @@ def _json_schema(value: str | None) -> str | None:
         raise UsageError(f"--json-schema {value}: {value[1:]} is not UTF-8 text") from None
 
 
+def checked_target(target: str) -> str:
+    """``--target`` with tpserve's port where it names a host alone, checked before any call
+    (``tpserve.client.check_target``).
+
+    Raises:
+        UsageError: a target gRPC cannot dial (a port that is not a number in 1-65535, ...), naming the flag.
+    """
+    from tpserve.client import check_target, with_default_port
+
+    target = with_default_port(target)
+    try:
+        check_target(target)
+    except ValueError as exc:
+        raise UsageError(f"--target {exc}") from None
+    return target
+
+
 class MoveReporter:
-    """Says each stream move on stderr, on a line of its own (tpserve/stream_move.py).
+    """Says each move of a request on stderr, on a line of its own (tpserve/stream_move.py): a stream's,
+    which continues after the tokens it delivered, or a unary call's, which is sent again whole.
 
     A streamed completion is printed without a newline; where stdout and stderr share a terminal, a move's
     line would be glued to the text, so it starts with a newline there. A target of one address is retried
     ("retrying on HOST:PORT"), one of several continues on another of them.
     """
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, stream: bool) -> None:
         from tpserve.client import with_default_port
 
         self.target = with_default_port(target)
+        self.stream = stream
         self.single = num_addresses(self.target) <= 1
         self.open_line = False  # the streamed text printed so far does not end with a newline
         self.moves = 0
@@ -135,11 +154,20 @@ class MoveReporter:
     def __call__(self, move) -> None:
         self.moves = move.attempt
         glued = self.open_line and sys.stdout.isatty() and sys.stderr.isatty()
-        where = f"retrying on {self.target}" if self.single else "continuing on another replica"
-        print(f"{chr(10) if glued else ''}tpserve generate: {move.code.name} ({move.details}); {where} after "
-              f"{move.num_delivered_tokens} tokens (attempt {move.attempt}, in {move.backoff_s:.1f} s)",
-              file=sys.stderr, flush=True)
+        if self.stream:
+            where = f"retrying on {self.target}" if self.single else "continuing on another replica"
+            what = f"{where} after {move.num_delivered_tokens} tokens"
+        else:  # nothing was delivered: the whole request goes again
+            what = f"retrying on {self.target}" if self.single else "retrying on another replica"
+        print(f"{chr(10) if glued else ''}tpserve generate: {move.code.name} ({move.details}); {what} "
+              f"(attempt {move.attempt}, in {move.backoff_s:.1f} s)", file=sys.stderr, flush=True)
         self.open_line = False
+
+    def gave_up(self) -> str:
+        """What the last line adds after the error: how many moves were tried."""
+        if self.stream:
+            return f"(gave up after {self.moves} tries to continue the stream)"
+        return f"(gave up after {self.moves} {'retry' if self.moves == 1 else 'retries'})"
 
 
 def num_addresses(target: str) -> int:
@@ -166,7 +194,7 @@ def generate(args: argparse.Namespace) -> int:
     sampling = {spec.name: getattr(args, spec.name) for spec in FIELDS if spec.cli}
     sampling.update(logit_bias=_logit_bias(args.logit_bias), regex=args.regex, choices=args.choices,
                     cache_salt=args.cache_salt, json_schema=_json_schema(args.json_schema), lora_name=args.lora)
-    reporter = MoveReporter(args.target)
+    reporter = MoveReporter(args.target, args.stream)
     try:
         result = run_generate(args, sampling, reporter)
     except grpc.RpcError as exc:
@@ -176,8 +204,8 @@ def generate(args: argparse.Namespace) -> int:
             raise  # tpserve.cli reports it
         from tpserve.client import describe_rpc_error
 
-        print(f"{describe_rpc_error(exc, reporter.target, tls=credentials(args).tls)} "
-              f"(gave up after {reporter.moves} tries to continue the stream)", file=sys.stderr)
+        print(f"{describe_rpc_error(exc, reporter.target, tls=credentials(args).tls)} {reporter.gave_up()}",
+              file=sys.stderr)
         return 1
     print_result(args, result)
     return 0

@@ -9,11 +9,14 @@ import grpc
 
 def describe_rpc_error(exc: grpc.RpcError, target: str, tls: bool = False) -> str:
     """One line for a failed call: the status code, the server's message and, where the cause is likely on
-    the caller's side (no server there, TLS on one side only, no API key), what to check."""
+    the caller's side (no server there, a name that does not resolve, TLS on one side only, no API key), what to
+    check."""
     code, details = exc.code(), exc.details() or ""
     line = f"{code.name}: {details}"
     lower = details.lower()
     if code == grpc.StatusCode.UNAVAILABLE:
+        if "errors resolving" in lower or "dns resolution failed" in lower:
+            return f"{line} -- the name {host_of(target)} does not resolve: check --target HOST[:PORT]"
         if "connection refused" in lower or ("failed to connect" in lower and "ssl" not in lower):
             return (f"{line} -- no tpserve server answers at {target}: start one (tpserve serve) or check "
                     "--target HOST[:PORT]")
@@ -29,3 +32,10 @@ def describe_rpc_error(exc: grpc.RpcError, target: str, tls: bool = False) -> st
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"{line} -- the call took longer than its deadline (--timeout)"
     return line
+
+
+def host_of(target: str) -> str:
+    """The host a ``HOST:PORT`` target names (after ``dns:///`` or ``dns://server/``), without brackets."""
+    name = target.rpartition("/")[2] if target.startswith("dns:") else target
+    host, colon, _ = name.removeprefix("dns:").rpartition(":")
+    return (host if colon else name).strip("[]")

@@ -48,8 +48,10 @@ KV_TRANSFER_PARAMS_KEY = "x-tpserve-kv-transfer-params"
 
 #: INTERNAL details that mean the server lost its workers or the transport broke, not a bug in the request.
 _LOST_GROUP_MARKERS = ("worker group", "engine loop failed", "rst_stream", "stream removed")
-#: gRPC's UNAVAILABLE when no address of the target accepts a connection at all (pick_first's and round_robin's words).
-_NO_ADDRESS = ("failed to connect to all addresses", "connections to all backends failing")
+#: gRPC's UNAVAILABLE when no address of the target accepts a connection at all (pick_first's and round_robin's words),
+#: or the target's name resolves to none (the native resolver's words, c-ares's).
+_NO_ADDRESS = ("failed to connect to all addresses", "connections to all backends failing", "errors resolving",
+               "dns resolution failed")
 
 
 @dataclass(frozen=True, slots=True)

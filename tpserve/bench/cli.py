@@ -101,8 +101,12 @@ def main(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from tpserve.bench import datasets, metrics, plot, report, runner
-    from tpserve.client import Client
+    from tpserve.client import Client, check_target
 
+    try:
+        check_target(args.target)
+    except ValueError as exc:
+        raise ValueError(f"--target {exc}") from None
     slos = metrics.parse_goodput(args.goodput)
     rates = parse_rates(args.sweep_request_rate) if args.sweep_request_rate else [args.request_rate]
     if args.num_prompts < 1:
