@@ -32,7 +32,7 @@ def make(index: int, chunks: list[tuple[float, int]], prompt_tokens: int, comple
 
 def failed(index: int, status: str) -> RequestRecord:
     record = RequestRecord(index=index, start_s=0.0)
-    record.fail(status, "refused")
+    record.fail(status, f"refused request {index}")
     return record
 
 
@@ -59,6 +59,7 @@ def test_summary(records) -> None:
     s = summarize(records, duration_s=2.0)
     assert (s["num_requests"], s["completed"], s["failed"]) == (6, 3, 3)
     assert s["failures"] == {"UNAVAILABLE": 2, "RESOURCE_EXHAUSTED": 1}
+    assert s["failure_messages"] == {"UNAVAILABLE": "refused request 3", "RESOURCE_EXHAUSTED": "refused request 4"}
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (60, 8)
     assert s["request_throughput"] == pytest.approx(1.5)
     assert s["output_throughput"] == pytest.approx(4.0)

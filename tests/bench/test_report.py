@@ -36,7 +36,7 @@ def test_summary_table() -> None:
     lines = table.splitlines()
     assert lines[0].startswith("=") and "Serving Benchmark Result" in lines[0] and set(lines[-1]) == {"="}
     assert "Successful requests:                    20" in table
-    assert "  failed with RESOURCE_EXHAUSTED:       1" in table
+    assert "  failed with RESOURCE_EXHAUSTED:       1\n    first message: queue full\n" in table
     assert "Request goodput (req/s):                6.67" in table  # 20 requests meet tpot <= 15 ms in 3 s
     assert "Mean TPOT (ms):                         10.00" in table
     assert "P99 ITL (ms):                           10.00" in table
@@ -55,6 +55,7 @@ def test_result_file_is_strict_json(tmp_path) -> None:
     assert len(data["runs"][1]["requests"]) == 21
     assert data["runs"][1]["requests"][0]["tpot_s"] == pytest.approx(0.02)
     assert data["runs"][0]["summary"]["failures"] == {"RESOURCE_EXHAUSTED": 1}
+    assert data["runs"][0]["summary"]["failure_messages"] == {"RESOURCE_EXHAUSTED": "queue full"}
 
 
 def test_sweep_table_and_plot(tmp_path) -> None:

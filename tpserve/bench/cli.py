@@ -7,8 +7,11 @@
 
 Prints one summary table per load (see report.py); exits 0 when the run completed
 (failed requests are counted in the table and the file, by status code), 1 when the
-server is not reachable or every request failed, 2 on bad arguments. Flag names follow
-``vllm bench serve`` (its ``--random-*`` and ``--dataset-name`` spellings are accepted).
+server is not reachable or every request failed, 2 on bad arguments (a file that cannot be
+read among them: the dataset and TLS files are read before the server is called), 130 on
+Ctrl-C (after the table of the requests that had ended, when the load had begun). Flag
+names follow ``vllm bench serve`` (its ``--random-*`` and ``--dataset-name`` spellings are
+accepted).
 """
 
 from __future__ import annotations
@@ -97,6 +100,17 @@ def main(args: argparse.Namespace) -> int:
         detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
         print(f"tpserve bench: {args.target}: {detail}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # stdout's reader is gone, not a file of ours: tpserve.cli ends quietly
+    except OSError as exc:  # the dataset, a TLS file (as tpserve generate says it)
+        print(f"tpserve bench: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before the load: nothing measured to show
+        return EXIT_INTERRUPTED
+
+
+#: Ctrl-C's exit status: 128 + SIGINT, as the shell reports a command SIGINT ended (tpserve generate's too).
+EXIT_INTERRUPTED = 130
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -115,8 +129,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("--seed and --num-warmups must be >= 0")
     if args.dataset == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
+    # Files first: a typo in a path should not cost the whole --ready-check-timeout-sec of an absent server.
+    requests = datasets.jsonl_requests(args.dataset_path, args.num_prompts, args.output_len) \
+        if args.dataset == "jsonl" else []
     credentials = Credentials.from_flags(args)
-    with Client(args.target, credentials=credentials) as client:
+    with Client(args.target, credentials=credentials) as client:  # reads the TLS files
         client.wait_ready(timeout_s=args.ready_check_timeout_sec)
         info = client.model_info()
     if args.dataset == "random":
@@ -125,8 +142,6 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"random prompts up to {high} tokens do not fit max_model_len {info.max_model_len}")
         requests = datasets.random_requests(args.num_prompts, args.seed, info.vocab_size, args.input_len,
                                             args.output_len, args.range_ratio, list(info.eos_token_ids))
-    else:
-        requests = datasets.jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
     parameters = {key: value for key, value in vars(args).items() if key not in ("command", "func")}
     parameters.update(request_rate=report.json_rate(args.request_rate),
                       request_rates=[report.json_rate(rate) for rate in rates],
@@ -139,7 +154,14 @@ def _bench(args: argparse.Namespace) -> int:
                                    seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
                                    request_timeout_s=args.request_timeout, num_warmups=args.num_warmups,
                                    slos_ms=slos, show_progress=not args.disable_tqdm)
-        run = runner.run(args.target, requests, config, credentials)
+        try:
+            run = runner.run(args.target, requests, config, credentials)
+        except runner.LoadInterrupted as interrupted:  # what was measured is shown; no file is written
+            print(report.format_summary(interrupted.run.summary, rate, args.burstiness, args.max_concurrency),
+                  flush=True)
+            print(f"tpserve bench: interrupted: the table counts the {len(interrupted.run.records)} of "
+                  f"{len(requests)} requests that had ended", file=sys.stderr)
+            return EXIT_INTERRUPTED
         print(report.format_summary(run.summary, rate, args.burstiness, args.max_concurrency), flush=True)
         runs.append(run)
     if len(runs) > 1:

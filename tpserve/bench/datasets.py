@@ -71,11 +71,15 @@ def load_jsonl(path: str | Path, default_max_tokens: int) -> list[SampleRequest]
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: a line is not JSON, lacks a non-empty "prompt", or has a max_tokens that
-            is not a positive integer; the message names the line.
+        ValueError: the file is not UTF-8 text, or a line is not JSON, lacks a non-empty "prompt", or has a
+            max_tokens that is not a positive integer; the message names the file (and the line).
     """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     requests = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -181,6 +181,16 @@ def meets_slos(record: RequestRecord, slos_ms: dict[SloName, float]) -> bool:
     return all(measured_s[name] * 1e3 <= slo for name, slo in slos_ms.items())
 
 
+def first_messages(records: Sequence[RequestRecord]) -> dict[str, str]:
+    """The first failed request's message for each status code (in request order): what the server said, which
+    the counts alone do not (an INVALID_ARGUMENT names the field it refused)."""
+    messages: dict[str, str] = {}
+    for record in records:
+        if not record.success:
+            messages.setdefault(record.status, record.error)
+    return messages
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: float, slos_ms: dict[SloName, float] | None = None) -> dict:
     """The benchmark's summary: counts, throughputs (per second of ``duration_s``), latency distributions.
 
@@ -197,6 +207,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slos_ms: dict
         "completed": len(done),
         "failed": len(records) - len(done),
         "failures": dict(Counter(r.status for r in records if not r.success)),
+        "failure_messages": first_messages(records),
         "duration_s": duration_s,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,

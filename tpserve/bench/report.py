@@ -39,7 +39,11 @@ def format_summary(summary: dict, request_rate: float, burstiness: float, max_co
              _line("Maximum request concurrency:", max_concurrency),
              _line("Successful requests:", summary["completed"]),
              _line("Failed requests:", summary["failed"])]
-    lines += [_line(f"  failed with {code}:", count) for code, count in sorted(summary["failures"].items())]
+    for code, count in sorted(summary["failures"].items()):
+        lines.append(_line(f"  failed with {code}:", count))
+        message = summary.get("failure_messages", {}).get(code)
+        if message:  # one line: the server's message may hold newlines
+            lines.append(f"    first message: {' '.join(message.split())}")
     lines += [_line("Benchmark duration (s):", summary["duration_s"]),
               _line("Total input tokens:", summary["total_input_tokens"]),
               _line("Total generated tokens:", summary["total_output_tokens"]),

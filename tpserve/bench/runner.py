@@ -5,10 +5,14 @@ one ``grpc.aio`` channel; each GenerateStream's messages are timed as they arriv
 (``time.perf_counter``) into a RequestRecord, and the records are summarized with
 vLLM's metric definitions (metrics.py). Each request gets its own asyncio task, so
 a slow stream never delays the send of the next one.
+
+Ctrl-C during a load (asyncio.run cancels the load's task) ends it: :func:`run` raises
+:class:`LoadInterrupted` with the requests that had ended, summarized over the time until then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -50,6 +54,14 @@ class RunResult:
     summary: dict
 
 
+class LoadInterrupted(Exception):
+    """Ctrl-C (SIGINT) ended a load; ``run`` is what the requests that ended before it measured."""
+
+    def __init__(self, run: RunResult) -> None:
+        super().__init__(f"interrupted after {len(run.records)} requests ended")
+        self.run = run
+
+
 def _grpc_request(sample: SampleRequest, index: int, config: LoadConfig):
     # A seed per request makes a sampled (temperature > 0) run reproducible; greedy ignores it.
     return build_request(sample.prompt, max_tokens=sample.max_tokens, temperature=config.temperature,
@@ -84,10 +96,12 @@ def close_record(record: RequestRecord, last: pb.GenerateStreamResponse | None) 
 
 
 async def run_async(target: str, requests: Sequence[SampleRequest], config: LoadConfig,
-                    credentials: Credentials = Credentials()) -> RunResult:
+                    credentials: Credentials = Credentials(), partial: list[RunResult] | None = None) -> RunResult:
     """Sends ``requests`` to the server at ``target`` under ``config``; returns the measured run.
 
-    ``credentials``: TLS files and API key for a secured server.
+    ``credentials``: TLS files and API key for a secured server. ``partial``: where a load cancelled after
+    its warm-up leaves what it measured (a RunResult of the requests that had ended) before the
+    cancellation goes on.
     """
     from tqdm import tqdm  # imported here: `tpserve --help` should not pay for it
 
@@ -101,11 +115,21 @@ async def run_async(target: str, requests: Sequence[SampleRequest], config: Load
 
             async def send(index: int, sample: SampleRequest) -> RequestRecord:
                 record = await stream_one(stub, index, sample, config, t0)
+                ended.append(record)
                 progress.update(1)
                 return record
 
+            ended: list[RequestRecord] = []
             t0 = time.perf_counter()
-            records = await run_load(requests, send, offsets, config.max_concurrency)
+            try:
+                records = await run_load(requests, send, offsets, config.max_concurrency)
+            except asyncio.CancelledError:
+                # Taken now: closing the channel next ends the requests in flight, as CANCELLED failures of our own.
+                if partial is not None:
+                    done = sorted(ended, key=lambda record: record.index)
+                    partial.append(RunResult(config.request_rate, done,
+                                             summarize(done, time.perf_counter() - t0, config.slos_ms)))
+                raise
             duration_s = time.perf_counter() - t0
     return RunResult(config.request_rate, records, summarize(records, duration_s, config.slos_ms))
 
@@ -113,5 +137,16 @@ async def run_async(target: str, requests: Sequence[SampleRequest], config: Load
 def run(target: str, requests: Sequence[SampleRequest], config: LoadConfig,
         credentials: Credentials = Credentials()) -> RunResult:
     """Blocking :func:`run_async`, on uvloop where installed: the client shares the host's cores with
-    the server under test, and a cheaper loop takes less from it (tpserve/event_loop.py)."""
-    return event_loop.run(run_async(target, requests, config, credentials))
+    the server under test, and a cheaper loop takes less from it (tpserve/event_loop.py).
+
+    Raises:
+        LoadInterrupted: Ctrl-C during the load (after the warm-up); it holds the requests that had ended.
+        KeyboardInterrupt: Ctrl-C before the load.
+    """
+    partial: list[RunResult] = []
+    try:
+        return event_loop.run(run_async(target, requests, config, credentials, partial))
+    except KeyboardInterrupt:
+        if not partial:
+            raise
+        raise LoadInterrupted(partial[0]) from None
