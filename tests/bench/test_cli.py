@@ -135,3 +135,33 @@ def test_the_table_gives_the_servers_first_message_for_each_failing_code(prompte
     lines = run.stdout.splitlines()
     at = lines.index("  failed with INVALID_ARGUMENT:         2")
     assert lines[at + 1] == "    first message: sampling_params.temperature must be >= 0, got -1"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--request-rate", "-1"], "--request-rate must be > 0 (or inf), got -1"),
+    (["--burstiness", "0"], "--burstiness must be a finite number > 0, got 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1"),
+    (["--request-timeout", "0"], "--request-timeout must be > 0 seconds, got 0"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
+])
+def test_a_bad_load_flag_is_one_line_exit_2_before_the_server_is_called(flags, message):
+    """--request-rate -1 waited the whole ready check for an absent server; --temperature -1 ran the whole load,
+    every request refused."""
+    started = time.monotonic()
+    run = subprocess.run(_bench("--target", f"127.0.0.1:{free_port()}", *flags), capture_output=True, text=True,
+                         timeout=120)
+    assert time.monotonic() - started < 30 and run.returncode == 2
+    assert run.stderr == f"tpserve bench: {message}\n"
+
+
+def test_the_result_file_holds_no_api_key(prompted, tmp_path):
+    """Result files get shared (benchmarks/results): the bearer key was written with the other flags."""
+    _, target = prompted
+    result = tmp_path / "result.json"
+    run = subprocess.run(_bench("--target", target, "--dataset", "jsonl", "--dataset-path", _dataset(tmp_path, ["fast"]),
+                                "--api-key", "SECRET-KEY-123", "--result-file", str(result)),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    parameters = json.loads(result.read_text())["parameters"]
+    assert "SECRET-KEY-123" not in result.read_text() and "api_key" not in parameters
+    assert parameters["dataset"] == "jsonl"

@@ -113,6 +113,30 @@ def main(args: argparse.Namespace) -> int:
 EXIT_INTERRUPTED = 130
 
 
+def _check_load_flags(args: argparse.Namespace, rates: list[float]) -> None:
+    """The load's flags that need nothing of the server, checked before the wait for it (a bad --request-rate was
+    refused only after --ready-check-timeout-sec of an absent server; a negative --temperature ran the whole
+    load, every request refused).
+
+    Raises:
+        ValueError: the first bad flag, named with its range.
+    """
+    checks = [("--request-rate", all(rate > 0 for rate in rates), "> 0 (or inf)", args.request_rate),
+              ("--burstiness", math.isfinite(args.burstiness) and args.burstiness > 0, "a finite number > 0",
+               args.burstiness),
+              ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "a finite number >= 0",
+               args.temperature),
+              ("--max-concurrency", args.max_concurrency is None or args.max_concurrency >= 1, ">= 1",
+               args.max_concurrency),
+              ("--request-timeout", args.request_timeout is None or args.request_timeout > 0, "> 0 seconds",
+               args.request_timeout),
+              ("--ready-check-timeout-sec", args.ready_check_timeout_sec > 0, "> 0 seconds",
+               args.ready_check_timeout_sec)]
+    for flag, ok, expect, value in checks:
+        if not ok:
+            raise ValueError(f"{flag} must be {expect}, got {value:g}")
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tpserve.bench import datasets, metrics, plot, report, runner
     from tpserve.client import Client, check_target
@@ -129,6 +153,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("--seed and --num-warmups must be >= 0")
     if args.dataset == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
+    _check_load_flags(args, rates)
     # Files first: a typo in a path should not cost the whole --ready-check-timeout-sec of an absent server.
     requests = datasets.jsonl_requests(args.dataset_path, args.num_prompts, args.output_len) \
         if args.dataset == "jsonl" else []
@@ -142,7 +167,8 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"random prompts up to {high} tokens do not fit max_model_len {info.max_model_len}")
         requests = datasets.random_requests(args.num_prompts, args.seed, info.vocab_size, args.input_len,
                                             args.output_len, args.range_ratio, list(info.eos_token_ids))
-    parameters = {key: value for key, value in vars(args).items() if key not in ("command", "func")}
+    # Every flag but the bearer key: result files get shared (benchmarks/results), keys must not.
+    parameters = {key: value for key, value in vars(args).items() if key not in ("command", "func", "api_key")}
     parameters.update(request_rate=report.json_rate(args.request_rate),
                       request_rates=[report.json_rate(rate) for rate in rates],
                       model=info.model_name, tensor_parallel_size=info.tensor_parallel_size, dtype=info.dtype,
