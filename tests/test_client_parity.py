@@ -290,3 +290,15 @@ def test_a_call_on_a_closed_client_is_the_same_value_error_on_both_clients() -> 
             await client.abort("r")
 
     asyncio.run(asynchronous())
+
+
+def test_a_boolean_field_takes_only_a_bool() -> None:
+    """protobuf's bool takes any int: vLLM's ``logprobs=5`` (its top 5) was sent as True, and no top logprobs came."""
+    import pytest
+
+    with pytest.raises(ValueError, match="logprobs must be True or False, got 5; top_logprobs=N asks for the N"):
+        build_request("Hi", logprobs=5)
+    with pytest.raises(ValueError, match="ignore_eos must be True or False, got 1"):
+        build_request("Hi", ignore_eos=1)
+    assert build_request("Hi", logprobs=True, top_logprobs=5).sampling_params.top_logprobs == 5
+    assert build_request("Hi </s>", parse_special_tokens=True).parse_special_tokens

@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message, rendered with the "
                                                            "model's chat template")
     gen.add_argument("--system", help="with --chat: a system message before it")
+    gen.add_argument("--parse-special-tokens", action="store_true",
+                     help="special-token spellings in the prompt text (</s>) are their tokens, not literal text")
     gen.add_argument("--cache-salt", help="reuse only prefix-cache entries of requests with this salt (and "
                      "the same API key); keeps prompts apart from other callers'")
     gen.add_argument("--lora", help="generate with this LoRA adapter (a name of the server's --lora-modules)")

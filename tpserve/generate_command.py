@@ -193,7 +193,8 @@ def generate(args: argparse.Namespace) -> int:
     check_generate_flags(args)
     sampling = {spec.name: getattr(args, spec.name) for spec in FIELDS if spec.cli}
     sampling.update(logit_bias=_logit_bias(args.logit_bias), regex=args.regex, choices=args.choices,
-                    cache_salt=args.cache_salt, json_schema=_json_schema(args.json_schema), lora_name=args.lora)
+                    cache_salt=args.cache_salt, json_schema=_json_schema(args.json_schema), lora_name=args.lora,
+                    parse_special_tokens=args.parse_special_tokens)
     reporter = MoveReporter(args.target, args.stream)
     try:
         result = run_generate(args, sampling, reporter)

@@ -44,7 +44,7 @@ _REQUEST_KEYWORDS = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY
     for name, annotation, default in (
         ("json_schema", str | Mapping | None, None), ("regex", str | None, None),
         ("choices", str | Sequence[str] | None, None), ("cache_salt", str | None, None), ("priority", int, 0),
-        ("lora_name", str | None, None),
+        ("lora_name", str | None, None), ("parse_special_tokens", bool, False),
         ("request_id", str, ""))]
 _PROMPT = inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Prompt)
 _KEYWORD_DOCS = "\n".join(f"    {spec.name}: {spec.help}" for spec in FIELDS)
@@ -74,8 +74,10 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     ``{"role": ..., "content": ...}`` mappings as chat messages (rendered with the
     model's chat template). ``cache_salt`` keeps the request's prefix-cache entries apart
     from those of requests without the same salt. ``lora_name`` generates with that LoRA
-    adapter of the server's ``--lora-modules`` (None: the base model). The fields' meanings and ranges:
-    proto/tpserve/v1/generate.proto.
+    adapter of the server's ``--lora-modules`` (None: the base model). ``parse_special_tokens`` makes
+    special-token spellings in a text prompt (``</s>``) their tokens, not literal text. A boolean field given
+    anything but a ``bool`` is refused (vLLM's ``logprobs=5`` means top 5; here it read as True). The fields'
+    meanings and ranges: proto/tpserve/v1/generate.proto.
 
     Raises:
         ValueError: more than one of ``json_schema``, ``regex`` and ``choices``; a keyword or the prompt that
@@ -88,6 +90,9 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     params = pb.SamplingParams()
     for spec in FIELDS:
         value = values[spec.name]
+        if spec.type is bool and value is not None and not isinstance(value, bool):  # protobuf takes any int
+            hint = "; top_logprobs=N asks for the N most likely tokens" if spec.name == "logprobs" else ""
+            raise ValueError(f"{spec.name} must be True or False, got {value!r}{hint}")
         try:
             if spec.type is list:
                 getattr(params, spec.name).extend(_entries(value))  # None leaves it unset, as for the others
@@ -110,6 +115,9 @@ def build_request(prompt: Prompt, **fields) -> pb.GenerateRequest:
     elif choices is not None:
         params.response_format.choices.choices.extend(_entries(choices))
     request = pb.GenerateRequest(sampling_params=params)
+    if not isinstance(values["parse_special_tokens"], bool):
+        raise ValueError(f"parse_special_tokens must be True or False, got {values['parse_special_tokens']!r}")
+    request.parse_special_tokens = values["parse_special_tokens"]
     for name in ("request_id", "priority", "cache_salt", "lora_name"):
         if values[name] is not None:  # None: unset, as for the sampling fields
             _set_field(request, name, values[name])

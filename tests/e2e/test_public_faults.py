@@ -158,6 +158,9 @@ def test_special_token_spellings_in_prompt_text_are_literal_by_default(cluster: 
     # "<s>" + "Hi" is 3 tokens; "</s>" as text is 4 more, as the EOS control token 1.
     assert parsed.usage.prompt_tokens == 4
     assert literal.usage.prompt_tokens == 7
+    # The client's keyword (it had none: the field could be set only on a raw request).
+    assert cluster.client.generate("Hi</s>", max_tokens=1, parse_special_tokens=True).usage.prompt_tokens == 4
+    assert cluster.client.generate("Hi</s>", max_tokens=1).usage.prompt_tokens == 7
 
 
 # -- fault 13: aborted requests in the metrics ----------------------------------------------
