@@ -225,3 +225,38 @@ def test_a_cancel_during_the_backoff_of_a_move_ends_the_stream_and_starts_no_con
     assert ended.value.code() == grpc.StatusCode.CANCELLED
     assert "cancelled while the stream was moving to another replica" in ended.value.details()
     assert cancelled == [True] and not started
+
+
+def test_an_abort_during_the_backoff_of_a_move_ends_the_stream_and_starts_no_continuation() -> None:
+    """``client.abort(id)`` reached every replica, none ran the stream at that instant (0), and the continuation
+    started a moment later ran to its end: the client now ends its own moving streams of those ids."""
+    import threading
+
+    from tpserve.client import Client
+    from tpserve.client_streams import GenerateStream
+
+    started: list[pb.GenerateRequest] = []
+    moves: list[StreamMove] = []
+    request = with_seed(pb.GenerateRequest(text="Once", request_id="req-1",
+                                           sampling_params=pb.SamplingParams(max_tokens=9)))
+    mover = StreamMover(request, MovePolicy(initial_backoff_s=0.5, max_backoff_s=0.5, on_move=moves.append))
+    stream = GenerateStream(_BrokenCall(), mover, lambda request, timeout: started.append(request))
+    with Client("127.0.0.1:1") as client:
+        client._streams.add(stream)
+        assert client._abort_moving(["req-1"]) == 0  # not moving yet: a server's abort is what ends it
+        ended: list[int] = []
+
+        def abort_in_the_backoff() -> None:
+            while not moves:
+                threading.Event().wait(0.01)
+            ended.append(client._abort_moving(["req-2", "req-1"]))
+
+        aborter = threading.Thread(target=abort_in_the_backoff)
+        aborter.start()
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in stream:
+                pass
+        aborter.join(5)
+    assert error.value.code() == grpc.StatusCode.CANCELLED
+    assert "aborted (abort) while the stream was moving to another replica" in error.value.details()
+    assert ended == [1] and not started

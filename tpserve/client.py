@@ -33,7 +33,8 @@ gone) is noticed by HTTP/2 keepalive pings: its calls fail with ``UNAVAILABLE`` 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -133,6 +134,13 @@ class _ClientBase:
         self.health = health_pb2_grpc.HealthStub(channel)
         self._channel_calls = Calls(self.stub, self.health, self._metadata, move_policy, target, credentials.tls)
         self._closed = False
+        self._streams: weakref.WeakSet[GenerateStream | AsyncGenerateStream] = weakref.WeakSet()  # abort's, moving
+
+    def _abort_moving(self, request_ids: Sequence[str]) -> int:
+        """Ends this client's streams of ``request_ids`` that are between two attempts of a move: an abort reaches
+        no replica of theirs then, and the continuation started after it ran to its end. Returns how many."""
+        ids = frozenset(request_ids)
+        return sum(stream.abort_if_moving(ids) for stream in list(self._streams))
 
     @property
     def _calls(self) -> Calls:
@@ -222,14 +230,16 @@ class Client(_ClientBase):
     @_doc_of(Calls.stream)
     def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None, **fields: Any) -> GenerateStream:
         start = self._calls.stream(prompt, timeout_s, fields)
-        return GenerateStream(start.call, start.mover, start.start, start.deadline)
+        stream = GenerateStream(start.call, start.mover, start.start, start.deadline)
+        self._streams.add(stream)
+        return stream
 
     @_doc_of(Calls.abort)
     def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
         calls = self._calls  # a closed client opens no channel to the replicas
         addresses = replica_addresses(self.target)
         replicas = self._replicas.stubs(addresses) if addresses is not None else []
-        return run_blocking(calls.abort(request_ids, timeout_s, replicas))
+        return self._abort_moving(request_ids) + run_blocking(calls.abort(request_ids, timeout_s, replicas))
 
     @_doc_of(Calls.load_lora_adapter)
     def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:
@@ -302,7 +312,9 @@ class AsyncClient(_ClientBase):
     def generate_stream(self, prompt: Prompt, *, timeout_s: float | None = None,
                         **fields: Any) -> AsyncGenerateStream:
         start = self._calls.stream(prompt, timeout_s, fields)
-        return AsyncGenerateStream(start.call, start.mover, start.start, start.deadline)
+        stream = AsyncGenerateStream(start.call, start.mover, start.start, start.deadline)
+        self._streams.add(stream)
+        return stream
 
     @_doc_of(Calls.abort)
     async def abort(self, *request_ids: str, timeout_s: float | None = 10.0) -> int:
@@ -310,7 +322,7 @@ class AsyncClient(_ClientBase):
         # A host name's look-up blocks: off the event loop. The channels are made on the loop (grpc.aio's rule).
         addresses = await asyncio.to_thread(replica_addresses, self.target)
         replicas = self._replicas.stubs(addresses) if addresses is not None else []
-        return await run_async(calls.abort(request_ids, timeout_s, replicas))
+        return self._abort_moving(request_ids) + await run_async(calls.abort(request_ids, timeout_s, replicas))
 
     @_doc_of(Calls.load_lora_adapter)
     async def load_lora_adapter(self, name: str, path: str, *, timeout_s: float | None = 60.0) -> int:

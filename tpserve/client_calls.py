@@ -273,7 +273,8 @@ class Calls:
         4096 ids a call); the number of samples that were in flight, summed over the replicas (0: none of
         the ids is running). The call goes to every address the target resolves to at once, each with
         ``timeout_s`` (seconds; None: no deadline): round-robin would send it to one replica, rarely the
-        one running the request (tpserve/replica_targets.py).
+        one running the request (tpserve/replica_targets.py). A stream of this client between two attempts
+        of a move (no replica runs it then) ends with CANCELLED instead of continuing, and counts too.
 
         Raises:
             grpc.RpcError: a replica refused the call for a reason the others share (INVALID_ARGUMENT: more

@@ -45,11 +45,22 @@ class _MovingStream:
         assert self._start is not None and self._moved_request is not None  # set by _move
         if self._cancelled_by_caller:
             raise _cancelled("cancelled while the stream was moving to another replica")
+        if self._aborted:
+            raise _cancelled("aborted (abort) while the stream was moving to another replica")
         self._call = self._start(self._moved_request, remaining_s(self._deadline))
         self._between_attempts = False
 
     _cancelled_by_caller = False
+    _aborted = False
     _between_attempts = False  # a failed attempt's backoff: no call runs, the next starts after it
+
+    def abort_if_moving(self, request_ids: frozenset[str]) -> bool:
+        """The client's ``abort`` of ``request_ids``: a stream of one of them between two attempts of a move (no
+        replica runs it, so no server's abort reaches it) starts no continuation; returns whether it was one."""
+        if not (self._between_attempts and self._mover is not None and self._mover.request.request_id in request_ids):
+            return False
+        self._aborted = True
+        return True
 
     def cancel(self) -> bool:
         """Cancels the RPC (the server frees the request's KV blocks); the reading loop raises ``grpc.RpcError``
