@@ -13,13 +13,13 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from launch.cli import main
 from tests.e2e.cluster import free_port
+from tests.in_process_server import generation_server
 from tpserve.client import describe_rpc_error, with_default_port
 from tpserve.cli import EXIT_STDOUT_CLOSED
 from tpserve.embedded_model import default_model_dir
@@ -215,15 +215,11 @@ class _ChattyServer(generate_pb2_grpc.GenerationServicer):
 @pytest.fixture
 def chatty():
     servicer = _ChattyServer()
-    server = grpc.server(ThreadPoolExecutor(4))
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        servicer.rest.set()
-        server.stop(None)
+    with generation_server(servicer) as target:
+        try:
+            yield servicer, target
+        finally:
+            servicer.rest.set()
 
 
 def test_a_reader_that_closes_early_ends_the_command_quietly(chatty):

@@ -12,13 +12,12 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
 
 from tests.e2e.cluster import free_port
+from tests.in_process_server import generation_server
 from tpserve.v1 import generate_pb2 as pb
 from tpserve.v1 import generate_pb2_grpc
 
@@ -50,16 +49,11 @@ class _PromptedServer(generate_pb2_grpc.GenerationServicer):
 @pytest.fixture
 def prompted():
     servicer = _PromptedServer()
-    server = grpc.server(ThreadPoolExecutor(16))
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # "" is SERVING
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        servicer.stop.set()
-        server.stop(None)
+    with generation_server(servicer, with_health=True, num_threads=16) as target:
+        try:
+            yield servicer, target
+        finally:
+            servicer.stop.set()
 
 
 def _dataset(tmp_path, prompts: list[str]) -> str:
