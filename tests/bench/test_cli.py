@@ -62,6 +62,12 @@ def _dataset(tmp_path, prompts: list[str]) -> str:
     return str(path)
 
 
+def _sigint_default() -> None:
+    """In the child, before exec: Ctrl-C's default. A SIGINT ignored in the test process (SIG_IGN survives exec)
+    would be ignored by the command too: once in a full run, both Ctrl-C tests saw no interrupt at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _bench(*args: str) -> list[str]:
     return TPSERVE + ["bench", "--disable-tqdm", "--ready-check-timeout-sec", "60", *args]
 
@@ -94,7 +100,8 @@ def test_ctrl_c_mid_load_prints_what_ended_and_exits_130(prompted, tmp_path):
     servicer, target = prompted
     dataset = _dataset(tmp_path, ["fast", "fast", "fast", "slow", "slow"])
     bench = subprocess.Popen(_bench("--target", target, "--dataset", "jsonl", "--dataset-path", dataset,
-                                    "--num-prompts", "5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    "--num-prompts", "5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_sigint_default)
     deadline = time.monotonic() + 60
     while servicer.num_slow < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -112,10 +119,12 @@ def test_ctrl_c_before_the_load_exits_130_quietly(tmp_path):
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         bench = subprocess.Popen(_bench("--target", f"127.0.0.1:{silent.getsockname()[1]}"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(2)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+        silent.settimeout(60)
+        connection, _ = silent.accept()  # the ready check has begun (a fixed sleep raced the start on a busy host)
         bench.send_signal(signal.SIGINT)
         out, err = bench.communicate(timeout=60)
+        connection.close()
     assert (bench.returncode, out, err) == (130, "", "")
 
 
