@@ -19,16 +19,14 @@ rule, and ``--host 0.0.0.0``, the default, takes the port on every address anywa
 system choose and clashes with nothing. A headless node binds only its ranks' ``--master-port + 2 +
 local_rank``: consecutive ports, which cannot clash among themselves.
 
-No torch here: the coordinator reads this too.
+``config`` is a :class:`tpserve.config.ClusterConfig`, not imported: its validation calls this module. No torch
+here: the coordinator reads this too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tpserve.config import ClusterConfig
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +56,7 @@ class PortUse:
         return f"{self.owner}{self.flag} {self.base}{derived}"
 
 
-def leader_ports(config: ClusterConfig) -> list[PortUse]:
+def leader_ports(config: Any) -> list[PortUse]:
     """Every port ``config``'s leader binds, in the order of the module's table, without port 0 (any free one)."""
     server, parallel = config.server, config.parallel
     uses = [PortUse("--port", server.port)]
@@ -74,7 +72,7 @@ def leader_ports(config: ClusterConfig) -> list[PortUse]:
     return [use for use in uses if use.port != 0]
 
 
-def check_port_clashes(config: ClusterConfig) -> None:
+def check_port_clashes(config: Any) -> None:
     """Refuses two of the leader's ports on one number, naming both, before anything binds.
 
     Raises:
